@@ -1,0 +1,23 @@
+"""fagen: fused attention kernels generated from a YAML spec."""
+
+__version__ = "0.1.0"
+
+from fagen.spec import AttentionSpec, SpecError, load_spec, parse_spec  # noqa: E402
+from fagen.render import render  # noqa: E402
+
+
+def compile(spec):  # noqa: A001 - the public name is fagen.compile
+    """Compile a spec for the current GPU (needs CuPy); returns a callable `Kernel`."""
+    from fagen.runtime import compile_kernel
+
+    return compile_kernel(spec)
+
+
+def attention(q, k, v, **kwargs):
+    """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy)."""
+    from fagen.runtime import attention as _attention
+
+    return _attention(q, k, v, **kwargs)
+
+
+__all__ = ["AttentionSpec", "SpecError", "attention", "compile", "load_spec", "parse_spec", "render", "__version__"]

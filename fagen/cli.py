@@ -1,0 +1,116 @@
+"""fagen's command line: render, list, compile (nvcc, offline) and check (on the GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from fagen.plan import plan
+from fagen.render import GENERATED, SPECS, generated_path, render
+from fagen.spec import SpecError, load_spec
+
+
+def _spec_files(paths: tuple[str, ...]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths or (str(SPECS),)):
+        files.extend(sorted(p.glob("*.yaml")) if p.is_dir() else [p])
+    return files
+
+
+def _load(path: Path):
+    try:
+        return load_spec(path)
+    except SpecError as err:
+        raise click.ClickException(str(err)) from None
+
+
+@click.group()
+@click.version_option(package_name="fagen")
+def main() -> None:
+    """fagen: fused attention kernels generated from YAML specs."""
+
+
+@main.command("render")
+@click.argument("specs", nargs=-1, type=click.Path(exists=True))
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=str(GENERATED),
+              show_default=True, help="where <name>.cu files go")
+@click.option("--check", is_flag=True, help="write nothing; exit 1 if OUT differs from a fresh render")
+def render_cmd(specs: tuple[str, ...], out_dir: str, check: bool) -> None:
+    """Render SPECS (files or folders; default specs/) to OUT/<name>.cu."""
+    out = Path(out_dir)
+    stale = []
+    names = set()
+    for path in _spec_files(specs):
+        spec = _load(path)
+        names.add(f"{spec.name}.cu")
+        target, text = generated_path(spec, out), render(spec)
+        if check:
+            if not target.exists() or target.read_text() != text:
+                stale.append(f"{target} is {'missing' if not target.exists() else 'out of date'}")
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            click.echo(f"{path} -> {target}")
+    if check:
+        if all(Path(p).is_dir() for p in specs):  # whole folders: OUT must hold nothing else
+            stale += [f"{f} has no spec in specs/" for f in sorted(out.glob("*.cu")) if f.name not in names]
+        if stale:
+            click.echo("\n".join(stale) + "\nrun `fagen render` to regenerate", err=True)
+            sys.exit(1)
+        click.echo(f"{out}: {len(names)} kernels current")
+
+
+@main.command("list")
+@click.argument("specs", nargs=-1, type=click.Path(exists=True))
+def list_cmd(specs: tuple[str, ...]) -> None:
+    """Each spec with its derived launch and layout numbers."""
+    head = f"{'name':40} {'dtype':9} {'d':>4} {'Br x Bc':>9} {'threads':>7} {'kv_slots':>8} {'smem':>7} {'regs~':>5}  mask"
+    click.echo(head)
+    for path in _spec_files(specs):
+        spec = _load(path)
+        p = plan(spec)
+        click.echo(f"{spec.name:40} {spec.dtype:9} {p.head_dim:>4} {f'{p.block_q}x{p.block_kv}':>9} "
+                   f"{p.threads:>7} {p.kv_slots:>8} {p.smem_bytes:>7} {p.predicted_registers:>5}  {spec.mask}")
+
+
+@main.command("compile")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--arch", default="sm_90", show_default=True, help="sm_80, sm_86, sm_89 or sm_90")
+@click.option("-v", "--verbose", is_flag=True, help="print the whole ptxas report")
+def compile_cmd(spec: str, arch: str, verbose: bool) -> None:
+    """Compile SPEC offline with nvcc and print registers, shared memory and spills."""
+    from fagen.nvcc import compile_offline
+
+    s = _load(Path(spec))
+    try:
+        r = compile_offline(s, arch)
+    except RuntimeError as err:
+        raise click.ClickException(str(err)) from None
+    if verbose:
+        click.echo(r.log)
+    click.echo(f"{s.name} {arch}: {r.registers} registers, {plan(s).smem_bytes} bytes dynamic smem, "
+               f"{r.stack_frame} bytes stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)")
+    if r.spill_stores or r.spill_loads or r.stack_frame:
+        sys.exit(1)
+
+
+@main.command("check")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--shape", default="2,8,1000,1000", show_default=True, help="B,H,Nq,Nk")
+@click.option("--kv-heads", type=int, default=None, help="Hkv (default: H)")
+@click.option("--seed", type=int, default=None)
+def check_cmd(spec: str, shape: str, kv_heads: int | None, seed: int | None) -> None:
+    """Run SPEC on the GPU against the float64 oracle; print the error and the time."""
+    from fagen.check import check_against_oracle
+
+    s = _load(Path(spec))
+    try:
+        b, h, nq, nk = (int(x) for x in shape.split(","))
+    except ValueError:
+        raise click.ClickException(f"--shape {shape!r}: expected four integers B,H,Nq,Nk") from None
+    result = check_against_oracle(s, b, h, kv_heads or h, nq, nk, seed=seed, time_it=True)
+    click.echo(result.summary())
+    if not result.passed:
+        sys.exit(1)

@@ -1,0 +1,120 @@
+"""spec -> plan: every number the kernel derives from its spec, computed once, here.
+
+Templates never compute: they print these numbers as `constexpr` and use the names. This
+module is pure (no CuPy, no Jinja) and unit-tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fagen.spec import MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, AttentionSpec, SpecError, rule
+
+ELEMENT_BYTES = 2  # float16 and bfloat16
+CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
+PAD_ELEMS = 8  # padded rows shift by 16 bytes: ldmatrix's 8 row addresses hit 8 distinct bank groups
+MAX_REGISTERS = 255
+# Registers a thread needs beside its accumulators and fragments (addresses, loop state,
+# softmax temporaries): a base plus a share of the fragments, fitted to ptxas -v on the
+# shipped specs (it predicts 160..240 where ptxas reports 163..241).
+REGISTER_BASE = 64
+REGISTER_SLACK = 0.2
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    name: str
+    threads: int
+    warps: int
+    block_q: int
+    block_kv: int
+    head_dim: int
+    m_frags: int  # m16 fragments per warp along the queries
+    s_n_frags: int  # n8 fragments of a warp's S tile (keys)
+    o_n_frags: int  # n8 fragments of a warp's O tile (head_dim)
+    qk_k_steps: int  # k16 steps of Q.K^T (over head_dim)
+    pv_k_steps: int  # k16 steps of P.V (over the keys of a tile)
+    smem_row: int  # elements between consecutive rows of a smem tile
+    chunks_per_row: int  # 16-byte chunks in one head_dim row
+    q_tile_elems: int
+    kv_tile_elems: int
+    kv_slots: int  # smem KV tiles in the ring (see kv_pipeline in templates)
+    smem_bytes: int
+    smem_limit: int
+    seed_budget_bytes: int  # seed 002: (2 Bc d + Br d + Br Bc) elements
+    predicted_registers: int
+    blocks_per_sm_by_smem: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_slots(spec: AttentionSpec) -> int:
+    """Tiles in the KV ring. Loads stream K0, V0, K1, V1, ... through it, each issued as soon as
+    its slot is free. One slot is the seed's shared-KV (K, then V into the same buffer);
+    `separate` gives K and V their own buffers, `stages` each: interleaved in one ring that is
+    2 * stages slots, so K always lands in even slots and V in odd ones."""
+    return spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
+
+
+def plan(spec: AttentionSpec) -> KernelPlan:
+    t, d = spec.tiling, spec.head_dim
+    warps = t.warps_q * t.warps_kv
+    m_frags = t.block_q // (t.warps_q * MMA_M)
+    smem_row = d + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
+    q_tile = t.block_q * smem_row
+    kv_tile = t.block_kv * smem_row
+    slots = kv_slots(spec)
+    smem_bytes = (q_tile + slots * kv_tile) * ELEMENT_BYTES
+    limit = SMEM_PER_BLOCK[spec.arch]
+    seed_budget = (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * ELEMENT_BYTES
+
+    per_thread = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
+    o_regs = m_frags * (d // MMA_N) * per_thread
+    s_regs = m_frags * (t.block_kv // MMA_N) * per_thread
+    q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
+    fragments = o_regs + s_regs + q_regs
+    registers = fragments + REGISTER_BASE + int(REGISTER_SLACK * fragments)
+
+    if smem_bytes > limit:
+        raise SpecError(rule(
+            "pipeline", f"{spec.pipeline.kv_smem}, stages {spec.pipeline.stages}",
+            f"needs {smem_bytes} bytes of shared memory (Q tile + {slots} KV tiles of "
+            f"{t.block_kv}x{smem_row}) but {spec.arch} allows {limit} per block",
+            "use fewer stages, kv_smem: shared, or a smaller block_kv"))
+    if seed_budget > limit:
+        raise SpecError(rule(
+            "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}",
+            f"breaks the FlashAttention block-size rule 2*Bc*d + Br*d + Br*Bc < M: "
+            f"{seed_budget} bytes over {spec.arch}'s {limit}",
+            "use a smaller block_q or block_kv"))
+    if registers > MAX_REGISTERS:
+        raise SpecError(rule(
+            "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}, warps_q {t.warps_q}",
+            f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, "
+            f"{q_regs} for Q, the rest addresses and temporaries) over the {MAX_REGISTERS} limit: it would spill",
+            "use more warps_q, a smaller block_kv, or q_in_registers: false"))
+
+    return KernelPlan(
+        name=spec.name,
+        threads=32 * warps,
+        warps=warps,
+        block_q=t.block_q,
+        block_kv=t.block_kv,
+        head_dim=d,
+        m_frags=m_frags,
+        s_n_frags=t.block_kv // MMA_N,
+        o_n_frags=d // MMA_N,
+        qk_k_steps=d // MMA_K,
+        pv_k_steps=t.block_kv // MMA_K,
+        smem_row=smem_row,
+        chunks_per_row=d // CHUNK_ELEMS,
+        q_tile_elems=q_tile,
+        kv_tile_elems=kv_tile,
+        kv_slots=slots,
+        smem_bytes=smem_bytes,
+        smem_limit=limit,
+        seed_budget_bytes=seed_budget,
+        predicted_registers=registers,
+        blocks_per_sm_by_smem=max(1, limit // smem_bytes),
+    )

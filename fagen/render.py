@@ -1,0 +1,64 @@
+"""spec -> CUDA source. Deterministic: the same spec renders byte-identical text.
+
+No CuPy here: rendering, snapshot tests and nvcc checks run on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import yaml
+
+from fagen import __version__
+from fagen.plan import plan
+from fagen.spec import AttentionSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = ROOT / "templates"
+SPECS = ROOT / "specs"
+GENERATED = ROOT / "generated"
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _cpp_bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def context(spec: AttentionSpec) -> dict:
+    """Everything a template may print. Templates never compute: numbers come from the plan."""
+    echoed = yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=True, default_flow_style=False)
+    return {
+        "version": __version__,
+        "source": f"specs/{spec.name}.yaml",
+        "spec_lines": echoed.rstrip("\n").splitlines(),
+        "name": spec.name,
+        "dtype": spec.dtype,
+        "ptx_type": PTX_TYPE[spec.dtype],
+        "plan": plan(spec).as_dict(),
+        "swizzled": _cpp_bool(spec.smem_layout == "swizzled"),
+        "causal": _cpp_bool(spec.causal),
+        "write_lse": _cpp_bool(spec.outputs.lse),
+        "q_in_registers": _cpp_bool(spec.pipeline.q_in_registers),
+    }
+
+
+def render(spec: AttentionSpec) -> str:
+    return environment().get_template("kernel.cu.j2").render(context(spec))
+
+
+def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
+    return Path(out_dir) / f"{spec.name}.cu"

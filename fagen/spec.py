@@ -1,0 +1,198 @@
+"""The kernel spec: a pydantic model one-to-one with the YAML a kernel engineer writes.
+
+Structural rules live here (field by field, then across fields). Rules that need derived
+numbers (shared-memory bytes, register pressure) live in `fagen.plan`, which every path to
+a rendered kernel goes through, so no invalid spec ever reaches a template.
+
+Every error names the field, the value, the rule and a valid alternative.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+HEAD_DIMS = (32, 64, 96, 128, 256)
+# Largest dynamic shared memory one block may opt into, in bytes, per target.
+SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
+# The name is an extern "C" symbol: it cannot be a C++ keyword or a CUDA built-in.
+RESERVED_NAMES = frozenset("""
+    alignas alignof asm auto bool break case catch char class const constexpr continue decltype
+    default delete do double else enum explicit export extern false float for friend goto if
+    inline int long mutable namespace new noexcept nullptr operator private protected public
+    register return short signed sizeof static struct switch template this throw true try
+    typedef typeid typename union unsigned using virtual void volatile wchar_t while
+    blockIdx blockDim threadIdx gridDim warpSize main""".split())
+
+
+class SpecError(ValueError):
+    """A spec that fagen refuses; the message says which field, why, and what to use."""
+
+
+def rule(field: str, value: object, broken: str, fix: str) -> str:
+    return f"{field} = {value!r}: {broken}; {fix}"
+
+
+class _Frozen(BaseModel):
+    # strict: YAML's `head_dim: "128"` or `stages: true` is a mistake, not something to coerce
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Tiling(_Frozen):
+    """Br x Bc tile of the score matrix owned by one thread block, and its warps."""
+
+    block_q: int  # Br: query rows per block
+    block_kv: int  # Bc: keys per KV tile
+    warps_q: int = 4  # warps stacked along the query rows; each owns block_q / warps_q rows
+    warps_kv: int = 1  # warps along the keys of a tile
+
+    @field_validator("warps_q")
+    @classmethod
+    def _warps_q(cls, v: int) -> int:
+        if not 1 <= v <= 8:
+            raise ValueError(rule("tiling.warps_q", v, "must be 1..8 (at most 256 threads a block)", "use 4"))
+        return v
+
+    @field_validator("warps_kv")
+    @classmethod
+    def _warps_kv(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(rule(
+                "tiling.warps_kv", v,
+                "must be 1: splitting a KV tile across warps needs a shared-memory reduction of "
+                "the row max and sum on every tile (FlashAttention-1's split-K, slower)",
+                "add warps along the queries with warps_q instead"))
+        return v
+
+    @field_validator("block_kv")
+    @classmethod
+    def _block_kv(cls, v: int) -> int:
+        if v % MMA_K or not MMA_K <= v <= 256:
+            raise ValueError(rule(
+                "tiling.block_kv", v,
+                "must be a multiple of 16 in 16..256 (P.V consumes keys 16 at a time, the MMA's k)",
+                "use 32, 64 or 128"))
+        return v
+
+    @model_validator(mode="after")
+    def _rows_per_warp(self) -> Tiling:
+        rows = self.block_q / self.warps_q
+        if self.block_q % (MMA_M * self.warps_q) or not 1 <= rows / MMA_M <= 4:
+            good = [MMA_M * self.warps_q * m for m in (1, 2, 3, 4)]
+            raise ValueError(rule(
+                "tiling.block_q", self.block_q,
+                f"must give each of the {self.warps_q} warps 16, 32, 48 or 64 whole rows "
+                "(each warp owns m16 MMA fragments of the queries)",
+                f"use block_q in {good} or change warps_q"))
+        return self
+
+
+class Pipeline(_Frozen):
+    """How K and V tiles travel from global to shared memory."""
+
+    kv_smem: Literal["shared", "separate"] = "shared"
+    stages: Literal[1, 2, 3] = 1
+    q_in_registers: bool = False
+
+
+class Outputs(_Frozen):
+    lse: bool = True
+
+
+class AttentionSpec(_Frozen):
+    name: str
+    dtype: Literal["float16", "bfloat16"]
+    head_dim: int
+    tiling: Tiling
+    pipeline: Pipeline = Pipeline()
+    smem_layout: Literal["padded", "swizzled"] = "padded"
+    mask: Literal["none", "causal"] = "none"
+    outputs: Outputs = Outputs()
+    arch: Literal["sm_80", "sm_86", "sm_89", "sm_90"] = "sm_80"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v.isidentifier() or not v.isascii() or v != v.lower() or v in RESERVED_NAMES or v.startswith("__"):
+            raise ValueError(rule(
+                "name", v, "must be a lowercase C identifier, not a C++ keyword or reserved name "
+                "(it is the kernel's symbol and file name)",
+                "use letters, digits and underscores, e.g. flash_f16_d128"))
+        return v
+
+    @field_validator("head_dim")
+    @classmethod
+    def _head_dim(cls, v: int) -> int:
+        if v not in HEAD_DIMS:
+            raise ValueError(rule("head_dim", v, f"must be one of {list(HEAD_DIMS)}",
+                                  "pad the head dimension up to the next supported size"))
+        return v
+
+    @model_validator(mode="after")
+    def _swizzle_needs_eight_chunks(self) -> AttentionSpec:
+        chunks = self.head_dim // 8
+        if self.smem_layout == "swizzled" and chunks % 8:
+            raise ValueError(rule(
+                "smem_layout", "swizzled",
+                f"XORs the 16-byte chunk index with row % 8, so a row needs a multiple of 8 "
+                f"chunks; head_dim {self.head_dim} has {chunks}",
+                "use smem_layout: padded, or head_dim 64, 128 or 256"))
+        return self
+
+    @property
+    def causal(self) -> bool:
+        return self.mask == "causal"
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = [f"invalid spec {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not where:  # a rule across fields: its message names them already
+            pass
+        elif e["type"] == "extra_forbidden":
+            msg = f"unknown key {where!r}; remove it or check its spelling"
+        elif e["type"] == "missing":
+            msg = f"{where} is required"
+        elif where not in msg:
+            msg = f"{where} = {e.get('input')!r}: {msg}"
+        lines.append(f"  - {msg}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: dict, source: str = "<dict>") -> AttentionSpec:
+    """Validate a dict into a spec, with resource rules (smem, registers) checked too."""
+    from fagen.plan import plan  # plan depends on spec; import here keeps the module graph one-way
+
+    if not isinstance(data, dict):
+        raise SpecError(f"invalid spec {source}: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        spec = AttentionSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_explain(err, source)) from None
+    try:
+        plan(spec)  # smem and register budgets
+    except SpecError as err:
+        raise SpecError(f"invalid spec {source}:\n  - {err}") from None
+    return spec
+
+
+def load_spec(path: str | Path) -> AttentionSpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise SpecError(f"cannot read spec {path}: {err.strerror}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise SpecError(f"spec {path} is not valid YAML: {err}") from None
+    spec = parse_spec(data, str(path))
+    if spec.name != path.stem:
+        raise SpecError(rule("name", spec.name, f"must equal the file's stem {path.stem!r} "
+                                                "(generated/<name>.cu is rendered from specs/<name>.yaml)",
+                             f"rename the file or set name: {path.stem}"))
+    return spec

@@ -1,0 +1,13 @@
+"""The Core issue's timing: d=128 prefetch kernel at B=4, H=16, N=4096 beside SDPA."""
+
+import fagen
+from fagen.bench import time_fagen, time_sdpa
+from fagen.render import SPECS
+
+B, H, N, D = 4, 16, 4096, 128
+for causal in (False, True):
+    name = "flash_prefetch_f16_d128" if not causal else "attn_f16_d128_causal"
+    rows = [time_fagen(fagen.load_spec(SPECS / f"{name}.yaml"), B, H, N)]
+    rows += [t for be in ("sdpa_flash", "sdpa_cudnn") if (t := time_sdpa(be, "float16", B, H, N, D, causal))]
+    for t in rows:
+        print(f"{'causal' if causal else 'dense ':6} {t.kernel:28} {t.ms:8.3f} ms {t.tflops:7.1f} TFLOP/s")

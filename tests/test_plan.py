@@ -1,0 +1,152 @@
+"""fagen.plan.plan: the derived numbers, each recomputed here from its definition."""
+
+from __future__ import annotations
+
+import pytest
+
+import fagen
+from fagen.plan import plan
+from fagen.render import SPECS
+from fagen.spec import SMEM_PER_BLOCK
+
+SPEC_FILES = sorted(SPECS.glob("*.yaml"))
+
+
+def make(name="k", dtype="float16", head_dim=128, block_q=64, block_kv=64, warps_q=4,
+         kv_smem="separate", stages=1, q_in_registers=False, smem_layout="padded", arch="sm_80"):
+    return fagen.parse_spec({
+        "name": name, "dtype": dtype, "head_dim": head_dim,
+        "tiling": {"block_q": block_q, "block_kv": block_kv, "warps_q": warps_q},
+        "pipeline": {"kv_smem": kv_smem, "stages": stages, "q_in_registers": q_in_registers},
+        "smem_layout": smem_layout, "arch": arch,
+    })
+
+
+def test_flash_prefetch_f16_d128_by_hand():
+    p = plan(fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml"))
+    assert p.name == "flash_prefetch_f16_d128"
+    assert (p.threads, p.warps) == (128, 4)
+    assert (p.block_q, p.block_kv, p.head_dim) == (64, 64, 128)
+    assert p.m_frags == 1  # 64 rows / 4 warps = 16 rows = one m16 fragment
+    assert p.s_n_frags == 8  # 64 keys / n8
+    assert p.o_n_frags == 16  # 128 / n8
+    assert p.qk_k_steps == 8  # 128 / k16
+    assert p.pv_k_steps == 4  # 64 / k16
+    assert p.smem_row == 136  # 128 + 8 padding
+    assert p.chunks_per_row == 16
+    assert p.kv_slots == 2  # separate K and V, one stage
+    assert p.q_tile_elems == 64 * 136 and p.kv_tile_elems == 64 * 136
+    assert p.smem_bytes == (64 + 2 * 64) * 136 * 2 == 52224
+    assert p.smem_limit == 166912
+    assert p.seed_budget_bytes == (2 * 64 * 128 + 64 * 128 + 64 * 64) * 2 == 57344
+    assert p.blocks_per_sm_by_smem == 166912 // 52224 == 3
+
+
+def test_ring3_qreg_by_hand():
+    p = plan(fagen.load_spec(SPECS / "flash_ring3_f16_d128_causal_qreg.yaml"))
+    assert p.kv_slots == 3  # shared K/V ring, three stages
+    assert (p.s_n_frags, p.pv_k_steps) == (4, 2)  # block_kv 32
+    assert p.smem_bytes == (64 + 3 * 32) * 136 * 2
+
+
+def test_prefetch2_swizzled_br128_by_hand():
+    p = plan(fagen.load_spec(SPECS / "flash_prefetch2_bf16_d64_causal_br128.yaml"))
+    assert p.m_frags == 2  # 128 rows / 4 warps = 32 rows
+    assert p.smem_row == 64  # swizzled rows are not padded
+    assert p.kv_slots == 4  # separate, two stages
+    assert p.smem_bytes == (128 + 4 * 64) * 64 * 2
+
+
+@pytest.mark.parametrize("warps_q, rows_per_warp", [(1, 16), (1, 64), (2, 32), (4, 48), (8, 16), (8, 32)])
+def test_threads_and_fragments(warps_q, rows_per_warp):
+    block_q = warps_q * rows_per_warp
+    p = plan(make(head_dim=32, block_q=block_q, block_kv=32, warps_q=warps_q))
+    assert p.threads == 32 * warps_q
+    assert p.warps == warps_q
+    assert p.m_frags == rows_per_warp // 16
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("block_kv", [16, 48])
+def test_mma_step_counts(head_dim, block_kv):
+    p = plan(make(head_dim=head_dim, block_kv=block_kv, kv_smem="shared", arch="sm_90"))
+    assert p.s_n_frags * 8 == block_kv
+    assert p.o_n_frags * 8 == head_dim
+    assert p.qk_k_steps * 16 == head_dim
+    assert p.pv_k_steps * 16 == block_kv
+    assert p.chunks_per_row * 8 == head_dim
+
+
+@pytest.mark.parametrize("layout, head_dim, row", [
+    ("padded", 32, 40), ("padded", 96, 104), ("padded", 128, 136), ("padded", 256, 264),
+    ("swizzled", 64, 64), ("swizzled", 128, 128), ("swizzled", 256, 256),
+])
+def test_smem_row(layout, head_dim, row):
+    p = plan(make(head_dim=head_dim, block_kv=32, smem_layout=layout, kv_smem="shared"))
+    assert p.smem_row == row
+
+
+@pytest.mark.parametrize("kv_smem, stages, slots", [
+    ("shared", 1, 1), ("shared", 2, 2), ("shared", 3, 3),
+    ("separate", 1, 2), ("separate", 2, 4), ("separate", 3, 6),
+])
+def test_kv_slots(kv_smem, stages, slots):
+    p = plan(make(head_dim=64, block_kv=32, kv_smem=kv_smem, stages=stages))
+    assert p.kv_slots == slots
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda f: f.stem)
+def test_smem_and_seed_budget_of_every_shipped_spec(path):
+    spec = fagen.load_spec(path)
+    p = plan(spec)
+    t, d = spec.tiling, spec.head_dim
+    row = d + 8 if spec.smem_layout == "padded" else d
+    slots = spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
+    assert p.smem_bytes == (t.block_q + slots * t.block_kv) * row * 2
+    assert p.seed_budget_bytes == (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * 2
+    assert p.smem_limit == SMEM_PER_BLOCK[spec.arch]
+    assert p.smem_bytes <= p.smem_limit
+    assert p.seed_budget_bytes <= p.smem_limit
+    assert p.predicted_registers <= 255
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(head_dim=64, block_q=128), dict(kv_smem="shared", stages=3, block_kv=32),
+    dict(dtype="bfloat16", smem_layout="swizzled", stages=2), dict(head_dim=32, block_q=16, warps_q=1),
+])
+def test_smem_bytes_formula(kw):
+    spec = make(**kw)
+    p = plan(spec)
+    t, d = spec.tiling, spec.head_dim
+    row = d + 8 if spec.smem_layout == "padded" else d
+    slots = spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
+    assert p.smem_bytes == (t.block_q + slots * t.block_kv) * row * 2
+    assert p.q_tile_elems == t.block_q * row
+    assert p.kv_tile_elems == t.block_kv * row
+
+
+def test_dtype_does_not_change_the_plan_numbers():
+    f16, bf16 = plan(make(dtype="float16")).as_dict(), plan(make(dtype="bfloat16")).as_dict()
+    assert f16 == bf16
+
+
+def test_q_in_registers_costs_registers_only():
+    off, on = plan(make(q_in_registers=False)), plan(make(q_in_registers=True))
+    assert on.predicted_registers > off.predicted_registers
+    assert {**on.as_dict(), "predicted_registers": 0} == {**off.as_dict(), "predicted_registers": 0}
+
+
+@pytest.mark.parametrize("path", SPEC_FILES[:6] + SPEC_FILES[-7:], ids=lambda f: f.stem)
+def test_plan_is_deterministic(path):
+    a, b = plan(fagen.load_spec(path)), plan(fagen.load_spec(path))
+    assert a == b
+    assert a.as_dict() == b.as_dict()
+    assert plan(fagen.load_spec(path)) is not a  # a fresh value each call, no shared state
+
+
+def test_plan_does_not_mutate_the_spec():
+    spec = make()
+    before = spec.model_dump()
+    plan(spec)
+    plan(spec)
+    assert spec.model_dump() == before

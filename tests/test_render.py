@@ -1,0 +1,48 @@
+"""Rendering: deterministic text, the banner, and generated/ in step with specs/."""
+
+import re
+
+import fagen
+from fagen import __version__
+from fagen.render import GENERATED, SPECS, render
+
+SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
+
+
+def test_same_spec_renders_byte_identical_text():
+    for path in SPEC_PATHS:
+        assert render(fagen.load_spec(path)) == render(fagen.load_spec(path))
+
+
+def test_banner_names_version_and_spec_and_holds_no_machine_detail():
+    spec = fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml")
+    text = render(spec)
+    first = text.splitlines()[0]
+    assert f"fagen {__version__}" in first and "specs/flash_prefetch_f16_d128.yaml" in first
+    assert "do not edit" in first
+    assert "/work" not in text and "/home" not in text and "/tmp" not in text
+    assert not re.search(r"\d{4}-\d{2}-\d{2}|\d\d:\d\d:\d\d", text)  # no timestamps
+
+
+def test_generated_matches_a_fresh_render_of_every_spec():
+    assert SPEC_PATHS, "no specs shipped"
+    for path in SPEC_PATHS:
+        spec = fagen.load_spec(path)
+        assert (GENERATED / f"{spec.name}.cu").read_text() == render(spec), f"run `fagen render` for {spec.name}"
+    assert {p.stem for p in GENERATED.glob("*.cu")} == {p.stem for p in SPEC_PATHS}
+
+
+def test_constants_are_injected_once_and_variants_differ_only_where_they_should():
+    a = render(fagen.load_spec(SPECS / "flash_shared_f16_d128.yaml"))
+    b = render(fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml"))
+    assert a.count("constexpr int KV_SLOTS") == 1
+    assert "constexpr int KV_SLOTS = 1;" in a and "constexpr int KV_SLOTS = 2;" in b
+    body = lambda t: t[t.index("---- the kernel"):].replace("flash_shared", "flash_prefetch")  # noqa: E731
+    assert body(a) == body(b)  # one kernel body; the pipeline is a constant
+
+
+def test_dtype_selects_the_mma_type():
+    f16 = render(fagen.load_spec(SPECS / "attn_f16_d64.yaml"))
+    bf16 = render(fagen.load_spec(SPECS / "attn_bf16_d64.yaml"))
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in f16 and ".bf16" not in f16
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in bf16
