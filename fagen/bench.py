@@ -30,18 +30,23 @@ class Timing:
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 
 
-def time_fagen(spec: AttentionSpec, b: int, h: int, n: int) -> Timing:
-    # the reference check runs on a smaller problem of the same kernel, then the timing
-    check = check_against_oracle(spec, 1, 2, 2, min(n, 1024), min(n, 1024), framework="torch")
-    if not check.passed:
-        raise AssertionError(f"refusing to time a wrong kernel: {check.summary()}")
+def time_spec(spec: AttentionSpec, b: int, h: int, nq: int, nk: int | None = None) -> Timing:
+    """Check `spec` against the oracle on a smaller problem, then time it on this one."""
     from fagen.runtime import compile_kernel
 
+    nk = nq if nk is None else nk
+    check = check_against_oracle(spec, 1, 2, 2, min(nq, 777), min(nk, 777), framework="torch")
+    if not check.passed:
+        raise AssertionError(f"refusing to time a wrong kernel: {check.summary()}")
     kernel = compile_kernel(spec)
-    q, k, v, out = random_inputs("torch", spec.dtype, b, h, h, n, n, spec.head_dim)
-    ms = time_ms(lambda: kernel(q, k, v, out=out))
-    flops = attention_flops(b, h, n, n, spec.head_dim, spec.causal)
-    return Timing(spec.name, b, h, n, spec.head_dim, spec.causal, ms, flops / ms / 1e9)
+    q, k, v, out = random_inputs("torch", spec.dtype, b, h, h, nq, nk, spec.head_dim)
+    ms = time_ms(lambda: kernel(q, k, v, out=out), warmup=10, iters=30)
+    flops = attention_flops(b, h, nq, nk, spec.head_dim, spec.causal)
+    return Timing(spec.name, b, h, nq, spec.head_dim, spec.causal, ms, flops / ms / 1e9)
+
+
+def time_fagen(spec: AttentionSpec, b: int, h: int, n: int) -> Timing:
+    return time_spec(spec, b, h, n, n)
 
 
 def time_sdpa(backend: str, dtype: str, b: int, h: int, n: int, d: int, causal: bool) -> Timing | None:

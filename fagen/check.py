@@ -116,20 +116,73 @@ def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     return float(np.median(times))
 
 
+def random_extras(spec: AttentionSpec, b: int, hq: int, nq: int, nk: int, seed: int | None = None) -> dict:
+    """Host (NumPy) side inputs a spec's mask and modifiers need, drawn fresh: a random block
+    mask with every block type, packed documents of random lengths, a bias, sinks, slopes."""
+    rng = np.random.default_rng(seed)
+    extras: dict = {}
+    if spec.mask.kind == "block_mask":
+        sizes = [16, 32, 64, 128] if nq * nk <= 300_000 else [64, 128]  # small blocks: many Python-built blocks
+        q_block, kv_block = (int(rng.choice(sizes)) for _ in range(2))
+        extras["block_mask"] = random_block_mask(rng, b, hq, nq, nk, q_block, kv_block)
+    if spec.mask.kind == "document":
+        cuts = np.sort(rng.choice(np.arange(1, nk), size=min(7, nk - 1), replace=False)) if nk > 1 else []
+        extras["doc_ids"] = np.broadcast_to(np.searchsorted(cuts, np.arange(nk), side="right").astype(np.int32),
+                                            (b, nk)).copy()
+    if spec.score_mod.bias == "vector":
+        extras["bias"] = rng.standard_normal((b, 1, nk)).astype(np.float32)
+    elif spec.score_mod.bias == "matrix":
+        extras["bias"] = rng.standard_normal((1, hq, nq, nk)).astype(np.float32)
+    if spec.score_mod.alibi == "slopes":
+        extras["alibi_slopes"] = rng.uniform(0.01, 0.5, hq).astype(np.float32)
+    if spec.score_mod.sinks:
+        extras["sinks"] = rng.uniform(-1.0, 3.0, hq).astype(np.float32)
+    return extras
+
+
+def random_block_mask(rng: np.random.Generator, b: int, h: int, nq: int, nk: int, q_block: int, kv_block: int):
+    """Each (b, h, block) at random one of: masked, full, causal diagonal, random pattern."""
+    from fagen import masks
+
+    qi, ki = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    dense = np.zeros((b, h, nq, nk), bool)
+    n_qb, n_kb = -(-nq // q_block), -(-nk // kv_block)
+    choice = rng.integers(0, 4, (b, h, n_qb, n_kb))
+    noise = rng.random((b, h, nq, nk)) < 0.5
+    causal = ki <= qi + (nk - nq)
+    for t, pattern in ((1, np.ones((nq, nk), bool)), (2, causal)):
+        sel = np.repeat(np.repeat(choice == t, q_block, 2), kv_block, 3)[:, :, :nq, :nk]
+        dense |= sel & pattern
+    sel = np.repeat(np.repeat(choice == 3, q_block, 2), kv_block, 3)[:, :, :nq, :nk]
+    dense |= sel & noise
+    return masks.from_dense(dense, q_block, kv_block, causal_offset=nk - nq)
+
+
 def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, *,
                          framework: str | None = None, layout: str = "bhnd", seed: int | None = None,
-                         scale: float | None = None, time_it: bool = False) -> CheckResult:
-    from fagen.runtime import compile_kernel
+                         scale: float | None = None, time_it: bool = False, extras: dict | None = None,
+                         mask_mod=None, score_mod=None) -> CheckResult:
+    """extras: side inputs (block_mask, doc_ids, bias, alibi_slopes, sinks) as NumPy arrays,
+    drawn by random_extras when not given. mask_mod / score_mod: NumPy equivalents of the
+    spec's CUDA expressions, for the oracle."""
+    from fagen.runtime import _geometric_slopes_host, compile_kernel
 
     if framework is None:
         framework = "cupy" if spec.dtype == "float16" else "torch"
     kernel = compile_kernel(spec)
     q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
+    extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     with_lse = spec.outputs.lse
-    got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse)
+    got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse, **extras)
     got_out, got_lse = got if with_lse else (got, None)
-    ref_out, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=spec.causal,
-                                        scale=scale, return_lse=True)
+    slopes = extras.get("alibi_slopes")
+    if spec.score_mod.alibi == "geometric" and slopes is None:
+        slopes = np.array(_geometric_slopes_host(hq))
+    ref_out, ref_lse = oracle.attention(
+        to_numpy(q), to_numpy(k), to_numpy(v), scale=scale, return_lse=True, mask=spec.mask,
+        block_mask=extras.get("block_mask"), doc_ids=extras.get("doc_ids"), mask_mod=mask_mod,
+        softcap=spec.score_mod.softcap, alibi_slopes=slopes, bias=extras.get("bias"), score_mod=score_mod,
+        sinks=extras.get("sinks"))
     result = CheckResult(
         spec.name, (b, hq, hkv, nq, nk),
         relative_error(to_numpy(got_out), ref_out),
@@ -138,5 +191,5 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
         flops=attention_flops(b, hq, nq, nk, spec.head_dim, spec.causal),
     )
     if time_it and result.passed:  # a wrong kernel is never timed
-        result.ms = time_ms(lambda: kernel(q, k, v, scale=scale, out=out))
+        result.ms = time_ms(lambda: kernel(q, k, v, scale=scale, out=out, **extras))
     return result

@@ -114,3 +114,32 @@ def check_cmd(spec: str, shape: str, kv_heads: int | None, seed: int | None) -> 
     click.echo(result.summary())
     if not result.passed:
         sys.exit(1)
+
+
+@main.command("tune")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--shape", default="4,16,4096,4096", show_default=True, help="B,H,Nq,Nk to time on")
+@click.option("--quick", is_flag=True, help="a small part of the space")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=str(SPECS), show_default=True)
+@click.option("--dry-run", is_flag=True, help="list the candidates the validator accepts, run nothing")
+def tune_cmd(spec: str, shape: str, quick: bool, out_dir: str, dry_run: bool) -> None:
+    """Sweep SPEC's tiling and pipeline; write the fastest correct one as <name>_<gpu>.yaml."""
+    from fagen import tune
+
+    base = _load(Path(spec))
+    specs, refused = tune.candidates(base, tune.QUICK_SPACE if quick else tune.SPACE)
+    click.echo(f"{len(specs)} candidates ({refused} refused by the validator: smem, registers, tiling)")
+    if dry_run:
+        for s in specs:
+            click.echo(f"  {s.name}")
+        return
+    b, h, nq, nk = (int(x) for x in shape.split(","))
+    with click.progressbar(length=len(specs), label="tuning", show_pos=True) as bar:
+        def progress(c):
+            bar.update(1)
+        results = tune.tune(base, b, h, nq, nk, quick=quick, progress=progress)
+    for c in results[:10]:
+        click.echo(f"{c.spec.name:60} " + (f"{c.ms:8.3f} ms {c.tflops:7.1f} TFLOP/s" if c.ms else f"FAILED {c.error}"))
+    if results and results[0].ms:
+        path = tune.write_tuned(results[0], base, (b, h, nq, nk), Path(out_dir), tune.gpu_slug())
+        click.echo(f"best -> {path} (run `fagen render` to add it to generated/)")

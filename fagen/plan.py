@@ -39,11 +39,20 @@ class KernelPlan:
     q_tile_elems: int
     kv_tile_elems: int
     kv_slots: int  # smem KV tiles in the ring (see kv_pipeline in templates)
+    mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
     smem_bytes: int
     smem_limit: int
     seed_budget_bytes: int  # seed 002: (2 Bc d + Br d + Br Bc) elements
     predicted_registers: int
     blocks_per_sm_by_smem: int
+    mask_params: tuple[tuple[str, str], ...]  # (C type, name) kernel parameters the mask reads
+    score_params: tuple[tuple[str, str], ...]  # ... that the score modifiers read
+    sink_params: tuple[tuple[str, str], ...]
+
+    @property
+    def extra_params(self) -> tuple[tuple[str, str], ...]:
+        """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
+        return self.mask_params + self.score_params + self.sink_params
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +64,25 @@ def kv_slots(spec: AttentionSpec) -> int:
     `separate` gives K and V their own buffers, `stages` each: interleaved in one ring that is
     2 * stages slots, so K always lands in even slots and V in odd ones."""
     return spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
+
+
+INT_PTR, FLOAT_PTR = "const int* __restrict__", "const float* __restrict__"
+MASK_PARAMS = {
+    "document": ((INT_PTR, "doc_ids"), ("long long", "doc_sb")),
+    "block_mask": ((INT_PTR, "bm_num"), (INT_PTR, "bm_idx"), (INT_PTR, "bm_type"), (INT_PTR, "bm_partial"),
+                   ("const unsigned* __restrict__", "bm_bits"), ("int", "bm_sb"), ("int", "bm_sh"),
+                   ("int", "bm_max"), ("int", "bm_causal_offset")),
+}
+
+
+def score_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
+    mod = spec.score_mod
+    params: tuple[tuple[str, str], ...] = ()
+    if mod.alibi != "none":
+        params += ((FLOAT_PTR, "alibi_slopes"),)
+    if mod.bias != "none":
+        params += ((FLOAT_PTR, "bias"), ("long long", "bias_sb"), ("long long", "bias_sh"), ("long long", "bias_sq"))
+    return params
 
 
 def plan(spec: AttentionSpec) -> KernelPlan:
@@ -112,9 +140,13 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         q_tile_elems=q_tile,
         kv_tile_elems=kv_tile,
         kv_slots=slots,
+        mask_words=-(-t.block_kv // 32),
         smem_bytes=smem_bytes,
         smem_limit=limit,
         seed_budget_bytes=seed_budget,
         predicted_registers=registers,
         blocks_per_sm_by_smem=max(1, limit // smem_bytes),
+        mask_params=MASK_PARAMS.get(spec.mask.kind, ()),
+        score_params=score_params(spec),
+        sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks else (),
     )

@@ -40,7 +40,7 @@ def _cpp_bool(flag: bool) -> str:
 
 def context(spec: AttentionSpec) -> dict:
     """Everything a template may print. Templates never compute: numbers come from the plan."""
-    echoed = yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=True, default_flow_style=False)
+    echoed = yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=True, default_flow_style=False)
     return {
         "version": __version__,
         "source": f"specs/{spec.name}.yaml",
@@ -48,9 +48,10 @@ def context(spec: AttentionSpec) -> dict:
         "name": spec.name,
         "dtype": spec.dtype,
         "ptx_type": PTX_TYPE[spec.dtype],
-        "plan": plan(spec).as_dict(),
+        "plan": plan(spec),
         "swizzled": _cpp_bool(spec.smem_layout == "swizzled"),
-        "causal": _cpp_bool(spec.causal),
+        "mask": spec.mask,
+        "score_mod": spec.score_mod,
         "write_lse": _cpp_bool(spec.outputs.lse),
         "q_in_registers": _cpp_bool(spec.pipeline.q_in_registers),
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -18,7 +19,7 @@ import numpy as np
 from fagen import __version__
 from fagen.plan import KernelPlan, plan
 from fagen.render import SPECS, render
-from fagen.spec import AttentionSpec, load_spec
+from fagen.spec import AttentionSpec, Mask, ScoreMod, load_spec
 
 try:
     import cupy
@@ -161,7 +162,8 @@ class Kernel:
             _check_layout(to, "out")
         return tq, tk, tv
 
-    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None):
+    def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None,
+                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
         tq, tk, tv = self.check(q, k, v, out)
         if return_lse and not self.spec.outputs.lse:
             raise ValueError(f"return_lse=True, but kernel {self.spec.name} has outputs.lse: false; "
@@ -170,23 +172,166 @@ class Kernel:
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
         b, hq, nq, d = tq.shape
-        out = _empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
-        to = as_device_tensor(out, "out")
-        lse = _empty_like(tq, (b, hq, nq), "float32")
-        tl = as_device_tensor(lse, "lse")
-
-        i32, i64 = np.int32, np.int64
-        args = (
-            np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
-            i32(nq), i32(tk.shape[2]), i32(hq), i32(hq // tk.shape[1]),
-            *(i64(s) for s in tq.strides[:3]), *(i64(s) for s in tk.strides[:3]),
-            *(i64(s) for s in tv.strides[:3]), *(i64(s) for s in to.strides[:3]),
-            np.float32(scale * LOG2E),
-        )
-        grid = (b * hq, math.ceil(nq / self.plan.block_q))
+        # Everything below allocates on the launch stream, so memory a temporary frees can only
+        # be reused by work ordered after this kernel.
         with cupy.cuda.Device(tq.device), _stream_for(tq):
+            given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+            extras, keep_alive = self.extra_arguments(tq, tk, given)
+            out = _empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
+            to = as_device_tensor(out, "out")
+            lse = _empty_like(tq, (b, hq, nq), "float32")
+            tl = as_device_tensor(lse, "lse")
+            i32, i64 = np.int32, np.int64
+            args = (
+                np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
+                i32(nq), i32(tk.shape[2]), i32(hq), i32(hq // tk.shape[1]),
+                *(i64(s) for s in tq.strides[:3]), *(i64(s) for s in tk.strides[:3]),
+                *(i64(s) for s in tv.strides[:3]), *(i64(s) for s in to.strides[:3]),
+                np.float32(scale), np.float32(scale * LOG2E),
+                *(extras[name] for _, name in self.plan.extra_params),
+            )
+            grid = (b * hq, math.ceil(nq / self.plan.block_q))
             self.function(grid, (self.plan.threads,), args, shared_mem=self.plan.smem_bytes)
+            del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
         return (out, lse) if return_lse else out
+
+    def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
+        """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by
+        parameter name, and the device arrays behind them (keep them until the launch).
+        Refuses an array the spec does not use, and a missing one it needs."""
+        spec, (b, hq, nq, _), nk = self.spec, tq.shape, tk.shape[2]
+        wants = {
+            "block_mask": spec.mask.kind == "block_mask",
+            "doc_ids": spec.mask.kind == "document",
+            "bias": spec.score_mod.bias != "none",
+            "alibi_slopes": spec.score_mod.alibi == "slopes",
+            "sinks": spec.score_mod.sinks,
+        }
+        for name, value in given.items():
+            if value is not None and not wants[name] and not (name == "alibi_slopes" and spec.score_mod.alibi != "none"):
+                raise ValueError(f"{name}: kernel {spec.name} does not take it; use a spec whose "
+                                 f"{'mask' if name in ('block_mask', 'doc_ids') else 'score_mod'} asks for it "
+                                 f"(see the README's masks and modifiers)")
+            if value is None and wants[name]:
+                raise ValueError(f"{name} is required: kernel {spec.name} was generated for it")
+        args: dict = {}
+        held: list = []
+        if wants["block_mask"]:
+            args.update(_block_mask_arguments(given["block_mask"], self.plan, b, hq, nq, nk))
+        if wants["doc_ids"]:
+            raw = given["doc_ids"]
+            docs = _aux_array(raw, "doc_ids", "int32", tq.device)
+            if nq != nk or docs.ndim != 2 or docs.shape[0] not in (1, b) or docs.shape[1] != nk:
+                raise ValueError(f"doc_ids: shape {docs.shape} with Nq = {nq}, Nk = {nk}; document masks take "
+                                 f"[B|1, N] ids for self-attention over packed sequences (Nq == Nk == N)")
+            _check_sorted_once(raw, docs)
+            held.append(docs)
+            args.update(doc_ids=_ptr(docs), doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))
+        if spec.score_mod.alibi != "none":
+            slopes = given["alibi_slopes"]
+            slopes = geometric_alibi_slopes(hq, tq.device) if slopes is None else _aux_array(slopes, "alibi_slopes", "float32", tq.device)
+            if slopes.shape != (hq,):
+                raise ValueError(f"alibi_slopes: shape {slopes.shape}; expected [Hq] = [{hq}] float32")
+            held.append(cupy.ascontiguousarray(slopes))
+            args.update(alibi_slopes=_ptr(held[-1]))
+        if wants["bias"]:
+            bias = _aux_array(given["bias"], "bias", "float32", tq.device)
+            tail = (nk,) if spec.score_mod.bias == "vector" else (nq, nk)
+            if bias.ndim != 2 + len(tail) or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, hq) \
+                    or bias.shape[2:] != tail or bias.strides[-1] != 4:
+                raise ValueError(f"bias: shape {bias.shape}, strides {bias.strides}; kernel {spec.name} takes a "
+                                 f"{spec.score_mod.bias} bias [{b}|1, {hq}|1, {', '.join(map(str, tail))}] float32 "
+                                 f"with a contiguous last dim")
+            held.append(bias)
+            st = [s // 4 if n > 1 else 0 for s, n in zip(bias.strides, bias.shape)]
+            args.update(bias=_ptr(bias), bias_sb=np.int64(st[0]), bias_sh=np.int64(st[1]),
+                        bias_sq=np.int64(st[2] if bias.ndim == 4 else 0))
+        if wants["sinks"]:
+            sinks = _aux_array(given["sinks"], "sinks", "float32", tq.device)
+            if sinks.shape != (hq,):
+                raise ValueError(f"sinks: shape {sinks.shape}; expected one float32 logit per query head: [{hq}]")
+            held.append(cupy.ascontiguousarray(sinks))
+            args.update(sinks=_ptr(held[-1]))
+        return args, held
+
+
+_SORTED_DOC_IDS: dict[int, weakref.ref] = {}
+
+
+def _check_sorted_once(raw, docs) -> None:
+    """doc_ids must be non-decreasing (the kernel binary-searches document bounds). Checked
+    once per array object: a device check costs a host sync, which a hot loop should not pay."""
+    ref = _SORTED_DOC_IDS.get(id(raw))
+    if ref is not None and ref() is raw:
+        return
+    if docs.shape[1] > 1 and bool((docs[:, 1:] < docs[:, :-1]).any()):
+        raise ValueError("doc_ids must be non-decreasing along the sequence (packed documents); "
+                         "sort the packing or build a block mask with fagen.masks.document")
+    try:
+        _SORTED_DOC_IDS[id(raw)] = weakref.ref(raw, lambda _, key=id(raw): _SORTED_DOC_IDS.pop(key, None))
+    except TypeError:  # an object without weak references: check it every time
+        pass
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(a.data.ptr)
+
+
+def _aux_array(x, name: str, dtype: str, device: int):
+    """A CuPy view of a small side input (CuPy, PyTorch or NumPy), checked for dtype."""
+    if _is_torch(x):
+        if not x.is_cuda:
+            x = x.cuda(device)
+        arr = cupy.asarray(x)
+    else:
+        arr = cupy.asarray(x)
+    if str(arr.dtype) != dtype:
+        raise ValueError(f"{name}: dtype {arr.dtype}, expected {dtype}; cast it (.astype / .to)")
+    if arr.device.id != device:
+        raise ValueError(f"{name} is on cuda:{arr.device.id} but q on cuda:{device}")
+    return arr
+
+
+@lru_cache(maxsize=None)
+def _geometric_slopes_host(heads: int) -> tuple[float, ...]:
+    """ALiBi's standard slopes (Press et al.): 2^(-8 i / n) for n a power of two; otherwise the
+    slopes of the nearest lower power of two, then every other slope of the next one."""
+    def powers(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+    p = 2 ** int(math.floor(math.log2(heads)))
+    slopes = powers(p)
+    if p < heads:
+        slopes += powers(2 * p)[0::2][: heads - p]
+    return tuple(slopes)
+
+
+@lru_cache(maxsize=None)
+def geometric_alibi_slopes(heads: int, device: int):
+    with cupy.cuda.Device(device):
+        return cupy.asarray(np.array(_geometric_slopes_host(heads), np.float32))
+
+
+def _block_mask_arguments(mask, plan_: KernelPlan, b: int, hq: int, nq: int, nk: int) -> dict:
+    from fagen.masks import BlockMask
+
+    if not isinstance(mask, BlockMask):
+        raise ValueError(f"block_mask: expected a fagen.masks.BlockMask, got {type(mask).__name__}")
+    if (mask.n_q, mask.n_kv) != (nq, nk):
+        raise ValueError(f"block_mask was built for Nq = {mask.n_q}, Nk = {mask.n_kv}, but q, k have {nq}, {nk}")
+    if mask.batch not in (1, b) or mask.heads not in (1, hq):
+        raise ValueError(f"block_mask is [{mask.batch}, {mask.heads}, ...]; expected batch 1 or {b}, heads 1 or {hq}")
+    tiles = mask.for_tiles(plan_.block_q, plan_.block_kv)
+    key = ("device", cupy.cuda.Device().id)
+    if key not in tiles._cache:
+        tiles._cache[key] = tuple(cupy.asarray(np.ascontiguousarray(a)) for a in (
+            tiles.kv_num_blocks, tiles.kv_indices, tiles.block_types, tiles.partial_index, tiles.partial_masks))
+    num, idx, types, partial, bits = tiles._cache[key]
+    n_qt = tiles.n_q_blocks
+    return dict(bm_num=_ptr(num), bm_idx=_ptr(idx), bm_type=_ptr(types), bm_partial=_ptr(partial),
+                bm_bits=_ptr(bits), bm_sb=np.int32(tiles.heads * n_qt if tiles.batch > 1 else 0),
+                bm_sh=np.int32(n_qt if tiles.heads > 1 else 0), bm_max=np.int32(idx.shape[-1]),
+                bm_causal_offset=np.int32(tiles.causal_offset))
 
 
 _KERNELS: dict[str, Kernel] = {}
@@ -210,18 +355,57 @@ def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
 
 @lru_cache(maxsize=None)
 def default_spec(dtype: str, head_dim: int, causal: bool) -> AttentionSpec:
-    path = SPECS / f"{default_spec_name(dtype, head_dim, causal)}.yaml"
+    """The shipped spec for a dtype and head_dim; a tuned one for this GPU (from `fagen tune`)
+    where it exists."""
+    from fagen.tune import gpu_slug
+
+    name = default_spec_name(dtype, head_dim, causal)
+    tuned = SPECS / f"{name}_{gpu_slug()}.yaml"
+    path = tuned if tuned.exists() else SPECS / f"{name}.yaml"
     if not path.exists():
         raise ValueError(f"no shipped kernel for dtype {dtype}, head_dim {head_dim}: fagen.attention takes "
                          f"float16 or bfloat16 with head_dim 32, 64, 96, 128 or 256")
     return load_spec(path)
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSpec:
+    """`base` with another mask and score modifiers, named after them (deterministically)."""
+    if (mask, score_mod) == (base.mask, base.score_mod):
+        return base
+    tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
+    return base.model_copy(update={"name": f"{base.name}_{mask.kind}_{tag}", "mask": mask, "score_mod": score_mod})
+
+
+def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
+              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
+    """softmax(q k^T * scale + modifiers, masked) v with a shipped kernel for q's dtype and
+    head_dim; masks and modifiers derive a variant of it (compiled once per process).
+
+    mask: a fagen.spec.Mask, a dict of its fields or a kind name (sliding_window, ...);
+    block_mask / doc_ids select the block-mask / document kinds."""
     tq = as_device_tensor(q, "q")
     if tq.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"q: dtype {tq.dtype}; fagen.attention takes float16 or bfloat16")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
-    kernel = compile_kernel(default_spec(tq.dtype, tq.shape[-1], bool(causal)))
-    return kernel(q, k, v, scale=scale, return_lse=return_lse)
+    if mask is not None:
+        mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
+        if causal and mask.kind != "causal":
+            raise ValueError(f"causal=True and mask kind {mask.kind!r}: pick one (chunked, prefix_lm and "
+                             f"document masks have their own causal structure)")
+    elif block_mask is not None:
+        if causal:
+            raise ValueError("causal=True with a block_mask: build the causal structure into the mask "
+                             "(fagen.masks.causal, or a predicate with kv_idx <= q_idx)")
+        mask = Mask(kind="block_mask")
+    elif doc_ids is not None:
+        mask = Mask(kind="document", causal=causal)
+    else:
+        mask = Mask(kind="causal" if causal else "none")
+    bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
+    score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
+                         bias=bias_kind, sinks=sinks is not None)
+    base = default_spec(tq.dtype, tq.shape[-1], mask.kind == "causal")
+    kernel = compile_kernel(variant(base, mask, score_mod))
+    return kernel(q, k, v, scale=scale, return_lse=return_lse, block_mask=block_mask, bias=bias,
+                  alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)

@@ -99,6 +99,104 @@ class Pipeline(_Frozen):
     q_in_registers: bool = False
 
 
+MaskKind = Literal["none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask"]
+# The fields each mask kind reads (beside kind, align and expression); any other is an error.
+MASK_FIELDS = {
+    "none": (), "causal": (), "sliding_window": ("window_left", "window_right"), "chunked": ("chunk_size",),
+    "prefix_lm": ("prefix_len",), "document": ("causal",), "block_mask": (),
+}
+
+
+def _check_expression(field: str, text: str, names: str) -> str:
+    """A single C expression: no statements or blocks to break out of the function it lands in."""
+    depth = 0
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth < 0:
+            break
+    if not text.strip() or depth != 0 or any(c in text for c in ";{}#\"\n"):
+        raise ValueError(rule(field, text, f"must be one C++ expression over {names} (no ';', braces, "
+                                           "'#' or unbalanced parentheses)",
+                              "e.g. (q_idx - kv_idx) % 2 == 0"))
+    return text
+
+
+class Mask(_Frozen):
+    """Which (query, key) pairs count. Rendered into the kernel: tile ranges and full/partial
+    status are computed in the kernel from these numbers (block_mask: read from arrays)."""
+
+    kind: MaskKind = "none"
+    align: Literal["bottom_right", "top_left"] = "bottom_right"  # where the diagonal sits when Nq != Nk
+    window_left: int | None = None  # sliding_window: keys before the diagonal a query sees
+    window_right: int | None = None  # sliding_window: keys after it (default 0)
+    chunk_size: int | None = None  # chunked: causal within chunks of this many positions
+    prefix_len: int | None = None  # prefix_lm: keys every query sees, causal after
+    causal: bool = False  # document: also causal within a document
+    expression: str | None = None  # extra CUDA bool over b, h, q_idx, kv_idx, ANDed with the kind
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data):
+        return {"kind": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> Mask:
+        allowed = MASK_FIELDS[self.kind]
+        for field in ("window_left", "window_right", "chunk_size", "prefix_len"):
+            value = getattr(self, field)
+            if value is not None and field not in allowed:
+                raise ValueError(rule(f"mask.{field}", value, f"does not apply to mask kind {self.kind!r}",
+                                      f"remove it, or use the kind it belongs to"))
+            if value is not None and value < (0 if field.startswith("window") else 1):
+                raise ValueError(rule(f"mask.{field}", value, "must be positive (window sizes: >= 0)",
+                                      "use e.g. 1024"))
+        if self.causal and "causal" not in allowed:
+            raise ValueError(rule("mask.causal", True, f"only refines kind 'document'",
+                                  "use kind: causal for plain causal attention"))
+        required = {"sliding_window": "window_left", "chunked": "chunk_size", "prefix_lm": "prefix_len"}
+        need = required.get(self.kind)
+        if need and getattr(self, need) is None:
+            raise ValueError(rule(f"mask.{need}", None, f"is required by mask kind {self.kind!r}",
+                                  f"set mask.{need}, e.g. 1024"))
+        if self.expression is not None:
+            _check_expression("mask.expression", self.expression, "b, h, q_idx, kv_idx")
+        return self
+
+
+    def __str__(self) -> str:
+        args = [f"{f}={getattr(self, f)}" for f in MASK_FIELDS[self.kind] if getattr(self, f) not in (None, False)]
+        if self.align != "bottom_right" and self.kind not in ("none", "block_mask", "document"):
+            args.append(self.align)
+        text = f"{self.kind}({', '.join(args)})" if args else self.kind
+        return text + (" & expr" if self.expression else "")
+
+
+class ScoreMod(_Frozen):
+    """Changes to the scaled score s = q.k * scale before the mask and the softmax, in this order."""
+
+    softcap: float | None = None  # s -> softcap * tanh(s / softcap)
+    alibi: Literal["none", "slopes", "geometric"] = "none"  # s -> s - slope_h * |q + offset - k|
+    bias: Literal["none", "vector", "matrix"] = "none"  # s -> s + bias[b, h, (q,) k], float32
+    expression: str | None = None  # s -> a CUDA float expression over score, b, h, q_idx, kv_idx
+    sinks: bool = False  # one learned logit per head joins every row's softmax denominator
+
+    @field_validator("softcap")
+    @classmethod
+    def _softcap(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(rule("score_mod.softcap", v, "must be > 0", "use e.g. 30.0 (Gemma 2), or remove it"))
+        return v
+
+    @field_validator("expression")
+    @classmethod
+    def _expression(cls, v: str | None) -> str | None:
+        return v if v is None else _check_expression("score_mod.expression", v, "score, b, h, q_idx, kv_idx")
+
+    @property
+    def changes_scores(self) -> bool:
+        return self.softcap is not None or self.alibi != "none" or self.bias != "none" or self.expression is not None
+
+
 class Outputs(_Frozen):
     lse: bool = True
 
@@ -110,7 +208,8 @@ class AttentionSpec(_Frozen):
     tiling: Tiling
     pipeline: Pipeline = Pipeline()
     smem_layout: Literal["padded", "swizzled"] = "padded"
-    mask: Literal["none", "causal"] = "none"
+    mask: Mask = Mask()
+    score_mod: ScoreMod = ScoreMod()
     outputs: Outputs = Outputs()
     arch: Literal["sm_80", "sm_86", "sm_89", "sm_90"] = "sm_80"
 
@@ -145,7 +244,8 @@ class AttentionSpec(_Frozen):
 
     @property
     def causal(self) -> bool:
-        return self.mask == "causal"
+        """Plain causal attention (what fagen.attention's causal=True selects)."""
+        return self.mask.kind == "causal"
 
 
 def _explain(err: ValidationError, source: str) -> str:

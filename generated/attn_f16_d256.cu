@@ -6,7 +6,10 @@
 //   arch: sm_80
 //   dtype: float16
 //   head_dim: 256
-//   mask: none
+//   mask:
+//     align: bottom_right
+//     causal: false
+//     kind: none
 //   name: attn_f16_d256
 //   outputs:
 //     lse: true
@@ -14,6 +17,10 @@
 //     kv_smem: separate
 //     q_in_registers: false
 //     stages: 1
+//   score_mod:
+//     alibi: none
+//     bias: none
+//     sinks: false
 //   smem_layout: padded
 //   tiling:
 //     block_kv: 32
@@ -42,10 +49,12 @@ constexpr int KV_TILE_ELEMS = 8448;
 constexpr int KV_SLOTS = 2;            // smem tiles in the KV ring
 static_assert(CHUNKS_PER_ROW * 8 == HEAD_DIM && SMEM_ROW % 8 == 0, "rows are whole 16-byte chunks");
 constexpr bool SWIZZLED = false;
-constexpr bool CAUSAL = false;
 constexpr bool WRITE_LSE = true;
 constexpr bool Q_IN_REGISTERS = false;
+constexpr bool SCORE_MOD = false;       // scores change before the mask
+constexpr bool SINKS = false;
 constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 
 // ---- PTX wrappers ----------------------------------------------------------------------
@@ -141,8 +150,43 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
   }
 }
 
+// ---- mask: none ----------------------------------------------------
+// Which KV tiles a query tile visits, which of them need a per-element test, and the test.
+// The diagonal: query q faces key q + offset (bottom_right: offset = n_kv - n_q).
+// Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
+
+struct Mask {
+  int n_q, n_kv, offset;
+  int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
+
+  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int b, int h, int q0_) {
+    n_q = n_q_;
+    n_kv = n_kv_;
+    offset = n_kv - n_q;
+    int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
+    first = lo / BLOCK_KV;
+    count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
+  }
+
+  __device__ __forceinline__ int kv_tile(int i) const { return first + i; }
+
+  // Rows [r0, r1] of a warp against tile i (keys [kv0, kv0 + BLOCK_KV)): true unless every
+  // pair is known to count.
+  __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
+    const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
+    bool full = true;
+    return !full || k1 >= n_kv;
+  }
+
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx) const {
+    bool active = kv_idx < n_kv;
+    return active;
+  }
+};
+
 // ---- KV pipeline -----------------------------------------------------------------------
-// Loads stream K0, V0, K1, V1, ... (load i: tile i / 2, K when i is even) through a ring of
+// Loads stream K0, V0, K1, V1, ... (load i: the mask's tile i / 2, K when i is even: the
+// next tile follows the mask's list, not the next position) through a ring of
 // KV_SLOTS smem tiles, slot i % KV_SLOTS. Load i is issued once load i - KV_SLOTS has been
 // consumed, so KV_SLOTS - 1 loads are always in flight:
 //   1 slot:  the seed's shared-KV: K_j, then V_j into the same buffer (V overlaps softmax);
@@ -159,18 +203,18 @@ struct KvPipeline {
 
   __device__ __forceinline__ unsigned slot(int i) const { return ring + 2 * KV_TILE_ELEMS * (i % KV_SLOTS); }
 
-  __device__ __forceinline__ void issue(int i) const {
+  __device__ __forceinline__ void issue(int i, const Mask& mask) const {
     if (i < loads) {
-      const int kv0 = (i >> 1) * BLOCK_KV;
+      const int kv0 = mask.kv_tile(i >> 1) * BLOCK_KV;
       if (i & 1) copy_tile_async<BLOCK_KV>(slot(i), v, v_stride, kv0, n_kv, tid);
       else       copy_tile_async<BLOCK_KV>(slot(i), k, k_stride, kv0, n_kv, tid);
     }
     commit_group();
   }
 
-  __device__ __forceinline__ void prologue() const {
+  __device__ __forceinline__ void prologue(const Mask& mask) const {
 #pragma unroll
-    for (int i = 0; i < KV_SLOTS; ++i) issue(i);
+    for (int i = 0; i < KV_SLOTS; ++i) issue(i, mask);
   }
 
   // Block until load i is in smem for every thread.
@@ -180,42 +224,31 @@ struct KvPipeline {
   }
 
   // Every thread is done reading load i's slot: refill it with load i + KV_SLOTS.
-  __device__ __forceinline__ void release(int i) const {
+  __device__ __forceinline__ void release(int i, const Mask& mask) const {
     __syncthreads();
-    issue(i + KV_SLOTS);
+    issue(i + KV_SLOTS, mask);
   }
 };
 
-// ---- mask ------------------------------------------------------------------------------
-// Causal is aligned to the bottom right when n_q != n_kv (as FlashAttention-2): query q sees
-// key k iff k <= q + (n_kv - n_q). Keys at or past n_kv never count.
-struct Mask {
-  int n_q, n_kv;
+// ---- score modifiers -------------------------------------------------------------------
+// s = q.k * scale, then in natural units; the
+// softmax then works in log2 units (times LOG2E).
+struct ScoreMod {
+  float scale;
 
-  // KV tiles a block of queries [q0, q0 + BLOCK_Q) must visit; later ones are fully masked.
-  __device__ __forceinline__ int kv_tiles(int q0) const {
-    int kv_end = n_kv;
-    if constexpr (CAUSAL) kv_end = min(n_kv, q0 + BLOCK_Q + n_kv - n_q);
-    return kv_end > 0 ? (kv_end + BLOCK_KV - 1) / BLOCK_KV : 0;
+  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int b, int h, float scale_) {
+    scale = scale_;
   }
 
-  // Does a tile need the per-element test for rows [row0, row0 + WARP_ROWS)?
-  __device__ __forceinline__ bool tile_partial(int kv0, int row0) const {
-    const int kv_last = kv0 + BLOCK_KV - 1;
-    bool partial = kv_last >= n_kv;
-    if constexpr (CAUSAL) partial |= kv_last > row0 + n_kv - n_q;
-    return partial;
-  }
-
-  __device__ __forceinline__ bool element_active(int q, int k) const {
-    bool active = k < n_kv;
-    if constexpr (CAUSAL) active &= k <= q + n_kv - n_q;
-    return active;
+  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
+    s *= scale;
+    return s;
   }
 };
 
 // ---- online softmax --------------------------------------------------------------------
-// Scores stay in the log2 domain with the scale folded in: p = exp2(s * scale_log2 - m).
+// Scores move to the log2 domain with the scale folded in: p = exp2(s * to_log2 - m), where
+// to_log2 = scale * log2(e) on raw scores, or log2(e) once score modifiers applied the scale.
 // Thread (g, t) of a warp holds rows g and g + 8 of each m16 fragment, so a row's max needs
 // only the 4 threads of a quad (shuffles 1 and 2). The row sum is kept per thread and
 // reduced once, in the epilogue.
@@ -233,7 +266,7 @@ struct OnlineSoftmax {
 
   // Turn the tile's scores into probabilities in place and rescale O by exp2(m_old - m_new).
   __device__ __forceinline__ void update(float (&s)[M_FRAGS][S_N_FRAGS][4],
-                                         float (&o)[M_FRAGS][O_N_FRAGS][4], float scale_log2) {
+                                         float (&o)[M_FRAGS][O_N_FRAGS][4], float to_log2) {
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f) {
 #pragma unroll
@@ -243,7 +276,7 @@ struct OnlineSoftmax {
         for (int n = 0; n < S_N_FRAGS; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m[f][h], mx * scale_log2);
+        const float m_new = fmaxf(m[f][h], mx * to_log2);
         // A row with no key seen yet keeps m = -inf; subtracting 0 keeps its p = 0, not NaN.
         const float m_use = m_new == NEG_INF ? 0.f : m_new;
         const float alpha = fast_exp2(m[f][h] - m_use);
@@ -253,7 +286,7 @@ struct OnlineSoftmax {
         for (int n = 0; n < S_N_FRAGS; ++n) {
 #pragma unroll
           for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[f][n][e] = fast_exp2(fmaf(s[f][n][e], scale_log2, -m_use));
+            s[f][n][e] = fast_exp2(fmaf(s[f][n][e], to_log2, -m_use));
             sum += s[f][n][e];
           }
         }
@@ -268,10 +301,11 @@ struct OnlineSoftmax {
 // ---- epilogue --------------------------------------------------------------------------
 // Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
 // warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
+// written. A row that saw no key has l = 0: O = 0 and LSE = -inf. With sinks, the head's sink
+// logit joins the max and the denominator here, once: it carries no value.
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
                                              elem_t* smem_q, elem_t* __restrict__ out, long long out_stride,
-                                             float* __restrict__ lse, int row0, int n_q, int lane) {
+                                             float* __restrict__ lse, int row0, int n_q, int lane, float sink) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f) {
@@ -280,7 +314,14 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       float l = sm.l[f][h];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float m = sm.m[f][h], alpha = 1.f;
+      if constexpr (SINKS) {
+        const float sink_log2 = sink * LOG2E, m_new = fmaxf(m, sink_log2);
+        alpha = fast_exp2(m - m_new);  // 0 when no key was seen
+        l = l * alpha + fast_exp2(sink_log2 - m_new);
+        m = m_new;
+      }
+      const float inv = l > 0.f ? alpha / l : 0.f;
       const int row = f * 16 + h * 8 + g;  // within the warp's rows
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
@@ -290,7 +331,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       }
       if constexpr (WRITE_LSE) {
         const int q = row0 + row;
-        if (t == 0 && q < n_q) lse[q] = l > 0.f ? (sm.m[f][h] + __log2f(l)) * LN2 : NEG_INF;
+        if (t == 0 && q < n_q) lse[q] = l > 0.f ? (m + __log2f(l)) * LN2 : NEG_INF;
       }
     }
   }
@@ -309,12 +350,13 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 // Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
 // q: [B, Hq, n_q, HEAD_DIM], k, v: [B, Hkv, n_kv, HEAD_DIM], o like q, any strides with a
 // contiguous last dim; lse: [B, Hq, n_q] f32. Query head h reads KV head h / group (GQA).
-extern "C" __global__ void __launch_bounds__(THREADS)
+// One block per SM is enough to let ptxas use every register it needs (no spills).
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_f16_d256(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
     elem_t* __restrict__ o, float* __restrict__ lse, int n_q, int n_kv, int heads_q, int group,
     long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
     long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
-    float scale_log2) {
+    float scale, float scale_log2) {
   extern __shared__ chunk16 smem_chunks[];  // 16-byte aligned, as cp.async and ldmatrix need
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
@@ -330,14 +372,19 @@ attn_f16_d256(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
   o += b * o_sb + h * o_sh + q0 * o_sn;
   lse += ((long long)b * heads_q + h) * n_q + q0;
 
-  const Mask mask{n_q, n_kv};
-  const int kv_tiles = mask.kv_tiles(q0);
+  Mask mask;
+  mask.begin(n_q, n_kv, b, h, q0);
+  const int kv_tiles = mask.count;
   const KvPipeline kv{smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, 2 * kv_tiles, tid};
+  ScoreMod score_mod;
+  score_mod.begin(n_q, n_kv, b, h, scale);
+  const float to_log2 = SCORE_MOD ? LOG2E : scale_log2;
+  const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
   // Phase 1: Q tile (one group), then the first KV_SLOTS loads, all in flight together.
   copy_tile_async<BLOCK_Q>(smem_q_u32, q, q_sn, q0, n_q, tid);
   commit_group();
-  kv.prologue();
+  kv.prologue(mask);
 
   unsigned q_frag[Q_IN_REGISTERS ? M_FRAGS : 1][Q_IN_REGISTERS ? QK_K_STEPS : 1][4];
   if constexpr (Q_IN_REGISTERS) {
@@ -356,7 +403,7 @@ attn_f16_d256(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
   softmax.init();
 
   for (int j = 0; j < kv_tiles; ++j) {
-    const int kv0 = j * BLOCK_KV;
+    const int kv0 = mask.kv_tile(j) * BLOCK_KV;
 
     // Phase 2: S = Q.K_j^T on the tensor cores (K row-major is K^T column-major: no transpose).
     float s[M_FRAGS][S_N_FRAGS][4] = {};
@@ -385,22 +432,35 @@ attn_f16_d256(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
       }
     }
-    kv.release(2 * j);  // K_j's slot refills while softmax runs
+    kv.release(2 * j, mask);  // K_j's slot refills while softmax runs
 
-    // Phase 3: mask (only tiles that cross a boundary test elements), then online softmax.
-    if (mask.tile_partial(kv0, q0 + warp_row0)) {
+    // Phase 3: score modifiers, the mask (only tiles that cross a boundary test elements),
+    // then online softmax. Thread (g, t) holds rows g, g + 8 and keys 2t, 2t + 1 of each fragment.
+    if constexpr (SCORE_MOD) {
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
         for (int n = 0; n < S_N_FRAGS; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int qi = q0 + warp_row0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
             const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-            if (!mask.element_active(qi, ki)) s[f][n][e] = NEG_INF;
+            s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
           }
     }
-    softmax.update(s, o_acc, scale_log2);
+    if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
+#pragma unroll
+      for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+        for (int n = 0; n < S_N_FRAGS; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
+            if (!mask.element_active(b, h, qi, ki)) s[f][n][e] = NEG_INF;
+          }
+    }
+    softmax.update(s, o_acc, to_log2);
 
     // Phase 4: O += P.V_j. The S accumulators, packed to float16 pairs, are already the A
     // fragments of this MMA: P never touches shared memory.
@@ -427,7 +487,7 @@ attn_f16_d256(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
         }
       }
     }
-    kv.release(2 * j + 1);
+    kv.release(2 * j + 1, mask);
   }
 
   // Phase 5: normalise and write O (and LSE).
@@ -435,5 +495,5 @@ attn_f16_d256(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     wait_group<0>();
     __syncthreads();
   }
-  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane);
+  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane, 0.f);
 }

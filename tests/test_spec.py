@@ -64,7 +64,7 @@ def test_defaults_fill_optional_fields():
     spec = fagen.parse_spec(minimal)
     assert spec.tiling.warps_q == 4 and spec.tiling.warps_kv == 1
     assert spec.pipeline.kv_smem == "shared" and spec.pipeline.stages == 1
-    assert spec.smem_layout == "padded" and spec.mask == "none" and spec.arch == "sm_80"
+    assert spec.smem_layout == "padded" and spec.mask.kind == "none" and spec.arch == "sm_80"
     assert spec.outputs.lse is True
 
 

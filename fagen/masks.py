@@ -1,0 +1,366 @@
+"""Attention masks: the static kinds of a spec as NumPy predicates, and runtime block masks.
+
+A block mask (seed 000, "OmniAttention") describes, per (batch, head, query block), the KV
+blocks to visit and a type for each:
+
+    MASKED   no pair counts: never listed, never loaded
+    FULL     every pair counts: no per-element test (only the sequence end)
+    CAUSAL   pair (q, k) counts iff k <= q + causal_offset (absolute positions)
+    PARTIAL  an arbitrary pattern, bit-packed in `partial_masks[partial_index]`
+
+Batch and head dimensions of a mask may be 1 (broadcast). The mask's block sizes are the
+user's; `for_tiles` re-blocks it to a kernel's (block_q, block_kv) so the kernel only ever
+walks its own tiles, whatever sizes the mask was built with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+MASKED, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
+TYPE_NAMES = {MASKED: "MASKED", FULL: "FULL", CAUSAL: "CAUSAL", PARTIAL: "PARTIAL"}
+BITS = 32  # partial masks pack 32 keys per uint32 word, key 0 in bit 0
+
+Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+# ---- static masks of a spec, as predicates over absolute positions -----------------------
+
+def diagonal_offset(align: str, n_q: int, n_kv: int) -> int:
+    """Key index of query 0's diagonal: n_kv - n_q when aligned bottom-right (FlashAttention-2)."""
+    return n_kv - n_q if align == "bottom_right" else 0
+
+
+def static_predicate(mask, n_q: int, n_kv: int, doc_ids: np.ndarray | None = None) -> Predicate:
+    """fn(b, h, q_idx, kv_idx) -> bool for a spec's `mask` (a fagen.spec.Mask), broadcasting.
+
+    A custom `mask.expression` is CUDA and cannot be evaluated here; pass the NumPy
+    equivalent to the oracle as mask_mod."""
+    off = diagonal_offset(mask.align, n_q, n_kv)
+    kind = mask.kind
+    if kind in ("none", "block_mask"):
+        return lambda b, h, q, k: np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
+    if kind == "causal":
+        return lambda b, h, q, k: k <= q + off
+    if kind == "sliding_window":
+        left, right = mask.window_left, mask.window_right or 0
+        return lambda b, h, q, k: (k >= q + off - left) & (k <= q + off + right)
+    if kind == "chunked":
+        c = mask.chunk_size
+        return lambda b, h, q, k: (k <= q + off) & (k >= ((q + off) // c) * c)
+    if kind == "prefix_lm":
+        p = mask.prefix_len
+        return lambda b, h, q, k: (k <= q + off) | (k < p)
+    if kind == "document":
+        if doc_ids is None:
+            raise ValueError("mask kind 'document' needs doc_ids [B|1, N] (int32, non-decreasing)")
+        docs = np.asarray(doc_ids)
+        causal = mask.causal
+
+        def same_doc(b, h, q, k):
+            bb = np.minimum(b, docs.shape[0] - 1)
+            keep = docs[bb, q] == docs[bb, k]
+            return keep & (k <= q) if causal else keep
+        return same_doc
+    raise ValueError(f"unknown mask kind {kind!r}")
+
+
+def dense_from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int) -> np.ndarray:
+    """[b, h, n_q, n_kv] bool; b or h of 1 broadcast."""
+    bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
+    qi, ki = np.arange(n_q)[None, None, :, None], np.arange(n_kv)[None, None, None, :]
+    return np.broadcast_to(fn(bi, hi, qi, ki), (b, h, n_q, n_kv))
+
+
+def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
+                  doc_ids: np.ndarray | None = None) -> dict[int, tuple[range, set[int]]]:
+    """What a static-mask kernel visits, per query tile (batch 0): the KV tile range and the
+    tiles it treats as full (no element test). Mirrors the kernel's arithmetic in _mask.cu.j2,
+    so tests can prove it against the dense mask."""
+    off = diagonal_offset(mask.align, n_q, n_kv)
+    n_tiles = -(-n_kv // block_kv)
+    docs = None if doc_ids is None else np.asarray(doc_ids)[0]
+    out = {}
+    for qt in range(-(-n_q // block_q)):
+        q0, q1 = qt * block_q, min(qt * block_q + block_q, n_q) - 1  # first and last row
+        lo, hi = 0, n_kv  # key range [lo, hi)
+        if mask.kind == "causal":
+            hi = min(n_kv, q1 + off + 1)
+        elif mask.kind == "sliding_window":
+            lo, hi = max(0, q0 + off - mask.window_left), min(n_kv, q1 + off + (mask.window_right or 0) + 1)
+        elif mask.kind == "chunked":
+            lo, hi = max(0, ((q0 + off) // mask.chunk_size) * mask.chunk_size), min(n_kv, q1 + off + 1)
+        elif mask.kind == "prefix_lm":
+            hi = min(n_kv, max(q1 + off + 1, mask.prefix_len))
+        elif mask.kind == "document":
+            lo = int(np.searchsorted(docs, docs[q0], side="left"))
+            hi = int(np.searchsorted(docs, docs[q1], side="right"))
+            if mask.causal:
+                hi = min(hi, q1 + 1)
+        tiles = range(lo // block_kv, -(-hi // block_kv)) if hi > lo else range(0)
+        full = set()
+        for t in tiles:
+            k0, k1 = t * block_kv, t * block_kv + block_kv - 1
+            if k1 >= n_kv or mask.expression is not None:
+                continue
+            ok = {
+                "none": True,
+                "causal": k1 <= q0 + off,
+                "sliding_window": k0 >= q1 + off - mask.window_left and k1 <= q0 + off + (mask.window_right or 0),
+                "chunked": k1 <= q0 + off and k0 >= ((q1 + off) // mask.chunk_size) * mask.chunk_size,
+                "prefix_lm": k1 < mask.prefix_len or k1 <= q0 + off,
+                "document": docs is not None and docs[q0] == docs[q1] == docs[k0] == docs[k1]
+                and (not mask.causal or k1 <= q0),
+            }[mask.kind]
+            if ok:
+                full.add(t)
+        out[qt] = (range(max(0, tiles.start), min(n_tiles, tiles.stop)), full)
+    return out
+
+
+# ---- runtime block masks -----------------------------------------------------------------
+
+@dataclass
+class BlockMask:
+    """Per (batch, head, query block): the KV blocks to visit, their types, and bit patterns."""
+
+    n_q: int
+    n_kv: int
+    q_block: int
+    kv_block: int
+    kv_num_blocks: np.ndarray  # [Bm, Hm, n_q_blocks] int32
+    kv_indices: np.ndarray  # [Bm, Hm, n_q_blocks, max_blocks] int32, valid first kv_num_blocks
+    block_types: np.ndarray  # [Bm, Hm, n_q_blocks, max_blocks] int32 (FULL, CAUSAL, PARTIAL)
+    partial_index: np.ndarray  # [Bm, Hm, n_q_blocks, max_blocks] int32, -1 unless PARTIAL
+    partial_masks: np.ndarray  # [n_partial, q_block, ceil(kv_block / 32)] uint32
+    causal_offset: int = 0  # CAUSAL blocks keep k <= q + causal_offset
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def batch(self) -> int:
+        return self.kv_num_blocks.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.kv_num_blocks.shape[1]
+
+    @property
+    def n_q_blocks(self) -> int:
+        return self.kv_num_blocks.shape[2]
+
+    @property
+    def n_kv_blocks(self) -> int:
+        return -(-self.n_kv // self.kv_block)
+
+    def block_type_grid(self) -> np.ndarray:
+        """[Bm, Hm, n_q_blocks, n_kv_blocks] of MASKED / FULL / CAUSAL / PARTIAL."""
+        grid = np.full((self.batch, self.heads, self.n_q_blocks, self.n_kv_blocks), MASKED, np.int32)
+        for b in range(self.batch):
+            for h in range(self.heads):
+                for qb in range(self.n_q_blocks):
+                    n = self.kv_num_blocks[b, h, qb]
+                    grid[b, h, qb, self.kv_indices[b, h, qb, :n]] = self.block_types[b, h, qb, :n]
+        return grid
+
+    def to_dense(self) -> np.ndarray:
+        """[Bm, Hm, n_q, n_kv] bool: the pairs this mask keeps."""
+        qb, kb = self.q_block, self.kv_block
+        dense = np.zeros((self.batch, self.heads, self.n_q_blocks * qb, self.n_kv_blocks * kb), bool)
+        qi = np.arange(qb)[:, None]
+        ki = np.arange(kb)[None, :]
+        for b in range(self.batch):
+            for h in range(self.heads):
+                for r in range(self.n_q_blocks):
+                    for i in range(self.kv_num_blocks[b, h, r]):
+                        c, t = self.kv_indices[b, h, r, i], self.block_types[b, h, r, i]
+                        rows, cols = slice(r * qb, r * qb + qb), slice(c * kb, c * kb + kb)
+                        if t == FULL:
+                            dense[b, h, rows, cols] = True
+                        elif t == CAUSAL:
+                            dense[b, h, rows, cols] = (c * kb + ki) <= (r * qb + qi) + self.causal_offset
+                        elif t == PARTIAL:
+                            dense[b, h, rows, cols] = unpack_bits(self.partial_masks[self.partial_index[b, h, r, i]], kb)
+        return dense[:, :, : self.n_q, : self.n_kv]
+
+    def sparsity(self) -> float:
+        """Fraction of (q, k) pairs masked out."""
+        return 1.0 - float(self.to_dense().mean())
+
+    def for_tiles(self, block_q: int, block_kv: int) -> BlockMask:
+        """This mask re-blocked to a kernel's tile sizes (cached). Blocks larger or smaller than
+        the tiles both work: types are recomputed from the exact pattern of each tile."""
+        key = ("tiles", block_q, block_kv)
+        if (self.q_block, self.kv_block) == (block_q, block_kv):
+            return self
+        if key not in self._cache:
+            self._cache[key] = from_dense(self.to_dense(), block_q, block_kv, causal_offset=self.causal_offset)
+        return self._cache[key]
+
+    def describe(self) -> str:
+        grid = self.block_type_grid()
+        counts = {TYPE_NAMES[t]: int((grid == t).sum()) for t in TYPE_NAMES}
+        return (f"BlockMask {self.batch}x{self.heads}, {self.n_q}x{self.n_kv} in {self.q_block}x{self.kv_block} "
+                f"blocks: {counts}; sparsity {self.sparsity():.1%}")
+
+
+def pack_bits(block: np.ndarray, kv_block: int) -> np.ndarray:
+    """[rows, <=kv_block] bool -> [rows, ceil(kv_block / 32)] uint32, key k in bit k % 32."""
+    rows = block.shape[0]
+    words = -(-kv_block // BITS)
+    padded = np.zeros((rows, words * BITS), bool)
+    padded[:, : block.shape[1]] = block
+    weights = (1 << np.arange(BITS, dtype=np.uint64)).astype(np.uint64)
+    return (padded.reshape(rows, words, BITS).astype(np.uint64) * weights).sum(-1).astype(np.uint32)
+
+
+def unpack_bits(words: np.ndarray, kv_block: int) -> np.ndarray:
+    bits = (words[..., None] >> np.arange(BITS, dtype=np.uint32)) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :kv_block].astype(bool)
+
+
+def _classify(keep: np.ndarray, q0: int, k0: int, causal_offset: int) -> int:
+    """Type of one block given its kept pairs (rows/keys past the sequence are ignored)."""
+    if not keep.any():
+        return MASKED
+    if keep.all():
+        return FULL
+    qi = q0 + np.arange(keep.shape[0])[:, None]
+    ki = k0 + np.arange(keep.shape[1])[None, :]
+    if np.array_equal(keep, ki <= qi + causal_offset):
+        return CAUSAL
+    return PARTIAL
+
+
+def from_blocks(n_q: int, n_kv: int, q_block: int, kv_block: int, batch: int, heads: int,
+                block_of: Callable[[int, int, int, int], np.ndarray], causal_offset: int = 0) -> BlockMask:
+    """Assemble a BlockMask from `block_of(b, h, qb, kb) -> bool[rows, keys]` (true extents)."""
+    n_qb, n_kb = -(-n_q // q_block), -(-n_kv // kv_block)
+    num = np.zeros((batch, heads, n_qb), np.int32)
+    idx = np.zeros((batch, heads, n_qb, n_kb), np.int32)
+    types = np.zeros((batch, heads, n_qb, n_kb), np.int32)
+    pidx = np.full((batch, heads, n_qb, n_kb), -1, np.int32)
+    partials: list[np.ndarray] = []
+    for b in range(batch):
+        for h in range(heads):
+            for qb in range(n_qb):
+                for kb in range(n_kb):
+                    keep = block_of(b, h, qb, kb)
+                    t = _classify(keep, qb * q_block, kb * kv_block, causal_offset)
+                    if t == MASKED:
+                        continue
+                    i = num[b, h, qb]
+                    idx[b, h, qb, i], types[b, h, qb, i] = kb, t
+                    if t == PARTIAL:
+                        full = np.zeros((q_block, keep.shape[1]), bool)
+                        full[: keep.shape[0]] = keep
+                        pidx[b, h, qb, i] = len(partials)
+                        partials.append(pack_bits(full, kv_block))
+                    num[b, h, qb] += 1
+    max_blocks = max(1, int(num.max()) if num.size else 1)
+    words = -(-kv_block // BITS)
+    masks = np.stack(partials) if partials else np.zeros((1, q_block, words), np.uint32)
+    return BlockMask(n_q, n_kv, q_block, kv_block, num, np.ascontiguousarray(idx[..., :max_blocks]),
+                     np.ascontiguousarray(types[..., :max_blocks]), np.ascontiguousarray(pidx[..., :max_blocks]),
+                     masks, causal_offset)
+
+
+# ---- builders ------------------------------------------------------------------------------
+
+def from_dense(mask: np.ndarray, q_block: int = 128, kv_block: int = 128, causal_offset: int = 0) -> BlockMask:
+    """From a bool array [Bm, Hm, Nq, Nk] (or [Nq, Nk])."""
+    mask = np.asarray(mask, bool)
+    if mask.ndim == 2:
+        mask = mask[None, None]
+    if mask.ndim != 4:
+        raise ValueError(f"from_dense: mask shape {mask.shape}; expected [Nq, Nk] or [B|1, H|1, Nq, Nk]")
+    b, h, n_q, n_kv = mask.shape
+    return from_blocks(n_q, n_kv, q_block, kv_block, b, h,
+                       lambda bi, hi, qb, kb: mask[bi, hi, qb * q_block:(qb + 1) * q_block, kb * kv_block:(kb + 1) * kv_block],
+                       causal_offset)
+
+
+def from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int, q_block: int = 128,
+                   kv_block: int = 128, causal_offset: int = 0) -> BlockMask:
+    """From a vectorised predicate fn(b, h, q_idx, kv_idx) -> bool, evaluated one query block
+    at a time (q_block x n_kv), never the whole Nq x Nk matrix. b or h of 1 broadcasts."""
+    rows_cache: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def block_of(bi, hi, qb, kb):
+        key = (bi, hi, qb)
+        if key not in rows_cache:
+            rows_cache.clear()
+            q = np.arange(qb * q_block, min((qb + 1) * q_block, n_q))[:, None]
+            k = np.arange(n_kv)[None, :]
+            rows_cache[key] = np.broadcast_to(fn(np.array(bi), np.array(hi), q, k), (q.shape[0], n_kv))
+        return rows_cache[key][:, kb * kv_block:(kb + 1) * kv_block]
+
+    return from_blocks(n_q, n_kv, q_block, kv_block, b, h, block_of, causal_offset)
+
+
+def causal(n_q: int, n_kv: int | None = None, q_block: int = 128, kv_block: int = 128,
+           align: str = "bottom_right") -> BlockMask:
+    n_kv = n_q if n_kv is None else n_kv
+    off = diagonal_offset(align, n_q, n_kv)
+    return from_predicate(lambda b, h, q, k: k <= q + off, 1, 1, n_q, n_kv, q_block, kv_block, causal_offset=off)
+
+
+def sliding_window(n: int, left: int, right: int = 0, q_block: int = 128, kv_block: int = 128) -> BlockMask:
+    return from_predicate(lambda b, h, q, k: (k >= q - left) & (k <= q + right), 1, 1, n, n, q_block, kv_block)
+
+
+def document(doc_ids: np.ndarray, causal: bool = True, q_block: int = 128, kv_block: int = 128) -> BlockMask:
+    """Packed sequences: doc_ids [B, N] (or [N]); a query sees keys of its own document."""
+    docs = np.atleast_2d(np.asarray(doc_ids))
+    n = docs.shape[1]
+
+    def fn(b, h, q, k):
+        keep = docs[b, q] == docs[b, k]
+        return keep & (k <= q) if causal else keep
+    return from_predicate(fn, docs.shape[0], 1, n, n, q_block, kv_block)
+
+
+def prefix_lm(n: int, prefix_len: int, q_block: int = 128, kv_block: int = 128) -> BlockMask:
+    return from_predicate(lambda b, h, q, k: (k <= q) | (k < prefix_len), 1, 1, n, n, q_block, kv_block)
+
+
+def chunked(n: int, chunk_size: int, q_block: int = 128, kv_block: int = 128) -> BlockMask:
+    """Causal within chunks of chunk_size positions (Llama 4's chunked local attention)."""
+    return from_predicate(lambda b, h, q, k: (k <= q) & (k // chunk_size == q // chunk_size),
+                          1, 1, n, n, q_block, kv_block)
+
+
+def documents_of_lengths(lengths: list[int], batch: int = 1) -> np.ndarray:
+    """doc_ids [batch, sum(lengths)] for packed documents of the given lengths."""
+    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return np.broadcast_to(ids, (batch, ids.size)).copy()
+
+
+# ---- picture -------------------------------------------------------------------------------
+
+def show(mask: BlockMask, path: str, batch: int = 0, head: int = 0) -> str:
+    """Write a PNG of the block structure (FULL / CAUSAL / PARTIAL / MASKED) of one head;
+    return a one-line summary with the sparsity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    grid = mask.block_type_grid()[min(batch, mask.batch - 1), min(head, mask.heads - 1)]
+    colors = ["#f2f2f2", "#1f77b4", "#2ca02c", "#ff7f0e"]  # MASKED, FULL, CAUSAL, PARTIAL
+    fig, ax = plt.subplots(figsize=(6, 6 * grid.shape[0] / max(grid.shape[1], 1) + 0.8))
+    ax.imshow(grid, cmap=ListedColormap(colors), vmin=0, vmax=3, interpolation="nearest")
+    ax.set_xlabel(f"KV block ({mask.kv_block} keys)")
+    ax.set_ylabel(f"query block ({mask.q_block} rows)")
+    summary = mask.describe()
+    ax.set_title(f"{mask.n_q}x{mask.n_kv}, sparsity {mask.sparsity():.1%}", fontsize=10)
+    ax.legend(handles=[Patch(color=c, label=TYPE_NAMES[t]) for t, c in enumerate(colors)],
+              loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return summary

@@ -1,0 +1,94 @@
+"""`fagen tune`: sweep a spec's tiling and pipeline choices, keep the fastest correct one.
+
+Candidates are every combination the validator accepts (the validator is the pruner: its
+smem and register rules drop what cannot fit before anything compiles). Each survivor is
+checked against the oracle on a small problem, then timed on the asked shape.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from fagen.spec import AttentionSpec, SpecError, parse_spec
+
+SPACE = {
+    "block_q": (64, 128),
+    "warps_q": (4, 8),
+    "block_kv": (32, 64, 128),
+    "pipeline": (("shared", 1), ("shared", 2), ("separate", 1), ("separate", 2)),
+    "smem_layout": ("padded", "swizzled"),
+    "q_in_registers": (False, True),
+}
+QUICK_SPACE = {**SPACE, "block_kv": (32, 64), "pipeline": (("shared", 2), ("separate", 1)),
+               "smem_layout": ("padded",), "q_in_registers": (False,)}
+
+
+@dataclass
+class Candidate:
+    spec: AttentionSpec
+    ms: float | None = None
+    tflops: float | None = None
+    error: str | None = None
+
+
+def candidates(base: AttentionSpec, space: dict = SPACE) -> tuple[list[AttentionSpec], int]:
+    """Valid variants of `base` over `space`, and how many combinations the validator refused."""
+    keep, refused = [], 0
+    for bq, wq, bkv, (kv_smem, stages), layout, q_regs in itertools.product(*space.values()):
+        data = base.model_dump(mode="json")
+        data["tiling"] = {"block_q": bq, "block_kv": bkv, "warps_q": wq}
+        data["pipeline"] = {"kv_smem": kv_smem, "stages": stages, "q_in_registers": q_regs}
+        data["smem_layout"] = layout
+        data["name"] = f"{base.name}_q{bq}w{wq}kv{bkv}_{kv_smem}{stages}_{layout[0]}{'_qreg' if q_regs else ''}"
+        try:
+            keep.append(parse_spec(data, data["name"]))
+        except SpecError:
+            refused += 1
+    return keep, refused
+
+
+def gpu_slug() -> str:
+    """'h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100 80GB HBM3': tuned specs are per GPU."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    words = [w for w in name.lower().replace("nvidia", "").split() if w]
+    return "".join(c for c in (words[0] if words else "gpu") if c.isalnum())
+
+
+def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool = False,
+         progress=None) -> list[Candidate]:
+    """Check and time every candidate; fastest first. `progress(candidate)` after each."""
+    from fagen.bench import time_spec
+
+    specs, _ = candidates(base, QUICK_SPACE if quick else SPACE)
+    results = []
+    for spec in specs:
+        cand = Candidate(spec)
+        try:
+            timing = time_spec(spec, b, h, nq, nk)
+            cand.ms, cand.tflops = timing.ms, timing.tflops
+        except Exception as err:  # a candidate that fails is reported, not fatal
+            cand.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        results.append(cand)
+        if progress:
+            progress(cand)
+    return sorted(results, key=lambda c: (c.ms is None, c.ms or 0.0))
+
+
+def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], out_dir: Path, slug: str) -> Path:
+    """Save the winner as `<base name>_<gpu>.yaml` with the measurement in a comment."""
+    name = f"{base.name}_{slug}"
+    data = best.spec.model_dump(mode="json", exclude_none=True)
+    data["name"] = name
+    parse_spec(data, name)
+    b, h, nq, nk = shape
+    head = (f"# tuned by `fagen tune` on {slug}: B={b} H={h} Nq={nq} Nk={nk}: "
+            f"{best.ms:.3f} ms, {best.tflops:.1f} TFLOP/s (checked against the oracle first)\n")
+    path = Path(out_dir) / f"{name}.yaml"
+    path.write_text(head + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+    return path
