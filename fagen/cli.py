@@ -143,3 +143,40 @@ def tune_cmd(spec: str, shape: str, quick: bool, out_dir: str, dry_run: bool) ->
     if results and results[0].ms:
         path = tune.write_tuned(results[0], base, (b, h, nq, nk), Path(out_dir), tune.gpu_slug())
         click.echo(f"best -> {path} (run `fagen render` to add it to generated/)")
+
+
+@main.group("mask")
+def mask_group() -> None:
+    """Block masks: build one from a ready-made kind and look at it."""
+
+
+@mask_group.command("show")
+@click.argument("kind", type=click.Choice(["causal", "sliding_window", "document", "prefix_lm", "chunked"]))
+@click.option("-n", "--length", default=4096, show_default=True, help="sequence length (Nq = Nk)")
+@click.option("--block", default=128, show_default=True, help="mask block size (queries and keys)")
+@click.option("--window", default=1024, show_default=True, help="sliding_window: keys before the diagonal")
+@click.option("--docs", default=8, show_default=True, help="document: documents of random lengths")
+@click.option("--prefix", default=1024, show_default=True, help="prefix_lm: prefix length")
+@click.option("--chunk", default=1024, show_default=True, help="chunked: chunk size")
+@click.option("-o", "--out", "out_path", default=None, help="PNG path (default: <kind>.png)")
+def mask_show_cmd(kind, length, block, window, docs, prefix, chunk, out_path) -> None:
+    """Write a PNG of a block mask's FULL / CAUSAL / PARTIAL / MASKED blocks; print its sparsity."""
+    import numpy as np
+
+    from fagen import masks
+
+    if kind == "causal":
+        bm = masks.causal(length, q_block=block, kv_block=block)
+    elif kind == "sliding_window":
+        bm = masks.sliding_window(length, window, 0, block, block)
+    elif kind == "document":
+        cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, length), docs - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [length]])).tolist()
+        bm = masks.document(masks.documents_of_lengths(lengths), True, block, block)
+    elif kind == "prefix_lm":
+        bm = masks.prefix_lm(length, prefix, block, block)
+    else:
+        bm = masks.chunked(length, chunk, block, block)
+    path = out_path or f"{kind}.png"
+    click.echo(masks.show(bm, path))
+    click.echo(f"wrote {path}")
