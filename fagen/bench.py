@@ -1,16 +1,353 @@
-"""Timing fagen kernels beside PyTorch's SDPA backends, same process, same GPU.
+"""`fagen bench`: fagen's kernels beside PyTorch's SDPA (FlashAttention-2 and cuDNN backends)
+and FlexAttention, same process, same GPU.
 
-FLOPs: 4 * B * H * Nq * Nk * d (Q.K^T and P.V, 2 FLOPs per multiply-add), halved for causal.
-Every case is checked against the oracle before it is timed: a wrong kernel is never timed.
+FLOPs: 4 * B * H * Nq * Nk * d (Q.K^T and P.V, 2 FLOPs per multiply-add), halved for causal;
+for masks, 4 * B * H * d * (kept (q, k) pairs). Every fagen case is checked against the
+float64 oracle before it is timed: a wrong kernel is never timed. Timing: CUDA events, warm-up,
+median of 30 runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import csv
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
 
 from fagen.check import attention_flops, check_against_oracle, random_inputs, time_ms
 from fagen.spec import AttentionSpec
 
+TOKENS, HIDDEN = 16384, 2048  # the FlashAttention papers' sweep: B * N = 16k tokens, H * d = 2048
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("float16", "bfloat16")
+MASKED_LENGTHS = (4096, 16384)
+MASKS = ("sliding_window", "documents", "prefix_lm")
+WINDOW, N_DOCS, PREFIX = 1024, 8, 1024
+PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    head_dim: int
+    n: int
+    causal: bool
+    mask: str = "none"  # none | sliding_window | documents | prefix_lm
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.n)
+
+    @property
+    def heads(self) -> int:
+        return HIDDEN // self.head_dim
+
+    @property
+    def key(self) -> str:
+        kind = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
+        return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}"
+
+
+@dataclass
+class Row:
+    case: str
+    kernel: str  # fagen spec name or peer name
+    impl: str  # fagen | sdpa_flash | sdpa_cudnn | flex
+    dtype: str
+    head_dim: int
+    n: int
+    batch: int
+    heads: int
+    causal: bool
+    mask: str
+    ms: float | None
+    tflops: float | None
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cases(quick: bool = False) -> list[Case]:
+    if quick:
+        return [Case("float16", 128, n, c) for n in (1024, 4096) for c in (False, True)] + \
+               [Case("float16", 128, 4096, True, "sliding_window")]
+    dense = [Case(dt, d, n, c) for dt in DTYPES for d in HEAD_DIMS for n in LENGTHS for c in (False, True)]
+    masked = [Case("float16", 128, n, True, m) for m in MASKS for n in MASKED_LENGTHS]
+    return dense + masked
+
+
+def doc_lengths(n: int, docs: int = N_DOCS, seed: int = 0) -> list[int]:
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
+
+
+def mask_predicate(case: Case):
+    """The case's mask as fn(q_idx, kv_idx) -> bool over absolute positions (Nq == Nk)."""
+    if case.mask == "sliding_window":
+        return lambda q, k: (k <= q) & (q - k <= WINDOW)
+    if case.mask == "documents":
+        docs = np.repeat(np.arange(N_DOCS), doc_lengths(case.n))
+        return lambda q, k: (docs[q] == docs[k]) & (k <= q)
+    if case.mask == "prefix_lm":
+        return lambda q, k: (k <= q) | (k < PREFIX)
+    if case.causal:
+        return lambda q, k: k <= q
+    return lambda q, k: np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
+
+
+def kept_pairs(case: Case, rows_per_step: int = 1024) -> int:
+    """(q, k) pairs the mask keeps, counted a slab of rows at a time."""
+    fn, n, total = mask_predicate(case), case.n, 0
+    k = np.arange(n)[None, :]
+    for r0 in range(0, n, rows_per_step):
+        total += int(fn(np.arange(r0, min(n, r0 + rows_per_step))[:, None], k).sum())
+    return total
+
+
+def case_flops(case: Case) -> float:
+    if case.mask == "none":
+        return attention_flops(case.batch, case.heads, case.n, case.n, case.head_dim, case.causal)
+    return 4.0 * case.batch * case.heads * case.head_dim * kept_pairs(case)
+
+
+def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
+    """The kernel fagen.attention would run for this case, and its side inputs."""
+    from fagen import masks
+    from fagen.runtime import default_spec, variant
+    from fagen.spec import Mask
+
+    base = default_spec(case.dtype, case.head_dim, case.causal and case.mask == "none")
+    if case.mask == "none":
+        return base, {}
+    mask = {"sliding_window": Mask(kind="sliding_window", window_left=WINDOW),
+            "documents": Mask(kind="document", causal=True),
+            "prefix_lm": Mask(kind="prefix_lm", prefix_len=PREFIX)}[case.mask]
+    extras = {"doc_ids": masks.documents_of_lengths(doc_lengths(case.n), case.batch)} if case.mask == "documents" else {}
+    return variant(base, mask, base.score_mod), extras
+
+
+def run_fagen(case: Case, flops: float) -> Row:
+    from fagen.runtime import compile_kernel
+
+    spec, extras = fagen_spec(case)
+    row = Row(case.key, spec.name, "fagen", case.dtype, case.head_dim, case.n, case.batch, case.heads,
+              case.causal, case.mask, None, None)
+    n_check = min(case.n, 1024)
+    check_extras = {"doc_ids": extras["doc_ids"][:1, :n_check]} if extras else None
+    if check_extras:
+        check_extras["doc_ids"] = np.ascontiguousarray(check_extras["doc_ids"])
+    result = check_against_oracle(spec, 1, 2, 2, n_check, n_check, framework="torch", extras=check_extras)
+    if not result.passed:
+        row.note = f"WRONG, not timed: {result.summary()}"
+        return row
+    kernel = compile_kernel(spec)
+    q, k, v, out = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)
+    if extras:
+        import torch
+
+        extras = {"doc_ids": torch.from_numpy(extras["doc_ids"]).cuda()}
+    row.ms = time_ms(lambda: kernel(q, k, v, out=out, **extras))
+    row.tflops = flops / row.ms / 1e9
+    return row
+
+
+def run_peer(case: Case, impl: str, flops: float) -> Row:
+    import torch
+
+    row = Row(case.key, impl, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads, case.causal,
+              case.mask, None, None)
+    q, k, v, _ = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)
+    try:
+        if impl in SDPA_BACKENDS:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            fn = torch.nn.functional.scaled_dot_product_attention
+            with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[impl])):
+                row.ms = time_ms(lambda: fn(q, k, v, is_causal=case.causal))
+        else:
+            row.ms = time_ms(flex_runner(case, q, k, v))
+    except Exception as err:  # a peer that does not run this case is reported, not fatal
+        row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        return row
+    row.tflops = flops / row.ms / 1e9
+    return row
+
+
+def flex_runner(case: Case, q, k, v):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if case.mask == "documents":
+        docs = torch.from_numpy(np.repeat(np.arange(N_DOCS), doc_lengths(case.n))).cuda()
+
+        def mask_mod(b, h, qi, ki):
+            return (docs[qi] == docs[ki]) & (ki <= qi)
+    elif case.mask == "sliding_window":
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki <= WINDOW)
+    elif case.mask == "prefix_lm":
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) | (ki < PREFIX)
+    else:
+        def mask_mod(b, h, qi, ki):
+            return ki <= qi
+    block_mask = create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
+    flex = _compiled_flex()
+    return lambda: flex(q, k, v, block_mask=block_mask)
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention)
+    return _FLEX
+
+
+def run(case_list: list[Case], progress=None) -> list[Row]:
+    rows: list[Row] = []
+    for case in case_list:
+        flops = case_flops(case)
+        rows.append(run_fagen(case, flops))
+        peers = ("flex",) if case.mask != "none" else PEERS_DENSE
+        for impl in peers:
+            rows.append(run_peer(case, impl, flops))
+        if progress:
+            progress(case)
+    return rows
+
+
+# ---- writers (pure: unit-tested on synthetic rows) --------------------------------------------
+
+def write_json(rows: list[Row], path: Path, meta: dict) -> None:
+    Path(path).write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1) + "\n")
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(Row.__dataclass_fields__))
+        w.writeheader()
+        for r in rows:
+            w.writerow(r.as_dict())
+
+
+def read_json(path: Path) -> tuple[list[Row], dict]:
+    data = json.loads(Path(path).read_text())
+    return [Row(**r) for r in data["rows"]], data["meta"]
+
+
+def by_case(rows: list[Row]) -> dict[str, dict[str, Row]]:
+    table: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        table.setdefault(r.case, {})[r.impl] = r
+    return table
+
+
+def _fmt(r: Row | None) -> str:
+    return "n/a" if r is None or r.tflops is None else f"{r.tflops:.0f}"
+
+
+def _ratio(a: Row | None, b: Row | None) -> str:
+    if a is None or b is None or a.tflops is None or b.tflops is None:
+        return "n/a"
+    return f"{a.tflops / b.tflops:.2f}x"
+
+
+def markdown(rows: list[Row], meta: dict, plots: list[str]) -> str:
+    """BENCHMARKS.md: meta, one table per head_dim (dense), one for masks, the plots."""
+    table = by_case(rows)
+    out = ["# Benchmarks", "",
+           "Generated by `fagen bench` (do not edit; rerun it). TFLOP/s = 4·B·H·Nq·Nk·d / time, halved for "
+           "causal; masked cases count kept (q, k) pairs only. B·N = 16k tokens, H·d = 2048. Every fagen "
+           "kernel was checked against the float64 oracle before it was timed; median of 30 CUDA-event "
+           "timings after warm-up; peers timed in the same process.", ""]
+    out += [f"- {k}: {v}" for k, v in sorted(meta.items())] + [""]
+    dense = [r for r in rows if r.mask == "none" and r.impl == "fagen"]
+    for d in sorted({r.head_dim for r in dense}):
+        out += [f"## head_dim {d}", "", "| dtype | N | mask | fagen | SDPA FA2 | SDPA cuDNN | Flex | fagen / FA2 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sorted((r for r in dense if r.head_dim == d), key=lambda r: (r.dtype, r.causal, r.n)):
+            t = table[r.case]
+            out.append(f"| {r.dtype} | {r.n} | {'causal' if r.causal else 'none'} | {_fmt(r)} | "
+                       f"{_fmt(t.get('sdpa_flash'))} | {_fmt(t.get('sdpa_cudnn'))} | {_fmt(t.get('flex'))} | "
+                       f"{_ratio(r, t.get('sdpa_flash'))} |")
+        out.append("")
+    masked = [r for r in rows if r.mask != "none" and r.impl == "fagen"]
+    if masked:
+        out += ["## Masks (static-mask kernels, kept-work TFLOP/s)", "",
+                "| dtype | d | N | mask | fagen | Flex | fagen / Flex |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sorted(masked, key=lambda r: (r.mask, r.n)):
+            t = table[r.case]
+            out.append(f"| {r.dtype} | {r.head_dim} | {r.n} | {r.mask} | {_fmt(r)} | {_fmt(t.get('flex'))} | "
+                       f"{_ratio(r, t.get('flex'))} |")
+        out.append("")
+    notes = [r for r in rows if r.note]
+    if notes:
+        out += ["## Notes", ""] + [f"- {r.case} {r.impl}: {r.note}" for r in notes] + [""]
+    out += [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def plot(rows: list[Row], head_dim: int, path: Path) -> None:
+    """TFLOP/s against N, grouped bars per implementation, a panel per (dtype, causal): the
+    FlashAttention papers' figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r.head_dim == head_dim and r.mask == "none"]
+    panels = sorted({(r.dtype, r.causal) for r in sel})
+    impls = [i for i in ("fagen", "sdpa_flash", "sdpa_cudnn", "flex") if any(r.impl == i for r in sel)]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
+    for ax, (dtype, causal) in zip(axes[0], panels):
+        ns = sorted({r.n for r in sel if r.dtype == dtype and r.causal == causal})
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = []
+            for n in ns:
+                match = [r for r in sel if (r.dtype, r.causal, r.n, r.impl) == (dtype, causal, n, impl)]
+                vals.append(match[0].tflops or 0.0 if match else 0.0)
+            ax.bar(np.arange(len(ns)) + i * width, vals, width, label=impl)
+        ax.set_xticks(np.arange(len(ns)) + 0.4 - width / 2)
+        ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 else str(n) for n in ns])
+        ax.set_title(f"d={head_dim} {dtype} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment_meta() -> dict:
+    import datetime
+
+    import cupy
+    import torch
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return {
+        "gpu": props["name"].decode(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "cupy": cupy.__version__,
+        "cuda_runtime": str(cupy.cuda.runtime.runtimeGetVersion()),
+        "driver": str(cupy.cuda.runtime.driverGetVersion()),
+    }
+
+
+# ---- the Core issue's single timing -----------------------------------------------------------
 
 @dataclass
 class Timing:
@@ -22,12 +359,7 @@ class Timing:
     causal: bool
     ms: float
     tflops: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+    extra: dict = field(default_factory=dict)
 
 
 def time_spec(spec: AttentionSpec, b: int, h: int, nq: int, nk: int | None = None) -> Timing:
@@ -50,7 +382,7 @@ def time_fagen(spec: AttentionSpec, b: int, h: int, n: int) -> Timing:
 
 
 def time_sdpa(backend: str, dtype: str, b: int, h: int, n: int, d: int, causal: bool) -> Timing | None:
-    """One of PyTorch's SDPA backends; None where it does not run this case."""
+    """One of PyTorch's SDPA backends at an explicit shape; None where it does not run it."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -61,5 +393,4 @@ def time_sdpa(backend: str, dtype: str, b: int, h: int, n: int, d: int, causal: 
             ms = time_ms(lambda: fn(q, k, v, is_causal=causal))
     except RuntimeError:
         return None
-    flops = attention_flops(b, h, n, n, d, causal)
-    return Timing(backend, b, h, n, d, causal, ms, flops / ms / 1e9)
+    return Timing(backend, b, h, n, d, causal, ms, attention_flops(b, h, n, n, d, causal) / ms / 1e9)

@@ -180,3 +180,38 @@ def mask_show_cmd(kind, length, block, window, docs, prefix, chunk, out_path) ->
     path = out_path or f"{kind}.png"
     click.echo(masks.show(bm, path))
     click.echo(f"wrote {path}")
+
+
+@main.command("bench")
+@click.option("--quick", is_flag=True, help="a small subset (under a minute)")
+@click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="bench", show_default=True,
+              help="where bench.json, bench.csv and the plots go")
+@click.option("--markdown", "md_path", default="BENCHMARKS.md", show_default=True, help="the table to regenerate")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="redraw plots and the table from an earlier run's bench.json (no GPU)")
+def bench_cmd(quick: bool, out_dir: str, md_path: str, from_json: str | None) -> None:
+    """Check, then time fagen beside SDPA (FlashAttention-2, cuDNN) and FlexAttention."""
+    from fagen import bench
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if from_json:
+        rows, meta = bench.read_json(Path(from_json))
+    else:
+        case_list = bench.cases(quick)
+        meta = {**bench.environment_meta(), "cases": str(len(case_list)), "mode": "quick" if quick else "full"}
+        with click.progressbar(length=len(case_list), label="bench", show_pos=True,
+                               item_show_func=lambda c: c.key if c else "") as bar:
+            rows = bench.run(case_list, progress=lambda case: bar.update(1, case))
+        bench.write_json(rows, out / "bench.json", meta)
+        bench.write_csv(rows, out / "bench.csv")
+    plots = []
+    for d in sorted({r.head_dim for r in rows if r.mask == "none"}):
+        path = out / f"bench_d{d}.png"
+        bench.plot(rows, d, path)
+        plots.append(str(path))
+    Path(md_path).write_text(bench.markdown(rows, meta, plots))
+    for r in rows:
+        if r.impl == "fagen":
+            click.echo(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
+    click.echo(f"wrote {out / 'bench.json'}, {out / 'bench.csv'}, {md_path} and {len(plots)} plots")

@@ -57,7 +57,7 @@ def static_predicate(mask, n_q: int, n_kv: int, doc_ids: np.ndarray | None = Non
     if kind == "document":
         if doc_ids is None:
             raise ValueError("mask kind 'document' needs doc_ids [B|1, N] (int32, non-decreasing)")
-        docs = np.asarray(doc_ids)
+        docs = np.atleast_2d(np.asarray(doc_ids))
         causal = mask.causal
 
         def same_doc(b, h, q, k):
@@ -82,7 +82,7 @@ def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
     so tests can prove it against the dense mask."""
     off = diagonal_offset(mask.align, n_q, n_kv)
     n_tiles = -(-n_kv // block_kv)
-    docs = None if doc_ids is None else np.asarray(doc_ids)[0]
+    docs = None if doc_ids is None else np.atleast_2d(np.asarray(doc_ids))[0]
     out = {}
     for qt in range(-(-n_q // block_q)):
         q0, q1 = qt * block_q, min(qt * block_q + block_q, n_q) - 1  # first and last row
@@ -101,24 +101,27 @@ def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
             if mask.causal:
                 hi = min(hi, q1 + 1)
         tiles = range(lo // block_kv, -(-hi // block_kv)) if hi > lo else range(0)
-        full = set()
-        for t in tiles:
-            k0, k1 = t * block_kv, t * block_kv + block_kv - 1
-            if k1 >= n_kv or mask.expression is not None:
-                continue
-            ok = {
-                "none": True,
-                "causal": k1 <= q0 + off,
-                "sliding_window": k0 >= q1 + off - mask.window_left and k1 <= q0 + off + (mask.window_right or 0),
-                "chunked": k1 <= q0 + off and k0 >= ((q1 + off) // mask.chunk_size) * mask.chunk_size,
-                "prefix_lm": k1 < mask.prefix_len or k1 <= q0 + off,
-                "document": docs is not None and docs[q0] == docs[q1] == docs[k0] == docs[k1]
-                and (not mask.causal or k1 <= q0),
-            }[mask.kind]
-            if ok:
-                full.add(t)
+        full = {t for t in tiles if _tile_full(mask, t * block_kv, t * block_kv + block_kv - 1, q0, q1, off, n_kv, docs)}
         out[qt] = (range(max(0, tiles.start), min(n_tiles, tiles.stop)), full)
     return out
+
+
+def _tile_full(mask, k0: int, k1: int, q0: int, q1: int, off: int, n_kv: int, docs) -> bool:
+    """Every pair of rows [q0, q1] x keys [k0, k1] kept? (needs_element_test in _mask.cu.j2)"""
+    if k1 >= n_kv or mask.expression is not None:
+        return False
+    kind = mask.kind
+    if kind == "causal":
+        return k1 <= q0 + off
+    if kind == "sliding_window":
+        return k0 >= q1 + off - mask.window_left and k1 <= q0 + off + (mask.window_right or 0)
+    if kind == "chunked":
+        return k1 <= q0 + off and k0 >= ((q1 + off) // mask.chunk_size) * mask.chunk_size
+    if kind == "prefix_lm":
+        return k1 < mask.prefix_len or k1 <= q0 + off
+    if kind == "document":
+        return bool(docs[q0] == docs[q1] == docs[k0] == docs[k1]) and (not mask.causal or k1 <= q0)
+    return True
 
 
 # ---- runtime block masks -----------------------------------------------------------------

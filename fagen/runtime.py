@@ -225,6 +225,7 @@ class Kernel:
                 raise ValueError(f"doc_ids: shape {docs.shape} with Nq = {nq}, Nk = {nk}; document masks take "
                                  f"[B|1, N] ids for self-attention over packed sequences (Nq == Nk == N)")
             _check_sorted_once(raw, docs)
+            docs = cupy.ascontiguousarray(docs)  # the kernel reads ids at unit stride
             held.append(docs)
             args.update(doc_ids=_ptr(docs), doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))
         if spec.score_mod.alibi != "none":

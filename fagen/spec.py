@@ -99,6 +99,7 @@ class Pipeline(_Frozen):
     q_in_registers: bool = False
 
 
+MAX_MASK_SPAN = 1 << 28  # positions: a window of 2^28 is unbounded in practice and int32-safe
 MaskKind = Literal["none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask"]
 # The fields each mask kind reads (beside kind, align and expression); any other is an error.
 MASK_FIELDS = {
@@ -114,9 +115,10 @@ def _check_expression(field: str, text: str, names: str) -> str:
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth < 0:
             break
-    if not text.strip() or depth != 0 or any(c in text for c in ";{}#\"\n"):
+    comments = any(c in text for c in ("//", "/*", "*/"))
+    if not text.strip() or depth != 0 or comments or any(c in text for c in ";{}#\"\n"):
         raise ValueError(rule(field, text, f"must be one C++ expression over {names} (no ';', braces, "
-                                           "'#' or unbalanced parentheses)",
+                                           "'#', comments or unbalanced parentheses)",
                               "e.g. (q_idx - kv_idx) % 2 == 0"))
     return text
 
@@ -147,9 +149,9 @@ class Mask(_Frozen):
             if value is not None and field not in allowed:
                 raise ValueError(rule(f"mask.{field}", value, f"does not apply to mask kind {self.kind!r}",
                                       f"remove it, or use the kind it belongs to"))
-            if value is not None and value < (0 if field.startswith("window") else 1):
-                raise ValueError(rule(f"mask.{field}", value, "must be positive (window sizes: >= 0)",
-                                      "use e.g. 1024"))
+            if value is not None and not (0 if field.startswith("window") else 1) <= value <= MAX_MASK_SPAN:
+                raise ValueError(rule(f"mask.{field}", value, f"must be in 1..{MAX_MASK_SPAN} (window sizes: "
+                                      f"from 0; the kernel does int32 position arithmetic)", "use e.g. 1024"))
         if self.causal and "causal" not in allowed:
             raise ValueError(rule("mask.causal", True, f"only refines kind 'document'",
                                   "use kind: causal for plain causal attention"))
@@ -183,8 +185,9 @@ class ScoreMod(_Frozen):
     @field_validator("softcap")
     @classmethod
     def _softcap(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError(rule("score_mod.softcap", v, "must be > 0", "use e.g. 30.0 (Gemma 2), or remove it"))
+        if v is not None and not 1e-3 <= v <= 1e6:
+            raise ValueError(rule("score_mod.softcap", v, "must be a finite number in [1e-3, 1e6] (it is a "
+                                  "float32 constant in the kernel)", "use e.g. 30.0 (Gemma 2), or remove it"))
         return v
 
     @field_validator("expression")

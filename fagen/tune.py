@@ -23,8 +23,13 @@ SPACE = {
     "smem_layout": ("padded", "swizzled"),
     "q_in_registers": (False, True),
 }
-QUICK_SPACE = {**SPACE, "block_kv": (32, 64), "pipeline": (("shared", 2), ("separate", 1)),
-               "smem_layout": ("padded",), "q_in_registers": (False,)}
+# 16 rows a warp (the configurations that win on H100/H200), the common KV tiles and pipelines
+QUICK_SPACE = {**SPACE, "block_kv": (32, 64, 128), "pipeline": (("separate", 1), ("separate", 2)),
+               "smem_layout": ("swizzled",), "q_in_registers": (False,)}
+
+
+def _quick_filter(bq: int, wq: int) -> bool:
+    return bq == 16 * wq
 
 
 @dataclass
@@ -39,6 +44,8 @@ def candidates(base: AttentionSpec, space: dict = SPACE) -> tuple[list[Attention
     """Valid variants of `base` over `space`, and how many combinations the validator refused."""
     keep, refused = [], 0
     for bq, wq, bkv, (kv_smem, stages), layout, q_regs in itertools.product(*space.values()):
+        if space is QUICK_SPACE and not _quick_filter(bq, wq):
+            continue
         data = base.model_dump(mode="json")
         data["tiling"] = {"block_q": bq, "block_kv": bkv, "warps_q": wq}
         data["pipeline"] = {"kv_smem": kv_smem, "stages": stages, "q_in_registers": q_regs}

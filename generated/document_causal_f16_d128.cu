@@ -187,6 +187,7 @@ struct Mask {
   // pair is known to count.
   __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
+    r0 = min(r0, r1);  // a warp past the last row holds no query: keep its reads in bounds
     bool full = k1 < n_kv && doc[r0] == doc[r1] && doc[kv0] == doc[r0] && doc[k1] == doc[r0] && k1 <= r0;
     return !full || k1 >= n_kv;
   }

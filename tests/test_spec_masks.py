@@ -326,19 +326,13 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     assert [a.strip() for a in score_call.split(",") if a.strip()] == [n for _, n in p.score_params]
 
 
-# ---- known gaps in validation (strict xfail: these start passing once fagen.spec is fixed) ----
+# ---- values that would render a wrong kernel ----
 
-@pytest.mark.xfail(strict=True, reason=(
-    "score_mod.softcap only checks > 0: inf renders `SOFTCAP = inff` (nvcc error), 1e300 renders "
-    "1e+300f (inf in f32: cap * tanh(s / cap) = inf * 0 = NaN), 1e-50 renders 0 in f32"))
 @pytest.mark.parametrize("cap", [float("inf"), 1e300, 1e-50])
 def test_softcap_must_be_a_finite_float32(cap):
     assert "score_mod.softcap" in rejected(score_mod={"softcap": cap})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mask sizes are unbounded Python ints rendered as `constexpr int`: 2**40 truncates to 0 in the "
-    "kernel (nvcc warning #69-D only) while the oracle uses 2**40"))
 @pytest.mark.parametrize("mask", [
     {"kind": "sliding_window", "window_left": 2**40},
     {"kind": "chunked", "chunk_size": 2**33},
@@ -348,10 +342,6 @@ def test_mask_sizes_must_fit_the_kernels_int(mask):
     rejected(mask=mask)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the expression check counts parentheses inside comments: '0 /* ( */ ) || (1 /* ) */' renders "
-    "`active = active && (0 ) || (1 );`, escaping the AND with the kind's mask and kv_idx < n_kv; "
-    "'//' comments out the closing parenthesis (nvcc error)"))
 @pytest.mark.parametrize("expr", ["0 /* ( */ ) || (1 /* ) */", "q_idx > 0 // note"])
 def test_mask_expression_comments_refused(expr):
     assert "mask.expression" in rejected(mask={"kind": "causal", "expression": expr})

@@ -1,0 +1,3 @@
+from fagen.cli import main
+
+main()
