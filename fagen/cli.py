@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from fagen.plan import plan
-from fagen.render import GENERATED, SPECS, generated_path, render
+from fagen.render import GENERATED, MERGE_DTYPES, SPECS, generated_path, merge_name, render, render_merge
 from fagen.spec import SpecError, load_spec
 
 
@@ -53,6 +53,15 @@ def render_cmd(specs: tuple[str, ...], out_dir: str, check: bool) -> None:
             out.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
             click.echo(f"{path} -> {target}")
+    if all(Path(p).is_dir() for p in specs):  # whole folders: the merge kernels come along
+        for dtype in MERGE_DTYPES:
+            target, text = out / f"{merge_name(dtype)}.cu", render_merge(dtype)
+            names.add(target.name)
+            if check and (not target.exists() or target.read_text() != text):
+                stale.append(f"{target} is {'missing' if not target.exists() else 'out of date'}")
+            elif not check:
+                out.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
     if check:
         if all(Path(p).is_dir() for p in specs):  # whole folders: OUT must hold nothing else
             stale += [f"{f} has no spec in specs/" for f in sorted(out.glob("*.cu")) if f.name not in names]
@@ -210,8 +219,21 @@ def bench_cmd(quick: bool, out_dir: str, md_path: str, from_json: str | None) ->
         path = out / f"bench_d{d}.png"
         bench.plot(rows, d, path)
         plots.append(str(path))
-    Path(md_path).write_text(bench.markdown(rows, meta, plots))
+    Path(md_path).write_text(bench.markdown(rows, meta, plots, md_path=md_path))
     for r in rows:
         if r.impl == "fagen":
             click.echo(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
     click.echo(f"wrote {out / 'bench.json'}, {out / 'bench.csv'}, {md_path} and {len(plots)} plots")
+
+
+@main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-n", "--nproc", type=int, required=True, help="processes: one per GPU")
+@click.option("--timeout", type=float, default=None, help="stop every rank after this many seconds")
+@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch_cmd(nproc: int, timeout: float | None, script: str, args: tuple[str, ...]) -> None:
+    """Run SCRIPT once per GPU with RANK / WORLD_SIZE / LOCAL_RANK set (torchrun's names);
+    fagen.distributed.init() joins them. A failing rank stops the others and is reported."""
+    from fagen.distributed import launch
+
+    sys.exit(launch(nproc, [script, *args], timeout))

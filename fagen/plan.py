@@ -47,12 +47,13 @@ class KernelPlan:
     blocks_per_sm_by_smem: int
     mask_params: tuple[tuple[str, str], ...]  # (C type, name) kernel parameters the mask reads
     score_params: tuple[tuple[str, str], ...]  # ... that the score modifiers read
-    sink_params: tuple[tuple[str, str], ...]
+    sink_params: tuple[tuple[str, str], ...]  # (partials leave sinks to the merge)
+    split_params: tuple[tuple[str, str], ...]  # split-KV partials: tiles a split, output strides
 
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
         """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
-        return self.mask_params + self.score_params + self.sink_params
+        return self.mask_params + self.score_params + self.sink_params + self.split_params
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -148,5 +149,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         blocks_per_sm_by_smem=max(1, limit // smem_bytes),
         mask_params=MASK_PARAMS.get(spec.mask.kind, ()),
         score_params=score_params(spec),
-        sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks else (),
+        sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks and not spec.outputs.partial else (),
+        split_params=(("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),
+                      ("long long", "lse_split_stride")) if spec.outputs.partial else (),
     )

@@ -53,12 +53,28 @@ def context(spec: AttentionSpec) -> dict:
         "mask": spec.mask,
         "score_mod": spec.score_mod,
         "write_lse": _cpp_bool(spec.outputs.lse),
+        "partial": spec.outputs.partial,
         "q_in_registers": _cpp_bool(spec.pipeline.q_in_registers),
     }
 
 
 def render(spec: AttentionSpec) -> str:
     return environment().get_template("kernel.cu.j2").render(context(spec))
+
+
+MERGE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def merge_name(out_dtype: str) -> str:
+    return f"merge_partials_{out_dtype}"
+
+
+def render_merge(out_dtype: str) -> str:
+    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, for ring steps)."""
+    if out_dtype not in MERGE_DTYPES:
+        raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
+    return environment().get_template("merge.cu.j2").render(
+        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=PTX_TYPE.get(out_dtype, ""))
 
 
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:

@@ -163,8 +163,20 @@ class Kernel:
         return tq, tk, tv
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None,
-                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
-        tq, tk, tv = self.check(q, k, v, out)
+                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+                 splits: int | None = None, mask_offset: int | None = None):
+        """out (and lse) for q, k, v. A partial spec (outputs.partial) returns float32 partials
+        (o_parts [S, B, Hq, Nq, d], lse_parts [S, B, Hq, Nq]) for `splits` shares of the KV
+        tiles; fagen.splitkv merges them. mask_offset moves the diagonal (key of query 0's
+        diagonal): shards of a sequence pass their positions through it."""
+        partial = self.spec.outputs.partial
+        if splits is not None and not partial:
+            raise ValueError(f"splits={splits}: kernel {self.spec.name} is not a split-KV kernel "
+                             f"(outputs: {{partial: true}})")
+        if mask_offset is not None and self.spec.mask.kind not in ("none", "causal", "sliding_window"):
+            raise ValueError(f"mask_offset: mask kind {self.spec.mask.kind!r} is not a function of q - k alone; "
+                             f"shifted positions work with none, causal and sliding_window")
+        tq, tk, tv = self.check(q, k, v, None if partial else out)
         if return_lse and not self.spec.outputs.lse:
             raise ValueError(f"return_lse=True, but kernel {self.spec.name} has outputs.lse: false; "
                              f"use a spec with outputs: {{lse: true}}")
@@ -172,28 +184,53 @@ class Kernel:
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
         b, hq, nq, d = tq.shape
+        nk = tk.shape[2]
+        if mask_offset is None:
+            mask_offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
+        n_tiles = math.ceil(nk / self.plan.block_kv)
+        splits = 1 if not partial else (splits or 1)
+        if not 1 <= splits <= min(n_tiles, 65535):
+            raise ValueError(f"splits = {splits}: must be 1..{min(n_tiles, 65535)} (the KV tiles of Nk = {nk})")
         # Everything below allocates on the launch stream, so memory a temporary frees can only
         # be reused by work ordered after this kernel.
         with cupy.cuda.Device(tq.device), _stream_for(tq):
             given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+            if partial and sinks is not None:
+                raise ValueError("sinks: a split-KV kernel leaves them to the merge (fagen.splitkv.merge)")
+            if partial:
+                given["sinks"] = None
             extras, keep_alive = self.extra_arguments(tq, tk, given)
-            out = _empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
-            to = as_device_tensor(out, "out")
-            lse = _empty_like(tq, (b, hq, nq), "float32")
-            tl = as_device_tensor(lse, "lse")
+            if partial:
+                per_split = math.ceil(n_tiles / splits)
+                splits = math.ceil(n_tiles / per_split)
+                out = _empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
+                lse = _empty_like(tq, (splits, b, hq, nq), "float32")
+                to = as_device_tensor(out, "out")
+                if to.shape != (splits, b, hq, nq, d) or to.dtype != "float32" or to.strides[-1] != 1:
+                    raise ValueError(f"out: {to.dtype} {to.shape}; a split-KV kernel writes float32 "
+                                     f"[{splits}, {b}, {hq}, {nq}, {d}]")
+                tl = as_device_tensor(lse, "lse")
+                extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(to.strides[0]),
+                              lse_split_stride=np.int64(tl.strides[0]))
+                to = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
+            else:
+                out = _empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
+                to = as_device_tensor(out, "out")
+                lse = _empty_like(tq, (b, hq, nq), "float32")
+                tl = as_device_tensor(lse, "lse")
             i32, i64 = np.int32, np.int64
             args = (
                 np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
-                i32(nq), i32(tk.shape[2]), i32(hq), i32(hq // tk.shape[1]),
+                i32(nq), i32(nk), i32(mask_offset), i32(hq), i32(hq // tk.shape[1]),
                 *(i64(s) for s in tq.strides[:3]), *(i64(s) for s in tk.strides[:3]),
                 *(i64(s) for s in tv.strides[:3]), *(i64(s) for s in to.strides[:3]),
                 np.float32(scale), np.float32(scale * LOG2E),
                 *(extras[name] for _, name in self.plan.extra_params),
             )
-            grid = (b * hq, math.ceil(nq / self.plan.block_q))
+            grid = (b * hq, math.ceil(nq / self.plan.block_q), splits)
             self.function(grid, (self.plan.threads,), args, shared_mem=self.plan.smem_bytes)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
-        return (out, lse) if return_lse else out
+        return (out, lse) if return_lse or partial else out
 
     def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
         """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by

@@ -202,6 +202,15 @@ class ScoreMod(_Frozen):
 
 class Outputs(_Frozen):
     lse: bool = True
+    # split-KV: each block attends to a share of the KV tiles and writes a float32 partial O
+    # (normalised over its keys) and its LSE; fagen.splitkv merges partials by LSE
+    partial: bool = False
+
+    @model_validator(mode="after")
+    def _partial_needs_lse(self) -> Outputs:
+        if self.partial and not self.lse:
+            raise ValueError(rule("outputs.lse", False, "partials are merged by their LSE", "set lse: true"))
+        return self
 
 
 class AttentionSpec(_Frozen):

@@ -13,6 +13,7 @@
 //   name: attn_f16_d256_causal_h200
 //   outputs:
 //     lse: true
+//     partial: false
 //   pipeline:
 //     kv_smem: separate
 //     q_in_registers: false
@@ -31,6 +32,7 @@
 // ---- compile-time configuration (every number the kernel uses, once) -------------------
 typedef unsigned short elem_t;  // float16 storage; all arithmetic is in f32 registers
 struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
+typedef elem_t out_t;
 constexpr int HEAD_DIM = 256;
 constexpr int BLOCK_Q = 64;            // Br: query rows per block
 constexpr int BLOCK_KV = 32;           // Bc: keys per KV tile
@@ -152,22 +154,31 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
 
 // ---- mask: causal ----------------------------------------------------
 // Which KV tiles a query tile visits, which of them need a per-element test, and the test.
-// The diagonal: query q faces key q + offset (bottom_right: offset = n_kv - n_q).
+// The diagonal: query q faces key q + offset. The runtime passes offset: n_kv - n_q aligned
+// bottom right, 0 top left, shifted by the positions of a shard's first query and key when
+// attention is split across devices (bottom_right here).
 // Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
 
 struct Mask {
   int n_q, n_kv, offset;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
 
-  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int b, int h, int q0_) {
+  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int offset_, int b, int h, int q0_) {
     n_q = n_q_;
     n_kv = n_kv_;
-    offset = n_kv - n_q;
+    offset = offset_;
     const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     hi = min(n_kv, q_last + offset + 1);
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
+  }
+
+  // Keep the `per_split` tiles of split `split` (split-KV: one block per split of a row's tiles).
+  __device__ __forceinline__ void restrict_to_split(int split, int per_split) {
+    const int skip = split * per_split;
+    first += skip;
+    count = max(0, min(count - skip, per_split));
   }
 
   __device__ __forceinline__ int kv_tile(int i) const { return first + i; }
@@ -307,7 +318,7 @@ struct OnlineSoftmax {
 // written. A row that saw no key has l = 0: O = 0 and LSE = -inf. With sinks, the head's sink
 // logit joins the max and the denominator here, once: it carries no value.
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q, elem_t* __restrict__ out, long long out_stride,
+                                             elem_t* smem_q, out_t* __restrict__ out, long long out_stride,
                                              float* __restrict__ lse, int row0, int n_q, int lane, float sink) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -356,7 +367,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 // One block per SM is enough to let ptxas use every register it needs (no spills).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 attn_f16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-    elem_t* __restrict__ o, float* __restrict__ lse, int n_q, int n_kv, int heads_q, int group,
+    out_t* __restrict__ o, float* __restrict__ lse, int n_q, int n_kv, int mask_offset, int heads_q, int group,
     long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
     long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
     float scale, float scale_log2) {
@@ -376,7 +387,7 @@ attn_f16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __restrict
   lse += ((long long)b * heads_q + h) * n_q + q0;
 
   Mask mask;
-  mask.begin(n_q, n_kv, b, h, q0);
+  mask.begin(n_q, n_kv, mask_offset, b, h, q0);
   const int kv_tiles = mask.count;
   const KvPipeline kv{smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, 2 * kv_tiles, tid};
   ScoreMod score_mod;

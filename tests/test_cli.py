@@ -9,6 +9,7 @@ import yaml
 from click.testing import CliRunner
 
 import fagen
+from fagen.render import MERGE_DTYPES, merge_name
 from fagen.cli import main
 from fagen.plan import plan
 from fagen.render import GENERATED, SPECS
@@ -51,7 +52,8 @@ def test_render_one_spec_writes_name_cu(tmp_path):
 
 
 def test_render_folder_writes_one_file_per_spec(rendered):
-    assert sorted(p.name for p in rendered.glob("*.cu")) == sorted(f"{f.stem}.cu" for f in SPEC_FILES)
+    merges = [f"{merge_name(dt)}.cu" for dt in MERGE_DTYPES]  # the split-KV merge kernels come along
+    assert sorted(p.name for p in rendered.glob("*.cu")) == sorted([f"{f.stem}.cu" for f in SPEC_FILES] + merges)
     for path in SPEC_FILES[:3]:
         assert (rendered / f"{path.stem}.cu").read_text() == fagen.render(fagen.load_spec(path))
 
@@ -75,7 +77,7 @@ def test_render_is_byte_identical_twice(tmp_path):
 def test_check_passes_on_a_fresh_render(rendered):
     result = run("render", "--check", "-o", rendered)
     assert result.exit_code == 0, result.output
-    assert f"{len(SPEC_FILES)} kernels current" in result.output
+    assert f"{len(SPEC_FILES) + len(MERGE_DTYPES)} kernels current" in result.output
 
 
 def test_check_writes_nothing(tmp_path):

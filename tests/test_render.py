@@ -4,7 +4,7 @@ import re
 
 import fagen
 from fagen import __version__
-from fagen.render import GENERATED, SPECS, render
+from fagen.render import GENERATED, MERGE_DTYPES, SPECS, merge_name, render, render_merge
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 
@@ -29,7 +29,9 @@ def test_generated_matches_a_fresh_render_of_every_spec():
     for path in SPEC_PATHS:
         spec = fagen.load_spec(path)
         assert (GENERATED / f"{spec.name}.cu").read_text() == render(spec), f"run `fagen render` for {spec.name}"
-    assert {p.stem for p in GENERATED.glob("*.cu")} == {p.stem for p in SPEC_PATHS}
+    for dtype in MERGE_DTYPES:
+        assert (GENERATED / f"{merge_name(dtype)}.cu").read_text() == render_merge(dtype)
+    assert {p.stem for p in GENERATED.glob("*.cu")} == {p.stem for p in SPEC_PATHS} | {merge_name(d) for d in MERGE_DTYPES}
 
 
 def test_constants_are_injected_once_and_variants_differ_only_where_they_should():

@@ -24,7 +24,7 @@ BASE = {  # specs/sliding_window_f16_d128.yaml
     "arch": "sm_80",
 }
 
-FIXED_PARAMS = ["q", "k", "v", "o", "lse", "n_q", "n_kv", "heads_q", "group", "q_sb", "q_sh", "q_sn",
+FIXED_PARAMS = ["q", "k", "v", "o", "lse", "n_q", "n_kv", "mask_offset", "heads_q", "group", "q_sb", "q_sh", "q_sn",
                 "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sn", "scale", "scale_log2"]
 BM_PARAMS = ["bm_num", "bm_idx", "bm_type", "bm_partial", "bm_bits", "bm_sb", "bm_sh", "bm_max", "bm_causal_offset"]
 BIAS_PARAMS = ["bias", "bias_sb", "bias_sh", "bias_sq"]
@@ -320,7 +320,7 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     assert [n for _, n in params] == FIXED_PARAMS + [n for _, n in extra]
     assert params[len(FIXED_PARAMS):] == extra  # the names in order, with the plan's C types
     # and the mask and score-mod structs receive their own parameters, in the same order
-    mask_call = re.search(r"mask\.begin\(n_q, n_kv, b, h, q0(.*?)\);", src).group(1)
+    mask_call = re.search(r"mask\.begin\(n_q, n_kv, mask_offset, b, h, q0(.*?)\);", src).group(1)
     assert [a.strip() for a in mask_call.split(",") if a.strip()] == [n for _, n in p.mask_params]
     score_call = re.search(r"score_mod\.begin\(n_q, n_kv, b, h, scale(.*?)\);", src).group(1)
     assert [a.strip() for a in score_call.split(",") if a.strip()] == [n for _, n in p.score_params]

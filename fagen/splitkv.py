@@ -1,0 +1,102 @@
+"""Split-KV attention: partial outputs over shares of the keys, merged by their LSE.
+
+On one GPU this is flash-decoding: with few query rows (decode) the plain kernel launches too
+few blocks to fill the GPU, so the keys are split and each split runs as its own block. The
+same partials and merge carry sequence-sharded attention across GPUs (fagen.distributed).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from fagen.render import merge_name, render_merge
+from fagen.runtime import (
+    DeviceTensor, _empty_like, _stream_for, as_device_tensor, compile_kernel, cupy, default_spec,
+)
+from fagen.spec import AttentionSpec
+
+
+def partial_variant(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` writing float32 partials (outputs.partial), named <name>_partial."""
+    if spec.outputs.partial:
+        return spec
+    return spec.model_copy(update={"name": f"{spec.name}_partial",
+                                   "outputs": spec.outputs.model_copy(update={"partial": True, "lse": True})})
+
+
+def choose_splits(blocks: int, kv_tiles: int, sm_count: int) -> int:
+    """Splits that give about two waves of blocks over the SMs, at least 2 KV tiles a split;
+    1 when the unsplit launch already fills the GPU."""
+    if blocks >= sm_count or kv_tiles < 4:
+        return 1
+    return max(1, min(kv_tiles // 2, math.ceil(2 * sm_count / blocks)))
+
+
+@lru_cache(maxsize=None)
+def _merge_function(out_dtype: str, device: int):
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=render_merge(out_dtype), options=("-std=c++17",)).get_function(merge_name(out_dtype))
+
+
+def merge(o_parts, lse_parts, *, sinks=None, out=None, out_dtype: str | None = None):
+    """Combine partials o_parts [S, B, H, N, d] (float32) and lse_parts [S, B, H, N] into
+    (out [B, H, N, d], lse [B, H, N]); sinks [H] float32 join the denominator here."""
+    tp, tl = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
+    if tp.dtype != "float32" or tl.dtype != "float32" or len(tp.shape) != 5 or tl.shape != tp.shape[:4]:
+        raise ValueError(f"merge: o_parts {tp.dtype} {tp.shape}, lse_parts {tl.dtype} {tl.shape}; expected "
+                         f"float32 [S, B, H, N, d] and [S, B, H, N]")
+    if tp.strides != _contiguous(tp.shape) or tl.strides != _contiguous(tl.shape):
+        raise ValueError("merge: o_parts and lse_parts must be contiguous")
+    s, b, h, n, d = tp.shape
+    out_dtype = out_dtype or (as_device_tensor(out, "out").dtype if out is not None else "float32")
+    with cupy.cuda.Device(tp.device), _stream_for(tp):
+        out = _empty_like(tp, (b, h, n, d), out_dtype) if out is None else out
+        to = as_device_tensor(out, "out")
+        if to.shape != (b, h, n, d) or to.dtype != out_dtype or to.strides[-1] != 1:
+            raise ValueError(f"merge: out {to.dtype} {to.shape}; expected {out_dtype} [{b}, {h}, {n}, {d}]")
+        lse = _empty_like(tp, (b, h, n), "float32")
+        held = []
+        sink_ptr = np.uint64(0)
+        if sinks is not None:
+            arr = cupy.ascontiguousarray(cupy.asarray(sinks, dtype=cupy.float32))
+            if arr.shape != (h,):
+                raise ValueError(f"merge: sinks shape {arr.shape}; expected [{h}]")
+            held.append(arr)
+            sink_ptr = np.uint64(arr.data.ptr)
+        rows = b * h * n
+        i32, i64 = np.int32, np.int64
+        _merge_function(out_dtype, tp.device)(
+            (math.ceil(rows / 4),), (128,),
+            (np.uint64(tp.ptr), np.uint64(tl.ptr), sink_ptr, np.uint64(to.ptr),
+             np.uint64(as_device_tensor(lse, "lse").ptr), i32(s), i32(rows), i32(d), i32(h), i32(n),
+             i64(b * h * n * d), i64(b * h * n), *(i64(x) for x in to.strides[:3])))
+        del held
+    return out, lse
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, splits: int | None = None,
+              sinks=None, return_lse: bool = False, spec: AttentionSpec | None = None):
+    """Attention through split-KV partials and the merge; `splits` defaults to what fills the GPU."""
+    tq: DeviceTensor = as_device_tensor(q, "q")
+    base = spec or default_spec(tq.dtype, tq.shape[-1], causal)
+    kernel = compile_kernel(partial_variant(base))
+    b, hq, nq, _ = tq.shape
+    nk = as_device_tensor(k, "k").shape[2]
+    if splits is None:
+        sm_count = cupy.cuda.Device(tq.device).attributes["MultiProcessorCount"]
+        blocks = b * hq * math.ceil(nq / kernel.plan.block_q)
+        splits = choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), sm_count)
+    o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits)
+    out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
+    return (out, lse) if return_lse else out

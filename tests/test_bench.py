@@ -1,0 +1,439 @@
+"""fagen.bench without a GPU: FLOP counting, the case list, documents, the writers (JSON, CSV,
+BENCHMARKS.md, plots) on synthetic rows, and `fagen bench --from-json`."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fagen import bench
+from fagen.bench import Case, Row
+from fagen.check import attention_flops
+from fagen.cli import main
+from fagen.masks import dense_from_predicate, documents_of_lengths, static_predicate
+from fagen.spec import Mask
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROW_FIELDS = ["case", "kernel", "impl", "dtype", "head_dim", "n", "batch", "heads", "causal", "mask",
+              "ms", "tflops", "note"]
+
+
+# ---- FLOP counting ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((1, 1, 1, 1, 1, False), 4.0),
+    ((1, 1, 2, 3, 5, False), 120.0),  # 4 * 2 * 3 * 5
+    ((3, 5, 7, 11, 64, False), 295_680.0),  # Nq != Nk
+    ((2, 16, 1024, 1024, 128, False), 17_179_869_184.0),  # 4 * 2 * 16 * 2^20 * 128 = 2^34
+    ((2, 16, 1024, 1024, 128, True), 8_589_934_592.0),  # halved
+    ((8, 8, 2048, 2048, 256, True), 137_438_953_472.0),  # 4 * 64 * 2^22 * 256 / 2 = 2^37
+])
+def test_attention_flops_by_hand(args, expected):
+    assert attention_flops(*args) == expected
+
+
+def test_causal_is_exactly_half_of_dense():
+    for b, h, n, d in [(1, 1, 7, 32), (4, 16, 4096, 128), (1, 8, 16384, 256)]:
+        assert attention_flops(b, h, n, n, d, True) * 2 == attention_flops(b, h, n, n, d, False)
+
+
+def _brute_kept(n: int, mask: str, window: int, prefix: int, lengths: list[int] | None = None) -> int:
+    """Kept (q, k) pairs by a double loop over the README's definitions (Nq == Nk, offset 0)."""
+    doc = [i for i, length in enumerate(lengths or [n]) for _ in range(length)]
+    keep = {
+        "dense": lambda q, k: True,
+        "causal": lambda q, k: k <= q,
+        "sliding_window": lambda q, k: q - window <= k <= q,  # window_left = W, window_right = 0
+        "prefix_lm": lambda q, k: k <= q or k < prefix,
+        "documents": lambda q, k: doc[q] == doc[k] and k <= q,
+    }[mask]
+    return sum(keep(q, k) for q in range(n) for k in range(n))
+
+
+@pytest.fixture
+def small_masks(monkeypatch):
+    """A window and a prefix that matter at n = 64 (the shipped 1024 would cover it all)."""
+    monkeypatch.setattr(bench, "WINDOW", 8)
+    monkeypatch.setattr(bench, "PREFIX", 16)
+    return 8, 16
+
+
+@pytest.mark.parametrize("rows_per_step", [1024, 64, 7, 1])
+@pytest.mark.parametrize("mask", ["sliding_window", "prefix_lm", "documents"])
+def test_kept_pairs_against_a_dense_count(small_masks, mask, rows_per_step):
+    window, prefix = small_masks
+    n = 64
+    case = Case("float16", 64, n, True, mask)
+    lengths = bench.doc_lengths(n)
+    expected = _brute_kept(n, mask, window, prefix, lengths)
+    assert bench.kept_pairs(case, rows_per_step=rows_per_step) == expected
+
+
+def test_kept_pairs_closed_forms(small_masks):
+    w, p = small_masks
+    n = 64
+    assert bench.kept_pairs(Case("float16", 64, n, False)) == n * n
+    assert bench.kept_pairs(Case("float16", 64, n, True)) == n * (n + 1) // 2
+    # row q keeps min(q, W) + 1 keys
+    assert bench.kept_pairs(Case("float16", 64, n, True, "sliding_window")) == n * (w + 1) - w * (w + 1) // 2
+    # causal, plus the keys k < P above the diagonal: P (P - 1) / 2 of them
+    assert bench.kept_pairs(Case("float16", 64, n, True, "prefix_lm")) == n * (n + 1) // 2 + p * (p - 1) // 2
+    lengths = bench.doc_lengths(n)
+    assert bench.kept_pairs(Case("float16", 64, n, True, "documents")) == sum(x * (x + 1) // 2 for x in lengths)
+
+
+def test_sliding_window_wider_than_the_sequence_is_causal():
+    n = 64  # the shipped WINDOW (1024) covers every key before the diagonal
+    assert bench.kept_pairs(Case("float16", 64, n, True, "sliding_window")) == n * (n + 1) // 2
+
+
+def _kernel_mask(case: Case) -> Mask:
+    """The mask fagen_spec gives the kernel for a masked case (built here without a GPU)."""
+    return {"sliding_window": Mask(kind="sliding_window", window_left=bench.WINDOW),
+            "documents": Mask(kind="document", causal=True),
+            "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench.PREFIX)}[case.mask]
+
+
+@pytest.mark.parametrize("mask", ["sliding_window", "prefix_lm", "documents"])
+def test_kept_pairs_count_what_the_kernel_mask_keeps(small_masks, mask):
+    """The FLOPs bench credits are the pairs the rendered kernel's mask keeps (fagen.masks)."""
+    case = Case("float16", 128, 64, True, mask)
+    docs = documents_of_lengths(bench.doc_lengths(case.n))
+    keep = dense_from_predicate(static_predicate(_kernel_mask(case), case.n, case.n, docs), 1, 1, case.n, case.n)
+    assert bench.kept_pairs(case) == int(keep.sum())
+
+
+def test_case_flops_dense_and_causal():
+    dense, causal = Case("float16", 64, 64, False), Case("float16", 64, 64, True)
+    b, h = 16384 // 64, 2048 // 64
+    assert (dense.batch, dense.heads) == (b, h)
+    assert bench.case_flops(dense) == attention_flops(b, h, 64, 64, 64, False) == 4.0 * b * h * 64 * 64 * 64
+    assert bench.case_flops(dense) == 4.0 * b * h * 64 * bench.kept_pairs(dense)
+    assert bench.case_flops(causal) == attention_flops(b, h, 64, 64, 64, True) == bench.case_flops(dense) / 2
+
+
+@pytest.mark.parametrize("mask", ["sliding_window", "prefix_lm", "documents"])
+def test_case_flops_masked_count_kept_pairs(small_masks, mask):
+    case = Case("float16", 128, 64, True, mask)
+    b, h, d = 256, 16, 128
+    kept = bench.kept_pairs(case)
+    assert bench.case_flops(case) == 4.0 * b * h * d * kept
+    causal_kept = 64 * 65 // 2
+    # sliding window and documents keep part of causal; prefix_lm keeps more than causal
+    assert (kept > causal_kept) if mask == "prefix_lm" else (0 < kept < causal_kept)
+    assert bench.case_flops(case) < bench.case_flops(Case("float16", 128, 64, False))
+
+
+def test_case_flops_shipped_sliding_window_at_4096():
+    case = Case("float16", 128, 4096, True, "sliding_window")
+    n, w = 4096, bench.WINDOW
+    assert (case.batch, case.heads) == (4, 16)
+    assert bench.case_flops(case) == 4.0 * 4 * 16 * 128 * (n * (w + 1) - w * (w + 1) // 2)
+
+
+# ---- the case list ---------------------------------------------------------------------------
+
+
+def test_constants_are_the_flashattention_sweep():
+    assert (bench.TOKENS, bench.HIDDEN) == (16384, 2048)
+    assert bench.DTYPES == ("float16", "bfloat16")
+    assert bench.HEAD_DIMS == (64, 128, 256)
+    assert bench.LENGTHS == (512, 1024, 2048, 4096, 8192, 16384)
+    assert bench.MASKED_LENGTHS == (4096, 16384)
+    assert set(bench.MASKS) == {"sliding_window", "documents", "prefix_lm"}
+
+
+def test_cases_have_every_dense_combination():
+    dense = [c for c in bench.cases() if c.mask == "none"]
+    combos = {(c.dtype, c.head_dim, c.n, c.causal) for c in dense}
+    expected = set(itertools.product(bench.DTYPES, bench.HEAD_DIMS, bench.LENGTHS, (False, True)))
+    assert combos == expected
+    assert len(dense) == len(expected) == 2 * 3 * 6 * 2
+
+
+def test_cases_have_the_masked_cases():
+    masked = [c for c in bench.cases() if c.mask != "none"]
+    assert {(c.mask, c.n) for c in masked} == {(m, n) for m in ("sliding_window", "documents", "prefix_lm")
+                                                for n in (4096, 16384)}
+    assert len(masked) == 6
+
+
+def test_every_case_has_16k_tokens_and_hidden_2048():
+    for c in bench.cases():
+        assert c.batch * c.n == 16384, c
+        assert c.heads * c.head_dim == 2048, c
+
+
+def test_case_keys_are_unique_and_readable():
+    all_cases = bench.cases()
+    keys = [c.key for c in all_cases]
+    assert len(set(keys)) == len(keys) == 78
+    assert Case("float16", 128, 4096, False).key == "float16-d128-n4096-dense"
+    assert Case("bfloat16", 64, 512, True).key == "bfloat16-d64-n512-causal"
+    assert Case("float16", 128, 16384, True, "prefix_lm").key == "float16-d128-n16384-prefix_lm"
+
+
+def test_quick_cases_are_a_small_subset_with_a_mask():
+    quick = bench.cases(quick=True)
+    assert 0 < len(quick) <= 6
+    assert set(quick) <= set(bench.cases())
+    assert len({c.key for c in quick}) == len(quick)
+    assert any(c.mask != "none" for c in quick)
+    assert {c.causal for c in quick if c.mask == "none"} == {False, True}
+
+
+# ---- documents -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [64, 4096, 16384])
+def test_doc_lengths_split_n_into_n_docs(n):
+    lengths = bench.doc_lengths(n)
+    assert len(lengths) == bench.N_DOCS == 8
+    assert sum(lengths) == n
+    assert all(isinstance(x, int) and x >= 1 for x in lengths)
+
+
+def test_doc_lengths_are_deterministic_for_a_seed():
+    assert bench.doc_lengths(4096) == bench.doc_lengths(4096) == bench.doc_lengths(4096, seed=0)
+    assert bench.doc_lengths(4096, seed=1) == bench.doc_lengths(4096, seed=1)
+    assert bench.doc_lengths(4096, seed=1) != bench.doc_lengths(4096, seed=0)
+
+
+def test_doc_lengths_other_counts():
+    assert len(bench.doc_lengths(100, docs=3)) == 3 and sum(bench.doc_lengths(100, docs=3)) == 100
+    assert bench.doc_lengths(10, docs=10) == [1] * 10
+
+
+# ---- writers on synthetic rows ---------------------------------------------------------------
+
+HEAD_DIMS, DTYPES, NS = (64, 128), ("float16", "bfloat16"), (1024, 4096)
+NOTED = Case("bfloat16", 128, 4096, True).key  # its cuDNN row failed
+NOTE = "RuntimeError: No available kernel"
+NO_FLEX = Case("float16", 128, 16384, True, "prefix_lm").key  # its Flex row is missing altogether
+
+
+def _row(case: Case, impl: str, tflops: float | None, note: str = "") -> Row:
+    kernel = f"attn_{case.dtype}_d{case.head_dim}" if impl == "fagen" else impl
+    ms = None if tflops is None else 1.5
+    return Row(case.key, kernel, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads, case.causal,
+               case.mask, ms, tflops, note)
+
+
+def _dense_numbers(i: int) -> dict[str, float]:
+    """fagen, FA2 and cuDNN TFLOP/s of the i-th dense case: fagen / FA2 = 1 + i / 20."""
+    return {"fagen": 200.0 + 10 * i, "sdpa_flash": 200.0, "sdpa_cudnn": 300.0 - i}
+
+
+DENSE_CASES = [Case(dt, d, n, c) for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for n in NS]
+MASKED_NUMBERS = {  # (fagen, flex) TFLOP/s
+    Case("float16", 128, 4096, True, "sliding_window"): (150.0, 100.0),
+    Case("float16", 128, 4096, True, "documents"): (90.0, 120.0),
+    Case("float16", 128, 4096, True, "prefix_lm"): (210.0, 140.0),
+    Case("float16", 128, 16384, True, "prefix_lm"): (250.0, None),
+}
+
+
+@pytest.fixture
+def rows() -> list[Row]:
+    out = []
+    for i, case in enumerate(DENSE_CASES):
+        for impl, tf in _dense_numbers(i).items():
+            if case.key == NOTED and impl == "sdpa_cudnn":
+                out.append(_row(case, impl, None, NOTE))
+            else:
+                out.append(_row(case, impl, tf))
+    for case, (fagen_tf, flex_tf) in MASKED_NUMBERS.items():
+        out.append(_row(case, "fagen", fagen_tf))
+        if flex_tf is not None:
+            out.append(_row(case, "flex", flex_tf))
+    return out
+
+
+META = {"gpu": "NVIDIA H200", "date": "2025-01-01", "torch": "2.9.0", "mode": "full", "cases": "20"}
+
+
+def test_synthetic_rows_are_what_the_tests_assume(rows):
+    assert len(rows) == 16 * 3 + 4 + 3
+    assert len({r.case for r in rows}) == 20
+    assert [r for r in rows if r.tflops is None] == [r for r in rows if r.note]
+
+
+def test_json_round_trip(rows, tmp_path):
+    path = tmp_path / "bench.json"
+    bench.write_json(rows, path, META)
+    back, meta = bench.read_json(path)
+    assert back == rows
+    assert meta == META
+    data = json.loads(path.read_text())
+    assert set(data) == {"meta", "rows"}
+    assert list(data["rows"][0]) == ROW_FIELDS
+    noted = [r for r in data["rows"] if r["note"]]
+    assert len(noted) == 1 and noted[0]["tflops"] is None and noted[0]["ms"] is None
+
+
+def test_csv_has_every_field_and_a_line_per_row(rows, tmp_path):
+    path = tmp_path / "bench.csv"
+    bench.write_csv(rows, path)
+    lines = path.read_text().splitlines()
+    assert lines[0].split(",") == ROW_FIELDS == list(Row.__dataclass_fields__)
+    assert len(lines) == 1 + len(rows)
+    with open(path, newline="") as f:
+        read = list(csv.DictReader(f))
+    assert [r["case"] for r in read] == [r.case for r in rows]
+    assert [r["impl"] for r in read] == [r.impl for r in rows]
+    assert [float(r["tflops"]) if r["tflops"] else None for r in read] == [r.tflops for r in rows]
+    noted = [r for r in read if r["note"]]
+    assert len(noted) == 1 and noted[0]["note"] == NOTE and noted[0]["tflops"] == "" and noted[0]["ms"] == ""
+
+
+def _section(text: str, title: str) -> list[str]:
+    """The table lines (starting with '| ' and not the header) of a '## title' section."""
+    lines = text.splitlines()
+    start = lines.index(title)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    table = [ln for ln in lines[start + 1:end] if ln.startswith("| ")]
+    return table[1:]  # drop the column names; the '| --- |' line starts with '| -'
+
+
+def test_markdown_has_a_section_per_head_dim(rows):
+    text = bench.markdown(rows, META, [])
+    headers = [ln for ln in text.splitlines() if ln.startswith("## head_dim")]
+    assert headers == ["## head_dim 64", "## head_dim 128"]
+    for d in HEAD_DIMS:
+        body = [ln for ln in _section(text, f"## head_dim {d}") if not ln.startswith("| -")]
+        assert len(body) == 8  # 2 dtypes x causal/non-causal x 2 Ns
+    assert "- gpu: NVIDIA H200" in text and "- mode: full" in text
+
+
+def test_markdown_dense_lines_and_fagen_over_fa2(rows):
+    text = bench.markdown(rows, META, [])
+    for i, case in enumerate(DENSE_CASES):
+        num = _dense_numbers(i)
+        cudnn = "n/a" if case.key == NOTED else f"{num['sdpa_cudnn']:.0f}"
+        ratio = f"{num['fagen'] / num['sdpa_flash']:.2f}x"
+        line = (f"| {case.dtype} | {case.n} | {'causal' if case.causal else 'none'} | {num['fagen']:.0f} | 200 | "
+                f"{cudnn} | n/a | {ratio} |")
+        assert line in _section(text, f"## head_dim {case.head_dim}"), line
+    # by hand: d64 float16 dense 1024 is case 0 (200 / 200), bfloat16 dense 4096 is case 5 (250 / 200)
+    assert DENSE_CASES[5] == Case("bfloat16", 64, 4096, False)
+    d64 = _section(text, "## head_dim 64")
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in d64
+    assert "| bfloat16 | 4096 | none | 250 | 200 | 295 | n/a | 1.25x |" in d64
+
+
+def test_markdown_dense_rows_are_sorted_by_dtype_causal_n(rows):
+    text = bench.markdown(rows, META, [])
+    body = [ln for ln in _section(text, "## head_dim 64") if not ln.startswith("| -")]
+    keys = [(ln.split(" | ")[0][2:], ln.split(" | ")[2], int(ln.split(" | ")[1])) for ln in body]
+    assert keys == [("bfloat16", "none", 1024), ("bfloat16", "none", 4096),
+                    ("bfloat16", "causal", 1024), ("bfloat16", "causal", 4096),
+                    ("float16", "none", 1024), ("float16", "none", 4096),
+                    ("float16", "causal", 1024), ("float16", "causal", 4096)]
+
+
+def test_markdown_masks_table_with_fagen_over_flex(rows):
+    text = bench.markdown(rows, META, [])
+    masks = [ln for ln in _section(text, "## Masks (static-mask kernels, kept-work TFLOP/s)")
+             if not ln.startswith("| -")]
+    assert masks == [
+        "| float16 | 128 | 4096 | documents | 90 | 120 | 0.75x |",
+        "| float16 | 128 | 4096 | prefix_lm | 210 | 140 | 1.50x |",
+        "| float16 | 128 | 16384 | prefix_lm | 250 | n/a | n/a |",  # no Flex row: n/a, no ratio
+        "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x |",
+    ]
+
+
+def test_markdown_notes_list_the_noted_row(rows):
+    text = bench.markdown(rows, META, [])
+    notes = text.split("## Notes")[1].strip().splitlines()
+    assert notes[0] == f"- {NOTED} sdpa_cudnn: {NOTE}"
+    assert len([ln for ln in notes if ln.startswith("- ")]) == 1
+
+
+def test_markdown_without_notes_or_masks_has_neither(rows):
+    dense = [r for r in rows if r.mask == "none" and not r.note]
+    text = bench.markdown(dense, META, [])
+    assert "## Notes" not in text and "## Masks" not in text
+
+
+def test_markdown_links_plots_relative_to_its_folder(rows, tmp_path):
+    plots = [str(tmp_path / "bench" / "bench_d64.png"), str(tmp_path / "bench" / "bench_d128.png")]
+    text = bench.markdown(rows, META, plots, md_path=tmp_path / "BENCHMARKS.md")
+    links = [ln for ln in text.splitlines() if ln.startswith("![")]
+    assert links == ["![bench_d64](bench/bench_d64.png)", "![bench_d128](bench/bench_d128.png)"]
+    assert str(tmp_path) not in text
+
+
+def test_markdown_links_climb_out_of_a_sibling_folder(rows, tmp_path):
+    text = bench.markdown(rows, META, [str(tmp_path / "bench" / "bench_d64.png")],
+                          md_path=str(tmp_path / "docs" / "BENCHMARKS.md"))
+    assert "![bench_d64](../bench/bench_d64.png)" in text.splitlines()
+
+
+def test_markdown_links_from_relative_paths(rows, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = bench.markdown(rows, META, ["bench/bench_d64.png"], md_path="BENCHMARKS.md")
+    assert "![bench_d64](bench/bench_d64.png)" in text.splitlines()
+    text = bench.markdown(rows, META, ["bench/bench_d64.png"], md_path="docs/B.md")
+    assert "![bench_d64](../bench/bench_d64.png)" in text.splitlines()
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_plot_writes_a_png(rows, tmp_path, d):
+    path = tmp_path / f"bench_d{d}.png"
+    bench.plot(rows, d, path)  # d=128 has the row without TFLOP/s
+    data = path.read_bytes()
+    assert data.startswith(PNG) and len(data) > 1000
+
+
+# ---- fagen bench --from-json (no GPU) --------------------------------------------------------
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Fail loudly if --from-json reaches for the GPU."""
+    def refuse(*a, **k):
+        raise AssertionError("bench --from-json must not run or probe the GPU")
+    monkeypatch.setattr(bench, "run", refuse)
+    monkeypatch.setattr(bench, "environment_meta", refuse)
+
+
+def test_cli_bench_from_json_regenerates_table_and_plots(rows, tmp_path, no_gpu):
+    src = tmp_path / "in" / "bench.json"
+    src.parent.mkdir()
+    bench.write_json(rows, src, META)
+    out, md = tmp_path / "out", tmp_path / "B.md"
+    result = CliRunner().invoke(main, ["bench", "--from-json", str(src), "-o", str(out), "--markdown", str(md)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    text = md.read_text()
+    assert [ln for ln in text.splitlines() if ln.startswith("## head_dim")] == ["## head_dim 64", "## head_dim 128"]
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in text
+    assert "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x |" in text
+    assert f"- {NOTED} sdpa_cudnn: {NOTE}" in text
+    links = [ln for ln in text.splitlines() if ln.startswith("![")]
+    assert links == ["![bench_d64](out/bench_d64.png)", "![bench_d128](out/bench_d128.png)"]
+    assert str(tmp_path) not in text  # -o and --markdown were absolute: the links must not be
+    for d in HEAD_DIMS:
+        assert (out / f"bench_d{d}.png").read_bytes().startswith(PNG)
+    assert text == bench.markdown(rows, META, [str(out / f"bench_d{d}.png") for d in HEAD_DIMS], md_path=md)
+    # one line per fagen row on stdout
+    assert sum(ln.split()[1:2] == ["fagen"] for ln in result.output.splitlines()) == len(DENSE_CASES) + 4
+
+
+def test_cli_bench_from_json_relative_paths(rows, tmp_path, monkeypatch, no_gpu):
+    monkeypatch.chdir(tmp_path)
+    bench.write_json(rows, Path("bench.json"), META)
+    (tmp_path / "docs").mkdir()
+    result = CliRunner().invoke(main, ["bench", "--from-json", "bench.json", "-o", "bench",
+                                       "--markdown", "docs/BENCHMARKS.md"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    text = (tmp_path / "docs" / "BENCHMARKS.md").read_text()
+    assert "![bench_d64](../bench/bench_d64.png)" in text.splitlines()
+    assert (tmp_path / "bench" / "bench_d128.png").exists()
