@@ -82,7 +82,8 @@ def cases(quick: bool = False) -> list[Case]:
     return dense + masked
 
 
-def doc_lengths(n: int, docs: int = N_DOCS, seed: int = 0) -> list[int]:
+def doc_lengths(n: int, docs: int | None = None, seed: int = 0) -> list[int]:
+    docs = N_DOCS if docs is None else docs
     cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
     return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
 
@@ -138,7 +139,7 @@ def run_fagen(case: Case, flops: float) -> Row:
     spec, extras = fagen_spec(case)
     row = Row(case.key, spec.name, "fagen", case.dtype, case.head_dim, case.n, case.batch, case.heads,
               case.causal, case.mask, None, None)
-    n_check = min(case.n, 1024)
+    n_check = min(case.n, 1536)  # past WINDOW and PREFIX, so their edges are checked too
     check_extras = {"doc_ids": extras["doc_ids"][:1, :n_check]} if extras else None
     if check_extras:
         check_extras["doc_ids"] = np.ascontiguousarray(check_extras["doc_ids"])

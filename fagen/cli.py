@@ -136,7 +136,7 @@ def tune_cmd(spec: str, shape: str, quick: bool, out_dir: str, dry_run: bool) ->
     from fagen import tune
 
     base = _load(Path(spec))
-    specs, refused = tune.candidates(base, tune.QUICK_SPACE if quick else tune.SPACE)
+    specs, refused = tune.candidates(base, quick)
     click.echo(f"{len(specs)} candidates ({refused} refused by the validator: smem, registers, tiling)")
     if dry_run:
         for s in specs:
@@ -219,11 +219,13 @@ def bench_cmd(quick: bool, out_dir: str, md_path: str, from_json: str | None) ->
         path = out / f"bench_d{d}.png"
         bench.plot(rows, d, path)
         plots.append(str(path))
+    Path(md_path).parent.mkdir(parents=True, exist_ok=True)
     Path(md_path).write_text(bench.markdown(rows, meta, plots, md_path=md_path))
     for r in rows:
         if r.impl == "fagen":
             click.echo(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
-    click.echo(f"wrote {out / 'bench.json'}, {out / 'bench.csv'}, {md_path} and {len(plots)} plots")
+    data = "" if from_json else f"{out / 'bench.json'}, {out / 'bench.csv'}, "
+    click.echo(f"wrote {data}{md_path} and {len(plots)} plots")
 
 
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

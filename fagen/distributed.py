@@ -185,6 +185,18 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
+def _encode_id(uid) -> str:
+    """NCCL's unique id as text: bytes in newer CuPy, a tuple of ints in older ones."""
+    if isinstance(uid, (bytes, bytearray)):
+        return json.dumps({"bytes": bytes(uid).hex()})
+    return json.dumps({"ints": list(uid)})
+
+
+def _decode_id(text: str):
+    data = json.loads(text)
+    return bytes.fromhex(data["bytes"]) if "bytes" in data else tuple(data["ints"])
+
+
 def init(timeout_s: float = 120.0) -> Group:
     """Join the process group: RANK, WORLD_SIZE, LOCAL_RANK from the environment (fagen launch
     or torchrun); the NCCL id travels through fagen's rendezvous folder, or torch's TCPStore
@@ -204,14 +216,14 @@ def init(timeout_s: float = 120.0) -> Group:
         path = Path(folder) / "nccl_id.json"
         if rank == 0:
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(list(nccl.get_unique_id())))
+            tmp.write_text(_encode_id(nccl.get_unique_id()))
             tmp.rename(path)
         deadline = time.monotonic() + timeout_s
         while not path.exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank}: no NCCL id from rank 0 after {timeout_s:.0f} s")
             time.sleep(0.05)
-        uid = tuple(json.loads(path.read_text()))
+        uid = _decode_id(path.read_text())
     else:
         from datetime import timedelta
 
@@ -220,8 +232,8 @@ def init(timeout_s: float = 120.0) -> Group:
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT", 29500),
                               world, rank == 0, timeout=timedelta(seconds=timeout_s))
         if rank == 0:
-            store.set("fagen_nccl_id", json.dumps(list(nccl.get_unique_id())))
-        uid = tuple(json.loads(store.get("fagen_nccl_id")))
+            store.set("fagen_nccl_id", _encode_id(nccl.get_unique_id()))
+        uid = _decode_id(store.get("fagen_nccl_id").decode())
     comm = nccl.NcclCommunicator(world, uid, rank)
     return Group(rank, world, local, comm)
 

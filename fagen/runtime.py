@@ -375,14 +375,22 @@ def _block_mask_arguments(mask, plan_: KernelPlan, b: int, hq: int, nq: int, nk:
 _KERNELS: dict[str, Kernel] = {}
 
 
+_BY_SPEC: dict[tuple[AttentionSpec, int], Kernel] = {}
+
+
 def compile_kernel(spec: AttentionSpec) -> Kernel:
-    """One Kernel per (source, options, arch), device and process."""
+    """One Kernel per (source, options, arch), device and process. A spec seen before on this
+    device skips even the render (specs are frozen, so they key a dict)."""
     _require_cupy()
     device = cupy.cuda.Device()
+    hit = _BY_SPEC.get((spec, device.id))
+    if hit is not None:
+        return hit
     source = render(spec)
     key = f"{device.id}:" + cache_key(source, NVRTC_OPTIONS, f"sm_{device.compute_capability}")
     if key not in _KERNELS:
         _KERNELS[key] = Kernel(spec, source)
+    _BY_SPEC[(spec, device.id)] = _KERNELS[key]
     return _KERNELS[key]
 
 

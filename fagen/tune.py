@@ -25,11 +25,12 @@ SPACE = {
 }
 # 16 rows a warp (the configurations that win on H100/H200), the common KV tiles and pipelines
 QUICK_SPACE = {**SPACE, "block_kv": (32, 64, 128), "pipeline": (("separate", 1), ("separate", 2)),
-               "smem_layout": ("swizzled",), "q_in_registers": (False,)}
+               "q_in_registers": (False,)}
 
 
-def _quick_filter(bq: int, wq: int) -> bool:
-    return bq == 16 * wq
+def _quick_keeps(bq: int, wq: int, layout: str, head_dim: int) -> bool:
+    """16 rows a warp, swizzled where the head_dim allows it (padded otherwise)."""
+    return bq == 16 * wq and layout == ("swizzled" if head_dim % 64 == 0 else "padded")
 
 
 @dataclass
@@ -40,11 +41,12 @@ class Candidate:
     error: str | None = None
 
 
-def candidates(base: AttentionSpec, space: dict = SPACE) -> tuple[list[AttentionSpec], int]:
-    """Valid variants of `base` over `space`, and how many combinations the validator refused."""
+def candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[AttentionSpec], int]:
+    """Valid variants of `base` over the space (QUICK_SPACE, narrowed, when quick), and how
+    many combinations the validator refused."""
     keep, refused = [], 0
-    for bq, wq, bkv, (kv_smem, stages), layout, q_regs in itertools.product(*space.values()):
-        if space is QUICK_SPACE and not _quick_filter(bq, wq):
+    for bq, wq, bkv, (kv_smem, stages), layout, q_regs in itertools.product(*(QUICK_SPACE if quick else SPACE).values()):
+        if quick and not _quick_keeps(bq, wq, layout, base.head_dim):
             continue
         data = base.model_dump(mode="json")
         data["tiling"] = {"block_q": bq, "block_kv": bkv, "warps_q": wq}
@@ -72,7 +74,7 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
     """Check and time every candidate; fastest first. `progress(candidate)` after each."""
     from fagen.bench import time_spec
 
-    specs, _ = candidates(base, QUICK_SPACE if quick else SPACE)
+    specs, _ = candidates(base, quick)
     results = []
     for spec in specs:
         cand = Candidate(spec)
@@ -96,6 +98,7 @@ def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], ou
     b, h, nq, nk = shape
     head = (f"# tuned by `fagen tune` on {slug}: B={b} H={h} Nq={nq} Nk={nk}: "
             f"{best.ms:.3f} ms, {best.tflops:.1f} TFLOP/s (checked against the oracle first)\n")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"{name}.yaml"
     path.write_text(head + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
     return path
