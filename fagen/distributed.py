@@ -397,7 +397,12 @@ def ring_attention(group: Group, q_local, k_local, v_local, *, n: int, causal: b
     diag = _kernel(_dtype(q_local), d, True, True)
     acc_o = [cupy.zeros((2, b, h, sz, d), cupy.float32) for sz in sizes]  # slot 0: running, 1: new
     acc_l = [cupy.full((2, b, h, sz), -cupy.inf, cupy.float32) for sz in sizes]
-    kv = cupy.stack([cupy.ascontiguousarray(k_local), cupy.ascontiguousarray(v_local)])
+    # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
+    # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
+    max_rows = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    kv = cupy.zeros((2, b, h, max_rows, d), q_local.dtype)
+    kv[0, :, :, :rows] = k_local
+    kv[1, :, :, :rows] = v_local
     nxt = cupy.empty_like(kv)
     compute, comm_stream = cupy.cuda.get_current_stream(), cupy.cuda.Stream(non_blocking=True)
     for step in range(world):

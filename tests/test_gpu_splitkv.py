@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("nq, nk, splits", [(1, 5000, None), (7, 3333, 5), (16, 2049, 33), (300, 700, 1), (129, 1000, 3)])
+@pytest.mark.parametrize("nq, nk, splits", [(1, 5000, None), (7, 3333, 5), (16, 2049, 16), (300, 700, 1), (129, 1000, 3)])
 def test_split_kv_matches_the_oracle(dtype, causal, nq, nk, splits):
     q, k, v, _ = random_inputs("torch", dtype, 2, 8, 2, nq, nk, 128)
     out, lse = splitkv.attention(q, k, v, causal=causal, splits=splits, return_lse=True)
