@@ -105,11 +105,12 @@ def ring_pair_kind(q_chunk: int, kv_chunk: int) -> str:
 
 
 def merge_numpy(o_parts: np.ndarray, lse_parts: np.ndarray, sinks=None) -> tuple[np.ndarray, np.ndarray]:
-    """The merge kernel's math in float64: partials [S, ..., N, d] and LSEs [S, ..., N]."""
+    """The merge kernel's math in float64: partials [S, ..., H, N, d] and LSEs [S, ..., H, N];
+    sinks [H] line up with the head axis."""
     lse_parts = np.asarray(lse_parts, np.float64)
     m = lse_parts.max(axis=0)
     if sinks is not None:
-        sink = np.asarray(sinks, np.float64).reshape((1, -1) + (1,) * (lse_parts.ndim - 3))[0]
+        sink = np.asarray(sinks, np.float64).reshape(-1, 1)
         m = np.maximum(m, sink)
     seen = np.isfinite(m)
     m0 = np.where(seen, m, 0.0)

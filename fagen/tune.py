@@ -78,6 +78,13 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
     results = []
     for spec in specs:
         cand = Candidate(spec)
+        spills = _spills(spec)
+        if spills:
+            cand.error = spills  # shipped kernels must compile without spills for every target
+            results.append(cand)
+            if progress:
+                progress(cand)
+            continue
         try:
             timing = time_spec(spec, b, h, nq, nk)
             cand.ms, cand.tflops = timing.ms, timing.tflops
@@ -87,6 +94,21 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
         if progress:
             progress(cand)
     return sorted(results, key=lambda c: (c.ms is None, c.ms or 0.0))
+
+
+def _spills(spec: AttentionSpec) -> str | None:
+    """Why ptxas spills this candidate (for its arch or sm_90), or None; None too without nvcc."""
+    import shutil
+
+    from fagen.nvcc import compile_offline
+
+    if shutil.which("nvcc") is None:
+        return None
+    for arch in sorted({spec.arch, "sm_90"}):
+        r = compile_offline(spec, arch)
+        if r.spill_stores or r.stack_frame:
+            return f"spills on {arch}: {r.spill_stores} bytes, {r.stack_frame} bytes stack"
+    return None
 
 
 def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], out_dir: Path, slug: str) -> Path:

@@ -1,0 +1,443 @@
+"""fagen.distributed's schedules, simulated rank by rank in NumPy against fagen.oracle (CPU only).
+
+Each multi-GPU mode is replayed with the same index arithmetic the GPU code uses (shard_bounds,
+zigzag_rows, zigzag_chunks, ring_pair_kind, reshuffle), the per-rank kernels replaced by the
+float64 oracle, and the merged / gathered result compared with the oracle of the whole problem.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fagen import oracle
+from fagen.distributed import (
+    causal_pairs,
+    check_rank,
+    imbalance,
+    merge_numpy,
+    reshuffle,
+    ring_pair_kind,
+    shard_bounds,
+    work_per_rank,
+    zigzag_chunks,
+    zigzag_order,
+    zigzag_rows,
+)
+
+B, H, D = 2, 3, 16
+RINGS = (1, 2, 3, 4)
+LENGTHS = (64, 61, 7, 5, 3, 1)  # divisible by 2 * ring, not, and n < 2 * ring (empty chunks)
+ATOL = 1e-12
+
+
+def rand(*shape, rng=None):
+    rng = np.random.default_rng() if rng is None else rng
+    return rng.standard_normal(shape)
+
+
+def qkv(n_q, n_kv, rng=None):
+    rng = np.random.default_rng() if rng is None else rng
+    return rand(B, H, n_q, D, rng=rng), rand(B, H, n_kv, D, rng=rng), rand(B, H, n_kv, D, rng=rng)
+
+
+def close(a, b, atol=ATOL):
+    """Equal within atol, with -inf where the other has -inf."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape
+    inf_a, inf_b = np.isneginf(a), np.isneginf(b)
+    assert np.array_equal(inf_a, inf_b), f"-inf at {np.argwhere(inf_a != inf_b)[:5].tolist()}"
+    assert np.all(np.isfinite(a[~inf_a])) and np.all(np.isfinite(b[~inf_b]))
+    np.testing.assert_allclose(a[~inf_a], b[~inf_b], rtol=0, atol=atol)
+
+
+def empty_partial(n_q):
+    """What an empty shard contributes: O = 0, LSE = -inf."""
+    return np.zeros((B, H, n_q, D)), np.full((B, H, n_q), -np.inf)
+
+
+# ---- 1. shard_bounds -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 16, 61, 64, 100])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 8, 17])
+def test_shard_bounds_cover_contiguously(n, parts):
+    bounds = shard_bounds(n, parts)
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == n
+    for (s0, e0), (s1, _) in zip(bounds, bounds[1:]):
+        assert e0 == s1
+    sizes = [e - s for s, e in bounds]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1 and sum(sizes) == n
+    extra = n % parts
+    assert sizes == [n // parts + 1] * extra + [n // parts] * (parts - extra)
+
+
+@pytest.mark.parametrize("parts", [0, -1, -5])
+def test_shard_bounds_refuses_no_parts(parts):
+    with pytest.raises(ValueError, match="parts"):
+        shard_bounds(10, parts)
+
+
+# ---- 2. zigzag -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ring", [1, 2, 3, 4, 8])
+def test_zigzag_chunks(ring):
+    seen = []
+    for r in range(ring):
+        a, b = zigzag_chunks(r, ring)
+        assert (a, b) == (r, 2 * ring - 1 - r)
+        assert a < b  # the cheap early chunk first, then its expensive partner
+        seen += [a, b]
+    assert sorted(seen) == list(range(2 * ring))
+
+
+@pytest.mark.parametrize("ring", RINGS)
+@pytest.mark.parametrize("n", LENGTHS + (0, 2))
+def test_zigzag_rows_and_order(n, ring):
+    chunks = shard_bounds(n, 2 * ring)
+    rows = []
+    for r in range(ring):
+        got = zigzag_rows(n, r, ring)
+        assert got == [chunks[r], chunks[2 * ring - 1 - r]]
+        rows += [i for s, e in got for i in range(s, e)]
+    order = zigzag_order(n, ring)
+    assert order.tolist() == rows
+    assert sorted(order.tolist()) == list(range(n))  # a permutation of range(n)
+    if ring == 1:
+        assert order.tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("ring", RINGS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_reshuffle_restores_sequence_order(n, ring):
+    x = rand(B, H, n, D)
+    lse = rand(B, H, n)
+    gathered = np.concatenate([x[:, :, s:e] for r in range(ring) for s, e in zigzag_rows(n, r, ring)], axis=2)
+    np.testing.assert_array_equal(reshuffle(gathered, n, ring), x)
+    np.testing.assert_array_equal(reshuffle(gathered, n, ring, axis=2), x)
+    gathered_lse = np.concatenate([lse[:, :, s:e] for r in range(ring) for s, e in zigzag_rows(n, r, ring)], axis=2)
+    np.testing.assert_array_equal(reshuffle(gathered_lse, n, ring, axis=-1), lse)
+    if ring == 1:
+        np.testing.assert_array_equal(gathered, x)
+
+
+@pytest.mark.parametrize("rank, world", [(0, 0), (1, 1), (2, 2), (4, 3), (-1, 2), (0, -1), (-1, 0)])
+def test_check_rank_refuses(rank, world):
+    with pytest.raises(ValueError, match="rank"):
+        check_rank(rank, world)
+    if world >= 1:
+        with pytest.raises(ValueError):
+            zigzag_chunks(rank, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+def test_check_rank_accepts(world):
+    for rank in range(world):
+        check_rank(rank, world)
+
+
+# ---- 3. mode 1: batch sharding ---------------------------------------------------------------
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_sharded(world, batch, causal):
+    rng = np.random.default_rng()
+    n_q, n_kv = 9, 13
+    q, k, v = rng.standard_normal((batch, H, n_q, D)), rng.standard_normal((batch, H, n_kv, D)), \
+        rng.standard_normal((batch, H, n_kv, D))
+    bounds = shard_bounds(batch, world)
+    per = bounds[0][1] - bounds[0][0]
+    locals_ = []
+    for lo, hi in bounds:  # each rank's padded local buffer, as batch_sharded all-gathers it
+        local = np.full((per, H, n_q, D), np.nan)
+        if hi > lo:
+            local[: hi - lo] = oracle.attention(q[lo:hi], k[lo:hi], v[lo:hi], causal=causal)
+        locals_.append(local)
+    gathered = np.stack(locals_)
+    out = np.concatenate([gathered[r, : e - s] for r, (s, e) in enumerate(bounds)], axis=0)
+    close(out, oracle.attention(q, k, v, causal=causal))
+
+
+# ---- 4. mode 2: sequence sharding, deferred sync ---------------------------------------------
+
+def sequence_partials(q, k, v, world, causal):
+    """Rank r's (O_r, LSE_r) over its keys shard_bounds(n_kv, world)[r], masked in global positions."""
+    n_q, n_kv = q.shape[2], k.shape[2]
+    o_parts, lse_parts = [], []
+    for kv0, kv1 in shard_bounds(n_kv, world):
+        if kv1 == kv0:
+            o, lse = empty_partial(n_q)
+        else:
+            mask_mod = (lambda b, h, qi, ki, kv0=kv0: (ki + kv0) <= qi + (n_kv - n_q)) if causal else None
+            o, lse = oracle.attention(q, k[:, :, kv0:kv1], v[:, :, kv0:kv1], mask_mod=mask_mod, return_lse=True)
+        o_parts.append(o)
+        lse_parts.append(lse)
+    return np.stack(o_parts), np.stack(lse_parts)
+
+
+def deferred_sync(o_parts, lse_parts, sinks=None):
+    """Mode 2's sync written out: m = max over ranks (and the sink), w_r = exp(LSE_r - m),
+    O = sum w_r O_r / (sum w_r + exp(sink - m)), LSE = m + log(...)."""
+    m = lse_parts.max(axis=0)
+    sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None]
+    if sink is not None:
+        m = np.maximum(m, sink)
+    seen = np.isfinite(m)
+    m0 = np.where(seen, m, 0.0)
+    w = np.exp(lse_parts - m0)
+    num = (w[..., None] * o_parts).sum(axis=0)
+    den = w.sum(axis=0) + (np.exp(sink - m0) if sink is not None else 0.0)
+    out = np.where(seen[..., None], num / np.where(seen, den, 1.0)[..., None], 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m0 + np.log(np.where(seen, den, 1.0)), -np.inf)
+    return out, lse
+
+
+SEQ_SHAPES = [(64, 64), (61, 61), (7, 7), (3, 3), (5, 61), (61, 5), (7, 2), (16, 3)]
+
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n_q, n_kv", SEQ_SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_sequence_sharded(world, n_q, n_kv, causal, with_sinks):
+    rng = np.random.default_rng()
+    q, k, v = qkv(n_q, n_kv, rng)
+    sinks = rng.standard_normal(H) * 2 if with_sinks else None
+    o_parts, lse_parts = sequence_partials(q, k, v, world, causal)
+    out, lse = merge_numpy(o_parts, lse_parts, sinks=sinks)
+    ref_out, ref_lse = oracle.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
+    close(out, ref_out)
+    close(lse, ref_lse)
+    d_out, d_lse = deferred_sync(o_parts, lse_parts, sinks=sinks)
+    close(d_out, out, atol=1e-13)
+    close(d_lse, lse, atol=1e-13)
+
+
+def test_sequence_sharded_empty_shards_and_blind_rows():
+    """n_kv = 2 over 4 ranks: two empty shards; Nq > Nk causal: rows that see no key at all;
+    in between, rows that see no key of some non-empty shard (LSE -inf partials)."""
+    rng = np.random.default_rng()
+    n_q, n_kv, world = 6, 2, 4
+    q, k, v = qkv(n_q, n_kv, rng)
+    assert [e - s for s, e in shard_bounds(n_kv, world)] == [1, 1, 0, 0]
+    o_parts, lse_parts = sequence_partials(q, k, v, world, causal=True)
+    # rows 0..3 see nothing (j <= i - 4); row 4 sees key 0 only: shard 1's partial is -inf there
+    assert np.all(np.isneginf(lse_parts[:, :, :, :4]))
+    assert np.all(np.isneginf(lse_parts[1, :, :, 4])) and np.all(np.isfinite(lse_parts[0, :, :, 4]))
+    assert np.all(np.isneginf(lse_parts[2:])) and np.all(o_parts[2:] == 0)
+
+    out, lse = merge_numpy(o_parts, lse_parts)
+    ref_out, ref_lse = oracle.attention(q, k, v, causal=True, return_lse=True)
+    close(out, ref_out)
+    close(lse, ref_lse)
+    assert np.all(out[:, :, :4] == 0) and np.all(np.isneginf(lse[:, :, :4]))
+    assert np.all(np.isfinite(out)) and not np.any(np.isnan(out))
+
+    sinks = rng.standard_normal(H)
+    out_s, lse_s = merge_numpy(o_parts, lse_parts, sinks=sinks)
+    ref_out_s, ref_lse_s = oracle.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    close(out_s, ref_out_s)
+    close(lse_s, ref_lse_s)
+    assert np.all(out_s[:, :, :4] == 0)
+    np.testing.assert_array_equal(lse_s[:, :, :4], np.broadcast_to(sinks[None, :, None], (B, H, 4)))
+    d_out, d_lse = deferred_sync(o_parts, lse_parts, sinks=sinks)
+    close(d_out, out_s, atol=1e-13)
+    close(d_lse, lse_s, atol=1e-13)
+
+
+def test_merge_numpy_single_part_is_identity_and_order_free():
+    rng = np.random.default_rng()
+    q, k, v = qkv(11, 17, rng)
+    o, lse = oracle.attention(q, k, v, return_lse=True)
+    out, lse1 = merge_numpy(o[None], lse[None])
+    close(out, o, atol=1e-14)
+    close(lse1, lse, atol=1e-14)
+    o_parts, lse_parts = sequence_partials(q, k, v, 3, causal=False)
+    perm = rng.permutation(3)
+    a = merge_numpy(o_parts, lse_parts)
+    b = merge_numpy(o_parts[perm], lse_parts[perm])
+    close(a[0], b[0], atol=1e-13)
+    close(a[1], b[1], atol=1e-13)
+
+
+# ---- 5. mode 3: zigzag ring, K/V everywhere --------------------------------------------------
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_ring_zigzag_causal(world, n):
+    rng = np.random.default_rng()
+    q, k, v = qkv(n, n, rng)
+    chunks = shard_bounds(n, 2 * world)
+    per = chunks[0][1] - chunks[0][0]  # the largest chunk
+    full_keep = oracle.causal_mask(n, n)
+    locals_ = []
+    for r in range(world):
+        local = np.full((B, H, 2 * per, D), np.nan)
+        at = 0
+        for s, e in zigzag_rows(n, r, world):  # written contiguously: first chunk, then second
+            assert e - s <= per
+            if e > s:
+                # keys past the chunk end are all masked for these rows: K/V tiles there are skipped
+                assert not full_keep[s:e, e:].any()
+                assert full_keep[e - 1, e - 1]  # and the last row needs every key up to its own
+                got = oracle.attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e],
+                                       mask_mod=lambda b, h, qi, ki, s=s: ki <= qi + s)
+                # the kernel's mask_offset = s is the bottom-right causal of the [e - s, e] problem
+                close(got, oracle.attention(q[:, :, s:e], k[:, :, :e], v[:, :, :e], causal=True), atol=1e-14)
+                local[:, :, at:at + e - s] = got
+            at += e - s
+        locals_.append(local)
+    gathered = np.stack(locals_)  # [world, B, H, 2 * per, d], as all_gather lays it out
+    parts = [gathered[r, :, :, : sum(e - s for s, e in zigzag_rows(n, r, world))] for r in range(world)]
+    flat = np.concatenate(parts, axis=2)
+    assert flat.shape[2] == n and not np.isnan(flat).any()
+    out = reshuffle(flat, n, world)
+    close(out, oracle.attention(q, k, v, causal=True))
+
+
+# ---- 6. mode 4: ring attention ---------------------------------------------------------------
+
+def ring_attention_sim(q, k, v, world, causal, incremental):
+    """Every rank's output rows (its two zigzag chunks, concatenated), replaying ring_attention."""
+    n = q.shape[2]
+    chunks = shard_bounds(n, 2 * world)
+    max_rows = 2 * (chunks[0][1] - chunks[0][0])
+    local = {}
+    for r in range(world):
+        rows = zigzag_rows(n, r, world)
+        local[r] = tuple(np.concatenate([x[:, :, s:e] for s, e in rows], axis=2) for x in (q, k, v))
+    # the send buffers: each rank's rows first, padded to the largest pair of chunks
+    buffers = {}
+    for r in range(world):
+        buf = np.full((2, B, H, max_rows, D), np.nan)
+        rows = local[r][1].shape[2]
+        buf[0, :, :, :rows] = local[r][1]
+        buf[1, :, :, :rows] = local[r][2]
+        buffers[r] = buf
+    outputs, pairs = {}, set()
+    for rank in range(world):
+        sizes = [e - s for s, e in zigzag_rows(n, rank, world)]
+        q_local = local[rank][0]
+        parts = [([], []) for _ in range(2)]
+        running = [(np.zeros((B, H, sz, D)), np.full((B, H, sz), -np.inf)) for sz in sizes]
+        for step in range(world):
+            src = (rank - step) % world  # received from rank - 1, which got it from rank - 2, ...
+            kv = buffers[src]
+            src_sizes = [e - s for s, e in zigzag_rows(n, src, world)]
+            for qi, q_chunk in enumerate(zigzag_chunks(rank, world)):
+                q_part = q_local[:, :, sum(sizes[:qi]): sum(sizes[: qi + 1])]
+                q0 = chunks[q_chunk][0]
+                for kj, kv_chunk in enumerate(zigzag_chunks(src, world)):
+                    pairs.add((rank, q_chunk, kv_chunk))
+                    kind = ring_pair_kind(q_chunk, kv_chunk) if causal else "full"
+                    if kind == "skip" or sizes[qi] == 0 or src_sizes[kj] == 0:
+                        continue
+                    lo = sum(src_sizes[:kj])
+                    k_part = kv[0][:, :, lo: lo + src_sizes[kj]]
+                    v_part = kv[1][:, :, lo: lo + src_sizes[kj]]
+                    assert not np.isnan(k_part).any() and not np.isnan(v_part).any()
+                    o, lse = oracle.attention(q_part, k_part, v_part, causal=kind == "diagonal", return_lse=True)
+                    if causal:  # the same partial with the causal mask in global positions
+                        k0 = chunks[kv_chunk][0]
+                        o_g, lse_g = oracle.attention(
+                            q_part, k_part, v_part, return_lse=True,
+                            mask_mod=lambda b, h, qq, kk, q0=q0, k0=k0: kk + k0 <= qq + q0)
+                        close(o, o_g, atol=1e-14)
+                        close(lse, lse_g, atol=1e-14)
+                    parts[qi][0].append(o)
+                    parts[qi][1].append(lse)
+                    # the GPU folds (running, new) into running after every pair
+                    running[qi] = merge_numpy(np.stack([running[qi][0], o]), np.stack([running[qi][1], lse]))
+        if incremental:
+            rows_out = [running[i][0] for i in range(2)]
+        else:
+            rows_out = [merge_numpy(np.stack(parts[i][0]), np.stack(parts[i][1]))[0] if parts[i][0]
+                        else np.zeros((B, H, 0, D)) for i in range(2)]
+        outputs[rank] = np.concatenate(rows_out, axis=2)
+        assert outputs[rank].shape == q_local.shape
+    # every (q chunk, kv chunk) pair met exactly once over the ring
+    assert {(qc, kc) for _, qc, kc in pairs} == {(a, b) for a in range(2 * world) for b in range(2 * world)}
+    assert len(pairs) == (2 * world) ** 2
+    return outputs
+
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("incremental", [True, False])
+def test_ring_attention(world, n, causal, incremental):
+    rng = np.random.default_rng()
+    q, k, v = qkv(n, n, rng)
+    outputs = ring_attention_sim(q, k, v, world, causal, incremental)
+    gathered = np.concatenate([outputs[r] for r in range(world)], axis=2)
+    out = reshuffle(gathered, n, world)
+    close(out, oracle.attention(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_ring_pair_kind_matches_causal_pairs(world, n):
+    chunks = shard_bounds(n, 2 * world)
+    keep = oracle.causal_mask(n, n)
+    for qc in range(2 * world):
+        for kc in range(2 * world):
+            kind = ring_pair_kind(qc, kc)
+            assert kind == ("skip" if kc > qc else "diagonal" if kc == qc else "full")
+            (qs, qe), (ks, ke) = chunks[qc], chunks[kc]
+            kept = causal_pairs((qs, qe), (ks, ke))
+            assert kept == int(keep[qs:qe, ks:ke].sum())
+            rows, keys = qe - qs, ke - ks
+            if kind == "skip":
+                assert kept == 0
+            elif kind == "full":
+                assert kept == rows * keys
+            else:
+                assert rows == keys and kept == rows * (rows + 1) // 2
+
+
+# ---- 7. balance ------------------------------------------------------------------------------
+
+def brute_causal_pairs(rows, keys):
+    return sum(1 for q in range(*rows) for k in range(*keys) if k <= q)
+
+
+def test_causal_pairs_brute_force():
+    rng = np.random.default_rng()
+    for _ in range(300):
+        a, b = sorted(rng.integers(0, 40, 2).tolist())
+        c, d = sorted(rng.integers(0, 40, 2).tolist())
+        assert causal_pairs((a, b), (c, d)) == brute_causal_pairs((a, b), (c, d))
+    for n in (0, 1, 7, 30):
+        assert causal_pairs((0, n), (0, n)) == n * (n + 1) // 2
+
+
+@pytest.mark.parametrize("n", [1, 7, 61, 64, 4096, 4099])
+@pytest.mark.parametrize("ring", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("schedule", ["zigzag", "contiguous"])
+def test_work_totals(n, ring, schedule):
+    work = work_per_rank(n, ring, schedule)
+    assert len(work) == ring and sum(work) == n * (n + 1) // 2
+    flat = work_per_rank(n, ring, schedule, causal=False)
+    assert sum(flat) == n * n
+    rows = ([sum(e - s for s, e in zigzag_rows(n, r, ring)) for r in range(ring)] if schedule == "zigzag"
+            else [e - s for s, e in shard_bounds(n, ring)])
+    assert flat == [r * n for r in rows]
+
+
+@pytest.mark.parametrize("n, ring", [(4096, 8), (4096, 16), (4099, 8), (4099, 16), (4096, 32)])
+def test_zigzag_balance(n, ring):
+    zig = imbalance(work_per_rank(n, ring, "zigzag"))
+    assert 0 <= zig <= 0.05
+    if ring == 8:
+        assert imbalance(work_per_rank(n, ring, "contiguous")) > 0.5
+
+
+def test_work_small_exact():
+    # n = 8 over 2 ranks: chunks of 2; rank 0 rows 0-1, 6-7: 1+2+7+8; rank 1 rows 2-5: 3+4+5+6
+    assert work_per_rank(8, 2, "zigzag") == [18, 18]
+    assert work_per_rank(8, 2, "contiguous") == [10, 26]
+    assert imbalance([18, 18]) == 0.0
+    assert imbalance([10, 26]) == pytest.approx(26 / 18 - 1)
+    assert imbalance([0, 0]) == 0.0
