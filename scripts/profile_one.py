@@ -1,0 +1,17 @@
+"""Launch one shipped kernel a few times (for ncu): python3 scripts/profile_one.py SPEC N D"""
+
+import sys
+
+import fagen
+from fagen.check import random_inputs
+from fagen.render import SPECS
+
+spec = fagen.load_spec(SPECS / f"{sys.argv[1]}.yaml")
+n = int(sys.argv[2])
+kernel = fagen.compile(spec)
+q, k, v, out = random_inputs("torch", spec.dtype, 4, 2048 // spec.head_dim, 2048 // spec.head_dim, n, n, spec.head_dim)
+for _ in range(8):
+    kernel(q, k, v, out=out)
+import cupy  # noqa: E402
+
+cupy.cuda.Device().synchronize()
