@@ -366,10 +366,12 @@ def ring_zigzag_causal(group: Group, q, k, v):
     per = shard_bounds(n, 2 * group.world)[0][1] - shard_bounds(n, 2 * group.world)[0][0]
     local = cupy.zeros(q.shape[:2] + (2 * per, q.shape[3]), q.dtype)
     at = 0
-    for s, e in rows:  # written contiguously: first chunk, then second
-        if e > s:
-            kernel(q[:, :, s:e], k[:, :, :e], v[:, :, :e], out=local[:, :, at:at + e - s], mask_offset=s)
-        at += e - s
+    with _side_by_side(2) as streams:  # the two chunks' launches fill each other's tail waves
+        for (s, e), stream in zip(rows, streams):  # written contiguously: first chunk, then second
+            if e > s:
+                with stream:
+                    kernel(q[:, :, s:e], k[:, :, :e], v[:, :, :e], out=local[:, :, at:at + e - s], mask_offset=s)
+            at += e - s
     gathered = group.all_gather(local)  # [world, B, H, 2 * per, d]
     parts = []
     for r in range(group.world):
@@ -416,26 +418,57 @@ def ring_attention(group: Group, q_local, k_local, v_local, *, n: int, causal: b
             nccl.groupEnd()
         src_rows = zigzag_rows(n, src, world)
         src_sizes = [e - s for s, e in src_rows]
-        for qi, q_chunk in enumerate(zigzag_chunks(rank, world)):
-            q_part = q_local[:, :, sum(sizes[:qi]): sum(sizes[: qi + 1])]
-            for kj, kv_chunk in enumerate(zigzag_chunks(src, world)):
-                kind = ring_pair_kind(q_chunk, kv_chunk) if causal else "full"
-                if kind == "skip" or sizes[qi] == 0 or src_sizes[kj] == 0:
-                    continue
-                lo = sum(src_sizes[:kj])
-                k_part = kv[0][:, :, lo: lo + src_sizes[kj]]
-                v_part = kv[1][:, :, lo: lo + src_sizes[kj]]
-                kernel = diag if kind == "diagonal" else full
-                _, lse_new = kernel(q_part, k_part, v_part, splits=1, out=acc_o[qi][1:2],
-                                    mask_offset=0 if kind == "diagonal" else None)
-                acc_l[qi][1] = lse_new[0]
-                # fold (running, new) into the running slot; each element is read before it is written
-                _, acc_l[qi][0] = merge(acc_o[qi], acc_l[qi], out=acc_o[qi][0], out_dtype="float32")
+        with _side_by_side(2) as streams:  # the two query chunks accumulate independently
+            for qi, (q_chunk, stream) in enumerate(zip(zigzag_chunks(rank, world), streams)):
+                q_part = q_local[:, :, sum(sizes[:qi]): sum(sizes[: qi + 1])]
+                for kj, kv_chunk in enumerate(zigzag_chunks(src, world)):
+                    kind = ring_pair_kind(q_chunk, kv_chunk) if causal else "full"
+                    if kind == "skip" or sizes[qi] == 0 or src_sizes[kj] == 0:
+                        continue
+                    lo = sum(src_sizes[:kj])
+                    k_part = kv[0][:, :, lo: lo + src_sizes[kj]]
+                    v_part = kv[1][:, :, lo: lo + src_sizes[kj]]
+                    kernel = diag if kind == "diagonal" else full
+                    with stream:
+                        _, lse_new = kernel(q_part, k_part, v_part, splits=1, out=acc_o[qi][1:2],
+                                            mask_offset=0 if kind == "diagonal" else None)
+                        acc_l[qi][1] = lse_new[0]
+                        # fold (running, new) into the running slot; each element is read before written
+                        _, acc_l[qi][0] = merge(acc_o[qi], acc_l[qi], out=acc_o[qi][0], out_dtype="float32")
         if step + 1 < world:
             compute.wait_event(comm_stream.record())
             kv, nxt = nxt, kv
     out = cupy.concatenate([acc_o[i][0] for i in range(2)], axis=2).astype(q_local.dtype)
     return out
+
+
+class _side_by_side:
+    """Streams that start after the current stream's work so far and that the current stream
+    waits for on exit: independent launches overlap (one's tail wave fills with the other)."""
+
+    _pool: dict[int, list] = {}
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __enter__(self):
+        import cupy
+
+        self.main = cupy.cuda.get_current_stream()
+        device = cupy.cuda.Device().id
+        pool = self._pool.setdefault(device, [])
+        while len(pool) < self.count:
+            pool.append(cupy.cuda.Stream(non_blocking=True))
+        self.streams = pool[: self.count]
+        start = self.main.record()
+        for stream in self.streams:
+            stream.wait_event(start)
+        return self.streams
+
+    def __exit__(self, *exc):
+        for stream in self.streams:
+            self.main.wait_event(stream.record())
+        return False
 
 
 def sharded_inputs(x, n: int, world: int, rank: int, how: str):
