@@ -2,11 +2,11 @@
 
 __version__ = "0.1.0"
 
-from fagen.spec import AttentionSpec, SpecError, load_spec, parse_spec  # noqa: E402
-from fagen.render import render  # noqa: E402
+from fagen.render import render
+from fagen.spec import AttentionSpec, SpecError, load_spec, parse_spec
 
 
-def compile(spec):  # noqa: A001 - the public name is fagen.compile
+def compile(spec):
     """Compile a spec for the current GPU (needs CuPy); returns a callable `Kernel`."""
     from fagen.runtime import compile_kernel
 
@@ -20,4 +20,4 @@ def attention(q, k, v, **kwargs):
     return _attention(q, k, v, **kwargs)
 
 
-__all__ = ["AttentionSpec", "SpecError", "attention", "compile", "load_spec", "parse_spec", "render", "__version__"]
+__all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "compile", "load_spec", "parse_spec", "render"]

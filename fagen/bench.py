@@ -12,7 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +182,7 @@ def run_peer(case: Case, impl: str, flops: float) -> Row:
 
 def flex_runner(case: Case, q, k, v):
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     if case.mask == "documents":
         docs = torch.from_numpy(np.repeat(np.arange(N_DOCS), doc_lengths(case.n))).cuda()
@@ -375,7 +375,6 @@ class Timing:
     causal: bool
     ms: float
     tflops: float
-    extra: dict = field(default_factory=dict)
 
 
 def time_spec(spec: AttentionSpec, b: int, h: int, nq: int, nk: int | None = None) -> Timing:

@@ -17,7 +17,6 @@ from fagen.spec import AttentionSpec
 # rounding to the MMA input type plus f32 accumulation: ~2^-11 for float16, ~2^-8 for bfloat16.
 OUT_TOLERANCE = {"float16": 4e-3, "bfloat16": 2e-2}
 LSE_TOLERANCE = 1e-4
-LAYOUTS = ("bhnd", "bnhd")  # how q, k, v, out sit in memory; the kernel always sees [B, H, N, d]
 
 
 @dataclass
@@ -63,7 +62,8 @@ def attention_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool) -> f
 
 def random_inputs(framework: str, dtype: str, b: int, hq: int, hkv: int, nq: int, nk: int, d: int,
                   layout: str = "bhnd", seed: int | None = None):
-    """q, k, v and a NaN-filled out in `layout`, as views of shape [B, H, N, d]."""
+    """q, k, v and a NaN-filled out as views of shape [B, H, N, d]; layout says how they sit
+    in memory: "bhnd" contiguous, "bnhd" a transposed [B, N, H, d] buffer."""
     if framework == "torch":
         import torch
 

@@ -8,7 +8,15 @@ from pathlib import Path
 import click
 
 from fagen.plan import plan
-from fagen.render import GENERATED, MERGE_DTYPES, SPECS, generated_path, merge_name, render, render_merge
+from fagen.render import (
+    GENERATED,
+    MERGE_DTYPES,
+    SPECS,
+    generated_path,
+    merge_name,
+    render,
+    render_merge,
+)
 from fagen.spec import SpecError, load_spec
 
 

@@ -15,8 +15,8 @@ walks its own tiles, whatever sizes the mask was built with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 

@@ -12,7 +12,7 @@ import hashlib
 import math
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -330,7 +330,7 @@ def _aux_array(x, name: str, dtype: str, device: int):
     return arr
 
 
-@lru_cache(maxsize=None)
+@cache
 def _geometric_slopes_host(heads: int) -> tuple[float, ...]:
     """ALiBi's standard slopes (Press et al.): 2^(-8 i / n) for n a power of two; otherwise the
     slopes of the nearest lower power of two, then every other slope of the next one."""
@@ -344,7 +344,7 @@ def _geometric_slopes_host(heads: int) -> tuple[float, ...]:
     return tuple(slopes)
 
 
-@lru_cache(maxsize=None)
+@cache
 def geometric_alibi_slopes(heads: int, device: int):
     with cupy.cuda.Device(device):
         return cupy.asarray(np.array(_geometric_slopes_host(heads), np.float32))
@@ -399,7 +399,7 @@ def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
     return f"attn_{short}_d{head_dim}" + ("_causal" if causal else "")
 
 
-@lru_cache(maxsize=None)
+@cache
 def default_spec(dtype: str, head_dim: int, causal: bool) -> AttentionSpec:
     """The shipped spec for a dtype and head_dim; a tuned one for this GPU (from `fagen tune`)
     where it exists."""

@@ -20,13 +20,7 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # The name is an extern "C" symbol: it cannot be a C++ keyword or a CUDA built-in.
-RESERVED_NAMES = frozenset("""
-    alignas alignof asm auto bool break case catch char class const constexpr continue decltype
-    default delete do double else enum explicit export extern false float for friend goto if
-    inline int long mutable namespace new noexcept nullptr operator private protected public
-    register return short signed sizeof static struct switch template this throw true try
-    typedef typeid typename union unsigned using virtual void volatile wchar_t while
-    blockIdx blockDim threadIdx gridDim warpSize main""".split())
+RESERVED_NAMES = frozenset(["alignas", "alignof", "asm", "auto", "bool", "break", "case", "catch", "char", "class", "const", "constexpr", "continue", "decltype", "default", "delete", "do", "double", "else", "enum", "explicit", "export", "extern", "false", "float", "for", "friend", "goto", "if", "inline", "int", "long", "mutable", "namespace", "new", "noexcept", "nullptr", "operator", "private", "protected", "public", "register", "return", "short", "signed", "sizeof", "static", "struct", "switch", "template", "this", "throw", "true", "try", "typedef", "typeid", "typename", "union", "unsigned", "using", "virtual", "void", "volatile", "wchar_t", "while", "blockIdx", "blockDim", "threadIdx", "gridDim", "warpSize", "main"])
 
 
 class SpecError(ValueError):
@@ -148,12 +142,12 @@ class Mask(_Frozen):
             value = getattr(self, field)
             if value is not None and field not in allowed:
                 raise ValueError(rule(f"mask.{field}", value, f"does not apply to mask kind {self.kind!r}",
-                                      f"remove it, or use the kind it belongs to"))
+                                      "remove it, or use the kind it belongs to"))
             if value is not None and not (0 if field.startswith("window") else 1) <= value <= MAX_MASK_SPAN:
                 raise ValueError(rule(f"mask.{field}", value, f"must be in 1..{MAX_MASK_SPAN} (window sizes: "
                                       f"from 0; the kernel does int32 position arithmetic)", "use e.g. 1024"))
         if self.causal and "causal" not in allowed:
-            raise ValueError(rule("mask.causal", True, f"only refines kind 'document'",
+            raise ValueError(rule("mask.causal", True, "only refines kind 'document'",
                                   "use kind: causal for plain causal attention"))
         required = {"sliding_window": "window_left", "chunked": "chunk_size", "prefix_lm": "prefix_len"}
         need = required.get(self.kind)

@@ -8,13 +8,19 @@ same partials and merge carry sequence-sharded attention across GPUs (fagen.dist
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
 from fagen.render import merge_name, render_merge
 from fagen.runtime import (
-    DeviceTensor, _empty_like, _stream_for, as_device_tensor, compile_kernel, cupy, default_spec,
+    DeviceTensor,
+    _empty_like,
+    _stream_for,
+    as_device_tensor,
+    compile_kernel,
+    cupy,
+    default_spec,
 )
 from fagen.spec import AttentionSpec
 
@@ -35,7 +41,7 @@ def choose_splits(blocks: int, kv_tiles: int, sm_count: int) -> int:
     return max(1, min(kv_tiles // 2, math.ceil(2 * sm_count / blocks)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _merge_function(out_dtype: str, device: int):
     with cupy.cuda.Device(device):
         return cupy.RawModule(code=render_merge(out_dtype), options=("-std=c++17",)).get_function(merge_name(out_dtype))

@@ -10,7 +10,14 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fagen
 from fagen import masks
-from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, time_ms, to_numpy
+from fagen.check import (
+    OUT_TOLERANCE,
+    check_against_oracle,
+    random_inputs,
+    relative_error,
+    time_ms,
+    to_numpy,
+)
 from fagen.render import SPECS
 from fagen.runtime import compile_kernel
 
@@ -44,9 +51,9 @@ for case, (spec_name, build, mask_mod, dense) in CASES.items():
     run_static = (lambda: kernel(q, k, v, out=out, doc_ids=docs_dev)) if extras else (lambda: kernel(q, k, v, out=out))
     bm = build()
     omni = compile_kernel(fagen.load_spec(SPECS / "omni_prefetch_f16_d128.yaml"))
-    run_omni = lambda: omni(q, k, v, out=out, block_mask=bm)  # noqa: E731
+    run_omni = lambda: omni(q, k, v, out=out, block_mask=bm)
     fbm = create_block_mask(mask_mod, None, None, N, N, device="cuda")
-    run_flex = lambda: flex(q, k, v, block_mask=fbm)  # noqa: E731
+    run_flex = lambda: flex(q, k, v, block_mask=fbm)
     # correctness of all three on the full problem, one head, against each other and the oracle
     ref = flex(q[:1, :1].float(), k[:1, :1].float(), v[:1, :1].float(), block_mask=create_block_mask(
         mask_mod, None, None, N, N, device="cuda"))

@@ -12,6 +12,6 @@ kernel = fagen.compile(spec)
 q, k, v, out = random_inputs("torch", spec.dtype, 4, 2048 // spec.head_dim, 2048 // spec.head_dim, n, n, spec.head_dim)
 for _ in range(8):
     kernel(q, k, v, out=out)
-import cupy  # noqa: E402
+import cupy
 
 cupy.cuda.Device().synchronize()
