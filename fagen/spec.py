@@ -20,7 +20,14 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # The name is an extern "C" symbol: it cannot be a C++ keyword or a CUDA built-in.
-RESERVED_NAMES = frozenset(["alignas", "alignof", "asm", "auto", "bool", "break", "case", "catch", "char", "class", "const", "constexpr", "continue", "decltype", "default", "delete", "do", "double", "else", "enum", "explicit", "export", "extern", "false", "float", "for", "friend", "goto", "if", "inline", "int", "long", "mutable", "namespace", "new", "noexcept", "nullptr", "operator", "private", "protected", "public", "register", "return", "short", "signed", "sizeof", "static", "struct", "switch", "template", "this", "throw", "true", "try", "typedef", "typeid", "typename", "union", "unsigned", "using", "virtual", "void", "volatile", "wchar_t", "while", "blockIdx", "blockDim", "threadIdx", "gridDim", "warpSize", "main"])
+RESERVED_NAMES = frozenset("""
+    alignas alignof asm auto bool break case catch char class const constexpr continue decltype
+    default delete do double else enum explicit export extern false float for friend goto if
+    inline int long mutable namespace new noexcept nullptr operator private protected public
+    register return short signed sizeof static struct switch template this throw true try
+    typedef typeid typename union unsigned using virtual void volatile wchar_t while blockIdx
+    blockDim threadIdx gridDim warpSize main
+""".split())
 
 
 class SpecError(ValueError):
