@@ -407,8 +407,6 @@ omni_shared_f16_d128(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
   q += b * q_sb + h * q_sh;
   k += b * k_sb + h_kv * k_sh;
   v += b * v_sb + h_kv * v_sh;
-  o += b * o_sb + h * o_sh + q0 * o_sn;
-  lse += ((long long)b * heads_q + h) * n_q + q0;
 
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0, bm_num, bm_idx, bm_type, bm_partial, bm_bits, bm_sb, bm_sh, bm_max, bm_causal_offset);
@@ -533,5 +531,8 @@ omni_shared_f16_d128(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
     wait_group<0>();
     __syncthreads();
   }
+  // The output pointers are formed only now: kept out of the KV loop, they hold no registers.
+  o += b * o_sb + h * o_sh + q0 * o_sn;
+  lse += ((long long)b * heads_q + h) * n_q + q0;
   write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane, 0.f);
 }
