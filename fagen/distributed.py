@@ -294,7 +294,7 @@ def _kernel(dtype: str, head_dim: int, causal: bool, partial: bool):
     from fagen.runtime import compile_kernel, default_spec
     from fagen.splitkv import partial_variant
 
-    spec = default_spec(dtype, head_dim, causal)
+    spec = default_spec(dtype, head_dim, causal, tuned=not partial)  # partials: the shipped tiling
     return compile_kernel(partial_variant(spec) if partial else spec)
 
 

@@ -29,3 +29,13 @@ def test_register_prediction_tracks_ptxas():
         spec = fagen.load_spec(path)
         actual = compile_offline(spec, "sm_90").registers
         assert abs(plan(spec).predicted_registers - actual) <= 0.3 * actual, (spec.name, actual)
+
+
+@pytest.mark.parametrize("path", [p for p in SPEC_PATHS if p.stem.startswith("attn_") and not p.stem.endswith("_h200")],
+                         ids=lambda p: p.stem)
+def test_split_kv_variants_of_the_defaults_compile_without_spills(path):
+    """fagen.splitkv and the multi-GPU modes run partial variants of these."""
+    from fagen.splitkv import partial_variant
+
+    r = compile_offline(partial_variant(fagen.load_spec(path)), "sm_90")
+    assert (r.stack_frame, r.spill_stores) == (0, 0), r.log
