@@ -292,10 +292,8 @@ def launch(n: int, argv: list[str], timeout_s: float | None = None) -> int:
 
 def _kernel(dtype: str, head_dim: int, causal: bool, partial: bool):
     from fagen.runtime import compile_kernel, default_spec
-    from fagen.splitkv import partial_variant
 
-    spec = default_spec(dtype, head_dim, causal, tuned=not partial)  # partials: the shipped tiling
-    return compile_kernel(partial_variant(spec) if partial else spec)
+    return compile_kernel(default_spec(dtype, head_dim, causal, partial=partial))
 
 
 def _dtype(x) -> str:

@@ -400,14 +400,18 @@ def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
 
 
 @cache
-def default_spec(dtype: str, head_dim: int, causal: bool, tuned: bool = True) -> AttentionSpec:
+def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False) -> AttentionSpec:
     """The shipped spec for a dtype and head_dim; a tuned one for this GPU (from `fagen tune`)
-    where it exists and `tuned` (tuned tilings are tuned for full outputs, not partials)."""
+    where it exists. partial: the split-KV kernel (`<name>_partial_<gpu>.yaml` where shipped,
+    else the untuned tiling made partial: tilings tuned for full outputs can spill as partials)."""
+    from fagen.splitkv import partial_variant
     from fagen.tune import gpu_slug
 
     name = default_spec_name(dtype, head_dim, causal)
-    path = SPECS / f"{name}_{gpu_slug()}.yaml" if tuned else SPECS / f"{name}.yaml"
-    path = path if path.exists() else SPECS / f"{name}.yaml"
+    tuned = SPECS / f"{name}{'_partial' if partial else ''}_{gpu_slug()}.yaml"
+    if partial and not tuned.exists():
+        return partial_variant(load_spec(SPECS / f"{name}.yaml"))
+    path = tuned if tuned.exists() else SPECS / f"{name}.yaml"
     if not path.exists():
         raise ValueError(f"no shipped kernel for dtype {dtype}, head_dim {head_dim}: fagen.attention takes "
                          f"float16 or bfloat16 with head_dim 32, 64, 96, 128 or 256")

@@ -95,8 +95,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, spli
               sinks=None, return_lse: bool = False, spec: AttentionSpec | None = None):
     """Attention through split-KV partials and the merge; `splits` defaults to what fills the GPU."""
     tq: DeviceTensor = as_device_tensor(q, "q")
-    base = spec or default_spec(tq.dtype, tq.shape[-1], causal, tuned=False)
-    kernel = compile_kernel(partial_variant(base))
+    partial = partial_variant(spec) if spec else default_spec(tq.dtype, tq.shape[-1], causal, partial=True)
+    kernel = compile_kernel(partial)
     b, hq, nq, _ = tq.shape
     nk = as_device_tensor(k, "k").shape[2]
     if splits is None:

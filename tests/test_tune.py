@@ -204,7 +204,8 @@ def test_write_tuned_header_has_the_shipped_format(best, base, tmp_path):
     """The header of a written spec reads like those of the shipped tuned specs."""
     path = tune.write_tuned(best, base, (4, 16, 4096, 4096), tmp_path, "h200")
     assert HEADER.match(path.read_text().splitlines()[0])
-    shipped = sorted(SPECS.glob("*_h200.yaml"))
+    # (split-KV *_partial_h200 specs are chosen by hand, and their header says how)
+    shipped = sorted(f for f in SPECS.glob("*_h200.yaml") if "_partial_" not in f.name)
     assert shipped
     for f in shipped:
         assert HEADER.match(f.read_text().splitlines()[0]), f
