@@ -93,6 +93,17 @@ def random_inputs(framework: str, dtype: str, b: int, hq: int, hkv: int, nq: int
     return make(hq, nq), make(hkv, nk), make(hkv, nk), make(hq, nq, fill=float("nan"))
 
 
+def _nan_like(ref, shape):
+    """A float32 array of NaN in ref's framework and device."""
+    if type(ref).__module__.startswith("torch"):
+        import torch
+
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=ref.device)
+    import cupy
+
+    return cupy.full(shape, cupy.nan, dtype=cupy.float32)
+
+
 def to_numpy(x) -> np.ndarray:
     if type(x).__module__.startswith("torch"):
         return x.detach().float().cpu().numpy()
@@ -173,8 +184,20 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     with_lse = spec.outputs.lse
-    got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse, **extras)
-    got_out, got_lse = got if with_lse else (got, None)
+    if spec.outputs.partial:  # split-KV: NaN-poisoned partials over 3 splits, then the merge
+        from fagen.splitkv import merge
+
+        tiles = -(-nk // kernel.plan.block_kv)
+        per_split = -(-tiles // min(3, tiles))
+        parts = _nan_like(q, (-(-tiles // per_split), b, hq, nq, spec.head_dim))
+        sinks = extras.pop("sinks", None)
+        o_parts, lse_parts = kernel(q, k, v, scale=scale, out=parts, splits=min(3, tiles), **extras)
+        got_out, got_lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=spec.dtype)
+        if sinks is not None:
+            extras["sinks"] = sinks
+    else:
+        got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse, **extras)
+        got_out, got_lse = got if with_lse else (got, None)
     slopes = extras.get("alibi_slopes")
     if spec.score_mod.alibi == "geometric" and slopes is None:
         slopes = np.array(_geometric_slopes_host(hq))
@@ -190,6 +213,6 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
         OUT_TOLERANCE[spec.dtype],
         flops=attention_flops(b, hq, nq, nk, spec.head_dim, spec.causal),
     )
-    if time_it and result.passed:  # a wrong kernel is never timed
+    if time_it and result.passed and not spec.outputs.partial:  # a wrong kernel is never timed
         result.ms = time_ms(lambda: kernel(q, k, v, scale=scale, out=out, **extras))
     return result
