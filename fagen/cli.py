@@ -94,13 +94,15 @@ def list_cmd(specs: tuple[str, ...]) -> None:
 
 @main.command("compile")
 @click.argument("spec", type=click.Path(exists=True, dir_okay=False))
-@click.option("--arch", default="sm_90", show_default=True, help="sm_80, sm_86, sm_89 or sm_90")
+@click.option("--arch", default=None, help="sm_80, sm_86, sm_89, sm_90 or sm_90a  [default: sm_90, sm_90a for "
+              "an sm_90a spec]")
 @click.option("-v", "--verbose", is_flag=True, help="print the whole ptxas report")
-def compile_cmd(spec: str, arch: str, verbose: bool) -> None:
+def compile_cmd(spec: str, arch: str | None, verbose: bool) -> None:
     """Compile SPEC offline with nvcc and print registers, shared memory and spills."""
-    from fagen.nvcc import compile_offline
+    from fagen.nvcc import compile_offline, targets
 
     s = _load(Path(spec))
+    arch = arch or targets(s)[-1]
     try:
         r = compile_offline(s, arch)
     except RuntimeError as err:

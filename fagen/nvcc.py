@@ -28,6 +28,11 @@ class Resources:
     log: str
 
 
+def targets(spec: AttentionSpec) -> tuple[str, ...]:
+    """The archs a shipped spec must compile for: wgmma kernels exist for sm_90a alone."""
+    return ("sm_90a",) if spec.wgmma else ("sm_80", "sm_90")
+
+
 def find_nvcc() -> str:
     nvcc = shutil.which("nvcc")
     if nvcc is None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fagen.spec import MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, AttentionSpec, SpecError, rule
+from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, SpecError,
+                        rule)
 
 ELEMENT_BYTES = 2  # float16 and bfloat16
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
@@ -19,11 +20,16 @@ MAX_REGISTERS = 255
 # shipped specs and the 32-rows-a-warp d=128 tiles that just fit.
 REGISTER_BASE = 64
 REGISTER_SLACK = 0.15
+# wgmma kernels hold no ldmatrix fragments or copy addresses per MMA: a smaller base, fitted
+# to ptxas -v on the shipped sm_90a specs.
+WGMMA_REGISTER_BASE = 40
+SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES  # 8 rows of 128 bytes: wgmma's unit
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     name: str
+    mma: str  # "mma_sync" (warp-wide m16n8k16) or "wgmma" (warpgroup-wide m64nNk16, sm_90a)
     threads: int
     warps: int
     block_q: int
@@ -34,11 +40,13 @@ class KernelPlan:
     o_n_frags: int  # n8 fragments of a warp's O tile (head_dim)
     qk_k_steps: int  # k16 steps of Q.K^T (over head_dim)
     pv_k_steps: int  # k16 steps of P.V (over the keys of a tile)
-    smem_row: int  # elements between consecutive rows of a smem tile
+    smem_row: int  # elements between consecutive rows of a smem tile (wgmma: of a swizzle atom)
+    atoms_per_row: int  # wgmma: 128-byte swizzle atoms across head_dim (an 8-row group's stride)
     chunks_per_row: int  # 16-byte chunks in one head_dim row
     q_tile_elems: int
     kv_tile_elems: int
     kv_slots: int  # smem KV tiles in the ring (see kv_pipeline in templates)
+    kv_stages: int  # wgmma: K tiles (and V tiles) in flight or resident
     mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
     smem_bytes: int
     smem_limit: int
@@ -90,9 +98,12 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     t, d = spec.tiling, spec.head_dim
     warps = t.warps_q * t.warps_kv
     m_frags = t.block_q // (t.warps_q * MMA_M)
-    smem_row = d + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
-    q_tile = t.block_q * smem_row
-    kv_tile = t.block_kv * smem_row
+    if spec.wgmma:  # rows live in 128-byte swizzle atoms, head_dim / 64 of them side by side
+        smem_row = SWIZZLE_ATOM_ELEMS
+    else:
+        smem_row = d + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
+    q_tile = t.block_q * (d if spec.wgmma else smem_row)
+    kv_tile = t.block_kv * (d if spec.wgmma else smem_row)
     slots = kv_slots(spec)
     smem_bytes = (q_tile + slots * kv_tile) * ELEMENT_BYTES
     limit = SMEM_PER_BLOCK[spec.arch]
@@ -102,15 +113,18 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     o_regs = m_frags * (d // MMA_N) * per_thread
     s_regs = m_frags * (t.block_kv // MMA_N) * per_thread
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
-    fragments = o_regs + s_regs + q_regs
-    registers = fragments + REGISTER_BASE + int(REGISTER_SLACK * fragments)
+    # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
+    p_regs = s_regs // 2 if spec.wgmma else 0
+    fragments = o_regs + s_regs + q_regs + p_regs
+    base = WGMMA_REGISTER_BASE if spec.wgmma else REGISTER_BASE
+    registers = fragments + base + int(REGISTER_SLACK * fragments)
 
     if smem_bytes > limit:
         raise SpecError(rule(
             "pipeline", f"{spec.pipeline.kv_smem}, stages {spec.pipeline.stages}",
             f"needs {smem_bytes} bytes of shared memory (Q tile + {slots} KV tiles of "
-            f"{t.block_kv}x{smem_row}) but {spec.arch} allows {limit} per block",
-            "use fewer stages, kv_smem: shared, or a smaller block_kv"))
+            f"{t.block_kv}x{kv_tile // t.block_kv}) but {spec.arch} allows {limit} per block",
+            "use fewer stages or a smaller block_kv" + ("" if spec.wgmma else ", or kv_smem: shared")))
     if seed_budget > limit:
         raise SpecError(rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}",
@@ -120,12 +134,13 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     if registers > MAX_REGISTERS:
         raise SpecError(rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}, warps_q {t.warps_q}",
-            f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, "
-            f"{q_regs} for Q, the rest addresses and temporaries) over the {MAX_REGISTERS} limit: it would spill",
+            f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, {q_regs} for Q, "
+            f"{p_regs} for P, the rest addresses and temporaries) over the {MAX_REGISTERS} limit: it would spill",
             "use more warps_q, a smaller block_kv, or q_in_registers: false"))
 
     return KernelPlan(
         name=spec.name,
+        mma="wgmma" if spec.wgmma else "mma_sync",
         threads=32 * warps,
         warps=warps,
         block_q=t.block_q,
@@ -137,10 +152,12 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         qk_k_steps=d // MMA_K,
         pv_k_steps=t.block_kv // MMA_K,
         smem_row=smem_row,
+        atoms_per_row=d // SWIZZLE_ATOM_ELEMS if spec.wgmma else 0,
         chunks_per_row=d // CHUNK_ELEMS,
         q_tile_elems=q_tile,
         kv_tile_elems=kv_tile,
         kv_slots=slots,
+        kv_stages=spec.pipeline.stages,
         mask_words=-(-t.block_kv // 32),
         smem_bytes=smem_bytes,
         smem_limit=limit,

@@ -59,7 +59,8 @@ def context(spec: AttentionSpec) -> dict:
 
 
 def render(spec: AttentionSpec) -> str:
-    return environment().get_template("kernel.cu.j2").render(context(spec))
+    template = "kernel_wgmma.cu.j2" if spec.wgmma else "kernel.cu.j2"
+    return environment().get_template(template).render(context(spec))
 
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")

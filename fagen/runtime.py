@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 
@@ -101,6 +103,31 @@ def cache_key(source: str, options: tuple[str, ...], arch: str) -> str:
     return hashlib.sha256("\0".join([source, *options, arch, __version__]).encode()).hexdigest()
 
 
+def _compile_sm90a(source: str, name: str, key: str) -> str:
+    """NVRTC for sm_90a (CuPy compiles for the plain arch, which has no wgmma): the cubin's path,
+    cached on disk under the kernel's hash like CuPy's own cache."""
+    cache = Path(os.environ.get("FAGEN_CACHE_DIR", Path.home() / ".cache" / "fagen"))
+    path = cache / f"{key}.cubin"
+    if path.exists():
+        return str(path)
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, f"{name}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, (*NVRTC_OPTIONS, "-arch=sm_90a"))
+        except nvrtc.NVRTCError:
+            raise RuntimeError(f"NVRTC failed on {name} for sm_90a:\n{nvrtc.getProgramLog(prog)}") from None
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(cubin)
+    tmp.replace(path)  # atomic: a concurrent process sees the whole cubin or none
+    return str(path)
+
+
 class Kernel:
     """A compiled spec. Call it like `fagen.attention`, without the choice of kernel."""
 
@@ -110,12 +137,17 @@ class Kernel:
         self.plan: KernelPlan = plan(spec)
         self.source = render(spec) if source is None else source
         self.arch = f"sm_{cupy.cuda.Device().compute_capability}"
-        if int(self.arch[3:]) < int(spec.arch[3:]):
+        if spec.wgmma and self.arch != "sm_90":
+            raise RuntimeError(f"{spec.name}: arch sm_90a (wgmma) runs on Hopper (sm_90) only, this GPU is "
+                               f"{self.arch}; use a spec with arch: sm_80")
+        if int(self.arch[3:]) < int(spec.arch[3:5]):
             raise RuntimeError(f"{spec.name}: spec arch {spec.arch} is newer than this GPU ({self.arch}); "
                                f"set arch: sm_80 in the spec")
         self.key = cache_key(self.source, NVRTC_OPTIONS, self.arch)
-        # CuPy caches the cubin on disk under a hash of source, options and arch.
-        module = cupy.RawModule(code=self.source, options=NVRTC_OPTIONS)
+        if spec.wgmma:
+            module = cupy.RawModule(path=_compile_sm90a(self.source, spec.name, self.key))
+        else:  # CuPy caches the cubin on disk under a hash of source, options and arch.
+            module = cupy.RawModule(code=self.source, options=NVRTC_OPTIONS)
         self.function = module.get_function(spec.name)
         if self.plan.smem_bytes > 48 * 1024:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes

@@ -17,8 +17,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
-SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448}
+SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
+# sm_90a (Hopper only) selects warpgroup MMAs: wgmma.m64nNk16, K and V (and Q) read straight from
+# 128-byte-swizzled shared memory. A warpgroup is 4 warps owning 64 query rows.
+WARPGROUP_WARPS, WARPGROUP_ROWS = 4, 64
+SWIZZLE_ATOM_ELEMS = 64  # one 128-byte swizzle row of half-precision elements
 # The name is an extern "C" symbol: it cannot be a C++ keyword or a CUDA built-in.
 RESERVED_NAMES = frozenset("""
     alignas alignof asm auto bool break case catch char class const constexpr continue decltype
@@ -224,7 +228,7 @@ class AttentionSpec(_Frozen):
     mask: Mask = Mask()
     score_mod: ScoreMod = ScoreMod()
     outputs: Outputs = Outputs()
-    arch: Literal["sm_80", "sm_86", "sm_89", "sm_90"] = "sm_80"
+    arch: Literal["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"] = "sm_80"
 
     @field_validator("name")
     @classmethod
@@ -247,13 +251,46 @@ class AttentionSpec(_Frozen):
     @model_validator(mode="after")
     def _swizzle_needs_eight_chunks(self) -> AttentionSpec:
         chunks = self.head_dim // 8
-        if self.smem_layout == "swizzled" and chunks % 8:
+        if self.smem_layout == "swizzled" and chunks % 8 and self.arch != "sm_90a":  # sm_90a: _wgmma_shapes
             raise ValueError(rule(
                 "smem_layout", "swizzled",
                 f"XORs the 16-byte chunk index with row % 8, so a row needs a multiple of 8 "
                 f"chunks; head_dim {self.head_dim} has {chunks}",
                 "use smem_layout: padded, or head_dim 64, 128 or 256"))
         return self
+
+    @model_validator(mode="after")
+    def _wgmma_shapes(self) -> AttentionSpec:
+        """sm_90a kernels are built from whole warpgroups and 128-byte swizzle atoms."""
+        if self.arch != "sm_90a":
+            return self
+        t, p = self.tiling, self.pipeline
+        fix_arch = "or use arch: sm_90 for the mma.sync kernel"
+        if t.warps_q % WARPGROUP_WARPS:
+            raise ValueError(rule("tiling.warps_q", t.warps_q, "must be 4 or 8 on sm_90a (whole warpgroups of "
+                                  "4 warps; wgmma is issued by 128 threads together)", "use 8, " + fix_arch))
+        if t.block_q != t.warps_q * MMA_M:
+            raise ValueError(rule("tiling.block_q", t.block_q, f"must be 16 * warps_q = {t.warps_q * MMA_M} on "
+                                  "sm_90a (a warpgroup owns the 64 rows of one wgmma.m64)",
+                                  f"use block_q: {t.warps_q * MMA_M}, " + fix_arch))
+        if self.head_dim % SWIZZLE_ATOM_ELEMS:
+            raise ValueError(rule("head_dim", self.head_dim, "must be a multiple of 64 on sm_90a (rows are "
+                                  "stored in 128-byte swizzle atoms that wgmma reads)", "use 64, 128 or 256, " + fix_arch))
+        if self.smem_layout != "swizzled":
+            raise ValueError(rule("smem_layout", self.smem_layout, "must be swizzled on sm_90a (wgmma reads "
+                                  "128-byte-swizzled tiles)", "set smem_layout: swizzled"))
+        if p.kv_smem != "separate" or p.stages < 2:
+            raise ValueError(rule("pipeline", f"{p.kv_smem}, stages {p.stages}", "sm_90a needs kv_smem: separate "
+                                  "with stages >= 2 (P.V of tile j - 1 runs while tile j's softmax does, and "
+                                  "tile j + 1 loads meanwhile)", "use kv_smem: separate, stages: 2"))
+        if p.q_in_registers:
+            raise ValueError(rule("pipeline.q_in_registers", True, "does not apply on sm_90a (wgmma reads Q "
+                                  "from shared memory)", "set q_in_registers: false"))
+        return self
+
+    @property
+    def wgmma(self) -> bool:
+        return self.arch == "sm_90a"
 
     @property
     def causal(self) -> bool:

@@ -51,8 +51,8 @@ constexpr int KV_TILE_ELEMS = 2560;
 constexpr int KV_SLOTS = 2;            // smem tiles in the KV ring
 static_assert(CHUNKS_PER_ROW * 8 == HEAD_DIM && SMEM_ROW % 8 == 0, "rows are whole 16-byte chunks");
 constexpr bool SWIZZLED = false;
-constexpr bool WRITE_LSE = true;
 constexpr bool Q_IN_REGISTERS = false;
+constexpr bool WRITE_LSE = true;
 constexpr bool SCORE_MOD = false;       // scores change before the mask
 constexpr bool SINKS = false;
 constexpr float LN2 = 0.6931471805599453f;
@@ -257,6 +257,38 @@ struct ScoreMod {
   }
 };
 
+// The tile's scores in place: modifiers, then the mask, which tests elements only on tiles
+// that cross one of its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and
+// keys 2t, 2t + 1 of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
+__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod,
+                                           Mask& mask, int j, int b, int h, int kv0, int warp_q0,
+                                           int warp_q_last, int lane) {
+  if constexpr (SCORE_MOD) {
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int n = 0; n < S_N_FRAGS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
+          const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
+          s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
+        }
+  }
+  if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int n = 0; n < S_N_FRAGS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
+          const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
+          if (!mask.element_active(b, h, qi, ki)) s[f][n][e] = NEG_INF;
+        }
+  }
+}
+
 // ---- online softmax --------------------------------------------------------------------
 // Scores move to the log2 domain with the scale folded in: p = exp2(s * to_log2 - m), where
 // to_log2 = scale * log2(e) on raw scores, or log2(e) once score modifiers applied the scale.
@@ -275,9 +307,10 @@ struct OnlineSoftmax {
     }
   }
 
-  // Turn the tile's scores into probabilities in place and rescale O by exp2(m_old - m_new).
-  __device__ __forceinline__ void update(float (&s)[M_FRAGS][S_N_FRAGS][4],
-                                         float (&o)[M_FRAGS][O_N_FRAGS][4], float to_log2) {
+  // Turn the tile's scores into probabilities in place; alpha = exp2(m_old - m_new) is what O
+  // (kept apart: wgmma may still be adding the previous tile into it) must be rescaled by.
+  __device__ __forceinline__ void update(float (&s)[M_FRAGS][S_N_FRAGS][4], float to_log2,
+                                         float (&alpha)[M_FRAGS][2]) {
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f) {
 #pragma unroll
@@ -290,7 +323,7 @@ struct OnlineSoftmax {
         const float m_new = fmaxf(m[f][h], mx * to_log2);
         // A row with no key seen yet keeps m = -inf; subtracting 0 keeps its p = 0, not NaN.
         const float m_use = m_new == NEG_INF ? 0.f : m_new;
-        const float alpha = fast_exp2(m[f][h] - m_use);
+        alpha[f][h] = fast_exp2(m[f][h] - m_use);
         m[f][h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -301,11 +334,18 @@ struct OnlineSoftmax {
             sum += s[f][n][e];
           }
         }
-        l[f][h] = l[f][h] * alpha + sum;
-#pragma unroll
-        for (int n = 0; n < O_N_FRAGS; ++n) { o[f][n][2 * h] *= alpha; o[f][n][2 * h + 1] *= alpha; }
+        l[f][h] = l[f][h] * alpha[f][h] + sum;
       }
     }
+  }
+
+  __device__ __forceinline__ static void rescale(float (&o)[M_FRAGS][O_N_FRAGS][4], const float (&alpha)[M_FRAGS][2]) {
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int n = 0; n < O_N_FRAGS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[f][n][e] *= alpha[f][e >> 1];
   }
 };
 
@@ -443,33 +483,11 @@ attn_bf16_d32(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const 
     }
     kv.release(2 * j, mask);  // K_j's slot refills while softmax runs
 
-    // Phase 3: score modifiers, the mask (only tiles that cross a boundary test elements),
-    // then online softmax. Thread (g, t) holds rows g, g + 8 and keys 2t, 2t + 1 of each fragment.
-    if constexpr (SCORE_MOD) {
-#pragma unroll
-      for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-        for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
-            const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-            s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
-          }
-    }
-    if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
-#pragma unroll
-      for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-        for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
-            const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-            if (!mask.element_active(b, h, qi, ki)) s[f][n][e] = NEG_INF;
-          }
-    }
-    softmax.update(s, o_acc, to_log2);
+    // Phase 3: score modifiers, the mask, then online softmax (P stays in s).
+    score_tile(s, score_mod, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
+    float alpha[M_FRAGS][2];
+    softmax.update(s, to_log2, alpha);
+    softmax.rescale(o_acc, alpha);
 
     // Phase 4: O += P.V_j. The S accumulators, packed to bfloat16 pairs, are already the A
     // fragments of this MMA: P never touches shared memory.

@@ -1,4 +1,5 @@
-"""Every shipped spec compiles with nvcc for sm_80 and sm_90 with no spills and no stack.
+"""Every shipped spec compiles with nvcc for its targets (sm_80 and sm_90; sm_90a for wgmma
+kernels) with no spills and no stack.
 
 nvcc is on the CI machine: its absence fails these tests (fagen.nvcc raises), never skips.
 """
@@ -6,15 +7,15 @@ nvcc is on the CI machine: its absence fails these tests (fagen.nvcc raises), ne
 import pytest
 
 import fagen
-from fagen.nvcc import compile_offline
+from fagen.nvcc import compile_offline, targets
 from fagen.plan import plan
 from fagen.render import SPECS
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
+BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("path", SPEC_PATHS, ids=[p.stem for p in SPEC_PATHS])
+@pytest.mark.parametrize(("path", "arch"), BUILDS, ids=[f"{p.stem}-{a}" for p, a in BUILDS])
 def test_compiles_without_spills(path, arch):
     spec = fagen.load_spec(path)
     r = compile_offline(spec, arch)
@@ -27,7 +28,7 @@ def test_register_prediction_tracks_ptxas():
     """The validator's register estimate stays within 30% of what ptxas reports."""
     for path in SPEC_PATHS[::4]:
         spec = fagen.load_spec(path)
-        actual = compile_offline(spec, "sm_90").registers
+        actual = compile_offline(spec, targets(spec)[-1]).registers
         assert abs(plan(spec).predicted_registers - actual) <= 0.3 * actual, (spec.name, actual)
 
 
@@ -37,5 +38,6 @@ def test_split_kv_variants_of_the_defaults_compile_without_spills(path):
     """fagen.splitkv and the multi-GPU modes run partial variants of these."""
     from fagen.splitkv import partial_variant
 
-    r = compile_offline(partial_variant(fagen.load_spec(path)), "sm_90")
+    spec = partial_variant(fagen.load_spec(path))
+    r = compile_offline(spec, targets(spec)[-1])
     assert (r.stack_frame, r.spill_stores) == (0, 0), r.log

@@ -93,7 +93,7 @@ def test_candidates_keep_everything_else_of_the_base(full, base):
 def test_kept_plus_refused_is_the_whole_space(full):
     specs, refused = full
     size = math.prod(len(v) for v in SPACE.values())
-    assert size == 2 * 2 * 3 * 4 * 2 * 2
+    assert size == 2 * 2 * 3 * 5 * 2 * 2
     assert len(specs) + refused == size
     assert len(specs) > 0 and refused > 0
 
@@ -162,7 +162,7 @@ def test_quick_candidates_have_16_rows_a_warp(quick):
     # the quick filter (16 rows a warp, swizzled for d128) is not the validator: only points
     # that pass it are kept or refused
     points = [c for c in itertools.product(*QUICK_SPACE.values()) if c[0] == 16 * c[1] and c[4] == "swizzled"]
-    assert len(specs) + refused == len(points) == 12
+    assert len(specs) + refused == len(points) == 18
 
 
 def test_quick_is_a_subset_of_the_full_space(quick, full):

@@ -1,0 +1,93 @@
+"""The sm_90a (wgmma) variant without a GPU: its spec rules, plan numbers, render and tuner
+space. Its GPU checks are the shipped hopper_* specs in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import fagen
+from fagen.plan import plan
+from fagen.render import SPECS, render
+from fagen.tune import candidates
+
+HOPPER = {
+    "name": "wg_probe",
+    "dtype": "float16",
+    "head_dim": 128,
+    "tiling": {"block_q": 128, "block_kv": 128, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2},
+    "smem_layout": "swizzled",
+    "arch": "sm_90a",
+}
+
+
+def hopper(**overrides) -> dict:
+    data = {**HOPPER, **{k: v for k, v in overrides.items() if not isinstance(v, dict)}}
+    for k, v in overrides.items():
+        if isinstance(v, dict):
+            data[k] = {**HOPPER.get(k, {}), **v}
+    return data
+
+
+@pytest.mark.parametrize(("overrides", "field", "fix"), [
+    (dict(tiling={"block_q": 96, "warps_q": 6}), "tiling.warps_q = 6", "use 8"),
+    (dict(tiling={"block_q": 256, "warps_q": 8}), "tiling.block_q = 256", "block_q: 128"),
+    (dict(head_dim=96, tiling={"block_kv": 64}), "head_dim = 96", "64, 128 or 256"),
+    (dict(smem_layout="padded"), "smem_layout = 'padded'", "swizzled"),
+    (dict(pipeline={"kv_smem": "shared", "stages": 2}), "pipeline = 'shared, stages 2'", "separate"),
+    (dict(pipeline={"stages": 1}), "pipeline = 'separate, stages 1'", "stages: 2"),
+    (dict(pipeline={"q_in_registers": True}), "pipeline.q_in_registers = True", "false"),
+])
+def test_wgmma_rules_name_field_value_and_fix(overrides, field, fix):
+    with pytest.raises(fagen.SpecError) as info:
+        fagen.parse_spec(hopper(**overrides))
+    message = str(info.value)
+    assert field in message and "sm_90a" in message and fix in message
+
+
+def test_plan_numbers_for_the_swizzle_atoms():
+    p = plan(fagen.parse_spec(hopper()))
+    assert p.mma == "wgmma" and p.threads == 256 and p.m_frags == 1
+    assert p.atoms_per_row == 2 and p.smem_row == 64  # two 64-element atoms across head_dim 128
+    assert p.kv_stages == 2 and p.kv_slots == 4
+    # Q (128 x 128) + 2 K + 2 V tiles (128 x 128), unpadded halves
+    assert p.smem_bytes == (128 * 128 + 4 * 128 * 128) * 2
+    # S (64 f32), O (64 f32) and the previous tile's packed P (32) a thread
+    assert p.predicted_registers == 160 + 40 + int(0.15 * 160)
+
+
+def test_plan_refuses_what_does_not_fit():
+    with pytest.raises(fagen.SpecError, match="shared memory"):  # 32 KB Q + 6 x 64 KB
+        fagen.parse_spec(hopper(head_dim=256, tiling={"block_kv": 128}, pipeline={"stages": 3}))
+    with pytest.raises(fagen.SpecError, match="registers"):
+        fagen.parse_spec(hopper(head_dim=64, tiling={"block_kv": 256}))  # 128 S + 64 P + 32 O
+
+
+def test_render_emits_only_wgmma_and_the_shapes_of_the_plan():
+    src = render(fagen.parse_spec(hopper(tiling={"block_kv": 64})))
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in src  # S: 64 keys
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in src  # O: head_dim 128
+    assert "fence.proxy.async.shared::cta" in src  # cp.async (generic) -> wgmma (async proxy)
+    assert "ldmatrix.sync" not in src and "mma.sync.aligned" not in src
+    # the S accumulator list is 64 x 64 / 128 = 32 registers, the O list 64
+    qk = src[src.index("void wgmma_qk"):src.index("void wgmma_pv")]
+    assert re.findall(r"%(\d+), %(\d+), p, 1, 1, 0, 0", qk) == [("32", "33")]
+    bf = render(fagen.parse_spec(hopper(dtype="bfloat16")))
+    assert "m64n128k16.f32.bf16.bf16" in bf and ".f16.f16" not in bf
+
+
+def test_mma_sync_specs_render_no_wgmma():
+    src = render(fagen.load_spec(SPECS / "attn_f16_d128.yaml"))
+    assert "wgmma." not in src and "mma.sync.aligned.m16n8k16" in src
+
+
+def test_tuner_explores_only_valid_hopper_tilings():
+    specs, refused = candidates(fagen.parse_spec(hopper()))
+    assert specs and refused
+    for s in specs:
+        assert s.arch == "sm_90a" and s.tiling.block_q == 16 * s.tiling.warps_q
+        assert s.smem_layout == "swizzled" and s.pipeline.kv_smem == "separate" and s.pipeline.stages >= 2
+    shapes = {(s.tiling.block_q, s.tiling.block_kv, s.pipeline.stages) for s in specs}
+    assert (128, 128, 2) in shapes and (64, 64, 3) in shapes
