@@ -506,9 +506,9 @@ hopper_f16_d128_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
 
-    // Phase 2: K_j and V_(j-1) have landed; every thread is past step j - 1, so its slots refill.
+    // Phase 2: K_j and V_(j-1) have landed; every thread is past step j - 1, so its slots may
+    // refill (issued below, once the tensor cores have work).
     kv.wait();
-    kv.issue(j + KV_STAGES - 1, mask);
 
     // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
     float s[M_FRAGS][S_N_FRAGS][4];
@@ -520,6 +520,7 @@ hopper_f16_d128_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
       wgmma_qk(s[0], q_desc + step, k_desc + step, ks > 0);
     }
     wgmma_commit();
+    kv.issue(j + KV_STAGES - 1, mask);  // copies overlap the MMAs
     if (j > 0) {
       // V's 64-column atoms are 1024 bytes apart (leading offset), its 8-key groups ROW_GROUP_BYTES.
       const unsigned long long v_desc = smem_desc(kv.v_slot(j - 1), ATOM_ELEMS * 2, ROW_GROUP_BYTES);
