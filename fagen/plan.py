@@ -24,6 +24,7 @@ REGISTER_SLACK = 0.15
 # to ptxas -v on the shipped sm_90a specs.
 WGMMA_REGISTER_BASE = 40
 SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES  # 8 rows of 128 bytes: wgmma's unit
+MBARRIER_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class KernelPlan:
     kv_tile_elems: int
     kv_slots: int  # smem KV tiles in the ring (see kv_pipeline in templates)
     kv_stages: int  # wgmma: K tiles (and V tiles) in flight or resident
+    warpgroups: int  # wgmma: warpgroups of 64 query rows
+    pingpong: bool  # wgmma: the two warpgroups take turns on the tensor cores
     mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
     smem_bytes: int
     smem_limit: int
@@ -106,6 +109,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     kv_tile = t.block_kv * (d if spec.wgmma else smem_row)
     slots = kv_slots(spec)
     smem_bytes = (q_tile + slots * kv_tile) * ELEMENT_BYTES
+    if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring
+        smem_bytes += 2 * spec.pipeline.stages * MBARRIER_BYTES
     limit = SMEM_PER_BLOCK[spec.arch]
     seed_budget = (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * ELEMENT_BYTES
 
@@ -158,6 +163,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         kv_tile_elems=kv_tile,
         kv_slots=slots,
         kv_stages=spec.pipeline.stages,
+        warpgroups=warps // 4 if spec.wgmma else 0,
+        pingpong=spec.pipeline.pingpong,
         mask_words=-(-t.block_kv // 32),
         smem_bytes=smem_bytes,
         smem_limit=limit,

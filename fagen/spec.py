@@ -102,6 +102,9 @@ class Pipeline(_Frozen):
     kv_smem: Literal["shared", "separate"] = "shared"
     stages: Literal[1, 2, 3] = 1
     q_in_registers: bool = False
+    # sm_90a, two warpgroups: they take turns on the tensor cores, one's softmax running under
+    # the other's MMAs (loads for a stage are issued a step later: use stages 3)
+    pingpong: bool = False
 
 
 MAX_MASK_SPAN = 1 << 28  # positions: a window of 2^28 is unbounded in practice and int32-safe
@@ -263,6 +266,9 @@ class AttentionSpec(_Frozen):
     def _wgmma_shapes(self) -> AttentionSpec:
         """sm_90a kernels are built from whole warpgroups and 128-byte swizzle atoms."""
         if self.arch != "sm_90a":
+            if self.pipeline.pingpong:
+                raise ValueError(rule("pipeline.pingpong", True, f"needs arch sm_90a (warpgroups taking turns "
+                                      f"on wgmma), not {self.arch}", "set arch: sm_90a or pingpong: false"))
             return self
         t, p = self.tiling, self.pipeline
         fix_arch = "or use arch: sm_90 for the mma.sync kernel"
@@ -286,6 +292,9 @@ class AttentionSpec(_Frozen):
         if p.q_in_registers:
             raise ValueError(rule("pipeline.q_in_registers", True, "does not apply on sm_90a (wgmma reads Q "
                                   "from shared memory)", "set q_in_registers: false"))
+        if p.pingpong and t.warps_q != 2 * WARPGROUP_WARPS:
+            raise ValueError(rule("pipeline.pingpong", True, f"takes two warpgroups (warps_q 8), not warps_q "
+                                  f"{t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
         return self
 
     @property

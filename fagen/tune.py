@@ -50,7 +50,7 @@ def candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[Attention
             continue
         data = base.model_dump(mode="json")
         data["tiling"] = {"block_q": bq, "block_kv": bkv, "warps_q": wq}
-        data["pipeline"] = {"kv_smem": kv_smem, "stages": stages, "q_in_registers": q_regs}
+        data["pipeline"] = {**data["pipeline"], "kv_smem": kv_smem, "stages": stages, "q_in_registers": q_regs}
         data["smem_layout"] = layout
         data["name"] = f"{base.name}_q{bq}w{wq}kv{bkv}_{kv_smem}{stages}_{layout[0]}{'_qreg' if q_regs else ''}"
         try:

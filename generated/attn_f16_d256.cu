@@ -16,6 +16,7 @@
 //     partial: false
 //   pipeline:
 //     kv_smem: separate
+//     pingpong: false
 //     q_in_registers: false
 //     stages: 1
 //   score_mod:

@@ -16,6 +16,7 @@
 //     partial: false
 //   pipeline:
 //     kv_smem: shared
+//     pingpong: false
 //     q_in_registers: true
 //     stages: 3
 //   score_mod:

@@ -17,8 +17,9 @@
 //     partial: false
 //   pipeline:
 //     kv_smem: separate
+//     pingpong: true
 //     q_in_registers: false
-//     stages: 2
+//     stages: 3
 //   score_mod:
 //     alibi: none
 //     bias: none
@@ -50,11 +51,13 @@ constexpr int SMEM_ROW = 64;           // elements between smem rows
 constexpr int Q_TILE_ELEMS = 16384;
 constexpr int KV_TILE_ELEMS = 16384;
 static_assert(CHUNKS_PER_ROW * 8 == HEAD_DIM && SMEM_ROW % 8 == 0, "rows are whole 16-byte chunks");
-constexpr int KV_STAGES = 2;            // K tiles (and V tiles) in the ring
+constexpr int KV_STAGES = 3;            // K tiles (and V tiles) in the ring
 constexpr int ATOMS_PER_ROW = 2;        // 128-byte swizzle atoms across head_dim
 constexpr int ATOM_ELEMS = 8 * 64;         // one atom: 8 rows of 64 elements (1024 bytes)
 constexpr int ROW_GROUP_BYTES = ATOMS_PER_ROW * ATOM_ELEMS * 2;  // 8 rows of a tile: wgmma's stride byte offset
 constexpr int WARPGROUP_ROWS = 64;         // rows of one wgmma.m64 (4 warps x 16)
+constexpr int WARPGROUPS = 2;
+constexpr bool PINGPONG = true;        // warpgroups take turns on the tensor cores
 constexpr bool WRITE_LSE = true;
 constexpr bool SCORE_MOD = false;       // scores change before the mask
 constexpr bool SINKS = false;
@@ -94,6 +97,31 @@ __device__ __forceinline__ void pin_registers(float (&d)[N][4]) {
   for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e]) :: "memory");
+}
+
+// mbarriers in shared memory signal "this KV stage has landed" and "every thread is done with
+// it", so warpgroups never wait for each other as a whole block.
+__device__ __forceinline__ void mbarrier_init(unsigned bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" :: "r"(bar) : "memory");
+}
+// Arrives once every cp.async this thread issued so far has landed (noinc: the arrival is one
+// of the count the barrier was initialised with).
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, int parity) {
+  asm volatile("{\n.reg .pred done;\nwait:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra wait;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+// Named barriers (0 is __syncthreads) hand the tensor cores from one warpgroup to the other.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
@@ -262,14 +290,15 @@ struct Mask {
 };
 
 // ---- KV pipeline -----------------------------------------------------------------------
-// K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in slot j % KV_STAGES).
+// K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in stage j % KV_STAGES).
 // Load group g carries K_g and V_(g-1) (group 0: Q and K_0), exactly what step g of the main
-// loop consumes: S_g = Q.K_g^T and O += P_(g-1).V_(g-1). Step g waits for its group, and
-// once every thread is past that barrier, step g - 1's slots are free: step g issues group
-// g + KV_STAGES - 1 into them. One __syncthreads per KV tile; every group is committed
-// (empty past the last tile), so "group g has landed" is always wait_group<KV_STAGES - 2>.
+// loop consumes: S_g = Q.K_g^T and O += P_(g-1).V_(g-1). Every thread copies a share of each
+// group and its cp.async arrivals complete the stage's `landed` mbarrier; after step g each
+// thread arrives on `freed`, and group g + KV_STAGES waits for that before refilling the
+// stage. No block-wide barrier: a warpgroup runs ahead of the other by up to a stage.
 struct KvPipeline {
-  unsigned k_ring, v_ring;  // smem addresses of K's and V's slot 0
+  unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
+  unsigned landed, freed;  // KV_STAGES mbarriers each, 8 bytes apart
   const elem_t* k;
   const elem_t* v;
   long long k_stride, v_stride;
@@ -278,10 +307,24 @@ struct KvPipeline {
   __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + 2 * KV_TILE_ELEMS * (j % KV_STAGES); }
   __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + 2 * KV_TILE_ELEMS * (j % KV_STAGES); }
 
+  // One thread sets the barriers up; the block syncs once before anyone uses them.
+  __device__ __forceinline__ void init() const {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < KV_STAGES; ++s) {
+        mbarrier_init(landed + 8 * s, THREADS);
+        mbarrier_init(freed + 8 * s, THREADS);
+      }
+    }
+    __syncthreads();
+  }
+
   __device__ __forceinline__ void issue(int g, const Mask& mask) const {
+    const int stage = g % KV_STAGES;
+    if (g >= KV_STAGES) mbarrier_wait(freed + 8 * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
     if (g < tiles) copy_tile_async<BLOCK_KV>(k_slot(g), k, k_stride, mask.kv_tile(g) * BLOCK_KV, n_kv, tid);
     if (g >= 1 && g <= tiles) copy_tile_async<BLOCK_KV>(v_slot(g - 1), v, v_stride, mask.kv_tile(g - 1) * BLOCK_KV, n_kv, tid);
-    commit_group();
+    cp_async_arrive(landed + 8 * stage);
   }
 
   __device__ __forceinline__ void prologue(const Mask& mask) const {
@@ -289,12 +332,14 @@ struct KvPipeline {
     for (int g = 0; g < KV_STAGES - 1; ++g) issue(g, mask);
   }
 
-  // Block until group g is in smem for every thread, visible to wgmma's async proxy.
-  __device__ __forceinline__ void wait() const {
-    wait_group<KV_STAGES - 2>();
+  // Group g is in smem for every thread, and visible to wgmma's async proxy.
+  __device__ __forceinline__ void wait(int g) const {
+    mbarrier_wait(landed + 8 * (g % KV_STAGES), (g / KV_STAGES) & 1);
     fence_async_smem();
-    __syncthreads();
   }
+
+  // This thread's MMAs reading group g are complete.
+  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(freed + 8 * (g % KV_STAGES)); }
 };
 
 // ---- score modifiers -------------------------------------------------------------------
@@ -481,14 +526,16 @@ hopper_f16_d128(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0);
   const int kv_tiles = mask.count;
-  const unsigned k_ring = smem_u32(smem + Q_TILE_ELEMS);
-  const KvPipeline kv{k_ring, k_ring + 2 * KV_STAGES * KV_TILE_ELEMS, k, v, k_sn, v_sn, n_kv, kv_tiles, tid};
+  const unsigned k_ring = smem_u32(smem + Q_TILE_ELEMS), v_ring = k_ring + 2 * KV_STAGES * KV_TILE_ELEMS;
+  const unsigned landed = v_ring + 2 * KV_STAGES * KV_TILE_ELEMS;
+  const KvPipeline kv{k_ring, v_ring, landed, landed + 8 * KV_STAGES, k, v, k_sn, v_sn, n_kv, kv_tiles, tid};
   ScoreMod score_mod;
   score_mod.begin(n_q, n_kv, b, h, scale);
   const float to_log2 = SCORE_MOD ? LOG2E : scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
   // Phase 1: Q joins K_0 in load group 0; groups up to KV_STAGES - 2 follow at once.
+  kv.init();
   copy_tile_async<BLOCK_Q>(smem_q_u32, q, q_sn, q0, n_q, tid);
   kv.prologue(mask);
 
@@ -499,17 +546,21 @@ hopper_f16_d128(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
   unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
   OnlineSoftmax softmax;
   softmax.init();
+  // Ping-pong: the warpgroups take turns issuing MMAs (named barrier 1 + w is warpgroup w's
+  // turn), so one's softmax runs while the other's MMAs keep the tensor cores busy.
+  const int my_turn = 1 + warpgroup, next_turn = 1 + (warpgroup + 1) % WARPGROUPS;
+  if (PINGPONG && warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(1, 2 * 128);  // warpgroup 0 starts
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
 
-    // Phase 2: K_j and V_(j-1) have landed; every thread is past step j - 1, so its slots may
-    // refill (issued below, once the tensor cores have work).
-    kv.wait();
+    // Phase 2: K_j and V_(j-1) have landed.
+    kv.wait(j);
 
     // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
     float s[M_FRAGS][S_N_FRAGS][4];
     const unsigned long long k_desc = smem_desc(kv.k_slot(j), 16, ROW_GROUP_BYTES);
+    if (PINGPONG) named_barrier_sync(my_turn, 2 * 128);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < QK_K_STEPS; ++ks) {
@@ -517,18 +568,24 @@ hopper_f16_d128(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
       wgmma_qk(s[0], q_desc + step, k_desc + step, ks > 0);
     }
     wgmma_commit();
-    kv.issue(j + KV_STAGES - 1, mask);  // copies overlap the MMAs
+    // Without ping-pong the warpgroups run abreast: refill step j - 1's stage now, under the MMAs.
+    if constexpr (!PINGPONG) kv.issue(j + KV_STAGES - 1, mask);
     if (j > 0) {
       // V's 64-column atoms are 1024 bytes apart (leading offset), its 8-key groups ROW_GROUP_BYTES.
       const unsigned long long v_desc = smem_desc(kv.v_slot(j - 1), ATOM_ELEMS * 2, ROW_GROUP_BYTES);
 #pragma unroll
       for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o_acc[0], p[ks], v_desc + ((2 * ks * ROW_GROUP_BYTES) >> 4));
       wgmma_commit();
+    }
+    if (j > 0) {
       wgmma_wait<1>();  // S_j is done; P_(j-1).V_(j-1) may still run
     } else {
       wgmma_wait<0>();
     }
     pin_registers(s[0]);
+    // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
+    // serialise the wgmmas.)
+    if (PINGPONG) named_barrier_arrive(next_turn, 2 * 128);
 
     // Phase 4: score modifiers, the mask and the softmax of tile j while P.V_(j-1) finishes.
     score_tile(s, score_mod, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
@@ -544,21 +601,25 @@ hopper_f16_d128(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
       p[ks][2] = pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
       p[ks][3] = pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
     }
+
+    // Phase 5: this thread is done with group j. With ping-pong, refill step j - 1's stage only
+    // now: the other warpgroup, half a step behind, has just finished with it.
+    kv.release(j);
+    if constexpr (PINGPONG) kv.issue(j + KV_STAGES - 1, mask);
   }
 
-  // Phase 5: the last tile's P.V, then normalise and write O (and LSE).
+  // Phase 6: the last tile's P.V, then normalise and write O (and LSE).
+  kv.wait(kv_tiles);  // group kv_tiles: V of the last tile (with no tiles: Q alone)
   if (kv_tiles > 0) {
-    kv.wait();
     const unsigned long long v_desc = smem_desc(kv.v_slot(kv_tiles - 1), ATOM_ELEMS * 2, ROW_GROUP_BYTES);
+    if (PINGPONG) named_barrier_sync(my_turn, 2 * 128);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o_acc[0], p[ks], v_desc + ((2 * ks * ROW_GROUP_BYTES) >> 4));
     wgmma_commit();
     wgmma_wait<0>();
     pin_registers(o_acc[0]);
-  } else {  // no key for any row: Q's copy is still the only thing in flight
-    wait_group<0>();
-    __syncthreads();
+    if (PINGPONG && warpgroup == 0) named_barrier_arrive(next_turn, 2 * 128);  // warpgroup 1's last turn
   }
   // The output pointers are formed only now: kept out of the KV loop, they hold no registers.
   o += b * o_sb + h * o_sh + q0 * o_sn;

@@ -53,7 +53,7 @@ def test_plan_numbers_for_the_swizzle_atoms():
     assert p.atoms_per_row == 2 and p.smem_row == 64  # two 64-element atoms across head_dim 128
     assert p.kv_stages == 2 and p.kv_slots == 4
     # Q (128 x 128) + 2 K + 2 V tiles (128 x 128), unpadded halves
-    assert p.smem_bytes == (128 * 128 + 4 * 128 * 128) * 2
+    assert p.smem_bytes == (128 * 128 + 4 * 128 * 128) * 2 + 2 * 2 * 8  # + landed/freed mbarriers
     # S (64 f32), O (64 f32) and the previous tile's packed P (32) a thread
     assert p.predicted_registers == 160 + 40 + int(0.15 * 160)
 
@@ -91,3 +91,24 @@ def test_tuner_explores_only_valid_hopper_tilings():
         assert s.smem_layout == "swizzled" and s.pipeline.kv_smem == "separate" and s.pipeline.stages >= 2
     shapes = {(s.tiling.block_q, s.tiling.block_kv, s.pipeline.stages) for s in specs}
     assert (128, 128, 2) in shapes and (64, 64, 3) in shapes
+
+
+def test_pingpong_needs_sm_90a_and_two_warpgroups():
+    with pytest.raises(fagen.SpecError, match=r"pipeline.pingpong = True: takes two warpgroups"):
+        fagen.parse_spec(hopper(tiling={"block_q": 64, "warps_q": 4}, pipeline={"pingpong": True}))
+    mma_sync = dict(HOPPER, arch="sm_90", smem_layout="padded", tiling={"block_q": 64, "block_kv": 64, "warps_q": 4},
+                    pipeline={"kv_smem": "separate", "stages": 1, "pingpong": True})
+    with pytest.raises(fagen.SpecError, match=r"pipeline.pingpong = True: needs arch sm_90a"):
+        fagen.parse_spec(mma_sync)
+
+
+def test_pingpong_renders_the_turn_taking_and_late_refill():
+    on = render(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
+    off = render(fagen.parse_spec(hopper(pipeline={"stages": 3})))
+    assert "constexpr bool PINGPONG = true;" in on and "constexpr bool PINGPONG = false;" in off
+    assert plan(fagen.parse_spec(hopper(pipeline={"pingpong": True}))).pingpong
+
+
+def test_tuner_keeps_the_base_pingpong():
+    specs, _ = candidates(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
+    assert specs and all(s.pipeline.pingpong and s.tiling.warps_q == 8 for s in specs)
