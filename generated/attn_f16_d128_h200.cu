@@ -17,7 +17,7 @@
 //     partial: false
 //   pipeline:
 //     kv_smem: separate
-//     pingpong: false
+//     pingpong: true
 //     q_in_registers: false
 //     stages: 3
 //   score_mod:
@@ -57,7 +57,7 @@ constexpr int ATOM_ELEMS = 8 * 64;         // one atom: 8 rows of 64 elements (1
 constexpr int ROW_GROUP_BYTES = ATOMS_PER_ROW * ATOM_ELEMS * 2;  // 8 rows of a tile: wgmma's stride byte offset
 constexpr int WARPGROUP_ROWS = 64;         // rows of one wgmma.m64 (4 warps x 16)
 constexpr int WARPGROUPS = 2;
-constexpr bool PINGPONG = false;        // warpgroups take turns on the tensor cores
+constexpr bool PINGPONG = true;        // warpgroups take turns on the tensor cores
 constexpr bool WRITE_LSE = true;
 constexpr bool SCORE_MOD = false;       // scores change before the mask
 constexpr bool SINKS = false;

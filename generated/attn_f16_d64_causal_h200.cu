@@ -19,7 +19,7 @@
 //     kv_smem: separate
 //     pingpong: false
 //     q_in_registers: false
-//     stages: 2
+//     stages: 3
 //   score_mod:
 //     alibi: none
 //     bias: none
@@ -51,7 +51,7 @@ constexpr int SMEM_ROW = 64;           // elements between smem rows
 constexpr int Q_TILE_ELEMS = 8192;
 constexpr int KV_TILE_ELEMS = 4096;
 static_assert(CHUNKS_PER_ROW * 8 == HEAD_DIM && SMEM_ROW % 8 == 0, "rows are whole 16-byte chunks");
-constexpr int KV_STAGES = 2;            // K tiles (and V tiles) in the ring
+constexpr int KV_STAGES = 3;            // K tiles (and V tiles) in the ring
 constexpr int ATOMS_PER_ROW = 1;        // 128-byte swizzle atoms across head_dim
 constexpr int ATOM_ELEMS = 8 * 64;         // one atom: 8 rows of 64 elements (1024 bytes)
 constexpr int ROW_GROUP_BYTES = ATOMS_PER_ROW * ATOM_ELEMS * 2;  // 8 rows of a tile: wgmma's stride byte offset
