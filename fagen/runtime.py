@@ -431,6 +431,10 @@ def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
     return f"attn_{short}_d{head_dim}" + ("_causal" if causal else "")
 
 
+# GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
+SAME_CHIP = {"h100": "h200", "h200": "h100"}
+
+
 @cache
 def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False) -> AttentionSpec:
     """The shipped spec for a dtype and head_dim; a tuned one for this GPU (from `fagen tune`)
@@ -440,7 +444,10 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False)
     from fagen.tune import gpu_slug
 
     name = default_spec_name(dtype, head_dim, causal)
-    tuned = SPECS / f"{name}{'_partial' if partial else ''}_{gpu_slug()}.yaml"
+    gpu = gpu_slug()
+    tuned = SPECS / f"{name}{'_partial' if partial else ''}_{gpu}.yaml"
+    if not tuned.exists() and gpu in SAME_CHIP:  # H100 and H200: one sm_90 chip, different memory
+        tuned = SPECS / f"{name}{'_partial' if partial else ''}_{SAME_CHIP[gpu]}.yaml"
     if partial and not tuned.exists():
         return partial_variant(load_spec(SPECS / f"{name}.yaml"))
     path = tuned if tuned.exists() else SPECS / f"{name}.yaml"

@@ -112,3 +112,18 @@ def test_pingpong_renders_the_turn_taking_and_late_refill():
 def test_tuner_keeps_the_base_pingpong():
     specs, _ = candidates(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
     assert specs and all(s.pipeline.pingpong and s.tiling.warps_q == 8 for s in specs)
+
+
+@pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_f16_d128_h200"), ("h100", "attn_f16_d128_h200"),
+                                               ("a100", "attn_f16_d128")])
+def test_default_spec_uses_the_tuned_hopper_kernel_on_either_hopper(monkeypatch, gpu, expected):
+    from fagen import runtime, tune
+
+    monkeypatch.setattr(tune, "gpu_slug", lambda: gpu)
+    runtime.default_spec.cache_clear()
+    try:
+        spec = runtime.default_spec("float16", 128, False)
+    finally:
+        runtime.default_spec.cache_clear()
+    assert spec.name == expected
+    assert spec.wgmma == (expected != "attn_f16_d128")
