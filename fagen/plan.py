@@ -23,7 +23,6 @@ REGISTER_SLACK = 0.15
 # wgmma kernels hold no ldmatrix fragments or copy addresses per MMA: a smaller base, fitted
 # to ptxas -v on the shipped sm_90a specs.
 WGMMA_REGISTER_BASE = 40
-SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES  # 8 rows of 128 bytes: wgmma's unit
 MBARRIER_BYTES = 8
 
 

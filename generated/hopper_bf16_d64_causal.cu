@@ -481,6 +481,15 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
   }
 }
 
+// O += P.V over a V tile, committed as one wgmma group. V's 64-column atoms are 1024 bytes
+// apart (the leading byte offset), its 8-key groups ROW_GROUP_BYTES (the stride byte offset).
+__device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
+  const unsigned long long v_desc = smem_desc(v_tile, ATOM_ELEMS * 2, ROW_GROUP_BYTES);
+#pragma unroll
+  for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((2 * ks * ROW_GROUP_BYTES) >> 4));
+  wgmma_commit();
+}
+
 // ---- the kernel ------------------------------------------------------------------------
 // Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
 // q: [B, Hq, n_q, HEAD_DIM], k, v: [B, Hkv, n_kv, HEAD_DIM], o like q, any strides with a
@@ -532,7 +541,7 @@ hopper_bf16_d64_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
   // Ping-pong: the warpgroups take turns issuing MMAs (named barrier 1 + w is warpgroup w's
   // turn), so one's softmax runs while the other's MMAs keep the tensor cores busy.
   const int my_turn = 1 + warpgroup, next_turn = 1 + (warpgroup + 1) % WARPGROUPS;
-  if (PINGPONG && warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(1, 2 * 128);  // warpgroup 0 starts
+  if (PINGPONG && warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(1, THREADS);  // warpgroup 0 starts
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
@@ -543,7 +552,7 @@ hopper_bf16_d64_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
     // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
     float s[M_FRAGS][S_N_FRAGS][4];
     const unsigned long long k_desc = smem_desc(kv.k_slot(j), 16, ROW_GROUP_BYTES);
-    if (PINGPONG) named_barrier_sync(my_turn, 2 * 128);
+    if (PINGPONG) named_barrier_sync(my_turn, THREADS);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < QK_K_STEPS; ++ks) {
@@ -553,13 +562,7 @@ hopper_bf16_d64_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
     wgmma_commit();
     // Without ping-pong the warpgroups run abreast: refill step j - 1's stage now, under the MMAs.
     if constexpr (!PINGPONG) kv.issue(j + KV_STAGES - 1, mask);
-    if (j > 0) {
-      // V's 64-column atoms are 1024 bytes apart (leading offset), its 8-key groups ROW_GROUP_BYTES.
-      const unsigned long long v_desc = smem_desc(kv.v_slot(j - 1), ATOM_ELEMS * 2, ROW_GROUP_BYTES);
-#pragma unroll
-      for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o_acc[0], p[ks], v_desc + ((2 * ks * ROW_GROUP_BYTES) >> 4));
-      wgmma_commit();
-    }
+    if (j > 0) issue_pv(o_acc[0], p, kv.v_slot(j - 1));
     if (j > 0) {
       wgmma_wait<1>();  // S_j is done; P_(j-1).V_(j-1) may still run
     } else {
@@ -568,7 +571,7 @@ hopper_bf16_d64_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
     pin_registers(s[0]);
     // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
     // serialise the wgmmas.)
-    if (PINGPONG) named_barrier_arrive(next_turn, 2 * 128);
+    if (PINGPONG) named_barrier_arrive(next_turn, THREADS);
 
     // Phase 4: score modifiers, the mask and the softmax of tile j while P.V_(j-1) finishes.
     score_tile(s, score_mod, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
@@ -594,15 +597,12 @@ hopper_bf16_d64_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ 
   // Phase 6: the last tile's P.V, then normalise and write O (and LSE).
   kv.wait(kv_tiles);  // group kv_tiles: V of the last tile (with no tiles: Q alone)
   if (kv_tiles > 0) {
-    const unsigned long long v_desc = smem_desc(kv.v_slot(kv_tiles - 1), ATOM_ELEMS * 2, ROW_GROUP_BYTES);
-    if (PINGPONG) named_barrier_sync(my_turn, 2 * 128);
+    if (PINGPONG) named_barrier_sync(my_turn, THREADS);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o_acc[0], p[ks], v_desc + ((2 * ks * ROW_GROUP_BYTES) >> 4));
-    wgmma_commit();
+    issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
     wgmma_wait<0>();
     pin_registers(o_acc[0]);
-    if (PINGPONG && warpgroup == 0) named_barrier_arrive(next_turn, 2 * 128);  // warpgroup 1's last turn
+    if (PINGPONG && warpgroup == 0) named_barrier_arrive(next_turn, THREADS);  // warpgroup 1's last turn
   }
   // The output pointers are formed only now: kept out of the KV loop, they hold no registers.
   o += b * o_sb + h * o_sh + q0 * o_sn;
