@@ -24,11 +24,15 @@ REGISTER_SLACK = 0.15
 # to ptxas -v on the shipped sm_90a specs.
 WGMMA_REGISTER_BASE = 40
 MBARRIER_BYTES = 8
+# The kernel's extern "C" symbol is the spec's name behind this prefix, so no name a spec can
+# take (printf, min, uint4, a template's own elem_t ...) collides with C, CUDA or the kernel.
+KERNEL_SYMBOL_PREFIX = "fagen_"
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     name: str
+    symbol: str  # the kernel's extern "C" name
     mma: str  # "mma_sync" (warp-wide m16n8k16) or "wgmma" (warpgroup-wide m64nNk16, sm_90a)
     threads: int
     warps: int
@@ -144,6 +148,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
 
     return KernelPlan(
         name=spec.name,
+        symbol=KERNEL_SYMBOL_PREFIX + spec.name,
         mma="wgmma" if spec.wgmma else "mma_sync",
         threads=32 * warps,
         warps=warps,

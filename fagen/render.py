@@ -13,7 +13,7 @@ import yaml
 
 from fagen import __version__
 from fagen.plan import plan
-from fagen.spec import AttentionSpec
+from fagen.spec import AttentionSpec, validated
 
 PACKAGE = Path(__file__).resolve().parent
 TEMPLATES = PACKAGE / "templates"
@@ -60,6 +60,7 @@ def context(spec: AttentionSpec) -> dict:
 
 
 def render(spec: AttentionSpec) -> str:
+    spec = validated(spec)  # a model_copy(update=...) may carry anything: nothing unchecked renders
     template = "kernel_wgmma.cu.j2" if spec.wgmma else "kernel.cu.j2"
     return environment().get_template(template).render(context(spec))
 

@@ -148,7 +148,7 @@ class Kernel:
             module = cupy.RawModule(path=_compile_sm90a(self.source, spec.name, self.key))
         else:  # CuPy caches the cubin on disk under a hash of source, options and arch.
             module = cupy.RawModule(code=self.source, options=NVRTC_OPTIONS)
-        self.function = module.get_function(spec.name)
+        self.function = module.get_function(self.plan.symbol)
         if self.plan.smem_bytes > 48 * 1024:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes
 

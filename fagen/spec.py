@@ -9,11 +9,15 @@ Every error names the field, the value, the rule and a valid alternative.
 
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from fagen import expression
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
@@ -23,15 +27,7 @@ MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # 128-byte-swizzled shared memory. A warpgroup is 4 warps owning 64 query rows.
 WARPGROUP_WARPS, WARPGROUP_ROWS = 4, 64
 SWIZZLE_ATOM_ELEMS = 64  # one 128-byte swizzle row of half-precision elements
-# The name is an extern "C" symbol: it cannot be a C++ keyword or a CUDA built-in.
-RESERVED_NAMES = frozenset("""
-    alignas alignof asm auto bool break case catch char class const constexpr continue decltype
-    default delete do double else enum explicit export extern false float for friend goto if
-    inline int long mutable namespace new noexcept nullptr operator private protected public
-    register return short signed sizeof static struct switch template this throw true try
-    typedef typeid typename union unsigned using virtual void volatile wchar_t while blockIdx
-    blockDim threadIdx gridDim warpSize main
-""".split())
+MAX_NAME_LENGTH = 100  # a file name with room for a suffix and a tuned variant's tags
 
 
 class SpecError(ValueError):
@@ -100,11 +96,19 @@ class Pipeline(_Frozen):
     """How K and V tiles travel from global to shared memory."""
 
     kv_smem: Literal["shared", "separate"] = "shared"
-    stages: Literal[1, 2, 3] = 1
+    stages: int = 1  # an int, then a range: Literal[1, 2, 3] would take `true` and `2.0` as equal
     q_in_registers: bool = False
     # sm_90a, two warpgroups: they take turns on the tensor cores, one's softmax running under
     # the other's MMAs (loads for a stage are issued a step later: use stages 3)
     pingpong: bool = False
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, v: int) -> int:
+        if v not in (1, 2, 3):
+            raise ValueError(rule("pipeline.stages", v, "must be 1, 2 or 3 (KV tiles in flight per buffer)",
+                                  "use 2"))
+        return v
 
 
 MAX_MASK_SPAN = 1 << 28  # positions: a window of 2^28 is unbounded in practice and int32-safe
@@ -116,18 +120,13 @@ MASK_FIELDS = {
 }
 
 
-def _check_expression(field: str, text: str, names: str) -> str:
-    """A single C expression: no statements or blocks to break out of the function it lands in."""
-    depth = 0
-    for ch in text:
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth < 0:
-            break
-    comments = any(c in text for c in ("//", "/*", "*/"))
-    if not text.strip() or depth != 0 or comments or any(c in text for c in ";{}#\"\n"):
-        raise ValueError(rule(field, text, f"must be one C++ expression over {names} (no ';', braces, "
-                                           "'#', comments or unbalanced parentheses)",
-                              "e.g. (q_idx - kv_idx) % 2 == 0"))
+def _check_expression(field: str, text: str, variables: dict[str, str], example: str) -> str:
+    """Parsed against fagen.expression's allow-list: the text is pasted into the kernel."""
+    try:
+        expression.check(text, variables)
+    except expression.ExpressionError as err:
+        raise ValueError(rule(field, text, f"must be one expression over {', '.join(variables)} in fagen's "
+                              f"expression language ({err})", f"e.g. {example}")) from None
     return text
 
 
@@ -157,9 +156,10 @@ class Mask(_Frozen):
             if value is not None and field not in allowed:
                 raise ValueError(rule(f"mask.{field}", value, f"does not apply to mask kind {self.kind!r}",
                                       "remove it, or use the kind it belongs to"))
-            if value is not None and not (0 if field.startswith("window") else 1) <= value <= MAX_MASK_SPAN:
-                raise ValueError(rule(f"mask.{field}", value, f"must be in 1..{MAX_MASK_SPAN} (window sizes: "
-                                      f"from 0; the kernel does int32 position arithmetic)", "use e.g. 1024"))
+            low = 0 if field.startswith("window") else 1  # a window may be empty on one side
+            if value is not None and not low <= value <= MAX_MASK_SPAN:
+                raise ValueError(rule(f"mask.{field}", value, f"must be in {low}..{MAX_MASK_SPAN} (the kernel "
+                                      f"does int32 position arithmetic)", "use e.g. 1024"))
         if self.causal and "causal" not in allowed:
             raise ValueError(rule("mask.causal", True, "only refines kind 'document'",
                                   "use kind: causal for plain causal attention"))
@@ -168,9 +168,13 @@ class Mask(_Frozen):
         if need and getattr(self, need) is None:
             raise ValueError(rule(f"mask.{need}", None, f"is required by mask kind {self.kind!r}",
                                   f"set mask.{need}, e.g. 1024"))
-        if self.expression is not None:
-            _check_expression("mask.expression", self.expression, "b, h, q_idx, kv_idx")
         return self
+
+    @field_validator("expression")
+    @classmethod
+    def _expression(cls, v: str | None) -> str | None:
+        return v if v is None else _check_expression("mask.expression", v, expression.MASK_VARIABLES,
+                                                     "(q_idx - kv_idx) % 2 == 0")
 
 
     def __str__(self) -> str:
@@ -201,7 +205,8 @@ class ScoreMod(_Frozen):
     @field_validator("expression")
     @classmethod
     def _expression(cls, v: str | None) -> str | None:
-        return v if v is None else _check_expression("score_mod.expression", v, "score, b, h, q_idx, kv_idx")
+        return v if v is None else _check_expression("score_mod.expression", v, expression.SCORE_VARIABLES,
+                                                     "score * 0.5f")
 
     @property
     def changes_scores(self) -> bool:
@@ -236,11 +241,14 @@ class AttentionSpec(_Frozen):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not v.isidentifier() or not v.isascii() or v != v.lower() or v in RESERVED_NAMES or v.startswith("__"):
+        # The kernel symbol is fagen_<name> (plan.KERNEL_SYMBOL_PREFIX): any identifier is safe there
+        # except those C++ reserves for the implementation (a double underscore).
+        if (not v.isidentifier() or not v.isascii() or v != v.lower() or v.startswith("_") or "__" in v
+                or len(v) > MAX_NAME_LENGTH):
             raise ValueError(rule(
-                "name", v, "must be a lowercase C identifier, not a C++ keyword or reserved name "
-                "(it is the kernel's symbol and file name)",
-                "use letters, digits and underscores, e.g. flash_f16_d128"))
+                "name", v, f"must be a lowercase C identifier of at most {MAX_NAME_LENGTH} characters, not "
+                "starting with '_' or holding '__' (it names the kernel's symbol and file)",
+                "use letters, digits and single underscores, e.g. flash_f16_d128"))
         return v
 
     @field_validator("head_dim")
@@ -307,29 +315,86 @@ class AttentionSpec(_Frozen):
         return self.mask.kind == "causal"
 
 
+def _type_fix(e: dict, leaf: str) -> str:
+    """The fix for a value of the wrong type: what to write instead, in YAML."""
+    given = e.get("input")
+    if e["type"] == "literal_error":
+        close = difflib.get_close_matches(str(given), re.findall(r"'([^']*)'", e["ctx"]["expected"]), n=1)
+        return f"did you mean {close[0]!r}?" if close else "use one of those"
+    if e["type"] == "int_type":
+        example = given if isinstance(given, str) and given.strip().isdigit() else 2
+        return f"write a whole number without quotes, e.g. {leaf}: {str(example).strip()}"
+    if e["type"] == "float_type":
+        return f"write a number without quotes, e.g. {leaf}: 30.0"
+    if e["type"] == "bool_type":
+        return f"write true or false without quotes, e.g. {leaf}: true"
+    if e["type"] == "string_type":
+        return f"write text, e.g. {leaf}: \"...\""
+    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"write a mapping of {leaf}'s fields (see specs/ for examples)"
+    return "see the README's spec reference"
+
+
 def _explain(err: ValidationError, source: str) -> str:
     lines = [f"invalid spec {source}:"]
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"])
+        loc = [str(p) for p in e["loc"] if not str(p).startswith("function-")]
+        where = ".".join(loc)
         msg = e["msg"].removeprefix("Value error, ")
         if not where:  # a rule across fields: its message names them already
             pass
         elif e["type"] == "extra_forbidden":
             msg = f"unknown key {where!r}; remove it or check its spelling"
         elif e["type"] == "missing":
-            msg = f"{where} is required"
-        elif where not in msg:
-            msg = f"{where} = {e.get('input')!r}: {msg}"
+            msg = f"{where} is required; add it (specs/attn_f16_d128.yaml shows every field)"
+        elif e["type"] == "value_error":
+            msg = msg if where in msg else f"{where} = {e.get('input')!r}: {msg}"
+        else:  # the wrong type: pydantic says what it expected, we add what to write
+            rule_text = f"must be one of {e['ctx']['expected']}" if e["type"] == "literal_error" else \
+                msg[0].lower() + msg[1:]
+            msg = f"{where} = {e.get('input')!r}: {rule_text}; {_type_fix(e, loc[-1])}"
         lines.append(f"  - {msg}")
     return "\n".join(lines)
 
 
-def parse_spec(data: dict, source: str = "<dict>") -> AttentionSpec:
-    """Validate a dict into a spec, with resource rules (smem, registers) checked too."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML lets a repeated key silently win; in a spec two `stages:` lines are a mistake."""
+
+
+def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}: keep one of its lines", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def _yaml(text: str, source: str) -> object:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise SpecError(f"spec {source} is not valid YAML: {' '.join(str(err).split())}") from None
+
+
+def parse_spec(data: dict | str, source: str = "<dict>") -> AttentionSpec:
+    """Validate a mapping of fields, or YAML text, into a spec, with the plan's resource rules
+    (shared memory, registers) checked too. For a file, use `load_spec(path)`."""
     from fagen.plan import plan  # plan depends on spec; import here keeps the module graph one-way
 
+    if isinstance(data, str):
+        data, source = _yaml(data, "<text>" if source == "<dict>" else source), "<text>" if source == "<dict>" else source
+    if isinstance(data, Path):
+        raise SpecError(f"parse_spec takes a mapping or YAML text, got the path {str(data)!r}; "
+                        f"use fagen.load_spec({str(data)!r})")
     if not isinstance(data, dict):
-        raise SpecError(f"invalid spec {source}: expected a mapping of fields, got {type(data).__name__}")
+        raise SpecError(f"invalid spec {source}: expected a mapping of fields, got {type(data).__name__}; "
+                        f"see specs/attn_f16_d128.yaml for the fields")
     try:
         spec = AttentionSpec.model_validate(data)
     except ValidationError as err:
@@ -341,15 +406,31 @@ def parse_spec(data: dict, source: str = "<dict>") -> AttentionSpec:
     return spec
 
 
+def validated(spec: AttentionSpec) -> AttentionSpec:
+    """`spec`, validated again: `model_copy(update=...)` builds a spec without running a rule,
+    so every path from a spec to kernel text passes through here."""
+    if not isinstance(spec, AttentionSpec):
+        raise SpecError(f"expected an AttentionSpec, got {type(spec).__name__}; build one with "
+                        f"fagen.load_spec(path) or fagen.parse_spec(mapping or YAML text)")
+    return parse_spec(spec.model_dump(), f"{spec.name!r}")
+
+
 def load_spec(path: str | Path) -> AttentionSpec:
+    """The spec in a YAML file; its name must be the file's stem. Mappings and YAML text go
+    through `parse_spec`."""
+    if not isinstance(path, (str, Path)):
+        raise SpecError(f"load_spec takes a path to a YAML file, got {type(path).__name__}; "
+                        f"for a mapping or YAML text use fagen.parse_spec")
+    if isinstance(path, str) and "\n" in path:
+        raise SpecError("load_spec takes a path, and this looks like YAML text; use fagen.parse_spec(text)")
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise SpecError(f"cannot read spec {path}: {err.strerror}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise SpecError(f"spec {path} is not valid YAML: {err}") from None
-    spec = parse_spec(data, str(path))
+    except UnicodeDecodeError as err:
+        raise SpecError(f"spec {path} is not UTF-8 text: {err.reason}") from None
+    spec = parse_spec(_yaml(text, str(path)), str(path))
     if spec.name != path.stem:
         raise SpecError(rule("name", spec.name, f"must equal the file's stem {path.stem!r} "
                                                 "(generated/<name>.cu is rendered from specs/<name>.yaml)",

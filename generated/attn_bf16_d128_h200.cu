@@ -514,7 +514,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigne
 // Each warpgroup owns 64 query rows; warp w of it owns rows 16w..16w+15 of those, so every
 // per-row step (mask, softmax, epilogue) is the mma.sync kernel's with one m16 fragment.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-attn_bf16_d128_h200(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+fagen_attn_bf16_d128_h200(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
     out_t* __restrict__ o, float* __restrict__ lse, int n_q, int n_kv, int mask_offset, int heads_q, int group,
     long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
     long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,

@@ -232,7 +232,7 @@ def test_mask_words_of_the_plan():
 # ---- rendering -----------------------------------------------------------------------------
 
 def kernel_params(source: str, name: str) -> list[tuple[str, str]]:
-    """(type, name) of the kernel's parameters: between `name(` and `) {`."""
+    """(type, name) of the kernel's parameters: between `symbol(` and `) {`."""
     start = source.index(f"\n{name}(") + len(name) + 2
     end = source.index(") {", start)
     params = []
@@ -315,7 +315,7 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     spec = make()
     src = fagen.render(spec)
     p = plan(spec)
-    params = kernel_params(src, spec.name)
+    params = kernel_params(src, plan(spec).symbol)
     extra = [(t, n) for t, n in p.extra_params]
     assert [n for _, n in params] == FIXED_PARAMS + [n for _, n in extra]
     assert params[len(FIXED_PARAMS):] == extra  # the names in order, with the plan's C types
