@@ -191,3 +191,11 @@ def test_load_spec_takes_a_path_and_points_elsewhere_for_the_rest(tmp_path):
         fagen.parse_spec(SPECS / "flash_prefetch_f16_d128.yaml")
     with pytest.raises(SpecError, match="cannot read spec"):
         fagen.load_spec(tmp_path / "missing.yaml")
+
+
+def test_a_partial_with_sinks_compiles():
+    """Partials leave sinks to the merge: the kernel takes no sinks and must not read them."""
+    spec = fagen.parse_spec({**SMALL, "score_mod": {"sinks": True}, "outputs": {"partial": True}})
+    assert not plan(spec).sink_params and "sinks" not in fagen.render(spec).split("extern \"C\"")[1].split(") {")[0]
+    r = compile_offline(spec, "sm_80")
+    assert (r.spill_stores, r.stack_frame) == (0, 0)
