@@ -244,8 +244,27 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
 
 def read_json(path: Path) -> tuple[list[Row], dict]:
-    data = json.loads(Path(path).read_text())
-    return [Row(**r) for r in data["rows"]], data["meta"]
+    """The rows and meta of a bench.json; ValueError (one line: what is wrong, what to pass)
+    for a file that is not one."""
+    fix = "pass a bench.json written by `fagen bench`"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; {fix}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path}: no \"rows\" list at the top level; {fix}")
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: \"meta\" is a {type(meta).__name__}, not a mapping; {fix}")
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        try:
+            rows.append(Row(**r))
+        except TypeError as err:  # not a mapping, or fields missing or unknown
+            raise ValueError(f"{path}: rows[{i}] is not a bench row ({err}); {fix}") from None
+    return rows, meta
 
 
 def by_case(rows: list[Row]) -> dict[str, dict[str, Row]]:
@@ -344,6 +363,36 @@ def plot(rows: list[Row], head_dim: int, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+CUPY_INSTALL = ("pip install 'fagen[cuda12]' or 'fagen[cuda13]' to match the driver's CUDA "
+                "(in a checkout: pip install -e '.[cuda12]')")
+
+
+def gpu_missing(torch: bool = False) -> str | None:
+    """Why kernels cannot run on this machine, in one line with how to get what is missing;
+    None when they can. CuPy and a CUDA device are always needed; `torch`: PyTorch with CUDA
+    too (bench and tune time kernels on PyTorch tensors)."""
+    try:
+        import cupy
+    except ImportError:
+        return f"CuPy is not installed (fagen compiles and launches kernels through it): {CUPY_INSTALL}"
+    try:
+        count, why = cupy.cuda.runtime.getDeviceCount(), ""
+    except Exception as err:  # no driver, or a driver older than CuPy's CUDA
+        count, why = 0, f" ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    if count == 0:
+        return (f"no CUDA GPU found{why}: run on a machine with an NVIDIA GPU and its driver "
+                f"(nvidia-smi lists it)")
+    if torch:
+        try:
+            import torch as _torch
+        except ImportError:
+            return "PyTorch is not installed (timings run on PyTorch tensors): pip install torch (a CUDA build)"
+        if not _torch.cuda.is_available():
+            return (f"PyTorch {_torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False): "
+                    f"install a CUDA build of torch")
+    return None
 
 
 def environment_meta() -> dict:

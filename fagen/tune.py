@@ -71,9 +71,13 @@ def gpu_slug() -> str:
 
 def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool = False,
          progress=None) -> list[Candidate]:
-    """Check and time every candidate; fastest first. `progress(candidate)` after each."""
-    from fagen.bench import time_spec
+    """Check and time every candidate; fastest first. `progress(candidate)` after each.
+    RuntimeError, before any candidate, where there is no GPU to time them on."""
+    from fagen.bench import gpu_missing, time_spec
 
+    why = gpu_missing(torch=True)
+    if why:
+        raise RuntimeError(why)
     specs, _ = candidates(base, quick)
     results = []
     for spec in specs:

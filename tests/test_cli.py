@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import yaml
@@ -116,9 +120,10 @@ def test_check_of_one_spec_ignores_other_files(rendered_copy):
     assert result.exit_code == 0, result.output
 
 
-def test_committed_generated_is_current():
+def test_committed_generated_is_current(monkeypatch):
     if not any(GENERATED.glob("*.cu")):
         pytest.skip("generated/ holds no kernels yet")
+    monkeypatch.chdir(GENERATED.parent)  # the checkout's root, where ./specs and ./generated are
     result = run("render", "--check")
     assert result.exit_code == 0, result.output
 
@@ -126,7 +131,8 @@ def test_committed_generated_is_current():
 # ---- list --------------------------------------------------------------------------------
 
 
-def test_list_prints_every_spec_with_its_smem():
+def test_list_prints_every_spec_with_its_smem(monkeypatch):
+    monkeypatch.chdir(SPECS.parent)  # with no argument, list reads ./specs
     result = run("list")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
@@ -196,3 +202,303 @@ def test_missing_spec_path_is_a_usage_error(tmp_path):
     result = run("render", tmp_path / "nowhere.yaml", "-o", tmp_path)
     assert result.exit_code == 2
     assert "nowhere.yaml" in result.output
+
+
+# ---- user errors: one line, the right exit code, never a traceback ----------------------------
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line_error(result, code: int, *names: str) -> str:
+    """`result` failed with exit `code` and one `Error: ...` line naming each of `names`."""
+    assert result.exit_code == code, result.output
+    assert result.exc_info is None or result.exc_info[0] is SystemExit, result.exc_info  # nothing uncaught
+    assert "Traceback" not in result.output
+    found = re.search(r"(?m)^Error: ", result.output)
+    assert found, result.output
+    message = result.output[found.end():]
+    assert len(message.strip().splitlines()) == 1, result.output
+    for name in names:
+        assert name in message, (name, message)
+    return message
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    """This machine without CuPy, whatever it has: `import cupy` fails."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    """CuPy without a CUDA device (or driver)."""
+    def count():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fail loudly if a command gets past its checks to the GPU work."""
+    from fagen import bench, check, tune
+
+    def refuse(*a, **k):
+        raise AssertionError("reached the GPU work")
+    for module, name in ((bench, "run"), (bench, "environment_meta"), (check, "check_against_oracle"),
+                         (tune, "tune"), (tune, "gpu_slug")):
+        monkeypatch.setattr(module, name, refuse)
+
+
+@pytest.mark.parametrize("missing", ["no_cupy", "no_device"])
+@pytest.mark.parametrize("command", [["check", SPEC], ["bench", "--quick"], ["tune", SPEC, "--quick"]])
+def test_gpu_commands_without_a_gpu_say_what_is_missing(command, missing, request, nothing_runs, tmp_path,
+                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    request.getfixturevalue(missing)
+    result = run(*command)
+    one_line_error(result, 1, *(["CuPy", "pip install"] if missing == "no_cupy" else ["no CUDA GPU"]))
+    assert "candidates" not in result.output and "FAILED" not in result.output  # tune: before any candidate
+    assert list(tmp_path.iterdir()) == []  # nothing written (bench: no bench/ folder)
+
+
+def test_tune_dry_run_needs_no_gpu(no_cupy, nothing_runs, tmp_path):
+    result = run("tune", SPEC, "--quick", "--dry-run", "-o", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "candidates" in result.output.splitlines()[0]
+
+
+def test_gpu_missing_names_the_missing_piece(no_cupy):
+    from fagen.bench import gpu_missing
+
+    assert "CuPy is not installed" in gpu_missing() and "cuda12" in gpu_missing()
+
+
+@pytest.mark.parametrize("command", ["tune", "check"])
+@pytest.mark.parametrize("shape", ["1,2", "1,2,3,4,5", "a,b,c,d", "1,2,3,4.5", "0,1,1,1", "1,1,-5,8", ""])
+def test_shape_is_four_positive_integers(command, shape, nothing_runs, no_cupy):
+    result = run(command, SPEC, "--shape", shape)
+    message = one_line_error(result, 2, "--shape", repr(shape), "B,H,Nq,Nk")
+    assert "e.g. 2,8,1024,1024" in message
+
+
+def test_check_kv_heads_must_divide_the_heads(nothing_runs):
+    one_line_error(run("check", SPEC, "--shape", "1,8,64,64", "--kv-heads", "3"), 2, "--kv-heads", "3", "divide")
+    one_line_error(run("check", SPEC, "--kv-heads", "0"), 2, "--kv-heads", "0", "at least 1")
+
+
+def test_tune_reports_failure_when_no_candidate_runs(monkeypatch, tmp_path):
+    from fagen import bench, tune
+
+    def all_fail(base, *a, **k):
+        return [tune.Candidate(base, error="RuntimeError: boom")]
+    monkeypatch.setattr(bench, "gpu_missing", lambda torch=False: None)
+    monkeypatch.setattr(tune, "tune", all_fail)
+    result = run("tune", SPEC, "--quick", "--shape", "1,1,64,64", "-o", tmp_path)
+    assert "FAILED RuntimeError: boom" in result.output
+    one_line_error(result, 1, "no candidate", "nothing written")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_launch_needs_at_least_one_process(n, monkeypatch):
+    from fagen import distributed
+
+    monkeypatch.setattr(distributed, "launch", lambda *a, **k: pytest.fail("launched"))
+    one_line_error(run("launch", "-n", n, SPEC), 2, "--nproc", n, "at least 1")
+
+
+def test_launch_timeout_must_be_positive(monkeypatch):
+    from fagen import distributed
+
+    monkeypatch.setattr(distributed, "launch", lambda *a, **k: pytest.fail("launched"))
+    one_line_error(run("launch", "-n", "1", "--timeout", "0", SPEC), 2, "--timeout", "0")
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+def test_render_to_a_bad_folder(where, tmp_path):
+    if where == "/proc" and not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = {"a file": afile, "under a file": afile / "sub", "/proc": Path("/proc/fagen_out")}[where]
+    result = run("render", SPEC, "-o", out)
+    one_line_error(result, 1 if where == "/proc" else 2, str(out))
+    assert afile.read_text() == "x"
+
+
+@pytest.fixture
+def no_mask_built(monkeypatch):
+    """Fail loudly if `mask show` builds or draws a mask before refusing its options."""
+    from fagen import masks
+
+    def refuse(*a, **k):
+        raise AssertionError("built a mask")
+    for name in ("causal", "sliding_window", "document", "prefix_lm", "chunked", "show"):
+        monkeypatch.setattr(masks, name, refuse)
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["causal", "--block", "0"], ["--block", "0", "at least 1"]),
+    (["document", "--docs", "0"], ["--docs", "0", "at least 1"]),
+    (["document", "-n", "64", "--block", "16", "--docs", "65"], ["--docs", "65", "-n 64"]),
+    (["chunked", "--chunk", "0"], ["--chunk", "0", "at least 1"]),
+    (["sliding_window", "--window", "-1"], ["--window", "-1", "at least 0"]),
+    (["prefix_lm", "--prefix", "-1"], ["--prefix", "-1", "at least 0"]),
+    (["causal", "-n", "0"], ["--length", "0", "at least 1"]),
+    (["causal", "-n", "-5"], ["--length", "-5", "at least 1"]),
+    (["causal", "-n", str(10**7)], ["--length", str(10**7), "GiB", "cap of 2.0 GiB", "use -n"]),
+    (["causal", "-n", "40000", "--block", str(10**5)], ["--block", str(10**5), "cap of 2.0 GiB", "--block 40000"]),
+    (["causal", "-n", "4096", "--block", "2"], ["--block", "2", "1024x1024", "--block 4"]),
+])
+def test_mask_show_refuses_bad_options(args, names, no_mask_built, tmp_path):
+    result = run("mask", "show", *args, "-o", tmp_path / "m.png")
+    one_line_error(result, 2, *names)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["missing folder", "under a file", "a folder", "suffix"])
+def test_mask_show_refuses_a_bad_png_path(where, no_mask_built, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    out = {"missing folder": tmp_path / "nowhere" / "m.png", "under a file": tmp_path / "afile" / "m.png",
+           "a folder": tmp_path, "suffix": tmp_path / "m.jpgx"}[where]
+    message = one_line_error(run("mask", "show", "causal", "-o", out), 2, "--out", str(out))
+    assert {"missing folder": "does not exist", "under a file": "not a folder", "a folder": "is a folder",
+            "suffix": "must end in .png"}[where] in message
+
+
+def test_mask_show_still_draws(tmp_path):
+    result = run("mask", "show", "causal", "-n", "256", "--block", "64", "-o", tmp_path / "m.png")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("{}", ['no "rows"']),
+    ('{"meta": {}}', ['no "rows"']),
+    ("[1, 2]", ['no "rows"']),
+    ("{", ["not JSON", "line 1"]),
+    ('{"meta": {}, "rows": [{"case": "x"}]}', ["rows[0]"]),
+])
+def test_bench_from_json_refuses_a_file_that_is_not_a_bench_run(text, names, tmp_path, nothing_runs):
+    src = tmp_path / "in.json"
+    src.write_text(text)
+    out = tmp_path / "out"
+    result = run("bench", "--from-json", src, "-o", out, "--markdown", tmp_path / "B.md")
+    one_line_error(result, 2, "--from-json", str(src), "fagen bench", *names)
+    assert not out.exists() and not (tmp_path / "B.md").exists()
+
+
+# ---- compile --arch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "arch", "names"), [
+    ("flash_prefetch_f16_d128", "foo", ["not a target", "sm_80, sm_86, sm_89 or sm_90"]),
+    ("flash_prefetch_f16_d128", "sm_75", ["not a target"]),
+    ("flash_prefetch_f16_d128", "sm_90a", ["wgmma", "--arch sm_80"]),
+    ("hopper_f16_d128", "sm_90", ["sm_90a only", "--arch sm_90a"]),
+    ("hopper_f16_d128", "sm_80", ["sm_90a only", "--arch sm_90a"]),
+    ("arch_sm90", "sm_80", ["below the spec's arch sm_90", "--arch sm_90"]),
+    ("arch_sm90", "sm_89", ["below the spec's arch sm_90", "--arch sm_90"]),
+])
+def test_compile_checks_the_arch_first(spec, arch, names, tmp_path, monkeypatch):
+    from fagen import nvcc
+
+    monkeypatch.setattr(nvcc, "compile_offline", lambda *a, **k: pytest.fail("ran nvcc"))
+    path = write_spec(tmp_path, spec, arch="sm_90") if spec == "arch_sm90" else SPECS / f"{spec}.yaml"
+    one_line_error(run("compile", path, "--arch", arch), 2, "--arch", arch, *names)
+
+
+def test_compile_refuses_an_arch_whose_smem_is_too_small(monkeypatch):
+    from fagen import nvcc
+    from fagen.spec import SMEM_PER_BLOCK
+
+    big = [p for p in SPEC_FILES if (s := fagen.load_spec(p)).arch == "sm_80" and not s.wgmma
+           and plan(s).smem_bytes > SMEM_PER_BLOCK["sm_86"]]
+    if not big:
+        pytest.skip("no shipped sm_80 spec needs more smem than sm_86 has")
+    monkeypatch.setattr(nvcc, "compile_offline", lambda *a, **k: pytest.fail("ran nvcc"))
+    one_line_error(run("compile", big[0], "--arch", "sm_86"), 2, "--arch", "sm_86", "shared memory",
+                   "--arch sm_80 or sm_90")
+
+
+def test_an_mma_sync_spec_targets_its_arch_up(tmp_path):
+    from fagen.nvcc import archs, targets
+
+    spec = fagen.load_spec(write_spec(tmp_path, "arch_sm90", arch="sm_90"))
+    assert targets(spec) == archs(spec) == ("sm_90",)
+    assert targets(fagen.load_spec(SPEC)) == ("sm_80", "sm_90")
+    assert targets(fagen.load_spec(SPECS / "hopper_f16_d128.yaml")) == ("sm_90a",)
+
+
+# ---- render: all or nothing, orphans, where things go -------------------------------------------
+
+
+def test_check_advice_for_an_orphan_removes_it(rendered_copy):
+    (rendered_copy / "stray_kernel.cu").write_text("// no spec\n")
+    result = run("render", "--check", SPECS, "-o", rendered_copy)
+    assert result.exit_code == 1
+    stray = rendered_copy / "stray_kernel.cu"
+    assert f"delete it (git rm {stray}) or add {SPECS / 'stray_kernel.yaml'}" in result.output
+    assert "run `fagen render`" not in result.output  # rendering does not delete it
+
+
+def test_folder_render_is_all_or_nothing(tmp_path):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    write_spec(specs, "a_good")
+    write_spec(specs, "b_bad", head_dim=100)
+    write_spec(specs, "c_bad", tiling={"block_q": 64, "block_kv": 20, "warps_q": 4})
+    out = tmp_path / "out"
+    result = run("render", specs, "-o", out)
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output and result.exc_info[0] is SystemExit
+    assert "2 of 3 specs refused, nothing done" in result.output
+    lines = re.split(r"(?m)^Error: ", result.output, maxsplit=1)[1].strip().splitlines()
+    assert len(lines) == 3  # the count, then a line per failing spec
+    assert "b_bad" in lines[1] and "head_dim" in lines[1] and "c_bad" in lines[2] and "block_kv" in lines[2]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["render", "list"])
+def test_an_empty_spec_folder_is_an_error(command, tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run(command, tmp_path / "empty", *(["-o", tmp_path / "out"] if command == "render" else []))
+    one_line_error(result, 1, str(tmp_path / "empty"), "no *.yaml")
+    assert not (tmp_path / "out").exists()
+
+
+def test_render_defaults_to_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "specs").mkdir()
+    shutil.copy(SPEC, tmp_path / "specs")
+    monkeypatch.chdir(tmp_path)
+    result = run("render")
+    assert result.exit_code == 0, result.output
+    merges = [f"{merge_name(dt)}.cu" for dt in MERGE_DTYPES]
+    assert sorted(p.name for p in (tmp_path / "generated").iterdir()) == sorted([f"{SPEC.stem}.cu"] + merges)
+    assert run("render", "--check").exit_code == 0
+    listed = run("list")
+    assert listed.exit_code == 0 and len(listed.output.splitlines()) == 2
+    assert "relative to the working directory" in " ".join(run("render", "--help").output.split())
+
+
+@pytest.mark.parametrize("command", ["render", "list"])
+def test_no_specs_folder_says_to_pass_one(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_line_error(run(command), 1, "no specs/ folder", "pass a spec file or folder")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_writes_to_specs_in_the_working_directory(tmp_path, monkeypatch):
+    from fagen import bench, tune
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "gpu_missing", lambda torch=False: None)
+    monkeypatch.setattr(tune, "tune", lambda base, *a, **k: [tune.Candidate(base, ms=1.0, tflops=100.0)])
+    monkeypatch.setattr(tune, "gpu_slug", lambda: "testgpu")
+    result = run("tune", SPEC, "--quick", "--shape", "1,1,64,64")
+    assert result.exit_code == 0, result.output
+    written = tmp_path / "specs" / f"{SPEC.stem}_testgpu.yaml"
+    assert written.exists()
+    assert fagen.load_spec(written).name == f"{SPEC.stem}_testgpu"

@@ -249,3 +249,17 @@ def test_cli_tune_dry_run_d96(no_gpu):
     specs, refused = tune.candidates(fagen.load_spec(D96_PATH))
     assert result.output.splitlines()[0].startswith(f"{len(specs)} candidates ({refused} refused")
     assert "_s\n" not in result.output and "_s_qreg" not in result.output
+
+
+def test_tune_refuses_before_any_candidate_without_a_gpu(base, monkeypatch):
+    import sys
+
+    from fagen import bench
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(bench, "time_spec", lambda *a, **k: pytest.fail("timed a candidate"))
+    monkeypatch.setattr(tune, "_spills", lambda *a, **k: pytest.fail("compiled a candidate"))
+    seen = []
+    with pytest.raises(RuntimeError, match="CuPy is not installed"):
+        tune.tune(base, 1, 1, 64, 64, quick=True, progress=seen.append)
+    assert seen == []
