@@ -15,16 +15,57 @@ walks its own tiles, whatever sizes the mask was built with.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from fagen.spec import rule
 
 MASKED, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
 TYPE_NAMES = {MASKED: "MASKED", FULL: "FULL", CAUSAL: "CAUSAL", PARTIAL: "PARTIAL"}
 BITS = 32  # partial masks pack 32 keys per uint32 word, key 0 in bit 0
 
 Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def as_keep(result, what: str) -> np.ndarray:
+    """A mask predicate's result as bool (True: the pair counts), as FlexAttention's mask_mod
+    returns it. Integers 0 and 1 read as False and True (np.where(c, 1, 0), .astype(int));
+    other numbers are refused rather than read as "nonzero keeps": a 2 is arithmetic gone
+    wrong, and a float likely an additive mask, whose 0 means keep and -inf drop."""
+    keep = np.asarray(result)
+    if keep.dtype == bool:
+        return keep
+    if keep.dtype.kind in "iu" and ((keep == 0) | (keep == 1)).all():
+        return keep.astype(bool)
+    flat = keep.ravel()
+    odd = flat[(flat != 0) & (flat != 1)] if keep.dtype.kind in "iufc" else flat
+    sample = (odd if odd.size else flat)[:1].tolist()
+    holding = f" holding {sample[0]!r}" if sample else ""
+    raise ValueError(f"{what} = {keep.dtype} array{holding}: must be bool, True = keep (or integers 0 "
+                     f"and 1), as FlexAttention's mask_mod returns; return a comparison such as "
+                     f"(k <= q) & (q - k < 1024), or x != 0 where nonzero means keep")
+
+
+def _check_int(name: str, value, meaning: str, low: int | None = None, example: int = 1024) -> None:
+    """Refuse a builder's argument that is not an integer >= low, naming it (fagen.spec.rule)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(rule(name, value, f"must be an integer ({meaning})", f"use e.g. {example}"))
+    if low is not None and value < low:
+        raise ValueError(rule(name, int(value), f"must be >= {low} ({meaning})", f"use e.g. {example}"))
+
+
+def _check_length(name: str, value) -> None:
+    _check_int(name, value, "positions in the sequence", 1, 4096)
+
+
+def _check_blocks(q_block, kv_block, causal_offset) -> None:
+    """The arguments from_dense and from_predicate share (the ready-made builders pass theirs)."""
+    _check_int("q_block", q_block, "query rows per mask block", 1, 128)
+    _check_int("kv_block", kv_block, "keys per mask block", 1, 128)
+    _check_int("causal_offset", causal_offset, "CAUSAL blocks keep k <= q + causal_offset", example=0)
 
 
 # ---- static masks of a spec, as predicates over absolute positions -----------------------
@@ -72,7 +113,7 @@ def dense_from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int) -> 
     """[b, h, n_q, n_kv] bool; b or h of 1 broadcast."""
     bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
     qi, ki = np.arange(n_q)[None, None, :, None], np.arange(n_kv)[None, None, None, :]
-    return np.broadcast_to(fn(bi, hi, qi, ki), (b, h, n_q, n_kv))
+    return np.broadcast_to(as_keep(fn(bi, hi, qi, ki), "fn(b, h, q_idx, kv_idx)"), (b, h, n_q, n_kv))
 
 
 def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
@@ -273,8 +314,13 @@ def from_blocks(n_q: int, n_kv: int, q_block: int, kv_block: int, batch: int, he
 # ---- builders ------------------------------------------------------------------------------
 
 def from_dense(mask: np.ndarray, q_block: int = 128, kv_block: int = 128, causal_offset: int = 0) -> BlockMask:
-    """From a bool array [Bm, Hm, Nq, Nk] (or [Nq, Nk])."""
-    mask = np.asarray(mask, bool)
+    """From a bool array [Bm, Hm, Nq, Nk] (or [Nq, Nk]); integers 0 and 1 read as bools, other
+    numbers are refused (see as_keep: an additive 0 / -inf mask would read inverted)."""
+    mask = as_keep(mask, "from_dense: mask")
+    _check_blocks(q_block, kv_block, causal_offset)
+    if 0 in mask.shape:
+        raise ValueError(rule("mask.shape", list(mask.shape), "every dimension must be >= 1 (a mask of no "
+                              "positions has no blocks)", "pass [Nq, Nk] or [B|1, H|1, Nq, Nk] with Nq, Nk >= 1"))
     if mask.ndim == 2:
         mask = mask[None, None]
     if mask.ndim != 4:
@@ -288,7 +334,14 @@ def from_dense(mask: np.ndarray, q_block: int = 128, kv_block: int = 128, causal
 def from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int, q_block: int = 128,
                    kv_block: int = 128, causal_offset: int = 0) -> BlockMask:
     """From a vectorised predicate fn(b, h, q_idx, kv_idx) -> bool, evaluated one query block
-    at a time (q_block x n_kv), never the whole Nq x Nk matrix. b or h of 1 broadcasts."""
+    at a time (q_block x n_kv), never the whole Nq x Nk matrix. b or h of 1 broadcasts.
+    fn returns bools like FlexAttention's mask_mod; integers 0 and 1 read as bools, other
+    numbers are refused (see as_keep)."""
+    _check_int("b", b, "batch rows of the mask; 1 broadcasts", 1, 1)
+    _check_int("h", h, "heads of the mask; 1 broadcasts", 1, 1)
+    _check_length("n_q", n_q)
+    _check_length("n_kv", n_kv)
+    _check_blocks(q_block, kv_block, causal_offset)
     rows_cache: dict[tuple[int, int, int], np.ndarray] = {}
 
     def block_of(bi, hi, qb, kb):
@@ -297,7 +350,8 @@ def from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int, q_block: 
             rows_cache.clear()
             q = np.arange(qb * q_block, min((qb + 1) * q_block, n_q))[:, None]
             k = np.arange(n_kv)[None, :]
-            rows_cache[key] = np.broadcast_to(fn(np.array(bi), np.array(hi), q, k), (q.shape[0], n_kv))
+            keep = as_keep(fn(np.array(bi), np.array(hi), q, k), "from_predicate: fn(b, h, q_idx, kv_idx)")
+            rows_cache[key] = np.broadcast_to(keep, (q.shape[0], n_kv))
         return rows_cache[key][:, kb * kv_block:(kb + 1) * kv_block]
 
     return from_blocks(n_q, n_kv, q_block, kv_block, b, h, block_of, causal_offset)
@@ -306,17 +360,28 @@ def from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int, q_block: 
 def causal(n_q: int, n_kv: int | None = None, q_block: int = 128, kv_block: int = 128,
            align: str = "bottom_right") -> BlockMask:
     n_kv = n_q if n_kv is None else n_kv
+    if align not in ("bottom_right", "top_left"):
+        raise ValueError(rule("align", align, "must be 'bottom_right' or 'top_left' (where query 0's diagonal "
+                              "meets the keys: key Nk - Nq or key 0)", "use 'bottom_right', FlashAttention-2's"))
     off = diagonal_offset(align, n_q, n_kv)
     return from_predicate(lambda b, h, q, k: k <= q + off, 1, 1, n_q, n_kv, q_block, kv_block, causal_offset=off)
 
 
 def sliding_window(n: int, left: int, right: int = 0, q_block: int = 128, kv_block: int = 128) -> BlockMask:
+    """Query q sees keys q - left .. q + right."""
+    _check_length("n", n)
+    _check_int("left", left, "keys before the diagonal a query sees", 0)
+    _check_int("right", right, "keys after the diagonal a query sees", 0, 0)
     return from_predicate(lambda b, h, q, k: (k >= q - left) & (k <= q + right), 1, 1, n, n, q_block, kv_block)
 
 
 def document(doc_ids: np.ndarray, causal: bool = True, q_block: int = 128, kv_block: int = 128) -> BlockMask:
     """Packed sequences: doc_ids [B, N] (or [N]); a query sees keys of its own document."""
     docs = np.atleast_2d(np.asarray(doc_ids))
+    if docs.ndim != 2 or 0 in docs.shape:
+        raise ValueError(rule("doc_ids.shape", list(np.shape(doc_ids)),
+                              "must be [N] or [B, N] with B, N >= 1 (one document id per position)",
+                              "build them with fagen.masks.documents_of_lengths([512, 1024])"))
     n = docs.shape[1]
 
     def fn(b, h, q, k):
@@ -326,17 +391,26 @@ def document(doc_ids: np.ndarray, causal: bool = True, q_block: int = 128, kv_bl
 
 
 def prefix_lm(n: int, prefix_len: int, q_block: int = 128, kv_block: int = 128) -> BlockMask:
+    """Every query sees the first prefix_len keys, and is causal after them."""
+    _check_length("n", n)
+    _check_int("prefix_len", prefix_len, "keys every query sees", 0)
     return from_predicate(lambda b, h, q, k: (k <= q) | (k < prefix_len), 1, 1, n, n, q_block, kv_block)
 
 
 def chunked(n: int, chunk_size: int, q_block: int = 128, kv_block: int = 128) -> BlockMask:
     """Causal within chunks of chunk_size positions (Llama 4's chunked local attention)."""
+    _check_length("n", n)
+    _check_int("chunk_size", chunk_size, "positions are grouped into chunks of this many", 1)
     return from_predicate(lambda b, h, q, k: (k <= q) & (k // chunk_size == q // chunk_size),
                           1, 1, n, n, q_block, kv_block)
 
 
 def documents_of_lengths(lengths: list[int], batch: int = 1) -> np.ndarray:
     """doc_ids [batch, sum(lengths)] for packed documents of the given lengths."""
+    for i, length in enumerate(lengths):
+        _check_int(f"lengths[{i}]", length, f"positions of document {i}", 0, 512)
+    _check_int("sum(lengths)", sum(lengths), "positions in the packed sequence", 1, 4096)
+    _check_int("batch", batch, "rows of doc_ids, each the same packing", 1, 1)
     ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
     return np.broadcast_to(ids, (batch, ids.size)).copy()
 

@@ -8,13 +8,19 @@
 - causal is aligned to the bottom right: query i sees key j iff j <= i + Nk - Nq. `mask` (a
   spec's Mask, dict or kind), `block_mask`, `doc_ids` and `mask_mod(b, h, q_idx, kv_idx)` all
   AND together.
-- sinks [Hq]: one logit per head that joins each row's max and denominator but has no value.
-- a row with no visible key gives O = 0 and LSE = -inf (with sinks: the sink's logit).
+- sinks [Hq]: one finite logit per head that joins each row's max and denominator but has no
+  value.
+- a row with no visible key gives O = 0 and LSE = -inf (with sinks: the sink's logit); a NaN
+  in a row's visible scores gives NaN O and LSE.
+- side inputs of the wrong shape, and a block_mask / document mask kind without its array, are
+  refused by the runtime's rules (fagen.side_inputs).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from fagen import side_inputs
 
 
 def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
@@ -26,12 +32,6 @@ def _as_mask_spec(mask):
     from fagen.spec import Mask
 
     return mask if isinstance(mask, Mask) else Mask.model_validate(mask)
-
-
-def _broadcast_heads(x: np.ndarray, name: str, b: int, h: int, tail: tuple[int, ...]) -> np.ndarray:
-    if x.ndim != 2 + len(tail) or x.shape[0] not in (1, b) or x.shape[1] not in (1, h) or x.shape[2:] != tail:
-        raise ValueError(f"oracle.attention: {name} shape {x.shape}; expected [{b}|1, {h}|1, {', '.join(map(str, tail))}]")
-    return x
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
@@ -47,6 +47,20 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if heads_q % heads_kv:
         raise ValueError(f"oracle.attention: Hq = {heads_q} must be a multiple of Hkv = {heads_kv}")
     group = heads_q // heads_kv
+    # doc_ids alone mean a document mask, causal within documents if asked, as fagen.attention
+    # reads them
+    if doc_ids is not None and mask is None:
+        mask, causal = {"kind": "document", "causal": causal}, False
+    if mask is not None:
+        mask = _as_mask_spec(mask)
+        side_inputs.require_mask_inputs(mask.kind, has_block_mask=block_mask is not None,
+                                        has_doc_ids=doc_ids is not None)
+    given = dict(doc_ids=doc_ids, alibi_slopes=alibi_slopes, sinks=sinks, bias=bias)
+    side_inputs.check_shapes(b, heads_q, n_q, n_kv,
+                             **{name: np.shape(x) for name, x in given.items() if x is not None})
+    if sinks is not None:
+        sinks = np.asarray(sinks, np.float64)
+        side_inputs.check_finite("sinks", sinks.tolist())
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     bi = np.arange(b)[:, None, None, None]
@@ -59,48 +73,45 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if softcap is not None:
         s = softcap * np.tanh(s / softcap)
     if alibi_slopes is not None:
-        slopes = np.asarray(alibi_slopes, np.float64).reshape(1, heads_q, 1, 1)
+        slopes = np.asarray(alibi_slopes, np.float64)[None, :, None, None]
         s = s - slopes * np.abs(qi + (n_kv - n_q) - ki)
     if bias is not None:
         bias = np.asarray(bias, np.float64)
-        if bias.ndim == 3:
-            s = s + _broadcast_heads(bias, "bias", b, heads_q, (n_kv,))[:, :, None, :]
-        else:
-            s = s + _broadcast_heads(bias, "bias", b, heads_q, (n_q, n_kv))
+        s = s + (bias[:, :, None, :] if bias.ndim == 3 else bias)
     if score_mod is not None:
         s = score_mod(s, bi, hi, qi, ki)
 
-    # which pairs count (doc_ids alone mean a document mask, causal within documents if asked,
-    # as fagen.attention reads them)
-    if doc_ids is not None and mask is None:
-        mask, causal = {"kind": "document", "causal": causal}, False
+    # which pairs count
     keep = np.ones((1, 1, n_q, n_kv), bool)
     if causal:
         keep = keep & causal_mask(n_q, n_kv)
     if mask is not None:
         from fagen.masks import static_predicate
 
-        keep = keep & static_predicate(_as_mask_spec(mask), n_q, n_kv, doc_ids)(bi, hi, qi, ki)
+        keep = keep & static_predicate(mask, n_q, n_kv, doc_ids)(bi, hi, qi, ki)
     if block_mask is not None:
         keep = keep & block_mask.to_dense()
     if mask_mod is not None:
-        keep = keep & mask_mod(bi, hi, qi, ki)
+        from fagen.masks import as_keep
+
+        keep = keep & as_keep(mask_mod(bi, hi, qi, ki), "oracle.attention: mask_mod(b, h, q_idx, kv_idx)")
     s = np.where(keep, s, -np.inf)
 
     # softmax, with the sink as one more logit per row that carries no value
     m = s.max(axis=-1, keepdims=True)
     if sinks is not None:
-        sink = np.asarray(sinks, np.float64).reshape(1, heads_q, 1, 1)
+        sink = sinks[None, :, None, None]
         m = np.maximum(m, sink)
-    seen = np.isfinite(m)
-    m0 = np.where(seen, m, 0.0)
+    # Only a row that sees no key has m = -inf. A NaN score makes m NaN (max and maximum keep
+    # NaN), and it must reach O and LSE rather than pass for an empty row.
+    empty = m == -np.inf
+    m0 = np.where(empty, 0.0, m)
     p = np.exp(s - m0)
-    l = p.sum(axis=-1, keepdims=True)
+    l = p.sum(axis=-1, keepdims=True)  # >= 1 where not empty: the max's own term, or NaN
     if sinks is not None:
         l = l + np.exp(sink - m0)
-    out = (p / np.where(l > 0, l, 1.0)) @ v
+    l = np.where(empty, 1.0, l)
+    out = (p / l) @ v
     if not return_lse:
         return out
-    with np.errstate(divide="ignore"):
-        lse = np.where(l > 0, m0 + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
-    return out, lse
+    return out, np.where(empty, -np.inf, m0 + np.log(l))[..., 0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import __version__
+from fagen import __version__, side_inputs
 from fagen.plan import KernelPlan, plan
 from fagen.render import SPECS, render
 from fagen.spec import AttentionSpec, Mask, ScoreMod, load_spec
@@ -267,8 +267,11 @@ class Kernel:
     def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
         """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by
         parameter name, and the device arrays behind them (keep them until the launch).
-        Refuses an array the spec does not use, and a missing one it needs."""
+        Refuses an array the spec does not use, a missing one it needs, and wrong shapes, by the
+        oracle's rules (fagen.side_inputs) and before anything reaches the device."""
         spec, (b, hq, nq, _), nk = self.spec, tq.shape, tk.shape[2]
+        side_inputs.require_mask_inputs(spec.mask.kind, has_block_mask=given["block_mask"] is not None,
+                                        has_doc_ids=given["doc_ids"] is not None)
         wants = {
             "block_mask": spec.mask.kind == "block_mask",
             "doc_ids": spec.mask.kind == "document",
@@ -283,6 +286,9 @@ class Kernel:
                                  f"(see the README's masks and modifiers)")
             if value is None and wants[name]:
                 raise ValueError(f"{name} is required: kernel {spec.name} was generated for it")
+        side_inputs.check_shapes(b, hq, nq, nk, bias_kind=spec.score_mod.bias, **{
+            name: tuple(np.shape(given[name])) for name in ("doc_ids", "alibi_slopes", "sinks", "bias")
+            if given[name] is not None})
         args: dict = {}
         held: list = []
         if wants["block_mask"]:
@@ -290,9 +296,6 @@ class Kernel:
         if wants["doc_ids"]:
             raw = given["doc_ids"]
             docs = _aux_array(raw, "doc_ids", "int32", tq.device)
-            if nq != nk or docs.ndim != 2 or docs.shape[0] not in (1, b) or docs.shape[1] != nk:
-                raise ValueError(f"doc_ids: shape {docs.shape} with Nq = {nq}, Nk = {nk}; document masks take "
-                                 f"[B|1, N] ids for self-attention over packed sequences (Nq == Nk == N)")
             _check_sorted_once(raw, docs)
             docs = cupy.ascontiguousarray(docs)  # the kernel reads ids at unit stride
             held.append(docs)
@@ -300,26 +303,23 @@ class Kernel:
         if spec.score_mod.alibi != "none":
             slopes = given["alibi_slopes"]
             slopes = geometric_alibi_slopes(hq, tq.device) if slopes is None else _aux_array(slopes, "alibi_slopes", "float32", tq.device)
-            if slopes.shape != (hq,):
-                raise ValueError(f"alibi_slopes: shape {slopes.shape}; expected [Hq] = [{hq}] float32")
             held.append(cupy.ascontiguousarray(slopes))
             args.update(alibi_slopes=_ptr(held[-1]))
         if wants["bias"]:
             bias = _aux_array(given["bias"], "bias", "float32", tq.device)
-            tail = (nk,) if spec.score_mod.bias == "vector" else (nq, nk)
-            if bias.ndim != 2 + len(tail) or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, hq) \
-                    or bias.shape[2:] != tail or bias.strides[-1] != 4:
-                raise ValueError(f"bias: shape {bias.shape}, strides {bias.strides}; kernel {spec.name} takes a "
-                                 f"{spec.score_mod.bias} bias [{b}|1, {hq}|1, {', '.join(map(str, tail))}] float32 "
-                                 f"with a contiguous last dim")
+            if bias.strides[-1] != 4:
+                raise ValueError(f"bias: strides {bias.strides} (bytes); kernel {spec.name} reads the last dim at "
+                                 f"unit stride: pass a contiguous copy")
             held.append(bias)
             st = [s // 4 if n > 1 else 0 for s, n in zip(bias.strides, bias.shape)]
             args.update(bias=_ptr(bias), bias_sb=np.int64(st[0]), bias_sh=np.int64(st[1]),
                         bias_sq=np.int64(st[2] if bias.ndim == 4 else 0))
         if wants["sinks"]:
-            sinks = _aux_array(given["sinks"], "sinks", "float32", tq.device)
-            if sinks.shape != (hq,):
-                raise ValueError(f"sinks: shape {sinks.shape}; expected one float32 logit per query head: [{hq}]")
+            raw = given["sinks"]
+            sinks = _aux_array(raw, "sinks", "float32", tq.device)
+            # reading them back costs a host sync: once per array object, as for doc_ids
+            side_inputs.once_per_object("finite sinks", raw,
+                                        lambda: side_inputs.check_finite("sinks", cupy.asnumpy(sinks).tolist()))
             held.append(cupy.ascontiguousarray(sinks))
             args.update(sinks=_ptr(held[-1]))
         return args, held
@@ -491,6 +491,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         mask = Mask(kind="document", causal=causal)
     else:
         mask = Mask(kind="causal" if causal else "none")
+    # before compiling a variant for an array that is not there
+    side_inputs.require_mask_inputs(mask.kind, has_block_mask=block_mask is not None, has_doc_ids=doc_ids is not None)
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
                          bias=bias_kind, sinks=sinks is not None)

@@ -207,7 +207,7 @@ def test_static_mask_as_mask_or_dict(fields, n_q, n_kv, form):
     compare(oracle.attention(q, k, v, mask=mask, return_lse=True), want)
 
 
-@pytest.mark.parametrize("kind", ["causal", "none", "block_mask"])
+@pytest.mark.parametrize("kind", ["causal", "none"])  # block_mask needs its array (test_builders_hardening)
 @pytest.mark.parametrize("n_q, n_kv", SHAPES)
 def test_mask_as_kind_string(kind, n_q, n_kv):
     q, k, v = inputs(n_q=n_q, n_kv=n_kv)
