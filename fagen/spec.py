@@ -354,6 +354,8 @@ def _explain(err: ValidationError, source: str) -> str:
                 msg[0].lower() + msg[1:]
             msg = f"{where} = {e.get('input')!r}: {rule_text}; {_type_fix(e, loc[-1])}"
         lines.append(f"  - {msg}")
+    if len(lines) == 2:  # one broken rule: one line
+        return f"{lines[0]} {lines[1].removeprefix('  - ')}"
     return "\n".join(lines)
 
 
@@ -402,7 +404,7 @@ def parse_spec(data: dict | str, source: str = "<dict>") -> AttentionSpec:
     try:
         plan(spec)  # smem and register budgets
     except SpecError as err:
-        raise SpecError(f"invalid spec {source}:\n  - {err}") from None
+        raise SpecError(f"invalid spec {source}: {err}") from None
     return spec
 
 
