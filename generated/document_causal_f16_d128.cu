@@ -164,12 +164,24 @@ struct Mask {
   int n_q, n_kv, offset;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
   const int* __restrict__ doc;  // this batch's document id per position, non-decreasing
+  // A document is one run of positions, found once (begin) so that the KV loop reads no ids:
+  // keys [full_lo, full_hi) count for every row of this warp, keys [row_lo, the row] for
+  // the thread's row 16f + 8h + lane / 4 of the warp (the MMA accumulator layout).
+  int full_lo, full_hi;
+  int row_lo[M_FRAGS][2];
 
-  // First position whose document is >= id (ids are non-decreasing).
-  __device__ __forceinline__ int lower_bound(int id) const {
-    int lo = 0, hi = n_kv;
-    while (lo < hi) { const int mid = (lo + hi) >> 1; if (doc[mid] < id) lo = mid + 1; else hi = mid; }
-    return lo;
+  // pos[i]: the first position whose document is >= id[i] (ids are non-decreasing). Binary
+  // lifting with as many steps for every search: the N searches advance together, their
+  // loads in flight at once.
+  template <int N>
+  __device__ __forceinline__ void lower_bounds(int (&pos)[N], const int (&id)[N]) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) pos[i] = 0;
+    for (int step = 1 << (31 - __clz(n_kv)); step > 0; step >>= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (pos[i] + step <= n_kv && doc[pos[i] + step - 1] < id[i]) pos[i] += step;
+    }
   }
 
   __device__ __forceinline__ void begin(int n_q_, int n_kv_, int offset_, int b, int h, int q0_, const int* __restrict__ doc_ids, long long doc_sb) {
@@ -179,9 +191,25 @@ struct Mask {
     const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     doc = doc_ids + b * doc_sb;
-    lo = lower_bound(doc[q0_]);
-    hi = lower_bound(doc[q_last] + 1);
-    hi = min(hi, q_last + 1);
+    {
+      // Where the documents of the tile's first row and of this thread's rows start,
+      // searched together (rows clamped: a row past n_q holds no query).
+      constexpr int ROWS = 2 * M_FRAGS, SEARCHES = 1 + ROWS;
+      const int row0 = q0_ + (threadIdx.x >> 5) * WARP_ROWS + ((threadIdx.x & 31) >> 2);
+      int row[ROWS], id[SEARCHES], pos[SEARCHES];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) row[r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
+      id[0] = doc[q0_];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) id[1 + r] = doc[row[r]];
+      lower_bounds(pos, id);
+      lo = pos[0];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = pos[1 + r];
+      hi = min(n_kv, q_last + 1);
+      full_hi = min(q0_ + (threadIdx.x >> 5) * WARP_ROWS, n_q - 1) + 1;  // the warp's first row
+      full_lo = __shfl_sync(0xffffffff, row_lo[M_FRAGS - 1][1], 28);  // where its last row's begins
+    }
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
   }
@@ -199,14 +227,13 @@ struct Mask {
   // pair is known to count.
   __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
-    r0 = min(r0, r1);  // a warp past the last row holds no query: keep its reads in bounds
-    bool full = k1 < n_kv && doc[r0] == doc[r1] && doc[kv0] == doc[r0] && doc[k1] == doc[r0] && k1 <= r0;
+    bool full = kv0 >= full_lo && k1 < full_hi;
     return !full || k1 >= n_kv;
   }
 
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx) const {
-    bool active = kv_idx < n_kv;
-    active = active && doc[min(q_idx, n_q - 1)] == doc[kv_idx] && kv_idx <= q_idx;
+  // row: the accumulator row 2f + h of the thread's rows that q_idx is.
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
+    bool active = kv_idx < n_kv && kv_idx >= row_lo[row >> 1][row & 1] && kv_idx <= q_idx;
     return active;
   }
 };
@@ -300,7 +327,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
         for (int e = 0; e < 4; ++e) {
           const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki)) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
         }
   }
 }
