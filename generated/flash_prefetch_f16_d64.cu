@@ -373,7 +373,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
         l = l * alpha + fast_exp2(sink_log2 - m_new);
         m = m_new;
       }
-      const float inv = l > 0.f ? alpha / l : 0.f;
+      const float inv = l == 0.f ? 0.f : alpha / l;  // a NaN score leaves l NaN: it must reach O and LSE
       const int row = f * 16 + h * 8 + g;  // within the warp's rows
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
@@ -383,7 +383,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       }
       if constexpr (WRITE_LSE) {
         const int q = row0 + row;
-        if (t == 0 && q < n_q) lse[q] = l > 0.f ? (m + __log2f(l)) * LN2 : NEG_INF;
+        if (t == 0 && q < n_q) lse[q] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
       }
     }
   }

@@ -81,6 +81,22 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
     assert relative_error(lse, ref_lse) < 1e-4
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])  # the mma.sync kernels and, on Hopper, the wgmma ones
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_nan_query_gives_nan_output_and_lse(head_dim, causal):
+    """NaN is never hidden: its row's O and LSE are NaN (as in the oracle), other rows exact."""
+    q, k, v, _ = random_inputs("cupy", "float16", 1, 2, 2, 130, 130, head_dim)
+    q[0, 1, 77, 5] = float("nan")
+    out, lse = fagen.attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = to_numpy(out), to_numpy(lse)
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, return_lse=True)
+    assert np.isnan(out[0, 1, 77]).all() and np.isnan(lse[0, 1, 77]) and np.isnan(ref_lse[0, 1, 77])
+    rest = np.ones(lse.shape, bool)
+    rest[0, 1, 77] = False
+    assert np.isfinite(lse[rest]).all() and not np.isnan(out[rest]).any()
+    assert relative_error(out[rest], ref[rest]) < OUT_TOLERANCE["float16"]
+
+
 def test_custom_scale():
     spec = fagen.load_spec(SPECS / "flash_prefetch_f16_d64.yaml")
     result = check_against_oracle(spec, 1, 3, 3, 129, 257, scale=0.37)
