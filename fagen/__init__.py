@@ -3,7 +3,8 @@
 __version__ = "0.1.0"
 
 from fagen.render import render
-from fagen.spec import AttentionSpec, SpecError, load_spec, parse_spec
+from fagen.load import load_spec, parse_spec
+from fagen.spec import AttentionSpec, SpecError
 
 
 def compile(spec):

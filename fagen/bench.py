@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fagen import masks, variants
 from fagen.check import attention_flops, check_against_oracle, random_inputs, time_ms
-from fagen.spec import AttentionSpec
+from fagen.runtime import compile_kernel, default_spec
+from fagen.spec import AttentionSpec, Mask
 
 TOKENS, HIDDEN = 16384, 2048  # the FlashAttention papers' sweep: B * N = 16k tokens, H * d = 2048
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -119,10 +121,6 @@ def case_flops(case: Case) -> float:
 
 def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
     """The kernel fagen.attention would run for this case, and its side inputs."""
-    from fagen import masks
-    from fagen.runtime import default_spec, variant
-    from fagen.spec import Mask
-
     base = default_spec(case.dtype, case.head_dim, case.causal and case.mask == "none")
     if case.mask == "none":
         return base, {}
@@ -130,12 +128,10 @@ def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
             "documents": Mask(kind="document", causal=True),
             "prefix_lm": Mask(kind="prefix_lm", prefix_len=PREFIX)}[case.mask]
     extras = {"doc_ids": masks.documents_of_lengths(doc_lengths(case.n), case.batch)} if case.mask == "documents" else {}
-    return variant(base, mask, base.score_mod), extras
+    return variants.variant(base, mask, base.score_mod), extras
 
 
 def run_fagen(case: Case, flops: float) -> Row:
-    from fagen.runtime import compile_kernel
-
     spec, extras = fagen_spec(case)
     row = Row(case.key, spec.name, "fagen", case.dtype, case.head_dim, case.n, case.batch, case.heads,
               case.causal, case.mask, None, None)
@@ -365,36 +361,6 @@ def plot(rows: list[Row], head_dim: int, path: Path) -> None:
     plt.close(fig)
 
 
-CUPY_INSTALL = ("pip install 'fagen[cuda12]' or 'fagen[cuda13]' to match the driver's CUDA "
-                "(in a checkout: pip install -e '.[cuda12]')")
-
-
-def gpu_missing(torch: bool = False) -> str | None:
-    """Why kernels cannot run on this machine, in one line with how to get what is missing;
-    None when they can. CuPy and a CUDA device are always needed; `torch`: PyTorch with CUDA
-    too (bench and tune time kernels on PyTorch tensors)."""
-    try:
-        import cupy
-    except ImportError:
-        return f"CuPy is not installed (fagen compiles and launches kernels through it): {CUPY_INSTALL}"
-    try:
-        count, why = cupy.cuda.runtime.getDeviceCount(), ""
-    except Exception as err:  # no driver, or a driver older than CuPy's CUDA
-        count, why = 0, f" ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-    if count == 0:
-        return (f"no CUDA GPU found{why}: run on a machine with an NVIDIA GPU and its driver "
-                f"(nvidia-smi lists it)")
-    if torch:
-        try:
-            import torch as _torch
-        except ImportError:
-            return "PyTorch is not installed (timings run on PyTorch tensors): pip install torch (a CUDA build)"
-        if not _torch.cuda.is_available():
-            return (f"PyTorch {_torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False): "
-                    f"install a CUDA build of torch")
-    return None
-
-
 def environment_meta() -> dict:
     import datetime
 
@@ -428,8 +394,6 @@ class Timing:
 
 def time_spec(spec: AttentionSpec, b: int, h: int, nq: int, nk: int | None = None) -> Timing:
     """Check `spec` against the oracle on a smaller problem, then time it on this one."""
-    from fagen.runtime import compile_kernel
-
     nk = nq if nk is None else nk
     check = check_against_oracle(spec, 1, 2, 2, min(nq, 777), min(nk, 777), framework="torch")
     if not check.passed:

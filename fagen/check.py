@@ -10,8 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fagen import oracle
+from fagen import masks, oracle, side_inputs
+from fagen.device import cupy
+from fagen.runtime import compile_kernel
 from fagen.spec import AttentionSpec
+from fagen.splitkv import merge
 
 # ||out - ref|| / ||ref||. The oracle sees the same rounded inputs, so the error is P's
 # rounding to the MMA input type plus f32 accumulation: ~2^-11 for float16, ~2^-8 for bfloat16.
@@ -78,8 +81,6 @@ def random_inputs(framework: str, dtype: str, b: int, hq: int, hkv: int, nq: int
                 x = torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype))
             return x if layout == "bhnd" else x.transpose(1, 2)
     else:
-        import cupy
-
         if dtype != "float16":
             raise ValueError(f"CuPy has no {dtype}: pass PyTorch tensors for {dtype}")
         rng = cupy.random.default_rng(seed)
@@ -99,8 +100,6 @@ def _nan_like(ref, shape):
         import torch
 
         return torch.full(shape, float("nan"), dtype=torch.float32, device=ref.device)
-    import cupy
-
     return cupy.full(shape, cupy.nan, dtype=cupy.float32)
 
 
@@ -112,8 +111,6 @@ def to_numpy(x) -> np.ndarray:
 
 def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     """Median of CUDA-event timings of fn() on the current stream, after warm-up."""
-    import cupy
-
     for _ in range(warmup):
         fn()
     times = []
@@ -153,8 +150,6 @@ def random_extras(spec: AttentionSpec, b: int, hq: int, nq: int, nk: int, seed: 
 
 def random_block_mask(rng: np.random.Generator, b: int, h: int, nq: int, nk: int, q_block: int, kv_block: int):
     """Each (b, h, block) at random one of: masked, full, causal diagonal, random pattern."""
-    from fagen import masks
-
     qi, ki = np.arange(nq)[:, None], np.arange(nk)[None, :]
     dense = np.zeros((b, h, nq, nk), bool)
     n_qb, n_kb = -(-nq // q_block), -(-nk // kv_block)
@@ -176,7 +171,6 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     """extras: side inputs (block_mask, doc_ids, bias, alibi_slopes, sinks) as NumPy arrays,
     drawn by random_extras when not given. mask_mod / score_mod: NumPy equivalents of the
     spec's CUDA expressions, for the oracle."""
-    from fagen.runtime import _geometric_slopes_host, compile_kernel
 
     if framework is None:
         framework = "cupy" if spec.dtype == "float16" else "torch"
@@ -185,8 +179,6 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     with_lse = spec.outputs.lse
     if spec.outputs.partial:  # split-KV: NaN-poisoned partials over 3 splits, then the merge
-        from fagen.splitkv import merge
-
         tiles = -(-nk // kernel.plan.block_kv)
         per_split = -(-tiles // min(3, tiles))
         parts = _nan_like(q, (-(-tiles // per_split), b, hq, nq, spec.head_dim))
@@ -200,7 +192,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
         got_out, got_lse = got if with_lse else (got, None)
     slopes = extras.get("alibi_slopes")
     if spec.score_mod.alibi == "geometric" and slopes is None:
-        slopes = np.array(_geometric_slopes_host(hq))
+        slopes = np.array(side_inputs.geometric_alibi_slopes(hq))
     ref_out, ref_lse = oracle.attention(
         to_numpy(q), to_numpy(k), to_numpy(v), scale=scale, return_lse=True, mask=spec.mask,
         block_mask=extras.get("block_mask"), doc_ids=extras.get("doc_ids"), mask_mod=mask_mod,

@@ -22,7 +22,8 @@ from fagen.render import (
     render,
     render_merge,
 )
-from fagen.spec import SpecError, load_spec
+from fagen.spec import SpecError
+from fagen.load import load_spec
 
 SPECS_DIR = Path("specs")  # relative: the working directory's
 GENERATED_DIR = Path("generated")
@@ -147,7 +148,7 @@ def _at_least(lowest: int, fix: str):
 
 
 def _need_gpu(torch: bool = False) -> None:
-    from fagen.bench import gpu_missing
+    from fagen.device import gpu_missing
 
     why = gpu_missing(torch)
     if why:
@@ -269,7 +270,7 @@ def check_cmd(spec: str, shape: tuple[int, int, int, int], kv_heads: int | None,
 @click.option("--dry-run", is_flag=True, help="list the candidates the validator accepts, run nothing (no GPU)")
 def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: str, dry_run: bool) -> None:
     """Sweep SPEC's tiling and pipeline; write the fastest correct one as <name>_<gpu>.yaml."""
-    from fagen import tune
+    from fagen import device, tune
 
     base = _load(Path(spec))
     if not dry_run:  # refuse before the sweep, not after it
@@ -294,7 +295,7 @@ def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: 
         raise click.ClickException(f"no candidate of {base.name} passed the oracle check and ran; nothing written "
                                    f"(errors above)")
     try:
-        path = tune.write_tuned(results[0], base, shape, Path(out_dir), tune.gpu_slug())
+        path = tune.write_tuned(results[0], base, shape, Path(out_dir), device.gpu_slug())
     except OSError as err:
         raise click.ClickException(f"cannot write the tuned spec to {out_dir} ({err.strerror}); the best was "
                                    f"{results[0].spec.name}") from None

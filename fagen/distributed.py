@@ -31,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fagen.runtime import compile_kernel, default_spec
+from fagen.splitkv import merge
+
 # ---- schedules (pure) ------------------------------------------------------------------------
 
 
@@ -291,8 +294,6 @@ def launch(n: int, argv: list[str], timeout_s: float | None = None) -> int:
 # ---- the four modes (each rank calls these with its group) -----------------------------------
 
 def _kernel(dtype: str, head_dim: int, causal: bool, partial: bool):
-    from fagen.runtime import compile_kernel, default_spec
-
     return compile_kernel(default_spec(dtype, head_dim, causal, partial=partial))
 
 
@@ -387,8 +388,6 @@ def ring_attention(group: Group, q_local, k_local, v_local, *, n: int, causal: b
     merge by LSE in float32. Returns this rank's output rows (same layout as q_local)."""
     import cupy
     from cupy.cuda import nccl
-
-    from fagen.splitkv import merge
 
     world, rank = group.world, group.rank
     b, h, rows, d = q_local.shape

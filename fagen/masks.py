@@ -21,33 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fagen.mask_kinds import Predicate, as_keep, diagonal_offset
 from fagen.spec import rule
 
 MASKED, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
 TYPE_NAMES = {MASKED: "MASKED", FULL: "FULL", CAUSAL: "CAUSAL", PARTIAL: "PARTIAL"}
 BITS = 32  # partial masks pack 32 keys per uint32 word, key 0 in bit 0
-
-Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-
-
-def as_keep(result, what: str) -> np.ndarray:
-    """A mask predicate's result as bool (True: the pair counts), as FlexAttention's mask_mod
-    returns it. Integers 0 and 1 read as False and True (np.where(c, 1, 0), .astype(int));
-    other numbers are refused rather than read as "nonzero keeps": a 2 is arithmetic gone
-    wrong, and a float likely an additive mask, whose 0 means keep and -inf drop."""
-    keep = np.asarray(result)
-    if keep.dtype == bool:
-        return keep
-    if keep.dtype.kind in "iu" and ((keep == 0) | (keep == 1)).all():
-        return keep.astype(bool)
-    flat = keep.ravel()
-    odd = flat[(flat != 0) & (flat != 1)] if keep.dtype.kind in "iufc" else flat
-    sample = (odd if odd.size else flat)[:1].tolist()
-    holding = f" holding {sample[0]!r}" if sample else ""
-    raise ValueError(f"{what} = {keep.dtype} array{holding}: must be bool, True = keep (or integers 0 "
-                     f"and 1), as FlexAttention's mask_mod returns; return a comparison such as "
-                     f"(k <= q) & (q - k < 1024), or x != 0 where nonzero means keep")
-
 
 def _check_int(name: str, value, meaning: str, low: int | None = None, example: int = 1024) -> None:
     """Refuse a builder's argument that is not an integer >= low, naming it (fagen.spec.rule)."""
@@ -68,101 +47,11 @@ def _check_blocks(q_block, kv_block, causal_offset) -> None:
     _check_int("causal_offset", causal_offset, "CAUSAL blocks keep k <= q + causal_offset", example=0)
 
 
-# ---- static masks of a spec, as predicates over absolute positions -----------------------
-
-def diagonal_offset(align: str, n_q: int, n_kv: int) -> int:
-    """Key index of query 0's diagonal: n_kv - n_q when aligned bottom-right (FlashAttention-2)."""
-    return n_kv - n_q if align == "bottom_right" else 0
-
-
-def static_predicate(mask, n_q: int, n_kv: int, doc_ids: np.ndarray | None = None) -> Predicate:
-    """fn(b, h, q_idx, kv_idx) -> bool for a spec's `mask` (a fagen.spec.Mask), broadcasting.
-
-    A custom `mask.expression` is CUDA and cannot be evaluated here; pass the NumPy
-    equivalent to the oracle as mask_mod."""
-    off = diagonal_offset(mask.align, n_q, n_kv)
-    kind = mask.kind
-    if kind in ("none", "block_mask"):
-        return lambda b, h, q, k: np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
-    if kind == "causal":
-        return lambda b, h, q, k: k <= q + off
-    if kind == "sliding_window":
-        left, right = mask.window_left, mask.window_right or 0
-        return lambda b, h, q, k: (k >= q + off - left) & (k <= q + off + right)
-    if kind == "chunked":
-        c = mask.chunk_size
-        return lambda b, h, q, k: (k <= q + off) & (k >= ((q + off) // c) * c)
-    if kind == "prefix_lm":
-        p = mask.prefix_len
-        return lambda b, h, q, k: (k <= q + off) | (k < p)
-    if kind == "document":
-        if doc_ids is None:
-            raise ValueError("mask kind 'document' needs doc_ids [B|1, N] (int32, non-decreasing)")
-        docs = np.atleast_2d(np.asarray(doc_ids))
-        causal = mask.causal
-
-        def same_doc(b, h, q, k):
-            bb = np.minimum(b, docs.shape[0] - 1)
-            keep = docs[bb, q] == docs[bb, k]
-            return keep & (k <= q) if causal else keep
-        return same_doc
-    raise ValueError(f"unknown mask kind {kind!r}")
-
-
 def dense_from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int) -> np.ndarray:
     """[b, h, n_q, n_kv] bool; b or h of 1 broadcast."""
     bi, hi = np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None]
     qi, ki = np.arange(n_q)[None, None, :, None], np.arange(n_kv)[None, None, None, :]
     return np.broadcast_to(as_keep(fn(bi, hi, qi, ki), "fn(b, h, q_idx, kv_idx)"), (b, h, n_q, n_kv))
-
-
-def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
-                  doc_ids: np.ndarray | None = None) -> dict[int, tuple[range, set[int]]]:
-    """What a static-mask kernel visits, per query tile (batch 0): the KV tile range and the
-    tiles it treats as full (no element test). Mirrors the kernel's arithmetic in _mask.cu.j2,
-    so tests can prove it against the dense mask."""
-    off = diagonal_offset(mask.align, n_q, n_kv)
-    n_tiles = -(-n_kv // block_kv)
-    docs = None if doc_ids is None else np.atleast_2d(np.asarray(doc_ids))[0]
-    out = {}
-    for qt in range(-(-n_q // block_q)):
-        q0, q1 = qt * block_q, min(qt * block_q + block_q, n_q) - 1  # first and last row
-        lo, hi = 0, n_kv  # key range [lo, hi)
-        if mask.kind == "causal":
-            hi = min(n_kv, q1 + off + 1)
-        elif mask.kind == "sliding_window":
-            lo, hi = max(0, q0 + off - mask.window_left), min(n_kv, q1 + off + (mask.window_right or 0) + 1)
-        elif mask.kind == "chunked":
-            lo, hi = max(0, ((q0 + off) // mask.chunk_size) * mask.chunk_size), min(n_kv, q1 + off + 1)
-        elif mask.kind == "prefix_lm":
-            hi = min(n_kv, max(q1 + off + 1, mask.prefix_len))
-        elif mask.kind == "document":
-            lo = int(np.searchsorted(docs, docs[q0], side="left"))
-            hi = int(np.searchsorted(docs, docs[q1], side="right"))
-            if mask.causal:
-                hi = min(hi, q1 + 1)
-        tiles = range(lo // block_kv, -(-hi // block_kv)) if hi > lo else range(0)
-        full = {t for t in tiles if _tile_full(mask, t * block_kv, t * block_kv + block_kv - 1, q0, q1, off, n_kv, docs)}
-        out[qt] = (range(max(0, tiles.start), min(n_tiles, tiles.stop)), full)
-    return out
-
-
-def _tile_full(mask, k0: int, k1: int, q0: int, q1: int, off: int, n_kv: int, docs) -> bool:
-    """Every pair of rows [q0, q1] x keys [k0, k1] kept? (needs_element_test in _mask.cu.j2)"""
-    if k1 >= n_kv or mask.expression is not None:
-        return False
-    kind = mask.kind
-    if kind == "causal":
-        return k1 <= q0 + off
-    if kind == "sliding_window":
-        return k0 >= q1 + off - mask.window_left and k1 <= q0 + off + (mask.window_right or 0)
-    if kind == "chunked":
-        return k1 <= q0 + off and k0 >= ((q1 + off) // mask.chunk_size) * mask.chunk_size
-    if kind == "prefix_lm":
-        return k1 < mask.prefix_len or k1 <= q0 + off
-    if kind == "document":
-        return bool(docs[q0] == docs[q1] == docs[k0] == docs[k1]) and (not mask.causal or k1 <= q0)
-    return True
 
 
 # ---- runtime block masks -----------------------------------------------------------------

@@ -20,18 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from fagen import side_inputs
+from fagen import mask_kinds, side_inputs
 
 
 def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
     """[n_q, n_kv] bool, True where query i may see key j (bottom-right aligned)."""
     return np.arange(n_kv)[None, :] <= np.arange(n_q)[:, None] + (n_kv - n_q)
-
-
-def _as_mask_spec(mask):
-    from fagen.spec import Mask
-
-    return mask if isinstance(mask, Mask) else Mask.model_validate(mask)
 
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
@@ -52,7 +46,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if doc_ids is not None and mask is None:
         mask, causal = {"kind": "document", "causal": causal}, False
     if mask is not None:
-        mask = _as_mask_spec(mask)
+        mask = mask_kinds.fields_of(mask)
         side_inputs.require_mask_inputs(mask.kind, has_block_mask=block_mask is not None,
                                         has_doc_ids=doc_ids is not None)
     given = dict(doc_ids=doc_ids, alibi_slopes=alibi_slopes, sinks=sinks, bias=bias)
@@ -86,15 +80,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if causal:
         keep = keep & causal_mask(n_q, n_kv)
     if mask is not None:
-        from fagen.masks import static_predicate
-
-        keep = keep & static_predicate(mask, n_q, n_kv, doc_ids)(bi, hi, qi, ki)
+        keep = keep & mask_kinds.predicate(mask, n_q, n_kv, doc_ids)(bi, hi, qi, ki)
     if block_mask is not None:
         keep = keep & block_mask.to_dense()
     if mask_mod is not None:
-        from fagen.masks import as_keep
-
-        keep = keep & as_keep(mask_mod(bi, hi, qi, ki), "oracle.attention: mask_mod(b, h, q_idx, kv_idx)")
+        keep = keep & mask_kinds.as_keep(mask_mod(bi, hi, qi, ki), "oracle.attention: mask_mod(b, h, q_idx, kv_idx)")
     s = np.where(keep, s, -np.inf)
 
     # softmax, with the sink as one more logit per row that carries no value

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from fagen.mask_kinds import KINDS
 from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, SpecError,
                         rule)
 
@@ -81,13 +82,7 @@ def kv_slots(spec: AttentionSpec) -> int:
     return spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
 
 
-INT_PTR, FLOAT_PTR = "const int* __restrict__", "const float* __restrict__"
-MASK_PARAMS = {
-    "document": ((INT_PTR, "doc_ids"), ("long long", "doc_sb")),
-    "block_mask": ((INT_PTR, "bm_num"), (INT_PTR, "bm_idx"), (INT_PTR, "bm_type"), (INT_PTR, "bm_partial"),
-                   ("const unsigned* __restrict__", "bm_bits"), ("int", "bm_sb"), ("int", "bm_sh"),
-                   ("int", "bm_max"), ("int", "bm_causal_offset")),
-}
+FLOAT_PTR = "const float* __restrict__"
 
 
 def score_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
@@ -175,7 +170,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         seed_budget_bytes=seed_budget,
         predicted_registers=registers,
         blocks_per_sm_by_smem=max(1, limit // smem_bytes),
-        mask_params=MASK_PARAMS.get(spec.mask.kind, ()),
+        mask_params=KINDS[spec.mask.kind].params,
         score_params=score_params(spec),
         sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks and not spec.outputs.partial else (),
         split_params=(("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),

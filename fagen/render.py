@@ -13,12 +13,11 @@ import yaml
 
 from fagen import __version__
 from fagen.plan import plan
-from fagen.spec import AttentionSpec, validated
+from fagen.load import validated
+from fagen.spec import AttentionSpec
 
 PACKAGE = Path(__file__).resolve().parent
 TEMPLATES = PACKAGE / "templates"
-# The shipped specs: packaged as fagen/specs in a wheel, at specs/ beside the package in a checkout.
-SPECS = PACKAGE / "specs" if (PACKAGE / "specs").is_dir() else PACKAGE.parent / "specs"
 GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (tests compare them)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 

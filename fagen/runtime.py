@@ -18,56 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import __version__, side_inputs
+from fagen import __version__, device, side_inputs, variants
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for
+from fagen.mask_kinds import KINDS
+from fagen.masks import BlockMask
 from fagen.plan import KernelPlan, plan
-from fagen.render import SPECS, render
-from fagen.spec import AttentionSpec, Mask, ScoreMod, load_spec
-
-try:
-    import cupy
-except ImportError:  # pragma: no cover - exercised on machines without CUDA
-    cupy = None
+from fagen.render import render
+from fagen.spec import AttentionSpec, Mask, ScoreMod
 
 NVRTC_OPTIONS = ("-std=c++17",)
 MAX_GRID_Y = 65535
 LOG2E = 1.4426950408889634
-
-
-def _require_cupy() -> None:
-    if cupy is None:
-        raise RuntimeError("fagen's runtime needs CuPy and a CUDA GPU: pip install -e '.[cuda12]' or '.[cuda13]'")
-
-
-@dataclass(frozen=True)
-class DeviceTensor:
-    """A CUDA tensor seen as pointer + shape + strides in elements, whatever its framework."""
-
-    obj: object
-    kind: str  # "cupy" | "torch"
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    device: int
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
-
-
-def as_device_tensor(x, what: str) -> DeviceTensor:
-    if _is_torch(x):
-        if not x.is_cuda:
-            raise ValueError(f"{what}: a PyTorch tensor on {x.device}; fagen needs CUDA tensors: use {what}.cuda()")
-        return DeviceTensor(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
-                            str(x.dtype).removeprefix("torch."), x.device.index)
-    if cupy is not None and isinstance(x, cupy.ndarray):
-        item = x.dtype.itemsize
-        return DeviceTensor(x, "cupy", x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
-                            str(x.dtype), x.device.id)
-    if isinstance(x, np.ndarray):
-        raise ValueError(f"{what}: a NumPy array lives on the host; move it to the GPU with cupy.asarray({what})")
-    raise ValueError(f"{what}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
 
 
 def _check_layout(t: DeviceTensor, what: str) -> None:
@@ -78,25 +39,6 @@ def _check_layout(t: DeviceTensor, what: str) -> None:
     if t.ptr % 16 or bad:
         raise ValueError(f"{what}: strides {t.strides} (elements) and address must be multiples of 8 elements "
                          f"/ 16 bytes for cp.async; pass a contiguous copy")
-
-
-def _empty_like(ref: DeviceTensor, shape, dtype: str):
-    if ref.kind == "torch":
-        import torch
-
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=ref.obj.device)
-    return cupy.empty(shape, dtype=ref.obj.dtype if dtype == ref.dtype else dtype)
-
-
-def _stream_for(ref: DeviceTensor):
-    if ref.kind == "torch":
-        import torch
-
-        stream = torch.cuda.current_stream(ref.device)
-        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14: the CUDA stream protocol
-            return cupy.cuda.Stream.from_external(stream)
-        return cupy.cuda.ExternalStream(stream.cuda_stream, ref.device)
-    return cupy.cuda.get_current_stream()
 
 
 def cache_key(source: str, options: tuple[str, ...], arch: str) -> str:
@@ -132,7 +74,7 @@ class Kernel:
     """A compiled spec. Call it like `fagen.attention`, without the choice of kernel."""
 
     def __init__(self, spec: AttentionSpec, source: str | None = None):
-        _require_cupy()
+        require_cupy()
         self.spec = spec
         self.plan: KernelPlan = plan(spec)
         self.source = render(spec) if source is None else source
@@ -205,7 +147,7 @@ class Kernel:
         if splits is not None and not partial:
             raise ValueError(f"splits={splits}: kernel {self.spec.name} is not a split-KV kernel "
                              f"(outputs: {{partial: true}})")
-        if mask_offset is not None and self.spec.mask.kind not in ("none", "causal", "sliding_window"):
+        if mask_offset is not None and not KINDS[self.spec.mask.kind].shiftable:
             raise ValueError(f"mask_offset: mask kind {self.spec.mask.kind!r} is not a function of q - k alone; "
                              f"shifted positions work with none, causal and sliding_window")
         tq, tk, tv = self.check(q, k, v, None if partial else out)
@@ -225,7 +167,7 @@ class Kernel:
             raise ValueError(f"splits = {splits}: must be 1..{min(n_tiles, 65535)} (the KV tiles of Nk = {nk})")
         # Everything below allocates on the launch stream, so memory a temporary frees can only
         # be reused by work ordered after this kernel.
-        with cupy.cuda.Device(tq.device), _stream_for(tq):
+        with cupy.cuda.Device(tq.device), stream_for(tq):
             given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
             if partial and sinks is not None:
                 raise ValueError("sinks: a split-KV kernel leaves them to the merge (fagen.splitkv.merge)")
@@ -235,8 +177,8 @@ class Kernel:
             if partial:
                 per_split = math.ceil(n_tiles / splits)
                 splits = math.ceil(n_tiles / per_split)
-                out = _empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
-                lse = _empty_like(tq, (splits, b, hq, nq), "float32")
+                out = empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
+                lse = empty_like(tq, (splits, b, hq, nq), "float32")
                 to = as_device_tensor(out, "out")
                 if to.shape != (splits, b, hq, nq, d) or to.dtype != "float32" or to.strides[-1] != 1:
                     raise ValueError(f"out: {to.dtype} {to.shape}; a split-KV kernel writes float32 "
@@ -246,9 +188,9 @@ class Kernel:
                               lse_split_stride=np.int64(tl.strides[0]))
                 to = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
             else:
-                out = _empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
+                out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
                 to = as_device_tensor(out, "out")
-                lse = _empty_like(tq, (b, hq, nq), "float32")
+                lse = empty_like(tq, (b, hq, nq), "float32")
                 tl = as_device_tensor(lse, "lse")
             i32, i64 = np.int32, np.int64
             args = (
@@ -273,8 +215,8 @@ class Kernel:
         side_inputs.require_mask_inputs(spec.mask.kind, has_block_mask=given["block_mask"] is not None,
                                         has_doc_ids=given["doc_ids"] is not None)
         wants = {
-            "block_mask": spec.mask.kind == "block_mask",
-            "doc_ids": spec.mask.kind == "document",
+            "block_mask": KINDS[spec.mask.kind].side_input == "block_mask",
+            "doc_ids": KINDS[spec.mask.kind].side_input == "doc_ids",
             "bias": spec.score_mod.bias != "none",
             "alibi_slopes": spec.score_mod.alibi == "slopes",
             "sinks": spec.score_mod.sinks,
@@ -349,7 +291,7 @@ def _ptr(a) -> np.uint64:
 
 def _aux_array(x, name: str, dtype: str, device: int):
     """A CuPy view of a small side input (CuPy, PyTorch or NumPy), checked for dtype."""
-    if _is_torch(x):
+    if is_torch(x):
         if not x.is_cuda:
             x = x.cuda(device)
         arr = cupy.asarray(x)
@@ -363,28 +305,12 @@ def _aux_array(x, name: str, dtype: str, device: int):
 
 
 @cache
-def _geometric_slopes_host(heads: int) -> tuple[float, ...]:
-    """ALiBi's standard slopes (Press et al.): 2^(-8 i / n) for n a power of two; otherwise the
-    slopes of the nearest lower power of two, then every other slope of the next one."""
-    def powers(n):
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-    p = 2 ** int(math.floor(math.log2(heads)))
-    slopes = powers(p)
-    if p < heads:
-        slopes += powers(2 * p)[0::2][: heads - p]
-    return tuple(slopes)
-
-
-@cache
-def geometric_alibi_slopes(heads: int, device: int):
-    with cupy.cuda.Device(device):
-        return cupy.asarray(np.array(_geometric_slopes_host(heads), np.float32))
+def geometric_alibi_slopes(heads: int, gpu: int):
+    with cupy.cuda.Device(gpu):
+        return cupy.asarray(np.array(side_inputs.geometric_alibi_slopes(heads), np.float32))
 
 
 def _block_mask_arguments(mask, plan_: KernelPlan, b: int, hq: int, nq: int, nk: int) -> dict:
-    from fagen.masks import BlockMask
-
     if not isinstance(mask, BlockMask):
         raise ValueError(f"block_mask: expected a fagen.masks.BlockMask, got {type(mask).__name__}")
     if (mask.n_q, mask.n_kv) != (nq, nk):
@@ -413,7 +339,7 @@ _BY_SPEC: dict[tuple[AttentionSpec, int], Kernel] = {}
 def compile_kernel(spec: AttentionSpec) -> Kernel:
     """One Kernel per (source, options, arch), device and process. A spec seen before on this
     device skips even the render (specs are frozen, so they key a dict)."""
-    _require_cupy()
+    require_cupy()
     device = cupy.cuda.Device()
     hit = _BY_SPEC.get((spec, device.id))
     if hit is not None:
@@ -426,43 +352,9 @@ def compile_kernel(spec: AttentionSpec) -> Kernel:
     return _KERNELS[key]
 
 
-def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
-    short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    return f"attn_{short}_d{head_dim}" + ("_causal" if causal else "")
-
-
-# GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
-SAME_CHIP = {"h100": "h200", "h200": "h100"}
-
-
-@cache
 def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False) -> AttentionSpec:
-    """The shipped spec for a dtype and head_dim; a tuned one for this GPU (from `fagen tune`)
-    where it exists. partial: the split-KV kernel (`<name>_partial_<gpu>.yaml` where shipped,
-    else the untuned tiling made partial: tilings tuned for full outputs can spill as partials)."""
-    from fagen.splitkv import partial_variant
-    from fagen.tune import gpu_slug
-
-    name = default_spec_name(dtype, head_dim, causal)
-    gpu = gpu_slug()
-    tuned = SPECS / f"{name}{'_partial' if partial else ''}_{gpu}.yaml"
-    if not tuned.exists() and gpu in SAME_CHIP:  # H100 and H200: one sm_90 chip, different memory
-        tuned = SPECS / f"{name}{'_partial' if partial else ''}_{SAME_CHIP[gpu]}.yaml"
-    if partial and not tuned.exists():
-        return partial_variant(load_spec(SPECS / f"{name}.yaml"))
-    path = tuned if tuned.exists() else SPECS / f"{name}.yaml"
-    if not path.exists():
-        raise ValueError(f"no shipped kernel for dtype {dtype}, head_dim {head_dim}: fagen.attention takes "
-                         f"float16 or bfloat16 with head_dim 32, 64, 96, 128 or 256")
-    return load_spec(path)
-
-
-def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSpec:
-    """`base` with another mask and score modifiers, named after them (deterministically)."""
-    if (mask, score_mod) == (base.mask, base.score_mod):
-        return base
-    tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
-    return base.model_copy(update={"name": f"{base.name}_{mask.kind}_{tag}", "mask": mask, "score_mod": score_mod})
+    """The shipped spec fagen.attention runs for these inputs on this GPU (fagen.variants)."""
+    return variants.shipped_spec(dtype, head_dim, causal, gpu=device.gpu_slug(), partial=partial)
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
@@ -497,6 +389,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
                          bias=bias_kind, sinks=sinks is not None)
     base = default_spec(tq.dtype, tq.shape[-1], mask.kind == "causal")
-    kernel = compile_kernel(variant(base, mask, score_mod))
+    kernel = compile_kernel(variants.variant(base, mask, score_mod))
     return kernel(q, k, v, scale=scale, return_lse=return_lse, block_mask=block_mask, bias=bias,
                   alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterable
+from functools import cache
 
 Shape = tuple[int, ...]
 
@@ -98,3 +99,17 @@ def once_per_object(what: str, obj: object, check: Callable[[], None]) -> None:
         _CHECKED[key] = weakref.ref(obj, lambda _, key=key: _CHECKED.pop(key, None))
     except TypeError:
         pass
+
+
+@cache
+def geometric_alibi_slopes(heads: int) -> tuple[float, ...]:
+    """ALiBi's standard slopes (Press et al.): 2^(-8 i / n) for n a power of two; otherwise the
+    slopes of the nearest lower power of two, then every other slope of the next one."""
+    def powers(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+    p = 2 ** int(math.floor(math.log2(heads)))
+    slopes = powers(p)
+    if p < heads:
+        slopes += powers(2 * p)[0::2][: heads - p]
+    return tuple(slopes)

@@ -1,23 +1,21 @@
 """The kernel spec: a pydantic model one-to-one with the YAML a kernel engineer writes.
 
 Structural rules live here (field by field, then across fields). Rules that need derived
-numbers (shared-memory bytes, register pressure) live in `fagen.plan`, which every path to
-a rendered kernel goes through, so no invalid spec ever reaches a template.
+numbers (shared-memory bytes, register pressure) live in `fagen.plan`; `fagen.load` applies
+both, and every path to a rendered kernel goes through it, so no invalid spec ever reaches a
+template.
 
 Every error names the field, the value, the rule and a valid alternative.
 """
 
 from __future__ import annotations
 
-import difflib
-import re
-from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from fagen import expression
+from fagen.mask_kinds import KINDS
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
@@ -112,12 +110,7 @@ class Pipeline(_Frozen):
 
 
 MAX_MASK_SPAN = 1 << 28  # positions: a window of 2^28 is unbounded in practice and int32-safe
-MaskKind = Literal["none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask"]
-# The fields each mask kind reads (beside kind, align and expression); any other is an error.
-MASK_FIELDS = {
-    "none": (), "causal": (), "sliding_window": ("window_left", "window_right"), "chunked": ("chunk_size",),
-    "prefix_lm": ("prefix_len",), "document": ("causal",), "block_mask": (),
-}
+MaskKindName = Literal["none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask"]
 
 
 def _check_expression(field: str, text: str, variables: dict[str, str], example: str) -> str:
@@ -134,7 +127,7 @@ class Mask(_Frozen):
     """Which (query, key) pairs count. Rendered into the kernel: tile ranges and full/partial
     status are computed in the kernel from these numbers (block_mask: read from arrays)."""
 
-    kind: MaskKind = "none"
+    kind: MaskKindName = "none"
     align: Literal["bottom_right", "top_left"] = "bottom_right"  # where the diagonal sits when Nq != Nk
     window_left: int | None = None  # sliding_window: keys before the diagonal a query sees
     window_right: int | None = None  # sliding_window: keys after it (default 0)
@@ -150,7 +143,7 @@ class Mask(_Frozen):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> Mask:
-        allowed = MASK_FIELDS[self.kind]
+        allowed = KINDS[self.kind].fields
         for field in ("window_left", "window_right", "chunk_size", "prefix_len"):
             value = getattr(self, field)
             if value is not None and field not in allowed:
@@ -163,8 +156,7 @@ class Mask(_Frozen):
         if self.causal and "causal" not in allowed:
             raise ValueError(rule("mask.causal", True, "only refines kind 'document'",
                                   "use kind: causal for plain causal attention"))
-        required = {"sliding_window": "window_left", "chunked": "chunk_size", "prefix_lm": "prefix_len"}
-        need = required.get(self.kind)
+        need = KINDS[self.kind].required
         if need and getattr(self, need) is None:
             raise ValueError(rule(f"mask.{need}", None, f"is required by mask kind {self.kind!r}",
                                   f"set mask.{need}, e.g. 1024"))
@@ -178,8 +170,8 @@ class Mask(_Frozen):
 
 
     def __str__(self) -> str:
-        args = [f"{f}={getattr(self, f)}" for f in MASK_FIELDS[self.kind] if getattr(self, f) not in (None, False)]
-        if self.align != "bottom_right" and self.kind not in ("none", "block_mask", "document"):
+        args = [f"{f}={getattr(self, f)}" for f in KINDS[self.kind].fields if getattr(self, f) not in (None, False)]
+        if self.align != "bottom_right" and KINDS[self.kind].uses_align:
             args.append(self.align)
         text = f"{self.kind}({', '.join(args)})" if args else self.kind
         return text + (" & expr" if self.expression else "")
@@ -313,128 +305,3 @@ class AttentionSpec(_Frozen):
     def causal(self) -> bool:
         """Plain causal attention (what fagen.attention's causal=True selects)."""
         return self.mask.kind == "causal"
-
-
-def _type_fix(e: dict, leaf: str) -> str:
-    """The fix for a value of the wrong type: what to write instead, in YAML."""
-    given = e.get("input")
-    if e["type"] == "literal_error":
-        close = difflib.get_close_matches(str(given), re.findall(r"'([^']*)'", e["ctx"]["expected"]), n=1)
-        return f"did you mean {close[0]!r}?" if close else "use one of those"
-    if e["type"] == "int_type":
-        example = given if isinstance(given, str) and given.strip().isdigit() else 2
-        return f"write a whole number without quotes, e.g. {leaf}: {str(example).strip()}"
-    if e["type"] == "float_type":
-        return f"write a number without quotes, e.g. {leaf}: 30.0"
-    if e["type"] == "bool_type":
-        return f"write true or false without quotes, e.g. {leaf}: true"
-    if e["type"] == "string_type":
-        return f"write text, e.g. {leaf}: \"...\""
-    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
-        return f"write a mapping of {leaf}'s fields (see specs/ for examples)"
-    return "see the README's spec reference"
-
-
-def _explain(err: ValidationError, source: str) -> str:
-    lines = [f"invalid spec {source}:"]
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"] if not str(p).startswith("function-")]
-        where = ".".join(loc)
-        msg = e["msg"].removeprefix("Value error, ")
-        if not where:  # a rule across fields: its message names them already
-            pass
-        elif e["type"] == "extra_forbidden":
-            msg = f"unknown key {where!r}; remove it or check its spelling"
-        elif e["type"] == "missing":
-            msg = f"{where} is required; add it (specs/attn_f16_d128.yaml shows every field)"
-        elif e["type"] == "value_error":
-            msg = msg if where in msg else f"{where} = {e.get('input')!r}: {msg}"
-        else:  # the wrong type: pydantic says what it expected, we add what to write
-            rule_text = f"must be one of {e['ctx']['expected']}" if e["type"] == "literal_error" else \
-                msg[0].lower() + msg[1:]
-            msg = f"{where} = {e.get('input')!r}: {rule_text}; {_type_fix(e, loc[-1])}"
-        lines.append(f"  - {msg}")
-    if len(lines) == 2:  # one broken rule: one line
-        return f"{lines[0]} {lines[1].removeprefix('  - ')}"
-    return "\n".join(lines)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML lets a repeated key silently win; in a spec two `stages:` lines are a mistake."""
-
-
-def _mapping_without_duplicates(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}: keep one of its lines", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-
-
-def _yaml(text: str, source: str) -> object:
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise SpecError(f"spec {source} is not valid YAML: {' '.join(str(err).split())}") from None
-
-
-def parse_spec(data: dict | str, source: str = "<dict>") -> AttentionSpec:
-    """Validate a mapping of fields, or YAML text, into a spec, with the plan's resource rules
-    (shared memory, registers) checked too. For a file, use `load_spec(path)`."""
-    from fagen.plan import plan  # plan depends on spec; import here keeps the module graph one-way
-
-    if isinstance(data, str):
-        data, source = _yaml(data, "<text>" if source == "<dict>" else source), "<text>" if source == "<dict>" else source
-    if isinstance(data, Path):
-        raise SpecError(f"parse_spec takes a mapping or YAML text, got the path {str(data)!r}; "
-                        f"use fagen.load_spec({str(data)!r})")
-    if not isinstance(data, dict):
-        raise SpecError(f"invalid spec {source}: expected a mapping of fields, got {type(data).__name__}; "
-                        f"see specs/attn_f16_d128.yaml for the fields")
-    try:
-        spec = AttentionSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(_explain(err, source)) from None
-    try:
-        plan(spec)  # smem and register budgets
-    except SpecError as err:
-        raise SpecError(f"invalid spec {source}: {err}") from None
-    return spec
-
-
-def validated(spec: AttentionSpec) -> AttentionSpec:
-    """`spec`, validated again: `model_copy(update=...)` builds a spec without running a rule,
-    so every path from a spec to kernel text passes through here."""
-    if not isinstance(spec, AttentionSpec):
-        raise SpecError(f"expected an AttentionSpec, got {type(spec).__name__}; build one with "
-                        f"fagen.load_spec(path) or fagen.parse_spec(mapping or YAML text)")
-    return parse_spec(spec.model_dump(), f"{spec.name!r}")
-
-
-def load_spec(path: str | Path) -> AttentionSpec:
-    """The spec in a YAML file; its name must be the file's stem. Mappings and YAML text go
-    through `parse_spec`."""
-    if not isinstance(path, (str, Path)):
-        raise SpecError(f"load_spec takes a path to a YAML file, got {type(path).__name__}; "
-                        f"for a mapping or YAML text use fagen.parse_spec")
-    if isinstance(path, str) and "\n" in path:
-        raise SpecError("load_spec takes a path, and this looks like YAML text; use fagen.parse_spec(text)")
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise SpecError(f"cannot read spec {path}: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise SpecError(f"spec {path} is not UTF-8 text: {err.reason}") from None
-    spec = parse_spec(_yaml(text, str(path)), str(path))
-    if spec.name != path.stem:
-        raise SpecError(rule("name", spec.name, f"must equal the file's stem {path.stem!r} "
-                                                "(generated/<name>.cu is rendered from specs/<name>.yaml)",
-                             f"rename the file or set name: {path.stem}"))
-    return spec

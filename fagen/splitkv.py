@@ -12,25 +12,11 @@ from functools import cache
 
 import numpy as np
 
+from fagen import variants
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for
 from fagen.render import merge_name, render_merge
-from fagen.runtime import (
-    DeviceTensor,
-    _empty_like,
-    _stream_for,
-    as_device_tensor,
-    compile_kernel,
-    cupy,
-    default_spec,
-)
+from fagen.runtime import compile_kernel, default_spec
 from fagen.spec import AttentionSpec
-
-
-def partial_variant(spec: AttentionSpec) -> AttentionSpec:
-    """`spec` writing float32 partials (outputs.partial), named <name>_partial."""
-    if spec.outputs.partial:
-        return spec
-    return spec.model_copy(update={"name": f"{spec.name}_partial",
-                                   "outputs": spec.outputs.model_copy(update={"partial": True, "lse": True})})
 
 
 def choose_splits(blocks: int, kv_tiles: int, sm_count: int) -> int:
@@ -58,12 +44,12 @@ def merge(o_parts, lse_parts, *, sinks=None, out=None, out_dtype: str | None = N
         raise ValueError("merge: o_parts and lse_parts must be contiguous")
     s, b, h, n, d = tp.shape
     out_dtype = out_dtype or (as_device_tensor(out, "out").dtype if out is not None else "float32")
-    with cupy.cuda.Device(tp.device), _stream_for(tp):
-        out = _empty_like(tp, (b, h, n, d), out_dtype) if out is None else out
+    with cupy.cuda.Device(tp.device), stream_for(tp):
+        out = empty_like(tp, (b, h, n, d), out_dtype) if out is None else out
         to = as_device_tensor(out, "out")
         if to.shape != (b, h, n, d) or to.dtype != out_dtype or to.strides[-1] != 1:
             raise ValueError(f"merge: out {to.dtype} {to.shape}; expected {out_dtype} [{b}, {h}, {n}, {d}]")
-        lse = _empty_like(tp, (b, h, n), "float32")
+        lse = empty_like(tp, (b, h, n), "float32")
         held = []
         sink_ptr = np.uint64(0)
         if sinks is not None:
@@ -95,7 +81,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, spli
               sinks=None, return_lse: bool = False, spec: AttentionSpec | None = None):
     """Attention through split-KV partials and the merge; `splits` defaults to what fills the GPU."""
     tq: DeviceTensor = as_device_tensor(q, "q")
-    partial = partial_variant(spec) if spec else default_spec(tq.dtype, tq.shape[-1], causal, partial=True)
+    partial = variants.partial_variant(spec) if spec else default_spec(tq.dtype, tq.shape[-1], causal, partial=True)
     kernel = compile_kernel(partial)
     b, hq, nq, _ = tq.shape
     nk = as_device_tensor(k, "k").shape[2]

@@ -8,12 +8,17 @@ checked against the oracle on a small problem, then timed on the asked shape.
 from __future__ import annotations
 
 import itertools
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from fagen.spec import AttentionSpec, SpecError, parse_spec
+from fagen import device
+from fagen.bench import time_spec
+from fagen.nvcc import compile_offline, targets
+from fagen.spec import AttentionSpec, SpecError
+from fagen.load import parse_spec
 
 SPACE = {
     "block_q": (64, 128),
@@ -60,22 +65,12 @@ def candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[Attention
     return keep, refused
 
 
-def gpu_slug() -> str:
-    """'h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100 80GB HBM3': tuned specs are per GPU."""
-    import cupy
-
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    words = [w for w in name.lower().replace("nvidia", "").split() if w]
-    return "".join(c for c in (words[0] if words else "gpu") if c.isalnum())
-
-
 def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool = False,
          progress=None) -> list[Candidate]:
     """Check and time every candidate; fastest first. `progress(candidate)` after each.
     RuntimeError, before any candidate, where there is no GPU to time them on."""
-    from fagen.bench import gpu_missing, time_spec
 
-    why = gpu_missing(torch=True)
+    why = device.gpu_missing(torch=True)
     if why:
         raise RuntimeError(why)
     specs, _ = candidates(base, quick)
@@ -102,10 +97,6 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
 
 def _spills(spec: AttentionSpec) -> str | None:
     """Why ptxas spills this candidate (for any arch it ships for), or None; None too without nvcc."""
-    import shutil
-
-    from fagen.nvcc import compile_offline, targets
-
     if shutil.which("nvcc") is None:
         return None
     for arch in targets(spec):

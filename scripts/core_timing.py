@@ -2,7 +2,7 @@
 
 import fagen
 from fagen.bench import time_fagen, time_sdpa
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 B, H, N, D = 4, 16, 4096, 128
 for causal in (False, True):

@@ -7,7 +7,7 @@ Both are checked against the oracle (on a shorter Nk) before they are timed.
 import fagen
 from fagen import oracle, splitkv
 from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, time_ms, to_numpy
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 base = fagen.load_spec(SPECS / "attn_f16_d128.yaml")
 plain = fagen.compile(base)

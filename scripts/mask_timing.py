@@ -18,7 +18,7 @@ from fagen.check import (
     time_ms,
     to_numpy,
 )
-from fagen.render import SPECS
+from fagen.load import SPECS
 from fagen.runtime import compile_kernel
 
 B, H, N, D = 4, 16, 4096, 128

@@ -4,7 +4,7 @@ import sys
 
 import fagen
 from fagen.check import random_inputs
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 spec = fagen.load_spec(SPECS / f"{sys.argv[1]}.yaml")
 n = int(sys.argv[2])

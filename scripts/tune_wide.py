@@ -6,7 +6,7 @@ from pathlib import Path
 
 import fagen
 from fagen import tune
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 tune.SPACE = {**tune.SPACE, "pipeline": (("shared", 2), ("separate", 1), ("separate", 2)), "q_in_registers": (False,)}
 out = Path(sys.argv[1])

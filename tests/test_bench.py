@@ -16,7 +16,8 @@ from fagen import bench
 from fagen.bench import Case, Row
 from fagen.check import attention_flops
 from fagen.cli import main
-from fagen.masks import dense_from_predicate, documents_of_lengths, static_predicate
+from fagen.mask_kinds import predicate as static_predicate
+from fagen.masks import dense_from_predicate, documents_of_lengths
 from fagen.spec import Mask
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -439,7 +440,7 @@ def test_cli_bench_from_json_relative_paths(rows, tmp_path, monkeypatch, no_gpu)
     assert (tmp_path / "bench" / "bench_d128.png").exists()
 
 
-# ---- bench.read_json and bench.gpu_missing: one-line reasons ------------------------------------
+# ---- bench.read_json: one-line reasons ------------------------------------
 
 
 @pytest.mark.parametrize(("text", "why"), [("{", "not JSON"), ("{}", 'no "rows"'), ('{"rows": {}}', 'no "rows"'),
@@ -450,18 +451,3 @@ def test_read_json_refuses_what_is_not_a_bench_run(text, why, tmp_path):
     with pytest.raises(ValueError) as err:
         bench.read_json(path)
     assert why in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
-
-
-def test_gpu_missing_without_cupy_or_a_device(monkeypatch):
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "cupy", None)
-    assert bench.gpu_missing().startswith("CuPy is not installed")
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 0)
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
-    assert bench.gpu_missing().startswith("no CUDA GPU found")
-    runtime.getDeviceCount = lambda: 1
-    monkeypatch.setitem(sys.modules, "torch", None)
-    assert bench.gpu_missing() is None
-    assert bench.gpu_missing(torch=True).startswith("PyTorch is not installed")

@@ -12,10 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from fagen import masks, oracle, runtime, side_inputs
+from fagen import masks, oracle, runtime, side_inputs, variants
 from fagen.plan import plan
-from fagen.render import SPECS
-from fagen.spec import Mask, ScoreMod, load_spec
+from fagen.load import SPECS
+from fagen.spec import Mask, ScoreMod
+from fagen.load import load_spec
 
 
 def refused(call, *fragments: str) -> str:
@@ -214,7 +215,7 @@ def cpu_kernel(mask: Mask, score_mod: ScoreMod) -> runtime.Kernel:
     """A runtime Kernel with a spec and plan but nothing compiled: enough for the argument checks
     of extra_arguments, which must refuse bad side inputs before they reach the device."""
     kernel = object.__new__(runtime.Kernel)
-    kernel.spec = runtime.variant(load_spec(SPECS / "attn_f16_d64.yaml"), mask, score_mod)
+    kernel.spec = variants.variant(load_spec(SPECS / "attn_f16_d64.yaml"), mask, score_mod)
     kernel.plan = plan(kernel.spec)
     return kernel
 

@@ -16,7 +16,8 @@ import fagen
 from fagen.render import MERGE_DTYPES, merge_name
 from fagen.cli import main
 from fagen.plan import plan
-from fagen.render import GENERATED, SPECS
+from fagen.render import GENERATED
+from fagen.load import SPECS
 
 SPEC = SPECS / "flash_prefetch_f16_d128.yaml"
 SPEC_FILES = sorted(SPECS.glob("*.yaml"))
@@ -242,12 +243,12 @@ def no_device(monkeypatch):
 @pytest.fixture
 def nothing_runs(monkeypatch):
     """Fail loudly if a command gets past its checks to the GPU work."""
-    from fagen import bench, check, tune
+    from fagen import bench, check, device, tune
 
     def refuse(*a, **k):
         raise AssertionError("reached the GPU work")
     for module, name in ((bench, "run"), (bench, "environment_meta"), (check, "check_against_oracle"),
-                         (tune, "tune"), (tune, "gpu_slug")):
+                         (tune, "tune"), (device, "gpu_slug")):
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -270,7 +271,7 @@ def test_tune_dry_run_needs_no_gpu(no_cupy, nothing_runs, tmp_path):
 
 
 def test_gpu_missing_names_the_missing_piece(no_cupy):
-    from fagen.bench import gpu_missing
+    from fagen.device import gpu_missing
 
     assert "CuPy is not installed" in gpu_missing() and "cuda12" in gpu_missing()
 
@@ -289,11 +290,11 @@ def test_check_kv_heads_must_divide_the_heads(nothing_runs):
 
 
 def test_tune_reports_failure_when_no_candidate_runs(monkeypatch, tmp_path):
-    from fagen import bench, tune
+    from fagen import device, tune
 
     def all_fail(base, *a, **k):
         return [tune.Candidate(base, error="RuntimeError: boom")]
-    monkeypatch.setattr(bench, "gpu_missing", lambda torch=False: None)
+    monkeypatch.setattr(device, "gpu_missing", lambda torch=False: None)
     monkeypatch.setattr(tune, "tune", all_fail)
     result = run("tune", SPEC, "--quick", "--shape", "1,1,64,64", "-o", tmp_path)
     assert "FAILED RuntimeError: boom" in result.output
@@ -491,12 +492,12 @@ def test_no_specs_folder_says_to_pass_one(command, tmp_path, monkeypatch):
 
 
 def test_tune_writes_to_specs_in_the_working_directory(tmp_path, monkeypatch):
-    from fagen import bench, tune
+    from fagen import device, tune
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench, "gpu_missing", lambda torch=False: None)
+    monkeypatch.setattr(device, "gpu_missing", lambda torch=False: None)
     monkeypatch.setattr(tune, "tune", lambda base, *a, **k: [tune.Candidate(base, ms=1.0, tflops=100.0)])
-    monkeypatch.setattr(tune, "gpu_slug", lambda: "testgpu")
+    monkeypatch.setattr(device, "gpu_slug", lambda: "testgpu")
     result = run("tune", SPEC, "--quick", "--shape", "1,1,64,64")
     assert result.exit_code == 0, result.output
     written = tmp_path / "specs" / f"{SPEC.stem}_testgpu.yaml"

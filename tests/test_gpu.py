@@ -12,7 +12,7 @@ import pytest
 import fagen
 from fagen import oracle
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 pytestmark = pytest.mark.gpu
 

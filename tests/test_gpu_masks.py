@@ -10,7 +10,7 @@ import pytest
 import fagen
 from fagen import masks, oracle
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_block_mask, random_inputs, relative_error, to_numpy
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 pytestmark = pytest.mark.gpu
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import oracle, splitkv
+from fagen import oracle, splitkv, variants
 from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ def test_split_kv_matches_the_oracle(dtype, causal, nq, nk, splits):
 def test_partials_cover_disjoint_key_ranges():
     """Each split's LSE is the log-sum over its own keys only: merging them is exact."""
     q, k, v, _ = random_inputs("torch", "float16", 1, 2, 2, 33, 1000, 64)
-    kernel = fagen.compile(splitkv.partial_variant(fagen.load_spec(SPECS / "attn_f16_d64.yaml")))
+    kernel = fagen.compile(variants.partial_variant(fagen.load_spec(SPECS / "attn_f16_d64.yaml")))
     o_parts, lse_parts = kernel(q, k, v, splits=4)
     qn, kn, vn = to_numpy(q), to_numpy(k), to_numpy(v)
     per_split = -(-16 // 4) * 64  # 16 tiles of 64 keys, 4 a split

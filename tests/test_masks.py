@@ -9,8 +9,9 @@ import itertools
 import numpy as np
 import pytest
 
-from fagen import masks
-from fagen.spec import MASK_FIELDS, Mask
+from fagen import mask_kinds, masks
+from fagen.mask_kinds import KINDS
+from fagen.spec import Mask
 
 TYPES = {masks.MASKED, masks.FULL, masks.CAUSAL, masks.PARTIAL}
 
@@ -404,7 +405,7 @@ def formula(mask: Mask, nq: int, nk: int, docs):
 
 
 def check_schedule(mask, nq, nk, block_q, block_kv, doc_ids, dense):
-    sched = masks.tile_schedule(mask, nq, nk, block_q, block_kv, doc_ids)
+    sched = mask_kinds.tile_schedule(mask, nq, nk, block_q, block_kv, doc_ids)
     n_qt, n_kt = -(-nq // block_q), -(-nk // block_kv)
     assert sorted(sched) == list(range(n_qt))
     for qt, (tiles, full) in sched.items():
@@ -433,7 +434,7 @@ def _static_cases(mask):
         if mask.kind == "document" and nq != nk:
             continue  # document masks need Nq == Nk
         doc_ids = _docs(rng, nk, batch=2) if mask.kind == "document" else None
-        pred = masks.static_predicate(mask, nq, nk, doc_ids)
+        pred = mask_kinds.predicate(mask, nq, nk, doc_ids)
         dense = masks.dense_from_predicate(pred, 1, 1, nq, nk)[0, 0]
         expected = formula(mask, nq, nk, None if doc_ids is None else doc_ids[0])
         np.testing.assert_array_equal(dense, expected, err_msg=f"{mask} {nq}x{nk}")
@@ -462,7 +463,7 @@ def test_static_schedule_skips_tiles():
     nq = nk = 512
 
     def schedule(mask, doc_ids=None):
-        return masks.tile_schedule(mask, nq, nk, 64, 64, doc_ids)
+        return mask_kinds.tile_schedule(mask, nq, nk, 64, 64, doc_ids)
 
     causal = schedule(Mask(kind="causal"))
     assert causal[0][0] == range(0, 1) and causal[7][0] == range(0, 8)
@@ -482,20 +483,20 @@ def test_static_document_predicate_per_batch(mask):
     rng = np.random.default_rng()
     n = 60
     doc_ids = np.stack([_docs(rng, n)[0], _docs(rng, n)[0]])
-    dense = masks.dense_from_predicate(masks.static_predicate(mask, n, n, doc_ids), 2, 3, n, n)
+    dense = masks.dense_from_predicate(mask_kinds.predicate(mask, n, n, doc_ids), 2, 3, n, n)
     for b in range(2):
         for h in range(3):
             np.testing.assert_array_equal(dense[b, h], formula(mask, n, n, doc_ids[b]))
     # a single row of ids broadcasts over the batch
-    one = masks.dense_from_predicate(masks.static_predicate(mask, n, n, doc_ids[:1]), 2, 1, n, n)
+    one = masks.dense_from_predicate(mask_kinds.predicate(mask, n, n, doc_ids[:1]), 2, 1, n, n)
     np.testing.assert_array_equal(one[1, 0], formula(mask, n, n, doc_ids[0]))
 
 
 def test_static_document_needs_doc_ids():
     with pytest.raises(ValueError, match="doc_ids"):
-        masks.static_predicate(Mask(kind="document"), 8, 8, None)
+        mask_kinds.predicate(Mask(kind="document"), 8, 8, None)
 
 
 def test_static_block_mask_kind_is_all_true():
-    pred = masks.static_predicate(Mask(kind="block_mask"), 9, 13)
+    pred = mask_kinds.predicate(Mask(kind="block_mask"), 9, 13)
     assert masks.dense_from_predicate(pred, 1, 1, 9, 13).all()

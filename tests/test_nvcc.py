@@ -9,7 +9,7 @@ import pytest
 import fagen
 from fagen.nvcc import compile_offline, targets
 from fagen.plan import plan
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
@@ -36,7 +36,7 @@ def test_register_prediction_tracks_ptxas():
                          ids=lambda p: p.stem)
 def test_split_kv_variants_of_the_defaults_compile_without_spills(path):
     """fagen.splitkv and the multi-GPU modes run partial variants of these."""
-    from fagen.splitkv import partial_variant
+    from fagen.variants import partial_variant
 
     spec = partial_variant(fagen.load_spec(path))
     r = compile_offline(spec, targets(spec)[-1])

@@ -6,7 +6,7 @@ import pytest
 
 import fagen
 from fagen.plan import plan
-from fagen.render import SPECS
+from fagen.load import SPECS
 from fagen.spec import SMEM_PER_BLOCK
 
 SPEC_FILES = sorted(SPECS.glob("*.yaml"))

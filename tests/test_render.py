@@ -4,7 +4,8 @@ import re
 
 import fagen
 from fagen import __version__
-from fagen.render import GENERATED, MERGE_DTYPES, SPECS, merge_name, render, render_merge
+from fagen.render import GENERATED, MERGE_DTYPES, merge_name, render, render_merge
+from fagen.load import SPECS
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 

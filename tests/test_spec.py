@@ -54,7 +54,7 @@ def test_base_spec_parses():
 
 
 def test_base_matches_the_committed_yaml():
-    from fagen.render import SPECS
+    from fagen.load import SPECS
 
     assert yaml.safe_load((SPECS / "flash_prefetch_f16_d128.yaml").read_text()) == BASE
 

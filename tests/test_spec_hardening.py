@@ -11,8 +11,9 @@ import fagen
 from fagen.expression import MASK_VARIABLES, SCORE_VARIABLES, ExpressionError, check, tokenize
 from fagen.nvcc import compile_offline
 from fagen.plan import KERNEL_SYMBOL_PREFIX, plan
-from fagen.render import SPECS
-from fagen.spec import Mask, ScoreMod, SpecError, validated
+from fagen.load import SPECS
+from fagen.spec import Mask, ScoreMod, SpecError
+from fagen.load import validated
 from tests.test_spec import base, rejected
 
 SMALL = dict(name="probe", dtype="float16", head_dim=32, tiling={"block_q": 64, "block_kv": 32, "warps_q": 4})

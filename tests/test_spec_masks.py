@@ -11,7 +11,7 @@ import yaml
 
 import fagen
 from fagen.plan import plan
-from fagen.render import SPECS
+from fagen.load import SPECS
 
 BASE = {  # specs/sliding_window_f16_d128.yaml
     "name": "sliding_window_f16_d128",

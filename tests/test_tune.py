@@ -11,11 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 import fagen
-from fagen import tune
+from fagen import device, tune
 from fagen.cli import main
 from fagen.plan import plan
-from fagen.render import SPECS
-from fagen.spec import SpecError, parse_spec
+from fagen.load import SPECS
+from fagen.spec import SpecError
+from fagen.load import parse_spec
 from fagen.tune import QUICK_SPACE, SPACE, Candidate
 
 BASE_PATH = SPECS / "attn_f16_d128.yaml"
@@ -227,7 +228,7 @@ def no_gpu(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("tune --dry-run must not time or probe the GPU")
     monkeypatch.setattr(tune, "tune", refuse)
-    monkeypatch.setattr(tune, "gpu_slug", refuse)
+    monkeypatch.setattr(device, "gpu_slug", refuse)
     monkeypatch.setattr(tune, "write_tuned", refuse)
 
 

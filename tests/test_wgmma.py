@@ -9,7 +9,8 @@ import pytest
 
 import fagen
 from fagen.plan import plan
-from fagen.render import SPECS, render
+from fagen.render import render
+from fagen.load import SPECS
 from fagen.tune import candidates
 
 HOPPER = {
@@ -117,13 +118,9 @@ def test_tuner_keeps_the_base_pingpong():
 @pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_f16_d128_h200"), ("h100", "attn_f16_d128_h200"),
                                                ("a100", "attn_f16_d128")])
 def test_default_spec_uses_the_tuned_hopper_kernel_on_either_hopper(monkeypatch, gpu, expected):
-    from fagen import runtime, tune
+    from fagen import device, runtime
 
-    monkeypatch.setattr(tune, "gpu_slug", lambda: gpu)
-    runtime.default_spec.cache_clear()
-    try:
-        spec = runtime.default_spec("float16", 128, False)
-    finally:
-        runtime.default_spec.cache_clear()
+    monkeypatch.setattr(device, "gpu_slug", lambda: gpu)
+    spec = runtime.default_spec("float16", 128, False)
     assert spec.name == expected
     assert spec.wgmma == (expected != "attn_f16_d128")

@@ -1,0 +1,111 @@
+"""The GPU as fagen sees it: the optional CuPy import, CUDA tensors of either framework as
+pointer + shape + strides, allocation and streams that follow the caller's framework, and
+the GPU's identity. Everything that touches a device goes through here; the layers below
+(spec, plan, render) never import CuPy or PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import cupy
+except ImportError:  # pragma: no cover - exercised on machines without CUDA
+    cupy = None
+
+CUPY_INSTALL = ("pip install 'fagen[cuda12]' or 'fagen[cuda13]' to match the driver's CUDA "
+                "(in a checkout: pip install -e '.[cuda12]')")
+
+
+def gpu_missing(torch: bool = False) -> str | None:
+    """Why kernels cannot run on this machine, in one line with how to get what is missing;
+    None when they can. CuPy and a CUDA device are always needed; `torch`: PyTorch with CUDA
+    too (bench and tune time kernels on PyTorch tensors)."""
+    try:
+        import cupy  # looked up at call time: a test may take it away
+    except ImportError:
+        return f"CuPy is not installed (fagen compiles and launches kernels through it): {CUPY_INSTALL}"
+    try:
+        count, why = cupy.cuda.runtime.getDeviceCount(), ""
+    except Exception as err:  # no driver, or a driver older than CuPy's CUDA
+        count, why = 0, f" ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    if count == 0:
+        return (f"no CUDA GPU found{why}: run on a machine with an NVIDIA GPU and its driver "
+                f"(nvidia-smi lists it)")
+    if torch:
+        try:
+            import torch as _torch
+        except ImportError:
+            return "PyTorch is not installed (timings run on PyTorch tensors): pip install torch (a CUDA build)"
+        if not _torch.cuda.is_available():
+            return (f"PyTorch {_torch.__version__} sees no CUDA GPU (torch.cuda.is_available() is False): "
+                    f"install a CUDA build of torch")
+    return None
+
+
+def require_cupy() -> None:
+    if cupy is None:
+        raise RuntimeError(f"fagen's runtime needs CuPy and a CUDA GPU: {CUPY_INSTALL}")
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A CUDA tensor seen as pointer + shape + strides in elements, whatever its framework."""
+
+    obj: object
+    kind: str  # "cupy" | "torch"
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    device: int
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def as_device_tensor(x, what: str) -> DeviceTensor:
+    if is_torch(x):
+        if not x.is_cuda:
+            raise ValueError(f"{what}: a PyTorch tensor on {x.device}; fagen needs CUDA tensors: use {what}.cuda()")
+        return DeviceTensor(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()),
+                            str(x.dtype).removeprefix("torch."), x.device.index)
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        item = x.dtype.itemsize
+        return DeviceTensor(x, "cupy", x.data.ptr, tuple(x.shape), tuple(s // item for s in x.strides),
+                            str(x.dtype), x.device.id)
+    if isinstance(x, np.ndarray):
+        raise ValueError(f"{what}: a NumPy array lives on the host; move it to the GPU with cupy.asarray({what})")
+    raise ValueError(f"{what}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
+
+
+def empty_like(ref: DeviceTensor, shape, dtype: str):
+    """An uninitialised array of `ref`'s framework and device."""
+    if ref.kind == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=ref.obj.device)
+    return cupy.empty(shape, dtype=ref.obj.dtype if dtype == ref.dtype else dtype)
+
+
+def stream_for(ref: DeviceTensor):
+    """The stream work on `ref` goes to: PyTorch's current stream for its tensors, else CuPy's."""
+    if ref.kind == "torch":
+        import torch
+
+        stream = torch.cuda.current_stream(ref.device)
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14: the CUDA stream protocol
+            return cupy.cuda.Stream.from_external(stream)
+        return cupy.cuda.ExternalStream(stream.cuda_stream, ref.device)
+    return cupy.cuda.get_current_stream()
+
+
+def gpu_slug() -> str:
+    """'h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100 80GB HBM3': tuned specs are per GPU."""
+    require_cupy()
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    words = [w for w in name.lower().replace("nvidia", "").split() if w]
+    return "".join(c for c in (words[0] if words else "gpu") if c.isalnum())

@@ -1,0 +1,234 @@
+"""Each mask kind as one object: the spec fields it reads, the kernel parameters and the side
+input it takes, and its arithmetic in NumPy (which pairs count; which KV tiles a query tile
+visits and which of them need no per-element test), written to mirror the kind's CUDA
+partial, fagen/templates/masks/<name>.cu.j2. The spec's rules, the plan's kernel ABI, the
+oracle, the block-mask builders and the tile-schedule tests all read these objects, so a
+new kind is this file's one class and one template partial.
+
+Positions are absolute; `off` is the key index of query 0's diagonal (n_kv - n_q aligned
+bottom right, 0 top left). NumPy and the standard library only: the oracle depends on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import numpy as np
+
+INT_PTR = "const int* __restrict__"
+Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+FIELD_DEFAULTS = {"kind": "none", "align": "bottom_right", "window_left": None, "window_right": None,
+                  "chunk_size": None, "prefix_len": None, "causal": False, "expression": None}
+
+
+class MaskKind:
+    name = ""
+    fields: tuple[str, ...] = ()  # spec fields it reads, beside kind, align and expression
+    required: str | None = None  # the one of them a spec must set
+    params: tuple[tuple[str, str], ...] = ()  # (C type, name) kernel parameters it reads
+    side_input: str | None = None  # the fagen.attention argument that carries its pattern
+    shiftable = False  # a function of q - k alone: shards may move its diagonal (mask_offset)
+    uses_align = True  # where the diagonal sits matters
+
+    def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
+        """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
+        document id, for kinds that read doc_ids."""
+        return np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
+
+    def kv_range(self, m, q0: int, q1: int, off: int, n_kv: int, docs) -> tuple[int, int]:
+        """Keys [lo, hi) some row of rows [q0, q1] may see (Mask::begin)."""
+        return 0, n_kv
+
+    def tile_full(self, m, k0: int, k1: int, q0: int, q1: int, off: int, docs) -> bool:
+        """Does every pair of rows [q0, q1] x keys [k0, k1] count? (needs_element_test)"""
+        return True
+
+    def __repr__(self) -> str:
+        return f"MaskKind({self.name})"
+
+
+class NoMask(MaskKind):
+    name = "none"
+    shiftable = True
+    uses_align = False
+
+
+class Causal(MaskKind):
+    name = "causal"
+    shiftable = True
+
+    def keep(self, m, q, k, off, docs):
+        return k <= q + off
+
+    def kv_range(self, m, q0, q1, off, n_kv, docs):
+        return 0, min(n_kv, q1 + off + 1)
+
+    def tile_full(self, m, k0, k1, q0, q1, off, docs):
+        return k1 <= q0 + off
+
+
+class SlidingWindow(MaskKind):
+    name = "sliding_window"
+    fields = ("window_left", "window_right")
+    required = "window_left"
+    shiftable = True
+
+    def keep(self, m, q, k, off, docs):
+        return (k >= q + off - m.window_left) & (k <= q + off + (m.window_right or 0))
+
+    def kv_range(self, m, q0, q1, off, n_kv, docs):
+        return max(0, q0 + off - m.window_left), min(n_kv, q1 + off + (m.window_right or 0) + 1)
+
+    def tile_full(self, m, k0, k1, q0, q1, off, docs):
+        return k0 >= q1 + off - m.window_left and k1 <= q0 + off + (m.window_right or 0)
+
+
+class Chunked(MaskKind):
+    name = "chunked"
+    fields = ("chunk_size",)
+    required = "chunk_size"
+
+    def keep(self, m, q, k, off, docs):
+        return (k <= q + off) & (k >= ((q + off) // m.chunk_size) * m.chunk_size)
+
+    def kv_range(self, m, q0, q1, off, n_kv, docs):
+        return max(0, ((q0 + off) // m.chunk_size) * m.chunk_size), min(n_kv, q1 + off + 1)
+
+    def tile_full(self, m, k0, k1, q0, q1, off, docs):
+        return k1 <= q0 + off and k0 >= ((q1 + off) // m.chunk_size) * m.chunk_size
+
+
+class PrefixLM(MaskKind):
+    name = "prefix_lm"
+    fields = ("prefix_len",)
+    required = "prefix_len"
+
+    def keep(self, m, q, k, off, docs):
+        return (k <= q + off) | (k < m.prefix_len)
+
+    def kv_range(self, m, q0, q1, off, n_kv, docs):
+        return 0, min(n_kv, max(q1 + off + 1, m.prefix_len))
+
+    def tile_full(self, m, k0, k1, q0, q1, off, docs):
+        return k1 < m.prefix_len or k1 <= q0 + off
+
+
+class Document(MaskKind):
+    """Packed sequences: a query sees the keys of its own document (causally, if asked).
+    Self-attention: positions index both the queries and the keys, so `off` plays no part."""
+
+    name = "document"
+    fields = ("causal",)
+    params = ((INT_PTR, "doc_ids"), ("long long", "doc_sb"))
+    side_input = "doc_ids"
+    uses_align = False
+
+    def keep(self, m, q, k, off, doc):
+        keep = doc(q) == doc(k)
+        return keep & (k <= q) if m.causal else keep
+
+    def kv_range(self, m, q0, q1, off, n_kv, docs):
+        lo = int(np.searchsorted(docs, docs[q0], side="left"))
+        hi = int(np.searchsorted(docs, docs[q1], side="right"))
+        return lo, min(hi, q1 + 1) if m.causal else hi
+
+    def tile_full(self, m, k0, k1, q0, q1, off, docs):
+        return bool(docs[q0] == docs[q1] == docs[k0] == docs[k1]) and (not m.causal or k1 <= q0)
+
+
+class BlockMaskKind(MaskKind):
+    """The pattern is a runtime fagen.masks.BlockMask: its lists say which tiles to visit and
+    how to test them, so its NumPy twin lives with the builders there."""
+
+    name = "block_mask"
+    params = ((INT_PTR, "bm_num"), (INT_PTR, "bm_idx"), (INT_PTR, "bm_type"), (INT_PTR, "bm_partial"),
+              ("const unsigned* __restrict__", "bm_bits"), ("int", "bm_sb"), ("int", "bm_sh"),
+              ("int", "bm_max"), ("int", "bm_causal_offset"))
+    side_input = "block_mask"
+    uses_align = False
+
+
+KINDS: dict[str, MaskKind] = {k.name: k for k in (NoMask(), Causal(), SlidingWindow(), Chunked(), PrefixLM(),
+                                                   Document(), BlockMaskKind())}
+
+
+def fields_of(mask) -> SimpleNamespace:
+    """A mask's fields from a fagen.spec.Mask, a dict of its fields or a kind name, defaults
+    filled; the kind must be known (validation proper is the spec's)."""
+    if isinstance(mask, str):
+        given = {"kind": mask}
+    elif isinstance(mask, dict):
+        given = dict(mask)
+    else:
+        given = {f: getattr(mask, f) for f in FIELD_DEFAULTS}
+    unknown = set(given) - set(FIELD_DEFAULTS)
+    if unknown:
+        raise ValueError(f"mask: unknown field(s) {sorted(unknown)}; a mask has {list(FIELD_DEFAULTS)}")
+    m = SimpleNamespace(**{**FIELD_DEFAULTS, **given})
+    if m.kind not in KINDS:
+        raise ValueError(f"mask.kind = {m.kind!r}: must be one of {list(KINDS)}")
+    kind = KINDS[m.kind]
+    if kind.required and getattr(m, kind.required) is None:
+        raise ValueError(f"mask.{kind.required} = None: is required by mask kind {m.kind!r}; set it, e.g. 1024")
+    return m
+
+
+def as_keep(result, what: str) -> np.ndarray:
+    """A mask predicate's result as bool (True: the pair counts), as FlexAttention's mask_mod
+    returns it. Integers 0 and 1 read as False and True (np.where(c, 1, 0), .astype(int));
+    other numbers are refused rather than read as "nonzero keeps": a 2 is arithmetic gone
+    wrong, and a float likely an additive mask, whose 0 means keep and -inf drop."""
+    keep = np.asarray(result)
+    if keep.dtype == bool:
+        return keep
+    if keep.dtype.kind in "iu" and ((keep == 0) | (keep == 1)).all():
+        return keep.astype(bool)
+    flat = keep.ravel()
+    odd = flat[(flat != 0) & (flat != 1)] if keep.dtype.kind in "iufc" else flat
+    sample = (odd if odd.size else flat)[:1].tolist()
+    holding = f" holding {sample[0]!r}" if sample else ""
+    raise ValueError(f"{what} = {keep.dtype} array{holding}: must be bool, True = keep (or integers 0 "
+                     f"and 1), as FlexAttention's mask_mod returns; return a comparison such as "
+                     f"(k <= q) & (q - k < 1024), or x != 0 where nonzero means keep")
+
+
+def diagonal_offset(align: str, n_q: int, n_kv: int) -> int:
+    """Key index of query 0's diagonal: n_kv - n_q when aligned bottom-right (FlashAttention-2)."""
+    return n_kv - n_q if align == "bottom_right" else 0
+
+
+def predicate(mask, n_q: int, n_kv: int, doc_ids: np.ndarray | None = None) -> Predicate:
+    """fn(b, h, q_idx, kv_idx) -> bool for a static mask (block_mask: every pair; its pattern
+    is applied from the BlockMask). A mask.expression is CUDA: pass its NumPy twin to the
+    oracle as mask_mod."""
+    m = fields_of(mask)
+    kind, off = KINDS[m.kind], diagonal_offset(m.align, n_q, n_kv)
+    if kind.side_input != "doc_ids":
+        return lambda b, h, q, k: kind.keep(m, q, k, off, None)
+    if doc_ids is None:
+        raise ValueError("mask kind 'document' needs doc_ids [B|1, N] (int32, non-decreasing)")
+    docs = np.atleast_2d(np.asarray(doc_ids))
+    return lambda b, h, q, k: kind.keep(m, q, k, off, lambda pos: docs[np.minimum(b, docs.shape[0] - 1), pos])
+
+
+def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
+                  doc_ids: np.ndarray | None = None) -> dict[int, tuple[range, set[int]]]:
+    """What a static-mask kernel visits, per query tile (batch 0): the KV tile range and the
+    tiles it treats as full (no element test), by the kind's own arithmetic, so tests prove
+    the kernel's tile logic against the dense mask. A tile crossing n_kv, and every tile of a
+    mask with an expression, takes the element test."""
+    m = fields_of(mask)
+    kind, off = KINDS[m.kind], diagonal_offset(m.align, n_q, n_kv)
+    docs = None if doc_ids is None else np.atleast_2d(np.asarray(doc_ids))[0]
+    n_tiles = -(-n_kv // block_kv)
+    out = {}
+    for qt in range(-(-n_q // block_q)):
+        q0, q1 = qt * block_q, min(qt * block_q + block_q, n_q) - 1  # first and last row
+        lo, hi = kind.kv_range(m, q0, q1, off, n_kv, docs)
+        tiles = range(lo // block_kv, -(-hi // block_kv)) if hi > lo else range(0)
+        full = {t for t in tiles
+                if t * block_kv + block_kv - 1 < n_kv and m.expression is None
+                and kind.tile_full(m, t * block_kv, t * block_kv + block_kv - 1, q0, q1, off, docs)}
+        out[qt] = (range(max(0, tiles.start), min(n_tiles, tiles.stop)), full)
+    return out

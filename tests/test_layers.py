@@ -1,0 +1,92 @@
+"""The import graph runs one way: each module imports only modules of lower layers, read
+from the source (function-local imports included). A fagen import inside a function is
+allowed only where it keeps a command's start-up free of CuPy and PyTorch (the CLI, the
+package's front door), never to dodge a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
+
+# Lowest first. A module may import the modules of any layer below its own.
+LAYERS = [
+    ("expression", "mask_kinds", "side_inputs"),  # leaves: standard library and NumPy
+    ("spec", "oracle"),  # the spec's models and rules; the float64 reference (NumPy alone)
+    ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
+    ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
+    ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
+    ("nvcc",),  # offline compilation and resource checks, no GPU
+    ("device",),  # CuPy, tensor adapters, streams, GPU identity
+    ("runtime",),  # compile with NVRTC, check and pack arguments, launch
+    ("splitkv",),  # split-KV partials and the merge
+    ("check", "distributed"),  # against the oracle; multi-GPU modes
+    ("bench",),
+    ("tune",),
+    ("cli",),
+    ("__main__", "__init__"),
+]
+LAYER = {module: i for i, names in enumerate(LAYERS) for module in names}
+LAZY_ALLOWED = {"cli", "__init__"}  # start-up time: `fagen render` and `import fagen` load no CuPy
+
+
+def fagen_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported fagen module, inside a function?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.split(".")[0] == "fagen":
+                if child.module == "fagen":  # from fagen import a, b
+                    found.extend((alias.name, inner) for alias in child.names if alias.name in LAYER)
+                else:
+                    found.append((child.module.split(".")[1], inner))
+            elif isinstance(child, ast.Import):
+                found.extend((a.name.split(".")[1], inner) for a in child.names if a.name.startswith("fagen."))
+            visit(child, inner)
+    visit(tree, False)
+    return found
+
+
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    assert set(MODULES) == set(LAYER), "place a new module in LAYERS"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_imports_point_down(module):
+    upward = [(m, LAYERS[LAYER[m]]) for m, _ in fagen_imports(PACKAGE / f"{module}.py")
+              if m != module and LAYER[m] >= LAYER[module]]
+    assert not upward, f"fagen.{module} (layer {LAYER[module]}) imports {upward}"
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - LAZY_ALLOWED))
+def test_no_function_local_fagen_imports(module):
+    lazy = [m for m, inside in fagen_imports(PACKAGE / f"{module}.py") if inside]
+    assert not lazy, f"fagen.{module} imports {lazy} inside a function: import at the top"
+
+
+@pytest.mark.parametrize("module", ["expression", "mask_kinds", "side_inputs", "oracle"])
+def test_the_leaves_and_the_oracle_need_no_pydantic(module):
+    """The oracle depends on NumPy alone; so do the leaves it reads."""
+    third_party = set()
+    for node in ast.walk(ast.parse((PACKAGE / f"{module}.py").read_text())):
+        if isinstance(node, ast.Import):
+            third_party |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            third_party.add(node.module.split(".")[0])
+    assert third_party <= {"__future__", "numpy", "fagen", "math", "re", "weakref", "collections", "dataclasses",
+                           "functools", "types", "typing"}, third_party
+
+
+@pytest.mark.parametrize("module", ["spec", "plan", "load", "render", "variants", "nvcc"])
+def test_layers_below_the_device_import_no_cupy_or_torch(module):
+    text = (PACKAGE / f"{module}.py").read_text()
+    assert "import cupy" not in text and "import torch" not in text
