@@ -239,6 +239,22 @@ def write_csv(rows: list[Row], path: Path) -> None:
             w.writerow(r.as_dict())
 
 
+def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_data: bool) -> list[Path]:
+    """bench.json and bench.csv (with_data: a fresh run), a plot per head_dim of the dense
+    cases, and the markdown table linking them; the paths written."""
+    written = []
+    if with_data:
+        write_json(rows, out / "bench.json", meta)
+        write_csv(rows, out / "bench.csv")
+        written += [out / "bench.json", out / "bench.csv"]
+    plots = []
+    for d in sorted({r.head_dim for r in rows if r.mask == "none"}):
+        plots.append(out / f"bench_d{d}.png")
+        plot(rows, d, plots[-1])
+    md_path.write_text(markdown(rows, meta, [str(p) for p in plots], md_path=md_path))
+    return written + plots + [md_path]
+
+
 def read_json(path: Path) -> tuple[list[Row], dict]:
     """The rows and meta of a bench.json; ValueError (one line: what is wrong, what to pass)
     for a file that is not one."""

@@ -14,16 +14,10 @@ from pathlib import Path
 
 import click
 
-from fagen.plan import plan
-from fagen.render import (
-    MERGE_DTYPES,
-    generated_path,
-    merge_name,
-    render,
-    render_merge,
-)
-from fagen.spec import SpecError
 from fagen.load import load_spec
+from fagen.plan import plan
+from fagen.render import generated_path, renders, stale
+from fagen.spec import SpecError
 
 SPECS_DIR = Path("specs")  # relative: the working directory's
 GENERATED_DIR = Path("generated")
@@ -174,26 +168,22 @@ def render_cmd(specs: tuple[str, ...], out_dir: str, check: bool) -> None:
     paths = _spec_paths(specs)
     folders = all(p.is_dir() for p in paths)
     files = _spec_files(paths)
-    texts: dict[Path, tuple[Path | None, str]] = {}
-    for path, spec in zip(files, _load_all(files)):
-        texts[generated_path(spec, out)] = (path, render(spec))
-    if folders:  # whole folders: the merge kernels come along
-        for dtype in MERGE_DTYPES:
-            texts[out / f"{merge_name(dtype)}.cu"] = (None, render_merge(dtype))
+    specs_loaded = _load_all(files)
+    texts = renders(specs_loaded, out, with_merge=folders)
     if not check:
         _make_folder(out, "-o")
-        for target, (path, text) in texts.items():
+        sources = {generated_path(spec, out): path for path, spec in zip(files, specs_loaded)}
+        for target, text in texts.items():
             _write(target, text)
-            if path is not None:
-                click.echo(f"{path} -> {target}")
+            if target in sources:
+                click.echo(f"{sources[target]} -> {target}")
         return
-    stale = [f"{target} is {'missing' if not target.exists() else 'out of date'}"
-             for target, (_, text) in texts.items() if not target.exists() or target.read_text() != text]
-    lines = stale + (["run `fagen render` to regenerate"] if stale else [])
-    if folders:  # whole folders: OUT must hold nothing else
-        where = " or ".join(f"{p}/" for p in paths)
-        lines += [f"{f} has no spec in {where}: delete it (git rm {f}) or add {paths[0] / f.stem}.yaml"
-                  for f in sorted(out.glob("*.cu")) if f not in texts]
+    found = stale(texts, out, whole_folder=folders)
+    where = " or ".join(f"{p}/" for p in paths)
+    lines = [f"{f} is {why}" for f, why in found if why != "orphan"]
+    lines += ["run `fagen render` to regenerate"] if lines else []
+    lines += [f"{f} has no spec in {where}: delete it (git rm {f}) or add {paths[0] / f.stem}.yaml"
+              for f, why in found if why == "orphan"]
     if lines:
         click.echo("\n".join(lines), err=True)
         sys.exit(1)
@@ -445,26 +435,15 @@ def bench_cmd(quick: bool, out_dir: str, md_path: str, from_json: str | None) ->
         with click.progressbar(length=len(case_list), label="bench", show_pos=True,
                                item_show_func=lambda c: c.key if c else "") as bar:
             rows = bench.run(case_list, progress=lambda case: bar.update(1, case))
-        try:
-            bench.write_json(rows, out / "bench.json", meta)
-            bench.write_csv(rows, out / "bench.csv")
-        except OSError as err:
-            raise click.ClickException(f"cannot write {err.filename} ({err.strerror})") from None
-    plots = []
-    for d in sorted({r.head_dim for r in rows if r.mask == "none"}):
-        path = out / f"bench_d{d}.png"
-        try:
-            bench.plot(rows, d, path)
-        except OSError as err:
-            raise click.ClickException(f"cannot write {path} ({err.strerror})") from None
-        plots.append(str(path))
     _make_folder(md.parent, "--markdown")
-    _write(md, bench.markdown(rows, meta, plots, md_path=md_path))
+    try:
+        written = bench.write_report(rows, meta, out, md, with_data=not from_json)
+    except OSError as err:
+        raise click.ClickException(f"cannot write {err.filename} ({err.strerror})") from None
     for r in rows:
         if r.impl == "fagen":
             click.echo(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
-    data = "" if from_json else f"{out / 'bench.json'}, {out / 'bench.csv'}, "
-    click.echo(f"wrote {data}{md_path} and {len(plots)} plots")
+    click.echo(f"wrote {', '.join(map(str, written))}")
 
 
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

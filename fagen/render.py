@@ -81,3 +81,22 @@ def render_merge(out_dtype: str) -> str:
 
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
+
+
+def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> dict[Path, str]:
+    """The files a render of `specs` into out_dir writes, and their text; with_merge (a whole
+    folder of specs): the split-KV merge kernels too."""
+    texts = {generated_path(spec, out_dir): render(spec) for spec in specs}
+    if with_merge:
+        texts |= {Path(out_dir) / f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES}
+    return texts
+
+
+def stale(texts: dict[Path, str], out_dir: Path, *, whole_folder: bool) -> list[tuple[Path, str]]:
+    """(file, why) for each file of out_dir that a fresh render would change: 'missing', 'out of
+    date', or, when out_dir is a whole folder's render, 'orphan' (no spec renders it)."""
+    found = [(path, "missing" if not path.exists() else "out of date")
+             for path, text in texts.items() if not path.exists() or path.read_text() != text]
+    if whole_folder:
+        found += [(path, "orphan") for path in sorted(Path(out_dir).glob("*.cu")) if path not in texts]
+    return found

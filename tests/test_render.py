@@ -4,7 +4,7 @@ import re
 
 import fagen
 from fagen import __version__
-from fagen.render import GENERATED, MERGE_DTYPES, merge_name, render, render_merge
+from fagen.render import GENERATED, MERGE_DTYPES, merge_name, render, render_merge, renders, stale
 from fagen.load import SPECS
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
@@ -26,13 +26,22 @@ def test_banner_names_version_and_spec_and_holds_no_machine_detail():
 
 
 def test_generated_matches_a_fresh_render_of_every_spec():
+    """The staleness check `fagen render --check` runs: nothing missing, out of date or orphaned."""
     assert SPEC_PATHS, "no specs shipped"
-    for path in SPEC_PATHS:
-        spec = fagen.load_spec(path)
-        assert (GENERATED / f"{spec.name}.cu").read_text() == render(spec), f"run `fagen render` for {spec.name}"
-    for dtype in MERGE_DTYPES:
-        assert (GENERATED / f"{merge_name(dtype)}.cu").read_text() == render_merge(dtype)
-    assert {p.stem for p in GENERATED.glob("*.cu")} == {p.stem for p in SPEC_PATHS} | {merge_name(d) for d in MERGE_DTYPES}
+    texts = renders([fagen.load_spec(p) for p in SPEC_PATHS], GENERATED, with_merge=True)
+    assert len(texts) == len(SPEC_PATHS) + len(MERGE_DTYPES)
+    assert stale(texts, GENERATED, whole_folder=True) == [], "run `fagen render specs`"
+
+
+def test_stale_names_each_kind_of_difference(tmp_path):
+    spec = fagen.load_spec(SPECS / "flash_prefetch_f16_d64.yaml")
+    texts = renders([spec], tmp_path, with_merge=False)
+    assert stale(texts, tmp_path, whole_folder=True) == [(tmp_path / f"{spec.name}.cu", "missing")]
+    (tmp_path / f"{spec.name}.cu").write_text("old")
+    (tmp_path / "gone.cu").write_text("")
+    assert stale(texts, tmp_path, whole_folder=True) == [(tmp_path / f"{spec.name}.cu", "out of date"),
+                                                         (tmp_path / "gone.cu", "orphan")]
+    assert stale(texts, tmp_path, whole_folder=False) == [(tmp_path / f"{spec.name}.cu", "out of date")]
 
 
 def test_constants_are_injected_once_and_variants_differ_only_where_they_should():
