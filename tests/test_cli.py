@@ -398,8 +398,8 @@ def test_bench_from_json_refuses_a_file_that_is_not_a_bench_run(text, names, tmp
     ("flash_prefetch_f16_d128", "foo", ["not a target", "sm_80, sm_86, sm_89 or sm_90"]),
     ("flash_prefetch_f16_d128", "sm_75", ["not a target"]),
     ("flash_prefetch_f16_d128", "sm_90a", ["wgmma", "--arch sm_80"]),
-    ("hopper_f16_d128", "sm_90", ["sm_90a only", "--arch sm_90a"]),
-    ("hopper_f16_d128", "sm_80", ["sm_90a only", "--arch sm_90a"]),
+    ("attn_f16_d128_h200", "sm_90", ["sm_90a only", "--arch sm_90a"]),
+    ("attn_f16_d128_h200", "sm_80", ["sm_90a only", "--arch sm_90a"]),
     ("arch_sm90", "sm_80", ["below the spec's arch sm_90", "--arch sm_90"]),
     ("arch_sm90", "sm_89", ["below the spec's arch sm_90", "--arch sm_90"]),
 ])
@@ -430,7 +430,7 @@ def test_an_mma_sync_spec_targets_its_arch_up(tmp_path):
     spec = fagen.load_spec(write_spec(tmp_path, "arch_sm90", arch="sm_90"))
     assert targets(spec) == archs(spec) == ("sm_90",)
     assert targets(fagen.load_spec(SPEC)) == ("sm_80", "sm_90")
-    assert targets(fagen.load_spec(SPECS / "hopper_f16_d128.yaml")) == ("sm_90a",)
+    assert targets(fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")) == ("sm_90a",)
 
 
 # ---- render: all or nothing, orphans, where things go -------------------------------------------

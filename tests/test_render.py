@@ -58,3 +58,14 @@ def test_dtype_selects_the_mma_type():
     bf16 = render(fagen.load_spec(SPECS / "attn_bf16_d64.yaml"))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in f16 and ".bf16" not in f16
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in bf16
+
+
+def test_no_two_specs_render_the_same_kernel():
+    """One spec per kernel: examples and tuned specs do not duplicate each other's output (the
+    spec echoed in the header counts: two specs that launch differently differ there)."""
+    bodies = {}
+    for path in SPEC_PATHS:
+        spec = fagen.load_spec(path)
+        body = render(spec).replace(spec.name, "NAME")
+        assert body not in bodies, f"{spec.name} renders the kernel of {bodies.get(body)}"
+        bodies[body] = spec.name

@@ -1,5 +1,5 @@
 """The sm_90a (wgmma) variant without a GPU: its spec rules, plan numbers, render and tuner
-space. Its GPU checks are the shipped hopper_* specs in tests/test_gpu.py."""
+space. Its GPU checks are the shipped sm_90a specs (attn_*_h200) in tests/test_gpu.py."""
 
 from __future__ import annotations
 
