@@ -6,7 +6,7 @@ from fagen.load import SPECS
 
 B, H, N, D = 4, 16, 4096, 128
 for causal in (False, True):
-    name = "flash_prefetch_f16_d128" if not causal else "attn_f16_d128_causal"
+    name = "attn_f16_d128" if not causal else "attn_f16_d128_causal"
     rows = [time_fagen(fagen.load_spec(SPECS / f"{name}.yaml"), B, H, N)]
     rows += [t for be in ("sdpa_flash", "sdpa_cudnn") if (t := time_sdpa(be, "float16", B, H, N, D, causal))]
     for t in rows:

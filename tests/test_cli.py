@@ -19,7 +19,7 @@ from fagen.plan import plan
 from fagen.render import GENERATED
 from fagen.load import SPECS
 
-SPEC = SPECS / "flash_prefetch_f16_d128.yaml"
+SPEC = SPECS / "attn_f16_d128.yaml"
 SPEC_FILES = sorted(SPECS.glob("*.yaml"))
 
 
@@ -50,10 +50,10 @@ def rendered_copy(rendered, tmp_path):
 def test_render_one_spec_writes_name_cu(tmp_path):
     result = run("render", SPEC, "-o", tmp_path)
     assert result.exit_code == 0, result.output
-    assert [p.name for p in tmp_path.iterdir()] == ["flash_prefetch_f16_d128.cu"]
-    written = (tmp_path / "flash_prefetch_f16_d128.cu").read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["attn_f16_d128.cu"]
+    written = (tmp_path / "attn_f16_d128.cu").read_text()
     assert written == fagen.render(fagen.load_spec(SPEC))
-    assert "flash_prefetch_f16_d128.cu" in result.output
+    assert "attn_f16_d128.cu" in result.output
 
 
 def test_render_folder_writes_one_file_per_spec(rendered):
@@ -66,13 +66,13 @@ def test_render_folder_writes_one_file_per_spec(rendered):
 def test_render_creates_the_output_folder(tmp_path):
     out = tmp_path / "a" / "b"
     assert run("render", SPEC, "-o", out).exit_code == 0
-    assert (out / "flash_prefetch_f16_d128.cu").exists()
+    assert (out / "attn_f16_d128.cu").exists()
 
 
 def test_render_is_byte_identical_twice(tmp_path):
     run("render", SPEC, "-o", tmp_path / "1")
     run("render", SPEC, "-o", tmp_path / "2")
-    name = "flash_prefetch_f16_d128.cu"
+    name = "attn_f16_d128.cu"
     assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes()
 
 
@@ -93,11 +93,11 @@ def test_check_writes_nothing(tmp_path):
 
 
 def test_check_fails_after_an_edit(rendered_copy):
-    target = rendered_copy / "flash_prefetch_f16_d128.cu"
+    target = rendered_copy / "attn_f16_d128.cu"
     target.write_text(target.read_text().replace("BLOCK_Q", "BLOCK_Q ", 1))
     result = run("render", "--check", "-o", rendered_copy)
     assert result.exit_code != 0
-    assert "flash_prefetch_f16_d128.cu is out of date" in result.output
+    assert "attn_f16_d128.cu is out of date" in result.output
     assert "fagen render" in result.output
 
 
@@ -152,7 +152,7 @@ def test_list_one_spec():
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) == 2
-    assert lines[1].split()[0] == "flash_prefetch_f16_d128"
+    assert lines[1].split()[0] == "attn_f16_d128"
     assert "52224" in lines[1].split()
 
 
@@ -163,7 +163,7 @@ def test_list_one_spec():
 def test_compile_reports_registers_and_no_stack_frame():
     result = run("compile", SPEC, "--arch", "sm_90")
     assert result.exit_code == 0, result.output
-    assert "flash_prefetch_f16_d128 sm_90" in result.output
+    assert "attn_f16_d128 sm_90" in result.output
     assert "registers" in result.output
     assert "0 bytes stack frame" in result.output
     assert "52224 bytes dynamic smem" in result.output
@@ -395,9 +395,9 @@ def test_bench_from_json_refuses_a_file_that_is_not_a_bench_run(text, names, tmp
 
 
 @pytest.mark.parametrize(("spec", "arch", "names"), [
-    ("flash_prefetch_f16_d128", "foo", ["not a target", "sm_80, sm_86, sm_89 or sm_90"]),
-    ("flash_prefetch_f16_d128", "sm_75", ["not a target"]),
-    ("flash_prefetch_f16_d128", "sm_90a", ["wgmma", "--arch sm_80"]),
+    ("attn_f16_d128", "foo", ["not a target", "sm_80, sm_86, sm_89 or sm_90"]),
+    ("attn_f16_d128", "sm_75", ["not a target"]),
+    ("attn_f16_d128", "sm_90a", ["wgmma", "--arch sm_80"]),
     ("attn_f16_d128_h200", "sm_90", ["sm_90a only", "--arch sm_90a"]),
     ("attn_f16_d128_h200", "sm_80", ["sm_90a only", "--arch sm_90a"]),
     ("arch_sm90", "sm_80", ["below the spec's arch sm_90", "--arch sm_90"]),

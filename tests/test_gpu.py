@@ -98,7 +98,7 @@ def test_a_nan_query_gives_nan_output_and_lse(head_dim, causal):
 
 
 def test_custom_scale():
-    spec = fagen.load_spec(SPECS / "flash_prefetch_f16_d64.yaml")
+    spec = fagen.load_spec(SPECS / "attn_f16_d64.yaml")
     result = check_against_oracle(spec, 1, 3, 3, 129, 257, scale=0.37)
     assert result.passed, result.summary()
 
@@ -136,13 +136,13 @@ def _bad(**change):
 ])
 def test_bad_arguments_are_refused_before_launch(change, message):
     args = _bad(**change)
-    kernel = fagen.compile(fagen.load_spec(SPECS / "flash_prefetch_f16_d64.yaml"))
+    kernel = fagen.compile(fagen.load_spec(SPECS / "attn_f16_d64.yaml"))
     with pytest.raises(ValueError, match=message):
         kernel(**args)
 
 
 def test_lse_refused_when_the_spec_has_none():
-    spec = fagen.parse_spec({**fagen.load_spec(SPECS / "flash_prefetch_f16_d64.yaml").model_dump(),
+    spec = fagen.parse_spec({**fagen.load_spec(SPECS / "attn_f16_d64.yaml").model_dump(),
                              "name": "no_lse_f16_d64", "outputs": {"lse": False}})
     kernel = fagen.compile(spec)
     q, k, v, _ = random_inputs("cupy", "float16", 1, 2, 2, 64, 64, 64)

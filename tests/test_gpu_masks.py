@@ -129,7 +129,7 @@ def test_attention_api_masks_and_modifiers():
 
 def test_arguments_the_spec_does_not_take_are_refused():
     q, k, v, _ = random_inputs("cupy", "float16", 1, 2, 2, 64, 64, 64)
-    kernel = fagen.compile(_spec("flash_prefetch_f16_d64"))
+    kernel = fagen.compile(_spec("attn_f16_d64"))
     with pytest.raises(ValueError, match="does not take"):
         kernel(q, k, v, sinks=np.zeros(2, np.float32))
     kernel = fagen.compile(_spec("bias_matrix_f16_d64"))

@@ -23,8 +23,8 @@ def make(name="k", dtype="float16", head_dim=128, block_q=64, block_kv=64, warps
 
 
 def test_flash_prefetch_f16_d128_by_hand():
-    p = plan(fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml"))
-    assert p.name == "flash_prefetch_f16_d128"
+    p = plan(fagen.load_spec(SPECS / "attn_f16_d128.yaml"))
+    assert p.name == "attn_f16_d128"
     assert (p.threads, p.warps) == (128, 4)
     assert (p.block_q, p.block_kv, p.head_dim) == (64, 64, 128)
     assert p.m_frags == 1  # 64 rows / 4 warps = 16 rows = one m16 fragment

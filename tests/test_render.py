@@ -16,10 +16,10 @@ def test_same_spec_renders_byte_identical_text():
 
 
 def test_banner_names_version_and_spec_and_holds_no_machine_detail():
-    spec = fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml")
+    spec = fagen.load_spec(SPECS / "attn_f16_d128.yaml")
     text = render(spec)
     first = text.splitlines()[0]
-    assert f"fagen {__version__}" in first and "specs/flash_prefetch_f16_d128.yaml" in first
+    assert f"fagen {__version__}" in first and "specs/attn_f16_d128.yaml" in first
     assert "do not edit" in first
     assert "/work" not in text and "/home" not in text and "/tmp" not in text
     assert not re.search(r"\d{4}-\d{2}-\d{2}|\d\d:\d\d:\d\d", text)  # no timestamps
@@ -34,7 +34,7 @@ def test_generated_matches_a_fresh_render_of_every_spec():
 
 
 def test_stale_names_each_kind_of_difference(tmp_path):
-    spec = fagen.load_spec(SPECS / "flash_prefetch_f16_d64.yaml")
+    spec = fagen.load_spec(SPECS / "attn_f16_d64.yaml")
     texts = renders([spec], tmp_path, with_merge=False)
     assert stale(texts, tmp_path, whole_folder=True) == [(tmp_path / f"{spec.name}.cu", "missing")]
     (tmp_path / f"{spec.name}.cu").write_text("old")
@@ -46,10 +46,10 @@ def test_stale_names_each_kind_of_difference(tmp_path):
 
 def test_constants_are_injected_once_and_variants_differ_only_where_they_should():
     a = render(fagen.load_spec(SPECS / "flash_shared_f16_d128.yaml"))
-    b = render(fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml"))
+    b = render(fagen.load_spec(SPECS / "attn_f16_d128.yaml"))
     assert a.count("constexpr int KV_SLOTS") == 1
     assert "constexpr int KV_SLOTS = 1;" in a and "constexpr int KV_SLOTS = 2;" in b
-    body = lambda t: t[t.index("---- the kernel"):].replace("flash_shared", "flash_prefetch")  # noqa: E731
+    body = lambda t: t[t.index("---- the kernel"):].replace("flash_shared_f16_d128", "attn_f16_d128")  # noqa: E731
     assert body(a) == body(b)  # one kernel body; the pipeline is a constant
 
 

@@ -11,8 +11,8 @@ import yaml
 import fagen
 from fagen.spec import AttentionSpec
 
-BASE = {  # specs/flash_prefetch_f16_d128.yaml
-    "name": "flash_prefetch_f16_d128",
+BASE = {  # specs/attn_f16_d128.yaml
+    "name": "attn_f16_d128",
     "dtype": "float16",
     "head_dim": 128,
     "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
@@ -47,7 +47,7 @@ def rejected(data: dict) -> str:
 def test_base_spec_parses():
     spec = fagen.parse_spec(base())
     assert isinstance(spec, AttentionSpec)
-    assert spec.name == "flash_prefetch_f16_d128"
+    assert spec.name == "attn_f16_d128"
     assert spec.tiling.block_q == 64 and spec.tiling.block_kv == 64
     assert spec.pipeline.kv_smem == "separate"
     assert not spec.causal
@@ -56,7 +56,7 @@ def test_base_spec_parses():
 def test_base_matches_the_committed_yaml():
     from fagen.load import SPECS
 
-    assert yaml.safe_load((SPECS / "flash_prefetch_f16_d128.yaml").read_text()) == BASE
+    assert yaml.safe_load((SPECS / "attn_f16_d128.yaml").read_text()) == BASE
 
 
 def test_defaults_fill_optional_fields():

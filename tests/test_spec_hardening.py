@@ -167,8 +167,8 @@ def test_window_message_does_not_contradict_itself():
 
 
 def test_duplicate_yaml_keys_are_refused(tmp_path):
-    text = (SPECS / "flash_prefetch_f16_d128.yaml").read_text() + "head_dim: 64\n"
-    path = tmp_path / "flash_prefetch_f16_d128.yaml"
+    text = (SPECS / "attn_f16_d128.yaml").read_text() + "head_dim: 64\n"
+    path = tmp_path / "attn_f16_d128.yaml"
     path.write_text(text)
     with pytest.raises(SpecError, match="duplicate key 'head_dim'"):
         fagen.load_spec(path)
@@ -179,17 +179,17 @@ def test_duplicate_yaml_keys_are_refused(tmp_path):
 # ---- building a spec: a path, a mapping, YAML text -----------------------------------------
 
 def test_parse_spec_takes_yaml_text():
-    text = (SPECS / "flash_prefetch_f16_d128.yaml").read_text()
-    assert fagen.parse_spec(text) == fagen.load_spec(SPECS / "flash_prefetch_f16_d128.yaml")
+    text = (SPECS / "attn_f16_d128.yaml").read_text()
+    assert fagen.parse_spec(text) == fagen.load_spec(SPECS / "attn_f16_d128.yaml")
 
 
 def test_load_spec_takes_a_path_and_points_elsewhere_for_the_rest(tmp_path):
     with pytest.raises(SpecError, match="parse_spec"):
         fagen.load_spec(base())
     with pytest.raises(SpecError, match="parse_spec"):
-        fagen.load_spec((SPECS / "flash_prefetch_f16_d128.yaml").read_text())
+        fagen.load_spec((SPECS / "attn_f16_d128.yaml").read_text())
     with pytest.raises(SpecError, match="load_spec"):
-        fagen.parse_spec(SPECS / "flash_prefetch_f16_d128.yaml")
+        fagen.parse_spec(SPECS / "attn_f16_d128.yaml")
     with pytest.raises(SpecError, match="cannot read spec"):
         fagen.load_spec(tmp_path / "missing.yaml")
 
