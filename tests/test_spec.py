@@ -2,44 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import pydantic
 import pytest
 import yaml
 
 import fagen
 from fagen.spec import AttentionSpec
-
-BASE = {  # specs/attn_f16_d128.yaml
-    "name": "attn_f16_d128",
-    "dtype": "float16",
-    "head_dim": 128,
-    "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
-    "pipeline": {"kv_smem": "separate", "stages": 1, "q_in_registers": False},
-    "smem_layout": "padded",
-    "mask": "none",
-    "outputs": {"lse": True},
-    "arch": "sm_80",
-}
-
-
-def base(**overrides) -> dict:
-    """A valid spec dict; a dict override for a nested section updates only the keys it names."""
-    spec = copy.deepcopy(BASE)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(spec.get(key), dict):
-            spec[key].update(value)
-        else:
-            spec[key] = value
-    return spec
-
-
-def rejected(data: dict) -> str:
-    with pytest.raises(fagen.SpecError) as info:
-        fagen.parse_spec(data)
-    return str(info.value)
-
+from tests.conftest import BASE, base, rejected
 
 # ---- a valid spec ----------------------------------------------------------------------
 

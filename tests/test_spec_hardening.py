@@ -14,7 +14,7 @@ from fagen.plan import KERNEL_SYMBOL_PREFIX, plan
 from fagen.load import SPECS
 from fagen.spec import Mask, ScoreMod, SpecError
 from fagen.load import validated
-from tests.test_spec import base, rejected
+from tests.conftest import base, rejected
 
 SMALL = dict(name="probe", dtype="float16", head_dim=32, tiling={"block_q": 64, "block_kv": 32, "warps_q": 4})
 
