@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from fagen.load import SPECS, load_spec
 from fagen.plan import plan
 from fagen.render import render
-from fagen.spec import SMEM_PER_BLOCK, AttentionSpec
+from fagen.spec import HEAD_DIMS, SMEM_PER_BLOCK, AttentionSpec, Mask, ScoreMod
+from fagen.variants import shipped_spec, variant
 
 _USAGE = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -91,3 +95,134 @@ def compile_offline(spec: AttentionSpec, arch: str) -> Resources:
         raise RuntimeError(f"could not read ptxas -v output for {spec.name}:\n{log}")
     return Resources(arch, int(usage[1]), int(frame[1]), int(frame[2]), int(frame[3]),
                      int(smem[1]) if smem else 0, log)
+
+
+# ---- many kernels at once ------------------------------------------------------------------
+# One nvcc run costs ~0.5 s before its first kernel (preprocessing, the front end, process
+# start-up) and ~0.4 s a kernel after that, so many kernels compile in one translation unit,
+# each rendered kernel in a namespace of its own, and nvcc runs on every core at once.
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_COMMENT = re.compile(r"(^|\s)//.*$", re.MULTILINE)
+_PLACEHOLDER = "FAGEN_KERNEL_SYMBOL"
+
+
+def kernel_body(spec: AttentionSpec) -> str:
+    """The rendered kernel without comments and with a placeholder for its symbol: specs whose
+    bodies are equal compile to the same machine code whatever their names."""
+    text = _COMMENT.sub("", render(spec))
+    text = re.sub(rf"\b{re.escape(plan(spec).symbol)}\b", _PLACEHOLDER, text)
+    return "\n".join(line for line in text.splitlines() if line.strip()) + "\n"
+
+
+def _parse_entries(log: str) -> dict[str, tuple[str, str]]:
+    """ptxas -v output of a multi-kernel run: {symbol: (arch, that function's lines)}."""
+    marks = list(_ENTRY.finditer(log))
+    return {m[1]: (m[2], log[m.start():marks[i + 1].start() if i + 1 < len(marks) else len(log)])
+            for i, m in enumerate(marks)}
+
+
+def _resources(arch: str, log: str, what: str) -> Resources:
+    usage, frame, smem = _USAGE.search(log), _FRAME.search(log), _SMEM.search(log)
+    if not (usage and frame):
+        raise RuntimeError(f"could not read ptxas -v output for {what}:\n{log}")
+    return Resources(arch, int(usage[1]), int(frame[1]), int(frame[2]), int(frame[3]),
+                     int(smem[1]) if smem else 0, log)
+
+
+def _compile_bundle(bodies: list[str], arch: str) -> tuple[int, str, list[str]]:
+    """nvcc on one translation unit holding `bodies`; (return code, log, their symbols)."""
+    symbols = [f"fagen_k{i}" for i in range(len(bodies))]
+    unit = "".join(f"namespace fagen_ns{i} {{\n" + body.replace(_PLACEHOLDER, symbols[i])
+                   .replace("smem_chunks", f"smem_chunks_{i}") + "}\n"  # extern __shared__ names are global
+                   for i, body in enumerate(bodies))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "bundle.cu"
+        src.write_text(unit)
+        cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
+               "-o", str(Path(tmp) / "k.cubin"), str(src)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    return run.returncode, run.stdout + run.stderr, symbols
+
+
+def default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def compile_many(builds: list[tuple[AttentionSpec, str]], jobs: int | None = None,
+                 per_unit: int = 12) -> list[Resources]:
+    """Resources of every (spec, arch) in `builds`, in order, as `compile_offline` reports them.
+    Specs with equal `kernel_body` compile once; up to `per_unit` kernels share one nvcc run;
+    `jobs` runs (default: one a core) go at once. Raises with the log of a kernel that fails."""
+    jobs = jobs or default_jobs()
+    keys = [(arch, kernel_body(spec)) for spec, arch in builds]
+    by_arch: dict[str, list[str]] = {}
+    for arch, body in dict.fromkeys(keys):
+        by_arch.setdefault(arch, []).append(body)
+    units: list[tuple[str, list[str]]] = []
+    for arch, bodies in by_arch.items():
+        # bodies dealt round-robin, longest first: the units of an arch take about equal time
+        n = max(1, min(len(bodies), max(-(-len(bodies) // per_unit), jobs)))
+        ordered = sorted(bodies, key=len, reverse=True)
+        units += [(arch, ordered[i::n]) for i in range(n)]
+    units.sort(key=lambda u: -sum(map(len, u[1])))  # largest first: the pool ends together
+
+    def run(unit: tuple[str, list[str]]) -> dict[tuple[str, str], Resources]:
+        arch, bodies = unit
+        code, log, symbols = _compile_bundle(bodies, arch)
+        if code:
+            if len(bodies) > 1:  # find the culprit: each on its own
+                return {k: v for body in bodies for k, v in run((arch, [body])).items()}
+            raise RuntimeError(f"nvcc failed for {arch}:\n{log}\n--- source ---\n{bodies[0]}")
+        entries = _parse_entries(log)
+        return {(arch, body): _resources(arch, entries.get(sym, ("", log))[1], sym)
+                for body, sym in zip(bodies, symbols)}
+
+    found: dict[tuple[str, str], Resources] = {}
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for part in pool.map(run, units):
+            found.update(part)
+    return [found[k] for k in keys]
+
+
+# ---- the kernels fagen.attention can build ----------------------------------------------------
+# Mask parameters are compile-time constants; these stand for any value (not powers of two, so
+# the divisions stay divisions).
+ATTENTION_MASKS = (
+    {"kind": "none"}, {"kind": "sliding_window", "window_left": 1000, "window_right": 0},
+    {"kind": "chunked", "chunk_size": 1000}, {"kind": "prefix_lm", "prefix_len": 1000},
+    {"kind": "document"}, {"kind": "document", "causal": True}, {"kind": "block_mask"},
+)
+SOFTCAP = 30.0
+
+
+def score_mods() -> list[dict]:
+    """Every score-modifier combination fagen.attention passes (softcap, alibi_slopes, bias, sinks)."""
+    return [{"softcap": cap, "alibi": alibi, "bias": bias, "sinks": sinks}
+            for cap in (None, SOFTCAP) for alibi in ("none", "slopes")
+            for bias in ("none", "vector", "matrix") for sinks in (False, True)]
+
+
+# The GPUs whose defaults differ: None (no tuned spec: the generic attn_* specs, arch sm_80, as an
+# A100 runs them) and "h200" (an H100 or H200: the tuned sm_90a specs, and the generic d32 and
+# d96 ones, which have no sm_90a spec, compiled for sm_90).
+ATTENTION_GPUS = {None: "sm_80", "h200": "sm_90"}
+
+
+def attention_defaults(gpu: str | None) -> list[tuple[AttentionSpec, str]]:
+    """(spec, arch it is compiled for) of every default fagen.attention picks on `gpu`
+    (fagen.variants.shipped_spec): dtype x head_dim x causal."""
+    specs = [shipped_spec(dt, d, causal, gpu=gpu) for dt in ("float16", "bfloat16") for d in HEAD_DIMS
+             for causal in (False, True)]
+    return [(s, "sm_90a" if s.wgmma else ATTENTION_GPUS[gpu]) for s in specs]
+
+
+def attention_variants(base: AttentionSpec, masks=None, mods=None) -> list[AttentionSpec]:
+    """What fagen.attention derives from a default (fagen.variants.variant): a causal default takes
+    the causal mask alone, the others every other kind; each with every modifier combination."""
+
+    if masks is None:
+        masks = ({"kind": "causal"},) if base.mask.kind == "causal" else ATTENTION_MASKS
+    return [variant(base, Mask(**m), ScoreMod(**s)) for m in masks for s in (mods or score_mods())]

@@ -6,24 +6,68 @@ module is pure (no CuPy, no Jinja) and unit-tested.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from fagen.mask_kinds import KINDS
-from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, SpecError,
-                        rule)
+from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, Outputs, ScoreMod,
+                        SpecError, rule)
 
 ELEMENT_BYTES = 2  # float16 and bfloat16
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
 PAD_ELEMS = 8  # padded rows shift by 16 bytes: ldmatrix's 8 row addresses hit 8 distinct bank groups
 MAX_REGISTERS = 255
-# Registers a thread needs beside its accumulators and fragments (addresses, loop state,
-# softmax temporaries): a base plus a share of the fragments, fitted to ptxas -v on the
-# shipped specs and the 32-rows-a-warp d=128 tiles that just fit.
-REGISTER_BASE = 64
-REGISTER_SLACK = 0.15
-# wgmma kernels hold no ldmatrix fragments or copy addresses per MMA: a smaller base, fitted
-# to ptxas -v on the shipped sm_90a specs.
-WGMMA_REGISTER_BASE = 40
+# The register estimate: the accumulators (O, S; Q's fragments when q_in_registers; wgmma: P of
+# the previous tile) and what a kernel holds beside them -- addresses, loop and pipeline state,
+# the mask's and the score modifiers' per-element temporaries -- as costs per term below,
+# fitted by linear programming to ptxas -v on about 17,000 kernels (scripts/register_sweep.py:
+# random specs across the spec space and every tuner candidate of every shipped spec;
+# scripts/compile_matrix.py: every variant fagen.attention derives; sm_80, sm_86, sm_89, sm_90,
+# sm_90a) so that every kernel that spilled, on any of those archs, is predicted at least
+# REGISTER_MARGIN over MAX_REGISTERS and every shipped spec at most MAX_REGISTERS - 1. Close to
+# the limit ptxas' allocation is not a function of these numbers (a d=256 tile spills with a
+# bias and fits with bias and softcap), so the estimate refuses some kernels that would just
+# fit: derived variants fall back to a smaller block_kv (fagen.variants.variant). notes/perf.md
+# has the data and the fit.
+REGISTER_MARGIN = {"mma_sync": 8, "wgmma": 4}
+REGISTER_COSTS = {
+    "mma_sync": {
+        # base (mma.sync: by KV pipeline, kv_smem and stages): addresses, loop and pipeline state
+        "shared1": 78.72, "shared2": 30.64, "separate1": 30.64, "separate2": 14.07, "separate3": 20.81,
+        # each accumulator or fragment register, with its share of the rest
+        "o": 1.52, "s": 1.77, "q": 1.06,
+        # copy loops and hoisted swizzled offsets
+        "few_threads": 25, "swizzle_q": 1.57, "swizzle_copy": 11.25, "chunk_copy": 2.36,
+        # the mask's and the modifiers' state, held through the loop
+        "sliding_window": 9.32, "chunked": 10.4, "prefix_lm": 11.64, "document": 9.32, "block_mask": 2.49,
+        "bias": 10.31, "rows_document_causal": 0.99,
+        # per S register: their per-element temporaries
+        "s_causal": 0.11, "s_sliding_window": 0.29, "s_chunked": 0.16, "s_document": 0.29,
+        "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
+    },
+    "wgmma": {  # s covers P too (half of S, packed)
+        # base (mma.sync: by KV pipeline, kv_smem and stages): addresses, loop and pipeline state
+        "base": 34.33, "stages": 1.85,
+        # each accumulator or fragment register, with its share of the rest
+        "o": 1.04, "s": 1.77,
+        # the mask's and the modifiers' state, held through the loop
+        "causal": 0.15, "sliding_window": 1.78, "chunked": 5.15, "document": 9.73, "document_causal": 6.65,
+        "block_mask": 8.65, "softcap": 8.99, "alibi": 4.74, "bias": 5.44, "sinks": 1.01,
+        # per S register: their per-element temporaries
+        "s_prefix_lm": 0.03, "s_block_mask": 0.02, "s_softcap": 0.01, "s_alibi": 0.04, "s_bias": 0.31,
+    },
+}
+# Kernels the estimate refuses that ptxas -v was run on (sm_80, sm_86, sm_89 and sm_90, f16 and
+# bf16, nvcc 13.0): they fit, at the registers given (the most over those archs). The 32-rows-a-warp
+# d=128 tiles (notes/perf.md: the fastest mma.sync tiles at d=128), no modifiers, full outputs
+# (as split-KV partials they spill). tests/test_nvcc.py compiles each. Key: head_dim, block_q,
+# block_kv, warps_q, kv_smem, stages, smem_layout, q_in_registers, mask kind.
+MEASURED_FIT = {
+    (128, 128, 32, 4, kv_smem, stages, "padded", False, kind): registers
+    for kind, fits in (("none", {("separate", 1): 255, ("separate", 2): 253, ("separate", 3): 253, ("shared", 2): 255}),
+                       ("causal", {("separate", 1): 255, ("separate", 2): 255, ("separate", 3): 255, ("shared", 2): 255}))
+    for (kv_smem, stages), registers in fits.items()
+}
 MBARRIER_BYTES = 8
 # The kernel's extern "C" symbol is the spec's name behind this prefix, so no name a spec can
 # take (printf, min, uint4, a template's own elem_t ...) collides with C, CUDA or the kernel.
@@ -95,6 +139,50 @@ def score_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     return params
 
 
+def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, threads: int) -> dict[str, float]:
+    """The amounts REGISTER_COSTS prices, for this spec (see there)."""
+    t, d, mask, mod = spec.tiling, spec.head_dim, spec.mask, spec.score_mod
+    kind = "document_causal" if mask.kind == "document" and mask.causal else mask.kind
+    state = {kind: 1.0} if kind != "none" else {}
+    state.update({name: 1.0 for name, on in (("softcap", mod.softcap is not None), ("alibi", mod.alibi != "none"),
+                                             ("bias", mod.bias != "none"),
+                                             ("sinks", mod.sinks and not spec.outputs.partial)) if on})
+    terms = {"o": o_regs, "s": s_regs, "q": q_regs, **state,
+             **{f"s_{name}": s_regs for name in state if name not in ("sinks", "document_causal")}}
+    if kind == "document_causal":  # both document masks test elements alike; the causal one keeps
+        terms["s_document"] = s_regs  # a row start per accumulator row (2 an m16 fragment)
+        terms["rows_document_causal"] = 2 * o_regs // (d // 2)
+    if spec.wgmma:
+        return {**terms, "base": 1.0, "stages": spec.pipeline.stages}
+    chunks = d // CHUNK_ELEMS
+    swizzled = spec.smem_layout == "swizzled"
+    copy_offsets = 0
+    if swizzled and threads % chunks == 0:  # rows_per_pass rows a pass; row % 8 repeats every 8 / gcd
+        rows_per_pass = threads // chunks
+        copy_offsets = min(-(-t.block_kv // rows_per_pass), 8 // math.gcd(rows_per_pass, 8))
+    return {**terms, f"{spec.pipeline.kv_smem}{spec.pipeline.stages}": 1.0,
+            "few_threads": float(threads <= 64),
+            "swizzle_q": (d // MMA_K) if swizzled and not spec.pipeline.q_in_registers else 0,
+            "swizzle_copy": copy_offsets, "chunk_copy": float(threads % chunks != 0)}
+
+
+def measured_key(spec: AttentionSpec) -> tuple | None:
+    """spec's key in MEASURED_FIT, or None where it is not a kernel of that kind."""
+    t, p, m = spec.tiling, spec.pipeline, spec.mask
+    if spec.wgmma or spec.score_mod != ScoreMod() or spec.outputs != Outputs() or m.expression or m.align != "bottom_right":
+        return None
+    return (spec.head_dim, t.block_q, t.block_kv, t.warps_q, p.kv_smem, p.stages, spec.smem_layout, p.q_in_registers, m.kind)
+
+
+def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, threads: int) -> int:
+    measured = MEASURED_FIT.get(measured_key(spec))
+    if measured is not None:
+        return measured
+    costs = REGISTER_COSTS["wgmma" if spec.wgmma else "mma_sync"]
+    terms = register_terms(spec, o_regs, s_regs, q_regs, threads)
+    return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
+
+
 def plan(spec: AttentionSpec) -> KernelPlan:
     t, d = spec.tiling, spec.head_dim
     warps = t.warps_q * t.warps_kv
@@ -118,9 +206,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
     # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
     p_regs = s_regs // 2 if spec.wgmma else 0
-    fragments = o_regs + s_regs + q_regs + p_regs
-    base = WGMMA_REGISTER_BASE if spec.wgmma else REGISTER_BASE
-    registers = fragments + base + int(REGISTER_SLACK * fragments)
+    registers = predict_registers(spec, o_regs, s_regs, q_regs, 32 * warps)
 
     if smem_bytes > limit:
         raise SpecError(rule(
@@ -138,7 +224,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         raise SpecError(rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}, warps_q {t.warps_q}",
             f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, {q_regs} for Q, "
-            f"{p_regs} for P, the rest addresses and temporaries) over the {MAX_REGISTERS} limit: it would spill",
+            f"{p_regs} for P, the rest addresses, pipeline state and the mask's and score modifiers' "
+            f"temporaries) over the {MAX_REGISTERS} limit: it would spill",
             "use more warps_q, a smaller block_kv, or q_in_registers: false"))
 
     return KernelPlan(

@@ -9,7 +9,7 @@ import hashlib
 from functools import cache
 
 from fagen.load import SPECS, load_spec, parse_spec
-from fagen.spec import AttentionSpec, Mask, ScoreMod
+from fagen.spec import AttentionSpec, Mask, ScoreMod, SpecError
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
 SAME_CHIP = {"h100": "h200", "h200": "h100"}
@@ -43,12 +43,40 @@ def shipped_spec(dtype: str, head_dim: int, causal: bool, *, gpu: str | None, pa
 @cache
 def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSpec:
     """`base` with another mask and score modifiers, named after them (deterministically) and
-    validated like any spec."""
+    validated like any spec. Masks and modifiers cost registers: where the plan predicts that
+    base's tiling would spill with them, the first tiling it accepts is taken instead, in the
+    order of fallback_tilings, and the name says which (`_kv<block_kv>[_sep2]`)."""
     if (mask, score_mod) == (base.mask, base.score_mod):
         return base
     tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
-    return parse_spec({**base.model_dump(), "name": f"{base.name}_{mask.kind}_{tag}", "mask": mask.model_dump(),
-                       "score_mod": score_mod.model_dump()}, f"variant of {base.name}")
+    data = {**base.model_dump(), "name": f"{base.name}_{mask.kind}_{tag}", "mask": mask.model_dump(),
+            "score_mod": score_mod.model_dump()}
+    try:
+        return parse_spec(data, f"variant of {base.name}")
+    except SpecError as refused:
+        for block_kv, pipeline, suffix in fallback_tilings(base):
+            try:
+                return parse_spec({**data, "name": data["name"] + suffix, "tiling": {**data["tiling"], "block_kv": block_kv},
+                                   "pipeline": {**data["pipeline"], **pipeline}}, f"variant of {base.name}")
+            except SpecError:
+                pass
+        raise refused
+
+
+def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
+    """(block_kv, pipeline change, name suffix) to try, in order, where base's tiling is refused:
+    block_kv halved down to 16, each first with base's pipeline, then (mma.sync) with separate K
+    and V buffers, 2 stages (fewer registers for slot addresses than one stage, by ptxas)."""
+    out = []
+    block_kv = base.tiling.block_kv
+    while block_kv >= 16:
+        if block_kv != base.tiling.block_kv:
+            out.append((block_kv, {}, f"_kv{block_kv}"))
+        sep2 = {"kv_smem": "separate", "stages": 2}
+        if not base.wgmma and (base.pipeline.kv_smem, base.pipeline.stages) != ("separate", 2):
+            out.append((block_kv, sep2, f"_kv{block_kv}_sep2"))
+        block_kv //= 2
+    return out
 
 
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:

@@ -60,15 +60,21 @@ def test_prefetch2_swizzled_br128_by_hand():
 @pytest.mark.parametrize("warps_q, rows_per_warp", [(1, 16), (1, 64), (2, 32), (4, 48), (8, 16), (8, 32)])
 def test_threads_and_fragments(warps_q, rows_per_warp):
     block_q = warps_q * rows_per_warp
-    p = plan(make(head_dim=32, block_q=block_q, block_kv=32, warps_q=warps_q))
+    p = plan(make(head_dim=32, block_q=block_q, block_kv=16, warps_q=warps_q))
     assert p.threads == 32 * warps_q
     assert p.warps == warps_q
     assert p.m_frags == rows_per_warp // 16
 
 
+@pytest.fixture
+def any_registers(monkeypatch):
+    """For tests of other numbers: tilings the register estimate refuses are planned too."""
+    monkeypatch.setattr("fagen.plan.MAX_REGISTERS", 10**6)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("block_kv", [16, 48])
-def test_mma_step_counts(head_dim, block_kv):
+def test_mma_step_counts(head_dim, block_kv, any_registers):
     p = plan(make(head_dim=head_dim, block_kv=block_kv, kv_smem="shared", arch="sm_90"))
     assert p.s_n_frags * 8 == block_kv
     assert p.o_n_frags * 8 == head_dim
@@ -81,7 +87,7 @@ def test_mma_step_counts(head_dim, block_kv):
     ("padded", 32, 40), ("padded", 96, 104), ("padded", 128, 136), ("padded", 256, 264),
     ("swizzled", 64, 64), ("swizzled", 128, 128), ("swizzled", 256, 256),
 ])
-def test_smem_row(layout, head_dim, row):
+def test_smem_row(layout, head_dim, row, any_registers):
     p = plan(make(head_dim=head_dim, block_kv=32, smem_layout=layout, kv_smem="shared"))
     assert p.smem_row == row
 
@@ -152,3 +158,69 @@ def test_plan_does_not_mutate_the_spec():
     plan(spec)
     plan(spec)
     assert spec.model_dump() == before
+
+
+# ---- the register estimate ---------------------------------------------------------------
+
+def derive(path, **update):
+    return {**fagen.load_spec(SPECS / path).model_dump(), **update}
+
+
+def refused(data) -> bool:
+    try:
+        fagen.parse_spec(data)
+    except fagen.SpecError as err:
+        assert "it would spill" in str(err), err
+        return True
+    return False
+
+
+@pytest.mark.parametrize("case", [
+    "f16_d256_swizzled", "bf16_d96_causal_two_warps", "document_d256", "d256_causal_bias", "d256_bkv64",
+])
+def test_specs_that_spill_are_refused(case):
+    """Each compiles with spills (ptxas -v, notes/perf.md): the estimate must refuse it."""
+    data = {
+        "f16_d256_swizzled": derive("attn_f16_d256.yaml", smem_layout="swizzled"),  # 32 B on sm_80
+        "bf16_d96_causal_two_warps": derive("attn_bf16_d96_causal.yaml",  # 32 B on sm_90
+                                            tiling={"block_q": 64, "block_kv": 64, "warps_q": 2}),
+        "document_d256": derive("document_bf16_d64.yaml", head_dim=256),  # 236 B on sm_80
+        "d256_causal_bias": derive("attn_f16_d256_causal.yaml", score_mod={"bias": "vector"}),  # 24 B
+        "d256_bkv64": derive("attn_f16_d256.yaml", tiling={"block_q": 64, "block_kv": 64, "warps_q": 4}),  # 68 B
+    }[case]
+    assert refused(data)
+
+
+def test_masks_and_modifiers_cost_registers():
+    """Adding a mask or a score modifier never lowers the estimate."""
+    for path in ("attn_f16_d128.yaml", "attn_f16_d128_h200.yaml", "attn_bf16_d64.yaml"):
+        base = plan(fagen.load_spec(SPECS / path)).predicted_registers
+        for mask in ({"kind": "sliding_window", "window_left": 100}, {"kind": "document"},
+                     {"kind": "document", "causal": True}, {"kind": "block_mask"}, {"kind": "chunked", "chunk_size": 100}):
+            masked = plan(fagen.parse_spec(derive(path, mask=mask))).predicted_registers
+            assert masked >= base, (path, mask)
+            for mod in ({"softcap": 30.0}, {"alibi": "slopes"}, {"bias": "matrix"}, {"sinks": True}):
+                assert plan(fagen.parse_spec(derive(path, mask=mask, score_mod=mod))).predicted_registers >= masked
+
+
+def test_every_shipped_spec_is_accepted_with_room_for_the_fit():
+    for path in SPEC_FILES:
+        assert plan(fagen.load_spec(path)).predicted_registers <= 255, path.stem
+
+
+def test_variants_fall_back_to_a_tiling_the_estimate_accepts():
+    """fagen.attention's variants keep the default's tiling where the estimate accepts it, else
+    take a smaller block_kv (and, mma.sync, two separate stages): never a refusal."""
+    from fagen.spec import Mask, ScoreMod
+    from fagen.variants import variant
+
+    h200 = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
+    doc = variant(h200, Mask(kind="document"), ScoreMod())
+    assert doc.tiling == h200.tiling  # the document mask's kernel fix: no fallback needed
+    heavy = variant(h200, Mask(kind="document"), ScoreMod(softcap=30.0, alibi="slopes", bias="matrix", sinks=True))
+    assert heavy.tiling.block_kv < h200.tiling.block_kv and heavy.name.endswith(f"_kv{heavy.tiling.block_kv}")
+    d256 = fagen.load_spec(SPECS / "attn_f16_d256_causal.yaml")
+    bias = variant(d256, Mask(kind="causal"), ScoreMod(bias="vector"))
+    assert plan(bias).predicted_registers <= 255
+    assert (bias.tiling.block_kv, bias.pipeline.kv_smem, bias.pipeline.stages) != (32, "separate", 1)
+    assert variant(d256, Mask(kind="causal"), ScoreMod(bias="vector")) is bias  # deterministic, cached

@@ -223,7 +223,8 @@ def test_extra_params_in_signature_order(overrides, names):
             assert types[name].startswith("const unsigned*")
 
 
-def test_mask_words_of_the_plan():
+def test_mask_words_of_the_plan(monkeypatch):
+    monkeypatch.setattr("fagen.plan.MAX_REGISTERS", 10**6)  # 128-key tiles: refused for registers, words still count
     for block_kv, words in [(16, 1), (32, 1), (48, 2), (64, 2), (128, 4)]:
         spec = parse(mask="block_mask", tiling={"block_q": 64, "block_kv": block_kv, "warps_q": 4})
         assert plan(spec).mask_words == words

@@ -56,7 +56,7 @@ def test_plan_numbers_for_the_swizzle_atoms():
     # Q (128 x 128) + 2 K + 2 V tiles (128 x 128), unpadded halves
     assert p.smem_bytes == (128 * 128 + 4 * 128 * 128) * 2 + 2 * 2 * 8  # + landed/freed mbarriers
     # S (64 f32), O (64 f32) and the previous tile's packed P (32) a thread
-    assert p.predicted_registers == 160 + 40 + int(0.15 * 160)
+    assert 160 < p.predicted_registers <= 255  # those 160, and addresses and state (fagen.plan.REGISTER_COSTS)
 
 
 def test_plan_refuses_what_does_not_fit():
