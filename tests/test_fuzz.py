@@ -1,0 +1,29 @@
+"""No spec that validates may fail to compile or spill: random specs near the rules' edges,
+with a fixed seed and a bounded budget (the long run: `python3 -m tests.spec_fuzz`)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+from fagen.spec import SpecError
+from fagen.load import parse_spec
+from tests.spec_fuzz import specs, try_spec
+
+SEED, COUNT = 20261122, 300  # about 40 of them validate: ~30 s of nvcc on two cores
+
+
+def test_random_specs_validate_only_if_they_compile_without_spills():
+    data = specs(SEED, COUNT)
+    valid = []
+    for d in data:
+        try:
+            parse_spec(d)  # anything but a SpecError here is a bug of its own
+        except SpecError:
+            continue
+        valid.append(d)
+    assert len(valid) >= 20, "the generator drifted: too few specs validate to test anything"
+    with ProcessPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        outcomes = list(pool.map(try_spec, valid))
+    findings = [(d, o.problem) for d, o in zip(valid, outcomes) if o.problem]
+    assert not findings, "\n".join(f"{p}\n  {d}" for d, p in findings[:5])
