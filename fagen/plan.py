@@ -108,6 +108,26 @@ class KernelPlan:
     score_params: tuple[tuple[str, str], ...]  # ... that the score modifiers read
     sink_params: tuple[tuple[str, str], ...]  # (partials leave sinks to the merge)
     split_params: tuple[tuple[str, str], ...]  # split-KV partials: tiles a split, output strides
+    # What the templates print beside the numbers above (0 where a main loop has no use for it).
+    mainloop: str  # the templates' main-loop folder: "sm80" (mma.sync) or "sm90" (wgmma)
+    smem_align: int  # bytes the dynamic smem base is aligned to
+    warp_rows: int  # query rows a warp owns
+    element_bytes: int
+    kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
+    copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
+    out_chunks_per_warp: int  # 16-byte chunks of a warp's rows of O (the epilogue's stores)
+    s_acc_regs: int  # f32 accumulator registers a thread holds for S
+    o_acc_regs: int  # ... and for O
+    warpgroup_warps: int  # wgmma: warps of one warpgroup (64 query rows, 16 a warp)
+    atom_elems: int  # wgmma: elements of one 128-byte swizzle atom (8 rows x 64)
+    atom_bytes: int  # wgmma: bytes of one atom: V's leading byte offset
+    row_group_bytes: int  # wgmma: 8 rows of a tile (atoms_per_row atoms): the stride byte offset
+    k_step_bytes: int  # wgmma: bytes a k16 step of Q.K^T moves along an atom's rows
+    k_steps_per_atom: int  # wgmma: k16 steps within one atom, before the next atom
+    v_step_bytes: int  # wgmma: bytes between the k16 steps of P.V (16 keys: two row groups)
+    warpgroup_q_bytes: int  # wgmma: bytes between the warpgroups' rows of the Q tile
+    kv_ring_bytes: int  # wgmma: K's ring of kv_stages tiles (V's ring follows it, then the mbarriers)
+    mbarrier_bytes: int  # wgmma: one mbarrier
 
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
@@ -262,4 +282,53 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks and not spec.outputs.partial else (),
         split_params=(("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),
                       ("long long", "lse_split_stride")) if spec.outputs.partial else (),
+        **template_numbers(spec, m_frags, kv_tile),
     )
+
+
+# ---- template-side numbers ------------------------------------------------------------------
+CHUNK_BYTES = CHUNK_ELEMS * ELEMENT_BYTES  # cp.async and ldmatrix move 16-byte chunks
+WARPGROUP_WARPS = 4  # a warpgroup: 4 consecutive warps, 64 rows of one wgmma.m64
+SWIZZLE_ATOM_ROWS = 8  # a 128-byte swizzle atom: 8 rows of 128 bytes
+SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES
+WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
+                 "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes")
+
+
+def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> dict:
+    """The KernelPlan fields from `mainloop` on: what the templates print beside the tiling."""
+    t, d = spec.tiling, spec.head_dim
+    warps = t.warps_q * t.warps_kv
+    threads, chunks_per_row, warp_rows = 32 * warps, d // CHUNK_ELEMS, t.block_q // warps
+    acc_per_fragment = MMA_M * MMA_N // 32  # f32 accumulators a thread holds per m16n8 fragment
+    return {
+        "mainloop": "sm90" if spec.wgmma else "sm80",
+        "smem_align": SWIZZLE_ATOM_BYTES if spec.wgmma else CHUNK_BYTES,
+        "warp_rows": warp_rows,
+        "element_bytes": ELEMENT_BYTES,
+        "kv_tile_bytes": kv_tile_elems * ELEMENT_BYTES,
+        "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
+        "out_chunks_per_warp": warp_rows * chunks_per_row,
+        "s_acc_regs": m_frags * (t.block_kv // MMA_N) * acc_per_fragment,
+        "o_acc_regs": m_frags * (d // MMA_N) * acc_per_fragment,
+        **(wgmma_numbers(spec, kv_tile_elems) if spec.wgmma else dict.fromkeys(WGMMA_NUMBERS, 0)),
+    }
+
+
+def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int) -> dict[str, int]:
+    """The sm_90a kernel's byte offsets within its 128-byte-swizzled tiles."""
+    d, rows_per_warpgroup = spec.head_dim, WARPGROUP_WARPS * MMA_M
+    row_group = d // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES  # 8 rows: head_dim / 64 atoms side by side
+    return {
+        "warpgroup_warps": WARPGROUP_WARPS,
+        "atom_elems": SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS,
+        "atom_bytes": SWIZZLE_ATOM_BYTES,
+        "row_group_bytes": row_group,
+        "k_step_bytes": MMA_K * ELEMENT_BYTES,
+        "k_steps_per_atom": SWIZZLE_ATOM_ELEMS // MMA_K,
+        "v_step_bytes": MMA_K // SWIZZLE_ATOM_ROWS * row_group,
+        "warpgroup_q_bytes": rows_per_warpgroup // SWIZZLE_ATOM_ROWS * row_group,
+        "kv_ring_bytes": spec.pipeline.stages * kv_tile_elems * ELEMENT_BYTES,
+        "mbarrier_bytes": MBARRIER_BYTES,
+    }
+

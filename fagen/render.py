@@ -20,11 +20,22 @@ PACKAGE = Path(__file__).resolve().parent
 TEMPLATES = PACKAGE / "templates"
 GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (tests compare them)
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+FORWARD_TEMPLATE = "kernel/forward.cu.j2"  # one skeleton; plan.mainloop names its main-loop folder
+MERGE_TEMPLATE = "kernel/merge.cu.j2"
+
+
+def asm_operands(outputs: int, *inputs: str) -> dict[str, str]:
+    """Inline-asm operand numbers of an MMA whose `outputs` accumulator registers come first
+    (%0 ..), then `inputs`, named in the order of the asm's input list: {"acc": "%0, %1, ..."
+    (16 a line, continuing the asm string), name: "%<n>" for each input}."""
+    lines = [", ".join(f"%{i}" for i in range(start, min(start + 16, outputs))) for start in range(0, outputs, 16)]
+    acc = ',"\n        "'.join(lines)
+    return {"acc": acc, **{name: f"%{outputs + i}" for i, name in enumerate(inputs)}}
 
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -32,14 +43,13 @@ def environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-
-
-def _cpp_bool(flag: bool) -> str:
-    return "true" if flag else "false"
+    env.globals["asm_operands"] = asm_operands
+    return env
 
 
 def context(spec: AttentionSpec) -> dict:
-    """Everything a template may print. Templates never compute: numbers come from the plan."""
+    """Everything a template may print. Templates never compute: numbers come from the plan;
+    the flags here decide what is emitted."""
     echoed = yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=True, default_flow_style=False)
     return {
         "version": __version__,
@@ -49,19 +59,18 @@ def context(spec: AttentionSpec) -> dict:
         "dtype": spec.dtype,
         "ptx_type": PTX_TYPE[spec.dtype],
         "plan": plan(spec),
-        "swizzled": _cpp_bool(spec.smem_layout == "swizzled"),
+        "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,
         "score_mod": spec.score_mod,
-        "write_lse": _cpp_bool(spec.outputs.lse),
+        "write_lse": spec.outputs.lse,
         "partial": spec.outputs.partial,
-        "q_in_registers": _cpp_bool(spec.pipeline.q_in_registers),
+        "q_in_registers": spec.pipeline.q_in_registers,
     }
 
 
 def render(spec: AttentionSpec) -> str:
     spec = validated(spec)  # a model_copy(update=...) may carry anything: nothing unchecked renders
-    template = "kernel_wgmma.cu.j2" if spec.wgmma else "kernel.cu.j2"
-    return environment().get_template(template).render(context(spec))
+    return environment().get_template(FORWARD_TEMPLATE).render(context(spec))
 
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
@@ -75,7 +84,7 @@ def render_merge(out_dtype: str) -> str:
     """The split-KV merge kernel writing `out_dtype` (float32: a partial again, for ring steps)."""
     if out_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
-    return environment().get_template("merge.cu.j2").render(
+    return environment().get_template(MERGE_TEMPLATE).render(
         version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=PTX_TYPE.get(out_dtype, ""))
 
 

@@ -35,35 +35,38 @@
 typedef unsigned short elem_t;  // bfloat16 storage; all arithmetic is in f32 registers
 struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 typedef elem_t out_t;
-constexpr int HEAD_DIM = 256;
 constexpr int BLOCK_Q = 128;            // Br: query rows per block
 constexpr int BLOCK_KV = 64;           // Bc: keys per KV tile
-constexpr int WARPS = 8;
 constexpr int THREADS = 256;
-constexpr int WARP_ROWS = BLOCK_Q / WARPS;     // each warp owns whole rows: softmax needs no smem
+constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
 constexpr int S_N_FRAGS = 8;           // n8 fragments of S per warp (keys)
 constexpr int O_N_FRAGS = 32;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 16;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 32;      // 16-byte chunks in a head_dim row
-constexpr int SMEM_ROW = 64;           // elements between smem rows
+constexpr int COPY_ROWS_PER_PASS = 8;  // tile rows all threads copy at once
+constexpr int OUT_CHUNKS_PER_WARP = 512;  // 16-byte chunks of a warp's rows of O
+constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 32768;
-constexpr int KV_TILE_ELEMS = 16384;
-static_assert(CHUNKS_PER_ROW * 8 == HEAD_DIM && SMEM_ROW % 8 == 0, "rows are whole 16-byte chunks");
+constexpr int KV_TILE_BYTES = 32768;     // one KV tile: the stride between ring slots
+constexpr float LN2 = 0.6931471805599453f;
+#define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
+
+// wgmma main loop: tiles of 128-byte swizzle atoms, K and V rings of KV_STAGES tiles each.
+constexpr int SMEM_ALIGN = 1024;        // bytes: swizzle atoms start 1024-byte aligned
 constexpr int KV_STAGES = 2;            // K tiles (and V tiles) in the ring
 constexpr int ATOMS_PER_ROW = 4;        // 128-byte swizzle atoms across head_dim
-constexpr int ATOM_ELEMS = 8 * 64;         // one atom: 8 rows of 64 elements (1024 bytes)
-constexpr int ROW_GROUP_BYTES = ATOMS_PER_ROW * ATOM_ELEMS * 2;  // 8 rows of a tile: wgmma's stride byte offset
-constexpr int WARPGROUP_ROWS = 64;         // rows of one wgmma.m64 (4 warps x 16)
-constexpr int WARPGROUPS = 2;
-constexpr bool PINGPONG = false;        // warpgroups take turns on the tensor cores
-constexpr bool WRITE_LSE = true;
-constexpr bool SCORE_MOD = false;       // scores change before the mask
-constexpr bool SINKS = false;
-constexpr float LN2 = 0.6931471805599453f;
-constexpr float LOG2E = 1.4426950408889634f;
-#define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
+constexpr int ATOM_ELEMS = 512;        // one atom: 8 rows of 64 elements
+constexpr int ATOM_BYTES = 1024;
+constexpr int ROW_GROUP_BYTES = 4096;  // 8 rows of a tile: wgmma's stride byte offset
+constexpr int K_STEP_BYTES = 32;        // a k16 step of Q.K^T along an atom's rows ...
+constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom
+constexpr int V_STEP_BYTES = 8192;      // a k16 step of P.V: 16 keys, two row groups
+constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 rows)
+constexpr int WARPGROUP_Q_BYTES = 32768;  // a warpgroup's 64 rows of the Q tile
+constexpr int KV_RING_BYTES = 65536;   // K's ring; V's follows, then the mbarriers
+constexpr int MBARRIER_BYTES = 8;
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 // Inline PTX keeps the kernel free of CUDA headers: NVRTC compiles it as is.
@@ -78,9 +81,19 @@ __device__ __forceinline__ void cp_async_cg16(unsigned dst, const void* src, boo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(in_range ? 16 : 0));
 }
-__device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Warpgroup MMAs run asynchronously: wgmma.fence orders earlier register writes (accumulators,
 // A fragments) before them, commit/wait track them in groups, and the compiler must not touch
@@ -116,23 +129,32 @@ __device__ __forceinline__ void mbarrier_wait(unsigned bar, int parity) {
   asm volatile("{\n.reg .pred done;\nwait:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                "@!done bra wait;\n}\n" :: "r"(bar), "r"(parity) : "memory");
 }
-// Named barriers (0 is __syncthreads) hand the tensor cores from one warpgroup to the other.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
-// offsets, each in 16-byte units. Adding n to a descriptor moves its start by 16n bytes.
+// Shared-memory matrix descriptor, 64 bits: start address, leading and stride byte offsets,
+// each in 16-byte units, and the swizzle mode. Adding n to a descriptor moves its start by 16n bytes.
+constexpr int DESC_UNIT_SHIFT = 4;                         // fields count 16-byte units
+constexpr unsigned DESC_ADDR_MASK = 0x3FFFF;               // bits 0-13: address bits 4-17 (all of smem)
+constexpr int DESC_LEAD_SHIFT = 16;                        // bits 16-29: leading byte offset
+constexpr int DESC_STRIDE_SHIFT = 32;                      // bits 32-45: stride byte offset
+constexpr unsigned long long DESC_SWIZZLE_128B = 1ull << 62;  // bits 62-63 = 1: the 128-byte swizzle
+// K-major operands under the 128-byte swizzle do not use the leading byte offset: one unit.
+constexpr unsigned KMAJOR_LEAD_BYTES = 16;
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lead_bytes, unsigned stride_bytes) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (unsigned long long)(lead_bytes >> 4) << 16 |
-         (unsigned long long)(stride_bytes >> 4) << 32 | 1ull << 62;
+  return (unsigned long long)((addr & DESC_ADDR_MASK) >> DESC_UNIT_SHIFT) |
+         (unsigned long long)(lead_bytes >> DESC_UNIT_SHIFT) << DESC_LEAD_SHIFT |
+         (unsigned long long)(stride_bytes >> DESC_UNIT_SHIFT) << DESC_STRIDE_SHIFT | DESC_SWIZZLE_128B;
 }
 
-// S (+)= Q.K^T over one k16 step, one warpgroup: A = 64 rows of Q, B = K (row-major K is the
-// K-major B wgmma wants), both from shared memory. accumulate = 0 starts S from zero.
+// wgmma's immediate operands after scale-d (the predicate: 0 writes D = A.B, 1 adds to D):
+constexpr int WGMMA_SCALE_A = 1;     // imm-scale-a: A as is (-1 would negate it)
+constexpr int WGMMA_SCALE_B = 1;     // imm-scale-b: B as is
+constexpr int WGMMA_TRANS_A = 0;     // imm-trans-a: A (Q) is K-major in smem, no transpose
+constexpr int WGMMA_TRANS_K = 0;     // imm-trans-b of Q.K^T: row-major K is the K-major B wgmma wants
+constexpr int WGMMA_TRANS_V = 1;     // imm-trans-b of P.V: row-major V is MN-major, transposed on load
+constexpr int WGMMA_ACCUMULATE = 1;  // scale-d of P.V: O always accumulates
+
+// S (+)= Q.K^T over one k16 step, one warpgroup: A = 64 rows of Q, B = K, both from shared
+// memory. accumulate = 0 starts S from zero.
 __device__ __forceinline__ void wgmma_qk(float (&d)[S_N_FRAGS][4], unsigned long long a, unsigned long long b,
                                          int accumulate) {
   asm volatile(
@@ -140,7 +162,7 @@ __device__ __forceinline__ void wgmma_qk(float (&d)[S_N_FRAGS][4], unsigned long
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { "
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      "%32, %33, p, %35, %36, %37, %38;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
         "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
         "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -149,11 +171,12 @@ __device__ __forceinline__ void wgmma_qk(float (&d)[S_N_FRAGS][4], unsigned long
         "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(a), "l"(b), "r"(accumulate));
+      : "l"(a), "l"(b), "r"(accumulate), "n"(WGMMA_SCALE_A), "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_A),
+        "n"(WGMMA_TRANS_K));
 }
 
 // O += P.V over one k16 step (16 keys), one warpgroup: A = P from registers (the S accumulator
-// layout, packed to bfloat16 pairs), B = V row-major, i.e. MN-major: transposed by wgmma.
+// layout, packed to bfloat16 pairs), B = V from shared memory.
 __device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigned (&a)[4], unsigned long long b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
@@ -166,7 +189,7 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigne
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 }, "
-      "{ %128, %129, %130, %131 }, %132, p, 1, 1, 1;\n}\n"
+      "{ %128, %129, %130, %131 }, %132, p, %134, %135, %136;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
         "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
         "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -199,20 +222,17 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigne
         "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
         "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
         "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(WGMMA_ACCUMULATE), "n"(WGMMA_SCALE_A),
+        "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_V));
 }
 
-// Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
+// O += P.V over a V tile, committed as one wgmma group. V's 64-column atoms are ATOM_BYTES
+// apart (the leading byte offset), its 8-key groups ROW_GROUP_BYTES (the stride byte offset).
+__device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
+  const unsigned long long v_desc = smem_desc(v_tile, ATOM_BYTES, ROW_GROUP_BYTES);
+#pragma unroll
+  for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((ks * V_STEP_BYTES) >> DESC_UNIT_SHIFT));
+  wgmma_commit();
 }
 
 // ---- shared-memory tiles ---------------------------------------------------------------
@@ -223,36 +243,24 @@ __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multip
   return ((row >> 3) * ATOMS_PER_ROW + (col >> 6)) * ATOM_ELEMS + (row & 7) * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3);
 }
 
-// Copy rows [row0, row0 + ROWS) of a [n, HEAD_DIM] global matrix (row stride `stride`) into
+// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
 // a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
 template <int ROWS>
 __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
                                                 long long stride, int row0, int n, int tid) {
-  if constexpr (THREADS % CHUNKS_PER_ROW == 0) {
-    // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
-    // of a 64-bit multiply, and far fewer live registers.
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-    const int col = (tid % CHUNKS_PER_ROW) * 8;
-    int row = tid / CHUNKS_PER_ROW;
-    const elem_t* g = src + (long long)(row0 + row) * stride + col;
+  // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
+  // of a 64-bit multiply, and far fewer live registers.
+  const int col = (tid % CHUNKS_PER_ROW) * 8;
+  int row = tid / CHUNKS_PER_ROW;
+  const elem_t* g = src + (long long)(row0 + row) * stride + col;
 #pragma unroll
-    for (int pass = 0; pass < (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++pass) {
-      if (ROWS % ROWS_PER_PASS == 0 || row < ROWS) {
-        const bool in_range = row0 + row < n;
-        cp_async_cg16(tile + 2 * smem_offset(row, col), in_range ? g : src, in_range);
-      }
-      row += ROWS_PER_PASS;
-      g += ROWS_PER_PASS * stride;
-    }
-  } else {  // rows of 12 chunks (head_dim 96): walk the chunks of the tile in order
-    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-#pragma unroll
-    for (int c = tid; c < CHUNKS; c += THREADS) {
-      const int row = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
+  for (int pass = 0; pass < (ROWS + COPY_ROWS_PER_PASS - 1) / COPY_ROWS_PER_PASS; ++pass) {
+    if (ROWS % COPY_ROWS_PER_PASS == 0 || row < ROWS) {
       const bool in_range = row0 + row < n;
-      cp_async_cg16(tile + 2 * smem_offset(row, col), in_range ? src + (long long)(row0 + row) * stride + col : src,
-                    in_range);
+      cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? g : src, in_range);
     }
+    row += COPY_ROWS_PER_PASS;
+    g += COPY_ROWS_PER_PASS * stride;
   }
 }
 
@@ -264,25 +272,18 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
 // Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
 
 struct Mask {
-  int n_q, n_kv, offset;
+  int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
+  int offset;
 
-  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int offset_, int b, int h, int q0_) {
-    n_q = n_q_;
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
     n_kv = n_kv_;
+    int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     offset = offset_;
     const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
-    int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     hi = min(n_kv, q_last + offset + 1);
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
-  }
-
-  // Keep the `per_split` tiles of split `split` (split-KV: one block per split of a row's tiles).
-  __device__ __forceinline__ void restrict_to_split(int split, int per_split) {
-    const int skip = split * per_split;
-    first += skip;
-    count = max(0, min(count - skip, per_split));
   }
 
   __device__ __forceinline__ int kv_tile(int i) const { return first + i; }
@@ -295,7 +296,8 @@ struct Mask {
     return !full || k1 >= n_kv;
   }
 
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx) const {
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
     bool active = kv_idx < n_kv;
     active &= kv_idx <= q_idx + offset;
     return active;
@@ -311,22 +313,29 @@ struct Mask {
 // stage. No block-wide barrier: a warpgroup runs ahead of the other by up to a stage.
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
-  unsigned landed, freed;  // KV_STAGES mbarriers each, 8 bytes apart
+  unsigned landed, freed;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
   const elem_t* k;
   const elem_t* v;
   long long k_stride, v_stride;
   int n_kv, tiles, tid;
 
-  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + 2 * KV_TILE_ELEMS * (j % KV_STAGES); }
-  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + 2 * KV_TILE_ELEMS * (j % KV_STAGES); }
+  // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
+  __device__ __forceinline__ KvPipeline(unsigned ring, const elem_t* k_, const elem_t* v_, long long k_stride_,
+                                        long long v_stride_, int n_kv_, int tiles_, int tid_)
+      : k_ring(ring), v_ring(ring + KV_RING_BYTES), landed(v_ring + KV_RING_BYTES),
+        freed(landed + KV_STAGES * MBARRIER_BYTES), k(k_), v(v_), k_stride(k_stride_), v_stride(v_stride_),
+        n_kv(n_kv_), tiles(tiles_), tid(tid_) {}
+
+  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
+  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
 
   // One thread sets the barriers up; the block syncs once before anyone uses them.
   __device__ __forceinline__ void init() const {
     if (tid == 0) {
 #pragma unroll
       for (int s = 0; s < KV_STAGES; ++s) {
-        mbarrier_init(landed + 8 * s, THREADS);
-        mbarrier_init(freed + 8 * s, THREADS);
+        mbarrier_init(landed + MBARRIER_BYTES * s, THREADS);
+        mbarrier_init(freed + MBARRIER_BYTES * s, THREADS);
       }
     }
     __syncthreads();
@@ -334,10 +343,10 @@ struct KvPipeline {
 
   __device__ __forceinline__ void issue(int g, const Mask& mask) const {
     const int stage = g % KV_STAGES;
-    if (g >= KV_STAGES) mbarrier_wait(freed + 8 * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
+    if (g >= KV_STAGES) mbarrier_wait(freed + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
     if (g < tiles) copy_tile_async<BLOCK_KV>(k_slot(g), k, k_stride, mask.kv_tile(g) * BLOCK_KV, n_kv, tid);
     if (g >= 1 && g <= tiles) copy_tile_async<BLOCK_KV>(v_slot(g - 1), v, v_stride, mask.kv_tile(g - 1) * BLOCK_KV, n_kv, tid);
-    cp_async_arrive(landed + 8 * stage);
+    cp_async_arrive(landed + MBARRIER_BYTES * stage);
   }
 
   __device__ __forceinline__ void prologue(const Mask& mask) const {
@@ -347,48 +356,21 @@ struct KvPipeline {
 
   // Group g is in smem for every thread, and visible to wgmma's async proxy.
   __device__ __forceinline__ void wait(int g) const {
-    mbarrier_wait(landed + 8 * (g % KV_STAGES), (g / KV_STAGES) & 1);
+    mbarrier_wait(landed + MBARRIER_BYTES * (g % KV_STAGES), (g / KV_STAGES) & 1);
     fence_async_smem();
   }
 
   // This thread's MMAs reading group g are complete.
-  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(freed + 8 * (g % KV_STAGES)); }
+  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(freed + MBARRIER_BYTES * (g % KV_STAGES)); }
 };
 
-// ---- score modifiers -------------------------------------------------------------------
-// s = q.k * scale, then in natural units; the
-// softmax then works in log2 units (times LOG2E).
-struct ScoreMod {
-  float scale;
-
-  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int b, int h, float scale_) {
-    scale = scale_;
-  }
-
-  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
-    s *= scale;
-    return s;
-  }
-};
-
-// The tile's scores in place: modifiers, then the mask, which tests elements only on tiles
-// that cross one of its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and
-// keys 2t, 2t + 1 of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
-__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod,
+// ---- scores ----------------------------------------------------------------------------
+// The mask on the tile's scores, in place: it tests elements only on tiles that cross one of
+// its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and keys 2t, 2t + 1
+// of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
+__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
                                            Mask& mask, int j, int b, int h, int kv0, int warp_q0,
                                            int warp_q_last, int lane) {
-  if constexpr (SCORE_MOD) {
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
-          const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
-        }
-  }
   if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
@@ -398,7 +380,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
         for (int e = 0; e < 4; ++e) {
           const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki)) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
         }
   }
 }
@@ -422,7 +404,8 @@ struct OnlineSoftmax {
   }
 
   // Turn the tile's scores into probabilities in place; alpha = exp2(m_old - m_new) is what O
-  // (kept apart: wgmma may still be adding the previous tile into it) must be rescaled by.
+  // (kept apart: an asynchronous MMA may still be adding the previous tile into it) must be
+  // rescaled by.
   __device__ __forceinline__ void update(float (&s)[M_FRAGS][S_N_FRAGS][4], float to_log2,
                                          float (&alpha)[M_FRAGS][2]) {
 #pragma unroll
@@ -466,11 +449,12 @@ struct OnlineSoftmax {
 // ---- epilogue --------------------------------------------------------------------------
 // Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
 // warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf. With sinks, the head's sink
-// logit joins the max and the denominator here, once: it carries no value.
+// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q, out_t* __restrict__ out, long long out_stride,
-                                             float* __restrict__ lse, int row0, int n_q, int lane, float sink) {
+                                             elem_t* smem_q,
+                                             out_t* __restrict__ out, long long out_stride,
+                                             float* __restrict__ lse,
+                                             int row0, int n_q, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f) {
@@ -479,14 +463,8 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       float l = sm.l[f][h];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
-      float m = sm.m[f][h], alpha = 1.f;
-      if constexpr (SINKS) {
-        const float sink_log2 = sink * LOG2E, m_new = fmaxf(m, sink_log2);
-        alpha = fast_exp2(m - m_new);  // 0 when no key was seen
-        l = l * alpha + fast_exp2(sink_log2 - m_new);
-        m = m_new;
-      }
-      const float inv = l == 0.f ? 0.f : alpha / l;  // a NaN score leaves l NaN: it must reach O and LSE
+      const float m = sm.m[f][h];
+      const float inv = l == 0.f ? 0.f : 1.f / l;  // a NaN score leaves l NaN: it must reach O and LSE
       const int row = f * 16 + h * 8 + g;  // within the warp's rows
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
@@ -494,16 +472,13 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
         *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
             pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
       }
-      if constexpr (WRITE_LSE) {
-        const int q = row0 + row;
-        if (t == 0 && q < n_q) lse[q] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
-      }
+      const int q = row0 + row;
+      if (t == 0 && q < n_q) lse[q] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
   }
   __syncwarp();
-  constexpr int CHUNKS = WARP_ROWS * CHUNKS_PER_ROW;
 #pragma unroll
-  for (int c = lane; c < CHUNKS; c += 32) {
+  for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
     const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
     if (row < n_q)
       *reinterpret_cast<chunk16*>(out + row * out_stride + col) =
@@ -511,32 +486,25 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
   }
 }
 
-// O += P.V over a V tile, committed as one wgmma group. V's 64-column atoms are 1024 bytes
-// apart (the leading byte offset), its 8-key groups ROW_GROUP_BYTES (the stride byte offset).
-__device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
-  const unsigned long long v_desc = smem_desc(v_tile, ATOM_ELEMS * 2, ROW_GROUP_BYTES);
-#pragma unroll
-  for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((2 * ks * ROW_GROUP_BYTES) >> 4));
-  wgmma_commit();
-}
-
 // ---- the kernel ------------------------------------------------------------------------
 // Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
-// q: [B, Hq, n_q, HEAD_DIM], k, v: [B, Hkv, n_kv, HEAD_DIM], o like q, any strides with a
+// q: [B, Hq, n_q, head_dim], k, v: [B, Hkv, n_kv, head_dim], o like q, any strides with a
 // contiguous last dim; lse: [B, Hq, n_q] f32. Query head h reads KV head h / group (GQA).
-// Each warpgroup owns 64 query rows; warp w of it owns rows 16w..16w+15 of those, so every
-// per-row step (mask, softmax, epilogue) is the mma.sync kernel's with one m16 fragment.
+// One block per SM is enough to let ptxas use every register it needs (no spills).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fagen_attn_bf16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
     out_t* __restrict__ o, float* __restrict__ lse, int n_q, int n_kv, int mask_offset, int heads_q, int group,
     long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
     long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
     float scale, float scale_log2) {
-  extern __shared__ __align__(1024) chunk16 smem_chunks[];  // swizzle atoms are 1024-byte aligned
+  extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
   const unsigned smem_q_u32 = smem_u32(smem_q);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warpgroup = warp / 4;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Each warpgroup owns 64 query rows; warp w of it owns rows 16w..16w+15 of those, so every
+  // per-row step (mask, softmax, epilogue) is the mma.sync kernel's with one m16 fragment.
+  const int warpgroup = warp / WARPGROUP_WARPS;
   const int b = blockIdx.x / heads_q, h = blockIdx.x % heads_q, h_kv = h / group;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
@@ -548,12 +516,8 @@ fagen_attn_bf16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __r
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0);
   const int kv_tiles = mask.count;
-  const unsigned k_ring = smem_u32(smem + Q_TILE_ELEMS), v_ring = k_ring + 2 * KV_STAGES * KV_TILE_ELEMS;
-  const unsigned landed = v_ring + 2 * KV_STAGES * KV_TILE_ELEMS;
-  const KvPipeline kv{k_ring, v_ring, landed, landed + 8 * KV_STAGES, k, v, k_sn, v_sn, n_kv, kv_tiles, tid};
-  ScoreMod score_mod;
-  score_mod.begin(n_q, n_kv, b, h, scale);
-  const float to_log2 = SCORE_MOD ? LOG2E : scale_log2;
+  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
+  const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
   // Phase 1: Q joins K_0 in load group 0; groups up to KV_STAGES - 2 follow at once.
@@ -562,16 +526,14 @@ fagen_attn_bf16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __r
   kv.prologue(mask);
 
   // The warpgroup's 64 rows of Q: 8-row groups ROW_GROUP_BYTES apart (the stride byte offset);
-  // a k16 step moves 32 bytes within an atom, then on to the next atom.
-  const unsigned long long q_desc = smem_desc(smem_q_u32 + warpgroup * (WARPGROUP_ROWS / 8) * ROW_GROUP_BYTES, 16, ROW_GROUP_BYTES);
+  // a k16 step moves K_STEP_BYTES within an atom, then on to the next atom.
+  const unsigned long long q_desc = smem_desc(smem_q_u32 + warpgroup * WARPGROUP_Q_BYTES, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
+
   float o_acc[M_FRAGS][O_N_FRAGS][4] = {};
-  unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
   OnlineSoftmax softmax;
   softmax.init();
-  // Ping-pong: the warpgroups take turns issuing MMAs (named barrier 1 + w is warpgroup w's
-  // turn), so one's softmax runs while the other's MMAs keep the tensor cores busy.
-  const int my_turn = 1 + warpgroup, next_turn = 1 + (warpgroup + 1) % WARPGROUPS;
-  if (PINGPONG && warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(1, THREADS);  // warpgroup 0 starts
+
+  unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
@@ -581,17 +543,16 @@ fagen_attn_bf16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __r
 
     // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
     float s[M_FRAGS][S_N_FRAGS][4];
-    const unsigned long long k_desc = smem_desc(kv.k_slot(j), 16, ROW_GROUP_BYTES);
-    if (PINGPONG) named_barrier_sync(my_turn, THREADS);
+    const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < QK_K_STEPS; ++ks) {
-      const int step = ((ks / 4) * ATOM_ELEMS * 2 + (ks % 4) * 32) >> 4;  // 16-byte units
+      const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
       wgmma_qk(s[0], q_desc + step, k_desc + step, ks > 0);
     }
     wgmma_commit();
-    // Without ping-pong the warpgroups run abreast: refill step j - 1's stage now, under the MMAs.
-    if constexpr (!PINGPONG) kv.issue(j + KV_STAGES - 1, mask);
+    // The warpgroups run abreast: refill step j - 1's stage now, under the MMAs.
+    kv.issue(j + KV_STAGES - 1, mask);
     if (j > 0) issue_pv(o_acc[0], p, kv.v_slot(j - 1));
     if (j > 0) {
       wgmma_wait<1>();  // S_j is done; P_(j-1).V_(j-1) may still run
@@ -599,12 +560,9 @@ fagen_attn_bf16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __r
       wgmma_wait<0>();
     }
     pin_registers(s[0]);
-    // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
-    // serialise the wgmmas.)
-    if (PINGPONG) named_barrier_arrive(next_turn, THREADS);
 
-    // Phase 4: score modifiers, the mask and the softmax of tile j while P.V_(j-1) finishes.
-    score_tile(s, score_mod, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
+    // Phase 4: the mask and the softmax of tile j while P.V_(j-1) finishes.
+    score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
     float alpha[M_FRAGS][2];
     softmax.update(s, to_log2, alpha);
     wgmma_wait<0>();  // O holds tiles up to j - 1 now: rescale it, and P's registers are free
@@ -618,24 +576,22 @@ fagen_attn_bf16_d256_causal_h200(const elem_t* __restrict__ q, const elem_t* __r
       p[ks][3] = pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
     }
 
-    // Phase 5: this thread is done with group j. With ping-pong, refill step j - 1's stage only
-    // now: the other warpgroup, half a step behind, has just finished with it.
+    // Phase 5: this thread is done with group j.
     kv.release(j);
-    if constexpr (PINGPONG) kv.issue(j + KV_STAGES - 1, mask);
   }
 
-  // Phase 6: the last tile's P.V, then normalise and write O (and LSE).
+  // Phase 6: the last tile's P.V.
   kv.wait(kv_tiles);  // group kv_tiles: V of the last tile (with no tiles: Q alone)
   if (kv_tiles > 0) {
-    if (PINGPONG) named_barrier_sync(my_turn, THREADS);
     wgmma_fence();
     issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
     wgmma_wait<0>();
     pin_registers(o_acc[0]);
-    if (PINGPONG && warpgroup == 0) named_barrier_arrive(next_turn, THREADS);  // warpgroup 1's last turn
   }
-  // The output pointers are formed only now: kept out of the KV loop, they hold no registers.
+
+  // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
+  // the KV loop, they hold no registers.
   o += b * o_sb + h * o_sh + q0 * o_sn;
   lse += ((long long)b * heads_q + h) * n_q + q0;
-  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane, 0.f);
+  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane);
 }

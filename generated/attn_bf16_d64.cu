@@ -34,31 +34,28 @@
 typedef unsigned short elem_t;  // bfloat16 storage; all arithmetic is in f32 registers
 struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 typedef elem_t out_t;
-constexpr int HEAD_DIM = 64;
 constexpr int BLOCK_Q = 64;            // Br: query rows per block
 constexpr int BLOCK_KV = 64;           // Bc: keys per KV tile
-constexpr int WARPS = 4;
 constexpr int THREADS = 128;
-constexpr int WARP_ROWS = BLOCK_Q / WARPS;     // each warp owns whole rows: softmax needs no smem
+constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
 constexpr int S_N_FRAGS = 8;           // n8 fragments of S per warp (keys)
 constexpr int O_N_FRAGS = 8;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 4;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 8;      // 16-byte chunks in a head_dim row
-constexpr int SMEM_ROW = 72;           // elements between smem rows
+constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
+constexpr int OUT_CHUNKS_PER_WARP = 128;  // 16-byte chunks of a warp's rows of O
+constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 4608;
-constexpr int KV_TILE_ELEMS = 4608;
-constexpr int KV_SLOTS = 2;            // smem tiles in the KV ring
-static_assert(CHUNKS_PER_ROW * 8 == HEAD_DIM && SMEM_ROW % 8 == 0, "rows are whole 16-byte chunks");
-constexpr bool SWIZZLED = false;
-constexpr bool Q_IN_REGISTERS = false;
-constexpr bool WRITE_LSE = true;
-constexpr bool SCORE_MOD = false;       // scores change before the mask
-constexpr bool SINKS = false;
+constexpr int KV_TILE_BYTES = 9216;     // one KV tile: the stride between ring slots
 constexpr float LN2 = 0.6931471805599453f;
-constexpr float LOG2E = 1.4426950408889634f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
+
+// mma.sync main loop: padded or swizzled smem rows, a ring of KV_SLOTS tiles.
+constexpr int SMEM_ALIGN = 16;          // bytes: cp.async and ldmatrix move 16-byte chunks
+constexpr int SMEM_ROW = 72;           // elements between smem rows
+constexpr int KV_SLOTS = 2;            // smem tiles in the KV ring
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 // Inline PTX keeps the kernel free of CUDA headers: NVRTC compiles it as is.
@@ -73,6 +70,22 @@ __device__ __forceinline__ void cp_async_cg16(unsigned dst, const void* src, boo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(dst), "l"(src), "r"(in_range ? 16 : 0));
 }
+
+// Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// cp.async groups: every thread commits its copies as a group and waits for all but the
+// newest N groups.
 __device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
@@ -95,61 +108,32 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // ---- shared-memory tiles ---------------------------------------------------------------
-// Rows of HEAD_DIM elements; ldmatrix reads 8 rows x 16 bytes at once, which must fall in 8
+// Rows of SMEM_ROW elements; ldmatrix reads 8 rows x 16 bytes at once, which must fall in 8
 // distinct 16-byte bank groups.
 // Padded: each row is 16 bytes longer than the data, shifting row r by r bank groups.
 __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multiple of 8
-  if constexpr (SWIZZLED) {
-    return row * SMEM_ROW + (((col >> 3) ^ (row & 7)) << 3);
-  } else {
-    return row * SMEM_ROW + col;
-  }
+  return row * SMEM_ROW + col;
 }
 
-// Copy rows [row0, row0 + ROWS) of a [n, HEAD_DIM] global matrix (row stride `stride`) into
+// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
 // a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
 template <int ROWS>
 __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
                                                 long long stride, int row0, int n, int tid) {
-  if constexpr (THREADS % CHUNKS_PER_ROW == 0) {
-    // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
-    // of a 64-bit multiply, and far fewer live registers.
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-    const int col = (tid % CHUNKS_PER_ROW) * 8;
-    int row = tid / CHUNKS_PER_ROW;
-    const elem_t* g = src + (long long)(row0 + row) * stride + col;
+  // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
+  // of a 64-bit multiply, and far fewer live registers.
+  const int col = (tid % CHUNKS_PER_ROW) * 8;
+  int row = tid / CHUNKS_PER_ROW;
+  const elem_t* g = src + (long long)(row0 + row) * stride + col;
 #pragma unroll
-    for (int pass = 0; pass < (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++pass) {
-      if (ROWS % ROWS_PER_PASS == 0 || row < ROWS) {
-        const bool in_range = row0 + row < n;
-        cp_async_cg16(tile + 2 * smem_offset(row, col), in_range ? g : src, in_range);
-      }
-      row += ROWS_PER_PASS;
-      g += ROWS_PER_PASS * stride;
-    }
-  } else {  // rows of 12 chunks (head_dim 96): walk the chunks of the tile in order
-    constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
-#pragma unroll
-    for (int c = tid; c < CHUNKS; c += THREADS) {
-      const int row = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
+  for (int pass = 0; pass < (ROWS + COPY_ROWS_PER_PASS - 1) / COPY_ROWS_PER_PASS; ++pass) {
+    if (ROWS % COPY_ROWS_PER_PASS == 0 || row < ROWS) {
       const bool in_range = row0 + row < n;
-      cp_async_cg16(tile + 2 * smem_offset(row, col), in_range ? src + (long long)(row0 + row) * stride + col : src,
-                    in_range);
+      cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? g : src, in_range);
     }
+    row += COPY_ROWS_PER_PASS;
+    g += COPY_ROWS_PER_PASS * stride;
   }
 }
 
@@ -161,23 +145,14 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
 // Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
 
 struct Mask {
-  int n_q, n_kv, offset;
+  int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
 
-  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int offset_, int b, int h, int q0_) {
-    n_q = n_q_;
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
     n_kv = n_kv_;
-    offset = offset_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
-  }
-
-  // Keep the `per_split` tiles of split `split` (split-KV: one block per split of a row's tiles).
-  __device__ __forceinline__ void restrict_to_split(int split, int per_split) {
-    const int skip = split * per_split;
-    first += skip;
-    count = max(0, min(count - skip, per_split));
   }
 
   __device__ __forceinline__ int kv_tile(int i) const { return first + i; }
@@ -190,7 +165,8 @@ struct Mask {
     return !full || k1 >= n_kv;
   }
 
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx) const {
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
     bool active = kv_idx < n_kv;
     return active;
   }
@@ -201,8 +177,8 @@ struct Mask {
 // next tile follows the mask's list, not the next position) through a ring of
 // KV_SLOTS smem tiles, slot i % KV_SLOTS. Load i is issued once load i - KV_SLOTS has been
 // consumed, so KV_SLOTS - 1 loads are always in flight:
-//   1 slot:  the seed's shared-KV: K_j, then V_j into the same buffer (V overlaps softmax);
-//   2 slots: the seed's prefetch: V_j in flight during Q.K_j^T, K_j+1 during P.V_j;
+//   1 slot:  K_j, then V_j into the same buffer (V's load overlaps the softmax);
+//   2 slots: V_j in flight during Q.K_j^T, K_j+1 during P.V_j;
 //   more:    deeper prefetch.
 // Every step commits exactly one cp.async group (empty past the last tile), so "load c has
 // landed" is always wait_group<KV_SLOTS - 1>, whatever the tile count.
@@ -213,7 +189,12 @@ struct KvPipeline {
   long long k_stride, v_stride;
   int n_kv, loads, tid;
 
-  __device__ __forceinline__ unsigned slot(int i) const { return ring + 2 * KV_TILE_ELEMS * (i % KV_SLOTS); }
+  // The ring starts at `ring_`, right after the Q tile; K and V of `tiles` tiles stream through it.
+  __device__ __forceinline__ KvPipeline(unsigned ring_, const elem_t* k_, const elem_t* v_, long long k_stride_,
+                                        long long v_stride_, int n_kv_, int tiles, int tid_)
+      : ring(ring_), k(k_), v(v_), k_stride(k_stride_), v_stride(v_stride_), n_kv(n_kv_), loads(2 * tiles), tid(tid_) {}
+
+  __device__ __forceinline__ unsigned slot(int i) const { return ring + KV_TILE_BYTES * (i % KV_SLOTS); }
 
   __device__ __forceinline__ void issue(int i, const Mask& mask) const {
     if (i < loads) {
@@ -242,40 +223,13 @@ struct KvPipeline {
   }
 };
 
-// ---- score modifiers -------------------------------------------------------------------
-// s = q.k * scale, then in natural units; the
-// softmax then works in log2 units (times LOG2E).
-struct ScoreMod {
-  float scale;
-
-  __device__ __forceinline__ void begin(int n_q_, int n_kv_, int b, int h, float scale_) {
-    scale = scale_;
-  }
-
-  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
-    s *= scale;
-    return s;
-  }
-};
-
-// The tile's scores in place: modifiers, then the mask, which tests elements only on tiles
-// that cross one of its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and
-// keys 2t, 2t + 1 of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
-__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod,
+// ---- scores ----------------------------------------------------------------------------
+// The mask on the tile's scores, in place: it tests elements only on tiles that cross one of
+// its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and keys 2t, 2t + 1
+// of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
+__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
                                            Mask& mask, int j, int b, int h, int kv0, int warp_q0,
                                            int warp_q_last, int lane) {
-  if constexpr (SCORE_MOD) {
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
-          const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
-        }
-  }
   if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
@@ -285,7 +239,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
         for (int e = 0; e < 4; ++e) {
           const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki)) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
         }
   }
 }
@@ -309,7 +263,8 @@ struct OnlineSoftmax {
   }
 
   // Turn the tile's scores into probabilities in place; alpha = exp2(m_old - m_new) is what O
-  // (kept apart: wgmma may still be adding the previous tile into it) must be rescaled by.
+  // (kept apart: an asynchronous MMA may still be adding the previous tile into it) must be
+  // rescaled by.
   __device__ __forceinline__ void update(float (&s)[M_FRAGS][S_N_FRAGS][4], float to_log2,
                                          float (&alpha)[M_FRAGS][2]) {
 #pragma unroll
@@ -353,11 +308,12 @@ struct OnlineSoftmax {
 // ---- epilogue --------------------------------------------------------------------------
 // Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
 // warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf. With sinks, the head's sink
-// logit joins the max and the denominator here, once: it carries no value.
+// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q, out_t* __restrict__ out, long long out_stride,
-                                             float* __restrict__ lse, int row0, int n_q, int lane, float sink) {
+                                             elem_t* smem_q,
+                                             out_t* __restrict__ out, long long out_stride,
+                                             float* __restrict__ lse,
+                                             int row0, int n_q, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f) {
@@ -366,14 +322,8 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       float l = sm.l[f][h];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
-      float m = sm.m[f][h], alpha = 1.f;
-      if constexpr (SINKS) {
-        const float sink_log2 = sink * LOG2E, m_new = fmaxf(m, sink_log2);
-        alpha = fast_exp2(m - m_new);  // 0 when no key was seen
-        l = l * alpha + fast_exp2(sink_log2 - m_new);
-        m = m_new;
-      }
-      const float inv = l == 0.f ? 0.f : alpha / l;  // a NaN score leaves l NaN: it must reach O and LSE
+      const float m = sm.m[f][h];
+      const float inv = l == 0.f ? 0.f : 1.f / l;  // a NaN score leaves l NaN: it must reach O and LSE
       const int row = f * 16 + h * 8 + g;  // within the warp's rows
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
@@ -381,16 +331,13 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
         *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
             pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
       }
-      if constexpr (WRITE_LSE) {
-        const int q = row0 + row;
-        if (t == 0 && q < n_q) lse[q] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
-      }
+      const int q = row0 + row;
+      if (t == 0 && q < n_q) lse[q] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
   }
   __syncwarp();
-  constexpr int CHUNKS = WARP_ROWS * CHUNKS_PER_ROW;
 #pragma unroll
-  for (int c = lane; c < CHUNKS; c += 32) {
+  for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
     const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
     if (row < n_q)
       *reinterpret_cast<chunk16*>(out + row * out_stride + col) =
@@ -400,7 +347,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 
 // ---- the kernel ------------------------------------------------------------------------
 // Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
-// q: [B, Hq, n_q, HEAD_DIM], k, v: [B, Hkv, n_kv, HEAD_DIM], o like q, any strides with a
+// q: [B, Hq, n_q, head_dim], k, v: [B, Hkv, n_kv, head_dim], o like q, any strides with a
 // contiguous last dim; lse: [B, Hq, n_q] f32. Query head h reads KV head h / group (GQA).
 // One block per SM is enough to let ptxas use every register it needs (no spills).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -409,7 +356,7 @@ fagen_attn_bf16_d64(const elem_t* __restrict__ q, const elem_t* __restrict__ k, 
     long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
     long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
     float scale, float scale_log2) {
-  extern __shared__ chunk16 smem_chunks[];  // 16-byte aligned, as cp.async and ldmatrix need
+  extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
   const unsigned smem_q_u32 = smem_u32(smem_q);
@@ -425,28 +372,14 @@ fagen_attn_bf16_d64(const elem_t* __restrict__ q, const elem_t* __restrict__ k, 
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0);
   const int kv_tiles = mask.count;
-  const KvPipeline kv{smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, 2 * kv_tiles, tid};
-  ScoreMod score_mod;
-  score_mod.begin(n_q, n_kv, b, h, scale);
-  const float to_log2 = SCORE_MOD ? LOG2E : scale_log2;
+  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
+  const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
   // Phase 1: Q tile (one group), then the first KV_SLOTS loads, all in flight together.
   copy_tile_async<BLOCK_Q>(smem_q_u32, q, q_sn, q0, n_q, tid);
   commit_group();
   kv.prologue(mask);
-
-  unsigned q_frag[Q_IN_REGISTERS ? M_FRAGS : 1][Q_IN_REGISTERS ? QK_K_STEPS : 1][4];
-  if constexpr (Q_IN_REGISTERS) {
-    // Q is read by every Q.K^T: keep its A fragments in registers instead of re-reading smem.
-    wait_group<KV_SLOTS>();
-    __syncthreads();
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int ks = 0; ks < QK_K_STEPS; ++ks)
-        ldmatrix_x4(q_frag[f][ks], smem_q_u32 + 2 * smem_offset(warp_row0 + f * 16 + (lane & 15), ks * 16 + (lane >> 4) * 8));
-  }
 
   float o_acc[M_FRAGS][O_N_FRAGS][4] = {};
   OnlineSoftmax softmax;
@@ -464,17 +397,12 @@ fagen_attn_bf16_d64(const elem_t* __restrict__ q, const elem_t* __restrict__ k, 
       unsigned a[M_FRAGS][4];
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f) {
-        if constexpr (Q_IN_REGISTERS) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) a[f][r] = q_frag[f][ks][r];
-        } else {
-          ldmatrix_x4(a[f], smem_q_u32 + 2 * smem_offset(warp_row0 + f * 16 + (lane & 15), ks * 16 + (lane >> 4) * 8));
-        }
+        ldmatrix_x4(a[f], smem_q_u32 + ELEM_BYTES * smem_offset(warp_row0 + f * 16 + (lane & 15), ks * 16 + (lane >> 4) * 8));
       }
 #pragma unroll
       for (int n = 0; n < S_N_FRAGS; n += 2) {
         unsigned kb[4];  // b0, b1 of key fragments n and n + 1
-        ldmatrix_x4(kb, k_tile + 2 * smem_offset(n * 8 + (lane >> 4) * 8 + (lane & 7), ks * 16 + ((lane >> 3) & 1) * 8));
+        ldmatrix_x4(kb, k_tile + ELEM_BYTES * smem_offset(n * 8 + (lane >> 4) * 8 + (lane & 7), ks * 16 + ((lane >> 3) & 1) * 8));
 #pragma unroll
         for (int f = 0; f < M_FRAGS; ++f) {
           mma_m16n8k16(s[f][n], a[f], kb[0], kb[1]);
@@ -484,8 +412,8 @@ fagen_attn_bf16_d64(const elem_t* __restrict__ q, const elem_t* __restrict__ k, 
     }
     kv.release(2 * j, mask);  // K_j's slot refills while softmax runs
 
-    // Phase 3: score modifiers, the mask, then online softmax (P stays in s).
-    score_tile(s, score_mod, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
+    // Phase 3: the mask, then online softmax (P stays in s).
+    score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
     float alpha[M_FRAGS][2];
     softmax.update(s, to_log2, alpha);
     softmax.rescale(o_acc, alpha);
@@ -507,7 +435,7 @@ fagen_attn_bf16_d64(const elem_t* __restrict__ q, const elem_t* __restrict__ k, 
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; n += 2) {
         unsigned vb[4];  // b0, b1 of head_dim fragments n and n + 1, transposed on the fly
-        ldmatrix_x4_trans(vb, v_tile + 2 * smem_offset(ks * 16 + (lane & 15), n * 8 + (lane >> 4) * 8));
+        ldmatrix_x4_trans(vb, v_tile + ELEM_BYTES * smem_offset(ks * 16 + (lane & 15), n * 8 + (lane >> 4) * 8));
 #pragma unroll
         for (int f = 0; f < M_FRAGS; ++f) {
           mma_m16n8k16(o_acc[f][n], p[f], vb[0], vb[1]);
@@ -518,13 +446,14 @@ fagen_attn_bf16_d64(const elem_t* __restrict__ q, const elem_t* __restrict__ k, 
     kv.release(2 * j + 1, mask);
   }
 
-  // Phase 5: normalise and write O (and LSE).
   if (kv_tiles == 0) {  // no key for any row: Q's copy is still the only thing in flight
     wait_group<0>();
     __syncthreads();
   }
-  // The output pointers are formed only now: kept out of the KV loop, they hold no registers.
+
+  // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
+  // the KV loop, they hold no registers.
   o += b * o_sb + h * o_sh + q0 * o_sn;
   lse += ((long long)b * heads_q + h) * n_q + q0;
-  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane, 0.f);
+  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane);
 }

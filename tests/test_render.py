@@ -69,3 +69,42 @@ def test_no_two_specs_render_the_same_kernel():
         body = render(spec).replace(spec.name, "NAME")
         assert body not in bodies, f"{spec.name} renders the kernel of {bodies.get(body)}"
         bodies[body] = spec.name
+
+
+# ---- the template tree -----------------------------------------------------------------------
+MASK_KINDS = ("none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask")
+SHARED = ("common", "masks", "score")  # partials every architecture renders
+
+
+def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
+    from fagen.render import TEMPLATES
+
+    for kind in MASK_KINDS:
+        assert (TEMPLATES / "masks" / f"{kind}.cu.j2").read_text().startswith('{% extends "common/mask.cu.j2" %}')
+    skeleton = (TEMPLATES / "kernel" / "forward.cu.j2").read_text()
+    for part in re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', skeleton):
+        assert (TEMPLATES / "sm80" / f"{part}.cu.j2").exists() and (TEMPLATES / "sm90" / f"{part}.cu.j2").exists()
+    assert sorted(p.name for p in (TEMPLATES / "sm80").iterdir()) == sorted(p.name for p in (TEMPLATES / "sm90").iterdir())
+
+
+def test_shared_partials_hold_no_architecture_switch():
+    from fagen.render import TEMPLATES
+
+    for folder in SHARED:
+        for path in (TEMPLATES / folder).glob("*.j2"):
+            jinja = " ".join(re.findall(r"{[%{](.*?)[%}]}", path.read_text(), re.S))
+            assert not re.search(r"\b(mma|mainloop|wgmma|pingpong|warpgroups|kv_stages|kv_slots)\b", jinja), path
+
+
+def test_kernels_emit_only_what_they_use():
+    def src(name):
+        return render(fagen.load_spec(SPECS / f"{name}.yaml"))
+
+    plain, qreg, d96 = src("attn_f16_d128"), src("flash_ring3_f16_d128_causal_qreg"), src("attn_f16_d96")
+    hopper, split = src("attn_f16_d128_h200"), src("attn_f16_d128_partial_h200")
+    assert "restrict_to_split" not in plain and "restrict_to_split(blockIdx.z" in split
+    assert "q_frag" not in plain and "q_frag[f][ks][r]" in qreg
+    assert "COPY_ROWS_PER_PASS" not in d96 and "walk the chunks" in d96 and "walk the chunks" not in plain
+    assert "SMEM_ROW" not in hopper and "commit_group()" not in hopper and "ldmatrix" not in hopper
+    assert "if constexpr" not in plain + qreg + hopper + split  # flags decide in the template
+    assert "float sink" not in plain and "ScoreMod" not in plain

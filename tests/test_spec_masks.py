@@ -272,16 +272,17 @@ def test_block_mask_renders_mask_words():
 
 def test_no_score_mod_renders_no_modifier_state():
     src = fagen.render(parse())
-    assert "constexpr bool SCORE_MOD = false" in src
-    assert "constexpr bool SINKS = false" in src
-    body = struct_body(src, "ScoreMod")
-    assert "slope" not in body and "bias" not in body
+    # no modifier: no ScoreMod at all, and the softmax folds the scale into its exp2
+    assert "struct ScoreMod" not in src and "score_mod." not in src
+    assert "const float to_log2 = scale_log2;" in src and "LOG2E" not in src
+    assert "float sink" not in src and "sinks[h]" not in src
     assert "SOFTCAP" not in src and "tanhf" not in src
 
 
 def test_score_mods_render_their_state():
     src = fagen.render(parse(score_mod={"softcap": 30.0, "alibi": "slopes", "bias": "matrix", "sinks": True}))
-    assert "constexpr bool SCORE_MOD = true" in src and "constexpr bool SINKS = true" in src
+    assert "const float to_log2 = LOG2E;" in src  # the modifiers apply the scale
+    assert "float sink)" in src and "sinks[h])" in src  # the epilogue takes the head's sink
     assert "constexpr float SOFTCAP = 30.0f;" in src
     body = struct_body(src, "ScoreMod")
     assert "float slope;" in body and "bias_bh" in body
@@ -292,7 +293,7 @@ def test_expressions_render_verbatim():
                              score_mod={"expression": "score * 0.5f"}))
     assert "active = active && ((q_idx + kv_idx) % 3 != 0);" in src
     assert "s = (score * 0.5f);" in src
-    assert "constexpr bool SCORE_MOD = true" in src
+    assert "struct ScoreMod" in src
 
 
 COMBOS = [
@@ -323,8 +324,11 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     # and the mask and score-mod structs receive their own parameters, in the same order
     mask_call = re.search(r"mask\.begin\(n_q, n_kv, mask_offset, b, h, q0(.*?)\);", src).group(1)
     assert [a.strip() for a in mask_call.split(",") if a.strip()] == [n for _, n in p.mask_params]
-    score_call = re.search(r"score_mod\.begin\(n_q, n_kv, b, h, scale(.*?)\);", src).group(1)
-    assert [a.strip() for a in score_call.split(",") if a.strip()] == [n for _, n in p.score_params]
+    score_call = re.search(r"score_mod\.begin\(n_q, n_kv, b, h, scale(.*?)\);", src)
+    if not spec.score_mod.changes_scores:
+        assert score_call is None and not p.score_params
+        return
+    assert [a.strip() for a in score_call.group(1).split(",") if a.strip()] == [n for _, n in p.score_params]
 
 
 # ---- values that would render a wrong kernel ----

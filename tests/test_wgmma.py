@@ -72,9 +72,14 @@ def test_render_emits_only_wgmma_and_the_shapes_of_the_plan():
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16" in src  # O: head_dim 128
     assert "fence.proxy.async.shared::cta" in src  # cp.async (generic) -> wgmma (async proxy)
     assert "ldmatrix.sync" not in src and "mma.sync.aligned" not in src
-    # the S accumulator list is 64 x 64 / 128 = 32 registers, the O list 64
+    # the S accumulator list is 64 x 64 / 128 = 32 registers, the O list 64; then the descriptors,
+    # scale-d and the named immediates (scale-a, scale-b, transpose-a, transpose-b)
     qk = src[src.index("void wgmma_qk"):src.index("void wgmma_pv")]
-    assert re.findall(r"%(\d+), %(\d+), p, 1, 1, 0, 0", qk) == [("32", "33")]
+    assert re.findall(r"%(\d+), %(\d+), p, %(\d+), %(\d+), %(\d+), %(\d+);", qk) == [("32", "33", "35", "36", "37", "38")]
+    assert '"r"(accumulate), "n"(WGMMA_SCALE_A), "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_A),' in qk
+    assert "%31 }" in qk and "%32 }" not in qk
+    pv = src[src.index("void wgmma_pv"):src.index("void issue_pv")]
+    assert "{ %64, %65, %66, %67 }, %68, p, %70, %71, %72;" in pv and '"r"(WGMMA_ACCUMULATE)' in pv
     bf = render(fagen.parse_spec(hopper(dtype="bfloat16")))
     assert "m64n128k16.f32.bf16.bf16" in bf and ".f16.f16" not in bf
 
@@ -106,7 +111,11 @@ def test_pingpong_needs_sm_90a_and_two_warpgroups():
 def test_pingpong_renders_the_turn_taking_and_late_refill():
     on = render(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
     off = render(fagen.parse_spec(hopper(pipeline={"stages": 3})))
-    assert "constexpr bool PINGPONG = true;" in on and "constexpr bool PINGPONG = false;" in off
+    assert "named_barrier_sync(my_turn, THREADS);" in on and "named_barrier" not in off
+    assert "constexpr int WARPGROUPS = 2;" in on and "WARPGROUPS" not in off
+    # the refill: after the release with ping-pong, under the MMAs without it
+    assert on.index("kv.release(j);") < on.index("kv.issue(j + KV_STAGES - 1, mask);")
+    assert off.index("kv.issue(j + KV_STAGES - 1, mask);") < off.index("kv.release(j);")
     assert plan(fagen.parse_spec(hopper(pipeline={"pingpong": True}))).pingpong
 
 
