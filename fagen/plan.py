@@ -134,6 +134,12 @@ class KernelPlan:
         """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
         return self.mask_params + self.score_params + self.sink_params + self.split_params
 
+    @property
+    def params(self) -> tuple[tuple[str, str], ...]:
+        """(C type, name) of every kernel parameter in signature order: the fixed ones, then
+        extra_params. The template prints the signature from it; the names are the C names."""
+        return KERNEL_FIXED_PARAMS + self.extra_params
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -286,11 +292,23 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     )
 
 
-# ---- template-side numbers ------------------------------------------------------------------
+# ---- template-side tables: the kernel signature, the wgmma numbers, the merge kernel ----------
 CHUNK_BYTES = CHUNK_ELEMS * ELEMENT_BYTES  # cp.async and ldmatrix move 16-byte chunks
 WARPGROUP_WARPS = 4  # a warpgroup: 4 consecutive warps, 64 rows of one wgmma.m64
 SWIZZLE_ATOM_ROWS = 8  # a 128-byte swizzle atom: 8 rows of 128 bytes
 SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES
+ELEM_PTR, OUT_PTR = "const elem_t* __restrict__", "out_t* __restrict__"
+# The kernel's parameters before extra_params, in signature order (elem_t and out_t are the
+# kernel's typedefs: the storage dtype, and f32 for split-KV partials).
+KERNEL_FIXED_PARAMS: tuple[tuple[str, str], ...] = (
+    (ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (OUT_PTR, "o"), ("float* __restrict__", "lse"),
+    ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
+    ("long long", "q_sb"), ("long long", "q_sh"), ("long long", "q_sn"),
+    ("long long", "k_sb"), ("long long", "k_sh"), ("long long", "k_sn"),
+    ("long long", "v_sb"), ("long long", "v_sh"), ("long long", "v_sn"),
+    ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
+    ("float", "scale"), ("float", "scale_log2"),
+)
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes")
 
@@ -332,3 +350,24 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int) -> dict[str, int]:
         "mbarrier_bytes": MBARRIER_BYTES,
     }
 
+
+@dataclass(frozen=True)
+class MergePlan:
+    """The split-KV merge kernel (templates/kernel/merge.cu.j2): one warp merges one row of O."""
+    out_dtype: str  # what it writes: float16, bfloat16, or float32 (a partial again)
+    threads: int  # a block's threads: the launch's block size
+    rows_per_block: int  # rows of O a block merges: the launch's grid is ceil(rows / rows_per_block)
+    params: tuple[tuple[str, str], ...]  # (C type, name) in signature order; out_t is its typedef
+
+
+MERGE_WARPS = 4
+MERGE_PARAMS: tuple[tuple[str, str], ...] = (
+    (FLOAT_PTR, "o_parts"), (FLOAT_PTR, "lse_parts"), (FLOAT_PTR, "sinks"), (OUT_PTR, "out"),
+    ("float* __restrict__", "lse"), ("int", "splits"), ("int", "rows"), ("int", "head_dim"), ("int", "heads"),
+    ("int", "n_q"), ("long long", "part_stride"), ("long long", "lse_part_stride"),
+    ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
+)
+
+
+def merge_plan(out_dtype: str) -> MergePlan:
+    return MergePlan(out_dtype=out_dtype, threads=32 * MERGE_WARPS, rows_per_block=MERGE_WARPS, params=MERGE_PARAMS)

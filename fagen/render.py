@@ -12,7 +12,7 @@ import jinja2
 import yaml
 
 from fagen import __version__
-from fagen.plan import plan
+from fagen.plan import merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec
 
@@ -85,7 +85,8 @@ def render_merge(out_dtype: str) -> str:
     if out_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
     return environment().get_template(MERGE_TEMPLATE).render(
-        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=PTX_TYPE.get(out_dtype, ""))
+        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=PTX_TYPE.get(out_dtype, ""),
+        plan=merge_plan(out_dtype))
 
 
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:

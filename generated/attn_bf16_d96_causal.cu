@@ -350,11 +350,31 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 // contiguous last dim; lse: [B, Hq, n_q] f32. Query head h reads KV head h / group (GQA).
 // One block per SM is enough to let ptxas use every register it needs (no spills).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-fagen_attn_bf16_d96_causal(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-    out_t* __restrict__ o, float* __restrict__ lse, int n_q, int n_kv, int mask_offset, int heads_q, int group,
-    long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
-    long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
-    float scale, float scale_log2) {
+fagen_attn_bf16_d96_causal(
+    const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k,
+    const elem_t* __restrict__ v,
+    out_t* __restrict__ o,
+    float* __restrict__ lse,
+    int n_q,
+    int n_kv,
+    int mask_offset,
+    int heads_q,
+    int group,
+    long long q_sb,
+    long long q_sh,
+    long long q_sn,
+    long long k_sb,
+    long long k_sh,
+    long long k_sn,
+    long long v_sb,
+    long long v_sh,
+    long long v_sn,
+    long long o_sb,
+    long long o_sh,
+    long long o_sn,
+    float scale,
+    float scale_log2) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;

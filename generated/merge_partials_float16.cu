@@ -5,22 +5,36 @@
 // normalised over its keys, and LSE_s. With m = max_s LSE_s (and the sink logit, if any):
 //   L = sum_s exp(LSE_s - m) [+ exp(sink - m)],  O = sum_s exp(LSE_s - m) O_s / L,
 //   LSE = m + log L. A row no partial saw (every LSE_s = -inf, no sink) gives O = 0, LSE = -inf.
-typedef unsigned short elem_t;
-constexpr int WARPS = 4;  // one warp per row; lanes stride over head_dim
+constexpr int THREADS = 128;
+constexpr int ROWS_PER_BLOCK = 4;  // one warp per row; lanes stride over head_dim
 #define NEG_INF __int_as_float(0xff800000)
 
-typedef elem_t out_t;
+typedef unsigned short out_t;  // float16 storage
 __device__ __forceinline__ out_t to_out(float x) {  // f32 -> float16, round to nearest even
   unsigned short r;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
   return r;
 }
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-merge_partials_float16(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, const float* __restrict__ sinks,
-    out_t* __restrict__ out, float* __restrict__ lse, int splits, int rows, int head_dim, int heads, int n_q,
-    long long part_stride, long long lse_part_stride, long long o_sb, long long o_sh, long long o_sn) {
-  const int row = blockIdx.x * WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+// Grid: ceil(rows / ROWS_PER_BLOCK) blocks of THREADS.
+extern "C" __global__ void __launch_bounds__(THREADS)
+merge_partials_float16(
+    const float* __restrict__ o_parts,
+    const float* __restrict__ lse_parts,
+    const float* __restrict__ sinks,
+    out_t* __restrict__ out,
+    float* __restrict__ lse,
+    int splits,
+    int rows,
+    int head_dim,
+    int heads,
+    int n_q,
+    long long part_stride,
+    long long lse_part_stride,
+    long long o_sb,
+    long long o_sh,
+    long long o_sn) {
+  const int row = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= rows) return;
   const int b = row / (heads * n_q), h = (row / n_q) % heads, q = row % n_q;
 

@@ -96,6 +96,17 @@ def test_shared_partials_hold_no_architecture_switch():
             assert not re.search(r"\b(mma|mainloop|wgmma|pingpong|warpgroups|kv_stages|kv_slots)\b", jinja), path
 
 
+def test_templates_print_numbers_they_do_not_compute():
+    """File-scope constants are the plan's (or spec's) numbers, printed; the named PTX encodings
+    and math constants are the exceptions."""
+    from fagen.render import TEMPLATES
+
+    for path in TEMPLATES.rglob("*.j2"):
+        for name, value in re.findall(r"^constexpr \w+(?: \w+)? (\w+) = ([^;]*);", path.read_text(), re.M):
+            if not name.startswith(("WGMMA_", "DESC_", "KMAJOR_", "TURN_", "BLOCK_MASKED", "LN2", "LOG2E")):
+                assert re.fullmatch(r"{{ [\w.]+( or 0)? }}f?", value), (path.name, name, value)
+
+
 def test_kernels_emit_only_what_they_use():
     def src(name):
         return render(fagen.load_spec(SPECS / f"{name}.yaml"))
@@ -108,3 +119,14 @@ def test_kernels_emit_only_what_they_use():
     assert "SMEM_ROW" not in hopper and "commit_group()" not in hopper and "ldmatrix" not in hopper
     assert "if constexpr" not in plain + qreg + hopper + split  # flags decide in the template
     assert "float sink" not in plain and "ScoreMod" not in plain
+
+
+def test_merge_kernel_prints_its_plan():
+    from fagen.plan import merge_plan
+    from tests.test_spec_masks import kernel_params
+
+    for dtype in MERGE_DTYPES:
+        p, src = merge_plan(dtype), render_merge(dtype)
+        assert f"constexpr int THREADS = {p.threads};" in src and f"ROWS_PER_BLOCK = {p.rows_per_block};" in src
+        assert p.threads == 32 * p.rows_per_block  # one warp a row
+        assert kernel_params(src, merge_name(dtype)) == list(p.params)

@@ -321,6 +321,7 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     extra = [(t, n) for t, n in p.extra_params]
     assert [n for _, n in params] == FIXED_PARAMS + [n for _, n in extra]
     assert params[len(FIXED_PARAMS):] == extra  # the names in order, with the plan's C types
+    assert params == list(p.params)  # the whole signature is the plan's table
     # and the mask and score-mod structs receive their own parameters, in the same order
     mask_call = re.search(r"mask\.begin\(n_q, n_kv, mask_offset, b, h, q0(.*?)\);", src).group(1)
     assert [a.strip() for a in mask_call.split(",") if a.strip()] == [n for _, n in p.mask_params]
