@@ -41,6 +41,20 @@ def _check_layout(t: DeviceTensor, what: str) -> None:
                          f"/ 16 bytes for cp.async; pass a contiguous copy")
 
 
+# How a kernel parameter's C type travels through CuPy's launch: pointers as 64-bit addresses.
+C_SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "unsigned": np.uint32}
+
+
+def pack_arguments(params: tuple[tuple[str, str], ...], values: dict) -> tuple:
+    """The launch arguments in signature order, each converted to its C type: the plan's
+    parameter table drives both the kernel's signature and this packing."""
+    missing = [name for _, name in params if name not in values]
+    if missing:
+        raise ValueError(f"no value for kernel parameter(s) {missing}")
+    return tuple(np.uint64(values[name]) if "*" in ctype else C_SCALARS[ctype](values[name])
+                 for ctype, name in params)
+
+
 def cache_key(source: str, options: tuple[str, ...], arch: str) -> str:
     return hashlib.sha256("\0".join([source, *options, arch, __version__]).encode()).hexdigest()
 
@@ -192,15 +206,11 @@ class Kernel:
                 to = as_device_tensor(out, "out")
                 lse = empty_like(tq, (b, hq, nq), "float32")
                 tl = as_device_tensor(lse, "lse")
-            i32, i64 = np.int32, np.int64
-            args = (
-                np.uint64(tq.ptr), np.uint64(tk.ptr), np.uint64(tv.ptr), np.uint64(to.ptr), np.uint64(tl.ptr),
-                i32(nq), i32(nk), i32(mask_offset), i32(hq), i32(hq // tk.shape[1]),
-                *(i64(s) for s in tq.strides[:3]), *(i64(s) for s in tk.strides[:3]),
-                *(i64(s) for s in tv.strides[:3]), *(i64(s) for s in to.strides[:3]),
-                np.float32(scale), np.float32(scale * LOG2E),
-                *(extras[name] for _, name in self.plan.extra_params),
-            )
+            values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, o=to.ptr, lse=tl.ptr, n_q=nq, n_kv=nk, mask_offset=mask_offset,
+                          heads_q=hq, group=hq // tk.shape[1], scale=scale, scale_log2=scale * LOG2E, **extras)
+            for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
+                values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
+            args = pack_arguments(self.plan.params, values)
             grid = (b * hq, math.ceil(nq / self.plan.block_q), splits)
             self.function(grid, (self.plan.threads,), args, shared_mem=self.plan.smem_bytes)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued

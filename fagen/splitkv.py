@@ -15,7 +15,8 @@ import numpy as np
 from fagen import variants
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for
 from fagen.render import merge_name, render_merge
-from fagen.runtime import compile_kernel, default_spec
+from fagen.plan import merge_plan
+from fagen.runtime import compile_kernel, default_spec, pack_arguments
 from fagen.spec import AttentionSpec
 
 
@@ -59,12 +60,12 @@ def merge(o_parts, lse_parts, *, sinks=None, out=None, out_dtype: str | None = N
             held.append(arr)
             sink_ptr = np.uint64(arr.data.ptr)
         rows = b * h * n
-        i32, i64 = np.int32, np.int64
+        geometry = merge_plan(out_dtype)
+        values = dict(o_parts=tp.ptr, lse_parts=tl.ptr, sinks=sink_ptr, out=to.ptr, lse=as_device_tensor(lse, "lse").ptr,
+                      splits=s, rows=rows, head_dim=d, heads=h, n_q=n, part_stride=b * h * n * d,
+                      lse_part_stride=b * h * n, **dict(zip(("o_sb", "o_sh", "o_sn"), to.strides[:3])))
         _merge_function(out_dtype, tp.device)(
-            (math.ceil(rows / 4),), (128,),
-            (np.uint64(tp.ptr), np.uint64(tl.ptr), sink_ptr, np.uint64(to.ptr),
-             np.uint64(as_device_tensor(lse, "lse").ptr), i32(s), i32(rows), i32(d), i32(h), i32(n),
-             i64(b * h * n * d), i64(b * h * n), *(i64(x) for x in to.strides[:3])))
+            (math.ceil(rows / geometry.rows_per_block),), (geometry.threads,), pack_arguments(geometry.params, values))
         del held
     return out, lse
 

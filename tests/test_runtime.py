@@ -1,0 +1,48 @@
+"""fagen.runtime without a GPU: arguments packed by name from the plan's parameter table, and
+the shipped default each GPU gets."""
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen import device, runtime
+from fagen.load import SPECS
+from fagen.plan import merge_plan, plan
+from fagen.runtime import pack_arguments
+
+
+def values_for(params) -> dict:
+    return {name: i + 1 for i, (_, name) in enumerate(params)}
+
+
+@pytest.mark.parametrize("name", ["attn_f16_d128", "omni_prefetch_f16_d128", "document_causal_f16_d128",
+                                  "bias_matrix_f16_d64", "causal_softcap_sinks_f16_d128", "attn_f16_d128_h200"])
+def test_arguments_follow_the_signature_by_name(name):
+    p = plan(fagen.load_spec(SPECS / f"{name}.yaml"))
+    values = values_for(p.params)
+    args = pack_arguments(p.params, dict(reversed(values.items())))  # order of the dict does not matter
+    assert [int(a) if not isinstance(a, np.floating) else a for a in args] == list(values.values())
+    for (ctype, _), arg in zip(p.params, args):
+        expected = np.uint64 if "*" in ctype else runtime.C_SCALARS[ctype]
+        assert type(arg) is expected, (ctype, type(arg))
+
+
+def test_a_missing_argument_is_named():
+    p = plan(fagen.load_spec(SPECS / "document_causal_f16_d128.yaml"))
+    values = values_for(p.params)
+    del values["doc_ids"]
+    with pytest.raises(ValueError, match="doc_ids"):
+        pack_arguments(p.params, values)
+
+
+def test_the_merge_kernel_packs_from_its_plan():
+    m = merge_plan("float16")
+    assert m.threads == 32 * m.rows_per_block  # a warp a row
+    assert len(pack_arguments(m.params, values_for(m.params))) == len(m.params)
+
+
+@pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_bf16_d64_causal_h200"), ("h100", "attn_bf16_d64_causal_h200"),
+                                               ("a100", "attn_bf16_d64_causal"), (None, "attn_bf16_d64_causal")])
+def test_each_gpu_gets_its_tuned_default(monkeypatch, gpu, expected):
+    monkeypatch.setattr(device, "gpu_slug", lambda: gpu)
+    assert runtime.default_spec("bfloat16", 64, True).name == expected
