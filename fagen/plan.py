@@ -20,19 +20,19 @@ MAX_REGISTERS = 255
 # The register estimate: the accumulators (O, S; Q's fragments when q_in_registers; wgmma: P of
 # the previous tile) and what a kernel holds beside them -- addresses, loop and pipeline state,
 # the mask's and the score modifiers' per-element temporaries -- as costs per term below,
-# fitted by linear programming to ptxas -v on about 17,000 kernels (scripts/register_sweep.py:
-# random specs across the spec space and every tuner candidate of every shipped spec;
-# scripts/compile_matrix.py: every variant fagen.attention derives; sm_80, sm_86, sm_89, sm_90,
-# sm_90a) so that every kernel that spilled, on any of those archs, is predicted at least
+# fitted by linear programming to 32,204 ptxas -v runs (scripts/register_sweep.py: random specs
+# across the spec space, every tuner candidate of every shipped spec, the tilings variants fall
+# back to; scripts/compile_matrix.py: every variant fagen.attention derives; sm_80, sm_86, sm_89,
+# sm_90, sm_90a) so that every kernel that spilled, on any of those archs, is predicted at least
 # REGISTER_MARGIN over MAX_REGISTERS and every shipped spec at most MAX_REGISTERS - 1. Close to
 # the limit ptxas' allocation is not a function of these numbers (a d=256 tile spills with a
 # bias and fits with bias and softcap), so the estimate refuses some kernels that would just
 # fit: derived variants fall back to a smaller block_kv (fagen.variants.variant). notes/perf.md
 # has the data and the fit.
-REGISTER_MARGIN = {"mma_sync": 8, "wgmma": 4}
+REGISTER_MARGIN = {"mma_sync": 8, "wgmma": 4}  # the fit's; a record, not read
 REGISTER_COSTS = {
     "mma_sync": {
-        # base (mma.sync: by KV pipeline, kv_smem and stages): addresses, loop and pipeline state
+        # base, by KV pipeline (kv_smem and stages): addresses, loop and pipeline state
         "shared1": 78.72, "shared2": 30.64, "separate1": 30.64, "separate2": 14.07, "separate3": 20.81,
         # each accumulator or fragment register, with its share of the rest
         "o": 1.52, "s": 1.77, "q": 1.06,
@@ -46,7 +46,7 @@ REGISTER_COSTS = {
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
     },
     "wgmma": {  # s covers P too (half of S, packed)
-        # base (mma.sync: by KV pipeline, kv_smem and stages): addresses, loop and pipeline state
+        # base, and per stage of the KV ring: addresses, loop and pipeline state
         "base": 34.33, "stages": 1.85,
         # each accumulator or fragment register, with its share of the rest
         "o": 1.04, "s": 1.77,

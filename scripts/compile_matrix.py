@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 import time
 
@@ -71,14 +72,15 @@ def main() -> int:
         if bad:
             spills.append((base, arch, spec, r))
         table.append([family, base.name, arch, spec.name, describe(spec), spec.tiling.block_kv,
-                      plan(spec).predicted_registers, r.registers, r.stack_frame, r.spill_stores, r.spill_loads, ""])
+                      plan(spec).predicted_registers, r.registers, r.stack_frame, r.spill_stores, r.spill_loads, "",
+                      json.dumps(spec.model_dump(mode="json"))])
     for family, base, arch, err in refused:
-        table.append([family, base.name, arch, "", "", "", "", "", "", "", "", str(err).splitlines()[-1]])
+        table.append([family, base.name, arch, "", "", "", "", "", "", "", "", str(err).splitlines()[-1], ""])
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["family", "default", "arch", "variant", "mask_and_mods", "block_kv", "predicted",
-                        "registers", "stack", "spill_stores", "spill_loads", "refused"])
+                        "registers", "stack", "spill_stores", "spill_loads", "refused", "spec"])
             w.writerows(table)
 
     for base, arch, spec, r in spills:
