@@ -13,7 +13,7 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -45,14 +45,20 @@ def _check_layout(t: DeviceTensor, what: str) -> None:
 C_SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "unsigned": np.uint32}
 
 
-def pack_arguments(params: tuple[tuple[str, str], ...], values: dict) -> tuple:
-    """The launch arguments in signature order, each converted to its C type: the plan's
-    parameter table drives both the kernel's signature and this packing."""
-    missing = [name for _, name in params if name not in values]
-    if missing:
-        raise ValueError(f"no value for kernel parameter(s) {missing}")
-    return tuple(np.uint64(values[name]) if "*" in ctype else C_SCALARS[ctype](values[name])
-                 for ctype, name in params)
+def packers(params: tuple[tuple[str, str], ...]) -> tuple[tuple[str, type], ...]:
+    """(name, NumPy type) per kernel parameter, in signature order: pointers travel as 64-bit
+    addresses. Computed once a kernel; the plan's table drives the signature and the packing."""
+    return tuple((name, np.uint64 if "*" in ctype else C_SCALARS[ctype]) for ctype, name in params)
+
+
+def pack_arguments(typed: tuple[tuple[str, type], ...], values: dict) -> tuple:
+    """The launch arguments in signature order, each converted to its C type (`packers`), from
+    `values` by parameter name."""
+    try:
+        return tuple(convert(values[name]) for name, convert in typed)
+    except KeyError:
+        missing = [name for name, _ in typed if name not in values]
+        raise ValueError(f"no value for kernel parameter(s) {missing}") from None
 
 
 def cache_key(source: str, options: tuple[str, ...], arch: str) -> str:
@@ -110,6 +116,14 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.arch})"
+
+    @cached_property
+    def packers(self) -> tuple[tuple[str, type], ...]:
+        return packers(self.plan.params)
+
+    @cached_property
+    def takes_side_inputs(self) -> bool:
+        return bool(self.plan.mask_params or self.plan.score_params or self.plan.sink_params)
 
     def check(self, q, k, v, out=None) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
         """Refuse bad arguments with a message a person can act on, before any launch."""
@@ -210,7 +224,7 @@ class Kernel:
                           heads_q=hq, group=hq // tk.shape[1], scale=scale, scale_log2=scale * LOG2E, **extras)
             for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
                 values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-            args = pack_arguments(self.plan.params, values)
+            args = pack_arguments(self.packers, values)
             grid = (b * hq, math.ceil(nq / self.plan.block_q), splits)
             self.function(grid, (self.plan.threads,), args, shared_mem=self.plan.smem_bytes)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
@@ -222,6 +236,8 @@ class Kernel:
         Refuses an array the spec does not use, a missing one it needs, and wrong shapes, by the
         oracle's rules (fagen.side_inputs) and before anything reaches the device."""
         spec, (b, hq, nq, _), nk = self.spec, tq.shape, tk.shape[2]
+        if not self.takes_side_inputs and all(value is None for value in given.values()):
+            return {}, []  # the common launch: nothing to check or pass
         side_inputs.require_mask_inputs(spec.mask.kind, has_block_mask=given["block_mask"] is not None,
                                         has_doc_ids=given["doc_ids"] is not None)
         wants = {

@@ -16,7 +16,7 @@ from fagen import variants
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for
 from fagen.render import merge_name, render_merge
 from fagen.plan import merge_plan
-from fagen.runtime import compile_kernel, default_spec, pack_arguments
+from fagen.runtime import compile_kernel, default_spec, pack_arguments, packers
 from fagen.spec import AttentionSpec
 
 
@@ -65,7 +65,7 @@ def merge(o_parts, lse_parts, *, sinks=None, out=None, out_dtype: str | None = N
                       splits=s, rows=rows, head_dim=d, heads=h, n_q=n, part_stride=b * h * n * d,
                       lse_part_stride=b * h * n, **dict(zip(("o_sb", "o_sh", "o_sn"), to.strides[:3])))
         _merge_function(out_dtype, tp.device)(
-            (math.ceil(rows / geometry.rows_per_block),), (geometry.threads,), pack_arguments(geometry.params, values))
+            (math.ceil(rows / geometry.rows_per_block),), (geometry.threads,), pack_arguments(packers(geometry.params), values))
         del held
     return out, lse
 

@@ -8,7 +8,7 @@ import fagen
 from fagen import device, runtime
 from fagen.load import SPECS
 from fagen.plan import merge_plan, plan
-from fagen.runtime import pack_arguments
+from fagen.runtime import pack_arguments, packers
 
 
 def values_for(params) -> dict:
@@ -20,7 +20,7 @@ def values_for(params) -> dict:
 def test_arguments_follow_the_signature_by_name(name):
     p = plan(fagen.load_spec(SPECS / f"{name}.yaml"))
     values = values_for(p.params)
-    args = pack_arguments(p.params, dict(reversed(values.items())))  # order of the dict does not matter
+    args = pack_arguments(packers(p.params), dict(reversed(values.items())))  # order of the dict does not matter
     assert [int(a) if not isinstance(a, np.floating) else a for a in args] == list(values.values())
     for (ctype, _), arg in zip(p.params, args):
         expected = np.uint64 if "*" in ctype else runtime.C_SCALARS[ctype]
@@ -32,13 +32,13 @@ def test_a_missing_argument_is_named():
     values = values_for(p.params)
     del values["doc_ids"]
     with pytest.raises(ValueError, match="doc_ids"):
-        pack_arguments(p.params, values)
+        pack_arguments(packers(p.params), values)
 
 
 def test_the_merge_kernel_packs_from_its_plan():
     m = merge_plan("float16")
     assert m.threads == 32 * m.rows_per_block  # a warp a row
-    assert len(pack_arguments(m.params, values_for(m.params))) == len(m.params)
+    assert len(pack_arguments(packers(m.params), values_for(m.params))) == len(m.params)
 
 
 @pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_bf16_d64_causal_h200"), ("h100", "attn_bf16_d64_causal_h200"),
