@@ -94,7 +94,10 @@ class Pipeline(_Frozen):
     """How K and V tiles travel from global to shared memory."""
 
     kv_smem: Literal["shared", "separate"] = "shared"
-    stages: int = 1  # an int, then a range: Literal[1, 2, 3] would take `true` and `2.0` as equal
+    # K tiles, and V tiles, the pipeline holds: `separate` gives each `stages` slots (sm_80 interleaves
+    # them in one ring of 2 * stages, sm_90a keeps a ring each); `shared` K and V take turns in one
+    # ring of `stages` slots. An int, then a range: Literal[1, 2, 3] would take `true` and `2.0`.
+    stages: int = 1
     q_in_registers: bool = False
     # sm_90a, two warpgroups: they take turns on the tensor cores, one's softmax running under
     # the other's MMAs (loads for a stage are issued a step later: use stages 3)
