@@ -63,7 +63,8 @@ REFUSED = {
     "}": "a block", "[": "indexing", "]": "indexing", ".": "member access",
 }
 _OPERATORS = sorted(set(REFUSED) | PUNCTUATION, key=len, reverse=True)
-_NUMBER = re.compile(r"(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[fF]?(?![A-Za-z0-9_.])")
+# An f suffix needs a dot or an exponent: C++ reads 289f as a user-defined literal.
+_NUMBER = re.compile(r"(?:(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?[fF]?|\d+[eE][+-]?\d+[fF]?|\d+)(?![A-Za-z0-9_.])")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

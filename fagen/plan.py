@@ -34,6 +34,7 @@ REGISTER_COSTS = {
     "mma_sync": {
         # base, by KV pipeline (kv_smem and stages): addresses, loop and pipeline state
         "shared1": 78.72, "shared2": 30.64, "separate1": 30.64, "separate2": 14.07, "separate3": 20.81,
+        "s_expression": 0.3,  # measured, not fitted: see register_terms
         # each accumulator or fragment register, with its share of the rest
         "o": 1.52, "s": 1.77, "q": 1.06,
         # copy loops and hoisted swizzled offsets
@@ -48,6 +49,7 @@ REGISTER_COSTS = {
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
         "base": 34.33, "stages": 1.85,
+        "s_expression": 1.0,  # measured, not fitted: see register_terms
         # each accumulator or fragment register, with its share of the rest
         "o": 1.04, "s": 1.77,
         # the mask's and the modifiers' state, held through the loop
@@ -175,6 +177,10 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
                                              ("sinks", mod.sinks and not spec.outputs.partial)) if on})
     terms = {"o": o_regs, "s": s_regs, "q": q_regs, **state,
              **{f"s_{name}": s_regs for name in state if name not in ("sinks", "document_causal")}}
+    # An expression is user code run on every pair of every tile, beside the kind's own test: not
+    # in the fitted data, so priced from ptxas -v on the shipped defaults with and without one
+    # (sm_90a d128: 208 -> 255 registers and a spill; mma.sync: +3 to +6), with room to spare.
+    terms["s_expression"] = s_regs * ((mask.expression is not None) + (mod.expression is not None))
     if kind == "document_causal":  # both document masks test elements alike; the causal one keeps
         terms["s_document"] = s_regs  # a row start per accumulator row (2 an m16 fragment)
         terms["rows_document_causal"] = 2 * o_regs // (d // 2)

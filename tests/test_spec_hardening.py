@@ -201,3 +201,24 @@ def test_a_partial_with_sinks_compiles():
     assert not plan(spec).sink_params and "sinks" not in fagen.render(spec).split("extern \"C\"")[1].split(") {")[0]
     r = compile_offline(spec, "sm_80")
     assert (r.spill_stores, r.stack_frame) == (0, 0)
+
+
+def test_an_expression_costs_registers():
+    """A mask expression on the H200 default spilled (208 -> 255 registers) while the estimate
+    ignored it: now it is priced, and fagen.attention's variant takes a smaller tile."""
+    from fagen import variants
+
+    base = variants.shipped_spec("float16", 128, False, gpu="h200")
+    with_expression = base.model_dump() | {"name": "x", "mask": {"kind": "none", "expression": "h"}}
+    with pytest.raises(SpecError, match="registers"):
+        fagen.parse_spec(with_expression)
+    derived = variants.variant(base, Mask(kind="none", expression="h"), ScoreMod())
+    assert derived.tiling.block_kv < base.tiling.block_kv
+    r = compile_offline(derived, "sm_90a")
+    assert (r.spill_stores, r.stack_frame) == (0, 0)
+
+
+def test_an_f_suffix_needs_a_dot():
+    with pytest.raises(ExpressionError, match="malformed"):
+        check("score * 289f", SCORE_VARIABLES)
+    assert check("score * 289.f", SCORE_VARIABLES) == "float"
