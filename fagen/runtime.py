@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import weakref
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -264,7 +263,8 @@ class Kernel:
         if wants["doc_ids"]:
             raw = given["doc_ids"]
             docs = _aux_array(raw, "doc_ids", "int32", tq.device)
-            _check_sorted_once(raw, docs)
+            # a device check costs a host sync: once per array object, not every launch
+            side_inputs.once_per_object("sorted doc_ids", raw, lambda: _check_sorted(docs))
             docs = cupy.ascontiguousarray(docs)  # the kernel reads ids at unit stride
             held.append(docs)
             args.update(doc_ids=_ptr(docs), doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))
@@ -293,22 +293,11 @@ class Kernel:
         return args, held
 
 
-_SORTED_DOC_IDS: dict[int, weakref.ref] = {}
-
-
-def _check_sorted_once(raw, docs) -> None:
-    """doc_ids must be non-decreasing (the kernel binary-searches document bounds). Checked
-    once per array object: a device check costs a host sync, which a hot loop should not pay."""
-    ref = _SORTED_DOC_IDS.get(id(raw))
-    if ref is not None and ref() is raw:
-        return
+def _check_sorted(docs) -> None:
+    """doc_ids must be non-decreasing: the kernel binary-searches document bounds."""
     if docs.shape[1] > 1 and bool((docs[:, 1:] < docs[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along the sequence (packed documents); "
                          "sort the packing or build a block mask with fagen.masks.document")
-    try:
-        _SORTED_DOC_IDS[id(raw)] = weakref.ref(raw, lambda _, key=id(raw): _SORTED_DOC_IDS.pop(key, None))
-    except TypeError:  # an object without weak references: check it every time
-        pass
 
 
 def _ptr(a) -> np.uint64:
