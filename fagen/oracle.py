@@ -14,6 +14,9 @@
   in a row's visible scores gives NaN O and LSE.
 - side inputs of the wrong shape, and a block_mask / document mask kind without its array, are
   refused by the runtime's rules (fagen.side_inputs).
+
+attention_backward differentiates the same computation analytically (dq, dk, dv; dbias, dsinks),
+sharing its scores, mask and softmax through _attend.
 """
 
 from __future__ import annotations
@@ -31,6 +34,61 @@ def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
               mask=None, block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
               alibi_slopes=None, bias=None, score_mod=None, sinks=None):
+    f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
+                mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
+                sinks=sinks)
+    return (f["out"], f["lse"]) if return_lse else f["out"]
+
+
+def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,
+                       block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
+                       alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, sinks=None) -> dict:
+    """Gradients of L = sum(attention(...) * dout), arguments as attention's: {"dq", "dk", "dv"},
+    dk and dv of k's and v's shape (GQA sums a group's query heads), plus "dbias" (the given
+    bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given.
+    score_mod_grad(s, b, h, q_idx, kv_idx) is d score_mod / d s at the same point. Masked
+    pairs, and rows that see no key, get zero gradient."""
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("score_mod_grad = None: is required with score_mod (the backward needs d score_mod / d s); "
+                         "pass score_mod_grad(s, b, h, q_idx, kv_idx), elementwise, e.g. lambda s, b, h, q_idx, "
+                         "kv_idx: 0.5 for score_mod s * 0.5")
+    f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
+                mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
+                score_mod_grad=score_mod_grad, sinks=sinks)
+    out, p = f["out"], f["p"]
+    dout = np.asarray(dout, np.float64)
+    if dout.shape != out.shape:
+        raise ValueError(f"oracle.attention_backward: dout.shape = {dout.shape}: must be O's, {out.shape}")
+    delta = (dout * out).sum(axis=-1, keepdims=True)  # D = rowsum(dO * O)
+    dp = dout @ f["v"].swapaxes(-1, -2)
+    # d L / d s at bias level (score_mod's input); np.where so that score_mod_grad at a masked
+    # pair, where it may be inf or NaN, never reaches a sum
+    ds = np.where(f["keep"], p * (dp - delta) * f["dmod"], 0.0)
+    ds_dot = ds * f["dcap"] * f["scale"]  # back through softcap and the scale to q.k
+    b, heads_q = f["q"].shape[:2]
+    heads_kv = np.shape(k)[1]
+
+    def per_kv_head(x):  # sum each GQA group's query heads onto its KV head
+        return x.reshape(b, heads_kv, heads_q // heads_kv, *x.shape[2:]).sum(axis=2)
+
+    grads = {"dq": ds_dot @ f["k"],
+             "dk": per_kv_head(ds_dot.swapaxes(-1, -2) @ f["q"]),
+             "dv": per_kv_head(p.swapaxes(-1, -2) @ dout)}
+    if bias is not None:
+        shape = np.shape(bias)
+        dbias = ds.sum(axis=2) if len(shape) == 3 else ds  # a vector bias is shared by every query
+        grads["dbias"] = dbias.sum(axis=tuple(i for i in (0, 1) if shape[i] == 1), keepdims=True)
+    if sinks is not None:
+        # the sink's logit only divides: d O / d sink = -P_sink O
+        grads["dsinks"] = -(f["p_sink"] * delta).sum(axis=(0, 2, 3))
+    return grads
+
+
+def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, softcap, alibi_slopes, bias,
+            score_mod, sinks, score_mod_grad=None) -> dict:
+    """The forward, keeping what the backward reads: q, and k, v repeated to Hq heads; scale;
+    keep; p (normalized weights, 0 where masked) and p_sink; out and lse; and the chain-rule
+    factors dcap (d softcap / d s) and dmod (score_mod_grad, 1 without it)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"oracle.attention: expected q [B,Hq,Nq,d] and k, v [B,Hkv,Nk,d]; got {q.shape}, {k.shape}, {v.shape}")
@@ -64,8 +122,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
 
     # scores and their modifiers
     s = (q @ k.swapaxes(-1, -2)) * scale
+    dcap = dmod = 1.0
     if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
+        t = np.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
     if alibi_slopes is not None:
         slopes = np.asarray(alibi_slopes, np.float64)[None, :, None, None]
         s = s - slopes * np.abs(qi + (n_kv - n_q) - ki)
@@ -73,6 +133,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         bias = np.asarray(bias, np.float64)
         s = s + (bias[:, :, None, :] if bias.ndim == 3 else bias)
     if score_mod is not None:
+        if score_mod_grad is not None:
+            dmod = np.asarray(score_mod_grad(s, bi, hi, qi, ki), np.float64)
         s = score_mod(s, bi, hi, qi, ki)
 
     # which pairs count
@@ -101,7 +163,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     if sinks is not None:
         l = l + np.exp(sink - m0)
     l = np.where(empty, 1.0, l)
-    out = (p / l) @ v
-    if not return_lse:
-        return out
-    return out, np.where(empty, -np.inf, m0 + np.log(l))[..., 0]
+    p = p / l
+    return dict(q=q, k=k, v=v, scale=scale, keep=keep, p=p, out=p @ v,
+                p_sink=None if sinks is None else np.exp(sink - m0) / l,
+                lse=np.where(empty, -np.inf, m0 + np.log(l))[..., 0], dcap=dcap, dmod=dmod)
