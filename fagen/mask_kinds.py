@@ -1,9 +1,10 @@
 """Each mask kind as one object: the spec fields it reads, the kernel parameters and the side
 input it takes, and its arithmetic in NumPy (which pairs count; which KV tiles a query tile
 visits and which of them need no per-element test), written to mirror the kind's CUDA
-partial, fagen/templates/masks/<name>.cu.j2. The spec's rules, the plan's kernel ABI, the
-oracle, the block-mask builders and the tile-schedule tests all read these objects, so a
-new kind is this file's one class and one template partial.
+partial, fagen/templates/masks/<name>.cu.j2; and, for the backward's KV-major loop, which
+query tiles a KV tile visits. The spec's rules, the plan's kernel ABI, the oracle, the
+block-mask builders and the tile-schedule tests all read these objects, so a new kind is this
+file's one class and one template partial.
 
 Positions are absolute; `off` is the key index of query 0's diagonal (n_kv - n_q aligned
 bottom right, 0 top left). NumPy and the standard library only: the oracle depends on it.
@@ -40,6 +41,11 @@ class MaskKind:
         """Keys [lo, hi) some row of rows [q0, q1] may see (Mask::begin)."""
         return 0, n_kv
 
+    def q_range(self, m, k0: int, k1: int, off: int, n_q: int, docs) -> tuple[int, int]:
+        """Queries [lo, hi) that may see some key of keys [k0, k1] (the backward's KV-major
+        tile loop); 0 <= lo, hi <= n_q, and hi <= lo means none."""
+        return 0, n_q
+
     def tile_full(self, m, k0: int, k1: int, q0: int, q1: int, off: int, docs) -> bool:
         """Does every pair of rows [q0, q1] x keys [k0, k1] count? (needs_element_test)"""
         return True
@@ -64,6 +70,9 @@ class Causal(MaskKind):
     def kv_range(self, m, q0, q1, off, n_kv, docs):
         return 0, min(n_kv, q1 + off + 1)
 
+    def q_range(self, m, k0, k1, off, n_q, docs):
+        return max(0, k0 - off), n_q
+
     def tile_full(self, m, k0, k1, q0, q1, off, docs):
         return k1 <= q0 + off
 
@@ -80,6 +89,9 @@ class SlidingWindow(MaskKind):
     def kv_range(self, m, q0, q1, off, n_kv, docs):
         return max(0, q0 + off - m.window_left), min(n_kv, q1 + off + (m.window_right or 0) + 1)
 
+    def q_range(self, m, k0, k1, off, n_q, docs):
+        return max(0, k0 - off - (m.window_right or 0)), min(n_q, k1 - off + m.window_left + 1)
+
     def tile_full(self, m, k0, k1, q0, q1, off, docs):
         return k0 >= q1 + off - m.window_left and k1 <= q0 + off + (m.window_right or 0)
 
@@ -95,6 +107,10 @@ class Chunked(MaskKind):
     def kv_range(self, m, q0, q1, off, n_kv, docs):
         return max(0, ((q0 + off) // m.chunk_size) * m.chunk_size), min(n_kv, q1 + off + 1)
 
+    def q_range(self, m, k0, k1, off, n_q, docs):
+        # key k is seen from diagonal k up to the end of k's chunk (k >= 0: // is plain floor)
+        return max(0, k0 - off), min(n_q, (k1 // m.chunk_size + 1) * m.chunk_size - off)
+
     def tile_full(self, m, k0, k1, q0, q1, off, docs):
         return k1 <= q0 + off and k0 >= ((q1 + off) // m.chunk_size) * m.chunk_size
 
@@ -109,6 +125,9 @@ class PrefixLM(MaskKind):
 
     def kv_range(self, m, q0, q1, off, n_kv, docs):
         return 0, min(n_kv, max(q1 + off + 1, m.prefix_len))
+
+    def q_range(self, m, k0, k1, off, n_q, docs):
+        return (0 if k0 < m.prefix_len else max(0, k0 - off)), n_q
 
     def tile_full(self, m, k0, k1, q0, q1, off, docs):
         return k1 < m.prefix_len or k1 <= q0 + off
@@ -132,6 +151,11 @@ class Document(MaskKind):
         lo = int(np.searchsorted(docs, docs[q0], side="left"))
         hi = int(np.searchsorted(docs, docs[q1], side="right"))
         return lo, min(hi, q1 + 1) if m.causal else hi
+
+    def q_range(self, m, k0, k1, off, n_q, docs):
+        # causal: key k0 is first seen by query k0, inside k0's document
+        lo = k0 if m.causal else int(np.searchsorted(docs, docs[k0], side="left"))
+        return lo, int(np.searchsorted(docs, docs[k1], side="right"))
 
     def tile_full(self, m, k0, k1, q0, q1, off, docs):
         return bool(docs[q0] == docs[q1] == docs[k0] == docs[k1]) and (not m.causal or k1 <= q0)
@@ -231,4 +255,19 @@ def tile_schedule(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
                 if t * block_kv + block_kv - 1 < n_kv and m.expression is None
                 and kind.tile_full(m, t * block_kv, t * block_kv + block_kv - 1, q0, q1, off, docs)}
         out[qt] = (range(max(0, tiles.start), min(n_tiles, tiles.stop)), full)
+    return out
+
+
+def tile_schedule_keys(mask, n_q: int, n_kv: int, block_q: int, block_kv: int,
+                       doc_ids: np.ndarray | None = None) -> dict[int, range]:
+    """tile_schedule's transpose, for the backward's KV-major loop: per KV tile (batch 0), the
+    query tiles it visits, by the kind's q_range."""
+    m = fields_of(mask)
+    kind, off = KINDS[m.kind], diagonal_offset(m.align, n_q, n_kv)
+    docs = None if doc_ids is None else np.atleast_2d(np.asarray(doc_ids))[0]
+    out = {}
+    for kt in range(-(-n_kv // block_kv)):
+        k0, k1 = kt * block_kv, min(kt * block_kv + block_kv, n_kv) - 1  # first and last key
+        lo, hi = kind.q_range(m, k0, k1, off, n_q, docs)
+        out[kt] = range(lo // block_q, -(-hi // block_q)) if hi > lo else range(0)
     return out
