@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from fagen.backward_plan import backward_plan
 from fagen.plan import plan
 from fagen.spec import AttentionSpec, SpecError, rule
 
@@ -106,6 +107,8 @@ def parse_spec(data: dict | str, source: str = "<dict>") -> AttentionSpec:
         raise SpecError(_explain(err, source)) from None
     try:
         plan(spec)  # smem and register budgets
+        if spec.backward is not None:
+            backward_plan(spec)
     except SpecError as err:
         raise SpecError(f"invalid spec {source}: {err}") from None
     return spec

@@ -12,6 +12,7 @@ import jinja2
 import yaml
 
 from fagen import __version__
+from fagen.backward_plan import backward_plan
 from fagen.plan import merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec
@@ -22,6 +23,7 @@ GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (te
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 FORWARD_TEMPLATE = "kernel/forward.cu.j2"  # one skeleton; plan.mainloop names its main-loop folder
 MERGE_TEMPLATE = "kernel/merge.cu.j2"
+BACKWARD_TEMPLATE = "kernel/backward.cu.j2"
 
 
 def asm_operands(outputs: int, *inputs: str) -> dict[str, str]:
@@ -65,12 +67,22 @@ def context(spec: AttentionSpec) -> dict:
         "write_lse": spec.outputs.lse,
         "partial": spec.outputs.partial,
         "q_in_registers": spec.pipeline.q_in_registers,
+        "kv_major": False,  # the backward's dK/dV kernel walks the mask transposed
+        "grads": False,  # the backward keeps the score modifiers' derivative per element
+        "backward": False,
     }
 
 
 def render(spec: AttentionSpec) -> str:
     spec = validated(spec)  # a model_copy(update=...) may carry anything: nothing unchecked renders
     return environment().get_template(FORWARD_TEMPLATE).render(context(spec))
+
+
+def render_backward(spec: AttentionSpec) -> str:
+    """The backward kernels of a spec with a `backward:` section (fagen.backward_plan)."""
+    spec = validated(spec)
+    return environment().get_template(BACKWARD_TEMPLATE).render(
+        {**context(spec), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
 
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
@@ -93,10 +105,15 @@ def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
 
 
+def backward_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
+    return Path(out_dir) / f"{spec.name}_backward.cu"
+
+
 def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> dict[Path, str]:
     """The files a render of `specs` into out_dir writes, and their text; with_merge (a whole
     folder of specs): the split-KV merge kernels too."""
     texts = {generated_path(spec, out_dir): render(spec) for spec in specs}
+    texts |= {backward_path(spec, out_dir): render_backward(spec) for spec in specs if spec.backward is not None}
     if with_merge:
         texts |= {Path(out_dir) / f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES}
     return texts

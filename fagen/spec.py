@@ -187,6 +187,8 @@ class ScoreMod(_Frozen):
     alibi: Literal["none", "slopes", "geometric"] = "none"  # s -> s - slope_h * |q + offset - k|
     bias: Literal["none", "vector", "matrix"] = "none"  # s -> s + bias[b, h, (q,) k], float32
     expression: str | None = None  # s -> a CUDA float expression over score, b, h, q_idx, kv_idx
+    # d expression / d score, over the same variables: the backward's chain rule through it
+    expression_grad: str | None = None
     sinks: bool = False  # one learned logit per head joins every row's softmax denominator
 
     @field_validator("softcap")
@@ -203,9 +205,28 @@ class ScoreMod(_Frozen):
         return v if v is None else _check_expression("score_mod.expression", v, expression.SCORE_VARIABLES,
                                                      "score * 0.5f")
 
+    @field_validator("expression_grad")
+    @classmethod
+    def _expression_grad(cls, v: str | None) -> str | None:
+        return v if v is None else _check_expression("score_mod.expression_grad", v, expression.SCORE_VARIABLES,
+                                                     "0.5f")
+
+    @model_validator(mode="after")
+    def _grad_needs_expression(self) -> ScoreMod:
+        if self.expression_grad is not None and self.expression is None:
+            raise ValueError(rule("score_mod.expression_grad", self.expression_grad, "is the derivative of "
+                                  "score_mod.expression, which is not set", "set expression, or remove expression_grad"))
+        return self
+
     @property
     def changes_scores(self) -> bool:
         return self.softcap is not None or self.alibi != "none" or self.bias != "none" or self.expression is not None
+
+    @property
+    def nonlinear(self) -> bool:
+        """The score's derivative varies per element (softcap, an expression): the backward keeps
+        it per S register; the linear modifiers' derivative is the scale alone."""
+        return self.softcap is not None or self.expression is not None
 
 
 class Outputs(_Frozen):
@@ -221,6 +242,66 @@ class Outputs(_Frozen):
         return self
 
 
+class Backward(_Frozen):
+    """The backward kernels (training), rendered beside the forward: a KV-major kernel owning
+    block_kv keys of one KV head accumulates dK and dV in registers over the query tiles (of every
+    query head of its group) that see them; a Q-major kernel accumulates dQ over the KV tiles, as
+    the forward does. Neither adds across blocks, so gradients are bitwise deterministic."""
+
+    block_kv: int = 128  # dK/dV kernel: keys a block owns, the rows of its S^T
+    block_q: int = 64  # ... queries per step of its loop
+    warps: int = 8
+    # ... warps side by side along head_dim for dK and dV (each recomputes its keys' S^T): 2 lets
+    # head_dim 256 keep its accumulators in registers
+    head_split: int = 1
+    stages: int = 2  # ... Q and dO tiles in flight
+    dq_block_q: int = 64  # dQ kernel: query rows a block owns
+    dq_block_kv: int = 64  # ... keys per KV tile
+    dq_warps: int = 4
+
+    @field_validator("warps", "dq_warps")
+    @classmethod
+    def _warps(cls, v: int, info) -> int:
+        if v not in (1, 2, 4, 8):
+            raise ValueError(rule(f"backward.{info.field_name}", v, "must be 1, 2, 4 or 8", "use 4 or 8"))
+        return v
+
+    @field_validator("head_split")
+    @classmethod
+    def _head_split(cls, v: int) -> int:
+        if v not in (1, 2):
+            raise ValueError(rule("backward.head_split", v, "must be 1 or 2", "use 2 for head_dim 256, else 1"))
+        return v
+
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, v: int) -> int:
+        if v not in (1, 2, 3):
+            raise ValueError(rule("backward.stages", v, "must be 1, 2 or 3 (Q and dO tiles in flight)", "use 2"))
+        return v
+
+    @field_validator("block_q", "dq_block_kv")
+    @classmethod
+    def _k_steps(cls, v: int, info) -> int:
+        if v % MMA_K or not MMA_K <= v <= 128:
+            raise ValueError(rule(f"backward.{info.field_name}", v, "must be a multiple of 16 in 16..128 (the "
+                                  "MMAs consume it 16 at a time)", "use 64"))
+        return v
+
+    @model_validator(mode="after")
+    def _rows_per_warp(self) -> Backward:
+        key_warps = self.warps // self.head_split
+        if self.warps % self.head_split:
+            raise ValueError(rule("backward.head_split", self.head_split, f"must divide warps ({self.warps})",
+                                  "use head_split 1, or more warps"))
+        for field, rows, warps in (("block_kv", self.block_kv, key_warps), ("dq_block_q", self.dq_block_q, self.dq_warps)):
+            if rows % (MMA_M * warps) or not 1 <= rows // (MMA_M * warps) <= 2:
+                good = [MMA_M * warps * m for m in (1, 2)]
+                raise ValueError(rule(f"backward.{field}", rows, f"must give each of its {warps} warps 16 or 32 "
+                                      "whole rows (m16 MMA fragments)", f"use one of {good}"))
+        return self
+
+
 class AttentionSpec(_Frozen):
     name: str
     dtype: Literal["float16", "bfloat16"]
@@ -232,6 +313,7 @@ class AttentionSpec(_Frozen):
     score_mod: ScoreMod = ScoreMod()
     outputs: Outputs = Outputs()
     arch: Literal["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"] = "sm_80"
+    backward: Backward | None = None  # set: the backward kernels render too (<name>_backward.cu)
 
     @field_validator("name")
     @classmethod
@@ -298,6 +380,23 @@ class AttentionSpec(_Frozen):
         if p.pingpong and t.warps_q != 2 * WARPGROUP_WARPS:
             raise ValueError(rule("pipeline.pingpong", True, f"takes two warpgroups (warps_q 8), not warps_q "
                                   f"{t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
+        return self
+
+    @model_validator(mode="after")
+    def _backward_rules(self) -> AttentionSpec:
+        if self.backward is None:
+            return self
+        mod = self.score_mod
+        if mod.expression is not None and mod.expression_grad is None:
+            raise ValueError(rule("score_mod.expression", mod.expression, "has no derivative, and the backward "
+                                  "needs one for its chain rule", "add score_mod.expression_grad (d expression "
+                                  "/ d score over the same variables), or remove backward"))
+        if self.outputs.partial:
+            raise ValueError(rule("backward", "set", "differentiates the whole attention, not split-KV partials",
+                                  "remove backward, or set outputs.partial: false"))
+        if not self.outputs.lse:
+            raise ValueError(rule("outputs.lse", False, "the backward recomputes P from the forward's LSE",
+                                  "set outputs.lse: true"))
         return self
 
     @property

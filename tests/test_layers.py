@@ -17,11 +17,13 @@ LAYERS = [
     ("expression", "mask_kinds", "side_inputs"),  # leaves: standard library and NumPy
     ("spec", "oracle"),  # the spec's models and rules; the float64 reference (NumPy alone)
     ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
+    ("backward_plan",),  # the backward kernels' numbers (its dQ kernel is a forward plan)
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
     ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU
     ("device",),  # CuPy, tensor adapters, streams, GPU identity
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
+    ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge
     ("check", "distributed"),  # against the oracle; multi-GPU modes
     ("bench",),

@@ -1,0 +1,140 @@
+"""Gradients: a spec's backward kernels (fagen.backward_plan), launched on the forward's inputs
+and outputs, on the inputs' framework's current stream.
+
+The caller keeps what the forward saw: q, k, v, out, lse and the same side inputs. Everything
+allocated here (D and LSE rows, the gradients) comes from the inputs' framework, so PyTorch
+callers stay inside its caching allocator (CUDA graphs capture the whole step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from fagen.backward_plan import BackwardPlan, backward_plan
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for
+from fagen.render import render_backward
+from fagen.runtime import NVRTC_OPTIONS, LOG2E, Kernel, compile_kernel, pack_arguments, packers
+from fagen.spec import AttentionSpec
+
+
+@dataclass
+class Gradients:
+    """dq, dk, dv of the inputs' framework and shapes; dsinks [Hq] f32 when the spec has sinks."""
+
+    dq: object
+    dk: object
+    dv: object
+    dsinks: object | None = None
+
+
+class Backward:
+    """The compiled backward kernels of a spec with a `backward:` section."""
+
+    def __init__(self, spec: AttentionSpec):
+        require_cupy()
+        if spec.backward is None:
+            raise ValueError(f"{spec.name}: the spec has no backward: section, so it renders no backward kernels; "
+                             f"add `backward: {{}}` (the defaults) to train with it")
+        self.spec = spec
+        self.forward: Kernel = compile_kernel(spec)
+        self.plan: BackwardPlan = backward_plan(spec)
+        module = cupy.RawModule(code=render_backward(spec), options=NVRTC_OPTIONS)  # mma.sync on every arch
+        self.preprocess = module.get_function(self.plan.preprocess_symbol)
+        self.dkdv = module.get_function(self.plan.dkdv_symbol)
+        self.dq = module.get_function(self.plan.dq_symbol)
+        for function, smem in ((self.dkdv, self.plan.dkdv.smem_bytes), (self.dq, self.plan.dq_smem_bytes)):
+            if smem > 48 * 1024:
+                function.max_dynamic_shared_size_bytes = smem
+
+    def __repr__(self) -> str:
+        return f"Backward({self.spec.name})"
+
+    @cached_property
+    def packers(self) -> dict[str, tuple]:
+        return {name: packers(getattr(self.plan, f"{name}_params")) for name in ("preprocess", "dkdv", "dq")}
+
+    def __call__(self, dout, q, k, v, out, lse, *, scale: float | None = None, mask_offset: int | None = None,
+                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None) -> Gradients:
+        """The gradients of sum(out * dout) by q, k, v (and sinks), for the forward that gave
+        out and lse (natural-log LSE [B, Hq, Nq], f32) from the same arguments."""
+        spec, bp = self.spec, self.plan
+        tq, tk, tv = self.forward.check(q, k, v)
+        b, hq, nq, d = tq.shape
+        hkv, nk = tk.shape[1], tk.shape[2]
+        tdo, to = (_like_q(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
+        tl = as_device_tensor(lse, "lse")
+        if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.strides != (hq * nq, nq, 1):
+            raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; expected the forward's contiguous "
+                             f"float32 [{b}, {hq}, {nq}] (return_lse=True)")
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
+        if mask_offset is None:
+            mask_offset = nk - nq if spec.mask.align == "bottom_right" else 0
+        n_pad = -(-nq // bp.row_pad) * bp.row_pad
+        with cupy.cuda.Device(tq.device), stream_for(tq):
+            given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+            extras, keep_alive = self.forward.extra_arguments(tq, tk, given)
+            extras.pop("sinks", None)  # the sink's share of each row is in the forward's LSE
+            delta, lse2 = (empty_like(tq, (b, hq, n_pad), "float32") for _ in range(2))
+            dq, dk, dv = (empty_like(t, t.shape, spec.dtype) for t in (tq, tk, tv))
+            values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk,
+                          mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
+                          v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
+                          **extras)
+            for name, t in (("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), ("dq", as_device_tensor(dq, "dq")),
+                            ("dk", as_device_tensor(dk, "dk")), ("dv", as_device_tensor(dv, "dv"))):
+                values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
+            launch = (
+                (self.preprocess, "preprocess", (-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
+                (self.dkdv, "dkdv", (b * hkv, -(-nk // bp.dkdv.block_kv)), bp.dkdv.threads, bp.dkdv.smem_bytes),
+                (self.dq, "dq", (b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
+            )
+            for function, name, grid, threads, smem in launch:
+                function(grid, (threads,), pack_arguments(self.packers[name], values), shared_mem=smem)
+            dsinks = None if sinks is None else _sink_gradient(sinks, lse, delta, nq, tq)
+            del keep_alive
+        return Gradients(dq, dk, dv, dsinks)
+
+
+def _like_q(x, name: str, tq: DeviceTensor) -> DeviceTensor:
+    t = as_device_tensor(x, name)
+    if t.kind != tq.kind or t.dtype != tq.dtype or t.shape != tq.shape or t.device != tq.device:
+        raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected q's {tq.kind} "
+                         f"{tq.dtype} {tq.shape} on cuda:{tq.device}")
+    if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:
+        raise ValueError(f"{name}: strides {t.strides} (elements); the last must be 1 and the others multiples of 8 "
+                         f"(16-byte rows): pass {name}.contiguous()")
+    return t
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(as_device_tensor(a, "buffer").ptr)
+
+
+def _sink_gradient(sinks, lse, delta, n_q: int, ref: DeviceTensor):
+    """d loss / d sink_h = -sum over batch and rows of P_sink * D (P_sink = exp(sink - LSE)), in
+    the inputs' framework: a deterministic reduction, no atomics."""
+    if ref.kind == "torch":
+        import torch
+
+        s = torch.as_tensor(sinks, device=ref.obj.device, dtype=torch.float32)
+        return -(torch.exp(s[None, :, None] - lse) * delta[..., :n_q]).sum(dim=(0, 2))
+    s = cupy.asarray(sinks, dtype=cupy.float32)
+    return -(cupy.exp(s[None, :, None] - lse) * delta[..., :n_q]).sum(axis=(0, 2))
+
+
+_CACHE: dict[tuple[AttentionSpec, int], Backward] = {}
+
+
+def compile_backward(spec: AttentionSpec) -> Backward:
+    """One Backward per spec and device, per process."""
+    require_cupy()
+    key = (spec, cupy.cuda.Device().id)
+    if key not in _CACHE:
+        _CACHE[key] = Backward(spec)
+    return _CACHE[key]

@@ -1,0 +1,200 @@
+"""spec -> the backward kernels' plan: every number they derive, computed once, here (pure).
+
+The backward of a spec is three kernels in one file (templates/kernel/backward.cu.j2):
+  preprocess  D = rowsum(dO * O) and the forward's LSE in log2 units, per query row, padded
+              to whole query tiles so the loops below read them without bounds checks;
+  dkdv        KV-major: a block owns BLOCK_KV keys of one KV head and loops over the query
+              tiles (of every query head of its group) that see them, recomputing
+              P^T = exp2(S^T - LSE) and accumulating dV += P^T dO, dK += dS^T Q in registers;
+  dq          Q-major, shaped like the forward (its plan is a forward plan): a block owns a
+              query tile and loops over the KV tiles the mask visits, dQ += dS K in registers.
+No block adds into another's output, so gradients are bitwise deterministic run to run; the
+price is S and dP computed twice (7 MMAs of a tile pair where an atomic dQ takes 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, PAD_ELEMS,
+                        KernelPlan, plan, score_params)
+from fagen.mask_kinds import KINDS
+from fagen.spec import MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, AttentionSpec, SpecError, rule
+
+OUT_PTR = "elem_t* __restrict__"
+PREPROCESS_WARPS = 4
+# Registers the dK/dV kernel holds beside its accumulators (addresses, loop and pipeline state,
+# the mask's and modifiers' temporaries): from ptxas -v on the shipped backward specs (sm_80 and
+# sm_90, nvcc 13.0), with room to spare; tests/test_nvcc.py compiles every backward spec.
+DKDV_BASE_REGISTERS = 48
+DKDV_STATE_REGISTERS = {"document": 16, "sliding_window": 4, "chunked": 6, "prefix_lm": 4, "block_mask": 8,
+                        "bias": 8, "alibi": 4}
+
+
+@dataclass(frozen=True)
+class DkdvPlan:
+    """The KV-major kernel. Its accumulator rows are keys: a warp owns warp_keys of them (m16
+    fragments along the keys) and head_dim / head_split columns of dK and dV."""
+
+    block_q: int  # queries per step of the loop (a Q and a dO tile)
+    block_kv: int  # keys a block owns
+    threads: int
+    warps: int
+    head_split: int  # warps side by side along head_dim (each recomputes its keys' S^T)
+    key_warps: int  # warps along the keys
+    warp_keys: int  # keys a warp owns: the rows of its S^T
+    k_frags: int  # m16 fragments of those keys
+    s_n_frags: int  # n8 fragments of S^T (queries)
+    d_n_frags: int  # n8 fragments of the warp's columns of dK and dV
+    d_cols: int  # head_dim / head_split: the warp's columns
+    qk_k_steps: int  # k16 steps of S^T = K Q^T over head_dim
+    q_k_steps: int  # k16 steps of dV += P^T dO and dK += dS^T Q over the step's queries
+    stages: int  # Q/dO tiles in flight
+    smem_row: int  # elements between smem rows (padded: 16 bytes past head_dim)
+    chunks_per_row: int
+    copy_rows_per_pass: int  # 0: a row's chunks do not divide the threads
+    kv_tile_bytes: int  # the K tile, then the V tile
+    q_tile_bytes: int  # a Q tile; a dO tile follows it in each stage
+    stage_bytes: int  # Q, dO, then their rows' LSE and D (f32)
+    row_floats_chunks: int  # 16-byte chunks of one tile's LSE (and of its D)
+    out_chunks: int  # 16-byte chunks of the block's dK (and of its dV)
+    smem_bytes: int
+    predicted_registers: int
+    element_bytes: int
+    smem_align: int  # bytes the dynamic smem base is aligned to
+    mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
+    mask_params: tuple[tuple[str, str], ...]  # as the forward's: the side inputs the partials read
+    score_params: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    name: str
+    preprocess_symbol: str
+    dkdv_symbol: str
+    dq_symbol: str
+    head_dim: int
+    row_pad: int  # LSE and D rows are padded to a multiple of this (whole tiles of both loops)
+    preprocess_threads: int
+    preprocess_rows: int  # query rows a preprocess block covers (chunks_per_row lanes a row)
+    chunks_per_row: int
+    dkdv: DkdvPlan
+    dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
+    dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q
+    mask_params: tuple[tuple[str, str], ...]
+    score_params: tuple[tuple[str, str], ...]
+    preprocess_params: tuple[tuple[str, str], ...]
+    dkdv_params: tuple[tuple[str, str], ...]
+    dq_params: tuple[tuple[str, str], ...]
+
+
+def dq_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The dQ kernel as a forward spec: it owns query tiles and walks the mask's KV tiles like the
+    forward, with K and V both resident a tile (kv_smem separate), mma.sync on every arch."""
+    bwd = spec.backward
+    return spec.model_copy(update={
+        "name": spec.name + "_dq",
+        "tiling": spec.tiling.model_copy(update={"block_q": bwd.dq_block_q, "block_kv": bwd.dq_block_kv,
+                                                 "warps_q": bwd.dq_warps}),
+        "pipeline": spec.pipeline.model_copy(update={"kv_smem": "separate", "stages": 2, "q_in_registers": False,
+                                                     "pingpong": False}),
+        "smem_layout": "padded", "arch": "sm_90" if spec.wgmma else spec.arch, "backward": None,
+    })
+
+
+STRIDES = ("sb", "sh", "sn")
+
+
+def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
+    return tuple(("long long", f"{t}_{s}") for t in tensors for s in STRIDES)
+
+
+SHAPE_PARAMS = (("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
+                ("int", "n_pad"))
+ROW_PARAMS = ((FLOAT_PTR, "delta"), (FLOAT_PTR, "lse2"))  # D and LSE * log2(e), [B, Hq, n_pad]
+
+
+def backward_plan(spec: AttentionSpec) -> BackwardPlan:
+    if spec.backward is None:
+        raise SpecError(rule("backward", None, f"spec {spec.name} renders no backward kernels",
+                             "add a backward: section (an empty mapping takes the defaults)"))
+    bwd, d = spec.backward, spec.head_dim
+    dq = plan(dq_spec(spec))
+    dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES
+    if dq_smem > SMEM_PER_BLOCK[spec.arch]:
+        raise SpecError(rule(
+            "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}",
+            f"the dQ kernel needs {dq_smem} bytes of shared memory (Q and dO tiles, 2 stages of K and V tiles) "
+            f"but {spec.arch} allows {SMEM_PER_BLOCK[spec.arch]} per block", "use a smaller dq_block_kv or dq_block_q"))
+    mask_params, mod_params = KINDS[spec.mask.kind].params, score_params(spec)
+    side = mask_params + mod_params
+    chunks = d // CHUNK_ELEMS
+    return BackwardPlan(
+        name=spec.name,
+        preprocess_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_preprocess",
+        dkdv_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_dkdv",
+        dq_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_dq",
+        head_dim=d,
+        row_pad=math.lcm(bwd.block_q, bwd.dq_block_q),
+        preprocess_threads=32 * PREPROCESS_WARPS,
+        preprocess_rows=32 * PREPROCESS_WARPS // chunks,
+        chunks_per_row=chunks,
+        dkdv=dkdv_plan(spec),
+        dq=dq,
+        dq_smem_bytes=dq_smem,
+        mask_params=mask_params,
+        score_params=mod_params,
+        preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
+                           ("float* __restrict__", "lse2"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
+                           *_strides("o", "dout")),
+        dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
+                     (OUT_PTR, "dk"), (OUT_PTR, "dv"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dk", "dv"),
+                     ("float", "scale"), ("float", "scale_log2"), *side),
+        dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
+                   (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
+                   ("float", "scale"), ("float", "scale_log2"), *side),
+    )
+
+
+def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
+    bwd, d = spec.backward, spec.head_dim
+    warps, key_warps = bwd.warps, bwd.warps // bwd.head_split
+    threads, chunks = 32 * warps, d // CHUNK_ELEMS
+    warp_keys = bwd.block_kv // key_warps
+    k_frags, s_n_frags, d_cols = warp_keys // MMA_M, bwd.block_q // MMA_N, d // bwd.head_split
+    smem_row = d + PAD_ELEMS
+    kv_tile_bytes = bwd.block_kv * smem_row * ELEMENT_BYTES
+    q_tile_bytes = bwd.block_q * smem_row * ELEMENT_BYTES
+    stage_bytes = 2 * q_tile_bytes + 2 * bwd.block_q * 4
+    smem_bytes = 2 * kv_tile_bytes + bwd.stages * stage_bytes
+    per_fragment = MMA_M * MMA_N // 32
+    acc = 2 * k_frags * (d_cols // MMA_N) * per_fragment  # dK and dV
+    s = k_frags * s_n_frags * per_fragment  # S^T, then P^T; dP^T beside it; the derivative where per element
+    mod = spec.score_mod
+    state = sum(DKDV_STATE_REGISTERS.get(name, 0) for name in
+                (spec.mask.kind, "bias" if mod.bias != "none" else "", "alibi" if mod.alibi != "none" else ""))
+    registers = DKDV_BASE_REGISTERS + acc + (3 if mod.nonlinear else 2) * s + state
+    limit = SMEM_PER_BLOCK[spec.arch]
+    if smem_bytes > limit:
+        raise SpecError(rule(
+            "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, stages {bwd.stages}",
+            f"the dK/dV kernel needs {smem_bytes} bytes of shared memory (K and V tiles of {bwd.block_kv} rows, "
+            f"{bwd.stages} stages of Q and dO tiles of {bwd.block_q}) but {spec.arch} allows {limit} per block",
+            "use fewer stages, a smaller block_q or a smaller block_kv"))
+    if registers > MAX_REGISTERS:
+        raise SpecError(rule(
+            "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, warps {warps}, head_split {bwd.head_split}",
+            f"the dK/dV kernel predicts {registers} registers a thread ({acc} for dK and dV, {s} for each of S^T "
+            f"and dP^T{', and as many for the score derivative' if mod.nonlinear else ''}) over the "
+            f"{MAX_REGISTERS} limit: it would spill", "use a smaller block_q, more warps, or head_split: 2"))
+    return DkdvPlan(
+        block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
+        key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
+        d_n_frags=d_cols // MMA_N, d_cols=d_cols, qk_k_steps=d // MMA_K, q_k_steps=bwd.block_q // MMA_K,
+        stages=bwd.stages, smem_row=smem_row, chunks_per_row=chunks,
+        copy_rows_per_pass=threads // chunks if threads % chunks == 0 else 0,
+        kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
+        row_floats_chunks=bwd.block_q * 4 // 16, out_chunks=bwd.block_kv * chunks,
+        smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=CHUNK_BYTES,
+        mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec))
