@@ -372,13 +372,10 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False)
     return variants.shipped_spec(dtype, head_dim, causal, gpu=device.gpu_slug(), partial=partial)
 
 
-def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
-              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
-    """softmax(q k^T * scale + modifiers, masked) v with a shipped kernel for q's dtype and
-    head_dim; masks and modifiers derive a variant of it (compiled once per process).
-
-    mask: a fagen.spec.Mask, a dict of its fields or a kind name (sliding_window, ...);
-    block_mask / doc_ids select the block-mask / document kinds."""
+def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
+                alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec:
+    """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
+    head_dim on this GPU, with the mask and score modifiers they ask for (fagen.variants)."""
     tq = as_device_tensor(q, "q")
     if tq.dtype not in ("float16", "bfloat16"):
         raise ValueError(f"q: dtype {tq.dtype}; fagen.attention takes float16 or bfloat16")
@@ -404,6 +401,17 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
                          bias=bias_kind, sinks=sinks is not None)
     base = default_spec(tq.dtype, tq.shape[-1], mask.kind == "causal")
-    kernel = compile_kernel(variants.variant(base, mask, score_mod))
-    return kernel(q, k, v, scale=scale, return_lse=return_lse, block_mask=block_mask, bias=bias,
-                  alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+    return variants.variant(base, mask, score_mod)
+
+
+def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
+              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
+    """softmax(q k^T * scale + modifiers, masked) v with a shipped kernel for q's dtype and
+    head_dim; masks and modifiers derive a variant of it (compiled once per process).
+
+    mask: a fagen.spec.Mask, a dict of its fields or a kind name (sliding_window, ...);
+    block_mask / doc_ids select the block-mask / document kinds."""
+    spec = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
+                       alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+    return compile_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, block_mask=block_mask, bias=bias,
+                                alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)

@@ -85,3 +85,33 @@ def partial_variant(spec: AttentionSpec) -> AttentionSpec:
         return spec
     return parse_spec({**spec.model_dump(), "name": f"{spec.name}_partial",
                        "outputs": {**spec.outputs.model_dump(), "partial": True, "lse": True}}, f"partial of {spec.name}")
+
+
+# The backward's tiling by head_dim (fagen.backward_plan): dK and dV of block_kv keys live in
+# registers, so head_dim 256 splits them across warp pairs, and its tiles shrink to fit smem.
+BACKWARD_TILINGS = {
+    32: {}, 64: {}, 96: {"block_q": 32}, 128: {},
+    256: {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
+}
+# ... and where a spec's modifiers or mask push the dK/dV kernel over the registers: fewer
+# queries a step (S^T, dP^T and the derivative shrink with it), then fewer keys for dQ.
+BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32}, {"block_q": 16, "dq_block_kv": 32})
+
+
+@cache
+def trainable(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` with a backward: section (its own, or the tiling BACKWARD_TILINGS gives its
+    head_dim), named <name>_bwd: what fagen.attention runs when gradients are wanted."""
+    if spec.backward is not None:
+        return spec
+    data = {**spec.model_dump(), "name": f"{spec.name}_bwd"}
+    base = BACKWARD_TILINGS[spec.head_dim]
+    try:
+        return parse_spec({**data, "backward": base}, f"trainable {spec.name}")
+    except SpecError as refused:
+        for change in BACKWARD_FALLBACKS:
+            try:
+                return parse_spec({**data, "backward": {**base, **change}}, f"trainable {spec.name}")
+            except SpecError:
+                pass
+        raise refused
