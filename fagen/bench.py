@@ -4,7 +4,9 @@ and FlexAttention, same process, same GPU.
 FLOPs: 4 * B * H * Nq * Nk * d (Q.K^T and P.V, 2 FLOPs per multiply-add), halved for causal;
 for masks, 4 * B * H * d * (kept (q, k) pairs). Every fagen case is checked against the
 float64 oracle before it is timed: a wrong kernel is never timed. Timing: CUDA events, warm-up,
-median of 30 runs.
+median of 30 runs. The backward cases (fagen.bench_backward) join the full run; `main` runs
+either or both and writes one report: BENCHMARKS.md holds both, each part from this run or,
+where it was not run, from its JSON in the output folder.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Case:
     n: int
     causal: bool
     mask: str = "none"  # none | sliding_window | documents | prefix_lm
+    docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
 
     @property
     def batch(self) -> int:
@@ -52,6 +55,8 @@ class Case:
     @property
     def key(self) -> str:
         kind = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
+        if self.mask == "documents" and self.docs != N_DOCS:
+            kind += str(self.docs)
         return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}"
 
 
@@ -95,7 +100,7 @@ def mask_predicate(case: Case):
     if case.mask == "sliding_window":
         return lambda q, k: (k <= q) & (q - k <= WINDOW)
     if case.mask == "documents":
-        docs = np.repeat(np.arange(N_DOCS), doc_lengths(case.n))
+        docs = np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))
         return lambda q, k: (docs[q] == docs[k]) & (k <= q)
     if case.mask == "prefix_lm":
         return lambda q, k: (k <= q) | (k < PREFIX)
@@ -127,7 +132,8 @@ def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
     mask = {"sliding_window": Mask(kind="sliding_window", window_left=WINDOW),
             "documents": Mask(kind="document", causal=True),
             "prefix_lm": Mask(kind="prefix_lm", prefix_len=PREFIX)}[case.mask]
-    extras = {"doc_ids": masks.documents_of_lengths(doc_lengths(case.n), case.batch)} if case.mask == "documents" else {}
+    extras = {"doc_ids": masks.documents_of_lengths(doc_lengths(case.n, case.docs), case.batch)} \
+        if case.mask == "documents" else {}
     return variants.variant(base, mask, base.score_mod), extras
 
 
@@ -177,11 +183,18 @@ def run_peer(case: Case, impl: str, flops: float) -> Row:
 
 
 def flex_runner(case: Case, q, k, v):
+    block_mask = flex_block_mask(case)
+    flex = _compiled_flex()
+    return lambda: flex(q, k, v, block_mask=block_mask)
+
+
+def flex_block_mask(case: Case):
+    """FlexAttention's BlockMask of the case's mask (mask_predicate's, on the GPU)."""
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
     if case.mask == "documents":
-        docs = torch.from_numpy(np.repeat(np.arange(N_DOCS), doc_lengths(case.n))).cuda()
+        docs = torch.from_numpy(np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))).cuda()
 
         def mask_mod(b, h, qi, ki):
             return (docs[qi] == docs[ki]) & (ki <= qi)
@@ -194,9 +207,7 @@ def flex_runner(case: Case, q, k, v):
     else:
         def mask_mod(b, h, qi, ki):
             return ki <= qi
-    block_mask = create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
-    flex = _compiled_flex()
-    return lambda: flex(q, k, v, block_mask=block_mask)
+    return create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
 
 
 _FLEX = None
@@ -225,23 +236,93 @@ def run(case_list: list[Case], progress=None) -> list[Row]:
     return rows
 
 
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int, item=None) -> None:
+        pass
+
+
+def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool = False,
+         report: tuple[Part, Part] | None = None, progressbar=None) -> list[str]:
+    """`fagen bench` once its arguments are parsed: run the cases (or take `report`, the
+    (forward, backward) halves of an earlier run, from load_report) and write the report;
+    the lines to print. Runs the forward sweep (cases(quick)) unless backward_only, and the
+    backward cases (fagen.bench_backward.cases) in the full run or with backward_only (with
+    quick: its small subset). A half not run this time is kept from its JSON in `out`.
+    progressbar(length, label): a context manager whose update(1, case) follows each case."""
+    from fagen import bench_backward
+
+    lines: list[str] = []
+    if report is not None:
+        forward, backward = report
+    else:
+        forward_cases = [] if backward_only else cases(quick)
+        backward_cases = bench_backward.cases(quick) if backward_only or not quick else []
+        env = environment_meta()
+        mode = "quick" if quick else "full"
+        forward = backward = None
+        with (progressbar or (lambda n, label: _NoBar()))(len(forward_cases) + len(backward_cases), "bench") as bar:
+            if forward_cases:
+                rows = run(forward_cases, progress=lambda case: bar.update(1, case))
+                forward = Part(rows, {**env, "cases": str(len(forward_cases)), "mode": mode}, fresh=True)
+            if backward_cases:
+                rows = bench_backward.run(backward_cases, progress=lambda case: bar.update(1, case))
+                meta = {**env, "pass": "backward", "cases": str(len(backward_cases)), "mode": mode}
+                if any(c.mask != "none" for c in backward_cases):
+                    meta["masks"] = bench_backward.describe_masks()
+                backward = Part(rows, meta, fresh=True)
+        kept = []
+        if forward is None:
+            forward = _sibling(out / "bench.json", read_json) or Part([], {})
+            kept += [f"the forward tables from {out / 'bench.json'}"] if forward.rows else []
+        if backward is None:
+            backward = _sibling(out / BACKWARD_JSON, bench_backward.read_json) or Part([], {})
+            kept += [f"the backward tables from {out / BACKWARD_JSON}"] if backward.rows else []
+        lines += [f"kept {what} (not run this time)" for what in kept]
+    written = write_report(forward.rows, forward.meta, out, md_path, with_data=forward.fresh, backward=backward)
+    for r in forward.rows:
+        if r.impl == "fagen":
+            lines.append(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
+    lines += bench_backward.summary_lines(backward.rows)
+    lines.append(f"wrote {', '.join(map(str, written))}")
+    return lines
+
+
 # ---- writers (pure: unit-tested on synthetic rows) --------------------------------------------
 
 def write_json(rows: list[Row], path: Path, meta: dict) -> None:
     Path(path).write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1) + "\n")
 
 
-def write_csv(rows: list[Row], path: Path) -> None:
+def write_csv(rows: list, path: Path, row_type: type = Row) -> None:
+    """A line per row, a column per field of row_type (Row, or bench_backward.BackwardRow)."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(Row.__dataclass_fields__))
+        w = csv.DictWriter(f, fieldnames=list(row_type.__dataclass_fields__))
         w.writeheader()
         for r in rows:
             w.writerow(r.as_dict())
 
 
-def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_data: bool) -> list[Path]:
+@dataclass
+class Part:
+    """One half of the report, forward or backward: its rows and meta, and whether they were
+    measured in this process (fresh: its JSON and CSV are written) or read from a JSON."""
+
+    rows: list
+    meta: dict
+    fresh: bool = False
+
+
+def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_data: bool,
+                 backward: Part | None = None) -> list[Path]:
     """bench.json and bench.csv (with_data: a fresh run), a plot per head_dim of the dense
-    cases, and the markdown table linking them; the paths written."""
+    cases, and the markdown table linking them; with `backward`, its section too
+    (bench_backward.json and .csv where fresh, bench_backward.png); the paths written."""
     written = []
     if with_data:
         write_json(rows, out / "bench.json", meta)
@@ -251,14 +332,37 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
     for d in sorted({r.head_dim for r in rows if r.mask == "none"}):
         plots.append(out / f"bench_d{d}.png")
         plot(rows, d, plots[-1])
-    md_path.write_text(markdown(rows, meta, [str(p) for p in plots], md_path=md_path))
+    backward_plot = None
+    if backward is not None and backward.rows:
+        from fagen import bench_backward
+
+        if backward.fresh:
+            written += bench_backward.write_data(backward.rows, backward.meta, out)
+        backward_plot = out / bench_backward.PLOT
+        bench_backward.plot(backward.rows, backward_plot)
+        plots.append(backward_plot)
+    md_path.write_text(markdown(rows, meta, [str(p) for p in plots if p != backward_plot], md_path=md_path,
+                                backward=backward, backward_plot=backward_plot))
     return written + plots + [md_path]
 
 
-def read_json(path: Path) -> tuple[list[Row], dict]:
-    """The rows and meta of a bench.json; ValueError (one line: what is wrong, what to pass)
-    for a file that is not one."""
-    fix = "pass a bench.json written by `fagen bench`"
+def read_json(path: Path, row_type: type = Row, fix: str = "pass a bench.json written by `fagen bench`"):
+    """The rows (of row_type) and meta of a bench.json; ValueError (one line: what is wrong,
+    what to pass) for a file that is not one."""
+    data = _read_json_object(path, fix)
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: \"meta\" is a {type(meta).__name__}, not a mapping; {fix}")
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        try:
+            rows.append(row_type(**r))
+        except TypeError as err:  # not a mapping, or fields missing or unknown
+            raise ValueError(f"{path}: rows[{i}] is not a bench row ({err}); {fix}") from None
+    return rows, meta
+
+
+def _read_json_object(path: Path, fix: str) -> dict:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -267,16 +371,35 @@ def read_json(path: Path) -> tuple[list[Row], dict]:
         raise ValueError(f"{path}: not UTF-8 text; {fix}") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"{path}: no \"rows\" list at the top level; {fix}")
-    meta = data.get("meta", {})
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path}: \"meta\" is a {type(meta).__name__}, not a mapping; {fix}")
-    rows = []
-    for i, r in enumerate(data["rows"]):
-        try:
-            rows.append(Row(**r))
-        except TypeError as err:  # not a mapping, or fields missing or unknown
-            raise ValueError(f"{path}: rows[{i}] is not a bench row ({err}); {fix}") from None
-    return rows, meta
+    return data
+
+
+BACKWARD_JSON = "bench_backward.json"
+
+
+def load_report(path: Path) -> tuple[Part, Part]:
+    """(forward, backward) from an earlier run's JSON: `path` is a bench.json or a
+    bench_backward.json (meta "pass": "backward"), and the other half is read from its folder
+    where it is there. ValueError (one line) for a `path` that is neither."""
+    from fagen import bench_backward
+
+    fix = f"pass a bench.json or {BACKWARD_JSON} written by `fagen bench`"
+    meta = _read_json_object(path, fix).get("meta")
+    if isinstance(meta, dict) and meta.get("pass") == "backward":
+        backward = Part(*bench_backward.read_json(path, fix))
+        return _sibling(Path(path).parent / "bench.json", read_json) or Part([], {}), backward
+    forward = Part(*read_json(path, fix=fix))
+    return forward, _sibling(Path(path).parent / BACKWARD_JSON, bench_backward.read_json) or Part([], {})
+
+
+def _sibling(path: Path, reader) -> Part | None:
+    """The other half of a report beside the one asked for: None where it is missing or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        return Part(*reader(path))
+    except (ValueError, OSError):
+        return None
 
 
 def by_case(rows: list[Row]) -> dict[str, dict[str, Row]]:
@@ -309,12 +432,25 @@ def _link(plot_path: str | Path, md_path: str | Path | None) -> str:
     return Path(rel).as_posix()
 
 
-def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path | None = None) -> str:
-    """BENCHMARKS.md: meta, one table per head_dim (dense), one for masks, the plots. With
+def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path | None = None, *,
+             backward: Part | None = None, backward_plot: str | Path | None = None) -> str:
+    """BENCHMARKS.md: meta, one table per head_dim (dense), one for masks, the plots; then,
+    with `backward` rows, the backward section (fagen.bench_backward.markdown). With
     `md_path` (where the text will be written), plot links are relative to its folder."""
+    out = ["# Benchmarks", ""]
+    if rows or not (backward and backward.rows):
+        out += _forward_markdown(rows, meta, plots, md_path)
+    if backward is not None and backward.rows:
+        from fagen import bench_backward
+
+        link = None if backward_plot is None else _link(backward_plot, md_path)
+        out += bench_backward.markdown(backward.rows, backward.meta, link)
+    return "\n".join(out)
+
+
+def _forward_markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path | None) -> list[str]:
     table = by_case(rows)
-    out = ["# Benchmarks", "",
-           "Generated by `fagen bench` (do not edit; rerun it). TFLOP/s = 4·B·H·Nq·Nk·d / time, halved for "
+    out = ["Generated by `fagen bench` (do not edit; rerun it). TFLOP/s = 4·B·H·Nq·Nk·d / time, halved for "
            "causal; masked cases count kept (q, k) pairs only. B·N = 16k tokens, H·d = 2048. Every fagen "
            "kernel was checked against the float64 oracle before it was timed; median of 30 CUDA-event "
            "timings after warm-up; peers timed in the same process.", ""]
@@ -342,7 +478,7 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path 
     if notes:
         out += ["## Notes", ""] + [f"- {r.case} {r.impl}: {r.note}" for r in notes] + [""]
     out += [f"![{Path(p).stem}]({_link(p, md_path)})" for p in plots] + [""]
-    return "\n".join(out)
+    return out
 
 
 def plot(rows: list[Row], head_dim: int, path: Path) -> None:

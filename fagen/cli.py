@@ -187,7 +187,7 @@ def render_cmd(specs: tuple[str, ...], out_dir: str, check: bool) -> None:
     if lines:
         click.echo("\n".join(lines), err=True)
         sys.exit(1)
-    click.echo(f"{out}: {len(texts)} kernels current")
+    click.echo(f"{out}: {len(texts)} files current")
 
 
 @main.command("list")
@@ -408,20 +408,28 @@ def mask_show_cmd(kind, length, block, window, docs, prefix, chunk, out_path) ->
 
 
 @main.command("bench")
-@click.option("--quick", is_flag=True, help="a small subset (under a minute)")
+@click.option("--quick", is_flag=True, help="a small subset (under a minute); the forward only, unless --backward")
+@click.option("--backward", is_flag=True, help="the backward only (fagen, SDPA FA2 and cuDNN, Flex on masks; "
+              "the full run includes it); the forward tables are kept from OUT/bench.json")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="bench", show_default=True,
-              help="where bench.json, bench.csv and the plots go")
+              help="where bench.json, bench_backward.json, their CSVs and the plots go")
 @click.option("--markdown", "md_path", default="BENCHMARKS.md", show_default=True, help="the table to regenerate")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="redraw plots and the table from an earlier run's bench.json (no GPU)")
-def bench_cmd(quick: bool, out_dir: str, md_path: str, from_json: str | None) -> None:
-    """Check, then time fagen beside SDPA (FlashAttention-2, cuDNN) and FlexAttention."""
+              help="redraw plots and the table from an earlier run's bench.json or bench_backward.json (and the "
+                   "other beside it), no GPU")
+def bench_cmd(quick: bool, backward: bool, out_dir: str, md_path: str, from_json: str | None) -> None:
+    """Check, then time fagen beside SDPA (FlashAttention-2, cuDNN) and FlexAttention: the forward
+    sweep and the backward cases (--backward: the backward alone)."""
     from fagen import bench
 
     out, md = Path(out_dir), Path(md_path)
+    report = None
     if from_json:
+        if quick or backward:
+            raise click.UsageError(f"{'--quick' if quick else '--backward'} picks cases to run; --from-json runs "
+                                   f"none: leave one out")
         try:
-            rows, meta = bench.read_json(Path(from_json))
+            report = bench.load_report(Path(from_json))
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="'--from-json'") from None
     else:
@@ -429,21 +437,18 @@ def bench_cmd(quick: bool, out_dir: str, md_path: str, from_json: str | None) ->
     _check_folder(out, "-o")
     _check_folder(md.parent, "--markdown")
     _make_folder(out, "-o")
-    if not from_json:
-        case_list = bench.cases(quick)
-        meta = {**bench.environment_meta(), "cases": str(len(case_list)), "mode": "quick" if quick else "full"}
-        with click.progressbar(length=len(case_list), label="bench", show_pos=True,
-                               item_show_func=lambda c: c.key if c else "") as bar:
-            rows = bench.run(case_list, progress=lambda case: bar.update(1, case))
     _make_folder(md.parent, "--markdown")
+
+    def progressbar(length: int, label: str):
+        return click.progressbar(length=length, label=label, show_pos=True, item_show_func=lambda c: c.key if c else "")
+
     try:
-        written = bench.write_report(rows, meta, out, md, with_data=not from_json)
+        lines = bench.main(out, md, quick=quick, backward_only=backward, report=report, progressbar=progressbar)
     except OSError as err:
+        if err.filename is None:
+            raise
         raise click.ClickException(f"cannot write {err.filename} ({err.strerror})") from None
-    for r in rows:
-        if r.impl == "fagen":
-            click.echo(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
-    click.echo(f"wrote {', '.join(map(str, written))}")
+    click.echo("\n".join(lines))
 
 
 @main.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fagen import bench
+from fagen import bench, variants
 from fagen.bench import Case, Row
 from fagen.check import attention_flops
 from fagen.cli import main
@@ -451,3 +451,397 @@ def test_read_json_refuses_what_is_not_a_bench_run(text, why, tmp_path):
     with pytest.raises(ValueError) as err:
         bench.read_json(path)
     assert why in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- the backward (fagen.bench_backward): FLOPs, cases, writers, the CLI, no GPU --------------
+
+from fagen import bench_backward  # noqa: E402
+from fagen.bench_backward import BackwardRow  # noqa: E402
+
+BACKWARD_FIELDS = ["case", "kernel", "impl", "dtype", "head_dim", "n", "batch", "heads", "causal", "mask",
+                   "bwd_ms", "bwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops", "peak_mib", "error", "oracle_error",
+                   "note"]
+
+
+@pytest.mark.parametrize("case, expected", [
+    # 10 * B * H * N^2 * d: B = 16k / N, H = 2048 / d
+    (Case("float16", 128, 4096, False), 10.0 * 4 * 16 * 4096**2 * 128),  # 1.37e12
+    (Case("float16", 128, 4096, True), 5.0 * 4 * 16 * 4096**2 * 128),  # halved
+    (Case("float16", 64, 1024, False), 10.0 * 16 * 32 * 1024**2 * 64),
+    (Case("float16", 64, 16384, True), 5.0 * 1 * 32 * 16384**2 * 64),
+])
+def test_backward_flops_by_hand(case, expected):
+    assert bench_backward.backward_flops(case) == expected
+    assert bench_backward.fwd_bwd_flops(case) == expected * 14 / 10
+
+
+def test_backward_flops_are_2_5x_and_fwd_bwd_3_5x_the_forward():
+    for case in bench_backward.cases():
+        assert bench_backward.backward_flops(case) == 2.5 * bench.case_flops(case)
+        assert bench_backward.fwd_bwd_flops(case) == 3.5 * bench.case_flops(case)
+
+
+@pytest.mark.parametrize("mask", ["sliding_window", "prefix_lm", "documents"])
+def test_backward_flops_masked_count_kept_pairs(small_masks, mask):
+    """10 * B * H * d per kept (q, k) pair, the pairs counted by a double loop."""
+    window, prefix = small_masks
+    case = Case("float16", 128, 64, True, mask, docs=4)
+    kept = _brute_kept(64, mask, window, prefix, bench.doc_lengths(64, 4))
+    b, h = 16384 // 64, 2048 // 128
+    assert bench_backward.backward_flops(case) == 10.0 * b * h * 128 * kept
+    assert bench_backward.fwd_bwd_flops(case) == 14.0 * b * h * 128 * kept
+
+
+def test_documents_case_packs_its_own_doc_count(small_masks):
+    n = 64
+    four, eight = Case("float16", 128, n, True, "documents", docs=4), Case("float16", 128, n, True, "documents")
+    assert eight.docs == bench.N_DOCS == 8
+    lengths = bench.doc_lengths(n, 4)
+    assert len(lengths) == 4 and sum(lengths) == n
+    assert bench.kept_pairs(four) == sum(x * (x + 1) // 2 for x in lengths)
+    assert bench.kept_pairs(four) != bench.kept_pairs(eight)
+    # the dense matrix the float32 reference masks with keeps the same pairs
+    keep = bench_backward.keep_matrix(four)
+    assert keep.shape == (n, n) and keep.dtype == bool and int(keep.sum()) == bench.kept_pairs(four)
+    docs = documents_of_lengths(lengths)
+    kernel = dense_from_predicate(static_predicate(Mask(kind="document", causal=True), n, n, docs), 1, 1, n, n)
+    assert (np.asarray(kernel).reshape(n, n) == keep).all()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window", "prefix_lm"])
+def test_keep_matrix_counts_kept_pairs(small_masks, mask):
+    case = Case("float16", 64, 64, mask != "none", "none" if mask in ("none", "causal") else mask)
+    keep = bench_backward.keep_matrix(case)
+    assert keep.shape == (64, 64) and int(keep.sum()) == bench.kept_pairs(case)
+
+
+def test_backward_case_keys():
+    assert Case("float16", 128, 4096, True, "documents", docs=4).key == "float16-d128-n4096-documents4"
+    assert Case("float16", 128, 4096, True, "documents").key == "float16-d128-n4096-documents"  # the forward's
+
+
+def test_backward_cases_are_the_brief():
+    all_cases = bench_backward.cases()
+    dense = [c for c in all_cases if c.mask == "none"]
+    assert {(c.dtype, c.head_dim, c.n, c.causal) for c in dense} == set(
+        itertools.product(["float16"], (64, 128), (1024, 4096, 16384), (False, True)))
+    masked = [c for c in all_cases if c.mask != "none"]
+    assert {(c.mask, c.n, c.head_dim, c.dtype) for c in masked} == {
+        (m, 4096, 128, "float16") for m in ("sliding_window", "documents", "prefix_lm")}
+    assert [c.docs for c in masked if c.mask == "documents"] == [4]
+    assert len(all_cases) == 15 == len({c.key for c in all_cases})
+    for c in all_cases:
+        assert c.batch * c.n == 16384 and c.heads * c.head_dim == 2048, c
+
+
+def test_backward_quick_cases_are_a_subset_with_a_mask():
+    quick = bench_backward.cases(quick=True)
+    assert 0 < len(quick) <= 3 and set(quick) <= set(bench_backward.cases())
+    assert any(c.mask != "none" for c in quick)
+
+
+def test_every_backward_case_has_a_trainable_spec():
+    """What derive_spec + trainable give on an H200 (and on a GPU without tuned specs), built
+    on the CPU: the validator accepts a backward for each case."""
+    for gpu in ("h200", None):
+        for case in bench_backward.cases():
+            base = variants.shipped_spec(case.dtype, case.head_dim, case.causal and case.mask == "none", gpu=gpu)
+            mask = {"sliding_window": Mask(kind="sliding_window", window_left=bench.WINDOW),
+                    "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench.PREFIX),
+                    "documents": Mask(kind="document", causal=True)}.get(case.mask, base.mask)
+            spec = variants.trainable(variants.variant(base, mask, base.score_mod))
+            assert spec.backward is not None and spec.head_dim == case.head_dim and spec.mask == mask
+
+
+def _subsection(text: str, title: str) -> list[str]:
+    """The table lines, less the column names, of a '### title' section."""
+    lines = text.splitlines()
+    start = lines.index(title)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("#")), len(lines))
+    return [ln for ln in lines[start + 1:end] if ln.startswith("| ")][1:]
+
+
+def _brow(case: Case, impl: str, bwd: float | None, fwd_bwd: float | None = None, peak: float | None = None,
+          note: str = "") -> BackwardRow:
+    kernel = f"attn_{case.dtype}_d{case.head_dim}_bwd" if impl == "fagen" else impl
+    row = BackwardRow(case.key, kernel, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads,
+                      case.causal, case.mask, note=note)
+    if bwd is not None:
+        row.bwd_ms, row.bwd_tflops = 2.0, bwd
+        row.fwd_bwd_ms, row.fwd_bwd_tflops = 3.0, fwd_bwd if fwd_bwd is not None else bwd + 50
+        row.peak_mib, row.error = peak if peak is not None else 200.0, 1.5e-3
+    if impl == "fagen" and bwd is not None:
+        row.oracle_error = 2.5e-3
+    return row
+
+
+BWD_DENSE = [Case("float16", d, n, c) for d in (64, 128) for c in (False, True) for n in (1024, 16384)]
+BWD_MASKED = {Case("float16", 128, 4096, True, "sliding_window"): (120.0, 80.0),
+              Case("float16", 128, 4096, True, "documents", docs=4): (60.0, None),  # Flex failed
+              Case("float16", 128, 4096, True, "prefix_lm"): (None, 150.0)}  # fagen refused: not timed
+FLEX_NOTE = "RuntimeError: out of resource"
+WRONG = "WRONG, not timed: dq/dk/dv rel err 3.00e-01 against the float64 oracle (tol 1e-02)"
+
+
+@pytest.fixture
+def brows() -> list[BackwardRow]:
+    out = []
+    for i, case in enumerate(BWD_DENSE):  # fagen 300 + 10 i, FA2 200, cuDNN 250 - i
+        out += [_brow(case, "fagen", 300.0 + 10 * i, 320.0 + 10 * i, 192.0),
+                _brow(case, "sdpa_flash", 200.0, 230.0, 320.0), _brow(case, "sdpa_cudnn", 250.0 - i, 280.0, 260.0)]
+    for case, (fagen_tf, flex_tf) in BWD_MASKED.items():
+        out.append(_brow(case, "fagen", fagen_tf, peak=190.0, note="" if fagen_tf else WRONG))
+        out.append(_brow(case, "flex", flex_tf, peak=400.0, note="" if flex_tf else FLEX_NOTE))
+    return out
+
+
+BWD_META = {"gpu": "NVIDIA H200", "date": "2025-01-02", "torch": "2.9.0", "mode": "full", "pass": "backward",
+            "cases": "11"}
+
+
+def test_backward_markdown_states_the_flop_formulas(brows):
+    text = "\n".join(bench_backward.markdown(brows, BWD_META))
+    assert text.startswith("## Backward\n")
+    assert "Backward TFLOP/s = 10·B·H·Nq·Nk·d / time" in text
+    assert "10·B·H·d·kept" in text and "fwd+bwd TFLOP/s = 14·B·H·Nq·Nk·d" in text and "halved" in text
+    assert "- pass: backward" in text and "- gpu: NVIDIA H200" in text
+
+
+def test_backward_markdown_dense_lines(brows):
+    text = "\n".join(bench_backward.markdown(brows, BWD_META))
+    assert [ln for ln in text.splitlines() if ln.startswith("### ")] == [
+        "### Backward, head_dim 64", "### Backward, head_dim 128", "### Backward, masks (kept-work TFLOP/s)",
+        "### Backward notes"]
+    d64 = [ln for ln in _subsection(text, "### Backward, head_dim 64") if not ln.startswith("| -")]
+    # by hand: case 0 is d64 dense 1k (fagen 300, FA2 200, cuDNN 250), case 3 d64 causal 16k (330, 200, 247)
+    assert BWD_DENSE[0] == Case("float16", 64, 1024, False) and BWD_DENSE[3] == Case("float16", 64, 16384, True)
+    assert d64 == [
+        "| float16 | 1024 | none | 300 | 200 | 250 | 1.50x | 320 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 16384 | none | 310 | 200 | 249 | 1.55x | 330 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 1024 | causal | 320 | 200 | 248 | 1.60x | 340 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 16384 | causal | 330 | 200 | 247 | 1.65x | 350 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+    ]
+    header = [ln for ln in text.split("### Backward, head_dim 128")[1].splitlines() if ln.startswith("| dtype")][0]
+    assert header.split(" | ")[3:7] == ["fagen", "SDPA FA2", "SDPA cuDNN", "fagen / FA2"]
+
+
+def test_backward_markdown_masks_notes_and_plot(brows, tmp_path):
+    text = "\n".join(bench_backward.markdown(brows, BWD_META, "bench/bench_backward.png"))
+    masks = [ln for ln in _subsection(text, "### Backward, masks (kept-work TFLOP/s)") if not ln.startswith("| -")]
+    assert masks == [
+        "| float16 | 128 | 4096 | documents | 60 | n/a | n/a | 110 | n/a | 190 / n/a | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 128 | 4096 | prefix_lm | n/a | 150 | n/a | n/a | 200 | n/a / 400 | n/a / n/a |",
+        "| float16 | 128 | 4096 | sliding_window | 120 | 80 | 1.50x | 170 | 130 | 190 / 400 | 2.5e-03 / 1.5e-03 |",
+    ]
+    notes = [ln for ln in text.split("### Backward notes")[1].splitlines() if ln.startswith("- ")]
+    assert notes == [f"- float16-d128-n4096-documents4 flex: {FLEX_NOTE}",
+                     f"- float16-d128-n4096-prefix_lm fagen: {WRONG}"]
+    assert text.splitlines()[-1] == "![bench_backward](bench/bench_backward.png)"
+
+
+def test_backward_markdown_without_masks_or_notes(brows):
+    dense = [r for r in brows if r.mask == "none"]
+    text = "\n".join(bench_backward.markdown(dense, BWD_META))
+    assert "masks" not in text.split("- cases")[1] and "### Backward notes" not in text and "![" not in text
+
+
+def test_backward_summary_lines(brows):
+    lines = bench_backward.summary_lines(brows)
+    assert len(lines) == len(BWD_DENSE) + 3
+    assert lines[0] == f"{BWD_DENSE[0].key:36} fagen-bwd   300.0 TFLOP/s backward,   320.0 fwd+bwd"
+    assert lines[-1].endswith(WRONG)
+
+
+def test_backward_json_and_csv_round_trip(brows, tmp_path):
+    written = bench_backward.write_data(brows, BWD_META, tmp_path)
+    assert written == [tmp_path / "bench_backward.json", tmp_path / "bench_backward.csv"]
+    back, meta = bench_backward.read_json(tmp_path / "bench_backward.json")
+    assert back == brows and meta == BWD_META
+    assert list(json.loads((tmp_path / "bench_backward.json").read_text())["rows"][0]) == BACKWARD_FIELDS
+    lines = (tmp_path / "bench_backward.csv").read_text().splitlines()
+    assert lines[0].split(",") == BACKWARD_FIELDS == list(BackwardRow.__dataclass_fields__)
+    assert len(lines) == 1 + len(brows)
+
+
+def test_backward_read_json_refuses_forward_rows(rows, tmp_path):
+    bench.write_json(rows, tmp_path / "bench.json", META)
+    with pytest.raises(ValueError) as err:
+        bench_backward.read_json(tmp_path / "bench.json")
+    assert "rows[0]" in str(err.value) and "bench_backward.json" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_backward_plot_writes_a_png(brows, tmp_path):
+    path = tmp_path / "bench_backward.png"
+    bench_backward.plot(brows, path)  # rows without numbers included
+    data = path.read_bytes()
+    assert data.startswith(PNG) and len(data) > 1000
+
+
+def test_write_report_with_both_halves(rows, brows, tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    out = tmp_path / "bench"
+    out.mkdir()
+    written = bench.write_report(rows, META, out, md, with_data=True,
+                                 backward=bench.Part(brows, BWD_META, fresh=True))
+    names = {p.name for p in written}
+    assert {"bench.json", "bench.csv", "bench_backward.json", "bench_backward.csv", "bench_backward.png",
+            "bench_d64.png", "bench_d128.png", "BENCHMARKS.md"} == names
+    text = md.read_text()
+    forward_only = bench.markdown(rows, META, [str(out / "bench_d64.png"), str(out / "bench_d128.png")], md_path=md)
+    assert text.startswith(forward_only.rstrip("\n"))  # the forward report, unchanged, then the backward
+    assert text.index("## head_dim 64") < text.index("## Backward") < text.index("### Backward, head_dim 64")
+    assert "![bench_backward](bench/bench_backward.png)" in text.splitlines()
+    assert str(tmp_path) not in text
+
+
+def test_write_report_backward_alone_has_no_forward_tables(brows, tmp_path):
+    md = tmp_path / "B.md"
+    written = bench.write_report([], {}, tmp_path, md, with_data=False, backward=bench.Part(brows, BWD_META))
+    assert {p.name for p in written} == {"bench_backward.png", "B.md"}  # not fresh: no JSON rewritten
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\n## Backward\n") and "## head_dim" not in text
+
+
+# ---- main (what `fagen bench` runs) and the CLI, the GPU parts stubbed --------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, rows, brows):
+    """bench.run and bench_backward.run return the synthetic rows of the cases asked for;
+    calls records what ran."""
+    calls = []
+
+    def run_forward(case_list, progress=None):
+        calls.append(("forward", list(case_list)))
+        for c in case_list:
+            progress and progress(c)
+        return rows
+
+    def run_backward(case_list, progress=None):
+        calls.append(("backward", list(case_list)))
+        for c in case_list:
+            progress and progress(c)
+        return brows
+
+    monkeypatch.setattr(bench, "run", run_forward)
+    monkeypatch.setattr(bench_backward, "run", run_backward)
+    monkeypatch.setattr(bench, "environment_meta", lambda: {"gpu": "NVIDIA H200", "date": "2025-01-03"})
+    monkeypatch.setattr("fagen.cli._need_gpu", lambda torch=False: None)
+    return calls
+
+
+def test_main_full_run_is_forward_and_backward(fake_gpu, tmp_path, rows, brows):
+    out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
+    out.mkdir()
+    lines = bench.main(out, md)
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 78), ("backward", 15)]
+    assert fake_gpu[1][1] == bench_backward.cases()
+    _, meta = bench_backward.read_json(out / "bench_backward.json")
+    assert meta == {"gpu": "NVIDIA H200", "date": "2025-01-03", "pass": "backward", "cases": "15", "mode": "full",
+                    "masks": bench_backward.describe_masks()}
+    assert "documents: 4 packed documents" in meta["masks"]
+    assert bench.read_json(out / "bench.json")[1]["cases"] == "78"
+    text = md.read_text()
+    assert "## head_dim 64" in text and "### Backward, head_dim 64" in text
+    assert sum(ln.split()[1:2] == ["fagen"] for ln in lines) == len([r for r in rows if r.impl == "fagen"])
+    assert sum(ln.split()[1:2] == ["fagen-bwd"] for ln in lines) == len([r for r in brows if r.impl == "fagen"])
+    assert lines[-1].startswith("wrote ")
+
+
+def test_main_backward_only_keeps_the_forward_tables(fake_gpu, tmp_path, rows):
+    out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
+    out.mkdir()
+    bench.write_json(rows, out / "bench.json", META)  # an earlier forward run
+    before = (out / "bench.json").read_text()
+    lines = bench.main(out, md, backward_only=True)
+    assert [what for what, _ in fake_gpu] == ["backward"]
+    assert (out / "bench.json").read_text() == before  # kept, not rewritten
+    assert lines[0] == f"kept the forward tables from {out / 'bench.json'} (not run this time)"
+    text = md.read_text()
+    assert "- date: 2025-01-01" in text and "- date: 2025-01-03" in text  # each half's own meta
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in text and "## Backward" in text
+
+
+def test_main_quick_backward_runs_the_quick_backward_only(fake_gpu, tmp_path):
+    out = tmp_path / "bench"
+    out.mkdir()
+    bench.main(out, tmp_path / "B.md", quick=True, backward_only=True)
+    assert fake_gpu == [("backward", bench_backward.cases(quick=True))]
+    assert json.loads((out / "bench_backward.json").read_text())["meta"]["mode"] == "quick"
+    assert "## head_dim" not in (tmp_path / "B.md").read_text()  # no forward run to keep
+
+
+def test_main_quick_is_the_forward_only(fake_gpu, tmp_path):
+    out = tmp_path / "bench"
+    out.mkdir()
+    bench.main(out, tmp_path / "B.md", quick=True)
+    assert fake_gpu == [("forward", bench.cases(quick=True))]
+    assert not (out / "bench_backward.json").exists()
+
+
+@pytest.mark.parametrize("args, quick, backward_only", [
+    ([], False, False), (["--backward"], False, True), (["--quick"], True, False),
+    (["--quick", "--backward"], True, True)])
+def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward_only):
+    seen = {}
+
+    def fake_main(out, md, **kw):
+        seen.update(kw, out=out, md=md)
+        return ["done"]
+
+    monkeypatch.setattr(bench, "main", fake_main)
+    monkeypatch.setattr("fagen.cli._need_gpu", lambda torch=False: None)
+    result = CliRunner().invoke(main, ["bench", *args, "-o", str(tmp_path / "o"), "--markdown",
+                                       str(tmp_path / "B.md")])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert (seen["quick"], seen["backward_only"], seen["report"]) == (quick, backward_only, None)
+    assert (seen["out"], seen["md"]) == (tmp_path / "o", tmp_path / "B.md")
+    assert result.output == "done\n"
+
+
+def test_cli_bench_backward_needs_a_gpu(monkeypatch, tmp_path):
+    monkeypatch.setattr("fagen.cli._need_gpu", lambda torch=False: (_ for _ in ()).throw(
+        __import__("click").ClickException("no CUDA GPU found")))
+    monkeypatch.setattr(bench, "main", lambda *a, **k: pytest.fail("ran without a GPU"))
+    result = CliRunner().invoke(main, ["bench", "--backward", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "no CUDA GPU found" in result.output
+
+
+def test_cli_bench_help_lists_backward():
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0 and "--backward" in result.output
+
+
+@pytest.mark.parametrize("flag", ["--backward", "--quick"])
+def test_cli_bench_from_json_refuses_run_flags(rows, tmp_path, no_gpu, flag):
+    bench.write_json(rows, tmp_path / "bench.json", META)
+    result = CliRunner().invoke(main, ["bench", "--from-json", str(tmp_path / "bench.json"), flag,
+                                       "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and flag in result.output and "--from-json" in result.output
+
+
+@pytest.mark.parametrize("given", ["bench.json", "bench_backward.json"])
+def test_cli_bench_from_json_takes_both_halves(rows, brows, tmp_path, no_gpu, given):
+    src = tmp_path / "in"
+    src.mkdir()
+    bench.write_json(rows, src / "bench.json", META)
+    bench_backward.write_data(brows, BWD_META, src)
+    out, md = tmp_path / "out", tmp_path / "B.md"
+    result = CliRunner().invoke(main, ["bench", "--from-json", str(src / given), "-o", str(out), "--markdown", str(md)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    text = md.read_text()
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in text
+    assert "| float16 | 128 | 4096 | sliding_window | 120 | 80 | 1.50x | 170 | 130 | 190 / 400 | 2.5e-03 / 1.5e-03 |" in text
+    assert "![bench_backward](out/bench_backward.png)" in text.splitlines()
+    assert (out / "bench_backward.png").read_bytes().startswith(PNG)
+    assert not (out / "bench.json").exists() and not (out / "bench_backward.json").exists()  # redrawn, not copied
+    assert sum(ln.split()[1:2] == ["fagen-bwd"] for ln in result.output.splitlines()) == len(BWD_DENSE) + 3
+
+
+def test_cli_bench_from_json_backward_alone(brows, tmp_path, no_gpu):
+    bench_backward.write_data(brows, BWD_META, tmp_path)
+    md = tmp_path / "B.md"
+    result = CliRunner().invoke(main, ["bench", "--from-json", str(tmp_path / "bench_backward.json"),
+                                       "-o", str(tmp_path / "o"), "--markdown", str(md)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "## head_dim" not in md.read_text() and "### Backward, head_dim 128" in md.read_text()
