@@ -58,14 +58,16 @@ class Backward:
         return {name: packers(getattr(self.plan, f"{name}_params")) for name in ("preprocess", "dkdv", "dq")}
 
     def __call__(self, dout, q, k, v, out, lse, *, scale: float | None = None, mask_offset: int | None = None,
-                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None) -> Gradients:
+                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+                 dq=None, dk=None, dv=None) -> Gradients:
         """The gradients of sum(out * dout) by q, k, v (and sinks), for the forward that gave
-        out and lse (natural-log LSE [B, Hq, Nq], f32) from the same arguments."""
+        out and lse (natural-log LSE [B, Hq, Nq], f32) from the same arguments. dq, dk, dv:
+        where to write them (like q, k, v), else fresh arrays."""
         spec, bp = self.spec, self.plan
         tq, tk, tv = self.forward.check(q, k, v)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
-        tdo, to = (_like_q(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
+        tdo, to = (_like(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
         tl = as_device_tensor(lse, "lse")
         if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.strides != (hq * nq, nq, 1):
             raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; expected the forward's contiguous "
@@ -81,7 +83,8 @@ class Backward:
             extras, keep_alive = self.forward.extra_arguments(tq, tk, given)
             extras.pop("sinks", None)  # the sink's share of each row is in the forward's LSE
             delta, lse2 = (empty_like(tq, (b, hq, n_pad), "float32") for _ in range(2))
-            dq, dk, dv = (empty_like(t, t.shape, spec.dtype) for t in (tq, tk, tv))
+            dq, dk, dv = (empty_like(t, t.shape, spec.dtype) if given is None else (_like(given, name, t), given)[1]
+                          for t, given, name in ((tq, dq, "dq"), (tk, dk, "dk"), (tv, dv, "dv")))
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk,
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
@@ -101,11 +104,12 @@ class Backward:
         return Gradients(dq, dk, dv, dsinks)
 
 
-def _like_q(x, name: str, tq: DeviceTensor) -> DeviceTensor:
+def _like(x, name: str, ref: DeviceTensor) -> DeviceTensor:
+    """x as a DeviceTensor of ref's framework, dtype, shape and device, with 16-byte rows."""
     t = as_device_tensor(x, name)
-    if t.kind != tq.kind or t.dtype != tq.dtype or t.shape != tq.shape or t.device != tq.device:
-        raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected q's {tq.kind} "
-                         f"{tq.dtype} {tq.shape} on cuda:{tq.device}")
+    if t.kind != ref.kind or t.dtype != ref.dtype or t.shape != ref.shape or t.device != ref.device:
+        raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected a {ref.kind} "
+                         f"{ref.dtype} {ref.shape} tensor on cuda:{ref.device}")
     if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:
         raise ValueError(f"{name}: strides {t.strides} (elements); the last must be 1 and the others multiples of 8 "
                          f"(16-byte rows): pass {name}.contiguous()")

@@ -24,12 +24,78 @@ from fagen.spec import MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, AttentionSpec, SpecE
 
 OUT_PTR = "elem_t* __restrict__"
 PREPROCESS_WARPS = 4
-# Registers the dK/dV kernel holds beside its accumulators (addresses, loop and pipeline state,
-# the mask's and modifiers' temporaries): from ptxas -v on the shipped backward specs (sm_80 and
-# sm_90, nvcc 13.0), with room to spare; tests/test_nvcc.py compiles every backward spec.
-DKDV_BASE_REGISTERS = 48
-DKDV_STATE_REGISTERS = {"document": 16, "sliding_window": 4, "chunked": 6, "prefix_lm": 4, "block_mask": 8,
-                        "bias": 8, "alibi": 4}
+# The register estimates of the two main loops: accumulators (dK and dV, or dQ), S and dP (and
+# the modifiers' derivative where it varies per score) and what they hold beside them, priced
+# per term below, fitted by linear programming to 301 ptxas -v runs (random backward specs, and every mask
+# kind with and without modifiers at the tilings fagen.variants.trainable picks)
+# (scripts/fit_backward_registers.py; sm_80 and sm_90, nvcc 13.0) so that every kernel that
+# spilled is predicted over MAX_REGISTERS and every other at least at its count.
+REGISTER_COSTS = {
+    "dkdv": {"base": 61.12, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
+             "causal": 0.17, "sliding_window": 10.31, "chunked": 3.79, "document": 5.0, "document_causal": 5.0,
+             "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79},
+    "dq": {"base": 56.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
+           "causal": 0.0, "sliding_window": 0.0, "chunked": 4.0, "document": 4.0, "document_causal": 2.0,
+           "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0},
+}
+
+
+def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
+    """The amounts REGISTER_COSTS[kernel] prices, for this spec ("dkdv" or "dq")."""
+    bwd, d, mask, mod = spec.backward, spec.head_dim, spec.mask, spec.score_mod
+    per_fragment = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
+    if kernel == "dkdv":
+        warps, key_warps = bwd.warps, bwd.warps // bwd.head_split
+        frags = bwd.block_kv // key_warps // MMA_M
+        acc, s = 2 * frags * (d // bwd.head_split // MMA_N) * per_fragment, frags * (bwd.block_q // MMA_N) * per_fragment
+    else:
+        warps, frags = bwd.dq_warps, bwd.dq_block_q // bwd.dq_warps // MMA_M
+        acc, s = frags * (d // MMA_N) * per_fragment, frags * (bwd.dq_block_kv // MMA_N) * per_fragment
+    kind = "document_causal" if mask.kind == "document" and mask.causal else mask.kind
+    terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
+             "chunk_copy": float(32 * warps % (d // CHUNK_ELEMS) != 0), "stages1": float(bwd.stages == 1),
+             "bias": float(mod.bias != "none"), "alibi": float(mod.alibi != "none")}
+    if kind != "none":
+        terms[kind] = 1.0
+    return terms
+
+
+# Kernels the estimate refuses that ptxas -v was run on (sm_80 and sm_90, nvcc 13.0): they fit, at
+# the registers given (the higher of the two archs). The tilings fagen.variants.trainable picks for
+# head_dim 128 and 256, each mask kind, with softcap or no modifier. tests/test_nvcc.py compiles
+# each. Key: head_dim, backward tiling (block_kv, block_q, warps, head_split, stages, dq_block_q,
+# dq_block_kv, dq_warps), mask kind ("document_causal" for a causal document), softcap?
+_D128, _D256 = (128, 32, 8, 1, 2, 64, 64, 4), (64, 32, 8, 2, 2, 64, 32, 4)
+MEASURED_FIT = {
+    "dkdv": {
+        **{(128, _D128, kind, False): regs for kind, regs in (
+            ("none", 248), ("causal", 247), ("sliding_window", 248), ("chunked", 249), ("prefix_lm", 247),
+            ("document", 249), ("document_causal", 249))},
+        **{(128, _D128, kind, True): regs for kind, regs in (
+            ("none", 255), ("causal", 252), ("sliding_window", 254), ("prefix_lm", 252))},
+        (256, _D256, "none", False): 249, (256, _D256, "causal", False): 251,
+    },
+    "dq": {(256, _D256, "none", False): 244, (256, _D256, "causal", False): 243},
+}
+
+
+def measured_key(spec: AttentionSpec) -> tuple | None:
+    """spec's key in MEASURED_FIT, or None where it is not a kernel of that kind."""
+    bwd, mod = spec.backward, spec.score_mod
+    if mod.alibi != "none" or mod.bias != "none" or mod.expression or spec.mask.expression:
+        return None
+    kind = "document_causal" if spec.mask.kind == "document" and spec.mask.causal else spec.mask.kind
+    tiling = (bwd.block_kv, bwd.block_q, bwd.warps, bwd.head_split, bwd.stages, bwd.dq_block_q, bwd.dq_block_kv,
+              bwd.dq_warps)
+    return spec.head_dim, tiling, kind, mod.softcap is not None
+
+
+def predict_registers(spec: AttentionSpec, kernel: str) -> int:
+    measured = MEASURED_FIT[kernel].get(measured_key(spec))
+    if measured is not None:
+        return measured
+    costs = REGISTER_COSTS[kernel]
+    return int(sum(costs[name] * amount for name, amount in register_terms(spec, kernel).items()))
 
 
 @dataclass(frozen=True)
@@ -82,6 +148,7 @@ class BackwardPlan:
     dkdv: DkdvPlan
     dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
     dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q
+    dq_predicted_registers: int
     mask_params: tuple[tuple[str, str], ...]
     score_params: tuple[tuple[str, str], ...]
     preprocess_params: tuple[tuple[str, str], ...]
@@ -122,6 +189,12 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     bwd, d = spec.backward, spec.head_dim
     dq = plan(dq_spec(spec))
     dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES
+    dq_registers = predict_registers(spec, "dq")
+    if dq_registers > MAX_REGISTERS:
+        raise SpecError(rule(
+            "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}, dq_warps {bwd.dq_warps}",
+            f"the dQ kernel predicts {dq_registers} registers a thread over the {MAX_REGISTERS} limit: it would "
+            "spill", "use a smaller dq_block_kv, or more dq_warps"))
     if dq_smem > SMEM_PER_BLOCK[spec.arch]:
         raise SpecError(rule(
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}",
@@ -143,6 +216,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dkdv=dkdv_plan(spec),
         dq=dq,
         dq_smem_bytes=dq_smem,
+        dq_predicted_registers=dq_registers,
         mask_params=mask_params,
         score_params=mod_params,
         preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
@@ -172,9 +246,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     acc = 2 * k_frags * (d_cols // MMA_N) * per_fragment  # dK and dV
     s = k_frags * s_n_frags * per_fragment  # S^T, then P^T; dP^T beside it; the derivative where per element
     mod = spec.score_mod
-    state = sum(DKDV_STATE_REGISTERS.get(name, 0) for name in
-                (spec.mask.kind, "bias" if mod.bias != "none" else "", "alibi" if mod.alibi != "none" else ""))
-    registers = DKDV_BASE_REGISTERS + acc + (3 if mod.nonlinear else 2) * s + state
+    registers = predict_registers(spec, "dkdv")
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:
         raise SpecError(rule(

@@ -12,6 +12,7 @@ import numpy as np
 
 from fagen import masks, oracle, side_inputs
 from fagen.device import cupy
+from fagen.backward import compile_backward
 from fagen.runtime import compile_kernel
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge
@@ -208,3 +209,34 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     if time_it and result.passed and not spec.outputs.partial:  # a wrong kernel is never timed
         result.ms = time_ms(lambda: kernel(q, k, v, scale=scale, out=out, **extras))
     return result
+
+
+def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, *,
+                                  framework: str | None = None, layout: str = "bhnd", seed: int | None = None,
+                                  extras: dict | None = None, mask_mod=None, score_mod=None,
+                                  score_mod_grad=None) -> CheckResult:
+    """The backward of a spec with a backward: section: its forward, then dq, dk, dv (and
+    dsinks) from a random dout, each NaN-poisoned before the launch, against
+    fagen.oracle.attention_backward. out_error is the worst gradient's relative error."""
+    framework = framework or ("cupy" if spec.dtype == "float16" else "torch")
+    backward = compile_backward(spec)
+    q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
+    dout, _, _, dq = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout,
+                                   None if seed is None else seed + 1)
+    # NaN-filled, in k's shape and layout
+    dk, dv = (random_inputs(framework, spec.dtype, b, hkv, hkv, nk, nk, spec.head_dim, layout)[3] for _ in range(2))
+    extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
+    out, lse = backward.forward(q, k, v, out=out, return_lse=True, **extras)
+    grads = backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **extras)
+    slopes = extras.get("alibi_slopes")
+    if spec.score_mod.alibi == "geometric" and slopes is None:
+        slopes = np.array(side_inputs.geometric_alibi_slopes(hq))
+    ref = oracle.attention_backward(
+        to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), mask=spec.mask, block_mask=extras.get("block_mask"),
+        doc_ids=extras.get("doc_ids"), mask_mod=mask_mod, softcap=spec.score_mod.softcap, alibi_slopes=slopes,
+        bias=extras.get("bias"), score_mod=score_mod, score_mod_grad=score_mod_grad, sinks=extras.get("sinks"))
+    errors = [relative_error(to_numpy(getattr(grads, name)), ref[name]) for name in ("dq", "dk", "dv")]
+    if grads.dsinks is not None:
+        errors.append(relative_error(to_numpy(grads.dsinks), ref["dsinks"]))
+    return CheckResult(spec.name + " backward", (b, hq, hkv, nq, nk), max(errors), 0.0, OUT_TOLERANCE[spec.dtype],
+                       flops=2.5 * attention_flops(b, hq, nq, nk, spec.head_dim, spec.causal))

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fagen.load import SPECS, load_spec
+from fagen.backward_plan import backward_plan
 from fagen.plan import plan
-from fagen.render import render
+from fagen.render import render, render_backward
 from fagen.spec import HEAD_DIMS, SMEM_PER_BLOCK, AttentionSpec, Mask, ScoreMod
 from fagen.variants import shipped_spec, variant
 
@@ -95,6 +96,40 @@ def compile_offline(spec: AttentionSpec, arch: str) -> Resources:
         raise RuntimeError(f"could not read ptxas -v output for {spec.name}:\n{log}")
     return Resources(arch, int(usage[1]), int(frame[1]), int(frame[2]), int(frame[3]),
                      int(smem[1]) if smem else 0, log)
+
+
+BACKWARD_KERNELS = ("preprocess", "dkdv", "dq")
+
+
+def backward_arch(spec: AttentionSpec) -> str:
+    """What a spec's backward compiles for: its mma.sync main loops run on every arch, so an
+    sm_90a spec's backward is an sm_90 build (as the runtime's NVRTC compiles it on Hopper)."""
+    return "sm_90" if spec.wgmma else spec.arch
+
+
+def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, Resources]:
+    """nvcc -Xptxas -v on a spec's backward file: each kernel's resources, by BACKWARD_KERNELS."""
+    arch = arch or backward_arch(spec)
+    plan_ = backward_plan(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / f"{spec.name}_backward.cu"
+        src.write_text(render_backward(spec))
+        cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
+               "-o", str(Path(tmp) / "k.cubin"), str(src)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    if run.returncode:
+        raise RuntimeError(f"nvcc failed on {spec.name}'s backward for {arch}:\n{log}")
+    entries = _parse_entries(log)
+    symbols = {"preprocess": plan_.preprocess_symbol, "dkdv": plan_.dkdv_symbol, "dq": plan_.dq_symbol}
+    return {name: _resources(arch, entries[symbol][1], symbol) for name, symbol in symbols.items()}
+
+
+def compile_backward_many(builds: list[tuple[AttentionSpec, str | None]], jobs: int | None = None
+                          ) -> list[dict[str, Resources]]:
+    """compile_backward of each (spec, arch), one nvcc run each, on every core."""
+    with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+        return list(pool.map(lambda build: compile_backward(*build), builds))
 
 
 # ---- many kernels at once ------------------------------------------------------------------

@@ -90,12 +90,15 @@ def partial_variant(spec: AttentionSpec) -> AttentionSpec:
 # The backward's tiling by head_dim (fagen.backward_plan): dK and dV of block_kv keys live in
 # registers, so head_dim 256 splits them across warp pairs, and its tiles shrink to fit smem.
 BACKWARD_TILINGS = {
-    32: {}, 64: {}, 96: {"block_q": 32}, 128: {},
+    32: {}, 64: {}, 96: {"block_q": 32}, 128: {"block_q": 32},
     256: {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
 }
-# ... and where a spec's modifiers or mask push the dK/dV kernel over the registers: fewer
-# queries a step (S^T, dP^T and the derivative shrink with it), then fewer keys for dQ.
-BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32}, {"block_q": 16, "dq_block_kv": 32})
+# ... and where a spec's modifiers or mask push the kernels over the registers: fewer queries a
+# step (S^T, dP^T and the derivative shrink with it), fewer keys for dQ, then dK and dV split
+# across warp pairs.
+BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
+                      {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
+                      {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32})
 
 
 @cache

@@ -4,6 +4,15 @@
 // causal_softcap_sinks_f16_d128: FlashAttention-2 forward, mma.sync.m16n8k16 + ldmatrix + cp.async
 // spec:
 //   arch: sm_80
+//   backward:
+//     block_kv: 128
+//     block_q: 32
+//     dq_block_kv: 64
+//     dq_block_q: 64
+//     dq_warps: 4
+//     head_split: 1
+//     stages: 2
+//     warps: 8
 //   dtype: float16
 //   head_dim: 128
 //   mask:

@@ -4,6 +4,15 @@
 // custom_expressions_f16_d64: FlashAttention-2 forward, mma.sync.m16n8k16 + ldmatrix + cp.async
 // spec:
 //   arch: sm_80
+//   backward:
+//     block_kv: 128
+//     block_q: 64
+//     dq_block_kv: 64
+//     dq_block_q: 64
+//     dq_warps: 4
+//     head_split: 1
+//     stages: 2
+//     warps: 8
 //   dtype: float16
 //   head_dim: 64
 //   mask:
@@ -24,6 +33,7 @@
 //     alibi: none
 //     bias: none
 //     expression: score * 0.5f + 0.25f * (float)(h % 2)
+//     expression_grad: 0.5f
 //     sinks: false
 //   smem_layout: padded
 //   tiling:

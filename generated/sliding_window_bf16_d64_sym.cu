@@ -4,6 +4,15 @@
 // sliding_window_bf16_d64_sym: FlashAttention-2 forward, mma.sync.m16n8k16 + ldmatrix + cp.async
 // spec:
 //   arch: sm_80
+//   backward:
+//     block_kv: 128
+//     block_q: 64
+//     dq_block_kv: 64
+//     dq_block_q: 64
+//     dq_warps: 4
+//     head_split: 1
+//     stages: 2
+//     warps: 8
 //   dtype: bfloat16
 //   head_dim: 64
 //   mask:

@@ -23,11 +23,13 @@ import pytest
 
 import fagen
 from fagen.load import SPECS
-from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, attention_defaults, attention_variants, compile_many, score_mods,
+from fagen.backward_plan import backward_plan
+from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, attention_defaults, attention_variants, compile_backward_many,
+                        compile_many, score_mods,
                         targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask
-from fagen.variants import partial_variant
+from fagen.variants import partial_variant, trainable
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
@@ -141,3 +143,32 @@ def test_measured_fits_compile_without_spills():
         builds += [(spec, arch, registers) for arch in archs]
     for (spec, arch, registers), r in zip(builds, compile_many([(s, a) for s, a, _ in builds])):
         assert _ok(r) and r.registers <= registers, (spec.name, arch, r.registers)
+
+
+# ---- the backward ------------------------------------------------------------------------------
+# Every shipped spec with a backward: section, and what fagen.attention trains with: the trainable
+# variant of every float16 default on an A100 and on an H100/H200 (bfloat16 differs only in the
+# MMA's type), each for the arch its backward is built for (fagen.nvcc.backward_arch).
+BACKWARD_SPECS = [s for s in map(fagen.load_spec, SPEC_PATHS) if s.backward is not None] + list(dict.fromkeys(
+    trainable(s) for gpu in (None, "h200") for s, _ in attention_defaults(gpu) if s.dtype == "float16"))
+
+
+@pytest.fixture(scope="module")
+def backward_builds():
+    return dict(zip((s.name for s in BACKWARD_SPECS), compile_backward_many([(s, None) for s in BACKWARD_SPECS])))
+
+
+@pytest.mark.parametrize("spec", BACKWARD_SPECS, ids=[s.name for s in BACKWARD_SPECS])
+def test_backward_compiles_without_spills(spec, backward_builds):
+    for kernel, r in backward_builds[spec.name].items():
+        assert _ok(r), (kernel, r.log)
+        assert r.static_smem == 0 and r.registers <= 255, kernel
+
+
+def test_backward_register_prediction_tracks_ptxas(backward_builds):
+    """The main loops' estimates (fagen.backward_plan) follow what ptxas allocates."""
+    for spec in BACKWARD_SPECS:
+        plan_ = backward_plan(spec)
+        for kernel, predicted in (("dkdv", plan_.dkdv.predicted_registers), ("dq", plan_.dq_predicted_registers)):
+            used = backward_builds[spec.name][kernel].registers
+            assert abs(predicted - used) <= 40, (spec.name, kernel, predicted, used)

@@ -1,0 +1,91 @@
+"""The backward kernels against the float64 oracle on the GPU (marked `gpu`).
+
+Every shipped spec with a backward: section and the trainable variant of every default
+(fagen.variants.trainable: what fagen.attention trains with), at awkward lengths, fp16 and
+bf16, MHA/GQA/MQA, both memory layouts; dq, dk, dv (and dsinks) NaN-poisoned before the
+launch, relative errors under fagen.check's per-dtype tolerance. Determinism is bitwise.
+"""
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen import variants
+from fagen.backward import compile_backward
+from fagen.check import check_backward_against_oracle, random_extras, random_inputs, to_numpy
+from fagen.load import SPECS
+from fagen.runtime import default_spec
+
+pytestmark = pytest.mark.gpu
+
+BACKWARD_SPECS = [p for p in sorted(SPECS.glob("*.yaml")) if fagen.load_spec(p).backward is not None]
+# (Nq, Nk): a single query, tile multiples and their neighbours, Nq != Nk both ways
+LENGTHS = [(1, 239), (113, 203), (1023, 1024), (2049, 1000), (64, 64), (203, 113)]
+HEADS_KV = (4, 2, 1)  # Hq = 4: MHA, GQA, MQA
+# NumPy twins of the CUDA expressions in shipped specs, and the score expression's derivative
+EXPRESSIONS = {
+    "custom_expressions_f16_d64": dict(
+        mask_mod=lambda b, h, q, k: (q + k) % 3 != 0,
+        score_mod=lambda s, b, h, q, k: s * 0.5 + 0.25 * (h % 2),
+        score_mod_grad=lambda s, b, h, q, k: np.full_like(s, 0.5),
+    ),
+}
+
+
+def _cases():
+    for path in BACKWARD_SPECS:
+        spec = fagen.load_spec(path)
+        for i, (nq, nk) in enumerate(LENGTHS):
+            nk = nq if spec.mask.kind == "document" else nk  # packed self-attention
+            hkv, layout = HEADS_KV[i % 3], ("bhnd", "bnhd")[i % 2]
+            yield pytest.param(path, nq, nk, hkv, layout, id=f"{path.stem}-{nq}x{nk}-hkv{hkv}-{layout}")
+
+
+@pytest.mark.parametrize("path, nq, nk, hkv, layout", list(_cases()))
+def test_backward_spec_against_oracle(path, nq, nk, hkv, layout):
+    spec = fagen.load_spec(path)
+    result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk, layout=layout, **EXPRESSIONS.get(spec.name, {}))
+    print(result.summary())
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_trainable_defaults_against_oracle(dtype, head_dim, causal):
+    """What fagen.attention trains with: the default for this GPU, with its backward tiling."""
+    spec = variants.trainable(default_spec(dtype, head_dim, causal))
+    for nq, nk, hkv, layout in ((239, 300, 2, "bhnd"), (1, 239, 1, "bnhd"), (1025, 1024, 4, "bhnd")):
+        result = check_backward_against_oracle(spec, 1, 4, hkv, nq, nk, layout=layout,
+                                               framework="torch" if dtype == "bfloat16" else "cupy")
+        print(result.summary())
+        assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("name", ["causal_softcap_sinks_f16_d128", "document_causal_f16_d128", "sliding_window_f16_d128"])
+def test_backward_is_bitwise_deterministic(name):
+    """No block adds into another's output: two runs give the same bits."""
+    spec = fagen.load_spec(SPECS / f"{name}.yaml")
+    backward = compile_backward(spec)
+    q, k, v, _ = random_inputs("cupy", spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=3)
+    dout = random_inputs("cupy", spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=4)[0]
+    extras = random_extras(spec, 2, 8, 1500, 1500, seed=5)
+    out, lse = backward.forward(q, k, v, return_lse=True, **extras)
+    runs = [backward(dout, q, k, v, out, lse, **extras) for _ in range(3)]
+    for name_ in ("dq", "dk", "dv"):
+        first = to_numpy(getattr(runs[0], name_))
+        for run in runs[1:]:
+            assert np.array_equal(first.view(np.uint32), to_numpy(getattr(run, name_)).view(np.uint32)), name_
+
+
+def test_backward_refuses_mismatched_arguments():
+    spec = variants.trainable(default_spec("float16", 64, True))
+    backward = compile_backward(spec)
+    q, k, v, _ = random_inputs("cupy", "float16", 1, 2, 2, 100, 100, 64)
+    out, lse = backward.forward(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="dout"):
+        backward(q[:, :, :50], q, k, v, out, lse)
+    with pytest.raises(ValueError, match="lse"):
+        backward(q, q, k, v, out, lse[:, :1])
+    with pytest.raises(ValueError, match="dk"):
+        backward(q, q, k, v, out, lse, dk=q[:, :1, :10])
