@@ -15,9 +15,15 @@ def compile(spec):
 
 
 def attention(q, k, v, **kwargs):
-    """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy)."""
-    from fagen.runtime import attention as _attention
+    """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy).
+    PyTorch tensors go through the fagen::attention_forward op: autograd, torch.compile and
+    CUDA graphs see it (fagen.torch_op)."""
+    from fagen.device import is_torch
 
+    if is_torch(q):
+        from fagen.torch_op import attention as _attention
+    else:
+        from fagen.runtime import attention as _attention
     return _attention(q, k, v, **kwargs)
 
 

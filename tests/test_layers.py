@@ -25,7 +25,7 @@ LAYERS = [
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge
-    ("check", "distributed"),  # against the oracle; multi-GPU modes
+    ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("bench",),
     ("tune",),
     ("cli",),

@@ -1,0 +1,143 @@
+"""fagen.attention as PyTorch operators: fagen::attention_forward and fagen::attention_backward
+(torch.library.custom_op), with fake implementations (shapes only) and an autograd formula, so
+autograd, torch.compile(fullgraph=True) and CUDA graphs see one opaque op each way.
+
+The ops launch fagen's kernels (fagen.runtime, fagen.backward) on torch's current stream; all
+they allocate comes from torch's caching allocator, and they wait on the device only where the
+runtime checks a side input's values, once per tensor object. The mask travels as JSON of
+fagen.spec.Mask's fields ("" for none): an op takes no Python objects.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fagen import backward, runtime, variants
+from fagen.spec import Mask
+
+
+@torch.compiler.assume_constant_result  # pydantic is not traceable: torch.compile bakes the string in
+def mask_json(mask) -> str:
+    """The mask as the ops carry it: JSON of fagen.spec.Mask's fields (a Mask, a dict of its
+    fields or a kind name), "" for none."""
+    return "" if mask is None else Mask.model_validate(mask).model_dump_json(exclude_defaults=True)
+
+
+def mask_of(text: str) -> Mask | None:
+    """The mask mask_json encoded (None for "")."""
+    return Mask.model_validate_json(text) if text else None
+
+
+# Detached aliases of side inputs that require grad (a sinks parameter). The runtime reads them
+# through __cuda_array_interface__, which PyTorch refuses on tensors that require grad, and
+# checks their values once per object (a host sync): one alias per tensor keeps that check to
+# the first call, so training steps (and CUDA graph captures after a warm-up) never sync.
+_ALIASES = WeakIdKeyDictionary()
+
+
+def _without_grad(t: Tensor | None) -> Tensor | None:
+    if t is None or not t.requires_grad:
+        return t
+    alias = _ALIASES.get(t)
+    if alias is None or (alias.data_ptr(), alias.shape, alias.stride()) != (t.data_ptr(), t.shape, t.stride()):
+        alias = _ALIASES[t] = t.detach()  # new storage (t.data = ...): a new alias
+    return alias
+
+
+def _side_inputs(bias, alibi_slopes, sinks, doc_ids) -> dict:
+    """The side inputs as the runtime takes them. Vectors and doc_ids made contiguous here, by
+    torch (a no-op when they are), so the runtime never copies them into CuPy's memory pool."""
+    vectors = (_without_grad(t) for t in (alibi_slopes, sinks, doc_ids))
+    alibi_slopes, sinks, doc_ids = (None if t is None else t.contiguous() for t in vectors)
+    return dict(bias=_without_grad(bias), alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+
+
+def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict):
+    return runtime.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, **side)
+
+
+@torch.library.custom_op("fagen::attention_forward", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                      sinks: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
+                      softcap: Optional[float], scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
+    kernel for these arguments."""
+    side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
+    kernel = runtime.compile_kernel(_spec(q, mask, causal, softcap, side))
+    return kernel(q, k, v, scale=scale, return_lse=True, **side)
+
+
+@attention_forward.register_fake
+def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale):
+    b, hq, nq, d = q.shape
+    return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fagen::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       bias: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+                       doc_ids: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
+                       scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks) of sum(out * dout) for the forward that gave out and lse from the
+    same arguments; dsinks is [Hq] float32, zeros without sinks (an op cannot return None)."""
+    side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
+    spec = variants.trainable(_spec(q, mask, causal, softcap, side))
+    grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)
+    dsinks = grads.dsinks if sinks is not None else torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+    return grads.dq, grads.dk, grads.dv, dsinks
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape[1], dtype=torch.float32)
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale = inputs
+    out, lse = output
+    # d loss / d lse would change every row's D in the kernels: not supported, and said so by
+    # lse.requires_grad being False rather than by a silently missing term
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids)
+    ctx.statics = (mask, causal, softcap, scale)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids = ctx.saved_tensors
+    if ctx.needs_input_grad[3]:
+        raise NotImplementedError(
+            f"bias: requires grad (shape {list(bias.shape)}), but gradients by the bias are not supported "
+            f"through autograd yet; pass bias.detach() to train everything else with a fixed bias")
+    dq, dk, dv, dsinks = torch.ops.fagen.attention_backward(dout, q, k, v, out, lse, bias, alibi_slopes, sinks,
+                                                           doc_ids, *ctx.statics)
+    # alibi_slopes and doc_ids get none: slopes are fixed by design, ids are integers
+    return dq, dk, dv, None, None, dsinks if ctx.needs_input_grad[5] else None, None, None, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
+
+
+def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
+              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
+    """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
+    to q, k, v and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
+    so it cannot enter an op: it runs the kernel directly, without autograd."""
+    # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device
+    bias, alibi_slopes, sinks, doc_ids = (
+        x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
+        for x in (bias, alibi_slopes, sinks, doc_ids))
+    if block_mask is not None:
+        wanting = [name for name, t in dict(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks).items()
+                   if t is not None and t.requires_grad]
+        if wanting and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"block_mask with {', '.join(wanting)} requiring grad: block-mask backward is not supported through "
+                f"autograd yet; run it under torch.no_grad() or on detached tensors, or train with a mask that "
+                f"has one: causal=True, mask= (sliding_window, chunked, prefix_lm) or doc_ids=")
+        return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale, return_lse=return_lse,
+                                 block_mask=block_mask, **_side_inputs(bias, alibi_slopes, sinks, doc_ids))
+    out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask_json(mask), causal,
+                                                 softcap, scale)
+    return (out, lse) if return_lse else out

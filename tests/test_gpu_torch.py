@@ -1,0 +1,321 @@
+"""fagen.attention as a PyTorch op on the GPU (marked `gpu`): gradients through autograd
+against the float64 oracle and a float64 PyTorch reference, torch.library.opcheck on both ops,
+torch.compile(fullgraph=True), a training step captured in a CUDA graph, and a transformers
+Llama trained with attention "fagen" against the same model on "sdpa".
+
+The ops allocate their outputs with torch.empty; the `nan_empty` fixture turns on PyTorch's
+deterministic mode, whose torch.empty fills with NaN, so an element no kernel writes is an
+infinite error (as test_gpu.py's NaN-filled `out=`). Run with: pytest -m gpu tests/test_gpu_torch.py
+"""
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen import oracle
+from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, random_inputs, relative_error, to_numpy
+
+torch = pytest.importorskip("torch")
+import fagen.torch_op  # noqa: E402  (registers torch.ops.fagen; needs torch)
+
+pytestmark = pytest.mark.gpu
+
+# ||grad - ref|| / ||ref|| against float64: the kernels round P and dS to the MMA input type
+# (2^-11 float16, 2^-8 bfloat16) and accumulate in f32, dK and dV over every query of a key.
+GRAD_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}
+B, HQ, HKV = 2, 4, 2  # GQA: two query heads a KV head
+
+
+@pytest.fixture
+def nan_empty():
+    """torch.empty fills floats with NaN while deterministic algorithms are on (warn_only: the
+    float64 references' cuBLAS calls only warn)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _side_inputs(rng, n: int, *, alibi=False, sinks=False, documents=False) -> dict:
+    """NumPy side inputs: slopes, sinks (one per query head), and packed documents' ids."""
+    extras = {}
+    if alibi:
+        extras["alibi_slopes"] = rng.uniform(0.01, 0.5, HQ).astype(np.float32)
+    if sinks:
+        extras["sinks"] = rng.uniform(-1.0, 3.0, HQ).astype(np.float32)
+    if documents:
+        cuts = np.sort(rng.choice(np.arange(1, n), size=min(5, n - 1), replace=False))
+        extras["doc_ids"] = np.broadcast_to(np.searchsorted(cuts, np.arange(n), side="right"), (B, n)).astype(np.int32)
+    return extras
+
+
+def _check_against_oracle(dtype, head_dim, causal, nq, nk, layout="bhnd", softcap=None, seed=0, **wanted):
+    """fagen.attention's out, lse and autograd's dq, dk, dv (and dsinks) against the oracle."""
+    q, k, v, _ = random_inputs("torch", dtype, B, HQ, HKV, nq, nk, head_dim, layout, seed=seed)
+    dout = random_inputs("torch", dtype, B, HQ, HKV, nq, nk, head_dim, layout, seed=seed + 1)[0]
+    extras = _side_inputs(np.random.default_rng(seed), nk, **wanted)
+    side = {name: torch.tensor(x, device="cuda") for name, x in extras.items()}
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    if "sinks" in side:
+        leaves.append(side["sinks"].requires_grad_())
+    out, lse = fagen.attention(q, k, v, causal=causal, softcap=softcap, return_lse=True, **side)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    qn, kn, vn = (to_numpy(x) for x in (q, k, v))
+    ref_out, ref_lse = oracle.attention(qn, kn, vn, causal=causal, softcap=softcap, return_lse=True, **extras)
+    ref = oracle.attention_backward(qn, kn, vn, to_numpy(dout), causal=causal, softcap=softcap, **extras)
+    errors = {"out": relative_error(to_numpy(out), ref_out), "lse": relative_error(to_numpy(lse), ref_lse)}
+    errors.update({name: relative_error(to_numpy(g), ref[name]) for name, g in zip(("dq", "dk", "dv", "dsinks"), grads)})
+    tolerance = dict.fromkeys(("dq", "dk", "dv", "dsinks"), GRAD_TOLERANCE[dtype]) | {
+        "out": OUT_TOLERANCE[dtype], "lse": LSE_TOLERANCE}
+    print(errors)
+    assert all(errors[name] <= tolerance[name] for name in errors), (errors, tolerance)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk, layout", [(113, 203, "bhnd"), (1, 239, "bnhd")])
+def test_gradients_against_the_oracle(nan_empty, dtype, head_dim, causal, nq, nk, layout):
+    _check_against_oracle(dtype, head_dim, causal, nq, nk, layout)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("modifier", ["softcap", "alibi", "sinks", "documents"])
+def test_gradients_with_modifiers_against_the_oracle(nan_empty, dtype, head_dim, modifier):
+    """Each modifier under a causal mask; sinks require grad (dsinks checked); documents are
+    packed self-attention (Nq == Nk)."""
+    n = 203 if modifier == "documents" else None
+    kwargs = {"softcap": 5.0} if modifier == "softcap" else {modifier: True}
+    _check_against_oracle(dtype, head_dim, True, n or 113, n or 203, seed=7, **kwargs)
+
+
+def _reference(q, k, v, *, causal: bool, scale: float):
+    """softmax(q k^T * scale + mask) v in float64 PyTorch, k and v repeated over each GQA group."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:  # bottom-right diagonal: query i sees keys up to i + Nk - Nq
+        nq, nk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril(nk - nq), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_against_torch_float64_autograd(nan_empty, causal):
+    """The same gradients from PyTorch's own autograd through a float64 reference, at a custom scale."""
+    q, k, v, _ = random_inputs("torch", "float16", B, HQ, HKV, 113, 203, 128, seed=11)
+    dout = random_inputs("torch", "float16", B, HQ, HKV, 113, 203, 128, seed=12)[0]
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    grads = torch.autograd.grad(fagen.attention(q, k, v, causal=causal, scale=0.1), leaves, dout)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(_reference(*ref_leaves, causal=causal, scale=0.1), ref_leaves, dout.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert relative_error(to_numpy(g), r.cpu().numpy()) <= GRAD_TOLERANCE["float16"], name
+
+
+def test_opcheck_both_ops():
+    """torch.library.opcheck: schema (no mutation, no aliasing), fake tensors against the real
+    kernels' shapes, dtypes and strides, the autograd registration, and AOT dispatch."""
+    q, k, v, _ = random_inputs("torch", "float16", 1, HQ, HKV, 77, 77, 64, seed=21)
+    dout = random_inputs("torch", "float16", 1, HQ, HKV, 77, 77, 64, seed=22)[0]
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda", requires_grad=True)
+    forward, backward = torch.ops.fagen.attention_forward.default, torch.ops.fagen.attention_backward.default
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(forward, (*leaves, None, None, None, None, "", True, None, None))
+    torch.library.opcheck(forward, (*leaves, None, None, sinks, None, "", True, 30.0, None))
+    q, k, v = (x.detach() for x in leaves)
+    out, lse = forward(q, k, v, None, None, None, None, "", True, None, None)
+    torch.library.opcheck(backward, (dout, q, k, v, out, lse, None, None, None, None, "", True, None, None))
+
+
+class TinyAttention(torch.nn.Module):
+    """One attention layer: fused QKV projection, fagen.attention (GQA), output projection."""
+
+    def __init__(self, dim=256, heads=HQ, kv_heads=HKV, sinks=False, **attention):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.sinks = torch.nn.Parameter(torch.zeros(heads)) if sinks else None
+        self.attention = attention
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        out = fagen.attention(q, k, v, sinks=self.sinks, **self.attention)
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def _tiny(dtype=torch.float16, **attention):
+    torch.manual_seed(0)
+    model = TinyAttention(**attention).cuda()
+    model.qkv.to(dtype)  # sinks stay float32, as the kernels read them
+    model.proj.to(dtype)
+    return model
+
+
+@pytest.mark.parametrize("attention", [dict(causal=True),
+                                       dict(mask={"kind": "sliding_window", "window_left": 64}, sinks=True)],
+                         ids=["causal", "sliding_window_sinks"])
+def test_torch_compile_fullgraph_matches_eager(attention):
+    """torch.compile sees one op each way (no graph break); forward and gradients as eager."""
+    model = _tiny(**attention)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.float16)
+    runs = []
+    for run in (model, torch.compile(model, fullgraph=True)):
+        model.zero_grad(set_to_none=True)
+        y = run(x)
+        y.float().square().mean().backward()
+        runs.append((y.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (y_eager, g_eager), (y_compiled, g_compiled) = runs
+    # the same kernels; inductor may fuse the projections' epilogues and round differently
+    assert relative_error(to_numpy(y_compiled), to_numpy(y_eager)) < 1e-2
+    for name in g_eager:
+        assert relative_error(to_numpy(g_compiled[name]), to_numpy(g_eager[name])) < 1e-2, name
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["causal", "causal_sinks"])
+def test_cuda_graph_of_a_training_step_replays_bitwise(sinks):
+    """Warm up on a side stream, capture forward + loss.backward() (with no host sync allowed),
+    replay on new inputs copied into the static ones: out, loss and every gradient equal an
+    eager step's bits (the backward is deterministic)."""
+    q, k, v, _ = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=31)
+    target = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=32)[0]
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    if sinks:
+        leaves.append(torch.zeros(HQ, device="cuda", requires_grad=True))
+
+    def step(q, k, v, sinks=None):
+        out = fagen.attention(q, k, v, causal=True, sinks=sinks)
+        loss = (out.float() * target.float()).sum()
+        loss.backward()
+        return out, loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels and checks the side inputs once
+        for _ in range(3):
+            for t in leaves:
+                t.grad = None
+            step(*leaves)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None  # gradients allocated inside the capture: the graph's own memory
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")  # after graph's own synchronize on entry
+        try:
+            static_out, static_loss = step(*leaves)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    new = [torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype) for t in leaves]
+    with torch.no_grad():
+        for t, value in zip(leaves, new):
+            t.copy_(value)
+    graph.replay()
+    eager = [value.clone().requires_grad_() for value in new]
+    out, loss = step(*eager)
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, out) and torch.equal(static_loss, loss)
+    for t, e in zip(leaves, eager):
+        assert torch.equal(t.grad, e.grad)
+
+
+# A transformers model on fagen: the attention interface's function takes [B, H, N, d] and
+# returns [B, N, H, d]. Packed documents restart their position_ids at 0.
+def fagen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if dropout:
+        raise ValueError(f"dropout = {dropout}: fagen has no attention dropout; set attention_dropout=0.0")
+    return fagen.attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None
+
+
+def fagen_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
+                           **kwargs):
+    if dropout:
+        raise ValueError(f"dropout = {dropout}: fagen has no attention dropout; set attention_dropout=0.0")
+    doc_ids = (position_ids == 0).cumsum(-1, dtype=torch.int32)  # a document starts where positions restart
+    out = fagen.attention(query, key, value, causal=True, scale=scaling, doc_ids=doc_ids)
+    return out.transpose(1, 2), None
+
+
+def _register(name, function):
+    transformers = pytest.importorskip("transformers")
+    if hasattr(transformers, "AttentionInterface"):
+        transformers.AttentionInterface.register(name, function)
+    else:  # transformers before AttentionInterface: a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        ALL_ATTENTION_FUNCTIONS[name] = function
+
+
+def _llama(attn_implementation: str, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=1000, max_position_embeddings=512,
+                         attn_implementation=attn_implementation)
+    torch.manual_seed(0)  # random weights, no download
+    return LlamaForCausalLM(config).to(device="cuda", dtype=dtype).train()
+
+
+# relative norm per parameter against the sdpa model: the two attentions round differently
+# (the oracle tests' gradient tolerances), and two layers carry that to every gradient
+LLAMA_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}
+LOSS_SCALE = 1024.0  # as fp16 training scales the loss (GradScaler): small gradients stay normal numbers
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed_documents"])
+def test_transformers_llama_training_step_matches_sdpa(dtype, packed):
+    pytest.importorskip("transformers")
+    calls = []
+
+    def counted(function):
+        def attention(*args, **kwargs):
+            calls.append(1)
+            return function(*args, **kwargs)
+        return attention
+
+    name = "fagen_packed" if packed else "fagen"
+    _register(name, counted(fagen_packed_attention if packed else fagen_attention))
+    reference = _llama("sdpa", getattr(torch, dtype))
+    model = _llama(name, getattr(torch, dtype))
+    model.load_state_dict(reference.state_dict())
+
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    if packed:
+        lengths = [50, 100, 78]
+        n = sum(lengths)
+        input_ids = torch.randint(0, 1000, (1, n), generator=gen, device="cuda")
+        position_ids = torch.cat([torch.arange(length, device="cuda") for length in lengths])[None]
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+        allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+        # sdpa sees the block-diagonal causal mask itself, as an additive [B, 1, N, N] mask
+        mask = torch.zeros(1, 1, n, n, device="cuda", dtype=getattr(torch, dtype))
+        mask.masked_fill_(~allowed, torch.finfo(mask.dtype).min)
+        runs = ((model, dict(position_ids=position_ids)),
+                (reference, dict(position_ids=position_ids, attention_mask=mask)))
+    else:
+        input_ids = torch.randint(0, 1000, (2, 200), generator=gen, device="cuda")
+        runs = ((model, {}), (reference, {}))
+
+    losses = []
+    for run, extra in runs:
+        loss = run(input_ids=input_ids, labels=input_ids, **extra).loss
+        (loss * LOSS_SCALE).backward()
+        losses.append(loss.item())
+    assert len(calls) == 2, "the model did not call fagen's attention once a layer"
+
+    tolerance = LLAMA_TOLERANCE[dtype]
+    assert abs(losses[0] - losses[1]) <= tolerance * abs(losses[1]), losses
+    reference_grads = dict(reference.named_parameters())
+    errors = {name: relative_error(to_numpy(p.grad), to_numpy(reference_grads[name].grad))
+              for name, p in model.named_parameters()}
+    print(sorted(errors.items(), key=lambda item: -item[1])[:5])
+    assert all(e <= tolerance for e in errors.values()), {n: e for n, e in errors.items() if e > tolerance}

@@ -1,0 +1,66 @@
+"""fagen's PyTorch face without a GPU: `import fagen` and fagen.attention on arrays that are
+not PyTorch tensors never load torch; where torch is installed, the ops' schemas, the mask's
+JSON round trip and the block-mask refusal (GPU runs: tests/test_gpu_torch.py)."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import fagen
+from fagen.spec import Mask
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_fagen_routes_arrays_without_importing_torch():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import numpy as np
+        import fagen
+        q = np.zeros((1, 2, 8, 64), np.float16)
+        try:
+            fagen.attention(q, q, q, causal=True)
+        except ValueError as err:
+            assert "host" in str(err), err
+        else:
+            raise AssertionError("a NumPy q was accepted")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("mask", [None, "causal", {"kind": "sliding_window", "window_left": 128},
+                                  Mask(kind="document", causal=True),
+                                  {"kind": "chunked", "chunk_size": 64, "expression": "(q_idx + kv_idx) % 3 != 0"}])
+def test_mask_json_round_trip(mask):
+    torch_op = pytest.importorskip("fagen.torch_op")  # needs torch
+    text = torch_op.mask_json(mask)
+    assert isinstance(text, str) and (text == "") == (mask is None)
+    assert torch_op.mask_of(text) == (None if mask is None else Mask.model_validate(mask))
+
+
+def test_op_schemas():
+    pytest.importorskip("fagen.torch_op")
+    import torch
+
+    side = "Tensor? bias, Tensor? alibi_slopes, Tensor? sinks, Tensor? doc_ids, str mask, bool causal, " \
+           "float? softcap, float? scale"
+    assert str(torch.ops.fagen.attention_forward.default._schema) == \
+        f"fagen::attention_forward(Tensor q, Tensor k, Tensor v, {side}) -> (Tensor, Tensor)"
+    assert str(torch.ops.fagen.attention_backward.default._schema) == \
+        f"fagen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {side}) " \
+        f"-> (Tensor, Tensor, Tensor, Tensor)"
+
+
+def test_block_mask_refuses_inputs_that_require_grad():
+    """Refused before anything reaches the device: a block mask has no autograd path yet."""
+    pytest.importorskip("fagen.torch_op")
+    import torch
+
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="block-mask backward is not supported through autograd yet"):
+        fagen.attention(q, q.detach(), q.detach(), block_mask=object())
