@@ -127,9 +127,17 @@ def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, 
 
 def compile_backward_many(builds: list[tuple[AttentionSpec, str | None]], jobs: int | None = None
                           ) -> list[dict[str, Resources]]:
-    """compile_backward of each (spec, arch), one nvcc run each, on every core."""
+    """compile_backward of each (spec, arch), one nvcc run each, on every core; specs whose
+    backward files differ only in names and comments compile once."""
+    def key(build):
+        spec, arch = build
+        return arch or backward_arch(spec), _COMMENT.sub("", render_backward(spec)).replace(spec.name, "")
+
+    keys = [key(b) for b in builds]
+    first = {k: b for k, b in zip(reversed(keys), reversed(builds))}  # the first build of each key
     with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
-        return list(pool.map(lambda build: compile_backward(*build), builds))
+        found = dict(zip(first, pool.map(lambda build: compile_backward(*build), first.values())))
+    return [found[k] for k in keys]
 
 
 # ---- many kernels at once ------------------------------------------------------------------
