@@ -11,53 +11,27 @@ where it was not run, from its JSON in the output folder.
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fagen import masks, variants
+from fagen import bench_backward, bench_rows, masks, variants
+from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
+    HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths, flex_block_mask,
+    kept_pairs, mask_predicate)
+from fagen.bench_rows import by_case, write_json
 from fagen.check import attention_flops, check_against_oracle, random_inputs, time_ms
 from fagen.runtime import compile_kernel, default_spec
 from fagen.spec import AttentionSpec, Mask
 
-TOKENS, HIDDEN = 16384, 2048  # the FlashAttention papers' sweep: B * N = 16k tokens, H * d = 2048
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 MASKED_LENGTHS = (4096, 16384)
 MASKS = ("sliding_window", "documents", "prefix_lm")
-WINDOW, N_DOCS, PREFIX = 1024, 8, 1024
 PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
-SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
-
-
-@dataclass(frozen=True)
-class Case:
-    dtype: str
-    head_dim: int
-    n: int
-    causal: bool
-    mask: str = "none"  # none | sliding_window | documents | prefix_lm
-    docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
-
-    @property
-    def batch(self) -> int:
-        return max(1, TOKENS // self.n)
-
-    @property
-    def heads(self) -> int:
-        return HIDDEN // self.head_dim
-
-    @property
-    def key(self) -> str:
-        kind = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
-        if self.mask == "documents" and self.docs != N_DOCS:
-            kind += str(self.docs)
-        return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}"
 
 
 @dataclass
@@ -87,41 +61,6 @@ def cases(quick: bool = False) -> list[Case]:
     dense = [Case(dt, d, n, c) for dt in DTYPES for d in HEAD_DIMS for n in LENGTHS for c in (False, True)]
     masked = [Case("float16", 128, n, True, m) for m in MASKS for n in MASKED_LENGTHS]
     return dense + masked
-
-
-def doc_lengths(n: int, docs: int | None = None, seed: int = 0) -> list[int]:
-    docs = N_DOCS if docs is None else docs
-    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
-    return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
-
-
-def mask_predicate(case: Case):
-    """The case's mask as fn(q_idx, kv_idx) -> bool over absolute positions (Nq == Nk)."""
-    if case.mask == "sliding_window":
-        return lambda q, k: (k <= q) & (q - k <= WINDOW)
-    if case.mask == "documents":
-        docs = np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))
-        return lambda q, k: (docs[q] == docs[k]) & (k <= q)
-    if case.mask == "prefix_lm":
-        return lambda q, k: (k <= q) | (k < PREFIX)
-    if case.causal:
-        return lambda q, k: k <= q
-    return lambda q, k: np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
-
-
-def kept_pairs(case: Case, rows_per_step: int = 1024) -> int:
-    """(q, k) pairs the mask keeps, counted a slab of rows at a time."""
-    fn, n, total = mask_predicate(case), case.n, 0
-    k = np.arange(n)[None, :]
-    for r0 in range(0, n, rows_per_step):
-        total += int(fn(np.arange(r0, min(n, r0 + rows_per_step))[:, None], k).sum())
-    return total
-
-
-def case_flops(case: Case) -> float:
-    if case.mask == "none":
-        return attention_flops(case.batch, case.heads, case.n, case.n, case.head_dim, case.causal)
-    return 4.0 * case.batch * case.heads * case.head_dim * kept_pairs(case)
 
 
 def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
@@ -188,28 +127,6 @@ def flex_runner(case: Case, q, k, v):
     return lambda: flex(q, k, v, block_mask=block_mask)
 
 
-def flex_block_mask(case: Case):
-    """FlexAttention's BlockMask of the case's mask (mask_predicate's, on the GPU)."""
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if case.mask == "documents":
-        docs = torch.from_numpy(np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))).cuda()
-
-        def mask_mod(b, h, qi, ki):
-            return (docs[qi] == docs[ki]) & (ki <= qi)
-    elif case.mask == "sliding_window":
-        def mask_mod(b, h, qi, ki):
-            return (ki <= qi) & (qi - ki <= WINDOW)
-    elif case.mask == "prefix_lm":
-        def mask_mod(b, h, qi, ki):
-            return (ki <= qi) | (ki < PREFIX)
-    else:
-        def mask_mod(b, h, qi, ki):
-            return ki <= qi
-    return create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
-
-
 _FLEX = None
 
 
@@ -255,8 +172,6 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
     backward cases (fagen.bench_backward.cases) in the full run or with backward_only (with
     quick: its small subset). A half not run this time is kept from its JSON in `out`.
     progressbar(length, label): a context manager whose update(1, case) follows each case."""
-    from fagen import bench_backward
-
     lines: list[str] = []
     if report is not None:
         forward, backward = report
@@ -295,17 +210,9 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
 
 # ---- writers (pure: unit-tested on synthetic rows) --------------------------------------------
 
-def write_json(rows: list[Row], path: Path, meta: dict) -> None:
-    Path(path).write_text(json.dumps({"meta": meta, "rows": [r.as_dict() for r in rows]}, indent=1) + "\n")
-
-
 def write_csv(rows: list, path: Path, row_type: type = Row) -> None:
     """A line per row, a column per field of row_type (Row, or bench_backward.BackwardRow)."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row_type.__dataclass_fields__))
-        w.writeheader()
-        for r in rows:
-            w.writerow(r.as_dict())
+    bench_rows.write_csv(rows, path, row_type)
 
 
 @dataclass
@@ -334,8 +241,6 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
         plot(rows, d, plots[-1])
     backward_plot = None
     if backward is not None and backward.rows:
-        from fagen import bench_backward
-
         if backward.fresh:
             written += bench_backward.write_data(backward.rows, backward.meta, out)
         backward_plot = out / bench_backward.PLOT
@@ -349,42 +254,18 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
 def read_json(path: Path, row_type: type = Row, fix: str = "pass a bench.json written by `fagen bench`"):
     """The rows (of row_type) and meta of a bench.json; ValueError (one line: what is wrong,
     what to pass) for a file that is not one."""
-    data = _read_json_object(path, fix)
-    meta = data.get("meta", {})
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path}: \"meta\" is a {type(meta).__name__}, not a mapping; {fix}")
-    rows = []
-    for i, r in enumerate(data["rows"]):
-        try:
-            rows.append(row_type(**r))
-        except TypeError as err:  # not a mapping, or fields missing or unknown
-            raise ValueError(f"{path}: rows[{i}] is not a bench row ({err}); {fix}") from None
-    return rows, meta
+    return bench_rows.read_json(path, row_type, fix)
 
 
-def _read_json_object(path: Path, fix: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno}, column {err.colno}); {fix}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text; {fix}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise ValueError(f"{path}: no \"rows\" list at the top level; {fix}")
-    return data
-
-
-BACKWARD_JSON = "bench_backward.json"
+BACKWARD_JSON = bench_backward.JSON
 
 
 def load_report(path: Path) -> tuple[Part, Part]:
     """(forward, backward) from an earlier run's JSON: `path` is a bench.json or a
     bench_backward.json (meta "pass": "backward"), and the other half is read from its folder
     where it is there. ValueError (one line) for a `path` that is neither."""
-    from fagen import bench_backward
-
     fix = f"pass a bench.json or {BACKWARD_JSON} written by `fagen bench`"
-    meta = _read_json_object(path, fix).get("meta")
+    meta = bench_rows.read_json_object(path, fix).get("meta")
     if isinstance(meta, dict) and meta.get("pass") == "backward":
         backward = Part(*bench_backward.read_json(path, fix))
         return _sibling(Path(path).parent / "bench.json", read_json) or Part([], {}), backward
@@ -400,13 +281,6 @@ def _sibling(path: Path, reader) -> Part | None:
         return Part(*reader(path))
     except (ValueError, OSError):
         return None
-
-
-def by_case(rows: list[Row]) -> dict[str, dict[str, Row]]:
-    table: dict[str, dict[str, Row]] = {}
-    for r in rows:
-        table.setdefault(r.case, {})[r.impl] = r
-    return table
 
 
 def _fmt(r: Row | None) -> str:
@@ -441,8 +315,6 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path 
     if rows or not (backward and backward.rows):
         out += _forward_markdown(rows, meta, plots, md_path)
     if backward is not None and backward.rows:
-        from fagen import bench_backward
-
         link = None if backward_plot is None else _link(backward_plot, md_path)
         out += bench_backward.markdown(backward.rows, backward.meta, link)
     return "\n".join(out)

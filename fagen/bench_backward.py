@@ -30,21 +30,26 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import bench, masks
-from fagen.bench import Case
+from fagen import bench_cases, bench_rows, masks, oracle
+from fagen.backward import compile_backward
+from fagen.bench_cases import Case
+from fagen.check import random_inputs, relative_error, time_ms, to_numpy
+from fagen.runtime import derive_spec
+from fagen.spec import Mask
+from fagen.variants import trainable
 
 LENGTHS = (1024, 4096, 16384)
 HEAD_DIMS = (64, 128)
 DTYPE = "float16"
 MASKED_N, MASKED_HEAD_DIM = 4096, 128
 MASKS = ("sliding_window", "documents", "prefix_lm")
-N_DOCS = 4  # the backward's document case packs 4 documents (the forward sweep's: bench.N_DOCS)
+N_DOCS = 4  # the backward's document case packs 4 documents (the forward sweep's: bench_cases.N_DOCS)
 PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
 IMPLS = ("fagen", "sdpa_flash", "sdpa_cudnn", "flex")
 LABELS = {"fagen": "fagen", "sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN", "flex": "Flex"}
 BACKWARD_FACTOR = 2.5  # backward FLOPs / forward FLOPs: 5 matmuls to 2
 FWD_BWD_FACTOR = 3.5
-ORACLE_N = 1536  # the oracle check's length: past bench.WINDOW and bench.PREFIX, so their edges count
+ORACLE_N = 1536  # the oracle check's length: past bench_cases.WINDOW and bench_cases.PREFIX, so their edges count
 ORACLE_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}  # worst of dq, dk, dv against the float64 oracle
 FULL_TOLERANCE = 2e-2  # ... against float32 SDPA at the timed shape
 MATH_REFERENCE_MAX_BYTES = 8 << 30  # the float32 reference falls back to SDPA's math backend below this
@@ -68,18 +73,18 @@ def _masked(mask: str) -> Case:
 
 def backward_flops(case: Case) -> float:
     """10 * B * H * N^2 * d, halved for causal; masks: 10 * B * H * d * kept pairs."""
-    return BACKWARD_FACTOR * bench.case_flops(case)
+    return BACKWARD_FACTOR * bench_cases.case_flops(case)
 
 
 def fwd_bwd_flops(case: Case) -> float:
     """14 * B * H * N^2 * d, halved for causal; masks: 14 * B * H * d * kept pairs."""
-    return FWD_BWD_FACTOR * bench.case_flops(case)
+    return FWD_BWD_FACTOR * bench_cases.case_flops(case)
 
 
 def describe_masks() -> str:
     """The masked cases' masks in words, for the run's meta."""
-    return (f"sliding_window: {bench.WINDOW} keys before the diagonal; documents: {N_DOCS} packed documents of "
-            f"random lengths (seed 0), causal within each; prefix_lm: a {bench.PREFIX}-key prefix, causal after")
+    return (f"sliding_window: {bench_cases.WINDOW} keys before the diagonal; documents: {N_DOCS} packed documents of "
+            f"random lengths (seed 0), causal within each; prefix_lm: a {bench_cases.PREFIX}-key prefix, causal after")
 
 
 @dataclass
@@ -137,8 +142,6 @@ def run(case_list: list[Case], progress=None) -> list[BackwardRow]:
 def run_case(case: Case) -> list[BackwardRow]:
     """fagen, then its peers (Flex on masks, SDPA FA2 and cuDNN otherwise), on one fresh draw
     of q, k, v and dout, each checked against one float32 reference."""
-    from fagen.check import random_inputs
-
     q, k, v, out = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n,
                                  case.head_dim)
     dout = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)[0]
@@ -150,9 +153,9 @@ def run_case(case: Case) -> list[BackwardRow]:
 
 
 def keep_matrix(case: Case) -> np.ndarray:
-    """The case's mask as a dense [N, N] bool (bench.mask_predicate)."""
+    """The case's mask as a dense [N, N] bool (bench_cases.mask_predicate)."""
     positions = np.arange(case.n)
-    return np.asarray(bench.mask_predicate(case)(positions[:, None], positions[None, :]), bool)
+    return np.asarray(bench_cases.mask_predicate(case)(positions[:, None], positions[None, :]), bool)
 
 
 def reference_gradients(case: Case, q, k, v, dout) -> tuple[tuple | None, str]:
@@ -232,16 +235,12 @@ def fagen_spec(case: Case, q) -> tuple:
     the side inputs (doc_ids on q's device)."""
     import torch
 
-    from fagen.runtime import derive_spec
-    from fagen.spec import Mask
-    from fagen.variants import trainable
-
     if case.mask == "documents":
-        ids = masks.documents_of_lengths(bench.doc_lengths(case.n, case.docs), case.batch)
+        ids = masks.documents_of_lengths(bench_cases.doc_lengths(case.n, case.docs), case.batch)
         docs = torch.from_numpy(ids).to(q.device)
         return trainable(derive_spec(q, causal=True, doc_ids=docs)), {"doc_ids": docs}
-    mask = {"sliding_window": Mask(kind="sliding_window", window_left=bench.WINDOW),
-            "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench.PREFIX)}.get(case.mask)
+    mask = {"sliding_window": Mask(kind="sliding_window", window_left=bench_cases.WINDOW),
+            "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench_cases.PREFIX)}.get(case.mask)
     return trainable(derive_spec(q, causal=case.causal and mask is None, mask=mask)), {}
 
 
@@ -251,16 +250,12 @@ def oracle_check(spec, case: Case) -> tuple[float, bool]:
     output NaN-poisoned; and whether the poisoning took."""
     import torch
 
-    from fagen import oracle
-    from fagen.backward import compile_backward
-    from fagen.check import random_inputs, relative_error, to_numpy
-
     n, d = min(case.n, ORACLE_N), case.head_dim
     q, k, v, out = random_inputs("torch", case.dtype, 1, 2, 2, n, n, d)
     dout = random_inputs("torch", case.dtype, 1, 2, 2, n, n, d)[0]
     docs = None
     if case.mask == "documents":
-        docs = np.ascontiguousarray(masks.documents_of_lengths(bench.doc_lengths(case.n, case.docs))[:, :n])
+        docs = np.ascontiguousarray(masks.documents_of_lengths(bench_cases.doc_lengths(case.n, case.docs))[:, :n])
     extras = {} if docs is None else {"doc_ids": torch.from_numpy(docs).to(q.device)}
     backward = compile_backward(spec)
     with nan_filled_empties(q.device) as poisoned:
@@ -274,9 +269,6 @@ def oracle_check(spec, case: Case) -> tuple[float, bool]:
 def run_fagen(case: Case, q, k, v, out, dout, reference, how: str) -> BackwardRow:
     """Check, then time, fagen's backward (and forward + backward) on these inputs; `out` is
     NaN-filled, the forward writes it."""
-    from fagen.backward import compile_backward
-    from fagen.check import time_ms
-
     row = _row(case, "fagen", "fagen")
     try:
         spec, extras = fagen_spec(case, q)
@@ -328,8 +320,6 @@ def run_peer(case: Case, impl: str, q, k, v, dout, reference) -> BackwardRow:
     its gradients' error against the reference is reported, not a gate."""
     import torch
 
-    from fagen.check import time_ms
-
     row = _row(case, impl, impl)
     xs = [x.detach().requires_grad_() for x in (q, k, v)]
     try:
@@ -359,19 +349,19 @@ def run_peer(case: Case, impl: str, q, k, v, dout, reference) -> BackwardRow:
 
 
 def _peer_context(impl: str):
-    if impl in bench.SDPA_BACKENDS:
+    if impl in bench_cases.SDPA_BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel(getattr(SDPBackend, bench.SDPA_BACKENDS[impl]))
+        return sdpa_kernel(getattr(SDPBackend, bench_cases.SDPA_BACKENDS[impl]))
     return nullcontext()
 
 
 def _peer_forward(case: Case, impl: str):
     import torch
 
-    if impl in bench.SDPA_BACKENDS:
+    if impl in bench_cases.SDPA_BACKENDS:
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
-    block_mask = bench.flex_block_mask(case)
+    block_mask = bench_cases.flex_block_mask(case)
     flex = _compiled_flex()
     return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
 
@@ -401,14 +391,14 @@ def _first_line(err: BaseException) -> str:
 
 def write_data(rows: list[BackwardRow], meta: dict, out: Path) -> list[Path]:
     """bench_backward.json and bench_backward.csv in `out`; their paths."""
-    bench.write_json(rows, out / JSON, meta)
-    bench.write_csv(rows, out / CSV, BackwardRow)
+    bench_rows.write_json(rows, out / JSON, meta)
+    bench_rows.write_csv(rows, out / CSV, BackwardRow)
     return [out / JSON, out / CSV]
 
 
 def read_json(path: Path, fix: str = FIX) -> tuple[list[BackwardRow], dict]:
     """The rows and meta of a bench_backward.json; ValueError (one line) for what is not one."""
-    return bench.read_json(path, BackwardRow, fix)
+    return bench_rows.read_json(path, BackwardRow, fix)
 
 
 def _tf(r: BackwardRow | None, field: str = "bwd_tflops") -> str:
@@ -434,7 +424,7 @@ def markdown(rows: list[BackwardRow], meta: dict, plot_link: str | None = None) 
     """BENCHMARKS.md's backward section, as lines: what was measured and the FLOP formulas, the
     run's meta, a table per head_dim (dense and causal: fagen, SDPA FA2, SDPA cuDNN), one for
     the masks (fagen, Flex), the notes, the plot."""
-    table = bench.by_case(rows)
+    table = bench_rows.by_case(rows)
     out = ["## Backward", "",
            "Generated by `fagen bench --backward` or the full `fagen bench` (do not edit; rerun it). fagen's backward "
            "(the three kernels of fagen.backward, given the forward's saved out and LSE) beside PyTorch SDPA's "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fagen import bench, variants
+from fagen import bench, bench_cases, variants
 from fagen.bench import Case, Row
 from fagen.check import attention_flops
 from fagen.cli import main
@@ -60,9 +60,10 @@ def _brute_kept(n: int, mask: str, window: int, prefix: int, lengths: list[int] 
 
 @pytest.fixture
 def small_masks(monkeypatch):
-    """A window and a prefix that matter at n = 64 (the shipped 1024 would cover it all)."""
-    monkeypatch.setattr(bench, "WINDOW", 8)
-    monkeypatch.setattr(bench, "PREFIX", 16)
+    """A window and a prefix that matter at n = 64 (the shipped 1024 would cover it all), where
+    the masks read them (fagen.bench_cases)."""
+    monkeypatch.setattr(bench_cases, "WINDOW", 8)
+    monkeypatch.setattr(bench_cases, "PREFIX", 16)
     return 8, 16
 
 
@@ -97,9 +98,9 @@ def test_sliding_window_wider_than_the_sequence_is_causal():
 
 def _kernel_mask(case: Case) -> Mask:
     """The mask fagen_spec gives the kernel for a masked case (built here without a GPU)."""
-    return {"sliding_window": Mask(kind="sliding_window", window_left=bench.WINDOW),
+    return {"sliding_window": Mask(kind="sliding_window", window_left=bench_cases.WINDOW),
             "documents": Mask(kind="document", causal=True),
-            "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench.PREFIX)}[case.mask]
+            "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench_cases.PREFIX)}[case.mask]
 
 
 @pytest.mark.parametrize("mask", ["sliding_window", "prefix_lm", "documents"])

@@ -26,6 +26,8 @@ LAYERS = [
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
+    ("bench_cases", "bench_rows"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV files
+    ("bench_backward",),  # the backward in `fagen bench`
     ("bench",),
     ("tune",),
     ("cli",),

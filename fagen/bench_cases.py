@@ -1,0 +1,99 @@
+"""The benchmark's workload, shared by the forward sweep (fagen.bench) and the backward
+(fagen.bench_backward): a case is a dtype, head_dim, sequence length and mask at the
+FlashAttention papers' sizes (B * N = 16k tokens, H * d = 2048); its masks' parameters and
+predicates, the (q, k) pairs it keeps and its forward FLOPs; and how the peers are set up for it
+(SDPA's backends, FlexAttention's block mask)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fagen.check import attention_flops
+
+TOKENS, HIDDEN = 16384, 2048  # the FlashAttention papers' sweep: B * N = 16k tokens, H * d = 2048
+WINDOW, N_DOCS, PREFIX = 1024, 8, 1024
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    head_dim: int
+    n: int
+    causal: bool
+    mask: str = "none"  # none | sliding_window | documents | prefix_lm
+    docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.n)
+
+    @property
+    def heads(self) -> int:
+        return HIDDEN // self.head_dim
+
+    @property
+    def key(self) -> str:
+        kind = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
+        if self.mask == "documents" and self.docs != N_DOCS:
+            kind += str(self.docs)
+        return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}"
+
+
+def doc_lengths(n: int, docs: int | None = None, seed: int = 0) -> list[int]:
+    docs = N_DOCS if docs is None else docs
+    cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
+
+
+def mask_predicate(case: Case):
+    """The case's mask as fn(q_idx, kv_idx) -> bool over absolute positions (Nq == Nk)."""
+    if case.mask == "sliding_window":
+        return lambda q, k: (k <= q) & (q - k <= WINDOW)
+    if case.mask == "documents":
+        docs = np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))
+        return lambda q, k: (docs[q] == docs[k]) & (k <= q)
+    if case.mask == "prefix_lm":
+        return lambda q, k: (k <= q) | (k < PREFIX)
+    if case.causal:
+        return lambda q, k: k <= q
+    return lambda q, k: np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
+
+
+def kept_pairs(case: Case, rows_per_step: int = 1024) -> int:
+    """(q, k) pairs the mask keeps, counted a slab of rows at a time."""
+    fn, n, total = mask_predicate(case), case.n, 0
+    k = np.arange(n)[None, :]
+    for r0 in range(0, n, rows_per_step):
+        total += int(fn(np.arange(r0, min(n, r0 + rows_per_step))[:, None], k).sum())
+    return total
+
+
+def case_flops(case: Case) -> float:
+    if case.mask == "none":
+        return attention_flops(case.batch, case.heads, case.n, case.n, case.head_dim, case.causal)
+    return 4.0 * case.batch * case.heads * case.head_dim * kept_pairs(case)
+
+
+def flex_block_mask(case: Case):
+    """FlexAttention's BlockMask of the case's mask (mask_predicate's, on the GPU)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if case.mask == "documents":
+        docs = torch.from_numpy(np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))).cuda()
+
+        def mask_mod(b, h, qi, ki):
+            return (docs[qi] == docs[ki]) & (ki <= qi)
+    elif case.mask == "sliding_window":
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki <= WINDOW)
+    elif case.mask == "prefix_lm":
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) | (ki < PREFIX)
+    else:
+        def mask_mod(b, h, qi, ki):
+            return ki <= qi
+    return create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
