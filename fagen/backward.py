@@ -83,8 +83,11 @@ class Backward:
             extras, keep_alive = self.forward.extra_arguments(tq, tk, given)
             extras.pop("sinks", None)  # the sink's share of each row is in the forward's LSE
             delta, lse2 = (empty_like(tq, (b, hq, n_pad), "float32") for _ in range(2))
-            dq, dk, dv = (empty_like(t, t.shape, spec.dtype) if given is None else (_like(given, name, t), given)[1]
-                          for t, given, name in ((tq, dq, "dq"), (tk, dk, "dk"), (tv, dv, "dv")))
+            for given, name, t in ((dq, "dq", tq), (dk, "dk", tk), (dv, "dv", tv)):
+                if given is not None:
+                    _like(given, name, t)  # where the caller asks them written: checked first
+            dq, dk, dv = (empty_like(t, t.shape, spec.dtype) if given is None else given
+                          for t, given in ((tq, dq), (tk, dk), (tv, dv)))
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk,
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
