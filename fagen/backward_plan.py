@@ -242,10 +242,8 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     q_tile_bytes = bwd.block_q * smem_row * ELEMENT_BYTES
     stage_bytes = 2 * q_tile_bytes + 2 * bwd.block_q * 4
     smem_bytes = 2 * kv_tile_bytes + bwd.stages * stage_bytes
-    per_fragment = MMA_M * MMA_N // 32
-    acc = 2 * k_frags * (d_cols // MMA_N) * per_fragment  # dK and dV
-    s = k_frags * s_n_frags * per_fragment  # S^T, then P^T; dP^T beside it; the derivative where per element
-    mod = spec.score_mod
+    terms, mod = register_terms(spec, "dkdv"), spec.score_mod
+    acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:

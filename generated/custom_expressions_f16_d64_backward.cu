@@ -222,19 +222,22 @@ __device__ __forceinline__ void mma_rows_rows(float (&acc)[F][N][4], unsigned a_
   }
 }
 
-// An f32 accumulator tile of this warp (F x 2 K_STEPS n8 fragments) as float16 A fragments of
-// K_STEPS k16 steps: the mma.sync accumulator layout is already the A layout, pair by pair.
+// Two n8 accumulator fragments (columns 0-7 and 8-15 of a k16 step) as one float16 A fragment:
+// the mma.sync accumulator layout is already the A layout, pair by pair.
+__device__ __forceinline__ void pack_fragment(const float (&lo)[4], const float (&hi)[4], unsigned (&a)[4]) {
+  a[0] = pack2(lo[0], lo[1]);
+  a[1] = pack2(lo[2], lo[3]);
+  a[2] = pack2(hi[0], hi[1]);
+  a[3] = pack2(hi[2], hi[3]);
+}
+
+// An f32 accumulator tile of this warp (F x 2 K_STEPS n8 fragments) as A fragments of K_STEPS k16 steps.
 template <int F, int K_STEPS>
 __device__ __forceinline__ void pack_a(const float (&x)[F][2 * K_STEPS][4], unsigned (&a)[F][K_STEPS][4]) {
 #pragma unroll
   for (int f = 0; f < F; ++f)
 #pragma unroll
-    for (int ks = 0; ks < K_STEPS; ++ks) {
-      a[f][ks][0] = pack2(x[f][2 * ks][0], x[f][2 * ks][1]);
-      a[f][ks][1] = pack2(x[f][2 * ks][2], x[f][2 * ks][3]);
-      a[f][ks][2] = pack2(x[f][2 * ks + 1][0], x[f][2 * ks + 1][1]);
-      a[f][ks][3] = pack2(x[f][2 * ks + 1][2], x[f][2 * ks + 1][3]);
-    }
+    for (int ks = 0; ks < K_STEPS; ++ks) pack_fragment(x[f][2 * ks], x[f][2 * ks + 1], a[f][ks]);
 }
 
 // acc += A.B, A packed by pack_a; B is rows [0, 16 K_STEPS) x columns [col0, col0 + 8N) of a
@@ -265,14 +268,9 @@ __device__ __forceinline__ void mma_regs_rows(float (&acc)[F][N][4], const float
                                               unsigned b_tile, int col0, int lane) {
 #pragma unroll
   for (int ks = 0; ks < K_STEPS; ++ks) {
-    unsigned a[F][4];
+    unsigned a[F][4];  // this k16 step's A fragments, packed as they are used
 #pragma unroll
-    for (int f = 0; f < F; ++f) {
-      a[f][0] = pack2(x[f][2 * ks][0], x[f][2 * ks][1]);
-      a[f][1] = pack2(x[f][2 * ks][2], x[f][2 * ks][3]);
-      a[f][2] = pack2(x[f][2 * ks + 1][0], x[f][2 * ks + 1][1]);
-      a[f][3] = pack2(x[f][2 * ks + 1][2], x[f][2 * ks + 1][3]);
-    }
+    for (int f = 0; f < F; ++f) pack_fragment(x[f][2 * ks], x[f][2 * ks + 1], a[f]);
 #pragma unroll
     for (int n = 0; n < N; n += 2) {
       unsigned bb[4];  // b0, b1 of n fragments n and n + 1
@@ -452,18 +450,9 @@ struct ScoreMod {
     scale = scale_;
   }
 
-  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
-    s *= scale;
-    {
-      const float score = s;
-      s = (score * 0.5f + 0.25f * (float)(h % 2));  // spec: score_mod.expression
-    }
-    return s;
-  }
-
-  // apply(), and in g the derivative of the result by q.k * scale (the backward's chain rule;
-  // the scale's own factor is applied once, to dQ and dK).
-  __device__ __forceinline__ float apply_grad(float s, int b, int h, int q_idx, int kv_idx, float& g) const {
+  // The modified score, and in g its derivative by q.k * scale (the backward's chain rule; the
+  // scale's own factor is applied once, to dQ and dK).
+  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx, float& g) const {
     s *= scale;
     g = 1.f;
     {
@@ -489,7 +478,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], fl
       for (int e = 0; e < 4; ++e) {
         const int ki = warp_kv0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
         const int qi = q0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        s[f][n][e] = score_mod.apply_grad(s[f][n][e], b, h, qi, ki, dsdx[f][n][e]);
+        s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki, dsdx[f][n][e]);
       }
   if (mask.needs_element_test_keys(i, q0, warp_kv0 - warp_kv0 % BLOCK_KV)) {
 #pragma unroll
@@ -733,19 +722,22 @@ __device__ __forceinline__ void mma_rows_rows(float (&acc)[F][N][4], unsigned a_
   }
 }
 
-// An f32 accumulator tile of this warp (F x 2 K_STEPS n8 fragments) as float16 A fragments of
-// K_STEPS k16 steps: the mma.sync accumulator layout is already the A layout, pair by pair.
+// Two n8 accumulator fragments (columns 0-7 and 8-15 of a k16 step) as one float16 A fragment:
+// the mma.sync accumulator layout is already the A layout, pair by pair.
+__device__ __forceinline__ void pack_fragment(const float (&lo)[4], const float (&hi)[4], unsigned (&a)[4]) {
+  a[0] = pack2(lo[0], lo[1]);
+  a[1] = pack2(lo[2], lo[3]);
+  a[2] = pack2(hi[0], hi[1]);
+  a[3] = pack2(hi[2], hi[3]);
+}
+
+// An f32 accumulator tile of this warp (F x 2 K_STEPS n8 fragments) as A fragments of K_STEPS k16 steps.
 template <int F, int K_STEPS>
 __device__ __forceinline__ void pack_a(const float (&x)[F][2 * K_STEPS][4], unsigned (&a)[F][K_STEPS][4]) {
 #pragma unroll
   for (int f = 0; f < F; ++f)
 #pragma unroll
-    for (int ks = 0; ks < K_STEPS; ++ks) {
-      a[f][ks][0] = pack2(x[f][2 * ks][0], x[f][2 * ks][1]);
-      a[f][ks][1] = pack2(x[f][2 * ks][2], x[f][2 * ks][3]);
-      a[f][ks][2] = pack2(x[f][2 * ks + 1][0], x[f][2 * ks + 1][1]);
-      a[f][ks][3] = pack2(x[f][2 * ks + 1][2], x[f][2 * ks + 1][3]);
-    }
+    for (int ks = 0; ks < K_STEPS; ++ks) pack_fragment(x[f][2 * ks], x[f][2 * ks + 1], a[f][ks]);
 }
 
 // acc += A.B, A packed by pack_a; B is rows [0, 16 K_STEPS) x columns [col0, col0 + 8N) of a
@@ -776,14 +768,9 @@ __device__ __forceinline__ void mma_regs_rows(float (&acc)[F][N][4], const float
                                               unsigned b_tile, int col0, int lane) {
 #pragma unroll
   for (int ks = 0; ks < K_STEPS; ++ks) {
-    unsigned a[F][4];
+    unsigned a[F][4];  // this k16 step's A fragments, packed as they are used
 #pragma unroll
-    for (int f = 0; f < F; ++f) {
-      a[f][0] = pack2(x[f][2 * ks][0], x[f][2 * ks][1]);
-      a[f][1] = pack2(x[f][2 * ks][2], x[f][2 * ks][3]);
-      a[f][2] = pack2(x[f][2 * ks + 1][0], x[f][2 * ks + 1][1]);
-      a[f][3] = pack2(x[f][2 * ks + 1][2], x[f][2 * ks + 1][3]);
-    }
+    for (int f = 0; f < F; ++f) pack_fragment(x[f][2 * ks], x[f][2 * ks + 1], a[f]);
 #pragma unroll
     for (int n = 0; n < N; n += 2) {
       unsigned bb[4];  // b0, b1 of n fragments n and n + 1
@@ -928,18 +915,9 @@ struct ScoreMod {
     scale = scale_;
   }
 
-  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
-    s *= scale;
-    {
-      const float score = s;
-      s = (score * 0.5f + 0.25f * (float)(h % 2));  // spec: score_mod.expression
-    }
-    return s;
-  }
-
-  // apply(), and in g the derivative of the result by q.k * scale (the backward's chain rule;
-  // the scale's own factor is applied once, to dQ and dK).
-  __device__ __forceinline__ float apply_grad(float s, int b, int h, int q_idx, int kv_idx, float& g) const {
+  // The modified score, and in g its derivative by q.k * scale (the backward's chain rule; the
+  // scale's own factor is applied once, to dQ and dK).
+  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx, float& g) const {
     s *= scale;
     g = 1.f;
     {
@@ -965,7 +943,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], fl
       for (int e = 0; e < 4; ++e) {
         const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
         const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        s[f][n][e] = score_mod.apply_grad(s[f][n][e], b, h, qi, ki, dsdx[f][n][e]);
+        s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki, dsdx[f][n][e]);
       }
   if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
 #pragma unroll
