@@ -17,7 +17,7 @@ import numpy as np
 from fagen.backward_plan import BackwardPlan, backward_plan
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for
 from fagen.render import render_backward
-from fagen.runtime import NVRTC_OPTIONS, LOG2E, Kernel, compile_kernel, pack_arguments, packers
+from fagen.runtime import LOG2E, Kernel, compile_kernel, compile_module, pack_arguments, packers
 from fagen.spec import AttentionSpec
 
 
@@ -42,7 +42,7 @@ class Backward:
         self.spec = spec
         self.forward: Kernel = compile_kernel(spec)
         self.plan: BackwardPlan = backward_plan(spec)
-        module = cupy.RawModule(code=render_backward(spec), options=NVRTC_OPTIONS)  # mma.sync on every arch
+        module = compile_module(render_backward(spec), f"{spec.name}_backward", wgmma=spec.wgmma_backward)
         self.preprocess = module.get_function(self.plan.preprocess_symbol)
         self.dkdv = module.get_function(self.plan.dkdv_symbol)
         self.dq = module.get_function(self.plan.dq_symbol)

@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, PAD_ELEMS,
-                        KernelPlan, plan, score_params)
+from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
+                        PAD_ELEMS,
+                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
 from fagen.mask_kinds import KINDS
-from fagen.spec import MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, AttentionSpec, SpecError, rule
+from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
+                        rule)
 
 OUT_PTR = "elem_t* __restrict__"
 PREPROCESS_WARPS = 4
@@ -34,6 +36,15 @@ REGISTER_COSTS = {
     "dkdv": {"base": 61.12, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
              "causal": 0.17, "sliding_window": 10.31, "chunked": 3.79, "document": 5.0, "document_causal": 5.0,
              "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79},
+    # sm_90a's wgmma kernels (head_dim <= 128), fitted by hand to 192 ptxas -v runs (head_dim 64
+    # and 128 x block_q 32, 64, 128 x every mask kind x softcap, ALiBi, a bias; nvcc 13.0): every
+    # build that spilled is predicted over MAX_REGISTERS; a few that just fit are refused too
+    "dkdv_wgmma": {"base": 84.0, "acc": 0.86, "s": 1.8, "s_nonlinear": 0.5, "chunk_copy": 0.0, "stages1": 0.0,
+                   "causal": 0.0, "sliding_window": 1.0, "chunked": 1.0, "document": 3.0, "document_causal": 3.0,
+                   "prefix_lm": 0.0, "block_mask": 6.0, "bias": 12.0, "alibi": 12.0},
+    "dq_wgmma": {"base": 60.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
+                 "causal": 0.0, "sliding_window": 0.0, "chunked": 0.0, "document": 4.0, "document_causal": 4.0,
+                 "prefix_lm": 4.0, "block_mask": 10.0, "bias": 12.0, "alibi": 6.0},
     "dq": {"base": 56.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
            "causal": 0.0, "sliding_window": 0.0, "chunked": 4.0, "document": 4.0, "document_causal": 2.0,
            "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0},
@@ -91,17 +102,24 @@ def measured_key(spec: AttentionSpec) -> tuple | None:
 
 
 def predict_registers(spec: AttentionSpec, kernel: str) -> int:
-    measured = MEASURED_FIT[kernel].get(measured_key(spec))
-    if measured is not None:
-        return measured
-    costs = REGISTER_COSTS[kernel]
+    if spec.wgmma_backward:
+        costs = REGISTER_COSTS[f"{kernel}_wgmma"]
+    else:
+        measured = MEASURED_FIT[kernel].get(measured_key(spec))
+        if measured is not None:
+            return measured
+        costs = REGISTER_COSTS[kernel]
     return int(sum(costs[name] * amount for name, amount in register_terms(spec, kernel).items()))
 
 
 @dataclass(frozen=True)
 class DkdvPlan:
     """The KV-major kernel. Its accumulator rows are keys: a warp owns warp_keys of them (m16
-    fragments along the keys) and head_dim / head_split columns of dK and dV."""
+    fragments along the keys) and head_dim / head_split columns of dK and dV. On wgmma
+    (mainloop "sm90") a warpgroup's four warps own 64 keys, 16 a warp: the same per-warp layout
+    with one m16 fragment, so the mask, score and epilogue code is shared."""
+
+    mainloop: str  # the templates' folder: "sm80" (mma.sync, ldmatrix) or "sm90" (wgmma from swizzled smem)
 
     block_q: int  # queries per step of the loop (a Q and a dO tile)
     block_kv: int  # keys a block owns
@@ -132,6 +150,19 @@ class DkdvPlan:
     mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
     mask_params: tuple[tuple[str, str], ...]  # as the forward's: the side inputs the partials read
     score_params: tuple[tuple[str, str], ...]
+    # wgmma only (0 on mma.sync): the byte offsets within 128-byte-swizzled tiles, as the forward's
+    warpgroup_warps: int  # warps of one wgmma.m64: 64 keys, 16 a warp
+    atoms_per_row: int  # 128-byte swizzle atoms across head_dim
+    atom_elems: int
+    atom_bytes: int  # the leading byte offset of an MN-major B (dO, Q of dV and dK)
+    row_group_bytes: int  # 8 rows of a tile: the stride byte offset
+    k_step_bytes: int  # a k16 step over head_dim within an atom ...
+    k_steps_per_atom: int  # ... this many, then on to the next atom
+    q_step_bytes: int  # a k16 step over the queries of dV and dK (16 rows: two row groups)
+    warpgroup_keys_bytes: int  # bytes between the warpgroups' 64 keys of the K and V tiles
+    mbarrier_bytes: int
+    s_acc_regs: int  # f32 registers a thread holds of S^T (and of dP^T): block_q / 2
+    d_acc_regs: int  # ... of dK (and of dV): head_dim / 2
 
 
 @dataclass(frozen=True)
@@ -149,6 +180,7 @@ class BackwardPlan:
     dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
     dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q
     dq_predicted_registers: int
+    smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
     mask_params: tuple[tuple[str, str], ...]
     score_params: tuple[tuple[str, str], ...]
     preprocess_params: tuple[tuple[str, str], ...]
@@ -158,15 +190,17 @@ class BackwardPlan:
 
 def dq_spec(spec: AttentionSpec) -> AttentionSpec:
     """The dQ kernel as a forward spec: it owns query tiles and walks the mask's KV tiles like the
-    forward, with K and V both resident a tile (kv_smem separate), mma.sync on every arch."""
-    bwd = spec.backward
+    forward, with K and V both resident a tile (kv_smem separate): wgmma where the dK/dV kernel
+    is (spec.wgmma_backward), else mma.sync (sm_90a's head_dim 256: built for sm_90)."""
+    bwd, wgmma = spec.backward, spec.wgmma_backward
     return spec.model_copy(update={
         "name": spec.name + "_dq",
         "tiling": spec.tiling.model_copy(update={"block_q": bwd.dq_block_q, "block_kv": bwd.dq_block_kv,
                                                  "warps_q": bwd.dq_warps}),
         "pipeline": spec.pipeline.model_copy(update={"kv_smem": "separate", "stages": 2, "q_in_registers": False,
                                                      "pingpong": False}),
-        "smem_layout": "padded", "arch": "sm_90" if spec.wgmma else spec.arch, "backward": None,
+        "smem_layout": "swizzled" if wgmma else "padded", "arch": spec.arch if wgmma or not spec.wgmma else "sm_90",
+        "backward": None,
     })
 
 
@@ -187,7 +221,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         raise SpecError(rule("backward", None, f"spec {spec.name} renders no backward kernels",
                              "add a backward: section (an empty mapping takes the defaults)"))
     bwd, d = spec.backward, spec.head_dim
-    dq = plan(dq_spec(spec))
+    dq, dkdv = plan(dq_spec(spec)), dkdv_plan(spec)
     dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES
     dq_registers = predict_registers(spec, "dq")
     if dq_registers > MAX_REGISTERS:
@@ -213,10 +247,11 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         preprocess_threads=32 * PREPROCESS_WARPS,
         preprocess_rows=32 * PREPROCESS_WARPS // chunks,
         chunks_per_row=chunks,
-        dkdv=dkdv_plan(spec),
+        dkdv=dkdv,
         dq=dq,
         dq_smem_bytes=dq_smem,
         dq_predicted_registers=dq_registers,
+        smem_align=max(dkdv.smem_align, dq.smem_align),
         mask_params=mask_params,
         score_params=mod_params,
         preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
@@ -237,11 +272,16 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     threads, chunks = 32 * warps, d // CHUNK_ELEMS
     warp_keys = bwd.block_kv // key_warps
     k_frags, s_n_frags, d_cols = warp_keys // MMA_M, bwd.block_q // MMA_N, d // bwd.head_split
-    smem_row = d + PAD_ELEMS
+    wgmma = spec.wgmma_backward
+    smem_row = d if wgmma else d + PAD_ELEMS  # wgmma: rows of swizzle atoms, unpadded
+    smem_align = SWIZZLE_ATOM_BYTES if wgmma else CHUNK_BYTES
     kv_tile_bytes = bwd.block_kv * smem_row * ELEMENT_BYTES
     q_tile_bytes = bwd.block_q * smem_row * ELEMENT_BYTES
-    stage_bytes = 2 * q_tile_bytes + 2 * bwd.block_q * 4
+    # a stage: Q, dO, their rows' LSE and D; every tile starts on a swizzle atom
+    stage_bytes = -(-(2 * q_tile_bytes + 2 * bwd.block_q * 4) // smem_align) * smem_align
     smem_bytes = 2 * kv_tile_bytes + bwd.stages * stage_bytes
+    if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring
+        smem_bytes += 2 * bwd.stages * MBARRIER_BYTES
     terms, mod = register_terms(spec, "dkdv"), spec.score_mod
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
@@ -257,14 +297,39 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
             "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, warps {warps}, head_split {bwd.head_split}",
             f"the dK/dV kernel predicts {registers} registers a thread ({acc} for dK and dV, {s} for each of S^T "
             f"and dP^T{', and as many for the score derivative' if mod.nonlinear else ''}) over the "
-            f"{MAX_REGISTERS} limit: it would spill", "use a smaller block_q, more warps, or head_split: 2"))
+            f"{MAX_REGISTERS} limit: it would spill",
+            "use a smaller block_q" + ("" if wgmma else ", more warps, or head_split: 2")))
     return DkdvPlan(
-        block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
+        mainloop="sm90" if wgmma else "sm80", block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
         key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
         d_n_frags=d_cols // MMA_N, d_cols=d_cols, qk_k_steps=d // MMA_K, q_k_steps=bwd.block_q // MMA_K,
         stages=bwd.stages, smem_row=smem_row, chunks_per_row=chunks,
         copy_rows_per_pass=threads // chunks if threads % chunks == 0 else 0,
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, out_chunks=bwd.block_kv * chunks,
-        smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=CHUNK_BYTES,
-        mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec))
+        smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
+        mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
+        **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)))
+
+
+DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
+                      "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs")
+
+
+def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
+    """The wgmma dK/dV kernel's offsets: its tiles are laid out as the forward's (fagen.plan), with
+    keys in the forward's query rows (K and V are wgmma's A) and queries in its key rows (Q and
+    dO are the B of S^T and dP^T, then of dK and dV, transposed)."""
+    bwd, forward = spec.backward, wgmma_numbers(spec, 0)
+    threads_per_warpgroup = 32 * WARPGROUP_WARPS
+    return {
+        "warpgroup_warps": WARPGROUP_WARPS,
+        "atoms_per_row": spec.head_dim // SWIZZLE_ATOM_ELEMS,
+        **{name: forward[name] for name in ("atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
+                                            "k_steps_per_atom")},
+        "q_step_bytes": forward["v_step_bytes"],
+        "warpgroup_keys_bytes": forward["warpgroup_q_bytes"],
+        "mbarrier_bytes": MBARRIER_BYTES,
+        "s_acc_regs": WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup,
+        "d_acc_regs": WARPGROUP_ROWS * spec.head_dim // threads_per_warpgroup,
+    }

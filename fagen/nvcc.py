@@ -102,9 +102,9 @@ BACKWARD_KERNELS = ("preprocess", "dkdv", "dq")
 
 
 def backward_arch(spec: AttentionSpec) -> str:
-    """What a spec's backward compiles for: its mma.sync main loops run on every arch, so an
-    sm_90a spec's backward is an sm_90 build (as the runtime's NVRTC compiles it on Hopper)."""
-    return "sm_90" if spec.wgmma else spec.arch
+    """What a spec's backward compiles for: its own arch, but an sm_90a spec whose backward runs
+    the mma.sync main loops (head_dim 256) is an sm_90 build (as the runtime compiles it)."""
+    return "sm_90" if spec.wgmma and not spec.wgmma_backward else spec.arch
 
 
 def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, Resources]:

@@ -89,6 +89,16 @@ def _compile_sm90a(source: str, name: str, key: str) -> str:
     return str(path)
 
 
+def compile_module(source: str, name: str, *, wgmma: bool):
+    """The CuPy module of a rendered source: for sm_90a through our NVRTC call (wgmma needs the
+    arch-specific target), else CuPy's, which caches the cubin on disk under a hash of source,
+    options and arch."""
+    if wgmma:
+        arch = f"sm_{cupy.cuda.Device().compute_capability}"
+        return cupy.RawModule(path=_compile_sm90a(source, name, cache_key(source, NVRTC_OPTIONS, arch)))
+    return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+
+
 class Kernel:
     """A compiled spec. Call it like `fagen.attention`, without the choice of kernel."""
 
@@ -105,10 +115,7 @@ class Kernel:
             raise RuntimeError(f"{spec.name}: spec arch {spec.arch} is newer than this GPU ({self.arch}); "
                                f"set arch: sm_80 in the spec")
         self.key = cache_key(self.source, NVRTC_OPTIONS, self.arch)
-        if spec.wgmma:
-            module = cupy.RawModule(path=_compile_sm90a(self.source, spec.name, self.key))
-        else:  # CuPy caches the cubin on disk under a hash of source, options and arch.
-            module = cupy.RawModule(code=self.source, options=NVRTC_OPTIONS)
+        module = compile_module(self.source, spec.name, wgmma=spec.wgmma)
         self.function = module.get_function(self.plan.symbol)
         if self.plan.smem_bytes > 48 * 1024:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes

@@ -25,6 +25,9 @@ MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # 128-byte-swizzled shared memory. A warpgroup is 4 warps owning 64 query rows.
 WARPGROUP_WARPS, WARPGROUP_ROWS = 4, 64
 SWIZZLE_ATOM_ELEMS = 64  # one 128-byte swizzle row of half-precision elements
+# The sm_90a dK/dV kernel: a warpgroup owns 64 keys and holds their dK and dV rows (head_dim f32
+# registers a thread together), so head_dim 256 keeps the mma.sync kernel's head_split instead.
+WGMMA_BACKWARD_MAX_HEAD_DIM = 128
 MAX_NAME_LENGTH = 100  # a file name with room for a suffix and a tuned variant's tags
 
 
@@ -397,7 +400,30 @@ class AttentionSpec(_Frozen):
         if not self.outputs.lse:
             raise ValueError(rule("outputs.lse", False, "the backward recomputes P from the forward's LSE",
                                   "set outputs.lse: true"))
+        bwd = self.backward
+        if self.wgmma_backward and (bwd.head_split != 1 or bwd.warps % WARPGROUP_WARPS
+                                    or bwd.block_kv != bwd.warps * MMA_M):
+            raise ValueError(rule(
+                "backward", f"block_kv {bwd.block_kv}, warps {bwd.warps}, head_split {bwd.head_split}",
+                f"on sm_90a with head_dim {self.head_dim} the dK/dV kernel is wgmma: whole warpgroups (warps 4 "
+                "or 8), each owning 64 keys (block_kv = 16 * warps), head_dim not split",
+                "use block_kv: 128, warps: 8, head_split: 1 (or block_kv: 64, warps: 4)"))
+        if self.wgmma_backward and bwd.stages < 2:
+            raise ValueError(rule(
+                "backward.stages", bwd.stages, f"must be 2 or 3 on sm_90a with head_dim {self.head_dim} (each step "
+                "of the wgmma dK/dV loop refills the slot the step before it used)", "use stages: 2"))
+        if self.wgmma_backward and (bwd.dq_warps % WARPGROUP_WARPS or bwd.dq_block_q != bwd.dq_warps * MMA_M):
+            raise ValueError(rule(
+                "backward", f"dq_block_q {bwd.dq_block_q}, dq_warps {bwd.dq_warps}",
+                f"on sm_90a with head_dim {self.head_dim} the dQ kernel is wgmma: whole warpgroups (dq_warps 4 or "
+                "8), each owning 64 query rows (dq_block_q = 16 * dq_warps)",
+                "use dq_block_q: 64, dq_warps: 4 (or dq_block_q: 128, dq_warps: 8)"))
         return self
+
+    @property
+    def wgmma_backward(self) -> bool:
+        """The dK/dV kernel runs on wgmma (sm_90a, head_dim up to WGMMA_BACKWARD_MAX_HEAD_DIM)."""
+        return self.wgmma and self.backward is not None and self.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
 
     @property
     def wgmma(self) -> bool:

@@ -9,7 +9,7 @@ import hashlib
 from functools import cache
 
 from fagen.load import SPECS, load_spec, parse_spec
-from fagen.spec import AttentionSpec, Mask, ScoreMod, SpecError
+from fagen.spec import WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec, Mask, ScoreMod, SpecError
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
 SAME_CHIP = {"h100": "h200", "h200": "h100"}
@@ -45,12 +45,14 @@ def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSp
     """`base` with another mask and score modifiers, named after them (deterministically) and
     validated like any spec. Masks and modifiers cost registers: where the plan predicts that
     base's tiling would spill with them, the first tiling it accepts is taken instead, in the
-    order of fallback_tilings, and the name says which (`_kv<block_kv>[_sep2]`)."""
+    order of fallback_tilings, and the name says which (`_kv<block_kv>[_sep2]`). base's
+    backward: section is not carried over: it was sized for base's mask and modifiers, and
+    `trainable` gives the variant its own."""
     if (mask, score_mod) == (base.mask, base.score_mod):
         return base
     tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
     data = {**base.model_dump(), "name": f"{base.name}_{mask.kind}_{tag}", "mask": mask.model_dump(),
-            "score_mod": score_mod.model_dump()}
+            "score_mod": score_mod.model_dump(), "backward": None}
     try:
         return parse_spec(data, f"variant of {base.name}")
     except SpecError as refused:
@@ -99,6 +101,12 @@ BACKWARD_TILINGS = {
 BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32})
+# sm_90a up to head_dim 128 (the wgmma dK/dV kernel): two warpgroups of 64 keys; head_dim 64
+# takes 128 queries a step (S^T as m64n128 wgmmas: 15% faster than 64 on the H100, notes/perf.md).
+# Its registers shrink with the queries a step only.
+WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128}, 128: {}}
+WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
+                            {"block_q": 16, "dq_block_kv": 32})
 
 
 @cache
@@ -108,11 +116,12 @@ def trainable(spec: AttentionSpec) -> AttentionSpec:
     if spec.backward is not None:
         return spec
     data = {**spec.model_dump(), "name": f"{spec.name}_bwd"}
-    base = BACKWARD_TILINGS[spec.head_dim]
+    wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
+    base = (WGMMA_BACKWARD_TILINGS if wgmma else BACKWARD_TILINGS)[spec.head_dim]
     try:
         return parse_spec({**data, "backward": base}, f"trainable {spec.name}")
     except SpecError as refused:
-        for change in BACKWARD_FALLBACKS:
+        for change in WGMMA_BACKWARD_FALLBACKS if wgmma else BACKWARD_FALLBACKS:
             try:
                 return parse_spec({**data, "backward": {**base, **change}}, f"trainable {spec.name}")
             except SpecError:

@@ -148,7 +148,7 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned 
 // wgmma's immediate operands after scale-d (the predicate: 0 writes D = A.B, 1 adds to D):
 constexpr int WGMMA_SCALE_A = 1;     // imm-scale-a: A as is (-1 would negate it)
 constexpr int WGMMA_SCALE_B = 1;     // imm-scale-b: B as is
-constexpr int WGMMA_TRANS_A = 0;     // imm-trans-a: A (Q) is K-major in smem, no transpose
+constexpr int WGMMA_TRANS_A = 0;     // imm-trans-a: an A from smem (Q; K or V) is K-major, no transpose
 constexpr int WGMMA_TRANS_K = 0;     // imm-trans-b of Q.K^T: row-major K is the K-major B wgmma wants
 constexpr int WGMMA_TRANS_V = 1;     // imm-trans-b of P.V: row-major V is MN-major, transposed on load
 constexpr int WGMMA_ACCUMULATE = 1;  // scale-d of P.V: O always accumulates
@@ -272,10 +272,11 @@ struct Mask {
 // ---- KV pipeline -----------------------------------------------------------------------
 // K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in stage j % KV_STAGES).
 // Load group g carries K_g and V_(g-1) (group 0: Q and K_0), exactly what step g of the main
-// loop consumes: S_g = Q.K_g^T and O += P_(g-1).V_(g-1). Every thread copies a share of each
-// group and its cp.async arrivals complete the stage's `landed` mbarrier; after step g each
-// thread arrives on `freed`, and group g + KV_STAGES waits for that before refilling the
-// stage. No block-wide barrier: a warpgroup runs ahead of the other by up to a stage.
+// loop consumes: S_g = Q.K_g^T and O += P_(g-1).V_(g-1).
+// Every thread copies a share of each group and its cp.async arrivals complete the stage's
+// `landed` mbarrier; after step g each thread arrives on `freed`, and group g + KV_STAGES
+// waits for that before refilling the stage. No block-wide barrier: a warpgroup runs ahead of
+// the other by up to a stage.
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
   unsigned landed, freed;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart

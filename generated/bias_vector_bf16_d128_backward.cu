@@ -46,6 +46,9 @@ struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 #define POS_INF __int_as_float(0x7f800000)
 constexpr float LOG2E = 1.4426950408889634f;
+// The dynamic shared memory of both main-loop kernels: one declaration, at the stricter alignment.
+constexpr int SMEM_CHUNKS_ALIGN = 16;
+extern __shared__ __align__(SMEM_CHUNKS_ALIGN) chunk16 smem_chunks[];
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 // Inline PTX keeps the kernel free of CUDA headers: NVRTC compiles it as is.
@@ -97,6 +100,9 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// Every cp.async this thread issued has landed, in a committed group or not (the sm_90a loops
+// track theirs with mbarriers, not groups): before a block stages its output over its tiles.
+__device__ __forceinline__ void wait_all_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Two bfloat16 values of a 32-bit register as f32, `lo` from the low half.
 __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
@@ -172,8 +178,7 @@ constexpr int D_N_FRAGS = 8;          // ... as n8 fragments
 constexpr int QK_K_STEPS = 8;          // k16 steps of S^T = K.Q^T over head_dim
 constexpr int Q_K_STEPS = 2;           // k16 steps of dV += P^T.dO, dK += dS^T.Q over queries
 constexpr int STAGES = 2;              // Q/dO tiles in flight
-constexpr int SMEM_ALIGN = 16;          // bytes: cp.async and ldmatrix move 16-byte chunks
-constexpr int SMEM_ROW = 136;          // elements between smem rows (padded)
+constexpr int SMEM_ALIGN = 16;          // bytes: the smem tiles' start (their layout's unit)
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
 constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
 constexpr int ELEM_BYTES = 2;
@@ -182,6 +187,7 @@ constexpr int Q_TILE_BYTES = 8704;      // a Q tile; its dO tile follows
 constexpr int STAGE_BYTES = 17664;       // Q, dO, then the rows' LSE and D (f32)
 constexpr int ROW_CHUNKS = 8;          // 16-byte chunks of a tile's LSE (and of its D)
 constexpr int OUT_CHUNKS = 1024;        // 16-byte chunks of the block's dK (and of its dV)
+constexpr int SMEM_ROW = 136;          // elements between smem rows (padded)
 
 // ---- shared-memory tiles ---------------------------------------------------------------
 // Rows of SMEM_ROW elements; ldmatrix reads 8 rows x 16 bytes at once, which must fall in 8
@@ -530,7 +536,7 @@ fagen_bias_vector_bf16_d128_bwd_dkdv(
     long long bias_sb,
     long long bias_sh,
     long long bias_sq) {
-  extern __shared__ __align__(SMEM_ALIGN) ::chunk16 smem_chunks[];  // one declaration for both kernels
+  static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
   const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -621,7 +627,7 @@ fagen_bias_vector_bf16_d128_bwd_dkdv(
 
   // dK = scale * acc (the chain rule's last factor) and dV, staged over the K and V tiles,
   // then written as 16-byte chunks of whole rows; keys at or past n_kv are never written.
-  wait_group<0>();
+  wait_all_copies();
   __syncthreads();
   {
     const int g = lane >> 2, c = lane & 3;
@@ -633,10 +639,11 @@ fagen_bias_vector_bf16_d128_bwd_dkdv(
       for (int n = 0; n < D_N_FRAGS; ++n)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + f * 16 + hh * 8 + g, col = col0 + n * 8 + 2 * c;
-          *reinterpret_cast<unsigned*>(k_smem + smem_offset(row, col)) =
+          const int row = warp_row0 + f * 16 + hh * 8 + g, col = col0 + n * 8;  // this pair: + 2c
+          *reinterpret_cast<unsigned*>(k_smem + smem_offset(row, col) + 2 * c) =
               pack2(dk_acc[f][n][2 * hh] * scale, dk_acc[f][n][2 * hh + 1] * scale);
-          *reinterpret_cast<unsigned*>(v_smem + smem_offset(row, col)) = pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
+          *reinterpret_cast<unsigned*>(v_smem + smem_offset(row, col) + 2 * c) =
+              pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
         }
     __syncthreads();
     dk += b * dk_sb + h_kv * dk_sh;
@@ -990,7 +997,7 @@ fagen_bias_vector_bf16_d128_bwd_dq(
     long long bias_sb,
     long long bias_sh,
     long long bias_sq) {
-  extern __shared__ __align__(SMEM_ALIGN) ::chunk16 smem_chunks[];  // one declaration for both kernels
+  static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
   const unsigned smem_q_u32 = smem_u32(smem_q), smem_do_u32 = smem_q_u32 + Q_TILE_ELEMS * ELEM_BYTES;
@@ -1069,7 +1076,7 @@ fagen_bias_vector_bf16_d128_bwd_dq(
 
   // dQ = scale * acc, staged in the warp's own rows of the Q tile (no other warp reads them),
   // then written as 16-byte chunks of whole rows; rows at or past n_q are never written.
-  wait_group<0>();
+  wait_all_copies();
   __syncthreads();  // with no KV tile, other threads' copies of Q may still be landing
   {
     const int g = lane >> 2, c = lane & 3;
@@ -1079,8 +1086,8 @@ fagen_bias_vector_bf16_d128_bwd_dq(
       for (int n = 0; n < O_N_FRAGS; ++n)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + f * 16 + hh * 8 + g, col = n * 8 + 2 * c;
-          *reinterpret_cast<unsigned*>(smem_q + smem_offset(row, col)) =
+          const int row = warp_row0 + f * 16 + hh * 8 + g, col = n * 8;  // this pair: + 2c
+          *reinterpret_cast<unsigned*>(smem_q + smem_offset(row, col) + 2 * c) =
               pack2(dq_acc[f][n][2 * hh] * scale, dq_acc[f][n][2 * hh + 1] * scale);
         }
     __syncwarp();
