@@ -9,7 +9,8 @@ The backward of a spec is three kernels in one file (templates/kernel/backward.c
   dq          Q-major, shaped like the forward (its plan is a forward plan): a block owns a
               query tile and loops over the KV tiles the mask visits, dQ += dS K in registers.
 No block adds into another's output, so gradients are bitwise deterministic run to run; the
-price is S and dP computed twice (7 MMAs of a tile pair where an atomic dQ takes 5).
+price is S and dP computed twice (7 MMAs of a tile pair where an atomic dQ takes 5). Both main
+loops are mma.sync (mainloop "sm80"), or wgmma on sm_90a up to head_dim 128 ("sm90").
 """
 
 from __future__ import annotations
