@@ -114,7 +114,6 @@ class Kernel:
         if int(self.arch[3:]) < int(spec.arch[3:5]):
             raise RuntimeError(f"{spec.name}: spec arch {spec.arch} is newer than this GPU ({self.arch}); "
                                f"set arch: sm_80 in the spec")
-        self.key = cache_key(self.source, NVRTC_OPTIONS, self.arch)
         module = compile_module(self.source, spec.name, wgmma=spec.wgmma)
         self.function = module.get_function(self.plan.symbol)
         if self.plan.smem_bytes > 48 * 1024:
