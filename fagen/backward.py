@@ -17,7 +17,7 @@ import numpy as np
 from fagen.backward_plan import BackwardPlan, backward_plan
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for
 from fagen.render import render_backward
-from fagen.runtime import LOG2E, Kernel, compile_kernel, compile_module, pack_arguments, packers
+from fagen.runtime import LOG2E, Kernel, block_mask_arguments, compile_kernel, compile_module, pack_arguments, packers
 from fagen.spec import AttentionSpec
 
 
@@ -95,13 +95,19 @@ class Backward:
             for name, t in (("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), ("dq", as_device_tensor(dq, "dq")),
                             ("dk", as_device_tensor(dk, "dk")), ("dv", as_device_tensor(dv, "dv"))):
                 values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
+            per_kernel = {"preprocess": values, "dkdv": values, "dq": values}
+            if block_mask is not None:  # each loop walks the mask's tiles at its own tiling, dK/dV transposed
+                shape = (b, hq, nq, nk)
+                per_kernel["dq"] = values | block_mask_arguments(block_mask, bp.dq.block_q, bp.dq.block_kv, *shape)
+                per_kernel["dkdv"] = values | block_mask_arguments(block_mask, bp.dkdv.block_q, bp.dkdv.block_kv, *shape,
+                                                                   key_major_group=hq // hkv)
             launch = (
                 (self.preprocess, "preprocess", (-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
                 (self.dkdv, "dkdv", (b * hkv, -(-nk // bp.dkdv.block_kv)), bp.dkdv.threads, bp.dkdv.smem_bytes),
                 (self.dq, "dq", (b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
             )
             for function, name, grid, threads, smem in launch:
-                function(grid, (threads,), pack_arguments(self.packers[name], values), shared_mem=smem)
+                function(grid, (threads,), pack_arguments(self.packers[name], per_kernel[name]), shared_mem=smem)
             dsinks = None if sinks is None else _sink_gradient(sinks, lse, delta, nq, tq)
             del keep_alive
         return Gradients(dq, dk, dv, dsinks)

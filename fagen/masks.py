@@ -56,6 +56,17 @@ def dense_from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int) -> 
 
 # ---- runtime block masks -----------------------------------------------------------------
 
+@dataclass(frozen=True)
+class KeyMajorLists:
+    """A block mask transposed for the backward's dK/dV kernel (BlockMask.key_major): per
+    (batch, KV head, KV block), the query blocks of each query head of the group that see it."""
+
+    num: np.ndarray  # [Bm, Hkv|1, n_kv_blocks] int32: steps
+    entries: np.ndarray  # [..., max_steps] int32: head in group * n_q_blocks + query block
+    types: np.ndarray  # [..., max_steps] int32: FULL, CAUSAL or PARTIAL
+    partial_index: np.ndarray  # [..., max_steps] int32: into BlockMask.partial_masks, -1 unless PARTIAL
+
+
 @dataclass
 class BlockMask:
     """Per (batch, head, query block): the KV blocks to visit, their types, and bit patterns."""
@@ -90,13 +101,7 @@ class BlockMask:
 
     def block_type_grid(self) -> np.ndarray:
         """[Bm, Hm, n_q_blocks, n_kv_blocks] of MASKED / FULL / CAUSAL / PARTIAL."""
-        grid = np.full((self.batch, self.heads, self.n_q_blocks, self.n_kv_blocks), MASKED, np.int32)
-        for b in range(self.batch):
-            for h in range(self.heads):
-                for qb in range(self.n_q_blocks):
-                    n = self.kv_num_blocks[b, h, qb]
-                    grid[b, h, qb, self.kv_indices[b, h, qb, :n]] = self.block_types[b, h, qb, :n]
-        return grid
+        return self._grids()[0]
 
     def to_dense(self) -> np.ndarray:
         """[Bm, Hm, n_q, n_kv] bool: the pairs this mask keeps."""
@@ -131,6 +136,50 @@ class BlockMask:
         if key not in self._cache:
             self._cache[key] = from_dense(self.to_dense(), block_q, block_kv, causal_offset=self.causal_offset)
         return self._cache[key]
+
+    def key_major(self, group: int) -> KeyMajorLists:
+        """The backward's dK/dV view of this mask, blocked as it is (for_tiles first): per
+        (batch, KV head, KV block) the steps of its loop, each a (query head of the group, query
+        block) that sees the block, in order, as entries head * n_q_blocks + query block, with
+        their types and indices into the same partial_masks (patterns stay query-row-major).
+        Heads: 1 where the mask broadcasts over heads, else one per KV head (cached)."""
+        key = ("key_major", group)
+        if key in self._cache:
+            return self._cache[key]
+        types, partials = self._grids()
+        b, h, n_qb, n_kb = types.shape
+        if h > 1 and h % group:
+            raise ValueError(f"block_mask has {h} heads, not a multiple of the group of {group} query heads per "
+                             "KV head; build it with 1 head or one per query head")
+        if h == 1:  # every query head of a group sees the same blocks
+            types, partials = (np.broadcast_to(a, (b, group, n_qb, n_kb)) for a in (types, partials))
+        kv_heads = max(1, h // group)
+        # [B, Hkv, group * n_qb, n_kb] -> [B, Hkv, n_kb, group * n_qb]: entries head * n_qb + qb
+        types, partials = (np.ascontiguousarray(a.reshape(b, kv_heads, group * n_qb, n_kb).swapaxes(2, 3))
+                           for a in (types, partials))
+        visit = types != MASKED
+        num = visit.sum(-1).astype(np.int32)
+        steps = max(1, int(num.max()))
+        order = np.argsort(~visit, axis=-1, kind="stable")[..., :steps].astype(np.int32)  # visited first, in order
+        listed = np.arange(steps) < num[..., None]
+        lists = KeyMajorLists(
+            num, np.where(listed, order, 0).astype(np.int32),
+            np.where(listed, np.take_along_axis(types, order, -1), MASKED).astype(np.int32),
+            np.where(listed, np.take_along_axis(partials, order, -1), -1).astype(np.int32))
+        self._cache[key] = lists
+        return lists
+
+    def _grids(self) -> tuple[np.ndarray, np.ndarray]:
+        """[Bm, Hm, n_q_blocks, n_kv_blocks] block types and partial indices (-1 unless PARTIAL)."""
+        types = np.full((self.batch, self.heads, self.n_q_blocks, self.n_kv_blocks), MASKED, np.int32)
+        partials = np.full_like(types, -1)
+        for b in range(self.batch):
+            for h in range(self.heads):
+                for qb in range(self.n_q_blocks):
+                    n = self.kv_num_blocks[b, h, qb]
+                    types[b, h, qb, self.kv_indices[b, h, qb, :n]] = self.block_types[b, h, qb, :n]
+                    partials[b, h, qb, self.kv_indices[b, h, qb, :n]] = self.partial_index[b, h, qb, :n]
+        return types, partials
 
     def describe(self) -> str:
         grid = self.block_type_grid()

@@ -265,7 +265,7 @@ class Kernel:
         args: dict = {}
         held: list = []
         if wants["block_mask"]:
-            args.update(_block_mask_arguments(given["block_mask"], self.plan, b, hq, nq, nk))
+            args.update(block_mask_arguments(given["block_mask"], self.plan.block_q, self.plan.block_kv, b, hq, nq, nk))
         if wants["doc_ids"]:
             raw = given["doc_ids"]
             docs = _aux_array(raw, "doc_ids", "int32", tq.device)
@@ -331,23 +331,31 @@ def geometric_alibi_slopes(heads: int, gpu: int):
         return cupy.asarray(np.array(side_inputs.geometric_alibi_slopes(heads), np.float32))
 
 
-def _block_mask_arguments(mask, plan_: KernelPlan, b: int, hq: int, nq: int, nk: int) -> dict:
+def block_mask_arguments(mask, block_q: int, block_kv: int, b: int, hq: int, nq: int, nk: int,
+                         key_major_group: int | None = None) -> dict:
+    """A BlockMask as a kernel's bm_* arguments, re-blocked to its tiles: query-major lists for
+    the forward and the dQ kernel; with key_major_group, the dK/dV kernel's lists per KV block
+    (fagen.masks.BlockMask.key_major). Device copies are cached on the mask, per device."""
     if not isinstance(mask, BlockMask):
         raise ValueError(f"block_mask: expected a fagen.masks.BlockMask, got {type(mask).__name__}")
     if (mask.n_q, mask.n_kv) != (nq, nk):
         raise ValueError(f"block_mask was built for Nq = {mask.n_q}, Nk = {mask.n_kv}, but q, k have {nq}, {nk}")
     if mask.batch not in (1, b) or mask.heads not in (1, hq):
         raise ValueError(f"block_mask is [{mask.batch}, {mask.heads}, ...]; expected batch 1 or {b}, heads 1 or {hq}")
-    tiles = mask.for_tiles(plan_.block_q, plan_.block_kv)
-    key = ("device", cupy.cuda.Device().id)
+    tiles = mask.for_tiles(block_q, block_kv)
+    key = ("device", cupy.cuda.Device().id, key_major_group)
     if key not in tiles._cache:
-        tiles._cache[key] = tuple(cupy.asarray(np.ascontiguousarray(a)) for a in (
-            tiles.kv_num_blocks, tiles.kv_indices, tiles.block_types, tiles.partial_index, tiles.partial_masks))
+        if key_major_group is None:
+            lists = (tiles.kv_num_blocks, tiles.kv_indices, tiles.block_types, tiles.partial_index)
+        else:
+            km = tiles.key_major(key_major_group)
+            lists = (km.num, km.entries, km.types, km.partial_index)
+        tiles._cache[key] = tuple(cupy.asarray(np.ascontiguousarray(a)) for a in (*lists, tiles.partial_masks))
     num, idx, types, partial, bits = tiles._cache[key]
-    n_qt = tiles.n_q_blocks
+    _, heads, rows = num.shape  # rows: query blocks (query-major) or KV blocks (key-major) of a head
     return dict(bm_num=_ptr(num), bm_idx=_ptr(idx), bm_type=_ptr(types), bm_partial=_ptr(partial),
-                bm_bits=_ptr(bits), bm_sb=np.int32(tiles.heads * n_qt if tiles.batch > 1 else 0),
-                bm_sh=np.int32(n_qt if tiles.heads > 1 else 0), bm_max=np.int32(idx.shape[-1]),
+                bm_bits=_ptr(bits), bm_sb=np.int32(heads * rows if num.shape[0] > 1 else 0),
+                bm_sh=np.int32(rows if heads > 1 else 0), bm_max=np.int32(idx.shape[-1]),
                 bm_causal_offset=np.int32(tiles.causal_offset))
 
 

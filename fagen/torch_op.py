@@ -119,25 +119,43 @@ def _backward(ctx, dout, _dlse):
 attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 
+class _BlockMaskAttention(torch.autograd.Function):
+    """Autograd for a runtime block mask: a BlockMask is no tensor, so it cannot enter an op;
+    the same kernels run eagerly (torch.compile breaks the graph here), on torch's stream."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, block_mask, causal, mask, softcap, scale, side):
+        spec = runtime.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, **side)
+        out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.block_mask, ctx.scale, ctx.side = spec, block_mask, scale, side
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = backward.compile_backward(variants.trainable(ctx.spec))(
+            dout.contiguous(), q, k, v, out, lse, scale=ctx.scale, block_mask=ctx.block_mask, **ctx.side)
+        return grads.dq, grads.dk, grads.dv, grads.dsinks if ctx.needs_input_grad[3] else None, *[None] * 6
+
+
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
-    so it cannot enter an op: it runs the kernel directly, without autograd."""
+    so it cannot enter an op: its gradients come from an eager autograd.Function instead."""
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
         for x in (bias, alibi_slopes, sinks, doc_ids))
     if block_mask is not None:
-        wanting = [name for name, t in dict(q=q, k=k, v=v, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks).items()
-                   if t is not None and t.requires_grad]
-        if wanting and torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"block_mask with {', '.join(wanting)} requiring grad: block-mask backward is not supported through "
-                f"autograd yet; run it under torch.no_grad() or on detached tensors, or train with a mask that "
-                f"has one: causal=True, mask= (sliding_window, chunked, prefix_lm) or doc_ids=")
-        return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale, return_lse=return_lse,
-                                 block_mask=block_mask, **_side_inputs(bias, alibi_slopes, sinks, doc_ids))
+        side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
+            return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
+                                     return_lse=return_lse, block_mask=block_mask, **side)
+        out, lse = _BlockMaskAttention.apply(q, k, v, sinks, block_mask, causal, mask, softcap, scale, side)
+        return (out, lse) if return_lse else out
     out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask_json(mask), causal,
                                                  softcap, scale)
     return (out, lse) if return_lse else out

@@ -318,7 +318,8 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
 struct Mask {
   int n_kv;
   int n_q;
-  int first, count;  // query tiles [first, first + count) (block_mask: entries of the list)
+  int group;  // query heads of the block's KV head
+  int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
   int offset;
 
   __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
@@ -331,10 +332,11 @@ struct Mask {
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
   }
 
-  // The query tiles that see keys [kv0_, kv0_ + BLOCK_KV) (the dK/dV kernel's loop).
-  __device__ __forceinline__ void begin_keys(int n_q_, int n_kv_, int offset_, int b, int h, int kv0_) {
+  // The query tiles that see keys [kv0_, kv0_ + BLOCK_KV) of KV head h_kv (the dK/dV kernel's loop).
+  __device__ __forceinline__ void begin_keys(int n_q_, int n_kv_, int offset_, int b, int h_kv, int group_, int kv0_) {
     n_q = n_q_;
     n_kv = n_kv_;
+    group = group_;
     const int kv_last = min(kv0_ + BLOCK_KV, n_kv) - 1;  // the block's last real key
     int lo = 0, hi = n_q;  // queries [lo, hi) that may see some key of the block
     offset = offset_;
@@ -343,11 +345,14 @@ struct Mask {
     count = hi > lo ? (hi + BLOCK_Q - 1) / BLOCK_Q - first : 0;
   }
 
-  __device__ __forceinline__ int q_tile(int i) const { return first + i; }
+  // Steps of the loop, and step t's query head (within the group) and query tile.
+  __device__ __forceinline__ int steps() const { return group * count; }
+  __device__ __forceinline__ int step_head(int t) const { return t / count; }
+  __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
 
-  // Query tile i (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true unless
-  // every pair is known to count (rows past n_q never do).
-  __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0) {
+  // Step t's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true
+  // unless every pair is known to count (rows past n_q never do).
+  __device__ __forceinline__ bool needs_element_test_keys(int t, int q0, int kv0) {
     const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + BLOCK_KV - 1;
     bool full = k1 <= r0 + offset;
     return !full || k1 >= n_kv || r1 >= n_q;
@@ -379,10 +384,10 @@ struct Mask {
 };
 
 // ---- Q/dO pipeline ---------------------------------------------------------------------
-// Step t of the dK/dV loop reads query tile mask.q_tile(t % count) of the group's query head
-// t / count: its Q and dO tiles and its rows' LSE and D, one cp.async group a step, through a
-// ring of STAGES slots (slot t % STAGES). Step t is issued once step t - STAGES released its
-// slot, so STAGES - 1 steps are in flight while one is computed. Every step commits exactly
+// Step t of the dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
+// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, one cp.async group a step,
+// through a ring of STAGES slots (slot t % STAGES). Step t is issued once step t - STAGES
+// released its slot, so STAGES - 1 steps are in flight while one is computed. Every step commits exactly
 // one group (empty past the last), so "step t has landed" is always wait_group<STAGES - 1>.
 struct QdoPipeline {
   unsigned ring;  // smem address of slot 0
@@ -409,7 +414,7 @@ struct QdoPipeline {
 
   __device__ __forceinline__ void issue(int t, const Mask& mask) const {
     if (t < steps) {
-      const int head = t / mask.count, q0 = mask.q_tile(t % mask.count) * BLOCK_Q;
+      const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
       copy_tile_async<BLOCK_Q>(q_slot(t), q + head * q_sh, q_sn, q0, n_q, tid);
       copy_tile_async<BLOCK_Q>(do_slot(t), dout + head * do_sh, do_sn, q0, n_q, tid);
       // LSE and D rows are padded to whole tiles: always in range
@@ -443,8 +448,8 @@ struct QdoPipeline {
 // g, g + 8 of each m16 fragment and queries 2t, 2t + 1 of each n8 fragment. Modifiers, then the mask, which tests elements only on tiles that
 // cross one of its boundaries.
 __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
-                                           Mask& mask, int i, int b, int h, int q0, int warp_kv0, int lane) {
-  if (mask.needs_element_test_keys(i, q0, warp_kv0 - warp_kv0 % BLOCK_KV)) {
+                                           Mask& mask, int t, int b, int h, int q0, int warp_kv0, int lane) {
+  if (mask.needs_element_test_keys(t, q0, warp_kv0 - warp_kv0 % BLOCK_KV)) {
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
@@ -516,8 +521,8 @@ fagen_causal_topleft_bf16_d128_bwd_dkdv(
   delta += ((long long)b * heads_q + h_kv * group) * n_pad;
 
   Mask mask;
-  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv * group, kv0);
-  const int steps = group * mask.count;
+  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
+  const int steps = mask.steps();
   const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES, q, dout, lse2, delta, q_sh, q_sn, dout_sh, dout_sn, n_pad, n_q,
                          steps, tid);
   const float to_log2 = scale_log2;
@@ -531,8 +536,8 @@ fagen_causal_topleft_bf16_d128_bwd_dkdv(
   float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
 
   for (int t = 0; t < steps; ++t) {
-    const int head = t / mask.count, i = t % mask.count;  // the group's query head, its query tile
-    const int h = h_kv * group + head, q0 = mask.q_tile(i) * BLOCK_Q;
+    const int head = mask.step_head(t);  // the group's query head ...
+    const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
     pipe.wait(t);
     const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
 
@@ -541,7 +546,7 @@ fagen_causal_topleft_bf16_d128_bwd_dkdv(
     mma_rows_rows<M_FRAGS, S_N_FRAGS, QK_K_STEPS>(s, k_tile, warp_row0, q_tile, lane);
 
     // Phase 3: the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
-    score_tile(s, mask, i, b, h, q0, warp_kv0, lane);
+    score_tile(s, mask, t, b, h, q0, warp_kv0, lane);
     const float* lse = pipe.lse(t);
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n) {

@@ -12,9 +12,10 @@ import pytest
 import fagen
 from fagen import variants
 from fagen.backward import compile_backward
-from fagen.check import check_backward_against_oracle, random_extras, random_inputs, to_numpy
+from fagen.check import check_backward_against_oracle, random_block_mask, random_extras, random_inputs, to_numpy
 from fagen.load import SPECS
 from fagen.runtime import default_spec
+from fagen.spec import Mask, ScoreMod
 
 pytestmark = pytest.mark.gpu
 
@@ -60,6 +61,23 @@ def test_trainable_defaults_against_oracle(dtype, head_dim, causal):
                                                framework="torch" if dtype == "bfloat16" else "cupy")
         print(result.summary())
         assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("nq, nk, hkv, mask_heads, blocks", [
+    (203, 113, 2, 4, (32, 16)), (1023, 1024, 1, 1, (64, 128)), (1, 239, 4, 4, (16, 64)), (2049, 1000, 2, 1, (128, 64))])
+def test_block_mask_backward_against_oracle(dtype, head_dim, nq, nk, hkv, mask_heads, blocks):
+    """Runtime block masks (every block type) built at blocks of their own, which each loop
+    re-blocks to its tiles (the dK/dV kernel's transposed, per KV head over its group's query
+    heads): per-head and head-broadcast masks, MHA, GQA and MQA; d 256 runs mma.sync."""
+    base = variants.variant(default_spec(dtype, head_dim, False), Mask(kind="block_mask"), ScoreMod())
+    spec = variants.trainable(base)
+    rng = np.random.default_rng(nq + head_dim)
+    extras = {"block_mask": random_block_mask(rng, 2, mask_heads, nq, nk, *blocks)}
+    result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk, extras=extras)
+    print(result.summary())
+    assert result.passed, result.summary()
 
 
 @pytest.mark.parametrize("name", ["causal_softcap_sinks_f16_d128", "document_causal_f16_d128", "sliding_window_f16_d128"])

@@ -239,6 +239,38 @@ def test_for_tiles_keeps_the_pattern(mask_blocks, tile):
     assert bm.for_tiles(*tile) is tiled  # cached
 
 
+@pytest.mark.parametrize("heads, group", [(4, 2), (1, 4), (4, 1), (4, 4)])
+def test_key_major_lists_every_step_that_sees_a_kv_block(heads, group):
+    """The dK/dV kernel's lists: per (batch, KV head, KV block), exactly the (query head of the
+    group, query block) pairs with a kept pair, in order, with the query-major list's type and
+    pattern index; a head-broadcast mask lists every head of the group."""
+    rng = np.random.default_rng()
+    nq, nk, qb, kb = 203, 300, 32, 64
+    bm = masks.from_dense(random_typed_dense(rng, 2, heads, nq, nk, qb, kb, causal_offset=nk - nq), qb, kb,
+                          causal_offset=nk - nq)
+    lists, grid = bm.key_major(group), bm.block_type_grid()
+    kv_heads = 1 if heads == 1 else heads // group
+    assert lists.num.shape == (2, kv_heads, bm.n_kv_blocks)
+    for b, hk, kv_block in itertools.product(range(2), range(kv_heads), range(bm.n_kv_blocks)):
+        n = lists.num[b, hk, kv_block]
+        steps = [divmod(int(e), bm.n_q_blocks) for e in lists.entries[b, hk, kv_block, :n]]
+        heads_of = [0 if heads == 1 else hk * group + j for j, _ in steps]
+        expected = [(j, q_block) for j in range(group) for q_block in range(bm.n_q_blocks)
+                    if grid[b, 0 if heads == 1 else hk * group + j, q_block, kv_block] != masks.MASKED]
+        assert steps == expected
+        for i, ((_, q_block), h) in enumerate(zip(steps, heads_of)):
+            listed = list(bm.kv_indices[b, h, q_block, :bm.kv_num_blocks[b, h, q_block]]).index(kv_block)
+            assert lists.types[b, hk, kv_block, i] == bm.block_types[b, h, q_block, listed]
+            assert lists.partial_index[b, hk, kv_block, i] == bm.partial_index[b, h, q_block, listed]
+    assert bm.key_major(group) is lists  # cached
+
+
+def test_key_major_refuses_heads_that_do_not_split_into_groups():
+    bm = masks.from_dense(np.ones((1, 3, 10, 10), bool), 16, 16)
+    with pytest.raises(ValueError, match="3 heads, not a multiple of the group of 2"):
+        bm.key_major(2)
+
+
 def test_for_tiles_of_causal_keeps_causal_blocks():
     bm = masks.causal(300, 500, q_block=32, kv_block=32)
     tiled = bm.for_tiles(64, 64)
