@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 
 from fagen.backward_plan import BackwardPlan, backward_plan
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for, zeros_like
 from fagen.render import render_backward
 from fagen.runtime import LOG2E, Kernel, block_mask_arguments, compile_kernel, compile_module, pack_arguments, packers
 from fagen.spec import AttentionSpec
@@ -45,9 +45,10 @@ class Backward:
         module = compile_module(render_backward(spec), f"{spec.name}_backward", wgmma=spec.wgmma_backward)
         self.preprocess = module.get_function(self.plan.preprocess_symbol)
         self.dkdv = module.get_function(self.plan.dkdv_symbol)
-        self.dq = module.get_function(self.plan.dq_symbol)
+        # dQ: the dK/dV kernel's atomics, scaled by the postprocess; or a kernel of its own
+        self.dq = module.get_function(self.plan.postprocess_symbol if self.plan.atomic_dq else self.plan.dq_symbol)
         for function, smem in ((self.dkdv, self.plan.dkdv.smem_bytes), (self.dq, self.plan.dq_smem_bytes)):
-            if smem > 48 * 1024:
+            if smem > 48 * 1024 and not (function is self.dq and self.plan.atomic_dq):
                 function.max_dynamic_shared_size_bytes = smem
 
     def __repr__(self) -> str:
@@ -55,7 +56,7 @@ class Backward:
 
     @cached_property
     def packers(self) -> dict[str, tuple]:
-        return {name: packers(getattr(self.plan, f"{name}_params")) for name in ("preprocess", "dkdv", "dq")}
+        return {name: packers(getattr(self.plan, f"{name}_params")) for name in ("preprocess", "dkdv", "dq", "postprocess")}
 
     def __call__(self, dout, q, k, v, out, lse, *, scale: float | None = None, mask_offset: int | None = None,
                  block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
@@ -88,14 +89,16 @@ class Backward:
                     _like(given, name, t)  # where the caller asks them written: checked first
             dq, dk, dv = (empty_like(t, t.shape, spec.dtype) if given is None else given
                           for t, given in ((tq, dq), (tk, dk), (tv, dv)))
+            # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, zeroed first
+            dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk,
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
-                          **extras)
+                          **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **extras)
             for name, t in (("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), ("dq", as_device_tensor(dq, "dq")),
                             ("dk", as_device_tensor(dk, "dk")), ("dv", as_device_tensor(dv, "dv"))):
                 values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-            per_kernel = {"preprocess": values, "dkdv": values, "dq": values}
+            per_kernel = {"preprocess": values, "dkdv": values, "dq": values, "postprocess": values}
             if block_mask is not None:  # each loop walks the mask's tiles at its own tiling, dK/dV transposed
                 shape = (b, hq, nq, nk)
                 per_kernel["dq"] = values | block_mask_arguments(block_mask, bp.dq.block_q, bp.dq.block_kv, *shape)
@@ -103,7 +106,9 @@ class Backward:
                                                                    key_major_group=hq // hkv)
             launch = (
                 (self.preprocess, "preprocess", (-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
-                (self.dkdv, "dkdv", (b * hkv, -(-nk // bp.dkdv.block_kv)), bp.dkdv.threads, bp.dkdv.smem_bytes),
+                (self.dkdv, "dkdv", (-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
+                (self.dq, "postprocess", (-(-nq * bp.chunks_per_row // bp.preprocess_threads), b * hq),
+                 bp.preprocess_threads, 0) if bp.atomic_dq else
                 (self.dq, "dq", (b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
             )
             for function, name, grid, threads, smem in launch:

@@ -10,7 +10,10 @@ The backward of a spec is three kernels in one file (templates/kernel/backward.c
               query tile and loops over the KV tiles the mask visits, dQ += dS K in registers.
 No block adds into another's output, so gradients are bitwise deterministic run to run; the
 price is S and dP computed twice (7 MMAs of a tile pair where an atomic dQ takes 5). Both main
-loops are mma.sync (mainloop "sm80"), or wgmma on sm_90a up to head_dim 128 ("sm90").
+loops are mma.sync (mainloop "sm80"), or wgmma on sm_90a up to head_dim 128 ("sm90"). There,
+unless backward.deterministic, the dK/dV kernel also adds each step's dQ tile dS.K into a
+float32 accumulator with atomics (spec.atomic_dq), and in place of the dQ kernel
+  postprocess  dQ = scale * accumulator, in the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -164,6 +167,19 @@ class DkdvPlan:
     mbarrier_bytes: int
     s_acc_regs: int  # f32 registers a thread holds of S^T (and of dP^T): block_q / 2
     d_acc_regs: int  # ... of dK (and of dV): head_dim / 2
+    # atomic dQ only (0 otherwise): a step's dS^T goes to smem (two buffers, keys as rows, the
+    # queries in 64-wide swizzle atoms), then warpgroup w adds the 64 x 64 tile w of dQ = dS.K
+    atomic_dq: bool
+    ds_offset: int  # bytes from the smem base to the first dS^T buffer (after the ring's barriers)
+    ds_tile_bytes: int  # one dS^T buffer: block_kv x block_q
+    ds_atoms_per_row: int  # swizzle atoms across a dS^T row (block_q / 64)
+    ds_row_group_bytes: int  # 8 keys of dS^T: the stride byte offset of wgmma's MN-major A
+    dq_tiles: int  # m64n64 tiles of a step's dQ (block_q x head_dim): warpgroup w adds tile w % dq_tiles ...
+    dq_key_split: int  # ... over share w / dq_tiles of the block's keys (warpgroups = tiles x shares)
+    dq_n_tiles: int  # the tiles across head_dim: tile i has rows 64 (i / this), columns 64 (i % this)
+    dq_key_steps: int  # k16 steps of a warpgroup's dQ tile over its share of the keys
+    dq_n_frags: int  # n8 fragments of a 64-column dQ tile
+    ds_barrier_threads: int  # the threads that meet before reading dS^T: all, or a warpgroup's own
 
 
 @dataclass(frozen=True)
@@ -172,6 +188,8 @@ class BackwardPlan:
     preprocess_symbol: str
     dkdv_symbol: str
     dq_symbol: str
+    postprocess_symbol: str
+    atomic_dq: bool  # dQ from the dK/dV kernel's atomics and the postprocess, not the dQ kernel
     head_dim: int
     row_pad: int  # LSE and D rows are padded to a multiple of this (whole tiles of both loops)
     preprocess_threads: int
@@ -187,6 +205,13 @@ class BackwardPlan:
     preprocess_params: tuple[tuple[str, str], ...]
     dkdv_params: tuple[tuple[str, str], ...]
     dq_params: tuple[tuple[str, str], ...]
+    postprocess_params: tuple[tuple[str, str], ...]
+
+
+def kernel_symbols(bplan: BackwardPlan) -> dict[str, str]:
+    """The kernels a backward file holds, by role: under atomic dQ a postprocess, not dq."""
+    dq = {"postprocess": bplan.postprocess_symbol} if bplan.atomic_dq else {"dq": bplan.dq_symbol}
+    return {"preprocess": bplan.preprocess_symbol, "dkdv": bplan.dkdv_symbol, **dq}
 
 
 def dq_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -215,6 +240,7 @@ def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
 SHAPE_PARAMS = (("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
                 ("int", "n_pad"))
 ROW_PARAMS = ((FLOAT_PTR, "delta"), (FLOAT_PTR, "lse2"))  # D and LSE * log2(e), [B, Hq, n_pad]
+DQ_ACCUM = ("float* __restrict__", "dq_accum")  # atomic dQ: [B, Hq, n_pad, head_dim] f32, zeroed
 
 
 def backward_plan(spec: AttentionSpec) -> BackwardPlan:
@@ -243,6 +269,8 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         preprocess_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_preprocess",
         dkdv_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_dkdv",
         dq_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_dq",
+        postprocess_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_postprocess",
+        atomic_dq=spec.atomic_dq,
         head_dim=d,
         row_pad=math.lcm(bwd.block_q, bwd.dq_block_q),
         preprocess_threads=32 * PREPROCESS_WARPS,
@@ -259,11 +287,13 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                            ("float* __restrict__", "lse2"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
                            *_strides("o", "dout")),
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
-                     (OUT_PTR, "dk"), (OUT_PTR, "dv"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dk", "dv"),
-                     ("float", "scale"), ("float", "scale_log2"), *side),
+                     (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
+                     *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side),
         dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                    (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
                    ("float", "scale"), ("float", "scale_log2"), *side),
+        postprocess_params=((FLOAT_PTR, "dq_accum"), (OUT_PTR, "dq"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
+                            ("float", "scale"), *_strides("dq")),
     )
 
 
@@ -283,6 +313,9 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     smem_bytes = 2 * kv_tile_bytes + bwd.stages * stage_bytes
     if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring
         smem_bytes += 2 * bwd.stages * MBARRIER_BYTES
+    ds_offset = -(-smem_bytes // smem_align) * smem_align
+    if spec.atomic_dq:  # two dS^T buffers after the barriers, on a swizzle atom
+        smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES
     terms, mod = register_terms(spec, "dkdv"), spec.score_mod
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
@@ -310,11 +343,38 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         row_floats_chunks=bwd.block_q * 4 // 16, out_chunks=bwd.block_kv * chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
         mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
-        **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)))
+        **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)),
+        **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)))
 
 
 DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                       "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs")
+ATOMIC_DQ_NUMBERS = ("atomic_dq", "ds_offset", "ds_tile_bytes", "ds_atoms_per_row", "ds_row_group_bytes", "dq_tiles",
+                     "dq_key_split", "dq_n_tiles", "dq_key_steps", "dq_n_frags", "ds_barrier_threads")
+
+
+def atomic_dq_numbers(spec: AttentionSpec, ds_offset: int) -> dict[str, int]:
+    """dS^T as wgmma's MN-major A of dQ = dS.K: keys are its k16 steps (rows of the buffer),
+    queries its M (64-wide swizzle atoms side by side, as a tile's head_dim)."""
+    bwd = spec.backward
+    atoms, n_tiles = bwd.block_q // SWIZZLE_ATOM_ELEMS, spec.head_dim // SWIZZLE_ATOM_ELEMS
+    tiles = atoms * n_tiles
+    warpgroups = bwd.warps // WARPGROUP_WARPS
+    key_split = warpgroups // tiles
+    return {
+        "atomic_dq": True,
+        "ds_offset": ds_offset,
+        "ds_tile_bytes": bwd.block_kv * bwd.block_q * ELEMENT_BYTES,
+        "ds_atoms_per_row": atoms,
+        "ds_row_group_bytes": atoms * SWIZZLE_ATOM_BYTES,
+        "dq_tiles": tiles,
+        "dq_key_split": key_split,
+        "dq_n_tiles": n_tiles,
+        "dq_key_steps": bwd.block_kv // key_split // MMA_K,
+        "dq_n_frags": SWIZZLE_ATOM_ELEMS // MMA_N,
+        # a warpgroup that owns its share of the keys reads only the dS^T rows it wrote
+        "ds_barrier_threads": 32 * (WARPGROUP_WARPS if key_split == warpgroups else bwd.warps),
+    }
 
 
 def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:

@@ -91,6 +91,15 @@ def empty_like(ref: DeviceTensor, shape, dtype: str):
     return cupy.empty(shape, dtype=ref.obj.dtype if dtype == ref.dtype else dtype)
 
 
+def zeros_like(ref: DeviceTensor, shape, dtype: str):
+    """A zeroed array of `ref`'s framework and device (the memset on its current stream)."""
+    if ref.kind == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=ref.obj.device)
+    return cupy.zeros(shape, dtype=dtype)
+
+
 def stream_for(ref: DeviceTensor):
     """The stream work on `ref` goes to: PyTorch's current stream for its tensors, else CuPy's."""
     if ref.kind == "torch":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fagen.load import SPECS, load_spec
-from fagen.backward_plan import backward_plan
+from fagen.backward_plan import backward_plan, kernel_symbols
 from fagen.plan import plan
 from fagen.render import render, render_backward
 from fagen.spec import HEAD_DIMS, SMEM_PER_BLOCK, AttentionSpec, Mask, ScoreMod
@@ -98,9 +98,6 @@ def compile_offline(spec: AttentionSpec, arch: str) -> Resources:
                      int(smem[1]) if smem else 0, log)
 
 
-BACKWARD_KERNELS = ("preprocess", "dkdv", "dq")
-
-
 def backward_arch(spec: AttentionSpec) -> str:
     """What a spec's backward compiles for: its own arch, but an sm_90a spec whose backward runs
     the mma.sync main loops (head_dim 256) is an sm_90 build (as the runtime compiles it)."""
@@ -108,7 +105,7 @@ def backward_arch(spec: AttentionSpec) -> str:
 
 
 def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, Resources]:
-    """nvcc -Xptxas -v on a spec's backward file: each kernel's resources, by BACKWARD_KERNELS."""
+    """nvcc -Xptxas -v on a spec's backward file: each kernel's resources, by role (kernel_symbols)."""
     arch = arch or backward_arch(spec)
     plan_ = backward_plan(spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,8 +118,7 @@ def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, 
     if run.returncode:
         raise RuntimeError(f"nvcc failed on {spec.name}'s backward for {arch}:\n{log}")
     entries = _parse_entries(log)
-    symbols = {"preprocess": plan_.preprocess_symbol, "dkdv": plan_.dkdv_symbol, "dq": plan_.dq_symbol}
-    return {name: _resources(arch, entries[symbol][1], symbol) for name, symbol in symbols.items()}
+    return {name: _resources(arch, entries[symbol][1], symbol) for name, symbol in kernel_symbols(plan_).items()}
 
 
 def compile_backward_many(builds: list[tuple[AttentionSpec, str | None]], jobs: int | None = None

@@ -248,8 +248,11 @@ class Outputs(_Frozen):
 class Backward(_Frozen):
     """The backward kernels (training), rendered beside the forward: a KV-major kernel owning
     block_kv keys of one KV head accumulates dK and dV in registers over the query tiles (of every
-    query head of its group) that see them; a Q-major kernel accumulates dQ over the KV tiles, as
-    the forward does. Neither adds across blocks, so gradients are bitwise deterministic."""
+    query head of its group) that see them. dQ: with deterministic, a Q-major kernel accumulates
+    it over the KV tiles, as the forward does, and no block adds into another's output (bitwise
+    identical gradients, at the price of S and dP computed twice); without, on sm_90a's wgmma
+    loop, the KV-major kernel adds each step's dS.K into a float32 dQ with atomics (5 products a
+    tile pair, not 7; the order of the adds varies run to run)."""
 
     block_kv: int = 128  # dK/dV kernel: keys a block owns, the rows of its S^T
     block_q: int = 64  # ... queries per step of its loop
@@ -261,6 +264,8 @@ class Backward(_Frozen):
     dq_block_q: int = 64  # dQ kernel: query rows a block owns
     dq_block_kv: int = 64  # ... keys per KV tile
     dq_warps: int = 4
+    # false: atomic dQ where the kernels have it (sm_90a up to head_dim 128), else the dQ kernel
+    deterministic: bool = False
 
     @field_validator("warps", "dq_warps")
     @classmethod
@@ -412,6 +417,17 @@ class AttentionSpec(_Frozen):
             raise ValueError(rule(
                 "backward.stages", bwd.stages, f"must be 2 or 3 on sm_90a with head_dim {self.head_dim} (each step "
                 "of the wgmma dK/dV loop refills the slot the step before it used)", "use stages: 2"))
+        if self.atomic_dq:  # the warpgroups share a step's dQ tiles (block_q x head_dim, m64n64 each) out
+            warpgroups = bwd.warps // WARPGROUP_WARPS
+            tiles = bwd.block_q // WARPGROUP_ROWS * (self.head_dim // SWIZZLE_ATOM_ELEMS)
+            if bwd.block_q % WARPGROUP_ROWS or warpgroups % tiles:
+                fits = [q for q in (64, 128) if warpgroups % (q // WARPGROUP_ROWS * (self.head_dim // SWIZZLE_ATOM_ELEMS)) == 0]
+                raise ValueError(rule(
+                    "backward.block_q", bwd.block_q, f"with deterministic: false each of the {warpgroups} "
+                    f"warpgroup(s) adds one 64 x 64 tile of a step's dQ (block_q x head_dim {self.head_dim}), over "
+                    "all the block's keys or an equal share of them: the tiles must divide the warpgroups",
+                    f"use {' or '.join(f'block_q: {q}' for q in fits) or 'warps: 8 and block_kv: 128'}, or "
+                    "deterministic: true"))
         if self.wgmma_backward and (bwd.dq_warps % WARPGROUP_WARPS or bwd.dq_block_q != bwd.dq_warps * MMA_M):
             raise ValueError(rule(
                 "backward", f"dq_block_q {bwd.dq_block_q}, dq_warps {bwd.dq_warps}",
@@ -419,6 +435,12 @@ class AttentionSpec(_Frozen):
                 "8), each owning 64 query rows (dq_block_q = 16 * dq_warps)",
                 "use dq_block_q: 64, dq_warps: 4 (or dq_block_q: 128, dq_warps: 8)"))
         return self
+
+    @property
+    def atomic_dq(self) -> bool:
+        """dQ accumulates in the dK/dV kernel with float32 atomics (backward.deterministic false,
+        on the wgmma loop); else a Q-major kernel of its own computes it."""
+        return self.wgmma_backward and not self.backward.deterministic
 
     @property
     def wgmma_backward(self) -> bool:

@@ -61,16 +61,16 @@ def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict):
 @torch.library.custom_op("fagen::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
-                      softcap: Optional[float], scale: Optional[float]) -> tuple[Tensor, Tensor]:
+                      softcap: Optional[float], scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
-    kernel for these arguments."""
+    kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
     kernel = runtime.compile_kernel(_spec(q, mask, causal, softcap, side))
     return kernel(q, k, v, scale=scale, return_lse=True, **side)
 
 
 @attention_forward.register_fake
-def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale):
+def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic):
     b, hq, nq, d = q.shape
     return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -79,29 +79,35 @@ def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale)
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        bias: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                        doc_ids: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
-                       scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks) of sum(out * dout) for the forward that gave out and lse from the
-    same arguments; dsinks is [Hq] float32, zeros without sinks (an op cannot return None)."""
+    same arguments; dsinks is [Hq] float32, zeros without sinks (an op cannot return None).
+    deterministic, or torch.use_deterministic_algorithms(True): no atomics (bitwise repeatable)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    spec = variants.trainable(_spec(q, mask, causal, softcap, side))
+    spec = variants.trainable(_spec(q, mask, causal, softcap, side), _deterministic(deterministic))
     grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)
     dsinks = grads.dsinks if sinks is not None else torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     return grads.dq, grads.dk, grads.dv, dsinks
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale):
+def _(dout, q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape[1], dtype=torch.float32)
 
 
+def _deterministic(asked: bool) -> bool:
+    """Asked for, or PyTorch's global switch on (as its own kernels honour it)."""
+    return asked or torch.are_deterministic_algorithms_enabled()
+
+
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale = inputs
+    q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic = inputs
     out, lse = output
     # d loss / d lse would change every row's D in the kernels: not supported, and said so by
     # lse.requires_grad being False rather than by a silently missing term
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids)
-    ctx.statics = (mask, causal, softcap, scale)
+    ctx.statics = (mask, causal, softcap, scale, deterministic)
 
 
 def _backward(ctx, dout, _dlse):
@@ -113,7 +119,7 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv, dsinks = torch.ops.fagen.attention_backward(dout, q, k, v, out, lse, bias, alibi_slopes, sinks,
                                                            doc_ids, *ctx.statics)
     # alibi_slopes and doc_ids get none: slopes are fixed by design, ids are integers
-    return dq, dk, dv, None, None, dsinks if ctx.needs_input_grad[5] else None, None, None, None, None, None
+    return dq, dk, dv, None, None, dsinks if ctx.needs_input_grad[5] else None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
@@ -124,27 +130,30 @@ class _BlockMaskAttention(torch.autograd.Function):
     the same kernels run eagerly (torch.compile breaks the graph here), on torch's stream."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, block_mask, causal, mask, softcap, scale, side):
+    def forward(ctx, q, k, v, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
         spec = runtime.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, **side)
         out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.block_mask, ctx.scale, ctx.side = spec, block_mask, scale, side
+        ctx.spec, ctx.block_mask, ctx.scale, ctx.side, ctx.deterministic = spec, block_mask, scale, side, deterministic
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = backward.compile_backward(variants.trainable(ctx.spec))(
+        grads = backward.compile_backward(variants.trainable(ctx.spec, _deterministic(ctx.deterministic)))(
             dout.contiguous(), q, k, v, out, lse, scale=ctx.scale, block_mask=ctx.block_mask, **ctx.side)
-        return grads.dq, grads.dk, grads.dv, grads.dsinks if ctx.needs_input_grad[3] else None, *[None] * 6
+        return grads.dq, grads.dk, grads.dv, grads.dsinks if ctx.needs_input_grad[3] else None, *[None] * 7
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
-              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
+              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+              deterministic: bool = False):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
-    so it cannot enter an op: its gradients come from an eager autograd.Function instead."""
+    so it cannot enter an op: its gradients come from an eager autograd.Function instead.
+    deterministic (as FlashAttention's; or torch.use_deterministic_algorithms(True)): a backward
+    without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a)."""
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
@@ -154,8 +163,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
             return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
                                      return_lse=return_lse, block_mask=block_mask, **side)
-        out, lse = _BlockMaskAttention.apply(q, k, v, sinks, block_mask, causal, mask, softcap, scale, side)
+        out, lse = _BlockMaskAttention.apply(q, k, v, sinks, block_mask, causal, mask, softcap, scale, deterministic,
+                                             side)
         return (out, lse) if return_lse else out
     out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask_json(mask), causal,
-                                                 softcap, scale)
+                                                 softcap, scale, deterministic)
     return (out, lse) if return_lse else out

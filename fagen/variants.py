@@ -101,29 +101,38 @@ BACKWARD_TILINGS = {
 BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32})
-# sm_90a up to head_dim 128 (the wgmma dK/dV kernel): two warpgroups of 64 keys; head_dim 64
-# takes 128 queries a step (S^T as m64n128 wgmmas: 15% faster than 64 on the H100, notes/perf.md).
-# Its registers shrink with the queries a step only.
+# sm_90a up to head_dim 128 (the wgmma dK/dV kernel): two warpgroups of 64 keys, dQ by atomics
+# (backward.deterministic false); head_dim 64 takes 128 queries a step (S^T as m64n128 wgmmas:
+# 15-40% faster than 64 on the H100, notes/perf.md). Where a mask or modifiers push that over the
+# registers: 64 queries, then the dQ kernel instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128}, 128: {}}
-WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
-                            {"block_q": 16, "dq_block_kv": 32})
+WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
+                            {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
+                            {"deterministic": True, "block_q": 16, "dq_block_kv": 32})
 
 
 @cache
-def trainable(spec: AttentionSpec) -> AttentionSpec:
+def trainable(spec: AttentionSpec, deterministic: bool = False) -> AttentionSpec:
     """`spec` with a backward: section (its own, or the tiling BACKWARD_TILINGS gives its
-    head_dim), named <name>_bwd: what fagen.attention runs when gradients are wanted."""
+    head_dim), named <name>_bwd: what fagen.attention runs when gradients are wanted.
+    deterministic: the dQ kernel rather than atomics (<name>_bwd_det on sm_90a, where it differs)."""
+    if spec.backward is not None and deterministic and spec.atomic_dq:  # its tiling, with the dQ kernel
+        return parse_spec({**spec.model_dump(), "name": f"{spec.name}_det",
+                           "backward": {**spec.backward.model_dump(), "deterministic": True}}, f"trainable {spec.name}")
     if spec.backward is not None:
         return spec
-    data = {**spec.model_dump(), "name": f"{spec.name}_bwd"}
     wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
-    base = (WGMMA_BACKWARD_TILINGS if wgmma else BACKWARD_TILINGS)[spec.head_dim]
-    try:
-        return parse_spec({**data, "backward": base}, f"trainable {spec.name}")
-    except SpecError as refused:
-        for change in WGMMA_BACKWARD_FALLBACKS if wgmma else BACKWARD_FALLBACKS:
-            try:
-                return parse_spec({**data, "backward": {**base, **change}}, f"trainable {spec.name}")
-            except SpecError:
-                pass
-        raise refused
+    data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if wgmma and deterministic else ''}"}
+    if wgmma:  # whole tilings, in order
+        tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
+        tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
+    else:  # changes to the head_dim's tiling, which is deterministic anyway
+        base = BACKWARD_TILINGS[spec.head_dim]
+        tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]
+    refused = None
+    for tiling in tilings:
+        try:
+            return parse_spec({**data, "backward": tiling}, f"trainable {spec.name}")
+        except SpecError as error:
+            refused = refused or error
+    raise refused

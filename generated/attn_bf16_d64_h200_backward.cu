@@ -2,14 +2,15 @@
 // `fagen render specs/attn_bf16_d64_h200.yaml` (or the templates, for every kernel at once).
 //
 // attn_bf16_d64_h200: FlashAttention-2 backward (recompute P from the forward's LSE), wgmma.m64nNk16
-// from 128-byte-swizzled smem + cp.async + mbarriers (sm_90a). dK and dV in one KV-major
-// kernel, dQ in a Q-major one: no block adds into another's output, so gradients are bitwise
-// deterministic.
+// from 128-byte-swizzled smem + cp.async + mbarriers (sm_90a). One KV-major kernel: dK and dV
+// in registers, dQ added into an f32 accumulator with atomics (the order of the adds, so the
+// last bits of dQ, vary run to run: backward.deterministic: true for the dQ kernel instead).
 // spec:
 //   arch: sm_90a
 //   backward:
 //     block_kv: 128
 //     block_q: 128
+//     deterministic: false
 //     dq_block_kv: 64
 //     dq_block_q: 64
 //     dq_warps: 4
@@ -200,6 +201,25 @@ constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next at
 constexpr int Q_STEP_BYTES = 2048;      // a k16 step of dV and dK: 16 queries, two row groups
 constexpr int WARPGROUP_KEYS_BYTES = 8192;  // a warpgroup's 64 rows of the K (and V) tile
 constexpr int MBARRIER_BYTES = 8;      // the Q/dO ring's landed and freed barriers follow it
+// Atomic dQ: each step's dS^T goes to smem (two buffers, so a warpgroup may write step t + 1's
+// while another still reads step t's), keys as rows and the queries in 64-wide swizzle atoms;
+// then warpgroup w adds tile i = w % DQ_TILES of the step's dQ = dS.K (query rows 64 (i /
+// DQ_N_TILES), columns 64 (i % DQ_N_TILES)) over share w / DQ_TILES of the keys, K's columns
+// read as the forward reads V. A warpgroup that owns its share of keys (DQ_KEY_SPLIT equal to
+// the warpgroups) reads only the rows it wrote, and waits for no other.
+constexpr int DS_OFFSET = 101376;         // bytes from the smem base to buffer 0
+constexpr int DS_TILE_BYTES = 32768;      // one buffer: BLOCK_KV x BLOCK_Q
+constexpr int DS_ATOMS_PER_ROW = 2;      // 64-query swizzle atoms across a row
+constexpr int DS_ROW_GROUP_BYTES = 2048;  // 8 keys: the stride byte offset of the MN-major A
+constexpr int DQ_TILES = 2;              // m64n64 tiles of a step's dQ
+constexpr int DQ_KEY_SPLIT = 1;          // shares of the keys (warpgroups / DQ_TILES)
+constexpr int DQ_N_TILES = 1;            // tiles across head_dim
+constexpr int DQ_KEY_STEPS = 8;          // k16 steps of a tile over its share of the keys
+constexpr int DQ_N_FRAGS = 8;            // n8 fragments of a 64-column tile
+// dS^T is in smem for every warpgroup that reads it: a named barrier over all of them, or one
+// per warpgroup (ids NAMED_BARRIER_DS + w) where each reads only its own keys
+constexpr int NAMED_BARRIER_DS = 1;    // 0 is __syncthreads
+constexpr int DS_BARRIER_THREADS = 256;
 
 // ---- shared-memory tiles ---------------------------------------------------------------
 // wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
@@ -370,6 +390,70 @@ __device__ __forceinline__ void issue_keys_dims(float (&acc)[D_N_FRAGS][4], cons
 #pragma unroll
   for (int ks = 0; ks < Q_K_STEPS; ++ks) wgmma_keys_dims(acc, a[ks], b + ((ks * Q_STEP_BYTES) >> DESC_UNIT_SHIFT));
   wgmma_commit();
+}
+
+constexpr int WGMMA_TRANS_DS = 1;  // imm-trans-a of dQ = dS.K: dS^T in smem, keys as rows, is MN-major
+constexpr int WGMMA_TRANS_KN = 1;  // imm-trans-b: row-major K, keys as rows, is MN-major (as the forward's V)
+
+// A warpgroup's 64 x 64 tile of dQ (+)= dS.K over one k16 step of the keys: A = 16 rows of
+// dS^T, B = 16 rows of K (64 columns), both from smem, transposed on load.
+__device__ __forceinline__ void wgmma_dq(float (&d)[DQ_N_FRAGS][4], unsigned long long a, unsigned long long b,
+                                         int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { "
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, "
+      "%32, %33, p, %35, %36, %37, %38;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a), "l"(b), "r"(accumulate), "n"(WGMMA_SCALE_A), "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_DS),
+        "n"(WGMMA_TRANS_KN));
+}
+
+// dQ tile = dS.K over the block's keys, one wgmma group: `ds` is the tile's 64 queries (one atom
+// column) of the dS^T buffer, `k_cols` its 64 columns (one atom column) of the K tile.
+__device__ __forceinline__ void issue_dq(float (&acc)[DQ_N_FRAGS][4], unsigned ds, unsigned k_cols) {
+  const unsigned long long a = smem_desc(ds, ATOM_BYTES, DS_ROW_GROUP_BYTES);
+  const unsigned long long b = smem_desc(k_cols, ATOM_BYTES, ROW_GROUP_BYTES);
+#pragma unroll
+  for (int ks = 0; ks < DQ_KEY_STEPS; ++ks)  // 16 keys: two row groups of either tile
+    wgmma_dq(acc, a + ((2 * ks * DS_ROW_GROUP_BYTES) >> DESC_UNIT_SHIFT), b + ((ks * Q_STEP_BYTES) >> DESC_UNIT_SHIFT),
+             ks > 0);
+  wgmma_commit();
+}
+
+// dS^T's byte offset in a buffer: as smem_offset, over rows of DS_ATOMS_PER_ROW atoms.
+__device__ __forceinline__ int ds_offset(int key, int query) {  // query: a multiple of 8
+  return (((key >> 3) * DS_ATOMS_PER_ROW + (query >> 6)) * ATOM_ELEMS + (key & 7) * 64 +
+          ((((query >> 3) & 7) ^ (key & 7)) << 3)) * ELEM_BYTES;
+}
+
+// Stores this thread's packed dS^T pairs (keys g, g + 8 of its warp's 16; queries 2c, 2c + 1
+// of each n8 fragment) at their swizzled places in a dS^T buffer.
+__device__ __forceinline__ void store_ds(unsigned buffer, const unsigned (&ds)[Q_K_STEPS][4], int warp_row0, int lane) {
+  const int key = warp_row0 + (lane >> 2), pair = 4 * (lane & 3);
+#pragma unroll
+  for (int ks = 0; ks < Q_K_STEPS; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)  // the A fragment's registers: key + 8 (r & 1), queries + 8 (r >> 1)
+      asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(buffer + ds_offset(key + 8 * (r & 1), 16 * ks + 8 * (r >> 1)) + pair),
+                   "r"(ds[ks][r]) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Two f32 added to consecutive addresses in global memory (sm_90's vector reduction).
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };\n" :: "l"(p), "f"(a), "f"(b) : "memory");
 }
 
 // Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
@@ -553,7 +637,8 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
   }
 }
 
-// Grid: x = batch * KV head, y = KV block (under a causal mask the first blocks see the most
+// Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
+// and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
 // queries, and run first). q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv,
 // head_dim]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. The block's keys are seen by
 // the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
@@ -567,6 +652,7 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     const float* __restrict__ lse2,
     elem_t* __restrict__ dk,
     elem_t* __restrict__ dv,
+    float* __restrict__ dq_accum,
     int n_q,
     int n_kv,
     int mask_offset,
@@ -599,8 +685,8 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
-  const int b = blockIdx.x / heads_kv, h_kv = blockIdx.x % heads_kv;
-  const int kv0 = blockIdx.y * BLOCK_KV;
+  const int b = blockIdx.y / heads_kv, h_kv = blockIdx.y % heads_kv;
+  const int kv0 = blockIdx.x * BLOCK_KV;
   const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS, warp_kv0 = kv0 + warp_row0;
 
   k += b * k_sb + h_kv * k_sh;
@@ -628,6 +714,14 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
   const int warpgroup = warp / WARPGROUP_WARPS;
   const unsigned k_rows = k_tile + warpgroup * WARPGROUP_KEYS_BYTES, v_rows = v_tile + warpgroup * WARPGROUP_KEYS_BYTES;
+  // The warpgroup's tile of each step's dQ: its queries (an atom column of dS^T), columns (an
+  // atom column of K) and share of the keys, and the thread's place in the tile (the
+  // accumulator layout: row g, column 2c).
+  const int dq_tile = warpgroup % DQ_TILES, dq_keys = warpgroup / DQ_TILES * (BLOCK_KV / DQ_KEY_SPLIT);
+  const unsigned ds_reads = k_tile + DS_OFFSET + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
+  const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
+  const int dq_thread_row = (dq_tile / DQ_N_TILES) * 64 + (warp % WARPGROUP_WARPS) * 16 + (lane >> 2);
+  const int dq_thread_col = (dq_tile % DQ_N_TILES) * 64 + 2 * (lane & 3);
   for (int t = 0; t < steps; ++t) {
     const int head = mask.step_head(t);  // the group's query head ...
     const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
@@ -673,11 +767,30 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     pack_a(dp, ds);
     wgmma_fence();
     issue_keys_dims(dv_acc[0], p[0], do_tile);
+    // dQ = dS.K between them: dS^T to this step's buffer (dV runs meanwhile), where the rows a
+    // warpgroup's tile reads are after the barrier; then the tile's MMAs, and its adds into
+    // the f32 accumulator while dK runs, once P^T has died. Rows past n_q land in the padding,
+    // never read.
+    store_ds(k_tile + DS_OFFSET + (t & 1) * DS_TILE_BYTES, ds[0], warp_row0, lane);
+    fence_async_smem();
+    named_barrier_sync(NAMED_BARRIER_DS + (DS_BARRIER_THREADS == THREADS ? 0 : warpgroup), DS_BARRIER_THREADS);
+    float dq_acc[DQ_N_FRAGS][4];
+    wgmma_fence();
+    issue_dq(dq_acc, ds_reads + (t & 1) * DS_TILE_BYTES, k_cols);
     issue_keys_dims(dk_acc[0], ds[0], q_tile);
-    wgmma_wait<0>();
+    wgmma_wait<1>();  // dV and dQ are done
     pin_registers(p[0]);
-    pin_registers(ds[0]);
     pin_registers(dv_acc[0]);
+    pin_registers(dq_acc);
+    float* dq_rows = dq_accum + ((long long)(b * heads_q + h) * n_pad + q0 + dq_thread_row) * (DQ_N_TILES * 64) +
+                     dq_thread_col;
+#pragma unroll
+    for (int n = 0; n < DQ_N_FRAGS; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        red_add2(dq_rows + hh * 8 * (DQ_N_TILES * 64) + n * 8, dq_acc[n][2 * hh], dq_acc[n][2 * hh + 1]);
+    wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
+    pin_registers(ds[0]);
     pin_registers(dk_acc[0]);
     pipe.release(t);
   }
@@ -716,483 +829,31 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
 }
 }  // namespace dkdv
 
-// ---- dQ --------------------------------------------------------------------------------
-namespace dq {
-// ---- compile-time configuration (every number the kernel uses, once) -------------------
-typedef unsigned short elem_t;  // bfloat16 storage; all arithmetic is in f32 registers
-struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
-typedef elem_t out_t;
-constexpr int BLOCK_Q = 64;            // Br: query rows per block
-constexpr int BLOCK_KV = 64;           // Bc: keys per KV tile
+// ---- postprocess -----------------------------------------------------------------------
+namespace postprocess {
 constexpr int THREADS = 128;
-constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
-constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
-constexpr int S_N_FRAGS = 8;           // n8 fragments of S per warp (keys)
-constexpr int O_N_FRAGS = 8;           // n8 fragments of O per warp (head_dim)
-constexpr int QK_K_STEPS = 4;          // k16 steps of Q.K^T over head_dim
-constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
-constexpr int CHUNKS_PER_ROW = 8;      // 16-byte chunks in a head_dim row
-constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
-constexpr int OUT_CHUNKS_PER_WARP = 128;  // 16-byte chunks of a warp's rows of O
-constexpr int ELEM_BYTES = 2;
-constexpr int Q_TILE_ELEMS = 4096;
-constexpr int KV_TILE_BYTES = 8192;     // one KV tile: the stride between ring slots
-#define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
+constexpr int CHUNKS_PER_ROW = 8;  // 16-byte chunks of dQ in a head_dim row
 
-// wgmma main loop: tiles of 128-byte swizzle atoms, K and V rings of KV_STAGES tiles each.
-constexpr int SMEM_ALIGN = 1024;        // bytes: swizzle atoms start 1024-byte aligned
-constexpr int KV_STAGES = 2;            // K tiles (and V tiles) in the ring
-constexpr int ATOMS_PER_ROW = 1;        // 128-byte swizzle atoms across head_dim
-constexpr int ATOM_ELEMS = 512;        // one atom: 8 rows of 64 elements
-constexpr int ATOM_BYTES = 1024;
-constexpr int ROW_GROUP_BYTES = 1024;  // 8 rows of a tile: wgmma's stride byte offset
-constexpr int K_STEP_BYTES = 32;        // a k16 step of Q.K^T along an atom's rows ...
-constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom
-constexpr int V_STEP_BYTES = 2048;      // a k16 step of P.V: 16 keys, two row groups
-constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 rows)
-constexpr int WARPGROUP_Q_BYTES = 8192;  // a warpgroup's 64 rows of the Q tile
-constexpr int KV_RING_BYTES = 16384;   // K's ring; V's follows, then the mbarriers
-constexpr int MBARRIER_BYTES = 8;
-
-// Warpgroup MMAs run asynchronously: wgmma.fence orders earlier register writes (accumulators,
-// A fragments) before them, commit/wait track them in groups, and the compiler must not touch
-// the accumulators in between (pin_registers).
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
-// cp.async writes through the generic proxy, wgmma reads through the async proxy.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void pin_registers(float (&d)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e]) :: "memory");
-}
-
-// mbarriers in shared memory signal "this KV stage has landed" and "every thread is done with
-// it", so warpgroups never wait for each other as a whole block.
-__device__ __forceinline__ void mbarrier_init(unsigned bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" :: "r"(bar) : "memory");
-}
-// Arrives once every cp.async this thread issued so far has landed (noinc: the arrival is one
-// of the count the barrier was initialised with).
-__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(unsigned bar, int parity) {
-  asm volatile("{\n.reg .pred done;\nwait:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-               "@!done bra wait;\n}\n" :: "r"(bar), "r"(parity) : "memory");
-}
-
-// Shared-memory matrix descriptor, 64 bits: start address, leading and stride byte offsets,
-// each in 16-byte units, and the swizzle mode. Adding n to a descriptor moves its start by 16n bytes.
-constexpr int DESC_UNIT_SHIFT = 4;                         // fields count 16-byte units
-constexpr unsigned DESC_ADDR_MASK = 0x3FFFF;               // bits 0-13: address bits 4-17 (all of smem)
-constexpr int DESC_LEAD_SHIFT = 16;                        // bits 16-29: leading byte offset
-constexpr int DESC_STRIDE_SHIFT = 32;                      // bits 32-45: stride byte offset
-constexpr unsigned long long DESC_SWIZZLE_128B = 1ull << 62;  // bits 62-63 = 1: the 128-byte swizzle
-// K-major operands under the 128-byte swizzle do not use the leading byte offset: one unit.
-constexpr unsigned KMAJOR_LEAD_BYTES = 16;
-__device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lead_bytes, unsigned stride_bytes) {
-  return (unsigned long long)((addr & DESC_ADDR_MASK) >> DESC_UNIT_SHIFT) |
-         (unsigned long long)(lead_bytes >> DESC_UNIT_SHIFT) << DESC_LEAD_SHIFT |
-         (unsigned long long)(stride_bytes >> DESC_UNIT_SHIFT) << DESC_STRIDE_SHIFT | DESC_SWIZZLE_128B;
-}
-
-// wgmma's immediate operands after scale-d (the predicate: 0 writes D = A.B, 1 adds to D):
-constexpr int WGMMA_SCALE_A = 1;     // imm-scale-a: A as is (-1 would negate it)
-constexpr int WGMMA_SCALE_B = 1;     // imm-scale-b: B as is
-constexpr int WGMMA_TRANS_A = 0;     // imm-trans-a: an A from smem (Q; K or V) is K-major, no transpose
-constexpr int WGMMA_TRANS_K = 0;     // imm-trans-b of Q.K^T: row-major K is the K-major B wgmma wants
-constexpr int WGMMA_TRANS_V = 1;     // imm-trans-b of P.V: row-major V is MN-major, transposed on load
-constexpr int WGMMA_ACCUMULATE = 1;  // scale-d of P.V: O always accumulates
-
-// S (+)= Q.K^T over one k16 step, one warpgroup: A = 64 rows of Q, B = K, both from shared
-// memory. accumulate = 0 starts S from zero.
-__device__ __forceinline__ void wgmma_qk(float (&d)[S_N_FRAGS][4], unsigned long long a, unsigned long long b,
-                                         int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { "
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, "
-      "%32, %33, p, %35, %36, %37, %38;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(a), "l"(b), "r"(accumulate), "n"(WGMMA_SCALE_A), "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_A),
-        "n"(WGMMA_TRANS_K));
-}
-
-// O += P.V over one k16 step (16 keys), one warpgroup: A = P from registers (the S accumulator
-// layout, packed to bfloat16 pairs), B = V from shared memory.
-__device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigned (&a)[4], unsigned long long b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { "
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31 }, "
-      "{ %32, %33, %34, %35 }, %36, p, %38, %39, %40;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(WGMMA_ACCUMULATE), "n"(WGMMA_SCALE_A),
-        "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_V));
-}
-
-// O += P.V over a V tile, committed as one wgmma group. V's 64-column atoms are ATOM_BYTES
-// apart (the leading byte offset), its 8-key groups ROW_GROUP_BYTES (the stride byte offset).
-__device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
-  const unsigned long long v_desc = smem_desc(v_tile, ATOM_BYTES, ROW_GROUP_BYTES);
-#pragma unroll
-  for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((ks * V_STEP_BYTES) >> DESC_UNIT_SHIFT));
-  wgmma_commit();
-}
-
-// Packed A fragments a wgmma reads from registers are pinned like its accumulators: live, and
-// untouched, until the wait that covers it.
-template <int N>
-__device__ __forceinline__ void pin_registers(unsigned (&a)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[n][e]) :: "memory");
-}
-
-// ---- shared-memory tiles ---------------------------------------------------------------
-// wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
-// elements, 1024 bytes each, head_dim's 64-element blocks side by side); within an atom the
-// 16-byte chunk index is XORed with row % 8, the pattern wgmma's descriptors decode.
-__device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multiple of 8
-  return ((row >> 3) * ATOMS_PER_ROW + (col >> 6)) * ATOM_ELEMS + (row & 7) * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3);
-}
-
-// Two n8 accumulator fragments (columns 0-7 and 8-15 of a k16 step) as one bfloat16 A fragment:
-// the mma.sync accumulator layout is already the A layout, pair by pair.
-__device__ __forceinline__ void pack_fragment(const float (&lo)[4], const float (&hi)[4], unsigned (&a)[4]) {
-  a[0] = pack2(lo[0], lo[1]);
-  a[1] = pack2(lo[2], lo[3]);
-  a[2] = pack2(hi[0], hi[1]);
-  a[3] = pack2(hi[2], hi[3]);
-}
-
-// An f32 accumulator tile of this warp (F x 2 K_STEPS n8 fragments) as A fragments of K_STEPS k16 steps.
-template <int F, int K_STEPS>
-__device__ __forceinline__ void pack_a(const float (&x)[F][2 * K_STEPS][4], unsigned (&a)[F][K_STEPS][4]) {
-#pragma unroll
-  for (int f = 0; f < F; ++f)
-#pragma unroll
-    for (int ks = 0; ks < K_STEPS; ++ks) pack_fragment(x[f][2 * ks], x[f][2 * ks + 1], a[f][ks]);
-}
-
-// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
-// a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
-template <int ROWS>
-__device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
-                                                long long stride, int row0, int n, int tid) {
-  // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
-  // of a 64-bit multiply, and far fewer live registers.
-  const int col = (tid % CHUNKS_PER_ROW) * 8;
-  int row = tid / CHUNKS_PER_ROW;
-  const elem_t* g = src + (long long)(row0 + row) * stride + col;
-#pragma unroll
-  for (int pass = 0; pass < (ROWS + COPY_ROWS_PER_PASS - 1) / COPY_ROWS_PER_PASS; ++pass) {
-    if (ROWS % COPY_ROWS_PER_PASS == 0 || row < ROWS) {
-      const bool in_range = row0 + row < n;
-      cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? g : src, in_range);
-    }
-    row += COPY_ROWS_PER_PASS;
-    g += COPY_ROWS_PER_PASS * stride;
-  }
-}
-
-// ---- mask: none ----------------------------------------------------
-// Which KV tiles a query tile visits, which of them need a per-element test, and the test.
-// The diagonal: query q faces key q + offset. The runtime passes offset: n_kv - n_q aligned
-// bottom right, 0 top left, shifted by the positions of a shard's first query and key when
-// attention is split across devices (bottom_right here).
-// Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
-
-struct Mask {
-  int n_kv;
-  int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
-
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
-    n_kv = n_kv_;
-    int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
-    first = lo / BLOCK_KV;
-    count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
-  }
-
-  __device__ __forceinline__ int kv_tile(int i) const { return first + i; }
-
-  // Rows [r0, r1] of a warp against tile i (keys [kv0, kv0 + BLOCK_KV)): true unless every
-  // pair is known to count.
-  __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
-    const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
-    bool full = true;
-    return !full || k1 >= n_kv;
-  }
-
-  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
-    bool active = kv_idx < n_kv;
-    return active;
-  }
-};
-
-// ---- KV pipeline -----------------------------------------------------------------------
-// K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in stage j % KV_STAGES).
-// Load group g carries K_g and V_g (group 0: Q, dO and tile 0), exactly what step g of the dQ
-// loop consumes: S_g = Q.K_g^T, dP_g = dO.V_g^T, dQ += dS_g.K_g.
-// Every thread copies a share of each group and its cp.async arrivals complete the stage's
-// `landed` mbarrier; after step g each thread arrives on `freed`, and group g + KV_STAGES
-// waits for that before refilling the stage. No block-wide barrier: a warpgroup runs ahead of
-// the other by up to a stage.
-struct KvPipeline {
-  unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
-  unsigned landed, freed;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
-  const elem_t* k;
-  const elem_t* v;
-  long long k_stride, v_stride;
-  int n_kv, tiles, tid;
-
-  // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
-  __device__ __forceinline__ KvPipeline(unsigned ring, const elem_t* k_, const elem_t* v_, long long k_stride_,
-                                        long long v_stride_, int n_kv_, int tiles_, int tid_)
-      : k_ring(ring), v_ring(ring + KV_RING_BYTES), landed(v_ring + KV_RING_BYTES),
-        freed(landed + KV_STAGES * MBARRIER_BYTES), k(k_), v(v_), k_stride(k_stride_), v_stride(v_stride_),
-        n_kv(n_kv_), tiles(tiles_), tid(tid_) {}
-
-  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
-  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
-
-  // One thread sets the barriers up; the block syncs once before anyone uses them.
-  __device__ __forceinline__ void init() const {
-    if (tid == 0) {
-#pragma unroll
-      for (int s = 0; s < KV_STAGES; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, THREADS);
-        mbarrier_init(freed + MBARRIER_BYTES * s, THREADS);
-      }
-    }
-    __syncthreads();
-  }
-
-  __device__ __forceinline__ void issue(int g, const Mask& mask) const {
-    const int stage = g % KV_STAGES;
-    if (g >= KV_STAGES) mbarrier_wait(freed + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
-    if (g < tiles) copy_tile_async<BLOCK_KV>(k_slot(g), k, k_stride, mask.kv_tile(g) * BLOCK_KV, n_kv, tid);
-    if (g < tiles) copy_tile_async<BLOCK_KV>(v_slot(g), v, v_stride, mask.kv_tile(g) * BLOCK_KV, n_kv, tid);
-    cp_async_arrive(landed + MBARRIER_BYTES * stage);
-  }
-
-  __device__ __forceinline__ void prologue(const Mask& mask) const {
-#pragma unroll
-    for (int g = 0; g < KV_STAGES - 1; ++g) issue(g, mask);
-  }
-
-  // Group g is in smem for every thread, and visible to wgmma's async proxy.
-  __device__ __forceinline__ void wait(int g) const {
-    mbarrier_wait(landed + MBARRIER_BYTES * (g % KV_STAGES), (g / KV_STAGES) & 1);
-    fence_async_smem();
-  }
-
-  // This thread's MMAs reading group g are complete.
-  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(freed + MBARRIER_BYTES * (g % KV_STAGES)); }
-};
-
-// ---- scores ----------------------------------------------------------------------------
-// The mask on the tile's scores, in place: it tests elements only on tiles that cross one of
-// its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and keys 2t, 2t + 1
-// of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
-__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
-                                           Mask& mask, int j, int b, int h, int kv0, int warp_q0,
-                                           int warp_q_last, int lane) {
-  if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
-          const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
-        }
-  }
-}
-
-// Grid: x = batch * query head, y = query tile, heaviest first (as the forward). The block
-// owns the tile's Q and dO in smem and walks the mask's KV tiles; dq: [B, Hq, n_q, head_dim].
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-fagen_attn_bf16_d64_h200_bwd_dq(
-    const elem_t* __restrict__ q,
-    const elem_t* __restrict__ k,
-    const elem_t* __restrict__ v,
-    const elem_t* __restrict__ dout,
-    const float* __restrict__ delta,
-    const float* __restrict__ lse2,
+// dQ = scale * the dK/dV kernel's f32 accumulator [B, Hq, n_pad, head_dim], in bfloat16: one
+// 16-byte chunk (8 elements) a thread.
+extern "C" __global__ void __launch_bounds__(THREADS)
+fagen_attn_bf16_d64_h200_bwd_postprocess(
+    const float* __restrict__ dq_accum,
     elem_t* __restrict__ dq,
     int n_q,
-    int n_kv,
-    int mask_offset,
     int heads_q,
-    int group,
     int n_pad,
-    long long q_sb,
-    long long q_sh,
-    long long q_sn,
-    long long k_sb,
-    long long k_sh,
-    long long k_sn,
-    long long v_sb,
-    long long v_sh,
-    long long v_sn,
-    long long dout_sb,
-    long long dout_sh,
-    long long dout_sn,
+    float scale,
     long long dq_sb,
     long long dq_sh,
-    long long dq_sn,
-    float scale,
-    float scale_log2) {
-  static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
-  elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
-  elem_t* smem_q = smem;
-  const unsigned smem_q_u32 = smem_u32(smem_q), smem_do_u32 = smem_q_u32 + Q_TILE_ELEMS * ELEM_BYTES;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int b = blockIdx.x / heads_q, h = blockIdx.x % heads_q, h_kv = h / group;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
-  const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
-
-  q += b * q_sb + h * q_sh;
-  dout += b * dout_sb + h * dout_sh;
-  k += b * k_sb + h_kv * k_sh;
-  v += b * v_sb + h_kv * v_sh;
-
-  Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q0);
-  const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
-  const float to_log2 = scale_log2;
-  const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
-
-  // Phase 1: the Q and dO tiles join tile 0 in load group 0; groups up to KV_STAGES - 2 follow.
-  kv.init();
-  copy_tile_async<BLOCK_Q>(smem_q_u32, q, q_sn, q0, n_q, tid);
-  copy_tile_async<BLOCK_Q>(smem_do_u32, dout, dout_sn, q0, n_q, tid);
-  kv.prologue(mask);
-
-  // The thread's rows' LSE (log2 units) and D: rows g and g + 8 of each m16 fragment.
-  float lse_row[M_FRAGS][2], delta_row[M_FRAGS][2];
-  {
-    const long long row0 = ((long long)b * heads_q + h) * n_pad + warp_q0 + (lane >> 2);
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        lse_row[f][hh] = lse2[row0 + f * 16 + hh * 8];
-        delta_row[f][hh] = delta[row0 + f * 16 + hh * 8];
-      }
-  }
-  float dq_acc[M_FRAGS][O_N_FRAGS][4] = {};
-
-  // The warpgroup's 64 rows of the Q and dO tiles: wgmma's A of S and dP (as the forward's Q).
-  const int warpgroup = warp / WARPGROUP_WARPS;
-  const unsigned long long q_desc = smem_desc(smem_q_u32 + warpgroup * WARPGROUP_Q_BYTES, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
-  const unsigned long long do_desc = smem_desc(smem_do_u32 + warpgroup * WARPGROUP_Q_BYTES, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
-  for (int j = 0; j < kv_tiles; ++j) {
-    const int kv0 = mask.kv_tile(j) * BLOCK_KV;
-    kv.wait(j);  // K_j and V_j have landed
-
-    // Phase 2: S = Q.K_j^T and dP = dO.V_j^T on the tensor cores together; the stage step
-    // j - 1 released is refilled under them.
-    float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
-    const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
-    const unsigned long long v_desc = smem_desc(kv.v_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < QK_K_STEPS; ++ks) {
-      const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
-      wgmma_qk(s[0], q_desc + step, k_desc + step, ks > 0);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < QK_K_STEPS; ++ks) {
-      const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
-      wgmma_qk(dp[0], do_desc + step, v_desc + step, ks > 0);
-    }
-    wgmma_commit();
-    kv.issue(j + KV_STAGES - 1, mask);
-    wgmma_wait<1>();  // S is done; dP may still run
-    pin_registers(s[0]);
-
-    // Phase 3: the mask, then P = exp2(S - LSE): the forward's probabilities.
-    score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
-#pragma unroll
-    for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -lse_row[0][e >> 1]));
-
-    // Phase 4: dS = P (dP - D), packed to bfloat16 pairs: wgmma's A fragments.
-    wgmma_wait<0>();
-    pin_registers(dp[0]);
-#pragma unroll
-    for (int n = 0; n < S_N_FRAGS; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][n][e] *= (dp[0][n][e] - delta_row[0][e >> 1]);
-    unsigned ds[M_FRAGS][PV_K_STEPS][4];
-    pack_a(s, ds);
-
-    // Phase 5: dQ += dS.K_j (K_j read transposed, as the forward reads V; the scale is applied
-    // once, at the end).
-    wgmma_fence();
-    issue_pv(dq_acc[0], ds[0], kv.k_slot(j));
-    wgmma_wait<0>();
-    pin_registers(ds[0]);
-    pin_registers(dq_acc[0]);
-    kv.release(j);
-  }
-
-  // dQ = scale * acc, staged in the warp's own rows of the Q tile (no other warp reads them),
-  // then written as 16-byte chunks of whole rows; rows at or past n_q are never written.
-  wait_all_copies();
-  __syncthreads();  // with no KV tile, other threads' copies of Q may still be landing
-  {
-    const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int n = 0; n < O_N_FRAGS; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + f * 16 + hh * 8 + g, col = n * 8;  // this pair: + 2c
-          *reinterpret_cast<unsigned*>(smem_q + smem_offset(row, col) + 2 * c) =
-              pack2(dq_acc[f][n][2 * hh] * scale, dq_acc[f][n][2 * hh + 1] * scale);
-        }
-    __syncwarp();
-    dq += b * dq_sb + h * dq_sh + q0 * dq_sn;
-    for (int i = lane; i < OUT_CHUNKS_PER_WARP; i += 32) {
-      const int row = warp_row0 + i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
-      if (q0 + row < n_q)
-        *reinterpret_cast<chunk16*>(dq + row * dq_sn + col) = *reinterpret_cast<const chunk16*>(smem_q + smem_offset(row, col));
-    }
-  }
+    long long dq_sn) {
+  const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
+  const int i = blockIdx.x * THREADS + threadIdx.x, row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
+  if (row >= n_q) return;
+  const float4* acc = reinterpret_cast<const float4*>(dq_accum + ((long long)bh * n_pad + row) * (CHUNKS_PER_ROW * 8) + col);
+  const float4 x = acc[0], y = acc[1];
+  const chunk16 out = {pack2(x.x * scale, x.y * scale), pack2(x.z * scale, x.w * scale), pack2(y.x * scale, y.y * scale),
+                       pack2(y.z * scale, y.w * scale)};
+  *reinterpret_cast<chunk16*>(dq + b * dq_sb + h * dq_sh + row * dq_sn + col) = out;
 }
-}  // namespace dq
+}  // namespace postprocess

@@ -9,6 +9,7 @@
 //   backward:
 //     block_kv: 128
 //     block_q: 64
+//     deterministic: false
 //     dq_block_kv: 64
 //     dq_block_q: 64
 //     dq_warps: 4
@@ -468,7 +469,8 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
   }
 }
 
-// Grid: x = batch * KV head, y = KV block (under a causal mask the first blocks see the most
+// Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
+// and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
 // queries, and run first). q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv,
 // head_dim]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. The block's keys are seen by
 // the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
@@ -514,8 +516,8 @@ fagen_chunked_f16_d64_bwd_dkdv(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
-  const int b = blockIdx.x / heads_kv, h_kv = blockIdx.x % heads_kv;
-  const int kv0 = blockIdx.y * BLOCK_KV;
+  const int b = blockIdx.y / heads_kv, h_kv = blockIdx.y % heads_kv;
+  const int kv0 = blockIdx.x * BLOCK_KV;
   const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS, warp_kv0 = kv0 + warp_row0;
 
   k += b * k_sb + h_kv * k_sh;

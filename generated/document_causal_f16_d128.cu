@@ -7,6 +7,7 @@
 //   backward:
 //     block_kv: 128
 //     block_q: 32
+//     deterministic: false
 //     dq_block_kv: 64
 //     dq_block_q: 64
 //     dq_warps: 4

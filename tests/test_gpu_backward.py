@@ -80,20 +80,39 @@ def test_block_mask_backward_against_oracle(dtype, head_dim, nq, nk, hkv, mask_h
     assert result.passed, result.summary()
 
 
-@pytest.mark.parametrize("name", ["causal_softcap_sinks_f16_d128", "document_causal_f16_d128", "sliding_window_f16_d128"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_trainable_defaults_against_oracle(dtype, head_dim, causal):
+    """backward.deterministic: the dQ kernel in place of atomic dQ (they differ on sm_90a)."""
+    spec = variants.trainable(default_spec(dtype, head_dim, causal), deterministic=True)
+    for nq, nk, hkv, layout in ((239, 300, 2, "bhnd"), (1025, 1024, 4, "bnhd")):
+        result = check_backward_against_oracle(spec, 1, 4, hkv, nq, nk, layout=layout)
+        print(result.summary())
+        assert result.passed, result.summary()
+
+
+DETERMINISTIC = ["causal_softcap_sinks_f16_d128", "document_causal_f16_d128", "sliding_window_f16_d128",
+                 "attn_f16_d128_causal_h200", "attn_bf16_d64_h200"]
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_backward_is_bitwise_deterministic(name):
-    """No block adds into another's output: two runs give the same bits."""
-    spec = fagen.load_spec(SPECS / f"{name}.yaml")
+    """deterministic: true (the only kind on mma.sync): no block adds into another's output, so
+    three runs give the same bits."""
+    spec = variants.trainable(fagen.load_spec(SPECS / f"{name}.yaml"), deterministic=True)
+    assert spec.backward.deterministic or not spec.atomic_dq
     backward = compile_backward(spec)
-    q, k, v, _ = random_inputs("cupy", spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=3)
-    dout = random_inputs("cupy", spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=4)[0]
+    framework = "cupy" if spec.dtype == "float16" else "torch"
+    q, k, v, _ = random_inputs(framework, spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=3)
+    dout = random_inputs(framework, spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=4)[0]
     extras = random_extras(spec, 2, 8, 1500, 1500, seed=5)
     out, lse = backward.forward(q, k, v, return_lse=True, **extras)
     runs = [backward(dout, q, k, v, out, lse, **extras) for _ in range(3)]
     for name_ in ("dq", "dk", "dv"):
         first = to_numpy(getattr(runs[0], name_))
         for run in runs[1:]:
-            assert np.array_equal(first.view(np.uint32), to_numpy(getattr(run, name_)).view(np.uint32)), name_
+            assert np.array_equal(first.view(np.uint16), to_numpy(getattr(run, name_)).view(np.uint16)), name_
 
 
 def test_backward_refuses_mismatched_arguments():

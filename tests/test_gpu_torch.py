@@ -147,11 +147,13 @@ def test_opcheck_both_ops():
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda", requires_grad=True)
     forward, backward = torch.ops.fagen.attention_forward.default, torch.ops.fagen.attention_backward.default
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(forward, (*leaves, None, None, None, None, "", True, None, None))
-    torch.library.opcheck(forward, (*leaves, None, None, sinks, None, "", True, 30.0, None))
+    torch.library.opcheck(forward, (*leaves, None, None, None, None, "", True, None, None, False))
+    torch.library.opcheck(forward, (*leaves, None, None, sinks, None, "", True, 30.0, None, True))
     q, k, v = (x.detach() for x in leaves)
-    out, lse = forward(q, k, v, None, None, None, None, "", True, None, None)
-    torch.library.opcheck(backward, (dout, q, k, v, out, lse, None, None, None, None, "", True, None, None))
+    out, lse = forward(q, k, v, None, None, None, None, "", True, None, None, False)
+    for deterministic in (False, True):
+        torch.library.opcheck(backward, (dout, q, k, v, out, lse, None, None, None, None, "", True, None, None,
+                                         deterministic))
 
 
 class TinyAttention(torch.nn.Module):
@@ -201,11 +203,13 @@ def test_torch_compile_fullgraph_matches_eager(attention):
         assert relative_error(to_numpy(g_compiled[name]), to_numpy(g_eager[name])) < 1e-2, name
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["causal", "causal_sinks"])
-def test_cuda_graph_of_a_training_step_replays_bitwise(sinks):
+@pytest.mark.parametrize("sinks, deterministic", [(False, True), (True, True), (True, False)],
+                         ids=["causal", "causal_sinks", "causal_sinks_atomic"])
+def test_cuda_graph_of_a_training_step_replays(sinks, deterministic):
     """Warm up on a side stream, capture forward + loss.backward() (with no host sync allowed),
     replay on new inputs copied into the static ones: out, loss and every gradient equal an
-    eager step's bits (the backward is deterministic)."""
+    eager step's bits (deterministic: true), or dQ within rounding of it (atomic dQ, sm_90a:
+    the adds' order varies)."""
     q, k, v, _ = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=31)
     target = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=32)[0]
     leaves = [x.requires_grad_() for x in (q, k, v)]
@@ -213,7 +217,7 @@ def test_cuda_graph_of_a_training_step_replays_bitwise(sinks):
         leaves.append(torch.zeros(HQ, device="cuda", requires_grad=True))
 
     def step(q, k, v, sinks=None):
-        out = fagen.attention(q, k, v, causal=True, sinks=sinks)
+        out = fagen.attention(q, k, v, causal=True, sinks=sinks, deterministic=deterministic)
         loss = (out.float() * target.float()).sum()
         loss.backward()
         return out, loss
@@ -247,8 +251,11 @@ def test_cuda_graph_of_a_training_step_replays_bitwise(sinks):
     out, loss = step(*eager)
     torch.cuda.synchronize()
     assert torch.equal(static_out, out) and torch.equal(static_loss, loss)
-    for t, e in zip(leaves, eager):
-        assert torch.equal(t.grad, e.grad)
+    for i, (t, e) in enumerate(zip(leaves, eager)):
+        if deterministic or i > 0:
+            assert torch.equal(t.grad, e.grad)
+        else:  # atomic dQ: the order of the adds, so the last bits, vary
+            assert relative_error(to_numpy(t.grad), to_numpy(e.grad)) <= 1e-3
 
 
 # A transformers model on fagen: the attention interface's function takes [B, H, N, d] and

@@ -48,7 +48,7 @@ def test_op_schemas():
     import torch
 
     side = "Tensor? bias, Tensor? alibi_slopes, Tensor? sinks, Tensor? doc_ids, str mask, bool causal, " \
-           "float? softcap, float? scale"
+           "float? softcap, float? scale, bool deterministic"
     assert str(torch.ops.fagen.attention_forward.default._schema) == \
         f"fagen::attention_forward(Tensor q, Tensor k, Tensor v, {side}) -> (Tensor, Tensor)"
     assert str(torch.ops.fagen.attention_backward.default._schema) == \
