@@ -37,7 +37,7 @@ PREPROCESS_WARPS = 4
 # (scripts/fit_backward_registers.py; sm_80 and sm_90, nvcc 13.0) so that every kernel that
 # spilled is predicted over MAX_REGISTERS and every other at least at its count.
 REGISTER_COSTS = {
-    "dkdv": {"base": 61.12, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
+    "dkdv": {"base": 61.12, "atomic_masked": 0.0, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
              "causal": 0.17, "sliding_window": 10.31, "chunked": 3.79, "document": 5.0, "document_causal": 5.0,
              "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79},
     # sm_90a's wgmma kernels (head_dim <= 128), fitted by hand to 192 ptxas -v runs (head_dim 64
@@ -45,11 +45,14 @@ REGISTER_COSTS = {
     # build that spilled is predicted over MAX_REGISTERS; a few that just fit are refused too
     "dkdv_wgmma": {"base": 84.0, "acc": 0.86, "s": 1.8, "s_nonlinear": 0.5, "chunk_copy": 0.0, "stages1": 0.0,
                    "causal": 0.0, "sliding_window": 1.0, "chunked": 1.0, "document": 3.0, "document_causal": 3.0,
-                   "prefix_lm": 0.0, "block_mask": 6.0, "bias": 12.0, "alibi": 12.0},
-    "dq_wgmma": {"base": 60.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
+                   "prefix_lm": 0.0, "block_mask": 6.0, "bias": 12.0, "alibi": 12.0,
+                   # atomic dQ under a mask with per-thread row bounds: measured at 255 with 4-12
+                   # bytes of spills (head_dim 64 at block_q 128, 128 with prefix_lm or documents)
+                   "atomic_masked": 5.0},
+    "dq_wgmma": {"base": 60.0, "atomic_masked": 0.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
                  "causal": 0.0, "sliding_window": 0.0, "chunked": 0.0, "document": 4.0, "document_causal": 4.0,
                  "prefix_lm": 4.0, "block_mask": 10.0, "bias": 12.0, "alibi": 6.0},
-    "dq": {"base": 56.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
+    "dq": {"base": 56.0, "atomic_masked": 0.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
            "causal": 0.0, "sliding_window": 0.0, "chunked": 4.0, "document": 4.0, "document_causal": 2.0,
            "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0},
 }
@@ -67,7 +70,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         warps, frags = bwd.dq_warps, bwd.dq_block_q // bwd.dq_warps // MMA_M
         acc, s = frags * (d // MMA_N) * per_fragment, frags * (bwd.dq_block_kv // MMA_N) * per_fragment
     kind = "document_causal" if mask.kind == "document" and mask.causal else mask.kind
-    terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
+    atomic_masked = kernel == "dkdv" and spec.atomic_dq and mask.kind in ("sliding_window", "chunked", "prefix_lm", "document")
+    terms = {"base": 1.0, "atomic_masked": float(atomic_masked), "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
              "chunk_copy": float(32 * warps % (d // CHUNK_ELEMS) != 0), "stages1": float(bwd.stages == 1),
              "bias": float(mod.bias != "none"), "alibi": float(mod.alibi != "none")}
     if kind != "none":
