@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from fagen.backward_plan import BackwardPlan, backward_plan
+from fagen.backward_plan import BackwardPlan, backward_plan, kernel_symbols
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for, zeros_like
 from fagen.render import render_backward
 from fagen.runtime import LOG2E, Kernel, block_mask_arguments, compile_kernel, compile_module, pack_arguments, packers
@@ -43,20 +43,18 @@ class Backward:
         self.forward: Kernel = compile_kernel(spec)
         self.plan: BackwardPlan = backward_plan(spec)
         module = compile_module(render_backward(spec), f"{spec.name}_backward", wgmma=spec.wgmma_backward)
-        self.preprocess = module.get_function(self.plan.preprocess_symbol)
-        self.dkdv = module.get_function(self.plan.dkdv_symbol)
-        # dQ: the dK/dV kernel's atomics, scaled by the postprocess; or a kernel of its own
-        self.dq = module.get_function(self.plan.postprocess_symbol if self.plan.atomic_dq else self.plan.dq_symbol)
-        for function, smem in ((self.dkdv, self.plan.dkdv.smem_bytes), (self.dq, self.plan.dq_smem_bytes)):
-            if smem > 48 * 1024 and not (function is self.dq and self.plan.atomic_dq):
-                function.max_dynamic_shared_size_bytes = smem
+        # by role: preprocess, dkdv, then dq, or under atomic dQ the postprocess
+        self.kernels = {role: module.get_function(symbol) for role, symbol in kernel_symbols(self.plan).items()}
+        for role, smem in (("dkdv", self.plan.dkdv.smem_bytes), ("dq", self.plan.dq_smem_bytes)):
+            if role in self.kernels and smem > 48 * 1024:
+                self.kernels[role].max_dynamic_shared_size_bytes = smem
 
     def __repr__(self) -> str:
         return f"Backward({self.spec.name})"
 
     @cached_property
     def packers(self) -> dict[str, tuple]:
-        return {name: packers(getattr(self.plan, f"{name}_params")) for name in ("preprocess", "dkdv", "dq", "postprocess")}
+        return {role: packers(getattr(self.plan, f"{role}_params")) for role in self.kernels}
 
     def __call__(self, dout, q, k, v, out, lse, *, scale: float | None = None, mask_offset: int | None = None,
                  block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
@@ -98,21 +96,21 @@ class Backward:
             for name, t in (("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), ("dq", as_device_tensor(dq, "dq")),
                             ("dk", as_device_tensor(dk, "dk")), ("dv", as_device_tensor(dv, "dv"))):
                 values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-            per_kernel = {"preprocess": values, "dkdv": values, "dq": values, "postprocess": values}
+            per_kernel = dict.fromkeys(self.kernels, values)
             if block_mask is not None:  # each loop walks the mask's tiles at its own tiling, dK/dV transposed
                 shape = (b, hq, nq, nk)
                 per_kernel["dq"] = values | block_mask_arguments(block_mask, bp.dq.block_q, bp.dq.block_kv, *shape)
                 per_kernel["dkdv"] = values | block_mask_arguments(block_mask, bp.dkdv.block_q, bp.dkdv.block_kv, *shape,
                                                                    key_major_group=hq // hkv)
-            launch = (
-                (self.preprocess, "preprocess", (-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
-                (self.dkdv, "dkdv", (-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
-                (self.dq, "postprocess", (-(-nq * bp.chunks_per_row // bp.preprocess_threads), b * hq),
-                 bp.preprocess_threads, 0) if bp.atomic_dq else
-                (self.dq, "dq", (b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
-            )
-            for function, name, grid, threads, smem in launch:
-                function(grid, (threads,), pack_arguments(self.packers[name], per_kernel[name]), shared_mem=smem)
+            launch = {  # role: grid, threads, dynamic smem
+                "preprocess": ((-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
+                "dkdv": ((-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
+                "dq": ((b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
+                "postprocess": ((-(-nq * bp.chunks_per_row // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
+            }
+            for role, function in self.kernels.items():
+                grid, threads, smem = launch[role]
+                function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)
             dsinks = None if sinks is None else _sink_gradient(sinks, lse, delta, nq, tq)
             del keep_alive
         return Gradients(dq, dk, dv, dsinks)

@@ -37,7 +37,7 @@ PREPROCESS_WARPS = 4
 # (scripts/fit_backward_registers.py; sm_80 and sm_90, nvcc 13.0) so that every kernel that
 # spilled is predicted over MAX_REGISTERS and every other at least at its count.
 REGISTER_COSTS = {
-    "dkdv": {"base": 61.12, "atomic_masked": 0.0, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
+    "dkdv": {"base": 61.12, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
              "causal": 0.17, "sliding_window": 10.31, "chunked": 3.79, "document": 5.0, "document_causal": 5.0,
              "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79},
     # sm_90a's wgmma kernels (head_dim <= 128), fitted by hand to 192 ptxas -v runs (head_dim 64
@@ -49,10 +49,10 @@ REGISTER_COSTS = {
                    # atomic dQ under a mask with per-thread row bounds: measured at 255 with 4-12
                    # bytes of spills (head_dim 64 at block_q 128, 128 with prefix_lm or documents)
                    "atomic_masked": 5.0},
-    "dq_wgmma": {"base": 60.0, "atomic_masked": 0.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
+    "dq_wgmma": {"base": 60.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
                  "causal": 0.0, "sliding_window": 0.0, "chunked": 0.0, "document": 4.0, "document_causal": 4.0,
                  "prefix_lm": 4.0, "block_mask": 10.0, "bias": 12.0, "alibi": 6.0},
-    "dq": {"base": 56.0, "atomic_masked": 0.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
+    "dq": {"base": 56.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
            "causal": 0.0, "sliding_window": 0.0, "chunked": 4.0, "document": 4.0, "document_causal": 2.0,
            "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0},
 }
@@ -70,12 +70,13 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         warps, frags = bwd.dq_warps, bwd.dq_block_q // bwd.dq_warps // MMA_M
         acc, s = frags * (d // MMA_N) * per_fragment, frags * (bwd.dq_block_kv // MMA_N) * per_fragment
     kind = "document_causal" if mask.kind == "document" and mask.causal else mask.kind
-    atomic_masked = kernel == "dkdv" and spec.atomic_dq and mask.kind in ("sliding_window", "chunked", "prefix_lm", "document")
-    terms = {"base": 1.0, "atomic_masked": float(atomic_masked), "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
+    terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
              "chunk_copy": float(32 * warps % (d // CHUNK_ELEMS) != 0), "stages1": float(bwd.stages == 1),
              "bias": float(mod.bias != "none"), "alibi": float(mod.alibi != "none")}
     if kind != "none":
         terms[kind] = 1.0
+    if kernel == "dkdv" and spec.atomic_dq and mask.kind in ("sliding_window", "chunked", "prefix_lm", "document"):
+        terms["atomic_masked"] = 1.0
     return terms
 
 
@@ -193,7 +194,6 @@ class BackwardPlan:
     dkdv_symbol: str
     dq_symbol: str
     postprocess_symbol: str
-    atomic_dq: bool  # dQ from the dK/dV kernel's atomics and the postprocess, not the dQ kernel
     head_dim: int
     row_pad: int  # LSE and D rows are padded to a multiple of this (whole tiles of both loops)
     preprocess_threads: int
@@ -210,6 +210,11 @@ class BackwardPlan:
     dkdv_params: tuple[tuple[str, str], ...]
     dq_params: tuple[tuple[str, str], ...]
     postprocess_params: tuple[tuple[str, str], ...]
+
+    @property
+    def atomic_dq(self) -> bool:
+        """dQ from the dK/dV kernel's atomics and the postprocess, not the dQ kernel."""
+        return self.dkdv.atomic_dq
 
 
 def kernel_symbols(bplan: BackwardPlan) -> dict[str, str]:
@@ -274,7 +279,6 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dkdv_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_dkdv",
         dq_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_dq",
         postprocess_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_postprocess",
-        atomic_dq=spec.atomic_dq,
         head_dim=d,
         row_pad=math.lcm(bwd.block_q, bwd.dq_block_q),
         preprocess_threads=32 * PREPROCESS_WARPS,

@@ -519,9 +519,9 @@ struct Mask {
   __device__ __forceinline__ int step_head(int t) const { return t / count; }
   __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
 
-  // Step t's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true
+  // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true
   // unless every pair is known to count (rows past n_q never do).
-  __device__ __forceinline__ bool needs_element_test_keys(int t, int q0, int kv0) {
+  __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0) {
     const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + BLOCK_KV - 1;
     bool full = k1 <= r0 + offset;
     return !full || k1 >= n_kv || r1 >= n_q;
@@ -790,13 +790,13 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     pin_registers(p[0]);
     pin_registers(dv_acc[0]);
     pin_registers(dq_acc);
-    float* dq_rows = dq_accum + ((long long)(b * heads_q + h) * n_pad + q0 + dq_thread_row) * (DQ_N_TILES * 64) +
-                     dq_thread_col;
+    // dq_accum rows hold head_dim = D_COLS floats (wgmma never splits head_dim)
+    float* dq_rows = dq_accum + ((long long)(b * heads_q + h) * n_pad + q0 + dq_thread_row) * D_COLS + dq_thread_col;
 #pragma unroll
     for (int n = 0; n < DQ_N_FRAGS; ++n)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh)
-        red_add2(dq_rows + hh * 8 * (DQ_N_TILES * 64) + n * 8, dq_acc[n][2 * hh], dq_acc[n][2 * hh + 1]);
+        red_add2(dq_rows + hh * 8 * D_COLS + n * 8, dq_acc[n][2 * hh], dq_acc[n][2 * hh + 1]);
     wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
     pin_registers(ds[0]);
     pin_registers(dk_acc[0]);

@@ -357,9 +357,9 @@ struct Mask {
   __device__ __forceinline__ int step_head(int t) const { return t / count; }
   __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
 
-  // Step t's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true
+  // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true
   // unless every pair is known to count (rows past n_q never do).
-  __device__ __forceinline__ bool needs_element_test_keys(int t, int q0, int kv0) {
+  __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0) {
     const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + BLOCK_KV - 1;
     bool full = kv0 >= r1 + offset - WINDOW_LEFT && k1 <= r0 + offset + WINDOW_RIGHT;
     return !full || k1 >= n_kv || r1 >= n_q;
