@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from fagen.backward_plan import BackwardPlan, backward_plan, kernel_symbols
+from fagen.backward_plan import BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for, zeros_like
 from fagen.render import render_backward
 from fagen.runtime import LOG2E, Kernel, block_mask_arguments, compile_kernel, compile_module, pack_arguments, packers
@@ -23,12 +23,14 @@ from fagen.spec import AttentionSpec
 
 @dataclass
 class Gradients:
-    """dq, dk, dv of the inputs' framework and shapes; dsinks [Hq] f32 when the spec has sinks."""
+    """dq, dk, dv of the inputs' framework and shapes; dsinks [Hq] f32 when the spec has sinks;
+    dbias (f32, the bias's shape) when it asks for it (backward.bias_grad)."""
 
     dq: object
     dk: object
     dv: object
     dsinks: object | None = None
+    dbias: object | None = None
 
 
 class Backward:
@@ -89,10 +91,11 @@ class Backward:
                           for t, given in ((tq, dq), (tk, dk), (tv, dv)))
             # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, zeroed first
             dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
+            dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk,
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
-                          **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **extras)
+                          **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **dbias_args, **extras)
             for name, t in (("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), ("dq", as_device_tensor(dq, "dq")),
                             ("dk", as_device_tensor(dk, "dk")), ("dv", as_device_tensor(dv, "dv"))):
                 values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
@@ -112,8 +115,22 @@ class Backward:
                 grid, threads, smem = launch[role]
                 function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)
             dsinks = None if sinks is None else _sink_gradient(sinks, lse, delta, nq, tq)
+            if summed:  # one copy per (batch, KV head), summed in a fixed order
+                dbias = dbias.sum(dim=summed, keepdim=True) if tq.kind == "torch" else dbias.sum(summed, keepdims=True)
             del keep_alive
-        return Gradients(dq, dk, dv, dsinks)
+        return Gradients(dq, dk, dv, dsinks, dbias)
+
+    def _bias_grad_buffer(self, bias, ref: DeviceTensor, b: int, hkv: int) -> tuple[object, dict, tuple]:
+        """The zeroed f32 buffer the dK/dV kernel adds d loss / d bias into, its arguments, and
+        the axes to sum afterwards (none of them without backward.bias_grad)."""
+        if not self.plan.dkdv.bias_grad:
+            return None, {}, ()
+        if bias is None:
+            raise ValueError(f"bias = None: kernel {self.spec.name} computes the bias's gradient "
+                             f"(backward.bias_grad); pass the bias the forward saw")
+        layout = bias_grad_layout(tuple(np.shape(bias)), b, hkv, self.spec.backward.deterministic)
+        buffer = zeros_like(ref, layout.buffer_shape, "float32")
+        return buffer, {"dbias": _ptr(buffer), **{k: np.int64(v) for k, v in layout.strides.items()}}, layout.summed_axes
 
 
 def _like(x, name: str, ref: DeviceTensor) -> DeviceTensor:

@@ -39,13 +39,19 @@ PREPROCESS_WARPS = 4
 REGISTER_COSTS = {
     "dkdv": {"base": 61.12, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
              "causal": 0.17, "sliding_window": 10.31, "chunked": 3.79, "document": 5.0, "document_causal": 5.0,
-             "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79},
+             "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79,
+             # a bias's gradient (by hand, 90 ptxas -v runs: head_dim 64, 128, 256 x masks x bias kinds);
+             # a matrix bias's per S register (an address per score)
+             "bias_grad_matrix": 0.25, "bias_grad_vector": 4.0},
     # sm_90a's wgmma kernels (head_dim <= 128), fitted by hand to 192 ptxas -v runs (head_dim 64
     # and 128 x block_q 32, 64, 128 x every mask kind x softcap, ALiBi, a bias; nvcc 13.0): every
     # build that spilled is predicted over MAX_REGISTERS; a few that just fit are refused too
     "dkdv_wgmma": {"base": 84.0, "acc": 0.86, "s": 1.8, "s_nonlinear": 0.5, "chunk_copy": 0.0, "stages1": 0.0,
                    "causal": 0.0, "sliding_window": 1.0, "chunked": 1.0, "document": 3.0, "document_causal": 3.0,
                    "prefix_lm": 0.0, "block_mask": 6.0, "bias": 12.0, "alibi": 12.0,
+                   # a bias's gradient (by hand, 95 ptxas -v runs): a matrix bias's per S register
+                   # (an address per score of the step), a vector bias's a sum per key
+                   "bias_grad_matrix": 1.15, "bias_grad_vector": 8.0,
                    # atomic dQ under a mask with per-thread row bounds: measured at 255 with 4-12
                    # bytes of spills (head_dim 64 at block_q 128, 128 with prefix_lm or documents)
                    "atomic_masked": 5.0},
@@ -73,6 +79,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
              "chunk_copy": float(32 * warps % (d // CHUNK_ELEMS) != 0), "stages1": float(bwd.stages == 1),
              "bias": float(mod.bias != "none"), "alibi": float(mod.alibi != "none")}
+    if kernel == "dkdv" and bwd.bias_grad:
+        terms[f"bias_grad_{mod.bias}"] = s if mod.bias == "matrix" else 1.0
     if kind != "none":
         terms[kind] = 1.0
     if kernel == "dkdv" and spec.atomic_dq and mask.kind in ("sliding_window", "chunked", "prefix_lm", "document"):
@@ -185,6 +193,10 @@ class DkdvPlan:
     dq_key_steps: int  # k16 steps of a warpgroup's dQ tile over its share of the keys
     dq_n_frags: int  # n8 fragments of a 64-column dQ tile
     ds_barrier_threads: int  # the threads that meet before reading dS^T: all, or a warpgroup's own
+    # backward.bias_grad: each step's score gradient at the bias added into dbias; "" without
+    bias_grad: str  # score_mod.bias: "matrix" (an add per score) or "vector" (a key's sum over the step's queries)
+    dbias_before_chain: bool  # softcap comes before the bias: dbias is P^T (dP^T - D), before its factor
+    bias_grad_params: tuple[tuple[str, str], ...]  # the buffer and its strides (stride 0 on broadcast axes)
 
 
 @dataclass(frozen=True)
@@ -250,6 +262,10 @@ SHAPE_PARAMS = (("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int",
                 ("int", "n_pad"))
 ROW_PARAMS = ((FLOAT_PTR, "delta"), (FLOAT_PTR, "lse2"))  # D and LSE * log2(e), [B, Hq, n_pad]
 DQ_ACCUM = ("float* __restrict__", "dq_accum")  # atomic dQ: [B, Hq, n_pad, head_dim] f32, zeroed
+# backward.bias_grad: dbias f32, zeroed, of the bias's shape or one copy per batch and KV head
+# (deterministic): element (b, h, q, k) at b sb + h sh + (h / group) skv + q sq + k
+BIAS_GRAD_PARAMS = (("float* __restrict__", "dbias"), ("long long", "dbias_sb"), ("long long", "dbias_sh"),
+                    ("long long", "dbias_skv"), ("long long", "dbias_sq"))
 
 
 def backward_plan(spec: AttentionSpec) -> BackwardPlan:
@@ -296,7 +312,8 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                            *_strides("o", "dout")),
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
-                     *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side),
+                     *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,
+                     *dkdv.bias_grad_params),
         dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                    (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
                    ("float", "scale"), ("float", "scale_log2"), *side),
@@ -352,7 +369,9 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
         mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)),
-        **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)))
+        **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
+        bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,
+        bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else ())
 
 
 DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
@@ -402,3 +421,32 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
         "s_acc_regs": WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup,
         "d_acc_regs": WARPGROUP_ROWS * spec.head_dim // threads_per_warpgroup,
     }
+
+
+@dataclass(frozen=True)
+class BiasGradLayout:
+    """Where the dK/dV kernel adds a bias's gradient: a zeroed f32 buffer, the kernel's element
+    strides into it (BIAS_GRAD_PARAMS, 0 on broadcast axes) and the axes summed afterwards."""
+
+    buffer_shape: tuple[int, ...]
+    strides: dict[str, int]  # dbias_sb, dbias_sh, dbias_skv, dbias_sq
+    summed_axes: tuple[int, ...]  # of the buffer, kept as size 1: then it has the bias's shape
+
+
+def bias_grad_layout(bias_shape: tuple[int, ...], batch: int, heads_kv: int, deterministic: bool) -> BiasGradLayout:
+    """The bias's gradient buffer for a bias of bias_shape ([B|1, H|1, (Nq,) Nk]). A block owns
+    one (batch, KV head) and adds each element from one thread in step order, so only blocks
+    sharing an element race: a bias broadcast over the batch, or over the heads of more than one
+    KV head. Deterministic then gives each (batch, KV head) a copy of its own, summed afterwards
+    (in a fixed order; memory: that many copies of the bias); otherwise they add into one."""
+    over_batch = bias_shape[0] == 1 and batch > 1 and deterministic
+    over_heads = bias_shape[1] == 1 and heads_kv > 1 and deterministic
+    shape = (batch if over_batch else bias_shape[0], heads_kv if over_heads else bias_shape[1], *bias_shape[2:])
+    contiguous = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return BiasGradLayout(
+        buffer_shape=shape,
+        strides={"dbias_sb": contiguous[0] if shape[0] > 1 else 0,
+                 "dbias_sh": contiguous[1] if shape[1] > 1 and not over_heads else 0,
+                 "dbias_skv": contiguous[1] if over_heads else 0,
+                 "dbias_sq": contiguous[2] if len(shape) == 4 else 0},
+        summed_axes=tuple(axis for axis, on in ((0, over_batch), (1, over_heads)) if on))

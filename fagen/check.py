@@ -216,7 +216,7 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
                                   extras: dict | None = None, mask_mod=None, score_mod=None,
                                   score_mod_grad=None) -> CheckResult:
     """The backward of a spec with a backward: section: its forward, then dq, dk, dv (and
-    dsinks) from a random dout, each NaN-poisoned before the launch, against
+    dsinks, dbias) from a random dout, each NaN-poisoned before the launch, against
     fagen.oracle.attention_backward. out_error is the worst gradient's relative error."""
     framework = framework or ("cupy" if spec.dtype == "float16" else "torch")
     backward = compile_backward(spec)
@@ -236,7 +236,8 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
         doc_ids=extras.get("doc_ids"), mask_mod=mask_mod, softcap=spec.score_mod.softcap, alibi_slopes=slopes,
         bias=extras.get("bias"), score_mod=score_mod, score_mod_grad=score_mod_grad, sinks=extras.get("sinks"))
     errors = [relative_error(to_numpy(getattr(grads, name)), ref[name]) for name in ("dq", "dk", "dv")]
-    if grads.dsinks is not None:
-        errors.append(relative_error(to_numpy(grads.dsinks), ref["dsinks"]))
+    for name in ("dsinks", "dbias"):
+        if getattr(grads, name) is not None:
+            errors.append(relative_error(to_numpy(getattr(grads, name)), ref[name]))
     return CheckResult(spec.name + " backward", (b, hq, hkv, nq, nk), max(errors), 0.0, OUT_TOLERANCE[spec.dtype],
                        flops=2.5 * attention_flops(b, hq, nq, nk, spec.head_dim, spec.causal))

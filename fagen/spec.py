@@ -266,6 +266,9 @@ class Backward(_Frozen):
     dq_warps: int = 4
     # false: atomic dQ where the kernels have it (sm_90a up to head_dim 128), else the dQ kernel
     deterministic: bool = False
+    # the dK/dV kernel also adds d loss / d bias (score_mod.bias) into a float32 buffer of the
+    # bias's shape: the score gradient at the bias, summed over what the bias broadcasts
+    bias_grad: bool = False
 
     @field_validator("warps", "dq_warps")
     @classmethod
@@ -399,6 +402,14 @@ class AttentionSpec(_Frozen):
             raise ValueError(rule("score_mod.expression", mod.expression, "has no derivative, and the backward "
                                   "needs one for its chain rule", "add score_mod.expression_grad (d expression "
                                   "/ d score over the same variables), or remove backward"))
+        if self.backward.bias_grad and mod.bias == "none":
+            raise ValueError(rule("backward.bias_grad", True, "is the gradient of score_mod.bias, which is none",
+                                  "set score_mod.bias: matrix or vector, or bias_grad: false"))
+        if self.backward.bias_grad and mod.softcap is not None and mod.expression is not None:
+            raise ValueError(rule(
+                "backward.bias_grad", True, "with both softcap and an expression the bias sits between two "
+                "nonlinear factors of the chain rule, and the kernel keeps only their product per score",
+                "drop softcap or the expression, or train with a fixed bias (bias_grad: false)"))
         if self.outputs.partial:
             raise ValueError(rule("backward", "set", "differentiates the whole attention, not split-KV partials",
                                   "remove backward, or set outputs.partial: false"))

@@ -79,20 +79,27 @@ def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale,
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        bias: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                        doc_ids: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
-                       scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dsinks) of sum(out * dout) for the forward that gave out and lse from the
-    same arguments; dsinks is [Hq] float32, zeros without sinks (an op cannot return None).
-    deterministic, or torch.use_deterministic_algorithms(True): no atomics (bitwise repeatable)."""
+                       scale: Optional[float], deterministic: bool,
+                       bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks, dbias) of sum(out * dout) for the forward that gave out and lse from
+    the same arguments. dsinks is [Hq] float32, zeros without sinks; dbias (bias_grad) is
+    float32 of bias's shape, else empty (an op cannot return None). deterministic, or
+    torch.use_deterministic_algorithms(True): no two blocks add into one element (bitwise
+    repeatable)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    spec = variants.trainable(_spec(q, mask, causal, softcap, side), _deterministic(deterministic))
+    spec = variants.trainable(_spec(q, mask, causal, softcap, side), _deterministic(deterministic), bias_grad)
     grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)
     dsinks = grads.dsinks if sinks is not None else torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
-    return grads.dq, grads.dk, grads.dv, dsinks
+    dbias = grads.dbias if bias_grad else torch.empty(0, dtype=torch.float32, device=q.device)
+    return grads.dq, grads.dk, grads.dv, dsinks, dbias
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), q.new_empty(q.shape[1], dtype=torch.float32)
+def _(dout, q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic,
+      bias_grad):
+    dbias = q.new_empty(bias.shape if bias_grad else (0,), dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(q.shape[1], dtype=torch.float32), dbias)
 
 
 def _deterministic(asked: bool) -> bool:
@@ -112,14 +119,12 @@ def _save_for_backward(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids = ctx.saved_tensors
-    if ctx.needs_input_grad[3]:
-        raise NotImplementedError(
-            f"bias: requires grad (shape {list(bias.shape)}), but gradients by the bias are not supported "
-            f"through autograd yet; pass bias.detach() to train everything else with a fixed bias")
-    dq, dk, dv, dsinks = torch.ops.fagen.attention_backward(dout, q, k, v, out, lse, bias, alibi_slopes, sinks,
-                                                           doc_ids, *ctx.statics)
+    bias_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, dsinks, dbias = torch.ops.fagen.attention_backward(dout, q, k, v, out, lse, bias, alibi_slopes, sinks,
+                                                                  doc_ids, *ctx.statics, bias_grad)
     # alibi_slopes and doc_ids get none: slopes are fixed by design, ids are integers
-    return dq, dk, dv, None, None, dsinks if ctx.needs_input_grad[5] else None, None, None, None, None, None, None
+    return (dq, dk, dv, dbias.to(bias.dtype) if bias_grad else None, None, dsinks if ctx.needs_input_grad[5] else None,
+            *[None] * 6)
 
 
 attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
@@ -130,7 +135,7 @@ class _BlockMaskAttention(torch.autograd.Function):
     the same kernels run eagerly (torch.compile breaks the graph here), on torch's stream."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
+    def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
         spec = runtime.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, **side)
         out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
@@ -141,16 +146,19 @@ class _BlockMaskAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = backward.compile_backward(variants.trainable(ctx.spec, _deterministic(ctx.deterministic)))(
-            dout.contiguous(), q, k, v, out, lse, scale=ctx.scale, block_mask=ctx.block_mask, **ctx.side)
-        return grads.dq, grads.dk, grads.dv, grads.dsinks if ctx.needs_input_grad[3] else None, *[None] * 7
+        bias = ctx.side["bias"]
+        spec = variants.trainable(ctx.spec, _deterministic(ctx.deterministic), ctx.needs_input_grad[3])
+        grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
+                                                block_mask=ctx.block_mask, **ctx.side)
+        return (grads.dq, grads.dk, grads.dv, grads.dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None,
+                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
               deterministic: bool = False):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
-    to q, k, v and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
+    to q, k, v, bias and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
     deterministic (as FlashAttention's; or torch.use_deterministic_algorithms(True)): a backward
     without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a)."""
@@ -160,11 +168,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         for x in (bias, alibi_slopes, sinks, doc_ids))
     if block_mask is not None:
         side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))):
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, sinks))):
             return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
                                      return_lse=return_lse, block_mask=block_mask, **side)
-        out, lse = _BlockMaskAttention.apply(q, k, v, sinks, block_mask, causal, mask, softcap, scale, deterministic,
-                                             side)
+        out, lse = _BlockMaskAttention.apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale,
+                                             deterministic, side)
         return (out, lse) if return_lse else out
     out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask_json(mask), causal,
                                                  softcap, scale, deterministic)

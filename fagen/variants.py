@@ -112,27 +112,35 @@ WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 
 
 
 @cache
-def trainable(spec: AttentionSpec, deterministic: bool = False) -> AttentionSpec:
+def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool = False) -> AttentionSpec:
     """`spec` with a backward: section (its own, or the tiling BACKWARD_TILINGS gives its
     head_dim), named <name>_bwd: what fagen.attention runs when gradients are wanted.
-    deterministic: the dQ kernel rather than atomics (<name>_bwd_det on sm_90a, where it differs)."""
-    if spec.backward is not None and deterministic and spec.atomic_dq:  # its tiling, with the dQ kernel
-        return parse_spec({**spec.model_dump(), "name": f"{spec.name}_det",
-                           "backward": {**spec.backward.model_dump(), "deterministic": True}}, f"trainable {spec.name}")
-    if spec.backward is not None:
-        return spec
+    deterministic: no two blocks add into one output (on sm_90a the dQ kernel rather than
+    atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias)."""
     wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
-    data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if wgmma and deterministic else ''}"}
+    # deterministic changes a kernel only where blocks would add into one element: atomic dQ
+    # (sm_90a) and a bias's gradient
+    deterministic = deterministic and (wgmma or bias_grad)
+    if spec.backward is not None:  # its tiling, with what is asked on top
+        own = spec.backward
+        if (deterministic <= own.deterministic) and (bias_grad <= own.bias_grad):
+            return spec
+        suffix = ("_det" if deterministic > own.deterministic else "") + ("_dbias" if bias_grad > own.bias_grad else "")
+        return parse_spec({**spec.model_dump(), "name": spec.name + suffix, "backward": {
+            **own.model_dump(), "deterministic": own.deterministic or deterministic,
+            "bias_grad": own.bias_grad or bias_grad}}, f"trainable {spec.name}")
+    data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"}
     if wgmma:  # whole tilings, in order
         tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
-    else:  # changes to the head_dim's tiling, which is deterministic anyway
+    else:  # changes to the head_dim's tiling
         base = BACKWARD_TILINGS[spec.head_dim]
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]
     refused = None
     for tiling in tilings:
         try:
-            return parse_spec({**data, "backward": tiling}, f"trainable {spec.name}")
+            return parse_spec({**data, "backward": {"deterministic": deterministic, **tiling, "bias_grad": bias_grad}},
+                              f"trainable {spec.name}")
         except SpecError as error:
             refused = refused or error
     raise refused

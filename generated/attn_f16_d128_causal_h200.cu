@@ -6,6 +6,7 @@
 // spec:
 //   arch: sm_90a
 //   backward:
+//     bias_grad: false
 //     block_kv: 128
 //     block_q: 64
 //     deterministic: false

@@ -7,6 +7,7 @@
 // spec:
 //   arch: sm_80
 //   backward:
+//     bias_grad: false
 //     block_kv: 128
 //     block_q: 64
 //     deterministic: false

@@ -5,6 +5,7 @@
 // spec:
 //   arch: sm_80
 //   backward:
+//     bias_grad: false
 //     block_kv: 64
 //     block_q: 32
 //     deterministic: false

@@ -8,7 +8,7 @@ import pytest
 import fagen
 from fagen.spec import Mask, ScoreMod
 from fagen import variants
-from fagen.backward_plan import backward_plan, kernel_symbols
+from fagen.backward_plan import backward_plan, bias_grad_layout, kernel_symbols
 from fagen.load import SPECS
 from fagen.plan import MBARRIER_BYTES, SWIZZLE_ATOM_BYTES
 from fagen.render import render_backward
@@ -135,3 +135,63 @@ def test_modifiers_that_do_not_fit_atomic_dq_fall_back_to_the_dq_kernel():
     base = variants.shipped_spec("float16", 128, True, gpu="h200")
     spec = variants.trainable(variants.variant(base, base.mask, ScoreMod(softcap=30.0)))
     assert spec.wgmma_backward and not spec.atomic_dq
+
+
+# ---- a bias's gradient (backward.bias_grad) ----------------------------------------------------
+
+def test_bias_grad_needs_a_bias():
+    message = rejected(hopper(bias_grad=True))
+    assert "backward.bias_grad = True" in message and "score_mod.bias, which is none" in message
+
+
+def test_bias_grad_refuses_softcap_and_an_expression_together():
+    data = hopper(bias_grad=True, deterministic=True, block_q=32)
+    data["score_mod"] = {"softcap": 30.0, "bias": "matrix", "expression": "score * 0.5f", "expression_grad": "0.5f"}
+    message = rejected(data)
+    assert "backward.bias_grad = True" in message and "drop softcap or the expression" in message
+
+
+@pytest.mark.parametrize("bias, softcap, adds", [("matrix", None, "atomicAdd(first + dq * stride + dk"),
+                                                 ("vector", None, "atomicAdd(rows + ki, sum)"),
+                                                 ("matrix", 30.0, "atomicAdd(first + dq * stride + dk")])
+def test_bias_grad_renders_its_adds_only_when_asked(bias, softcap, adds):
+    base = variants.variant(variants.shipped_spec("float16", 64, True, gpu="h200"), Mask(kind="causal"),
+                            ScoreMod(bias=bias, softcap=softcap))
+    without, with_grad = variants.trainable(base), variants.trainable(base, bias_grad=True)
+    assert "BiasGrad" not in render_backward(without) and "dbias" not in render_backward(without)
+    source = render_backward(with_grad)
+    assert adds in source and "bias_grad.add(dp, q0, warp_kv0, lane);" in source
+    params = [name for _, name in backward_plan(with_grad).dkdv_params]
+    assert params[-5:] == ["dbias", "dbias_sb", "dbias_sh", "dbias_skv", "dbias_sq"]
+    # softcap comes before the bias in the score: dbias is taken before softcap's factor
+    assert ("dp[0][n][e] *= dsdx[0][n][e]" in source) == (softcap is not None)
+
+
+def test_trainable_names_what_it_adds():
+    base = variants.variant(variants.shipped_spec("float16", 128, True, gpu="h200"), Mask(kind="causal"),
+                            ScoreMod(bias="vector"))
+    spec = variants.trainable(base, deterministic=True, bias_grad=True)
+    assert spec.name.endswith("_bwd_det_dbias") and spec.backward.bias_grad and spec.backward.deterministic
+    # on mma.sync deterministic matters only for the bias's gradient
+    sm80 = variants.variant(variants.shipped_spec("float16", 128, True, gpu=None), Mask(kind="causal"),
+                            ScoreMod(bias="vector"))
+    assert variants.trainable(sm80, deterministic=True).name.endswith("_bwd")
+    assert variants.trainable(sm80, deterministic=True, bias_grad=True).backward.deterministic
+
+
+@pytest.mark.parametrize("shape, batch, heads_kv, deterministic, buffer, strides, summed", [
+    # each element in one block: the bias's own shape and strides, broadcast axes at stride 0
+    ((2, 4, 10, 20), 2, 2, True, (2, 4, 10, 20), (800, 200, 0, 20), ()),
+    ((1, 4, 10, 20), 2, 4, False, (1, 4, 10, 20), (0, 200, 0, 20), ()),
+    ((2, 1, 20), 2, 2, False, (2, 1, 20), (20, 0, 0, 0), ()),
+    # MQA: a head-shared bias stays in one block (its group)
+    ((1, 1, 10, 20), 1, 1, True, (1, 1, 10, 20), (0, 0, 0, 20), ()),
+    # deterministic, shared across blocks: a copy per batch row and KV head, summed afterwards
+    ((1, 1, 10, 20), 3, 2, True, (3, 2, 10, 20), (400, 0, 200, 20), (0, 1)),
+    ((1, 4, 20), 3, 2, True, (3, 4, 20), (80, 20, 0, 0), (0,)),
+    ((2, 1, 20), 2, 4, True, (2, 4, 20), (80, 0, 20, 0), (1,)),
+])
+def test_bias_grad_layout(shape, batch, heads_kv, deterministic, buffer, strides, summed):
+    layout = bias_grad_layout(shape, batch, heads_kv, deterministic)
+    assert layout.buffer_shape == buffer and layout.summed_axes == summed
+    assert tuple(layout.strides[k] for k in ("dbias_sb", "dbias_sh", "dbias_skv", "dbias_sq")) == strides

@@ -115,6 +115,60 @@ def test_backward_is_bitwise_deterministic(name):
             assert np.array_equal(first.view(np.uint16), to_numpy(getattr(run, name_)).view(np.uint16)), name_
 
 
+# bias shapes [B|1, H|1, ...] by what they broadcast, for B = 2, Hq = 4
+BIAS_HEADS = {"full": (2, 4), "shared": (1, 1), "per_head": (1, 4), "per_batch": (2, 1)}
+
+
+@pytest.mark.parametrize("dtype, head_dim", [("float16", 64), ("bfloat16", 128), ("float16", 256)])
+@pytest.mark.parametrize("kind", ["matrix", "vector"])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bias_gradient_against_oracle(dtype, head_dim, kind, softcap, deterministic):
+    """backward.bias_grad: d loss / d bias (summed over what it broadcasts) with dq, dk, dv,
+    for every broadcast of the bias, MHA/GQA/MQA, causal or not; with softcap the bias's
+    gradient is taken before softcap's factor. deterministic gives blocks sharing an element a
+    copy each."""
+    for i, (shape, (nq, nk)) in enumerate(zip(BIAS_HEADS.values(), [(113, 203), (1023, 1024), (1, 239), (203, 113)])):
+        hkv, causal = HEADS_KV[i % 3], i % 2 == 1
+        base = variants.variant(default_spec(dtype, head_dim, causal), Mask(kind="causal" if causal else "none"),
+                                ScoreMod(bias=kind, softcap=softcap))
+        spec = variants.trainable(base, deterministic=deterministic, bias_grad=True)
+        assert spec.backward.bias_grad and spec.backward.deterministic == deterministic
+        rng = np.random.default_rng(i + head_dim)
+        bias = rng.standard_normal((*shape, nq, nk) if kind == "matrix" else (*shape, nk)).astype(np.float32)
+        result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk, extras={"bias": bias}, seed=i)
+        print(result.summary())
+        assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("kind", ["matrix", "vector"])
+def test_bias_gradient_is_bitwise_deterministic(kind):
+    """A bias shared by batch rows and KV heads, deterministic: each (batch, KV head) adds into
+    its own copy in step order, summed in a fixed order: three runs, the same bits."""
+    base = variants.variant(default_spec("float16", 128, True), Mask(kind="causal"), ScoreMod(bias=kind))
+    spec = variants.trainable(base, deterministic=True, bias_grad=True)
+    backward = compile_backward(spec)
+    q, k, v, _ = random_inputs("torch", "float16", 2, 8, 2, 700, 700, 128, seed=3)
+    dout = random_inputs("torch", "float16", 2, 8, 2, 700, 700, 128, seed=4)[0]
+    rng = np.random.default_rng(5)
+    bias = rng.standard_normal((1, 1, 700, 700) if kind == "matrix" else (1, 1, 700)).astype(np.float32)
+    out, lse = backward.forward(q, k, v, return_lse=True, bias=bias)
+    runs = [to_numpy(backward(dout, q, k, v, out, lse, bias=bias).dbias) for _ in range(3)]
+    assert runs[0].shape == bias.shape and np.abs(runs[0]).max() > 0
+    for run in runs[1:]:
+        assert np.array_equal(runs[0].view(np.uint32), run.view(np.uint32))
+
+
+def test_bias_gradient_needs_the_bias():
+    base = variants.variant(default_spec("float16", 64, False), Mask(), ScoreMod(bias="vector"))
+    backward = compile_backward(variants.trainable(base, bias_grad=True))
+    q, k, v, _ = random_inputs("cupy", "float16", 1, 2, 2, 100, 100, 64)
+    bias = np.zeros((1, 1, 100), np.float32)
+    out, lse = backward.forward(q, k, v, return_lse=True, bias=bias)
+    with pytest.raises(ValueError, match="bias"):
+        backward(q, q, k, v, out, lse)
+
+
 def test_backward_refuses_mismatched_arguments():
     spec = variants.trainable(default_spec("float16", 64, True))
     backward = compile_backward(spec)

@@ -115,11 +115,14 @@ def test_gradients_with_a_block_mask_against_the_oracle(nan_empty, dtype, head_d
         assert relative_error(to_numpy(g), ref[name]) <= GRAD_TOLERANCE[dtype], name
 
 
-def _reference(q, k, v, *, causal: bool, scale: float):
-    """softmax(q k^T * scale + mask) v in float64 PyTorch, k and v repeated over each GQA group."""
+def _reference(q, k, v, *, causal: bool, scale: float, bias=None):
+    """softmax(q k^T * scale + bias + mask) v in float64 PyTorch, k and v repeated over each GQA
+    group; a vector bias [B|1, H|1, Nk] is every query's."""
     group = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
     s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + (bias[:, :, None, :] if bias.dim() == 3 else bias)
     if causal:  # bottom-right diagonal: query i sees keys up to i + Nk - Nq
         nq, nk = s.shape[-2:]
         s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril(nk - nq), float("-inf"))
@@ -139,6 +142,33 @@ def test_gradients_against_torch_float64_autograd(nan_empty, causal):
         assert relative_error(to_numpy(g), r.cpu().numpy()) <= GRAD_TOLERANCE["float16"], name
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind, shape", [("matrix", (1, HQ)), ("matrix", (B, 1)), ("vector", (B, HQ)),
+                                         ("vector", (1, 1))])
+def test_bias_gradient_against_the_oracle_and_torch_autograd(nan_empty, dtype, head_dim, kind, shape):
+    """A bias that requires grad (a learned relative-position bias, an ALiBi-like vector): its
+    gradient, summed over what it broadcasts, against the float64 oracle and against PyTorch's
+    autograd through a float64 reference; q, k, v's gradients too."""
+    nq, nk = 113, 203
+    q, k, v, _ = random_inputs("torch", dtype, B, HQ, HKV, nq, nk, head_dim, seed=51)
+    dout = random_inputs("torch", dtype, B, HQ, HKV, nq, nk, head_dim, seed=52)[0]
+    gen = torch.Generator(device="cuda").manual_seed(53)
+    bias = torch.randn((*shape, nq, nk) if kind == "matrix" else (*shape, nk), generator=gen, device="cuda")
+    leaves = [x.requires_grad_() for x in (q, k, v, bias)]
+    grads = torch.autograd.grad(fagen.attention(q, k, v, causal=True, bias=bias), leaves, dout)
+    ref = oracle.attention_backward(*(to_numpy(x) for x in (q, k, v, dout)), causal=True, bias=to_numpy(bias))
+    for name, g in zip(("dq", "dk", "dv", "dbias"), grads):
+        assert relative_error(to_numpy(g), ref[name]) <= GRAD_TOLERANCE[dtype], name
+    assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
+    ref_leaves = [x.detach().double().requires_grad_() for x in leaves]
+    scale = head_dim ** -0.5
+    torch_ref = torch.autograd.grad(_reference(*ref_leaves[:3], causal=True, scale=scale, bias=ref_leaves[3]),
+                                    ref_leaves, dout.double())
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, torch_ref):
+        assert relative_error(to_numpy(g), r.cpu().numpy()) <= GRAD_TOLERANCE[dtype], name
+
+
 def test_opcheck_both_ops():
     """torch.library.opcheck: schema (no mutation, no aliasing), fake tensors against the real
     kernels' shapes, dtypes and strides, the autograd registration, and AOT dispatch."""
@@ -153,25 +183,33 @@ def test_opcheck_both_ops():
     out, lse = forward(q, k, v, None, None, None, None, "", True, None, None, False)
     for deterministic in (False, True):
         torch.library.opcheck(backward, (dout, q, k, v, out, lse, None, None, None, None, "", True, None, None,
-                                         deterministic))
+                                         deterministic, False))
+    bias = torch.randn(1, HQ, 77, 77, device="cuda")
+    out, lse = forward(q, k, v, bias, None, None, None, "", True, None, None, False)
+    for deterministic in (False, True):  # the bias's gradient: deterministic sums a copy per KV head
+        torch.library.opcheck(backward, (dout, q, k, v, out, lse, bias, None, None, None, "", True, None, None,
+                                         deterministic, True))
+    torch.library.opcheck(forward, (*leaves, bias.requires_grad_(), None, None, None, "", True, None, None, False))
 
 
 class TinyAttention(torch.nn.Module):
     """One attention layer: fused QKV projection, fagen.attention (GQA), output projection."""
 
-    def __init__(self, dim=256, heads=HQ, kv_heads=HKV, sinks=False, **attention):
+    def __init__(self, dim=256, heads=HQ, kv_heads=HKV, sinks=False, bias_len=None, **attention):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
         self.proj = torch.nn.Linear(dim, dim, bias=False)
         self.sinks = torch.nn.Parameter(torch.zeros(heads)) if sinks else None
+        # a learned score bias per head and pair (as T5's or Swin's relative-position bias)
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(1, heads, bias_len, bias_len)) if bias_len else None
         self.attention = attention
 
     def forward(self, x):
         b, n, _ = x.shape
         qkv = self.qkv(x).view(b, n, self.heads + 2 * self.kv_heads, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        out = fagen.attention(q, k, v, sinks=self.sinks, **self.attention)
+        out = fagen.attention(q, k, v, sinks=self.sinks, bias=self.bias, **self.attention)
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -184,8 +222,9 @@ def _tiny(dtype=torch.float16, **attention):
 
 
 @pytest.mark.parametrize("attention", [dict(causal=True),
-                                       dict(mask={"kind": "sliding_window", "window_left": 64}, sinks=True)],
-                         ids=["causal", "sliding_window_sinks"])
+                                       dict(mask={"kind": "sliding_window", "window_left": 64}, sinks=True),
+                                       dict(causal=True, bias_len=300)],
+                         ids=["causal", "sliding_window_sinks", "causal_learned_bias"])
 def test_torch_compile_fullgraph_matches_eager(attention):
     """torch.compile sees one op each way (no graph break); forward and gradients as eager."""
     model = _tiny(**attention)
@@ -203,9 +242,10 @@ def test_torch_compile_fullgraph_matches_eager(attention):
         assert relative_error(to_numpy(g_compiled[name]), to_numpy(g_eager[name])) < 1e-2, name
 
 
-@pytest.mark.parametrize("sinks, deterministic", [(False, True), (True, True), (True, False)],
-                         ids=["causal", "causal_sinks", "causal_sinks_atomic"])
-def test_cuda_graph_of_a_training_step_replays(sinks, deterministic):
+@pytest.mark.parametrize("side, deterministic", [((), True), (("sinks",), True), (("sinks",), False),
+                                                  (("sinks", "bias"), True)],
+                         ids=["causal", "causal_sinks", "causal_sinks_atomic", "causal_sinks_learned_bias"])
+def test_cuda_graph_of_a_training_step_replays(side, deterministic):
     """Warm up on a side stream, capture forward + loss.backward() (with no host sync allowed),
     replay on new inputs copied into the static ones: out, loss and every gradient equal an
     eager step's bits (deterministic: true), or dQ within rounding of it (atomic dQ, sm_90a:
@@ -213,11 +253,11 @@ def test_cuda_graph_of_a_training_step_replays(sinks, deterministic):
     q, k, v, _ = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=31)
     target = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=32)[0]
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    if sinks:
-        leaves.append(torch.zeros(HQ, device="cuda", requires_grad=True))
+    shapes = {"sinks": (HQ,), "bias": (1, HQ, 300, 300)}  # a bias every batch row shares
+    leaves += [torch.zeros(shapes[name], device="cuda", requires_grad=True) for name in side]
 
-    def step(q, k, v, sinks=None):
-        out = fagen.attention(q, k, v, causal=True, sinks=sinks, deterministic=deterministic)
+    def step(q, k, v, *values):
+        out = fagen.attention(q, k, v, causal=True, deterministic=deterministic, **dict(zip(side, values)))
         loss = (out.float() * target.float()).sum()
         loss.backward()
         return out, loss

@@ -149,13 +149,16 @@ def test_measured_fits_compile_without_spills():
 # Every shipped spec with a backward: section, and what fagen.attention trains with: the trainable
 # variant of every float16 default on an H100/H200 (bfloat16 differs only in the MMA's type; the
 # A100's sm_80 builds too with FAGEN_NVCC_MATRIX=cover or full), each for the arch its backward
-# is built for (fagen.nvcc.backward_arch); and a runtime block mask's (its dK/dV loop reads
-# transposed lists) on each main loop: wgmma (d 64, 128) and mma.sync (d 256).
+# is built for (fagen.nvcc.backward_arch); a runtime block mask's (its dK/dV loop reads
+# transposed lists) on each main loop: wgmma (d 64, 128) and mma.sync (d 256); and a matrix
+# bias's gradient (an add per score) at d 64 and 128.
 TRAINING_GPUS = ("h200",) if MATRIX == "quick" else (None, "h200")
 DEFAULTS = [s for gpu in TRAINING_GPUS for s, _ in attention_defaults(gpu) if s.dtype == "float16"]
 BACKWARD_SPECS = [s for s in map(fagen.load_spec, SPEC_PATHS) if s.backward is not None] + list(dict.fromkeys(
     [trainable(s) for s in DEFAULTS] + [trainable(variant(s, Mask(kind="block_mask"), ScoreMod())) for s in DEFAULTS
-                                        if not s.causal and s.head_dim in (64, 128, 256)]))
+                                        if not s.causal and s.head_dim in (64, 128, 256)]
+    + [trainable(variant(s, Mask(kind="causal"), ScoreMod(bias="matrix")), bias_grad=True) for s in DEFAULTS
+       if not s.causal and s.head_dim in (64, 128)]))
 
 
 @pytest.fixture(scope="module")

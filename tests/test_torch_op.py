@@ -52,7 +52,7 @@ def test_op_schemas():
     assert str(torch.ops.fagen.attention_forward.default._schema) == \
         f"fagen::attention_forward(Tensor q, Tensor k, Tensor v, {side}) -> (Tensor, Tensor)"
     assert str(torch.ops.fagen.attention_backward.default._schema) == \
-        f"fagen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {side}) " \
-        f"-> (Tensor, Tensor, Tensor, Tensor)"
+        f"fagen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {side}, " \
+        f"bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 
 
