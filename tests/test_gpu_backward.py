@@ -119,21 +119,23 @@ def test_backward_is_bitwise_deterministic(name):
 BIAS_HEADS = {"full": (2, 4), "shared": (1, 1), "per_head": (1, 4), "per_batch": (2, 1)}
 
 
-@pytest.mark.parametrize("dtype, head_dim", [("float16", 64), ("bfloat16", 128), ("float16", 256)])
+@pytest.mark.parametrize("dtype, head_dim, main_loop", [("float16", 64, "this GPU's"), ("bfloat16", 128, "this GPU's"),
+                                                     ("float16", 128, "mma.sync"), ("bfloat16", 32, "mma.sync")])
 @pytest.mark.parametrize("kind", ["matrix", "vector"])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_bias_gradient_against_oracle(dtype, head_dim, kind, softcap, deterministic):
+def test_bias_gradient_against_oracle(dtype, head_dim, main_loop, kind, softcap, deterministic):
     """backward.bias_grad: d loss / d bias (summed over what it broadcasts) with dq, dk, dv,
     for every broadcast of the bias, MHA/GQA/MQA, causal or not; with softcap the bias's
     gradient is taken before softcap's factor. deterministic gives blocks sharing an element a
-    copy each."""
+    copy each. Both main loops: the default spec (wgmma on sm_90a) and the sm_80 one."""
     for i, (shape, (nq, nk)) in enumerate(zip(BIAS_HEADS.values(), [(113, 203), (1023, 1024), (1, 239), (203, 113)])):
         hkv, causal = HEADS_KV[i % 3], i % 2 == 1
-        base = variants.variant(default_spec(dtype, head_dim, causal), Mask(kind="causal" if causal else "none"),
-                                ScoreMod(bias=kind, softcap=softcap))
+        spec = (default_spec(dtype, head_dim, causal) if main_loop == "this GPU's"
+                else variants.shipped_spec(dtype, head_dim, causal, gpu=None))
+        base = variants.variant(spec, Mask(kind="causal" if causal else "none"), ScoreMod(bias=kind, softcap=softcap))
         spec = variants.trainable(base, deterministic=deterministic, bias_grad=True)
-        assert spec.backward.bias_grad and spec.backward.deterministic == deterministic
+        assert spec.backward.bias_grad and spec.backward.deterministic >= deterministic
         rng = np.random.default_rng(i + head_dim)
         bias = rng.standard_normal((*shape, nq, nk) if kind == "matrix" else (*shape, nk)).astype(np.float32)
         result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk, extras={"bias": bias}, seed=i)

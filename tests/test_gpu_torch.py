@@ -242,10 +242,10 @@ def test_torch_compile_fullgraph_matches_eager(attention):
         assert relative_error(to_numpy(g_compiled[name]), to_numpy(g_eager[name])) < 1e-2, name
 
 
-@pytest.mark.parametrize("side, deterministic", [((), True), (("sinks",), True), (("sinks",), False),
-                                                  (("sinks", "bias"), True)],
+@pytest.mark.parametrize("learned, deterministic", [((), True), (("sinks",), True), (("sinks",), False),
+                                                     (("sinks", "bias"), True)],
                          ids=["causal", "causal_sinks", "causal_sinks_atomic", "causal_sinks_learned_bias"])
-def test_cuda_graph_of_a_training_step_replays(side, deterministic):
+def test_cuda_graph_of_a_training_step_replays(learned, deterministic):
     """Warm up on a side stream, capture forward + loss.backward() (with no host sync allowed),
     replay on new inputs copied into the static ones: out, loss and every gradient equal an
     eager step's bits (deterministic: true), or dQ within rounding of it (atomic dQ, sm_90a:
@@ -254,10 +254,10 @@ def test_cuda_graph_of_a_training_step_replays(side, deterministic):
     target = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=32)[0]
     leaves = [x.requires_grad_() for x in (q, k, v)]
     shapes = {"sinks": (HQ,), "bias": (1, HQ, 300, 300)}  # a bias every batch row shares
-    leaves += [torch.zeros(shapes[name], device="cuda", requires_grad=True) for name in side]
+    leaves += [torch.zeros(shapes[name], device="cuda", requires_grad=True) for name in learned]
 
     def step(q, k, v, *values):
-        out = fagen.attention(q, k, v, causal=True, deterministic=deterministic, **dict(zip(side, values)))
+        out = fagen.attention(q, k, v, causal=True, deterministic=deterministic, **dict(zip(learned, values)))
         loss = (out.float() * target.float()).sum()
         loss.backward()
         return out, loss
