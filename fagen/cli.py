@@ -258,15 +258,19 @@ def check_cmd(spec: str, shape: tuple[int, int, int, int], kv_heads: int | None,
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default=str(SPECS_DIR), show_default=True,
               help="where <name>_<gpu>.yaml goes (relative to the working directory)")
 @click.option("--dry-run", is_flag=True, help="list the candidates the validator accepts, run nothing (no GPU)")
-def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: str, dry_run: bool) -> None:
-    """Sweep SPEC's tiling and pipeline; write the fastest correct one as <name>_<gpu>.yaml."""
+@click.option("--backward", is_flag=True,
+              help="tune the backward: section (the backward alone is timed; the forward's tiling stays SPEC's)")
+def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: str, dry_run: bool,
+             backward: bool) -> None:
+    """Sweep SPEC's tiling and pipeline (or, --backward, its backward's); write the fastest
+    correct one as <name>_<gpu>.yaml (a SPEC already named for this GPU keeps its name)."""
     from fagen import device, tune
 
     base = _load(Path(spec))
     if not dry_run:  # refuse before the sweep, not after it
         _need_gpu(torch=True)
         _check_folder(Path(out_dir), "-o")
-    specs, refused = tune.candidates(base, quick)
+    specs, refused = (tune.backward_candidates if backward else tune.candidates)(base, quick)
     click.echo(f"{len(specs)} candidates ({refused} refused by the validator: smem, registers, tiling)")
     if dry_run:
         for s in specs:
@@ -278,14 +282,14 @@ def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: 
     with click.progressbar(length=len(specs), label="tuning", show_pos=True) as bar:
         def progress(c):
             bar.update(1)
-        results = tune.tune(base, b, h, nq, nk, quick=quick, progress=progress)
+        results = (tune.tune_backward if backward else tune.tune)(base, b, h, nq, nk, quick=quick, progress=progress)
     for c in results[:10]:
         click.echo(f"{c.spec.name:60} " + (f"{c.ms:8.3f} ms {c.tflops:7.1f} TFLOP/s" if c.ms else f"FAILED {c.error}"))
     if not (results and results[0].ms):
         raise click.ClickException(f"no candidate of {base.name} passed the oracle check and ran; nothing written "
                                    f"(errors above)")
     try:
-        path = tune.write_tuned(results[0], base, shape, Path(out_dir), device.gpu_slug())
+        path = tune.write_tuned(results[0], base, shape, Path(out_dir), device.gpu_slug(), backward=backward)
     except OSError as err:
         raise click.ClickException(f"cannot write the tuned spec to {out_dir} ({err.strerror}); the best was "
                                    f"{results[0].spec.name}") from None

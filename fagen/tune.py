@@ -3,6 +3,11 @@
 Candidates are every combination the validator accepts (the validator is the pruner: its
 smem and register rules drop what cannot fit before anything compiles). Each survivor is
 checked against the oracle on a small problem, then timed on the asked shape.
+
+`fagen tune --backward` sweeps the backward: section instead (the forward's tiling stays the
+spec's, and so do its deterministic and bias_grad choices, which change what it computes, not
+how fast): timed is the backward alone, given the forward's out and LSE, at 2.5x the forward's
+FLOPs (the FlashAttention papers' convention).
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-from fagen import device
+from fagen import device, mask_kinds
+from fagen.backward import compile_backward as compile_gradients
 from fagen.bench import time_spec
-from fagen.nvcc import compile_offline, targets
+from fagen.check import check_backward_against_oracle, random_extras, random_inputs, time_ms
+from fagen.nvcc import compile_backward, compile_offline, targets
 from fagen.spec import AttentionSpec, SpecError
 from fagen.load import parse_spec
 
@@ -106,16 +114,125 @@ def _spills(spec: AttentionSpec) -> str | None:
     return None
 
 
-def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], out_dir: Path, slug: str) -> Path:
-    """Save the winner as `<base name>_<gpu>.yaml` with the measurement in a comment."""
-    name = f"{base.name}_{slug}"
+# ---- the backward -------------------------------------------------------------------------------
+# (block_kv, warps, head_split): the dK/dV kernel's keys and warps (wgmma: 64 keys a warpgroup,
+# head_dim not split); then queries a step, Q/dO stages, and the dQ kernel's (dq_block_q,
+# dq_block_kv, dq_warps), which atomic dQ does not run.
+BACKWARD_SPACE = {
+    "keys": ((128, 8, 1), (64, 4, 1), (128, 4, 1), (64, 8, 2)),
+    "block_q": (16, 32, 64, 128),
+    "stages": (1, 2, 3),
+    "dq": ((64, 64, 4), (64, 32, 4), (64, 128, 4), (128, 64, 8)),
+}
+QUICK_BACKWARD_SPACE = {"keys": ((128, 8, 1), (64, 8, 2)), "block_q": (32, 64, 128), "stages": (2, 3),
+                        "dq": ((64, 64, 4), (64, 32, 4))}
+
+
+def backward_candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[AttentionSpec], int]:
+    """Valid backward tilings of `base` (its forward as is), and how many the validator refused.
+    Atomic dQ runs no dQ kernel: its candidates differ in the dK/dV kernel only."""
+    own = base.backward
+    keep, refused, seen = [], 0, set()
+    for (bkv, warps, split), bq, stages, (dqq, dqkv, dqw) in itertools.product(
+            *(QUICK_BACKWARD_SPACE if quick else BACKWARD_SPACE).values()):
+        data = base.model_dump(mode="json")
+        data["backward"] = {"block_kv": bkv, "warps": warps, "head_split": split, "block_q": bq, "stages": stages,
+                            "dq_block_q": dqq, "dq_block_kv": dqkv, "dq_warps": dqw,
+                            "deterministic": own.deterministic if own else False,
+                            "bias_grad": own.bias_grad if own else False}
+        data["name"] = f"{base.name}_bwd_kv{bkv}w{warps}s{split}_q{bq}_st{stages}_dq{dqq}x{dqkv}w{dqw}"
+        try:
+            spec = parse_spec(data, data["name"])
+        except SpecError:
+            refused += 1
+            continue
+        runs = (bkv, warps, split, bq, stages) + (() if spec.atomic_dq else (dqq, dqkv, dqw))
+        if runs not in seen:
+            seen.add(runs)
+            keep.append(spec)
+    return keep, refused
+
+
+def tune_backward(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool = False,
+                  progress=None) -> list[Candidate]:
+    """Check and time every backward candidate; fastest first (as `tune`)."""
+    why = device.gpu_missing(torch=True)
+    if why:
+        raise RuntimeError(why)
+    results = []
+    for spec in backward_candidates(base, quick)[0]:
+        cand = Candidate(spec)
+        cand.error = _backward_spills(spec)  # as shipped kernels: no spills
+        if cand.error is None:
+            try:
+                cand.ms, cand.tflops = time_backward(spec, b, h, nq, nk)
+            except Exception as err:  # a candidate that fails is reported, not fatal
+                cand.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        results.append(cand)
+        if progress:
+            progress(cand)
+    return sorted(results, key=lambda c: (c.ms is None, c.ms or 0.0))
+
+
+def time_backward(spec: AttentionSpec, b: int, h: int, nq: int, nk: int) -> tuple[float, float]:
+    """(ms, TFLOP/s) of spec's backward alone at this shape (MHA, fresh random inputs and side
+    inputs, the forward's out and LSE given), after its check against the float64 oracle on a
+    smaller one. FLOPs: 2.5x the forward's 4 d per kept (q, k) pair."""
+    check = check_backward_against_oracle(spec, 1, 2, 2, min(nq, 777), min(nk, 777), framework="torch")
+    if not check.passed:
+        raise AssertionError(f"refusing to time a wrong kernel: {check.summary()}")
+    backward = compile_gradients(spec)
+    q, k, v, _ = random_inputs("torch", spec.dtype, b, h, h, nq, nk, spec.head_dim)
+    dout, dq, dk, dv = random_inputs("torch", spec.dtype, b, h, h, nq, nk, spec.head_dim)
+    extras = random_extras(spec, b, h, nq, nk)
+    out, lse = backward.forward(q, k, v, return_lse=True, **extras)
+    ms = time_ms(lambda: backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **extras), warmup=10, iters=30)
+    return ms, 2.5 * 4 * b * h * spec.head_dim * kept_pairs(spec, nq, nk) / ms / 1e9
+
+
+def kept_pairs(spec: AttentionSpec, nq: int, nk: int) -> int:
+    """(q, k) pairs a static mask kind keeps (its NumPy `keep`); every pair for the kinds whose
+    pattern comes in an array (documents, block masks) or from an expression alone."""
+    kind = mask_kinds.KINDS[spec.mask.kind]
+    if kind.side_input is not None:
+        return nq * nk
+    off = nk - nq if spec.mask.align == "bottom_right" else 0
+    return int(kind.keep(spec.mask, np.arange(nq)[:, None], np.arange(nk)[None, :], off, None).sum())
+
+
+def _backward_spills(spec: AttentionSpec) -> str | None:
+    """Why ptxas spills a kernel of spec's backward, or None; None too without nvcc."""
+    if shutil.which("nvcc") is None:
+        return None
+    for kernel, r in compile_backward(spec).items():
+        if r.spill_stores or r.stack_frame:
+            return f"{kernel} spills: {r.spill_stores} bytes, {r.stack_frame} bytes stack"
+    return None
+
+
+def tuned_name(base: AttentionSpec, slug: str) -> str:
+    """`<base>_<gpu>`; a spec already tuned for this GPU keeps its name (tuning its backward
+    into the file that holds its tuned forward)."""
+    return base.name if base.name.endswith(f"_{slug}") else f"{base.name}_{slug}"
+
+
+def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], out_dir: Path, slug: str,
+                backward: bool = False) -> Path:
+    """Save the winner as `<base name>_<gpu>.yaml` with the measurement in a comment. A backward
+    tuned into an existing file keeps that file's comments (its forward's measurement)."""
+    name = tuned_name(base, slug)
     data = best.spec.model_dump(mode="json", exclude_none=True)
     data["name"] = name
     parse_spec(data, name)
     b, h, nq, nk = shape
-    head = (f"# tuned by `fagen tune` on {slug}: B={b} H={h} Nq={nq} Nk={nk}: "
-            f"{best.ms:.3f} ms, {best.tflops:.1f} TFLOP/s (checked against the oracle first)\n")
+    what = "fagen tune --backward" if backward else "fagen tune"
+    head = (f"# tuned by `{what}` on {slug}: B={b} H={h} Nq={nq} Nk={nk}: {best.ms:.3f} ms, "
+            f"{best.tflops:.1f} TFLOP/s{' backward alone' if backward else ''} (checked against the oracle first)\n")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"{name}.yaml"
+    if backward and path.exists():
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if line.startswith("#") and "fagen tune --backward" not in line]
+        head = "".join(kept) + head
     path.write_text(head + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
     return path

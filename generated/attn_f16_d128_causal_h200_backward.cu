@@ -16,7 +16,7 @@
 //     dq_block_q: 64
 //     dq_warps: 4
 //     head_split: 1
-//     stages: 2
+//     stages: 3
 //     warps: 8
 //   dtype: float16
 //   head_dim: 128
@@ -180,7 +180,7 @@ constexpr int D_COLS = 128;            // the warp's columns of dK and dV
 constexpr int D_N_FRAGS = 16;          // ... as n8 fragments
 constexpr int QK_K_STEPS = 8;          // k16 steps of S^T = K.Q^T over head_dim
 constexpr int Q_K_STEPS = 4;           // k16 steps of dV += P^T.dO, dK += dS^T.Q over queries
-constexpr int STAGES = 2;              // Q/dO tiles in flight
+constexpr int STAGES = 3;              // Q/dO tiles in flight
 constexpr int SMEM_ALIGN = 1024;          // bytes: the smem tiles' start (their layout's unit)
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
 constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
@@ -208,7 +208,7 @@ constexpr int MBARRIER_BYTES = 8;      // the Q/dO ring's landed and freed barri
 // DQ_N_TILES), columns 64 (i % DQ_N_TILES)) over share w / DQ_TILES of the keys, K's columns
 // read as the forward reads V. A warpgroup that owns its share of keys (DQ_KEY_SPLIT equal to
 // the warpgroups) reads only the rows it wrote, and waits for no other.
-constexpr int DS_OFFSET = 134144;         // bytes from the smem base to buffer 0
+constexpr int DS_OFFSET = 167936;         // bytes from the smem base to buffer 0
 constexpr int DS_TILE_BYTES = 16384;      // one buffer: BLOCK_KV x BLOCK_Q
 constexpr int DS_ATOMS_PER_ROW = 1;      // 64-query swizzle atoms across a row
 constexpr int DS_ROW_GROUP_BYTES = 1024;  // 8 keys: the stride byte offset of the MN-major A

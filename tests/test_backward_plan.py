@@ -195,3 +195,22 @@ def test_bias_grad_layout(shape, batch, heads_kv, deterministic, buffer, strides
     layout = bias_grad_layout(shape, batch, heads_kv, deterministic)
     assert layout.buffer_shape == buffer and layout.summed_axes == summed
     assert tuple(layout.strides[k] for k in ("dbias_sb", "dbias_sh", "dbias_skv", "dbias_sq")) == strides
+
+
+# ---- fagen tune --backward ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["attn_f16_d128", "attn_f16_d128_causal_h200", "attn_bf16_d64_h200"])
+def test_backward_candidates_keep_the_forward_and_what_it_computes(name):
+    from fagen.tune import backward_candidates
+
+    base = fagen.load_spec(SPECS / f"{name}.yaml")
+    specs, refused = backward_candidates(base)
+    assert specs and refused  # the validator prunes: smem, registers, wgmma's warpgroups
+    own = base.backward
+    for spec in specs:
+        assert (spec.tiling, spec.mask, spec.score_mod, spec.arch) == (base.tiling, base.mask, base.score_mod, base.arch)
+        assert spec.backward.deterministic == (own.deterministic if own else False)
+    # atomic dQ runs no dQ kernel: no two candidates differ in its tiles alone
+    kernels = [(s.backward.block_kv, s.backward.warps, s.backward.head_split, s.backward.block_q, s.backward.stages)
+               for s in specs if s.atomic_dq]
+    assert len(kernels) == len(set(kernels))

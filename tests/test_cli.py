@@ -505,3 +505,33 @@ def test_tune_writes_to_specs_in_the_working_directory(tmp_path, monkeypatch):
     written = tmp_path / "specs" / f"{SPEC.stem}_testgpu.yaml"
     assert written.exists()
     assert fagen.load_spec(written).name == f"{SPEC.stem}_testgpu"
+
+
+def test_tune_backward_dry_run_lists_backward_tilings(no_cupy, nothing_runs, tmp_path):
+    result = run("tune", SPEC, "--backward", "--quick", "--dry-run", "-o", tmp_path)
+    assert result.exit_code == 0, result.output
+    names = [line.strip() for line in result.output.splitlines()[1:]]
+    assert names and all(f"{SPEC.stem}_bwd_kv" in name for name in names)
+
+
+def test_tune_backward_keeps_the_forward_and_the_file_it_tunes_into(tmp_path, monkeypatch):
+    """A spec already tuned for this GPU gets its backward in the same file, its forward's
+    tiling and comment kept."""
+    from fagen import device, tune
+
+    tuned = tmp_path / "specs" / "attn_f16_d128_causal_testgpu.yaml"
+    tuned.parent.mkdir()
+    text = (fagen.load.SPECS / "attn_f16_d128_causal_h200.yaml").read_text().replace("_h200", "_testgpu")
+    tuned.write_text("# the forward's measurement\n" + text)
+    base = fagen.load_spec(tuned)
+    best = tune.backward_candidates(base, quick=True)[0][-1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(device, "gpu_missing", lambda torch=False: None)
+    monkeypatch.setattr(tune, "tune_backward", lambda *a, **k: [tune.Candidate(best, ms=2.0, tflops=300.0)])
+    monkeypatch.setattr(device, "gpu_slug", lambda: "testgpu")
+    result = run("tune", str(tuned), "--backward", "--quick", "--shape", "1,1,64,64")
+    assert result.exit_code == 0, result.output
+    written = fagen.load_spec(tuned)
+    assert written.name == base.name and written.tiling == base.tiling and written.backward == best.backward
+    comments = [line for line in tuned.read_text().splitlines() if line.startswith("#")]
+    assert comments[0] == "# the forward's measurement" and "fagen tune --backward" in comments[-1]
