@@ -214,3 +214,40 @@ def test_backward_candidates_keep_the_forward_and_what_it_computes(name):
     kernels = [(s.backward.block_kv, s.backward.warps, s.backward.head_split, s.backward.block_q, s.backward.stages)
                for s in specs if s.atomic_dq]
     assert len(kernels) == len(set(kernels))
+
+
+def test_tune_backward_retimes_its_leaders_interleaved(monkeypatch):
+    """A first pass in a fixed order favours later candidates (clocks ramping up): the leaders
+    are timed again, alternating order, and ranked by the median."""
+    from fagen import tune
+
+    base = fagen.load_spec(SPECS / "attn_f16_d128.yaml")
+    specs = tune.backward_candidates(base, quick=True)[0]
+    first_pass = {s.name: 1.0 + 0.1 * (len(specs) - i) for i, s in enumerate(specs)}  # later looks faster
+    steady = {s.name: 1.0 + 0.01 * i for i, s in enumerate(specs)}  # the truth: earlier is faster
+    timed = []
+
+    class Inputs:
+        flops = 1e9
+
+        def __init__(self, *a):
+            pass
+
+        def run(self, spec):
+            return spec.name
+
+    def fake_time(name, **_):
+        timed.append(name)
+        return (first_pass if timed.count(name) == 1 else steady)[name]
+
+    monkeypatch.setattr(tune.device, "gpu_missing", lambda torch=False: None)
+    monkeypatch.setattr(tune, "BackwardInputs", Inputs)
+    monkeypatch.setattr(tune, "_backward_spills", lambda spec: None)
+    monkeypatch.setattr(tune, "time_ms", fake_time)
+    results = tune.tune_backward(base, 1, 1, 64, 64, quick=True)
+    leaders = [s.name for s in specs[-tune.CONFIRM_LEADERS:]]
+    retimed = timed[len(specs):]
+    assert sorted(set(retimed)) == sorted(leaders) and len(retimed) == tune.CONFIRM_LEADERS * tune.CONFIRM_ROUNDS
+    assert retimed[:tune.CONFIRM_LEADERS] != retimed[tune.CONFIRM_LEADERS:2 * tune.CONFIRM_LEADERS]  # alternating
+    best = min(leaders, key=steady.get)
+    assert results[0].spec.name == best and results[0].tflops == pytest.approx(1e9 / steady[best] / 1e9)
