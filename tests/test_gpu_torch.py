@@ -95,7 +95,7 @@ def test_gradients_with_modifiers_against_the_oracle(nan_empty, dtype, head_dim,
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gradients_with_a_block_mask_against_the_oracle(nan_empty, dtype, head_dim):
     """A runtime block mask (no tensor, so autograd.Function rather than the ops): out, dq, dk,
-    dv and dsinks against the oracle."""
+    dv, dsinks and a learned vector bias's gradient against the oracle."""
     from fagen.check import random_block_mask
 
     nq, nk = 203, 300
@@ -104,14 +104,16 @@ def test_gradients_with_a_block_mask_against_the_oracle(nan_empty, dtype, head_d
     rng = np.random.default_rng(23)
     block_mask = random_block_mask(rng, B, HQ, nq, nk, 32, 64)
     sinks = rng.uniform(-1.0, 3.0, HQ).astype(np.float32)
-    leaves = [x.requires_grad_() for x in (q, k, v)] + [torch.tensor(sinks, device="cuda").requires_grad_()]
-    out = fagen.attention(q, k, v, block_mask=block_mask, sinks=leaves[3])
+    bias = rng.standard_normal((1, HQ, nk)).astype(np.float32)
+    leaves = [x.requires_grad_() for x in (q, k, v)] + [torch.tensor(x, device="cuda").requires_grad_()
+                                                       for x in (sinks, bias)]
+    out = fagen.attention(q, k, v, block_mask=block_mask, sinks=leaves[3], bias=leaves[4])
     grads = torch.autograd.grad(out, leaves, dout)
     qn, kn, vn = (to_numpy(x) for x in (q, k, v))
-    ref_out = oracle.attention(qn, kn, vn, block_mask=block_mask, sinks=sinks)
-    ref = oracle.attention_backward(qn, kn, vn, to_numpy(dout), block_mask=block_mask, sinks=sinks)
+    ref_out = oracle.attention(qn, kn, vn, block_mask=block_mask, sinks=sinks, bias=bias)
+    ref = oracle.attention_backward(qn, kn, vn, to_numpy(dout), block_mask=block_mask, sinks=sinks, bias=bias)
     assert relative_error(to_numpy(out), ref_out) <= OUT_TOLERANCE[dtype]
-    for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
+    for name, g in zip(("dq", "dk", "dv", "dsinks", "dbias"), grads):
         assert relative_error(to_numpy(g), ref[name]) <= GRAD_TOLERANCE[dtype], name
 
 
