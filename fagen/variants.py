@@ -103,9 +103,9 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32})
 # sm_90a up to head_dim 128 (the wgmma dK/dV kernel): two warpgroups of 64 keys, dQ by atomics
 # (backward.deterministic false), 3 Q/dO stages (interleaved on the H100: +2% over 2 at head_dim
-# 64, within noise at 128; notes/perf.md); head_dim 64 takes 128 queries a step (S^T as m64n128 wgmmas: 15-40% faster
-# than 64). Where a mask or modifiers push that over the registers: 64 queries, then the dQ
-# kernel instead (deterministic), then fewer queries a step.
+# 64, within noise at 128; notes/perf.md); head_dim 64 takes 128 queries a step (S^T as m64n128
+# wgmmas: 15-40% faster than 64). Where a mask or modifiers push that over the registers: 64
+# queries (and 2 stages), then the dQ kernel instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 3}, 128: {"stages": 3}}
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
