@@ -15,16 +15,26 @@ def compile(spec):
 
 
 def attention(q, k, v, **kwargs):
-    """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy).
-    PyTorch tensors go through the fagen::attention_forward op: autograd, torch.compile and
+    """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy);
+    a few query rows (decode) take the GQA-packed split-KV kernels (fagen.decode). PyTorch tensors go through the fagen::attention_forward op: autograd, torch.compile and
     CUDA graphs see it (fagen.torch_op)."""
     from fagen.device import is_torch
 
     if is_torch(q):
         from fagen.torch_op import attention as _attention
     else:
-        from fagen.runtime import attention as _attention
+        from fagen.decode import attention as _attention
     return _attention(q, k, v, **kwargs)
 
 
-__all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "compile", "load_spec", "parse_spec", "render"]
+def prepare(q, k, v, **kwargs):
+    """fagen.attention packed once for tensors of these shapes (a decode loop): a callable
+    taking (q, k, v) of the same shapes, strides and dtype, with a few microseconds of host work
+    a call (fagen.decode.PreparedAttention)."""
+    from fagen.decode import prepare as _prepare
+
+    return _prepare(q, k, v, **kwargs)
+
+
+__all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "compile", "load_spec", "parse_spec", "prepare",
+           "render"]

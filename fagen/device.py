@@ -7,6 +7,7 @@ the GPU's identity. Everything that touches a device goes through here; the laye
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -115,6 +116,11 @@ def stream_for(ref: DeviceTensor):
 def gpu_slug() -> str:
     """'h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100 80GB HBM3': tuned specs are per GPU."""
     require_cupy()
-    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    return _gpu_slug(cupy.cuda.Device().id)
+
+
+@cache
+def _gpu_slug(device: int) -> str:  # reading the properties costs a millisecond: once a device
+    name = cupy.cuda.runtime.getDeviceProperties(device)["name"].decode()
     words = [w for w in name.lower().replace("nvidia", "").split() if w]
     return "".join(c for c in (words[0] if words else "gpu") if c.isalnum())

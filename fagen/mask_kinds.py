@@ -31,6 +31,9 @@ class MaskKind:
     side_input: str | None = None  # the fagen.attention argument that carries its pattern
     shiftable = False  # a function of q - k alone: shards may move its diagonal (mask_offset)
     uses_align = True  # where the diagonal sits matters
+    # a function of positions alone (no array indexed by query tile or row): GQA packing, whose
+    # tile rows are (position, head) pairs, may test it per row
+    packable = True
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -141,6 +144,7 @@ class Document(MaskKind):
     fields = ("causal",)
     params = ((INT_PTR, "doc_ids"), ("long long", "doc_sb"))
     side_input = "doc_ids"
+    packable = False
     uses_align = False
 
     def keep(self, m, q, k, off, doc):
@@ -170,6 +174,7 @@ class BlockMaskKind(MaskKind):
               ("const unsigned* __restrict__", "bm_bits"), ("int", "bm_sb"), ("int", "bm_sh"),
               ("int", "bm_max"), ("int", "bm_causal_offset"))
     side_input = "block_mask"
+    packable = False
     uses_align = False
 
 

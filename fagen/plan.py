@@ -10,8 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from fagen.mask_kinds import KINDS
-from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, Outputs, ScoreMod,
-                        SpecError, rule)
+from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, Outputs,
+                        ScoreMod, SpecError, rule)
 
 ELEMENT_BYTES = 2  # float16 and bfloat16
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
@@ -364,6 +364,7 @@ class MergePlan:
     threads: int  # a block's threads: the launch's block size
     rows_per_block: int  # rows of O a block merges: the launch's grid is ceil(rows / rows_per_block)
     params: tuple[tuple[str, str], ...]  # (C type, name) in signature order; out_t is its typedef
+    columns_per_lane: int  # head_dim columns a lane of a row's warp sums (the largest head_dim / 32)
 
 
 MERGE_WARPS = 4
@@ -376,4 +377,5 @@ MERGE_PARAMS: tuple[tuple[str, str], ...] = (
 
 
 def merge_plan(out_dtype: str) -> MergePlan:
-    return MergePlan(out_dtype=out_dtype, threads=32 * MERGE_WARPS, rows_per_block=MERGE_WARPS, params=MERGE_PARAMS)
+    return MergePlan(out_dtype=out_dtype, threads=32 * MERGE_WARPS, rows_per_block=MERGE_WARPS, params=MERGE_PARAMS,
+                     columns_per_lane=max(HEAD_DIMS) // 32)

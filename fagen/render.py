@@ -67,6 +67,7 @@ def context(spec: AttentionSpec) -> dict:
         "write_lse": spec.outputs.lse,
         "partial": spec.outputs.partial,
         "q_in_registers": spec.pipeline.q_in_registers,
+        "pack_gqa": spec.tiling.pack_gqa,
         "kv_major": False,  # the backward's dK/dV kernel walks the mask transposed
         "grads": False,  # the backward keeps the score modifiers' derivative per element
         "backward": False,

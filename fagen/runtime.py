@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import struct
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
@@ -99,6 +100,52 @@ def compile_module(source: str, name: str, *, wgmma: bool):
     return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
 
 
+# Each kernel parameter in an 8-byte slot of a Launch's buffer (struct format; x: padding).
+SLOT_FORMATS = {"int": "i4x", "long long": "q", "float": "f4x", "unsigned": "I4x"}
+
+
+@cache
+def slot_format(params: tuple[tuple[str, str], ...]) -> str:
+    """The struct format packing `params` ((C type, name), signature order) into 8-byte slots:
+    pointers as 64-bit addresses."""
+    return "<" + "".join("Q" if "*" in ctype else SLOT_FORMATS[ctype] for ctype, _ in params)
+
+
+class Launch:
+    """One kernel launch packed once: grid, block, shared memory and every argument, each in
+    its own 8-byte slot of a buffer handed to cuLaunchKernel. Calling it launches; `slots` name
+    the pointer parameters a call may re-point at other tensors of the same shape and strides
+    (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
+
+    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "_pointers")
+
+    def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
+                 params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = ()):
+        names = [name for _, name in params]
+        missing = [name for name in names if name not in values]
+        if missing:
+            raise ValueError(f"no value for kernel parameter(s) {missing}")
+        self.function = getattr(function, "kernel", function).ptr  # the CUfunction of a RawKernel
+        self.grid, self.block, self.smem = grid, threads, smem
+        self.values = np.zeros(len(params), np.uint64)  # the driver reads each parameter from its slot's start
+        struct.pack_into(slot_format(params), self.values, 0, *(values[name] for name in names))
+        # cuLaunchKernel reads the pointer array and the slots during the call: both live here
+        self._pointers = self.values.ctypes.data + 8 * np.arange(len(params), dtype=np.uint64)
+        self.params = self._pointers.ctypes.data
+        self.slots = tuple(names.index(name) for name in slots)
+
+    def __call__(self, stream: int | None, *addresses: int) -> None:
+        """Launch on `stream` (a CUDA stream handle; None: CuPy's current stream), the slots
+        given first pointing at `addresses`."""
+        values = self.values
+        for index, address in zip(self.slots, addresses):
+            values[index] = address
+        if stream is None:
+            stream = cupy.cuda.get_current_stream().ptr
+        gx, gy, gz = self.grid
+        cupy.cuda.driver.launchKernel(self.function, gx, gy, gz, self.block, 1, 1, self.smem, stream, self.params, 0)
+
+
 class Kernel:
     """A compiled spec. Call it like `fagen.attention`, without the choice of kernel."""
 
@@ -123,8 +170,10 @@ class Kernel:
         return f"Kernel({self.spec.name}, {self.arch})"
 
     @cached_property
-    def packers(self) -> tuple[tuple[str, type], ...]:
-        return packers(self.plan.params)
+    def blocks_per_sm(self) -> int:
+        """Blocks an SM holds at once, as the CUDA occupancy calculator reports for this launch."""
+        return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            getattr(self.function, "kernel", self.function).ptr, self.plan.threads, self.plan.smem_bytes)
 
     @cached_property
     def takes_side_inputs(self) -> bool:
@@ -159,8 +208,10 @@ class Kernel:
             raise ValueError(f"q has Hq = {hq} heads, k and v Hkv = {hkv}: Hq must be a multiple of Hkv (GQA/MQA)")
         if min(b, hq, nq, nk) < 1:
             raise ValueError(f"empty input: q {tq.shape}, k {tk.shape}; every dimension must be >= 1")
-        if math.ceil(nq / self.plan.block_q) > MAX_GRID_Y:
-            raise ValueError(f"Nq = {nq} needs more than {MAX_GRID_Y} query tiles of {self.plan.block_q}")
+        rows = nq * (hq // hkv if spec.tiling.pack_gqa else 1)
+        if math.ceil(rows / self.plan.block_q) > MAX_GRID_Y:
+            raise ValueError(f"Nq = {nq} needs more than {MAX_GRID_Y} query tiles of {self.plan.block_q} rows"
+                             + (f" ({hq // hkv} query heads packed a KV head)" if spec.tiling.pack_gqa else ""))
         if out is not None:
             to = as_device_tensor(out, "out")
             if to.kind != tq.kind or to.dtype != spec.dtype or to.shape != tq.shape or to.device != tq.device:
@@ -225,15 +276,29 @@ class Kernel:
                 to = as_device_tensor(out, "out")
                 lse = empty_like(tq, (b, hq, nq), "float32")
                 tl = as_device_tensor(lse, "lse")
-            values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, o=to.ptr, lse=tl.ptr, n_q=nq, n_kv=nk, mask_offset=mask_offset,
-                          heads_q=hq, group=hq // tk.shape[1], scale=scale, scale_log2=scale * LOG2E, **extras)
-            for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
-                values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-            args = pack_arguments(self.packers, values)
-            grid = (b * hq, math.ceil(nq / self.plan.block_q), splits)
-            self.function(grid, (self.plan.threads,), args, shared_mem=self.plan.smem_bytes)
+            self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras)(None)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
         return (out, lse) if return_lse or partial else out
+
+    def launch(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, to: DeviceTensor, tl: DeviceTensor, *,
+               scale: float, mask_offset: int, splits: int, extras: dict) -> Launch:
+        """The launch for checked tensors (out `to`, lse `tl`; split-KV: one split's view) and
+        arguments; its slots q, k, v, o, lse take other tensors' addresses (prepared calls)."""
+        b, hq, nq, _ = tq.shape
+        values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, o=to.ptr, lse=tl.ptr, n_q=nq, n_kv=tk.shape[2],
+                      mask_offset=mask_offset, heads_q=hq, group=hq // tk.shape[1], scale=scale,
+                      scale_log2=scale * LOG2E, **extras)
+        for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
+            values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
+        return Launch(self.function, self.grid(b, hq, tk.shape[1], nq, splits), self.plan.threads,
+                      self.plan.smem_bytes, self.plan.params, values, slots=("q", "k", "v", "o", "lse"))
+
+    def grid(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
+        """x: a block per (batch, query head), or per (batch, KV head) where the group's heads are
+        packed into the tile rows; y: tiles of those rows; z: KV splits."""
+        if self.spec.tiling.pack_gqa:
+            return b * hkv, math.ceil(nq * (hq // hkv) / self.plan.block_q), splits
+        return b * hq, math.ceil(nq / self.plan.block_q), splits
 
     def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
         """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by
@@ -250,7 +315,7 @@ class Kernel:
             "doc_ids": KINDS[spec.mask.kind].side_input == "doc_ids",
             "bias": spec.score_mod.bias != "none",
             "alibi_slopes": spec.score_mod.alibi == "slopes",
-            "sinks": spec.score_mod.sinks,
+            "sinks": spec.score_mod.sinks and not spec.outputs.partial,  # partials leave them to the merge
         }
         for name, value in given.items():
             if value is not None and not wants[name] and not (name == "alibi_slopes" and spec.score_mod.alibi != "none"):

@@ -51,6 +51,9 @@ class Tiling(_Frozen):
     block_kv: int  # Bc: keys per KV tile
     warps_q: int = 4  # warps stacked along the query rows; each owns block_q / warps_q rows
     warps_kv: int = 1  # warps along the keys of a tile
+    # GQA packing (decode): the query heads of a KV group share a tile's rows, row p being position
+    # p / group of the group's head p % group, so a block reads its K and V once for the group
+    pack_gqa: bool = False
 
     @field_validator("warps_q")
     @classmethod
@@ -391,6 +394,29 @@ class AttentionSpec(_Frozen):
         if p.pingpong and t.warps_q != 2 * WARPGROUP_WARPS:
             raise ValueError(rule("pipeline.pingpong", True, f"takes two warpgroups (warps_q 8), not warps_q "
                                   f"{t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
+        return self
+
+    @model_validator(mode="after")
+    def _pack_gqa_rules(self) -> AttentionSpec:
+        """A packed tile's rows are (position, query head) pairs: what reads a row by position alone
+        works per row; arrays indexed by query tile or by (head, position) rows do not."""
+        if not self.tiling.pack_gqa:
+            return self
+        unpacked = "or use an unpacked spec (tiling.pack_gqa: false)"
+        if self.wgmma:
+            raise ValueError(rule("tiling.pack_gqa", True, "is built on the mma.sync main loop (m16 rows a warp, "
+                                  "few rows for decode), not sm_90a's wgmma (64 rows a warpgroup)",
+                                  "set arch: sm_80 (it runs on Hopper too), " + unpacked))
+        if not KINDS[self.mask.kind].packable:
+            raise ValueError(rule("tiling.pack_gqa", True, f"mask kind {self.mask.kind!r} reads an array by query "
+                                  "tile or row, and a packed tile's rows mix the group's heads",
+                                  "use none, causal, sliding_window, chunked or prefix_lm, " + unpacked))
+        if self.score_mod.bias != "none":
+            raise ValueError(rule("tiling.pack_gqa", True, "with score_mod.bias: a bias is read per (query head, "
+                                  "position) row, which packing does not address", "remove the bias, " + unpacked))
+        if self.backward is not None:
+            raise ValueError(rule("tiling.pack_gqa", True, "is a decode (inference) layout; the backward kernels "
+                                  "are not packed", "remove backward, " + unpacked))
         return self
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, runtime, variants
+from fagen import backward, decode, runtime, variants
 from fagen.spec import Mask
 
 
@@ -65,8 +65,12 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
     kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    kernel = runtime.compile_kernel(_spec(q, mask, causal, softcap, side))
-    return kernel(q, k, v, scale=scale, return_lse=True, **side)
+    plain = _spec(q, mask, causal, softcap, side)
+    packed = decode.packed_spec(plain, q, k)
+    if packed is not None:  # a few query rows: the decode path (its backward is the plain one's)
+        return decode.run(packed, q, k, v, scale=scale, return_lse=True, alibi_slopes=side["alibi_slopes"],
+                          sinks=side["sinks"])
+    return runtime.compile_kernel(plain)(q, k, v, scale=scale, return_lse=True, **side)
 
 
 @attention_forward.register_fake

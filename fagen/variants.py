@@ -81,6 +81,33 @@ def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
     return out
 
 
+# Decode (fagen.decode): GQA-packed split-KV kernels, by the packed rows (Nq x query heads a KV
+# head) they take: one warp of 16 rows, or four warps of 16 (K and V read once for up to 64 rows).
+DECODE_ROWS = (16, 64)
+DECODE_HEAD_DIMS = (64, 128)
+
+
+def decode_spec_name(dtype: str, head_dim: int, rows: int) -> str:
+    short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    return f"decode_{short}_d{head_dim}" + ("" if rows == DECODE_ROWS[0] else f"_q{rows}")
+
+
+@cache
+def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score_mod: ScoreMod = ScoreMod()
+                ) -> AttentionSpec | None:
+    """The decode kernel for `rows` packed rows (Nq x group), with this mask and these modifiers;
+    None where there is none: more rows than DECODE_ROWS' largest, another head_dim, or a mask or
+    modifier that packing cannot address (block masks, documents, a bias)."""
+    fits = [r for r in DECODE_ROWS if rows <= r]
+    if not fits or head_dim not in DECODE_HEAD_DIMS:
+        return None
+    base = load_spec(SPECS / f"{decode_spec_name(dtype, head_dim, fits[0])}.yaml")
+    try:  # sinks join in the merge of the partials, not in the kernel
+        return variant(base, mask, score_mod.model_copy(update={"sinks": False}))
+    except SpecError:
+        return None  # refused for packing (tiling.pack_gqa's rules)
+
+
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
     """`spec` writing float32 partials (outputs.partial), named <name>_partial."""
     if spec.outputs.partial:

@@ -41,6 +41,7 @@
 //   tiling:
 //     block_kv: 64
 //     block_q: 128
+//     pack_gqa: false
 //     warps_kv: 1
 //     warps_q: 8
 
@@ -491,7 +492,8 @@ struct Mask {
   int group;  // query heads of the block's KV head
   int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     first = lo / BLOCK_KV;

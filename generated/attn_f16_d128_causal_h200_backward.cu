@@ -41,6 +41,7 @@
 //   tiling:
 //     block_kv: 128
 //     block_q: 128
+//     pack_gqa: false
 //     warps_kv: 1
 //     warps_q: 8
 
@@ -492,11 +493,11 @@ struct Mask {
   int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
   int offset;
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     offset = offset_;
-    const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     hi = min(n_kv, q_last + offset + 1);
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;

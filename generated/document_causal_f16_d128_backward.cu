@@ -40,6 +40,7 @@
 //   tiling:
 //     block_kv: 64
 //     block_q: 64
+//     pack_gqa: false
 //     warps_kv: 1
 //     warps_q: 4
 
@@ -345,10 +346,10 @@ struct Mask {
     }
   }
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, const int* __restrict__ doc_ids, long long doc_sb) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ doc_ids, long long doc_sb) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
-    const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     doc = doc_ids + b * doc_sb;
     {
       // Where the documents of the tile's first row and of this thread's rows start,
@@ -866,10 +867,10 @@ struct Mask {
     }
   }
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, const int* __restrict__ doc_ids, long long doc_sb) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ doc_ids, long long doc_sb) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
-    const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     doc = doc_ids + b * doc_sb;
     {
       // Where the documents of the tile's first row and of this thread's rows start,
@@ -1041,7 +1042,7 @@ fagen_document_causal_f16_d128_bwd_dq(
   v += b * v_sb + h_kv * v_sh;
 
   Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q0, doc_ids, doc_sb);
+  mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1, doc_ids, doc_sb);
   const int kv_tiles = mask.count;
   const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
   const float to_log2 = scale_log2;

@@ -27,6 +27,7 @@
 //   tiling:
 //     block_kv: 64
 //     block_q: 64
+//     pack_gqa: false
 //     warps_kv: 1
 //     warps_q: 4
 
@@ -137,6 +138,7 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
   }
 }
 
+
 // ---- mask: none ----------------------------------------------------
 // Which KV tiles a query tile visits, which of them need a per-element test, and the test.
 // The diagonal: query q faces key q + offset. The runtime passes offset: n_kv - n_q aligned
@@ -148,7 +150,8 @@ struct Mask {
   int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     first = lo / BLOCK_KV;
@@ -309,11 +312,19 @@ struct OnlineSoftmax {
 // Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
 // warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
 // written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
+// Where tile row r's output goes: rows of one head, `stride` apart, the first n of them real.
+struct OutRows {
+  int n;
+  long long stride;
+  __device__ __forceinline__ bool real(int r) const { return r < n; }
+  __device__ __forceinline__ long long o(int r) const { return r * stride; }
+  __device__ __forceinline__ int lse(int r) const { return r; }
+};
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
                                              elem_t* smem_q,
-                                             out_t* __restrict__ out, long long out_stride,
+                                             out_t* __restrict__ out, const OutRows& at,
                                              float* __restrict__ lse,
-                                             int row0, int n_q, int lane) {
+                                             int row0, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f) {
@@ -322,25 +333,24 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       float l = sm.l[f][h];
       l += __shfl_xor_sync(0xffffffff, l, 1);
       l += __shfl_xor_sync(0xffffffff, l, 2);
+      const int row = f * 16 + h * 8 + g;  // within the warp's rows
       const float m = sm.m[f][h];
       const float inv = l == 0.f ? 0.f : 1.f / l;  // a NaN score leaves l NaN: it must reach O and LSE
-      const int row = f * 16 + h * 8 + g;  // within the warp's rows
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
         const int col = n * 8 + 2 * t;
         *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
             pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
       }
-      const int q = row0 + row;
-      if (t == 0 && q < n_q) lse[q] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
+      if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
   }
   __syncwarp();
 #pragma unroll
   for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
     const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
-    if (row < n_q)
-      *reinterpret_cast<chunk16*>(out + row * out_stride + col) =
+    if (at.real(row))
+      *reinterpret_cast<chunk16*>(out + at.o(row) + col) =
           *reinterpret_cast<const chunk16*>(smem_q + smem_offset(row, col));
   }
 }
@@ -383,6 +393,7 @@ fagen_flash_shared_f16_d128(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.x / heads_q, h = blockIdx.x % heads_q, h_kv = h / group;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
+  const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
   q += b * q_sb + h * q_sh;
@@ -390,7 +401,7 @@ fagen_flash_shared_f16_d128(
   v += b * v_sb + h_kv * v_sh;
 
   Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q0);
+  mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
   const int kv_tiles = mask.count;
   const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
   const float to_log2 = scale_log2;
@@ -474,6 +485,7 @@ fagen_flash_shared_f16_d128(
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
   // the KV loop, they hold no registers.
   o += b * o_sb + h * o_sh + q0 * o_sn;
+  const OutRows at{n_q - q0, o_sn};
   lse += ((long long)b * heads_q + h) * n_q + q0;
-  write_output(o_acc, softmax, smem_q, o, o_sn, lse, warp_row0, n_q - q0, lane);
+  write_output(o_acc, softmax, smem_q, o, at, lse, warp_row0, lane);
 }

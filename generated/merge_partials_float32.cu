@@ -7,6 +7,7 @@
 //   LSE = m + log L. A row no partial saw (every LSE_s = -inf, no sink) gives O = 0, LSE = -inf.
 constexpr int THREADS = 128;
 constexpr int ROWS_PER_BLOCK = 4;  // one warp per row; lanes stride over head_dim
+constexpr int D_PER_LANE = 8;  // head_dim columns a lane sums, at most
 #define NEG_INF __int_as_float(0xff800000)
 
 typedef float out_t;
@@ -34,24 +35,45 @@ merge_partials_float32(
   if (row >= rows) return;
   const int b = row / (heads * n_q), h = (row / n_q) % heads, q = row % n_q;
 
-  float m = sinks ? sinks[h] : NEG_INF;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, lse_parts[s * lse_part_stride + row]);
+  // Phase 1: the max and the sum of the partials' weights, lanes striding over the splits (a
+  // decode step has dozens: one after another they would be a chain of dependent loads).
+  float m = NEG_INF;
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_parts[s * lse_part_stride + row]);
+  for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if (sinks) m = fmaxf(m, sinks[h]);
   out_t* o_row = out + b * o_sb + h * o_sh + q * o_sn;
   if (m == NEG_INF) {
     for (int d = lane; d < head_dim; d += 32) o_row[d] = to_out(0.f);
     if (lane == 0) lse[row] = NEG_INF;
     return;
   }
-  float total = sinks ? __expf(sinks[h] - m) : 0.f;
-  for (int s = 0; s < splits; ++s) total += __expf(lse_parts[s * lse_part_stride + row] - m);
+  float total = 0.f;
+  for (int s = lane; s < splits; s += 32) total += __expf(lse_parts[s * lse_part_stride + row] - m);
+  for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  if (sinks) total += __expf(sinks[h] - m);
   const float inv = 1.f / total;
-  for (int d = lane; d < head_dim; d += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float w = __expf(lse_parts[s * lse_part_stride + row] - m);
-      if (w > 0.f) acc += w * o_parts[s * part_stride + (long long)row * head_dim + d];
+
+  // Phase 2: O = sum_s w_s O_s, lanes over head_dim (D_PER_LANE columns each). Each chunk of 32
+  // splits gives a lane one weight, broadcast by shuffles: the loads of O_s are independent.
+  float acc[D_PER_LANE] = {};
+  const float* o_first = o_parts + (long long)row * head_dim + lane;
+  for (int c = 0; c < splits; c += 32) {
+    const int s_lane = c + lane;
+    const float w_lane = s_lane < splits ? __expf(lse_parts[s_lane * lse_part_stride + row] - m) : 0.f;
+    const int n = min(32, splits - c);
+#pragma unroll 4
+    for (int j = 0; j < n; ++j) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, j);
+      if (w > 0.f) {  // a split that saw no key of this row adds nothing
+        const float* o_s = o_first + (c + j) * part_stride;
+#pragma unroll
+        for (int i = 0; i < D_PER_LANE; ++i)
+          if (lane + 32 * i < head_dim) acc[i] += w * o_s[32 * i];
+      }
     }
-    o_row[d] = to_out(acc * inv);
   }
+#pragma unroll
+  for (int i = 0; i < D_PER_LANE; ++i)
+    if (lane + 32 * i < head_dim) o_row[lane + 32 * i] = to_out(acc[i] * inv);
   if (lane == 0) lse[row] = m + __logf(total);
 }

@@ -41,6 +41,7 @@
 //   tiling:
 //     block_kv: 64
 //     block_q: 64
+//     pack_gqa: false
 //     warps_kv: 1
 //     warps_q: 4
 
@@ -326,11 +327,11 @@ struct Mask {
   int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
   int offset;
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     offset = offset_;
-    const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     hi = min(n_kv, max(q_last + offset + 1, PREFIX_LEN));
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
@@ -785,11 +786,11 @@ struct Mask {
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
   int offset;
 
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_) {
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     offset = offset_;
-    const int q_last = min(q0_ + BLOCK_Q, n_q) - 1;  // the tile's last real row
     hi = min(n_kv, max(q_last + offset + 1, PREFIX_LEN));
     first = lo / BLOCK_KV;
     count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
@@ -941,7 +942,7 @@ fagen_prefix_lm_f16_d128_bwd_dq(
   v += b * v_sb + h_kv * v_sh;
 
   Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q0);
+  mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1);
   const int kv_tiles = mask.count;
   const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
   const float to_log2 = scale_log2;

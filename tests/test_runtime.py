@@ -46,3 +46,20 @@ def test_the_merge_kernel_packs_from_its_plan():
 def test_each_gpu_gets_its_tuned_default(monkeypatch, gpu, expected):
     monkeypatch.setattr(device, "gpu_slug", lambda: gpu)
     assert runtime.default_spec("bfloat16", 64, True).name == expected
+
+
+def test_launch_slots_hold_each_parameter_in_its_c_type():
+    """A Launch's buffer: one 8-byte slot a parameter, read by the driver from the slot's start."""
+    import struct
+
+    from fagen.runtime import slot_format
+
+    params = (("const elem_t* __restrict__", "q"), ("int", "n"), ("long long", "stride"), ("float", "scale"),
+              ("unsigned", "flags"))
+    fmt = slot_format(params)
+    assert struct.calcsize(fmt) == 8 * len(params)
+    buffer = struct.pack(fmt, 2**40 + 16, -7, -(2**40), 0.125, 2**31)
+    slots = [buffer[8 * i:8 * i + 8] for i in range(len(params))]
+    assert struct.unpack("<Q", slots[0])[0] == 2**40 + 16 and struct.unpack("<i", slots[1][:4])[0] == -7
+    assert struct.unpack("<q", slots[2])[0] == -(2**40) and struct.unpack("<f", slots[3][:4])[0] == 0.125
+    assert struct.unpack("<I", slots[4][:4])[0] == 2**31

@@ -325,7 +325,7 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     assert params[len(FIXED_PARAMS):] == extra  # the names in order, with the plan's C types
     assert params == list(p.params)  # the whole signature is the plan's table
     # and the mask and score-mod structs receive their own parameters, in the same order
-    mask_call = re.search(r"mask\.begin\(n_q, n_kv, mask_offset, b, h, q0(.*?)\);", src).group(1)
+    mask_call = re.search(r"mask\.begin\(n_q, n_kv, mask_offset, b, h, q_first, q_last(.*?)\);", src).group(1)
     assert [a.strip() for a in mask_call.split(",") if a.strip()] == [n for _, n in p.mask_params]
     score_call = re.search(r"score_mod\.begin\(n_q, n_kv, b, h, scale(.*?)\);", src)
     if not spec.score_mod.changes_scores:

@@ -1,0 +1,191 @@
+"""Decode: a few query rows against a long KV cache, at the speed of reading K and V.
+
+Three things make it memory-bound rather than launch-bound (fagen.variants.decode_spec):
+- GQA packing: the query heads of a KV group share a tile's rows, so a block reads its keys
+  once for the group, not once per query head;
+- split-KV: the keys are split across enough blocks to fill the GPU (flash-decoding), each
+  writing a float32 partial O and its LSE;
+- the merge: one small kernel combines the partials by LSE (sinks join there).
+`fagen.attention` takes this path by itself when Nq x group fits a decode kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+
+from fagen import variants
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, stream_for
+from fagen.runtime import Kernel, compile_kernel, derive_spec
+from fagen.spec import AttentionSpec
+from fagen.splitkv import merge, merge_launch
+
+MIN_TILES_PER_SPLIT = 2  # fewer and the partials' writes and the merge cost more than they save
+
+
+def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
+    """Splits of the KV tiles so that blocks x splits fills the GPU's `slots` (SMs x blocks an SM
+    holds) in one wave, none waiting for a second: a memory-bound launch wants every block it
+    can keep loading at once, and equal shares end together. At least MIN_TILES_PER_SPLIT
+    tiles a split; 1 when the blocks alone fill the slots."""
+    return max(1, min(slots // blocks, kv_tiles // MIN_TILES_PER_SPLIT))
+
+
+@cache
+def multiprocessors(device: int) -> int:
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+
+
+def slots(kernel: Kernel) -> int:
+    """Blocks of `kernel` the GPU runs at once (SMs x the occupancy CUDA reports)."""
+    return multiprocessors(cupy.cuda.Device().id) * kernel.blocks_per_sm
+
+
+def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
+                    alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec | None:
+    """The decode kernel fagen.attention would run for these arguments, or None where the plain
+    forward is the one (too many packed rows, another head_dim, an unpackable mask or modifier)."""
+    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
+                        alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+    return packed_spec(plain, q, k)
+
+
+def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
+    """The decode kernel for the plain spec `plain` (derive_spec's) on these q and k, or None."""
+    tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
+    if len(tk.shape) != 4 or tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
+        return None  # the kernel's own checks say what is wrong
+    rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
+    return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+
+
+def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int | None = None,
+        return_lse: bool = False, alibi_slopes=None, sinks=None):
+    """out (and lse) through the decode kernel `spec` (a GQA-packed partial spec) and the merge."""
+    kernel = compile_kernel(spec)
+    tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
+    b, hq, nq, _ = tq.shape
+    hkv, nk = tk.shape[1], tk.shape[2]
+    if splits is None:
+        blocks = math.prod(kernel.grid(b, hq, hkv, nq, 1))
+        splits = choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
+    o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
+    out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
+    return (out, lse) if return_lse else out
+
+
+def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
+              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
+    """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
+    where a decode kernel takes the arguments, else the plain forward (fagen.runtime.attention)."""
+    side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, **side)
+    spec = packed_spec(plain, q, k)
+    if spec is None:
+        return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
+    return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def _torch_stream(device: int) -> int:
+    """PyTorch's current stream on `device`, as a raw handle (without building a Stream object)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _signature(x) -> tuple:
+    """What a prepared call must see again: shape, strides, dtype and device."""
+    if is_torch(x):
+        return tuple(x.shape), x.stride(), x.dtype, x.get_device()
+    return x.shape, x.strides, x.dtype, x.device.id
+
+
+class PreparedAttention:
+    """fagen.attention packed once for repeated shapes (a decode loop): the kernels chosen,
+    compiled and their arguments packed at prepare time; a call checks that its tensors have
+    the prepared shapes, strides, dtype and device, points the launches at them and launches
+    (the decode path: the packed split-KV kernel into a workspace of partials owned here, then
+    the merge). Calls go to the caller's current stream (PyTorch's for torch tensors) and, for
+    the same reason as any workspace, must not run concurrently on two streams."""
+
+    def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
+                 scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
+        tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        self.torch = tq.kind == "torch"
+        self.device = tq.device
+        self.signature = tuple(_signature(x) for x in (q, k, v))
+        plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        spec = packed_spec(plain, q, k)
+        self.spec = spec or plain
+        kernel = compile_kernel(self.spec)
+        b, hq, nq, d = tq.shape
+        hkv, nk = tk.shape[1], tk.shape[2]
+        out = empty_like(tq, (b, hq, nq, d), tq.dtype)  # the outputs' strides, for packing
+        lse = empty_like(tq, (b, hq, nq), "float32")
+        self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
+        self.out_signature, self.lse_signature = _signature(out), _signature(lse)
+        with cupy.cuda.Device(tq.device), stream_for(tq):
+            side = dict(alibi_slopes=alibi_slopes, sinks=None if spec else sinks)
+            extras, self._held = kernel.extra_arguments(tq, tk, {**side, "block_mask": None, "bias": None, "doc_ids": None})
+            kernel.check(q, k, v, None if spec else out)
+            scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+            offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
+            if spec is None:
+                self.kernel = kernel.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
+                                            scale=scale, mask_offset=offset, splits=1, extras=extras)
+                self.merge = None
+                return
+            if splits is None:
+                blocks = math.prod(kernel.grid(b, hq, hkv, nq, 1))
+                splits = choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
+            # the partials: a workspace this object owns, written and merged by each call
+            self.o_parts, self.lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
+            to, tl = as_device_tensor(self.o_parts, "o_parts"), as_device_tensor(self.lse_parts, "lse_parts")
+            per_split = dict(kv_tiles_per_split=np.int32(math.ceil(math.ceil(nk / kernel.plan.block_kv) / to.shape[0])),
+                             o_split_stride=np.int64(to.strides[0]), lse_split_stride=np.int64(tl.strides[0]))
+            one = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
+            self.kernel = kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=offset, splits=to.shape[0],
+                                        extras={**extras, **per_split})
+            self.merge = merge_launch(self.o_parts, self.lse_parts, out, lse, sinks=sinks)
+            self._held.append(self.merge.held)
+
+    def __call__(self, q, k, v, *, out=None, lse=None):
+        """(out, lse) for tensors of the prepared shapes; out and lse may be given (of the shapes
+        prepare allocated), else they are allocated on the stream."""
+        if (_signature(q), _signature(k), _signature(v)) != self.signature:
+            raise ValueError(f"prepared for q, k, v {self.signature}; got {(_signature(q), _signature(k), _signature(v))}: "
+                             f"prepare again (fagen.prepare) for new shapes, strides, dtype or device")
+        if out is not None and _signature(out) != self.out_signature or lse is not None and _signature(lse) != self.lse_signature:
+            raise ValueError(f"out, lse: expected {self.out_signature} and {self.lse_signature} (as prepared), got "
+                             f"{_signature(out) if out is not None else None}, {_signature(lse) if lse is not None else None}")
+        if cupy.cuda.runtime.getDevice() != self.device:
+            raise ValueError(f"prepared on cuda:{self.device}, but the current device is "
+                             f"cuda:{cupy.cuda.runtime.getDevice()}; use `with cupy.cuda.Device({self.device}):`")
+        if self.torch:
+            import torch
+
+            stream = _torch_stream(self.device)
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device) if out is None else out
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
+            out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
+            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        else:
+            stream = None  # CuPy's current stream
+            out = cupy.empty(self.out_shape, dtype=q.dtype) if out is None else out
+            lse = cupy.empty(self.lse_shape, dtype=cupy.float32) if lse is None else lse
+            out_ptr, lse_ptr = out.data.ptr, lse.data.ptr
+            q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
+        if self.merge is None:
+            self.kernel(stream, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr)
+        else:
+            self.kernel(stream, q_ptr, k_ptr, v_ptr)
+            self.merge.launch(stream, out_ptr, lse_ptr)
+        return out, lse
+
+
+def prepare(q, k, v, **kwargs) -> PreparedAttention:
+    """fagen.attention's kernels for these tensors' shapes, packed once (PreparedAttention)."""
+    return PreparedAttention(q, k, v, **kwargs)

@@ -1,0 +1,75 @@
+"""Decode kernels without a GPU: GQA packing's rules, which kernel a shape gets, the splits, the
+rendered source and its registers."""
+
+import pytest
+
+from fagen import decode, nvcc, variants
+from fagen.load import SPECS, load_spec, parse_spec
+from fagen.render import render
+from fagen.spec import Mask, ScoreMod, SpecError
+
+DECODE = load_spec(SPECS / "decode_f16_d128.yaml")
+
+
+def packed(**changes) -> dict:
+    data = DECODE.model_dump()
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    return data
+
+
+@pytest.mark.parametrize("changes, field, fix", [
+    ({"arch": "sm_90a", "smem_layout": "swizzled", "tiling": {"block_q": 64, "warps_q": 4}}, "tiling.pack_gqa", "arch: sm_80"),
+    ({"mask": {"kind": "document"}}, "tiling.pack_gqa", "use none, causal"),
+    ({"mask": {"kind": "block_mask"}}, "tiling.pack_gqa", "use none, causal"),
+    ({"score_mod": {"bias": "vector"}}, "tiling.pack_gqa", "remove the bias"),
+    ({"outputs": {"lse": True, "partial": False}, "backward": {}}, "tiling.pack_gqa", "remove backward"),
+])
+def test_packing_refuses_what_it_cannot_address(changes, field, fix):
+    with pytest.raises(SpecError) as err:
+        parse_spec(packed(**changes), "test")
+    assert field in str(err.value) and fix in str(err.value) and "pack_gqa: false" in str(err.value)
+
+
+@pytest.mark.parametrize("rows, name", [(1, "decode_f16_d128"), (16, "decode_f16_d128"), (17, "decode_f16_d128_q64"),
+                                        (64, "decode_f16_d128_q64"), (65, None)])
+def test_the_packed_rows_pick_the_kernel(rows, name):
+    spec = variants.decode_spec("float16", 128, rows)
+    assert (spec and spec.name) == name
+    if spec is not None:
+        assert spec.tiling.pack_gqa and spec.outputs.partial and spec.tiling.block_q >= rows
+
+
+def test_no_decode_kernel_where_packing_does_not_apply():
+    assert variants.decode_spec("float16", 256, 4) is None  # no shipped decode spec
+    assert variants.decode_spec("float16", 128, 4, Mask(kind="document")) is None
+    assert variants.decode_spec("bfloat16", 64, 4, Mask(), ScoreMod(bias="matrix")) is None
+    spec = variants.decode_spec("bfloat16", 64, 8, Mask(kind="sliding_window", window_left=99), ScoreMod(softcap=5.0))
+    assert spec.mask.window_left == 99 and spec.score_mod.softcap == 5.0 and spec.tiling.pack_gqa
+
+
+@pytest.mark.parametrize("blocks, tiles, slots", [(8, 512, 396), (1, 2048, 396), (64, 64, 396), (600, 500, 396),
+                                                  (8, 3, 396), (2, 1, 108), (33, 1000, 264)])
+def test_splits_fill_one_wave_and_keep_tiles_a_split(blocks, tiles, slots):
+    splits = decode.choose_splits(blocks, tiles, slots)
+    assert splits >= 1
+    assert splits == 1 or tiles // splits >= decode.MIN_TILES_PER_SPLIT
+    assert splits == 1 or blocks * splits <= slots  # no block waits for a second wave
+    if tiles // decode.MIN_TILES_PER_SPLIT > splits:  # tiles to spare: the wave is as full as it gets
+        assert blocks * (splits + 1) > slots
+
+
+def test_packed_source_maps_rows_to_heads_and_plain_source_does_not():
+    source = render(DECODE)
+    assert "struct QueryRows" in source and "copy_packed_q_async" in source and "blockIdx.x / heads_kv" in source
+    plain = render(load_spec(SPECS / "attn_f16_d128.yaml"))
+    assert "QueryRows" not in plain and "heads_kv" not in plain
+
+
+@pytest.mark.parametrize("rows", variants.DECODE_ROWS)
+def test_decode_variants_compile_without_spills(rows):
+    specs = [variants.decode_spec("float16", 128, rows, mask, mod) for mask, mod in (
+        (Mask(kind="sliding_window", window_left=1000, window_right=3), ScoreMod(softcap=30.0, alibi="slopes", sinks=True)),
+        (Mask(kind="prefix_lm", prefix_len=1000), ScoreMod(softcap=30.0)))]
+    for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
+        assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)

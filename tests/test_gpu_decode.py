@@ -1,0 +1,150 @@
+"""Decode (GQA-packed split-KV) on the GPU, against the float64 oracle (marked `gpu`)."""
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen import decode, oracle, variants
+from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
+from fagen.spec import Mask, ScoreMod
+
+pytestmark = pytest.mark.gpu
+
+# (B, Hq, Hkv, Nq, Nk): GQA 4 and 8, MQA, MHA; one query to the 64 packed rows of the wide kernel;
+# key counts that end mid-tile
+SHAPES = [(1, 32, 8, 1, 8191), (2, 8, 2, 3, 1000), (3, 4, 1, 16, 239), (1, 8, 8, 1, 5000), (2, 16, 4, 16, 2049),
+          (1, 6, 2, 5, 113)]
+MASKS = [Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=300),
+         Mask(kind="sliding_window", window_left=100, window_right=7), Mask(kind="chunked", chunk_size=500),
+         Mask(kind="prefix_lm", prefix_len=77), Mask(kind="causal", align="top_left")]
+MODS = [ScoreMod(), ScoreMod(softcap=20.0), ScoreMod(alibi="slopes"), ScoreMod(sinks=True),
+        ScoreMod(softcap=30.0, alibi="slopes", sinks=True)]
+
+
+def _spec(dtype, d, hq, hkv, nq, mask=Mask(), mod=ScoreMod()):
+    spec = variants.decode_spec(dtype, d, nq * hq // hkv, mask, mod)
+    assert spec is not None and spec.tiling.pack_gqa
+    return spec
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_kernels_match_the_oracle(dtype, d, shape):
+    b, hq, hkv, nq, nk = shape
+    result = check_against_oracle(_spec(dtype, d, hq, hkv, nq), b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize("mod", MODS, ids=lambda m: m.model_dump_json(exclude_defaults=True))
+def test_decode_masks_and_modifiers_match_the_oracle(mask, mod):
+    b, hq, hkv, nq, nk = 2, 8, 2, 6, 1100  # 24 packed rows: the wide kernel, positions cross its tiles
+    result = check_against_oracle(_spec("float16", 128, hq, hkv, nq, mask, mod), b, hq, hkv, nq, nk)
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_decode_reads_any_layout(layout):
+    b, hq, hkv, nq, nk = 2, 16, 4, 2, 3000
+    result = check_against_oracle(_spec("bfloat16", 128, hq, hkv, nq, Mask(kind="causal")), b, hq, hkv, nq, nk,
+                                  framework="torch", layout=layout)
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_fagen_attention_takes_the_decode_path_for_few_rows(framework):
+    q, k, v, _ = random_inputs(framework, "float16", 2, 32, 8, 1, 20000, 128)
+    assert decode.decode_spec_for(q, k, causal=True) is not None
+    out, lse = fagen.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, return_lse=True)
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
+    assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+
+
+def test_many_rows_and_unpackable_inputs_keep_the_plain_forward():
+    q, k, _, _ = random_inputs("torch", "float16", 1, 32, 8, 64, 1000, 128)  # 256 packed rows
+    assert decode.decode_spec_for(q, k) is None
+    q1 = q[:, :, :1]
+    assert decode.decode_spec_for(q1, k, bias=np.zeros((1, 32, 1000), np.float32)) is None
+    assert decode.decode_spec_for(q1, k, doc_ids=np.zeros((1, 1000), np.int32)) is None
+
+
+def test_decode_step_in_a_cuda_graph():
+    """A decode step (the torch op on the decode path, sinks and softcap) captures and replays."""
+    import torch
+
+    q, k, v, _ = random_inputs("torch", "bfloat16", 4, 32, 8, 1, 9000, 128)
+    sinks = torch.rand(32, device="cuda")
+    step = lambda: fagen.attention(q, k, v, causal=True, softcap=30.0, sinks=sinks)  # noqa: E731
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()  # compile and check once, outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, softcap=30.0,
+                           sinks=sinks.cpu().numpy())
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+def test_decode_forward_trains_through_the_plain_backward():
+    """Gradients of a decode-path forward (few rows) come from the plain backward kernels."""
+    import torch
+
+    q, k, v, _ = random_inputs("torch", "float16", 1, 8, 2, 2, 700, 64)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fagen.attention(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref = oracle.attention_backward(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), mask=Mask(kind="causal"))
+    for name, got in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        assert relative_error(to_numpy(got), ref[name]) < 1e-2, name
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("shape", [(2, 32, 8, 1, 9000), (1, 8, 8, 3, 700), (1, 4, 1, 64, 300)])
+def test_a_prepared_call_matches_the_oracle_on_fresh_tensors(framework, shape):
+    b, hq, hkv, nq, nk = shape  # decode, MHA decode, and 256 packed rows: the plain forward
+    q, k, v, _ = random_inputs(framework, "float16", b, hq, hkv, nq, nk, 128)
+    call = fagen.prepare(q, k, v, causal=True, softcap=30.0)
+    for _ in range(2):  # new queries each step, as a decode loop has
+        q = random_inputs(framework, "float16", b, hq, hkv, nq, nk, 128)[0]
+        out, lse = call(q, k, v)
+        ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, softcap=30.0,
+                                        return_lse=True)
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
+        assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+
+
+def test_a_prepared_call_refuses_other_shapes():
+    q, k, v, _ = random_inputs("torch", "float16", 1, 8, 2, 1, 1000, 64)
+    call = fagen.prepare(q, k, v)
+    with pytest.raises(ValueError, match="prepare again"):
+        call(q, k[:, :, :999], v[:, :, :999])
+    with pytest.raises(ValueError, match="prepare again"):
+        call(q.bfloat16(), k, v)
+    with pytest.raises(ValueError, match="as prepared"):
+        call(q, k, v, out=q.new_empty(1, 8, 2, 64))
+
+
+def test_a_prepared_decode_step_in_a_cuda_graph():
+    import torch
+
+    q, k, v, _ = random_inputs("torch", "bfloat16", 2, 32, 8, 1, 5000, 64)
+    sinks = torch.randn(32, device="cuda")
+    call = fagen.prepare(q, k, v, causal=True, sinks=sinks)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call(q, k, v)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, sinks=sinks.cpu().numpy())
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
