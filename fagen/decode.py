@@ -43,6 +43,12 @@ def slots(kernel: Kernel) -> int:
     return multiprocessors(cupy.cuda.Device().id) * kernel.blocks_per_sm
 
 
+def default_splits(kernel: Kernel, b: int, hq: int, hkv: int, nq: int, nk: int) -> int:
+    """choose_splits for this kernel's grid and this GPU."""
+    blocks = math.prod(kernel.grid(b, hq, hkv, nq, 1))
+    return choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
+
+
 def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
                     alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec | None:
     """The decode kernel fagen.attention would run for these arguments, or None where the plain
@@ -69,8 +75,7 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
     b, hq, nq, _ = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
     if splits is None:
-        blocks = math.prod(kernel.grid(b, hq, hkv, nq, 1))
-        splits = choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
+        splits = default_splits(kernel, b, hq, hkv, nq, nk)
     o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
     out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
     return (out, lse) if return_lse else out
@@ -139,8 +144,7 @@ class PreparedAttention:
                 self.merge = None
                 return
             if splits is None:
-                blocks = math.prod(kernel.grid(b, hq, hkv, nq, 1))
-                splits = choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
+                splits = default_splits(kernel, b, hq, hkv, nq, nk)
             # the partials: a workspace this object owns, written and merged by each call
             self.o_parts, self.lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
             to, tl = as_device_tensor(self.o_parts, "o_parts"), as_device_tensor(self.lse_parts, "lse_parts")
