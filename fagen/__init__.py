@@ -36,5 +36,21 @@ def prepare(q, k, v, **kwargs):
     return _prepare(q, k, v, **kwargs)
 
 
-__all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "compile", "load_spec", "parse_spec", "prepare",
-           "render"]
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+    """Attention over sequences of different lengths packed token-major (FlashAttention's
+    varlen convention: q [total_q, Hq, d], cu_seqlens int32 [B + 1]); fagen.sequences."""
+    from fagen.sequences import attention_varlen as _attention_varlen
+
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs):
+    """Attention against a paged KV cache ([num_pages, page_size, Hkv, d], page_table [B,
+    max_pages], cache_seqlens [B]: FlashAttention's and vLLM's convention); fagen.sequences."""
+    from fagen.sequences import attention_with_kvcache as _attention_with_kvcache
+
+    return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
+
+
+__all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "attention_varlen", "attention_with_kvcache",
+           "compile", "load_spec", "parse_spec", "prepare", "render"]

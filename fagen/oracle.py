@@ -15,6 +15,10 @@
 - side inputs of the wrong shape, and a block_mask / document mask kind without its array, are
   refused by the runtime's rules (fagen.side_inputs).
 
+attention_varlen and attention_paged apply it per sequence of a varlen batch or a paged
+cache (FlashAttention's layouts, fagen.sequences), each sequence a batch of one; a sequence
+with no keys gives O = 0 and LSE = -inf, as a row with no visible key does.
+
 attention_backward differentiates the same computation analytically (dq, dk, dv; dbias, dsinks),
 sharing its scores, mask and softmax through _attend.
 """
@@ -38,6 +42,58 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
                 mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
                 sinks=sinks)
     return (f["out"], f["lse"]) if return_lse else f["out"]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """q [total_q, Hq, d], k, v [total_k, Hkv, d]; sequence b is rows cu_seqlens[b] ..
+    cu_seqlens[b + 1]. Returns out [total_q, Hq, d] (and lse [Hq, total_q] with return_lse)."""
+    sequences = [(_rows(q, cu_seqlens_q, b), _rows(k, cu_seqlens_k, b), _rows(v, cu_seqlens_k, b))
+                 for b in range(len(cu_seqlens_q) - 1)]
+    return _per_sequence(sequences, q.shape, kwargs)
+
+
+def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, **kwargs):
+    """k_cache, v_cache [num_pages, page_size, Hkv, d]: sequence b's keys are its cache_seqlens[b]
+    first slots of pages page_table[b, 0], page_table[b, 1], ... q: [B, Hq, Nq, d], or
+    [total_q, Hq, d] with cu_seqlens_q (then out and lse as attention_varlen's)."""
+    def keys(cache, b):
+        rows = np.concatenate([cache[p] for p in page_table[b]], axis=0)[:cache_seqlens[b]]  # [n, Hkv, d]
+        return rows.transpose(1, 0, 2)
+    if cu_seqlens_q is None:
+        outs = [_one(q[b:b + 1], keys(k_cache, b)[None], keys(v_cache, b)[None], kwargs) for b in range(q.shape[0])]
+        out, lse = np.concatenate([o for o, _ in outs]), np.concatenate([l for _, l in outs])
+        return (out, lse) if kwargs.get("return_lse") else out
+    sequences = [(_rows(q, cu_seqlens_q, b), keys(k_cache, b), keys(v_cache, b)) for b in range(len(cu_seqlens_q) - 1)]
+    return _per_sequence(sequences, q.shape, kwargs)
+
+
+def _one(q, k, v, kwargs):
+    """(out, lse) of one sequence [1, H, n, d]; no keys: O = 0, LSE = -inf (no sinks), as for a row no key is visible to."""
+    if k.shape[2] == 0 and kwargs.get("sinks") is None:
+        return np.zeros(q.shape), np.full(q.shape[:3], -np.inf)
+    if k.shape[2] == 0:  # only the sink: O = 0, LSE = its logit
+        return np.zeros(q.shape), np.broadcast_to(np.asarray(kwargs["sinks"], np.float64)[None, :, None], q.shape[:3]).copy()
+    return attention(q, k, v, **{**kwargs, "return_lse": True})
+
+
+def _rows(x, cu, b):
+    """Sequence b of a token-major [total, H, d] array, as [H, n, d]."""
+    return x[cu[b]:cu[b + 1]].transpose(1, 0, 2)
+
+
+def _per_sequence(sequences, q_shape, kwargs):
+    """The oracle on each ([H, n, d] q, k, v) sequence, gathered token-major: out [total_q, Hq, d], lse [Hq, total_q]."""
+    out = np.zeros(q_shape, np.float64)
+    lse = np.zeros((q_shape[1], q_shape[0]), np.float64)
+    row = 0
+    for sq, sk, sv in sequences:
+        n = sq.shape[1]
+        if n:
+            o, l = _one(sq[None], sk[None], sv[None], kwargs)
+            out[row:row + n] = o[0].transpose(1, 0, 2)
+            lse[:, row:row + n] = l[0]
+        row += n
+    return (out, lse) if kwargs.get("return_lse") else out
 
 
 def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,

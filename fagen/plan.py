@@ -110,6 +110,8 @@ class KernelPlan:
     score_params: tuple[tuple[str, str], ...]  # ... that the score modifiers read
     sink_params: tuple[tuple[str, str], ...]  # (partials leave sinks to the merge)
     split_params: tuple[tuple[str, str], ...]  # split-KV partials: tiles a split, output strides
+    sequence_params: tuple[tuple[str, str], ...]  # varlen and paged: where each sequence's rows are
+    sequence_offset: bool  # varlen and paged, aligned bottom right: each block moves the diagonal to its sequence's
     # What the templates print beside the numbers above (0 where a main loop has no use for it).
     mainloop: str  # the templates' main-loop folder: "sm80" (mma.sync) or "sm90" (wgmma)
     smem_align: int  # bytes the dynamic smem base is aligned to
@@ -134,7 +136,7 @@ class KernelPlan:
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
         """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
-        return self.mask_params + self.score_params + self.sink_params + self.split_params
+        return self.mask_params + self.score_params + self.sink_params + self.split_params + self.sequence_params
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -155,6 +157,28 @@ def kv_slots(spec: AttentionSpec) -> int:
 
 
 FLOAT_PTR = "const float* __restrict__"
+# Paged KV: page sizes are multiples of PAGE_ROWS keys, so a tile's 16-key groups never straddle pages
+PAGE_ROWS = 16
+# Flags a paged kernel ORs into its status word (templates/common/kv_rows.cu.j2; fagen.sequences)
+PAGE_OUT_OF_RANGE = 1  # a page id outside [0, num_pages): its rows loaded as zeros
+SEQLEN_OVER_TABLE = 2  # cache_seqlens past its table row (max_pages * page_size): cut to it
+INT_PTR = "const int* __restrict__"
+
+
+def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
+    """The kernel parameters that locate each sequence's rows (spec.sequences), after the fixed
+    ones. varlen q: cu_seqlens_q, and total_q for LSE's [Hq, total_q]; varlen K/V: cu_seqlens_k;
+    paged K/V: the page table (max_pages entries a sequence, page_table_stride apart), the page
+    size and count, cache_seqlens, and a status word the kernel flags bad page ids in."""
+    seq, params = spec.sequences, ()
+    if seq.q == "varlen":
+        params += ((INT_PTR, "cu_seqlens_q"), ("int", "total_q"))
+    if seq.kv == "varlen":
+        params += ((INT_PTR, "cu_seqlens_k"),)
+    elif seq.kv == "paged":
+        params += ((INT_PTR, "page_table"), ("int", "page_table_stride"), ("int", "max_pages"), ("int", "page_size"),
+                   ("int", "num_pages"), (INT_PTR, "cache_seqlens"), ("int* __restrict__", "status"))
+    return params
 
 
 def score_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
@@ -294,6 +318,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks and not spec.outputs.partial else (),
         split_params=(("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),
                       ("long long", "lse_split_stride")) if spec.outputs.partial else (),
+        sequence_params=sequence_params(spec),
+        sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
         **template_numbers(spec, m_frags, kv_tile),
     )
 

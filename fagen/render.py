@@ -13,7 +13,7 @@ import yaml
 
 from fagen import __version__
 from fagen.backward_plan import backward_plan
-from fagen.plan import merge_plan, plan
+from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec
 
@@ -68,6 +68,8 @@ def context(spec: AttentionSpec) -> dict:
         "partial": spec.outputs.partial,
         "q_in_registers": spec.pipeline.q_in_registers,
         "pack_gqa": spec.tiling.pack_gqa,
+        "sequences": spec.sequences,
+        "paging": {"page_rows": PAGE_ROWS, "page_out_of_range": PAGE_OUT_OF_RANGE, "seqlen_over_table": SEQLEN_OVER_TABLE},
         "kv_major": False,  # the backward's dK/dV kernel walks the mask transposed
         "grads": False,  # the backward keeps the score modifiers' derivative per element
         "backward": False,

@@ -456,10 +456,17 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
     """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
     head_dim on this GPU, with the mask and score modifiers they ask for (fagen.variants)."""
     tq = as_device_tensor(q, "q")
-    if tq.dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"q: dtype {tq.dtype}; fagen.attention takes float16 or bfloat16")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
+    return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
+                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+
+
+def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
+                    block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec:
+    """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"q: dtype {dtype}; fagen.attention takes float16 or bfloat16")
     if mask is not None:
         mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
         if causal and mask.kind != "causal":
@@ -479,7 +486,7 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
                          bias=bias_kind, sinks=sinks is not None)
-    base = default_spec(tq.dtype, tq.shape[-1], mask.kind == "causal")
+    base = default_spec(dtype, head_dim, mask.kind == "causal")
     return variants.variant(base, mask, score_mod)
 
 

@@ -248,6 +248,25 @@ class Outputs(_Frozen):
         return self
 
 
+class Sequences(_Frozen):
+    """Where a batch's sequences lie in memory (serving). padded: [B, H, N, d], every sequence N
+    long. varlen (FlashAttention's convention): token-major [total, H, d], sequence b being rows
+    cu_seqlens[b] .. cu_seqlens[b + 1], so a batch of mixed lengths carries no padding. paged
+    (K and V only): a cache [num_pages, page_size, H, d] whose pages a page table lists per
+    sequence, cache_seqlens[b] keys long (vLLM's and FlashAttention's KV cache). Each block
+    reads its sequence's lengths on the device, so every mask holds per sequence."""
+
+    q: Literal["padded", "varlen"] = "padded"
+    kv: Literal["padded", "varlen", "paged"] = "padded"
+
+    @property
+    def padded(self) -> bool:
+        return self.q == "padded" and self.kv == "padded"
+
+    def __str__(self) -> str:
+        return "padded" if self.padded else f"q {self.q}, kv {self.kv}"
+
+
 class Backward(_Frozen):
     """The backward kernels (training), rendered beside the forward: a KV-major kernel owning
     block_kv keys of one KV head accumulates dK and dV in registers over the query tiles (of every
@@ -327,6 +346,7 @@ class AttentionSpec(_Frozen):
     score_mod: ScoreMod = ScoreMod()
     outputs: Outputs = Outputs()
     arch: Literal["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"] = "sm_80"
+    sequences: Sequences = Sequences()
     backward: Backward | None = None  # set: the backward kernels render too (<name>_backward.cu)
 
     @field_validator("name")
@@ -417,6 +437,26 @@ class AttentionSpec(_Frozen):
         if self.backward is not None:
             raise ValueError(rule("tiling.pack_gqa", True, "is a decode (inference) layout; the backward kernels "
                                   "are not packed", "remove backward, " + unpacked))
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_rules(self) -> AttentionSpec:
+        """Varlen and paged blocks find their sequence's lengths on the device; what is indexed by
+        padded positions of every sequence (a bias, doc_ids, block-mask tiles) has no such view."""
+        seq = self.sequences
+        if seq.padded:
+            return self
+        padded = "or use padded sequences (remove sequences)"
+        if not KINDS[self.mask.kind].packable:  # the kinds that read arrays indexed by padded rows
+            raise ValueError(rule("sequences", str(seq), f"mask kind {self.mask.kind!r} reads an array laid out "
+                                  "by padded query tiles or positions", "varlen is itself the packed-documents "
+                                  "layout: give each document its own sequence, " + padded))
+        if self.score_mod.bias != "none":
+            raise ValueError(rule("sequences", str(seq), "with score_mod.bias: a bias is indexed by padded "
+                                  "positions [B, H, Nq, Nk]", "remove the bias, " + padded))
+        if self.backward is not None:
+            raise ValueError(rule("sequences", str(seq), "varlen and paged layouts are inference (forward) "
+                                  "layouts here; the backward kernels read padded tensors", "remove backward, " + padded))
         return self
 
     @model_validator(mode="after")

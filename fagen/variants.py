@@ -108,6 +108,21 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
         return None  # refused for packing (tiling.pack_gqa's rules)
 
 
+SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
+
+
+@cache
+def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded") -> AttentionSpec:
+    """`spec` reading its sequences as `q` and `kv` lay them out (spec.sequences: varlen,
+    paged), named <name>_q<layout>_kv<layout> for the layouts that are not padded. The layouts
+    are the forward's (serving): spec's backward: section is not carried over."""
+    if (spec.sequences.q, spec.sequences.kv) == (q, kv):
+        return spec
+    tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
+    return parse_spec({**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv},
+                       "backward": None}, f"{q} q, {kv} kv variant of {spec.name}")
+
+
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
     """`spec` writing float32 partials (outputs.partial), named <name>_partial."""
     if spec.outputs.partial:

@@ -23,6 +23,9 @@
 //     alibi: none
 //     bias: none
 //     sinks: false
+//   sequences:
+//     kv: padded
+//     q: padded
 //   smem_layout: padded
 //   tiling:
 //     block_kv: 64
@@ -132,6 +135,21 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
   }
 }
 
+// Where one KV head's rows are: `n` rows, row r at k + r * k_stride (and v's).
+struct KvRows {
+  const elem_t* k;
+  const elem_t* v;
+  long long k_stride, v_stride;
+  int n;
+
+  __device__ __forceinline__ void copy_k(unsigned tile, int row0, int tid) const {
+    copy_tile_async<BLOCK_KV>(tile, k, k_stride, row0, n, tid);
+  }
+  __device__ __forceinline__ void copy_v(unsigned tile, int row0, int tid) const {
+    copy_tile_async<BLOCK_KV>(tile, v, v_stride, row0, n, tid);
+  }
+};
+
 
 // ---- mask: causal ----------------------------------------------------
 // Which KV tiles a query tile visits, which of them need a per-element test, and the test.
@@ -185,23 +203,20 @@ struct Mask {
 // landed" is always wait_group<KV_SLOTS - 1>, whatever the tile count.
 struct KvPipeline {
   unsigned ring;  // smem address of slot 0
-  const elem_t* k;
-  const elem_t* v;
-  long long k_stride, v_stride;
-  int n_kv, loads, tid;
+  KvRows rows;
+  int loads, tid;
 
   // The ring starts at `ring_`, right after the Q tile; K and V of `tiles` tiles stream through it.
-  __device__ __forceinline__ KvPipeline(unsigned ring_, const elem_t* k_, const elem_t* v_, long long k_stride_,
-                                        long long v_stride_, int n_kv_, int tiles, int tid_)
-      : ring(ring_), k(k_), v(v_), k_stride(k_stride_), v_stride(v_stride_), n_kv(n_kv_), loads(2 * tiles), tid(tid_) {}
+  __device__ __forceinline__ KvPipeline(unsigned ring_, const KvRows& rows_, int tiles, int tid_)
+      : ring(ring_), rows(rows_), loads(2 * tiles), tid(tid_) {}
 
   __device__ __forceinline__ unsigned slot(int i) const { return ring + KV_TILE_BYTES * (i % KV_SLOTS); }
 
   __device__ __forceinline__ void issue(int i, const Mask& mask) const {
     if (i < loads) {
       const int kv0 = mask.kv_tile(i >> 1) * BLOCK_KV;
-      if (i & 1) copy_tile_async<BLOCK_KV>(slot(i), v, v_stride, kv0, n_kv, tid);
-      else       copy_tile_async<BLOCK_KV>(slot(i), k, k_stride, kv0, n_kv, tid);
+      if (i & 1) rows.copy_v(slot(i), kv0, tid);
+      else       rows.copy_k(slot(i), kv0, tid);
     }
     commit_group();
   }
@@ -355,9 +370,11 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 
 // ---- the kernel ------------------------------------------------------------------------
 // Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
-// q: [B, Hq, n_q, head_dim], k, v: [B, Hkv, n_kv, head_dim], o like q, any strides with a
-// contiguous last dim; lse: [B, Hq, n_q] f32. Query head h reads KV head h / group (GQA).
-// One block per SM is enough to let ptxas use every register it needs (no spills).
+// q: [B, Hq, n_q, head_dim],
+// k, v: [B, Hkv, n_kv, head_dim],
+// o like q, any strides with a contiguous last dim; lse: [B, Hq, n_q] f32. Query head h
+// reads KV head h / group (GQA). One block per SM is enough to let ptxas use every register it
+// needs (no spills).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fagen_attn_bf16_d96_causal(
     const elem_t* __restrict__ q,
@@ -401,7 +418,7 @@ fagen_attn_bf16_d96_causal(
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
   const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
+  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
   const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
@@ -482,8 +499,10 @@ fagen_attn_bf16_d96_causal(
 
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
   // the KV loop, they hold no registers.
-  o += b * o_sb + h * o_sh + q0 * o_sn;
+  o += b * o_sb + h * o_sh;
+  lse += ((long long)b * heads_q + h) * n_q;
+  o += q0 * o_sn;
   const OutRows at{n_q - q0, o_sn};
-  lse += ((long long)b * heads_q + h) * n_q + q0;
+  lse += q0;
   write_output(o_acc, softmax, smem_q, o, at, lse, warp_row0, lane);
 }

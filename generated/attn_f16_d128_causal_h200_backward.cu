@@ -37,6 +37,9 @@
 //     alibi: none
 //     bias: none
 //     sinks: false
+//   sequences:
+//     kv: padded
+//     q: padded
 //   smem_layout: swizzled
 //   tiling:
 //     block_kv: 128

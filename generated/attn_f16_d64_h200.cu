@@ -24,6 +24,9 @@
 //     alibi: none
 //     bias: none
 //     sinks: false
+//   sequences:
+//     kv: padded
+//     q: padded
 //   smem_layout: swizzled
 //   tiling:
 //     block_kv: 64
@@ -235,6 +238,21 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
   }
 }
 
+// Where one KV head's rows are: `n` rows, row r at k + r * k_stride (and v's).
+struct KvRows {
+  const elem_t* k;
+  const elem_t* v;
+  long long k_stride, v_stride;
+  int n;
+
+  __device__ __forceinline__ void copy_k(unsigned tile, int row0, int tid) const {
+    copy_tile_async<BLOCK_KV>(tile, k, k_stride, row0, n, tid);
+  }
+  __device__ __forceinline__ void copy_v(unsigned tile, int row0, int tid) const {
+    copy_tile_async<BLOCK_KV>(tile, v, v_stride, row0, n, tid);
+  }
+};
+
 
 // ---- mask: none ----------------------------------------------------
 // Which KV tiles a query tile visits, which of them need a per-element test, and the test.
@@ -283,17 +301,13 @@ struct Mask {
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
   unsigned landed, freed;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
-  const elem_t* k;
-  const elem_t* v;
-  long long k_stride, v_stride;
-  int n_kv, tiles, tid;
+  KvRows rows;
+  int tiles, tid;
 
   // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
-  __device__ __forceinline__ KvPipeline(unsigned ring, const elem_t* k_, const elem_t* v_, long long k_stride_,
-                                        long long v_stride_, int n_kv_, int tiles_, int tid_)
+  __device__ __forceinline__ KvPipeline(unsigned ring, const KvRows& rows_, int tiles_, int tid_)
       : k_ring(ring), v_ring(ring + KV_RING_BYTES), landed(v_ring + KV_RING_BYTES),
-        freed(landed + KV_STAGES * MBARRIER_BYTES), k(k_), v(v_), k_stride(k_stride_), v_stride(v_stride_),
-        n_kv(n_kv_), tiles(tiles_), tid(tid_) {}
+        freed(landed + KV_STAGES * MBARRIER_BYTES), rows(rows_), tiles(tiles_), tid(tid_) {}
 
   __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
   __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
@@ -313,8 +327,8 @@ struct KvPipeline {
   __device__ __forceinline__ void issue(int g, const Mask& mask) const {
     const int stage = g % KV_STAGES;
     if (g >= KV_STAGES) mbarrier_wait(freed + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
-    if (g < tiles) copy_tile_async<BLOCK_KV>(k_slot(g), k, k_stride, mask.kv_tile(g) * BLOCK_KV, n_kv, tid);
-    if (g >= 1 && g <= tiles) copy_tile_async<BLOCK_KV>(v_slot(g - 1), v, v_stride, mask.kv_tile(g - 1) * BLOCK_KV, n_kv, tid);
+    if (g < tiles) rows.copy_k(k_slot(g), mask.kv_tile(g) * BLOCK_KV, tid);
+    if (g >= 1 && g <= tiles) rows.copy_v(v_slot(g - 1), mask.kv_tile(g - 1) * BLOCK_KV, tid);
     cp_async_arrive(landed + MBARRIER_BYTES * stage);
   }
 
@@ -464,9 +478,11 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 
 // ---- the kernel ------------------------------------------------------------------------
 // Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
-// q: [B, Hq, n_q, head_dim], k, v: [B, Hkv, n_kv, head_dim], o like q, any strides with a
-// contiguous last dim; lse: [B, Hq, n_q] f32. Query head h reads KV head h / group (GQA).
-// One block per SM is enough to let ptxas use every register it needs (no spills).
+// q: [B, Hq, n_q, head_dim],
+// k, v: [B, Hkv, n_kv, head_dim],
+// o like q, any strides with a contiguous last dim; lse: [B, Hq, n_q] f32. Query head h
+// reads KV head h / group (GQA). One block per SM is enough to let ptxas use every register it
+// needs (no spills).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fagen_attn_f16_d64_h200(
     const elem_t* __restrict__ q,
@@ -513,7 +529,7 @@ fagen_attn_f16_d64_h200(
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
   const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
+  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
   const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
@@ -588,8 +604,10 @@ fagen_attn_f16_d64_h200(
 
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
   // the KV loop, they hold no registers.
-  o += b * o_sb + h * o_sh + q0 * o_sn;
+  o += b * o_sb + h * o_sh;
+  lse += ((long long)b * heads_q + h) * n_q;
+  o += q0 * o_sn;
   const OutRows at{n_q - q0, o_sn};
-  lse += ((long long)b * heads_q + h) * n_q + q0;
+  lse += q0;
   write_output(o_acc, softmax, smem_q, o, at, lse, warp_row0, lane);
 }

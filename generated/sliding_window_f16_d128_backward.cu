@@ -38,6 +38,9 @@
 //     alibi: none
 //     bias: none
 //     sinks: false
+//   sequences:
+//     kv: padded
+//     q: padded
 //   smem_layout: padded
 //   tiling:
 //     block_kv: 64
@@ -777,6 +780,21 @@ __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __r
   }
 }
 
+// Where one KV head's rows are: `n` rows, row r at k + r * k_stride (and v's).
+struct KvRows {
+  const elem_t* k;
+  const elem_t* v;
+  long long k_stride, v_stride;
+  int n;
+
+  __device__ __forceinline__ void copy_k(unsigned tile, int row0, int tid) const {
+    copy_tile_async<BLOCK_KV>(tile, k, k_stride, row0, n, tid);
+  }
+  __device__ __forceinline__ void copy_v(unsigned tile, int row0, int tid) const {
+    copy_tile_async<BLOCK_KV>(tile, v, v_stride, row0, n, tid);
+  }
+};
+
 // ---- mask: sliding_window ----------------------------------------------------
 // Which KV tiles a query tile visits, which of them need a per-element test, and the test.
 // The diagonal: query q faces key q + offset. The runtime passes offset: n_kv - n_q aligned
@@ -832,23 +850,20 @@ struct Mask {
 // landed" is always wait_group<KV_SLOTS - 1>, whatever the tile count.
 struct KvPipeline {
   unsigned ring;  // smem address of slot 0
-  const elem_t* k;
-  const elem_t* v;
-  long long k_stride, v_stride;
-  int n_kv, loads, tid;
+  KvRows rows;
+  int loads, tid;
 
   // The ring starts at `ring_`, right after the Q tile; K and V of `tiles` tiles stream through it.
-  __device__ __forceinline__ KvPipeline(unsigned ring_, const elem_t* k_, const elem_t* v_, long long k_stride_,
-                                        long long v_stride_, int n_kv_, int tiles, int tid_)
-      : ring(ring_), k(k_), v(v_), k_stride(k_stride_), v_stride(v_stride_), n_kv(n_kv_), loads(2 * tiles), tid(tid_) {}
+  __device__ __forceinline__ KvPipeline(unsigned ring_, const KvRows& rows_, int tiles, int tid_)
+      : ring(ring_), rows(rows_), loads(2 * tiles), tid(tid_) {}
 
   __device__ __forceinline__ unsigned slot(int i) const { return ring + KV_TILE_BYTES * (i % KV_SLOTS); }
 
   __device__ __forceinline__ void issue(int i, const Mask& mask) const {
     if (i < loads) {
       const int kv0 = mask.kv_tile(i >> 1) * BLOCK_KV;
-      if (i & 1) copy_tile_async<BLOCK_KV>(slot(i), v, v_stride, kv0, n_kv, tid);
-      else       copy_tile_async<BLOCK_KV>(slot(i), k, k_stride, kv0, n_kv, tid);
+      if (i & 1) rows.copy_v(slot(i), kv0, tid);
+      else       rows.copy_k(slot(i), kv0, tid);
     }
     commit_group();
   }
@@ -950,7 +965,7 @@ fagen_sliding_window_f16_d128_bwd_dq(
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1);
   const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, k, v, k_sn, v_sn, n_kv, kv_tiles, tid);
+  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
   const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 

@@ -26,6 +26,7 @@ LAYERS = [
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge
     ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's choice of path
+    ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("bench_cases", "bench_rows"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV files
     ("bench_backward",),  # the backward in `fagen bench`

@@ -1,0 +1,380 @@
+"""Serving layouts: batches of sequences of different lengths (varlen) and paged KV caches, in
+FlashAttention's conventions.
+
+- varlen: q [total_q, Hq, d], k, v [total_k, Hkv, d], token-major; sequence b is rows
+  cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (int32 [B + 1], prefix sums from 0) and likewise for
+  the keys. max_seqlen_q and max_seqlen_k are host ints: they size the grid. LSE is [Hq, total_q].
+- paged: k_cache, v_cache [num_pages, page_size, Hkv, d] (page_size a multiple of 16);
+  page_table [B, max_pages] int32 lists sequence b's pages in order, cache_seqlens [B] int32 its
+  keys. q is padded [B, Hq, Nq, d] (fagen.attention's layout) or varlen with cu_seqlens_q.
+
+The kernels are the forward's, rendered with spec.sequences set: each block reads its own
+sequence's lengths on the device, so masks hold per sequence (causal is bottom right in each).
+A few query rows a KV head (decode) take the GQA-packed split-KV kernels, as fagen.attention
+does. Nothing is copied: the tensors are read in place through views of their strides.
+
+Bad input is refused before launch: shapes, dtypes and, with validate=True (the default), the
+values of cu_seqlens, cache_seqlens and the page table (that reads them back: one host sync).
+Inside a CUDA graph or a hot loop pass validate=False: the paged kernels still never read out
+of bounds (a page id outside the cache loads zeros and sets a flag in `status`, a sequence
+longer than its table row is cut to it), while varlen trusts cu_seqlens and max_seqlen_*.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fagen import variants
+from fagen.decode import choose_splits, slots
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
+from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE
+from fagen.runtime import _aux_array, _check_layout, compile_kernel, derive_spec_for
+from fagen.spec import AttentionSpec, SpecError
+from fagen.splitkv import merge_launch
+
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Where a batch's sequences are: the kernel's views of q, k, v (as [B, H, N, d] with the
+    strides the kernel reads) and the sequence arguments it takes (plan.sequence_params)."""
+    q: DeviceTensor
+    k: DeviceTensor
+    v: DeviceTensor
+    q_layout: str  # "padded" or "varlen"
+    kv_layout: str  # "padded", "varlen" or "paged"
+    arguments: dict
+    held: tuple  # device arrays behind the arguments' pointers
+
+
+def _view(t: DeviceTensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> DeviceTensor:
+    return DeviceTensor(t.obj, t.kind, t.ptr, shape, strides, t.dtype, t.device)
+
+
+def _tokens(x, what: str, heads_name: str) -> DeviceTensor:
+    t = as_device_tensor(x, what)
+    if len(t.shape) != 3:
+        raise ValueError(f"{what}: rank {len(t.shape)}, shape {t.shape}; varlen takes [total, {heads_name}, d] "
+                         f"(token-major, sequences back to back)")
+    _check_layout(t, what)
+    return t
+
+
+def _index_array(x, what: str, device: int, shape: tuple[str, ...]):
+    """A small int32 device array (cu_seqlens, cache_seqlens, page_table), C-contiguous."""
+    arr = _aux_array(x, what, "int32", device)
+    if arr.ndim != len(shape):
+        raise ValueError(f"{what}: shape {tuple(arr.shape)}; expected [{', '.join(shape)}] int32")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: not contiguous; pass {what}.contiguous()")
+    return arr
+
+
+def _host(arr) -> np.ndarray:
+    return cupy.asnumpy(arr)  # one host sync: only where validate=True asks for it
+
+
+def check_cu_seqlens(cu: np.ndarray, total: int, max_seqlen: int, what: str) -> None:
+    """cu_seqlens' values: from 0, non-decreasing, ending at the tensor's total rows, no sequence
+    longer than max_seqlen (the grid covers that many)."""
+    name = f"cu_seqlens_{what}"
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] = {cu[0]}: must be 0 (prefix sums of the sequence lengths)")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}] = {cu[i + 1]} < {name}[{i}] = {cu[i]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {cu[-1]}, but {what} has {total} rows: the last prefix sum is the total")
+    if steps.size and steps.max() > max_seqlen:
+        raise ValueError(f"max_seqlen_{what} = {max_seqlen}, but sequence {int(np.argmax(steps))} has {steps.max()} "
+                         f"rows: pass the longest sequence's length (or more)")
+
+
+def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                 validate: bool = True) -> Batch:
+    """Check a varlen batch (FlashAttention's flash_attn_varlen_func arguments) and view it."""
+    tq, tk, tv = _tokens(q, "q", "Hq"), _tokens(k, "k", "Hkv"), _tokens(v, "v", "Hkv")
+    if tk.shape != tv.shape:
+        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [total_k, Hkv, d]")
+    cu_q = _index_array(cu_seqlens_q, "cu_seqlens_q", tq.device, ("B + 1",))
+    cu_k = _index_array(cu_seqlens_k, "cu_seqlens_k", tq.device, ("B + 1",))
+    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_q.shape)} and cu_seqlens_k {tuple(cu_k.shape)}: both [B + 1] with "
+                         f"B >= 1 (one prefix sum a sequence, and 0)")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} = {n!r}: a host int >= 1 (the longest sequence; it sizes the grid)")
+    if validate:
+        check_cu_seqlens(_host(cu_q), tq.shape[0], int(max_seqlen_q), "q")
+        check_cu_seqlens(_host(cu_k), tk.shape[0], int(max_seqlen_k), "k")
+    b = cu_q.shape[0] - 1
+    return Batch(_view(tq, (b, tq.shape[1], int(max_seqlen_q), tq.shape[2]), (0, tq.strides[1], tq.strides[0], 1)),
+                 *(_view(t, (b, t.shape[1], int(max_seqlen_k), t.shape[2]), (0, t.strides[1], t.strides[0], 1))
+                   for t in (tk, tv)),
+                 "varlen", "varlen", dict(cu_seqlens_q=np.uint64(cu_q.data.ptr), total_q=np.int32(tq.shape[0]),
+                                          cu_seqlens_k=np.uint64(cu_k.data.ptr)), (cu_q, cu_k))
+
+
+def check_pages(page_table: np.ndarray, cache_seqlens: np.ndarray, num_pages: int, page_size: int) -> None:
+    """The page table's values: every sequence fits its row, and every page it uses is a page
+    of the cache."""
+    capacity = page_table.shape[1] * page_size
+    for b, n in enumerate(cache_seqlens):
+        if not 0 <= n <= capacity:
+            raise ValueError(f"cache_seqlens[{b}] = {n}: must be in 0..{capacity} (page_table's {page_table.shape[1]} "
+                             f"pages of {page_size}); widen page_table or shorten the sequence")
+        used = page_table[b, :math.ceil(n / page_size)]
+        bad = (used < 0) | (used >= num_pages)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"page_table[{b}, {i}] = {used[i]}: not a page of the cache (0..{num_pages - 1}); "
+                             f"sequence {b} reads it for keys {i * page_size}..{min(n, (i + 1) * page_size) - 1}")
+
+
+def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q: int | None = None,
+                status=None, validate: bool = True) -> Batch:
+    """Check a paged KV cache (and q: padded [B, Hq, Nq, d], or varlen with cu_seqlens_q) and view it."""
+    tk, tv = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
+    for t, name in ((tk, "k_cache"), (tv, "v_cache")):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name}: shape {t.shape}; expected [num_pages, page_size, Hkv, d]")
+        _check_layout(t, name)
+    if tk.shape != tv.shape:
+        raise ValueError(f"k_cache {tk.shape} and v_cache {tv.shape} must have the same shape")
+    num_pages, page_size, hkv, d = tk.shape
+    if page_size % PAGE_ROWS or page_size == 0:
+        raise ValueError(f"page_size {page_size} (k_cache.shape[1]): must be a positive multiple of {PAGE_ROWS}")
+    if cu_seqlens_q is None:
+        tq = as_device_tensor(q, "q")
+        if len(tq.shape) != 4:
+            raise ValueError(f"q: shape {tq.shape}; expected [B, Hq, Nq, d], or [total_q, Hq, d] with cu_seqlens_q")
+        _check_layout(tq, "q")
+        q_layout, args, held, b = "padded", {}, (), tq.shape[0]
+    else:
+        tq = _tokens(q, "q", "Hq")
+        cu_q = _index_array(cu_seqlens_q, "cu_seqlens_q", tq.device, ("B + 1",))
+        if not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 1:
+            raise ValueError(f"max_seqlen_q = {max_seqlen_q!r}: a host int >= 1 with cu_seqlens_q")
+        if validate:
+            check_cu_seqlens(_host(cu_q), tq.shape[0], int(max_seqlen_q), "q")
+        b = cu_q.shape[0] - 1
+        q_layout, held = "varlen", (cu_q,)
+        args = dict(cu_seqlens_q=np.uint64(cu_q.data.ptr), total_q=np.int32(tq.shape[0]))
+        tq = _view(tq, (b, tq.shape[1], int(max_seqlen_q), tq.shape[2]), (0, tq.strides[1], tq.strides[0], 1))
+    table = _index_array(page_table, "page_table", tq.device, ("B", "max_pages"))
+    seqlens = _index_array(cache_seqlens, "cache_seqlens", tq.device, ("B",))
+    if table.shape[0] != b or seqlens.shape[0] != b:
+        raise ValueError(f"page_table {tuple(table.shape)} and cache_seqlens {tuple(seqlens.shape)}: both need B = {b} "
+                         f"rows, one a sequence of q")
+    if table.shape[1] < 1:
+        raise ValueError("page_table: no columns; it needs max_pages >= 1")
+    if validate:
+        check_pages(_host(table), _host(seqlens), num_pages, page_size)
+    if status is None:
+        status = zeros_like(tq, (1,), "int32")
+    st = _index_array(status, "status", tq.device, ("1",))
+    args.update(page_table=np.uint64(table.data.ptr), page_table_stride=np.int32(table.shape[1]),
+                max_pages=np.int32(table.shape[1]), page_size=np.int32(page_size), num_pages=np.int32(num_pages),
+                cache_seqlens=np.uint64(seqlens.data.ptr), status=np.uint64(st.data.ptr))
+    capacity = table.shape[1] * page_size  # the keys of the longest sequence, at most
+    kv = [_view(t, (b, hkv, capacity, d), (t.strides[0], t.strides[2], t.strides[1], 1)) for t in (tk, tv)]
+    return Batch(tq, *kv, q_layout, "paged", args, (*held, table, seqlens, st, status))
+
+
+def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
+    """The kernel for a batch: the decode kernel where a KV head's packed rows (the longest
+    sequence's queries x its group) fit one, else the plain forward, in the batch's layouts."""
+    tq, tk = batch.q, batch.k
+    plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
+                            alibi_slopes=alibi_slopes, sinks=sinks)
+    if tq.shape[1] % tk.shape[1]:
+        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
+    packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),
+                                  plain.mask, plain.score_mod)
+    try:
+        return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout)
+    except SpecError as refused:
+        raise ValueError(f"{batch.q_layout} q, {batch.kv_layout} K/V: {refused}") from None
+
+
+def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
+        splits: int | None = None, out=None):
+    """(out, lse) of `spec` (spec_for's) on a checked batch: out like q ([B, Hq, Nq, d] or
+    [total_q, Hq, d]; given, it is written in place), lse [B, Hq, Nq] or [Hq, total_q]."""
+    kernel = compile_kernel(spec)
+    tq, tk, tv = batch.q, batch.k, batch.v
+    b, hq, nq, d = tq.shape
+    hkv, nk = tk.shape[1], tk.shape[2]
+    if tq.dtype != spec.dtype or tk.dtype != tq.dtype or tv.dtype != tq.dtype:
+        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; all float16 or all bfloat16")
+    if tk.shape[-1] != d:
+        raise ValueError(f"head_dim: q has {d}, k and v have {tk.shape[-1]}")
+    if len({tq.device, tk.device, tv.device}) != 1:
+        raise ValueError(f"q, k, v are on cuda:{tq.device}, cuda:{tk.device}, cuda:{tv.device}: put them on one GPU")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
+    varlen_q = batch.q_layout == "varlen"
+    total_q = as_device_tensor(tq.obj, "q").shape[0] if varlen_q else 0
+    partial = spec.outputs.partial
+    with cupy.cuda.Device(tq.device), stream_for(tq):
+        given = dict(block_mask=None, bias=None, doc_ids=None, alibi_slopes=alibi_slopes,
+                     sinks=None if partial else sinks)
+        extras, held = kernel.extra_arguments(tq, tk, given)
+        extras.update(batch.arguments)
+        out_shape = (total_q, hq, d) if varlen_q else (b, hq, nq, d)
+        if out is None:
+            out = empty_like(tq, out_shape, tq.dtype)
+        to = as_device_tensor(out, "out")
+        if to.shape != out_shape or to.dtype != tq.dtype or to.kind != tq.kind or to.device != tq.device:
+            raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} {tq.dtype} "
+                             f"tensor {out_shape} on cuda:{tq.device}")
+        _check_layout(to, "out")
+        lse = empty_like(tq, (hq, total_q) if varlen_q else (b, hq, nq), "float32")
+        # the kernel's views of out and lse: [B, Hq, Nq, d] strides, varlen rows token-major
+        to = _bhsd(to, varlen_q)
+        if not partial:
+            kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0, splits=1,
+                          extras=extras)(None)
+            return out, lse
+        tiles = math.ceil(nk / kernel.plan.block_kv)
+        if splits is None:
+            splits = choose_splits(math.prod(kernel.grid(b, hq, hkv, nq, 1)), tiles, slots(kernel))
+        per_split = math.ceil(tiles / splits)
+        splits = math.ceil(tiles / per_split)
+        # partials [S, 1 or B, Hq, rows, d]: a varlen batch is one sequence of total_q rows to the merge
+        rows, seqs = (total_q, 1) if varlen_q else (nq, b)
+        o_parts = empty_like(tq, (splits, seqs, hq, rows, d), "float32")
+        lse_parts = empty_like(tq, (splits, seqs, hq, rows), "float32")
+        tp, tl = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
+        one = _view(tp, (b, hq, nq, d), (0 if varlen_q else tp.strides[1], tp.strides[2], tp.strides[3], 1))
+        extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
+                      lse_split_stride=np.int64(tl.strides[0]))
+        kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=0, splits=splits, extras=extras)(None)
+        merged_out, merged_lse = (_as_one_sequence(out), lse[None]) if varlen_q else (out, lse)
+        launch = merge_launch(o_parts, lse_parts, merged_out, merged_lse, sinks=sinks)
+        launch.launch(None)
+        del launch, held
+    return out, lse
+
+
+def _bhsd(t: DeviceTensor, varlen: bool) -> DeviceTensor:
+    """out as the kernel indexes it: [B, Hq, Nq, d] strides (varlen: [total_q, Hq, d] rows, B unused)."""
+    if not varlen:
+        return t
+    return _view(t, (1, t.shape[1], t.shape[0], t.shape[2]), (0, t.strides[1], t.strides[0], 1))
+
+
+def _as_one_sequence(out):
+    """[total_q, Hq, d] as a [1, Hq, total_q, d] view: the merge's rows."""
+    return out.transpose(1, 0, 2)[None] if not hasattr(out, "permute") else out.permute(1, 0, 2).unsqueeze(0)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
+                     alibi_slopes=None, sinks=None, return_lse: bool = False, validate: bool = True, out=None):
+    """Attention over a varlen batch (FlashAttention's flash_attn_varlen_func): q [total_q, Hq, d],
+    k, v [total_k, Hkv, d], sequence b being rows cu_seqlens_*[b] .. cu_seqlens_*[b + 1]. Every
+    mask holds per sequence (causal: bottom right in each). Returns out [total_q, Hq, d] (and
+    lse [Hq, total_q])."""
+    batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate=validate)
+    spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=None, v=None, cu_seqlens_q=None,
+                           max_seqlen_q: int | None = None, causal: bool = False, mask=None,
+                           softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
+                           return_lse: bool = False, status=None, validate: bool = True, out=None):
+    """Attention against a paged KV cache (FlashAttention's flash_attn_with_kvcache with a
+    page_table): k_cache, v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages],
+    cache_seqlens [B] keys each. k, v (new tokens, shaped like q with Hkv heads) are first
+    written into the cache after each sequence's cache_seqlens keys (chunked prefill), and the
+    queries attend to the cache plus them; the caller advances cache_seqlens, as with
+    FlashAttention. q: [B, Hq, Nq, d], or [total_q, Hq, d] with cu_seqlens_q and max_seqlen_q.
+    status: an int32 [1] device array the kernel ORs PAGE_OUT_OF_RANGE and SEQLEN_OVER_TABLE into."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v: pass both new tokens' keys and values, or neither")
+    if k is not None:
+        cache_seqlens = append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q=cu_seqlens_q,
+                                  validate=validate)
+    batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q,
+                        max_seqlen_q=max_seqlen_q, status=status, validate=validate)
+    spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
+    return (out, lse) if return_lse else out
+
+
+def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q=None, validate: bool = True):
+    """Write new tokens' k, v ([B, Hkv, N, d], or [total, Hkv, d] with cu_seqlens_q) into the paged
+    cache after each sequence's cache_seqlens keys; returns the new lengths (cache_seqlens + N)."""
+    tk, tc = as_device_tensor(k, "k"), as_device_tensor(k_cache, "k_cache")
+    if as_device_tensor(v, "v").shape != tk.shape:
+        raise ValueError(f"k {tk.shape} and v {as_device_tensor(v, 'v').shape}: new keys and values need one shape")
+    page_size = tc.shape[1]
+    with cupy.cuda.Device(tc.device), stream_for(tc):
+        table = cupy.asarray(page_table)
+        seqlens = cupy.asarray(cache_seqlens)
+        if cu_seqlens_q is None:  # [B, Hkv, N, d]
+            if len(tk.shape) != 4 or tk.shape[0] != table.shape[0]:
+                raise ValueError(f"k: shape {tk.shape}; expected [B = {table.shape[0]}, Hkv, N, d] (or token-major "
+                                 f"[total, Hkv, d] with cu_seqlens_q)")
+            n = tk.shape[2]
+            seq = cupy.repeat(cupy.arange(tk.shape[0], dtype=cupy.int32), n)
+            pos = seqlens[seq] + cupy.tile(cupy.arange(n, dtype=cupy.int32), tk.shape[0])
+            rows = lambda x: _cupy(x).transpose(0, 2, 1, 3).reshape(-1, tk.shape[1], tk.shape[3])  # noqa: E731
+            new_lengths = seqlens + n
+        else:
+            cu = cupy.asarray(cu_seqlens_q)
+            lengths = cu[1:] - cu[:-1]
+            token = cupy.arange(tk.shape[0], dtype=cupy.int32)
+            seq = cupy.searchsorted(cu, token, side="right") - 1  # the sequence each new token is of
+            pos = seqlens[seq] + token - cu[seq]
+            rows = _cupy  # noqa: E731
+            new_lengths = seqlens + lengths
+        if validate:
+            check_pages(_host(table), _host(new_lengths), tc.shape[0], page_size)
+        pages, slot = table[seq, pos // page_size], pos % page_size
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            _cupy(cache)[pages, slot] = rows(new)
+    return new_lengths.astype(cupy.int32) if not hasattr(cache_seqlens, "to") else _torch_like(new_lengths, cache_seqlens)
+
+
+def _cupy(x):
+    return cupy.asarray(x)  # torch CUDA tensors too (__cuda_array_interface__: a view, no copy)
+
+
+def _torch_like(x, like):
+    import torch
+
+    return torch.as_tensor(x, device=like.device).to(torch.int32)
+
+
+def from_flashinfer(kv_indptr, kv_indices, kv_last_page_len, page_size: int, max_pages: int | None = None):
+    """FlashInfer's CSR page layout as (page_table [B, max_pages], cache_seqlens [B]), int32 on
+    the same device: sequence b's pages are kv_indices[kv_indptr[b] : kv_indptr[b + 1]], its last
+    page holding kv_last_page_len[b] keys. Reads the indptr back to size the table (a host sync)."""
+    indptr, indices, last = (cupy.asarray(x) for x in (kv_indptr, kv_indices, kv_last_page_len))
+    host_ptr = cupy.asnumpy(indptr)
+    counts = np.diff(host_ptr)
+    if (counts < 0).any() or host_ptr[0] != 0:
+        raise ValueError("kv_indptr must start at 0 and be non-decreasing (FlashInfer's CSR form)")
+    width = int(counts.max(initial=1)) if max_pages is None else max_pages
+    if counts.size and counts.max() > width:
+        raise ValueError(f"max_pages = {width}: sequence {int(np.argmax(counts))} has {counts.max()} pages")
+    b = counts.size
+    table = cupy.zeros((b, max(width, 1)), cupy.int32)
+    seq = np.repeat(np.arange(b), counts)
+    col = np.arange(host_ptr[-1]) - host_ptr[:-1][seq]
+    table[cupy.asarray(seq), cupy.asarray(col)] = indices[:host_ptr[-1]].astype(cupy.int32)
+    seqlens = cupy.where(cupy.asarray(counts) > 0, (cupy.asarray(counts) - 1) * page_size + last, 0).astype(cupy.int32)
+    return table, seqlens
+
+
+__all__ = ["PAGE_OUT_OF_RANGE", "SEQLEN_OVER_TABLE", "Batch", "append_kv", "attention_varlen", "attention_with_kvcache", "check_cu_seqlens",
+           "check_pages", "from_flashinfer", "paged_batch", "run", "spec_for", "varlen_batch"]

@@ -1,0 +1,235 @@
+"""Varlen batches and paged KV caches on the GPU, against the float64 oracle (marked `gpu`).
+
+Lengths are random per case, pages are shuffled, outputs are NaN-poisoned before the launch."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen import oracle, sequences
+from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, relative_error
+from fagen.spec import Mask, ScoreMod
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _randn(rng, shape, dtype):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to("cuda", TORCH_DTYPES[dtype])
+
+
+def _np(x):
+    return x.detach().double().cpu().numpy()
+
+
+def _int32(values):
+    return torch.tensor(np.asarray(values), dtype=torch.int32, device="cuda")
+
+
+def _nan(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=TORCH_DTYPES[dtype], device="cuda")
+
+
+def _varlen(rng, dtype, lens_q, lens_k, hq, hkv, d):
+    cu_q, cu_k = np.cumsum([0, *lens_q]), np.cumsum([0, *lens_k])
+    q = _randn(rng, (cu_q[-1], hq, d), dtype)
+    k, v = _randn(rng, (cu_k[-1], hkv, d), dtype), _randn(rng, (cu_k[-1], hkv, d), dtype)
+    return q, k, v, cu_q, cu_k
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE[dtype]
+    finite = np.isfinite(ref_lse)
+    assert relative_error(_np(lse)[finite], ref_lse[finite]) < LSE_TOLERANCE
+
+
+MASKS = [Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=37, window_right=5),
+         Mask(kind="chunked", chunk_size=50), Mask(kind="prefix_lm", prefix_len=20)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+def test_varlen_prefill_matches_the_oracle(dtype, d, mask):
+    """Random lengths per sequence, one of them a single query."""
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{d}{mask}".encode()))
+    lens_q = [int(x) for x in rng.integers(1, 300, 5)] + [1]
+    lens_k = [n + int(rng.integers(0, 200)) for n in lens_q]  # keys >= queries: causal bottom right per sequence
+    q, k, v, cu_q, cu_k = _varlen(rng, dtype, lens_q, lens_k, 8, 2, d)
+    out = _nan(q.shape, dtype)
+    got, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens_q), max(lens_k), mask=mask,
+                                      return_lse=True, out=out)
+    assert got is out
+    ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, mask=mask, return_lse=True)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("mod", [ScoreMod(softcap=20.0), ScoreMod(alibi="slopes"), ScoreMod(sinks=True)],
+                         ids=lambda m: m.model_dump_json(exclude_defaults=True))
+@pytest.mark.parametrize("nq", [1, 200])  # decode (packed split-KV) and prefill
+def test_varlen_modifiers_match_the_oracle(mod, nq):
+    rng = np.random.default_rng(7 + nq)
+    lens_k = [int(x) for x in rng.integers(nq, 3000, 4)]
+    q, k, v, cu_q, cu_k = _varlen(rng, "float16", [nq] * 4, lens_k, 16, 4, 128)
+    side = {}
+    if mod.softcap:
+        side["softcap"] = mod.softcap
+    if mod.alibi != "none":
+        side["alibi_slopes"] = torch.rand(16, device="cuda") * 0.1
+    if mod.sinks:
+        side["sinks"] = torch.randn(16, device="cuda")
+    out = _nan(q.shape, "float16")
+    fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), nq, max(lens_k), causal=True, out=out, **side)
+    ref = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, causal=True,
+                                  **{n: (x.cpu().numpy() if hasattr(x, "cpu") else x) for n, x in side.items()})
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]
+
+
+def _paged_cache(rng, dtype, lens, page_size, hkv, d, spare_pages=3):
+    """A cache with pages in shuffled order (and spare pages of garbage) and its table."""
+    need = [-(-n // page_size) for n in lens]
+    width = max(need) + 1
+    num_pages = sum(need) + spare_pages
+    order = rng.permutation(num_pages)
+    table = np.full((len(lens), width), -7, np.int64)  # unused entries: never read
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[used:used + n]
+        used += n
+    k = _randn(rng, (num_pages, page_size, hkv, d), dtype)
+    v = _randn(rng, (num_pages, page_size, hkv, d), dtype)
+    return k, v, table.astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+def test_paged_decode_matches_the_oracle(dtype, page_size, heads):
+    hq, hkv = heads
+    rng = np.random.default_rng(page_size + hq)
+    lens = [int(x) for x in rng.integers(1, 2500, 6)] + [0]  # a sequence with an empty cache
+    k_cache, v_cache, table = _paged_cache(rng, dtype, lens, page_size, hkv, 128)
+    q = _randn(rng, (len(lens), hq, 1, 128), dtype)
+    out = _nan(q.shape, dtype)
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    _, lse = fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(lens), _int32(table), causal=True,
+                                          return_lse=True, out=out, status=status)
+    ref, ref_lse = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), lens, causal=True,
+                                          return_lse=True)
+    _check(out, lse, ref, ref_lse, dtype)
+    assert int(status.item()) == 0
+
+
+@pytest.mark.parametrize("mask", [Mask(kind="causal"), Mask(kind="sliding_window", window_left=100)], ids=str)
+def test_paged_varlen_chunked_prefill_appends_and_attends(mask):
+    """Chunked prefill: new tokens are written after each sequence's cached keys, and their
+    queries attend to the cache plus themselves (causal bottom right per sequence)."""
+    rng = np.random.default_rng(11)
+    cached = [300, 0, 77, 1000]
+    new = [64, 100, 1, 33]
+    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", [c + n for c, n in zip(cached, new)], 64, 4, 64)
+    cu_q = np.cumsum([0, *new])
+    q = _randn(rng, (cu_q[-1], 16, 64), "bfloat16")
+    k_new, v_new = _randn(rng, (cu_q[-1], 4, 64), "bfloat16"), _randn(rng, (cu_q[-1], 4, 64), "bfloat16")
+    out = _nan(q.shape, "bfloat16")
+    fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(cached), _int32(table), k=k_new, v=v_new,
+                                 cu_seqlens_q=_int32(cu_q), max_seqlen_q=max(new), mask=mask, out=out)
+    lens = [c + n for c, n in zip(cached, new)]
+    kc, vc = _np(k_cache), _np(v_cache)
+    for b in range(len(cached)):  # the new tokens landed after the cached ones
+        rows = np.concatenate([kc[p] for p in table[b]])[cached[b]:lens[b]]
+        assert np.array_equal(rows, _np(k_new)[cu_q[b]:cu_q[b + 1]])
+    ref = oracle.attention_paged(_np(q), kc, vc, table, lens, cu_seqlens_q=cu_q, mask=mask)
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+def test_paged_matches_contiguous_decode():
+    """The same keys through a paged cache and a contiguous one give the same outputs."""
+    rng = np.random.default_rng(3)
+    n, page_size = 4000, 32
+    k_cache, v_cache, table = _paged_cache(rng, "float16", [n], page_size, 8, 128, spare_pages=0)
+    q = _randn(rng, (1, 32, 1, 128), "float16")
+    paged = fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([n]), _int32(table))
+    idx = torch.as_tensor(table[0, :-(-n // page_size)].astype(np.int64), device="cuda")
+    k = k_cache[idx].reshape(-1, 8, 128)[:n].permute(1, 0, 2)[None]
+    v = v_cache[idx].reshape(-1, 8, 128)[:n].permute(1, 0, 2)[None]
+    contiguous = fagen.attention(q, k.contiguous(), v.contiguous())
+    assert relative_error(_np(paged), _np(contiguous)) < 1e-3
+
+
+def test_a_bad_page_id_reads_nothing_and_is_flagged():
+    """validate=False (a graph's path): an id past the cache loads zeros and sets the flag, and
+    an over-long cache_seqlens is cut to the table; nothing faults, outputs stay finite."""
+    rng = np.random.default_rng(5)
+    k_cache, v_cache, table = _paged_cache(rng, "float16", [100, 100], 16, 2, 64)
+    table[0, 2] = 1 << 30  # far outside: reading it would fault
+    q = _randn(rng, (2, 8, 1, 64), "float16")
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([100, 100_000]), _int32(table), status=status,
+                                       validate=False)
+    torch.cuda.synchronize()
+    assert int(status.item()) == sequences.PAGE_OUT_OF_RANGE | sequences.SEQLEN_OVER_TABLE
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"page_table\[0, 2\] = 1073741824: not a page of the cache"):
+        fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([100, 100]), _int32(table))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 100000: must be in 0..128"):
+        table[0, 2] = 0
+        fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([100, 100_000]), _int32(table))
+
+
+def test_bad_varlen_inputs_are_refused_before_launch():
+    rng = np.random.default_rng(9)
+    q, k, v, cu_q, cu_k = _varlen(rng, "float16", [5, 9], [5, 9], 4, 4, 64)
+    cases = [
+        (dict(cu_seqlens_q=_int32([0, 9, 5])), "cu_seqlens_q must be non-decreasing"),
+        (dict(cu_seqlens_k=_int32([0, 5, 13])), r"cu_seqlens_k\[-1\] = 13, but k has 14 rows"),
+        (dict(cu_seqlens_q=_int32([1, 5, 14])), r"cu_seqlens_q\[0\] = 1: must be 0"),
+        (dict(max_seqlen_q=6), "max_seqlen_q = 6, but sequence 1 has 9 rows"),
+        (dict(cu_seqlens_q=torch.tensor([0, 5, 14], device="cuda")), "cu_seqlens_q: dtype int64, expected int32"),
+        (dict(cu_seqlens_k=_int32([0, 14])), r"both \[B \+ 1\]"),
+        (dict(q=q[None]), r"varlen takes \[total, Hq, d\]"),
+    ]
+    base = dict(q=q, k=k, v=v, cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k), max_seqlen_q=9, max_seqlen_k=9)
+    for change, message in cases:
+        args = {**base, **change}
+        with pytest.raises(ValueError, match=message):
+            fagen.attention_varlen(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens_q"),
+                                   args.pop("cu_seqlens_k"), args.pop("max_seqlen_q"), args.pop("max_seqlen_k"))
+
+
+def test_bad_paged_inputs_are_refused_before_launch():
+    rng = np.random.default_rng(13)
+    k_cache, v_cache, table = _paged_cache(rng, "float16", [40, 70], 16, 2, 64)
+    q = _randn(rng, (2, 8, 1, 64), "float16")
+    odd = _randn(rng, (8, 24, 2, 64), "float16")
+    with pytest.raises(ValueError, match="page_size 24 .* multiple of 16"):
+        fagen.attention_with_kvcache(q, odd, odd, _int32([4, 4]), _int32(table[:, :2]))
+    with pytest.raises(ValueError, match=r"page_table \(3, \d+\) and cache_seqlens \(2,\): both need B = 2"):
+        fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([40, 70]), _int32(np.vstack([table, table[:1]])))
+    with pytest.raises(ValueError, match="page_table: dtype int64"):
+        fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([40, 70]), torch.as_tensor(table, device="cuda").long())
+    with pytest.raises(ValueError, match="cache_seqlens\\[1\\] = 200: must be in 0"):
+        fagen.attention_with_kvcache(q, k_cache, v_cache, _int32([40, 200]), _int32(table))
+
+
+def test_flashinfer_csr_converts_to_a_page_table():
+    rng = np.random.default_rng(17)
+    lens, page_size = [33, 16, 100], 16
+    k_cache, v_cache, table = _paged_cache(rng, "float16", lens, page_size, 2, 64)
+    counts = [-(-n // page_size) for n in lens]
+    indptr = np.cumsum([0, *counts])
+    indices = np.concatenate([table[b, :c] for b, c in enumerate(counts)])
+    last = [n - (c - 1) * page_size for n, c in zip(lens, counts)]
+    got_table, got_lens = sequences.from_flashinfer(_int32(indptr), _int32(indices), _int32(last), page_size)
+    assert got_lens.get().tolist() == lens
+    for b, c in enumerate(counts):
+        assert got_table[b, :c].get().tolist() == table[b, :c].tolist()
+    q = _randn(rng, (3, 8, 2, 64), "float16")
+    out = fagen.attention_with_kvcache(q, k_cache, v_cache, torch.as_tensor(got_lens, device="cuda"),
+                                       torch.as_tensor(got_table, device="cuda"), causal=True)
+    ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), lens, causal=True)
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]

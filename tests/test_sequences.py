@@ -1,0 +1,114 @@
+"""Varlen and paged layouts without a GPU: the spec's rules, the kernel ABI, the rendered source,
+registers, the value checks and the oracle's per-sequence reading."""
+
+import numpy as np
+import pytest
+
+from fagen import nvcc, oracle, variants
+from fagen.load import SPECS, load_spec, parse_spec
+from fagen.plan import plan
+from fagen.render import render
+from fagen.sequences import check_cu_seqlens, check_pages
+from fagen.spec import Mask, ScoreMod, SpecError
+
+ATTN = load_spec(SPECS / "attn_f16_d128.yaml")
+DECODE = load_spec(SPECS / "decode_f16_d128.yaml")
+
+
+@pytest.mark.parametrize("changes, fix", [
+    ({"mask": {"kind": "document"}}, "give each document its own sequence"),
+    ({"mask": {"kind": "block_mask"}}, "give each document its own sequence"),
+    ({"score_mod": {"bias": "matrix"}}, "remove the bias"),
+    ({"backward": {}}, "remove backward"),
+])
+def test_layouts_refuse_what_is_indexed_by_padded_positions(changes, fix):
+    data = {**ATTN.model_dump(), **changes, "sequences": {"q": "varlen", "kv": "paged"}}
+    with pytest.raises(SpecError) as err:
+        parse_spec(data, "test")
+    assert "sequences = 'q varlen, kv paged'" in str(err.value) and fix in str(err.value)
+    assert "use padded sequences" in str(err.value)
+
+
+def test_sequence_parameters_follow_the_layouts():
+    assert plan(ATTN).sequence_params == ()
+    varlen = plan(variants.sequence_variant(ATTN, "varlen", "varlen"))
+    assert [n for _, n in varlen.sequence_params] == ["cu_seqlens_q", "total_q", "cu_seqlens_k"]
+    paged = plan(variants.sequence_variant(DECODE, "padded", "paged"))
+    assert [n for _, n in paged.sequence_params] == ["page_table", "page_table_stride", "max_pages", "page_size",
+                                                     "num_pages", "cache_seqlens", "status"]
+    assert paged.params[-len(paged.sequence_params):] == paged.sequence_params  # last in the signature
+    causal = variants.variant(ATTN, Mask(kind="causal"), ScoreMod())
+    assert plan(variants.sequence_variant(causal, "varlen", "varlen")).sequence_offset
+    top_left = variants.variant(ATTN, Mask(kind="causal", align="top_left"), ScoreMod())
+    assert not plan(variants.sequence_variant(top_left, "varlen", "varlen")).sequence_offset
+
+
+def test_variant_names_say_the_layouts():
+    assert variants.sequence_variant(ATTN, "varlen", "varlen").name == "attn_f16_d128_qvarlen_kvvarlen"
+    assert variants.sequence_variant(DECODE, "padded", "paged").name == "decode_f16_d128_kvpaged"
+    assert variants.sequence_variant(ATTN) is ATTN
+
+
+def test_sources_read_only_what_their_layout_uses():
+    padded = render(ATTN)
+    assert "cu_seqlens" not in padded and "PageTable" not in padded and "return;  // past" not in padded
+    varlen = render(variants.sequence_variant(ATTN, "varlen", "varlen"))
+    assert "n_q = cu_seqlens_q[b + 1] - q_start" in varlen and "lse += (long long)h * total_q + q_start" in varlen
+    assert "PageTable" not in varlen and "if (q0 >= n_q) return;" in varlen
+    paged = render(variants.sequence_variant(DECODE, "varlen", "paged"))
+    assert "struct PageTable" in paged and "copy_paged_tile_async<BLOCK_KV>" in paged
+    assert "n_kv = pages.keys(cache_seqlens[b])" in paged and "if (q0 >= rows.n) return;" in paged
+
+
+@pytest.mark.parametrize("base", ["decode_f16_d128", "attn_bf16_d96", "attn_f16_d128_h200"])
+def test_layout_variants_compile_without_spills(base):
+    spec = variants.variant(load_spec(SPECS / f"{base}.yaml"), Mask(kind="sliding_window", window_left=1000),
+                            ScoreMod(softcap=30.0, alibi="slopes"))
+    specs = [variants.sequence_variant(spec, "varlen", "varlen"), variants.sequence_variant(spec, "varlen", "paged")]
+    for s, res in zip(specs, nvcc.compile_many([(s, nvcc.archs(s)[-1]) for s in specs])):
+        assert res.spill_stores == 0 and res.spill_loads == 0, (s.name, res.log)
+
+
+@pytest.mark.parametrize("cu, message", [
+    ([1, 5, 9], r"cu_seqlens_q\[0\] = 1: must be 0"),
+    ([0, 6, 5, 9], r"non-decreasing: cu_seqlens_q\[2\] = 5 < cu_seqlens_q\[1\] = 6"),
+    ([0, 5, 8], r"cu_seqlens_q\[-1\] = 8, but q has 9 rows"),
+    ([0, 1, 9], "max_seqlen_q = 6, but sequence 1 has 8 rows"),
+])
+def test_cu_seqlens_values_are_checked(cu, message):
+    with pytest.raises(ValueError, match=message):
+        check_cu_seqlens(np.array(cu), 9, 6, "q")
+    check_cu_seqlens(np.array([0, 4, 4, 9]), 9, 5, "q")  # an empty sequence is fine
+
+
+def test_page_table_values_are_checked():
+    table = np.array([[3, 1, -1], [0, 2, 9]])
+    check_pages(table, np.array([32, 32]), 4, 16)  # unused entries (-1, 9) are never read
+    with pytest.raises(ValueError, match=r"page_table\[1, 2\] = 9: not a page of the cache \(0..3\); sequence 1 "
+                                         r"reads it for keys 32..33"):
+        check_pages(table, np.array([32, 34]), 4, 16)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 49: must be in 0..48"):
+        check_pages(table, np.array([49, 0]), 4, 16)
+
+
+def test_the_oracle_reads_varlen_and_paged_batches_per_sequence():
+    rng = np.random.default_rng(0)
+    lens_q, lens_k, d = [5, 9, 1], [7, 9, 0], 16
+    cu_q, cu_k = np.cumsum([0, *lens_q]), np.cumsum([0, *lens_k])
+    q = rng.standard_normal((cu_q[-1], 4, d))
+    k, v = rng.standard_normal((cu_k[-1], 2, d)), rng.standard_normal((cu_k[-1], 2, d))
+    out, lse = oracle.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    for b in range(2):
+        sq, sk, sv = (x[c[b]:c[b + 1]].transpose(1, 0, 2)[None] for x, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        ref, ref_lse = oracle.attention(sq, sk, sv, causal=True, return_lse=True)
+        assert np.allclose(out[cu_q[b]:cu_q[b + 1]].transpose(1, 0, 2), ref[0]) and np.allclose(lse[:, cu_q[b]:cu_q[b + 1]], ref_lse[0])
+    assert (out[cu_q[2]:] == 0).all() and np.isneginf(lse[:, cu_q[2]:]).all()  # no keys
+    # a paged cache holding the same keys, pages shuffled
+    pages = np.zeros((6, 16, 2, d))
+    table = np.array([[4, 0], [2, 5], [1, 3]])
+    for b in range(3):
+        keys = np.zeros((32, 2, d))
+        keys[:lens_k[b]] = k[cu_k[b]:cu_k[b + 1]]
+        pages[table[b, 0]], pages[table[b, 1]] = keys[:16], keys[16:]
+    assert np.allclose(oracle.attention_paged(q, pages, pages, table, lens_k, cu_seqlens_q=cu_q, causal=True),
+                       oracle.attention_varlen(q, k, k, cu_q, cu_k, causal=True))
