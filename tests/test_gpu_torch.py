@@ -392,3 +392,46 @@ def test_transformers_llama_training_step_matches_sdpa(dtype, packed):
               for name, p in model.named_parameters()}
     print(sorted(errors.items(), key=lambda item: -item[1])[:5])
     assert all(e <= tolerance for e in errors.values()), {n: e for n, e in errors.items() if e > tolerance}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_transformers_llama_generates_the_sdpa_tokens(dtype):
+    """Greedy generation, 32 new tokens with a KV cache: the prompt through the plain forward,
+    each step's single query through fagen's decode path (GQA-packed split-KV), token for token
+    what the same model generates on SDPA. bfloat16 keeps 8 bits of mantissa: two attentions that
+    round differently may swap a near-tie, so there the tokens must agree up to a step where
+    SDPA's own two candidates are within bfloat16 rounding of each other."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    paths = []
+
+    def traced(module, query, key, value, attention_mask, **kwargs):
+        paths.append(query.shape[2])
+        return fagen_attention(module, query, key, value, attention_mask, **kwargs)
+
+    _register("fagen_generate", traced)
+    models = []
+    for name in ("sdpa", "fagen_generate"):
+        # a wider init than the default: random logits far enough apart that rounding rarely decides
+        config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=1000, max_position_embeddings=512, initializer_range=0.08,
+                             attn_implementation=name)
+        torch.manual_seed(0)
+        models.append(LlamaForCausalLM(config).to(device="cuda", dtype=getattr(torch, dtype)).eval())
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    prompt = torch.randint(0, 1000, (2, 100), generator=gen, device="cuda")
+    runs = [m.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0,
+                       output_logits=True, return_dict_in_generate=True) for m in models]
+    ref, got = (r.sequences[:, 100:] for r in runs)
+    assert ref.shape == got.shape == (2, 32)
+    assert paths.count(100) == 2 and paths.count(1) == 2 * 31  # prefill once a layer, then one query a step
+    if dtype == "float16":
+        assert torch.equal(ref, got), (ref, got)
+        return
+    for row in range(2):
+        differ = (ref[row] != got[row]).nonzero()
+        if len(differ):
+            step = int(differ[0])
+            logits = runs[0].logits[step][row].float()
+            gap = (logits[ref[row, step]] - logits[got[row, step]]).item()
+            assert gap <= 2 ** -7 * logits.abs().max().item(), (row, step, gap)
