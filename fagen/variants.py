@@ -102,25 +102,40 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
     if not fits or head_dim not in DECODE_HEAD_DIMS:
         return None
     base = load_spec(SPECS / f"{decode_spec_name(dtype, head_dim, fits[0])}.yaml")
-    try:  # sinks join in the merge of the partials, not in the kernel
-        return variant(base, mask, score_mod.model_copy(update={"sinks": False}))
+    score_mod = score_mod.model_copy(update={"sinks": False})  # sinks join in the merge of the partials
+    try:
+        spec = variant(base, mask, score_mod)
+        if spec.tiling.block_kv < base.tiling.block_kv and base.smem_layout == "swizzled":
+            # swizzled rows cost address registers: where the mask and modifiers leave no room
+            # for them, padded rows keep the 64-key tiles (notes/perf.md: kv32 is 1.3x slower at B 1)
+            padded = parse_spec({**base.model_dump(), "name": f"{base.name}_padded", "smem_layout": "padded"},
+                                f"padded {base.name}")
+            spec = variant(padded, mask, score_mod)
+        return spec
     except SpecError:
         return None  # refused for packing (tiling.pack_gqa's rules)
 
 
 SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
+# A paged decode kernel's layout: one K and one V tile in flight (padded rows), so five one-warp
+# blocks share an SM rather than three; they hide the page-table reads before each tile's copies
+# (H200, B 1-32: 1.2-2.0x faster than the contiguous kernel's two stages, notes/perf.md)
+PAGED_DECODE_LAYOUT = {"pipeline": {"kv_smem": "separate", "stages": 1}, "smem_layout": "padded"}
 
 
 @cache
 def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded") -> AttentionSpec:
     """`spec` reading its sequences as `q` and `kv` lay them out (spec.sequences: varlen,
     paged), named <name>_q<layout>_kv<layout> for the layouts that are not padded. The layouts
-    are the forward's (serving): spec's backward: section is not carried over."""
+    are the forward's (serving): spec's backward: section is not carried over. A decode kernel
+    (pack_gqa) reading a paged cache takes PAGED_DECODE_LAYOUT."""
     if (spec.sequences.q, spec.sequences.kv) == (q, kv):
         return spec
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
-    return parse_spec({**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv},
-                       "backward": None}, f"{q} q, {kv} kv variant of {spec.name}")
+    data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
+    if spec.tiling.pack_gqa and kv == "paged":
+        data.update(PAGED_DECODE_LAYOUT, pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})
+    return parse_spec(data, f"{q} q, {kv} kv variant of {spec.name}")
 
 
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:

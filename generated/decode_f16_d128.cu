@@ -26,7 +26,7 @@
 //   sequences:
 //     kv: padded
 //     q: padded
-//   smem_layout: padded
+//   smem_layout: swizzled
 //   tiling:
 //     block_kv: 64
 //     block_q: 16
@@ -51,14 +51,14 @@ constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
 constexpr int COPY_ROWS_PER_PASS = 2;  // tile rows all threads copy at once
 constexpr int ELEM_BYTES = 2;
-constexpr int Q_TILE_ELEMS = 2176;
-constexpr int KV_TILE_BYTES = 17408;     // one KV tile: the stride between ring slots
+constexpr int Q_TILE_ELEMS = 2048;
+constexpr int KV_TILE_BYTES = 16384;     // one KV tile: the stride between ring slots
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 
 // mma.sync main loop: padded or swizzled smem rows, a ring of KV_SLOTS tiles.
 constexpr int SMEM_ALIGN = 16;          // bytes: cp.async and ldmatrix move 16-byte chunks
-constexpr int SMEM_ROW = 136;           // elements between smem rows
+constexpr int SMEM_ROW = 128;           // elements between smem rows
 constexpr int KV_SLOTS = 4;            // smem tiles in the KV ring
 
 // ---- PTX wrappers ----------------------------------------------------------------------
@@ -115,9 +115,9 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
 // ---- shared-memory tiles ---------------------------------------------------------------
 // Rows of SMEM_ROW elements; ldmatrix reads 8 rows x 16 bytes at once, which must fall in 8
 // distinct 16-byte bank groups.
-// Padded: each row is 16 bytes longer than the data, shifting row r by r bank groups.
+// Swizzled: the 16-byte chunk index is XORed with row % 8, rows stay dense.
 __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multiple of 8
-  return row * SMEM_ROW + col;
+  return row * SMEM_ROW + (((col >> 3) ^ (row & 7)) << 3);
 }
 
 // Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into

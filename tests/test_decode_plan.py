@@ -73,3 +73,12 @@ def test_decode_variants_compile_without_spills(rows):
         (Mask(kind="prefix_lm", prefix_len=1000), ScoreMod(softcap=30.0)))]
     for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
+
+
+def test_masked_decode_keeps_64_key_tiles_with_padded_rows():
+    """Swizzled rows cost address registers; where a mask and modifiers leave no room for them the
+    decode kernel keeps its 64-key tiles in padded rows rather than halving them."""
+    plain = variants.decode_spec("float16", 128, 16)
+    assert (plain.smem_layout, plain.tiling.block_kv) == ("swizzled", 64)
+    heavy = variants.decode_spec("float16", 128, 16, Mask(kind="causal"), ScoreMod(softcap=30.0, alibi="slopes"))
+    assert (heavy.smem_layout, heavy.tiling.block_kv) == ("padded", 64)
