@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import bench_backward, bench_rows, masks, variants
+from fagen import bench_backward, bench_rows, bench_serving, masks, variants
 from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
     HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths, flex_block_mask,
     kept_pairs, mask_predicate)
@@ -164,24 +164,27 @@ class _NoBar:
         pass
 
 
-def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool = False,
+def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool = False, serving_only: bool = False,
          report: tuple[Part, Part] | None = None, progressbar=None) -> list[str]:
     """`fagen bench` once its arguments are parsed: run the cases (or take `report`, the
     (forward, backward) halves of an earlier run, from load_report) and write the report;
     the lines to print. Runs the forward sweep (cases(quick)) unless backward_only, and the
     backward cases (fagen.bench_backward.cases) in the full run or with backward_only (with
-    quick: its small subset). A half not run this time is kept from its JSON in `out`.
+    quick: its small subset), and the serving cases (fagen.bench_serving) likewise with
+    serving_only. A part not run this time is kept from its JSON in `out`.
     progressbar(length, label): a context manager whose update(1, case) follows each case."""
     lines: list[str] = []
     if report is not None:
         forward, backward = report
     else:
-        forward_cases = [] if backward_only else cases(quick)
-        backward_cases = bench_backward.cases(quick) if backward_only or not quick else []
+        forward_cases = [] if backward_only or serving_only else cases(quick)
+        backward_cases = bench_backward.cases(quick) if backward_only or not (quick or serving_only) else []
+        serving_cases = bench_serving.cases(quick) if serving_only or not (quick or backward_only) else []
         env = environment_meta()
         mode = "quick" if quick else "full"
-        forward = backward = None
-        with (progressbar or (lambda n, label: _NoBar()))(len(forward_cases) + len(backward_cases), "bench") as bar:
+        forward = backward = serving = None
+        total = len(forward_cases) + len(backward_cases) + len(serving_cases)
+        with (progressbar or (lambda n, label: _NoBar()))(total, "bench") as bar:
             if forward_cases:
                 rows = run(forward_cases, progress=lambda case: bar.update(1, case))
                 forward = Part(rows, {**env, "cases": str(len(forward_cases)), "mode": mode}, fresh=True)
@@ -191,6 +194,10 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
                 if any(c.mask != "none" for c in backward_cases):
                     meta["masks"] = bench_backward.describe_masks()
                 backward = Part(rows, meta, fresh=True)
+            if serving_cases:
+                rows = bench_serving.run(serving_cases, progress=lambda case: bar.update(1, case))
+                meta = {**env, "pass": "serving", "cases": str(len(serving_cases)), "mode": mode}
+                serving = Part(rows, meta, fresh=True)
         kept = []
         if forward is None:
             forward = _sibling(out / "bench.json", read_json) or Part([], {})
@@ -198,12 +205,19 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
         if backward is None:
             backward = _sibling(out / BACKWARD_JSON, bench_backward.read_json) or Part([], {})
             kept += [f"the backward tables from {out / BACKWARD_JSON}"] if backward.rows else []
+        if serving is None:
+            serving = _sibling(out / bench_serving.JSON, bench_serving.read_json) or Part([], {})
+            kept += [f"the serving tables from {out / bench_serving.JSON}"] if serving.rows else []
         lines += [f"kept {what} (not run this time)" for what in kept]
-    written = write_report(forward.rows, forward.meta, out, md_path, with_data=forward.fresh, backward=backward)
+    if report is not None:  # redrawn from JSON: the serving part from `out`, beside the others
+        serving = _sibling(out / bench_serving.JSON, bench_serving.read_json) or Part([], {})
+    written = write_report(forward.rows, forward.meta, out, md_path, with_data=forward.fresh, backward=backward,
+                           serving=serving)
     for r in forward.rows:
         if r.impl == "fagen":
             lines.append(f"{r.case:36} fagen {r.tflops or 0:7.1f} TFLOP/s  {r.note}")
     lines += bench_backward.summary_lines(backward.rows)
+    lines += bench_serving.summary_lines(serving.rows)
     lines.append(f"wrote {', '.join(map(str, written))}")
     return lines
 
@@ -226,7 +240,7 @@ class Part:
 
 
 def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_data: bool,
-                 backward: Part | None = None) -> list[Path]:
+                 backward: Part | None = None, serving: Part | None = None) -> list[Path]:
     """bench.json and bench.csv (with_data: a fresh run), a plot per head_dim of the dense
     cases, and the markdown table linking them; with `backward`, its section too
     (bench_backward.json and .csv where fresh, bench_backward.png); the paths written."""
@@ -246,8 +260,16 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
         backward_plot = out / bench_backward.PLOT
         bench_backward.plot(backward.rows, backward_plot)
         plots.append(backward_plot)
-    md_path.write_text(markdown(rows, meta, [str(p) for p in plots if p != backward_plot], md_path=md_path,
-                                backward=backward, backward_plot=backward_plot))
+    serving_plot = None
+    if serving is not None and serving.rows:
+        if serving.fresh:
+            written += bench_serving.write_data(serving.rows, serving.meta, out)
+        serving_plot = out / bench_serving.PLOT
+        bench_serving.plot(serving.rows, serving_plot)
+        plots.append(serving_plot)
+    md_path.write_text(markdown(rows, meta, [str(p) for p in plots if p not in (backward_plot, serving_plot)],
+                                md_path=md_path, backward=backward, backward_plot=backward_plot, serving=serving,
+                                serving_plot=serving_plot))
     return written + plots + [md_path]
 
 
@@ -307,7 +329,8 @@ def _link(plot_path: str | Path, md_path: str | Path | None) -> str:
 
 
 def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path | None = None, *,
-             backward: Part | None = None, backward_plot: str | Path | None = None) -> str:
+             backward: Part | None = None, backward_plot: str | Path | None = None, serving: Part | None = None,
+             serving_plot: str | Path | None = None) -> str:
     """BENCHMARKS.md: meta, one table per head_dim (dense), one for masks, the plots; then,
     with `backward` rows, the backward section (fagen.bench_backward.markdown). With
     `md_path` (where the text will be written), plot links are relative to its folder."""
@@ -317,6 +340,9 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path 
     if backward is not None and backward.rows:
         link = None if backward_plot is None else _link(backward_plot, md_path)
         out += bench_backward.markdown(backward.rows, backward.meta, link)
+    if serving is not None and serving.rows:
+        out += bench_serving.markdown(serving.rows, serving.meta,
+                                      None if serving_plot is None else _link(serving_plot, md_path))
     return "\n".join(out)
 
 

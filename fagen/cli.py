@@ -415,23 +415,25 @@ def mask_show_cmd(kind, length, block, window, docs, prefix, chunk, out_path) ->
 @click.option("--quick", is_flag=True, help="a small subset (under a minute); the forward only, unless --backward")
 @click.option("--backward", is_flag=True, help="the backward only (fagen, SDPA FA2 and cuDNN, Flex on masks; "
               "the full run includes it); the forward tables are kept from OUT/bench.json")
+@click.option("--serving", is_flag=True, help="the serving cases only (decode against SDPA, paged against contiguous, "
+              "varlen against padded; the full run includes them); the other tables are kept from OUT")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="bench", show_default=True,
-              help="where bench.json, bench_backward.json, their CSVs and the plots go")
+              help="where bench.json, bench_backward.json, bench_serving.json, their CSVs and the plots go")
 @click.option("--markdown", "md_path", default="BENCHMARKS.md", show_default=True, help="the table to regenerate")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="redraw plots and the table from an earlier run's bench.json or bench_backward.json (and the "
                    "other beside it), no GPU")
-def bench_cmd(quick: bool, backward: bool, out_dir: str, md_path: str, from_json: str | None) -> None:
+def bench_cmd(quick: bool, backward: bool, serving: bool, out_dir: str, md_path: str, from_json: str | None) -> None:
     """Check, then time fagen beside SDPA (FlashAttention-2, cuDNN) and FlexAttention: the forward
-    sweep and the backward cases (--backward: the backward alone)."""
+    sweep, the backward cases and the serving cases (--backward, --serving: those alone)."""
     from fagen import bench
 
     out, md = Path(out_dir), Path(md_path)
     report = None
     if from_json:
-        if quick or backward:
-            raise click.UsageError(f"{'--quick' if quick else '--backward'} picks cases to run; --from-json runs "
-                                   f"none: leave one out")
+        if quick or backward or serving:
+            picked = "--quick" if quick else "--backward" if backward else "--serving"
+            raise click.UsageError(f"{picked} picks cases to run; --from-json runs none: leave one out")
         try:
             report = bench.load_report(Path(from_json))
         except ValueError as err:
@@ -447,7 +449,10 @@ def bench_cmd(quick: bool, backward: bool, out_dir: str, md_path: str, from_json
         return click.progressbar(length=length, label=label, show_pos=True, item_show_func=lambda c: c.key if c else "")
 
     try:
-        lines = bench.main(out, md, quick=quick, backward_only=backward, report=report, progressbar=progressbar)
+        if backward and serving:
+            raise click.UsageError("--backward and --serving each run their cases alone: pick one, or neither for all")
+        lines = bench.main(out, md, quick=quick, backward_only=backward, serving_only=serving, report=report,
+                           progressbar=progressbar)
     except OSError as err:
         if err.filename is None:
             raise

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fagen import bench, bench_cases, variants
+from fagen import bench, bench_cases, bench_serving, variants
 from fagen.bench import Case, Row
 from fagen.check import attention_flops
 from fagen.cli import main
@@ -724,8 +724,15 @@ def fake_gpu(monkeypatch, rows, brows):
             progress and progress(c)
         return brows
 
+    def run_serving(case_list, progress=None):
+        calls.append(("serving", list(case_list)))
+        for c in case_list:
+            progress and progress(c)
+        return serving_rows()
+
     monkeypatch.setattr(bench, "run", run_forward)
     monkeypatch.setattr(bench_backward, "run", run_backward)
+    monkeypatch.setattr(bench_serving, "run", run_serving)
     monkeypatch.setattr(bench, "environment_meta", lambda: {"gpu": "NVIDIA H200", "date": "2025-01-03"})
     monkeypatch.setattr("fagen.cli._need_gpu", lambda torch=False: None)
     return calls
@@ -735,7 +742,8 @@ def test_main_full_run_is_forward_and_backward(fake_gpu, tmp_path, rows, brows):
     out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
     out.mkdir()
     lines = bench.main(out, md)
-    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 78), ("backward", 15)]
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 78), ("backward", 15),
+                                                         ("serving", len(bench_serving.cases()))]
     assert fake_gpu[1][1] == bench_backward.cases()
     _, meta = bench_backward.read_json(out / "bench_backward.json")
     assert meta == {"gpu": "NVIDIA H200", "date": "2025-01-03", "pass": "backward", "cases": "15", "mode": "full",
@@ -743,7 +751,7 @@ def test_main_full_run_is_forward_and_backward(fake_gpu, tmp_path, rows, brows):
     assert "documents: 4 packed documents" in meta["masks"]
     assert bench.read_json(out / "bench.json")[1]["cases"] == "78"
     text = md.read_text()
-    assert "## head_dim 64" in text and "### Backward, head_dim 64" in text
+    assert "## head_dim 64" in text and "### Backward, head_dim 64" in text and "### Paged KV cache" in text
     assert sum(ln.split()[1:2] == ["fagen"] for ln in lines) == len([r for r in rows if r.impl == "fagen"])
     assert sum(ln.split()[1:2] == ["fagen-bwd"] for ln in lines) == len([r for r in brows if r.impl == "fagen"])
     assert lines[-1].startswith("wrote ")
@@ -768,6 +776,7 @@ def test_main_quick_backward_runs_the_quick_backward_only(fake_gpu, tmp_path):
     out.mkdir()
     bench.main(out, tmp_path / "B.md", quick=True, backward_only=True)
     assert fake_gpu == [("backward", bench_backward.cases(quick=True))]
+    assert not (out / "bench_serving.json").exists()
     assert json.loads((out / "bench_backward.json").read_text())["meta"]["mode"] == "quick"
     assert "## head_dim" not in (tmp_path / "B.md").read_text()  # no forward run to keep
 
@@ -780,10 +789,10 @@ def test_main_quick_is_the_forward_only(fake_gpu, tmp_path):
     assert not (out / "bench_backward.json").exists()
 
 
-@pytest.mark.parametrize("args, quick, backward_only", [
-    ([], False, False), (["--backward"], False, True), (["--quick"], True, False),
-    (["--quick", "--backward"], True, True)])
-def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward_only):
+@pytest.mark.parametrize("args, quick, backward_only, serving_only", [
+    ([], False, False, False), (["--backward"], False, True, False), (["--quick"], True, False, False),
+    (["--quick", "--backward"], True, True, False), (["--serving"], False, False, True)])
+def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward_only, serving_only):
     seen = {}
 
     def fake_main(out, md, **kw):
@@ -795,7 +804,8 @@ def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward
     result = CliRunner().invoke(main, ["bench", *args, "-o", str(tmp_path / "o"), "--markdown",
                                        str(tmp_path / "B.md")])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert (seen["quick"], seen["backward_only"], seen["report"]) == (quick, backward_only, None)
+    assert (seen["quick"], seen["backward_only"], seen["serving_only"], seen["report"]) == (
+        quick, backward_only, serving_only, None)
     assert (seen["out"], seen["md"]) == (tmp_path / "o", tmp_path / "B.md")
     assert result.output == "done\n"
 
@@ -813,7 +823,7 @@ def test_cli_bench_help_lists_backward():
     assert result.exit_code == 0 and "--backward" in result.output
 
 
-@pytest.mark.parametrize("flag", ["--backward", "--quick"])
+@pytest.mark.parametrize("flag", ["--backward", "--quick", "--serving"])
 def test_cli_bench_from_json_refuses_run_flags(rows, tmp_path, no_gpu, flag):
     bench.write_json(rows, tmp_path / "bench.json", META)
     result = CliRunner().invoke(main, ["bench", "--from-json", str(tmp_path / "bench.json"), flag,
@@ -846,3 +856,65 @@ def test_cli_bench_from_json_backward_alone(brows, tmp_path, no_gpu):
                                        "-o", str(tmp_path / "o"), "--markdown", str(md)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "## head_dim" not in md.read_text() and "### Backward, head_dim 128" in md.read_text()
+
+
+# ---- the serving part (fagen.bench_serving) ---------------------------------------------------
+
+def serving_rows() -> list:
+    """Synthetic rows: a decode case with its SDPA peers, a paged case with its contiguous run,
+    a varlen case with its padded batch."""
+    decode, paged, varlen = (next(c for c in bench_serving.cases() if c.section == s) for s in ("decode", "paged", "varlen"))
+
+    def row(case, impl, us, **kw):
+        return bench_serving._row(case, impl, us, **kw)
+    return [row(decode, "fagen", 30.0, tb_s=1.1), row(decode, "sdpa", 12.0, tb_s=2.9),
+            row(decode, "sdpa_flash", None, note="unsupported: no"),
+            row(paged, "fagen", 80.0, tb_s=1.7), row(paged, "fagen_contiguous", 60.0, tb_s=2.2),
+            row(paged, "sdpa", 38.0, tb_s=3.5),
+            row(varlen, "fagen", 900.0, tflops=450.0), row(varlen, "fagen_padded", 850.0, tflops=500.0)]
+
+
+def test_serving_cases_cover_decode_paged_and_varlen():
+    full = bench_serving.cases()
+    assert len({c.key for c in full}) == len(full)  # keys name the cases apart
+    assert {c.section for c in full} == {"decode", "paged", "varlen"}
+    assert {c.section for c in bench_serving.cases(quick=True)} == {"decode", "paged", "varlen"}
+    assert all(c.nk % c.page_size == 0 for c in full if c.section == "paged")
+
+
+def test_serving_units():
+    case = bench_serving.ServingCase("decode", "float16", 128, 2, 32, 8, 1, 1024)
+    assert bench_serving.kv_bytes(case) == 2 * 2 * 8 * 1024 * 128 * 2
+    causal = bench_serving.ServingCase("varlen", "float16", 64, 2, 4, 4, 100, 100, causal=True, mixed=True)
+    assert bench_serving.prefill_flops([100, 50], causal) == 4 * 4 * 64 * (100 ** 2 + 50 ** 2) / 2
+    lengths = bench_serving.varlen_lengths(causal, np.random.default_rng(0))
+    assert sum(lengths) == 200 and len(lengths) == 2 and min(lengths) > 0
+
+
+def test_serving_markdown_tables(tmp_path):
+    text = "\n".join(bench_serving.markdown(serving_rows(), {"gpu": "NVIDIA H200"}, "bench/bench_serving.png"))
+    assert "### Decode" in text and "| 30.0 | 1.10 | 12.0 | 2.90 | n/a | 0.40x |" in text
+    assert "| 80.0 | 1.70 | 60.0 | 1.33 | 38.0 |" in text  # paged / contiguous time
+    assert "| 450 | 500 | 0.90 |" in text and "![serving](bench/bench_serving.png)" in text
+    assert "(sdpa_flash): unsupported: no" in text
+    bench_serving.plot(serving_rows(), tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_serving_json_round_trips(tmp_path):
+    written = bench_serving.write_data(serving_rows(), {"pass": "serving"}, tmp_path)
+    assert {p.name for p in written} == {"bench_serving.json", "bench_serving.csv"}
+    rows, meta = bench_serving.read_json(tmp_path / "bench_serving.json")
+    assert rows == serving_rows() and meta == {"pass": "serving"}
+
+
+def test_main_serving_only_keeps_the_other_tables(fake_gpu, tmp_path, rows):
+    out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
+    out.mkdir()
+    bench.write_json(rows, out / "bench.json", META)
+    lines = bench.main(out, md, serving_only=True)
+    assert [what for what, _ in fake_gpu] == ["serving"]
+    assert lines[0] == f"kept the forward tables from {out / 'bench.json'} (not run this time)"
+    text = md.read_text()
+    assert "## head_dim" in text and "## Serving: decode, paged KV, varlen" in text
+    assert json.loads((out / "bench_serving.json").read_text())["meta"]["pass"] == "serving"

@@ -29,7 +29,7 @@ LAYERS = [
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("bench_cases", "bench_rows"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV files
-    ("bench_backward",),  # the backward in `fagen bench`
+    ("bench_backward", "bench_serving"),  # the backward and the serving layouts in `fagen bench`
     ("bench",),
     ("tune",),
     ("cli",),

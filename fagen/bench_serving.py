@@ -1,0 +1,397 @@
+"""Serving in `fagen bench`: decode against PyTorch SDPA, a paged KV cache against the contiguous
+one, varlen prefill against the padded batch; same process, same GPU.
+
+Decode and paged calls are a few microseconds of GPU work behind tens of host work, so every
+case is timed as GPU time: a CUDA graph of REPS calls, replayed, CUDA events around each replay,
+the median of REPLAYS divided by REPS. Bandwidth counts the K and V bytes a call must read,
+2 * B * Hkv * Nk * d * 2 (bytes / time: TB/s); prefill counts FLOPs, 4 * Hq * d * n^2 a sequence
+of n, halved for causal (TFLOP/s).
+
+Each case draws fresh random inputs shared by every implementation, and every fagen output is
+checked at the timed shape before it is timed, into a NaN-poisoned output: decode and paged
+against SDPA in float32 on the same inputs, varlen against the float32 reference of each sequence
+(fagen.check.OUT_TOLERANCE). A case over its tolerance is reported, not timed.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fagen import bench_rows
+from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
+
+REPS, REPLAYS = 10, 9
+JSON, CSV, PLOT = "bench_serving.json", "bench_serving.csv", "bench_serving.png"
+FIX = f"pass a {JSON} written by `fagen bench --serving` (or the full `fagen bench`)"
+PAGE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    section: str  # "decode", "paged" or "varlen"
+    dtype: str
+    head_dim: int
+    b: int
+    hq: int
+    hkv: int
+    nq: int  # varlen: each sequence's queries (and keys) when lengths are uniform
+    nk: int
+    causal: bool = False
+    page_size: int = 0  # paged
+    mixed: bool = False  # varlen: random lengths with the same total
+
+    @property
+    def key(self) -> str:
+        what = {"decode": "", "paged": f" page {self.page_size}", "varlen": " mixed" if self.mixed else " uniform"}
+        return (f"{self.section} {self.dtype} d{self.head_dim} {self.hq}/{self.hkv} B{self.b} Nq{self.nq} "
+                f"Nk{self.nk}{' causal' if self.causal else ''}{what[self.section]}")
+
+
+@dataclass
+class ServingRow:
+    section: str
+    case: str
+    impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen)
+    dtype: str
+    head_dim: int
+    b: int
+    hq: int
+    hkv: int
+    nq: int
+    nk: int
+    us: float | None
+    tb_s: float | None
+    tflops: float | None
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cases(quick: bool = False) -> list[ServingCase]:
+    """fp16, d 128, GQA 32/8 unless said. decode: Nq 1 against Nk 8k, 32k, 128k; Nq 4 and 16 (GQA
+    packing); MHA; B 8 and 32; bf16 d 64. paged: B 1 at 32k (page 16 and 64) and 128k, B 8 at 8k,
+    B 32 at 4k. varlen: causal prefill of 16k tokens, 8 x 2048 uniform and mixed, 16 x 1024 mixed;
+    bf16 d 64 MHA non-causal 4 x 4096 mixed. quick: one of each."""
+    f16, gqa = dict(dtype="float16", head_dim=128), dict(hq=32, hkv=8)
+    decode = [ServingCase("decode", **f16, b=1, **gqa, nq=nq, nk=nk)
+              for nq, nk in ((1, 8192), (1, 32768), (1, 131072), (4, 32768), (16, 131072))]
+    decode += [ServingCase("decode", **f16, b=1, hq=32, hkv=32, nq=1, nk=32768),
+               ServingCase("decode", **f16, b=8, **gqa, nq=1, nk=32768),
+               ServingCase("decode", **f16, b=32, **gqa, nq=1, nk=4096),
+               ServingCase("decode", "bfloat16", 64, 1, 32, 8, 1, 32768)]
+    paged = [ServingCase("paged", **f16, b=b, **gqa, nq=1, nk=nk, page_size=ps)
+             for b, nk, ps in ((1, 32768, 16), (1, 32768, PAGE_SIZE), (1, 131072, PAGE_SIZE), (8, 8192, PAGE_SIZE),
+                               (32, 4096, PAGE_SIZE))]
+    varlen = [ServingCase("varlen", **f16, b=b, **gqa, nq=n, nk=n, causal=True, mixed=m)
+              for b, n, m in ((8, 2048, False), (8, 2048, True), (16, 1024, True))]
+    varlen.append(ServingCase("varlen", "bfloat16", 64, 4, 16, 16, 4096, 4096, mixed=True))
+    if quick:
+        return [decode[1], paged[1], varlen[1]]
+    return decode + paged + varlen
+
+
+def graph_us(fn) -> float:
+    """GPU microseconds a call of fn: a CUDA graph of REPS calls (captured after warm-up on a side
+    stream), the median of REPLAYS replays."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPS)
+    return float(np.median(times))
+
+
+def kv_bytes(case: ServingCase) -> float:
+    return 2.0 * case.b * case.hkv * case.nk * case.head_dim * 2
+
+
+def prefill_flops(lengths, case: ServingCase) -> float:
+    return sum(4.0 * case.hq * case.head_dim * n * n for n in lengths) / (2 if case.causal else 1)
+
+
+def _row(case: ServingCase, impl: str, us: float | None, *, tb_s=None, tflops=None, note: str = "") -> ServingRow:
+    return ServingRow(case.section, case.key, impl, case.dtype, case.head_dim, case.b, case.hq, case.hkv, case.nq,
+                      case.nk, us, tb_s, tflops, note)
+
+
+def _checked(case, impl, out, ref, time_fn, *, tb_s=None, tflops=None) -> ServingRow:
+    """A row timed only if out (computed into a NaN-poisoned buffer) is within tolerance of ref."""
+    err = relative_error(to_numpy(out), ref)
+    if not err <= OUT_TOLERANCE[case.dtype]:
+        return _row(case, impl, None, note=f"FAILED check: relative error {err:.2e}")
+    us = time_fn()
+    return _row(case, impl, us, tb_s=None if tb_s is None else tb_s / us / 1e6,
+                tflops=None if tflops is None else tflops / us / 1e6, note=f"err {err:.1e}")
+
+
+def _sdpa_reference(q, k, v, causal=False):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1]).cpu().numpy()
+
+
+def _sdpa_rows(case, q, k, v) -> list[ServingRow]:
+    import torch
+    import torch.nn.functional as F
+
+    rows = []
+    for impl, backend in (("sdpa", None), ("sdpa_flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
+        def call():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=case.hq != case.hkv)
+        try:
+            if backend is None:
+                us = graph_us(call)
+            else:
+                with torch.nn.attention.sdpa_kernel(backend):
+                    us = graph_us(call)
+            rows.append(_row(case, impl, us, tb_s=kv_bytes(case) / us / 1e6))
+        except RuntimeError as err:  # a backend that does not take the shape
+            rows.append(_row(case, impl, None, note=f"unsupported: {str(err).splitlines()[0][:80]}"))
+    return rows
+
+
+def run_decode(case: ServingCase) -> list[ServingRow]:
+    import fagen
+
+    q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
+    ref = _sdpa_reference(q, k, v)
+    step = fagen.prepare(q, k, v)
+    step(q, k, v, out=out)
+    row = _checked(case, "fagen", out, ref, lambda: graph_us(lambda: step(q, k, v, out=out)), tb_s=kv_bytes(case))
+    return [row] + _sdpa_rows(case, q, k, v)
+
+
+def paged_cache(k, v, page_size: int, rng):
+    """k, v [B, Hkv, N, d] copied into a cache of shuffled pages [B * N / page_size, page_size, Hkv, d] and
+    its page table (N a multiple of page_size)."""
+    import torch
+
+    b, h, n, d = k.shape
+    pages = n // page_size
+    table = torch.as_tensor(rng.permutation(b * pages), device=k.device)
+    caches = []
+    for x in (k, v):
+        cache = torch.empty(b * pages, page_size, h, d, dtype=x.dtype, device=x.device)
+        cache[table] = x.permute(0, 2, 1, 3).reshape(b * pages, page_size, h, d)
+        caches.append(cache)
+    return caches[0], caches[1], table.view(b, pages).to(torch.int32)
+
+
+def run_paged(case: ServingCase, rng) -> list[ServingRow]:
+    import torch
+
+    import fagen
+
+    q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
+    ref = _sdpa_reference(q, k, v)
+    k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
+    lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def paged():
+        return fagen.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out, status=status,
+                                           validate=False)
+    fagen.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out)  # validated once
+    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(paged), tb_s=kv_bytes(case))]
+    # the contiguous cache of the same keys, in a cache's own [B, N, Hkv, d] layout
+    kt, vt = (x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for x in (k, v))
+    step = fagen.prepare(q, kt, vt)
+    out.fill_(float("nan"))
+    step(q, kt, vt, out=out)
+    rows.append(_checked(case, "fagen_contiguous", out, ref, lambda: graph_us(lambda: step(q, kt, vt, out=out)),
+                         tb_s=kv_bytes(case)))
+    return rows + _sdpa_rows(case, q, k, v)
+
+
+def varlen_lengths(case: ServingCase, rng) -> list[int]:
+    """case.b lengths summing to case.b * case.nq: equal, or mixed between a quarter and 1.75x."""
+    if not case.mixed:
+        return [case.nq] * case.b
+    n = case.nq
+    lengths = rng.integers(n // 4, 2 * n - n // 4, case.b)
+    lengths = (lengths * (case.b * n) / lengths.sum()).astype(int)
+    lengths[-1] += case.b * n - lengths.sum()
+    return [int(x) for x in lengths]
+
+
+def run_varlen(case: ServingCase, rng) -> list[ServingRow]:
+    import torch
+
+    import fagen
+
+    lengths = varlen_lengths(case, rng)
+    total = sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 31)))
+    dtype = getattr(torch, case.dtype)
+    q = torch.randn(total, case.hq, case.head_dim, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(total, case.hkv, case.head_dim, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    cu = torch.as_tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+    ref = np.concatenate([_sdpa_reference(*(x[a:e].transpose(0, 1)[None] for x in (q, k, v)), case.causal)[0]
+                          .transpose(1, 0, 2) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    out = torch.full_like(q, float("nan"))
+    longest = max(lengths)
+    fagen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, out=out)
+    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(lambda: fagen.attention_varlen(
+        q, k, v, cu, cu, longest, longest, causal=case.causal, out=out, validate=False)),
+        tflops=prefill_flops(lengths, case))]
+    # the padded batch of the same number of tokens, equal lengths: the kernel varlen is measured against
+    n = total // case.b
+    qp, kp, vp, _ = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, n, n, case.head_dim)
+    us = graph_us(lambda: fagen.attention(qp, kp, vp, causal=case.causal))
+    rows.append(_row(case, "fagen_padded", us, tflops=prefill_flops([n] * case.b, case) / us / 1e6))
+    return rows
+
+
+def run(case_list: list[ServingCase], progress=None) -> list[ServingRow]:
+    """Every case's rows; a case that raises is reported as a row with the error, not fatal."""
+    rng = np.random.default_rng(0)
+    rows: list[ServingRow] = []
+    for case in case_list:
+        try:
+            if case.section == "decode":
+                rows += run_decode(case)
+            elif case.section == "paged":
+                rows += run_paged(case, rng)
+            else:
+                rows += run_varlen(case, rng)
+        except Exception as err:  # noqa: BLE001 - one case's failure is a row, the sweep goes on
+            traceback.print_exc(file=sys.stderr)
+            rows.append(_row(case, "fagen", None, note=f"ERROR {type(err).__name__}: {str(err)[:120]}"))
+        if progress:
+            progress(case)
+    return rows
+
+
+def write_data(rows: list[ServingRow], meta: dict, out: Path) -> list[Path]:
+    bench_rows.write_json(rows, out / JSON, meta)
+    bench_rows.write_csv(rows, out / CSV, ServingRow)
+    return [out / JSON, out / CSV]
+
+
+def read_json(path: Path, fix: str = FIX) -> tuple[list[ServingRow], dict]:
+    return bench_rows.read_json(path, ServingRow, fix)
+
+
+def _us(r: ServingRow | None) -> str:
+    return "n/a" if r is None or r.us is None else f"{r.us:.1f}"
+
+
+def _tb(r: ServingRow | None) -> str:
+    return "n/a" if r is None or r.tb_s is None else f"{r.tb_s:.2f}"
+
+
+def _times(a: ServingRow | None, b: ServingRow | None) -> str:
+    """How many times faster a is than b (b's time / a's time)."""
+    if a is None or b is None or a.us is None or b.us is None:
+        return "n/a"
+    return f"{b.us / a.us:.2f}x"
+
+
+def _shape(r: ServingRow) -> str:
+    return f"{r.dtype} d{r.head_dim}, {r.hq}/{r.hkv}, B {r.b}"
+
+
+def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -> list[str]:
+    """BENCHMARKS.md's serving section, as lines: decode, paged and varlen tables, the plot."""
+    table = bench_rows.by_case(rows)
+    out = ["## Serving: decode, paged KV, varlen", "",
+           "Generated by `fagen bench --serving` or the full `fagen bench` (do not edit; rerun it). GPU time a call "
+           f"from CUDA graphs ({REPS} calls a graph, median of {REPLAYS} replays), so host time is not in it. **TB/s = "
+           "K and V bytes / time** (2·B·Hkv·Nk·d·2); prefill **TFLOP/s = 4·Hq·d·Σn² / time**, halved for causal. "
+           "Each fagen output was checked at the timed shape against float32 SDPA (varlen: per sequence) before "
+           "it was timed. SDPA is PyTorch's default choice (cuDNN here), SDPA FA2 its FlashAttention-2 backend.", ""]
+    out += [f"- {k}: {v}" for k, v in sorted(meta.items())] + [""]
+    out += ["### Decode", "", "| shape | Nq | Nk | fagen µs | TB/s | SDPA µs | TB/s | SDPA FA2 µs | fagen vs SDPA |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for case, impls in table.items():
+        f = impls.get("fagen")
+        if f is None or f.section != "decode":
+            continue
+        s, fa = impls.get("sdpa"), impls.get("sdpa_flash")
+        out.append(f"| {_shape(f)} | {f.nq} | {f.nk // 1024}k | {_us(f)} | {_tb(f)} | {_us(s)} | {_tb(s)} | {_us(fa)} "
+                   f"| {_times(f, s)} |")
+    out += ["", "### Paged KV cache (Nq 1, shuffled pages)", "",
+            "| shape | Nk | page | paged µs | TB/s | contiguous µs | paged / contiguous time | SDPA µs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for case, impls in table.items():
+        f = impls.get("fagen")
+        if f is None or f.section != "paged":
+            continue
+        c, s = impls.get("fagen_contiguous"), impls.get("sdpa")
+        ratio = "n/a" if c is None or c.us is None or f.us is None else f"{f.us / c.us:.2f}"
+        page = case.rsplit("page ", 1)[-1]
+        out.append(f"| {_shape(f)} | {f.nk // 1024}k | {page} | {_us(f)} | {_tb(f)} | {_us(c)} | {ratio} | {_us(s)} |")
+    out += ["", "### Varlen prefill (TFLOP/s of real tokens; the padded batch: the same tokens, equal lengths)", "",
+            "| shape | causal | lengths | varlen TFLOP/s | padded TFLOP/s | varlen / padded |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for case, impls in table.items():
+        f = impls.get("fagen")
+        if f is None or f.section != "varlen":
+            continue
+        p = impls.get("fagen_padded")
+        tf = "n/a" if f.tflops is None else f"{f.tflops:.0f}"
+        ptf = "n/a" if p is None or p.tflops is None else f"{p.tflops:.0f}"
+        ratio = "n/a" if f.tflops is None or p is None or p.tflops is None else f"{f.tflops / p.tflops:.2f}"
+        lengths = ("mixed, " if case.endswith("mixed") else "") + f"{f.b} × {f.nq}"
+        out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
+    notes = [r for r in rows if r.note and not r.note.startswith("err")]
+    if notes:
+        out += ["", "Notes:"] + [f"- {r.case} ({r.impl}): {r.note}" for r in notes]
+    if plot_link:
+        out += ["", f"![serving]({plot_link})"]
+    return out + [""]
+
+
+def summary_lines(rows: list[ServingRow]) -> list[str]:
+    return [f"{r.case:52} {r.impl:17} {_us(r):>8} us  {_tb(r):>5} TB/s  {r.note}".rstrip()
+            for r in rows if r.impl in ("fagen", "fagen_contiguous")]
+
+
+def plot(rows: list[ServingRow], path: Path) -> None:
+    """Two panels: decode TB/s (fagen, SDPA, SDPA FA2) per case, and paged against contiguous."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = bench_rows.by_case(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), squeeze=False)
+    for ax, section, impls in ((axes[0][0], "decode", ("fagen", "sdpa", "sdpa_flash")),
+                               (axes[0][1], "paged", ("fagen", "fagen_contiguous", "sdpa"))):
+        cases = [c for c, r in table.items() if any(x.section == section for x in r.values())]
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = [(table[c].get(impl).tb_s or 0.0) if table[c].get(impl) else 0.0 for c in cases]
+            ax.bar(np.arange(len(cases)) + i * width, vals, width, label=impl)
+        ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
+        ax.set_xticklabels([c.split(" ", 1)[1].replace("float16 ", "").replace("bfloat16", "bf16") for c in cases],
+                           rotation=30, ha="right", fontsize=6)
+        ax.set_ylabel("K+V TB/s")
+        ax.set_title(section, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
