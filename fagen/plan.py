@@ -45,6 +45,7 @@ REGISTER_COSTS = {
         # per S register: their per-element temporaries
         "s_causal": 0.11, "s_sliding_window": 0.29, "s_chunked": 0.16, "s_document": 0.29,
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
+        "paged": 16,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -55,6 +56,7 @@ REGISTER_COSTS = {
         # the mask's and the modifiers' state, held through the loop
         "causal": 0.15, "sliding_window": 1.78, "chunked": 5.15, "document": 9.73, "document_causal": 6.65,
         "block_mask": 8.65, "softcap": 8.99, "alibi": 4.74, "bias": 5.44, "sinks": 1.01,
+        "paged": 40,  # measured, not fitted: see register_terms
         # per S register: their per-element temporaries
         "s_prefix_lm": 0.03, "s_block_mask": 0.02, "s_softcap": 0.01, "s_alibi": 0.04, "s_bias": 0.31,
     },
@@ -205,6 +207,10 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # in the fitted data, so priced from ptxas -v on the shipped defaults with and without one
     # (sm_90a d128: 208 -> 255 registers and a spill; mma.sync: +3 to +6), with room to spare.
     terms["s_expression"] = s_regs * ((mask.expression is not None) + (mod.expression is not None))
+    # A paged cache's rows (the page table's state, a tile's group addresses): not in the fitted data;
+    # priced from ptxas -v, paged against varlen variants of the shipped specs (sm_90a d64 and d128:
+    # +37, +38; mma.sync: +7 to +14), with room to spare.
+    terms["paged"] = float(spec.sequences.kv == "paged")
     if kind == "document_causal":  # both document masks test elements alike; the causal one keeps
         terms["s_document"] = s_regs  # a row start per accumulator row (2 an m16 fragment)
         terms["rows_document_causal"] = 2 * o_regs // (d // 2)

@@ -135,7 +135,17 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
     if spec.tiling.pack_gqa and kv == "paged":
         data.update(PAGED_DECODE_LAYOUT, pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})
-    return parse_spec(data, f"{q} q, {kv} kv variant of {spec.name}")
+    source = f"{q} q, {kv} kv variant of {spec.name}"
+    try:
+        return parse_spec(data, source)
+    except SpecError as refused:  # the layout's registers: the tilings variant() falls back to
+        for block_kv, pipeline, suffix in fallback_tilings(spec):
+            try:
+                return parse_spec({**data, "name": data["name"] + suffix, "tiling": {**data["tiling"], "block_kv": block_kv},
+                                   "pipeline": {**data["pipeline"], **pipeline}}, source)
+            except SpecError:
+                pass
+        raise refused
 
 
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
