@@ -89,10 +89,10 @@ class KernelPlan:
     block_kv: int
     head_dim: int
     m_frags: int  # m16 fragments per warp along the queries
-    s_n_frags: int  # n8 fragments of a warp's S tile (keys)
+    s_n_frags: int  # n8 fragments of a warp's S tile (its keys)
     o_n_frags: int  # n8 fragments of a warp's O tile (head_dim)
     qk_k_steps: int  # k16 steps of Q.K^T (over head_dim)
-    pv_k_steps: int  # k16 steps of P.V (over the keys of a tile)
+    pv_k_steps: int  # k16 steps of P.V (over a warp's keys of a tile)
     smem_row: int  # elements between consecutive rows of a smem tile (wgmma: of a swizzle atom)
     atoms_per_row: int  # wgmma: 128-byte swizzle atoms across head_dim (an 8-row group's stride)
     chunks_per_row: int  # 16-byte chunks in one head_dim row
@@ -118,6 +118,10 @@ class KernelPlan:
     mainloop: str  # the templates' main-loop folder: "sm80" (mma.sync) or "sm90" (wgmma)
     smem_align: int  # bytes the dynamic smem base is aligned to
     warp_rows: int  # query rows a warp owns
+    warps_q: int  # warps along the query rows
+    warps_kv: int  # warps along the keys: each takes warp_keys keys of every tile
+    warp_keys: int
+    key_merge_floats: int  # warps_kv > 1: the floats a lane hands the first warp (its O, a max and sum a row half)
     element_bytes: int
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
@@ -264,7 +268,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
 
     per_thread = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
     o_regs = m_frags * (d // MMA_N) * per_thread
-    s_regs = m_frags * (t.block_kv // MMA_N) * per_thread
+    s_regs = m_frags * (t.block_kv // t.warps_kv // MMA_N) * per_thread
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
     # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
     p_regs = s_regs // 2 if spec.wgmma else 0
@@ -276,6 +280,12 @@ def plan(spec: AttentionSpec) -> KernelPlan:
             f"needs {smem_bytes} bytes of shared memory (Q tile + {slots} KV tiles of "
             f"{t.block_kv}x{kv_tile // t.block_kv}) but {spec.arch} allows {limit} per block",
             "use fewer stages or a smaller block_kv" + ("" if spec.wgmma else ", or kv_smem: shared")))
+    # warps along the keys merge through the (then idle) KV ring: a lane's O, max and sum, for each
+    # warp but the first of its rows
+    combine_bytes = (t.warps_kv - 1) * t.warps_q * 32 * (o_regs + 4 * m_frags) * 4
+    if combine_bytes > slots * kv_tile * ELEMENT_BYTES:
+        raise SpecError(rule("tiling.warps_kv", t.warps_kv, f"merges {combine_bytes} bytes of O through the KV ring "
+                             f"({slots * kv_tile * ELEMENT_BYTES} bytes)", "use fewer warps_kv, or more stages"))
     if seed_budget > limit:
         raise SpecError(rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}",
@@ -300,10 +310,10 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         block_kv=t.block_kv,
         head_dim=d,
         m_frags=m_frags,
-        s_n_frags=t.block_kv // MMA_N,
+        s_n_frags=t.block_kv // t.warps_kv // MMA_N,
         o_n_frags=d // MMA_N,
         qk_k_steps=d // MMA_K,
-        pv_k_steps=t.block_kv // MMA_K,
+        pv_k_steps=t.block_kv // t.warps_kv // MMA_K,
         smem_row=smem_row,
         atoms_per_row=d // SWIZZLE_ATOM_ELEMS if spec.wgmma else 0,
         chunks_per_row=d // CHUNK_ELEMS,
@@ -355,17 +365,21 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
     """The KernelPlan fields from `mainloop` on: what the templates print beside the tiling."""
     t, d = spec.tiling, spec.head_dim
     warps = t.warps_q * t.warps_kv
-    threads, chunks_per_row, warp_rows = 32 * warps, d // CHUNK_ELEMS, t.block_q // warps
+    threads, chunks_per_row, warp_rows = 32 * warps, d // CHUNK_ELEMS, t.block_q // t.warps_q
     acc_per_fragment = MMA_M * MMA_N // 32  # f32 accumulators a thread holds per m16n8 fragment
     return {
         "mainloop": "sm90" if spec.wgmma else "sm80",
         "smem_align": SWIZZLE_ATOM_BYTES if spec.wgmma else CHUNK_BYTES,
         "warp_rows": warp_rows,
+        "warps_q": t.warps_q,
+        "warps_kv": t.warps_kv,
+        "warp_keys": t.block_kv // t.warps_kv,
+        "key_merge_floats": m_frags * (d // MMA_N) * acc_per_fragment + 4 * m_frags,
         "element_bytes": ELEMENT_BYTES,
         "kv_tile_bytes": kv_tile_elems * ELEMENT_BYTES,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         "out_chunks_per_warp": warp_rows * chunks_per_row,
-        "s_acc_regs": m_frags * (t.block_kv // MMA_N) * acc_per_fragment,
+        "s_acc_regs": m_frags * (t.block_kv // t.warps_kv // MMA_N) * acc_per_fragment,
         "o_acc_regs": m_frags * (d // MMA_N) * acc_per_fragment,
         **(wgmma_numbers(spec, kv_tile_elems) if spec.wgmma else dict.fromkeys(WGMMA_NUMBERS, 0)),
     }

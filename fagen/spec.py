@@ -65,12 +65,12 @@ class Tiling(_Frozen):
     @field_validator("warps_kv")
     @classmethod
     def _warps_kv(cls, v: int) -> int:
-        if v != 1:
+        if v not in (1, 2, 4):
             raise ValueError(rule(
                 "tiling.warps_kv", v,
-                "must be 1: splitting a KV tile across warps needs a shared-memory reduction of "
-                "the row max and sum on every tile (FlashAttention-1's split-K, slower)",
-                "add warps along the queries with warps_q instead"))
+                "must be 1, 2 or 4: warps side by side along the keys, each taking block_kv / warps_kv keys "
+                "of every tile with its own running max and sum, merged once at the end",
+                "use 1, or 2 or 4 for few query rows (decode)"))
         return v
 
     @field_validator("block_kv")
@@ -437,6 +437,33 @@ class AttentionSpec(_Frozen):
         if self.backward is not None:
             raise ValueError(rule("tiling.pack_gqa", True, "is a decode (inference) layout; the backward kernels "
                                   "are not packed", "remove backward, " + unpacked))
+        return self
+
+    @model_validator(mode="after")
+    def _key_warps_rules(self) -> AttentionSpec:
+        """Warps along the keys (tiling.warps_kv > 1): each warp sees its share of a tile's keys and
+        keeps its own softmax state; the mma.sync epilogue merges them."""
+        t = self.tiling
+        if t.warps_kv == 1:
+            return self
+        fix = "or use warps_kv: 1"
+        if self.wgmma:
+            raise ValueError(rule("tiling.warps_kv", t.warps_kv, "is built on the mma.sync main loop (sm_90a's "
+                                  "warpgroups own whole 64-row tiles)", "set arch: sm_80, " + fix))
+        if t.block_kv % (MMA_K * t.warps_kv):
+            raise ValueError(rule("tiling.warps_kv", t.warps_kv, f"must split block_kv {t.block_kv} into whole k16 "
+                                  "steps of P.V, one share a warp", f"use block_kv {MMA_K * t.warps_kv * 2}, " + fix))
+        if t.warps_q * t.warps_kv > 8:
+            raise ValueError(rule("tiling.warps_kv", t.warps_kv, f"with warps_q {t.warps_q} makes "
+                                  f"{t.warps_q * t.warps_kv} warps, over 8 (256 threads a block)",
+                                  "use fewer warps_q, " + fix))
+        if not KINDS[self.mask.kind].packable:
+            raise ValueError(rule("tiling.warps_kv", t.warps_kv, f"mask kind {self.mask.kind!r} reads arrays by "
+                                  "tile, not by position", "use none, causal, sliding_window, chunked or prefix_lm, "
+                                  + fix))
+        if self.backward is not None:
+            raise ValueError(rule("tiling.warps_kv", t.warps_kv, "is a forward (decode) layout; the backward kernels "
+                                  "have their own tiling", "remove backward, " + fix))
         return self
 
     @model_validator(mode="after")

@@ -102,25 +102,19 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
     if not fits or head_dim not in DECODE_HEAD_DIMS:
         return None
     base = load_spec(SPECS / f"{decode_spec_name(dtype, head_dim, fits[0])}.yaml")
-    score_mod = score_mod.model_copy(update={"sinks": False})  # sinks join in the merge of the partials
-    try:
-        spec = variant(base, mask, score_mod)
-        if spec.tiling.block_kv < base.tiling.block_kv and base.smem_layout == "swizzled":
-            # swizzled rows cost address registers: where the mask and modifiers leave no room
-            # for them, padded rows keep the 64-key tiles (notes/perf.md: kv32 is 1.3x slower at B 1)
-            padded = parse_spec({**base.model_dump(), "name": f"{base.name}_padded", "smem_layout": "padded"},
-                                f"padded {base.name}")
-            spec = variant(padded, mask, score_mod)
-        return spec
+    try:  # sinks join in the merge of the partials, not in the kernel
+        return variant(base, mask, score_mod.model_copy(update={"sinks": False}))
     except SpecError:
         return None  # refused for packing (tiling.pack_gqa's rules)
 
 
 SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
-# A paged decode kernel's layout: one K and one V tile in flight (padded rows), so five one-warp
-# blocks share an SM rather than three; they hide the page-table reads before each tile's copies
-# (H200, B 1-32: 1.2-2.0x faster than the contiguous kernel's two stages, notes/perf.md)
-PAGED_DECODE_LAYOUT = {"pipeline": {"kv_smem": "separate", "stages": 1}, "smem_layout": "padded"}
+# A paged decode kernel's layout: 64-key tiles, two warps along their keys, one K and one V tile in
+# flight (padded rows): more blocks an SM than the contiguous kernel's, which hide the per-group
+# page arithmetic of the copies (H200: 1.1-1.8x faster paged than the contiguous kernel's layout,
+# notes/perf.md)
+PAGED_DECODE_LAYOUT = {"tiling": {"block_kv": 64, "warps_kv": 2}, "pipeline": {"kv_smem": "separate", "stages": 1},
+                       "smem_layout": "padded"}
 
 
 @cache
@@ -134,7 +128,8 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
     data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
     if spec.tiling.pack_gqa and kv == "paged":
-        data.update(PAGED_DECODE_LAYOUT, pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})
+        data.update(PAGED_DECODE_LAYOUT, tiling={**data["tiling"], **PAGED_DECODE_LAYOUT["tiling"]},
+                    pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})
     source = f"{q} q, {kv} kv variant of {spec.name}"
     try:
         return parse_spec(data, source)

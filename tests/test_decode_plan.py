@@ -19,7 +19,9 @@ def packed(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, field, fix", [
-    ({"arch": "sm_90a", "smem_layout": "swizzled", "tiling": {"block_q": 64, "warps_q": 4}}, "tiling.pack_gqa", "arch: sm_80"),
+    ({"arch": "sm_90a", "smem_layout": "swizzled", "tiling": {"block_q": 64, "warps_q": 4, "warps_kv": 1, "block_kv": 64},
+      "pipeline": {"stages": 2}},
+     "tiling.pack_gqa", "arch: sm_80"),
     ({"mask": {"kind": "document"}}, "tiling.pack_gqa", "use none, causal"),
     ({"mask": {"kind": "block_mask"}}, "tiling.pack_gqa", "use none, causal"),
     ({"score_mod": {"bias": "vector"}}, "tiling.pack_gqa", "remove the bias"),
@@ -75,10 +77,29 @@ def test_decode_variants_compile_without_spills(rows):
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
 
 
-def test_masked_decode_keeps_64_key_tiles_with_padded_rows():
-    """Swizzled rows cost address registers; where a mask and modifiers leave no room for them the
-    decode kernel keeps its 64-key tiles in padded rows rather than halving them."""
-    plain = variants.decode_spec("float16", 128, 16)
-    assert (plain.smem_layout, plain.tiling.block_kv) == ("swizzled", 64)
-    heavy = variants.decode_spec("float16", 128, 16, Mask(kind="causal"), ScoreMod(softcap=30.0, alibi="slopes"))
-    assert (heavy.smem_layout, heavy.tiling.block_kv) == ("padded", 64)
+@pytest.mark.parametrize("changes, message", [
+    ({"tiling": {"warps_kv": 3}}, "must be 1, 2 or 4"),
+    ({"tiling": {"block_kv": 32, "warps_kv": 4}}, "whole k16 steps of P.V"),
+    ({"tiling": {"block_q": 64, "warps_q": 4, "warps_kv": 4}}, "makes 16 warps, over 8"),
+    ({"tiling": {"pack_gqa": False}, "mask": {"kind": "document"}}, "reads arrays by tile"),
+    ({"tiling": {"pack_gqa": False}, "outputs": {"lse": True, "partial": False}, "backward": {}}, "remove backward"),
+])
+def test_warps_along_the_keys_refuse_what_they_cannot_split(changes, message):
+    with pytest.raises(SpecError) as err:
+        parse_spec(packed(**changes), "test")
+    assert "tiling.warps_kv" in str(err.value) and message in str(err.value)
+
+
+def test_warps_along_the_keys_share_each_tile():
+    """Each of the decode kernel's warps takes block_kv / warps_kv keys of a tile: its S and P.V
+    shrink by warps_kv, the rows stay whole, and the epilogue merges the warps' softmax states."""
+    from fagen.plan import plan
+
+    p = plan(DECODE)
+    assert (p.warps_q, p.warps_kv, p.warp_keys, p.threads) == (1, 4, 32, 128)
+    assert (p.s_n_frags, p.pv_k_steps, p.warp_rows) == (4, 2, 16)
+    assert p.key_merge_floats == 64 + 4  # a lane's O (16 rows x 128 / 32) and a max and sum a row half
+    source = render(DECODE)
+    assert "merge_key_warps(o_acc, softmax" in source and "warp_key0 = warp / WARPS_Q * WARP_KEYS" in source
+    one = render(load_spec(SPECS / "decode_f16_d64.yaml"))
+    assert "merge_key_warps" not in one and "WARPS_KV" not in one

@@ -66,7 +66,7 @@ RULES = {
     "name starts with a digit": (dict(name="1flash"), ["name", "1flash"]),
     "warps_q 0": (dict(tiling={"warps_q": 0, "block_q": 64}), ["tiling.warps_q", "0", "1..8"]),
     "warps_q 9": (dict(tiling={"warps_q": 9, "block_q": 144}), ["tiling.warps_q", "9", "1..8"]),
-    "warps_kv": (dict(tiling={"warps_kv": 2}), ["tiling.warps_kv", "2", "must be 1"]),
+    "warps_kv": (dict(tiling={"warps_kv": 3}), ["tiling.warps_kv", "3", "must be 1, 2 or 4"]),
     "block_kv not a multiple of 16": (dict(tiling={"block_kv": 40}), ["tiling.block_kv", "40", "multiple of 16"]),
     "block_kv below 16": (dict(tiling={"block_kv": 0}), ["tiling.block_kv", "0", "16..256"]),
     "block_kv above 256": (dict(tiling={"block_kv": 272}), ["tiling.block_kv", "272", "16..256"]),
@@ -136,7 +136,7 @@ def test_block_size_budget():
 @pytest.mark.parametrize("overrides", [
     dict(head_dim=100),
     dict(tiling={"block_q": 48}),
-    dict(tiling={"warps_kv": 2}),
+    dict(tiling={"warps_kv": 3}),
     dict(tiling={"block_kv": 40}),
     dict(name="Flash"),
     dict(smem_layout="swizzled", head_dim=96),
