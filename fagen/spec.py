@@ -65,10 +65,10 @@ class Tiling(_Frozen):
     @field_validator("warps_kv")
     @classmethod
     def _warps_kv(cls, v: int) -> int:
-        if v not in (1, 2, 4):
+        if v not in (1, 2, 4, 8):
             raise ValueError(rule(
                 "tiling.warps_kv", v,
-                "must be 1, 2 or 4: warps side by side along the keys, each taking block_kv / warps_kv keys "
+                "must be 1, 2, 4 or 8: warps side by side along the keys, each taking block_kv / warps_kv keys "
                 "of every tile with its own running max and sum, merged once at the end",
                 "use 1, or 2 or 4 for few query rows (decode)"))
         return v

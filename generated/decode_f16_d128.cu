@@ -28,7 +28,7 @@
 //     q: padded
 //   smem_layout: swizzled
 //   tiling:
-//     block_kv: 128
+//     block_kv: 256
 //     block_q: 16
 //     pack_gqa: true
 //     warps_kv: 4
@@ -40,22 +40,22 @@ struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 typedef float out_t;  // split-KV partials: O normalised per split, in f32, merged by LSE later
 struct alignas(8) float2_t { float x, y; };
 constexpr int BLOCK_Q = 16;            // Br: query rows per block
-constexpr int BLOCK_KV = 128;           // Bc: keys per KV tile
+constexpr int BLOCK_KV = 256;           // Bc: keys per KV tile
 constexpr int THREADS = 128;
 constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
 constexpr int WARPS_Q = 1;            // warps along the rows ...
 constexpr int WARPS_KV = 4;           // ... and along the keys: warp w sees keys [WARP_KEYS w', WARP_KEYS (w' + 1)) of each tile
-constexpr int WARP_KEYS = 32;
+constexpr int WARP_KEYS = 64;
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
-constexpr int S_N_FRAGS = 4;           // n8 fragments of S per warp (keys)
+constexpr int S_N_FRAGS = 8;           // n8 fragments of S per warp (keys)
 constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
-constexpr int PV_K_STEPS = 2;          // k16 steps of P.V over the tile's keys
+constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
 constexpr int COPY_ROWS_PER_PASS = 8;  // tile rows all threads copy at once
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 2048;
-constexpr int KV_TILE_BYTES = 32768;     // one KV tile: the stride between ring slots
+constexpr int KV_TILE_BYTES = 65536;     // one KV tile: the stride between ring slots
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 

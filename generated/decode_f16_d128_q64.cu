@@ -18,7 +18,7 @@
 //     kv_smem: separate
 //     pingpong: false
 //     q_in_registers: false
-//     stages: 2
+//     stages: 1
 //   score_mod:
 //     alibi: none
 //     bias: none
@@ -28,10 +28,10 @@
 //     q: padded
 //   smem_layout: swizzled
 //   tiling:
-//     block_kv: 64
+//     block_kv: 128
 //     block_q: 64
 //     pack_gqa: true
-//     warps_kv: 1
+//     warps_kv: 2
 //     warps_q: 4
 
 // ---- compile-time configuration (every number the kernel uses, once) -------------------
@@ -40,26 +40,29 @@ struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 typedef float out_t;  // split-KV partials: O normalised per split, in f32, merged by LSE later
 struct alignas(8) float2_t { float x, y; };
 constexpr int BLOCK_Q = 64;            // Br: query rows per block
-constexpr int BLOCK_KV = 64;           // Bc: keys per KV tile
-constexpr int THREADS = 128;
+constexpr int BLOCK_KV = 128;           // Bc: keys per KV tile
+constexpr int THREADS = 256;
 constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
+constexpr int WARPS_Q = 4;            // warps along the rows ...
+constexpr int WARPS_KV = 2;           // ... and along the keys: warp w sees keys [WARP_KEYS w', WARP_KEYS (w' + 1)) of each tile
+constexpr int WARP_KEYS = 64;
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
 constexpr int S_N_FRAGS = 8;           // n8 fragments of S per warp (keys)
 constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
-constexpr int COPY_ROWS_PER_PASS = 8;  // tile rows all threads copy at once
+constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 8192;
-constexpr int KV_TILE_BYTES = 16384;     // one KV tile: the stride between ring slots
+constexpr int KV_TILE_BYTES = 32768;     // one KV tile: the stride between ring slots
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 
 // mma.sync main loop: padded or swizzled smem rows, a ring of KV_SLOTS tiles.
 constexpr int SMEM_ALIGN = 16;          // bytes: cp.async and ldmatrix move 16-byte chunks
 constexpr int SMEM_ROW = 128;           // elements between smem rows
-constexpr int KV_SLOTS = 4;            // smem tiles in the KV ring
+constexpr int KV_SLOTS = 2;            // smem tiles in the KV ring
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 // Inline PTX keeps the kernel free of CUDA headers: NVRTC compiles it as is.
@@ -404,6 +407,64 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
   }
 }
 
+// ---- warps along the keys --------------------------------------------------------------
+// The WARPS_KV warps of a row group each saw WARP_KEYS keys of every tile, with their own running
+// max and sum: split-KV inside the block. The first of them takes the others' O, max and sum
+// through the idle KV ring and merges them, as the split-KV merge does with partials; the rest
+// are done. Lane L holds the same (row, column) elements in every warp, so each lane reads back
+// exactly the registers its counterparts wrote: no reshuffle.
+constexpr int MERGE_FLOATS = 68;  // a lane's O, then (max, sum) per row half
+
+__device__ __forceinline__ bool merge_key_warps(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm, float* ring,
+                                                int warp, int lane) {
+  const int warp_q = warp % WARPS_Q, warp_kv = warp / WARPS_Q;
+  __syncthreads();  // every warp is past its last tile: the ring is free
+  if (warp_kv > 0) {  // a register r of lane L at ring[(slot * 32 + ...) + 32 r + L]: 32 lanes, 32 banks
+    float* mine = ring + ((warp_kv - 1) * WARPS_Q + warp_q) * 32 * MERGE_FLOATS + lane;
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int n = 0; n < O_N_FRAGS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine[32 * ((f * O_N_FRAGS + n) * 4 + e)] = o[f][n][e];
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mine[32 * (M_FRAGS * O_N_FRAGS * 4 + (f * 2 + h) * 2)] = sm.m[f][h];
+        mine[32 * (M_FRAGS * O_N_FRAGS * 4 + (f * 2 + h) * 2 + 1)] = sm.l[f][h];
+      }
+  }
+  __syncthreads();
+  if (warp_kv > 0) return false;
+#pragma unroll
+  for (int w = 1; w < WARPS_KV; ++w) {
+    const float* theirs = ring + ((w - 1) * WARPS_Q + warp_q) * 32 * MERGE_FLOATS + lane;
+    float a_mine[M_FRAGS][2], a_theirs[M_FRAGS][2];
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_theirs = theirs[32 * (M_FRAGS * O_N_FRAGS * 4 + (f * 2 + h) * 2)];
+        const float l_theirs = theirs[32 * (M_FRAGS * O_N_FRAGS * 4 + (f * 2 + h) * 2 + 1)];
+        const float m_new = fmaxf(sm.m[f][h], m_theirs);
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;  // neither saw a key: both weights 0
+        a_mine[f][h] = fast_exp2(sm.m[f][h] - m_use);
+        a_theirs[f][h] = fast_exp2(m_theirs - m_use);
+        sm.l[f][h] = sm.l[f][h] * a_mine[f][h] + l_theirs * a_theirs[f][h];
+        sm.m[f][h] = m_new;
+      }
+#pragma unroll
+    for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+      for (int n = 0; n < O_N_FRAGS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          o[f][n][e] = o[f][n][e] * a_mine[f][e >> 1] + theirs[32 * ((f * O_N_FRAGS + n) * 4 + e)] * a_theirs[f][e >> 1];
+  }
+  return true;
+}
+
 // ---- the kernel ------------------------------------------------------------------------
 // Grid: x = batch * KV head, y = tile of the group's packed rows (QueryRows), latest first, z = KV split.
 // q: [B, Hq, n_q, head_dim],
@@ -450,7 +511,8 @@ fagen_decode_f16_d128_q64(
   const QueryRows rows{group, n_q * group};
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;  // the tile's first packed row
   const int q_first = rows.pos(q0), q_last = rows.pos(min(q0 + BLOCK_Q, rows.n) - 1);  // its positions
-  const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
+  // Warps along the keys: warp (w_q, w_kv) owns rows w_q and keys w_kv of every tile, with its own softmax state.
+  const int warp_row0 = warp % WARPS_Q * WARP_ROWS, warp_key0 = warp / WARPS_Q * WARP_KEYS;
 
   q += b * q_sb + h * q_sh;
   k += b * k_sb + h_kv * k_sh;
@@ -490,7 +552,7 @@ fagen_decode_f16_d128_q64(
 #pragma unroll
       for (int n = 0; n < S_N_FRAGS; n += 2) {
         unsigned kb[4];  // b0, b1 of key fragments n and n + 1
-        ldmatrix_x4(kb, k_tile + ELEM_BYTES * smem_offset(n * 8 + (lane >> 4) * 8 + (lane & 7), ks * 16 + ((lane >> 3) & 1) * 8));
+        ldmatrix_x4(kb, k_tile + ELEM_BYTES * smem_offset(warp_key0 + n * 8 + (lane >> 4) * 8 + (lane & 7), ks * 16 + ((lane >> 3) & 1) * 8));
 #pragma unroll
         for (int f = 0; f < M_FRAGS; ++f) {
           mma_m16n8k16(s[f][n], a[f], kb[0], kb[1]);
@@ -501,7 +563,7 @@ fagen_decode_f16_d128_q64(
     kv.release(2 * j, mask);  // K_j's slot refills while softmax runs
 
     // Phase 3: the mask, then online softmax (P stays in s).
-    score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane, rows);
+    score_tile(s, mask, j, b, h, warp_key0 + kv0, warp_q0, warp_q_last, lane, rows);
     float alpha[M_FRAGS][2];
     softmax.update(s, to_log2, alpha);
     softmax.rescale(o_acc, alpha);
@@ -523,7 +585,7 @@ fagen_decode_f16_d128_q64(
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; n += 2) {
         unsigned vb[4];  // b0, b1 of head_dim fragments n and n + 1, transposed on the fly
-        ldmatrix_x4_trans(vb, v_tile + ELEM_BYTES * smem_offset(ks * 16 + (lane & 15), n * 8 + (lane >> 4) * 8));
+        ldmatrix_x4_trans(vb, v_tile + ELEM_BYTES * smem_offset(warp_key0 + ks * 16 + (lane & 15), n * 8 + (lane >> 4) * 8));
 #pragma unroll
         for (int f = 0; f < M_FRAGS; ++f) {
           mma_m16n8k16(o_acc[f][n], p[f], vb[0], vb[1]);
@@ -538,6 +600,8 @@ fagen_decode_f16_d128_q64(
     wait_group<0>();
     __syncthreads();
   }
+
+  if (!merge_key_warps(o_acc, softmax, reinterpret_cast<float*>(smem + Q_TILE_ELEMS), warp, lane)) return;
 
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
   // the KV loop, they hold no registers.

@@ -78,7 +78,7 @@ def test_decode_variants_compile_without_spills(rows):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"tiling": {"warps_kv": 3}}, "must be 1, 2 or 4"),
+    ({"tiling": {"warps_kv": 3}}, "must be 1, 2, 4 or 8"),
     ({"tiling": {"block_kv": 32, "warps_kv": 4}}, "whole k16 steps of P.V"),
     ({"tiling": {"block_q": 64, "warps_q": 4, "warps_kv": 4}}, "makes 16 warps, over 8"),
     ({"tiling": {"pack_gqa": False}, "mask": {"kind": "document"}}, "reads arrays by tile"),
@@ -95,11 +95,11 @@ def test_warps_along_the_keys_share_each_tile():
     shrink by warps_kv, the rows stay whole, and the epilogue merges the warps' softmax states."""
     from fagen.plan import plan
 
-    p = plan(DECODE)
-    assert (p.warps_q, p.warps_kv, p.warp_keys, p.threads) == (1, 4, 32, 128)
-    assert (p.s_n_frags, p.pv_k_steps, p.warp_rows) == (4, 2, 16)
+    p = plan(DECODE)  # 256-key tiles over 4 warps
+    assert (p.warps_q, p.warps_kv, p.warp_keys, p.threads) == (1, 4, 64, 128)
+    assert (p.s_n_frags, p.pv_k_steps, p.warp_rows) == (8, 4, 16)
     assert p.key_merge_floats == 64 + 4  # a lane's O (16 rows x 128 / 32) and a max and sum a row half
     source = render(DECODE)
     assert "merge_key_warps(o_acc, softmax" in source and "warp_key0 = warp / WARPS_Q * WARP_KEYS" in source
-    one = render(load_spec(SPECS / "decode_f16_d64.yaml"))
+    one = render(load_spec(SPECS / "attn_f16_d128.yaml"))
     assert "merge_key_warps" not in one and "WARPS_KV" not in one
