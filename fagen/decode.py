@@ -102,9 +102,10 @@ def _torch_stream(device: int) -> int:
 
 
 def _signature(x) -> tuple:
-    """What a prepared call must see again: shape, strides, dtype and device."""
+    """What a prepared call must see again: shape, strides, dtype and device (torch.Size compares
+    equal to the tuple it holds: no conversion on the hot path)."""
     if is_torch(x):
-        return tuple(x.shape), x.stride(), x.dtype, x.get_device()
+        return x.shape, x.stride(), x.dtype, x.get_device()
     return x.shape, x.strides, x.dtype, x.device.id
 
 
@@ -120,6 +121,12 @@ class PreparedAttention:
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         self.torch = tq.kind == "torch"
+        if self.torch:
+            import torch
+
+            self._torch = torch  # the call's allocations, without an import statement a call
+            self._layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
+            self._dtype = q.dtype
         self.device = tq.device
         self.signature = tuple(_signature(x) for x in (q, k, v))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -159,7 +166,12 @@ class PreparedAttention:
     def __call__(self, q, k, v, *, out=None, lse=None):
         """(out, lse) for tensors of the prepared shapes; out and lse may be given (of the shapes
         prepare allocated), else they are allocated on the stream."""
-        if (_signature(q), _signature(k), _signature(v)) != self.signature:
+        # the signature check, flattened for torch: a few attribute reads, no tuples built per tensor
+        if self.torch and ((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) != self._layout
+                           or q.dtype is not self._dtype or k.dtype is not self._dtype or v.dtype is not self._dtype
+                           or q.get_device() != self.device or k.get_device() != self.device
+                           or v.get_device() != self.device) \
+                or not self.torch and (_signature(q), _signature(k), _signature(v)) != self.signature:
             raise ValueError(f"prepared for q, k, v {self.signature}; got {(_signature(q), _signature(k), _signature(v))}: "
                              f"prepare again (fagen.prepare) for new shapes, strides, dtype or device")
         if out is not None and _signature(out) != self.out_signature or lse is not None and _signature(lse) != self.lse_signature:
@@ -169,8 +181,7 @@ class PreparedAttention:
             raise ValueError(f"prepared on cuda:{self.device}, but the current device is "
                              f"cuda:{cupy.cuda.runtime.getDevice()}; use `with cupy.cuda.Device({self.device}):`")
         if self.torch:
-            import torch
-
+            torch = self._torch
             stream = _torch_stream(self.device)
             out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device) if out is None else out
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse

@@ -117,7 +117,7 @@ class Launch:
     the pointer parameters a call may re-point at other tensors of the same shape and strides
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
-    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "_pointers")
+    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "_pointers", "_first_slots")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = ()):
@@ -133,13 +133,19 @@ class Launch:
         self._pointers = self.values.ctypes.data + 8 * np.arange(len(params), dtype=np.uint64)
         self.params = self._pointers.ctypes.data
         self.slots = tuple(names.index(name) for name in slots)
+        # the usual case, slots the first parameters in order: one struct store re-points them all
+        first = self.slots == tuple(range(len(self.slots)))
+        self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
 
     def __call__(self, stream: int | None, *addresses: int) -> None:
         """Launch on `stream` (a CUDA stream handle; None: CuPy's current stream), the slots
-        given first pointing at `addresses`."""
+        given first pointing at `addresses` (all of them, or the first few)."""
         values = self.values
-        for index, address in zip(self.slots, addresses):
-            values[index] = address
+        if self._first_slots is not None and len(addresses) == len(self.slots):
+            self._first_slots.pack_into(values, 0, *addresses)
+        else:
+            for index, address in zip(self.slots, addresses):
+                values[index] = address
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         gx, gy, gz = self.grid

@@ -233,3 +233,34 @@ def test_flashinfer_csr_converts_to_a_page_table():
                                        torch.as_tensor(got_table, device="cuda"), causal=True)
     ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), lens, causal=True)
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]
+
+
+def test_a_paged_decode_step_replays_in_a_cuda_graph():
+    """A serving step: static q, out, cache, table and lengths buffers; the step captured once,
+    then replayed after new queries and longer sequences are written into the buffers."""
+    rng = np.random.default_rng(21)
+    lens = [700, 1500, 64]
+    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", [n + 40 for n in lens], 32, 8, 128)
+    q = _randn(rng, (3, 32, 1, 128), "bfloat16")
+    seqlens, pages = _int32(lens), _int32(table)
+    out = _nan(q.shape, "bfloat16")
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        fagen.attention_with_kvcache(q, k_cache, v_cache, seqlens, pages, out=out, status=status, validate=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    q.copy_(_randn(rng, q.shape, "bfloat16"))
+    seqlens.copy_(_int32([n + 40 for n in lens]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), [n + 40 for n in lens])
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"] and int(status.item()) == 0

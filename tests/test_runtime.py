@@ -63,3 +63,28 @@ def test_launch_slots_hold_each_parameter_in_its_c_type():
     assert struct.unpack("<Q", slots[0])[0] == 2**40 + 16 and struct.unpack("<i", slots[1][:4])[0] == -7
     assert struct.unpack("<q", slots[2])[0] == -(2**40) and struct.unpack("<f", slots[3][:4])[0] == 0.125
     assert struct.unpack("<I", slots[4][:4])[0] == 2**31
+
+
+def test_launch_repoints_its_slots_and_launches_once(monkeypatch):
+    """A call stores the addresses in the slots named at packing (one struct store when they are
+    the first parameters, as the forward's q, k, v, o, lse are) and makes one driver launch."""
+    from types import SimpleNamespace
+
+    from fagen.runtime import Launch
+
+    launched = []
+    fake = SimpleNamespace(cuda=SimpleNamespace(driver=SimpleNamespace(launchKernel=lambda *a: launched.append(a))))
+    monkeypatch.setattr(runtime, "cupy", fake)
+    params = (("const elem_t* __restrict__", "q"), ("const elem_t* __restrict__", "k"), ("int", "n"),
+              ("float", "scale"))
+    launch = Launch(SimpleNamespace(ptr=77), (3, 2, 1), 128, 4096, params, dict(q=1, k=2, n=5, scale=0.5),
+                    slots=("q", "k"))
+    launch(9, 1000, 2000)
+    assert launch.values[:2].tolist() == [1000, 2000] and int(launch.values[2]) & 0xffffffff == 5
+    launch(9, 3000)  # the first slot only
+    assert launch.values[:2].tolist() == [3000, 2000]
+    assert len(launched) == 2 and launched[0][:8] == (77, 3, 2, 1, 128, 1, 1, 4096) and launched[0][8] == 9
+    out_of_order = Launch(SimpleNamespace(ptr=77), (1, 1, 1), 32, 0, params, dict(q=1, k=2, n=5, scale=0.5),
+                          slots=("k", "q"))
+    out_of_order(0, 10, 20)
+    assert out_of_order.values[:2].tolist() == [20, 10]
