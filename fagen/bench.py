@@ -253,24 +253,23 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
     for d in sorted({r.head_dim for r in rows if r.mask == "none"}):
         plots.append(out / f"bench_d{d}.png")
         plot(rows, d, plots[-1])
-    backward_plot = None
-    if backward is not None and backward.rows:
-        if backward.fresh:
-            written += bench_backward.write_data(backward.rows, backward.meta, out)
-        backward_plot = out / bench_backward.PLOT
-        bench_backward.plot(backward.rows, backward_plot)
-        plots.append(backward_plot)
-    serving_plot = None
-    if serving is not None and serving.rows:
-        if serving.fresh:
-            written += bench_serving.write_data(serving.rows, serving.meta, out)
-        serving_plot = out / bench_serving.PLOT
-        bench_serving.plot(serving.rows, serving_plot)
-        plots.append(serving_plot)
-    md_path.write_text(markdown(rows, meta, [str(p) for p in plots if p not in (backward_plot, serving_plot)],
-                                md_path=md_path, backward=backward, backward_plot=backward_plot, serving=serving,
-                                serving_plot=serving_plot))
-    return written + plots + [md_path]
+    backward_plot = _write_part(backward, bench_backward, out, written)
+    serving_plot = _write_part(serving, bench_serving, out, written)
+    md_path.write_text(markdown(rows, meta, [str(p) for p in plots], md_path=md_path, backward=backward,
+                                backward_plot=backward_plot, serving=serving, serving_plot=serving_plot))
+    return written + plots + [p for p in (backward_plot, serving_plot) if p] + [md_path]
+
+
+def _write_part(part: Part | None, module, out: Path, written: list) -> Path | None:
+    """A part beside the forward's (module: bench_backward or bench_serving): its JSON and CSV
+    where fresh (added to `written`) and its plot; the plot's path, None for a part without rows."""
+    if part is None or not part.rows:
+        return None
+    if part.fresh:
+        written += module.write_data(part.rows, part.meta, out)
+    path = out / module.PLOT
+    module.plot(part.rows, path)
+    return path
 
 
 def read_json(path: Path, row_type: type = Row, fix: str = "pass a bench.json written by `fagen bench`"):

@@ -314,6 +314,14 @@ def _shape(r: ServingRow) -> str:
     return f"{r.dtype} d{r.head_dim}, {r.hq}/{r.hkv}, B {r.b}"
 
 
+def _section(table: dict, section: str):
+    """(case key, its rows by impl, fagen's row) for the cases of one section with a fagen row."""
+    for case, impls in table.items():
+        f = impls.get("fagen")
+        if f is not None and f.section == section:
+            yield case, impls, f
+
+
 def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -> list[str]:
     """BENCHMARKS.md's serving section, as lines: decode, paged and varlen tables, the plot."""
     table = bench_rows.by_case(rows)
@@ -326,20 +334,14 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
     out += [f"- {k}: {v}" for k, v in sorted(meta.items())] + [""]
     out += ["### Decode", "", "| shape | Nq | Nk | fagen µs | TB/s | SDPA µs | TB/s | SDPA FA2 µs | fagen vs SDPA |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for case, impls in table.items():
-        f = impls.get("fagen")
-        if f is None or f.section != "decode":
-            continue
+    for case, impls, f in _section(table, "decode"):
         s, fa = impls.get("sdpa"), impls.get("sdpa_flash")
         out.append(f"| {_shape(f)} | {f.nq} | {f.nk // 1024}k | {_us(f)} | {_tb(f)} | {_us(s)} | {_tb(s)} | {_us(fa)} "
                    f"| {_times(f, s)} |")
     out += ["", "### Paged KV cache (Nq 1, shuffled pages)", "",
             "| shape | Nk | page | paged µs | TB/s | contiguous µs | paged / contiguous time | SDPA µs |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for case, impls in table.items():
-        f = impls.get("fagen")
-        if f is None or f.section != "paged":
-            continue
+    for case, impls, f in _section(table, "paged"):
         c, s = impls.get("fagen_contiguous"), impls.get("sdpa")
         ratio = "n/a" if c is None or c.us is None or f.us is None else f"{f.us / c.us:.2f}"
         page = case.rsplit("page ", 1)[-1]
@@ -347,10 +349,7 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
     out += ["", "### Varlen prefill (TFLOP/s of real tokens; the padded batch: the same tokens, equal lengths)", "",
             "| shape | causal | lengths | varlen TFLOP/s | padded TFLOP/s | varlen / padded |",
             "| --- | --- | --- | --- | --- | --- |"]
-    for case, impls in table.items():
-        f = impls.get("fagen")
-        if f is None or f.section != "varlen":
-            continue
+    for case, impls, f in _section(table, "varlen"):
         p = impls.get("fagen_padded")
         tf = "n/a" if f.tflops is None else f"{f.tflops:.0f}"
         ptf = "n/a" if p is None or p.tflops is None else f"{p.tflops:.0f}"
