@@ -28,13 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from fagen import variants
-from fagen.decode import choose_splits, slots
+from fagen.decode import default_splits
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE
 from fagen.runtime import _aux_array, _check_layout, compile_kernel, derive_spec_for
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import merge_launch
-
 
 
 @dataclass(frozen=True)
@@ -219,7 +218,7 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
     varlen_q = batch.q_layout == "varlen"
-    total_q = as_device_tensor(tq.obj, "q").shape[0] if varlen_q else 0
+    total_q = int(batch.arguments["total_q"]) if varlen_q else 0
     partial = spec.outputs.partial
     with cupy.cuda.Device(tq.device), stream_for(tq):
         given = dict(block_mask=None, bias=None, doc_ids=None, alibi_slopes=alibi_slopes,
@@ -243,7 +242,7 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
             return out, lse
         tiles = math.ceil(nk / kernel.plan.block_kv)
         if splits is None:
-            splits = choose_splits(math.prod(kernel.grid(b, hq, hkv, nq, 1)), tiles, slots(kernel))
+            splits = default_splits(kernel, b, hq, hkv, nq, nk)
         per_split = math.ceil(tiles / splits)
         splits = math.ceil(tiles / per_split)
         # partials [S, 1 or B, Hq, rows, d]: a varlen batch is one sequence of total_q rows to the merge

@@ -53,13 +53,21 @@ def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSp
     tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
     data = {**base.model_dump(), "name": f"{base.name}_{mask.kind}_{tag}", "mask": mask.model_dump(),
             "score_mod": score_mod.model_dump(), "backward": None}
+    return parse_falling_back(data, base, f"variant of {base.name}")
+
+
+def parse_falling_back(data: dict, base: AttentionSpec, source: str) -> AttentionSpec:
+    """`data` validated; where the plan refuses it (registers, smem), the first of base's
+    fallback_tilings it accepts, at no more keys a tile than data asks for; else the refusal."""
     try:
-        return parse_spec(data, f"variant of {base.name}")
+        return parse_spec(data, source)
     except SpecError as refused:
         for block_kv, pipeline, suffix in fallback_tilings(base):
+            if block_kv > data["tiling"]["block_kv"]:
+                continue
             try:
                 return parse_spec({**data, "name": data["name"] + suffix, "tiling": {**data["tiling"], "block_kv": block_kv},
-                                   "pipeline": {**data["pipeline"], **pipeline}}, f"variant of {base.name}")
+                                   "pipeline": {**data["pipeline"], **pipeline}}, source)
             except SpecError:
                 pass
         raise refused
@@ -130,17 +138,7 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     if spec.tiling.pack_gqa and kv == "paged":
         data.update(PAGED_DECODE_LAYOUT, tiling={**data["tiling"], **PAGED_DECODE_LAYOUT["tiling"]},
                     pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})
-    source = f"{q} q, {kv} kv variant of {spec.name}"
-    try:
-        return parse_spec(data, source)
-    except SpecError as refused:  # the layout's registers: the tilings variant() falls back to
-        for block_kv, pipeline, suffix in fallback_tilings(spec):
-            try:
-                return parse_spec({**data, "name": data["name"] + suffix, "tiling": {**data["tiling"], "block_kv": block_kv},
-                                   "pipeline": {**data["pipeline"], **pipeline}}, source)
-            except SpecError:
-                pass
-        raise refused
+    return parse_falling_back(data, spec, f"{q} q, {kv} kv variant of {spec.name}")  # the layout's registers
 
 
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
