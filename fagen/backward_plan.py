@@ -197,6 +197,8 @@ class DkdvPlan:
     bias_grad: str  # score_mod.bias: "matrix" (an add per score) or "vector" (a key's sum over the step's queries)
     dbias_before_chain: bool  # softcap comes before the bias: dbias is P^T (dP^T - D), before its factor
     bias_grad_params: tuple[tuple[str, str], ...]  # the buffer and its strides (stride 0 on broadcast axes)
+    # every thread loads its share (the forward's TMA producer, pipeline.warp_specialized, is not here)
+    warp_specialized: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,7 @@ def dq_spec(spec: AttentionSpec) -> AttentionSpec:
         "tiling": spec.tiling.model_copy(update={"block_q": bwd.dq_block_q, "block_kv": bwd.dq_block_kv,
                                                  "warps_q": bwd.dq_warps}),
         "pipeline": spec.pipeline.model_copy(update={"kv_smem": "separate", "stages": 2, "q_in_registers": False,
-                                                     "pingpong": False}),
+                                                     "pingpong": False, "warp_specialized": None}),
         "smem_layout": "swizzled" if wgmma else "padded", "arch": spec.arch if wgmma or not spec.wgmma else "sm_90",
         "backward": None,
     })

@@ -111,18 +111,19 @@ def to_numpy(x) -> np.ndarray:
 
 
 def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median of CUDA-event timings of fn() on the current stream, after warm-up."""
+    """Median of CUDA-event timings of fn() on the current stream, after warm-up. The calls queue
+    back to back with one synchronisation at the end (as triton.testing.do_bench times), so a
+    call's host time shows only where it exceeds its kernels' (host time per call is measured on
+    its own: `fagen bench --serving`)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+    for start, stop in events:
         start.record()
         fn()
         stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+    events[-1][1].synchronize()
+    return float(np.median([cupy.cuda.get_elapsed_time(start, stop) for start, stop in events]))
 
 
 def random_extras(spec: AttentionSpec, b: int, hq: int, nq: int, nk: int, seed: int | None = None) -> dict:

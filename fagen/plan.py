@@ -10,8 +10,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from fagen.mask_kinds import KINDS
-from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, AttentionSpec, Outputs,
-                        ScoreMod, SpecError, rule)
+from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
+                        AttentionSpec, Outputs, ScoreMod, SpecError, rule)
 
 ELEMENT_BYTES = 2  # float16 and bfloat16
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
@@ -61,6 +61,12 @@ REGISTER_COSTS = {
         "s_prefix_lm": 0.03, "s_block_mask": 0.02, "s_softcap": 0.01, "s_alibi": 0.04, "s_bias": 0.31,
     },
 }
+# A warp-specialised kernel's consumers (pipeline.warp_specialized) need their accumulators (O, S,
+# and P of the previous tile, S / 2 packed) and this many more: the fewest consumer_registers at
+# which ptxas -v reports no spill, found by bisection (sm_90a, f16, no mask, d64/128/256, block_kv
+# 64-192), was that sum plus 28 to 32; the mask's and modifiers' terms are the wgmma fit's, and 4
+# more keep the modifiers' kernels from spilling (d256 with 80 keys and a bias: 8 bytes at 32).
+WARP_SPECIALIZED_REST = 36
 # Kernels the estimate refuses that ptxas -v was run on (sm_80, sm_86, sm_89 and sm_90, f16 and
 # bf16, nvcc 13.0): they fit, at the registers given (the most over those archs). The 32-rows-a-warp
 # d=128 tiles (notes/perf.md: the fastest mma.sync tiles at d=128), no modifiers, full outputs
@@ -124,6 +130,7 @@ class KernelPlan:
     key_merge_floats: int  # warps_kv > 1: the floats a lane hands the first warp (its O, a max and sum a row half)
     element_bytes: int
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
+    q_tile_bytes: int
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
     out_chunks_per_warp: int  # 16-byte chunks of a warp's rows of O (the epilogue's stores)
     s_acc_regs: int  # f32 accumulator registers a thread holds for S
@@ -138,11 +145,24 @@ class KernelPlan:
     warpgroup_q_bytes: int  # wgmma: bytes between the warpgroups' rows of the Q tile
     kv_ring_bytes: int  # wgmma: K's ring of kv_stages tiles (V's ring follows it, then the mbarriers)
     mbarrier_bytes: int  # wgmma: one mbarrier
+    q_atom_step_bytes: int  # wgmma: from one 64-column block of Q's head_dim to the next
+    k_atom_step_bytes: int  # wgmma: ... of K's (Q.K^T's k steps move along both)
+    v_lead_bytes: int  # wgmma: V's leading byte offset, between its 64-column blocks
+    atom_columns: int  # wgmma: columns of a swizzle atom (a TMA box's width)
+    atom_row_bytes: int  # wgmma: bytes of one of its rows
+    # warp specialisation (pipeline.warp_specialized): consumer warpgroups compute, a producer
+    # warpgroup after them loads through TMA; otherwise every thread is a consumer and copies
+    warp_specialized: bool
+    consumer_threads: int
+    producer_registers: int  # setmaxnreg targets (0: not warp-specialised)
+    consumer_registers: int
+    tma_params: tuple[tuple[str, str], ...]  # the tensor maps of q, k and v
 
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
         """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
-        return self.mask_params + self.score_params + self.sink_params + self.split_params + self.sequence_params
+        return (self.mask_params + self.score_params + self.sink_params + self.split_params + self.sequence_params
+                + self.tma_params)
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -169,6 +189,9 @@ PAGE_ROWS = 16
 PAGE_OUT_OF_RANGE = 1  # a page id outside [0, num_pages): its rows loaded as zeros
 SEQLEN_OVER_TABLE = 2  # cache_seqlens past its table row (max_pages * page_size): cut to it
 INT_PTR = "const int* __restrict__"
+# A TMA tensor map (CUtensorMap, 128 opaque bytes the host encodes) passed by value: TMA reads it
+# from the kernel's parameter space, where __grid_constant__ keeps it
+TMA_MAP = "const __grid_constant__ TmaMap"
 
 
 def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
@@ -246,6 +269,10 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
         return measured
     costs = REGISTER_COSTS["wgmma" if spec.wgmma else "mma_sync"]
     terms = register_terms(spec, o_regs, s_regs, q_regs, threads)
+    if spec.warp_specialized:  # the consumers hold no copy state: their accumulators and a fixed rest
+        kept = {name: amount for name, amount in terms.items() if name not in ("base", "stages", "o", "s")}
+        return int(o_regs + s_regs + s_regs // 2 + WARP_SPECIALIZED_REST
+                   + sum(costs.get(name, 0.0) * amount for name, amount in kept.items()))
     return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
 
 
@@ -273,6 +300,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
     p_regs = s_regs // 2 if spec.wgmma else 0
     registers = predict_registers(spec, o_regs, s_regs, q_regs, 32 * warps)
+    ws = spec.pipeline.warp_specialized
+    register_limit = ws.consumer_registers if ws else MAX_REGISTERS  # the consumers' setmaxnreg
 
     if smem_bytes > limit:
         raise SpecError(rule(
@@ -292,19 +321,20 @@ def plan(spec: AttentionSpec) -> KernelPlan:
             f"breaks the FlashAttention block-size rule 2*Bc*d + Br*d + Br*Bc < M: "
             f"{seed_budget} bytes over {spec.arch}'s {limit}",
             "use a smaller block_q or block_kv"))
-    if registers > MAX_REGISTERS:
+    if registers > register_limit:
         raise SpecError(rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}, warps_q {t.warps_q}",
             f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, {q_regs} for Q, "
             f"{p_regs} for P, the rest addresses, pipeline state and the mask's and score modifiers' "
-            f"temporaries) over the {MAX_REGISTERS} limit: it would spill",
-            "use more warps_q, a smaller block_kv, or q_in_registers: false"))
+            f"temporaries) over the {register_limit} limit{' (consumer_registers)' if ws else ''}: it would spill",
+            "use more warps_q, a smaller block_kv, or q_in_registers: false"
+            + (", or more consumer_registers" if ws else "")))
 
     return KernelPlan(
         name=spec.name,
         symbol=KERNEL_SYMBOL_PREFIX + spec.name,
         mma="wgmma" if spec.wgmma else "mma_sync",
-        threads=32 * warps,
+        threads=32 * warps + (WARPGROUP_THREADS if ws else 0),
         warps=warps,
         block_q=t.block_q,
         block_kv=t.block_kv,
@@ -336,6 +366,11 @@ def plan(spec: AttentionSpec) -> KernelPlan:
                       ("long long", "lse_split_stride")) if spec.outputs.partial else (),
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
+        warp_specialized=ws is not None,
+        consumer_threads=32 * warps,
+        producer_registers=ws.producer_registers if ws else 0,
+        consumer_registers=ws.consumer_registers if ws else 0,
+        tma_params=tuple((TMA_MAP, f"{t}_map") for t in "qkv") if ws else (),
         **template_numbers(spec, m_frags, kv_tile),
     )
 
@@ -358,7 +393,8 @@ KERNEL_FIXED_PARAMS: tuple[tuple[str, str], ...] = (
     ("float", "scale"), ("float", "scale_log2"),
 )
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
-                 "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes")
+                 "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes",
+                 "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")
 
 
 def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> dict:
@@ -377,18 +413,30 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "key_merge_floats": m_frags * (d // MMA_N) * acc_per_fragment + 4 * m_frags,
         "element_bytes": ELEMENT_BYTES,
         "kv_tile_bytes": kv_tile_elems * ELEMENT_BYTES,
+        "q_tile_bytes": t.block_q * d * ELEMENT_BYTES if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         "out_chunks_per_warp": warp_rows * chunks_per_row,
         "s_acc_regs": m_frags * (t.block_kv // t.warps_kv // MMA_N) * acc_per_fragment,
         "o_acc_regs": m_frags * (d // MMA_N) * acc_per_fragment,
-        **(wgmma_numbers(spec, kv_tile_elems) if spec.wgmma else dict.fromkeys(WGMMA_NUMBERS, 0)),
+        **(wgmma_numbers(spec, kv_tile_elems, column_blocks=spec.warp_specialized) if spec.wgmma
+           else dict.fromkeys(WGMMA_NUMBERS, 0)),
     }
 
 
-def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int) -> dict[str, int]:
-    """The sm_90a kernel's byte offsets within its 128-byte-swizzled tiles."""
+def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool = False) -> dict[str, int]:
+    """The sm_90a kernel's byte offsets within its 128-byte-swizzled tiles. Two layouts of the
+    same atoms: row groups (cp.async: 8-row groups one after the other, each head_dim / 64 atoms
+    wide) or, where TMA fills the tiles (column_blocks: the forward's warp_specialized), column
+    blocks (a tile's 64-column block of every row, one after the other: what one TMA box of 64
+    columns writes). The backward's kernels copy with cp.async: row groups."""
     d, rows_per_warpgroup = spec.head_dim, WARPGROUP_WARPS * MMA_M
-    row_group = d // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES  # 8 rows: head_dim / 64 atoms side by side
+    if column_blocks:  # 8 rows of one column block; the blocks a tile's rows * 128 bytes apart
+        row_group = SWIZZLE_ATOM_BYTES
+        column_step = {name: rows * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES
+                       for name, rows in (("q", spec.tiling.block_q), ("k", spec.tiling.block_kv))}
+    else:  # 8 rows: head_dim / 64 atoms side by side
+        row_group = d // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES
+        column_step = {"q": SWIZZLE_ATOM_BYTES, "k": SWIZZLE_ATOM_BYTES}
     return {
         "warpgroup_warps": WARPGROUP_WARPS,
         "atom_elems": SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS,
@@ -400,6 +448,11 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int) -> dict[str, int]:
         "warpgroup_q_bytes": rows_per_warpgroup // SWIZZLE_ATOM_ROWS * row_group,
         "kv_ring_bytes": spec.pipeline.stages * kv_tile_elems * ELEMENT_BYTES,
         "mbarrier_bytes": MBARRIER_BYTES,
+        "q_atom_step_bytes": column_step["q"],
+        "k_atom_step_bytes": column_step["k"],
+        "v_lead_bytes": column_step["k"],
+        "atom_columns": SWIZZLE_ATOM_ELEMS,
+        "atom_row_bytes": SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES,
     }
 
 

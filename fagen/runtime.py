@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import __version__, device, side_inputs, variants
+from fagen import __version__, device, side_inputs, tensor_maps, variants
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
-from fagen.plan import KernelPlan, plan
+from fagen.plan import TMA_MAP, KernelPlan, plan
 from fagen.render import render
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
@@ -42,7 +42,8 @@ def _check_layout(t: DeviceTensor, what: str) -> None:
 
 
 # How a kernel parameter's C type travels through CuPy's launch: pointers as 64-bit addresses.
-C_SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "unsigned": np.uint32}
+C_SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "unsigned": np.uint32,
+             TMA_MAP: bytes}  # a tensor map: its 128 encoded bytes
 
 
 def packers(params: tuple[tuple[str, str], ...]) -> tuple[tuple[str, type], ...]:
@@ -100,8 +101,11 @@ def compile_module(source: str, name: str, *, wgmma: bool):
     return cupy.RawModule(code=source, options=NVRTC_OPTIONS)
 
 
-# Each kernel parameter in an 8-byte slot of a Launch's buffer (struct format; x: padding).
-SLOT_FORMATS = {"int": "i4x", "long long": "q", "float": "f4x", "unsigned": "I4x"}
+# Each kernel parameter in 8-byte slots of a Launch's buffer (struct format; x: padding): one
+# slot, or a tensor map's 16.
+SLOT_FORMATS = {"int": "i4x", "long long": "q", "float": "f4x", "unsigned": "I4x",
+                TMA_MAP: f"{tensor_maps.MAP_BYTES}s"}
+SLOT_BYTES = 8
 
 
 @cache
@@ -111,28 +115,48 @@ def slot_format(params: tuple[tuple[str, str], ...]) -> str:
     return "<" + "".join("Q" if "*" in ctype else SLOT_FORMATS[ctype] for ctype, _ in params)
 
 
+@cache
+def slot_offsets(params: tuple[tuple[str, str], ...]) -> tuple[tuple[int, ...], int]:
+    """Each parameter's first slot in the buffer, and the slots in all."""
+    sizes = [struct.calcsize("<" + ("Q" if "*" in ctype else SLOT_FORMATS[ctype])) // SLOT_BYTES for ctype, _ in params]
+    return tuple(int(x) for x in np.cumsum([0, *sizes[:-1]])), sum(sizes)
+
+
+@dataclass(frozen=True)
+class MapSlot:
+    """A tensor-map parameter a prepared call re-encodes when it re-points the tensor it maps."""
+    slot: int  # the map's first slot in the Launch's buffer
+    address: int  # index of the mapped tensor's address among the Launch's re-pointable slots
+    dtype: str
+    layout: tensor_maps.MapLayout
+
+
 class Launch:
     """One kernel launch packed once: grid, block, shared memory and every argument, each in
     its own 8-byte slot of a buffer handed to cuLaunchKernel. Calling it launches; `slots` name
     the pointer parameters a call may re-point at other tensors of the same shape and strides
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
-    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "_pointers", "_first_slots")
+    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "_pointers",
+                 "_first_slots")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
-                 params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = ()):
+                 params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
+                 maps: tuple[MapSlot, ...] = ()):
         names = [name for _, name in params]
         missing = [name for name in names if name not in values]
         if missing:
             raise ValueError(f"no value for kernel parameter(s) {missing}")
         self.function = getattr(function, "kernel", function).ptr  # the CUfunction of a RawKernel
         self.grid, self.block, self.smem = grid, threads, smem
-        self.values = np.zeros(len(params), np.uint64)  # the driver reads each parameter from its slot's start
+        offsets, total = slot_offsets(params)
+        self.values = np.zeros(total, np.uint64)  # the driver reads each parameter from its first slot
         struct.pack_into(slot_format(params), self.values, 0, *(values[name] for name in names))
         # cuLaunchKernel reads the pointer array and the slots during the call: both live here
-        self._pointers = self.values.ctypes.data + 8 * np.arange(len(params), dtype=np.uint64)
+        self._pointers = self.values.ctypes.data + SLOT_BYTES * np.array(offsets, dtype=np.uint64)
         self.params = self._pointers.ctypes.data
-        self.slots = tuple(names.index(name) for name in slots)
+        self.slots = tuple(offsets[names.index(name)] for name in slots)
+        self.maps = maps
         # the usual case, slots the first parameters in order: one struct store re-points them all
         first = self.slots == tuple(range(len(self.slots)))
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
@@ -146,6 +170,10 @@ class Launch:
         else:
             for index, address in zip(self.slots, addresses):
                 values[index] = address
+        for m in self.maps:  # TMA reads the tensor's address from its map: encode it anew
+            if m.address < len(addresses):
+                struct.pack_into(SLOT_FORMATS[TMA_MAP], values, SLOT_BYTES * m.slot,
+                                 tensor_maps.encode(addresses[m.address], m.dtype, m.layout))
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         gx, gy, gz = self.grid
@@ -296,8 +324,18 @@ class Kernel:
                       scale_log2=scale * LOG2E, **extras)
         for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
             values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
+        slots, maps = ("q", "k", "v", "o", "lse"), ()
+        if self.plan.warp_specialized:  # the producer's TMA boxes: a Q tile's rows, a KV tile's
+            offsets, _ = slot_offsets(self.plan.params)
+            names = [name for _, name in self.plan.params]
+            maps = tuple(MapSlot(offsets[names.index(f"{name}_map")], slots.index(name), self.spec.dtype,
+                                 tensor_maps.layout(t.shape, t.strides, rows, name))
+                         for t, name, rows in ((tq, "q", self.plan.block_q), (tk, "k", self.plan.block_kv),
+                                               (tv, "v", self.plan.block_kv)))
+            values.update({f"{name}_map": tensor_maps.encode(t.ptr, self.spec.dtype, m.layout)
+                           for t, name, m in zip((tq, tk, tv), "qkv", maps)})
         return Launch(self.function, self.grid(b, hq, tk.shape[1], nq, splits), self.plan.threads,
-                      self.plan.smem_bytes, self.plan.params, values, slots=("q", "k", "v", "o", "lse"))
+                      self.plan.smem_bytes, self.plan.params, values, slots=slots, maps=maps)
 
     def grid(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
         """x: a block per (batch, query head), or per (batch, KV head) where the group's heads are

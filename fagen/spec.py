@@ -23,7 +23,7 @@ SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 23
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # sm_90a (Hopper only) selects warpgroup MMAs: wgmma.m64nNk16, K and V (and Q) read straight from
 # 128-byte-swizzled shared memory. A warpgroup is 4 warps owning 64 query rows.
-WARPGROUP_WARPS, WARPGROUP_ROWS = 4, 64
+WARPGROUP_WARPS, WARPGROUP_ROWS, WARPGROUP_THREADS = 4, 64, 128
 SWIZZLE_ATOM_ELEMS = 64  # one 128-byte swizzle row of half-precision elements
 # The sm_90a dK/dV kernel: a warpgroup owns 64 keys and holds their dK and dV rows (head_dim f32
 # registers a thread together), so head_dim 256 keeps the mma.sync kernel's head_split instead.
@@ -96,6 +96,29 @@ class Tiling(_Frozen):
         return self
 
 
+REGISTERS_PER_SM = 65536
+SETMAXNREG_STEP, SETMAXNREG_RANGE = 8, (24, 256)  # setmaxnreg takes multiples of 8 in 24..256
+
+
+class WarpSpecialized(_Frozen):
+    """sm_90a warp specialisation: a producer warpgroup (one warp of it issuing TMA loads into the
+    KV ring) and consumer warpgroups that only compute. setmaxnreg moves registers from the
+    producer, which needs few, to the consumers, whose S, P and O tiles need many."""
+
+    producer_registers: int = 24
+    consumer_registers: int = 240
+
+    @field_validator("producer_registers", "consumer_registers")
+    @classmethod
+    def _setmaxnreg(cls, v: int, info) -> int:
+        low, high = SETMAXNREG_RANGE
+        if v % SETMAXNREG_STEP or not low <= v <= high:
+            raise ValueError(rule(f"pipeline.warp_specialized.{info.field_name}", v, f"must be a multiple of "
+                                  f"{SETMAXNREG_STEP} in {low}..{high} (setmaxnreg's operand)",
+                                  "use 24 for the producer, 240 for the consumers"))
+        return v
+
+
 class Pipeline(_Frozen):
     """How K and V tiles travel from global to shared memory."""
 
@@ -108,6 +131,9 @@ class Pipeline(_Frozen):
     # sm_90a, two warpgroups: they take turns on the tensor cores, one's softmax running under
     # the other's MMAs (loads for a stage are issued a step later: use stages 3)
     pingpong: bool = False
+    # sm_90a: a producer warp loads Q, K and V with TMA (tensor maps built on the host) while the
+    # consumer warpgroups compute; unset, every thread copies its share with cp.async
+    warp_specialized: WarpSpecialized | None = None
 
     @field_validator("stages")
     @classmethod
@@ -388,6 +414,9 @@ class AttentionSpec(_Frozen):
             if self.pipeline.pingpong:
                 raise ValueError(rule("pipeline.pingpong", True, f"needs arch sm_90a (warpgroups taking turns "
                                       f"on wgmma), not {self.arch}", "set arch: sm_90a or pingpong: false"))
+            if self.pipeline.warp_specialized is not None:
+                raise ValueError(rule("pipeline.warp_specialized", "set", f"needs arch sm_90a (TMA loads, "
+                                      f"setmaxnreg), not {self.arch}", "set arch: sm_90a, or remove it"))
             return self
         t, p = self.tiling, self.pipeline
         fix_arch = "or use arch: sm_90 for the mma.sync kernel"
@@ -414,7 +443,35 @@ class AttentionSpec(_Frozen):
         if p.pingpong and t.warps_q != 2 * WARPGROUP_WARPS:
             raise ValueError(rule("pipeline.pingpong", True, f"takes two warpgroups (warps_q 8), not warps_q "
                                   f"{t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
+        if p.warp_specialized is not None:
+            self._warp_specialized_rules()
         return self
+
+    def _warp_specialized_rules(self) -> None:
+        """The producer's TMA loads read [B, H, N, head_dim] tensors through tensor maps, and the
+        register split must fit the SM's register file."""
+        ws, consumers = self.pipeline.warp_specialized, self.tiling.warps_q // WARPGROUP_WARPS
+        if not self.sequences.padded:
+            raise ValueError(rule("pipeline.warp_specialized", "set", f"with sequences {self.sequences}: its "
+                                  "tensor maps describe padded [B, H, N, head_dim] tensors",
+                                  "remove warp_specialized for varlen and paged layouts"))
+        if consumers < 2:
+            raise ValueError(rule("pipeline.warp_specialized", "set", f"with warps_q {self.tiling.warps_q}: one "
+                                  "consumer warpgroup beside the producer already has every register a thread may "
+                                  "hold (255), so there is nothing for setmaxnreg to move", "use warps_q: 8 and "
+                                  "block_q: 128 (two consumer warpgroups), or remove warp_specialized"))
+        used = WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
+        if used > REGISTERS_PER_SM:
+            most = (REGISTERS_PER_SM // WARPGROUP_THREADS - ws.producer_registers) // consumers
+            raise ValueError(rule(
+                "pipeline.warp_specialized", f"producer_registers {ws.producer_registers}, consumer_registers "
+                f"{ws.consumer_registers}", f"the producer warpgroup and {consumers} consumer warpgroup(s) of "
+                f"128 threads would hold {used} registers, over the SM's {REGISTERS_PER_SM}",
+                f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
+        if ws.producer_registers >= ws.consumer_registers:
+            raise ValueError(rule("pipeline.warp_specialized.producer_registers", ws.producer_registers,
+                                  f"must be below consumer_registers ({ws.consumer_registers}): the producer "
+                                  "only issues loads", "use 24"))
 
     @model_validator(mode="after")
     def _pack_gqa_rules(self) -> AttentionSpec:
@@ -550,6 +607,11 @@ class AttentionSpec(_Frozen):
     def wgmma_backward(self) -> bool:
         """The dK/dV kernel runs on wgmma (sm_90a, head_dim up to WGMMA_BACKWARD_MAX_HEAD_DIM)."""
         return self.wgmma and self.backward is not None and self.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
+
+    @property
+    def warp_specialized(self) -> bool:
+        """A TMA producer warp feeds consumer warpgroups (pipeline.warp_specialized)."""
+        return self.pipeline.warp_specialized is not None
 
     @property
     def wgmma(self) -> bool:

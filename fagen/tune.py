@@ -41,6 +41,15 @@ QUICK_SPACE = {**SPACE, "block_kv": (32, 64, 128), "pipeline": (("separate", 1),
                "q_in_registers": (False,)}
 
 
+# sm_90a: whole warpgroups (64 rows each), swizzled rings of K and V tiles; the kernel family is a
+# choice too (every thread copying with cp.async, or warp-specialised: a TMA producer warp, the
+# consumers at 240 registers), with ping-pong on or off and KV tiles that are not powers of two
+# (80 at head_dim 256, 176 at 128: what the consumers' freed registers fit).
+WGMMA_SPACE = {"warps_q": (4, 8), "block_kv": (64, 80, 128, 176, 192), "stages": (2, 3), "pingpong": (False, True),
+               "warp_specialized": (False, True)}
+QUICK_WGMMA_SPACE = {**WGMMA_SPACE, "warps_q": (8,)}
+
+
 def _quick_keeps(bq: int, wq: int, layout: str, head_dim: int) -> bool:
     """16 rows a warp, swizzled where the head_dim allows it (padded otherwise)."""
     return bq == 16 * wq and layout == ("swizzled" if head_dim % 64 == 0 else "padded")
@@ -57,6 +66,8 @@ class Candidate:
 def candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[AttentionSpec], int]:
     """Valid variants of `base` over the space (QUICK_SPACE, narrowed, when quick), and how
     many combinations the validator refused."""
+    if base.wgmma:
+        return wgmma_candidates(base, quick)
     keep, refused = [], 0
     for bq, wq, bkv, (kv_smem, stages), layout, q_regs in itertools.product(*(QUICK_SPACE if quick else SPACE).values()):
         if quick and not _quick_keeps(bq, wq, layout, base.head_dim):
@@ -66,6 +77,22 @@ def candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[Attention
         data["pipeline"] = {**data["pipeline"], "kv_smem": kv_smem, "stages": stages, "q_in_registers": q_regs}
         data["smem_layout"] = layout
         data["name"] = f"{base.name}_q{bq}w{wq}kv{bkv}_{kv_smem}{stages}_{layout[0]}{'_qreg' if q_regs else ''}"
+        try:
+            keep.append(parse_spec(data, data["name"]))
+        except SpecError:
+            refused += 1
+    return keep, refused
+
+
+def wgmma_candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[AttentionSpec], int]:
+    """candidates() for an sm_90a base, over WGMMA_SPACE (QUICK_WGMMA_SPACE when quick)."""
+    keep, refused = [], 0
+    for wq, bkv, stages, pingpong, ws in itertools.product(*(QUICK_WGMMA_SPACE if quick else WGMMA_SPACE).values()):
+        data = base.model_dump(mode="json")
+        data["tiling"] = {"block_q": 16 * wq, "block_kv": bkv, "warps_q": wq}
+        data["pipeline"] = {"kv_smem": "separate", "stages": stages, "pingpong": pingpong,
+                            "warp_specialized": {} if ws else None}
+        data["name"] = f"{base.name}_q{16 * wq}kv{bkv}_s{stages}{'_pp' if pingpong else ''}{'_ws' if ws else ''}"
         try:
             keep.append(parse_spec(data, data["name"]))
         except SpecError:

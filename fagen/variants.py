@@ -75,17 +75,17 @@ def parse_falling_back(data: dict, base: AttentionSpec, source: str) -> Attentio
 
 def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
     """(block_kv, pipeline change, name suffix) to try, in order, where base's tiling is refused:
-    block_kv halved down to 16, each first with base's pipeline, then (mma.sync) with separate K
-    and V buffers, 2 stages (fewer registers for slot addresses than one stage, by ptxas)."""
+    base's block_kv, then the powers of two below it down to 16 (176 -> 128, 64, 32, 16), each
+    first with base's pipeline, then (mma.sync) with separate K and V buffers, 2 stages (fewer
+    registers for slot addresses than one stage, by ptxas)."""
     out = []
-    block_kv = base.tiling.block_kv
-    while block_kv >= 16:
+    sizes = [base.tiling.block_kv] + [1 << p for p in range(8, 3, -1) if 1 << p < base.tiling.block_kv]
+    for block_kv in sizes:
         if block_kv != base.tiling.block_kv:
             out.append((block_kv, {}, f"_kv{block_kv}"))
         sep2 = {"kv_smem": "separate", "stages": 2}
         if not base.wgmma and (base.pipeline.kv_smem, base.pipeline.stages) != ("separate", 2):
             out.append((block_kv, sep2, f"_kv{block_kv}_sep2"))
-        block_kv //= 2
     return out
 
 
@@ -129,12 +129,15 @@ PAGED_DECODE_LAYOUT = {"tiling": {"block_kv": 64, "warps_kv": 2}, "pipeline": {"
 def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded") -> AttentionSpec:
     """`spec` reading its sequences as `q` and `kv` lay them out (spec.sequences: varlen,
     paged), named <name>_q<layout>_kv<layout> for the layouts that are not padded. The layouts
-    are the forward's (serving): spec's backward: section is not carried over. A decode kernel
-    (pack_gqa) reading a paged cache takes PAGED_DECODE_LAYOUT."""
+    are the forward's (serving): spec's backward: section is not carried over, nor a TMA producer
+    (pipeline.warp_specialized). A decode kernel (pack_gqa) reading a paged cache takes
+    PAGED_DECODE_LAYOUT."""
     if (spec.sequences.q, spec.sequences.kv) == (q, kv):
         return spec
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
     data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
+    if spec.warp_specialized:  # its TMA maps describe padded tensors: every thread copies instead
+        data["pipeline"] = {**data["pipeline"], "warp_specialized": None}
     if spec.tiling.pack_gqa and kv == "paged":
         data.update(PAGED_DECODE_LAYOUT, tiling={**data["tiling"], **PAGED_DECODE_LAYOUT["tiling"]},
                     pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})

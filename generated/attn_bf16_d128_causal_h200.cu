@@ -20,6 +20,9 @@
 //     pingpong: true
 //     q_in_registers: false
 //     stages: 3
+//     warp_specialized:
+//       consumer_registers: 240
+//       producer_registers: 24
 //   score_mod:
 //     alibi: none
 //     bias: none
@@ -41,7 +44,7 @@ struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 typedef elem_t out_t;
 constexpr int BLOCK_Q = 128;            // Br: query rows per block
 constexpr int BLOCK_KV = 128;           // Bc: keys per KV tile
-constexpr int THREADS = 256;
+constexpr int THREADS = 384;
 constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
 constexpr int S_N_FRAGS = 16;           // n8 fragments of S per warp (keys)
@@ -49,7 +52,6 @@ constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 8;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
-constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
 constexpr int OUT_CHUNKS_PER_WARP = 256;  // 16-byte chunks of a warp's rows of O
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 16384;
@@ -61,17 +63,26 @@ constexpr float LN2 = 0.6931471805599453f;
 constexpr int SMEM_ALIGN = 1024;        // bytes: swizzle atoms start 1024-byte aligned
 constexpr int KV_STAGES = 3;            // K tiles (and V tiles) in the ring
 constexpr int ATOMS_PER_ROW = 2;        // 128-byte swizzle atoms across head_dim
-constexpr int ATOM_ELEMS = 512;        // one atom: 8 rows of 64 elements
-constexpr int ATOM_BYTES = 1024;
-constexpr int ROW_GROUP_BYTES = 2048;  // 8 rows of a tile: wgmma's stride byte offset
+constexpr int ROW_GROUP_BYTES = 1024;  // 8 rows of a tile: wgmma's stride byte offset
 constexpr int K_STEP_BYTES = 32;        // a k16 step of Q.K^T along an atom's rows ...
-constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom
-constexpr int V_STEP_BYTES = 4096;      // a k16 step of P.V: 16 keys, two row groups
+constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom:
+constexpr int Q_ATOM_STEP_BYTES = 16384;  // Q's next 64 columns
+constexpr int K_ATOM_STEP_BYTES = 16384;  // K's next 64 columns
+constexpr int V_LEAD_BYTES = 16384;       // V's 64-column blocks: P.V's leading byte offset
+constexpr int V_STEP_BYTES = 2048;      // a k16 step of P.V: 16 keys, two row groups
 constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 rows)
-constexpr int WARPGROUP_Q_BYTES = 16384;  // a warpgroup's 64 rows of the Q tile
+constexpr int WARPGROUP_Q_BYTES = 8192;  // a warpgroup's 64 rows of the Q tile
 constexpr int WARPGROUPS = 2;           // they take turns on the tensor cores (ping-pong)
 constexpr int KV_RING_BYTES = 98304;   // K's ring; V's follows, then the mbarriers
 constexpr int MBARRIER_BYTES = 8;
+// Warp specialisation: CONSUMER_THREADS compute; the warpgroup after them is the producer.
+constexpr int CONSUMER_THREADS = 256;
+constexpr int PRODUCER_WARPGROUP = 2;
+constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
+constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to S, P and O
+constexpr int Q_TILE_BYTES = 32768;
+constexpr int ATOM_COLUMNS = 64;  // a TMA box is one atom wide ...
+constexpr int ATOM_ROW_BYTES = 128;  // ... and a tile's rows tall
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 // Inline PTX keeps the kernel free of CUDA headers: NVRTC compiles it as is.
@@ -81,11 +92,6 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return r;
 }
 
-// 16-byte global->shared copy that bypasses L1; src_bytes = 0 zero-fills (out-of-range rows).
-__device__ __forceinline__ void cp_async_cg16(unsigned dst, const void* src, bool in_range) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(dst), "l"(src), "r"(in_range ? 16 : 0));
-}
 
 // Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
@@ -133,6 +139,42 @@ __device__ __forceinline__ void cp_async_arrive(unsigned bar) {
 __device__ __forceinline__ void mbarrier_wait(unsigned bar, int parity) {
   asm volatile("{\n.reg .pred done;\nwait:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                "@!done bra wait;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// TMA (the tensor memory accelerator): one thread asks for a whole box of a tensor, described
+// by a tensor map the host encoded (cuTensorMapEncodeTiled), and the copy engine writes it to
+// shared memory in the 128-byte swizzle wgmma reads, zero-filling rows past the tensor's end.
+// The bytes it writes count down the transaction count of an mbarrier.
+struct alignas(64) TmaMap { unsigned long long opaque[16]; };  // a CUtensorMap, by value
+
+// Box {64 columns, rows, 1, 1} at (col, row, head, batch) of a [B, H, N, head_dim] tensor.
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, unsigned bar, int col, int row,
+                                              int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
+
+// Arrive on `bar` and add `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// Barriers initialised by generic stores, made visible to the TMA unit before it signals them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// setmaxnreg: a warpgroup gives back registers (the producer) or takes them (the consumers).
+template <int REGISTERS>
+__device__ __forceinline__ void registers_release() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void registers_claim() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
 }
 // Named barriers hand the tensor cores from one warpgroup to the other: barrier
 // TURN_BARRIER + w is warpgroup w's turn (barrier 0 is __syncthreads).
@@ -230,58 +272,24 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigne
         "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_V));
 }
 
-// O += P.V over a V tile, committed as one wgmma group. V's 64-column atoms are ATOM_BYTES
+// O += P.V over a V tile, committed as one wgmma group. V's 64-column blocks are V_LEAD_BYTES
 // apart (the leading byte offset), its 8-key groups ROW_GROUP_BYTES (the stride byte offset).
 __device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
-  const unsigned long long v_desc = smem_desc(v_tile, ATOM_BYTES, ROW_GROUP_BYTES);
+  const unsigned long long v_desc = smem_desc(v_tile, V_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((ks * V_STEP_BYTES) >> DESC_UNIT_SHIFT));
   wgmma_commit();
 }
 
 // ---- shared-memory tiles ---------------------------------------------------------------
-// wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
-// elements, 1024 bytes each, head_dim's 64-element blocks side by side); within an atom the
-// 16-byte chunk index is XORed with row % 8, the pattern wgmma's descriptors decode.
+// wgmma's 128-byte swizzle, laid out as TMA writes it: a tile is ATOMS_PER_ROW column blocks
+// (head_dim's 64-element blocks) one after the other, each the tile's rows of 128 bytes; within
+// an 8-row atom the 16-byte chunk index is XORed with row % 8. Threads address only the Q tile
+// (the epilogue stages O in it): K and V arrive by TMA.
 __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multiple of 8
-  return ((row >> 3) * ATOMS_PER_ROW + (col >> 6)) * ATOM_ELEMS + (row & 7) * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3);
+  return (col >> 6) * (Q_ATOM_STEP_BYTES / ELEM_BYTES) + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3);
 }
 
-// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
-// a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
-template <int ROWS>
-__device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
-                                                long long stride, int row0, int n, int tid) {
-  // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
-  // of a 64-bit multiply, and far fewer live registers.
-  const int col = (tid % CHUNKS_PER_ROW) * 8;
-  int row = tid / CHUNKS_PER_ROW;
-  const elem_t* g = src + (long long)(row0 + row) * stride + col;
-#pragma unroll
-  for (int pass = 0; pass < (ROWS + COPY_ROWS_PER_PASS - 1) / COPY_ROWS_PER_PASS; ++pass) {
-    if (ROWS % COPY_ROWS_PER_PASS == 0 || row < ROWS) {
-      const bool in_range = row0 + row < n;
-      cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? g : src, in_range);
-    }
-    row += COPY_ROWS_PER_PASS;
-    g += COPY_ROWS_PER_PASS * stride;
-  }
-}
-
-// Where one KV head's rows are: `n` rows, row r at k + r * k_stride (and v's).
-struct KvRows {
-  const elem_t* k;
-  const elem_t* v;
-  long long k_stride, v_stride;
-  int n;
-
-  __device__ __forceinline__ void copy_k(unsigned tile, int row0, int tid) const {
-    copy_tile_async<BLOCK_KV>(tile, k, k_stride, row0, n, tid);
-  }
-  __device__ __forceinline__ void copy_v(unsigned tile, int row0, int tid) const {
-    copy_tile_async<BLOCK_KV>(tile, v, v_stride, row0, n, tid);
-  }
-};
 
 
 // ---- mask: causal ----------------------------------------------------
@@ -324,61 +332,68 @@ struct Mask {
   }
 };
 
-// ---- KV pipeline -----------------------------------------------------------------------
+// ---- KV pipeline: a TMA producer ------------------------------------------------------------
 // K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in stage j % KV_STAGES).
 // Load group g carries K_g and V_(g-1) (group 0: Q and K_0), exactly what step g of the main
 // loop consumes: S_g = Q.K_g^T and O += P_(g-1).V_(g-1).
-// Every thread copies a share of each group and its cp.async arrivals complete the stage's
-// `landed` mbarrier; after step g each thread arrives on `freed`, and group g + KV_STAGES
-// waits for that before refilling the stage. No block-wide barrier: a warpgroup runs ahead of
-// the other by up to a stage.
+// One thread of the producer warpgroup issues every group as TMA boxes, after arming the stage's
+// `full` mbarrier with the group's bytes; the consumers wait on `full`. Each consumer thread
+// arrives on the stage's `empty` mbarrier when its MMAs are done with the group, and the producer
+// waits for all of them before it refills the stage. So the producer runs up to KV_STAGES groups
+// ahead, and no consumer ever issues a load or waits for another warpgroup.
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
-  unsigned landed, freed;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
-  KvRows rows;
-  int tiles, tid;
+  unsigned full, empty;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
+  int tiles;
 
   // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
-  __device__ __forceinline__ KvPipeline(unsigned ring, const KvRows& rows_, int tiles_, int tid_)
-      : k_ring(ring), v_ring(ring + KV_RING_BYTES), landed(v_ring + KV_RING_BYTES),
-        freed(landed + KV_STAGES * MBARRIER_BYTES), rows(rows_), tiles(tiles_), tid(tid_) {}
+  __device__ __forceinline__ KvPipeline(unsigned ring, int tiles_)
+      : k_ring(ring), v_ring(ring + KV_RING_BYTES), full(v_ring + KV_RING_BYTES),
+        empty(full + KV_STAGES * MBARRIER_BYTES), tiles(tiles_) {}
 
   __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
   __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
 
-  // One thread sets the barriers up; the block syncs once before anyone uses them.
-  __device__ __forceinline__ void init() const {
+  // One thread sets the barriers up, before the block splits into its roles.
+  __device__ __forceinline__ void init(int tid) const {
     if (tid == 0) {
 #pragma unroll
       for (int s = 0; s < KV_STAGES; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, THREADS);
-        mbarrier_init(freed + MBARRIER_BYTES * s, THREADS);
+        mbarrier_init(full + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the group's bytes
+        mbarrier_init(empty + MBARRIER_BYTES * s, CONSUMER_THREADS);
       }
+      fence_barrier_init();
     }
     __syncthreads();
   }
 
-  __device__ __forceinline__ void issue(int g, const Mask& mask) const {
-    const int stage = g % KV_STAGES;
-    if (g >= KV_STAGES) mbarrier_wait(freed + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
-    if (g < tiles) rows.copy_k(k_slot(g), mask.kv_tile(g) * BLOCK_KV, tid);
-    if (g >= 1 && g <= tiles) rows.copy_v(v_slot(g - 1), mask.kv_tile(g - 1) * BLOCK_KV, tid);
-    cp_async_arrive(landed + MBARRIER_BYTES * stage);
-  }
-
-  __device__ __forceinline__ void prologue(const Mask& mask) const {
+  // ---- the producer's side (one thread) ----
+  // ROWS rows of a tile from `row` on: one box per 64-column block, the blocks ROWS * 128 bytes apart.
+  template <int ROWS>
+  __device__ __forceinline__ static void load(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
 #pragma unroll
-    for (int g = 0; g < KV_STAGES - 1; ++g) issue(g, mask);
+    for (int a = 0; a < ATOMS_PER_ROW; ++a) tma_load_tile(dst + a * ROWS * ATOM_ROW_BYTES, map, bar, a * ATOM_COLUMNS, row, head, batch);
   }
 
-  // Group g is in smem for every thread, and visible to wgmma's async proxy.
-  __device__ __forceinline__ void wait(int g) const {
-    mbarrier_wait(landed + MBARRIER_BYTES * (g % KV_STAGES), (g / KV_STAGES) & 1);
-    fence_async_smem();
+  __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                          unsigned q_tile, int q0, int h, int h_kv, int b) const {
+    for (int g = 0; g <= tiles; ++g) {
+      const int stage = g % KV_STAGES;
+      const unsigned bar = full + MBARRIER_BYTES * stage;
+      if (g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
+      mbarrier_arrive_expect_tx(bar, (g == 0 ? Q_TILE_BYTES : 0) + (g < tiles ? KV_TILE_BYTES : 0) + (g >= 1 ? KV_TILE_BYTES : 0));
+      if (g == 0) load<BLOCK_Q>(q_tile, q_map, bar, q0, h, b);
+      if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, mask.kv_tile(g) * BLOCK_KV, h_kv, b);
+      if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, mask.kv_tile(g - 1) * BLOCK_KV, h_kv, b);
+    }
   }
+
+  // ---- the consumers' side ----
+  // Group g is in smem: TMA wrote it through the async proxy wgmma reads by, so no fence.
+  __device__ __forceinline__ void wait(int g) const { mbarrier_wait(full + MBARRIER_BYTES * (g % KV_STAGES), (g / KV_STAGES) & 1); }
 
   // This thread's MMAs reading group g are complete.
-  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(freed + MBARRIER_BYTES * (g % KV_STAGES)); }
+  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(empty + MBARRIER_BYTES * (g % KV_STAGES)); }
 };
 
 // ---- scores ----------------------------------------------------------------------------
@@ -542,7 +557,10 @@ fagen_attn_bf16_d128_causal_h200(
     long long o_sh,
     long long o_sn,
     float scale,
-    float scale_log2) {
+    float scale_log2,
+    const __grid_constant__ TmaMap q_map,
+    const __grid_constant__ TmaMap k_map,
+    const __grid_constant__ TmaMap v_map) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
@@ -563,14 +581,19 @@ fagen_attn_bf16_d128_causal_h200(
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
   const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
+  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), kv_tiles);  // its tensor maps locate K and V
   const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
-  // Phase 1: Q joins K_0 in load group 0; groups up to KV_STAGES - 2 follow at once.
-  kv.init();
-  copy_tile_async<BLOCK_Q>(smem_q_u32, q, q_sn, q0, n_q, tid);
-  kv.prologue(mask);
+  // Phase 1: the roles. The producer warpgroup hands its registers to the consumers and one of
+  // its threads issues every load (Q joins K_0 in group 0); the consumers go on to compute.
+  kv.init(tid);
+  if (warpgroup == PRODUCER_WARPGROUP) {
+    registers_release<PRODUCER_REGISTERS>();
+    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, h, h_kv, b);
+    return;
+  }
+  registers_claim<CONSUMER_REGISTERS>();
 
   // The warpgroup's 64 rows of Q: 8-row groups ROW_GROUP_BYTES apart (the stride byte offset);
   // a k16 step moves K_STEP_BYTES within an atom, then on to the next atom.
@@ -584,7 +607,7 @@ fagen_attn_bf16_d128_causal_h200(
   // Ping-pong: the warpgroups take turns issuing MMAs, so one's softmax runs while the other's
   // MMAs keep the tensor cores busy.
   const int my_turn = TURN_BARRIER + warpgroup, next_turn = TURN_BARRIER + (warpgroup + 1) % WARPGROUPS;
-  if (warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(TURN_BARRIER, THREADS);  // warpgroup 0 starts
+  if (warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(TURN_BARRIER, CONSUMER_THREADS);  // warpgroup 0 starts
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
@@ -595,12 +618,13 @@ fagen_attn_bf16_d128_causal_h200(
     // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
     float s[M_FRAGS][S_N_FRAGS][4];
     const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
-    named_barrier_sync(my_turn, THREADS);
+    named_barrier_sync(my_turn, CONSUMER_THREADS);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < QK_K_STEPS; ++ks) {
-      const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
-      wgmma_qk(s[0], q_desc + step, k_desc + step, ks > 0);
+      const int step = (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES, atom = ks / K_STEPS_PER_ATOM;
+      wgmma_qk(s[0], q_desc + ((atom * Q_ATOM_STEP_BYTES + step) >> DESC_UNIT_SHIFT),
+               k_desc + ((atom * K_ATOM_STEP_BYTES + step) >> DESC_UNIT_SHIFT), ks > 0);
     }
     wgmma_commit();
     if (j > 0) issue_pv(o_acc[0], p, kv.v_slot(j - 1));
@@ -612,7 +636,7 @@ fagen_attn_bf16_d128_causal_h200(
     pin_registers(s[0]);
     // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
     // serialise the wgmmas.)
-    named_barrier_arrive(next_turn, THREADS);
+    named_barrier_arrive(next_turn, CONSUMER_THREADS);
 
     // Phase 4: the mask and the softmax of tile j while P.V_(j-1) finishes.
     score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
@@ -629,21 +653,19 @@ fagen_attn_bf16_d128_causal_h200(
       p[ks][3] = pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
     }
 
-    // Phase 5: this thread is done with group j. Refill step j - 1's stage only now: the other
-    // warpgroup, half a step behind, has just finished with it.
+    // Phase 5: this thread is done with group j: the producer may refill its stage.
     kv.release(j);
-    kv.issue(j + KV_STAGES - 1, mask);
   }
 
   // Phase 6: the last tile's P.V.
   kv.wait(kv_tiles);  // group kv_tiles: V of the last tile (with no tiles: Q alone)
   if (kv_tiles > 0) {
-    named_barrier_sync(my_turn, THREADS);
+    named_barrier_sync(my_turn, CONSUMER_THREADS);
     wgmma_fence();
     issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
     wgmma_wait<0>();
     pin_registers(o_acc[0]);
-    if (warpgroup == 0) named_barrier_arrive(next_turn, THREADS);  // warpgroup 1's last turn
+    if (warpgroup == 0) named_barrier_arrive(next_turn, CONSUMER_THREADS);  // warpgroup 1's last turn
   }
 
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of

@@ -33,6 +33,9 @@
 //     pingpong: false
 //     q_in_registers: false
 //     stages: 3
+//     warp_specialized:
+//       consumer_registers: 240
+//       producer_registers: 24
 //   score_mod:
 //     alibi: none
 //     bias: none
@@ -42,7 +45,7 @@
 //     q: padded
 //   smem_layout: swizzled
 //   tiling:
-//     block_kv: 64
+//     block_kv: 176
 //     block_q: 128
 //     pack_gqa: false
 //     warps_kv: 1

@@ -33,6 +33,9 @@
 //     pingpong: true
 //     q_in_registers: false
 //     stages: 3
+//     warp_specialized:
+//       consumer_registers: 240
+//       producer_registers: 24
 //   score_mod:
 //     alibi: none
 //     bias: none

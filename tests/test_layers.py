@@ -21,7 +21,7 @@ LAYERS = [
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
     ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU
-    ("device",),  # CuPy, tensor adapters, streams, GPU identity
+    ("device", "tensor_maps"),  # CuPy, tensor adapters, streams, GPU identity; TMA tensor maps (the driver)
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge

@@ -7,12 +7,12 @@ import pytest
 import fagen
 from fagen import device, runtime
 from fagen.load import SPECS
-from fagen.plan import merge_plan, plan
+from fagen.plan import TMA_MAP, merge_plan, plan
 from fagen.runtime import pack_arguments, packers
 
 
 def values_for(params) -> dict:
-    return {name: i + 1 for i, (_, name) in enumerate(params)}
+    return {name: bytes([i + 1]) * 128 if ctype == TMA_MAP else i + 1 for i, (ctype, name) in enumerate(params)}
 
 
 @pytest.mark.parametrize("name", ["attn_f16_d128", "omni_prefetch_f16_d128", "document_causal_f16_d128",
@@ -21,7 +21,7 @@ def test_arguments_follow_the_signature_by_name(name):
     p = plan(fagen.load_spec(SPECS / f"{name}.yaml"))
     values = values_for(p.params)
     args = pack_arguments(packers(p.params), dict(reversed(values.items())))  # order of the dict does not matter
-    assert [int(a) if not isinstance(a, np.floating) else a for a in args] == list(values.values())
+    assert [a if isinstance(a, (bytes, np.floating)) else int(a) for a in args] == list(values.values())
     for (ctype, _), arg in zip(p.params, args):
         expected = np.uint64 if "*" in ctype else runtime.C_SCALARS[ctype]
         assert type(arg) is expected, (ctype, type(arg))

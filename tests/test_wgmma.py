@@ -111,7 +111,7 @@ def test_pingpong_needs_sm_90a_and_two_warpgroups():
 def test_pingpong_renders_the_turn_taking_and_late_refill():
     on = render(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
     off = render(fagen.parse_spec(hopper(pipeline={"stages": 3})))
-    assert "named_barrier_sync(my_turn, THREADS);" in on and "named_barrier" not in off
+    assert "named_barrier_sync(my_turn, CONSUMER_THREADS);" in on and "named_barrier" not in off
     assert "constexpr int WARPGROUPS = 2;" in on and "WARPGROUPS" not in off
     # the refill: after the release with ping-pong, under the MMAs without it
     assert on.index("kv.release(j);") < on.index("kv.issue(j + KV_STAGES - 1, mask);")
@@ -119,9 +119,10 @@ def test_pingpong_renders_the_turn_taking_and_late_refill():
     assert plan(fagen.parse_spec(hopper(pipeline={"pingpong": True}))).pingpong
 
 
-def test_tuner_keeps_the_base_pingpong():
+def test_tuner_searches_pingpong_and_the_producer_on_hopper():
     specs, _ = candidates(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
-    assert specs and all(s.pipeline.pingpong and s.tiling.warps_q == 8 for s in specs)
+    assert {(s.pipeline.pingpong, s.warp_specialized) for s in specs} == {(a, b) for a in (False, True) for b in (False, True)}
+    assert all(s.tiling.warps_q == 8 for s in specs if s.pipeline.pingpong or s.warp_specialized)
 
 
 @pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_f16_d128_h200"), ("h100", "attn_f16_d128_h200"),

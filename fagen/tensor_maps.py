@@ -1,0 +1,96 @@
+"""TMA tensor maps: how the warp-specialised sm_90a kernels' producer finds Q, K and V.
+
+A tensor map (the driver's CUtensorMap, 128 opaque bytes) describes a tensor in global memory
+and the box one TMA instruction copies out of it. The kernel takes one map per input by value
+(templates/sm90/tma.cu.j2); this module builds them on the host through the CUDA driver's
+cuTensorMapEncodeTiled, called with ctypes (CuPy does not wrap it, and the driver library is
+loaded whenever CuPy is). `layout` is pure and CPU-tested; `encode` needs the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+import numpy as np
+
+MAP_BYTES, MAP_ALIGN = 128, 64  # sizeof and alignof(CUtensorMap)
+ELEMENT_BYTES = 2
+BOX_COLUMNS = 64  # one 128-byte swizzle atom's width: a box is one column block of a tile
+MAX_BOX_ROWS = 256
+GLOBAL_STRIDE_ALIGN = 16  # bytes
+MAX_GLOBAL_STRIDE = 1 << 40  # bytes, exclusive
+# The driver's enums (cuda.h)
+DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+INTERLEAVE_NONE = 0
+SWIZZLE_128B = 3  # the layout wgmma's descriptors read (DESC_SWIZZLE_128B)
+L2_PROMOTION_128B = 2
+OOB_FILL_ZEROS = 0  # rows past the tensor's end load as zeros, as cp.async's zero-fill did
+CUDA_SUCCESS = 0
+
+
+@dataclass(frozen=True)
+class MapLayout:
+    """What cuTensorMapEncodeTiled takes, innermost dimension first: a [B, H, N, d] tensor is
+    dims (d, N, H, B), strides in bytes for the outer three, and a box of (64, rows, 1, 1)."""
+
+    dims: tuple[int, int, int, int]
+    strides: tuple[int, int, int]
+    box: tuple[int, int, int, int]
+
+
+@lru_cache(maxsize=256)
+def layout(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, what: str) -> MapLayout:
+    """The map of a [B, H, N, d] tensor (strides in elements, the last 1) whose boxes are `rows`
+    rows of one 64-column block. A dimension of size 1 is never stepped along, so its stride is
+    replaced by a valid one; any other must be a positive multiple of 16 bytes under 2^40."""
+    b, h, n, d = shape
+    if strides[-1] != 1 or d % BOX_COLUMNS:
+        raise ValueError(f"{what}: shape {tuple(shape)}, strides {tuple(strides)}: TMA reads rows of head_dim "
+                         f"(a multiple of {BOX_COLUMNS}) at unit stride; pass a contiguous copy")
+    if not 1 <= rows <= MAX_BOX_ROWS:
+        raise ValueError(f"{what}: a TMA box of {rows} rows; boxes hold 1..{MAX_BOX_ROWS}")
+    natural = ELEMENT_BYTES * d  # a row's bytes: the stride a size-1 dimension gets
+    byte_strides = []
+    for size, stride, name in ((n, strides[2], "sequence"), (h, strides[1], "head"), (b, strides[0], "batch")):
+        step = ELEMENT_BYTES * stride if size > 1 else natural
+        if step <= 0 or step % GLOBAL_STRIDE_ALIGN or step >= MAX_GLOBAL_STRIDE:
+            raise ValueError(
+                f"{what}: {name} stride {stride} elements ({step} bytes): a TMA tensor map needs a positive "
+                f"multiple of {GLOBAL_STRIDE_ALIGN} bytes under 2^40 (a broadcast, stride-0 dimension has none); "
+                f"pass a contiguous copy ({what}.contiguous() / cupy.ascontiguousarray)")
+        byte_strides.append(step)
+        natural = step * size
+    return MapLayout(dims=(d, n, h, b), strides=tuple(byte_strides), box=(BOX_COLUMNS, rows, 1, 1))
+
+
+@cache
+def _encoder():
+    """cuTensorMapEncodeTiled from the driver library CuPy has loaded."""
+    function = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    u32, u64 = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64, u64, u32, u32,
+                         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return function
+
+
+# Encoding costs a few microseconds of host time a map; a training or serving loop passes the same
+# few addresses (PyTorch's caching allocator hands blocks back) and shapes again and again.
+@lru_cache(maxsize=1024)
+def encode(address: int, dtype: str, mapping: MapLayout) -> bytes:
+    """The 128 bytes of the tensor map of `mapping` over the tensor at `address`."""
+    storage = np.zeros(MAP_BYTES + MAP_ALIGN, np.uint8)  # the driver writes to a 64-byte-aligned map
+    start = -storage.ctypes.data % MAP_ALIGN
+    out = storage[start:start + MAP_BYTES]
+    dims = (ctypes.c_uint64 * 4)(*mapping.dims)
+    strides = (ctypes.c_uint64 * 3)(*mapping.strides)
+    box = (ctypes.c_uint32 * 4)(*mapping.box)
+    unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)  # every element of the box, no stepping
+    status = _encoder()(out.ctypes.data, DATA_TYPE[dtype], 4, address, dims, strides, box, unit, INTERLEAVE_NONE,
+                        SWIZZLE_128B, L2_PROMOTION_128B, OOB_FILL_ZEROS)
+    if status != CUDA_SUCCESS:
+        raise ValueError(f"cuTensorMapEncodeTiled refused a {dtype} tensor at {address:#x} with dims {mapping.dims}, "
+                         f"byte strides {mapping.strides}, box {mapping.box} (CUresult {status})")
+    return out.tobytes()

@@ -1,0 +1,209 @@
+"""The warp-specialised sm_90a forward (pipeline.warp_specialized): its spec rules, its plan
+numbers (threads, the column-block tile layout TMA writes, the tensor-map parameters), what the
+render emits, the tensor maps' layout, and the launch buffer that carries them. The kernels
+themselves: tests/test_nvcc.py compiles the shipped ones, tests/test_gpu.py runs them."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+import fagen
+from fagen import runtime, tensor_maps
+from fagen.load import SPECS
+from fagen.plan import TMA_MAP, plan
+from fagen.spec import Mask, ScoreMod
+from fagen.render import render
+from fagen.variants import partial_variant, sequence_variant, variant
+from tests.conftest import rejected
+
+WS = {"producer_registers": 24, "consumer_registers": 240}
+
+
+def ws_spec(**overrides) -> dict:
+    data = dict(name="probe", dtype="float16", head_dim=128, arch="sm_90a", smem_layout="swizzled",
+                tiling={"block_q": 128, "block_kv": 128, "warps_q": 8},
+                pipeline={"kv_smem": "separate", "stages": 2, "pingpong": True, "warp_specialized": dict(WS)})
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    return data
+
+
+# ---- spec rules ----------------------------------------------------------------------------
+
+
+def test_needs_sm90a():
+    msg = rejected(ws_spec(arch="sm_90", smem_layout="swizzled", pipeline={"pingpong": False}))
+    assert "pipeline.warp_specialized" in msg and "sm_90a" in msg and "remove it" in msg
+
+
+def test_needs_padded_sequences():
+    msg = rejected(ws_spec(sequences={"q": "varlen", "kv": "varlen"}))
+    assert "pipeline.warp_specialized" in msg and "padded" in msg and "varlen" in msg
+
+
+def test_needs_two_consumer_warpgroups():
+    msg = rejected(ws_spec(tiling={"block_q": 64, "warps_q": 4}, pipeline={"pingpong": False}))
+    assert "warps_q 4" in msg and "warps_q: 8" in msg
+
+
+@pytest.mark.parametrize("value", [20, 244, 264, 23])
+def test_setmaxnreg_operands(value):
+    msg = rejected(ws_spec(pipeline={"warp_specialized": {**WS, "consumer_registers": value}}))
+    assert "pipeline.warp_specialized.consumer_registers" in msg and "multiple of 8" in msg
+
+
+def test_the_register_split_fits_the_sm():
+    # 128 x (56 + 2 x 240) = 68,608 > 65,536
+    msg = rejected(ws_spec(pipeline={"warp_specialized": {"producer_registers": 56, "consumer_registers": 240}}))
+    assert "68608" in msg and "65536" in msg and "consumer_registers <= 224" in msg
+
+
+def test_the_producer_takes_fewer_registers():
+    msg = rejected(ws_spec(pipeline={"warp_specialized": {"producer_registers": 128, "consumer_registers": 128}}))
+    assert "producer_registers" in msg and "below consumer_registers" in msg
+
+
+def test_consumer_registers_bound_the_tile():
+    """The consumers' estimate (accumulators + a fixed rest) against consumer_registers, not 255."""
+    msg = rejected(ws_spec(tiling={"block_kv": 176}, pipeline={"warp_specialized": {**WS, "consumer_registers": 200}}))
+    assert "over the 200 limit (consumer_registers)" in msg and "more consumer_registers" in msg
+    assert fagen.parse_spec(ws_spec(tiling={"block_kv": 176}))  # 240 holds S, P and O of 176 keys
+
+
+# ---- plan ----------------------------------------------------------------------------------
+
+
+def test_threads_are_the_consumers_and_a_producer_warpgroup():
+    p = plan(fagen.parse_spec(ws_spec()))
+    assert (p.threads, p.consumer_threads, p.warpgroups) == (384, 256, 2)
+    assert (p.producer_registers, p.consumer_registers) == (24, 240)
+
+
+@pytest.mark.parametrize(("head_dim", "block_kv"), [(64, 128), (128, 176), (256, 80)])
+def test_tiles_are_column_blocks(head_dim, block_kv):
+    """A TMA box writes one 64-column block of every row of a tile (128 bytes a row): 8 rows of
+    it are an atom, and a tile's blocks are its rows x 128 bytes apart, Q's and K's each."""
+    p = plan(fagen.parse_spec(ws_spec(head_dim=head_dim, tiling={"block_kv": block_kv})))
+    assert p.row_group_bytes == 8 * 128 == p.atom_bytes
+    assert (p.q_atom_step_bytes, p.k_atom_step_bytes, p.v_lead_bytes) == (128 * 128, block_kv * 128, block_kv * 128)
+    assert p.warpgroup_q_bytes == 64 * 128 and p.v_step_bytes == 16 * 128
+    assert p.kv_tile_bytes == block_kv * head_dim * 2 and p.kv_tile_bytes % 1024 == 0  # TMA's 128-byte swizzle: 1 KB aligned
+
+
+def cp_async_spec():
+    return fagen.parse_spec(ws_spec(head_dim=64, pipeline={"warp_specialized": None}))
+
+
+def test_the_cp_async_kernel_keeps_row_groups():
+    p = plan(cp_async_spec())
+    assert not p.warp_specialized and p.tma_params == ()
+    assert p.row_group_bytes == 1024 * (64 // 64) and p.q_atom_step_bytes == p.k_atom_step_bytes == 1024
+
+
+def test_tensor_maps_are_the_last_parameters():
+    p = plan(fagen.parse_spec(ws_spec(mask="causal", score_mod={"softcap": 30.0})))
+    assert p.params[-3:] == ((TMA_MAP, "q_map"), (TMA_MAP, "k_map"), (TMA_MAP, "v_map"))
+
+
+# ---- render --------------------------------------------------------------------------------
+
+
+def test_render_emits_the_producer_and_no_thread_copies():
+    text = render(fagen.parse_spec(ws_spec()))
+    assert "cp.async.bulk.tensor.4d" in text and "setmaxnreg.dec.sync.aligned.u32" in text
+    assert "setmaxnreg.inc.sync.aligned.u32" in text and "mbarrier.arrive.expect_tx" in text
+    assert "cp.async.cg" not in text and "copy_tile_async" not in text
+    assert "const __grid_constant__ TmaMap q_map" in text
+
+
+def test_the_cp_async_kernel_has_no_producer():
+    text = render(cp_async_spec())
+    assert "setmaxnreg" not in text and "cp.async.bulk.tensor" not in text and "TmaMap" not in text
+
+
+# ---- variants ------------------------------------------------------------------------------
+
+
+def test_variants_keep_the_producer_where_it_applies():
+    base = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
+    assert base.warp_specialized
+    assert variant(base, Mask(kind="sliding_window", window_left=256), ScoreMod(softcap=30.0)).warp_specialized
+    assert partial_variant(base).warp_specialized
+    paged = sequence_variant(base, "varlen", "paged")  # tensor maps describe padded tensors
+    assert not paged.warp_specialized and plan(paged).threads == 256
+
+
+# ---- tensor maps ---------------------------------------------------------------------------
+
+
+def test_map_layout_innermost_first_in_bytes():
+    m = tensor_maps.layout((2, 16, 4096, 128), (16 * 4096 * 128, 4096 * 128, 128, 1), 176, "k")
+    assert m.dims == (128, 4096, 16, 2) and m.strides == (256, 4096 * 256, 16 * 4096 * 256)
+    assert m.box == (64, 176, 1, 1)
+
+
+def test_map_layout_of_a_token_major_tensor():
+    """[B, N, H, d] storage seen as [B, H, N, d] (transposed strides): heads 256 bytes apart."""
+    m = tensor_maps.layout((3, 8, 1000, 64), (1000 * 8 * 64, 64, 8 * 64, 1), 128, "q")
+    assert m.strides == (8 * 64 * 2, 64 * 2, 1000 * 8 * 64 * 2)
+
+
+def test_map_layout_size_one_dimensions_get_a_valid_stride():
+    m = tensor_maps.layout((1, 1, 77, 128), (0, 5, 128, 1), 128, "q")  # strides of size-1 dims are never used
+    assert m.strides == (256, 77 * 256, 77 * 256)
+
+
+@pytest.mark.parametrize(("strides", "says"), [((8 * 64 * 128, 0, 128, 1), "head stride 0"),
+                                               ((8 * 64 * 128, 64 * 128, 132, 1), "sequence stride 132")])
+def test_map_layout_refuses_strides_tma_cannot_take(strides, says):
+    with pytest.raises(ValueError) as info:
+        tensor_maps.layout((2, 8, 64, 128), strides, 128, "k")
+    assert says in str(info.value) and "multiple of 16 bytes" in str(info.value) and "contiguous" in str(info.value)
+
+
+def test_map_layout_refuses_a_box_past_256_rows():
+    with pytest.raises(ValueError, match="1..256"):
+        tensor_maps.layout((1, 1, 512, 64), (512 * 64, 512 * 64, 64, 1), 320, "q")
+
+
+# ---- the launch buffer ---------------------------------------------------------------------
+
+
+def test_a_tensor_map_takes_16_slots():
+    params = (("const elem_t* __restrict__", "q"), ("int", "n"), (TMA_MAP, "q_map"), ("float", "scale"))
+    offsets, total = runtime.slot_offsets(params)
+    assert offsets == (0, 1, 2, 18) and total == 19
+    assert struct.calcsize(runtime.slot_format(params)) == 8 * total
+
+
+def test_repointing_a_mapped_tensor_encodes_its_map_anew(monkeypatch):
+    from types import SimpleNamespace
+
+    launched = []
+    fake = SimpleNamespace(cuda=SimpleNamespace(driver=SimpleNamespace(launchKernel=lambda *a: launched.append(a))))
+    monkeypatch.setattr(runtime, "cupy", fake)
+    monkeypatch.setattr(tensor_maps, "encode", lambda address, dtype, layout: address.to_bytes(8, "little") * 16)
+    params = (("const elem_t* __restrict__", "q"), ("float* __restrict__", "o"), (TMA_MAP, "q_map"))
+    layout = tensor_maps.layout((1, 1, 64, 64), (4096, 4096, 64, 1), 64, "q")
+    launch = runtime.Launch(SimpleNamespace(ptr=1), (1, 1, 1), 384, 0, params,
+                            dict(q=16, o=32, q_map=tensor_maps.encode(16, "float16", layout)), slots=("q", "o"),
+                            maps=(runtime.MapSlot(2, 0, "float16", layout),))
+    assert launch.values[2:18].tolist() == [16] * 16
+    launch(0, 4096, 8192)
+    assert launch.values[:2].tolist() == [4096, 8192] and launch.values[2:18].tolist() == [4096] * 16
+    # the driver reads each parameter from its first slot
+    pointers = launch._pointers.tolist()
+    assert pointers[2] - pointers[0] == 16 and len(launched) == 1
+
+
+def test_the_backward_keeps_its_own_tile_layout():
+    """The backward's kernels copy with cp.async into row groups whatever the forward's producer."""
+    from fagen.backward_plan import backward_plan
+    from fagen.variants import trainable
+
+    ws = trainable(fagen.parse_spec(ws_spec()))
+    threads = trainable(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": None})))
+    assert backward_plan(ws).dkdv == backward_plan(threads).dkdv
+    assert backward_plan(ws).dkdv.row_group_bytes == 2 * 1024  # 8 rows of two atoms side by side
