@@ -108,25 +108,30 @@ SLOT_FORMATS = {"int": "i4x", "long long": "q", "float": "f4x", "unsigned": "I4x
 SLOT_BYTES = 8
 
 
+def _slot_code(ctype: str) -> str:
+    return "Q" if "*" in ctype else SLOT_FORMATS[ctype]
+
+
 @cache
 def slot_format(params: tuple[tuple[str, str], ...]) -> str:
     """The struct format packing `params` ((C type, name), signature order) into 8-byte slots:
     pointers as 64-bit addresses."""
-    return "<" + "".join("Q" if "*" in ctype else SLOT_FORMATS[ctype] for ctype, _ in params)
+    return "<" + "".join(_slot_code(ctype) for ctype, _ in params)
 
 
 @cache
 def slot_offsets(params: tuple[tuple[str, str], ...]) -> tuple[tuple[int, ...], int]:
     """Each parameter's first slot in the buffer, and the slots in all."""
-    sizes = [struct.calcsize("<" + ("Q" if "*" in ctype else SLOT_FORMATS[ctype])) // SLOT_BYTES for ctype, _ in params]
+    sizes = [struct.calcsize("<" + _slot_code(ctype)) // SLOT_BYTES for ctype, _ in params]
     return tuple(int(x) for x in np.cumsum([0, *sizes[:-1]])), sum(sizes)
 
 
 @dataclass(frozen=True)
-class MapSlot:
-    """A tensor-map parameter a prepared call re-encodes when it re-points the tensor it maps."""
-    slot: int  # the map's first slot in the Launch's buffer
-    address: int  # index of the mapped tensor's address among the Launch's re-pointable slots
+class TensorMap:
+    """A tensor-map parameter (`param`) of the tensor whose address parameter is `tensor`: the
+    Launch encodes it at packing, and anew when a prepared call re-points that tensor."""
+    param: str
+    tensor: str
     dtype: str
     layout: tensor_maps.MapLayout
 
@@ -142,8 +147,9 @@ class Launch:
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
-                 maps: tuple[MapSlot, ...] = ()):
+                 maps: tuple[TensorMap, ...] = ()):
         names = [name for _, name in params]
+        values = {**values, **{m.param: tensor_maps.encode(values[m.tensor], m.dtype, m.layout) for m in maps}}
         missing = [name for name in names if name not in values]
         if missing:
             raise ValueError(f"no value for kernel parameter(s) {missing}")
@@ -156,7 +162,8 @@ class Launch:
         self._pointers = self.values.ctypes.data + SLOT_BYTES * np.array(offsets, dtype=np.uint64)
         self.params = self._pointers.ctypes.data
         self.slots = tuple(offsets[names.index(name)] for name in slots)
-        self.maps = maps
+        # (first slot, index of the mapped tensor among `slots`, dtype, layout): what a re-point re-encodes
+        self.maps = tuple((offsets[names.index(m.param)], slots.index(m.tensor), m.dtype, m.layout) for m in maps)
         # the usual case, slots the first parameters in order: one struct store re-points them all
         first = self.slots == tuple(range(len(self.slots)))
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
@@ -170,10 +177,10 @@ class Launch:
         else:
             for index, address in zip(self.slots, addresses):
                 values[index] = address
-        for m in self.maps:  # TMA reads the tensor's address from its map: encode it anew
-            if m.address < len(addresses):
-                struct.pack_into(SLOT_FORMATS[TMA_MAP], values, SLOT_BYTES * m.slot,
-                                 tensor_maps.encode(addresses[m.address], m.dtype, m.layout))
+        for slot, tensor, dtype, layout in self.maps:  # TMA reads the tensor's address from its map
+            if tensor < len(addresses):
+                struct.pack_into(SLOT_FORMATS[TMA_MAP], values, SLOT_BYTES * slot,
+                                 tensor_maps.encode(addresses[tensor], dtype, layout))
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         gx, gy, gz = self.grid
@@ -324,18 +331,11 @@ class Kernel:
                       scale_log2=scale * LOG2E, **extras)
         for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
             values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-        slots, maps = ("q", "k", "v", "o", "lse"), ()
-        if self.plan.warp_specialized:  # the producer's TMA boxes: a Q tile's rows, a KV tile's
-            offsets, _ = slot_offsets(self.plan.params)
-            names = [name for _, name in self.plan.params]
-            maps = tuple(MapSlot(offsets[names.index(f"{name}_map")], slots.index(name), self.spec.dtype,
-                                 tensor_maps.layout(t.shape, t.strides, rows, name))
-                         for t, name, rows in ((tq, "q", self.plan.block_q), (tk, "k", self.plan.block_kv),
-                                               (tv, "v", self.plan.block_kv)))
-            values.update({f"{name}_map": tensor_maps.encode(t.ptr, self.spec.dtype, m.layout)
-                           for t, name, m in zip((tq, tk, tv), "qkv", maps)})
+        maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(t.shape, t.strides, rows, name))
+                     for t, name, rows in ((tq, "q", self.plan.block_q), (tk, "k", self.plan.block_kv),
+                                           (tv, "v", self.plan.block_kv))) if self.plan.warp_specialized else ()
         return Launch(self.function, self.grid(b, hq, tk.shape[1], nq, splits), self.plan.threads,
-                      self.plan.smem_bytes, self.plan.params, values, slots=slots, maps=maps)
+                      self.plan.smem_bytes, self.plan.params, values, slots=("q", "k", "v", "o", "lse"), maps=maps)
 
     def grid(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
         """x: a block per (batch, query head), or per (batch, KV head) where the group's heads are

@@ -187,9 +187,8 @@ def test_repointing_a_mapped_tensor_encodes_its_map_anew(monkeypatch):
     monkeypatch.setattr(tensor_maps, "encode", lambda address, dtype, layout: address.to_bytes(8, "little") * 16)
     params = (("const elem_t* __restrict__", "q"), ("float* __restrict__", "o"), (TMA_MAP, "q_map"))
     layout = tensor_maps.layout((1, 1, 64, 64), (4096, 4096, 64, 1), 64, "q")
-    launch = runtime.Launch(SimpleNamespace(ptr=1), (1, 1, 1), 384, 0, params,
-                            dict(q=16, o=32, q_map=tensor_maps.encode(16, "float16", layout)), slots=("q", "o"),
-                            maps=(runtime.MapSlot(2, 0, "float16", layout),))
+    launch = runtime.Launch(SimpleNamespace(ptr=1), (1, 1, 1), 384, 0, params, dict(q=16, o=32), slots=("q", "o"),
+                            maps=(runtime.TensorMap("q_map", "q", "float16", layout),))
     assert launch.values[2:18].tolist() == [16] * 16
     launch(0, 4096, 8192)
     assert launch.values[:2].tolist() == [4096, 8192] and launch.values[2:18].tolist() == [4096] * 16
