@@ -165,21 +165,22 @@ class _NoBar:
 
 
 def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool = False, serving_only: bool = False,
-         report: tuple[Part, Part] | None = None, progressbar=None) -> list[str]:
+         forward_only: bool = False, report: tuple[Part, Part] | None = None, progressbar=None) -> list[str]:
     """`fagen bench` once its arguments are parsed: run the cases (or take `report`, the
     (forward, backward) halves of an earlier run, from load_report) and write the report;
     the lines to print. Runs the forward sweep (cases(quick)) unless backward_only, and the
     backward cases (fagen.bench_backward.cases) in the full run or with backward_only (with
     quick: its small subset), and the serving cases (fagen.bench_serving) likewise with
-    serving_only. A part not run this time is kept from its JSON in `out`.
+    serving_only; forward_only runs the forward sweep alone. A part not run this time is kept
+    from its JSON in `out`.
     progressbar(length, label): a context manager whose update(1, case) follows each case."""
     lines: list[str] = []
     if report is not None:
         forward, backward = report
     else:
         forward_cases = [] if backward_only or serving_only else cases(quick)
-        backward_cases = bench_backward.cases(quick) if backward_only or not (quick or serving_only) else []
-        serving_cases = bench_serving.cases(quick) if serving_only or not (quick or backward_only) else []
+        backward_cases = bench_backward.cases(quick) if backward_only or not (quick or serving_only or forward_only) else []
+        serving_cases = bench_serving.cases(quick) if serving_only or not (quick or backward_only or forward_only) else []
         env = environment_meta()
         mode = "quick" if quick else "full"
         forward = backward = serving = None

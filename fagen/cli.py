@@ -288,8 +288,15 @@ def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: 
     if not (results and results[0].ms):
         raise click.ClickException(f"no candidate of {base.name} passed the oracle check and ran; nothing written "
                                    f"(errors above)")
+    notes = ()
+    if not backward and results[0].spec.warp_specialized:  # a choice over short and long sequences
+        click.echo("choosing the tile scheduler over sequence lengths " + ", ".join(map(str, tune.SCHEDULER_LENGTHS)))
+        choice = tune.choose_scheduler(results[0].spec)
+        results[0].spec, notes = choice.spec, (choice.summary(),)
+        click.echo(choice.summary())
     try:
-        path = tune.write_tuned(results[0], base, shape, Path(out_dir), device.gpu_slug(), backward=backward)
+        path = tune.write_tuned(results[0], base, shape, Path(out_dir), device.gpu_slug(), backward=backward,
+                                notes=notes)
     except OSError as err:
         raise click.ClickException(f"cannot write the tuned spec to {out_dir} ({err.strerror}); the best was "
                                    f"{results[0].spec.name}") from None
@@ -417,22 +424,24 @@ def mask_show_cmd(kind, length, block, window, docs, prefix, chunk, out_path) ->
               "the full run includes it); the forward tables are kept from OUT/bench.json")
 @click.option("--serving", is_flag=True, help="the serving cases only (decode against SDPA, paged against contiguous, "
               "varlen against padded; the full run includes them); the other tables are kept from OUT")
+@click.option("--forward", is_flag=True, help="the forward sweep only (the backward and serving tables kept from -o's JSON)")
 @click.option("-o", "--out", "out_dir", type=click.Path(file_okay=False), default="bench", show_default=True,
               help="where bench.json, bench_backward.json, bench_serving.json, their CSVs and the plots go")
 @click.option("--markdown", "md_path", default="BENCHMARKS.md", show_default=True, help="the table to regenerate")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="redraw plots and the table from an earlier run's bench.json or bench_backward.json (and the "
                    "other beside it), no GPU")
-def bench_cmd(quick: bool, backward: bool, serving: bool, out_dir: str, md_path: str, from_json: str | None) -> None:
+def bench_cmd(quick: bool, backward: bool, serving: bool, forward: bool, out_dir: str, md_path: str,
+              from_json: str | None) -> None:
     """Check, then time fagen beside SDPA (FlashAttention-2, cuDNN) and FlexAttention: the forward
-    sweep, the backward cases and the serving cases (--backward, --serving: those alone)."""
+    sweep, the backward cases and the serving cases (--forward, --backward, --serving: that alone)."""
     from fagen import bench
 
     out, md = Path(out_dir), Path(md_path)
     report = None
     if from_json:
-        if quick or backward or serving:
-            picked = "--quick" if quick else "--backward" if backward else "--serving"
+        if quick or backward or serving or forward:
+            picked = "--quick" if quick else "--backward" if backward else "--serving" if serving else "--forward"
             raise click.UsageError(f"{picked} picks cases to run; --from-json runs none: leave one out")
         try:
             report = bench.load_report(Path(from_json))
@@ -449,10 +458,11 @@ def bench_cmd(quick: bool, backward: bool, serving: bool, out_dir: str, md_path:
         return click.progressbar(length=length, label=label, show_pos=True, item_show_func=lambda c: c.key if c else "")
 
     try:
-        if backward and serving:
-            raise click.UsageError("--backward and --serving each run their cases alone: pick one, or neither for all")
-        lines = bench.main(out, md, quick=quick, backward_only=backward, serving_only=serving, report=report,
-                           progressbar=progressbar)
+        if forward + backward + serving > 1:
+            raise click.UsageError("--forward, --backward and --serving each run their cases alone: pick one, or none "
+                                   "for all")
+        lines = bench.main(out, md, quick=quick, backward_only=backward, serving_only=serving, forward_only=forward,
+                           report=report, progressbar=progressbar)
     except OSError as err:
         if err.filename is None:
             raise

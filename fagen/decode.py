@@ -12,12 +12,11 @@ Three things make it memory-bound rather than launch-bound (fagen.variants.decod
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import numpy as np
 
 from fagen import variants
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, stream_for
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for
 from fagen.runtime import Kernel, compile_kernel, derive_spec
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
@@ -33,11 +32,6 @@ def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
     return max(1, min(slots // blocks, kv_tiles // MIN_TILES_PER_SPLIT))
 
 
-@cache
-def multiprocessors(device: int) -> int:
-    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
-
-
 def slots(kernel: Kernel) -> int:
     """Blocks of `kernel` the GPU runs at once (SMs x the occupancy CUDA reports)."""
     return multiprocessors(cupy.cuda.Device().id) * kernel.blocks_per_sm
@@ -45,7 +39,7 @@ def slots(kernel: Kernel) -> int:
 
 def default_splits(kernel: Kernel, b: int, hq: int, hkv: int, nq: int, nk: int) -> int:
     """choose_splits for this kernel's grid and this GPU."""
-    blocks = math.prod(kernel.grid(b, hq, hkv, nq, 1))
+    blocks = math.prod(kernel.tiles(b, hq, hkv, nq, 1))
     return choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
 
 

@@ -124,3 +124,9 @@ def _gpu_slug(device: int) -> str:  # reading the properties costs a millisecond
     name = cupy.cuda.runtime.getDeviceProperties(device)["name"].decode()
     words = [w for w in name.lower().replace("nvidia", "").split() if w]
     return "".join(c for c in (words[0] if words else "gpu") if c.isalnum())
+
+
+@cache
+def multiprocessors(device: int) -> int:
+    """The SMs of GPU `device` (a persistent kernel's grid, split-KV's fill target)."""
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)

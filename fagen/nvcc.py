@@ -21,6 +21,9 @@ from fagen.variants import shipped_spec, variant
 _USAGE = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")
+# ptxas's C7520: it fenced wgmma's registers somewhere it could not prove the warpgroup converged,
+# and so waits for every wgmma before the next (no MMA overlaps another): a slow kernel, not a wrong one
+_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized.*? in the function '(\w+)'")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Resources:
     spill_loads: int
     static_smem: int
     log: str
+    wgmma_serialized: bool = False  # ptxas serialised the kernel's wgmmas (C7520)
 
 
 MMA_SYNC_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # oldest first
@@ -91,11 +95,7 @@ def compile_offline(spec: AttentionSpec, arch: str) -> Resources:
     log = run.stdout + run.stderr
     if run.returncode:
         raise RuntimeError(f"nvcc failed on {spec.name} for {arch}:\n{log}")
-    usage, frame, smem = _USAGE.search(log), _FRAME.search(log), _SMEM.search(log)
-    if not (usage and frame):
-        raise RuntimeError(f"could not read ptxas -v output for {spec.name}:\n{log}")
-    return Resources(arch, int(usage[1]), int(frame[1]), int(frame[2]), int(frame[3]),
-                     int(smem[1]) if smem else 0, log)
+    return _resources(arch, log, plan(spec).symbol, log)
 
 
 def backward_arch(spec: AttentionSpec) -> str:
@@ -118,7 +118,7 @@ def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, 
     if run.returncode:
         raise RuntimeError(f"nvcc failed on {spec.name}'s backward for {arch}:\n{log}")
     entries = _parse_entries(log)
-    return {name: _resources(arch, entries[symbol][1], symbol) for name, symbol in kernel_symbols(plan_).items()}
+    return {name: _resources(arch, entries[symbol][1], symbol, log) for name, symbol in kernel_symbols(plan_).items()}
 
 
 def compile_backward_many(builds: list[tuple[AttentionSpec, str | None]], jobs: int | None = None
@@ -160,12 +160,14 @@ def _parse_entries(log: str) -> dict[str, tuple[str, str]]:
             for i, m in enumerate(marks)}
 
 
-def _resources(arch: str, log: str, what: str) -> Resources:
+def _resources(arch: str, log: str, symbol: str, whole_log: str) -> Resources:
+    """Kernel `symbol`'s resources from its lines of ptxas -v (`log`); whole_log: the run's, where
+    ptxas names the function it serialised before the function's own lines."""
     usage, frame, smem = _USAGE.search(log), _FRAME.search(log), _SMEM.search(log)
     if not (usage and frame):
-        raise RuntimeError(f"could not read ptxas -v output for {what}:\n{log}")
+        raise RuntimeError(f"could not read ptxas -v output for {symbol}:\n{log}")
     return Resources(arch, int(usage[1]), int(frame[1]), int(frame[2]), int(frame[3]),
-                     int(smem[1]) if smem else 0, log)
+                     int(smem[1]) if smem else 0, log, symbol in _SERIALIZED.findall(whole_log))
 
 
 def _compile_bundle(bodies: list[str], arch: str) -> tuple[int, str, list[str]]:
@@ -216,7 +218,7 @@ def compile_many(builds: list[tuple[AttentionSpec, str]], jobs: int | None = Non
                 return {k: v for body in bodies for k, v in run((arch, [body])).items()}
             raise RuntimeError(f"nvcc failed for {arch}:\n{log}\n--- source ---\n{bodies[0]}")
         entries = _parse_entries(log)
-        return {(arch, body): _resources(arch, entries.get(sym, ("", log))[1], sym)
+        return {(arch, body): _resources(arch, entries.get(sym, ("", log))[1], sym, log)
                 for body, sym in zip(bodies, symbols)}
 
     found: dict[tuple[str, str], Resources] = {}

@@ -157,12 +157,19 @@ class KernelPlan:
     producer_registers: int  # setmaxnreg targets (0: not warp-specialised)
     consumer_registers: int
     tma_params: tuple[tuple[str, str], ...]  # the tensor maps of q, k and v
+    # the tile scheduler (warp-specialised kernels): a block walks tiles of the launch's tile grid
+    # (scheduler_params), one per block or, persistent, one block per SM over all of them
+    scheduler_params: tuple[tuple[str, str], ...]
+    persistent: bool
+    # O goes through the Q tile to 16-byte row stores; not where the Q tile is refilled for the
+    # next tile (persistent), nor for f32 partials: those store straight from registers
+    output_staged: bool
 
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
         """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
         return (self.mask_params + self.score_params + self.sink_params + self.split_params + self.sequence_params
-                + self.tma_params)
+                + self.scheduler_params + self.tma_params)
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -192,6 +199,9 @@ INT_PTR = "const int* __restrict__"
 # A TMA tensor map (CUtensorMap, 128 opaque bytes the host encodes) passed by value: TMA reads it
 # from the kernel's parameter space, where __grid_constant__ keeps it
 TMA_MAP = "const __grid_constant__ TmaMap"
+# The tile grid a warp-specialised kernel's blocks walk (templates/sm90/tile_scheduler.cu.j2):
+# x batch * heads, y query tiles, z KV splits, as the grid of a block-a-tile launch
+SCHEDULER_PARAMS = (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"))
 
 
 def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
@@ -288,8 +298,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     kv_tile = t.block_kv * (d if spec.wgmma else smem_row)
     slots = kv_slots(spec)
     smem_bytes = (q_tile + slots * kv_tile) * ELEMENT_BYTES
-    if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring
-        smem_bytes += 2 * spec.pipeline.stages * MBARRIER_BYTES
+    if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring (and for Q, with a producer)
+        smem_bytes += 2 * (spec.pipeline.stages + spec.warp_specialized) * MBARRIER_BYTES
     limit = SMEM_PER_BLOCK[spec.arch]
     seed_budget = (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * ELEMENT_BYTES
 
@@ -371,6 +381,9 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         producer_registers=ws.producer_registers if ws else 0,
         consumer_registers=ws.consumer_registers if ws else 0,
         tma_params=tuple((TMA_MAP, f"{t}_map") for t in "qkv") if ws else (),
+        scheduler_params=SCHEDULER_PARAMS if ws else (),
+        persistent=bool(ws and ws.persistent),
+        output_staged=not spec.outputs.partial and not (ws and ws.persistent),
         **template_numbers(spec, m_frags, kv_tile),
     )
 

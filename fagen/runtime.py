@@ -334,12 +334,19 @@ class Kernel:
         maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(t.shape, t.strides, rows, name))
                      for t, name, rows in ((tq, "q", self.plan.block_q), (tk, "k", self.plan.block_kv),
                                            (tv, "v", self.plan.block_kv))) if self.plan.warp_specialized else ()
-        return Launch(self.function, self.grid(b, hq, tk.shape[1], nq, splits), self.plan.threads,
-                      self.plan.smem_bytes, self.plan.params, values, slots=("q", "k", "v", "o", "lse"), maps=maps)
+        tiles = self.tiles(b, hq, tk.shape[1], nq, splits)
+        grid = tiles
+        if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
+            values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2])
+            count = math.prod(tiles)
+            grid = (min(count, device.multiprocessors(tq.device)) if self.plan.persistent else count, 1, 1)
+        return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
+                      slots=("q", "k", "v", "o", "lse"), maps=maps)
 
-    def grid(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
-        """x: a block per (batch, query head), or per (batch, KV head) where the group's heads are
-        packed into the tile rows; y: tiles of those rows; z: KV splits."""
+    def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
+        """The launch's tiles: x a block per (batch, query head), or per (batch, KV head) where the
+        group's heads are packed into the tile rows; y: tiles of those rows; z: KV splits. The
+        grid, where a block computes one tile."""
         if self.spec.tiling.pack_gqa:
             return b * hkv, math.ceil(nq * (hq // hkv) / self.plan.block_q), splits
         return b * hq, math.ceil(nq / self.plan.block_q), splits

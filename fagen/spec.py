@@ -107,6 +107,9 @@ class WarpSpecialized(_Frozen):
 
     producer_registers: int = 24
     consumer_registers: int = 240
+    # One block an SM walks the launch's tiles (heaviest first), the producer loading the next
+    # tile's Q and K while the consumers finish this one; unset, a block a tile
+    persistent: bool = False
 
     @field_validator("producer_registers", "consumer_registers")
     @classmethod

@@ -131,6 +131,55 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
     return sorted(results, key=lambda c: (c.ms is None, c.ms or 0.0))
 
 
+# ---- the tile scheduler: a choice over a shape class ---------------------------------------------
+# A persistent kernel (pipeline.warp_specialized.persistent) hides each tile's prologue and
+# epilogue under the last one's work, which short sequences need, but walks its tiles in a fixed
+# order, which long causal ones balance worse than the hardware's own block order. So it is chosen
+# over a class of shapes, not at the sweep's one: the sweep's winner is timed with either scheduler
+# at SCHEDULER_LENGTHS (the bench's shapes: SCHEDULER_TOKENS = B * N, SCHEDULER_HIDDEN = H * d)
+# and the one with the larger geometric mean of TFLOP/s is kept.
+SCHEDULER_TOKENS, SCHEDULER_HIDDEN = 16384, 2048
+SCHEDULER_LENGTHS = (512, 1024, 4096, 16384)
+
+
+@dataclass
+class SchedulerChoice:
+    spec: AttentionSpec  # the winner, with the scheduler chosen
+    grid: tuple[float, ...]  # TFLOP/s at SCHEDULER_LENGTHS, a block a tile
+    persistent: tuple[float, ...]  # ... one block an SM walking the tiles
+
+    def summary(self) -> str:
+        chosen = "persistent" if self.spec.pipeline.warp_specialized.persistent else "a block a tile"
+        rates = ", ".join(f"N={n}: {g:.0f} / {p:.0f}" for n, g, p in zip(SCHEDULER_LENGTHS, self.grid, self.persistent))
+        return (f"scheduler: {chosen} (TFLOP/s a block a tile / persistent, B*N={SCHEDULER_TOKENS}, "
+                f"H*d={SCHEDULER_HIDDEN}: {rates}; geometric means {_geomean(self.grid):.1f} / "
+                f"{_geomean(self.persistent):.1f})")
+
+
+def _geomean(rates: tuple[float, ...]) -> float:
+    return float(np.exp(np.mean(np.log(rates))))
+
+
+def with_scheduler(spec: AttentionSpec, persistent: bool) -> AttentionSpec:
+    """spec (warp-specialised) with a block a tile, or persistent."""
+    data = spec.model_dump(mode="json")
+    data["pipeline"]["warp_specialized"]["persistent"] = persistent
+    return parse_spec(data, spec.name)
+
+
+def choose_scheduler(spec: AttentionSpec, time=time_spec) -> SchedulerChoice:
+    """Time `spec` with either tile scheduler over SCHEDULER_LENGTHS (time(spec, b, h, nq, nk) ->
+    a Timing, checked against the oracle first) and keep the faster by geometric mean."""
+    rates = {}
+    for persistent in (False, True):
+        candidate = with_scheduler(spec, persistent)
+        rates[persistent] = candidate, tuple(
+            time(candidate, max(1, SCHEDULER_TOKENS // n), max(1, SCHEDULER_HIDDEN // spec.head_dim), n, n).tflops
+            for n in SCHEDULER_LENGTHS)
+    best = max((False, True), key=lambda p: _geomean(rates[p][1]))
+    return SchedulerChoice(rates[best][0], rates[False][1], rates[True][1])
+
+
 # The first pass ranks; its leaders are timed again in alternating order, their median kept: a
 # single pass in a fixed order favoured later candidates by 6-11% on the H100 (clocks ramping
 # up), where an interleaved A/B of the same two found 0-3% (notes/perf.md).
@@ -280,9 +329,10 @@ def tuned_name(base: AttentionSpec, slug: str) -> str:
 
 
 def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], out_dir: Path, slug: str,
-                backward: bool = False) -> Path:
-    """Save the winner as `<base name>_<gpu>.yaml` with the measurement in a comment. A backward
-    tuned into an existing file keeps that file's comments (its forward's measurement)."""
+                backward: bool = False, notes: tuple[str, ...] = ()) -> Path:
+    """Save the winner as `<base name>_<gpu>.yaml` with the measurement (and `notes`, e.g. the
+    scheduler's choice) in comments. A backward tuned into an existing file keeps that file's
+    comments (its forward's measurement)."""
     name = tuned_name(base, slug)
     data = best.spec.model_dump(mode="json", exclude_none=True)
     data["name"] = name
@@ -290,7 +340,8 @@ def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], ou
     b, h, nq, nk = shape
     what = "fagen tune --backward" if backward else "fagen tune"
     head = (f"# tuned by `{what}` on {slug}: B={b} H={h} Nq={nq} Nk={nk}: {best.ms:.3f} ms, "
-            f"{best.tflops:.1f} TFLOP/s{' backward alone' if backward else ''} (checked against the oracle first)\n")
+            f"{best.tflops:.1f} TFLOP/s{' backward alone' if backward else ''} (checked against the oracle first)\n"
+            + "".join(f"# {note}\n" for note in notes))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / f"{name}.yaml"
     if backward and path.exists():

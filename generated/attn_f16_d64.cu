@@ -501,10 +501,10 @@ fagen_attn_f16_d64(
 
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
   // the KV loop, they hold no registers.
-  o += b * o_sb + h * o_sh;
-  lse += ((long long)b * heads_q + h) * n_q;
-  o += q0 * o_sn;
+  out_t* o_tile = o + b * o_sb + h * o_sh;
+  float* lse_tile = lse + ((long long)b * heads_q + h) * n_q;
+  o_tile += q0 * o_sn;
   const OutRows at{n_q - q0, o_sn};
-  lse += q0;
-  write_output(o_acc, softmax, smem_q, o, at, lse, warp_row0, lane);
+  lse_tile += q0;
+  write_output(o_acc, softmax, smem_q, o_tile, at, lse_tile, warp_row0, lane);
 }

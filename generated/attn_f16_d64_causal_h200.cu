@@ -22,6 +22,7 @@
 //     stages: 3
 //     warp_specialized:
 //       consumer_registers: 240
+//       persistent: true
 //       producer_registers: 24
 //   score_mod:
 //     alibi: none
@@ -52,7 +53,6 @@ constexpr int O_N_FRAGS = 8;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 4;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 12;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 8;      // 16-byte chunks in a head_dim row
-constexpr int OUT_CHUNKS_PER_WARP = 128;  // 16-byte chunks of a warp's rows of O
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 8192;
 constexpr int KV_TILE_BYTES = 24576;     // one KV tile: the stride between ring slots
@@ -322,27 +322,56 @@ struct Mask {
   }
 };
 
+// ---- tile scheduler ------------------------------------------------------------------------
+// The launch's work is a grid of tiles: tiles_x (batch * heads) by tiles_y (query tiles, heaviest
+// first under causal) by tiles_z (KV splits), numbered x fastest as a grid's blocks are issued.
+// Persistent: one block an SM walks them (tile blockIdx.x, then every gridDim.x-th), so its
+// producer loads the next tile's Q and K while the consumers finish this one. The heaviest tiles
+// go first, to every SM at once, and the light ones fill the tail.
+struct Tile {
+  int x, y, z;
+};
+
+struct TileScheduler {
+  int nx, ny, count;
+  __device__ __forceinline__ TileScheduler(int tiles_x, int tiles_y, int tiles_z)
+      : nx(tiles_x), ny(tiles_y), count(tiles_x * tiles_y * tiles_z) {}
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
+  __device__ __forceinline__ Tile at(int t) const { return Tile{t % nx, t / nx % ny, t / nx / ny}; }
+};
+
 // ---- KV pipeline: a TMA producer ------------------------------------------------------------
-// K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in stage j % KV_STAGES).
-// Load group g carries K_g and V_(g-1) (group 0: Q and K_0), exactly what step g of the main
-// loop consumes: S_g = Q.K_g^T and O += P_(g-1).V_(g-1).
+// K and V each get a ring of KV_STAGES smem tiles. A tile of the scheduler with `tiles` KV tiles
+// is tiles + 1 load groups: group g carries K_g and V_(g-1), exactly what step g of the main loop
+// consumes (S_g = Q.K_g^T and O += P_(g-1).V_(g-1)); the last carries V alone. Groups are
+// numbered on across the block's tiles (`first` is this tile's group 0), and group n uses stage
+// n % KV_STAGES: K_g's slot is its group's, V_g's the one before, so each slot's next load waits
+// for the group that last read it.
 // One thread of the producer warpgroup issues every group as TMA boxes, after arming the stage's
 // `full` mbarrier with the group's bytes; the consumers wait on `full`. Each consumer thread
 // arrives on the stage's `empty` mbarrier when its MMAs are done with the group, and the producer
-// waits for all of them before it refills the stage. So the producer runs up to KV_STAGES groups
-// ahead, and no consumer ever issues a load or waits for another warpgroup.
+// waits for all of them before it refills the stage. Q has its own pair: the consumers free it
+// after their last S = Q.K^T, so the next tile's Q loads under this tile's last P.V and epilogue.
+// Invariant: producer and consumers call begin(tiles) and end() on the same tiles, in order.
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
   unsigned full, empty;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
-  int tiles;
+  unsigned q_full, q_empty;
+  int first = 0;  // this tile's group 0, counted over the block's tiles
+  int tiles = 0;  // this tile's KV tiles
+  int q_loads = 0;  // Q tiles before this one: the phase of Q's barriers
 
   // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
-  __device__ __forceinline__ KvPipeline(unsigned ring, int tiles_)
+  __device__ __forceinline__ explicit KvPipeline(unsigned ring)
       : k_ring(ring), v_ring(ring + KV_RING_BYTES), full(v_ring + KV_RING_BYTES),
-        empty(full + KV_STAGES * MBARRIER_BYTES), tiles(tiles_) {}
+        empty(full + KV_STAGES * MBARRIER_BYTES), q_full(empty + KV_STAGES * MBARRIER_BYTES),
+        q_empty(q_full + MBARRIER_BYTES) {}
 
-  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
-  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
+  __device__ __forceinline__ int stage(int g) const { return (first + g) % KV_STAGES; }
+  __device__ __forceinline__ int phase(int g) const { return (first + g) / KV_STAGES & 1; }
+  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * stage(j); }
+  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * stage(j); }
 
   // One thread sets the barriers up, before the block splits into its roles.
   __device__ __forceinline__ void init(int tid) const {
@@ -352,9 +381,17 @@ struct KvPipeline {
         mbarrier_init(full + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the group's bytes
         mbarrier_init(empty + MBARRIER_BYTES * s, CONSUMER_THREADS);
       }
+      mbarrier_init(q_full, 1);
+      mbarrier_init(q_empty, CONSUMER_THREADS);
       fence_barrier_init();
     }
     __syncthreads();
+  }
+
+  __device__ __forceinline__ void begin(int tiles_) { tiles = tiles_; }
+  __device__ __forceinline__ void end() {
+    first += tiles + 1;
+    ++q_loads;
   }
 
   // ---- the producer's side (one thread) ----
@@ -367,23 +404,26 @@ struct KvPipeline {
 
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                           unsigned q_tile, int q0, int h, int h_kv, int b) const {
+    if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
+    mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
+    load<BLOCK_Q>(q_tile, q_map, q_full, q0, h, b);
     for (int g = 0; g <= tiles; ++g) {
-      const int stage = g % KV_STAGES;
-      const unsigned bar = full + MBARRIER_BYTES * stage;
-      if (g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
-      mbarrier_arrive_expect_tx(bar, (g == 0 ? Q_TILE_BYTES : 0) + (g < tiles ? KV_TILE_BYTES : 0) + (g >= 1 ? KV_TILE_BYTES : 0));
-      if (g == 0) load<BLOCK_Q>(q_tile, q_map, bar, q0, h, b);
+      const unsigned bar = full + MBARRIER_BYTES * stage(g);
+      if (first + g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage(g), phase(g) ^ 1);  // group n - KV_STAGES is done
+      mbarrier_arrive_expect_tx(bar, (g < tiles ? KV_TILE_BYTES : 0) + (g >= 1 ? KV_TILE_BYTES : 0));
       if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, mask.kv_tile(g) * BLOCK_KV, h_kv, b);
       if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, mask.kv_tile(g - 1) * BLOCK_KV, h_kv, b);
     }
   }
 
   // ---- the consumers' side ----
-  // Group g is in smem: TMA wrote it through the async proxy wgmma reads by, so no fence.
-  __device__ __forceinline__ void wait(int g) const { mbarrier_wait(full + MBARRIER_BYTES * (g % KV_STAGES), (g / KV_STAGES) & 1); }
+  // Group g, or Q, is in smem: TMA wrote it through the async proxy wgmma reads by, so no fence.
+  __device__ __forceinline__ void wait(int g) const { mbarrier_wait(full + MBARRIER_BYTES * stage(g), phase(g)); }
+  __device__ __forceinline__ void wait_q() const { mbarrier_wait(q_full, q_loads & 1); }
 
-  // This thread's MMAs reading group g are complete.
-  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(empty + MBARRIER_BYTES * (g % KV_STAGES)); }
+  // This thread's MMAs reading group g, or Q, are complete.
+  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(empty + MBARRIER_BYTES * stage(g)); }
+  __device__ __forceinline__ void release_q() const { mbarrier_arrive(q_empty); }
 };
 
 // ---- scores ----------------------------------------------------------------------------
@@ -469,9 +509,9 @@ struct OnlineSoftmax {
 };
 
 // ---- epilogue --------------------------------------------------------------------------
-// Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
-// warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
+// Normalise O by the row sum and write the warp's rows straight from registers as element pairs
+// (the Q tile is already loading the next tile's Q); rows at or past n_q are never written. A row
+// that saw no key has l = 0: O = 0 and LSE = -inf.
 // Where tile row r's output goes: rows of one head, `stride` apart, the first n of them real.
 struct OutRows {
   int n;
@@ -481,7 +521,6 @@ struct OutRows {
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q,
                                              out_t* __restrict__ out, const OutRows& at,
                                              float* __restrict__ lse,
                                              int row0, int lane) {
@@ -499,19 +538,11 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
         const int col = n * 8 + 2 * t;
-        *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
-            pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
+        if (at.real(row0 + row))  // a quad writes 16 contiguous bytes
+          *reinterpret_cast<unsigned*>(out + at.o(row0 + row) + col) = pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
       }
       if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
-  }
-  __syncwarp();
-#pragma unroll
-  for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
-    const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
-    if (at.real(row))
-      *reinterpret_cast<chunk16*>(out + at.o(row) + col) =
-          *reinterpret_cast<const chunk16*>(smem_q + smem_offset(row, col));
   }
 }
 
@@ -548,6 +579,9 @@ fagen_attn_f16_d64_causal_h200(
     long long o_sn,
     float scale,
     float scale_log2,
+    int tiles_x,
+    int tiles_y,
+    int tiles_z,
     const __grid_constant__ TmaMap q_map,
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map) {
@@ -559,101 +593,130 @@ fagen_attn_f16_d64_causal_h200(
   // Each warpgroup owns 64 query rows; warp w of it owns rows 16w..16w+15 of those, so every
   // per-row step (mask, softmax, epilogue) is the mma.sync kernel's with one m16 fragment.
   const int warpgroup = warp / WARPGROUP_WARPS;
-  const int b = blockIdx.x / heads_q, h = blockIdx.x % heads_q, h_kv = h / group;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
-  const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
-  const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
-  q += b * q_sb + h * q_sh;
-  k += b * k_sb + h_kv * k_sh;
-  v += b * v_sb + h_kv * v_sh;
-
-  Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
-  const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), kv_tiles);  // its tensor maps locate K and V
-  const float to_log2 = scale_log2;
-  const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
-
-  // Phase 1: the roles. The producer warpgroup hands its registers to the consumers and one of
-  // its threads issues every load (Q joins K_0 in group 0); the consumers go on to compute.
+  // The roles: the producer warpgroup hands its registers to the consumers, and one of its
+  // threads issues every load, tile after tile (Q, then the KV groups as their stages free up);
+  // the consumers compute. Each role walks the tiles in its own loop, so that ptxas knows which
+  // register budget (setmaxnreg's) every instruction runs under.
+  KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS));
   kv.init(tid);
+  const TileScheduler scheduler(tiles_x, tiles_y, tiles_z);
   if (warpgroup == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
-    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, h, h_kv, b);
+    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
+      for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
+        const Tile tile = scheduler.at(t);
+        const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
+        const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
+        const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
+        const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
+
+        Mask mask;
+        mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
+        const int kv_tiles = mask.count;
+        kv.begin(kv_tiles);
+        kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, h, h_kv, b);
+        kv.end();
+      }
+    }
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
+  for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
+    const Tile tile = scheduler.at(t);
+    const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
+    const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
+    const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
+    const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
-  // The warpgroup's 64 rows of Q: 8-row groups ROW_GROUP_BYTES apart (the stride byte offset);
-  // a k16 step moves K_STEP_BYTES within an atom, then on to the next atom.
-  const unsigned long long q_desc = smem_desc(smem_q_u32 + warpgroup * WARPGROUP_Q_BYTES, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
+    Mask mask;
+    mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
+    const int kv_tiles = mask.count;
+    kv.begin(kv_tiles);
+    const float to_log2 = scale_log2;
+    const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
-  float o_acc[M_FRAGS][O_N_FRAGS][4] = {};
-  OnlineSoftmax softmax;
-  softmax.init();
+    // Phase 1: the producer is loading this tile's Q and first KV groups.
+    kv.wait_q();
 
-  unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
+    // The warpgroup's 64 rows of Q: 8-row groups ROW_GROUP_BYTES apart (the stride byte offset);
+    // a k16 step moves K_STEP_BYTES within an atom, then on to the next atom.
+    const unsigned long long q_desc = smem_desc(smem_q_u32 + warpgroup * WARPGROUP_Q_BYTES, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 
-  for (int j = 0; j < kv_tiles; ++j) {
-    const int kv0 = mask.kv_tile(j) * BLOCK_KV;
+    float o_acc[M_FRAGS][O_N_FRAGS][4] = {};
+    OnlineSoftmax softmax;
+    softmax.init();
 
-    // Phase 2: K_j and V_(j-1) have landed.
-    kv.wait(j);
-
-    // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
-    float s[M_FRAGS][S_N_FRAGS][4];
-    const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
+    // O was zeroed by ordinary stores (and the last tile's epilogue read it): fence it here, where
+    // the whole warpgroup is, or ptxas fences it on a divergent path and serialises every wgmma.
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < QK_K_STEPS; ++ks) {
-      const int step = (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES, atom = ks / K_STEPS_PER_ATOM;
-      wgmma_qk(s[0], q_desc + ((atom * Q_ATOM_STEP_BYTES + step) >> DESC_UNIT_SHIFT),
-               k_desc + ((atom * K_ATOM_STEP_BYTES + step) >> DESC_UNIT_SHIFT), ks > 0);
+    unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
+
+    for (int j = 0; j < kv_tiles; ++j) {
+      const int kv0 = mask.kv_tile(j) * BLOCK_KV;
+
+      // Phase 2: K_j and V_(j-1) have landed.
+      kv.wait(j);
+
+      // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
+      float s[M_FRAGS][S_N_FRAGS][4];
+      const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
+      wgmma_fence();
+  #pragma unroll
+      for (int ks = 0; ks < QK_K_STEPS; ++ks) {
+        const int step = (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES, atom = ks / K_STEPS_PER_ATOM;
+        wgmma_qk(s[0], q_desc + ((atom * Q_ATOM_STEP_BYTES + step) >> DESC_UNIT_SHIFT),
+                 k_desc + ((atom * K_ATOM_STEP_BYTES + step) >> DESC_UNIT_SHIFT), ks > 0);
+      }
+      wgmma_commit();
+      if (j > 0) issue_pv(o_acc[0], p, kv.v_slot(j - 1));
+      if (j > 0) {
+        wgmma_wait<1>();  // S_j is done; P_(j-1).V_(j-1) may still run
+      } else {
+        wgmma_wait<0>();
+      }
+      pin_registers(s[0]);
+      if (j == kv_tiles - 1) kv.release_q();  // the tile's last S is done: the producer may load the next Q
+
+      // Phase 4: the mask and the softmax of tile j while P.V_(j-1) finishes.
+      score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
+      float alpha[M_FRAGS][2];
+      softmax.update(s, to_log2, alpha);
+      wgmma_wait<0>();  // O holds tiles up to j - 1 now: rescale it, and P's registers are free
+      pin_registers(o_acc[0]);
+      softmax.rescale(o_acc, alpha);
+  #pragma unroll
+      for (int ks = 0; ks < PV_K_STEPS; ++ks) {
+        p[ks][0] = pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
+        p[ks][1] = pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
+        p[ks][2] = pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
+        p[ks][3] = pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
+      }
+
+      // Phase 5: this thread is done with group j: the producer may refill its stage.
+      kv.release(j);
     }
-    wgmma_commit();
-    if (j > 0) issue_pv(o_acc[0], p, kv.v_slot(j - 1));
-    if (j > 0) {
-      wgmma_wait<1>();  // S_j is done; P_(j-1).V_(j-1) may still run
-    } else {
+
+    // Phase 6: the last tile's P.V.
+    kv.wait(kv_tiles);  // group kv_tiles: V of the last tile
+    if (kv_tiles > 0) {
+      wgmma_fence();
+      issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
       wgmma_wait<0>();
+      pin_registers(o_acc[0]);
     }
-    pin_registers(s[0]);
+    kv.release(kv_tiles);  // its stage is free for the next tile's loads
+    if (kv_tiles == 0) kv.release_q();
 
-    // Phase 4: the mask and the softmax of tile j while P.V_(j-1) finishes.
-    score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
-    float alpha[M_FRAGS][2];
-    softmax.update(s, to_log2, alpha);
-    wgmma_wait<0>();  // O holds tiles up to j - 1 now: rescale it, and P's registers are free
-    pin_registers(o_acc[0]);
-    softmax.rescale(o_acc, alpha);
-#pragma unroll
-    for (int ks = 0; ks < PV_K_STEPS; ++ks) {
-      p[ks][0] = pack2(s[0][2 * ks][0], s[0][2 * ks][1]);
-      p[ks][1] = pack2(s[0][2 * ks][2], s[0][2 * ks][3]);
-      p[ks][2] = pack2(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
-      p[ks][3] = pack2(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
-    }
+    // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
+    // the KV loop, they hold no registers.
+    out_t* o_tile = o + b * o_sb + h * o_sh;
+    float* lse_tile = lse + ((long long)b * heads_q + h) * n_q;
+    o_tile += q0 * o_sn;
+    const OutRows at{n_q - q0, o_sn};
+    lse_tile += q0;
+    write_output(o_acc, softmax, o_tile, at, lse_tile, warp_row0, lane);
 
-    // Phase 5: this thread is done with group j: the producer may refill its stage.
-    kv.release(j);
+    kv.end();
   }
-
-  // Phase 6: the last tile's P.V.
-  kv.wait(kv_tiles);  // group kv_tiles: V of the last tile (with no tiles: Q alone)
-  if (kv_tiles > 0) {
-    wgmma_fence();
-    issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
-    wgmma_wait<0>();
-    pin_registers(o_acc[0]);
-  }
-
-  // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
-  // the KV loop, they hold no registers.
-  o += b * o_sb + h * o_sh;
-  lse += ((long long)b * heads_q + h) * n_q;
-  o += q0 * o_sn;
-  const OutRows at{n_q - q0, o_sn};
-  lse += q0;
-  write_output(o_acc, softmax, smem_q, o, at, lse, warp_row0, lane);
 }

@@ -605,10 +605,10 @@ fagen_decode_bf16_d128(
 
   // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
   // the KV loop, they hold no registers.
-  o += b * o_sb + h * o_sh;
-  lse += ((long long)b * heads_q + h) * n_q;
+  out_t* o_tile = o + b * o_sb + h * o_sh;
+  float* lse_tile = lse + ((long long)b * heads_q + h) * n_q;
   const OutRows at{rows, q0, o_sh, o_sn, n_q};
-  o += blockIdx.z * o_split_stride;  // split-KV: each split writes its own partial
-  lse += blockIdx.z * lse_split_stride;
-  write_output(o_acc, softmax, o, at, lse, warp_row0, lane);
+  o_tile += blockIdx.z * o_split_stride;  // split-KV: each split writes its own partial
+  lse_tile += blockIdx.z * lse_split_stride;
+  write_output(o_acc, softmax, o_tile, at, lse_tile, warp_row0, lane);
 }

@@ -789,10 +789,23 @@ def test_main_quick_is_the_forward_only(fake_gpu, tmp_path):
     assert not (out / "bench_backward.json").exists()
 
 
-@pytest.mark.parametrize("args, quick, backward_only, serving_only", [
-    ([], False, False, False), (["--backward"], False, True, False), (["--quick"], True, False, False),
-    (["--quick", "--backward"], True, True, False), (["--serving"], False, False, True)])
-def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward_only, serving_only):
+def test_main_forward_only_keeps_the_backward_and_serving_tables(fake_gpu, tmp_path, brows):
+    out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
+    out.mkdir()
+    bench_backward.write_data(brows, {**META, "pass": "backward"}, out)  # an earlier backward run
+    before = (out / "bench_backward.json").read_text()
+    lines = bench.main(out, md, forward_only=True)
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 78)]
+    assert (out / "bench_backward.json").read_text() == before
+    assert lines[0] == f"kept the backward tables from {out / 'bench_backward.json'} (not run this time)"
+    assert "## Backward" in md.read_text()
+
+
+@pytest.mark.parametrize("args, quick, backward_only, serving_only, forward_only", [
+    ([], False, False, False, False), (["--backward"], False, True, False, False), (["--quick"], True, False, False, False),
+    (["--quick", "--backward"], True, True, False, False), (["--serving"], False, False, True, False),
+    (["--forward"], False, False, False, True)])
+def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward_only, serving_only, forward_only):
     seen = {}
 
     def fake_main(out, md, **kw):
@@ -804,8 +817,8 @@ def test_cli_bench_flags_reach_main(monkeypatch, tmp_path, args, quick, backward
     result = CliRunner().invoke(main, ["bench", *args, "-o", str(tmp_path / "o"), "--markdown",
                                        str(tmp_path / "B.md")])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    assert (seen["quick"], seen["backward_only"], seen["serving_only"], seen["report"]) == (
-        quick, backward_only, serving_only, None)
+    assert (seen["quick"], seen["backward_only"], seen["serving_only"], seen["forward_only"], seen["report"]) == (
+        quick, backward_only, serving_only, forward_only, None)
     assert (seen["out"], seen["md"]) == (tmp_path / "o", tmp_path / "B.md")
     assert result.output == "done\n"
 

@@ -1,7 +1,9 @@
 """The warp-specialised sm_90a forward on the GPU (marked `gpu`; Hopper only): what the shipped
 specs' suite (tests/test_gpu.py) does not reach. A prepared call re-pointed at other tensors
-encodes their tensor maps anew; tensors TMA cannot describe are refused before launch; and
-compute-sanitizer's memcheck, racecheck and synccheck find nothing in a representative launch."""
+encodes their tensor maps anew; tensors TMA cannot describe are refused before launch; a
+persistent kernel (one block an SM walking more tiles than there are SMs) matches the oracle on
+every mask shape, tiles without keys and split-KV included; and compute-sanitizer's memcheck,
+racecheck and synccheck find nothing in representative launches."""
 
 import os
 import re
@@ -14,7 +16,8 @@ import pytest
 
 import fagen
 from fagen import oracle, variants
-from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
+from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
+from fagen.load import parse_spec
 from fagen.runtime import compile_kernel
 from fagen.spec import Mask, ScoreMod
 
@@ -30,6 +33,45 @@ def _hopper_default(causal: bool = False):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("sm_90a kernels need a Hopper GPU")
     return spec
+
+
+def persistent(spec, **changes):
+    """spec with a persistent tile scheduler (and other top-level fields changed)."""
+    data = {**spec.model_dump(mode="json"), **changes}
+    data["pipeline"]["warp_specialized"]["persistent"] = True
+    data["name"] = spec.name + "_persistent"
+    return parse_spec(data, data["name"])
+
+
+# (dtype, head_dim, causal, mask, score_mod, B, Hq, Hkv, Nq, Nk): more tiles than an H200's 132
+# SMs, so blocks walk several (under causal, of different lengths); Nq > Nk bottom-right leaves
+# the first tiles without keys; sliding windows skip tiles at both ends.
+PERSISTENT_CASES = [
+    ("float16", 128, False, None, None, 1, 40, 40, 500, 777),
+    ("float16", 128, True, None, None, 2, 24, 8, 1100, 1100),
+    ("bfloat16", 64, True, None, None, 1, 8, 2, 3000, 900),
+    ("float16", 256, False, Mask(kind="sliding_window", window_left=300, window_right=40), None, 1, 36, 12, 700, 700),
+    ("bfloat16", 128, False, None, ScoreMod(softcap=30.0), 3, 50, 50, 333, 520),
+]
+
+
+@pytest.mark.parametrize("dtype,d,causal,mask,score_mod,b,hq,hkv,nq,nk", PERSISTENT_CASES)
+def test_a_persistent_kernel_walks_every_tile(dtype, d, causal, mask, score_mod, b, hq, hkv, nq, nk):
+    _hopper_default()
+    base = variants.shipped_spec(dtype, d, causal, gpu="h200")
+    spec = persistent(variants.variant(base, mask or base.mask, score_mod or base.score_mod))
+    assert spec.warp_specialized and compile_kernel(spec).plan.persistent
+    result = check_against_oracle(spec, b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
+def test_a_persistent_split_kv_kernel_walks_its_splits():
+    """Split-KV's splits are the tile grid's z: each partial still matches the oracle once merged."""
+    _hopper_default()
+    spec = persistent(variants.shipped_spec("float16", 128, True, gpu="h200"), outputs={"lse": True, "partial": True},
+                      backward=None)
+    result = check_against_oracle(spec, 1, 20, 4, 900, 2500, framework="torch")  # 3 splits
+    assert result.passed, result.summary()
 
 
 def test_a_prepared_call_re_encodes_its_maps_for_new_tensors():
@@ -76,10 +118,16 @@ import torch, fagen
 from fagen import variants
 from fagen.runtime import compile_kernel
 from fagen.check import random_inputs
+from fagen.load import parse_spec
 for causal in (False, True):
     spec = variants.shipped_spec("float16", 128, causal, gpu="h200")
     q, k, v, out = random_inputs("torch", "float16", 1, 2, 1, 300, 421, 128)
     compile_kernel(spec)(q, k, v, out=out)
+    # persistent: 144 tiles, so some of the 132 blocks walk two
+    data = spec.model_dump(mode="json")
+    data["pipeline"]["warp_specialized"]["persistent"] = True
+    q, k, v, out = random_inputs("torch", "float16", 1, 36, 12, 500, 640, 128)
+    compile_kernel(parse_spec(data, spec.name + "_persistent"))(q, k, v, out=out)
 torch.cuda.synchronize()
 print("ran")
 """

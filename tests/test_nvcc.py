@@ -24,9 +24,8 @@ import pytest
 import fagen
 from fagen.load import SPECS, validated
 from fagen.backward_plan import backward_plan
-from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, attention_defaults, attention_variants, compile_backward_many,
-                        compile_many, score_mods,
-                        targets)
+from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _resources, attention_defaults, attention_variants,
+                        compile_backward_many, compile_many, score_mods, targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask, ScoreMod
 from fagen.variants import partial_variant, trainable, variant
@@ -67,7 +66,18 @@ def modifiers(base: fagen.AttentionSpec, mask: dict) -> list[tuple[str, dict]]:
 
 
 def _ok(r) -> bool:
-    return (r.stack_frame, r.spill_stores, r.spill_loads) == (0, 0, 0)
+    """No spill, no stack, and (sm_90a) no wgmma that waits for the one before it."""
+    return (r.stack_frame, r.spill_stores, r.spill_loads) == (0, 0, 0) and not r.wgmma_serialized
+
+
+def test_a_serialised_wgmma_is_read_from_the_log():
+    """ptxas names the function it serialised before that function's own lines (C7520)."""
+    log = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           "to program dependence on compiler-inserted WG.AR in divergent path in the function 'fagen_k1'\n"
+           "ptxas info    : Compiling entry function 'fagen_k1' for 'sm_90a'\nptxas info    : Used 168 registers\n"
+           "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    assert _resources("sm_90a", log, "fagen_k1", log).wgmma_serialized
+    assert not _resources("sm_90a", log, "fagen_k0", log).wgmma_serialized
 
 
 @pytest.fixture(scope="module")
@@ -189,14 +199,16 @@ def test_backward_register_prediction_tracks_ptxas(backward_builds):
 def test_warp_specialized_consumers_fit_the_estimate():
     """A warp-specialised kernel's ptxas report shows the entry's registers (65536 / threads), not
     the consumers' after setmaxnreg: compiled with consumer_registers cut to the plan's estimate
-    (rounded up to setmaxnreg's step), each shipped one still spills nothing."""
+    (rounded up to setmaxnreg's step), each shipped one still spills nothing; so do persistent
+    variants of every other one (their epilogue stores from registers)."""
     shipped_ws = [s for s in (fagen.load_spec(p) for p in SPEC_PATHS) if s.warp_specialized and s.dtype == "float16"]
     assert len(shipped_ws) >= 4
     cut = []
-    for s in shipped_ws:
+    for s, persistent in [(s, False) for s in shipped_ws] + [(s, True) for s in shipped_ws[::2]]:
         need = -(-plan(s).predicted_registers // 8) * 8
         pipeline = s.pipeline.model_copy(update={"warp_specialized": s.pipeline.warp_specialized.model_copy(
-            update={"consumer_registers": need})})
-        cut.append((validated(s.model_copy(update={"name": s.name + "_cut", "pipeline": pipeline})), "sm_90a"))
+            update={"consumer_registers": need, "persistent": persistent})})
+        name = s.name + ("_persistent" if persistent else "") + "_cut"
+        cut.append((validated(s.model_copy(update={"name": name, "pipeline": pipeline})), "sm_90a"))
     for (s, _), r in zip(cut, compile_many(cut)):
         assert _ok(r), f"{s.name} at {s.pipeline.warp_specialized.consumer_registers} registers:\n{r.log}"

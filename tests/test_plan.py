@@ -108,7 +108,8 @@ def test_smem_and_seed_budget_of_every_shipped_spec(path):
     t, d = spec.tiling, spec.head_dim
     row = d + 8 if spec.smem_layout == "padded" else d
     slots = spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
-    barriers = 2 * spec.pipeline.stages * 8 if spec.wgmma else 0  # sm_90a: landed/freed mbarriers a stage
+    # sm_90a: landed/freed mbarriers a stage, and Q's pair where a producer loads it
+    barriers = 2 * (spec.pipeline.stages + spec.warp_specialized) * 8 if spec.wgmma else 0
     assert p.smem_bytes == (t.block_q + slots * t.block_kv) * row * 2 + barriers
     assert p.seed_budget_bytes == (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * 2
     assert p.smem_limit == SMEM_PER_BLOCK[spec.arch]
@@ -127,7 +128,8 @@ def test_smem_bytes_formula(kw):
     t, d = spec.tiling, spec.head_dim
     row = d + 8 if spec.smem_layout == "padded" else d
     slots = spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
-    barriers = 2 * spec.pipeline.stages * 8 if spec.wgmma else 0  # sm_90a: landed/freed mbarriers a stage
+    # sm_90a: landed/freed mbarriers a stage, and Q's pair where a producer loads it
+    barriers = 2 * (spec.pipeline.stages + spec.warp_specialized) * 8 if spec.wgmma else 0
     assert p.smem_bytes == (t.block_q + slots * t.block_kv) * row * 2 + barriers
     assert p.q_tile_elems == t.block_q * row
     assert p.kv_tile_elems == t.block_kv * row

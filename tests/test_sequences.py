@@ -53,7 +53,7 @@ def test_sources_read_only_what_their_layout_uses():
     padded = render(ATTN)
     assert "cu_seqlens" not in padded and "PageTable" not in padded and "return;  // past" not in padded
     varlen = render(variants.sequence_variant(ATTN, "varlen", "varlen"))
-    assert "n_q = cu_seqlens_q[b + 1] - q_start" in varlen and "lse += (long long)h * total_q + q_start" in varlen
+    assert "n_q = cu_seqlens_q[b + 1] - q_start" in varlen and "lse + (long long)h * total_q + q_start" in varlen
     assert "PageTable" not in varlen and "if (q0 >= n_q) return;" in varlen
     paged = render(variants.sequence_variant(DECODE, "varlen", "paged"))
     assert "struct PageTable" in paged and "copy_paged_tile_async<BLOCK_KV>" in paged

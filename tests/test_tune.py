@@ -264,3 +264,33 @@ def test_tune_refuses_before_any_candidate_without_a_gpu(base, monkeypatch):
     with pytest.raises(RuntimeError, match="CuPy is not installed"):
         tune.tune(base, 1, 1, 64, 64, quick=True, progress=seen.append)
     assert seen == []
+
+
+# ---- the tile scheduler -------------------------------------------------------------------------
+
+
+def _timer(rates: dict):
+    """A stand-in for bench.time_spec: TFLOP/s by (persistent, N), recording what it timed."""
+    seen = []
+
+    def time(spec, b, h, nq, nk):
+        seen.append((spec.pipeline.warp_specialized.persistent, b, h, nq, nk))
+        return type("Timing", (), {"tflops": rates[spec.pipeline.warp_specialized.persistent][nq]})()
+    return time, seen
+
+
+def test_the_scheduler_is_chosen_by_geometric_mean_over_the_lengths():
+    ws = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
+    lengths = tune.SCHEDULER_LENGTHS
+    # persistent: far faster at short N, a little slower at long N: wins the geometric mean ...
+    time, seen = _timer({False: dict(zip(lengths, (250, 320, 380, 410))), True: dict(zip(lengths, (330, 380, 365, 400)))})
+    choice = tune.choose_scheduler(ws, time)
+    assert choice.spec.pipeline.warp_specialized.persistent and choice.persistent == (330, 380, 365, 400)
+    assert {(b * n, h * ws.head_dim) for _, b, h, n, _ in seen} == {(tune.SCHEDULER_TOKENS, tune.SCHEDULER_HIDDEN)}
+    assert "scheduler: persistent" in choice.summary()
+    # ... where the arithmetic mean would not pick it
+    time, _ = _timer({False: dict(zip(lengths, (100, 100, 900, 900))), True: dict(zip(lengths, (160, 160, 600, 600)))})
+    assert tune.choose_scheduler(ws, time).spec.pipeline.warp_specialized.persistent
+    time, _ = _timer({False: dict(zip(lengths, (400, 450, 570, 570))), True: dict(zip(lengths, (400, 450, 500, 560)))})
+    choice = tune.choose_scheduler(ws, time)
+    assert not choice.spec.pipeline.warp_specialized.persistent and choice.spec.name == ws.name

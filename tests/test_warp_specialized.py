@@ -107,6 +107,32 @@ def test_tensor_maps_are_the_last_parameters():
     assert p.params[-3:] == ((TMA_MAP, "q_map"), (TMA_MAP, "k_map"), (TMA_MAP, "v_map"))
 
 
+def test_every_warp_specialized_kernel_walks_a_tile_grid():
+    """Its blocks read the tile grid from scheduler parameters (a block a tile, or persistent);
+    only a persistent kernel stores O from registers, its Q tile being refilled meanwhile."""
+    grid = plan(fagen.parse_spec(ws_spec()))
+    walk = plan(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": {**WS, "persistent": True}})))
+    for p in (grid, walk):
+        assert p.scheduler_params == (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"))
+    assert (grid.persistent, grid.output_staged) == (False, True)
+    assert (walk.persistent, walk.output_staged) == (True, False)
+    assert not plan(cp_async_spec()).scheduler_params
+
+
+def test_a_persistent_kernel_may_split_kv():
+    """Splits are the tile grid's z."""
+    spec = fagen.parse_spec(ws_spec(pipeline={"warp_specialized": {**WS, "persistent": True}},
+                                    outputs={"partial": True}))
+    assert plan(spec).persistent and not plan(spec).output_staged
+
+
+def test_q_has_its_own_barriers():
+    """The KV ring's two mbarriers a stage, and Q's pair: the next tile's Q loads once the
+    consumers' last S is done."""
+    spec = fagen.parse_spec(ws_spec())
+    assert plan(spec).smem_bytes == 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 2 * (2 + 1) * 8
+
+
 # ---- render --------------------------------------------------------------------------------
 
 
@@ -116,6 +142,17 @@ def test_render_emits_the_producer_and_no_thread_copies():
     assert "setmaxnreg.inc.sync.aligned.u32" in text and "mbarrier.arrive.expect_tx" in text
     assert "cp.async.cg" not in text and "copy_tile_async" not in text
     assert "const __grid_constant__ TmaMap q_map" in text
+
+
+def test_a_persistent_kernel_loops_over_tiles_and_stores_o_from_registers():
+    walk = render(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": {**WS, "persistent": True}})))
+    grid = render(fagen.parse_spec(ws_spec()))
+    for text in (walk, grid):  # both roles walk the scheduler's tiles, each in its own loop
+        assert text.count("for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t))") == 2
+        assert "kv.release_q()" in text and "mbarrier_wait(q_empty" in text
+    assert "write_output(o_acc, softmax, o_tile," in walk and "OUT_CHUNKS_PER_WARP" not in walk
+    assert "write_output(o_acc, softmax, smem_q, o_tile," in grid
+    assert "one block an SM walks" in walk and "A block a tile" in grid
 
 
 def test_the_cp_async_kernel_has_no_producer():
