@@ -34,6 +34,9 @@ class MaskKind:
     # a function of positions alone (no array indexed by query tile or row): GQA packing, whose
     # tile rows are (position, head) pairs, may test it per row
     packable = True
+    # the most keys a KV tile of its variants holds (None: the default's): where the kind's tile
+    # boundaries fall anywhere, a tile straddling one is computed whole and masked pair by pair
+    kv_tile_cap: int | None = None
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -146,6 +149,9 @@ class Document(MaskKind):
     side_input = "doc_ids"
     packable = False
     uses_align = False
+    # Documents start anywhere: 128 keys (FlexAttention's block) divide the usual lengths, where
+    # the 192-key tiles of the d64 defaults computed half again the kept pairs of 512-key documents
+    kv_tile_cap = 128
 
     def keep(self, m, q, k, off, doc):
         keep = doc(q) == doc(k)

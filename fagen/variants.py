@@ -9,6 +9,7 @@ import hashlib
 from functools import cache
 
 from fagen.load import SPECS, load_spec, parse_spec
+from fagen.mask_kinds import KINDS
 from fagen.spec import WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec, Mask, ScoreMod, SpecError
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
@@ -53,6 +54,10 @@ def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSp
     tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
     data = {**base.model_dump(), "name": f"{base.name}_{mask.kind}_{tag}", "mask": mask.model_dump(),
             "score_mod": score_mod.model_dump(), "backward": None}
+    cap = KINDS[mask.kind].kv_tile_cap
+    if cap is not None and base.tiling.block_kv > cap:  # the kind's own tile size (MaskKind.kv_tile_cap)
+        data["name"] += f"_kv{cap}"
+        data["tiling"] = {**data["tiling"], "block_kv": cap}
     return parse_falling_back(data, base, f"variant of {base.name}")
 
 

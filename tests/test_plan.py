@@ -226,3 +226,23 @@ def test_variants_fall_back_to_a_tiling_the_estimate_accepts():
     assert plan(bias).predicted_registers <= 255
     assert (bias.tiling.block_kv, bias.pipeline.kv_smem, bias.pipeline.stages) != (32, "separate", 1)
     assert variant(d256, Mask(kind="causal"), ScoreMod(bias="vector")) is bias  # deterministic, cached
+
+
+def test_document_variants_take_the_kinds_kv_tile():
+    """Document boundaries fall anywhere: a variant for the document kind holds at most its
+    kv_tile_cap keys a tile (the d64 H200 defaults hold 176-192), named for it; other kinds keep
+    the default's tile, and a default already at or under the cap is unchanged."""
+    from fagen.mask_kinds import KINDS
+    from fagen.spec import Mask, ScoreMod
+    from fagen.variants import variant
+
+    cap = KINDS["document"].kv_tile_cap
+    d64 = fagen.load_spec(SPECS / "attn_f16_d64_h200.yaml")
+    assert d64.tiling.block_kv > cap
+    for causal in (False, True):
+        doc = variant(d64, Mask(kind="document", causal=causal), ScoreMod())
+        assert doc.tiling.block_kv == cap and doc.name.endswith(f"_kv{cap}")
+        assert doc.pipeline == d64.pipeline  # still warp-specialised and persistent
+    assert variant(d64, Mask(kind="sliding_window", window_left=100), ScoreMod()).tiling.block_kv == d64.tiling.block_kv
+    d256 = fagen.load_spec(SPECS / "attn_f16_d256_h200.yaml")
+    assert variant(d256, Mask(kind="document"), ScoreMod()).tiling.block_kv == d256.tiling.block_kv <= cap
