@@ -649,6 +649,10 @@ fagen_attn_bf16_d256_h200(
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
+  // Ping-pong turns run on across the tiles, so one warpgroup's first S of the next tile runs
+  // while the other writes O: warpgroup 0 takes the first turn, and takes back the last hand-over
+  // after the walk.
+  if (warpgroup == 1) named_barrier_arrive(TURN_BARRIER, CONSUMER_THREADS);
   for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
     const Tile tile = scheduler.at(t);
     const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
@@ -681,7 +685,7 @@ fagen_attn_bf16_d256_h200(
     // Ping-pong: the warpgroups take turns issuing MMAs, so one's softmax runs while the other's
     // MMAs keep the tensor cores busy.
     const int my_turn = TURN_BARRIER + warpgroup, next_turn = TURN_BARRIER + (warpgroup + 1) % WARPGROUPS;
-    if (warpgroup == 1 && kv_tiles > 0) named_barrier_arrive(TURN_BARRIER, CONSUMER_THREADS);  // warpgroup 0 starts
+    // (The turns run on from tile to tile: warpgroup 0 took the block's first one.)
 
     for (int j = 0; j < kv_tiles; ++j) {
       const int kv0 = mask.kv_tile(j) * BLOCK_KV;
@@ -740,7 +744,8 @@ fagen_attn_bf16_d256_h200(
       issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
       wgmma_wait<0>();
       pin_registers(o_acc[0]);
-      if (warpgroup == 0) named_barrier_arrive(next_turn, CONSUMER_THREADS);  // warpgroup 1's last turn
+      // The other warpgroup's turn: its last P.V, or the next tile's first S while this one writes O.
+      named_barrier_arrive(next_turn, CONSUMER_THREADS);
     }
     kv.release(kv_tiles);  // its stage is free for the next tile's loads
     if (kv_tiles == 0) kv.release_q();
@@ -756,4 +761,5 @@ fagen_attn_bf16_d256_h200(
 
     kv.end();
   }
+  if (warpgroup == 0) named_barrier_sync(TURN_BARRIER, CONSUMER_THREADS);
 }
