@@ -115,19 +115,15 @@ def test_a_broadcast_tensor_is_refused_before_launch():
 
 SANITIZED = """
 import torch, fagen
-from fagen import variants
+from fagen import tune, variants
 from fagen.runtime import compile_kernel
 from fagen.check import random_inputs
-from fagen.load import parse_spec
 for causal in (False, True):
     spec = variants.shipped_spec("float16", 128, causal, gpu="h200")
-    q, k, v, out = random_inputs("torch", "float16", 1, 2, 1, 300, 421, 128)
-    compile_kernel(spec)(q, k, v, out=out)
-    # persistent: 144 tiles, so some of the 132 blocks walk two
-    data = spec.model_dump(mode="json")
-    data["pipeline"]["warp_specialized"]["persistent"] = True
-    q, k, v, out = random_inputs("torch", "float16", 1, 36, 12, 500, 640, 128)
-    compile_kernel(parse_spec(data, spec.name + "_persistent"))(q, k, v, out=out)
+    # a block a tile, then persistent over 144 tiles (some of the 132 blocks walk two)
+    for persistent, shape in ((False, (1, 2, 1, 300, 421)), (True, (1, 36, 12, 500, 640))):
+        q, k, v, out = random_inputs("torch", "float16", *shape, 128)
+        compile_kernel(tune.with_scheduler(spec, persistent))(q, k, v, out=out)
 torch.cuda.synchronize()
 print("ran")
 """

@@ -273,8 +273,8 @@ def _timer(rates: dict):
     """A stand-in for bench.time_spec: TFLOP/s by (persistent, N), recording what it timed."""
     seen = []
 
-    def time(spec, b, h, nq, nk):
-        seen.append((spec.pipeline.warp_specialized.persistent, b, h, nq, nk))
+    def time(spec, b, h, nq, nk, check):
+        seen.append((spec.pipeline.warp_specialized.persistent, b, h, nq, nk, check))
         return type("Timing", (), {"tflops": rates[spec.pipeline.warp_specialized.persistent][nq]})()
     return time, seen
 
@@ -286,7 +286,10 @@ def test_the_scheduler_is_chosen_by_geometric_mean_over_the_lengths():
     time, seen = _timer({False: dict(zip(lengths, (250, 320, 380, 410))), True: dict(zip(lengths, (330, 380, 365, 400)))})
     choice = tune.choose_scheduler(ws, time)
     assert choice.spec.pipeline.warp_specialized.persistent and choice.persistent == (330, 380, 365, 400)
-    assert {(b * n, h * ws.head_dim) for _, b, h, n, _ in seen} == {(tune.SCHEDULER_TOKENS, tune.SCHEDULER_HIDDEN)}
+    assert {(b * n, h * ws.head_dim) for _, b, h, n, _, _ in seen} == {(tune.SCHEDULER_TOKENS, tune.SCHEDULER_HIDDEN)}
+    assert len(seen) == 2 * len(lengths) * tune.SCHEDULER_ROUNDS
+    assert [p for p, *_, check in seen if check] == [False, True]  # each kernel checked once, first
+    assert [p for p, *_ in seen[::len(lengths)]] == [False, True, True, False, False, True]  # alternating rounds
     assert "scheduler: persistent" in choice.summary()
     # ... where the arithmetic mean would not pick it
     time, _ = _timer({False: dict(zip(lengths, (100, 100, 900, 900))), True: dict(zip(lengths, (160, 160, 600, 600)))})
