@@ -144,6 +144,9 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
 SCHEDULER_TOKENS, SCHEDULER_HIDDEN = 16384, 2048
 SCHEDULER_LENGTHS = (512, 1024, 4096, 16384)
 SCHEDULER_ROUNDS = 3
+# ... and persistent kept only where its geometric mean is ahead by more than that drift: a block a
+# tile is the simpler launch, and the hardware's own order balances uneven tiles
+SCHEDULER_MARGIN = 1.03
 
 
 @dataclass
@@ -157,7 +160,7 @@ class SchedulerChoice:
         rates = ", ".join(f"N={n}: {g:.0f} / {p:.0f}" for n, g, p in zip(SCHEDULER_LENGTHS, self.grid, self.persistent))
         return (f"scheduler: {chosen} (TFLOP/s a block a tile / persistent, B*N={SCHEDULER_TOKENS}, "
                 f"H*d={SCHEDULER_HIDDEN}: {rates}; geometric means {_geomean(self.grid):.1f} / "
-                f"{_geomean(self.persistent):.1f})")
+                f"{_geomean(self.persistent):.1f}; persistent needs {SCHEDULER_MARGIN:.2f}x)")
 
 
 def _geomean(rates: tuple[float, ...]) -> float:
@@ -185,7 +188,7 @@ def choose_scheduler(spec: AttentionSpec, time=time_spec) -> SchedulerChoice:
                               check=round_ == 0 and n == SCHEDULER_LENGTHS[0])
                 samples.setdefault((persistent, n), []).append(timing.tflops)
     rates = {p: tuple(float(np.median(samples[(p, n)])) for n in SCHEDULER_LENGTHS) for p in (False, True)}
-    best = max((False, True), key=lambda p: _geomean(rates[p]))
+    best = _geomean(rates[True]) > SCHEDULER_MARGIN * _geomean(rates[False])
     return SchedulerChoice(candidates[best], rates[False], rates[True])
 
 

@@ -35,7 +35,7 @@
 //     stages: 3
 //     warp_specialized:
 //       consumer_registers: 240
-//       persistent: true
+//       persistent: false
 //       producer_registers: 24
 //   score_mod:
 //     alibi: none

@@ -297,3 +297,7 @@ def test_the_scheduler_is_chosen_by_geometric_mean_over_the_lengths():
     time, _ = _timer({False: dict(zip(lengths, (400, 450, 570, 570))), True: dict(zip(lengths, (400, 450, 500, 560)))})
     choice = tune.choose_scheduler(ws, time)
     assert not choice.spec.pipeline.warp_specialized.persistent and choice.spec.name == ws.name
+    # ahead, but by less than SCHEDULER_MARGIN: a block a tile stays
+    time, _ = _timer({False: dict(zip(lengths, (400, 400, 400, 400))), True: dict(zip(lengths, (410, 410, 410, 410)))})
+    assert 1.0 < 410 / 400 < tune.SCHEDULER_MARGIN
+    assert not tune.choose_scheduler(ws, time).spec.pipeline.warp_specialized.persistent
