@@ -10,7 +10,8 @@ The attention variants: the full matrix (dtype x head_dim x causal x mask kind x
 bias x sinks, 2,560 distinct kernels) is scripts/compile_matrix.py's, about 7 minutes on 2 cores,
 and so is every default and mask kind with each modifier alone (640 kernels, ~4 minutes). Here, in
 ~75 s: for every default (what an A100-class GPU runs, sm_80, and what an H100/H200 runs,
-sm_90a) and every mask kind, the variant with every modifier on; and with each default's own mask,
+sm_90a; a bfloat16 default whose tiling a float16 one shares is left to that one) and every
+mask kind, the variant with every modifier on; and with each default's own mask,
 each modifier alone, once a tiling (the float16 default; the bfloat16 one where its tiling differs:
 in the full matrix, float16 and bfloat16 variants of one tiling compiled to the same registers and
 spills, every one). FAGEN_NVCC_MATRIX=cover compiles each
@@ -40,13 +41,22 @@ MODIFIERS = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi": "slopes"}, "bia
 MATRIX = os.environ.get("FAGEN_NVCC_MATRIX", "quick")  # quick | cover | full
 # gpu None: the generic defaults, sm_80; "h200": the sm_90a defaults of an H100/H200 (their d32
 # and d96 are the generic specs for sm_90: compiled with FAGEN_NVCC_MATRIX=full and by the script).
-PAIRS = [(base, arch, mask) for gpu in (None, "h200") for base, arch in attention_defaults(gpu)
-         if gpu is None or base.wgmma or MATRIX == "full"
-         for mask in (({"kind": "causal"},) if base.mask.kind == "causal" else ATTENTION_MASKS)]
-
-
 def _tiling(base: fagen.AttentionSpec, arch: str) -> tuple:
     return arch, base.head_dim, base.mask, base.tiling, base.pipeline, base.smem_layout
+
+
+def _bases() -> list[tuple[fagen.AttentionSpec, str]]:
+    """The defaults whose variants compile here: a bfloat16 default is left to the float16 one of
+    its tiling where there is one (in the full matrix the two compiled to the same registers and
+    spills, every one; FAGEN_NVCC_MATRIX=full compiles both)."""
+    bases = [(base, arch) for gpu in (None, "h200") for base, arch in attention_defaults(gpu)
+             if gpu is None or base.wgmma or MATRIX == "full"]
+    f16 = {_tiling(b, a) for b, a in bases if b.dtype == "float16"}
+    return [(b, a) for b, a in bases if MATRIX == "full" or b.dtype == "float16" or _tiling(b, a) not in f16]
+
+
+PAIRS = [(base, arch, mask) for base, arch in _bases()
+         for mask in (({"kind": "causal"},) if base.mask.kind == "causal" else ATTENTION_MASKS)]
 
 
 ALONE = {}  # the default whose variants with each modifier alone stand for its tiling's
