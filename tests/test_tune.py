@@ -301,3 +301,21 @@ def test_the_scheduler_is_chosen_by_geometric_mean_over_the_lengths():
     time, _ = _timer({False: dict(zip(lengths, (400, 400, 400, 400))), True: dict(zip(lengths, (410, 410, 410, 410)))})
     assert 1.0 < 410 / 400 < tune.SCHEDULER_MARGIN
     assert not tune.choose_scheduler(ws, time).spec.pipeline.warp_specialized.persistent
+
+
+def test_cli_tune_chooses_the_scheduler_of_a_warp_specialized_winner(monkeypatch, tmp_path):
+    """`fagen tune` on an sm_90a spec: the sweep's winner, if warp-specialised, goes through
+    choose_scheduler, and its summary lands in the written spec's comments."""
+    ws = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
+    grid = tune.with_scheduler(ws, False)
+    monkeypatch.setattr("fagen.cli._need_gpu", lambda torch=False: None)
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    monkeypatch.setattr(tune, "tune", lambda *a, **k: [Candidate(grid, 1.0, 500.0)])
+    rates = (300.0, 400.0, 500.0, 550.0)
+    monkeypatch.setattr(tune, "choose_scheduler", lambda spec: tune.SchedulerChoice(
+        tune.with_scheduler(spec, True), rates, tuple(r * 1.2 for r in rates)))
+    result = CliRunner().invoke(main, ["tune", str(SPECS / "attn_f16_d128_h200.yaml"), "--quick", "-o", str(tmp_path)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    text = (tmp_path / "attn_f16_d128_h200.yaml").read_text()
+    assert text.splitlines()[1].startswith("# scheduler: persistent (TFLOP/s a block a tile / persistent")
+    assert fagen.load_spec(tmp_path / "attn_f16_d128_h200.yaml").pipeline.warp_specialized.persistent
