@@ -599,6 +599,7 @@ fagen_attn_f16_d128_h200(
   // Each warpgroup owns 64 query rows; warp w of it owns rows 16w..16w+15 of those, so every
   // per-row step (mask, softmax, epilogue) is the mma.sync kernel's with one m16 fragment.
   const int warpgroup = warp / WARPGROUP_WARPS;
+  const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
   // The roles: the producer warpgroup hands its registers to the consumers, and one of its
   // threads issues every load, tile after tile (Q, then the KV groups as their stages free up);
@@ -615,7 +616,6 @@ fagen_attn_f16_d128_h200(
         const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
         const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
         const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
-        const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
         Mask mask;
         mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
@@ -637,7 +637,6 @@ fagen_attn_f16_d128_h200(
     const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
     const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
     const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
-    const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
     Mask mask;
     mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
