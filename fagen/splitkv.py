@@ -13,7 +13,7 @@ from functools import cache
 import numpy as np
 
 from fagen import variants
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, multiprocessors, stream_for
 from fagen.render import MERGE_DTYPES, merge_name, render_merge
 from fagen.plan import merge_plan
 from fagen.runtime import Launch, compile_kernel, default_spec
@@ -108,7 +108,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, spli
     b, hq, nq, _ = tq.shape
     nk = as_device_tensor(k, "k").shape[2]
     if splits is None:
-        sm_count = cupy.cuda.Device(tq.device).attributes["MultiProcessorCount"]
+        sm_count = multiprocessors(tq.device)
         blocks = b * hq * math.ceil(nq / kernel.plan.block_q)
         splits = choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), sm_count)
     o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits)

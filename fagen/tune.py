@@ -23,6 +23,7 @@ import yaml
 from fagen import device, mask_kinds
 from fagen.backward import compile_backward as compile_gradients
 from fagen.bench import time_spec
+from fagen.bench_cases import HIDDEN, TOKENS
 from fagen.check import check_backward_against_oracle, random_extras, random_inputs, time_ms
 from fagen.nvcc import compile_backward, compile_offline, targets
 from fagen.spec import AttentionSpec, SpecError
@@ -136,12 +137,11 @@ def tune(base: AttentionSpec, b: int, h: int, nq: int, nk: int, *, quick: bool =
 # epilogue under the last one's work, which short sequences need, but walks its tiles in a fixed
 # order, which long causal ones balance worse than the hardware's own block order. So it is chosen
 # over a class of shapes, not at the sweep's one: the sweep's winner is timed with either scheduler
-# at SCHEDULER_LENGTHS (the bench's shapes: SCHEDULER_TOKENS = B * N, SCHEDULER_HIDDEN = H * d)
+# at SCHEDULER_LENGTHS (the bench's shapes: bench_cases.TOKENS = B * N, HIDDEN = H * d)
 # and the one with the larger geometric mean of TFLOP/s is kept. The two differ by a few percent
 # where run-to-run drift on the H200 is as large (the same kernel timed twice in one process:
 # 446 and 399 TF/s at d64 causal 16k), so each is timed SCHEDULER_ROUNDS times in alternating
 # order and its median kept, as the sweep's confirm step does.
-SCHEDULER_TOKENS, SCHEDULER_HIDDEN = 16384, 2048
 SCHEDULER_LENGTHS = (512, 1024, 4096, 16384)
 SCHEDULER_ROUNDS = 3
 # ... and persistent kept only where its geometric mean is ahead by more than that drift: a block a
@@ -158,8 +158,8 @@ class SchedulerChoice:
     def summary(self) -> str:
         chosen = "persistent" if self.spec.pipeline.warp_specialized.persistent else "a block a tile"
         rates = ", ".join(f"N={n}: {g:.0f} / {p:.0f}" for n, g, p in zip(SCHEDULER_LENGTHS, self.grid, self.persistent))
-        return (f"scheduler: {chosen} (TFLOP/s a block a tile / persistent, B*N={SCHEDULER_TOKENS}, "
-                f"H*d={SCHEDULER_HIDDEN}: {rates}; geometric means {_geomean(self.grid):.1f} / "
+        return (f"scheduler: {chosen} (TFLOP/s a block a tile / persistent, B*N={TOKENS}, "
+                f"H*d={HIDDEN}: {rates}; geometric means {_geomean(self.grid):.1f} / "
                 f"{_geomean(self.persistent):.1f}; persistent needs {SCHEDULER_MARGIN:.2f}x)")
 
 
@@ -183,8 +183,8 @@ def choose_scheduler(spec: AttentionSpec, time=time_spec) -> SchedulerChoice:
     for round_ in range(SCHEDULER_ROUNDS):
         for persistent in ((False, True) if round_ % 2 == 0 else (True, False)):
             for n in SCHEDULER_LENGTHS:
-                timing = time(candidates[persistent], max(1, SCHEDULER_TOKENS // n),
-                              max(1, SCHEDULER_HIDDEN // spec.head_dim), n, n,
+                timing = time(candidates[persistent], max(1, TOKENS // n),
+                              max(1, HIDDEN // spec.head_dim), n, n,
                               check=round_ == 0 and n == SCHEDULER_LENGTHS[0])
                 samples.setdefault((persistent, n), []).append(timing.tflops)
     rates = {p: tuple(float(np.median(samples[(p, n)])) for n in SCHEDULER_LENGTHS) for p in (False, True)}

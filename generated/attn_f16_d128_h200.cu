@@ -553,7 +553,8 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 }
 
 // ---- the kernel ------------------------------------------------------------------------
-// Grid: x = batch * query head, y = query tile, heaviest (latest, under causal) tiles first.
+// Grid: x = blocks walking the tile grid (tiles_x = batch * query head, tiles_y = query tile,
+// heaviest (latest, under causal) tiles first): a block a tile, or one an SM.
 // q: [B, Hq, n_q, head_dim],
 // k, v: [B, Hkv, n_kv, head_dim],
 // o like q, any strides with a contiguous last dim; lse: [B, Hq, n_q] f32. Query head h

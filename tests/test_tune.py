@@ -286,7 +286,7 @@ def test_the_scheduler_is_chosen_by_geometric_mean_over_the_lengths():
     time, seen = _timer({False: dict(zip(lengths, (250, 320, 380, 410))), True: dict(zip(lengths, (330, 380, 365, 400)))})
     choice = tune.choose_scheduler(ws, time)
     assert choice.spec.pipeline.warp_specialized.persistent and choice.persistent == (330, 380, 365, 400)
-    assert {(b * n, h * ws.head_dim) for _, b, h, n, _, _ in seen} == {(tune.SCHEDULER_TOKENS, tune.SCHEDULER_HIDDEN)}
+    assert {(b * n, h * ws.head_dim) for _, b, h, n, _, _ in seen} == {(tune.TOKENS, tune.HIDDEN)}
     assert len(seen) == 2 * len(lengths) * tune.SCHEDULER_ROUNDS
     assert [p for p, *_, check in seen if check] == [False, True]  # each kernel checked once, first
     assert [p for p, *_ in seen[::len(lengths)]] == [False, True, True, False, False, True]  # alternating rounds
