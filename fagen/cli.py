@@ -482,6 +482,6 @@ def launch_cmd(nproc: int, timeout: float | None, script: str, args: tuple[str, 
     if timeout is not None and timeout <= 0:
         raise click.BadParameter(f"{timeout}: must be more than 0 seconds; use e.g. --timeout 600, or leave it out "
                                  f"to wait for ever", param_hint="'--timeout'")
-    from fagen.distributed import launch
+    from fagen.process_group import launch
 
     sys.exit(launch(nproc, [script, *args], timeout))

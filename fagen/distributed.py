@@ -1,4 +1,5 @@
-"""Attention across GPUs over NCCL (one process per GPU).
+"""Attention across GPUs (one process per GPU), on fagen's NCCL group or a torch.distributed
+process group (fagen.process_group).
 
 Schedules (the index arithmetic is pure and simulated rank by rank on the CPU in the tests):
 
@@ -7,32 +8,29 @@ Schedules (the index arithmetic is pure and simulated rank by rank on the CPU in
                        softmax max/sum are synchronised once, at the end (seed 003's deferred
                        sync): all-reduce max of LSE, then sums of weighted O and weights;
                        sinks join there.
-3. ring_zigzag_causal  K/V on every rank; rank r takes query chunks r and 2n-1-r of 2n
-                       (seed 004), so cheap early rows pair with expensive late ones; fully
-                       masked KV tiles are skipped by the causal kernel; outputs are written
-                       contiguously per rank, all-gathered and reshuffled to sequence order.
+3. zigzag_attention    causal; K/V on every rank; rank r holds query chunks r and 2w-1-r of
+                       2w (seed 004), so cheap early rows pair with expensive late ones; fully
+                       masked KV tiles are skipped by the causal kernel. Output rows stay on
+                       their rank (gather_sequence assembles the sequence where wanted).
 4. ring_attention      each rank holds only its zigzag chunks of Q, K and V; K/V travel
-                       around the ring by NCCL send/recv, overlapped with the local kernel;
-                       partials merge by LSE in float32.
+                       around the ring by send/recv, overlapped with the compute: one launch
+                       a step (ring_schedule), each folding its partial into the running O and
+                       LSE inside the kernel.
 
-`fagen launch -n N script.py` (or torchrun) starts the processes; `init()` joins them.
+`fagen launch -n N script.py` or torchrun starts the processes; `init()` joins fagen's group,
+or pass a torch.distributed ProcessGroup.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from fagen import variants
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
+from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
 from fagen.runtime import compile_kernel, default_spec
-from fagen.splitkv import merge
 
 # ---- schedules (pure) ------------------------------------------------------------------------
 
@@ -126,334 +124,243 @@ def merge_numpy(o_parts: np.ndarray, lse_parts: np.ndarray, sinks=None) -> tuple
     return out, lse
 
 
-def check_rank(rank: int, world: int) -> None:
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} of world size {world}: need world >= 1 and 0 <= rank < world")
+@dataclass(frozen=True)
+class RingStep:
+    """One launch of ring attention on one rank: its local query rows [q0, q1) against rows
+    [k0, k1) of the K/V block it holds at this step (rank `source`'s zigzag chunks), the
+    diagonal at local row = local key (causal) or every pair (full)."""
+    source: int
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    causal: bool
+
+    @property
+    def empty(self) -> bool:  # chunks of fewer than 2 * world positions may hold nothing
+        return self.q[1] <= self.q[0] or self.kv[1] <= self.kv[0]
 
 
-# ---- process group ---------------------------------------------------------------------------
+def ring_schedule(n: int, rank: int, world: int, causal: bool = True) -> list[RingStep]:
+    """Rank `rank`'s launches, step by step (the block of rank - step arrives at step `step`).
 
-@dataclass
-class Group:
-    rank: int
-    world: int
-    device: int
-    comm: object  # cupy.cuda.nccl.NcclCommunicator
-
-    def barrier(self) -> None:
-        import cupy
-
-        flag = cupy.zeros(1, cupy.float32)
-        self.all_reduce(flag, "sum")
-        cupy.cuda.get_current_stream().synchronize()
-
-    def all_reduce(self, x, op: str = "sum") -> None:
-        from cupy.cuda import nccl
-
-        ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
-        self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(x), ops[op],
-                            _cupy_stream_ptr())
-
-    def all_gather(self, x):
-        """[world, *x.shape] of every rank's x (same shape on every rank)."""
-        import cupy
-
-        out = cupy.empty((self.world,) + x.shape, x.dtype)
-        x = cupy.ascontiguousarray(x)
-        from cupy.cuda import nccl
-
-        self.comm.allGather(x.data.ptr, out.data.ptr, x.nbytes, nccl.NCCL_UINT8, _cupy_stream_ptr())
-        return out
-
-
-def _cupy_stream_ptr() -> int:
-    import cupy
-
-    return cupy.cuda.get_current_stream().ptr
-
-
-def _nccl_dtype(x):
-    from cupy.cuda import nccl
-
-    return {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16, "float64": nccl.NCCL_FLOAT64,
-            "int32": nccl.NCCL_INT32}[str(x.dtype)]
-
-
-def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise RuntimeError(f"{name} is not set: start the processes with `fagen launch -n N script.py` "
-                               f"or torchrun")
-        return default
-    return int(value)
-
-
-def _encode_id(uid) -> str:
-    """NCCL's unique id as text: bytes in newer CuPy, a tuple of ints in older ones."""
-    if isinstance(uid, (bytes, bytearray)):
-        return json.dumps({"bytes": bytes(uid).hex()})
-    return json.dumps({"ints": list(uid)})
-
-
-def _decode_id(text: str):
-    data = json.loads(text)
-    return bytes.fromhex(data["bytes"]) if "bytes" in data else tuple(data["ints"])
-
-
-def init(timeout_s: float = 120.0) -> Group:
-    """Join the process group: RANK, WORLD_SIZE, LOCAL_RANK from the environment (fagen launch
-    or torchrun); the NCCL id travels through fagen's rendezvous folder, or torch's TCPStore
-    at MASTER_ADDR:MASTER_PORT under torchrun."""
-    import cupy
-    from cupy.cuda import nccl
-
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    Each rank holds zigzag chunks (a, b) = (r, 2w-1-r) of the sequence, back to back. Step 0
+    is its own block: under causal masking, local row i sees local key j exactly when i >= j
+    (chunk a precedes chunk b in the sequence and the two chunks line up), so one causal launch
+    covers it. A later step's block from source s: s < r, both query chunks see s's first
+    chunk whole and its second not at all; s > r, only the second query chunk sees anything,
+    and all of both of s's chunks. One full launch each, over contiguous local rows."""
     check_rank(rank, world)
-    local = _env_int("LOCAL_RANK", rank)
-    if local >= cupy.cuda.runtime.getDeviceCount():
-        raise RuntimeError(f"rank {rank}: LOCAL_RANK {local} but this machine has "
-                           f"{cupy.cuda.runtime.getDeviceCount()} GPUs")
-    cupy.cuda.Device(local).use()
-    folder = os.environ.get("FAGEN_RENDEZVOUS")
-    if folder:
-        path = Path(folder) / "nccl_id.json"
-        if rank == 0:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(_encode_id(nccl.get_unique_id()))
-            tmp.rename(path)
-        deadline = time.monotonic() + timeout_s
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}: no NCCL id from rank 0 after {timeout_s:.0f} s")
-            time.sleep(0.05)
-        uid = _decode_id(path.read_text())
-    else:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT", 29500),
-                              world, rank == 0, timeout=timedelta(seconds=timeout_s))
-        if rank == 0:
-            store.set("fagen_nccl_id", _encode_id(nccl.get_unique_id()))
-        uid = _decode_id(store.get("fagen_nccl_id").decode())
-    comm = nccl.NcclCommunicator(world, uid, rank)
-    return Group(rank, world, local, comm)
-
-
-def launch(n: int, argv: list[str], timeout_s: float | None = None) -> int:
-    """Start n copies of `python argv...`, one per GPU, with torchrun's variables; wait; if a
-    rank fails, stop the others and report that rank's error instead of hanging."""
-    if n < 1:
-        raise ValueError(f"-n {n}: need at least one process")
-    with tempfile.TemporaryDirectory(prefix="fagen-rdzv-") as rdzv:
-        procs, logs = [], []
-        for rank in range(n):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", FAGEN_RENDEZVOUS=rdzv,
-                       NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-            log = open(Path(rdzv) / f"rank{rank}.err", "w+")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, *argv], env=env, stderr=log))
-        start, failed = time.monotonic(), None
-        while failed is None and any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if p.poll() not in (None, 0):
-                    failed = rank
-                    break
-            if timeout_s and time.monotonic() - start > timeout_s:
-                failed = -1
-            time.sleep(0.05)
-        if failed is None:
-            failed = next((r for r, p in enumerate(procs) if p.returncode), None)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for rank, log in enumerate(logs):
-            log.seek(0)
-            text = log.read()
-            log.close()
-            if text.strip() and (failed is None or rank == failed):
-                sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
-        if failed == -1:
-            sys.stderr.write(f"fagen launch: timed out after {timeout_s} s; stopped every rank\n")
-            return 124
-        if failed is not None:
-            sys.stderr.write(f"fagen launch: rank {failed} failed with exit code {procs[failed].returncode}; "
-                             f"stopped the other ranks\n")
-            return procs[failed].returncode or 1
-        return 0
+    mine = [e - s for s, e in zigzag_rows(n, rank, world)]
+    steps = []
+    for step in range(world):
+        source = (rank - step) % world
+        theirs = [e - s for s, e in zigzag_rows(n, source, world)]
+        if not causal:
+            q, kv = (0, sum(mine)), (0, sum(theirs))
+        elif step == 0:
+            q, kv = (0, sum(mine)), (0, sum(mine))
+        elif source < rank:
+            q, kv = (0, sum(mine)), (0, theirs[0])
+        else:
+            q, kv = (mine[0], sum(mine)), (0, sum(theirs))
+        steps.append(RingStep(source, q, kv, causal and step == 0))
+    return steps
 
 
 # ---- the four modes (each rank calls these with its group) -----------------------------------
+#
+# Every mode takes CuPy arrays or torch tensors and either group (fagen.process_group:
+# fagen's NcclGroup, or a torch.distributed ProcessGroup, None for the default one); its work
+# runs on the inputs' current stream and what it allocates comes from their framework.
 
-def _kernel(dtype: str, head_dim: int, causal: bool, partial: bool):
-    return compile_kernel(default_spec(dtype, head_dim, causal, partial=partial))
+def _xp(ref: DeviceTensor):
+    """The inputs' array module: the few elementwise functions the modes use have one name in both."""
+    if ref.kind == "torch":
+        import torch
+
+        return torch
+    return cupy
 
 
-def _dtype(x) -> str:
-    return str(x.dtype).removeprefix("torch.")
+def _cast(x, ref: DeviceTensor, dtype: str):
+    out = empty_like(ref, tuple(x.shape), dtype)
+    out[...] = x
+    return out
 
 
-def batch_sharded(group: Group, q, k, v, *, causal: bool = False):
+def _host_array(ref: DeviceTensor, values, dtype: str):
+    data = np.asarray(values, dtype=dtype)
+    out = empty_like(ref, data.shape, dtype)
+    if ref.kind == "torch":
+        import torch
+
+        out.copy_(torch.from_numpy(data))
+    else:
+        out.set(data)
+    return out
+
+
+def _spec(ref: DeviceTensor, causal: bool):
+    return default_spec(ref.dtype, ref.shape[-1], causal)
+
+
+def batch_sharded(group, q, k, v, *, causal: bool = False):
     """Mode 1: rank r computes batch rows shard_bounds(B, world)[r]; outputs all-gathered."""
-    import cupy
-
-    b = q.shape[0]
+    group, ref = as_group(group), as_device_tensor(q, "q")
+    b = ref.shape[0]
     bounds = shard_bounds(b, group.world)
     lo, hi = bounds[group.rank]
     per = bounds[0][1] - bounds[0][0]
-    local = cupy.zeros((per,) + q.shape[1:], q.dtype)
-    if hi > lo:
-        kernel = _kernel(_dtype(q), q.shape[-1], causal, False)
-        kernel(q[lo:hi], k[lo:hi], v[lo:hi], out=local[: hi - lo])
-    gathered = group.all_gather(local)  # [world, per, H, N, d], padded shards
-    return cupy.concatenate([gathered[r, : e - s] for r, (s, e) in enumerate(bounds)], axis=0)
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        local = zeros_like(ref, (per,) + ref.shape[1:], ref.dtype)
+        if hi > lo:
+            compile_kernel(_spec(ref, causal))(q[lo:hi], k[lo:hi], v[lo:hi], out=local[: hi - lo])
+        gathered = empty_like(ref, (group.world, per) + ref.shape[1:], ref.dtype)
+        group.all_gather(local, gathered)  # padded shards
+        out = empty_like(ref, ref.shape, ref.dtype)
+        for r, (s, e) in enumerate(bounds):
+            out[s:e] = gathered[r, : e - s]
+    return out
 
 
-def sequence_sharded(group: Group, q, k_shard, v_shard, *, n_kv: int, causal: bool = False, sinks=None,
+def sequence_sharded(group, q, k_shard, v_shard, *, n_kv: int, causal: bool = False, sinks=None,
                      return_lse: bool = False):
     """Mode 2: rank r holds keys shard_bounds(n_kv, world)[r] of the sequence; every rank has
     all of q. Partials over the local keys, then one deferred softmax sync across ranks."""
-    import cupy
-
+    group, ref = as_group(group), as_device_tensor(q, "q")
     kv0, kv1 = shard_bounds(n_kv, group.world)[group.rank]
     if k_shard.shape[2] != kv1 - kv0:
         raise ValueError(f"rank {group.rank}: k shard has {k_shard.shape[2]} keys; shard_bounds({n_kv}, "
                          f"{group.world}) gives this rank {kv1 - kv0}")
-    b, h, nq, d = q.shape
-    if kv1 > kv0:
-        kernel = _kernel(_dtype(q), d, causal, True)
-        o_parts, lse_parts = kernel(q, k_shard, v_shard, splits=1, mask_offset=(n_kv - nq) - kv0 if causal else None)
-        o, lse = o_parts[0], lse_parts[0]
-    else:  # an empty shard: contributes nothing
-        o, lse = cupy.zeros((b, h, nq, d), cupy.float32), cupy.full((b, h, nq), -cupy.inf, cupy.float32)
-    m = lse.copy()
-    if sinks is not None:
-        m = cupy.maximum(m, cupy.asarray(sinks, cupy.float32)[None, :, None])
-    group.all_reduce(m, "max")
-    m0 = cupy.where(cupy.isfinite(m), m, 0)
-    w = cupy.exp(lse - m0)
-    num = o * w[..., None]
-    group.all_reduce(num, "sum")
-    group.all_reduce(w, "sum")
-    if sinks is not None:
-        w = w + cupy.exp(cupy.asarray(sinks, cupy.float32)[None, :, None] - m0)
-    seen = cupy.isfinite(m)
-    out = cupy.where(seen[..., None], num / cupy.where(seen, w, 1)[..., None], 0).astype(q.dtype)
-    if return_lse:
-        return out, cupy.where(seen, m0 + cupy.log(cupy.where(seen, w, 1)), -cupy.inf)
+    b, h, nq, d = ref.shape
+    xp = _xp(ref)
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        if kv1 > kv0:
+            kernel = compile_kernel(variants.partial_variant(_spec(ref, causal)))
+            o_parts, lse_parts = kernel(q, k_shard, v_shard, splits=1,
+                                        mask_offset=(n_kv - nq) - kv0 if causal else None)
+            o, lse = o_parts[0], lse_parts[0]
+        else:  # an empty shard: contributes nothing
+            o = zeros_like(ref, (b, h, nq, d), "float32")
+            lse = _host_array(ref, np.full((b, h, nq), -np.inf), "float32")
+        m = lse.clone() if ref.kind == "torch" else lse.copy()
+        sink = None if sinks is None else _host_array(ref, np.asarray(sinks, np.float32)[None, :, None], "float32")
+        if sink is not None:
+            m = xp.maximum(m, sink)
+        group.all_reduce(m, "max")
+        seen = xp.isfinite(m)
+        m0 = xp.where(seen, m, 0)
+        w = xp.exp(lse - m0)
+        num = o * w[..., None]
+        group.all_reduce(num, "sum")
+        group.all_reduce(w, "sum")
+        if sink is not None:
+            w = w + xp.exp(sink - m0)
+        w = xp.where(seen, w, 1)
+        out = _cast(xp.where(seen[..., None], num / w[..., None], 0), ref, ref.dtype)
+        if return_lse:
+            return out, xp.where(seen, m0 + xp.log(w), -np.inf)
     return out
 
 
-def ring_zigzag_causal(group: Group, q, k, v):
-    """Mode 3 (seed 004): causal self-attention; rank r computes query chunks r and 2n-1-r
-    against the full K/V (tiles past the diagonal skipped), all-gather, reshuffle."""
-    import cupy
-
-    n = q.shape[2]
-    kernel = _kernel(_dtype(q), q.shape[-1], True, False)
-    if group.world == 1:
-        return kernel(q, k, v)
+def zigzag_attention(group, q_local, k, v, *, n: int):
+    """Mode 3 (seed 004): causal self-attention with all of K/V on every rank; rank r holds its
+    zigzag query chunks (r, 2w-1-r, back to back: sharded_inputs(q, n, w, r, "zigzag")) and
+    computes their rows against the keys up to each chunk's end (tiles past the diagonal
+    skipped), the two chunks' launches side by side. Returns this rank's output rows, laid out
+    as q_local (gather_sequence assembles the whole sequence)."""
+    group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
-    per = shard_bounds(n, 2 * group.world)[0][1] - shard_bounds(n, 2 * group.world)[0][0]
-    local = cupy.zeros(q.shape[:2] + (2 * per, q.shape[3]), q.dtype)
-    at = 0
-    with _side_by_side(2) as streams:  # the two chunks' launches fill each other's tail waves
-        for (s, e), stream in zip(rows, streams):  # written contiguously: first chunk, then second
-            if e > s:
-                with stream:
-                    kernel(q[:, :, s:e], k[:, :, :e], v[:, :, :e], out=local[:, :, at:at + e - s], mask_offset=s)
-            at += e - s
-    gathered = group.all_gather(local)  # [world, B, H, 2 * per, d]
-    parts = []
-    for r in range(group.world):
-        sizes = [e - s for s, e in zigzag_rows(n, r, group.world)]
-        parts.append(gathered[r, :, :, : sum(sizes)])
-    flat = cupy.concatenate(parts, axis=2)  # rank-major order
-    out = cupy.empty_like(flat)
-    out[:, :, cupy.asarray(zigzag_order(n, group.world))] = flat
+    _check_rows(ref, rows, "q_local")
+    kernel = compile_kernel(_spec(ref, True))
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        out = empty_like(ref, ref.shape, ref.dtype)
+        at = 0
+        with _side_by_side(ref, 2) as streams:  # the two chunks' launches fill each other's tail waves
+            for (s, e), stream in zip(rows, streams):
+                if e > s:
+                    with stream:
+                        kernel(q_local[:, :, at:at + e - s], k[:, :, :e], v[:, :, :e], out=out[:, :, at:at + e - s],
+                               mask_offset=s)
+                at += e - s
     return out
 
 
-def ring_attention(group: Group, q_local, k_local, v_local, *, n: int, causal: bool = True):
-    """Mode 4: each rank holds its zigzag chunks (r, 2n-1-r) of Q, K and V, concatenated. K/V
-    travel the ring (send to r+1, receive from r-1) while the local kernel runs; partials
-    merge by LSE in float32. Returns this rank's output rows (same layout as q_local)."""
-    import cupy
-    from cupy.cuda import nccl
-
+def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = True, return_lse: bool = False):
+    """Mode 4: each rank holds its zigzag chunks (r, 2w-1-r) of Q, K and V, back to back
+    (sharded_inputs(x, n, w, r, "zigzag")). The K/V blocks travel the ring (sent to r+1,
+    received from r-1) while this rank computes on the one it holds: ring_schedule's one launch
+    a step, each folding its partial into the running float32 O and LSE inside the kernel
+    (outputs.accumulate). Returns this rank's output rows, laid out as q_local (and their
+    natural-log LSE [B, H, rows], float32, with return_lse)."""
+    group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
-    b, h, rows, d = q_local.shape
-    my_rows = zigzag_rows(n, rank, world)
-    sizes = [e - s for s, e in my_rows]
-    full = _kernel(_dtype(q_local), d, False, True)
-    diag = _kernel(_dtype(q_local), d, True, True)
-    acc_o = [cupy.zeros((2, b, h, sz, d), cupy.float32) for sz in sizes]  # slot 0: running, 1: new
-    acc_l = [cupy.full((2, b, h, sz), -cupy.inf, cupy.float32) for sz in sizes]
+    b, h, rows, d = ref.shape
+    _check_rows(ref, zigzag_rows(n, rank, world), "q_local")
+    for name, x in (("k_local", k_local), ("v_local", v_local)):
+        t = as_device_tensor(x, name)
+        if t.shape[0] != b or t.shape[2] != rows or t.shape[3] != d or t.dtype != ref.dtype:
+            raise ValueError(f"{name}: {t.dtype} {t.shape}; expected {ref.dtype} [{b}, Hkv, {rows}, {d}] "
+                             f"(this rank's zigzag chunks, as q_local)")
+    hkv = as_device_tensor(k_local, "k_local").shape[1]
+    first = compile_kernel(variants.partial_variant(_spec(ref, causal)))
+    fold = compile_kernel(variants.accumulate_variant(_spec(ref, False)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
-    max_rows = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
-    kv = cupy.zeros((2, b, h, max_rows, d), q_local.dtype)
-    kv[0, :, :, :rows] = k_local
-    kv[1, :, :, :rows] = v_local
-    nxt = cupy.empty_like(kv)
-    compute, comm_stream = cupy.cuda.get_current_stream(), cupy.cuda.Stream(non_blocking=True)
-    for step in range(world):
-        src = (rank - step) % world
-        if step + 1 < world:  # the next K/V travels while this step computes
-            comm_stream.wait_event(compute.record())
-            nccl.groupStart()
-            group.comm.send(kv.data.ptr, kv.nbytes, nccl.NCCL_UINT8, (rank + 1) % world, comm_stream.ptr)
-            group.comm.recv(nxt.data.ptr, nxt.nbytes, nccl.NCCL_UINT8, (rank - 1) % world, comm_stream.ptr)
-            nccl.groupEnd()
-        src_rows = zigzag_rows(n, src, world)
-        src_sizes = [e - s for s, e in src_rows]
-        with _side_by_side(2) as streams:  # the two query chunks accumulate independently
-            for qi, (q_chunk, stream) in enumerate(zip(zigzag_chunks(rank, world), streams)):
-                q_part = q_local[:, :, sum(sizes[:qi]): sum(sizes[: qi + 1])]
-                for kj, kv_chunk in enumerate(zigzag_chunks(src, world)):
-                    kind = ring_pair_kind(q_chunk, kv_chunk) if causal else "full"
-                    if kind == "skip" or sizes[qi] == 0 or src_sizes[kj] == 0:
-                        continue
-                    lo = sum(src_sizes[:kj])
-                    k_part = kv[0][:, :, lo: lo + src_sizes[kj]]
-                    v_part = kv[1][:, :, lo: lo + src_sizes[kj]]
-                    kernel = diag if kind == "diagonal" else full
-                    with stream:
-                        _, lse_new = kernel(q_part, k_part, v_part, splits=1, out=acc_o[qi][1:2],
-                                            mask_offset=0 if kind == "diagonal" else None)
-                        acc_l[qi][1] = lse_new[0]
-                        # fold (running, new) into the running slot; each element is read before written
-                        _, acc_l[qi][0] = merge(acc_o[qi], acc_l[qi], out=acc_o[qi][0], out_dtype="float32")
-        if step + 1 < world:
-            compute.wait_event(comm_stream.record())
-            kv, nxt = nxt, kv
-    out = cupy.concatenate([acc_o[i][0] for i in range(2)], axis=2).astype(q_local.dtype)
-    return out
+    most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        acc_o = empty_like(ref, (b, h, rows, d), "float32")
+        acc_l = empty_like(ref, (b, h, rows), "float32")
+        if world > 1:
+            held, arriving = (empty_like(ref, (2, b, hkv, most, d), ref.dtype) for _ in range(2))
+            held[0, :, :, :rows] = k_local
+            held[1, :, :, :rows] = v_local
+        for i, step in enumerate(ring_schedule(n, rank, world, causal)):
+            transfer = None
+            if i + 1 < world:  # the next block travels while this one is computed on
+                transfer = group.send_recv(held, arriving, (rank + 1) % world, (rank - 1) % world)
+            (q0, q1), (k0, k1) = step.q, step.kv
+            if i == 0 and not step.empty:  # its own block first: writes the running O and LSE
+                first(q_local, k_local, v_local, out=acc_o[None], lse=acc_l[None], mask_offset=0)
+            elif not step.empty:
+                fold(q_local[:, :, q0:q1], held[0, :, :, k0:k1], held[1, :, :, k0:k1],
+                     out=acc_o[:, :, q0:q1], lse=acc_l[:, :, q0:q1])
+            if transfer is not None:
+                transfer.wait()
+                held, arriving = arriving, held
+        out = _cast(acc_o, ref, ref.dtype)
+    return (out, acc_l) if return_lse else out
+
+
+def _check_rows(ref: DeviceTensor, rows: list[tuple[int, int]], what: str) -> None:
+    want = sum(e - s for s, e in rows)
+    if len(ref.shape) != 4 or ref.shape[2] != want:
+        raise ValueError(f"{what}: shape {ref.shape}; this rank's zigzag chunks {rows} are {want} rows: expected "
+                         f"[B, H, {want}, d] (sharded_inputs(x, n, world, rank, 'zigzag'))")
 
 
 class _side_by_side:
     """Streams that start after the current stream's work so far and that the current stream
-    waits for on exit: independent launches overlap (one's tail wave fills with the other)."""
+    waits for on exit: independent launches overlap (one's tail wave fills with the other).
+    PyTorch's streams for torch inputs (its kernels launch on torch's current stream)."""
 
-    _pool: dict[int, list] = {}
+    _pool: dict[tuple[str, int], list] = {}
 
-    def __init__(self, count: int):
-        self.count = count
+    def __init__(self, ref: DeviceTensor, count: int):
+        self.ref, self.count = ref, count
 
     def __enter__(self):
-        import cupy
+        pool = self._pool.setdefault((self.ref.kind, self.ref.device), [])
+        if self.ref.kind == "torch":
+            import torch
 
+            self.main = torch.cuda.current_stream(self.ref.device)
+            while len(pool) < self.count:
+                pool.append(torch.cuda.Stream(self.ref.device))
+            self.streams = pool[: self.count]
+            for stream in self.streams:
+                stream.wait_stream(self.main)
+            return [torch.cuda.stream(s) for s in self.streams]
         self.main = cupy.cuda.get_current_stream()
-        device = cupy.cuda.Device().id
-        pool = self._pool.setdefault(device, [])
         while len(pool) < self.count:
             pool.append(cupy.cuda.Stream(non_blocking=True))
         self.streams = pool[: self.count]
@@ -464,21 +371,48 @@ class _side_by_side:
 
     def __exit__(self, *exc):
         for stream in self.streams:
-            self.main.wait_event(stream.record())
+            if self.ref.kind == "torch":
+                self.main.wait_stream(stream)
+            else:
+                self.main.wait_event(stream.record())
         return False
 
 
 def sharded_inputs(x, n: int, world: int, rank: int, how: str):
     """This rank's piece of a full [B, H, N, d] tensor: 'sequence' (contiguous shard) or
-    'zigzag' (chunks r and 2n-1-r, concatenated)."""
-    import cupy
+    'zigzag' (chunks r and 2n-1-r, back to back), contiguous, in x's framework."""
+    ref = as_device_tensor(x, "x")
+    pieces = [shard_bounds(n, world)[rank]] if how == "sequence" else zigzag_rows(n, rank, world)
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        out = empty_like(ref, ref.shape[:2] + (sum(e - s for s, e in pieces), ref.shape[3]), ref.dtype)
+        at = 0
+        for s, e in pieces:
+            out[:, :, at:at + e - s] = x[:, :, s:e]
+            at += e - s
+    return out
 
-    if how == "sequence":
-        s, e = shard_bounds(n, world)[rank]
-        return cupy.ascontiguousarray(x[:, :, s:e])
-    return cupy.ascontiguousarray(cupy.concatenate([x[:, :, s:e] for s, e in zigzag_rows(n, rank, world)], axis=2))
+
+def gather_sequence(group, local, *, n: int):
+    """The whole sequence's rows [B, H, n, d] on every rank from each rank's zigzag rows
+    (ring_attention's and zigzag_attention's outputs): all-gather, then the reshuffle."""
+    group, ref = as_group(group), as_device_tensor(local, "local")
+    world = group.world
+    most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        padded = zeros_like(ref, ref.shape[:2] + (most, ref.shape[3]), ref.dtype)
+        padded[:, :, : ref.shape[2]] = local
+        gathered = empty_like(ref, (world,) + tuple(padded.shape), ref.dtype)
+        group.all_gather(padded, gathered)
+        out = empty_like(ref, ref.shape[:2] + (n, ref.shape[3]), ref.dtype)
+        for r in range(world):
+            at = 0
+            for s, e in zigzag_rows(n, r, world):
+                out[:, :, s:e] = gathered[r, :, :, at:at + e - s]
+                at += e - s
+    return out
 
 
-__all__ = ["Group", "batch_sharded", "causal_pairs", "check_rank", "imbalance", "init", "launch", "merge_numpy",
-           "reshuffle", "ring_attention", "ring_pair_kind", "ring_zigzag_causal", "sequence_sharded",
-           "shard_bounds", "sharded_inputs", "work_per_rank", "zigzag_chunks", "zigzag_order", "zigzag_rows"]
+__all__ = ["NcclGroup", "RingStep", "TorchGroup", "as_group", "batch_sharded", "causal_pairs", "check_rank",
+           "gather_sequence", "imbalance", "init", "launch", "merge_numpy", "reshuffle", "ring_attention",
+           "ring_pair_kind", "ring_schedule", "sequence_sharded", "shard_bounds", "sharded_inputs", "work_per_rank",
+           "zigzag_attention", "zigzag_chunks", "zigzag_order", "zigzag_rows"]

@@ -372,8 +372,10 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         mask_params=KINDS[spec.mask.kind].params,
         score_params=score_params(spec),
         sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks and not spec.outputs.partial else (),
-        split_params=(("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),
-                      ("long long", "lse_split_stride")) if spec.outputs.partial else (),
+        split_params=((("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),
+                       ("long long", "lse_split_stride")) if spec.outputs.partial else ())
+        # a running LSE may be a slice of a longer one (a ring step's rows): its (batch, head) rows' stride
+        + ((("long long", "lse_head_stride"),) if spec.outputs.accumulate else ()),
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
         warp_specialized=ws is not None,

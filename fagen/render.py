@@ -66,6 +66,7 @@ def context(spec: AttentionSpec) -> dict:
         "score_mod": spec.score_mod,
         "write_lse": spec.outputs.lse,
         "partial": spec.outputs.partial,
+        "accumulate": spec.outputs.accumulate,
         "q_in_registers": spec.pipeline.q_in_registers,
         "pack_gqa": spec.tiling.pack_gqa,
         "sequences": spec.sequences,

@@ -263,12 +263,20 @@ class Kernel:
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None,
                  block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-                 splits: int | None = None, mask_offset: int | None = None):
+                 splits: int | None = None, mask_offset: int | None = None, lse=None):
         """out (and lse) for q, k, v. A partial spec (outputs.partial) returns float32 partials
         (o_parts [S, B, Hq, Nq, d], lse_parts [S, B, Hq, Nq]) for `splits` shares of the KV
-        tiles; fagen.splitkv merges them. mask_offset moves the diagonal (key of query 0's
+        tiles; fagen.splitkv merges them. An accumulating one (outputs.accumulate) folds its
+        partial into the running float32 `out` [B, Hq, Nq, d] and `lse` [B, Hq, Nq] it is given
+        (a ring step) and returns them. mask_offset moves the diagonal (key of query 0's
         diagonal): shards of a sequence pass their positions through it."""
-        partial = self.spec.outputs.partial
+        partial, accumulate = self.spec.outputs.partial, self.spec.outputs.accumulate
+        if accumulate:
+            running = out, lse
+            out, lse = self._running(q, out, lse, splits)
+        elif lse is not None and not partial:
+            raise ValueError(f"lse: kernel {self.spec.name} returns a fresh LSE (return_lse=True); only a split-KV "
+                             f"kernel (outputs: {{partial: true}}) writes into a given one")
         if splits is not None and not partial:
             raise ValueError(f"splits={splits}: kernel {self.spec.name} is not a split-KV kernel "
                              f"(outputs: {{partial: true}})")
@@ -303,14 +311,20 @@ class Kernel:
                 per_split = math.ceil(n_tiles / splits)
                 splits = math.ceil(n_tiles / per_split)
                 out = empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
-                lse = empty_like(tq, (splits, b, hq, nq), "float32")
+                lse = empty_like(tq, (splits, b, hq, nq), "float32") if lse is None else lse
                 to = as_device_tensor(out, "out")
                 if to.shape != (splits, b, hq, nq, d) or to.dtype != "float32" or to.strides[-1] != 1:
                     raise ValueError(f"out: {to.dtype} {to.shape}; a split-KV kernel writes float32 "
                                      f"[{splits}, {b}, {hq}, {nq}, {d}]")
                 tl = as_device_tensor(lse, "lse")
+                rows = tl.strides[2] if accumulate else nq  # an accumulating kernel reads the heads' stride
+                if tl.shape != (splits, b, hq, nq) or tl.dtype != "float32" or tl.strides[1:] != (hq * rows, rows, 1):
+                    raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; a split-KV kernel writes "
+                                     f"float32 [{splits}, {b}, {hq}, {nq}], each split's rows contiguous")
                 extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(to.strides[0]),
                               lse_split_stride=np.int64(tl.strides[0]))
+                if accumulate:
+                    extras["lse_head_stride"] = np.int64(tl.strides[2])
                 to = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
             else:
                 out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
@@ -319,7 +333,30 @@ class Kernel:
                 tl = as_device_tensor(lse, "lse")
             self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras)(None)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
+        if accumulate:
+            return running
         return (out, lse) if return_lse or partial else out
+
+    def _running(self, q, out, lse, splits) -> tuple:
+        """An accumulating kernel's running out and lse, checked, with out as one split's
+        partials ([1, B, Hq, Nq, d]) for the split-KV path."""
+        if out is None or lse is None:
+            raise ValueError(f"kernel {self.spec.name} accumulates (outputs.accumulate): pass the running "
+                             f"out (float32 [B, Hq, Nq, d]; zeros to start) and lse (float32 [B, Hq, Nq]; -inf)")
+        if splits not in (None, 1):
+            raise ValueError(f"splits={splits}: an accumulating kernel folds one partial a row (splits=1)")
+        tq = as_device_tensor(q, "q")
+        for name, x, shape in (("out", out, tq.shape), ("lse", lse, tq.shape[:3])):
+            t = as_device_tensor(x, name)
+            if t.kind != tq.kind or t.dtype != "float32" or t.shape != shape or t.device != tq.device \
+                    or t.strides[-1] != 1:
+                raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; the running {name} is a "
+                                 f"{tq.kind} float32 {shape} on cuda:{tq.device} with a contiguous last dim")
+        tl = as_device_tensor(lse, "lse")
+        if tl.strides[0] != tq.shape[1] * tl.strides[1]:
+            raise ValueError(f"lse: strides {tl.strides}; the running LSE's heads must lie evenly across the batch "
+                             f"(a slice of [B, Hq, N] along N is fine): pass lse.contiguous()")
+        return (out[None] if tq.kind == "cupy" else out.unsqueeze(0)), lse[None] if tq.kind == "cupy" else lse.unsqueeze(0)
 
     def launch(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, to: DeviceTensor, tl: DeviceTensor, *,
                scale: float, mask_offset: int, splits: int, extras: dict) -> Launch:

@@ -269,11 +269,18 @@ class Outputs(_Frozen):
     # split-KV: each block attends to a share of the KV tiles and writes a float32 partial O
     # (normalised over its keys) and its LSE; fagen.splitkv merges partials by LSE
     partial: bool = False
+    # a ring step: the kernel folds its partial into the float32 O and the LSE already in its
+    # outputs (weighted by the two LSEs) instead of overwriting them, so each step of ring
+    # attention adds its KV block's share in place, with no merge launch
+    accumulate: bool = False
 
     @model_validator(mode="after")
     def _partial_needs_lse(self) -> Outputs:
         if self.partial and not self.lse:
             raise ValueError(rule("outputs.lse", False, "partials are merged by their LSE", "set lse: true"))
+        if self.accumulate and not self.partial:
+            raise ValueError(rule("outputs.accumulate", True, "folds a float32 partial into the running one, so it "
+                                  "needs outputs.partial", "set partial: true (and lse: true)"))
         return self
 
 

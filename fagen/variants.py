@@ -150,11 +150,22 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
 
 
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
-    """`spec` writing float32 partials (outputs.partial), named <name>_partial."""
+    """`spec` writing float32 partials (outputs.partial), named <name>_partial (forward only:
+    its backward: section is not carried over)."""
     if spec.outputs.partial:
         return spec
-    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_partial",
+    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_partial", "backward": None,
                        "outputs": {**spec.outputs.model_dump(), "partial": True, "lse": True}}, f"partial of {spec.name}")
+
+
+def accumulate_variant(spec: AttentionSpec) -> AttentionSpec:
+    """`spec`'s partial kernel folding into the running O and LSE (outputs.accumulate), named
+    <partial's name>_accumulate: a step of ring attention."""
+    spec = partial_variant(spec)
+    if spec.outputs.accumulate:
+        return spec
+    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_accumulate",
+                       "outputs": {**spec.outputs.model_dump(), "accumulate": True}}, f"accumulating {spec.name}")
 
 
 # The backward's tiling by head_dim (fagen.backward_plan): dK and dV of block_kv keys live in

@@ -25,6 +25,7 @@
 //     kind: causal
 //   name: alibi_causal_f16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

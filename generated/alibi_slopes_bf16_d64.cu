@@ -23,6 +23,7 @@
 //     kind: none
 //   name: alibi_slopes_bf16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

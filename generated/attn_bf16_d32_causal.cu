@@ -12,6 +12,7 @@
 //     kind: causal
 //   name: attn_bf16_d32_causal
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -13,6 +13,7 @@
 //     kind: causal
 //   name: attn_bf16_d64_causal_h200
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -24,6 +24,7 @@
 //     kind: none
 //   name: attn_bf16_d64_h200
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -26,6 +26,7 @@
 //     kind: causal
 //   name: attn_f16_d128_causal_h200
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

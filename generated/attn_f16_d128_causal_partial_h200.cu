@@ -12,6 +12,7 @@
 //     kind: causal
 //   name: attn_f16_d128_causal_partial_h200
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: true
 //   pipeline:

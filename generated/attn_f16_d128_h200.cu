@@ -13,6 +13,7 @@
 //     kind: none
 //   name: attn_f16_d128_h200
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: none
 //   name: attn_f16_d128_partial_h200
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: true
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: none
 //   name: attn_f16_d32
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: causal
 //   name: attn_f16_d96_causal
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

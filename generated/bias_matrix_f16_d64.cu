@@ -23,6 +23,7 @@
 //     kind: none
 //   name: bias_matrix_f16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

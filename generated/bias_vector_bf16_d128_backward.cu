@@ -25,6 +25,7 @@
 //     kind: causal
 //   name: bias_vector_bf16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

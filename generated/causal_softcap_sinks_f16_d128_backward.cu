@@ -25,6 +25,7 @@
 //     kind: causal
 //   name: causal_softcap_sinks_f16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

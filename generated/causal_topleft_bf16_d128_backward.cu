@@ -25,6 +25,7 @@
 //     kind: causal
 //   name: causal_topleft_bf16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

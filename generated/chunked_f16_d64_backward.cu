@@ -26,6 +26,7 @@
 //     kind: chunked
 //   name: chunked_f16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

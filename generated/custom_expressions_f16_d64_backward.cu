@@ -26,6 +26,7 @@
 //     kind: causal
 //   name: custom_expressions_f16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: none
 //   name: decode_bf16_d128_q64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: true
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: none
 //   name: decode_f16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: true
 //   pipeline:

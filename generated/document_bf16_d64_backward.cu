@@ -25,6 +25,7 @@
 //     kind: document
 //   name: document_bf16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

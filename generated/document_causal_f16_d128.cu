@@ -23,6 +23,7 @@
 //     kind: document
 //   name: document_causal_f16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: causal
 //   name: flash_prefetch2_bf16_d64_causal_br128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: none
 //   name: flash_prefetch_bf16_d128_swizzled
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

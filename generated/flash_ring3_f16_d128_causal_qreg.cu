@@ -12,6 +12,7 @@
 //     kind: causal
 //   name: flash_ring3_f16_d128_causal_qreg
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

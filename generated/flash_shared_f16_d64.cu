@@ -12,6 +12,7 @@
 //     kind: none
 //   name: flash_shared_f16_d64
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

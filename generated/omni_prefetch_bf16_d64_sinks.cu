@@ -12,6 +12,7 @@
 //     kind: block_mask
 //   name: omni_prefetch_bf16_d64_sinks
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -12,6 +12,7 @@
 //     kind: block_mask
 //   name: omni_shared_f16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -24,6 +24,7 @@
 //     prefix_len: 300
 //   name: prefix_lm_f16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

@@ -25,6 +25,7 @@
 //     window_right: 37
 //   name: sliding_window_bf16_d64_sym
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

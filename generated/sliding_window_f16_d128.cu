@@ -25,6 +25,7 @@
 //     window_right: 0
 //   name: sliding_window_f16_d128
 //   outputs:
+//     accumulate: false
 //     lse: true
 //     partial: false
 //   pipeline:

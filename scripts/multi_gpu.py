@@ -1,20 +1,33 @@
-"""Every multi-GPU mode against the oracle (awkward lengths), then the causal N=32k timing.
+"""Every multi-GPU mode against the oracle (awkward lengths), on fagen's NCCL group and on a
+torch.distributed process group; with --time, the scaling table (causal, d = 128, B = 1,
+H = 16, float16) against the best one-GPU kernel in the same run.
 
-Run: fagen launch -n 2 scripts/multi_gpu.py     (ranks simulated on one GPU: -n 1)
+Run: fagen launch -n 2 scripts/multi_gpu.py [--time 32768 131072]     (or torchrun)
+Each line of the table is printed by rank 0 as JSON after `TIMING `.
 """
 
-import math
+import argparse
+import json
+import os
 
 import cupy
 import numpy as np
+import torch
+import torch.distributed as tdist
 
 from fagen import distributed as dist
 from fagen import oracle
-from fagen.check import OUT_TOLERANCE, relative_error, time_ms
-from fagen.runtime import compile_kernel, default_spec
+from fagen.check import OUT_TOLERANCE, relative_error, to_numpy
 
-group = dist.init()
-rank, world = group.rank, group.world
+parser = argparse.ArgumentParser()
+parser.add_argument("--time", type=int, nargs="*", default=[], help="sequence lengths to time")
+parser.add_argument("--iters", type=int, default=10)
+args = parser.parse_args()
+
+ours = dist.init()
+rank, world = ours.rank, ours.world
+torch.cuda.set_device(ours.device)
+tdist.init_process_group("nccl", device_id=torch.device("cuda", ours.device))
 
 
 def log(*a):
@@ -22,56 +35,99 @@ def log(*a):
         print(*a, flush=True)
 
 
-def same_inputs(b, h, n, d, seed):
-    rng = cupy.random.default_rng(seed)  # identical on every rank: the seed is shared
-    return [rng.standard_normal((b, h, n, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(3)]
+def same_inputs(framework, dtype, b, hq, hkv, n, d, seed):
+    """q, k, v identical on every rank (the seed is shared)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [torch.randn((b, h, n, d), generator=gen, device="cuda").to(getattr(torch, dtype)) for h in (hq, hkv, hkv)]
+    return xs if framework == "torch" else [cupy.asarray(x) for x in xs]
 
 
-def check(name, out, ref):
-    err = relative_error(cupy.asnumpy(out).astype(np.float32), ref)
-    ok = err < OUT_TOLERANCE["float16"]
-    log(f"{name:34} world={world} rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
+def check(name, out, ref, dtype):
+    err = relative_error(to_numpy(out).astype(np.float32), ref)
+    ok = err < OUT_TOLERANCE[dtype]
+    log(f"{name:52} world={world} rel err {err:.2e} {'PASS' if ok else 'FAIL'}")
     assert ok, name
 
 
-seed = int(np.random.default_rng().integers(1 << 30))
-seed_arr = cupy.asarray([seed], cupy.int32)
-group.all_reduce(seed_arr, "max")  # every rank draws the same inputs
+seed_arr = cupy.asarray([int(np.random.default_rng().integers(1 << 30))], cupy.int32)
+ours.all_reduce(seed_arr, "max")  # every rank draws the same inputs
 seed = int(seed_arr.get()[0])
-for n in (1000, 777):
-    q, k, v = same_inputs(2, 4, n, 128, seed + n)
-    qn, kn, vn = (cupy.asnumpy(x).astype(np.float32) for x in (q, k, v))
-    ref_causal = oracle.attention(qn, kn, vn, causal=True)
-    ref_dense = oracle.attention(qn, kn, vn)
-    check(f"1 batch sharded N={n}", dist.batch_sharded(group, q, k, v), ref_dense)
-    sinks = np.linspace(-1, 2, 4).astype(np.float32)
-    check(f"2 sequence sharded causal+sinks N={n}",
-          dist.sequence_sharded(group, q, dist.sharded_inputs(k, n, world, rank, "sequence"),
-                                dist.sharded_inputs(v, n, world, rank, "sequence"), n_kv=n, causal=True, sinks=sinks),
-          oracle.attention(qn, kn, vn, causal=True, sinks=sinks))
-    check(f"3 ring zigzag causal N={n}", dist.ring_zigzag_causal(group, q, k, v), ref_causal)
-    mine = dist.ring_attention(group, *(dist.sharded_inputs(x, n, world, rank, "zigzag") for x in (q, k, v)), n=n)
-    gathered = group.all_gather(cupy.pad(mine, ((0, 0), (0, 0), (0, 2 * math.ceil(n / (2 * world)) - mine.shape[2]), (0, 0))))
-    rows = [gathered[r, :, :, : sum(e - s for s, e in dist.zigzag_rows(n, r, world))] for r in range(world)]
-    flat = cupy.concatenate(rows, axis=2)
-    full = cupy.empty_like(flat)
-    full[:, :, cupy.asarray(dist.zigzag_order(n, world))] = flat
-    check(f"4 ring attention causal N={n}", full, ref_causal)
+cases = [("fagen", "cupy", "float16", 4, 4), ("torch", "torch", "bfloat16", 4, 2)]
+for group_name, framework, dtype, hq, hkv in cases:
+    group = ours if group_name == "fagen" else None  # None: torch.distributed's default group
+    tag = f"[{group_name} group, {framework} {dtype}, Hq/Hkv {hq}/{hkv}]"
+    for n in (1000, 777):
+        q, k, v = same_inputs(framework, dtype, 2, hq, hkv, n, 128, seed + n)
+        qn, kn, vn = (to_numpy(x).astype(np.float64) for x in (q, k, v))
+        ref_causal, ref_dense = oracle.attention(qn, kn, vn, causal=True), oracle.attention(qn, kn, vn)
+        check(f"1 batch sharded N={n} {tag}", dist.batch_sharded(group, q, k, v), ref_dense, dtype)
+        sinks = np.linspace(-1, 2, hq).astype(np.float32)
+        check(f"2 sequence sharded causal+sinks N={n} {tag}",
+              dist.sequence_sharded(group, q, dist.sharded_inputs(k, n, world, rank, "sequence"),
+                                    dist.sharded_inputs(v, n, world, rank, "sequence"), n_kv=n, causal=True,
+                                    sinks=sinks),
+              oracle.attention(qn, kn, vn, causal=True, sinks=sinks), dtype)
+        qz, kz, vz = (dist.sharded_inputs(x, n, world, rank, "zigzag") for x in (q, k, v))
+        local = dist.zigzag_attention(group, qz, k, v, n=n)
+        check(f"3 zigzag causal N={n} {tag}", dist.gather_sequence(group, local, n=n), ref_causal, dtype)
+        for causal, ref in ((True, ref_causal), (False, ref_dense)):
+            local = dist.ring_attention(group, qz, kz, vz, n=n, causal=causal)
+            check(f"4 ring attention {'causal' if causal else 'full'} N={n} {tag}",
+                  dist.gather_sequence(group, local, n=n), ref, dtype)
 
-# timing: causal N = 32k, d = 128, float16, B = 1, H = 16
-n = 32768
-q, k, v = same_inputs(1, 16, n, 128, seed)
-single = compile_kernel(default_spec("float16", 128, True))
-reference = single(q, k, v)
-qz, kz, vz = (dist.sharded_inputs(x, n, world, rank, "zigzag") for x in (q, k, v))
-for name, fn in (("3 ring zigzag causal", lambda: dist.ring_zigzag_causal(group, q, k, v)),
-                 ("4 ring attention", lambda: dist.ring_attention(group, qz, kz, vz, n=n))):
-    out = fn()
-    if name.startswith("3"):
-        err = relative_error(cupy.asnumpy(out).astype(np.float32), cupy.asnumpy(reference).astype(np.float32))
-        log(f"{name} N=32k vs one-GPU kernel: rel err {err:.2e}")
-    group.barrier()
-    ms = time_ms(lambda: (fn(), group.barrier()), warmup=3, iters=10)
-    log(f"{name:24} N=32k world={world}: {ms:8.2f} ms")
-ms1 = time_ms(lambda: single(q, k, v), warmup=3, iters=10)
-log(f"{'one GPU kernel':24} N=32k: {ms1:8.2f} ms")
+
+def time_ms(fn, iters):
+    """Mean ms a call over `iters` back-to-back calls on this rank's stream (no barrier between
+    them), the slowest rank's; a barrier only before the first."""
+    fn()
+    torch.cuda.synchronize()
+    tdist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    ms = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    tdist.all_reduce(ms, op=tdist.ReduceOp.MAX)
+    return float(ms)
+
+
+for n in args.time:
+    b, h, d = 1, 16, 128
+    q, k, v = same_inputs("torch", "float16", b, h, h, n, d, seed)
+    flops = 4 * b * h * n * n * d / 2  # causal: half the pairs
+    single = {}
+    from fagen.runtime import compile_kernel, default_spec
+
+    kernel = compile_kernel(default_spec("float16", d, True))
+    reference = kernel(q, k, v)
+    single["fagen"] = time_ms(lambda: kernel(q, k, v), args.iters)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "fa2")):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                single[name] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                       args.iters)
+        except RuntimeError as err:
+            log(f"SDPA {name}: {str(err).splitlines()[0]}")
+    best = min(single.values())
+    qz, kz, vz = (dist.sharded_inputs(x, n, world, rank, "zigzag") for x in (q, k, v))
+    modes = {"zigzag": lambda: dist.zigzag_attention(None, qz, k, v, n=n),
+             "ring": lambda: dist.ring_attention(None, qz, kz, vz, n=n),
+             "ring (fagen group)": lambda: dist.ring_attention(ours, qz, kz, vz, n=n)}
+    ref_rows = dist.sharded_inputs(reference, n, world, rank, "zigzag")
+    row = {"n": n, "world": world, "single_ms": single, "best_single": min(single, key=single.get)}
+    for name, fn in modes.items():
+        err = relative_error(to_numpy(fn()).astype(np.float32), to_numpy(ref_rows).astype(np.float32))
+        assert err < OUT_TOLERANCE["float16"], (name, err)  # checked before timed
+        ms = time_ms(fn, args.iters)
+        row[name] = {"ms": round(ms, 3), "speedup": round(best / ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+    row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    log("TIMING " + json.dumps(row))
+
+tdist.destroy_process_group()
+if os.environ.get("FAGEN_RENDEZVOUS") is None:
+    pass  # under torchrun the launcher tears down the store

@@ -18,6 +18,7 @@ from fagen.distributed import (
     merge_numpy,
     reshuffle,
     ring_pair_kind,
+    ring_schedule,
     shard_bounds,
     work_per_rank,
     zigzag_chunks,
@@ -299,81 +300,73 @@ def test_ring_zigzag_causal(world, n):
 
 # ---- 6. mode 4: ring attention ---------------------------------------------------------------
 
-def ring_attention_sim(q, k, v, world, causal, incremental):
-    """Every rank's output rows (its two zigzag chunks, concatenated), replaying ring_attention."""
+def local_rows(x, n, rank, world):
+    return np.concatenate([x[:, :, s:e] for s, e in zigzag_rows(n, rank, world)], axis=2)
+
+
+def positions(n, rank, world):
+    """Sequence positions of a rank's local rows (its zigzag chunks, back to back)."""
+    return np.concatenate([np.arange(s, e) for s, e in zigzag_rows(n, rank, world)]).astype(int)
+
+
+def ring_attention_sim(q, k, v, world, causal):
+    """Every rank's output rows, replaying ring_attention: ring_schedule's launches, each folded
+    into the running (O, LSE) as the accumulating kernel does. Also checks that each launch's
+    mask (local causal, or none) is the sequence's causal mask on its rows and keys, and that
+    the launches of a rank cover every pair its rows keep exactly once."""
     n = q.shape[2]
-    chunks = shard_bounds(n, 2 * world)
-    max_rows = 2 * (chunks[0][1] - chunks[0][0])
-    local = {}
-    for r in range(world):
-        rows = zigzag_rows(n, r, world)
-        local[r] = tuple(np.concatenate([x[:, :, s:e] for s, e in rows], axis=2) for x in (q, k, v))
-    # the send buffers: each rank's rows first, padded to the largest pair of chunks
-    buffers = {}
-    for r in range(world):
-        buf = np.full((2, B, H, max_rows, D), np.nan)
-        rows = local[r][1].shape[2]
-        buf[0, :, :, :rows] = local[r][1]
-        buf[1, :, :, :rows] = local[r][2]
-        buffers[r] = buf
-    outputs, pairs = {}, set()
+    outputs = {}
     for rank in range(world):
-        sizes = [e - s for s, e in zigzag_rows(n, rank, world)]
-        q_local = local[rank][0]
-        parts = [([], []) for _ in range(2)]
-        running = [(np.zeros((B, H, sz, D)), np.full((B, H, sz), -np.inf)) for sz in sizes]
-        for step in range(world):
-            src = (rank - step) % world  # received from rank - 1, which got it from rank - 2, ...
-            kv = buffers[src]
-            src_sizes = [e - s for s, e in zigzag_rows(n, src, world)]
-            for qi, q_chunk in enumerate(zigzag_chunks(rank, world)):
-                q_part = q_local[:, :, sum(sizes[:qi]): sum(sizes[: qi + 1])]
-                q0 = chunks[q_chunk][0]
-                for kj, kv_chunk in enumerate(zigzag_chunks(src, world)):
-                    pairs.add((rank, q_chunk, kv_chunk))
-                    kind = ring_pair_kind(q_chunk, kv_chunk) if causal else "full"
-                    if kind == "skip" or sizes[qi] == 0 or src_sizes[kj] == 0:
-                        continue
-                    lo = sum(src_sizes[:kj])
-                    k_part = kv[0][:, :, lo: lo + src_sizes[kj]]
-                    v_part = kv[1][:, :, lo: lo + src_sizes[kj]]
-                    assert not np.isnan(k_part).any() and not np.isnan(v_part).any()
-                    o, lse = oracle.attention(q_part, k_part, v_part, causal=kind == "diagonal", return_lse=True)
-                    if causal:  # the same partial with the causal mask in global positions
-                        k0 = chunks[kv_chunk][0]
-                        o_g, lse_g = oracle.attention(
-                            q_part, k_part, v_part, return_lse=True,
-                            mask_mod=lambda b, h, qq, kk, q0=q0, k0=k0: kk + k0 <= qq + q0)
-                        close(o, o_g, atol=1e-14)
-                        close(lse, lse_g, atol=1e-14)
-                    parts[qi][0].append(o)
-                    parts[qi][1].append(lse)
-                    # the GPU folds (running, new) into running after every pair
-                    running[qi] = merge_numpy(np.stack([running[qi][0], o]), np.stack([running[qi][1], lse]))
-        if incremental:
-            rows_out = [running[i][0] for i in range(2)]
-        else:
-            rows_out = [merge_numpy(np.stack(parts[i][0]), np.stack(parts[i][1]))[0] if parts[i][0]
-                        else np.zeros((B, H, 0, D)) for i in range(2)]
-        outputs[rank] = np.concatenate(rows_out, axis=2)
-        assert outputs[rank].shape == q_local.shape
-    # every (q chunk, kv chunk) pair met exactly once over the ring
-    assert {(qc, kc) for _, qc, kc in pairs} == {(a, b) for a in range(2 * world) for b in range(2 * world)}
-    assert len(pairs) == (2 * world) ** 2
+        q_local, pos_q = local_rows(q, n, rank, world), positions(n, rank, world)
+        running = (np.zeros(q_local.shape), np.full(q_local.shape[:3], -np.inf))
+        covered = np.zeros((len(pos_q), n), int)
+        steps = ring_schedule(n, rank, world, causal)
+        assert [s.source for s in steps] == [(rank - i) % world for i in range(world)]
+        for step in steps:
+            if step.empty:
+                continue
+            (q0, q1), (k0, k1) = step.q, step.kv
+            k_src, v_src = local_rows(k, n, step.source, world), local_rows(v, n, step.source, world)
+            pos_k = positions(n, step.source, world)[k0:k1]
+            keep = oracle.causal_mask(q1 - q0, k1 - k0) if step.causal else np.ones((q1 - q0, k1 - k0), bool)
+            if causal:  # the launch's mask is the sequence's, on these rows and keys
+                assert np.array_equal(keep, pos_k[None, :] <= pos_q[q0:q1, None])
+            covered[q0:q1, pos_k] += keep
+            o, lse = oracle.attention(q_local[:, :, q0:q1], k_src[:, :, k0:k1], v_src[:, :, k0:k1],
+                                      causal=step.causal, return_lse=True)
+            o_run, l_run = running[0].copy(), running[1].copy()
+            o_run[:, :, q0:q1], l_run[:, :, q0:q1] = merge_numpy(
+                np.stack([running[0][:, :, q0:q1], o]), np.stack([running[1][:, :, q0:q1], lse]))
+            running = (o_run, l_run)
+        want = (np.arange(n)[None, :] <= pos_q[:, None]) if causal else np.ones((len(pos_q), n), bool)
+        assert np.array_equal(covered, want.astype(int))  # every kept pair once, nothing else
+        outputs[rank] = running[0]
     return outputs
 
 
 @pytest.mark.parametrize("world", RINGS)
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("incremental", [True, False])
-def test_ring_attention(world, n, causal, incremental):
+def test_ring_attention(world, n, causal):
     rng = np.random.default_rng()
     q, k, v = qkv(n, n, rng)
-    outputs = ring_attention_sim(q, k, v, world, causal, incremental)
+    outputs = ring_attention_sim(q, k, v, world, causal)
     gathered = np.concatenate([outputs[r] for r in range(world)], axis=2)
     out = reshuffle(gathered, n, world)
     close(out, oracle.attention(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("world", RINGS)
+def test_ring_schedule_balances_causal_work(world):
+    """Under causal masking every step but the first computes the same kept pairs on every rank
+    (chunk^2 * 2), and the first computes 2 * chunk^2 too: the ring never waits on a slow rank."""
+    n = 64 * 2 * world
+    c = n // (2 * world)
+    for rank in range(world):
+        for i, step in enumerate(ring_schedule(n, rank, world, True)):
+            rows, keys = step.q[1] - step.q[0], step.kv[1] - step.kv[0]
+            pairs = rows * (rows + 1) // 2 if step.causal else rows * keys
+            assert pairs == (2 * c * (2 * c + 1) // 2 if i == 0 else 2 * c * c)
 
 
 @pytest.mark.parametrize("world", RINGS)

@@ -57,3 +57,78 @@ def test_splits_are_refused_on_a_plain_kernel():
     q, k, v, _ = random_inputs("cupy", "float16", 1, 2, 2, 64, 64, 64)
     with pytest.raises(ValueError, match="not a split-KV kernel"):
         fagen.compile(fagen.load_spec(SPECS / "attn_f16_d64.yaml"))(q, k, v, splits=2)
+
+
+# ---- accumulating partials (a ring step's kernel) --------------------------------------------
+
+def _accumulating_cases():
+    """(partial spec, accumulating spec) of the shipped defaults: mma.sync, and the H200's
+    warp-specialised wgmma kernels (both schedulers)."""
+    cases = []
+    for gpu in (None, "h200"):
+        for dtype in ("float16", "bfloat16"):
+            for d in (64, 128):
+                base = variants.shipped_spec(dtype, d, False, gpu=gpu)
+                cases.append(pytest.param(variants.partial_variant(variants.shipped_spec(dtype, d, True, gpu=gpu)),
+                                          variants.accumulate_variant(base), id=f"{gpu or 'any'}-{dtype}-d{d}"))
+    return cases
+
+
+@pytest.mark.parametrize("first, fold", _accumulating_cases())
+def test_accumulating_kernel_folds_key_blocks_into_the_running_output(first, fold):
+    """Causal attention of 600 queries over 1500 keys as ring steps compute it: the diagonal
+    block's partial written by a causal launch into NaN-poisoned running O and LSE, then the
+    other blocks folded in place, the last one in two row slices (as a ring step folds the
+    second query chunk alone)."""
+    import torch
+
+    if first.wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("a wgmma kernel needs sm_90a")
+    dtype, d, nq, nk = first.dtype, first.head_dim, 600, 1500
+    q, k, v, _ = random_inputs("torch", dtype, 2, 4, 2, nq, nk, d)
+    o = torch.full((2, 4, nq, d), float("nan"), device="cuda")
+    l = torch.full((2, 4, nq), float("nan"), device="cuda")
+    s, e = 900, 1500
+    fagen.compile(first)(q, k[:, :, s:e], v[:, :, s:e], out=o[None], lse=l[None], mask_offset=(nk - nq) - s)
+    got = fagen.compile(fold)(q, k[:, :, :500], v[:, :, :500], out=o, lse=l)
+    assert got[0] is o and got[1] is l
+    for rows in (slice(0, 300), slice(300, nq)):
+        fagen.compile(fold)(q[:, :, rows], k[:, :, 500:900], v[:, :, 500:900], out=o[:, :, rows], lse=l[:, :, rows])
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, return_lse=True)
+    assert relative_error(to_numpy(o), ref) < OUT_TOLERANCE[dtype]
+    assert relative_error(to_numpy(l), ref_lse) < 1e-4
+
+
+def test_accumulating_kernel_keeps_rows_that_see_nothing_and_passes_nan_on():
+    """A fold whose keys a row cannot see (no key, or -inf everywhere) leaves the row as it was;
+    a NaN in the new block reaches O and LSE."""
+    import torch
+
+    fold = fagen.compile(variants.accumulate_variant(fagen.load_spec(SPECS / "attn_f16_d64_causal.yaml")))
+    q, k, v, _ = random_inputs("torch", "float16", 1, 2, 2, 64, 64, 64)
+    o = torch.randn(1, 2, 64, 64, device="cuda")
+    l = torch.randn(1, 2, 64, device="cuda")
+    o[:, :, :10], l[:, :, :10] = 0, float("-inf")  # rows nothing reached yet
+    before_o, before_l = o.clone(), l.clone()
+    fold(q, k, v, out=o, lse=l, mask_offset=-100)  # the diagonal 100 keys before the first: no row sees a key
+    assert torch.equal(o, before_o) and torch.equal(l, before_l)
+    k[0, 1, 3, 0] = float("nan")
+    fold(q, k, v, out=o, lse=l, mask_offset=0)
+    assert o[0, 1, 3:].isnan().all() and l[0, 1, 3:].isnan().all()  # every row that sees key 3
+    assert not o[0, 0].isnan().any() and not o[0, 1, :3].isnan().any()
+
+
+def test_accumulating_kernel_refuses_what_it_cannot_fold_into():
+    import torch
+
+    fold = fagen.compile(variants.accumulate_variant(fagen.load_spec(SPECS / "attn_f16_d64.yaml")))
+    q, k, v, _ = random_inputs("torch", "float16", 1, 2, 2, 64, 64, 64)
+    o, l = torch.zeros(1, 2, 64, 64, device="cuda"), torch.zeros(1, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="pass the running"):
+        fold(q, k, v)
+    with pytest.raises(ValueError, match="splits=2"):
+        fold(q, k, v, out=o, lse=l, splits=2)
+    with pytest.raises(ValueError, match="float32"):
+        fold(q, k, v, out=o.half(), lse=l)
+    with pytest.raises(ValueError, match="heads must lie evenly"):
+        fold(q, k, v, out=o, lse=torch.zeros(2, 1, 64, device="cuda").transpose(0, 1))
