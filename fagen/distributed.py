@@ -187,6 +187,12 @@ def _cast(x, ref: DeviceTensor, dtype: str):
     return out
 
 
+def _full(ref: DeviceTensor, shape, value: float, dtype: str):
+    out = empty_like(ref, shape, dtype)
+    out.fill_(value) if ref.kind == "torch" else out.fill(value)
+    return out
+
+
 def _host_array(ref: DeviceTensor, values, dtype: str):
     data = np.asarray(values, dtype=dtype)
     out = empty_like(ref, data.shape, dtype)
@@ -241,7 +247,7 @@ def sequence_sharded(group, q, k_shard, v_shard, *, n_kv: int, causal: bool = Fa
             o, lse = o_parts[0], lse_parts[0]
         else:  # an empty shard: contributes nothing
             o = zeros_like(ref, (b, h, nq, d), "float32")
-            lse = _host_array(ref, np.full((b, h, nq), -np.inf), "float32")
+            lse = _full(ref, (b, h, nq), -np.inf, "float32")
         m = lse.clone() if ref.kind == "torch" else lse.copy()
         sink = None if sinks is None else _host_array(ref, np.asarray(sinks, np.float32)[None, :, None], "float32")
         if sink is not None:
@@ -302,14 +308,14 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
             raise ValueError(f"{name}: {t.dtype} {t.shape}; expected {ref.dtype} [{b}, Hkv, {rows}, {d}] "
                              f"(this rank's zigzag chunks, as q_local)")
     hkv = as_device_tensor(k_local, "k_local").shape[1]
-    first = compile_kernel(variants.partial_variant(_spec(ref, causal)))
+    first = compile_kernel(variants.accumulate_variant(_spec(ref, causal)))  # its own block: the diagonal
     fold = compile_kernel(variants.accumulate_variant(_spec(ref, False)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
     most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
     with cupy.cuda.Device(ref.device), stream_for(ref):
-        acc_o = empty_like(ref, (b, h, rows, d), "float32")
-        acc_l = empty_like(ref, (b, h, rows), "float32")
+        acc_o = zeros_like(ref, (b, h, rows, d), "float32")  # nothing seen yet: O = 0, LSE = -inf
+        acc_l = _full(ref, (b, h, rows), -np.inf, "float32")
         if world > 1:
             held, arriving = (empty_like(ref, (2, b, hkv, most, d), ref.dtype) for _ in range(2))
             held[0, :, :, :rows] = k_local
@@ -319,8 +325,8 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
             if i + 1 < world:  # the next block travels while this one is computed on
                 transfer = group.send_recv(held, arriving, (rank + 1) % world, (rank - 1) % world)
             (q0, q1), (k0, k1) = step.q, step.kv
-            if i == 0 and not step.empty:  # its own block first: writes the running O and LSE
-                first(q_local, k_local, v_local, out=acc_o[None], lse=acc_l[None], mask_offset=0)
+            if i == 0 and not step.empty:  # its own block first
+                first(q_local, k_local, v_local, out=acc_o, lse=acc_l, mask_offset=0)
             elif not step.empty:
                 fold(q_local[:, :, q0:q1], held[0, :, :, k0:k1], held[1, :, :, k0:k1],
                      out=acc_o[:, :, q0:q1], lse=acc_l[:, :, q0:q1])

@@ -33,6 +33,10 @@ def check_rank(rank: int, world: int) -> None:
         raise ValueError(f"rank {rank} of world size {world}: need world >= 1 and 0 <= rank < world")
 
 
+# CUDA clamps a stream priority to the device's range: this asks for the highest (lower is higher)
+HIGHEST_PRIORITY = -1000
+
+
 class Transfer:
     """An overlapped send/recv: `wait()` orders the current stream's later work after it."""
 
@@ -77,8 +81,8 @@ class NcclGroup:
         stream that starts after the current stream's work so far."""
         from cupy.cuda import nccl
 
-        if self._side is None:
-            self._side = cupy.cuda.Stream(non_blocking=True)
+        if self._side is None:  # high priority: its few blocks take the next free SMs from the compute's
+            self._side = cupy.cuda.Stream(non_blocking=True, priority=HIGHEST_PRIORITY)
         main = cupy.cuda.get_current_stream()
         self._side.wait_event(main.record())
         s, r = as_device_tensor(send, "send"), as_device_tensor(recv, "recv")
@@ -136,9 +140,17 @@ class TorchGroup:
         self.device = torch.cuda.current_device()
 
     def _stream(self):
+        """torch's current stream made CuPy's current one (the caller's stream), for the call."""
+        import contextlib
+
         import torch
 
-        return torch.cuda.stream(torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr))
+        ptr = cupy.cuda.get_current_stream().ptr
+        if ptr == torch.cuda.current_stream().cuda_stream:
+            return contextlib.nullcontext()
+        if ptr == 0:  # the legacy default stream: torch's own object for it, not an external wrapper of 0
+            return torch.cuda.stream(torch.cuda.default_stream())
+        return torch.cuda.stream(torch.cuda.ExternalStream(ptr))
 
     def barrier(self) -> None:
         flag = cupy.zeros(1, cupy.float32)

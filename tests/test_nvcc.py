@@ -29,11 +29,14 @@ from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _resources, attention_defaults
                         compile_backward_many, compile_many, score_mods, targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask, ScoreMod
-from fagen.variants import partial_variant, trainable, variant
+from fagen.variants import accumulate_variant, partial_variant, trainable, variant
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
 PARTIALS = [p for p in SPEC_PATHS if p.stem.startswith("attn_") and not p.stem.endswith("_h200")]
+# ring attention's steps fold into the running output: the float16 defaults' accumulating kernels
+RING_STEPS = [p for p in SPEC_PATHS if p.stem.startswith("attn_f16_") and (p.stem.endswith("_h200") or "d128" in p.stem)
+              and "partial" not in p.stem]
 
 # Each modifier alone, and all of them (bias: vector and matrix compile to one kernel).
 MODIFIERS = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi": "slopes"}, "bias": {"bias": "matrix"},
@@ -96,6 +99,8 @@ def shipped():
     specs = [(fagen.load_spec(p), a) for p, a in BUILDS]
     parts = [(partial_variant(fagen.load_spec(p)), None) for p in PARTIALS]
     parts = [(s, targets(s)[-1]) for s, _ in parts]
+    rings = [(accumulate_variant(fagen.load_spec(p)), None) for p in RING_STEPS]
+    parts += [(s, targets(s)[-1]) for s, _ in rings]
     results = compile_many(specs + parts)
     return {(s.name, a): r for (s, a), r in zip(specs + parts, results)}
 
@@ -135,6 +140,14 @@ def test_register_prediction_tracks_ptxas(shipped):
 def test_split_kv_variants_of_the_defaults_compile_without_spills(path, shipped):
     """fagen.splitkv and the multi-GPU modes run partial variants of these."""
     spec = partial_variant(fagen.load_spec(path))
+    r = shipped[(spec.name, targets(spec)[-1])]
+    assert _ok(r), r.log
+
+
+@pytest.mark.parametrize("path", RING_STEPS, ids=lambda p: p.stem)
+def test_ring_steps_of_the_defaults_compile_without_spills(path, shipped):
+    """fagen.distributed.ring_attention folds each step into the running O and LSE with these."""
+    spec = accumulate_variant(fagen.load_spec(path))
     r = shipped[(spec.name, targets(spec)[-1])]
     assert _ok(r), r.log
 

@@ -222,3 +222,10 @@ def test_an_f_suffix_needs_a_dot():
     with pytest.raises(ExpressionError, match="malformed"):
         check("score * 289f", SCORE_VARIABLES)
     assert check("score * 289.f", SCORE_VARIABLES) == "float"
+
+
+def test_accumulate_needs_partial_outputs():
+    from conftest import base, rejected
+
+    message = rejected(base(outputs={"lse": True, "accumulate": True}))
+    assert "outputs.accumulate = True" in message and "set partial: true" in message

@@ -243,3 +243,17 @@ def test_the_backward_keeps_its_own_tile_layout():
     threads = trainable(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": None})))
     assert backward_plan(ws).dkdv == backward_plan(threads).dkdv
     assert backward_plan(ws).dkdv.row_group_bytes == 2 * 1024  # 8 rows of two atoms side by side
+
+
+def test_a_ring_step_folds_into_the_running_output_a_block_a_tile():
+    """accumulate_variant: the partial kernel reading back O and LSE, never persistent (the ring's
+    transfer needs free SMs while a step runs), its running LSE a slice (lse_head_stride)."""
+    from fagen.variants import accumulate_variant
+
+    spec = accumulate_variant(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": {**WS, "persistent": True}})))
+    assert spec.outputs.accumulate and spec.outputs.partial and spec.name.endswith("_partial_accumulate")
+    assert not plan(spec).persistent
+    assert ("long long", "lse_head_stride") in plan(spec).params
+    source = render(spec)
+    assert "Fold this launch's partial into the running O" in source and "* lse_head_stride" in source
+    assert "lse_head_stride" not in render(fagen.parse_spec(ws_spec()))  # emitted only where it is used
