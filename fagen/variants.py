@@ -149,6 +149,7 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     return parse_falling_back(data, spec, f"{q} q, {kv} kv variant of {spec.name}")  # the layout's registers
 
 
+@cache
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
     """`spec` writing float32 partials (outputs.partial), named <name>_partial (forward only:
     its backward: section is not carried over)."""
@@ -158,6 +159,7 @@ def partial_variant(spec: AttentionSpec) -> AttentionSpec:
                        "outputs": {**spec.outputs.model_dump(), "partial": True, "lse": True}}, f"partial of {spec.name}")
 
 
+@cache  # a ring builds its kernels each call: validation once
 def accumulate_variant(spec: AttentionSpec) -> AttentionSpec:
     """`spec`'s partial kernel folding into the running O and LSE (outputs.accumulate), named
     <partial's name>_accumulate: a step of ring attention. A block a tile, never persistent: the
