@@ -268,27 +268,60 @@ def sequence_sharded(group, q, k_shard, v_shard, *, n_kv: int, causal: bool = Fa
     return out
 
 
-def zigzag_attention(group, q_local, k, v, *, n: int):
+def zigzag_attention(group, q_local, k, v, *, n: int, return_lse: bool = False):
     """Mode 3 (seed 004): causal self-attention with all of K/V on every rank; rank r holds its
     zigzag query chunks (r, 2w-1-r, back to back: sharded_inputs(q, n, w, r, "zigzag")) and
     computes their rows against the keys up to each chunk's end (tiles past the diagonal
     skipped), the two chunks' launches side by side. Returns this rank's output rows, laid out
-    as q_local (gather_sequence assembles the whole sequence)."""
+    as q_local (gather_sequence assembles the whole sequence), and with return_lse their
+    natural-log LSE [B, H, rows] (float32)."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
     _check_rows(ref, rows, "q_local")
     kernel = compile_kernel(_spec(ref, True))
     with cupy.cuda.Device(ref.device), stream_for(ref):
         out = empty_like(ref, ref.shape, ref.dtype)
+        lse = empty_like(ref, ref.shape[:3], "float32") if return_lse else None
         at = 0
         with _side_by_side(ref, 2) as streams:  # the two chunks' launches fill each other's tail waves
             for (s, e), stream in zip(rows, streams):
                 if e > s:
                     with stream:
-                        kernel(q_local[:, :, at:at + e - s], k[:, :, :e], v[:, :, :e], out=out[:, :, at:at + e - s],
-                               mask_offset=s)
+                        got = kernel(q_local[:, :, at:at + e - s], k[:, :, :e], v[:, :, :e],
+                                     out=out[:, :, at:at + e - s], mask_offset=s, return_lse=return_lse)
+                        if return_lse:
+                            lse[:, :, at:at + e - s] = got[1]
                 at += e - s
-    return out
+    return (out, lse) if return_lse else out
+
+
+def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_local, *, n: int):
+    """The gradients through zigzag_attention: dq of this rank's rows (as q_local), and dk, dv
+    of the whole K/V (as k, v), each rank's share summed across the group (all-reduce), from
+    zigzag_attention's out and LSE (return_lse=True) and dout."""
+    from fagen.backward import compile_backward
+
+    group, ref = as_group(group), as_device_tensor(q_local, "q_local")
+    rows = zigzag_rows(n, group.rank, group.world)
+    _check_rows(ref, rows, "q_local")
+    kernels = compile_backward(variants.trainable(_spec(ref, True)))
+    tk = as_device_tensor(k, "k")
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        dq = empty_like(ref, ref.shape, ref.dtype)
+        dkv = zeros_like(ref, (2,) + tk.shape, "float32")
+        at = 0
+        for s, e in rows:
+            if e > s:
+                part = slice(at, at + e - s)
+                lse = lse_local[:, :, part]
+                lse = lse.contiguous() if ref.kind == "torch" else cupy.ascontiguousarray(lse)
+                grads = kernels(dout_local[:, :, part], q_local[:, :, part], k[:, :, :e], v[:, :, :e],
+                                out_local[:, :, part], lse, mask_offset=s, dq=dq[:, :, part])
+                dkv[0, :, :, :e] += grads.dk
+                dkv[1, :, :, :e] += grads.dv
+            at += e - s
+        group.all_reduce(dkv, "sum")
+        return dq, _cast(dkv[0], ref, ref.dtype), _cast(dkv[1], ref, ref.dtype)
 
 
 def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = True, return_lse: bool = False):
@@ -335,6 +368,70 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
                 held, arriving = arriving, held
         out = _cast(acc_o, ref, ref.dtype)
     return (out, acc_l) if return_lse else out
+
+
+def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_local, lse_local, *, n: int,
+                            causal: bool = True):
+    """The gradients through ring attention: dq, dk, dv of this rank's zigzag rows (laid out as
+    q_local, k_local, v_local), from ring_attention's out and LSE (return_lse=True) and dout.
+
+    The K/V blocks travel the ring again, now with float32 dK and dV beside them: at each step
+    this rank runs the backward kernels on ring_schedule's launch (the rows' final LSE makes
+    each block's softmax the whole sequence's), adds dQ into its own rows, and adds the block's
+    dK and dV into the travelling ones, which after the last step make one more hop home. K/V's
+    transfer runs under the step's compute; dK/dV's, under the next step's."""
+    from fagen.backward import compile_backward
+
+    group, ref = as_group(group), as_device_tensor(q_local, "q_local")
+    world, rank = group.world, group.rank
+    b, h, rows, d = ref.shape
+    _check_rows(ref, zigzag_rows(n, rank, world), "q_local")
+    tk = as_device_tensor(k_local, "k_local")
+    hkv = tk.shape[1]
+    first = compile_backward(variants.trainable(_spec(ref, causal)))
+    fold = compile_backward(variants.trainable(_spec(ref, False)))
+    most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    second = zigzag_rows(n, rank, world)[0]
+    second = second[1] - second[0]  # where this rank's second chunk starts in its rows
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        # the backward takes contiguous LSE rows: all of them, or the second chunk's
+        lse_rows = {(0, rows): lse_local, (second, rows): lse_local[:, :, second:].contiguous()
+                    if ref.kind == "torch" else cupy.ascontiguousarray(lse_local[:, :, second:])}
+        dq = zeros_like(ref, (b, h, rows, d), "float32")
+        held_kv, arriving_kv = (empty_like(ref, (2, b, hkv, most, d), ref.dtype) for _ in range(2))
+        held_kv[0, :, :, :rows] = k_local
+        held_kv[1, :, :, :rows] = v_local
+        held_dkv = zeros_like(ref, (2, b, hkv, most, d), "float32")
+        arriving_dkv = empty_like(ref, (2, b, hkv, most, d), "float32")
+        pending = None  # the dK/dV transfer still on its way
+        for i, step in enumerate(ring_schedule(n, rank, world, causal)):
+            kv_transfer = None
+            if i + 1 < world:
+                kv_transfer = group.send_recv(held_kv, arriving_kv, (rank + 1) % world, (rank - 1) % world)
+            (q0, q1), (k0, k1) = step.q, step.kv
+            grads = None
+            if not step.empty:
+                kernels = first if i == 0 else fold
+                grads = kernels(dout_local[:, :, q0:q1], q_local[:, :, q0:q1], held_kv[0, :, :, k0:k1],
+                                held_kv[1, :, :, k0:k1], out_local[:, :, q0:q1], lse_rows[(q0, q1)],
+                                mask_offset=0 if i == 0 else None)
+                dq[:, :, q0:q1] += grads.dq
+            if pending is not None:  # the block's dK/dV so far, from the previous rank
+                pending.wait()
+                held_dkv, arriving_dkv = arriving_dkv, held_dkv
+            if grads is not None:
+                held_dkv[0, :, :, k0:k1] += grads.dk
+                held_dkv[1, :, :, k0:k1] += grads.dv
+            pending = group.send_recv(held_dkv, arriving_dkv, (rank + 1) % world, (rank - 1) % world) \
+                if world > 1 else None
+            if kv_transfer is not None:
+                kv_transfer.wait()
+                held_kv, arriving_kv = arriving_kv, held_kv
+        if pending is not None:  # home: this rank's own block, every rank's share added
+            pending.wait()
+            held_dkv, arriving_dkv = arriving_dkv, held_dkv
+        dk, dv = (_cast(held_dkv[j, :, :, :rows], ref, ref.dtype) for j in range(2))
+        return _cast(dq, ref, ref.dtype), dk, dv
 
 
 def _check_rows(ref: DeviceTensor, rows: list[tuple[int, int]], what: str) -> None:
@@ -420,5 +517,6 @@ def gather_sequence(group, local, *, n: int):
 
 __all__ = ["NcclGroup", "RingStep", "TorchGroup", "as_group", "batch_sharded", "causal_pairs", "check_rank",
            "gather_sequence", "imbalance", "init", "launch", "merge_numpy", "reshuffle", "ring_attention",
+           "ring_attention_backward", "zigzag_attention_backward",
            "ring_pair_kind", "ring_schedule", "sequence_sharded", "shard_bounds", "sharded_inputs", "work_per_rank",
            "zigzag_attention", "zigzag_chunks", "zigzag_order", "zigzag_rows"]

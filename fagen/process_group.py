@@ -91,8 +91,8 @@ class NcclGroup:
         self.comm.send(s.ptr, nbytes, nccl.NCCL_UINT8, to, self._side.ptr)
         self.comm.recv(r.ptr, nbytes, nccl.NCCL_UINT8, source, self._side.ptr)
         nccl.groupEnd()
-        side = self._side
-        return Transfer(lambda: cupy.cuda.get_current_stream().wait_event(side.record()))
+        done = self._side.record()  # this transfer's end, not whatever the side stream takes on later
+        return Transfer(lambda: cupy.cuda.get_current_stream().wait_event(done))
 
 
 def _current_stream() -> int:

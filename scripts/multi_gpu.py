@@ -23,6 +23,7 @@ from fagen.check import OUT_TOLERANCE, relative_error, to_numpy
 parser = argparse.ArgumentParser()
 parser.add_argument("--time", type=int, nargs="*", default=[], help="sequence lengths to time")
 parser.add_argument("--iters", type=int, default=10)
+parser.add_argument("--backward", action="store_true", help="check and time the gradients through the ring too")
 args = parser.parse_args()
 
 ours = dist.init()
@@ -77,6 +78,18 @@ for group_name, framework, dtype, hq, hkv in cases:
             local = dist.ring_attention(group, qz, kz, vz, n=n, causal=causal)
             check(f"4 ring attention {'causal' if causal else 'full'} N={n} {tag}",
                   dist.gather_sequence(group, local, n=n), ref, dtype)
+        if args.backward and n == 1000:  # gradients: every rank's rows gathered, against the float64 oracle
+            dout = same_inputs(framework, dtype, 2, hq, hq, n, 128, seed + 1)[0]
+            doz = dist.sharded_inputs(dout, n, world, rank, "zigzag")
+            want = oracle.attention_backward(qn, kn, vn, to_numpy(dout).astype(np.float64), causal=True)
+            out, lse = dist.ring_attention(group, qz, kz, vz, n=n, return_lse=True)
+            grads = dist.ring_attention_backward(group, doz, qz, kz, vz, out, lse, n=n)
+            for name, g in zip(("dq", "dk", "dv"), grads):
+                check(f"4 ring backward {name} N={n} {tag}", dist.gather_sequence(group, g, n=n), want[name], dtype)
+            out, lse = dist.zigzag_attention(group, qz, k, v, n=n, return_lse=True)
+            dq, dk, dv = dist.zigzag_attention_backward(group, doz, qz, k, v, out, lse, n=n)
+            for name, g in (("dq", dist.gather_sequence(group, dq, n=n)), ("dk", dk), ("dv", dv)):
+                check(f"3 zigzag backward {name} N={n} {tag}", g, want[name], dtype)
 
 
 def time_ms(fn, iters):
@@ -138,6 +151,38 @@ for n in args.time:
                      "host_ms": round(host, 3)}
     row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     log("TIMING " + json.dumps(row))
+    if args.backward:  # forward + backward: 2.5x the forward's FLOPs on top of it
+        from fagen.backward import compile_backward
+        from fagen.variants import trainable
+
+        dout = torch.randn_like(q)
+        grads = compile_backward(trainable(default_spec("float16", d, True)))
+        single = {"fagen": time_ms(lambda: grads(dout, q, k, v, *kernel(q, k, v, return_lse=True)), args.iters)}
+        qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            def cudnn_step():
+                torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).backward(dout)
+            single["cudnn"] = time_ms(cudnn_step, args.iters)
+        best = min(single.values())
+        doz = dist.sharded_inputs(dout, n, world, rank, "zigzag")
+        torch.cuda.reset_peak_memory_stats()
+
+        def ring_step():
+            out, lse = dist.ring_attention(ours, qz, kz, vz, n=n, return_lse=True)
+            return dist.ring_attention_backward(ours, doz, qz, kz, vz, out, lse, n=n)
+
+        def zigzag_step():
+            out, lse = dist.zigzag_attention(ours, qz, k, v, n=n, return_lse=True)
+            return dist.zigzag_attention_backward(ours, doz, qz, k, v, out, lse, n=n)
+
+        row = {"n": n, "world": world, "forward+backward single_ms": single}
+        for name, fn in (("ring", ring_step), ("zigzag", zigzag_step)):
+            ms = time_ms(fn, args.iters)
+            row[name] = {"ms": round(ms, 3), "speedup": round(best / ms, 3),
+                         "tflops": round(3.5 * flops / ms / 1e9, 1)}
+            if name == "ring":
+                row["ring peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        log("TIMING_BWD " + json.dumps(row))
 
 tdist.destroy_process_group()
 if os.environ.get("FAGEN_RENDEZVOUS") is None:

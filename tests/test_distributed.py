@@ -356,10 +356,84 @@ def test_ring_attention(world, n, causal):
     close(out, oracle.attention(q, k, v, causal=causal))
 
 
+def block_gradients(q, k, v, dout, lse, delta, keep, scale):
+    """One launch's share of the gradients given the rows' final LSE and D = rowsum(dO * O):
+    P = exp(S - LSE) is then the whole sequence's softmax on these keys."""
+    p = np.where(keep, np.exp(q @ k.swapaxes(-1, -2) * scale - lse[..., None]), 0.0)
+    ds = p * (dout @ v.swapaxes(-1, -2) - delta[..., None])
+    return ds @ k * scale, ds.swapaxes(-1, -2) @ q * scale, p.swapaxes(-1, -2) @ dout
+
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_backward(world, n, causal):
+    """ring_attention_backward replayed in lockstep: each rank's launches (ring_schedule) with
+    its rows' final LSE, dQ added into its rows, dK/dV into the accumulator travelling with the
+    block; after `world` hops (one a step) every accumulator is home and equals the oracle's."""
+    rng = np.random.default_rng()
+    q, k, v = qkv(n, n, rng)
+    dout = rand(B, H, n, D, rng=rng)
+    scale = 1 / np.sqrt(D)
+    out, lse = oracle.attention(q, k, v, causal=causal, return_lse=True)
+    want = oracle.attention_backward(q, k, v, dout, causal=causal)
+    delta = (dout * out).sum(-1)
+    local = {r: {name: local_rows(x, n, r, world) for name, x in
+                 (("q", q), ("k", k), ("v", v), ("dout", dout))} | {"lse": local_rows(lse[..., None], n, r, world)[..., 0],
+                                                                   "delta": local_rows(delta[..., None], n, r, world)[..., 0]}
+             for r in range(world)}
+    dq = {r: np.zeros_like(local[r]["q"]) for r in range(world)}
+    travelling = {r: (r, np.zeros_like(local[r]["k"]), np.zeros_like(local[r]["v"])) for r in range(world)}
+    for i in range(world):
+        for r in range(world):
+            step = ring_schedule(n, r, world, causal)[i]
+            block, dk, dv = travelling[r]
+            assert block == step.source == (r - i) % world
+            if step.empty:
+                continue
+            (q0, q1), (k0, k1) = step.q, step.kv
+            mine, theirs = local[r], local[block]
+            keep = oracle.causal_mask(q1 - q0, k1 - k0) if step.causal else np.ones((q1 - q0, k1 - k0), bool)
+            g_q, g_k, g_v = block_gradients(mine["q"][:, :, q0:q1], theirs["k"][:, :, k0:k1], theirs["v"][:, :, k0:k1],
+                                            mine["dout"][:, :, q0:q1], mine["lse"][:, :, q0:q1],
+                                            mine["delta"][:, :, q0:q1], keep, scale)
+            dq[r][:, :, q0:q1] += g_q
+            dk[:, :, k0:k1] += g_k
+            dv[:, :, k0:k1] += g_v
+        travelling = {(r + 1) % world: travelling[r] for r in range(world)}  # one hop a step
+    for r in range(world):
+        block, dk, dv = travelling[r]
+        assert block == r  # home
+        close(dq[r], local_rows(want["dq"], n, r, world), atol=1e-10)
+        close(dk, local_rows(want["dk"], n, r, world), atol=1e-10)
+        close(dv, local_rows(want["dv"], n, r, world), atol=1e-10)
+
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_zigzag_attention_backward(world, n):
+    """zigzag_attention_backward: each rank's chunks against the keys up to their end (bottom-right
+    causal, as its launches), dK/dV summed over the ranks (the all-reduce) equal the oracle's."""
+    rng = np.random.default_rng()
+    q, k, v = qkv(n, n, rng)
+    dout = rand(B, H, n, D, rng=rng)
+    want = oracle.attention_backward(q, k, v, dout, causal=True)
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    for r in range(world):
+        for s, e in zigzag_rows(n, r, world):
+            if e > s:  # the chunk's own backward: its rows' softmax is whole (keys past e never count)
+                got = oracle.attention_backward(q[:, :, s:e], k[:, :, :e], v[:, :, :e], dout[:, :, s:e], causal=True)
+                close(got["dq"], want["dq"][:, :, s:e], atol=1e-10)
+                dk[:, :, :e] += got["dk"]
+                dv[:, :, :e] += got["dv"]
+    close(dk, want["dk"], atol=1e-10)
+    close(dv, want["dv"], atol=1e-10)
+
+
 @pytest.mark.parametrize("world", RINGS)
 def test_ring_schedule_balances_causal_work(world):
     """Under causal masking every step but the first computes the same kept pairs on every rank
-    (chunk^2 * 2), and the first computes 2 * chunk^2 too: the ring never waits on a slow rank."""
+    (2 * chunk^2), and the first 2 * chunk^2 + chunk: the ring never waits on a slow rank."""
     n = 64 * 2 * world
     c = n // (2 * world)
     for rank in range(world):
