@@ -166,6 +166,27 @@ def ring_schedule(n: int, rank: int, world: int, causal: bool = True) -> list[Ri
     return steps
 
 
+def ring_step_work(n: int, world: int, causal: bool = True) -> list[list[int]]:
+    """Kept (q, k) pairs of each rank's launch at each ring step, [step][rank]: the ranks wait
+    for each other every step (the next block must arrive), so a step's imbalance is what
+    costs. The backward runs the same launches (2.5x their FLOPs)."""
+    per_rank = [ring_schedule(n, r, world, causal) for r in range(world)]
+    work = []
+    for i in range(world):
+        row = []
+        for r in range(world):
+            step = per_rank[r][i]
+            rows, keys = step.q[1] - step.q[0], step.kv[1] - step.kv[0]
+            if step.empty:
+                row.append(0)
+            elif step.causal:  # local row >= local key, rows == keys
+                row.append(rows * (rows + 1) // 2)
+            else:
+                row.append(rows * keys)
+        work.append(row)
+    return work
+
+
 # ---- the four modes (each rank calls these with its group) -----------------------------------
 #
 # Every mode takes CuPy arrays or torch tensors and either group (fagen.process_group:
@@ -517,6 +538,6 @@ def gather_sequence(group, local, *, n: int):
 
 __all__ = ["NcclGroup", "RingStep", "TorchGroup", "as_group", "batch_sharded", "causal_pairs", "check_rank",
            "gather_sequence", "imbalance", "init", "launch", "merge_numpy", "reshuffle", "ring_attention",
-           "ring_attention_backward", "zigzag_attention_backward",
+           "ring_attention_backward", "ring_step_work", "zigzag_attention_backward",
            "ring_pair_kind", "ring_schedule", "sequence_sharded", "shard_bounds", "sharded_inputs", "work_per_rank",
            "zigzag_attention", "zigzag_chunks", "zigzag_order", "zigzag_rows"]

@@ -19,6 +19,7 @@ from fagen.distributed import (
     reshuffle,
     ring_pair_kind,
     ring_schedule,
+    ring_step_work,
     shard_bounds,
     work_per_rank,
     zigzag_chunks,
@@ -267,7 +268,7 @@ def test_merge_numpy_single_part_is_identity_and_order_free():
 
 @pytest.mark.parametrize("world", RINGS)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_ring_zigzag_causal(world, n):
+def test_zigzag_attention(world, n):
     rng = np.random.default_rng()
     q, k, v = qkv(n, n, rng)
     chunks = shard_bounds(n, 2 * world)
@@ -428,6 +429,17 @@ def test_zigzag_attention_backward(world, n):
                 dv[:, :, :e] += got["dv"]
     close(dk, want["dk"], atol=1e-10)
     close(dv, want["dv"], atol=1e-10)
+
+
+@pytest.mark.parametrize("world", RINGS)
+@pytest.mark.parametrize("n", [64 * 8, 1000, 777, 32768])
+def test_ring_step_work_counts_the_kept_pairs_and_stays_balanced(world, n):
+    work = ring_step_work(n, world)
+    assert sum(map(sum, work)) == n * (n + 1) // 2  # every kept pair of the sequence, once
+    assert all(imbalance(step) < 0.02 for step in work[1:])  # lengths that do not divide: a row or so
+    assert imbalance(work[0]) < 0.02
+    full = ring_step_work(n, world, causal=False)
+    assert sum(map(sum, full)) == n * n
 
 
 @pytest.mark.parametrize("world", RINGS)
