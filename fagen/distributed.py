@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fagen import variants
+from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
 from fagen.runtime import compile_kernel, default_spec
@@ -320,8 +321,6 @@ def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_l
     """The gradients through zigzag_attention: dq of this rank's rows (as q_local), and dk, dv
     of the whole K/V (as k, v), each rank's share summed across the group (all-reduce), from
     zigzag_attention's out and LSE (return_lse=True) and dout."""
-    from fagen.backward import compile_backward
-
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
     _check_rows(ref, rows, "q_local")
@@ -401,8 +400,6 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     each block's softmax the whole sequence's), adds dQ into its own rows, and adds the block's
     dK and dV into the travelling ones, which after the last step make one more hop home. K/V's
     transfer runs under the step's compute; dK/dV's, under the next step's."""
-    from fagen.backward import compile_backward
-
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
