@@ -215,16 +215,14 @@ def _full(ref: DeviceTensor, shape, value: float, dtype: str):
     return out
 
 
-def _host_array(ref: DeviceTensor, values, dtype: str):
-    data = np.asarray(values, dtype=dtype)
-    out = empty_like(ref, data.shape, dtype)
+def _device_array(ref: DeviceTensor, values, dtype: str):
+    """values (host, or a CUDA array of either framework, e.g. learned sinks) on ref's device,
+    in ref's framework."""
     if ref.kind == "torch":
         import torch
 
-        out.copy_(torch.from_numpy(data))
-    else:
-        out.set(data)
-    return out
+        return torch.as_tensor(values, dtype=getattr(torch, dtype), device=ref.obj.device)
+    return cupy.asarray(values, dtype=dtype)
 
 
 def _spec(ref: DeviceTensor, causal: bool):
@@ -271,7 +269,7 @@ def sequence_sharded(group, q, k_shard, v_shard, *, n_kv: int, causal: bool = Fa
             o = zeros_like(ref, (b, h, nq, d), "float32")
             lse = _full(ref, (b, h, nq), -np.inf, "float32")
         m = lse.clone() if ref.kind == "torch" else lse.copy()
-        sink = None if sinks is None else _host_array(ref, np.asarray(sinks, np.float32)[None, :, None], "float32")
+        sink = None if sinks is None else _device_array(ref, sinks, "float32").reshape(1, -1, 1)
         if sink is not None:
             m = xp.maximum(m, sink)
         group.all_reduce(m, "max")
@@ -398,8 +396,9 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     The K/V blocks travel the ring again, now with float32 dK and dV beside them: at each step
     this rank runs the backward kernels on ring_schedule's launch (the rows' final LSE makes
     each block's softmax the whole sequence's), adds dQ into its own rows, and adds the block's
-    dK and dV into the travelling ones, which after the last step make one more hop home. K/V's
-    transfer runs under the step's compute; dK/dV's, under the next step's."""
+    dK and dV into the travelling ones, which after the last step make one more hop home. Each
+    step's share arrives in q's dtype (the one-GPU backward's outputs) and is summed in float32.
+    K/V's transfer runs under the step's compute; dK/dV's, under the next step's."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
@@ -500,8 +499,9 @@ class _side_by_side:
 
 
 def sharded_inputs(x, n: int, world: int, rank: int, how: str):
-    """This rank's piece of a full [B, H, N, d] tensor: 'sequence' (contiguous shard) or
-    'zigzag' (chunks r and 2n-1-r, back to back), contiguous, in x's framework."""
+    """This rank's piece of a full [B, H, N, d] tensor of n positions: 'sequence' (a contiguous
+    shard) or 'zigzag' (chunks rank and 2 * world - 1 - rank of 2 * world, back to back),
+    contiguous, in x's framework."""
     ref = as_device_tensor(x, "x")
     pieces = [shard_bounds(n, world)[rank]] if how == "sequence" else zigzag_rows(n, rank, world)
     with cupy.cuda.Device(ref.device), stream_for(ref):

@@ -534,6 +534,21 @@ class AttentionSpec(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _accumulate_rules(self) -> AttentionSpec:
+        """A ring step's running LSE is a row slice of a longer [B, H, N] one (lse_head_stride):
+        the packed rows of GQA packing and varlen's [H, total_q] LSE have no such view."""
+        if not self.outputs.accumulate:
+            return self
+        if self.tiling.pack_gqa:
+            raise ValueError(rule("outputs.accumulate", True, "with tiling.pack_gqa: a packed tile's rows spread "
+                                  "over a group's heads, which a sliced running LSE does not lay out",
+                                  "set tiling.pack_gqa: false (ring steps are long prefills)"))
+        if self.sequences.q != "padded":
+            raise ValueError(rule("outputs.accumulate", True, f"with sequences.q {self.sequences.q!r}: the running "
+                                  "output is [B, H, N, d] by padded positions", "use padded queries (remove sequences)"))
+        return self
+
+    @model_validator(mode="after")
     def _sequence_rules(self) -> AttentionSpec:
         """Varlen and paged blocks find their sequence's lengths on the device; what is indexed by
         padded positions of every sequence (a bias, doc_ids, block-mask tiles) has no such view."""

@@ -229,3 +229,13 @@ def test_accumulate_needs_partial_outputs():
 
     message = rejected(base(outputs={"lse": True, "accumulate": True}))
     assert "outputs.accumulate = True" in message and "set partial: true" in message
+
+
+def test_accumulate_refuses_packed_rows_and_varlen_queries():
+    from conftest import base, rejected
+
+    outputs = {"lse": True, "partial": True, "accumulate": True}
+    packed = rejected(base(outputs=outputs, tiling={"block_q": 64, "block_kv": 64, "warps_q": 4, "pack_gqa": True}))
+    assert "outputs.accumulate = True" in packed and "tiling.pack_gqa" in packed
+    varlen = rejected(base(outputs=outputs, sequences={"q": "varlen", "kv": "varlen"}))
+    assert "outputs.accumulate = True" in varlen and "padded queries" in varlen
