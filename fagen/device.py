@@ -101,6 +101,13 @@ def zeros_like(ref: DeviceTensor, shape, dtype: str):
     return cupy.zeros(shape, dtype=dtype)
 
 
+def full_like(ref: DeviceTensor, shape, value: float, dtype: str):
+    """An array of `ref`'s framework and device filled with `value` (on its current stream)."""
+    out = empty_like(ref, shape, dtype)
+    out.fill_(value) if ref.kind == "torch" else out.fill(value)
+    return out
+
+
 def stream_for(ref: DeviceTensor):
     """The stream work on `ref` goes to: PyTorch's current stream for its tensors, else CuPy's."""
     if ref.kind == "torch":

@@ -29,7 +29,7 @@ import numpy as np
 
 from fagen import variants
 from fagen.backward import compile_backward
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
 from fagen.runtime import compile_kernel, default_spec
 
@@ -209,12 +209,6 @@ def _cast(x, ref: DeviceTensor, dtype: str):
     return out
 
 
-def _full(ref: DeviceTensor, shape, value: float, dtype: str):
-    out = empty_like(ref, shape, dtype)
-    out.fill_(value) if ref.kind == "torch" else out.fill(value)
-    return out
-
-
 def _device_array(ref: DeviceTensor, values, dtype: str):
     """values (host, or a CUDA array of either framework, e.g. learned sinks) on ref's device,
     in ref's framework."""
@@ -267,7 +261,7 @@ def sequence_sharded(group, q, k_shard, v_shard, *, n_kv: int, causal: bool = Fa
             o, lse = o_parts[0], lse_parts[0]
         else:  # an empty shard: contributes nothing
             o = zeros_like(ref, (b, h, nq, d), "float32")
-            lse = _full(ref, (b, h, nq), -np.inf, "float32")
+            lse = full_like(ref, (b, h, nq), -np.inf, "float32")
         m = lse.clone() if ref.kind == "torch" else lse.copy()
         sink = None if sinks is None else _device_array(ref, sinks, "float32").reshape(1, -1, 1)
         if sink is not None:
@@ -366,7 +360,7 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
     most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
     with cupy.cuda.Device(ref.device), stream_for(ref):
         acc_o = zeros_like(ref, (b, h, rows, d), "float32")  # nothing seen yet: O = 0, LSE = -inf
-        acc_l = _full(ref, (b, h, rows), -np.inf, "float32")
+        acc_l = full_like(ref, (b, h, rows), -np.inf, "float32")
         if world > 1:
             held, arriving = (empty_like(ref, (2, b, hkv, most, d), ref.dtype) for _ in range(2))
             held[0, :, :, :rows] = k_local

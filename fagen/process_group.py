@@ -17,6 +17,7 @@ runs beside what the caller enqueues next, until `wait()`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,10 +101,7 @@ def _current_stream() -> int:
 
 
 def _size(t) -> int:
-    size = 1
-    for s in t.shape:
-        size *= s
-    return size
+    return math.prod(t.shape)
 
 
 def _itemsize(dtype: str) -> int:
