@@ -101,11 +101,6 @@ def imbalance(work: list[int]) -> float:
     return max(work) / mean - 1.0 if mean else 0.0
 
 
-def ring_pair_kind(q_chunk: int, kv_chunk: int) -> str:
-    """Causal relation of a query chunk and a KV chunk of the same sequence."""
-    return "full" if kv_chunk < q_chunk else ("diagonal" if kv_chunk == q_chunk else "skip")
-
-
 def merge_numpy(o_parts: np.ndarray, lse_parts: np.ndarray, sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """The merge kernel's math in float64: partials [S, ..., H, N, d] and LSEs [S, ..., H, N];
     sinks [H] line up with the head axis."""
@@ -357,7 +352,7 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
     fold = compile_kernel(variants.accumulate_variant(_spec(ref, False)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
-    most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    most = _largest_pair(n, world)
     with cupy.cuda.Device(ref.device), stream_for(ref):
         acc_o = zeros_like(ref, (b, h, rows, d), "float32")  # nothing seen yet: O = 0, LSE = -inf
         acc_l = full_like(ref, (b, h, rows), -np.inf, "float32")
@@ -401,7 +396,7 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     hkv = tk.shape[1]
     first = compile_backward(variants.trainable(_spec(ref, causal)))
     fold = compile_backward(variants.trainable(_spec(ref, False)))
-    most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    most = _largest_pair(n, world)
     second = zigzag_rows(n, rank, world)[0]
     second = second[1] - second[0]  # where this rank's second chunk starts in its rows
     with cupy.cuda.Device(ref.device), stream_for(ref):
@@ -443,6 +438,13 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
             held_dkv, arriving_dkv = arriving_dkv, held_dkv
         dk, dv = (_cast(held_dkv[j, :, :, :rows], ref, ref.dtype) for j in range(2))
         return _cast(dq, ref, ref.dtype), dk, dv
+
+
+def _largest_pair(n: int, world: int) -> int:
+    """Rows of the largest pair of zigzag chunks (the first chunks are the longest): what a
+    buffer holding any rank's rows needs."""
+    first, end = shard_bounds(n, 2 * world)[0]
+    return 2 * (end - first)
 
 
 def _check_rows(ref: DeviceTensor, rows: list[tuple[int, int]], what: str) -> None:
@@ -512,7 +514,7 @@ def gather_sequence(group, local, *, n: int):
     (ring_attention's and zigzag_attention's outputs): all-gather, then the reshuffle."""
     group, ref = as_group(group), as_device_tensor(local, "local")
     world = group.world
-    most = 2 * (shard_bounds(n, 2 * world)[0][1] - shard_bounds(n, 2 * world)[0][0])
+    most = _largest_pair(n, world)
     with cupy.cuda.Device(ref.device), stream_for(ref):
         padded = zeros_like(ref, ref.shape[:2] + (most, ref.shape[3]), ref.dtype)
         padded[:, :, : ref.shape[2]] = local
@@ -530,5 +532,5 @@ def gather_sequence(group, local, *, n: int):
 __all__ = ["NcclGroup", "RingStep", "TorchGroup", "as_group", "batch_sharded", "causal_pairs", "check_rank",
            "gather_sequence", "imbalance", "init", "launch", "merge_numpy", "reshuffle", "ring_attention",
            "ring_attention_backward", "ring_step_work", "zigzag_attention_backward",
-           "ring_pair_kind", "ring_schedule", "sequence_sharded", "shard_bounds", "sharded_inputs", "work_per_rank",
+           "ring_schedule", "sequence_sharded", "shard_bounds", "sharded_inputs", "work_per_rank",
            "zigzag_attention", "zigzag_chunks", "zigzag_order", "zigzag_rows"]

@@ -97,7 +97,7 @@ def merge_name(out_dtype: str) -> str:
 
 
 def render_merge(out_dtype: str) -> str:
-    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, for ring steps)."""
+    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, to merge further)."""
     if out_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
     return environment().get_template(MERGE_TEMPLATE).render(

@@ -8,7 +8,6 @@ Each line of the table is printed by rank 0 as JSON after `TIMING `.
 
 import argparse
 import json
-import os
 import time
 
 import cupy
@@ -185,5 +184,3 @@ for n in args.time:
         log("TIMING_BWD " + json.dumps(row))
 
 tdist.destroy_process_group()
-if os.environ.get("FAGEN_RENDEZVOUS") is None:
-    pass  # under torchrun the launcher tears down the store

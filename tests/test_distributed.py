@@ -1,7 +1,7 @@
 """fagen.distributed's schedules, simulated rank by rank in NumPy against fagen.oracle (CPU only).
 
 Each multi-GPU mode is replayed with the same index arithmetic the GPU code uses (shard_bounds,
-zigzag_rows, zigzag_chunks, ring_pair_kind, reshuffle), the per-rank kernels replaced by the
+zigzag_rows, zigzag_chunks, ring_schedule, reshuffle), the per-rank kernels replaced by the
 float64 oracle, and the merged / gathered result compared with the oracle of the whole problem.
 """
 
@@ -17,7 +17,6 @@ from fagen.distributed import (
     imbalance,
     merge_numpy,
     reshuffle,
-    ring_pair_kind,
     ring_schedule,
     ring_step_work,
     shard_bounds,
@@ -457,13 +456,14 @@ def test_ring_schedule_balances_causal_work(world):
 
 @pytest.mark.parametrize("world", RINGS)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_ring_pair_kind_matches_causal_pairs(world, n):
+def test_chunk_pairs_are_skipped_full_or_diagonal(world, n):
+    """What ring_schedule builds on: under causal masking a query chunk sees an earlier chunk
+    whole, a later one not at all, and itself as a causal square."""
     chunks = shard_bounds(n, 2 * world)
     keep = oracle.causal_mask(n, n)
     for qc in range(2 * world):
         for kc in range(2 * world):
-            kind = ring_pair_kind(qc, kc)
-            assert kind == ("skip" if kc > qc else "diagonal" if kc == qc else "full")
+            kind = "skip" if kc > qc else "diagonal" if kc == qc else "full"
             (qs, qe), (ks, ke) = chunks[qc], chunks[kc]
             kept = causal_pairs((qs, qe), (ks, ke))
             assert kept == int(keep[qs:qe, ks:ke].sum())
