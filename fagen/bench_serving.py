@@ -7,6 +7,10 @@ the median of REPLAYS divided by REPS. Bandwidth counts the K and V bytes a call
 2 * B * Hkv * Nk * d * 2 (bytes / time: TB/s); prefill counts FLOPs, 4 * Hq * d * n^2 a sequence
 of n, halved for causal (TFLOP/s).
 
+Host time (the "host" cases) is the other cost of a decode step: the enqueue time of a prepared
+call (fagen.prepare), HOST_CALLS calls between clock reads with no synchronisation inside (the GPU
+may lag; the queue stays far from full), the median of HOST_BATCHES batches.
+
 Each case draws fresh random inputs shared by every implementation, and every fagen output is
 checked at the timed shape before it is timed, into a NaN-poisoned output: decode and paged
 against SDPA in float32 on the same inputs, varlen against the float32 reference of each sequence
@@ -26,6 +30,7 @@ from fagen import bench_rows
 from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
 
 REPS, REPLAYS = 10, 9
+HOST_CALLS, HOST_BATCHES = 100, 15
 JSON, CSV, PLOT = "bench_serving.json", "bench_serving.csv", "bench_serving.png"
 FIX = f"pass a {JSON} written by `fagen bench --serving` (or the full `fagen bench`)"
 PAGE_SIZE = 64
@@ -33,7 +38,7 @@ PAGE_SIZE = 64
 
 @dataclass(frozen=True)
 class ServingCase:
-    section: str  # "decode", "paged" or "varlen"
+    section: str  # "decode", "paged", "varlen" or "host"
     dtype: str
     head_dim: int
     b: int
@@ -47,7 +52,8 @@ class ServingCase:
 
     @property
     def key(self) -> str:
-        what = {"decode": "", "paged": f" page {self.page_size}", "varlen": " mixed" if self.mixed else " uniform"}
+        what = {"decode": "", "host": "", "paged": f" page {self.page_size}",
+                "varlen": " mixed" if self.mixed else " uniform"}
         return (f"{self.section} {self.dtype} d{self.head_dim} {self.hq}/{self.hkv} B{self.b} Nq{self.nq} "
                 f"Nk{self.nk}{' causal' if self.causal else ''}{what[self.section]}")
 
@@ -56,7 +62,8 @@ class ServingCase:
 class ServingRow:
     section: str
     case: str
-    impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen)
+    impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen);
+    # fagen_out (host: out given)
     dtype: str
     head_dim: int
     b: int
@@ -91,9 +98,12 @@ def cases(quick: bool = False) -> list[ServingCase]:
     varlen = [ServingCase("varlen", **f16, b=b, **gqa, nq=n, nk=n, causal=True, mixed=m)
               for b, n, m in ((8, 2048, False), (8, 2048, True), (16, 1024, True))]
     varlen.append(ServingCase("varlen", "bfloat16", 64, 4, 16, 16, 4096, 4096, mixed=True))
+    # host time: a decode step (split kernel and merge) and a one-launch prepared call
+    host = [ServingCase("host", **f16, b=1, **gqa, nq=1, nk=1024),
+            ServingCase("host", "float16", 64, 1, 1, 1, 128, 128)]
     if quick:
-        return [decode[1], paged[1], varlen[1]]
-    return decode + paged + varlen
+        return [decode[1], paged[1], varlen[1], host[0]]
+    return decode + paged + varlen + host
 
 
 def graph_us(fn) -> float:
@@ -123,6 +133,26 @@ def graph_us(fn) -> float:
     return float(np.median(times))
 
 
+def host_us(fn) -> float:
+    """Host microseconds a call of fn: the enqueue time of HOST_CALLS calls (no synchronisation
+    inside; each batch starts on an idle GPU), the median of HOST_BATCHES batches."""
+    import time
+
+    import torch
+
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(HOST_BATCHES):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        times.append((time.perf_counter() - start) / HOST_CALLS * 1e6)
+    torch.cuda.synchronize()
+    return float(np.median(times))
+
+
 def kv_bytes(case: ServingCase) -> float:
     return 2.0 * case.b * case.hkv * case.nk * case.head_dim * 2
 
@@ -136,14 +166,14 @@ def _row(case: ServingCase, impl: str, us: float | None, *, tb_s=None, tflops=No
                       case.nk, us, tb_s, tflops, note)
 
 
-def _checked(case, impl, out, ref, time_fn, *, tb_s=None, tflops=None) -> ServingRow:
+def _checked(case, impl, out, ref, time_fn, *, tb_s=None, tflops=None, note: str = "") -> ServingRow:
     """A row timed only if out (computed into a NaN-poisoned buffer) is within tolerance of ref."""
     err = relative_error(to_numpy(out), ref)
     if not err <= OUT_TOLERANCE[case.dtype]:
         return _row(case, impl, None, note=f"FAILED check: relative error {err:.2e}")
     us = time_fn()
     return _row(case, impl, us, tb_s=None if tb_s is None else tb_s / us / 1e6,
-                tflops=None if tflops is None else tflops / us / 1e6, note=f"err {err:.1e}")
+                tflops=None if tflops is None else tflops / us / 1e6, note=f"err {err:.1e}{', ' + note if note else ''}")
 
 
 def _sdpa_reference(q, k, v, causal=False):
@@ -182,6 +212,23 @@ def run_decode(case: ServingCase) -> list[ServingRow]:
     step(q, k, v, out=out)
     row = _checked(case, "fagen", out, ref, lambda: graph_us(lambda: step(q, k, v, out=out)), tb_s=kv_bytes(case))
     return [row] + _sdpa_rows(case, q, k, v)
+
+
+def run_host(case: ServingCase) -> list[ServingRow]:
+    """Host time of a prepared call with out allocated and with out given, and of SDPA's call."""
+    import torch.nn.functional as F
+
+    import fagen
+
+    q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
+    ref = _sdpa_reference(q, k, v, case.causal)
+    step = fagen.prepare(q, k, v, causal=case.causal)
+    step(q, k, v, out=out)
+    rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(q, k, v)), note="out allocated"),
+            _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(q, k, v, out=out)), note="out given")]
+    gqa = case.hq != case.hkv
+    us = host_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa))
+    return rows + [_row(case, "sdpa", us)]
 
 
 def paged_cache(k, v, page_size: int, rng):
@@ -275,6 +322,8 @@ def run(case_list: list[ServingCase], progress=None) -> list[ServingRow]:
                 rows += run_decode(case)
             elif case.section == "paged":
                 rows += run_paged(case, rng)
+            elif case.section == "host":
+                rows += run_host(case)
             else:
                 rows += run_varlen(case, rng)
         except Exception as err:  # noqa: BLE001 - one case's failure is a row, the sweep goes on
@@ -356,6 +405,13 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         ratio = "n/a" if f.tflops is None or p is None or p.tflops is None else f"{f.tflops / p.tflops:.2f}"
         lengths = ("mixed, " if case.endswith("mixed") else "") + f"{f.b} × {f.nq}"
         out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
+    out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
+            "the GPU's time is not in it)", "",
+            "| call | shape | fagen.prepare'd, out allocated | out given | SDPA |", "| --- | --- | --- | --- | --- |"]
+    for case, impls, f in _section(table, "host"):
+        call = "decode step (split kernel + merge)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch"
+        shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
+        out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | {_us(impls.get('sdpa'))} |")
     notes = [r for r in rows if r.note and not r.note.startswith("err")]
     if notes:
         out += ["", "Notes:"] + [f"- {r.case} ({r.impl}): {r.note}" for r in notes]
@@ -366,7 +422,7 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
 
 def summary_lines(rows: list[ServingRow]) -> list[str]:
     return [f"{r.case:52} {r.impl:17} {_us(r):>8} us  {_tb(r):>5} TB/s  {r.note}".rstrip()
-            for r in rows if r.impl in ("fagen", "fagen_contiguous")]
+            for r in rows if r.impl in ("fagen", "fagen_out", "fagen_contiguous")]
 
 
 def plot(rows: list[ServingRow], path: Path) -> None:

@@ -130,9 +130,11 @@ class PreparedAttention:
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
         out = empty_like(tq, (b, hq, nq, d), tq.dtype)  # the outputs' strides, for packing
-        lse = empty_like(tq, (b, hq, nq), "float32")
+        # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
+        self._lse = empty_like(tq, (b, hq, nq), "float32")
         self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
-        self.out_signature, self.lse_signature = _signature(out), _signature(lse)
+        self.out_signature, self.lse_signature = _signature(out), _signature(self._lse)
+        self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
         with cupy.cuda.Device(tq.device), stream_for(tq):
             side = dict(alibi_slopes=alibi_slopes, sinks=None if spec else sinks)
             extras, self._held = kernel.extra_arguments(tq, tk, {**side, "block_mask": None, "bias": None, "doc_ids": None})
@@ -140,7 +142,7 @@ class PreparedAttention:
             scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
             offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
             if spec is None:
-                self.kernel = kernel.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
+                self.kernel = kernel.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse"),
                                             scale=scale, mask_offset=offset, splits=1, extras=extras)
                 self.merge = None
                 return
@@ -154,45 +156,65 @@ class PreparedAttention:
             one = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
             self.kernel = kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=offset, splits=to.shape[0],
                                         extras={**extras, **per_split})
-            self.merge = merge_launch(self.o_parts, self.lse_parts, out, lse, sinks=sinks)
+            self.merge = merge_launch(self.o_parts, self.lse_parts, out, self._lse, sinks=sinks)
             self._held.append(self.merge.held)
 
-    def __call__(self, q, k, v, *, out=None, lse=None):
-        """(out, lse) for tensors of the prepared shapes; out and lse may be given (of the shapes
-        prepare allocated), else they are allocated on the stream."""
-        # the signature check, flattened for torch: a few attribute reads, no tuples built per tensor
-        if self.torch and ((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) != self._layout
-                           or q.dtype is not self._dtype or k.dtype is not self._dtype or v.dtype is not self._dtype
-                           or q.get_device() != self.device or k.get_device() != self.device
-                           or v.get_device() != self.device) \
-                or not self.torch and (_signature(q), _signature(k), _signature(v)) != self.signature:
-            raise ValueError(f"prepared for q, k, v {self.signature}; got {(_signature(q), _signature(k), _signature(v))}: "
-                             f"prepare again (fagen.prepare) for new shapes, strides, dtype or device")
-        if out is not None and _signature(out) != self.out_signature or lse is not None and _signature(lse) != self.lse_signature:
-            raise ValueError(f"out, lse: expected {self.out_signature} and {self.lse_signature} (as prepared), got "
-                             f"{_signature(out) if out is not None else None}, {_signature(lse) if lse is not None else None}")
+    def __call__(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
+        """out, or (out, lse) with return_lse, for tensors of the prepared shapes (fagen.attention's
+        convention). out and lse may be given (of the shapes prepare allocated; a given lse is
+        returned too), else out is allocated on the stream and lse, when asked for."""
+        # the checks, flattened for torch: a few attribute reads, no tuples built per tensor
+        if self.torch:
+            if ((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) != self._layout
+                    or q.dtype is not self._dtype or k.dtype is not self._dtype or v.dtype is not self._dtype
+                    or q.get_device() != self.device or k.get_device() != self.device
+                    or v.get_device() != self.device):
+                self._refuse(q, k, v)
+            if out is not None and (out.shape != self.out_shape or out.dtype is not self._dtype
+                                    or (out.stride(), out.get_device()) != self.out_signature[1::2]) \
+                    or lse is not None and _signature(lse) != self.lse_signature:
+                self._refuse_outputs(out, lse)
+        elif (_signature(q), _signature(k), _signature(v)) != self.signature:
+            self._refuse(q, k, v)
+        elif out is not None and _signature(out) != self.out_signature \
+                or lse is not None and _signature(lse) != self.lse_signature:
+            self._refuse_outputs(out, lse)
         if cupy.cuda.runtime.getDevice() != self.device:
             raise ValueError(f"prepared on cuda:{self.device}, but the current device is "
                              f"cuda:{cupy.cuda.runtime.getDevice()}; use `with cupy.cuda.Device({self.device}):`")
+        if lse is not None:
+            return_lse = True
         if self.torch:
             torch = self._torch
             stream = _torch_stream(self.device)
-            out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device) if out is None else out
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if lse is None else lse
-            out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
+            if out is None:
+                out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+            if return_lse and lse is None:
+                lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr
             q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         else:
             stream = None  # CuPy's current stream
-            out = cupy.empty(self.out_shape, dtype=q.dtype) if out is None else out
-            lse = cupy.empty(self.lse_shape, dtype=cupy.float32) if lse is None else lse
-            out_ptr, lse_ptr = out.data.ptr, lse.data.ptr
+            if out is None:
+                out = cupy.empty(self.out_shape, dtype=q.dtype)
+            if return_lse and lse is None:
+                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+            out_ptr, lse_ptr = out.data.ptr, lse.data.ptr if return_lse else self._lse_ptr
             q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
         if self.merge is None:
             self.kernel(stream, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr)
         else:
             self.kernel(stream, q_ptr, k_ptr, v_ptr)
             self.merge.launch(stream, out_ptr, lse_ptr)
-        return out, lse
+        return (out, lse) if return_lse else out
+
+    def _refuse(self, q, k, v):
+        raise ValueError(f"prepared for q, k, v {self.signature}; got {(_signature(q), _signature(k), _signature(v))}: "
+                         f"prepare again (fagen.prepare) for new shapes, strides, dtype or device")
+
+    def _refuse_outputs(self, out, lse):
+        raise ValueError(f"out, lse: expected {self.out_signature} and {self.lse_signature} (as prepared), got "
+                         f"{_signature(out) if out is not None else None}, {_signature(lse) if lse is not None else None}")
 
 
 def prepare(q, k, v, **kwargs) -> PreparedAttention:

@@ -143,7 +143,7 @@ class Launch:
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
     __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "_pointers",
-                 "_first_slots")
+                 "_first_slots", "_mapped")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
@@ -164,6 +164,8 @@ class Launch:
         self.slots = tuple(offsets[names.index(name)] for name in slots)
         # (first slot, index of the mapped tensor among `slots`, dtype, layout): what a re-point re-encodes
         self.maps = tuple((offsets[names.index(m.param)], slots.index(m.tensor), m.dtype, m.layout) for m in maps)
+        # the address each map was encoded for: a decode loop re-points k and v at the same cache
+        self._mapped = [int(values[m.tensor]) for m in maps]
         # the usual case, slots the first parameters in order: one struct store re-points them all
         first = self.slots == tuple(range(len(self.slots)))
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
@@ -177,14 +179,20 @@ class Launch:
         else:
             for index, address in zip(self.slots, addresses):
                 values[index] = address
-        for slot, tensor, dtype, layout in self.maps:  # TMA reads the tensor's address from its map
-            if tensor < len(addresses):
-                struct.pack_into(SLOT_FORMATS[TMA_MAP], values, SLOT_BYTES * slot,
-                                 tensor_maps.encode(addresses[tensor], dtype, layout))
+        if self.maps:
+            self._re_encode(addresses)
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         gx, gy, gz = self.grid
         cupy.cuda.driver.launchKernel(self.function, gx, gy, gz, self.block, 1, 1, self.smem, stream, self.params, 0)
+
+    def _re_encode(self, addresses: tuple[int, ...]) -> None:
+        """TMA reads a tensor's address from its map: encode the maps of re-pointed tensors."""
+        for i, (slot, tensor, dtype, layout) in enumerate(self.maps):
+            if tensor < len(addresses) and addresses[tensor] != self._mapped[i]:
+                self._mapped[i] = addresses[tensor]
+                struct.pack_into(SLOT_FORMATS[TMA_MAP], self.values, SLOT_BYTES * slot,
+                                 tensor_maps.encode(addresses[tensor], dtype, layout))
 
 
 class Kernel:

@@ -876,7 +876,8 @@ def test_cli_bench_from_json_backward_alone(brows, tmp_path, no_gpu):
 def serving_rows() -> list:
     """Synthetic rows: a decode case with its SDPA peers, a paged case with its contiguous run,
     a varlen case with its padded batch."""
-    decode, paged, varlen = (next(c for c in bench_serving.cases() if c.section == s) for s in ("decode", "paged", "varlen"))
+    decode, paged, varlen, host = (next(c for c in bench_serving.cases() if c.section == s)
+                                   for s in ("decode", "paged", "varlen", "host"))
 
     def row(case, impl, us, **kw):
         return bench_serving._row(case, impl, us, **kw)
@@ -884,14 +885,15 @@ def serving_rows() -> list:
             row(decode, "sdpa_flash", None, note="unsupported: no"),
             row(paged, "fagen", 80.0, tb_s=1.7), row(paged, "fagen_contiguous", 60.0, tb_s=2.2),
             row(paged, "sdpa", 38.0, tb_s=3.5),
-            row(varlen, "fagen", 900.0, tflops=450.0), row(varlen, "fagen_padded", 850.0, tflops=500.0)]
+            row(varlen, "fagen", 900.0, tflops=450.0), row(varlen, "fagen_padded", 850.0, tflops=500.0),
+            row(host, "fagen", 11.5), row(host, "fagen_out", 8.25), row(host, "sdpa", 18.0)]
 
 
 def test_serving_cases_cover_decode_paged_and_varlen():
     full = bench_serving.cases()
     assert len({c.key for c in full}) == len(full)  # keys name the cases apart
-    assert {c.section for c in full} == {"decode", "paged", "varlen"}
-    assert {c.section for c in bench_serving.cases(quick=True)} == {"decode", "paged", "varlen"}
+    assert {c.section for c in full} == {"decode", "paged", "varlen", "host"}
+    assert {c.section for c in bench_serving.cases(quick=True)} == {"decode", "paged", "varlen", "host"}
     assert all(c.nk % c.page_size == 0 for c in full if c.section == "paged")
 
 
@@ -910,6 +912,7 @@ def test_serving_markdown_tables(tmp_path):
     assert "| 80.0 | 1.70 | 60.0 | 1.33 | 38.0 |" in text  # paged / contiguous time
     assert "| 450 | 500 | 0.90 |" in text and "![serving](bench/bench_serving.png)" in text
     assert "(sdpa_flash): unsupported: no" in text
+    assert "| decode step (split kernel + merge) | float16 d128, 32/8, B 1, Nq 1, Nk 1024 | 11.5 | 8.2 | 18.0 |" in text
     bench_serving.plot(serving_rows(), tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000
 

@@ -116,7 +116,7 @@ def test_a_prepared_call_matches_the_oracle_on_fresh_tensors(framework, shape):
     call = fagen.prepare(q, k, v, causal=True, softcap=30.0)
     for _ in range(2):  # new queries each step, as a decode loop has
         q = random_inputs(framework, "float16", b, hq, hkv, nq, nk, 128)[0]
-        out, lse = call(q, k, v)
+        out, lse = call(q, k, v, return_lse=True)
         ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, softcap=30.0,
                                         return_lse=True)
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
@@ -132,6 +132,27 @@ def test_a_prepared_call_refuses_other_shapes():
         call(q.bfloat16(), k, v)
     with pytest.raises(ValueError, match="as prepared"):
         call(q, k, v, out=q.new_empty(1, 8, 2, 64))
+    with pytest.raises(ValueError, match="as prepared"):  # the prepared shape, other strides
+        call(q, k, v, out=q.new_empty(1, 8, 1, 128)[..., :64])
+    with pytest.raises(ValueError, match="as prepared"):
+        call(q, k, v, out=q.new_empty(1, 8, 1, 64).bfloat16())
+    with pytest.raises(ValueError, match="as prepared"):
+        call(q, k, v, lse=q.new_empty(1, 8, 1))  # float16, not float32
+
+
+def test_a_prepared_call_returns_the_lse_where_asked():
+    import torch
+
+    q, k, v, _ = random_inputs("torch", "float16", 1, 8, 2, 1, 3000, 64)
+    call = fagen.prepare(q, k, v)
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), return_lse=True)
+    out = call(q, k, v)
+    assert isinstance(out, torch.Tensor)  # out alone, as fagen.attention without return_lse
+    lse = torch.full((1, 8, 1), float("nan"), device="cuda")
+    got, got_lse = call(q, k, v, lse=lse)  # a given lse is written and returned
+    assert got_lse is lse
+    assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE["float16"]
+    assert relative_error(to_numpy(lse), ref_lse) < 1e-4
 
 
 def test_a_prepared_decode_step_in_a_cuda_graph():
@@ -142,7 +163,7 @@ def test_a_prepared_decode_step_in_a_cuda_graph():
     call = fagen.prepare(q, k, v, causal=True, sinks=sinks)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = call(q, k, v)
+        out = call(q, k, v)
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()

@@ -78,8 +78,10 @@ def test_a_prepared_call_re_encodes_its_maps_for_new_tensors():
     _hopper_default()
     first = random_inputs("torch", "float16", 2, 4, 2, 333, 517, 128)
     prepared = fagen.prepare(*first[:3], causal=True)
-    for q, k, v, out in (random_inputs("torch", "float16", 2, 4, 2, 333, 517, 128) for _ in range(2)):
-        got, lse = prepared(q, k, v, out=out)
+    fresh = [random_inputs("torch", "float16", 2, 4, 2, 333, 517, 128) for _ in range(3)]
+    # new tensors; then a new q beside the first k and v (a decode loop's cache: maps kept); the first again
+    for q, k, v, out in (fresh[0], fresh[1], (fresh[2][0], first[1], first[2], fresh[2][3]), first):
+        got, lse = prepared(q, k, v, out=out, return_lse=True)
         ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask=Mask(kind="causal"), return_lse=True)
         assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE["float16"]
         assert relative_error(to_numpy(lse), ref_lse) < 1e-4
