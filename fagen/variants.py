@@ -122,12 +122,6 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
 
 
 SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
-# A paged decode kernel's layout: 64-key tiles, two warps along their keys, one K and one V tile in
-# flight (padded rows): more blocks an SM than the contiguous kernel's, which hide the per-group
-# page arithmetic of the copies (H200: 1.1-1.8x faster paged than the contiguous kernel's layout,
-# notes/perf.md)
-PAGED_DECODE_LAYOUT = {"tiling": {"block_kv": 64, "warps_kv": 2}, "pipeline": {"kv_smem": "separate", "stages": 1},
-                       "smem_layout": "padded"}
 
 
 @cache
@@ -135,17 +129,13 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     """`spec` reading its sequences as `q` and `kv` lay them out (spec.sequences: varlen,
     paged), named <name>_q<layout>_kv<layout> for the layouts that are not padded. The layouts
     are the forward's (serving): spec's backward: section is not carried over, nor a TMA producer
-    (pipeline.warp_specialized). A decode kernel (pack_gqa) reading a paged cache takes
-    PAGED_DECODE_LAYOUT."""
+    (pipeline.warp_specialized)."""
     if (spec.sequences.q, spec.sequences.kv) == (q, kv):
         return spec
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
     data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
     if spec.warp_specialized:  # its TMA maps describe padded tensors: every thread copies instead
         data["pipeline"] = {**data["pipeline"], "warp_specialized": None}
-    if spec.tiling.pack_gqa and kv == "paged":
-        data.update(PAGED_DECODE_LAYOUT, tiling={**data["tiling"], **PAGED_DECODE_LAYOUT["tiling"]},
-                    pipeline={**data["pipeline"], **PAGED_DECODE_LAYOUT["pipeline"]})
     return parse_falling_back(data, spec, f"{q} q, {kv} kv variant of {spec.name}")  # the layout's registers
 
 

@@ -60,7 +60,8 @@ def test_sources_read_only_what_their_layout_uses():
     assert "n_kv = pages.keys(cache_seqlens[b])" in paged and "if (q0 >= rows.n) return;" in paged
 
 
-@pytest.mark.parametrize("base", ["decode_f16_d128", "attn_f16_d128_h200"])
+# decode: a group of rows a thread; d64 H200 (176-192 keys): a shuffled address a group; d96: a chunk at a time
+@pytest.mark.parametrize("base", ["decode_f16_d128", "attn_f16_d128_h200", "attn_f16_d64_h200", "attn_bf16_d96"])
 def test_layout_variants_compile_without_spills(base):
     spec = variants.variant(load_spec(SPECS / f"{base}.yaml"), Mask(kind="sliding_window", window_left=1000),
                             ScoreMod(softcap=30.0, alibi="slopes"))
