@@ -38,7 +38,7 @@ PAGE_SIZE = 64
 
 @dataclass(frozen=True)
 class ServingCase:
-    section: str  # "decode", "paged", "varlen" or "host"
+    section: str  # "decode", "paged", "mixed" (paged decode, lengths mixed), "varlen" or "host"
     dtype: str
     head_dim: int
     b: int
@@ -52,7 +52,7 @@ class ServingCase:
 
     @property
     def key(self) -> str:
-        what = {"decode": "", "host": "", "paged": f" page {self.page_size}",
+        what = {"decode": "", "host": "", "paged": f" page {self.page_size}", "mixed": f" page {self.page_size}",
                 "varlen": " mixed" if self.mixed else " uniform"}
         return (f"{self.section} {self.dtype} d{self.head_dim} {self.hq}/{self.hkv} B{self.b} Nq{self.nq} "
                 f"Nk{self.nk}{' causal' if self.causal else ''}{what[self.section]}")
@@ -95,6 +95,9 @@ def cases(quick: bool = False) -> list[ServingCase]:
     paged = [ServingCase("paged", **f16, b=b, **gqa, nq=1, nk=nk, page_size=ps)
              for b, nk, ps in ((1, 32768, 16), (1, 32768, PAGE_SIZE), (1, 131072, PAGE_SIZE), (8, 8192, PAGE_SIZE),
                                (32, 4096, PAGE_SIZE))]
+    # a batch of decode rows against caches of mixed lengths (a quarter to 1.75x nk): paged, one launch
+    mixed = [ServingCase("mixed", **f16, b=b, **gqa, nq=1, nk=nk, page_size=PAGE_SIZE, mixed=True)
+             for b, nk in ((16, 8192), (64, 2048))]
     varlen = [ServingCase("varlen", **f16, b=b, **gqa, nq=n, nk=n, causal=True, mixed=m)
               for b, n, m in ((8, 2048, False), (8, 2048, True), (16, 1024, True))]
     varlen.append(ServingCase("varlen", "bfloat16", 64, 4, 16, 16, 4096, 4096, mixed=True))
@@ -102,8 +105,8 @@ def cases(quick: bool = False) -> list[ServingCase]:
     host = [ServingCase("host", **f16, b=1, **gqa, nq=1, nk=1024),
             ServingCase("host", "float16", 64, 1, 1, 1, 128, 128)]
     if quick:
-        return [decode[1], paged[1], varlen[1], host[0]]
-    return decode + paged + varlen + host
+        return [decode[1], paged[1], mixed[0], varlen[1], host[0]]
+    return decode + paged + mixed + varlen + host
 
 
 def graph_us(fn) -> float:
@@ -273,15 +276,45 @@ def run_paged(case: ServingCase, rng) -> list[ServingRow]:
     return rows + _sdpa_rows(case, q, k, v)
 
 
-def varlen_lengths(case: ServingCase, rng) -> list[int]:
-    """case.b lengths summing to case.b * case.nq: equal, or mixed between a quarter and 1.75x."""
-    if not case.mixed:
-        return [case.nq] * case.b
-    n = case.nq
-    lengths = rng.integers(n // 4, 2 * n - n // 4, case.b)
-    lengths = (lengths * (case.b * n) / lengths.sum()).astype(int)
-    lengths[-1] += case.b * n - lengths.sum()
+def run_mixed(case: ServingCase, rng) -> list[ServingRow]:
+    """Decode rows against paged caches of mixed lengths (varlen_lengths of nk: one Nq row each),
+    against SDPA over the batch padded to the longest, a key-padding mask hiding the rest."""
+    import torch
+    import torch.nn.functional as F
+
+    import fagen
+
+    lengths = mixed_lengths(case.b, case.nk, rng)
+    longest = -(-max(lengths) // case.page_size) * case.page_size
+    q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, longest, case.head_dim)
+    seen = torch.arange(longest, device="cuda")[None, :] < torch.as_tensor(lengths, device="cuda")[:, None]
+    mask = seen[:, None, None, :]  # [B, 1, 1, keys]: True where a key is in its sequence
+    gqa = case.hq != case.hkv
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                         enable_gqa=gqa).cpu().numpy()
+    k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
+    seqlens = torch.as_tensor(lengths, dtype=torch.int32, device="cuda")
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    fagen.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)  # validated once
+    read = 2.0 * case.hkv * case.head_dim * 2 * sum(lengths)  # the keys the sequences have
+    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(lambda: fagen.attention_with_kvcache(
+        q, k_cache, v_cache, seqlens, table, out=out, status=status, validate=False)), tb_s=read,
+        note=f"lengths {min(lengths)}-{max(lengths)}")]
+    us = graph_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
+    return rows + [_row(case, "sdpa", us, tb_s=read / us / 1e6, note="padded to the longest, key mask")]
+
+
+def mixed_lengths(b: int, n: int, rng) -> list[int]:
+    """b lengths between a quarter and 1.75x n, summing to b * n."""
+    lengths = rng.integers(n // 4, 2 * n - n // 4, b)
+    lengths = (lengths * (b * n) / lengths.sum()).astype(int)
+    lengths[-1] += b * n - lengths.sum()
     return [int(x) for x in lengths]
+
+
+def varlen_lengths(case: ServingCase, rng) -> list[int]:
+    """case.b lengths summing to case.b * case.nq: equal, or mixed (mixed_lengths)."""
+    return mixed_lengths(case.b, case.nq, rng) if case.mixed else [case.nq] * case.b
 
 
 def run_varlen(case: ServingCase, rng) -> list[ServingRow]:
@@ -324,6 +357,8 @@ def run(case_list: list[ServingCase], progress=None) -> list[ServingRow]:
                 rows += run_paged(case, rng)
             elif case.section == "host":
                 rows += run_host(case)
+            elif case.section == "mixed":
+                rows += run_mixed(case, rng)
             else:
                 rows += run_varlen(case, rng)
         except Exception as err:  # noqa: BLE001 - one case's failure is a row, the sweep goes on
@@ -395,6 +430,13 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         ratio = "n/a" if c is None or c.us is None or f.us is None else f"{f.us / c.us:.2f}"
         page = case.rsplit("page ", 1)[-1]
         out.append(f"| {_shape(f)} | {f.nk // 1024}k | {page} | {_us(f)} | {_tb(f)} | {_us(c)} | {ratio} | {_us(s)} |")
+    out += ["", "### Paged decode, mixed lengths (Nq 1; each sequence between a quarter and 1.75x Nk keys; TB/s of the "
+            "keys the sequences have; SDPA: the batch padded to the longest, a key-padding mask)", "",
+            "| shape | Nk | lengths | paged µs | TB/s | SDPA µs | fagen vs SDPA |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for case, impls, f in _section(table, "mixed"):
+        s = impls.get("sdpa")
+        lengths = f.note.split("lengths ", 1)[-1].split(",")[0] if "lengths " in f.note else "n/a"
+        out.append(f"| {_shape(f)} | {f.nk // 1024}k | {lengths} | {_us(f)} | {_tb(f)} | {_us(s)} | {_times(f, s)} |")
     out += ["", "### Varlen prefill (TFLOP/s of real tokens; the padded batch: the same tokens, equal lengths)", "",
             "| shape | causal | lengths | varlen TFLOP/s | padded TFLOP/s | varlen / padded |",
             "| --- | --- | --- | --- | --- | --- |"]

@@ -876,8 +876,8 @@ def test_cli_bench_from_json_backward_alone(brows, tmp_path, no_gpu):
 def serving_rows() -> list:
     """Synthetic rows: a decode case with its SDPA peers, a paged case with its contiguous run,
     a varlen case with its padded batch."""
-    decode, paged, varlen, host = (next(c for c in bench_serving.cases() if c.section == s)
-                                   for s in ("decode", "paged", "varlen", "host"))
+    decode, paged, mixed, varlen, host = (next(c for c in bench_serving.cases() if c.section == s)
+                                          for s in ("decode", "paged", "mixed", "varlen", "host"))
 
     def row(case, impl, us, **kw):
         return bench_serving._row(case, impl, us, **kw)
@@ -886,15 +886,18 @@ def serving_rows() -> list:
             row(paged, "fagen", 80.0, tb_s=1.7), row(paged, "fagen_contiguous", 60.0, tb_s=2.2),
             row(paged, "sdpa", 38.0, tb_s=3.5),
             row(varlen, "fagen", 900.0, tflops=450.0), row(varlen, "fagen_padded", 850.0, tflops=500.0),
-            row(host, "fagen", 11.5), row(host, "fagen_out", 8.25), row(host, "sdpa", 18.0)]
+            row(host, "fagen", 11.5), row(host, "fagen_out", 8.25), row(host, "sdpa", 18.0),
+            row(mixed, "fagen", 100.0, tb_s=3.0, note="err 3.0e-04, lengths 2100-14000"),
+            row(mixed, "sdpa", 400.0, tb_s=0.75, note="padded to the longest, key mask")]
 
 
 def test_serving_cases_cover_decode_paged_and_varlen():
     full = bench_serving.cases()
     assert len({c.key for c in full}) == len(full)  # keys name the cases apart
-    assert {c.section for c in full} == {"decode", "paged", "varlen", "host"}
-    assert {c.section for c in bench_serving.cases(quick=True)} == {"decode", "paged", "varlen", "host"}
-    assert all(c.nk % c.page_size == 0 for c in full if c.section == "paged")
+    assert {c.section for c in full} == {"decode", "paged", "mixed", "varlen", "host"}
+    assert {c.section for c in bench_serving.cases(quick=True)} == {"decode", "paged", "mixed", "varlen", "host"}
+    assert all(c.nk % c.page_size == 0 for c in full if c.section in ("paged", "mixed"))
+    assert {c.b for c in full if c.section == "mixed"} >= {64}  # batches up to 64 sequences
 
 
 def test_serving_units():
@@ -904,6 +907,8 @@ def test_serving_units():
     assert bench_serving.prefill_flops([100, 50], causal) == 4 * 4 * 64 * (100 ** 2 + 50 ** 2) / 2
     lengths = bench_serving.varlen_lengths(causal, np.random.default_rng(0))
     assert sum(lengths) == 200 and len(lengths) == 2 and min(lengths) > 0
+    lengths = bench_serving.mixed_lengths(64, 2048, np.random.default_rng(1))
+    assert sum(lengths) == 64 * 2048 and min(lengths) >= 2048 // 4 - 64 and len(set(lengths)) > 32
 
 
 def test_serving_markdown_tables(tmp_path):
@@ -912,6 +917,7 @@ def test_serving_markdown_tables(tmp_path):
     assert "| 80.0 | 1.70 | 60.0 | 1.33 | 38.0 |" in text  # paged / contiguous time
     assert "| 450 | 500 | 0.90 |" in text and "![serving](bench/bench_serving.png)" in text
     assert "(sdpa_flash): unsupported: no" in text
+    assert "| float16 d128, 32/8, B 16 | 8k | 2100-14000 | 100.0 | 3.00 | 400.0 | 4.00x |" in text
     assert "| decode step (split kernel + merge) | float16 d128, 32/8, B 1, Nq 1, Nk 1024 | 11.5 | 8.2 | 18.0 |" in text
     bench_serving.plot(serving_rows(), tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000
