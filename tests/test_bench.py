@@ -888,7 +888,7 @@ def serving_rows() -> list:
             row(varlen, "fagen", 900.0, tflops=450.0), row(varlen, "fagen_padded", 850.0, tflops=500.0),
             row(host, "fagen", 11.5), row(host, "fagen_out", 8.25), row(host, "sdpa", 18.0),
             row(mixed, "fagen", 100.0, tb_s=3.0, note="err 3.0e-04, lengths 2100-14000"),
-            row(mixed, "sdpa", 400.0, tb_s=0.75, note="padded to the longest, key mask")]
+            row(mixed, "sdpa", 400.0, tb_s=0.75)]
 
 
 def test_serving_cases_cover_decode_paged_and_varlen():
