@@ -124,17 +124,19 @@ def test_paged_decode_matches_the_oracle(dtype, page_size, heads):
     assert int(status.item()) == 0
 
 
+# head_dim 64: the shipped tiles; 96: the paged copy's chunk-at-a-time path (a row's chunks do not divide the threads)
+@pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("mask", [Mask(kind="causal"), Mask(kind="sliding_window", window_left=100)], ids=str)
-def test_paged_varlen_chunked_prefill_appends_and_attends(mask):
+def test_paged_varlen_chunked_prefill_appends_and_attends(mask, d):
     """Chunked prefill: new tokens are written after each sequence's cached keys, and their
     queries attend to the cache plus themselves (causal bottom right per sequence)."""
     rng = np.random.default_rng(11)
     cached = [300, 0, 77, 1000]
     new = [64, 100, 1, 33]
-    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", [c + n for c, n in zip(cached, new)], 64, 4, 64)
+    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", [c + n for c, n in zip(cached, new)], 64, 4, d)
     cu_q = np.cumsum([0, *new])
-    q = _randn(rng, (cu_q[-1], 16, 64), "bfloat16")
-    k_new, v_new = _randn(rng, (cu_q[-1], 4, 64), "bfloat16"), _randn(rng, (cu_q[-1], 4, 64), "bfloat16")
+    q = _randn(rng, (cu_q[-1], 16, d), "bfloat16")
+    k_new, v_new = _randn(rng, (cu_q[-1], 4, d), "bfloat16"), _randn(rng, (cu_q[-1], 4, d), "bfloat16")
     out = _nan(q.shape, "bfloat16")
     fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(cached), _int32(table), k=k_new, v=v_new,
                                  cu_seqlens_q=_int32(cu_q), max_seqlen_q=max(new), mask=mask, out=out)
