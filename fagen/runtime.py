@@ -195,6 +195,15 @@ class Launch:
                                  tensor_maps.encode(addresses[tensor], dtype, layout))
 
 
+def _mapped(t: DeviceTensor, total) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and strides a tensor map describes: the tensor itself, or for a varlen batch (a
+    [B, H, max_seqlen, d] view of its token-major rows, `total` of them) the one tensor
+    [1, H, total, d] every sequence is a run of rows of (the kernel adds cu_seqlens[b])."""
+    if total is None:
+        return tuple(t.shape), tuple(t.strides)
+    return (1, t.shape[1], int(total), t.shape[3]), (0, t.strides[1], t.strides[2], 1)
+
+
 class Kernel:
     """A compiled spec. Call it like `fagen.attention`, without the choice of kernel."""
 
@@ -376,9 +385,11 @@ class Kernel:
                       scale_log2=scale * LOG2E, **extras)
         for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
             values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-        maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(t.shape, t.strides, rows, name))
-                     for t, name, rows in ((tq, "q", self.plan.block_q), (tk, "k", self.plan.block_kv),
-                                           (tv, "v", self.plan.block_kv))) if self.plan.warp_specialized else ()
+        maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(*_mapped(t, total), rows, name))
+                     for t, name, rows, total in ((tq, "q", self.plan.block_q, extras.get("total_q")),
+                                                  (tk, "k", self.plan.block_kv, extras.get("total_k")),
+                                                  (tv, "v", self.plan.block_kv, extras.get("total_k")))
+                     ) if self.plan.warp_specialized else ()
         tiles = self.tiles(b, hq, tk.shape[1], nq, splits)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM

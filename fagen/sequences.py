@@ -115,7 +115,8 @@ def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
                  *(_view(t, (b, t.shape[1], int(max_seqlen_k), t.shape[2]), (0, t.strides[1], t.strides[0], 1))
                    for t in (tk, tv)),
                  "varlen", "varlen", dict(cu_seqlens_q=np.uint64(cu_q.data.ptr), total_q=np.int32(tq.shape[0]),
-                                          cu_seqlens_k=np.uint64(cu_k.data.ptr)), (cu_q, cu_k))
+                                          cu_seqlens_k=np.uint64(cu_k.data.ptr), total_k=np.int32(tk.shape[0])),
+                 (cu_q, cu_k))
 
 
 def check_pages(page_table: np.ndarray, cache_seqlens: np.ndarray, num_pages: int, page_size: int) -> None:

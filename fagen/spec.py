@@ -458,13 +458,14 @@ class AttentionSpec(_Frozen):
         return self
 
     def _warp_specialized_rules(self) -> None:
-        """The producer's TMA loads read [B, H, N, head_dim] tensors through tensor maps, and the
-        register split must fit the SM's register file."""
+        """The producer's TMA loads read [B, H, N, head_dim] tensors through tensor maps (a varlen
+        batch is one such tensor, [1, H, total, head_dim]; a paged cache is not), and the register
+        split must fit the SM's register file."""
         ws, consumers = self.pipeline.warp_specialized, self.tiling.warps_q // WARPGROUP_WARPS
-        if not self.sequences.padded:
+        if self.sequences.kv == "paged":
             raise ValueError(rule("pipeline.warp_specialized", "set", f"with sequences {self.sequences}: its "
-                                  "tensor maps describe padded [B, H, N, head_dim] tensors",
-                                  "remove warp_specialized for varlen and paged layouts"))
+                                  "tensor maps describe [B, H, N, head_dim] tensors, and a paged cache's rows lie "
+                                  "in the pages its table lists", "remove warp_specialized for a paged cache"))
         if consumers < 2:
             raise ValueError(rule("pipeline.warp_specialized", "set", f"with warps_q {self.tiling.warps_q}: one "
                                   "consumer warpgroup beside the producer already has every register a thread may "

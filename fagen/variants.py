@@ -128,14 +128,20 @@ SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
 def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded") -> AttentionSpec:
     """`spec` reading its sequences as `q` and `kv` lay them out (spec.sequences: varlen,
     paged), named <name>_q<layout>_kv<layout> for the layouts that are not padded. The layouts
-    are the forward's (serving): spec's backward: section is not carried over, nor a TMA producer
-    (pipeline.warp_specialized)."""
+    are the forward's (serving): spec's backward: section is not carried over, nor, for a paged
+    cache, a TMA producer (pipeline.warp_specialized). A producer's kernel runs a block a tile:
+    a persistent block's static share of tiles is even only where every sequence is as long as
+    the longest, and the GPU's own block scheduler balances sequences of mixed lengths (H200,
+    varlen of mixed lengths, d64 and d128 non-causal: 0-13% faster; notes/perf.md)."""
     if (spec.sequences.q, spec.sequences.kv) == (q, kv):
         return spec
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
     data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
-    if spec.warp_specialized:  # its TMA maps describe padded tensors: every thread copies instead
+    if spec.warp_specialized and kv == "paged":  # TMA maps describe whole tensors: every thread copies instead
         data["pipeline"] = {**data["pipeline"], "warp_specialized": None}
+    elif spec.warp_specialized and spec.pipeline.warp_specialized.persistent:
+        data["pipeline"] = {**data["pipeline"],
+                            "warp_specialized": {**data["pipeline"]["warp_specialized"], "persistent": False}}
     return parse_falling_back(data, spec, f"{q} q, {kv} kv variant of {spec.name}")  # the layout's registers
 
 

@@ -397,17 +397,20 @@ struct KvPipeline {
     for (int a = 0; a < ATOMS_PER_ROW; ++a) tma_load_tile(dst + a * ROWS * ATOM_ROW_BYTES, map, bar, a * ATOM_COLUMNS, row, head, batch);
   }
 
+  // The tile's Q rows start at row q_row of batch q_batch in q_map, its keys at row kv_row0 of
+  // batch kv_batch in k_map and v_map.
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                          unsigned q_tile, int q0, int h, int h_kv, int b) const {
+                                          unsigned q_tile, int q_row, int q_batch, int kv_row0, int kv_batch, int h,
+                                          int h_kv) const {
     if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
     mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
-    load<BLOCK_Q>(q_tile, q_map, q_full, q0, h, b);
+    load<BLOCK_Q>(q_tile, q_map, q_full, q_row, h, q_batch);
     for (int g = 0; g <= tiles; ++g) {
       const unsigned bar = full + MBARRIER_BYTES * stage(g);
       if (first + g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage(g), phase(g) ^ 1);  // group n - KV_STAGES is done
       mbarrier_arrive_expect_tx(bar, (g < tiles ? KV_TILE_BYTES : 0) + (g >= 1 ? KV_TILE_BYTES : 0));
-      if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, mask.kv_tile(g) * BLOCK_KV, h_kv, b);
-      if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, mask.kv_tile(g - 1) * BLOCK_KV, h_kv, b);
+      if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, kv_row0 + mask.kv_tile(g) * BLOCK_KV, h_kv, kv_batch);
+      if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV, h_kv, kv_batch);
     }
   }
 
@@ -611,7 +614,9 @@ fagen_attn_f16_d64_h200(
         mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
         const int kv_tiles = mask.count;
         kv.begin(kv_tiles);
-        kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, h, h_kv, b);
+        // the maps' coordinates: (row, head, batch); a varlen batch is one [1, H, total, d] tensor
+        kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, b,
+                   0, b, h, h_kv);
         kv.end();
       }
     }

@@ -38,9 +38,21 @@ def test_needs_sm90a():
     assert "pipeline.warp_specialized" in msg and "sm_90a" in msg and "remove it" in msg
 
 
-def test_needs_padded_sequences():
-    msg = rejected(ws_spec(sequences={"q": "varlen", "kv": "varlen"}))
-    assert "pipeline.warp_specialized" in msg and "padded" in msg and "varlen" in msg
+def test_refuses_a_paged_cache():
+    msg = rejected(ws_spec(sequences={"q": "varlen", "kv": "paged"}))
+    assert "pipeline.warp_specialized" in msg and "paged" in msg and "remove warp_specialized" in msg
+
+
+def test_varlen_loads_rows_of_one_tensor():
+    """A varlen batch's maps describe the whole [1, H, total, d] tensor: the producer adds the
+    sequence's first row (cu_seqlens) and asks for batch 0; a tile past the sequence's end is
+    skipped by both roles (continue, not return: a persistent block walks on)."""
+    text = render(fagen.parse_spec(ws_spec(sequences={"q": "varlen", "kv": "varlen"}, mask={"kind": "causal"})))
+    assert "kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q_start + q0, 0,\n                   kv_start, 0, h, h_kv);" in text
+    assert "if (q0 >= n_q) continue;" in text and "if (q0 >= n_q) return;" not in text
+    assert "const int diagonal = mask_offset + n_kv - n_q;" in text and "mask_offset +=" not in text
+    padded = render(fagen.parse_spec(ws_spec()))
+    assert "smem_q_u32, q0, b,\n                   0, b, h, h_kv);" in padded
 
 
 def test_needs_two_consumer_warpgroups():
@@ -168,8 +180,11 @@ def test_variants_keep_the_producer_where_it_applies():
     assert base.warp_specialized
     assert variant(base, Mask(kind="sliding_window", window_left=256), ScoreMod(softcap=30.0)).warp_specialized
     assert partial_variant(base).warp_specialized
-    paged = sequence_variant(base, "varlen", "paged")  # tensor maps describe padded tensors
+    paged = sequence_variant(base, "varlen", "paged")  # a page table, not a tensor map, places the rows
     assert not paged.warp_specialized and plan(paged).threads == 256
+    varlen = sequence_variant(base, "varlen", "varlen")  # rows of one [1, H, total, d] tensor
+    assert varlen.warp_specialized and not varlen.pipeline.warp_specialized.persistent
+    assert base.pipeline.warp_specialized.persistent  # (the H200 d128 dense spec walks its tiles)
 
 
 # ---- tensor maps ---------------------------------------------------------------------------
