@@ -70,6 +70,9 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
     hkv, nk = tk.shape[1], tk.shape[2]
     if splits is None:
         splits = default_splits(kernel, b, hq, hkv, nq, nk)
+    if splits == 1:  # the blocks alone fill the GPU: the kernel writes out itself, no merge
+        whole = compile_kernel(variants.unsplit_variant(spec, sinks is not None))
+        return whole(q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
     o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
     out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
     return (out, lse) if return_lse else out
@@ -148,6 +151,16 @@ class PreparedAttention:
                 return
             if splits is None:
                 splits = default_splits(kernel, b, hq, hkv, nq, nk)
+            if splits == 1:  # the blocks alone fill the GPU: one launch writes out, no partials, no merge
+                self.spec = variants.unsplit_variant(spec, sinks is not None)
+                whole = compile_kernel(self.spec)
+                extras, self._held = whole.extra_arguments(
+                    tq, tk, {"alibi_slopes": alibi_slopes, "sinks": sinks, "block_mask": None, "bias": None,
+                             "doc_ids": None})
+                self.kernel = whole.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse"),
+                                           scale=scale, mask_offset=offset, splits=1, extras=extras)
+                self.merge = None
+                return
             # the partials: a workspace this object owns, written and merged by each call
             self.o_parts, self.lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
             to, tl = as_device_tensor(self.o_parts, "o_parts"), as_device_tensor(self.lse_parts, "lse_parts")

@@ -15,7 +15,7 @@ import numpy as np
 from fagen import variants
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, multiprocessors, stream_for
 from fagen.render import MERGE_DTYPES, merge_name, render_merge
-from fagen.plan import merge_plan
+from fagen.plan import merge_plan, merge_warps
 from fagen.runtime import Launch, compile_kernel, default_spec
 from fagen.spec import AttentionSpec
 
@@ -86,8 +86,8 @@ def merge_launch(o_parts, lse_parts, out, lse, *, sinks=None) -> MergeLaunch:
     values = dict(o_parts=tp.ptr, lse_parts=tl.ptr, sinks=sink_ptr, out=to.ptr, lse=tlse.ptr,
                   splits=s, rows=rows, head_dim=d, heads=h, n_q=n, part_stride=b * h * n * d,
                   lse_part_stride=b * h * n, **dict(zip(("o_sb", "o_sh", "o_sn"), to.strides[:3])))
-    launch = Launch(_merge_function(to.dtype, tp.device), (math.ceil(rows / geometry.rows_per_block), 1, 1),
-                    geometry.threads, 0, geometry.params, values, slots=("out", "lse"))
+    launch = Launch(_merge_function(to.dtype, tp.device), (rows, 1, 1), 32 * merge_warps(s), 0, geometry.params, values,
+                    slots=("out", "lse"))
     return MergeLaunch(launch, held)
 
 

@@ -146,6 +146,20 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
 
 
 @cache
+def unsplit_variant(spec: AttentionSpec, sinks: bool = False) -> AttentionSpec:
+    """A partial spec (a decode kernel) writing its output itself, named <name>_unsplit[_sinks]:
+    where its blocks fill the GPU without splitting the keys, one launch and no merge (the
+    merge's 3 us were 2.5% of a B 32 decode step on the H200). sinks: they join in the kernel,
+    as the merge would have added them."""
+    if not spec.outputs.partial:
+        return spec
+    data = {**spec.model_dump(), "name": f"{spec.name}_unsplit{'_sinks' if sinks else ''}",
+            "outputs": {**spec.outputs.model_dump(), "partial": False, "lse": True},
+            "score_mod": {**spec.score_mod.model_dump(), "sinks": sinks}}
+    return parse_spec(data, f"unsplit {spec.name}")
+
+
+@cache
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
     """`spec` writing float32 partials (outputs.partial), named <name>_partial (forward only:
     its backward: section is not carried over)."""

@@ -5,9 +5,9 @@
 // normalised over its keys, and LSE_s. With m = max_s LSE_s (and the sink logit, if any):
 //   L = sum_s exp(LSE_s - m) [+ exp(sink - m)],  O = sum_s exp(LSE_s - m) O_s / L,
 //   LSE = m + log L. A row no partial saw (every LSE_s = -inf, no sink) gives O = 0, LSE = -inf.
-constexpr int THREADS = 128;
-constexpr int ROWS_PER_BLOCK = 4;  // one warp per row; lanes stride over head_dim
-constexpr int D_PER_LANE = 8;  // head_dim columns a lane sums, at most
+constexpr int MAX_WARPS = 8;  // a block merges one row; its warps share the row's splits
+constexpr int D_PER_LANE = 8;  // head_dim columns a lane sums (lane + 32 i), at most
+constexpr int SPLITS_IN_FLIGHT = 4;  // a warp's splits whose columns load at once
 #define NEG_INF __int_as_float(0xff800000)
 
 typedef unsigned short out_t;  // bfloat16 storage
@@ -17,8 +17,11 @@ __device__ __forceinline__ out_t to_out(float x) {  // f32 -> bfloat16, round to
   return r;
 }
 
-// Grid: ceil(rows / ROWS_PER_BLOCK) blocks of THREADS.
-extern "C" __global__ void __launch_bounds__(THREADS)
+// Grid: one block a row, of 32 x (1 .. MAX_WARPS) threads; warp w takes splits w, w + warps, ...
+// A row's partials are a few KB spread over `splits` places: the merge is one memory round
+// trip when every load is in flight at once, so the columns of a warp's first splits load
+// before anything waits on the max, and the warps' sums meet in shared memory at the end.
+extern "C" __global__ void __launch_bounds__(32 * MAX_WARPS)
 merge_partials_bfloat16(
     const float* __restrict__ o_parts,
     const float* __restrict__ lse_parts,
@@ -35,49 +38,70 @@ merge_partials_bfloat16(
     long long o_sb,
     long long o_sh,
     long long o_sn) {
-  const int row = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (row >= rows) return;
+  __shared__ float sums[MAX_WARPS][32 * D_PER_LANE];
+  const int row = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int b = row / (heads * n_q), h = (row / n_q) % heads, q = row % n_q;
+  const float* o_first = o_parts + (long long)row * head_dim + lane;
 
-  // Phase 1: the max and the sum of the partials' weights, lanes striding over the splits (a
-  // decode step has dozens: one after another they would be a chain of dependent loads).
+  // Phase 1: the LSE and columns of this warp's first SPLITS_IN_FLIGHT splits, all loads issued.
+  float o[SPLITS_IN_FLIGHT][D_PER_LANE], lse_s[SPLITS_IN_FLIGHT];
+  auto load = [&](int first) {
+#pragma unroll
+    for (int k = 0; k < SPLITS_IN_FLIGHT; ++k) {
+      const int s = warp + (first + k) * warps;
+      lse_s[k] = s < splits ? lse_parts[s * lse_part_stride + row] : NEG_INF;
+#pragma unroll
+      for (int i = 0; i < D_PER_LANE; ++i)
+        o[k][i] = s < splits && lane + 32 * i < head_dim ? o_first[s * part_stride + 32 * i] : 0.f;
+    }
+  };
+  load(0);
+
+  // Phase 2: the max and the sum of every split's weight, lanes striding over the splits (each
+  // warp on its own: the LSEs are a few hundred bytes, and no warp waits for another).
   float m = NEG_INF;
   for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_parts[s * lse_part_stride + row]);
   for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
   if (sinks) m = fmaxf(m, sinks[h]);
   out_t* o_row = out + b * o_sb + h * o_sh + q * o_sn;
-  if (m == NEG_INF) {
-    for (int d = lane; d < head_dim; d += 32) o_row[d] = to_out(0.f);
-    if (lane == 0) lse[row] = NEG_INF;
+  if (m == NEG_INF) {  // no partial saw a key of this row, and no sink
+    if (warp == 0) {
+      for (int d = lane; d < head_dim; d += 32) o_row[d] = to_out(0.f);
+      if (lane == 0) lse[row] = NEG_INF;
+    }
     return;
   }
   float total = 0.f;
   for (int s = lane; s < splits; s += 32) total += __expf(lse_parts[s * lse_part_stride + row] - m);
   for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
   if (sinks) total += __expf(sinks[h] - m);
-  const float inv = 1.f / total;
 
-  // Phase 2: O = sum_s w_s O_s, lanes over head_dim (D_PER_LANE columns each). Each chunk of 32
-  // splits gives a lane one weight, broadcast by shuffles: the loads of O_s are independent.
+  // Phase 3: this warp's sum of w_s O_s, SPLITS_IN_FLIGHT splits at a time. A split that saw no
+  // key of this row (w_s = 0) adds nothing, whatever its columns hold.
   float acc[D_PER_LANE] = {};
-  const float* o_first = o_parts + (long long)row * head_dim + lane;
-  for (int c = 0; c < splits; c += 32) {
-    const int s_lane = c + lane;
-    const float w_lane = s_lane < splits ? __expf(lse_parts[s_lane * lse_part_stride + row] - m) : 0.f;
-    const int n = min(32, splits - c);
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const float w = __shfl_sync(0xffffffffu, w_lane, j);
-      if (w > 0.f) {  // a split that saw no key of this row adds nothing
-        const float* o_s = o_first + (c + j) * part_stride;
+  for (int first = 0;; first += SPLITS_IN_FLIGHT) {
 #pragma unroll
-        for (int i = 0; i < D_PER_LANE; ++i)
-          if (lane + 32 * i < head_dim) acc[i] += w * o_s[32 * i];
-      }
+    for (int k = 0; k < SPLITS_IN_FLIGHT; ++k) {
+      const float w = __expf(lse_s[k] - m);
+#pragma unroll
+      for (int i = 0; i < D_PER_LANE; ++i) acc[i] += w > 0.f ? w * o[k][i] : 0.f;
     }
+    if (warp + (first + SPLITS_IN_FLIGHT) * warps >= splits) break;
+    load(first + SPLITS_IN_FLIGHT);
   }
+
+  // Phase 4: the warps' sums meet in shared memory; warp 0 adds them up and writes O and LSE.
 #pragma unroll
-  for (int i = 0; i < D_PER_LANE; ++i)
-    if (lane + 32 * i < head_dim) o_row[lane + 32 * i] = to_out(acc[i] * inv);
+  for (int i = 0; i < D_PER_LANE; ++i) sums[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  if (warp != 0) return;
+  const float inv = 1.f / total;
+#pragma unroll
+  for (int i = 0; i < D_PER_LANE; ++i) {
+    if (lane + 32 * i >= head_dim) continue;
+    float sum = 0.f;
+    for (int w = 0; w < warps; ++w) sum += sums[w][lane + 32 * i];
+    o_row[lane + 32 * i] = to_out(sum * inv);
+  }
   if (lane == 0) lse[row] = m + __logf(total);
 }

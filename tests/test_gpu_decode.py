@@ -169,3 +169,33 @@ def test_a_prepared_decode_step_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, sinks=sinks.cpu().numpy())
     assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("mask", [Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=300)], ids=str)
+@pytest.mark.parametrize("mod", [ScoreMod(), ScoreMod(softcap=30.0, alibi="slopes", sinks=True)],
+                         ids=lambda m: m.model_dump_json(exclude_defaults=True))
+def test_one_split_is_one_launch_without_a_merge(mask, mod):
+    """Where the blocks alone fill the GPU (splits 1) the kernel writes out and the LSE itself, sinks
+    joining there: decode.run and a prepared call both, against the oracle, outputs NaN-poisoned."""
+    import torch
+
+    b, hq, hkv, nq, nk = 40, 32, 8, 3, 1500  # 12 packed rows; 320 blocks: no split
+    q, k, v, _ = random_inputs("torch", "bfloat16", b, hq, hkv, nq, nk, 128)
+    sinks = torch.randn(hq, device="cuda") if mod.sinks else None
+    slopes = torch.rand(hq, device="cuda") if mod.alibi != "none" else None
+    spec = _spec("bfloat16", 128, hq, hkv, nq, mask, mod)
+    kernel = fagen.compile(spec)
+    assert decode.default_splits(kernel, b, hq, hkv, nq, nk) == 1
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask=mask, softcap=mod.softcap,
+                                    alibi_slopes=None if slopes is None else slopes.cpu().numpy(),
+                                    sinks=None if sinks is None else sinks.cpu().numpy(), return_lse=True)
+    out, lse = decode.run(spec, q, k, v, return_lse=True, alibi_slopes=slopes, sinks=sinks)
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
+    assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+    call = fagen.prepare(q, k, v, mask=mask, softcap=mod.softcap, alibi_slopes=slopes, sinks=sinks)
+    assert call.merge is None and not call.spec.outputs.partial  # one launch a step
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, hq, nq), float("nan"), device="cuda")
+    call(q, k, v, out=out, lse=lse)
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
+    assert relative_error(to_numpy(lse), ref_lse) < 1e-4

@@ -136,6 +136,6 @@ def test_merge_kernel_prints_its_plan():
 
     for dtype in MERGE_DTYPES:
         p, src = merge_plan(dtype), render_merge(dtype)
-        assert f"constexpr int THREADS = {p.threads};" in src and f"ROWS_PER_BLOCK = {p.rows_per_block};" in src
-        assert p.threads == 32 * p.rows_per_block  # one warp a row
+        assert f"constexpr int MAX_WARPS = {p.max_warps};" in src and f"SPLITS_IN_FLIGHT = {p.splits_in_flight};" in src
+        assert f"__launch_bounds__(32 * MAX_WARPS)" in src  # a launch's block: 32 x merge_warps(splits)
         assert kernel_params(src, merge_name(dtype)) == list(p.params)
