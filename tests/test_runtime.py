@@ -36,8 +36,11 @@ def test_a_missing_argument_is_named():
 
 
 def test_the_merge_kernel_packs_from_its_plan():
+    from fagen.plan import merge_warps
+
     m = merge_plan("float16")
-    assert m.threads == 32 * m.rows_per_block  # a warp a row
+    assert [merge_warps(s) for s in (1, 2, 7, 8, 9, 64)] == [1, 2, 7, 8, 8, 8]  # a warp a split, a block a row
+    assert m.max_warps == 8 and m.splits_in_flight * m.max_warps == 32  # 32 splits in one round trip
     assert len(pack_arguments(packers(m.params), values_for(m.params))) == len(m.params)
 
 
