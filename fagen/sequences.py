@@ -222,6 +222,14 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
     total_q = int(batch.arguments["total_q"]) if varlen_q else 0
     partial = spec.outputs.partial
     with cupy.cuda.Device(tq.device), stream_for(tq):
+        if partial:
+            tiles = math.ceil(nk / kernel.plan.block_kv)
+            if splits is None:
+                splits = default_splits(kernel, b, hq, hkv, nq, nk)
+            per_split = math.ceil(tiles / splits)
+            splits = math.ceil(tiles / per_split)
+            if splits == 1:  # the blocks alone fill the GPU: the kernel writes out itself, no merge
+                kernel, partial = compile_kernel(variants.unsplit_variant(spec, sinks is not None)), False
         given = dict(block_mask=None, bias=None, doc_ids=None, alibi_slopes=alibi_slopes,
                      sinks=None if partial else sinks)
         extras, held = kernel.extra_arguments(tq, tk, given)
@@ -241,11 +249,6 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
             kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0, splits=1,
                           extras=extras)(None)
             return out, lse
-        tiles = math.ceil(nk / kernel.plan.block_kv)
-        if splits is None:
-            splits = default_splits(kernel, b, hq, hkv, nq, nk)
-        per_split = math.ceil(tiles / splits)
-        splits = math.ceil(tiles / per_split)
         # partials [S, 1 or B, Hq, rows, d]: a varlen batch is one sequence of total_q rows to the merge
         rows, seqs = (total_q, 1) if varlen_q else (nq, b)
         o_parts = empty_like(tq, (splits, seqs, hq, rows, d), "float32")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import oracle, sequences
+from fagen import decode, oracle, sequences
 from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, relative_error
 from fagen.spec import Mask, ScoreMod
 
@@ -122,6 +122,26 @@ def test_paged_decode_matches_the_oracle(dtype, page_size, heads):
                                           return_lse=True)
     _check(out, lse, ref, ref_lse, dtype)
     assert int(status.item()) == 0
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_paged_batch_that_fills_the_gpu_is_one_launch(sinks):
+    """Sequences enough that the decode blocks fill the GPU unsplit: the kernel writes out and the
+    LSE itself (no partials, no merge), sinks joining there; against the oracle."""
+    rng = np.random.default_rng(11)
+    lens = [int(x) for x in rng.integers(1, 1200, 40)]
+    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", lens, 64, 8, 128)
+    q = _randn(rng, (len(lens), 32, 1, 128), "bfloat16")
+    sink = torch.randn(32, device="cuda") if sinks else None
+    batch = sequences.paged_batch(q, k_cache, v_cache, _int32(table), _int32(lens))
+    spec = sequences.spec_for(batch, causal=True, mask=None, softcap=None, alibi_slopes=None, sinks=sink)
+    assert spec.outputs.partial and decode.default_splits(fagen.compile(spec), len(lens), 32, 8, 1, 1200) == 1
+    out = _nan(q.shape, "bfloat16")
+    _, lse = fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(lens), _int32(table), causal=True, sinks=sink,
+                                          return_lse=True, out=out)
+    ref, ref_lse = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), table, lens, causal=True,
+                                          sinks=None if sink is None else _np(sink), return_lse=True)
+    _check(out, lse, ref, ref_lse, "bfloat16")
 
 
 # head_dim 64: the shipped tiles; 96: the paged copy's chunk-at-a-time path (a row's chunks do not divide the threads)
