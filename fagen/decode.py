@@ -5,7 +5,9 @@ Three things make it memory-bound rather than launch-bound (fagen.variants.decod
   once for the group, not once per query head;
 - split-KV: the keys are split across enough blocks to fill the GPU (flash-decoding), each
   writing a float32 partial O and its LSE;
-- the merge: one small kernel combines the partials by LSE (sinks join there).
+- the merge: one small kernel combines the partials by LSE (sinks join there), a block a row
+  with every load in flight; where the blocks fill the GPU unsplit, the kernel writes out and the
+  LSE itself (variants.unsplit_variant: one launch a step).
 `fagen.attention` takes this path by itself when Nq x group fits a decode kernel.
 """
 
