@@ -141,26 +141,19 @@ class PreparedAttention:
         self.out_signature, self.lse_signature = _signature(out), _signature(self._lse)
         self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
         with cupy.cuda.Device(tq.device), stream_for(tq):
+            if spec is not None:
+                splits = default_splits(kernel, b, hq, hkv, nq, nk) if splits is None else splits
+                if splits == 1:  # the blocks alone fill the GPU: one launch writes out, as a plain forward's
+                    spec, self.spec = None, variants.unsplit_variant(spec, sinks is not None)
+                    kernel = compile_kernel(self.spec)
             side = dict(alibi_slopes=alibi_slopes, sinks=None if spec else sinks)
             extras, self._held = kernel.extra_arguments(tq, tk, {**side, "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, None if spec else out)
             scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
             offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
-            if spec is None:
+            if spec is None:  # one launch: the plain forward, or a decode kernel with no split
                 self.kernel = kernel.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse"),
                                             scale=scale, mask_offset=offset, splits=1, extras=extras)
-                self.merge = None
-                return
-            if splits is None:
-                splits = default_splits(kernel, b, hq, hkv, nq, nk)
-            if splits == 1:  # the blocks alone fill the GPU: one launch writes out, no partials, no merge
-                self.spec = variants.unsplit_variant(spec, sinks is not None)
-                whole = compile_kernel(self.spec)
-                extras, self._held = whole.extra_arguments(
-                    tq, tk, {"alibi_slopes": alibi_slopes, "sinks": sinks, "block_mask": None, "bias": None,
-                             "doc_ids": None})
-                self.kernel = whole.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse"),
-                                           scale=scale, mask_offset=offset, splits=1, extras=extras)
                 self.merge = None
                 return
             # the partials: a workspace this object owns, written and merged by each call
