@@ -14,10 +14,12 @@ from functools import cached_property
 
 import numpy as np
 
-from fagen.backward_plan import BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
+from fagen.backward_plan import TMA_TENSORS, BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for, zeros_like
 from fagen.render import render_backward
-from fagen.runtime import LOG2E, Kernel, block_mask_arguments, compile_kernel, compile_module, pack_arguments, packers
+from fagen import tensor_maps
+from fagen.runtime import (LOG2E, Kernel, Launch, TensorMap, block_mask_arguments, compile_kernel, compile_module,
+                           pack_arguments, packers)
 from fagen.spec import AttentionSpec
 
 
@@ -113,6 +115,12 @@ class Backward:
             }
             for role, function in self.kernels.items():
                 grid, threads, smem = launch[role]
+                if role == "dkdv" and bp.dkdv.warp_specialized:  # its tensor maps travel by value
+                    maps = tuple(TensorMap(f"{name}_map", name, spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
+                                 for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
+                    Launch(function, (*grid, 1), bp.dkdv.block_threads, smem, bp.dkdv_params, per_kernel[role],
+                           slots=TMA_TENSORS, maps=maps)(None)
+                    continue
                 function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)
             dsinks = None if sinks is None else _sink_gradient(sinks, lse, delta, nq, tq)
             if summed:  # one copy per (batch, KV head), summed in a fixed order

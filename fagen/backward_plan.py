@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
-                        PAD_ELEMS,
+                        PAD_ELEMS, TMA_MAP,
                         SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
 from fagen.mask_kinds import KINDS
 from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
@@ -62,6 +62,16 @@ REGISTER_COSTS = {
            "causal": 0.0, "sliding_window": 0.0, "chunked": 4.0, "document": 4.0, "document_causal": 2.0,
            "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0},
 }
+
+
+# The warp-specialised dK/dV kernel's consumers (setmaxnreg: 240) hold no copy state (addresses,
+# strides, the thread's share of each tile), which the estimate above prices in its base; atomic
+# dQ's addresses and its dQ tile then weigh more. Set by ptxas -v on 120 builds (head_dim 64 and
+# 128 x block_q 32-128 x every mask kind x softcap, ALiBi, a bias x atomic or not; nvcc 13.0):
+# every build that spilled is predicted over the consumers' registers, a few that fit are too.
+WARP_SPECIALIZED_SAVING = 16
+WARP_SPECIALIZED_ATOMIC_DQ = 6
+WARP_SPECIALIZED_BIAS_GRAD = 24  # head_dim 64, a matrix bias's gradient with atomic dQ: predicted 235, spilled 20 bytes
 
 
 def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
@@ -159,6 +169,7 @@ class DkdvPlan:
     q_tile_bytes: int  # a Q tile; a dO tile follows it in each stage
     stage_bytes: int  # Q, dO, then their rows' LSE and D (f32)
     row_floats_chunks: int  # 16-byte chunks of one tile's LSE (and of its D)
+    row_bytes: int  # one tile's LSE (and its D): f32 a query row
     out_chunks: int  # 16-byte chunks of the block's dK (and of its dV)
     smem_bytes: int
     predicted_registers: int
@@ -197,8 +208,14 @@ class DkdvPlan:
     bias_grad: str  # score_mod.bias: "matrix" (an add per score) or "vector" (a key's sum over the step's queries)
     dbias_before_chain: bool  # softcap comes before the bias: dbias is P^T (dP^T - D), before its factor
     bias_grad_params: tuple[tuple[str, str], ...]  # the buffer and its strides (stride 0 on broadcast axes)
-    # every thread loads its share (the forward's TMA producer, pipeline.warp_specialized, is not here)
-    warp_specialized: bool = False
+    # backward.warp_specialized: a producer warpgroup after the consumers' (threads) loads with
+    # TMA; the block has block_threads, and setmaxnreg moves registers between the roles
+    warp_specialized: bool
+    column_blocks: bool  # always false: TMA fills the tiles by row groups (tensor_maps.row_groups)
+    block_threads: int  # threads, plus the producer warpgroup's where warp-specialised
+    producer_warpgroup: int  # its index: the one after the consumers' (0 without)
+    producer_registers: int  # setmaxnreg targets (0: every thread copies with cp.async)
+    consumer_registers: int
 
 
 @dataclass(frozen=True)
@@ -254,6 +271,7 @@ def dq_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 STRIDES = ("sb", "sh", "sn")
+TMA_TENSORS = ("q", "k", "v", "dout")  # the warp-specialised dK/dV kernel's tensor maps (row groups)
 
 
 def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
@@ -315,7 +333,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,
-                     *dkdv.bias_grad_params),
+                     *dkdv.bias_grad_params, *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if dkdv.warp_specialized else ())),
         dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                    (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
                    ("float", "scale"), ("float", "scale_log2"), *side),
@@ -338,14 +356,19 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     # a stage: Q, dO, their rows' LSE and D; every tile starts on a swizzle atom
     stage_bytes = -(-(2 * q_tile_bytes + 2 * bwd.block_q * 4) // smem_align) * smem_align
     smem_bytes = 2 * kv_tile_bytes + bwd.stages * stage_bytes
-    if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring
-        smem_bytes += 2 * bwd.stages * MBARRIER_BYTES
+    ws = bwd.warp_specialized
+    if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring (and K and V's, under TMA)
+        smem_bytes += (2 * bwd.stages + (ws is not None)) * MBARRIER_BYTES
     ds_offset = -(-smem_bytes // smem_align) * smem_align
     if spec.atomic_dq:  # two dS^T buffers after the barriers, on a swizzle atom
         smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES
     terms, mod = register_terms(spec, "dkdv"), spec.score_mod
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
+    if ws:
+        registers += (WARP_SPECIALIZED_ATOMIC_DQ * spec.atomic_dq + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad
+                      - WARP_SPECIALIZED_SAVING)
+    register_limit = ws.consumer_registers if ws else MAX_REGISTERS
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:
         raise SpecError(rule(
@@ -353,13 +376,14 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
             f"the dK/dV kernel needs {smem_bytes} bytes of shared memory (K and V tiles of {bwd.block_kv} rows, "
             f"{bwd.stages} stages of Q and dO tiles of {bwd.block_q}) but {spec.arch} allows {limit} per block",
             "use fewer stages, a smaller block_q or a smaller block_kv"))
-    if registers > MAX_REGISTERS:
+    if registers > register_limit:
         raise SpecError(rule(
             "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, warps {warps}, head_split {bwd.head_split}",
             f"the dK/dV kernel predicts {registers} registers a thread ({acc} for dK and dV, {s} for each of S^T "
             f"and dP^T{', and as many for the score derivative' if mod.nonlinear else ''}) over the "
-            f"{MAX_REGISTERS} limit: it would spill",
-            "use a smaller block_q" + ("" if wgmma else ", more warps, or head_split: 2")))
+            f"{register_limit} limit{' (warp_specialized.consumer_registers)' if ws else ''}: it would spill",
+            "use a smaller block_q" + ("" if wgmma else ", more warps, or head_split: 2")
+            + (", or remove backward.warp_specialized" if ws else "")))
     return DkdvPlan(
         mainloop="sm90" if wgmma else "sm80", block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
         key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
@@ -367,13 +391,16 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         stages=bwd.stages, smem_row=smem_row, chunks_per_row=chunks,
         copy_rows_per_pass=threads // chunks if threads % chunks == 0 else 0,
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
-        row_floats_chunks=bwd.block_q * 4 // 16, out_chunks=bwd.block_kv * chunks,
+        row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
         mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)),
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
         bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,
-        bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else ())
+        bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else (),
+        warp_specialized=ws is not None, column_blocks=False, block_threads=threads + (32 * WARPGROUP_WARPS if ws else 0),
+        producer_warpgroup=warps // WARPGROUP_WARPS if ws else 0,
+        producer_registers=ws.producer_registers if ws else 0, consumer_registers=ws.consumer_registers if ws else 0)
 
 
 DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",

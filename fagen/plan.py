@@ -150,6 +150,7 @@ class KernelPlan:
     v_lead_bytes: int  # wgmma: V's leading byte offset, between its 64-column blocks
     atom_columns: int  # wgmma: columns of a swizzle atom (a TMA box's width)
     atom_row_bytes: int  # wgmma: bytes of one of its rows
+    column_blocks: bool  # wgmma: tiles laid out as TMA boxes of 64 columns write them (wgmma_numbers)
     # warp specialisation (pipeline.warp_specialized): consumer warpgroups compute, a producer
     # warpgroup after them loads through TMA; otherwise every thread is a consumer and copies
     warp_specialized: bool
@@ -378,6 +379,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         + ((("long long", "lse_head_stride"),) if spec.outputs.accumulate else ()),
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
+        column_blocks=ws is not None,
         warp_specialized=ws is not None,
         consumer_threads=32 * warps,
         producer_registers=ws.producer_registers if ws else 0,
@@ -443,7 +445,7 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool =
     same atoms: row groups (cp.async: 8-row groups one after the other, each head_dim / 64 atoms
     wide) or, where TMA fills the tiles (column_blocks: the forward's warp_specialized), column
     blocks (a tile's 64-column block of every row, one after the other: what one TMA box of 64
-    columns writes). The backward's kernels copy with cp.async: row groups."""
+    columns writes). The backward's kernels read row groups (its TMA producer loads a box a group)."""
     d, rows_per_warpgroup = spec.head_dim, WARPGROUP_WARPS * MMA_M
     if column_blocks:  # 8 rows of one column block; the blocks a tile's rows * 128 bytes apart
         row_group = SWIZZLE_ATOM_BYTES

@@ -327,6 +327,9 @@ class Backward(_Frozen):
     # the dK/dV kernel also adds d loss / d bias (score_mod.bias) into a float32 buffer of the
     # bias's shape: the score gradient at the bias, summed over what the bias broadcasts
     bias_grad: bool = False
+    # sm_90a's wgmma dK/dV kernel: a producer warp loads K, V and each step's Q, dO, LSE and D
+    # with TMA, and the consumer warpgroups only compute; unset, every thread copies with cp.async
+    warp_specialized: WarpSpecialized | None = None
 
     @field_validator("warps", "dq_warps")
     @classmethod
@@ -600,6 +603,15 @@ class AttentionSpec(_Frozen):
                 f"on sm_90a with head_dim {self.head_dim} the dK/dV kernel is wgmma: whole warpgroups (warps 4 "
                 "or 8), each owning 64 keys (block_kv = 16 * warps), head_dim not split",
                 "use block_kv: 128, warps: 8, head_split: 1 (or block_kv: 64, warps: 4)"))
+        if bwd.warp_specialized is not None and not self.wgmma_backward:
+            raise ValueError(rule(
+                "backward.warp_specialized", "set", f"the TMA producer feeds the wgmma dK/dV kernel (sm_90a, head_dim "
+                f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}); this spec's is mma.sync (arch {self.arch}, head_dim "
+                f"{self.head_dim})", "remove backward.warp_specialized"))
+        if bwd.warp_specialized is not None and bwd.warp_specialized.persistent:
+            raise ValueError(rule(
+                "backward.warp_specialized.persistent", True, "the dK/dV kernel runs a block a KV block (its grid "
+                "orders a head's blocks so they share Q, dO and dQ in L2)", "remove persistent"))
         if self.wgmma_backward and bwd.stages < 2:
             raise ValueError(rule(
                 "backward.stages", bwd.stages, f"must be 2 or 3 on sm_90a with head_dim {self.head_dim} (each step "

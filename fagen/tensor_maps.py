@@ -19,6 +19,7 @@ MAP_BYTES, MAP_ALIGN = 128, 64  # sizeof and alignof(CUtensorMap)
 ELEMENT_BYTES = 2
 BOX_COLUMNS = 64  # one 128-byte swizzle atom's width: a box is one column block of a tile
 MAX_BOX_ROWS = 256
+ROW_GROUP_ROWS = 8  # rows of one 128-byte swizzle atom
 GLOBAL_STRIDE_ALIGN = 16  # bytes
 MAX_GLOBAL_STRIDE = 1 << 40  # bytes, exclusive
 # The driver's enums (cuda.h)
@@ -32,25 +33,23 @@ CUDA_SUCCESS = 0
 
 @dataclass(frozen=True)
 class MapLayout:
-    """What cuTensorMapEncodeTiled takes, innermost dimension first: a [B, H, N, d] tensor is
-    dims (d, N, H, B), strides in bytes for the outer three, and a box of (64, rows, 1, 1)."""
+    """What cuTensorMapEncodeTiled takes, innermost dimension first: the dims, the byte strides
+    of all but the first, and the box. A column-block map of a [B, H, N, d] tensor is dims (d, N,
+    H, B) with a box of (64, rows, 1, 1); a row-group map is dims (64, N, d / 64, H, B)."""
 
-    dims: tuple[int, int, int, int]
-    strides: tuple[int, int, int]
-    box: tuple[int, int, int, int]
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
 
 
-@lru_cache(maxsize=256)
-def layout(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, what: str) -> MapLayout:
-    """The map of a [B, H, N, d] tensor (strides in elements, the last 1) whose boxes are `rows`
-    rows of one 64-column block. A dimension of size 1 is never stepped along, so its stride is
-    replaced by a valid one; any other must be a positive multiple of 16 bytes under 2^40."""
+def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -> tuple[int, int, int]:
+    """The sequence, head and batch strides of a [B, H, N, d] tensor in bytes, checked for TMA. A
+    dimension of size 1 is never stepped along, so its stride is replaced by a valid one; any
+    other must be a positive multiple of 16 bytes under 2^40."""
     b, h, n, d = shape
     if strides[-1] != 1 or d % BOX_COLUMNS:
         raise ValueError(f"{what}: shape {tuple(shape)}, strides {tuple(strides)}: TMA reads rows of head_dim "
                          f"(a multiple of {BOX_COLUMNS}) at unit stride; pass a contiguous copy")
-    if not 1 <= rows <= MAX_BOX_ROWS:
-        raise ValueError(f"{what}: a TMA box of {rows} rows; boxes hold 1..{MAX_BOX_ROWS}")
     natural = ELEMENT_BYTES * d  # a row's bytes: the stride a size-1 dimension gets
     byte_strides = []
     for size, stride, name in ((n, strides[2], "sequence"), (h, strides[1], "head"), (b, strides[0], "batch")):
@@ -62,7 +61,30 @@ def layout(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, what: st
                 f"pass a contiguous copy ({what}.contiguous() / cupy.ascontiguousarray)")
         byte_strides.append(step)
         natural = step * size
-    return MapLayout(dims=(d, n, h, b), strides=tuple(byte_strides), box=(BOX_COLUMNS, rows, 1, 1))
+    return tuple(byte_strides)
+
+
+@lru_cache(maxsize=256)
+def layout(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, what: str) -> MapLayout:
+    """The map of a [B, H, N, d] tensor (strides in elements, the last 1) whose boxes are `rows`
+    rows of one 64-column block: a tile's column blocks one after the other."""
+    b, h, n, d = shape
+    if not 1 <= rows <= MAX_BOX_ROWS:
+        raise ValueError(f"{what}: a TMA box of {rows} rows; boxes hold 1..{MAX_BOX_ROWS}")
+    return MapLayout(dims=(d, n, h, b), strides=_byte_strides(shape, strides, what), box=(BOX_COLUMNS, rows, 1, 1))
+
+
+@lru_cache(maxsize=256)
+def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -> MapLayout:
+    """The map of a [B, H, N, d] tensor whose box is one 8-row group of a tile, head_dim's
+    64-column blocks side by side (the backward's layout, the one its wgmma descriptors read):
+    a row's 64-column blocks are a dimension of their own, 128 bytes apart, outside the rows, so
+    one box lands as 8 rows of block 0, then 8 rows of block 1, ... Rows past N load as zeros."""
+    b, h, n, d = shape
+    sequence, head, batch = _byte_strides(shape, strides, what)
+    blocks = d // BOX_COLUMNS
+    return MapLayout(dims=(BOX_COLUMNS, n, blocks, h, b), strides=(sequence, BOX_COLUMNS * ELEMENT_BYTES, head, batch),
+                     box=(BOX_COLUMNS, ROW_GROUP_ROWS, blocks, 1, 1))
 
 
 @cache
@@ -84,11 +106,12 @@ def encode(address: int, dtype: str, mapping: MapLayout) -> bytes:
     storage = np.zeros(MAP_BYTES + MAP_ALIGN, np.uint8)  # the driver writes to a 64-byte-aligned map
     start = -storage.ctypes.data % MAP_ALIGN
     out = storage[start:start + MAP_BYTES]
-    dims = (ctypes.c_uint64 * 4)(*mapping.dims)
-    strides = (ctypes.c_uint64 * 3)(*mapping.strides)
-    box = (ctypes.c_uint32 * 4)(*mapping.box)
-    unit = (ctypes.c_uint32 * 4)(1, 1, 1, 1)  # every element of the box, no stepping
-    status = _encoder()(out.ctypes.data, DATA_TYPE[dtype], 4, address, dims, strides, box, unit, INTERLEAVE_NONE,
+    rank = len(mapping.dims)
+    dims = (ctypes.c_uint64 * rank)(*mapping.dims)
+    strides = (ctypes.c_uint64 * (rank - 1))(*mapping.strides)
+    box = (ctypes.c_uint32 * rank)(*mapping.box)
+    unit = (ctypes.c_uint32 * rank)(*[1] * rank)  # every element of the box, no stepping
+    status = _encoder()(out.ctypes.data, DATA_TYPE[dtype], rank, address, dims, strides, box, unit, INTERLEAVE_NONE,
                         SWIZZLE_128B, L2_PROMOTION_128B, OOB_FILL_ZEROS)
     if status != CUDA_SUCCESS:
         raise ValueError(f"cuTensorMapEncodeTiled refused a {dtype} tensor at {address:#x} with dims {mapping.dims}, "

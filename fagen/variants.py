@@ -204,6 +204,10 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
 # wgmmas: 15-40% faster than 64). Where a mask or modifiers push that over the registers: 64
 # queries (and 2 stages), then the dQ kernel instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 3}, 128: {"stages": 3}}
+# The dK/dV kernel's TMA producer (backward.warp_specialized), measured on an H200 (N = 4k, same
+# process, alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 -2-5% (its
+# 128-query steps leave the consumers no registers to spare, and 64-query steps lose more).
+PRODUCER_BACKWARD_HEAD_DIMS = (128,)
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})
@@ -228,9 +232,11 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
             **own.model_dump(), "deterministic": own.deterministic or deterministic,
             "bias_grad": own.bias_grad or bias_grad}}, f"trainable {spec.name}")
     data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"}
-    if wgmma:  # whole tilings, in order
+    if wgmma:  # whole tilings, in order; at head_dim 128 each with a TMA producer first, where it fits
         tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
+        if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS:
+            tilings = [with_producer for t in tilings for with_producer in ({**t, "warp_specialized": {}}, t)]
     else:  # changes to the head_dim's tiling
         base = BACKWARD_TILINGS[spec.head_dim]
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]

@@ -457,13 +457,14 @@ __device__ __forceinline__ void store_ds(unsigned buffer, const unsigned (&ds)[Q
                    "r"(ds[ks][r]) : "memory");
 }
 
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
-
 // Two f32 added to consecutive addresses in global memory (sm_90's vector reduction).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// Some of the block's threads meet: a warpgroup's, or the consumers' (the producer has left).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 // Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
@@ -587,6 +588,11 @@ struct QdoPipeline {
     return reinterpret_cast<const float*>(ring_ptr + STAGE_BYTES * (t % STAGES) + 2 * Q_TILE_BYTES);
   }
   __device__ __forceinline__ const float* delta_rows(int t) const { return lse(t) + BLOCK_Q; }
+  // Rows `row` and `row` + 1 of step t's LSE (and of its D).
+  __device__ __forceinline__ float2 lse_pair(int t, int row) const { return *reinterpret_cast<const float2*>(lse(t) + row); }
+  __device__ __forceinline__ float2 delta_pair(int t, int row) const {
+    return *reinterpret_cast<const float2*>(delta_rows(t) + row);
+  }
 
   __device__ __forceinline__ void issue(int t, const Mask& mask) const {
     const int slot = t % STAGES;
@@ -751,10 +757,10 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
 
     // Phase 3: the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
     score_tile(s, mask, t, b, h, q0, warp_kv0, lane);
-    const float* lse = pipe.lse(t);
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n) {
-      const float lse0 = lse[n * 8 + 2 * (lane & 3)], lse1 = lse[n * 8 + 2 * (lane & 3) + 1];
+      const float2 lse_rows = pipe.lse_pair(t, n * 8 + 2 * (lane & 3));
+      const float lse0 = lse_rows.x, lse1 = lse_rows.y;
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
     }
@@ -762,10 +768,10 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     // Phase 4: dS^T = P^T (dP^T - D) in place of dP^T, in f32.
     wgmma_wait<0>();  // dP^T is done
     pin_registers(dp[0]);
-    const float* delta = pipe.delta_rows(t);
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n) {
-      const float d0 = delta[n * 8 + 2 * (lane & 3)], d1 = delta[n * 8 + 2 * (lane & 3) + 1];
+      const float2 delta_rows = pipe.delta_pair(t, n * 8 + 2 * (lane & 3));
+      const float d0 = delta_rows.x, d1 = delta_rows.y;
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - (e & 1 ? d1 : d0));
     }

@@ -251,3 +251,39 @@ def test_tune_backward_retimes_its_leaders_interleaved(monkeypatch):
     assert retimed[:tune.CONFIRM_LEADERS] != retimed[tune.CONFIRM_LEADERS:2 * tune.CONFIRM_LEADERS]  # alternating
     best = min(leaders, key=steady.get)
     assert results[0].spec.name == best and results[0].tflops == pytest.approx(1e9 / steady[best] / 1e9)
+
+
+# ---- the warp-specialised dK/dV kernel (backward.warp_specialized) ---------------------------
+
+def test_warp_specialized_backward_is_wgmma_only():
+    data = fagen.load_spec(SPECS / "attn_f16_d128_causal.yaml").model_dump()  # mma.sync (sm_80)
+    data["backward"] = {"warp_specialized": {}}
+    assert "backward.warp_specialized" in rejected(data) and "remove backward.warp_specialized" in rejected(data)
+
+
+def test_warp_specialized_backward_is_a_block_a_kv_block():
+    message = rejected(hopper(deterministic=True, warp_specialized={"persistent": True}))
+    assert "backward.warp_specialized.persistent" in message and "remove persistent" in message
+
+
+def test_warp_specialized_plan_adds_a_producer_warpgroup_and_its_maps():
+    spec = fagen.parse_spec(hopper(deterministic=True, warp_specialized={}))
+    plain = backward_plan(fagen.parse_spec(hopper(deterministic=True)))
+    plan = backward_plan(spec)
+    dkdv = plan.dkdv
+    assert dkdv.threads == plain.dkdv.threads == 256 and dkdv.block_threads == 384 and dkdv.producer_warpgroup == 2
+    assert (dkdv.producer_registers, dkdv.consumer_registers) == (24, 240)
+    # setmaxnreg moves registers within the block's launch budget (65536 / 384 = 168 a thread, rounded down to 8)
+    assert 128 * dkdv.producer_registers + 256 * dkdv.consumer_registers <= 384 * 168
+    assert dkdv.smem_bytes == plain.dkdv.smem_bytes + MBARRIER_BYTES  # K and V's own barrier
+    assert [name for _, name in plan.dkdv_params[-4:]] == ["q_map", "k_map", "v_map", "dout_map"]
+    assert not dkdv.column_blocks  # the TMA boxes land as row groups, the layout cp.async wrote
+
+
+def test_warp_specialized_backward_renders_a_producer_and_no_copies_in_the_dkdv_kernel():
+    source = render_backward(fagen.parse_spec(hopper(deterministic=True, warp_specialized={})))
+    dkdv = source[source.index("namespace dkdv"):source.index("}  // namespace dkdv")]
+    assert "cp.async.bulk.tensor.5d" in dkdv and "setmaxnreg.dec" in dkdv and "setmaxnreg.inc" in dkdv
+    assert "__launch_bounds__(BLOCK_THREADS, 1)" in dkdv and "constexpr int BLOCK_THREADS = 384;" in dkdv
+    assert "copy_tile_async<BLOCK_KV>(k_tile" not in dkdv and "pipe.issue(" not in dkdv
+    assert "__syncthreads();" not in dkdv[dkdv.index("pipe.wait_kv()"):]  # the producer has left: named barriers only

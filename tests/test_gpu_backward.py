@@ -196,3 +196,31 @@ def test_backward_refuses_mismatched_arguments():
         backward(q, q, k, v, out, lse[:, :1])
     with pytest.raises(ValueError, match="dk"):
         backward(q, q, k, v, out, lse, dk=q[:, :1, :10])
+
+
+@pytest.mark.parametrize("mask", [Mask(kind="causal"), Mask(kind="sliding_window", window_left=300),
+                                  Mask(kind="document", causal=True)], ids=lambda m: m.kind)
+def test_producer_fed_dkdv_matches_the_copying_kernel_bitwise(mask):
+    """backward.warp_specialized changes who loads, not the arithmetic: the deterministic
+    gradients of the TMA-fed kernel equal the cp.async kernel's bit for bit (GQA, [B, N, H, d])."""
+    import torch
+
+    base = variants.trainable(variants.variant(variants.shipped_spec("float16", 128, False, gpu="h200"), mask,
+                                               ScoreMod()), deterministic=True)
+    assert base.backward.warp_specialized is not None  # what fagen.attention trains with at head_dim 128
+    data = base.model_dump()
+    data["name"], data["backward"] = base.name + "_copies", {**data["backward"], "warp_specialized": None}
+    copying = fagen.parse_spec(data)
+    n = 1000
+    q, k, v = (torch.randn(2, n, h, 128, device="cuda", dtype=torch.float16).transpose(1, 2) for h in (8, 2, 2))
+    dout = torch.randn(2, 8, n, 128, device="cuda", dtype=torch.float16)
+    extras = {"doc_ids": torch.tensor(np.repeat([0, 1, 2], [300, 450, 250]), device="cuda", dtype=torch.int32)
+              .expand(2, n).contiguous()} if mask.kind == "document" else {}
+    grads = []
+    for spec in (base, copying):
+        backward = compile_backward(spec)
+        out, lse = backward.forward(q, k, v, return_lse=True, **extras)
+        grads.append(backward(dout, q, k, v, out, lse, **extras))
+    for name in ("dq", "dk", "dv"):
+        a, b = getattr(grads[0], name), getattr(grads[1], name)
+        assert torch.isfinite(a).all() and torch.equal(a, b), name

@@ -216,6 +216,11 @@ def test_backward_register_prediction_tracks_ptxas(backward_builds):
             if kernel not in backward_builds[spec.name]:
                 continue  # atomic dQ: no dQ kernel
             used = backward_builds[spec.name][kernel].registers
+            if kernel == "dkdv" and plan_.dkdv.warp_specialized:
+                # ptxas reports the entry's registers (65536 / 384), not the consumers' after
+                # setmaxnreg: test_backward_compiles_without_spills holds their estimate to 240
+                assert used == 168 and predicted <= plan_.dkdv.consumer_registers, (spec.name, predicted, used)
+                continue
             assert abs(predicted - used) <= 40, (spec.name, kernel, predicted, used)
 
 

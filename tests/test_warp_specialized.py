@@ -272,3 +272,18 @@ def test_a_ring_step_folds_into_the_running_output_a_block_a_tile():
     source = render(spec)
     assert "Fold this launch's partial into the running O" in source and "* lse_head_stride" in source
     assert "lse_head_stride" not in render(fagen.parse_spec(ws_spec()))  # emitted only where it is used
+
+
+def test_row_group_map_lands_a_box_as_one_8_row_group_of_every_column_block():
+    """[B, H, N, d] with d = 128: dims (64 columns, N rows, 2 column blocks, H, B); the column
+    blocks 128 bytes apart, a box of 8 rows of both: 8 x 128 bytes of block 0, then of block 1."""
+    m = tensor_maps.row_groups((2, 16, 4096, 128), (16 * 4096 * 128, 4096 * 128, 128, 1), "q")
+    assert m.dims == (64, 4096, 2, 16, 2) and m.box == (64, 8, 2, 1, 1)
+    assert m.strides == (256, 128, 4096 * 256, 16 * 4096 * 256)
+
+
+def test_row_group_map_of_a_token_major_tensor_and_its_refusals():
+    m = tensor_maps.row_groups((3, 8, 1000, 64), (1000 * 8 * 64, 64, 8 * 64, 1), "k")
+    assert m.dims == (64, 1000, 1, 8, 3) and m.strides == (8 * 64 * 2, 128, 64 * 2, 1000 * 8 * 64 * 2)
+    with pytest.raises(ValueError, match="sequence stride 132"):
+        tensor_maps.row_groups((2, 8, 64, 128), (8 * 64 * 128, 64 * 128, 132, 1), "dout")
