@@ -57,6 +57,14 @@ class Backward:
         return f"Backward({self.spec.name})"
 
     @cached_property
+    def producer_threads(self) -> dict[str, int]:
+        """The kernels a TMA producer warpgroup feeds, by role: their block's threads."""
+        bp = self.plan
+        return {role: threads for role, threads in (
+            ("dkdv", bp.dkdv.block_threads if bp.dkdv.warp_specialized else 0),
+            ("dq", bp.dq_producer.block_threads if bp.dq_producer else 0)) if threads}
+
+    @cached_property
     def packers(self) -> dict[str, tuple]:
         return {role: packers(getattr(self.plan, f"{role}_params")) for role in self.kernels}
 
@@ -113,12 +121,14 @@ class Backward:
                 "dq": ((b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
                 "postprocess": ((-(-nq * bp.chunks_per_row // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
             }
+            producers = self.producer_threads
+            if producers:  # the producer-fed kernels' tensor maps, by value (row groups, both kernels alike)
+                maps = tuple(TensorMap(f"{name}_map", name, spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
+                             for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
             for role, function in self.kernels.items():
                 grid, threads, smem = launch[role]
-                if role == "dkdv" and bp.dkdv.warp_specialized:  # its tensor maps travel by value
-                    maps = tuple(TensorMap(f"{name}_map", name, spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
-                                 for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
-                    Launch(function, (*grid, 1), bp.dkdv.block_threads, smem, bp.dkdv_params, per_kernel[role],
+                if role in producers:
+                    Launch(function, (*grid, 1), producers[role], smem, getattr(bp, f"{role}_params"), per_kernel[role],
                            slots=TMA_TENSORS, maps=maps)(None)
                     continue
                 function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)

@@ -26,7 +26,7 @@ from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT
                         SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
 from fagen.mask_kinds import KINDS
 from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
-                        rule)
+                        dq_producer_blocks_per_sm, rule)
 
 OUT_PTR = "elem_t* __restrict__"
 PREPROCESS_WARPS = 4
@@ -71,6 +71,8 @@ REGISTER_COSTS = {
 # every build that spilled is predicted over the consumers' registers, a few that fit are too.
 WARP_SPECIALIZED_SAVING = 16
 WARP_SPECIALIZED_ATOMIC_DQ = 6
+# The producer-fed dQ kernel's consumers hold no copy state either: its estimate less this much.
+DQ_PRODUCER_SAVING = 16
 WARP_SPECIALIZED_BIAS_GRAD = 24  # head_dim 64, a matrix bias's gradient with atomic dQ: predicted 235, spilled 20 bytes
 
 
@@ -219,6 +221,20 @@ class DkdvPlan:
 
 
 @dataclass(frozen=True)
+class DqProducer:
+    """backward.dq_warp_specialized: the dQ kernel's consumer warpgroups (its plan's threads)
+    compute and a producer warpgroup after them loads with TMA: Q and dO once, on one more
+    mbarrier after the KV ring's, then each step's K and V (row-group boxes, as the dK/dV
+    kernel's producer loads). setmaxnreg splits the registers of blocks_per_sm blocks an SM."""
+
+    block_threads: int  # the consumers' threads and the producer warpgroup's
+    producer_warpgroup: int  # its index: the one after the consumers'
+    producer_registers: int  # setmaxnreg targets
+    consumer_registers: int
+    blocks_per_sm: int  # __launch_bounds__' minimum: the register split is sized for this many
+
+
+@dataclass(frozen=True)
 class BackwardPlan:
     name: str
     preprocess_symbol: str
@@ -232,7 +248,8 @@ class BackwardPlan:
     chunks_per_row: int
     dkdv: DkdvPlan
     dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
-    dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q
+    dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q (and the producer's mbarrier)
+    dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
     mask_params: tuple[tuple[str, str], ...]
@@ -271,7 +288,7 @@ def dq_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 STRIDES = ("sb", "sh", "sn")
-TMA_TENSORS = ("q", "k", "v", "dout")  # the warp-specialised dK/dV kernel's tensor maps (row groups)
+TMA_TENSORS = ("q", "k", "v", "dout")  # the producer-fed kernels' tensor maps (row groups: dK/dV and dQ alike)
 
 
 def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
@@ -293,14 +310,16 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         raise SpecError(rule("backward", None, f"spec {spec.name} renders no backward kernels",
                              "add a backward: section (an empty mapping takes the defaults)"))
     bwd, d = spec.backward, spec.head_dim
-    dq, dkdv = plan(dq_spec(spec)), dkdv_plan(spec)
-    dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES
-    dq_registers = predict_registers(spec, "dq")
-    if dq_registers > MAX_REGISTERS:
+    dq, dkdv, producer = plan(dq_spec(spec)), dkdv_plan(spec), dq_producer(spec)
+    dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES + (MBARRIER_BYTES if producer else 0)
+    dq_registers = predict_registers(spec, "dq") - (DQ_PRODUCER_SAVING if producer else 0)
+    dq_register_limit = producer.consumer_registers if producer else MAX_REGISTERS
+    if dq_registers > dq_register_limit:
         raise SpecError(rule(
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}, dq_warps {bwd.dq_warps}",
-            f"the dQ kernel predicts {dq_registers} registers a thread over the {MAX_REGISTERS} limit: it would "
-            "spill", "use a smaller dq_block_kv, or more dq_warps"))
+            f"the dQ kernel predicts {dq_registers} registers a thread over the {dq_register_limit} limit"
+            f"{' (dq_warp_specialized.consumer_registers)' if producer else ''}: it would spill",
+            "use a smaller dq_block_kv, or more dq_warps" + (", or remove backward.dq_warp_specialized" if producer else "")))
     if dq_smem > SMEM_PER_BLOCK[spec.arch]:
         raise SpecError(rule(
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}",
@@ -323,6 +342,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dkdv=dkdv,
         dq=dq,
         dq_smem_bytes=dq_smem,
+        dq_producer=producer,
         dq_predicted_registers=dq_registers,
         smem_align=max(dkdv.smem_align, dq.smem_align),
         mask_params=mask_params,
@@ -336,10 +356,21 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                      *dkdv.bias_grad_params, *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if dkdv.warp_specialized else ())),
         dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                    (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
-                   ("float", "scale"), ("float", "scale_log2"), *side),
+                   ("float", "scale"), ("float", "scale_log2"), *side,
+                   *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if producer else ())),
         postprocess_params=((FLOAT_PTR, "dq_accum"), (OUT_PTR, "dq"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
                             ("float", "scale"), *_strides("dq")),
     )
+
+
+def dq_producer(spec: AttentionSpec) -> DqProducer | None:
+    ws, bwd = spec.backward.dq_warp_specialized, spec.backward
+    if ws is None:
+        return None
+    consumers = bwd.dq_warps // WARPGROUP_WARPS
+    return DqProducer(block_threads=32 * bwd.dq_warps + 32 * WARPGROUP_WARPS, producer_warpgroup=consumers,
+                      producer_registers=ws.producer_registers, consumer_registers=ws.consumer_registers,
+                      blocks_per_sm=dq_producer_blocks_per_sm(consumers))
 
 
 def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:

@@ -97,6 +97,12 @@ class Tiling(_Frozen):
 
 
 REGISTERS_PER_SM = 65536
+
+
+def dq_producer_blocks_per_sm(consumer_warpgroups: int) -> int:
+    """Blocks of the producer-fed dQ kernel an SM runs: two with one consumer warpgroup (as the
+    copying kernel's 128-thread blocks: one's MMAs run under the other's softmax), else one."""
+    return 2 if consumer_warpgroups == 1 else 1
 SETMAXNREG_STEP, SETMAXNREG_RANGE = 8, (24, 256)  # setmaxnreg takes multiples of 8 in 24..256
 
 
@@ -330,6 +336,10 @@ class Backward(_Frozen):
     # sm_90a's wgmma dK/dV kernel: a producer warp loads K, V and each step's Q, dO, LSE and D
     # with TMA, and the consumer warpgroups only compute; unset, every thread copies with cp.async
     warp_specialized: WarpSpecialized | None = None
+    # ... and the wgmma dQ kernel's (deterministic): a producer warp loads Q and dO, then each
+    # step's K and V, with TMA; with one consumer warpgroup (dq_warps 4) two blocks share an SM,
+    # so the two warpgroups' registers must fit half of it (consumer_registers <= 232)
+    dq_warp_specialized: WarpSpecialized | None = None
 
     @field_validator("warps", "dq_warps")
     @classmethod
@@ -633,7 +643,38 @@ class AttentionSpec(_Frozen):
                 f"on sm_90a with head_dim {self.head_dim} the dQ kernel is wgmma: whole warpgroups (dq_warps 4 or "
                 "8), each owning 64 query rows (dq_block_q = 16 * dq_warps)",
                 "use dq_block_q: 64, dq_warps: 4 (or dq_block_q: 128, dq_warps: 8)"))
+        if bwd.dq_warp_specialized is not None:
+            self._dq_producer_rules()
         return self
+
+    def _dq_producer_rules(self) -> None:
+        """The dQ kernel's TMA producer: a wgmma dQ kernel that runs (deterministic), a block a
+        query tile, and the register split of the blocks an SM holds fitting its register file."""
+        bwd, ws = self.backward, self.backward.dq_warp_specialized
+        if not self.wgmma_backward or not bwd.deterministic:
+            why = (f"this spec's is mma.sync (arch {self.arch}, head_dim {self.head_dim})" if not self.wgmma_backward
+                   else "without deterministic the dK/dV kernel adds dQ with atomics and there is no dQ kernel")
+            raise ValueError(rule(
+                "backward.dq_warp_specialized", "set", f"the TMA producer feeds the wgmma dQ kernel (sm_90a, head_dim "
+                f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}, deterministic: true); {why}",
+                "remove backward.dq_warp_specialized" + ("" if not self.wgmma_backward else ", or set deterministic: true")))
+        if ws.persistent:
+            raise ValueError(rule("backward.dq_warp_specialized.persistent", True, "the dQ kernel runs a block a "
+                                  "query tile", "remove persistent"))
+        consumers = bwd.dq_warps // WARPGROUP_WARPS
+        blocks = dq_producer_blocks_per_sm(consumers)
+        used = blocks * WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
+        if used > REGISTERS_PER_SM:
+            most = (REGISTERS_PER_SM // blocks // WARPGROUP_THREADS - ws.producer_registers) // consumers
+            raise ValueError(rule(
+                "backward.dq_warp_specialized", f"producer_registers {ws.producer_registers}, consumer_registers "
+                f"{ws.consumer_registers}", f"{blocks} block(s) an SM of a producer warpgroup and {consumers} consumer "
+                f"warpgroup(s) of 128 threads would hold {used} registers, over the SM's {REGISTERS_PER_SM}",
+                f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
+        if ws.producer_registers >= ws.consumer_registers:
+            raise ValueError(rule("backward.dq_warp_specialized.producer_registers", ws.producer_registers,
+                                  f"must be below consumer_registers ({ws.consumer_registers}): the producer "
+                                  "only issues loads", "use 24"))
 
     @property
     def atomic_dq(self) -> bool:

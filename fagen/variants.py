@@ -208,9 +208,21 @@ WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 3}, 128: {"stages": 3}}
 # process, alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 -2-5% (its
 # 128-query steps leave the consumers no registers to spare, and 64-query steps lose more).
 PRODUCER_BACKWARD_HEAD_DIMS = (128,)
+# ... and the dQ kernel's (backward.dq_warp_specialized, where it runs: deterministic), at the same
+# head_dims: +2-4% at head_dim 128 (dense, causal, masks), -3-8% at 64. One consumer warpgroup a
+# block, two blocks an SM (as the copying kernel runs): 2 x (232 + 24) x 128 registers, the SM's.
+DQ_PRODUCER = {"consumer_registers": 232}
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})
+
+
+def with_producers(tiling: dict) -> list[dict]:
+    """A wgmma backward tiling with TMA producers, most first: both kernels' (the dQ kernel runs
+    only where deterministic), the dK/dV kernel's, the dQ kernel's, then none."""
+    dq = {"dq_warp_specialized": DQ_PRODUCER} if tiling.get("deterministic") else {}
+    fed = [{**tiling, "warp_specialized": {}, **dq}, {**tiling, "warp_specialized": {}}, {**tiling, **dq}, tiling]
+    return [t for i, t in enumerate(fed) if t not in fed[:i]]
 
 
 @cache
@@ -232,11 +244,11 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
             **own.model_dump(), "deterministic": own.deterministic or deterministic,
             "bias_grad": own.bias_grad or bias_grad}}, f"trainable {spec.name}")
     data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"}
-    if wgmma:  # whole tilings, in order; at head_dim 128 each with a TMA producer first, where it fits
+    if wgmma:  # whole tilings, in order; at head_dim 128 each with TMA producers first, where they fit
         tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
         if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS:
-            tilings = [with_producer for t in tilings for with_producer in ({**t, "warp_specialized": {}}, t)]
+            tilings = [fed for t in tilings for fed in with_producers(t)]
     else:  # changes to the head_dim's tiling
         base = BACKWARD_TILINGS[spec.head_dim]
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]

@@ -12,6 +12,10 @@
 //     deterministic: true
 //     dq_block_kv: 64
 //     dq_block_q: 64
+//     dq_warp_specialized:
+//       consumer_registers: 232
+//       persistent: false
+//       producer_registers: 24
 //     dq_warps: 4
 //     head_split: 1
 //     stages: 3

@@ -14,6 +14,10 @@
 //     deterministic: true
 //     dq_block_kv: 64
 //     dq_block_q: 64
+//     dq_warp_specialized:
+//       consumer_registers: 232
+//       persistent: false
+//       producer_registers: 24
 //     dq_warps: 4
 //     head_split: 1
 //     stages: 3
@@ -538,17 +542,9 @@ __device__ __forceinline__ void registers_claim() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
 }
 
-// ---- Q/dO pipeline: a TMA producer ------------------------------------------------------
-// Step t of the dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
-// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots
-// (slot t % STAGES). One producer thread issues each step as TMA boxes (a box an 8-row group:
-// the row-group layout the wgmma descriptors read) and two bulk copies of the rows, after arming
-// the slot's `landed` mbarrier with the step's bytes; the consumers wait on `landed`. Each
-// consumer thread arrives on `freed` when its MMAs are done with the step, and the producer
-// waits for all of them before it refills the slot. K and V arrive once, on `kv_landed`.
-// Invariant: producer and consumers walk the same steps 0 .. steps - 1, in order.
+// ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
 // One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
-// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B).
+// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
 __device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
                                                    int batch) {
   asm volatile(
@@ -557,21 +553,80 @@ __device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& m
       : "memory");
 }
 
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart.
+template <int ROWS>
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
+#pragma unroll
+  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
+}
+
 // `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
 __device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, int bytes, unsigned bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// The barriers of a ring of SLOTS slots, step t in slot t % SLOTS: the producer arms the slot's
+// `landed` with the step's bytes before its copies count them down, and the consumers wait on
+// it; each of the CONSUMERS threads arrives on `freed` when its MMAs are done with the step, and
+// the producer waits for all of them before it refills the slot. `resident` is one more, for
+// the tiles the block keeps through its whole loop.
+// Invariant: producer and consumers walk the same steps 0, 1, ..., in order.
+template <int SLOTS, int CONSUMERS>
+struct RingBarriers {
+  unsigned landed, freed, resident;  // SLOTS mbarriers each, MBARRIER_BYTES apart, then one
+
+  __device__ __forceinline__ explicit RingBarriers(unsigned at)
+      : landed(at), freed(at + SLOTS * MBARRIER_BYTES), resident(freed + SLOTS * MBARRIER_BYTES) {}
+
+  // One thread sets them up, before the block splits into its roles.
+  __device__ __forceinline__ void init(int tid) const {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < SLOTS; ++s) {
+        mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
+        mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
+      }
+      mbarrier_init(resident, 1);
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
+
+  // ---- the producer's side (one thread) ----
+  // Step t's slot is free (step t - SLOTS is done) and `landed` awaits `bytes`: its barrier.
+  __device__ __forceinline__ unsigned arm(int t, unsigned bytes) const {
+    const int slot = t % SLOTS;
+    if (t >= SLOTS) mbarrier_wait(freed + MBARRIER_BYTES * slot, (t / SLOTS - 1) & 1);
+    mbarrier_arrive_expect_tx(landed + MBARRIER_BYTES * slot, bytes);
+    return landed + MBARRIER_BYTES * slot;
+  }
+  __device__ __forceinline__ unsigned arm_resident(unsigned bytes) const {
+    mbarrier_arrive_expect_tx(resident, bytes);
+    return resident;
+  }
+
+  // ---- the consumers' side ----
+  // TMA wrote through the async proxy wgmma reads by: no fence.
+  __device__ __forceinline__ void wait(int t) const { mbarrier_wait(landed + MBARRIER_BYTES * (t % SLOTS), (t / SLOTS) & 1); }
+  __device__ __forceinline__ void wait_resident() const { mbarrier_wait(resident, 0); }
+  // This thread's MMAs reading step t are complete.
+  __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % SLOTS)); }
+};
+
+// ---- Q/dO pipeline: a TMA producer ------------------------------------------------------
+// Step t of the dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
+// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots
+// (slot t % STAGES). One producer thread issues each step as TMA boxes (a box an 8-row group:
+// the row-group layout the wgmma descriptors read) and two bulk copies of the rows, on the
+// ring's barriers (sm90/tma_ring.cu.j2). K and V arrive once, on its `resident` barrier.
 struct QdoPipeline {
   unsigned ring;  // smem address of slot 0
-  unsigned landed, freed;  // STAGES mbarriers each, MBARRIER_BYTES apart, after the ring
-  unsigned kv_landed;  // after them: the block's K and V tiles
+  RingBarriers<STAGES, THREADS> bars;  // after the ring
   int steps;
 
   __device__ __forceinline__ QdoPipeline(const char* ring_ptr, int steps_)
-      : ring(smem_u32(ring_ptr)), landed(ring + STAGES * STAGE_BYTES),
-        freed(landed + STAGES * MBARRIER_BYTES), kv_landed(freed + STAGES * MBARRIER_BYTES), steps(steps_) {}
+      : ring(smem_u32(ring_ptr)), bars(ring + STAGES * STAGE_BYTES), steps(steps_) {}
 
   __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (t % STAGES); }
   __device__ __forceinline__ unsigned do_slot(int t) const { return q_slot(t) + Q_TILE_BYTES; }
@@ -586,33 +641,14 @@ struct QdoPipeline {
     return x;
   }
 
-  // One thread sets the barriers up, before the block splits into its roles.
-  __device__ __forceinline__ void init(int tid) const {
-    if (tid == 0) {
-#pragma unroll
-      for (int s = 0; s < STAGES; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
-        mbarrier_init(freed + MBARRIER_BYTES * s, THREADS);
-      }
-      mbarrier_init(kv_landed, 1);
-      fence_barrier_init();
-    }
-    __syncthreads();
-  }
+  __device__ __forceinline__ void init(int tid) const { bars.init(tid); }
 
   // ---- the producer's side (one thread) ----
-  // A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart.
-  template <int ROWS>
-  __device__ __forceinline__ static void load(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
-#pragma unroll
-    for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
-  }
-
   __device__ __forceinline__ void produce_kv(unsigned k_tile, unsigned v_tile, const TmaMap& k_map, const TmaMap& v_map,
                                              int kv0, int h_kv, int b) const {
-    mbarrier_arrive_expect_tx(kv_landed, 2 * KV_TILE_BYTES);
-    load<BLOCK_KV>(k_tile, k_map, kv_landed, kv0, h_kv, b);
-    load<BLOCK_KV>(v_tile, v_map, kv_landed, kv0, h_kv, b);
+    const unsigned bar = bars.arm_resident(2 * KV_TILE_BYTES);
+    tma_load_rows<BLOCK_KV>(k_tile, k_map, bar, kv0, h_kv, b);
+    tma_load_rows<BLOCK_KV>(v_tile, v_map, bar, kv0, h_kv, b);
   }
 
   // Every step: Q and dO rows of query head h0 + step_head(t); LSE and D rows are padded to
@@ -620,13 +656,10 @@ struct QdoPipeline {
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& do_map, const float* lse2,
                                           const float* delta, int n_pad, int h0, int b) const {
     for (int t = 0; t < steps; ++t) {
-      const int slot = t % STAGES;
-      const unsigned bar = landed + MBARRIER_BYTES * slot;
-      if (t >= STAGES) mbarrier_wait(freed + MBARRIER_BYTES * slot, (t / STAGES - 1) & 1);  // step t - STAGES is done
-      mbarrier_arrive_expect_tx(bar, 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
+      const unsigned bar = bars.arm(t, 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
       const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
-      load<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
-      load<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
+      tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
+      tma_load_rows<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
       const long long row0 = (long long)head * n_pad + q0;
       bulk_copy(rows_slot(t), lse2 + row0, ROW_BYTES, bar);
       bulk_copy(rows_slot(t) + ROW_BYTES, delta + row0, ROW_BYTES, bar);
@@ -634,12 +667,9 @@ struct QdoPipeline {
   }
 
   // ---- the consumers' side ----
-  // TMA wrote through the async proxy wgmma reads by: no fence.
-  __device__ __forceinline__ void wait_kv() const { mbarrier_wait(kv_landed, 0); }
-  __device__ __forceinline__ void wait(int t) const { mbarrier_wait(landed + MBARRIER_BYTES * (t % STAGES), (t / STAGES) & 1); }
-
-  // This thread's MMAs reading step t are complete.
-  __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % STAGES)); }
+  __device__ __forceinline__ void wait_kv() const { bars.wait_resident(); }
+  __device__ __forceinline__ void wait(int t) const { bars.wait(t); }
+  __device__ __forceinline__ void release(int t) const { bars.release(t); }
 };
 
 // The tile's scores in place, transposed (the backward's dK/dV kernel): thread (g, t) holds keys
@@ -1001,6 +1031,42 @@ __device__ __forceinline__ void pin_registers(unsigned (&a)[N][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[n][e]) :: "memory");
 }
 
+// TMA (the tensor memory accelerator): one thread asks for a whole box of a tensor, described
+// by a tensor map the host encoded (cuTensorMapEncodeTiled), and the copy engine writes it to
+// shared memory in the 128-byte swizzle wgmma reads, zero-filling rows past the tensor's end.
+// The bytes it writes count down the transaction count of an mbarrier.
+struct alignas(64) TmaMap { unsigned long long opaque[16]; };  // a CUtensorMap, by value
+
+// Box {64 columns, rows, 1, 1} at (col, row, head, batch) of a [B, H, N, head_dim] tensor.
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, unsigned bar, int col, int row,
+                                              int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
+
+// Arrive on `bar` and add `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// Barriers initialised by generic stores, made visible to the TMA unit before it signals them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// setmaxnreg: a warpgroup gives back registers (the producer) or takes them (the consumers).
+template <int REGISTERS>
+__device__ __forceinline__ void registers_release() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void registers_claim() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+
 // ---- shared-memory tiles ---------------------------------------------------------------
 // wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
 // elements, 1024 bytes each, head_dim's 64-element blocks side by side); within an atom the
@@ -1026,42 +1092,6 @@ __device__ __forceinline__ void pack_a(const float (&x)[F][2 * K_STEPS][4], unsi
 #pragma unroll
     for (int ks = 0; ks < K_STEPS; ++ks) pack_fragment(x[f][2 * ks], x[f][2 * ks + 1], a[f][ks]);
 }
-
-// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
-// a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
-template <int ROWS>
-__device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
-                                                long long stride, int row0, int n, int tid) {
-  // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
-  // of a 64-bit multiply, and far fewer live registers.
-  const int col = (tid % CHUNKS_PER_ROW) * 8;
-  int row = tid / CHUNKS_PER_ROW;
-  const elem_t* g = src + (long long)(row0 + row) * stride + col;
-#pragma unroll
-  for (int pass = 0; pass < (ROWS + COPY_ROWS_PER_PASS - 1) / COPY_ROWS_PER_PASS; ++pass) {
-    if (ROWS % COPY_ROWS_PER_PASS == 0 || row < ROWS) {
-      const bool in_range = row0 + row < n;
-      cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? g : src, in_range);
-    }
-    row += COPY_ROWS_PER_PASS;
-    g += COPY_ROWS_PER_PASS * stride;
-  }
-}
-
-// Where one KV head's rows are: `n` rows, row r at k + r * k_stride (and v's).
-struct KvRows {
-  const elem_t* k;
-  const elem_t* v;
-  long long k_stride, v_stride;
-  int n;
-
-  __device__ __forceinline__ void copy_k(unsigned tile, int row0, int tid) const {
-    copy_tile_async<BLOCK_KV>(tile, k, k_stride, row0, n, tid);
-  }
-  __device__ __forceinline__ void copy_v(unsigned tile, int row0, int tid) const {
-    copy_tile_async<BLOCK_KV>(tile, v, v_stride, row0, n, tid);
-  }
-};
 
 // ---- mask: sliding_window ----------------------------------------------------
 // Which KV tiles a query tile visits, which of them need a per-element test, and the test.
@@ -1106,61 +1136,124 @@ struct Mask {
   }
 };
 
-// ---- KV pipeline -----------------------------------------------------------------------
-// K and V each get a ring of KV_STAGES smem tiles (the mask's tile j in stage j % KV_STAGES).
-// Load group g carries K_g and V_g (group 0: Q, dO and tile 0), exactly what step g of the dQ
-// loop consumes: S_g = Q.K_g^T, dP_g = dO.V_g^T, dQ += dS_g.K_g.
-// Every thread copies a share of each group and its cp.async arrivals complete the stage's
-// `landed` mbarrier; after step g each thread arrives on `freed`, and group g + KV_STAGES
-// waits for that before refilling the stage. No block-wide barrier: a warpgroup runs ahead of
-// the other by up to a stage.
-struct KvPipeline {
-  unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
-  unsigned landed, freed;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
-  KvRows rows;
-  int tiles, tid;
+// ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
+// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
+// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
+__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
+                                                   int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
 
-  // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
-  __device__ __forceinline__ KvPipeline(unsigned ring, const KvRows& rows_, int tiles_, int tid_)
-      : k_ring(ring), v_ring(ring + KV_RING_BYTES), landed(v_ring + KV_RING_BYTES),
-        freed(landed + KV_STAGES * MBARRIER_BYTES), rows(rows_), tiles(tiles_), tid(tid_) {}
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart.
+template <int ROWS>
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
+#pragma unroll
+  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
+}
 
-  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
-  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
+// `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
+__device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, int bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 
-  // One thread sets the barriers up; the block syncs once before anyone uses them.
-  __device__ __forceinline__ void init() const {
+// The barriers of a ring of SLOTS slots, step t in slot t % SLOTS: the producer arms the slot's
+// `landed` with the step's bytes before its copies count them down, and the consumers wait on
+// it; each of the CONSUMERS threads arrives on `freed` when its MMAs are done with the step, and
+// the producer waits for all of them before it refills the slot. `resident` is one more, for
+// the tiles the block keeps through its whole loop.
+// Invariant: producer and consumers walk the same steps 0, 1, ..., in order.
+template <int SLOTS, int CONSUMERS>
+struct RingBarriers {
+  unsigned landed, freed, resident;  // SLOTS mbarriers each, MBARRIER_BYTES apart, then one
+
+  __device__ __forceinline__ explicit RingBarriers(unsigned at)
+      : landed(at), freed(at + SLOTS * MBARRIER_BYTES), resident(freed + SLOTS * MBARRIER_BYTES) {}
+
+  // One thread sets them up, before the block splits into its roles.
+  __device__ __forceinline__ void init(int tid) const {
     if (tid == 0) {
 #pragma unroll
-      for (int s = 0; s < KV_STAGES; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, THREADS);
-        mbarrier_init(freed + MBARRIER_BYTES * s, THREADS);
+      for (int s = 0; s < SLOTS; ++s) {
+        mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
+        mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
       }
+      mbarrier_init(resident, 1);
+      fence_barrier_init();
     }
     __syncthreads();
   }
 
-  __device__ __forceinline__ void issue(int g, const Mask& mask) const {
-    const int stage = g % KV_STAGES;
-    if (g >= KV_STAGES) mbarrier_wait(freed + MBARRIER_BYTES * stage, (g / KV_STAGES - 1) & 1);  // step g - KV_STAGES is done
-    if (g < tiles) rows.copy_k(k_slot(g), mask.kv_tile(g) * BLOCK_KV, tid);
-    if (g < tiles) rows.copy_v(v_slot(g), mask.kv_tile(g) * BLOCK_KV, tid);
-    cp_async_arrive(landed + MBARRIER_BYTES * stage);
+  // ---- the producer's side (one thread) ----
+  // Step t's slot is free (step t - SLOTS is done) and `landed` awaits `bytes`: its barrier.
+  __device__ __forceinline__ unsigned arm(int t, unsigned bytes) const {
+    const int slot = t % SLOTS;
+    if (t >= SLOTS) mbarrier_wait(freed + MBARRIER_BYTES * slot, (t / SLOTS - 1) & 1);
+    mbarrier_arrive_expect_tx(landed + MBARRIER_BYTES * slot, bytes);
+    return landed + MBARRIER_BYTES * slot;
+  }
+  __device__ __forceinline__ unsigned arm_resident(unsigned bytes) const {
+    mbarrier_arrive_expect_tx(resident, bytes);
+    return resident;
   }
 
-  __device__ __forceinline__ void prologue(const Mask& mask) const {
-#pragma unroll
-    for (int g = 0; g < KV_STAGES - 1; ++g) issue(g, mask);
+  // ---- the consumers' side ----
+  // TMA wrote through the async proxy wgmma reads by: no fence.
+  __device__ __forceinline__ void wait(int t) const { mbarrier_wait(landed + MBARRIER_BYTES * (t % SLOTS), (t / SLOTS) & 1); }
+  __device__ __forceinline__ void wait_resident() const { mbarrier_wait(resident, 0); }
+  // This thread's MMAs reading step t are complete.
+  __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % SLOTS)); }
+};
+
+// ---- KV pipeline: a TMA producer (the dQ kernel) ----------------------------------------
+// Step j of the dQ loop reads KV tile mask.kv_tile(j): its K and V tiles, through rings of
+// KV_STAGES slots each (slot j % KV_STAGES). One producer thread issues each step as TMA boxes
+// (a box an 8-row group: the row-group layout the wgmma descriptors read) on the ring's
+// barriers (sm90/tma_ring.cu.j2). Q and dO arrive once, on its `resident` barrier.
+constexpr int BLOCK_THREADS = 256;  // THREADS compute (the consumers), then the producer warpgroup
+constexpr int PRODUCER_WARPGROUP = 1;
+constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
+constexpr int CONSUMER_REGISTERS = 232;  // ... and hands its registers to dQ, S and dP
+constexpr int BLOCKS_PER_SM = 2;  // the register split is sized for this many blocks an SM
+struct KvPipeline {
+  unsigned k_ring, v_ring;  // smem addresses of K's and V's slot 0
+  RingBarriers<KV_STAGES, THREADS> bars;  // after V's ring
+  int tiles;
+
+  // K's ring starts at `ring`, after the Q and dO tiles; V's ring follows it, then the barriers.
+  __device__ __forceinline__ KvPipeline(unsigned ring, int tiles_)
+      : k_ring(ring), v_ring(ring + KV_RING_BYTES), bars(v_ring + KV_RING_BYTES), tiles(tiles_) {}
+
+  __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
+  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
+
+  __device__ __forceinline__ void init(int tid) const { bars.init(tid); }
+
+  // ---- the producer's side (one thread) ----
+  __device__ __forceinline__ void produce_qdo(unsigned q_tile, unsigned do_tile, const TmaMap& q_map,
+                                              const TmaMap& do_map, int q0, int h, int b) const {
+    const unsigned bar = bars.arm_resident(2 * Q_TILE_ELEMS * ELEM_BYTES);
+    tma_load_rows<BLOCK_Q>(q_tile, q_map, bar, q0, h, b);
+    tma_load_rows<BLOCK_Q>(do_tile, do_map, bar, q0, h, b);
   }
 
-  // Group g is in smem for every thread, and visible to wgmma's async proxy.
-  __device__ __forceinline__ void wait(int g) const {
-    mbarrier_wait(landed + MBARRIER_BYTES * (g % KV_STAGES), (g / KV_STAGES) & 1);
-    fence_async_smem();
+  __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& k_map, const TmaMap& v_map, int h_kv,
+                                          int b) const {
+    for (int j = 0; j < tiles; ++j) {
+      const unsigned bar = bars.arm(j, 2 * KV_TILE_BYTES);
+      const int kv0 = mask.kv_tile(j) * BLOCK_KV;
+      tma_load_rows<BLOCK_KV>(k_slot(j), k_map, bar, kv0, h_kv, b);
+      tma_load_rows<BLOCK_KV>(v_slot(j), v_map, bar, kv0, h_kv, b);
+    }
   }
 
-  // This thread's MMAs reading group g are complete.
-  __device__ __forceinline__ void release(int g) const { mbarrier_arrive(freed + MBARRIER_BYTES * (g % KV_STAGES)); }
+  // ---- the consumers' side ----
+  __device__ __forceinline__ void wait_qdo() const { bars.wait_resident(); }
+  __device__ __forceinline__ void wait(int j) const { bars.wait(j); }
+  __device__ __forceinline__ void release(int j) const { bars.release(j); }
 };
 
 // ---- scores ----------------------------------------------------------------------------
@@ -1186,7 +1279,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
 
 // Grid: x = batch * query head, y = query tile, heaviest first (as the forward). The block
 // owns the tile's Q and dO in smem and walks the mask's KV tiles; dq: [B, Hq, n_q, head_dim].
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, BLOCKS_PER_SM)
 fagen_sliding_window_f16_d128_sm90a_bwd_dq(
     const elem_t* __restrict__ q,
     const elem_t* __restrict__ k,
@@ -1217,7 +1310,11 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
     long long dq_sh,
     long long dq_sn,
     float scale,
-    float scale_log2) {
+    float scale_log2,
+    const __grid_constant__ TmaMap q_map,
+    const __grid_constant__ TmaMap k_map,
+    const __grid_constant__ TmaMap v_map,
+    const __grid_constant__ TmaMap dout_map) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
@@ -1227,23 +1324,28 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
-  q += b * q_sb + h * q_sh;
-  dout += b * dout_sb + h * dout_sh;
-  k += b * k_sb + h_kv * k_sh;
-  v += b * v_sb + h_kv * v_sh;
-
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1);
   const int kv_tiles = mask.count;
-  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
+  // The roles: the producer warpgroup hands its registers to the consumers, and one of its
+  // threads loads Q and dO, then every step's K and V as slots free up; the consumers compute.
+  // ptxas sees each role's code under its own setmaxnreg budget.
+  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, kv_tiles);
+  kv.init(tid);
+  if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
+    registers_release<PRODUCER_REGISTERS>();
+    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
+      kv.produce_qdo(smem_q_u32, smem_do_u32, q_map, dout_map, q0, h, b);
+      kv.produce(mask, k_map, v_map, h_kv, b);
+    }
+    return;
+  }
+  registers_claim<CONSUMER_REGISTERS>();
   const float to_log2 = scale_log2;
   const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
-  // Phase 1: the Q and dO tiles join tile 0 in load group 0; groups up to KV_STAGES - 2 follow.
-  kv.init();
-  copy_tile_async<BLOCK_Q>(smem_q_u32, q, q_sn, q0, n_q, tid);
-  copy_tile_async<BLOCK_Q>(smem_do_u32, dout, dout_sn, q0, n_q, tid);
-  kv.prologue(mask);
+  // Phase 1: the Q and dO tiles, in flight since the producer's first instructions.
+  kv.wait_qdo();
 
   // The thread's rows' LSE (log2 units) and D: rows g and g + 8 of each m16 fragment.
   float lse_row[M_FRAGS][2], delta_row[M_FRAGS][2];
@@ -1285,7 +1387,6 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
       wgmma_qk(dp[0], do_desc + step, v_desc + step, ks > 0);
     }
     wgmma_commit();
-    kv.issue(j + KV_STAGES - 1, mask);
     wgmma_wait<1>();  // S is done; dP may still run
     pin_registers(s[0]);
 
@@ -1318,8 +1419,6 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
 
   // dQ = scale * acc, staged in the warp's own rows of the Q tile (no other warp reads them),
   // then written as 16-byte chunks of whole rows; rows at or past n_q are never written.
-  wait_all_copies();
-  __syncthreads();  // with no KV tile, other threads' copies of Q may still be landing
   {
     const int g = lane >> 2, c = lane & 3;
 #pragma unroll

@@ -287,3 +287,70 @@ def test_warp_specialized_backward_renders_a_producer_and_no_copies_in_the_dkdv_
     assert "__launch_bounds__(BLOCK_THREADS, 1)" in dkdv and "constexpr int BLOCK_THREADS = 384;" in dkdv
     assert "copy_tile_async<BLOCK_KV>(k_tile" not in dkdv and "pipe.issue(" not in dkdv
     assert "__syncthreads();" not in dkdv[dkdv.index("pipe.wait_kv()"):]  # the producer has left: named barriers only
+
+
+# ---- the warp-specialised dQ kernel (backward.dq_warp_specialized) ---------------------------
+
+DQ_PRODUCER = {"consumer_registers": 232}
+
+
+@pytest.mark.parametrize("backward, why", [
+    ({}, "without deterministic the dK/dV kernel adds dQ with atomics"),  # atomic dQ: no dQ kernel to feed
+    ({"deterministic": True, "dq_warp_specialized": {**DQ_PRODUCER, "persistent": True}}, "a block a query tile"),
+])
+def test_dq_producer_needs_a_dq_kernel_that_runs_a_block_a_tile(backward, why):
+    message = rejected(hopper(**{"dq_warp_specialized": DQ_PRODUCER, **backward}))
+    assert "backward.dq_warp_specialized" in message and why in message
+
+
+def test_dq_producer_is_wgmma_only():
+    data = fagen.load_spec(SPECS / "attn_f16_d128_causal.yaml").model_dump()  # mma.sync (sm_80)
+    data["backward"] = {"deterministic": True, "dq_warp_specialized": DQ_PRODUCER}
+    message = rejected(data)
+    assert "backward.dq_warp_specialized" in message and "mma.sync" in message
+
+
+def test_dq_producer_registers_fit_two_blocks_an_sm():
+    # one consumer warpgroup: two blocks an SM, so 2 x 128 x (24 + 240) is over the SM's 65536
+    message = rejected(hopper(deterministic=True, dq_warp_specialized={}))
+    assert "2 block(s) an SM" in message and "67584 registers" in message and "consumer_registers <= 232" in message
+    # two consumer warpgroups: one block an SM, the forward's 24 / 240 split
+    two = fagen.parse_spec(hopper(deterministic=True, dq_block_q=128, dq_warps=8, dq_warp_specialized={}))
+    assert backward_plan(two).dq_producer.blocks_per_sm == 1
+
+
+def test_dq_producer_plan_adds_a_producer_warpgroup_a_barrier_and_the_maps():
+    plain = backward_plan(fagen.parse_spec(hopper(deterministic=True)))
+    plan = backward_plan(fagen.parse_spec(hopper(deterministic=True, dq_warp_specialized=DQ_PRODUCER)))
+    producer = plan.dq_producer
+    assert plain.dq_producer is None and plan.dq == plain.dq  # the same tiles and loop numbers
+    assert (producer.block_threads, producer.producer_warpgroup, producer.blocks_per_sm) == (256, 1, 2)
+    # setmaxnreg moves registers within two blocks' launch budget (65536 / 512 = 128 a thread)
+    assert 2 * 128 * (producer.producer_registers + producer.consumer_registers) <= 65536
+    assert plan.dq_smem_bytes == plain.dq_smem_bytes + MBARRIER_BYTES  # Q and dO's own barrier
+    assert [name for _, name in plan.dq_params[-4:]] == ["q_map", "k_map", "v_map", "dout_map"]
+    assert plan.dq_predicted_registers < plain.dq_predicted_registers  # no copy state in the consumers
+
+
+def test_dq_producer_renders_tma_and_no_copies_in_the_dq_kernel():
+    source = render_backward(fagen.parse_spec(hopper(deterministic=True, dq_warp_specialized=DQ_PRODUCER)))
+    dq = source[source.index("namespace dq {"):source.index("}  // namespace dq")]
+    assert "cp.async.bulk.tensor.5d" in dq and "setmaxnreg.dec" in dq and "setmaxnreg.inc" in dq
+    assert "__launch_bounds__(BLOCK_THREADS, BLOCKS_PER_SM)" in dq and "constexpr int BLOCKS_PER_SM = 2;" in dq
+    assert "constexpr int CONSUMER_REGISTERS = 232;" in dq
+    assert "copy_tile_async" not in dq and "kv.issue(" not in dq and "KvRows" not in dq
+    assert "__syncthreads();" not in dq[dq.index("kv.wait_qdo()"):]  # the producer has left
+    # the copying dQ kernel is unchanged by it: cp.async copies, no roles
+    plain = render_backward(fagen.parse_spec(hopper(deterministic=True)))
+    plain_dq = plain[plain.index("namespace dq {"):plain.index("}  // namespace dq")]
+    assert "kv.issue(" in plain_dq and "setmaxnreg" not in plain_dq and "__launch_bounds__(THREADS, 1)" in plain_dq
+
+
+def test_trainable_takes_both_producers_at_head_dim_128_where_the_dq_kernel_runs():
+    masked = variants.trainable(variants.variant(HOPPER, Mask(kind="sliding_window", window_left=256), ScoreMod()))
+    assert masked.backward.deterministic and masked.backward.warp_specialized is not None
+    assert masked.backward.dq_warp_specialized is not None
+    assert variants.trainable(HOPPER).backward.dq_warp_specialized is None  # atomic dQ: no dQ kernel
+    d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
+    assert variants.trainable(d64, deterministic=True).backward.dq_warp_specialized is None  # slower at 64
+    assert variants.with_producers({"block_q": 64}) == [{"block_q": 64, "warp_specialized": {}}, {"block_q": 64}]

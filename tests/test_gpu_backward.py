@@ -200,16 +200,19 @@ def test_backward_refuses_mismatched_arguments():
 
 @pytest.mark.parametrize("mask", [Mask(kind="causal"), Mask(kind="sliding_window", window_left=300),
                                   Mask(kind="document", causal=True)], ids=lambda m: m.kind)
-def test_producer_fed_dkdv_matches_the_copying_kernel_bitwise(mask):
-    """backward.warp_specialized changes who loads, not the arithmetic: the deterministic
-    gradients of the TMA-fed kernel equal the cp.async kernel's bit for bit (GQA, [B, N, H, d])."""
+def test_producer_fed_kernels_match_the_copying_kernels_bitwise(mask):
+    """backward.warp_specialized and dq_warp_specialized change who loads, not the arithmetic:
+    the deterministic gradients of the TMA-fed dK/dV and dQ kernels equal the cp.async kernels'
+    bit for bit (GQA, [B, N, H, d])."""
     import torch
 
     base = variants.trainable(variants.variant(variants.shipped_spec("float16", 128, False, gpu="h200"), mask,
                                                ScoreMod()), deterministic=True)
-    assert base.backward.warp_specialized is not None  # what fagen.attention trains with at head_dim 128
+    # what fagen.attention trains with at head_dim 128
+    assert base.backward.warp_specialized is not None and base.backward.dq_warp_specialized is not None
     data = base.model_dump()
-    data["name"], data["backward"] = base.name + "_copies", {**data["backward"], "warp_specialized": None}
+    data["name"] = base.name + "_copies"
+    data["backward"] = {**data["backward"], "warp_specialized": None, "dq_warp_specialized": None}
     copying = fagen.parse_spec(data)
     n = 1000
     q, k, v = (torch.randn(2, n, h, 128, device="cuda", dtype=torch.float16).transpose(1, 2) for h in (8, 2, 2))
