@@ -623,10 +623,9 @@ struct RingBarriers {
 struct QdoPipeline {
   unsigned ring;  // smem address of slot 0
   RingBarriers<STAGES, THREADS> bars;  // after the ring
-  int steps;
 
-  __device__ __forceinline__ QdoPipeline(const char* ring_ptr, int steps_)
-      : ring(smem_u32(ring_ptr)), bars(ring + STAGES * STAGE_BYTES), steps(steps_) {}
+  __device__ __forceinline__ explicit QdoPipeline(const char* ring_ptr)
+      : ring(smem_u32(ring_ptr)), bars(ring + STAGES * STAGE_BYTES) {}
 
   __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (t % STAGES); }
   __device__ __forceinline__ unsigned do_slot(int t) const { return q_slot(t) + Q_TILE_BYTES; }
@@ -655,7 +654,7 @@ struct QdoPipeline {
   // whole tiles (n_pad a head), so their copies are always in range.
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& do_map, const float* lse2,
                                           const float* delta, int n_pad, int h0, int b) const {
-    for (int t = 0; t < steps; ++t) {
+    for (int t = 0; t < mask.steps(); ++t) {
       const unsigned bar = bars.arm(t, 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
       const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
       tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
@@ -749,20 +748,21 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
   lse2 += ((long long)b * heads_q + h_kv * group) * n_pad;
   delta += ((long long)b * heads_q + h_kv * group) * n_pad;
 
+  // K and V need no mask: one producer thread has them in flight while the mask finds the
+  // block's query tiles (a document mask: a binary search over doc_ids, a dozen dependent loads).
+  const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES);
+  pipe.init(tid);
+  const bool issuer = tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32;
+  if (issuer) pipe.produce_kv(k_tile, v_tile, k_map, v_map, kv0, h_kv, b);
   Mask mask;
   mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
   const int steps = mask.steps();
-  // The roles: the producer warpgroup hands its registers to the consumers, and one of its
-  // threads loads K and V, then every step's Q, dO, LSE and D as slots free up; the consumers
-  // compute. ptxas sees each role's code under its own setmaxnreg budget.
-  const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES, steps);
-  pipe.init(tid);
+  // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
+  // thread loads every step's Q, dO, LSE and D as slots free up; the consumers compute. ptxas
+  // sees each role's code under its own setmaxnreg budget.
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
-    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
-      pipe.produce_kv(k_tile, v_tile, k_map, v_map, kv0, h_kv, b);
-      pipe.produce(mask, q_map, dout_map, lse2, delta, n_pad, h_kv * group, b);
-    }
+    if (issuer) pipe.produce(mask, q_map, dout_map, lse2, delta, n_pad, h_kv * group, b);
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
@@ -1221,11 +1221,10 @@ constexpr int BLOCKS_PER_SM = 2;  // the register split is sized for this many b
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's slot 0
   RingBarriers<KV_STAGES, THREADS> bars;  // after V's ring
-  int tiles;
 
   // K's ring starts at `ring`, after the Q and dO tiles; V's ring follows it, then the barriers.
-  __device__ __forceinline__ KvPipeline(unsigned ring, int tiles_)
-      : k_ring(ring), v_ring(ring + KV_RING_BYTES), bars(v_ring + KV_RING_BYTES), tiles(tiles_) {}
+  __device__ __forceinline__ explicit KvPipeline(unsigned ring)
+      : k_ring(ring), v_ring(ring + KV_RING_BYTES), bars(v_ring + KV_RING_BYTES) {}
 
   __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
   __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
@@ -1242,7 +1241,7 @@ struct KvPipeline {
 
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& k_map, const TmaMap& v_map, int h_kv,
                                           int b) const {
-    for (int j = 0; j < tiles; ++j) {
+    for (int j = 0; j < mask.count; ++j) {
       const unsigned bar = bars.arm(j, 2 * KV_TILE_BYTES);
       const int kv0 = mask.kv_tile(j) * BLOCK_KV;
       tma_load_rows<BLOCK_KV>(k_slot(j), k_map, bar, kv0, h_kv, b);
@@ -1324,20 +1323,21 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
+  // Q and dO need no mask: one producer thread has them in flight while the mask finds the
+  // tile's KV tiles (a document mask: a binary search over doc_ids, a dozen dependent loads).
+  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES);
+  kv.init(tid);
+  const bool issuer = tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32;
+  if (issuer) kv.produce_qdo(smem_q_u32, smem_do_u32, q_map, dout_map, q0, h, b);
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1);
   const int kv_tiles = mask.count;
-  // The roles: the producer warpgroup hands its registers to the consumers, and one of its
-  // threads loads Q and dO, then every step's K and V as slots free up; the consumers compute.
-  // ptxas sees each role's code under its own setmaxnreg budget.
-  const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, kv_tiles);
-  kv.init(tid);
+  // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
+  // thread loads every step's K and V as slots free up; the consumers compute. ptxas sees each
+  // role's code under its own setmaxnreg budget.
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
-    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
-      kv.produce_qdo(smem_q_u32, smem_do_u32, q_map, dout_map, q0, h, b);
-      kv.produce(mask, k_map, v_map, h_kv, b);
-    }
+    if (issuer) kv.produce(mask, k_map, v_map, h_kv, b);
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
