@@ -99,6 +99,24 @@ class Tiling(_Frozen):
 REGISTERS_PER_SM = 65536
 
 
+def register_split_rules(field: str, ws: WarpSpecialized, consumers: int, blocks: int) -> None:
+    """setmaxnreg moves registers within what the SM holds: `blocks` blocks an SM, each a producer
+    warpgroup and `consumers` consumer warpgroups of 128 threads, must fit its register file, and
+    the producer, which only issues loads, takes fewer than a consumer."""
+    used = blocks * WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
+    if used > REGISTERS_PER_SM:
+        most = (REGISTERS_PER_SM // blocks // WARPGROUP_THREADS - ws.producer_registers) // consumers
+        raise ValueError(rule(
+            field, f"producer_registers {ws.producer_registers}, consumer_registers {ws.consumer_registers}",
+            f"{blocks} block(s) an SM of a producer warpgroup and {consumers} consumer warpgroup(s) of 128 threads "
+            f"would hold {used} registers, over the SM's {REGISTERS_PER_SM}",
+            f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
+    if ws.producer_registers >= ws.consumer_registers:
+        raise ValueError(rule(f"{field}.producer_registers", ws.producer_registers,
+                              f"must be below consumer_registers ({ws.consumer_registers}): the producer "
+                              "only issues loads", "use 24"))
+
+
 def dq_producer_blocks_per_sm(consumer_warpgroups: int) -> int:
     """Blocks of the producer-fed dQ kernel an SM runs: two with one consumer warpgroup (as the
     copying kernel's 128-thread blocks: one's MMAs run under the other's softmax), else one."""
@@ -484,18 +502,7 @@ class AttentionSpec(_Frozen):
                                   "consumer warpgroup beside the producer already has every register a thread may "
                                   "hold (255), so there is nothing for setmaxnreg to move", "use warps_q: 8 and "
                                   "block_q: 128 (two consumer warpgroups), or remove warp_specialized"))
-        used = WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
-        if used > REGISTERS_PER_SM:
-            most = (REGISTERS_PER_SM // WARPGROUP_THREADS - ws.producer_registers) // consumers
-            raise ValueError(rule(
-                "pipeline.warp_specialized", f"producer_registers {ws.producer_registers}, consumer_registers "
-                f"{ws.consumer_registers}", f"the producer warpgroup and {consumers} consumer warpgroup(s) of "
-                f"128 threads would hold {used} registers, over the SM's {REGISTERS_PER_SM}",
-                f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
-        if ws.producer_registers >= ws.consumer_registers:
-            raise ValueError(rule("pipeline.warp_specialized.producer_registers", ws.producer_registers,
-                                  f"must be below consumer_registers ({ws.consumer_registers}): the producer "
-                                  "only issues loads", "use 24"))
+        register_split_rules("pipeline.warp_specialized", ws, consumers, blocks=1)
 
     @model_validator(mode="after")
     def _pack_gqa_rules(self) -> AttentionSpec:
@@ -662,19 +669,7 @@ class AttentionSpec(_Frozen):
             raise ValueError(rule("backward.dq_warp_specialized.persistent", True, "the dQ kernel runs a block a "
                                   "query tile", "remove persistent"))
         consumers = bwd.dq_warps // WARPGROUP_WARPS
-        blocks = dq_producer_blocks_per_sm(consumers)
-        used = blocks * WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
-        if used > REGISTERS_PER_SM:
-            most = (REGISTERS_PER_SM // blocks // WARPGROUP_THREADS - ws.producer_registers) // consumers
-            raise ValueError(rule(
-                "backward.dq_warp_specialized", f"producer_registers {ws.producer_registers}, consumer_registers "
-                f"{ws.consumer_registers}", f"{blocks} block(s) an SM of a producer warpgroup and {consumers} consumer "
-                f"warpgroup(s) of 128 threads would hold {used} registers, over the SM's {REGISTERS_PER_SM}",
-                f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
-        if ws.producer_registers >= ws.consumer_registers:
-            raise ValueError(rule("backward.dq_warp_specialized.producer_registers", ws.producer_registers,
-                                  f"must be below consumer_registers ({ws.consumer_registers}): the producer "
-                                  "only issues loads", "use 24"))
+        register_split_rules("backward.dq_warp_specialized", ws, consumers, dq_producer_blocks_per_sm(consumers))
 
     @property
     def atomic_dq(self) -> bool:
