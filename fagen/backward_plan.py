@@ -2,7 +2,8 @@
 
 The backward of a spec is three kernels in one file (templates/kernel/backward.cu.j2):
   preprocess  D = rowsum(dO * O) and the forward's LSE in log2 units, per query row, padded
-              to whole query tiles so the loops below read them without bounds checks;
+              to whole query tiles so the loops below read them without bounds checks
+              (and, under a document mask, each position's document bounds);
   dkdv        KV-major: a block owns BLOCK_KV keys of one KV head and loops over the query
               tiles (of every query head of its group) that see them, recomputing
               P^T = exp2(S^T - LSE) and accumulating dV += P^T dO, dK += dS^T Q in registers;
@@ -19,7 +20,7 @@ float32 accumulator with atomics (spec.atomic_dq), and in place of the dQ kernel
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
@@ -252,7 +253,10 @@ class BackwardPlan:
     dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
-    mask_params: tuple[tuple[str, str], ...]
+    # a document mask: the preprocess resolves each position's document bounds from doc_ids, and
+    # both loops read those (MaskKind.backward_params) instead of binary-searching at each block
+    doc_bounds: bool
+    mask_params: tuple[tuple[str, str], ...]  # the loops' (the kind's backward_params where it has them)
     score_params: tuple[tuple[str, str], ...]
     preprocess_params: tuple[tuple[str, str], ...]
     dkdv_params: tuple[tuple[str, str], ...]
@@ -298,6 +302,7 @@ def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
 SHAPE_PARAMS = (("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
                 ("int", "n_pad"))
 ROW_PARAMS = ((FLOAT_PTR, "delta"), (FLOAT_PTR, "lse2"))  # D and LSE * log2(e), [B, Hq, n_pad]
+DOC_BOUNDS_OUT = ("int2* __restrict__", "doc_bounds")  # the preprocess writes them, the loops read them
 DQ_ACCUM = ("float* __restrict__", "dq_accum")  # atomic dQ: [B, Hq, n_pad, head_dim] f32, zeroed
 # backward.bias_grad: dbias f32, zeroed, of the bias's shape or one copy per batch and KV head
 # (deterministic): element (b, h, q, k) at b sb + h sh + (h / group) skv + q sq + k
@@ -325,8 +330,10 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}",
             f"the dQ kernel needs {dq_smem} bytes of shared memory (Q and dO tiles, 2 stages of K and V tiles) "
             f"but {spec.arch} allows {SMEM_PER_BLOCK[spec.arch]} per block", "use a smaller dq_block_kv or dq_block_q"))
-    mask_params, mod_params = KINDS[spec.mask.kind].params, score_params(spec)
+    kind, mod_params = KINDS[spec.mask.kind], score_params(spec)
+    mask_params = loop_mask_params(spec)
     side = mask_params + mod_params
+    doc_bounds = kind.backward_params is not None
     chunks = d // CHUNK_ELEMS
     return BackwardPlan(
         name=spec.name,
@@ -340,16 +347,17 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         preprocess_rows=32 * PREPROCESS_WARPS // chunks,
         chunks_per_row=chunks,
         dkdv=dkdv,
-        dq=dq,
+        dq=replace(dq, mask_params=mask_params),
         dq_smem_bytes=dq_smem,
         dq_producer=producer,
         dq_predicted_registers=dq_registers,
         smem_align=max(dkdv.smem_align, dq.smem_align),
+        doc_bounds=doc_bounds,
         mask_params=mask_params,
         score_params=mod_params,
         preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
                            ("float* __restrict__", "lse2"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
-                           *_strides("o", "dout")),
+                           *_strides("o", "dout"), *(kind.params + (DOC_BOUNDS_OUT,) if doc_bounds else ())),
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,
@@ -361,6 +369,12 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         postprocess_params=((FLOAT_PTR, "dq_accum"), (OUT_PTR, "dq"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
                             ("float", "scale"), *_strides("dq")),
     )
+
+
+def loop_mask_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
+    """The side inputs both loops' Mask reads: its kind's backward_params, else its params."""
+    kind = KINDS[spec.mask.kind]
+    return kind.params if kind.backward_params is None else kind.backward_params
 
 
 def dq_producer(spec: AttentionSpec) -> DqProducer | None:
@@ -424,7 +438,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
-        mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
+        mask_words=-(-bwd.block_kv // 32), mask_params=loop_mask_params(spec), score_params=score_params(spec),
         **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)),
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
         bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,

@@ -135,10 +135,12 @@ def random_extras(spec: AttentionSpec, b: int, hq: int, nq: int, nk: int, seed: 
         sizes = [16, 32, 64, 128] if nq * nk <= 300_000 else [64, 128]  # small blocks: many Python-built blocks
         q_block, kv_block = (int(rng.choice(sizes)) for _ in range(2))
         extras["block_mask"] = random_block_mask(rng, b, hq, nq, nk, q_block, kv_block)
-    if spec.mask.kind == "document":
-        cuts = np.sort(rng.choice(np.arange(1, nk), size=min(7, nk - 1), replace=False)) if nk > 1 else []
-        extras["doc_ids"] = np.broadcast_to(np.searchsorted(cuts, np.arange(nk), side="right").astype(np.int32),
-                                            (b, nk)).copy()
+    if spec.mask.kind == "document":  # each batch row its own packing
+        rows = []
+        for _ in range(b):
+            cuts = np.sort(rng.choice(np.arange(1, nk), size=min(7, nk - 1), replace=False)) if nk > 1 else []
+            rows.append(np.searchsorted(cuts, np.arange(nk), side="right"))
+        extras["doc_ids"] = np.stack(rows).astype(np.int32)
     if spec.score_mod.bias == "vector":
         extras["bias"] = rng.standard_normal((b, 1, nk)).astype(np.float32)
     elif spec.score_mod.bias == "matrix":

@@ -74,6 +74,7 @@ def context(spec: AttentionSpec) -> dict:
         "kv_major": False,  # the backward's dK/dV kernel walks the mask transposed
         "grads": False,  # the backward keeps the score modifiers' derivative per element
         "backward": False,
+        "doc_bounds": False,  # the backward's loops read document bounds its preprocess resolved
     }
 
 

@@ -200,32 +200,54 @@ struct Mask {
     }
   }
 
+  // start[i], end[i]: the document of position at[i] is [start, end): where its id and the
+  // next begin, searched together.
+  template <int N>
+  __device__ __forceinline__ void find_documents(int (&start)[N], int (&end)[N], const int (&at)[N]) const {
+    int id[2 * N], pos[2 * N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      id[i] = doc[at[i]];
+      id[N + i] = id[i] + 1;
+    }
+    lower_bounds(pos, id);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      start[i] = pos[i];
+      end[i] = pos[N + i];
+    }
+  }
+
+  template <int N>
+  __device__ __forceinline__ void find_starts(int (&start)[N], const int (&at)[N]) const {
+    int id[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) id[i] = doc[at[i]];
+    lower_bounds(start, id);
+  }
+
   // The tile's query positions are [q0_, q_last] (q_last: its last real one).
   __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ doc_ids, long long doc_sb) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
     doc = doc_ids + b * doc_sb;
     {
-      // Where the documents of the tile's first and last row and of this thread's rows start and end,
-      // searched together (rows clamped: a row past n_q holds no query).
-      constexpr int ROWS = 2 * M_FRAGS, SEARCHES = 2 * (1 + ROWS);
+      // The documents of the tile's first and last row and of this thread's rows (rows clamped: a
+      // row past n_q holds no query).
+      constexpr int ROWS = 2 * M_FRAGS, FIRST = 2;
       const int row0 = q0_ + (threadIdx.x >> 5) * WARP_ROWS + ((threadIdx.x & 31) >> 2);
-      int row[ROWS], id[SEARCHES], pos[SEARCHES];
+      int at[FIRST + ROWS], start[FIRST + ROWS], end[FIRST + ROWS];
+      at[0] = q0_;
+      at[1] = q_last;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) row[r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
-      id[0] = doc[q0_];
+      for (int r = 0; r < ROWS; ++r) at[FIRST + r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
+      find_documents(start, end, at);
+      lo = start[0];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) id[1 + r] = doc[row[r]];
-      id[1 + ROWS] = doc[q_last] + 1;
+      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = start[FIRST + r];
+      hi = end[1];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) id[2 + ROWS + r] = id[1 + r] + 1;
-      lower_bounds(pos, id);
-      lo = pos[0];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = pos[1 + r];
-      hi = pos[1 + ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) row_hi[r >> 1][r & 1] = pos[2 + ROWS + r];
+      for (int r = 0; r < ROWS; ++r) row_hi[r >> 1][r & 1] = end[FIRST + r];
       full_hi = __shfl_sync(0xffffffff, row_hi[0][0], 0);  // where the warp's first row's document ends
       full_lo = __shfl_sync(0xffffffff, row_lo[M_FRAGS - 1][1], 28);  // where its last row's begins
     }

@@ -140,9 +140,26 @@ fagen_document_bf16_d64_bwd_preprocess(
     long long o_sn,
     long long dout_sb,
     long long dout_sh,
-    long long dout_sn) {
+    long long dout_sn,
+    const int* __restrict__ doc_ids,
+    long long doc_sb,
+    int2* __restrict__ doc_bounds) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
   const int row = blockIdx.x * THREADS + threadIdx.x;
+  // Position row's document [start, end), once a call, for both loops' masks: the first
+  // positions of its id and of the next (binary lifting; doc_ids are non-decreasing and
+  // n_q = n_kv). Head 0's blocks write them, batch 0's alone where the rows share one
+  // doc_ids row (doc_sb = 0).
+  if (h == 0 && (b == 0 || doc_sb != 0) && row < n_q) {
+    const int* doc = doc_ids + b * doc_sb;
+    const int id = doc[row];
+    int start = 0, end = 0;
+    for (int step = 1 << (31 - __clz(n_q)); step > 0; step >>= 1) {
+      if (start + step <= n_q && doc[start + step - 1] < id) start += step;
+      if (end + step <= n_q && doc[end + step - 1] <= id) end += step;
+    }
+    doc_bounds[b * doc_sb + row] = make_int2(start, end);
+  }
   if (row >= n_pad) return;
   float d = 0.f, l = POS_INF;
   if (row < n_q) {
@@ -327,7 +344,7 @@ struct Mask {
   int n_q;
   int group;  // query heads of the block's KV head
   int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
-  const int* __restrict__ doc;  // this batch's document id per position, non-decreasing
+  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document (the preprocess's)
   // A document is one run of positions, found once (begin) so that the KV loop reads no ids:
   // keys [full_lo, full_hi) count for every row of this warp, keys [row_lo, row_hi) for
   // the thread's row 16f + 8h + lane / 4 of the warp (the MMA accumulator layout).
@@ -336,46 +353,46 @@ struct Mask {
   // the queries of their document, as rows bound keys above (a document is symmetric).
   int row_lo[M_FRAGS][2], row_hi[M_FRAGS][2];
 
-  // pos[i]: the first position whose document is >= id[i] (ids are non-decreasing). Binary
-  // lifting with as many steps for every search: the N searches advance together, their
-  // loads in flight at once.
+  // start[i], end[i]: the document of position at[i] is [start, end). One load each: the
+  // backward's preprocess resolved every position's bounds.
   template <int N>
-  __device__ __forceinline__ void lower_bounds(int (&pos)[N], const int (&id)[N]) const {
+  __device__ __forceinline__ void find_documents(int (&start)[N], int (&end)[N], const int (&at)[N]) const {
 #pragma unroll
-    for (int i = 0; i < N; ++i) pos[i] = 0;
-    for (int step = 1 << (31 - __clz(n_kv)); step > 0; step >>= 1) {
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-        if (pos[i] + step <= n_kv && doc[pos[i] + step - 1] < id[i]) pos[i] += step;
+    for (int i = 0; i < N; ++i) {
+      const int2 x = bounds[at[i]];
+      start[i] = x.x;
+      end[i] = x.y;
     }
   }
 
+  template <int N>
+  __device__ __forceinline__ void find_starts(int (&start)[N], const int (&at)[N]) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) start[i] = bounds[at[i]].x;
+  }
+
   // The tile's query positions are [q0_, q_last] (q_last: its last real one).
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ doc_ids, long long doc_sb) {
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int2* __restrict__ doc_bounds, long long doc_sb) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
-    doc = doc_ids + b * doc_sb;
+    bounds = doc_bounds + b * doc_sb;
     {
-      // Where the documents of the tile's first and last row and of this thread's rows start and end,
-      // searched together (rows clamped: a row past n_q holds no query).
-      constexpr int ROWS = 2 * M_FRAGS, SEARCHES = 2 * (1 + ROWS);
+      // The documents of the tile's first and last row and of this thread's rows (rows clamped: a
+      // row past n_q holds no query).
+      constexpr int ROWS = 2 * M_FRAGS, FIRST = 2;
       const int row0 = q0_ + (threadIdx.x >> 5) * WARP_ROWS + ((threadIdx.x & 31) >> 2);
-      int row[ROWS], id[SEARCHES], pos[SEARCHES];
+      int at[FIRST + ROWS], start[FIRST + ROWS], end[FIRST + ROWS];
+      at[0] = q0_;
+      at[1] = q_last;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) row[r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
-      id[0] = doc[q0_];
+      for (int r = 0; r < ROWS; ++r) at[FIRST + r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
+      find_documents(start, end, at);
+      lo = start[0];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) id[1 + r] = doc[row[r]];
-      id[1 + ROWS] = doc[q_last] + 1;
+      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = start[FIRST + r];
+      hi = end[1];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) id[2 + ROWS + r] = id[1 + r] + 1;
-      lower_bounds(pos, id);
-      lo = pos[0];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = pos[1 + r];
-      hi = pos[1 + ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) row_hi[r >> 1][r & 1] = pos[2 + ROWS + r];
+      for (int r = 0; r < ROWS; ++r) row_hi[r >> 1][r & 1] = end[FIRST + r];
       full_hi = __shfl_sync(0xffffffff, row_hi[0][0], 0);  // where the warp's first row's document ends
       full_lo = __shfl_sync(0xffffffff, row_lo[M_FRAGS - 1][1], 28);  // where its last row's begins
     }
@@ -384,37 +401,32 @@ struct Mask {
   }
 
   // The query tiles that see keys [kv0_, kv0_ + BLOCK_KV) of KV head h_kv (the dK/dV kernel's loop).
-  __device__ __forceinline__ void begin_keys(int n_q_, int n_kv_, int offset_, int b, int h_kv, int group_, int kv0_, const int* __restrict__ doc_ids, long long doc_sb) {
+  __device__ __forceinline__ void begin_keys(int n_q_, int n_kv_, int offset_, int b, int h_kv, int group_, int kv0_, const int2* __restrict__ doc_bounds, long long doc_sb) {
     n_q = n_q_;
     n_kv = n_kv_;
     group = group_;
     const int kv_last = min(kv0_ + BLOCK_KV, n_kv) - 1;  // the block's last real key
     int lo = 0, hi = n_q;  // queries [lo, hi) that may see some key of the block
-    doc = doc_ids + b * doc_sb;
+    bounds = doc_bounds + b * doc_sb;
     {
-      // Where the documents of the block's first and last key, and of this thread's keys,
-      // start and end, searched together (keys clamped: a row past n_kv holds no key).
-      constexpr int ROWS = 2 * M_FRAGS, SEARCHES = 4 + 2 * ROWS;
+      // The documents of the block's first and last key, and of this thread's keys (keys
+      // clamped: a row past n_kv holds no key).
+      constexpr int ROWS = 2 * M_FRAGS;
       const int row0 = kv0_ + ((threadIdx.x >> 5) % KEY_WARPS) * WARP_ROWS + ((threadIdx.x & 31) >> 2);
-      int id[SEARCHES], pos[SEARCHES];
-      id[0] = doc[kv0_];
-      id[1] = doc[kv_last] + 1;
-      id[2] = doc[kv_last];
-      id[3] = doc[kv0_] + 1;
+      int at[2 + ROWS], start[2 + ROWS], end[2 + ROWS];
+      at[0] = kv0_;
+      at[1] = kv_last;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) at[2 + r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_kv - 1);
+      find_documents(start, end, at);
+      lo = start[0];
+      hi = min(n_q, end[1]);
+      full_lo = start[1];  // queries in [full_lo, full_hi) share every key's document
+      full_hi = end[0];
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        id[4 + r] = doc[min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_kv - 1)];
-        id[4 + ROWS + r] = id[4 + r] + 1;
-      }
-      lower_bounds(pos, id);
-      lo = pos[0];
-      hi = min(n_q, pos[1]);
-      full_lo = pos[2];  // queries in [full_lo, full_hi) share every key's document
-      full_hi = pos[3];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        row_lo[r >> 1][r & 1] = pos[4 + r];
-        row_hi[r >> 1][r & 1] = pos[4 + ROWS + r];
+        row_lo[r >> 1][r & 1] = start[2 + r];
+        row_hi[r >> 1][r & 1] = end[2 + r];
       }
     }
     first = lo / BLOCK_Q;
@@ -578,7 +590,7 @@ fagen_document_bf16_d64_bwd_dkdv(
     long long dv_sn,
     float scale,
     float scale_log2,
-    const int* __restrict__ doc_ids,
+    const int2* __restrict__ doc_bounds,
     long long doc_sb) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
@@ -598,7 +610,7 @@ fagen_document_bf16_d64_bwd_dkdv(
   delta += ((long long)b * heads_q + h_kv * group) * n_pad;
 
   Mask mask;
-  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0, doc_ids, doc_sb);
+  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0, doc_bounds, doc_sb);
   const int steps = mask.steps();
   const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES, q, dout, lse2, delta, q_sh, q_sn, dout_sh, dout_sn, n_pad, n_q,
                          steps, tid);
@@ -869,53 +881,53 @@ struct KvRows {
 struct Mask {
   int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
-  const int* __restrict__ doc;  // this batch's document id per position, non-decreasing
+  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document (the preprocess's)
   // A document is one run of positions, found once (begin) so that the KV loop reads no ids:
   // keys [full_lo, full_hi) count for every row of this warp, keys [row_lo, row_hi) for
   // the thread's row 16f + 8h + lane / 4 of the warp (the MMA accumulator layout).
   int full_lo, full_hi;
   int row_lo[M_FRAGS][2], row_hi[M_FRAGS][2];
 
-  // pos[i]: the first position whose document is >= id[i] (ids are non-decreasing). Binary
-  // lifting with as many steps for every search: the N searches advance together, their
-  // loads in flight at once.
+  // start[i], end[i]: the document of position at[i] is [start, end). One load each: the
+  // backward's preprocess resolved every position's bounds.
   template <int N>
-  __device__ __forceinline__ void lower_bounds(int (&pos)[N], const int (&id)[N]) const {
+  __device__ __forceinline__ void find_documents(int (&start)[N], int (&end)[N], const int (&at)[N]) const {
 #pragma unroll
-    for (int i = 0; i < N; ++i) pos[i] = 0;
-    for (int step = 1 << (31 - __clz(n_kv)); step > 0; step >>= 1) {
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-        if (pos[i] + step <= n_kv && doc[pos[i] + step - 1] < id[i]) pos[i] += step;
+    for (int i = 0; i < N; ++i) {
+      const int2 x = bounds[at[i]];
+      start[i] = x.x;
+      end[i] = x.y;
     }
   }
 
+  template <int N>
+  __device__ __forceinline__ void find_starts(int (&start)[N], const int (&at)[N]) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) start[i] = bounds[at[i]].x;
+  }
+
   // The tile's query positions are [q0_, q_last] (q_last: its last real one).
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ doc_ids, long long doc_sb) {
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int2* __restrict__ doc_bounds, long long doc_sb) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
-    doc = doc_ids + b * doc_sb;
+    bounds = doc_bounds + b * doc_sb;
     {
-      // Where the documents of the tile's first and last row and of this thread's rows start and end,
-      // searched together (rows clamped: a row past n_q holds no query).
-      constexpr int ROWS = 2 * M_FRAGS, SEARCHES = 2 * (1 + ROWS);
+      // The documents of the tile's first and last row and of this thread's rows (rows clamped: a
+      // row past n_q holds no query).
+      constexpr int ROWS = 2 * M_FRAGS, FIRST = 2;
       const int row0 = q0_ + (threadIdx.x >> 5) * WARP_ROWS + ((threadIdx.x & 31) >> 2);
-      int row[ROWS], id[SEARCHES], pos[SEARCHES];
+      int at[FIRST + ROWS], start[FIRST + ROWS], end[FIRST + ROWS];
+      at[0] = q0_;
+      at[1] = q_last;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) row[r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
-      id[0] = doc[q0_];
+      for (int r = 0; r < ROWS; ++r) at[FIRST + r] = min(row0 + (r >> 1) * 16 + (r & 1) * 8, n_q - 1);
+      find_documents(start, end, at);
+      lo = start[0];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) id[1 + r] = doc[row[r]];
-      id[1 + ROWS] = doc[q_last] + 1;
+      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = start[FIRST + r];
+      hi = end[1];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) id[2 + ROWS + r] = id[1 + r] + 1;
-      lower_bounds(pos, id);
-      lo = pos[0];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) row_lo[r >> 1][r & 1] = pos[1 + r];
-      hi = pos[1 + ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) row_hi[r >> 1][r & 1] = pos[2 + ROWS + r];
+      for (int r = 0; r < ROWS; ++r) row_hi[r >> 1][r & 1] = end[FIRST + r];
       full_hi = __shfl_sync(0xffffffff, row_hi[0][0], 0);  // where the warp's first row's document ends
       full_lo = __shfl_sync(0xffffffff, row_lo[M_FRAGS - 1][1], 28);  // where its last row's begins
     }
@@ -1050,7 +1062,7 @@ fagen_document_bf16_d64_bwd_dq(
     long long dq_sn,
     float scale,
     float scale_log2,
-    const int* __restrict__ doc_ids,
+    const int2* __restrict__ doc_bounds,
     long long doc_sb) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
@@ -1067,7 +1079,7 @@ fagen_document_bf16_d64_bwd_dq(
   v += b * v_sb + h_kv * v_sh;
 
   Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1, doc_ids, doc_sb);
+  mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1, doc_bounds, doc_sb);
   const int kv_tiles = mask.count;
   const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES, KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
   const float to_log2 = scale_log2;

@@ -749,7 +749,7 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
   delta += ((long long)b * heads_q + h_kv * group) * n_pad;
 
   // K and V need no mask: one producer thread has them in flight while the mask finds the
-  // block's query tiles (a document mask: a binary search over doc_ids, a dozen dependent loads).
+  // block's query tiles (a document mask: its keys' document bounds, loads of their own).
   const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES);
   pipe.init(tid);
   const bool issuer = tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32;
@@ -1324,7 +1324,7 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
 
   // Q and dO need no mask: one producer thread has them in flight while the mask finds the
-  // tile's KV tiles (a document mask: a binary search over doc_ids, a dozen dependent loads).
+  // tile's KV tiles (a document mask: its rows' document bounds, loads of their own).
   const KvPipeline kv(smem_do_u32 + Q_TILE_ELEMS * ELEM_BYTES);
   kv.init(tid);
   const bool issuer = tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32;

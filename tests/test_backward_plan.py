@@ -354,3 +354,29 @@ def test_trainable_takes_both_producers_at_head_dim_128_where_the_dq_kernel_runs
     d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
     assert variants.trainable(d64, deterministic=True).backward.dq_warp_specialized is None  # slower at 64
     assert variants.with_producers({"block_q": 64}) == [{"block_q": 64, "warp_specialized": {}}, {"block_q": 64}]
+
+
+# ---- a document mask's bounds, resolved once a call (BackwardPlan.doc_bounds) -----------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_preprocess_resolves_document_bounds_and_the_loops_read_them(causal):
+    spec = variants.trainable(variants.variant(HOPPER, Mask(kind="document", causal=causal), ScoreMod()))
+    plan = backward_plan(spec)
+    names = lambda params: [name for _, name in params]  # noqa: E731
+    assert plan.doc_bounds
+    assert names(plan.preprocess_params)[-3:] == ["doc_ids", "doc_sb", "doc_bounds"]
+    assert dict(plan.preprocess_params)["int2* __restrict__"] == "doc_bounds"  # the preprocess writes them
+    for params in (plan.dkdv_params, plan.dq_params, plan.dkdv.mask_params, plan.dq.mask_params):
+        assert "doc_bounds" in names(params) and "doc_ids" not in names(params)
+    source = render_backward(spec)
+    preprocess = source[source.index("namespace preprocess {"):source.index("}  // namespace preprocess")]
+    assert "doc_bounds[b * doc_sb + row] = make_int2(start, end);" in preprocess
+    loops = source[source.index("namespace dkdv {"):]
+    assert "lower_bounds" not in loops and "doc_ids" not in loops and "bounds[at[i]]" in loops
+    assert "lower_bounds" in fagen.render(spec)  # the forward, one launch a call, still searches doc_ids
+
+
+def test_other_masks_have_no_bounds_to_resolve():
+    plan = backward_plan(variants.trainable(HOPPER))
+    assert not plan.doc_bounds and plan.mask_params == ()
+    assert "doc_" not in " ".join(name for _, name in plan.preprocess_params)
