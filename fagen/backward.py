@@ -15,7 +15,8 @@ from functools import cached_property
 import numpy as np
 
 from fagen.backward_plan import TMA_TENSORS, BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, require_cupy, stream_for, zeros_like
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
+                          zeros_like)
 from fagen.render import render_backward
 from fagen import tensor_maps
 from fagen.runtime import (LOG2E, Kernel, Launch, TensorMap, block_mask_arguments, compile_kernel, compile_module,
@@ -105,7 +106,7 @@ class Backward:
             if bp.doc_bounds:  # each position's document [start, end), rows as doc_ids' (the preprocess writes them)
                 doc_bounds = empty_like(tq, (b if extras["doc_sb"] else 1, nk, 2), "int32")
                 extras["doc_bounds"] = _ptr(doc_bounds)
-            values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk,
+            values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
                           **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **dbias_args, **extras)
@@ -120,7 +121,8 @@ class Backward:
                                                                    key_major_group=hq // hkv)
             launch = {  # role: grid, threads, dynamic smem
                 "preprocess": ((-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
-                "dkdv": ((-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
+                "dkdv": (self._dkdv_grid(b * hkv * -(-nk // bp.dkdv.block_kv), tq.device) if bp.dkdv.warp_specialized
+                         else (-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
                 "dq": ((b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
                 "postprocess": ((-(-nq * bp.chunks_per_row // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
             }
@@ -140,6 +142,11 @@ class Backward:
                 dbias = dbias.sum(dim=summed, keepdim=True) if tq.kind == "torch" else dbias.sum(summed, keepdims=True)
             del keep_alive
         return Gradients(dq, dk, dv, dsinks, dbias)
+
+    def _dkdv_grid(self, tiles: int, device_id: int) -> tuple[int, int]:
+        """The warp-specialised dK/dV kernel walks a 1-D tile grid: a block a tile, or (persistent)
+        one block an SM."""
+        return (min(tiles, multiprocessors(device_id)) if self.plan.dkdv.persistent else tiles, 1)
 
     def _bias_grad_buffer(self, bias, ref: DeviceTensor, b: int, hkv: int) -> tuple[object, dict, tuple]:
         """The zeroed f32 buffer the dK/dV kernel adds d loss / d bias into, its arguments, and

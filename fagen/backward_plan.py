@@ -165,6 +165,11 @@ class DkdvPlan:
     qk_k_steps: int  # k16 steps of S^T = K Q^T over head_dim
     q_k_steps: int  # k16 steps of dV += P^T dO and dK += dS^T Q over the step's queries
     stages: int  # Q/dO tiles in flight
+    # backward.warp_specialized.persistent: one block an SM walks the KV blocks (tiles), loading
+    # the next tile's K and V into a second slot under this one's loop
+    persistent: bool
+    kv_slots: int  # K/V tile pairs in smem: 1, or 2 persistent
+    kv_slot_bytes: int  # a K tile and its V tile
     smem_row: int  # elements between smem rows (padded: 16 bytes past head_dim)
     chunks_per_row: int
     copy_rows_per_pass: int  # 0: a row's chunks do not divide the threads
@@ -225,7 +230,7 @@ class DkdvPlan:
 class DqProducer:
     """backward.dq_warp_specialized: the dQ kernel's consumer warpgroups (its plan's threads)
     compute and a producer warpgroup after them loads with TMA: Q and dO once, on one more
-    mbarrier after the KV ring's, then each step's K and V (row-group boxes, as the dK/dV
+    mbarrier pair after the KV ring's, then each step's K and V (row-group boxes, as the dK/dV
     kernel's producer loads). setmaxnreg splits the registers of blocks_per_sm blocks an SM."""
 
     block_threads: int  # the consumers' threads and the producer warpgroup's
@@ -249,7 +254,7 @@ class BackwardPlan:
     chunks_per_row: int
     dkdv: DkdvPlan
     dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
-    dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q (and the producer's mbarrier)
+    dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q (and the producer's Q/dO mbarriers)
     dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
@@ -316,7 +321,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                              "add a backward: section (an empty mapping takes the defaults)"))
     bwd, d = spec.backward, spec.head_dim
     dq, dkdv, producer = plan(dq_spec(spec)), dkdv_plan(spec), dq_producer(spec)
-    dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES + (MBARRIER_BYTES if producer else 0)
+    dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES + (2 * MBARRIER_BYTES if producer else 0)
     dq_registers = predict_registers(spec, "dq") - (DQ_PRODUCER_SAVING if producer else 0)
     dq_register_limit = producer.consumer_registers if producer else MAX_REGISTERS
     if dq_registers > dq_register_limit:
@@ -361,7 +366,9 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,
-                     *dkdv.bias_grad_params, *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if dkdv.warp_specialized else ())),
+                     *dkdv.bias_grad_params,
+                     *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if dkdv.warp_specialized else ()),
+                     *((("int", "batch"),) if dkdv.warp_specialized else ())),  # the tile grid's batch * KV heads
         dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                    (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
                    ("float", "scale"), ("float", "scale_log2"), *side,
@@ -400,10 +407,12 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     q_tile_bytes = bwd.block_q * smem_row * ELEMENT_BYTES
     # a stage: Q, dO, their rows' LSE and D; every tile starts on a swizzle atom
     stage_bytes = -(-(2 * q_tile_bytes + 2 * bwd.block_q * 4) // smem_align) * smem_align
-    smem_bytes = 2 * kv_tile_bytes + bwd.stages * stage_bytes
     ws = bwd.warp_specialized
-    if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring (and K and V's, under TMA)
-        smem_bytes += (2 * bwd.stages + (ws is not None)) * MBARRIER_BYTES
+    persistent = bool(ws and ws.persistent)
+    kv_slots = 2 if persistent else 1  # a persistent block loads its next tile's K and V under this one
+    smem_bytes = kv_slots * 2 * kv_tile_bytes + bwd.stages * stage_bytes
+    if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring (and of K and V's, under TMA)
+        smem_bytes += 2 * (bwd.stages + (kv_slots if ws else 0)) * MBARRIER_BYTES
     ds_offset = -(-smem_bytes // smem_align) * smem_align
     if spec.atomic_dq:  # two dS^T buffers after the barriers, on a swizzle atom
         smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES
@@ -418,9 +427,10 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     if smem_bytes > limit:
         raise SpecError(rule(
             "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, stages {bwd.stages}",
-            f"the dK/dV kernel needs {smem_bytes} bytes of shared memory (K and V tiles of {bwd.block_kv} rows, "
-            f"{bwd.stages} stages of Q and dO tiles of {bwd.block_q}) but {spec.arch} allows {limit} per block",
-            "use fewer stages, a smaller block_q or a smaller block_kv"))
+            f"the dK/dV kernel needs {smem_bytes} bytes of shared memory ({kv_slots} pair(s) of K and V tiles of "
+            f"{bwd.block_kv} rows, {bwd.stages} stages of Q and dO tiles of {bwd.block_q}) but {spec.arch} allows "
+            f"{limit} per block", "use fewer stages, a smaller block_q or a smaller block_kv"
+            + (", or remove warp_specialized.persistent" if persistent else "")))
     if registers > register_limit:
         raise SpecError(rule(
             "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, warps {warps}, head_split {bwd.head_split}",
@@ -433,7 +443,8 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         mainloop="sm90" if wgmma else "sm80", block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
         key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
         d_n_frags=d_cols // MMA_N, d_cols=d_cols, qk_k_steps=d // MMA_K, q_k_steps=bwd.block_q // MMA_K,
-        stages=bwd.stages, smem_row=smem_row, chunks_per_row=chunks,
+        stages=bwd.stages, persistent=persistent, kv_slots=kv_slots, kv_slot_bytes=2 * kv_tile_bytes,
+        smem_row=smem_row, chunks_per_row=chunks,
         copy_rows_per_pass=threads // chunks if threads % chunks == 0 else 0,
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,

@@ -97,19 +97,24 @@ class Tiling(_Frozen):
 
 
 REGISTERS_PER_SM = 65536
+MAX_THREAD_REGISTERS = 256  # what a thread's allocation rounds up to at the most (255 usable)
 
 
 def register_split_rules(field: str, ws: WarpSpecialized, consumers: int, blocks: int) -> None:
-    """setmaxnreg moves registers within what the SM holds: `blocks` blocks an SM, each a producer
-    warpgroup and `consumers` consumer warpgroups of 128 threads, must fit its register file, and
-    the producer, which only issues loads, takes fewer than a consumer."""
-    used = blocks * WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
-    if used > REGISTERS_PER_SM:
-        most = (REGISTERS_PER_SM // blocks // WARPGROUP_THREADS - ws.producer_registers) // consumers
+    """setmaxnreg moves registers within what a block was launched with: `blocks` blocks an SM,
+    each a producer warpgroup and `consumers` consumer warpgroups of 128 threads, share the
+    register file evenly at launch (a multiple of 8 a thread), and a block's split must fit its
+    share (more, and the consumers' setmaxnreg waits for ever); the producer, which only issues
+    loads, takes fewer than a consumer."""
+    threads = WARPGROUP_THREADS * (1 + consumers)
+    at_launch = min(MAX_THREAD_REGISTERS, REGISTERS_PER_SM // (blocks * threads) // SETMAXNREG_STEP * SETMAXNREG_STEP)
+    used = WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
+    if used > threads * at_launch:
+        most = ((1 + consumers) * at_launch - ws.producer_registers) // consumers
         raise ValueError(rule(
             field, f"producer_registers {ws.producer_registers}, consumer_registers {ws.consumer_registers}",
-            f"{blocks} block(s) an SM of a producer warpgroup and {consumers} consumer warpgroup(s) of 128 threads "
-            f"would hold {used} registers, over the SM's {REGISTERS_PER_SM}",
+            f"a producer warpgroup and {consumers} consumer warpgroup(s) of 128 threads would hold {used} registers, "
+            f"over the {threads * at_launch} a block is launched with ({at_launch} a thread, {blocks} block(s) an SM)",
             f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
     if ws.producer_registers >= ws.consumer_registers:
         raise ValueError(rule(f"{field}.producer_registers", ws.producer_registers,
@@ -132,7 +137,8 @@ class WarpSpecialized(_Frozen):
     producer_registers: int = 24
     consumer_registers: int = 240
     # One block an SM walks the launch's tiles (heaviest first), the producer loading the next
-    # tile's Q and K while the consumers finish this one; unset, a block a tile
+    # tile's inputs (the forward's Q and K, the dK/dV kernel's K and V) while the consumers
+    # finish this one; unset, a block a tile
     persistent: bool = False
 
     @field_validator("producer_registers", "consumer_registers")
@@ -625,10 +631,8 @@ class AttentionSpec(_Frozen):
                 "backward.warp_specialized", "set", f"the TMA producer feeds the wgmma dK/dV kernel (sm_90a, head_dim "
                 f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}); this spec's is mma.sync (arch {self.arch}, head_dim "
                 f"{self.head_dim})", "remove backward.warp_specialized"))
-        if bwd.warp_specialized is not None and bwd.warp_specialized.persistent:
-            raise ValueError(rule(
-                "backward.warp_specialized.persistent", True, "the dK/dV kernel runs a block a KV block (its grid "
-                "orders a head's blocks so they share Q, dO and dQ in L2)", "remove persistent"))
+        if bwd.warp_specialized is not None:
+            register_split_rules("backward.warp_specialized", bwd.warp_specialized, bwd.warps // WARPGROUP_WARPS, blocks=1)
         if self.wgmma_backward and bwd.stages < 2:
             raise ValueError(rule(
                 "backward.stages", bwd.stages, f"must be 2 or 3 on sm_90a with head_dim {self.head_dim} (each step "

@@ -212,16 +212,23 @@ PRODUCER_BACKWARD_HEAD_DIMS = (128,)
 # head_dims: +2-4% at head_dim 128 (dense, causal, masks), -3-8% at 64. One consumer warpgroup a
 # block, two blocks an SM (as the copying kernel runs): 2 x (232 + 24) x 128 registers, the SM's.
 DQ_PRODUCER = {"consumer_registers": 232}
+# ... and the dK/dV kernel persistent (backward.warp_specialized.persistent: one block an SM walking
+# the KV blocks, the next one's K and V loading under this one) where every block has the same
+# work, so a static walk stays even: sliding windows +1.5-2.3% (H200, N 4k and 16k, same process);
+# prefix-LM and documents, whose blocks differ, -1-2%.
+PERSISTENT_DKDV_MASKS = ("sliding_window",)
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})
 
 
-def with_producers(tiling: dict) -> list[dict]:
+def with_producers(tiling: dict, persistent: bool = False) -> list[dict]:
     """A wgmma backward tiling with TMA producers, most first: both kernels' (the dQ kernel runs
-    only where deterministic), the dK/dV kernel's, the dQ kernel's, then none."""
+    only where deterministic), the dK/dV kernel's, the dQ kernel's, then none; the dK/dV
+    kernel's producer persistent where asked (PERSISTENT_DKDV_MASKS)."""
     dq = {"dq_warp_specialized": DQ_PRODUCER} if tiling.get("deterministic") else {}
-    fed = [{**tiling, "warp_specialized": {}, **dq}, {**tiling, "warp_specialized": {}}, {**tiling, **dq}, tiling]
+    ws = {"persistent": True} if persistent else {}
+    fed = [{**tiling, "warp_specialized": ws, **dq}, {**tiling, "warp_specialized": ws}, {**tiling, **dq}, tiling]
     return [t for i, t in enumerate(fed) if t not in fed[:i]]
 
 
@@ -248,7 +255,7 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
         tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
         if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS:
-            tilings = [fed for t in tilings for fed in with_producers(t)]
+            tilings = [fed for t in tilings for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS)]
     else:  # changes to the head_dim's tiling
         base = BACKWARD_TILINGS[spec.head_dim]
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]

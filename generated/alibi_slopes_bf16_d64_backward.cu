@@ -496,9 +496,10 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
 
 // Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
 // and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
-// queries, and run first). q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv,
-// head_dim]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. The block's keys are seen by
-// the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
+// queries, and run first).
+// q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv, head_dim]; delta, lse2: [B, Hq,
+// n_pad] f32 from the preprocess. A tile's keys are seen by the query heads h_kv * group ... +
+// group - 1 (GQA): it sums their gradients in registers.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fagen_alibi_slopes_bf16_d64_bwd_dkdv(
     const elem_t* __restrict__ q,
@@ -538,29 +539,25 @@ fagen_alibi_slopes_bf16_d64_bwd_dkdv(
     const float* __restrict__ alibi_slopes) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
-  const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
+  const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
   const int b = blockIdx.y / heads_kv, h_kv = blockIdx.y % heads_kv;
-  const int kv0 = blockIdx.x * BLOCK_KV;
-  const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS, warp_kv0 = kv0 + warp_row0;
-
+  const int kv0 = blockIdx.x * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
+  constexpr int kv_offset = 0;  // the block's one K/V slot
+  const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
   k += b * k_sb + h_kv * k_sh;
   v += b * v_sb + h_kv * v_sh;
   q += b * q_sb + h_kv * group * q_sh;  // the group's first query head
   dout += b * dout_sb + h_kv * group * dout_sh;
   lse2 += ((long long)b * heads_q + h_kv * group) * n_pad;
   delta += ((long long)b * heads_q + h_kv * group) * n_pad;
-
   Mask mask;
   mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
   const int steps = mask.steps();
   const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES, q, dout, lse2, delta, q_sh, q_sn, dout_sh, dout_sn, n_pad, n_q,
                          steps, tid);
-  ScoreMod score_mod;
-  int mod_head = -1;
-  const float to_log2 = LOG2E;  // the modifiers applied the scale
 
   // Phase 1: the block's K and V (one group), then the first STAGES steps, all in flight.
   copy_tile_async<BLOCK_KV>(k_tile, k, k_sn, kv0, n_kv, tid);
@@ -568,6 +565,9 @@ fagen_alibi_slopes_bf16_d64_bwd_dkdv(
   commit_group();
   pipe.prologue(mask);
 
+  ScoreMod score_mod;
+  int mod_head = -1;
+  const float to_log2 = LOG2E;  // the modifiers applied the scale
   float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
 
   for (int t = 0; t < steps; ++t) {
@@ -631,8 +631,8 @@ fagen_alibi_slopes_bf16_d64_bwd_dkdv(
   __syncthreads();
   {
     const int g = lane >> 2, c = lane & 3;
-    elem_t* k_smem = reinterpret_cast<elem_t*>(smem);
-    elem_t* v_smem = reinterpret_cast<elem_t*>(smem + KV_TILE_BYTES);
+    elem_t* k_smem = reinterpret_cast<elem_t*>(smem + kv_offset);
+    elem_t* v_smem = reinterpret_cast<elem_t*>(smem + kv_offset + KV_TILE_BYTES);
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
@@ -646,13 +646,13 @@ fagen_alibi_slopes_bf16_d64_bwd_dkdv(
               pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
         }
     __syncthreads();
-    dk += b * dk_sb + h_kv * dk_sh;
-    dv += b * dv_sb + h_kv * dv_sh;
+    elem_t* dk_rows = dk + b * dk_sb + h_kv * dk_sh;
+    elem_t* dv_rows = dv + b * dv_sb + h_kv * dv_sh;
     for (int i = tid; i < OUT_CHUNKS; i += THREADS) {
       const int row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
       if (kv0 + row < n_kv) {
-        *reinterpret_cast<chunk16*>(dk + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
-        *reinterpret_cast<chunk16*>(dv + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
+        *reinterpret_cast<chunk16*>(dk_rows + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
+        *reinterpret_cast<chunk16*>(dv_rows + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
       }
     }
   }

@@ -344,8 +344,8 @@ struct Mask {
 };
 
 // ---- tile scheduler ------------------------------------------------------------------------
-// The launch's work is a grid of tiles: tiles_x (batch * heads) by tiles_y (query tiles, heaviest
-// first under causal) by tiles_z (KV splits), numbered x fastest as a grid's blocks are issued.
+// The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z, numbered x fastest as a
+// grid's blocks are issued (the kernel says what each axis is).
 // A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
 struct Tile {
   int x, y, z;

@@ -329,11 +329,10 @@ struct Mask {
 };
 
 // ---- tile scheduler ------------------------------------------------------------------------
-// The launch's work is a grid of tiles: tiles_x (batch * heads) by tiles_y (query tiles, heaviest
-// first under causal) by tiles_z (KV splits), numbered x fastest as a grid's blocks are issued.
+// The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z, numbered x fastest as a
+// grid's blocks are issued (the kernel says what each axis is).
 // Persistent: one block an SM walks them (tile blockIdx.x, then every gridDim.x-th), so its
-// producer loads the next tile's Q and K while the consumers finish this one. The heaviest tiles
-// go first, to every SM at once, and the light ones fill the tail.
+// producer loads the next tile's inputs while the consumers finish this one.
 struct Tile {
   int x, y, z;
 };

@@ -582,6 +582,7 @@ struct QdoPipeline {
         freed(landed + STAGES * MBARRIER_BYTES), q(q_), dout(dout_), lse2(lse2_), delta(delta_), q_sh(q_sh_),
         q_sn(q_sn_), do_sh(do_sh_), do_sn(do_sn_), n_pad(n_pad_), n_q(n_q_), steps(steps_), tid(tid_) {}
 
+  __device__ __forceinline__ int step(int t) const { return t; }  // a block a tile: its steps are the block's
   __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (t % STAGES); }
   __device__ __forceinline__ unsigned do_slot(int t) const { return q_slot(t) + Q_TILE_BYTES; }
   __device__ __forceinline__ const float* lse(int t) const {
@@ -656,9 +657,10 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
 
 // Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
 // and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
-// queries, and run first). q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv,
-// head_dim]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. The block's keys are seen by
-// the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
+// queries, and run first).
+// q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv, head_dim]; delta, lse2: [B, Hq,
+// n_pad] f32 from the preprocess. A tile's keys are seen by the query heads h_kv * group ... +
+// group - 1 (GQA): it sums their gradients in registers.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fagen_attn_bf16_d64_h200_bwd_dkdv(
     const elem_t* __restrict__ q,
@@ -698,27 +700,25 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     float scale_log2) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
-  const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
+  const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
   const int b = blockIdx.y / heads_kv, h_kv = blockIdx.y % heads_kv;
-  const int kv0 = blockIdx.x * BLOCK_KV;
-  const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS, warp_kv0 = kv0 + warp_row0;
-
+  const int kv0 = blockIdx.x * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
+  constexpr int kv_offset = 0;  // the block's one K/V slot
+  const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
   k += b * k_sb + h_kv * k_sh;
   v += b * v_sb + h_kv * v_sh;
   q += b * q_sb + h_kv * group * q_sh;  // the group's first query head
   dout += b * dout_sb + h_kv * group * dout_sh;
   lse2 += ((long long)b * heads_q + h_kv * group) * n_pad;
   delta += ((long long)b * heads_q + h_kv * group) * n_pad;
-
   Mask mask;
   mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
   const int steps = mask.steps();
   const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES, q, dout, lse2, delta, q_sh, q_sn, dout_sh, dout_sn, n_pad, n_q,
                          steps, tid);
-  const float to_log2 = scale_log2;
 
   // Phase 1: the block's K and V (one group), then the first STAGES steps, all in flight.
   copy_tile_async<BLOCK_KV>(k_tile, k, k_sn, kv0, n_kv, tid);
@@ -726,6 +726,7 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   commit_group();
   pipe.prologue(mask);
 
+  const float to_log2 = scale_log2;
   float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
 
   // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
@@ -735,7 +736,8 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   // atom column of K) and share of the keys, and the thread's place in the tile (the
   // accumulator layout: row g, column 2c).
   const int dq_tile = warpgroup % DQ_TILES, dq_keys = warpgroup / DQ_TILES * (BLOCK_KV / DQ_KEY_SPLIT);
-  const unsigned ds_reads = k_tile + DS_OFFSET + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
+  const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
+  const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
   const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
   const int dq_thread_row = (dq_tile / DQ_N_TILES) * 64 + (warp % WARPGROUP_WARPS) * 16 + (lane >> 2);
   const int dq_thread_col = (dq_tile % DQ_N_TILES) * 64 + 2 * (lane & 3);
@@ -788,12 +790,12 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     // warpgroup's tile reads are after the barrier; then the tile's MMAs, and its adds into
     // the f32 accumulator while dK runs, once P^T has died. Rows past n_q land in the padding,
     // never read.
-    store_ds(k_tile + DS_OFFSET + (t & 1) * DS_TILE_BYTES, ds[0], warp_row0, lane);
+    store_ds(ds_tiles + (pipe.step(t) & 1) * DS_TILE_BYTES, ds[0], warp_row0, lane);
     fence_async_smem();
     named_barrier_sync(NAMED_BARRIER_DS + (DS_BARRIER_THREADS == THREADS ? 0 : warpgroup), DS_BARRIER_THREADS);
     float dq_acc[DQ_N_FRAGS][4];
     wgmma_fence();
-    issue_dq(dq_acc, ds_reads + (t & 1) * DS_TILE_BYTES, k_cols);
+    issue_dq(dq_acc, ds_reads + (pipe.step(t) & 1) * DS_TILE_BYTES, k_cols);
     issue_keys_dims(dk_acc[0], ds[0], q_tile);
     wgmma_wait<1>();  // dV and dQ are done
     pin_registers(p[0]);
@@ -818,8 +820,8 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   __syncthreads();
   {
     const int g = lane >> 2, c = lane & 3;
-    elem_t* k_smem = reinterpret_cast<elem_t*>(smem);
-    elem_t* v_smem = reinterpret_cast<elem_t*>(smem + KV_TILE_BYTES);
+    elem_t* k_smem = reinterpret_cast<elem_t*>(smem + kv_offset);
+    elem_t* v_smem = reinterpret_cast<elem_t*>(smem + kv_offset + KV_TILE_BYTES);
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
@@ -833,13 +835,13 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
               pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
         }
     __syncthreads();
-    dk += b * dk_sb + h_kv * dk_sh;
-    dv += b * dv_sb + h_kv * dv_sh;
+    elem_t* dk_rows = dk + b * dk_sb + h_kv * dk_sh;
+    elem_t* dv_rows = dv + b * dv_sb + h_kv * dv_sh;
     for (int i = tid; i < OUT_CHUNKS; i += THREADS) {
       const int row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
       if (kv0 + row < n_kv) {
-        *reinterpret_cast<chunk16*>(dk + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
-        *reinterpret_cast<chunk16*>(dv + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
+        *reinterpret_cast<chunk16*>(dk_rows + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
+        *reinterpret_cast<chunk16*>(dv_rows + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
       }
     }
   }

@@ -125,6 +125,12 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
 // Every cp.async this thread issued has landed, in a committed group or not (the sm_90a loops
 // track theirs with mbarriers, not groups): before a block stages its output over its tiles.
 __device__ __forceinline__ void wait_all_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// x, as a value the compiler cannot see through: what is computed from it is computed where it
+// is used, not hoisted out of the tile walk to hold registers across every tile's main loop.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // Two float16 values of a 32-bit register as f32, `lo` from the low half.
 __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
@@ -229,6 +235,8 @@ constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to dK, dV, S and dP
 constexpr int ROW_BYTES = 256;  // a step's LSE (and its D): f32 a query row
 constexpr int NAMED_BARRIER_EPILOGUE = 3;  // the consumers, before dK and dV are staged over K and V
+constexpr int KV_SLOTS = 1;  // K/V tile pairs: 2 where a persistent block loads the next tile's under this one
+constexpr int KV_SLOT_BYTES = 65536;  // a K tile and its V tile
 
 // ---- shared-memory tiles ---------------------------------------------------------------
 // wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
@@ -553,10 +561,11 @@ __device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& m
       : "memory");
 }
 
-// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart.
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
+// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
 template <int ROWS>
 __device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
-#pragma unroll
+#pragma unroll 1
   for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
 }
 
@@ -569,28 +578,24 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, int by
 // The barriers of a ring of SLOTS slots, step t in slot t % SLOTS: the producer arms the slot's
 // `landed` with the step's bytes before its copies count them down, and the consumers wait on
 // it; each of the CONSUMERS threads arrives on `freed` when its MMAs are done with the step, and
-// the producer waits for all of them before it refills the slot. `resident` is one more, for
-// the tiles the block keeps through its whole loop.
+// the producer waits for all of them before it refills the slot. Tiles a block keeps through a
+// whole loop are a ring too: one slot, one step (or, walking several tiles, a step a tile).
 // Invariant: producer and consumers walk the same steps 0, 1, ..., in order.
 template <int SLOTS, int CONSUMERS>
 struct RingBarriers {
-  unsigned landed, freed, resident;  // SLOTS mbarriers each, MBARRIER_BYTES apart, then one
+  static constexpr int BYTES = 2 * SLOTS * MBARRIER_BYTES;  // landed, then freed
+  unsigned landed, freed;  // SLOTS mbarriers each, MBARRIER_BYTES apart
 
-  __device__ __forceinline__ explicit RingBarriers(unsigned at)
-      : landed(at), freed(at + SLOTS * MBARRIER_BYTES), resident(freed + SLOTS * MBARRIER_BYTES) {}
+  __device__ __forceinline__ explicit RingBarriers(unsigned at) : landed(at), freed(at + SLOTS * MBARRIER_BYTES) {}
 
-  // One thread sets them up, before the block splits into its roles.
-  __device__ __forceinline__ void init(int tid) const {
-    if (tid == 0) {
+  // One thread sets them up (then fence_barrier_init and a block sync), before the block splits
+  // into its roles.
+  __device__ __forceinline__ void init() const {
 #pragma unroll
-      for (int s = 0; s < SLOTS; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
-        mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
-      }
-      mbarrier_init(resident, 1);
-      fence_barrier_init();
+    for (int s = 0; s < SLOTS; ++s) {
+      mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
+      mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
     }
-    __syncthreads();
   }
 
   // ---- the producer's side (one thread) ----
@@ -601,33 +606,47 @@ struct RingBarriers {
     mbarrier_arrive_expect_tx(landed + MBARRIER_BYTES * slot, bytes);
     return landed + MBARRIER_BYTES * slot;
   }
-  __device__ __forceinline__ unsigned arm_resident(unsigned bytes) const {
-    mbarrier_arrive_expect_tx(resident, bytes);
-    return resident;
-  }
 
   // ---- the consumers' side ----
   // TMA wrote through the async proxy wgmma reads by: no fence.
   __device__ __forceinline__ void wait(int t) const { mbarrier_wait(landed + MBARRIER_BYTES * (t % SLOTS), (t / SLOTS) & 1); }
-  __device__ __forceinline__ void wait_resident() const { mbarrier_wait(resident, 0); }
   // This thread's MMAs reading step t are complete.
   __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % SLOTS)); }
 };
 
 // ---- Q/dO pipeline: a TMA producer ------------------------------------------------------
-// Step t of the dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
-// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots
-// (slot t % STAGES). One producer thread issues each step as TMA boxes (a box an 8-row group:
-// the row-group layout the wgmma descriptors read) and two bulk copies of the rows, on the
-// ring's barriers (sm90/tma_ring.cu.j2). K and V arrive once, on its `resident` barrier.
+// Step t of a tile's dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
+// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots.
+// Steps are numbered on across the block's tiles (`first` is this tile's step 0), so the ring
+// runs on from one tile into the next. One producer thread issues each step as TMA boxes (a box
+// an 8-row group: the row-group layout the wgmma descriptors read) and two bulk copies of the
+// rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V arrive once, in a ring
+// of their own, a step a tile: with KV_SLOTS = 2 the next tile's load under this one's loop.
+// Invariant: producer and consumers call end(steps) after the same tiles, in order.
 struct QdoPipeline {
-  unsigned ring;  // smem address of slot 0
-  RingBarriers<STAGES, THREADS> bars;  // after the ring
+  unsigned kv_ring, ring;  // smem addresses of K/V slot 0 and of Q/dO slot 0, after the K/V slots
+  RingBarriers<STAGES, THREADS> bars;  // after the Q/dO ring
+  RingBarriers<KV_SLOTS, THREADS> kv_bars;  // then K and V's
+  int first = 0;  // this tile's step 0, counted over the block's tiles
 
-  __device__ __forceinline__ explicit QdoPipeline(const char* ring_ptr)
-      : ring(smem_u32(ring_ptr)), bars(ring + STAGES * STAGE_BYTES) {}
+  __device__ __forceinline__ explicit QdoPipeline(const char* smem)
+      : kv_ring(smem_u32(smem)), ring(kv_ring + KV_SLOTS * KV_SLOT_BYTES), bars(ring + STAGES * STAGE_BYTES),
+        kv_bars(ring + STAGES * STAGE_BYTES + bars.BYTES) {}
 
-  __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (t % STAGES); }
+  __device__ __forceinline__ void init(int tid) const {
+    if (tid == 0) {
+      bars.init();
+      kv_bars.init();
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
+  __device__ __forceinline__ void end(int steps) { first += steps; }
+
+  // Tile j's K tile (its V tile follows), as a byte offset from the smem base.
+  __device__ __forceinline__ static int kv_offset(int j) { return KV_SLOT_BYTES * (j % KV_SLOTS); }
+  __device__ __forceinline__ int step(int t) const { return first + t; }
+  __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (step(t) % STAGES); }
   __device__ __forceinline__ unsigned do_slot(int t) const { return q_slot(t) + Q_TILE_BYTES; }
   __device__ __forceinline__ unsigned rows_slot(int t) const { return q_slot(t) + 2 * Q_TILE_BYTES; }
   // Rows `row` and `row` + 1 of step t's LSE (and of its D), by shared-memory address: no
@@ -640,35 +659,40 @@ struct QdoPipeline {
     return x;
   }
 
-  __device__ __forceinline__ void init(int tid) const { bars.init(tid); }
-
   // ---- the producer's side (one thread) ----
-  __device__ __forceinline__ void produce_kv(unsigned k_tile, unsigned v_tile, const TmaMap& k_map, const TmaMap& v_map,
-                                             int kv0, int h_kv, int b) const {
-    const unsigned bar = bars.arm_resident(2 * KV_TILE_BYTES);
+  // Tile j's K and V, once its slot's last tile is written out.
+  __device__ __forceinline__ void produce_kv(int j, const TmaMap& k_map, const TmaMap& v_map, int kv0, int h_kv,
+                                             int b) const {
+    const unsigned bar = kv_bars.arm(j, 2 * KV_TILE_BYTES), k_tile = kv_ring + kv_offset(j);
     tma_load_rows<BLOCK_KV>(k_tile, k_map, bar, kv0, h_kv, b);
-    tma_load_rows<BLOCK_KV>(v_tile, v_map, bar, kv0, h_kv, b);
+    tma_load_rows<BLOCK_KV>(k_tile + KV_TILE_BYTES, v_map, bar, kv0, h_kv, b);
   }
 
-  // Every step: Q and dO rows of query head h0 + step_head(t); LSE and D rows are padded to
-  // whole tiles (n_pad a head), so their copies are always in range.
+  // Every step: Q and dO rows of query head h0 + step_head(t) of batch b; LSE and D rows
+  // ([B, Hq, n_pad]) are padded to whole tiles, so their copies are always in range.
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& do_map, const float* lse2,
-                                          const float* delta, int n_pad, int h0, int b) const {
+                                          const float* delta, int n_pad, int heads_q, int h0, int b) const {
     for (int t = 0; t < mask.steps(); ++t) {
-      const unsigned bar = bars.arm(t, 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
+      const unsigned bar = bars.arm(step(t), 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
       const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
       tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
       tma_load_rows<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
-      const long long row0 = (long long)head * n_pad + q0;
+      const long long row0 = (long long)(b * heads_q + h0 + head) * n_pad + q0;
       bulk_copy(rows_slot(t), lse2 + row0, ROW_BYTES, bar);
       bulk_copy(rows_slot(t) + ROW_BYTES, delta + row0, ROW_BYTES, bar);
     }
   }
 
   // ---- the consumers' side ----
-  __device__ __forceinline__ void wait_kv() const { bars.wait_resident(); }
-  __device__ __forceinline__ void wait(int t) const { bars.wait(t); }
-  __device__ __forceinline__ void release(int t) const { bars.release(t); }
+  __device__ __forceinline__ void wait_kv(int j) const { kv_bars.wait(j); }
+  // This thread is done with tile j's K/V slot (its MMAs, and the dK and dV staged over it):
+  // its generic-proxy accesses ordered before the producer's next TMA write there.
+  __device__ __forceinline__ void release_kv(int j) const {
+    fence_async_smem();
+    kv_bars.release(j);
+  }
+  __device__ __forceinline__ void wait(int t) const { bars.wait(step(t)); }
+  __device__ __forceinline__ void release(int t) const { bars.release(step(t)); }
 };
 
 // The tile's scores in place, transposed (the backward's dK/dV kernel): thread (g, t) holds keys
@@ -690,11 +714,30 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
   }
 }
 
-// Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
-// and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
-// queries, and run first). q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv,
-// head_dim]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. The block's keys are seen by
-// the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
+// ---- tile scheduler ------------------------------------------------------------------------
+// The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z, numbered x fastest as a
+// grid's blocks are issued (the kernel says what each axis is).
+// A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
+struct Tile {
+  int x, y, z;
+};
+
+struct TileScheduler {
+  int nx, ny, count;
+  __device__ __forceinline__ TileScheduler(int tiles_x, int tiles_y, int tiles_z)
+      : nx(tiles_x), ny(tiles_y), count(tiles_x * tiles_y * tiles_z) {}
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
+  __device__ __forceinline__ Tile at(int t) const { return Tile{t % nx, t / nx % ny, t / nx / ny}; }
+};
+
+// Grid: x = blocks walking the tile grid (tiles_x = KV block, tiles_y = batch * KV head): a block
+// a tile, or one an SM. A head's tiles run together, so they share its Q and dO tiles (and
+// atomic dQ's rows) in L2 (under a causal mask its first tiles see the most queries, and run
+// first).
+// q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv, head_dim]; delta, lse2: [B, Hq,
+// n_pad] f32 from the preprocess. A tile's keys are seen by the query heads h_kv * group ... +
+// group - 1 (GQA): it sums their gradients in registers.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
     const elem_t* __restrict__ q,
@@ -734,130 +777,143 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
     const __grid_constant__ TmaMap q_map,
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map,
-    const __grid_constant__ TmaMap dout_map) {
+    const __grid_constant__ TmaMap dout_map,
+    int batch) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
-  const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
-  const int b = blockIdx.y / heads_kv, h_kv = blockIdx.y % heads_kv;
-  const int kv0 = blockIdx.x * BLOCK_KV;
-  const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS, warp_kv0 = kv0 + warp_row0;
+  const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
 
-  lse2 += ((long long)b * heads_q + h_kv * group) * n_pad;
-  delta += ((long long)b * heads_q + h_kv * group) * n_pad;
-
-  // K and V need no mask: one producer thread has them in flight while the mask finds the
-  // block's query tiles (a document mask: its keys' document bounds, loads of their own).
-  const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES);
-  pipe.init(tid);
-  const bool issuer = tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32;
-  if (issuer) pipe.produce_kv(k_tile, v_tile, k_map, v_map, kv0, h_kv, b);
-  Mask mask;
-  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
-  const int steps = mask.steps();
   // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
-  // thread loads every step's Q, dO, LSE and D as slots free up; the consumers compute. ptxas
-  // sees each role's code under its own setmaxnreg budget.
+  // thread loads every tile's K and V and every step's Q, dO, LSE and D as slots free up; the
+  // consumers compute. Each role walks the tiles in its own loop, so that ptxas knows which
+  // register budget (setmaxnreg's) every instruction runs under.
+  // (Each role builds its own scheduler: a value live across setmaxnreg is spilled.)
+  QdoPipeline pipe(smem);
+  pipe.init(tid);
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
-    if (issuer) pipe.produce(mask, q_map, dout_map, lse2, delta, n_pad, h_kv * group, b);
+    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
+      const TileScheduler scheduler((n_kv + BLOCK_KV - 1) / BLOCK_KV, batch * heads_kv, 1);
+      for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
+        const Tile tile = scheduler.at(t);
+        const int b = tile.y / heads_kv, h_kv = tile.y % heads_kv, kv0 = tile.x * BLOCK_KV;
+        // K and V need no mask: in flight while the mask finds the tile's query tiles (a
+        // document mask: its keys' document bounds, loads of their own)
+        pipe.produce_kv(j, k_map, v_map, kv0, h_kv, b);
+        Mask mask;
+        mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
+        pipe.produce(mask, q_map, dout_map, lse2, delta, n_pad, heads_q, h_kv * group, b);
+        pipe.end(mask.steps());
+      }
+    }
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
-  const float to_log2 = scale_log2;
+  const TileScheduler scheduler((n_kv + BLOCK_KV - 1) / BLOCK_KV, batch * heads_kv, 1);
+  for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
+    const Tile tile = scheduler.at(t);
+    const int b = tile.y / heads_kv, h_kv = tile.y % heads_kv, kv0 = tile.x * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
+    Mask mask;
+    mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
+    const int steps = mask.steps();
+    const int kv_offset = pipe.kv_offset(j);
+    const unsigned k_tile = smem_u32(smem) + kv_offset, v_tile = k_tile + KV_TILE_BYTES;
+    pipe.wait_kv(j);  // Phase 1: the tile's K and V, loaded under the previous tile (or since the block began)
+    const float to_log2 = scale_log2;
+    float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
 
-  // Phase 1: the block's K and V, in flight since the producer's first instructions.
-  pipe.wait_kv();
+    // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
+    const int warpgroup = warp / WARPGROUP_WARPS;
+    const unsigned k_rows = k_tile + warpgroup * WARPGROUP_KEYS_BYTES, v_rows = v_tile + warpgroup * WARPGROUP_KEYS_BYTES;
+    for (int t = 0; t < steps; ++t) {
+      const int head = mask.step_head(t);  // the group's query head ...
+      const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
+      pipe.wait(t);
+      const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
 
-  float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
+      // Phase 2: S^T = K.Q^T and dP^T = V.dO^T, the forward's scores and their gradient with the
+      // keys as rows, on the tensor cores together.
+      float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
+      wgmma_fence();
+      issue_keys_queries(s[0], k_rows, q_tile);
+      issue_keys_queries(dp[0], v_rows, do_tile);
+      wgmma_wait<1>();  // S^T is done; dP^T may still run
+      pin_registers(s[0]);
 
-  // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
-  const int warpgroup = warp / WARPGROUP_WARPS;
-  const unsigned k_rows = k_tile + warpgroup * WARPGROUP_KEYS_BYTES, v_rows = v_tile + warpgroup * WARPGROUP_KEYS_BYTES;
-  for (int t = 0; t < steps; ++t) {
-    const int head = mask.step_head(t);  // the group's query head ...
-    const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
-    pipe.wait(t);
-    const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
+      // Phase 3: the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
+      score_tile(s, mask, t, b, h, q0, warp_kv0, lane);
+  #pragma unroll
+      for (int n = 0; n < S_N_FRAGS; ++n) {
+        const float2 lse_rows = pipe.lse_pair(t, n * 8 + 2 * (lane & 3));
+        const float lse0 = lse_rows.x, lse1 = lse_rows.y;
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
+      }
 
-    // Phase 2: S^T = K.Q^T and dP^T = V.dO^T, the forward's scores and their gradient with the
-    // keys as rows, on the tensor cores together.
-    float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
-    wgmma_fence();
-    issue_keys_queries(s[0], k_rows, q_tile);
-    issue_keys_queries(dp[0], v_rows, do_tile);
-    wgmma_wait<1>();  // S^T is done; dP^T may still run
-    pin_registers(s[0]);
+      // Phase 4: dS^T = P^T (dP^T - D) in place of dP^T, in f32.
+      wgmma_wait<0>();  // dP^T is done
+      pin_registers(dp[0]);
+  #pragma unroll
+      for (int n = 0; n < S_N_FRAGS; ++n) {
+        const float2 delta_rows = pipe.delta_pair(t, n * 8 + 2 * (lane & 3));
+        const float d0 = delta_rows.x, d1 = delta_rows.y;
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - (e & 1 ? d1 : d0));
+      }
 
-    // Phase 3: the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
-    score_tile(s, mask, t, b, h, q0, warp_kv0, lane);
-#pragma unroll
-    for (int n = 0; n < S_N_FRAGS; ++n) {
-      const float2 lse_rows = pipe.lse_pair(t, n * 8 + 2 * (lane & 3));
-      const float lse0 = lse_rows.x, lse1 = lse_rows.y;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
+      // Phase 5: dV += P^T.dO and dK += dS^T.Q (the scale is applied once, at the end). P^T and
+      // dS^T, packed to float16 pairs, are wgmma's A fragments: the f32 tiles die here, before
+      // the two products hold their registers.
+      unsigned p[M_FRAGS][Q_K_STEPS][4], ds[M_FRAGS][Q_K_STEPS][4];
+      pack_a(s, p);
+      pack_a(dp, ds);
+      wgmma_fence();
+      issue_keys_dims(dv_acc[0], p[0], do_tile);
+      issue_keys_dims(dk_acc[0], ds[0], q_tile);
+      wgmma_wait<0>();
+      pin_registers(p[0]);
+      pin_registers(ds[0]);
+      pin_registers(dv_acc[0]);
+      pin_registers(dk_acc[0]);
+      pipe.release(t);
     }
 
-    // Phase 4: dS^T = P^T (dP^T - D) in place of dP^T, in f32.
-    wgmma_wait<0>();  // dP^T is done
-    pin_registers(dp[0]);
-#pragma unroll
-    for (int n = 0; n < S_N_FRAGS; ++n) {
-      const float2 delta_rows = pipe.delta_pair(t, n * 8 + 2 * (lane & 3));
-      const float d0 = delta_rows.x, d1 = delta_rows.y;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - (e & 1 ? d1 : d0));
-    }
-
-    // Phase 5: dV += P^T.dO and dK += dS^T.Q (the scale is applied once, at the end). P^T and
-    // dS^T, packed to float16 pairs, are wgmma's A fragments: the f32 tiles die here, before
-    // the two products hold their registers.
-    unsigned p[M_FRAGS][Q_K_STEPS][4], ds[M_FRAGS][Q_K_STEPS][4];
-    pack_a(s, p);
-    pack_a(dp, ds);
-    wgmma_fence();
-    issue_keys_dims(dv_acc[0], p[0], do_tile);
-    issue_keys_dims(dk_acc[0], ds[0], q_tile);
-    wgmma_wait<0>();
-    pin_registers(p[0]);
-    pin_registers(ds[0]);
-    pin_registers(dv_acc[0]);
-    pin_registers(dk_acc[0]);
-    pipe.release(t);
-  }
-
-  // dK = scale * acc (the chain rule's last factor) and dV, staged over the K and V tiles,
-  // then written as 16-byte chunks of whole rows; keys at or past n_kv are never written.
-  named_barrier_sync(NAMED_BARRIER_EPILOGUE, THREADS);  // every consumer's MMAs are done with K and V
-  {
-    const int g = lane >> 2, c = lane & 3;
-    elem_t* k_smem = reinterpret_cast<elem_t*>(smem);
-    elem_t* v_smem = reinterpret_cast<elem_t*>(smem + KV_TILE_BYTES);
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int n = 0; n < D_N_FRAGS; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + f * 16 + hh * 8 + g, col = col0 + n * 8;  // this pair: + 2c
-          *reinterpret_cast<unsigned*>(k_smem + smem_offset(row, col) + 2 * c) =
-              pack2(dk_acc[f][n][2 * hh] * scale, dk_acc[f][n][2 * hh + 1] * scale);
-          *reinterpret_cast<unsigned*>(v_smem + smem_offset(row, col) + 2 * c) =
-              pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
+    // dK = scale * acc (the chain rule's last factor) and dV, staged over the K and V tiles,
+    // then written as 16-byte chunks of whole rows; keys at or past n_kv are never written.
+    named_barrier_sync(NAMED_BARRIER_EPILOGUE, THREADS);  // every consumer's MMAs are done with K and V
+    {
+      const int g = opaque(lane) >> 2, c = opaque(lane) & 3;  // this tile's staging addresses, computed now
+      elem_t* k_smem = reinterpret_cast<elem_t*>(smem + kv_offset);
+      elem_t* v_smem = reinterpret_cast<elem_t*>(smem + kv_offset + KV_TILE_BYTES);
+  #pragma unroll
+      for (int f = 0; f < M_FRAGS; ++f)
+  #pragma unroll
+        for (int n = 0; n < D_N_FRAGS; ++n)
+  #pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int row = warp_row0 + f * 16 + hh * 8 + g, col = col0 + n * 8;  // this pair: + 2c
+            *reinterpret_cast<unsigned*>(k_smem + smem_offset(row, col) + 2 * c) =
+                pack2(dk_acc[f][n][2 * hh] * scale, dk_acc[f][n][2 * hh + 1] * scale);
+            *reinterpret_cast<unsigned*>(v_smem + smem_offset(row, col) + 2 * c) =
+                pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
+          }
+      named_barrier_sync(NAMED_BARRIER_EPILOGUE, THREADS);
+      elem_t* dk_rows = dk + b * dk_sb + h_kv * dk_sh;
+      elem_t* dv_rows = dv + b * dv_sb + h_kv * dv_sh;
+      for (int i = opaque(tid); i < OUT_CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
+        if (kv0 + row < n_kv) {
+          *reinterpret_cast<chunk16*>(dk_rows + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
+          *reinterpret_cast<chunk16*>(dv_rows + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
         }
-    named_barrier_sync(NAMED_BARRIER_EPILOGUE, THREADS);
-    dk += b * dk_sb + h_kv * dk_sh;
-    dv += b * dv_sb + h_kv * dv_sh;
-    for (int i = tid; i < OUT_CHUNKS; i += THREADS) {
-      const int row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
-      if (kv0 + row < n_kv) {
-        *reinterpret_cast<chunk16*>(dk + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
-        *reinterpret_cast<chunk16*>(dv + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
       }
     }
+
+    pipe.release_kv(j);  // the next tile but one loads its K and V here
+    pipe.end(steps);
   }
 }
 }  // namespace dkdv
@@ -1147,10 +1203,11 @@ __device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& m
       : "memory");
 }
 
-// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart.
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
+// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
 template <int ROWS>
 __device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
-#pragma unroll
+#pragma unroll 1
   for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
 }
 
@@ -1163,28 +1220,24 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, int by
 // The barriers of a ring of SLOTS slots, step t in slot t % SLOTS: the producer arms the slot's
 // `landed` with the step's bytes before its copies count them down, and the consumers wait on
 // it; each of the CONSUMERS threads arrives on `freed` when its MMAs are done with the step, and
-// the producer waits for all of them before it refills the slot. `resident` is one more, for
-// the tiles the block keeps through its whole loop.
+// the producer waits for all of them before it refills the slot. Tiles a block keeps through a
+// whole loop are a ring too: one slot, one step (or, walking several tiles, a step a tile).
 // Invariant: producer and consumers walk the same steps 0, 1, ..., in order.
 template <int SLOTS, int CONSUMERS>
 struct RingBarriers {
-  unsigned landed, freed, resident;  // SLOTS mbarriers each, MBARRIER_BYTES apart, then one
+  static constexpr int BYTES = 2 * SLOTS * MBARRIER_BYTES;  // landed, then freed
+  unsigned landed, freed;  // SLOTS mbarriers each, MBARRIER_BYTES apart
 
-  __device__ __forceinline__ explicit RingBarriers(unsigned at)
-      : landed(at), freed(at + SLOTS * MBARRIER_BYTES), resident(freed + SLOTS * MBARRIER_BYTES) {}
+  __device__ __forceinline__ explicit RingBarriers(unsigned at) : landed(at), freed(at + SLOTS * MBARRIER_BYTES) {}
 
-  // One thread sets them up, before the block splits into its roles.
-  __device__ __forceinline__ void init(int tid) const {
-    if (tid == 0) {
+  // One thread sets them up (then fence_barrier_init and a block sync), before the block splits
+  // into its roles.
+  __device__ __forceinline__ void init() const {
 #pragma unroll
-      for (int s = 0; s < SLOTS; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
-        mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
-      }
-      mbarrier_init(resident, 1);
-      fence_barrier_init();
+    for (int s = 0; s < SLOTS; ++s) {
+      mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
+      mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
     }
-    __syncthreads();
   }
 
   // ---- the producer's side (one thread) ----
@@ -1195,15 +1248,10 @@ struct RingBarriers {
     mbarrier_arrive_expect_tx(landed + MBARRIER_BYTES * slot, bytes);
     return landed + MBARRIER_BYTES * slot;
   }
-  __device__ __forceinline__ unsigned arm_resident(unsigned bytes) const {
-    mbarrier_arrive_expect_tx(resident, bytes);
-    return resident;
-  }
 
   // ---- the consumers' side ----
   // TMA wrote through the async proxy wgmma reads by: no fence.
   __device__ __forceinline__ void wait(int t) const { mbarrier_wait(landed + MBARRIER_BYTES * (t % SLOTS), (t / SLOTS) & 1); }
-  __device__ __forceinline__ void wait_resident() const { mbarrier_wait(resident, 0); }
   // This thread's MMAs reading step t are complete.
   __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % SLOTS)); }
 };
@@ -1212,7 +1260,7 @@ struct RingBarriers {
 // Step j of the dQ loop reads KV tile mask.kv_tile(j): its K and V tiles, through rings of
 // KV_STAGES slots each (slot j % KV_STAGES). One producer thread issues each step as TMA boxes
 // (a box an 8-row group: the row-group layout the wgmma descriptors read) on the ring's
-// barriers (sm90/tma_ring.cu.j2). Q and dO arrive once, on its `resident` barrier.
+// barriers (sm90/tma_ring.cu.j2). Q and dO arrive once: a ring of one slot, walked one step.
 constexpr int BLOCK_THREADS = 256;  // THREADS compute (the consumers), then the producer warpgroup
 constexpr int PRODUCER_WARPGROUP = 1;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
@@ -1221,20 +1269,29 @@ constexpr int BLOCKS_PER_SM = 2;  // the register split is sized for this many b
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's slot 0
   RingBarriers<KV_STAGES, THREADS> bars;  // after V's ring
+  RingBarriers<1, THREADS> qdo_bars;  // then Q and dO's
 
   // K's ring starts at `ring`, after the Q and dO tiles; V's ring follows it, then the barriers.
   __device__ __forceinline__ explicit KvPipeline(unsigned ring)
-      : k_ring(ring), v_ring(ring + KV_RING_BYTES), bars(v_ring + KV_RING_BYTES) {}
+      : k_ring(ring), v_ring(ring + KV_RING_BYTES), bars(v_ring + KV_RING_BYTES),
+        qdo_bars(v_ring + KV_RING_BYTES + bars.BYTES) {}
 
   __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * (j % KV_STAGES); }
   __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * (j % KV_STAGES); }
 
-  __device__ __forceinline__ void init(int tid) const { bars.init(tid); }
+  __device__ __forceinline__ void init(int tid) const {
+    if (tid == 0) {
+      bars.init();
+      qdo_bars.init();
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
 
   // ---- the producer's side (one thread) ----
   __device__ __forceinline__ void produce_qdo(unsigned q_tile, unsigned do_tile, const TmaMap& q_map,
                                               const TmaMap& do_map, int q0, int h, int b) const {
-    const unsigned bar = bars.arm_resident(2 * Q_TILE_ELEMS * ELEM_BYTES);
+    const unsigned bar = qdo_bars.arm(0, 2 * Q_TILE_ELEMS * ELEM_BYTES);
     tma_load_rows<BLOCK_Q>(q_tile, q_map, bar, q0, h, b);
     tma_load_rows<BLOCK_Q>(do_tile, do_map, bar, q0, h, b);
   }
@@ -1250,7 +1307,7 @@ struct KvPipeline {
   }
 
   // ---- the consumers' side ----
-  __device__ __forceinline__ void wait_qdo() const { bars.wait_resident(); }
+  __device__ __forceinline__ void wait_qdo() const { qdo_bars.wait(0); }
   __device__ __forceinline__ void wait(int j) const { bars.wait(j); }
   __device__ __forceinline__ void release(int j) const { bars.release(j); }
 };

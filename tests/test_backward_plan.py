@@ -261,9 +261,32 @@ def test_warp_specialized_backward_is_wgmma_only():
     assert "backward.warp_specialized" in rejected(data) and "remove backward.warp_specialized" in rejected(data)
 
 
-def test_warp_specialized_backward_is_a_block_a_kv_block():
-    message = rejected(hopper(deterministic=True, warp_specialized={"persistent": True}))
-    assert "backward.warp_specialized.persistent" in message and "remove persistent" in message
+def test_persistent_dkdv_walks_its_tiles_with_a_second_kv_slot():
+    """One block an SM walks the KV blocks: the next tile's K and V load into a second slot (and
+    its barriers) under this one's loop; each role builds the walk after setmaxnreg."""
+    tiles = backward_plan(fagen.parse_spec(hopper(deterministic=True, stages=2, warp_specialized={})))
+    spec = fagen.parse_spec(hopper(deterministic=True, stages=2, warp_specialized={"persistent": True}))
+    walk = backward_plan(spec).dkdv
+    assert (tiles.dkdv.kv_slots, walk.kv_slots, walk.persistent) == (1, 2, True)
+    assert walk.smem_bytes == tiles.dkdv.smem_bytes + walk.kv_slot_bytes + 2 * MBARRIER_BYTES
+    assert walk.kv_slot_bytes == 2 * walk.kv_tile_bytes
+    source = render_backward(spec)
+    assert "constexpr int KV_SLOTS = 2;" in source and "RingBarriers<KV_SLOTS, THREADS> kv_bars;" in source
+    assert source.count("const TileScheduler scheduler(") == 2  # the producer's and the consumers'
+    assert "t = scheduler.next(t)" in source and ("int", "batch") in backward_plan(spec).dkdv_params
+
+
+def test_persistent_dkdv_must_fit_shared_memory():
+    """A second K/V slot that does not fit is refused, naming persistent as the way out."""
+    message = rejected(hopper(deterministic=False, stages=3, warp_specialized={"persistent": True}))
+    assert "shared memory" in message and "2 pair(s) of K and V tiles" in message and "persistent" in message
+
+
+def test_register_split_fits_the_registers_a_block_is_launched_with():
+    """setmaxnreg redistributes a block's launch allocation (65536 / 384 threads: 168 a thread),
+    not the SM's: a producer at 32 with consumers at 240 would wait for ever."""
+    message = rejected(hopper(deterministic=True, warp_specialized={"producer_registers": 32}))
+    assert "backward.warp_specialized" in message and "64512" in message and "consumer_registers <= 232" in message
 
 
 def test_warp_specialized_plan_adds_a_producer_warpgroup_and_its_maps():
@@ -275,8 +298,9 @@ def test_warp_specialized_plan_adds_a_producer_warpgroup_and_its_maps():
     assert (dkdv.producer_registers, dkdv.consumer_registers) == (24, 240)
     # setmaxnreg moves registers within the block's launch budget (65536 / 384 = 168 a thread, rounded down to 8)
     assert 128 * dkdv.producer_registers + 256 * dkdv.consumer_registers <= 384 * 168
-    assert dkdv.smem_bytes == plain.dkdv.smem_bytes + MBARRIER_BYTES  # K and V's own barrier
-    assert [name for _, name in plan.dkdv_params[-4:]] == ["q_map", "k_map", "v_map", "dout_map"]
+    assert dkdv.smem_bytes == plain.dkdv.smem_bytes + 2 * MBARRIER_BYTES  # K and V's ring of one slot
+    # the maps, then the tile grid's batch (the walk's batch * KV heads)
+    assert [name for _, name in plan.dkdv_params[-5:]] == ["q_map", "k_map", "v_map", "dout_map", "batch"]
     assert not dkdv.column_blocks  # the TMA boxes land as row groups, the layout cp.async wrote
 
 
@@ -286,7 +310,7 @@ def test_warp_specialized_backward_renders_a_producer_and_no_copies_in_the_dkdv_
     assert "cp.async.bulk.tensor.5d" in dkdv and "setmaxnreg.dec" in dkdv and "setmaxnreg.inc" in dkdv
     assert "__launch_bounds__(BLOCK_THREADS, 1)" in dkdv and "constexpr int BLOCK_THREADS = 384;" in dkdv
     assert "copy_tile_async<BLOCK_KV>(k_tile" not in dkdv and "pipe.issue(" not in dkdv
-    assert "__syncthreads();" not in dkdv[dkdv.index("pipe.wait_kv()"):]  # the producer has left: named barriers only
+    assert "__syncthreads();" not in dkdv[dkdv.index("pipe.wait_kv(j)"):]  # the producer has left: named barriers only
 
 
 # ---- the warp-specialised dQ kernel (backward.dq_warp_specialized) ---------------------------
@@ -313,7 +337,7 @@ def test_dq_producer_is_wgmma_only():
 def test_dq_producer_registers_fit_two_blocks_an_sm():
     # one consumer warpgroup: two blocks an SM, so 2 x 128 x (24 + 240) is over the SM's 65536
     message = rejected(hopper(deterministic=True, dq_warp_specialized={}))
-    assert "2 block(s) an SM" in message and "67584 registers" in message and "consumer_registers <= 232" in message
+    assert "2 block(s) an SM" in message and "33792 registers" in message and "32768" in message and "consumer_registers <= 232" in message
     # two consumer warpgroups: one block an SM, the forward's 24 / 240 split
     two = fagen.parse_spec(hopper(deterministic=True, dq_block_q=128, dq_warps=8, dq_warp_specialized={}))
     assert backward_plan(two).dq_producer.blocks_per_sm == 1
@@ -327,7 +351,7 @@ def test_dq_producer_plan_adds_a_producer_warpgroup_a_barrier_and_the_maps():
     assert (producer.block_threads, producer.producer_warpgroup, producer.blocks_per_sm) == (256, 1, 2)
     # setmaxnreg moves registers within two blocks' launch budget (65536 / 512 = 128 a thread)
     assert 2 * 128 * (producer.producer_registers + producer.consumer_registers) <= 65536
-    assert plan.dq_smem_bytes == plain.dq_smem_bytes + MBARRIER_BYTES  # Q and dO's own barrier
+    assert plan.dq_smem_bytes == plain.dq_smem_bytes + 2 * MBARRIER_BYTES  # Q and dO's ring of one slot
     assert [name for _, name in plan.dq_params[-4:]] == ["q_map", "k_map", "v_map", "dout_map"]
     assert plan.dq_predicted_registers < plain.dq_predicted_registers  # no copy state in the consumers
 

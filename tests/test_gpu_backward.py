@@ -242,3 +242,62 @@ def test_producer_fed_kernels_match_the_copying_kernels_bitwise(mask):
     for name in ("dq", "dk", "dv"):
         a, b = getattr(grads[0], name), getattr(grads[1], name)
         assert torch.isfinite(a).all() and torch.equal(a, b), name
+
+
+def _persistent(spec, on: bool = True, **backward):
+    """spec with a persistent dK/dV kernel, or (on false) a block a tile, and any other backward: fields."""
+    data = spec.model_dump()
+    data["name"] = spec.name + ("_persistent" if on else "_tiles")
+    ws = data["backward"]["warp_specialized"] or {}
+    data["backward"] = {**data["backward"], **backward, "warp_specialized": {**ws, "persistent": on}}
+    return fagen.parse_spec(data)
+
+
+@pytest.mark.parametrize("mask", [Mask(kind="sliding_window", window_left=300), Mask(kind="prefix_lm", prefix_len=700),
+                                  Mask(kind="document", causal=True), Mask(kind="causal")], ids=lambda m: m.kind)
+@pytest.mark.parametrize("nq, nk", [(2500, 2500), (1000, 2049)])
+def test_persistent_dkdv_matches_a_block_a_tile_bitwise(mask, nq, nk):
+    """backward.warp_specialized.persistent: one block an SM walks the KV blocks, the next tile's
+    K and V loading under this one. Each tile's arithmetic is the same, so the deterministic
+    gradients equal the block-a-tile kernel's bit for bit, at shapes with several tiles an SM
+    (GQA, [B, N, H, d]; documents packed per batch row), every gradient NaN-poisoned."""
+    import torch
+
+    if mask.kind == "document":
+        nq = nk  # packed self-attention
+    trained = variants.trainable(variants.variant(variants.shipped_spec("float16", 128, False, gpu="h200"), mask,
+                                                  ScoreMod()), deterministic=True)
+    assert trained.backward.warp_specialized is not None
+    base, persistent = _persistent(trained, on=False), _persistent(trained)
+    heads, heads_kv, batch = 8, 4, 4
+    tiles = batch * heads_kv * -(-nk // base.backward.block_kv)
+    assert tiles > 2 * torch.cuda.get_device_properties(0).multi_processor_count  # every block walks 2+ tiles
+    q = torch.randn(batch, nq, heads, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
+    k, v = (torch.randn(batch, nk, heads_kv, 128, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in "kv")
+    dout = torch.randn(batch, heads, nq, 128, device="cuda", dtype=torch.float16)
+    extras = {k_: torch.as_tensor(x, device="cuda") for k_, x in random_extras(base, batch, heads, nq, nk, seed=7).items()}
+    grads = []
+    for spec in (base, persistent):
+        backward = compile_backward(spec)
+        out, lse = backward.forward(q, k, v, return_lse=True, **extras)
+        poisoned = {name: torch.full(t.shape, float("nan"), device="cuda", dtype=t.dtype)
+                    for name, t in (("dq", q), ("dk", k), ("dv", v))}
+        grads.append(backward(dout, q, k, v, out, lse, **extras, **poisoned))
+    for name in ("dq", "dk", "dv"):
+        a, b = getattr(grads[0], name), getattr(grads[1], name)
+        assert torch.isfinite(b).all() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_persistent_dkdv_against_oracle(dtype):
+    """The persistent dK/dV kernel against the float64 oracle at awkward lengths, deterministic
+    (with the dQ kernel) at head_dim 128 and with atomic dQ at 64, where each step's dS^T buffer
+    is picked by the step's number over the whole walk."""
+    for head_dim, mask in ((128, Mask(kind="sliding_window", window_left=300)), (64, Mask(kind="causal"))):
+        base = variants.trainable(variants.variant(default_spec(dtype, head_dim, False), mask, ScoreMod()))
+        spec = _persistent(base, block_q=64, stages=2) if head_dim == 64 else _persistent(base)
+        assert spec.atomic_dq == (head_dim == 64)
+        for nq, nk, hkv in ((1023, 1024, 2), (203, 113, 1), (2049, 1000, 4)):
+            result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk)
+            print(result.summary())
+            assert result.passed, result.summary()
