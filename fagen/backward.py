@@ -15,8 +15,8 @@ from functools import cached_property
 import numpy as np
 
 from fagen.backward_plan import TMA_TENSORS, BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
-                          zeros_like)
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork_join, multiprocessors, require_cupy,
+                          stream_for, zeros_like)
 from fagen.render import render_backward
 from fagen import tensor_maps
 from fagen.runtime import (LOG2E, Kernel, Launch, TensorMap, block_mask_arguments, compile_kernel, compile_module,
@@ -130,13 +130,28 @@ class Backward:
             if producers:  # the producer-fed kernels' tensor maps, by value (row groups, both kernels alike)
                 maps = tuple(TensorMap(f"{name}_map", name, spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
                              for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
-            for role, function in self.kernels.items():
+
+            def run(role: str) -> None:  # on CuPy's current stream
                 grid, threads, smem = launch[role]
+                function = self.kernels[role]
                 if role in producers:
                     Launch(function, (*grid, 1), producers[role], smem, getattr(bp, f"{role}_params"), per_kernel[role],
                            slots=TMA_TENSORS, maps=maps)(None)
-                    continue
-                function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)
+                else:
+                    function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)
+
+            run("preprocess")
+            if bp.concurrent_dq:
+                # The dK/dV and dQ kernels read the same inputs and write different outputs: the
+                # dQ kernel's blocks fill the SMs the dK/dV kernel's last wave leaves idle. dK/dV
+                # goes to the higher-priority stream, so its blocks are placed first.
+                with fork_join(tq.device) as side:
+                    with side:
+                        run("dkdv")
+                    run("dq")
+            else:
+                for role in [r for r in self.kernels if r != "preprocess"]:  # dkdv, then dq or the postprocess
+                    run(role)
             dsinks = None if sinks is None else _sink_gradient(sinks, lse, delta, nq, tq)
             if summed:  # one copy per (batch, KV head), summed in a fixed order
                 dbias = dbias.sum(dim=summed, keepdim=True) if tq.kind == "torch" else dbias.sum(summed, keepdims=True)

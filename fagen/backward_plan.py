@@ -71,7 +71,15 @@ REGISTER_COSTS = {
 # 128 x block_q 32-128 x every mask kind x softcap, ALiBi, a bias x atomic or not; nvcc 13.0):
 # every build that spilled is predicted over the consumers' registers, a few that fit are too.
 WARP_SPECIALIZED_SAVING = 16
-WARP_SPECIALIZED_ATOMIC_DQ = 6
+# ... and atomic dQ there: its dQ tile and addresses in place of the copy state, dearer where S^T
+# is larger. Refitted after the epilogue's addresses stopped being hoisted across the walk, on 184
+# builds (ptxas -v, nvcc 13.0; head_dim 128 at block_q 64 and head_dim 64 at 64 and 128 x every
+# mask kind x softcap, ALiBi, both biases, with and without the bias's gradient): head_dim 128's
+# dense, causal and masked kernels fit at 240 (predicted 251-259 before), head_dim 64's 128-query
+# ones spill 4-16 bytes; every build that spilled is predicted over 240, and ALiBi's, which fit,
+# are refused too.
+WARP_SPECIALIZED_ATOMIC_DQ = -12
+WARP_SPECIALIZED_ATOMIC_DQ_PER_S = 0.25
 # The producer-fed dQ kernel's consumers hold no copy state either: its estimate less this much.
 DQ_PRODUCER_SAVING = 16
 WARP_SPECIALIZED_BIAS_GRAD = 24  # head_dim 64, a matrix bias's gradient with atomic dQ: predicted 235, spilled 20 bytes
@@ -261,6 +269,9 @@ class BackwardPlan:
     # a document mask: the preprocess resolves each position's document bounds from doc_ids, and
     # both loops read those (MaskKind.backward_params) instead of binary-searching at each block
     doc_bounds: bool
+    # the dQ kernel launched beside the dK/dV kernel (a second stream), not after it
+    # (CONCURRENT_DQ_MASKS): the two share inputs only, and dQ's blocks fill what dK/dV's last wave leaves
+    concurrent_dq: bool
     mask_params: tuple[tuple[str, str], ...]  # the loops' (the kind's backward_params where it has them)
     score_params: tuple[tuple[str, str], ...]
     preprocess_params: tuple[tuple[str, str], ...]
@@ -315,6 +326,12 @@ BIAS_GRAD_PARAMS = (("float* __restrict__", "dbias"), ("long long", "dbias_sb"),
                     ("long long", "dbias_skv"), ("long long", "dbias_sq"))
 
 
+# Where the dQ kernel runs beside the dK/dV kernel, measured (H200, d128, N 4k and 16k, same process,
+# alternating, two runs; gradients bitwise equal): sliding windows +4-6%, documents +7%; prefix-LM
+# -3%, dense and causal -2-5% (notes/perf.md).
+CONCURRENT_DQ_MASKS = ("sliding_window", "document")
+
+
 def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     if spec.backward is None:
         raise SpecError(rule("backward", None, f"spec {spec.name} renders no backward kernels",
@@ -358,6 +375,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dq_predicted_registers=dq_registers,
         smem_align=max(dkdv.smem_align, dq.smem_align),
         doc_bounds=doc_bounds,
+        concurrent_dq=not spec.atomic_dq and spec.mask.kind in CONCURRENT_DQ_MASKS,
         mask_params=mask_params,
         score_params=mod_params,
         preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
@@ -420,8 +438,8 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
     if ws:
-        registers += (WARP_SPECIALIZED_ATOMIC_DQ * spec.atomic_dq + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad
-                      - WARP_SPECIALIZED_SAVING)
+        atomic_dq = WARP_SPECIALIZED_ATOMIC_DQ + WARP_SPECIALIZED_ATOMIC_DQ_PER_S * s if spec.atomic_dq else 0
+        registers += int(atomic_dq) + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad - WARP_SPECIALIZED_SAVING
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:

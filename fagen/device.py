@@ -6,6 +6,7 @@ the GPU's identity. Everything that touches a device goes through here; the laye
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import cache
 
@@ -137,3 +138,41 @@ def _gpu_slug(device: int) -> str:  # reading the properties costs a millisecond
 def multiprocessors(device: int) -> int:
     """The SMs of GPU `device` (a persistent kernel's grid, split-KV's fill target)."""
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
+
+
+HIGHEST_STREAM_PRIORITY = -(1 << 16)
+
+
+@cache
+def priority_stream(device: int):
+    """A non-blocking stream of the highest priority on GPU `device`, made once: work forked onto
+    it takes SMs ahead of the current stream's (priority 0, the lowest) where both are ready.
+    Work forked here joins back before its caller returns (fork_join)."""
+    with cupy.cuda.Device(device):  # CUDA clamps a priority to the device's range ([-5, 0] on sm_90)
+        return cupy.cuda.Stream(non_blocking=True, priority=HIGHEST_STREAM_PRIORITY)
+
+
+class fork_join:
+    """`with fork_join(device) as side:` runs what is launched under `with side:` concurrently with
+    what the current stream gets meanwhile: the side stream waits for the current stream's work so
+    far at entry, and the current stream waits for the side stream's at exit. Inside a CUDA graph
+    capture both joins are captured as edges."""
+
+    def __init__(self, device: int):
+        self.side, (self.forked, self.joined) = priority_stream(device), _fork_events(device, threading.get_ident())
+
+    def __enter__(self):
+        self.main = cupy.cuda.get_current_stream()
+        self.forked.record(self.main)
+        self.side.wait_event(self.forked)
+        return self.side
+
+    def __exit__(self, *exc) -> None:
+        self.joined.record(self.side)
+        self.main.wait_event(self.joined)
+
+
+@cache
+def _fork_events(device: int, thread: int):  # reused by a thread: a wait takes the event's latest record
+    with cupy.cuda.Device(device):
+        return cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)

@@ -15,6 +15,10 @@
 //     dq_warps: 4
 //     head_split: 1
 //     stages: 3
+//     warp_specialized:
+//       consumer_registers: 240
+//       persistent: false
+//       producer_registers: 24
 //     warps: 8
 //   dtype: float16
 //   head_dim: 128

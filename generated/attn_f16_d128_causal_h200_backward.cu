@@ -17,6 +17,10 @@
 //     dq_warps: 4
 //     head_split: 1
 //     stages: 3
+//     warp_specialized:
+//       consumer_registers: 240
+//       persistent: false
+//       producer_registers: 24
 //     warps: 8
 //   dtype: float16
 //   head_dim: 128
@@ -115,6 +119,12 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
 // Every cp.async this thread issued has landed, in a committed group or not (the sm_90a loops
 // track theirs with mbarriers, not groups): before a block stages its output over its tiles.
 __device__ __forceinline__ void wait_all_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// x, as a value the compiler cannot see through: what is computed from it is computed where it
+// is used, not hoisted out of the tile walk to hold registers across every tile's main loop.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // Two float16 values of a 32-bit register as f32, `lo` from the low half.
 __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
@@ -230,6 +240,16 @@ constexpr int DQ_N_FRAGS = 8;            // n8 fragments of a 64-column tile
 // per warpgroup (ids NAMED_BARRIER_DS + w) where each reads only its own keys
 constexpr int NAMED_BARRIER_DS = 1;    // 0 is __syncthreads
 constexpr int DS_BARRIER_THREADS = 256;
+// Warp specialisation: THREADS compute (the consumers); the warpgroup after them is the
+// producer, whose one thread issues every load with TMA.
+constexpr int BLOCK_THREADS = 384;
+constexpr int PRODUCER_WARPGROUP = 2;
+constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
+constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to dK, dV, S and dP
+constexpr int ROW_BYTES = 256;  // a step's LSE (and its D): f32 a query row
+constexpr int NAMED_BARRIER_EPILOGUE = 3;  // the consumers, before dK and dV are staged over K and V
+constexpr int KV_SLOTS = 1;  // K/V tile pairs: 2 where a persistent block loads the next tile's under this one
+constexpr int KV_SLOT_BYTES = 65536;  // a K tile and its V tile
 
 // ---- shared-memory tiles ---------------------------------------------------------------
 // wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
@@ -563,84 +583,185 @@ struct Mask {
   }
 };
 
-// ---- Q/dO pipeline ---------------------------------------------------------------------
-// Step t of the dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
-// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES
-// slots (slot t % STAGES). Every thread copies a share of a step and its cp.async arrivals
-// complete the slot's `landed` mbarrier; after step t each thread arrives on `freed`, and step
-// t + STAGES waits for that before refilling the slot. Step t issues step t + STAGES - 1 under its
-// MMAs, so a warpgroup runs up to a step ahead of the other: its MMAs overlap the other's
-// softmax, where a block-wide barrier a step would keep them in lockstep.
-struct QdoPipeline {
-  unsigned ring;  // smem address of slot 0
-  const char* ring_ptr;  // ... as a pointer, for the rows' LSE and D
-  unsigned landed, freed;  // STAGES mbarriers each, MBARRIER_BYTES apart, after the ring
-  const elem_t* q;
-  const elem_t* dout;
-  const float* lse2;
-  const float* delta;
-  long long q_sh, q_sn, do_sh, do_sn;
-  int n_pad, n_q, steps, tid;
+// TMA (the tensor memory accelerator): one thread asks for a whole box of a tensor, described
+// by a tensor map the host encoded (cuTensorMapEncodeTiled), and the copy engine writes it to
+// shared memory in the 128-byte swizzle wgmma reads, zero-filling rows past the tensor's end.
+// The bytes it writes count down the transaction count of an mbarrier.
+struct alignas(64) TmaMap { unsigned long long opaque[16]; };  // a CUtensorMap, by value
 
-  __device__ __forceinline__ QdoPipeline(const char* ring_ptr_, const elem_t* q_, const elem_t* dout_, const float* lse2_,
-                                         const float* delta_, long long q_sh_, long long q_sn_, long long do_sh_,
-                                         long long do_sn_, int n_pad_, int n_q_, int steps_, int tid_)
-      : ring(smem_u32(ring_ptr_)), ring_ptr(ring_ptr_), landed(ring + STAGES * STAGE_BYTES),
-        freed(landed + STAGES * MBARRIER_BYTES), q(q_), dout(dout_), lse2(lse2_), delta(delta_), q_sh(q_sh_),
-        q_sn(q_sn_), do_sh(do_sh_), do_sn(do_sn_), n_pad(n_pad_), n_q(n_q_), steps(steps_), tid(tid_) {}
+// Box {64 columns, rows, 1, 1} at (col, row, head, batch) of a [B, H, N, head_dim] tensor.
+__device__ __forceinline__ void tma_load_tile(unsigned dst, const TmaMap& map, unsigned bar, int col, int row,
+                                              int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4, %5 }], [%6];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
 
-  __device__ __forceinline__ int step(int t) const { return t; }  // a block a tile: its steps are the block's
-  __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (t % STAGES); }
-  __device__ __forceinline__ unsigned do_slot(int t) const { return q_slot(t) + Q_TILE_BYTES; }
-  __device__ __forceinline__ const float* lse(int t) const {
-    return reinterpret_cast<const float*>(ring_ptr + STAGE_BYTES * (t % STAGES) + 2 * Q_TILE_BYTES);
-  }
-  __device__ __forceinline__ const float* delta_rows(int t) const { return lse(t) + BLOCK_Q; }
-  // Rows `row` and `row` + 1 of step t's LSE (and of its D).
-  __device__ __forceinline__ float2 lse_pair(int t, int row) const { return *reinterpret_cast<const float2*>(lse(t) + row); }
-  __device__ __forceinline__ float2 delta_pair(int t, int row) const {
-    return *reinterpret_cast<const float2*>(delta_rows(t) + row);
-  }
+// Arrive on `bar` and add `bytes` to the transaction count its phase waits for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
 
-  __device__ __forceinline__ void issue(int t, const Mask& mask) const {
-    const int slot = t % STAGES;
-    if (t >= STAGES) mbarrier_wait(freed + MBARRIER_BYTES * slot, (t / STAGES - 1) & 1);  // step t - STAGES is done
-    if (t < steps) {
-      const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
-      copy_tile_async<BLOCK_Q>(q_slot(t), q + head * q_sh, q_sn, q0, n_q, tid);
-      copy_tile_async<BLOCK_Q>(do_slot(t), dout + head * do_sh, do_sn, q0, n_q, tid);
-      // LSE and D rows are padded to whole tiles: always in range
-      const long long row0 = (long long)head * n_pad + q0;
-      for (int c = tid; c < 2 * ROW_CHUNKS; c += THREADS)
-        cp_async_cg16(q_slot(t) + 2 * Q_TILE_BYTES + 16 * c,
-                      (c < ROW_CHUNKS ? lse2 + row0 + 4 * c : delta + row0 + 4 * (c - ROW_CHUNKS)), true);
-    }
-    cp_async_arrive(landed + MBARRIER_BYTES * slot);
-  }
+// Barriers initialised by generic stores, made visible to the TMA unit before it signals them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 
-  // One thread sets the barriers up and the block syncs once; then steps 0 .. STAGES - 2 (step
-  // 0 lands with the K and V tiles issued before it).
-  __device__ __forceinline__ void prologue(const Mask& mask) const {
-    if (tid == 0) {
+// setmaxnreg: a warpgroup gives back registers (the producer) or takes them (the consumers).
+template <int REGISTERS>
+__device__ __forceinline__ void registers_release() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void registers_claim() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+
+// ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
+// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
+// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
+__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
+                                                   int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
+
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
+// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
+template <int ROWS>
+__device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
+#pragma unroll 1
+  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
+}
+
+// `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
+__device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, int bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// The barriers of a ring of SLOTS slots, step t in slot t % SLOTS: the producer arms the slot's
+// `landed` with the step's bytes before its copies count them down, and the consumers wait on
+// it; each of the CONSUMERS threads arrives on `freed` when its MMAs are done with the step, and
+// the producer waits for all of them before it refills the slot. Tiles a block keeps through a
+// whole loop are a ring too: one slot, one step (or, walking several tiles, a step a tile).
+// Invariant: producer and consumers walk the same steps 0, 1, ..., in order.
+template <int SLOTS, int CONSUMERS>
+struct RingBarriers {
+  static constexpr int BYTES = 2 * SLOTS * MBARRIER_BYTES;  // landed, then freed
+  unsigned landed, freed;  // SLOTS mbarriers each, MBARRIER_BYTES apart
+
+  __device__ __forceinline__ explicit RingBarriers(unsigned at) : landed(at), freed(at + SLOTS * MBARRIER_BYTES) {}
+
+  // One thread sets them up (then fence_barrier_init and a block sync), before the block splits
+  // into its roles.
+  __device__ __forceinline__ void init() const {
 #pragma unroll
-      for (int s = 0; s < STAGES; ++s) {
-        mbarrier_init(landed + MBARRIER_BYTES * s, THREADS);
-        mbarrier_init(freed + MBARRIER_BYTES * s, THREADS);
-      }
+    for (int s = 0; s < SLOTS; ++s) {
+      mbarrier_init(landed + MBARRIER_BYTES * s, 1);  // the producer's arrive, plus the step's bytes
+      mbarrier_init(freed + MBARRIER_BYTES * s, CONSUMERS);
+    }
+  }
+
+  // ---- the producer's side (one thread) ----
+  // Step t's slot is free (step t - SLOTS is done) and `landed` awaits `bytes`: its barrier.
+  __device__ __forceinline__ unsigned arm(int t, unsigned bytes) const {
+    const int slot = t % SLOTS;
+    if (t >= SLOTS) mbarrier_wait(freed + MBARRIER_BYTES * slot, (t / SLOTS - 1) & 1);
+    mbarrier_arrive_expect_tx(landed + MBARRIER_BYTES * slot, bytes);
+    return landed + MBARRIER_BYTES * slot;
+  }
+
+  // ---- the consumers' side ----
+  // TMA wrote through the async proxy wgmma reads by: no fence.
+  __device__ __forceinline__ void wait(int t) const { mbarrier_wait(landed + MBARRIER_BYTES * (t % SLOTS), (t / SLOTS) & 1); }
+  // This thread's MMAs reading step t are complete.
+  __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % SLOTS)); }
+};
+
+// ---- Q/dO pipeline: a TMA producer ------------------------------------------------------
+// Step t of a tile's dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
+// mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots.
+// Steps are numbered on across the block's tiles (`first` is this tile's step 0), so the ring
+// runs on from one tile into the next. One producer thread issues each step as TMA boxes (a box
+// an 8-row group: the row-group layout the wgmma descriptors read) and two bulk copies of the
+// rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V arrive once, in a ring
+// of their own, a step a tile: with KV_SLOTS = 2 the next tile's load under this one's loop.
+// Invariant: producer and consumers call end(steps) after the same tiles, in order.
+struct QdoPipeline {
+  unsigned kv_ring, ring;  // smem addresses of K/V slot 0 and of Q/dO slot 0, after the K/V slots
+  RingBarriers<STAGES, THREADS> bars;  // after the Q/dO ring
+  RingBarriers<KV_SLOTS, THREADS> kv_bars;  // then K and V's
+  int first = 0;  // this tile's step 0, counted over the block's tiles
+
+  __device__ __forceinline__ explicit QdoPipeline(const char* smem)
+      : kv_ring(smem_u32(smem)), ring(kv_ring + KV_SLOTS * KV_SLOT_BYTES), bars(ring + STAGES * STAGE_BYTES),
+        kv_bars(ring + STAGES * STAGE_BYTES + bars.BYTES) {}
+
+  __device__ __forceinline__ void init(int tid) const {
+    if (tid == 0) {
+      bars.init();
+      kv_bars.init();
+      fence_barrier_init();
     }
     __syncthreads();
-#pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) issue(t, mask);
+  }
+  __device__ __forceinline__ void end(int steps) { first += steps; }
+
+  // Tile j's K tile (its V tile follows), as a byte offset from the smem base.
+  __device__ __forceinline__ static int kv_offset(int j) { return KV_SLOT_BYTES * (j % KV_SLOTS); }
+  __device__ __forceinline__ int step(int t) const { return first + t; }
+  __device__ __forceinline__ unsigned q_slot(int t) const { return ring + STAGE_BYTES * (step(t) % STAGES); }
+  __device__ __forceinline__ unsigned do_slot(int t) const { return q_slot(t) + Q_TILE_BYTES; }
+  __device__ __forceinline__ unsigned rows_slot(int t) const { return q_slot(t) + 2 * Q_TILE_BYTES; }
+  // Rows `row` and `row` + 1 of step t's LSE (and of its D), by shared-memory address: no
+  // 64-bit pointer held across the loop.
+  __device__ __forceinline__ float2 lse_pair(int t, int row) const { return load_pair(rows_slot(t) + 4 * row); }
+  __device__ __forceinline__ float2 delta_pair(int t, int row) const { return load_pair(rows_slot(t) + ROW_BYTES + 4 * row); }
+  __device__ __forceinline__ static float2 load_pair(unsigned address) {
+    float2 x;
+    asm volatile("ld.shared.v2.f32 { %0, %1 }, [%2];\n" : "=f"(x.x), "=f"(x.y) : "r"(address));
+    return x;
   }
 
-  // Step t is in smem for every thread, and visible to wgmma's async proxy.
-  __device__ __forceinline__ void wait(int t) const {
-    mbarrier_wait(landed + MBARRIER_BYTES * (t % STAGES), (t / STAGES) & 1);
+  // ---- the producer's side (one thread) ----
+  // Tile j's K and V, once its slot's last tile is written out.
+  __device__ __forceinline__ void produce_kv(int j, const TmaMap& k_map, const TmaMap& v_map, int kv0, int h_kv,
+                                             int b) const {
+    const unsigned bar = kv_bars.arm(j, 2 * KV_TILE_BYTES), k_tile = kv_ring + kv_offset(j);
+    tma_load_rows<BLOCK_KV>(k_tile, k_map, bar, kv0, h_kv, b);
+    tma_load_rows<BLOCK_KV>(k_tile + KV_TILE_BYTES, v_map, bar, kv0, h_kv, b);
+  }
+
+  // Every step: Q and dO rows of query head h0 + step_head(t) of batch b; LSE and D rows
+  // ([B, Hq, n_pad]) are padded to whole tiles, so their copies are always in range.
+  __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& do_map, const float* lse2,
+                                          const float* delta, int n_pad, int heads_q, int h0, int b) const {
+    for (int t = 0; t < mask.steps(); ++t) {
+      const unsigned bar = bars.arm(step(t), 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
+      const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
+      tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
+      tma_load_rows<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
+      const long long row0 = (long long)(b * heads_q + h0 + head) * n_pad + q0;
+      bulk_copy(rows_slot(t), lse2 + row0, ROW_BYTES, bar);
+      bulk_copy(rows_slot(t) + ROW_BYTES, delta + row0, ROW_BYTES, bar);
+    }
+  }
+
+  // ---- the consumers' side ----
+  __device__ __forceinline__ void wait_kv(int j) const { kv_bars.wait(j); }
+  // This thread is done with tile j's K/V slot (its MMAs, and the dK and dV staged over it):
+  // its generic-proxy accesses ordered before the producer's next TMA write there.
+  __device__ __forceinline__ void release_kv(int j) const {
     fence_async_smem();
+    kv_bars.release(j);
   }
-
-  // This thread's MMAs reading step t are complete.
-  __device__ __forceinline__ void release(int t) const { mbarrier_arrive(freed + MBARRIER_BYTES * (t % STAGES)); }
+  __device__ __forceinline__ void wait(int t) const { bars.wait(step(t)); }
+  __device__ __forceinline__ void release(int t) const { bars.release(step(t)); }
 };
 
 // The tile's scores in place, transposed (the backward's dK/dV kernel): thread (g, t) holds keys
@@ -662,13 +783,31 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
   }
 }
 
-// Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
-// and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
-// queries, and run first).
+// ---- tile scheduler ------------------------------------------------------------------------
+// The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z, numbered x fastest as a
+// grid's blocks are issued (the kernel says what each axis is).
+// A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
+struct Tile {
+  int x, y, z;
+};
+
+struct TileScheduler {
+  int nx, ny, count;
+  __device__ __forceinline__ TileScheduler(int tiles_x, int tiles_y, int tiles_z)
+      : nx(tiles_x), ny(tiles_y), count(tiles_x * tiles_y * tiles_z) {}
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
+  __device__ __forceinline__ Tile at(int t) const { return Tile{t % nx, t / nx % ny, t / nx / ny}; }
+};
+
+// Grid: x = blocks walking the tile grid (tiles_x = KV block, tiles_y = batch * KV head): a block
+// a tile, or one an SM. A head's tiles run together, so they share its Q and dO tiles (and
+// atomic dQ's rows) in L2 (under a causal mask its first tiles see the most queries, and run
+// first).
 // q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv, head_dim]; delta, lse2: [B, Hq,
 // n_pad] f32 from the preprocess. A tile's keys are seen by the query heads h_kv * group ... +
 // group - 1 (GQA): it sums their gradients in registers.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     const elem_t* __restrict__ q,
     const elem_t* __restrict__ k,
@@ -704,153 +843,175 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     long long dv_sh,
     long long dv_sn,
     float scale,
-    float scale_log2) {
+    float scale_log2,
+    const __grid_constant__ TmaMap q_map,
+    const __grid_constant__ TmaMap k_map,
+    const __grid_constant__ TmaMap v_map,
+    const __grid_constant__ TmaMap dout_map,
+    int batch) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
   const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
-  const int b = blockIdx.y / heads_kv, h_kv = blockIdx.y % heads_kv;
-  const int kv0 = blockIdx.x * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
-  constexpr int kv_offset = 0;  // the block's one K/V slot
-  const unsigned k_tile = smem_u32(smem), v_tile = k_tile + KV_TILE_BYTES;
-  k += b * k_sb + h_kv * k_sh;
-  v += b * v_sb + h_kv * v_sh;
-  q += b * q_sb + h_kv * group * q_sh;  // the group's first query head
-  dout += b * dout_sb + h_kv * group * dout_sh;
-  lse2 += ((long long)b * heads_q + h_kv * group) * n_pad;
-  delta += ((long long)b * heads_q + h_kv * group) * n_pad;
-  Mask mask;
-  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
-  const int steps = mask.steps();
-  const QdoPipeline pipe(smem + 2 * KV_TILE_BYTES, q, dout, lse2, delta, q_sh, q_sn, dout_sh, dout_sn, n_pad, n_q,
-                         steps, tid);
 
-  // Phase 1: the block's K and V (one group), then the first STAGES steps, all in flight.
-  copy_tile_async<BLOCK_KV>(k_tile, k, k_sn, kv0, n_kv, tid);
-  copy_tile_async<BLOCK_KV>(v_tile, v, v_sn, kv0, n_kv, tid);
-  commit_group();
-  pipe.prologue(mask);
-
-  const float to_log2 = scale_log2;
-  float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
-
-  // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
-  const int warpgroup = warp / WARPGROUP_WARPS;
-  const unsigned k_rows = k_tile + warpgroup * WARPGROUP_KEYS_BYTES, v_rows = v_tile + warpgroup * WARPGROUP_KEYS_BYTES;
-  // The warpgroup's tile of each step's dQ: its queries (an atom column of dS^T), columns (an
-  // atom column of K) and share of the keys, and the thread's place in the tile (the
-  // accumulator layout: row g, column 2c).
-  const int dq_tile = warpgroup % DQ_TILES, dq_keys = warpgroup / DQ_TILES * (BLOCK_KV / DQ_KEY_SPLIT);
-  const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
-  const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
-  const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
-  const int dq_thread_row = (dq_tile / DQ_N_TILES) * 64 + (warp % WARPGROUP_WARPS) * 16 + (lane >> 2);
-  const int dq_thread_col = (dq_tile % DQ_N_TILES) * 64 + 2 * (lane & 3);
-  for (int t = 0; t < steps; ++t) {
-    const int head = mask.step_head(t);  // the group's query head ...
-    const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
-    pipe.wait(t);
-    const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
-
-    // Phase 2: S^T = K.Q^T and dP^T = V.dO^T, the forward's scores and their gradient with the
-    // keys as rows, on the tensor cores together.
-    float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
-    wgmma_fence();
-    issue_keys_queries(s[0], k_rows, q_tile);
-    issue_keys_queries(dp[0], v_rows, do_tile);
-    pipe.issue(t + STAGES - 1, mask);  // the slot step t - 1 used, refilled under the MMAs
-    wgmma_wait<1>();  // S^T is done; dP^T may still run
-    pin_registers(s[0]);
-
-    // Phase 3: the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
-    score_tile(s, mask, t, b, h, q0, warp_kv0, lane);
-#pragma unroll
-    for (int n = 0; n < S_N_FRAGS; ++n) {
-      const float2 lse_rows = pipe.lse_pair(t, n * 8 + 2 * (lane & 3));
-      const float lse0 = lse_rows.x, lse1 = lse_rows.y;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
-    }
-
-    // Phase 4: dS^T = P^T (dP^T - D) in place of dP^T, in f32.
-    wgmma_wait<0>();  // dP^T is done
-    pin_registers(dp[0]);
-#pragma unroll
-    for (int n = 0; n < S_N_FRAGS; ++n) {
-      const float2 delta_rows = pipe.delta_pair(t, n * 8 + 2 * (lane & 3));
-      const float d0 = delta_rows.x, d1 = delta_rows.y;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - (e & 1 ? d1 : d0));
-    }
-
-    // Phase 5: dV += P^T.dO and dK += dS^T.Q (the scale is applied once, at the end). P^T and
-    // dS^T, packed to float16 pairs, are wgmma's A fragments: the f32 tiles die here, before
-    // the two products hold their registers.
-    unsigned p[M_FRAGS][Q_K_STEPS][4], ds[M_FRAGS][Q_K_STEPS][4];
-    pack_a(s, p);
-    pack_a(dp, ds);
-    wgmma_fence();
-    issue_keys_dims(dv_acc[0], p[0], do_tile);
-    // dQ = dS.K between them: dS^T to this step's buffer (dV runs meanwhile), where the rows a
-    // warpgroup's tile reads are after the barrier; then the tile's MMAs, and its adds into
-    // the f32 accumulator while dK runs, once P^T has died. Rows past n_q land in the padding,
-    // never read.
-    store_ds(ds_tiles + (pipe.step(t) & 1) * DS_TILE_BYTES, ds[0], warp_row0, lane);
-    fence_async_smem();
-    named_barrier_sync(NAMED_BARRIER_DS + (DS_BARRIER_THREADS == THREADS ? 0 : warpgroup), DS_BARRIER_THREADS);
-    float dq_acc[DQ_N_FRAGS][4];
-    wgmma_fence();
-    issue_dq(dq_acc, ds_reads + (pipe.step(t) & 1) * DS_TILE_BYTES, k_cols);
-    issue_keys_dims(dk_acc[0], ds[0], q_tile);
-    wgmma_wait<1>();  // dV and dQ are done
-    pin_registers(p[0]);
-    pin_registers(dv_acc[0]);
-    pin_registers(dq_acc);
-    // dq_accum rows hold head_dim = D_COLS floats (wgmma never splits head_dim)
-    float* dq_rows = dq_accum + ((long long)(b * heads_q + h) * n_pad + q0 + dq_thread_row) * D_COLS + dq_thread_col;
-#pragma unroll
-    for (int n = 0; n < DQ_N_FRAGS; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        red_add2(dq_rows + hh * 8 * D_COLS + n * 8, dq_acc[n][2 * hh], dq_acc[n][2 * hh + 1]);
-    wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
-    pin_registers(ds[0]);
-    pin_registers(dk_acc[0]);
-    pipe.release(t);
-  }
-
-  // dK = scale * acc (the chain rule's last factor) and dV, staged over the K and V tiles,
-  // then written as 16-byte chunks of whole rows; keys at or past n_kv are never written.
-  wait_all_copies();
-  __syncthreads();
-  {
-    const int g = lane >> 2, c = lane & 3;
-    elem_t* k_smem = reinterpret_cast<elem_t*>(smem + kv_offset);
-    elem_t* v_smem = reinterpret_cast<elem_t*>(smem + kv_offset + KV_TILE_BYTES);
-#pragma unroll
-    for (int f = 0; f < M_FRAGS; ++f)
-#pragma unroll
-      for (int n = 0; n < D_N_FRAGS; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + f * 16 + hh * 8 + g, col = col0 + n * 8;  // this pair: + 2c
-          *reinterpret_cast<unsigned*>(k_smem + smem_offset(row, col) + 2 * c) =
-              pack2(dk_acc[f][n][2 * hh] * scale, dk_acc[f][n][2 * hh + 1] * scale);
-          *reinterpret_cast<unsigned*>(v_smem + smem_offset(row, col) + 2 * c) =
-              pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
-        }
-    __syncthreads();
-    elem_t* dk_rows = dk + b * dk_sb + h_kv * dk_sh;
-    elem_t* dv_rows = dv + b * dv_sb + h_kv * dv_sh;
-    for (int i = tid; i < OUT_CHUNKS; i += THREADS) {
-      const int row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
-      if (kv0 + row < n_kv) {
-        *reinterpret_cast<chunk16*>(dk_rows + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
-        *reinterpret_cast<chunk16*>(dv_rows + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
+  // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
+  // thread loads every tile's K and V and every step's Q, dO, LSE and D as slots free up; the
+  // consumers compute. Each role walks the tiles in its own loop, so that ptxas knows which
+  // register budget (setmaxnreg's) every instruction runs under.
+  // (Each role builds its own scheduler: a value live across setmaxnreg is spilled.)
+  QdoPipeline pipe(smem);
+  pipe.init(tid);
+  if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
+    registers_release<PRODUCER_REGISTERS>();
+    if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
+      const TileScheduler scheduler((n_kv + BLOCK_KV - 1) / BLOCK_KV, batch * heads_kv, 1);
+      for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
+        const Tile tile = scheduler.at(t);
+        const int b = tile.y / heads_kv, h_kv = tile.y % heads_kv, kv0 = tile.x * BLOCK_KV;
+        // K and V need no mask: in flight while the mask finds the tile's query tiles (a
+        // document mask: its keys' document bounds, loads of their own)
+        pipe.produce_kv(j, k_map, v_map, kv0, h_kv, b);
+        Mask mask;
+        mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
+        pipe.produce(mask, q_map, dout_map, lse2, delta, n_pad, heads_q, h_kv * group, b);
+        pipe.end(mask.steps());
       }
     }
+    return;
+  }
+  registers_claim<CONSUMER_REGISTERS>();
+  const TileScheduler scheduler((n_kv + BLOCK_KV - 1) / BLOCK_KV, batch * heads_kv, 1);
+  for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
+    const Tile tile = scheduler.at(t);
+    const int b = tile.y / heads_kv, h_kv = tile.y % heads_kv, kv0 = tile.x * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
+    Mask mask;
+    mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
+    const int steps = mask.steps();
+    const int kv_offset = pipe.kv_offset(j);
+    const unsigned k_tile = smem_u32(smem) + kv_offset, v_tile = k_tile + KV_TILE_BYTES;
+    pipe.wait_kv(j);  // Phase 1: the tile's K and V, loaded under the previous tile (or since the block began)
+    const float to_log2 = scale_log2;
+    float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
+
+    // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
+    const int warpgroup = warp / WARPGROUP_WARPS;
+    const unsigned k_rows = k_tile + warpgroup * WARPGROUP_KEYS_BYTES, v_rows = v_tile + warpgroup * WARPGROUP_KEYS_BYTES;
+    // The warpgroup's tile of each step's dQ: its queries (an atom column of dS^T), columns (an
+    // atom column of K) and share of the keys, and the thread's place in the tile (the
+    // accumulator layout: row g, column 2c).
+    const int dq_tile = warpgroup % DQ_TILES, dq_keys = warpgroup / DQ_TILES * (BLOCK_KV / DQ_KEY_SPLIT);
+    const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
+    const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
+    const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
+    const int dq_thread_row = (dq_tile / DQ_N_TILES) * 64 + (warp % WARPGROUP_WARPS) * 16 + (lane >> 2);
+    const int dq_thread_col = (dq_tile % DQ_N_TILES) * 64 + 2 * (lane & 3);
+    for (int t = 0; t < steps; ++t) {
+      const int head = mask.step_head(t);  // the group's query head ...
+      const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
+      pipe.wait(t);
+      const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
+
+      // Phase 2: S^T = K.Q^T and dP^T = V.dO^T, the forward's scores and their gradient with the
+      // keys as rows, on the tensor cores together.
+      float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
+      wgmma_fence();
+      issue_keys_queries(s[0], k_rows, q_tile);
+      issue_keys_queries(dp[0], v_rows, do_tile);
+      wgmma_wait<1>();  // S^T is done; dP^T may still run
+      pin_registers(s[0]);
+
+      // Phase 3: the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
+      score_tile(s, mask, t, b, h, q0, warp_kv0, lane);
+  #pragma unroll
+      for (int n = 0; n < S_N_FRAGS; ++n) {
+        const float2 lse_rows = pipe.lse_pair(t, n * 8 + 2 * (lane & 3));
+        const float lse0 = lse_rows.x, lse1 = lse_rows.y;
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
+      }
+
+      // Phase 4: dS^T = P^T (dP^T - D) in place of dP^T, in f32.
+      wgmma_wait<0>();  // dP^T is done
+      pin_registers(dp[0]);
+  #pragma unroll
+      for (int n = 0; n < S_N_FRAGS; ++n) {
+        const float2 delta_rows = pipe.delta_pair(t, n * 8 + 2 * (lane & 3));
+        const float d0 = delta_rows.x, d1 = delta_rows.y;
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - (e & 1 ? d1 : d0));
+      }
+
+      // Phase 5: dV += P^T.dO and dK += dS^T.Q (the scale is applied once, at the end). P^T and
+      // dS^T, packed to float16 pairs, are wgmma's A fragments: the f32 tiles die here, before
+      // the two products hold their registers.
+      unsigned p[M_FRAGS][Q_K_STEPS][4], ds[M_FRAGS][Q_K_STEPS][4];
+      pack_a(s, p);
+      pack_a(dp, ds);
+      wgmma_fence();
+      issue_keys_dims(dv_acc[0], p[0], do_tile);
+      // dQ = dS.K between them: dS^T to this step's buffer (dV runs meanwhile), where the rows a
+      // warpgroup's tile reads are after the barrier; then the tile's MMAs, and its adds into
+      // the f32 accumulator while dK runs, once P^T has died. Rows past n_q land in the padding,
+      // never read.
+      store_ds(ds_tiles + (pipe.step(t) & 1) * DS_TILE_BYTES, ds[0], warp_row0, lane);
+      fence_async_smem();
+      named_barrier_sync(NAMED_BARRIER_DS + (DS_BARRIER_THREADS == THREADS ? 0 : warpgroup), DS_BARRIER_THREADS);
+      float dq_acc[DQ_N_FRAGS][4];
+      wgmma_fence();
+      issue_dq(dq_acc, ds_reads + (pipe.step(t) & 1) * DS_TILE_BYTES, k_cols);
+      issue_keys_dims(dk_acc[0], ds[0], q_tile);
+      wgmma_wait<1>();  // dV and dQ are done
+      pin_registers(p[0]);
+      pin_registers(dv_acc[0]);
+      pin_registers(dq_acc);
+      // dq_accum rows hold head_dim = D_COLS floats (wgmma never splits head_dim)
+      float* dq_rows = dq_accum + ((long long)(b * heads_q + h) * n_pad + q0 + dq_thread_row) * D_COLS + dq_thread_col;
+  #pragma unroll
+      for (int n = 0; n < DQ_N_FRAGS; ++n)
+  #pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          red_add2(dq_rows + hh * 8 * D_COLS + n * 8, dq_acc[n][2 * hh], dq_acc[n][2 * hh + 1]);
+      wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
+      pin_registers(ds[0]);
+      pin_registers(dk_acc[0]);
+      pipe.release(t);
+    }
+
+    // dK = scale * acc (the chain rule's last factor) and dV, staged over the K and V tiles,
+    // then written as 16-byte chunks of whole rows; keys at or past n_kv are never written.
+    named_barrier_sync(NAMED_BARRIER_EPILOGUE, THREADS);  // every consumer's MMAs are done with K and V
+    {
+      const int g = opaque(lane) >> 2, c = opaque(lane) & 3;  // this tile's staging addresses, computed now
+      elem_t* k_smem = reinterpret_cast<elem_t*>(smem + kv_offset);
+      elem_t* v_smem = reinterpret_cast<elem_t*>(smem + kv_offset + KV_TILE_BYTES);
+  #pragma unroll
+      for (int f = 0; f < M_FRAGS; ++f)
+  #pragma unroll
+        for (int n = 0; n < D_N_FRAGS; ++n)
+  #pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int row = warp_row0 + f * 16 + hh * 8 + g, col = col0 + n * 8;  // this pair: + 2c
+            *reinterpret_cast<unsigned*>(k_smem + smem_offset(row, col) + 2 * c) =
+                pack2(dk_acc[f][n][2 * hh] * scale, dk_acc[f][n][2 * hh + 1] * scale);
+            *reinterpret_cast<unsigned*>(v_smem + smem_offset(row, col) + 2 * c) =
+                pack2(dv_acc[f][n][2 * hh], dv_acc[f][n][2 * hh + 1]);
+          }
+      named_barrier_sync(NAMED_BARRIER_EPILOGUE, THREADS);
+      elem_t* dk_rows = dk + b * dk_sb + h_kv * dk_sh;
+      elem_t* dv_rows = dv + b * dv_sb + h_kv * dv_sh;
+      for (int i = opaque(tid); i < OUT_CHUNKS; i += THREADS) {
+        const int row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
+        if (kv0 + row < n_kv) {
+          *reinterpret_cast<chunk16*>(dk_rows + (kv0 + row) * dk_sn + col) = *reinterpret_cast<const chunk16*>(k_smem + smem_offset(row, col));
+          *reinterpret_cast<chunk16*>(dv_rows + (kv0 + row) * dv_sn + col) = *reinterpret_cast<const chunk16*>(v_smem + smem_offset(row, col));
+        }
+      }
+    }
+
+    pipe.release_kv(j);  // the next tile but one loads its K and V here
+    pipe.end(steps);
   }
 }
 }  // namespace dkdv

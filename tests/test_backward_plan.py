@@ -18,8 +18,9 @@ HOPPER = fagen.load_spec(SPECS / "attn_f16_d128_causal_h200.yaml")  # wgmma back
 
 
 def hopper(**backward) -> dict:
+    """HOPPER's data with backward: fields changed; the copying dK/dV kernel unless warp_specialized is given."""
     data = HOPPER.model_dump()
-    data["backward"] = {**data["backward"], **backward}
+    data["backward"] = {**data["backward"], "warp_specialized": None, **backward}
     return data
 
 
@@ -374,10 +375,51 @@ def test_trainable_takes_both_producers_at_head_dim_128_where_the_dq_kernel_runs
     masked = variants.trainable(variants.variant(HOPPER, Mask(kind="sliding_window", window_left=256), ScoreMod()))
     assert masked.backward.deterministic and masked.backward.warp_specialized is not None
     assert masked.backward.dq_warp_specialized is not None
-    assert variants.trainable(HOPPER).backward.dq_warp_specialized is None  # atomic dQ: no dQ kernel
+    dense = variants.trainable(HOPPER)  # one kernel, dQ added atomically, fed by the producer
+    assert dense.atomic_dq and dense.backward.warp_specialized is not None and dense.backward.dq_warp_specialized is None
     d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
     assert variants.trainable(d64, deterministic=True).backward.dq_warp_specialized is None  # slower at 64
     assert variants.with_producers({"block_q": 64}) == [{"block_q": 64, "warp_specialized": {}}, {"block_q": 64}]
+
+
+@pytest.mark.parametrize("mask, atomic", [(Mask(), True), (Mask(kind="causal"), True),
+                                          (Mask(kind="sliding_window", window_left=256), False),
+                                          (Mask(kind="prefix_lm", prefix_len=256), False),
+                                          (Mask(kind="document"), False), (Mask(kind="block_mask"), False)],
+                         ids=lambda x: getattr(x, "kind", x))
+def test_trainable_adds_dq_atomically_at_head_dim_128_only_where_it_measured_faster(mask, atomic):
+    """variants.ATOMIC_DQ_MASKS: with both producers, the deterministic kernels are as fast as atomic
+    dQ under masks, so those take them first; dense and causal keep the one atomic kernel."""
+    spec = variants.trainable(variants.variant(HOPPER, mask, ScoreMod()))
+    assert spec.atomic_dq == atomic and spec.backward.warp_specialized is not None
+
+
+@pytest.mark.parametrize("mask, concurrent", [(Mask(kind="sliding_window", window_left=256), True),
+                                              (Mask(kind="document", causal=True), True),
+                                              (Mask(kind="prefix_lm", prefix_len=256), False), (Mask(), False)],
+                         ids=lambda x: getattr(x, "kind", x))
+def test_the_dq_kernel_runs_beside_the_dkdv_kernel_where_it_measured_faster(mask, concurrent):
+    """BackwardPlan.concurrent_dq (CONCURRENT_DQ_MASKS): two kernels that only share inputs, so only
+    deterministic plans (a dQ kernel) of the measured masks; atomic dQ has no dQ kernel."""
+    det = backward_plan(variants.trainable(variants.variant(HOPPER, mask, ScoreMod()), deterministic=True))
+    assert det.concurrent_dq == concurrent and not det.atomic_dq
+    atomic = fagen.parse_spec({**variants.variant(HOPPER, mask, ScoreMod()).model_dump(), "name": "atomic",
+                               "backward": {"deterministic": False, "warp_specialized": {}}})
+    assert not backward_plan(atomic).concurrent_dq
+
+
+def test_atomic_dq_under_the_producer_is_refused_where_it_spilled():
+    """The register estimate of atomic dQ with the dK/dV kernel's producer (WARP_SPECIALIZED_ATOMIC_DQ,
+    _PER_S): head_dim 128's 64-query steps fit under every mask, head_dim 64's 128-query steps
+    spilled 4-16 bytes, and softcap at head_dim 128 spilled 36-64 (ptxas -v, nvcc 13.0)."""
+    atomic_ws = lambda spec, block_q: {**spec.model_dump(), "name": "atomic_ws", "backward": {  # noqa: E731
+        "deterministic": False, "block_q": block_q, "stages": 3, "warp_specialized": {}}}
+    for mask in (Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=256), Mask(kind="document")):
+        assert fagen.parse_spec(atomic_ws(variants.variant(HOPPER, mask, ScoreMod()), 64)).atomic_dq
+    for refused in (atomic_ws(variants.variant(HOPPER, Mask(), ScoreMod(softcap=30.0)), 64),
+                    atomic_ws(fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml"), 128)):
+        message = rejected(refused)
+        assert "registers" in message and "warp_specialized.consumer_registers" in message, message
 
 
 # ---- a document mask's bounds, resolved once a call (BackwardPlan.doc_bounds) -----------------

@@ -288,6 +288,41 @@ def test_persistent_dkdv_matches_a_block_a_tile_bitwise(mask, nq, nk):
         assert torch.isfinite(b).all() and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("mask", [Mask(kind="sliding_window", window_left=300), Mask(kind="document", causal=True)],
+                         ids=lambda m: m.kind)
+def test_concurrent_dq_matches_sequential_bitwise(mask):
+    """backward_plan.concurrent_dq: the dQ kernel beside the dK/dV kernel, on a second stream. The
+    kernels are the same, so the gradients equal one-after-the-other launches' bit for bit, and
+    the call joins the caller's stream (a non-default one here) before it returns: read there
+    with no synchronisation, every gradient NaN-poisoned."""
+    import dataclasses
+
+    import torch
+
+    trained = variants.trainable(variants.variant(variants.shipped_spec("float16", 128, False, gpu="h200"), mask,
+                                                  ScoreMod()))
+    backward = compile_backward(trained)
+    assert backward.plan.concurrent_dq == (torch.cuda.get_device_capability() == (9, 0))
+    batch, heads, heads_kv, n = 4, 8, 4, 2500
+    q = torch.randn(batch, n, heads, 128, device="cuda", dtype=torch.float16).transpose(1, 2)
+    k, v = (torch.randn(batch, n, heads_kv, 128, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in "kv")
+    dout = torch.randn(batch, heads, n, 128, device="cuda", dtype=torch.float16)
+    extras = {k_: torch.as_tensor(x, device="cuda") for k_, x in random_extras(trained, batch, heads, n, n, seed=9).items()}
+    out, lse = backward.forward(q, k, v, return_lse=True, **extras)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    grads = []
+    with torch.cuda.stream(user):
+        for concurrent in (True, False):
+            backward.plan = dataclasses.replace(backward.plan, concurrent_dq=concurrent)
+            poisoned = {name: torch.full(t.shape, float("nan"), device="cuda", dtype=t.dtype)
+                        for name, t in (("dq", q), ("dk", k), ("dv", v))}
+            grads.append(backward(dout, q, k, v, out, lse, **extras, **poisoned))
+        same = {name: torch.equal(getattr(grads[0], name), getattr(grads[1], name)) for name in ("dq", "dk", "dv")}
+        finite = {name: bool(torch.isfinite(getattr(grads[0], name)).all()) for name in ("dq", "dk", "dv")}
+    assert all(same.values()) and all(finite.values()), (same, finite)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_persistent_dkdv_against_oracle(dtype):
     """The persistent dK/dV kernel against the float64 oracle at awkward lengths, deterministic

@@ -244,22 +244,29 @@ def test_torch_compile_fullgraph_matches_eager(attention):
         assert relative_error(to_numpy(g_compiled[name]), to_numpy(g_eager[name])) < 1e-2, name
 
 
-@pytest.mark.parametrize("learned, deterministic", [((), True), (("sinks",), True), (("sinks",), False),
-                                                     (("sinks", "bias"), True)],
-                         ids=["causal", "causal_sinks", "causal_sinks_atomic", "causal_sinks_learned_bias"])
-def test_cuda_graph_of_a_training_step_replays(learned, deterministic):
+WINDOW = {"mask": {"kind": "sliding_window", "window_left": 64}}
+
+
+@pytest.mark.parametrize("learned, deterministic, head_dim, mask",
+                         [((), True, 64, {"causal": True}), (("sinks",), True, 64, {"causal": True}),
+                          (("sinks",), False, 64, {"causal": True}), (("sinks", "bias"), True, 64, {"causal": True}),
+                          ((), True, 128, WINDOW)],
+                         ids=["causal", "causal_sinks", "causal_sinks_atomic", "causal_sinks_learned_bias",
+                              "sliding_window_d128"])
+def test_cuda_graph_of_a_training_step_replays(learned, deterministic, head_dim, mask):
     """Warm up on a side stream, capture forward + loss.backward() (with no host sync allowed),
     replay on new inputs copied into the static ones: out, loss and every gradient equal an
     eager step's bits (deterministic: true), or dQ within rounding of it (atomic dQ, sm_90a:
-    the adds' order varies)."""
-    q, k, v, _ = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=31)
-    target = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, 64, seed=32)[0]
+    the adds' order varies). A sliding window at head_dim 128 runs the dQ kernel beside the
+    dK/dV kernel on sm_90a (backward_plan.concurrent_dq): the fork and join are captured too."""
+    q, k, v, _ = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, head_dim, seed=31)
+    target = random_inputs("torch", "float16", B, HQ, HKV, 300, 300, head_dim, seed=32)[0]
     leaves = [x.requires_grad_() for x in (q, k, v)]
     shapes = {"sinks": (HQ,), "bias": (1, HQ, 300, 300)}  # a bias every batch row shares
     leaves += [torch.zeros(shapes[name], device="cuda", requires_grad=True) for name in learned]
 
     def step(q, k, v, *values):
-        out = fagen.attention(q, k, v, causal=True, deterministic=deterministic, **dict(zip(learned, values)))
+        out = fagen.attention(q, k, v, deterministic=deterministic, **mask, **dict(zip(learned, values)))
         loss = (out.float() * target.float()).sum()
         loss.backward()
         return out, loss
