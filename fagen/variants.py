@@ -217,12 +217,13 @@ DQ_PRODUCER = {"consumer_registers": 232}
 # work, so a static walk stays even: sliding windows +1.5-2.3% (H200, N 4k and 16k, same process);
 # prefix-LM and documents, whose blocks differ, -1-2%.
 PERSISTENT_DKDV_MASKS = ("sliding_window",)
-# ... and where, with both producers, one kernel adding dQ atomically beats the two deterministic
-# kernels (the dQ kernel recomputing S and dP): dense +6%, causal +10% at head_dim 128 (over the
-# copying atomic kernel); sliding window, prefix-LM and documents 0.97-1.00 (over deterministic,
-# which then also runs its two kernels side by side: backward_plan.CONCURRENT_DQ_MASKS). Other masks
-# take the deterministic kernels first where the producers run.
-ATOMIC_DQ_MASKS = ("none", "causal")
+# ... and where, with the dK/dV kernel's producer, one kernel adding dQ atomically beats the two
+# deterministic kernels (the dQ kernel recomputing S and dP; H200, head_dim 128, same process):
+# dense +6% and causal +10% over the copying atomic kernel, causal +7% over deterministic,
+# prefix-LM +3% at 4k and +6-8% at 16k over deterministic (0.97 on one other machine); sliding
+# windows and documents 0.99-1.00, before their deterministic kernels ran side by side
+# (backward_plan.CONCURRENT_DQ_MASKS). Other masks take the deterministic kernels first.
+ATOMIC_DQ_MASKS = ("none", "causal", "prefix_lm")
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})

@@ -384,12 +384,12 @@ def test_trainable_takes_both_producers_at_head_dim_128_where_the_dq_kernel_runs
 
 @pytest.mark.parametrize("mask, atomic", [(Mask(), True), (Mask(kind="causal"), True),
                                           (Mask(kind="sliding_window", window_left=256), False),
-                                          (Mask(kind="prefix_lm", prefix_len=256), False),
+                                          (Mask(kind="prefix_lm", prefix_len=256), True),
                                           (Mask(kind="document"), False), (Mask(kind="block_mask"), False)],
                          ids=lambda x: getattr(x, "kind", x))
 def test_trainable_adds_dq_atomically_at_head_dim_128_only_where_it_measured_faster(mask, atomic):
     """variants.ATOMIC_DQ_MASKS: with both producers, the deterministic kernels are as fast as atomic
-    dQ under masks, so those take them first; dense and causal keep the one atomic kernel."""
+    dQ under the other masks (and then run side by side), so those take them first."""
     spec = variants.trainable(variants.variant(HOPPER, mask, ScoreMod()))
     assert spec.atomic_dq == atomic and spec.backward.warp_specialized is not None
 
