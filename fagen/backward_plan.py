@@ -71,15 +71,17 @@ REGISTER_COSTS = {
 # 128 x block_q 32-128 x every mask kind x softcap, ALiBi, a bias x atomic or not; nvcc 13.0):
 # every build that spilled is predicted over the consumers' registers, a few that fit are too.
 WARP_SPECIALIZED_SAVING = 16
-# ... and atomic dQ there: its dQ tile and addresses in place of the copy state, dearer where S^T
-# is larger. Refitted after the epilogue's addresses stopped being hoisted across the walk, on 184
-# builds (ptxas -v, nvcc 13.0; head_dim 128 at block_q 64 and head_dim 64 at 64 and 128 x every
-# mask kind x softcap, ALiBi, both biases, with and without the bias's gradient): head_dim 128's
-# dense, causal and masked kernels fit at 240 (predicted 251-259 before), head_dim 64's 128-query
-# ones spill 4-16 bytes; every build that spilled is predicted over 240, and ALiBi's, which fit,
-# are refused too.
-WARP_SPECIALIZED_ATOMIC_DQ = -12
-WARP_SPECIALIZED_ATOMIC_DQ_PER_S = 0.25
+# ... and atomic dQ there: its dQ tile and addresses in place of the copy state. Refitted once the
+# epilogue's addresses stopped being hoisted across the walk and P^T was packed before dP^T lands,
+# on 160 builds (ptxas -v, nvcc 13.0; head_dim 128 at block_q 64 and head_dim 64 at 64 and 128 x every
+# mask kind x softcap, ALiBi, both biases, with and without the bias's gradient): without
+# modifiers every mask kind fits the consumers' 240 at both head_dims (predicted 251-262 before
+# this term); every build that spilled (softcap, biases) is predicted over 240, and ALiBi's,
+# which fit, are refused too.
+WARP_SPECIALIZED_ATOMIC_DQ = -6
+# ... and bfloat16 where P^T is packed early (EARLY_P_PACK_S_REGS): head_dim 64's 128-query steps
+# spilled 8-28 bytes under every mask but the sliding window and block mask, where float16's fit.
+WARP_SPECIALIZED_BF16_EARLY_PACK = 12
 # The producer-fed dQ kernel's consumers hold no copy state either: its estimate less this much.
 DQ_PRODUCER_SAVING = 16
 WARP_SPECIALIZED_BIAS_GRAD = 24  # head_dim 64, a matrix bias's gradient with atomic dQ: predicted 235, spilled 20 bytes
@@ -206,6 +208,8 @@ class DkdvPlan:
     warpgroup_keys_bytes: int  # bytes between the warpgroups' 64 keys of the K and V tiles
     mbarrier_bytes: int
     s_acc_regs: int  # f32 registers a thread holds of S^T (and of dP^T): block_q / 2
+    # P^T packed to 16-bit pairs before dP^T lands, dS^T computed from them (EARLY_P_PACK_S_REGS)
+    early_p_pack: bool
     d_acc_regs: int  # ... of dK (and of dV): head_dim / 2
     # atomic dQ only (0 otherwise): a step's dS^T goes to smem (two buffers, keys as rows, the
     # queries in 64-wide swizzle atoms), then warpgroup w adds the 64 x 64 tile w of dQ = dS.K
@@ -437,9 +441,11 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     terms, mod = register_terms(spec, "dkdv"), spec.score_mod
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
+    tiles = dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)
     if ws:
-        atomic_dq = WARP_SPECIALIZED_ATOMIC_DQ + WARP_SPECIALIZED_ATOMIC_DQ_PER_S * s if spec.atomic_dq else 0
-        registers += int(atomic_dq) + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad - WARP_SPECIALIZED_SAVING
+        registers += (WARP_SPECIALIZED_ATOMIC_DQ * spec.atomic_dq + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad
+                      + WARP_SPECIALIZED_BF16_EARLY_PACK * (tiles["early_p_pack"] and spec.dtype == "bfloat16")
+                      - WARP_SPECIALIZED_SAVING)
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:
@@ -468,7 +474,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
         mask_words=-(-bwd.block_kv // 32), mask_params=loop_mask_params(spec), score_params=score_params(spec),
-        **(dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)),
+        **tiles,
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
         bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,
         bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else (),
@@ -477,8 +483,15 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         producer_registers=ws.producer_registers if ws else 0, consumer_registers=ws.consumer_registers if ws else 0)
 
 
+# From this many f32 registers of S^T a thread (128 queries a step), the producer-fed wgmma dK/dV
+# kernel packs P^T to 16-bit pairs before dP^T lands and computes dS^T from them: S^T and dP^T in
+# f32 no longer sit beside dK and dV at once, so head_dim 64's 128-query steps fit its consumers'
+# 240 registers (0 spills in float16, +2-7% over the copying kernel, H200). At 64 queries a step
+# the unpacking costs 3%; the copying kernel (255 registers) keeps the f32 tile.
+EARLY_P_PACK_S_REGS = 64
 DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
-                      "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs")
+                      "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs",
+                      "early_p_pack")
 ATOMIC_DQ_NUMBERS = ("atomic_dq", "ds_offset", "ds_tile_bytes", "ds_atoms_per_row", "ds_row_group_bytes", "dq_tiles",
                      "dq_key_split", "dq_n_tiles", "dq_key_steps", "dq_n_frags", "ds_barrier_threads")
 
@@ -513,6 +526,7 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
     dO are the B of S^T and dP^T, then of dK and dV, transposed)."""
     bwd, forward = spec.backward, wgmma_numbers(spec, 0)
     threads_per_warpgroup = 32 * WARPGROUP_WARPS
+    s_acc_regs = WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup
     return {
         "warpgroup_warps": WARPGROUP_WARPS,
         "atoms_per_row": spec.head_dim // SWIZZLE_ATOM_ELEMS,
@@ -521,8 +535,9 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
         "q_step_bytes": forward["v_step_bytes"],
         "warpgroup_keys_bytes": forward["warpgroup_q_bytes"],
         "mbarrier_bytes": MBARRIER_BYTES,
-        "s_acc_regs": WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup,
+        "s_acc_regs": s_acc_regs,
         "d_acc_regs": WARPGROUP_ROWS * spec.head_dim // threads_per_warpgroup,
+        "early_p_pack": bwd.warp_specialized is not None and s_acc_regs >= EARLY_P_PACK_S_REGS,
     }
 
 

@@ -204,38 +204,43 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
 # wgmmas: 15-40% faster than 64). Where a mask or modifiers push that over the registers: 64
 # queries (and 2 stages), then the dQ kernel instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 3}, 128: {"stages": 3}}
-# The dK/dV kernel's TMA producer (backward.warp_specialized), measured on an H200 (N = 4k, same
-# process, alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 -2-5% (its
-# 128-query steps leave the consumers no registers to spare, and 64-query steps lose more).
-PRODUCER_BACKWARD_HEAD_DIMS = (128,)
-# ... and the dQ kernel's (backward.dq_warp_specialized, where it runs: deterministic), at the same
-# head_dims: +2-4% at head_dim 128 (dense, causal, masks), -3-8% at 64. One consumer warpgroup a
-# block, two blocks an SM (as the copying kernel runs): 2 x (232 + 24) x 128 registers, the SM's.
+# The dK/dV kernel's TMA producer (backward.warp_specialized), measured on an H200 (same process,
+# alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 +4-7% (dense and
+# causal, 4k and 16k) since P^T is packed before dP^T lands: before, its 128-query steps spilled
+# under the consumers' 240 registers and ran 2-5% slower.
+PRODUCER_BACKWARD_HEAD_DIMS = (64, 128)
+# ... and the dQ kernel's (backward.dq_warp_specialized, where it runs: deterministic): +2-4% at
+# head_dim 128 (dense, causal, masks), -3-8% at 64. One consumer warpgroup a block, two blocks an
+# SM (as the copying kernel runs): 2 x (232 + 24) x 128 registers, the SM's.
+DQ_PRODUCER_HEAD_DIMS = (128,)
 DQ_PRODUCER = {"consumer_registers": 232}
 # ... and the dK/dV kernel persistent (backward.warp_specialized.persistent: one block an SM walking
 # the KV blocks, the next one's K and V loading under this one) where every block has the same
 # work, so a static walk stays even: sliding windows +1.5-2.3% (H200, N 4k and 16k, same process);
 # prefix-LM and documents, whose blocks differ, -1-2%.
 PERSISTENT_DKDV_MASKS = ("sliding_window",)
-# ... and where, with the dK/dV kernel's producer, one kernel adding dQ atomically beats the two
-# deterministic kernels (the dQ kernel recomputing S and dP; H200, head_dim 128, same process):
+# ... and where, with both producers, one kernel adding dQ atomically beats the two deterministic
+# kernels (the dQ kernel recomputing S and dP; H200, head_dim 128, same process):
 # dense +6% and causal +10% over the copying atomic kernel, causal +7% over deterministic,
 # prefix-LM +3% at 4k and +6-8% at 16k over deterministic (0.97 on one other machine); sliding
 # windows and documents 0.99-1.00, before their deterministic kernels ran side by side
-# (backward_plan.CONCURRENT_DQ_MASKS). Other masks take the deterministic kernels first.
+# (backward_plan.CONCURRENT_DQ_MASKS). Other masks take the deterministic kernels first, where
+# the dQ kernel has its producer (DQ_PRODUCER_HEAD_DIMS).
 ATOMIC_DQ_MASKS = ("none", "causal", "prefix_lm")
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})
 
 
-def with_producers(tiling: dict, persistent: bool = False) -> list[dict]:
-    """A wgmma backward tiling with TMA producers, most first: both kernels' (the dQ kernel runs
-    only where deterministic), the dK/dV kernel's, the dQ kernel's, then none; the dK/dV
-    kernel's producer persistent where asked (PERSISTENT_DKDV_MASKS)."""
-    dq = {"dq_warp_specialized": DQ_PRODUCER} if tiling.get("deterministic") else {}
-    ws = {"persistent": True} if persistent else {}
-    fed = [{**tiling, "warp_specialized": ws, **dq}, {**tiling, "warp_specialized": ws}, {**tiling, **dq}, tiling]
+def with_producers(tiling: dict, persistent: bool = False, dq_producer: bool = True) -> list[dict]:
+    """A wgmma backward tiling with TMA producers, most first: both kernels' (the dQ kernel's where
+    asked, and it runs only where deterministic), the dK/dV kernel's, the dQ kernel's, then none;
+    the dK/dV kernel's producer persistent first where asked (PERSISTENT_DKDV_MASKS), then not
+    (where a second K/V slot does not fit)."""
+    dq = {"dq_warp_specialized": DQ_PRODUCER} if tiling.get("deterministic") and dq_producer else {}
+    kinds = [{"persistent": True}, {}] if persistent else [{}]
+    fed = [{**tiling, "warp_specialized": ws, **extra} for extra in (dq, {}) for ws in kinds]
+    fed += [{**tiling, **dq}, tiling]
     return [t for i, t in enumerate(fed) if t not in fed[:i]]
 
 
@@ -262,9 +267,11 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
         tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
         if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS:
-            if spec.mask.kind not in ATOMIC_DQ_MASKS:
+            dq_producer = spec.head_dim in DQ_PRODUCER_HEAD_DIMS
+            if dq_producer and spec.mask.kind not in ATOMIC_DQ_MASKS:
                 tilings = sorted(tilings, key=lambda t: not t.get("deterministic"))  # stable: deterministic first
-            tilings = [fed for t in tilings for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS)]
+            tilings = [fed for t in tilings
+                       for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]
     else:  # changes to the head_dim's tiling
         base = BACKWARD_TILINGS[spec.head_dim]
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]

@@ -163,7 +163,8 @@ def test_bias_grad_renders_its_adds_only_when_asked(bias, softcap, adds):
     source = render_backward(with_grad)
     assert adds in source and "bias_grad.add(dp, q0, warp_kv0, lane);" in source
     params = [name for _, name in backward_plan(with_grad).dkdv_params]
-    assert params[-5:] == ["dbias", "dbias_sb", "dbias_sh", "dbias_skv", "dbias_sq"]
+    at = params.index("dbias")  # (a producer-fed kernel's tensor maps follow them)
+    assert params[at:at + 5] == ["dbias", "dbias_sb", "dbias_sh", "dbias_skv", "dbias_sq"]
     # softcap comes before the bias in the score: dbias is taken before softcap's factor
     assert ("dp[0][n][e] *= dsdx[0][n][e]" in source) == (softcap is not None)
 
@@ -409,17 +410,44 @@ def test_the_dq_kernel_runs_beside_the_dkdv_kernel_where_it_measured_faster(mask
 
 
 def test_atomic_dq_under_the_producer_is_refused_where_it_spilled():
-    """The register estimate of atomic dQ with the dK/dV kernel's producer (WARP_SPECIALIZED_ATOMIC_DQ,
-    _PER_S): head_dim 128's 64-query steps fit under every mask, head_dim 64's 128-query steps
-    spilled 4-16 bytes, and softcap at head_dim 128 spilled 36-64 (ptxas -v, nvcc 13.0)."""
+    """The register estimate of atomic dQ with the dK/dV kernel's producer (WARP_SPECIALIZED_ATOMIC_DQ):
+    without modifiers head_dim 128's 64-query steps and head_dim 64's 128-query steps fit under
+    every mask; softcap spilled at either (ptxas -v, nvcc 13.0)."""
     atomic_ws = lambda spec, block_q: {**spec.model_dump(), "name": "atomic_ws", "backward": {  # noqa: E731
         "deterministic": False, "block_q": block_q, "stages": 3, "warp_specialized": {}}}
+    d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
     for mask in (Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=256), Mask(kind="document")):
         assert fagen.parse_spec(atomic_ws(variants.variant(HOPPER, mask, ScoreMod()), 64)).atomic_dq
-    for refused in (atomic_ws(variants.variant(HOPPER, Mask(), ScoreMod(softcap=30.0)), 64),
-                    atomic_ws(fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml"), 128)):
-        message = rejected(refused)
+        assert fagen.parse_spec(atomic_ws(variants.variant(d64, mask, ScoreMod()), 128)).atomic_dq
+    bf16_d64 = fagen.load_spec(SPECS / "attn_bf16_d64_causal_h200.yaml")  # its P^T unpacking spilled
+    for data in (atomic_ws(variants.variant(HOPPER, Mask(), ScoreMod(softcap=30.0)), 64),
+                 atomic_ws(variants.variant(d64, Mask(), ScoreMod(softcap=30.0)), 128), atomic_ws(bf16_d64, 128)):
+        message = rejected(data)
         assert "registers" in message and "warp_specialized.consumer_registers" in message, message
+
+
+@pytest.mark.parametrize("block_q, early", [(64, False), (128, True)])
+def test_p_is_packed_before_dp_lands_at_128_queries_a_step(block_q, early):
+    """EARLY_P_PACK_S_REGS: at 128 queries a step the producer-fed kernel packs P^T to 16-bit pairs
+    before dP^T is waited for, and computes dS^T from them; at 64 (where unpacking cost 3%), and
+    in the copying kernel, the f32 tile is kept."""
+    d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
+    spec = fagen.parse_spec({**d64.model_dump(), "name": "packed", "backward": {
+        "deterministic": False, "block_q": block_q, "stages": 3, "warp_specialized": {}}})
+    assert backward_plan(spec).dkdv.early_p_pack == early
+    source = render_backward(spec)
+    loop = source[source.index("Phase 3"):source.index("Phase 5")]
+    assert ("pack_a(s, p);" in loop) == early and ("unpack2(p[0]" in loop) == early
+    assert ("= s[0][n][e] * (dp[0][n][e]" in loop) == (not early)
+    copying = fagen.parse_spec({**spec.model_dump(), "backward": {**spec.backward.model_dump(), "warp_specialized": None}})
+    assert not backward_plan(copying).dkdv.early_p_pack  # 255 registers: it keeps the f32 tile
+
+
+def test_trainable_takes_the_dkdv_producer_at_head_dim_64():
+    d64 = variants.trainable(variants.variant(fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml"),
+                                              Mask(kind="sliding_window", window_left=256), ScoreMod()))
+    bwd = d64.backward
+    assert d64.atomic_dq and bwd.block_q == 128 and bwd.warp_specialized is not None and bwd.dq_warp_specialized is None
 
 
 # ---- a document mask's bounds, resolved once a call (BackwardPlan.doc_bounds) -----------------
