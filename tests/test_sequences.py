@@ -58,6 +58,8 @@ def test_sources_read_only_what_their_layout_uses():
     paged = render(variants.sequence_variant(DECODE, "varlen", "paged"))
     assert "struct PageTable" in paged and "copy_paged_tile_async<BLOCK_KV>" in paged
     assert "n_kv = pages.keys(cache_seqlens[b])" in paged and "if (q0 >= rows.n) return;" in paged
+    # K's copy reads the thread's page id of the next tile ahead; V's reuses K's
+    assert "ids, true);" in paged and "ids, false);" in paged and "if (read_ahead) ids.read_ahead(" in paged
 
 
 # decode: a group of rows a thread; d64 H200 (176-192 keys): a shuffled address a group; d96: a chunk at a time
