@@ -205,7 +205,7 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
 # queries (and 2 stages), then the dQ kernel instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 3}, 128: {"stages": 3}}
 # The dK/dV kernel's TMA producer (backward.warp_specialized), measured on an H200 (same process,
-# alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 +4-7% (dense and
+# alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 +2-7% (dense and
 # causal, 4k and 16k) since P^T is packed before dP^T lands: before, its 128-query steps spilled
 # under the consumers' 240 registers and ran 2-5% slower.
 PRODUCER_BACKWARD_HEAD_DIMS = (64, 128)
