@@ -101,7 +101,7 @@ def cases(quick: bool = False) -> list[ServingCase]:
     varlen = [ServingCase("varlen", **f16, b=b, **gqa, nq=n, nk=n, causal=True, mixed=m)
               for b, n, m in ((8, 2048, False), (8, 2048, True), (16, 1024, True))]
     varlen.append(ServingCase("varlen", "bfloat16", 64, 4, 16, 16, 4096, 4096, mixed=True))
-    # host time: a decode step (split kernel and merge) and a one-launch prepared call
+    # host time: a decode step (one launch, its last split merging) and a one-launch prepared call
     host = [ServingCase("host", **f16, b=1, **gqa, nq=1, nk=1024),
             ServingCase("host", "float16", 64, 1, 1, 1, 128, 128)]
     if quick:
@@ -451,7 +451,7 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
             "the GPU's time is not in it)", "",
             "| call | shape | fagen.prepare'd, out allocated | out given | SDPA |", "| --- | --- | --- | --- | --- |"]
     for case, impls, f in _section(table, "host"):
-        call = "decode step (split kernel + merge)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch"
+        call = "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch"
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
         out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | {_us(impls.get('sdpa'))} |")
     notes = [r for r in rows if r.note and not r.note.startswith("err")]

@@ -182,7 +182,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     with_lse = spec.outputs.lse
-    if spec.outputs.partial:  # split-KV: NaN-poisoned partials over 3 splits, then the merge
+    if spec.outputs.partial and not spec.outputs.merge_splits:  # split-KV: NaN-poisoned partials over 3 splits, then the merge
         tiles = -(-nk // kernel.plan.block_kv)
         per_split = -(-tiles // min(3, tiles))
         parts = _nan_like(q, (-(-tiles // per_split), b, hq, nq, spec.head_dim))
@@ -191,8 +191,9 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
         got_out, got_lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=spec.dtype)
         if sinks is not None:
             extras["sinks"] = sinks
-    else:
-        got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse, **extras)
+    else:  # a merging split kernel (outputs.merge_splits) over 3 splits, merged in the launch
+        splits = {"splits": min(3, -(-nk // kernel.plan.block_kv))} if spec.outputs.merge_splits else {}
+        got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse, **splits, **extras)
         got_out, got_lse = got if with_lse else (got, None)
     slopes = extras.get("alibi_slopes")
     if spec.score_mod.alibi == "geometric" and slopes is None:

@@ -5,9 +5,10 @@ Three things make it memory-bound rather than launch-bound (fagen.variants.decod
   once for the group, not once per query head;
 - split-KV: the keys are split across enough blocks to fill the GPU (flash-decoding), each
   writing a float32 partial O and its LSE;
-- the merge: one small kernel combines the partials by LSE (sinks join there), a block a row
-  with every load in flight; where the blocks fill the GPU unsplit, the kernel writes out and the
-  LSE itself (variants.unsplit_variant: one launch a step).
+- the merge: the last split of each tile to finish reads the tile's partials back and merges them
+  by LSE (sinks join there) in the same launch (outputs.merge_splits); where the blocks fill the
+  GPU unsplit, the kernel writes out and the LSE itself (variants.unsplit_variant). Either way a
+  decode step is one launch.
 `fagen.attention` takes this path by itself when Nq x group fits a decode kernel.
 """
 
@@ -18,7 +19,8 @@ import math
 import numpy as np
 
 from fagen import variants
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for,
+                          zeros_like)
 from fagen.runtime import Kernel, compile_kernel, derive_spec
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
@@ -45,6 +47,38 @@ def default_splits(kernel: Kernel, b: int, hq: int, hkv: int, nq: int, nk: int) 
     return choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
 
 
+# The most a tile's partials may be for its last split to merge them (read back by one block):
+# on the H200, 32 KB (Nq 1, GQA 4, d 128, 16 splits) merged 0.5 us faster than by the merge
+# kernel, 128 KB (Nq 4) 4.6 us slower (notes/perf.md).
+MERGE_IN_KERNEL_BYTES = 64 * 1024
+
+
+def merges_in_kernel(tile_rows: int, head_dim: int, splits: int) -> bool:
+    """Whether the last split of a tile merges the tile's float32 partials (one launch a step), or
+    fagen.splitkv's merge kernel does, its blocks sharing the reads (two launches)."""
+    return tile_rows * head_dim * splits * 4 <= MERGE_IN_KERNEL_BYTES
+
+
+def step_spec(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, splits: int | None,
+              sinks: bool) -> tuple[AttentionSpec, int]:
+    """The kernel a decode step of `spec` (a GQA-packed partial spec) runs, and its split count
+    (equal shares of the KV tiles): unsplit where the blocks alone fill the GPU; merging in its
+    last split where a tile's partials are small (merges_in_kernel); else `spec` itself, whose
+    partials the merge kernel combines."""
+    merged = variants.merged_variant(spec, sinks)
+    kernel = compile_kernel(merged)  # its occupancy sets the split count: the steps' common case
+    tiles = math.ceil(nk / kernel.plan.block_kv)
+    if splits is None:
+        splits = default_splits(kernel, b, hq, hkv, nq, nk)
+    if not 1 <= splits <= tiles:
+        raise ValueError(f"splits = {splits}: must be 1..{tiles} (the KV tiles of Nk = {nk})")
+    splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares: some counts give the same split
+    if splits == 1:
+        return variants.unsplit_variant(spec, sinks), 1
+    tile_rows = min(kernel.plan.block_q, nq * (hq // hkv))
+    return (merged if merges_in_kernel(tile_rows, spec.head_dim, splits) else spec), splits
+
+
 def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
                     alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec | None:
     """The decode kernel fagen.attention would run for these arguments, or None where the plain
@@ -65,19 +99,18 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
 
 def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int | None = None,
         return_lse: bool = False, alibi_slopes=None, sinks=None):
-    """out (and lse) through the decode kernel `spec` (a GQA-packed partial spec) and the merge."""
-    kernel = compile_kernel(spec)
+    """out (and lse) through the decode kernel `spec` (a GQA-packed partial spec): one launch, or
+    two where the merge kernel combines the partials (step_spec)."""
     tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
     b, hq, nq, _ = tq.shape
-    hkv, nk = tk.shape[1], tk.shape[2]
-    if splits is None:
-        splits = default_splits(kernel, b, hq, hkv, nq, nk)
-    if splits == 1:  # the blocks alone fill the GPU: the kernel writes out itself, no merge
-        whole = compile_kernel(variants.unsplit_variant(spec, sinks is not None))
-        return whole(q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
-    o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
-    out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
-    return (out, lse) if return_lse else out
+    step, splits = step_spec(spec, b, hq, tk.shape[1], nq, tk.shape[2], splits, sinks is not None)
+    kernel = compile_kernel(step)
+    if step.outputs.partial and not step.outputs.merge_splits:  # the merge kernel's launch after it
+        o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
+        out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
+        return (out, lse) if return_lse else out
+    return kernel(q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks,
+                  splits=None if splits == 1 else splits)
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
@@ -109,11 +142,11 @@ def _signature(x) -> tuple:
 
 
 class PreparedAttention:
-    """fagen.attention packed once for repeated shapes (a decode loop): the kernels chosen,
-    compiled and their arguments packed at prepare time; a call checks that its tensors have
-    the prepared shapes, strides, dtype and device, points the launches at them and launches
-    (the decode path: the packed split-KV kernel into a workspace of partials owned here, then
-    the merge). Calls go to the caller's current stream (PyTorch's for torch tensors) and, for
+    """fagen.attention packed once for repeated shapes (a decode loop): the kernel chosen,
+    compiled and its arguments packed at prepare time; a call checks that its tensors have the
+    prepared shapes, strides, dtype and device, points the launch at them and launches: one
+    launch (the decode path's split kernel merges its partials itself, through a workspace of
+    partials and arrival counts owned here). Calls go to the caller's current stream (PyTorch's for torch tensors) and, for
     the same reason as any workspace, must not run concurrently on two streams."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
@@ -130,42 +163,47 @@ class PreparedAttention:
         self.signature = tuple(_signature(x) for x in (q, k, v))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         spec = packed_spec(plain, q, k)
-        self.spec = spec or plain
-        kernel = compile_kernel(self.spec)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
+        if spec is not None:
+            spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
+        self.spec = spec or plain
+        kernel = compile_kernel(self.spec)
         out = empty_like(tq, (b, hq, nq, d), tq.dtype)  # the outputs' strides, for packing
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
         self._lse = empty_like(tq, (b, hq, nq), "float32")
         self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
         self.out_signature, self.lse_signature = _signature(out), _signature(self._lse)
         self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
+        self.merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
         with cupy.cuda.Device(tq.device), stream_for(tq):
-            if spec is not None:
-                splits = default_splits(kernel, b, hq, hkv, nq, nk) if splits is None else splits
-                if splits == 1:  # the blocks alone fill the GPU: one launch writes out, as a plain forward's
-                    spec, self.spec = None, variants.unsplit_variant(spec, sinks is not None)
-                    kernel = compile_kernel(self.spec)
-            side = dict(alibi_slopes=alibi_slopes, sinks=None if spec else sinks)
-            extras, self._held = kernel.extra_arguments(tq, tk, {**side, "block_mask": None, "bias": None, "doc_ids": None})
-            kernel.check(q, k, v, None if spec else out)
+            extras, self._held = kernel.extra_arguments(tq, tk, {
+                "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
+                "block_mask": None, "bias": None, "doc_ids": None})
+            kernel.check(q, k, v, out)
             scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
             offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
-            if spec is None:  # one launch: the plain forward, or a decode kernel with no split
-                self.kernel = kernel.launch(tq, tk, tv, as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse"),
-                                            scale=scale, mask_offset=offset, splits=1, extras=extras)
-                self.merge = None
+            to, tl = as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse")
+            if not self.spec.outputs.partial:  # the plain forward, or a decode kernel with no split
+                self.kernel = kernel.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=offset, splits=1, extras=extras)
                 return
-            # the partials: a workspace this object owns, written and merged by each call
-            self.o_parts, self.lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
-            to, tl = as_device_tensor(self.o_parts, "o_parts"), as_device_tensor(self.lse_parts, "lse_parts")
-            per_split = dict(kv_tiles_per_split=np.int32(math.ceil(math.ceil(nk / kernel.plan.block_kv) / to.shape[0])),
-                             o_split_stride=np.int64(to.strides[0]), lse_split_stride=np.int64(tl.strides[0]))
-            one = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
-            self.kernel = kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=offset, splits=to.shape[0],
-                                        extras={**extras, **per_split})
-            self.merge = merge_launch(self.o_parts, self.lse_parts, out, self._lse, sinks=sinks)
-            self._held.append(self.merge.held)
+            # the partials (and the merging kernel's arrival counts): a workspace this object owns
+            per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
+            o_parts = empty_like(tq, (splits, b, hq, nq, d), "float32")
+            lse_parts = empty_like(tq, (splits, b, hq, nq), "float32")
+            self._held += [o_parts, lse_parts]
+            tp, tlp = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
+            extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
+                          lse_split_stride=np.int64(tlp.strides[0]))
+            if self.spec.outputs.merge_splits:
+                self.split_counts = zeros_like(tq, (math.prod(kernel.tiles(b, hq, hkv, nq, 1)),), "int32")
+                extras.update(kernel.merge_arguments(to, tl, as_device_tensor(self.split_counts, "split_counts")))
+            else:
+                self.merge = merge_launch(o_parts, lse_parts, out, self._lse, sinks=sinks)
+                self._held.append(self.merge.held)
+            one = DeviceTensor(tp.obj, tp.kind, tp.ptr, tp.shape[1:], tp.strides[1:], tp.dtype, tp.device)
+            self.kernel = kernel.launch(tq, tk, tv, one, tlp, scale=scale, mask_offset=offset, splits=splits,
+                                        extras=extras)
 
     def __call__(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
         """out, or (out, lse) with return_lse, for tensors of the prepared shapes (fagen.attention's

@@ -118,6 +118,11 @@ class KernelPlan:
     score_params: tuple[tuple[str, str], ...]  # ... that the score modifiers read
     sink_params: tuple[tuple[str, str], ...]  # (partials leave sinks to the merge)
     split_params: tuple[tuple[str, str], ...]  # split-KV partials: tiles a split, output strides
+    # outputs.merge_splits: the merged out and LSE, the tiles' arrival counts (and sinks, which join there)
+    merge_params: tuple[tuple[str, str], ...]
+    row_quads: int  # outputs.merge_splits: 4-float pieces of a row of O (the merge's loads)
+    split_merge_floats: int  # ... a thread's share of a row's merge, in the idle KV ring
+    split_merge_batch: int  # ... splits whose loads a thread issues before it folds them
     sequence_params: tuple[tuple[str, str], ...]  # varlen and paged: where each sequence's rows are
     sequence_offset: bool  # varlen and paged, aligned bottom right: each block moves the diagonal to its sequence's
     # What the templates print beside the numbers above (0 where a main loop has no use for it).
@@ -169,8 +174,8 @@ class KernelPlan:
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
         """Kernel parameters after the fixed ones, in signature order (the runtime packs these)."""
-        return (self.mask_params + self.score_params + self.sink_params + self.split_params + self.sequence_params
-                + self.scheduler_params + self.tma_params)
+        return (self.mask_params + self.score_params + self.sink_params + self.split_params + self.merge_params
+                + self.sequence_params + self.scheduler_params + self.tma_params)
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
@@ -180,6 +185,17 @@ class KernelPlan:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def merge_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
+    """outputs.merge_splits: where the merging split writes (out like q, any strides; the LSE
+    [B, Hq, Nq]), the arrival count of each tile (zeros before a launch; the merging split
+    resets its own), and the sinks, which join the merge as they would the merge kernel."""
+    if not spec.outputs.merge_splits:
+        return ()
+    return ((("elem_t* __restrict__", "merged_o"), ("long long", "merged_sb"), ("long long", "merged_sh"),
+             ("long long", "merged_sn"), ("float* __restrict__", "merged_lse"), ("int* __restrict__", "split_counts"))
+            + (((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks else ()))
 
 
 def kv_slots(spec: AttentionSpec) -> int:
@@ -377,6 +393,10 @@ def plan(spec: AttentionSpec) -> KernelPlan:
                        ("long long", "lse_split_stride")) if spec.outputs.partial else ())
         # a running LSE may be a slice of a longer one (a ring step's rows): its (batch, head) rows' stride
         + ((("long long", "lse_head_stride"),) if spec.outputs.accumulate else ()),
+        merge_params=merge_params(spec),
+        row_quads=d // 4 if spec.outputs.merge_splits else 0,
+        split_merge_floats=SPLIT_MERGE_FLOATS if spec.outputs.merge_splits else 0,
+        split_merge_batch=SPLIT_MERGE_BATCH if spec.outputs.merge_splits else 0,
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
         column_blocks=ws is not None,
@@ -487,6 +507,8 @@ class MergePlan:
 # A decode step's merge (B 1, 16 splits of 128 columns) was one warp a row walking the splits four
 # at a time: 8.5 us of latency for 256 KB. Eight warps, four splits each in flight: one round trip.
 MERGE_WARPS = 8
+SPLIT_MERGE_FLOATS = 6  # outputs.merge_splits: a thread's share of a row's merge (max, sum, 4 columns)
+SPLIT_MERGE_BATCH = 8  # ... more and the d64 decode kernel outgrows its registers (121 -> 145 at 16: one block an SM, not two)
 MERGE_SPLITS_IN_FLIGHT = 4
 
 

@@ -67,6 +67,7 @@ def context(spec: AttentionSpec) -> dict:
         "write_lse": spec.outputs.lse,
         "partial": spec.outputs.partial,
         "accumulate": spec.outputs.accumulate,
+        "merge_splits": spec.outputs.merge_splits,
         "q_in_registers": spec.pipeline.q_in_registers,
         "pack_gqa": spec.tiling.pack_gqa,
         "sequences": spec.sequences,

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from fagen import __version__, device, side_inputs, tensor_maps, variants
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
+                          zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
 from fagen.plan import TMA_MAP, KernelPlan, plan
@@ -235,7 +236,14 @@ class Kernel:
 
     @cached_property
     def takes_side_inputs(self) -> bool:
-        return bool(self.plan.mask_params or self.plan.score_params or self.plan.sink_params)
+        return bool(self.plan.mask_params or self.plan.score_params or self.takes_sinks)
+
+    @cached_property
+    def takes_sinks(self) -> bool:
+        """Sinks join where a row's softmax ends: this kernel's epilogue, or its in-kernel merge of
+        split-KV partials (outputs.merge_splits); a partial kernel leaves them to the merge kernel."""
+        outputs = self.spec.outputs
+        return self.spec.score_mod.sinks and (outputs.merge_splits or not outputs.partial)
 
     def check(self, q, k, v, out=None) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
         """Refuse bad arguments with a message a person can act on, before any launch."""
@@ -288,10 +296,11 @@ class Kernel:
         (a ring step) and returns them. mask_offset moves the diagonal (key of query 0's
         diagonal): shards of a sequence pass their positions through it."""
         partial, accumulate = self.spec.outputs.partial, self.spec.outputs.accumulate
+        merged = self.spec.outputs.merge_splits  # partials inside, out and lse returned as a plain kernel's
         if accumulate:
             running = out, lse
             out, lse = self._running(q, out, lse, splits)
-        elif lse is not None and not partial:
+        elif lse is not None and (merged or not partial):
             raise ValueError(f"lse: kernel {self.spec.name} returns a fresh LSE (return_lse=True); only a split-KV "
                              f"kernel (outputs: {{partial: true}}) writes into a given one")
         if splits is not None and not partial:
@@ -300,7 +309,7 @@ class Kernel:
         if mask_offset is not None and not KINDS[self.spec.mask.kind].shiftable:
             raise ValueError(f"mask_offset: mask kind {self.spec.mask.kind!r} is not a function of q - k alone; "
                              f"shifted positions work with none, causal and sliding_window")
-        tq, tk, tv = self.check(q, k, v, None if partial else out)
+        tq, tk, tv = self.check(q, k, v, out if merged or not partial else None)
         if return_lse and not self.spec.outputs.lse:
             raise ValueError(f"return_lse=True, but kernel {self.spec.name} has outputs.lse: false; "
                              f"use a spec with outputs: {{lse: true}}")
@@ -319,14 +328,23 @@ class Kernel:
         # be reused by work ordered after this kernel.
         with cupy.cuda.Device(tq.device), stream_for(tq):
             given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
-            if partial and sinks is not None:
+            if partial and not merged and sinks is not None:
                 raise ValueError("sinks: a split-KV kernel leaves them to the merge (fagen.splitkv.merge)")
-            if partial:
+            if partial and not merged:
                 given["sinks"] = None
             extras, keep_alive = self.extra_arguments(tq, tk, given)
             if partial:
                 per_split = math.ceil(n_tiles / splits)
                 splits = math.ceil(n_tiles / per_split)
+            if merged:  # the partials are this launch's workspace; out and lse are what it returns
+                final_out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
+                final_lse = empty_like(tq, (b, hq, nq), "float32")
+                counts = zeros_like(tq, (math.prod(self.tiles(b, hq, tk.shape[1], nq, 1)),), "int32")
+                keep_alive.append(counts)
+                extras.update(self.merge_arguments(as_device_tensor(final_out, "out"), as_device_tensor(final_lse, "lse"),
+                                                   as_device_tensor(counts, "split_counts")))
+                out = None
+            if partial:
                 out = empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
                 lse = empty_like(tq, (splits, b, hq, nq), "float32") if lse is None else lse
                 to = as_device_tensor(out, "out")
@@ -352,7 +370,17 @@ class Kernel:
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
         if accumulate:
             return running
+        if merged:
+            return (final_out, final_lse) if return_lse else final_out
         return (out, lse) if return_lse or partial else out
+
+    @staticmethod
+    def merge_arguments(out: DeviceTensor, lse: DeviceTensor, counts: DeviceTensor) -> dict:
+        """outputs.merge_splits: the merged out (q's shape, any 16-byte-aligned strides) and LSE
+        ([B, Hq, Nq], contiguous), and the tiles' arrival counts (zeros; the kernel leaves them so)."""
+        _check_layout(out, "out")
+        return dict(merged_o=out.ptr, merged_sb=np.int64(out.strides[0]), merged_sh=np.int64(out.strides[1]),
+                    merged_sn=np.int64(out.strides[2]), merged_lse=lse.ptr, split_counts=counts.ptr)
 
     def _running(self, q, out, lse, splits) -> tuple:
         """An accumulating kernel's running out and lse, checked, with out as one split's
@@ -396,8 +424,11 @@ class Kernel:
             values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2])
             count = math.prod(tiles)
             grid = (min(count, device.multiprocessors(tq.device)) if self.plan.persistent else count, 1, 1)
+        # a prepared call re-points the inputs and the outputs it returns (the merged ones, where the
+        # partials are a workspace)
+        outputs = ("merged_o", "merged_lse") if self.spec.outputs.merge_splits else ("o", "lse")
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
-                      slots=("q", "k", "v", "o", "lse"), maps=maps)
+                      slots=("q", "k", "v", *outputs), maps=maps)
 
     def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
         """The launch's tiles: x a block per (batch, query head), or per (batch, KV head) where the
@@ -422,7 +453,7 @@ class Kernel:
             "doc_ids": KINDS[spec.mask.kind].side_input == "doc_ids",
             "bias": spec.score_mod.bias != "none",
             "alibi_slopes": spec.score_mod.alibi == "slopes",
-            "sinks": spec.score_mod.sinks and not spec.outputs.partial,  # partials leave them to the merge
+            "sinks": self.takes_sinks,
         }
         for name, value in given.items():
             if value is not None and not wants[name] and not (name == "alibi_slopes" and spec.score_mod.alibi != "none"):

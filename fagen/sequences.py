@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fagen import variants
-from fagen.decode import default_splits
+from fagen.decode import default_splits, step_spec
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE
 from fagen.runtime import _aux_array, _check_layout, compile_kernel, derive_spec_for
@@ -222,16 +222,19 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
     total_q = int(batch.arguments["total_q"]) if varlen_q else 0
     partial = spec.outputs.partial
     with cupy.cuda.Device(tq.device), stream_for(tq):
-        if partial:
-            tiles = math.ceil(nk / kernel.plan.block_kv)
+        if partial and not varlen_q:  # decode: one launch where it can (fagen.decode.step_spec)
+            spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
+            kernel, partial = compile_kernel(spec), spec.outputs.partial
+        elif partial:  # varlen queries: partials, merged over the batch's rows by the merge kernel
             if splits is None:
                 splits = default_splits(kernel, b, hq, hkv, nq, nk)
-            per_split = math.ceil(tiles / splits)
-            splits = math.ceil(tiles / per_split)
+            tiles = math.ceil(nk / kernel.plan.block_kv)
+            splits = math.ceil(tiles / math.ceil(tiles / splits))
             if splits == 1:  # the blocks alone fill the GPU: the kernel writes out itself, no merge
                 kernel, partial = compile_kernel(variants.unsplit_variant(spec, sinks is not None)), False
+        merged = kernel.spec.outputs.merge_splits
         given = dict(block_mask=None, bias=None, doc_ids=None, alibi_slopes=alibi_slopes,
-                     sinks=None if partial else sinks)
+                     sinks=sinks if kernel.takes_sinks else None)
         extras, held = kernel.extra_arguments(tq, tk, given)
         extras.update(batch.arguments)
         out_shape = (total_q, hq, d) if varlen_q else (b, hq, nq, d)
@@ -255,9 +258,15 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
         lse_parts = empty_like(tq, (splits, seqs, hq, rows), "float32")
         tp, tl = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
         one = _view(tp, (b, hq, nq, d), (0 if varlen_q else tp.strides[1], tp.strides[2], tp.strides[3], 1))
+        per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
         extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
                       lse_split_stride=np.int64(tl.strides[0]))
+        if merged:
+            counts = zeros_like(tq, (math.prod(kernel.tiles(b, hq, hkv, nq, 1)),), "int32")
+            extras.update(kernel.merge_arguments(to, as_device_tensor(lse, "lse"), as_device_tensor(counts, "split_counts")))
         kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=0, splits=splits, extras=extras)(None)
+        if merged:
+            return out, lse
         merged_out, merged_lse = (_as_one_sequence(out), lse[None]) if varlen_q else (out, lse)
         launch = merge_launch(o_parts, lse_parts, merged_out, merged_lse, sinks=sinks)
         launch.launch(None)

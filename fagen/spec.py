@@ -303,6 +303,10 @@ class Outputs(_Frozen):
     # outputs (weighted by the two LSEs) instead of overwriting them, so each step of ring
     # attention adds its KV block's share in place, with no merge launch
     accumulate: bool = False
+    # decode in one launch: the last split of each tile to finish reads its tile's partials back
+    # and writes out and the LSE itself (sinks join there), where fagen.splitkv's merge kernel
+    # would have done it one launch later
+    merge_splits: bool = False
 
     @model_validator(mode="after")
     def _partial_needs_lse(self) -> Outputs:
@@ -311,6 +315,9 @@ class Outputs(_Frozen):
         if self.accumulate and not self.partial:
             raise ValueError(rule("outputs.accumulate", True, "folds a float32 partial into the running one, so it "
                                   "needs outputs.partial", "set partial: true (and lse: true)"))
+        if self.merge_splits and (not self.partial or self.accumulate):
+            raise ValueError(rule("outputs.merge_splits", True, "merges split-KV partials, so it needs outputs.partial "
+                                  "and no accumulate", "set partial: true and accumulate: false"))
         return self
 
 
@@ -573,6 +580,21 @@ class AttentionSpec(_Frozen):
         if self.sequences.q != "padded":
             raise ValueError(rule("outputs.accumulate", True, f"with sequences.q {self.sequences.q!r}: the running "
                                   "output is [B, H, N, d] by padded positions", "use padded queries (remove sequences)"))
+        return self
+
+    @model_validator(mode="after")
+    def _merge_splits_rules(self) -> AttentionSpec:
+        """The merging split finds its tile's rows in out by padded positions, and runs in the
+        mma.sync kernel's epilogue (a decode kernel's)."""
+        if not self.outputs.merge_splits:
+            return self
+        if self.sequences.q != "padded":
+            raise ValueError(rule("outputs.merge_splits", True, f"with sequences.q {self.sequences.q!r}: the merge "
+                                  "writes out by padded positions", "set merge_splits: false (fagen.splitkv merges "
+                                  "varlen rows)"))
+        if self.pipeline.warp_specialized is not None:
+            raise ValueError(rule("outputs.merge_splits", True, "with pipeline.warp_specialized: the producer's "
+                                  "roles have no merge phase", "set merge_splits: false, or remove warp_specialized"))
         return self
 
     @model_validator(mode="after")

@@ -160,6 +160,19 @@ def unsplit_variant(spec: AttentionSpec, sinks: bool = False) -> AttentionSpec:
 
 
 @cache
+def merged_variant(spec: AttentionSpec, sinks: bool = False) -> AttentionSpec:
+    """A partial spec (a decode kernel) whose last split of each tile merges the tile's partials
+    (outputs.merge_splits), named <name>_merged[_sinks]: a split decode step in one launch.
+    sinks: they join that merge, as the merge kernel would have added them."""
+    if not spec.outputs.partial or spec.outputs.merge_splits:
+        return spec
+    data = {**spec.model_dump(), "name": f"{spec.name}_merged{'_sinks' if sinks else ''}",
+            "outputs": {**spec.outputs.model_dump(), "merge_splits": True},
+            "score_mod": {**spec.score_mod.model_dump(), "sinks": sinks}}
+    return parse_spec(data, f"merged {spec.name}")
+
+
+@cache
 def partial_variant(spec: AttentionSpec) -> AttentionSpec:
     """`spec` writing float32 partials (outputs.partial), named <name>_partial (forward only:
     its backward: section is not carried over)."""

@@ -15,6 +15,7 @@
 //   outputs:
 //     accumulate: false
 //     lse: true
+//     merge_splits: false
 //     partial: false
 //   pipeline:
 //     kv_smem: separate

@@ -14,6 +14,7 @@
 //   outputs:
 //     accumulate: false
 //     lse: true
+//     merge_splits: false
 //     partial: true
 //   pipeline:
 //     kv_smem: separate

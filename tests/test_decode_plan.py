@@ -103,3 +103,68 @@ def test_warps_along_the_keys_share_each_tile():
     assert "merge_key_warps(o_acc, softmax" in source and "warp_key0 = warp / WARPS_Q * WARP_KEYS" in source
     one = render(load_spec(SPECS / "attn_f16_d128.yaml"))
     assert "merge_key_warps" not in one and "WARPS_KV" not in one
+
+
+# ---- one launch a step: the last split of each tile merges (outputs.merge_splits) ----------------
+
+def test_a_merging_variant_keeps_its_partials_and_takes_the_sinks():
+    merged = variants.merged_variant(DECODE, sinks=True)
+    assert merged.name == "decode_f16_d128_merged_sinks" and merged.outputs.partial and merged.outputs.merge_splits
+    assert merged.score_mod.sinks and merged.tiling == DECODE.tiling
+    assert variants.merged_variant(merged) is merged  # already merging
+    plain = load_spec(SPECS / "attn_f16_d128.yaml")
+    assert variants.merged_variant(plain) is plain  # no partials to merge
+
+
+@pytest.mark.parametrize("changes, broken", [
+    ({"outputs": {"lse": True, "partial": False, "merge_splits": True}}, "needs outputs.partial"),
+    ({"outputs": {"lse": True, "partial": True, "accumulate": True, "merge_splits": True},
+      "tiling": {"pack_gqa": False}}, "no accumulate"),
+    ({"outputs": {"lse": True, "partial": True, "merge_splits": True}, "sequences": {"q": "varlen", "kv": "varlen"}},
+     "padded positions"),
+])
+def test_merging_refuses_what_it_cannot_merge(changes, broken):
+    with pytest.raises(SpecError) as err:
+        parse_spec(packed(**changes), "test")
+    assert "outputs.merge_splits" in str(err.value) and broken in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted(SPECS.glob("decode_*.yaml")), ids=lambda p: p.stem)
+def test_the_idle_ring_holds_the_merging_threads_shares(path):
+    from fagen.plan import plan
+
+    p = plan(variants.merged_variant(load_spec(path)))
+    assert p.kv_slots * p.kv_tile_bytes >= p.threads * p.split_merge_floats * 4
+
+
+@pytest.mark.parametrize("rows, d, splits, one_launch", [
+    (4, 128, 16, True),  # Nq 1, GQA 4: 32 KB, merged 0.5 us faster in the kernel (H200)
+    (4, 64, 32, True), (8, 128, 16, True), (1, 128, 128, True),
+    (16, 128, 16, False),  # Nq 4: 128 KB, 4.6 us slower read back by one block
+    (64, 128, 16, False),
+])
+def test_small_partials_merge_in_the_kernel(rows, d, splits, one_launch):
+    assert decode.merges_in_kernel(rows, d, splits) is one_launch
+
+
+def test_the_merging_kernel_renders_its_merge_and_nothing_else_does():
+    for sinks in (False, True):
+        source = render(variants.merged_variant(DECODE, sinks=sinks))
+        assert "last_split_to_arrive(split_counts + blockIdx.x * gridDim.y + blockIdx.y, gridDim.z, tid)" in source
+        assert "merge_splits(o_split0, lse_split0" in source
+        signature = source[source.index("fagen_decode_f16_d128_merged"):source.index(") {", source.index("fagen_decode"))]
+        for param in ("merged_o", "merged_sn", "merged_lse", "split_counts"):
+            assert param in signature
+        assert ("sinks" in signature) is sinks
+        assert source.count("__shared__") == 1  # the dynamic tiles alone: a static one shifts the swizzle
+    partial = render(DECODE)
+    assert "last_split_to_arrive" not in partial and "merged_o" not in partial
+
+
+def test_a_merging_plan_packs_the_merge_parameters_after_the_splits():
+    from fagen.plan import plan
+
+    names = [name for _, name in plan(variants.merged_variant(DECODE, sinks=True)).extra_params]
+    split = names.index("lse_split_stride")
+    assert names[split + 1:split + 8] == ["merged_o", "merged_sb", "merged_sh", "merged_sn", "merged_lse",
+                                          "split_counts", "sinks"]

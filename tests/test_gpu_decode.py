@@ -36,6 +36,51 @@ def test_decode_kernels_match_the_oracle(dtype, d, shape):
     assert result.passed, result.summary()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_merging_decode_kernels_match_the_oracle(dtype, d, shape):
+    """The one-launch decode kernel: 3 splits a tile (or as many as its tiles), the last to finish
+    merging them into out and the LSE (NaN-poisoned)."""
+    b, hq, hkv, nq, nk = shape
+    spec = variants.merged_variant(_spec(dtype, d, hq, hkv, nq))
+    assert spec.outputs.merge_splits
+    result = check_against_oracle(spec, b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("mask", MASKS[:4], ids=str)
+@pytest.mark.parametrize("mod", [m for m in MODS if m.sinks], ids=lambda m: m.model_dump_json(exclude_defaults=True))
+def test_merging_decode_kernels_take_masks_and_sinks(mask, mod):
+    """Sinks join the in-kernel merge as they join the merge kernel's."""
+    b, hq, hkv, nq, nk = 2, 8, 2, 6, 1100
+    spec = variants.merged_variant(_spec("float16", 128, hq, hkv, nq, mask, mod), sinks=True)
+    result = check_against_oracle(spec, b, hq, hkv, nq, nk)
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("splits", [2, 5, 32])
+def test_a_prepared_split_step_is_one_launch_and_leaves_its_counts_zeroed(splits):
+    """Steps of a prepared decode call (new queries each) merge in the kernel: every tile's
+    arrival count goes back to 0, so the next step (or a graph replay) merges too."""
+    import torch
+
+    b, hq, hkv, nq, nk = 2, 32, 8, 1, 8192 + 77
+    q, k, v, _ = random_inputs("torch", "float16", b, hq, hkv, nq, nk, 128)
+    call = fagen.prepare(q, k, v, splits=splits)
+    assert call.spec.outputs.merge_splits
+    counts = call.split_counts
+    for _ in range(3):
+        q = random_inputs("torch", "float16", b, hq, hkv, nq, nk, 128)[0]
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, hq, nq), float("nan"), device="cuda")
+        call(q, k, v, out=out, lse=lse)
+        ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), return_lse=True)
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
+        assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+        assert counts.shape == (b * hkv,) and int(counts.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("mask", MASKS, ids=str)
 @pytest.mark.parametrize("mod", MODS, ids=lambda m: m.model_dump_json(exclude_defaults=True))
 def test_decode_masks_and_modifiers_match_the_oracle(mask, mod):
@@ -193,7 +238,7 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod):
     assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
     assert relative_error(to_numpy(lse), ref_lse) < 1e-4
     call = fagen.prepare(q, k, v, mask=mask, softcap=mod.softcap, alibi_slopes=slopes, sinks=sinks)
-    assert call.merge is None and not call.spec.outputs.partial  # one launch a step
+    assert not call.spec.outputs.partial  # one launch a step, no partials
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
     call(q, k, v, out=out, lse=lse)

@@ -29,7 +29,7 @@ from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _resources, attention_defaults
                         compile_backward_many, compile_many, score_mods, targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask, ScoreMod
-from fagen.variants import accumulate_variant, partial_variant, trainable, variant
+from fagen.variants import accumulate_variant, merged_variant, partial_variant, trainable, variant
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
@@ -37,6 +37,8 @@ PARTIALS = [p for p in SPEC_PATHS if p.stem.startswith("attn_") and not p.stem.e
 # ring attention's steps fold into the running output: the float16 d128 defaults' accumulating
 # kernels (the epilogue is the partial one's, shared by every head_dim)
 RING_STEPS = [p for p in SPEC_PATHS if p.stem.startswith("attn_f16_d128") and "partial" not in p.stem]
+# a decode step in one launch: the decode kernels' merging variants (sinks on: the most they take)
+DECODES = [p for p in SPEC_PATHS if p.stem.startswith("decode_")]
 
 # Each modifier alone, and all of them (bias: vector and matrix compile to one kernel).
 MODIFIERS = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi": "slopes"}, "bias": {"bias": "matrix"},
@@ -100,7 +102,8 @@ def shipped():
     parts = [(partial_variant(fagen.load_spec(p)), None) for p in PARTIALS]
     parts = [(s, targets(s)[-1]) for s, _ in parts]
     rings = [(accumulate_variant(fagen.load_spec(p)), None) for p in RING_STEPS]
-    parts += [(s, targets(s)[-1]) for s, _ in rings]
+    merging = [(merged_variant(fagen.load_spec(p), sinks=True), None) for p in DECODES]
+    parts += [(s, targets(s)[-1]) for s, _ in rings + merging]
     results = compile_many(specs + parts)
     return {(s.name, a): r for (s, a), r in zip(specs + parts, results)}
 
@@ -150,6 +153,23 @@ def test_ring_steps_of_the_defaults_compile_without_spills(path, shipped):
     spec = accumulate_variant(fagen.load_spec(path))
     r = shipped[(spec.name, targets(spec)[-1])]
     assert _ok(r), r.log
+
+
+@pytest.mark.parametrize("path", DECODES, ids=lambda p: p.stem)
+def test_merging_decode_kernels_compile_clean_and_keep_their_occupancy(path, shipped):
+    """The in-kernel merge runs after the main loop, in registers it has freed: the merging kernel
+    holds as many blocks an SM as the partial one (the split count assumes it), and declares no
+    static shared memory (it would shift the swizzled tiles)."""
+    spec = fagen.load_spec(path)
+    merging = merged_variant(spec, sinks=True)
+    arch = targets(merging)[-1]
+    r, partial = shipped[(merging.name, arch)], shipped[(spec.name, arch)]
+    assert _ok(r), r.log
+    assert r.static_smem == 0
+    threads = plan(spec).threads
+    per_sm = lambda registers: 65536 // (-(-registers // 8) * 8 * threads)  # noqa: E731
+    assert per_sm(r.registers) >= min(per_sm(partial.registers), plan(spec).blocks_per_sm_by_smem), (r.registers,
+                                                                                                    partial.registers)
 
 
 @pytest.mark.parametrize(("base", "arch", "mask"), PAIRS,
