@@ -20,7 +20,7 @@
 //     kv_smem: separate
 //     pingpong: false
 //     q_in_registers: false
-//     stages: 1
+//     stages: 2
 //   score_mod:
 //     alibi: none
 //     bias: none
@@ -28,12 +28,12 @@
 //   sequences:
 //     kv: padded
 //     q: padded
-//   smem_layout: padded
+//   smem_layout: swizzled
 //   tiling:
 //     block_kv: 256
 //     block_q: 16
 //     pack_gqa: true
-//     warps_kv: 8
+//     warps_kv: 4
 //     warps_q: 1
 
 // ---- compile-time configuration (every number the kernel uses, once) -------------------
@@ -43,28 +43,28 @@ typedef float out_t;  // split-KV partials: O normalised per split, in f32, merg
 struct alignas(8) float2_t { float x, y; };
 constexpr int BLOCK_Q = 16;            // Br: query rows per block
 constexpr int BLOCK_KV = 256;           // Bc: keys per KV tile
-constexpr int THREADS = 256;
+constexpr int THREADS = 128;
 constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
 constexpr int WARPS_Q = 1;            // warps along the rows ...
-constexpr int WARPS_KV = 8;           // ... and along the keys: warp w sees keys [WARP_KEYS w', WARP_KEYS (w' + 1)) of each tile
-constexpr int WARP_KEYS = 32;
+constexpr int WARPS_KV = 4;           // ... and along the keys: warp w sees keys [WARP_KEYS w', WARP_KEYS (w' + 1)) of each tile
+constexpr int WARP_KEYS = 64;
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
-constexpr int S_N_FRAGS = 4;           // n8 fragments of S per warp (keys)
+constexpr int S_N_FRAGS = 8;           // n8 fragments of S per warp (keys)
 constexpr int O_N_FRAGS = 8;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 4;          // k16 steps of Q.K^T over head_dim
-constexpr int PV_K_STEPS = 2;          // k16 steps of P.V over the tile's keys
+constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 8;      // 16-byte chunks in a head_dim row
-constexpr int COPY_ROWS_PER_PASS = 32;  // tile rows all threads copy at once
+constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
 constexpr int ELEM_BYTES = 2;
-constexpr int Q_TILE_ELEMS = 1152;
-constexpr int KV_TILE_BYTES = 36864;     // one KV tile: the stride between ring slots
+constexpr int Q_TILE_ELEMS = 1024;
+constexpr int KV_TILE_BYTES = 32768;     // one KV tile: the stride between ring slots
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 
 // mma.sync main loop: padded or swizzled smem rows, a ring of KV_SLOTS tiles.
 constexpr int SMEM_ALIGN = 16;          // bytes: cp.async and ldmatrix move 16-byte chunks
-constexpr int SMEM_ROW = 72;           // elements between smem rows
-constexpr int KV_SLOTS = 2;            // smem tiles in the KV ring
+constexpr int SMEM_ROW = 64;           // elements between smem rows
+constexpr int KV_SLOTS = 4;            // smem tiles in the KV ring
 
 // ---- PTX wrappers ----------------------------------------------------------------------
 // Inline PTX keeps the kernel free of CUDA headers: NVRTC compiles it as is.
@@ -120,9 +120,9 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[
 // ---- shared-memory tiles ---------------------------------------------------------------
 // Rows of SMEM_ROW elements; ldmatrix reads 8 rows x 16 bytes at once, which must fall in 8
 // distinct 16-byte bank groups.
-// Padded: each row is 16 bytes longer than the data, shifting row r by r bank groups.
+// Swizzled: the 16-byte chunk index is XORed with row % 8, rows stay dense.
 __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multiple of 8
-  return row * SMEM_ROW + col;
+  return row * SMEM_ROW + (((col >> 3) ^ (row & 7)) << 3);
 }
 
 // Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
