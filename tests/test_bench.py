@@ -918,7 +918,7 @@ def test_serving_markdown_tables(tmp_path):
     assert "| 450 | 500 | 0.90 |" in text and "![serving](bench/bench_serving.png)" in text
     assert "(sdpa_flash): unsupported: no" in text
     assert "| float16 d128, 32/8, B 16 | 8k | 2100-14000 | 100.0 | 3.00 | 400.0 | 4.00x |" in text
-    assert "| decode step (split kernel + merge) | float16 d128, 32/8, B 1, Nq 1, Nk 1024 | 11.5 | 8.2 | 18.0 |" in text
+    assert "| decode step (the last split merges) | float16 d128, 32/8, B 1, Nq 1, Nk 1024 | 11.5 | 8.2 | 18.0 |" in text
     bench_serving.plot(serving_rows(), tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000
 
