@@ -37,8 +37,9 @@ PARTIALS = [p for p in SPEC_PATHS if p.stem.startswith("attn_") and not p.stem.e
 # ring attention's steps fold into the running output: the float16 d128 defaults' accumulating
 # kernels (the epilogue is the partial one's, shared by every head_dim)
 RING_STEPS = [p for p in SPEC_PATHS if p.stem.startswith("attn_f16_d128") and "partial" not in p.stem]
-# a decode step in one launch: the decode kernels' merging variants (sinks on: the most they take)
-DECODES = [p for p in SPEC_PATHS if p.stem.startswith("decode_")]
+# a decode step in one launch: the decode kernels' merging variants (sinks on: the most they take);
+# float16's stand for bfloat16's, whose tilings are the same
+DECODES = [p for p in SPEC_PATHS if p.stem.startswith("decode_f16")]
 
 # Each modifier alone, and all of them (bias: vector and matrix compile to one kernel).
 MODIFIERS = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi": "slopes"}, "bias": {"bias": "matrix"},
