@@ -120,7 +120,7 @@ class Backward:
                 per_kernel["dkdv"] = values | block_mask_arguments(block_mask, bp.dkdv.block_q, bp.dkdv.block_kv, *shape,
                                                                    key_major_group=hq // hkv)
             launch = {  # role: grid, threads, dynamic smem
-                "preprocess": ((-(-n_pad // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
+                "preprocess": ((-(-n_pad // bp.preprocess_rows), b * hq), bp.preprocess_threads, 0),
                 "dkdv": (self._dkdv_grid(b * hkv * -(-nk // bp.dkdv.block_kv), tq.device) if bp.dkdv.warp_specialized
                          else (-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
                 "dq": ((b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),

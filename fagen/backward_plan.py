@@ -31,6 +31,10 @@ from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS,
 
 OUT_PTR = "elem_t* __restrict__"
 PREPROCESS_WARPS = 4
+# Lanes side by side along a row of O and dO in the preprocess: 8 lanes' 16-byte chunks are a whole
+# 128-byte line, so a warp's load reads 4 rows' lines (one row a thread read 32 half-used sectors
+# a load, and ran at a third of the memory's bandwidth: notes/perf.md)
+PREPROCESS_ROW_LANES = 8
 # The register estimates of the two main loops: accumulators (dK and dV, or dQ), S and dP (and
 # the modifiers' derivative where it varies per score) and what they hold beside them, priced
 # per term below, fitted by linear programming to 301 ptxas -v runs (random backward specs, and every mask
@@ -262,7 +266,8 @@ class BackwardPlan:
     head_dim: int
     row_pad: int  # LSE and D rows are padded to a multiple of this (whole tiles of both loops)
     preprocess_threads: int
-    preprocess_rows: int  # query rows a preprocess block covers (chunks_per_row lanes a row)
+    preprocess_lanes: int  # lanes a query row in the preprocess (a power of two up to 8), side by side along it
+    preprocess_rows: int  # query rows a preprocess block covers: threads / lanes
     chunks_per_row: int
     dkdv: DkdvPlan
     dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
@@ -370,7 +375,8 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         head_dim=d,
         row_pad=math.lcm(bwd.block_q, bwd.dq_block_q),
         preprocess_threads=32 * PREPROCESS_WARPS,
-        preprocess_rows=32 * PREPROCESS_WARPS // chunks,
+        preprocess_lanes=(lanes := min(PREPROCESS_ROW_LANES, 1 << (chunks.bit_length() - 1))),
+        preprocess_rows=32 * PREPROCESS_WARPS // lanes,
         chunks_per_row=chunks,
         dkdv=dkdv,
         dq=replace(dq, mask_params=mask_params),

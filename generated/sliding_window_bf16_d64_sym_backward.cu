@@ -124,10 +124,13 @@ __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
 namespace preprocess {
 constexpr int THREADS = 128;
 constexpr int CHUNKS_PER_ROW = 8;  // 16-byte chunks in a head_dim row
+constexpr int LANES = 8;          // lanes along a row, its chunks dealt among them
+constexpr int ROWS = 16;           // rows a block: THREADS / LANES
 
-// D = rowsum(dO * O) in f32, and the forward's LSE times log2(e), one query row a thread. A
-// row that saw no key (LSE = -inf) gets +inf, so the loops' exp2(S - LSE) give it P = 0, not
-// NaN; padding rows [n_q, n_pad) get D = 0 and +inf.
+// D = rowsum(dO * O) in f32, and the forward's LSE times log2(e): LANES lanes a query row, each
+// summing its chunks (lane i: chunks i, i + LANES, ...: the row group's lanes read whole lines),
+// then a shuffle sum. A row that saw no key (LSE = -inf) gets +inf, so the loops' exp2(S - LSE)
+// give it P = 0, not NaN; padding rows [n_q, n_pad) get D = 0 and +inf.
 extern "C" __global__ void __launch_bounds__(THREADS)
 fagen_sliding_window_bf16_d64_sym_bwd_preprocess(
     const elem_t* __restrict__ o,
@@ -145,14 +148,14 @@ fagen_sliding_window_bf16_d64_sym_bwd_preprocess(
     long long dout_sh,
     long long dout_sn) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
-  const int row = blockIdx.x * THREADS + threadIdx.x;
-  if (row >= n_pad) return;
-  float d = 0.f, l = POS_INF;
+  const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
+  if (row >= n_pad) return;  // a row's LANES lanes leave together: the shuffles below are theirs
+  float d = 0.f;
   if (row < n_q) {
     const chunk16* o_row = reinterpret_cast<const chunk16*>(o + b * o_sb + h * o_sh + row * o_sn);
     const chunk16* do_row = reinterpret_cast<const chunk16*>(dout + b * dout_sb + h * dout_sh + row * dout_sn);
-#pragma unroll 4
-    for (int c = 0; c < CHUNKS_PER_ROW; ++c) {
+#pragma unroll
+    for (int c = lane; c < CHUNKS_PER_ROW; c += LANES) {
       const chunk16 x = o_row[c], y = do_row[c];
       const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
@@ -163,11 +166,19 @@ fagen_sliding_window_bf16_d64_sym_bwd_preprocess(
         d = fmaf(x0, y0, fmaf(x1, y1, d));
       }
     }
-    const float x = lse[(long long)bh * n_q + row];
-    l = x == NEG_INF ? POS_INF : x * LOG2E;
   }
-  delta[(long long)bh * n_pad + row] = d;
-  lse2[(long long)bh * n_pad + row] = l;
+  const unsigned group = (LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1)) << (threadIdx.x % 32 / LANES * LANES);
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset /= 2) d += __shfl_xor_sync(group, d, offset);
+  if (lane == 0) {
+    float l = POS_INF;
+    if (row < n_q) {
+      const float x = lse[(long long)bh * n_q + row];
+      l = x == NEG_INF ? POS_INF : x * LOG2E;
+    }
+    delta[(long long)bh * n_pad + row] = d;
+    lse2[(long long)bh * n_pad + row] = l;
+  }
 }
 }  // namespace preprocess
 

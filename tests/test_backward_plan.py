@@ -450,6 +450,19 @@ def test_trainable_takes_the_dkdv_producer_at_head_dim_64():
     assert d64.atomic_dq and bwd.block_q == 128 and bwd.warp_specialized is not None and bwd.dq_warp_specialized is None
 
 
+@pytest.mark.parametrize("head_dim, lanes", [(32, 4), (64, 8), (96, 8), (128, 8), (256, 8)])
+def test_the_preprocess_reads_whole_lines_of_a_row(head_dim, lanes):
+    """PREPROCESS_ROW_LANES: lanes side by side along a row of O and dO (a power of two no more
+    than its chunks), their partial sums shuffled together; a block covers threads / lanes rows."""
+    spec = variants.trainable(fagen.load_spec(SPECS / f"attn_f16_d{head_dim}.yaml"))
+    plan = backward_plan(spec)
+    assert (plan.preprocess_lanes, plan.preprocess_rows) == (lanes, plan.preprocess_threads // lanes)
+    source = render_backward(spec)
+    preprocess = source[source.index("namespace preprocess {"):source.index("}  // namespace preprocess")]
+    assert f"constexpr int LANES = {lanes};" in preprocess and "for (int c = lane; c < CHUNKS_PER_ROW; c += LANES)" in preprocess
+    assert "__shfl_xor_sync(group, d, offset)" in preprocess and "if (lane == 0) {" in preprocess
+
+
 # ---- a document mask's bounds, resolved once a call (BackwardPlan.doc_bounds) -----------------
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -464,7 +477,7 @@ def test_the_preprocess_resolves_document_bounds_and_the_loops_read_them(causal)
         assert "doc_bounds" in names(params) and "doc_ids" not in names(params)
     source = render_backward(spec)
     preprocess = source[source.index("namespace preprocess {"):source.index("}  // namespace preprocess")]
-    assert "doc_bounds[b * doc_sb + row] = make_int2(start, end);" in preprocess
+    assert "doc_bounds[b * doc_sb + p] = make_int2(start, end);" in preprocess
     loops = source[source.index("namespace dkdv {"):]
     assert "lower_bounds" not in loops and "doc_ids" not in loops and "bounds[at[i]]" in loops
     assert "lower_bounds" in fagen.render(spec)  # the forward, one launch a call, still searches doc_ids
