@@ -25,15 +25,13 @@ from fagen.runtime import Kernel, compile_kernel, derive_spec
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
 
-MIN_TILES_PER_SPLIT = 2  # fewer and the partials' writes and the merge cost more than they save
-
-
 def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
     """Splits of the KV tiles so that blocks x splits fills the GPU's `slots` (SMs x blocks an SM
     holds) in one wave, none waiting for a second: a memory-bound launch wants every block it
-    can keep loading at once, and equal shares end together. At least MIN_TILES_PER_SPLIT
-    tiles a split; 1 when the blocks alone fill the slots."""
-    return max(1, min(slots // blocks, kv_tiles // MIN_TILES_PER_SPLIT))
+    can keep loading at once, and equal shares end together. A split may be a single tile: with
+    the merge in the kernel, B 1 at 4k keys ran 2-5% faster on 16 one-tile splits than on 8 of
+    two (H200, notes/perf.md). 1 when the blocks alone fill the slots."""
+    return max(1, min(slots // blocks, kv_tiles))
 
 
 def slots(kernel: Kernel) -> int:
