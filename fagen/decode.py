@@ -19,8 +19,7 @@ import math
 import numpy as np
 
 from fagen import variants
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for,
-                          zeros_like)
+from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for
 from fagen.runtime import Kernel, compile_kernel, derive_spec
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
@@ -142,10 +141,11 @@ def _signature(x) -> tuple:
 class PreparedAttention:
     """fagen.attention packed once for repeated shapes (a decode loop): the kernel chosen,
     compiled and its arguments packed at prepare time; a call checks that its tensors have the
-    prepared shapes, strides, dtype and device, points the launch at them and launches: one
-    launch (the decode path's split kernel merges its partials itself, through a workspace of
-    partials and arrival counts owned here). Calls go to the caller's current stream (PyTorch's for torch tensors) and, for
-    the same reason as any workspace, must not run concurrently on two streams."""
+    prepared shapes, strides, dtype and device, points the launch at them and launches (the
+    decode path: a split kernel that merges its partials itself, through a workspace of partials
+    and arrival counts owned here; many-row tiles: the merge kernel after it). Calls go to the
+    caller's current stream (PyTorch's for torch tensors) and, for the same reason as any
+    workspace, must not run concurrently on two streams."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
@@ -194,8 +194,8 @@ class PreparedAttention:
             extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
                           lse_split_stride=np.int64(tlp.strides[0]))
             if self.spec.outputs.merge_splits:
-                self.split_counts = zeros_like(tq, (math.prod(kernel.tiles(b, hq, hkv, nq, 1)),), "int32")
-                extras.update(kernel.merge_arguments(to, tl, as_device_tensor(self.split_counts, "split_counts")))
+                args, self.split_counts = kernel.merge_arguments(tq, hkv, to, tl)
+                extras.update(args)
             else:
                 self.merge = merge_launch(o_parts, lse_parts, out, self._lse, sinks=sinks)
                 self._held.append(self.merge.held)

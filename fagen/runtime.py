@@ -339,10 +339,10 @@ class Kernel:
             if merged:  # the partials are this launch's workspace; out and lse are what it returns
                 final_out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
                 final_lse = empty_like(tq, (b, hq, nq), "float32")
-                counts = zeros_like(tq, (math.prod(self.tiles(b, hq, tk.shape[1], nq, 1)),), "int32")
+                args, counts = self.merge_arguments(tq, tk.shape[1], as_device_tensor(final_out, "out"),
+                                                    as_device_tensor(final_lse, "lse"))
+                extras.update(args)
                 keep_alive.append(counts)
-                extras.update(self.merge_arguments(as_device_tensor(final_out, "out"), as_device_tensor(final_lse, "lse"),
-                                                   as_device_tensor(counts, "split_counts")))
                 out = None
             if partial:
                 out = empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
@@ -374,13 +374,16 @@ class Kernel:
             return (final_out, final_lse) if return_lse else final_out
         return (out, lse) if return_lse or partial else out
 
-    @staticmethod
-    def merge_arguments(out: DeviceTensor, lse: DeviceTensor, counts: DeviceTensor) -> dict:
-        """outputs.merge_splits: the merged out (q's shape, any 16-byte-aligned strides) and LSE
-        ([B, Hq, Nq], contiguous), and the tiles' arrival counts (zeros; the kernel leaves them so)."""
+    def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
+        """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned
+        strides) and LSE ([B, Hq, Nq], contiguous), and the tiles' arrival counts, allocated here
+        (zeros; the kernel leaves them so): keep them as long as the launch is used."""
         _check_layout(out, "out")
+        b, hq, nq, _ = tq.shape
+        counts = zeros_like(tq, (math.prod(self.tiles(b, hq, hkv, nq, 1)),), "int32")
         return dict(merged_o=out.ptr, merged_sb=np.int64(out.strides[0]), merged_sh=np.int64(out.strides[1]),
-                    merged_sn=np.int64(out.strides[2]), merged_lse=lse.ptr, split_counts=counts.ptr)
+                    merged_sn=np.int64(out.strides[2]), merged_lse=lse.ptr,
+                    split_counts=as_device_tensor(counts, "split_counts").ptr), counts
 
     def _running(self, q, out, lse, splits) -> tuple:
         """An accumulating kernel's running out and lse, checked, with out as one split's

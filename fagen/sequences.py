@@ -262,8 +262,8 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
         extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
                       lse_split_stride=np.int64(tl.strides[0]))
         if merged:
-            counts = zeros_like(tq, (math.prod(kernel.tiles(b, hq, hkv, nq, 1)),), "int32")
-            extras.update(kernel.merge_arguments(to, as_device_tensor(lse, "lse"), as_device_tensor(counts, "split_counts")))
+            args, counts = kernel.merge_arguments(tq, hkv, to, as_device_tensor(lse, "lse"))
+            extras.update(args)
         kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=0, splits=splits, extras=extras)(None)
         if merged:
             return out, lse
