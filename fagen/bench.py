@@ -65,7 +65,7 @@ def cases(quick: bool = False) -> list[Case]:
 
 def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
     """The kernel fagen.attention would run for this case, and its side inputs."""
-    base = default_spec(case.dtype, case.head_dim, case.causal and case.mask == "none")
+    base = default_spec(case.dtype, case.head_dim, case.causal and case.mask == "none", keys=case.n)
     if case.mask == "none":
         return base, {}
     mask = {"sliding_window": Mask(kind="sliding_window", window_left=WINDOW),

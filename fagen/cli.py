@@ -260,13 +260,23 @@ def check_cmd(spec: str, shape: tuple[int, int, int, int], kv_heads: int | None,
 @click.option("--dry-run", is_flag=True, help="list the candidates the validator accepts, run nothing (no GPU)")
 @click.option("--backward", is_flag=True,
               help="tune the backward: section (the backward alone is timed; the forward's tiling stays SPEC's)")
+@click.option("--long", "long_class", is_flag=True,
+              help="tune for long sequences: write <name>_long_<gpu>.yaml, which fagen.attention takes from "
+                   "2048 keys on (time at such a --shape)")
 def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: str, dry_run: bool,
-             backward: bool) -> None:
+             backward: bool, long_class: bool) -> None:
     """Sweep SPEC's tiling and pipeline (or, --backward, its backward's); write the fastest
     correct one as <name>_<gpu>.yaml (a SPEC already named for this GPU keeps its name)."""
     from fagen import device, tune
+    from fagen.variants import LONG_KEYS
 
     base = _load(Path(spec))
+    if long_class and backward:
+        raise click.BadParameter("a long class is a forward spec of its own; tune --backward without it",
+                                 param_hint="'--long'")
+    if long_class and min(shape[2], shape[3]) < LONG_KEYS:
+        raise click.BadParameter(f"{','.join(map(str, shape))}: --long times at {LONG_KEYS} or more queries and "
+                                 f"keys; use e.g. --shape 4,16,4096,4096", param_hint="'--shape'")
     if not dry_run:  # refuse before the sweep, not after it
         _need_gpu(torch=True)
         _check_folder(Path(out_dir), "-o")
@@ -288,15 +298,17 @@ def tune_cmd(spec: str, shape: tuple[int, int, int, int], quick: bool, out_dir: 
     if not (results and results[0].ms):
         raise click.ClickException(f"no candidate of {base.name} passed the oracle check and ran; nothing written "
                                    f"(errors above)")
-    notes = ()
-    if not backward and results[0].spec.warp_specialized:  # a choice over short and long sequences
-        click.echo("choosing the tile scheduler over sequence lengths " + ", ".join(map(str, tune.SCHEDULER_LENGTHS)))
-        choice = tune.choose_scheduler(results[0].spec)
-        results[0].spec, notes = choice.spec, (choice.summary(),)
+    notes = (f"shape class: long sequences (fagen.attention takes this spec from {LONG_KEYS} keys on)",) \
+        if long_class else ()
+    if not backward and results[0].spec.warp_specialized:  # a choice over the class's sequence lengths
+        lengths = tune.scheduler_lengths(long_class)
+        click.echo("choosing the tile scheduler over sequence lengths " + ", ".join(map(str, lengths)))
+        choice = tune.choose_scheduler(results[0].spec, lengths=lengths)
+        results[0].spec, notes = choice.spec, notes + (choice.summary(),)
         click.echo(choice.summary())
     try:
         path = tune.write_tuned(results[0], base, shape, Path(out_dir), device.gpu_slug(), backward=backward,
-                                notes=notes)
+                                notes=notes, long=long_class)
     except OSError as err:
         raise click.ClickException(f"cannot write the tuned spec to {out_dir} ({err.strerror}); the best was "
                                    f"{results[0].spec.name}") from None

@@ -16,7 +16,7 @@ from fagen.backward_plan import backward_plan, kernel_symbols
 from fagen.plan import plan
 from fagen.render import render, render_backward
 from fagen.spec import HEAD_DIMS, SMEM_PER_BLOCK, AttentionSpec, Mask, ScoreMod
-from fagen.variants import shipped_spec, variant
+from fagen.variants import LONG_KEYS, shipped_spec, variant
 
 _USAGE = re.compile(r"Used (\d+) registers")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -255,8 +255,9 @@ ATTENTION_GPUS = {None: "sm_80", "h200": "sm_90"}
 def attention_defaults(gpu: str | None) -> list[tuple[AttentionSpec, str]]:
     """(spec, arch it is compiled for) of every default fagen.attention picks on `gpu`
     (fagen.variants.shipped_spec): dtype x head_dim x causal."""
-    specs = [shipped_spec(dt, d, causal, gpu=gpu) for dt in ("float16", "bfloat16") for d in HEAD_DIMS
-             for causal in (False, True)]
+    specs = [shipped_spec(dt, d, causal, gpu=gpu, keys=keys) for dt in ("float16", "bfloat16") for d in HEAD_DIMS
+             for causal in (False, True) for keys in (None, LONG_KEYS)]
+    specs = list(dict.fromkeys(specs))  # a shape class without a spec of its own is the first
     return [(s, "sm_90a" if s.wgmma else ATTENTION_GPUS[gpu]) for s in specs]
 
 

@@ -64,9 +64,10 @@ REGISTER_COSTS = {
 # A warp-specialised kernel's consumers (pipeline.warp_specialized) need their accumulators (O, S,
 # and P of the previous tile, S / 2 packed) and this many more: the fewest consumer_registers at
 # which ptxas -v reports no spill, found by bisection (sm_90a, f16, no mask, d64/128/256, block_kv
-# 64-192), was that sum plus 28 to 32; the mask's and modifiers' terms are the wgmma fit's, and 4
-# more keep the modifiers' kernels from spilling (d256 with 80 keys and a bias: 8 bytes at 32).
-WARP_SPECIALIZED_REST = 36
+# 64-192; d64 with three consumer warpgroups at 160: 128 keys spill 32 bytes at 152, none at 160),
+# was that sum plus 28 to 32; the mask's and modifiers' terms are the wgmma fit's, and a score
+# modifier's kernels need a few more (d256 with 80 keys and a bias: 8 bytes spilled at 32).
+WARP_SPECIALIZED_REST, WARP_SPECIALIZED_MODIFIER_REST = 32, 4
 # Kernels the estimate refuses that ptxas -v was run on (sm_80, sm_86, sm_89 and sm_90, f16 and
 # bf16, nvcc 13.0): they fit, at the registers given (the most over those archs). The 32-rows-a-warp
 # d=128 tiles (notes/perf.md: the fastest mma.sync tiles at d=128), no modifiers, full outputs
@@ -299,6 +300,7 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
     if spec.warp_specialized:  # the consumers hold no copy state: their accumulators and a fixed rest
         kept = {name: amount for name, amount in terms.items() if name not in ("base", "stages", "o", "s")}
         return int(o_regs + s_regs + s_regs // 2 + WARP_SPECIALIZED_REST
+                   + WARP_SPECIALIZED_MODIFIER_REST * spec.score_mod.changes_scores
                    + sum(costs.get(name, 0.0) * amount for name, amount in kept.items()))
     return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
 

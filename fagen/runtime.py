@@ -587,24 +587,27 @@ def compile_kernel(spec: AttentionSpec) -> Kernel:
     return _KERNELS[key]
 
 
-def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False) -> AttentionSpec:
-    """The shipped spec fagen.attention runs for these inputs on this GPU (fagen.variants)."""
-    return variants.shipped_spec(dtype, head_dim, causal, gpu=device.gpu_slug(), partial=partial)
+def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False, keys: int | None = None) -> AttentionSpec:
+    """The shipped spec fagen.attention runs for these inputs on this GPU (fagen.variants), for
+    `keys` keys a sequence where known (long sequences may have a spec of their own)."""
+    return variants.shipped_spec(dtype, head_dim, causal, gpu=device.gpu_slug(), partial=partial, keys=keys)
 
 
 def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
-                alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec:
+                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None) -> AttentionSpec:
     """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
-    head_dim on this GPU, with the mask and score modifiers they ask for (fagen.variants)."""
+    head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
+    modifiers they ask for (fagen.variants)."""
     tq = as_device_tensor(q, "q")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
     return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
-                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys)
 
 
 def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
-                    block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec:
+                    block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+                    keys: int | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"q: dtype {dtype}; fagen.attention takes float16 or bfloat16")
@@ -627,8 +630,15 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
                          bias=bias_kind, sinks=sinks is not None)
-    base = default_spec(dtype, head_dim, mask.kind == "causal")
+    base = default_spec(dtype, head_dim, mask.kind == "causal", keys=keys)
     return variants.variant(base, mask, score_mod)
+
+
+def sequence_keys(k) -> int | None:
+    """k's keys a sequence ([B, H, N, d]), for the shape class; None for anything else (the call
+    refuses it with its own message)."""
+    shape = getattr(k, "shape", ())
+    return int(shape[2]) if len(shape) == 4 else None
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
@@ -639,6 +649,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     mask: a fagen.spec.Mask, a dict of its fields or a kind name (sliding_window, ...);
     block_mask / doc_ids select the block-mask / document kinds."""
     spec = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
-                       alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+                       alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=sequence_keys(k))
     return compile_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, block_mask=block_mask, bias=bias,
                                 alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)

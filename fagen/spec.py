@@ -24,6 +24,7 @@ MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # sm_90a (Hopper only) selects warpgroup MMAs: wgmma.m64nNk16, K and V (and Q) read straight from
 # 128-byte-swizzled shared memory. A warpgroup is 4 warps owning 64 query rows.
 WARPGROUP_WARPS, WARPGROUP_ROWS, WARPGROUP_THREADS = 4, 64, 128
+THREE_WARPGROUPS_WARPS = 3 * WARPGROUP_WARPS
 SWIZZLE_ATOM_ELEMS = 64  # one 128-byte swizzle row of half-precision elements
 # The sm_90a dK/dV kernel: a warpgroup owns 64 keys and holds their dK and dV rows (head_dim f32
 # registers a thread together), so head_dim 256 keeps the mma.sync kernel's head_split instead.
@@ -58,8 +59,10 @@ class Tiling(_Frozen):
     @field_validator("warps_q")
     @classmethod
     def _warps_q(cls, v: int) -> int:
-        if not 1 <= v <= 8:
-            raise ValueError(rule("tiling.warps_q", v, "must be 1..8 (at most 256 threads a block)", "use 4"))
+        # 12: three consumer warpgroups beside a TMA producer (sm_90a, AttentionSpec._wgmma_shapes)
+        if not (1 <= v <= 8 or v == THREE_WARPGROUPS_WARPS):
+            raise ValueError(rule("tiling.warps_q", v, "must be 1..8 (at most 256 threads a block), or 12 "
+                                  "(three consumer warpgroups of a warp-specialised sm_90a kernel)", "use 4"))
         return v
 
     @field_validator("warps_kv")
@@ -100,6 +103,15 @@ REGISTERS_PER_SM = 65536
 MAX_THREAD_REGISTERS = 256  # what a thread's allocation rounds up to at the most (255 usable)
 
 
+def most_consumer_registers(consumers: int, producer_registers: int, blocks: int = 1) -> int:
+    """The most registers setmaxnreg may give each of `consumers` consumer warpgroups beside a
+    producer warpgroup at `producer_registers`, `blocks` blocks an SM (register_split_rules)."""
+    at_launch = min(MAX_THREAD_REGISTERS, REGISTERS_PER_SM // (blocks * WARPGROUP_THREADS * (1 + consumers))
+                    // SETMAXNREG_STEP * SETMAXNREG_STEP)
+    most = min(SETMAXNREG_RANGE[1], ((1 + consumers) * at_launch - producer_registers) // consumers)
+    return most - most % SETMAXNREG_STEP
+
+
 def register_split_rules(field: str, ws: WarpSpecialized, consumers: int, blocks: int) -> None:
     """setmaxnreg moves registers within what a block was launched with: `blocks` blocks an SM,
     each a producer warpgroup and `consumers` consumer warpgroups of 128 threads, share the
@@ -110,12 +122,11 @@ def register_split_rules(field: str, ws: WarpSpecialized, consumers: int, blocks
     at_launch = min(MAX_THREAD_REGISTERS, REGISTERS_PER_SM // (blocks * threads) // SETMAXNREG_STEP * SETMAXNREG_STEP)
     used = WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
     if used > threads * at_launch:
-        most = ((1 + consumers) * at_launch - ws.producer_registers) // consumers
         raise ValueError(rule(
             field, f"producer_registers {ws.producer_registers}, consumer_registers {ws.consumer_registers}",
             f"a producer warpgroup and {consumers} consumer warpgroup(s) of 128 threads would hold {used} registers, "
             f"over the {threads * at_launch} a block is launched with ({at_launch} a thread, {blocks} block(s) an SM)",
-            f"use consumer_registers <= {most - most % SETMAXNREG_STEP}"))
+            f"use consumer_registers <= {most_consumer_registers(consumers, ws.producer_registers, blocks)}"))
     if ws.producer_registers >= ws.consumer_registers:
         raise ValueError(rule(f"{field}.producer_registers", ws.producer_registers,
                               f"must be below consumer_registers ({ws.consumer_registers}): the producer "
@@ -465,6 +476,10 @@ class AttentionSpec(_Frozen):
     def _wgmma_shapes(self) -> AttentionSpec:
         """sm_90a kernels are built from whole warpgroups and 128-byte swizzle atoms."""
         if self.arch != "sm_90a":
+            if self.tiling.warps_q == THREE_WARPGROUPS_WARPS:
+                raise ValueError(rule("tiling.warps_q", self.tiling.warps_q, f"needs arch sm_90a with "
+                                      f"pipeline.warp_specialized (three consumer warpgroups), not {self.arch}",
+                                      "use warps_q 8 or fewer"))
             if self.pipeline.pingpong:
                 raise ValueError(rule("pipeline.pingpong", True, f"needs arch sm_90a (warpgroups taking turns "
                                       f"on wgmma), not {self.arch}", "set arch: sm_90a or pingpong: false"))
@@ -474,8 +489,12 @@ class AttentionSpec(_Frozen):
             return self
         t, p = self.tiling, self.pipeline
         fix_arch = "or use arch: sm_90 for the mma.sync kernel"
+        if t.warps_q == THREE_WARPGROUPS_WARPS and p.warp_specialized is None:
+            raise ValueError(rule("tiling.warps_q", t.warps_q, "takes pipeline.warp_specialized (three consumer "
+                                  "warpgroups beside a TMA producer; without one, 384 copying threads)",
+                                  "set pipeline.warp_specialized, or use warps_q: 8"))
         if t.warps_q % WARPGROUP_WARPS:
-            raise ValueError(rule("tiling.warps_q", t.warps_q, "must be 4 or 8 on sm_90a (whole warpgroups of "
+            raise ValueError(rule("tiling.warps_q", t.warps_q, "must be 4, 8 or 12 on sm_90a (whole warpgroups of "
                                   "4 warps; wgmma is issued by 128 threads together)", "use 8, " + fix_arch))
         if t.block_q != t.warps_q * MMA_M:
             raise ValueError(rule("tiling.block_q", t.block_q, f"must be 16 * warps_q = {t.warps_q * MMA_M} on "
@@ -494,9 +513,9 @@ class AttentionSpec(_Frozen):
         if p.q_in_registers:
             raise ValueError(rule("pipeline.q_in_registers", True, "does not apply on sm_90a (wgmma reads Q "
                                   "from shared memory)", "set q_in_registers: false"))
-        if p.pingpong and t.warps_q != 2 * WARPGROUP_WARPS:
-            raise ValueError(rule("pipeline.pingpong", True, f"takes two warpgroups (warps_q 8), not warps_q "
-                                  f"{t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
+        if p.pingpong and t.warps_q == WARPGROUP_WARPS:
+            raise ValueError(rule("pipeline.pingpong", True, f"takes two or three warpgroups (warps_q 8 or 12), "
+                                  f"not warps_q {t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
         if p.warp_specialized is not None:
             self._warp_specialized_rules()
         return self

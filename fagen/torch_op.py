@@ -54,8 +54,8 @@ def _side_inputs(bias, alibi_slopes, sinks, doc_ids) -> dict:
     return dict(bias=_without_grad(bias), alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
 
 
-def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict):
-    return runtime.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, **side)
+def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict, keys: int | None = None):
+    return runtime.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, keys=keys, **side)
 
 
 @torch.library.custom_op("fagen::attention_forward", mutates_args=())
@@ -65,7 +65,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
     kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    plain = _spec(q, mask, causal, softcap, side)
+    plain = _spec(q, mask, causal, softcap, side, keys=k.shape[2])
     packed = decode.packed_spec(plain, q, k)
     if packed is not None:  # a few query rows: the decode path (its backward is the plain one's)
         return decode.run(packed, q, k, v, scale=scale, return_lse=True, alibi_slopes=side["alibi_slopes"],

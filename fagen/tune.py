@@ -26,8 +26,9 @@ from fagen.bench import time_spec
 from fagen.bench_cases import HIDDEN, TOKENS
 from fagen.check import check_backward_against_oracle, random_extras, random_inputs, time_ms
 from fagen.nvcc import compile_backward, compile_offline, targets
-from fagen.spec import AttentionSpec, SpecError
+from fagen.spec import WARPGROUP_WARPS, AttentionSpec, SpecError, WarpSpecialized, most_consumer_registers
 from fagen.load import parse_spec
+from fagen.variants import LONG_KEYS
 
 SPACE = {
     "block_q": (64, 128),
@@ -44,11 +45,12 @@ QUICK_SPACE = {**SPACE, "block_kv": (32, 64, 128), "pipeline": (("separate", 1),
 
 # sm_90a: whole warpgroups (64 rows each), swizzled rings of K and V tiles; the kernel family is a
 # choice too (every thread copying with cp.async, or warp-specialised: a TMA producer warp, the
-# consumers at 240 registers), with ping-pong on or off and KV tiles that are not powers of two
-# (80 at head_dim 256, 176 at 128: what the consumers' freed registers fit).
-WGMMA_SPACE = {"warps_q": (4, 8), "block_kv": (64, 80, 128, 176, 192), "stages": (2, 3), "pingpong": (False, True),
+# consumers at the most registers beside it: 240 for two consumer warpgroups, 160 for three), with
+# ping-pong on or off and KV tiles that are not powers of two (80 at head_dim 256, 176 at 128: what
+# the consumers' freed registers fit).
+WGMMA_SPACE = {"warps_q": (4, 8, 12), "block_kv": (64, 80, 128, 176, 192), "stages": (2, 3), "pingpong": (False, True),
                "warp_specialized": (False, True)}
-QUICK_WGMMA_SPACE = {**WGMMA_SPACE, "warps_q": (8,)}
+QUICK_WGMMA_SPACE = {**WGMMA_SPACE, "warps_q": (8, 12)}
 
 
 def _quick_keeps(bq: int, wq: int, layout: str, head_dim: int) -> bool:
@@ -91,8 +93,10 @@ def wgmma_candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[Att
     for wq, bkv, stages, pingpong, ws in itertools.product(*(QUICK_WGMMA_SPACE if quick else WGMMA_SPACE).values()):
         data = base.model_dump(mode="json")
         data["tiling"] = {"block_q": 16 * wq, "block_kv": bkv, "warps_q": wq}
+        consumers = wq // WARPGROUP_WARPS
         data["pipeline"] = {"kv_smem": "separate", "stages": stages, "pingpong": pingpong,
-                            "warp_specialized": {} if ws else None}
+                            "warp_specialized": {"consumer_registers": most_consumer_registers(
+                                consumers, WarpSpecialized().producer_registers)} if ws else None}
         data["name"] = f"{base.name}_q{16 * wq}kv{bkv}_s{stages}{'_pp' if pingpong else ''}{'_ws' if ws else ''}"
         try:
             keep.append(parse_spec(data, data["name"]))
@@ -152,12 +156,13 @@ SCHEDULER_MARGIN = 1.03
 @dataclass
 class SchedulerChoice:
     spec: AttentionSpec  # the winner, with the scheduler chosen
-    grid: tuple[float, ...]  # TFLOP/s at SCHEDULER_LENGTHS, a block a tile
+    grid: tuple[float, ...]  # TFLOP/s at `lengths`, a block a tile
     persistent: tuple[float, ...]  # ... one block an SM walking the tiles
+    lengths: tuple[int, ...] = SCHEDULER_LENGTHS
 
     def summary(self) -> str:
         chosen = "persistent" if self.spec.pipeline.warp_specialized.persistent else "a block a tile"
-        rates = ", ".join(f"N={n}: {g:.0f} / {p:.0f}" for n, g, p in zip(SCHEDULER_LENGTHS, self.grid, self.persistent))
+        rates = ", ".join(f"N={n}: {g:.0f} / {p:.0f}" for n, g, p in zip(self.lengths, self.grid, self.persistent))
         return (f"scheduler: {chosen} (TFLOP/s a block a tile / persistent, B*N={TOKENS}, "
                 f"H*d={HIDDEN}: {rates}; geometric means {_geomean(self.grid):.1f} / "
                 f"{_geomean(self.persistent):.1f}; persistent needs {SCHEDULER_MARGIN:.2f}x)")
@@ -174,22 +179,27 @@ def with_scheduler(spec: AttentionSpec, persistent: bool) -> AttentionSpec:
     return parse_spec(data, spec.name)
 
 
-def choose_scheduler(spec: AttentionSpec, time=time_spec) -> SchedulerChoice:
-    """Time `spec` with either tile scheduler over SCHEDULER_LENGTHS, SCHEDULER_ROUNDS times in
+def scheduler_lengths(long: bool) -> tuple[int, ...]:
+    """The lengths a scheduler is chosen over: all of SCHEDULER_LENGTHS, or a long class's."""
+    return tuple(n for n in SCHEDULER_LENGTHS if n >= LONG_KEYS) if long else SCHEDULER_LENGTHS
+
+
+def choose_scheduler(spec: AttentionSpec, time=time_spec, lengths: tuple[int, ...] = SCHEDULER_LENGTHS) -> SchedulerChoice:
+    """Time `spec` with either tile scheduler over `lengths`, SCHEDULER_ROUNDS times in
     alternating order (time(spec, b, h, nq, nk, check=...) -> a Timing; check: against the
     oracle, each kernel's first time), and keep the faster by geometric mean of the medians."""
     candidates = {persistent: with_scheduler(spec, persistent) for persistent in (False, True)}
     samples: dict[tuple[bool, int], list[float]] = {}
     for round_ in range(SCHEDULER_ROUNDS):
         for persistent in ((False, True) if round_ % 2 == 0 else (True, False)):
-            for n in SCHEDULER_LENGTHS:
+            for n in lengths:
                 timing = time(candidates[persistent], max(1, TOKENS // n),
                               max(1, HIDDEN // spec.head_dim), n, n,
-                              check=round_ == 0 and n == SCHEDULER_LENGTHS[0])
+                              check=round_ == 0 and n == lengths[0])
                 samples.setdefault((persistent, n), []).append(timing.tflops)
-    rates = {p: tuple(float(np.median(samples[(p, n)])) for n in SCHEDULER_LENGTHS) for p in (False, True)}
+    rates = {p: tuple(float(np.median(samples[(p, n)])) for n in lengths) for p in (False, True)}
     best = _geomean(rates[True]) > SCHEDULER_MARGIN * _geomean(rates[False])
-    return SchedulerChoice(candidates[best], rates[False], rates[True])
+    return SchedulerChoice(candidates[best], rates[False], rates[True], lengths)
 
 
 # The first pass ranks; its leaders are timed again in alternating order, their median kept: a
@@ -334,18 +344,20 @@ def _backward_spills(spec: AttentionSpec) -> str | None:
     return None
 
 
-def tuned_name(base: AttentionSpec, slug: str) -> str:
-    """`<base>_<gpu>`; a spec already tuned for this GPU keeps its name (tuning its backward
-    into the file that holds its tuned forward)."""
-    return base.name if base.name.endswith(f"_{slug}") else f"{base.name}_{slug}"
+def tuned_name(base: AttentionSpec, slug: str, long: bool = False) -> str:
+    """`<base>_<gpu>`, or for the long shape class `<base>_long_<gpu>` (fagen.variants.LONG_KEYS);
+    a spec already tuned for this GPU keeps its name (tuning its backward into the file that holds
+    its tuned forward)."""
+    name = base.name.removesuffix(f"_{slug}").removesuffix("_long")
+    return f"{name}{'_long' if long or base.name.endswith(f'_long_{slug}') else ''}_{slug}"
 
 
 def write_tuned(best: Candidate, base: AttentionSpec, shape: tuple[int, ...], out_dir: Path, slug: str,
-                backward: bool = False, notes: tuple[str, ...] = ()) -> Path:
+                backward: bool = False, notes: tuple[str, ...] = (), long: bool = False) -> Path:
     """Save the winner as `<base name>_<gpu>.yaml` with the measurement (and `notes`, e.g. the
     scheduler's choice) in comments. A backward tuned into an existing file keeps that file's
     comments (its forward's measurement)."""
-    name = tuned_name(base, slug)
+    name = tuned_name(base, slug, long)
     data = best.spec.model_dump(mode="json", exclude_none=True)
     data["name"] = name
     parse_spec(data, name)

@@ -10,7 +10,8 @@ from functools import cache
 
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
-from fagen.spec import WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec, Mask, ScoreMod, SpecError
+from fagen.spec import (THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec,
+                        Mask, ScoreMod, SpecError)
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
 SAME_CHIP = {"h100": "h200", "h200": "h100"}
@@ -21,20 +22,43 @@ def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
     return f"attn_{short}_d{head_dim}" + ("_causal" if causal else "")
 
 
-@cache
-def shipped_spec(dtype: str, head_dim: int, causal: bool, *, gpu: str | None, partial: bool = False) -> AttentionSpec:
+# A shape class: from LONG_KEYS keys on, `<name>_long_<gpu>.yaml` (where shipped, from `fagen tune
+# --long`) replaces the spec for all lengths: tiles that pay over a long KV loop but cost short
+# ones (192-row tiles leave an eighth of their rows idle at N = 512 and 1k).
+LONG_KEYS = 2048
+
+
+def shipped_spec(dtype: str, head_dim: int, causal: bool, *, gpu: str | None, partial: bool = False,
+                 keys: int | None = None) -> AttentionSpec:
     """The shipped spec for a dtype and head_dim; the one tuned for `gpu` (from `fagen tune`,
-    e.g. gpu "h200") where it exists. partial: the split-KV kernel (`<name>_partial_<gpu>.yaml`
-    where shipped, else the untuned tiling made partial: tilings tuned for full outputs can
-    spill as partials)."""
+    e.g. gpu "h200") where it exists, and for `keys` (the sequence's keys, where known) its long
+    class's where that exists. partial: the split-KV kernel (`<name>_partial_<gpu>.yaml` where
+    shipped, else the untuned tiling made partial: tilings tuned for full outputs can spill as
+    partials)."""
+    return _shipped_spec(dtype, head_dim, causal, gpu, partial, keys is not None and keys >= LONG_KEYS)
+
+
+def _tuned_path(name: str, gpu: str | None):
+    """specs/<name>_<gpu>.yaml, or the same chip's (H100 and H200: one sm_90 chip, different
+    memory), or None."""
+    for slug in (gpu, SAME_CHIP.get(gpu)):
+        path = SPECS / f"{name}_{slug}.yaml"
+        if slug is not None and path.exists():
+            return path
+    return None
+
+
+@cache
+def _shipped_spec(dtype: str, head_dim: int, causal: bool, gpu: str | None, partial: bool, long: bool) -> AttentionSpec:
     name = default_spec_name(dtype, head_dim, causal)
-    suffix = "_partial" if partial else ""
-    tuned = SPECS / f"{name}{suffix}_{gpu}.yaml"
-    if not tuned.exists() and gpu in SAME_CHIP:  # H100 and H200: one sm_90 chip, different memory
-        tuned = SPECS / f"{name}{suffix}_{SAME_CHIP[gpu]}.yaml"
-    if partial and not tuned.exists():
+    if long and not partial:
+        tuned = _tuned_path(f"{name}_long", gpu)
+        if tuned is not None:
+            return load_spec(tuned)
+    tuned = _tuned_path(name + ("_partial" if partial else ""), gpu)
+    if partial and tuned is None:
         return partial_variant(load_spec(SPECS / f"{name}.yaml"))
-    path = tuned if tuned.exists() else SPECS / f"{name}.yaml"
+    path = tuned or SPECS / f"{name}.yaml"
     if not path.exists():
         raise ValueError(f"no shipped kernel for dtype {dtype}, head_dim {head_dim}: fagen.attention takes "
                          f"float16 or bfloat16 with head_dim 32, 64, 96, 128 or 256")
@@ -139,6 +163,8 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
     if spec.warp_specialized and kv == "paged":  # TMA maps describe whole tensors: every thread copies instead
         data["pipeline"] = {**data["pipeline"], "warp_specialized": None}
+        if spec.tiling.warps_q == THREE_WARPGROUPS_WARPS:  # copying warpgroups: two of them
+            data["tiling"] = {**data["tiling"], "warps_q": 2 * WARPGROUP_WARPS, "block_q": 2 * WARPGROUP_ROWS}
     elif spec.warp_specialized and spec.pipeline.warp_specialized.persistent:
         data["pipeline"] = {**data["pipeline"],
                             "warp_specialized": {**data["pipeline"]["warp_specialized"], "persistent": False}}

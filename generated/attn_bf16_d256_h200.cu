@@ -179,9 +179,11 @@ template <int REGISTERS>
 __device__ __forceinline__ void registers_claim() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
 }
-// Named barriers hand the tensor cores from one warpgroup to the other: barrier
-// TURN_BARRIER + w is warpgroup w's turn (barrier 0 is __syncthreads).
+// Named barriers hand the tensor cores from one warpgroup to the next: barrier
+// TURN_BARRIER + w is warpgroup w's turn (barrier 0 is __syncthreads), met by w waiting and
+// its predecessor arriving.
 constexpr int TURN_BARRIER = 1;
+constexpr int TURN_THREADS = 2 * WARPGROUP_WARPS * 32;
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
@@ -658,9 +660,9 @@ fagen_attn_bf16_d256_h200(
   }
   registers_claim<CONSUMER_REGISTERS>();
   // Ping-pong turns run on across the tiles, so one warpgroup's first S of the next tile runs
-  // while the other writes O: warpgroup 0 takes the first turn, and takes back the last hand-over
-  // after the walk.
-  if (warpgroup == 1) named_barrier_arrive(TURN_BARRIER, CONSUMER_THREADS);
+  // while another writes O: warpgroup 0 takes the first turn (handed to it by the last
+  // warpgroup, its predecessor in the round), and takes back the last hand-over after the walk.
+  if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);
   for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
     const Tile tile = scheduler.at(t);
     const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
@@ -689,8 +691,8 @@ fagen_attn_bf16_d256_h200(
     // the whole warpgroup is, or ptxas fences it on a divergent path and serialises every wgmma.
     wgmma_fence();
     unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
-    // Ping-pong: the warpgroups take turns issuing MMAs, so one's softmax runs while the other's
-    // MMAs keep the tensor cores busy.
+    // Ping-pong: the warpgroups take turns issuing MMAs, in a round, so one's softmax runs while
+    // another's MMAs keep the tensor cores busy.
     const int my_turn = TURN_BARRIER + warpgroup, next_turn = TURN_BARRIER + (warpgroup + 1) % WARPGROUPS;
     // (The turns run on from tile to tile: warpgroup 0 took the block's first one.)
 
@@ -703,7 +705,7 @@ fagen_attn_bf16_d256_h200(
       // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
       float s[M_FRAGS][S_N_FRAGS][4];
       const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
-      named_barrier_sync(my_turn, CONSUMER_THREADS);
+      named_barrier_sync(my_turn, TURN_THREADS);
       wgmma_fence();
   #pragma unroll
       for (int ks = 0; ks < QK_K_STEPS; ++ks) {
@@ -722,7 +724,7 @@ fagen_attn_bf16_d256_h200(
       if (j == kv_tiles - 1) kv.release_q();  // the tile's last S is done: the producer may load the next Q
       // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
       // serialise the wgmmas.)
-      named_barrier_arrive(next_turn, CONSUMER_THREADS);
+      named_barrier_arrive(next_turn, TURN_THREADS);
 
       // Phase 4: the mask and the softmax of tile j while P.V_(j-1) finishes.
       score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
@@ -746,13 +748,13 @@ fagen_attn_bf16_d256_h200(
     // Phase 6: the last tile's P.V.
     kv.wait(kv_tiles);  // group kv_tiles: V of the last tile
     if (kv_tiles > 0) {
-      named_barrier_sync(my_turn, CONSUMER_THREADS);
+      named_barrier_sync(my_turn, TURN_THREADS);
       wgmma_fence();
       issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
       wgmma_wait<0>();
       pin_registers(o_acc[0]);
       // The other warpgroup's turn: its last P.V, or the next tile's first S while this one writes O.
-      named_barrier_arrive(next_turn, CONSUMER_THREADS);
+      named_barrier_arrive(next_turn, TURN_THREADS);
     }
     kv.release(kv_tiles);  // its stage is free for the next tile's loads
     if (kv_tiles == 0) kv.release_q();
@@ -768,5 +770,5 @@ fagen_attn_bf16_d256_h200(
 
     kv.end();
   }
-  if (warpgroup == 0) named_barrier_sync(TURN_BARRIER, CONSUMER_THREADS);
+  if (warpgroup == 0) named_barrier_sync(TURN_BARRIER, TURN_THREADS);
 }

@@ -32,11 +32,11 @@
 //     partial: false
 //   pipeline:
 //     kv_smem: separate
-//     pingpong: false
+//     pingpong: true
 //     q_in_registers: false
 //     stages: 3
 //     warp_specialized:
-//       consumer_registers: 240
+//       consumer_registers: 160
 //       persistent: true
 //       producer_registers: 24
 //   score_mod:
@@ -48,11 +48,11 @@
 //     q: padded
 //   smem_layout: swizzled
 //   tiling:
-//     block_kv: 176
-//     block_q: 128
+//     block_kv: 128
+//     block_q: 192
 //     pack_gqa: false
 //     warps_kv: 1
-//     warps_q: 8
+//     warps_q: 12
 
 typedef unsigned short elem_t;  // bfloat16 storage; all arithmetic is in f32 registers
 struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy

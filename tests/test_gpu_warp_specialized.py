@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import oracle, variants
+from fagen import oracle, tune, variants
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
 from fagen.load import parse_spec
 from fagen.runtime import compile_kernel
@@ -52,6 +52,7 @@ PERSISTENT_CASES = [
     ("bfloat16", 64, True, None, None, 1, 8, 2, 3000, 900),
     ("float16", 256, False, Mask(kind="sliding_window", window_left=300, window_right=40), None, 1, 36, 12, 700, 700),
     ("bfloat16", 128, False, None, ScoreMod(softcap=30.0), 3, 50, 50, 333, 520),
+    ("float16", 64, False, None, None, 1, 24, 8, 1000, 1300),  # three consumer warpgroups, 192-row tiles
 ]
 
 
@@ -62,6 +63,17 @@ def test_a_persistent_kernel_walks_every_tile(dtype, d, causal, mask, score_mod,
     spec = persistent(variants.variant(base, mask or base.mask, score_mod or base.score_mod))
     assert spec.warp_specialized and compile_kernel(spec).plan.persistent
     result = check_against_oracle(spec, b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_consumer_warpgroups_a_block_a_tile(causal):
+    """The d64 default's three consumer warpgroups taking turns (ping-pong in a round), a block a
+    tile: partial 192-row tiles at both lengths, GQA, and under causal tiles of different lengths."""
+    _hopper_default()
+    spec = tune.with_scheduler(variants.shipped_spec("float16", 64, causal, gpu="h200"), False)
+    assert spec.tiling.warps_q == 12 and spec.pipeline.pingpong
+    result = check_against_oracle(spec, 2, 6, 2, 777, 901, framework="torch")
     assert result.passed, result.summary()
 
 
@@ -120,11 +132,12 @@ import torch, fagen
 from fagen import tune, variants
 from fagen.runtime import compile_kernel
 from fagen.check import random_inputs
-for causal in (False, True):
-    spec = variants.shipped_spec("float16", 128, causal, gpu="h200")
+# d64: three consumer warpgroups, 192-row tiles
+for d, causal, nq in ((128, False, 500), (128, True, 500), (64, True, 700)):
+    spec = variants.shipped_spec("float16", d, causal, gpu="h200")
     # a block a tile, then persistent over 144 tiles (some of the 132 blocks walk two)
-    for persistent, shape in ((False, (1, 2, 1, 300, 421)), (True, (1, 36, 12, 500, 640))):
-        q, k, v, out = random_inputs("torch", "float16", *shape, 128)
+    for persistent, shape in ((False, (1, 2, 1, 300, 421)), (True, (1, 36, 12, nq, 640))):
+        q, k, v, out = random_inputs("torch", "float16", *shape, d)
         compile_kernel(tune.with_scheduler(spec, persistent))(q, k, v, out=out)
 torch.cuda.synchronize()
 print("ran")

@@ -130,14 +130,16 @@ def test_compiles_without_spills(path, arch, shipped):
 
 
 def test_register_prediction_tracks_ptxas(shipped):
-    """The validator's register estimate stays within 30% of what ptxas reports on the shipped
-    specs (it is fitted to refuse every kernel that spills, so near the limit it runs above)."""
-    for path in SPEC_PATHS[::4]:
+    """The validator's register estimate tracks what ptxas reports on every shipped spec: at most a
+    fifth under (an estimate under the truth lets a spilling kernel through; on the shipped specs
+    it runs at most 16% under) and at most a third over (it is fitted to refuse every kernel that
+    spills, so it runs above: a document mask's mma.sync kernel by 30%)."""
+    for path in SPEC_PATHS:
         spec = fagen.load_spec(path)
         if spec.warp_specialized:  # ptxas reports the entry's registers: test_warp_specialized_consumers_fit_the_estimate
             continue
         actual = shipped[(spec.name, targets(spec)[-1])].registers
-        assert abs(plan(spec).predicted_registers - actual) <= 0.3 * actual, (spec.name, actual)
+        assert 0.8 * actual <= plan(spec).predicted_registers <= 4 / 3 * actual, (spec.name, actual)
 
 
 @pytest.mark.parametrize("path", PARTIALS, ids=lambda p: p.stem)

@@ -230,14 +230,16 @@ def test_variants_fall_back_to_a_tiling_the_estimate_accepts():
 
 def test_document_variants_take_the_kinds_kv_tile():
     """Document boundaries fall anywhere: a variant for the document kind holds at most its
-    kv_tile_cap keys a tile (the d64 H200 defaults hold 176-192), named for it; other kinds keep
+    kv_tile_cap keys a tile (the d64 H200 defaults held 176-192), named for it; other kinds keep
     the default's tile, and a default already at or under the cap is unchanged."""
     from fagen.mask_kinds import KINDS
     from fagen.spec import Mask, ScoreMod
     from fagen.variants import variant
 
     cap = KINDS["document"].kv_tile_cap
-    d64 = fagen.load_spec(SPECS / "attn_f16_d64_h200.yaml")
+    d64 = fagen.load_spec(SPECS / "attn_f16_d64_h200.yaml")  # two consumer warpgroups, 176 keys (the old default)
+    d64 = fagen.parse_spec({**d64.model_dump(), "tiling": {"block_q": 128, "block_kv": 176, "warps_q": 8},
+                            "pipeline": {**d64.pipeline.model_dump(), "warp_specialized": {"persistent": True}}})
     assert d64.tiling.block_kv > cap
     for causal in (False, True):
         doc = variant(d64, Mask(kind="document", causal=causal), ScoreMod())

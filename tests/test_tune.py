@@ -312,10 +312,37 @@ def test_cli_tune_chooses_the_scheduler_of_a_warp_specialized_winner(monkeypatch
     monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
     monkeypatch.setattr(tune, "tune", lambda *a, **k: [Candidate(grid, 1.0, 500.0)])
     rates = (300.0, 400.0, 500.0, 550.0)
-    monkeypatch.setattr(tune, "choose_scheduler", lambda spec: tune.SchedulerChoice(
-        tune.with_scheduler(spec, True), rates, tuple(r * 1.2 for r in rates)))
+    monkeypatch.setattr(tune, "choose_scheduler", lambda spec, lengths: tune.SchedulerChoice(
+        tune.with_scheduler(spec, True), rates, tuple(r * 1.2 for r in rates), lengths))
     result = CliRunner().invoke(main, ["tune", str(SPECS / "attn_f16_d128_h200.yaml"), "--quick", "-o", str(tmp_path)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     text = (tmp_path / "attn_f16_d128_h200.yaml").read_text()
     assert text.splitlines()[1].startswith("# scheduler: persistent (TFLOP/s a block a tile / persistent")
+    assert "N=512: 300 / 360" in text.splitlines()[1]
     assert fagen.load_spec(tmp_path / "attn_f16_d128_h200.yaml").pipeline.warp_specialized.persistent
+
+
+def test_cli_tune_long_writes_the_long_class_chosen_over_long_lengths(monkeypatch, tmp_path):
+    """--long: `<name>_long_<gpu>.yaml`, its scheduler chosen over the lengths from LONG_KEYS on,
+    which fagen.attention then takes for that many keys (fagen.variants.shipped_spec)."""
+    ws = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
+    monkeypatch.setattr("fagen.cli._need_gpu", lambda torch=False: None)
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    monkeypatch.setattr(tune, "tune", lambda *a, **k: [Candidate(tune.with_scheduler(ws, False), 1.0, 500.0)])
+    seen = []
+
+    def choose(spec, lengths):
+        seen.append(lengths)
+        return tune.SchedulerChoice(spec, (500.0,) * len(lengths), (490.0,) * len(lengths), lengths)
+
+    monkeypatch.setattr(tune, "choose_scheduler", choose)
+    args = ["tune", str(SPECS / "attn_f16_d128_h200.yaml"), "--quick", "--long", "-o", str(tmp_path)]
+    refused = CliRunner().invoke(main, args + ["--shape", "4,16,1024,1024"])
+    assert refused.exit_code == 2 and "--long times at 2048 or more" in refused.output
+    result = CliRunner().invoke(main, args + ["--shape", "2,16,8192,8192"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert seen == [(4096, 16384)] and tune.scheduler_lengths(False) == tune.SCHEDULER_LENGTHS
+    path = tmp_path / "attn_f16_d128_long_h200.yaml"
+    head = path.read_text().splitlines()
+    assert "shape class: long sequences" in head[1] and "N=4096: 500 / 490" in head[2]
+    assert fagen.load_spec(path).name == "attn_f16_d128_long_h200"

@@ -5,6 +5,7 @@ themselves: tests/test_nvcc.py compiles the shipped ones, tests/test_gpu.py runs
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -58,6 +59,66 @@ def test_varlen_loads_rows_of_one_tensor():
 def test_needs_two_consumer_warpgroups():
     msg = rejected(ws_spec(tiling={"block_q": 64, "warps_q": 4}, pipeline={"pingpong": False}))
     assert "warps_q 4" in msg and "warps_q: 8" in msg
+
+
+THREE = {"tiling": {"block_q": 192, "block_kv": 128, "warps_q": 12}}
+
+
+def three_warpgroups(consumer_registers: int = 160, **overrides) -> dict:
+    """d64, three consumer warpgroups of 64 rows (FlashAttention-3's d64 shape, 192 x 128)."""
+    data = ws_spec(head_dim=64, **THREE)
+    data["pipeline"]["warp_specialized"]["consumer_registers"] = consumer_registers
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value}
+    return data
+
+
+def test_three_consumer_warpgroups_share_what_a_512_thread_block_is_launched_with():
+    # 128 x (24 + 3 x 240) = 95,232 > 512 threads x 128 = 65,536: the rule names the most that fits
+    msg = rejected(three_warpgroups(240))
+    assert "3 consumer warpgroup(s)" in msg and "95232" in msg and "consumer_registers <= 160" in msg
+    p = plan(fagen.parse_spec(three_warpgroups()))
+    assert (p.threads, p.consumer_threads, p.warpgroups, p.block_q) == (512, 384, 3, 192)
+    assert (p.producer_registers, p.consumer_registers) == (24, 160)
+
+
+def test_three_warpgroups_need_the_producer_and_sm90a():
+    msg = rejected(three_warpgroups(pipeline={"warp_specialized": None, "pingpong": False}))
+    assert "tiling.warps_q = 12" in msg and "pipeline.warp_specialized" in msg
+    msg = rejected(dict(name="probe", dtype="float16", head_dim=64, arch="sm_80", **THREE))
+    assert "tiling.warps_q = 12" in msg and "sm_90a" in msg
+    msg = rejected(ws_spec(tiling={"block_q": 160, "warps_q": 10}))
+    assert "tiling.warps_q = 10" in msg and "1..8" in msg and "or 12" in msg
+
+
+def test_three_warpgroups_bound_the_tile_by_their_160_registers():
+    """O (32) + S (64) + P (32) + the rest (32) of 128 keys fill 160; a modifier's few more do not
+    fit, so its variant falls back to a smaller tile."""
+    assert plan(fagen.parse_spec(three_warpgroups())).predicted_registers == 160
+    msg = rejected(three_warpgroups(tiling={"block_kv": 144}))
+    assert "over the 160 limit (consumer_registers)" in msg
+    softcapped = variant(fagen.parse_spec(three_warpgroups()), Mask(), ScoreMod(softcap=30.0))
+    assert softcapped.tiling.block_kv < 128 and softcapped.tiling.warps_q == 12
+
+
+def test_a_paged_variant_of_three_warpgroups_copies_with_two():
+    """A paged cache has no tensor map, so its variant drops the producer, and the copying
+    kernel's warpgroups are two (128 rows); a varlen one keeps the producer and its three."""
+    base = fagen.parse_spec(three_warpgroups())
+    paged = sequence_variant(base, "varlen", "paged")
+    assert not paged.warp_specialized and (paged.tiling.warps_q, paged.tiling.block_q) == (8, 128)
+    varlen = sequence_variant(base, "varlen", "varlen")
+    assert varlen.warp_specialized and varlen.tiling == base.tiling
+
+
+def test_three_warpgroups_take_turns_in_a_round():
+    """Ping-pong's turn barrier is met by two warpgroups (the one waiting, its predecessor
+    arriving), whatever their number; warpgroup 0's first turn comes from the last one."""
+    text = render(fagen.parse_spec(three_warpgroups()))
+    assert "constexpr int WARPGROUPS = 3;" in text and "constexpr int TURN_THREADS = 2 * WARPGROUP_WARPS * 32;" in text
+    assert "next_turn = TURN_BARRIER + (warpgroup + 1) % WARPGROUPS" in text
+    assert "if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);" in text
+    assert not re.search(r"named_barrier_\w+\([^)]*CONSUMER_THREADS", text)
 
 
 @pytest.mark.parametrize("value", [20, 244, 264, 23])

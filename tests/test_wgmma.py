@@ -100,7 +100,7 @@ def test_tuner_explores_only_valid_hopper_tilings():
 
 
 def test_pingpong_needs_sm_90a_and_two_warpgroups():
-    with pytest.raises(fagen.SpecError, match=r"pipeline.pingpong = True: takes two warpgroups"):
+    with pytest.raises(fagen.SpecError, match=r"pipeline.pingpong = True: takes two or three warpgroups"):
         fagen.parse_spec(hopper(tiling={"block_q": 64, "warps_q": 4}, pipeline={"pingpong": True}))
     mma_sync = dict(HOPPER, arch="sm_90", smem_layout="padded", tiling={"block_q": 64, "block_kv": 64, "warps_q": 4},
                     pipeline={"kv_smem": "separate", "stages": 1, "pingpong": True})
@@ -111,7 +111,7 @@ def test_pingpong_needs_sm_90a_and_two_warpgroups():
 def test_pingpong_renders_the_turn_taking_and_late_refill():
     on = render(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
     off = render(fagen.parse_spec(hopper(pipeline={"stages": 3})))
-    assert "named_barrier_sync(my_turn, CONSUMER_THREADS);" in on and "named_barrier" not in off
+    assert "named_barrier_sync(my_turn, TURN_THREADS);" in on and "named_barrier" not in off
     assert "constexpr int WARPGROUPS = 2;" in on and "WARPGROUPS" not in off
     # the refill: after the release with ping-pong, under the MMAs without it
     assert on.index("kv.release(j);") < on.index("kv.issue(j + KV_STAGES - 1, mask);")
@@ -122,7 +122,36 @@ def test_pingpong_renders_the_turn_taking_and_late_refill():
 def test_tuner_searches_pingpong_and_the_producer_on_hopper():
     specs, _ = candidates(fagen.parse_spec(hopper(pipeline={"stages": 3, "pingpong": True})))
     assert {(s.pipeline.pingpong, s.warp_specialized) for s in specs} == {(a, b) for a in (False, True) for b in (False, True)}
-    assert all(s.tiling.warps_q == 8 for s in specs if s.pipeline.pingpong or s.warp_specialized)
+    assert all(s.tiling.warps_q in (8, 12) for s in specs if s.pipeline.pingpong or s.warp_specialized)
+    # three consumer warpgroups only beside a producer, at the most registers that fit them
+    three = [s for s in specs if s.tiling.warps_q == 12]
+    assert three and all(s.warp_specialized and s.tiling.block_q == 192 for s in three)
+    assert {s.pipeline.warp_specialized.consumer_registers for s in three} == {160}
+    assert {s.pipeline.warp_specialized.consumer_registers for s in specs if s.tiling.warps_q == 8 and s.warp_specialized} == {240}
+
+
+def test_long_sequences_take_their_shape_class(monkeypatch):
+    """From LONG_KEYS keys on, `<name>_long_<gpu>.yaml` where shipped (fagen tune --long); the
+    spec for all lengths otherwise, and for split-KV partials; fagen.attention and the bench pass
+    the keys."""
+    import numpy as np
+
+    from fagen import bench, device, runtime
+    from fagen.bench_cases import Case
+    from fagen.variants import LONG_KEYS
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h100")  # the H200's specs stand in
+    assert runtime.default_spec("float16", 128, True, keys=LONG_KEYS).name == "attn_f16_d128_causal_long_h200"
+    assert runtime.default_spec("bfloat16", 128, True, keys=LONG_KEYS).name == "attn_bf16_d128_causal_long_h200"
+    assert runtime.default_spec("float16", 128, True, keys=LONG_KEYS - 1).name == "attn_f16_d128_causal_h200"
+    assert runtime.default_spec("float16", 128, True).name == "attn_f16_d128_causal_h200"
+    assert runtime.default_spec("float16", 128, False, keys=16384).name == "attn_f16_d128_h200"  # none of its own
+    assert runtime.default_spec("float16", 128, True, partial=True, keys=16384).name == "attn_f16_d128_causal_partial_h200"
+    assert bench.fagen_spec(Case("float16", 128, 4096, True))[0].name == "attn_f16_d128_causal_long_h200"
+    assert bench.fagen_spec(Case("float16", 128, 1024, True))[0].name == "attn_f16_d128_causal_h200"
+    assert runtime.sequence_keys(np.zeros((1, 2, 3000, 128))) == 3000 and runtime.sequence_keys(np.zeros(5)) is None
+    monkeypatch.setattr(device, "gpu_slug", lambda: None)
+    assert runtime.default_spec("float16", 128, True, keys=16384).name == "attn_f16_d128_causal"
 
 
 @pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_f16_d128_h200"), ("h100", "attn_f16_d128_h200"),
