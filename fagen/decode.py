@@ -20,7 +20,7 @@ import numpy as np
 
 from fagen import variants
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for
-from fagen.runtime import Kernel, compile_kernel, derive_spec
+from fagen.runtime import Kernel, compile_kernel, derive_spec, sequence_keys
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
 
@@ -115,7 +115,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward (fagen.runtime.attention)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
-    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, **side)
+    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), **side)
     spec = packed_spec(plain, q, k)
     if spec is None:
         return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
@@ -159,7 +159,8 @@ class PreparedAttention:
             self._dtype = q.dtype
         self.device = tq.device
         self.signature = tuple(_signature(x) for x in (q, k, v))
-        plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                            keys=sequence_keys(k))
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]

@@ -65,7 +65,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
     kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    plain = _spec(q, mask, causal, softcap, side, keys=k.shape[2])
+    plain = _spec(q, mask, causal, softcap, side, keys=runtime.sequence_keys(k))
     packed = decode.packed_spec(plain, q, k)
     if packed is not None:  # a few query rows: the decode path (its backward is the plain one's)
         return decode.run(packed, q, k, v, scale=scale, return_lse=True, alibi_slopes=side["alibi_slopes"],

@@ -6,6 +6,7 @@ derive (and compile) exactly what a GPU would run.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from functools import cache
 
 from fagen.load import SPECS, load_spec, parse_spec
@@ -38,7 +39,7 @@ def shipped_spec(dtype: str, head_dim: int, causal: bool, *, gpu: str | None, pa
     return _shipped_spec(dtype, head_dim, causal, gpu, partial, keys is not None and keys >= LONG_KEYS)
 
 
-def _tuned_path(name: str, gpu: str | None):
+def _tuned_path(name: str, gpu: str | None) -> Path | None:
     """specs/<name>_<gpu>.yaml, or the same chip's (H100 and H200: one sm_90 chip, different
     memory), or None."""
     for slug in (gpu, SAME_CHIP.get(gpu)):
