@@ -252,11 +252,12 @@ def score_mods() -> list[dict]:
 ATTENTION_GPUS = {None: "sm_80", "h200": "sm_90"}
 
 
-def attention_defaults(gpu: str | None) -> list[tuple[AttentionSpec, str]]:
+def attention_defaults(gpu: str | None, classes: tuple[int | None, ...] = (None, LONG_KEYS)) -> list[tuple[AttentionSpec, str]]:
     """(spec, arch it is compiled for) of every default fagen.attention picks on `gpu`
-    (fagen.variants.shipped_spec): dtype x head_dim x causal."""
+    (fagen.variants.shipped_spec): dtype x head_dim x causal x shape class (keys: None for all
+    lengths, LONG_KEYS for the long class; training takes the first alone)."""
     specs = [shipped_spec(dt, d, causal, gpu=gpu, keys=keys) for dt in ("float16", "bfloat16") for d in HEAD_DIMS
-             for causal in (False, True) for keys in (None, LONG_KEYS)]
+             for causal in (False, True) for keys in classes]
     specs = list(dict.fromkeys(specs))  # a shape class without a spec of its own is the first
     return [(s, "sm_90a" if s.wgmma else ATTENTION_GPUS[gpu]) for s in specs]
 

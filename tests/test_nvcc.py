@@ -211,7 +211,7 @@ def test_measured_fits_compile_without_spills():
 # transposed lists) on each main loop: wgmma (d 64, 128) and mma.sync (d 256); and a matrix
 # bias's gradient (an add per score) at d 64 and 128.
 TRAINING_GPUS = ("h200",) if MATRIX == "quick" else (None, "h200")
-DEFAULTS = [s for gpu in TRAINING_GPUS for s, _ in attention_defaults(gpu) if s.dtype == "float16"]
+DEFAULTS = [s for gpu in TRAINING_GPUS for s, _ in attention_defaults(gpu, classes=(None,)) if s.dtype == "float16"]
 BACKWARD_SPECS = [s for s in map(fagen.load_spec, SPEC_PATHS) if s.backward is not None] + list(dict.fromkeys(
     [trainable(s) for s in DEFAULTS] + [trainable(variant(s, Mask(kind="block_mask"), ScoreMod())) for s in DEFAULTS
                                         if not s.causal and s.head_dim in (64, 128, 256)]
