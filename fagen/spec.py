@@ -103,11 +103,17 @@ REGISTERS_PER_SM = 65536
 MAX_THREAD_REGISTERS = 256  # what a thread's allocation rounds up to at the most (255 usable)
 
 
+def launch_registers(consumers: int, blocks: int) -> int:
+    """Registers a thread is launched with: `blocks` blocks an SM of a producer warpgroup and
+    `consumers` consumer warpgroups share the register file evenly, a multiple of 8 a thread."""
+    threads = WARPGROUP_THREADS * (1 + consumers)
+    return min(MAX_THREAD_REGISTERS, REGISTERS_PER_SM // (blocks * threads) // SETMAXNREG_STEP * SETMAXNREG_STEP)
+
+
 def most_consumer_registers(consumers: int, producer_registers: int, blocks: int = 1) -> int:
     """The most registers setmaxnreg may give each of `consumers` consumer warpgroups beside a
     producer warpgroup at `producer_registers`, `blocks` blocks an SM (register_split_rules)."""
-    at_launch = min(MAX_THREAD_REGISTERS, REGISTERS_PER_SM // (blocks * WARPGROUP_THREADS * (1 + consumers))
-                    // SETMAXNREG_STEP * SETMAXNREG_STEP)
+    at_launch = launch_registers(consumers, blocks)
     most = min(SETMAXNREG_RANGE[1], ((1 + consumers) * at_launch - producer_registers) // consumers)
     return most - most % SETMAXNREG_STEP
 
@@ -118,8 +124,7 @@ def register_split_rules(field: str, ws: WarpSpecialized, consumers: int, blocks
     register file evenly at launch (a multiple of 8 a thread), and a block's split must fit its
     share (more, and the consumers' setmaxnreg waits for ever); the producer, which only issues
     loads, takes fewer than a consumer."""
-    threads = WARPGROUP_THREADS * (1 + consumers)
-    at_launch = min(MAX_THREAD_REGISTERS, REGISTERS_PER_SM // (blocks * threads) // SETMAXNREG_STEP * SETMAXNREG_STEP)
+    threads, at_launch = WARPGROUP_THREADS * (1 + consumers), launch_registers(consumers, blocks)
     used = WARPGROUP_THREADS * (ws.producer_registers + consumers * ws.consumer_registers)
     if used > threads * at_launch:
         raise ValueError(rule(
