@@ -122,12 +122,13 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def _torch_stream(device: int) -> int:
-    """PyTorch's current stream on `device`, as a raw handle (without building a Stream object)."""
+def _torch_stream_getter():
+    """A function of a device giving PyTorch's current stream there as a raw handle (without
+    building a Stream object where this torch can)."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return raw if raw is not None else lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 def _signature(x) -> tuple:
@@ -155,9 +156,11 @@ class PreparedAttention:
             import torch
 
             self._torch = torch  # the call's allocations, without an import statement a call
+            self._stream = _torch_stream_getter()
             self._layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
             self._dtype = q.dtype
         self.device = tq.device
+        self._current_device = cupy.cuda.runtime.getDevice  # bound once: a call's device check
         self.signature = tuple(_signature(x) for x in (q, k, v))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                             keys=sequence_keys(k))
@@ -173,6 +176,7 @@ class PreparedAttention:
         self._lse = empty_like(tq, (b, hq, nq), "float32")
         self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
         self.out_signature, self.lse_signature = _signature(out), _signature(self._lse)
+        self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
         self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
         self.merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
         with cupy.cuda.Device(tq.device), stream_for(tq):
@@ -216,7 +220,7 @@ class PreparedAttention:
                     or v.get_device() != self.device):
                 self._refuse(q, k, v)
             if out is not None and (out.shape != self.out_shape or out.dtype is not self._dtype
-                                    or (out.stride(), out.get_device()) != self.out_signature[1::2]) \
+                                    or (out.stride(), out.get_device()) != self._out_placement) \
                     or lse is not None and _signature(lse) != self.lse_signature:
                 self._refuse_outputs(out, lse)
         elif (_signature(q), _signature(k), _signature(v)) != self.signature:
@@ -224,14 +228,14 @@ class PreparedAttention:
         elif out is not None and _signature(out) != self.out_signature \
                 or lse is not None and _signature(lse) != self.lse_signature:
             self._refuse_outputs(out, lse)
-        if cupy.cuda.runtime.getDevice() != self.device:
+        if self._current_device() != self.device:
             raise ValueError(f"prepared on cuda:{self.device}, but the current device is "
-                             f"cuda:{cupy.cuda.runtime.getDevice()}; use `with cupy.cuda.Device({self.device}):`")
+                             f"cuda:{self._current_device()}; use `with cupy.cuda.Device({self.device}):`")
         if lse is not None:
             return_lse = True
         if self.torch:
             torch = self._torch
-            stream = _torch_stream(self.device)
+            stream = self._stream(self.device)
             if out is None:
                 out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
             if return_lse and lse is None:

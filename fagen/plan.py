@@ -510,7 +510,7 @@ class MergePlan:
 # at a time: 8.5 us of latency for 256 KB. Eight warps, four splits each in flight: one round trip.
 MERGE_WARPS = 8
 SPLIT_MERGE_FLOATS = 6  # outputs.merge_splits: a thread's share of a row's merge (max, sum, 4 columns)
-SPLIT_MERGE_BATCH = 8  # ... more and the d64 decode kernel outgrows its registers (121 -> 145 at 16: one block an SM, not two)
+SPLIT_MERGE_BATCH = 16  # ... all of a d128 tile's 16 splits in one round trip (the main loop, not this, sets the registers)
 MERGE_SPLITS_IN_FLIGHT = 4
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +144,7 @@ class Launch:
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
     __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "_pointers",
-                 "_first_slots", "_mapped")
+                 "_first_slots", "_mapped", "_repoint_all", "_driver_launch")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
@@ -170,22 +170,25 @@ class Launch:
         # the usual case, slots the first parameters in order: one struct store re-points them all
         first = self.slots == tuple(range(len(self.slots)))
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
+        self._repoint_all = len(self.slots) if first else -1  # the address count that takes that store
+        # the driver call with everything but the stream bound: a call passes two arguments, not eleven
+        self._driver_launch = partial(cupy.cuda.driver.launchKernel, self.function, *grid, threads, 1, 1,
+                                                smem)
 
     def __call__(self, stream: int | None, *addresses: int) -> None:
         """Launch on `stream` (a CUDA stream handle; None: CuPy's current stream), the slots
         given first pointing at `addresses` (all of them, or the first few)."""
-        values = self.values
-        if self._first_slots is not None and len(addresses) == len(self.slots):
-            self._first_slots.pack_into(values, 0, *addresses)
+        if len(addresses) == self._repoint_all:
+            self._first_slots.pack_into(self.values, 0, *addresses)
         else:
+            values = self.values
             for index, address in zip(self.slots, addresses):
                 values[index] = address
         if self.maps:
             self._re_encode(addresses)
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
-        gx, gy, gz = self.grid
-        cupy.cuda.driver.launchKernel(self.function, gx, gy, gz, self.block, 1, 1, self.smem, stream, self.params, 0)
+        self._driver_launch(stream, self.params, 0)
 
     def _re_encode(self, addresses: tuple[int, ...]) -> None:
         """TMA reads a tensor's address from its map: encode the maps of re-pointed tensors."""

@@ -169,8 +169,10 @@ struct KvRows {
 struct QueryRows {
   int group, n;  // n: packed rows, n_q * group
 
-  __device__ __forceinline__ int pos(int p) const { return p / group; }
-  __device__ __forceinline__ int head(int p) const { return p % group; }  // within the group
+  // unsigned: p and group are never negative, and the signed division's fix-ups lengthen the
+  // epilogue's address chains
+  __device__ __forceinline__ int pos(int p) const { return int(unsigned(p) / unsigned(group)); }
+  __device__ __forceinline__ int head(int p) const { return int(unsigned(p) % unsigned(group)); }  // within the group
   // Row p's element offset in a [head, position, ...] tensor with these strides.
   __device__ __forceinline__ long long offset(int p, long long head_stride, long long pos_stride) const {
     return head(p) * head_stride + pos(p) * pos_stride;
@@ -396,7 +398,9 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       l += __shfl_xor_sync(0xffffffff, l, 2);
       const int row = f * 16 + h * 8 + g;  // within the warp's rows
       const float m = sm.m[f][h];
-      const float inv = l == 0.f ? 0.f : 1.f / l;  // a NaN score leaves l NaN: it must reach O and LSE
+      // a NaN score leaves l NaN: it must reach O and LSE. The fast division: l is at most the
+      // keys' count, and the IEEE one is a subnormal-handling call on the epilogue's critical path
+      const float inv = l == 0.f ? 0.f : __fdividef(1.f, l);
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
         const int col = n * 8 + 2 * t;

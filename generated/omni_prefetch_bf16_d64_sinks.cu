@@ -385,7 +385,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       const float alpha = fast_exp2(m - m_new);  // 0 when no key was seen
       l = l * alpha + fast_exp2(sink_log2 - m_new);
       m = m_new;
-      const float inv = l == 0.f ? 0.f : alpha / l;  // a NaN score leaves l NaN: it must reach O and LSE
+      const float inv = l == 0.f ? 0.f : __fdividef(alpha, l);  // a NaN score leaves l NaN: it must reach O and LSE
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
         const int col = n * 8 + 2 * t;

@@ -372,7 +372,9 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       l += __shfl_xor_sync(0xffffffff, l, 2);
       const int row = f * 16 + h * 8 + g;  // within the warp's rows
       const float m = sm.m[f][h];
-      const float inv = l == 0.f ? 0.f : 1.f / l;  // a NaN score leaves l NaN: it must reach O and LSE
+      // a NaN score leaves l NaN: it must reach O and LSE. The fast division: l is at most the
+      // keys' count, and the IEEE one is a subnormal-handling call on the epilogue's critical path
+      const float inv = l == 0.f ? 0.f : __fdividef(1.f, l);
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
         const int col = n * 8 + 2 * t;

@@ -156,6 +156,8 @@ def test_the_merging_kernel_renders_its_merge_and_nothing_else_does():
             assert param in signature
         assert ("sinks" in signature) is sinks
         assert source.count("__shared__") == 1  # the dynamic tiles alone: a static one shifts the swizzle
+        # a split counts itself in with one acquire-release atomic: no sequentially consistent fences
+        assert "atom.add.acq_rel.gpu.global.s32" in source and "__threadfence" not in source
     partial = render(DECODE)
     assert "last_split_to_arrive" not in partial and "merged_o" not in partial
 
