@@ -172,8 +172,7 @@ class Launch:
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
         self._repoint_all = len(self.slots) if first else -1  # the address count that takes that store
         # the driver call with everything but the stream bound: a call passes two arguments, not eleven
-        self._driver_launch = partial(cupy.cuda.driver.launchKernel, self.function, *grid, threads, 1, 1,
-                                                smem)
+        self._driver_launch = partial(cupy.cuda.driver.launchKernel, self.function, *grid, threads, 1, 1, smem)
 
     def __call__(self, stream: int | None, *addresses: int) -> None:
         """Launch on `stream` (a CUDA stream handle; None: CuPy's current stream), the slots
