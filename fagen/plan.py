@@ -126,6 +126,8 @@ class KernelPlan:
     split_merge_batch: int  # ... splits whose loads a thread issues before it folds them
     sequence_params: tuple[tuple[str, str], ...]  # varlen and paged: where each sequence's rows are
     sequence_offset: bool  # varlen and paged, aligned bottom right: each block moves the diagonal to its sequence's
+    # decode kernels (GQA-packed): launched to overlap the previous kernel's end (fagen.dependent_launch)
+    dependent_launch: bool
     # What the templates print beside the numbers above (0 where a main loop has no use for it).
     mainloop: str  # the templates' main-loop folder: "sm80" (mma.sync) or "sm90" (wgmma)
     smem_align: int  # bytes the dynamic smem base is aligned to
@@ -401,6 +403,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         split_merge_batch=SPLIT_MERGE_BATCH if spec.outputs.merge_splits else 0,
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
+        dependent_launch=t.pack_gqa,
         column_blocks=ws is not None,
         warp_specialized=ws is not None,
         consumer_threads=32 * warps,

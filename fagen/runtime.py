@@ -19,11 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from fagen import __version__, device, side_inputs, tensor_maps, variants
+from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
-from fagen.plan import TMA_MAP, KernelPlan, plan
+from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, plan
 from fagen.render import render
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
@@ -148,7 +149,7 @@ class Launch:
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
-                 maps: tuple[TensorMap, ...] = ()):
+                 maps: tuple[TensorMap, ...] = (), dependent: bool = False):
         names = [name for _, name in params]
         values = {**values, **{m.param: tensor_maps.encode(values[m.tensor], m.dtype, m.layout) for m in maps}}
         missing = [name for name in names if name not in values]
@@ -172,7 +173,9 @@ class Launch:
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
         self._repoint_all = len(self.slots) if first else -1  # the address count that takes that store
         # the driver call with everything but the stream bound: a call passes two arguments, not eleven
-        self._driver_launch = partial(cupy.cuda.driver.launchKernel, self.function, *grid, threads, 1, 1, smem)
+        # (dependent: a programmatic dependent launch, fagen.dependent_launch)
+        self._driver_launch = (DependentLaunch(self.function, grid, threads, smem) if dependent else
+                               partial(cupy.cuda.driver.launchKernel, self.function, *grid, threads, 1, 1, smem))
 
     def __call__(self, stream: int | None, *addresses: int) -> None:
         """Launch on `stream` (a CUDA stream handle; None: CuPy's current stream), the slots
@@ -229,6 +232,12 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.arch})"
+
+    @cached_property
+    def dependent_launch(self) -> bool:
+        """Whether launches overlap the stream's previous kernel (fagen.dependent_launch): the
+        kernel waits for it (plan.dependent_launch) and this GPU has griddepcontrol."""
+        return self.plan.dependent_launch and int(self.arch[3:]) >= MIN_COMPUTE_CAPABILITY
 
     @cached_property
     def blocks_per_sm(self) -> int:
@@ -433,7 +442,8 @@ class Kernel:
         # partials are a workspace)
         outputs = ("merged_o", "merged_lse") if self.spec.outputs.merge_splits else ("o", "lse")
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
-                      slots=("q", "k", "v", *outputs), maps=maps)
+                      slots=("q", "k", "v", *outputs), maps=maps,
+                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * ELEMENT_BYTES))
 
     def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
         """The launch's tiles: x a block per (batch, query head), or per (batch, KV head) where the

@@ -172,17 +172,41 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     return parse_falling_back(data, spec, f"{q} q, {kv} kv variant of {spec.name}")  # the layout's registers
 
 
+# The least keys a warp of an unsplit decode kernel keeps when its tile is halved (half_ring).
+UNSPLIT_MIN_WARP_KEYS = 32
+
+
+def half_ring(spec: AttentionSpec) -> dict:
+    """The tiling and pipeline fields that halve a decode spec's K/V ring: one stage where it has
+    two, else half the keys a tile where each warp keeps UNSPLIT_MIN_WARP_KEYS or more; {} where
+    neither applies."""
+    tiling, pipeline = spec.tiling, spec.pipeline
+    if pipeline.stages == 2:
+        return {"pipeline": {**pipeline.model_dump(), "stages": 1}}
+    if pipeline.stages == 1 and tiling.block_kv // 2 // tiling.warps_kv >= UNSPLIT_MIN_WARP_KEYS:
+        return {"tiling": {**tiling.model_dump(), "block_kv": tiling.block_kv // 2}}
+    return {}
+
+
 @cache
 def unsplit_variant(spec: AttentionSpec, sinks: bool = False) -> AttentionSpec:
     """A partial spec (a decode kernel) writing its output itself, named <name>_unsplit[_sinks]:
     where its blocks fill the GPU without splitting the keys, one launch and no merge (the
     merge's 3 us were 2.5% of a B 32 decode step on the H200). sinks: they join in the kernel,
-    as the merge would have added them."""
+    as the merge would have added them. Its key-split blocks (tiling.warps_kv > 1) take half
+    the split kernel's K/V ring where the plan accepts it (half_ring): that ring is sized for a block alone on its SM,
+    and a full batch's blocks then run two an SM, in one wave where they were two (H200, B 32
+    at 4k: d128 123.2 against 124.5 us, d64 63.4 against 64.8; notes/perf.md)."""
     if not spec.outputs.partial:
         return spec
     data = {**spec.model_dump(), "name": f"{spec.name}_unsplit{'_sinks' if sinks else ''}",
             "outputs": {**spec.outputs.model_dump(), "partial": False, "lse": True},
             "score_mod": {**spec.score_mod.model_dump(), "sinks": sinks}}
+    if spec.tiling.warps_kv > 1 and half_ring(spec):
+        try:
+            return parse_spec({**data, **half_ring(spec)}, f"unsplit {spec.name}")
+        except SpecError:
+            pass  # the halved ring is refused (too small for the key warps' merge): keep the whole one
     return parse_spec(data, f"unsplit {spec.name}")
 
 

@@ -507,6 +507,11 @@ fagen_decode_f16_d128_q64(
     int kv_tiles_per_split,
     long long o_split_stride,
     long long lse_split_stride) {
+#if __CUDA_ARCH__ >= 900
+  // Launched while the stream's previous kernel may still run (fagen.dependent_launch): wait for
+  // it to finish, its writes visible, before any memory access.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
@@ -606,6 +611,12 @@ fagen_decode_f16_d128_q64(
     wait_group<0>();
     __syncthreads();
   }
+
+#if __CUDA_ARCH__ >= 900
+  // The keys are read: the next kernel may launch now, to be resident by the time this one's
+  // epilogue ends (launched from the start, its blocks took SMs a long step still streamed on).
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
 
   if (!merge_key_warps(o_acc, softmax, reinterpret_cast<float*>(smem + Q_TILE_ELEMS), warp, lane)) return;
 
