@@ -70,8 +70,9 @@ def step_spec(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, 
     if not 1 <= splits <= tiles:
         raise ValueError(f"splits = {splits}: must be 1..{tiles} (the KV tiles of Nk = {nk})")
     splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares: some counts give the same split
-    if splits == 1:
-        return variants.unsplit_variant(spec, sinks), 1
+    if splits == 1:  # more blocks than the GPU holds: half the ring each, so that they run in one wave
+        blocks = math.prod(kernel.tiles(b, hq, hkv, nq, 1))
+        return variants.unsplit_variant(spec, sinks, half_ring=blocks > slots(kernel)), 1
     tile_rows = min(kernel.plan.block_q, nq * (hq // hkv))
     return (merged if merges_in_kernel(tile_rows, spec.head_dim, splits) else spec), splits
 

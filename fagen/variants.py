@@ -172,11 +172,11 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     return parse_falling_back(data, spec, f"{q} q, {kv} kv variant of {spec.name}")  # the layout's registers
 
 
-# The least keys a warp of an unsplit decode kernel keeps when its tile is halved (half_ring).
+# The least keys a warp of an unsplit decode kernel keeps when its tile is halved (halved_ring).
 UNSPLIT_MIN_WARP_KEYS = 32
 
 
-def half_ring(spec: AttentionSpec) -> dict:
+def halved_ring(spec: AttentionSpec) -> dict:
     """The tiling and pipeline fields that halve a decode spec's K/V ring: one stage where it has
     two, else half the keys a tile where each warp keeps UNSPLIT_MIN_WARP_KEYS or more; {} where
     neither applies."""
@@ -189,22 +189,25 @@ def half_ring(spec: AttentionSpec) -> dict:
 
 
 @cache
-def unsplit_variant(spec: AttentionSpec, sinks: bool = False) -> AttentionSpec:
-    """A partial spec (a decode kernel) writing its output itself, named <name>_unsplit[_sinks]:
+def unsplit_variant(spec: AttentionSpec, sinks: bool = False, half_ring: bool = False) -> AttentionSpec:
+    """A partial spec (a decode kernel) writing its output itself, named <name>_unsplit[_half][_sinks]:
     where its blocks fill the GPU without splitting the keys, one launch and no merge (the
     merge's 3 us were 2.5% of a B 32 decode step on the H200). sinks: they join in the kernel,
-    as the merge would have added them. Its key-split blocks (tiling.warps_kv > 1) take half
-    the split kernel's K/V ring where the plan accepts it (half_ring): that ring is sized for a block alone on its SM,
-    and a full batch's blocks then run two an SM, in one wave where they were two (H200, B 32
-    at 4k: d128 123.2 against 124.5 us, d64 63.4 against 64.8; notes/perf.md)."""
+    as the merge would have added them. half_ring: more blocks than the GPU holds at once, each
+    takes half the K/V ring where the plan accepts it (halved_ring; key-split blocks only,
+    tiling.warps_kv > 1): the ring is sized for a block alone on its SM, and the batch then runs
+    two blocks an SM in one wave where it took two (H200, B 32 at 4k: d128 123.2 against 124.5
+    us, d64 63.4 against 64.8). With fewer blocks than SMs the whole ring stays: a block an SM
+    (mixed-length paged B 16: 149.6 us whole, 170.5 halved; notes/perf.md)."""
     if not spec.outputs.partial:
         return spec
     data = {**spec.model_dump(), "name": f"{spec.name}_unsplit{'_sinks' if sinks else ''}",
             "outputs": {**spec.outputs.model_dump(), "partial": False, "lse": True},
             "score_mod": {**spec.score_mod.model_dump(), "sinks": sinks}}
-    if spec.tiling.warps_kv > 1 and half_ring(spec):
+    if half_ring and spec.tiling.warps_kv > 1 and halved_ring(spec):
         try:
-            return parse_spec({**data, **half_ring(spec)}, f"unsplit {spec.name}")
+            return parse_spec({**data, **halved_ring(spec), "name": f"{spec.name}_unsplit_half{'_sinks' if sinks else ''}"},
+                              f"unsplit {spec.name}")
         except SpecError:
             pass  # the halved ring is refused (too small for the key warps' merge): keep the whole one
     return parse_spec(data, f"unsplit {spec.name}")

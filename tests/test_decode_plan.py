@@ -112,9 +112,9 @@ def test_warps_along_the_keys_share_each_tile():
     (128, {"block_kv": 128, "warps_kv": 4}, 1, {}),  # 16 keys a warp would be left
     (128, {"block_kv": 64, "warps_kv": 2}, 1, {}),
 ])
-def test_half_ring_halves_stages_before_keys(head_dim, tiling, stages, half):
+def test_halved_ring_halves_stages_before_keys(head_dim, tiling, stages, half):
     spec = parse_spec(packed(head_dim=head_dim, tiling=tiling, pipeline={"stages": stages}), "test")
-    changes = variants.half_ring(spec)
+    changes = variants.halved_ring(spec)
     if "pipeline" in half:
         assert changes["pipeline"]["stages"] == half["pipeline"] and "tiling" not in changes
     elif half:
@@ -124,22 +124,23 @@ def test_half_ring_halves_stages_before_keys(head_dim, tiling, stages, half):
 
 
 @pytest.mark.parametrize("path", sorted(SPECS.glob("decode_*.yaml")), ids=lambda p: p.stem)
-def test_an_unsplit_kernel_shares_its_sm_where_its_keys_are_split_over_warps(path):
-    """Unsplit, a full batch's blocks fill the GPU: a 16-row kernel's ring halves so that two
+def test_an_unsplit_kernel_shares_its_sm_where_its_blocks_overfill_the_gpu(path):
+    """Unsplit, more blocks than the GPU holds at once: a 16-row kernel's ring halves so that two
     blocks fit an SM (228 KB on sm_80-sm_90) and the batch runs in one wave, not two; a 64-row
     kernel keeps its ring (one warp a row group, or a halved ring too small for the key warps'
-    merge)."""
+    merge), as does any kernel whose blocks fit the GPU a block an SM."""
     from fagen.plan import plan
 
     spec = load_spec(path)
-    unsplit = variants.unsplit_variant(spec)
-    assert not unsplit.outputs.partial and unsplit.outputs.lse
-    whole, shared = plan(spec).smem_bytes, plan(unsplit).smem_bytes
+    whole, half = variants.unsplit_variant(spec), variants.unsplit_variant(spec, half_ring=True)
+    for unsplit in (whole, half):
+        assert not unsplit.outputs.partial and unsplit.outputs.lse
+    assert (whole.tiling, whole.pipeline) == (spec.tiling, spec.pipeline)
     if spec.tiling.block_q == 16:
-        assert 2 * whole > 228 * 1024 >= 2 * shared
-        assert unsplit.tiling.warps_kv == spec.tiling.warps_kv and unsplit.tiling.block_kv // unsplit.tiling.warps_kv >= 32
+        assert 2 * plan(whole).smem_bytes > 228 * 1024 >= 2 * plan(half).smem_bytes
+        assert half.name == f"{spec.name}_unsplit_half" and half.tiling.block_kv // half.tiling.warps_kv >= 32
     else:
-        assert (unsplit.tiling, unsplit.pipeline, shared) == (spec.tiling, spec.pipeline, whole)
+        assert half == whole
 
 
 # ---- one launch a step: the last split of each tile merges (outputs.merge_splits) ----------------

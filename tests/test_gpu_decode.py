@@ -219,12 +219,16 @@ def test_a_prepared_decode_step_in_a_cuda_graph():
 @pytest.mark.parametrize("mask", [Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=300)], ids=str)
 @pytest.mark.parametrize("mod", [ScoreMod(), ScoreMod(softcap=30.0, alibi="slopes", sinks=True)],
                          ids=lambda m: m.model_dump_json(exclude_defaults=True))
-def test_one_split_is_one_launch_without_a_merge(mask, mod):
+@pytest.mark.parametrize("b", [40, 16])  # 320 blocks: two an SM, half the ring each; 128 (132 SMs): one an SM
+def test_one_split_is_one_launch_without_a_merge(mask, mod, b):
     """Where the blocks alone fill the GPU (splits 1) the kernel writes out and the LSE itself, sinks
-    joining there: decode.run and a prepared call both, against the oracle, outputs NaN-poisoned."""
+    joining there, with half the K/V ring where the blocks outnumber what the GPU holds at once:
+    decode.run and a prepared call both, against the oracle, outputs NaN-poisoned."""
+    import math
+
     import torch
 
-    b, hq, hkv, nq, nk = 40, 32, 8, 3, 1500  # 12 packed rows; 320 blocks: no split
+    hq, hkv, nq, nk = 32, 8, 3, 1500  # 12 packed rows: b x 8 blocks, no split
     q, k, v, _ = random_inputs("torch", "bfloat16", b, hq, hkv, nq, nk, 128)
     sinks = torch.randn(hq, device="cuda") if mod.sinks else None
     slopes = torch.rand(hq, device="cuda") if mod.alibi != "none" else None
@@ -239,6 +243,9 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod):
     assert relative_error(to_numpy(lse), ref_lse) < 1e-4
     call = fagen.prepare(q, k, v, mask=mask, softcap=mod.softcap, alibi_slopes=slopes, sinks=sinks)
     assert not call.spec.outputs.partial  # one launch a step, no partials
+    merged = fagen.compile(variants.merged_variant(spec, mod.sinks))  # its occupancy sets the step's kernel
+    overfill = math.prod(merged.tiles(b, hq, hkv, nq, 1)) > decode.slots(merged)
+    assert call.spec.name.endswith("_unsplit_half" + ("_sinks" if mod.sinks else "")) is overfill
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
     call(q, k, v, out=out, lse=lse)
