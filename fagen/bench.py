@@ -30,7 +30,10 @@ LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 MASKED_LENGTHS = (4096, 16384)
-MASKS = ("sliding_window", "documents", "prefix_lm")
+MASKED_HEAD_DIMS = (64, 128)
+# (mask, causal, uniform documents): every builder shape the mask bar names
+MASKS = (("sliding_window", True, False), ("prefix_lm", True, False), ("documents", True, False),
+         ("documents", False, False), ("documents", True, True), ("documents", False, True))
 PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
 
 
@@ -59,7 +62,8 @@ def cases(quick: bool = False) -> list[Case]:
         return [Case("float16", 128, n, c) for n in (1024, 4096) for c in (False, True)] + \
                [Case("float16", 128, 4096, True, "sliding_window")]
     dense = [Case(dt, d, n, c) for dt in DTYPES for d in HEAD_DIMS for n in LENGTHS for c in (False, True)]
-    masked = [Case("float16", 128, n, True, m) for m in MASKS for n in MASKED_LENGTHS]
+    masked = [Case("float16", d, n, causal, m, uniform=uniform) for d in MASKED_HEAD_DIMS
+              for m, causal, uniform in MASKS for n in MASKED_LENGTHS]
     return dense + masked
 
 
@@ -69,9 +73,9 @@ def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
     if case.mask == "none":
         return base, {}
     mask = {"sliding_window": Mask(kind="sliding_window", window_left=WINDOW),
-            "documents": Mask(kind="document", causal=True),
+            "documents": Mask(kind="document", causal=case.causal),
             "prefix_lm": Mask(kind="prefix_lm", prefix_len=PREFIX)}[case.mask]
-    extras = {"doc_ids": masks.documents_of_lengths(doc_lengths(case.n, case.docs), case.batch)} \
+    extras = {"doc_ids": masks.documents_of_lengths(case.doc_lengths(), case.batch)} \
         if case.mask == "documents" else {}
     return variants.variant(base, mask, base.score_mod), extras
 
@@ -79,7 +83,7 @@ def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
 def run_fagen(case: Case, flops: float) -> Row:
     spec, extras = fagen_spec(case)
     row = Row(case.key, spec.name, "fagen", case.dtype, case.head_dim, case.n, case.batch, case.heads,
-              case.causal, case.mask, None, None)
+              case.causal, case.mask_label, None, None)
     n_check = min(case.n, 1536)  # past WINDOW and PREFIX, so their edges are checked too
     check_extras = {"doc_ids": extras["doc_ids"][:1, :n_check]} if extras else None
     if check_extras:
@@ -103,7 +107,7 @@ def run_peer(case: Case, impl: str, flops: float) -> Row:
     import torch
 
     row = Row(case.key, impl, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads, case.causal,
-              case.mask, None, None)
+              case.mask_label, None, None)
     q, k, v, _ = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)
     try:
         if impl in SDPA_BACKENDS:
@@ -122,6 +126,11 @@ def run_peer(case: Case, impl: str, flops: float) -> Row:
 
 
 def flex_runner(case: Case, q, k, v):
+    import torch
+
+    # each masked case compiles Flex afresh (its own block mask and shapes): past dynamo's
+    # recompile limit (8 graphs of one function) Flex would run eagerly, ~100x slower, without a word
+    torch._dynamo.reset()
     block_mask = flex_block_mask(case)
     flex = _compiled_flex()
     return lambda: flex(q, k, v, block_mask=block_mask)
@@ -367,7 +376,7 @@ def _forward_markdown(rows: list[Row], meta: dict, plots: list[str], md_path: st
     if masked:
         out += ["## Masks (static-mask kernels, kept-work TFLOP/s)", "",
                 "| dtype | d | N | mask | fagen | Flex | fagen / Flex |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for r in sorted(masked, key=lambda r: (r.mask, r.n)):
+        for r in sorted(masked, key=lambda r: (r.head_dim, r.mask, r.n)):
             t = table[r.case]
             out.append(f"| {r.dtype} | {r.head_dim} | {r.n} | {r.mask} | {_fmt(r)} | {_fmt(t.get('flex'))} | "
                        f"{_ratio(r, t.get('flex'))} |")

@@ -236,7 +236,7 @@ def fagen_spec(case: Case, q) -> tuple:
     import torch
 
     if case.mask == "documents":
-        ids = masks.documents_of_lengths(bench_cases.doc_lengths(case.n, case.docs), case.batch)
+        ids = masks.documents_of_lengths(case.doc_lengths(), case.batch)
         docs = torch.from_numpy(ids).to(q.device)
         return trainable(derive_spec(q, causal=True, doc_ids=docs)), {"doc_ids": docs}
     mask = {"sliding_window": Mask(kind="sliding_window", window_left=bench_cases.WINDOW),
@@ -255,7 +255,7 @@ def oracle_check(spec, case: Case) -> tuple[float, bool]:
     dout = random_inputs("torch", case.dtype, 1, 2, 2, n, n, d)[0]
     docs = None
     if case.mask == "documents":
-        docs = np.ascontiguousarray(masks.documents_of_lengths(bench_cases.doc_lengths(case.n, case.docs))[:, :n])
+        docs = np.ascontiguousarray(masks.documents_of_lengths(case.doc_lengths())[:, :n])
     extras = {} if docs is None else {"doc_ids": torch.from_numpy(docs).to(q.device)}
     backward = compile_backward(spec)
     with nan_filled_empties(q.device) as poisoned:

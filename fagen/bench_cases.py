@@ -25,6 +25,7 @@ class Case:
     causal: bool
     mask: str = "none"  # none | sliding_window | documents | prefix_lm
     docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
+    uniform: bool = False  # documents: of equal lengths, else cut at random (doc_lengths)
 
     @property
     def batch(self) -> int:
@@ -37,13 +38,27 @@ class Case:
     @property
     def key(self) -> str:
         kind = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
-        if self.mask == "documents" and self.docs != N_DOCS:
-            kind += str(self.docs)
+        if self.mask == "documents":
+            kind += (str(self.docs) if self.docs != N_DOCS else "") + ("-uniform" if self.uniform else "") + \
+                ("" if self.causal else "-noncausal")
         return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}"
 
+    @property
+    def mask_label(self) -> str:
+        """The mask as the tables name it: documents say how many, how cut and whether causal."""
+        if self.mask != "documents":
+            return self.mask
+        return f"documents ({self.docs} {'uniform' if self.uniform else 'random'}, {'causal' if self.causal else 'non-causal'})"
 
-def doc_lengths(n: int, docs: int | None = None, seed: int = 0) -> list[int]:
+    def doc_lengths(self) -> list[int]:
+        return doc_lengths(self.n, self.docs, uniform=self.uniform)
+
+
+def doc_lengths(n: int, docs: int | None = None, seed: int = 0, uniform: bool = False) -> list[int]:
+    """`docs` lengths summing to n: equal (the remainder spread over the first), or cut at random."""
     docs = N_DOCS if docs is None else docs
+    if uniform:
+        return [n // docs + (i < n % docs) for i in range(docs)]
     cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
     return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
 
@@ -53,7 +68,9 @@ def mask_predicate(case: Case):
     if case.mask == "sliding_window":
         return lambda q, k: (k <= q) & (q - k <= WINDOW)
     if case.mask == "documents":
-        docs = np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))
+        docs = np.repeat(np.arange(case.docs), case.doc_lengths())
+        if not case.causal:
+            return lambda q, k: docs[q] == docs[k]
         return lambda q, k: (docs[q] == docs[k]) & (k <= q)
     if case.mask == "prefix_lm":
         return lambda q, k: (k <= q) | (k < PREFIX)
@@ -83,10 +100,11 @@ def flex_block_mask(case: Case):
     from torch.nn.attention.flex_attention import create_block_mask
 
     if case.mask == "documents":
-        docs = torch.from_numpy(np.repeat(np.arange(case.docs), doc_lengths(case.n, case.docs))).cuda()
+        docs = torch.from_numpy(np.repeat(np.arange(case.docs), case.doc_lengths())).cuda()
+        causal = case.causal
 
         def mask_mod(b, h, qi, ki):
-            return (docs[qi] == docs[ki]) & (ki <= qi)
+            return (docs[qi] == docs[ki]) & ((ki <= qi) | (not causal))
     elif case.mask == "sliding_window":
         def mask_mod(b, h, qi, ki):
             return (ki <= qi) & (qi - ki <= WINDOW)

@@ -89,6 +89,14 @@ def test_kept_pairs_closed_forms(small_masks):
     assert bench.kept_pairs(Case("float16", 64, n, True, "prefix_lm")) == n * (n + 1) // 2 + p * (p - 1) // 2
     lengths = bench.doc_lengths(n)
     assert bench.kept_pairs(Case("float16", 64, n, True, "documents")) == sum(x * (x + 1) // 2 for x in lengths)
+    assert bench.kept_pairs(Case("float16", 64, n, False, "documents")) == sum(x * x for x in lengths)
+    # 8 uniform documents of n / 8: each keeps its own square (non-causal) or triangle
+    assert bench.kept_pairs(Case("float16", 64, n, False, "documents", uniform=True)) == 8 * (n // 8) ** 2
+    assert bench.kept_pairs(Case("float16", 64, n, True, "documents", uniform=True)) == 8 * (n // 8) * (n // 8 + 1) // 2
+
+
+def test_uniform_documents_spread_the_remainder():
+    assert bench.doc_lengths(4099, 4, uniform=True) == [1025, 1025, 1025, 1024]
 
 
 def test_sliding_window_wider_than_the_sequence_is_causal():
@@ -99,15 +107,17 @@ def test_sliding_window_wider_than_the_sequence_is_causal():
 def _kernel_mask(case: Case) -> Mask:
     """The mask fagen_spec gives the kernel for a masked case (built here without a GPU)."""
     return {"sliding_window": Mask(kind="sliding_window", window_left=bench_cases.WINDOW),
-            "documents": Mask(kind="document", causal=True),
+            "documents": Mask(kind="document", causal=case.causal),
             "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench_cases.PREFIX)}[case.mask]
 
 
-@pytest.mark.parametrize("mask", ["sliding_window", "prefix_lm", "documents"])
-def test_kept_pairs_count_what_the_kernel_mask_keeps(small_masks, mask):
+@pytest.mark.parametrize("mask, causal, uniform", [("sliding_window", True, False), ("prefix_lm", True, False),
+                                                   ("documents", True, False), ("documents", False, False),
+                                                   ("documents", False, True)])
+def test_kept_pairs_count_what_the_kernel_mask_keeps(small_masks, mask, causal, uniform):
     """The FLOPs bench credits are the pairs the rendered kernel's mask keeps (fagen.masks)."""
-    case = Case("float16", 128, 64, True, mask)
-    docs = documents_of_lengths(bench.doc_lengths(case.n))
+    case = Case("float16", 128, 64, causal, mask, uniform=uniform)
+    docs = documents_of_lengths(case.doc_lengths())
     keep = dense_from_predicate(static_predicate(_kernel_mask(case), case.n, case.n, docs), 1, 1, case.n, case.n)
     assert bench.kept_pairs(case) == int(keep.sum())
 
@@ -149,7 +159,8 @@ def test_constants_are_the_flashattention_sweep():
     assert bench.HEAD_DIMS == (64, 128, 256)
     assert bench.LENGTHS == (512, 1024, 2048, 4096, 8192, 16384)
     assert bench.MASKED_LENGTHS == (4096, 16384)
-    assert set(bench.MASKS) == {"sliding_window", "documents", "prefix_lm"}
+    assert {m for m, _, _ in bench.MASKS} == {"sliding_window", "documents", "prefix_lm"}
+    assert bench.MASKED_HEAD_DIMS == (64, 128)
 
 
 def test_cases_have_every_dense_combination():
@@ -162,9 +173,12 @@ def test_cases_have_every_dense_combination():
 
 def test_cases_have_the_masked_cases():
     masked = [c for c in bench.cases() if c.mask != "none"]
-    assert {(c.mask, c.n) for c in masked} == {(m, n) for m in ("sliding_window", "documents", "prefix_lm")
-                                                for n in (4096, 16384)}
-    assert len(masked) == 6
+    assert {(c.mask, c.n, c.head_dim) for c in masked} == {(m, n, d) for m in ("sliding_window", "documents", "prefix_lm")
+                                                           for n in (4096, 16384) for d in (64, 128)}
+    # documents in every builder shape the mask bar names: random and uniform lengths, causal and not
+    docs = {(c.causal, c.uniform) for c in masked if c.mask == "documents"}
+    assert docs == {(True, False), (False, False), (True, True), (False, True)}
+    assert len(masked) == 24 and len({c.mask_label for c in masked}) == 6
 
 
 def test_every_case_has_16k_tokens_and_hidden_2048():
@@ -176,7 +190,7 @@ def test_every_case_has_16k_tokens_and_hidden_2048():
 def test_case_keys_are_unique_and_readable():
     all_cases = bench.cases()
     keys = [c.key for c in all_cases]
-    assert len(set(keys)) == len(keys) == 78
+    assert len(set(keys)) == len(keys) == 96
     assert Case("float16", 128, 4096, False).key == "float16-d128-n4096-dense"
     assert Case("bfloat16", 64, 512, True).key == "bfloat16-d64-n512-causal"
     assert Case("float16", 128, 16384, True, "prefix_lm").key == "float16-d128-n16384-prefix_lm"
@@ -742,14 +756,14 @@ def test_main_full_run_is_forward_and_backward(fake_gpu, tmp_path, rows, brows):
     out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
     out.mkdir()
     lines = bench.main(out, md)
-    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 78), ("backward", 15),
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 96), ("backward", 15),
                                                          ("serving", len(bench_serving.cases()))]
     assert fake_gpu[1][1] == bench_backward.cases()
     _, meta = bench_backward.read_json(out / "bench_backward.json")
     assert meta == {"gpu": "NVIDIA H200", "date": "2025-01-03", "pass": "backward", "cases": "15", "mode": "full",
                     "masks": bench_backward.describe_masks()}
     assert "documents: 4 packed documents" in meta["masks"]
-    assert bench.read_json(out / "bench.json")[1]["cases"] == "78"
+    assert bench.read_json(out / "bench.json")[1]["cases"] == "96"
     text = md.read_text()
     assert "## head_dim 64" in text and "### Backward, head_dim 64" in text and "### Paged KV cache" in text
     assert sum(ln.split()[1:2] == ["fagen"] for ln in lines) == len([r for r in rows if r.impl == "fagen"])
@@ -795,7 +809,7 @@ def test_main_forward_only_keeps_the_backward_and_serving_tables(fake_gpu, tmp_p
     bench_backward.write_data(brows, {**META, "pass": "backward"}, out)  # an earlier backward run
     before = (out / "bench_backward.json").read_text()
     lines = bench.main(out, md, forward_only=True)
-    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 78)]
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 96)]
     assert (out / "bench_backward.json").read_text() == before
     assert lines[0] == f"kept the backward tables from {out / 'bench_backward.json'} (not run this time)"
     assert "## Backward" in md.read_text()

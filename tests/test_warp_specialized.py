@@ -16,7 +16,7 @@ from fagen.load import SPECS
 from fagen.plan import TMA_MAP, plan
 from fagen.spec import Mask, ScoreMod
 from fagen.render import render
-from fagen.variants import partial_variant, sequence_variant, variant
+from fagen.variants import fallback_tilings, partial_variant, sequence_variant, variant
 from tests.conftest import rejected
 
 WS = {"producer_registers": 24, "consumer_registers": 240}
@@ -98,7 +98,9 @@ def test_three_warpgroups_bound_the_tile_by_their_160_registers():
     msg = rejected(three_warpgroups(tiling={"block_kv": 144}))
     assert "over the 160 limit (consumer_registers)" in msg
     softcapped = variant(fagen.parse_spec(three_warpgroups()), Mask(), ScoreMod(softcap=30.0))
-    assert softcapped.tiling.block_kv < 128 and softcapped.tiling.warps_q == 12
+    # three quarters of the tile first (a whole number of k16 steps), then the powers of two
+    assert [size for size, _, _ in fallback_tilings(fagen.parse_spec(three_warpgroups()))] == [96, 64, 32, 16]
+    assert softcapped.tiling.block_kv == 96 and softcapped.tiling.warps_q == 12 and softcapped.name.endswith("_kv96")
 
 
 def test_a_paged_variant_of_three_warpgroups_copies_with_two():
