@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
-                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
+                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, loop_mask_params, plan, score_params,
+                        wgmma_numbers)
 from fagen.mask_kinds import KINDS
 from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
                         dq_producer_blocks_per_sm, rule)
@@ -276,12 +277,12 @@ class BackwardPlan:
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
     # a document mask: the preprocess resolves each position's document bounds from doc_ids, and
-    # both loops read those (MaskKind.backward_params) instead of binary-searching at each block
+    # both loops read those (MaskKind.loop_params) instead of binary-searching at each block
     doc_bounds: bool
     # the dQ kernel launched beside the dK/dV kernel (a second stream), not after it
     # (CONCURRENT_DQ_MASKS): the two share inputs only, and dQ's blocks fill what dK/dV's last wave leaves
     concurrent_dq: bool
-    mask_params: tuple[tuple[str, str], ...]  # the loops' (the kind's backward_params where it has them)
+    mask_params: tuple[tuple[str, str], ...]  # the loops' (the kind's loop_params where it has them)
     score_params: tuple[tuple[str, str], ...]
     preprocess_params: tuple[tuple[str, str], ...]
     dkdv_params: tuple[tuple[str, str], ...]
@@ -364,7 +365,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     kind, mod_params = KINDS[spec.mask.kind], score_params(spec)
     mask_params = loop_mask_params(spec)
     side = mask_params + mod_params
-    doc_bounds = kind.backward_params is not None
+    doc_bounds = kind.loop_params is not None
     chunks = d // CHUNK_ELEMS
     return BackwardPlan(
         name=spec.name,
@@ -405,11 +406,6 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                             ("float", "scale"), *_strides("dq")),
     )
 
-
-def loop_mask_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
-    """The side inputs both loops' Mask reads: its kind's backward_params, else its params."""
-    kind = KINDS[spec.mask.kind]
-    return kind.params if kind.backward_params is None else kind.backward_params
 
 
 def dq_producer(spec: AttentionSpec) -> DqProducer | None:

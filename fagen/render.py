@@ -23,6 +23,9 @@ GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (te
 PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 FORWARD_TEMPLATE = "kernel/forward.cu.j2"  # one skeleton; plan.mainloop names its main-loop folder
 MERGE_TEMPLATE = "kernel/merge.cu.j2"
+DOCUMENT_BOUNDS_TEMPLATE = "kernel/document_bounds.cu.j2"
+DOCUMENT_BOUNDS = "document_bounds_kernel"  # its symbol (document_bounds is the device function)
+DOCUMENT_BOUNDS_THREADS = 256
 BACKWARD_TEMPLATE = "kernel/backward.cu.j2"
 
 
@@ -75,7 +78,6 @@ def context(spec: AttentionSpec) -> dict:
         "kv_major": False,  # the backward's dK/dV kernel walks the mask transposed
         "grads": False,  # the backward keeps the score modifiers' derivative per element
         "backward": False,
-        "doc_bounds": False,  # the backward's loops read document bounds its preprocess resolved
     }
 
 
@@ -107,6 +109,12 @@ def render_merge(out_dtype: str) -> str:
         plan=merge_plan(out_dtype))
 
 
+def render_document_bounds() -> str:
+    """The kernel resolving each position's document bounds once a call (document masks)."""
+    return environment().get_template(DOCUMENT_BOUNDS_TEMPLATE).render(
+        version=__version__, name=DOCUMENT_BOUNDS, threads=DOCUMENT_BOUNDS_THREADS)
+
+
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
 
@@ -117,12 +125,18 @@ def backward_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
 
 def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> dict[Path, str]:
     """The files a render of `specs` into out_dir writes, and their text; with_merge (a whole
-    folder of specs): the split-KV merge kernels too."""
+    folder of specs): the split-KV merge kernels and the document bounds kernel too."""
     texts = {generated_path(spec, out_dir): render(spec) for spec in specs}
     texts |= {backward_path(spec, out_dir): render_backward(spec) for spec in specs if spec.backward is not None}
     if with_merge:
-        texts |= {Path(out_dir) / f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES}
+        texts |= {Path(out_dir) / name: text for name, text in shared_kernels().items()}
     return texts
+
+
+def shared_kernels() -> dict[str, str]:
+    """The kernels no one spec owns, by file name: the split-KV merges and the document bounds."""
+    return {**{f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES},
+            f"{DOCUMENT_BOUNDS}.cu": render_document_bounds()}
 
 
 def stale(texts: dict[Path, str], out_dir: Path, *, whole_folder: bool) -> list[tuple[Path, str]]:

@@ -25,7 +25,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
 from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, plan
-from fagen.render import render
+from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, render_document_bounds
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -490,8 +490,10 @@ class Kernel:
             # a device check costs a host sync: once per array object, not every launch
             side_inputs.once_per_object("sorted doc_ids", raw, lambda: _check_sorted(docs))
             docs = cupy.ascontiguousarray(docs)  # the kernel reads ids at unit stride
-            held.append(docs)
-            args.update(doc_ids=_ptr(docs), doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))
+            bounds = document_bounds(docs, tq)  # what the loops read (the backward's preprocess resolves its own)
+            held += [docs, bounds]
+            args.update(doc_ids=_ptr(docs), doc_bounds=as_device_tensor(bounds, "doc_bounds").ptr,
+                        doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))
         if spec.score_mod.alibi != "none":
             slopes = given["alibi_slopes"]
             slopes = geometric_alibi_slopes(hq, tq.device) if slopes is None else _aux_array(slopes, "alibi_slopes", "float32", tq.device)
@@ -522,6 +524,24 @@ def _check_sorted(docs) -> None:
     if docs.shape[1] > 1 and bool((docs[:, 1:] < docs[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along the sequence (packed documents); "
                          "sort the packing or build a block mask with fagen.masks.document")
+
+
+@cache
+def _document_bounds_function(device: int):
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=render_document_bounds(), options=NVRTC_OPTIONS).get_function(DOCUMENT_BOUNDS)
+
+
+def document_bounds(docs, like: DeviceTensor):
+    """Each position's document [start, end) for doc_ids `docs` (CuPy, [R, N] int32, contiguous,
+    rows non-decreasing): [R, N, 2] int32 from `like`'s allocator (PyTorch's for torch tensors:
+    a CUDA graph may capture it), resolved by one launch on the current stream."""
+    rows, n = docs.shape
+    bounds = empty_like(like, (rows, n, 2), "int32")
+    _document_bounds_function(docs.device.id)(((n + DOCUMENT_BOUNDS_THREADS - 1) // DOCUMENT_BOUNDS_THREADS, rows),
+                                              (DOCUMENT_BOUNDS_THREADS,),
+                                              (docs, np.int64(n), np.int32(n), cupy.asarray(bounds)))
+    return bounds
 
 
 def _ptr(a) -> np.uint64:

@@ -180,58 +180,36 @@ struct KvRows {
 struct Mask {
   int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
-  const int* __restrict__ doc;  // this batch's document id per position, non-decreasing
+  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document, resolved once a call
   // A document is one run of positions, found once (begin) so that the KV loop reads no ids:
   // keys [full_lo, full_hi) count for every row of this warp, keys [row_lo, row_hi) for
   // the thread's row 16f + 8h + lane / 4 of the warp (the MMA accumulator layout).
   int full_lo, full_hi;
   int row_lo[M_FRAGS][2], row_hi[M_FRAGS][2];
 
-  // pos[i]: the first position whose document is >= id[i] (ids are non-decreasing). Binary
-  // lifting with as many steps for every search: the N searches advance together, their
-  // loads in flight at once.
-  template <int N>
-  __device__ __forceinline__ void lower_bounds(int (&pos)[N], const int (&id)[N]) const {
-#pragma unroll
-    for (int i = 0; i < N; ++i) pos[i] = 0;
-    for (int step = 1 << (31 - __clz(n_kv)); step > 0; step >>= 1) {
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-        if (pos[i] + step <= n_kv && doc[pos[i] + step - 1] < id[i]) pos[i] += step;
-    }
-  }
-
-  // start[i], end[i]: the document of position at[i] is [start, end): where its id and the
-  // next begin, searched together.
+  // start[i], end[i]: the document of position at[i] is [start, end). One load each: every
+  // position's bounds were resolved before the launch.
   template <int N>
   __device__ __forceinline__ void find_documents(int (&start)[N], int (&end)[N], const int (&at)[N]) const {
-    int id[2 * N], pos[2 * N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      id[i] = doc[at[i]];
-      id[N + i] = id[i] + 1;
-    }
-    lower_bounds(pos, id);
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      start[i] = pos[i];
-      end[i] = pos[N + i];
+      const int2 x = bounds[at[i]];
+      start[i] = x.x;
+      end[i] = x.y;
     }
   }
 
   template <int N>
   __device__ __forceinline__ void find_starts(int (&start)[N], const int (&at)[N]) const {
-    int id[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) id[i] = doc[at[i]];
-    lower_bounds(start, id);
+    for (int i = 0; i < N; ++i) start[i] = bounds[at[i]].x;
   }
 
   // The tile's query positions are [q0_, q_last] (q_last: its last real one).
-  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ doc_ids, long long doc_sb) {
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int2* __restrict__ doc_bounds, long long doc_sb) {
     n_kv = n_kv_;
     int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
-    doc = doc_ids + b * doc_sb;
+    bounds = doc_bounds + b * doc_sb;
     {
       // The documents of the tile's first and last row and of this thread's rows (rows clamped: a
       // row past n_q holds no query).
@@ -485,7 +463,7 @@ fagen_document_bf16_d64(
     long long o_sn,
     float scale,
     float scale_log2,
-    const int* __restrict__ doc_ids,
+    const int2* __restrict__ doc_bounds,
     long long doc_sb) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
@@ -502,7 +480,7 @@ fagen_document_bf16_d64(
   v += b * v_sb + h_kv * v_sh;
 
   Mask mask;
-  mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last, doc_ids, doc_sb);
+  mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last, doc_bounds, doc_sb);
   const int kv_tiles = mask.count;
   const KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS), KvRows{k, v, k_sn, v_sn, n_kv}, kv_tiles, tid);
   const float to_log2 = scale_log2;

@@ -119,6 +119,18 @@ __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
 }
 
 // ---- preprocess ------------------------------------------------------------------------
+// Position p's document [start, end) among n positions of non-decreasing ids `doc`: the first
+// positions of its id and of the next, by binary lifting (the two searches side by side).
+__device__ __forceinline__ int2 document_bounds(const int* __restrict__ doc, int n, int p) {
+  const int id = doc[p];
+  int start = 0, end = 0;
+  for (int step = 1 << (31 - __clz(n)); step > 0; step >>= 1) {
+    if (start + step <= n && doc[start + step - 1] < id) start += step;
+    if (end + step <= n && doc[end + step - 1] <= id) end += step;
+  }
+  return make_int2(start, end);
+}
+
 namespace preprocess {
 constexpr int THREADS = 128;
 constexpr int CHUNKS_PER_ROW = 16;  // 16-byte chunks in a head_dim row
@@ -149,21 +161,12 @@ fagen_document_causal_f16_d128_bwd_preprocess(
     long long doc_sb,
     int2* __restrict__ doc_bounds) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
-  // Position p's document [start, end), once a call, for both loops' masks: the first positions
-  // of its id and of the next (binary lifting; doc_ids are non-decreasing and n_q = n_kv), one
-  // position a thread of the block's ROWS. Head 0's blocks write them, batch 0's alone where the
+  // Position p's document [start, end), once a call, for both loops' masks (document_bounds;
+  // doc_ids are non-decreasing and n_q = n_kv), one position a thread of the block's ROWS. Head 0's blocks write them, batch 0's alone where the
   // rows share one doc_ids row (doc_sb = 0).
   const int p = blockIdx.x * ROWS + threadIdx.x;
-  if (h == 0 && (b == 0 || doc_sb != 0) && threadIdx.x < ROWS && p < n_q) {
-    const int* doc = doc_ids + b * doc_sb;
-    const int id = doc[p];
-    int start = 0, end = 0;
-    for (int step = 1 << (31 - __clz(n_q)); step > 0; step >>= 1) {
-      if (start + step <= n_q && doc[start + step - 1] < id) start += step;
-      if (end + step <= n_q && doc[end + step - 1] <= id) end += step;
-    }
-    doc_bounds[b * doc_sb + p] = make_int2(start, end);
-  }
+  if (h == 0 && (b == 0 || doc_sb != 0) && threadIdx.x < ROWS && p < n_q)
+    doc_bounds[b * doc_sb + p] = document_bounds(doc_ids + b * doc_sb, n_q, p);
   const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
   if (row >= n_pad) return;  // a row's LANES lanes leave together: the shuffles below are theirs
   float d = 0.f;
@@ -357,7 +360,7 @@ struct Mask {
   int n_q;
   int group;  // query heads of the block's KV head
   int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
-  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document (the preprocess's)
+  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document, resolved once a call
   // A document is one run of positions, found once (begin) so that the KV loop reads no ids:
   // keys [full_lo, full_hi) count for every row of this warp, keys [row_lo, the row] for
   // the thread's row 16f + 8h + lane / 4 of the warp (the MMA accumulator layout).
@@ -366,8 +369,8 @@ struct Mask {
   // the queries of their document, as rows bound keys above (a document is symmetric).
   int row_lo[M_FRAGS][2], row_hi[M_FRAGS][2];
 
-  // start[i], end[i]: the document of position at[i] is [start, end). One load each: the
-  // backward's preprocess resolved every position's bounds.
+  // start[i], end[i]: the document of position at[i] is [start, end). One load each: every
+  // position's bounds were resolved before the launch.
   template <int N>
   __device__ __forceinline__ void find_documents(int (&start)[N], int (&end)[N], const int (&at)[N]) const {
 #pragma unroll
@@ -892,15 +895,15 @@ struct KvRows {
 struct Mask {
   int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
-  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document (the preprocess's)
+  const int2* __restrict__ bounds;  // this batch's [start, end) of each position's document, resolved once a call
   // A document is one run of positions, found once (begin) so that the KV loop reads no ids:
   // keys [full_lo, full_hi) count for every row of this warp, keys [row_lo, the row] for
   // the thread's row 16f + 8h + lane / 4 of the warp (the MMA accumulator layout).
   int full_lo, full_hi;
   int row_lo[M_FRAGS][2];
 
-  // start[i], end[i]: the document of position at[i] is [start, end). One load each: the
-  // backward's preprocess resolved every position's bounds.
+  // start[i], end[i]: the document of position at[i] is [start, end). One load each: every
+  // position's bounds were resolved before the launch.
   template <int N>
   __device__ __forceinline__ void find_documents(int (&start)[N], int (&end)[N], const int (&at)[N]) const {
 #pragma unroll

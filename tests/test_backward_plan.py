@@ -477,10 +477,12 @@ def test_the_preprocess_resolves_document_bounds_and_the_loops_read_them(causal)
         assert "doc_bounds" in names(params) and "doc_ids" not in names(params)
     source = render_backward(spec)
     preprocess = source[source.index("namespace preprocess {"):source.index("}  // namespace preprocess")]
-    assert "doc_bounds[b * doc_sb + p] = make_int2(start, end);" in preprocess
+    assert "doc_bounds[b * doc_sb + p] = document_bounds(doc_ids + b * doc_sb, n_q, p);" in preprocess
     loops = source[source.index("namespace dkdv {"):]
     assert "lower_bounds" not in loops and "doc_ids" not in loops and "bounds[at[i]]" in loops
-    assert "lower_bounds" in fagen.render(spec)  # the forward, one launch a call, still searches doc_ids
+    # the forward reads bounds too, resolved by fagen.runtime.document_bounds: no search in it
+    forward = fagen.render(spec)
+    assert "lower_bounds" not in forward and "doc_ids" not in forward and "bounds[at[i]]" in forward
 
 
 def test_other_masks_have_no_bounds_to_resolve():

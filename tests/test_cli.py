@@ -13,7 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 import fagen
-from fagen.render import MERGE_DTYPES, merge_name
+from fagen.render import shared_kernels
 from fagen.cli import main
 from fagen.plan import plan
 from fagen.render import GENERATED
@@ -57,7 +57,7 @@ def test_render_one_spec_writes_name_cu(tmp_path):
 
 
 def test_render_folder_writes_one_file_per_spec(rendered):
-    merges = [f"{merge_name(dt)}.cu" for dt in MERGE_DTYPES]  # the split-KV merge kernels come along
+    merges = list(shared_kernels())  # the split-KV merge kernels and the document bounds come along
     backwards = [f"{f.stem}_backward.cu" for f in SPEC_FILES if fagen.load_spec(f).backward is not None]
     assert sorted(p.name for p in rendered.glob("*.cu")) == sorted([f"{f.stem}.cu" for f in SPEC_FILES] + backwards + merges)
     for path in SPEC_FILES[:3]:
@@ -84,7 +84,7 @@ def test_check_passes_on_a_fresh_render(rendered):
     result = run("render", "--check", "-o", rendered)
     assert result.exit_code == 0, result.output
     backwards = sum(fagen.load_spec(f).backward is not None for f in SPEC_FILES)
-    assert f"{len(SPEC_FILES) + backwards + len(MERGE_DTYPES)} files current" in result.output
+    assert f"{len(SPEC_FILES) + backwards + len(shared_kernels())} files current" in result.output
 
 
 def test_check_writes_nothing(tmp_path):
@@ -478,7 +478,7 @@ def test_render_defaults_to_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = run("render")
     assert result.exit_code == 0, result.output
-    merges = [f"{merge_name(dt)}.cu" for dt in MERGE_DTYPES]
+    merges = list(shared_kernels())
     assert sorted(p.name for p in (tmp_path / "generated").iterdir()) == sorted([f"{SPEC.stem}.cu"] + merges)
     assert run("render", "--check").exit_code == 0
     listed = run("list")

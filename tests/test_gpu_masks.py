@@ -101,6 +101,28 @@ def test_bug_maybe_local_indices_of_partial_masks():
     _check("omni_shared_f16_d128", 1, 2, 2, 400, 400, bm)
 
 
+# ---- document bounds, resolved once a call ----------------------------------------------------
+
+@pytest.mark.parametrize("lengths, rows", [([100, 57, 100], 1), ([1, 300, 2, 2, 512, 7], 3), ([4096], 1)])
+def test_document_bounds_are_each_positions_document(lengths, rows):
+    """fagen.runtime.document_bounds: position p's [start, end) is its run of equal ids, for each
+    doc_ids row (the rows here differ: each is the first's shifted by its index)."""
+    import cupy
+
+    from fagen.device import as_device_tensor
+    from fagen.runtime import document_bounds
+
+    ids = masks.documents_of_lengths(lengths, batch=1)[0]
+    docs = np.stack([ids + r for r in range(rows)]).astype(np.int32)
+    like = as_device_tensor(cupy.zeros((1, 1, 1, 64), cupy.float16), "q")
+    got = cupy.asnumpy(document_bounds(cupy.asarray(docs), like))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    expected = np.repeat(np.stack([starts, starts + lengths], 1), lengths, axis=0)
+    assert got.shape == (rows, sum(lengths), 2)
+    for r in range(rows):
+        np.testing.assert_array_equal(got[r], expected)
+
+
 # ---- the API's keywords ----------------------------------------------------------------------
 
 def test_attention_api_masks_and_modifiers():

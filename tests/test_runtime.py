@@ -30,8 +30,8 @@ def test_arguments_follow_the_signature_by_name(name):
 def test_a_missing_argument_is_named():
     p = plan(fagen.load_spec(SPECS / "document_causal_f16_d128.yaml"))
     values = values_for(p.params)
-    del values["doc_ids"]
-    with pytest.raises(ValueError, match="doc_ids"):
+    del values["doc_bounds"]
+    with pytest.raises(ValueError, match="doc_bounds"):
         pack_arguments(packers(p.params), values)
 
 

@@ -196,8 +196,8 @@ def test_changes_scores():
     ({"mask": "causal"}, []),
     ({"mask": {"kind": "chunked", "chunk_size": 128}}, []),
     ({"mask": {"kind": "prefix_lm", "prefix_len": 128}}, []),
-    ({"mask": "document"}, ["doc_ids", "doc_sb"]),
-    ({"mask": {"kind": "document", "causal": True}}, ["doc_ids", "doc_sb"]),
+    ({"mask": "document"}, ["doc_bounds", "doc_sb"]),
+    ({"mask": {"kind": "document", "causal": True}}, ["doc_bounds", "doc_sb"]),  # resolved from doc_ids once a call
     ({"mask": "block_mask"}, BM_PARAMS),
     ({"mask": "causal", "score_mod": {"alibi": "slopes"}}, ["alibi_slopes"]),
     ({"mask": "causal", "score_mod": {"alibi": "geometric"}}, ["alibi_slopes"]),
@@ -206,7 +206,7 @@ def test_changes_scores():
     ({"score_mod": {"sinks": True}}, ["sinks"]),
     ({"score_mod": {"softcap": 20.0, "expression": "score + 1.f"}}, []),
     ({"mask": "document", "score_mod": {"alibi": "slopes", "bias": "matrix", "sinks": True}},
-     ["doc_ids", "doc_sb", "alibi_slopes", *BIAS_PARAMS, "sinks"]),
+     ["doc_bounds", "doc_sb", "alibi_slopes", *BIAS_PARAMS, "sinks"]),
     ({"mask": "block_mask", "score_mod": {"sinks": True, "bias": "vector", "alibi": "geometric", "softcap": 3.0}},
      [*BM_PARAMS, "alibi_slopes", *BIAS_PARAMS, "sinks"]),
 ])
