@@ -532,12 +532,12 @@ def _document_bounds_function(device: int):
         return cupy.RawModule(code=render_document_bounds(), options=NVRTC_OPTIONS).get_function(DOCUMENT_BOUNDS)
 
 
-def document_bounds(docs, like: DeviceTensor):
+def document_bounds(docs, like: DeviceTensor, out=None):
     """Each position's document [start, end) for doc_ids `docs` (CuPy, [R, N] int32, contiguous,
-    rows non-decreasing): [R, N, 2] int32 from `like`'s allocator (PyTorch's for torch tensors:
-    a CUDA graph may capture it), resolved by one launch on the current stream."""
+    rows non-decreasing): [R, N, 2] int32 into `out`, or from `like`'s allocator (PyTorch's for
+    torch tensors: a CUDA graph may capture it), resolved by one launch on the current stream."""
     rows, n = docs.shape
-    bounds = empty_like(like, (rows, n, 2), "int32")
+    bounds = empty_like(like, (rows, n, 2), "int32") if out is None else out
     _document_bounds_function(docs.device.id)(((n + DOCUMENT_BOUNDS_THREADS - 1) // DOCUMENT_BOUNDS_THREADS, rows),
                                               (DOCUMENT_BOUNDS_THREADS,),
                                               (docs, np.int64(n), np.int32(n), cupy.asarray(bounds)))
