@@ -103,9 +103,6 @@ class Backward:
             # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, zeroed first
             dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
-            if bp.doc_bounds:  # each position's document [start, end), rows as doc_ids' (the preprocess writes them)
-                doc_bounds = empty_like(tq, (b if extras["doc_sb"] else 1, nk, 2), "int32")
-                extras["doc_bounds"] = _ptr(doc_bounds)
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,

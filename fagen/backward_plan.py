@@ -276,9 +276,6 @@ class BackwardPlan:
     dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
-    # a document mask: the preprocess resolves each position's document bounds from doc_ids, and
-    # both loops read those (MaskKind.loop_params) instead of binary-searching at each block
-    doc_bounds: bool
     # the dQ kernel launched beside the dK/dV kernel (a second stream), not after it
     # (CONCURRENT_DQ_MASKS): the two share inputs only, and dQ's blocks fill what dK/dV's last wave leaves
     concurrent_dq: bool
@@ -328,7 +325,6 @@ def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
 SHAPE_PARAMS = (("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
                 ("int", "n_pad"))
 ROW_PARAMS = ((FLOAT_PTR, "delta"), (FLOAT_PTR, "lse2"))  # D and LSE * log2(e), [B, Hq, n_pad]
-DOC_BOUNDS_OUT = ("int2* __restrict__", "doc_bounds")  # the preprocess writes them, the loops read them
 DQ_ACCUM = ("float* __restrict__", "dq_accum")  # atomic dQ: [B, Hq, n_pad, head_dim] f32, zeroed
 # backward.bias_grad: dbias f32, zeroed, of the bias's shape or one copy per batch and KV head
 # (deterministic): element (b, h, q, k) at b sb + h sh + (h / group) skv + q sq + k
@@ -365,7 +361,6 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     kind, mod_params = KINDS[spec.mask.kind], score_params(spec)
     mask_params = loop_mask_params(spec)
     side = mask_params + mod_params
-    doc_bounds = kind.loop_params is not None
     chunks = d // CHUNK_ELEMS
     return BackwardPlan(
         name=spec.name,
@@ -385,13 +380,12 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dq_producer=producer,
         dq_predicted_registers=dq_registers,
         smem_align=max(dkdv.smem_align, dq.smem_align),
-        doc_bounds=doc_bounds,
         concurrent_dq=not spec.atomic_dq and spec.mask.kind in CONCURRENT_DQ_MASKS,
         mask_params=mask_params,
         score_params=mod_params,
         preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
                            ("float* __restrict__", "lse2"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
-                           *_strides("o", "dout"), *(kind.params + (DOC_BOUNDS_OUT,) if doc_bounds else ())),
+                           *_strides("o", "dout")),
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,

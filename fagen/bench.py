@@ -7,13 +7,15 @@ float64 oracle before it is timed: a wrong kernel is never timed. Timing: CUDA e
 median of 30 runs. A document mask's case times its launch packed once and its bounds resolved
 each call (`documents_call`): fagen.attention's checks of doc_ids are host work that outlasts the
 kernel of a 4k-token batch of short documents, and the queue of calls would time that instead
-(H200: 0.20-0.37 ms a call by turns, for a kernel of 0.16 ms). The backward cases (fagen.bench_backward) join the full run; `main` runs
+(H200: 0.20-0.37 ms a call by turns, for a kernel of 0.16 ms). The backward cases
+(fagen.bench_backward) join the full run; `main` runs
 either or both and writes one report: BENCHMARKS.md holds both, each part from this run or,
 where it was not run, from its JSON in the output folder.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,22 +113,24 @@ def run_fagen(case: Case, flops: float) -> Row:
 def documents_call(kernel, q, k, v, out, doc_ids):
     """A document-masked call of `kernel` as the GPU sees one: the bounds kernel, then the
     attention kernel, launched from arguments checked and packed once."""
-    import math
+    import cupy
 
     tq, tk, tv, to = (as_device_tensor(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
     b, hq, n, d = tq.shape
     lse = empty_like(tq, (b, hq, n), "float32")
-    given = dict(block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=doc_ids)
+    docs = cupy.ascontiguousarray(cupy.asarray(doc_ids))
+    given = dict(block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=docs)
     with stream_for(tq):
         args, held = kernel.extra_arguments(tq, tk, given)
+        bounds = document_bounds(docs, tq)  # this call's own, re-resolved every call
+        args["doc_bounds"] = as_device_tensor(bounds, "doc_bounds").ptr
         launch = kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=1.0 / math.sqrt(d), mask_offset=0,
                                splits=1, extras=args)
-    docs, bounds = held[:2]
 
     def call():
         document_bounds(docs, tq, out=bounds)
         launch(None)
-    call.held = (held, lse)
+    call.held = (held, docs, bounds, lse)
     return call
 
 

@@ -101,10 +101,12 @@ def flex_block_mask(case: Case):
 
     if case.mask == "documents":
         docs = torch.from_numpy(np.repeat(np.arange(case.docs), case.doc_lengths())).cuda()
-        causal = case.causal
-
-        def mask_mod(b, h, qi, ki):
-            return (docs[qi] == docs[ki]) & ((ki <= qi) | (not causal))
+        if case.causal:
+            def mask_mod(b, h, qi, ki):
+                return (docs[qi] == docs[ki]) & (ki <= qi)
+        else:
+            def mask_mod(b, h, qi, ki):
+                return docs[qi] == docs[ki]
     elif case.mask == "sliding_window":
         def mask_mod(b, h, qi, ki):
             return (ki <= qi) & (qi - ki <= WINDOW)

@@ -39,8 +39,7 @@ class MaskKind:
     # boundaries fall anywhere, a tile straddling one is computed whole and masked pair by pair
     kv_tile_cap: int | None = None
     # the attention loops (forward and backward) read this in place of `params` (None: the same),
-    # derived from them once a call (the forward: fagen.runtime's document_bounds kernel; the
-    # backward: its preprocess, BackwardPlan.doc_bounds)
+    # derived from them once a call (fagen.runtime.document_bounds)
     loop_params: tuple[tuple[str, str], ...] | None = None
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:

@@ -490,7 +490,7 @@ class Kernel:
             # a device check costs a host sync: once per array object, not every launch
             side_inputs.once_per_object("sorted doc_ids", raw, lambda: _check_sorted(docs))
             docs = cupy.ascontiguousarray(docs)  # the kernel reads ids at unit stride
-            bounds = document_bounds(docs, tq)  # what the loops read (the backward's preprocess resolves its own)
+            bounds = document_bounds(docs, tq)  # what the loops read, the backward's as the forward's
             held += [docs, bounds]
             args.update(doc_ids=_ptr(docs), doc_bounds=as_device_tensor(bounds, "doc_bounds").ptr,
                         doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))

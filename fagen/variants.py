@@ -215,9 +215,10 @@ def unsplit_variant(spec: AttentionSpec, sinks: bool = False, half_ring: bool = 
     data = {**spec.model_dump(), "name": f"{spec.name}_unsplit{'_sinks' if sinks else ''}",
             "outputs": {**spec.outputs.model_dump(), "partial": False, "lse": True},
             "score_mod": {**spec.score_mod.model_dump(), "sinks": sinks}}
-    if half_ring and spec.tiling.warps_kv > 1 and halved_ring(spec):
+    halved = halved_ring(spec) if half_ring and spec.tiling.warps_kv > 1 else {}
+    if halved:
         try:
-            return parse_spec({**data, **halved_ring(spec), "name": f"{spec.name}_unsplit_half{'_sinks' if sinks else ''}"},
+            return parse_spec({**data, **halved, "name": f"{spec.name}_unsplit_half{'_sinks' if sinks else ''}"},
                               f"unsplit {spec.name}")
         except SpecError:
             pass  # the halved ring is refused (too small for the key warps' merge): keep the whole one

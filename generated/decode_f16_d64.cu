@@ -614,7 +614,8 @@ fagen_decode_f16_d64(
 
 #if __CUDA_ARCH__ >= 900
   // The keys are read: the next kernel may launch now, to be resident by the time this one's
-  // epilogue ends (launched from the start, its blocks took SMs a long step still streamed on).
+  // epilogue ends (launched from the start, its blocks took
+  // the SMs a long step still streamed on).
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 

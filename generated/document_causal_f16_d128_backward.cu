@@ -119,18 +119,6 @@ __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
 }
 
 // ---- preprocess ------------------------------------------------------------------------
-// Position p's document [start, end) among n positions of non-decreasing ids `doc`: the first
-// positions of its id and of the next, by binary lifting (the two searches side by side).
-__device__ __forceinline__ int2 document_bounds(const int* __restrict__ doc, int n, int p) {
-  const int id = doc[p];
-  int start = 0, end = 0;
-  for (int step = 1 << (31 - __clz(n)); step > 0; step >>= 1) {
-    if (start + step <= n && doc[start + step - 1] < id) start += step;
-    if (end + step <= n && doc[end + step - 1] <= id) end += step;
-  }
-  return make_int2(start, end);
-}
-
 namespace preprocess {
 constexpr int THREADS = 128;
 constexpr int CHUNKS_PER_ROW = 16;  // 16-byte chunks in a head_dim row
@@ -156,17 +144,8 @@ fagen_document_causal_f16_d128_bwd_preprocess(
     long long o_sn,
     long long dout_sb,
     long long dout_sh,
-    long long dout_sn,
-    const int* __restrict__ doc_ids,
-    long long doc_sb,
-    int2* __restrict__ doc_bounds) {
+    long long dout_sn) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
-  // Position p's document [start, end), once a call, for both loops' masks (document_bounds;
-  // doc_ids are non-decreasing and n_q = n_kv), one position a thread of the block's ROWS. Head 0's blocks write them, batch 0's alone where the
-  // rows share one doc_ids row (doc_sb = 0).
-  const int p = blockIdx.x * ROWS + threadIdx.x;
-  if (h == 0 && (b == 0 || doc_sb != 0) && threadIdx.x < ROWS && p < n_q)
-    doc_bounds[b * doc_sb + p] = document_bounds(doc_ids + b * doc_sb, n_q, p);
   const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
   if (row >= n_pad) return;  // a row's LANES lanes leave together: the shuffles below are theirs
   float d = 0.f;

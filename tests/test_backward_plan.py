@@ -463,29 +463,24 @@ def test_the_preprocess_reads_whole_lines_of_a_row(head_dim, lanes):
     assert "__shfl_xor_sync(group, d, offset)" in preprocess and "if (lane == 0) {" in preprocess
 
 
-# ---- a document mask's bounds, resolved once a call (BackwardPlan.doc_bounds) -----------------
+# ---- a document mask's bounds, resolved once a call (fagen.runtime.document_bounds) ------------
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_the_preprocess_resolves_document_bounds_and_the_loops_read_them(causal):
+def test_the_loops_read_document_bounds_resolved_once_a_call(causal):
+    """Forward and backward read each position's document [start, end) (doc_bounds), resolved
+    from doc_ids by one small kernel a call: no loop searches doc_ids, and the preprocess no
+    longer resolves them a second time."""
     spec = variants.trainable(variants.variant(HOPPER, Mask(kind="document", causal=causal), ScoreMod()))
     plan = backward_plan(spec)
     names = lambda params: [name for _, name in params]  # noqa: E731
-    assert plan.doc_bounds
-    assert names(plan.preprocess_params)[-3:] == ["doc_ids", "doc_sb", "doc_bounds"]
-    assert dict(plan.preprocess_params)["int2* __restrict__"] == "doc_bounds"  # the preprocess writes them
+    assert "doc_" not in " ".join(names(plan.preprocess_params))
     for params in (plan.dkdv_params, plan.dq_params, plan.dkdv.mask_params, plan.dq.mask_params):
         assert "doc_bounds" in names(params) and "doc_ids" not in names(params)
-    source = render_backward(spec)
-    preprocess = source[source.index("namespace preprocess {"):source.index("}  // namespace preprocess")]
-    assert "doc_bounds[b * doc_sb + p] = document_bounds(doc_ids + b * doc_sb, n_q, p);" in preprocess
-    loops = source[source.index("namespace dkdv {"):]
-    assert "lower_bounds" not in loops and "doc_ids" not in loops and "bounds[at[i]]" in loops
-    # the forward reads bounds too, resolved by fagen.runtime.document_bounds: no search in it
-    forward = fagen.render(spec)
-    assert "lower_bounds" not in forward and "doc_ids" not in forward and "bounds[at[i]]" in forward
+    for source in (render_backward(spec), fagen.render(spec)):
+        assert "lower_bounds" not in source and "doc_ids" not in source and "bounds[at[i]]" in source
 
 
 def test_other_masks_have_no_bounds_to_resolve():
     plan = backward_plan(variants.trainable(HOPPER))
-    assert not plan.doc_bounds and plan.mask_params == ()
+    assert plan.mask_params == ()
     assert "doc_" not in " ".join(name for _, name in plan.preprocess_params)
