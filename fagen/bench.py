@@ -118,8 +118,8 @@ def documents_call(kernel, q, k, v, out, doc_ids):
     tq, tk, tv, to = (as_device_tensor(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")))
     b, hq, n, d = tq.shape
     lse = empty_like(tq, (b, hq, n), "float32")
-    docs = cupy.ascontiguousarray(cupy.asarray(doc_ids))
-    given = dict(block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=docs)
+    docs = as_device_tensor(cupy.ascontiguousarray(cupy.asarray(doc_ids)), "doc_ids")
+    given = dict(block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=docs.obj)
     with stream_for(tq):
         args, held = kernel.extra_arguments(tq, tk, given)
         bounds = document_bounds(docs, tq)  # this call's own, re-resolved every call

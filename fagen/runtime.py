@@ -485,15 +485,11 @@ class Kernel:
         if wants["block_mask"]:
             args.update(block_mask_arguments(given["block_mask"], self.plan.block_q, self.plan.block_kv, b, hq, nq, nk))
         if wants["doc_ids"]:
-            raw = given["doc_ids"]
-            docs = _aux_array(raw, "doc_ids", "int32", tq.device)
-            # a device check costs a host sync: once per array object, not every launch
-            side_inputs.once_per_object("sorted doc_ids", raw, lambda: _check_sorted(docs))
-            docs = cupy.ascontiguousarray(docs)  # the kernel reads ids at unit stride
+            docs = _doc_ids(given["doc_ids"], tq.device)
             bounds = document_bounds(docs, tq)  # what the loops read, the backward's as the forward's
-            held += [docs, bounds]
-            args.update(doc_ids=_ptr(docs), doc_bounds=as_device_tensor(bounds, "doc_bounds").ptr,
-                        doc_sb=np.int64(docs.strides[0] // 4 if docs.shape[0] > 1 else 0))
+            held += [docs.obj, bounds]
+            args.update(doc_ids=docs.ptr, doc_bounds=as_device_tensor(bounds, "doc_bounds").ptr,
+                        doc_sb=np.int64(docs.strides[0] if docs.shape[0] > 1 else 0))
         if spec.score_mod.alibi != "none":
             slopes = given["alibi_slopes"]
             slopes = geometric_alibi_slopes(hq, tq.device) if slopes is None else _aux_array(slopes, "alibi_slopes", "float32", tq.device)
@@ -532,15 +528,30 @@ def _document_bounds_function(device: int):
         return cupy.RawModule(code=render_document_bounds(), options=NVRTC_OPTIONS).get_function(DOCUMENT_BOUNDS)
 
 
-def document_bounds(docs, like: DeviceTensor, out=None):
-    """Each position's document [start, end) for doc_ids `docs` (CuPy, [R, N] int32, contiguous,
-    rows non-decreasing): [R, N, 2] int32 into `out`, or from `like`'s allocator (PyTorch's for
+def _doc_ids(raw, device: int) -> DeviceTensor:
+    """doc_ids as the kernels read them: int32 [R, N] on q's device, rows contiguous (copied
+    where they are not), checked non-decreasing once per array object (the check reads them
+    back: a host sync). A contiguous CUDA tensor goes through as it is: no CuPy view a call."""
+    contiguous = is_torch(raw) and raw.is_cuda and raw.is_contiguous() and raw.dtype.itemsize == 4
+    if contiguous and str(raw.dtype) == "torch.int32" and raw.get_device() == device:
+        side_inputs.once_per_object("sorted doc_ids", raw, lambda: _check_sorted(cupy.asarray(raw)))
+        return as_device_tensor(raw, "doc_ids")
+    docs = _aux_array(raw, "doc_ids", "int32", device)
+    side_inputs.once_per_object("sorted doc_ids", raw, lambda: _check_sorted(docs))
+    return as_device_tensor(cupy.ascontiguousarray(docs), "doc_ids")
+
+
+def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
+    """Each position's document [start, end) for doc_ids `docs` ([R, N] int32, rows contiguous
+    and non-decreasing): [R, N, 2] int32 into `out`, or from `like`'s allocator (PyTorch's for
     torch tensors: a CUDA graph may capture it), resolved by one launch on the current stream."""
     rows, n = docs.shape
     bounds = empty_like(like, (rows, n, 2), "int32") if out is None else out
-    _document_bounds_function(docs.device.id)(((n + DOCUMENT_BOUNDS_THREADS - 1) // DOCUMENT_BOUNDS_THREADS, rows),
-                                              (DOCUMENT_BOUNDS_THREADS,),
-                                              (docs, np.int64(n), np.int32(n), cupy.asarray(bounds)))
+    # pointers as 64-bit scalars: no CuPy view of a torch tensor a call
+    _document_bounds_function(docs.device)(((n + DOCUMENT_BOUNDS_THREADS - 1) // DOCUMENT_BOUNDS_THREADS, rows),
+                                           (DOCUMENT_BOUNDS_THREADS,),
+                                           (np.uint64(docs.ptr), np.int64(docs.strides[0]), np.int32(n),
+                                            np.uint64(as_device_tensor(bounds, "doc_bounds").ptr)))
     return bounds
 
 

@@ -115,7 +115,7 @@ def test_document_bounds_are_each_positions_document(lengths, rows):
     ids = masks.documents_of_lengths(lengths, batch=1)[0]
     docs = np.stack([ids + r for r in range(rows)]).astype(np.int32)
     like = as_device_tensor(cupy.zeros((1, 1, 1, 64), cupy.float16), "q")
-    got = cupy.asnumpy(document_bounds(cupy.asarray(docs), like))
+    got = cupy.asnumpy(document_bounds(as_device_tensor(cupy.asarray(docs), "doc_ids"), like))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     expected = np.repeat(np.stack([starts, starts + lengths], 1), lengths, axis=0)
     assert got.shape == (rows, sum(lengths), 2)
