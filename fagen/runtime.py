@@ -516,7 +516,7 @@ class Kernel:
 
 
 def _check_sorted(docs) -> None:
-    """doc_ids must be non-decreasing: the kernel binary-searches document bounds."""
+    """doc_ids must be non-decreasing: the bounds kernel binary-searches each position's document."""
     if docs.shape[1] > 1 and bool((docs[:, 1:] < docs[:, :-1]).any()):
         raise ValueError("doc_ids must be non-decreasing along the sequence (packed documents); "
                          "sort the packing or build a block mask with fagen.masks.document")
