@@ -24,8 +24,7 @@ from dataclasses import dataclass, replace
 
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
-                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, loop_mask_params, plan, score_params,
-                        wgmma_numbers)
+                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
 from fagen.mask_kinds import KINDS
 from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
                         dq_producer_blocks_per_sm, rule)
@@ -279,7 +278,7 @@ class BackwardPlan:
     # the dQ kernel launched beside the dK/dV kernel (a second stream), not after it
     # (CONCURRENT_DQ_MASKS): the two share inputs only, and dQ's blocks fill what dK/dV's last wave leaves
     concurrent_dq: bool
-    mask_params: tuple[tuple[str, str], ...]  # the loops' (the kind's loop_params where it has them)
+    mask_params: tuple[tuple[str, str], ...]  # the loops' (the mask kind's params)
     score_params: tuple[tuple[str, str], ...]
     preprocess_params: tuple[tuple[str, str], ...]
     dkdv_params: tuple[tuple[str, str], ...]
@@ -359,7 +358,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
             f"the dQ kernel needs {dq_smem} bytes of shared memory (Q and dO tiles, 2 stages of K and V tiles) "
             f"but {spec.arch} allows {SMEM_PER_BLOCK[spec.arch]} per block", "use a smaller dq_block_kv or dq_block_q"))
     kind, mod_params = KINDS[spec.mask.kind], score_params(spec)
-    mask_params = loop_mask_params(spec)
+    mask_params = KINDS[spec.mask.kind].params
     side = mask_params + mod_params
     chunks = d // CHUNK_ELEMS
     return BackwardPlan(
@@ -469,7 +468,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
-        mask_words=-(-bwd.block_kv // 32), mask_params=loop_mask_params(spec), score_params=score_params(spec),
+        mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **tiles,
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
         bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,

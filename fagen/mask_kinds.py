@@ -38,9 +38,6 @@ class MaskKind:
     # the most keys a KV tile of its variants holds (None: the default's): where the kind's tile
     # boundaries fall anywhere, a tile straddling one is computed whole and masked pair by pair
     kv_tile_cap: int | None = None
-    # the attention loops (forward and backward) read this in place of `params` (None: the same),
-    # derived from them once a call (fagen.runtime.document_bounds)
-    loop_params: tuple[tuple[str, str], ...] | None = None
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -149,12 +146,12 @@ class Document(MaskKind):
 
     name = "document"
     fields = ("causal",)
-    params = ((INT_PTR, "doc_ids"), ("long long", "doc_sb"))
+    # Each position's document [start, end), resolved from the caller's doc_ids once a call
+    # (fagen.runtime.document_bounds): the loops' blocks read their rows' bounds (one load) instead
+    # of binary-searching doc_ids (a dozen dependent loads at every tile's start). Rows of doc_sb
+    # int2s, as doc_ids'.
+    params = ((INT2_PTR, "doc_bounds"), ("long long", "doc_sb"))
     side_input = "doc_ids"
-    # Each position's document [start, end), found once a call: the loops' blocks read their
-    # rows' bounds (one load) instead of binary-searching doc_ids (a dozen dependent loads at
-    # every tile's start). Rows of doc_sb int2s, as doc_ids'.
-    loop_params = ((INT2_PTR, "doc_bounds"), ("long long", "doc_sb"))
     packable = False
     uses_align = False
     # Documents start anywhere: 128 keys (FlexAttention's block) divide the usual lengths, where

@@ -190,13 +190,6 @@ class KernelPlan:
         return asdict(self)
 
 
-def loop_mask_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
-    """The side inputs the loops' Mask reads (the forward's as the backward's): its kind's
-    loop_params (document bounds, resolved once a call), else its params."""
-    kind = KINDS[spec.mask.kind]
-    return kind.params if kind.loop_params is None else kind.loop_params
-
-
 def merge_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     """outputs.merge_splits: where the merging split writes (out like q, any strides; the LSE
     [B, Hq, Nq]), the arrival count of each tile (zeros before a launch; the merging split
@@ -397,7 +390,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         seed_budget_bytes=seed_budget,
         predicted_registers=registers,
         blocks_per_sm_by_smem=max(1, limit // smem_bytes),
-        mask_params=loop_mask_params(spec),
+        mask_params=KINDS[spec.mask.kind].params,
         score_params=score_params(spec),
         sink_params=((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks and not spec.outputs.partial else (),
         split_params=((("int", "kv_tiles_per_split"), ("long long", "o_split_stride"),

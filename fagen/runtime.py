@@ -488,7 +488,7 @@ class Kernel:
             docs = _doc_ids(given["doc_ids"], tq.device)
             bounds = document_bounds(docs, tq)  # what the loops read, the backward's as the forward's
             held += [docs.obj, bounds]
-            args.update(doc_ids=docs.ptr, doc_bounds=as_device_tensor(bounds, "doc_bounds").ptr,
+            args.update(doc_bounds=as_device_tensor(bounds, "doc_bounds").ptr,
                         doc_sb=np.int64(docs.strides[0] if docs.shape[0] > 1 else 0))
         if spec.score_mod.alibi != "none":
             slopes = given["alibi_slopes"]
