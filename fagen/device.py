@@ -140,6 +140,12 @@ def multiprocessors(device: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
 
 
+@cache
+def l2_bytes(device: int) -> int:
+    """The L2 cache of GPU `device`, in bytes (the tile walk's sections: fagen.plan.l2_section)."""
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrL2CacheSize, device)
+
+
 HIGHEST_STREAM_PRIORITY = -(1 << 16)
 
 

@@ -38,6 +38,8 @@ class MaskKind:
     # the most keys a KV tile of its variants holds (None: the default's): where the kind's tile
     # boundaries fall anywhere, a tile straddling one is computed whole and masked pair by pair
     kv_tile_cap: int | None = None
+    # every query tile visits the same keys: no order of the tile walk balances anything
+    even_tiles = False
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -65,6 +67,7 @@ class NoMask(MaskKind):
     name = "none"
     shiftable = True
     uses_align = False
+    even_tiles = True
 
 
 class Causal(MaskKind):

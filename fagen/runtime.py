@@ -24,7 +24,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
-from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, plan
+from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan
 from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, render_document_bounds
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
@@ -435,7 +435,11 @@ class Kernel:
         tiles = self.tiles(b, hq, tk.shape[1], nq, splits)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
-            values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2])
+            kv_bytes = 2 * tk.shape[2] * tk.shape[3] * ELEMENT_BYTES // splits  # a tile's K and V, one split's
+            per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # GQA: a group shares them
+            values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2],
+                          tiles_section=l2_section(*tiles[:2], per_x, device.l2_bytes(tq.device),
+                                                   KINDS[self.spec.mask.kind].even_tiles))
             count = math.prod(tiles)
             grid = (min(count, device.multiprocessors(tq.device)) if self.plan.persistent else count, 1, 1)
         # a prepared call re-points the inputs and the outputs it returns (the merged ones, where the

@@ -333,8 +333,10 @@ struct Mask {
 };
 
 // ---- tile scheduler ------------------------------------------------------------------------
-// The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z, numbered x fastest as a
-// grid's blocks are issued (the kernel says what each axis is).
+// The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z (the kernel says what each
+// axis is), numbered in sections of `section` x's: x fastest within a section, then y, then the
+// next section, z slowest. A section's x's share L2 (fagen.plan.l2_section), so the blocks in
+// flight read a few heads' K and V, each from L2 for all its query tiles.
 // Persistent: one block an SM walks them (tile blockIdx.x, then every gridDim.x-th), so its
 // producer loads the next tile's inputs while the consumers finish this one.
 struct Tile {
@@ -342,12 +344,20 @@ struct Tile {
 };
 
 struct TileScheduler {
-  int nx, ny, count;
+  int nx, ny, section, count;
+  __device__ __forceinline__ TileScheduler(int tiles_x, int tiles_y, int tiles_z, int tiles_section)
+      : nx(tiles_x), ny(tiles_y), section(tiles_section), count(tiles_x * tiles_y * tiles_z) {}
+  // One section: x fastest over the whole grid.
   __device__ __forceinline__ TileScheduler(int tiles_x, int tiles_y, int tiles_z)
-      : nx(tiles_x), ny(tiles_y), count(tiles_x * tiles_y * tiles_z) {}
+      : TileScheduler(tiles_x, tiles_y, tiles_z, tiles_x) {}
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
-  __device__ __forceinline__ Tile at(int t) const { return Tile{t % nx, t / nx % ny, t / nx / ny}; }
+  __device__ __forceinline__ Tile at(int t) const {
+    const int z = t / (nx * ny), i = t % (nx * ny);
+    const int x0 = i / (section * ny) * section, width = min(section, nx - x0);  // this section's x's
+    const int r = i - x0 * ny;
+    return Tile{x0 + r % width, r / width, z};
+  }
 };
 
 // ---- KV pipeline: a TMA producer ------------------------------------------------------------
@@ -597,6 +607,7 @@ fagen_attn_f16_d128_h200(
     int tiles_x,
     int tiles_y,
     int tiles_z,
+    int tiles_section,
     const __grid_constant__ TmaMap q_map,
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map) {
@@ -616,7 +627,7 @@ fagen_attn_f16_d128_h200(
   // register budget (setmaxnreg's) every instruction runs under.
   KvPipeline kv(smem_u32(smem + Q_TILE_ELEMS));
   kv.init(tid);
-  const TileScheduler scheduler(tiles_x, tiles_y, tiles_z);
+  const TileScheduler scheduler(tiles_x, tiles_y, tiles_z, tiles_section);
   if (warpgroup == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {

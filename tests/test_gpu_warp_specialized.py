@@ -66,6 +66,18 @@ def test_a_persistent_kernel_walks_every_tile(dtype, d, causal, mask, score_mod,
     assert result.passed, result.summary()
 
 
+@pytest.mark.parametrize("section", [1, 3, 7])
+@pytest.mark.parametrize("causal,persistent_walk", [(False, True), (True, False), (True, True)])
+def test_a_walk_in_sections_of_heads_covers_every_tile(monkeypatch, section, causal, persistent_walk):
+    """Sections of 1, 3 and 7 heads (the last one narrower) over 2 x 9 heads, a block a tile and
+    persistent: every tile computed once, whatever the walk's order."""
+    base = _hopper_default(causal)
+    monkeypatch.setattr(fagen.runtime, "l2_section", lambda *args: section)
+    spec = tune.with_scheduler(base, persistent_walk)
+    result = check_against_oracle(spec, 2, 9, 3, 700, 900, framework="torch")
+    assert result.passed, result.summary()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_three_consumer_warpgroups_a_block_a_tile(causal):
     """The d64 default's three consumer warpgroups taking turns (ping-pong in a round), a block a

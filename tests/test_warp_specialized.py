@@ -13,7 +13,7 @@ import pytest
 import fagen
 from fagen import runtime, tensor_maps
 from fagen.load import SPECS
-from fagen.plan import TMA_MAP, plan
+from fagen.plan import TMA_MAP, UNEVEN_SECTION_TILES_Y, l2_section, plan
 from fagen.spec import Mask, ScoreMod
 from fagen.render import render
 from fagen.variants import fallback_tilings, partial_variant, sequence_variant, variant
@@ -188,10 +188,38 @@ def test_every_warp_specialized_kernel_walks_a_tile_grid():
     grid = plan(fagen.parse_spec(ws_spec()))
     walk = plan(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": {**WS, "persistent": True}})))
     for p in (grid, walk):
-        assert p.scheduler_params == (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"))
+        assert p.scheduler_params == (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"), ("int", "tiles_section"))
     assert (grid.persistent, grid.output_staged) == (False, True)
     assert (walk.persistent, walk.output_staged) == (True, False)
     assert not plan(cp_async_spec()).scheduler_params
+
+
+MIB = 1 << 20
+
+
+def test_the_walk_takes_as_many_heads_at_a_time_as_half_of_l2_holds():
+    """Sections of heads whose K and V fill at most half of L2; at least one head, at most all."""
+    l2 = 60 * MIB
+    assert l2_section(64, 32, 2 * MIB, l2, True) == 15  # d128 N = 4k: 2 MiB a head
+    assert l2_section(16, 128, 8 * MIB, l2, True) == 3
+    assert l2_section(512, 4, MIB // 4, l2, True) == 120
+    assert l2_section(4, 4, MIB // 4, l2, True) == 4  # all heads fit: one section
+    assert l2_section(8, 2, 64 * MIB, l2, True) == 1  # a head larger than L2: a head at a time
+
+
+def test_uneven_tiles_walk_heaviest_first_past_a_few_tiles_a_head():
+    """A mask's tiles differ in length: past UNEVEN_SECTION_TILES_Y a head, x fastest over every
+    head (one section), so every head's heaviest tiles go first."""
+    l2 = 60 * MIB
+    assert l2_section(64, UNEVEN_SECTION_TILES_Y, 2 * MIB, l2, False) == 15
+    assert l2_section(64, UNEVEN_SECTION_TILES_Y + 1, 2 * MIB, l2, False) == 64
+    assert l2_section(64, UNEVEN_SECTION_TILES_Y + 1, 2 * MIB, l2, True) == 15
+
+
+def test_the_forward_walks_in_sections():
+    """The forward kernel's scheduler reads the launch's tiles_section."""
+    spec = fagen.parse_spec(ws_spec())
+    assert "TileScheduler scheduler(tiles_x, tiles_y, tiles_z, tiles_section)" in render(spec)
 
 
 def test_a_persistent_kernel_may_split_kv():
