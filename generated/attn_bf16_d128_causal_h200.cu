@@ -24,7 +24,7 @@
 //     stages: 3
 //     warp_specialized:
 //       consumer_registers: 240
-//       persistent: false
+//       persistent: true
 //       producer_registers: 24
 //   score_mod:
 //     alibi: none
@@ -55,7 +55,6 @@ constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 8;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
-constexpr int OUT_CHUNKS_PER_WARP = 256;  // 16-byte chunks of a warp's rows of O
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 16384;
 constexpr int KV_TILE_BYTES = 32768;     // one KV tile: the stride between ring slots
@@ -342,7 +341,8 @@ struct Mask {
 // axis is), numbered in sections of `section` x's: x fastest within a section, then y, then the
 // next section, z slowest. A section's x's share L2 (fagen.plan.l2_section), so the blocks in
 // flight read a few heads' K and V, each from L2 for all its query tiles.
-// A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
+// Persistent: one block an SM walks them (tile blockIdx.x, then every gridDim.x-th), so its
+// producer loads the next tile's inputs while the consumers finish this one.
 struct Tile {
   int x, y, z;
 };
@@ -535,9 +535,9 @@ struct OnlineSoftmax {
 };
 
 // ---- epilogue --------------------------------------------------------------------------
-// Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
-// warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
+// Normalise O by the row sum and write the warp's rows straight from registers as element pairs
+// (the Q tile is already loading the next tile's Q); rows at or past n_q are never written. A row
+// that saw no key has l = 0: O = 0 and LSE = -inf.
 // Where tile row r's output goes: rows of one head, `stride` apart, the first n of them real.
 struct OutRows {
   int n;
@@ -547,7 +547,6 @@ struct OutRows {
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q,
                                              out_t* __restrict__ out, const OutRows& at,
                                              float* __restrict__ lse,
                                              int row0, int lane) {
@@ -567,19 +566,11 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 #pragma unroll
       for (int n = 0; n < O_N_FRAGS; ++n) {
         const int col = n * 8 + 2 * t;
-        *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
-            pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
+        if (at.real(row0 + row))  // a quad writes 16 contiguous bytes
+          *reinterpret_cast<unsigned*>(out + at.o(row0 + row) + col) = pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
       }
       if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
-  }
-  __syncwarp();
-#pragma unroll
-  for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
-    const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
-    if (at.real(row))
-      *reinterpret_cast<chunk16*>(out + at.o(row) + col) =
-          *reinterpret_cast<const chunk16*>(smem_q + smem_offset(row, col));
   }
 }
 
@@ -770,7 +761,7 @@ fagen_attn_bf16_d128_causal_h200(
     o_tile += q0 * o_sn;
     const OutRows at{n_q - q0, o_sn};
     lse_tile += q0;
-    write_output(o_acc, softmax, smem_q, o_tile, at, lse_tile, warp_row0, lane);
+    write_output(o_acc, softmax, o_tile, at, lse_tile, warp_row0, lane);
 
     kv.end();
   }

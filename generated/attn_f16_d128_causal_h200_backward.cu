@@ -41,7 +41,7 @@
 //     stages: 3
 //     warp_specialized:
 //       consumer_registers: 240
-//       persistent: false
+//       persistent: true
 //       producer_registers: 24
 //   score_mod:
 //     alibi: none
