@@ -341,8 +341,9 @@ struct Mask {
 // ---- tile scheduler ------------------------------------------------------------------------
 // The launch's work is a grid of tiles, tiles_x by tiles_y by tiles_z (the kernel says what each
 // axis is), numbered in sections of `section` x's: x fastest within a section, then y, then the
-// next section, z slowest. A section's x's share L2 (fagen.plan.l2_section), so the blocks in
-// flight read a few heads' K and V, each from L2 for all its query tiles.
+// next section, z slowest. Sections keep the K and V the blocks in flight read in L2: one head
+// at a time where the tiles are even, a few heads' heaviest tiles first where a mask's are not
+// (fagen.plan.l2_section).
 // A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
 struct Tile {
   int x, y, z;

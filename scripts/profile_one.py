@@ -1,4 +1,5 @@
-"""Launch one shipped kernel a few times (for ncu): python3 scripts/profile_one.py SPEC N D"""
+"""Launch one shipped kernel a few times (for ncu), at the bench's shape (B*N = 16k tokens,
+H*d = 2048): python3 scripts/profile_one.py SPEC N"""
 
 import sys
 
@@ -9,7 +10,8 @@ from fagen.load import SPECS
 spec = fagen.load_spec(SPECS / f"{sys.argv[1]}.yaml")
 n = int(sys.argv[2])
 kernel = fagen.compile(spec)
-q, k, v, out = random_inputs("torch", spec.dtype, 4, 2048 // spec.head_dim, 2048 // spec.head_dim, n, n, spec.head_dim)
+b, h = max(1, 16384 // n), 2048 // spec.head_dim
+q, k, v, out = random_inputs("torch", spec.dtype, b, h, h, n, n, spec.head_dim)
 for _ in range(8):
     kernel(q, k, v, out=out)
 import cupy

@@ -197,23 +197,26 @@ def test_every_warp_specialized_kernel_walks_a_tile_grid():
 MIB = 1 << 20
 
 
-def test_the_walk_takes_as_many_heads_at_a_time_as_half_of_l2_holds():
-    """Sections of heads whose K and V fill at most half of L2; at least one head, at most all."""
-    l2 = 60 * MIB
-    assert l2_section(64, 32, 2 * MIB, l2, True) == 15  # d128 N = 4k: 2 MiB a head
-    assert l2_section(16, 128, 8 * MIB, l2, True) == 3
-    assert l2_section(512, 4, MIB // 4, l2, True) == 120
-    assert l2_section(4, 4, MIB // 4, l2, True) == 4  # all heads fit: one section
-    assert l2_section(8, 2, 64 * MIB, l2, True) == 1  # a head larger than L2: a head at a time
+def test_even_tiles_walk_a_head_at_a_time():
+    """Unmasked tiles: one head's query tiles together, whatever L2 holds."""
+    assert l2_section(64, 32, 2 * MIB, 60 * MIB, True) == 1
+    assert l2_section(512, 4, MIB // 4, 60 * MIB, True) == 1
 
 
-def test_uneven_tiles_walk_heaviest_first_past_a_few_tiles_a_head():
-    """A mask's tiles differ in length: past UNEVEN_SECTION_TILES_Y a head, x fastest over every
-    head (one section), so every head's heaviest tiles go first."""
+def test_short_uneven_tiles_walk_as_many_heads_as_half_of_l2_holds():
+    """A mask's tiles, a few a head: sections of heads whose K and V fill at most half of L2; at
+    least one head, at most all."""
     l2 = 60 * MIB
+    assert l2_section(512, 4, MIB // 4, l2, False) == 120
     assert l2_section(64, UNEVEN_SECTION_TILES_Y, 2 * MIB, l2, False) == 15
-    assert l2_section(64, UNEVEN_SECTION_TILES_Y + 1, 2 * MIB, l2, False) == 64
-    assert l2_section(64, UNEVEN_SECTION_TILES_Y + 1, 2 * MIB, l2, True) == 15
+    assert l2_section(4, 4, MIB // 4, l2, False) == 4  # all heads fit: one section
+    assert l2_section(8, 2, 64 * MIB, l2, False) == 1  # a head larger than L2: a head at a time
+
+
+def test_long_uneven_tiles_walk_heaviest_first():
+    """Past UNEVEN_SECTION_TILES_Y a head, x fastest over every head (one section), so every
+    head's heaviest tiles go first."""
+    assert l2_section(64, UNEVEN_SECTION_TILES_Y + 1, 2 * MIB, 60 * MIB, False) == 64
 
 
 def test_the_forward_walks_in_sections():
