@@ -435,8 +435,8 @@ class Kernel:
         tiles = self.tiles(b, hq, tk.shape[1], nq, splits)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
-            kv_bytes = 2 * tk.shape[2] * tk.shape[3] * ELEMENT_BYTES // splits  # a tile's K and V, one split's
-            per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # GQA: a group shares them
+            kv_bytes = 2 * tk.shape[2] * tk.shape[3] * ELEMENT_BYTES // splits  # a KV head's K and V (a split's share)
+            per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # x: a query head, unpacked
             values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2],
                           tiles_section=l2_section(*tiles[:2], per_x, device.l2_bytes(tq.device),
                                                    KINDS[self.spec.mask.kind].even_tiles))
