@@ -170,6 +170,8 @@ class KernelPlan:
     # (scheduler_params), one per block or, persistent, one block per SM over all of them
     scheduler_params: tuple[tuple[str, str], ...]
     persistent: bool
+    # causal tiles end at n_q (end_aligned_tiles): a partial tile is the lightest, not the heaviest
+    end_aligned_tiles: bool
     # O goes through the Q tile to 16-byte row stores; not where the Q tile is refilled for the
     # next tile (persistent), nor for f32 partials: those store straight from registers
     output_staged: bool
@@ -331,6 +333,18 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
     return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
 
 
+def end_aligned_tiles(spec: AttentionSpec) -> bool:
+    """Do a causal kernel's query tiles end at n_q? Numbered from the start, a partial last
+    tile (192-row tiles at N = 512 hold 128 real rows in their last) is the heaviest under a
+    causal mask: its idle rows see every key. Ending at n_q moves the partial tile to the start,
+    where its rows see one KV tile (N = 512, 192 x 128 tiles: 9 KV steps a head become 8; 1k: 32
+    become 27). Warp-specialised kernels (TMA fills rows before 0 with zeros) over padded,
+    unpacked rows with full outputs."""
+    o = spec.outputs
+    return (spec.warp_specialized and spec.mask.kind == "causal" and spec.sequences.padded
+            and not spec.tiling.pack_gqa and not (o.partial or o.accumulate or o.merge_splits))
+
+
 def plan(spec: AttentionSpec) -> KernelPlan:
     t, d = spec.tiling, spec.head_dim
     warps = t.warps_q * t.warps_kv
@@ -436,6 +450,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         tma_params=tuple((TMA_MAP, f"{t}_map") for t in "qkv") if ws else (),
         scheduler_params=SCHEDULER_PARAMS if ws else (),
         persistent=bool(ws and ws.persistent),
+        end_aligned_tiles=end_aligned_tiles(spec),
         output_staged=not spec.outputs.partial and not (ws and ws.persistent),
         **template_numbers(spec, m_frags, kv_tile),
     )

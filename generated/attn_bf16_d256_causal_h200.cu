@@ -544,7 +544,8 @@ struct OnlineSoftmax {
 struct OutRows {
   int n;
   long long stride;
-  __device__ __forceinline__ bool real(int r) const { return r < n; }
+  int before;  // rows before position 0 (the first tile, its partial one)
+  __device__ __forceinline__ bool real(int r) const { return r >= before && r < n; }
   __device__ __forceinline__ long long o(int r) const { return r * stride; }
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
@@ -649,8 +650,11 @@ fagen_attn_bf16_d256_causal_h200(
       for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
         const Tile tile = scheduler.at(t);
         const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
-        const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
-        const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
+        // Tiles end at n_q, heaviest (latest) first: a partial tile is the first, whose rows see the
+        // fewest keys, not the last, whose rows see them all. Rows before 0 load as zeros (TMA's
+        // out-of-bounds fill), see no key and are not written.
+        const int q0 = n_q - (tile.y + 1) * BLOCK_Q;
+        const int q_first = max(q0, 0), q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
 
         Mask mask;
         mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
@@ -668,8 +672,11 @@ fagen_attn_bf16_d256_causal_h200(
   for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
     const Tile tile = scheduler.at(t);
     const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
-    const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
-    const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
+    // Tiles end at n_q, heaviest (latest) first: a partial tile is the first, whose rows see the
+    // fewest keys, not the last, whose rows see them all. Rows before 0 load as zeros (TMA's
+    // out-of-bounds fill), see no key and are not written.
+    const int q0 = n_q - (tile.y + 1) * BLOCK_Q;
+    const int q_first = max(q0, 0), q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
 
     Mask mask;
     mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
@@ -755,7 +762,7 @@ fagen_attn_bf16_d256_causal_h200(
     out_t* o_tile = o + b * o_sb + h * o_sh;
     float* lse_tile = lse + ((long long)b * heads_q + h) * n_q;
     o_tile += q0 * o_sn;
-    const OutRows at{n_q - q0, o_sn};
+    const OutRows at{n_q - q0, o_sn, -q0};
     lse_tile += q0;
     write_output(o_acc, softmax, smem_q, o_tile, at, lse_tile, warp_row0, lane);
 

@@ -219,6 +219,21 @@ def test_long_uneven_tiles_walk_heaviest_first():
     assert l2_section(64, UNEVEN_SECTION_TILES_Y + 1, 2 * MIB, 60 * MIB, False) == 64
 
 
+def test_causal_tiles_end_at_the_last_query():
+    """Under a causal mask the warp-specialised kernel's tiles end at n_q, so a partial tile is
+    the first (lightest), its rows before 0 never written; not where rows are packed, varlen, or
+    the outputs partial."""
+    causal = fagen.parse_spec(ws_spec(mask={"kind": "causal"}))
+    assert plan(causal).end_aligned_tiles
+    text = render(causal)
+    assert "const int q0 = n_q - (tile.y + 1) * BLOCK_Q;" in text and "q_first = max(q0, 0)" in text
+    assert "const OutRows at{n_q - q0, o_sn, -q0};" in text and "r >= before && r < n" in text
+    assert not plan(fagen.parse_spec(ws_spec())).end_aligned_tiles
+    for change in ({"sequences": {"q": "varlen", "kv": "varlen"}}, {"outputs": {"partial": True}}):
+        assert not plan(fagen.parse_spec(ws_spec(mask={"kind": "causal"}, **change))).end_aligned_tiles
+    assert "r >= before" not in render(fagen.parse_spec(ws_spec()))
+
+
 def test_the_forward_walks_in_sections():
     """The forward kernel's scheduler reads the launch's tiles_section."""
     spec = fagen.parse_spec(ws_spec())
