@@ -19,7 +19,7 @@
 //     partial: false
 //   pipeline:
 //     kv_smem: separate
-//     pingpong: false
+//     pingpong: true
 //     q_in_registers: false
 //     stages: 2
 //     warp_specialized:
@@ -74,6 +74,7 @@ constexpr int V_LEAD_BYTES = 22528;       // V's 64-column blocks: P.V's leading
 constexpr int V_STEP_BYTES = 2048;      // a k16 step of P.V: 16 keys, two row groups
 constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 rows)
 constexpr int WARPGROUP_Q_BYTES = 8192;  // a warpgroup's 64 rows of the Q tile
+constexpr int WARPGROUPS = 2;           // they take turns on the tensor cores (ping-pong)
 constexpr int KV_RING_BYTES = 90112;   // K's ring; V's follows, then the mbarriers
 constexpr int MBARRIER_BYTES = 8;
 // Warp specialisation: CONSUMER_THREADS compute; the warpgroup after them is the producer.
@@ -176,6 +177,17 @@ __device__ __forceinline__ void registers_release() {
 template <int REGISTERS>
 __device__ __forceinline__ void registers_claim() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+// Named barriers hand the tensor cores from one warpgroup to the next: barrier
+// TURN_BARRIER + w is warpgroup w's turn (barrier 0 is __syncthreads), met by w waiting and
+// its predecessor arriving.
+constexpr int TURN_BARRIER = 1;
+constexpr int TURN_THREADS = 2 * WARPGROUP_WARPS * 32;
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 // Shared-memory matrix descriptor, 64 bits: start address, leading and stride byte offsets,
@@ -647,6 +659,10 @@ fagen_attn_bf16_d128_h200(
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
+  // Ping-pong turns run on across the tiles, so one warpgroup's first S of the next tile runs
+  // while another writes O: warpgroup 0 takes the first turn (handed to it by the last
+  // warpgroup, its predecessor in the round), and takes back the last hand-over after the walk.
+  if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);
   for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
     const Tile tile = scheduler.at(t);
     const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
@@ -675,6 +691,10 @@ fagen_attn_bf16_d128_h200(
     // the whole warpgroup is, or ptxas fences it on a divergent path and serialises every wgmma.
     wgmma_fence();
     unsigned p[PV_K_STEPS][4];  // P of the previous tile, packed: the A operand of its P.V
+    // Ping-pong: the warpgroups take turns issuing MMAs, in a round, so one's softmax runs while
+    // another's MMAs keep the tensor cores busy.
+    const int my_turn = TURN_BARRIER + warpgroup, next_turn = TURN_BARRIER + (warpgroup + 1) % WARPGROUPS;
+    // (The turns run on from tile to tile: warpgroup 0 took the block's first one.)
 
     for (int j = 0; j < kv_tiles; ++j) {
       const int kv0 = mask.kv_tile(j) * BLOCK_KV;
@@ -685,6 +705,7 @@ fagen_attn_bf16_d128_h200(
       // Phase 3: S = Q.K_j^T and O += P_(j-1).V_(j-1) on the tensor cores, in flight together.
       float s[M_FRAGS][S_N_FRAGS][4];
       const unsigned long long k_desc = smem_desc(kv.k_slot(j), KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
+      named_barrier_sync(my_turn, TURN_THREADS);
       wgmma_fence();
   #pragma unroll
       for (int ks = 0; ks < QK_K_STEPS; ++ks) {
@@ -701,6 +722,9 @@ fagen_attn_bf16_d128_h200(
       }
       pin_registers(s[0]);
       if (j == kv_tiles - 1) kv.release_q();  // the tile's last S is done: the producer may load the next Q
+      // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
+      // serialise the wgmmas.)
+      named_barrier_arrive(next_turn, TURN_THREADS);
 
       // Phase 4: the mask and the softmax of tile j while P.V_(j-1) finishes.
       score_tile(s, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
@@ -724,10 +748,13 @@ fagen_attn_bf16_d128_h200(
     // Phase 6: the last tile's P.V.
     kv.wait(kv_tiles);  // group kv_tiles: V of the last tile
     if (kv_tiles > 0) {
+      named_barrier_sync(my_turn, TURN_THREADS);
       wgmma_fence();
       issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
       wgmma_wait<0>();
       pin_registers(o_acc[0]);
+      // The other warpgroup's turn: its last P.V, or the next tile's first S while this one writes O.
+      named_barrier_arrive(next_turn, TURN_THREADS);
     }
     kv.release(kv_tiles);  // its stage is free for the next tile's loads
     if (kv_tiles == 0) kv.release_q();
@@ -743,4 +770,5 @@ fagen_attn_bf16_d128_h200(
 
     kv.end();
   }
+  if (warpgroup == 0) named_barrier_sync(TURN_BARRIER, TURN_THREADS);
 }
