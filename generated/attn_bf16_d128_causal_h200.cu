@@ -536,7 +536,7 @@ struct OnlineSoftmax {
 };
 
 // ---- epilogue --------------------------------------------------------------------------
-// Normalise O by the row sum and write the warp's rows straight from registers as element pairs
+// Normalise O by the row sum and write the warp's rows straight from registers, 16 bytes a thread
 // (the Q tile is already loading the next tile's Q); rows at or past n_q are never written. A row
 // that saw no key has l = 0: O = 0 and LSE = -inf.
 // Where tile row r's output goes: rows of one head, `stride` apart, the first n of them real.
@@ -548,6 +548,21 @@ struct OutRows {
   __device__ __forceinline__ long long o(int r) const { return r * stride; }
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
+// A 4 x 4 transpose of 32-bit values across a quad in two butterfly rounds: thread t holds
+// x[i] = element (i, t) of the quad's matrix before, and x[k] = element (t, k) after.
+__device__ __forceinline__ void quad_transpose(unsigned (&x)[4], int t) {
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    const bool upper = t & m;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i & m) continue;
+      const unsigned got = __shfl_xor_sync(0xffffffff, upper ? x[i] : x[i | m], m);
+      if (upper) x[i] = got; else x[i | m] = got;
+    }
+  }
+}
+
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
                                              out_t* __restrict__ out, const OutRows& at,
                                              float* __restrict__ lse,
@@ -565,11 +580,18 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       // a NaN score leaves l NaN: it must reach O and LSE. The fast division: l is at most the
       // keys' count, and the IEEE one is a subnormal-handling call on the epilogue's critical path
       const float inv = l == 0.f ? 0.f : __fdividef(1.f, l);
+      // Four n8 fragments at a time, transposed across the quad: thread t then holds fragment
+      // c + t's 8 columns and writes them in one 16-byte store, a quad 64 contiguous bytes of the
+      // row. (A quad's pairs stored as they lie, 4 bytes a thread, cost 4x the store wavefronts:
+      // at N = 512 the epilogue was a fifth of a tile.)
 #pragma unroll
-      for (int n = 0; n < O_N_FRAGS; ++n) {
-        const int col = n * 8 + 2 * t;
-        if (at.real(row0 + row))  // a quad writes 16 contiguous bytes
-          *reinterpret_cast<unsigned*>(out + at.o(row0 + row) + col) = pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
+      for (int c = 0; c < O_N_FRAGS; c += 4) {
+        unsigned x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = pack2(o[f][c + i][2 * h] * inv, o[f][c + i][2 * h + 1] * inv);
+        quad_transpose(x, t);
+        if (at.real(row0 + row))
+          *reinterpret_cast<chunk16*>(out + at.o(row0 + row) + (c + t) * 8) = chunk16{x[0], x[1], x[2], x[3]};
       }
       if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
