@@ -350,11 +350,13 @@ struct TileScheduler {
       : TileScheduler(tiles_x, tiles_y, tiles_z, tiles_x) {}
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
+  // Unsigned: a signed division by a runtime value is twice the instructions of an unsigned one,
+  // and a persistent block decodes a tile between every two.
   __device__ __forceinline__ Tile at(int t) const {
-    const int z = t / (nx * ny), i = t % (nx * ny);
-    const int x0 = i / (section * ny) * section, width = min(section, nx - x0);  // this section's x's
-    const int r = i - x0 * ny;
-    return Tile{x0 + r % width, r / width, z};
+    const unsigned per_z = nx * ny, z = unsigned(t) / per_z, i = unsigned(t) % per_z;
+    const unsigned x0 = i / unsigned(section * ny) * section, width = min(section, nx - int(x0));  // this section's x's
+    const unsigned r = i - x0 * ny;
+    return Tile{int(x0 + r % width), int(r / width), int(z)};
   }
 };
 
@@ -641,7 +643,9 @@ fagen_attn_bf16_d128_causal_long_h200(
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
       for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
         const Tile tile = scheduler.at(t);
-        const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
+        // (unsigned divisions: half a signed one's instructions, at every tile's start)
+        const unsigned bh = tile.x;
+        const int b = bh / heads_q, h = bh % heads_q, h_kv = unsigned(h) / group;
         // Tiles end at n_q, heaviest (latest) first: a partial tile is the first, whose rows see the
         // fewest keys, not the last, whose rows see them all. Rows before 0 load as zeros (TMA's
         // out-of-bounds fill), see no key and are not written.
@@ -667,7 +671,9 @@ fagen_attn_bf16_d128_causal_long_h200(
   if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);
   for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
     const Tile tile = scheduler.at(t);
-    const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
+    // (unsigned divisions: half a signed one's instructions, at every tile's start)
+    const unsigned bh = tile.x;
+    const int b = bh / heads_q, h = bh % heads_q, h_kv = unsigned(h) / group;
     // Tiles end at n_q, heaviest (latest) first: a partial tile is the first, whose rows see the
     // fewest keys, not the last, whose rows see them all. Rows before 0 load as zeros (TMA's
     // out-of-bounds fill), see no key and are not written.

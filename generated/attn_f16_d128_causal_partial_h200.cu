@@ -419,7 +419,9 @@ fagen_attn_f16_d128_causal_partial_h200(
   const unsigned smem_q_u32 = smem_u32(smem_q);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
-  const int b = blockIdx.x / heads_q, h = blockIdx.x % heads_q, h_kv = h / group;
+  // (unsigned divisions: half a signed one's instructions, at every tile's start)
+  const unsigned bh = blockIdx.x;
+  const int b = bh / heads_q, h = bh % heads_q, h_kv = unsigned(h) / group;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
   const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
 

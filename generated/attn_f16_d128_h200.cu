@@ -353,11 +353,13 @@ struct TileScheduler {
       : TileScheduler(tiles_x, tiles_y, tiles_z, tiles_x) {}
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next(int t) const { return t + gridDim.x; }
+  // Unsigned: a signed division by a runtime value is twice the instructions of an unsigned one,
+  // and a persistent block decodes a tile between every two.
   __device__ __forceinline__ Tile at(int t) const {
-    const int z = t / (nx * ny), i = t % (nx * ny);
-    const int x0 = i / (section * ny) * section, width = min(section, nx - x0);  // this section's x's
-    const int r = i - x0 * ny;
-    return Tile{x0 + r % width, r / width, z};
+    const unsigned per_z = nx * ny, z = unsigned(t) / per_z, i = unsigned(t) % per_z;
+    const unsigned x0 = i / unsigned(section * ny) * section, width = min(section, nx - int(x0));  // this section's x's
+    const unsigned r = i - x0 * ny;
+    return Tile{int(x0 + r % width), int(r / width), int(z)};
   }
 };
 
@@ -545,6 +547,12 @@ struct OutRows {
 };
 // A 4 x 4 transpose of 32-bit values across a quad in two butterfly rounds: thread t holds
 // x[i] = element (i, t) of the quad's matrix before, and x[k] = element (t, k) after.
+// One 16-byte store. (Written as a chunk16, the compiler split the first of a row's stores into
+// four 4-byte ones: a quarter of the stores back at four sectors' partial writes.)
+__device__ __forceinline__ void st_global_v4(void* p, const unsigned (&x)[4]) {
+  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };" ::"l"(p), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+}
+
 __device__ __forceinline__ void quad_transpose(unsigned (&x)[4], int t) {
 #pragma unroll
   for (int m = 1; m <= 2; m <<= 1) {
@@ -585,8 +593,7 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
 #pragma unroll
         for (int i = 0; i < 4; ++i) x[i] = pack2(o[f][c + i][2 * h] * inv, o[f][c + i][2 * h + 1] * inv);
         quad_transpose(x, t);
-        if (at.real(row0 + row))
-          *reinterpret_cast<chunk16*>(out + at.o(row0 + row) + (c + t) * 8) = chunk16{x[0], x[1], x[2], x[3]};
+        if (at.real(row0 + row)) st_global_v4(out + at.o(row0 + row) + (c + t) * 8, x);
       }
       if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
@@ -656,7 +663,9 @@ fagen_attn_f16_d128_h200(
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
       for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
         const Tile tile = scheduler.at(t);
-        const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
+        // (unsigned divisions: half a signed one's instructions, at every tile's start)
+        const unsigned bh = tile.x;
+        const int b = bh / heads_q, h = bh % heads_q, h_kv = unsigned(h) / group;
         const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
         const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
 
@@ -679,7 +688,9 @@ fagen_attn_f16_d128_h200(
   if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);
   for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
     const Tile tile = scheduler.at(t);
-    const int b = tile.x / heads_q, h = tile.x % heads_q, h_kv = h / group;
+    // (unsigned divisions: half a signed one's instructions, at every tile's start)
+    const unsigned bh = tile.x;
+    const int b = bh / heads_q, h = bh % heads_q, h_kv = unsigned(h) / group;
     const int q0 = (tiles_y - 1 - tile.y) * BLOCK_Q;
     const int q_first = q0, q_last = min(q0 + BLOCK_Q, n_q) - 1;  // the tile's positions
 

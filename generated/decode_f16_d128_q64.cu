@@ -519,8 +519,9 @@ fagen_decode_f16_d128_q64(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Warps along the keys: warp (w_q, w_kv) owns rows w_q and keys w_kv of every tile, with its own softmax state.
   const int warp_row0 = warp % WARPS_Q * WARP_ROWS, warp_key0 = warp / WARPS_Q * WARP_KEYS;
-  const int heads_kv = heads_q / group;
-  const int b = blockIdx.x / heads_kv, h_kv = blockIdx.x % heads_kv, h = h_kv * group;  // h: the group's first head
+  // (unsigned divisions: half a signed one's instructions, at every tile's start)
+  const unsigned heads_kv = unsigned(heads_q) / group, bh = blockIdx.x;
+  const int b = bh / heads_kv, h_kv = bh % heads_kv, h = h_kv * group;  // h: the group's first head
   const QueryRows rows{group, n_q * group};
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;  // the tile's first packed row
   const int q_first = rows.pos(q0), q_last = rows.pos(min(q0 + BLOCK_Q, rows.n) - 1);  // its positions

@@ -457,8 +457,9 @@ fagen_decode_f16_d64_q64(
   const unsigned smem_q_u32 = smem_u32(smem_q);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile
-  const int heads_kv = heads_q / group;
-  const int b = blockIdx.x / heads_kv, h_kv = blockIdx.x % heads_kv, h = h_kv * group;  // h: the group's first head
+  // (unsigned divisions: half a signed one's instructions, at every tile's start)
+  const unsigned heads_kv = unsigned(heads_q) / group, bh = blockIdx.x;
+  const int b = bh / heads_kv, h_kv = bh % heads_kv, h = h_kv * group;  // h: the group's first head
   const QueryRows rows{group, n_q * group};
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;  // the tile's first packed row
   const int q_first = rows.pos(q0), q_last = rows.pos(min(q0 + BLOCK_Q, rows.n) - 1);  // its positions
