@@ -24,7 +24,7 @@
 //     stages: 2
 //     warp_specialized:
 //       consumer_registers: 240
-//       persistent: false
+//       persistent: true
 //       producer_registers: 24
 //   score_mod:
 //     alibi: none
@@ -55,7 +55,6 @@ constexpr int O_N_FRAGS = 32;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 16;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 5;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 32;      // 16-byte chunks in a head_dim row
-constexpr int OUT_CHUNKS_PER_WARP = 512;  // 16-byte chunks of a warp's rows of O
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 32768;
 constexpr int KV_TILE_BYTES = 40960;     // one KV tile: the stride between ring slots
@@ -344,7 +343,8 @@ struct Mask {
 // next section, z slowest. Sections keep the K and V the blocks in flight read in L2: one head
 // at a time where the tiles are even, a few heads' heaviest tiles first where a mask's are not
 // (fagen.plan.l2_section).
-// A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
+// Persistent: one block an SM walks them (tile blockIdx.x, then every gridDim.x-th), so its
+// producer loads the next tile's inputs while the consumers finish this one.
 struct Tile {
   int x, y, z;
 };
@@ -539,9 +539,9 @@ struct OnlineSoftmax {
 };
 
 // ---- epilogue --------------------------------------------------------------------------
-// Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
-// warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
+// Normalise O by the row sum and write the warp's rows straight from registers, 16 bytes a thread
+// (the Q tile is already loading the next tile's Q); rows at or past n_q are never written. A row
+// that saw no key has l = 0: O = 0 and LSE = -inf.
 // Where tile row r's output goes: rows of one head, `stride` apart, the first n of them real.
 struct OutRows {
   int n;
@@ -551,8 +551,28 @@ struct OutRows {
   __device__ __forceinline__ long long o(int r) const { return r * stride; }
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
+// A 4 x 4 transpose of 32-bit values across a quad in two butterfly rounds: thread t holds
+// x[i] = element (i, t) of the quad's matrix before, and x[k] = element (t, k) after.
+// One 16-byte store. (Written as a chunk16, the compiler split the first of a row's stores into
+// four 4-byte ones: a quarter of the stores back at four sectors' partial writes.)
+__device__ __forceinline__ void st_global_v4(void* p, const unsigned (&x)[4]) {
+  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };" ::"l"(p), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+}
+
+__device__ __forceinline__ void quad_transpose(unsigned (&x)[4], int t) {
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    const bool upper = t & m;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i & m) continue;
+      const unsigned got = __shfl_xor_sync(0xffffffff, upper ? x[i] : x[i | m], m);
+      if (upper) x[i] = got; else x[i | m] = got;
+    }
+  }
+}
+
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q,
                                              out_t* __restrict__ out, const OutRows& at,
                                              float* __restrict__ lse,
                                              int row0, int lane) {
@@ -569,22 +589,20 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       // a NaN score leaves l NaN: it must reach O and LSE. The fast division: l is at most the
       // keys' count, and the IEEE one is a subnormal-handling call on the epilogue's critical path
       const float inv = l == 0.f ? 0.f : __fdividef(1.f, l);
+      // Four n8 fragments at a time, transposed across the quad: thread t then holds fragment
+      // c + t's 8 columns and writes them in one 16-byte store, a quad 64 contiguous bytes of the
+      // row. (A quad's pairs stored as they lie, 4 bytes a thread, cost 4x the store wavefronts:
+      // at N = 512 the epilogue was a fifth of a tile.)
 #pragma unroll
-      for (int n = 0; n < O_N_FRAGS; ++n) {
-        const int col = n * 8 + 2 * t;
-        *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
-            pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
+      for (int c = 0; c < O_N_FRAGS; c += 4) {
+        unsigned x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = pack2(o[f][c + i][2 * h] * inv, o[f][c + i][2 * h + 1] * inv);
+        quad_transpose(x, t);
+        if (at.real(row0 + row)) st_global_v4(out + at.o(row0 + row) + (c + t) * 8, x);
       }
       if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
-  }
-  __syncwarp();
-#pragma unroll
-  for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
-    const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
-    if (at.real(row))
-      *reinterpret_cast<chunk16*>(out + at.o(row) + col) =
-          *reinterpret_cast<const chunk16*>(smem_q + smem_offset(row, col));
   }
 }
 
@@ -770,7 +788,7 @@ fagen_attn_f16_d256_causal_h200(
     o_tile += q0 * o_sn;
     const OutRows at{n_q - q0, o_sn, -q0};
     lse_tile += q0;
-    write_output(o_acc, softmax, smem_q, o_tile, at, lse_tile, warp_row0, lane);
+    write_output(o_acc, softmax, o_tile, at, lse_tile, warp_row0, lane);
 
     kv.end();
   }

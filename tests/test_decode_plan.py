@@ -62,7 +62,7 @@ def test_splits_fill_one_wave_and_keep_a_tile_a_split(blocks, tiles, slots):
 
 def test_packed_source_maps_rows_to_heads_and_plain_source_does_not():
     source = render(DECODE)
-    assert "struct QueryRows" in source and "copy_packed_q_async" in source and "blockIdx.x / heads_kv" in source
+    assert "struct QueryRows" in source and "copy_packed_q_async" in source and "b = bh / heads_kv" in source
     plain = render(load_spec(SPECS / "attn_f16_d128.yaml"))
     assert "QueryRows" not in plain and "heads_kv" not in plain
 
