@@ -21,9 +21,9 @@
 //     kv_smem: separate
 //     pingpong: true
 //     q_in_registers: false
-//     stages: 2
+//     stages: 3
 //     warp_specialized:
-//       consumer_registers: 160
+//       consumer_registers: 240
 //       persistent: true
 //       producer_registers: 24
 //   score_mod:
@@ -36,18 +36,18 @@
 //   smem_layout: swizzled
 //   tiling:
 //     block_kv: 128
-//     block_q: 192
+//     block_q: 128
 //     pack_gqa: false
 //     warps_kv: 1
-//     warps_q: 12
+//     warps_q: 8
 
 // ---- compile-time configuration (every number the kernel uses, once) -------------------
 typedef unsigned short elem_t;  // float16 storage; all arithmetic is in f32 registers
 struct alignas(16) chunk16 { unsigned x, y, z, w; };  // one 16-byte copy
 typedef elem_t out_t;
-constexpr int BLOCK_Q = 192;            // Br: query rows per block
+constexpr int BLOCK_Q = 128;            // Br: query rows per block
 constexpr int BLOCK_KV = 128;           // Bc: keys per KV tile
-constexpr int THREADS = 512;
+constexpr int THREADS = 384;
 constexpr int WARP_ROWS = 16;          // each warp owns whole rows: softmax needs no smem
 constexpr int M_FRAGS = 1;             // m16 fragments per warp (queries)
 constexpr int S_N_FRAGS = 16;           // n8 fragments of S per warp (keys)
@@ -56,33 +56,33 @@ constexpr int QK_K_STEPS = 4;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 8;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 8;      // 16-byte chunks in a head_dim row
 constexpr int ELEM_BYTES = 2;
-constexpr int Q_TILE_ELEMS = 12288;
+constexpr int Q_TILE_ELEMS = 8192;
 constexpr int KV_TILE_BYTES = 16384;     // one KV tile: the stride between ring slots
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
 
 // wgmma main loop: tiles of 128-byte swizzle atoms, K and V rings of KV_STAGES tiles each.
 constexpr int SMEM_ALIGN = 1024;        // bytes: swizzle atoms start 1024-byte aligned
-constexpr int KV_STAGES = 2;            // K tiles (and V tiles) in the ring
+constexpr int KV_STAGES = 3;            // K tiles (and V tiles) in the ring
 constexpr int ATOMS_PER_ROW = 1;        // 128-byte swizzle atoms across head_dim
 constexpr int ROW_GROUP_BYTES = 1024;  // 8 rows of a tile: wgmma's stride byte offset
 constexpr int K_STEP_BYTES = 32;        // a k16 step of Q.K^T along an atom's rows ...
 constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom:
-constexpr int Q_ATOM_STEP_BYTES = 24576;  // Q's next 64 columns
+constexpr int Q_ATOM_STEP_BYTES = 16384;  // Q's next 64 columns
 constexpr int K_ATOM_STEP_BYTES = 16384;  // K's next 64 columns
 constexpr int V_LEAD_BYTES = 16384;       // V's 64-column blocks: P.V's leading byte offset
 constexpr int V_STEP_BYTES = 2048;      // a k16 step of P.V: 16 keys, two row groups
 constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 rows)
 constexpr int WARPGROUP_Q_BYTES = 8192;  // a warpgroup's 64 rows of the Q tile
-constexpr int WARPGROUPS = 3;           // they take turns on the tensor cores (ping-pong)
-constexpr int KV_RING_BYTES = 32768;   // K's ring; V's follows, then the mbarriers
+constexpr int WARPGROUPS = 2;           // they take turns on the tensor cores (ping-pong)
+constexpr int KV_RING_BYTES = 49152;   // K's ring; V's follows, then the mbarriers
 constexpr int MBARRIER_BYTES = 8;
 // Warp specialisation: CONSUMER_THREADS compute; the warpgroup after them is the producer.
-constexpr int CONSUMER_THREADS = 384;
-constexpr int PRODUCER_WARPGROUP = 3;
+constexpr int CONSUMER_THREADS = 256;
+constexpr int PRODUCER_WARPGROUP = 2;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
-constexpr int CONSUMER_REGISTERS = 160;  // ... and hands its registers to S, P and O
-constexpr int Q_TILE_BYTES = 24576;
+constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to S, P and O
+constexpr int Q_TILE_BYTES = 16384;
 constexpr int ATOM_COLUMNS = 64;  // a TMA box is one atom wide ...
 constexpr int ATOM_ROW_BYTES = 128;  // ... and a tile's rows tall
 
