@@ -535,14 +535,14 @@ struct OutRows {
   __device__ __forceinline__ long long o(int r) const { return r * stride; }
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
-// A 4 x 4 transpose of 32-bit values across a quad in two butterfly rounds: thread t holds
-// x[i] = element (i, t) of the quad's matrix before, and x[k] = element (t, k) after.
 // One 16-byte store. (Written as a chunk16, the compiler split the first of a row's stores into
 // four 4-byte ones: a quarter of the stores back at four sectors' partial writes.)
 __device__ __forceinline__ void st_global_v4(void* p, const unsigned (&x)[4]) {
   asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };" ::"l"(p), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
 }
 
+// A 4 x 4 transpose of 32-bit values across a quad in two butterfly rounds: thread t holds
+// x[i] = element (i, t) of the quad's matrix before, and x[k] = element (t, k) after.
 __device__ __forceinline__ void quad_transpose(unsigned (&x)[4], int t) {
 #pragma unroll
   for (int m = 1; m <= 2; m <<= 1) {
