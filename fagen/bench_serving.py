@@ -68,7 +68,7 @@ class ServingRow:
     section: str
     case: str
     impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen);
-    # fagen_out (host: out given)
+    # fagen_out (host: out given), fagen_attention (host: fagen.attention, not prepared)
     dtype: str
     head_dim: int
     b: int
@@ -242,6 +242,9 @@ def run_host(case: ServingCase) -> list[ServingRow]:
     step(q, k, v, out=out)
     rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(q, k, v)), note="out allocated"),
             _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(q, k, v, out=out)), note="out given")]
+    plain = fagen.attention(q, k, v, causal=case.causal)  # not prepared: the kernel's cached launch
+    rows.append(_checked(case, "fagen_attention", plain, ref,
+                         lambda: host_us(lambda: fagen.attention(q, k, v, causal=case.causal)), note="fagen.attention"))
     gqa = case.hq != case.hkv
     us = host_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa))
     return rows + [_row(case, "sdpa", us)]
@@ -462,11 +465,13 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
     out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
             "the GPU's time is not in it)", "",
-            "| call | shape | fagen.prepare'd, out allocated | out given | SDPA |", "| --- | --- | --- | --- | --- |"]
+            "| call | shape | fagen.prepare'd, out allocated | out given | fagen.attention | SDPA |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for case, impls, f in _section(table, "host"):
         call = "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch"
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
-        out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | {_us(impls.get('sdpa'))} |")
+        out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "
+                   f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} |")
     notes = [r for r in rows if r.note and not r.note.startswith("err")]
     if notes:
         out += ["", "Notes:"] + [f"- {r.case} ({r.impl}): {r.note}" for r in notes]

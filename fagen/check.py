@@ -7,6 +7,8 @@ Shared by `fagen check` and the GPU tests, so both prove kernels the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from contextlib import contextmanager
+from functools import cache
 
 import numpy as np
 
@@ -110,18 +112,60 @@ def to_numpy(x) -> np.ndarray:
     return x.get().astype(np.float32)
 
 
+# nvbench's blocking kernel: one thread sleeps until the host releases it through a flag in
+# pinned host memory (its pointer is the device's too, under unified addressing), or a timeout
+# passes (a call that waits for the stream would otherwise wait for the hold for ever)
+HOLD_TIMEOUT_S = 0.5
+HOLD = r"""
+extern "C" __global__ void fagen_hold(const volatile int* release, unsigned long long timeout_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (*release == 0 && now - start < timeout_ns);
+}
+"""
+
+
+@contextmanager
+def stream_held():
+    """Work enqueued on the current stream inside the block starts only after it ends (or after
+    HOLD_TIMEOUT_S): the host gets ahead of the GPU by the whole block."""
+    memory, release = _hold_release()
+    release[0] = 0
+    _hold_kernel()((1,), (1,), (memory.ptr, np.uint64(int(HOLD_TIMEOUT_S * 1e9))))
+    try:
+        yield
+    finally:
+        release[0] = 1
+
+
+@cache
+def _hold_kernel():
+    return cupy.RawKernel(HOLD, "fagen_hold")
+
+
+@cache
+def _hold_release():
+    memory = cupy.cuda.alloc_pinned_memory(4)
+    return memory, np.frombuffer(memory, np.int32, 1)
+
+
 def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median of CUDA-event timings of fn() on the current stream, after warm-up. The calls queue
-    back to back with one synchronisation at the end (as triton.testing.do_bench times), so a
-    call's host time shows only where it exceeds its kernels' (host time per call is measured on
+    """Median of CUDA-event timings of fn() on the current stream, after warm-up: the GPU time of
+    a call. The timed calls queue behind a kernel that holds the stream until the host has
+    enqueued them all (nvbench's blocking kernel), then run back to back: a call whose host work
+    outlasts its kernels would otherwise time the host, by turns (host time a call is measured on
     its own: `fagen bench --serving`)."""
     for _ in range(warmup):
         fn()
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
+    with stream_held():
+        for start, stop in events:
+            start.record()
+            fn()
+            stop.record()
     events[-1][1].synchronize()
     return float(np.median([cupy.cuda.get_elapsed_time(start, stop) for start, stop in events]))
 

@@ -19,7 +19,8 @@ import math
 import numpy as np
 
 from fagen import variants
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for,
+                          torch_stream_handle)
 from fagen.runtime import Kernel, compile_kernel, derive_spec, sequence_keys
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
@@ -123,15 +124,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def _torch_stream_getter():
-    """A function of a device giving PyTorch's current stream there as a raw handle (without
-    building a Stream object where this torch can)."""
-    import torch
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw if raw is not None else lambda device: torch.cuda.current_stream(device).cuda_stream
-
-
 def _signature(x) -> tuple:
     """What a prepared call must see again: shape, strides, dtype and device (torch.Size compares
     equal to the tuple it holds: no conversion on the hot path)."""
@@ -157,7 +149,7 @@ class PreparedAttention:
             import torch
 
             self._torch = torch  # the call's allocations, without an import statement a call
-            self._stream = _torch_stream_getter()
+            self._stream = torch_stream_handle()
             self._layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
             self._dtype = q.dtype
         self.device = tq.device

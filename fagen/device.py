@@ -121,6 +121,16 @@ def stream_for(ref: DeviceTensor):
     return cupy.cuda.get_current_stream()
 
 
+@cache
+def torch_stream_handle():
+    """A function of a device giving PyTorch's current stream there as a raw handle, without
+    building a Stream object where this torch can (a launch's hot path)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if raw is not None else lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
 def gpu_slug() -> str:
     """'h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100 80GB HBM3': tuned specs are per GPU."""
     require_cupy()

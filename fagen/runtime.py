@@ -12,8 +12,9 @@ import hashlib
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
-from functools import cache, cached_property, partial
+from functools import cache, cached_property, lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from fagen import __version__, device, side_inputs, tensor_maps, variants
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
-                          zeros_like)
+                          torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
 from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan
@@ -201,6 +202,77 @@ class Launch:
                                  tensor_maps.encode(addresses[tensor], dtype, layout))
 
 
+def call_signature(q, k, v, out, scale: float | None, return_lse: bool) -> tuple:
+    """What a kernel's checks of a plain call read, as a dict key: each tensor's framework, shape,
+    strides, dtype and device (out's too, where given), the scale and return_lse, and the
+    calling thread (a Launch re-points its own buffer: one per thread)."""
+    return (*(_tensor_signature(x) for x in (q, k, v)), None if out is None else _tensor_signature(out),
+            scale, return_lse, threading.get_ident())
+
+
+def _tensor_signature(x) -> tuple:
+    if is_torch(x):  # get_device: an int, -1 off the GPU, where .device builds an object
+        return "torch", x.shape, x.stride(), x.dtype, x.get_device()
+    return type(x).__name__, getattr(x, "shape", None), getattr(x, "strides", None), getattr(x, "dtype", None), \
+        getattr(getattr(x, "device", None), "id", None)
+
+
+class PlainCalls:
+    """A kernel's plain calls (no side inputs, splits, given LSE or moved diagonal) by their
+    `call_signature`: the first call of a signature is checked and packed, and leaves its Launch
+    here; a later one re-points that Launch at its tensors (re-encoding the tensor maps of new
+    addresses) and launches it: a few microseconds of host time where checking and packing take
+    tens. The checks read only the signature, apart from the addresses' 16-byte alignment and
+    the current device, which a call checks itself."""
+
+    LIMIT = 64  # signatures a kernel keeps; a process with more starts over
+
+    def __init__(self):
+        self._launches: dict[tuple, Launch] = {}
+
+    def get(self, key: tuple) -> Launch | None:
+        return self._launches.get(key)
+
+    def keep(self, key: tuple, launch: Launch) -> None:
+        if len(self._launches) >= self.LIMIT:
+            self._launches.clear()
+        self._launches[key] = launch
+
+    @staticmethod
+    def run(launch: Launch, q, k, v, out, return_lse: bool):
+        """Launch `launch` on q, k, v (and out) of its signature: out and the LSE allocated on the
+        launch stream; None where an address is not 16-byte aligned or the current device is not
+        the tensors' (the checked call refuses those, with its message)."""
+        if is_torch(q):
+            device = q.get_device()
+            if device != cupy.cuda.runtime.getDevice():
+                return None
+            addresses = q.data_ptr(), k.data_ptr(), v.data_ptr(), None if out is None else out.data_ptr()
+            stream = torch_stream_handle()(device)
+            if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
+                return None
+            out = q.new_empty(q.shape) if out is None else out
+            lse = q.new_empty(q.shape[:3], dtype=_torch_float32())
+            launch(stream, *addresses[:3], out.data_ptr(), lse.data_ptr())
+        else:
+            if q.device.id != cupy.cuda.runtime.getDevice():
+                return None
+            addresses = q.data.ptr, k.data.ptr, v.data.ptr, None if out is None else out.data.ptr
+            if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
+                return None
+            out = cupy.empty(q.shape, q.dtype) if out is None else out
+            lse = cupy.empty(q.shape[:3], cupy.float32)
+            launch(None, *addresses[:3], out.data.ptr, lse.data.ptr)
+        return (out, lse) if return_lse else out
+
+
+@cache
+def _torch_float32():
+    import torch
+
+    return torch.float32
+
+
 def _mapped(t: DeviceTensor, total) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape and strides a tensor map describes: the tensor itself, or for a varlen batch (a
     [B, H, max_seqlen, d] view of its token-major rows, `total` of them) the one tensor
@@ -229,6 +301,9 @@ class Kernel:
         self.function = module.get_function(self.plan.symbol)
         if self.plan.smem_bytes > 48 * 1024:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes
+        outputs = spec.outputs
+        plain = not (outputs.partial or outputs.accumulate or outputs.merge_splits or self.takes_side_inputs)
+        self.plain_calls = PlainCalls() if plain else None  # a plain kernel's repeated calls skip the packing
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.arch})"
@@ -306,6 +381,14 @@ class Kernel:
         partial into the running float32 `out` [B, Hq, Nq, d] and `lse` [B, Hq, Nq] it is given
         (a ring step) and returns them. mask_offset moves the diagonal (key of query 0's
         diagonal): shards of a sequence pass their positions through it."""
+        key = None
+        if self.plain_calls is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids,
+                                                                       splits, mask_offset, lse)):
+            key = call_signature(q, k, v, out, scale, return_lse)
+            launch = self.plain_calls.get(key)
+            result = None if launch is None else PlainCalls.run(launch, q, k, v, out, return_lse)
+            if result is not None:
+                return result
         partial, accumulate = self.spec.outputs.partial, self.spec.outputs.accumulate
         merged = self.spec.outputs.merge_splits  # partials inside, out and lse returned as a plain kernel's
         if accumulate:
@@ -377,7 +460,10 @@ class Kernel:
                 to = as_device_tensor(out, "out")
                 lse = empty_like(tq, (b, hq, nq), "float32")
                 tl = as_device_tensor(lse, "lse")
-            self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras)(None)
+            launch = self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras)
+            launch(None)
+            if key is not None:  # checked and packed: the signature's later calls launch this
+                self.plain_calls.keep(key, launch)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
         if accumulate:
             return running
@@ -656,6 +742,17 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
                     keys: int | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
+    if isinstance(mask, dict):  # a Mask or a kind name keys the cache as it is
+        mask = Mask.model_validate(mask)
+    bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
+    return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
+                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())
+
+
+@lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
+def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
+                  has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
+                  gpu: str) -> AttentionSpec:
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"q: dtype {dtype}; fagen.attention takes float16 or bfloat16")
     if mask is not None:
@@ -663,21 +760,20 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
         if causal and mask.kind != "causal":
             raise ValueError(f"causal=True and mask kind {mask.kind!r}: pick one (chunked, prefix_lm and "
                              f"document masks have their own causal structure)")
-    elif block_mask is not None:
+    elif has_block_mask:
         if causal:
             raise ValueError("causal=True with a block_mask: build the causal structure into the mask "
                              "(fagen.masks.causal, or a predicate with kv_idx <= q_idx)")
         mask = Mask(kind="block_mask")
-    elif doc_ids is not None:
+    elif has_doc_ids:
         mask = Mask(kind="document", causal=causal)
     else:
         mask = Mask(kind="causal" if causal else "none")
     # before compiling a variant for an array that is not there
-    side_inputs.require_mask_inputs(mask.kind, has_block_mask=block_mask is not None, has_doc_ids=doc_ids is not None)
-    bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
-    score_mod = ScoreMod(softcap=softcap, alibi="none" if alibi_slopes is None else "slopes",
-                         bias=bias_kind, sinks=sinks is not None)
-    base = default_spec(dtype, head_dim, mask.kind == "causal", keys=keys)
+    side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
+    score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
+                         sinks=has_sinks)
+    base = variants.shipped_spec(dtype, head_dim, mask.kind == "causal", gpu=gpu, keys=keys)
     return variants.variant(base, mask, score_mod)
 
 

@@ -4,7 +4,9 @@ autograd, torch.compile(fullgraph=True) and CUDA graphs see one opaque op each w
 
 The ops launch fagen's kernels (fagen.runtime, fagen.backward) on torch's current stream; all
 they allocate comes from torch's caching allocator, and they wait on the device only where the
-runtime checks a side input's values, once per tensor object. The mask travels as JSON of
+runtime checks a side input's values, once per tensor object. Eager calls that autograd does
+not record (no_grad, inference, inputs that do not require grad) launch the same kernels
+without the op: its dispatch costs tens of microseconds of host time. The mask travels as JSON of
 fagen.spec.Mask's fields ("" for none): an op takes no Python objects.
 """
 
@@ -158,6 +160,17 @@ class _BlockMaskAttention(torch.autograd.Function):
                 grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)
 
 
+def _records_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _eager(*tensors) -> bool:
+    """Plain tensors outside torch.compile's tracing: no fake, functional or other subclass that
+    only the op's registrations know how to run."""
+    return not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
+
+
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
               deterministic: bool = False):
@@ -172,12 +185,17 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         for x in (bias, alibi_slopes, sinks, doc_ids))
     if block_mask is not None:
         side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, sinks))):
+        if not _records_grad(q, k, v, bias, sinks):
             return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
                                      return_lse=return_lse, block_mask=block_mask, **side)
         out, lse = _BlockMaskAttention.apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale,
                                              deterministic, side)
         return (out, lse) if return_lse else out
+    if _eager(q, k, v) and not _records_grad(q, k, v, bias, sinks):
+        # nothing for autograd or a compiler to see: the op's dispatch would add tens of microseconds
+        # of host time to the same launches
+        return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
+                                return_lse=return_lse, **_side_inputs(bias, alibi_slopes, sinks, doc_ids))
     out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask_json(mask), causal,
                                                  softcap, scale, deterministic)
     return (out, lse) if return_lse else out

@@ -482,7 +482,8 @@ struct ScoreMod {
 
   __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
     s *= scale;
-    if (q_idx < n_q && kv_idx < n_kv) s += bias_bh[q_idx * bias_q_stride + kv_idx];
+    // rows of a tile past n_q, or before 0 (causal tiles that end at n_q), read no bias
+    if ((unsigned)q_idx < (unsigned)n_q && kv_idx < n_kv) s += bias_bh[q_idx * bias_q_stride + kv_idx];
     return s;
   }
 };
@@ -961,7 +962,8 @@ struct ScoreMod {
 
   __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
     s *= scale;
-    if (q_idx < n_q && kv_idx < n_kv) s += bias_bh[q_idx * bias_q_stride + kv_idx];
+    // rows of a tile past n_q, or before 0 (causal tiles that end at n_q), read no bias
+    if ((unsigned)q_idx < (unsigned)n_q && kv_idx < n_kv) s += bias_bh[q_idx * bias_q_stride + kv_idx];
     return s;
   }
 };

@@ -55,3 +55,17 @@ def test_drawn_side_inputs_are_what_the_kernel_takes(path):
     assert set(extras) == {k for k, want in wanted.items() if want}
     if "sinks" in extras:
         side_inputs.check_finite("sinks", extras["sinks"].tolist())
+
+
+def test_the_timing_hold_compiles(tmp_path):
+    """The kernel time_ms queues its timed calls behind (CuPy compiles it on first use)."""
+    import subprocess
+
+    from fagen.check import HOLD
+    from fagen.nvcc import find_nvcc
+
+    source = tmp_path / "hold.cu"
+    source.write_text(HOLD)
+    subprocess.run([find_nvcc(), "-cubin", "-arch=sm_80", "-o", str(tmp_path / "hold.cubin"), str(source)],
+                   check=True, capture_output=True)
+    assert (tmp_path / "hold.cubin").stat().st_size > 0

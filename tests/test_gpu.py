@@ -158,3 +158,28 @@ def test_heavy_causal_shape_timing_is_sane():
     spec = fagen.load_spec(SPECS / "attn_f16_d128_causal.yaml")
     result = check_against_oracle(spec, 1, 4, 4, 4096, 4096, time_it=True)
     assert result.passed and result.ms is not None and math.isfinite(result.ms), result.summary()
+
+
+def test_timed_calls_queue_behind_the_hold():
+    """time_ms enqueues every timed call while the GPU is still held, so each call's time is its
+    GPU work even where the host takes longer (0.3 ms a call here, for a kernel of microseconds):
+    each timed call finds the stream still busy."""
+    import time
+
+    import cupy
+
+    from fagen.check import time_ms
+
+    x = cupy.zeros(1024, cupy.float32)
+    busy = []
+
+    def slow_host():
+        end = time.perf_counter() + 300e-6
+        while time.perf_counter() < end:
+            pass
+        x.__iadd__(1.0)
+        busy.append(not cupy.cuda.get_current_stream().done)
+
+    iters = 20
+    assert time_ms(slow_host, warmup=3, iters=iters) > 0
+    assert all(busy[-iters:]), busy

@@ -145,6 +145,7 @@ import torch, fagen
 from fagen import tune, variants
 from fagen.runtime import compile_kernel
 from fagen.check import random_inputs
+from fagen.spec import ScoreMod
 # d64: three consumer warpgroups, 192-row tiles
 for d, causal, nq in ((128, False, 500), (128, True, 500), (64, True, 700)):
     spec = variants.shipped_spec("float16", d, causal, gpu="h200")
@@ -152,6 +153,14 @@ for d, causal, nq in ((128, False, 500), (128, True, 500), (64, True, 700)):
     for persistent, shape in ((False, (1, 2, 1, 300, 421)), (True, (1, 36, 12, nq, 640))):
         q, k, v, out = random_inputs("torch", "float16", *shape, d)
         compile_kernel(tune.with_scheduler(spec, persistent))(q, k, v, out=out)
+# a matrix bias under causal tiles that end at n_q (the first tile's rows before 0 read none)
+biased = variants.variant(spec, spec.mask, ScoreMod(bias="matrix"))
+q, k, v, out = random_inputs("torch", "float16", 1, 4, 4, 700, 700, 64)
+compile_kernel(biased)(q, k, v, out=out, bias=torch.randn(1, 4, 700, 700, device="cuda"))
+# a plain call repeated on new tensors: the first call's launch, re-pointed, its maps re-encoded
+for seed in (1, 2):
+    q, k, v, out = random_inputs("torch", "float16", 1, 4, 2, 700, 640, 64, seed=seed)
+    compile_kernel(spec)(q, k, v, out=out)
 torch.cuda.synchronize()
 print("ran")
 """
