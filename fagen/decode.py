@@ -20,7 +20,7 @@ import numpy as np
 
 from fagen import variants
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for,
-                          torch_stream_handle)
+                          tensor_signature, torch_stream_handle)
 from fagen.runtime import Kernel, compile_kernel, derive_spec, sequence_keys
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
@@ -124,14 +124,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def _signature(x) -> tuple:
-    """What a prepared call must see again: shape, strides, dtype and device (torch.Size compares
-    equal to the tuple it holds: no conversion on the hot path)."""
-    if is_torch(x):
-        return x.shape, x.stride(), x.dtype, x.get_device()
-    return x.shape, x.strides, x.dtype, x.device.id
-
-
 class PreparedAttention:
     """fagen.attention packed once for repeated shapes (a decode loop): the kernel chosen,
     compiled and its arguments packed at prepare time; a call checks that its tensors have the
@@ -154,7 +146,7 @@ class PreparedAttention:
             self._dtype = q.dtype
         self.device = tq.device
         self._current_device = cupy.cuda.runtime.getDevice  # bound once: a call's device check
-        self.signature = tuple(_signature(x) for x in (q, k, v))
+        self.signature = tuple(tensor_signature(x) for x in (q, k, v))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                             keys=sequence_keys(k))
         spec = packed_spec(plain, q, k)
@@ -168,7 +160,7 @@ class PreparedAttention:
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
         self._lse = empty_like(tq, (b, hq, nq), "float32")
         self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
-        self.out_signature, self.lse_signature = _signature(out), _signature(self._lse)
+        self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(self._lse)
         self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
         self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
         self.merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
@@ -214,12 +206,12 @@ class PreparedAttention:
                 self._refuse(q, k, v)
             if out is not None and (out.shape != self.out_shape or out.dtype is not self._dtype
                                     or (out.stride(), out.get_device()) != self._out_placement) \
-                    or lse is not None and _signature(lse) != self.lse_signature:
+                    or lse is not None and tensor_signature(lse) != self.lse_signature:
                 self._refuse_outputs(out, lse)
-        elif (_signature(q), _signature(k), _signature(v)) != self.signature:
+        elif (tensor_signature(q), tensor_signature(k), tensor_signature(v)) != self.signature:
             self._refuse(q, k, v)
-        elif out is not None and _signature(out) != self.out_signature \
-                or lse is not None and _signature(lse) != self.lse_signature:
+        elif out is not None and tensor_signature(out) != self.out_signature \
+                or lse is not None and tensor_signature(lse) != self.lse_signature:
             self._refuse_outputs(out, lse)
         if self._current_device() != self.device:
             raise ValueError(f"prepared on cuda:{self.device}, but the current device is "
@@ -251,12 +243,12 @@ class PreparedAttention:
         return (out, lse) if return_lse else out
 
     def _refuse(self, q, k, v):
-        raise ValueError(f"prepared for q, k, v {self.signature}; got {(_signature(q), _signature(k), _signature(v))}: "
+        raise ValueError(f"prepared for q, k, v {self.signature}; got {(tensor_signature(q), tensor_signature(k), tensor_signature(v))}: "
                          f"prepare again (fagen.prepare) for new shapes, strides, dtype or device")
 
     def _refuse_outputs(self, out, lse):
         raise ValueError(f"out, lse: expected {self.out_signature} and {self.lse_signature} (as prepared), got "
-                         f"{_signature(out) if out is not None else None}, {_signature(lse) if lse is not None else None}")
+                         f"{tensor_signature(out) if out is not None else None}, {tensor_signature(lse) if lse is not None else None}")
 
 
 def prepare(q, k, v, **kwargs) -> PreparedAttention:

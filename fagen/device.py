@@ -84,6 +84,16 @@ def as_device_tensor(x, what: str) -> DeviceTensor:
     raise ValueError(f"{what}: expected a CuPy array or a PyTorch CUDA tensor, got {type(x).__name__}")
 
 
+def tensor_signature(x) -> tuple:
+    """Shape, strides, dtype and device of a tensor of either framework (of anything else, what
+    it has of those): what a packed launch must see again. torch.Size compares equal to the tuple
+    it holds, and get_device is an int (-1 off the GPU): no conversion on the hot path."""
+    if is_torch(x):
+        return x.shape, x.stride(), x.dtype, x.get_device()
+    return (getattr(x, "shape", None), getattr(x, "strides", None), getattr(x, "dtype", None),
+            getattr(getattr(x, "device", None), "id", None))
+
+
 def empty_like(ref: DeviceTensor, shape, dtype: str):
     """An uninitialised array of `ref`'s framework and device."""
     if ref.kind == "torch":

@@ -22,7 +22,7 @@ import numpy as np
 from fagen import __version__, device, side_inputs, tensor_maps, variants
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
-                          torch_stream_handle, zeros_like)
+                          tensor_signature, torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
 from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan
@@ -203,18 +203,11 @@ class Launch:
 
 
 def call_signature(q, k, v, out, scale: float | None, return_lse: bool) -> tuple:
-    """What a kernel's checks of a plain call read, as a dict key: each tensor's framework, shape,
-    strides, dtype and device (out's too, where given), the scale and return_lse, and the
-    calling thread (a Launch re-points its own buffer: one per thread)."""
-    return (*(_tensor_signature(x) for x in (q, k, v)), None if out is None else _tensor_signature(out),
-            scale, return_lse, threading.get_ident())
-
-
-def _tensor_signature(x) -> tuple:
-    if is_torch(x):  # get_device: an int, -1 off the GPU, where .device builds an object
-        return "torch", x.shape, x.stride(), x.dtype, x.get_device()
-    return type(x).__name__, getattr(x, "shape", None), getattr(x, "strides", None), getattr(x, "dtype", None), \
-        getattr(getattr(x, "device", None), "id", None)
+    """What a kernel's checks of a plain call read, as a dict key: q's, k's, v's (and out's, where
+    given) tensor_signature, the scale and return_lse, and the calling thread (a Launch re-points
+    its own buffer: one per thread)."""
+    return (tensor_signature(q), tensor_signature(k), tensor_signature(v),
+            None if out is None else tensor_signature(out), scale, return_lse, threading.get_ident())
 
 
 class PlainCalls:
