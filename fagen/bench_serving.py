@@ -2,8 +2,9 @@
 one, varlen prefill against the padded batch; same process, same GPU.
 
 Decode and paged calls are a few microseconds of GPU work behind tens of host work, so every
-case is timed as GPU time: a CUDA graph of REPS calls, replayed, CUDA events around each replay,
-the median of REPLAYS divided by REPS. Bandwidth counts the K and V bytes a call must read,
+case is timed as GPU time: a CUDA graph of REPS calls, replayed, CUDA events around each replay
+(queued behind check.stream_held's hold, so that the graph's own launch is not in it), the
+median of REPLAYS divided by REPS. Bandwidth counts the K and V bytes a call must read,
 2 * B * Hkv * Nk * d * 2 (bytes / time: TB/s); prefill counts FLOPs, 4 * Hq * d * n^2 a sequence
 of n, halved for causal (TFLOP/s).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fagen import bench_rows
-from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
+from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, stream_held, to_numpy
 
 REPS, REPLAYS = 10, 9
 # Untimed replays before the timed ones, until this much GPU time has passed: a case's first
@@ -141,9 +142,10 @@ def graph_us(fn) -> float:
     times = []
     for _ in range(REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
+        with stream_held():  # the replay is enqueued whole before its start event runs: GPU time only
+            start.record()
+            graph.replay()
+            end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / REPS)
     return float(np.median(times))

@@ -124,6 +124,14 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
+# Prepared calls captured in a CUDA graph. The graph holds their kernel arguments, which point at
+# the workspace (partials, arrival counts, the LSE nobody asked for) each object owns; freed with
+# the object while the graph lives, that memory goes to other tensors and the replays corrupt them
+# (or, reused by another call's counts, skip the merge: out is never written). A graph gives no
+# hook at its destruction, so they stay: a process captures a few, at start-up.
+CAPTURED: list[PreparedAttention] = []
+
+
 class PreparedAttention:
     """fagen.attention packed once for repeated shapes (a decode loop): the kernel chosen,
     compiled and its arguments packed at prepare time; a call checks that its tensors have the
@@ -131,7 +139,9 @@ class PreparedAttention:
     decode path: a split kernel that merges its partials itself, through a workspace of partials
     and arrival counts owned here; many-row tiles: the merge kernel after it). Calls go to the
     caller's current stream (PyTorch's for torch tensors) and, for the same reason as any
-    workspace, must not run concurrently on two streams."""
+    workspace, must not run concurrently on two streams. A call captured in a CUDA graph keeps
+    this object alive for the rest of the process (CAPTURED): the graph's replays write its
+    workspace, which must not go back to the allocator while a graph may still replay."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
@@ -142,10 +152,12 @@ class PreparedAttention:
 
             self._torch = torch  # the call's allocations, without an import statement a call
             self._stream = torch_stream_handle()
+            self._capturing = torch._C._cuda_isCurrentStreamCapturing
             self._layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
             self._dtype = q.dtype
         self.device = tq.device
         self._current_device = cupy.cuda.runtime.getDevice  # bound once: a call's device check
+        self._captured = False  # in CAPTURED: a graph replays into this object's workspace
         self.signature = tuple(tensor_signature(x) for x in (q, k, v))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                             keys=sequence_keys(k))
@@ -221,6 +233,8 @@ class PreparedAttention:
         if self.torch:
             torch = self._torch
             stream = self._stream(self.device)
+            if not self._captured and self._capturing():
+                self._keep_for_graphs()
             if out is None:
                 out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
             if return_lse and lse is None:
@@ -228,7 +242,10 @@ class PreparedAttention:
             out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr
             q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         else:
-            stream = None  # CuPy's current stream
+            current = cupy.cuda.get_current_stream()
+            stream = current.ptr
+            if not self._captured and current.is_capturing():
+                self._keep_for_graphs()
             if out is None:
                 out = cupy.empty(self.out_shape, dtype=q.dtype)
             if return_lse and lse is None:
@@ -241,6 +258,10 @@ class PreparedAttention:
             self.kernel(stream, q_ptr, k_ptr, v_ptr)
             self.merge.launch(stream, out_ptr, lse_ptr)
         return (out, lse) if return_lse else out
+
+    def _keep_for_graphs(self):
+        CAPTURED.append(self)
+        self._captured = True
 
     def _refuse(self, q, k, v):
         raise ValueError(f"prepared for q, k, v {self.signature}; got {(tensor_signature(q), tensor_signature(k), tensor_signature(v))}: "

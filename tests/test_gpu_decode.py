@@ -6,6 +6,7 @@ import pytest
 import fagen
 from fagen import decode, oracle, variants
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
+from fagen.device import cupy
 from fagen.spec import Mask, ScoreMod
 
 pytestmark = pytest.mark.gpu
@@ -214,6 +215,45 @@ def test_a_prepared_decode_step_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, sinks=sinks.cpu().numpy())
     assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_a_graph_keeps_the_prepared_call_it_captured(framework):
+    """A graph replays into the prepared call's workspace (partials, arrival counts): dropping the
+    object must not free it. Junk in the memory the allocator hands out next would leave the
+    counts off, the merge skipped and out unwritten (NaN here)."""
+    import gc
+
+    import torch
+
+    q, k, v, _ = random_inputs(framework, "float16", 1, 32, 8, 1, 8192, 64)
+    call = fagen.prepare(q, k, v)
+    out = torch.full_like(q, float("nan")) if framework == "torch" else cupy.full(q.shape, np.nan, q.dtype)
+    if framework == "torch":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(q, k, v, out=out)
+        replay = graph.replay
+    else:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            call(q, k, v, out=out)
+            graph = stream.end_capture()
+        replay = lambda: graph.launch(stream)  # noqa: E731
+    assert call in decode.CAPTURED and call.spec.outputs.merge_splits
+    del call
+    gc.collect()
+    # the allocators hand a freed block to the next request of its size: counts past 15 never reach
+    # it again, so no split merges
+    junk = [torch.full((8,), 1000, dtype=torch.int32, device="cuda") if framework == "torch"
+            else cupy.full(8, 1000, np.int32) for _ in range(512)]
+    out.fill(np.nan) if framework == "cupy" else out.fill_(float("nan"))
+    replay()
+    cupy.cuda.runtime.deviceSynchronize()
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v))
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
+    del junk
 
 
 @pytest.mark.parametrize("mask", [Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=300)], ids=str)
