@@ -126,6 +126,9 @@ class KernelPlan:
     split_merge_batch: int  # ... splits whose loads a thread issues before it folds them
     sequence_params: tuple[tuple[str, str], ...]  # varlen and paged: where each sequence's rows are
     sequence_offset: bool  # varlen and paged, aligned bottom right: each block moves the diagonal to its sequence's
+    # varlen q, unpacked: the grid's y walks the batch's query tiles, read from a table built once a
+    # call (fagen.sequences.query_tiles), not B x the longest sequence's tiles
+    sequence_tiles: bool
     # decode kernels (GQA-packed): launched to overlap the previous kernel's end (fagen.dependent_launch)
     dependent_launch: bool
     # What the templates print beside the numbers above (0 where a main loop has no use for it).
@@ -218,6 +221,7 @@ PAGE_ROWS = 16
 PAGE_OUT_OF_RANGE = 1  # a page id outside [0, num_pages): its rows loaded as zeros
 SEQLEN_OVER_TABLE = 2  # cache_seqlens past its table row (max_pages * page_size): cut to it
 INT_PTR = "const int* __restrict__"
+INT2_PTR = "const int2* __restrict__"
 # A TMA tensor map (CUtensorMap, 128 opaque bytes the host encodes) passed by value: TMA reads it
 # from the kernel's parameter space, where __grid_constant__ keeps it
 TMA_MAP = "const __grid_constant__ TmaMap"
@@ -250,6 +254,22 @@ def l2_section(tiles_x: int, tiles_y: int, kv_bytes_per_x: int, l2_bytes: int, e
     return max(1, min(tiles_x, int(l2_bytes * L2_SECTION_SHARE) // max(1, kv_bytes_per_x)))
 
 
+def has_sequence_tiles(spec: AttentionSpec) -> bool:
+    """Whether the kernel's query tiles come from a varlen batch's tile table (q_tiles: entry y is
+    tile y's (sequence, first row), the longest sequences first, (-1, 0) past the batch's tiles):
+    varlen q, one query head a tile row. With B x the longest sequence's tiles a head, the tiles past each shorter
+    sequence's end cost a block each: 10.8% of a causal prefill whose grid was 14 tiles a head
+    for 8 real (H200, d128, notes/perf.md). GQA-packed (decode) tiles keep their grid: a few rows
+    a sequence, one tile."""
+    return spec.sequences.q == "varlen" and not spec.tiling.pack_gqa
+
+
+def query_tile_slots(total_q: int, batch: int, block_q: int) -> int:
+    """Entries of a varlen batch's tile table: at least its tiles, sum_b ceil(n_b / block_q),
+    which is at most (total_q + batch (block_q - 1)) / block_q."""
+    return max(1, (total_q + batch * (block_q - 1)) // block_q)
+
+
 def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     """The kernel parameters that locate each sequence's rows (spec.sequences), after the fixed
     ones. varlen q: cu_seqlens_q, and total_q for LSE's [Hq, total_q]; varlen K/V: cu_seqlens_k;
@@ -258,6 +278,8 @@ def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     seq, params = spec.sequences, ()
     if seq.q == "varlen":
         params += ((INT_PTR, "cu_seqlens_q"), ("int", "total_q"))
+    if has_sequence_tiles(spec):
+        params += ((INT2_PTR, "q_tiles"),)
     if seq.kv == "varlen":
         params += ((INT_PTR, "cu_seqlens_k"),)
     elif seq.kv == "paged":
@@ -441,6 +463,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         split_merge_batch=SPLIT_MERGE_BATCH if spec.outputs.merge_splits else 0,
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
+        sequence_tiles=has_sequence_tiles(spec),
         dependent_launch=t.pack_gqa,
         column_blocks=ws is not None,
         warp_specialized=ws is not None,

@@ -26,6 +26,10 @@ MERGE_TEMPLATE = "kernel/merge.cu.j2"
 DOCUMENT_BOUNDS_TEMPLATE = "kernel/document_bounds.cu.j2"
 DOCUMENT_BOUNDS = "document_bounds_kernel"  # its symbol (document_bounds is the device function)
 DOCUMENT_BOUNDS_THREADS = 256
+SEQUENCE_TILES_TEMPLATE = "kernel/sequence_tiles.cu.j2"
+SEQUENCE_TILES = "sequence_tiles_kernel"
+SEQUENCE_TILES_THREADS = 256
+SEQUENCE_TILES_COUNTS = 4096  # a tile table orders sequences of up to 4095 tiles by length (262080 rows of 64-row tiles)
 BACKWARD_TEMPLATE = "kernel/backward.cu.j2"
 
 
@@ -115,6 +119,13 @@ def render_document_bounds() -> str:
         version=__version__, name=DOCUMENT_BOUNDS, threads=DOCUMENT_BOUNDS_THREADS)
 
 
+def render_sequence_tiles() -> str:
+    """The kernel numbering a varlen batch's query tiles once a call (plan.sequence_tiles)."""
+    return environment().get_template(SEQUENCE_TILES_TEMPLATE).render(
+        version=__version__, name=SEQUENCE_TILES, threads=SEQUENCE_TILES_THREADS, counts=SEQUENCE_TILES_COUNTS,
+        counts_per_thread=SEQUENCE_TILES_COUNTS // SEQUENCE_TILES_THREADS)
+
+
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
 
@@ -125,7 +136,7 @@ def backward_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
 
 def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> dict[Path, str]:
     """The files a render of `specs` into out_dir writes, and their text; with_merge (a whole
-    folder of specs): the split-KV merge kernels and the document bounds kernel too."""
+    folder of specs): the kernels no spec owns too (shared_kernels)."""
     texts = {generated_path(spec, out_dir): render(spec) for spec in specs}
     texts |= {backward_path(spec, out_dir): render_backward(spec) for spec in specs if spec.backward is not None}
     if with_merge:
@@ -134,9 +145,10 @@ def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> d
 
 
 def shared_kernels() -> dict[str, str]:
-    """The kernels no one spec owns, by file name: the split-KV merges and the document bounds."""
+    """The kernels no one spec owns, by file name: the split-KV merges, the document bounds and
+    the varlen tile table."""
     return {**{f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES},
-            f"{DOCUMENT_BOUNDS}.cu": render_document_bounds()}
+            f"{DOCUMENT_BOUNDS}.cu": render_document_bounds(), f"{SEQUENCE_TILES}.cu": render_sequence_tiles()}
 
 
 def stale(texts: dict[Path, str], out_dir: Path, *, whole_folder: bool) -> list[tuple[Path, str]]:

@@ -25,7 +25,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           tensor_signature, torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
-from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan
+from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
 from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, render_document_bounds
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
@@ -511,7 +511,7 @@ class Kernel:
                                                   (tk, "k", self.plan.block_kv, extras.get("total_k")),
                                                   (tv, "v", self.plan.block_kv, extras.get("total_k")))
                      ) if self.plan.warp_specialized else ()
-        tiles = self.tiles(b, hq, tk.shape[1], nq, splits)
+        tiles = self.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
             kv_bytes = 2 * tk.shape[2] * tk.shape[3] * ELEMENT_BYTES // splits  # a KV head's K and V (a split's share)
@@ -528,10 +528,16 @@ class Kernel:
                       slots=("q", "k", "v", *outputs), maps=maps,
                       dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * ELEMENT_BYTES))
 
-    def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int) -> tuple[int, int, int]:
+    def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int, total_q: int | None = None
+              ) -> tuple[int, int, int]:
         """The launch's tiles: x a block per (batch, query head), or per (batch, KV head) where the
         group's heads are packed into the tile rows; y: tiles of those rows; z: KV splits. The
-        grid, where a block computes one tile."""
+        grid, where a block computes one tile. A varlen batch's tile table (plan.sequence_tiles):
+        x a query head, y the table's entries (total_q rows in b sequences)."""
+        if self.plan.sequence_tiles:
+            if total_q is None:
+                raise ValueError(f"kernel {self.spec.name} reads a varlen batch's tile table: its tiles need total_q")
+            return hq, query_tile_slots(total_q, b, self.plan.block_q), splits
         if self.spec.tiling.pack_gqa:
             return b * hkv, math.ceil(nq * (hq // hkv) / self.plan.block_q), splits
         return b * hq, math.ceil(nq / self.plan.block_q), splits

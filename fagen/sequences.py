@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from fagen import variants
 from fagen.decode import default_splits, step_spec
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
-from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE
-from fagen.runtime import _aux_array, _check_layout, compile_kernel, derive_spec_for
+from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
+from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS, render_sequence_tiles
+from fagen.runtime import NVRTC_OPTIONS, _aux_array, _check_layout, compile_kernel, derive_spec_for
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import merge_launch
 
@@ -185,6 +187,36 @@ def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=
     return Batch(tq, *kv, q_layout, "paged", args, (*held, table, seqlens, st, status))
 
 
+@cache
+def _query_tiles_function(device: int):
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=render_sequence_tiles(), options=NVRTC_OPTIONS).get_function(SEQUENCE_TILES)
+
+
+def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
+    """A varlen batch's query tile table (plan.sequence_tiles) from cu_seqlens_q (a device address,
+    batch + 1 int32s): int32 [query_tile_slots, 2] from like's allocator (a CUDA graph may capture
+    it), row t being tile t's (sequence, first row) or (-1, 0): the longest sequences first, each
+    one's latest rows first (templates/kernel/sequence_tiles.cu.j2), by one launch on the current
+    stream."""
+    table = empty_like(like, (query_tile_slots(total_q, batch, block_q), 2), "int32")
+    _query_tiles_function(like.device)((1,), (SEQUENCE_TILES_THREADS,), (
+        np.uint64(cu_seqlens_q), np.int32(batch), np.int32(block_q), np.int32(table.shape[0]),
+        np.uint64(as_device_tensor(table, "q_tiles").ptr)))
+    return table
+
+
+def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts: int = SEQUENCE_TILES_COUNTS
+                      ) -> np.ndarray:
+    """query_tiles' table on the host (the GPU tests' reference): each sequence's entries
+    together, latest rows first; the sequences by tile count (counts - 1 at most) from the
+    longest, then in order. The kernel orders sequences of equal count as its atomics come."""
+    tile_counts = [max(0, -(-int(n) // block_q)) for n in np.diff(np.asarray(cu_seqlens_q, np.int64))]
+    order = sorted(range(len(tile_counts)), key=lambda b: (-min(tile_counts[b], counts - 1), b))
+    rows = [(b, j * block_q) for b in order for j in reversed(range(tile_counts[b]))][:slots]
+    return np.array(rows + [(-1, 0)] * (slots - len(rows)), np.int32).reshape(slots, 2)
+
+
 def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
     """The kernel for a batch: the decode kernel where a KV head's packed rows (the longest
     sequence's queries x its group) fit one, else the plain forward, in the batch's layouts."""
@@ -237,6 +269,10 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
                      sinks=sinks if kernel.takes_sinks else None)
         extras, held = kernel.extra_arguments(tq, tk, given)
         extras.update(batch.arguments)
+        if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles: number them first
+            table = query_tiles(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
+            extras["q_tiles"] = np.uint64(as_device_tensor(table, "q_tiles").ptr)
+            held = [*held, table]
         out_shape = (total_q, hq, d) if varlen_q else (b, hq, nq, d)
         if out is None:
             out = empty_like(tq, out_shape, tq.dtype)

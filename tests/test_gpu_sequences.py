@@ -68,6 +68,54 @@ def test_varlen_prefill_matches_the_oracle(dtype, d, mask):
     _check(out, lse, ref, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("b", [1, 9, 300, 700])  # past one round of the kernel's 256 threads
+def test_the_query_tile_table_kernel_matches_numpy(b):
+    from fagen.device import as_device_tensor
+    from fagen.plan import query_tile_slots
+    from tests.test_sequences import assert_sequence_runs
+
+    rng = np.random.default_rng(b)
+    lengths = rng.integers(0, 900, b) * (rng.random(b) > 0.2)
+    cu = _int32(np.cumsum([0, *lengths]))
+    total = int(lengths.sum())
+    for block_q in (64, 128, 192):
+        table = sequences.query_tiles(cu.data_ptr(), b, block_q, total, as_device_tensor(cu, "cu")).cpu().numpy()
+        want = sequences.query_tiles_numpy(np.cumsum([0, *lengths]), block_q, query_tile_slots(total, b, block_q))
+        assert sorted(map(tuple, table)) == sorted(map(tuple, want))  # equal counts' sequences in any order
+        tiles = int((want[:, 0] >= 0).sum())
+        assert (table[tiles:] == [-1, 0]).all()
+        assert_sequence_runs(table[:tiles], lengths, block_q)
+
+
+def test_the_query_tile_table_is_never_written_past_its_end():
+    """cu_seqlens go unchecked with validate=False: lengths summing past total_q fill the table
+    and stop at its end (a sentinel row after it stays)."""
+    lengths = [5000, 3000, 7000, -900, 2**30]  # total_q said 100: slots for 100 rows
+    cu = _int32(np.cumsum([0, *lengths]))
+    slots = 4
+    buffer = torch.full((slots + 1, 2), 77, dtype=torch.int32, device="cuda")
+    sequences._query_tiles_function(0)((1,), (256,), (np.uint64(cu.data_ptr()), np.int32(len(lengths)), np.int32(128),
+                                                      np.int32(slots), np.uint64(buffer.data_ptr())))
+    got = buffer.cpu().numpy()
+    assert (got[slots] == 77).all() and set(got[:slots, 0]) <= {0, 1, 2, 4}
+
+
+@pytest.mark.parametrize("d", [128, 96])  # a TMA producer (wgmma); mma.sync
+def test_varlen_prefill_with_empty_and_many_sequences_matches_the_oracle(d):
+    """The grid walks the batch's tiles (tile table): empty sequences have none, and 40
+    sequences of mixed lengths leave none out."""
+    rng = np.random.default_rng(3)
+    lens = [int(x) for x in rng.integers(1, 400, 40)]
+    lens[3] = lens[17] = 0
+    q, k, v, cu_q, cu_k = _varlen(rng, "float16", lens, lens, 4, 2, d)
+    for mask in (Mask(), Mask(kind="causal")):
+        out = _nan(q.shape, "float16")
+        _, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens), mask=mask,
+                                        return_lse=True, out=out)
+        ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, mask=mask, return_lse=True)
+        _check(out, lse, ref, ref_lse, "float16")
+
+
 @pytest.mark.parametrize("mod", [ScoreMod(softcap=20.0), ScoreMod(alibi="slopes"), ScoreMod(sinks=True)],
                          ids=lambda m: m.model_dump_json(exclude_defaults=True))
 @pytest.mark.parametrize("nq", [1, 200])  # decode (packed split-KV) and prefill

@@ -6,9 +6,9 @@ import pytest
 
 from fagen import nvcc, oracle, variants
 from fagen.load import SPECS, load_spec, parse_spec
-from fagen.plan import plan
+from fagen.plan import plan, query_tile_slots
 from fagen.render import render
-from fagen.sequences import check_cu_seqlens, check_pages
+from fagen.sequences import check_cu_seqlens, check_pages, query_tiles_numpy
 from fagen.spec import Mask, ScoreMod, SpecError
 
 ATTN = load_spec(SPECS / "attn_f16_d128.yaml")
@@ -32,7 +32,10 @@ def test_layouts_refuse_what_is_indexed_by_padded_positions(changes, fix):
 def test_sequence_parameters_follow_the_layouts():
     assert plan(ATTN).sequence_params == ()
     varlen = plan(variants.sequence_variant(ATTN, "varlen", "varlen"))
-    assert [n for _, n in varlen.sequence_params] == ["cu_seqlens_q", "total_q", "cu_seqlens_k"]
+    assert [n for _, n in varlen.sequence_params] == ["cu_seqlens_q", "total_q", "q_tiles", "cu_seqlens_k"]
+    assert varlen.sequence_tiles and not plan(ATTN).sequence_tiles
+    packed = plan(variants.sequence_variant(DECODE, "varlen", "paged"))  # a few rows a sequence: its own grid
+    assert not packed.sequence_tiles and "q_tiles" not in [n for _, n in packed.sequence_params]
     paged = plan(variants.sequence_variant(DECODE, "padded", "paged"))
     assert [n for _, n in paged.sequence_params] == ["page_table", "page_table_stride", "max_pages", "page_size",
                                                      "num_pages", "cache_seqlens", "status"]
@@ -54,7 +57,9 @@ def test_sources_read_only_what_their_layout_uses():
     assert "cu_seqlens" not in padded and "PageTable" not in padded and "return;  // past" not in padded
     varlen = render(variants.sequence_variant(ATTN, "varlen", "varlen"))
     assert "n_q = cu_seqlens_q[b + 1] - q_start" in varlen and "lse + (long long)h * total_q + q_start" in varlen
-    assert "PageTable" not in varlen and "if (q0 >= n_q) return;" in varlen
+    assert "PageTable" not in varlen and "if (q0 >= n_q) return;" not in varlen  # no tile past a sequence's end
+    assert "const int2 seq_tile = q_tiles[blockIdx.y];" in varlen and "if (seq_tile.x < 0) return;" in varlen
+    assert "const int q0 = seq_tile.y;" in varlen and "h = blockIdx.x" in varlen and "bh / heads_q" not in varlen
     paged = render(variants.sequence_variant(DECODE, "varlen", "paged"))
     assert "struct PageTable" in paged and "copy_paged_tile_async<BLOCK_KV>" in paged
     assert "n_kv = pages.keys(cache_seqlens[b])" in paged and "if (q0 >= rows.n) return;" in paged
@@ -115,3 +120,38 @@ def test_the_oracle_reads_varlen_and_paged_batches_per_sequence():
         pages[table[b, 0]], pages[table[b, 1]] = keys[:16], keys[16:]
     assert np.allclose(oracle.attention_paged(q, pages, pages, table, lens_k, cu_seqlens_q=cu_q, causal=True),
                        oracle.attention_varlen(q, k, k, cu_q, cu_k, causal=True))
+
+
+def test_the_query_tile_table_holds_every_tile_of_the_batch():
+    """query_tile_slots bounds the batch's tiles; each sequence's entries lie together and cover
+    its rows once, latest first; the longest sequences come first; entries past them say no tile."""
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        b, block_q = int(rng.integers(1, 40)), int(rng.choice([64, 128, 192]))
+        lengths = rng.integers(0, 700, b) * (rng.random(b) > 0.2)  # some sequences empty
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        slots = query_tile_slots(int(cu[-1]), b, block_q)
+        table = query_tiles_numpy(cu, block_q, slots)
+        tiles = sum(-(-int(n) // block_q) for n in lengths)
+        assert table.shape == (slots, 2) and tiles <= slots
+        assert (table[:tiles, 0] >= 0).all() and (table[tiles:] == [-1, 0]).all()
+        assert_sequence_runs(table[:tiles], lengths, block_q)
+    # sequences past the last count share it, in order
+    capped = query_tiles_numpy(np.array([0, 640, 1280, 1408]), 64, 40, counts=4)
+    assert [tuple(r) for r in capped[:22]] == [(0, q) for q in range(576, -1, -64)] + \
+        [(1, q) for q in range(576, -1, -64)] + [(2, 64), (2, 0)]
+
+
+def assert_sequence_runs(table: np.ndarray, lengths, block_q: int) -> None:
+    """A tile table's real entries: each sequence's tiles one run, latest rows first, the runs
+    from the longest sequence (also the GPU tests' check of the kernel's table)."""
+    runs = []
+    for b, q0 in table:
+        if not runs or runs[-1][0] != b:
+            runs.append((b, []))
+        runs[-1][1].append(q0)
+    assert len({b for b, _ in runs}) == len(runs)  # one run a sequence
+    for b, rows in runs:
+        assert rows == list(range(0, int(lengths[b]), block_q))[::-1]
+    assert all(len(a[1]) >= len(z[1]) for a, z in zip(runs, runs[1:]))
+    assert {b for b, _ in runs} == {b for b, n in enumerate(lengths) if n > 0}

@@ -46,11 +46,13 @@ def test_refuses_a_paged_cache():
 
 def test_varlen_loads_rows_of_one_tensor():
     """A varlen batch's maps describe the whole [1, H, total, d] tensor: the producer adds the
-    sequence's first row (cu_seqlens) and asks for batch 0; a tile past the sequence's end is
-    skipped by both roles (continue, not return: a persistent block walks on)."""
+    sequence's first row (cu_seqlens) and asks for batch 0; both roles read the tile's sequence
+    and first row from the batch's tile table and skip an entry past its tiles (continue, not
+    return: the roles' loops walk on)."""
     text = render(fagen.parse_spec(ws_spec(sequences={"q": "varlen", "kv": "varlen"}, mask={"kind": "causal"})))
     assert "kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q_start + q0, 0,\n                   kv_start, 0, h, h_kv);" in text
-    assert "if (q0 >= n_q) continue;" in text and "if (q0 >= n_q) return;" not in text
+    assert text.count("if (seq_tile.x < 0) continue;") == 2 and "return;  // past" not in text
+    assert "if (q0 >= n_q)" not in text and text.count("const int2 seq_tile = q_tiles[tile.y];") == 2
     assert "const int diagonal = mask_offset + n_kv - n_q;" in text and "mask_offset +=" not in text
     padded = render(fagen.parse_spec(ws_spec()))
     assert "smem_q_u32, q0, b,\n                   0, b, h, h_kv);" in padded
@@ -292,7 +294,9 @@ def test_variants_keep_the_producer_where_it_applies():
     paged = sequence_variant(base, "varlen", "paged")  # a page table, not a tensor map, places the rows
     assert not paged.warp_specialized and plan(paged).threads == 256
     varlen = sequence_variant(base, "varlen", "varlen")  # rows of one [1, H, total, d] tensor
-    assert varlen.warp_specialized and not varlen.pipeline.warp_specialized.persistent
+    assert varlen.warp_specialized and not varlen.pipeline.warp_specialized.persistent  # even tiles
+    causal = sequence_variant(fagen.load_spec(SPECS / "attn_f16_d128_causal_h200.yaml"), "varlen", "varlen")
+    assert causal.pipeline.warp_specialized.persistent  # the tile table's order, walked statically
     assert base.pipeline.warp_specialized.persistent  # (the H200 d128 dense spec walks its tiles)
 
 
