@@ -214,8 +214,11 @@ def _device_array(ref: DeviceTensor, values, dtype: str):
     return cupy.asarray(values, dtype=dtype)
 
 
-def _spec(ref: DeviceTensor, causal: bool):
-    return default_spec(ref.dtype, ref.shape[-1], causal)
+def _spec(ref: DeviceTensor, causal: bool, keys: int | None = None):
+    """The shipped forward for ref's dtype and head_dim; `keys` a launch's keys where the
+    forward's own launches run (a long sequence's class, as fagen.attention picks it). The partial
+    and accumulating kernels (sequence_sharded, the ring) and the backward keep the base class."""
+    return default_spec(ref.dtype, ref.shape[-1], causal, keys=keys)
 
 
 def batch_sharded(group, q, k, v, *, causal: bool = False):
@@ -228,7 +231,8 @@ def batch_sharded(group, q, k, v, *, causal: bool = False):
     with cupy.cuda.Device(ref.device), stream_for(ref):
         local = zeros_like(ref, (per,) + ref.shape[1:], ref.dtype)
         if hi > lo:
-            compile_kernel(_spec(ref, causal))(q[lo:hi], k[lo:hi], v[lo:hi], out=local[: hi - lo])
+            compile_kernel(_spec(ref, causal, as_device_tensor(k, "k").shape[2]))(q[lo:hi], k[lo:hi], v[lo:hi],
+                                                                                  out=local[: hi - lo])
         gathered = empty_like(ref, (group.world, per) + ref.shape[1:], ref.dtype)
         group.all_gather(local, gathered)  # padded shards
         out = empty_like(ref, ref.shape, ref.dtype)
@@ -287,7 +291,7 @@ def zigzag_attention(group, q_local, k, v, *, n: int, return_lse: bool = False):
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
     _check_rows(ref, rows, "q_local")
-    kernel = compile_kernel(_spec(ref, True))
+    kernel = compile_kernel(_spec(ref, True, n))  # the later chunk's launch sees all n keys
     with cupy.cuda.Device(ref.device), stream_for(ref):
         out = empty_like(ref, ref.shape, ref.dtype)
         lse = empty_like(ref, ref.shape[:3], "float32") if return_lse else None

@@ -115,7 +115,7 @@ for n in args.time:
     single = {}
     from fagen.runtime import compile_kernel, default_spec
 
-    kernel = compile_kernel(default_spec("float16", d, True))
+    kernel = compile_kernel(default_spec("float16", d, True, keys=n))  # fagen.attention's kernel for n keys
     reference = kernel(q, k, v)
     single["fagen"] = time_ms(lambda: kernel(q, k, v), args.iters)
     from torch.nn.attention import SDPBackend, sdpa_kernel
