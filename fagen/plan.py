@@ -257,10 +257,10 @@ def l2_section(tiles_x: int, tiles_y: int, kv_bytes_per_x: int, l2_bytes: int, e
 def has_sequence_tiles(spec: AttentionSpec) -> bool:
     """Whether the kernel's query tiles come from a varlen batch's tile table (q_tiles: entry y is
     tile y's (sequence, first row), the longest sequences first, (-1, 0) past the batch's tiles):
-    varlen q, one query head a tile row. With B x the longest sequence's tiles a head, the tiles past each shorter
-    sequence's end cost a block each: 10.8% of a causal prefill whose grid was 14 tiles a head
-    for 8 real (H200, d128, notes/perf.md). GQA-packed (decode) tiles keep their grid: a few rows
-    a sequence, one tile."""
+    varlen q, a query head a tile. A grid of B x the longest sequence's tiles spends a block on
+    each tile past a shorter sequence's end (10.8% of a causal prefill with 6 of 14 tiles a head
+    empty), and a persistent walk over it is uneven; over the table it is not (causal varlen
+    +5-27%, H200, notes/perf.md). GQA-packed decode tiles keep their grid: a few rows a sequence."""
     return spec.sequences.q == "varlen" and not spec.tiling.pack_gqa
 
 
