@@ -215,9 +215,10 @@ def _device_array(ref: DeviceTensor, values, dtype: str):
 
 
 def _spec(ref: DeviceTensor, causal: bool, keys: int | None = None):
-    """The shipped forward for ref's dtype and head_dim; `keys` a launch's keys where the
-    forward's own launches run (a long sequence's class, as fagen.attention picks it). The partial
-    and accumulating kernels (sequence_sharded, the ring) and the backward keep the base class."""
+    """The shipped forward for ref's dtype and head_dim; `keys` a launch's keys, for a long
+    sequence's class as fagen.attention picks it (the zigzag's launches, the ring's own block:
+    2 H200s, +4-17%). sequence_sharded's partials, the ring's full steps (no long class for
+    them) and the backward keep the base class."""
     return default_spec(ref.dtype, ref.shape[-1], causal, keys=keys)
 
 
@@ -352,7 +353,8 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
             raise ValueError(f"{name}: {t.dtype} {t.shape}; expected {ref.dtype} [{b}, Hkv, {rows}, {d}] "
                              f"(this rank's zigzag chunks, as q_local)")
     hkv = as_device_tensor(k_local, "k_local").shape[1]
-    first = compile_kernel(variants.accumulate_variant(_spec(ref, causal)))  # its own block: the diagonal
+    # its own block, the diagonal: rows x rows, the class fagen.attention would take for them
+    first = compile_kernel(variants.accumulate_variant(_spec(ref, causal, rows)))
     fold = compile_kernel(variants.accumulate_variant(_spec(ref, False)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
