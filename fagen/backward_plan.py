@@ -182,6 +182,7 @@ class DkdvPlan:
     # backward.warp_specialized.persistent: one block an SM walks the KV blocks (tiles), loading
     # the next tile's K and V into a second slot under this one's loop
     persistent: bool
+    claimed_walk = False  # its blocks take every gridDim.x-th KV block (templates/sm90/tile_scheduler.cu.j2)
     kv_slots: int  # K/V tile pairs in smem: 1, or 2 persistent
     kv_slot_bytes: int  # a K tile and its V tile
     smem_row: int  # elements between smem rows (padded: 16 bytes past head_dim)

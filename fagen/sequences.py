@@ -37,6 +37,8 @@ from fagen.runtime import NVRTC_OPTIONS, _aux_array, _check_layout, compile_kern
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import merge_launch
 
+TABLE_ROW_BYTES = 8  # a query tile table's row: (sequence, first row), two int32s
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -195,15 +197,23 @@ def _query_tiles_function(device: int):
 
 def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
     """A varlen batch's query tile table (plan.sequence_tiles) from cu_seqlens_q (a device address,
-    batch + 1 int32s): int32 [query_tile_slots, 2] from like's allocator (a CUDA graph may capture
-    it), row t being tile t's (sequence, first row) or (-1, 0): the longest sequences first, each
-    one's latest rows first (templates/kernel/sequence_tiles.cu.j2), by one launch on the current
-    stream."""
-    table = empty_like(like, (query_tile_slots(total_q, batch, block_q), 2), "int32")
+    batch + 1 int32s), by one launch on the current stream: int32 [query_tile_slots + 1, 2] from
+    like's allocator (a CUDA graph may capture it). Row t < query_tile_slots is tile t's
+    (sequence, first row) or (-1, 0): the longest sequences first, each one's latest rows first
+    (templates/kernel/sequence_tiles.cu.j2). The last row's first word is the count a claimed
+    walk's blocks take tiles from (plan.claimed_walk), zeroed: claimed_counter's address."""
+    slots = query_tile_slots(total_q, batch, block_q)
+    table = empty_like(like, (slots + 1, 2), "int32")
+    ptr = as_device_tensor(table, "q_tiles").ptr
     _query_tiles_function(like.device)((1,), (SEQUENCE_TILES_THREADS,), (
-        np.uint64(cu_seqlens_q), np.int32(batch), np.int32(block_q), np.int32(table.shape[0]),
-        np.uint64(as_device_tensor(table, "q_tiles").ptr)))
+        np.uint64(cu_seqlens_q), np.int32(batch), np.int32(block_q), np.int32(slots), np.uint64(ptr),
+        np.uint64(claimed_counter(ptr, slots))))
     return table
+
+
+def claimed_counter(table_ptr: int, slots: int) -> int:
+    """The address of a query tile table's claim count: the first word after its slots' rows."""
+    return table_ptr + slots * TABLE_ROW_BYTES
 
 
 def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts: int = SEQUENCE_TILES_COUNTS
@@ -271,7 +281,10 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
         extras.update(batch.arguments)
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles: number them first
             table = query_tiles(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
-            extras["q_tiles"] = np.uint64(as_device_tensor(table, "q_tiles").ptr)
+            ptr = as_device_tensor(table, "q_tiles").ptr
+            extras["q_tiles"] = np.uint64(ptr)
+            if kernel.plan.claimed_walk:
+                extras["tiles_claimed"] = np.uint64(claimed_counter(ptr, table.shape[0] - 1))
             held = [*held, table]
         out_shape = (total_q, hq, d) if varlen_q else (b, hq, nq, d)
         if out is None:

@@ -169,9 +169,10 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     cache, a TMA producer (pipeline.warp_specialized). A persistent producer's kernel stays
     persistent where it walks a varlen batch's tile table (plan.has_sequence_tiles) under a mask
     whose tiles differ within a sequence (causal, windows): the table puts the longest sequences
-    and their latest rows first, and the static walk beat the GPU's block scheduler by 5-27%
-    (H200, notes/perf.md). Elsewhere a block a tile: with even tiles a tile costs its sequence's
-    length, and the block scheduler balanced a d64 batch of 1213-7032 keys 12% better."""
+    and their latest rows first, and blocks that claim their tiles in its order (plan.claimed_walk)
+    beat the GPU's block scheduler by 5-27% and a static walk by 2-17% (H200, notes/perf.md).
+    Elsewhere a block a tile: with even tiles a tile costs its sequence's length, and the block
+    scheduler balanced a d64 batch of 1213-7032 keys 12% better than a static walk."""
     if (spec.sequences.q, spec.sequences.kv) == (q, kv):
         return spec
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]

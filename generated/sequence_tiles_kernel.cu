@@ -6,7 +6,8 @@
 // end cost a block each. A sequence's entries lie together, its latest rows first (under causal
 // the heaviest tile first), so that the blocks in flight share its K and V in L2; the sequences
 // go by tile count, the longest first, so that the last wave holds the shortest. Entries past
-// the batch's tiles are (-1, 0), no tile.
+// the batch's tiles are (-1, 0), no tile. It also zeroes `claimed`, the count of tiles a
+// persistent kernel's blocks claim as they walk the table (plan.claimed_walk).
 // One block: (1) the tiles of the sequences of each count, (2) where each count's sequences start
 // (the longer ones' tiles before them: a scan over the counts from the top, a chunk a thread),
 // (3) each sequence takes the next place of its count (the order among equal counts is the
@@ -22,11 +23,13 @@ __device__ __forceinline__ unsigned tile_count(const int* __restrict__ cu_seqlen
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-sequence_tiles_kernel(const int* __restrict__ cu_seqlens, int batch, int block_q, int slots, int2* __restrict__ tiles) {
+sequence_tiles_kernel(const int* __restrict__ cu_seqlens, int batch, int block_q, int slots, int2* __restrict__ tiles,
+    unsigned* __restrict__ claimed) {
   __shared__ unsigned count_next[COUNTS];  // (1) tiles of the sequences of each count, then (2, 3) their next place
   __shared__ unsigned chunk_first[THREADS];
   __shared__ unsigned all_tiles;
   const int tid = threadIdx.x;
+  if (tid == 0) *claimed = 0;
   for (int c = tid; c < COUNTS; c += THREADS) count_next[c] = 0;
   __syncthreads();
   for (int b = tid; b < batch; b += THREADS) {  // (1)

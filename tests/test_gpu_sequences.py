@@ -80,6 +80,8 @@ def test_the_query_tile_table_kernel_matches_numpy(b):
     total = int(lengths.sum())
     for block_q in (64, 128, 192):
         table = sequences.query_tiles(cu.data_ptr(), b, block_q, total, as_device_tensor(cu, "cu")).cpu().numpy()
+        assert table[-1, 0] == 0  # the claimed walk's count, zeroed
+        table = table[:-1]
         want = sequences.query_tiles_numpy(np.cumsum([0, *lengths]), block_q, query_tile_slots(total, b, block_q))
         assert sorted(map(tuple, table)) == sorted(map(tuple, want))  # equal counts' sequences in any order
         tiles = int((want[:, 0] >= 0).sum())
@@ -94,10 +96,13 @@ def test_the_query_tile_table_is_never_written_past_its_end():
     cu = _int32(np.cumsum([0, *lengths]))
     slots = 4
     buffer = torch.full((slots + 1, 2), 77, dtype=torch.int32, device="cuda")
+    claimed = torch.full((1,), 77, dtype=torch.int32, device="cuda")
     sequences._query_tiles_function(0)((1,), (256,), (np.uint64(cu.data_ptr()), np.int32(len(lengths)), np.int32(128),
-                                                      np.int32(slots), np.uint64(buffer.data_ptr())))
+                                                      np.int32(slots), np.uint64(buffer.data_ptr()),
+                                                      np.uint64(claimed.data_ptr())))
     got = buffer.cpu().numpy()
     assert (got[slots] == 77).all() and set(got[:slots, 0]) <= {0, 1, 2, 4}
+    assert int(claimed.item()) == 0  # the claimed walk's count, zeroed
 
 
 @pytest.mark.parametrize("d", [128, 96])  # a TMA producer (wgmma); mma.sync

@@ -29,7 +29,7 @@ from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _resources, attention_defaults
                         compile_backward_many, compile_many, score_mods, targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask, ScoreMod
-from fagen.variants import accumulate_variant, merged_variant, partial_variant, trainable, variant
+from fagen.variants import accumulate_variant, merged_variant, partial_variant, sequence_variant, trainable, variant
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
@@ -40,6 +40,9 @@ RING_STEPS = [p for p in SPEC_PATHS if p.stem.startswith("attn_f16_d128") and "p
 # a decode step in one launch: the decode kernels' merging variants (sinks on: the most they take);
 # float16's stand for bfloat16's, whose tilings are the same
 DECODES = [p for p in SPEC_PATHS if p.stem.startswith("decode_f16")]
+# varlen prefill under a causal mask: the sm_90a defaults' persistent kernels claim their tiles
+# (plan.claimed_walk)
+CLAIMED_WALKS = [p for p in SPEC_PATHS if p.stem.startswith("attn_") and "causal" in p.stem and p.stem.endswith("_h200")]
 
 # Each modifier alone, and all of them (bias: vector and matrix compile to one kernel).
 MODIFIERS = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi": "slopes"}, "bias": {"bias": "matrix"},
@@ -104,7 +107,8 @@ def shipped():
     parts = [(s, targets(s)[-1]) for s, _ in parts]
     rings = [(accumulate_variant(fagen.load_spec(p)), None) for p in RING_STEPS]
     merging = [(merged_variant(fagen.load_spec(p), sinks=True), None) for p in DECODES]
-    parts += [(s, targets(s)[-1]) for s, _ in rings + merging]
+    walks = [(sequence_variant(fagen.load_spec(p), "varlen", "varlen"), None) for p in CLAIMED_WALKS]
+    parts += [(s, targets(s)[-1]) for s, _ in rings + merging + walks]
     results = compile_many(specs + parts)
     return {(s.name, a): r for (s, a), r in zip(specs + parts, results)}
 
@@ -156,6 +160,16 @@ def test_ring_steps_of_the_defaults_compile_without_spills(path, shipped):
     spec = accumulate_variant(fagen.load_spec(path))
     r = shipped[(spec.name, targets(spec)[-1])]
     assert _ok(r), r.log
+
+
+@pytest.mark.parametrize("path", CLAIMED_WALKS, ids=lambda p: p.stem)
+def test_varlen_walks_that_claim_their_tiles_compile_clean(path, shipped):
+    """A claimed walk's producer holds the claim past its 24 registers' loop (a claim issued
+    before the tile's loads spilled the bfloat16 d64 kernel): none spills or serialises a wgmma."""
+    spec = sequence_variant(fagen.load_spec(path), "varlen", "varlen")
+    ws = spec.pipeline.warp_specialized
+    assert plan(spec).claimed_walk == bool(ws and ws.persistent)
+    assert _ok(shipped[(spec.name, targets(spec)[-1])]), shipped[(spec.name, targets(spec)[-1])].log
 
 
 @pytest.mark.parametrize("path", DECODES, ids=lambda p: p.stem)

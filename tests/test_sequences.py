@@ -46,6 +46,25 @@ def test_sequence_parameters_follow_the_layouts():
     assert not plan(variants.sequence_variant(top_left, "varlen", "varlen")).sequence_offset
 
 
+def test_a_persistent_varlen_walk_claims_its_tiles():
+    """Over a varlen batch's tile table a persistent kernel's blocks claim their tiles from a
+    counter (one more parameter, one more smem word, the claim in the producer's loop); a block
+    a tile, and padded grids, take theirs from the grid."""
+    causal = load_spec(SPECS / "attn_f16_d128_causal_h200.yaml")
+    assert causal.pipeline.warp_specialized.persistent and not plan(causal).claimed_walk
+    walk = variants.sequence_variant(causal, "varlen", "varlen")
+    claimed, static = plan(walk), plan(causal)
+    assert claimed.claimed_walk and claimed.persistent
+    assert claimed.scheduler_params[-1] == ("unsigned* __restrict__", "tiles_claimed")
+    assert "tiles_claimed" not in [n for _, n in static.params]
+    assert claimed.smem_bytes - plan(walk.model_copy(update={"sequences": causal.sequences})).smem_bytes == 8
+    source = render(walk)
+    assert "t = TileScheduler::claim(tiles_claimed)" in source and "kv.next_tile()" in source
+    assert "TileScheduler::claim" not in render(causal)
+    dense = plan(variants.sequence_variant(load_spec(SPECS / "attn_f16_d128_h200.yaml"), "varlen", "varlen"))
+    assert not dense.persistent and not dense.claimed_walk  # even tiles: a block a tile
+
+
 def test_variant_names_say_the_layouts():
     assert variants.sequence_variant(ATTN, "varlen", "varlen").name == "attn_f16_d128_qvarlen_kvvarlen"
     assert variants.sequence_variant(DECODE, "padded", "paged").name == "decode_f16_d128_kvpaged"
