@@ -174,6 +174,9 @@ class PreparedAttention:
         self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
         self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(self._lse)
         self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
+        # out laid out as q is (decode: [B, Hq, Nq, d] both): torch.empty_like(q) allocates it in
+        # half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7, q.new_empty 5.4)
+        self._out_like_q = self.signature[0][:2] == self.out_signature[:2]
         self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
         self.merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
         with cupy.cuda.Device(tq.device), stream_for(tq):
@@ -236,9 +239,9 @@ class PreparedAttention:
             if not self._captured and self._capturing():
                 self._keep_for_graphs()
             if out is None:
-                out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+                out = torch.empty_like(q) if self._out_like_q else q.new_empty(self.out_shape)
             if return_lse and lse is None:
-                lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+                lse = q.new_empty(self.lse_shape, dtype=torch.float32)
             out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr
             q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
         else:

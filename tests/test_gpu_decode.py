@@ -169,6 +169,18 @@ def test_a_prepared_call_matches_the_oracle_on_fresh_tensors(framework, shape):
         assert relative_error(to_numpy(lse), ref_lse) < 1e-4
 
 
+def test_a_prepared_call_allocates_out_contiguous_whatever_q_s_layout():
+    """out is allocated like q where q is laid out as out is, and [B, Hq, Nq, d] contiguous
+    where q is a transposed [B, Nq, Hq, d] buffer: the strides the launch was packed for."""
+    for layout in ("bhnd", "bnhd"):
+        q, k, v, _ = random_inputs("torch", "float16", 2, 8, 2, 3, 500, 64, layout=layout)
+        call = fagen.prepare(q, k, v)
+        out = call(q, k, v)
+        assert out.is_contiguous() and out.shape == q.shape, layout
+        ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v))
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], layout
+
+
 def test_a_prepared_call_refuses_other_shapes():
     q, k, v, _ = random_inputs("torch", "float16", 1, 8, 2, 1, 1000, 64)
     call = fagen.prepare(q, k, v)
