@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fagen import variants
+from fagen import sequences, variants
 from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
@@ -292,6 +292,8 @@ def zigzag_attention(group, q_local, k, v, *, n: int, return_lse: bool = False):
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
     _check_rows(ref, rows, "q_local")
+    if ref.shape[0] == 1:
+        return _zigzag_one_launch(ref, q_local, k, v, rows, n, return_lse)
     kernel = compile_kernel(_spec(ref, True, n))  # the later chunk's launch sees all n keys
     with cupy.cuda.Device(ref.device), stream_for(ref):
         out = empty_like(ref, ref.shape, ref.dtype)
@@ -307,6 +309,28 @@ def zigzag_attention(group, q_local, k, v, *, n: int, return_lse: bool = False):
                             lse[:, :, at:at + e - s] = got[1]
                 at += e - s
     return (out, lse) if return_lse else out
+
+
+def _token_major(x):
+    """Batch row 0 of [1, H, N, d] as [N, H, d] (a view): varlen's layout."""
+    return x[0].transpose(0, 1) if as_device_tensor(x, "x").kind == "torch" else x[0].transpose(1, 0, 2)
+
+
+def _zigzag_one_launch(ref: DeviceTensor, q_local, k, v, rows, n: int, return_lse: bool):
+    """zigzag_attention at B = 1 in one launch: the two chunks are a varlen batch of two
+    sequences over one K/V (Sequences.seqused_k), chunk (s, e) its rows against keys 0 .. e,
+    causal bottom right; the kernel walks both chunks' tiles, the heavier chunk's first."""
+    lengths = [e - s for s, e in rows]
+    cu_q = np.array([0, lengths[0], sum(lengths)], np.int32)
+    cu_k = np.array([0, 0, as_device_tensor(k, "k").shape[2]], np.int32)  # both start at key 0
+    used = np.array([e for _, e in rows], np.int32)
+    spec = variants.sequence_variant(_spec(ref, True, n), "varlen", "varlen", seqused_k=True)
+    with cupy.cuda.Device(ref.device), stream_for(ref):
+        out = empty_like(ref, ref.shape, ref.dtype)
+        batch = sequences.varlen_batch(_token_major(q_local), _token_major(k), _token_major(v), cu_q, cu_k,
+                                       max(max(lengths), 1), max(int(used.max()), 1), seqused_k=used, validate=False)
+        _, lse = sequences.run(batch, spec, out=_token_major(out))
+    return (out, lse[None]) if return_lse else out
 
 
 def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_local, *, n: int):

@@ -44,11 +44,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     return (f["out"], f["lse"]) if return_lse else f["out"]
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwargs):
     """q [total_q, Hq, d], k, v [total_k, Hkv, d]; sequence b is rows cu_seqlens[b] ..
-    cu_seqlens[b + 1]. Returns out [total_q, Hq, d] (and lse [Hq, total_q] with return_lse)."""
-    sequences = [(_rows(q, cu_seqlens_q, b), _rows(k, cu_seqlens_k, b), _rows(v, cu_seqlens_k, b))
-                 for b in range(len(cu_seqlens_q) - 1)]
+    cu_seqlens[b + 1] (its keys, with seqused_k: rows cu_seqlens_k[b] .. cu_seqlens_k[b] +
+    seqused_k[b]). Returns out [total_q, Hq, d] (and lse [Hq, total_q] with return_lse)."""
+    keys = cu_seqlens_k if seqused_k is None else [(cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b])
+                                                    for b in range(len(cu_seqlens_q) - 1)]
+    sequences = [(_rows(q, cu_seqlens_q, b), _rows(k, keys, b), _rows(v, keys, b)) for b in range(len(cu_seqlens_q) - 1)]
     return _per_sequence(sequences, q.shape, kwargs)
 
 
@@ -77,8 +79,10 @@ def _one(q, k, v, kwargs):
 
 
 def _rows(x, cu, b):
-    """Sequence b of a token-major [total, H, d] array, as [H, n, d]."""
-    return x[cu[b]:cu[b + 1]].transpose(1, 0, 2)
+    """Sequence b of a token-major [total, H, d] array, as [H, n, d]: rows cu[b] .. cu[b + 1] of
+    prefix sums, or cu[b]'s (start, end)."""
+    start, end = cu[b] if isinstance(cu[b], tuple) else (cu[b], cu[b + 1])
+    return x[start:end].transpose(1, 0, 2)
 
 
 def _per_sequence(sequences, q_shape, kwargs):

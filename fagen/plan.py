@@ -291,7 +291,8 @@ def query_tile_slots(total_q: int, batch: int, block_q: int) -> int:
 
 def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     """The kernel parameters that locate each sequence's rows (spec.sequences), after the fixed
-    ones. varlen q: cu_seqlens_q, and total_q for LSE's [Hq, total_q]; varlen K/V: cu_seqlens_k;
+    ones. varlen q: cu_seqlens_q, and total_q for LSE's [Hq, total_q]; varlen K/V: cu_seqlens_k
+    (with seqused_k: each sequence's key count, and total_k);
     paged K/V: the page table (max_pages entries a sequence, page_table_stride apart), the page
     size and count, cache_seqlens, and a status word the kernel flags bad page ids in."""
     seq, params = spec.sequences, ()
@@ -301,6 +302,8 @@ def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
         params += ((INT2_PTR, "q_tiles"),)
     if seq.kv == "varlen":
         params += ((INT_PTR, "cu_seqlens_k"),)
+    if seq.seqused_k:  # each sequence's keys, clamped to k's rows: unchecked counts never read past them
+        params += ((INT_PTR, "seqused_k"), ("int", "total_k"))
     elif seq.kv == "paged":
         params += ((INT_PTR, "page_table"), ("int", "page_table_stride"), ("int", "max_pages"), ("int", "page_size"),
                    ("int", "num_pages"), (INT_PTR, "cache_seqlens"), ("int* __restrict__", "status"))

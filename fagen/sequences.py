@@ -51,6 +51,7 @@ class Batch:
     kv_layout: str  # "padded", "varlen" or "paged"
     arguments: dict
     held: tuple  # device arrays behind the arguments' pointers
+    seqused_k: bool = False  # varlen K/V counted per sequence (Sequences.seqused_k)
 
 
 def _view(t: DeviceTensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> DeviceTensor:
@@ -97,9 +98,22 @@ def check_cu_seqlens(cu: np.ndarray, total: int, max_seqlen: int, what: str) -> 
                          f"rows: pass the longest sequence's length (or more)")
 
 
+def check_seqused_k(used: np.ndarray, cu_k: np.ndarray, total_k: int, max_seqlen_k: int) -> None:
+    """seqused_k's values: sequence b's keys, rows cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b],
+    lie within k and number at most max_seqlen_k."""
+    ends = cu_k[:-1].astype(np.int64) + used
+    for bad, rule in (((used < 0), "must be >= 0"), ((ends > total_k), f"must end within k's {total_k} rows "
+                                                                    "(cu_seqlens_k[b] + seqused_k[b] <= total_k)"),
+                      ((used > max_seqlen_k), f"must be <= max_seqlen_k = {max_seqlen_k} (it sizes the grid)")):
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"seqused_k[{b}] = {used[b]} (from row cu_seqlens_k[{b}] = {cu_k[b]}): {rule}")
+
+
 def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
-                 validate: bool = True) -> Batch:
-    """Check a varlen batch (FlashAttention's flash_attn_varlen_func arguments) and view it."""
+                 seqused_k=None, validate: bool = True) -> Batch:
+    """Check a varlen batch (FlashAttention's flash_attn_varlen_func arguments, seqused_k
+    included) and view it."""
     tq, tk, tv = _tokens(q, "q", "Hq"), _tokens(k, "k", "Hkv"), _tokens(v, "v", "Hkv")
     if tk.shape != tv.shape:
         raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [total_k, Hkv, d]")
@@ -111,16 +125,26 @@ def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{name} = {n!r}: a host int >= 1 (the longest sequence; it sizes the grid)")
+    used = None if seqused_k is None else _index_array(seqused_k, "seqused_k", tq.device, ("B",))
+    if used is not None and used.shape[0] != cu_q.shape[0] - 1:
+        raise ValueError(f"seqused_k {tuple(used.shape)}: [B] with B = {cu_q.shape[0] - 1} (cu_seqlens_q's)")
     if validate:
         check_cu_seqlens(_host(cu_q), tq.shape[0], int(max_seqlen_q), "q")
-        check_cu_seqlens(_host(cu_k), tk.shape[0], int(max_seqlen_k), "k")
+        if used is None:
+            check_cu_seqlens(_host(cu_k), tk.shape[0], int(max_seqlen_k), "k")
+        else:  # sequences may share rows: cu_seqlens_k only says where each one's keys start
+            check_cu_seqlens(_host(cu_k), tk.shape[0], tk.shape[0], "k")
+            check_seqused_k(_host(used), _host(cu_k), tk.shape[0], int(max_seqlen_k))
     b = cu_q.shape[0] - 1
+    arguments = dict(cu_seqlens_q=np.uint64(cu_q.data.ptr), total_q=np.int32(tq.shape[0]),
+                     cu_seqlens_k=np.uint64(cu_k.data.ptr), total_k=np.int32(tk.shape[0]))
+    if used is not None:
+        arguments["seqused_k"] = np.uint64(used.data.ptr)
     return Batch(_view(tq, (b, tq.shape[1], int(max_seqlen_q), tq.shape[2]), (0, tq.strides[1], tq.strides[0], 1)),
                  *(_view(t, (b, t.shape[1], int(max_seqlen_k), t.shape[2]), (0, t.strides[1], t.strides[0], 1))
                    for t in (tk, tv)),
-                 "varlen", "varlen", dict(cu_seqlens_q=np.uint64(cu_q.data.ptr), total_q=np.int32(tq.shape[0]),
-                                          cu_seqlens_k=np.uint64(cu_k.data.ptr), total_k=np.int32(tk.shape[0])),
-                 (cu_q, cu_k))
+                 "varlen", "varlen", arguments, (cu_q, cu_k) + ((used,) if used is not None else ()),
+                 seqused_k=used is not None)
 
 
 def check_pages(page_table: np.ndarray, cache_seqlens: np.ndarray, num_pages: int, page_size: int) -> None:
@@ -238,7 +262,7 @@ def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) 
     packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),
                                   plain.mask, plain.score_mod)
     try:
-        return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout)
+        return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout, batch.seqused_k)
     except SpecError as refused:
         raise ValueError(f"{batch.q_layout} q, {batch.kv_layout} K/V: {refused}") from None
 
@@ -337,12 +361,15 @@ def _as_one_sequence(out):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
-                     alibi_slopes=None, sinks=None, return_lse: bool = False, validate: bool = True, out=None):
+                     alibi_slopes=None, sinks=None, return_lse: bool = False, validate: bool = True, out=None,
+                     seqused_k=None):
     """Attention over a varlen batch (FlashAttention's flash_attn_varlen_func): q [total_q, Hq, d],
-    k, v [total_k, Hkv, d], sequence b being rows cu_seqlens_*[b] .. cu_seqlens_*[b + 1]. Every
-    mask holds per sequence (causal: bottom right in each). Returns out [total_q, Hq, d] (and
-    lse [Hq, total_q])."""
-    batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate=validate)
+    k, v [total_k, Hkv, d], sequence b being rows cu_seqlens_*[b] .. cu_seqlens_*[b + 1]; with
+    seqused_k (int32 [B]), sequence b's keys are rows cu_seqlens_k[b] .. cu_seqlens_k[b] +
+    seqused_k[b], which may overlap another's. Every mask holds per sequence (causal: bottom
+    right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q])."""
+    batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                         validate=validate)
     spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
     return (out, lse) if return_lse else out

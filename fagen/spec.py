@@ -347,13 +347,23 @@ class Sequences(_Frozen):
 
     q: Literal["padded", "varlen"] = "padded"
     kv: Literal["padded", "varlen", "paged"] = "padded"
+    # varlen K/V: sequence b uses seqused_k[b] keys from row cu_seqlens_k[b] on (FlashAttention's
+    # seqused_k), so sequences may share rows: a rank's two zigzag query chunks, one K/V
+    seqused_k: bool = False
+
+    @model_validator(mode="after")
+    def _seqused_k_rules(self) -> Sequences:
+        if self.seqused_k and self.kv != "varlen":
+            raise ValueError(rule("sequences.seqused_k", True, f"with kv {self.kv!r}: it counts each sequence's keys "
+                                  "from its cu_seqlens_k row", "use kv: varlen, or remove seqused_k"))
+        return self
 
     @property
     def padded(self) -> bool:
         return self.q == "padded" and self.kv == "padded"
 
     def __str__(self) -> str:
-        return "padded" if self.padded else f"q {self.q}, kv {self.kv}"
+        return "padded" if self.padded else f"q {self.q}, kv {self.kv}" + (" (seqused_k)" if self.seqused_k else "")
 
 
 class Backward(_Frozen):

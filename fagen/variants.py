@@ -162,9 +162,11 @@ SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
 
 
 @cache
-def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded") -> AttentionSpec:
+def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded", seqused_k: bool = False
+                     ) -> AttentionSpec:
     """`spec` reading its sequences as `q` and `kv` lay them out (spec.sequences: varlen,
-    paged), named <name>_q<layout>_kv<layout> for the layouts that are not padded. The layouts
+    paged; with seqused_k, varlen K/V counted per sequence), named <name>_q<layout>_kv<layout>
+    (_seqused) for the layouts that are not padded. The layouts
     are the forward's (serving): spec's backward: section is not carried over, nor, for a paged
     cache, a TMA producer (pipeline.warp_specialized). A persistent producer's kernel stays
     persistent where it walks a varlen batch's tile table (plan.has_sequence_tiles) under a mask
@@ -173,10 +175,12 @@ def sequence_variant(spec: AttentionSpec, q: str = "padded", kv: str = "padded")
     beat the GPU's block scheduler by 5-27% and a static walk by 2-17% (H200, notes/perf.md).
     Elsewhere a block a tile: with even tiles a tile costs its sequence's length, and the block
     scheduler balanced a d64 batch of 1213-7032 keys 12% better than a static walk."""
-    if (spec.sequences.q, spec.sequences.kv) == (q, kv):
+    if (spec.sequences.q, spec.sequences.kv, spec.sequences.seqused_k) == (q, kv, seqused_k):
         return spec
     tags = [f"{side}{SEQUENCE_TAGS[layout]}" for side, layout in (("q", q), ("kv", kv)) if layout != "padded"]
-    data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "sequences": {"q": q, "kv": kv}, "backward": None}
+    tags += ["seqused"] * seqused_k
+    data = {**spec.model_dump(), "name": "_".join([spec.name, *tags]), "backward": None,
+            "sequences": {"q": q, "kv": kv, "seqused_k": seqused_k}}
     if spec.warp_specialized and kv == "paged":  # TMA maps describe whole tensors: every thread copies instead
         data["pipeline"] = {**data["pipeline"], "warp_specialized": None}
         if spec.tiling.warps_q == THREE_WARPGROUPS_WARPS:  # copying warpgroups: two of them

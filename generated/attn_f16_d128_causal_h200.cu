@@ -48,6 +48,7 @@
 //   sequences:
 //     kv: padded
 //     q: padded
+//     seqused_k: false
 //   smem_layout: swizzled
 //   tiling:
 //     block_kv: 128

@@ -28,6 +28,7 @@
 //   sequences:
 //     kv: padded
 //     q: padded
+//     seqused_k: false
 //   smem_layout: swizzled
 //   tiling:
 //     block_kv: 128

@@ -39,6 +39,7 @@
 //   sequences:
 //     kv: padded
 //     q: padded
+//     seqused_k: false
 //   smem_layout: padded
 //   tiling:
 //     block_kv: 64

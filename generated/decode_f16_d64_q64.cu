@@ -28,6 +28,7 @@
 //   sequences:
 //     kv: padded
 //     q: padded
+//     seqused_k: false
 //   smem_layout: padded
 //   tiling:
 //     block_kv: 64

@@ -17,7 +17,7 @@ import torch.distributed as tdist
 
 from fagen import distributed as dist
 from fagen import oracle
-from fagen.check import OUT_TOLERANCE, relative_error, to_numpy
+from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, relative_error, to_numpy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--time", type=int, nargs="*", default=[], help="sequence lengths to time")
@@ -73,6 +73,13 @@ for group_name, framework, dtype, hq, hkv in cases:
         qz, kz, vz = (dist.sharded_inputs(x, n, world, rank, "zigzag") for x in (q, k, v))
         local = dist.zigzag_attention(group, qz, k, v, n=n)
         check(f"3 zigzag causal N={n} {tag}", dist.gather_sequence(group, local, n=n), ref_causal, dtype)
+        local, lse = dist.zigzag_attention(group, qz[:1], k[:1], v[:1], n=n, return_lse=True)  # B 1: one launch
+        check(f"3 zigzag causal B=1 N={n} {tag}", dist.gather_sequence(group, local, n=n), ref_causal[:1], dtype)
+        ref_lse = oracle.attention(qn[:1], kn[:1], vn[:1], causal=True, return_lse=True)[1]
+        err = relative_error(to_numpy(dist.gather_sequence(group, lse[..., None], n=n)[..., 0]), ref_lse)
+        log(f"{'3 zigzag LSE B=1 N=' + str(n) + ' ' + tag:52} world={world} rel err {err:.2e} "
+            f"{'PASS' if err < LSE_TOLERANCE else 'FAIL'}")
+        assert err < LSE_TOLERANCE, "zigzag LSE"
         for causal, ref in ((True, ref_causal), (False, ref_dense)):
             local = dist.ring_attention(group, qz, kz, vz, n=n, causal=causal)
             check(f"4 ring attention {'causal' if causal else 'full'} N={n} {tag}",

@@ -121,6 +121,32 @@ def test_varlen_prefill_with_empty_and_many_sequences_matches_the_oracle(d):
         _check(out, lse, ref, ref_lse, "float16")
 
 
+@pytest.mark.parametrize("d", [128, 96])  # a TMA producer (wgmma, its tiles claimed); mma.sync
+def test_varlen_with_seqused_k_lets_sequences_share_keys(d):
+    """seqused_k (FlashAttention's): sequence b's keys are seqused_k[b] rows from cu_seqlens_k[b],
+    overlapping other sequences' (a zigzag rank's two chunks over one K/V), and none at all."""
+    rng = np.random.default_rng(11)
+    lens_q, used = [300, 170, 0, 90, 1], [500, 700, 0, 650, 3]
+    cu_q, cu_k = np.cumsum([0, *lens_q]), np.array([0, 0, 100, 100, 100, 800])
+    q = _randn(rng, (cu_q[-1], 8, d), "float16")
+    k, v = _randn(rng, (800, 2, d), "float16"), _randn(rng, (800, 2, d), "float16")
+    for mask in (Mask(kind="causal"), Mask()):
+        out = _nan(q.shape, "float16")
+        _, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens_q), max(used), mask=mask,
+                                        seqused_k=_int32(used), return_lse=True, out=out)
+        ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, seqused_k=used, mask=mask,
+                                               return_lse=True)
+        _check(out, lse, ref, ref_lse, "float16")
+
+
+def test_seqused_k_past_k_is_refused_before_launch():
+    q, k, v = (torch.zeros(n, 2, 64, dtype=torch.float16, device="cuda") for n in (10, 100, 100))
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 60 \(from row cu_seqlens_k\[1\] = 50\): must end within"):
+        fagen.attention_varlen(q, k, v, _int32([0, 5, 10]), _int32([0, 50, 100]), 5, 60, seqused_k=_int32([40, 60]))
+    with pytest.raises(ValueError, match=r"seqused_k \(3,\): \[B\] with B = 2"):
+        fagen.attention_varlen(q, k, v, _int32([0, 5, 10]), _int32([0, 50, 100]), 5, 60, seqused_k=_int32([1, 2, 3]))
+
+
 @pytest.mark.parametrize("mod", [ScoreMod(softcap=20.0), ScoreMod(alibi="slopes"), ScoreMod(sinks=True)],
                          ids=lambda m: m.model_dump_json(exclude_defaults=True))
 @pytest.mark.parametrize("nq", [1, 200])  # decode (packed split-KV) and prefill

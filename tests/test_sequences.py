@@ -8,7 +8,7 @@ from fagen import nvcc, oracle, variants
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.plan import plan, query_tile_slots
 from fagen.render import render
-from fagen.sequences import check_cu_seqlens, check_pages, query_tiles_numpy
+from fagen.sequences import check_cu_seqlens, check_pages, check_seqused_k, query_tiles_numpy
 from fagen.spec import Mask, ScoreMod, SpecError
 
 ATTN = load_spec(SPECS / "attn_f16_d128.yaml")
@@ -63,6 +63,35 @@ def test_a_persistent_varlen_walk_claims_its_tiles():
     assert "TileScheduler::claim" not in render(causal)
     dense = plan(variants.sequence_variant(load_spec(SPECS / "attn_f16_d128_h200.yaml"), "varlen", "varlen"))
     assert not dense.persistent and not dense.claimed_walk  # even tiles: a block a tile
+
+
+def test_seqused_k_counts_each_sequence_s_keys_from_its_row():
+    """FlashAttention's seqused_k: only with varlen K/V; two more parameters, each sequence's key
+    count clamped to k's rows in the kernel; the host check names the sequence and the rule."""
+    with pytest.raises(SpecError, match="sequences.seqused_k = True: with kv 'paged'"):
+        parse_spec({**ATTN.model_dump(), "sequences": {"q": "varlen", "kv": "paged", "seqused_k": True}}, "test")
+    used = variants.sequence_variant(ATTN, "varlen", "varlen", seqused_k=True)
+    assert used.name == "attn_f16_d128_qvarlen_kvvarlen_seqused"
+    assert [n for _, n in plan(used).sequence_params] == ["cu_seqlens_q", "total_q", "q_tiles", "cu_seqlens_k",
+                                                          "seqused_k", "total_k"]
+    source = render(used)
+    assert "n_kv = max(0, min(seqused_k[b], total_k - kv_start));" in source
+    assert "seqused_k[b]" not in render(variants.sequence_variant(ATTN, "varlen", "varlen"))
+    check_seqused_k(np.array([5, 7]), np.array([0, 0, 7]), 7, 7)  # two sequences over the same keys
+    for used_k, fix in (([-1, 7], "must be >= 0"), ([5, 8], "must end within k's 7 rows"),
+                        ([5, 7], "must be <= max_seqlen_k = 6")):
+        with pytest.raises(ValueError, match=fix):
+            check_seqused_k(np.array(used_k), np.array([0, 0, 7]), 7, 6 if "max" in fix else 7)
+
+
+def test_the_oracle_reads_seqused_k_as_each_sequence_s_keys():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((9, 2, 8)), rng.standard_normal((6, 1, 8)), rng.standard_normal((6, 1, 8))
+    got = oracle.attention_varlen(q, k, v, [0, 4, 9], [0, 0, 6], seqused_k=[3, 6], causal=True)
+    for rows, keys in ((slice(0, 4), slice(0, 3)), (slice(4, 9), slice(0, 6))):
+        one = oracle.attention(*(x[s].transpose(1, 0, 2)[None] for x, s in ((q, rows), (k, keys), (v, keys))),
+                               causal=True)
+        np.testing.assert_allclose(got[rows], one[0].transpose(1, 0, 2))
 
 
 def test_variant_names_say_the_layouts():
