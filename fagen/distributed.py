@@ -24,6 +24,7 @@ or pass a torch.distributed ProcessGroup.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -321,16 +322,27 @@ def _zigzag_one_launch(ref: DeviceTensor, q_local, k, v, rows, n: int, return_ls
     sequences over one K/V (Sequences.seqused_k), chunk (s, e) its rows against keys 0 .. e,
     causal bottom right; the kernel walks both chunks' tiles, the heavier chunk's first."""
     lengths = [e - s for s, e in rows]
-    cu_q = np.array([0, lengths[0], sum(lengths)], np.int32)
-    cu_k = np.array([0, 0, as_device_tensor(k, "k").shape[2]], np.int32)  # both start at key 0
-    used = np.array([e for _, e in rows], np.int32)
+    total_k = as_device_tensor(k, "k").shape[2]
     spec = variants.sequence_variant(_spec(ref, True, n), "varlen", "varlen", seqused_k=True)
     with cupy.cuda.Device(ref.device), stream_for(ref):
+        cu_q, cu_k, used = _zigzag_sequences(tuple(rows), total_k, ref.device)
         out = empty_like(ref, ref.shape, ref.dtype)
         batch = sequences.varlen_batch(_token_major(q_local), _token_major(k), _token_major(v), cu_q, cu_k,
-                                       max(max(lengths), 1), max(int(used.max()), 1), seqused_k=used, validate=False)
+                                       max(max(lengths), 1), max(max(e for _, e in rows), 1), seqused_k=used,
+                                       validate=False)
         _, lse = sequences.run(batch, spec, out=_token_major(out))
     return (out, lse[None]) if return_lse else out
+
+
+@cache
+def _zigzag_sequences(rows: tuple[tuple[int, int], ...], total_k: int, device: int):
+    """cu_seqlens_q, cu_seqlens_k and seqused_k of a rank's two chunks, on the device once: a
+    copy from the host each call would wait for the stream (pageable memory), and the host could
+    not queue the next step behind this one."""
+    lengths = [e - s for s, e in rows]
+    return (cupy.asarray(np.array([0, lengths[0], sum(lengths)], np.int32)),
+            cupy.asarray(np.array([0, 0, total_k], np.int32)),  # both chunks' keys start at key 0
+            cupy.asarray(np.array([e for _, e in rows], np.int32)))
 
 
 def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_local, *, n: int):
