@@ -287,9 +287,10 @@ def zigzag_attention(group, q_local, k, v, *, n: int, return_lse: bool = False):
     """Mode 3 (seed 004): causal self-attention with all of K/V on every rank; rank r holds its
     zigzag query chunks (r, 2w-1-r, back to back: sharded_inputs(q, n, w, r, "zigzag")) and
     computes their rows against the keys up to each chunk's end (tiles past the diagonal
-    skipped), the two chunks' launches side by side. Returns this rank's output rows, laid out
-    as q_local (gather_sequence assembles the whole sequence), and with return_lse their
-    natural-log LSE [B, H, rows] (float32)."""
+    skipped): at B = 1 one launch over both chunks (_zigzag_one_launch), else the two chunks'
+    launches side by side. Returns this rank's output rows, laid out as q_local
+    (gather_sequence assembles the whole sequence), and with return_lse their natural-log LSE
+    [B, H, rows] (float32)."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
     _check_rows(ref, rows, "q_local")
