@@ -251,12 +251,32 @@ def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts
     return np.array(rows + [(-1, 0)] * (slots - len(rows)), np.int32).reshape(slots, 2)
 
 
+def class_keys(batch: Batch) -> int | None:
+    """The keys that pick a varlen batch's shape class (fagen.variants.LONG_KEYS), as a padded
+    call's keys do: its average sequence's (total_k / B, on the host without a sync); None (the
+    base class) for other layouts. spec_for takes a long class only where it walks the batch
+    persistently, claiming its tiles (plan.claimed_walk): H200, causal, average 2-4k keys, the
+    long class against the base one: d64 (persistent) 1.07-1.12x; d128 (a block a tile)
+    0.90-0.94x, 1.01-1.02x from 8k; d256 (a block a tile) 1.03x (notes/perf.md)."""
+    if batch.kv_layout != "varlen" or batch.seqused_k:
+        return None
+    return int(batch.arguments["total_k"]) // batch.q.shape[0]
+
+
 def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
     """The kernel for a batch: the decode kernel where a KV head's packed rows (the longest
-    sequence's queries x its group) fit one, else the plain forward, in the batch's layouts."""
+    sequence's queries x its group) fit one, else the plain forward of its shape class
+    (class_keys), in the batch's layouts."""
     tq, tk = batch.q, batch.k
     plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
                             alibi_slopes=alibi_slopes, sinks=sinks)
+    keys = class_keys(batch)
+    if keys is not None:
+        long = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks, keys=keys)
+        ws = long.pipeline.warp_specialized
+        if ws is not None and ws.persistent:
+            plain = long
     if tq.shape[1] % tk.shape[1]:
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),

@@ -139,6 +139,25 @@ def test_varlen_with_seqused_k_lets_sequences_share_keys(d):
         _check(out, lse, ref, ref_lse, "float16")
 
 
+def test_a_long_varlen_batch_matches_the_oracle_on_its_shape_class():
+    """Sequences averaging LONG_KEYS keys or more take the long class where it walks
+    persistently (d64 causal on an H200: sequences.class_keys)."""
+    from fagen import device
+
+    rng = np.random.default_rng(12)
+    lens = [2500, 1700, 2300]
+    q, k, v, cu_q, cu_k = _varlen(rng, "float16", lens, lens, 4, 2, 64)
+    batch = sequences.varlen_batch(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens))
+    spec = sequences.spec_for(batch, causal=True, mask=None, softcap=None, alibi_slopes=None, sinks=None)
+    if device.gpu_slug() == "h200":
+        assert "_long_" in spec.name, spec.name
+    out = _nan(q.shape, "float16")
+    _, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens), causal=True,
+                                    return_lse=True, out=out)
+    ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, causal=True, return_lse=True)
+    _check(out, lse, ref, ref_lse, "float16")
+
+
 def test_seqused_k_past_k_is_refused_before_launch():
     q, k, v = (torch.zeros(n, 2, 64, dtype=torch.float16, device="cuda") for n in (10, 100, 100))
     with pytest.raises(ValueError, match=r"seqused_k\[1\] = 60 \(from row cu_seqlens_k\[1\] = 50\): must end within"):

@@ -94,6 +94,29 @@ def test_the_oracle_reads_seqused_k_as_each_sequence_s_keys():
         np.testing.assert_allclose(got[rows], one[0].transpose(1, 0, 2))
 
 
+def test_a_varlen_batch_takes_the_long_class_where_it_walks_persistently(monkeypatch):
+    """class_keys: a varlen batch's average keys pick its shape class as a padded call's keys do;
+    spec_for keeps a long class only where it walks persistently (d64 on an H200), not where it
+    runs a block a tile (d128), nor below LONG_KEYS."""
+    from fagen import device, sequences
+    from fagen.device import DeviceTensor
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+
+    def batch(dtype, d, b, total, kv="varlen", seqused=False):
+        t = DeviceTensor(None, "torch", 0, (b, 8, total // b, d), (0, 8 * d, d, 1), dtype, 0)
+        return sequences.Batch(t, t, t, "varlen", kv, {"total_q": total, "total_k": total}, (), seqused_k=seqused)
+
+    assert sequences.class_keys(batch("float16", 64, 4, 16384)) == 4096
+    assert sequences.class_keys(batch("float16", 64, 4, 16384, kv="paged")) is None
+    assert sequences.class_keys(batch("float16", 64, 4, 16384, seqused=True)) is None
+    pick = lambda *a: sequences.spec_for(batch(*a), causal=True, mask=None, softcap=None, alibi_slopes=None,  # noqa: E731
+                                         sinks=None).name
+    assert pick("bfloat16", 64, 4, 16384) == "attn_bf16_d64_causal_long_h200_qvarlen_kvvarlen"
+    assert pick("bfloat16", 64, 16, 16384) == "attn_bf16_d64_causal_h200_qvarlen_kvvarlen"  # 1024 keys
+    assert pick("float16", 128, 4, 16384) == "attn_f16_d128_causal_h200_qvarlen_kvvarlen"  # its long class: a block a tile
+
+
 def test_variant_names_say_the_layouts():
     assert variants.sequence_variant(ATTN, "varlen", "varlen").name == "attn_f16_d128_qvarlen_kvvarlen"
     assert variants.sequence_variant(DECODE, "padded", "paged").name == "decode_f16_d128_kvpaged"
