@@ -26,7 +26,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
 from fagen.mask_kinds import KINDS
 from fagen.masks import BlockMask
 from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
-from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, render_document_bounds
+from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, shared_kernels
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -612,9 +612,11 @@ def _check_sorted(docs) -> None:
 
 
 @cache
-def _document_bounds_function(device: int):
+def shared_function(name: str, device: int):
+    """A kernel no one spec owns (render.shared_kernels: the split-KV merges, the document
+    bounds, the varlen tile table), compiled once a device and process."""
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=render_document_bounds(), options=NVRTC_OPTIONS).get_function(DOCUMENT_BOUNDS)
+        return cupy.RawModule(code=shared_kernels()[f"{name}.cu"], options=NVRTC_OPTIONS).get_function(name)
 
 
 def _doc_ids(raw, device: int) -> DeviceTensor:
@@ -637,10 +639,10 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
     rows, n = docs.shape
     bounds = empty_like(like, (rows, n, 2), "int32") if out is None else out
     # pointers as 64-bit scalars: no CuPy view of a torch tensor a call
-    _document_bounds_function(docs.device)(((n + DOCUMENT_BOUNDS_THREADS - 1) // DOCUMENT_BOUNDS_THREADS, rows),
-                                           (DOCUMENT_BOUNDS_THREADS,),
-                                           (np.uint64(docs.ptr), np.int64(docs.strides[0]), np.int32(n),
-                                            np.uint64(as_device_tensor(bounds, "doc_bounds").ptr)))
+    shared_function(DOCUMENT_BOUNDS, docs.device)(((n + DOCUMENT_BOUNDS_THREADS - 1) // DOCUMENT_BOUNDS_THREADS, rows),
+                                                  (DOCUMENT_BOUNDS_THREADS,),
+                                                  (np.uint64(docs.ptr), np.int64(docs.strides[0]), np.int32(n),
+                                                   np.uint64(as_device_tensor(bounds, "doc_bounds").ptr)))
     return bounds
 
 

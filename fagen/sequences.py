@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 
@@ -32,8 +31,8 @@ from fagen import variants
 from fagen.decode import default_splits, step_spec
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
-from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS, render_sequence_tiles
-from fagen.runtime import NVRTC_OPTIONS, _aux_array, _check_layout, compile_kernel, derive_spec_for
+from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
+from fagen.runtime import _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import merge_launch
 
@@ -213,12 +212,6 @@ def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=
     return Batch(tq, *kv, q_layout, "paged", args, (*held, table, seqlens, st, status))
 
 
-@cache
-def _query_tiles_function(device: int):
-    with cupy.cuda.Device(device):
-        return cupy.RawModule(code=render_sequence_tiles(), options=NVRTC_OPTIONS).get_function(SEQUENCE_TILES)
-
-
 def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
     """A varlen batch's query tile table (plan.sequence_tiles) from cu_seqlens_q (a device address,
     batch + 1 int32s), by one launch on the current stream: int32 [query_tile_slots + 1, 2] from
@@ -229,7 +222,7 @@ def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like:
     slots = query_tile_slots(total_q, batch, block_q)
     table = empty_like(like, (slots + 1, 2), "int32")
     ptr = as_device_tensor(table, "q_tiles").ptr
-    _query_tiles_function(like.device)((1,), (SEQUENCE_TILES_THREADS,), (
+    shared_function(SEQUENCE_TILES, like.device)((1,), (SEQUENCE_TILES_THREADS,), (
         np.uint64(cu_seqlens_q), np.int32(batch), np.int32(block_q), np.int32(slots), np.uint64(ptr),
         np.uint64(claimed_counter(ptr, slots))))
     return table

@@ -8,15 +8,14 @@ same partials and merge carry sequence-sharded attention across GPUs (fagen.dist
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import numpy as np
 
 from fagen import variants
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, multiprocessors, stream_for
-from fagen.render import MERGE_DTYPES, merge_name, render_merge
+from fagen.render import MERGE_DTYPES, merge_name
 from fagen.plan import merge_plan, merge_warps
-from fagen.runtime import Launch, compile_kernel, default_spec
+from fagen.runtime import Launch, compile_kernel, default_spec, shared_function
 from fagen.spec import AttentionSpec
 
 
@@ -26,12 +25,6 @@ def choose_splits(blocks: int, kv_tiles: int, sm_count: int) -> int:
     if blocks >= sm_count or kv_tiles < 4:
         return 1
     return max(1, min(kv_tiles // 2, math.ceil(2 * sm_count / blocks)))
-
-
-@cache
-def _merge_function(out_dtype: str, device: int):
-    with cupy.cuda.Device(device):
-        return cupy.RawModule(code=render_merge(out_dtype), options=("-std=c++17",)).get_function(merge_name(out_dtype))
 
 
 def merge(o_parts, lse_parts, *, sinks=None, out=None, out_dtype: str | None = None):
@@ -86,7 +79,7 @@ def merge_launch(o_parts, lse_parts, out, lse, *, sinks=None) -> MergeLaunch:
     values = dict(o_parts=tp.ptr, lse_parts=tl.ptr, sinks=sink_ptr, out=to.ptr, lse=tlse.ptr,
                   splits=s, rows=rows, head_dim=d, heads=h, n_q=n, part_stride=b * h * n * d,
                   lse_part_stride=b * h * n, **dict(zip(("o_sb", "o_sh", "o_sn"), to.strides[:3])))
-    launch = Launch(_merge_function(to.dtype, tp.device), (rows, 1, 1), 32 * merge_warps(s), 0, geometry.params, values,
+    launch = Launch(shared_function(merge_name(to.dtype), tp.device), (rows, 1, 1), 32 * merge_warps(s), 0, geometry.params, values,
                     slots=("out", "lse"))
     return MergeLaunch(launch, held)
 

@@ -92,14 +92,17 @@ def test_the_query_tile_table_kernel_matches_numpy(b):
 def test_the_query_tile_table_is_never_written_past_its_end():
     """cu_seqlens go unchecked with validate=False: lengths summing past total_q fill the table
     and stop at its end (a sentinel row after it stays)."""
+    from fagen.render import SEQUENCE_TILES
+    from fagen.runtime import shared_function
+
     lengths = [5000, 3000, 7000, -900, 2**30]  # total_q said 100: slots for 100 rows
     cu = _int32(np.cumsum([0, *lengths]))
     slots = 4
     buffer = torch.full((slots + 1, 2), 77, dtype=torch.int32, device="cuda")
     claimed = torch.full((1,), 77, dtype=torch.int32, device="cuda")
-    sequences._query_tiles_function(0)((1,), (256,), (np.uint64(cu.data_ptr()), np.int32(len(lengths)), np.int32(128),
-                                                      np.int32(slots), np.uint64(buffer.data_ptr()),
-                                                      np.uint64(claimed.data_ptr())))
+    shared_function(SEQUENCE_TILES, 0)((1,), (256,), (np.uint64(cu.data_ptr()), np.int32(len(lengths)), np.int32(128),
+                                                  np.int32(slots), np.uint64(buffer.data_ptr()),
+                                                  np.uint64(claimed.data_ptr())))
     got = buffer.cpu().numpy()
     assert (got[slots] == 77).all() and set(got[:slots, 0]) <= {0, 1, 2, 4}
     assert int(claimed.item()) == 0  # the claimed walk's count, zeroed
