@@ -50,7 +50,11 @@ class Batch:
     kv_layout: str  # "padded", "varlen" or "paged"
     arguments: dict
     held: tuple  # device arrays behind the arguments' pointers
-    seqused_k: bool = False  # varlen K/V counted per sequence (Sequences.seqused_k)
+
+    @property
+    def seqused_k(self) -> bool:
+        """Varlen K/V counted per sequence (Sequences.seqused_k)."""
+        return "seqused_k" in self.arguments
 
 
 def _view(t: DeviceTensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> DeviceTensor:
@@ -142,8 +146,7 @@ def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     return Batch(_view(tq, (b, tq.shape[1], int(max_seqlen_q), tq.shape[2]), (0, tq.strides[1], tq.strides[0], 1)),
                  *(_view(t, (b, t.shape[1], int(max_seqlen_k), t.shape[2]), (0, t.strides[1], t.strides[0], 1))
                    for t in (tk, tv)),
-                 "varlen", "varlen", arguments, (cu_q, cu_k) + ((used,) if used is not None else ()),
-                 seqused_k=used is not None)
+                 "varlen", "varlen", arguments, (cu_q, cu_k) + ((used,) if used is not None else ()))
 
 
 def check_pages(page_table: np.ndarray, cache_seqlens: np.ndarray, num_pages: int, page_size: int) -> None:
