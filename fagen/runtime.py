@@ -188,12 +188,18 @@ class Launch:
             for index, address in zip(self.slots, addresses):
                 values[index] = address
         if self.maps:
-            self._re_encode(addresses)
+            self.re_encode(addresses)
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         self._driver_launch(stream, self.params, 0)
 
-    def _re_encode(self, addresses: tuple[int, ...]) -> None:
+    def driver_call(self) -> tuple:
+        """(CUfunction, grid, threads, shared memory, dependent, the pointer array's address, the
+        slots' address): what launching this from C takes (fagen.hot_path)."""
+        return (self.function, self.grid, self.block, self.smem, isinstance(self._driver_launch, DependentLaunch),
+                self.params, self.values.ctypes.data)
+
+    def re_encode(self, addresses: tuple[int, ...]) -> None:
         """TMA reads a tensor's address from its map: encode the maps of re-pointed tensors."""
         for i, (slot, tensor, dtype, layout) in enumerate(self.maps):
             if tensor < len(addresses) and addresses[tensor] != self._mapped[i]:

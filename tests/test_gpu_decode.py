@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import decode, oracle, variants
+from fagen import decode, hot_path, oracle, variants
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
 from fagen.device import cupy
 from fagen.spec import Mask, ScoreMod
@@ -167,6 +167,32 @@ def test_a_prepared_call_matches_the_oracle_on_fresh_tensors(framework, shape):
                                         return_lse=True)
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
         assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+
+
+@pytest.mark.parametrize("shape", [(1, 32, 8, 1, 8191), (1, 32, 8, 16, 20000), (1, 4, 1, 64, 300)],
+                         ids=["merged-in-kernel", "merge-kernel", "plain-forward"])
+def test_a_prepared_torch_call_runs_the_c_hot_path_as_the_python_path_does(shape):
+    """A torch call takes fagen.hot_path's C path (the GPU machines have a C compiler): into a
+    NaN-poisoned out it writes bitwise what the Python path writes, for a step whose last split
+    merges, a split kernel with the merge kernel after it, and the plain forward (sm_90: tensor
+    maps re-encoded for a new q)."""
+    import torch
+
+    b, hq, hkv, nq, nk = shape
+    q, k, v, _ = random_inputs("torch", "float16", b, hq, hkv, nq, nk, 128)
+    call = fagen.prepare(q, k, v, causal=True)
+    assert call._hot is not None, hot_path.reason()
+    assert (call.merge is not None) == (nq == 16)
+    q = random_inputs("torch", "float16", b, hq, hkv, nq, nk, 128)[0]  # a new step's queries, a new address
+    out = torch.full_like(q, float("nan"))
+    assert call._hot.run(q, k, v, out) is out  # the C path itself, not a fallback
+    hot = out.clone()
+    call._hot = None  # the Python path
+    out.fill_(float("nan"))
+    assert call(q, k, v, out=out) is out
+    assert torch.equal(out, hot)
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
+    assert relative_error(to_numpy(hot), ref) < OUT_TOLERANCE["float16"]
 
 
 def test_a_prepared_call_allocates_out_contiguous_whatever_q_s_layout():

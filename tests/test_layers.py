@@ -21,8 +21,8 @@ LAYERS = [
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
     ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU
-    ("device", "tensor_maps", "dependent_launch"),  # CuPy, tensor adapters, streams, GPU identity; the driver:
-    # TMA tensor maps, programmatic dependent launches
+    ("device", "tensor_maps", "dependent_launch", "hot_path"),  # CuPy, tensor adapters, streams, GPU identity;
+    # the driver: TMA tensor maps, programmatic dependent launches, a prepared call's launches from C
     ("process_group",),  # the ranks of a multi-GPU run: fagen's NCCL group or a torch.distributed one
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs

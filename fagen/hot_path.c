@@ -1,0 +1,321 @@
+/* A prepared call's hot path: the checks, pointer reads and driver launches of
+ * fagen.decode.PreparedAttention.__call__ for PyTorch tensors, in C.
+ *
+ * Why: a decode step's host time is the driver's launch (3.6 us on an H200 host) plus the
+ * interpreter's work around it (4.7 us there: the layout checks, data_ptr, the stream, the
+ * Launch's slot stores and its ctypes call). Everything that reads a tensor still goes through
+ * torch's Python bindings; what leaves is the bytecode between those calls.
+ *
+ * Built by fagen/hot_path.py with the host's C compiler against Python.h alone: no CUDA or
+ * torch headers. The driver entry points come in as addresses (cuLaunchKernelEx,
+ * cuStreamIsCapturing), so a test can hand in recording callbacks instead.
+ *
+ * A call that is not the fast case (another layout, dtype, device or out) returns
+ * NotImplemented and launches nothing: the Python path then checks it again and raises its
+ * message. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define MAX_LAUNCHES 2 /* the split kernel and the merge kernel after it */
+#define ADDRESSES 5    /* q, k, v, out, lse: what a call may re-point, in this order */
+#define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CUlaunchAttributeID, cuda.h */
+
+/* CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out */
+typedef struct {
+    int id;
+    char pad[4];
+    unsigned value[16];
+} LaunchAttribute;
+
+typedef struct {
+    unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, smem;
+    void *stream;
+    LaunchAttribute *attrs;
+    unsigned num_attrs;
+} LaunchConfig;
+
+typedef int (*LaunchKernelEx)(const LaunchConfig *, void *function, void **params, void **extra);
+typedef int (*StreamIsCapturing)(void *stream, int *status);
+
+typedef struct {
+    LaunchConfig config;
+    LaunchAttribute attribute;
+    void *function;
+    void **params;              /* the Launch's pointer array, one entry a parameter */
+    uint64_t *values;           /* the Launch's 8-byte slots the pointers point into */
+    int slots[ADDRESSES];       /* the slot each address goes to; -1: not a parameter */
+    PyObject *re_encode;        /* Launch.re_encode (tensor maps of moved tensors), or NULL */
+} Launch;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *layout;           /* (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) */
+    PyObject *dtype, *out_shape, *out_stride;
+    long device;
+    PyObject *stream_of;        /* device -> the current stream's handle */
+    PyObject *current_device;   /* () -> the calling thread's device */
+    PyObject *allocate;         /* q -> out */
+    PyObject *on_capture;       /* () : called once, the first call under stream capture */
+    PyObject *keep;             /* the Launch objects whose buffers `launches` point into */
+    uint64_t lse;
+    LaunchKernelEx launch_kernel;
+    StreamIsCapturing is_capturing;
+    int captured, launch_count;
+    Launch launches[MAX_LAUNCHES];
+} HotPath;
+
+static PyObject *SHAPE, *STRIDE, *DTYPE, *GET_DEVICE, *DATA_PTR;
+
+static int same(PyObject *a, PyObject *b) {
+    return a && b && PyObject_RichCompareBool(a, b, Py_EQ) == 1;
+}
+
+static int attribute_is(PyObject *tensor, PyObject *name, PyObject *expected) {
+    PyObject *got = PyObject_GetAttr(tensor, name);
+    int ok = same(got, expected);
+    Py_XDECREF(got);
+    return ok;
+}
+
+static int method_is(PyObject *tensor, PyObject *name, PyObject *expected) {
+    PyObject *got = PyObject_CallMethodNoArgs(tensor, name);
+    int ok = same(got, expected);
+    Py_XDECREF(got);
+    return ok;
+}
+
+static int device_is(PyObject *tensor, long device) {
+    PyObject *got = PyObject_CallMethodNoArgs(tensor, GET_DEVICE);
+    long value = got ? PyLong_AsLong(got) : -1;
+    Py_XDECREF(got);
+    return value == device;
+}
+
+/* t.data_ptr(), or 0 with the error set */
+static uint64_t address_of(PyObject *tensor) {
+    PyObject *got = PyObject_CallMethodNoArgs(tensor, DATA_PTR);
+    uint64_t value = got ? (uint64_t)PyLong_AsUnsignedLongLong(got) : 0;
+    Py_XDECREF(got);
+    return value;
+}
+
+/* shape, strides, dtype and device as prepared: what makes the packed launch safe to reuse */
+static int laid_out_as_prepared(HotPath *self, PyObject *const *qkv) {
+    for (int i = 0; i < 3; i++) {
+        PyObject *t = qkv[i];
+        if (!attribute_is(t, SHAPE, PyTuple_GET_ITEM(self->layout, 2 * i))
+                || !method_is(t, STRIDE, PyTuple_GET_ITEM(self->layout, 2 * i + 1))
+                || !attribute_is(t, DTYPE, self->dtype) || !device_is(t, self->device))
+            return 0;
+    }
+    return 1;
+}
+
+static int out_as_prepared(HotPath *self, PyObject *out) {
+    return attribute_is(out, SHAPE, self->out_shape) && method_is(out, STRIDE, self->out_stride)
+        && attribute_is(out, DTYPE, self->dtype) && device_is(out, self->device);
+}
+
+static int launch_one(HotPath *self, Launch *launch, void *stream, const uint64_t *addresses) {
+    for (int i = 0; i < ADDRESSES; i++)
+        if (launch->slots[i] >= 0) launch->values[launch->slots[i]] = addresses[i];
+    if (launch->re_encode) {
+        PyObject *moved = Py_BuildValue("(KKKKK)", addresses[0], addresses[1], addresses[2], addresses[3],
+                                        addresses[4]);
+        PyObject *done = moved ? PyObject_CallOneArg(launch->re_encode, moved) : NULL;
+        Py_XDECREF(moved);
+        if (!done) return -1;
+        Py_DECREF(done);
+    }
+    launch->config.stream = stream;
+    int status = self->launch_kernel(&launch->config, launch->function, launch->params, NULL);
+    if (status) {
+        PyErr_Format(PyExc_RuntimeError, "cuLaunchKernelEx failed: CUresult %d", status);
+        return -1;
+    }
+    return 0;
+}
+
+/* run(q, k, v, out): out (allocated where None) after the launches; NotImplemented where the
+ * tensors are not as prepared */
+static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "run(q, k, v, out): four arguments");
+        return NULL;
+    }
+    PyObject *device = PyObject_CallNoArgs(self->current_device);
+    if (!device) return NULL;
+    long current = PyLong_AsLong(device);
+    Py_DECREF(device);
+    if (current != self->device || !laid_out_as_prepared(self, args)) {
+        PyErr_Clear();  /* a check that raised (not a torch tensor): the Python path says why */
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *out = args[3];
+    if (out == Py_None) {
+        out = PyObject_CallOneArg(self->allocate, args[0]);
+        if (!out) return NULL;
+    } else if (out_as_prepared(self, out)) {
+        Py_INCREF(out);
+    } else {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *handle = PyObject_CallOneArg(self->stream_of, PyTuple_GET_ITEM(self->keep, 0));
+    if (!handle) goto fail;
+    void *stream = PyLong_AsVoidPtr(handle);
+    Py_DECREF(handle);
+    if (PyErr_Occurred()) goto fail;
+    if (!self->captured) {  /* a graph captured now replays into the owner's workspace: keep it */
+        int status = 0;
+        if (self->is_capturing(stream, &status)) {
+            PyErr_SetString(PyExc_RuntimeError, "cuStreamIsCapturing failed");
+            goto fail;
+        }
+        if (status) {
+            PyObject *kept = PyObject_CallNoArgs(self->on_capture);
+            if (!kept) goto fail;
+            Py_DECREF(kept);
+            self->captured = 1;
+        }
+    }
+    uint64_t addresses[ADDRESSES];
+    PyObject *tensors[4] = {args[0], args[1], args[2], out};
+    for (int i = 0; i < 4; i++) {
+        addresses[i] = address_of(tensors[i]);
+        if (PyErr_Occurred()) goto fail;
+    }
+    addresses[4] = self->lse;
+    for (int i = 0; i < self->launch_count; i++)
+        if (launch_one(self, &self->launches[i], stream, addresses)) goto fail;
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* HotPath(layout, dtype, device, out_shape, out_stride, stream_of, current_device, allocate,
+ *         on_capture, lse, launch_kernel, is_capturing, launches): launches a tuple of
+ * (function, (grid x, y, z), threads, smem, dependent, params, values, slots, re_encode, owner) */
+static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
+    PyObject *layout, *dtype, *out_shape, *out_stride, *stream_of, *current_device, *allocate, *on_capture;
+    PyObject *launches;
+    long device;
+    unsigned long long lse, launch_kernel, is_capturing;
+    if (self->keep) {
+        PyErr_SetString(PyExc_RuntimeError, "HotPath: initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!OlOOOOOOKKKO!", &PyTuple_Type, &layout, &dtype, &device, &out_shape,
+                          &out_stride, &stream_of, &current_device, &allocate, &on_capture, &lse,
+                          &launch_kernel, &is_capturing, &PyTuple_Type, &launches))
+        return -1;
+    if (PyTuple_GET_SIZE(layout) != 6 || PyTuple_GET_SIZE(launches) < 1
+            || PyTuple_GET_SIZE(launches) > MAX_LAUNCHES) {
+        PyErr_SetString(PyExc_ValueError, "HotPath: a layout of 6 and 1-2 launches");
+        return -1;
+    }
+    /* keep: the device as an int object (stream_of's argument), then every launch's owner */
+    self->keep = PyTuple_New(1 + PyTuple_GET_SIZE(launches));
+    if (!self->keep) return -1;
+    PyTuple_SET_ITEM(self->keep, 0, PyLong_FromLong(device));
+    self->layout = Py_NewRef(layout);
+    self->dtype = Py_NewRef(dtype);
+    self->out_shape = Py_NewRef(out_shape);
+    self->out_stride = Py_NewRef(out_stride);
+    self->stream_of = Py_NewRef(stream_of);
+    self->current_device = Py_NewRef(current_device);
+    self->allocate = Py_NewRef(allocate);
+    self->on_capture = Py_NewRef(on_capture);
+    self->device = device;
+    self->lse = lse;
+    self->launch_kernel = (LaunchKernelEx)(uintptr_t)launch_kernel;
+    self->is_capturing = (StreamIsCapturing)(uintptr_t)is_capturing;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(launches); i++) {
+        Launch *launch = &self->launches[i];
+        unsigned long long function, params, values;
+        int dependent;
+        PyObject *slots, *re_encode, *owner;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)IIpKKO!OO", &function,
+                              &launch->config.grid_x, &launch->config.grid_y, &launch->config.grid_z,
+                              &launch->config.block_x, &launch->config.smem, &dependent, &params, &values,
+                              &PyTuple_Type, &slots, &re_encode, &owner))
+            return -1;
+        if (PyTuple_GET_SIZE(slots) != ADDRESSES) {
+            PyErr_SetString(PyExc_ValueError, "HotPath: a launch's slots are (q, k, v, out, lse)");
+            return -1;
+        }
+        for (int j = 0; j < ADDRESSES; j++) {
+            launch->slots[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(slots, j));
+            if (PyErr_Occurred()) return -1;
+        }
+        launch->config.block_y = launch->config.block_z = 1;
+        launch->attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION;
+        launch->attribute.value[0] = 1;
+        launch->config.attrs = dependent ? &launch->attribute : NULL;
+        launch->config.num_attrs = dependent ? 1 : 0;
+        launch->function = (void *)(uintptr_t)function;
+        launch->params = (void **)(uintptr_t)params;
+        launch->values = (uint64_t *)(uintptr_t)values;
+        launch->re_encode = re_encode == Py_None ? NULL : Py_NewRef(re_encode);
+        PyTuple_SET_ITEM(self->keep, 1 + i, Py_NewRef(owner));
+        self->launch_count = (int)i + 1;  /* dealloc releases what is set */
+    }
+    return 0;
+}
+
+static void HotPath_dealloc(HotPath *self) {
+    Py_XDECREF(self->layout);
+    Py_XDECREF(self->dtype);
+    Py_XDECREF(self->out_shape);
+    Py_XDECREF(self->out_stride);
+    Py_XDECREF(self->stream_of);
+    Py_XDECREF(self->current_device);
+    Py_XDECREF(self->allocate);
+    Py_XDECREF(self->on_capture);
+    Py_XDECREF(self->keep);
+    for (int i = 0; i < self->launch_count; i++) Py_XDECREF(self->launches[i].re_encode);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *HotPath_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    return type->tp_alloc(type, 0);  /* zeroed: dealloc is safe before init succeeds */
+}
+
+static PyMethodDef HotPath_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))HotPath_run, METH_FASTCALL,
+     "run(q, k, v, out): out after the launches, or NotImplemented where the tensors are not as prepared"},
+    {NULL}};
+
+static PyTypeObject HotPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fagen_hot_path.HotPath",
+    .tp_basicsize = sizeof(HotPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A prepared call's checks and launches, for PyTorch tensors",
+    .tp_new = HotPath_new,
+    .tp_init = (initproc)HotPath_init,
+    .tp_dealloc = (destructor)HotPath_dealloc,
+    .tp_methods = HotPath_methods,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fagen_hot_path", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit_fagen_hot_path(void) {
+    if (PyType_Ready(&HotPathType) < 0) return NULL;
+    SHAPE = PyUnicode_InternFromString("shape");
+    STRIDE = PyUnicode_InternFromString("stride");
+    DTYPE = PyUnicode_InternFromString("dtype");
+    GET_DEVICE = PyUnicode_InternFromString("get_device");
+    DATA_PTR = PyUnicode_InternFromString("data_ptr");
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&HotPathType);
+    if (PyModule_AddObject(m, "HotPath", (PyObject *)&HotPathType) < 0) {
+        Py_DECREF(&HotPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,205 @@
+"""fagen.hot_path without a GPU: the C hot path of a prepared call, built with this machine's
+compiler and driven with torch-like tensors and recording stand-ins for the driver's
+cuLaunchKernelEx and cuStreamIsCapturing (whose config layout test_dependent_launch checks
+against cuda.h)."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from fagen import hot_path
+from fagen.dependent_launch import PROGRAMMATIC_STREAM_SERIALIZATION, _Config
+
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                          ctypes.c_void_p)
+IS_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+FLOAT16 = object()  # a dtype: compared by identity, as torch's are
+STREAM = 0x5EED
+
+
+class Tensor:
+    """What the hot path reads of a torch tensor."""
+
+    def __init__(self, shape, address, dtype=FLOAT16, device=0, stride=None):
+        self.shape, self.dtype, self._device, self._address = tuple(shape), dtype, device, address
+        self._stride = stride or tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+    def stride(self):
+        return self._stride
+
+    def get_device(self):
+        return self._device
+
+    def data_ptr(self):
+        return self._address
+
+
+class Driver:
+    """Recording cuLaunchKernelEx and cuStreamIsCapturing; `status` is what the launch returns."""
+
+    def __init__(self):
+        self.launches, self.capturing, self.status = [], 0, 0
+        self.launch = LAUNCH(self._launch)
+        self.is_capturing = IS_CAPTURING(self._is_capturing)
+
+    def _launch(self, config, function, params, extra):
+        c = config.contents
+        attributes = [(c.attrs[i].id, c.attrs[i].value[0]) for i in range(c.num_attrs)]
+        self.launches.append(dict(function=function, grid=(c.grid_x, c.grid_y, c.grid_z),
+                                  block=(c.block_x, c.block_y, c.block_z), smem=c.smem, stream=c.stream,
+                                  attributes=attributes, extra=extra,
+                                  params=[ctypes.c_uint64.from_address(params[i]).value for i in range(SLOTS)]))
+        return self.status
+
+    def _is_capturing(self, stream, status):
+        status[0] = self.capturing
+        return 0
+
+    def addresses(self):
+        return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (self.launch, self.is_capturing))
+
+
+SLOTS = 8
+
+
+class PackedLaunch:
+    """A Launch's buffers: 8-byte slots and the pointer array into them."""
+
+    def __init__(self, function, slots, dependent=False, re_encode=None):
+        self.values = np.full(SLOTS, 7, np.uint64)  # 7: a slot the call leaves alone
+        self.pointers = (self.values.ctypes.data + 8 * np.arange(SLOTS, dtype=np.uint64)).astype(np.uint64)
+        self.entry = (function, (8, 1, 4), 128, 135168, dependent, self.pointers.ctypes.data, self.values.ctypes.data,
+                      slots, re_encode, self)
+
+
+class Prepared:
+    """A HotPath as PreparedAttention builds one, for q, k, v [1, 32, 1, 128] / [1, 8, 1024, 128]."""
+
+    LSE = 0xE000
+
+    def __init__(self, launches, device=0, current_device=0):
+        self.driver = Driver()
+        self.q = Tensor((1, 32, 1, 128), 0xA000)
+        self.k = Tensor((1, 8, 1024, 128), 0xB000)
+        self.v = Tensor((1, 8, 1024, 128), 0xC000)
+        self.allocated, self.captures, self.streams_asked = [], 0, []
+        layout = tuple(x for t in (self.q, self.k, self.v) for x in (t.shape, t.stride()))
+        self.hot = hot_path.module().HotPath(
+            layout, FLOAT16, device, self.q.shape, self.q.stride(), self._stream_of, lambda: current_device,
+            self._allocate, self._on_capture, self.LSE, *self.driver.addresses(), tuple(p.entry for p in launches))
+
+    def _stream_of(self, device):
+        self.streams_asked.append(device)
+        return STREAM
+
+    def _allocate(self, q):
+        out = Tensor(q.shape, 0xD000 + 0x100 * len(self.allocated))
+        self.allocated.append(out)
+        return out
+
+    def _on_capture(self):
+        self.captures += 1
+
+
+@pytest.fixture(scope="module")
+def module():
+    built = hot_path.module()
+    assert built is not None, hot_path.reason()  # CI has a C compiler and Python.h: it must build
+    return built
+
+
+def test_a_call_re_points_every_slot_and_launches_once(module):
+    packed = PackedLaunch(0xF00, (0, 1, 2, 3, 4), dependent=True)
+    p = Prepared([packed])
+    out = Tensor(p.q.shape, 0xD000)
+    assert p.hot.run(p.q, p.k, p.v, out) is out
+    (launch,) = p.driver.launches
+    assert launch["function"] == 0xF00 and launch["grid"] == (8, 1, 4) and launch["block"] == (128, 1, 1)
+    assert launch["smem"] == 135168 and launch["stream"] == STREAM and launch["extra"] is None
+    assert launch["params"] == [0xA000, 0xB000, 0xC000, 0xD000, Prepared.LSE, 7, 7, 7]
+    assert launch["attributes"] == [(PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
+    assert p.streams_asked == [0] and p.captures == 0
+
+
+def test_a_plain_launch_has_no_attribute_and_out_is_allocated_where_not_given(module):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    out = p.hot.run(p.q, p.k, p.v, None)
+    assert out is p.allocated[0] and out.shape == p.q.shape
+    (launch,) = p.driver.launches
+    assert launch["attributes"] == [] and launch["params"][3] == out.data_ptr()
+
+
+def test_the_merge_launch_takes_out_and_lse_and_the_split_kernel_the_inputs(module):
+    split, merge = PackedLaunch(0xF00, (0, 1, 2, -1, -1)), PackedLaunch(0xF01, (-1, -1, -1, 1, 0))
+    p = Prepared([split, merge])
+    out = Tensor(p.q.shape, 0xD000)
+    p.hot.run(p.q, p.k, p.v, out)
+    first, second = p.driver.launches
+    assert first["function"] == 0xF00 and first["params"][:4] == [0xA000, 0xB000, 0xC000, 7]
+    assert second["function"] == 0xF01 and second["params"][:3] == [Prepared.LSE, 0xD000, 7]
+
+
+def test_tensor_maps_are_re_encoded_with_the_five_addresses(module):
+    seen = []
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4), re_encode=seen.append)])
+    p.hot.run(p.q, p.k, p.v, Tensor(p.q.shape, 0xD000))
+    assert seen == [(0xA000, 0xB000, 0xC000, 0xD000, Prepared.LSE)]
+
+
+def _not_as_prepared(p):
+    """(what differs, q, k, v, out): each a call the hot path must hand back"""
+    q, k, v = p.q, p.k, p.v
+    out = Tensor(q.shape, 0xD000)
+    return [
+        ("q's shape", Tensor((1, 32, 2, 128), 0xA000), k, v, out),
+        ("k's strides", q, Tensor(k.shape, 0xB000, stride=(2 ** 20, 128, 1024, 1)), v, out),
+        ("v's dtype", q, k, Tensor(v.shape, 0xC000, dtype=object()), out),
+        ("v's device", q, k, Tensor(v.shape, 0xC000, device=1), out),
+        ("out's shape", q, k, v, Tensor((1, 32, 1, 64), 0xD000)),
+        ("out's strides", q, k, v, Tensor(q.shape, 0xD000, stride=(4096, 1, 4096, 32))),
+        ("out's dtype", q, k, v, Tensor(q.shape, 0xD000, dtype=object())),
+        ("not a tensor", q, k, object(), out),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_tensors_not_as_prepared_are_handed_back_unlaunched(module, case):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    what, q, k, v, out = _not_as_prepared(p)[case]
+    assert p.hot.run(q, k, v, out) is NotImplemented, what
+    assert p.driver.launches == [] and p.allocated == []
+
+
+def test_another_current_device_is_handed_back(module):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))], current_device=1)
+    assert p.hot.run(p.q, p.k, p.v, None) is NotImplemented and p.driver.launches == []
+
+
+def test_the_first_call_under_capture_keeps_the_owner_once(module):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    p.hot.run(p.q, p.k, p.v, None)
+    assert p.captures == 0
+    p.driver.capturing = 1  # cudaStreamCaptureStatusActive
+    p.hot.run(p.q, p.k, p.v, None)
+    p.hot.run(p.q, p.k, p.v, None)
+    assert p.captures == 1 and len(p.driver.launches) == 3
+
+
+def test_a_failed_launch_raises_with_the_driver_s_code(module):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    p.driver.status = 700
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx failed: CUresult 700"):
+        p.hot.run(p.q, p.k, p.v, None)
+
+
+def test_a_launch_needs_five_slots(module):
+    with pytest.raises(ValueError, match=r"slots are \(q, k, v, out, lse\)"):
+        Prepared([PackedLaunch(0xF00, (0, 1, 2))])
+
+
+def test_a_build_that_fails_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    with pytest.raises(RuntimeError, match="false failed on hot_path.c"):
+        hot_path.build(tmp_path / "hot.so")
+    assert not list(tmp_path.iterdir())  # no partial library left behind
