@@ -52,5 +52,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwa
     return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
 
 
+def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs):
+    """attention_with_kvcache packed once for a decode loop over a paged cache: a callable taking
+    (q, k_cache, v_cache, cache_seqlens, page_table) of the same shapes, strides and dtypes, with
+    a few microseconds of host work a call (fagen.sequences.PreparedKVCache)."""
+    from fagen.sequences import prepare_with_kvcache as _prepare_with_kvcache
+
+    return _prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
+
+
 __all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "attention_varlen", "attention_with_kvcache",
-           "compile", "load_spec", "parse_spec", "prepare", "render"]
+           "compile", "load_spec", "parse_spec", "prepare", "prepare_with_kvcache", "render"]

@@ -149,19 +149,6 @@ class PreparedAttention:
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        self.torch = tq.kind == "torch"
-        if self.torch:
-            import torch
-
-            self._torch = torch  # the call's allocations, without an import statement a call
-            self._stream = torch_stream_handle()
-            self._capturing = torch._C._cuda_isCurrentStreamCapturing
-            self._layout = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
-            self._dtype = q.dtype
-        self.device = tq.device
-        self._current_device = cupy.cuda.runtime.getDevice  # bound once: a call's device check
-        self._captured = False  # in CAPTURED: a graph replays into this object's workspace
-        self.signature = tuple(tensor_signature(x) for x in (q, k, v))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                             keys=sequence_keys(k))
         spec = packed_spec(plain, q, k)
@@ -169,72 +156,100 @@ class PreparedAttention:
         hkv, nk = tk.shape[1], tk.shape[2]
         if spec is not None:
             spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
-        self.spec = spec or plain
-        kernel = compile_kernel(self.spec)
+        spec = spec or plain
+        kernel = compile_kernel(spec)
         out = empty_like(tq, (b, hq, nq, d), tq.dtype)  # the outputs' strides, for packing
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
-        self._lse = empty_like(tq, (b, hq, nq), "float32")
-        self.out_shape, self.lse_shape = (b, hq, nq, d), (b, hq, nq)
-        self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(self._lse)
-        self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
-        # out laid out as q is (decode: [B, Hq, Nq, d] both): torch.empty_like(q) allocates it in
-        # half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7, q.new_empty 5.4)
-        self._out_like_q = self.signature[0][:2] == self.out_signature[:2]
-        self._lse_ptr = as_device_tensor(self._lse, "lse").ptr
-        self.merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
-        self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
+        lse = empty_like(tq, (b, hq, nq), "float32")
+        merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
         with cupy.cuda.Device(tq.device), stream_for(tq):
-            extras, self._held = kernel.extra_arguments(tq, tk, {
+            extras, held = kernel.extra_arguments(tq, tk, {
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
             scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-            offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
-            to, tl = as_device_tensor(out, "out"), as_device_tensor(self._lse, "lse")
-            if not self.spec.outputs.partial:  # the plain forward, or a decode kernel with no split
-                self.kernel = kernel.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=offset, splits=1, extras=extras)
-                self._hot = self._hot_path()
-                return
-            # the partials (and the merging kernel's arrival counts): a workspace this object owns
-            per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
-            o_parts = empty_like(tq, (splits, b, hq, nq, d), "float32")
-            lse_parts = empty_like(tq, (splits, b, hq, nq), "float32")
-            self._held += [o_parts, lse_parts]
-            tp, tlp = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
-            extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
-                          lse_split_stride=np.int64(tlp.strides[0]))
-            if self.spec.outputs.merge_splits:
-                args, self.split_counts = kernel.merge_arguments(tq, hkv, to, tl)
-                extras.update(args)
+            offset = nk - nq if spec.mask.align == "bottom_right" else 0
+            to, tl = as_device_tensor(out, "out"), as_device_tensor(lse, "lse")
+            if not spec.outputs.partial:  # the plain forward, or a decode kernel with no split
+                launch = kernel.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=offset, splits=1, extras=extras)
             else:
-                self.merge = merge_launch(o_parts, lse_parts, out, self._lse, sinks=sinks)
-                self._held.append(self.merge.held)
-            one = DeviceTensor(tp.obj, tp.kind, tp.ptr, tp.shape[1:], tp.strides[1:], tp.dtype, tp.device)
-            self.kernel = kernel.launch(tq, tk, tv, one, tlp, scale=scale, mask_offset=offset, splits=splits,
-                                        extras=extras)
+                # the partials (and the merging kernel's arrival counts): a workspace this object owns
+                per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
+                o_parts = empty_like(tq, (splits, b, hq, nq, d), "float32")
+                lse_parts = empty_like(tq, (splits, b, hq, nq), "float32")
+                held += [o_parts, lse_parts]
+                tp, tlp = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
+                extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
+                              lse_split_stride=np.int64(tlp.strides[0]))
+                if spec.outputs.merge_splits:
+                    args, self.split_counts = kernel.merge_arguments(tq, hkv, to, tl)
+                    extras.update(args)
+                else:
+                    merge = merge_launch(o_parts, lse_parts, out, lse, sinks=sinks)
+                    held.append(merge.held)
+                one = DeviceTensor(tp.obj, tp.kind, tp.ptr, tp.shape[1:], tp.strides[1:], tp.dtype, tp.device)
+                launch = kernel.launch(tq, tk, tv, one, tlp, scale=scale, mask_offset=offset, splits=splits,
+                                       extras=extras)
+        self._arm(spec, (q, k, v), out, lse, launch, merge, held)
+
+    def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list) -> None:
+        """Keep what a call checks and re-points: `inputs` (q, k, v, then the batch layout's index
+        tensors) as prepared, out's and lse's shapes and strides, the kernel's Launch (slots: the
+        inputs, then out and lse where it writes them) and the merge kernel's after it (slots out,
+        lse), or None; `held`: memory the launches read."""
+        q = inputs[0]
+        tq = as_device_tensor(q, "q")
+        self.spec, self.kernel, self.merge, self._held = spec, kernel, merge, held
+        self.torch = tq.kind == "torch"
+        self.inputs = len(inputs)
+        self.device = tq.device
+        self._current_device = cupy.cuda.runtime.getDevice  # bound once: a call's device check
+        self._captured = False  # in CAPTURED: a graph replays into this object's workspace
+        self.signature = tuple(tensor_signature(x) for x in inputs)
+        self._lse = lse
+        self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
+        self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(lse)
+        self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
+        # out laid out as q is (decode: [B, Hq, Nq, d] both): torch.empty_like(q) allocates it in
+        # half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7, q.new_empty 5.4)
+        self._out_like_q = self.signature[0][:2] == self.out_signature[:2]
+        self._lse_ptr = as_device_tensor(lse, "lse").ptr
+        self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
+        if self.torch:
+            import torch
+
+            self._torch = torch  # the call's allocations, without an import statement a call
+            self._stream = torch_stream_handle()
+            self._capturing = torch._C._cuda_isCurrentStreamCapturing
+            self._layout = tuple(x for t in inputs for x in (t.shape, t.stride()))
+            self._dtypes = tuple(t.dtype for t in inputs)
+            self._dtype = q.dtype
             self._hot = self._hot_path()
 
-    def __call__(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
+    def __call__(self, q, k, v, *indices, out=None, lse=None, return_lse: bool = False):
         """out, or (out, lse) with return_lse, for tensors of the prepared shapes (fagen.attention's
-        convention). out and lse may be given (of the shapes prepare allocated; a given lse is
-        returned too), else out is allocated on the stream and lse, when asked for."""
+        convention; `indices`: a batch layout's index tensors, as prepared). out and lse may be
+        given (of the shapes prepare allocated; a given lse is returned too), else out is
+        allocated on the stream and lse, when asked for."""
         if self._hot is not None and lse is None and not return_lse:
-            done = self._hot.run(q, k, v, out)  # NotImplemented: not as prepared, checked below
+            done = self._hot.run(q, k, v, *indices, out)  # NotImplemented: not as prepared, checked below
             if done is not NotImplemented:
                 return done
-        # the checks, flattened for torch: a few attribute reads, no tuples built per tensor
-        if self.torch:
-            if ((q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) != self._layout
-                    or q.dtype is not self._dtype or k.dtype is not self._dtype or v.dtype is not self._dtype
-                    or q.get_device() != self.device or k.get_device() != self.device
-                    or v.get_device() != self.device):
-                self._refuse(q, k, v)
+        inputs = (q, k, v, *indices)
+        if len(inputs) != self.inputs:
+            raise TypeError(f"prepared for {self.inputs} tensors (q, k, v{', and the index tensors' if self.inputs > 3 else ''}); "
+                            f"got {len(inputs)}")
+        if self.torch:  # attribute reads, no signature tuples
+            if (tuple(x for t in inputs for x in (t.shape, t.stride())) != self._layout
+                    or any(t.dtype is not dtype for t, dtype in zip(inputs, self._dtypes))
+                    or any(t.get_device() != self.device for t in inputs)):
+                self._refuse(inputs)
             if out is not None and (out.shape != self.out_shape or out.dtype is not self._dtype
                                     or (out.stride(), out.get_device()) != self._out_placement) \
                     or lse is not None and tensor_signature(lse) != self.lse_signature:
                 self._refuse_outputs(out, lse)
-        elif (tensor_signature(q), tensor_signature(k), tensor_signature(v)) != self.signature:
-            self._refuse(q, k, v)
+        elif tuple(tensor_signature(t) for t in inputs) != self.signature:
+            self._refuse(inputs)
         elif out is not None and tensor_signature(out) != self.out_signature \
                 or lse is not None and tensor_signature(lse) != self.lse_signature:
             self._refuse_outputs(out, lse)
@@ -253,7 +268,7 @@ class PreparedAttention:
             if return_lse and lse is None:
                 lse = q.new_empty(self.lse_shape, dtype=torch.float32)
             out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr
-            q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            addresses = tuple(t.data_ptr() for t in inputs)
         else:
             current = cupy.cuda.get_current_stream()
             stream = current.ptr
@@ -264,11 +279,11 @@ class PreparedAttention:
             if return_lse and lse is None:
                 lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
             out_ptr, lse_ptr = out.data.ptr, lse.data.ptr if return_lse else self._lse_ptr
-            q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
+            addresses = tuple(t.data.ptr for t in inputs)
         if self.merge is None:
-            self.kernel(stream, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr)
+            self.kernel(stream, *addresses, out_ptr, lse_ptr)
         else:
-            self.kernel(stream, q_ptr, k_ptr, v_ptr)
+            self.kernel(stream, *addresses)
             self.merge.launch(stream, out_ptr, lse_ptr)
         return (out, lse) if return_lse else out
 
@@ -287,16 +302,17 @@ class PreparedAttention:
         torch = self._torch
         shape = self.out_shape
         allocate = torch.empty_like if self._out_like_q else (lambda q: q.new_empty(shape))
-        # (q, k, v, out, lse): the address positions each launch's re-pointed slots take
-        launches = ((self.kernel, (0, 1, 2)), (self.merge.launch, (3, 4))) if self.merge else ((self.kernel, (0, 1, 2, 3, 4)),)
+        n = self.inputs  # addresses: the inputs, out, lse
+        launches = (((self.kernel, tuple(range(n))), (self.merge.launch, (n, n + 1))) if self.merge else
+                    ((self.kernel, tuple(range(n + 2))),))
         launch_kernel, is_capturing = hot_path.driver_functions()
-        return module.HotPath(self._layout, self._dtype, self.device, torch.Size(shape), self._out_placement[0],
-                              self._stream, self._current_device, allocate,
+        return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(shape),
+                              self._out_placement[0], self._stream, self._current_device, allocate,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
-                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at) for launch, at in launches))
+                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2) for launch, at in launches))
 
-    def _refuse(self, q, k, v):
-        raise ValueError(f"prepared for q, k, v {self.signature}; got {(tensor_signature(q), tensor_signature(k), tensor_signature(v))}: "
+    def _refuse(self, inputs):
+        raise ValueError(f"prepared for {self.signature}; got {tuple(tensor_signature(t) for t in inputs)}: "
                          f"prepare again (fagen.prepare) for new shapes, strides, dtype or device")
 
     def _refuse_outputs(self, out, lse):
@@ -312,16 +328,16 @@ def _keep_for_graphs(owner: weakref.ref) -> None:
         prepared._keep_for_graphs()
 
 
-def _hot_launch(launch, positions: tuple[int, ...]) -> tuple:
-    """A Launch as HotPath takes it: its driver call, the slot each of (q, k, v, out, lse) goes
-    to (-1: not re-pointed), its tensor maps' re-encoding (called with all five addresses, which
-    are its slots' order where it has maps), and the Launch itself, whose buffers the C side
-    writes."""
-    slots = [-1] * 5
+def _hot_launch(launch, positions: tuple[int, ...], addresses: int) -> tuple:
+    """A Launch as HotPath takes it: its driver call, the slot each of the call's `addresses`
+    (the inputs, out, lse) goes to (-1: not re-pointed), its tensor maps' re-encoding (called
+    with all the addresses, which are its slots' order where it has maps), and the Launch itself,
+    whose buffers the C side writes."""
+    slots = [-1] * addresses
     for slot, position in zip(launch.slots, positions):
         slots[position] = slot
     if launch.maps and positions != tuple(range(len(launch.slots))):
-        raise ValueError("a launch with tensor maps re-points q, k, v, out, lse in that order")
+        raise ValueError("a launch with tensor maps re-points the inputs, out and lse in that order")
     return (*launch.driver_call(), tuple(slots), launch.re_encode if launch.maps else None, launch)
 
 

@@ -18,7 +18,8 @@
 #include <stdint.h>
 
 #define MAX_LAUNCHES 2 /* the split kernel and the merge kernel after it */
-#define ADDRESSES 5    /* q, k, v, out, lse: what a call may re-point, in this order */
+#define MAX_INPUTS 6   /* q, k, v and a batch layout's index tensors (paged: cache_seqlens, page_table) */
+#define MAX_ADDRESSES (MAX_INPUTS + 2) /* the inputs, out, lse: what a call may re-point, in this order */
 #define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CUlaunchAttributeID, cuda.h */
 
 /* CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out */
@@ -44,14 +45,16 @@ typedef struct {
     void *function;
     void **params;              /* the Launch's pointer array, one entry a parameter */
     uint64_t *values;           /* the Launch's 8-byte slots the pointers point into */
-    int slots[ADDRESSES];       /* the slot each address goes to; -1: not a parameter */
+    int slots[MAX_ADDRESSES];   /* the slot each address goes to; -1: not a parameter */
     PyObject *re_encode;        /* Launch.re_encode (tensor maps of moved tensors), or NULL */
 } Launch;
 
 typedef struct {
     PyObject_HEAD
-    PyObject *layout;           /* (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride()) */
-    PyObject *dtype, *out_shape, *out_stride;
+    PyObject *layout;           /* (q.shape, q.stride(), k.shape, k.stride(), ...): each input's */
+    PyObject *dtypes;           /* each input's dtype, then out's */
+    PyObject *out_shape, *out_stride;
+    int inputs;                 /* q, k, v and the index tensors: run's arguments before out */
     long device;
     PyObject *stream_of;        /* device -> the current stream's handle */
     PyObject *current_device;   /* () -> the calling thread's device */
@@ -101,12 +104,12 @@ static uint64_t address_of(PyObject *tensor) {
 }
 
 /* shape, strides, dtype and device as prepared: what makes the packed launch safe to reuse */
-static int laid_out_as_prepared(HotPath *self, PyObject *const *qkv) {
-    for (int i = 0; i < 3; i++) {
-        PyObject *t = qkv[i];
+static int laid_out_as_prepared(HotPath *self, PyObject *const *inputs) {
+    for (int i = 0; i < self->inputs; i++) {
+        PyObject *t = inputs[i];
         if (!attribute_is(t, SHAPE, PyTuple_GET_ITEM(self->layout, 2 * i))
                 || !method_is(t, STRIDE, PyTuple_GET_ITEM(self->layout, 2 * i + 1))
-                || !attribute_is(t, DTYPE, self->dtype) || !device_is(t, self->device))
+                || !attribute_is(t, DTYPE, PyTuple_GET_ITEM(self->dtypes, i)) || !device_is(t, self->device))
             return 0;
     }
     return 1;
@@ -114,15 +117,20 @@ static int laid_out_as_prepared(HotPath *self, PyObject *const *qkv) {
 
 static int out_as_prepared(HotPath *self, PyObject *out) {
     return attribute_is(out, SHAPE, self->out_shape) && method_is(out, STRIDE, self->out_stride)
-        && attribute_is(out, DTYPE, self->dtype) && device_is(out, self->device);
+        && attribute_is(out, DTYPE, PyTuple_GET_ITEM(self->dtypes, self->inputs)) && device_is(out, self->device);
 }
 
 static int launch_one(HotPath *self, Launch *launch, void *stream, const uint64_t *addresses) {
-    for (int i = 0; i < ADDRESSES; i++)
+    const int count = self->inputs + 2;
+    for (int i = 0; i < count; i++)
         if (launch->slots[i] >= 0) launch->values[launch->slots[i]] = addresses[i];
     if (launch->re_encode) {
-        PyObject *moved = Py_BuildValue("(KKKKK)", addresses[0], addresses[1], addresses[2], addresses[3],
-                                        addresses[4]);
+        PyObject *moved = PyTuple_New(count);
+        for (int i = 0; moved && i < count; i++) {
+            PyObject *address = PyLong_FromUnsignedLongLong(addresses[i]);
+            if (!address) Py_CLEAR(moved);
+            else PyTuple_SET_ITEM(moved, i, address);
+        }
         PyObject *done = moved ? PyObject_CallOneArg(launch->re_encode, moved) : NULL;
         Py_XDECREF(moved);
         if (!done) return -1;
@@ -137,13 +145,10 @@ static int launch_one(HotPath *self, Launch *launch, void *stream, const uint64_
     return 0;
 }
 
-/* run(q, k, v, out): out (allocated where None) after the launches; NotImplemented where the
- * tensors are not as prepared */
+/* run(q, k, v, [index tensors,] out): out (allocated where None) after the launches;
+ * NotImplemented where the tensors are not as prepared */
 static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "run(q, k, v, out): four arguments");
-        return NULL;
-    }
+    if (nargs != self->inputs + 1) Py_RETURN_NOTIMPLEMENTED;  /* the Python path says what it takes */
     PyObject *device = PyObject_CallNoArgs(self->current_device);
     if (!device) return NULL;
     long current = PyLong_AsLong(device);
@@ -152,7 +157,7 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
         PyErr_Clear();  /* a check that raised (not a torch tensor): the Python path says why */
         Py_RETURN_NOTIMPLEMENTED;
     }
-    PyObject *out = args[3];
+    PyObject *out = args[self->inputs];
     if (out == Py_None) {
         out = PyObject_CallOneArg(self->allocate, args[0]);
         if (!out) return NULL;
@@ -180,13 +185,12 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
             self->captured = 1;
         }
     }
-    uint64_t addresses[ADDRESSES];
-    PyObject *tensors[4] = {args[0], args[1], args[2], out};
-    for (int i = 0; i < 4; i++) {
-        addresses[i] = address_of(tensors[i]);
+    uint64_t addresses[MAX_ADDRESSES];
+    for (int i = 0; i <= self->inputs; i++) {
+        addresses[i] = address_of(i < self->inputs ? args[i] : out);
         if (PyErr_Occurred()) goto fail;
     }
-    addresses[4] = self->lse;
+    addresses[self->inputs + 1] = self->lse;
     for (int i = 0; i < self->launch_count; i++)
         if (launch_one(self, &self->launches[i], stream, addresses)) goto fail;
     return out;
@@ -195,11 +199,11 @@ fail:
     return NULL;
 }
 
-/* HotPath(layout, dtype, device, out_shape, out_stride, stream_of, current_device, allocate,
+/* HotPath(layout, dtypes, device, out_shape, out_stride, stream_of, current_device, allocate,
  *         on_capture, lse, launch_kernel, is_capturing, launches): launches a tuple of
  * (function, (grid x, y, z), threads, smem, dependent, params, values, slots, re_encode, owner) */
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
-    PyObject *layout, *dtype, *out_shape, *out_stride, *stream_of, *current_device, *allocate, *on_capture;
+    PyObject *layout, *dtypes, *out_shape, *out_stride, *stream_of, *current_device, *allocate, *on_capture;
     PyObject *launches;
     long device;
     unsigned long long lse, launch_kernel, is_capturing;
@@ -207,21 +211,24 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "HotPath: initialised once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!OlOOOOOOKKKO!", &PyTuple_Type, &layout, &dtype, &device, &out_shape,
+    if (!PyArg_ParseTuple(args, "O!O!lOOOOOOKKKO!", &PyTuple_Type, &layout, &PyTuple_Type, &dtypes, &device, &out_shape,
                           &out_stride, &stream_of, &current_device, &allocate, &on_capture, &lse,
                           &launch_kernel, &is_capturing, &PyTuple_Type, &launches))
         return -1;
-    if (PyTuple_GET_SIZE(layout) != 6 || PyTuple_GET_SIZE(launches) < 1
-            || PyTuple_GET_SIZE(launches) > MAX_LAUNCHES) {
-        PyErr_SetString(PyExc_ValueError, "HotPath: a layout of 6 and 1-2 launches");
+    const Py_ssize_t inputs = PyTuple_GET_SIZE(dtypes) - 1;  /* dtypes: each input's, then out's */
+    if (inputs < 1 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
+            || PyTuple_GET_SIZE(launches) < 1 || PyTuple_GET_SIZE(launches) > MAX_LAUNCHES) {
+        PyErr_SetString(PyExc_ValueError, "HotPath: 1-6 inputs, a (shape, strides) pair and a dtype each, out's "
+                        "dtype, and 1-2 launches");
         return -1;
     }
+    self->inputs = (int)inputs;
     /* keep: the device as an int object (stream_of's argument), then every launch's owner */
     self->keep = PyTuple_New(1 + PyTuple_GET_SIZE(launches));
     if (!self->keep) return -1;
     PyTuple_SET_ITEM(self->keep, 0, PyLong_FromLong(device));
     self->layout = Py_NewRef(layout);
-    self->dtype = Py_NewRef(dtype);
+    self->dtypes = Py_NewRef(dtypes);
     self->out_shape = Py_NewRef(out_shape);
     self->out_stride = Py_NewRef(out_stride);
     self->stream_of = Py_NewRef(stream_of);
@@ -242,11 +249,11 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
                               &launch->config.block_x, &launch->config.smem, &dependent, &params, &values,
                               &PyTuple_Type, &slots, &re_encode, &owner))
             return -1;
-        if (PyTuple_GET_SIZE(slots) != ADDRESSES) {
-            PyErr_SetString(PyExc_ValueError, "HotPath: a launch's slots are (q, k, v, out, lse)");
+        if (PyTuple_GET_SIZE(slots) != inputs + 2) {
+            PyErr_SetString(PyExc_ValueError, "HotPath: a launch's slots are the inputs', out's and lse's");
             return -1;
         }
-        for (int j = 0; j < ADDRESSES; j++) {
+        for (int j = 0; j < inputs + 2; j++) {
             launch->slots[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(slots, j));
             if (PyErr_Occurred()) return -1;
         }
@@ -267,7 +274,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
 
 static void HotPath_dealloc(HotPath *self) {
     Py_XDECREF(self->layout);
-    Py_XDECREF(self->dtype);
+    Py_XDECREF(self->dtypes);
     Py_XDECREF(self->out_shape);
     Py_XDECREF(self->out_stride);
     Py_XDECREF(self->stream_of);
@@ -285,7 +292,7 @@ static PyObject *HotPath_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 
 static PyMethodDef HotPath_methods[] = {
     {"run", (PyCFunction)(void (*)(void))HotPath_run, METH_FASTCALL,
-     "run(q, k, v, out): out after the launches, or NotImplemented where the tensors are not as prepared"},
+     "run(q, k, v, [index tensors,] out): out after the launches, or NotImplemented where the tensors are not as prepared"},
     {NULL}};
 
 static PyTypeObject HotPathType = {

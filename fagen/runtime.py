@@ -503,9 +503,10 @@ class Kernel:
         return (out[None] if tq.kind == "cupy" else out.unsqueeze(0)), lse[None] if tq.kind == "cupy" else lse.unsqueeze(0)
 
     def launch(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, to: DeviceTensor, tl: DeviceTensor, *,
-               scale: float, mask_offset: int, splits: int, extras: dict) -> Launch:
+               scale: float, mask_offset: int, splits: int, extras: dict, indices: tuple[str, ...] = ()) -> Launch:
         """The launch for checked tensors (out `to`, lse `tl`; split-KV: one split's view) and
-        arguments; its slots q, k, v, o, lse take other tensors' addresses (prepared calls)."""
+        arguments; its slots q, k, v, the index parameters `indices` (a batch layout's: paged
+        cache_seqlens, page_table), o, lse take other tensors' addresses (prepared calls)."""
         b, hq, nq, _ = tq.shape
         values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, o=to.ptr, lse=tl.ptr, n_q=nq, n_kv=tk.shape[2],
                       mask_offset=mask_offset, heads_q=hq, group=hq // tk.shape[1], scale=scale,
@@ -531,7 +532,7 @@ class Kernel:
         # partials are a workspace)
         outputs = ("merged_o", "merged_lse") if self.spec.outputs.merge_splits else ("o", "lse")
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
-                      slots=("q", "k", "v", *outputs), maps=maps,
+                      slots=("q", "k", "v", *indices, *outputs), maps=maps,
                       dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * ELEMENT_BYTES))
 
     def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int, total_q: int | None = None

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fagen import variants
-from fagen.decode import default_splits, step_spec
+from fagen.decode import PreparedAttention, default_splits, step_spec
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
-from fagen.runtime import _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
+from fagen.runtime import Launch, _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
 from fagen.spec import AttentionSpec, SpecError
-from fagen.splitkv import merge_launch
+from fagen.splitkv import MergeLaunch, merge_launch
 
 TABLE_ROW_BYTES = 8  # a query tile table's row: (sequence, first row), two int32s
 
@@ -283,10 +283,25 @@ def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) 
         raise ValueError(f"{batch.q_layout} q, {batch.kv_layout} K/V: {refused}") from None
 
 
-def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
-        splits: int | None = None, out=None):
-    """(out, lse) of `spec` (spec_for's) on a checked batch: out like q ([B, Hq, Nq, d] or
-    [total_q, Hq, d]; given, it is written in place), lse [B, Hq, Nq] or [Hq, total_q]."""
+@dataclass
+class Packed:
+    """A batch's launches, packed and not yet launched: the kernel's and, where the partials are
+    merged outside it, the merge kernel's after it; the outputs they write and what they read
+    beside the batch (held)."""
+    spec: AttentionSpec
+    out: object
+    lse: object
+    kernel: Launch
+    merge: MergeLaunch | None
+    held: list
+
+
+def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
+         splits: int | None = None, out=None, indices: tuple[str, ...] = ()) -> Packed:
+    """The launches of `spec` (spec_for's) on a checked batch (`run` launches them; a prepared
+    call keeps them): out like q ([B, Hq, Nq, d] or [total_q, Hq, d]; given, it is written in
+    place), lse [B, Hq, Nq] or [Hq, total_q]. `indices`: the batch's index parameters a prepared
+    call re-points (the kernel's slots after q, k, v)."""
     kernel = compile_kernel(spec)
     tq, tk, tv = batch.q, batch.k, batch.v
     b, hq, nq, d = tq.shape
@@ -337,14 +352,16 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
         lse = empty_like(tq, (hq, total_q) if varlen_q else (b, hq, nq), "float32")
         # the kernel's views of out and lse: [B, Hq, Nq, d] strides, varlen rows token-major
         to = _bhsd(to, varlen_q)
+        held = [*held, *batch.held]
         if not partial:
-            kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0, splits=1,
-                          extras=extras)(None)
-            return out, lse
+            launch = kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0, splits=1,
+                                   extras=extras, indices=indices)
+            return Packed(kernel.spec, out, lse, launch, None, held)
         # partials [S, 1 or B, Hq, rows, d]: a varlen batch is one sequence of total_q rows to the merge
         rows, seqs = (total_q, 1) if varlen_q else (nq, b)
         o_parts = empty_like(tq, (splits, seqs, hq, rows, d), "float32")
         lse_parts = empty_like(tq, (splits, seqs, hq, rows), "float32")
+        held += [o_parts, lse_parts]
         tp, tl = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
         one = _view(tp, (b, hq, nq, d), (0 if varlen_q else tp.strides[1], tp.strides[2], tp.strides[3], 1))
         per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
@@ -353,14 +370,26 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
         if merged:
             args, counts = kernel.merge_arguments(tq, hkv, to, as_device_tensor(lse, "lse"))
             extras.update(args)
-        kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=0, splits=splits, extras=extras)(None)
+            held.append(counts)
+        launch = kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=0, splits=splits, extras=extras,
+                               indices=indices)
         if merged:
-            return out, lse
+            return Packed(kernel.spec, out, lse, launch, None, held)
         merged_out, merged_lse = (_as_one_sequence(out), lse[None]) if varlen_q else (out, lse)
-        launch = merge_launch(o_parts, lse_parts, merged_out, merged_lse, sinks=sinks)
-        launch.launch(None)
-        del launch, held
-    return out, lse
+        merge = merge_launch(o_parts, lse_parts, merged_out, merged_lse, sinks=sinks)
+        held.append(merge.held)
+        return Packed(kernel.spec, out, lse, launch, merge, held)
+
+
+def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
+        splits: int | None = None, out=None):
+    """(out, lse) of `spec` (spec_for's) on a checked batch, launched on the inputs' stream."""
+    packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out)
+    with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
+        packed.kernel(None)
+        if packed.merge is not None:
+            packed.merge.launch(None)
+    return packed.out, packed.lse
 
 
 def _bhsd(t: DeviceTensor, varlen: bool) -> DeviceTensor:
@@ -412,6 +441,47 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=
     spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
     return (out, lse) if return_lse else out
+
+
+# A prepared paged call's index tensors, in its argument order after q, k_cache, v_cache: the
+# kernel parameters a call re-points (flash_attn_with_kvcache's cache_seqlens and block_table)
+PAGED_INDICES = ("cache_seqlens", "page_table")
+
+
+class PreparedKVCache(PreparedAttention):
+    """attention_with_kvcache packed once for a decode loop over a paged cache: a call
+    `step(q, k_cache, v_cache, cache_seqlens, page_table, out=None)` takes tensors of the
+    prepared shapes, strides and dtypes (another layer's cache, a page table and lengths the
+    engine rewrites in place each step) and launches with a few microseconds of host work, no
+    host sync, capturable in a CUDA graph. The page table's values are checked here, once; a
+    call trusts them as attention_with_kvcache(validate=False) does: the kernel loads zeros for
+    a page id outside the cache and ORs a flag into `status`, and cuts a sequence longer than
+    its table row to it. q is padded [B, Hq, Nq, d]; new tokens go into the cache before the
+    call (append_kv)."""
+
+    def __init__(self, q, k_cache, v_cache, cache_seqlens, page_table, *, causal: bool = False, mask=None,
+                 softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
+                 status=None, splits: int | None = None):
+        tq = as_device_tensor(q, "q")
+        if len(tq.shape) != 4:
+            raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
+                             f"attention_with_kvcache with cu_seqlens_q, whose tile table follows its values each call)")
+        for x, name in ((cache_seqlens, "cache_seqlens"), (page_table, "page_table")):
+            if as_device_tensor(x, name).kind != tq.kind:  # a call re-points the kernel at these very tensors
+                raise ValueError(f"{name}: a {as_device_tensor(x, name).kind} array with {tq.kind} q; a prepared call "
+                                 f"reads its index tensors in place: pass them as {tq.kind} tensors on q's device")
+        self.status = zeros_like(tq, (1,), "int32") if status is None else status
+        batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status)
+        spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
+                      indices=PAGED_INDICES)
+        self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
+                  packed.kernel, packed.merge, packed.held)
+
+
+def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs) -> PreparedKVCache:
+    """attention_with_kvcache's launches for these tensors' shapes, packed once (PreparedKVCache)."""
+    return PreparedKVCache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
 
 
 def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q=None, validate: bool = True):

@@ -387,3 +387,65 @@ def test_a_paged_decode_step_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), [n + 40 for n in lens])
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"] and int(status.item()) == 0
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 8, 1), (2, 16, 4, 16), (48, 32, 8, 1)],
+                         ids=["merged-in-kernel", "merge-kernel", "unsplit"])
+def test_a_prepared_paged_step_follows_its_tensors_from_step_to_step(shape):
+    """fagen.prepare_with_kvcache: a decode loop over two layers' caches, its lengths and page
+    table rewritten in place between steps (a new page at the end of one sequence), into
+    NaN-poisoned outputs: each step against the oracle, the C hot path bitwise equal to the Python
+    path, and the page table checked once, at prepare."""
+    b, hq, hkv, nq = shape
+    rng = np.random.default_rng(b * hq + nq)
+    lens = [int(x) for x in rng.integers(300, 3000, b)]
+    layers = [_paged_cache(rng, "float16", [n + 64 for n in lens], 64, hkv, 128) for _ in range(2)]
+    table = layers[0][2]
+    layers = [(k, v) for k, v, _ in layers]  # both layers' caches: one table, as an engine has
+    q = _randn(rng, (b, hq, nq, 128), "float16")
+    seqlens, pages = _int32(lens), _int32(table)
+    step = fagen.prepare_with_kvcache(q, *layers[0], seqlens, pages, causal=True)
+    assert step._hot is not None
+    assert (step.merge is not None) == (nq == 16)
+    for n in (0, 64):  # the second step: every sequence 64 keys longer
+        seqlens.copy_(_int32([x + n for x in lens]))
+        for k_cache, v_cache in layers:
+            q = _randn(rng, q.shape, "float16")
+            out = _nan(q.shape, "float16")
+            assert step(q, k_cache, v_cache, seqlens, pages, out=out) is out
+            ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0),
+                                         [x + n for x in lens], causal=True)
+            assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]
+            hot, step._hot = step._hot, None  # the Python path on the same tensors
+            again = step(q, k_cache, v_cache, seqlens, pages)
+            step._hot = hot
+            assert torch.equal(again, out)
+    assert int(step.status.item()) == 0
+
+
+def test_a_prepared_paged_step_refuses_other_tensors_and_replays_in_a_graph():
+    rng = np.random.default_rng(8)
+    lens = [900, 40]
+    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", [n + 16 for n in lens], 16, 2, 64)
+    q = _randn(rng, (2, 8, 1, 64), "bfloat16")
+    seqlens, pages = _int32(lens), _int32(table)
+    with pytest.raises(ValueError, match="padded q"):
+        fagen.prepare_with_kvcache(q[:, :, 0], k_cache, v_cache, seqlens, pages)
+    step = fagen.prepare_with_kvcache(q, k_cache, v_cache, seqlens, pages)
+    with pytest.raises(ValueError, match="prepare again"):  # a table of another width
+        step(q, k_cache, v_cache, seqlens, _int32(np.pad(table, ((0, 0), (0, 1)))))
+    with pytest.raises(ValueError, match="prepare again"):  # int64 lengths
+        step(q, k_cache, v_cache, seqlens.long(), pages)
+    with pytest.raises(TypeError, match="prepared for 5 tensors"):
+        step(q, k_cache, v_cache)
+    out = _nan(q.shape, "bfloat16")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(q, k_cache, v_cache, seqlens, pages, out=out)
+    assert step in decode.CAPTURED
+    q.copy_(_randn(rng, q.shape, "bfloat16"))
+    seqlens.copy_(_int32([n + 16 for n in lens]))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), [n + 16 for n in lens])
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]

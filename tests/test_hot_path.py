@@ -73,20 +73,27 @@ class PackedLaunch:
                       slots, re_encode, self)
 
 
+INT32 = object()
+
+
 class Prepared:
-    """A HotPath as PreparedAttention builds one, for q, k, v [1, 32, 1, 128] / [1, 8, 1024, 128]."""
+    """A HotPath as PreparedAttention builds one, for q, k, v [1, 32, 1, 128] / [1, 8, 1024, 128]
+    (with `indices`, a paged call's cache_seqlens [1] and page_table [1, 16] after them)."""
 
     LSE = 0xE000
 
-    def __init__(self, launches, device=0, current_device=0):
+    def __init__(self, launches, device=0, current_device=0, indices=False):
         self.driver = Driver()
         self.q = Tensor((1, 32, 1, 128), 0xA000)
         self.k = Tensor((1, 8, 1024, 128), 0xB000)
         self.v = Tensor((1, 8, 1024, 128), 0xC000)
+        self.indices = [Tensor((1,), 0x1000, INT32), Tensor((1, 16), 0x2000, INT32)] if indices else []
+        self.inputs = [self.q, self.k, self.v, *self.indices]
         self.allocated, self.captures, self.streams_asked = [], 0, []
-        layout = tuple(x for t in (self.q, self.k, self.v) for x in (t.shape, t.stride()))
+        layout = tuple(x for t in self.inputs for x in (t.shape, t.stride()))
+        dtypes = (*(t.dtype for t in self.inputs), FLOAT16)  # then out's
         self.hot = hot_path.module().HotPath(
-            layout, FLOAT16, device, self.q.shape, self.q.stride(), self._stream_of, lambda: current_device,
+            layout, dtypes, device, self.q.shape, self.q.stride(), self._stream_of, lambda: current_device,
             self._allocate, self._on_capture, self.LSE, *self.driver.addresses(), tuple(p.entry for p in launches))
 
     def _stream_of(self, device):
@@ -193,9 +200,20 @@ def test_a_failed_launch_raises_with_the_driver_s_code(module):
         p.hot.run(p.q, p.k, p.v, None)
 
 
-def test_a_launch_needs_five_slots(module):
-    with pytest.raises(ValueError, match=r"slots are \(q, k, v, out, lse\)"):
+def test_a_launch_needs_a_slot_for_every_address(module):
+    with pytest.raises(ValueError, match="slots are the inputs', out's and lse's"):
         Prepared([PackedLaunch(0xF00, (0, 1, 2))])
+
+
+def test_a_paged_call_re_points_its_index_tensors_and_checks_their_dtype(module):
+    """q, k_cache, v_cache, cache_seqlens, page_table, out, lse: seven addresses"""
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 5, 6, 3, 4))], indices=True)
+    out = Tensor(p.q.shape, 0xD000)
+    assert p.hot.run(*p.inputs, out) is out
+    assert p.driver.launches[0]["params"] == [0xA000, 0xB000, 0xC000, 0xD000, Prepared.LSE, 0x1000, 0x2000, 7]
+    wrong = Tensor((1, 16), 0x2000, FLOAT16)  # page_table of another dtype
+    assert p.hot.run(p.q, p.k, p.v, p.indices[0], wrong, out) is NotImplemented and len(p.driver.launches) == 1
+    assert p.hot.run(p.q, p.k, p.v, out) is NotImplemented and len(p.driver.launches) == 1  # too few
 
 
 def test_a_build_that_fails_says_why(tmp_path, monkeypatch):
