@@ -59,7 +59,7 @@ class ServingCase:
 
     @property
     def key(self) -> str:
-        what = {"decode": "", "host": "", "paged": f" page {self.page_size}", "mixed": f" page {self.page_size}",
+        what = {"decode": "", "host": f" page {self.page_size}" if self.page_size else "", "paged": f" page {self.page_size}", "mixed": f" page {self.page_size}",
                 "varlen": " mixed" if self.mixed else " uniform"}
         return (f"{self.section} {self.dtype} d{self.head_dim} {self.hq}/{self.hkv} B{self.b} Nq{self.nq} "
                 f"Nk{self.nk}{' causal' if self.causal else ''}{what[self.section]}")
@@ -108,9 +108,11 @@ def cases(quick: bool = False) -> list[ServingCase]:
     varlen = [ServingCase("varlen", **f16, b=b, **gqa, nq=n, nk=n, causal=True, mixed=m)
               for b, n, m in ((8, 2048, False), (8, 2048, True), (16, 1024, True))]
     varlen.append(ServingCase("varlen", "bfloat16", 64, 4, 16, 16, 4096, 4096, mixed=True))
-    # host time: a decode step (one launch, its last split merging) and a one-launch prepared call
+    # host time: a decode step (one launch, its last split merging), a one-launch prepared call, and
+    # a paged decode step (fagen.prepare_with_kvcache)
     host = [ServingCase("host", **f16, b=1, **gqa, nq=1, nk=1024),
-            ServingCase("host", "float16", 64, 1, 1, 1, 128, 128)]
+            ServingCase("host", "float16", 64, 1, 1, 1, 128, 128),
+            ServingCase("host", **f16, b=8, **gqa, nq=1, nk=1024, page_size=PAGE_SIZE)]
     if quick:
         return [decode[1], paged[1], mixed[0], varlen[1], host[0]]
     return decode + paged + mixed + varlen + host
@@ -256,21 +258,34 @@ def run_decode(case: ServingCase) -> list[ServingRow]:
     return [row] + _sdpa_rows(case, q, k, v)
 
 
-def run_host(case: ServingCase) -> list[ServingRow]:
-    """Host time of a prepared call with out allocated and with out given, and of SDPA's call."""
+def run_host(case: ServingCase, rng) -> list[ServingRow]:
+    """Host time of a prepared call with out allocated and with out given, of the unprepared call
+    (fagen.attention; paged: attention_with_kvcache with validate=False, a graph's form) and of
+    SDPA's call (paged: on the contiguous cache)."""
+    import torch
     import torch.nn.functional as F
 
     import fagen
 
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
     ref = _sdpa_reference(q, k, v, case.causal)
-    step = fagen.prepare(q, k, v, causal=case.causal)
-    step(q, k, v, out=out)
-    rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(q, k, v)), note="out allocated"),
-            _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(q, k, v, out=out)), note="out given")]
-    plain = fagen.attention(q, k, v, causal=case.causal)  # not prepared: the kernel's cached launch
-    rows.append(_checked(case, "fagen_attention", plain, ref,
-                         lambda: host_us(lambda: fagen.attention(q, k, v, causal=case.causal)), note="fagen.attention"))
+    if case.page_size:
+        k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
+        lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")
+        tensors = (q, k_cache, v_cache, lengths, table)
+        step = fagen.prepare_with_kvcache(*tensors, causal=case.causal)
+        status = torch.zeros(1, dtype=torch.int32, device="cuda")
+        unprepared = lambda: fagen.attention_with_kvcache(*tensors, causal=case.causal, status=status,  # noqa: E731
+                                                          validate=False)
+    else:
+        tensors = (q, k, v)
+        step = fagen.prepare(*tensors, causal=case.causal)
+        unprepared = lambda: fagen.attention(q, k, v, causal=case.causal)  # noqa: E731  (the kernel's cached launch)
+    step(*tensors, out=out)
+    rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(*tensors)), note="out allocated"),
+            _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(*tensors, out=out)), note="out given")]
+    rows.append(_checked(case, "fagen_attention", unprepared(), ref, lambda: host_us(unprepared),
+                         note="not prepared"))
     gqa = case.hq != case.hkv
     us = host_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa))
     return rows + [_row(case, "sdpa", us)]
@@ -405,7 +420,7 @@ def run(case_list: list[ServingCase], progress=None) -> list[ServingRow]:
             elif case.section == "paged":
                 rows += run_paged(case, rng)
             elif case.section == "host":
-                rows += run_host(case)
+                rows += run_host(case, rng)
             elif case.section == "mixed":
                 rows += run_mixed(case, rng)
             else:
@@ -499,10 +514,11 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
     out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
             "the GPU's time is not in it)", "",
-            "| call | shape | fagen.prepare'd, out allocated | out given | fagen.attention | SDPA |",
+            "| call | shape | prepared, out allocated | out given | not prepared | SDPA |",
             "| --- | --- | --- | --- | --- | --- |"]
     for case, impls, f in _section(table, "host"):
-        call = "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch"
+        call = ("paged decode step (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
+                "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch")
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
         out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "
                    f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} |")
