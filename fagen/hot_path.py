@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def module():
         return loaded
     except (OSError, RuntimeError, ImportError) as error:
         _failure.append(str(error))
+        warnings.warn(f"fagen: prepared calls take the Python path (a few microseconds more a call): {error}",
+                      RuntimeWarning, stacklevel=2)
         return None
 
 

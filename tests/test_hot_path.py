@@ -221,3 +221,16 @@ def test_a_build_that_fails_says_why(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="false failed on hot_path.c"):
         hot_path.build(tmp_path / "hot.so")
     assert not list(tmp_path.iterdir())  # no partial library left behind
+
+
+def test_a_module_that_cannot_be_built_warns_once_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    hot_path.module.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Python path.*false failed on hot_path.c"):
+            assert hot_path.module() is None
+        assert hot_path.module() is None  # cached: no second build, no second warning
+        assert "false failed" in hot_path.reason()
+    finally:
+        hot_path.module.cache_clear()
