@@ -306,10 +306,11 @@ class PreparedAttention:
         launches = (((self.kernel, tuple(range(n))), (self.merge.launch, (n, n + 1))) if self.merge else
                     ((self.kernel, tuple(range(n + 2))),))
         launch_kernel, is_capturing = hot_path.driver_functions()
+        workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is
         return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(shape),
                               self._out_placement[0], self._stream, self._current_device, allocate,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
-                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2) for launch, at in launches))
+                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in launches))
 
     def _refuse(self, inputs):
         raise ValueError(f"prepared for {self.signature}; got {tuple(tensor_signature(t) for t in inputs)}: "
@@ -328,17 +329,18 @@ def _keep_for_graphs(owner: weakref.ref) -> None:
         prepared._keep_for_graphs()
 
 
-def _hot_launch(launch, positions: tuple[int, ...], addresses: int) -> tuple:
+def _hot_launch(launch, positions: tuple[int, ...], addresses: int, workspace) -> tuple:
     """A Launch as HotPath takes it: its driver call, the slot each of the call's `addresses`
     (the inputs, out, lse) goes to (-1: not re-pointed), its tensor maps' re-encoding (called
-    with all the addresses, which are its slots' order where it has maps), and the Launch itself,
-    whose buffers the C side writes."""
+    with all the addresses, which are its slots' order where it has maps), and what the C side
+    keeps alive: the Launch, whose buffers it writes, and `workspace`, which the launch's
+    arguments point at."""
     slots = [-1] * addresses
     for slot, position in zip(launch.slots, positions):
         slots[position] = slot
     if launch.maps and positions != tuple(range(len(launch.slots))):
         raise ValueError("a launch with tensor maps re-points the inputs, out and lse in that order")
-    return (*launch.driver_call(), tuple(slots), launch.re_encode if launch.maps else None, launch)
+    return (*launch.driver_call(), tuple(slots), launch.re_encode if launch.maps else None, (launch, workspace))
 
 
 def prepare(q, k, v, **kwargs) -> PreparedAttention:

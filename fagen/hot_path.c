@@ -64,7 +64,7 @@ typedef struct {
     uint64_t lse;
     LaunchKernelEx launch_kernel;
     StreamIsCapturing is_capturing;
-    int captured, launch_count;
+    int captured, launch_count, ready;  /* ready: init completed; run refuses otherwise */
     Launch launches[MAX_LAUNCHES];
 } HotPath;
 
@@ -148,6 +148,10 @@ static int launch_one(HotPath *self, Launch *launch, void *stream, const uint64_
 /* run(q, k, v, [index tensors,] out): out (allocated where None) after the launches;
  * NotImplemented where the tensors are not as prepared */
 static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "HotPath: not initialised");
+        return NULL;
+    }
     if (nargs != self->inputs + 1) Py_RETURN_NOTIMPLEMENTED;  /* the Python path says what it takes */
     PyObject *device = PyObject_CallNoArgs(self->current_device);
     if (!device) return NULL;
@@ -201,7 +205,8 @@ fail:
 
 /* HotPath(layout, dtypes, device, out_shape, out_stride, stream_of, current_device, allocate,
  *         on_capture, lse, launch_kernel, is_capturing, launches): launches a tuple of
- * (function, (grid x, y, z), threads, smem, dependent, params, values, slots, re_encode, owner) */
+ * (function, (grid x, y, z), threads, smem, dependent, params, values, value slots, slots, re_encode,
+ * owner): owner keeps alive what params, values and the addresses point at */
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     PyObject *layout, *dtypes, *out_shape, *out_stride, *stream_of, *current_device, *allocate, *on_capture;
     PyObject *launches;
@@ -226,7 +231,9 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     /* keep: the device as an int object (stream_of's argument), then every launch's owner */
     self->keep = PyTuple_New(1 + PyTuple_GET_SIZE(launches));
     if (!self->keep) return -1;
-    PyTuple_SET_ITEM(self->keep, 0, PyLong_FromLong(device));
+    PyObject *device_object = PyLong_FromLong(device);
+    if (!device_object) return -1;
+    PyTuple_SET_ITEM(self->keep, 0, device_object);
     self->layout = Py_NewRef(layout);
     self->dtypes = Py_NewRef(dtypes);
     self->out_shape = Py_NewRef(out_shape);
@@ -243,19 +250,25 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         Launch *launch = &self->launches[i];
         unsigned long long function, params, values;
         int dependent;
+        Py_ssize_t value_slots;
         PyObject *slots, *re_encode, *owner;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)IIpKKO!OO", &function,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)IIpKKnO!OO", &function,
                               &launch->config.grid_x, &launch->config.grid_y, &launch->config.grid_z,
                               &launch->config.block_x, &launch->config.smem, &dependent, &params, &values,
-                              &PyTuple_Type, &slots, &re_encode, &owner))
+                              &value_slots, &PyTuple_Type, &slots, &re_encode, &owner))
             return -1;
         if (PyTuple_GET_SIZE(slots) != inputs + 2) {
             PyErr_SetString(PyExc_ValueError, "HotPath: a launch's slots are the inputs', out's and lse's");
             return -1;
         }
         for (int j = 0; j < inputs + 2; j++) {
-            launch->slots[j] = (int)PyLong_AsLong(PyTuple_GET_ITEM(slots, j));
-            if (PyErr_Occurred()) return -1;
+            long slot = PyLong_AsLong(PyTuple_GET_ITEM(slots, j));
+            if (slot == -1 && PyErr_Occurred()) return -1;
+            if (slot < -1 || slot >= value_slots) {  /* a store past the Launch's buffer */
+                PyErr_Format(PyExc_ValueError, "HotPath: slot %ld outside the launch's %zd", slot, value_slots);
+                return -1;
+            }
+            launch->slots[j] = (int)slot;
         }
         launch->config.block_y = launch->config.block_z = 1;
         launch->attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -269,6 +282,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         PyTuple_SET_ITEM(self->keep, 1 + i, Py_NewRef(owner));
         self->launch_count = (int)i + 1;  /* dealloc releases what is set */
     }
+    self->ready = 1;
     return 0;
 }
 
@@ -316,6 +330,7 @@ PyMODINIT_FUNC PyInit_fagen_hot_path(void) {
     DTYPE = PyUnicode_InternFromString("dtype");
     GET_DEVICE = PyUnicode_InternFromString("get_device");
     DATA_PTR = PyUnicode_InternFromString("data_ptr");
+    if (!SHAPE || !STRIDE || !DTYPE || !GET_DEVICE || !DATA_PTR) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&HotPathType);

@@ -195,9 +195,9 @@ class Launch:
 
     def driver_call(self) -> tuple:
         """(CUfunction, grid, threads, shared memory, dependent, the pointer array's address, the
-        slots' address): what launching this from C takes (fagen.hot_path)."""
+        slots' address, their count): what launching this from C takes (fagen.hot_path)."""
         return (self.function, self.grid, self.block, self.smem, isinstance(self._driver_launch, DependentLaunch),
-                self.params, self.values.ctypes.data)
+                self.params, self.values.ctypes.data, len(self.values))
 
     def re_encode(self, addresses: tuple[int, ...]) -> None:
         """TMA reads a tensor's address from its map: encode the maps of re-pointed tensors."""

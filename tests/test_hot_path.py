@@ -70,7 +70,7 @@ class PackedLaunch:
         self.values = np.full(SLOTS, 7, np.uint64)  # 7: a slot the call leaves alone
         self.pointers = (self.values.ctypes.data + 8 * np.arange(SLOTS, dtype=np.uint64)).astype(np.uint64)
         self.entry = (function, (8, 1, 4), 128, 135168, dependent, self.pointers.ctypes.data, self.values.ctypes.data,
-                      slots, re_encode, self)
+                      SLOTS, slots, re_encode, self)
 
 
 INT32 = object()
@@ -92,9 +92,10 @@ class Prepared:
         self.allocated, self.captures, self.streams_asked = [], 0, []
         layout = tuple(x for t in self.inputs for x in (t.shape, t.stride()))
         dtypes = (*(t.dtype for t in self.inputs), FLOAT16)  # then out's
-        self.hot = hot_path.module().HotPath(
-            layout, dtypes, device, self.q.shape, self.q.stride(), self._stream_of, lambda: current_device,
-            self._allocate, self._on_capture, self.LSE, *self.driver.addresses(), tuple(p.entry for p in launches))
+        self.arguments = (layout, dtypes, device, self.q.shape, self.q.stride(), self._stream_of, lambda: current_device,
+                          self._allocate, self._on_capture, self.LSE, *self.driver.addresses(),
+                          tuple(p.entry for p in launches))
+        self.hot = hot_path.module().HotPath(*self.arguments)
 
     def _stream_of(self, device):
         self.streams_asked.append(device)
@@ -234,3 +235,22 @@ def test_a_module_that_cannot_be_built_warns_once_and_says_why(tmp_path, monkeyp
         assert "false failed" in hot_path.reason()
     finally:
         hot_path.module.cache_clear()
+
+
+def test_a_slot_past_the_launch_s_buffer_is_refused(module):
+    with pytest.raises(ValueError, match="slot 8 outside the launch's 8"):
+        Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 8))])
+
+
+def test_an_object_whose_init_failed_does_not_launch(module):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    bare = module.HotPath.__new__(module.HotPath)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        bare.run(p.q, p.k, p.v, None)
+    half = module.HotPath.__new__(module.HotPath)
+    good, bad = PackedLaunch(0xF00, (0, 1, 2, 3, 4)), PackedLaunch(0xF01, (0, 1, 2, 3, 99))
+    with pytest.raises(ValueError):
+        half.__init__(*p.arguments[:-1], (good.entry, bad.entry))
+    with pytest.raises(RuntimeError, match="not initialised"):
+        half.run(p.q, p.k, p.v, None)
+    assert p.driver.launches == []
