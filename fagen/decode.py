@@ -142,9 +142,10 @@ class PreparedAttention:
     and arrival counts owned here; many-row tiles: the merge kernel after it). Calls go to the
     caller's current stream (PyTorch's for torch tensors; their checks and launches run in C,
     fagen.hot_path, where this host could build it: 5.5 against 7.7 us a decode step on an H200
-    host) and, for the same reason as any workspace, must not run concurrently on two streams. A call captured in a CUDA graph keeps
-    this object alive for the rest of the process (CAPTURED): the graph's replays write its
-    workspace, which must not go back to the allocator while a graph may still replay."""
+    host) and, for the same reason as any workspace, must not run concurrently on two streams.
+    A call captured in a CUDA graph keeps this object alive for the rest of the process
+    (CAPTURED): the graph's replays write its workspace, which must not go back to the
+    allocator while a graph may still replay. sequences.PreparedKVCache is the paged form."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
