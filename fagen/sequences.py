@@ -467,9 +467,10 @@ class PreparedKVCache(PreparedAttention):
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
                              f"attention_with_kvcache with cu_seqlens_q, whose tile table follows its values each call)")
         for x, name in ((cache_seqlens, "cache_seqlens"), (page_table, "page_table")):
-            if as_device_tensor(x, name).kind != tq.kind:  # a call re-points the kernel at these very tensors
-                raise ValueError(f"{name}: a {as_device_tensor(x, name).kind} array with {tq.kind} q; a prepared call "
-                                 f"reads its index tensors in place: pass them as {tq.kind} tensors on q's device")
+            kind = as_device_tensor(x, name).kind
+            if kind != tq.kind:  # a call re-points the kernel at these very tensors
+                raise ValueError(f"{name}: a {kind} array with {tq.kind} q; a prepared call reads its index tensors "
+                                 f"in place: pass them as {tq.kind} tensors on q's device")
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status)
         spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
