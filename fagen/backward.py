@@ -100,7 +100,8 @@ class Backward:
                     _like(given, name, t)  # where the caller asks them written: checked first
             dq, dk, dv = (empty_like(t, t.shape, spec.dtype) if given is None else given
                           for t, given in ((tq, dq), (tk, dk), (tv, dv)))
-            # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, zeroed first
+            # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, zeroed first (in its own order:
+            # backward_plan.dq_accum_index)
             dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
@@ -121,7 +122,7 @@ class Backward:
                 "dkdv": (self._dkdv_grid(b * hkv * -(-nk // bp.dkdv.block_kv), tq.device) if bp.dkdv.warp_specialized
                          else (-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
                 "dq": ((b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
-                "postprocess": ((-(-nq * bp.chunks_per_row // bp.preprocess_threads), b * hq), bp.preprocess_threads, 0),
+                "postprocess": ((bp.postprocess_blocks(nq), b * hq), bp.preprocess_threads, 0),
             }
             producers = self.producer_threads
             if producers:  # the producer-fed kernels' tensor maps, by value (row groups, both kernels alike)

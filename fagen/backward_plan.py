@@ -229,6 +229,10 @@ class DkdvPlan:
     dq_key_steps: int  # k16 steps of a warpgroup's dQ tile over its share of the keys
     dq_n_frags: int  # n8 fragments of a 64-column dQ tile
     ds_barrier_threads: int  # the threads that meet before reading dS^T: all, or a warpgroup's own
+    # a step's dQ leaves a warp as one bulk reduce-add (TMA) of its 16 x 64 fragments, staged in
+    # smem in register order: dq_accum holds every query tile in that order (dq_accum_layout)
+    dq_stage_offset: int  # bytes from the smem base to warp 0's staging (after the dS^T buffers)
+    dq_stage_bytes: int  # a warp's staging: its 16 rows x 64 columns of a tile, f32
     # backward.bias_grad: each step's score gradient at the bias added into dbias; "" without
     bias_grad: str  # score_mod.bias: "matrix" (an add per score) or "vector" (a key's sum over the step's queries)
     dbias_before_chain: bool  # softcap comes before the bias: dbias is P^T (dP^T - D), before its factor
@@ -290,6 +294,12 @@ class BackwardPlan:
     def atomic_dq(self) -> bool:
         """dQ from the dK/dV kernel's atomics and the postprocess, not the dQ kernel."""
         return self.dkdv.atomic_dq
+
+    def postprocess_blocks(self, n_q: int) -> int:
+        """The postprocess's blocks a head: a thread per 16 floats (two rows' 8 columns) of the
+        dq_accum query tiles that hold n_q rows."""
+        floats = -(-n_q // self.dkdv.block_q) * self.dkdv.block_q * self.head_dim
+        return -(-floats // 16 // self.preprocess_threads)
 
 
 def kernel_symbols(bplan: BackwardPlan) -> dict[str, str]:
@@ -432,8 +442,8 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     if wgmma:  # a "landed" and a "freed" mbarrier per slot of the Q/dO ring (and of K and V's, under TMA)
         smem_bytes += 2 * (bwd.stages + (kv_slots if ws else 0)) * MBARRIER_BYTES
     ds_offset = -(-smem_bytes // smem_align) * smem_align
-    if spec.atomic_dq:  # two dS^T buffers after the barriers, on a swizzle atom
-        smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES
+    if spec.atomic_dq:  # two dS^T buffers after the barriers, on a swizzle atom; then dQ's staging, a warp's each
+        smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES + warps * DQ_STAGE_BYTES
     terms, mod = register_terms(spec, "dkdv"), spec.score_mod
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
@@ -489,7 +499,10 @@ DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_by
                       "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs",
                       "early_p_pack")
 ATOMIC_DQ_NUMBERS = ("atomic_dq", "ds_offset", "ds_tile_bytes", "ds_atoms_per_row", "ds_row_group_bytes", "dq_tiles",
-                     "dq_key_split", "dq_n_tiles", "dq_key_steps", "dq_n_frags", "ds_barrier_threads")
+                     "dq_key_split", "dq_n_tiles", "dq_key_steps", "dq_n_frags", "ds_barrier_threads",
+                     "dq_stage_offset", "dq_stage_bytes")
+# A warp's share of a 64 x 64 dQ tile: 16 rows x 64 columns of f32, its accumulator fragments.
+DQ_STAGE_BYTES = MMA_M * SWIZZLE_ATOM_ELEMS * 4
 
 
 def atomic_dq_numbers(spec: AttentionSpec, ds_offset: int) -> dict[str, int]:
@@ -513,7 +526,25 @@ def atomic_dq_numbers(spec: AttentionSpec, ds_offset: int) -> dict[str, int]:
         "dq_n_frags": SWIZZLE_ATOM_ELEMS // MMA_N,
         # a warpgroup that owns its share of the keys reads only the dS^T rows it wrote
         "ds_barrier_threads": 32 * (WARPGROUP_WARPS if key_split == warpgroups else bwd.warps),
+        "dq_stage_offset": ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES,
+        "dq_stage_bytes": DQ_STAGE_BYTES,
     }
+
+
+def dq_accum_index(row: int, col: int, cols: int, block_q: int) -> int:
+    """Where atomic dQ's element (row, col) of a head's [rows, cols] lives in dq_accum (a float
+    index from the head's start). The dK/dV kernel adds each step's fragments in register order,
+    so a query tile of block_q rows is its m64n64 tiles one after another (tile i: rows 64 (i //
+    tiles across cols), columns 64 (i % that)), each as its 4 warps' 16 rows, each n8 fragment by
+    fragment, each lane's 4 floats (rows g, g + 8 by columns 2c, 2c + 1: lane 4g + c). The
+    postprocess reads it back; this is its specification, for the tests."""
+    r, c = row % block_q, col % SWIZZLE_ATOM_ELEMS
+    tile = r // WARPGROUP_ROWS * (cols // SWIZZLE_ATOM_ELEMS) + col // SWIZZLE_ATOM_ELEMS
+    warp, g, half = r % WARPGROUP_ROWS // MMA_M, r % 8, r % MMA_M // 8
+    fragment, lane = c // MMA_N, 4 * g + c % MMA_N // 2
+    warp_floats = DQ_STAGE_BYTES // 4
+    return ((row - r) * cols + (tile * WARPGROUP_WARPS + warp) * warp_floats + (fragment * 32 + lane) * 4
+            + 2 * half + c % 2)
 
 
 def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:

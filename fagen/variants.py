@@ -288,11 +288,11 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32})
 # sm_90a up to head_dim 128 (the wgmma dK/dV kernel): two warpgroups of 64 keys, dQ by atomics
-# (backward.deterministic false), 3 Q/dO stages (interleaved on the H100: +2% over 2 at head_dim
-# 64, within noise at 128; notes/perf.md); head_dim 64 takes 128 queries a step (S^T as m64n128
-# wgmmas: 15-40% faster than 64). Where a mask or modifiers push that over the registers: 64
-# queries (and 2 stages), then the dQ kernel instead (deterministic), then fewer queries a step.
-WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 3}, 128: {"stages": 3}}
+# (backward.deterministic false), 2 Q/dO stages (a third no longer fits beside dQ's staging for its
+# bulk reduce); head_dim 64 takes 128 queries a step (S^T as m64n128 wgmmas: 15-40% faster than
+# 64). Where a mask or modifiers push that over the registers: 64 queries, then the dQ kernel
+# instead (deterministic), then fewer queries a step.
+WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 2}, 128: {"stages": 2}}
 # The dK/dV kernel's TMA producer (backward.warp_specialized), measured on an H200 (same process,
 # alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 +2-7% (dense and
 # causal, 4k and 16k) since P^T is packed before dP^T lands: before, its 128-query steps spilled

@@ -14,7 +14,7 @@
 //     dq_block_q: 64
 //     dq_warps: 4
 //     head_split: 1
-//     stages: 3
+//     stages: 2
 //     warps: 8
 //   dtype: bfloat16
 //   head_dim: 64

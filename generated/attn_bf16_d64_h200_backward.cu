@@ -16,7 +16,7 @@
 //     dq_block_q: 64
 //     dq_warps: 4
 //     head_split: 1
-//     stages: 3
+//     stages: 2
 //     warps: 8
 //   dtype: bfloat16
 //   head_dim: 64
@@ -202,7 +202,7 @@ constexpr int D_COLS = 64;            // the warp's columns of dK and dV
 constexpr int D_N_FRAGS = 8;          // ... as n8 fragments
 constexpr int QK_K_STEPS = 4;          // k16 steps of S^T = K.Q^T over head_dim
 constexpr int Q_K_STEPS = 8;           // k16 steps of dV += P^T.dO, dK += dS^T.Q over queries
-constexpr int STAGES = 3;              // Q/dO tiles in flight
+constexpr int STAGES = 2;              // Q/dO tiles in flight
 constexpr int SMEM_ALIGN = 1024;          // bytes: the smem tiles' start (their layout's unit)
 constexpr int CHUNKS_PER_ROW = 8;      // 16-byte chunks in a head_dim row
 constexpr int COPY_ROWS_PER_PASS = 32;  // tile rows all threads copy at once
@@ -230,7 +230,7 @@ constexpr int MBARRIER_BYTES = 8;      // the Q/dO ring's landed and freed barri
 // DQ_N_TILES), columns 64 (i % DQ_N_TILES)) over share w / DQ_TILES of the keys, K's columns
 // read as the forward reads V. A warpgroup that owns its share of keys (DQ_KEY_SPLIT equal to
 // the warpgroups) reads only the rows it wrote, and waits for no other.
-constexpr int DS_OFFSET = 135168;         // bytes from the smem base to buffer 0
+constexpr int DS_OFFSET = 101376;         // bytes from the smem base to buffer 0
 constexpr int DS_TILE_BYTES = 32768;      // one buffer: BLOCK_KV x BLOCK_Q
 constexpr int DS_ATOMS_PER_ROW = 2;      // 64-query swizzle atoms across a row
 constexpr int DS_ROW_GROUP_BYTES = 2048;  // 8 keys: the stride byte offset of the MN-major A
@@ -243,6 +243,10 @@ constexpr int DQ_N_FRAGS = 8;            // n8 fragments of a 64-column tile
 // per warpgroup (ids NAMED_BARRIER_DS + w) where each reads only its own keys
 constexpr int NAMED_BARRIER_DS = 1;    // 0 is __syncthreads
 constexpr int DS_BARRIER_THREADS = 256;
+// A step's dQ leaves each warp as one bulk reduce-add (TMA) of its 16 x 64 fragments, staged in
+// smem in register order: dq_accum keeps every query tile in that order, which the postprocess reads.
+constexpr int DQ_STAGE_OFFSET = 166912;  // bytes from the smem base to warp 0's staging
+constexpr int DQ_STAGE_BYTES = 4096;    // a warp's: 16 rows x 64 columns, f32
 
 // ---- shared-memory tiles ---------------------------------------------------------------
 // wgmma's 128-byte swizzle: a tile is 8-row groups of ATOMS_PER_ROW atoms (8 rows x 64
@@ -470,10 +474,28 @@ __device__ __forceinline__ void store_ds(unsigned buffer, const unsigned (&ds)[Q
                    "r"(ds[ks][r]) : "memory");
 }
 
-// Two f32 added to consecutive addresses in global memory (sm_90's vector reduction).
-__device__ __forceinline__ void red_add2(float* p, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+// dQ's way out, FlashAttention-3's: a warp's fragments go to its staging in register order (a
+// lane's 4 floats side by side: a warp stores 512 contiguous bytes, no bank conflicts), then one
+// lane adds the staging into dq_accum, laid out in the same order, with one bulk reduce. Its
+// adds leave the warps' LSU queue, where 16 vector reductions a thread a step stalled them.
+__device__ __forceinline__ void stage_dq(unsigned stage, const float (&acc)[DQ_N_FRAGS][4], int lane) {
+#pragma unroll
+  for (int n = 0; n < DQ_N_FRAGS; ++n)
+    asm volatile("st.shared.v4.f32 [%0], { %1, %2, %3, %4 };\n" :: "r"(stage + (n * 32 + lane) * 16),
+                 "f"(acc[n][0]), "f"(acc[n][1]), "f"(acc[n][2]), "f"(acc[n][3]) : "memory");
 }
+
+// dst[i] += src[i] over `bytes` of f32 (the async proxy reads the staging: fence it first),
+// committed as one bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, unsigned src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
+// This thread's bulk groups have read their shared memory (the staging may be written again) ...
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... or are done, their adds made (before the block exits).
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Some of the block's threads meet: a warpgroup's, or the consumers' (the producer has left).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
@@ -752,8 +774,9 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
   const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
   const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
-  const int dq_thread_row = (dq_tile / DQ_N_TILES) * 64 + (warp % WARPGROUP_WARPS) * 16 + (lane >> 2);
-  const int dq_thread_col = (dq_tile % DQ_N_TILES) * 64 + 2 * (lane & 3);
+  const unsigned dq_stage = smem_u32(smem) + DQ_STAGE_OFFSET + warp * DQ_STAGE_BYTES;
+  // the warp's 16 x 64 fragments in a query tile of dq_accum (dq_accum_index)
+  const int dq_warp_floats = (dq_tile * WARPGROUP_WARPS + warp % WARPGROUP_WARPS) * (DQ_STAGE_BYTES / 4);
   for (int t = 0; t < steps; ++t) {
     const int head = mask.step_head(t);  // the group's query head ...
     const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
@@ -814,13 +837,16 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     pin_registers(p[0]);
     pin_registers(dv_acc[0]);
     pin_registers(dq_acc);
-    // dq_accum rows hold head_dim = D_COLS floats (wgmma never splits head_dim)
-    float* dq_rows = dq_accum + ((long long)(b * heads_q + h) * n_pad + q0 + dq_thread_row) * D_COLS + dq_thread_col;
-#pragma unroll
-    for (int n = 0; n < DQ_N_FRAGS; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        red_add2(dq_rows + hh * 8 * D_COLS + n * 8, dq_acc[n][2 * hh], dq_acc[n][2 * hh + 1]);
+    // the tile's adds, one bulk reduce a warp, once the warp's last one has read the staging
+    // (a query tile of dq_accum is BLOCK_Q x D_COLS floats: wgmma never splits head_dim)
+    if (lane == 0) bulk_wait_read();
+    __syncwarp();
+    stage_dq(dq_stage, dq_acc, lane);
+    fence_async_smem();
+    __syncwarp();
+    if (lane == 0)
+      bulk_reduce_add(dq_accum + ((long long)(b * heads_q + h) * n_pad + q0) * D_COLS + dq_warp_floats, dq_stage,
+                      DQ_STAGE_BYTES);
     wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
     pin_registers(ds[0]);
     pin_registers(dk_acc[0]);
@@ -858,16 +884,23 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
       }
     }
   }
+  if (lane == 0) bulk_wait();  // dQ's last adds are made, and have read the staging, before the block leaves
 }
 }  // namespace dkdv
 
 // ---- postprocess -----------------------------------------------------------------------
 namespace postprocess {
 constexpr int THREADS = 128;
-constexpr int CHUNKS_PER_ROW = 8;  // 16-byte chunks of dQ in a head_dim row
+constexpr int BLOCK_Q = 128;        // a query tile of dq_accum: the dK/dV kernel's step
+constexpr int HEAD_DIM = 64;
+constexpr int DQ_TILES = 2;        // its m64n64 tiles, one after another ...
+constexpr int DQ_N_TILES = 1;      // ... this many across head_dim
+constexpr int WARPGROUP_WARPS = 4;  // each as its warps' 16 rows ...
+constexpr int DQ_N_FRAGS = 8;      // ... each as this many n8 fragments of 32 lanes x 4 floats
 
-// dQ = scale * the dK/dV kernel's f32 accumulator [B, Hq, n_pad, head_dim], in bfloat16: one
-// 16-byte chunk (8 elements) a thread.
+// dQ = scale * the dK/dV kernel's f32 accumulator, in bfloat16: a thread reads one lane's 4
+// floats of 4 lanes (rows g and g + 8 of an n8 fragment: 64 contiguous bytes) and writes the two
+// rows' 16-byte chunks; the fragment is the fastest index, so 8 threads write 128 bytes of a row.
 extern "C" __global__ void __launch_bounds__(THREADS)
 fagen_attn_bf16_d64_h200_bwd_postprocess(
     const float* __restrict__ dq_accum,
@@ -880,12 +913,20 @@ fagen_attn_bf16_d64_h200_bwd_postprocess(
     long long dq_sh,
     long long dq_sn) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
-  const int i = blockIdx.x * THREADS + threadIdx.x, row = i / CHUNKS_PER_ROW, col = (i % CHUNKS_PER_ROW) * 8;
+  const int i = blockIdx.x * THREADS + threadIdx.x;
+  const int n = i % DQ_N_FRAGS, g = i / DQ_N_FRAGS % 8, w = i / (DQ_N_FRAGS * 8) % WARPGROUP_WARPS;
+  const int tile = i / (DQ_N_FRAGS * 8 * WARPGROUP_WARPS) % DQ_TILES, q_tile = i / (DQ_N_FRAGS * 8 * WARPGROUP_WARPS * DQ_TILES);
+  const int row = q_tile * BLOCK_Q + tile / DQ_N_TILES * 64 + w * 16 + g, col = tile % DQ_N_TILES * 64 + n * 8;
   if (row >= n_q) return;
-  const float4* acc = reinterpret_cast<const float4*>(dq_accum + ((long long)bh * n_pad + row) * (CHUNKS_PER_ROW * 8) + col);
-  const float4 x = acc[0], y = acc[1];
-  const chunk16 out = {pack2(x.x * scale, x.y * scale), pack2(x.z * scale, x.w * scale), pack2(y.x * scale, y.y * scale),
-                       pack2(y.z * scale, y.w * scale)};
-  *reinterpret_cast<chunk16*>(dq + b * dq_sb + h * dq_sh + row * dq_sn + col) = out;
+  const float4* acc = reinterpret_cast<const float4*>(
+      dq_accum + (long long)bh * n_pad * HEAD_DIM + q_tile * BLOCK_Q * HEAD_DIM +
+      ((tile * WARPGROUP_WARPS + w) * DQ_N_FRAGS + n) * 32 * 4 + g * 16);
+  const float4 c0 = acc[0], c1 = acc[1], c2 = acc[2], c3 = acc[3];  // lanes 4g + c: (row g, row g + 8) x 2 columns
+  elem_t* out = dq + b * dq_sb + h * dq_sh + (long long)row * dq_sn + col;
+  *reinterpret_cast<chunk16*>(out) = {pack2(c0.x * scale, c0.y * scale), pack2(c1.x * scale, c1.y * scale),
+                                      pack2(c2.x * scale, c2.y * scale), pack2(c3.x * scale, c3.y * scale)};
+  if (row + 8 < n_q)
+    *reinterpret_cast<chunk16*>(out + 8 * dq_sn) = {pack2(c0.z * scale, c0.w * scale), pack2(c1.z * scale, c1.w * scale),
+                                                    pack2(c2.z * scale, c2.w * scale), pack2(c3.z * scale, c3.w * scale)};
 }
 }  // namespace postprocess

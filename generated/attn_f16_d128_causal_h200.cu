@@ -14,7 +14,7 @@
 //     dq_block_q: 64
 //     dq_warps: 4
 //     head_split: 1
-//     stages: 3
+//     stages: 2
 //     warp_specialized:
 //       consumer_registers: 240
 //       persistent: false

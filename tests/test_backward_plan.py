@@ -8,7 +8,7 @@ import pytest
 import fagen
 from fagen.spec import Mask, ScoreMod
 from fagen import variants
-from fagen.backward_plan import backward_plan, bias_grad_layout, kernel_symbols
+from fagen.backward_plan import backward_plan, bias_grad_layout, dq_accum_index, kernel_symbols
 from fagen.load import SPECS
 from fagen.plan import MBARRIER_BYTES, SWIZZLE_ATOM_BYTES
 from fagen.render import render_backward
@@ -74,7 +74,9 @@ def test_atomic_plan_lays_ds_buffers_after_the_ring():
     ring_end = 2 * dkdv.kv_tile_bytes + bwd.stages * dkdv.stage_bytes + 2 * bwd.stages * MBARRIER_BYTES
     assert dkdv.ds_offset % SWIZZLE_ATOM_BYTES == 0 and ring_end <= dkdv.ds_offset < ring_end + SWIZZLE_ATOM_BYTES
     assert dkdv.ds_tile_bytes == bwd.block_kv * bwd.block_q * 2
-    assert dkdv.smem_bytes == dkdv.ds_offset + 2 * dkdv.ds_tile_bytes
+    # then dQ's staging for its bulk reduce, a warp's 16 x 64 floats each
+    assert dkdv.dq_stage_offset == dkdv.ds_offset + 2 * dkdv.ds_tile_bytes and dkdv.dq_stage_bytes == 16 * 64 * 4
+    assert dkdv.smem_bytes == dkdv.dq_stage_offset + bwd.warps * dkdv.dq_stage_bytes
     assert dkdv.dq_tiles * dkdv.dq_key_split == bwd.warps // 4
     assert dkdv.dq_key_steps * 16 * dkdv.dq_key_split == bwd.block_kv
     assert ("float* __restrict__", "dq_accum") in plan.dkdv_params
@@ -94,7 +96,20 @@ def test_deterministic_plan_has_a_dq_kernel_and_no_accumulator():
 def test_atomic_backward_renders_a_postprocess_instead_of_the_dq_kernel():
     source = render_backward(HOPPER)
     assert "namespace postprocess" in source and "namespace dq " not in source
-    assert "red.global.add.v2.f32" in source and "issue_dq(" in source
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in source and "issue_dq(" in source
+    assert "red.global.add" not in source  # dQ's adds leave the warps as bulk reduces, not reductions a thread
+
+
+@pytest.mark.parametrize("cols, block_q", [(128, 64), (64, 128), (64, 64)])
+def test_dq_accum_layout_keeps_each_query_tile_whole(cols, block_q):
+    # every element of two query tiles has its own float, inside its own tile's block_q x cols
+    rows = 2 * block_q
+    index = {(r, c): dq_accum_index(r, c, cols, block_q) for r in range(rows) for c in range(cols)}
+    assert sorted(index.values()) == list(range(rows * cols))
+    assert all(i // (block_q * cols) == r // block_q for (r, _), i in index.items())
+    # a lane's 4 floats: rows g and g + 8 by columns 2c and 2c + 1, side by side (what the postprocess reads)
+    assert [index[r, c] for r, c in ((0, 0), (0, 1), (8, 0), (8, 1), (0, 2))] == [0, 1, 2, 3, 4]
+    assert index[1, 0] == 16 and index[0, 8] == 128  # the next lane's row group; the next n8 fragment
 
 
 def test_deterministic_backward_renders_no_atomics():
@@ -414,7 +429,7 @@ def test_atomic_dq_under_the_producer_is_refused_where_it_spilled():
     without modifiers head_dim 128's 64-query steps and head_dim 64's 128-query steps fit under
     every mask; softcap spilled at either (ptxas -v, nvcc 13.0)."""
     atomic_ws = lambda spec, block_q: {**spec.model_dump(), "name": "atomic_ws", "backward": {  # noqa: E731
-        "deterministic": False, "block_q": block_q, "stages": 3, "warp_specialized": {}}}
+        "deterministic": False, "block_q": block_q, "stages": 2, "warp_specialized": {}}}
     d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
     for mask in (Mask(), Mask(kind="causal"), Mask(kind="sliding_window", window_left=256), Mask(kind="document")):
         assert fagen.parse_spec(atomic_ws(variants.variant(HOPPER, mask, ScoreMod()), 64)).atomic_dq
@@ -433,7 +448,7 @@ def test_p_is_packed_before_dp_lands_at_128_queries_a_step(block_q, early):
     in the copying kernel, the f32 tile is kept."""
     d64 = fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml")
     spec = fagen.parse_spec({**d64.model_dump(), "name": "packed", "backward": {
-        "deterministic": False, "block_q": block_q, "stages": 3, "warp_specialized": {}}})
+        "deterministic": False, "block_q": block_q, "stages": 2, "warp_specialized": {}}})
     assert backward_plan(spec).dkdv.early_p_pack == early
     source = render_backward(spec)
     loop = source[source.index("Phase 3"):source.index("Phase 5")]
