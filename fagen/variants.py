@@ -309,13 +309,11 @@ DQ_PRODUCER = {"consumer_registers": 232}
 # prefix-LM and documents, whose blocks differ, -1-2%.
 PERSISTENT_DKDV_MASKS = ("sliding_window",)
 # ... and where, with both producers, one kernel adding dQ atomically beats the two deterministic
-# kernels (the dQ kernel recomputing S and dP; H200, head_dim 128, same process):
-# dense +6% and causal +10% over the copying atomic kernel, causal +7% over deterministic,
-# prefix-LM +3% at 4k and +6-8% at 16k over deterministic (0.97 on one other machine); sliding
-# windows and documents 0.99-1.00, before their deterministic kernels ran side by side
-# (backward_plan.CONCURRENT_DQ_MASKS). Other masks take the deterministic kernels first, where
-# the dQ kernel has its producer (DQ_PRODUCER_HEAD_DIMS).
-ATOMIC_DQ_MASKS = ("none", "causal", "prefix_lm")
+# kernels (the dQ kernel recomputing S and dP; H200, head_dim 128, same process): dense, causal and
+# prefix-LM since the atomic adds left as reductions a thread (+3-10%); sliding windows (-8% time)
+# and documents (-4.5%) since they leave as a bulk reduce a warp (notes/perf.md). Other masks take
+# the deterministic kernels first, where the dQ kernel has its producer (DQ_PRODUCER_HEAD_DIMS).
+ATOMIC_DQ_MASKS = ("none", "causal", "prefix_lm", "sliding_window", "document")
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})

@@ -388,7 +388,7 @@ def test_dq_producer_renders_tma_and_no_copies_in_the_dq_kernel():
 
 
 def test_trainable_takes_both_producers_at_head_dim_128_where_the_dq_kernel_runs():
-    masked = variants.trainable(variants.variant(HOPPER, Mask(kind="sliding_window", window_left=256), ScoreMod()))
+    masked = variants.trainable(variants.variant(HOPPER, Mask(kind="chunked", chunk_size=256), ScoreMod()))
     assert masked.backward.deterministic and masked.backward.warp_specialized is not None
     assert masked.backward.dq_warp_specialized is not None
     dense = variants.trainable(HOPPER)  # one kernel, dQ added atomically, fed by the producer
@@ -399,13 +399,14 @@ def test_trainable_takes_both_producers_at_head_dim_128_where_the_dq_kernel_runs
 
 
 @pytest.mark.parametrize("mask, atomic", [(Mask(), True), (Mask(kind="causal"), True),
-                                          (Mask(kind="sliding_window", window_left=256), False),
+                                          (Mask(kind="sliding_window", window_left=256), True),
                                           (Mask(kind="prefix_lm", prefix_len=256), True),
-                                          (Mask(kind="document"), False), (Mask(kind="block_mask"), False)],
+                                          (Mask(kind="document"), True), (Mask(kind="block_mask"), False),
+                                          (Mask(kind="chunked", chunk_size=256), False)],
                          ids=lambda x: getattr(x, "kind", x))
 def test_trainable_adds_dq_atomically_at_head_dim_128_only_where_it_measured_faster(mask, atomic):
-    """variants.ATOMIC_DQ_MASKS: with both producers, the deterministic kernels are as fast as atomic
-    dQ under the other masks (and then run side by side), so those take them first."""
+    """variants.ATOMIC_DQ_MASKS: atomic dQ where it measured faster than the deterministic kernels
+    with both producers; the masks not measured take those first."""
     spec = variants.trainable(variants.variant(HOPPER, mask, ScoreMod()))
     assert spec.atomic_dq == atomic and spec.backward.warp_specialized is not None
 
