@@ -308,12 +308,9 @@ DQ_PRODUCER = {"consumer_registers": 232}
 # work, so a static walk stays even: sliding windows +1.5-2.3% (H200, N 4k and 16k, same process);
 # prefix-LM and documents, whose blocks differ, -1-2%.
 PERSISTENT_DKDV_MASKS = ("sliding_window",)
-# ... and where, with both producers, one kernel adding dQ atomically beats the two deterministic
-# kernels (the dQ kernel recomputing S and dP; H200, head_dim 128, same process): dense, causal and
-# prefix-LM since the atomic adds left as reductions a thread (+3-10%); sliding windows (-8% time)
-# and documents (-4.5%) since they leave as a bulk reduce a warp (notes/perf.md). Other masks take
-# the deterministic kernels first, where the dQ kernel has its producer (DQ_PRODUCER_HEAD_DIMS).
-ATOMIC_DQ_MASKS = ("none", "causal", "prefix_lm", "sliding_window", "document")
+# (Atomic dQ comes first under every mask: since its adds leave each warp as one bulk reduce a step,
+# the one kernel beat the two deterministic ones with both producers at head_dim 128: sliding
+# windows -8% time, documents -4.5%, block masks -37%, chunked within noise; H200, notes/perf.md.)
 WGMMA_BACKWARD_FALLBACKS = ({"block_q": 64}, {"deterministic": True, "block_q": 128}, {"deterministic": True},
                             {"deterministic": True, "block_q": 32}, {"deterministic": True, "block_q": 32, "dq_block_kv": 32},
                             {"deterministic": True, "block_q": 16, "dq_block_kv": 32})
@@ -355,8 +352,6 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
         if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS:
             dq_producer = spec.head_dim in DQ_PRODUCER_HEAD_DIMS
-            if dq_producer and spec.mask.kind not in ATOMIC_DQ_MASKS:
-                tilings = sorted(tilings, key=lambda t: not t.get("deterministic"))  # stable: deterministic first
             tilings = [fed for t in tilings
                        for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]
     else:  # changes to the head_dim's tiling
