@@ -774,9 +774,6 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
   const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
   const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
   const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
-  const unsigned dq_stage = smem_u32(smem) + DQ_STAGE_OFFSET + warp * DQ_STAGE_BYTES;
-  // the warp's 16 x 64 fragments in a query tile of dq_accum (dq_accum_index)
-  const int dq_warp_floats = (dq_tile * WARPGROUP_WARPS + warp % WARPGROUP_WARPS) * (DQ_STAGE_BYTES / 4);
   for (int t = 0; t < steps; ++t) {
     const int head = mask.step_head(t);  // the group's query head ...
     const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
@@ -837,16 +834,19 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     pin_registers(p[0]);
     pin_registers(dv_acc[0]);
     pin_registers(dq_acc);
-    // the tile's adds, one bulk reduce a warp, once the warp's last one has read the staging
-    // (a query tile of dq_accum is BLOCK_Q x D_COLS floats: wgmma never splits head_dim)
+    // the tile's adds, one bulk reduce a warp, once the warp's last one has read the staging (its
+    // places are worked out here: held across the loop they cost head_dim 64 a spill)
     if (lane == 0) bulk_wait_read();
     __syncwarp();
+    const unsigned dq_stage = smem_u32(smem) + DQ_STAGE_OFFSET + warp * DQ_STAGE_BYTES;
     stage_dq(dq_stage, dq_acc, lane);
     fence_async_smem();
     __syncwarp();
-    if (lane == 0)
-      bulk_reduce_add(dq_accum + ((long long)(b * heads_q + h) * n_pad + q0) * D_COLS + dq_warp_floats, dq_stage,
+    if (lane == 0) {  // a query tile of dq_accum: BLOCK_Q x D_COLS floats (wgmma never splits head_dim)
+      const int warp_floats = (dq_tile * WARPGROUP_WARPS + warp % WARPGROUP_WARPS) * (DQ_STAGE_BYTES / 4);
+      bulk_reduce_add(dq_accum + ((long long)(b * heads_q + h) * n_pad + q0) * D_COLS + warp_floats, dq_stage,
                       DQ_STAGE_BYTES);
+    }
     wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
     pin_registers(ds[0]);
     pin_registers(dk_acc[0]);
