@@ -236,7 +236,7 @@ class DkdvPlan:
     dq_n_frags: int  # n8 fragments of a 64-column dQ tile
     ds_barrier_threads: int  # the threads that meet before reading dS^T: all, or a warpgroup's own
     # a step's dQ leaves a warp as one bulk reduce-add (TMA) of its 16 x 64 fragments, staged in
-    # smem in register order: dq_accum holds every query tile in that order (dq_accum_layout)
+    # smem in register order: dq_accum holds every query tile in that order (dq_accum_index)
     dq_stage_offset: int  # bytes from the smem base to warp 0's staging (after the dS^T buffers)
     dq_stage_bytes: int  # a warp's staging: its 16 rows x 64 columns of a tile, f32
     # backward.bias_grad: each step's score gradient at the bias added into dbias; "" without
