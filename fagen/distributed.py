@@ -28,7 +28,7 @@ from functools import cache
 
 import numpy as np
 
-from fagen import sequences, variants
+from fagen import ring_link, sequences, variants
 from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
@@ -373,13 +373,16 @@ def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_l
         return dq, _cast(dkv[0], ref, ref.dtype), _cast(dkv[1], ref, ref.dtype)
 
 
-def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = True, return_lse: bool = False):
+def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = True, return_lse: bool = False,
+                   transport: str = "auto"):
     """Mode 4: each rank holds its zigzag chunks (r, 2w-1-r) of Q, K and V, back to back
     (sharded_inputs(x, n, w, r, "zigzag")). The K/V blocks travel the ring (sent to r+1,
     received from r-1) while this rank computes on the one it holds: ring_schedule's one launch
     a step, each folding its partial into the running float32 O and LSE inside the kernel
     (outputs.accumulate). Returns this rank's output rows, laid out as q_local (and their
-    natural-log LSE [B, H, rows], float32, with return_lse)."""
+    natural-log LSE [B, H, rows], float32, with return_lse). `transport`: how the blocks
+    travel (fagen.ring_link: 'auto' takes the copy engines where the GPUs reach each other's
+    memory, else the group's NCCL send/recv)."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
@@ -395,33 +398,35 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
     fold = compile_kernel(variants.accumulate_variant(_spec(ref, False)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
-    most = _largest_pair(n, world)
+    block = ring_link.Block((2, b, hkv, _largest_pair(n, world), d), ref.dtype)
     with cupy.cuda.Device(ref.device), stream_for(ref):
         acc_o = zeros_like(ref, (b, h, rows, d), "float32")  # nothing seen yet: O = 0, LSE = -inf
         acc_l = full_like(ref, (b, h, rows), -np.inf, "float32")
         if world > 1:
-            held, arriving = (empty_like(ref, (2, b, hkv, most, d), ref.dtype) for _ in range(2))
-            held[0, :, :, :rows] = k_local
-            held[1, :, :, :rows] = v_local
+            kv = ring_link.link(group, "kv", ref, block, transport)
+        held = None
         for i, step in enumerate(ring_schedule(n, rank, world, causal)):
-            transfer = None
-            if i + 1 < world:  # the next block travels while this one is computed on
-                transfer = group.send_recv(held, arriving, (rank + 1) % world, (rank - 1) % world)
+            # the next block travels while this one is computed on; a block received is passed
+            # on as soon as it lands
+            arrived = None
+            if i + 1 < world:
+                arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held, as_received=True)
             (q0, q1), (k0, k1) = step.q, step.kv
             if i == 0 and not step.empty:  # its own block first
                 first(q_local, k_local, v_local, out=acc_o, lse=acc_l, mask_offset=0)
             elif not step.empty:
                 fold(q_local[:, :, q0:q1], held[0, :, :, k0:k1], held[1, :, :, k0:k1],
                      out=acc_o[:, :, q0:q1], lse=acc_l[:, :, q0:q1])
-            if transfer is not None:
-                transfer.wait()
-                held, arriving = arriving, held
+            if arrived is not None:
+                held = arrived()
+        if world > 1:
+            kv.finish()
         out = _cast(acc_o, ref, ref.dtype)
     return (out, acc_l) if return_lse else out
 
 
 def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_local, lse_local, *, n: int,
-                            causal: bool = True):
+                            causal: bool = True, transport: str = "auto"):
     """The gradients through ring attention: dq, dk, dv of this rank's zigzag rows (laid out as
     q_local, k_local, v_local), from ring_attention's out and LSE (return_lse=True) and dout.
 
@@ -430,7 +435,8 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     each block's softmax the whole sequence's), adds dQ into its own rows, and adds the block's
     dK and dV into the travelling ones, which after the last step make one more hop home. Each
     step's share arrives in q's dtype (the one-GPU backward's outputs) and is summed in float32.
-    K/V's transfer runs under the step's compute; dK/dV's, under the next step's."""
+    K/V's transfer runs under the step's compute; dK/dV's, under the next step's. `transport`
+    as ring_attention's."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
@@ -447,16 +453,16 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
         lse_rows = {(0, rows): lse_local, (second, rows): lse_local[:, :, second:].contiguous()
                     if ref.kind == "torch" else cupy.ascontiguousarray(lse_local[:, :, second:])}
         dq = zeros_like(ref, (b, h, rows, d), "float32")
-        held_kv, arriving_kv = (empty_like(ref, (2, b, hkv, most, d), ref.dtype) for _ in range(2))
+        held_kv = empty_like(ref, (2, b, hkv, most, d), ref.dtype)
         held_kv[0, :, :, :rows] = k_local
         held_kv[1, :, :, :rows] = v_local
         held_dkv = zeros_like(ref, (2, b, hkv, most, d), "float32")
-        arriving_dkv = empty_like(ref, (2, b, hkv, most, d), "float32")
+        if world > 1:
+            kv = ring_link.link(group, "kv", ref, ring_link.Block(tuple(held_kv.shape), ref.dtype), transport)
+            dkv = ring_link.link(group, "dkv", ref, ring_link.Block(tuple(held_dkv.shape), "float32"), transport)
         pending = None  # the dK/dV transfer still on its way
         for i, step in enumerate(ring_schedule(n, rank, world, causal)):
-            kv_transfer = None
-            if i + 1 < world:
-                kv_transfer = group.send_recv(held_kv, arriving_kv, (rank + 1) % world, (rank - 1) % world)
+            kv_arrived = kv.send(held_kv, as_received=i > 0) if i + 1 < world else None
             (q0, q1), (k0, k1) = step.q, step.kv
             grads = None
             if not step.empty:
@@ -466,20 +472,19 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
                                 mask_offset=0 if i == 0 else None)
                 dq[:, :, q0:q1] += grads.dq
             if pending is not None:  # the block's dK/dV so far, from the previous rank
-                pending.wait()
-                held_dkv, arriving_dkv = arriving_dkv, held_dkv
+                held_dkv = pending()
             if grads is not None:
                 held_dkv[0, :, :, k0:k1] += grads.dk
                 held_dkv[1, :, :, k0:k1] += grads.dv
-            pending = group.send_recv(held_dkv, arriving_dkv, (rank + 1) % world, (rank - 1) % world) \
-                if world > 1 else None
-            if kv_transfer is not None:
-                kv_transfer.wait()
-                held_kv, arriving_kv = arriving_kv, held_kv
+            pending = dkv.send(held_dkv) if world > 1 else None
+            if kv_arrived is not None:
+                held_kv = kv_arrived()
         if pending is not None:  # home: this rank's own block, every rank's share added
-            pending.wait()
-            held_dkv, arriving_dkv = arriving_dkv, held_dkv
+            held_dkv = pending()
         dk, dv = (_cast(held_dkv[j, :, :, :rows], ref, ref.dtype) for j in range(2))
+        if world > 1:
+            kv.finish()
+            dkv.finish()
         return _cast(dq, ref, ref.dtype), dk, dv
 
 

@@ -16,12 +16,14 @@ import torch
 import torch.distributed as tdist
 
 from fagen import distributed as dist
+from fagen import ring_link
 from fagen import oracle
 from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, relative_error, to_numpy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--time", type=int, nargs="*", default=[], help="sequence lengths to time")
 parser.add_argument("--iters", type=int, default=10)
+parser.add_argument("--rounds", type=int, default=3, help="every arm timed in turn this many times; medians")
 parser.add_argument("--backward", action="store_true", help="check and time the gradients through the ring too")
 args = parser.parse_args()
 
@@ -80,18 +82,22 @@ for group_name, framework, dtype, hq, hkv in cases:
         log(f"{'3 zigzag LSE B=1 N=' + str(n) + ' ' + tag:52} world={world} rel err {err:.2e} "
             f"{'PASS' if err < LSE_TOLERANCE else 'FAIL'}")
         assert err < LSE_TOLERANCE, "zigzag LSE"
-        for causal, ref in ((True, ref_causal), (False, ref_dense)):
-            local = dist.ring_attention(group, qz, kz, vz, n=n, causal=causal)
-            check(f"4 ring attention {'causal' if causal else 'full'} N={n} {tag}",
+        for causal, ref, transport in ((True, ref_causal, "auto"), (False, ref_dense, "auto"),
+                                       (True, ref_causal, "nccl")):
+            local = dist.ring_attention(group, qz, kz, vz, n=n, causal=causal, transport=transport)
+            check(f"4 ring attention {'causal' if causal else 'full'} ({transport}) N={n} {tag}",
                   dist.gather_sequence(group, local, n=n), ref, dtype)
         if args.backward and n == 1000:  # gradients: every rank's rows gathered, against the float64 oracle
             dout = same_inputs(framework, dtype, 2, hq, hq, n, 128, seed + 1)[0]
             doz = dist.sharded_inputs(dout, n, world, rank, "zigzag")
             want = oracle.attention_backward(qn, kn, vn, to_numpy(dout).astype(np.float64), causal=True)
-            out, lse = dist.ring_attention(group, qz, kz, vz, n=n, return_lse=True)
-            grads = dist.ring_attention_backward(group, doz, qz, kz, vz, out, lse, n=n)
-            for name, g in zip(("dq", "dk", "dv"), grads):
-                check(f"4 ring backward {name} N={n} {tag}", dist.gather_sequence(group, g, n=n), want[name], dtype)
+            for transport in ("auto", "nccl"):
+                out, lse = dist.ring_attention(group, qz, kz, vz, n=n, return_lse=True, transport=transport)
+                for _ in range(2):  # twice: the copy-engine link's flags carry on from call to call
+                    grads = dist.ring_attention_backward(group, doz, qz, kz, vz, out, lse, n=n, transport=transport)
+                for name, g in zip(("dq", "dk", "dv"), grads):
+                    check(f"4 ring backward {name} ({transport}) N={n} {tag}", dist.gather_sequence(group, g, n=n),
+                          want[name], dtype)
             out, lse = dist.zigzag_attention(group, qz, k, v, n=n, return_lse=True)
             dq, dk, dv = dist.zigzag_attention_backward(group, doz, qz, k, v, out, lse, n=n)
             for name, g in (("dq", dist.gather_sequence(group, dq, n=n)), ("dk", dk), ("dv", dv)):
@@ -115,47 +121,67 @@ def time_ms(fn, iters):
     return float(ms)
 
 
+def rounds_ms(arms: dict, iters: int, rounds: int) -> dict:
+    """Every arm timed in turn, `rounds` times over (a one-GPU kernel and the multi-GPU modes
+    meet the same clocks and neighbours); each arm's median round, and the rounds."""
+    seen = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            seen[name].append(round(time_ms(fn, iters), 3))
+    return {name: (float(np.median(ms)), ms) for name, ms in seen.items()}
+
+
+def host_ms(fn, iters):
+    """What the host spends enqueueing a call (GPU idle first)."""
+    torch.cuda.synchronize()
+    tdist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    spent = (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    return round(spent, 3)
+
+
 for n in args.time:
     b, h, d = 1, 16, 128
     q, k, v = same_inputs("torch", "float16", b, h, h, n, d, seed)
     flops = 4 * b * h * n * n * d / 2  # causal: half the pairs
-    single = {}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from fagen.runtime import compile_kernel, default_spec
 
     kernel = compile_kernel(default_spec("float16", d, True, keys=n))  # fagen.attention's kernel for n keys
     reference = kernel(q, k, v)
-    single["fagen"] = time_ms(lambda: kernel(q, k, v), args.iters)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "fa2")):
-        try:
+    def sdpa(backend):
+        def call():
             with sdpa_kernel(backend):
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                single[name] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                       args.iters)
-        except RuntimeError as err:
-            log(f"SDPA {name}: {str(err).splitlines()[0]}")
-    best = min(single.values())
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return call
+
+    singles = {"fagen": lambda: kernel(q, k, v), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+               "fa2": sdpa(SDPBackend.FLASH_ATTENTION)}
     qz, kz, vz = (dist.sharded_inputs(x, n, world, rank, "zigzag") for x in (q, k, v))
     modes = {"zigzag": lambda: dist.zigzag_attention(None, qz, k, v, n=n),
              "ring": lambda: dist.ring_attention(None, qz, kz, vz, n=n),
-             "ring (fagen group)": lambda: dist.ring_attention(ours, qz, kz, vz, n=n)}
+             "ring (fagen group)": lambda: dist.ring_attention(ours, qz, kz, vz, n=n),
+             "ring (nccl link)": lambda: dist.ring_attention(None, qz, kz, vz, n=n, transport="nccl")}
     ref_rows = dist.sharded_inputs(reference, n, world, rank, "zigzag")
-    row = {"n": n, "world": world, "single_ms": single, "best_single": min(single, key=single.get)}
-    for name, fn in modes.items():
+    for name, fn in modes.items():  # checked before timed
         err = relative_error(to_numpy(fn()).astype(np.float32), to_numpy(ref_rows).astype(np.float32))
-        assert err < OUT_TOLERANCE["float16"], (name, err)  # checked before timed
-        ms = time_ms(fn, args.iters)
-        torch.cuda.synchronize()
-        tdist.barrier()
-        host = time.perf_counter()
-        for _ in range(args.iters):  # what the host spends enqueueing a call
-            fn()
-        host = (time.perf_counter() - host) * 1e3 / args.iters
-        torch.cuda.synchronize()
+        assert err < OUT_TOLERANCE["float16"], (name, err)
+    timed = rounds_ms(singles | modes, args.iters, args.rounds)
+    single = {name: timed[name][0] for name in singles}
+    best = min(single.values())
+    row = {"n": n, "world": world, "rounds": args.rounds, "single_ms": single,
+           "best_single": min(single, key=single.get)}
+    for name, fn in modes.items():
+        ms, each = timed[name]
         row[name] = {"ms": round(ms, 3), "speedup": round(best / ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                     "host_ms": round(host, 3)}
-    row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                     "host_ms": host_ms(fn, args.iters), "rounds_ms": each}
+    # the copy-engine link's slots live outside torch's allocator
+    row["peak_gib"] = round((torch.cuda.max_memory_allocated() + ring_link.peer_bytes()) / 2**30, 2)
     log("TIMING " + json.dumps(row))
     if args.backward:  # forward + backward: 2.5x the forward's FLOPs on top of it
         from fagen.backward import compile_backward
@@ -163,31 +189,36 @@ for n in args.time:
 
         dout = torch.randn_like(q)
         grads = compile_backward(trainable(default_spec("float16", d, True)))
-        single = {"fagen": time_ms(lambda: grads(dout, q, k, v, *kernel(q, k, v, return_lse=True)), args.iters)}
         qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            def cudnn_step():
+
+        def cudnn_step():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True).backward(dout)
-            single["cudnn"] = time_ms(cudnn_step, args.iters)
-        best = min(single.values())
+
         doz = dist.sharded_inputs(dout, n, world, rank, "zigzag")
         torch.cuda.reset_peak_memory_stats()
 
-        def ring_step():
-            out, lse = dist.ring_attention(ours, qz, kz, vz, n=n, return_lse=True)
-            return dist.ring_attention_backward(ours, doz, qz, kz, vz, out, lse, n=n)
+        def ring_step(transport="auto"):
+            out, lse = dist.ring_attention(None, qz, kz, vz, n=n, return_lse=True, transport=transport)
+            return dist.ring_attention_backward(None, doz, qz, kz, vz, out, lse, n=n, transport=transport)
 
         def zigzag_step():
             out, lse = dist.zigzag_attention(ours, qz, k, v, n=n, return_lse=True)
             return dist.zigzag_attention_backward(ours, doz, qz, k, v, out, lse, n=n)
 
-        row = {"n": n, "world": world, "forward+backward single_ms": single}
-        for name, fn in (("ring", ring_step), ("zigzag", zigzag_step)):
-            ms = time_ms(fn, args.iters)
+        ring_step()
+        peak = round((torch.cuda.max_memory_allocated() + ring_link.peer_bytes()) / 2**30, 2)
+        singles = {"fagen": lambda: grads(dout, q, k, v, *kernel(q, k, v, return_lse=True)), "cudnn": cudnn_step}
+        modes = {"ring": ring_step, "ring (nccl link)": lambda: ring_step("nccl"), "zigzag": zigzag_step}
+        timed = rounds_ms(singles | modes, args.iters, args.rounds)
+        single = {name: timed[name][0] for name in singles}
+        best = min(single.values())
+        row = {"n": n, "world": world, "rounds": args.rounds, "forward+backward single_ms": single,
+               "ring peak_gib": peak}
+        for name in modes:
+            ms, each = timed[name]
             row[name] = {"ms": round(ms, 3), "speedup": round(best / ms, 3),
-                         "tflops": round(3.5 * flops / ms / 1e9, 1)}
-            if name == "ring":
-                row["ring peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                         "tflops": round(3.5 * flops / ms / 1e9, 1), "rounds_ms": each}
         log("TIMING_BWD " + json.dumps(row))
 
 tdist.destroy_process_group()

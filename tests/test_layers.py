@@ -23,7 +23,7 @@ LAYERS = [
     ("nvcc",),  # offline compilation and resource checks, no GPU
     ("device", "tensor_maps", "dependent_launch", "hot_path"),  # CuPy, tensor adapters, streams, GPU identity;
     # the driver: TMA tensor maps, programmatic dependent launches, a prepared call's launches from C
-    ("process_group",),  # the ranks of a multi-GPU run: fagen's NCCL group or a torch.distributed one
+    ("process_group", "ring_link"),  # the ranks of a multi-GPU run (NCCL or torch.distributed); a ring hop on the copy engines
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge
