@@ -1,6 +1,7 @@
 """The multi-GPU scaling plot from scripts/multi_gpu.py's TIMING rows (bench/multi_gpu.jsonl):
-speed-up over the best one-GPU kernel of the same run against GPUs, per mode and length; the
-best (least noisy) of the recorded runs at each point, and the worst as the bar's low end.
+speed-up over the best one-GPU kernel of the same run against GPUs, per mode and length. Each
+point is the latest run that measured it (the code as it stands); where that run timed its arms
+in rounds, the bar spans the rounds.
 
 Run: python3 scripts/plot_multi_gpu.py bench/multi_gpu.jsonl docs/multi_gpu_scaling.png
 """
@@ -18,14 +19,29 @@ import matplotlib.pyplot as plt  # noqa: E402
 NAMES = {"ring": "ring (torch.distributed group)", "zigzag": "zigzag (torch.distributed group)"}
 
 
+def _run_number(row) -> int:
+    return int(row.get("run", "run0").removeprefix("run") or 0)
+
+
 def series(rows):
-    """{(label, n): {world: [speed-ups]}} for the forward modes and the ring's forward+backward."""
-    points = defaultdict(lambda: defaultdict(list))
+    """{(label, n): {world: (speed-up, low, high)}} for the forward modes and the ring's
+    forward+backward, from the latest run at each point."""
+    latest = {}
     for row in rows:
-        modes = ("zigzag", "ring", "ring (fagen group)") if row["kind"] == "forward" else ("ring", "zigzag")
-        for mode in modes:
-            label = NAMES.get(mode, mode) if row["kind"] == "forward" else f"{mode} forward+backward (fagen group)"
-            points[(label, row["n"])][row["world"]].append(row[mode]["speedup"])
+        key = (row["kind"], row["n"], row["world"])
+        if key not in latest or _run_number(row) >= _run_number(latest[key]):
+            latest[key] = row
+    points = defaultdict(dict)
+    for row in latest.values():
+        forward = row["kind"] == "forward"
+        single = row["single_ms"] if forward else row["forward+backward single_ms"]
+        best = min(single.values())
+        for mode in (("zigzag", "ring", "ring (fagen group)") if forward else ("ring",)):
+            if mode not in row:
+                continue
+            label = NAMES.get(mode, mode) if forward else "ring forward+backward"
+            each = [best / ms for ms in row[mode].get("rounds_ms", [])] or [row[mode]["speedup"]]
+            points[(label, row["n"])][row["world"]] = (row[mode]["speedup"], min(each), max(each))
     return points
 
 
@@ -39,10 +55,8 @@ def main(source: str, target: str) -> None:
             if length != n:
                 continue
             ws = sorted(by_world)
-            best = [max(by_world[w]) for w in ws]
-            worst = [min(by_world[w]) for w in ws]
-            line, = ax.plot(ws, best, marker="o", label=label)
-            ax.vlines(ws, worst, best, color=line.get_color(), alpha=0.4)
+            line, = ax.plot(ws, [by_world[w][0] for w in ws], marker="o", label=label)
+            ax.vlines(ws, [by_world[w][1] for w in ws], [by_world[w][2] for w in ws], color=line.get_color(), alpha=0.4)
         ax.set_title(f"causal, N = {n // 1024}k, d = 128, B = 1, H = 16, fp16")
         ax.set_xlabel("GPUs (H200, NVLink)")
         ax.set_xticks(worlds)
