@@ -37,8 +37,9 @@ from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like
 
 TRANSPORTS = ("auto", "copy_engine", "nccl")
 
-# byte offsets in a link's allocation: the two flags on their own 128-byte lines, then the slots
-ARRIVED, RELEASED, SLOTS = 0, 128, 512
+# byte offsets in a link's allocation: the two flags on their own 128-byte lines, a word for the
+# stream memory operations' self-test, then the slots
+ARRIVED, RELEASED, SELF_TEST, SLOTS = 0, 128, 256, 512
 CU_STREAM_WAIT_VALUE_GEQ, CU_STREAM_WRITE_VALUE_DEFAULT = 0x0, 0x0
 CUDA_MEMCPY_DEFAULT = 4
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -94,6 +95,22 @@ def _driver():
     return tuple(functions)
 
 
+@cache
+def _capture_status():
+    """cuStreamIsCapturing from libcuda."""
+    function = ctypes.CDLL("libcuda.so.1").cuStreamIsCapturing
+    function.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    function.restype = ctypes.c_int
+    return function
+
+
+def capturing(stream_ptr: int) -> bool:
+    """Whether the stream is being captured into a CUDA graph."""
+    status = ctypes.c_int(0)
+    _check(_capture_status()(stream_ptr, ctypes.byref(status)), "cuStreamIsCapturing")
+    return status.value != 0
+
+
 def _check(result: int, what: str) -> None:
     if result != 0:
         raise RuntimeError(f"{what} failed with CUresult {result}")
@@ -119,11 +136,14 @@ class _PeerSlots:
         with cupy.cuda.Device(device):
             base = rt.malloc(SLOTS + 2 * _aligned(nbytes))
             rt.memset(base, 0, SLOTS)
+            rt.deviceSynchronize()  # the flags are zero before any peer can write them
             handle = np.frombuffer(rt.ipcGetMemHandle(base), np.int32)
             handles = cupy.empty((group.world, handle.size), cupy.int32)
             group.all_gather(cupy.asarray(handle), handles)
             handles = handles.get()
             peers, failed = {group.rank: base}, cupy.zeros(1, cupy.int32)
+            if not _stream_memory_operations_work(base + SELF_TEST):
+                failed.fill(1)
             for r in {(group.rank + 1) % group.world, (group.rank - 1) % group.world} - {group.rank}:
                 try:
                     peers[r] = rt.ipcOpenMemHandle(handles[r].tobytes())
@@ -190,13 +210,29 @@ class _PeerSlots:
         main.wait_event(self.stream.record())
 
 
+def _stream_memory_operations_work(address: int) -> bool:
+    """One 64-bit write and wait on a stream of this device (a driver or platform without
+    stream memory operations refuses them): the link's flags need both."""
+    try:
+        wait, write = _driver()
+        stream = cupy.cuda.Stream(non_blocking=True)
+        ok = write(stream.ptr, address, 1, CU_STREAM_WRITE_VALUE_DEFAULT) == 0 and \
+            wait(stream.ptr, address, 1, CU_STREAM_WAIT_VALUE_GEQ) == 0
+        stream.synchronize()
+        return ok
+    except (OSError, AttributeError, cupy.cuda.runtime.CUDARuntimeError):
+        return False
+
+
 _slots: dict[tuple, _PeerSlots | None] = {}
 
 
-def peer_bytes() -> int:
+def peer_bytes(group=None) -> int:
     """Device memory the copy-engine slots of this process hold (outside the framework's
-    allocator: add it to a peak-memory reading)."""
-    return sum(SLOTS + 2 * _aligned(s.nbytes) for s in _slots.values() if s is not None)
+    allocator: add it to a peak-memory reading), of one group's rings where given (fagen's
+    group, or a torch.distributed one: None there is not the default group but every group)."""
+    key = None if group is None else _group_key(group)
+    return sum(SLOTS + 2 * _aligned(s.nbytes) for k, s in _slots.items() if s is not None and key in (None, k[0]))
 
 
 def _group_key(group) -> tuple:
@@ -217,6 +253,9 @@ class CopyEngineLink:
     def __init__(self, slots: _PeerSlots, ref: DeviceTensor, block: Block):
         self.slots, self.ref, self.block = slots, ref, block
         self.held = None  # the transfer whose slot this rank is computing on
+        # arrays of the caller's framework a copy reads: kept until finish() joins the copies, so
+        # that the allocator cannot hand their memory to later work while the copy engine reads it
+        self.reading: list = []
 
     def send(self, held, *, as_received: bool = False):
         """Start sending `held` (a whole block) on; the returned function, called once the
@@ -224,6 +263,8 @@ class CopyEngineLink:
         arrived. as_received: `held` is the block this link delivered last, unchanged (it
         leaves as soon as it lands, not after this rank's work so far)."""
         whole = Copy(_ptr(held), 0, self.block.nbytes, 1, self.block.nbytes, self.block.nbytes)
+        if self.held is None:  # the caller's memory, not a slot
+            self.reading.append(held)
         return self._send([whole], as_received)
 
     def send_own(self, k, v):
@@ -236,6 +277,7 @@ class CopyEngineLink:
         if any(t.strides != (hkv * rows * d, rows * d, d, 1) for t in (tk, tv)):
             return _staged(self, k, v)
         half = self.block.nbytes // 2
+        self.reading += [k, v]
         return self._send([Copy(t.ptr, at, rows * d * item, b * hkv, rows * d * item, most * d * item)
                            for t, at in ((tk, 0), (tv, half))], False)
 
@@ -259,6 +301,7 @@ class CopyEngineLink:
         if self.held is not None:
             self.slots.release(self.held, main)
         self.slots.join(main)
+        self.reading.clear()  # main's later work now waits for the copies that read them
 
     def _view(self, ptr: int):
         """The slot as an array of the ref's framework, made on the slot's first use and kept:
@@ -324,6 +367,13 @@ def link(group, purpose: str, ref: DeviceTensor, block: Block, transport: str = 
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}: expected one of {', '.join(map(repr, TRANSPORTS))} "
                          f"('auto' takes the copy engines where the GPUs reach each other's memory)")
+    if transport != "nccl" and capturing(cupy.cuda.get_current_stream().ptr):
+        # a captured wait or write keeps the transfer numbers of its capture: on replay the
+        # flags would already hold them and nothing would be waited for
+        if transport == "copy_engine":
+            raise RuntimeError("transport='copy_engine' under CUDA graph capture: its flags count transfers, "
+                               "and a replayed graph would repeat the captured counts; use transport='nccl'")
+        transport = "nccl"
     if transport != "nccl":
         slots = peer_slots(group, purpose, block.nbytes, ref.device)
         if slots is not None:

@@ -1,11 +1,15 @@
 """The copy-engine link's slot arithmetic and its protocol, on the CPU: a model of every
-rank's two streams run to completion, checking that no transfer lands in a slot its receiver
-still needs and that the ring never waits on itself (fagen.ring_link's invariant)."""
+rank's streams (main, and a copy and a release stream a link) fed the link calls that
+ring_attention and ring_attention_backward make, run to completion, checking that no transfer
+lands in a slot its receiver still needs, no block changes while read, and the ring never
+waits on itself (fagen.ring_link's invariant)."""
+
+from collections import defaultdict
 
 import pytest
 
 from fagen import ring_link
-from fagen.ring_link import ARRIVED, RELEASED, SLOTS, Block, release_due, slot_offset
+from fagen.ring_link import ARRIVED, RELEASED, SELF_TEST, SLOTS, Block, release_due, slot_offset
 
 
 def test_slots_alternate_and_stay_clear_of_the_flags():
@@ -13,7 +17,8 @@ def test_slots_alternate_and_stay_clear_of_the_flags():
     assert slot_offset(1, nbytes) != slot_offset(2, nbytes)
     assert slot_offset(1, nbytes) == slot_offset(3, nbytes)
     assert {slot_offset(t, nbytes) % 256 for t in range(4)} == {0}
-    assert min(slot_offset(t, nbytes) for t in range(2)) >= SLOTS > max(ARRIVED, RELEASED) + 8
+    assert min(slot_offset(t, nbytes) for t in range(2)) >= SLOTS >= max(ARRIVED, RELEASED, SELF_TEST) + 8
+    assert len({ARRIVED // 128, RELEASED // 128, SELF_TEST // 128}) == 3  # each word on its own line
     assert abs(slot_offset(1, nbytes) - slot_offset(2, nbytes)) >= nbytes
 
 
@@ -27,87 +32,141 @@ def test_a_transport_outside_the_list_is_refused():
         ring_link.link(None, "kv", None, Block((1,), "float16"), transport="nvshmem")
 
 
-def simulate(world: int, calls: int, steps: int, forwards_as_received) -> None:
-    """Run the ring's ops (as ring_attention issues them on each rank, through CopyEngineLink)
-    through a model of the streams: each rank has a main, a copy and a release stream whose
-    ops run in order; a wait blocks its stream until the flag holds the value, an `after`
-    until another stream has run so many ops. Asserts every landing finds its slot released,
-    no block changes under the compute that reads it, and every op runs (no deadlock).
-    forwards_as_received(i): step i's send passes on the block received (K/V), or sends one
-    this rank wrote (dK/dV: a send every step, the last one home); None: no send."""
-    streams = {}  # (rank, name) -> list of ops
+class LinkModel:
+    """One rank's CopyEngineLink (and its _PeerSlots) as ops on streams: pass_on, arrival,
+    release and join append what the real methods enqueue, in the same order."""
+
+    def __init__(self, name, rank, world, streams):
+        self.name, self.rank, self.world, self.streams = name, rank, world, streams
+        self.sent, self.held, self.forwarded = 0, None, {}
+        streams[(rank, "copy " + name)], streams[(rank, "releases " + name)] = [], []
+
+    @property
+    def main(self):
+        return self.streams[(self.rank, "main")]
+
+    def send(self, as_received):  # CopyEngineLink.send / send_own -> _PeerSlots.pass_on
+        copy, r = self.streams[(self.rank, "copy " + self.name)], self.rank
+        self.sent += 1
+        t = self.sent
+        if as_received and self.held is not None:
+            copy.append(("wait", r, self.name, "arrived", self.held))
+        else:
+            copy.append(("after", r, "main", len(self.main)))
+        if release_due(t) > 0:
+            copy.append(("wait", r, self.name, "released", release_due(t)))
+        copy.append(("land", (r + 1) % self.world, self.name, t, self.held))
+        copy.append(("write", (r + 1) % self.world, self.name, "arrived", t, r))
+        if self.held is not None:
+            self.forwarded[self.held] = len(copy)
+        return t
+
+    def arrived(self, t):  # the function send returned
+        if self.held is not None:
+            self._release(self.held)
+        self.main.append(("wait", self.rank, self.name, "arrived", t))
+        self.held = t
+
+    def use(self):  # main reads (or adds into) the block held
+        self.main.append(("use", self.rank, self.name, self.held))
+
+    def finish(self):
+        if self.held is not None:
+            self._release(self.held)
+        self.held = None
+        self.main.append(("after", self.rank, "copy " + self.name, len(self.streams[(self.rank, "copy " + self.name)])))
+
+    def _release(self, t):
+        rel = self.streams[(self.rank, "releases " + self.name)]
+        rel.append(("after", self.rank, "main", len(self.main)))
+        if t in self.forwarded:
+            rel.append(("after", self.rank, "copy " + self.name, self.forwarded.pop(t)))
+        rel.append(("write", (self.rank - 1) % self.world, self.name, "released", t, self.rank))
+
+
+def forward_call(kv, world):
+    """ring_attention's order of link calls on one rank."""
+    for i in range(world):
+        arrived = kv.send(as_received=i > 0) if i + 1 < world else None  # send_own first
+        kv.use()
+        if arrived is not None:
+            kv.arrived(arrived)
+    kv.finish()
+
+
+def backward_call(kv, dkv, world):
+    """ring_attention_backward's order of link calls on one rank."""
+    pending = None
+    for i in range(world):
+        kv_arrived = kv.send(as_received=i > 0) if i + 1 < world else None
+        kv.use()  # the step's backward kernels read K/V
+        if pending is not None:
+            dkv.arrived(pending)
+        dkv.use()  # += the step's dK/dV
+        pending = dkv.send(as_received=False)
+        if kv_arrived is not None:
+            kv.arrived(kv_arrived)
+    dkv.arrived(pending)  # home
+    dkv.use()  # the cast reads it
+    kv.finish()
+    dkv.finish()
+
+
+def simulate(world: int, program) -> None:
+    """Every rank runs `program(links, world)` through the models; then the streams run: an op
+    runs when its stream reaches it and, for a wait, the flag holds the value, for an `after`,
+    the other stream has run so many ops. Asserts every landing finds its slot released, every
+    forwarding copy reads the block it means to, no block changes under main's use of it, and
+    every op runs (no deadlock)."""
+    streams = {}
     for r in range(world):
-        main, copy, rel, sent, held, forwarded = [], [], [], 0, None, {}
-
-        def release(t):
-            rel.append(("after", r, "main", len(main)))
-            if t in forwarded:
-                rel.append(("after", r, "copy", forwarded.pop(t)))
-            rel.append(("write", (r - 1) % world, "released", t, r))
-
-        for _ in range(calls):
-            for i in range(steps):
-                as_received = forwards_as_received(i)
-                t = None
-                if as_received is not None:
-                    sent += 1
-                    t = sent
-                    if as_received and held is not None:  # leaves as soon as it landed here
-                        copy.append(("wait", r, "arrived", held))
-                    else:  # after what main wrote into it
-                        copy.append(("after", r, "main", len(main)))
-                    if release_due(t) > 0:
-                        copy.append(("wait", r, "released", release_due(t)))
-                    copy.append(("land", (r + 1) % world, t, held))  # the peer copy reads `held` here
-                    copy.append(("write", (r + 1) % world, "arrived", t))
-                    if held is not None:  # the copy read this rank's slot: its release waits for it
-                        forwarded[held] = len(copy)
-                main.append(("use", r, held))  # the compute reads (and for dK/dV writes) the held slot
-                if t is not None:  # arrived(): release the slot held before, wait for the new one
-                    if held is not None:
-                        release(held)
-                    main.append(("wait", r, "arrived", t))
-                    held = t
-            if held is not None:  # finish()
-                release(held)
-                held = None
-        streams[(r, "main")], streams[(r, "copy")], streams[(r, "releases")] = main, copy, rel
-    flags = {(r, f): 0 for r in range(world) for f in ("arrived", "released")}
+        streams[(r, "main")] = []
+        program({name: LinkModel(name, r, world, streams) for name in ("kv", "dkv")}, world)
+    flags = defaultdict(int)  # (rank, link, flag) -> value
     done = {key: 0 for key in streams}
-    in_use = {}  # (rank, slot) -> the transfer that landed there last
-    released = {r: 0 for r in range(world)}  # the last transfer each rank has let go of
+    in_slot = defaultdict(int)  # (rank, link, slot) -> the transfer that landed there last
+    released = defaultdict(int)  # (rank, link) -> the last transfer it let go of
     progress = True
     while progress:
         progress = False
         for key, ops in streams.items():
             while done[key] < len(ops):
                 op = ops[done[key]]
-                if op[0] == "wait" and flags[(op[1], op[2])] < op[3]:
+                if op[0] == "wait" and flags[op[1:4]] < op[4]:
                     break
                 if op[0] == "after" and done[(op[1], op[2])] < op[3]:
                     break
                 if op[0] == "land":
-                    _, rank, t, source = op
+                    _, rank, link, t, source = op
                     sender = (rank - 1) % world
-                    assert source is None or in_use[(sender, source % 2)] == source, "forwarded a block not there"
-                    assert in_use.get((rank, t % 2), 0) <= released[rank], f"transfer {t} lands on a block rank {rank} needs"
-                    in_use[(rank, t % 2)] = t
+                    assert source is None or in_slot[(sender, link, source % 2)] == source, "forwarded the wrong block"
+                    assert in_slot[(rank, link, t % 2)] <= released[(rank, link)], \
+                        f"{link} transfer {t} lands on a block rank {rank} still needs"
+                    in_slot[(rank, link, t % 2)] = t
                 if op[0] == "use":
-                    assert op[2] is None or in_use[(op[1], op[2] % 2)] == op[2], "the block changed under the compute"
+                    _, rank, link, held = op
+                    assert held is None or in_slot[(rank, link, held % 2)] == held, "a block changed under main"
                 if op[0] == "write":
-                    if op[2] == "released":
-                        released[op[4]] = max(released[op[4]], op[3])
-                    flags[(op[1], op[2])] = max(flags[(op[1], op[2])], op[3])
+                    _, rank, link, flag, value, writer = op
+                    if flag == "released":
+                        released[(writer, link)] = max(released[(writer, link)], value)
+                    flags[(rank, link, flag)] = max(flags[(rank, link, flag)], value)
                 done[key] += 1
                 progress = True
     assert all(done[key] == len(ops) for key, ops in streams.items()), "the ring waits on itself"
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_forward_ring_protocol(world):
-    simulate(world, calls=3, steps=world, forwards_as_received=lambda i: (i > 0) if i + 1 < world else None)
+def test_forward_calls(world):
+    simulate(world, lambda links, w: [forward_call(links["kv"], w) for _ in range(3)])
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_dkv_ring_protocol(world):  # the backward's dK/dV: a send every step, the last one home
-    simulate(world, calls=3, steps=world, forwards_as_received=lambda i: False)
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_training_steps(world):
+    """Forward then backward, three times: the backward's two links on one main stream, its
+    K/V link the forward's (same block size: the same slots, the count carrying on)."""
+    def steps(links, w):
+        for _ in range(3):
+            forward_call(links["kv"], w)
+            backward_call(links["kv"], links["dkv"], w)
+    simulate(world, steps)
