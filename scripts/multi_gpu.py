@@ -104,6 +104,11 @@ for group_name, framework, dtype, hq, hkv in cases:
                 check(f"3 zigzag backward {name} N={n} {tag}", g, want[name], dtype)
 
 
+if world > 1:  # which link the rings took (the copy engines wherever the GPUs are peers)
+    taken = [key for key, slots in ring_link._slots.items() if slots is not None]
+    log(f"LINK {'copy_engine' if taken else 'nccl'} world={world}")
+
+
 def time_ms(fn, iters):
     """Mean ms a call over `iters` back-to-back calls on this rank's stream (no barrier between
     them), the slowest rank's; a barrier only before the first."""

@@ -38,3 +38,8 @@ def test_every_mode_against_the_oracle(world, launcher):
     print(run.stdout[-3000:], run.stderr[-3000:])
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("PASS") == CHECKS and "FAIL" not in run.stdout
+    if world > 1:  # the rings' blocks went over the copy engines wherever the GPUs are peers
+        import cupy
+
+        peers = all(cupy.cuda.runtime.deviceCanAccessPeer(a, b) for a in range(world) for b in range(world) if a != b)
+        assert f"LINK {'copy_engine' if peers else 'nccl'} world={world}" in run.stdout
