@@ -409,8 +409,9 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
     first = compile_kernel(variants.accumulate_variant(_spec(ref, causal, rows)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
-    block = ring_link.Block((2, b, hkv, _largest_pair(n, world), d), ref.dtype)
-    fold = compile_kernel(variants.accumulate_variant(_fold_spec(ref, _largest_pair(n, world))))
+    most = _largest_pair(n, world)
+    block = ring_link.Block((2, b, hkv, most, d), ref.dtype)
+    fold = compile_kernel(variants.accumulate_variant(_fold_spec(ref, most)))
     with cupy.cuda.Device(ref.device), stream_for(ref):
         acc_o = zeros_like(ref, (b, h, rows, d), "float32")  # nothing seen yet: O = 0, LSE = -inf
         acc_l = full_like(ref, (b, h, rows), -np.inf, "float32")
