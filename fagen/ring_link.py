@@ -118,7 +118,7 @@ def _check(result: int, what: str) -> None:
 
 class _PeerSlots:
     """A rank's allocation (flags and two slots) and its neighbours', mapped into this process;
-    one copy stream. Built collectively (every rank of the group at once); None where some
+    a stream for the copies and one for the releases. Built collectively (every rank of the group at once); None where some
     rank cannot map a neighbour's memory (no peer access)."""
 
     def __init__(self, base: int, nbytes: int, peers: dict[int, int], rank: int, world: int, device: int):
@@ -229,8 +229,8 @@ _slots: dict[tuple, _PeerSlots | None] = {}
 
 def peer_bytes(group=None) -> int:
     """Device memory the copy-engine slots of this process hold (outside the framework's
-    allocator: add it to a peak-memory reading), of one group's rings where given (fagen's
-    group, or a torch.distributed one: None there is not the default group but every group)."""
+    allocator: add it to a peak-memory reading): of one group's rings where given (a group
+    of fagen.process_group, e.g. as_group(None) for torch's default one), else of all."""
     key = None if group is None else _group_key(group)
     return sum(SLOTS + 2 * _aligned(s.nbytes) for k, s in _slots.items() if s is not None and key in (None, k[0]))
 

@@ -105,8 +105,7 @@ for group_name, framework, dtype, hq, hkv in cases:
 
 
 if world > 1:  # which link the rings took (the copy engines wherever the GPUs are peers)
-    taken = [key for key, slots in ring_link._slots.items() if slots is not None]
-    log(f"LINK {'copy_engine' if taken else 'nccl'} world={world}")
+    log(f"LINK {'copy_engine' if ring_link.peer_bytes() else 'nccl'} world={world}")
 
 
 def time_ms(fn, iters):
