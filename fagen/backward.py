@@ -79,14 +79,7 @@ class Backward:
         tq, tk, tv = self.forward.check(q, k, v)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
-        tdo, to = (_like(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
-        tl = as_device_tensor(lse, "lse")
-        if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.strides != (hq * nq, nq, 1):
-            raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; expected the forward's contiguous "
-                             f"float32 [{b}, {hq}, {nq}] (return_lse=True)")
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
+        tdo, to, tl, scale = _forward_rows(tq, dout, out, lse, scale)
         if mask_offset is None:
             mask_offset = nk - nq if spec.mask.align == "bottom_right" else 0
         n_pad = -(-nq // bp.row_pad) * bp.row_pad
@@ -108,35 +101,18 @@ class Backward:
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
                           **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **dbias_args, **extras)
-            for name, t in (("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), ("dq", as_device_tensor(dq, "dq")),
-                            ("dk", as_device_tensor(dk, "dk")), ("dv", as_device_tensor(dv, "dv"))):
-                values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
+            values.update(_stride_values(("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo),
+                                         *((name, as_device_tensor(x, name)) for name, x in (("dq", dq), ("dk", dk), ("dv", dv)))))
             per_kernel = dict.fromkeys(self.kernels, values)
             if block_mask is not None:  # each loop walks the mask's tiles at its own tiling, dK/dV transposed
                 shape = (b, hq, nq, nk)
                 per_kernel["dq"] = values | block_mask_arguments(block_mask, bp.dq.block_q, bp.dq.block_kv, *shape)
                 per_kernel["dkdv"] = values | block_mask_arguments(block_mask, bp.dkdv.block_q, bp.dkdv.block_kv, *shape,
                                                                    key_major_group=hq // hkv)
-            launch = {  # role: grid, threads, dynamic smem
-                "preprocess": ((-(-n_pad // bp.preprocess_rows), b * hq), bp.preprocess_threads, 0),
-                "dkdv": (self._dkdv_grid(b * hkv * -(-nk // bp.dkdv.block_kv), tq.device) if bp.dkdv.warp_specialized
-                         else (-(-nk // bp.dkdv.block_kv), b * hkv), bp.dkdv.threads, bp.dkdv.smem_bytes),
-                "dq": ((b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes),
-                "postprocess": ((bp.postprocess_blocks(nq), b * hq), bp.preprocess_threads, 0),
-            }
-            producers = self.producer_threads
-            if producers:  # the producer-fed kernels' tensor maps, by value (row groups, both kernels alike)
-                maps = tuple(TensorMap(f"{name}_map", name, spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
-                             for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
+            maps = self._maps(tq, tk, tv, tdo)
 
             def run(role: str) -> None:  # on CuPy's current stream
-                grid, threads, smem = launch[role]
-                function = self.kernels[role]
-                if role in producers:
-                    Launch(function, (*grid, 1), producers[role], smem, getattr(bp, f"{role}_params"), per_kernel[role],
-                           slots=TMA_TENSORS, maps=maps)(None)
-                else:
-                    function(grid, (threads,), pack_arguments(self.packers[role], per_kernel[role]), shared_mem=smem)
+                self._launch(role, per_kernel[role], self._grid(role, b, hq, hkv, nq, nk, n_pad, tq.device), maps)
 
             run("preprocess")
             if bp.concurrent_dq:
@@ -156,10 +132,59 @@ class Backward:
             del keep_alive
         return Gradients(dq, dk, dv, dsinks, dbias)
 
+    def query_rows(self, dout, q, out, lse, *, scale: float | None = None) -> QueryRows:
+        """These query rows' backward, to be added up over K/V blocks one launch at a time (ring
+        attention's steps): their D and LSE rows computed now, once. lse: the rows' final LSE
+        (the whole sequence's), so that each block's softmax is the whole one's."""
+        tq = as_device_tensor(q, "q")
+        tdo, to, tl, scale = _forward_rows(tq, dout, out, lse, scale)
+        b, hq, nq, d = tq.shape
+        n_pad = -(-nq // self.plan.row_pad) * self.plan.row_pad
+        with cupy.cuda.Device(tq.device), stream_for(tq):
+            delta, lse2 = (empty_like(tq, (b, hq, n_pad), "float32") for _ in range(2))
+            values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, heads_q=hq,
+                          n_pad=n_pad, **_stride_values(("o", to), ("dout", tdo)))
+            self._launch("preprocess", values, self._grid("preprocess", b, hq, 0, nq, 0, n_pad, tq.device), ())
+            # atomic dQ: the dK/dV kernels add into rows padded as D's (backward_plan.dq_accum_index's
+            # order); else each block's dQ is summed here
+            dq_sum = zeros_like(tq, (b, hq, n_pad, d) if self.plan.atomic_dq else (b, hq, nq, d), "float32")
+        return QueryRows(self, tq, tdo, scale, n_pad, delta, lse2, dq_sum)
+
     def _dkdv_grid(self, tiles: int, device_id: int) -> tuple[int, int]:
         """The warp-specialised dK/dV kernel walks a 1-D tile grid: a block a tile, or (persistent)
         one block an SM."""
         return (min(tiles, multiprocessors(device_id)) if self.plan.dkdv.persistent else tiles, 1)
+
+    def _grid(self, role: str, b: int, hq: int, hkv: int, nq: int, nk: int, n_pad: int, device: int) -> tuple:
+        """A kernel's launch: its grid, threads and dynamic shared memory."""
+        bp = self.plan
+        if role == "preprocess":
+            return (-(-n_pad // bp.preprocess_rows), b * hq), bp.preprocess_threads, 0
+        if role == "dkdv":
+            return (self._dkdv_grid(b * hkv * -(-nk // bp.dkdv.block_kv), device) if bp.dkdv.warp_specialized
+                    else (-(-nk // bp.dkdv.block_kv), b * hkv)), bp.dkdv.threads, bp.dkdv.smem_bytes
+        if role == "dq":
+            return (b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes
+        return (bp.postprocess_blocks(nq), b * hq), bp.preprocess_threads, 0
+
+    def _maps(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, tdo: DeviceTensor) -> tuple:
+        """The producer-fed kernels' tensor maps, by value (row groups, both kernels alike)."""
+        if not self.producer_threads:
+            return ()
+        return tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
+                     for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
+
+    def _launch(self, role: str, values: dict, launch: tuple, maps: tuple) -> None:
+        """One kernel on CuPy's current stream, its arguments packed by name from `values`."""
+        (grid, threads, smem), function = launch, self.kernels[role]
+        if 0 in grid:  # no rows (a ring's empty chunk)
+            return
+        producers = self.producer_threads
+        if role in producers:
+            Launch(function, (*grid, 1), producers[role], smem, getattr(self.plan, f"{role}_params"), values,
+                   slots=TMA_TENSORS, maps=maps)(None)
+        else:
+            function(grid, (threads,), pack_arguments(self.packers[role], values), shared_mem=smem)
 
     def _bias_grad_buffer(self, bias, ref: DeviceTensor, b: int, hkv: int) -> tuple[object, dict, tuple]:
         """The zeroed f32 buffer the dK/dV kernel adds d loss / d bias into, its arguments, and
@@ -172,6 +197,105 @@ class Backward:
         layout = bias_grad_layout(tuple(np.shape(bias)), b, hkv, self.spec.backward.deterministic)
         buffer = zeros_like(ref, layout.buffer_shape, "float32")
         return buffer, {"dbias": _ptr(buffer), **{k: np.int64(v) for k, v in layout.strides.items()}}, layout.summed_axes
+
+
+@dataclass
+class QueryRows:
+    """A set of query rows' backward over K/V blocks that arrive one at a time (Backward.query_rows):
+    `add` runs a block's dK/dV kernel (and, without atomic dQ, its dQ kernel), returns the block's
+    dK and dV, and sums its dQ here in float32; `dq()` reads the sum out once. The ring's masks
+    take no side inputs, and neither do these launches."""
+
+    backward: Backward  # whose preprocess laid out the rows (and dQ's sum, under atomic dQ)
+    q: DeviceTensor
+    dout: DeviceTensor
+    scale: float
+    n_pad: int
+    delta: object  # D = rowsum(dO * O), f32 [B, Hq, n_pad]
+    lse2: object  # LSE * log2(e), likewise
+    dq_sum: object  # f32: atomic dQ's accumulator [B, Hq, n_pad, d] in its order, else [B, Hq, Nq, d]
+    row0: int = 0  # where these rows start in the buffers above (a tail of another set's: `tail`)
+    owner: QueryRows | None = None  # the set whose buffers these rows share
+
+    def tail(self, start: int) -> QueryRows | None:
+        """Rows start.. of these as a set of their own that shares their D, LSE rows and dQ sum
+        (a ring's second chunk: its steps' dQ lands in the whole rows' sum), where `start` falls
+        on a dQ tile (atomic dQ's order is a tile's); else None."""
+        if not self.backward.plan.atomic_dq or start % self.backward.plan.row_pad or self.owner is not None:
+            return None
+        q, dout = (as_device_tensor(t.obj[:, :, start:], name) for t, name in ((self.q, "q"), (self.dout, "dout")))
+        return QueryRows(self.backward, q, dout, self.scale, self.n_pad, self.delta, self.lse2, self.dq_sum,
+                         row0=start, owner=self)
+
+    def add(self, kernels: Backward, k, v, *, mask_offset: int = 0, dk=None, dv=None) -> tuple[object, object]:
+        """One K/V block's share: dK and dV (written into dk and dv where given, like k and v),
+        dQ added into the sum. `kernels`: the block's mask's backward, of the same tiling as the
+        rows' (a ring's causal own block and its full steps)."""
+        mine, theirs = self.backward.plan, kernels.plan
+        if (mine.row_pad, mine.dkdv.block_q, mine.atomic_dq) != (theirs.row_pad, theirs.dkdv.block_q, theirs.atomic_dq):
+            raise ValueError(f"{kernels.spec.name}: its rows are laid out unlike {self.backward.spec.name}'s (row pad, "
+                             f"dK/dV query tile, atomic dQ differ); add blocks with backwards of one tiling")
+        tq, tk, tv = kernels.forward.check(self.q.obj, k, v)
+        b, hq, nq, d = tq.shape
+        hkv, nk = tk.shape[1], tk.shape[2]
+        with cupy.cuda.Device(tq.device), stream_for(tq):
+            for given, name, t in ((dk, "dk", tk), (dv, "dv", tv)):
+                if given is not None:
+                    _like(given, name, t)
+            dk, dv = (empty_like(t, t.shape, kernels.spec.dtype) if given is None else given
+                      for t, given in ((tk, dk), (tv, dv)))
+            dq = None if mine.atomic_dq else empty_like(tq, tq.shape, kernels.spec.dtype)
+            rows_at = np.uint64(4 * self.row0)  # bytes into D's and the LSE's rows
+            values = dict(dout=self.dout.ptr, delta=_ptr(self.delta) + rows_at, lse2=_ptr(self.lse2) + rows_at,
+                          n_q=nq, n_kv=nk, batch=b,
+                          mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=self.n_pad, q=tq.ptr, k=tk.ptr,
+                          v=tv.ptr, dk=_ptr(dk), dv=_ptr(dv), scale=self.scale, scale_log2=self.scale * LOG2E,
+                          **({"dq_accum": _ptr(self.dq_sum) + np.uint64(4 * self.row0 * d)} if mine.atomic_dq
+                             else {"dq": _ptr(dq)}),
+                          **_stride_values(("q", tq), ("k", tk), ("v", tv), ("dout", self.dout),
+                                           *((name, as_device_tensor(x, name)) for name, x in
+                                             (("dk", dk), ("dv", dv), ("dq", dq)) if x is not None)))
+            maps = kernels._maps(tq, tk, tv, self.dout)
+            for role in ("dkdv",) if mine.atomic_dq else ("dkdv", "dq"):
+                kernels._launch(role, values, kernels._grid(role, b, hq, hkv, nq, nk, self.n_pad, tq.device), maps)
+            if dq is not None:
+                self.dq_sum += dq
+        return dk, dv
+
+    def dq(self):
+        """dQ of the blocks added so far, in q's dtype and layout."""
+        if self.owner is not None:
+            raise ValueError(f"rows {self.row0}.. share the dQ sum of a larger set of rows: read it there")
+        bw, tq = self.backward, self.q
+        b, hq, nq, d = tq.shape
+        with cupy.cuda.Device(tq.device), stream_for(tq):
+            dq = empty_like(tq, tq.shape, bw.spec.dtype)
+            if not bw.plan.atomic_dq:
+                dq[...] = self.dq_sum
+                return dq
+            values = dict(dq_accum=_ptr(self.dq_sum), dq=_ptr(dq), n_q=nq, heads_q=hq, n_pad=self.n_pad,
+                          scale=self.scale, **_stride_values(("dq", as_device_tensor(dq, "dq"))))
+            bw._launch("postprocess", values, bw._grid("postprocess", b, hq, 0, nq, 0, self.n_pad, tq.device), ())
+        return dq
+
+
+def _forward_rows(tq: DeviceTensor, dout, out, lse, scale: float | None) -> tuple:
+    """dout and out (like q), lse (the forward's f32 [B, Hq, Nq]) and the scale, checked."""
+    b, hq, nq, d = tq.shape
+    tdo, to = (_like(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
+    tl = as_device_tensor(lse, "lse")
+    if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.strides != (hq * nq, nq, 1):
+        raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; expected the forward's contiguous "
+                         f"float32 [{b}, {hq}, {nq}] (return_lse=True)")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
+    return tdo, to, tl, scale
+
+
+def _stride_values(*named: tuple[str, DeviceTensor]) -> dict:
+    """The kernels' <name>_sb, _sh, _sn arguments: batch, head and row strides in elements."""
+    return {f"{name}_{axis}": stride for name, t in named for axis, stride in zip(("sb", "sh", "sn"), t.strides[:3])}
 
 
 def _like(x, name: str, ref: DeviceTensor) -> DeviceTensor:

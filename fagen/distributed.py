@@ -32,7 +32,8 @@ from fagen import ring_link, sequences, variants
 from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
-from fagen.runtime import compile_kernel, default_spec
+from fagen.render import GRADIENT_ADD_THREADS, gradient_add_name
+from fagen.runtime import compile_kernel, default_spec, shared_function
 from fagen.spec import Mask, ScoreMod
 
 # ---- schedules (pure) ------------------------------------------------------------------------
@@ -406,15 +407,15 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
                              f"(this rank's zigzag chunks, as q_local)")
     hkv = as_device_tensor(k_local, "k_local").shape[1]
     # its own block, the diagonal: rows x rows, the class fagen.attention would take for them
-    first = compile_kernel(variants.accumulate_variant(_spec(ref, causal, rows)))
+    first = compile_kernel(variants.ring_start_variant(_spec(ref, causal, rows)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
     most = _largest_pair(n, world)
     block = ring_link.Block((2, b, hkv, most, d), ref.dtype)
     fold = compile_kernel(variants.accumulate_variant(_fold_spec(ref, most)))
     with cupy.cuda.Device(ref.device), stream_for(ref):
-        acc_o = zeros_like(ref, (b, h, rows, d), "float32")  # nothing seen yet: O = 0, LSE = -inf
-        acc_l = full_like(ref, (b, h, rows), -np.inf, "float32")
+        # the running O and LSE: the first step writes them (its own block: every row sees a key)
+        acc_o, acc_l = empty_like(ref, (b, h, rows, d), "float32"), empty_like(ref, (b, h, rows), "float32")
         if world > 1:
             kv = ring_link.link(group, "kv", ref, block, transport)
         held = None
@@ -426,7 +427,7 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
                 arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held, as_received=True)
             (q0, q1), (k0, k1) = step.q, step.kv
             if i == 0 and not step.empty:  # its own block first
-                first(q_local, k_local, v_local, out=acc_o, lse=acc_l, mask_offset=0)
+                first(q_local, k_local, v_local, out=acc_o[None], lse=acc_l[None], mask_offset=0)  # one split
             elif not step.empty:
                 fold(q_local[:, :, q0:q1], held[0, :, :, k0:k1], held[1, :, :, k0:k1],
                      out=acc_o[:, :, q0:q1], lse=acc_l[:, :, q0:q1])
@@ -444,61 +445,95 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     q_local, k_local, v_local), from ring_attention's out and LSE (return_lse=True) and dout.
 
     The K/V blocks travel the ring again, now with float32 dK and dV beside them: at each step
-    this rank runs the backward kernels on ring_schedule's launch (the rows' final LSE makes
-    each block's softmax the whole sequence's), adds dQ into its own rows, and adds the block's
-    dK and dV into the travelling ones, which after the last step make one more hop home. Each
-    step's share arrives in q's dtype (the one-GPU backward's outputs) and is summed in float32.
-    K/V's transfer runs under the step's compute; dK/dV's, under the next step's. `transport`
-    as ring_attention's."""
+    this rank runs the block's dK/dV kernel on ring_schedule's launch (the rows' final LSE makes
+    each block's softmax the whole sequence's), its dQ summed across the steps in float32
+    (backward.QueryRows: D and LSE rows once a call), and adds the block's dK and dV into the
+    travelling ones in one launch. K/V's transfer runs under the step's compute; dK/dV's, under
+    the next step's. After the last step the sums make one more hop home, in q's dtype, on the
+    K/V link. `transport` as ring_attention's."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
     _check_rows(ref, zigzag_rows(n, rank, world), "q_local")
-    tk = as_device_tensor(k_local, "k_local")
-    hkv = tk.shape[1]
+    hkv = as_device_tensor(k_local, "k_local").shape[1]
     first = compile_backward(variants.trainable(_spec(ref, causal)))
     fold = compile_backward(variants.trainable(_spec(ref, False)))
-    most = _largest_pair(n, world)
-    second = zigzag_rows(n, rank, world)[0]
-    second = second[1] - second[0]  # where this rank's second chunk starts in its rows
+    block = (2, b, hkv, _largest_pair(n, world), d)
+    first_chunk = zigzag_rows(n, rank, world)[0]
+    second = first_chunk[1] - first_chunk[0]  # where this rank's second chunk starts in its rows
     with cupy.cuda.Device(ref.device), stream_for(ref):
-        # the backward takes contiguous LSE rows: all of them, or the second chunk's
-        lse_rows = {(0, rows): lse_local, (second, rows): lse_local[:, :, second:].contiguous()
-                    if ref.kind == "torch" else cupy.ascontiguousarray(lse_local[:, :, second:])}
-        dq = zeros_like(ref, (b, h, rows, d), "float32")
-        held_kv = empty_like(ref, (2, b, hkv, most, d), ref.dtype)
-        held_kv[0, :, :, :rows] = k_local
-        held_kv[1, :, :, :rows] = v_local
-        held_dkv = zeros_like(ref, (2, b, hkv, most, d), "float32")
+        query_rows = {}  # a step's rows are all of this rank's or its second chunk's: made on first use
+
+        def rows_of(q0: int, q1: int):
+            if (q0, q1) not in query_rows:  # the second chunk's: a tail of all of them where its start allows
+                tail = rows_of(0, q1).tail(q0) if q0 > 0 else None
+                query_rows[(q0, q1)] = tail or first.query_rows(
+                    dout_local[:, :, q0:q1], q_local[:, :, q0:q1], out_local[:, :, q0:q1],
+                    lse_local if q0 == 0 else _contiguous(lse_local[:, :, q0:q1]))
+            return query_rows[(q0, q1)]
+
+        held_kv, held_dkv = None, empty_like(ref, block, "float32")
+        share = empty_like(ref, block, ref.dtype)  # a step's dK and dV, as its kernel writes them
         if world > 1:
-            kv = ring_link.link(group, "kv", ref, ring_link.Block(tuple(held_kv.shape), ref.dtype), transport)
-            dkv = ring_link.link(group, "dkv", ref, ring_link.Block(tuple(held_dkv.shape), "float32"), transport)
+            kv = ring_link.link(group, "kv", ref, ring_link.Block(block, ref.dtype), transport)
+            dkv = ring_link.link(group, "dkv", ref, ring_link.Block(block, "float32"), transport)
         pending = None  # the dK/dV transfer still on its way
         for i, step in enumerate(ring_schedule(n, rank, world, causal)):
-            kv_arrived = kv.send(held_kv, as_received=i > 0) if i + 1 < world else None
+            kv_arrived = None
+            if i + 1 < world:
+                kv_arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held_kv, as_received=True)
             (q0, q1), (k0, k1) = step.q, step.kv
-            grads = None
-            if not step.empty:
-                kernels = first if i == 0 else fold
-                grads = kernels(dout_local[:, :, q0:q1], q_local[:, :, q0:q1], held_kv[0, :, :, k0:k1],
-                                held_kv[1, :, :, k0:k1], out_local[:, :, q0:q1], lse_rows[(q0, q1)],
-                                mask_offset=0 if i == 0 else None)
-                dq[:, :, q0:q1] += grads.dq
+            if not step.empty:  # its own block first, where it lies
+                k, v = (k_local, v_local) if i == 0 else (held_kv[0, :, :, k0:k1], held_kv[1, :, :, k0:k1])
+                rows_of(q0, q1).add(first if i == 0 else fold, k, v, dk=share[0, :, :, :k1 - k0],
+                                    dv=share[1, :, :, :k1 - k0])
             if pending is not None:  # the block's dK/dV so far, from the previous rank
                 held_dkv = pending()
-            if grads is not None:
-                held_dkv[0, :, :, k0:k1] += grads.dk
-                held_dkv[1, :, :, k0:k1] += grads.dv
-            pending = dkv.send(held_dkv) if world > 1 else None
+            # a step's share is its block's rows 0 .. k1; the sums start at the first step and
+            # leave in q's dtype at the last, over the whole block both times
+            last = i + 1 == world
+            if i == 0 or last or not step.empty:
+                _add_gradients(None if i == 0 else held_dkv, held_dkv, share, share if last else None,
+                               0 if step.empty else k1, block[3] if i == 0 or last else k1)
+            pending = dkv.send(held_dkv) if not last else None
             if kv_arrived is not None:
                 held_kv = kv_arrived()
-        if pending is not None:  # home: this rank's own block, every rank's share added
-            held_dkv = pending()
-        dk, dv = (_cast(held_dkv[j, :, :, :rows], ref, ref.dtype) for j in range(2))
+        # home: every rank's share of this rank's block added, in one hop; dQ while it travels
+        arrived_home = kv.send(share) if world > 1 else (lambda: share)
+        dq = rows_of(0, rows).dq()
+        if (second, rows) in query_rows and query_rows[(second, rows)].owner is None:
+            dq[:, :, second:] += query_rows[(second, rows)].dq()
+        home = arrived_home()
+        dk, dv = (empty_like(ref, (b, hkv, rows, d), ref.dtype) for _ in range(2))
+        dk[...] = home[0, :, :, :rows]
+        dv[...] = home[1, :, :, :rows]
         if world > 1:
             kv.finish()
             dkv.finish()
-        return _cast(dq, ref, ref.dtype), dk, dv
+        return dq, dk, dv
+
+
+def _add_gradients(sum_in, sum_out, share, cast_out, share_rows: int, rows: int) -> None:
+    """A ring step's share (q's dtype, its first share_rows rows of each [2, B, Hkv] plane) added
+    into the float32 sums, over the first `rows` rows: sum_in None, the sums start from it;
+    cast_out given, they leave there in q's dtype (it may be the share). [2, B, Hkv, rows_max,
+    d] blocks of one layout, contiguous; one launch on CuPy's current stream."""
+    t_out, t_share = as_device_tensor(sum_out, "sum_out"), as_device_tensor(share, "share")
+    _, b, hkv, most, d = t_out.shape
+    if not (t_out.shape == t_share.shape and t_out.strides == t_share.strides == (b * hkv * most * d, hkv * most * d,
+                                                                                  most * d, d, 1)):
+        raise ValueError(f"gradient blocks {t_out.shape} {t_out.strides} and {t_share.shape} {t_share.strides}: "
+                         f"expected both contiguous [2, B, Hkv, rows, d]")
+    threads, count = GRADIENT_ADD_THREADS, rows * d
+    pointer = (lambda x: np.uint64(0 if x is None else as_device_tensor(x, "block").ptr))
+    shared_function(gradient_add_name(t_share.dtype), t_out.device)(
+        (-(-count // (8 * threads)), 2 * b * hkv), (threads,),
+        (pointer(sum_in), pointer(sum_out), pointer(cast_out), np.uint64(t_share.ptr), np.int64(most * d),
+         np.int64(count), np.int64(share_rows * d)))
+
+
+def _contiguous(x):
+    return x.contiguous() if hasattr(x, "contiguous") else cupy.ascontiguousarray(x)
 
 
 def _largest_pair(n: int, world: int) -> int:

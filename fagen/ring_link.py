@@ -263,8 +263,7 @@ class CopyEngineLink:
         arrived. as_received: `held` is the block this link delivered last, unchanged (it
         leaves as soon as it lands, not after this rank's work so far)."""
         whole = Copy(_ptr(held), 0, self.block.nbytes, 1, self.block.nbytes, self.block.nbytes)
-        if self.held is None:  # the caller's memory, not a slot
-            self.reading.append(held)
+        self.reading.append(held)  # the caller's memory (or a slot's view, kept anyway)
         return self._send([whole], as_received)
 
     def send_own(self, k, v):

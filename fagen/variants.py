@@ -269,10 +269,26 @@ def accumulate_variant(spec: AttentionSpec) -> AttentionSpec:
         return spec
     data = {**spec.model_dump(), "name": f"{spec.name}_accumulate",
             "outputs": {**spec.outputs.model_dump(), "accumulate": True}}
+    return parse_spec(_a_block_a_tile(spec, data), f"accumulating {spec.name}")
+
+
+@cache
+def ring_start_variant(spec: AttentionSpec) -> AttentionSpec:
+    """`spec`'s partial kernel as a ring's first step runs it: it writes the running O and LSE
+    that accumulate_variant's steps fold into (nothing to fill first), a block a tile as they
+    are; named <partial's name>, with _tiles where the partial is persistent."""
+    spec = partial_variant(spec)
+    if not (spec.warp_specialized and spec.pipeline.warp_specialized.persistent):
+        return spec
+    return parse_spec(_a_block_a_tile(spec, {**spec.model_dump(), "name": f"{spec.name}_tiles"}), f"tiles of {spec.name}")
+
+
+def _a_block_a_tile(spec: AttentionSpec, data: dict) -> dict:
+    """A spec's data with its warp-specialised grid a block a tile, not persistent."""
     if spec.warp_specialized and spec.pipeline.warp_specialized.persistent:
         data["pipeline"] = {**data["pipeline"],
                             "warp_specialized": {**data["pipeline"]["warp_specialized"], "persistent": False}}
-    return parse_spec(data, f"accumulating {spec.name}")
+    return data
 
 
 # The backward's tiling by head_dim (fagen.backward_plan): dK and dV of block_kv keys live in

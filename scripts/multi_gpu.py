@@ -127,10 +127,14 @@ def time_ms(fn, iters):
 
 def rounds_ms(arms: dict, iters: int, rounds: int) -> dict:
     """Every arm timed in turn, `rounds` times over (a one-GPU kernel and the multi-GPU modes
-    meet the same clocks and neighbours); each arm's median round, and the rounds."""
+    meet the same clocks and neighbours); each arm's median round, and the rounds. The ranks
+    meet before each arm, as a training step's collectives line them up (without it, rounds of
+    the 32k ring forward+backward read 16-18 ms among rounds of 9-10, on both links)."""
     seen = {name: [] for name in arms}
     for _ in range(rounds):
         for name, fn in arms.items():
+            torch.cuda.synchronize()
+            tdist.barrier()
             seen[name].append(round(time_ms(fn, iters), 3))
     return {name: (float(np.median(ms)), ms) for name, ms in seen.items()}
 

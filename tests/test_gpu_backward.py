@@ -12,7 +12,8 @@ import pytest
 import fagen
 from fagen import variants
 from fagen.backward import compile_backward
-from fagen.check import check_backward_against_oracle, random_block_mask, random_extras, random_inputs, to_numpy
+from fagen.check import (OUT_TOLERANCE, check_backward_against_oracle, random_block_mask, random_extras, random_inputs,
+                         relative_error, to_numpy)
 from fagen.load import SPECS
 from fagen.runtime import default_spec
 from fagen.spec import Mask, ScoreMod
@@ -338,3 +339,65 @@ def test_persistent_dkdv_against_oracle(dtype):
             result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk)
             print(result.summary())
             assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # atomic dQ at 64 and 128 on sm_90a, the dQ kernel at 256
+def test_query_rows_over_blocks_against_oracle(dtype, head_dim):
+    """Backward.query_rows, as a ring step runs it: the last 200 of 300 query rows (a strided
+    slice) against 500 keys that arrive as blocks of 181 and 120 keys every row sees (the full
+    kernel) and 199 under the causal diagonal (the causal kernel, offset -1), with the forward's
+    LSE over all of them; dQ summed over the blocks, each block's dK and dV written into a slice
+    of one NaN-poisoned buffer; against the float64 oracle of the whole causal attention."""
+    import torch
+
+    from fagen.oracle import attention_backward
+
+    causal = variants.trainable(default_spec(dtype, head_dim, True))
+    full = variants.trainable(default_spec(dtype, head_dim, False))
+    q_all, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 300, 500, head_dim)
+    q, dout = q_all[:, :, 100:], torch.randn_like(q_all)[:, :, 100:]
+    # row i (of 200) sees key j iff j <= i + 300 (bottom-right over 500 keys)
+    out, lse = compile_backward(causal).forward(q, k, v, return_lse=True)
+    rows = compile_backward(causal).query_rows(dout, q, out, lse)
+    dk, dv = (torch.full_like(k, float("nan")) for _ in range(2))
+    for kernels, (k0, k1), offset in ((full, (0, 181), 0), (full, (181, 301), 0), (causal, (301, 500), -1)):
+        rows.add(compile_backward(kernels), k[:, :, k0:k1], v[:, :, k0:k1], mask_offset=offset,
+                 dk=dk[:, :, k0:k1], dv=dv[:, :, k0:k1])
+    ref = attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=True)
+    for name, got in (("dq", rows.dq()), ("dk", dk), ("dv", dv)):
+        err = relative_error(to_numpy(got).astype(np.float64), ref[name])
+        assert err < OUT_TOLERANCE[dtype], (name, err)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_query_rows_tail_shares_the_sums(dtype, head_dim):
+    """QueryRows.tail, as a ring's second chunk takes it: 320 query rows against 400 keys
+    (bottom-right causal: row i sees keys up to i + 80). Keys 0..207 go to all the rows
+    (causal kernel, offset 80); keys 208.. only to rows 128.. (their tail, offset 0), which are
+    the only rows that see them. One dQ read out of the whole set holds both; against the
+    float64 oracle. Where dQ is not atomic (head_dim 256) there is no tail to share."""
+    import torch
+
+    from fagen.oracle import attention_backward
+
+    spec = variants.trainable(default_spec(dtype, head_dim, True))
+    kernels = compile_backward(spec)
+    q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 400, head_dim)
+    dout = torch.randn_like(q)
+    out, lse = kernels.forward(q, k, v, return_lse=True)
+    rows = kernels.query_rows(dout, q, out, lse)
+    tail = rows.tail(128)
+    if not kernels.plan.atomic_dq:
+        assert tail is None
+        return
+    with pytest.raises(ValueError, match="share the dQ sum"):
+        tail.dq()
+    dk, dv = (torch.full_like(k, float("nan")) for _ in range(2))
+    for part, (k0, k1), offset in ((rows, (0, 208), 80), (tail, (208, 400), 0)):
+        part.add(kernels, k[:, :, k0:k1], v[:, :, k0:k1], mask_offset=offset, dk=dk[:, :, k0:k1], dv=dv[:, :, k0:k1])
+    ref = attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=True)
+    for name, got in (("dq", rows.dq()), ("dk", dk), ("dv", dv)):
+        err = relative_error(to_numpy(got).astype(np.float64), ref[name])
+        assert err < OUT_TOLERANCE[dtype], (name, err)

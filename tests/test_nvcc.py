@@ -29,7 +29,8 @@ from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _resources, attention_defaults
                         compile_backward_many, compile_many, score_mods, targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask, ScoreMod
-from fagen.variants import accumulate_variant, merged_variant, partial_variant, sequence_variant, trainable, variant
+from fagen.variants import (accumulate_variant, merged_variant, partial_variant, ring_start_variant, sequence_variant,
+                            trainable, variant)
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 BUILDS = [(p, arch) for p in SPEC_PATHS for arch in targets(fagen.load_spec(p))]
@@ -37,6 +38,7 @@ PARTIALS = [p for p in SPEC_PATHS if p.stem.startswith("attn_") and not p.stem.e
 # ring attention's steps fold into the running output: the float16 d128 defaults' accumulating
 # kernels (the epilogue is the partial one's, shared by every head_dim)
 RING_STEPS = [p for p in SPEC_PATHS if p.stem.startswith("attn_f16_d128") and "partial" not in p.stem]
+RING_KERNELS = (ring_start_variant, accumulate_variant)  # the first step writes the running O, the rest fold
 # a decode step in one launch: the decode kernels' merging variants (sinks on: the most they take);
 # float16's stand for bfloat16's, whose tilings are the same
 DECODES = [p for p in SPEC_PATHS if p.stem.startswith("decode_f16")]
@@ -105,7 +107,7 @@ def shipped():
     specs = [(fagen.load_spec(p), a) for p, a in BUILDS]
     parts = [(partial_variant(fagen.load_spec(p)), None) for p in PARTIALS]
     parts = [(s, targets(s)[-1]) for s, _ in parts]
-    rings = [(accumulate_variant(fagen.load_spec(p)), None) for p in RING_STEPS]
+    rings = [(step(fagen.load_spec(p)), None) for p in RING_STEPS for step in RING_KERNELS]
     merging = [(merged_variant(fagen.load_spec(p), sinks=True), None) for p in DECODES]
     walks = [(sequence_variant(fagen.load_spec(p), "varlen", "varlen"), None) for p in CLAIMED_WALKS]
     parts += [(s, targets(s)[-1]) for s, _ in rings + merging + walks]
@@ -154,10 +156,12 @@ def test_split_kv_variants_of_the_defaults_compile_without_spills(path, shipped)
     assert _ok(r), r.log
 
 
+@pytest.mark.parametrize("step", RING_KERNELS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("path", RING_STEPS, ids=lambda p: p.stem)
-def test_ring_steps_of_the_defaults_compile_without_spills(path, shipped):
-    """fagen.distributed.ring_attention folds each step into the running O and LSE with these."""
-    spec = accumulate_variant(fagen.load_spec(path))
+def test_ring_steps_of_the_defaults_compile_without_spills(path, step, shipped):
+    """fagen.distributed.ring_attention's first step writes the running O and LSE with these,
+    and each later step folds into them."""
+    spec = step(fagen.load_spec(path))
     r = shipped[(spec.name, targets(spec)[-1])]
     assert _ok(r), r.log
 

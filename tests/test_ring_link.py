@@ -34,25 +34,26 @@ def test_a_transport_outside_the_list_is_refused():
 
 class LinkModel:
     """One rank's CopyEngineLink (and its _PeerSlots) as ops on streams: pass_on, arrival,
-    release and join append what the real methods enqueue, in the same order."""
+    release and join append what the real methods enqueue, in the same order. A send takes the
+    stream current at the call (`on`) for its copy's start, its arrival and the release it makes."""
 
     def __init__(self, name, rank, world, streams):
         self.name, self.rank, self.world, self.streams = name, rank, world, streams
-        self.sent, self.held, self.forwarded = 0, None, {}
+        self.sent, self.held, self.forwarded, self.sent_on = 0, None, {}, {}
         streams[(rank, "copy " + name)], streams[(rank, "releases " + name)] = [], []
 
-    @property
-    def main(self):
-        return self.streams[(self.rank, "main")]
+    def stream(self, name):
+        return self.streams[(self.rank, name)]
 
-    def send(self, as_received):  # CopyEngineLink.send / send_own -> _PeerSlots.pass_on
-        copy, r = self.streams[(self.rank, "copy " + self.name)], self.rank
+    def send(self, as_received, on="main"):  # CopyEngineLink.send / send_own -> _PeerSlots.pass_on
+        copy, r = self.stream("copy " + self.name), self.rank
         self.sent += 1
         t = self.sent
+        self.sent_on[t] = on
         if as_received and self.held is not None:
             copy.append(("wait", r, self.name, "arrived", self.held))
         else:
-            copy.append(("after", r, "main", len(self.main)))
+            copy.append(("after", r, on, len(self.stream(on))))
         if release_due(t) > 0:
             copy.append(("wait", r, self.name, "released", release_due(t)))
         copy.append(("land", (r + 1) % self.world, self.name, t, self.held))
@@ -62,23 +63,24 @@ class LinkModel:
         return t
 
     def arrived(self, t):  # the function send returned
+        on = self.sent_on[t]
         if self.held is not None:
-            self._release(self.held)
-        self.main.append(("wait", self.rank, self.name, "arrived", t))
+            self._release(self.held, on)
+        self.stream(on).append(("wait", self.rank, self.name, "arrived", t))
         self.held = t
 
-    def use(self):  # main reads (or adds into) the block held
-        self.main.append(("use", self.rank, self.name, self.held))
+    def use(self, on="main"):  # a stream reads (or adds into) the block held
+        self.stream(on).append(("use", self.rank, self.name, self.held))
 
-    def finish(self):
+    def finish(self, on="main"):
         if self.held is not None:
-            self._release(self.held)
+            self._release(self.held, on)
         self.held = None
-        self.main.append(("after", self.rank, "copy " + self.name, len(self.streams[(self.rank, "copy " + self.name)])))
+        self.stream(on).append(("after", self.rank, "copy " + self.name, len(self.stream("copy " + self.name))))
 
-    def _release(self, t):
-        rel = self.streams[(self.rank, "releases " + self.name)]
-        rel.append(("after", self.rank, "main", len(self.main)))
+    def _release(self, t, on):
+        rel = self.stream("releases " + self.name)
+        rel.append(("after", self.rank, on, len(self.stream(on))))
         if t in self.forwarded:
             rel.append(("after", self.rank, "copy " + self.name, self.forwarded.pop(t)))
         rel.append(("write", (self.rank - 1) % self.world, self.name, "released", t, self.rank))
@@ -95,19 +97,21 @@ def forward_call(kv, world):
 
 
 def backward_call(kv, dkv, world):
-    """ring_attention_backward's order of link calls on one rank."""
+    """ring_attention_backward's order of link calls on one rank: the sums' last hop home goes
+    on the K/V link, from the caller's memory."""
     pending = None
     for i in range(world):
         kv_arrived = kv.send(as_received=i > 0) if i + 1 < world else None
-        kv.use()  # the step's backward kernels read K/V
+        kv.use()  # the step's dK/dV kernel reads K/V
         if pending is not None:
             dkv.arrived(pending)
         dkv.use()  # += the step's dK/dV
-        pending = dkv.send(as_received=False)
+        pending = dkv.send(as_received=False) if i + 1 < world else None
         if kv_arrived is not None:
             kv.arrived(kv_arrived)
-    dkv.arrived(pending)  # home
-    dkv.use()  # the cast reads it
+    home = kv.send(as_received=False)  # the sums, cast
+    kv.arrived(home)
+    kv.use()  # copied out into dk, dv
     kv.finish()
     dkv.finish()
 

@@ -387,6 +387,19 @@ def test_a_ring_step_folds_into_the_running_output_a_block_a_tile():
     assert "lse_head_stride" not in render(fagen.parse_spec(ws_spec()))  # emitted only where it is used
 
 
+def test_a_ring_starts_with_a_partial_kernel_a_block_a_tile():
+    """ring_start_variant: the first step writes the running O and LSE (no fill before it), a
+    block a tile like the folding steps; a spec already a block a tile keeps its partial."""
+    from fagen.variants import partial_variant, ring_start_variant
+
+    persistent = fagen.parse_spec(ws_spec(pipeline={"warp_specialized": {**WS, "persistent": True}}))
+    spec = ring_start_variant(persistent)
+    assert spec.outputs.partial and not spec.outputs.accumulate and spec.name.endswith("_partial_tiles")
+    assert plan(partial_variant(persistent)).persistent and not plan(spec).persistent
+    tiles = fagen.parse_spec(ws_spec())
+    assert ring_start_variant(tiles) == partial_variant(tiles)
+
+
 def test_row_group_map_lands_a_box_as_one_8_row_group_of_every_column_block():
     """[B, H, N, d] with d = 128: dims (64 columns, N rows, 2 column blocks, H, B); the column
     blocks 128 bytes apart, a box of 8 rows of both: 8 x 128 bytes of block 0, then of block 1."""
