@@ -101,8 +101,8 @@ class Backward:
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
                           **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **dbias_args, **extras)
-            values.update(_stride_values(("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo),
-                                         *((name, as_device_tensor(x, name)) for name, x in (("dq", dq), ("dk", dk), ("dv", dv)))))
+            outputs = ((name, as_device_tensor(x, name)) for name, x in (("dq", dq), ("dk", dk), ("dv", dv)))
+            values.update(_stride_values(("q", tq), ("k", tk), ("v", tv), ("o", to), ("dout", tdo), *outputs))
             per_kernel = dict.fromkeys(self.kernels, values)
             if block_mask is not None:  # each loop walks the mask's tiles at its own tiling, dK/dV transposed
                 shape = (b, hq, nq, nk)
@@ -232,9 +232,9 @@ class QueryRows:
         dQ added into the sum. `kernels`: the block's mask's backward, of the same tiling as the
         rows' (a ring's causal own block and its full steps)."""
         mine, theirs = self.backward.plan, kernels.plan
-        if (mine.row_pad, mine.dkdv.block_q, mine.atomic_dq) != (theirs.row_pad, theirs.dkdv.block_q, theirs.atomic_dq):
-            raise ValueError(f"{kernels.spec.name}: its rows are laid out unlike {self.backward.spec.name}'s (row pad, "
-                             f"dK/dV query tile, atomic dQ differ); add blocks with backwards of one tiling")
+        if _rows_layout(mine) != _rows_layout(theirs):
+            raise ValueError(f"{kernels.spec.name}: its rows lie unlike {self.backward.spec.name}'s (row pad, dK/dV "
+                             f"query tile or atomic dQ differ); add blocks with backwards of one tiling")
         tq, tk, tv = kernels.forward.check(self.q.obj, k, v)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
@@ -277,6 +277,11 @@ class QueryRows:
                           scale=self.scale, **_stride_values(("dq", as_device_tensor(dq, "dq"))))
             bw._launch("postprocess", values, bw._grid("postprocess", b, hq, 0, nq, 0, self.n_pad, tq.device), ())
         return dq
+
+
+def _rows_layout(plan: BackwardPlan) -> tuple:
+    """What decides how a backward lays out D's and the LSE's rows and atomic dQ's sum."""
+    return plan.row_pad, plan.dkdv.block_q, plan.atomic_dq
 
 
 def _forward_rows(tq: DeviceTensor, dout, out, lse, scale: float | None) -> tuple:

@@ -280,7 +280,8 @@ def ring_start_variant(spec: AttentionSpec) -> AttentionSpec:
     spec = partial_variant(spec)
     if not (spec.warp_specialized and spec.pipeline.warp_specialized.persistent):
         return spec
-    return parse_spec(_a_block_a_tile(spec, {**spec.model_dump(), "name": f"{spec.name}_tiles"}), f"tiles of {spec.name}")
+    data = _a_block_a_tile(spec, {**spec.model_dump(), "name": f"{spec.name}_tiles"})
+    return parse_spec(data, f"tiles of {spec.name}")
 
 
 def _a_block_a_tile(spec: AttentionSpec, data: dict) -> dict:
