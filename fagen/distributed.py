@@ -36,6 +36,8 @@ from fagen.render import GRADIENT_ADD_THREADS, gradient_add_name
 from fagen.runtime import compile_kernel, default_spec, shared_function
 from fagen.spec import Mask, ScoreMod
 
+FOLD_LONG_KEYS = 16384  # a ring's full steps take the long class's tiling from this many keys (_fold_spec)
+
 # ---- schedules (pure) ------------------------------------------------------------------------
 
 
@@ -227,11 +229,12 @@ def _spec(ref: DeviceTensor, causal: bool, keys: int | None = None):
 
 def _fold_spec(ref: DeviceTensor, keys: int):
     """The ring's full steps (a block of rows against another rank's `keys` keys, every pair):
-    where the keys are a long sequence's and the GPU has a long class (shipped for causal
-    masks), that class's tiling without its mask, else the shipped full-mask spec. 2 and 4
-    H200s, 32k and 128k: 1.6-3% faster a ring than the full-mask spec (notes/perf.md)."""
+    from FOLD_LONG_KEYS keys, where the GPU has a long class (shipped for causal masks), that
+    class's tiling without its mask, else the shipped full-mask spec. 4 H200s, in the ring, the
+    arms' order alternated: at 128k (32k keys a step) the long tiling 3% faster a ring, at 32k (8k
+    keys) the full-mask one 4% faster, at 2 GPUs 32k (16k keys) a tie (notes/perf.md)."""
     long = _spec(ref, True, keys)
-    if long == _spec(ref, True):  # no long class here
+    if keys < FOLD_LONG_KEYS or long == _spec(ref, True):  # short steps, or no long class here
         return _spec(ref, False)
     return variants.variant(long, Mask(kind="none"), ScoreMod())
 
