@@ -219,8 +219,9 @@ class QueryRows:
 
     def tail(self, start: int) -> QueryRows | None:
         """Rows start.. of these as a set of their own that shares their D, LSE rows and dQ sum
-        (a ring's second chunk: its steps' dQ lands in the whole rows' sum), where `start` falls
-        on a dQ tile (atomic dQ's order is a tile's); else None."""
+        (a ring's second chunk: its steps' dQ lands in the whole rows' sum, rounded once), under
+        atomic dQ and where `start` falls on a whole tile of those rows (the kernels read D and
+        LSE by tiles, and the sum is in a tile's order); else None."""
         if not self.backward.plan.atomic_dq or start % self.backward.plan.row_pad or self.owner is not None:
             return None
         q, dout = (as_device_tensor(t.obj[:, :, start:], name) for t, name in ((self.q, "q"), (self.dout, "dout")))

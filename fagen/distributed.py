@@ -486,6 +486,7 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
             if i + 1 < world:
                 kv_arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held_kv, as_received=True)
             (q0, q1), (k0, k1) = step.q, step.kv
+            assert k0 == 0  # a block's rows start with its first chunk: a step's share is rows 0 .. k1
             if not step.empty:  # its own block first, where it lies
                 k, v = (k_local, v_local) if i == 0 else (held_kv[0, :, :, k0:k1], held_kv[1, :, :, k0:k1])
                 rows_of(q0, q1).add(first if i == 0 else fold, k, v, dk=share[0, :, :, :k1 - k0],
@@ -503,8 +504,11 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
                 held_kv = kv_arrived()
         # home: every rank's share of this rank's block added, in one hop; dQ while it travels
         arrived_home = kv.send(share) if world > 1 else (lambda: share)
-        dq = rows_of(0, rows).dq()
-        if (second, rows) in query_rows and query_rows[(second, rows)].owner is None:
+        if rows == 0:  # chunks of fewer than 2 * world positions may hold nothing
+            dq = empty_like(ref, ref.shape, ref.dtype)
+        else:
+            dq = rows_of(0, rows).dq()
+        if (second, rows) in query_rows and query_rows[(second, rows)].owner is None:  # off a tile: rounded twice
             dq[:, :, second:] += query_rows[(second, rows)].dq()
         home = arrived_home()
         dk, dv = (empty_like(ref, (b, hkv, rows, d), ref.dtype) for _ in range(2))

@@ -377,7 +377,8 @@ def test_query_rows_tail_shares_the_sums(dtype, head_dim):
     (bottom-right causal: row i sees keys up to i + 80). Keys 0..207 go to all the rows
     (causal kernel, offset 80); keys 208.. only to rows 128.. (their tail, offset 0), which are
     the only rows that see them. One dQ read out of the whole set holds both; against the
-    float64 oracle. Where dQ is not atomic (head_dim 256) there is no tail to share."""
+    float64 oracle. A tail off a whole tile of rows is refused, and where dQ is not atomic
+    (head_dim 256) there is no tail to share."""
     import torch
 
     from fagen.oracle import attention_backward
@@ -392,6 +393,7 @@ def test_query_rows_tail_shares_the_sums(dtype, head_dim):
     if not kernels.plan.atomic_dq:
         assert tail is None
         return
+    assert rows.tail(128 + 16) is None and tail.tail(192) is None
     with pytest.raises(ValueError, match="share the dQ sum"):
         tail.dq()
     dk, dv = (torch.full_like(k, float("nan")) for _ in range(2))
