@@ -379,7 +379,7 @@ def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_l
             if e > s:
                 part = slice(at, at + e - s)
                 lse = lse_local[:, :, part]
-                lse = lse.contiguous() if ref.kind == "torch" else cupy.ascontiguousarray(lse)
+                lse = _contiguous(lse)
                 grads = kernels(dout_local[:, :, part], q_local[:, :, part], k[:, :, :e], v[:, :, :e],
                                 out_local[:, :, part], lse, mask_offset=s, dq=dq[:, :, part])
                 dkv[0, :, :, :e] += grads.dk
