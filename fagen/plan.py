@@ -124,6 +124,9 @@ class KernelPlan:
     row_quads: int  # outputs.merge_splits: 4-float pieces of a row of O (the merge's loads)
     split_merge_floats: int  # ... a thread's share of a row's merge, in the idle KV ring
     split_merge_batch: int  # ... splits whose loads a thread issues before it folds them
+    # outputs.accumulate: rows of a fragment (2, or 1 where the registers are short) whose running O
+    # and LSE load before any is written back
+    fold_rows: int
     sequence_params: tuple[tuple[str, str], ...]  # varlen and paged: where each sequence's rows are
     sequence_offset: bool  # varlen and paged, aligned bottom right: each block moves the diagonal to its sequence's
     # varlen q, unpacked: the grid's y walks the batch's query tiles, read from a table built once a
@@ -207,6 +210,15 @@ def merge_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     return ((("elem_t* __restrict__", "merged_o"), ("long long", "merged_sb"), ("long long", "merged_sh"),
              ("long long", "merged_sn"), ("float* __restrict__", "merged_lse"), ("int* __restrict__", "split_counts"))
             + (((FLOAT_PTR, "sinks"),) if spec.score_mod.sinks else ()))
+
+
+def fold_rows(o_regs: int, head_dim: int, register_limit: int) -> int:
+    """An accumulating kernel's epilogue: a fragment's two rows' running O (f32 pairs) loaded at
+    once where O, they and twice WARP_SPECIALIZED_REST fit the registers, else one row at a time
+    (a store to one row holds back the next row's loads: a DRAM round trip each). (Once the
+    rest: the d128 long class's consumers, 160 registers, spilled 180 bytes.)"""
+    both = 2 * (head_dim // MMA_N) * 2
+    return 2 if o_regs + both + 2 * WARP_SPECIALIZED_REST <= register_limit else 1
 
 
 def kv_slots(spec: AttentionSpec) -> int:
@@ -484,6 +496,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         row_quads=d // 4 if spec.outputs.merge_splits else 0,
         split_merge_floats=SPLIT_MERGE_FLOATS if spec.outputs.merge_splits else 0,
         split_merge_batch=SPLIT_MERGE_BATCH if spec.outputs.merge_splits else 0,
+        fold_rows=fold_rows(o_regs, d, register_limit) if spec.outputs.accumulate else 0,
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
         sequence_tiles=has_sequence_tiles(spec),

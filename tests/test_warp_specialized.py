@@ -387,6 +387,26 @@ def test_a_ring_step_folds_into_the_running_output_a_block_a_tile():
     assert "lse_head_stride" not in render(fagen.parse_spec(ws_spec()))  # emitted only where it is used
 
 
+def test_a_fold_loads_a_fragments_running_values_before_writing_any_where_registers_allow():
+    """The fold's epilogue (outputs.accumulate): both rows of a fragment read back at once where
+    the consumers' registers hold them (the full-mask H200 kernels, 240), one at a time where
+    they are short (the long class's 160: two at once spilled), and the producer warms L2 with
+    the running rows while the consumers finish the tile's keys."""
+    from fagen.plan import fold_rows
+    from fagen.variants import accumulate_variant, shipped_spec
+
+    full = plan(accumulate_variant(shipped_spec("float16", 128, False, gpu="h200")))
+    long = plan(accumulate_variant(shipped_spec("float16", 128, True, gpu="h200", keys=65536)))
+    assert (full.consumer_registers, full.fold_rows) == (240, 2)
+    assert (long.consumer_registers, long.fold_rows) == (160, 1)
+    assert fold_rows(o_regs=64, head_dim=128, register_limit=192) == 2
+    assert fold_rows(o_regs=64, head_dim=128, register_limit=191) == 1
+    assert plan(fagen.parse_spec(ws_spec())).fold_rows == 0  # no fold
+    source = render(accumulate_variant(shipped_spec("float16", 128, False, gpu="h200")))
+    assert "constexpr int FOLD_ROWS = 2;" in source and "prefetch_running_rows(" in source
+    assert "prefetch_running_rows" not in render(fagen.parse_spec(ws_spec()))
+
+
 def test_a_ring_starts_with_a_partial_kernel_a_block_a_tile():
     """ring_start_variant: the first step writes the running O and LSE (no fill before it), a
     block a tile like the folding steps; a spec already a block a tile keeps its partial."""
