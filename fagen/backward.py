@@ -228,6 +228,15 @@ class QueryRows:
         return QueryRows(self.backward, q, dout, self.scale, self.n_pad, self.delta, self.lse2, self.dq_sum,
                          row0=start, owner=self)
 
+    def head(self, end: int) -> QueryRows | None:
+        """Rows ..end of these, sharing their D, LSE rows and dQ sum as `tail` does (a ring's first
+        chunk, against its own keys), under atomic dQ and where `end` falls on a whole tile of those
+        rows; else None."""
+        if not self.backward.plan.atomic_dq or end % self.backward.plan.row_pad or self.owner is not None:
+            return None
+        q, dout = (as_device_tensor(t.obj[:, :, :end], name) for t, name in ((self.q, "q"), (self.dout, "dout")))
+        return QueryRows(self.backward, q, dout, self.scale, self.n_pad, self.delta, self.lse2, self.dq_sum, owner=self)
+
     def add(self, kernels: Backward, k, v, *, mask_offset: int = 0, dk=None, dv=None) -> tuple[object, object]:
         """One K/V block's share: dK and dV (written into dk and dv where given, like k and v),
         dQ added into the sum. `kernels`: the block's mask's backward, of the same tiling as the

@@ -167,10 +167,23 @@ def ring_schedule(n: int, rank: int, world: int, causal: bool = True) -> list[Ri
     return steps
 
 
+def own_block_pieces(n: int, rank: int, world: int, causal: bool = True) -> tuple[RingStep, RingStep]:
+    """The backward's own block (ring_schedule's step 0) in two launches: the first chunk's rows
+    first, while the first block arrives; the second chunk's rows last, while the block's dK/dV
+    sums make their last hop home, which then has compute to hide under (the sums start at
+    step 0 and are complete only when they are home). Local positions: a causal piece's
+    diagonal is at local row = local key, its rows start at q0 and its keys at 0."""
+    first, second = (e - s for s, e in zigzag_rows(n, rank, world))
+    rows = first + second
+    return (RingStep(rank, (0, first), (0, first if causal else rows), causal),
+            RingStep(rank, (first, rows), (0, rows), causal))
+
+
 def ring_step_work(n: int, world: int, causal: bool = True) -> list[list[int]]:
     """Kept (q, k) pairs of each rank's launch at each ring step, [step][rank]: the ranks wait
     for each other every step (the next block must arrive), so a step's imbalance is what
-    costs. The backward runs the same launches (2.5x their FLOPs)."""
+    costs. The backward runs the same launches (2.5x their FLOPs), its own block in two
+    (own_block_pieces: the first at step 0, the second after the last)."""
     per_rank = [ring_schedule(n, r, world, causal) for r in range(world)]
     work = []
     for i in range(world):
@@ -452,8 +465,9 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     each block's softmax the whole sequence's), its dQ summed across the steps in float32
     (backward.QueryRows: D and LSE rows once a call), and adds the block's dK and dV into the
     travelling ones in one launch. K/V's transfer runs under the step's compute; dK/dV's, under
-    the next step's. After the last step the sums make one more hop home, in q's dtype, on the
-    K/V link. `transport` as ring_attention's."""
+    the next step's. The own block goes in two launches (own_block_pieces): its first chunk's
+    rows start the sums, its second chunk's run while the sums make their last hop home, which
+    they then join, cast to q's dtype. `transport` as ring_attention's."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
@@ -462,18 +476,24 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     first = compile_backward(variants.trainable(_spec(ref, causal)))
     fold = compile_backward(variants.trainable(_spec(ref, False)))
     block = (2, b, hkv, _largest_pair(n, world), d)
-    first_chunk = zigzag_rows(n, rank, world)[0]
-    second = first_chunk[1] - first_chunk[0]  # where this rank's second chunk starts in its rows
+    own_first, own_last = own_block_pieces(n, rank, world, causal)
     with cupy.cuda.Device(ref.device), stream_for(ref):
-        query_rows = {}  # a step's rows are all of this rank's or its second chunk's: made on first use
+        query_rows = {}  # a launch's rows: a chunk of this rank's or all of them, made on first use
 
         def rows_of(q0: int, q1: int):
-            if (q0, q1) not in query_rows:  # the second chunk's: a tail of all of them where its start allows
-                tail = rows_of(0, q1).tail(q0) if q0 > 0 else None
-                query_rows[(q0, q1)] = tail or first.query_rows(
+            if (q0, q1) not in query_rows:  # a chunk's: a view of all of them where its bounds allow
+                whole = (q0, q1) == (0, rows)
+                view = None if whole else rows_of(0, rows).tail(q0) if q1 == rows else rows_of(0, rows).head(q1)
+                query_rows[(q0, q1)] = view or first.query_rows(
                     dout_local[:, :, q0:q1], q_local[:, :, q0:q1], out_local[:, :, q0:q1],
-                    lse_local if q0 == 0 else _contiguous(lse_local[:, :, q0:q1]))
+                    lse_local if whole else _contiguous(lse_local[:, :, q0:q1]))
             return query_rows[(q0, q1)]
+
+        def own(piece: RingStep) -> None:  # an own-block launch, its dK and dV into the share's rows 0 ..
+            (q0, q1), (k0, k1) = piece.q, piece.kv
+            if not piece.empty:
+                rows_of(q0, q1).add(first if piece.causal else fold, k_local[:, :, :k1], v_local[:, :, :k1],
+                                    mask_offset=q0 - k0, dk=share[0, :, :, :k1], dv=share[1, :, :, :k1])
 
         held_kv, held_dkv = None, empty_like(ref, block, "float32")
         share = empty_like(ref, block, ref.dtype)  # a step's dK and dV, as its kernel writes them
@@ -487,33 +507,38 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
                 kv_arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held_kv, as_received=True)
             (q0, q1), (k0, k1) = step.q, step.kv
             assert k0 == 0  # a block's rows start with its first chunk: a step's share is rows 0 .. k1
-            if not step.empty:  # its own block first, where it lies
-                k, v = (k_local, v_local) if i == 0 else (held_kv[0, :, :, k0:k1], held_kv[1, :, :, k0:k1])
-                rows_of(q0, q1).add(first if i == 0 else fold, k, v, dk=share[0, :, :, :k1 - k0],
-                                    dv=share[1, :, :, :k1 - k0])
+            if i == 0:
+                own(own_first)
+                k1 = 0 if own_first.empty else own_first.kv[1]
+            elif not step.empty:
+                rows_of(q0, q1).add(fold, held_kv[0, :, :, :k1], held_kv[1, :, :, :k1], dk=share[0, :, :, :k1],
+                                    dv=share[1, :, :, :k1])
             if pending is not None:  # the block's dK/dV so far, from the previous rank
                 held_dkv = pending()
-            # a step's share is its block's rows 0 .. k1; the sums start at the first step and
-            # leave in q's dtype at the last, over the whole block both times
-            last = i + 1 == world
-            if i == 0 or last or not step.empty:
-                _add_gradients(None if i == 0 else held_dkv, held_dkv, share, share if last else None,
-                               0 if step.empty else k1, block[3] if i == 0 or last else k1)
-            pending = dkv.send(held_dkv) if not last else None
+            # the sums start at the first step, over the whole block, and take a step's share
+            # (its block's rows 0 .. k1) at each later one
+            if i == 0 or not step.empty:
+                _add_gradients(None if i == 0 else held_dkv, held_dkv, share, None, 0 if step.empty else k1,
+                               block[3] if i == 0 else k1)
+            pending = dkv.send(held_dkv) if world > 1 else (lambda held=held_dkv: held)  # the last goes home
             if kv_arrived is not None:
                 held_kv = kv_arrived()
-        # home: every rank's share of this rank's block added, in one hop; dQ while it travels
-        arrived_home = kv.send(share) if world > 1 else (lambda: share)
+        # while the sums of this rank's block come home: the own block's second chunk, and dQ
+        share_rows = 0 if own_last.empty else own_last.kv[1]
+        own(own_last)
         if rows == 0:  # chunks of fewer than 2 * world positions may hold nothing
             dq = empty_like(ref, ref.shape, ref.dtype)
         else:
             dq = rows_of(0, rows).dq()
-        if (second, rows) in query_rows and query_rows[(second, rows)].owner is None:  # off a tile: rounded twice
-            dq[:, :, second:] += query_rows[(second, rows)].dq()
-        home = arrived_home()
+        for (q0, q1), part in query_rows.items():  # a chunk off a tile of all the rows: its dQ rounded twice
+            if (q0, q1) != (0, rows) and part.owner is None:
+                dq[:, :, q0:q1] += part.dq()
+        home = pending()
+        if rows:
+            _add_gradients(home, home, share, share, share_rows, rows)  # home in q's dtype, in the share
         dk, dv = (empty_like(ref, (b, hkv, rows, d), ref.dtype) for _ in range(2))
-        dk[...] = home[0, :, :, :rows]
-        dv[...] = home[1, :, :, :rows]
+        dk[...] = share[0, :, :, :rows]
+        dv[...] = share[1, :, :, :rows]
         if world > 1:
             kv.finish()
             dkv.finish()
@@ -634,6 +659,6 @@ def gather_sequence(group, local, *, n: int):
 
 __all__ = ["NcclGroup", "RingStep", "TorchGroup", "as_group", "batch_sharded", "causal_pairs", "check_rank",
            "gather_sequence", "imbalance", "init", "launch", "merge_numpy", "reshuffle", "ring_attention",
-           "ring_attention_backward", "ring_step_work", "zigzag_attention_backward",
+           "own_block_pieces", "ring_attention_backward", "ring_step_work", "zigzag_attention_backward",
            "ring_schedule", "sequence_sharded", "shard_bounds", "sharded_inputs", "work_per_rank",
            "zigzag_attention", "zigzag_chunks", "zigzag_order", "zigzag_rows"]

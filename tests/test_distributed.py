@@ -16,6 +16,7 @@ from fagen.distributed import (
     check_rank,
     imbalance,
     merge_numpy,
+    own_block_pieces,
     reshuffle,
     ring_schedule,
     ring_step_work,
@@ -368,9 +369,10 @@ def block_gradients(q, k, v, dout, lse, delta, keep, scale):
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_backward(world, n, causal):
-    """ring_attention_backward replayed in lockstep: each rank's launches (ring_schedule) with
-    its rows' final LSE, dQ added into its rows, dK/dV into the accumulator travelling with the
-    block; after `world` hops (one a step) every accumulator is home and equals the oracle's."""
+    """ring_attention_backward replayed in lockstep: each rank's launches (ring_schedule, its own
+    block in own_block_pieces' two) with its rows' final LSE, dQ added into its rows, dK/dV into
+    the accumulator travelling with the block; after `world` hops (one a step) every accumulator
+    is home, takes its own block's second launch there, and equals the oracle's."""
     rng = np.random.default_rng()
     q, k, v = qkv(n, n, rng)
     dout = rand(B, H, n, D, rng=rng)
@@ -384,26 +386,40 @@ def test_ring_attention_backward(world, n, causal):
              for r in range(world)}
     dq = {r: np.zeros_like(local[r]["q"]) for r in range(world)}
     travelling = {r: (r, np.zeros_like(local[r]["k"]), np.zeros_like(local[r]["v"])) for r in range(world)}
+
+    def launch(r, step, block, dk, dv):
+        if step.empty:
+            return
+        (q0, q1), (k0, k1) = step.q, step.kv
+        mine, theirs = local[r], local[block]
+        # a causal launch's diagonal at local row = local key
+        keep = (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] if step.causal
+                else np.ones((q1 - q0, k1 - k0), bool))
+        g_q, g_k, g_v = block_gradients(mine["q"][:, :, q0:q1], theirs["k"][:, :, k0:k1], theirs["v"][:, :, k0:k1],
+                                        mine["dout"][:, :, q0:q1], mine["lse"][:, :, q0:q1],
+                                        mine["delta"][:, :, q0:q1], keep, scale)
+        dq[r][:, :, q0:q1] += g_q
+        dk[:, :, k0:k1] += g_k
+        dv[:, :, k0:k1] += g_v
+
     for i in range(world):
         for r in range(world):
             step = ring_schedule(n, r, world, causal)[i]
             block, dk, dv = travelling[r]
             assert block == step.source == (r - i) % world
-            if step.empty:
-                continue
-            (q0, q1), (k0, k1) = step.q, step.kv
-            mine, theirs = local[r], local[block]
-            keep = oracle.causal_mask(q1 - q0, k1 - k0) if step.causal else np.ones((q1 - q0, k1 - k0), bool)
-            g_q, g_k, g_v = block_gradients(mine["q"][:, :, q0:q1], theirs["k"][:, :, k0:k1], theirs["v"][:, :, k0:k1],
-                                            mine["dout"][:, :, q0:q1], mine["lse"][:, :, q0:q1],
-                                            mine["delta"][:, :, q0:q1], keep, scale)
-            dq[r][:, :, q0:q1] += g_q
-            dk[:, :, k0:k1] += g_k
-            dv[:, :, k0:k1] += g_v
+            if i == 0:
+                own, _ = own_block_pieces(n, r, world, causal)
+                assert own.source == r and own.q[0] == 0 == own.kv[0]
+                launch(r, own, block, dk, dv)
+            else:
+                launch(r, step, block, dk, dv)
         travelling = {(r + 1) % world: travelling[r] for r in range(world)}  # one hop a step
     for r in range(world):
         block, dk, dv = travelling[r]
         assert block == r  # home
+        first, last = own_block_pieces(n, r, world, causal)
+        assert last.q == (first.q[1], local[r]["q"].shape[2]) and last.kv[0] == 0
+        launch(r, last, r, dk, dv)
         close(dq[r], local_rows(want["dq"], n, r, world), atol=1e-10)
         close(dk, local_rows(want["dk"], n, r, world), atol=1e-10)
         close(dv, local_rows(want["dv"], n, r, world), atol=1e-10)

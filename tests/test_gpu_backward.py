@@ -403,3 +403,41 @@ def test_query_rows_tail_shares_the_sums(dtype, head_dim):
     for name, got in (("dq", rows.dq()), ("dk", dk), ("dv", dv)):
         err = relative_error(to_numpy(got).astype(np.float64), ref[name])
         assert err < OUT_TOLERANCE[dtype], (name, err)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_query_rows_head_and_tail_cover_a_ring_block(dtype, head_dim):
+    """QueryRows.head and .tail as the ring's backward runs its own block (own_block_pieces):
+    320 causal rows of which the first 128 (the head) see keys 0..127 under the diagonal, and the
+    other 192 (the tail) keys 0..319 with the diagonal at their own rows (offset 128). Both share
+    the whole rows' sums: one dQ read out holds both launches; dK and dV are the two launches'
+    shares added; against the float64 oracle. Off a whole tile there is no head; where dQ is not
+    atomic (head_dim 256) neither view exists."""
+    import torch
+
+    from fagen.oracle import attention_backward
+
+    spec = variants.trainable(default_spec(dtype, head_dim, True))
+    kernels = compile_backward(spec)
+    q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 320, head_dim)
+    dout = torch.randn_like(q)
+    out, lse = kernels.forward(q, k, v, return_lse=True)
+    rows = kernels.query_rows(dout, q, out, lse)
+    head, tail = rows.head(128), rows.tail(128)
+    if not kernels.plan.atomic_dq:
+        assert head is None and tail is None
+        return
+    assert rows.head(128 + 16) is None and head.head(64) is None
+    with pytest.raises(ValueError, match="share the dQ sum"):
+        head.dq()
+    first = [torch.full_like(k[:, :, :128], float("nan")) for _ in range(2)]
+    last = [torch.full_like(k, float("nan")) for _ in range(2)]
+    head.add(kernels, k[:, :, :128], v[:, :, :128], mask_offset=0, dk=first[0], dv=first[1])
+    tail.add(kernels, k, v, mask_offset=128, dk=last[0], dv=last[1])
+    for mine, theirs in zip(last, first):
+        mine[:, :, :128] += theirs
+    ref = attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=True)
+    for name, got in (("dq", rows.dq()), ("dk", last[0]), ("dv", last[1])):
+        err = relative_error(to_numpy(got).astype(np.float64), ref[name])
+        assert err < OUT_TOLERANCE[dtype], (name, err)

@@ -97,8 +97,8 @@ def forward_call(kv, world):
 
 
 def backward_call(kv, dkv, world):
-    """ring_attention_backward's order of link calls on one rank: the sums' last hop home goes
-    on the K/V link, from the caller's memory."""
+    """ring_attention_backward's order of link calls on one rank: the sums' last hop home is one
+    more send on the dK/dV link, awaited after the own block's second launch."""
     pending = None
     for i in range(world):
         kv_arrived = kv.send(as_received=i > 0) if i + 1 < world else None
@@ -106,12 +106,11 @@ def backward_call(kv, dkv, world):
         if pending is not None:
             dkv.arrived(pending)
         dkv.use()  # += the step's dK/dV
-        pending = dkv.send(as_received=False) if i + 1 < world else None
+        pending = dkv.send(as_received=False)  # the last one goes home
         if kv_arrived is not None:
             kv.arrived(kv_arrived)
-    home = kv.send(as_received=False)  # the sums, cast
-    kv.arrived(home)
-    kv.use()  # copied out into dk, dv
+    dkv.arrived(pending)
+    dkv.use()  # + the own block's second launch, cast into dk, dv
     kv.finish()
     dkv.finish()
 
