@@ -370,6 +370,18 @@ def test_query_rows_over_blocks_against_oracle(dtype, head_dim):
         assert err < OUT_TOLERANCE[dtype], (name, err)
 
 
+def _causal_rows(dtype: str, head_dim: int, nq: int, nk: int):
+    """The shipped causal backward, random q, k, v, dout (B 1, Hq/Hkv 4/2) and its QueryRows over
+    all of q, from the forward's out and LSE."""
+    import torch
+
+    kernels = compile_backward(variants.trainable(default_spec(dtype, head_dim, True)))
+    q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, nq, nk, head_dim)
+    dout = torch.randn_like(q)
+    out, lse = kernels.forward(q, k, v, return_lse=True)
+    return kernels, (q, k, v, dout), kernels.query_rows(dout, q, out, lse)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_query_rows_tail_shares_the_sums(dtype, head_dim):
@@ -383,12 +395,7 @@ def test_query_rows_tail_shares_the_sums(dtype, head_dim):
 
     from fagen.oracle import attention_backward
 
-    spec = variants.trainable(default_spec(dtype, head_dim, True))
-    kernels = compile_backward(spec)
-    q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 400, head_dim)
-    dout = torch.randn_like(q)
-    out, lse = kernels.forward(q, k, v, return_lse=True)
-    rows = kernels.query_rows(dout, q, out, lse)
+    kernels, (q, k, v, dout), rows = _causal_rows(dtype, head_dim, 320, 400)
     tail = rows.tail(128)
     if not kernels.plan.atomic_dq:
         assert tail is None
@@ -418,12 +425,7 @@ def test_query_rows_head_and_tail_cover_a_ring_block(dtype, head_dim):
 
     from fagen.oracle import attention_backward
 
-    spec = variants.trainable(default_spec(dtype, head_dim, True))
-    kernels = compile_backward(spec)
-    q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 320, head_dim)
-    dout = torch.randn_like(q)
-    out, lse = kernels.forward(q, k, v, return_lse=True)
-    rows = kernels.query_rows(dout, q, out, lse)
+    kernels, (q, k, v, dout), rows = _causal_rows(dtype, head_dim, 320, 320)
     head, tail = rows.head(128), rows.tail(128)
     if not kernels.plan.atomic_dq:
         assert head is None and tail is None
