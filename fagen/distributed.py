@@ -483,7 +483,8 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
         def rows_of(q0: int, q1: int):
             if (q0, q1) not in query_rows:  # a chunk's: a view of all of them where its bounds allow
                 whole = (q0, q1) == (0, rows)
-                view = None if whole else rows_of(0, rows).tail(q0) if q1 == rows else rows_of(0, rows).head(q1)
+                view = (None if whole else rows_of(0, rows).tail(q0) if q1 == rows
+                        else rows_of(0, rows).head(q1) if q0 == 0 else None)
                 query_rows[(q0, q1)] = view or first.query_rows(
                     dout_local[:, :, q0:q1], q_local[:, :, q0:q1], out_local[:, :, q0:q1],
                     lse_local if whole else _contiguous(lse_local[:, :, q0:q1]))
