@@ -496,6 +496,10 @@ class Kernel:
                     or t.strides[-1] != 1:
                 raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; the running {name} is a "
                                  f"{tq.kind} float32 {shape} on cuda:{tq.device} with a contiguous last dim")
+        to = as_device_tensor(out, "out")
+        if to.ptr % 16 or any(s % 4 for s in to.strides[:-1]):  # f32 pairs, and rows the producer prefetches whole
+            raise ValueError(f"out: strides {to.strides} (elements) and address must be multiples of 4 elements / 16 "
+                             f"bytes (the fold reads and writes whole row pieces); pass a contiguous running out")
         tl = as_device_tensor(lse, "lse")
         if tl.strides[0] != tq.shape[1] * tl.strides[1]:
             raise ValueError(f"lse: strides {tl.strides}; the running LSE's heads must lie evenly across the batch "

@@ -132,3 +132,8 @@ def test_accumulating_kernel_refuses_what_it_cannot_fold_into():
         fold(q, k, v, out=o.half(), lse=l)
     with pytest.raises(ValueError, match="heads must lie evenly"):
         fold(q, k, v, out=o, lse=torch.zeros(2, 1, 64, device="cuda").transpose(0, 1))
+    wide = torch.zeros(1, 2, 64, 66, device="cuda")  # rows 66 floats apart: off 16 bytes
+    with pytest.raises(ValueError, match="multiples of 4 elements / 16 bytes"):
+        fold(q, k, v, out=wide[..., :64], lse=l)
+    with pytest.raises(ValueError, match="multiples of 4 elements / 16 bytes"):
+        fold(q, k, v, out=torch.zeros(1 + 2 * 64 * 64, device="cuda")[1:].view(1, 2, 64, 64), lse=l)
