@@ -215,8 +215,9 @@ def merge_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
 def fold_rows(o_regs: int, head_dim: int, register_limit: int) -> int:
     """An accumulating kernel's epilogue: a fragment's two rows' running O (f32 pairs) loaded at
     once where O, they and twice WARP_SPECIALIZED_REST fit the registers, else one row at a time
-    (a store to one row holds back the next row's loads: a DRAM round trip each). (Once the
-    rest: the d128 long class's consumers, 160 registers, spilled 180 bytes.)"""
+    (a store to one row holds back the next row's loads: a DRAM round trip each). With the rest
+    counted once, the d128 long class's consumers (160 registers) took two rows and spilled 180
+    bytes."""
     both = 2 * (head_dim // MMA_N) * 2
     return 2 if o_regs + both + 2 * WARP_SPECIALIZED_REST <= register_limit else 1
 
