@@ -218,24 +218,24 @@ class QueryRows:
     owner: QueryRows | None = None  # the set whose buffers these rows share
 
     def tail(self, start: int) -> QueryRows | None:
-        """Rows start.. of these as a set of their own that shares their D, LSE rows and dQ sum
-        (a ring's second chunk: its steps' dQ lands in the whole rows' sum, rounded once), under
-        atomic dQ and where `start` falls on a whole tile of those rows (the kernels read D and
-        LSE by tiles, and the sum is in a tile's order); else None."""
-        if not self.backward.plan.atomic_dq or start % self.backward.plan.row_pad or self.owner is not None:
-            return None
-        q, dout = (as_device_tensor(t.obj[:, :, start:], name) for t, name in ((self.q, "q"), (self.dout, "dout")))
-        return QueryRows(self.backward, q, dout, self.scale, self.n_pad, self.delta, self.lse2, self.dq_sum,
-                         row0=start, owner=self)
+        """Rows start.. of these (a ring's second chunk) as a set of their own: `_share`."""
+        return self._share(start, None)
 
     def head(self, end: int) -> QueryRows | None:
-        """Rows ..end of these, sharing their D, LSE rows and dQ sum as `tail` does (a ring's first
-        chunk, against its own keys), under atomic dQ and where `end` falls on a whole tile of those
-        rows; else None."""
-        if not self.backward.plan.atomic_dq or end % self.backward.plan.row_pad or self.owner is not None:
+        """Rows ..end of these (a ring's first chunk, against its own keys): `_share`."""
+        return self._share(0, end)
+
+    def _share(self, start: int, end: int | None) -> QueryRows | None:
+        """Rows start..end of these as a set of their own that shares their D, LSE rows and dQ sum
+        (its launches' dQ lands in the whole rows' sum, rounded once), under atomic dQ and where
+        start and end fall on whole tiles of those rows (the kernels read D and LSE by tiles, and
+        the sum is in a tile's order); else None."""
+        pad = self.backward.plan.row_pad
+        if not self.backward.plan.atomic_dq or start % pad or (end or 0) % pad or self.owner is not None:
             return None
-        q, dout = (as_device_tensor(t.obj[:, :, :end], name) for t, name in ((self.q, "q"), (self.dout, "dout")))
-        return QueryRows(self.backward, q, dout, self.scale, self.n_pad, self.delta, self.lse2, self.dq_sum, owner=self)
+        q, dout = (as_device_tensor(t.obj[:, :, start:end], name) for t, name in ((self.q, "q"), (self.dout, "dout")))
+        return QueryRows(self.backward, q, dout, self.scale, self.n_pad, self.delta, self.lse2, self.dq_sum,
+                         row0=start, owner=self)
 
     def add(self, kernels: Backward, k, v, *, mask_offset: int = 0, dk=None, dv=None) -> tuple[object, object]:
         """One K/V block's share: dK and dV (written into dk and dv where given, like k and v),
