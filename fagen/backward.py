@@ -9,6 +9,7 @@ callers stay inside its caching allocator (CUDA graphs capture the whole step).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,11 +17,11 @@ import numpy as np
 
 from fagen.backward_plan import TMA_TENSORS, BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork_join, multiprocessors, require_cupy,
-                          stream_for, zeros_like)
+                          stream_for, tensor_signature, torch_stream_handle, zeros_like)
 from fagen.render import render_backward
 from fagen import tensor_maps
-from fagen.runtime import (LOG2E, Kernel, Launch, TensorMap, block_mask_arguments, compile_kernel, compile_module,
-                           pack_arguments, packers)
+from fagen.runtime import (LOG2E, Kernel, Launch, KeptLaunches, TensorMap, block_mask_arguments, compile_kernel,
+                           compile_module, pack_arguments, packers)
 from fagen.spec import AttentionSpec
 
 
@@ -53,6 +54,7 @@ class Backward:
         for role, smem in (("dkdv", self.plan.dkdv.smem_bytes), ("dq", self.plan.dq_smem_bytes)):
             if role in self.kernels and smem > 48 * 1024:
                 self.kernels[role].max_dynamic_shared_size_bytes = smem
+        self.repeated_adds = KeptLaunches()  # QueryRows.add's dK/dV launches, by QueryRows._add_key
 
     def __repr__(self) -> str:
         return f"Backward({self.spec.name})"
@@ -174,17 +176,21 @@ class Backward:
         return tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.row_groups(t.shape, t.strides, name))
                      for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
 
-    def _launch(self, role: str, values: dict, launch: tuple, maps: tuple) -> None:
-        """One kernel on CuPy's current stream, its arguments packed by name from `values`."""
+    def _launch(self, role: str, values: dict, launch: tuple, maps: tuple,
+                slots: tuple[str, ...] = TMA_TENSORS) -> Launch | None:
+        """One kernel on CuPy's current stream, its arguments packed by name from `values`; the
+        Launch of a producer-fed kernel (`slots` the pointers a later launch may re-point)."""
         (grid, threads, smem), function = launch, self.kernels[role]
         if 0 in grid:  # no rows (a ring's empty chunk)
-            return
+            return None
         producers = self.producer_threads
         if role in producers:
-            Launch(function, (*grid, 1), producers[role], smem, getattr(self.plan, f"{role}_params"), values,
-                   slots=TMA_TENSORS, maps=maps)(None)
-        else:
-            function(grid, (threads,), pack_arguments(self.packers[role], values), shared_mem=smem)
+            packed = Launch(function, (*grid, 1), producers[role], smem, getattr(self.plan, f"{role}_params"), values,
+                            slots=slots, maps=maps)
+            packed(None)
+            return packed
+        function(grid, (threads,), pack_arguments(self.packers[role], values), shared_mem=smem)
+        return None
 
     def _bias_grad_buffer(self, bias, ref: DeviceTensor, b: int, hkv: int) -> tuple[object, dict, tuple]:
         """The zeroed f32 buffer the dK/dV kernel adds d loss / d bias into, its arguments, and
@@ -197,6 +203,10 @@ class Backward:
         layout = bias_grad_layout(tuple(np.shape(bias)), b, hkv, self.spec.backward.deterministic)
         buffer = zeros_like(ref, layout.buffer_shape, "float32")
         return buffer, {"dbias": _ptr(buffer), **{k: np.int64(v) for k, v in layout.strides.items()}}, layout.summed_axes
+
+
+# an add's re-pointable addresses, in QueryRows._run_again's order: the tensor maps' first
+ADD_SLOTS = (*TMA_TENSORS, "dk", "dv", "delta", "lse2", "dq_accum")
 
 
 @dataclass
@@ -240,7 +250,12 @@ class QueryRows:
     def add(self, kernels: Backward, k, v, *, mask_offset: int = 0, dk=None, dv=None) -> tuple[object, object]:
         """One K/V block's share: dK and dV (written into dk and dv where given, like k and v),
         dQ added into the sum. `kernels`: the block's mask's backward, of the same tiling as the
-        rows' (a ring's causal own block and its full steps)."""
+        rows' (a ring's causal own block and its full steps). A block of a key seen before
+        (`_add_key`: a ring's steps, call after call) re-points the launch packed for it."""
+        key = self._add_key(kernels, k, v, mask_offset, dk, dv)
+        launch = None if key is None else kernels.repeated_adds.get(key)
+        if launch is not None and self._run_again(launch, k, v, dk, dv):
+            return dk, dv
         mine, theirs = self.backward.plan, kernels.plan
         if _rows_layout(mine) != _rows_layout(theirs):
             raise ValueError(f"{kernels.spec.name}: its rows lie unlike {self.backward.spec.name}'s (row pad, dK/dV "
@@ -255,22 +270,57 @@ class QueryRows:
             dk, dv = (empty_like(t, t.shape, kernels.spec.dtype) if given is None else given
                       for t, given in ((tk, dk), (tv, dv)))
             dq = None if mine.atomic_dq else empty_like(tq, tq.shape, kernels.spec.dtype)
-            rows_at = np.uint64(4 * self.row0)  # bytes into D's and the LSE's rows
-            values = dict(dout=self.dout.ptr, delta=_ptr(self.delta) + rows_at, lse2=_ptr(self.lse2) + rows_at,
-                          n_q=nq, n_kv=nk, batch=b,
-                          mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=self.n_pad, q=tq.ptr, k=tk.ptr,
-                          v=tv.ptr, dk=_ptr(dk), dv=_ptr(dv), scale=self.scale, scale_log2=self.scale * LOG2E,
-                          **({"dq_accum": _ptr(self.dq_sum) + np.uint64(4 * self.row0 * d)} if mine.atomic_dq
-                             else {"dq": _ptr(dq)}),
+            values = dict(n_q=nq, n_kv=nk, batch=b, mask_offset=mask_offset, heads_q=hq, group=hq // hkv,
+                          n_pad=self.n_pad, scale=self.scale, scale_log2=self.scale * LOG2E,
+                          **self._row_addresses(), q=tq.ptr, k=tk.ptr, v=tv.ptr, dk=_ptr(dk), dv=_ptr(dv),
+                          **({} if mine.atomic_dq else {"dq": _ptr(dq)}),
                           **_stride_values(("q", tq), ("k", tk), ("v", tv), ("dout", self.dout),
                                            *((name, as_device_tensor(x, name)) for name, x in
                                              (("dk", dk), ("dv", dv), ("dq", dq)) if x is not None)))
             maps = kernels._maps(tq, tk, tv, self.dout)
             for role in ("dkdv",) if mine.atomic_dq else ("dkdv", "dq"):
-                kernels._launch(role, values, kernels._grid(role, b, hq, hkv, nq, nk, self.n_pad, tq.device), maps)
+                launch = kernels._launch(role, values, kernels._grid(role, b, hq, hkv, nq, nk, self.n_pad, tq.device),
+                                         maps, slots=ADD_SLOTS if mine.atomic_dq else TMA_TENSORS)
+            if key is not None and launch is not None:
+                kernels.repeated_adds.keep(key, launch)
             if dq is not None:
                 self.dq_sum += dq
         return dk, dv
+
+    def _row_addresses(self) -> dict:
+        """The rows' buffers as an add's kernel reads them (this set's first row on), by parameter."""
+        delta, lse2, dq_sum = self._buffers
+        rows_at = 4 * self.row0  # bytes into D's and the LSE's rows
+        return dict(dout=self.dout.ptr, delta=delta + rows_at, lse2=lse2 + rows_at,
+                    dq_accum=dq_sum + rows_at * self.q.shape[3])
+
+    @cached_property
+    def _buffers(self) -> tuple[int, int, int]:
+        """D's, the LSE rows' and the dQ sum's addresses, read once (each of the ring's adds needs them)."""
+        return tuple(as_device_tensor(x, "buffer").ptr for x in (self.delta, self.lse2, self.dq_sum))
+
+    def _add_key(self, kernels: Backward, k, v, mask_offset: int, dk, dv) -> tuple | None:
+        """What an add's checks and packing read, as a dict key; None where its launch is not kept
+        (dK and dV not given, or no atomic dQ: the dQ kernel's own launch and sum)."""
+        if dk is None or dv is None or not self.backward.plan.atomic_dq:
+            return None
+        return (self.backward, self.q.device, self.q.shape, self.q.strides, self.dout.strides, self.n_pad, self.row0,
+                self.scale,
+                tensor_signature(k), tensor_signature(v), tensor_signature(dk), tensor_signature(dv), mask_offset,
+                threading.get_ident())
+
+    def _run_again(self, launch: Launch, k, v, dk, dv) -> bool:
+        """Launch an add's kept launch on these rows and this block; False (nothing launched) where
+        an address is off 16 bytes or the current device is not the rows' (the checked add says why)."""
+        torch = self.q.kind == "torch"
+        addresses = (self.q.ptr, *(x.data_ptr() if torch else x.data.ptr for x in (k, v)), self.dout.ptr,
+                     *(x.data_ptr() if torch else x.data.ptr for x in (dk, dv)))
+        if self.q.device != cupy.cuda.runtime.getDevice() or any(a % 16 for a in addresses):
+            return False
+        rows = self._row_addresses()
+        stream = torch_stream_handle()(self.q.device) if torch else None
+        launch(stream, *addresses, rows["delta"], rows["lse2"], rows["dq_accum"])
+        return True
 
     def dq(self):
         """dQ of the blocks added so far, in q's dtype and layout."""

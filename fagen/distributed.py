@@ -232,24 +232,43 @@ def _device_array(ref: DeviceTensor, values, dtype: str):
     return cupy.asarray(values, dtype=dtype)
 
 
-def _spec(ref: DeviceTensor, causal: bool, keys: int | None = None):
+def _spec(dtype: str, head_dim: int, causal: bool, keys: int | None = None):
     """The shipped forward for ref's dtype and head_dim; `keys` a launch's keys, for a long
     sequence's class as fagen.attention picks it (the zigzag's launches, the ring's own block:
     2 H200s, +4-17%). sequence_sharded's partials, the ring's full steps (no long class for
     them) and the backward keep the base class."""
-    return default_spec(ref.dtype, ref.shape[-1], causal, keys=keys)
+    return default_spec(dtype, head_dim, causal, keys=keys)
 
 
-def _fold_spec(ref: DeviceTensor, keys: int):
+def _fold_spec(dtype: str, head_dim: int, keys: int):
     """The ring's full steps (a block of rows against another rank's `keys` keys, every pair):
     from FOLD_LONG_KEYS keys, where the GPU has a long class (shipped for causal masks), that
     class's tiling without its mask, else the shipped full-mask spec. 4 H200s, in the ring, the
     arms' order alternated: at 128k (32k keys a step) the long tiling 3% faster a ring, at 32k (8k
     keys) the full-mask one 4% faster, at 2 GPUs 32k (16k keys) a tie (notes/perf.md)."""
-    long = _spec(ref, True, keys)
-    if keys < FOLD_LONG_KEYS or long == _spec(ref, True):  # short steps, or no long class here
-        return _spec(ref, False)
+    long = _spec(dtype, head_dim, True, keys)
+    if keys < FOLD_LONG_KEYS or long == _spec(dtype, head_dim, True):  # short steps, or no long class here
+        return _spec(dtype, head_dim, False)
     return variants.variant(long, Mask(kind="none"), ScoreMod())
+
+
+@cache
+def _ring_kernels(dtype: str, head_dim: int, causal: bool, rows: int, most: int, device: int) -> tuple:
+    """The ring forward's launches on `device`: its own block's (the diagonal, rows x rows: the
+    class fagen.attention would take for them) and a full step's (_fold_spec), looked up once a
+    shape (building and hashing specs is host time that a step's launch must not wait for)."""
+    with cupy.cuda.Device(device):
+        return (compile_kernel(variants.ring_start_variant(_spec(dtype, head_dim, causal, rows))),
+                compile_kernel(variants.accumulate_variant(_fold_spec(dtype, head_dim, most))))
+
+
+@cache
+def _ring_backward_kernels(dtype: str, head_dim: int, causal: bool, device: int) -> tuple:
+    """The ring backward's launches on `device`: its own block's mask's and a full step's
+    (both of the base class: one tiling, so that their dQ shares one sum), looked up once."""
+    with cupy.cuda.Device(device):
+        return (compile_backward(variants.trainable(_spec(dtype, head_dim, causal))),
+                compile_backward(variants.trainable(_spec(dtype, head_dim, False))))
 
 
 def batch_sharded(group, q, k, v, *, causal: bool = False):
@@ -262,8 +281,8 @@ def batch_sharded(group, q, k, v, *, causal: bool = False):
     with cupy.cuda.Device(ref.device), stream_for(ref):
         local = zeros_like(ref, (per,) + ref.shape[1:], ref.dtype)
         if hi > lo:
-            compile_kernel(_spec(ref, causal, as_device_tensor(k, "k").shape[2]))(q[lo:hi], k[lo:hi], v[lo:hi],
-                                                                                  out=local[: hi - lo])
+            kernel = compile_kernel(_spec(ref.dtype, ref.shape[-1], causal, as_device_tensor(k, "k").shape[2]))
+            kernel(q[lo:hi], k[lo:hi], v[lo:hi], out=local[: hi - lo])
         gathered = empty_like(ref, (group.world, per) + ref.shape[1:], ref.dtype)
         group.all_gather(local, gathered)  # padded shards
         out = empty_like(ref, ref.shape, ref.dtype)
@@ -285,7 +304,7 @@ def sequence_sharded(group, q, k_shard, v_shard, *, n_kv: int, causal: bool = Fa
     xp = _xp(ref)
     with cupy.cuda.Device(ref.device), stream_for(ref):
         if kv1 > kv0:
-            kernel = compile_kernel(variants.partial_variant(_spec(ref, causal)))
+            kernel = compile_kernel(variants.partial_variant(_spec(ref.dtype, ref.shape[-1], causal)))
             o_parts, lse_parts = kernel(q, k_shard, v_shard, splits=1,
                                         mask_offset=(n_kv - nq) - kv0 if causal else None)
             o, lse = o_parts[0], lse_parts[0]
@@ -325,7 +344,7 @@ def zigzag_attention(group, q_local, k, v, *, n: int, return_lse: bool = False):
     _check_rows(ref, rows, "q_local")
     if ref.shape[0] == 1:
         return _zigzag_one_launch(ref, q_local, k, v, rows, n, return_lse)
-    kernel = compile_kernel(_spec(ref, True, n))  # the later chunk's launch sees all n keys
+    kernel = compile_kernel(_spec(ref.dtype, ref.shape[-1], True, n))  # the later chunk's launch sees all n keys
     with cupy.cuda.Device(ref.device), stream_for(ref):
         out = empty_like(ref, ref.shape, ref.dtype)
         lse = empty_like(ref, ref.shape[:3], "float32") if return_lse else None
@@ -353,7 +372,7 @@ def _zigzag_one_launch(ref: DeviceTensor, q_local, k, v, rows, n: int, return_ls
     causal bottom right; the kernel walks both chunks' tiles, the heavier chunk's first."""
     lengths = [e - s for s, e in rows]
     total_k = as_device_tensor(k, "k").shape[2]
-    spec = variants.sequence_variant(_spec(ref, True, n), "varlen", "varlen", seqused_k=True)
+    spec = variants.sequence_variant(_spec(ref.dtype, ref.shape[-1], True, n), "varlen", "varlen", seqused_k=True)
     with cupy.cuda.Device(ref.device), stream_for(ref):
         cu_q, cu_k, used = _zigzag_sequences(tuple(rows), total_k, ref.device)
         out = empty_like(ref, ref.shape, ref.dtype)
@@ -382,7 +401,7 @@ def zigzag_attention_backward(group, dout_local, q_local, k, v, out_local, lse_l
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     rows = zigzag_rows(n, group.rank, group.world)
     _check_rows(ref, rows, "q_local")
-    kernels = compile_backward(variants.trainable(_spec(ref, True)))
+    kernels = compile_backward(variants.trainable(_spec(ref.dtype, ref.shape[-1], True)))
     tk = as_device_tensor(k, "k")
     with cupy.cuda.Device(ref.device), stream_for(ref):
         dq = empty_like(ref, ref.shape, ref.dtype)
@@ -422,13 +441,11 @@ def ring_attention(group, q_local, k_local, v_local, *, n: int, causal: bool = T
             raise ValueError(f"{name}: {t.dtype} {t.shape}; expected {ref.dtype} [{b}, Hkv, {rows}, {d}] "
                              f"(this rank's zigzag chunks, as q_local)")
     hkv = as_device_tensor(k_local, "k_local").shape[1]
-    # its own block, the diagonal: rows x rows, the class fagen.attention would take for them
-    first = compile_kernel(variants.ring_start_variant(_spec(ref, causal, rows)))
     # K/V travel in buffers sized for the largest pair of chunks (lengths need not divide
     # 2 * world); each rank's rows sit first, and the receiver slices by the sender's sizes
     most = _largest_pair(n, world)
     block = ring_link.Block((2, b, hkv, most, d), ref.dtype)
-    fold = compile_kernel(variants.accumulate_variant(_fold_spec(ref, most)))
+    first, fold = _ring_kernels(ref.dtype, d, causal, rows, most, ref.device)
     with cupy.cuda.Device(ref.device), stream_for(ref):
         # the running O and LSE: the first step writes them (its own block: every row sees a key)
         acc_o, acc_l = empty_like(ref, (b, h, rows, d), "float32"), empty_like(ref, (b, h, rows), "float32")
@@ -473,8 +490,7 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     b, h, rows, d = ref.shape
     _check_rows(ref, zigzag_rows(n, rank, world), "q_local")
     hkv = as_device_tensor(k_local, "k_local").shape[1]
-    first = compile_backward(variants.trainable(_spec(ref, causal)))
-    fold = compile_backward(variants.trainable(_spec(ref, False)))
+    first, fold = _ring_backward_kernels(ref.dtype, d, causal, ref.device)
     block = (2, b, hkv, _largest_pair(n, world), d)
     own_first, own_last = own_block_pieces(n, rank, world, causal)
     with cupy.cuda.Device(ref.device), stream_for(ref):

@@ -216,15 +216,11 @@ def call_signature(q, k, v, out, scale: float | None, return_lse: bool) -> tuple
             None if out is None else tensor_signature(out), scale, return_lse, threading.get_ident())
 
 
-class PlainCalls:
-    """A kernel's plain calls (no side inputs, splits, given LSE or moved diagonal) by their
-    `call_signature`: the first call of a signature is checked and packed, and leaves its Launch
-    here; a later one re-points that Launch at its tensors (re-encoding the tensor maps of new
-    addresses) and launches it: a few microseconds of host time where checking and packing take
-    tens. The checks read only the signature, apart from the addresses' 16-byte alignment and
-    the current device, which a call checks itself."""
+class KeptLaunches:
+    """Launches packed once, by a key of everything their checks and packing read, for calls that
+    come again with new addresses (at most LIMIT keys; then it starts over)."""
 
-    LIMIT = 64  # signatures a kernel keeps; a process with more starts over
+    LIMIT = 64
 
     def __init__(self):
         self._launches: dict[tuple, Launch] = {}
@@ -237,11 +233,34 @@ class PlainCalls:
             self._launches.clear()
         self._launches[key] = launch
 
-    @staticmethod
-    def run(launch: Launch, q, k, v, out, return_lse: bool):
-        """Launch `launch` on q, k, v (and out) of its signature: out and the LSE allocated on the
-        launch stream; None where an address is not 16-byte aligned or the current device is not
-        the tensors' (the checked call refuses those, with its message)."""
+
+class RepeatedCalls(KeptLaunches):
+    """A kernel's repeated calls by their `key`: the first call of a key is checked and packed, and
+    leaves its Launch here; a later one re-points that Launch at its tensors (re-encoding the
+    tensor maps of new addresses) and launches it: a few microseconds of host time where checking
+    and packing take tens (a ring step's launch: hundreds). The checks read only the key, apart
+    from the addresses' 16-byte alignment and the current device, which a call checks itself.
+
+    Repeatable: a plain kernel's calls with no side inputs, given LSE or splits; a split-KV or
+    accumulating kernel's (not merging) with its out and lse given, one split (a ring's steps)."""
+
+    def __init__(self, writes_given: bool):
+        super().__init__()
+        self.writes_given = writes_given  # partial or accumulating: out and lse are the caller's
+
+    def key(self, q, k, v, out, lse, scale: float | None, return_lse: bool, mask_offset: int | None,
+            splits: int | None) -> tuple | None:
+        """The call's key, or None where the call is not a repeatable one."""
+        if (out is None or lse is None or splits not in (None, 1)) if self.writes_given else \
+                (lse is not None or splits is not None):
+            return None
+        return (call_signature(q, k, v, out, scale, return_lse), None if lse is None else tensor_signature(lse),
+                mask_offset, splits)
+
+    def run(self, launch: Launch, q, k, v, out, lse, return_lse: bool):
+        """Launch `launch` on q, k, v (and out) of its key: a plain call's out (where not given) and
+        LSE allocated on the launch stream; None where an address is not 16-byte aligned or the
+        current device is not the tensors' (the checked call refuses those, with its message)."""
         if is_torch(q):
             device = q.get_device()
             if device != cupy.cuda.runtime.getDevice():
@@ -250,8 +269,9 @@ class PlainCalls:
             stream = torch_stream_handle()(device)
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
-            out = q.new_empty(q.shape) if out is None else out
-            lse = q.new_empty(q.shape[:3], dtype=_torch_float32())
+            if not self.writes_given:
+                out = q.new_empty(q.shape) if out is None else out
+                lse = q.new_empty(q.shape[:3], dtype=_torch_float32())
             launch(stream, *addresses[:3], out.data_ptr(), lse.data_ptr())
         else:
             if q.device.id != cupy.cuda.runtime.getDevice():
@@ -259,10 +279,11 @@ class PlainCalls:
             addresses = q.data.ptr, k.data.ptr, v.data.ptr, None if out is None else out.data.ptr
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
-            out = cupy.empty(q.shape, q.dtype) if out is None else out
-            lse = cupy.empty(q.shape[:3], cupy.float32)
+            if not self.writes_given:
+                out = cupy.empty(q.shape, q.dtype) if out is None else out
+                lse = cupy.empty(q.shape[:3], cupy.float32)
             launch(None, *addresses[:3], out.data.ptr, lse.data.ptr)
-        return (out, lse) if return_lse else out
+        return (out, lse) if return_lse or self.writes_given else out
 
 
 @cache
@@ -300,9 +321,9 @@ class Kernel:
         self.function = module.get_function(self.plan.symbol)
         if self.plan.smem_bytes > 48 * 1024:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes
-        outputs = spec.outputs
-        plain = not (outputs.partial or outputs.accumulate or outputs.merge_splits or self.takes_side_inputs)
-        self.plain_calls = PlainCalls() if plain else None  # a plain kernel's repeated calls skip the packing
+        outputs = spec.outputs  # repeated calls skip the checks and the packing (not a merging kernel's)
+        self.repeated_calls = (None if outputs.merge_splits or self.takes_side_inputs
+                               else RepeatedCalls(writes_given=outputs.partial or outputs.accumulate))
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.arch})"
@@ -380,12 +401,11 @@ class Kernel:
         partial into the running float32 `out` [B, Hq, Nq, d] and `lse` [B, Hq, Nq] it is given
         (a ring step) and returns them. mask_offset moves the diagonal (key of query 0's
         diagonal): shards of a sequence pass their positions through it."""
-        key = None
-        if self.plain_calls is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids,
-                                                                       splits, mask_offset, lse)):
-            key = call_signature(q, k, v, out, scale, return_lse)
-            launch = self.plain_calls.get(key)
-            result = None if launch is None else PlainCalls.run(launch, q, k, v, out, return_lse)
+        key, repeated = None, self.repeated_calls
+        if repeated is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids)):
+            key = repeated.key(q, k, v, out, lse, scale, return_lse, mask_offset, splits)
+            launch = None if key is None else repeated.get(key)
+            result = None if launch is None else repeated.run(launch, q, k, v, out, lse, return_lse)
             if result is not None:
                 return result
         partial, accumulate = self.spec.outputs.partial, self.spec.outputs.accumulate
@@ -461,8 +481,8 @@ class Kernel:
                 tl = as_device_tensor(lse, "lse")
             launch = self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras)
             launch(None)
-            if key is not None:  # checked and packed: the signature's later calls launch this
-                self.plain_calls.keep(key, launch)
+            if key is not None:  # checked and packed: the key's later calls launch this
+                repeated.keep(key, launch)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
         if accumulate:
             return running

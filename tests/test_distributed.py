@@ -543,16 +543,14 @@ def test_ring_full_steps_take_the_long_tiling_unmasked(dtype, monkeypatch):
     """Where a long class is shipped (H200, causal), the ring's full steps run its tiling with
     no mask from FOLD_LONG_KEYS keys on; below that, or where there is none, the full-mask spec."""
     from fagen import device, variants
-    from fagen.device import DeviceTensor
     from fagen.distributed import FOLD_LONG_KEYS, _fold_spec
 
     monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
-    ref = DeviceTensor(None, "torch", 0, (1, 16, 8192, 128), (0, 0, 128, 1), dtype, 0)
     long = variants.shipped_spec(dtype, 128, True, gpu="h200", keys=1 << 20)
     full = variants.shipped_spec(dtype, 128, False, gpu="h200")
     assert long.tiling != full.tiling  # the case this covers
-    spec = _fold_spec(ref, FOLD_LONG_KEYS)
+    spec = _fold_spec(dtype, 128, FOLD_LONG_KEYS)
     assert spec.mask.kind == "none" and spec.tiling == long.tiling
-    assert _fold_spec(ref, FOLD_LONG_KEYS - 1) == full
+    assert _fold_spec(dtype, 128, FOLD_LONG_KEYS - 1) == full
     monkeypatch.setattr(device, "gpu_slug", lambda: "a100")  # no long class shipped for it
-    assert _fold_spec(ref, 1 << 20) == variants.shipped_spec(dtype, 128, False, gpu="a100")
+    assert _fold_spec(dtype, 128, 1 << 20) == variants.shipped_spec(dtype, 128, False, gpu="a100")

@@ -1,13 +1,15 @@
-"""A kernel's repeated plain calls (fagen.runtime.PlainCalls) and fagen.attention's eager path
-without the op (fagen.torch_op), on the GPU: a call of a signature seen before launches the
+"""A kernel's repeated calls (fagen.runtime.RepeatedCalls: plain ones, and a ring step's
+accumulating and partial ones), a QueryRows.add of a key seen before, and fagen.attention's eager
+path without the op (fagen.torch_op), on the GPU: a call of a signature seen before launches the
 Launch packed for the first one, re-pointed at its own tensors (and, for TMA kernels, its tensor
 maps re-encoded). Fresh inputs per call, outputs poisoned with NaN, each against the float64
 oracle."""
 
+import numpy as np
 import pytest
 
 import fagen
-from fagen import oracle, runtime
+from fagen import oracle, runtime, variants
 from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +50,7 @@ def _watched(kernel, monkeypatch) -> _Packing:
     """`kernel` with no signature cached (earlier tests share it) and its packing counted."""
     packing = _Packing(kernel.launch)
     monkeypatch.setattr(kernel, "launch", packing)
-    monkeypatch.setattr(kernel, "plain_calls", runtime.PlainCalls())
+    monkeypatch.setattr(kernel, "repeated_calls", runtime.RepeatedCalls(kernel.repeated_calls.writes_given))
     return packing
 
 
@@ -123,3 +125,72 @@ def test_eager_no_grad_attention_matches_the_op(causal):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     tracked = fagen.attention(*leaves, causal=causal)
     assert tracked.grad_fn is not None and torch.equal(tracked.detach(), out)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_ring_steps_launches_are_packed_once(dtype, monkeypatch):
+    """A ring's steps, call after call: the diagonal block's partial written into the running O
+    and LSE (mask_offset given), other blocks folded in (two row slices of one signature). A
+    second round on fresh tensors packs nothing and gives its own inputs' attention; a moved
+    diagonal is a key of its own (packed, and right)."""
+    torch = pytest.importorskip("torch")
+    first = runtime.compile_kernel(variants.ring_start_variant(runtime.default_spec(dtype, 128, True)))
+    fold = runtime.compile_kernel(variants.accumulate_variant(runtime.default_spec(dtype, 128, False)))
+    packing = {"first": _watched(first, monkeypatch), "fold": _watched(fold, monkeypatch)}
+    nq, nk, s = 384, 1024, 640  # keys s.. hold the diagonal (bottom-right: query i sees keys ..i + 640)
+
+    def steps(offset: int):
+        q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, nq, nk, 128, seed=int(torch.randint(1 << 30, ())))
+        o = torch.full((1, 4, nq, 128), float("nan"), device="cuda")
+        lse = torch.full((1, 4, nq), float("nan"), device="cuda")
+        first(q, k[:, :, s:], v[:, :, s:], out=o[None], lse=lse[None], mask_offset=offset)
+        for rows in (slice(0, 192), slice(192, nq)):
+            got = fold(q[:, :, rows], k[:, :, :s], v[:, :, :s], out=o[:, :, rows], lse=lse[:, :, rows])
+            assert got[0].data_ptr() == o[:, :, rows].data_ptr()
+        seen = lambda b, h, i, j: (j < s) | (j <= i + s + offset)  # keys ..s through the fold  # noqa: E731
+        ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask_mod=seen, return_lse=True)
+        assert relative_error(to_numpy(o), ref) < OUT_TOLERANCE[dtype]
+        assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+
+    steps(0)
+    assert (packing["first"].calls, packing["fold"].calls) == (1, 1)
+    steps(0)
+    assert (packing["first"].calls, packing["fold"].calls) == (1, 1), "a ring step seen before was packed again"
+    steps(-64)  # the diagonal 64 keys further left: a new key for the first launch
+    assert (packing["first"].calls, packing["fold"].calls) == (2, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_query_rows_add_seen_before_is_launched_without_packing(dtype, monkeypatch):
+    """The ring backward's own block (QueryRows.head and .tail, as test_gpu_backward's ring
+    block) on fresh tensors twice: the second round's adds pack no Launch (new rows' buffers, a
+    new block and new dK/dV: every address re-pointed), and each round's gradients are its own
+    inputs' (against the float64 oracle)."""
+    torch = pytest.importorskip("torch")
+    from fagen.backward import compile_backward
+    from fagen.oracle import attention_backward
+
+    kernels = compile_backward(variants.trainable(runtime.default_spec(dtype, 128, True)))
+    if not kernels.plan.atomic_dq or not kernels.producer_threads:
+        pytest.skip("adds keep their launch where dQ is atomic and the dK/dV kernel is producer-fed (sm_90a)")
+    monkeypatch.setattr(kernels, "repeated_adds", runtime.KeptLaunches())
+    packed = []
+    launch = kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda role, *a, **kw: packed.append(role) or launch(role, *a, **kw))
+    for _ in range(2):
+        q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 320, 128, seed=int(torch.randint(1 << 30, ())))
+        dout = torch.randn_like(q)
+        out, lse = kernels.forward(q, k, v, return_lse=True)
+        rows = kernels.query_rows(dout, q, out, lse)
+        head, tail = rows.head(128), rows.tail(128)
+        first = [torch.full_like(k[:, :, :128], float("nan")) for _ in range(2)]
+        last = [torch.full_like(k, float("nan")) for _ in range(2)]
+        head.add(kernels, k[:, :, :128], v[:, :, :128], mask_offset=0, dk=first[0], dv=first[1])
+        tail.add(kernels, k, v, mask_offset=128, dk=last[0], dv=last[1])
+        for mine, theirs in zip(last, first):
+            mine[:, :, :128] += theirs
+        ref = attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=True)
+        for name, got in (("dq", rows.dq()), ("dk", last[0]), ("dv", last[1])):
+            err = relative_error(to_numpy(got).astype(np.float64), ref[name])
+            assert err < OUT_TOLERANCE[dtype], (name, err)
+    assert packed.count("dkdv") == 2, f"dK/dV launches packed: {packed.count('dkdv')} (2 keys, two rounds)"
