@@ -1,7 +1,7 @@
 """The multi-GPU scaling plot from scripts/multi_gpu.py's TIMING rows (bench/multi_gpu.jsonl):
 speed-up over the best one-GPU kernel of the same run against GPUs, per mode and length. Each
-point is the latest run that measured it (the code as it stands); where that run timed its arms
-in rounds, the bar spans the rounds.
+point is the latest H200 run that measured it (the code as it stands; rows of other GPUs carry a
+"gpu" field and are left out); where that run timed its arms in rounds, the bar spans the rounds.
 
 Run: python3 scripts/plot_multi_gpu.py bench/multi_gpu.jsonl docs/multi_gpu_scaling.png
 """
@@ -28,6 +28,8 @@ def series(rows):
     forward+backward, from the latest run at each point."""
     latest = {}
     for row in rows:
+        if row.get("gpu", "H200") != "H200":
+            continue
         key = (row["kind"], row["n"], row["world"])
         if key not in latest or _run_number(row) >= _run_number(latest[key]):
             latest[key] = row
