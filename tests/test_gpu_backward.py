@@ -421,10 +421,6 @@ def test_query_rows_head_and_tail_cover_a_ring_block(dtype, head_dim):
     the whole rows' sums: one dQ read out holds both launches; dK and dV are the two launches'
     shares added; against the float64 oracle. Off a whole tile there is no head; where dQ is not
     atomic (head_dim 256) neither view exists."""
-    import torch
-
-    from fagen.oracle import attention_backward
-
     kernels, (q, k, v, dout), rows = _causal_rows(dtype, head_dim, 320, 320)
     head, tail = rows.head(128), rows.tail(128)
     if not kernels.plan.atomic_dq:
@@ -433,13 +429,27 @@ def test_query_rows_head_and_tail_cover_a_ring_block(dtype, head_dim):
     assert rows.head(128 + 16) is None and head.head(64) is None
     with pytest.raises(ValueError, match="share the dQ sum"):
         head.dq()
+    ring_own_block(kernels, (q, k, v, dout), rows)
+
+
+def ring_own_block(kernels, inputs, rows) -> None:
+    """The ring backward's own block of 320 causal rows in two launches: the first 128 rows (the
+    head) against keys 0..127, the other 192 (the tail) against keys 0..319 with the diagonal at
+    their own rows (offset 128); dK and dV the two launches' shares added, dQ read out of the
+    whole rows' sum once; all three against the float64 oracle."""
+    import torch
+
+    from fagen.oracle import attention_backward
+
+    q, k, v, dout = inputs
     first = [torch.full_like(k[:, :, :128], float("nan")) for _ in range(2)]
     last = [torch.full_like(k, float("nan")) for _ in range(2)]
-    head.add(kernels, k[:, :, :128], v[:, :, :128], mask_offset=0, dk=first[0], dv=first[1])
-    tail.add(kernels, k, v, mask_offset=128, dk=last[0], dv=last[1])
+    rows.head(128).add(kernels, k[:, :, :128], v[:, :, :128], mask_offset=0, dk=first[0], dv=first[1])
+    rows.tail(128).add(kernels, k, v, mask_offset=128, dk=last[0], dv=last[1])
     for mine, theirs in zip(last, first):
         mine[:, :, :128] += theirs
     ref = attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=True)
+    dtype = str(q.dtype).removeprefix("torch.")
     for name, got in (("dq", rows.dq()), ("dk", last[0]), ("dv", last[1])):
         err = relative_error(to_numpy(got).astype(np.float64), ref[name])
         assert err < OUT_TOLERANCE[dtype], (name, err)

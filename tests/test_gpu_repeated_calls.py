@@ -162,13 +162,13 @@ def test_a_ring_steps_launches_are_packed_once(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_query_rows_add_seen_before_is_launched_without_packing(dtype, monkeypatch):
-    """The ring backward's own block (QueryRows.head and .tail, as test_gpu_backward's ring
-    block) on fresh tensors twice: the second round's adds pack no Launch (new rows' buffers, a
+    """The ring backward's own block (QueryRows.head and .tail: test_gpu_backward.ring_own_block)
+    on fresh tensors twice: the second round's adds pack no Launch (new rows' buffers, a
     new block and new dK/dV: every address re-pointed), and each round's gradients are its own
     inputs' (against the float64 oracle)."""
     torch = pytest.importorskip("torch")
     from fagen.backward import compile_backward
-    from fagen.oracle import attention_backward
+    from tests.test_gpu_backward import ring_own_block
 
     kernels = compile_backward(variants.trainable(runtime.default_spec(dtype, 128, True)))
     if not kernels.plan.atomic_dq or not kernels.producer_threads:
@@ -181,16 +181,5 @@ def test_a_query_rows_add_seen_before_is_launched_without_packing(dtype, monkeyp
         q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 320, 128, seed=int(torch.randint(1 << 30, ())))
         dout = torch.randn_like(q)
         out, lse = kernels.forward(q, k, v, return_lse=True)
-        rows = kernels.query_rows(dout, q, out, lse)
-        head, tail = rows.head(128), rows.tail(128)
-        first = [torch.full_like(k[:, :, :128], float("nan")) for _ in range(2)]
-        last = [torch.full_like(k, float("nan")) for _ in range(2)]
-        head.add(kernels, k[:, :, :128], v[:, :, :128], mask_offset=0, dk=first[0], dv=first[1])
-        tail.add(kernels, k, v, mask_offset=128, dk=last[0], dv=last[1])
-        for mine, theirs in zip(last, first):
-            mine[:, :, :128] += theirs
-        ref = attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=True)
-        for name, got in (("dq", rows.dq()), ("dk", last[0]), ("dv", last[1])):
-            err = relative_error(to_numpy(got).astype(np.float64), ref[name])
-            assert err < OUT_TOLERANCE[dtype], (name, err)
+        ring_own_block(kernels, (q, k, v, dout), kernels.query_rows(dout, q, out, lse))
     assert packed.count("dkdv") == 2, f"dK/dV launches packed: {packed.count('dkdv')} (2 keys, two rounds)"
