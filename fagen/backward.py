@@ -304,10 +304,9 @@ class QueryRows:
         (dK and dV not given, or no atomic dQ: the dQ kernel's own launch and sum)."""
         if dk is None or dv is None or not self.backward.plan.atomic_dq:
             return None
-        return (self.backward, self.q.device, self.q.shape, self.q.strides, self.dout.strides, self.n_pad, self.row0,
-                self.scale,
-                tensor_signature(k), tensor_signature(v), tensor_signature(dk), tensor_signature(dv), mask_offset,
-                threading.get_ident())
+        return (self.backward, tensor_signature(self.q.obj), tensor_signature(self.dout.obj), self.n_pad, self.row0,
+                self.scale, tensor_signature(k), tensor_signature(v), tensor_signature(dk), tensor_signature(dv),
+                mask_offset, threading.get_ident())
 
     def _run_again(self, launch: Launch, k, v, dk, dv) -> bool:
         """Launch an add's kept launch on these rows and this block; False (nothing launched) where

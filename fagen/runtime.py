@@ -241,8 +241,9 @@ class RepeatedCalls(KeptLaunches):
     and packing take tens (a ring step's launch: hundreds). The checks read only the key, apart
     from the addresses' 16-byte alignment and the current device, which a call checks itself.
 
-    Repeatable: a plain kernel's calls with no side inputs, given LSE or splits; a split-KV or
-    accumulating kernel's (not merging) with its out and lse given, one split (a ring's steps)."""
+    Repeatable: a plain kernel's calls with no side inputs, given LSE or splits (a moved diagonal
+    is part of the key); a split-KV or accumulating kernel's (not merging) with its out and lse
+    given, one split (a ring's steps)."""
 
     def __init__(self, writes_given: bool):
         super().__init__()

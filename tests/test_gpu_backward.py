@@ -432,11 +432,12 @@ def test_query_rows_head_and_tail_cover_a_ring_block(dtype, head_dim):
     ring_own_block(kernels, (q, k, v, dout), rows)
 
 
-def ring_own_block(kernels, inputs, rows) -> None:
+def ring_own_block(kernels, inputs, rows) -> list:
     """The ring backward's own block of 320 causal rows in two launches: the first 128 rows (the
     head) against keys 0..127, the other 192 (the tail) against keys 0..319 with the diagonal at
     their own rows (offset 128); dK and dV the two launches' shares added, dQ read out of the
-    whole rows' sum once; all three against the float64 oracle."""
+    whole rows' sum once; all three against the float64 oracle. Returns the dK and dV buffers
+    the launches wrote (head's, then the whole block's)."""
     import torch
 
     from fagen.oracle import attention_backward
@@ -453,3 +454,4 @@ def ring_own_block(kernels, inputs, rows) -> None:
     for name, got in (("dq", rows.dq()), ("dk", last[0]), ("dv", last[1])):
         err = relative_error(to_numpy(got).astype(np.float64), ref[name])
         assert err < OUT_TOLERANCE[dtype], (name, err)
+    return first + last

@@ -139,10 +139,14 @@ def test_a_ring_steps_launches_are_packed_once(dtype, monkeypatch):
     packing = {"first": _watched(first, monkeypatch), "fold": _watched(fold, monkeypatch)}
     nq, nk, s = 384, 1024, 640  # keys s.. hold the diagonal (bottom-right: query i sees keys ..i + 640)
 
+    held = []  # every round's tensors stay alive: a later round's lie elsewhere, so a stale address shows
+
     def steps(offset: int):
         q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, nq, nk, 128, seed=int(torch.randint(1 << 30, ())))
         o = torch.full((1, 4, nq, 128), float("nan"), device="cuda")
         lse = torch.full((1, 4, nq), float("nan"), device="cuda")
+        assert all(x.data_ptr() != y.data_ptr() for before in held for x, y in zip((q, k, v, o, lse), before))
+        held.append((q, k, v, o, lse))
         first(q, k[:, :, s:], v[:, :, s:], out=o[None], lse=lse[None], mask_offset=offset)
         for rows in (slice(0, 192), slice(192, nq)):
             got = fold(q[:, :, rows], k[:, :, :s], v[:, :, :s], out=o[:, :, rows], lse=lse[:, :, rows])
@@ -163,9 +167,9 @@ def test_a_ring_steps_launches_are_packed_once(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_query_rows_add_seen_before_is_launched_without_packing(dtype, monkeypatch):
     """The ring backward's own block (QueryRows.head and .tail: test_gpu_backward.ring_own_block)
-    on fresh tensors twice: the second round's adds pack no Launch (new rows' buffers, a
-    new block and new dK/dV: every address re-pointed), and each round's gradients are its own
-    inputs' (against the float64 oracle)."""
+    on fresh tensors twice, the first round's kept alive: the second round's adds pack no Launch
+    (new rows' buffers, a new block and new dK/dV: every address re-pointed), and each round's
+    gradients are its own inputs' (against the float64 oracle)."""
     torch = pytest.importorskip("torch")
     from fagen.backward import compile_backward
     from tests.test_gpu_backward import ring_own_block
@@ -177,9 +181,14 @@ def test_a_query_rows_add_seen_before_is_launched_without_packing(dtype, monkeyp
     packed = []
     launch = kernels._launch
     monkeypatch.setattr(kernels, "_launch", lambda role, *a, **kw: packed.append(role) or launch(role, *a, **kw))
+    held = []  # the first round's rows, inputs and dK/dV stay alive: the second's lie elsewhere
     for _ in range(2):
         q, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 320, 320, 128, seed=int(torch.randint(1 << 30, ())))
         dout = torch.randn_like(q)
         out, lse = kernels.forward(q, k, v, return_lse=True)
-        ring_own_block(kernels, (q, k, v, dout), kernels.query_rows(dout, q, out, lse))
+        rows = kernels.query_rows(dout, q, out, lse)
+        written = ring_own_block(kernels, (q, k, v, dout), rows)
+        addresses = [x.data_ptr() for x in (q, k, v, dout, *written)] + list(rows._buffers)
+        held.append((addresses, (q, k, v, dout, rows, written)))
+    assert not set(held[0][0]) & set(held[1][0]), "a buffer of the first round was reused: no address re-pointed there"
     assert packed.count("dkdv") == 2, f"dK/dV launches packed: {packed.count('dkdv')} (2 keys, two rounds)"
