@@ -252,8 +252,9 @@ class RepeatedCalls(KeptLaunches):
     def key(self, q, k, v, out, lse, scale: float | None, return_lse: bool, mask_offset: int | None,
             splits: int | None) -> tuple | None:
         """The call's key, or None where the call is not a repeatable one."""
-        if (out is None or lse is None or splits not in (None, 1)) if self.writes_given else \
-                (lse is not None or splits is not None):
+        repeatable = (out is not None and lse is not None and splits in (None, 1) if self.writes_given
+                      else lse is None and splits is None)
+        if not repeatable:
             return None
         return (call_signature(q, k, v, out, scale, return_lse), None if lse is None else tensor_signature(lse),
                 mask_offset, splits)

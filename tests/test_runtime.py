@@ -68,6 +68,27 @@ def test_launch_slots_hold_each_parameter_in_its_c_type():
     assert struct.unpack("<I", slots[4][:4])[0] == 2**31
 
 
+def test_repeated_calls_key_only_the_calls_a_kept_launch_can_serve():
+    """A plain kernel keys calls without a given LSE or splits; a split-KV or accumulating one
+    only calls that give their out and lse (what its launch writes) for one split. What the
+    checks read is in the key: another diagonal or layout is another key."""
+    from fagen.runtime import RepeatedCalls
+
+    q, k, v = (np.zeros(shape, np.float16) for shape in ((1, 4, 64, 32), (1, 2, 96, 32), (1, 2, 96, 32)))
+    out, lse = np.zeros((1, 4, 64, 32), np.float32), np.zeros((1, 4, 64), np.float32)
+    plain, given = RepeatedCalls(writes_given=False), RepeatedCalls(writes_given=True)
+    assert plain.key(q, k, v, None, None, None, False, None, None) is not None
+    assert plain.key(q, k, v, None, lse, None, False, None, None) is None
+    assert plain.key(q, k, v, None, None, None, False, None, 2) is None
+    assert given.key(q, k, v, None, lse, None, False, None, None) is None
+    assert given.key(q, k, v, out, lse, None, False, None, 2) is None
+    key = given.key(q, k, v, out, lse, None, False, 0, None)
+    assert key is not None and key == given.key(q.copy(), k, v, out, lse, None, False, 0, None)
+    assert key != given.key(q, k, v, out, lse, None, False, -64, None)
+    assert key != given.key(np.zeros((1, 64, 4, 32), np.float16).transpose(0, 2, 1, 3), k, v, out, lse, None, False,
+                            0, None)
+
+
 def test_launch_repoints_its_slots_and_launches_once(monkeypatch):
     """A call stores the addresses in the slots named at packing (one struct store when they are
     the first parameters, as the forward's q, k, v, o, lse are) and makes one driver launch."""
