@@ -32,7 +32,7 @@ from fagen import ring_link, sequences, variants
 from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
-from fagen.render import GRADIENT_ADD_THREADS, gradient_add_name
+from fagen.render import GRADIENT_SUM_THREADS, gradient_sum_name
 from fagen.runtime import compile_kernel, default_spec, shared_function
 from fagen.spec import Mask, ScoreMod
 
@@ -177,6 +177,20 @@ def own_block_pieces(n: int, rank: int, world: int, causal: bool = True) -> tupl
     rows = first + second
     return (RingStep(rank, (0, first), (0, first if causal else rows), causal),
             RingStep(rank, (first, rows), (0, rows), causal))
+
+
+def share_rows(n: int, rank: int, world: int, causal: bool = True) -> tuple[int, ...]:
+    """The rows of rank's K/V block that each dK/dV share summed at its home holds (every launch
+    on a block covers its rows 0 .. k1): the own block's two pieces (own_block_pieces), then the
+    bundle that came home, whose position j is rank (rank + 1 + j)'s share, written at its step
+    j + 1 (the ranks the block visits, in the order it visits them). 0 for an empty launch."""
+    check_rank(rank, world)
+    rows = [0 if piece.empty else piece.kv[1] for piece in own_block_pieces(n, rank, world, causal)]
+    for j in range(world - 1):
+        step = ring_schedule(n, (rank + 1 + j) % world, world, causal)[j + 1]
+        assert step.source == rank and step.kv[0] == 0
+        rows.append(0 if step.empty else step.kv[1])
+    return tuple(rows)
 
 
 def ring_step_work(n: int, world: int, causal: bool = True) -> list[list[int]]:
@@ -477,14 +491,16 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     """The gradients through ring attention: dq, dk, dv of this rank's zigzag rows (laid out as
     q_local, k_local, v_local), from ring_attention's out and LSE (return_lse=True) and dout.
 
-    The K/V blocks travel the ring again, now with float32 dK and dV beside them: at each step
-    this rank runs the block's dK/dV kernel on ring_schedule's launch (the rows' final LSE makes
-    each block's softmax the whole sequence's), its dQ summed across the steps in float32
-    (backward.QueryRows: D and LSE rows once a call), and adds the block's dK and dV into the
-    travelling ones in one launch. K/V's transfer runs under the step's compute; dK/dV's, under
-    the next step's. The own block goes in two launches (own_block_pieces): its first chunk's
-    rows start the sums, its second chunk's run while the sums make their last hop home, which
-    they then join, cast to q's dtype. `transport` as ring_attention's."""
+    The K/V blocks travel the ring again. At each step this rank runs the block's dK/dV kernel on
+    ring_schedule's launch (the rows' final LSE makes each block's softmax the whole
+    sequence's), its dQ summed across the steps in float32 (backward.QueryRows: D and LSE rows
+    once a call). The block's dK and dV shares (q's dtype, as the kernel writes them) travel the
+    ring behind it as a bundle, one share a rank the block visited, every hop on the copy engines
+    with no SM work; at home the bundle and the own block's two pieces (own_block_pieces: the
+    first chunk's rows at step 0, the second's while the bundle makes its last hop) are summed
+    once in float32 (share_rows says which rows each share holds) and rounded once into dk and
+    dv. K/V's transfer runs under the step's compute; the bundle's, under the next step's.
+    `transport` as ring_attention's."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
@@ -506,43 +522,35 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
                     lse_local if whole else _contiguous(lse_local[:, :, q0:q1]))
             return query_rows[(q0, q1)]
 
-        def own(piece: RingStep) -> None:  # an own-block launch, its dK and dV into the share's rows 0 ..
+        def launch(piece: RingStep, kernel, k, v, share) -> None:  # its dK and dV into the share's rows 0 ..
             (q0, q1), (k0, k1) = piece.q, piece.kv
             if not piece.empty:
-                rows_of(q0, q1).add(first if piece.causal else fold, k_local[:, :, :k1], v_local[:, :, :k1],
-                                    mask_offset=q0 - k0, dk=share[0, :, :, :k1], dv=share[1, :, :, :k1])
+                rows_of(q0, q1).add(kernel, k[:, :, :k1], v[:, :, :k1], mask_offset=q0 - k0 if piece.causal else 0,
+                                    dk=share[0, :, :, :k1], dv=share[1, :, :, :k1])
 
-        held_kv, held_dkv = None, empty_like(ref, block, "float32")
-        share = empty_like(ref, block, ref.dtype)  # a step's dK and dV, as its kernel writes them
+        own = empty_like(ref, (2, *block), ref.dtype)  # the own block's two pieces' shares
+        # a step's share, two steps' alternating: a share is read by its hop (send_bundle) while
+        # the next step writes the other one
+        shares = empty_like(ref, (2, *block), ref.dtype)
         if world > 1:
             kv = ring_link.link(group, "kv", ref, ring_link.Block(block, ref.dtype), transport)
-            dkv = ring_link.link(group, "dkv", ref, ring_link.Block(block, "float32"), transport)
-        pending = None  # the dK/dV transfer still on its way
+            dkv = ring_link.link(group, "dkv", ref, ring_link.Block((world - 1, *block), ref.dtype), transport)
+        held_kv, pending = None, None  # pending: the bundle on its way from the previous rank
         for i, step in enumerate(ring_schedule(n, rank, world, causal)):
             kv_arrived = None
             if i + 1 < world:
                 kv_arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held_kv, as_received=True)
-            (q0, q1), (k0, k1) = step.q, step.kv
-            assert k0 == 0  # a block's rows start with its first chunk: a step's share is rows 0 .. k1
+            assert step.kv[0] == 0  # a block's rows start with its first chunk: a step's share is rows 0 .. k1
             if i == 0:
-                own(own_first)
-                k1 = 0 if own_first.empty else own_first.kv[1]
-            elif not step.empty:
-                rows_of(q0, q1).add(fold, held_kv[0, :, :, :k1], held_kv[1, :, :, :k1], dk=share[0, :, :, :k1],
-                                    dv=share[1, :, :, :k1])
-            if pending is not None:  # the block's dK/dV so far, from the previous rank
-                held_dkv = pending()
-            # the sums start at the first step, over the whole block, and take a step's share
-            # (its block's rows 0 .. k1) at each later one
-            if i == 0 or not step.empty:
-                _add_gradients(None if i == 0 else held_dkv, held_dkv, share, None, 0 if step.empty else k1,
-                               block[3] if i == 0 else k1)
-            pending = dkv.send(held_dkv) if world > 1 else (lambda held=held_dkv: held)  # the last goes home
+                launch(own_first, first if own_first.causal else fold, k_local, v_local, own[0])
+            else:
+                launch(step, fold, held_kv[0], held_kv[1], shares[i % 2])
+                bundle = None if pending is None else pending()  # the block's shares so far
+                pending = dkv.send_bundle(bundle, shares[i % 2], i - 1)
             if kv_arrived is not None:
                 held_kv = kv_arrived()
-        # while the sums of this rank's block come home: the own block's second chunk, and dQ
-        share_rows = 0 if own_last.empty else own_last.kv[1]
-        own(own_last)
+        # while the bundle of this rank's block comes home: the own block's second chunk, and dQ
+        launch(own_last, first if own_last.causal else fold, k_local, v_local, own[1])
         if rows == 0:  # chunks of fewer than 2 * world positions may hold nothing
             dq = empty_like(ref, ref.shape, ref.dtype)
         else:
@@ -550,35 +558,51 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
         for (q0, q1), part in query_rows.items():  # a chunk off a tile of all the rows: its dQ rounded twice
             if (q0, q1) != (0, rows) and part.owner is None:
                 dq[:, :, q0:q1] += part.dq()
-        home = pending()
-        if rows:
-            _add_gradients(home, home, share, share, share_rows, rows)  # home in q's dtype, in the share
+        home = None if pending is None else pending()
         dk, dv = (empty_like(ref, (b, hkv, rows, d), ref.dtype) for _ in range(2))
-        dk[...] = share[0, :, :, :rows]
-        dv[...] = share[1, :, :, :rows]
+        if rows:
+            _sum_gradients(own, home, share_counts(n, rank, world, causal, d, ref.device), dk, dv)
         if world > 1:
             kv.finish()
             dkv.finish()
         return dq, dk, dv
 
 
-def _add_gradients(sum_in, sum_out, share, cast_out, share_rows: int, rows: int) -> None:
-    """A ring step's share (q's dtype, its first share_rows rows of each [2, B, Hkv] plane) added
-    into the float32 sums, over the first `rows` rows: sum_in None, the sums start from it;
-    cast_out given, they leave there in q's dtype (it may be the share). [2, B, Hkv, rows_max,
-    d] blocks of one layout, contiguous; one launch on CuPy's current stream."""
-    t_out, t_share = as_device_tensor(sum_out, "sum_out"), as_device_tensor(share, "share")
-    _, b, hkv, most, d = t_out.shape
-    if not (t_out.shape == t_share.shape and t_out.strides == t_share.strides == (b * hkv * most * d, hkv * most * d,
-                                                                                  most * d, d, 1)):
-        raise ValueError(f"gradient blocks {t_out.shape} {t_out.strides} and {t_share.shape} {t_share.strides}: "
-                         f"expected both contiguous [2, B, Hkv, rows, d]")
-    threads, count = GRADIENT_ADD_THREADS, rows * d
-    pointer = (lambda x: np.uint64(0 if x is None else as_device_tensor(x, "block").ptr))
-    shared_function(gradient_add_name(t_share.dtype), t_out.device)(
+@cache
+def share_counts(n: int, rank: int, world: int, causal: bool, head_dim: int, device: int):
+    """share_rows as the gradient sum reads it: elements a plane, int32 on `device`, made once."""
+    with cupy.cuda.Device(device):
+        return cupy.asarray([r * head_dim for r in share_rows(n, rank, world, causal)], dtype=np.int32)
+
+
+def _sum_gradients(own, bundle, counts, dk, dv) -> None:
+    """dk and dv ([B, Hkv, rows, d] each, contiguous, q's dtype) = the sum in float32 of the own
+    block's pieces (`own`, [2, 2, B, Hkv, rows_max, d]) and the bundle's shares ([world - 1, 2,
+    B, Hkv, rows_max, d], or None), each share over the first counts[s] elements of a plane
+    (share_counts). One launch on CuPy's current stream."""
+    t_own, t_dk, t_dv = (as_device_tensor(x, name) for x, name in ((own, "own"), (dk, "dk"), (dv, "dv")))
+    shares, _, b, hkv, most, d = t_own.shape
+    t_bundle = None if bundle is None else as_device_tensor(bundle, "bundle")
+    rows = t_dk.shape[2]
+    for t in (t_own, t_bundle):
+        if t is not None and (t.shape[1:] != t_own.shape[1:] or t.strides != _contiguous_strides(t.shape)):
+            raise ValueError(f"gradient shares {t.shape} {t.strides}: expected contiguous [shares, 2, B, Hkv, rows, d] "
+                             f"blocks of one layout")
+    for t in (t_dk, t_dv):
+        if t.shape != (b, hkv, rows, d) or t.strides != _contiguous_strides(t.shape) or t.dtype != t_own.dtype:
+            raise ValueError(f"gradient out {t.shape} {t.strides} {t.dtype}: expected contiguous {t_own.dtype} "
+                             f"[{b}, {hkv}, {rows}, {d}]")
+    threads, count = GRADIENT_SUM_THREADS, rows * d
+    shared_function(gradient_sum_name(t_own.dtype), t_own.device)(
         (-(-count // (8 * threads)), 2 * b * hkv), (threads,),
-        (pointer(sum_in), pointer(sum_out), pointer(cast_out), np.uint64(t_share.ptr), np.int64(most * d),
-         np.int64(count), np.int64(share_rows * d)))
+        (np.uint64(t_own.ptr), np.int32(shares), np.uint64(0 if t_bundle is None else t_bundle.ptr),
+         np.int32(0 if t_bundle is None else t_bundle.shape[0]), np.int64(2 * b * hkv * most * d),
+         np.uint64(counts.data.ptr), np.int64(most * d), np.int64(count), np.int32(b * hkv),
+         np.uint64(t_dk.ptr), np.uint64(t_dv.ptr)))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
 
 
 def _contiguous(x):

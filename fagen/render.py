@@ -29,8 +29,9 @@ DOCUMENT_BOUNDS_THREADS = 256
 SEQUENCE_TILES_TEMPLATE = "kernel/sequence_tiles.cu.j2"
 SEQUENCE_TILES = "sequence_tiles_kernel"
 SEQUENCE_TILES_THREADS = 256
-GRADIENT_ADD_TEMPLATE = "kernel/gradient_add.cu.j2"
-GRADIENT_ADD_THREADS = 256
+GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
+GRADIENT_SUM_THREADS = 256
+GRADIENT_SUM_BATCH = 8  # shares whose loads a thread issues at once: the own block's 2 and a ring of 7 more
 SEQUENCE_TILES_COUNTS = 4096  # a tile table orders sequences of up to 4095 tiles by length (262080 rows of 64-row tiles)
 BACKWARD_TEMPLATE = "kernel/backward.cu.j2"
 
@@ -128,15 +129,15 @@ def render_sequence_tiles() -> str:
         counts_per_thread=SEQUENCE_TILES_COUNTS // SEQUENCE_TILES_THREADS)
 
 
-def gradient_add_name(dtype: str) -> str:
-    return f"gradient_add_{dtype}"
+def gradient_sum_name(dtype: str) -> str:
+    return f"gradient_sum_{dtype}"
 
 
-def render_gradient_add(dtype: str) -> str:
-    """The kernel adding a ring step's dK and dV (`dtype`) into the travelling float32 ones."""
-    return environment().get_template(GRADIENT_ADD_TEMPLATE).render(
-        version=__version__, name=gradient_add_name(dtype), dtype=dtype, ptx_type=PTX_TYPE[dtype],
-        threads=GRADIENT_ADD_THREADS)
+def render_gradient_sum(dtype: str) -> str:
+    """The kernel summing a ring block's dK and dV shares (`dtype`) at home, in float32."""
+    return environment().get_template(GRADIENT_SUM_TEMPLATE).render(
+        version=__version__, name=gradient_sum_name(dtype), dtype=dtype, ptx_type=PTX_TYPE[dtype],
+        threads=GRADIENT_SUM_THREADS, share_batch=GRADIENT_SUM_BATCH)
 
 
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
@@ -158,10 +159,10 @@ def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> d
 
 
 def shared_kernels() -> dict[str, str]:
-    """The kernels no one spec owns, by file name: the split-KV merges, the ring's gradient adds,
+    """The kernels no one spec owns, by file name: the split-KV merges, the ring's gradient sums,
     the document bounds and the varlen tile table."""
     return {**{f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES},
-            **{f"{gradient_add_name(dtype)}.cu": render_gradient_add(dtype) for dtype in PTX_TYPE},
+            **{f"{gradient_sum_name(dtype)}.cu": render_gradient_sum(dtype) for dtype in PTX_TYPE},
             f"{DOCUMENT_BOUNDS}.cu": render_document_bounds(), f"{SEQUENCE_TILES}.cu": render_sequence_tiles()}
 
 

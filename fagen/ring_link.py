@@ -266,6 +266,26 @@ class CopyEngineLink:
         self.reading.append(held)  # the caller's memory (or a slot's view, kept anyway)
         return self._send([whole], as_received)
 
+    def send_bundle(self, held, share, position: int):
+        """Start sending a bundle of shares on (the ring backward's dK/dV, travelling home):
+        `held`'s first `position` shares (the bundle this link delivered last, unchanged since;
+        None at position 0) and `share` after them, each share one [2, B, Hkv, rows, d] block,
+        both copied straight from where they are. Returns `send`'s function; once it has
+        returned, the stream's later work may write `share` again (the copy has read it)."""
+        size = self.block.nbytes // self.block.shape[0]
+        copies = [Copy(_ptr(share), position * size, size, 1, size, size)]
+        if position:
+            copies.insert(0, Copy(_ptr(held), 0, position * size, 1, position * size, position * size))
+        self.reading.append(share)
+        arrived = self._send(copies, False)
+        copied = self.slots.stream.record()
+
+        def arrived_and_copied():
+            cupy.cuda.get_current_stream().wait_event(copied)
+            return arrived()
+
+        return arrived_and_copied
+
     def send_own(self, k, v):
         """The first hop of a ring: this rank's K and V ([B, Hkv, rows, d], contiguous) laid
         out as a block's [2, B, Hkv, rows_max, d] straight from where they are (no staging
@@ -333,6 +353,14 @@ class NcclLink:
 
     def send_own(self, k, v):
         return _staged(self, k, v)
+
+    def send_bundle(self, held, share, position: int):
+        """CopyEngineLink.send_bundle's bundle, staged whole (the rest of it unused) and sent."""
+        bundle = empty_like(self.ref, self.block.shape, self.block.dtype)
+        if position:
+            bundle[:position] = held[:position]
+        bundle[position] = share
+        return self.send(bundle)
 
     def send(self, held, *, as_received: bool = False):
         into = self.spare

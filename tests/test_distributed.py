@@ -20,6 +20,7 @@ from fagen.distributed import (
     reshuffle,
     ring_schedule,
     ring_step_work,
+    share_rows,
     shard_bounds,
     work_per_rank,
     zigzag_chunks,
@@ -370,9 +371,11 @@ def block_gradients(q, k, v, dout, lse, delta, keep, scale):
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_backward(world, n, causal):
     """ring_attention_backward replayed in lockstep: each rank's launches (ring_schedule, its own
-    block in own_block_pieces' two) with its rows' final LSE, dQ added into its rows, dK/dV into
-    the accumulator travelling with the block; after `world` hops (one a step) every accumulator
-    is home, takes its own block's second launch there, and equals the oracle's."""
+    block in own_block_pieces' two) with its rows' final LSE, dQ added into its rows, each
+    launch's dK/dV share written into the rows 0 .. k1 of a block of garbage (NaN), shares
+    travelling behind their block as a bundle, one position a rank; after `world` steps every
+    bundle is home, and the sum of the own pieces and the bundle over share_rows' rows equals
+    the oracle's."""
     rng = np.random.default_rng()
     q, k, v = qkv(n, n, rng)
     dout = rand(B, H, n, D, rng=rng)
@@ -384,13 +387,16 @@ def test_ring_attention_backward(world, n, causal):
                  (("q", q), ("k", k), ("v", v), ("dout", dout))} | {"lse": local_rows(lse[..., None], n, r, world)[..., 0],
                                                                    "delta": local_rows(delta[..., None], n, r, world)[..., 0]}
              for r in range(world)}
+    most = max(local[r]["k"].shape[2] for r in range(world))
     dq = {r: np.zeros_like(local[r]["q"]) for r in range(world)}
-    travelling = {r: (r, np.zeros_like(local[r]["k"]), np.zeros_like(local[r]["v"])) for r in range(world)}
 
-    def launch(r, step, block, dk, dv):
+    def launch(r, step, block):
+        """The launch's share: dK and dV of `block`'s rows, NaN past the rows it covers."""
+        share = np.full((2, B, H, most, D), np.nan)
         if step.empty:
-            return
+            return share
         (q0, q1), (k0, k1) = step.q, step.kv
+        assert k0 == 0
         mine, theirs = local[r], local[block]
         # a causal launch's diagonal at local row = local key
         keep = (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] if step.causal
@@ -399,30 +405,40 @@ def test_ring_attention_backward(world, n, causal):
                                         mine["dout"][:, :, q0:q1], mine["lse"][:, :, q0:q1],
                                         mine["delta"][:, :, q0:q1], keep, scale)
         dq[r][:, :, q0:q1] += g_q
-        dk[:, :, k0:k1] += g_k
-        dv[:, :, k0:k1] += g_v
+        share[0, :, :, :k1], share[1, :, :, :k1] = g_k, g_v
+        return share
 
+    own = {r: [] for r in range(world)}
+    bundles = {r: None for r in range(world)}  # the bundle rank r holds, and whose block it is
     for i in range(world):
+        sent = {}
         for r in range(world):
             step = ring_schedule(n, r, world, causal)[i]
-            block, dk, dv = travelling[r]
-            assert block == step.source == (r - i) % world
+            assert step.source == (r - i) % world
             if i == 0:
-                own, _ = own_block_pieces(n, r, world, causal)
-                assert own.source == r and own.q[0] == 0 == own.kv[0]
-                launch(r, own, block, dk, dv)
-            else:
-                launch(r, step, block, dk, dv)
-        travelling = {(r + 1) % world: travelling[r] for r in range(world)}  # one hop a step
+                first, _ = own_block_pieces(n, r, world, causal)
+                assert first.source == r and first.q[0] == 0 == first.kv[0]
+                own[r].append(launch(r, first, r))
+                continue
+            held = bundles[r]
+            assert held is None if i == 1 else (held[0] == step.source and len(held[1]) == i - 1)
+            sent[(r + 1) % world] = (step.source, (held[1] if held else []) + [launch(r, step, step.source)])
+        bundles = sent if i else bundles  # one hop a step
     for r in range(world):
-        block, dk, dv = travelling[r]
-        assert block == r  # home
         first, last = own_block_pieces(n, r, world, causal)
         assert last.q == (first.q[1], local[r]["q"].shape[2]) and last.kv[0] == 0
-        launch(r, last, r, dk, dv)
+        own[r].append(launch(r, last, r))
+        home = bundles[r] if world > 1 else (r, [])
+        assert home[0] == r and len(home[1]) == world - 1
+        counts = share_rows(n, r, world, causal)
+        rows = local[r]["k"].shape[2]
+        total = np.zeros((2, B, H, rows, D))
+        for share, count in zip(own[r] + home[1], counts, strict=True):
+            assert not np.isnan(share[:, :, :, :count]).any()  # the rows it covers, it wrote
+            total[:, :, :, :count] += share[:, :, :, :count]
         close(dq[r], local_rows(want["dq"], n, r, world), atol=1e-10)
-        close(dk, local_rows(want["dk"], n, r, world), atol=1e-10)
-        close(dv, local_rows(want["dv"], n, r, world), atol=1e-10)
+        close(total[0], local_rows(want["dk"], n, r, world), atol=1e-10)
+        close(total[1], local_rows(want["dv"], n, r, world), atol=1e-10)
 
 
 @pytest.mark.parametrize("world", RINGS)

@@ -455,3 +455,40 @@ def ring_own_block(kernels, inputs, rows) -> list:
         err = relative_error(to_numpy(got).astype(np.float64), ref[name])
         assert err < OUT_TOLERANCE[dtype], (name, err)
     return first + last
+
+
+@pytest.mark.parametrize("framework, dtype", [("torch", "float16"), ("torch", "bfloat16"), ("cupy", "float16")])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_gradient_sum_against_float64(framework, dtype, world):
+    """The ring backward's gradient sum at home (distributed._sum_gradients): the own block's two
+    shares and a bundle of world - 1, each written only over its first rows (NaN past them, as a
+    launch leaves a share), summed over share_counts' rows into NaN-poisoned dk and dv of fewer
+    rows than the blocks hold; against the float64 sum of the same rows."""
+    import cupy
+
+    from fagen.distributed import _sum_gradients
+
+    rng = np.random.default_rng()
+    b, hkv, most, rows, d = 2, 3, 200, 193, 64
+    counts = [int(c) for c in rng.integers(0, rows + 1, world + 1)]
+    counts[0] = rows  # the own block's first piece: every row (a causal block's diagonal)
+    values = rng.standard_normal((world + 1, 2, b, hkv, most, d))
+    for s, c in enumerate(counts):
+        values[s, :, :, :, c:] = np.nan
+
+    def device(x):  # CuPy has no bfloat16: torch takes it
+        if framework == "cupy":
+            return cupy.asarray(x, dtype=dtype)
+        import torch
+
+        return torch.as_tensor(x, device="cuda").to(getattr(torch, dtype))
+
+    own, bundle = device(values[:2]), device(values[2:]) if world > 1 else None
+    dk, dv = device(np.full((b, hkv, rows, d), np.nan)), device(np.full((b, hkv, rows, d), np.nan))
+    _sum_gradients(own, bundle, cupy.asarray(np.array(counts, np.int32) * d), dk, dv)
+    # the shares as stored (rounded to dtype), summed in float64 over the rows each holds
+    stored = np.concatenate([to_numpy(x).astype(np.float64) for x in (own, bundle) if x is not None])
+    ref = sum(np.where(np.arange(most)[:, None] < c, stored[s], 0.0) for s, c in enumerate(counts))[:, :, :, :rows]
+    for name, got, plane in (("dk", dk, 0), ("dv", dv, 1)):
+        err = relative_error(to_numpy(got).astype(np.float64), ref[plane])
+        assert err < OUT_TOLERANCE[dtype], (name, err)

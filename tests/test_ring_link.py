@@ -97,20 +97,23 @@ def forward_call(kv, world):
 
 
 def backward_call(kv, dkv, world):
-    """ring_attention_backward's order of link calls on one rank: the sums' last hop home is one
-    more send on the dK/dV link, awaited after the own block's second launch."""
+    """ring_attention_backward's order of link calls on one rank: from step 1 the dK/dV bundle
+    so far arrives (after the step's kernel) and leaves with the step's share (send_bundle: after
+    main's work); the bundle of the rank's own block comes home after the own block's second
+    launch, and the gradient sum reads it."""
     pending = None
     for i in range(world):
         kv_arrived = kv.send(as_received=i > 0) if i + 1 < world else None
         kv.use()  # the step's dK/dV kernel reads K/V
-        if pending is not None:
-            dkv.arrived(pending)
-        dkv.use()  # += the step's dK/dV
-        pending = dkv.send(as_received=False)  # the last one goes home
+        if i > 0:
+            if pending is not None:
+                dkv.arrived(pending)
+            pending = dkv.send(as_received=False)  # the bundle so far and the step's share
         if kv_arrived is not None:
             kv.arrived(kv_arrived)
-    dkv.arrived(pending)
-    dkv.use()  # + the own block's second launch, cast into dk, dv
+    if pending is not None:
+        dkv.arrived(pending)
+        dkv.use()  # the gradient sum reads the bundle home
     kv.finish()
     dkv.finish()
 
