@@ -24,7 +24,7 @@ or pass a torch.distributed ProcessGroup.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 
@@ -169,9 +169,9 @@ def ring_schedule(n: int, rank: int, world: int, causal: bool = True) -> list[Ri
 
 def own_block_pieces(n: int, rank: int, world: int, causal: bool = True) -> tuple[RingStep, RingStep]:
     """The backward's own block (ring_schedule's step 0) in two launches: the first chunk's rows
-    first, while the first block arrives; the second chunk's rows last, while the block's dK/dV
-    sums make their last hop home, which then has compute to hide under (the sums start at
-    step 0 and are complete only when they are home). Local positions: a causal piece's
+    first, while the first block arrives; the second chunk's rows last, while the bundle of the
+    block's dK/dV shares makes its last hop home, which then has compute to hide under (the
+    bundle is complete only when it is home). Local positions: a causal piece's
     diagonal is at local row = local key, its rows start at q0 and its keys at 0."""
     first, second = (e - s for s, e in zigzag_rows(n, rank, world))
     rows = first + second
@@ -499,8 +499,11 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
     with no SM work; at home the bundle and the own block's two pieces (own_block_pieces: the
     first chunk's rows at step 0, the second's while the bundle makes its last hop) are summed
     once in float32 (share_rows says which rows each share holds) and rounded once into dk and
-    dv. K/V's transfer runs under the step's compute; the bundle's, under the next step's.
-    `transport` as ring_attention's."""
+    dv. K/V's transfer runs under the step's compute; the bundle's, under the next step's. The
+    bundle grows a share a hop (world (world - 1) / 2 shares copied a call, against 2 (world - 1)
+    for float32 sums): at 4 GPUs its last hop, 3 shares, hides under the own block's second
+    launch; at 8 (7 shares against a launch of a quarter the rows) it may not. `transport` as
+    ring_attention's."""
     group, ref = as_group(group), as_device_tensor(q_local, "q_local")
     world, rank = group.world, group.rank
     b, h, rows, d = ref.shape
@@ -522,7 +525,7 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
                     lse_local if whole else _contiguous(lse_local[:, :, q0:q1]))
             return query_rows[(q0, q1)]
 
-        def launch(piece: RingStep, kernel, k, v, share) -> None:  # its dK and dV into the share's rows 0 ..
+        def add_share(piece: RingStep, kernel, k, v, share) -> None:  # its dK and dV into the share's rows 0 ..
             (q0, q1), (k0, k1) = piece.q, piece.kv
             if not piece.empty:
                 rows_of(q0, q1).add(kernel, k[:, :, :k1], v[:, :, :k1], mask_offset=q0 - k0 if piece.causal else 0,
@@ -542,15 +545,15 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
                 kv_arrived = kv.send_own(k_local, v_local) if i == 0 else kv.send(held_kv, as_received=True)
             assert step.kv[0] == 0  # a block's rows start with its first chunk: a step's share is rows 0 .. k1
             if i == 0:
-                launch(own_first, first if own_first.causal else fold, k_local, v_local, own[0])
+                add_share(own_first, first if own_first.causal else fold, k_local, v_local, own[0])
             else:
-                launch(step, fold, held_kv[0], held_kv[1], shares[i % 2])
+                add_share(step, fold, held_kv[0], held_kv[1], shares[i % 2])
                 bundle = None if pending is None else pending()  # the block's shares so far
                 pending = dkv.send_bundle(bundle, shares[i % 2], i - 1)
             if kv_arrived is not None:
                 held_kv = kv_arrived()
         # while the bundle of this rank's block comes home: the own block's second chunk, and dQ
-        launch(own_last, first if own_last.causal else fold, k_local, v_local, own[1])
+        add_share(own_last, first if own_last.causal else fold, k_local, v_local, own[1])
         if rows == 0:  # chunks of fewer than 2 * world positions may hold nothing
             dq = empty_like(ref, ref.shape, ref.dtype)
         else:
@@ -568,7 +571,7 @@ def ring_attention_backward(group, dout_local, q_local, k_local, v_local, out_lo
         return dq, dk, dv
 
 
-@cache
+@lru_cache(maxsize=256)
 def share_counts(n: int, rank: int, world: int, causal: bool, head_dim: int, device: int):
     """share_rows as the gradient sum reads it: elements a plane, int32 on `device`, made once."""
     with cupy.cuda.Device(device):
@@ -581,9 +584,13 @@ def _sum_gradients(own, bundle, counts, dk, dv) -> None:
     B, Hkv, rows_max, d], or None), each share over the first counts[s] elements of a plane
     (share_counts). One launch on CuPy's current stream."""
     t_own, t_dk, t_dv = (as_device_tensor(x, name) for x, name in ((own, "own"), (dk, "dk"), (dv, "dv")))
-    shares, _, b, hkv, most, d = t_own.shape
+    own_shares, _, b, hkv, most, d = t_own.shape
     t_bundle = None if bundle is None else as_device_tensor(bundle, "bundle")
+    bundle_shares = 0 if t_bundle is None else t_bundle.shape[0]
     rows = t_dk.shape[2]
+    if counts.dtype != np.int32 or counts.shape != (own_shares + bundle_shares,):
+        raise ValueError(f"share counts {counts.dtype} {counts.shape}: expected int32 ({own_shares + bundle_shares},), "
+                         f"one a share (share_counts)")
     for t in (t_own, t_bundle):
         if t is not None and (t.shape[1:] != t_own.shape[1:] or t.strides != _contiguous_strides(t.shape)):
             raise ValueError(f"gradient shares {t.shape} {t.strides}: expected contiguous [shares, 2, B, Hkv, rows, d] "
@@ -595,8 +602,8 @@ def _sum_gradients(own, bundle, counts, dk, dv) -> None:
     threads, count = GRADIENT_SUM_THREADS, rows * d
     shared_function(gradient_sum_name(t_own.dtype), t_own.device)(
         (-(-count // (8 * threads)), 2 * b * hkv), (threads,),
-        (np.uint64(t_own.ptr), np.int32(shares), np.uint64(0 if t_bundle is None else t_bundle.ptr),
-         np.int32(0 if t_bundle is None else t_bundle.shape[0]), np.int64(2 * b * hkv * most * d),
+        (np.uint64(t_own.ptr), np.int32(own_shares), np.uint64(0 if t_bundle is None else t_bundle.ptr),
+         np.int32(bundle_shares), np.int64(2 * b * hkv * most * d),
          np.uint64(counts.data.ptr), np.int64(most * d), np.int64(count), np.int32(b * hkv),
          np.uint64(t_dk.ptr), np.uint64(t_dv.ptr)))
 

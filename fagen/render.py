@@ -31,7 +31,7 @@ SEQUENCE_TILES = "sequence_tiles_kernel"
 SEQUENCE_TILES_THREADS = 256
 GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
 GRADIENT_SUM_THREADS = 256
-GRADIENT_SUM_BATCH = 8  # shares whose loads a thread issues at once: the own block's 2 and a ring of 7 more
+GRADIENT_SUM_BATCH = 9  # shares whose loads a thread issues at once: the own block's 2 and an 8-GPU ring's 7
 SEQUENCE_TILES_COUNTS = 4096  # a tile table orders sequences of up to 4095 tiles by length (262080 rows of 64-row tiles)
 BACKWARD_TEMPLATE = "kernel/backward.cu.j2"
 

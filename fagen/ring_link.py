@@ -277,11 +277,12 @@ class CopyEngineLink:
         if position:
             copies.insert(0, Copy(_ptr(held), 0, position * size, 1, position * size, position * size))
         self.reading.append(share)
+        main = cupy.cuda.get_current_stream()
         arrived = self._send(copies, False)
         copied = self.slots.stream.record()
 
         def arrived_and_copied():
-            cupy.cuda.get_current_stream().wait_event(copied)
+            main.wait_event(copied)
             return arrived()
 
         return arrived_and_copied
@@ -355,12 +356,21 @@ class NcclLink:
         return _staged(self, k, v)
 
     def send_bundle(self, held, share, position: int):
-        """CopyEngineLink.send_bundle's bundle, staged whole (the rest of it unused) and sent."""
-        bundle = empty_like(self.ref, self.block.shape, self.block.dtype)
-        if position:
-            bundle[:position] = held[:position]
-        bundle[position] = share
-        return self.send(bundle)
+        """CopyEngineLink.send_bundle's bundle: `share` written into `held` (the bundle received
+        last; at position 0 a new one) behind its first `position` shares, and those position + 1
+        shares sent (the previous rank sends as many: it is at the same step)."""
+        out = empty_like(self.ref, self.block.shape, self.block.dtype) if held is None else held
+        out[position] = share
+        into, count = self.spare, position + 1
+        transfer = self.group.send_recv(out[:count], into[:count], (self.group.rank + 1) % self.group.world,
+                                        (self.group.rank - 1) % self.group.world)
+
+        def arrived():
+            transfer.wait()
+            self.spare = out
+            return into
+
+        return arrived
 
     def send(self, held, *, as_received: bool = False):
         into = self.spare

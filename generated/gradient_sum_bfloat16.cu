@@ -11,7 +11,7 @@
 // 8 elements a thread, SHARE_BATCH shares' loads issued before their adds: the loads and stores
 // are all the traffic there is.
 constexpr int THREADS = 256;
-constexpr int SHARE_BATCH = 8;  // a ring of up to 7 GPUs sums in one batch
+constexpr int SHARE_BATCH = 9;  // shares loaded at once (render.GRADIENT_SUM_BATCH)
 
 __device__ __forceinline__ float2 to_float2(unsigned pair) {  // two bfloat16 values, low one first
   float lo, hi;

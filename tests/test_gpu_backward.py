@@ -458,7 +458,7 @@ def ring_own_block(kernels, inputs, rows) -> list:
 
 
 @pytest.mark.parametrize("framework, dtype", [("torch", "float16"), ("torch", "bfloat16"), ("cupy", "float16")])
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 9])  # 9: more shares than a batch of loads
 def test_ring_gradient_sum_against_float64(framework, dtype, world):
     """The ring backward's gradient sum at home (distributed._sum_gradients): the own block's two
     shares and a bundle of world - 1, each written only over its first rows (NaN past them, as a

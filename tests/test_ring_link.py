@@ -37,9 +37,12 @@ class LinkModel:
     release and join append what the real methods enqueue, in the same order. A send takes the
     stream current at the call (`on`) for its copy's start, its arrival and the release it makes."""
 
-    def __init__(self, name, rank, world, streams):
+    def __init__(self, name, rank, world, streams, wait_for_copy=True):
         self.name, self.rank, self.world, self.streams = name, rank, world, streams
         self.sent, self.held, self.forwarded, self.sent_on = 0, None, {}, {}
+        self.copied = {}  # a bundle's transfer -> its copy's last op (send_bundle's arrived waits for it)
+        self.reads = defaultdict(int)  # share buffer -> the copies queued so far that read it
+        self.wait_for_copy = wait_for_copy
         streams[(rank, "copy " + name)], streams[(rank, "releases " + name)] = [], []
 
     def stream(self, name):
@@ -62,8 +65,23 @@ class LinkModel:
             self.forwarded[self.held] = len(copy)
         return t
 
+    def write_share(self, buf, on="main"):  # a step's dK/dV kernel writes share buffer `buf`
+        self.stream(on).append(("write_share", self.rank, buf, self.reads[buf]))
+
+    def send_bundle(self, buf, on="main"):  # CopyEngineLink.send_bundle: the bundle held and share `buf`
+        t = self.send(False, on)
+        copy = self.stream("copy " + self.name)
+        copy.insert(len(copy) - 2, ("read_share", self.rank, buf))  # with the bundle's, before the flag
+        self.reads[buf] += 1
+        if self.held is not None:
+            self.forwarded[self.held] = len(copy)
+        self.copied[t] = len(copy)
+        return t
+
     def arrived(self, t):  # the function send returned
         on = self.sent_on[t]
+        if t in self.copied and self.wait_for_copy:  # send_bundle's: the share's copy is done first
+            self.stream(on).append(("after", self.rank, "copy " + self.name, self.copied.pop(t)))
         if self.held is not None:
             self._release(self.held, on)
         self.stream(on).append(("wait", self.rank, self.name, "arrived", t))
@@ -97,18 +115,19 @@ def forward_call(kv, world):
 
 
 def backward_call(kv, dkv, world):
-    """ring_attention_backward's order of link calls on one rank: from step 1 the dK/dV bundle
-    so far arrives (after the step's kernel) and leaves with the step's share (send_bundle: after
-    main's work); the bundle of the rank's own block comes home after the own block's second
-    launch, and the gradient sum reads it."""
+    """ring_attention_backward's order of link calls on one rank: from step 1 the step's kernel
+    writes its share (two buffers, alternating), the dK/dV bundle so far arrives and leaves with
+    the share (send_bundle: after main's work); the bundle of the rank's own block comes home
+    after the own block's second launch, and the gradient sum reads it."""
     pending = None
     for i in range(world):
         kv_arrived = kv.send(as_received=i > 0) if i + 1 < world else None
-        kv.use()  # the step's dK/dV kernel reads K/V
+        kv.use()  # the step's dK/dV kernel reads K/V ...
         if i > 0:
+            dkv.write_share(i % 2)  # ... and writes its share
             if pending is not None:
                 dkv.arrived(pending)
-            pending = dkv.send(as_received=False)  # the bundle so far and the step's share
+            pending = dkv.send_bundle(i % 2)  # the bundle so far and the step's share
         if kv_arrived is not None:
             kv.arrived(kv_arrived)
     if pending is not None:
@@ -118,16 +137,18 @@ def backward_call(kv, dkv, world):
     dkv.finish()
 
 
-def simulate(world: int, program) -> None:
+def simulate(world: int, program, wait_for_copy=True) -> None:
     """Every rank runs `program(links, world)` through the models; then the streams run: an op
     runs when its stream reaches it and, for a wait, the flag holds the value, for an `after`,
     the other stream has run so many ops. Asserts every landing finds its slot released, every
-    forwarding copy reads the block it means to, no block changes under main's use of it, and
-    every op runs (no deadlock)."""
+    forwarding copy reads the block it means to, no block changes under main's use of it, no
+    share is written again before the copy queued to read it has, and every op runs (no
+    deadlock)."""
     streams = {}
     for r in range(world):
         streams[(r, "main")] = []
-        program({name: LinkModel(name, r, world, streams) for name in ("kv", "dkv")}, world)
+        program({name: LinkModel(name, r, world, streams, wait_for_copy) for name in ("kv", "dkv")}, world)
+    reads_done = defaultdict(int)  # (rank, share buffer) -> copies that have read it
     flags = defaultdict(int)  # (rank, link, flag) -> value
     done = {key: 0 for key in streams}
     in_slot = defaultdict(int)  # (rank, link, slot) -> the transfer that landed there last
@@ -149,6 +170,11 @@ def simulate(world: int, program) -> None:
                     assert in_slot[(rank, link, t % 2)] <= released[(rank, link)], \
                         f"{link} transfer {t} lands on a block rank {rank} still needs"
                     in_slot[(rank, link, t % 2)] = t
+                if op[0] == "read_share":
+                    reads_done[op[1:3]] += 1
+                if op[0] == "write_share":
+                    _, rank, buf, queued = op
+                    assert reads_done[(rank, buf)] >= queued, f"rank {rank}'s share {buf} is written before its copy read it"
                 if op[0] == "use":
                     _, rank, link, held = op
                     assert held is None or in_slot[(rank, link, held % 2)] == held, "a block changed under main"
@@ -176,3 +202,16 @@ def test_training_steps(world):
             forward_call(links["kv"], w)
             backward_call(links["kv"], links["dkv"], w)
     simulate(world, steps)
+
+
+@pytest.mark.parametrize("world", [8])
+def test_a_share_waits_for_its_copy(world):
+    """Without send_bundle's wait for the copy of the share it sent, a step's kernel may write the
+    share buffer two steps on before that copy has read it: the model catches it (its streams
+    run in one fixed order, which at 8 ranks lets a main stream get two steps ahead of its copy)."""
+    def steps(links, w):
+        for _ in range(3):
+            forward_call(links["kv"], w)
+            backward_call(links["kv"], links["dkv"], w)
+    with pytest.raises(AssertionError, match="written before its copy read it"):
+        simulate(world, steps, wait_for_copy=False)
