@@ -2,6 +2,9 @@
 
 __version__ = "0.1.0"
 
+import importlib
+import pkgutil
+
 from fagen.render import render
 from fagen.load import load_spec, parse_spec
 from fagen.spec import AttentionSpec, SpecError
@@ -59,6 +62,21 @@ def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwarg
     from fagen.sequences import prepare_with_kvcache as _prepare_with_kvcache
 
     return _prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
+
+
+# The submodules (fagen.oracle, fagen.masks, fagen.sequences, ...), each imported on first use
+# (PEP 562): `import fagen` stays free of CuPy and PyTorch, and fagen.oracle works after it.
+SUBMODULES = frozenset(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def __getattr__(name: str):
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | SUBMODULES)
 
 
 __all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "attention_varlen", "attention_with_kvcache",

@@ -8,7 +8,6 @@ callers stay inside its caching allocator (CUDA graphs capture the whole step).
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +21,7 @@ from fagen.render import render_backward
 from fagen import tensor_maps
 from fagen.runtime import (LOG2E, Kernel, Launch, KeptLaunches, TensorMap, block_mask_arguments, compile_kernel,
                            compile_module, pack_arguments, packers)
+from fagen.side_inputs import check_scale
 from fagen.spec import AttentionSpec
 
 
@@ -351,10 +351,7 @@ def _forward_rows(tq: DeviceTensor, dout, out, lse, scale: float | None) -> tupl
     if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.strides != (hq * nq, nq, 1):
         raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; expected the forward's contiguous "
                          f"float32 [{b}, {hq}, {nq}] (return_lse=True)")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
-    return tdo, to, tl, scale
+    return tdo, to, tl, check_scale(scale, d)
 
 
 def _stride_values(*named: tuple[str, DeviceTensor]) -> dict:

@@ -20,14 +20,15 @@ float32 accumulator with atomics (spec.atomic_dq), and in place of the dQ kernel
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
                         SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
 from fagen.mask_kinds import KINDS
-from fagen.spec import (MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
-                        dq_producer_blocks_per_sm, rule)
+from fagen.spec import (MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
+                        dq_producer_blocks_per_sm, rule, with_fix)
 
 OUT_PTR = "elem_t* __restrict__"
 PREPROCESS_WARPS = 4
@@ -59,7 +60,27 @@ REGISTER_COSTS = {
                    "bias_grad_matrix": 1.15, "bias_grad_vector": 8.0,
                    # atomic dQ under a mask with per-thread row bounds: measured at 255 with 4-12
                    # bytes of spills (head_dim 64 at block_q 128, 128 with prefix_lm or documents)
-                   "atomic_masked": 5.0},
+                   "atomic_masked": 5.0,
+                   # one warpgroup (warps 4, block_kv 64) copying its tiles: each thread copies twice
+                   # the chunks of K, V, Q and dO, and their addresses stay live; measured at 255 with
+                   # 4 bytes of spills at block_q 64 (12 with 3 stages; head_dim 128, every mask, float16
+                   # and bfloat16), where two warpgroups use 254 and spill nothing
+                   "one_warpgroup": 8.0},
+    # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
+    # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
+    # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
+    # 235-241 measured). Fitted by linear programming to 128 ptxas -v runs (every mask
+    # kind x softcap, ALiBi, both x block_q and dq_block_kv 16 and 32, sm_80 and sm_90, bfloat16,
+    # nvcc 13.0; scripts/fit_backward_registers.py sweep-d256, fit --d256): every kernel that spilled
+    # is predicted over MAX_REGISTERS + 4, every other at least at its count. A bias is refused
+    # before these (MMA_SYNC_BIAS_HEAD_DIMS).
+    "dkdv_d256": {"base": 78.0, "acc": 1.0, "s": 3.25, "s_nonlinear": 0.88, "chunk_copy": 0.0, "stages1": 0.0,
+                  "causal": 0.0, "sliding_window": 0.0, "chunked": 1.0, "document": 6.0, "document_causal": 6.0,
+                  "prefix_lm": 0.0, "block_mask": 7.0, "bias": 0.0, "alibi": 2.0,
+                  "bias_grad_matrix": 0.0, "bias_grad_vector": 0.0},
+    "dq_d256": {"base": 72.0, "acc": 1.0, "s": 3.25, "s_nonlinear": 0.5, "chunk_copy": 0.0, "stages1": 0.0,
+                "causal": 0.0, "sliding_window": 4.0, "chunked": 9.0, "document": 7.0, "document_causal": 7.0,
+                "prefix_lm": 0.0, "block_mask": 1.0, "bias": 0.0, "alibi": 2.0},
     "dq_wgmma": {"base": 60.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
                  "causal": 0.0, "sliding_window": 0.0, "chunked": 0.0, "document": 4.0, "document_causal": 4.0,
                  "prefix_lm": 4.0, "block_mask": 10.0, "bias": 12.0, "alibi": 6.0},
@@ -118,7 +139,17 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms[kind] = 1.0
     if kernel == "dkdv" and spec.atomic_dq and mask.kind in ("sliding_window", "chunked", "prefix_lm", "document"):
         terms["atomic_masked"] = 1.0
+    if kernel == "dkdv" and spec.wgmma_backward and bwd.warps == WARPGROUP_WARPS and bwd.warp_specialized is None:
+        terms["one_warpgroup"] = 1.0
     return terms
+
+
+def cost_table(spec: AttentionSpec, kernel: str) -> dict[str, float]:
+    """REGISTER_COSTS' prices for this spec's `kernel` ("dkdv" or "dq"): wgmma's on sm_90a up to
+    head_dim 128, mma.sync's at head_dim 256 (its own fit), else mma.sync's."""
+    if spec.wgmma_backward:
+        return REGISTER_COSTS[f"{kernel}_wgmma"]
+    return REGISTER_COSTS[f"{kernel}_d256" if spec.head_dim == 256 else kernel]
 
 
 # Kernels the estimate refuses that ptxas -v was run on (sm_80 and sm_90, nvcc 13.0): they fit, at
@@ -152,13 +183,11 @@ def measured_key(spec: AttentionSpec) -> tuple | None:
 
 
 def predict_registers(spec: AttentionSpec, kernel: str) -> int:
-    if spec.wgmma_backward:
-        costs = REGISTER_COSTS[f"{kernel}_wgmma"]
-    else:
+    if not spec.wgmma_backward:
         measured = MEASURED_FIT[kernel].get(measured_key(spec))
         if measured is not None:
             return measured
-        costs = REGISTER_COSTS[kernel]
+    costs = cost_table(spec, kernel)
     return int(sum(costs[name] * amount for name, amount in register_terms(spec, kernel).items()))
 
 
@@ -354,10 +383,23 @@ BIAS_GRAD_PARAMS = (("float* __restrict__", "dbias"), ("long long", "dbias_sb"),
 CONCURRENT_DQ_MASKS = ("sliding_window", "document")
 
 
+# head_dims whose mma.sync backward refuses a bias: at 256 both main loops spilled 4-60 bytes with
+# one (ptxas -v, sm_80 and sm_90, nvcc 13.0) at every tiling fagen has (head_split 2, block_q and
+# dq_block_kv 16 and 32; head_split 4 too, tried), where with softcap and ALiBi instead they fit
+# in 242-248: ptxas schedules the bias's loads so that they hold ~100 registers, not what they load.
+MMA_SYNC_BIAS_HEAD_DIMS = (256,)
+
+
 def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     if spec.backward is None:
         raise SpecError(rule("backward", None, f"spec {spec.name} renders no backward kernels",
                              "add a backward: section (an empty mapping takes the defaults)"))
+    if spec.score_mod.bias != "none" and not spec.wgmma_backward and spec.head_dim in MMA_SYNC_BIAS_HEAD_DIMS:
+        raise SpecError(rule(
+            "score_mod.bias", spec.score_mod.bias,
+            f"the head_dim {spec.head_dim} backward spills with a bias at every tiling (its kernels' registers)",
+            "train without it: remove backward, or set score_mod.bias: none and backward.bias_grad: false",
+            {"score_mod.bias": "none", "backward.bias_grad": False}))
     bwd, d = spec.backward, spec.head_dim
     dq, dkdv, producer = plan(dq_spec(spec)), dkdv_plan(spec), dq_producer(spec)
     dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES + (2 * MBARRIER_BYTES if producer else 0)
@@ -368,7 +410,11 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}, dq_warps {bwd.dq_warps}",
             f"the dQ kernel predicts {dq_registers} registers a thread over the {dq_register_limit} limit"
             f"{' (dq_warp_specialized.consumer_registers)' if producer else ''}: it would spill",
-            "use a smaller dq_block_kv, or more dq_warps" + (", or remove backward.dq_warp_specialized" if producer else "")))
+            ", or ".join([*(["a smaller dq_block_kv"] if bwd.dq_block_kv > MMA_K else []),
+                          # more warps take fewer rows each only where each has two m16 fragments
+                          *([f"dq_warps: {2 * bwd.dq_warps}"] if bwd.dq_block_q > MMA_M * bwd.dq_warps and bwd.dq_warps < 8 else []),
+                          *(["remove backward.dq_warp_specialized"] if producer else []),
+                          "fewer score modifiers"]).join(("use ", ""))))
     if dq_smem > SMEM_PER_BLOCK[spec.arch]:
         raise SpecError(rule(
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}",
@@ -468,13 +514,13 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
             f"{limit} per block", "use fewer stages, a smaller block_q or a smaller block_kv"
             + (", or remove warp_specialized.persistent" if persistent else "")))
     if registers > register_limit:
+        fix, change = dkdv_register_fix(spec)
         raise SpecError(rule(
             "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, warps {warps}, head_split {bwd.head_split}",
             f"the dK/dV kernel predicts {registers} registers a thread ({acc} for dK and dV, {s} for each of S^T "
             f"and dP^T{', and as many for the score derivative' if mod.nonlinear else ''}) over the "
             f"{register_limit} limit{' (warp_specialized.consumer_registers)' if ws else ''}: it would spill",
-            "use a smaller block_q" + ("" if wgmma else ", more warps, or head_split: 2")
-            + (", or remove backward.warp_specialized" if ws else "")))
+            fix, change))
     return DkdvPlan(
         mainloop="sm90" if wgmma else "sm80", block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
         key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
@@ -493,6 +539,56 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         warp_specialized=ws is not None, column_blocks=False, block_threads=threads + (32 * WARPGROUP_WARPS if ws else 0),
         producer_warpgroup=warps // WARPGROUP_WARPS if ws else 0,
         producer_registers=ws.producer_registers if ws else 0, consumer_registers=ws.consumer_registers if ws else 0)
+
+
+_ADVISING = []  # a fix being checked: its own refusals offer none (no search within the search)
+
+
+@contextmanager
+def fixes_unsought():
+    """Within, a dK/dV register refusal offers no searched fix: for a caller that tries tilings in
+    turn and shows only the last one's refusal (each search validates several specs)."""
+    _ADVISING.append(True)
+    try:
+        yield
+    finally:
+        _ADVISING.pop()
+
+
+def dkdv_register_fixes(spec: AttentionSpec) -> list[tuple[str, dict]]:
+    """The changes that take registers from the dK/dV kernel, least first, as (text, fields):
+    fewer queries a step (and keys a dQ tile), more warps and dK and dV split across warp pairs
+    (mma.sync), no producer (its consumers' registers are capped)."""
+    bwd, fixes = spec.backward, []
+    for bq in (bq for bq in (64, 32, 16) if bq < bwd.block_q):  # with the dQ kernel's fewest keys too
+        fixes.append((f"use block_q: {bq}", {"backward.block_q": bq}))
+        if not spec.atomic_dq and bwd.dq_block_kv > MMA_K:
+            fixes.append((f"use block_q: {bq} and dq_block_kv: {MMA_K}",
+                          {"backward.block_q": bq, "backward.dq_block_kv": MMA_K}))
+    if not spec.wgmma_backward:
+        if bwd.warps < 8:
+            fixes.append((f"use warps: {2 * bwd.warps}", {"backward.warps": 2 * bwd.warps}))
+        if bwd.head_split == 1:
+            fixes += [(f"use head_split: 2 with block_kv: {bkv}", {"backward.head_split": 2, "backward.block_kv": bkv})
+                      for bkv in (bwd.block_kv, bwd.block_kv // 2)]
+    if bwd.warp_specialized is not None:
+        fixes.append(("remove backward.warp_specialized", {"backward.warp_specialized": REMOVE}))
+    return fixes
+
+
+def dkdv_register_fix(spec: AttentionSpec) -> tuple[str, dict | None]:
+    """The first of dkdv_register_fixes whose spec validates (text, fields), or a text alone."""
+    if not _ADVISING:
+        with fixes_unsought():
+            for text, change in dkdv_register_fixes(spec):
+                try:  # every rule and both plans, as fagen.load's parse_spec checks them
+                    fixed = AttentionSpec.model_validate(with_fix(spec.model_dump(mode="json"), change))
+                    plan(fixed)
+                    backward_plan(fixed)
+                except (SpecError, ValueError):
+                    continue
+                return text, change
+    return "use a smaller block_q, or fewer score modifiers", None
 
 
 # From this many f32 registers of S^T a thread (128 queries a step), the producer-fed wgmma dK/dV

@@ -12,7 +12,7 @@ from functools import cache
 
 import numpy as np
 
-from fagen import masks, oracle, side_inputs
+from fagen import masks, oracle
 from fagen.device import cupy
 from fagen.backward import compile_backward
 from fagen.runtime import compile_kernel
@@ -214,11 +214,10 @@ def random_block_mask(rng: np.random.Generator, b: int, h: int, nq: int, nk: int
 
 def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, *,
                          framework: str | None = None, layout: str = "bhnd", seed: int | None = None,
-                         scale: float | None = None, time_it: bool = False, extras: dict | None = None,
-                         mask_mod=None, score_mod=None) -> CheckResult:
+                         scale: float | None = None, time_it: bool = False, extras: dict | None = None) -> CheckResult:
     """extras: side inputs (block_mask, doc_ids, bias, alibi_slopes, sinks) as NumPy arrays,
-    drawn by random_extras when not given. mask_mod / score_mod: NumPy equivalents of the
-    spec's CUDA expressions, for the oracle."""
+    drawn by random_extras when not given. The oracle reads the spec's mask and score_mod
+    whole, their expressions included."""
 
     if framework is None:
         framework = "cupy" if spec.dtype == "float16" else "torch"
@@ -239,14 +238,10 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
         splits = {"splits": min(3, -(-nk // kernel.plan.block_kv))} if spec.outputs.merge_splits else {}
         got = kernel(q, k, v, scale=scale, out=out, return_lse=with_lse, **splits, **extras)
         got_out, got_lse = got if with_lse else (got, None)
-    slopes = extras.get("alibi_slopes")
-    if spec.score_mod.alibi == "geometric" and slopes is None:
-        slopes = np.array(side_inputs.geometric_alibi_slopes(hq))
     ref_out, ref_lse = oracle.attention(
         to_numpy(q), to_numpy(k), to_numpy(v), scale=scale, return_lse=True, mask=spec.mask,
-        block_mask=extras.get("block_mask"), doc_ids=extras.get("doc_ids"), mask_mod=mask_mod,
-        softcap=spec.score_mod.softcap, alibi_slopes=slopes, bias=extras.get("bias"), score_mod=score_mod,
-        sinks=extras.get("sinks"))
+        block_mask=extras.get("block_mask"), doc_ids=extras.get("doc_ids"), alibi_slopes=extras.get("alibi_slopes"),
+        bias=extras.get("bias"), score_mod=spec.score_mod, sinks=extras.get("sinks"))
     result = CheckResult(
         spec.name, (b, hq, hkv, nq, nk),
         relative_error(to_numpy(got_out), ref_out),
@@ -261,8 +256,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
 
 def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, *,
                                   framework: str | None = None, layout: str = "bhnd", seed: int | None = None,
-                                  extras: dict | None = None, mask_mod=None, score_mod=None,
-                                  score_mod_grad=None) -> CheckResult:
+                                  extras: dict | None = None) -> CheckResult:
     """The backward of a spec with a backward: section: its forward, then dq, dk, dv (and
     dsinks, dbias) from a random dout, each NaN-poisoned before the launch, against
     fagen.oracle.attention_backward. out_error is the worst gradient's relative error."""
@@ -276,13 +270,10 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     out, lse = backward.forward(q, k, v, out=out, return_lse=True, **extras)
     grads = backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **extras)
-    slopes = extras.get("alibi_slopes")
-    if spec.score_mod.alibi == "geometric" and slopes is None:
-        slopes = np.array(side_inputs.geometric_alibi_slopes(hq))
     ref = oracle.attention_backward(
         to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), mask=spec.mask, block_mask=extras.get("block_mask"),
-        doc_ids=extras.get("doc_ids"), mask_mod=mask_mod, softcap=spec.score_mod.softcap, alibi_slopes=slopes,
-        bias=extras.get("bias"), score_mod=score_mod, score_mod_grad=score_mod_grad, sinks=extras.get("sinks"))
+        doc_ids=extras.get("doc_ids"), alibi_slopes=extras.get("alibi_slopes"), bias=extras.get("bias"),
+        score_mod=spec.score_mod, sinks=extras.get("sinks"))
     errors = [relative_error(to_numpy(getattr(grads, name)), ref[name]) for name in ("dq", "dk", "dv")]
     for name in ("dsinks", "dbias"):
         if getattr(grads, name) is not None:

@@ -16,7 +16,7 @@ import click
 
 from fagen.load import load_spec
 from fagen.plan import plan
-from fagen.render import generated_path, renders, stale
+from fagen.render import outputs, stale
 from fagen.spec import SpecError
 
 SPECS_DIR = Path("specs")  # relative: the working directory's
@@ -149,7 +149,38 @@ def _need_gpu(torch: bool = False) -> None:
         raise click.ClickException(why)
 
 
-@click.group()
+def one_line(message: str) -> str:
+    """A message of several lines (a spec breaking several rules, several refused specs) as one:
+    its lines joined by '; ' (after a line ending in ':', by a space)."""
+    parts = [line.strip().removeprefix("- ") for line in message.splitlines() if line.strip()]
+    text = parts[0] if parts else ""
+    for part in parts[1:]:
+        text += (" " if text.endswith(":") else "; ") + part
+    return text
+
+
+class _Commands(click.Group):
+    """fagen's command group: a user error is one line on stderr, `Error: ...`, exit 2 for a bad
+    option, argument or command (click would print the usage and a help hint above a usage error)
+    and 1 otherwise; `--help` says the rest."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            # standalone_mode=False hands click's errors here instead of printing them; a command's
+            # own sys.exit passes through
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as err:
+            click.echo(f"Error: {one_line(err.format_message())}", err=True)
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_Commands)
 @click.version_option(package_name="fagen")
 def main() -> None:
     """fagen: fused attention kernels generated from YAML specs."""
@@ -169,14 +200,17 @@ def render_cmd(specs: tuple[str, ...], out_dir: str, check: bool) -> None:
     folders = all(p.is_dir() for p in paths)
     files = _spec_files(paths)
     specs_loaded = _load_all(files)
-    texts = renders(specs_loaded, out, with_merge=folders)
+    try:  # two outputs of one file are refused here, before anything is written or called current
+        listed = outputs(specs_loaded, out, with_merge=folders, sources=files)
+    except SpecError as err:
+        raise click.ClickException(str(err)) from None
+    texts = {o.path: o.text() for o in listed}
     if not check:
         _make_folder(out, "-o")
-        sources = {generated_path(spec, out): path for path, spec in zip(files, specs_loaded)}
-        for target, text in texts.items():
-            _write(target, text)
-            if target in sources:
-                click.echo(f"{sources[target]} -> {target}")
+        for o in listed:
+            _write(o.path, texts[o.path])
+            if o.spec_file is not None:
+                click.echo(f"{o.spec_file} -> {o.path}")
         return
     found = stale(texts, out, whole_folder=folders)
     where = " or ".join(f"{p}/" for p in paths)
@@ -209,8 +243,9 @@ def list_cmd(specs: tuple[str, ...]) -> None:
               "sm_90a spec  [default: sm_90, sm_90a for an sm_90a spec]")
 @click.option("-v", "--verbose", is_flag=True, help="print the whole ptxas report")
 def compile_cmd(spec: str, arch: str | None, verbose: bool) -> None:
-    """Compile SPEC offline with nvcc and print registers, shared memory and spills."""
-    from fagen.nvcc import arch_error, compile_offline, targets
+    """Compile every kernel SPEC renders (the forward; with backward:, its kernels too) offline
+    with nvcc and print each one's registers, stack frame and spills; exit 1 if any spills."""
+    from fagen.nvcc import arch_error, compile_all, targets
 
     s = _load(Path(spec))
     arch = arch or targets(s)[-1]
@@ -218,14 +253,19 @@ def compile_cmd(spec: str, arch: str | None, verbose: bool) -> None:
     if why:
         raise click.BadParameter(why, param_hint="'--arch'")
     try:
-        r = compile_offline(s, arch)
+        kernels = compile_all(s, arch)
     except RuntimeError as err:
         raise click.ClickException(str(err)) from None
-    if verbose:
-        click.echo(r.log)
-    click.echo(f"{s.name} {arch}: {r.registers} registers, {plan(s).smem_bytes} bytes dynamic smem, "
-               f"{r.stack_frame} bytes stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)")
-    if r.spill_stores or r.spill_loads or r.stack_frame:
+    for k in kernels:
+        if verbose:
+            click.echo(k.resources.log)
+        r = k.resources
+        click.echo(f"{s.name} {r.arch}: {k.symbol} ({k.label}): {r.registers} registers, "
+                   + (f"{plan(s).smem_bytes} bytes dynamic smem, " if k.file == "forward" else "")
+                   + f"{r.stack_frame} bytes stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)")
+    spilled = [f"{k.symbol} ({k.label})" for k in kernels if not k.clean]
+    if spilled:
+        click.echo(f"Error: {s.name}: {', '.join(spilled)} spill or use a stack frame on {arch}", err=True)
         sys.exit(1)
 
 
@@ -352,9 +392,12 @@ def _png_path(ctx, param, value):
     path = Path(value)
     if path.is_dir():
         raise click.BadParameter(f"{value}: is a folder; name a file in it, e.g. {path / 'mask.png'}", ctx, param)
+    if not path.name.lower().removesuffix(".png").strip("."):  # ".png" is a hidden file's name, not a picture's
+        raise click.BadParameter(f"{value}: names no file before .png; name one, e.g. {path.parent / 'mask.png'}",
+                                 ctx, param)
     if path.suffix.lower() != ".png":
         raise click.BadParameter(f"{value}: must end in .png (the picture is a PNG); use e.g. "
-                                 f"{path.with_suffix('.png').name}", ctx, param)
+                                 f"{path.with_name(path.stem + '.png')}", ctx, param)
     folder = path.parent
     if not folder.exists():
         raise click.BadParameter(f"{value}: the folder {folder} does not exist; create it (mkdir -p {folder}) "
@@ -491,9 +534,9 @@ def bench_cmd(quick: bool, backward: bool, serving: bool, forward: bool, out_dir
 def launch_cmd(nproc: int, timeout: float | None, script: str, args: tuple[str, ...]) -> None:
     """Run SCRIPT once per GPU with RANK / WORLD_SIZE / LOCAL_RANK set (torchrun's names);
     fagen.distributed.init() joins them. A failing rank stops the others and is reported."""
-    if timeout is not None and timeout <= 0:
-        raise click.BadParameter(f"{timeout}: must be more than 0 seconds; use e.g. --timeout 600, or leave it out "
-                                 f"to wait for ever", param_hint="'--timeout'")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):  # nan and inf would never fire
+        raise click.BadParameter(f"{timeout}: must be a finite number of seconds more than 0; use e.g. --timeout 600, "
+                                 f"or leave it out to wait for ever", param_hint="'--timeout'")
     from fagen.process_group import launch
 
     sys.exit(launch(nproc, [script, *args], timeout))

@@ -20,10 +20,10 @@ import weakref
 
 import numpy as np
 
-from fagen import hot_path, variants
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for,
-                          tensor_signature, torch_stream_handle)
-from fagen.runtime import Kernel, compile_kernel, derive_spec, sequence_keys
+from fagen import hot_path, side_inputs, variants
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, full_like, is_torch, multiprocessors,
+                          stream_for, tensor_signature, torch_stream_handle, zeros_like)
+from fagen.runtime import Kernel, _aux_array, compile_kernel, derive_spec, sequence_keys
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge, merge_launch
 
@@ -32,7 +32,10 @@ def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
     holds) in one wave, none waiting for a second: a memory-bound launch wants every block it
     can keep loading at once, and equal shares end together. A split may be a single tile: with
     the merge in the kernel, B 1 at 4k keys ran 2-5% faster on 16 one-tile splits than on 8 of
-    two (H200, notes/perf.md). 1 when the blocks alone fill the slots."""
+    two (H200, notes/perf.md). 1 when the blocks alone fill the slots, and where there is
+    nothing to split (no block or no tile: a call with no work launches nothing, no_work)."""
+    if blocks < 1 or kv_tiles < 1:
+        return 1
     return max(1, min(slots // blocks, kv_tiles))
 
 
@@ -98,6 +101,60 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
     return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
 
 
+def no_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> bool:
+    """Whether q [B, Hq, Nq, d] against k [B, Hkv, Nk, d] computes nothing: no query row, or no
+    key for the rows to see. Such a call launches nothing (answer_without_work): a grid needs a
+    block, and the decode planner a block and a tile to split."""
+    return min(*q_shape[:3], k_shape[2]) == 0
+
+
+def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
+    """out (and lse) of a call with no work (no_work), launching nothing: without query rows (B,
+    Hq or Nq 0) both are empty; rows without keys (Nk 0) see no key, so O = 0 and LSE = -inf, or
+    the head's sink (a row with no visible key, as everywhere). The inputs are checked as a
+    kernel checks them (Kernel.check), but for their sizes; side inputs by the oracle's rules."""
+    tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    (b, hq, nq, d), (bk, hkv, nk, _) = tq.shape, tk.shape
+    for t, n in ((tk, "k"), (tv, "v")):
+        if t.kind != tq.kind:
+            raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all three from one framework")
+        if t.dtype != tq.dtype:
+            raise ValueError(f"{n}: dtype {t.dtype}, but q is {tq.dtype}; cast it to {tq.dtype}")
+        if t.device != tq.device:
+            raise ValueError(f"{n} is on cuda:{t.device} but q on cuda:{tq.device}: put them on one GPU")
+        if len(t.shape) != 4 or t.shape[-1] != d:
+            raise ValueError(f"{n}: shape {t.shape}; expected [B, Hkv, Nk, {d}] (q's head_dim)")
+    if tk.shape != tv.shape:
+        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [B, Hkv, Nk, d]")
+    if bk != b:
+        raise ValueError(f"batch mismatch: q has B = {b}, k and v have B = {bk}")
+    if hkv == 0 and hq or hkv and hq % hkv:
+        raise ValueError(f"q has Hq = {hq} heads, k and v Hkv = {hkv}: Hq must be a multiple of Hkv (GQA/MQA)")
+    given = {name: tuple(np.shape(x)) for name, x in (("sinks", sinks), *side.items())
+             if x is not None and name in ("sinks", "alibi_slopes", "doc_ids", "bias")}
+    side_inputs.check_shapes(b, hq, nq, nk, bias_kind=None if plain.score_mod.bias == "none" else plain.score_mod.bias,
+                             **given)
+    with cupy.cuda.Device(tq.device), stream_for(tq):
+        out = zeros_like(tq, (b, hq, nq, d), tq.dtype)
+        lse = full_like(tq, (b, hq, nq), -math.inf, "float32")
+        if sinks is not None and b * hq * nq:  # rows that see only their sink
+            cupy.asarray(lse)[...] = _aux_array(sinks, "sinks", "float32", tq.device)[None, :, None]
+    return (out, lse) if return_lse else out
+
+
+def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return_lse: bool = False, **side):
+    """out (and lse) of fagen.attention's call whose spec is `plain` (derive_spec's): nothing
+    launched where there is no work (answer_without_work), the decode kernel where one takes the
+    call (packed_spec), else the plain forward. `side`: block_mask, bias, alibi_slopes, sinks, doc_ids."""
+    if len(getattr(q, "shape", ())) == 4 and len(getattr(k, "shape", ())) == 4 and no_work(q.shape, k.shape):
+        return answer_without_work(plain, q, k, v, return_lse=return_lse, **side)
+    spec = packed_spec(plain, q, k)
+    if spec is None:
+        return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
+    return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=side.get("alibi_slopes"),
+               sinks=side.get("sinks"))
+
+
 def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int | None = None,
         return_lse: bool = False, alibi_slopes=None, sinks=None):
     """out (and lse) through the decode kernel `spec` (a GQA-packed partial spec): one launch, or
@@ -120,10 +177,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     where a decode kernel takes the arguments, else the plain forward (fagen.runtime.attention)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), **side)
-    spec = packed_spec(plain, q, k)
-    if spec is None:
-        return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
-    return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks)
+    return forward(plain, q, k, v, scale=scale, return_lse=return_lse, **side)
 
 
 # Prepared calls captured in a CUDA graph. The graph holds their kernel arguments, which point at
@@ -155,6 +209,7 @@ class PreparedAttention:
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
+        refuse_without_work(tq.shape, tk.shape)
         if spec is not None:
             spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
         spec = spec or plain
@@ -320,6 +375,14 @@ class PreparedAttention:
     def _refuse_outputs(self, out, lse):
         raise ValueError(f"out, lse: expected {self.out_signature} and {self.lse_signature} (as prepared), got "
                          f"{tensor_signature(out) if out is not None else None}, {tensor_signature(lse) if lse is not None else None}")
+
+
+def refuse_without_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> None:
+    """A prepared call is for a loop of calls that launch: one with no work (no_work) has nothing
+    to pack."""
+    if no_work(q_shape, k_shape):
+        raise ValueError(f"q {tuple(q_shape)}, k {tuple(k_shape)}: no work to prepare (B, Hq, Nq and Nk must be >= 1); "
+                         f"call fagen.attention, which answers a call without query rows or keys with no launch")
 
 
 def _keep_for_graphs(owner: weakref.ref) -> None:

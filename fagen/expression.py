@@ -1,27 +1,39 @@
 """The expression language of `mask.expression` and `score_mod.expression`.
 
-A spec's expression is pasted into the kernel, so it is parsed here against an allow-list
-before anything renders: numbers, the documented variables, a few math functions, C's
-arithmetic, comparison, logical and bitwise operators, `?:`, casts to int/float/bool,
-parentheses and spaces. Anything else is refused by name: preprocessor tokens and the
-alternative tokens of C++ (`%:` is `#`, `<%` `%>` are braces, `<:` `:>` brackets), other
-whitespace (a carriage return ends a line for the preprocessor), assignment, calls to
+A spec's expression ends up in the kernel, so it is parsed here against an allow-list
+before anything renders: ASCII decimal numbers, the documented variables, a few math
+functions, C's arithmetic, comparison, logical and bitwise operators, `?:`, casts to
+int/float/bool, parentheses and spaces. Anything else is refused by name: preprocessor tokens
+and the alternative tokens of C++ (`%:` is `#`, `<%` `%>` are braces, `<:` `:>` brackets),
+other whitespace (a carriage return ends a line for the preprocessor), assignment, calls to
 anything not listed. The tokenizer munches the longest operator first, as a C++ lexer does,
-so what is validated is what nvcc will see; a recursive-descent parser then checks the
-grammar and the operand types, so a syntax error never reaches the compiler.
+so what is validated is what nvcc will see; a recursive-descent parser then builds a syntax
+tree with each node's C type, so a syntax error never reaches the compiler, and folds its
+constant parts, refusing what C leaves undefined (division by zero, a shift count outside
+0..31, signed overflow), on which nvcc only warns and may then drop the kernel's work.
 
-Depends on nothing but the standard library.
+The one tree has three readers: the type check (a mask expression is a bool), the CUDA
+printer the templates paste (`cuda`), and a NumPy evaluator with C's semantics (`evaluate`:
+int32 arithmetic, truncating division, float32 where the kernel computes in float) through
+which fagen.oracle judges a kernel by what its spec says.
+
+Depends on the standard library and NumPy.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 INTEGRAL = (INT, BOOL)
 MAX_LENGTH = 500  # characters: room for any reasonable formula, not for a program
 INT_MAX = 2**31 - 1  # the kernel's positions and indices are int32
+INT_MIN = -2**31
+INT_BITS = 32
 
 # The variables each expression may read, with their C types.
 MASK_VARIABLES = {"b": INT, "h": INT, "q_idx": INT, "kv_idx": INT}
@@ -64,7 +76,8 @@ REFUSED = {
 }
 _OPERATORS = sorted(set(REFUSED) | PUNCTUATION, key=len, reverse=True)
 # An f suffix needs a dot or an exponent: C++ reads 289f as a user-defined literal.
-_NUMBER = re.compile(r"(?:(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?[fF]?|\d+[eE][+-]?\d+[fF]?|\d+)(?![A-Za-z0-9_.])")
+_NUMBER = re.compile(r"(?:(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?[fF]?|\d+[eE][+-]?\d+[fF]?|\d+)(?![A-Za-z0-9_.])",
+                     re.ASCII)  # \d alone also matches other scripts' digits, which C does not read
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -86,7 +99,11 @@ def tokenize(text: str) -> list[Token]:
         if ch == " ":
             i += 1
             continue
-        if ch.isdigit() or (ch == "." and text[i + 1:i + 2].isdigit()):
+        if ch.isdigit() and not ch.isascii():
+            example = f", e.g. {int(ch)}" if ch.isdecimal() else ""
+            raise ExpressionError(f"the character {ch!r} at position {i} is a digit outside ASCII, which C does not "
+                                  f"read as a number; write numbers with the digits 0-9{example}")
+        if "0" <= ch <= "9" or (ch == "." and "0" <= text[i + 1:i + 2] <= "9"):
             number = _NUMBER.match(text, i)
             if number is None:
                 raise ExpressionError(f"the number at position {i} is malformed: decimal integers and "
@@ -111,10 +128,77 @@ def tokenize(text: str) -> list[Token]:
     return tokens
 
 
+# ---- the syntax tree ---------------------------------------------------------------------
+# Each node carries its C type and where its text starts (not part of equality: the same
+# formula spaced differently is the same tree).
+
+@dataclass(frozen=True)
+class Number:
+    text: str  # as written: 3, 0.5f, 1e-3 (no f: a double, as in C)
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Name:
+    name: str  # a variable, or true / false
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str
+    operand: Node
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Cast:
+    type: str  # the type cast to
+    operand: Node
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str
+    left: Node
+    right: Node
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Conditional:
+    condition: Node
+    then: Node
+    other: Node
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Call:
+    function: str
+    args: tuple[Node, ...]
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+Node = Number | Name | Unary | Cast | Binary | Conditional | Call
+
+
+def _arithmetic(*types: str) -> str:
+    """C's usual arithmetic conversions, over the language's types (bool promotes to int)."""
+    return FLOAT if FLOAT in types else INT
+
+
 class _Parser:
     """expr := binary ('?' expr ':' expr)?; binary by precedence climbing over unary;
     unary := op unary | '(' type ')' unary | primary; primary := number | variable | literal |
-    function '(' args ')' | '(' expr ')'. Each rule returns the C type of what it parsed."""
+    function '(' args ')' | '(' expr ')'. Each rule returns the node it parsed, typed."""
 
     def __init__(self, text: str, variables: dict[str, str]):
         self.tokens = tokenize(text)
@@ -136,67 +220,69 @@ class _Parser:
         found = "the end" if self.token.kind == "end" else f"{self.token.text!r} at position {self.token.pos}"
         return ExpressionError(f"{what}, found {found}")
 
-    def parse(self) -> str:
-        kind = self.expression()
+    def parse(self) -> Node:
+        node = self.expression()
         if self.token.kind != "end":
             raise self.error("expected an operator or the end")
-        return kind
+        return node
 
-    def expression(self) -> str:
-        kind = self.binary(1)
+    def expression(self) -> Node:
+        condition = self.binary(1)
         if self.token.text != "?":
-            return kind
+            return condition
         self.take("?")
         then = self.expression()
         self.take(":")
         other = self.expression()
-        return FLOAT if FLOAT in (then, other) else INT if INT in (then, other) else BOOL
+        kind = BOOL if then.type == other.type == BOOL else _arithmetic(then.type, other.type)
+        return Conditional(condition, then, other, kind, condition.pos)
 
-    def binary(self, min_precedence: int) -> str:
+    def binary(self, min_precedence: int) -> Node:
         left = self.unary()
         while self.token.kind == "op" and BINARY.get(self.token.text, 0) >= min_precedence:
             op = self.take()
             right = self.binary(BINARY[op.text] + 1)
-            if op.text in INTEGRAL_ONLY and FLOAT in (left, right):
+            if op.text in INTEGRAL_ONLY and FLOAT in (left.type, right.type):
                 raise ExpressionError(f"{op.text!r} at position {op.pos} takes integers, not float operands "
                                       f"(cast with (int) first)")
-            left = BOOL if op.text in LOGICAL else (FLOAT if FLOAT in (left, right) else INT)
+            if op.text in LOGICAL or (op.text in "&|^" and left.type == right.type == BOOL):
+                kind = BOOL  # bool & bool is an int of 0 or 1 in C: a bool's values
+            else:
+                kind = _arithmetic(left.type, right.type)
+            left = Binary(op.text, left, right, kind, left.pos)
         return left
 
-    def unary(self) -> str:
+    def unary(self) -> Node:
         token = self.token
         if token.text in UNARY:
             self.take()
-            kind = self.unary()
-            if token.text == "~" and kind == FLOAT:
+            operand = self.unary()
+            if token.text == "~" and operand.type == FLOAT:
                 raise ExpressionError(f"'~' at position {token.pos} takes an integer, not a float")
-            return BOOL if token.text == "!" else kind
+            # -, + and ~ promote a bool to int: ~true is -2, which is not false
+            return Unary(token.text, operand, BOOL if token.text == "!" else _arithmetic(operand.type), token.pos)
         if token.text == "(" and [t.text for t in self.tokens[self.i + 1:self.i + 3]] in ([c, ")"] for c in CASTS):
             self.take("(")
             kind = CASTS[self.take().text]
             self.take(")")
-            self.unary()
-            return kind
+            return Cast(kind, self.unary(), token.pos)
         return self.primary()
 
-    def primary(self) -> str:
+    def primary(self) -> Node:
         token = self.take()
         if token.kind == "number":
-            if not any(c in token.text for c in ".eEfF") and int(token.text) > INT_MAX:
-                raise ExpressionError(f"the integer {token.text} at position {token.pos} does not fit an int "
-                                      f"(at most {INT_MAX}); write it as a float, e.g. {token.text}.f")
-            return FLOAT if any(c in token.text for c in ".eEfF") else INT
+            return _number(token)
         if token.text == "(":
-            kind = self.expression()
+            node = self.expression()
             self.take(")")
-            return kind
+            return node
         if token.kind != "name":
             self.i -= 1
             raise self.error("expected a number, a variable, a function call or '('")
         if token.text in self.variables:
-            return self.variables[token.text]
+            return Name(token.text, self.variables[token.text], token.pos)
         if token.text in LITERALS:
-            return LITERALS[token.text]
+            return Name(token.text, LITERALS[token.text], token.pos)
         if token.text in FUNCTIONS:
             return self.call(token)
         raise ExpressionError(
@@ -204,7 +290,7 @@ class _Parser:
             f"{', '.join(self.variables)}, use true/false, casts to int/float/bool, and call "
             f"{', '.join(FUNCTIONS)}")
 
-    def call(self, function: Token) -> str:
+    def call(self, function: Token) -> Node:
         params, result = FUNCTIONS[function.text]
         self.take("(")
         args = [self.expression()]
@@ -215,18 +301,292 @@ class _Parser:
         if len(args) != len(params):
             raise ExpressionError(f"{function.text}() at position {function.pos} takes {len(params)} "
                                   f"argument{'s' * (len(params) > 1)}, got {len(args)}")
-        for kind, param in zip(args, params):
-            if param == INT and kind == FLOAT:
+        for arg, param in zip(args, params):
+            if param == INT and arg.type == FLOAT:
                 raise ExpressionError(f"{function.text}() at position {function.pos} takes integers; "
                                       f"use {'f' + function.text + 'f' if function.text != 'abs' else 'fabsf'} "
                                       f"for floats")
-        return result
+        return Call(function.text, tuple(args), result, function.pos)
 
 
-def check(text: str, variables: dict[str, str]) -> str:
-    """The C type of `text` over `variables`; raises ExpressionError naming what is wrong."""
+def _number(token: Token) -> Number:
+    text = token.text
+    if any(c in text for c in ".eEfF"):
+        return Number(text, FLOAT, token.pos)
+    if len(text) > 1 and text[0] == "0":
+        raise ExpressionError(f"the integer {text} at position {token.pos} starts with 0, which C reads as octal "
+                              f"(010 is 8, 09 no number at all); write it without leading zeros, e.g. {int(text)}")
+    if int(text) > INT_MAX:
+        raise ExpressionError(f"the integer {text} at position {token.pos} does not fit an int "
+                              f"(at most {INT_MAX}); write it as a float, e.g. {text}.f")
+    return Number(text, INT, token.pos)
+
+
+# ---- constants: what C leaves undefined is refused -----------------------------------------
+
+def _fold(node: Node) -> int | float | bool | None:
+    """node's value if it is a constant (Python numbers with C's int32 and truncating rules),
+    else None; raises ExpressionError where a constant part is undefined in C: a division or
+    remainder by zero, a shift count outside 0..31, an int result outside int32, a float
+    converted to an int it does not fit. Every part is checked, evaluated or not (C would
+    warn about a dead branch too)."""
+    if isinstance(node, Number):
+        return int(node.text) if node.type == INT else float(node.text.rstrip("fF"))
+    if isinstance(node, Name):
+        return {"true": True, "false": False}.get(node.name) if node.name in LITERALS else None
+    if isinstance(node, Call):
+        for arg in node.args:
+            _fold(arg)
+        return None  # the functions run on the device: nothing to prove about them here
+    if isinstance(node, Conditional):
+        condition, then, other = _fold(node.condition), _fold(node.then), _fold(node.other)
+        if condition is None or then is None or other is None:
+            return None
+        return _as_type(then if condition else other, node.type)
+    if isinstance(node, Cast):
+        value = _fold(node.operand)
+        if value is None:
+            return None
+        if node.type == INT and isinstance(value, float) and not (math.isfinite(value) and
+                                                                  INT_MIN <= math.trunc(value) <= INT_MAX):
+            raise _undefined(node, f"converts {value} to an int, too small to hold it",
+                             "convert a value within -2147483648..2147483647, e.g. (int)1e9f")
+        return _as_type(value, node.type)
+    if isinstance(node, Unary):
+        value = _fold(node.operand)
+        if value is None:
+            return None
+        if node.op == "!":
+            return not value
+        value = _as_type(value, node.type)
+        return _checked(node, {"-": -value, "+": value, "~": ~value if node.type == INT else value}[node.op])
+    left, right = _fold(node.left), _fold(node.right)
+    if node.op in ("/", "%") and right is not None and right == 0:
+        one = Number("1" if node.right.type != FLOAT else "1.f", node.right.type)
+        raise _undefined(node, "divides by zero", f"divide by a nonzero number, e.g. {cuda(_with(node, right=one))}")
+    if node.op in ("<<", ">>") and right is not None and not 0 <= right < INT_BITS:
+        count = Number(str(min(max(int(right), 0), INT_BITS - 1)), INT)
+        raise _undefined(node, f"shifts by {int(right)}", f"shift an int by 0..31, e.g. {cuda(_with(node, right=count))}")
+    if left is None or right is None:
+        return None
+    if node.op in ("&&", "||"):
+        return bool(left) and bool(right) if node.op == "&&" else bool(left) or bool(right)
+    kind = _arithmetic(node.left.type, node.right.type)
+    a, b = _as_type(left, kind), _as_type(right, kind)
+    if node.op in LOGICAL:
+        return {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[node.op]
+    if node.op in ("/", "%") and kind == INT:
+        quotient = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)
+        if node.op == "%" and not INT_MIN <= quotient <= INT_MAX:  # C: a % b is undefined where a / b is
+            raise _undefined(node, f"overflows int (its quotient {quotient} is outside {INT_MIN}..{INT_MAX})",
+                             f"write its value, e.g. {a - quotient * b}")
+        value = quotient if node.op == "/" else a - quotient * b
+    elif node.op == "/":
+        value = a / b
+    else:
+        value = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "<<": lambda: a << b,
+                 ">>": lambda: a >> b, "&": lambda: a & b, "|": lambda: a | b, "^": lambda: a ^ b}[node.op]()
+    return _as_type(_checked(node, value), node.type)
+
+
+def _as_type(value, kind: str):
+    return bool(value) if kind == BOOL else float(value) if kind == FLOAT else int(value)
+
+
+def _checked(node: Node, value):
+    """An int result must fit int32: C's signed overflow is undefined."""
+    if node.type == INT and not INT_MIN <= value <= INT_MAX:
+        fix = f"compute it in float, e.g. {cuda(_in_float(node, value))}"
+        raise _undefined(node, f"overflows int (its value {value} is outside {INT_MIN}..{INT_MAX})", fix)
+    return value
+
+
+def _undefined(node: Node, what: str, fix: str) -> ExpressionError:
+    return ExpressionError(f"{cuda(node)!r} at position {node.pos} {what}, which C leaves undefined (nvcc may "
+                           f"then drop the kernel's work); {fix}")
+
+
+def _with(node: Binary, **changes) -> Binary:
+    return Binary(**{"op": node.op, "left": node.left, "right": node.right, "type": node.type, **changes})
+
+
+def _in_float(node: Node, value: int) -> Node:
+    """A constant int node (of `value`) computed in float: its int literals written as floats
+    through + - * / and signs, any other int part (%, shifts, bits, casts) as its value."""
+    if isinstance(node, Unary) and node.op in "-+":
+        return Unary(node.op, _in_float(node.operand, _fold(node.operand)), FLOAT)
+    if isinstance(node, Binary) and node.op in "+-*/" and node.type == INT:
+        return Binary(node.op, _in_float(node.left, _fold(node.left)), _in_float(node.right, _fold(node.right)), FLOAT)
+    return node if node.type == FLOAT else Number(f"{int(value)}.f", FLOAT)
+
+
+# ---- the CUDA printer ----------------------------------------------------------------------
+CONDITIONAL_PRECEDENCE, UNARY_PRECEDENCE, PRIMARY_PRECEDENCE = 0, 11, 12
+
+
+def _precedence(node: Node) -> int:
+    if isinstance(node, Conditional):
+        return CONDITIONAL_PRECEDENCE
+    if isinstance(node, Binary):
+        return BINARY[node.op]
+    return UNARY_PRECEDENCE if isinstance(node, (Unary, Cast)) else PRIMARY_PRECEDENCE
+
+
+def _operand(node: Node, precedence: int) -> str:
+    text = cuda(node)
+    return f"({text})" if _precedence(node) < precedence else text
+
+
+def cuda(node: Node) -> str:
+    """The C++ text of a tree: binary operators spaced, parentheses only where C's precedence
+    needs them, literals as written. Parses back to the same tree."""
+    if isinstance(node, Number):
+        return node.text
+    if isinstance(node, Name):
+        return node.name
+    if isinstance(node, Call):
+        return f"{node.function}({', '.join(cuda(arg) for arg in node.args)})"
+    if isinstance(node, Cast):
+        return f"({node.type}){_operand(node.operand, UNARY_PRECEDENCE)}"
+    if isinstance(node, Unary):
+        operand = _operand(node.operand, UNARY_PRECEDENCE)
+        # - -x would lex as the decrement --
+        return node.op + (f"({operand})" if node.op in "+-" and operand.startswith(node.op) else operand)
+    if isinstance(node, Binary):
+        precedence = BINARY[node.op]  # left-associative: a right operand of equal precedence is grouped
+        return f"{_operand(node.left, precedence)} {node.op} {_operand(node.right, precedence + 1)}"
+    return (f"{_operand(node.condition, CONDITIONAL_PRECEDENCE + 1)} ? {cuda(node.then)} : "
+            f"{cuda(node.other)}")
+
+
+def reads(node: Node) -> frozenset[str]:
+    """The variables an expression reads."""
+    if isinstance(node, Name):
+        return frozenset() if node.name in LITERALS else frozenset((node.name,))
+    children = {Number: (), Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
+                Conditional: ("condition", "then", "other")}.get(type(node))
+    parts = node.args if isinstance(node, Call) else [getattr(node, c) for c in children]
+    return frozenset().union(*map(reads, parts))
+
+
+# ---- the NumPy evaluator -------------------------------------------------------------------
+_FLOAT_FUNCTIONS = {"fabsf": np.abs, "expf": np.exp, "exp2f": np.exp2, "logf": np.log, "log2f": np.log2,
+                    "sqrtf": np.sqrt, "tanhf": np.tanh, "floorf": np.floor, "ceilf": np.ceil,
+                    "fminf": np.fmin, "fmaxf": np.fmax}  # fmin/fmax: a NaN argument yields the other, as in C
+_INT_FUNCTIONS = {"min": np.minimum, "max": np.maximum, "abs": np.abs}
+
+
+def evaluate(node: Node, values: dict, float_type=np.float32) -> np.ndarray:
+    """The expression over arrays of its variables (b, h, q_idx, kv_idx ints, score float),
+    broadcast together, with C's semantics: int32 arithmetic (wrapping), division truncating
+    toward zero and a remainder with the dividend's sign, bool promoted to int, float math in
+    `float_type` (float32 as the kernel computes; float64 for a reference of the formula's
+    exact value), a literal without f a double, ?: as np.where. Both sides of && || ?: are
+    evaluated (elementwise), so a division by zero a C program would skip yields an
+    arbitrary number there, never an error."""
+    with np.errstate(all="ignore"):
+        return _eval(node, values, np.dtype(float_type))
+
+
+def _eval(node: Node, values: dict, float_type: np.dtype) -> np.ndarray:
+    if isinstance(node, Number):
+        if node.type == INT:
+            return np.asarray(int(node.text), np.int32)
+        single = node.text[-1] in "fF"
+        return np.asarray(float(node.text.rstrip("fF")), np.float32 if single else np.float64).astype(
+            float_type if single else np.promote_types(float_type, np.float64))
+    if isinstance(node, Name):
+        if node.name in LITERALS:
+            return np.asarray(node.name == "true")
+        return _to(np.asarray(values[node.name]), node.type, float_type)
+    if isinstance(node, Cast):
+        return _to(_eval(node.operand, values, float_type), node.type, float_type)
+    if isinstance(node, Call):
+        args = [_eval(arg, values, float_type) for arg in node.args]
+        if node.type == INT:
+            return _INT_FUNCTIONS[node.function](*(_to(a, INT, float_type) for a in args)).astype(np.int32)
+        return _FLOAT_FUNCTIONS[node.function](*(_to(a, FLOAT, float_type) for a in args)).astype(float_type)
+    if isinstance(node, Conditional):
+        condition = _to(_eval(node.condition, values, float_type), BOOL, float_type)
+        then, other = _eval(node.then, values, float_type), _eval(node.other, values, float_type)
+        if node.type != BOOL:
+            then, other = _promoted(then, other)
+        return np.where(condition, then, other)
+    if isinstance(node, Unary):
+        operand = _eval(node.operand, values, float_type)
+        if node.op == "!":
+            return ~_to(operand, BOOL, float_type)
+        operand = _promoted(operand)[0]
+        return {"-": np.negative, "+": np.positive, "~": np.invert}[node.op](operand)
+    left, right = _eval(node.left, values, float_type), _eval(node.right, values, float_type)
+    if node.op in ("&&", "||"):
+        left, right = _to(left, BOOL, float_type), _to(right, BOOL, float_type)
+        return left & right if node.op == "&&" else left | right
+    left, right = _promoted(left, right)
+    if node.op in LOGICAL:
+        return {"==": np.equal, "!=": np.not_equal, "<": np.less, "<=": np.less_equal, ">": np.greater,
+                ">=": np.greater_equal}[node.op](left, right)
+    integral = left.dtype == np.int32
+    if node.op == "/" and integral:  # truncating; x / 0 is undefined in C: 0 here
+        remainder = np.fmod(left, right)
+        value = (left - remainder) // np.where(right == 0, 1, right)
+    elif node.op == "%":
+        value = np.fmod(left, right)  # C's sign rule: the dividend's
+    elif node.op in ("<<", ">>"):
+        value = (np.left_shift if node.op == "<<" else np.right_shift)(left, np.clip(right, 0, INT_BITS))
+    else:
+        value = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "&": np.bitwise_and,
+                 "|": np.bitwise_or, "^": np.bitwise_xor}[node.op](left, right)
+    value = np.asarray(value).astype(left.dtype)  # NumPy widens int32 // int32 scalars; C does not
+    return value.astype(bool) if node.type == BOOL else value
+
+
+def _to(value: np.ndarray, kind: str, float_type: np.dtype) -> np.ndarray:
+    """A C conversion: to bool (nonzero, NaN too), to int (truncating toward zero), to float."""
+    if kind == BOOL:
+        return value != 0
+    if kind == INT:
+        return (np.trunc(value) if value.dtype.kind == "f" else value).astype(np.int32)
+    return value.astype(float_type)
+
+
+def _promoted(*values: np.ndarray) -> list[np.ndarray]:
+    """C's usual arithmetic conversions: bool -> int; int with a float -> that float; float
+    with double -> double."""
+    kinds = [v.dtype for v in values]
+    floats = [k for k in kinds if k.kind == "f"]
+    common = max(floats, key=lambda k: k.itemsize) if floats else np.dtype(np.int32)
+    return [v.astype(common) for v in values]
+
+
+# ---- the checks a spec runs ----------------------------------------------------------------
+
+def parse(text: str, variables: dict[str, str], result: str | None = None) -> Node:
+    """The typed syntax tree of `text` over `variables`, its constants proven defined, of C
+    type `result` if given; raises ExpressionError naming what is wrong."""
     if not isinstance(text, str) or not text.strip():
         raise ExpressionError("an expression must be non-empty text")
     if len(text) > MAX_LENGTH:
         raise ExpressionError(f"{len(text)} characters, over the limit of {MAX_LENGTH}")
-    return _Parser(text, variables).parse()
+    tree = _Parser(text, variables).parse()
+    _fold(tree)
+    if result == BOOL and tree.type != BOOL:
+        compared = Binary("!=", tree, Number("0", INT), BOOL)
+        raise ExpressionError(f"a mask expression must be a bool (a comparison or &&/||), and {text.strip()!r} is "
+                              f"{'an' if tree.type == INT else 'a'} {tree.type}; compare it, e.g. {cuda(compared)}")
+    return tree
+
+
+def check(text: str, variables: dict[str, str], result: str | None = None) -> str:
+    """The C type of `text` over `variables`; raises ExpressionError naming what is wrong."""
+    return parse(text, variables, result).type
+
+
+def mask(text: str) -> Node:
+    """A spec's mask.expression: a bool over b, h, q_idx, kv_idx."""
+    return parse(text, MASK_VARIABLES, BOOL)
+
+
+def score(text: str) -> Node:
+    """A spec's score_mod.expression or expression_grad: a number over score, b, h, q_idx, kv_idx."""
+    return parse(text, SCORE_VARIABLES)

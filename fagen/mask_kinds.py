@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,9 @@ INT2_PTR = "const int2* __restrict__"
 Predicate = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 FIELD_DEFAULTS = {"kind": "none", "align": "bottom_right", "window_left": None, "window_right": None,
                   "chunk_size": None, "prefix_len": None, "causal": False, "expression": None}
+SPAN_FIELDS = ("window_left", "window_right", "chunk_size", "prefix_len")  # positions, int32 in the kernel
+MAX_MASK_SPAN = 1 << 28  # positions: a window of 2^28 is unbounded in practice and int32-safe
+ALIGNS = ("bottom_right", "top_left")
 
 
 class MaskKind:
@@ -196,24 +200,77 @@ KINDS: dict[str, MaskKind] = {k.name: k for k in (NoMask(), Causal(), SlidingWin
                                                    Document(), BlockMaskKind())}
 
 
+class FieldRefusal(NamedTuple):
+    """A mask field its kind's rules refuse: `field = value: rule; fix` (fagen.spec.rule's form),
+    with the fields the fix sets and removes, for the spec's Advice."""
+
+    field: str
+    value: object
+    rule: str
+    fix: str
+    sets: dict
+    removes: tuple = ()
+
+    def __str__(self) -> str:
+        return f"{self.field} = {self.value!r}: {self.rule}; {self.fix}"
+
+
+def refused_field(m) -> FieldRefusal | None:
+    """The first of a mask's fields (a fagen.spec.Mask, or fields_of's namespace) that its kind
+    refuses: a field of another kind, a span that is not an integer in range, causal outside
+    'document', the kind's required field unset. The spec's Mask and the oracle's mask= (through
+    fields_of) both apply these rules, so both refuse one value with one message."""
+    kind = KINDS[m.kind]
+    for field in SPAN_FIELDS:
+        value = getattr(m, field)
+        if value is None:
+            continue
+        if field not in kind.fields:
+            return FieldRefusal(f"mask.{field}", value, f"does not apply to mask kind {m.kind!r}",
+                                "remove it, or use the kind it belongs to", {}, (f"mask.{field}",))
+        low = 0 if field.startswith("window") else 1  # a window may be empty on one side
+        whole = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if not whole or not low <= value <= MAX_MASK_SPAN:
+            kind_of = "" if whole else "an integer "
+            return FieldRefusal(f"mask.{field}", value, f"must be {kind_of}in {low}..{MAX_MASK_SPAN} (the kernel does "
+                                "int32 position arithmetic)", "use e.g. 1024", {f"mask.{field}": 1024})
+    if m.causal and "causal" not in kind.fields:
+        return FieldRefusal("mask.causal", True, "only refines kind 'document'",
+                            "use kind: causal (without causal: true) for plain causal attention",
+                            {"mask.kind": "causal"}, ("mask.causal",))
+    if kind.required and getattr(m, kind.required) is None:
+        return FieldRefusal(f"mask.{kind.required}", None, f"is required by mask kind {m.kind!r}",
+                            f"set mask.{kind.required}, e.g. 1024", {f"mask.{kind.required}": 1024})
+    return None
+
+
 def fields_of(mask) -> SimpleNamespace:
     """A mask's fields from a fagen.spec.Mask, a dict of its fields or a kind name, defaults
-    filled; the kind must be known (validation proper is the spec's)."""
+    filled, refused by the spec's rules (refused_field) where they break one."""
     if isinstance(mask, str):
         given = {"kind": mask}
     elif isinstance(mask, dict):
         given = dict(mask)
-    else:
+    elif all(hasattr(mask, f) for f in FIELD_DEFAULTS):
         given = {f: getattr(mask, f) for f in FIELD_DEFAULTS}
+    else:
+        raise ValueError(f"mask = {mask!r}: must be a fagen.spec.Mask, a dict of its fields or a kind name; pass "
+                         f"e.g. mask='causal' or mask={{'kind': 'sliding_window', 'window_left': 1024}}")
     unknown = set(given) - set(FIELD_DEFAULTS)
     if unknown:
         raise ValueError(f"mask: unknown field(s) {sorted(unknown)}; a mask has {list(FIELD_DEFAULTS)}")
     m = SimpleNamespace(**{**FIELD_DEFAULTS, **given})
-    if m.kind not in KINDS:
-        raise ValueError(f"mask.kind = {m.kind!r}: must be one of {list(KINDS)}")
-    kind = KINDS[m.kind]
-    if kind.required and getattr(m, kind.required) is None:
-        raise ValueError(f"mask.{kind.required} = None: is required by mask kind {m.kind!r}; set it, e.g. 1024")
+    if not isinstance(m.kind, str) or m.kind not in KINDS:
+        raise ValueError(f"mask.kind = {m.kind!r}: must be one of {list(KINDS)}; use e.g. 'causal'")
+    if m.align not in ALIGNS:
+        raise ValueError(f"mask.align = {m.align!r}: must be one of {list(ALIGNS)} (where query 0's diagonal meets "
+                         f"the keys: key Nk - Nq or key 0); use 'bottom_right', FlashAttention-2's")
+    if not isinstance(m.causal, (bool, np.bool_)):
+        raise ValueError(f"mask.causal = {m.causal!r}: must be True or False (document: also causal within a "
+                         f"document); pass a bool")
+    refused = refused_field(m)
+    if refused is not None:
+        raise ValueError(str(refused))
     return m
 
 
@@ -243,8 +300,8 @@ def diagonal_offset(align: str, n_q: int, n_kv: int) -> int:
 
 def predicate(mask, n_q: int, n_kv: int, doc_ids: np.ndarray | None = None) -> Predicate:
     """fn(b, h, q_idx, kv_idx) -> bool for a static mask (block_mask: every pair; its pattern
-    is applied from the BlockMask). A mask.expression is CUDA: pass its NumPy twin to the
-    oracle as mask_mod."""
+    is applied from the BlockMask): the kind's pattern alone. A mask.expression is ANDed by
+    fagen.oracle, which evaluates it (fagen.expression)."""
     m = fields_of(mask)
     kind, off = KINDS[m.kind], diagonal_offset(m.align, n_q, n_kv)
     if kind.side_input != "doc_ids":

@@ -15,9 +15,12 @@ walks its own tiles, whatever sizes the mask was built with.
 
 from __future__ import annotations
 
+import math
 import numbers
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -27,6 +30,11 @@ from fagen.spec import rule
 MASKED, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
 TYPE_NAMES = {MASKED: "MASKED", FULL: "FULL", CAUSAL: "CAUSAL", PARTIAL: "PARTIAL"}
 BITS = 32  # partial masks pack 32 keys per uint32 word, key 0 in bit 0
+# A mask is built on the host: its predicate evaluated in NumPy a block row at a time, then each
+# block classified in a Python loop (~20 s at either cap). Past them it would run for minutes or
+# hours, so the builders refuse such sizes before any work (`fagen mask show` has caps of its own).
+MAX_BLOCKS = 1 << 20  # blocks classified: 1024 x 1024
+MAX_PAIRS = 1 << 34  # (query, key) pairs evaluated: a 131072 x 131072 mask
 
 def _check_int(name: str, value, meaning: str, low: int | None = None, example: int = 1024) -> None:
     """Refuse a builder's argument that is not an integer >= low, naming it (fagen.spec.rule)."""
@@ -38,6 +46,40 @@ def _check_int(name: str, value, meaning: str, low: int | None = None, example: 
 
 def _check_length(name: str, value) -> None:
     _check_int(name, value, "positions in the sequence", 1, 4096)
+
+
+def _check_size(names: tuple[str, str], n_q: int, n_kv: int, q_block: int, kv_block: int, b: int = 1,
+                h: int = 1) -> None:
+    """Refuse a mask the host would take minutes to build (MAX_PAIRS, MAX_BLOCKS), naming the
+    lengths (`names`: the caller's arguments for n_q and n_kv, one name for a square mask) or the
+    block sizes, with a size that fits."""
+    rows = f" (batch {b}, heads {h})" if b * h > 1 else ""
+    if b * h * n_q * n_kv > MAX_PAIRS:
+        why = (f"(query, key) pairs{rows}, over the {MAX_PAIRS:,} a mask built on the host may hold (its predicate "
+               f"is evaluated in NumPy: it would run for minutes)")
+        if names[0] == names[1] and n_q == n_kv:
+            most = math.isqrt(MAX_PAIRS // (b * h))
+            raise ValueError(rule(names[0], n_q, f"makes {n_q:,} x {n_kv:,} {why}",
+                                  f"use {names[0]} <= {most}, or a spec's static mask kind, which the kernel computes "
+                                  f"itself (fagen.attention(..., mask=...))"))
+        raise ValueError(rule(f"{names[0]}, {names[1]}", (n_q, n_kv), f"make {n_q * n_kv:,} {why}",
+                              f"use {names[0]} * {names[1]} <= {MAX_PAIRS // (b * h):,}, or a spec's static mask "
+                              f"kind, which the kernel computes itself"))
+    n_qb, n_kb = -(-n_q // q_block), -(-n_kv // kv_block)
+    if b * h * n_qb * n_kb > MAX_BLOCKS:
+        size = max(q_block, kv_block, math.isqrt(b * h * n_q * n_kv // MAX_BLOCKS))
+        while b * h * -(-n_q // size) * -(-n_kv // size) > MAX_BLOCKS:
+            size += 1
+        raise ValueError(rule("q_block, kv_block", (q_block, kv_block), f"make {n_qb:,} x {n_kb:,} blocks{rows} of "
+                              f"{names[0]} x {names[1]} = {n_q} x {n_kv}, over the {MAX_BLOCKS:,} a mask built on the "
+                              f"host may have (each is classified in Python)", f"use q_block and kv_block >= {size}"))
+
+
+def _check_square(n, q_block, kv_block) -> None:
+    """The arguments of a builder of an n x n mask, size included."""
+    _check_length("n", n)
+    _check_blocks(q_block, kv_block, 0)
+    _check_size(("n", "n"), n, n, q_block, kv_block)
 
 
 def _check_blocks(q_block, kv_block, causal_offset) -> None:
@@ -143,6 +185,7 @@ class BlockMask:
         block) that sees the block, in order, as entries head * n_q_blocks + query block, with
         their types and indices into the same partial_masks (patterns stay query-row-major).
         Heads: 1 where the mask broadcasts over heads, else one per KV head (cached)."""
+        _check_int("group", group, "query heads per KV head, Hq // Hkv", 1, 1)
         key = ("key_major", group)
         if key in self._cache:
             return self._cache[key]
@@ -264,6 +307,7 @@ def from_dense(mask: np.ndarray, q_block: int = 128, kv_block: int = 128, causal
     if mask.ndim != 4:
         raise ValueError(f"from_dense: mask shape {mask.shape}; expected [Nq, Nk] or [B|1, H|1, Nq, Nk]")
     b, h, n_q, n_kv = mask.shape
+    _check_size(("mask.shape[-2]", "mask.shape[-1]"), n_q, n_kv, q_block, kv_block, b, h)
     return from_blocks(n_q, n_kv, q_block, kv_block, b, h,
                        lambda bi, hi, qb, kb: mask[bi, hi, qb * q_block:(qb + 1) * q_block, kb * kv_block:(kb + 1) * kv_block],
                        causal_offset)
@@ -280,6 +324,7 @@ def from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int, q_block: 
     _check_length("n_q", n_q)
     _check_length("n_kv", n_kv)
     _check_blocks(q_block, kv_block, causal_offset)
+    _check_size(("n_q", "n_kv"), n_q, n_kv, q_block, kv_block, b, h)
     rows_cache: dict[tuple[int, int, int], np.ndarray] = {}
 
     def block_of(bi, hi, qb, kb):
@@ -297,7 +342,9 @@ def from_predicate(fn: Predicate, b: int, h: int, n_q: int, n_kv: int, q_block: 
 
 def causal(n_q: int, n_kv: int | None = None, q_block: int = 128, kv_block: int = 128,
            align: str = "bottom_right") -> BlockMask:
+    _check_length("n_q", n_q)
     n_kv = n_q if n_kv is None else n_kv
+    _check_length("n_kv", n_kv)
     if align not in ("bottom_right", "top_left"):
         raise ValueError(rule("align", align, "must be 'bottom_right' or 'top_left' (where query 0's diagonal "
                               "meets the keys: key Nk - Nq or key 0)", "use 'bottom_right', FlashAttention-2's"))
@@ -307,7 +354,7 @@ def causal(n_q: int, n_kv: int | None = None, q_block: int = 128, kv_block: int 
 
 def sliding_window(n: int, left: int, right: int = 0, q_block: int = 128, kv_block: int = 128) -> BlockMask:
     """Query q sees keys q - left .. q + right."""
-    _check_length("n", n)
+    _check_square(n, q_block, kv_block)
     _check_int("left", left, "keys before the diagonal a query sees", 0)
     _check_int("right", right, "keys after the diagonal a query sees", 0, 0)
     return from_predicate(lambda b, h, q, k: (k >= q - left) & (k <= q + right), 1, 1, n, n, q_block, kv_block)
@@ -315,12 +362,19 @@ def sliding_window(n: int, left: int, right: int = 0, q_block: int = 128, kv_blo
 
 def document(doc_ids: np.ndarray, causal: bool = True, q_block: int = 128, kv_block: int = 128) -> BlockMask:
     """Packed sequences: doc_ids [B, N] (or [N]); a query sees keys of its own document."""
+    if doc_ids is None or np.asarray(doc_ids).dtype.kind not in "iu":
+        raise ValueError(rule("doc_ids" if doc_ids is None else "doc_ids.dtype",
+                              None if doc_ids is None else np.asarray(doc_ids).dtype,
+                              "must be integer document ids, [N] or [B, N] (one a position)",
+                              "build them with fagen.masks.documents_of_lengths([512, 1024])"))
     docs = np.atleast_2d(np.asarray(doc_ids))
     if docs.ndim != 2 or 0 in docs.shape:
         raise ValueError(rule("doc_ids.shape", list(np.shape(doc_ids)),
                               "must be [N] or [B, N] with B, N >= 1 (one document id per position)",
                               "build them with fagen.masks.documents_of_lengths([512, 1024])"))
     n = docs.shape[1]
+    _check_blocks(q_block, kv_block, 0)
+    _check_size(("doc_ids.shape[-1]", "doc_ids.shape[-1]"), n, n, q_block, kv_block, docs.shape[0])
 
     def fn(b, h, q, k):
         keep = docs[b, q] == docs[b, k]
@@ -330,14 +384,14 @@ def document(doc_ids: np.ndarray, causal: bool = True, q_block: int = 128, kv_bl
 
 def prefix_lm(n: int, prefix_len: int, q_block: int = 128, kv_block: int = 128) -> BlockMask:
     """Every query sees the first prefix_len keys, and is causal after them."""
-    _check_length("n", n)
+    _check_square(n, q_block, kv_block)
     _check_int("prefix_len", prefix_len, "keys every query sees", 0)
     return from_predicate(lambda b, h, q, k: (k <= q) | (k < prefix_len), 1, 1, n, n, q_block, kv_block)
 
 
 def chunked(n: int, chunk_size: int, q_block: int = 128, kv_block: int = 128) -> BlockMask:
     """Causal within chunks of chunk_size positions (Llama 4's chunked local attention)."""
-    _check_length("n", n)
+    _check_square(n, q_block, kv_block)
     _check_int("chunk_size", chunk_size, "positions are grouped into chunks of this many", 1)
     return from_predicate(lambda b, h, q, k: (k <= q) & (k // chunk_size == q // chunk_size),
                           1, 1, n, n, q_block, kv_block)
@@ -345,6 +399,10 @@ def chunked(n: int, chunk_size: int, q_block: int = 128, kv_block: int = 128) ->
 
 def documents_of_lengths(lengths: list[int], batch: int = 1) -> np.ndarray:
     """doc_ids [batch, sum(lengths)] for packed documents of the given lengths."""
+    if not isinstance(lengths, (list, tuple, np.ndarray)) or np.ndim(lengths) != 1:
+        raise ValueError(rule("lengths", lengths, "must be a list of document lengths (the positions of each "
+                              "packed document, in order)", "use e.g. [512, 1024, 512]"
+                              + (f", or [{lengths}] for one document" if isinstance(lengths, numbers.Integral) else "")))
     for i, length in enumerate(lengths):
         _check_int(f"lengths[{i}]", length, f"positions of document {i}", 0, 512)
     _check_int("sum(lengths)", sum(lengths), "positions in the packed sequence", 1, 4096)
@@ -357,7 +415,20 @@ def documents_of_lengths(lengths: list[int], batch: int = 1) -> np.ndarray:
 
 def show(mask: BlockMask, path: str, batch: int = 0, head: int = 0) -> str:
     """Write a PNG of the block structure (FULL / CAUSAL / PARTIAL / MASKED) of one head;
-    return a one-line summary with the sparsity."""
+    return a one-line summary with the sparsity. `path` names the file, in an existing folder;
+    a folder is refused rather than written into under a name of our choosing, as `fagen mask
+    show -o` refuses one: the caller knows where the picture went."""
+    given = os.fspath(path)
+    path = Path(given)
+    if path.is_dir():
+        raise ValueError(rule("path", given, "is a folder (show writes one PNG file)",
+                              f"name a file in it, e.g. {path / 'mask.png'}"))
+    if path.suffix.lower() != ".png":
+        raise ValueError(rule("path", given, "must end in .png (the picture is a PNG)",
+                              f"use e.g. {path.with_suffix('.png')}"))
+    if not path.parent.is_dir():
+        raise ValueError(rule("path", given, f"is in {path.parent}, which is not a folder",
+                              f"create it (mkdir -p {path.parent}) or write elsewhere"))
     import matplotlib
 
     matplotlib.use("Agg")

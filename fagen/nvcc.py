@@ -14,7 +14,8 @@ from pathlib import Path
 from fagen.load import SPECS, load_spec
 from fagen.backward_plan import backward_plan, kernel_symbols
 from fagen.plan import plan
-from fagen.render import render, render_backward
+from fagen import expression
+from fagen.render import expression_trees, render, render_backward
 from fagen.spec import HEAD_DIMS, SMEM_PER_BLOCK, AttentionSpec, Mask, ScoreMod
 from fagen.variants import LONG_KEYS, shipped_spec, variant
 
@@ -24,6 +25,8 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 # ptxas's C7520: it fenced wgmma's registers somewhere it could not prove the warpgroup converged,
 # and so waits for every wgmma before the next (no MMA overlaps another): a slow kernel, not a wrong one
 _SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized.*? in the function '(\w+)'")
+# the front end's warning and, on the next line, the source line it is about
+_WARNING = re.compile(r"^.*\(\d+\): warning\b.*\n(.*)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,23 @@ def compile_offline(spec: AttentionSpec, arch: str) -> Resources:
     log = run.stdout + run.stderr
     if run.returncode:
         raise RuntimeError(f"nvcc failed on {spec.name} for {arch}:\n{log}")
+    _refuse_expression_warnings(spec, arch, log)
     return _resources(arch, log, plan(spec).symbol, log)
+
+
+def expression_warnings(spec: AttentionSpec, log: str) -> list[str]:
+    """nvcc's warnings on the lines that paste a spec's expression (the template writes each as
+    `(<printed tree>);`): there they mean user code C leaves undefined (a division by zero, an
+    overflowing constant) that nvcc may compile to anything, so they are errors. (Warnings
+    elsewhere are the template's.)"""
+    pasted = [f"({expression.cuda(tree)});" for tree in expression_trees(spec).values()]
+    return [m[0] for m in _WARNING.finditer(log) if any(text in m[1] for text in pasted)]
+
+
+def _refuse_expression_warnings(spec: AttentionSpec, arch: str, log: str) -> None:
+    if expression_warnings(spec, log):
+        raise RuntimeError(f"nvcc warns on the expression of {spec.name} for {arch} (warnings on an expression are "
+                           f"errors: fix the expression it names):\n{log}")
 
 
 def backward_arch(spec: AttentionSpec) -> str:
@@ -117,8 +136,69 @@ def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, 
     log = run.stdout + run.stderr
     if run.returncode:
         raise RuntimeError(f"nvcc failed on {spec.name}'s backward for {arch}:\n{log}")
+    _refuse_expression_warnings(spec, arch, log)
     entries = _parse_entries(log)
     return {name: _resources(arch, entries[symbol][1], symbol, log) for name, symbol in kernel_symbols(plan_).items()}
+
+
+def backward_target(spec: AttentionSpec, arch: str) -> str:
+    """The arch a spec's backward compiles for when its forward compiles for `arch` (one of
+    archs(spec)): the same, but sm_90a's backward on mma.sync main loops (head_dim 256) is an
+    sm_90 build, as the runtime compiles it."""
+    return "sm_90" if arch == "sm_90a" and not spec.wgmma_backward else arch
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel of a spec's rendered files and what ptxas reported for it."""
+    file: str  # "forward" or "backward"
+    role: str  # "forward"; the backward's: preprocess, dkdv, dq or postprocess (kernel_symbols)
+    symbol: str
+    resources: Resources
+
+    @property
+    def clean(self) -> bool:
+        r = self.resources
+        return not (r.spill_stores or r.spill_loads or r.stack_frame)
+
+    @property
+    def label(self) -> str:
+        return self.file if self.role == self.file else f"{self.file} {self.role}"
+
+    def summary(self) -> str:
+        r = self.resources
+        return (f"{self.symbol} ({self.label}) {r.arch}: {r.registers} registers, {r.stack_frame} bytes "
+                f"stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)")
+
+
+def compile_all(spec: AttentionSpec, arch: str) -> list[Kernel]:
+    """Every kernel `spec` renders (fagen.render.renders): the forward file's, and with a
+    `backward:` section the backward file's (preprocess, dK/dV, dQ or postprocess), the backward
+    for backward_target(spec, arch). Each entry function ptxas reports is one Kernel, so a kernel
+    a template adds is checked too; raises RuntimeError with nvcc's log where it fails."""
+    kernels = []
+    files = [("forward", render(spec), arch, {plan(spec).symbol: "forward"})]
+    if spec.backward is not None:
+        roles = {symbol: role for role, symbol in kernel_symbols(backward_plan(spec)).items()}
+        files.append(("backward", render_backward(spec), backward_target(spec, arch), roles))
+    for file, source, target, roles in files:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / f"{spec.name}_{file}.cu"
+            src.write_text(source)
+            cmd = [find_nvcc(), "-cubin", f"-arch={target}", "-std=c++17", "-Xptxas", "-v",
+                   "-o", str(Path(tmp) / "k.cubin"), str(src)]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+        log = run.stdout + run.stderr
+        if run.returncode:
+            raise RuntimeError(f"nvcc failed on {spec.name}'s {file} kernels for {target}:\n{log}")
+        _refuse_expression_warnings(spec, target, log)
+        entries = _parse_entries(log)
+        missing = sorted(set(roles) - set(entries))
+        if missing:
+            raise RuntimeError(f"ptxas reported no {', '.join(missing)} in {spec.name}'s {file} file:\n{log}")
+        kernels += [Kernel(file, roles.get(symbol, "helper"), symbol, _resources(target, lines, symbol, log))
+                    for symbol, (_, lines) in entries.items()]
+    return kernels
 
 
 def compile_backward_many(builds: list[tuple[AttentionSpec, str | None]], jobs: int | None = None
@@ -210,13 +290,17 @@ def compile_many(builds: list[tuple[AttentionSpec, str]], jobs: int | None = Non
         units += [(arch, ordered[i::n]) for i in range(n)]
     units.sort(key=lambda u: -sum(map(len, u[1])))  # largest first: the pool ends together
 
+    carriers = {key: spec for (spec, _), key in zip(builds, keys)}
+
     def run(unit: tuple[str, list[str]]) -> dict[tuple[str, str], Resources]:
         arch, bodies = unit
         code, log, symbols = _compile_bundle(bodies, arch)
-        if code:
+        warned = any(expression_warnings(carriers[arch, body], log) for body in bodies)
+        if code or warned:
             if len(bodies) > 1:  # find the culprit: each on its own
                 return {k: v for body in bodies for k, v in run((arch, [body])).items()}
-            raise RuntimeError(f"nvcc failed for {arch}:\n{log}\n--- source ---\n{bodies[0]}")
+            what = "failed" if code else "warns on a spec's expression (warnings on an expression are errors)"
+            raise RuntimeError(f"nvcc {what} for {arch}:\n{log}\n--- source ---\n{bodies[0]}")
         entries = _parse_entries(log)
         return {(arch, body): _resources(arch, entries.get(sym, ("", log))[1], sym, log)
                 for body, sym in zip(bodies, symbols)}

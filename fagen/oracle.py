@@ -4,10 +4,16 @@
   KV head h // (Hq // Hkv)).
 - s = q.k * scale (scale defaults to 1 / sqrt(d)), then, in this order: softcap
   (cap * tanh(s / cap)), ALiBi (- slope_h * |q + Nk - Nq - k|), bias (vector [B|1, H|1, Nk] or
-  matrix [B|1, H|1, Nq, Nk]), score_mod(s, b, h, q_idx, kv_idx); then the mask.
+  matrix [B|1, H|1, Nq, Nk]), score_mod(s, b, h, q_idx, kv_idx); then the mask. score_mod may
+  be a spec's ScoreMod (or a dict of its fields) instead: then its softcap, ALiBi and
+  expression apply (expression_grad is its derivative for the backward), and the side inputs
+  it asks for must be given (geometric ALiBi slopes are computed).
 - causal is aligned to the bottom right: query i sees key j iff j <= i + Nk - Nq. `mask` (a
   spec's Mask, dict or kind), `block_mask`, `doc_ids` and `mask_mod(b, h, q_idx, kv_idx)` all
   AND together.
+- a spec's expressions are evaluated from the syntax tree the kernel is printed from
+  (fagen.expression): a mask expression with the kernel's int32 and float32 arithmetic (the
+  same pairs kept), a score expression in float64 (the formula's value).
 - sinks [Hq]: one finite logit per head that joins each row's max and denominator but has no
   value.
 - a row with no visible key gives O = 0 and LSE = -inf (with sinks: the sink's logit); a NaN
@@ -25,9 +31,11 @@ sharing its scores, mask and softmax through _attend.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from fagen import mask_kinds, side_inputs
+from fagen import expression, mask_kinds, side_inputs
 
 
 def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
@@ -47,7 +55,24 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwargs):
     """q [total_q, Hq, d], k, v [total_k, Hkv, d]; sequence b is rows cu_seqlens[b] ..
     cu_seqlens[b + 1] (its keys, with seqused_k: rows cu_seqlens_k[b] .. cu_seqlens_k[b] +
-    seqused_k[b]). Returns out [total_q, Hq, d] (and lse [Hq, total_q] with return_lse)."""
+    seqused_k[b]). Returns out [total_q, Hq, d] (and lse [Hq, total_q] with return_lse).
+    cu_seqlens and seqused_k are refused by the runtime's rules (fagen.side_inputs)."""
+    q, k, v = _tokens(q, "q", "Hq"), _tokens(k, "k", "Hkv"), _tokens(v, "v", "Hkv")
+    cu_seqlens_q, cu_seqlens_k = _prefix_sums(cu_seqlens_q, "cu_seqlens_q"), _prefix_sums(cu_seqlens_k, "cu_seqlens_k")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k = {cu_seqlens_k.tolist()}: must have cu_seqlens_q's length, B + 1 = "
+                         f"{cu_seqlens_q.size} (a prefix sum a sequence, and 0); pass the keys' prefix sums of the same "
+                         f"{cu_seqlens_q.size - 1} sequences")
+    side_inputs.check_cu_seqlens(cu_seqlens_q, q.shape[0], None, "q")
+    if seqused_k is None:
+        side_inputs.check_cu_seqlens(cu_seqlens_k, k.shape[0], None, "k")
+    else:  # sequences may share rows: cu_seqlens_k only says where each one's keys start
+        seqused_k = np.asarray(seqused_k)
+        if seqused_k.shape != (cu_seqlens_q.size - 1,) or seqused_k.dtype.kind not in "iu":
+            raise ValueError(f"seqused_k.shape = {list(seqused_k.shape)} of {seqused_k.dtype}: must be integers [B] = "
+                             f"[{cu_seqlens_q.size - 1}] (each sequence's keys); pass one count a sequence")
+        side_inputs.check_cu_seqlens(cu_seqlens_k, k.shape[0], None, "k")
+        side_inputs.check_seqused_k(seqused_k, cu_seqlens_k, k.shape[0], k.shape[0])
     keys = cu_seqlens_k if seqused_k is None else [(cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b])
                                                     for b in range(len(cu_seqlens_q) - 1)]
     sequences = [(_rows(q, cu_seqlens_q, b), _rows(k, keys, b), _rows(v, keys, b)) for b in range(len(cu_seqlens_q) - 1)]
@@ -57,9 +82,38 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwar
 def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, **kwargs):
     """k_cache, v_cache [num_pages, page_size, Hkv, d]: sequence b's keys are its cache_seqlens[b]
     first slots of pages page_table[b, 0], page_table[b, 1], ... q: [B, Hq, Nq, d], or
-    [total_q, Hq, d] with cu_seqlens_q (then out and lse as attention_varlen's)."""
-    def keys(cache, b):
-        rows = np.concatenate([cache[p] for p in page_table[b]], axis=0)[:cache_seqlens[b]]  # [n, Hkv, d]
+    [total_q, Hq, d] with cu_seqlens_q (then out and lse as attention_varlen's). The page table
+    and lengths are refused by the runtime's rules (fagen.side_inputs.check_pages): only the
+    pages a sequence's keys lie in are read, and each must be a page of the cache."""
+    k_cache, v_cache = _real(k_cache, "k_cache"), _real(v_cache, "v_cache")
+    if k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache.shape = {list(k_cache.shape)}, v_cache.shape = {list(v_cache.shape)}: must be one "
+                         f"shape [num_pages, page_size, Hkv, d]; pass the caches of one paged layout")
+    if cu_seqlens_q is None:
+        q = _real(q, "q")
+        if q.ndim != 4:
+            raise ValueError(f"q.shape = {list(q.shape)}: must be [B, Hq, Nq, d] (or [total_q, Hq, d] with "
+                             f"cu_seqlens_q); pass q padded, or its token-major rows with cu_seqlens_q")
+        batch = q.shape[0]
+    else:
+        q, cu_seqlens_q = _tokens(q, "q", "Hq"), _prefix_sums(cu_seqlens_q, "cu_seqlens_q")
+        side_inputs.check_cu_seqlens(cu_seqlens_q, q.shape[0], None, "q")
+        batch = cu_seqlens_q.size - 1
+    page_table, cache_seqlens = np.asarray(page_table), np.asarray(cache_seqlens)
+    if page_table.ndim != 2 or page_table.shape != (batch, page_table.shape[-1]) or page_table.shape[1] < 1 \
+            or page_table.dtype.kind not in "iu":
+        raise ValueError(f"page_table.shape = {list(page_table.shape)} of {page_table.dtype}: must be integers [B, "
+                         f"max_pages] with B = {batch} (q's sequences) and max_pages >= 1; pass one row of page ids a "
+                         f"sequence")
+    if cache_seqlens.shape != (batch,) or cache_seqlens.dtype.kind not in "iu":
+        raise ValueError(f"cache_seqlens.shape = {list(cache_seqlens.shape)} of {cache_seqlens.dtype}: must be "
+                         f"integers [B] = [{batch}] (each sequence's keys); pass one length a sequence")
+    num_pages, page_size = k_cache.shape[:2]
+    side_inputs.check_pages(page_table, cache_seqlens, num_pages, page_size)
+
+    def keys(cache, b):  # [Hkv, n, d]: the first cache_seqlens[b] slots of the pages they lie in
+        n = int(cache_seqlens[b])
+        rows = cache[page_table[b, :-(-n // page_size)]].reshape(-1, *cache.shape[2:])[:n]
         return rows.transpose(1, 0, 2)
     if cu_seqlens_q is None:
         outs = [_one(q[b:b + 1], keys(k_cache, b)[None], keys(v_cache, b)[None], kwargs) for b in range(q.shape[0])]
@@ -76,6 +130,40 @@ def _one(q, k, v, kwargs):
     if k.shape[2] == 0:  # only the sink: O = 0, LSE = its logit
         return np.zeros(q.shape), np.broadcast_to(np.asarray(kwargs["sinks"], np.float64)[None, :, None], q.shape[:3]).copy()
     return attention(q, k, v, **{**kwargs, "return_lse": True})
+
+
+def _real(x, name: str) -> np.ndarray:
+    """x as a float64 array: the kernels' inputs are real numbers, so complex ones are refused
+    rather than cast (NumPy would drop the imaginary part)."""
+    a = np.asarray(x)
+    if a.dtype.kind == "c":
+        raise ValueError(f"{name}.dtype = {a.dtype}: must be real (the kernels take float16 or bfloat16, the oracle "
+                         f"any real floats, and NumPy would drop the imaginary part); pass {name}.real if it is 0, "
+                         f"or a float array")
+    try:
+        return a.astype(np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}.dtype = {a.dtype}: must be numbers (a float array); pass a float array, e.g. "
+                         f"numpy.asarray({name}, numpy.float32)") from None
+
+
+def _tokens(x, name: str, heads: str) -> np.ndarray:
+    """A varlen tensor: token-major [total, H, d], float64."""
+    a = _real(x, name)
+    if a.ndim != 3:
+        raise ValueError(f"{name}.shape = {list(a.shape)}: must be [total, {heads}, d] (varlen is token-major: "
+                         f"sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]); pass a padded [B, H, N, d] "
+                         f"batch to oracle.attention instead, or {name}[b].transpose(1, 0, 2) row by row")
+    return a
+
+
+def _prefix_sums(cu, name: str) -> np.ndarray:
+    """cu_seqlens as an integer array [B + 1], its values for side_inputs.check_cu_seqlens."""
+    a = np.asarray(cu)
+    if a.ndim != 1 or a.size < 2 or a.dtype.kind not in "iu":
+        raise ValueError(f"{name} = {a.tolist()!r}: must be integers [B + 1] with B >= 1 (the prefix sums of the "
+                         f"sequence lengths, from 0); pass e.g. numpy.cumsum([0, *lengths])")
+    return a
 
 
 def _rows(x, cu, b):
@@ -108,10 +196,15 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given.
     score_mod_grad(s, b, h, q_idx, kv_idx) is d score_mod / d s at the same point. Masked
     pairs, and rows that see no key, get zero gradient."""
-    if score_mod is not None and score_mod_grad is None:
+    if callable(score_mod) and score_mod_grad is None:
         raise ValueError("score_mod_grad = None: is required with score_mod (the backward needs d score_mod / d s); "
                          "pass score_mod_grad(s, b, h, q_idx, kv_idx), elementwise, e.g. lambda s, b, h, q_idx, "
                          "kv_idx: 0.5 for score_mod s * 0.5")
+    spec_mod = None if score_mod is None or callable(score_mod) else _score_fields(score_mod)
+    if spec_mod is not None and spec_mod.expression is not None and spec_mod.expression_grad is None:
+        raise ValueError(f"score_mod.expression_grad = None: is required with score_mod.expression "
+                         f"{spec_mod.expression!r} (the backward needs d expression / d score); set it, e.g. 0.5f "
+                         f"for score * 0.5f")
     f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
                 mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
                 score_mod_grad=score_mod_grad, sinks=sinks)
@@ -149,7 +242,7 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     """The forward, keeping what the backward reads: q, and k, v repeated to Hq heads; scale;
     keep; p (normalized weights, 0 where masked) and p_sink; out and lse; and the chain-rule
     factors dcap (d softcap / d s) and dmod (score_mod_grad, 1 without it)."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    q, k, v = (_real(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"oracle.attention: expected q [B,Hq,Nq,d] and k, v [B,Hkv,Nk,d]; got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or 0 in q.shape or 0 in k.shape:
@@ -173,12 +266,20 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     if sinks is not None:
         sinks = np.asarray(sinks, np.float64)
         side_inputs.check_finite("sinks", sinks.tolist())
+    if block_mask is not None:
+        side_inputs.check_block_mask(block_mask, b, heads_q, n_q, n_kv)
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    scale = side_inputs.check_scale(scale, d)
     bi = np.arange(b)[:, None, None, None]
     hi = np.arange(heads_q)[None, :, None, None]
     qi = np.arange(n_q)[None, None, :, None]
     ki = np.arange(n_kv)[None, None, None, :]
+
+    if score_mod is not None and not callable(score_mod):  # a spec's ScoreMod: every field of it applies
+        score_mod, score_mod_grad, softcap, alibi_slopes = _spec_score_mod(
+            score_mod, score_mod_grad, softcap, alibi_slopes, bias, sinks, heads_q)
+    if softcap is not None:  # the spec's rule (score_mod.softcap)
+        softcap = side_inputs.check_softcap("softcap", softcap)
 
     # scores and their modifiers
     s = (q @ k.swapaxes(-1, -2)) * scale
@@ -203,6 +304,9 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
         keep = keep & causal_mask(n_q, n_kv)
     if mask is not None:
         keep = keep & mask_kinds.predicate(mask, n_q, n_kv, doc_ids)(bi, hi, qi, ki)
+        if mask.expression is not None:  # the kind's pattern, AND the spec's expression
+            keep = keep & expression.evaluate(_parsed("mask.expression", mask.expression, expression.mask),
+                                              dict(b=bi, h=hi, q_idx=qi, kv_idx=ki))
     if block_mask is not None:
         keep = keep & block_mask.to_dense()
     if mask_mod is not None:
@@ -227,3 +331,53 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     return dict(q=q, k=k, v=v, scale=scale, keep=keep, p=p, out=p @ v,
                 p_sink=None if sinks is None else np.exp(sink - m0) / l,
                 lse=np.where(empty, -np.inf, m0 + np.log(l))[..., 0], dcap=dcap, dmod=dmod)
+
+
+# ---- a spec's score modifiers --------------------------------------------------------------
+SCORE_FIELD_DEFAULTS = {"softcap": None, "alibi": "none", "bias": "none", "expression": None, "expression_grad": None,
+                        "sinks": False}
+
+
+def _score_fields(score_mod) -> SimpleNamespace:
+    """A spec's ScoreMod (or a dict of its fields) as its fields, defaults filled."""
+    given = dict(score_mod) if isinstance(score_mod, dict) else \
+        {f: getattr(score_mod, f) for f in SCORE_FIELD_DEFAULTS if hasattr(score_mod, f)}
+    if (not given and not isinstance(score_mod, dict)) or set(given) - set(SCORE_FIELD_DEFAULTS):
+        raise ValueError(f"score_mod = {score_mod!r}: must be score_mod(s, b, h, q_idx, kv_idx), a spec's ScoreMod or "
+                         f"a dict of its fields {list(SCORE_FIELD_DEFAULTS)}; pass e.g. spec.score_mod")
+    return SimpleNamespace(**{**SCORE_FIELD_DEFAULTS, **given})
+
+
+def _parsed(field: str, text: str, parse) -> expression.Node:
+    try:
+        return parse(text)
+    except expression.ExpressionError as err:
+        raise ValueError(f"{field} = {text!r}: {err}") from None
+
+
+def _expression_function(field: str, text: str | None):
+    """fn(s, b, h, q_idx, kv_idx) of a score expression (None: none), in float64, shaped as s."""
+    if text is None:
+        return None
+    tree = _parsed(field, text, expression.score)
+    return lambda s, b, h, q, k: np.broadcast_to(expression.evaluate(
+        tree, dict(score=s, b=b, h=h, q_idx=q, kv_idx=k), np.float64), np.shape(s))
+
+
+def _spec_score_mod(score_mod, score_mod_grad, softcap, alibi_slopes, bias, sinks, heads: int):
+    """(score_mod, score_mod_grad, softcap, alibi_slopes) that apply a spec's ScoreMod; the side
+    inputs it asks for must be given, and a softcap given beside it must be its own."""
+    m = _score_fields(score_mod)
+    if softcap is not None and softcap != m.softcap:
+        raise ValueError(f"softcap = {softcap}: score_mod has softcap {m.softcap}; pass the spec's score_mod alone")
+    if score_mod_grad is not None:
+        raise ValueError("score_mod_grad: a spec's score_mod carries its derivative (expression_grad); leave it out")
+    if m.alibi == "geometric" and alibi_slopes is None:
+        alibi_slopes = side_inputs.geometric_alibi_slopes(heads)
+    for name, given, field, wants in (("alibi_slopes", alibi_slopes, "alibi", m.alibi == "slopes"),
+                                      ("bias", bias, "bias", m.bias != "none"), ("sinks", sinks, "sinks", m.sinks)):
+        if wants and given is None:
+            raise ValueError(f"{name} = None: score_mod.{field} = {getattr(m, field)!r} asks for it; pass {name}")
+    return (_expression_function("score_mod.expression", m.expression),
+            _expression_function("score_mod.expression_grad", m.expression_grad), m.softcap, alibi_slopes)
+

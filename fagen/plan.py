@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from fagen.mask_kinds import KINDS
 from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
-                        AttentionSpec, Outputs, ScoreMod, SpecError, rule)
+                        AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule)
 
 ELEMENT_BYTES = 2  # float16 and bfloat16
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
@@ -50,7 +50,7 @@ REGISTER_COSTS = {
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
         "base": 34.33, "stages": 1.85,
-        "s_expression": 1.0,  # measured, not fitted: see register_terms
+        "s_expression": 1.0, "pattern_words": 1.0,  # measured, not fitted: see register_terms
         # each accumulator or fragment register, with its share of the rest
         "o": 1.04, "s": 1.77,
         # the mask's and the modifiers' state, held through the loop
@@ -68,6 +68,21 @@ REGISTER_COSTS = {
 # was that sum plus 28 to 32; the mask's and modifiers' terms are the wgmma fit's, and a score
 # modifier's kernels need a few more (d256 with 80 keys and a bias: 8 bytes spilled at 32).
 WARP_SPECIALIZED_REST, WARP_SPECIALIZED_MODIFIER_REST = 32, 4
+# ... and softcap's tanh on every score: measured, not fitted. Bisecting consumer_registers (sm_90a,
+# f16 and bf16; d64 with 128-208 keys, d128 with 96-160, d256 with 48-80; two and three consumer
+# warpgroups; no mask, causal, causal documents, sliding windows), softcap consumers with more
+# than 40 S registers needed up to 12 registers over the fit's estimate, more with more S (d64 with
+# 192 keys: 80 bytes at 232, none at 224 or 240), and not monotonically in the budget: a budget can
+# spill where a smaller one fits. A quarter register per S register past 40 puts every budget that
+# spilled below the estimate; up to 40 the estimate already had 4 to spare. (A branch-free tanh,
+# ex2 and rcp, moved those spills rather than removing them.)
+WARP_SPECIALIZED_SOFTCAP_S_FREE, WARP_SPECIALIZED_SOFTCAP_PER_S = 40, 0.25
+# ... and, with a mask (its element test), never fewer than this: measured, not fitted. d64
+# consumers (two or three warpgroups) with 48 or 64 keys and a sliding window, chunked, prefix-LM
+# or causal mask spilled 4 to 112 bytes at 104 and 112 registers, which the estimate allowed, and
+# fit at 120; with this floor no budget that spilled in those sweeps (d64 and d128, 32 to 96 keys,
+# those masks and documents) is within the estimate.
+WARP_SPECIALIZED_MASKED_FLOOR = 120
 # Kernels the estimate refuses that ptxas -v was run on (sm_80, sm_86, sm_89 and sm_90, f16 and
 # bf16, nvcc 13.0): they fit, at the registers given (the most over those archs). The 32-rows-a-warp
 # d=128 tiles (notes/perf.md: the fastest mma.sync tiles at d=128), no modifiers, full outputs
@@ -351,6 +366,12 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # priced from ptxas -v, paged against varlen variants of the shipped specs (sm_90a d64 and d128:
     # +37, +38; mma.sync: +7 to +14), with room to spare.
     terms["paged"] = float(spec.sequences.kv == "paged")
+    # A block mask's PARTIAL pattern: a thread loads a word of 32 keys for each of its rows (2 an
+    # m16 fragment) and each 32 keys of the tile, all held through the element test. Measured, not
+    # fitted (the fitted data held few block masks beside a modifier): on wgmma (sm_90a d128, 64 x
+    # 128) a block mask takes 16 registers over none where the fit gives 10, and with a vector
+    # bias spilled 12 bytes at a predicted 253; mma.sync's per-S cost already covers it.
+    terms["pattern_words"] = (2 * (2 * o_regs // d) * -(-t.block_kv // 32)) if kind == "block_mask" else 0
     if kind == "document_causal":  # both document masks test elements alike; the causal one keeps
         terms["s_document"] = s_regs  # a row start per accumulator row (2 an m16 fragment)
         terms["rows_document_causal"] = 2 * o_regs // (d // 2)
@@ -383,11 +404,66 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
     costs = REGISTER_COSTS["wgmma" if spec.wgmma else "mma_sync"]
     terms = register_terms(spec, o_regs, s_regs, q_regs, threads)
     if spec.warp_specialized:  # the consumers hold no copy state: their accumulators and a fixed rest
-        kept = {name: amount for name, amount in terms.items() if name not in ("base", "stages", "o", "s")}
-        return int(o_regs + s_regs + s_regs // 2 + WARP_SPECIALIZED_REST
-                   + WARP_SPECIALIZED_MODIFIER_REST * spec.score_mod.changes_scores
-                   + sum(costs.get(name, 0.0) * amount for name, amount in kept.items()))
+        # (a block mask's pattern words too: d64 with 192 keys fits at 208, under the fit's terms alone)
+        kept = {name: amount for name, amount in terms.items()
+                if name not in ("base", "stages", "o", "s", "pattern_words")}
+        main_loop = (o_regs + s_regs + s_regs // 2 + WARP_SPECIALIZED_REST
+                     + WARP_SPECIALIZED_MODIFIER_REST * spec.score_mod.changes_scores
+                     + WARP_SPECIALIZED_SOFTCAP_PER_S * max(0, s_regs - WARP_SPECIALIZED_SOFTCAP_S_FREE)
+                     * (spec.score_mod.softcap is not None)
+                     + sum(costs.get(name, 0.0) * amount for name, amount in kept.items()))
+        masked = spec.mask.kind != "none" or spec.mask.expression is not None
+        return int(max(main_loop, accumulate_epilogue(spec, o_regs, s_regs), WARP_SPECIALIZED_MASKED_FLOOR * masked))
     return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
+
+
+def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
+    """A warp-specialised accumulating consumer's epilogue (outputs.accumulate): the running O of
+    fold_rows rows loads while the last tile's P.V is in flight, so O, P, those rows (f32 pairs)
+    and the rest are live at once; S is not. Found by bisecting consumer_registers (sm_90a, f16):
+    d256 with 64 keys fits at 240 and spills 12 bytes at 232, 80 keys spills 24 at 240 (O 128,
+    one row 64, P 16 / 20); d128 with 80 keys and 3 consumer warpgroups (one row 32) fits at 152
+    and spills at 144; with two rows, d128 and d64 need no more than their main loop. 0 where
+    the kernel does not accumulate."""
+    if not spec.outputs.accumulate:
+        return 0
+    ws = spec.pipeline.warp_specialized
+    limit = ws.consumer_registers if ws else MAX_REGISTERS
+    rows = fold_rows(o_regs, spec.head_dim, limit)
+    return o_regs + rows * (spec.head_dim // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST
+
+
+def register_fix(spec: AttentionSpec, limit: int) -> str:
+    """The fix for a tiling over its register limit: the largest smaller block_kv predicted within
+    it (P, S and the mask's and modifiers' per-key terms shrink with it), and, warp-specialised,
+    more consumer_registers where setmaxnreg has more to give; otherwise the general advice."""
+    t = spec.tiling
+    fixes = []
+    for block_kv in range(t.block_kv - MMA_K, 0, -MMA_K):
+        if block_kv % t.warps_kv or (block_kv // t.warps_kv) % MMA_K:
+            continue
+        smaller = spec.model_copy(update={"tiling": t.model_copy(update={"block_kv": block_kv})})
+        if _predicted(smaller) <= limit:
+            fixes.append(f"use block_kv: {block_kv}")
+            break
+    ws = spec.pipeline.warp_specialized
+    if ws:
+        most = most_consumer_registers(t.warps_q // 4, ws.producer_registers)
+        if most > ws.consumer_registers and _predicted(spec) <= most:
+            fixes.append(f"set warp_specialized.consumer_registers: {most}")
+    if not fixes:
+        fixes.append("use more warps_q, a smaller block_kv, or q_in_registers: false")
+    return ", or ".join(fixes)
+
+
+def _predicted(spec: AttentionSpec) -> int:
+    """predict_registers for `spec`'s tiling (plan's accumulator counts)."""
+    t, d = spec.tiling, spec.head_dim
+    m_frags = t.block_q // (t.warps_q * MMA_M)
+    per_thread = MMA_M * MMA_N // 32
+    q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
+    return predict_registers(spec, m_frags * (d // MMA_N) * per_thread,
+                             m_frags * (t.block_kv // t.warps_kv // MMA_N) * per_thread, q_regs, 32 * t.warps_q * t.warps_kv)
 
 
 def end_aligned_tiles(spec: AttentionSpec) -> bool:
@@ -454,8 +530,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
             f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, {q_regs} for Q, "
             f"{p_regs} for P, the rest addresses, pipeline state and the mask's and score modifiers' "
             f"temporaries) over the {register_limit} limit{' (consumer_registers)' if ws else ''}: it would spill",
-            "use more warps_q, a smaller block_kv, or q_in_registers: false"
-            + (", or more consumer_registers" if ws else "")))
+            register_fix(spec, register_limit)))
 
     return KernelPlan(
         name=spec.name,

@@ -5,17 +5,20 @@ No CuPy here: rendering, snapshot tests and nvcc checks run on machines without 
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Sequence
 
 import jinja2
 import yaml
 
-from fagen import __version__
+from fagen import __version__, expression
 from fagen.backward_plan import backward_plan
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
-from fagen.spec import AttentionSpec
+from fagen.spec import AttentionSpec, SpecError
 
 PACKAGE = Path(__file__).resolve().parent
 TEMPLATES = PACKAGE / "templates"
@@ -29,6 +32,9 @@ DOCUMENT_BOUNDS_THREADS = 256
 SEQUENCE_TILES_TEMPLATE = "kernel/sequence_tiles.cu.j2"
 SEQUENCE_TILES = "sequence_tiles_kernel"
 SEQUENCE_TILES_THREADS = 256
+APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
+APPEND_KV = "append_kv_kernel"
+APPEND_KV_THREADS = 128
 GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
 GRADIENT_SUM_THREADS = 256
 GRADIENT_SUM_BATCH = 9  # shares whose loads a thread issues at once: the own block's 2 and an 8-GPU ring's 7
@@ -59,13 +65,29 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def context(spec: AttentionSpec) -> dict:
+def spec_source(spec: AttentionSpec, path: str | Path | None = None) -> str:
+    """The spec file a kernel's banner names: `path` as the render was given it (relative to the
+    working directory), else the file name, which load_spec holds to <name>.yaml wherever it lives."""
+    if path is None:
+        return f"{spec.name}.yaml"
+    path = Path(path)
+    return (Path(os.path.relpath(path)) if path.is_absolute() else path).as_posix()
+
+
+def expression_trees(spec: AttentionSpec) -> dict[str, expression.Node]:
+    """The syntax trees of a spec's expressions, by name: mask, score, score_grad."""
+    texts = {"mask": (spec.mask.expression, expression.mask), "score": (spec.score_mod.expression, expression.score),
+             "score_grad": (spec.score_mod.expression_grad, expression.score)}
+    return {name: parse(text) for name, (text, parse) in texts.items() if text is not None}
+
+
+def context(spec: AttentionSpec, source: str | Path | None = None) -> dict:
     """Everything a template may print. Templates never compute: numbers come from the plan;
     the flags here decide what is emitted."""
     echoed = yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=True, default_flow_style=False)
     return {
         "version": __version__,
-        "source": f"specs/{spec.name}.yaml",
+        "source": spec_source(spec, source),
         "spec_lines": echoed.rstrip("\n").splitlines(),
         "name": spec.name,
         "dtype": spec.dtype,
@@ -74,6 +96,9 @@ def context(spec: AttentionSpec) -> dict:
         "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,
         "score_mod": spec.score_mod,
+        # printed from their syntax trees: what nvcc reads is what was validated, and what the oracle evaluates
+        "expressions": {name: expression.cuda(tree) for name, tree in expression_trees(spec).items()},
+        "expression_reads": {name: expression.reads(tree) for name, tree in expression_trees(spec).items()},
         "write_lse": spec.outputs.lse,
         "partial": spec.outputs.partial,
         "accumulate": spec.outputs.accumulate,
@@ -88,16 +113,17 @@ def context(spec: AttentionSpec) -> dict:
     }
 
 
-def render(spec: AttentionSpec) -> str:
+def render(spec: AttentionSpec, source: str | Path | None = None) -> str:
+    """The forward kernel; `source`, the spec file it came from, is named in its banner."""
     spec = validated(spec)  # a model_copy(update=...) may carry anything: nothing unchecked renders
-    return environment().get_template(FORWARD_TEMPLATE).render(context(spec))
+    return environment().get_template(FORWARD_TEMPLATE).render(context(spec, source))
 
 
-def render_backward(spec: AttentionSpec) -> str:
+def render_backward(spec: AttentionSpec, source: str | Path | None = None) -> str:
     """The backward kernels of a spec with a `backward:` section (fagen.backward_plan)."""
     spec = validated(spec)
     return environment().get_template(BACKWARD_TEMPLATE).render(
-        {**context(spec), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
+        {**context(spec, source), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
 
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
@@ -129,6 +155,13 @@ def render_sequence_tiles() -> str:
         counts_per_thread=SEQUENCE_TILES_COUNTS // SEQUENCE_TILES_THREADS)
 
 
+def render_append_kv() -> str:
+    """The kernel writing new tokens' K and V into a paged cache (fagen.sequences.append_kv)."""
+    return environment().get_template(APPEND_KV_TEMPLATE).render(
+        version=__version__, name=APPEND_KV, threads=APPEND_KV_THREADS,
+        paging={"page_out_of_range": PAGE_OUT_OF_RANGE, "seqlen_over_table": SEQLEN_OVER_TABLE})
+
+
 def gradient_sum_name(dtype: str) -> str:
     return f"gradient_sum_{dtype}"
 
@@ -148,22 +181,74 @@ def backward_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}_backward.cu"
 
 
-def renders(specs: list[AttentionSpec], out_dir: Path, *, with_merge: bool) -> dict[Path, str]:
-    """The files a render of `specs` into out_dir writes, and their text; with_merge (a whole
-    folder of specs): the kernels no spec owns too (shared_kernels)."""
-    texts = {generated_path(spec, out_dir): render(spec) for spec in specs}
-    texts |= {backward_path(spec, out_dir): render_backward(spec) for spec in specs if spec.backward is not None}
-    if with_merge:
-        texts |= {Path(out_dir) / name: text for name, text in shared_kernels().items()}
-    return texts
+@dataclass(frozen=True)
+class Output:
+    """A file a render writes: where, what it is rendered from (named when two claim one file),
+    and its text, rendered only once every output of the render is known not to collide."""
+
+    path: Path
+    origin: str
+    text: Callable[[], str]
+    spec_file: Path | None = None  # the spec it renders, for the `fagen render` listing
+
+
+def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
+    """The kernels no one spec owns, by file name: what each is, and its renderer."""
+    return {**{f"{merge_name(dtype)}.cu": (f"fagen's split-KV merge kernel ({dtype})", lambda d=dtype: render_merge(d))
+               for dtype in MERGE_DTYPES},
+            **{f"{gradient_sum_name(dtype)}.cu": (f"fagen's ring gradient sum kernel ({dtype})",
+                                                  lambda d=dtype: render_gradient_sum(d)) for dtype in PTX_TYPE},
+            f"{DOCUMENT_BOUNDS}.cu": ("fagen's document bounds kernel", render_document_bounds),
+            f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
+            f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv)}
+
+
+def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
+            sources: Sequence[str | Path] | None = None) -> list[Output]:
+    """Every file a render of `specs` (read from `sources`, the spec files, where known) into
+    out_dir writes, with what it is rendered from: a spec's <name>.cu, its <name>_backward.cu,
+    and with_merge (a whole folder of specs) the kernels no spec owns (shared_kernels). Those keep
+    their names in any folder, so a spec whose file would take one is refused whether they are
+    written or not. Two outputs of one path are an error naming both, raised before anything is
+    rendered: the later would silently overwrite the earlier."""
+    sources = list(sources) if sources is not None else [None] * len(specs)
+    if len(sources) != len(specs):
+        raise ValueError(f"{len(sources)} sources for {len(specs)} specs: give one spec file a spec")
+    out_dir = Path(out_dir)
+    shared = {out_dir / name: Output(out_dir / name, what, text) for name, (what, text) in _shared_kernels().items()}
+    claimed: dict[Path, Output] = {}
+    seen_files: set[Path] = set()
+    for spec, source in zip(specs, sources):
+        if source is not None:
+            if Path(source).resolve() in seen_files:  # one file named twice renders once
+                continue
+            seen_files.add(Path(source).resolve())
+        where = spec_source(spec, source)
+        mine = [Output(generated_path(spec, out_dir), where, lambda s=spec, f=source: render(s, f), source)]
+        if spec.backward is not None:
+            mine.append(Output(backward_path(spec, out_dir), f"{where}'s backward: section",
+                               lambda s=spec, f=source: render_backward(s, f), source))
+        for output in mine:
+            earlier = claimed.get(output.path) or shared.get(output.path)
+            if earlier is not None:
+                raise SpecError(f"{output.path} would be rendered from both {earlier.origin} and {output.origin}: "
+                                f"the second would overwrite the first; rename spec {spec.name!r} (its name: and "
+                                f"its file), or render the two into different folders")
+            claimed[output.path] = output
+    return list(claimed.values()) + (list(shared.values()) if with_merge else [])
+
+
+def renders(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
+            sources: Sequence[str | Path] | None = None) -> dict[Path, str]:
+    """The files a render of `specs` into out_dir writes, and their text (outputs: refused if two
+    would share a file)."""
+    return {o.path: o.text() for o in outputs(specs, out_dir, with_merge=with_merge, sources=sources)}
 
 
 def shared_kernels() -> dict[str, str]:
     """The kernels no one spec owns, by file name: the split-KV merges, the ring's gradient sums,
-    the document bounds and the varlen tile table."""
-    return {**{f"{merge_name(dtype)}.cu": render_merge(dtype) for dtype in MERGE_DTYPES},
-            **{f"{gradient_sum_name(dtype)}.cu": render_gradient_sum(dtype) for dtype in PTX_TYPE},
-            f"{DOCUMENT_BOUNDS}.cu": render_document_bounds(), f"{SEQUENCE_TILES}.cu": render_sequence_tiles()}
+    the document bounds, the varlen tile table and the paged cache's append."""
+    return {name: text() for name, (_, text) in _shared_kernels().items()}
 
 
 def stale(texts: dict[Path, str], out_dir: Path, *, whole_folder: bool) -> list[tuple[Path, str]]:

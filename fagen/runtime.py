@@ -24,7 +24,6 @@ from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS
-from fagen.masks import BlockMask
 from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
 from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, shared_kernels
 from fagen.spec import AttentionSpec, Mask, ScoreMod
@@ -428,9 +427,7 @@ class Kernel:
         if return_lse and not self.spec.outputs.lse:
             raise ValueError(f"return_lse=True, but kernel {self.spec.name} has outputs.lse: false; "
                              f"use a spec with outputs: {{lse: true}}")
-        scale = 1.0 / math.sqrt(self.spec.head_dim) if scale is None else float(scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
+        scale = side_inputs.check_scale(scale, self.spec.head_dim)
         b, hq, nq, d = tq.shape
         nk = tk.shape[2]
         if mask_offset is None:
@@ -709,12 +706,7 @@ def block_mask_arguments(mask, block_q: int, block_kv: int, b: int, hq: int, nq:
     """A BlockMask as a kernel's bm_* arguments, re-blocked to its tiles: query-major lists for
     the forward and the dQ kernel; with key_major_group, the dK/dV kernel's lists per KV block
     (fagen.masks.BlockMask.key_major). Device copies are cached on the mask, per device."""
-    if not isinstance(mask, BlockMask):
-        raise ValueError(f"block_mask: expected a fagen.masks.BlockMask, got {type(mask).__name__}")
-    if (mask.n_q, mask.n_kv) != (nq, nk):
-        raise ValueError(f"block_mask was built for Nq = {mask.n_q}, Nk = {mask.n_kv}, but q, k have {nq}, {nk}")
-    if mask.batch not in (1, b) or mask.heads not in (1, hq):
-        raise ValueError(f"block_mask is [{mask.batch}, {mask.heads}, ...]; expected batch 1 or {b}, heads 1 or {hq}")
+    side_inputs.check_block_mask(mask, b, hq, nq, nk)  # the oracle's rule
     tiles = mask.for_tiles(block_q, block_kv)
     key = ("device", cupy.cuda.Device().id, key_major_group)
     if key not in tiles._cache:

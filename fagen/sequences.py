@@ -15,9 +15,10 @@ does. Nothing is copied: the tensors are read in place through views of their st
 
 Bad input is refused before launch: shapes, dtypes and, with validate=True (the default), the
 values of cu_seqlens, cache_seqlens and the page table (that reads them back: one host sync).
-Inside a CUDA graph or a hot loop pass validate=False: the paged kernels still never read out
-of bounds (a page id outside the cache loads zeros and sets a flag in `status`, a sequence
-longer than its table row is cut to it), while varlen trusts cu_seqlens and max_seqlen_*.
+Inside a CUDA graph or a hot loop pass validate=False: the paged kernels and the append still
+never touch a page outside the cache (a page id outside it loads zeros, or is not written, and
+sets a flag in `status`; a sequence longer than its table row is cut to it), while varlen trusts
+cu_seqlens and max_seqlen_*.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from fagen import variants
 from fagen.decode import PreparedAttention, default_splits, step_spec
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
-from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
+from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Launch, _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
+from fagen.side_inputs import check_cu_seqlens, check_pages, check_scale, check_seqused_k  # the oracle's too
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import MergeLaunch, merge_launch
 
@@ -84,35 +86,6 @@ def _host(arr) -> np.ndarray:
     return cupy.asnumpy(arr)  # one host sync: only where validate=True asks for it
 
 
-def check_cu_seqlens(cu: np.ndarray, total: int, max_seqlen: int, what: str) -> None:
-    """cu_seqlens' values: from 0, non-decreasing, ending at the tensor's total rows, no sequence
-    longer than max_seqlen (the grid covers that many)."""
-    name = f"cu_seqlens_{what}"
-    if cu[0] != 0:
-        raise ValueError(f"{name}[0] = {cu[0]}: must be 0 (prefix sums of the sequence lengths)")
-    steps = np.diff(cu)
-    if (steps < 0).any():
-        i = int(np.argmax(steps < 0))
-        raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}] = {cu[i + 1]} < {name}[{i}] = {cu[i]}")
-    if cu[-1] != total:
-        raise ValueError(f"{name}[-1] = {cu[-1]}, but {what} has {total} rows: the last prefix sum is the total")
-    if steps.size and steps.max() > max_seqlen:
-        raise ValueError(f"max_seqlen_{what} = {max_seqlen}, but sequence {int(np.argmax(steps))} has {steps.max()} "
-                         f"rows: pass the longest sequence's length (or more)")
-
-
-def check_seqused_k(used: np.ndarray, cu_k: np.ndarray, total_k: int, max_seqlen_k: int) -> None:
-    """seqused_k's values: sequence b's keys, rows cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b],
-    lie within k and number at most max_seqlen_k."""
-    ends = cu_k[:-1].astype(np.int64) + used
-    for bad, rule in (((used < 0), "must be >= 0"), ((ends > total_k), f"must end within k's {total_k} rows "
-                                                                    "(cu_seqlens_k[b] + seqused_k[b] <= total_k)"),
-                      ((used > max_seqlen_k), f"must be <= max_seqlen_k = {max_seqlen_k} (it sizes the grid)")):
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise ValueError(f"seqused_k[{b}] = {used[b]} (from row cu_seqlens_k[{b}] = {cu_k[b]}): {rule}")
-
-
 def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                  seqused_k=None, validate: bool = True) -> Batch:
     """Check a varlen batch (FlashAttention's flash_attn_varlen_func arguments, seqused_k
@@ -147,22 +120,6 @@ def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
                  *(_view(t, (b, t.shape[1], int(max_seqlen_k), t.shape[2]), (0, t.strides[1], t.strides[0], 1))
                    for t in (tk, tv)),
                  "varlen", "varlen", arguments, (cu_q, cu_k) + ((used,) if used is not None else ()))
-
-
-def check_pages(page_table: np.ndarray, cache_seqlens: np.ndarray, num_pages: int, page_size: int) -> None:
-    """The page table's values: every sequence fits its row, and every page it uses is a page
-    of the cache."""
-    capacity = page_table.shape[1] * page_size
-    for b, n in enumerate(cache_seqlens):
-        if not 0 <= n <= capacity:
-            raise ValueError(f"cache_seqlens[{b}] = {n}: must be in 0..{capacity} (page_table's {page_table.shape[1]} "
-                             f"pages of {page_size}); widen page_table or shorten the sequence")
-        used = page_table[b, :math.ceil(n / page_size)]
-        bad = (used < 0) | (used >= num_pages)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"page_table[{b}, {i}] = {used[i]}: not a page of the cache (0..{num_pages - 1}); "
-                             f"sequence {b} reads it for keys {i * page_size}..{min(n, (i + 1) * page_size) - 1}")
 
 
 def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, max_seqlen_q: int | None = None,
@@ -273,7 +230,7 @@ def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) 
         ws = long.pipeline.warp_specialized
         if ws is not None and ws.persistent:
             plain = long
-    if tq.shape[1] % tk.shape[1]:
+    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),
                                   plain.mask, plain.score_mod)
@@ -291,7 +248,7 @@ class Packed:
     spec: AttentionSpec
     out: object
     lse: object
-    kernel: Launch
+    kernel: Launch | None  # None: no query row, nothing to launch
     merge: MergeLaunch | None
     held: list
 
@@ -312,13 +269,14 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         raise ValueError(f"head_dim: q has {d}, k and v have {tk.shape[-1]}")
     if len({tq.device, tk.device, tv.device}) != 1:
         raise ValueError(f"q, k, v are on cuda:{tq.device}, cuda:{tk.device}, cuda:{tv.device}: put them on one GPU")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale = {scale}: must be a finite positive number (default 1/sqrt(head_dim))")
+    scale = check_scale(scale, d)
     varlen_q = batch.q_layout == "varlen"
     total_q = int(batch.arguments["total_q"]) if varlen_q else 0
     partial = spec.outputs.partial
+    out_shape, lse_shape = ((total_q, hq, d), (hq, total_q)) if varlen_q else ((b, hq, nq, d), (b, hq, nq))
     with cupy.cuda.Device(tq.device), stream_for(tq):
+        if 0 in out_shape:  # no query row: nothing to launch (nor to split: decode.no_work)
+            return Packed(spec, _outputs(out, out_shape, tq), empty_like(tq, lse_shape, "float32"), None, None, [])
         if partial and not varlen_q:  # decode: one launch where it can (fagen.decode.step_spec)
             spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
             kernel, partial = compile_kernel(spec), spec.outputs.partial
@@ -341,15 +299,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
             if kernel.plan.claimed_walk:
                 extras["tiles_claimed"] = np.uint64(claimed_counter(ptr, table.shape[0] - 1))
             held = [*held, table]
-        out_shape = (total_q, hq, d) if varlen_q else (b, hq, nq, d)
-        if out is None:
-            out = empty_like(tq, out_shape, tq.dtype)
+        out = _outputs(out, out_shape, tq)
         to = as_device_tensor(out, "out")
-        if to.shape != out_shape or to.dtype != tq.dtype or to.kind != tq.kind or to.device != tq.device:
-            raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} {tq.dtype} "
-                             f"tensor {out_shape} on cuda:{tq.device}")
         _check_layout(to, "out")
-        lse = empty_like(tq, (hq, total_q) if varlen_q else (b, hq, nq), "float32")
+        lse = empty_like(tq, lse_shape, "float32")
         # the kernel's views of out and lse: [B, Hq, Nq, d] strides, varlen rows token-major
         to = _bhsd(to, varlen_q)
         held = [*held, *batch.held]
@@ -381,10 +334,23 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         return Packed(kernel.spec, out, lse, launch, merge, held)
 
 
+def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor):
+    """out as given (checked: `shape`, q's dtype, framework and device) or allocated."""
+    if out is None:
+        return empty_like(tq, shape, tq.dtype)
+    to = as_device_tensor(out, "out")
+    if to.shape != shape or to.dtype != tq.dtype or to.kind != tq.kind or to.device != tq.device:
+        raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} {tq.dtype} "
+                         f"tensor {shape} on cuda:{tq.device}")
+    return out
+
+
 def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
         splits: int | None = None, out=None):
     """(out, lse) of `spec` (spec_for's) on a checked batch, launched on the inputs' stream."""
     packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out)
+    if packed.kernel is None:  # no query row
+        return packed.out, packed.lse
     with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
         packed.kernel(None)
         if packed.merge is not None:
@@ -430,12 +396,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=
     written into the cache after each sequence's cache_seqlens keys (chunked prefill), and the
     queries attend to the cache plus them; the caller advances cache_seqlens, as with
     FlashAttention. q: [B, Hq, Nq, d], or [total_q, Hq, d] with cu_seqlens_q and max_seqlen_q.
-    status: an int32 [1] device array the kernel ORs PAGE_OUT_OF_RANGE and SEQLEN_OVER_TABLE into."""
+    status: an int32 [1] device array the append and the kernel OR PAGE_OUT_OF_RANGE and
+    SEQLEN_OVER_TABLE into (validate=False: what they skip, neither reading nor writing it)."""
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
     if k is not None:
+        if status is None:  # the append's flags and the kernel's in one word
+            status = zeros_like(as_device_tensor(q, "q"), (1,), "int32")
         cache_seqlens = append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q=cu_seqlens_q,
-                                  validate=validate)
+                                  validate=validate, status=status)
     batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q,
                         max_seqlen_q=max_seqlen_q, status=status, validate=validate)
     spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -474,6 +443,9 @@ class PreparedKVCache(PreparedAttention):
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status)
         spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if 0 in tq.shape[:3]:  # (the cache's keys are the device's to count)
+            raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
+                             f"attention_with_kvcache, which answers a call without query rows with no launch")
         packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
                       indices=PAGED_INDICES)
         self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
@@ -485,43 +457,89 @@ def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwarg
     return PreparedKVCache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
 
 
-def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q=None, validate: bool = True):
+def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q=None, validate: bool = True,
+              status=None):
     """Write new tokens' k, v ([B, Hkv, N, d], or [total, Hkv, d] with cu_seqlens_q) into the paged
-    cache after each sequence's cache_seqlens keys; returns the new lengths (cache_seqlens + N)."""
-    tk, tc = as_device_tensor(k, "k"), as_device_tensor(k_cache, "k_cache")
-    if as_device_tensor(v, "v").shape != tk.shape:
-        raise ValueError(f"k {tk.shape} and v {as_device_tensor(v, 'v').shape}: new keys and values need one shape")
-    page_size = tc.shape[1]
-    with cupy.cuda.Device(tc.device), stream_for(tc):
-        table = cupy.asarray(page_table)
-        seqlens = cupy.asarray(cache_seqlens)
-        if cu_seqlens_q is None:  # [B, Hkv, N, d]
-            if len(tk.shape) != 4 or tk.shape[0] != table.shape[0]:
-                raise ValueError(f"k: shape {tk.shape}; expected [B = {table.shape[0]}, Hkv, N, d] (or token-major "
-                                 f"[total, Hkv, d] with cu_seqlens_q)")
-            n = tk.shape[2]
-            seq = cupy.repeat(cupy.arange(tk.shape[0], dtype=cupy.int32), n)
-            pos = seqlens[seq] + cupy.tile(cupy.arange(n, dtype=cupy.int32), tk.shape[0])
-            rows = lambda x: _cupy(x).transpose(0, 2, 1, 3).reshape(-1, tk.shape[1], tk.shape[3])  # noqa: E731
-            new_lengths = seqlens + n
+    cache after each sequence's cache_seqlens keys, by one launch on the cache's stream; returns the
+    new lengths (cache_seqlens + N). validate=True checks the page table's values first (a host
+    sync). Unchecked, a token is still only written to the page its own table entry names, and only
+    where that is a page of the cache: a token past its table row, or whose page id is outside the
+    cache, is dropped, and flagged in `status` (int32 [1]) as the attention kernels flag what they
+    skip (SEQLEN_OVER_TABLE, PAGE_OUT_OF_RANGE): the other pages hold other sequences' keys."""
+    tk, tv = as_device_tensor(k, "k"), as_device_tensor(v, "v")
+    tkc, tvc = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
+    if tv.shape != tk.shape:
+        raise ValueError(f"k {tk.shape} and v {tv.shape}: new keys and values need one shape")
+    for t, name in ((tkc, "k_cache"), (tvc, "v_cache")):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name}: shape {t.shape}; expected [num_pages, page_size, Hkv, d]")
+        _check_layout(t, name)
+    if tkc.shape != tvc.shape or tkc.dtype != tvc.dtype:
+        raise ValueError(f"k_cache {tkc.dtype} {tkc.shape} and v_cache {tvc.dtype} {tvc.shape} must have the same "
+                         f"shape and dtype")
+    num_pages, page_size, hkv, d = tkc.shape
+    device = tkc.device
+    table = _index_array(page_table, "page_table", device, ("B", "max_pages"))
+    seqlens = _index_array(cache_seqlens, "cache_seqlens", device, ("B",))
+    b = table.shape[0]
+    if seqlens.shape[0] != b or table.shape[1] < 1:
+        raise ValueError(f"page_table {tuple(table.shape)} and cache_seqlens {tuple(seqlens.shape)}: [B, max_pages >= 1] "
+                         f"and [B], one row a sequence")
+    varlen = cu_seqlens_q is not None
+    layout = "[total, Hkv, d] with cu_seqlens_q" if varlen else f"[B = {b}, Hkv, N, d]"
+    if len(tk.shape) != (3 if varlen else 4) or (not varlen and tk.shape[0] != b) or tk.shape[1] != hkv \
+            or tk.shape[-1] != d:
+        raise ValueError(f"k: shape {tk.shape}; expected {layout} with the cache's Hkv = {hkv} and d = {d}"
+                         + ("" if varlen else " (or token-major [total, Hkv, d] with cu_seqlens_q)"))
+    for t, name in ((tk, "k"), (tv, "v")):
+        if t.dtype != tkc.dtype or t.device != device:
+            raise ValueError(f"{name}: {t.dtype} on cuda:{t.device}, but the cache holds {tkc.dtype} on cuda:{device}; "
+                             f"cast it and move it there ({name}.to(k_cache.dtype) / .astype)")
+    item = _item_bytes(tkc)
+    if d * item % 16:
+        raise ValueError(f"k_cache: head_dim {d} of {tkc.dtype}: rows are copied 16 bytes at a time; use a head_dim "
+                         f"that is a multiple of {16 // item}")
+    with cupy.cuda.Device(device), stream_for(tkc):
+        if varlen:
+            cu = _index_array(cu_seqlens_q, "cu_seqlens_q", device, ("B + 1",))
+            if cu.shape[0] != b + 1:
+                raise ValueError(f"cu_seqlens_q {tuple(cu.shape)}: [B + 1] with B = {b} (page_table's rows)")
+            new_lengths = seqlens + (cu[1:] - cu[:-1])
+            tokens, per_sequence = tk.shape[0], 0
         else:
-            cu = cupy.asarray(cu_seqlens_q)
-            lengths = cu[1:] - cu[:-1]
-            token = cupy.arange(tk.shape[0], dtype=cupy.int32)
-            seq = cupy.searchsorted(cu, token, side="right") - 1  # the sequence each new token is of
-            pos = seqlens[seq] + token - cu[seq]
-            rows = _cupy  # noqa: E731
-            new_lengths = seqlens + lengths
+            cu, new_lengths = None, seqlens + tk.shape[2]
+            tokens, per_sequence = b * tk.shape[2], tk.shape[2]
         if validate:
-            check_pages(_host(table), _host(new_lengths), tc.shape[0], page_size)
-        pages, slot = table[seq, pos // page_size], pos % page_size
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            _cupy(cache)[pages, slot] = rows(new)
+            check_pages(_host(table), _host(new_lengths), num_pages, page_size)
+        st = None if status is None else _index_array(status, "status", device, ("1",))
+        new = [_aligned(x, t, item) for x, t in ((k, tk), (v, tv))]
+        if tokens:
+            strides = []
+            for t in new:  # the new rows' byte strides: between sequences (varlen: none), tokens, heads
+                sb, sn, sh = (0, t.strides[0], t.strides[1]) if varlen else (t.strides[0], t.strides[2], t.strides[1])
+                strides += [sb * item, sn * item, sh * item]
+            for t in (tkc, tvc):  # the cache's: between pages, slots, heads
+                strides += [s * item for s in t.strides[:3]]
+            shared_function(APPEND_KV, device)((tokens,), (APPEND_KV_THREADS,), (
+                *(np.uint64(t.ptr) for t in (*new, tkc, tvc)), *(np.int64(s) for s in strides),
+                np.uint64(0 if cu is None else cu.data.ptr), np.int32(b), np.int32(per_sequence),
+                np.uint64(seqlens.data.ptr), np.uint64(table.data.ptr), np.int64(table.shape[1]),
+                np.int32(table.shape[1]), np.int32(page_size), np.int32(num_pages), np.int32(hkv),
+                np.int32(d * item // 16), np.uint64(0 if st is None else st.data.ptr)))
+        del new  # a copy made for alignment is freed only after the launch is enqueued
     return new_lengths.astype(cupy.int32) if not hasattr(cache_seqlens, "to") else _torch_like(new_lengths, cache_seqlens)
 
 
-def _cupy(x):
-    return cupy.asarray(x)  # torch CUDA tensors too (__cuda_array_interface__: a view, no copy)
+def _item_bytes(t: DeviceTensor) -> int:
+    return t.obj.element_size() if t.kind == "torch" else t.obj.dtype.itemsize
+
+
+def _aligned(x, t: DeviceTensor, item: int) -> DeviceTensor:
+    """New rows as the append kernel reads them, 16 bytes at a time: `t` itself where its rows
+    start on 16-byte boundaries with a contiguous last dim, else a contiguous copy."""
+    if t.strides[-1] == 1 and t.ptr % 16 == 0 and all(s * item % 16 == 0 for s in t.strides[:-1]):
+        return t
+    return as_device_tensor(x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x), "k")
 
 
 def _torch_like(x, like):

@@ -1,7 +1,9 @@
-"""Rules for attention's side inputs (block_mask, doc_ids, alibi_slopes, sinks, bias): which a
-mask kind needs, the shapes they must have, finite sinks. Written once for the float64 oracle
-and the CUDA runtime, so both refuse the same arguments with the same message; plain shape
-arithmetic on tuples and host values (standard library only), so it is tested on the CPU.
+"""Rules for attention's arguments beside q, k and v: the side inputs (block_mask, doc_ids,
+alibi_slopes, sinks, bias), which a mask kind needs and the shapes they must have, finite sinks;
+the scale and the softcap; and the values of a varlen batch's cu_seqlens and a paged cache's
+page table. Written once for the float64 oracle, the spec (the softcap) and the CUDA runtime,
+so all refuse the same arguments with the same message; plain arithmetic on shapes and host
+values (standard library only), so it is tested on the CPU.
 
 Messages follow fagen.spec.rule: `name = value: rule (why); fix`.
 """
@@ -14,6 +16,55 @@ from collections.abc import Callable, Iterable
 from functools import cache
 
 Shape = tuple[int, ...]
+# softcap * tanh(s / softcap) with softcap a float32 constant of the kernel
+SOFTCAP_RANGE, SOFTCAP_EXAMPLE = (1e-3, 1e6), 30.0
+
+
+def _is_real(value) -> bool:
+    """A real number, Python's or a NumPy scalar (a bool, a string, a complex or an array is not)."""
+    if isinstance(value, (int, float)):
+        return not isinstance(value, bool)
+    return getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", "") in ("i", "u", "f")
+
+
+def _shown(value) -> str:
+    """A value as a message shows it: an array by its type and shape, not its elements."""
+    if getattr(value, "shape", ()) != () and hasattr(value, "dtype"):
+        return f"{type(value).__name__} {_dims(tuple(value.shape))} of {value.dtype}"
+    return repr(value)
+
+
+def _values(array) -> list:
+    """A host array's values as Python numbers (nested lists for a table)."""
+    return array.tolist() if hasattr(array, "tolist") else list(array)
+
+
+def softcap_refusal(value) -> tuple[str, str] | None:
+    """(rule, fix) where `value` is not a softcap fagen takes, None where it is: the spec's
+    score_mod.softcap and the oracle's and fagen.attention's softcap= read this one rule."""
+    low, high = SOFTCAP_RANGE
+    if _is_real(value) and low <= value <= high:
+        return None
+    return ("must be a finite number in [1e-3, 1e6] (it is a float32 constant in the kernel)",
+            f"use e.g. {SOFTCAP_EXAMPLE} (Gemma 2), or remove it")
+
+
+def check_softcap(name: str, value) -> float:
+    """`value` as a float, or refused (softcap_refusal) under `name`."""
+    refused = softcap_refusal(value)
+    if refused is not None:
+        raise ValueError(f"{name} = {_shown(value)}: {refused[0]}; {refused[1]}")
+    return float(value)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The scores' scale as a float: a finite number > 0, 1 / sqrt(head_dim) where None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not (_is_real(scale) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {_shown(scale)}: must be a finite number > 0 (s = q.k * scale); leave it out for "
+                         f"1 / sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g}, or pass one number, e.g. 0.125")
+    return float(scale)
 
 
 def require_mask_inputs(kind: str, *, has_block_mask: bool, has_doc_ids: bool) -> None:
@@ -73,6 +124,19 @@ def check_shapes(b: int, hq: int, nq: int, nk: int, *, doc_ids: Shape | None = N
                           "may be 1", "reshape it, keeping size-1 axes for what it shares")
 
 
+def check_block_mask(block_mask, b: int, hq: int, nq: int, nk: int) -> None:
+    """A fagen.masks.BlockMask (read by its attributes: this layer is below fagen.masks) built for
+    Nq x Nk, its batch and head axes 1 (broadcast) or q's."""
+    if not all(hasattr(block_mask, a) for a in ("n_q", "n_kv", "batch", "heads", "to_dense")):
+        raise ValueError(f"block_mask = {_shown(block_mask)}: must be a fagen.masks.BlockMask (lists of the blocks "
+                         f"to visit, not a dense mask); build one with fagen.masks.from_dense(mask) from a bool "
+                         f"[Nq, Nk] or [B|1, H|1, Nq, Nk] array, or pass the bool array as mask_mod")
+    shape = (block_mask.batch, block_mask.heads, block_mask.n_q, block_mask.n_kv)
+    if shape[2:] != (nq, nk) or shape[0] not in (1, b) or shape[1] not in (1, hq):
+        raise _refuse("block_mask", shape, f"[B|1, H|1, Nq, Nk] = [{b}|1, {hq}|1, {nq}, {nk}]",
+                      "one pattern per batch row and head, or shared by all", f"build it for Nq = {nq}, Nk = {nk}")
+
+
 def check_finite(name: str, values: Iterable[float]) -> None:
     """Host values (sinks) that must be finite numbers."""
     values = list(values)
@@ -81,6 +145,68 @@ def check_finite(name: str, values: Iterable[float]) -> None:
         raise ValueError(f"{name} = {values}: must be finite (each is one more logit in the softmax of every "
                          f"row of its head: nan or inf there gives nan rows); fix the entries at index "
                          f"{', '.join(map(str, bad))} (a sink of -1e4 takes no weight)")
+
+
+# ---- a varlen batch's and a paged cache's index values -----------------------------------------
+
+def check_cu_seqlens(cu, total: int, max_seqlen: int | None, what: str) -> None:
+    """cu_seqlens' values (a host array [B + 1]): from 0, non-decreasing, ending at the tensor's
+    total rows, no sequence longer than max_seqlen (the grid covers that many; None: no bound,
+    the oracle's)."""
+    cu = _values(cu)
+    name = f"cu_seqlens_{what}"
+    prefix_sums = "pass the prefix sums of the sequence lengths from 0, e.g. numpy.cumsum([0, *lengths])"
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] = {cu[0]}: must be 0 (prefix sums of the sequence lengths); {prefix_sums}")
+    steps = [after - before for before, after in zip(cu, cu[1:])]
+    if any(n < 0 for n in steps):
+        i = next(i for i, n in enumerate(steps) if n < 0)
+        raise ValueError(f"{name}[{i + 1}] = {cu[i + 1]}: {name} must be non-decreasing: {name}[{i + 1}] = {cu[i + 1]} "
+                         f"< {name}[{i}] = {cu[i]} (sequence {i} would have {steps[i]} rows); {prefix_sums}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {cu[-1]}, but {what} has {total} rows: the last prefix sum is the total (every "
+                         f"row is some sequence's); {prefix_sums}, or pass {what}'s first {cu[-1]} rows"
+                         if cu[-1] < total else
+                         f"{name}[-1] = {cu[-1]}, but {what} has {total} rows: the last prefix sum is the total (a "
+                         f"sequence would run past {what}'s last row); {prefix_sums}")
+    if max_seqlen is not None and steps and max(steps) > max_seqlen:
+        raise ValueError(f"max_seqlen_{what} = {max_seqlen}, but sequence {steps.index(max(steps))} has {max(steps)} "
+                         f"rows: it sizes the grid; pass the longest sequence's length (or more)")
+
+
+def check_seqused_k(used, cu_k, total_k: int, max_seqlen_k: int) -> None:
+    """seqused_k's values: sequence b's keys, rows cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b],
+    lie within k and number at most max_seqlen_k."""
+    used, cu_k = _values(used), _values(cu_k)
+    for bad, rule, fix in (
+            (lambda b: used[b] < 0, "must be >= 0", "pass each sequence's count of keys"),
+            (lambda b: cu_k[b] + used[b] > total_k,
+             f"must end within k's {total_k} rows (cu_seqlens_k[b] + seqused_k[b] <= total_k)",
+             "pass at most the rows k holds from the sequence's first"),
+            (lambda b: used[b] > max_seqlen_k, f"must be <= max_seqlen_k = {max_seqlen_k} (it sizes the grid)",
+             "pass max_seqlen_k = max(seqused_k)")):
+        b = next(filter(bad, range(len(used))), None)
+        if b is not None:
+            raise ValueError(f"seqused_k[{b}] = {used[b]} (from row cu_seqlens_k[{b}] = {cu_k[b]}): {rule}; {fix}")
+
+
+def check_pages(page_table, cache_seqlens, num_pages: int, page_size: int) -> None:
+    """The page table's values (host arrays [B, max_pages] and [B]): every sequence fits its row,
+    and every page it uses is a page of the cache (entries past a sequence's keys are never read:
+    they may hold anything)."""
+    rows, lengths = _values(page_table), _values(cache_seqlens)
+    width = len(rows[0]) if rows else 0
+    capacity = width * page_size
+    for b, n in enumerate(lengths):
+        if not 0 <= n <= capacity:
+            raise ValueError(f"cache_seqlens[{b}] = {n}: must be in 0..{capacity} (page_table's {width} "
+                             f"pages of {page_size}); widen page_table or shorten the sequence")
+        used = rows[b][:math.ceil(n / page_size)]
+        i = next((i for i, page in enumerate(used) if not 0 <= page < num_pages), None)
+        if i is not None:
+            raise ValueError(f"page_table[{b}, {i}] = {used[i]}: not a page of the cache (0..{num_pages - 1}); "
+                             f"sequence {b} reads it for keys {i * page_size}..{min(n, (i + 1) * page_size) - 1}, so "
+                             f"point it at one of the cache's pages, 0..{num_pages - 1}")
 
 
 _CHECKED: dict[tuple[str, int], weakref.ref] = {}

@@ -10,11 +10,13 @@ Every error names the field, the value, the rule and a valid alternative.
 
 from __future__ import annotations
 
+import copy
+
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from fagen import expression
+from fagen import expression, mask_kinds, side_inputs
 from fagen.mask_kinds import KINDS
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -32,12 +34,73 @@ WGMMA_BACKWARD_MAX_HEAD_DIM = 128
 MAX_NAME_LENGTH = 100  # a file name with room for a suffix and a tuned variant's tags
 
 
+REMOVE = type("Remove", (), {"__repr__": lambda self: "REMOVE"})()  # a fix that deletes the field
+
+
+def with_fix(data: dict, fix: dict[str, object]) -> dict:
+    """`data` with a fix applied: each dotted field set to its value (REMOVE: deleted)."""
+    data = copy.deepcopy(data)
+    for dotted, value in fix.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for key in parents:
+            child = node.get(key)
+            if isinstance(child, str) and key == "mask":  # the shorthand, as a mapping
+                child = {"kind": child}
+            if not isinstance(child, dict):
+                child = {}
+            node[key] = child
+            node = child
+        if value is REMOVE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return data
+
+
+class Advice(str):
+    """A rule's message, carrying its fix as data: `fix` maps dotted fields ("tiling.block_q") to
+    the values the message tells the user to write (REMOVE: delete the field), so what a message
+    advises can be applied, and checked to validate (tests/test_advice.py). Validators raise
+    ValueError(Advice) for pydantic to carry; fagen.load hands the fix on in SpecError.fix."""
+
+    fix: dict[str, object] | None = None
+
+
 class SpecError(ValueError):
-    """A spec that fagen refuses; the message says which field, why, and what to use."""
+    """A spec that fagen refuses; the message says which field, why, and what to use. `fix`: the
+    fields to change, and their values, where the advice is a change of fields (see Advice)."""
+
+    def __init__(self, message: str, fix: dict[str, object] | None = None):
+        super().__init__(message)
+        self.fix = fix if fix is not None else getattr(message, "fix", None)
 
 
-def rule(field: str, value: object, broken: str, fix: str) -> str:
-    return f"{field} = {value!r}: {broken}; {fix}"
+def rule(field: str, value: object, broken: str, fix: str, change: dict[str, object] | None = None) -> Advice:
+    """"field = value: broken; fix". `change`: the fields the fix text tells the user to set (each
+    of its values written in the text), for Advice.fix. A rule of a model that may sit at several
+    places of a spec (WarpSpecialized) names fields relative to it; fagen.load prefixes them."""
+    advice = Advice(f"{field} = {value!r}: {broken}; {fix}")
+    advice.fix = change
+    return advice
+
+
+def valid_name(name: str) -> bool:
+    """A spec name: a lowercase C identifier (the kernel symbol is fagen_<name>, and C++ reserves
+    a leading '_' and any '__'), short enough to name files."""
+    return (name.isidentifier() and name.isascii() and name == name.lower() and not name.startswith("_")
+            and "__" not in name and len(name) <= MAX_NAME_LENGTH)
+
+
+def name_like(text: str) -> str:
+    """A valid name close to `text`: lowercase ASCII letters, digits and single underscores."""
+    name = "".join(c if c.isascii() and c.isalnum() else "_" for c in str(text).lower())
+    while "__" in name:
+        name = name.replace("__", "_")
+    name = name.strip("_")[:MAX_NAME_LENGTH].rstrip("_")
+    if name[:1].isdigit():
+        name = "k_" + name[:MAX_NAME_LENGTH - 2].rstrip("_")
+    return name or "flash_f16_d128"
 
 
 class _Frozen(BaseModel):
@@ -62,7 +125,8 @@ class Tiling(_Frozen):
         # 12: three consumer warpgroups beside a TMA producer (sm_90a, AttentionSpec._wgmma_shapes)
         if not (1 <= v <= 8 or v == THREE_WARPGROUPS_WARPS):
             raise ValueError(rule("tiling.warps_q", v, "must be 1..8 (at most 256 threads a block), or 12 "
-                                  "(three consumer warpgroups of a warp-specialised sm_90a kernel)", "use 4"))
+                                  "(three consumer warpgroups of a warp-specialised sm_90a kernel)", "use 4",
+                                  {"tiling.warps_q": 4}))
         return v
 
     @field_validator("warps_kv")
@@ -73,7 +137,7 @@ class Tiling(_Frozen):
                 "tiling.warps_kv", v,
                 "must be 1, 2, 4 or 8: warps side by side along the keys, each taking block_kv / warps_kv keys "
                 "of every tile with its own running max and sum, merged once at the end",
-                "use 1, or 2 or 4 for few query rows (decode)"))
+                "use 1, or 2 or 4 for few query rows (decode)", {"tiling.warps_kv": 1}))
         return v
 
     @field_validator("block_kv")
@@ -83,20 +147,8 @@ class Tiling(_Frozen):
             raise ValueError(rule(
                 "tiling.block_kv", v,
                 "must be a multiple of 16 in 16..256 (P.V consumes keys 16 at a time, the MMA's k)",
-                "use 32, 64 or 128"))
+                "use 32, 64 or 128", {"tiling.block_kv": 64}))
         return v
-
-    @model_validator(mode="after")
-    def _rows_per_warp(self) -> Tiling:
-        rows = self.block_q / self.warps_q
-        if self.block_q % (MMA_M * self.warps_q) or not 1 <= rows / MMA_M <= 4:
-            good = [MMA_M * self.warps_q * m for m in (1, 2, 3, 4)]
-            raise ValueError(rule(
-                "tiling.block_q", self.block_q,
-                f"must give each of the {self.warps_q} warps 16, 32, 48 or 64 whole rows "
-                "(each warp owns m16 MMA fragments of the queries)",
-                f"use block_q in {good} or change warps_q"))
-        return self
 
 
 REGISTERS_PER_SM = 65536
@@ -131,11 +183,24 @@ def register_split_rules(field: str, ws: WarpSpecialized, consumers: int, blocks
             field, f"producer_registers {ws.producer_registers}, consumer_registers {ws.consumer_registers}",
             f"a producer warpgroup and {consumers} consumer warpgroup(s) of 128 threads would hold {used} registers, "
             f"over the {threads * at_launch} a block is launched with ({at_launch} a thread, {blocks} block(s) an SM)",
-            f"use consumer_registers <= {most_consumer_registers(consumers, ws.producer_registers, blocks)}"))
+            *_fitting_split(field, ws, consumers, blocks)))
     if ws.producer_registers >= ws.consumer_registers:
         raise ValueError(rule(f"{field}.producer_registers", ws.producer_registers,
                               f"must be below consumer_registers ({ws.consumer_registers}): the producer "
-                              "only issues loads", "use 24"))
+                              "only issues loads", "use 24", {f"{field}.producer_registers": 24}))
+
+
+def _fitting_split(field: str, ws: WarpSpecialized, consumers: int, blocks: int) -> tuple[str, dict[str, object]]:
+    """The fix of a register split over a block's share: the most the consumers may take beside
+    this producer, or, where that is no more than the producer's own (the consumers must hold
+    more), beside a producer at 24."""
+    most = most_consumer_registers(consumers, ws.producer_registers, blocks)
+    if most > ws.producer_registers:
+        return f"use consumer_registers <= {most}", {f"{field}.consumer_registers": most}
+    low = SETMAXNREG_RANGE[0]
+    most = most_consumer_registers(consumers, low, blocks)
+    return (f"use producer_registers: {low} and consumer_registers <= {most}",
+            {f"{field}.producer_registers": low, f"{field}.consumer_registers": most})
 
 
 def dq_producer_blocks_per_sm(consumer_warpgroups: int) -> int:
@@ -162,9 +227,10 @@ class WarpSpecialized(_Frozen):
     def _setmaxnreg(cls, v: int, info) -> int:
         low, high = SETMAXNREG_RANGE
         if v % SETMAXNREG_STEP or not low <= v <= high:
-            raise ValueError(rule(f"pipeline.warp_specialized.{info.field_name}", v, f"must be a multiple of "
-                                  f"{SETMAXNREG_STEP} in {low}..{high} (setmaxnreg's operand)",
-                                  "use 24 for the producer, 240 for the consumers"))
+            default = cls.model_fields[info.field_name].default
+            raise ValueError(rule(info.field_name, v, f"must be a multiple of {SETMAXNREG_STEP} in {low}..{high} "
+                                  "(setmaxnreg's operand)", f"use {default} (24 for the producer, 240 for the "
+                                  "consumers)", {info.field_name: default}))
         return v
 
 
@@ -189,21 +255,20 @@ class Pipeline(_Frozen):
     def _stages(cls, v: int) -> int:
         if v not in (1, 2, 3):
             raise ValueError(rule("pipeline.stages", v, "must be 1, 2 or 3 (KV tiles in flight per buffer)",
-                                  "use 2"))
+                                  "use 2", {"pipeline.stages": 2}))
         return v
 
 
-MAX_MASK_SPAN = 1 << 28  # positions: a window of 2^28 is unbounded in practice and int32-safe
 MaskKindName = Literal["none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask"]
 
 
-def _check_expression(field: str, text: str, variables: dict[str, str], example: str) -> str:
-    """Parsed against fagen.expression's allow-list: the text is pasted into the kernel."""
+def _check_expression(field: str, text: str, variables: dict[str, str], example: str, result: str | None = None) -> str:
+    """Parsed against fagen.expression's allow-list: the kernel prints its syntax tree."""
     try:
-        expression.check(text, variables)
+        expression.check(text, variables, result)
     except expression.ExpressionError as err:
         raise ValueError(rule(field, text, f"must be one expression over {', '.join(variables)} in fagen's "
-                              f"expression language ({err})", f"e.g. {example}")) from None
+                              f"expression language ({err})", f"e.g. {example}", {field: example})) from None
     return text
 
 
@@ -227,30 +292,18 @@ class Mask(_Frozen):
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> Mask:
-        allowed = KINDS[self.kind].fields
-        for field in ("window_left", "window_right", "chunk_size", "prefix_len"):
-            value = getattr(self, field)
-            if value is not None and field not in allowed:
-                raise ValueError(rule(f"mask.{field}", value, f"does not apply to mask kind {self.kind!r}",
-                                      "remove it, or use the kind it belongs to"))
-            low = 0 if field.startswith("window") else 1  # a window may be empty on one side
-            if value is not None and not low <= value <= MAX_MASK_SPAN:
-                raise ValueError(rule(f"mask.{field}", value, f"must be in {low}..{MAX_MASK_SPAN} (the kernel "
-                                      f"does int32 position arithmetic)", "use e.g. 1024"))
-        if self.causal and "causal" not in allowed:
-            raise ValueError(rule("mask.causal", True, "only refines kind 'document'",
-                                  "use kind: causal for plain causal attention"))
-        need = KINDS[self.kind].required
-        if need and getattr(self, need) is None:
-            raise ValueError(rule(f"mask.{need}", None, f"is required by mask kind {self.kind!r}",
-                                  f"set mask.{need}, e.g. 1024"))
+        # the kind's rules, which the oracle's mask= reads too (fagen.mask_kinds.refused_field)
+        refused = mask_kinds.refused_field(self)
+        if refused is not None:
+            raise ValueError(rule(refused.field, refused.value, refused.rule, refused.fix,
+                                  {**refused.sets, **dict.fromkeys(refused.removes, REMOVE)}))
         return self
 
     @field_validator("expression")
     @classmethod
     def _expression(cls, v: str | None) -> str | None:
         return v if v is None else _check_expression("mask.expression", v, expression.MASK_VARIABLES,
-                                                     "(q_idx - kv_idx) % 2 == 0")
+                                                     "(q_idx - kv_idx) % 2 == 0", expression.BOOL)
 
 
     def __str__(self) -> str:
@@ -275,9 +328,9 @@ class ScoreMod(_Frozen):
     @field_validator("softcap")
     @classmethod
     def _softcap(cls, v: float | None) -> float | None:
-        if v is not None and not 1e-3 <= v <= 1e6:
-            raise ValueError(rule("score_mod.softcap", v, "must be a finite number in [1e-3, 1e6] (it is a "
-                                  "float32 constant in the kernel)", "use e.g. 30.0 (Gemma 2), or remove it"))
+        refused = None if v is None else side_inputs.softcap_refusal(v)  # the oracle's rule too
+        if refused is not None:
+            raise ValueError(rule("score_mod.softcap", v, *refused, {"score_mod.softcap": side_inputs.SOFTCAP_EXAMPLE}))
         return v
 
     @field_validator("expression")
@@ -296,7 +349,8 @@ class ScoreMod(_Frozen):
     def _grad_needs_expression(self) -> ScoreMod:
         if self.expression_grad is not None and self.expression is None:
             raise ValueError(rule("score_mod.expression_grad", self.expression_grad, "is the derivative of "
-                                  "score_mod.expression, which is not set", "set expression, or remove expression_grad"))
+                                  "score_mod.expression, which is not set", "set expression, or remove expression_grad",
+                                  {"score_mod.expression_grad": REMOVE}))
         return self
 
     @property
@@ -327,13 +381,16 @@ class Outputs(_Frozen):
     @model_validator(mode="after")
     def _partial_needs_lse(self) -> Outputs:
         if self.partial and not self.lse:
-            raise ValueError(rule("outputs.lse", False, "partials are merged by their LSE", "set lse: true"))
+            raise ValueError(rule("outputs.lse", False, "partials are merged by their LSE", "set lse: true",
+                                  {"outputs.lse": True}))
         if self.accumulate and not self.partial:
             raise ValueError(rule("outputs.accumulate", True, "folds a float32 partial into the running one, so it "
-                                  "needs outputs.partial", "set partial: true (and lse: true)"))
+                                  "needs outputs.partial", "set partial: true (and lse: true)",
+                                  {"outputs.partial": True, "outputs.lse": True}))
         if self.merge_splits and (not self.partial or self.accumulate):
             raise ValueError(rule("outputs.merge_splits", True, "merges split-KV partials, so it needs outputs.partial "
-                                  "and no accumulate", "set partial: true and accumulate: false"))
+                                  "and no accumulate", "set partial: true and accumulate: false",
+                                  {"outputs.partial": True, "outputs.accumulate": False}))
         return self
 
 
@@ -355,7 +412,8 @@ class Sequences(_Frozen):
     def _seqused_k_rules(self) -> Sequences:
         if self.seqused_k and self.kv != "varlen":
             raise ValueError(rule("sequences.seqused_k", True, f"with kv {self.kv!r}: it counts each sequence's keys "
-                                  "from its cu_seqlens_k row", "use kv: varlen, or remove seqused_k"))
+                                  "from its cu_seqlens_k row", "use kv: varlen, or remove seqused_k",
+                                  {"sequences.seqused_k": REMOVE}))
         return self
 
     @property
@@ -402,21 +460,25 @@ class Backward(_Frozen):
     @classmethod
     def _warps(cls, v: int, info) -> int:
         if v not in (1, 2, 4, 8):
-            raise ValueError(rule(f"backward.{info.field_name}", v, "must be 1, 2, 4 or 8", "use 4 or 8"))
+            default = cls.model_fields[info.field_name].default
+            raise ValueError(rule(f"backward.{info.field_name}", v, "must be 1, 2, 4 or 8", f"use 4 or 8 (by default "
+                                  f"{default})", {f"backward.{info.field_name}": default}))
         return v
 
     @field_validator("head_split")
     @classmethod
     def _head_split(cls, v: int) -> int:
         if v not in (1, 2):
-            raise ValueError(rule("backward.head_split", v, "must be 1 or 2", "use 2 for head_dim 256, else 1"))
+            raise ValueError(rule("backward.head_split", v, "must be 1 or 2", "use 2 for head_dim 256, else 1",
+                                  {"backward.head_split": 1}))
         return v
 
     @field_validator("stages")
     @classmethod
     def _stages(cls, v: int) -> int:
         if v not in (1, 2, 3):
-            raise ValueError(rule("backward.stages", v, "must be 1, 2 or 3 (Q and dO tiles in flight)", "use 2"))
+            raise ValueError(rule("backward.stages", v, "must be 1, 2 or 3 (Q and dO tiles in flight)", "use 2",
+                                  {"backward.stages": 2}))
         return v
 
     @field_validator("block_q", "dq_block_kv")
@@ -424,7 +486,8 @@ class Backward(_Frozen):
     def _k_steps(cls, v: int, info) -> int:
         if v % MMA_K or not MMA_K <= v <= 128:
             raise ValueError(rule(f"backward.{info.field_name}", v, "must be a multiple of 16 in 16..128 (the "
-                                  "MMAs consume it 16 at a time)", "use 64"))
+                                  "MMAs consume it 16 at a time)", "use 64",
+                                  {f"backward.{info.field_name}": 64}))
         return v
 
     @model_validator(mode="after")
@@ -432,12 +495,13 @@ class Backward(_Frozen):
         key_warps = self.warps // self.head_split
         if self.warps % self.head_split:
             raise ValueError(rule("backward.head_split", self.head_split, f"must divide warps ({self.warps})",
-                                  "use head_split 1, or more warps"))
+                                  "use head_split 1, or more warps", {"backward.head_split": 1}))
         for field, rows, warps in (("block_kv", self.block_kv, key_warps), ("dq_block_q", self.dq_block_q, self.dq_warps)):
             if rows % (MMA_M * warps) or not 1 <= rows // (MMA_M * warps) <= 2:
                 good = [MMA_M * warps * m for m in (1, 2)]
+                closest = min(good, key=lambda g: abs(g - rows))
                 raise ValueError(rule(f"backward.{field}", rows, f"must give each of its {warps} warps 16 or 32 "
-                                      "whole rows (m16 MMA fragments)", f"use one of {good}"))
+                                      "whole rows (m16 MMA fragments)", f"use one of {good}", {f"backward.{field}": closest}))
         return self
 
 
@@ -460,21 +524,42 @@ class AttentionSpec(_Frozen):
     def _name(cls, v: str) -> str:
         # The kernel symbol is fagen_<name> (plan.KERNEL_SYMBOL_PREFIX): any identifier is safe there
         # except those C++ reserves for the implementation (a double underscore).
-        if (not v.isidentifier() or not v.isascii() or v != v.lower() or v.startswith("_") or "__" in v
-                or len(v) > MAX_NAME_LENGTH):
+        if not valid_name(v):
+            like = name_like(v)
             raise ValueError(rule(
                 "name", v, f"must be a lowercase C identifier of at most {MAX_NAME_LENGTH} characters, not "
                 "starting with '_' or holding '__' (it names the kernel's symbol and file)",
-                "use letters, digits and single underscores, e.g. flash_f16_d128"))
+                f"use letters, digits and single underscores, e.g. {like}", {"name": like}))
         return v
 
     @field_validator("head_dim")
     @classmethod
     def _head_dim(cls, v: int) -> int:
         if v not in HEAD_DIMS:
+            up = next((d for d in HEAD_DIMS if d >= v), None)
+            if up is None:
+                raise ValueError(rule("head_dim", v, f"must be one of {list(HEAD_DIMS)}", f"split the heads: the "
+                                      f"largest supported is {HEAD_DIMS[-1]}"))
             raise ValueError(rule("head_dim", v, f"must be one of {list(HEAD_DIMS)}",
-                                  "pad the head dimension up to the next supported size"))
+                                  f"pad the head dimension up to the next supported size, head_dim: {up}", {"head_dim": up}))
         return v
+
+    @model_validator(mode="after")
+    def _rows_per_warp(self) -> AttentionSpec:
+        """mma.sync tiles: each warp owns 1..4 m16 fragments of the rows. On sm_90a a warpgroup
+        owns exactly 64 rows, a rule of its own (_wgmma_shapes), which offers only what it takes."""
+        t = self.tiling
+        if self.wgmma:
+            return self
+        if t.block_q % (MMA_M * t.warps_q) or not 1 <= t.block_q // (MMA_M * t.warps_q) <= 4:
+            good = [MMA_M * t.warps_q * m for m in (1, 2, 3, 4)]
+            closest = min(good, key=lambda g: abs(g - t.block_q))
+            raise ValueError(rule(
+                "tiling.block_q", t.block_q,
+                f"must give each of the {t.warps_q} warps 16, 32, 48 or 64 whole rows "
+                "(each warp owns m16 MMA fragments of the queries)",
+                f"use block_q in {good} (e.g. block_q: {closest}) or change warps_q", {"tiling.block_q": closest}))
+        return self
 
     @model_validator(mode="after")
     def _swizzle_needs_eight_chunks(self) -> AttentionSpec:
@@ -484,7 +569,7 @@ class AttentionSpec(_Frozen):
                 "smem_layout", "swizzled",
                 f"XORs the 16-byte chunk index with row % 8, so a row needs a multiple of 8 "
                 f"chunks; head_dim {self.head_dim} has {chunks}",
-                "use smem_layout: padded, or head_dim 64, 128 or 256"))
+                "use smem_layout: padded, or head_dim 64, 128 or 256", {"smem_layout": "padded"}))
         return self
 
     @model_validator(mode="after")
@@ -492,45 +577,56 @@ class AttentionSpec(_Frozen):
         """sm_90a kernels are built from whole warpgroups and 128-byte swizzle atoms."""
         if self.arch != "sm_90a":
             if self.tiling.warps_q == THREE_WARPGROUPS_WARPS:
+                rows = self.tiling.block_q * 8 // THREE_WARPGROUPS_WARPS  # the same rows a warp
                 raise ValueError(rule("tiling.warps_q", self.tiling.warps_q, f"needs arch sm_90a with "
                                       f"pipeline.warp_specialized (three consumer warpgroups), not {self.arch}",
-                                      "use warps_q 8 or fewer"))
+                                      f"use warps_q 8 or fewer (warps_q: 8 with block_q: {rows})",
+                                      {"tiling.warps_q": 8, "tiling.block_q": rows}))
             if self.pipeline.pingpong:
                 raise ValueError(rule("pipeline.pingpong", True, f"needs arch sm_90a (warpgroups taking turns "
-                                      f"on wgmma), not {self.arch}", "set arch: sm_90a or pingpong: false"))
+                                      f"on wgmma), not {self.arch}", "set arch: sm_90a or pingpong: false",
+                                      {"pipeline.pingpong": False}))
             if self.pipeline.warp_specialized is not None:
                 raise ValueError(rule("pipeline.warp_specialized", "set", f"needs arch sm_90a (TMA loads, "
-                                      f"setmaxnreg), not {self.arch}", "set arch: sm_90a, or remove it"))
+                                      f"setmaxnreg), not {self.arch}", "set arch: sm_90a, or remove it",
+                                      {"pipeline.warp_specialized": REMOVE}))
             return self
         t, p = self.tiling, self.pipeline
         fix_arch = "or use arch: sm_90 for the mma.sync kernel"
         if t.warps_q == THREE_WARPGROUPS_WARPS and p.warp_specialized is None:
             raise ValueError(rule("tiling.warps_q", t.warps_q, "takes pipeline.warp_specialized (three consumer "
                                   "warpgroups beside a TMA producer; without one, 384 copying threads)",
-                                  "set pipeline.warp_specialized, or use warps_q: 8"))
+                                  f"set pipeline.warp_specialized, or use warps_q: 8 (with block_q: {t.block_q * 8 // 12})",
+                                  {"tiling.warps_q": 8, "tiling.block_q": t.block_q * 8 // THREE_WARPGROUPS_WARPS}))
         if t.warps_q % WARPGROUP_WARPS:
             raise ValueError(rule("tiling.warps_q", t.warps_q, "must be 4, 8 or 12 on sm_90a (whole warpgroups of "
-                                  "4 warps; wgmma is issued by 128 threads together)", "use 8, " + fix_arch))
+                                  "4 warps; wgmma is issued by 128 threads together)", "use 8 (with block_q: 128), " + fix_arch,
+                                  {"tiling.warps_q": 8, "tiling.block_q": 128}))
         if t.block_q != t.warps_q * MMA_M:
             raise ValueError(rule("tiling.block_q", t.block_q, f"must be 16 * warps_q = {t.warps_q * MMA_M} on "
                                   "sm_90a (a warpgroup owns the 64 rows of one wgmma.m64)",
-                                  f"use block_q: {t.warps_q * MMA_M}, " + fix_arch))
+                                  f"use block_q: {t.warps_q * MMA_M}, " + fix_arch, {"tiling.block_q": t.warps_q * MMA_M}))
         if self.head_dim % SWIZZLE_ATOM_ELEMS:
             raise ValueError(rule("head_dim", self.head_dim, "must be a multiple of 64 on sm_90a (rows are "
-                                  "stored in 128-byte swizzle atoms that wgmma reads)", "use 64, 128 or 256, " + fix_arch))
+                                  "stored in 128-byte swizzle atoms that wgmma reads)", "use 64, 128 or 256, " + fix_arch,
+                                  {"head_dim": -(-self.head_dim // SWIZZLE_ATOM_ELEMS) * SWIZZLE_ATOM_ELEMS}))
         if self.smem_layout != "swizzled":
             raise ValueError(rule("smem_layout", self.smem_layout, "must be swizzled on sm_90a (wgmma reads "
-                                  "128-byte-swizzled tiles)", "set smem_layout: swizzled"))
+                                  "128-byte-swizzled tiles)", "set smem_layout: swizzled",
+                                  {"smem_layout": "swizzled"}))
         if p.kv_smem != "separate" or p.stages < 2:
             raise ValueError(rule("pipeline", f"{p.kv_smem}, stages {p.stages}", "sm_90a needs kv_smem: separate "
                                   "with stages >= 2 (P.V of tile j - 1 runs while tile j's softmax does, and "
-                                  "tile j + 1 loads meanwhile)", "use kv_smem: separate, stages: 2"))
+                                  "tile j + 1 loads meanwhile)", f"use kv_smem: separate, stages: {max(p.stages, 2)}",
+                                  {"pipeline.kv_smem": "separate", "pipeline.stages": max(p.stages, 2)}))
         if p.q_in_registers:
             raise ValueError(rule("pipeline.q_in_registers", True, "does not apply on sm_90a (wgmma reads Q "
-                                  "from shared memory)", "set q_in_registers: false"))
+                                  "from shared memory)", "set q_in_registers: false",
+                                  {"pipeline.q_in_registers": False}))
         if p.pingpong and t.warps_q == WARPGROUP_WARPS:
             raise ValueError(rule("pipeline.pingpong", True, f"takes two or three warpgroups (warps_q 8 or 12), "
-                                  f"not warps_q {t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false"))
+                                  f"not warps_q {t.warps_q}", "use warps_q: 8 and block_q: 128, or pingpong: false",
+                                  {"pipeline.pingpong": False}))
         if p.warp_specialized is not None:
             self._warp_specialized_rules()
         return self
@@ -543,12 +639,14 @@ class AttentionSpec(_Frozen):
         if self.sequences.kv == "paged":
             raise ValueError(rule("pipeline.warp_specialized", "set", f"with sequences {self.sequences}: its "
                                   "tensor maps describe [B, H, N, head_dim] tensors, and a paged cache's rows lie "
-                                  "in the pages its table lists", "remove warp_specialized for a paged cache"))
+                                  "in the pages its table lists", "remove warp_specialized for a paged cache",
+                                  {"pipeline.warp_specialized": REMOVE}))
         if consumers < 2:
             raise ValueError(rule("pipeline.warp_specialized", "set", f"with warps_q {self.tiling.warps_q}: one "
                                   "consumer warpgroup beside the producer already has every register a thread may "
                                   "hold (255), so there is nothing for setmaxnreg to move", "use warps_q: 8 and "
-                                  "block_q: 128 (two consumer warpgroups), or remove warp_specialized"))
+                                  "block_q: 128 (two consumer warpgroups), or remove warp_specialized",
+                                  {"pipeline.warp_specialized": REMOVE}))
         register_split_rules("pipeline.warp_specialized", ws, consumers, blocks=1)
 
     @model_validator(mode="after")
@@ -557,21 +655,21 @@ class AttentionSpec(_Frozen):
         works per row; arrays indexed by query tile or by (head, position) rows do not."""
         if not self.tiling.pack_gqa:
             return self
-        unpacked = "or use an unpacked spec (tiling.pack_gqa: false)"
+        unpacked, unpack = "or use an unpacked spec (tiling.pack_gqa: false)", {"tiling.pack_gqa": False}
         if self.wgmma:
             raise ValueError(rule("tiling.pack_gqa", True, "is built on the mma.sync main loop (m16 rows a warp, "
                                   "few rows for decode), not sm_90a's wgmma (64 rows a warpgroup)",
-                                  "set arch: sm_80 (it runs on Hopper too), " + unpacked))
+                                  "set arch: sm_80 (it runs on Hopper too), " + unpacked, unpack))
         if not KINDS[self.mask.kind].packable:
             raise ValueError(rule("tiling.pack_gqa", True, f"mask kind {self.mask.kind!r} reads an array by query "
                                   "tile or row, and a packed tile's rows mix the group's heads",
-                                  "use none, causal, sliding_window, chunked or prefix_lm, " + unpacked))
+                                  "use none, causal, sliding_window, chunked or prefix_lm, " + unpacked, unpack))
         if self.score_mod.bias != "none":
             raise ValueError(rule("tiling.pack_gqa", True, "with score_mod.bias: a bias is read per (query head, "
-                                  "position) row, which packing does not address", "remove the bias, " + unpacked))
+                                  "position) row, which packing does not address", "remove the bias, " + unpacked, unpack))
         if self.backward is not None:
             raise ValueError(rule("tiling.pack_gqa", True, "is a decode (inference) layout; the backward kernels "
-                                  "are not packed", "remove backward, " + unpacked))
+                                  "are not packed", "remove backward, " + unpacked, unpack))
         return self
 
     @model_validator(mode="after")
@@ -581,24 +679,24 @@ class AttentionSpec(_Frozen):
         t = self.tiling
         if t.warps_kv == 1:
             return self
-        fix = "or use warps_kv: 1"
+        fix, one = "or use warps_kv: 1", {"tiling.warps_kv": 1}
         if self.wgmma:
             raise ValueError(rule("tiling.warps_kv", t.warps_kv, "is built on the mma.sync main loop (sm_90a's "
-                                  "warpgroups own whole 64-row tiles)", "set arch: sm_80, " + fix))
+                                  "warpgroups own whole 64-row tiles)", "set arch: sm_80, " + fix, one))
         if t.block_kv % (MMA_K * t.warps_kv):
             raise ValueError(rule("tiling.warps_kv", t.warps_kv, f"must split block_kv {t.block_kv} into whole k16 "
-                                  "steps of P.V, one share a warp", f"use block_kv {MMA_K * t.warps_kv * 2}, " + fix))
+                                  "steps of P.V, one share a warp", f"use block_kv {MMA_K * t.warps_kv * 2}, " + fix, one))
         if t.warps_q * t.warps_kv > 8:
             raise ValueError(rule("tiling.warps_kv", t.warps_kv, f"with warps_q {t.warps_q} makes "
                                   f"{t.warps_q * t.warps_kv} warps, over 8 (256 threads a block)",
-                                  "use fewer warps_q, " + fix))
+                                  "use fewer warps_q, " + fix, one))
         if not KINDS[self.mask.kind].packable:
             raise ValueError(rule("tiling.warps_kv", t.warps_kv, f"mask kind {self.mask.kind!r} reads arrays by "
                                   "tile, not by position", "use none, causal, sliding_window, chunked or prefix_lm, "
-                                  + fix))
+                                  + fix, one))
         if self.backward is not None:
             raise ValueError(rule("tiling.warps_kv", t.warps_kv, "is a forward (decode) layout; the backward kernels "
-                                  "have their own tiling", "remove backward, " + fix))
+                                  "have their own tiling", "remove backward, " + fix, one))
         return self
 
     @model_validator(mode="after")
@@ -610,10 +708,11 @@ class AttentionSpec(_Frozen):
         if self.tiling.pack_gqa:
             raise ValueError(rule("outputs.accumulate", True, "with tiling.pack_gqa: a packed tile's rows spread "
                                   "over a group's heads, which a sliced running LSE does not lay out",
-                                  "set tiling.pack_gqa: false (ring steps are long prefills)"))
+                                  "set tiling.pack_gqa: false (ring steps are long prefills)", {"tiling.pack_gqa": False}))
         if self.sequences.q != "padded":
             raise ValueError(rule("outputs.accumulate", True, f"with sequences.q {self.sequences.q!r}: the running "
-                                  "output is [B, H, N, d] by padded positions", "use padded queries (remove sequences)"))
+                                  "output is [B, H, N, d] by padded positions", "use padded queries (remove sequences)",
+                                  {"sequences": REMOVE}))
         return self
 
     @model_validator(mode="after")
@@ -625,10 +724,11 @@ class AttentionSpec(_Frozen):
         if self.sequences.q != "padded":
             raise ValueError(rule("outputs.merge_splits", True, f"with sequences.q {self.sequences.q!r}: the merge "
                                   "writes out by padded positions", "set merge_splits: false (fagen.splitkv merges "
-                                  "varlen rows)"))
+                                  "varlen rows)", {"outputs.merge_splits": False}))
         if self.pipeline.warp_specialized is not None:
             raise ValueError(rule("outputs.merge_splits", True, "with pipeline.warp_specialized: the producer's "
-                                  "roles have no merge phase", "set merge_splits: false, or remove warp_specialized"))
+                                  "roles have no merge phase", "set merge_splits: false, or remove warp_specialized",
+                                  {"outputs.merge_splits": False}))
         return self
 
     @model_validator(mode="after")
@@ -638,17 +738,18 @@ class AttentionSpec(_Frozen):
         seq = self.sequences
         if seq.padded:
             return self
-        padded = "or use padded sequences (remove sequences)"
+        padded, unpadded = "or use padded sequences (remove sequences)", {"sequences": REMOVE}
         if not KINDS[self.mask.kind].packable:  # the kinds that read arrays indexed by padded rows
             raise ValueError(rule("sequences", str(seq), f"mask kind {self.mask.kind!r} reads an array laid out "
                                   "by padded query tiles or positions", "varlen is itself the packed-documents "
-                                  "layout: give each document its own sequence, " + padded))
+                                  "layout: give each document its own sequence, " + padded, unpadded))
         if self.score_mod.bias != "none":
             raise ValueError(rule("sequences", str(seq), "with score_mod.bias: a bias is indexed by padded "
-                                  "positions [B, H, Nq, Nk]", "remove the bias, " + padded))
+                                  "positions [B, H, Nq, Nk]", "remove the bias, " + padded, unpadded))
         if self.backward is not None:
             raise ValueError(rule("sequences", str(seq), "varlen and paged layouts are inference (forward) "
-                                  "layouts here; the backward kernels read padded tensors", "remove backward, " + padded))
+                                  "layouts here; the backward kernels read padded tensors", "remove backward, " + padded,
+                                  unpadded))
         return self
 
     @model_validator(mode="after")
@@ -659,21 +760,23 @@ class AttentionSpec(_Frozen):
         if mod.expression is not None and mod.expression_grad is None:
             raise ValueError(rule("score_mod.expression", mod.expression, "has no derivative, and the backward "
                                   "needs one for its chain rule", "add score_mod.expression_grad (d expression "
-                                  "/ d score over the same variables), or remove backward"))
+                                  "/ d score over the same variables), or remove backward",
+                                  {"backward": REMOVE}))
         if self.backward.bias_grad and mod.bias == "none":
             raise ValueError(rule("backward.bias_grad", True, "is the gradient of score_mod.bias, which is none",
-                                  "set score_mod.bias: matrix or vector, or bias_grad: false"))
+                                  "set score_mod.bias: matrix or vector, or bias_grad: false", {"backward.bias_grad": False}))
         if self.backward.bias_grad and mod.softcap is not None and mod.expression is not None:
             raise ValueError(rule(
                 "backward.bias_grad", True, "with both softcap and an expression the bias sits between two "
                 "nonlinear factors of the chain rule, and the kernel keeps only their product per score",
-                "drop softcap or the expression, or train with a fixed bias (bias_grad: false)"))
+                "drop softcap or the expression, or train with a fixed bias (bias_grad: false)",
+                {"backward.bias_grad": False}))
         if self.outputs.partial:
             raise ValueError(rule("backward", "set", "differentiates the whole attention, not split-KV partials",
-                                  "remove backward, or set outputs.partial: false"))
+                                  "remove backward, or set outputs.partial: false", {"backward": REMOVE}))
         if not self.outputs.lse:
             raise ValueError(rule("outputs.lse", False, "the backward recomputes P from the forward's LSE",
-                                  "set outputs.lse: true"))
+                                  "set outputs.lse: true", {"outputs.lse": True}))
         bwd = self.backward
         if self.wgmma_backward and (bwd.head_split != 1 or bwd.warps % WARPGROUP_WARPS
                                     or bwd.block_kv != bwd.warps * MMA_M):
@@ -681,18 +784,21 @@ class AttentionSpec(_Frozen):
                 "backward", f"block_kv {bwd.block_kv}, warps {bwd.warps}, head_split {bwd.head_split}",
                 f"on sm_90a with head_dim {self.head_dim} the dK/dV kernel is wgmma: whole warpgroups (warps 4 "
                 "or 8), each owning 64 keys (block_kv = 16 * warps), head_dim not split",
-                "use block_kv: 128, warps: 8, head_split: 1 (or block_kv: 64, warps: 4)"))
+                "use block_kv: 128, warps: 8, head_split: 1 (or block_kv: 64, warps: 4)",
+                {"backward.block_kv": 128, "backward.warps": 8, "backward.head_split": 1}))
         if bwd.warp_specialized is not None and not self.wgmma_backward:
             raise ValueError(rule(
                 "backward.warp_specialized", "set", f"the TMA producer feeds the wgmma dK/dV kernel (sm_90a, head_dim "
                 f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}); this spec's is mma.sync (arch {self.arch}, head_dim "
-                f"{self.head_dim})", "remove backward.warp_specialized"))
+                f"{self.head_dim})", "remove backward.warp_specialized",
+                {"backward.warp_specialized": REMOVE}))
         if bwd.warp_specialized is not None:
             register_split_rules("backward.warp_specialized", bwd.warp_specialized, bwd.warps // WARPGROUP_WARPS, blocks=1)
         if self.wgmma_backward and bwd.stages < 2:
             raise ValueError(rule(
                 "backward.stages", bwd.stages, f"must be 2 or 3 on sm_90a with head_dim {self.head_dim} (each step "
-                "of the wgmma dK/dV loop refills the slot the step before it used)", "use stages: 2"))
+                "of the wgmma dK/dV loop refills the slot the step before it used)", "use stages: 2",
+                {"backward.stages": 2}))
         if self.atomic_dq:  # the warpgroups share a step's dQ tiles (block_q x head_dim, m64n64 each) out
             warpgroups = bwd.warps // WARPGROUP_WARPS
             tiles = bwd.block_q // WARPGROUP_ROWS * (self.head_dim // SWIZZLE_ATOM_ELEMS)
@@ -703,13 +809,14 @@ class AttentionSpec(_Frozen):
                     f"warpgroup(s) adds one 64 x 64 tile of a step's dQ (block_q x head_dim {self.head_dim}), over "
                     "all the block's keys or an equal share of them: the tiles must divide the warpgroups",
                     f"use {' or '.join(f'block_q: {q}' for q in fits) or 'warps: 8 and block_kv: 128'}, or "
-                    "deterministic: true"))
+                    "deterministic: true", {"backward.block_q": fits[0]} if fits else {"backward.deterministic": True}))
         if self.wgmma_backward and (bwd.dq_warps % WARPGROUP_WARPS or bwd.dq_block_q != bwd.dq_warps * MMA_M):
             raise ValueError(rule(
                 "backward", f"dq_block_q {bwd.dq_block_q}, dq_warps {bwd.dq_warps}",
                 f"on sm_90a with head_dim {self.head_dim} the dQ kernel is wgmma: whole warpgroups (dq_warps 4 or "
                 "8), each owning 64 query rows (dq_block_q = 16 * dq_warps)",
-                "use dq_block_q: 64, dq_warps: 4 (or dq_block_q: 128, dq_warps: 8)"))
+                "use dq_block_q: 64, dq_warps: 4 (or dq_block_q: 128, dq_warps: 8)",
+                {"backward.dq_block_q": 64, "backward.dq_warps": 4}))
         if bwd.dq_warp_specialized is not None:
             self._dq_producer_rules()
         return self
@@ -724,10 +831,12 @@ class AttentionSpec(_Frozen):
             raise ValueError(rule(
                 "backward.dq_warp_specialized", "set", f"the TMA producer feeds the wgmma dQ kernel (sm_90a, head_dim "
                 f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}, deterministic: true); {why}",
-                "remove backward.dq_warp_specialized" + ("" if not self.wgmma_backward else ", or set deterministic: true")))
+                "remove backward.dq_warp_specialized" + ("" if not self.wgmma_backward else ", or set deterministic: true"),
+                {"backward.dq_warp_specialized": REMOVE}))
         if ws.persistent:
             raise ValueError(rule("backward.dq_warp_specialized.persistent", True, "the dQ kernel runs a block a "
-                                  "query tile", "remove persistent"))
+                                  "query tile", "remove persistent",
+                                  {"backward.dq_warp_specialized.persistent": REMOVE}))
         consumers = bwd.dq_warps // WARPGROUP_WARPS
         register_split_rules("backward.dq_warp_specialized", ws, consumers, dq_producer_blocks_per_sm(consumers))
 

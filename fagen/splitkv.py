@@ -21,8 +21,8 @@ from fagen.spec import AttentionSpec
 
 def choose_splits(blocks: int, kv_tiles: int, sm_count: int) -> int:
     """Splits that give about two waves of blocks over the SMs, at least 2 KV tiles a split;
-    1 when the unsplit launch already fills the GPU."""
-    if blocks >= sm_count or kv_tiles < 4:
+    1 when the unsplit launch already fills the GPU, or has no block to split."""
+    if blocks < 1 or blocks >= sm_count or kv_tiles < 4:
         return 1
     return max(1, min(kv_tiles // 2, math.ceil(2 * sm_count / blocks)))
 

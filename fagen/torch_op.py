@@ -68,11 +68,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
     plain = _spec(q, mask, causal, softcap, side, keys=runtime.sequence_keys(k))
-    packed = decode.packed_spec(plain, q, k)
-    if packed is not None:  # a few query rows: the decode path (its backward is the plain one's)
-        return decode.run(packed, q, k, v, scale=scale, return_lse=True, alibi_slopes=side["alibi_slopes"],
-                          sinks=side["sinks"])
-    return runtime.compile_kernel(plain)(q, k, v, scale=scale, return_lse=True, **side)
+    # a few query rows take the decode path (its backward is the plain one's)
+    return decode.forward(plain, q, k, v, scale=scale, return_lse=True, **side)
 
 
 @attention_forward.register_fake
@@ -92,6 +89,10 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     float32 of bias's shape, else empty (an op cannot return None). deterministic, or
     torch.use_deterministic_algorithms(True): no two blocks add into one element (bitwise
     repeatable)."""
+    if decode.no_work(q.shape, k.shape):  # the forward computed nothing: out was constant (empty, or zeros)
+        dbias = torch.zeros(bias.shape if bias_grad else (0,), dtype=torch.float32, device=q.device)
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                torch.zeros(q.shape[1], dtype=torch.float32, device=q.device), dbias)
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
     spec = variants.trainable(_spec(q, mask, causal, softcap, side), _deterministic(deterministic), bias_grad)
     grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from contextlib import nullcontext
 from functools import cache
 
+from fagen.backward_plan import fixes_unsought
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
 from fagen.plan import has_sequence_tiles
@@ -269,7 +271,8 @@ def accumulate_variant(spec: AttentionSpec) -> AttentionSpec:
         return spec
     data = {**spec.model_dump(), "name": f"{spec.name}_accumulate",
             "outputs": {**spec.outputs.model_dump(), "accumulate": True}}
-    return parse_spec(_a_block_a_tile(spec, data), f"accumulating {spec.name}")
+    # the fold's epilogue may need a smaller tile than the partial's (plan.accumulate_epilogue)
+    return parse_falling_back(_a_block_a_tile(spec, data), spec, f"accumulating {spec.name}")
 
 
 @cache
@@ -300,10 +303,12 @@ BACKWARD_TILINGS = {
 }
 # ... and where a spec's modifiers or mask push the kernels over the registers: fewer queries a
 # step (S^T, dP^T and the derivative shrink with it), fewer keys for dQ, then dK and dV split
-# across warp pairs.
+# across warp pairs, and last the fewest of both (head_dim 256 under a sliding window with
+# softcap, Gemma 2 and 3's shape: 242-248 registers, 0 spills, sm_80 and sm_90, every mask kind).
 BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
                       {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
-                      {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32})
+                      {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 32},
+                      {"head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 16})
 # sm_90a up to head_dim 128 (the wgmma dK/dV kernel): two warpgroups of 64 keys, dQ by atomics
 # (backward.deterministic false), 2 Q/dO stages (a third no longer fits beside dQ's staging for its
 # bulk reduce); head_dim 64 takes 128 queries a step (S^T as m64n128 wgmmas: 15-40% faster than
@@ -375,10 +380,12 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
         base = BACKWARD_TILINGS[spec.head_dim]
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]
     refused = None
-    for tiling in tilings:
-        try:
-            return parse_spec({**data, "backward": {"deterministic": deterministic, **tiling, "bias_grad": bias_grad}},
-                              f"trainable {spec.name}")
-        except SpecError as error:
-            refused = refused or error
-    raise refused
+    for i, tiling in enumerate(tilings):
+        # only the last tiling's refusal is shown: the others' search no fix
+        with nullcontext() if i == len(tilings) - 1 else fixes_unsought():
+            try:
+                return parse_spec({**data, "backward": {"deterministic": deterministic, **tiling,
+                                                        "bias_grad": bias_grad}}, f"trainable {spec.name}")
+            except SpecError as error:
+                refused = error
+    raise refused  # the smallest tiling's refusal: its advice is what no tiling here took

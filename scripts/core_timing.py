@@ -1,8 +1,15 @@
 """The Core issue's timing: d=128 prefetch kernel at B=4, H=16, N=4096 beside SDPA."""
 
+import sys
+
 import fagen
-from fagen.bench import time_fagen, time_sdpa
-from fagen.load import SPECS
+from fagen.device import gpu_missing
+
+if (missing := gpu_missing(torch=True)) is not None:  # say what is missing in one line, not a traceback
+    sys.exit(f"core_timing.py: {missing}")
+
+from fagen.bench import time_fagen, time_sdpa  # noqa: E402 (after the check: it may import torch)
+from fagen.load import SPECS  # noqa: E402
 
 B, H, N, D = 4, 16, 4096, 128
 for causal in (False, True):

@@ -9,7 +9,7 @@ import fagen
 from fagen.spec import Mask, ScoreMod
 from fagen import variants
 from fagen.backward_plan import backward_plan, bias_grad_layout, dq_accum_index, kernel_symbols
-from fagen.load import SPECS
+from fagen.load import SPECS, with_fix
 from fagen.plan import MBARRIER_BYTES, SWIZZLE_ATOM_BYTES
 from fagen.render import render_backward
 from tests.conftest import rejected
@@ -501,3 +501,67 @@ def test_other_masks_have_no_bounds_to_resolve():
     plan = backward_plan(variants.trainable(HOPPER))
     assert plan.mask_params == ()
     assert "doc_" not in " ".join(name for _, name in plan.preprocess_params)
+
+
+# ---- registers: refusals whose fix validates, and head_dim 256 ----------------------------------
+
+# A validated spec whose copying wgmma dK/dV kernel (one warpgroup: warps 4, block_kv 64) spilled
+# 4 bytes (12 with 3 stages) while fagen compile compiled only the forward (issue 51's s2).
+ONE_WARPGROUP = {"name": "s2", "dtype": "float16", "head_dim": 128,
+                 "tiling": {"block_q": 128, "block_kv": 128, "warps_q": 8},
+                 "pipeline": {"kv_smem": "separate", "stages": 2}, "smem_layout": "swizzled", "arch": "sm_90a",
+                 "backward": {"block_kv": 64, "warps": 4, "block_q": 64, "dq_warps": 4, "dq_block_q": 64,
+                              "deterministic": True}}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_one_warpgroup_dkdv_kernel_that_spills_is_refused_with_a_fix_that_validates(stages):
+    data = {**ONE_WARPGROUP, "backward": {**ONE_WARPGROUP["backward"], "stages": stages}}
+    with pytest.raises(fagen.SpecError) as refused:
+        fagen.parse_spec(data)
+    message = str(refused.value)
+    assert "the dK/dV kernel predicts" in message and "use block_q: 32" in message, message
+    assert refused.value.fix == {"backward.block_q": 32}
+    fixed = fagen.parse_spec(with_fix(data, refused.value.fix))
+    assert backward_plan(fixed).dkdv.predicted_registers <= 255
+
+
+def test_the_dkdv_register_advice_validates_and_is_not_already_in_place():
+    """A head_dim 256 tiling over the registers (head_split already 2, warps already 8): the
+    advice is a change the spec does not have, and applying it validates."""
+    forward = variants.variant(variants.shipped_spec("bfloat16", 256, False, gpu="h200"),
+                               Mask(kind="sliding_window", window_left=300), ScoreMod(softcap=30.0, alibi="slopes"))
+    data = {**forward.model_dump(), "name": "gemma_bwd",
+            "backward": {"head_split": 2, "block_kv": 64, "block_q": 32, "warps": 8, "dq_block_kv": 16}}
+    with pytest.raises(fagen.SpecError) as refused:
+        fagen.parse_spec(data)
+    message, fix = str(refused.value), refused.value.fix
+    assert "dK/dV kernel predicts" in message and fix, message
+    assert "head_split: 2" not in message and "warps: 8" not in message and "more warps" not in message, message
+    for field, value in fix.items():
+        assert data["backward"].get(field.removeprefix("backward.")) != value and f"{field.split('.')[-1]}: {value}" in message
+    fagen.parse_spec(with_fix(data, fix))
+
+
+@pytest.mark.parametrize("gpu", [None, "h200"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gemma_shape_trains(gpu, dtype, deterministic):
+    """Gemma 2 and 3: head_dim 256, a sliding window, softcap (the forward has run it all along)."""
+    forward = variants.variant(variants.shipped_spec(dtype, 256, False, gpu=gpu),
+                               Mask(kind="sliding_window", window_left=300), ScoreMod(softcap=30.0))
+    spec = variants.trainable(forward, deterministic)
+    plan_ = backward_plan(spec)
+    assert spec.backward.head_split == 2 and not spec.wgmma_backward
+    assert plan_.dkdv.predicted_registers <= 255 and plan_.dq_predicted_registers <= 255
+
+
+@pytest.mark.parametrize("bias", ["vector", "matrix"])
+def test_head_dim_256_refuses_a_bias_with_a_fix_that_validates(bias):
+    forward = variants.variant(variants.shipped_spec("float16", 256, False, gpu=None), Mask(), ScoreMod(bias=bias))
+    data = {**forward.model_dump(), "name": "d256_bias", "backward": {
+        "head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 16, "bias_grad": True}}
+    with pytest.raises(fagen.SpecError) as refused:
+        fagen.parse_spec(data)
+    assert f"score_mod.bias = '{bias}'" in str(refused.value) and "backward.bias_grad: false" in str(refused.value)
+    fagen.parse_spec(with_fix(data, refused.value.fix))

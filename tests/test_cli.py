@@ -52,7 +52,7 @@ def test_render_one_spec_writes_name_cu(tmp_path):
     assert result.exit_code == 0, result.output
     assert [p.name for p in tmp_path.iterdir()] == ["attn_f16_d128.cu"]
     written = (tmp_path / "attn_f16_d128.cu").read_text()
-    assert written == fagen.render(fagen.load_spec(SPEC))
+    assert written == fagen.render(fagen.load_spec(SPEC), SPEC)  # its banner names the file given
     assert "attn_f16_d128.cu" in result.output
 
 
@@ -61,7 +61,7 @@ def test_render_folder_writes_one_file_per_spec(rendered):
     backwards = [f"{f.stem}_backward.cu" for f in SPEC_FILES if fagen.load_spec(f).backward is not None]
     assert sorted(p.name for p in rendered.glob("*.cu")) == sorted([f"{f.stem}.cu" for f in SPEC_FILES] + backwards + merges)
     for path in SPEC_FILES[:3]:
-        assert (rendered / f"{path.stem}.cu").read_text() == fagen.render(fagen.load_spec(path))
+        assert (rendered / f"{path.stem}.cu").read_text() == fagen.render(fagen.load_spec(path), path)
 
 
 def test_render_creates_the_output_folder(tmp_path):
@@ -459,8 +459,9 @@ def test_folder_render_is_all_or_nothing(tmp_path):
     assert "Traceback" not in result.output and result.exc_info[0] is SystemExit
     assert "2 of 3 specs refused, nothing done" in result.output
     lines = re.split(r"(?m)^Error: ", result.output, maxsplit=1)[1].strip().splitlines()
-    assert len(lines) == 3  # the count, then a line per failing spec
-    assert "b_bad" in lines[1] and "head_dim" in lines[1] and "c_bad" in lines[2] and "block_kv" in lines[2]
+    assert len(lines) == 1  # a user error is one line: the count, then each failing spec
+    b_bad, c_bad = lines[0].split("c_bad.yaml")
+    assert "b_bad" in b_bad and "head_dim" in b_bad and "block_kv" in c_bad
     assert not out.exists()
 
 

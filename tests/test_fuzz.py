@@ -1,5 +1,7 @@
-"""No spec that validates may fail to compile or spill: random specs near the rules' edges,
-with a fixed seed and a bounded budget (the long run: `python3 -m tests.spec_fuzz`)."""
+"""No spec that validates may fail to render, compile or spill: random specs near the rules' edges
+(backward, pack_gqa, warps_kv, sequences, warp_specialized and outputs among them), with a fixed
+seed and a bounded budget: every kernel a valid spec renders, for one of the archs it allows
+(the long run, `python3 -m tests.spec_fuzz`, compiles every arch)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from fagen.spec import SpecError
 from fagen.load import parse_spec
 from tests.spec_fuzz import specs, try_spec
 
-SEED, COUNT = 20261122, 300  # about 40 of them validate: ~30 s of nvcc on two cores
+SEED, COUNT = 20261122, 300  # 27 of them validate, 16 with a backward: ~30 s of nvcc on two cores
 
 
 def test_random_specs_validate_only_if_they_compile_without_spills():
@@ -24,6 +26,6 @@ def test_random_specs_validate_only_if_they_compile_without_spills():
         valid.append(d)
     assert len(valid) >= 20, "the generator drifted: too few specs validate to test anything"
     with ProcessPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-        outcomes = list(pool.map(try_spec, valid))
+        outcomes = list(pool.map(try_spec, valid, [False] * len(valid)))
     findings = [(d, o.problem) for d, o in zip(valid, outcomes) if o.problem]
     assert not findings, "\n".join(f"{p}\n  {d}" for d, p in findings[:5])

@@ -1,6 +1,7 @@
 """Rendering: deterministic text, the banner, and generated/ in step with specs/."""
 
 import re
+from pathlib import Path
 
 import fagen
 from fagen import __version__
@@ -17,7 +18,7 @@ def test_same_spec_renders_byte_identical_text():
 
 def test_banner_names_version_and_spec_and_holds_no_machine_detail():
     spec = fagen.load_spec(SPECS / "attn_f16_d128.yaml")
-    text = render(spec)
+    text = render(spec, Path("specs/attn_f16_d128.yaml"))  # the spec file as `fagen render` was given it
     first = text.splitlines()[0]
     assert f"fagen {__version__}" in first and "specs/attn_f16_d128.yaml" in first
     assert "do not edit" in first
@@ -29,7 +30,7 @@ def test_generated_matches_a_fresh_render_of_every_spec():
     """The staleness check `fagen render --check` runs: nothing missing, out of date or orphaned."""
     assert SPEC_PATHS, "no specs shipped"
     specs = [fagen.load_spec(p) for p in SPEC_PATHS]
-    texts = renders(specs, GENERATED, with_merge=True)
+    texts = renders(specs, GENERATED, with_merge=True, sources=[Path("specs") / p.name for p in SPEC_PATHS])
     # a spec's forward, its backward where it has a backward: section, the shared kernels (the
     # merges, the document bounds)
     assert len(texts) == len(specs) + sum(s.backward is not None for s in specs) + len(shared_kernels())

@@ -209,10 +209,10 @@ def test_an_expression_costs_registers():
     from fagen import variants
 
     base = variants.shipped_spec("float16", 128, False, gpu="h200")
-    with_expression = base.model_dump() | {"name": "x", "mask": {"kind": "none", "expression": "h"}}
+    with_expression = base.model_dump() | {"name": "x", "mask": {"kind": "none", "expression": "h != 0"}}
     with pytest.raises(SpecError, match="registers"):
         fagen.parse_spec(with_expression)
-    derived = variants.variant(base, Mask(kind="none", expression="h"), ScoreMod())
+    derived = variants.variant(base, Mask(kind="none", expression="h != 0"), ScoreMod())
     assert derived.tiling.block_kv < base.tiling.block_kv
     r = compile_offline(derived, "sm_90a")
     assert (r.spill_stores, r.stack_frame) == (0, 0)

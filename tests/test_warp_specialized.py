@@ -145,7 +145,7 @@ def test_the_producer_takes_fewer_registers():
 def test_consumer_registers_bound_the_tile():
     """The consumers' estimate (accumulators + a fixed rest) against consumer_registers, not 255."""
     msg = rejected(ws_spec(tiling={"block_kv": 176}, pipeline={"warp_specialized": {**WS, "consumer_registers": 200}}))
-    assert "over the 200 limit (consumer_registers)" in msg and "more consumer_registers" in msg
+    assert "over the 200 limit (consumer_registers)" in msg and "set warp_specialized.consumer_registers: 240" in msg
     assert fagen.parse_spec(ws_spec(tiling={"block_kv": 176}))  # 240 holds S, P and O of 176 keys
 
 

@@ -1,0 +1,297 @@
+"""Advice that validates: every fix a refusal offers, applied as the message states it (SpecError.fix,
+the fields and values the text names), gives a spec that validates. The corpus breaks every rule
+of fagen/spec.py that offers a change of fields (checked from the source), and the type errors."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import math
+import sys
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import fagen
+import fagen.cli
+import fagen.load
+import fagen.spec
+from fagen.load import SPECS, with_fix
+from fagen.spec import REMOVE, SpecError
+from tests.conftest import BASE
+
+SM80 = copy.deepcopy(BASE)
+SM80_BWD = {**copy.deepcopy(BASE), "head_dim": 64, "backward": {}}  # mma.sync backward
+HOPPER = yaml.safe_load((SPECS / "attn_f16_d128_h200.yaml").read_text())  # warp-specialised, pingpong
+HOPPER_BWD = yaml.safe_load((SPECS / "attn_f16_d128_causal_h200.yaml").read_text())  # + a wgmma backward
+COPYING_HOPPER = with_fix(HOPPER, {"pipeline.warp_specialized": REMOVE, "pipeline.pingpong": False})
+
+CORPUS = {  # id: (a valid spec, the changes that break it)
+    # types: a value every field of that type would refuse
+    "float head_dim": (SM80, {"head_dim": 1.5}),
+    "integral float head_dim": (SM80, {"head_dim": 128.0}),
+    "bool head_dim": (SM80, {"head_dim": True}),
+    "inf head_dim": (SM80, {"head_dim": math.inf}),
+    "list head_dim": (SM80, {"head_dim": [128]}),
+    "quoted head_dim": (SM80, {"head_dim": "128"}),
+    "float block_q": (SM80, {"tiling.block_q": 64.5}),
+    "bool block_kv": (SM80, {"tiling.block_kv": True}),
+    "bool stages": (SM80, {"pipeline.stages": True}),
+    "float consumer_registers": (HOPPER, {"pipeline.warp_specialized.consumer_registers": 240.5}),
+    "list backward.warps": (HOPPER_BWD, {"backward.warps": [8]}),
+    "inf window": (SM80, {"mask": {"kind": "sliding_window", "window_left": math.inf}}),
+    "text for a bool": (SM80, {"pipeline.q_in_registers": "yes"}),
+    "quoted softcap": (SM80, {"score_mod.softcap": "30"}),
+    "dtype": (SM80, {"dtype": "float32"}),
+    "mask kind": (SM80, {"mask": {"kind": "casual"}}),
+    "list tiling": (SM80, {"tiling": [64, 64]}),
+    "unknown key": (SM80, {"foo": 1}),
+    "missing tiling": (SM80, {"tiling": REMOVE}),
+    "missing block_kv": (SM80, {"tiling.block_kv": REMOVE}),
+    "missing dtype": (SM80, {"dtype": REMOVE}),
+    "number name": (SM80, {"name": 5}),
+    # Tiling
+    "warps_q": (SM80, {"tiling.warps_q": 9}),
+    "warps_kv": (SM80, {"tiling.warps_kv": 3}),
+    "block_kv": (SM80, {"tiling.block_kv": 40}),
+    "rows per warp": (SM80, {"tiling.block_q": 48}),
+    "rows per warp, sm_90a": (HOPPER, {"tiling.block_q": 100}),
+    "mma.sync block_q on sm_90a": (HOPPER, {"tiling.block_q": 256}),
+    # register splits
+    "consumer registers": (HOPPER, {"pipeline.warp_specialized.consumer_registers": 248}),
+    "producer too high for any consumer split": (
+        HOPPER_BWD, {"backward.deterministic": True,
+                     "backward.dq_warp_specialized": {"producer_registers": 128, "consumer_registers": 232}}),
+    "producer at the consumers": (HOPPER_BWD, {"backward.warp_specialized": {"producer_registers": 200,
+                                                                             "consumer_registers": 200}}),
+    "producer not below": (COPYING_HOPPER, {"tiling.block_kv": 64, "pipeline.warp_specialized":
+                                            {"producer_registers": 160, "consumer_registers": 160}}),
+    "setmaxnreg operand": (HOPPER, {"pipeline.warp_specialized.consumer_registers": 7}),
+    "setmaxnreg operand in backward": (HOPPER_BWD, {"backward.warp_specialized.producer_registers": 5}),
+    # Pipeline, masks, score modifiers, outputs, sequences
+    "stages": (SM80, {"pipeline.stages": 4}),
+    "mask expression": (SM80, {"mask": {"kind": "causal", "expression": "q_idx ++"}}),
+    "score expression": (SM80, {"score_mod.expression": "score;"}),
+    "expression_grad": (SM80, {"score_mod": {"expression": "score * 2.0f", "expression_grad": "{"}}),
+    "field of another kind": (SM80, {"mask": {"kind": "causal", "window_left": 5}}),
+    "window below 0": (SM80, {"mask": {"kind": "sliding_window", "window_left": -1}}),
+    "causal refines documents": (SM80, {"mask": {"kind": "causal", "causal": True}}),
+    "required window": (SM80, {"mask": {"kind": "sliding_window"}}),
+    "softcap range": (SM80, {"score_mod.softcap": 1e7}),
+    "grad without expression": (SM80, {"score_mod.expression_grad": "1.0f"}),
+    "partial without lse": (SM80, {"outputs": {"lse": False, "partial": True}}),
+    "accumulate without partial": (SM80, {"outputs.accumulate": True}),
+    "merge_splits without partial": (SM80, {"outputs.merge_splits": True}),
+    "seqused_k": (SM80, {"sequences": {"seqused_k": True}}),
+    # Backward fields
+    "backward warps": (HOPPER_BWD, {"backward.warps": 3}),
+    "backward dq_warps": (SM80_BWD, {"backward.dq_warps": 3}),
+    "head_split": (SM80_BWD, {"backward.head_split": 3}),
+    "backward stages": (SM80_BWD, {"backward.stages": 5}),
+    "backward block_q": (SM80_BWD, {"backward.block_q": 40}),
+    "head_split divides warps": (SM80_BWD, {"backward.warps": 1, "backward.block_kv": 16, "backward.block_q": 16,
+                                             "backward.head_split": 2}),
+    "backward rows per warp": (SM80_BWD, {"backward.block_kv": 48}),
+    # AttentionSpec
+    "name case": (SM80, {"name": "Flash"}),
+    "name underscores": (SM80, {"name": "_a__b"}),
+    "head_dim": (SM80, {"head_dim": 100}),
+    "swizzle": (SM80, {"smem_layout": "swizzled", "head_dim": 96}),
+    "three warpgroups off sm_90a": (SM80, {"tiling": {"block_q": 192, "block_kv": 64, "warps_q": 12}}),
+    "pingpong off sm_90a": (SM80, {"pipeline.pingpong": True}),
+    "producer off sm_90a": (SM80, {"pipeline.warp_specialized": {}}),
+    "three warpgroups without a producer": (COPYING_HOPPER, {"tiling": {"block_q": 192, "block_kv": 128,
+                                                                        "warps_q": 12}}),
+    "warpgroups": (HOPPER, {"tiling": {"block_q": 96, "block_kv": 128, "warps_q": 6}}),
+    "sm_90a head_dim": (COPYING_HOPPER, {"head_dim": 96}),
+    "sm_90a swizzle": (HOPPER, {"smem_layout": "padded"}),
+    "sm_90a pipeline": (HOPPER, {"pipeline.kv_smem": "shared"}),
+    "sm_90a q_in_registers": (HOPPER, {"pipeline.q_in_registers": True}),
+    "pingpong of one warpgroup": (COPYING_HOPPER, {"tiling": {"block_q": 64, "block_kv": 128, "warps_q": 4},
+                                                   "pipeline.pingpong": True}),
+    "producer with a paged cache": (HOPPER, {"sequences": {"q": "varlen", "kv": "paged"}, "tiling.block_kv": 64}),
+    "producer beside one consumer": (HOPPER, {"tiling": {"block_q": 64, "block_kv": 128, "warps_q": 4},
+                                              "pipeline.pingpong": False}),
+    "pack_gqa on sm_90a": (COPYING_HOPPER, {"tiling.pack_gqa": True}),
+    "pack_gqa with documents": (SM80, {"tiling.pack_gqa": True, "mask": {"kind": "document"}}),
+    "pack_gqa with a bias": (SM80, {"tiling.pack_gqa": True, "score_mod.bias": "vector"}),
+    "pack_gqa with a backward": (SM80_BWD, {"tiling.pack_gqa": True}),
+    "warps_kv on sm_90a": (COPYING_HOPPER, {"tiling.warps_kv": 2}),
+    "warps_kv share": (SM80, {"tiling.warps_kv": 8}),
+    "warps_kv warps": (SM80, {"tiling": {"block_q": 64, "block_kv": 128, "warps_q": 4, "warps_kv": 4}}),
+    "warps_kv with documents": (SM80, {"tiling.warps_kv": 2, "mask": {"kind": "document"}}),
+    "warps_kv with a backward": (SM80_BWD, {"tiling.warps_kv": 2}),
+    "accumulate packed": (SM80, {"outputs": {"partial": True, "accumulate": True}, "tiling.pack_gqa": True}),
+    "accumulate varlen": (SM80, {"outputs": {"partial": True, "accumulate": True},
+                                 "sequences": {"q": "varlen", "kv": "varlen"}}),
+    "merge_splits varlen": (SM80, {"outputs": {"partial": True, "merge_splits": True},
+                                   "sequences": {"q": "varlen", "kv": "varlen"}}),
+    "merge_splits with a producer": (HOPPER, {"outputs": {"partial": True, "merge_splits": True}}),
+    "varlen documents": (SM80, {"sequences": {"q": "varlen", "kv": "varlen"}, "mask": {"kind": "document"}}),
+    "varlen bias": (SM80, {"sequences": {"q": "varlen", "kv": "varlen"}, "score_mod.bias": "matrix"}),
+    "varlen backward": (SM80_BWD, {"sequences": {"q": "varlen", "kv": "varlen"}}),
+    "expression without its derivative": (SM80_BWD, {"score_mod.expression": "score * 0.5f"}),
+    "bias_grad without a bias": (SM80_BWD, {"backward.bias_grad": True}),
+    "bias_grad between two nonlinear factors": (
+        SM80_BWD, {"backward.bias_grad": True, "backward.block_q": 16, "score_mod": {"bias": "vector", "softcap": 30.0,
+                                                             "expression": "score", "expression_grad": "1.0f"}}),
+    "backward of partials": (SM80_BWD, {"outputs.partial": True}),
+    "backward without lse": (SM80_BWD, {"outputs.lse": False}),
+    "wgmma backward tiles": (HOPPER_BWD, {"backward.warps": 4}),
+    "backward producer on mma.sync": (SM80_BWD, {"backward.warp_specialized": {}}),
+    "wgmma backward stages": (HOPPER_BWD, {"backward.stages": 1}),
+    "atomic dQ tiles": (HOPPER_BWD, {"backward.block_q": 128}),
+    "wgmma dQ tiles": (HOPPER_BWD, {"backward.deterministic": True, "backward.dq_block_q": 32,
+                                    "backward.dq_warps": 2}),
+    "dQ producer without a dQ kernel": (HOPPER_BWD, {"backward.dq_warp_specialized": {}}),
+    "persistent dQ producer": (HOPPER_BWD, {"backward.deterministic": True,
+                                            "backward.dq_warp_specialized": {"consumer_registers": 232,
+                                                                             "persistent": True}}),
+}
+
+
+def refusal(data: dict) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        fagen.parse_spec(data)
+    return info.value
+
+
+def yaml_text(value: object) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip().removesuffix("...").strip()
+
+
+def test_the_bases_validate():
+    for data in (SM80, SM80_BWD, HOPPER, HOPPER_BWD, COPYING_HOPPER):
+        fagen.parse_spec(data)
+
+
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_the_fix_a_message_offers_validates(case):
+    valid, changes = CORPUS[case]
+    err = refusal(with_fix(valid, changes))
+    message = str(err)
+    assert err.fix, f"no fix to apply in: {message}"
+    for field, value in err.fix.items():  # what is applied is what the message says
+        leaf = field.split(".")[-1]
+        if value is REMOVE:
+            assert ("remove" in message or "without" in message) and leaf in message, (field, message)
+        else:
+            assert yaml_text(value) in message or repr(value) in message, (field, value, message)
+    fixed = with_fix(with_fix(valid, changes), err.fix)
+    try:
+        fagen.parse_spec(fixed)
+    except SpecError as again:
+        pytest.fail(f"{message}\n  applying {err.fix} is refused too:\n  {again}")
+
+
+def rule_calls_with_a_change() -> list[tuple[int, int]]:
+    """The line spans of fagen/spec.py's rule(...) calls that pass a change of fields."""
+    source = inspect.getsource(fagen.spec)
+    return [(node.lineno, node.end_lineno) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "rule"
+            and (len(node.args) >= 5 or node.keywords or any(isinstance(a, ast.Starred) for a in node.args))]
+
+
+def test_the_corpus_breaks_every_rule_that_offers_a_change(monkeypatch):
+    hit: set[int] = set()
+    original, trying = fagen.spec.rule, []
+
+    def recording(*args, **kwargs):
+        if not trying:
+            hit.add(sys._getframe(1).f_lineno)
+        return original(*args, **kwargs)
+
+    fitting = fagen.load._fitting
+
+    def quiet(*args):  # the values a type error's message offers are tried, not refused
+        trying.append(1)
+        try:
+            return fitting(*args)
+        finally:
+            trying.pop()
+
+    monkeypatch.setattr(fagen.spec, "rule", recording)
+    monkeypatch.setattr(fagen.load, "_fitting", quiet)
+    for valid, changes in CORPUS.values():
+        with pytest.raises(SpecError):
+            fagen.parse_spec(with_fix(valid, changes))
+    missed = [span for span in rule_calls_with_a_change() if not any(span[0] <= line <= span[1] for line in hit)]
+    lines = inspect.getsource(fagen.spec).splitlines()
+    assert not missed, "rules no corpus spec breaks:\n" + "\n".join(lines[a - 1].strip() for a, _ in missed)
+
+
+# ---- the particular advice the issue found refused ------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1.5, True, math.inf, [128], {"d": 1}])
+def test_an_integer_field_is_offered_an_integer_that_validates(value):
+    err = refusal({**SM80, "head_dim": value})
+    assert "head_dim: 2" not in str(err) and err.fix["head_dim"] in (32, 64, 96, 128, 256), str(err)
+
+
+def test_yaml_exponents_are_numbers_but_quotes_are_text():
+    text = (SPECS / "attn_f16_d128.yaml").read_text()
+    assert fagen.parse_spec(text + "score_mod: {softcap: 3e1}\n").score_mod.softcap == 30.0
+    assert fagen.parse_spec(text + "score_mod: {softcap: 1.5E+1}\n").score_mod.softcap == 15.0
+    message = str(refusal(text + "score_mod: {softcap: 1e7}\n"))
+    assert "must be a finite number in [1e-3, 1e6]" in message and "without quotes" not in message
+    assert "without quotes" in str(refusal(text + "score_mod: {softcap: \"1e1\"}\n"))
+    assert "without quotes" in str(refusal(text.replace("head_dim: 128", "head_dim: \"128\"")))
+
+
+def test_sm90a_is_offered_only_the_rows_it_takes():
+    message = str(refusal(with_fix(HOPPER, {"tiling.block_q": 100})))
+    assert "block_q: 128" in message and "256" not in message and "384" not in message
+
+
+def test_a_split_fix_leaves_the_producer_below_the_consumers():
+    err = refusal(with_fix(HOPPER_BWD, {"backward.deterministic": True, "backward.dq_warp_specialized":
+                                        {"producer_registers": 128, "consumer_registers": 232}}))
+    assert "consumer_registers <= 128" not in str(err)
+    assert err.fix["backward.dq_warp_specialized.producer_registers"] < \
+        err.fix["backward.dq_warp_specialized.consumer_registers"]
+
+
+def test_a_stem_that_is_no_name_is_told_to_rename_the_file(tmp_path):
+    path = tmp_path / "bad.yaml.yaml"
+    path.write_text(yaml.safe_dump({**SM80, "name": "bad"}))
+    with pytest.raises(SpecError) as info:
+        fagen.load_spec(path)
+    assert "name: bad.yaml" not in str(info.value) and "rename the file to bad.yaml" in str(info.value)
+    (tmp_path / "bad.yaml").write_text(path.read_text())
+    assert fagen.load_spec(tmp_path / "bad.yaml").name == "bad"
+
+
+def test_a_stem_that_is_a_name_is_offered_as_the_name(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({**SM80, "name": "other"}))
+    with pytest.raises(SpecError) as info:
+        fagen.load_spec(path)
+    assert info.value.fix == {"name": "mine"} and "name: mine" in str(info.value)
+    path.write_text(yaml.safe_dump(with_fix({**SM80, "name": "other"}, info.value.fix)))
+    assert fagen.load_spec(path).name == "mine"
+
+
+@pytest.mark.parametrize("out", [".png", "pics/.png"])
+def test_mask_show_refuses_a_png_without_a_name(out, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pics").mkdir()
+    result = CliRunner().invoke(fagen.cli.main, ["mask", "show", "causal", "-n", "256", "-o", out])
+    assert result.exit_code == 2, result.output
+    assert "mask.png" in result.output and "Error" in result.output
+    assert not list(tmp_path.rglob("*.png"))
+
+
+def test_a_kernel_names_the_spec_file_it_was_rendered_from(tmp_path, monkeypatch):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "attn_f16_d128.yaml").write_text((SPECS / "attn_f16_d128.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(fagen.cli.main, ["render", "mine/attn_f16_d128.yaml", "-o", "out"])
+    assert result.exit_code == 0, result.output
+    banner = (tmp_path / "out" / "attn_f16_d128.cu").read_text().splitlines()[:2]
+    assert "from mine/attn_f16_d128.yaml" in banner[0] and "fagen render mine/attn_f16_d128.yaml" in banner[1]
+    assert "specs/" not in "\n".join(banner)
+    assert "from attn_f16_d128.yaml" in fagen.render(fagen.load_spec(folder / "attn_f16_d128.yaml")).splitlines()[0]

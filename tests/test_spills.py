@@ -1,0 +1,127 @@
+"""Validated specs must not spill, and `fagen compile` must say so where one does: the forward
+specs that validated and spilled (issue 51, item 6) are refused with a fix that itself compiles
+clean; `fagen compile` compiles every kernel a spec renders (the backward's too) and exits 1
+naming the one that spills. nvcc runs here (no GPU)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import fagen.plan
+from fagen.cli import main
+from fagen.load import parse_spec
+from fagen.nvcc import compile_all
+from fagen.spec import SpecError
+
+S1 = {"name": "s1", "dtype": "float16", "head_dim": 256, "tiling": {"block_q": 128, "block_kv": 80, "warps_q": 8},
+      "pipeline": {"kv_smem": "separate", "stages": 2, "warp_specialized": {}}, "smem_layout": "swizzled",
+      "arch": "sm_90a", "outputs": {"partial": True, "accumulate": True}}
+S3 = {"name": "s3", "dtype": "bfloat16", "head_dim": 128, "tiling": {"block_q": 64, "block_kv": 128, "warps_q": 4},
+      "pipeline": {"kv_smem": "separate", "stages": 2}, "smem_layout": "swizzled", "arch": "sm_90a",
+      "mask": "block_mask", "score_mod": {"bias": "vector"}}
+S4 = {"name": "s4", "dtype": "float16", "head_dim": 64, "tiling": {"block_q": 128, "block_kv": 192, "warps_q": 8},
+      "pipeline": {"kv_smem": "separate", "stages": 2, "warp_specialized": {"consumer_registers": 232}},
+      "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "document", "causal": True},
+      "score_mod": {"softcap": 30.0}}
+S2 = {"name": "s2", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 128, "block_kv": 128, "warps_q": 8},
+      "pipeline": {"kv_smem": "separate", "stages": 2}, "smem_layout": "swizzled", "arch": "sm_90a",
+      "backward": {"block_kv": 64, "warps": 4, "block_q": 64, "dq_warps": 4, "dq_block_q": 64, "deterministic": True}}
+
+
+def _clean(spec) -> list[str]:
+    """The kernels of `spec` that spill or use a stack frame, on its sm_90a target."""
+    return [k.summary() for k in compile_all(spec, "sm_90a") if not k.clean]
+
+
+def _refused_or_clean(data: dict) -> None:
+    """Refused with a fix (a smaller block_kv, else more consumer_registers) that validates and
+    compiles clean, or compiles clean."""
+    try:
+        spec = parse_spec(data)
+    except SpecError as err:
+        block_kv = re.search(r"use block_kv: (\d+)", str(err))
+        registers = re.search(r"set warp_specialized.consumer_registers: (\d+)", str(err))
+        assert block_kv or registers, str(err)
+        if block_kv:
+            fixed = {**data, "tiling": {**data["tiling"], "block_kv": int(block_kv[1])}}
+        else:
+            ws = {**data["pipeline"]["warp_specialized"], "consumer_registers": int(registers[1])}
+            fixed = {**data, "pipeline": {**data["pipeline"], "warp_specialized": ws}}
+        assert not _clean(parse_spec(fixed)), str(err)
+        return
+    assert not _clean(spec), "validated and spills"
+
+
+@pytest.mark.parametrize("data", [S1, S3], ids=["s1_accumulate_d256", "s3_block_mask_bias"])
+def test_forward_specs_that_spilled_are_refused_with_a_fix_that_compiles_clean(data):
+    _refused_or_clean(data)
+
+
+def test_a_softcap_consumer_at_232_registers_is_refused_or_compiles_clean():
+    _refused_or_clean(S4)
+
+
+def _consumers(head_dim: int, block_kv: int, mask, registers: int, score_mod: dict) -> dict:
+    """Two warp-specialised consumer warpgroups (sm_90a, f16) at `registers`."""
+    return {"name": "consumers", "dtype": "float16", "head_dim": head_dim,
+            "tiling": {"block_q": 128, "block_kv": block_kv, "warps_q": 8},
+            "pipeline": {"kv_smem": "separate", "stages": 2, "warp_specialized": {"consumer_registers": registers}},
+            "smem_layout": "swizzled", "arch": "sm_90a", "mask": mask, "score_mod": score_mod}
+
+
+@pytest.mark.parametrize("head_dim, block_kv, mask, registers", [
+    (64, 192, "none", 232), (64, 176, "causal", 216), (128, 160, "causal", 232),
+    (128, 144, {"kind": "sliding_window", "window_left": 256}, 224)],
+    ids=["d64_kv192_232", "d64_kv176_causal_216", "d128_kv160_causal_232", "d128_kv144_window_224"])
+def test_softcap_consumers_that_spilled_above_their_prediction_are_refused(head_dim, block_kv, mask, registers):
+    """Each of these validated and spilled 68 to 140 bytes (the first three where 8 registers
+    fewer fit): the consumers' estimate now prices softcap's per-score work past 40 S registers."""
+    _refused_or_clean(_consumers(head_dim, block_kv, mask, registers, {"softcap": 30.0}))
+
+
+@pytest.mark.parametrize("block_kv, mask, registers", [
+    (48, {"kind": "sliding_window", "window_left": 256}, 112), (48, {"kind": "chunked", "chunk_size": 64}, 112),
+    (64, "causal", 112), (64, {"kind": "prefix_lm", "prefix_len": 100}, 112)],
+    ids=["kv48_window", "kv48_chunked", "kv64_causal", "kv64_prefix_lm"])
+def test_masked_consumers_at_112_registers_are_refused(block_kv, mask, registers):
+    """d64 consumers with 48 or 64 keys and a mask validated at 112 registers and spilled 12 to
+    48 bytes (120 fits each): a mask's consumers get at least WARP_SPECIALIZED_MASKED_FLOOR."""
+    _refused_or_clean(_consumers(64, block_kv, mask, registers, {}))
+
+
+def _compile(tmp_path, data: dict):
+    path = tmp_path / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return CliRunner().invoke(main, ["compile", str(path)])
+
+
+def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
+    """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
+    compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
+    try:
+        parse_spec(S2)
+    except SpecError:
+        return
+    result = _compile(tmp_path, S2)
+    lines = result.output.splitlines()
+    assert any("fagen_s2_bwd_dkdv" in line for line in lines), result.output  # every kernel is listed
+    assert any("fagen_s2_bwd_preprocess" in line for line in lines), result.output
+    if result.exit_code == 0:  # the backward model changed s2's kernels: then none may spill
+        assert all("0 bytes stack frame, 0/0 bytes spilled" in line for line in lines if "fagen_s2" in line)
+    else:
+        assert result.exit_code == 1 and "fagen_s2_bwd_dkdv (backward dkdv)" in result.output.splitlines()[-1]
+
+
+def test_compile_exits_1_on_a_forward_kernel_that_spills(tmp_path, monkeypatch):
+    """s1 under the register model as it was (no accumulating epilogue): it validates, ptxas
+    spills it, and `fagen compile` says which kernel and exits 1."""
+    monkeypatch.setattr(fagen.plan, "accumulate_epilogue", lambda *args: 0)
+    result = _compile(tmp_path, S1)
+    assert result.exit_code == 1, result.output
+    assert re.search(r"s1 sm_90a: fagen_s1 \(forward\): \d+ registers, \d+ bytes dynamic smem, [1-9]\d* bytes stack "
+                     r"frame", result.output), result.output
+    assert "fagen_s1 (forward) spill" in result.output.splitlines()[-1]
