@@ -20,15 +20,16 @@ float32 accumulator with atomics (spec.atomic_dq), and in place of the dQ kernel
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
-                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, KernelPlan, plan, score_params, wgmma_numbers)
+                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
+                        score_params, searched_rule, wgmma_numbers)
 from fagen.mask_kinds import KINDS
-from fagen.spec import (MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, SpecError,
-                        dq_producer_blocks_per_sm, rule, with_fix)
+from fagen.spec import (MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, Backward, SpecError,
+                        dq_producer_blocks_per_sm, rule)
 
 OUT_PTR = "elem_t* __restrict__"
 PREPROCESS_WARPS = 4
@@ -72,15 +73,19 @@ REGISTER_COSTS = {
     # 235-241 measured). Fitted by linear programming to 128 ptxas -v runs (every mask
     # kind x softcap, ALiBi, both x block_q and dq_block_kv 16 and 32, sm_80 and sm_90, bfloat16,
     # nvcc 13.0; scripts/fit_backward_registers.py sweep-d256, fit --d256): every kernel that spilled
-    # is predicted over MAX_REGISTERS + 4, every other at least at its count. A bias is refused
-    # before these (MMA_SYNC_BIAS_HEAD_DIMS).
+    # is predicted over MAX_REGISTERS + 4, every other at least at its count. A bias's terms, set by
+    # hand from 256 runs at block_q and dq_block_kv 16 (every mask kind x softcap, ALiBi, both, none
+    # x vector and matrix bias, with and without its gradient, sm_80 and sm_90, float16): all fit
+    # (0 spills, up to 254 registers), and these, the most that keep each under the limit, under-
+    # predict a few by up to 8. At 32 queries or keys a bias spilled (48 of 128 runs) where the
+    # base terms already refuse it.
     "dkdv_d256": {"base": 78.0, "acc": 1.0, "s": 3.25, "s_nonlinear": 0.88, "chunk_copy": 0.0, "stages1": 0.0,
                   "causal": 0.0, "sliding_window": 0.0, "chunked": 1.0, "document": 6.0, "document_causal": 6.0,
-                  "prefix_lm": 0.0, "block_mask": 7.0, "bias": 0.0, "alibi": 2.0,
-                  "bias_grad_matrix": 0.0, "bias_grad_vector": 0.0},
+                  "prefix_lm": 0.0, "block_mask": 7.0, "bias": 4.0, "alibi": 2.0,
+                  "bias_grad_matrix": 0.25, "bias_grad_vector": 2.0},
     "dq_d256": {"base": 72.0, "acc": 1.0, "s": 3.25, "s_nonlinear": 0.5, "chunk_copy": 0.0, "stages1": 0.0,
                 "causal": 0.0, "sliding_window": 4.0, "chunked": 9.0, "document": 7.0, "document_causal": 7.0,
-                "prefix_lm": 0.0, "block_mask": 1.0, "bias": 0.0, "alibi": 2.0},
+                "prefix_lm": 0.0, "block_mask": 1.0, "bias": 6.0, "alibi": 2.0},
     "dq_wgmma": {"base": 60.0, "acc": 1.25, "s": 2.0, "s_nonlinear": 1.2, "chunk_copy": 0.0, "stages1": 0.0,
                  "causal": 0.0, "sliding_window": 0.0, "chunked": 0.0, "document": 4.0, "document_causal": 4.0,
                  "prefix_lm": 4.0, "block_mask": 10.0, "bias": 12.0, "alibi": 6.0},
@@ -383,43 +388,28 @@ BIAS_GRAD_PARAMS = (("float* __restrict__", "dbias"), ("long long", "dbias_sb"),
 CONCURRENT_DQ_MASKS = ("sliding_window", "document")
 
 
-# head_dims whose mma.sync backward refuses a bias: at 256 both main loops spilled 4-60 bytes with
-# one (ptxas -v, sm_80 and sm_90, nvcc 13.0) at every tiling fagen has (head_split 2, block_q and
-# dq_block_kv 16 and 32; head_split 4 too, tried), where with softcap and ALiBi instead they fit
-# in 242-248: ptxas schedules the bias's loads so that they hold ~100 registers, not what they load.
-MMA_SYNC_BIAS_HEAD_DIMS = (256,)
-
 
 def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     if spec.backward is None:
-        raise SpecError(rule("backward", None, f"spec {spec.name} renders no backward kernels",
-                             "add a backward: section (an empty mapping takes the defaults)"))
-    if spec.score_mod.bias != "none" and not spec.wgmma_backward and spec.head_dim in MMA_SYNC_BIAS_HEAD_DIMS:
-        raise SpecError(rule(
-            "score_mod.bias", spec.score_mod.bias,
-            f"the head_dim {spec.head_dim} backward spills with a bias at every tiling (its kernels' registers)",
-            "train without it: remove backward, or set score_mod.bias: none and backward.bias_grad: false",
-            {"score_mod.bias": "none", "backward.bias_grad": False}))
+        raise searched_rule("backward", None, f"spec {spec.name} renders no backward kernels", backward_sections(spec),
+                            "add a backward: section (an empty mapping takes the defaults) and tile it", trains, spec)
     bwd, d = spec.backward, spec.head_dim
-    dq, dkdv, producer = plan(dq_spec(spec)), dkdv_plan(spec), dq_producer(spec)
+    dq, dkdv, producer = dq_kernel_plan(spec), dkdv_plan(spec), dq_producer(spec)
     dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES + (2 * MBARRIER_BYTES if producer else 0)
     dq_registers = predict_registers(spec, "dq") - (DQ_PRODUCER_SAVING if producer else 0)
     dq_register_limit = producer.consumer_registers if producer else MAX_REGISTERS
     if dq_registers > dq_register_limit:
-        raise SpecError(rule(
+        raise searched_rule(
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}, dq_warps {bwd.dq_warps}",
             f"the dQ kernel predicts {dq_registers} registers a thread over the {dq_register_limit} limit"
-            f"{' (dq_warp_specialized.consumer_registers)' if producer else ''}: it would spill",
-            ", or ".join([*(["a smaller dq_block_kv"] if bwd.dq_block_kv > MMA_K else []),
-                          # more warps take fewer rows each only where each has two m16 fragments
-                          *([f"dq_warps: {2 * bwd.dq_warps}"] if bwd.dq_block_q > MMA_M * bwd.dq_warps and bwd.dq_warps < 8 else []),
-                          *(["remove backward.dq_warp_specialized"] if producer else []),
-                          "fewer score modifiers"]).join(("use ", ""))))
+            f"{' (dq_warp_specialized.consumer_registers)' if producer else ''}: it would spill", dq_fixes(spec),
+            "use a smaller dq_block_kv, or fewer score modifiers", trains, spec)
     if dq_smem > SMEM_PER_BLOCK[spec.arch]:
-        raise SpecError(rule(
+        raise searched_rule(
             "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}",
             f"the dQ kernel needs {dq_smem} bytes of shared memory (Q and dO tiles, 2 stages of K and V tiles) "
-            f"but {spec.arch} allows {SMEM_PER_BLOCK[spec.arch]} per block", "use a smaller dq_block_kv or dq_block_q"))
+            f"but {spec.arch} allows {SMEM_PER_BLOCK[spec.arch]} per block", dq_fixes(spec),
+            "use a smaller dq_block_kv or dq_block_q", trains, spec)
     kind, mod_params = KINDS[spec.mask.kind], score_params(spec)
     mask_params = KINDS[spec.mask.kind].params
     side = mask_params + mod_params
@@ -507,12 +497,12 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:
-        raise SpecError(rule(
+        raise searched_rule(
             "backward", f"block_kv {bwd.block_kv}, block_q {bwd.block_q}, stages {bwd.stages}",
             f"the dK/dV kernel needs {smem_bytes} bytes of shared memory ({kv_slots} pair(s) of K and V tiles of "
             f"{bwd.block_kv} rows, {bwd.stages} stages of Q and dO tiles of {bwd.block_q}) but {spec.arch} allows "
-            f"{limit} per block", "use fewer stages, a smaller block_q or a smaller block_kv"
-            + (", or remove warp_specialized.persistent" if persistent else "")))
+            f"{limit} per block", dkdv_smem_fixes(spec), "use fewer stages, a smaller block_q or a smaller block_kv"
+            + (", or remove warp_specialized.persistent" if persistent else ""), trains, spec)
     if registers > register_limit:
         fix, change = dkdv_register_fix(spec)
         raise SpecError(rule(
@@ -541,18 +531,66 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         producer_registers=ws.producer_registers if ws else 0, consumer_registers=ws.consumer_registers if ws else 0)
 
 
-_ADVISING = []  # a fix being checked: its own refusals offer none (no search within the search)
+def trains(spec: AttentionSpec) -> None:
+    """Refuses (SpecError) what fagen.load's parse_spec refuses beyond the spec's own rules: the
+    forward's plan and the backward's (the check a backward fix is searched with)."""
+    plan(spec)
+    backward_plan(spec)
 
 
-@contextmanager
-def fixes_unsought():
-    """Within, a dK/dV register refusal offers no searched fix: for a caller that tries tilings in
-    turn and shows only the last one's refusal (each search validates several specs)."""
-    _ADVISING.append(True)
+def backward_sections(spec: AttentionSpec) -> Iterable[Fix]:
+    """A backward: section for a spec without one: the defaults, then the defaults changed as
+    dkdv_register_fixes would change them, one at a time, then all so far (the defaults' dK/dV
+    tile is head_dim 64's; head_dim 256 takes several)."""
+    yield "add a backward: section (an empty mapping takes the defaults)", {"backward": {}}
+    changes = [{field.removeprefix("backward."): value for field, value in change.items()}
+               for _, change in dkdv_register_fixes(spec.model_copy(update={"backward": Backward()}))]
+    for section in [*changes, *({k: v for change in changes[:i + 1] for k, v in change.items()}
+                                for i in range(1, len(changes)))]:
+        yield f"add backward: {{{', '.join(f'{k}: {v}' for k, v in section.items())}}}", {"backward": section}
+
+
+def dq_kernel_plan(spec: AttentionSpec) -> KernelPlan:
+    """The dQ kernel's forward plan; the forward's resource rules it breaks refused in the
+    backward's fields (dq_block_q, dq_block_kv, dq_warps: the forward's advice names its own)."""
+    bwd = spec.backward
     try:
-        yield
-    finally:
-        _ADVISING.pop()
+        with fixes_unsought():
+            return plan(dq_spec(spec))
+    except SpecError as refused:
+        broken = str(refused).rsplit("; ", 1)[0]  # "field = value: what it breaks", its advice dropped
+        raise searched_rule(
+            "backward", f"dq_block_q {bwd.dq_block_q}, dq_block_kv {bwd.dq_block_kv}, dq_warps {bwd.dq_warps}",
+            f"the dQ kernel's tiling, a forward one, is refused ({broken})", dq_fixes(spec),
+            "use a smaller dq_block_kv or dq_block_q", trains, spec) from None
+
+
+def dq_fixes(spec: AttentionSpec) -> Iterable[Fix]:
+    """What takes registers and shared memory from the dQ kernel, least first: fewer keys a tile,
+    more warps (fewer rows each, only where each keeps two m16 fragments), fewer rows, no producer."""
+    bwd = spec.backward
+    for dq_block_kv in range(bwd.dq_block_kv - MMA_K, 0, -MMA_K):
+        yield f"use dq_block_kv: {dq_block_kv}", {"backward.dq_block_kv": dq_block_kv}
+    if bwd.dq_block_q > MMA_M * bwd.dq_warps and bwd.dq_warps < 8:
+        yield f"use dq_warps: {2 * bwd.dq_warps}", {"backward.dq_warps": 2 * bwd.dq_warps}
+    for dq_block_q in (q for q in (64, 32, 16) if q < bwd.dq_block_q):
+        yield f"use dq_block_q: {dq_block_q}", {"backward.dq_block_q": dq_block_q}
+    if bwd.dq_warp_specialized is not None:
+        yield "remove backward.dq_warp_specialized", {"backward.dq_warp_specialized": REMOVE}
+
+
+def dkdv_smem_fixes(spec: AttentionSpec) -> Iterable[Fix]:
+    """What takes shared memory from the dK/dV kernel: the persistent block's second K/V slot
+    (alone, then with each of the rest), fewer Q/dO stages, fewer queries a step, fewer keys a block."""
+    bwd = spec.backward
+    smaller = [*((f"use stages: {stages}", {"backward.stages": stages}) for stages in range(bwd.stages - 1, 0, -1)),
+               *((f"use block_q: {q}", {"backward.block_q": q}) for q in (64, 32, 16) if q < bwd.block_q),
+               *((f"use block_kv: {kv}", {"backward.block_kv": kv}) for kv in (128, 64, 32, 16) if kv < bwd.block_kv)]
+    if bwd.warp_specialized is not None and bwd.warp_specialized.persistent:
+        unpersist = ("remove backward.warp_specialized.persistent", {"backward.warp_specialized.persistent": REMOVE})
+        yield unpersist
+        yield from (combined(unpersist, fix) for fix in smaller)
+    yield from smaller
 
 
 def dkdv_register_fixes(spec: AttentionSpec) -> list[tuple[str, dict]]:
@@ -578,17 +616,7 @@ def dkdv_register_fixes(spec: AttentionSpec) -> list[tuple[str, dict]]:
 
 def dkdv_register_fix(spec: AttentionSpec) -> tuple[str, dict | None]:
     """The first of dkdv_register_fixes whose spec validates (text, fields), or a text alone."""
-    if not _ADVISING:
-        with fixes_unsought():
-            for text, change in dkdv_register_fixes(spec):
-                try:  # every rule and both plans, as fagen.load's parse_spec checks them
-                    fixed = AttentionSpec.model_validate(with_fix(spec.model_dump(mode="json"), change))
-                    plan(fixed)
-                    backward_plan(fixed)
-                except (SpecError, ValueError):
-                    continue
-                return text, change
-    return "use a smaller block_q, or fewer score modifiers", None
+    return first_valid(spec, dkdv_register_fixes(spec), trains) or ("use a smaller block_q, or fewer score modifiers", None)
 
 
 # From this many f32 registers of S^T a thread (128 queries a step), the producer-fed wgmma dK/dV

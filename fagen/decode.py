@@ -223,7 +223,7 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+            scale = side_inputs.check_scale(scale, d)
             offset = nk - nq if spec.mask.align == "bottom_right" else 0
             to, tl = as_device_tensor(out, "out"), as_device_tensor(lse, "lse")
             if not spec.outputs.partial:  # the plain forward, or a decode kernel with no split

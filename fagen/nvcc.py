@@ -89,17 +89,29 @@ def find_nvcc() -> str:
 
 def compile_offline(spec: AttentionSpec, arch: str) -> Resources:
     """nvcc -cubin -arch=ARCH -Xptxas -v on the rendered source; raises with the log on error."""
+    log = _ptxas_log(spec, f"{spec.name}.cu", render(spec), arch)
+    return _resources(arch, log, plan(spec).symbol, log)
+
+
+def _ptxas(file: str, source: str, arch: str) -> tuple[int, str]:
+    """nvcc -cubin -Xptxas -v on `source` (written as `file`): its return code and log."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / f"{spec.name}.cu"
-        src.write_text(render(spec))
+        src = Path(tmp) / file
+        src.write_text(source)
         cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
                "-o", str(Path(tmp) / "k.cubin"), str(src)]
         run = subprocess.run(cmd, capture_output=True, text=True)
-    log = run.stdout + run.stderr
-    if run.returncode:
-        raise RuntimeError(f"nvcc failed on {spec.name} for {arch}:\n{log}")
+    return run.returncode, run.stdout + run.stderr
+
+
+def _ptxas_log(spec: AttentionSpec, file: str, source: str, arch: str) -> str:
+    """_ptxas's log of one of `spec`'s files; raises with it where nvcc fails or warns on the
+    spec's expression."""
+    code, log = _ptxas(file, source, arch)
+    if code:
+        raise RuntimeError(f"nvcc failed on {file} for {arch}:\n{log}")
     _refuse_expression_warnings(spec, arch, log)
-    return _resources(arch, log, plan(spec).symbol, log)
+    return log
 
 
 def expression_warnings(spec: AttentionSpec, log: str) -> list[str]:
@@ -117,35 +129,20 @@ def _refuse_expression_warnings(spec: AttentionSpec, arch: str, log: str) -> Non
                            f"errors: fix the expression it names):\n{log}")
 
 
-def backward_arch(spec: AttentionSpec) -> str:
-    """What a spec's backward compiles for: its own arch, but an sm_90a spec whose backward runs
-    the mma.sync main loops (head_dim 256) is an sm_90 build (as the runtime compiles it)."""
-    return "sm_90" if spec.wgmma and not spec.wgmma_backward else spec.arch
-
-
-def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, Resources]:
-    """nvcc -Xptxas -v on a spec's backward file: each kernel's resources, by role (kernel_symbols)."""
-    arch = arch or backward_arch(spec)
-    plan_ = backward_plan(spec)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / f"{spec.name}_backward.cu"
-        src.write_text(render_backward(spec))
-        cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
-               "-o", str(Path(tmp) / "k.cubin"), str(src)]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-    log = run.stdout + run.stderr
-    if run.returncode:
-        raise RuntimeError(f"nvcc failed on {spec.name}'s backward for {arch}:\n{log}")
-    _refuse_expression_warnings(spec, arch, log)
-    entries = _parse_entries(log)
-    return {name: _resources(arch, entries[symbol][1], symbol, log) for name, symbol in kernel_symbols(plan_).items()}
-
-
 def backward_target(spec: AttentionSpec, arch: str) -> str:
     """The arch a spec's backward compiles for when its forward compiles for `arch` (one of
     archs(spec)): the same, but sm_90a's backward on mma.sync main loops (head_dim 256) is an
     sm_90 build, as the runtime compiles it."""
     return "sm_90" if arch == "sm_90a" and not spec.wgmma_backward else arch
+
+
+def compile_backward(spec: AttentionSpec, arch: str | None = None) -> dict[str, Resources]:
+    """nvcc -Xptxas -v on a spec's backward file: each kernel's resources, by role (kernel_symbols)."""
+    arch = backward_target(spec, arch or spec.arch)
+    plan_ = backward_plan(spec)
+    log = _ptxas_log(spec, f"{spec.name}_backward.cu", render_backward(spec), arch)
+    entries = _parse_entries(log)
+    return {name: _resources(arch, entries[symbol][1], symbol, log) for name, symbol in kernel_symbols(plan_).items()}
 
 
 @dataclass(frozen=True)
@@ -182,16 +179,7 @@ def compile_all(spec: AttentionSpec, arch: str) -> list[Kernel]:
         roles = {symbol: role for role, symbol in kernel_symbols(backward_plan(spec)).items()}
         files.append(("backward", render_backward(spec), backward_target(spec, arch), roles))
     for file, source, target, roles in files:
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / f"{spec.name}_{file}.cu"
-            src.write_text(source)
-            cmd = [find_nvcc(), "-cubin", f"-arch={target}", "-std=c++17", "-Xptxas", "-v",
-                   "-o", str(Path(tmp) / "k.cubin"), str(src)]
-            run = subprocess.run(cmd, capture_output=True, text=True)
-        log = run.stdout + run.stderr
-        if run.returncode:
-            raise RuntimeError(f"nvcc failed on {spec.name}'s {file} kernels for {target}:\n{log}")
-        _refuse_expression_warnings(spec, target, log)
+        log = _ptxas_log(spec, f"{spec.name}_{file}.cu", source, target)
         entries = _parse_entries(log)
         missing = sorted(set(roles) - set(entries))
         if missing:
@@ -207,7 +195,7 @@ def compile_backward_many(builds: list[tuple[AttentionSpec, str | None]], jobs: 
     backward files differ only in names and comments compile once."""
     def key(build):
         spec, arch = build
-        return arch or backward_arch(spec), _COMMENT.sub("", render_backward(spec)).replace(spec.name, "")
+        return backward_target(spec, arch or spec.arch), _COMMENT.sub("", render_backward(spec)).replace(spec.name, "")
 
     keys = [key(b) for b in builds]
     first = {k: b for k, b in zip(reversed(keys), reversed(builds))}  # the first build of each key
@@ -256,13 +244,7 @@ def _compile_bundle(bodies: list[str], arch: str) -> tuple[int, str, list[str]]:
     unit = "".join(f"namespace fagen_ns{i} {{\n" + body.replace(_PLACEHOLDER, symbols[i])
                    .replace("smem_chunks", f"smem_chunks_{i}") + "}\n"  # extern __shared__ names are global
                    for i, body in enumerate(bodies))
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "bundle.cu"
-        src.write_text(unit)
-        cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
-               "-o", str(Path(tmp) / "k.cubin"), str(src)]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-    return run.returncode, run.stdout + run.stderr, symbols
+    return (*_ptxas("bundle.cu", unit, arch), symbols)
 
 
 def default_jobs() -> int:

@@ -7,11 +7,13 @@ module is pure (no CuPy, no Jinja) and unit-tested.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from fagen.mask_kinds import KINDS
 from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
-                        AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule)
+                        AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule, with_fix)
 
 ELEMENT_BYTES = 2  # float16 and bfloat16
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
@@ -433,27 +435,148 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
     return o_regs + rows * (spec.head_dim // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST
 
 
-def register_fix(spec: AttentionSpec, limit: int) -> str:
-    """The fix for a tiling over its register limit: the largest smaller block_kv predicted within
-    it (P, S and the mask's and modifiers' per-key terms shrink with it), and, warp-specialised,
-    more consumer_registers where setmaxnreg has more to give; otherwise the general advice."""
+_ADVISING = []  # a fix being checked: its own refusals offer none (no search within the search)
+
+
+@contextmanager
+def fixes_unsought():
+    """Within, a refusal offers no searched fix (its general advice instead): for a fix being
+    checked, and for a caller that tries specs in turn and shows only the last one's refusal
+    (each search validates several specs)."""
+    _ADVISING.append(True)
+    try:
+        yield
+    finally:
+        _ADVISING.pop()
+
+
+Fix = tuple[str, dict]  # the advice's text, and the fields it sets (Advice.fix)
+
+
+def first_valid(spec: AttentionSpec, fixes: Iterable[Fix], check: Callable[[AttentionSpec], object]) -> Fix | None:
+    """The first of `fixes` (lazily: the search stops at the first) with which `spec` validates,
+    as fagen.load's parse_spec checks it: the spec's rules, then `check` (the plans). None where
+    none does, or within a search (fixes_unsought)."""
+    if _ADVISING:
+        return None
+    data = spec.model_dump(mode="json")
+    with fixes_unsought():
+        for text, change in fixes:
+            try:
+                check(AttentionSpec.model_validate(with_fix(data, change)))
+            except (SpecError, ValueError):
+                continue
+            return text, change
+    return None
+
+
+def searched_rule(field: str, value: object, broken: str, fixes: Iterable[Fix], general: str,
+                  check: Callable[[AttentionSpec], object], spec: AttentionSpec) -> SpecError:
+    """A resource rule's refusal, its fix the first of `fixes` that validates (the values in the
+    text and in SpecError.fix), else the `general` advice alone."""
+    text, change = first_valid(spec, fixes, check) or (general, None)
+    return SpecError(rule(field, value, broken, text, change))
+
+
+def combined(first: Fix, then: Fix) -> Fix:
+    """Two fixes at once: "use a, b", "remove a and use b"."""
+    text = f"{first[0]}, {then[0].removeprefix('use ')}" if first[0].startswith("use ") else f"{first[0]} and {then[0]}"
+    return text, {**first[1], **then[1]}
+
+
+def _smaller_block_kv(spec: AttentionSpec) -> Iterable[Fix]:
+    """block_kv, a k16 step smaller at a time, at whole k16 steps for each key warp."""
     t = spec.tiling
-    fixes = []
     for block_kv in range(t.block_kv - MMA_K, 0, -MMA_K):
-        if block_kv % t.warps_kv or (block_kv // t.warps_kv) % MMA_K:
-            continue
-        smaller = spec.model_copy(update={"tiling": t.model_copy(update={"block_kv": block_kv})})
-        if _predicted(smaller) <= limit:
-            fixes.append(f"use block_kv: {block_kv}")
+        if not (block_kv % t.warps_kv or (block_kv // t.warps_kv) % MMA_K):
+            yield f"use block_kv: {block_kv}", {"tiling.block_kv": block_kv}
+
+
+def _smaller_block_q(spec: AttentionSpec) -> Iterable[Fix]:
+    """block_q, a row of m16 fragments (one per warp) smaller at a time."""
+    step = spec.tiling.warps_q * MMA_M
+    for block_q in range(spec.tiling.block_q - step, 0, -step):
+        yield f"use block_q: {block_q}", {"tiling.block_q": block_q}
+
+
+def smem_fixes(spec: AttentionSpec) -> Iterable[Fix]:
+    """What takes shared memory from the forward: fewer stages, K and V sharing a buffer
+    (mma.sync), fewer keys a tile, fewer rows."""
+    p = spec.pipeline
+    for stages in range(p.stages - 1, 0, -1):
+        yield f"use stages: {stages}", {"pipeline.stages": stages}
+    if not spec.wgmma and p.kv_smem == "separate":
+        yield "use kv_smem: shared", {"pipeline.kv_smem": "shared"}
+        yield "use kv_smem: shared and stages: 1", {"pipeline.kv_smem": "shared", "pipeline.stages": 1}
+    yield from _smaller_block_kv(spec)
+    yield from _smaller_block_q(spec)
+
+
+def merge_fixes(spec: AttentionSpec) -> Iterable[Fix]:
+    """What fits the key warps' merge in the KV ring: fewer key warps, a larger ring."""
+    t, p = spec.tiling, spec.pipeline
+    warps_kv = t.warps_kv // 2
+    while warps_kv >= 1:
+        yield f"use warps_kv: {warps_kv}", {"tiling.warps_kv": warps_kv}
+        warps_kv //= 2
+    for stages in range(p.stages + 1, 4):
+        yield f"use stages: {stages}", {"pipeline.stages": stages}
+    if p.kv_smem == "shared":
+        yield "use kv_smem: separate", {"pipeline.kv_smem": "separate"}
+
+
+SEPARATE_TWO: Fix = ("use kv_smem: separate and stages: 2", {"pipeline.kv_smem": "separate", "pipeline.stages": 2})
+
+
+def seed_budget_fixes(spec: AttentionSpec) -> Iterable[Fix]:
+    """Fewer keys a tile, or fewer rows; then (mma.sync) each with separate K and V buffers, 2
+    stages, where the smaller tile's registers need that pipeline (fewer addresses in flight)."""
+    smaller = [*_smaller_block_kv(spec), *_smaller_block_q(spec)]
+    yield from smaller
+    if not spec.wgmma and (spec.pipeline.kv_smem, spec.pipeline.stages) != ("separate", 2):
+        yield from (combined(fix, SEPARATE_TWO) for fix in smaller)
+
+
+def register_fixes(spec: AttentionSpec, limit: int) -> Iterable[Fix]:
+    """What takes registers from a tiling over its limit: the largest smaller block_kv predicted
+    within it (P, S and the mask's and modifiers' per-key terms shrink with it); warp-specialised,
+    more consumer_registers where setmaxnreg has more to give; then Q out of registers, more warps
+    along the rows, and (mma.sync) separate K and V buffers, 2 stages (fewer addresses in flight)."""
+    t, p = spec.tiling, spec.pipeline
+    for text, change in _smaller_block_kv(spec):
+        smaller = spec.model_copy(update={"tiling": t.model_copy(update={"block_kv": change["tiling.block_kv"]})})
+        if _predicted(smaller) <= limit:  # the estimate first: validating costs more
+            yield text, change
             break
-    ws = spec.pipeline.warp_specialized
+    ws = p.warp_specialized
     if ws:
         most = most_consumer_registers(t.warps_q // 4, ws.producer_registers)
-        if most > ws.consumer_registers and _predicted(spec) <= most:
-            fixes.append(f"set warp_specialized.consumer_registers: {most}")
+        if most > ws.consumer_registers:
+            yield (f"set warp_specialized.consumer_registers: {most}",
+                   {"pipeline.warp_specialized.consumer_registers": most})
+    if p.q_in_registers:
+        yield "use q_in_registers: false", {"pipeline.q_in_registers": False}
+    if not spec.wgmma and t.block_q >= 2 * MMA_M * t.warps_q and t.warps_q * t.warps_kv < 8:
+        yield f"use warps_q: {2 * t.warps_q}", {"tiling.warps_q": 2 * t.warps_q}
+    if not spec.wgmma and (p.kv_smem, p.stages) != ("separate", 2):
+        yield SEPARATE_TWO
+    yield from _smaller_block_q(spec)
+
+
+def register_fix(spec: AttentionSpec, limit: int) -> Fix | tuple[str, None]:
+    """The fix for a tiling over its register limit (register_fixes'), as (text, fields): the
+    first that validates, and, warp-specialised, the consumers' registers beside a smaller
+    block_kv where both do (the user picks); otherwise the general advice, no fields."""
+    fixes = []
+    for fix in register_fixes(spec, limit):
+        if first_valid(spec, [fix], plan) is None:
+            continue
+        fixes.append(fix)
+        if len(fixes) == 2 or not (fix[0].startswith("use block_kv") and spec.pipeline.warp_specialized):
+            break
     if not fixes:
-        fixes.append("use more warps_q, a smaller block_kv, or q_in_registers: false")
-    return ", or ".join(fixes)
+        return "use more warps_q, a smaller block_kv, or q_in_registers: false", None
+    return ", or ".join(text for text, _ in fixes), fixes[0][1]
 
 
 def _predicted(spec: AttentionSpec) -> int:
@@ -507,30 +630,31 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS  # the consumers' setmaxnreg
 
     if smem_bytes > limit:
-        raise SpecError(rule(
+        raise searched_rule(
             "pipeline", f"{spec.pipeline.kv_smem}, stages {spec.pipeline.stages}",
             f"needs {smem_bytes} bytes of shared memory (Q tile + {slots} KV tiles of "
-            f"{t.block_kv}x{kv_tile // t.block_kv}) but {spec.arch} allows {limit} per block",
-            "use fewer stages or a smaller block_kv" + ("" if spec.wgmma else ", or kv_smem: shared")))
+            f"{t.block_kv}x{kv_tile // t.block_kv}) but {spec.arch} allows {limit} per block", smem_fixes(spec),
+            "use fewer stages or a smaller block_kv" + ("" if spec.wgmma else ", or kv_smem: shared"), plan, spec)
     # warps along the keys merge through the (then idle) KV ring: a lane's O, max and sum, for each
     # warp but the first of its rows
     combine_bytes = (t.warps_kv - 1) * t.warps_q * 32 * (o_regs + 4 * m_frags) * 4
     if combine_bytes > slots * kv_tile * ELEMENT_BYTES:
-        raise SpecError(rule("tiling.warps_kv", t.warps_kv, f"merges {combine_bytes} bytes of O through the KV ring "
-                             f"({slots * kv_tile * ELEMENT_BYTES} bytes)", "use fewer warps_kv, or more stages"))
+        raise searched_rule("tiling.warps_kv", t.warps_kv, f"merges {combine_bytes} bytes of O through the KV ring "
+                            f"({slots * kv_tile * ELEMENT_BYTES} bytes)", merge_fixes(spec),
+                            "use fewer warps_kv, or more stages", plan, spec)
     if seed_budget > limit:
-        raise SpecError(rule(
+        raise searched_rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}",
             f"breaks the FlashAttention block-size rule 2*Bc*d + Br*d + Br*Bc < M: "
-            f"{seed_budget} bytes over {spec.arch}'s {limit}",
-            "use a smaller block_q or block_kv"))
+            f"{seed_budget} bytes over {spec.arch}'s {limit}", seed_budget_fixes(spec),
+            "use a smaller block_q or block_kv", plan, spec)
     if registers > register_limit:
         raise SpecError(rule(
             "tiling", f"block_q {t.block_q}, block_kv {t.block_kv}, warps_q {t.warps_q}",
             f"predicts {registers} registers a thread ({o_regs} for O, {s_regs} for S, {q_regs} for Q, "
             f"{p_regs} for P, the rest addresses, pipeline state and the mask's and score modifiers' "
             f"temporaries) over the {register_limit} limit{' (consumer_registers)' if ws else ''}: it would spill",
-            register_fix(spec, register_limit)))
+            *register_fix(spec, register_limit)))
 
     return KernelPlan(
         name=spec.name,

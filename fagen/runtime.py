@@ -23,7 +23,7 @@ from fagen import __version__, device, side_inputs, tensor_maps, variants
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
-from fagen.mask_kinds import KINDS
+from fagen.mask_kinds import KINDS, fields_of
 from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
 from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, shared_kernels
 from fagen.spec import AttentionSpec, Mask, ScoreMod
@@ -768,8 +768,9 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
                     keys: int | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
-    if isinstance(mask, dict):  # a Mask or a kind name keys the cache as it is
-        mask = Mask.model_validate(mask)
+    if mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
+        fields_of(mask)  # the oracle's rules and messages, naming the argument (mask=5, a bad field)
+        mask = Mask.model_validate({"kind": mask} if isinstance(mask, str) else mask)
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
                          bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())

@@ -474,10 +474,9 @@ struct ScoreMod {
     n_kv = n_kv_;
   }
 
-  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
+  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx, float bias_value) const {
     s *= scale;
-    // rows of a tile past n_q, or before 0 (causal tiles that end at n_q), read no bias
-    if ((unsigned)q_idx < (unsigned)n_q && kv_idx < n_kv) s += bias_bh[q_idx * bias_q_stride + kv_idx];
+    s += bias_value;  // load_bias_tile's element (0 past the bounds)
     return s;
   }
 };
@@ -485,7 +484,7 @@ struct ScoreMod {
 // The tile's scores in place, transposed (the backward's dK/dV kernel): thread (g, t) holds keys
 // g, g + 8 of each m16 fragment and queries 2t, 2t + 1 of each n8 fragment. Modifiers, then the mask, which tests elements only on tiles that
 // cross one of its boundaries.
-__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod,
+__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod, const float (&bias)[M_FRAGS][S_N_FRAGS][4],
                                            Mask& mask, int t, int b, int h, int q0, int warp_kv0, int lane) {
 #pragma unroll
   for (int f = 0; f < M_FRAGS; ++f)
@@ -495,7 +494,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
       for (int e = 0; e < 4; ++e) {
         const int ki = warp_kv0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
         const int qi = q0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
+        s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki, bias[f][n][e]);
       }
   if (mask.needs_element_test_keys(t, q0, warp_kv0 - warp_kv0 % BLOCK_KV)) {
 #pragma unroll
@@ -509,6 +508,26 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
           if (!mask.element_active_keys(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
         }
   }
+}
+
+// The tile's bias, as score_tile's thread holds its scores (0 where a query is past n_q or before 0,
+// or a key past n_kv), loaded before the MMAs that compute the scores, whose time hides the loads'.
+// Each load is asm volatile, so it stays where it is written: left to ptxas, the loads (each under
+// a branch, in apply) were scheduled so that head_dim 256's kernels held 25-60 more registers than
+// without a bias, and spilled; here the tile holds 4 registers an m16n8 fragment until score_tile.
+__device__ __forceinline__ void load_bias_tile(float (&bias)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod, int q0, int warp_kv0, int lane) {
+#pragma unroll
+  for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+    for (int n = 0; n < S_N_FRAGS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int ki = warp_kv0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
+        const int qi = q0 + n * 8 + (lane & 3) * 2 + (e & 1);
+        const int inside = (unsigned)qi < (unsigned)score_mod.n_q && ki < score_mod.n_kv;
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; mov.b32 %0, 0; @p ld.global.nc.f32 %0, [%1]; }\n"
+                     : "=f"(bias[f][n][e]) : "l"(score_mod.bias_bh + qi * score_mod.bias_q_stride + ki), "r"(inside));
+      }
 }
 
 // Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
@@ -597,6 +616,8 @@ fagen_bias_matrix_f16_d64_bwd_dkdv(
       score_mod.begin(n_q, n_kv, b, h, scale, bias, bias_sb, bias_sh, bias_sq);
       mod_head = head;
     }
+    float bias[M_FRAGS][S_N_FRAGS][4];  // in flight while Q and dO land and S^T is computed
+    load_bias_tile(bias, score_mod, q0, warp_kv0, lane);
     pipe.wait(t);
     const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
 
@@ -605,7 +626,7 @@ fagen_bias_matrix_f16_d64_bwd_dkdv(
     mma_rows_rows<M_FRAGS, S_N_FRAGS, QK_K_STEPS>(s, k_tile, warp_row0, q_tile, lane);
 
     // Phase 3: score modifiers (and their derivative), the mask, then P^T = exp2(S^T - LSE): the forward's probabilities.
-    score_tile(s, score_mod, mask, t, b, h, q0, warp_kv0, lane);
+    score_tile(s, score_mod, bias, mask, t, b, h, q0, warp_kv0, lane);
     const float* lse = pipe.lse(t);
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n) {
@@ -950,10 +971,9 @@ struct ScoreMod {
     n_kv = n_kv_;
   }
 
-  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx) const {
+  __device__ __forceinline__ float apply(float s, int b, int h, int q_idx, int kv_idx, float bias_value) const {
     s *= scale;
-    // rows of a tile past n_q, or before 0 (causal tiles that end at n_q), read no bias
-    if ((unsigned)q_idx < (unsigned)n_q && kv_idx < n_kv) s += bias_bh[q_idx * bias_q_stride + kv_idx];
+    s += bias_value;  // load_bias_tile's element (0 past the bounds)
     return s;
   }
 };
@@ -961,7 +981,7 @@ struct ScoreMod {
 // The tile's scores in place: modifiers, then the mask, which tests elements only on tiles
 // that cross one of its boundaries. Thread (g, t) holds rows g, g + 8 of each m16 fragment and
 // keys 2t, 2t + 1 of each n8 fragment (mma.sync's and wgmma's accumulator layout alike).
-__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod,
+__device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod, const float (&bias)[M_FRAGS][S_N_FRAGS][4],
                                            Mask& mask, int j, int b, int h, int kv0, int warp_q0,
                                            int warp_q_last, int lane) {
 #pragma unroll
@@ -972,7 +992,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
       for (int e = 0; e < 4; ++e) {
         const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
         const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki);
+        s[f][n][e] = score_mod.apply(s[f][n][e], b, h, qi, ki, bias[f][n][e]);
       }
   if (mask.needs_element_test(j, kv0, warp_q0, warp_q_last)) {
 #pragma unroll
@@ -986,6 +1006,26 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4], co
           if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
         }
   }
+}
+
+// The tile's bias, as score_tile's thread holds its scores (0 where a query is past n_q or before 0,
+// or a key past n_kv), loaded before the MMAs that compute the scores, whose time hides the loads'.
+// Each load is asm volatile, so it stays where it is written: left to ptxas, the loads (each under
+// a branch, in apply) were scheduled so that head_dim 256's kernels held 25-60 more registers than
+// without a bias, and spilled; here the tile holds 4 registers an m16n8 fragment until score_tile.
+__device__ __forceinline__ void load_bias_tile(float (&bias)[M_FRAGS][S_N_FRAGS][4], const ScoreMod& score_mod, int kv0, int warp_q0, int lane) {
+#pragma unroll
+  for (int f = 0; f < M_FRAGS; ++f)
+#pragma unroll
+    for (int n = 0; n < S_N_FRAGS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
+        const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
+        const int inside = (unsigned)qi < (unsigned)score_mod.n_q && ki < score_mod.n_kv;
+        asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; mov.b32 %0, 0; @p ld.global.nc.f32 %0, [%1]; }\n"
+                     : "=f"(bias[f][n][e]) : "l"(score_mod.bias_bh + qi * score_mod.bias_q_stride + ki), "r"(inside));
+      }
 }
 
 // Grid: x = batch * query head, y = query tile, heaviest first (as the forward). The block
@@ -1071,6 +1111,8 @@ fagen_bias_matrix_f16_d64_bwd_dq(
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
+    float bias[M_FRAGS][S_N_FRAGS][4];  // in flight while K_j lands and S is computed
+    load_bias_tile(bias, score_mod, kv0, warp_q0, lane);
     kv.wait_both(2 * j);
     const unsigned k_tile = kv.slot(2 * j), v_tile = kv.slot(2 * j + 1);
 
@@ -1079,7 +1121,7 @@ fagen_bias_matrix_f16_d64_bwd_dq(
     mma_rows_rows<M_FRAGS, S_N_FRAGS, QK_K_STEPS>(s, smem_q_u32, warp_row0, k_tile, lane);
 
     // Phase 3: score modifiers (and their derivative), the mask, then P = exp2(S - LSE): the forward's probabilities.
-    score_tile(s, score_mod, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
+    score_tile(s, score_mod, bias, mask, j, b, h, kv0, warp_q0, warp_q_last, lane);
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll

@@ -1,4 +1,6 @@
 import copy
+import json
+import os
 
 import pytest
 
@@ -15,6 +17,34 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+
+
+# ---- the GPU suite's worst errors --------------------------------------------------------------
+# With FAGEN_ERRORS set to a path, every relative error a test measures through
+# fagen.check.relative_error (the tests import it by name after this wrapper is in place) is kept,
+# the largest a test, and written there as JSON lines at the end (one file a pytest-xdist worker).
+_ERRORS_PATH = os.environ.get("FAGEN_ERRORS")
+_worst: dict[str, float] = {}
+
+if _ERRORS_PATH:
+    import fagen.check as _check
+
+    _measure = _check.relative_error
+
+    def _recording_relative_error(out, ref):
+        error = _measure(out, ref)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        _worst[test] = max(_worst.get(test, 0.0), float(error))
+        return error
+
+    _check.relative_error = _recording_relative_error
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _ERRORS_PATH and _worst:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_ERRORS_PATH}.{worker}", "w") as log:
+            log.writelines(json.dumps({"test": t, "error": e}) + "\n" for t, e in _worst.items())
 
 
 def pytest_collection_modifyitems(config, items):

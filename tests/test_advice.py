@@ -1,6 +1,7 @@
 """Advice that validates: every fix a refusal offers, applied as the message states it (SpecError.fix,
 the fields and values the text names), gives a spec that validates. The corpus breaks every rule
-of fagen/spec.py that offers a change of fields (checked from the source), and the type errors."""
+of fagen/spec.py that offers a change of fields and every resource rule of fagen/plan.py and
+fagen/backward_plan.py (checked from the sources), and the type errors."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import yaml
 from click.testing import CliRunner
 
 import fagen
+import fagen.backward_plan
 import fagen.cli
 import fagen.load
+import fagen.plan
 import fagen.spec
 from fagen.load import SPECS, with_fix
 from fagen.spec import REMOVE, SpecError
@@ -149,7 +152,29 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "persistent dQ producer": (HOPPER_BWD, {"backward.deterministic": True,
                                             "backward.dq_warp_specialized": {"consumer_registers": 232,
                                                                              "persistent": True}}),
+    # the forward's resources (fagen/plan.py)
+    "shared memory": (SM80, {"pipeline.stages": 3, "tiling.block_kv": 128}),
+    "key warps' merge over the ring": (SM80, {"tiling.warps_kv": 2, "tiling.block_kv": 32}),
+    "block-size rule": (SM80, {"head_dim": 256, "arch": "sm_86", "pipeline": {"kv_smem": "shared", "stages": 1}}),
+    "registers": (SM80, {"head_dim": 256}),
+    "consumer registers under the tile": (HOPPER, {"tiling.block_kv": 176,
+                                                   "pipeline.warp_specialized.consumer_registers": 200}),
+    # the backward's resources (fagen/backward_plan.py)
+    "dQ kernel's forward tiling": (SM80_BWD, {"backward.dq_block_q": 128, "backward.dq_block_kv": 128}),
+    "dQ registers": (SM80_BWD, {"score_mod.softcap": 30.0, "backward.dq_block_kv": 128}),
+    "dQ shared memory": (SM80_BWD, {"arch": "sm_86", "backward.dq_block_q": 128, "backward.dq_block_kv": 128,
+                                    "backward.dq_warps": 8}),
+    "dK/dV shared memory": (SM80_BWD, {"arch": "sm_86", "backward.stages": 3, "backward.block_q": 128}),
+    "persistent dK/dV shared memory": (HOPPER_BWD, {"backward.stages": 3,
+                                                    "backward.warp_specialized": {"persistent": True}}),
+    "dK/dV registers": (SM80_BWD, {"backward.block_q": 128}),
 }
+# Rules that parse_spec never reaches, each with a call that breaks it: (valid spec, the call)
+UNPARSED = {"no backward section": (SM80, fagen.backward_plan.backward_plan)}
+# The modules whose rule(...) calls the corpus must break: spec's rules, the forward's and the
+# backward's resource rules (searched_rule: a rule whose fix is searched for)
+RULE_MODULES = (fagen.spec, fagen.plan, fagen.backward_plan)
+RULE_FUNCTIONS = ("rule", "searched_rule")
 
 
 def refusal(data: dict) -> SpecError:
@@ -186,22 +211,49 @@ def test_the_fix_a_message_offers_validates(case):
         pytest.fail(f"{message}\n  applying {err.fix} is refused too:\n  {again}")
 
 
-def rule_calls_with_a_change() -> list[tuple[int, int]]:
-    """The line spans of fagen/spec.py's rule(...) calls that pass a change of fields."""
-    source = inspect.getsource(fagen.spec)
+@pytest.mark.parametrize("case", list(UNPARSED))
+def test_the_fix_of_a_rule_parse_spec_never_reaches_validates(case):
+    valid, call = UNPARSED[case]
+    with pytest.raises(SpecError) as info:
+        call(fagen.parse_spec(valid))
+    assert info.value.fix, str(info.value)
+    fagen.parse_spec(with_fix(valid, info.value.fix))
+
+
+def rule_calls_with_a_change(module) -> list[tuple[int, int]]:
+    """The line spans of `module`'s rule(...) calls that pass a change of fields, and of its
+    searched_rule(...) calls (each searches one)."""
+    source = inspect.getsource(module)
     return [(node.lineno, node.end_lineno) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in RULE_FUNCTIONS
+            and (node.func.id == "searched_rule" or len(node.args) >= 5 or node.keywords
+                 or any(isinstance(a, ast.Starred) for a in node.args))]
+
+
+def rule_calls_without_a_change(module) -> list[str]:
+    """The resource modules' rule(...) calls that pass no change: advice no search backs."""
+    source = inspect.getsource(module)
+    return [ast.get_source_segment(source, node)[:120] for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "rule"
-            and (len(node.args) >= 5 or node.keywords or any(isinstance(a, ast.Starred) for a in node.args))]
+            and not (len(node.args) >= 5 or node.keywords or any(isinstance(a, ast.Starred) for a in node.args))]
+
+
+@pytest.mark.parametrize("module", [fagen.plan, fagen.backward_plan], ids=lambda m: m.__name__)
+def test_every_resource_rule_offers_a_change(module):
+    assert not rule_calls_without_a_change(module)
 
 
 def test_the_corpus_breaks_every_rule_that_offers_a_change(monkeypatch):
-    hit: set[int] = set()
-    original, trying = fagen.spec.rule, []
+    hit: set[tuple[str, int]] = set()
+    trying = []
 
-    def recording(*args, **kwargs):
-        if not trying:
-            hit.add(sys._getframe(1).f_lineno)
-        return original(*args, **kwargs)
+    def recording(original):
+        def record(*args, **kwargs):
+            if not trying:
+                caller = sys._getframe(1)
+                hit.add((caller.f_globals["__name__"], caller.f_lineno))
+            return original(*args, **kwargs)
+        return record
 
     fitting = fagen.load._fitting
 
@@ -212,14 +264,34 @@ def test_the_corpus_breaks_every_rule_that_offers_a_change(monkeypatch):
         finally:
             trying.pop()
 
-    monkeypatch.setattr(fagen.spec, "rule", recording)
+    def searching(first_valid):  # the specs a fix search tries break rules too: not the corpus's
+        def search(*args):
+            trying.append(1)
+            try:
+                return first_valid(*args)
+            finally:
+                trying.pop()
+        return search
+
+    for module in RULE_MODULES:  # each module's own name for rule and searched_rule
+        for name in RULE_FUNCTIONS:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, recording(getattr(module, name)))
     monkeypatch.setattr(fagen.load, "_fitting", quiet)
+    monkeypatch.setattr(fagen.plan, "first_valid", searching(fagen.plan.first_valid))
+    monkeypatch.setattr(fagen.backward_plan, "first_valid", searching(fagen.backward_plan.first_valid))
     for valid, changes in CORPUS.values():
         with pytest.raises(SpecError):
             fagen.parse_spec(with_fix(valid, changes))
-    missed = [span for span in rule_calls_with_a_change() if not any(span[0] <= line <= span[1] for line in hit)]
-    lines = inspect.getsource(fagen.spec).splitlines()
-    assert not missed, "rules no corpus spec breaks:\n" + "\n".join(lines[a - 1].strip() for a, _ in missed)
+    for valid, call in UNPARSED.values():
+        with pytest.raises(SpecError):
+            call(fagen.parse_spec(valid))
+    missed = []
+    for module in RULE_MODULES:
+        lines = inspect.getsource(module).splitlines()
+        missed += [f"{module.__name__}: {lines[a - 1].strip()}" for a, b in rule_calls_with_a_change(module)
+                   if not any(name == module.__name__ and a <= line <= b for name, line in hit)]
+    assert not missed, "rules no corpus spec breaks:\n" + "\n".join(missed)
 
 
 # ---- the particular advice the issue found refused ------------------------------------------------

@@ -244,3 +244,18 @@ def test_core_timing_without_a_gpu_says_what_is_missing_in_one_line():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(r"CuPy|GPU|PyTorch", lines[0]), done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("mask, named", [(5, "mask = 5"), ({"kind": "sliding_window", "window_left": -5},
+                                                            "mask.window_left = -5"),
+                                          ("bogus", "mask.kind = 'bogus'")])
+def test_fagen_attention_refuses_a_bad_mask_as_the_oracle_does(mask, named):
+    """fagen.attention's spec derivation refuses a bad mask before it asks for a GPU, with the
+    oracle's message (not pydantic's)."""
+    from fagen.runtime import derive_spec_for
+
+    with pytest.raises(ValueError) as runtime:
+        derive_spec_for("float16", 64, mask=mask)
+    with pytest.raises(ValueError) as reference:
+        fagen.oracle.attention(*(np.zeros((1, 1, 4, 64)),) * 3, mask=mask)
+    assert named in str(runtime.value) and str(runtime.value) == str(reference.value)

@@ -557,11 +557,11 @@ def test_gemma_shape_trains(gpu, dtype, deterministic):
 
 
 @pytest.mark.parametrize("bias", ["vector", "matrix"])
-def test_head_dim_256_refuses_a_bias_with_a_fix_that_validates(bias):
+def test_head_dim_256_with_a_bias_validates_at_16_queries_and_keys(bias):
+    """A bias at head_dim 256 (once refused: its loads spilled both kernels at every tiling) fits
+    at 16 queries a dK/dV step and 16 keys a dQ tile, its gradient too."""
     forward = variants.variant(variants.shipped_spec("float16", 256, False, gpu=None), Mask(), ScoreMod(bias=bias))
     data = {**forward.model_dump(), "name": "d256_bias", "backward": {
         "head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 16, "bias_grad": True}}
-    with pytest.raises(fagen.SpecError) as refused:
-        fagen.parse_spec(data)
-    assert f"score_mod.bias = '{bias}'" in str(refused.value) and "backward.bias_grad: false" in str(refused.value)
-    fagen.parse_spec(with_fix(data, refused.value.fix))
+    plan_ = backward_plan(fagen.parse_spec(data))
+    assert plan_.dkdv.predicted_registers <= 255 and plan_.dq_predicted_registers <= 255

@@ -225,7 +225,7 @@ def test_measured_fits_compile_without_spills():
 # Every shipped spec with a backward: section, and what fagen.attention trains with: the trainable
 # variant of every float16 default on an H100/H200 (bfloat16 differs only in the MMA's type; the
 # A100's sm_80 builds too with FAGEN_NVCC_MATRIX=cover or full), each for the arch its backward
-# is built for (fagen.nvcc.backward_arch); a runtime block mask's (its dK/dV loop reads
+# is built for (fagen.nvcc.backward_target); a runtime block mask's (its dK/dV loop reads
 # transposed lists) on each main loop: wgmma (d 64, 128) and mma.sync (d 256); and a matrix
 # bias's gradient (an add per score) at d 64 and 128.
 TRAINING_GPUS = ("h200",) if MATRIX == "quick" else (None, "h200")
