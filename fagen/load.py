@@ -129,7 +129,13 @@ def _candidates(e: dict, loc: list[str]) -> list:
         return [*difflib.get_close_matches(str(given), options, n=1), *usual, *options]
     if kind == "string_type" and loc == ["name"]:
         return [name_like(str(given))]
+    if kind == "string_type":  # an expression written as a bare number: its text, else the field's example
+        return [str(given) if isinstance(given, (int, float)) else None, *usual, *STRING_EXAMPLES.get(loc[-1], ())]
     return [*usual, {}]
+
+
+# Text that validates in a string field of the spec (fagen.expression's syntax), tried in turn.
+STRING_EXAMPLES = {"expression": ("kv_idx <= q_idx", "score"), "expression_grad": ("1.0f",)}
 
 
 def _yaml_value(value: object) -> str:

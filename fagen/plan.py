@@ -7,6 +7,7 @@ module is pure (no CuPy, no Jinja) and unit-tested.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -435,7 +436,13 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
     return o_regs + rows * (spec.head_dim // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST
 
 
-_ADVISING = []  # a fix being checked: its own refusals offer none (no search within the search)
+# A fix being checked: its own refusals offer none (no search within the search). Per thread: a
+# search on one thread must not silence another thread's refusals.
+_searching = threading.local()
+
+
+def _advising() -> int:
+    return getattr(_searching, "depth", 0)
 
 
 @contextmanager
@@ -443,11 +450,11 @@ def fixes_unsought():
     """Within, a refusal offers no searched fix (its general advice instead): for a fix being
     checked, and for a caller that tries specs in turn and shows only the last one's refusal
     (each search validates several specs)."""
-    _ADVISING.append(True)
+    _searching.depth = _advising() + 1
     try:
         yield
     finally:
-        _ADVISING.pop()
+        _searching.depth -= 1
 
 
 Fix = tuple[str, dict]  # the advice's text, and the fields it sets (Advice.fix)
@@ -457,7 +464,7 @@ def first_valid(spec: AttentionSpec, fixes: Iterable[Fix], check: Callable[[Atte
     """The first of `fixes` (lazily: the search stops at the first) with which `spec` validates,
     as fagen.load's parse_spec checks it: the spec's rules, then `check` (the plans). None where
     none does, or within a search (fixes_unsought)."""
-    if _ADVISING:
+    if _advising():
         return None
     data = spec.model_dump(mode="json")
     with fixes_unsought():

@@ -764,13 +764,30 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
                            bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys)
 
 
+@lru_cache(maxsize=64)
+def _named_mask(kind: str) -> Mask:
+    """mask='causal': validated once."""
+    return _mask_of(kind)
+
+
+def _mask_of(given) -> Mask:
+    """A Mask from fagen.attention's mask=, refused as the oracle refuses it (naming the argument,
+    mask=5 or a bad field), not with pydantic's report."""
+    try:
+        return Mask.model_validate({"kind": given} if isinstance(given, str) else given)
+    except ValueError:
+        fields_of(given)  # raises the shared rule's message
+        raise
+
+
 def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
                     keys: int | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
-    if mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
-        fields_of(mask)  # the oracle's rules and messages, naming the argument (mask=5, a bad field)
-        mask = Mask.model_validate({"kind": mask} if isinstance(mask, str) else mask)
+    if isinstance(mask, str):
+        mask = _named_mask(mask)
+    elif mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
+        mask = _mask_of(mask)
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
                          bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())

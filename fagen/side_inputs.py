@@ -24,7 +24,13 @@ def _is_real(value) -> bool:
     """A real number, Python's or a NumPy scalar (a bool, a string, a complex or an array is not)."""
     if isinstance(value, (int, float)):
         return not isinstance(value, bool)
-    return getattr(value, "shape", None) == () and getattr(getattr(value, "dtype", None), "kind", "") in ("i", "u", "f")
+    if getattr(value, "shape", None) != ():
+        return False
+    dtype = getattr(value, "dtype", None)
+    if hasattr(dtype, "kind"):  # NumPy and CuPy
+        return dtype.kind in ("i", "u", "f")
+    # a 0-d torch tensor: its dtype has no kind, but is_floating_point / is_complex and its name say it
+    return str(dtype).startswith("torch.") and not (dtype.is_complex or str(dtype) == "torch.bool")
 
 
 def _shown(value) -> str:
@@ -61,10 +67,11 @@ def check_scale(scale, head_dim: int) -> float:
     """The scores' scale as a float: a finite number > 0, 1 / sqrt(head_dim) where None."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if not (_is_real(scale) and math.isfinite(scale) and scale > 0):
+    value = float(scale) if _is_real(scale) else math.nan
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"scale = {_shown(scale)}: must be a finite number > 0 (s = q.k * scale); leave it out for "
                          f"1 / sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g}, or pass one number, e.g. 0.125")
-    return float(scale)
+    return value
 
 
 def require_mask_inputs(kind: str, *, has_block_mask: bool, has_doc_ids: bool) -> None:

@@ -367,3 +367,11 @@ def test_a_kernel_names_the_spec_file_it_was_rendered_from(tmp_path, monkeypatch
     assert "from mine/attn_f16_d128.yaml" in banner[0] and "fagen render mine/attn_f16_d128.yaml" in banner[1]
     assert "specs/" not in "\n".join(banner)
     assert "from attn_f16_d128.yaml" in fagen.render(fagen.load_spec(folder / "attn_f16_d128.yaml")).splitlines()[0]
+
+
+@pytest.mark.parametrize("section, value", [("mask", 5), ("score_mod", 5), ("score_mod", 1e3)])
+def test_an_expression_written_as_a_number_is_offered_text_that_validates(section, value):
+    data = with_fix(SM80, {f"{section}.expression": value, **({"mask.kind": "causal"} if section == "mask" else {})})
+    err = refusal(data)
+    assert f"{section}.expression" in str(err) and isinstance(err.fix[f"{section}.expression"], str)
+    fagen.parse_spec(with_fix(data, err.fix))

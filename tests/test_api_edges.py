@@ -259,3 +259,34 @@ def test_fagen_attention_refuses_a_bad_mask_as_the_oracle_does(mask, named):
     with pytest.raises(ValueError) as reference:
         fagen.oracle.attention(*(np.zeros((1, 1, 4, 64)),) * 3, mask=mask)
     assert named in str(runtime.value) and str(runtime.value) == str(reference.value)
+
+
+class _TorchLikeDtype:
+    def __init__(self, name):
+        self.name, self.is_complex = name, "complex" in name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+class _TorchLikeScalar:
+    """A 0-d torch tensor as check_scale sees it (this machine may have no torch): a shape of (),
+    a dtype without NumPy's .kind, and __float__."""
+
+    shape = ()
+
+    def __init__(self, value, dtype):
+        self.value, self.dtype = value, _TorchLikeDtype(dtype)
+
+    def __float__(self):
+        return float(self.value)
+
+
+def test_a_zero_dim_torch_scale_is_a_number():
+    from fagen.side_inputs import check_scale
+
+    assert check_scale(_TorchLikeScalar(0.125, "float32"), 64) == 0.125
+    assert check_scale(_TorchLikeScalar(2, "int64"), 64) == 2.0
+    for refused in (_TorchLikeScalar(1, "bool"), _TorchLikeScalar(0.1, "complex64"), _TorchLikeScalar(0.0, "float32")):
+        with pytest.raises(ValueError, match=r"scale = .*must be a finite number > 0"):
+            check_scale(refused, 64)
