@@ -24,6 +24,7 @@ cu_seqlens and max_seqlen_*.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,8 @@ from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, strea
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Launch, _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
-from fagen.side_inputs import check_cu_seqlens, check_pages, check_scale, check_seqused_k  # the oracle's too
+from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_page_size, check_pages,  # the oracle's too
+                                check_scale, check_seqused_k)
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import MergeLaunch, merge_launch
 
@@ -400,14 +402,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=
     SEQLEN_OVER_TABLE into (validate=False: what they skip, neither reading nor writing it)."""
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
+    append = None
     if k is not None:
         if status is None:  # the append's flags and the kernel's in one word
             status = zeros_like(as_device_tensor(q, "q"), (1,), "int32")
-        cache_seqlens = append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q=cu_seqlens_q,
-                                  validate=validate, status=status)
+        append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status)
+        cache_seqlens = append.new_lengths
+    # the whole call is checked before the append writes: the batch against the lengths after it
+    # (the page table once), the kernel's spec
     batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q,
                         max_seqlen_q=max_seqlen_q, status=status, validate=validate)
     spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    if append is not None:
+        append.launch()
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
     return (out, lse) if return_lse else out
 
@@ -461,11 +468,34 @@ def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q
               status=None):
     """Write new tokens' k, v ([B, Hkv, N, d], or [total, Hkv, d] with cu_seqlens_q) into the paged
     cache after each sequence's cache_seqlens keys, by one launch on the cache's stream; returns the
-    new lengths (cache_seqlens + N). validate=True checks the page table's values first (a host
-    sync). Unchecked, a token is still only written to the page its own table entry names, and only
-    where that is a page of the cache: a token past its table row, or whose page id is outside the
-    cache, is dropped, and flagged in `status` (int32 [1]) as the attention kernels flag what they
-    skip (SEQLEN_OVER_TABLE, PAGE_OUT_OF_RANGE): the other pages hold other sequences' keys."""
+    new lengths (cache_seqlens + N). validate=True checks the values first (a host sync): the
+    lengths (>= 0 before, within the table after), cu_seqlens_q against k's rows, and the pages the
+    new lengths use; a refused call writes nothing. Unchecked, a token is still only written to the
+    page its own table entry names, and only where that is a page of the cache: a token past its
+    table row, or whose page id is outside the cache, is dropped, and flagged in `status` (int32
+    [1]) as the attention kernels flag what they skip (SEQLEN_OVER_TABLE, PAGE_OUT_OF_RANGE): the
+    other pages hold other sequences' keys."""
+    append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status)
+    if validate:
+        check_pages(_host(append.table), _host(append.new_lengths), append.num_pages, append.page_size)
+    append.launch()
+    return append.new_lengths if not hasattr(cache_seqlens, "to") else _torch_like(append.new_lengths, cache_seqlens)
+
+
+@dataclass(frozen=True)
+class Append:
+    """A checked append, not launched yet: the lengths after it (a device array, computed on the
+    cache's stream), the table and cache geometry check_pages reads, and the launch."""
+    new_lengths: object
+    table: object
+    num_pages: int
+    page_size: int
+    launch: Callable[[], None]
+
+
+def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate: bool, status) -> Append:
+    """append_kv's checks of everything but the pages (the caller's to check against the new
+    lengths, once: append_kv, or attention_with_kvcache's paged_batch) and its launch, unlaunched."""
     tk, tv = as_device_tensor(k, "k"), as_device_tensor(v, "v")
     tkc, tvc = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
     if tv.shape != tk.shape:
@@ -478,6 +508,7 @@ def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q
         raise ValueError(f"k_cache {tkc.dtype} {tkc.shape} and v_cache {tvc.dtype} {tvc.shape} must have the same "
                          f"shape and dtype")
     num_pages, page_size, hkv, d = tkc.shape
+    check_page_size(page_size)
     device = tkc.device
     table = _index_array(page_table, "page_table", device, ("B", "max_pages"))
     seqlens = _index_array(cache_seqlens, "cache_seqlens", device, ("B",))
@@ -504,16 +535,23 @@ def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q
             cu = _index_array(cu_seqlens_q, "cu_seqlens_q", device, ("B + 1",))
             if cu.shape[0] != b + 1:
                 raise ValueError(f"cu_seqlens_q {tuple(cu.shape)}: [B + 1] with B = {b} (page_table's rows)")
+            if validate:  # the rows the new tokens are read from
+                check_cu_seqlens(_host(cu), tk.shape[0], None, "q", tensor="k")
             new_lengths = seqlens + (cu[1:] - cu[:-1])
             tokens, per_sequence = tk.shape[0], 0
         else:
             cu, new_lengths = None, seqlens + tk.shape[2]
             tokens, per_sequence = b * tk.shape[2], tk.shape[2]
-        if validate:
-            check_pages(_host(table), _host(new_lengths), num_pages, page_size)
+        new_lengths = new_lengths.astype(cupy.int32, copy=False)
+        if validate:  # where the new tokens go (the pages they land in: the caller's check_pages); this
+            check_cached_lengths(_host(seqlens))  # read waits on the cache's stream: new_lengths are there
         st = None if status is None else _index_array(status, "status", device, ("1",))
-        new = [_aligned(x, t, item) for x, t in ((k, tk), (v, tv))]
-        if tokens:
+
+    def launch() -> None:
+        if not tokens:
+            return
+        with cupy.cuda.Device(device), stream_for(tkc):
+            new = [_aligned(x, t, item) for x, t in ((k, tk), (v, tv))]
             strides = []
             for t in new:  # the new rows' byte strides: between sequences (varlen: none), tokens, heads
                 sb, sn, sh = (0, t.strides[0], t.strides[1]) if varlen else (t.strides[0], t.strides[2], t.strides[1])
@@ -526,20 +564,36 @@ def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q
                 np.uint64(seqlens.data.ptr), np.uint64(table.data.ptr), np.int64(table.shape[1]),
                 np.int32(table.shape[1]), np.int32(page_size), np.int32(num_pages), np.int32(hkv),
                 np.int32(d * item // 16), np.uint64(0 if st is None else st.data.ptr)))
-        del new  # a copy made for alignment is freed only after the launch is enqueued
-    return new_lengths.astype(cupy.int32) if not hasattr(cache_seqlens, "to") else _torch_like(new_lengths, cache_seqlens)
+            del new  # a copy made for alignment is freed only after the launch is enqueued
+
+    return Append(new_lengths, table, num_pages, page_size, launch)
 
 
 def _item_bytes(t: DeviceTensor) -> int:
     return t.obj.element_size() if t.kind == "torch" else t.obj.dtype.itemsize
 
 
+def _rows_aligned(t: DeviceTensor, item: int) -> bool:
+    """Every row of `t` starts on a 16-byte boundary, its last dim contiguous: the append kernel's
+    16-byte loads."""
+    return t.strides[-1] == 1 and t.ptr % 16 == 0 and all(s * item % 16 == 0 for s in t.strides[:-1])
+
+
 def _aligned(x, t: DeviceTensor, item: int) -> DeviceTensor:
-    """New rows as the append kernel reads them, 16 bytes at a time: `t` itself where its rows
-    start on 16-byte boundaries with a contiguous last dim, else a contiguous copy."""
-    if t.strides[-1] == 1 and t.ptr % 16 == 0 and all(s * item % 16 == 0 for s in t.strides[:-1]):
+    """New rows as the append kernel reads them: `t` itself where its rows are aligned, else a
+    copy in a fresh allocation (256-byte aligned). Not x.contiguous(): that is x itself when x is
+    contiguous, at whatever address."""
+    if _rows_aligned(t, item):
         return t
-    return as_device_tensor(x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x), "k")
+    if t.kind == "torch":
+        import torch
+
+        copy = x.clone(memory_format=torch.contiguous_format)
+    else:
+        copy = cupy.array(x, copy=True, order="C")
+    aligned = as_device_tensor(copy, "k")
+    assert _rows_aligned(aligned, item), f"a fresh allocation at {aligned.ptr:#x}, strides {aligned.strides}"
+    return aligned
 
 
 def _torch_like(x, like):

@@ -3,7 +3,7 @@ alibi_slopes, sinks, bias), which a mask kind needs and the shapes they must hav
 the scale and the softcap; and the values of a varlen batch's cu_seqlens and a paged cache's
 page table. Written once for the float64 oracle, the spec (the softcap) and the CUDA runtime,
 so all refuse the same arguments with the same message; plain arithmetic on shapes and host
-values (standard library only), so it is tested on the CPU.
+values (NumPy for the page table, checked whole), so it is tested on the CPU.
 
 Messages follow fagen.spec.rule: `name = value: rule (why); fix`.
 """
@@ -14,6 +14,8 @@ import math
 import weakref
 from collections.abc import Callable, Iterable
 from functools import cache
+
+import numpy as np
 
 Shape = tuple[int, ...]
 # softcap * tanh(s / softcap) with softcap a float32 constant of the kernel
@@ -156,12 +158,13 @@ def check_finite(name: str, values: Iterable[float]) -> None:
 
 # ---- a varlen batch's and a paged cache's index values -----------------------------------------
 
-def check_cu_seqlens(cu, total: int, max_seqlen: int | None, what: str) -> None:
+def check_cu_seqlens(cu, total: int, max_seqlen: int | None, what: str, tensor: str | None = None) -> None:
     """cu_seqlens' values (a host array [B + 1]): from 0, non-decreasing, ending at the tensor's
     total rows, no sequence longer than max_seqlen (the grid covers that many; None: no bound,
-    the oracle's)."""
+    the oracle's). `tensor`: the rows' tensor where it is not `what` (the append's k, whose rows
+    cu_seqlens_q counts too)."""
     cu = _values(cu)
-    name = f"cu_seqlens_{what}"
+    name, rows = f"cu_seqlens_{what}", tensor or what
     prefix_sums = "pass the prefix sums of the sequence lengths from 0, e.g. numpy.cumsum([0, *lengths])"
     if cu[0] != 0:
         raise ValueError(f"{name}[0] = {cu[0]}: must be 0 (prefix sums of the sequence lengths); {prefix_sums}")
@@ -171,11 +174,11 @@ def check_cu_seqlens(cu, total: int, max_seqlen: int | None, what: str) -> None:
         raise ValueError(f"{name}[{i + 1}] = {cu[i + 1]}: {name} must be non-decreasing: {name}[{i + 1}] = {cu[i + 1]} "
                          f"< {name}[{i}] = {cu[i]} (sequence {i} would have {steps[i]} rows); {prefix_sums}")
     if cu[-1] != total:
-        raise ValueError(f"{name}[-1] = {cu[-1]}, but {what} has {total} rows: the last prefix sum is the total (every "
-                         f"row is some sequence's); {prefix_sums}, or pass {what}'s first {cu[-1]} rows"
+        raise ValueError(f"{name}[-1] = {cu[-1]}, but {rows} has {total} rows: the last prefix sum is the total (every "
+                         f"row is some sequence's); {prefix_sums}, or pass {rows}'s first {cu[-1]} rows"
                          if cu[-1] < total else
-                         f"{name}[-1] = {cu[-1]}, but {what} has {total} rows: the last prefix sum is the total (a "
-                         f"sequence would run past {what}'s last row); {prefix_sums}")
+                         f"{name}[-1] = {cu[-1]}, but {rows} has {total} rows: the last prefix sum is the total (a "
+                         f"sequence would run past {rows}'s last row); {prefix_sums}")
     if max_seqlen is not None and steps and max(steps) > max_seqlen:
         raise ValueError(f"max_seqlen_{what} = {max_seqlen}, but sequence {steps.index(max(steps))} has {max(steps)} "
                          f"rows: it sizes the grid; pass the longest sequence's length (or more)")
@@ -197,23 +200,48 @@ def check_seqused_k(used, cu_k, total_k: int, max_seqlen_k: int) -> None:
             raise ValueError(f"seqused_k[{b}] = {used[b]} (from row cu_seqlens_k[{b}] = {cu_k[b]}): {rule}; {fix}")
 
 
+def check_page_size(page_size: int) -> None:
+    """A paged cache's slots a page (k_cache.shape[1]): at least one."""
+    if page_size < 1:
+        raise ValueError(f"page_size = {page_size} (k_cache.shape[1]): must be >= 1 (the keys a page holds; "
+                         f"a sequence of n keys reads ceil(n / page_size) pages); allocate the caches as "
+                         f"[num_pages, page_size, Hkv, d] with page_size a multiple of 16, e.g. 16")
+
+
 def check_pages(page_table, cache_seqlens, num_pages: int, page_size: int) -> None:
     """The page table's values (host arrays [B, max_pages] and [B]): every sequence fits its row,
     and every page it uses is a page of the cache (entries past a sequence's keys are never read:
-    they may hold anything)."""
-    rows, lengths = _values(page_table), _values(cache_seqlens)
-    width = len(rows[0]) if rows else 0
+    they may hold anything). Vectorised: a decode step checks a table of B x thousands of pages."""
+    check_page_size(page_size)
+    table, lengths = np.asarray(page_table, np.int64), np.asarray(cache_seqlens, np.int64)
+    width = table.shape[1] if table.ndim == 2 else 0
     capacity = width * page_size
-    for b, n in enumerate(lengths):
-        if not 0 <= n <= capacity:
-            raise ValueError(f"cache_seqlens[{b}] = {n}: must be in 0..{capacity} (page_table's {width} "
-                             f"pages of {page_size}); widen page_table or shorten the sequence")
-        used = rows[b][:math.ceil(n / page_size)]
-        i = next((i for i, page in enumerate(used) if not 0 <= page < num_pages), None)
-        if i is not None:
-            raise ValueError(f"page_table[{b}, {i}] = {used[i]}: not a page of the cache (0..{num_pages - 1}); "
-                             f"sequence {b} reads it for keys {i * page_size}..{min(n, (i + 1) * page_size) - 1}, so "
-                             f"point it at one of the cache's pages, 0..{num_pages - 1}")
+    too_long = (lengths < 0) | (lengths > capacity)
+    pages = -(-lengths // page_size)  # the pages each sequence's keys lie in: the first ones of its row
+    bad_pages = (np.arange(width) < pages[:, None]) & ((table < 0) | (table >= num_pages))
+    refused = np.flatnonzero(too_long | bad_pages.any(axis=1))
+    if not refused.size:
+        return
+    b = int(refused[0])  # the first refused sequence; its length before its pages
+    n = int(lengths[b])
+    if too_long[b]:
+        raise ValueError(f"cache_seqlens[{b}] = {n}: must be in 0..{capacity} (page_table's {width} "
+                         f"pages of {page_size}); widen page_table or shorten the sequence")
+    i = int(np.argmax(bad_pages[b]))
+    raise ValueError(f"page_table[{b}, {i}] = {int(table[b, i])}: not a page of the cache (0..{num_pages - 1}); "
+                     f"sequence {b} reads it for keys {i * page_size}..{min(n, (i + 1) * page_size) - 1}, so "
+                     f"point it at one of the cache's pages, 0..{num_pages - 1}")
+
+
+def check_cached_lengths(cache_seqlens) -> None:
+    """cache_seqlens before an append (a host array [B]): the keys each sequence holds, new tokens
+    going after them; a negative count would drop the first new tokens and shift the rest."""
+    lengths = np.asarray(cache_seqlens)
+    negative = np.flatnonzero(lengths < 0)
+    if negative.size:
+        b = int(negative[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])}: must be >= 0 (the keys sequence {b} holds; the "
+                         f"new tokens go after them); pass each sequence's count of cached keys, 0 for a new one")
 
 
 _CHECKED: dict[tuple[str, int], weakref.ref] = {}
