@@ -9,11 +9,12 @@ other whitespace (a carriage return ends a line for the preprocessor), assignmen
 anything not listed. The tokenizer munches the longest operator first, as a C++ lexer does,
 so what is validated is what nvcc will see; a recursive-descent parser then builds a syntax
 tree with each node's C type, so a syntax error never reaches the compiler, and folds its
-constant parts, refusing what C leaves undefined (division by zero, a shift count outside
-0..31, signed overflow), on which nvcc only warns and may then drop the kernel's work.
+constant parts as the kernel computes them (float32 for f literals), refusing what C++17 leaves
+undefined (division by zero, a shift count outside 0..31, a negative number shifted left,
+signed overflow), on which nvcc only warns and may then drop the kernel's work.
 
-The one tree has three readers: the type check (a mask expression is a bool), the CUDA
-printer the templates paste (`cuda`), and a NumPy evaluator with C's semantics (`evaluate`:
+The one tree has four readers: the type check (a mask expression is a bool), the language's
+printer for messages (`source`), the CUDA printer the templates paste (`cuda`), and a NumPy evaluator with C's semantics (`evaluate`:
 int32 arithmetic, truncating division, float32 where the kernel computes in float) through
 which fagen.oracle judges a kernel by what its spec says.
 
@@ -324,86 +325,187 @@ def _number(token: Token) -> Number:
 
 # ---- constants: what C leaves undefined is refused -----------------------------------------
 
+class _Undefined(Exception):
+    """A constant part C leaves undefined: the node, what is wrong, and replacements for it
+    (parse offers the first that makes the whole expression valid)."""
+
+    def __init__(self, node: Node, what: str, advice: str, candidates: list[Node]):
+        super().__init__(what)
+        self.node, self.what, self.advice, self.candidates = node, what, advice, candidates
+
+
 def _fold(node: Node) -> int | float | bool | None:
-    """node's value if it is a constant (Python numbers with C's int32 and truncating rules),
-    else None; raises ExpressionError where a constant part is undefined in C: a division or
-    remainder by zero, a shift count outside 0..31, an int result outside int32, a float
-    converted to an int it does not fit. Every part is checked, evaluated or not (C would
-    warn about a dead branch too)."""
+    """node's value if it is a constant, else None, computed as the kernel computes it: int32
+    with C's truncating rules, float arithmetic in float32 (np.float32; a literal without f
+    and what it touches in double), the listed functions too. Raises _Undefined where a
+    constant part is undefined in C: a division or remainder by zero, a shift count outside
+    0..31 or a shift C++17 leaves undefined (a negative left operand, a result the unsigned
+    type cannot hold), an int result outside int32, a float converted to an int it does not
+    fit. Every part is checked, evaluated or not (C would warn about a dead branch too)."""
     if isinstance(node, Number):
-        return int(node.text) if node.type == INT else float(node.text.rstrip("fF"))
+        return int(node.text) if node.type == INT else _as_type(float(node.text.rstrip("fF")), FLOAT, _double(node))
     if isinstance(node, Name):
         return {"true": True, "false": False}.get(node.name) if node.name in LITERALS else None
     if isinstance(node, Call):
-        for arg in node.args:
-            _fold(arg)
-        return None  # the functions run on the device: nothing to prove about them here
+        args = [_fold(arg) for arg in node.args]
+        if any(a is None for a in args):
+            return None
+        if node.type == INT:
+            value = {"min": min, "max": max, "abs": lambda a: abs(a)}[node.function](*(int(a) for a in args))
+            return _checked(node, value)  # abs(INT_MIN) overflows
+        with np.errstate(all="ignore"):
+            return np.float32(_FLOAT_FUNCTIONS[node.function](*(np.float32(a) for a in args)))
     if isinstance(node, Conditional):
         condition, then, other = _fold(node.condition), _fold(node.then), _fold(node.other)
         if condition is None or then is None or other is None:
             return None
-        return _as_type(then if condition else other, node.type)
+        return _as_type(then if condition else other, node.type, _double(node))
     if isinstance(node, Cast):
         value = _fold(node.operand)
         if value is None:
             return None
-        if node.type == INT and isinstance(value, float) and not (math.isfinite(value) and
-                                                                  INT_MIN <= math.trunc(value) <= INT_MAX):
-            raise _undefined(node, f"converts {value} to an int, too small to hold it",
-                             "convert a value within -2147483648..2147483647, e.g. (int)1e9f")
-        return _as_type(value, node.type)
+        if node.type == INT and isinstance(value, (float, np.floating)) and not (
+                math.isfinite(value) and INT_MIN <= math.trunc(float(value)) <= INT_MAX):
+            saturated = INT_MAX if value > 0 else INT_MIN  # what the GPU's conversion gives
+            raise _Undefined(node, f"converts {float(value):.10g} to an int, too small to hold it",
+                             "convert a value within -2147483648..2147483647 or write the int",
+                             [Cast(INT, Number("1e9f", FLOAT)), _int_literal(saturated)])
+        return _as_type(value, node.type, _double(node))
     if isinstance(node, Unary):
         value = _fold(node.operand)
         if value is None:
             return None
         if node.op == "!":
             return not value
-        value = _as_type(value, node.type)
+        value = _as_type(value, node.type, _double(node))
         return _checked(node, {"-": -value, "+": value, "~": ~value if node.type == INT else value}[node.op])
     left, right = _fold(node.left), _fold(node.right)
     if node.op in ("/", "%") and right is not None and right == 0:
         one = Number("1" if node.right.type != FLOAT else "1.f", node.right.type)
-        raise _undefined(node, "divides by zero", f"divide by a nonzero number, e.g. {cuda(_with(node, right=one))}")
+        raise _Undefined(node, "divides by zero", "divide by a nonzero number", [_with(node, right=one)])
     if node.op in ("<<", ">>") and right is not None and not 0 <= right < INT_BITS:
-        count = Number(str(min(max(int(right), 0), INT_BITS - 1)), INT)
-        raise _undefined(node, f"shifts by {int(right)}", f"shift an int by 0..31, e.g. {cuda(_with(node, right=count))}")
+        counts = range(min(max(int(right), 0), INT_BITS - 1), -1, -1)
+        raise _Undefined(node, f"shifts by {int(right)}", "shift an int by 0..31",
+                         [_with(node, right=Number(str(c), INT)) for c in counts])
+    if node.op == "<<" and left is not None and right is not None:
+        _check_left_shift(node, int(left), int(right))
     if left is None or right is None:
         return None
     if node.op in ("&&", "||"):
         return bool(left) and bool(right) if node.op == "&&" else bool(left) or bool(right)
-    kind = _arithmetic(node.left.type, node.right.type)
-    a, b = _as_type(left, kind), _as_type(right, kind)
+    kind, double = _arithmetic(node.left.type, node.right.type), _double(node.left) or _double(node.right)
+    a, b = _as_type(left, kind, double), _as_type(right, kind, double)
     if node.op in LOGICAL:
-        return {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[node.op]
+        return bool({"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[node.op])
     if node.op in ("/", "%") and kind == INT:
         quotient = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)
         if node.op == "%" and not INT_MIN <= quotient <= INT_MAX:  # C: a % b is undefined where a / b is
-            raise _undefined(node, f"overflows int (its quotient {quotient} is outside {INT_MIN}..{INT_MAX})",
-                             f"write its value, e.g. {a - quotient * b}")
+            raise _Undefined(node, f"overflows int (its quotient {quotient} is outside {INT_MIN}..{INT_MAX})",
+                             "write its value", [_int_literal(a - quotient * b)])
         value = quotient if node.op == "/" else a - quotient * b
-    elif node.op == "/":
-        value = a / b
+    elif node.op == "<<":
+        value = _wrapped(a << b)  # C++17: the unsigned result converted to int
     else:
-        value = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "<<": lambda: a << b,
-                 ">>": lambda: a >> b, "&": lambda: a & b, "|": lambda: a | b, "^": lambda: a ^ b}[node.op]()
-    return _as_type(_checked(node, value), node.type)
+        with np.errstate(all="ignore"):
+            value = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+                     ">>": lambda: a >> b, "&": lambda: a & b, "|": lambda: a | b, "^": lambda: a ^ b}[node.op]()
+    return _as_type(_checked(node, value), node.type, _double(node))
 
 
-def _as_type(value, kind: str):
-    return bool(value) if kind == BOOL else float(value) if kind == FLOAT else int(value)
+def _check_left_shift(node: Binary, a: int, count: int) -> None:
+    """C++17 [expr.shift]: E1 << E2 for a signed E1 is defined where E1 is non-negative and
+    E1 * 2^E2 fits the unsigned type; the value is then that unsigned number converted to int."""
+    if a < 0:
+        raise _Undefined(node, f"shifts the negative number {a} left", "multiply instead or write its value",
+                         [Binary("*", node.left, Number(str(2 ** count), INT), INT)] * (count < INT_BITS - 1) +
+                         [_int_literal(_wrapped(a << count))])
+    if a << count >= 2 ** INT_BITS:
+        raise _Undefined(node, f"is {a << count}, which an unsigned int cannot hold", "shift less or write a value",
+                         [_with(node, right=Number(str(c), INT)) for c in range(count - 1, -1, -1)
+                          if a << c < 2 ** INT_BITS])
+
+
+def _wrapped(value: int) -> int:
+    """value modulo 2^32 as an int32: what unsigned arithmetic converted to int gives."""
+    return (value + 2 ** 31) % 2 ** INT_BITS - 2 ** 31
+
+
+def _int_literal(value: int) -> Node:
+    """An int constant as the language writes it (-2147483648 is no literal: 2147483648 is not an int)."""
+    if value == INT_MIN:
+        return Binary("-", Unary("-", Number(str(INT_MAX), INT), INT), Number("1", INT), INT)
+    return Unary("-", Number(str(-value), INT), INT) if value < 0 else Number(str(value), INT)
+
+
+def _double(node: Node) -> bool:
+    """Whether a float node is computed in double: a literal without f, or arithmetic on one
+    (C's usual conversions); casts to float and the f functions are float."""
+    if isinstance(node, Number):
+        return node.type == FLOAT and node.text[-1] not in "fF"
+    if isinstance(node, (Unary, Binary, Conditional)) and node.type == FLOAT:
+        parts = {Unary: ("operand",), Binary: ("left", "right"), Conditional: ("then", "other")}[type(node)]
+        return any(_double(getattr(node, p)) for p in parts)
+    return False
+
+
+def _as_type(value, kind: str, double: bool = False):
+    if kind == BOOL:
+        return bool(value)
+    if kind == FLOAT:
+        return np.float64(value) if double else np.float32(value)
+    return int(value)
 
 
 def _checked(node: Node, value):
     """An int result must fit int32: C's signed overflow is undefined."""
     if node.type == INT and not INT_MIN <= value <= INT_MAX:
-        fix = f"compute it in float, e.g. {cuda(_in_float(node, value))}"
-        raise _undefined(node, f"overflows int (its value {value} is outside {INT_MIN}..{INT_MAX})", fix)
+        raise _Undefined(node, f"overflows int (its value {value} is outside {INT_MIN}..{INT_MAX})",
+                         "compute it in float or write an int value",
+                         [_in_float(node, value), _int_literal(_wrapped(value)),
+                          _int_literal(INT_MAX if value > 0 else INT_MIN)])
     return value
 
 
-def _undefined(node: Node, what: str, fix: str) -> ExpressionError:
-    return ExpressionError(f"{cuda(node)!r} at position {node.pos} {what}, which C leaves undefined (nvcc may "
-                           f"then drop the kernel's work); {fix}")
+def _replaced(tree: Node, old: Node, new: Node) -> Node:
+    """tree with the node `old` (that very object) replaced by `new`."""
+    if tree is old:
+        return new
+    if isinstance(tree, Call):
+        return Call(tree.function, tuple(_replaced(a, old, new) for a in tree.args), tree.type, tree.pos)
+    parts = {Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
+             Conditional: ("condition", "then", "other")}.get(type(tree), ())
+    if not parts:
+        return tree
+    changes = {p: _replaced(getattr(tree, p), old, new) for p in parts}
+    return type(tree)(**{**{f: getattr(tree, f) for f in tree.__dataclass_fields__}, **changes})
+
+
+def _refused(tree: Node, undefined: _Undefined, variables: dict[str, str], result: str | None) -> ExpressionError:
+    """The error for an undefined constant part, with the first replacement that makes the whole
+    expression valid (else the first the surrounding operators accept)."""
+    texts = [source(_replaced(tree, undefined.node, c)) for c in undefined.candidates]
+    fix = next((c for c, t in zip(undefined.candidates, texts) if _valid(t, variables, result)), None)
+    if fix is None:
+        fix = next((c for c, t in zip(undefined.candidates, texts) if _typed(t, variables)), undefined.candidates[0])
+    node = undefined.node
+    return ExpressionError(f"{source(node)!r} at position {node.pos} {undefined.what}, which C leaves undefined "
+                           f"(nvcc may then drop the kernel's work); {undefined.advice}, e.g. {source(fix)}")
+
+
+def _valid(text: str, variables: dict[str, str], result: str | None) -> bool:
+    try:
+        parse(text, variables, result)
+    except ExpressionError:
+        return False
+    return True
+
+
+def _typed(text: str, variables: dict[str, str]) -> bool:
+    try:
+        _Parser(text, variables).parse()
+    except ExpressionError:
+        return False
+    return True
 
 
 def _with(node: Binary, **changes) -> Binary:
@@ -420,43 +522,127 @@ def _in_float(node: Node, value: int) -> Node:
     return node if node.type == FLOAT else Number(f"{int(value)}.f", FLOAT)
 
 
-# ---- the CUDA printer ----------------------------------------------------------------------
+# ---- the printers -------------------------------------------------------------------------
 CONDITIONAL_PRECEDENCE, UNARY_PRECEDENCE, PRIMARY_PRECEDENCE = 0, 11, 12
+# What the kernel's b, h, q_idx, kv_idx can be: indices, non-negative, and below 2^30 (a
+# sequence of 2^30 positions is 128 GiB of 16-bit K per head at head_dim 64: no device holds
+# one), so a sum or difference of two of them fits an int and is printed as written.
+INDEX_LIMIT = 2**30
 
 
-def _precedence(node: Node) -> int:
-    if isinstance(node, Conditional):
-        return CONDITIONAL_PRECEDENCE
-    if isinstance(node, Binary):
-        return BINARY[node.op]
-    return UNARY_PRECEDENCE if isinstance(node, (Unary, Cast)) else PRIMARY_PRECEDENCE
-
-
-def _operand(node: Node, precedence: int) -> str:
-    text = cuda(node)
-    return f"({text})" if _precedence(node) < precedence else text
+def source(node: Node) -> str:
+    """The expression language's text of a tree: binary operators spaced, parentheses only
+    where C's precedence needs them, literals as written. Parses back to the same tree."""
+    return _print(node, kernel=False, exact=False)[0]
 
 
 def cuda(node: Node) -> str:
-    """The C++ text of a tree: binary operators spaced, parentheses only where C's precedence
-    needs them, literals as written. Parses back to the same tree."""
+    """The C++ text the kernel pastes: `source`, except where C and the NumPy evaluator would
+    part. An int + - * (or negation) that may overflow int32 is computed in unsigned and
+    converted back, which wraps as the evaluator does (the same IADD/IMAD instruction; signed
+    overflow would be undefined, and nvcc may assume it away). Float + - * on a path to a
+    comparison, a cast to int or bool, a condition or `!` (all of a mask expression) are
+    __fadd_rn/__fsub_rn/__fmul_rn (__d*_rn in double), so nvcc does not contract them into an
+    FMA whose single rounding the evaluator's float32 steps do not reproduce. Elsewhere (a
+    score) the text is `source`, and nvcc may contract. Int / and % by a non-constant divisor
+    are printed as written: C leaves x / 0 and INT_MIN / -1 undefined, and the evaluator's 0
+    there is no promise about the kernel."""
+    return _print(node, kernel=True, exact=False)[0]
+
+
+def _print(node: Node, kernel: bool, exact: bool) -> tuple[str, int]:
+    """(text, precedence of its outermost operator)."""
+    def operand(child: Node, precedence: int, exact_child: bool = exact) -> str:
+        text, own = _print(child, kernel, exact_child)
+        return f"({text})" if own < precedence else text
+
     if isinstance(node, Number):
-        return node.text
+        return node.text, PRIMARY_PRECEDENCE
     if isinstance(node, Name):
-        return node.name
+        return node.name, PRIMARY_PRECEDENCE
     if isinstance(node, Call):
-        return f"{node.function}({', '.join(cuda(arg) for arg in node.args)})"
+        return f"{node.function}({', '.join(operand(arg, 0) for arg in node.args)})", PRIMARY_PRECEDENCE
     if isinstance(node, Cast):
-        return f"({node.type}){_operand(node.operand, UNARY_PRECEDENCE)}"
+        return f"({node.type}){operand(node.operand, UNARY_PRECEDENCE, exact or node.type != FLOAT)}", UNARY_PRECEDENCE
     if isinstance(node, Unary):
-        operand = _operand(node.operand, UNARY_PRECEDENCE)
+        text = operand(node.operand, UNARY_PRECEDENCE, exact or node.op == "!")
+        if kernel and node.op == "-" and node.type == INT and _overflows(node):
+            return f"(int)(0u - (unsigned){text})", UNARY_PRECEDENCE
         # - -x would lex as the decrement --
-        return node.op + (f"({operand})" if node.op in "+-" and operand.startswith(node.op) else operand)
+        return node.op + (f"({text})" if node.op in "+-" and text.startswith(node.op) else text), UNARY_PRECEDENCE
     if isinstance(node, Binary):
         precedence = BINARY[node.op]  # left-associative: a right operand of equal precedence is grouped
-        return f"{_operand(node.left, precedence)} {node.op} {_operand(node.right, precedence + 1)}"
-    return (f"{_operand(node.condition, CONDITIONAL_PRECEDENCE + 1)} ? {cuda(node.then)} : "
-            f"{cuda(node.other)}")
+        exact_operands = exact or node.op in LOGICAL
+        if kernel and node.op in "+-*" and node.type == INT and _overflows(node):
+            left, right = (operand(x, UNARY_PRECEDENCE, exact_operands) for x in (node.left, node.right))
+            return f"(int)((unsigned){left} {node.op} (unsigned){right})", UNARY_PRECEDENCE
+        if kernel and exact and node.op in "+-*" and node.type == FLOAT:
+            name = {"+": "add", "-": "sub", "*": "mul"}[node.op]
+            args = ", ".join(operand(x, 0) for x in (node.left, node.right))
+            return f"__{'d' if _double(node) else 'f'}{name}_rn({args})", PRIMARY_PRECEDENCE
+        left = operand(node.left, precedence, exact_operands)
+        return f"{left} {node.op} {operand(node.right, precedence + 1, exact_operands)}", precedence
+    condition = operand(node.condition, CONDITIONAL_PRECEDENCE + 1, True)
+    return (f"{condition} ? {_print(node.then, kernel, exact)[0]} : {_print(node.other, kernel, exact)[0]}",
+            CONDITIONAL_PRECEDENCE)
+
+
+def _overflows(node: Unary | Binary) -> bool:
+    """Whether an int + - * or negation may leave int32, given its operands' bounds."""
+    if isinstance(node, Unary):
+        lo, hi = _bounds(node.operand)
+        return -lo > INT_MAX
+    (a, b), (c, d) = _bounds(node.left), _bounds(node.right)
+    ends = {"+": (a + c, b + d), "-": (a - d, b - c), "*": (a * c, a * d, b * c, b * d)}[node.op]
+    return min(ends) < INT_MIN or max(ends) > INT_MAX
+
+
+def _bounds(node: Node) -> tuple[int, int]:
+    """Bounds on an int or bool node's value in the kernel (int32 at worst)."""
+    full = (INT_MIN, INT_MAX)
+    if node.type == BOOL:
+        return 0, 1
+    if node.type != INT:
+        return full
+    if isinstance(node, Number):
+        return int(node.text), int(node.text)
+    if isinstance(node, Name):
+        return 0, INDEX_LIMIT - 1
+    if isinstance(node, Cast):
+        return _bounds(node.operand) if node.operand.type != FLOAT else full
+    if isinstance(node, Conditional):
+        (a, b), (c, d) = _bounds(node.then), _bounds(node.other)
+        return min(a, c), max(b, d)
+    if isinstance(node, Call):
+        (a, b), *rest = [_bounds(arg) for arg in node.args]
+        if node.function == "abs":
+            return (0 if a <= 0 <= b else min(abs(a), abs(b))), min(max(abs(a), abs(b)), INT_MAX)
+        (c, d), pick = rest[0], min if node.function == "min" else max
+        return pick(a, c), pick(b, d)
+    if isinstance(node, Unary):
+        a, b = _bounds(node.operand)
+        if node.op == "-":
+            return full if _overflows(node) else (-b, -a)
+        return (~b, ~a) if node.op == "~" else (a, b)
+    (a, b), (c, d) = _bounds(node.left), _bounds(node.right)
+    if node.op in "+-*":
+        if _overflows(node):
+            return full
+        ends = {"+": (a + c, b + d), "-": (a - d, b - c), "*": (a * c, a * d, b * c, b * d)}[node.op]
+        return min(ends), max(ends)
+    largest = max(abs(a), abs(b))
+    if node.op == "/":
+        return max(-largest, INT_MIN), min(largest, INT_MAX)
+    if node.op == "%":  # |r| < |divisor| and |r| <= |dividend|, with the dividend's sign
+        size = min(largest, max(abs(c), abs(d)) - 1)
+        return (0 if a >= 0 else -size), (0 if b <= 0 else size)
+    if node.op == ">>":
+        return min(a, 0), max(b, 0)
+    if node.op == "&" and (a >= 0 or c >= 0):
+        return 0, min(x for x, low in ((b, a), (d, c)) if low >= 0)
+    if node.op in "|^" and a >= 0 and c >= 0:
+        return 0, 2 ** max(b, d).bit_length() - 1
+    return full
 
 
 def reads(node: Node) -> frozenset[str]:
@@ -533,7 +719,11 @@ def _eval(node: Node, values: dict, float_type: np.dtype) -> np.ndarray:
     elif node.op == "%":
         value = np.fmod(left, right)  # C's sign rule: the dividend's
     elif node.op in ("<<", ">>"):
-        value = (np.left_shift if node.op == "<<" else np.right_shift)(left, np.clip(right, 0, INT_BITS))
+        # C leaves a count outside 0..31 undefined (a constant one is refused); nvcc emits PTX
+        # shl/shr for a variable count, which read it as unsigned and clamp it at 32: 0 for <<,
+        # the sign for >>. NumPy's shifts by 32 give the same.
+        count = np.where((right < 0) | (right > INT_BITS), INT_BITS, right)
+        value = (np.left_shift if node.op == "<<" else np.right_shift)(left, count)
     else:
         value = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "&": np.bitwise_and,
                  "|": np.bitwise_or, "^": np.bitwise_xor}[node.op](left, right)
@@ -542,11 +732,16 @@ def _eval(node: Node, values: dict, float_type: np.dtype) -> np.ndarray:
 
 
 def _to(value: np.ndarray, kind: str, float_type: np.dtype) -> np.ndarray:
-    """A C conversion: to bool (nonzero, NaN too), to int (truncating toward zero), to float."""
+    """A C conversion: to bool (nonzero, NaN too), to int (truncating toward zero), to float.
+    A float outside int32 (or NaN) is undefined in C; the GPU's conversion (cvt.rzi.s32)
+    saturates and gives 0 for NaN, and so does this."""
     if kind == BOOL:
         return value != 0
     if kind == INT:
-        return (np.trunc(value) if value.dtype.kind == "f" else value).astype(np.int32)
+        if value.dtype.kind != "f":
+            return value.astype(np.int32)
+        truncated = np.nan_to_num(np.trunc(value.astype(np.float64)), nan=0, posinf=INT_MAX, neginf=INT_MIN)
+        return np.clip(truncated, INT_MIN, INT_MAX).astype(np.int32)
     return value.astype(float_type)
 
 
@@ -569,11 +764,14 @@ def parse(text: str, variables: dict[str, str], result: str | None = None) -> No
     if len(text) > MAX_LENGTH:
         raise ExpressionError(f"{len(text)} characters, over the limit of {MAX_LENGTH}")
     tree = _Parser(text, variables).parse()
-    _fold(tree)
+    try:
+        _fold(tree)
+    except _Undefined as undefined:
+        raise _refused(tree, undefined, variables, result) from None
     if result == BOOL and tree.type != BOOL:
         compared = Binary("!=", tree, Number("0", INT), BOOL)
         raise ExpressionError(f"a mask expression must be a bool (a comparison or &&/||), and {text.strip()!r} is "
-                              f"{'an' if tree.type == INT else 'a'} {tree.type}; compare it, e.g. {cuda(compared)}")
+                              f"{'an' if tree.type == INT else 'a'} {tree.type}; compare it, e.g. {source(compared)}")
     return tree
 
 

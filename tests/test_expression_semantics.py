@@ -16,7 +16,7 @@ import yaml
 import fagen
 from fagen import expression, oracle
 from fagen.expression import (BOOL, FLOAT, INT, MASK_VARIABLES, SCORE_VARIABLES, Binary, Conditional, ExpressionError,
-                              Name, Number, Unary, cuda, evaluate, parse)
+                              Name, Number, Unary, cuda, evaluate, parse, source)
 from fagen.load import SPECS, load_spec
 from fagen.spec import Mask, ScoreMod
 from tests.conftest import base, rejected
@@ -41,7 +41,25 @@ REFUSED_MASKS = [  # (expression, what the message names)
     ("-(-2147483647 - 1) == q_idx", "'-(-2147483647 - 1)' at position 0 overflows int"),
     ("(-2147483647 - 1) / -1 == q_idx", "overflows int"),
     ("(-2147483647 - 1) % -1 == q_idx", "overflows int"),
-    ("(1 << 31) > q_idx", "'1 << 31' at position 1 overflows int"),
+    # C++17's shifts: a negative left operand, or a result the unsigned type cannot hold
+    ("(-1 << 3) > q_idx", "'-1 << 3' at position 1 shifts the negative number -1 left"),
+    ("(-3 << 31) > q_idx", "'-3 << 31' at position 1 shifts the negative number -3 left"),
+    ("(3 << 31) > q_idx", "'3 << 31' at position 1 is 6442450944, which an unsigned int cannot hold"),
+    ("(1 << 40) > q_idx", "'1 << 40' at position 1 shifts by 40"),
+    ("(3 << 40) > q_idx", "'3 << 40' at position 1 shifts by 40"),
+    # the fix is one the surrounding operator takes: no float inside & or %, no 0 after %
+    ("(q_idx & (65536 * 32768)) == 0", "'65536 * 32768' at position 10 overflows int"),
+    ("q_idx % (65536 * 65536) == 0", "'65536 * 65536' at position 9 overflows int"),
+    ("q_idx < 65536 * 65536", "'65536 * 65536' at position 8 overflows int"),
+    # calls with constant arguments are folded as the kernel computes them
+    ("q_idx / min(0, 1) == 0", "'q_idx / min(0, 1)' at position 0 divides by zero"),
+    ("q_idx % abs(0) == 0", "'q_idx % abs(0)' at position 0 divides by zero"),
+    ("(q_idx << max(40, 0)) == 0", "'q_idx << max(40, 0)' at position 1 shifts by 40"),
+    ("q_idx / (int)floorf(0.5f) == 0", "'q_idx / (int)floorf(0.5f)' at position 0 divides by zero"),
+    ("abs(-2147483647 - 1) > q_idx", "'abs(-2147483647 - 1)' at position 0 overflows int"),
+    # float constants are float32, as in the kernel: 2147483647.f is 2^31, 16777217.f is 2^24
+    ("q_idx < (int)2147483647.f", "'(int)2147483647.f' at position 8 converts 2147483648 to an int"),
+    ("q_idx / (int)(16777217.f - 16777216.f) > 0", "divides by zero"),
     ("(int)3e10f > q_idx", "'(int)3e10f' at position 0 converts"),
     ("(float)q_idx * 0.5f", "a mask expression must be a bool (a comparison or &&/||)"),
     ("q_idx & 1", "a mask expression must be a bool"),
@@ -98,6 +116,10 @@ def test_the_digits_message_names_the_ascii_digit():
     "2147483647 > q_idx", "false && q_idx / 1 > 0", "(int)2e9f > q_idx", "(bool)(q_idx & 1)", "!(q_idx % 2)",
     "(q_idx > 3) & (kv_idx < 5)", "q_idx > 1 ? true : kv_idx == 0", "(float)q_idx * 0.5f != 0", "1.5f / 0.5f > 2.9f",
     "0.05f < 1.f", "09.5f > 1.f",  # a leading zero is decimal in a float literal
+    # C++17: a non-negative left operand whose result an unsigned int holds, converted to int
+    "(1 << 31) > q_idx", "(q_idx & (1 << 31)) == 0", "(3 << 30) != q_idx",
+    "q_idx / (int)(16777217. - 16777216.) > 0",  # without f, double: 1
+    "q_idx / max(1, 0) >= 0", "(int)ceilf(0.5f) == 1",
 ])
 def test_defined_masks_are_accepted(text):
     assert expression.mask(text).type == BOOL
@@ -143,9 +165,9 @@ LETTERS = {**SCORE_VARIABLES, **{x: INT for x in "abcde"}}
 @pytest.mark.parametrize("text", FORMULAS)
 def test_the_printer_round_trips(text):
     tree = parse(text, LETTERS)
-    printed = cuda(tree)
+    printed = source(tree)
     assert parse(printed, LETTERS) == tree, printed
-    assert cuda(parse(printed, LETTERS)) == printed
+    assert source(parse(printed, LETTERS)) == printed
 
 
 def test_the_printer_round_trips_random_formulas():
@@ -158,20 +180,20 @@ def test_the_printer_round_trips_random_formulas():
         except ExpressionError:
             continue
         parsed += 1
-        assert parse(cuda(tree), SCORE_VARIABLES) == tree, (text, cuda(tree))
+        assert parse(source(tree), SCORE_VARIABLES) == tree, (text, source(tree))
     assert parsed > 200
 
 
 def test_the_printer_parenthesises_by_precedence():
     a, b, c = (Name(x, INT) for x in "abc")
-    assert cuda(Binary("-", a, Binary("-", b, c, INT), INT)) == "a - (b - c)"
-    assert cuda(Binary("-", Binary("-", a, b, INT), c, INT)) == "a - b - c"
-    assert cuda(Binary("*", Binary("+", a, b, INT), c, INT)) == "(a + b) * c"
-    assert cuda(Binary("&", a, Binary("==", b, c, BOOL), INT)) == "a & b == c"
-    assert cuda(Binary("==", Binary("&", a, b, INT), c, BOOL)) == "(a & b) == c"
-    assert cuda(Unary("-", Unary("-", a, INT), INT)) == "-(-a)"  # not the decrement --
-    assert cuda(Binary("+", Conditional(a, b, c, INT), a, INT)) == "(a ? b : c) + a"
-    assert cuda(Conditional(Conditional(a, b, c, INT), a, Number("1", INT), INT)) == "(a ? b : c) ? a : 1"
+    assert source(Binary("-", a, Binary("-", b, c, INT), INT)) == "a - (b - c)"
+    assert source(Binary("-", Binary("-", a, b, INT), c, INT)) == "a - b - c"
+    assert source(Binary("*", Binary("+", a, b, INT), c, INT)) == "(a + b) * c"
+    assert source(Binary("&", a, Binary("==", b, c, BOOL), INT)) == "a & b == c"
+    assert source(Binary("==", Binary("&", a, b, INT), c, BOOL)) == "(a & b) == c"
+    assert source(Unary("-", Unary("-", a, INT), INT)) == "-(-a)"  # not the decrement --
+    assert source(Binary("+", Conditional(a, b, c, INT), a, INT)) == "(a ? b : c) + a"
+    assert source(Conditional(Conditional(a, b, c, INT), a, Number("1", INT), INT)) == "(a ? b : c) ? a : 1"
 
 
 def test_the_kernel_prints_the_tree():
@@ -377,3 +399,68 @@ def test_a_score_expression_that_ignores_the_score_compiles_without_warnings():
     assert "const float score" in fagen.render(reads_in_grad)
     assert "const float score" in render_backward(spec.model_copy(
         update={"score_mod": ScoreMod(expression="(float)h", expression_grad="score")}))
+
+
+# ---- the kernel's text computes what the evaluator computes --------------------------------
+
+@pytest.mark.parametrize("text, kernel", [
+    ("q_idx * 100000 > 0", "(int)((unsigned)q_idx * (unsigned)100000) > 0"),  # nvcc may assume no overflow
+    ("-(q_idx * kv_idx) < 0", "(int)(0u - (unsigned)(int)((unsigned)q_idx * (unsigned)kv_idx)) < 0"),
+    ("q_idx * 2 + 1 < kv_idx", "q_idx * 2 + 1 < kv_idx"),  # indices below 2^30: fits, printed as written
+    ("q_idx - kv_idx < 128", "q_idx - kv_idx < 128"),
+    ("(q_idx + kv_idx) % 3 != 0", "(q_idx + kv_idx) % 3 != 0"),
+    ("(q_idx % 1000) * (kv_idx % 1000) > 5", "q_idx % 1000 * (kv_idx % 1000) > 5"),
+    ("(float)q_idx * 0.5f + 1.f > (float)kv_idx", "__fadd_rn(__fmul_rn((float)q_idx, 0.5f), 1.f) > (float)kv_idx"),
+    ("(float)q_idx * 0.1 - 1. < 3.f", "__dsub_rn(__dmul_rn((float)q_idx, 0.1), 1.) < 3.f"),  # double, as in C
+])
+def test_the_kernel_text_wraps_int_overflow_and_rounds_each_float_step_of_a_mask(text, kernel):
+    assert cuda(expression.mask(text)) == kernel
+    assert source(expression.mask(text)) == text.replace("(q_idx % 1000) *", "q_idx % 1000 *")
+
+
+def test_a_score_expression_contracts_where_no_decision_depends_on_it():
+    tree = expression.score("q_idx > (int)(score * 2.f + 1.f) ? score * 2.f + 1.f : score")
+    assert cuda(tree) == "q_idx > (int)__fadd_rn(__fmul_rn(score, 2.f), 1.f) ? score * 2.f + 1.f : score"
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+def test_the_kernel_text_costs_no_instruction_and_is_never_contracted(tmp_path):
+    """PTX of the printed forms: the wrapping int form is the plain one's instructions; a mask's
+    float steps are mul.rn/add.rn, never an fma."""
+    import subprocess
+
+    def ptx(body: str) -> str:
+        src = tmp_path / "e.cu"
+        src.write_text("__global__ void k(const int* q, const int* k, bool* o) { int q_idx = q[threadIdx.x], "
+                       f"kv_idx = k[threadIdx.x]; o[threadIdx.x] = ({body}); }}\n")
+        subprocess.run(["nvcc", "-ptx", "-arch=sm_80", "-o", tmp_path / "e.ptx", src], check=True)
+        return "\n".join(line for line in (tmp_path / "e.ptx").read_text().splitlines() if "\t" in line)
+
+    wrapped = cuda(expression.mask("q_idx * kv_idx + 7 * q_idx > 5"))
+    assert "(unsigned)" in wrapped
+    assert ptx(wrapped) == ptx("q_idx * kv_idx + 7 * q_idx > 5")
+    rounded = ptx(cuda(expression.mask("(float)q_idx * 0.1f + (float)kv_idx > 3.f")))
+    assert "fma" not in rounded and "mul.rn.f32" in rounded and "add.rn.f32" in rounded
+    assert "fma" in ptx("(float)q_idx * 0.1f + (float)kv_idx > 3.f")  # what nvcc does to the plain text
+
+
+def test_the_evaluator_converts_floats_to_int_as_the_gpu_does():
+    """cvt.rzi.s32.f32 saturates and gives 0 for NaN (C leaves it undefined)."""
+    s = np.array([np.nan, np.inf, -np.inf, 3e9, -3e9, 2.7, -2.7, 2147483520.0], np.float32)
+    got = evaluate(parse("(int)score", SCORE_VARIABLES), dict(score=s, b=0, h=0, q_idx=0, kv_idx=0))
+    assert got.tolist() == [0, 2**31 - 1, -2**31, 2**31 - 1, -2**31, 2, -2, 2147483520]
+
+
+def test_the_evaluator_shifts_by_a_variable_count_as_ptx_does():
+    """PTX shl/shr read the count as unsigned and clamp it at 32 (C leaves it undefined)."""
+    k = np.array([-1, 0, 3, 31, 32, 33, 1000])
+    shl = evaluate(parse("1 << kv_idx", MASK_VARIABLES), dict(kv_idx=k))
+    assert shl.tolist() == [0, 1, 8, -2**31, 0, 0, 0]
+    assert evaluate(parse("-8 >> kv_idx", MASK_VARIABLES), dict(kv_idx=k)).tolist() == [-1, -8, -1, -1, -1, -1, -1]
+    assert evaluate(parse("8 >> kv_idx", MASK_VARIABLES), dict(kv_idx=k)).tolist() == [0, 8, 1, 0, 0, 0, 0]
+
+
+def test_score_constants_are_folded_in_float32():
+    with pytest.raises(ExpressionError, match="divides by zero"):
+        expression.score("score / (float)(int)(16777217.f - 16777216.f)")
+    assert expression.score("score / (float)(int)(16777217. - 16777216.)")  # in double: 1
