@@ -425,15 +425,26 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
     fold_rows rows loads while the last tile's P.V is in flight, so O, P, those rows (f32 pairs)
     and the rest are live at once; S is not. Found by bisecting consumer_registers (sm_90a, f16):
     d256 with 64 keys fits at 240 and spills 12 bytes at 232, 80 keys spills 24 at 240 (O 128,
-    one row 64, P 16 / 20); d128 with 80 keys and 3 consumer warpgroups (one row 32) fits at 152
-    and spills at 144; with two rows, d128 and d64 need no more than their main loop. 0 where
+    one row 64, P 16 / 20); d128 with 80 keys and 3 consumer warpgroups (one row 32) fits at 160
+    and spills 4 bytes at 152 (nvcc 13; ACCUMULATE_ODD_PV_STEPS prices it); with two rows, d128 and d64 need no more than their main loop. 0 where
     the kernel does not accumulate."""
     if not spec.outputs.accumulate:
         return 0
     ws = spec.pipeline.warp_specialized
     limit = ws.consumer_registers if ws else MAX_REGISTERS
     rows = fold_rows(o_regs, spec.head_dim, limit)
-    return o_regs + rows * (spec.head_dim // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST
+    pv_steps = spec.tiling.block_kv // MMA_K
+    odd_steps = ACCUMULATE_ODD_PV_STEPS * (pv_steps > 1 and pv_steps % 2 == 1)
+    return o_regs + rows * (spec.head_dim // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST + odd_steps
+
+
+# ... and where the last P.V takes an odd count of k16 steps past one (48 or 80 keys), this many
+# more: measured, not fitted (ptxas -v, sm_90a, bf16, chunked/none masks, persistent or not; no
+# local array or call in the PTX, plain pressure). d256 with 48 keys spilled 20 bytes at 240 where
+# 32 keys fit at 232 and 64 at 240 (the estimate's 236 allowed it); d128 with three consumer
+# warpgroups needed 152 with 48 keys (144 with 32 or 64) and spilled at 152 with 80: each at
+# least 5 over the estimate, and no even count was.
+ACCUMULATE_ODD_PV_STEPS = 8
 
 
 # A fix being checked: its own refusals offer none (no search within the search). Per thread: a

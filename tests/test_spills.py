@@ -93,6 +93,29 @@ def test_masked_consumers_at_112_registers_are_refused(block_kv, mask, registers
     _refused_or_clean(_consumers(64, block_kv, mask, registers, {}))
 
 
+FUZZ_ACCUMULATE = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 256, "tiling": {"block_q": 128, "block_kv": 48, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False,
+                 "warp_specialized": {"consumer_registers": 240, "persistent": True}},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "chunked", "align": "bottom_right", "chunk_size": 1},
+    "score_mod": {}, "outputs": {"lse": True, "partial": True, "accumulate": True}}
+
+
+@pytest.mark.parametrize("head_dim, block_kv, registers", [(256, 48, 240), (128, 48, 144), (128, 80, 152)],
+                         ids=["d256_kv48_240", "d128_kv48_144", "d128_kv80_152"])
+def test_accumulating_consumers_with_an_odd_count_of_pv_steps_are_refused_or_clean(head_dim, block_kv, registers):
+    """An accumulating consumer's epilogue whose last P.V takes an odd count (past one) of k16
+    steps: the spec fuzz's d256 with 48 keys validated and spilled 20 bytes at 240 (64 keys fit
+    there); d128 with three consumer warpgroups spilled 4 bytes at 144 with 48 keys and at 152
+    with 80, where the estimate allowed each."""
+    warps = 8 if head_dim == 256 else 12
+    data = {**FUZZ_ACCUMULATE, "head_dim": head_dim,
+            "tiling": {"block_q": 16 * warps, "block_kv": block_kv, "warps_q": warps},
+            "pipeline": {**FUZZ_ACCUMULATE["pipeline"],
+                         "warp_specialized": {"consumer_registers": registers, "persistent": True}}}
+    _refused_or_clean(data)
+
+
 def _compile(tmp_path, data: dict):
     path = tmp_path / f"{data['name']}.yaml"
     path.write_text(yaml.safe_dump(data))
