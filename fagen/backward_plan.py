@@ -62,6 +62,13 @@ REGISTER_COSTS = {
                    # atomic dQ under a mask with per-thread row bounds: measured at 255 with 4-12
                    # bytes of spills (head_dim 64 at block_q 128, 128 with prefix_lm or documents)
                    "atomic_masked": 5.0,
+                   # ... and under a causal mask, per f32 register of S^T: its diagonal's compares
+                   # beside the step's f32 S^T and dP^T and atomic dQ's dS^T. Measured (ptxas -v, nvcc
+                   # 13.0, top-left and bottom-right, float16 and bfloat16) at 255 with 4 bytes of
+                   # spills at head_dim 64 and 128 queries a step (64 registers of S^T, the copying
+                   # kernel: it packs no P^T early), where deterministic (254) and no mask (255) fit;
+                   # at 32 registers (head_dim 128 or 64 at 64 queries) 255 and 236, 0 spills
+                   "atomic_causal": 1 / 16,
                    # one warpgroup (warps 4, block_kv 64) copying its tiles: each thread copies twice
                    # the chunks of K, V, Q and dO, and their addresses stay live; measured at 255 with
                    # 4 bytes of spills at block_q 64 (12 with 3 stages; head_dim 128, every mask, float16
@@ -109,12 +116,14 @@ WARP_SPECIALIZED_SAVING = 16
 # this term); every build that spilled (softcap, biases) is predicted over 240, and ALiBi's,
 # which fit, are refused too.
 WARP_SPECIALIZED_ATOMIC_DQ = -6
-# Two builds the estimate lets through spill since dQ's adds became a bulk reduce a warp (ptxas -v,
+# Two builds the estimate let through spilled since dQ's adds became a bulk reduce a warp (ptxas -v,
 # nvcc 13.0, over the 56 atomic-dQ builds trainable picks under every mask with no modifier,
 # softcap or ALiBi): float16 head_dim 64 chunked (producer-fed, 20 bytes) and bfloat16 head_dim 64
 # causal (the copying kernel, 4 bytes). Both measured faster than what refusing them would give
 # (H200, B4 H32 4k: 0.89 against 1.02 ms at 64 queries a step; 1.80 against 2.48), and than the
-# reduction kernels they replace with 0 spills (0.95, 2.11 ms): kept.
+# reduction kernels they replace with 0 spills (0.95, 2.11 ms), and were kept; the causal one is
+# refused now (REGISTER_COSTS' atomic_causal: a spec that validates does not spill), and trainable
+# takes the producer-fed kernel at 64 queries a step there.
 # ... and bfloat16 where P^T is packed early (EARLY_P_PACK_S_REGS): head_dim 64's 128-query steps
 # spilled 8-28 bytes under every mask but the sliding window and block mask, where float16's fit.
 WARP_SPECIALIZED_BF16_EARLY_PACK = 12
@@ -144,6 +153,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms[kind] = 1.0
     if kernel == "dkdv" and spec.atomic_dq and mask.kind in ("sliding_window", "chunked", "prefix_lm", "document"):
         terms["atomic_masked"] = 1.0
+    if kernel == "dkdv" and spec.wgmma_backward and spec.atomic_dq and mask.kind == "causal":
+        terms["atomic_causal"] = s
     if kernel == "dkdv" and spec.wgmma_backward and bwd.warps == WARPGROUP_WARPS and bwd.warp_specialized is None:
         terms["one_warpgroup"] = 1.0
     return terms

@@ -456,7 +456,9 @@ def test_p_is_packed_before_dp_lands_at_128_queries_a_step(block_q, early):
     loop = source[source.index("Phase 3"):source.index("Phase 5")]
     assert ("pack_a(s, p);" in loop) == early and ("unpack2(p[0]" in loop) == early
     assert ("= s[0][n][e] * (dp[0][n][e]" in loop) == (not early)
-    copying = fagen.parse_spec({**spec.model_dump(), "backward": {**spec.backward.model_dump(), "warp_specialized": None}})
+    # (unmasked: under the causal mask the copying kernel's 128-query step is refused, it spilled)
+    copying = fagen.parse_spec({**spec.model_dump(), "mask": {"kind": "none"},
+                                "backward": {**spec.backward.model_dump(), "warp_specialized": None}})
     assert not backward_plan(copying).dkdv.early_p_pack  # 255 registers: it keeps the f32 tile
 
 
@@ -524,6 +526,32 @@ def test_a_one_warpgroup_dkdv_kernel_that_spills_is_refused_with_a_fix_that_vali
     assert refused.value.fix == {"backward.block_q": 32}
     fixed = fagen.parse_spec(with_fix(data, refused.value.fix))
     assert backward_plan(fixed).dkdv.predicted_registers <= 255
+
+
+# A validated spec (the long spec fuzz) whose copying wgmma dK/dV kernel spilled 4 bytes at 255
+# registers: head_dim 64, 128 queries a step (S^T and dP^T in f32: the copying kernel packs no P^T
+# early), atomic dQ, causal. Deterministic, or with no mask, the same tiling fits (254, 255).
+CAUSAL_ATOMIC_D64 = {"name": "fuzz", "dtype": "float16", "head_dim": 64,
+                     "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+                     "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+                     "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "causal", "align": "top_left"},
+                     "score_mod": {}, "outputs": {"lse": True},
+                     "backward": {"block_kv": 128, "warps": 8, "block_q": 128, "stages": 2, "dq_block_q": 64,
+                                  "dq_warps": 4, "dq_block_kv": 64, "deterministic": False}}
+
+
+def test_atomic_dq_under_a_causal_mask_at_128_queries_is_refused_with_a_fix_that_compiles_clean():
+    from fagen.nvcc import compile_backward
+    with pytest.raises(fagen.SpecError) as refused:
+        fagen.parse_spec(CAUSAL_ATOMIC_D64)
+    message = str(refused.value)
+    assert "backward" in message and "the dK/dV kernel predicts" in message and "use block_q: 64" in message, message
+    assert refused.value.fix == {"backward.block_q": 64}
+    dkdv = compile_backward(fagen.parse_spec(with_fix(CAUSAL_ATOMIC_D64, refused.value.fix)))["dkdv"]
+    assert (dkdv.spill_stores, dkdv.spill_loads, dkdv.stack_frame) == (0, 0, 0), dkdv.log
+    # what fits at the same tiling still validates
+    fagen.parse_spec({**CAUSAL_ATOMIC_D64, "backward": {**CAUSAL_ATOMIC_D64["backward"], "deterministic": True}})
+    fagen.parse_spec({**CAUSAL_ATOMIC_D64, "mask": {"kind": "none"}})
 
 
 def test_the_dkdv_register_advice_validates_and_is_not_already_in_place():
