@@ -530,6 +530,16 @@ CONDITIONAL_PRECEDENCE, UNARY_PRECEDENCE, PRIMARY_PRECEDENCE = 0, 11, 12
 INDEX_LIMIT = 2**30
 
 
+def check_indices(**extents: int) -> None:
+    """Refuse a call whose indices (each variable's extent: B, H, Nq, Nk) could reach INDEX_LIMIT,
+    where the printed int arithmetic would no longer be what the evaluator computes."""
+    for name, extent in extents.items():
+        if extent > INDEX_LIMIT:
+            raise ValueError(f"{name} runs to {extent - 1}: an expression's {', '.join(extents)} must stay below "
+                             f"{INDEX_LIMIT} (its int arithmetic is printed for that range); split the call into "
+                             f"pieces of at most {INDEX_LIMIT} along that dimension")
+
+
 def source(node: Node) -> str:
     """The expression language's text of a tree: binary operators spaced, parentheses only
     where C's precedence needs them, literals as written. Parses back to the same tree."""

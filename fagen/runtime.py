@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import __version__, device, side_inputs, tensor_maps, variants
+from fagen import __version__, device, expression, side_inputs, tensor_maps, variants
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
@@ -381,6 +381,8 @@ class Kernel:
             raise ValueError(f"q has Hq = {hq} heads, k and v Hkv = {hkv}: Hq must be a multiple of Hkv (GQA/MQA)")
         if min(b, hq, nq, nk) < 1:
             raise ValueError(f"empty input: q {tq.shape}, k {tk.shape}; every dimension must be >= 1")
+        if spec.mask.expression or spec.score_mod.expression:
+            expression.check_indices(b=b, h=hq, q_idx=nq, kv_idx=nk)
         rows = nq * (hq // hkv if spec.tiling.pack_gqa else 1)
         if math.ceil(rows / self.plan.block_q) > MAX_GRID_Y:
             raise ValueError(f"Nq = {nq} needs more than {MAX_GRID_Y} query tiles of {self.plan.block_q} rows"

@@ -464,3 +464,13 @@ def test_score_constants_are_folded_in_float32():
     with pytest.raises(ExpressionError, match="divides by zero"):
         expression.score("score / (float)(int)(16777217.f - 16777216.f)")
     assert expression.score("score / (float)(int)(16777217. - 16777216.)")  # in double: 1
+
+
+def test_a_call_whose_indices_reach_the_printed_range_is_refused():
+    """The kernel prints sums of indices as plain int arithmetic because each stays below
+    INDEX_LIMIT: a call past it is refused by name (fagen's Kernel.check calls this)."""
+    from fagen.expression import INDEX_LIMIT, check_indices
+
+    check_indices(b=1, h=8, q_idx=INDEX_LIMIT, kv_idx=INDEX_LIMIT)  # indices 0 .. INDEX_LIMIT - 1
+    with pytest.raises(ValueError, match=r"kv_idx runs to 1073741824: .* below 1073741824"):
+        check_indices(b=1, h=8, q_idx=4, kv_idx=INDEX_LIMIT + 1)
