@@ -5,7 +5,6 @@ No CuPy here: rendering, snapshot tests and nvcc checks run on machines without 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -66,12 +65,9 @@ def environment() -> jinja2.Environment:
 
 
 def spec_source(spec: AttentionSpec, path: str | Path | None = None) -> str:
-    """The spec file a kernel's banner names: `path` as the render was given it (relative to the
-    working directory), else the file name, which load_spec holds to <name>.yaml wherever it lives."""
-    if path is None:
-        return f"{spec.name}.yaml"
-    path = Path(path)
-    return (Path(os.path.relpath(path)) if path.is_absolute() else path).as_posix()
+    """Where a render's spec came from, for a message naming two claims on one file: `path` as the
+    render was given it, else the file name."""
+    return Path(path).as_posix() if path is not None else f"{spec.name}.yaml"
 
 
 def expression_trees(spec: AttentionSpec) -> dict[str, expression.Node]:
@@ -81,13 +77,15 @@ def expression_trees(spec: AttentionSpec) -> dict[str, expression.Node]:
     return {name: parse(text) for name, (text, parse) in texts.items() if text is not None}
 
 
-def context(spec: AttentionSpec, source: str | Path | None = None) -> dict:
+def context(spec: AttentionSpec) -> dict:
     """Everything a template may print. Templates never compute: numbers come from the plan;
     the flags here decide what is emitted."""
     echoed = yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=True, default_flow_style=False)
     return {
         "version": __version__,
-        "source": spec_source(spec, source),
+        # the spec's file name, which load_spec holds to <name>.yaml wherever it lives: the same
+        # banner wherever the spec sits and from wherever it is rendered
+        "source": f"{spec.name}.yaml",
         "spec_lines": echoed.rstrip("\n").splitlines(),
         "name": spec.name,
         "dtype": spec.dtype,
@@ -113,17 +111,17 @@ def context(spec: AttentionSpec, source: str | Path | None = None) -> dict:
     }
 
 
-def render(spec: AttentionSpec, source: str | Path | None = None) -> str:
-    """The forward kernel; `source`, the spec file it came from, is named in its banner."""
+def render(spec: AttentionSpec) -> str:
+    """The forward kernel."""
     spec = validated(spec)  # a model_copy(update=...) may carry anything: nothing unchecked renders
-    return environment().get_template(FORWARD_TEMPLATE).render(context(spec, source))
+    return environment().get_template(FORWARD_TEMPLATE).render(context(spec))
 
 
-def render_backward(spec: AttentionSpec, source: str | Path | None = None) -> str:
+def render_backward(spec: AttentionSpec) -> str:
     """The backward kernels of a spec with a `backward:` section (fagen.backward_plan)."""
     spec = validated(spec)
     return environment().get_template(BACKWARD_TEMPLATE).render(
-        {**context(spec, source), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
+        {**context(spec), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
 
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
@@ -224,10 +222,10 @@ def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
                 continue
             seen_files.add(Path(source).resolve())
         where = spec_source(spec, source)
-        mine = [Output(generated_path(spec, out_dir), where, lambda s=spec, f=source: render(s, f), source)]
+        mine = [Output(generated_path(spec, out_dir), where, lambda s=spec: render(s), source)]
         if spec.backward is not None:
             mine.append(Output(backward_path(spec, out_dir), f"{where}'s backward: section",
-                               lambda s=spec, f=source: render_backward(s, f), source))
+                               lambda s=spec: render_backward(s), source))
         for output in mine:
             earlier = claimed.get(output.path) or shared.get(output.path)
             if earlier is not None:

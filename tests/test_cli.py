@@ -52,7 +52,7 @@ def test_render_one_spec_writes_name_cu(tmp_path):
     assert result.exit_code == 0, result.output
     assert [p.name for p in tmp_path.iterdir()] == ["attn_f16_d128.cu"]
     written = (tmp_path / "attn_f16_d128.cu").read_text()
-    assert written == fagen.render(fagen.load_spec(SPEC), SPEC)  # its banner names the file given
+    assert written == fagen.render(fagen.load_spec(SPEC))
     assert "attn_f16_d128.cu" in result.output
 
 
@@ -61,7 +61,7 @@ def test_render_folder_writes_one_file_per_spec(rendered):
     backwards = [f"{f.stem}_backward.cu" for f in SPEC_FILES if fagen.load_spec(f).backward is not None]
     assert sorted(p.name for p in rendered.glob("*.cu")) == sorted([f"{f.stem}.cu" for f in SPEC_FILES] + backwards + merges)
     for path in SPEC_FILES[:3]:
-        assert (rendered / f"{path.stem}.cu").read_text() == fagen.render(fagen.load_spec(path), path)
+        assert (rendered / f"{path.stem}.cu").read_text() == fagen.render(fagen.load_spec(path))
 
 
 def test_render_creates_the_output_folder(tmp_path):

@@ -84,9 +84,8 @@ def test_check_does_not_call_a_colliding_folder_current(tmp_path):
     for name, text in shared_kernels().items():
         (out / name).write_text(text)
     foo = fagen.load_spec(specs / "foo.yaml")
-    (out / "foo.cu").write_text(fagen.render(foo, specs / "foo.yaml"))
-    (out / "foo_backward.cu").write_text(fagen.render(fagen.load_spec(specs / "foo_backward.yaml"),
-                                                      specs / "foo_backward.yaml"))
+    (out / "foo.cu").write_text(fagen.render(foo))
+    (out / "foo_backward.cu").write_text(fagen.render(fagen.load_spec(specs / "foo_backward.yaml")))
     result = run("render", "--check", specs, "-o", out)
     assert result.exit_code == 1 and "current" not in result.output, result.output
     assert "foo_backward.yaml" in result.output and "foo.yaml's backward" in result.output
