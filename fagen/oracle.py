@@ -59,10 +59,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwar
     cu_seqlens and seqused_k are refused by the runtime's rules (fagen.side_inputs)."""
     q, k, v = _tokens(q, "q", "Hq"), _tokens(k, "k", "Hkv"), _tokens(v, "v", "Hkv")
     cu_seqlens_q, cu_seqlens_k = _prefix_sums(cu_seqlens_q, "cu_seqlens_q"), _prefix_sums(cu_seqlens_k, "cu_seqlens_k")
-    if cu_seqlens_k.shape != cu_seqlens_q.shape:
-        raise ValueError(f"cu_seqlens_k = {cu_seqlens_k.tolist()}: must have cu_seqlens_q's length, B + 1 = "
-                         f"{cu_seqlens_q.size} (a prefix sum a sequence, and 0); pass the keys' prefix sums of the same "
-                         f"{cu_seqlens_q.size - 1} sequences")
+    side_inputs.check_cu_seqlens_pair(cu_seqlens_q.size, cu_seqlens_k.size)
     side_inputs.check_cu_seqlens(cu_seqlens_q, q.shape[0], None, "q")
     if seqused_k is None:
         side_inputs.check_cu_seqlens(cu_seqlens_k, k.shape[0], None, "k")

@@ -35,8 +35,8 @@ from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, strea
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Launch, _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
-from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_page_size, check_pages,  # the oracle's too
-                                check_scale, check_seqused_k)
+from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
+                                check_page_size, check_pages, check_scale, check_seqused_k)
 from fagen.spec import AttentionSpec, SpecError
 from fagen.splitkv import MergeLaunch, merge_launch
 
@@ -97,9 +97,7 @@ def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
         raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [total_k, Hkv, d]")
     cu_q = _index_array(cu_seqlens_q, "cu_seqlens_q", tq.device, ("B + 1",))
     cu_k = _index_array(cu_seqlens_k, "cu_seqlens_k", tq.device, ("B + 1",))
-    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_q.shape)} and cu_seqlens_k {tuple(cu_k.shape)}: both [B + 1] with "
-                         f"B >= 1 (one prefix sum a sequence, and 0)")
+    check_cu_seqlens_pair(cu_q.shape[0], cu_k.shape[0])  # the oracle's rule and message
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{name} = {n!r}: a host int >= 1 (the longest sequence; it sizes the grid)")
