@@ -69,6 +69,10 @@ REGISTER_COSTS = {
                    # kernel: it packs no P^T early), where deterministic (254) and no mask (255) fit;
                    # at 32 registers (head_dim 128 or 64 at 64 queries) 255 and 236, 0 spills
                    "atomic_causal": 1 / 16,
+                   # ... and under a chunked mask in the producer-fed kernel (its chunk bounds a row
+                   # beside the consumers' 240): head_dim 64 float16 at 128 queries predicted 238,
+                   # spilled 20 bytes, where every other mask kind fit at 236-240 (ptxas -v, nvcc 13.0)
+                   "producer_atomic_chunked": 4.0,
                    # one warpgroup (warps 4, block_kv 64) copying its tiles: each thread copies twice
                    # the chunks of K, V, Q and dO, and their addresses stay live; measured at 255 with
                    # 4 bytes of spills at block_q 64 (12 with 3 stages; head_dim 128, every mask, float16
@@ -121,9 +125,9 @@ WARP_SPECIALIZED_ATOMIC_DQ = -6
 # softcap or ALiBi): float16 head_dim 64 chunked (producer-fed, 20 bytes) and bfloat16 head_dim 64
 # causal (the copying kernel, 4 bytes). Both measured faster than what refusing them would give
 # (H200, B4 H32 4k: 0.89 against 1.02 ms at 64 queries a step; 1.80 against 2.48), and than the
-# reduction kernels they replace with 0 spills (0.95, 2.11 ms), and were kept; the causal one is
-# refused now (REGISTER_COSTS' atomic_causal: a spec that validates does not spill), and trainable
-# takes the producer-fed kernel at 64 queries a step there.
+# reduction kernels they replace with 0 spills (0.95, 2.11 ms), and were kept. Both are refused now
+# (REGISTER_COSTS' producer_atomic_chunked and atomic_causal: a spec that validates does not spill),
+# and trainable takes the producer-fed kernel at 64 queries a step there.
 # ... and bfloat16 where P^T is packed early (EARLY_P_PACK_S_REGS): head_dim 64's 128-query steps
 # spilled 8-28 bytes under every mask but the sliding window and block mask, where float16's fit.
 WARP_SPECIALIZED_BF16_EARLY_PACK = 12
@@ -155,6 +159,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["atomic_masked"] = 1.0
     if kernel == "dkdv" and spec.wgmma_backward and spec.atomic_dq and mask.kind == "causal":
         terms["atomic_causal"] = s
+    if kernel == "dkdv" and spec.wgmma_backward and spec.atomic_dq and mask.kind == "chunked" and bwd.warp_specialized:
+        terms["producer_atomic_chunked"] = 1.0
     if kernel == "dkdv" and spec.wgmma_backward and bwd.warps == WARPGROUP_WARPS and bwd.warp_specialized is None:
         terms["one_warpgroup"] = 1.0
     return terms

@@ -554,6 +554,21 @@ def test_atomic_dq_under_a_causal_mask_at_128_queries_is_refused_with_a_fix_that
     fagen.parse_spec({**CAUSAL_ATOMIC_D64, "mask": {"kind": "none"}})
 
 
+def test_what_fagen_attention_trains_a_chunked_mask_with_compiles_clean():
+    """The producer-fed dK/dV kernel at head_dim 64, 128 queries a step, under a chunked mask with
+    atomic dQ spilled 20 bytes where its estimate said 238 of 240: it is refused now, and the
+    backward fagen.attention takes for that mask (each float16 and bfloat16 H200 default, both dQ
+    strategies) compiles with no spill."""
+    from fagen.nvcc import compile_backward
+    for dtype, head_dim in (("float16", 64), ("bfloat16", 64), ("float16", 128)):
+        forward = variants.variant(variants.shipped_spec(dtype, head_dim, False, gpu="h200"),
+                                   Mask(kind="chunked", chunk_size=512), ScoreMod())
+        for deterministic in (False, True):
+            spec = variants.trainable(forward, deterministic=deterministic)
+            for kernel, r in compile_backward(spec).items():
+                assert (r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0), (spec.name, kernel, r.log)
+
+
 def test_the_dkdv_register_advice_validates_and_is_not_already_in_place():
     """A head_dim 256 tiling over the registers (head_split already 2, warps already 8): the
     advice is a change the spec does not have, and applying it validates."""
