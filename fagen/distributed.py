@@ -279,10 +279,11 @@ def _ring_kernels(dtype: str, head_dim: int, causal: bool, rows: int, most: int,
 @cache
 def _ring_backward_kernels(dtype: str, head_dim: int, causal: bool, device: int) -> tuple:
     """The ring backward's launches on `device`: its own block's mask's and a full step's
-    (both of the base class: one tiling, so that their dQ shares one sum), looked up once."""
+    (the full step's trained on the own block's tiling, so that their dQ shares one sum), looked
+    up once."""
     with cupy.cuda.Device(device):
-        return (compile_backward(variants.trainable(_spec(dtype, head_dim, causal))),
-                compile_backward(variants.trainable(_spec(dtype, head_dim, False))))
+        own = variants.trainable(_spec(dtype, head_dim, causal))
+        return compile_backward(own), compile_backward(variants.trainable_alike(_spec(dtype, head_dim, False), own))
 
 
 def batch_sharded(group, q, k, v, *, causal: bool = False):

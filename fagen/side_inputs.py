@@ -159,14 +159,14 @@ def check_finite(name: str, values: Iterable[float]) -> None:
 # ---- a varlen batch's and a paged cache's index values -----------------------------------------
 
 def check_cu_seqlens_pair(entries_q: int, entries_k: int) -> None:
-    """cu_seqlens_q and cu_seqlens_k (their lengths): one prefix sum a sequence and 0, for the same
-    B >= 1 sequences."""
+    """cu_seqlens_q and cu_seqlens_k (their lengths): 0, then one prefix sum per sequence, for the
+    same B >= 1 sequences."""
     if entries_q < 2:
         raise ValueError(f"cu_seqlens_q = [{entries_q} entries]: must be [B + 1] with B >= 1 (the prefix sums of the "
                          f"sequence lengths, from 0); pass e.g. numpy.cumsum([0, *lengths])")
     if entries_k != entries_q:
         raise ValueError(f"cu_seqlens_k = [{entries_k} entries]: must have cu_seqlens_q's length, B + 1 = {entries_q} "
-                         f"(a prefix sum a sequence, and 0); pass the keys' prefix sums of the same {entries_q - 1} "
+                         f"(0, then one prefix sum per sequence); pass the keys' prefix sums of the same {entries_q - 1} "
                          f"sequences")
 
 

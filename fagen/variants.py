@@ -389,3 +389,16 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
             except SpecError as error:
                 refused = error
     raise refused  # the smallest tiling's refusal: its advice is what no tiling here took
+
+
+@cache
+def trainable_alike(spec: AttentionSpec, like: AttentionSpec) -> AttentionSpec:
+    """`spec` trained on `like`'s backward tiling (`like` is trainable): blocks whose dQ adds into
+    one sum (backward.QueryRows.add: a ring's full steps beside its causal own block) must lay
+    their rows out alike, and each mask's own choice may differ (a causal mask's registers refuse
+    the full mask's tiling at d64 bfloat16). `like`'s tiling fits `spec` where `spec`'s mask costs
+    no more registers than `like`'s; where it does not, its refusal says so."""
+    if spec.backward == like.backward:
+        return spec
+    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_bwd_as_{like.name}",
+                       "backward": like.backward.model_dump()}, f"trainable {spec.name} as {like.name}")

@@ -57,12 +57,14 @@ def check(name, out, ref, dtype):
 seed_arr = cupy.asarray([int(np.random.default_rng().integers(1 << 30))], cupy.int32)
 ours.all_reduce(seed_arr, "max")  # every rank draws the same inputs
 seed = int(seed_arr.get()[0])
-cases = [("fagen", "cupy", "float16", 4, 4), ("torch", "torch", "bfloat16", 4, 2)]
-for group_name, framework, dtype, hq, hkv in cases:
+# bfloat16 at d64: its causal and full masks train on different tilings of their own, so the
+# ring's full steps take the causal block's (variants.trainable_alike)
+cases = [("fagen", "cupy", "float16", 4, 4, 128), ("torch", "torch", "bfloat16", 4, 2, 64)]
+for group_name, framework, dtype, hq, hkv, d in cases:
     group = ours if group_name == "fagen" else None  # None: torch.distributed's default group
-    tag = f"[{group_name} group, {framework} {dtype}, Hq/Hkv {hq}/{hkv}]"
+    tag = f"[{group_name} group, {framework} {dtype} d{d}, Hq/Hkv {hq}/{hkv}]"
     for n in (1000, 777):
-        q, k, v = same_inputs(framework, dtype, 2, hq, hkv, n, 128, seed + n)
+        q, k, v = same_inputs(framework, dtype, 2, hq, hkv, n, d, seed + n)
         qn, kn, vn = (to_numpy(x).astype(np.float64) for x in (q, k, v))
         ref_causal, ref_dense = oracle.attention(qn, kn, vn, causal=True), oracle.attention(qn, kn, vn)
         check(f"1 batch sharded N={n} {tag}", dist.batch_sharded(group, q, k, v), ref_dense, dtype)
@@ -88,7 +90,7 @@ for group_name, framework, dtype, hq, hkv in cases:
             check(f"4 ring attention {'causal' if causal else 'full'} ({transport}) N={n} {tag}",
                   dist.gather_sequence(group, local, n=n), ref, dtype)
         if args.backward and n == 1000:  # gradients: every rank's rows gathered, against the float64 oracle
-            dout = same_inputs(framework, dtype, 2, hq, hq, n, 128, seed + 1)[0]
+            dout = same_inputs(framework, dtype, 2, hq, hq, n, d, seed + 1)[0]
             doz = dist.sharded_inputs(dout, n, world, rank, "zigzag")
             want = oracle.attention_backward(qn, kn, vn, to_numpy(dout).astype(np.float64), causal=True)
             for transport in ("auto", "nccl"):

@@ -346,7 +346,7 @@ def test_query_rows_over_blocks_against_oracle(dtype, head_dim):
     from fagen.oracle import attention_backward
 
     causal = variants.trainable(default_spec(dtype, head_dim, True))
-    full = variants.trainable(default_spec(dtype, head_dim, False))
+    full = variants.trainable_alike(default_spec(dtype, head_dim, False), causal)
     q_all, k, v, _ = random_inputs("torch", dtype, 1, 4, 2, 300, 500, head_dim)
     q, dout = q_all[:, :, 100:], torch.randn_like(q_all)[:, :, 100:]
     # row i (of 200) sees key j iff j <= i + 300 (bottom-right over 500 keys)

@@ -313,7 +313,7 @@ def test_bad_varlen_inputs_are_refused_before_launch():
         (dict(cu_seqlens_q=_int32([1, 5, 14])), r"cu_seqlens_q\[0\] = 1: must be 0"),
         (dict(max_seqlen_q=6), "max_seqlen_q = 6, but sequence 1 has 9 rows"),
         (dict(cu_seqlens_q=torch.tensor([0, 5, 14], device="cuda")), "cu_seqlens_q: dtype int64, expected int32"),
-        (dict(cu_seqlens_k=_int32([0, 14])), r"both \[B \+ 1\]"),
+        (dict(cu_seqlens_k=_int32([0, 14])), r"cu_seqlens_k = \[2 entries\]: must have cu_seqlens_q's length, B \+ 1 = 3"),
         (dict(q=q[None]), r"varlen takes \[total, Hq, d\]"),
     ]
     base = dict(q=q, k=k, v=v, cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k), max_seqlen_q=9, max_seqlen_k=9)

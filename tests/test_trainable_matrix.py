@@ -102,3 +102,23 @@ def test_head_dim_256_with_a_bias_trains(gpu):
     for spec, deterministic, bias_grad in biased:
         bwd = trainable(spec, deterministic, bias_grad).backward
         assert (bwd.head_split, bwd.block_kv, bwd.block_q, bwd.dq_block_kv, bwd.bias_grad) == (2, 64, 16, 16, bias_grad)
+
+
+@pytest.mark.parametrize("gpu", FAMILIES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_a_ring_full_step_lays_its_rows_out_as_the_causal_block(gpu, head_dim):
+    """A ring's causal own block and its full steps add dQ into one sum (backward.QueryRows.add),
+    so their backwards must lay rows out alike (row pad, dK/dV query tile, atomic dQ), though each
+    mask's own choice may differ (at d64 bfloat16 the causal mask's registers refuse the full
+    mask's tiling): trainable_alike trains the full step on the causal block's tiling."""
+    from fagen.backward_plan import backward_plan
+    from fagen.variants import shipped_spec, trainable_alike
+
+    def rows(spec):
+        plan = backward_plan(spec)
+        return plan.row_pad, plan.dkdv.block_q, plan.atomic_dq
+
+    for dtype in ("float16", "bfloat16"):
+        own = trainable(shipped_spec(dtype, head_dim, True, gpu=gpu))
+        full = trainable_alike(shipped_spec(dtype, head_dim, False, gpu=gpu), own)
+        assert rows(full) == rows(own), (dtype, full.name)
