@@ -1,67 +1,14 @@
 """fagen: fused attention kernels generated from a YAML spec."""
 
-__version__ = "0.1.0"
-
 import importlib
 import pkgutil
 
+from fagen.api import (attention, attention_varlen, attention_with_kvcache, compile, prepare,  # noqa: F401
+                       prepare_with_kvcache)
 from fagen.render import render
+from fagen.version import __version__  # noqa: F401
 from fagen.load import load_spec, parse_spec
 from fagen.spec import AttentionSpec, SpecError
-
-
-def compile(spec):
-    """Compile a spec for the current GPU (needs CuPy); returns a callable `Kernel`."""
-    from fagen.runtime import compile_kernel
-
-    return compile_kernel(spec)
-
-
-def attention(q, k, v, **kwargs):
-    """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy);
-    a few query rows (decode) take the GQA-packed split-KV kernels (fagen.decode). PyTorch tensors go through the fagen::attention_forward op: autograd, torch.compile and
-    CUDA graphs see it (fagen.torch_op)."""
-    from fagen.device import is_torch
-
-    if is_torch(q):
-        from fagen.torch_op import attention as _attention
-    else:
-        from fagen.decode import attention as _attention
-    return _attention(q, k, v, **kwargs)
-
-
-def prepare(q, k, v, **kwargs):
-    """fagen.attention packed once for tensors of these shapes (a decode loop): a callable
-    taking (q, k, v) of the same shapes, strides and dtype, with a few microseconds of host work
-    a call (fagen.decode.PreparedAttention)."""
-    from fagen.decode import prepare as _prepare
-
-    return _prepare(q, k, v, **kwargs)
-
-
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
-    """Attention over sequences of different lengths packed token-major (FlashAttention's
-    varlen convention: q [total_q, Hq, d], cu_seqlens int32 [B + 1]); fagen.sequences."""
-    from fagen.sequences import attention_varlen as _attention_varlen
-
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
-
-
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs):
-    """Attention against a paged KV cache ([num_pages, page_size, Hkv, d], page_table [B,
-    max_pages], cache_seqlens [B]: FlashAttention's and vLLM's convention); fagen.sequences."""
-    from fagen.sequences import attention_with_kvcache as _attention_with_kvcache
-
-    return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
-
-
-def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs):
-    """attention_with_kvcache packed once for a decode loop over a paged cache: a callable taking
-    (q, k_cache, v_cache, cache_seqlens, page_table) of the same shapes, strides and dtypes, with
-    a few microseconds of host work a call (fagen.sequences.PreparedKVCache)."""
-    from fagen.sequences import prepare_with_kvcache as _prepare_with_kvcache
-
-    return _prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
 
 
 # The submodules (fagen.oracle, fagen.masks, fagen.sequences, ...), each imported on first use

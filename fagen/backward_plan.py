@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, ELEMENT_BYTES, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
+from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
                         SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
                         score_params, searched_rule, wgmma_numbers)
@@ -412,7 +412,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                             "add a backward: section (an empty mapping takes the defaults) and tile it", trains, spec)
     bwd, d = spec.backward, spec.head_dim
     dq, dkdv, producer = dq_kernel_plan(spec), dkdv_plan(spec), dq_producer(spec)
-    dq_smem = dq.smem_bytes + dq.q_tile_elems * ELEMENT_BYTES + (2 * MBARRIER_BYTES if producer else 0)
+    dq_smem = dq.smem_bytes + dq.q_tile_elems * spec.element.bytes + (2 * MBARRIER_BYTES if producer else 0)
     dq_registers = predict_registers(spec, "dq") - (DQ_PRODUCER_SAVING if producer else 0)
     dq_register_limit = producer.consumer_registers if producer else MAX_REGISTERS
     if dq_registers > dq_register_limit:
@@ -490,8 +490,8 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     wgmma = spec.wgmma_backward
     smem_row = d if wgmma else d + PAD_ELEMS  # wgmma: rows of swizzle atoms, unpadded
     smem_align = SWIZZLE_ATOM_BYTES if wgmma else CHUNK_BYTES
-    kv_tile_bytes = bwd.block_kv * smem_row * ELEMENT_BYTES
-    q_tile_bytes = bwd.block_q * smem_row * ELEMENT_BYTES
+    kv_tile_bytes = bwd.block_kv * smem_row * spec.element.bytes
+    q_tile_bytes = bwd.block_q * smem_row * spec.element.bytes
     # a stage: Q, dO, their rows' LSE and D; every tile starts on a swizzle atom
     stage_bytes = -(-(2 * q_tile_bytes + 2 * bwd.block_q * 4) // smem_align) * smem_align
     ws = bwd.warp_specialized
@@ -502,7 +502,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         smem_bytes += 2 * (bwd.stages + (kv_slots if ws else 0)) * MBARRIER_BYTES
     ds_offset = -(-smem_bytes // smem_align) * smem_align
     if spec.atomic_dq:  # two dS^T buffers after the barriers, on a swizzle atom; then dQ's staging, a warp's each
-        smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES + warps * DQ_STAGE_BYTES
+        smem_bytes = ds_offset + 2 * bwd.block_kv * bwd.block_q * spec.element.bytes + warps * DQ_STAGE_BYTES
     terms, mod = register_terms(spec, "dkdv"), spec.score_mod
     acc, s = int(terms["acc"]), int(terms["s"])  # dK and dV; S^T (then P^T), dP^T beside it
     registers = predict_registers(spec, "dkdv")
@@ -537,7 +537,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         copy_rows_per_pass=threads // chunks if threads % chunks == 0 else 0,
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
-        smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=ELEMENT_BYTES, smem_align=smem_align,
+        smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=spec.element.bytes, smem_align=smem_align,
         mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **tiles,
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
@@ -663,7 +663,7 @@ def atomic_dq_numbers(spec: AttentionSpec, ds_offset: int) -> dict[str, int]:
     return {
         "atomic_dq": True,
         "ds_offset": ds_offset,
-        "ds_tile_bytes": bwd.block_kv * bwd.block_q * ELEMENT_BYTES,
+        "ds_tile_bytes": bwd.block_kv * bwd.block_q * spec.element.bytes,
         "ds_atoms_per_row": atoms,
         "ds_row_group_bytes": atoms * SWIZZLE_ATOM_BYTES,
         "dq_tiles": tiles,
@@ -673,7 +673,7 @@ def atomic_dq_numbers(spec: AttentionSpec, ds_offset: int) -> dict[str, int]:
         "dq_n_frags": SWIZZLE_ATOM_ELEMS // MMA_N,
         # a warpgroup that owns its share of the keys reads only the dS^T rows it wrote
         "ds_barrier_threads": 32 * (WARPGROUP_WARPS if key_split == warpgroups else bwd.warps),
-        "dq_stage_offset": ds_offset + 2 * bwd.block_kv * bwd.block_q * ELEMENT_BYTES,
+        "dq_stage_offset": ds_offset + 2 * bwd.block_kv * bwd.block_q * spec.element.bytes,
         "dq_stage_bytes": DQ_STAGE_BYTES,
     }
 

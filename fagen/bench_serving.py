@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import bench_rows
+from fagen import api, bench_rows
 from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, stream_held, to_numpy
 
 REPS, REPLAYS = 10, 9
@@ -248,11 +248,9 @@ def _sdpa_rows(case, q, k, v) -> list[ServingRow]:
 
 
 def run_decode(case: ServingCase) -> list[ServingRow]:
-    import fagen
-
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
     ref = _sdpa_reference(q, k, v)
-    step = fagen.prepare(q, k, v)
+    step = api.prepare(q, k, v)
     step(q, k, v, out=out)
     row = _checked(case, "fagen", out, ref, lambda: graph_us(lambda: step(q, k, v, out=out)), tb_s=kv_bytes(case))
     return [row] + _sdpa_rows(case, q, k, v)
@@ -265,22 +263,20 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
     import torch
     import torch.nn.functional as F
 
-    import fagen
-
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
     ref = _sdpa_reference(q, k, v, case.causal)
     if case.page_size:
         k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
         lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")
         tensors = (q, k_cache, v_cache, lengths, table)
-        step = fagen.prepare_with_kvcache(*tensors, causal=case.causal)
+        step = api.prepare_with_kvcache(*tensors, causal=case.causal)
         status = torch.zeros(1, dtype=torch.int32, device="cuda")
-        unprepared = lambda: fagen.attention_with_kvcache(*tensors, causal=case.causal, status=status,  # noqa: E731
+        unprepared = lambda: api.attention_with_kvcache(*tensors, causal=case.causal, status=status,  # noqa: E731
                                                           validate=False)
     else:
         tensors = (q, k, v)
-        step = fagen.prepare(*tensors, causal=case.causal)
-        unprepared = lambda: fagen.attention(q, k, v, causal=case.causal)  # noqa: E731  (the kernel's cached launch)
+        step = api.prepare(*tensors, causal=case.causal)
+        unprepared = lambda: api.attention(q, k, v, causal=case.causal)  # noqa: E731  (the kernel's cached launch)
     step(*tensors, out=out)
     rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(*tensors)), note="out allocated"),
             _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(*tensors, out=out)), note="out given")]
@@ -310,8 +306,6 @@ def paged_cache(k, v, page_size: int, rng):
 def run_paged(case: ServingCase, rng) -> list[ServingRow]:
     import torch
 
-    import fagen
-
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
     ref = _sdpa_reference(q, k, v)
     k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
@@ -319,13 +313,13 @@ def run_paged(case: ServingCase, rng) -> list[ServingRow]:
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def paged():
-        return fagen.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out, status=status,
+        return api.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out, status=status,
                                            validate=False)
-    fagen.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out)  # validated once
+    api.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out)  # validated once
     rows = [_checked(case, "fagen", out, ref, lambda: graph_us(paged), tb_s=kv_bytes(case))]
     # the contiguous cache of the same keys, in a cache's own [B, N, Hkv, d] layout
     kt, vt = (x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for x in (k, v))
-    step = fagen.prepare(q, kt, vt)
+    step = api.prepare(q, kt, vt)
     out.fill_(float("nan"))
     step(q, kt, vt, out=out)
     rows.append(_checked(case, "fagen_contiguous", out, ref, lambda: graph_us(lambda: step(q, kt, vt, out=out)),
@@ -339,8 +333,6 @@ def run_mixed(case: ServingCase, rng) -> list[ServingRow]:
     import torch
     import torch.nn.functional as F
 
-    import fagen
-
     lengths = mixed_lengths(case.b, case.nk, rng)
     longest = -(-max(lengths) // case.page_size) * case.page_size
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, longest, case.head_dim)
@@ -352,9 +344,9 @@ def run_mixed(case: ServingCase, rng) -> list[ServingRow]:
     k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
     seqlens = torch.as_tensor(lengths, dtype=torch.int32, device="cuda")
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
-    fagen.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)  # validated once
+    api.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)  # validated once
     read = 2.0 * case.hkv * case.head_dim * 2 * sum(lengths)  # the keys the sequences have
-    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(lambda: fagen.attention_with_kvcache(
+    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(lambda: api.attention_with_kvcache(
         q, k_cache, v_cache, seqlens, table, out=out, status=status, validate=False)), tb_s=read,
         note=f"lengths {min(lengths)}-{max(lengths)}")]
     us = graph_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
@@ -377,8 +369,6 @@ def varlen_lengths(case: ServingCase, rng) -> list[int]:
 def run_varlen(case: ServingCase, rng) -> list[ServingRow]:
     import torch
 
-    import fagen
-
     lengths = varlen_lengths(case, rng)
     total = sum(lengths)
     gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 31)))
@@ -390,16 +380,16 @@ def run_varlen(case: ServingCase, rng) -> list[ServingRow]:
                           .transpose(1, 0, 2) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
     out = torch.full_like(q, float("nan"))
     longest = max(lengths)
-    fagen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, out=out)
+    api.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, out=out)
     # the padded batch of the same number of tokens, equal lengths: the kernel varlen is measured
     # against, its replays taken in turns with varlen's
     n = total // case.b
     qp, kp, vp, _ = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, n, n, case.head_dim)
-    padded = lambda: fagen.attention(qp, kp, vp, causal=case.causal)  # noqa: E731
+    padded = lambda: api.attention(qp, kp, vp, causal=case.causal)  # noqa: E731
     times: dict[str, float] = {}
 
     def varlen_us() -> float:
-        times["varlen"], times["padded"] = interleaved_us(lambda: fagen.attention_varlen(
+        times["varlen"], times["padded"] = interleaved_us(lambda: api.attention_varlen(
             q, k, v, cu, cu, longest, longest, causal=case.causal, out=out, validate=False), padded)
         return times["varlen"]
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from fagen import masks, oracle
 from fagen.device import cupy
+from fagen.element_types import ELEMENT_TYPES, KERNEL_TYPES
 from fagen.backward import compile_backward
 from fagen.runtime import compile_kernel
 from fagen.spec import AttentionSpec
@@ -21,7 +22,7 @@ from fagen.splitkv import merge
 
 # ||out - ref|| / ||ref||. The oracle sees the same rounded inputs, so the error is P's
 # rounding to the MMA input type plus f32 accumulation: ~2^-11 for float16, ~2^-8 for bfloat16.
-OUT_TOLERANCE = {"float16": 4e-3, "bfloat16": 2e-2}
+OUT_TOLERANCE = {name: ELEMENT_TYPES[name].tolerance for name in KERNEL_TYPES}  # (element_types)
 LSE_TOLERANCE = 1e-4
 
 
@@ -84,7 +85,7 @@ def random_inputs(framework: str, dtype: str, b: int, hq: int, hkv: int, nq: int
                 x = torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype))
             return x if layout == "bhnd" else x.transpose(1, 2)
     else:
-        if dtype != "float16":
+        if not ELEMENT_TYPES[dtype].in_cupy:
             raise ValueError(f"CuPy has no {dtype}: pass PyTorch tensors for {dtype}")
         rng = cupy.random.default_rng(seed)
 
@@ -220,7 +221,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     whole, their expressions included."""
 
     if framework is None:
-        framework = "cupy" if spec.dtype == "float16" else "torch"
+        framework = "cupy" if spec.element.in_cupy else "torch"
     kernel = compile_kernel(spec)
     q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
@@ -260,7 +261,7 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
     """The backward of a spec with a backward: section: its forward, then dq, dk, dv (and
     dsinks, dbias) from a random dout, each NaN-poisoned before the launch, against
     fagen.oracle.attention_backward. out_error is the worst gradient's relative error."""
-    framework = framework or ("cupy" if spec.dtype == "float16" else "torch")
+    framework = framework or ("cupy" if spec.element.in_cupy else "torch")
     backward = compile_backward(spec)
     q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
     dout, _, _, dq = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout,

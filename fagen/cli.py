@@ -282,7 +282,7 @@ def check_cmd(spec: str, shape: tuple[int, int, int, int], kv_heads: int | None,
         raise click.BadParameter(f"{kv_heads}: must divide H = {h} (each KV head serves H / Hkv query heads); "
                                  f"use a divisor of {h}", param_hint="'--kv-heads'")
     s = _load(Path(spec))
-    _need_gpu(torch=s.dtype != "float16")  # float16 runs on CuPy arrays, bfloat16 on PyTorch tensors
+    _need_gpu(torch=not s.element.in_cupy)  # CuPy arrays where CuPy has the type, else PyTorch tensors
     from fagen.check import check_against_oracle
 
     result = check_against_oracle(s, b, h, kv_heads or h, nq, nk, seed=seed, time_it=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fagen.load import SPECS, load_spec
 from fagen.backward_plan import backward_plan, kernel_symbols
+from fagen.element_types import KERNEL_TYPES
 from fagen.plan import plan
 from fagen import expression
 from fagen.render import expression_trees, render, render_backward
@@ -322,7 +323,7 @@ def attention_defaults(gpu: str | None, classes: tuple[int | None, ...] = (None,
     """(spec, arch it is compiled for) of every default fagen.attention picks on `gpu`
     (fagen.variants.shipped_spec): dtype x head_dim x causal x shape class (keys: None for all
     lengths, LONG_KEYS for the long class; training takes the first alone)."""
-    specs = [shipped_spec(dt, d, causal, gpu=gpu, keys=keys) for dt in ("float16", "bfloat16") for d in HEAD_DIMS
+    specs = [shipped_spec(dt, d, causal, gpu=gpu, keys=keys) for dt in KERNEL_TYPES for d in HEAD_DIMS
              for causal in (False, True) for keys in classes]
     specs = list(dict.fromkeys(specs))  # a shape class without a spec of its own is the first
     return [(s, "sm_90a" if s.wgmma else ATTENTION_GPUS[gpu]) for s in specs]

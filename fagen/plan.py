@@ -16,8 +16,7 @@ from fagen.mask_kinds import KINDS
 from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
                         AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule, with_fix)
 
-ELEMENT_BYTES = 2  # float16 and bfloat16
-CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements
+CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements (every KERNEL_TYPES entry)
 PAD_ELEMS = 8  # padded rows shift by 16 bytes: ldmatrix's 8 row addresses hit 8 distinct bank groups
 MAX_REGISTERS = 255
 # The register estimate: the accumulators (O, S; Q's fragments when q_in_registers; wgmma: P of
@@ -630,12 +629,12 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     q_tile = t.block_q * (d if spec.wgmma else smem_row)
     kv_tile = t.block_kv * (d if spec.wgmma else smem_row)
     slots = kv_slots(spec)
-    smem_bytes = (q_tile + slots * kv_tile) * ELEMENT_BYTES
+    smem_bytes = (q_tile + slots * kv_tile) * spec.element.bytes
     if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring (and for Q, with a producer)
         smem_bytes += 2 * (spec.pipeline.stages + spec.warp_specialized) * MBARRIER_BYTES
         smem_bytes += MBARRIER_BYTES * has_claimed_walk(spec)  # the tile the producer claimed, for the consumers
     limit = SMEM_PER_BLOCK[spec.arch]
-    seed_budget = (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * ELEMENT_BYTES
+    seed_budget = (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * spec.element.bytes
 
     per_thread = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
     o_regs = m_frags * (d // MMA_N) * per_thread
@@ -656,9 +655,9 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     # warps along the keys merge through the (then idle) KV ring: a lane's O, max and sum, for each
     # warp but the first of its rows
     combine_bytes = (t.warps_kv - 1) * t.warps_q * 32 * (o_regs + 4 * m_frags) * 4
-    if combine_bytes > slots * kv_tile * ELEMENT_BYTES:
+    if combine_bytes > slots * kv_tile * spec.element.bytes:
         raise searched_rule("tiling.warps_kv", t.warps_kv, f"merges {combine_bytes} bytes of O through the KV ring "
-                            f"({slots * kv_tile * ELEMENT_BYTES} bytes)", merge_fixes(spec),
+                            f"({slots * kv_tile * spec.element.bytes} bytes)", merge_fixes(spec),
                             "use fewer warps_kv, or more stages", plan, spec)
     if seed_budget > limit:
         raise searched_rule(
@@ -735,10 +734,10 @@ def plan(spec: AttentionSpec) -> KernelPlan:
 
 
 # ---- template-side tables: the kernel signature, the wgmma numbers, the merge kernel ----------
-CHUNK_BYTES = CHUNK_ELEMS * ELEMENT_BYTES  # cp.async and ldmatrix move 16-byte chunks
+CHUNK_BYTES = 16  # cp.async and ldmatrix move 16-byte chunks
 WARPGROUP_WARPS = 4  # a warpgroup: 4 consecutive warps, 64 rows of one wgmma.m64
 SWIZZLE_ATOM_ROWS = 8  # a 128-byte swizzle atom: 8 rows of 128 bytes
-SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES
+SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * 128  # 8 rows of 128 bytes
 ELEM_PTR, OUT_PTR = "const elem_t* __restrict__", "out_t* __restrict__"
 # The kernel's parameters before extra_params, in signature order (elem_t and out_t are the
 # kernel's typedefs: the storage dtype, and f32 for split-KV partials).
@@ -770,9 +769,9 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "warps_kv": t.warps_kv,
         "warp_keys": t.block_kv // t.warps_kv,
         "key_merge_floats": m_frags * (d // MMA_N) * acc_per_fragment + 4 * m_frags,
-        "element_bytes": ELEMENT_BYTES,
-        "kv_tile_bytes": kv_tile_elems * ELEMENT_BYTES,
-        "q_tile_bytes": t.block_q * d * ELEMENT_BYTES if spec.wgmma else 0,
+        "element_bytes": spec.element.bytes,
+        "kv_tile_bytes": kv_tile_elems * spec.element.bytes,
+        "q_tile_bytes": t.block_q * d * spec.element.bytes if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         "out_chunks_per_warp": warp_rows * chunks_per_row,
         "s_acc_regs": m_frags * (t.block_kv // t.warps_kv // MMA_N) * acc_per_fragment,
@@ -791,7 +790,7 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool =
     d, rows_per_warpgroup = spec.head_dim, WARPGROUP_WARPS * MMA_M
     if column_blocks:  # 8 rows of one column block; the blocks a tile's rows * 128 bytes apart
         row_group = SWIZZLE_ATOM_BYTES
-        column_step = {name: rows * SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES
+        column_step = {name: rows * SWIZZLE_ATOM_ELEMS * spec.element.bytes
                        for name, rows in (("q", spec.tiling.block_q), ("k", spec.tiling.block_kv))}
     else:  # 8 rows: head_dim / 64 atoms side by side
         row_group = d // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES
@@ -801,17 +800,17 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool =
         "atom_elems": SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS,
         "atom_bytes": SWIZZLE_ATOM_BYTES,
         "row_group_bytes": row_group,
-        "k_step_bytes": MMA_K * ELEMENT_BYTES,
+        "k_step_bytes": MMA_K * spec.element.bytes,
         "k_steps_per_atom": SWIZZLE_ATOM_ELEMS // MMA_K,
         "v_step_bytes": MMA_K // SWIZZLE_ATOM_ROWS * row_group,
         "warpgroup_q_bytes": rows_per_warpgroup // SWIZZLE_ATOM_ROWS * row_group,
-        "kv_ring_bytes": spec.pipeline.stages * kv_tile_elems * ELEMENT_BYTES,
+        "kv_ring_bytes": spec.pipeline.stages * kv_tile_elems * spec.element.bytes,
         "mbarrier_bytes": MBARRIER_BYTES,
         "q_atom_step_bytes": column_step["q"],
         "k_atom_step_bytes": column_step["k"],
         "v_lead_bytes": column_step["k"],
         "atom_columns": SWIZZLE_ATOM_ELEMS,
-        "atom_row_bytes": SWIZZLE_ATOM_ELEMS * ELEMENT_BYTES,
+        "atom_row_bytes": SWIZZLE_ATOM_ELEMS * spec.element.bytes,
     }
 
 

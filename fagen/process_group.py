@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fagen.device import as_device_tensor, cupy
+from fagen.element_types import itemsize
 
 
 def check_rank(rank: int, world: int) -> None:
@@ -75,7 +76,7 @@ class NcclGroup:
         from cupy.cuda import nccl
 
         t, o = as_device_tensor(x, "all_gather input"), as_device_tensor(out, "all_gather output")
-        self.comm.allGather(t.ptr, o.ptr, _size(t) * _itemsize(t.dtype), nccl.NCCL_UINT8, _current_stream())
+        self.comm.allGather(t.ptr, o.ptr, _size(t) * itemsize(t.dtype), nccl.NCCL_UINT8, _current_stream())
 
     def send_recv(self, send, recv, to: int, source: int) -> Transfer:
         """Send `send` to rank `to` and receive `recv` (same byte count) from `source`, on a side
@@ -87,7 +88,7 @@ class NcclGroup:
         main = cupy.cuda.get_current_stream()
         self._side.wait_event(main.record())
         s, r = as_device_tensor(send, "send"), as_device_tensor(recv, "recv")
-        nbytes = _size(s) * _itemsize(s.dtype)
+        nbytes = _size(s) * itemsize(s.dtype)
         nccl.groupStart()
         self.comm.send(s.ptr, nbytes, nccl.NCCL_UINT8, to, self._side.ptr)
         self.comm.recv(r.ptr, nbytes, nccl.NCCL_UINT8, source, self._side.ptr)
@@ -104,15 +105,13 @@ def _size(t) -> int:
     return math.prod(t.shape)
 
 
-def _itemsize(dtype: str) -> int:
-    return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4}[dtype]
-
-
 def _nccl_dtype(dtype: str):
     from cupy.cuda import nccl
 
-    return {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16, "float64": nccl.NCCL_FLOAT64,
-            "int32": nccl.NCCL_INT32}[dtype]
+    try:  # NCCL's names are NumPy's, upper-cased
+        return getattr(nccl, f"NCCL_{dtype.upper()}")
+    except AttributeError:
+        raise ValueError(f"all_reduce of {dtype}: NCCL has no such type here") from None
 
 
 # ---- a torch.distributed group ----------------------------------------------------------------

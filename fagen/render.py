@@ -13,8 +13,10 @@ from typing import Callable, Sequence
 import jinja2
 import yaml
 
-from fagen import __version__, expression
+from fagen import expression
+from fagen.version import __version__
 from fagen.backward_plan import backward_plan
+from fagen.element_types import ELEMENT_TYPES, KERNEL_TYPES
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
@@ -22,7 +24,6 @@ from fagen.spec import AttentionSpec, SpecError
 PACKAGE = Path(__file__).resolve().parent
 TEMPLATES = PACKAGE / "templates"
 GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (tests compare them)
-PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 FORWARD_TEMPLATE = "kernel/forward.cu.j2"  # one skeleton; plan.mainloop names its main-loop folder
 MERGE_TEMPLATE = "kernel/merge.cu.j2"
 DOCUMENT_BOUNDS_TEMPLATE = "kernel/document_bounds.cu.j2"
@@ -89,7 +90,8 @@ def context(spec: AttentionSpec) -> dict:
         "spec_lines": echoed.rstrip("\n").splitlines(),
         "name": spec.name,
         "dtype": spec.dtype,
-        "ptx_type": PTX_TYPE[spec.dtype],
+        "ptx_type": spec.element.ptx,
+        "element": spec.element,
         "plan": plan(spec),
         "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,
@@ -124,7 +126,7 @@ def render_backward(spec: AttentionSpec) -> str:
         {**context(spec), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
 
 
-MERGE_DTYPES = ("float16", "bfloat16", "float32")
+MERGE_DTYPES = (*KERNEL_TYPES, "float32")  # float32: a partial again, to merge further
 
 
 def merge_name(out_dtype: str) -> str:
@@ -136,7 +138,7 @@ def render_merge(out_dtype: str) -> str:
     if out_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
     return environment().get_template(MERGE_TEMPLATE).render(
-        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=PTX_TYPE.get(out_dtype, ""),
+        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=ELEMENT_TYPES[out_dtype].ptx,
         plan=merge_plan(out_dtype))
 
 
@@ -167,7 +169,7 @@ def gradient_sum_name(dtype: str) -> str:
 def render_gradient_sum(dtype: str) -> str:
     """The kernel summing a ring block's dK and dV shares (`dtype`) at home, in float32."""
     return environment().get_template(GRADIENT_SUM_TEMPLATE).render(
-        version=__version__, name=gradient_sum_name(dtype), dtype=dtype, ptx_type=PTX_TYPE[dtype],
+        version=__version__, name=gradient_sum_name(dtype), dtype=dtype, ptx_type=ELEMENT_TYPES[dtype].ptx,
         threads=GRADIENT_SUM_THREADS, share_batch=GRADIENT_SUM_BATCH)
 
 
@@ -195,7 +197,7 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
     return {**{f"{merge_name(dtype)}.cu": (f"fagen's split-KV merge kernel ({dtype})", lambda d=dtype: render_merge(d))
                for dtype in MERGE_DTYPES},
             **{f"{gradient_sum_name(dtype)}.cu": (f"fagen's ring gradient sum kernel ({dtype})",
-                                                  lambda d=dtype: render_gradient_sum(d)) for dtype in PTX_TYPE},
+                                                  lambda d=dtype: render_gradient_sum(d)) for dtype in KERNEL_TYPES},
             f"{DOCUMENT_BOUNDS}.cu": ("fagen's document bounds kernel", render_document_bounds),
             f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
             f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv)}

@@ -33,6 +33,7 @@ from functools import cache
 
 import numpy as np
 
+from fagen.element_types import element_type, itemsize
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like
 
 TRANSPORTS = ("auto", "copy_engine", "nccl")
@@ -42,7 +43,6 @@ TRANSPORTS = ("auto", "copy_engine", "nccl")
 ARRIVED, RELEASED, SELF_TEST, SLOTS = 0, 128, 256, 512
 CU_STREAM_WAIT_VALUE_GEQ, CU_STREAM_WRITE_VALUE_DEFAULT = 0x0, 0x0
 CUDA_MEMCPY_DEFAULT = 4
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def slot_offset(t: int, nbytes: int) -> int:
@@ -79,7 +79,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * ITEMSIZE[self.dtype]
+        return int(np.prod(self.shape)) * itemsize(self.dtype)
 
 
 @cache
@@ -293,7 +293,7 @@ class CopyEngineLink:
         copy; rows_max >= rows)."""
         tk, tv = as_device_tensor(k, "k_local"), as_device_tensor(v, "v_local")
         _, b, hkv, most, d = self.block.shape
-        rows, item = tk.shape[2], ITEMSIZE[self.block.dtype]
+        rows, item = tk.shape[2], itemsize(self.block.dtype)
         if any(t.strides != (hkv * rows * d, rows * d, d, 1) for t in (tk, tv)):
             return _staged(self, k, v)
         half = self.block.nbytes // 2
@@ -333,18 +333,18 @@ class CopyEngineLink:
         return self.slots.views[key]
 
     def _make_view(self, ptr: int):
-        """CuPy has no bfloat16: torch views it as float16 first; a CuPy caller gets its own
-        dtype object where the block has its dtype."""
+        """CuPy has no bfloat16: torch views the bytes as their carrier first (array_carrier); a
+        CuPy caller gets its own dtype object where the block has its dtype."""
         memory = cupy.cuda.UnownedMemory(ptr, self.block.nbytes, self.slots, self.slots.device)
         if self.ref.kind != "torch":
             dtype = self.ref.obj.dtype if self.block.dtype == self.ref.dtype else self.block.dtype
             return cupy.ndarray(self.block.shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
-        dtype = "float16" if self.block.dtype == "bfloat16" else self.block.dtype
-        view = cupy.ndarray(self.block.shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+        element = element_type(self.block.dtype)
+        view = cupy.ndarray(self.block.shape, element.array_carrier, cupy.cuda.MemoryPointer(memory, 0))
         import torch
 
         out = torch.as_tensor(view, device=self.ref.obj.device)
-        return out.view(torch.bfloat16) if self.block.dtype == "bfloat16" else out
+        return out if element.array_carrier == element.torch_name else out.view(getattr(torch, element.torch_name))
 
 
 class NcclLink:

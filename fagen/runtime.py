@@ -19,12 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import __version__, device, expression, side_inputs, tensor_maps, variants
+from fagen import device, expression, side_inputs, tensor_maps, variants
+from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
+from fagen.element_types import KERNEL_TYPES
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS, fields_of
-from fagen.plan import ELEMENT_BYTES, TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
+from fagen.plan import TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
 from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, shared_kernels
 from fagen.spec import AttentionSpec, Mask, ScoreMod
 
@@ -538,7 +540,7 @@ class Kernel:
                       scale_log2=scale * LOG2E, **extras)
         for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (to, "o")):
             values.update(zip((f"{name}_sb", f"{name}_sh", f"{name}_sn"), t.strides[:3]))
-        maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(*_mapped(t, total), rows, name))
+        maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(*_mapped(t, total), self.spec.element.bytes, rows, name))
                      for t, name, rows, total in ((tq, "q", self.plan.block_q, extras.get("total_q")),
                                                   (tk, "k", self.plan.block_kv, extras.get("total_k")),
                                                   (tv, "v", self.plan.block_kv, extras.get("total_k")))
@@ -546,7 +548,7 @@ class Kernel:
         tiles = self.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
-            kv_bytes = 2 * tk.shape[2] * tk.shape[3] * ELEMENT_BYTES // splits  # a KV head's K and V (a split's share)
+            kv_bytes = 2 * tk.shape[2] * tk.shape[3] * self.spec.element.bytes // splits  # a KV head's K and V (a split's share)
             per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # x: a query head, unpacked
             values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2],
                           tiles_section=l2_section(*tiles[:2], per_x, device.l2_bytes(tq.device),
@@ -558,7 +560,7 @@ class Kernel:
         outputs = ("merged_o", "merged_lse") if self.spec.outputs.merge_splits else ("o", "lse")
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
                       slots=("q", "k", "v", *indices, *outputs), maps=maps,
-                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * ELEMENT_BYTES))
+                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * self.spec.element.bytes))
 
     def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int, total_q: int | None = None
               ) -> tuple[int, int, int]:
@@ -799,8 +801,8 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
 def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
                   has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
                   gpu: str) -> AttentionSpec:
-    if dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"q: dtype {dtype}; fagen.attention takes float16 or bfloat16")
+    if dtype not in KERNEL_TYPES:
+        raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
     if mask is not None:
         mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
         if causal and mask.kind != "causal":

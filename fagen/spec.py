@@ -11,12 +11,14 @@ Every error names the field, the value, the rule and a valid alternative.
 from __future__ import annotations
 
 import copy
+import difflib
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from fagen import expression, mask_kinds, side_inputs
+from fagen.element_types import ELEMENT_TYPES, INPUT_TYPES, KERNEL_TYPES, ElementType
 from fagen.mask_kinds import KINDS
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -507,7 +509,9 @@ class Backward(_Frozen):
 
 class AttentionSpec(_Frozen):
     name: str
-    dtype: Literal["float16", "bfloat16"]
+    dtype: str  # q's element type, and k's, v's and o's where kv_dtype and out_dtype are not given
+    kv_dtype: str | None = None
+    out_dtype: str | None = None
     head_dim: int
     tiling: Tiling
     pipeline: Pipeline = Pipeline()
@@ -531,6 +535,37 @@ class AttentionSpec(_Frozen):
                 "starting with '_' or holding '__' (it names the kernel's symbol and file)",
                 f"use letters, digits and single underscores, e.g. {like}", {"name": like}))
         return v
+
+    @field_validator("dtype", "kv_dtype", "out_dtype")
+    @classmethod
+    def _known_type(cls, v: str | None, info) -> str | None:
+        if v is not None and v not in INPUT_TYPES:
+            near = difflib.get_close_matches(str(v), KERNEL_TYPES, n=1, cutoff=0.0)[0]
+            names = ", ".join(map(repr, INPUT_TYPES[:-1])) + f" or {INPUT_TYPES[-1]!r}"
+            raise ValueError(rule(info.field_name, v, f"must be one of {names}",
+                                  f"did you mean {near!r}? use {info.field_name}: {near}", {info.field_name: near}))
+        return v
+
+    @model_validator(mode="after")
+    def _element_types(self) -> AttentionSpec:
+        """The kernels take q, k, v and o of one type, of those with kernels (KERNEL_TYPES); other
+        combinations are spellable, and refused here by what exists."""
+        exist = f"the kernels take q, k, v and o all of one type: {' or '.join(KERNEL_TYPES)}"
+        if self.dtype not in KERNEL_TYPES:
+            raise ValueError(rule("dtype", self.dtype, f"no kernel takes {self.dtype} yet; {exist}",
+                                  f"use dtype: {KERNEL_TYPES[-1]}", {"dtype": KERNEL_TYPES[-1]}))
+        for field in ("kv_dtype", "out_dtype"):
+            value = getattr(self, field)
+            if value is not None and value != self.dtype:
+                tensors = "k and v" if field == "kv_dtype" else "o"
+                raise ValueError(rule(field, value, f"no kernel takes q {self.dtype} with {tensors} {value} yet; {exist}",
+                                      f"remove {field} ({tensors} then {self.dtype})", {field: REMOVE}))
+        return self
+
+    @property
+    def element(self) -> ElementType:
+        """q's element type (and, while the kernels take one type, k's, v's and o's)."""
+        return ELEMENT_TYPES[self.dtype]
 
     @field_validator("head_dim")
     @classmethod

@@ -15,15 +15,15 @@ from functools import cache, lru_cache
 
 import numpy as np
 
+from fagen.element_types import element_type
+
 MAP_BYTES, MAP_ALIGN = 128, 64  # sizeof and alignof(CUtensorMap)
-ELEMENT_BYTES = 2
 BOX_COLUMNS = 64  # one 128-byte swizzle atom's width: a box is one column block of a tile
 MAX_BOX_ROWS = 256
 ROW_GROUP_ROWS = 8  # rows of one 128-byte swizzle atom
 GLOBAL_STRIDE_ALIGN = 16  # bytes
 MAX_GLOBAL_STRIDE = 1 << 40  # bytes, exclusive
 # The driver's enums (cuda.h)
-DATA_TYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
 INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3  # the layout wgmma's descriptors read (DESC_SWIZZLE_128B)
 L2_PROMOTION_128B = 2
@@ -42,7 +42,7 @@ class MapLayout:
     box: tuple[int, ...]
 
 
-def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -> tuple[int, int, int]:
+def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, what: str) -> tuple[int, int, int]:
     """The sequence, head and batch strides of a [B, H, N, d] tensor in bytes, checked for TMA. A
     dimension of size 1 is never stepped along, so its stride is replaced by a valid one; any
     other must be a positive multiple of 16 bytes under 2^40."""
@@ -50,10 +50,10 @@ def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -
     if strides[-1] != 1 or d % BOX_COLUMNS:
         raise ValueError(f"{what}: shape {tuple(shape)}, strides {tuple(strides)}: TMA reads rows of head_dim "
                          f"(a multiple of {BOX_COLUMNS}) at unit stride; pass a contiguous copy")
-    natural = ELEMENT_BYTES * d  # a row's bytes: the stride a size-1 dimension gets
+    natural = element_bytes * d  # a row's bytes: the stride a size-1 dimension gets
     byte_strides = []
     for size, stride, name in ((n, strides[2], "sequence"), (h, strides[1], "head"), (b, strides[0], "batch")):
-        step = ELEMENT_BYTES * stride if size > 1 else natural
+        step = element_bytes * stride if size > 1 else natural
         if step <= 0 or step % GLOBAL_STRIDE_ALIGN or step >= MAX_GLOBAL_STRIDE:
             raise ValueError(
                 f"{what}: {name} stride {stride} elements ({step} bytes): a TMA tensor map needs a positive "
@@ -65,25 +65,25 @@ def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -
 
 
 @lru_cache(maxsize=256)
-def layout(shape: tuple[int, ...], strides: tuple[int, ...], rows: int, what: str) -> MapLayout:
+def layout(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, rows: int, what: str) -> MapLayout:
     """The map of a [B, H, N, d] tensor (strides in elements, the last 1) whose boxes are `rows`
     rows of one 64-column block: a tile's column blocks one after the other."""
     b, h, n, d = shape
     if not 1 <= rows <= MAX_BOX_ROWS:
         raise ValueError(f"{what}: a TMA box of {rows} rows; boxes hold 1..{MAX_BOX_ROWS}")
-    return MapLayout(dims=(d, n, h, b), strides=_byte_strides(shape, strides, what), box=(BOX_COLUMNS, rows, 1, 1))
+    return MapLayout(dims=(d, n, h, b), strides=_byte_strides(shape, strides, element_bytes, what), box=(BOX_COLUMNS, rows, 1, 1))
 
 
 @lru_cache(maxsize=256)
-def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], what: str) -> MapLayout:
+def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, what: str) -> MapLayout:
     """The map of a [B, H, N, d] tensor whose box is one 8-row group of a tile, head_dim's
     64-column blocks side by side (the backward's layout, the one its wgmma descriptors read):
     a row's 64-column blocks are a dimension of their own, 128 bytes apart, outside the rows, so
     one box lands as 8 rows of block 0, then 8 rows of block 1, ... Rows past N load as zeros."""
     b, h, n, d = shape
-    sequence, head, batch = _byte_strides(shape, strides, what)
+    sequence, head, batch = _byte_strides(shape, strides, element_bytes, what)
     blocks = d // BOX_COLUMNS
-    return MapLayout(dims=(BOX_COLUMNS, n, blocks, h, b), strides=(sequence, BOX_COLUMNS * ELEMENT_BYTES, head, batch),
+    return MapLayout(dims=(BOX_COLUMNS, n, blocks, h, b), strides=(sequence, BOX_COLUMNS * element_bytes, head, batch),
                      box=(BOX_COLUMNS, ROW_GROUP_ROWS, blocks, 1, 1))
 
 
@@ -111,7 +111,7 @@ def encode(address: int, dtype: str, mapping: MapLayout) -> bytes:
     strides = (ctypes.c_uint64 * (rank - 1))(*mapping.strides)
     box = (ctypes.c_uint32 * rank)(*mapping.box)
     unit = (ctypes.c_uint32 * rank)(*[1] * rank)  # every element of the box, no stepping
-    status = _encoder()(out.ctypes.data, DATA_TYPE[dtype], rank, address, dims, strides, box, unit, INTERLEAVE_NONE,
+    status = _encoder()(out.ctypes.data, element_type(dtype).tensor_map, rank, address, dims, strides, box, unit, INTERLEAVE_NONE,
                         SWIZZLE_128B, L2_PROMOTION_128B, OOB_FILL_ZEROS)
     if status != CUDA_SUCCESS:
         raise ValueError(f"cuTensorMapEncodeTiled refused a {dtype} tensor at {address:#x} with dims {mapping.dims}, "

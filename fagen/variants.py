@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from functools import cache
 
 from fagen.backward_plan import fixes_unsought
+from fagen.element_types import ELEMENT_TYPES
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
 from fagen.plan import has_sequence_tiles
@@ -22,8 +23,7 @@ SAME_CHIP = {"h100": "h200", "h200": "h100"}
 
 
 def default_spec_name(dtype: str, head_dim: int, causal: bool) -> str:
-    short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    return f"attn_{short}_d{head_dim}" + ("_causal" if causal else "")
+    return f"attn_{ELEMENT_TYPES[dtype].short}_d{head_dim}" + ("_causal" if causal else "")
 
 
 # A shape class: from LONG_KEYS keys on, `<name>_long_<gpu>.yaml` (where shipped, from `fagen tune
@@ -140,8 +140,7 @@ DECODE_HEAD_DIMS = (64, 128)
 
 
 def decode_spec_name(dtype: str, head_dim: int, rows: int) -> str:
-    short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    return f"decode_{short}_d{head_dim}" + ("" if rows == DECODE_ROWS[0] else f"_q{rows}")
+    return f"decode_{ELEMENT_TYPES[dtype].short}_d{head_dim}" + ("" if rows == DECODE_ROWS[0] else f"_q{rows}")
 
 
 @cache

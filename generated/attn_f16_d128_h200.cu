@@ -2,7 +2,7 @@
 // `fagen render attn_f16_d128_h200.yaml` (or the templates, for every kernel at once).
 //
 // attn_f16_d128_h200: FlashAttention-2 forward for Hopper (sm_90a), wgmma.m64n128k16 / m64n128k16 on
-// 128-byte-swizzled shared memory + cp.async
+// 128-byte-swizzled shared memory + TMA (a producer warp)
 // spec:
 //   arch: sm_90a
 //   dtype: float16
@@ -116,8 +116,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
-// cp.async writes through the generic proxy, wgmma reads through the async proxy.
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void pin_registers(float (&d)[N][4]) {
 #pragma unroll
@@ -133,11 +131,6 @@ __device__ __forceinline__ void mbarrier_init(unsigned bar, int count) {
 }
 __device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" :: "r"(bar) : "memory");
-}
-// Arrives once every cp.async this thread issued so far has landed (noinc: the arrival is one
-// of the count the barrier was initialised with).
-__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbarrier_wait(unsigned bar, int parity) {
   asm volatile("{\n.reg .pred done;\nwait:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
@@ -322,8 +315,7 @@ struct Mask {
   // pair is known to count.
   __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
-    bool full = true;
-    return !full || k1 >= n_kv;
+    return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
   }
 
   // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).

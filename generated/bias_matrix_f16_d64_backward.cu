@@ -369,8 +369,7 @@ struct Mask {
   // unless every pair is known to count (rows past n_q never do).
   __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0) {
     const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + BLOCK_KV - 1;
-    bool full = true;
-    return !full || k1 >= n_kv || r1 >= n_q;
+    return k1 >= n_kv || r1 >= n_q;  // every pair counts: only a tile past an end needs the test
   }
 
   // row: which of the thread's accumulator rows kv_idx is (2f + h: key fragment f, half h).
@@ -385,8 +384,7 @@ struct Mask {
   // pair is known to count.
   __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
-    bool full = true;
-    return !full || k1 >= n_kv;
+    return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
   }
 
   // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
@@ -888,8 +886,7 @@ struct Mask {
   // pair is known to count.
   __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
-    bool full = true;
-    return !full || k1 >= n_kv;
+    return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
   }
 
   // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).

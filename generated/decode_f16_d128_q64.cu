@@ -227,8 +227,7 @@ struct Mask {
   // pair is known to count.
   __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
-    bool full = true;
-    return !full || k1 >= n_kv;
+    return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
   }
 
   // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
-    ("expression", "mask_kinds", "side_inputs"),  # leaves: standard library and NumPy
+    ("expression", "mask_kinds", "side_inputs", "element_types", "version"),  # leaves: standard library and NumPy
     ("spec", "oracle"),  # the spec's models and rules; the float64 reference (NumPy alone)
     ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
     ("backward_plan",),  # the backward kernels' numbers (its dQ kernel is a forward plan)
@@ -30,6 +30,7 @@ LAYERS = [
     ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's choice of path
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
+    ("api",),  # the public entry points: fagen.attention and its siblings
     ("bench_cases", "bench_rows"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV files
     ("bench_backward", "bench_serving"),  # the backward and the serving layouts in `fagen bench`
     ("bench",),
@@ -38,7 +39,7 @@ LAYERS = [
     ("__main__", "__init__"),
 ]
 LAYER = {module: i for i, names in enumerate(LAYERS) for module in names}
-LAZY_ALLOWED = {"cli", "__init__"}  # start-up time: `fagen render` and `import fagen` load no CuPy
+LAZY_ALLOWED = {"cli", "api"}  # start-up time: `fagen render` and `import fagen` load no CuPy
 
 
 def fagen_imports(path: Path) -> list[tuple[str, bool]]:
@@ -50,12 +51,13 @@ def fagen_imports(path: Path) -> list[tuple[str, bool]]:
         for child in ast.iter_child_nodes(node):
             inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if isinstance(child, ast.ImportFrom) and child.module and child.module.split(".")[0] == "fagen":
-                if child.module == "fagen":  # from fagen import a, b
-                    found.extend((alias.name, inner) for alias in child.names if alias.name in LAYER)
+                if child.module == "fagen":  # from fagen import a, b: a module, or a name of the package's own
+                    found.extend((alias.name if alias.name in LAYER else "__init__", inner) for alias in child.names)
                 else:
                     found.append((child.module.split(".")[1], inner))
-            elif isinstance(child, ast.Import):
-                found.extend((a.name.split(".")[1], inner) for a in child.names if a.name.startswith("fagen."))
+            elif isinstance(child, ast.Import):  # import fagen.a; import fagen (the package: its __init__)
+                found.extend((a.name.split(".")[1] if "." in a.name else "__init__", inner)
+                             for a in child.names if a.name.split(".")[0] == "fagen")
             visit(child, inner)
     visit(tree, False)
     return found
@@ -81,7 +83,7 @@ def test_no_function_local_fagen_imports(module):
     assert not lazy, f"fagen.{module} imports {lazy} inside a function: import at the top"
 
 
-@pytest.mark.parametrize("module", ["expression", "mask_kinds", "side_inputs", "oracle"])
+@pytest.mark.parametrize("module", ["expression", "mask_kinds", "side_inputs", "element_types", "oracle"])
 def test_the_leaves_and_the_oracle_need_no_pydantic(module):
     """The oracle depends on NumPy alone; so do the leaves it reads."""
     third_party = set()
@@ -98,3 +100,11 @@ def test_the_leaves_and_the_oracle_need_no_pydantic(module):
 def test_layers_below_the_device_import_no_cupy_or_torch(module):
     text = (PACKAGE / f"{module}.py").read_text()
     assert "import cupy" not in text and "import torch" not in text
+
+
+def test_the_package_itself_counts_as_an_import(tmp_path):
+    """`import fagen` and `from fagen import __version__` run the package's __init__ (the top
+    layer): the reader sees both, in functions too, beside plain module imports."""
+    source = tmp_path / "m.py"
+    source.write_text("from fagen import __version__, spec\nimport fagen.plan\n\ndef f():\n    import fagen\n")
+    assert fagen_imports(source) == [("__init__", False), ("spec", False), ("plan", False), ("__init__", True)]

@@ -304,19 +304,19 @@ def test_variants_keep_the_producer_where_it_applies():
 
 
 def test_map_layout_innermost_first_in_bytes():
-    m = tensor_maps.layout((2, 16, 4096, 128), (16 * 4096 * 128, 4096 * 128, 128, 1), 176, "k")
+    m = tensor_maps.layout((2, 16, 4096, 128), (16 * 4096 * 128, 4096 * 128, 128, 1), 2, 176, "k")
     assert m.dims == (128, 4096, 16, 2) and m.strides == (256, 4096 * 256, 16 * 4096 * 256)
     assert m.box == (64, 176, 1, 1)
 
 
 def test_map_layout_of_a_token_major_tensor():
     """[B, N, H, d] storage seen as [B, H, N, d] (transposed strides): heads 256 bytes apart."""
-    m = tensor_maps.layout((3, 8, 1000, 64), (1000 * 8 * 64, 64, 8 * 64, 1), 128, "q")
+    m = tensor_maps.layout((3, 8, 1000, 64), (1000 * 8 * 64, 64, 8 * 64, 1), 2, 128, "q")
     assert m.strides == (8 * 64 * 2, 64 * 2, 1000 * 8 * 64 * 2)
 
 
 def test_map_layout_size_one_dimensions_get_a_valid_stride():
-    m = tensor_maps.layout((1, 1, 77, 128), (0, 5, 128, 1), 128, "q")  # strides of size-1 dims are never used
+    m = tensor_maps.layout((1, 1, 77, 128), (0, 5, 128, 1), 2, 128, "q")  # strides of size-1 dims are never used
     assert m.strides == (256, 77 * 256, 77 * 256)
 
 
@@ -324,13 +324,13 @@ def test_map_layout_size_one_dimensions_get_a_valid_stride():
                                                ((8 * 64 * 128, 64 * 128, 132, 1), "sequence stride 132")])
 def test_map_layout_refuses_strides_tma_cannot_take(strides, says):
     with pytest.raises(ValueError) as info:
-        tensor_maps.layout((2, 8, 64, 128), strides, 128, "k")
+        tensor_maps.layout((2, 8, 64, 128), strides, 2, 128, "k")
     assert says in str(info.value) and "multiple of 16 bytes" in str(info.value) and "contiguous" in str(info.value)
 
 
 def test_map_layout_refuses_a_box_past_256_rows():
     with pytest.raises(ValueError, match="1..256"):
-        tensor_maps.layout((1, 1, 512, 64), (512 * 64, 512 * 64, 64, 1), 320, "q")
+        tensor_maps.layout((1, 1, 512, 64), (512 * 64, 512 * 64, 64, 1), 2, 320, "q")
 
 
 # ---- the launch buffer ---------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_repointing_a_mapped_tensor_encodes_its_map_anew(monkeypatch):
     monkeypatch.setattr(runtime, "cupy", fake)
     monkeypatch.setattr(tensor_maps, "encode", lambda address, dtype, layout: address.to_bytes(8, "little") * 16)
     params = (("const elem_t* __restrict__", "q"), ("float* __restrict__", "o"), (TMA_MAP, "q_map"))
-    layout = tensor_maps.layout((1, 1, 64, 64), (4096, 4096, 64, 1), 64, "q")
+    layout = tensor_maps.layout((1, 1, 64, 64), (4096, 4096, 64, 1), 2, 64, "q")
     launch = runtime.Launch(SimpleNamespace(ptr=1), (1, 1, 1), 384, 0, params, dict(q=16, o=32), slots=("q", "o"),
                             maps=(runtime.TensorMap("q_map", "q", "float16", layout),))
     assert launch.values[2:18].tolist() == [16] * 16
@@ -423,13 +423,13 @@ def test_a_ring_starts_with_a_partial_kernel_a_block_a_tile():
 def test_row_group_map_lands_a_box_as_one_8_row_group_of_every_column_block():
     """[B, H, N, d] with d = 128: dims (64 columns, N rows, 2 column blocks, H, B); the column
     blocks 128 bytes apart, a box of 8 rows of both: 8 x 128 bytes of block 0, then of block 1."""
-    m = tensor_maps.row_groups((2, 16, 4096, 128), (16 * 4096 * 128, 4096 * 128, 128, 1), "q")
+    m = tensor_maps.row_groups((2, 16, 4096, 128), (16 * 4096 * 128, 4096 * 128, 128, 1), 2, "q")
     assert m.dims == (64, 4096, 2, 16, 2) and m.box == (64, 8, 2, 1, 1)
     assert m.strides == (256, 128, 4096 * 256, 16 * 4096 * 256)
 
 
 def test_row_group_map_of_a_token_major_tensor_and_its_refusals():
-    m = tensor_maps.row_groups((3, 8, 1000, 64), (1000 * 8 * 64, 64, 8 * 64, 1), "k")
+    m = tensor_maps.row_groups((3, 8, 1000, 64), (1000 * 8 * 64, 64, 8 * 64, 1), 2, "k")
     assert m.dims == (64, 1000, 1, 8, 3) and m.strides == (8 * 64 * 2, 128, 64 * 2, 1000 * 8 * 64 * 2)
     with pytest.raises(ValueError, match="sequence stride 132"):
-        tensor_maps.row_groups((2, 8, 64, 128), (8 * 64 * 128, 64 * 128, 132, 1), "dout")
+        tensor_maps.row_groups((2, 8, 64, 128), (8 * 64 * 128, 64 * 128, 132, 1), 2, "dout")
