@@ -68,16 +68,18 @@ def attention_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool) -> f
 
 
 def random_inputs(framework: str, dtype: str, b: int, hq: int, hkv: int, nq: int, nk: int, d: int,
-                  layout: str = "bhnd", seed: int | None = None):
-    """q, k, v and a NaN-filled out as views of shape [B, H, N, d]; layout says how they sit
-    in memory: "bhnd" contiguous, "bnhd" a transposed [B, N, H, d] buffer."""
+                  layout: str = "bhnd", seed: int | None = None, d_v: int | None = None):
+    """q, k, v and a NaN-filled out as views of shape [B, H, N, d] (v and out d_v wide where
+    given); layout says how they sit in memory: "bhnd" contiguous, "bnhd" a transposed [B, N, H, d]
+    buffer."""
+    d_v = d if d_v is None else d_v
     if framework == "torch":
         import torch
 
         gen = torch.Generator(device="cuda")
         gen.manual_seed(int(np.random.default_rng(seed).integers(2**62)))
 
-        def make(h, n, fill=None):
+        def make(h, n, fill=None, d=d):
             shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
             if fill is not None:
                 x = torch.full(shape, fill, dtype=getattr(torch, dtype), device="cuda")
@@ -89,13 +91,13 @@ def random_inputs(framework: str, dtype: str, b: int, hq: int, hkv: int, nq: int
             raise ValueError(f"CuPy has no {dtype}: pass PyTorch tensors for {dtype}")
         rng = cupy.random.default_rng(seed)
 
-        def make(h, n, fill=None):
+        def make(h, n, fill=None, d=d):
             shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
             x = cupy.full(shape, fill, dtype=cupy.float16) if fill is not None else \
                 rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
             return x if layout == "bhnd" else x.transpose(0, 2, 1, 3)
 
-    return make(hq, nq), make(hkv, nk), make(hkv, nk), make(hq, nq, fill=float("nan"))
+    return make(hq, nq), make(hkv, nk), make(hkv, nk, d=d_v), make(hq, nq, fill=float("nan"), d=d_v)
 
 
 def _nan_like(ref, shape):
@@ -223,7 +225,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     if framework is None:
         framework = "cupy" if spec.element.in_cupy else "torch"
     kernel = compile_kernel(spec)
-    q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
+    q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed, spec.dv)
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     with_lse = spec.outputs.lse
     if spec.outputs.partial and not spec.outputs.merge_splits:  # split-KV: NaN-poisoned partials over 3 splits, then the merge
@@ -248,7 +250,8 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
         relative_error(to_numpy(got_out), ref_out),
         relative_error(to_numpy(got_lse), ref_lse) if with_lse else 0.0,
         OUT_TOLERANCE[spec.dtype],
-        flops=attention_flops(b, hq, nq, nk, spec.head_dim, spec.causal),
+        # Q.K^T over head_dim, P.V over head_dim_v: half the count of each
+        flops=attention_flops(b, hq, nq, nk, (spec.head_dim + spec.dv) / 2, spec.causal),
     )
     if time_it and result.passed and not spec.outputs.partial:  # a wrong kernel is never timed
         result.ms = time_ms(lambda: kernel(q, k, v, scale=scale, out=out, **extras))

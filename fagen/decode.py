@@ -125,7 +125,8 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
         if len(t.shape) != 4 or t.shape[-1] != d:
             raise ValueError(f"{n}: shape {t.shape}; expected [B, Hkv, Nk, {d}] (q's head_dim)")
     if tk.shape != tv.shape:
-        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [B, Hkv, Nk, d]")
+        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [B, Hkv, Nk, d] (the shipped "
+                         f"kernels; for a V of its own width, compile a spec with head_dim_v: fagen.compile)")
     if bk != b:
         raise ValueError(f"batch mismatch: q has B = {b}, k and v have B = {bk}")
     if hkv == 0 and hq or hkv and hq % hkv:

@@ -240,10 +240,11 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     keep; p (normalized weights, 0 where masked) and p_sink; out and lse; and the chain-rule
     factors dcap (d softcap / d s) and dmod (score_mod_grad, 1 without it)."""
     q, k, v = (_real(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"oracle.attention: expected q [B,Hq,Nq,d] and k, v [B,Hkv,Nk,d]; got {q.shape}, {k.shape}, {v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or 0 in q.shape or 0 in k.shape:
-        raise ValueError(f"oracle.attention: q {q.shape} and k, v {k.shape} must agree on B and d, and be non-empty")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"oracle.attention: expected q [B,Hq,Nq,d], k [B,Hkv,Nk,d] and v [B,Hkv,Nk,d_v]; got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or 0 in q.shape or 0 in k.shape or v.shape[-1] == 0:
+        raise ValueError(f"oracle.attention: q {q.shape} and k {k.shape} must agree on B and d, and be non-empty")
     b, heads_q, n_q, d = q.shape
     heads_kv, n_kv = k.shape[1], k.shape[2]
     if heads_q % heads_kv:

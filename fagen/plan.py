@@ -111,15 +111,17 @@ class KernelPlan:
     warps: int
     block_q: int
     block_kv: int
-    head_dim: int
+    head_dim: int  # Q's and K's width
+    head_dim_v: int  # V's and O's width (head_dim unless the spec's head_dim_v differs)
     m_frags: int  # m16 fragments per warp along the queries
     s_n_frags: int  # n8 fragments of a warp's S tile (its keys)
-    o_n_frags: int  # n8 fragments of a warp's O tile (head_dim)
+    o_n_frags: int  # n8 fragments of a warp's O tile (head_dim_v)
     qk_k_steps: int  # k16 steps of Q.K^T (over head_dim)
     pv_k_steps: int  # k16 steps of P.V (over a warp's keys of a tile)
     smem_row: int  # elements between consecutive rows of a smem tile (wgmma: of a swizzle atom)
-    atoms_per_row: int  # wgmma: 128-byte swizzle atoms across head_dim (an 8-row group's stride)
-    chunks_per_row: int  # 16-byte chunks in one head_dim row
+    atoms_per_row: int  # wgmma: 128-byte swizzle atoms across a tile's row (an 8-row group's stride)
+    chunks_per_row: int  # 16-byte chunks in one row of Q or K (head_dim)
+    v_chunks_per_row: int  # ... of V or O (head_dim_v)
     q_tile_elems: int
     kv_tile_elems: int
     kv_slots: int  # smem KV tiles in the ring (see kv_pipeline in templates)
@@ -163,6 +165,7 @@ class KernelPlan:
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
     q_tile_bytes: int
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
+    v_copy_rows_per_pass: int  # ... of V
     out_chunks_per_warp: int  # 16-byte chunks of a warp's rows of O (the epilogue's stores)
     s_acc_regs: int  # f32 accumulator registers a thread holds for S
     o_acc_regs: int  # ... and for O
@@ -373,10 +376,10 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # fitted (the fitted data held few block masks beside a modifier): on wgmma (sm_90a d128, 64 x
     # 128) a block mask takes 16 registers over none where the fit gives 10, and with a vector
     # bias spilled 12 bytes at a predicted 253; mma.sync's per-S cost already covers it.
-    terms["pattern_words"] = (2 * (2 * o_regs // d) * -(-t.block_kv // 32)) if kind == "block_mask" else 0
+    terms["pattern_words"] = (2 * (2 * o_regs // spec.dv) * -(-t.block_kv // 32)) if kind == "block_mask" else 0
     if kind == "document_causal":  # both document masks test elements alike; the causal one keeps
         terms["s_document"] = s_regs  # a row start per accumulator row (2 an m16 fragment)
-        terms["rows_document_causal"] = 2 * o_regs // (d // 2)
+        terms["rows_document_causal"] = 2 * o_regs // (spec.dv // 2)
     if spec.wgmma:
         return {**terms, "base": 1.0, "stages": spec.pipeline.stages}
     chunks = d // CHUNK_ELEMS
@@ -394,7 +397,8 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
 def measured_key(spec: AttentionSpec) -> tuple | None:
     """spec's key in MEASURED_FIT, or None where it is not a kernel of that kind."""
     t, p, m = spec.tiling, spec.pipeline, spec.mask
-    if spec.wgmma or spec.score_mod != ScoreMod() or spec.outputs != Outputs() or m.expression or m.align != "bottom_right":
+    if (spec.wgmma or spec.score_mod != ScoreMod() or spec.outputs != Outputs() or m.expression
+            or m.align != "bottom_right" or spec.dv != spec.head_dim):
         return None
     return (spec.head_dim, t.block_q, t.block_kv, t.warps_q, p.kv_smem, p.stages, spec.smem_layout, p.q_in_registers, m.kind)
 
@@ -431,10 +435,10 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
         return 0
     ws = spec.pipeline.warp_specialized
     limit = ws.consumer_registers if ws else MAX_REGISTERS
-    rows = fold_rows(o_regs, spec.head_dim, limit)
+    rows = fold_rows(o_regs, spec.dv, limit)
     pv_steps = spec.tiling.block_kv // MMA_K
     odd_steps = ACCUMULATE_ODD_PV_STEPS * (pv_steps > 1 and pv_steps % 2 == 1)
-    return o_regs + rows * (spec.head_dim // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST + odd_steps
+    return o_regs + rows * (spec.dv // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST + odd_steps
 
 
 # ... and where the last P.V takes an odd count of k16 steps past one (48 or 80 keys), this many
@@ -602,7 +606,7 @@ def _predicted(spec: AttentionSpec) -> int:
     m_frags = t.block_q // (t.warps_q * MMA_M)
     per_thread = MMA_M * MMA_N // 32
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
-    return predict_registers(spec, m_frags * (d // MMA_N) * per_thread,
+    return predict_registers(spec, m_frags * (spec.dv // MMA_N) * per_thread,
                              m_frags * (t.block_kv // t.warps_kv // MMA_N) * per_thread, q_regs, 32 * t.warps_q * t.warps_kv)
 
 
@@ -619,25 +623,26 @@ def end_aligned_tiles(spec: AttentionSpec) -> bool:
 
 
 def plan(spec: AttentionSpec) -> KernelPlan:
-    t, d = spec.tiling, spec.head_dim
+    t, d, dv, width = spec.tiling, spec.head_dim, spec.dv, spec.row_width
     warps = t.warps_q * t.warps_kv
     m_frags = t.block_q // (t.warps_q * MMA_M)
-    if spec.wgmma:  # rows live in 128-byte swizzle atoms, head_dim / 64 of them side by side
+    # Q, K, V and the staged O share one row layout, as wide as the wider head
+    if spec.wgmma:  # rows live in 128-byte swizzle atoms, width / 64 of them side by side
         smem_row = SWIZZLE_ATOM_ELEMS
     else:
-        smem_row = d + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
-    q_tile = t.block_q * (d if spec.wgmma else smem_row)
-    kv_tile = t.block_kv * (d if spec.wgmma else smem_row)
+        smem_row = width + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
+    q_tile = t.block_q * (width if spec.wgmma else smem_row)
+    kv_tile = t.block_kv * (width if spec.wgmma else smem_row)
     slots = kv_slots(spec)
     smem_bytes = (q_tile + slots * kv_tile) * spec.element.bytes
     if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring (and for Q, with a producer)
         smem_bytes += 2 * (spec.pipeline.stages + spec.warp_specialized) * MBARRIER_BYTES
         smem_bytes += MBARRIER_BYTES * has_claimed_walk(spec)  # the tile the producer claimed, for the consumers
     limit = SMEM_PER_BLOCK[spec.arch]
-    seed_budget = (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * spec.element.bytes
+    seed_budget = (t.block_kv * (d + dv) + t.block_q * d + t.block_q * t.block_kv) * spec.element.bytes
 
     per_thread = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
-    o_regs = m_frags * (d // MMA_N) * per_thread
+    o_regs = m_frags * (dv // MMA_N) * per_thread
     s_regs = m_frags * (t.block_kv // t.warps_kv // MMA_N) * per_thread
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
     # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
@@ -682,14 +687,16 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         block_q=t.block_q,
         block_kv=t.block_kv,
         head_dim=d,
+        head_dim_v=dv,
         m_frags=m_frags,
         s_n_frags=t.block_kv // t.warps_kv // MMA_N,
-        o_n_frags=d // MMA_N,
+        o_n_frags=dv // MMA_N,
         qk_k_steps=d // MMA_K,
         pv_k_steps=t.block_kv // t.warps_kv // MMA_K,
         smem_row=smem_row,
-        atoms_per_row=d // SWIZZLE_ATOM_ELEMS if spec.wgmma else 0,
+        atoms_per_row=width // SWIZZLE_ATOM_ELEMS if spec.wgmma else 0,
         chunks_per_row=d // CHUNK_ELEMS,
+        v_chunks_per_row=dv // CHUNK_ELEMS,
         q_tile_elems=q_tile,
         kv_tile_elems=kv_tile,
         kv_slots=slots,
@@ -710,10 +717,10 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         # a running LSE may be a slice of a longer one (a ring step's rows): its (batch, head) rows' stride
         + ((("long long", "lse_head_stride"),) if spec.outputs.accumulate else ()),
         merge_params=merge_params(spec),
-        row_quads=d // 4 if spec.outputs.merge_splits else 0,
+        row_quads=dv // 4 if spec.outputs.merge_splits else 0,
         split_merge_floats=SPLIT_MERGE_FLOATS if spec.outputs.merge_splits else 0,
         split_merge_batch=SPLIT_MERGE_BATCH if spec.outputs.merge_splits else 0,
-        fold_rows=fold_rows(o_regs, d, register_limit) if spec.outputs.accumulate else 0,
+        fold_rows=fold_rows(o_regs, dv, register_limit) if spec.outputs.accumulate else 0,
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
         sequence_tiles=has_sequence_tiles(spec),
@@ -757,9 +764,10 @@ WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes
 
 def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> dict:
     """The KernelPlan fields from `mainloop` on: what the templates print beside the tiling."""
-    t, d = spec.tiling, spec.head_dim
+    t, d, dv = spec.tiling, spec.head_dim, spec.dv
     warps = t.warps_q * t.warps_kv
-    threads, chunks_per_row, warp_rows = 32 * warps, d // CHUNK_ELEMS, t.block_q // t.warps_q
+    threads, warp_rows = 32 * warps, t.block_q // t.warps_q
+    chunks_per_row, v_chunks_per_row = d // CHUNK_ELEMS, dv // CHUNK_ELEMS
     acc_per_fragment = MMA_M * MMA_N // 32  # f32 accumulators a thread holds per m16n8 fragment
     return {
         "mainloop": "sm90" if spec.wgmma else "sm80",
@@ -768,14 +776,15 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "warps_q": t.warps_q,
         "warps_kv": t.warps_kv,
         "warp_keys": t.block_kv // t.warps_kv,
-        "key_merge_floats": m_frags * (d // MMA_N) * acc_per_fragment + 4 * m_frags,
+        "key_merge_floats": m_frags * (dv // MMA_N) * acc_per_fragment + 4 * m_frags,
         "element_bytes": spec.element.bytes,
         "kv_tile_bytes": kv_tile_elems * spec.element.bytes,
-        "q_tile_bytes": t.block_q * d * spec.element.bytes if spec.wgmma else 0,
+        "q_tile_bytes": t.block_q * spec.row_width * spec.element.bytes if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
-        "out_chunks_per_warp": warp_rows * chunks_per_row,
+        "v_copy_rows_per_pass": threads // v_chunks_per_row if threads % v_chunks_per_row == 0 else 0,
+        "out_chunks_per_warp": warp_rows * v_chunks_per_row,
         "s_acc_regs": m_frags * (t.block_kv // t.warps_kv // MMA_N) * acc_per_fragment,
-        "o_acc_regs": m_frags * (d // MMA_N) * acc_per_fragment,
+        "o_acc_regs": m_frags * (dv // MMA_N) * acc_per_fragment,
         **(wgmma_numbers(spec, kv_tile_elems, column_blocks=spec.warp_specialized) if spec.wgmma
            else dict.fromkeys(WGMMA_NUMBERS, 0)),
     }
@@ -783,17 +792,17 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
 
 def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool = False) -> dict[str, int]:
     """The sm_90a kernel's byte offsets within its 128-byte-swizzled tiles. Two layouts of the
-    same atoms: row groups (cp.async: 8-row groups one after the other, each head_dim / 64 atoms
+    same atoms: row groups (cp.async: 8-row groups one after the other, each row_width / 64 atoms
     wide) or, where TMA fills the tiles (column_blocks: the forward's warp_specialized), column
     blocks (a tile's 64-column block of every row, one after the other: what one TMA box of 64
     columns writes). The backward's kernels read row groups (its TMA producer loads a box a group)."""
-    d, rows_per_warpgroup = spec.head_dim, WARPGROUP_WARPS * MMA_M
+    rows_per_warpgroup = WARPGROUP_WARPS * MMA_M
     if column_blocks:  # 8 rows of one column block; the blocks a tile's rows * 128 bytes apart
         row_group = SWIZZLE_ATOM_BYTES
         column_step = {name: rows * SWIZZLE_ATOM_ELEMS * spec.element.bytes
                        for name, rows in (("q", spec.tiling.block_q), ("k", spec.tiling.block_kv))}
-    else:  # 8 rows: head_dim / 64 atoms side by side
-        row_group = d // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES
+    else:  # 8 rows: row_width / 64 atoms side by side
+        row_group = spec.row_width // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES
         column_step = {"q": SWIZZLE_ATOM_BYTES, "k": SWIZZLE_ATOM_BYTES}
     return {
         "warpgroup_warps": WARPGROUP_WARPS,

@@ -273,7 +273,7 @@ class RepeatedCalls(KeptLaunches):
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
             if not self.writes_given:
-                out = q.new_empty(q.shape) if out is None else out
+                out = q.new_empty((*q.shape[:3], v.shape[-1])) if out is None else out
                 lse = q.new_empty(q.shape[:3], dtype=_torch_float32())
             launch(stream, *addresses[:3], out.data_ptr(), lse.data_ptr())
         else:
@@ -283,7 +283,7 @@ class RepeatedCalls(KeptLaunches):
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
             if not self.writes_given:
-                out = cupy.empty(q.shape, q.dtype) if out is None else out
+                out = cupy.empty((*q.shape[:3], v.shape[-1]), q.dtype) if out is None else out
                 lse = cupy.empty(q.shape[:3], cupy.float32)
             launch(None, *addresses[:3], out.data.ptr, lse.data.ptr)
         return (out, lse) if return_lse or self.writes_given else out
@@ -356,9 +356,9 @@ class Kernel:
 
     def check(self, q, k, v, out=None) -> tuple[DeviceTensor, DeviceTensor, DeviceTensor]:
         """Refuse bad arguments with a message a person can act on, before any launch."""
-        spec, d = self.spec, self.spec.head_dim
+        spec = self.spec
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        for t, n in ((tq, "q"), (tk, "k"), (tv, "v")):
+        for t, n, d in ((tq, "q", spec.head_dim), (tk, "k", spec.head_dim), (tv, "v", spec.dv)):
             if t.kind != tq.kind:
                 raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all three from one framework")
             if t.dtype != spec.dtype:
@@ -369,14 +369,17 @@ class Kernel:
             if len(t.shape) != 4:
                 raise ValueError(f"{n}: rank {len(t.shape)}, shape {t.shape}; expected [B, H, N, {d}]")
             if t.shape[-1] != d:
-                raise ValueError(f"{n}: head_dim {t.shape[-1]}, but kernel {spec.name} is built for {d}")
+                width = "head_dim_v" if n == "v" and spec.dv != spec.head_dim else "head_dim"
+                hint = ("; for a V of its own width, compile a spec with head_dim_v (fagen.compile)"
+                        if n == "v" and spec.dv == spec.head_dim and tq.shape[-1:] == (d,) else "")
+                raise ValueError(f"{n}: {width} {t.shape[-1]}, but kernel {spec.name} is built for {d}{hint}")
             _check_layout(t, n)
         if cupy.cuda.Device().id != tq.device:
             raise ValueError(f"inputs are on cuda:{tq.device} but the current device is cuda:{cupy.cuda.Device().id}; "
                              f"use `with cupy.cuda.Device({tq.device}):`")
         (b, hq, nq, _), (bk, hkv, nk, _) = tq.shape, tk.shape
-        if tk.shape != tv.shape:
-            raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [B, Hkv, Nk, d]")
+        if tk.shape[:3] != tv.shape[:3]:
+            raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same [B, Hkv, Nk]")
         if bk != b:
             raise ValueError(f"batch mismatch: q has B = {b}, k and v have B = {bk}")
         if hkv == 0 or hq % hkv:
@@ -391,9 +394,10 @@ class Kernel:
                              + (f" ({hq // hkv} query heads packed a KV head)" if spec.tiling.pack_gqa else ""))
         if out is not None:
             to = as_device_tensor(out, "out")
-            if to.kind != tq.kind or to.dtype != spec.dtype or to.shape != tq.shape or to.device != tq.device:
+            shape = out_shape(tq, tv)
+            if to.kind != tq.kind or to.dtype != spec.dtype or to.shape != shape or to.device != tq.device:
                 raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} "
-                                 f"{spec.dtype} tensor of q's shape {tq.shape} on cuda:{tq.device}")
+                                 f"{spec.dtype} tensor [B, Hq, Nq, head_dim_v] = {shape} on cuda:{tq.device}")
             _check_layout(to, "out")
         return tq, tk, tv
 
@@ -432,7 +436,7 @@ class Kernel:
             raise ValueError(f"return_lse=True, but kernel {self.spec.name} has outputs.lse: false; "
                              f"use a spec with outputs: {{lse: true}}")
         scale = side_inputs.check_scale(scale, self.spec.head_dim)
-        b, hq, nq, d = tq.shape
+        (b, hq, nq, _), d = tq.shape, tv.shape[-1]  # O is as wide as V
         nk = tk.shape[2]
         if mask_offset is None:
             mask_offset = nk - nq if self.spec.mask.align == "bottom_right" else 0
@@ -795,6 +799,11 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
                          bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())
+
+
+def out_shape(tq: DeviceTensor, tv: DeviceTensor) -> tuple[int, int, int, int]:
+    """O's shape: q's rows, V's width [B, Hq, Nq, head_dim_v]."""
+    return (*tq.shape[:3], tv.shape[-1])
 
 
 @lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing

@@ -512,7 +512,8 @@ class AttentionSpec(_Frozen):
     dtype: str  # q's element type, and k's, v's and o's where kv_dtype and out_dtype are not given
     kv_dtype: str | None = None
     out_dtype: str | None = None
-    head_dim: int
+    head_dim: int  # Q's and K's width (Q.K^T's reduction)
+    head_dim_v: int | None = None  # V's and O's width, where it differs from head_dim (DeepSeek's 192/128)
     tiling: Tiling
     pipeline: Pipeline = Pipeline()
     smem_layout: Literal["padded", "swizzled"] = "padded"
@@ -562,21 +563,61 @@ class AttentionSpec(_Frozen):
                                       f"remove {field} ({tensors} then {self.dtype})", {field: REMOVE}))
         return self
 
+    @model_validator(mode="after")
+    def _two_head_widths(self) -> AttentionSpec:
+        """head_dim_v apart from head_dim: the forward over padded [B, H, N, d] tensors, one block
+        per query tile; what it does not reach yet is refused by name."""
+        if self.dv == self.head_dim:
+            return self
+        why = f"head_dim_v {self.dv} differs from head_dim {self.head_dim}"
+        fix = f"remove head_dim_v (V as wide as Q and K), or {{}}"
+        o, t, seq = self.outputs, self.tiling, self.sequences
+        if self.arch == "sm_90a" and self.dv % SWIZZLE_ATOM_ELEMS:
+            raise ValueError(rule("head_dim_v", self.dv, "must be a multiple of 64 on sm_90a (rows are stored in "
+                                  "128-byte swizzle atoms that wgmma reads)", "use 64, 128 or 256",
+                                  {"head_dim_v": -(-self.dv // SWIZZLE_ATOM_ELEMS) * SWIZZLE_ATOM_ELEMS}))
+        if 96 in (self.head_dim, self.dv):
+            raise ValueError(rule("head_dim_v", self.dv, f"with head_dim {self.head_dim}: a 96-wide row (12 "
+                                  "chunks) is copied by a loop of its own, and one tile's K and V copies share one",
+                                  "remove head_dim_v (V as wide as Q and K), or use head_dim_v 64 or 128 beside head_dim 64, "
+                                  "128 or 256", {"head_dim_v": REMOVE}))
+        refused = [
+            ("backward", self.backward is not None, "remove the backward: section", {"backward": REMOVE}),
+            ("pipeline.warp_specialized", self.pipeline.warp_specialized is not None,
+             "remove pipeline.warp_specialized and set pingpong: false (the copying sm_90a kernel)",
+             {"pipeline.warp_specialized": REMOVE, "pipeline.pingpong": False}),
+            ("outputs", o.partial or o.accumulate or o.merge_splits, "write the whole output (partial, accumulate "
+             "and merge_splits: false)", {"outputs.partial": False, "outputs.accumulate": False,
+                                         "outputs.merge_splits": False}),
+            ("sequences", not seq.padded, "use padded sequences", {"sequences": REMOVE}),
+            ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
+            ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
+        ]
+        broken = [(field, change, values) for field, on, change, values in refused if on]
+        if broken:  # the first named; the fix makes every change at once, so that it validates
+            field = broken[0][0]
+            raise ValueError(rule(field, "set" if field != "tiling.warps_kv" else t.warps_kv,
+                                  f"is not built yet where {why} (the forward over padded tensors, whole "
+                                  "outputs, one warp along the keys)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  {k: v for _, _, values in broken for k, v in values.items()}))
+        return self
+
     @property
     def element(self) -> ElementType:
         """q's element type (and, while the kernels take one type, k's, v's and o's)."""
         return ELEMENT_TYPES[self.dtype]
 
-    @field_validator("head_dim")
+    @field_validator("head_dim", "head_dim_v")
     @classmethod
-    def _head_dim(cls, v: int) -> int:
-        if v not in HEAD_DIMS:
+    def _head_dim(cls, v: int | None, info) -> int | None:
+        field = info.field_name
+        if v is not None and v not in HEAD_DIMS:
             up = next((d for d in HEAD_DIMS if d >= v), None)
             if up is None:
-                raise ValueError(rule("head_dim", v, f"must be one of {list(HEAD_DIMS)}", f"split the heads: the "
+                raise ValueError(rule(field, v, f"must be one of {list(HEAD_DIMS)}", f"split the heads: the "
                                       f"largest supported is {HEAD_DIMS[-1]}"))
-            raise ValueError(rule("head_dim", v, f"must be one of {list(HEAD_DIMS)}",
-                                  f"pad the head dimension up to the next supported size, head_dim: {up}", {"head_dim": up}))
+            raise ValueError(rule(field, v, f"must be one of {list(HEAD_DIMS)}",
+                                  f"pad the head dimension up to the next supported size, {field}: {up}", {field: up}))
         return v
 
     @model_validator(mode="after")
@@ -598,12 +639,12 @@ class AttentionSpec(_Frozen):
 
     @model_validator(mode="after")
     def _swizzle_needs_eight_chunks(self) -> AttentionSpec:
-        chunks = self.head_dim // 8
+        chunks = self.row_width // 8
         if self.smem_layout == "swizzled" and chunks % 8 and self.arch != "sm_90a":  # sm_90a: _wgmma_shapes
             raise ValueError(rule(
                 "smem_layout", "swizzled",
                 f"XORs the 16-byte chunk index with row % 8, so a row needs a multiple of 8 "
-                f"chunks; head_dim {self.head_dim} has {chunks}",
+                f"chunks; {'head_dim_v' if self.dv > self.head_dim else 'head_dim'} {self.row_width} has {chunks}",
                 "use smem_layout: padded, or head_dim 64, 128 or 256", {"smem_layout": "padded"}))
         return self
 
@@ -894,6 +935,17 @@ class AttentionSpec(_Frozen):
     @property
     def wgmma(self) -> bool:
         return self.arch == "sm_90a"
+
+    @property
+    def dv(self) -> int:
+        """V's and O's head width (head_dim_v, else head_dim)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def row_width(self) -> int:
+        """The elements of a shared-memory tile's row: the wider of the two head widths, so Q, K, V
+        and the staged O share one row layout (a narrower tensor leaves columns unused)."""
+        return max(self.head_dim, self.dv)
 
     @property
     def causal(self) -> bool:

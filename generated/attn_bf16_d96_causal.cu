@@ -122,16 +122,17 @@ __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multip
   return row * SMEM_ROW + col;
 }
 
-// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
-// a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
-template <int ROWS>
+// Copy rows [row0, row0 + ROWS) of a [n, ROW_CHUNKS * 8] global matrix (row stride `stride`)
+// into a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
+// ROW_CHUNKS: a row's 16-byte chunks (V's where its head is wider or narrower than Q's and K's).
+template <int ROWS, int ROW_CHUNKS = CHUNKS_PER_ROW>
 __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
                                                 long long stride, int row0, int n, int tid) {
   // A row's chunks do not divide the threads (head_dim 96): walk the chunks of the tile in order.
-  constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+  constexpr int CHUNKS = ROWS * ROW_CHUNKS;
 #pragma unroll
   for (int c = tid; c < CHUNKS; c += THREADS) {
-    const int row = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
+    const int row = c / ROW_CHUNKS, col = (c % ROW_CHUNKS) * 8;
     const bool in_range = row0 + row < n;
     cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? src + (long long)(row0 + row) * stride + col : src,
                   in_range);

@@ -123,24 +123,25 @@ __device__ __forceinline__ int smem_offset(int row, int col) {  // col: a multip
   return row * SMEM_ROW + col;
 }
 
-// Copy rows [row0, row0 + ROWS) of a [n, head_dim] global matrix (row stride `stride`) into
-// a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
-template <int ROWS>
+// Copy rows [row0, row0 + ROWS) of a [n, ROW_CHUNKS * 8] global matrix (row stride `stride`)
+// into a smem tile, zero-filling rows at or past `n` so partial tiles need no special case.
+// ROW_CHUNKS: a row's 16-byte chunks (V's where its head is wider or narrower than Q's and K's).
+template <int ROWS, int ROW_CHUNKS = CHUNKS_PER_ROW, int ROWS_PER_PASS = COPY_ROWS_PER_PASS>
 __device__ __forceinline__ void copy_tile_async(unsigned tile, const elem_t* __restrict__ src,
                                                 long long stride, int row0, int n, int tid) {
   // A thread keeps its column and steps down whole rows: one pointer bump per copy instead
   // of a 64-bit multiply, and far fewer live registers.
-  const int col = (tid % CHUNKS_PER_ROW) * 8;
-  int row = tid / CHUNKS_PER_ROW;
+  const int col = (tid % ROW_CHUNKS) * 8;
+  int row = tid / ROW_CHUNKS;
   const elem_t* g = src + (long long)(row0 + row) * stride + col;
 #pragma unroll
-  for (int pass = 0; pass < (ROWS + COPY_ROWS_PER_PASS - 1) / COPY_ROWS_PER_PASS; ++pass) {
-    if (ROWS % COPY_ROWS_PER_PASS == 0 || row < ROWS) {
+  for (int pass = 0; pass < (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++pass) {
+    if (ROWS % ROWS_PER_PASS == 0 || row < ROWS) {
       const bool in_range = row0 + row < n;
       cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? g : src, in_range);
     }
-    row += COPY_ROWS_PER_PASS;
-    g += COPY_ROWS_PER_PASS * stride;
+    row += ROWS_PER_PASS;
+    g += ROWS_PER_PASS * stride;
   }
 }
 

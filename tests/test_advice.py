@@ -51,6 +51,13 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "dtype without kernels": (SM80, {"dtype": "float8_e4m3"}),
     "kv_dtype unlike q": (SM80, {"kv_dtype": "float8_e4m3"}),
     "out_dtype unlike q": (HOPPER, {"out_dtype": "bfloat16"}),
+    # two head widths
+    "head_dim_v not a head width": (SM80, {"head_dim_v": 100}),
+    "head_dim_v off the swizzle atom": (COPYING_HOPPER, {"head_dim_v": 96}),
+    "head_dim_v beside a 96-wide head": (SM80, {"head_dim": 96, "head_dim_v": 64}),
+    "head_dim_v with a backward": (HOPPER_BWD, {"head_dim_v": 64}),
+    "head_dim_v with warps_kv": (SM80, {"head_dim_v": 64, "tiling.warps_kv": 2}),
+    "head_dim_v under a swizzle": (SM80, {"head_dim": 32, "head_dim_v": 32, "smem_layout": "swizzled"}),
     "mask kind": (SM80, {"mask": {"kind": "casual"}}),
     "list tiling": (SM80, {"tiling": [64, 64]}),
     "unknown key": (SM80, {"foo": 1}),

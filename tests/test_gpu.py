@@ -173,3 +173,22 @@ def test_timed_calls_queue_behind_the_hold():
     iters = 20
     assert time_ms(slow_host, warmup=3, iters=iters) > 0
     assert all(busy[-iters:]), busy
+
+
+def test_a_value_head_of_its_own_is_checked_and_shapes_the_output():
+    """head_dim_v 128 beside head_dim 64: O comes out [B, Hq, Nq, 128]; a V as wide as Q, an out
+    of q's shape, or a fagen.attention call with V wider than Q are refused before any launch."""
+    torch = pytest.importorskip("torch")
+    spec = fagen.load_spec(SPECS / "value_head_bf16_d64_v128.yaml")
+    kernel = fagen.compile(spec)
+    q, k, v, out = random_inputs("torch", "bfloat16", 1, 4, 2, 77, 130, 64, d_v=128)
+    got = kernel(q, k, v)
+    assert got.shape == (1, 4, 77, 128)
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v))
+    assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE["bfloat16"]
+    with pytest.raises(ValueError, match="v: head_dim_v 64, but kernel value_head_bf16_d64_v128 is built for 128"):
+        kernel(q, k, k)
+    with pytest.raises(ValueError, match=r"out: .*expected a torch bfloat16 tensor \[B, Hq, Nq, head_dim_v\]"):
+        kernel(q, k, v, out=torch.empty_like(q))
+    with pytest.raises(ValueError, match="compile a spec with head_dim_v"):
+        fagen.attention(q, k, v)

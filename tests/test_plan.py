@@ -105,13 +105,14 @@ def test_kv_slots(kv_smem, stages, slots):
 def test_smem_and_seed_budget_of_every_shipped_spec(path):
     spec = fagen.load_spec(path)
     p = plan(spec)
-    t, d = spec.tiling, spec.head_dim
-    row = d + 8 if spec.smem_layout == "padded" else d
+    t, d, dv = spec.tiling, spec.head_dim, spec.dv
+    width = max(d, dv)  # Q, K, V and the staged O share one row layout
+    row = width + 8 if spec.smem_layout == "padded" else width
     slots = spec.pipeline.stages * (2 if spec.pipeline.kv_smem == "separate" else 1)
     # sm_90a: landed/freed mbarriers a stage, and Q's pair where a producer loads it
     barriers = 2 * (spec.pipeline.stages + spec.warp_specialized) * 8 if spec.wgmma else 0
     assert p.smem_bytes == (t.block_q + slots * t.block_kv) * row * 2 + barriers
-    assert p.seed_budget_bytes == (2 * t.block_kv * d + t.block_q * d + t.block_q * t.block_kv) * 2
+    assert p.seed_budget_bytes == (t.block_kv * (d + dv) + t.block_q * d + t.block_q * t.block_kv) * 2
     assert p.smem_limit == SMEM_PER_BLOCK[spec.arch]
     assert p.smem_bytes <= p.smem_limit
     assert p.seed_budget_bytes <= p.smem_limit

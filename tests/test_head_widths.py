@@ -1,0 +1,55 @@
+"""head_dim_v apart from head_dim (DeepSeek-style V narrower or wider than Q and K): what the
+plan and the rendered kernel take from each width, and the oracle's reference for it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import fagen
+from fagen import oracle
+from fagen.load import SPECS
+from fagen.plan import plan
+from fagen.render import render
+
+
+def _spec(name: str):
+    return fagen.load_spec(SPECS / f"{name}.yaml")
+
+
+def test_each_width_feeds_its_own_product():
+    """Q.K^T steps over head_dim, P.V's fragments and O's chunks over head_dim_v; the smem rows
+    are as wide as the wider head (so the staged O fits Q's tile)."""
+    for name, d, dv in (("value_head_f16_d128_v64", 128, 64), ("value_head_bf16_d64_v128", 64, 128),
+                        ("value_head_f16_d128_v64_sm90a", 128, 64), ("value_head_bf16_d64_v128_sm90a", 64, 128)):
+        spec = _spec(name)
+        p = plan(spec)
+        assert (p.head_dim, p.head_dim_v, p.qk_k_steps, p.o_n_frags) == (d, dv, d // 16, dv // 8), name
+        assert (p.chunks_per_row, p.v_chunks_per_row) == (d // 8, dv // 8), name
+        assert p.out_chunks_per_warp == p.warp_rows * dv // 8, name
+        text = render(spec)
+        if spec.wgmma:
+            assert p.atoms_per_row == max(d, dv) // 64
+            assert f"m64n{dv}k16" in text and f"m64n{spec.tiling.block_kv}k16" in text
+        else:
+            assert p.smem_row == max(d, dv) + (8 if spec.smem_layout == "padded" else 0)
+        assert f"constexpr int V_CHUNKS_PER_ROW = {dv // 8};" in text
+        assert f"copy_tile_async<BLOCK_KV, V_CHUNKS_PER_ROW" in text
+
+
+def test_one_width_renders_as_before():
+    """A spec whose V is as wide as Q emits no V-only constant."""
+    text = render(_spec("attn_f16_d128"))
+    assert "V_CHUNKS_PER_ROW" not in text and "copy_tile_async<BLOCK_KV>(tile, v," in text
+
+
+def test_the_oracle_takes_a_value_head_of_its_own():
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((2, 4, 9, 64)), rng.standard_normal((2, 2, 13, 64))
+    v = rng.standard_normal((2, 2, 13, 128))
+    out, lse = oracle.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 4, 9, 128) and lse.shape == (2, 4, 9)
+    kk, vv = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+    s = q @ kk.transpose(0, 1, 3, 2) / 8.0
+    s = np.where(np.tril(np.ones((9, 13), bool), 13 - 9), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    assert np.allclose(out, (p / p.sum(-1, keepdims=True)) @ vv, rtol=0, atol=1e-12)
