@@ -352,6 +352,33 @@ class BackwardPlan:
         """dQ from the dK/dV kernel's atomics and the postprocess, not the dQ kernel."""
         return self.dkdv.atomic_dq
 
+    @property
+    def main_loops(self) -> tuple[str, ...]:
+        """The main-loop folders of the file's kernels: the dK/dV kernel's, and the dQ kernel's
+        where there is one (not with atomic dQ)."""
+        return (self.dkdv.mainloop,) if self.atomic_dq else (self.dkdv.mainloop, self.dq.mainloop)
+
+    @property
+    def shared_ptx(self) -> tuple[str, ...]:
+        """The PTX wrappers the file's kernels share, as template names, only those some kernel
+        calls: cp.async groups where a loop copies without a producer or is mma.sync's (which
+        tracks its copies by groups), ldmatrix and mma.sync where a loop is mma.sync's."""
+        mma_sync = "sm80" in self.main_loops
+        groups = mma_sync or not self.dkdv.warp_specialized
+        return (*(("sm80/copy_groups.cu.j2",) if groups else ()), *(("sm80/mma_sync.cu.j2",) if mma_sync else ()))
+
+    @property
+    def copying_loops(self) -> bool:
+        """Whether a loop's threads copy tiles with cp.async (no producer warpgroup feeds it): they
+        wait for their copies before staging the output over the tiles (wait_all_copies)."""
+        return not self.dkdv.warp_specialized or not self.atomic_dq and self.dq_producer is None
+
+    def loads_bias(self, plan) -> bool:
+        """Whether `plan`'s loop (the dK/dV or the dQ kernel's) loads a tile's bias into registers
+        before the scores (load_bias_tile), as the mma.sync loops do, rather than reading each
+        element where it applies it."""
+        return plan.mainloop == "sm80" and any(name == "bias" for _, name in self.score_params)
+
     def postprocess_blocks(self, n_q: int) -> int:
         """The postprocess's blocks a head: a thread per 16 floats (two rows' 8 columns) of the
         dq_accum query tiles that hold n_q rows."""

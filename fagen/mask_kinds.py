@@ -1,7 +1,7 @@
 """Each mask kind as one object: the spec fields it reads, the kernel parameters and the side
 input it takes, and its arithmetic in NumPy (which pairs count; which KV tiles a query tile
 visits and which of them need no per-element test), written to mirror the kind's CUDA
-partial, fagen/templates/masks/<name>.cu.j2; and, for the backward's KV-major loop, which
+partial, templates/masks/<name>.cu.j2; and, for the backward's KV-major loop, which
 query tiles a KV tile visits. The spec's rules, the plan's kernel ABI, the oracle, the
 block-mask builders and the tile-schedule tests all read these objects, so a new kind is this
 file's one class and one template partial.

@@ -22,7 +22,8 @@ from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
 
 PACKAGE = Path(__file__).resolve().parent
-TEMPLATES = PACKAGE / "templates"
+# installed: inside the package (pyproject's package-dir); in a checkout: beside specs/ and generated/
+TEMPLATES = PACKAGE / "templates" if (PACKAGE / "templates").is_dir() else PACKAGE.parent / "templates"
 GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (tests compare them)
 FORWARD_TEMPLATE = "kernel/forward.cu.j2"  # one skeleton; plan.mainloop names its main-loop folder
 MERGE_TEMPLATE = "kernel/merge.cu.j2"
@@ -110,6 +111,7 @@ def context(spec: AttentionSpec) -> dict:
         "kv_major": False,  # the backward's dK/dV kernel walks the mask transposed
         "grads": False,  # the backward keeps the score modifiers' derivative per element
         "backward": False,
+        "loaded_bias": False,  # the mma.sync backward loops load a tile's bias before its scores
     }
 
 

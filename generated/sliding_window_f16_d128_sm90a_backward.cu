@@ -101,32 +101,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// cp.async groups: every thread commits its copies as a group and waits for all but the
-// newest N groups.
-__device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// D = A.B + D, A 16x16 row-major, B 16x8 column-major, float16 in, f32 accumulate.
-__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{ %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, { %0, %1, %2, %3 };\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Every cp.async this thread issued has landed, in a committed group or not (the sm_90a loops
-// track theirs with mbarriers, not groups): before a block stages its output over its tiles.
-__device__ __forceinline__ void wait_all_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // x, as a value the compiler cannot see through: what is computed from it is computed where it
 // is used, not hoisted out of the tile walk to hold registers across every tile's main loop.
 __device__ __forceinline__ int opaque(int x) {

@@ -81,30 +81,52 @@ MASK_KINDS = ("none", "causal", "sliding_window", "chunked", "prefix_lm", "docum
 SHARED = ("common", "masks", "score")  # partials every architecture renders
 
 
+# Partials only a main loop with a producer warpgroup has (pipeline.warp_specialized, sm_90a): the
+# skeletons include them where the plan says a producer feeds the loop
+PRODUCER_ROLES = {"tile_scheduler", "producer", "tma", "tma_ring", "qdo_producer", "dq_producer"}
+
+
+def _jinja(path) -> str:
+    """A template's Jinja statements and expressions, without its comments and CUDA text."""
+    return " ".join(re.findall(r"{[%{](.*?)[%}]}", path.read_text(), re.S))
+
+
 def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
     from fagen.render import TEMPLATES
 
     for kind in MASK_KINDS:
         assert (TEMPLATES / "masks" / f"{kind}.cu.j2").read_text().startswith('{% extends "common/mask.cu.j2" %}')
+    folders = [p for p in TEMPLATES.iterdir() if p.is_dir() and re.fullmatch(r"sm\d+", p.name)]
+    assert len(folders) >= 2
     for skeleton in ("forward", "backward"):
         text = (TEMPLATES / "kernel" / f"{skeleton}.cu.j2").read_text()
-        for part in re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', text):
-            assert (TEMPLATES / "sm80" / f"{part}.cu.j2").exists() and (TEMPLATES / "sm90" / f"{part}.cu.j2").exists()
+        hooks = set(re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', text))
+        assert hooks, skeleton
+        for part in hooks:
+            have = [folder.name for folder in folders if (folder / f"{part}.cu.j2").exists()]
+            assert have == [f.name for f in folders] or part in PRODUCER_ROLES and have, (skeleton, part, have)
     # a partial one architecture has and the other has not is named outright where it is used
-    # (an arch's own tile MMAs, the pieces of its PTX wrappers), never orphaned
+    # (an arch's own tile MMAs, the pieces of its PTX wrappers), or is a hook of the skeletons
     named = {m for path in TEMPLATES.rglob("*.j2")
              for m in re.findall(r'(?:include|from) "(sm[89]0/[\w.]+)"', path.read_text())}
+    hooks = {f"{part}.cu.j2" for path in (TEMPLATES / "kernel").glob("*.j2")
+             for part in re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', path.read_text())}
     sm80, sm90 = ({p.name for p in (TEMPLATES / arch).iterdir()} for arch in ("sm80", "sm90"))
-    assert {f"sm80/{name}" for name in sm80 - sm90} | {f"sm90/{name}" for name in sm90 - sm80} <= named
+    orphans = {f"sm80/{name}" for name in sm80 - sm90 - hooks} | {f"sm90/{name}" for name in sm90 - sm80 - hooks}
+    assert orphans <= named, orphans - named
 
 
-def test_shared_partials_hold_no_architecture_switch():
+def test_skeletons_and_shared_partials_hold_no_architecture_switch():
+    """What differs by architecture is in its folder, reached through `arch ~ "/hook"` or a
+    template name the plan gives; the skeletons and shared partials never name an arch."""
     from fagen.render import TEMPLATES
 
-    for folder in SHARED:
+    for folder in (*SHARED, "kernel"):
         for path in (TEMPLATES / folder).glob("*.j2"):
-            jinja = " ".join(re.findall(r"{[%{](.*?)[%}]}", path.read_text(), re.S))
-            assert not re.search(r"\b(mma|mainloop|wgmma|pingpong|warpgroups|kv_stages|kv_slots)\b", jinja), path
+            jinja = _jinja(path)
+            assert not re.search(r"\bsm_?\d+|arch\s*[!=]=|mainloop\s*[!=]=", jinja), path
+            if folder != "kernel":  # the skeletons set `arch` from the plan to reach the hooks
+                assert not re.search(r"\b(mma|mainloop|wgmma|pingpong|warpgroups|kv_stages|kv_slots)\b", jinja), path
 
 
 def test_templates_print_numbers_they_do_not_compute():
