@@ -16,7 +16,6 @@ where it was not run, from its JSON in the output folder.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,13 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from fagen import bench_backward, bench_rows, bench_serving, masks, variants
+from fagen.side_inputs import check_scale
 from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
     HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths, flex_block_mask,
     kept_pairs, mask_predicate)
 from fagen.bench_rows import by_case, write_json
 from fagen.check import attention_flops, check_against_oracle, random_inputs, time_ms
 from fagen.device import as_device_tensor, empty_like, stream_for
-from fagen.runtime import compile_kernel, default_spec, document_bounds
+from fagen.dispatch import default_spec
+from fagen.runtime import compile_kernel, document_bounds
 from fagen.spec import AttentionSpec, Mask
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -125,7 +126,7 @@ def documents_call(kernel, q, k, v, out, doc_ids):
         args, held = kernel.extra_arguments(tq, tk, given)
         bounds = document_bounds(docs, tq)  # this call's own, re-resolved every call
         args["doc_bounds"] = as_device_tensor(bounds, "doc_bounds").ptr
-        launch = kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=1.0 / math.sqrt(d), mask_offset=0,
+        launch = kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=check_scale(None, d), mask_offset=0,
                                splits=1, extras=args)
 
     def call():

@@ -34,7 +34,7 @@ from fagen import bench_cases, bench_rows, masks, oracle
 from fagen.backward import compile_backward
 from fagen.bench_cases import Case
 from fagen.check import random_inputs, relative_error, time_ms, to_numpy
-from fagen.runtime import derive_spec
+from fagen.dispatch import derive_spec
 from fagen.spec import Mask
 from fagen.variants import trainable
 
@@ -231,7 +231,7 @@ def peak_extra_mib(fn) -> float:
 
 
 def fagen_spec(case: Case, q) -> tuple:
-    """What fagen.attention trains with here: variants.trainable of runtime.derive_spec, and
+    """What fagen.attention trains with here: variants.trainable of dispatch.derive_spec, and
     the side inputs (doc_ids on q's device)."""
     import torch
 

@@ -20,92 +20,30 @@ import weakref
 
 import numpy as np
 
-from fagen import hot_path, side_inputs, variants
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, full_like, is_torch, multiprocessors,
-                          stream_for, tensor_signature, torch_stream_handle, zeros_like)
-from fagen.runtime import Kernel, _aux_array, compile_kernel, derive_spec, sequence_keys
+from fagen import hot_path, side_inputs
+from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
+                          torch_stream_handle, zeros_like)
+from fagen.dispatch import derive_spec, no_work, packed_spec, sequence_keys, step_spec
+from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
-from fagen.splitkv import merge, merge_launch
-
-def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
-    """Splits of the KV tiles so that blocks x splits fills the GPU's `slots` (SMs x blocks an SM
-    holds) in one wave, none waiting for a second: a memory-bound launch wants every block it
-    can keep loading at once, and equal shares end together. A split may be a single tile: with
-    the merge in the kernel, B 1 at 4k keys ran 2-5% faster on 16 one-tile splits than on 8 of
-    two (H200, notes/perf.md). 1 when the blocks alone fill the slots, and where there is
-    nothing to split (no block or no tile: a call with no work launches nothing, no_work)."""
-    if blocks < 1 or kv_tiles < 1:
-        return 1
-    return max(1, min(slots // blocks, kv_tiles))
+from fagen.splitkv import merge
 
 
-def slots(kernel: Kernel) -> int:
-    """Blocks of `kernel` the GPU runs at once (SMs x the occupancy CUDA reports)."""
-    return multiprocessors(cupy.cuda.Device().id) * kernel.blocks_per_sm
 
 
-def default_splits(kernel: Kernel, b: int, hq: int, hkv: int, nq: int, nk: int) -> int:
-    """choose_splits for this kernel's grid and this GPU."""
-    blocks = math.prod(kernel.tiles(b, hq, hkv, nq, 1))
-    return choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
 
 
-# The most a tile's partials may be for its last split to merge them (read back by one block):
-# on the H200, 32 KB (Nq 1, GQA 4, d 128, 16 splits) merged 0.5 us faster than by the merge
-# kernel, 128 KB (Nq 4) 4.6 us slower (notes/perf.md).
-MERGE_IN_KERNEL_BYTES = 64 * 1024
 
 
-def merges_in_kernel(tile_rows: int, head_dim: int, splits: int) -> bool:
-    """Whether the last split of a tile merges the tile's float32 partials (one launch a step), or
-    fagen.splitkv's merge kernel does, its blocks sharing the reads (two launches)."""
-    return tile_rows * head_dim * splits * 4 <= MERGE_IN_KERNEL_BYTES
 
 
-def step_spec(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, splits: int | None,
-              sinks: bool) -> tuple[AttentionSpec, int]:
-    """The kernel a decode step of `spec` (a GQA-packed partial spec) runs, and its split count
-    (equal shares of the KV tiles): unsplit where the blocks alone fill the GPU; merging in its
-    last split where a tile's partials are small (merges_in_kernel); else `spec` itself, whose
-    partials the merge kernel combines."""
-    merged = variants.merged_variant(spec, sinks)
-    kernel = compile_kernel(merged)  # its occupancy sets the split count: the steps' common case
-    tiles = math.ceil(nk / kernel.plan.block_kv)
-    if splits is None:
-        splits = default_splits(kernel, b, hq, hkv, nq, nk)
-    if not 1 <= splits <= tiles:
-        raise ValueError(f"splits = {splits}: must be 1..{tiles} (the KV tiles of Nk = {nk})")
-    splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares: some counts give the same split
-    if splits == 1:  # more blocks than the GPU holds: half the ring each, so that they run in one wave
-        blocks = math.prod(kernel.tiles(b, hq, hkv, nq, 1))
-        return variants.unsplit_variant(spec, sinks, half_ring=blocks > slots(kernel)), 1
-    tile_rows = min(kernel.plan.block_q, nq * (hq // hkv))
-    return (merged if merges_in_kernel(tile_rows, spec.head_dim, splits) else spec), splits
 
 
-def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
-                    alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec | None:
-    """The decode kernel fagen.attention would run for these arguments, or None where the plain
-    forward is the one (too many packed rows, another head_dim, an unpackable mask or modifier)."""
-    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
-                        alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
-    return packed_spec(plain, q, k)
 
 
-def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
-    """The decode kernel for the plain spec `plain` (derive_spec's) on these q and k, or None."""
-    tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
-    if len(tk.shape) != 4 or tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
-        return None  # the kernel's own checks say what is wrong
-    rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
-    return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
 
 
-def no_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> bool:
-    """Whether q [B, Hq, Nq, d] against k [B, Hkv, Nk, d] computes nothing: no query row, or no
-    key for the rows to see. Such a call launches nothing (answer_without_work): a grid needs a
-    block, and the decode planner a block and a tile to split."""
-    return min(*q_shape[:3], k_shape[2]) == 0
+
 
 
 def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
@@ -218,36 +156,17 @@ class PreparedAttention:
         out = empty_like(tq, (b, hq, nq, d), tq.dtype)  # the outputs' strides, for packing
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
         lse = empty_like(tq, (b, hq, nq), "float32")
-        merge = None  # the merge kernel's launch, where the partials are merged outside the kernel
         with cupy.cuda.Device(tq.device), stream_for(tq):
             extras, held = kernel.extra_arguments(tq, tk, {
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            scale = side_inputs.check_scale(scale, d)
             offset = nk - nq if spec.mask.align == "bottom_right" else 0
-            to, tl = as_device_tensor(out, "out"), as_device_tensor(lse, "lse")
-            if not spec.outputs.partial:  # the plain forward, or a decode kernel with no split
-                launch = kernel.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=offset, splits=1, extras=extras)
-            else:
-                # the partials (and the merging kernel's arrival counts): a workspace this object owns
-                per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
-                o_parts = empty_like(tq, (splits, b, hq, nq, d), "float32")
-                lse_parts = empty_like(tq, (splits, b, hq, nq), "float32")
-                held += [o_parts, lse_parts]
-                tp, tlp = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
-                extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
-                              lse_split_stride=np.int64(tlp.strides[0]))
-                if spec.outputs.merge_splits:
-                    args, self.split_counts = kernel.merge_arguments(tq, hkv, to, tl)
-                    extras.update(args)
-                else:
-                    merge = merge_launch(o_parts, lse_parts, out, lse, sinks=sinks)
-                    held.append(merge.held)
-                one = DeviceTensor(tp.obj, tp.kind, tp.ptr, tp.shape[1:], tp.strides[1:], tp.dtype, tp.device)
-                launch = kernel.launch(tq, tk, tv, one, tlp, scale=scale, mask_offset=offset, splits=splits,
-                                       extras=extras)
-        self._arm(spec, (q, k, v), out, lse, launch, merge, held)
+            packed = kernel.pack(tq, tk, tv, out, lse, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
+                                 scale=side_inputs.check_scale(scale, tq.shape[-1]), mask_offset=offset,
+                                 splits=splits or 1, extras=extras, held=held, sinks=sinks)
+        self.split_counts = packed.split_counts
+        self._arm(spec, (q, k, v), out, lse, packed.kernel, packed.merge, packed.held)
 
     def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list) -> None:
         """Keep what a call checks and re-points: `inputs` (q, k, v, then the batch layout's index

@@ -160,6 +160,12 @@ def multiprocessors(device: int) -> int:
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device)
 
 
+def current_device() -> int:
+    """The current CUDA device's index (CuPy's, which follows `with cupy.cuda.Device(i)`)."""
+    require_cupy()
+    return cupy.cuda.runtime.getDevice()
+
+
 @cache
 def l2_bytes(device: int) -> int:
     """The L2 cache of GPU `device`, in bytes (the tile walk's sections: fagen.plan.l2_section)."""

@@ -33,7 +33,8 @@ from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
 from fagen.render import GRADIENT_SUM_THREADS, gradient_sum_name
-from fagen.runtime import compile_kernel, default_spec, shared_function
+from fagen.dispatch import default_spec
+from fagen.runtime import compile_kernel, shared_function
 from fagen.spec import Mask, ScoreMod
 
 FOLD_LONG_KEYS = 16384  # a ring's full steps take the long class's tiling from this many keys (_fold_spec)

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from fagen.mask_kinds import KINDS
 from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
@@ -151,6 +152,7 @@ class KernelPlan:
     # varlen q, unpacked: the grid's y walks the batch's query tiles, read from a table built once a
     # call (fagen.sequences.query_tiles), not B x the longest sequence's tiles
     sequence_tiles: bool
+    pack_gqa: bool  # a KV head's query heads share a tile's rows (tiling.pack_gqa)
     # decode kernels (GQA-packed): launched to overlap the previous kernel's end (fagen.dependent_launch)
     dependent_launch: bool
     # What the templates print beside the numbers above (0 where a main loop has no use for it).
@@ -216,6 +218,20 @@ class KernelPlan:
         """(C type, name) of every kernel parameter in signature order: the fixed ones, then
         extra_params. The template prints the signature from it; the names are the C names."""
         return KERNEL_FIXED_PARAMS + self.extra_params
+
+    def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int, total_q: int | None = None
+              ) -> tuple[int, int, int]:
+        """A launch's tiles: x a block per (batch, query head), or per (batch, KV head) where the
+        group's heads are packed into the tile rows; y: tiles of those rows; z: KV splits. The
+        grid, where a block computes one tile. A varlen batch's tile table (sequence_tiles):
+        x a query head, y the table's entries (total_q rows in b sequences)."""
+        if self.sequence_tiles:
+            if total_q is None:
+                raise ValueError(f"kernel {self.name} reads a varlen batch's tile table: its tiles need total_q")
+            return hq, query_tile_slots(total_q, b, self.block_q), splits
+        if self.pack_gqa:
+            return b * hkv, math.ceil(nq * (hq // hkv) / self.block_q), splits
+        return b * hq, math.ceil(nq / self.block_q), splits
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -622,6 +638,7 @@ def end_aligned_tiles(spec: AttentionSpec) -> bool:
             and not spec.tiling.pack_gqa and not (o.partial or o.accumulate or o.merge_splits))
 
 
+@lru_cache(maxsize=1024)  # specs are frozen: a spec's plan is computed once
 def plan(spec: AttentionSpec) -> KernelPlan:
     t, d, dv, width = spec.tiling, spec.head_dim, spec.dv, spec.row_width
     warps = t.warps_q * t.warps_kv
@@ -724,6 +741,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         sequence_params=sequence_params(spec),
         sequence_offset=not spec.sequences.padded and spec.mask.align == "bottom_right" and KINDS[spec.mask.kind].uses_align,
         sequence_tiles=has_sequence_tiles(spec),
+        pack_gqa=t.pack_gqa,
         dependent_launch=t.pack_gqa,
         column_blocks=ws is not None,
         warp_specialized=ws is not None,

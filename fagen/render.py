@@ -22,10 +22,12 @@ from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
 
 PACKAGE = Path(__file__).resolve().parent
-# installed: inside the package (pyproject's package-dir); in a checkout: beside specs/ and generated/
-TEMPLATES = PACKAGE / "templates" if (PACKAGE / "templates").is_dir() else PACKAGE.parent / "templates"
-GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (tests compare them)
 FORWARD_TEMPLATE = "kernel/forward.cu.j2"  # one skeleton; plan.mainloop names its main-loop folder
+# installed: inside the package (pyproject's package-dir); in a checkout: beside specs/ and
+# generated/ (a left-over empty fagen/templates/ of an older checkout must not shadow it)
+TEMPLATES = (PACKAGE / "templates" if (PACKAGE / "templates" / FORWARD_TEMPLATE).exists()
+             else PACKAGE.parent / "templates")
+GENERATED = PACKAGE.parent / "generated"  # the checkout's committed renders (tests compare them)
 MERGE_TEMPLATE = "kernel/merge.cu.j2"
 DOCUMENT_BOUNDS_TEMPLATE = "kernel/document_bounds.cu.j2"
 DOCUMENT_BOUNDS = "document_bounds_kernel"  # its symbol (document_bounds is the device function)

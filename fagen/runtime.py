@@ -14,21 +14,20 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from functools import cache, cached_property, lru_cache, partial
+from functools import cache, cached_property, partial
 from pathlib import Path
 
 import numpy as np
 
-from fagen import device, expression, side_inputs, tensor_maps, variants
+from fagen import device, expression, side_inputs, tensor_maps
 from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
-from fagen.element_types import KERNEL_TYPES
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
-from fagen.mask_kinds import KINDS, fields_of
-from fagen.plan import TMA_MAP, KernelPlan, l2_section, plan, query_tile_slots
-from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, render, shared_kernels
-from fagen.spec import AttentionSpec, Mask, ScoreMod
+from fagen.mask_kinds import KINDS
+from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
+from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, merge_name, render, shared_kernels
+from fagen.spec import AttentionSpec
 
 NVRTC_OPTIONS = ("-std=c++17",)
 MAX_GRID_Y = 65535
@@ -305,6 +304,77 @@ def _mapped(t: DeviceTensor, total) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (1, t.shape[1], int(total), t.shape[3]), (0, t.strides[1], t.strides[2], 1)
 
 
+class MergeLaunch:
+    """The merge of given partials into given outputs, packed (a Launch): its slots re-point out
+    and lse; `held` keeps a copy of the sinks alive."""
+
+    def __init__(self, launch: Launch, held):
+        self.launch, self.held = launch, held
+
+
+def merge_launch(o_parts, lse_parts, out, lse, *, sinks=None) -> MergeLaunch:
+    """Check the partials, the outputs and the sinks, and pack the merge's launch."""
+    tp, tl = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
+    if tp.dtype != "float32" or tl.dtype != "float32" or len(tp.shape) != 5 or tl.shape != tp.shape[:4]:
+        raise ValueError(f"merge: o_parts {tp.dtype} {tp.shape}, lse_parts {tl.dtype} {tl.shape}; expected "
+                         f"float32 [S, B, H, N, d] and [S, B, H, N]")
+    if tp.strides != _contiguous(tp.shape) or tl.strides != _contiguous(tl.shape):
+        raise ValueError("merge: o_parts and lse_parts must be contiguous")
+    s, b, h, n, d = tp.shape
+    to, tlse = as_device_tensor(out, "out"), as_device_tensor(lse, "lse")
+    if to.shape != (b, h, n, d) or to.dtype not in MERGE_DTYPES or to.strides[-1] != 1:
+        raise ValueError(f"merge: out {to.dtype} {to.shape}; expected [{b}, {h}, {n}, {d}], float16, bfloat16 or "
+                         f"float32, unit stride along d")
+    if tlse.shape != (b, h, n) or tlse.dtype != "float32" or tlse.strides != _contiguous(tlse.shape):
+        raise ValueError(f"merge: lse {tlse.dtype} {tlse.shape}; expected contiguous float32 [{b}, {h}, {n}]")
+    held, sink_ptr = None, np.uint64(0)
+    if sinks is not None:
+        with cupy.cuda.Device(tp.device):
+            held = cupy.ascontiguousarray(cupy.asarray(sinks, dtype=cupy.float32))
+        if held.shape != (h,):
+            raise ValueError(f"merge: sinks shape {held.shape}; expected [{h}]")
+        sink_ptr = np.uint64(held.data.ptr)
+    rows = b * h * n
+    geometry = merge_plan(to.dtype)
+    if d > 32 * geometry.columns_per_lane:
+        raise ValueError(f"merge: head_dim {d}; the merge sums at most {32 * geometry.columns_per_lane} columns")
+    values = dict(o_parts=tp.ptr, lse_parts=tl.ptr, sinks=sink_ptr, out=to.ptr, lse=tlse.ptr,
+                  splits=s, rows=rows, head_dim=d, heads=h, n_q=n, part_stride=b * h * n * d,
+                  lse_part_stride=b * h * n, **dict(zip(("o_sb", "o_sh", "o_sn"), to.strides[:3])))
+    launch = Launch(shared_function(merge_name(to.dtype), tp.device), (rows, 1, 1), 32 * merge_warps(s), 0, geometry.params, values,
+                    slots=("out", "lse"))
+    return MergeLaunch(launch, held)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))
+
+
+@dataclass
+class Packed:
+    """A call's launches, packed and not yet launched: the kernel's and, where a split kernel's
+    partials are merged outside it, the merge kernel's after it; the outputs they write and what
+    they read beside the inputs (held: keep it while the launches may run)."""
+    spec: AttentionSpec
+    out: object
+    lse: object
+    kernel: Launch | None  # None: no query row, nothing to launch
+    merge: MergeLaunch | None
+    held: list
+    split_counts: object = None  # a kernel merging its own splits: each tile's arrival count (0 between calls)
+
+    def __call__(self, stream: int | None = None) -> None:
+        """Launch on `stream` (None: CuPy's current stream), as packed."""
+        if self.kernel is not None:
+            self.kernel(stream)
+        if self.merge is not None:
+            self.merge.launch(stream)
+
+
 class Kernel:
     """A compiled spec. Call it like `fagen.attention`, without the choice of kernel."""
 
@@ -454,17 +524,15 @@ class Kernel:
                 given["sinks"] = None
             extras, keep_alive = self.extra_arguments(tq, tk, given)
             if partial:
-                per_split = math.ceil(n_tiles / splits)
-                splits = math.ceil(n_tiles / per_split)
-            if merged:  # the partials are this launch's workspace; out and lse are what it returns
-                final_out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
-                final_lse = empty_like(tq, (b, hq, nq), "float32")
-                args, counts = self.merge_arguments(tq, tk.shape[1], as_device_tensor(final_out, "out"),
-                                                    as_device_tensor(final_lse, "lse"))
-                extras.update(args)
-                keep_alive.append(counts)
-                out = None
-            if partial:
+                splits = math.ceil(n_tiles / math.ceil(n_tiles / splits))  # equal shares of the tiles
+            if merged or not partial:  # out and lse are the call's (the partials, a workspace)
+                out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
+                lse = empty_like(tq, (b, hq, nq), "float32")
+                packed = self.pack(tq, tk, tv, out, lse, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
+                                   scale=scale, mask_offset=mask_offset, splits=splits, extras=extras,
+                                   held=keep_alive)
+                launch, keep_alive = packed.kernel, packed.held
+            else:  # the partials are the caller's: split-KV's, or a ring step's running out and lse
                 out = empty_like(tq, (splits, b, hq, nq, d), "float32") if out is None else out
                 lse = empty_like(tq, (splits, b, hq, nq), "float32") if lse is None else lse
                 to = as_device_tensor(out, "out")
@@ -476,26 +544,19 @@ class Kernel:
                 if tl.shape != (splits, b, hq, nq) or tl.dtype != "float32" or tl.strides[1:] != (hq * rows, rows, 1):
                     raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; a split-KV kernel writes "
                                      f"float32 [{splits}, {b}, {hq}, {nq}], each split's rows contiguous")
-                extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(to.strides[0]),
-                              lse_split_stride=np.int64(tl.strides[0]))
+                extras.update(self.split_arguments(nk, splits, to, tl))
                 if accumulate:
                     extras["lse_head_stride"] = np.int64(tl.strides[2])
                 to = DeviceTensor(to.obj, to.kind, to.ptr, to.shape[1:], to.strides[1:], to.dtype, to.device)
-            else:
-                out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
-                to = as_device_tensor(out, "out")
-                lse = empty_like(tq, (b, hq, nq), "float32")
-                tl = as_device_tensor(lse, "lse")
-            launch = self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras)
+                launch = self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=splits,
+                                     extras=extras)
             launch(None)
             if key is not None:  # checked and packed: the key's later calls launch this
                 repeated.keep(key, launch)
             del keep_alive  # side inputs copied for this launch: freed only after it is enqueued
         if accumulate:
             return running
-        if merged:
-            return (final_out, final_lse) if return_lse else final_out
-        return (out, lse) if return_lse or partial else out
+        return (out, lse) if return_lse or partial and not merged else out
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
         """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned
@@ -503,7 +564,7 @@ class Kernel:
         (zeros; the kernel leaves them so): keep them as long as the launch is used."""
         _check_layout(out, "out")
         b, hq, nq, _ = tq.shape
-        counts = zeros_like(tq, (math.prod(self.tiles(b, hq, hkv, nq, 1)),), "int32")
+        counts = zeros_like(tq, (math.prod(self.plan.tiles(b, hq, hkv, nq, 1)),), "int32")
         return dict(merged_o=out.ptr, merged_sb=np.int64(out.strides[0]), merged_sh=np.int64(out.strides[1]),
                     merged_sn=np.int64(out.strides[2]), merged_lse=lse.ptr,
                     split_counts=as_device_tensor(counts, "split_counts").ptr), counts
@@ -533,6 +594,50 @@ class Kernel:
                              f"(a slice of [B, Hq, N] along N is fine): pass lse.contiguous()")
         return (out[None] if tq.kind == "cupy" else out.unsqueeze(0)), lse[None] if tq.kind == "cupy" else lse.unsqueeze(0)
 
+    def pack(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, out, lse, to: DeviceTensor,
+             tl: DeviceTensor, *, scale: float, mask_offset: int, splits: int, extras: dict, held: list,
+             indices: tuple[str, ...] = (), sinks=None, merged_views: tuple | None = None) -> Packed:
+        """The launches writing a call's final `out` and `lse` (arrays; `to`, `tl`: the kernel's
+        [B, Hq, Nq, d] and [B, Hq, Nq] views of them) from checked inputs and arguments: the
+        one launch path of plain, decode, varlen, paged and prepared calls. A split kernel
+        (outputs.partial) writes float32 partials into a workspace allocated here (held), one
+        row block a split of `splits`; its last split merges them (outputs.merge_splits), or the
+        merge kernel after it does, `sinks` joining there. The merge reads the partials as
+        [splits, *shape of out]: `merged_views` gives out and lse as it sees them where the
+        kernel's views are not (a varlen batch: [1, Hq, total_q, d]). `indices`: the layout's
+        index parameters a prepared call re-points (its slots after q, k, v)."""
+        if not self.spec.outputs.partial:
+            launch = self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=1, extras=extras,
+                                 indices=indices)
+            return Packed(self.spec, out, lse, launch, None, held)
+        merge_out, merge_lse = merged_views or (out, lse)
+        b, hq, nq, _ = tq.shape
+        parts_shape = (splits, *as_device_tensor(merge_out, "out").shape)
+        o_parts = empty_like(tq, parts_shape, "float32")
+        lse_parts = empty_like(tq, parts_shape[:-1], "float32")
+        tp, tlp = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
+        held = [*held, o_parts, lse_parts]
+        extras = {**extras, **self.split_arguments(tk.shape[2], splits, tp, tlp)}
+        if self.spec.outputs.merge_splits:
+            args, counts = self.merge_arguments(tq, tk.shape[1], to, tl)
+            extras.update(args)
+            held.append(counts)
+        # one split's partials as the kernel indexes them: [B, Hq, Nq, d] (a varlen batch: its one sequence)
+        one = DeviceTensor(tp.obj, tp.kind, tp.ptr, (b, hq, nq, tp.shape[-1]),
+                           (0 if parts_shape[1] == 1 else tp.strides[1], tp.strides[2], tp.strides[3], 1), tp.dtype, tp.device)
+        launch = self.launch(tq, tk, tv, one, tlp, scale=scale, mask_offset=mask_offset, splits=splits, extras=extras,
+                             indices=indices)
+        if self.spec.outputs.merge_splits:
+            return Packed(self.spec, out, lse, launch, None, held, split_counts=counts)
+        merge = merge_launch(o_parts, lse_parts, merge_out, merge_lse, sinks=sinks)
+        return Packed(self.spec, out, lse, launch, merge, [*held, merge.held])
+
+    def split_arguments(self, n_kv: int, splits: int, parts: DeviceTensor, lse_parts: DeviceTensor) -> dict:
+        """A split kernel's arguments: each split's share of the KV tiles and the partials' split strides."""
+        per_split = math.ceil(math.ceil(n_kv / self.plan.block_kv) / splits)
+        return dict(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(parts.strides[0]),
+                    lse_split_stride=np.int64(lse_parts.strides[0]))
+
     def launch(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, to: DeviceTensor, tl: DeviceTensor, *,
                scale: float, mask_offset: int, splits: int, extras: dict, indices: tuple[str, ...] = ()) -> Launch:
         """The launch for checked tensors (out `to`, lse `tl`; split-KV: one split's view) and
@@ -549,7 +654,7 @@ class Kernel:
                                                   (tk, "k", self.plan.block_kv, extras.get("total_k")),
                                                   (tv, "v", self.plan.block_kv, extras.get("total_k")))
                      ) if self.plan.warp_specialized else ()
-        tiles = self.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
+        tiles = self.plan.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
             kv_bytes = 2 * tk.shape[2] * tk.shape[3] * self.spec.element.bytes // splits  # a KV head's K and V (a split's share)
@@ -565,20 +670,6 @@ class Kernel:
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
                       slots=("q", "k", "v", *indices, *outputs), maps=maps,
                       dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * self.spec.element.bytes))
-
-    def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int, total_q: int | None = None
-              ) -> tuple[int, int, int]:
-        """The launch's tiles: x a block per (batch, query head), or per (batch, KV head) where the
-        group's heads are packed into the tile rows; y: tiles of those rows; z: KV splits. The
-        grid, where a block computes one tile. A varlen batch's tile table (plan.sequence_tiles):
-        x a query head, y the table's entries (total_q rows in b sequences)."""
-        if self.plan.sequence_tiles:
-            if total_q is None:
-                raise ValueError(f"kernel {self.spec.name} reads a varlen batch's tile table: its tiles need total_q")
-            return hq, query_tile_slots(total_q, b, self.plan.block_q), splits
-        if self.spec.tiling.pack_gqa:
-            return b * hkv, math.ceil(nq * (hq // hkv) / self.plan.block_q), splits
-        return b * hq, math.ceil(nq / self.plan.block_q), splits
 
     def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
         """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by
@@ -754,51 +845,14 @@ def compile_kernel(spec: AttentionSpec) -> Kernel:
     return _KERNELS[key]
 
 
-def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False, keys: int | None = None) -> AttentionSpec:
-    """The shipped spec fagen.attention runs for these inputs on this GPU (fagen.variants), for
-    `keys` keys a sequence where known (long sequences may have a spec of their own)."""
-    return variants.shipped_spec(dtype, head_dim, causal, gpu=device.gpu_slug(), partial=partial, keys=keys)
 
 
-def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
-                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None) -> AttentionSpec:
-    """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
-    head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
-    modifiers they ask for (fagen.variants)."""
-    tq = as_device_tensor(q, "q")
-    if len(tq.shape) != 4:
-        raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
-    return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
-                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys)
 
 
-@lru_cache(maxsize=64)
-def _named_mask(kind: str) -> Mask:
-    """mask='causal': validated once."""
-    return _mask_of(kind)
 
 
-def _mask_of(given) -> Mask:
-    """A Mask from fagen.attention's mask=, refused as the oracle refuses it (naming the argument,
-    mask=5 or a bad field), not with pydantic's report."""
-    try:
-        return Mask.model_validate({"kind": given} if isinstance(given, str) else given)
-    except ValueError:
-        fields_of(given)  # raises the shared rule's message
-        raise
 
 
-def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
-                    block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-                    keys: int | None = None) -> AttentionSpec:
-    """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
-    if isinstance(mask, str):
-        mask = _named_mask(mask)
-    elif mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
-        mask = _mask_of(mask)
-    bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
-    return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
-                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())
 
 
 def out_shape(tq: DeviceTensor, tv: DeviceTensor) -> tuple[int, int, int, int]:
@@ -806,49 +860,7 @@ def out_shape(tq: DeviceTensor, tv: DeviceTensor) -> tuple[int, int, int, int]:
     return (*tq.shape[:3], tv.shape[-1])
 
 
-@lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
-def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
-                  has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
-                  gpu: str) -> AttentionSpec:
-    if dtype not in KERNEL_TYPES:
-        raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
-    if mask is not None:
-        mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
-        if causal and mask.kind != "causal":
-            raise ValueError(f"causal=True and mask kind {mask.kind!r}: pick one (chunked, prefix_lm and "
-                             f"document masks have their own causal structure)")
-    elif has_block_mask:
-        if causal:
-            raise ValueError("causal=True with a block_mask: build the causal structure into the mask "
-                             "(fagen.masks.causal, or a predicate with kv_idx <= q_idx)")
-        mask = Mask(kind="block_mask")
-    elif has_doc_ids:
-        mask = Mask(kind="document", causal=causal)
-    else:
-        mask = Mask(kind="causal" if causal else "none")
-    # before compiling a variant for an array that is not there
-    side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
-    score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
-                         sinks=has_sinks)
-    base = variants.shipped_spec(dtype, head_dim, mask.kind == "causal", gpu=gpu, keys=keys)
-    return variants.variant(base, mask, score_mod)
 
 
-def sequence_keys(k) -> int | None:
-    """k's keys a sequence ([B, H, N, d]), for the shape class; None for anything else (the call
-    refuses it with its own message)."""
-    shape = getattr(k, "shape", ())
-    return int(shape[2]) if len(shape) == 4 else None
 
 
-def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
-              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
-    """softmax(q k^T * scale + modifiers, masked) v with a shipped kernel for q's dtype and
-    head_dim; masks and modifiers derive a variant of it (compiled once per process).
-
-    mask: a fagen.spec.Mask, a dict of its fields or a kind name (sliding_window, ...);
-    block_mask / doc_ids select the block-mask / document kinds."""
-    spec = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
-                       alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=sequence_keys(k))
-    return compile_kernel(spec)(q, k, v, scale=scale, return_lse=return_lse, block_mask=block_mask, bias=bias,
-                                alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)

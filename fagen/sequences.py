@@ -23,22 +23,20 @@ cu_seqlens and max_seqlen_*.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from fagen import variants
-from fagen.decode import PreparedAttention, default_splits, step_spec
+from fagen.decode import PreparedAttention
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
+from fagen.dispatch import batch_spec, batch_step
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
-from fagen.runtime import Launch, _aux_array, _check_layout, compile_kernel, derive_spec_for, shared_function
+from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
                                 check_page_size, check_pages, check_scale, check_seqused_k)
-from fagen.spec import AttentionSpec, SpecError
-from fagen.splitkv import MergeLaunch, merge_launch
+from fagen.spec import AttentionSpec
 
 TABLE_ROW_BYTES = 8  # a query tile table's row: (sequence, first row), two int32s
 
@@ -204,62 +202,18 @@ def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts
     return np.array(rows + [(-1, 0)] * (slots - len(rows)), np.int32).reshape(slots, 2)
 
 
-def class_keys(batch: Batch) -> int | None:
-    """The keys that pick a varlen batch's shape class (fagen.variants.LONG_KEYS), as a padded
-    call's keys do: its average sequence's (total_k / B, on the host without a sync); None (the
-    base class) for other layouts. spec_for takes a long class only where it walks the batch
-    persistently, claiming its tiles (plan.claimed_walk): H200, causal, average 2-4k keys, the
-    long class against the base one: d64 (persistent) 1.07-1.12x; d128 (a block a tile)
-    0.90-0.94x, 1.01-1.02x from 8k; d256 (a block a tile) 1.03x (notes/perf.md)."""
-    if batch.kv_layout != "varlen" or batch.seqused_k:
-        return None
-    return int(batch.arguments["total_k"]) // batch.q.shape[0]
 
 
-def spec_for(batch: Batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
-    """The kernel for a batch: the decode kernel where a KV head's packed rows (the longest
-    sequence's queries x its group) fit one, else the plain forward of its shape class
-    (class_keys), in the batch's layouts."""
-    tq, tk = batch.q, batch.k
-    plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
-                            alibi_slopes=alibi_slopes, sinks=sinks)
-    keys = class_keys(batch)
-    if keys is not None:
-        long = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
-                               alibi_slopes=alibi_slopes, sinks=sinks, keys=keys)
-        ws = long.pipeline.warp_specialized
-        if ws is not None and ws.persistent:
-            plain = long
-    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
-        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
-    packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),
-                                  plain.mask, plain.score_mod)
-    try:
-        return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout, batch.seqused_k)
-    except SpecError as refused:
-        raise ValueError(f"{batch.q_layout} q, {batch.kv_layout} K/V: {refused}") from None
 
 
-@dataclass
-class Packed:
-    """A batch's launches, packed and not yet launched: the kernel's and, where the partials are
-    merged outside it, the merge kernel's after it; the outputs they write and what they read
-    beside the batch (held)."""
-    spec: AttentionSpec
-    out: object
-    lse: object
-    kernel: Launch | None  # None: no query row, nothing to launch
-    merge: MergeLaunch | None
-    held: list
 
 
 def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
          splits: int | None = None, out=None, indices: tuple[str, ...] = ()) -> Packed:
-    """The launches of `spec` (spec_for's) on a checked batch (`run` launches them; a prepared
+    """The launches of `spec` (dispatch.batch_spec's) on a checked batch (`run` launches them; a prepared
     call keeps them): out like q ([B, Hq, Nq, d] or [total_q, Hq, d]; given, it is written in
     place), lse [B, Hq, Nq] or [Hq, total_q]. `indices`: the batch's index parameters a prepared
     call re-points (the kernel's slots after q, k, v)."""
-    kernel = compile_kernel(spec)
     tq, tk, tv = batch.q, batch.k, batch.v
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
@@ -272,22 +226,12 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
     scale = check_scale(scale, d)
     varlen_q = batch.q_layout == "varlen"
     total_q = int(batch.arguments["total_q"]) if varlen_q else 0
-    partial = spec.outputs.partial
     out_shape, lse_shape = ((total_q, hq, d), (hq, total_q)) if varlen_q else ((b, hq, nq, d), (b, hq, nq))
     with cupy.cuda.Device(tq.device), stream_for(tq):
-        if 0 in out_shape:  # no query row: nothing to launch (nor to split: decode.no_work)
+        if 0 in out_shape:  # no query row: nothing to launch (nor to split: dispatch.no_work)
             return Packed(spec, _outputs(out, out_shape, tq), empty_like(tq, lse_shape, "float32"), None, None, [])
-        if partial and not varlen_q:  # decode: one launch where it can (fagen.decode.step_spec)
-            spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
-            kernel, partial = compile_kernel(spec), spec.outputs.partial
-        elif partial:  # varlen queries: partials, merged over the batch's rows by the merge kernel
-            if splits is None:
-                splits = default_splits(kernel, b, hq, hkv, nq, nk)
-            tiles = math.ceil(nk / kernel.plan.block_kv)
-            splits = math.ceil(tiles / math.ceil(tiles / splits))
-            if splits == 1:  # the blocks alone fill the GPU: the kernel writes out itself, no merge
-                kernel, partial = compile_kernel(variants.unsplit_variant(spec, sinks is not None)), False
-        merged = kernel.spec.outputs.merge_splits
+        spec, splits = batch_step(spec, varlen_q, b, hq, hkv, nq, nk, splits, sinks is not None)
+        kernel = compile_kernel(spec)
         given = dict(block_mask=None, bias=None, doc_ids=None, alibi_slopes=alibi_slopes,
                      sinks=sinks if kernel.takes_sinks else None)
         extras, held = kernel.extra_arguments(tq, tk, given)
@@ -300,38 +244,15 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
                 extras["tiles_claimed"] = np.uint64(claimed_counter(ptr, table.shape[0] - 1))
             held = [*held, table]
         out = _outputs(out, out_shape, tq)
-        to = as_device_tensor(out, "out")
-        _check_layout(to, "out")
+        _check_layout(as_device_tensor(out, "out"), "out")
         lse = empty_like(tq, lse_shape, "float32")
-        # the kernel's views of out and lse: [B, Hq, Nq, d] strides, varlen rows token-major
-        to = _bhsd(to, varlen_q)
-        held = [*held, *batch.held]
-        if not partial:
-            launch = kernel.launch(tq, tk, tv, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0, splits=1,
-                                   extras=extras, indices=indices)
-            return Packed(kernel.spec, out, lse, launch, None, held)
-        # partials [S, 1 or B, Hq, rows, d]: a varlen batch is one sequence of total_q rows to the merge
-        rows, seqs = (total_q, 1) if varlen_q else (nq, b)
-        o_parts = empty_like(tq, (splits, seqs, hq, rows, d), "float32")
-        lse_parts = empty_like(tq, (splits, seqs, hq, rows), "float32")
-        held += [o_parts, lse_parts]
-        tp, tl = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")
-        one = _view(tp, (b, hq, nq, d), (0 if varlen_q else tp.strides[1], tp.strides[2], tp.strides[3], 1))
-        per_split = math.ceil(math.ceil(nk / kernel.plan.block_kv) / splits)
-        extras.update(kv_tiles_per_split=np.int32(per_split), o_split_stride=np.int64(tp.strides[0]),
-                      lse_split_stride=np.int64(tl.strides[0]))
-        if merged:
-            args, counts = kernel.merge_arguments(tq, hkv, to, as_device_tensor(lse, "lse"))
-            extras.update(args)
-            held.append(counts)
-        launch = kernel.launch(tq, tk, tv, one, tl, scale=scale, mask_offset=0, splits=splits, extras=extras,
-                               indices=indices)
-        if merged:
-            return Packed(kernel.spec, out, lse, launch, None, held)
-        merged_out, merged_lse = (_as_one_sequence(out), lse[None]) if varlen_q else (out, lse)
-        merge = merge_launch(o_parts, lse_parts, merged_out, merged_lse, sinks=sinks)
-        held.append(merge.held)
-        return Packed(kernel.spec, out, lse, launch, merge, held)
+        # the kernel's views of out and lse: [B, Hq, Nq, d] strides, varlen rows token-major; the
+        # merge's: a varlen batch is one sequence of total_q rows
+        to = _bhsd(as_device_tensor(out, "out"), varlen_q)
+        merged_views = (_as_one_sequence(out), lse[None]) if varlen_q else None
+        return kernel.pack(tq, tk, tv, out, lse, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0,
+                           splits=splits or 1, extras=extras, held=[*held, *batch.held], indices=indices, sinks=sinks,
+                           merged_views=merged_views)
 
 
 def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor):
@@ -347,10 +268,11 @@ def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor):
 
 def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
         splits: int | None = None, out=None):
-    """(out, lse) of `spec` (spec_for's) on a checked batch, launched on the inputs' stream."""
+    """(out, lse) of `spec` (dispatch.batch_spec's) on a checked batch, launched on the inputs' stream."""
     packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out)
-    if packed.kernel is None:  # no query row
-        return packed.out, packed.lse
+    with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
+        packed()
+    return packed.out, packed.lse
     with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
         packed.kernel(None)
         if packed.merge is not None:
@@ -381,7 +303,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q])."""
     batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                          validate=validate)
-    spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
     return (out, lse) if return_lse else out
 
@@ -410,7 +332,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=
     # (the page table once), the kernel's spec
     batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=cu_seqlens_q,
                         max_seqlen_q=max_seqlen_q, status=status, validate=validate)
-    spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if append is not None:
         append.launch()
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
@@ -447,7 +369,7 @@ class PreparedKVCache(PreparedAttention):
                                  f"in place: pass them as {tq.kind} tensors on q's device")
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status)
-        spec = spec_for(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         if 0 in tq.shape[:3]:  # (the cache's keys are the device's to count)
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
                              f"attention_with_kvcache, which answers a call without query rows with no launch")
@@ -622,4 +544,4 @@ def from_flashinfer(kv_indptr, kv_indices, kv_last_page_len, page_size: int, max
 
 
 __all__ = ["PAGE_OUT_OF_RANGE", "SEQLEN_OVER_TABLE", "Batch", "append_kv", "attention_varlen", "attention_with_kvcache", "check_cu_seqlens",
-           "check_pages", "from_flashinfer", "paged_batch", "run", "spec_for", "varlen_batch"]
+           "check_pages", "from_flashinfer", "paged_batch", "run", "varlen_batch"]

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, decode, runtime, variants
+from fagen import backward, decode, dispatch, runtime, variants
 from fagen.spec import Mask
 
 
@@ -57,7 +57,7 @@ def _side_inputs(bias, alibi_slopes, sinks, doc_ids) -> dict:
 
 
 def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict, keys: int | None = None):
-    return runtime.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, keys=keys, **side)
+    return dispatch.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, keys=keys, **side)
 
 
 @torch.library.custom_op("fagen::attention_forward", mutates_args=())
@@ -67,7 +67,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
     kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    plain = _spec(q, mask, causal, softcap, side, keys=runtime.sequence_keys(k))
+    plain = _spec(q, mask, causal, softcap, side, keys=dispatch.sequence_keys(k))
     # a few query rows take the decode path (its backward is the plain one's)
     return decode.forward(plain, q, k, v, scale=scale, return_lse=True, **side)
 
@@ -89,7 +89,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     float32 of bias's shape, else empty (an op cannot return None). deterministic, or
     torch.use_deterministic_algorithms(True): no two blocks add into one element (bitwise
     repeatable)."""
-    if decode.no_work(q.shape, k.shape):  # the forward computed nothing: out was constant (empty, or zeros)
+    if dispatch.no_work(q.shape, k.shape):  # the forward computed nothing: out was constant (empty, or zeros)
         dbias = torch.zeros(bias.shape if bias_grad else (0,), dtype=torch.float32, device=q.device)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 torch.zeros(q.shape[1], dtype=torch.float32, device=q.device), dbias)
@@ -143,7 +143,7 @@ class _BlockMaskAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
-        spec = runtime.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, **side)
+        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, **side)
         out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -187,8 +187,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     if block_mask is not None:
         side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
         if not _records_grad(q, k, v, bias, sinks):
-            return runtime.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
-                                     return_lse=return_lse, block_mask=block_mask, **side)
+            return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
+                                    return_lse=return_lse, block_mask=block_mask, **side)
         out, lse = _BlockMaskAttention.apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale,
                                              deterministic, side)
         return (out, lse) if return_lse else out

@@ -160,7 +160,8 @@ for n in args.time:
     flops = 4 * b * h * n * n * d / 2  # causal: half the pairs
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fagen.runtime import compile_kernel, default_spec
+    from fagen.dispatch import default_spec
+    from fagen.runtime import compile_kernel
 
     kernel = compile_kernel(default_spec("float16", d, True, keys=n))  # fagen.attention's kernel for n keys
     reference = kernel(q, k, v)

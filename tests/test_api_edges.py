@@ -252,7 +252,7 @@ def test_core_timing_without_a_gpu_says_what_is_missing_in_one_line():
 def test_fagen_attention_refuses_a_bad_mask_as_the_oracle_does(mask, named):
     """fagen.attention's spec derivation refuses a bad mask before it asks for a GPU, with the
     oracle's message (not pydantic's)."""
-    from fagen.runtime import derive_spec_for
+    from fagen.dispatch import derive_spec_for
 
     with pytest.raises(ValueError) as runtime:
         derive_spec_for("float16", 64, mask=mask)

@@ -3,7 +3,7 @@ rendered source and its registers."""
 
 import pytest
 
-from fagen import decode, nvcc, variants
+from fagen import dispatch, nvcc, variants
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.render import render
 from fagen.spec import Mask, ScoreMod, SpecError
@@ -53,7 +53,7 @@ def test_no_decode_kernel_where_packing_does_not_apply():
 @pytest.mark.parametrize("blocks, tiles, slots", [(8, 512, 396), (1, 2048, 396), (64, 64, 396), (600, 500, 396),
                                                   (8, 3, 396), (2, 1, 108), (33, 1000, 264)])
 def test_splits_fill_one_wave_and_keep_a_tile_a_split(blocks, tiles, slots):
-    splits = decode.choose_splits(blocks, tiles, slots)
+    splits = dispatch.choose_splits(blocks, tiles, slots)
     assert 1 <= splits <= max(1, tiles)
     assert splits == 1 or blocks * splits <= slots  # no block waits for a second wave
     if tiles > splits:  # tiles to spare: the wave is as full as it gets
@@ -182,7 +182,7 @@ def test_the_idle_ring_holds_the_merging_threads_shares(path):
     (64, 128, 16, False),
 ])
 def test_small_partials_merge_in_the_kernel(rows, d, splits, one_launch):
-    assert decode.merges_in_kernel(rows, d, splits) is one_launch
+    assert dispatch.merges_in_kernel(rows, d, splits) is one_launch
 
 
 def test_the_merging_kernel_renders_its_merge_and_nothing_else_does():

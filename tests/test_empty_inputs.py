@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from fagen import decode, splitkv
+from fagen import decode, dispatch, splitkv
 from fagen.nvcc import find_nvcc
 from fagen.render import APPEND_KV, render_append_kv, shared_kernels
 
 
 @pytest.mark.parametrize("blocks, tiles", [(0, 10), (0, 0), (8, 0)])
 def test_the_decode_planner_splits_nothing_where_there_is_nothing(blocks, tiles):
-    assert decode.choose_splits(blocks, tiles, 132) == 1
+    assert dispatch.choose_splits(blocks, tiles, 132) == 1
 
 
 @pytest.mark.parametrize("blocks, tiles", [(0, 100), (0, 0), (8, 0)])
@@ -27,7 +27,7 @@ def test_the_split_kv_planner_splits_nothing_where_there_is_nothing(blocks, tile
     ((1, 1, 0, 64), (1, 1, 5, 64), True), ((0, 4, 3, 64), (0, 1, 5, 64), True), ((1, 0, 3, 64), (1, 0, 5, 64), True),
     ((2, 8, 3, 64), (2, 2, 0, 64), True), ((1, 1, 1, 64), (1, 1, 1, 64), False), ((2, 8, 300, 64), (2, 2, 9, 64), False)])
 def test_a_call_without_a_query_row_or_a_key_has_no_work(q, k, empty):
-    assert decode.no_work(q, k) is empty
+    assert dispatch.no_work(q, k) is empty
 
 
 @pytest.mark.parametrize("q, k", [((1, 1, 0, 64), (1, 1, 5, 64)), ((2, 8, 3, 64), (2, 2, 0, 64)),
@@ -38,8 +38,10 @@ def test_the_dispatch_answers_a_call_without_work_before_any_planner(monkeypatch
     def planner(*args, **kwargs):
         raise AssertionError("a call with no work reached a planner or a kernel")
 
-    for name in ("packed_spec", "step_spec", "default_splits", "choose_splits", "compile_kernel", "run"):
+    for name in ("packed_spec", "step_spec", "compile_kernel", "run"):
         monkeypatch.setattr(decode, name, planner)
+    for name in ("packed_spec", "step_spec", "default_splits", "choose_splits"):
+        monkeypatch.setattr(dispatch, name, planner)
     monkeypatch.setattr(decode, "answer_without_work", lambda plain, q, k, v, **kw: ("answered", q.shape, kw))
     tensor = lambda shape: SimpleNamespace(shape=shape)  # noqa: E731
     got = decode.forward("plain", tensor(q), tensor(k), tensor(k), return_lse=True, sinks=None)

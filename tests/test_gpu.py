@@ -119,7 +119,7 @@ def _bad(**change):
     (dict(q=lambda cp, x: x[..., :32]), "head_dim 32"),
     (dict(k=lambda cp, x: cp.concatenate([x, x[:, :1]], axis=1), v=lambda cp, x: cp.concatenate([x, x[:, :1]], axis=1)),
      "multiple of Hkv"),
-    (dict(v=lambda cp, x: x[:, :, :32]), "same shape"),
+    (dict(v=lambda cp, x: x[:, :, :32]), r"must have the same \[B, Hkv, Nk\]"),
     (dict(k=lambda cp, x: x[:1], v=lambda cp, x: x[:1]), "batch mismatch"),
     (dict(q=lambda cp, x: cp.asfortranarray(x)), "stride"),
     (dict(q=lambda cp, x: cp.asnumpy(x)), "host"),

@@ -15,7 +15,7 @@ from fagen.backward import compile_backward
 from fagen.check import (OUT_TOLERANCE, check_backward_against_oracle, random_block_mask, random_extras, random_inputs,
                          relative_error, to_numpy)
 from fagen.load import SPECS
-from fagen.runtime import default_spec
+from fagen.dispatch import default_spec
 from fagen.spec import Mask, ScoreMod
 
 pytestmark = pytest.mark.gpu

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import decode, hot_path, oracle, variants
+from fagen import decode, dispatch, hot_path, oracle, variants
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
 from fagen.device import cupy
+from fagen.plan import plan
 from fagen.spec import Mask, ScoreMod
 
 pytestmark = pytest.mark.gpu
@@ -101,7 +102,7 @@ def test_decode_reads_any_layout(layout):
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_fagen_attention_takes_the_decode_path_for_few_rows(framework):
     q, k, v, _ = random_inputs(framework, "float16", 2, 32, 8, 1, 20000, 128)
-    assert decode.decode_spec_for(q, k, causal=True) is not None
+    assert dispatch.decode_spec_for(q, k, causal=True) is not None
     out, lse = fagen.attention(q, k, v, causal=True, return_lse=True)
     ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, return_lse=True)
     assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
@@ -110,10 +111,10 @@ def test_fagen_attention_takes_the_decode_path_for_few_rows(framework):
 
 def test_many_rows_and_unpackable_inputs_keep_the_plain_forward():
     q, k, _, _ = random_inputs("torch", "float16", 1, 32, 8, 64, 1000, 128)  # 256 packed rows
-    assert decode.decode_spec_for(q, k) is None
+    assert dispatch.decode_spec_for(q, k) is None
     q1 = q[:, :, :1]
-    assert decode.decode_spec_for(q1, k, bias=np.zeros((1, 32, 1000), np.float32)) is None
-    assert decode.decode_spec_for(q1, k, doc_ids=np.zeros((1, 1000), np.int32)) is None
+    assert dispatch.decode_spec_for(q1, k, bias=np.zeros((1, 32, 1000), np.float32)) is None
+    assert dispatch.decode_spec_for(q1, k, doc_ids=np.zeros((1, 1000), np.int32)) is None
 
 
 def test_decode_step_in_a_cuda_graph():
@@ -311,8 +312,7 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod, b):
     sinks = torch.randn(hq, device="cuda") if mod.sinks else None
     slopes = torch.rand(hq, device="cuda") if mod.alibi != "none" else None
     spec = _spec("bfloat16", 128, hq, hkv, nq, mask, mod)
-    kernel = fagen.compile(spec)
-    assert decode.default_splits(kernel, b, hq, hkv, nq, nk) == 1
+    assert dispatch.default_splits(spec, b, hq, hkv, nq, nk) == 1
     ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), mask=mask, softcap=mod.softcap,
                                     alibi_slopes=None if slopes is None else slopes.cpu().numpy(),
                                     sinks=None if sinks is None else sinks.cpu().numpy(), return_lse=True)
@@ -321,11 +321,12 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod, b):
     assert relative_error(to_numpy(lse), ref_lse) < 1e-4
     call = fagen.prepare(q, k, v, mask=mask, softcap=mod.softcap, alibi_slopes=slopes, sinks=sinks)
     assert not call.spec.outputs.partial  # one launch a step, no partials
-    merged = fagen.compile(variants.merged_variant(spec, mod.sinks))  # its occupancy sets the step's kernel
-    overfill = math.prod(merged.tiles(b, hq, hkv, nq, 1)) > decode.slots(merged)
+    merged = variants.merged_variant(spec, mod.sinks)  # its occupancy sets the step's kernel
+    overfill = math.prod(plan(merged).tiles(b, hq, hkv, nq, 1)) > dispatch.slots(merged)
     assert call.spec.name.endswith("_unsplit_half" + ("_sinks" if mod.sinks else "")) is overfill
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")
     call(q, k, v, out=out, lse=lse)
     assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
     assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+

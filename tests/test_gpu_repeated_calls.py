@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import oracle, runtime, variants
+from fagen import dispatch, oracle, runtime, variants
 from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, to_numpy
 
 pytestmark = pytest.mark.gpu
@@ -62,7 +62,7 @@ def test_a_signature_seen_before_is_launched_without_packing(framework, head_dim
     would give the first call's output)."""
     if framework == "torch":
         pytest.importorskip("torch")
-    kernel = runtime.compile_kernel(runtime.default_spec("float16", head_dim, causal, keys=SHAPE["nk"]))
+    kernel = runtime.compile_kernel(dispatch.default_spec("float16", head_dim, causal, keys=SHAPE["nk"]))
     packing = _watched(kernel, monkeypatch)
     q, k, v, out = _inputs(framework, "float16", head_dim, seed=1)
     kernel(q, k, v, out=_poisoned(out))
@@ -83,7 +83,7 @@ def test_a_signature_seen_before_is_launched_without_packing(framework, head_dim
 
 def test_other_strides_are_checked_and_packed(monkeypatch):
     """A layout not seen before ([B, N, H, d] strides) is a new signature: checked and packed."""
-    kernel = runtime.compile_kernel(runtime.default_spec("float16", 128, False, keys=SHAPE["nk"]))
+    kernel = runtime.compile_kernel(dispatch.default_spec("float16", 128, False, keys=SHAPE["nk"]))
     packing = _watched(kernel, monkeypatch)
     q, k, v, out = _inputs("cupy", "float16", 128, seed=5)
     kernel(q, k, v, out=_poisoned(out))
@@ -97,7 +97,7 @@ def test_other_strides_are_checked_and_packed(monkeypatch):
 def test_a_misaligned_address_of_a_cached_signature_is_refused(monkeypatch):
     """Shape and strides as cached, the address 2 bytes off: the checked call refuses it."""
     cupy = pytest.importorskip("cupy")
-    kernel = runtime.compile_kernel(runtime.default_spec("float16", 64, False))
+    kernel = runtime.compile_kernel(dispatch.default_spec("float16", 64, False))
     packing = _watched(kernel, monkeypatch)
     q, k, v, _ = _inputs("cupy", "float16", 64, seed=7)
     kernel(q, k, v)
@@ -134,8 +134,8 @@ def test_a_ring_steps_launches_are_packed_once(dtype, monkeypatch):
     second round on fresh tensors packs nothing and gives its own inputs' attention; a moved
     diagonal is a key of its own (packed, and right)."""
     torch = pytest.importorskip("torch")
-    first = runtime.compile_kernel(variants.ring_start_variant(runtime.default_spec(dtype, 128, True)))
-    fold = runtime.compile_kernel(variants.accumulate_variant(runtime.default_spec(dtype, 128, False)))
+    first = runtime.compile_kernel(variants.ring_start_variant(dispatch.default_spec(dtype, 128, True)))
+    fold = runtime.compile_kernel(variants.accumulate_variant(dispatch.default_spec(dtype, 128, False)))
     packing = {"first": _watched(first, monkeypatch), "fold": _watched(fold, monkeypatch)}
     nq, nk, s = 384, 1024, 640  # keys s.. hold the diagonal (bottom-right: query i sees keys ..i + 640)
 
@@ -174,7 +174,7 @@ def test_a_query_rows_add_seen_before_is_launched_without_packing(dtype, monkeyp
     from fagen.backward import compile_backward
     from tests.test_gpu_backward import ring_own_block
 
-    kernels = compile_backward(variants.trainable(runtime.default_spec(dtype, 128, True)))
+    kernels = compile_backward(variants.trainable(dispatch.default_spec(dtype, 128, True)))
     if not kernels.plan.atomic_dq or not kernels.producer_threads:
         pytest.skip("adds keep their launch where dQ is atomic and the dK/dV kernel is producer-fed (sm_90a)")
     monkeypatch.setattr(kernels, "repeated_adds", runtime.KeptLaunches())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import decode, oracle, sequences
+from fagen import decode, dispatch, oracle, sequences
 from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, relative_error
 from fagen.spec import Mask, ScoreMod
 
@@ -151,7 +151,7 @@ def test_a_long_varlen_batch_matches_the_oracle_on_its_shape_class():
     lens = [2500, 1700, 2300]
     q, k, v, cu_q, cu_k = _varlen(rng, "float16", lens, lens, 4, 2, 64)
     batch = sequences.varlen_batch(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens))
-    spec = sequences.spec_for(batch, causal=True, mask=None, softcap=None, alibi_slopes=None, sinks=None)
+    spec = dispatch.batch_spec(batch, causal=True, mask=None, softcap=None, alibi_slopes=None, sinks=None)
     if device.gpu_slug() == "h200":
         assert "_long_" in spec.name, spec.name
     out = _nan(q.shape, "float16")
@@ -235,8 +235,8 @@ def test_a_paged_batch_that_fills_the_gpu_is_one_launch(sinks):
     q = _randn(rng, (len(lens), 32, 1, 128), "bfloat16")
     sink = torch.randn(32, device="cuda") if sinks else None
     batch = sequences.paged_batch(q, k_cache, v_cache, _int32(table), _int32(lens))
-    spec = sequences.spec_for(batch, causal=True, mask=None, softcap=None, alibi_slopes=None, sinks=sink)
-    assert spec.outputs.partial and decode.default_splits(fagen.compile(spec), len(lens), 32, 8, 1, 1200) == 1
+    spec = dispatch.batch_spec(batch, causal=True, mask=None, softcap=None, alibi_slopes=None, sinks=sink)
+    assert spec.outputs.partial and dispatch.default_splits(spec, len(lens), 32, 8, 1, 1200) == 1
     out = _nan(q.shape, "bfloat16")
     _, lse = fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(lens), _int32(table), causal=True, sinks=sink,
                                           return_lse=True, out=out)

@@ -15,7 +15,7 @@ import fagen
 from fagen import oracle, variants
 from fagen.check import (LSE_TOLERANCE, OUT_TOLERANCE, check_backward_against_oracle, random_extras, random_inputs,
                          relative_error, to_numpy)
-from fagen.runtime import default_spec
+from fagen.dispatch import default_spec
 from fagen.spec import Mask, ScoreMod
 
 pytestmark = pytest.mark.gpu

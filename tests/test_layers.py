@@ -25,9 +25,10 @@ LAYERS = [
     # the driver: TMA tensor maps, programmatic dependent launches, a prepared call's launches from C
     ("process_group", "ring_link"),  # the ranks of a multi-GPU run (NCCL or torch.distributed); a ring hop on the copy engines
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
+    ("dispatch",),  # which kernel a call runs: family, spec, split count
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("splitkv",),  # split-KV partials and the merge
-    ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's choice of path
+    ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's path
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("api",),  # the public entry points: fagen.attention and its siblings

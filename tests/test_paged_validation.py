@@ -57,7 +57,7 @@ def device(monkeypatch):
     monkeypatch.setattr(sequences, "zeros_like", lambda ref, shape, dtype: np.zeros(shape, dtype))
     monkeypatch.setattr(sequences, "shared_function",
                         lambda name, device: lambda grid, block, args: launches.append((name, grid)))
-    monkeypatch.setattr(sequences, "spec_for", lambda batch, **kw: "spec")
+    monkeypatch.setattr(sequences, "batch_spec", lambda batch, **kw: "spec")
     monkeypatch.setattr(sequences, "run", lambda batch, spec, **kw: (launches.append(("attention", None)), None))
     checked = side_inputs.check_pages
 

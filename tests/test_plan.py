@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import fagen
@@ -152,7 +154,11 @@ def test_plan_is_deterministic(path):
     a, b = plan(fagen.load_spec(path)), plan(fagen.load_spec(path))
     assert a == b
     assert a.as_dict() == b.as_dict()
-    assert plan(fagen.load_spec(path)) is not a  # a fresh value each call, no shared state
+    # computed once a spec (specs are frozen, so they key the cache), and frozen itself: the shared
+    # value cannot be changed by one caller under another
+    assert plan(fagen.load_spec(path)) is a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.block_q = 1
 
 
 def test_plan_does_not_mutate_the_spec():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fagen
-from fagen import device, runtime
+from fagen import device, dispatch, runtime
 from fagen.load import SPECS
 from fagen.plan import TMA_MAP, merge_plan, plan
 from fagen.runtime import pack_arguments, packers
@@ -48,7 +48,7 @@ def test_the_merge_kernel_packs_from_its_plan():
                                                ("a100", "attn_bf16_d64_causal"), (None, "attn_bf16_d64_causal")])
 def test_each_gpu_gets_its_tuned_default(monkeypatch, gpu, expected):
     monkeypatch.setattr(device, "gpu_slug", lambda: gpu)
-    assert runtime.default_spec("bfloat16", 64, True).name == expected
+    assert dispatch.default_spec("bfloat16", 64, True).name == expected
 
 
 def test_launch_slots_hold_each_parameter_in_its_c_type():

@@ -4,7 +4,7 @@ registers, the value checks and the oracle's per-sequence reading."""
 import numpy as np
 import pytest
 
-from fagen import nvcc, oracle, variants
+from fagen import dispatch, nvcc, oracle, variants
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.plan import plan, query_tile_slots
 from fagen.render import render
@@ -108,10 +108,10 @@ def test_a_varlen_batch_takes_the_long_class_where_it_walks_persistently(monkeyp
         arguments = {"total_q": total, "total_k": total, **({"seqused_k": 0} if seqused else {})}
         return sequences.Batch(t, t, t, "varlen", kv, arguments, ())
 
-    assert sequences.class_keys(batch("float16", 64, 4, 16384)) == 4096
-    assert sequences.class_keys(batch("float16", 64, 4, 16384, kv="paged")) is None
-    assert sequences.class_keys(batch("float16", 64, 4, 16384, seqused=True)) is None
-    pick = lambda *a: sequences.spec_for(batch(*a), causal=True, mask=None, softcap=None, alibi_slopes=None,  # noqa: E731
+    assert dispatch.class_keys(batch("float16", 64, 4, 16384)) == 4096
+    assert dispatch.class_keys(batch("float16", 64, 4, 16384, kv="paged")) is None
+    assert dispatch.class_keys(batch("float16", 64, 4, 16384, seqused=True)) is None
+    pick = lambda *a: dispatch.batch_spec(batch(*a), causal=True, mask=None, softcap=None, alibi_slopes=None,  # noqa: E731
                                          sinks=None).name
     assert pick("bfloat16", 64, 4, 16384) == "attn_bf16_d64_causal_long_h200_qvarlen_kvvarlen"
     assert pick("bfloat16", 64, 16, 16384) == "attn_bf16_d64_causal_h200_qvarlen_kvvarlen"  # 1024 keys

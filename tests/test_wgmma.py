@@ -8,6 +8,7 @@ import re
 import pytest
 
 import fagen
+from fagen import dispatch
 from fagen.plan import plan
 from fagen.render import render
 from fagen.load import SPECS
@@ -136,30 +137,30 @@ def test_long_sequences_take_their_shape_class(monkeypatch):
     the keys."""
     import numpy as np
 
-    from fagen import bench, device, runtime
+    from fagen import bench, device
     from fagen.bench_cases import Case
     from fagen.variants import LONG_KEYS
 
     monkeypatch.setattr(device, "gpu_slug", lambda: "h100")  # the H200's specs stand in
-    assert runtime.default_spec("float16", 128, True, keys=LONG_KEYS).name == "attn_f16_d128_causal_long_h200"
-    assert runtime.default_spec("bfloat16", 128, True, keys=LONG_KEYS).name == "attn_bf16_d128_causal_long_h200"
-    assert runtime.default_spec("float16", 128, True, keys=LONG_KEYS - 1).name == "attn_f16_d128_causal_h200"
-    assert runtime.default_spec("float16", 128, True).name == "attn_f16_d128_causal_h200"
-    assert runtime.default_spec("float16", 128, False, keys=16384).name == "attn_f16_d128_h200"  # none of its own
-    assert runtime.default_spec("float16", 128, True, partial=True, keys=16384).name == "attn_f16_d128_causal_partial_h200"
+    assert dispatch.default_spec("float16", 128, True, keys=LONG_KEYS).name == "attn_f16_d128_causal_long_h200"
+    assert dispatch.default_spec("bfloat16", 128, True, keys=LONG_KEYS).name == "attn_bf16_d128_causal_long_h200"
+    assert dispatch.default_spec("float16", 128, True, keys=LONG_KEYS - 1).name == "attn_f16_d128_causal_h200"
+    assert dispatch.default_spec("float16", 128, True).name == "attn_f16_d128_causal_h200"
+    assert dispatch.default_spec("float16", 128, False, keys=16384).name == "attn_f16_d128_h200"  # none of its own
+    assert dispatch.default_spec("float16", 128, True, partial=True, keys=16384).name == "attn_f16_d128_causal_partial_h200"
     assert bench.fagen_spec(Case("float16", 128, 4096, True))[0].name == "attn_f16_d128_causal_long_h200"
     assert bench.fagen_spec(Case("float16", 128, 1024, True))[0].name == "attn_f16_d128_causal_h200"
-    assert runtime.sequence_keys(np.zeros((1, 2, 3000, 128))) == 3000 and runtime.sequence_keys(np.zeros(5)) is None
+    assert dispatch.sequence_keys(np.zeros((1, 2, 3000, 128))) == 3000 and dispatch.sequence_keys(np.zeros(5)) is None
     monkeypatch.setattr(device, "gpu_slug", lambda: None)
-    assert runtime.default_spec("float16", 128, True, keys=16384).name == "attn_f16_d128_causal"
+    assert dispatch.default_spec("float16", 128, True, keys=16384).name == "attn_f16_d128_causal"
 
 
 @pytest.mark.parametrize(("gpu", "expected"), [("h200", "attn_f16_d128_h200"), ("h100", "attn_f16_d128_h200"),
                                                ("a100", "attn_f16_d128")])
 def test_default_spec_uses_the_tuned_hopper_kernel_on_either_hopper(monkeypatch, gpu, expected):
-    from fagen import device, runtime
+    from fagen import device
 
     monkeypatch.setattr(device, "gpu_slug", lambda: gpu)
-    spec = runtime.default_spec("float16", 128, False)
+    spec = dispatch.default_spec("float16", 128, False)
     assert spec.name == expected
     assert spec.wgmma == (expected != "attn_f16_d128")

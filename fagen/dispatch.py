@@ -1,0 +1,241 @@
+"""Which kernel a call runs, chosen from its tensors' shapes and its options alone: the family
+(the plain forward, the GQA-packed decode kernel, split-KV with the merge in the kernel or after
+it), the spec (the shipped defaults by dtype, head_dim, GPU and shape class; the variants its
+mask and modifiers derive; a batch's layouts) and the split count. What a choice reads of a
+kernel comes from its plan (tiles, rows), but for a decode step's occupancy, which only the
+compiled kernel knows (ptxas' registers: the plan's register estimate is a spill bound, 20 over
+or under where it does not matter to a spill, and would misjudge the blocks an SM holds).
+
+The public entry points (fagen.api) ask this module, then launch through fagen.runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from fagen import device, side_inputs, variants
+from fagen.device import as_device_tensor
+from fagen.element_types import KERNEL_TYPES
+from fagen.mask_kinds import fields_of
+from fagen.plan import plan
+from fagen.runtime import compile_kernel
+from fagen.spec import AttentionSpec, Mask, ScoreMod, SpecError
+
+
+def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False, keys: int | None = None) -> AttentionSpec:
+    """The shipped spec fagen.attention runs for these inputs on this GPU (fagen.variants), for
+    `keys` keys a sequence where known (long sequences may have a spec of their own)."""
+    return variants.shipped_spec(dtype, head_dim, causal, gpu=device.gpu_slug(), partial=partial, keys=keys)
+
+
+def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
+                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None) -> AttentionSpec:
+    """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
+    head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
+    modifiers they ask for (fagen.variants)."""
+    tq = as_device_tensor(q, "q")
+    if len(tq.shape) != 4:
+        raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
+    return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
+                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys)
+
+
+def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
+                    block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+                    keys: int | None = None) -> AttentionSpec:
+    """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
+    if isinstance(mask, str):
+        mask = _named_mask(mask)
+    elif mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
+        mask = _mask_of(mask)
+    bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
+    return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
+                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())
+
+
+@lru_cache(maxsize=64)
+def _named_mask(kind: str) -> Mask:
+    """mask='causal': validated once."""
+    return _mask_of(kind)
+
+
+def _mask_of(given) -> Mask:
+    """A Mask from fagen.attention's mask=, refused as the oracle refuses it (naming the argument,
+    mask=5 or a bad field), not with pydantic's report."""
+    try:
+        return Mask.model_validate({"kind": given} if isinstance(given, str) else given)
+    except ValueError:
+        fields_of(given)  # raises the shared rule's message
+        raise
+
+
+@lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
+def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
+                  has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
+                  gpu: str) -> AttentionSpec:
+    if dtype not in KERNEL_TYPES:
+        raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
+    if mask is not None:
+        mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
+        if causal and mask.kind != "causal":
+            raise ValueError(f"causal=True and mask kind {mask.kind!r}: pick one (chunked, prefix_lm and "
+                             f"document masks have their own causal structure)")
+    elif has_block_mask:
+        if causal:
+            raise ValueError("causal=True with a block_mask: build the causal structure into the mask "
+                             "(fagen.masks.causal, or a predicate with kv_idx <= q_idx)")
+        mask = Mask(kind="block_mask")
+    elif has_doc_ids:
+        mask = Mask(kind="document", causal=causal)
+    else:
+        mask = Mask(kind="causal" if causal else "none")
+    # before compiling a variant for an array that is not there
+    side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
+    score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
+                         sinks=has_sinks)
+    base = variants.shipped_spec(dtype, head_dim, mask.kind == "causal", gpu=gpu, keys=keys)
+    return variants.variant(base, mask, score_mod)
+
+
+def sequence_keys(k) -> int | None:
+    """k's keys a sequence ([B, H, N, d]), for the shape class; None for anything else (the call
+    refuses it with its own message)."""
+    shape = getattr(k, "shape", ())
+    return int(shape[2]) if len(shape) == 4 else None
+
+
+def no_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> bool:
+    """Whether q [B, Hq, Nq, d] against k [B, Hkv, Nk, d] computes nothing: no query row, or no
+    key for the rows to see. Such a call launches nothing (answer_without_work): a grid needs a
+    block, and the decode planner a block and a tile to split."""
+    return min(*q_shape[:3], k_shape[2]) == 0
+
+
+def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
+    """The decode kernel for the plain spec `plain` (derive_spec's) on these q and k, or None."""
+    tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
+    if len(tk.shape) != 4 or tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
+        return None  # the kernel's own checks say what is wrong
+    rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
+    return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+
+
+def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
+                    alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec | None:
+    """The decode kernel fagen.attention would run for these arguments, or None where the plain
+    forward is the one (too many packed rows, another head_dim, an unpackable mask or modifier)."""
+    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
+                        alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+    return packed_spec(plain, q, k)
+
+
+def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
+    """Splits of the KV tiles so that blocks x splits fills the GPU's `slots` (SMs x blocks an SM
+    holds) in one wave, none waiting for a second: a memory-bound launch wants every block it
+    can keep loading at once, and equal shares end together. A split may be a single tile: with
+    the merge in the kernel, B 1 at 4k keys ran 2-5% faster on 16 one-tile splits than on 8 of
+    two (H200, notes/perf.md). 1 when the blocks alone fill the slots, and where there is
+    nothing to split (no block or no tile: a call with no work launches nothing, no_work)."""
+    if blocks < 1 or kv_tiles < 1:
+        return 1
+    return max(1, min(slots // blocks, kv_tiles))
+
+
+def slots(spec: AttentionSpec) -> int:
+    """Blocks of `spec`'s kernel the current GPU runs at once: its SMs x the occupancy CUDA
+    reports for the compiled kernel (compiled once a process)."""
+    return device.multiprocessors(device.current_device()) * compile_kernel(spec).blocks_per_sm
+
+
+def default_splits(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int) -> int:
+    """choose_splits for `spec`'s grid on the current GPU."""
+    p = plan(spec)
+    blocks = math.prod(p.tiles(b, hq, hkv, nq, 1))
+    return choose_splits(blocks, math.ceil(nk / p.block_kv), slots(spec))
+
+
+# The most a tile's partials may be for its last split to merge them (read back by one block):
+# on the H200, 32 KB (Nq 1, GQA 4, d 128, 16 splits) merged 0.5 us faster than by the merge
+# kernel, 128 KB (Nq 4) 4.6 us slower (notes/perf.md).
+MERGE_IN_KERNEL_BYTES = 64 * 1024
+
+
+def merges_in_kernel(tile_rows: int, head_dim: int, splits: int) -> bool:
+    """Whether the last split of a tile merges the tile's float32 partials (one launch a step), or
+    fagen.splitkv's merge kernel does, its blocks sharing the reads (two launches)."""
+    return tile_rows * head_dim * splits * 4 <= MERGE_IN_KERNEL_BYTES
+
+
+def step_spec(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, splits: int | None,
+              sinks: bool) -> tuple[AttentionSpec, int]:
+    """The kernel a decode step of `spec` (a GQA-packed partial spec) runs, and its split count
+    (equal shares of the KV tiles): unsplit where the blocks alone fill the GPU; merging in its
+    last split where a tile's partials are small (merges_in_kernel); else `spec` itself, whose
+    partials the merge kernel combines."""
+    merged = variants.merged_variant(spec, sinks)
+    merged_plan = plan(merged)  # its occupancy sets the split count: the steps' common case
+    tiles = math.ceil(nk / merged_plan.block_kv)
+    if splits is None:
+        splits = default_splits(merged, b, hq, hkv, nq, nk)
+    if not 1 <= splits <= tiles:
+        raise ValueError(f"splits = {splits}: must be 1..{tiles} (the KV tiles of Nk = {nk})")
+    splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares: some counts give the same split
+    if splits == 1:  # more blocks than the GPU holds: half the ring each, so that they run in one wave
+        blocks = math.prod(merged_plan.tiles(b, hq, hkv, nq, 1))
+        return variants.unsplit_variant(spec, sinks, half_ring=blocks > slots(merged)), 1
+    tile_rows = min(merged_plan.block_q, nq * (hq // hkv))
+    return (merged if merges_in_kernel(tile_rows, spec.head_dim, splits) else spec), splits
+
+
+def batch_step(spec: AttentionSpec, varlen_q: bool, b: int, hq: int, hkv: int, nq: int, nk: int,
+               splits: int | None, sinks: bool) -> tuple[AttentionSpec, int]:
+    """The kernel a batch of `spec` (batch_spec's) runs, and its split count: a padded batch's
+    decode step as step_spec chooses it; varlen queries' split kernel, whose partials the merge
+    kernel combines over the batch's rows, or its unsplit form where the blocks alone fill the
+    GPU; a plain kernel as it is."""
+    if not spec.outputs.partial:
+        return spec, 1
+    if not varlen_q:
+        return step_spec(spec, b, hq, hkv, nq, nk, splits, sinks)
+    if splits is None:
+        splits = default_splits(spec, b, hq, hkv, nq, nk)
+    tiles = math.ceil(nk / plan(spec).block_kv)
+    splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares
+    return (variants.unsplit_variant(spec, sinks), 1) if splits == 1 else (spec, splits)
+
+
+def class_keys(batch) -> int | None:
+    """The keys that pick a varlen batch's shape class (fagen.variants.LONG_KEYS), as a padded
+    call's keys do: its average sequence's (total_k / B, on the host without a sync); None (the
+    base class) for other layouts. batch_spec takes a long class only where it walks the batch
+    persistently, claiming its tiles (plan.claimed_walk): H200, causal, average 2-4k keys, the
+    long class against the base one: d64 (persistent) 1.07-1.12x; d128 (a block a tile)
+    0.90-0.94x, 1.01-1.02x from 8k; d256 (a block a tile) 1.03x (notes/perf.md)."""
+    if batch.kv_layout != "varlen" or batch.seqused_k:
+        return None
+    return int(batch.arguments["total_k"]) // batch.q.shape[0]
+
+
+def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
+    """The kernel for a batch (a fagen.sequences.Batch): the decode kernel where a KV head's packed rows (the longest
+    sequence's queries x its group) fit one, else the plain forward of its shape class
+    (class_keys), in the batch's layouts."""
+    tq, tk = batch.q, batch.k
+    plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
+                            alibi_slopes=alibi_slopes, sinks=sinks)
+    keys = class_keys(batch)
+    if keys is not None:
+        long = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks, keys=keys)
+        ws = long.pipeline.warp_specialized
+        if ws is not None and ws.persistent:
+            plain = long
+    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
+        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
+    packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),
+                                  plain.mask, plain.score_mod)
+    try:
+        return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout, batch.seqused_k)
+    except SpecError as refused:
+        raise ValueError(f"{batch.q_layout} q, {batch.kv_layout} K/V: {refused}") from None
