@@ -1,10 +1,11 @@
 """Which kernel a call runs, chosen from its tensors' shapes and its options alone: the family
 (the plain forward, the GQA-packed decode kernel, split-KV with the merge in the kernel or after
 it), the spec (the shipped defaults by dtype, head_dim, GPU and shape class; the variants its
-mask and modifiers derive; a batch's layouts) and the split count. What a choice reads of a
-kernel comes from its plan (tiles, rows), but for a decode step's occupancy, which only the
-compiled kernel knows (ptxas' registers: the plan's register estimate is a spill bound, 20 over
-or under where it does not matter to a spill, and would misjudge the blocks an SM holds).
+mask and modifiers derive; a batch's layouts) and the split count. A decode step's split count
+reads its kernel's tiles and occupancy off the compiled kernel (compiled once a process; a
+repeated call finds it by its spec): the occupancy is ptxas' register count's, which the plan's
+register estimate (a spill bound) misses by 20 where no spill is near, enough to misjudge the
+blocks an SM holds.
 
 The public entry points (fagen.api) ask this module, then launch through fagen.runtime.
 """
@@ -18,8 +19,7 @@ from fagen import device, side_inputs, variants
 from fagen.device import as_device_tensor
 from fagen.element_types import KERNEL_TYPES
 from fagen.mask_kinds import fields_of
-from fagen.plan import plan
-from fagen.runtime import compile_kernel
+from fagen.runtime import Kernel, compile_kernel
 from fagen.spec import AttentionSpec, Mask, ScoreMod, SpecError
 
 
@@ -142,17 +142,16 @@ def choose_splits(blocks: int, kv_tiles: int, slots: int) -> int:
     return max(1, min(slots // blocks, kv_tiles))
 
 
-def slots(spec: AttentionSpec) -> int:
-    """Blocks of `spec`'s kernel the current GPU runs at once: its SMs x the occupancy CUDA
-    reports for the compiled kernel (compiled once a process)."""
-    return device.multiprocessors(device.current_device()) * compile_kernel(spec).blocks_per_sm
+def slots(kernel: Kernel) -> int:
+    """Blocks of `kernel` the current GPU runs at once: its SMs x the occupancy CUDA reports."""
+    return device.multiprocessors(device.current_device()) * kernel.blocks_per_sm
 
 
 def default_splits(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int) -> int:
     """choose_splits for `spec`'s grid on the current GPU."""
-    p = plan(spec)
-    blocks = math.prod(p.tiles(b, hq, hkv, nq, 1))
-    return choose_splits(blocks, math.ceil(nk / p.block_kv), slots(spec))
+    kernel = compile_kernel(spec)
+    blocks = math.prod(kernel.plan.tiles(b, hq, hkv, nq, 1))
+    return choose_splits(blocks, math.ceil(nk / kernel.plan.block_kv), slots(kernel))
 
 
 # The most a tile's partials may be for its last split to merge them (read back by one block):
@@ -174,17 +173,17 @@ def step_spec(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, 
     last split where a tile's partials are small (merges_in_kernel); else `spec` itself, whose
     partials the merge kernel combines."""
     merged = variants.merged_variant(spec, sinks)
-    merged_plan = plan(merged)  # its occupancy sets the split count: the steps' common case
-    tiles = math.ceil(nk / merged_plan.block_kv)
+    kernel = compile_kernel(merged)  # its tiles and occupancy set the split count: the steps' common case
+    tiles = math.ceil(nk / kernel.plan.block_kv)
+    blocks, gpu_slots = math.prod(kernel.plan.tiles(b, hq, hkv, nq, 1)), slots(kernel)
     if splits is None:
-        splits = default_splits(merged, b, hq, hkv, nq, nk)
+        splits = choose_splits(blocks, tiles, gpu_slots)
     if not 1 <= splits <= tiles:
         raise ValueError(f"splits = {splits}: must be 1..{tiles} (the KV tiles of Nk = {nk})")
     splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares: some counts give the same split
     if splits == 1:  # more blocks than the GPU holds: half the ring each, so that they run in one wave
-        blocks = math.prod(merged_plan.tiles(b, hq, hkv, nq, 1))
-        return variants.unsplit_variant(spec, sinks, half_ring=blocks > slots(merged)), 1
-    tile_rows = min(merged_plan.block_q, nq * (hq // hkv))
+        return variants.unsplit_variant(spec, sinks, half_ring=blocks > gpu_slots), 1
+    tile_rows = min(kernel.plan.block_q, nq * (hq // hkv))
     return (merged if merges_in_kernel(tile_rows, spec.head_dim, splits) else spec), splits
 
 
@@ -200,7 +199,7 @@ def batch_step(spec: AttentionSpec, varlen_q: bool, b: int, hq: int, hkv: int, n
         return step_spec(spec, b, hq, hkv, nq, nk, splits, sinks)
     if splits is None:
         splits = default_splits(spec, b, hq, hkv, nq, nk)
-    tiles = math.ceil(nk / plan(spec).block_kv)
+    tiles = math.ceil(nk / compile_kernel(spec).plan.block_kv)
     splits = math.ceil(tiles / math.ceil(tiles / splits))  # equal shares
     return (variants.unsplit_variant(spec, sinks), 1) if splits == 1 else (spec, splits)
 

@@ -206,6 +206,7 @@ class KernelPlan:
     # O goes through the Q tile to 16-byte row stores; not where the Q tile is refilled for the
     # next tile (persistent), nor for f32 partials: those store straight from registers
     output_staged: bool
+    input_params: tuple[tuple[str, str], ...]  # q, k, v (unless TMA maps stand in), o, lse, shape, strides, scale
 
     @property
     def extra_params(self) -> tuple[tuple[str, str], ...]:
@@ -215,9 +216,10 @@ class KernelPlan:
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:
-        """(C type, name) of every kernel parameter in signature order: the fixed ones, then
-        extra_params. The template prints the signature from it; the names are the C names."""
-        return KERNEL_FIXED_PARAMS + self.extra_params
+        """(C type, name) of every kernel parameter in signature order: the inputs it reads
+        (input_params), then extra_params. The template prints the signature from it; the
+        runtime packs a launch by these names; no parameter is one the kernel does not read."""
+        return self.input_params + self.extra_params
 
     def tiles(self, b: int, hq: int, hkv: int, nq: int, splits: int, total_q: int | None = None
               ) -> tuple[int, int, int]:
@@ -749,6 +751,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         producer_registers=ws.producer_registers if ws else 0,
         consumer_registers=ws.consumer_registers if ws else 0,
         tma_params=tuple((TMA_MAP, f"{t}_map") for t in "qkv") if ws else (),
+        input_params=input_params(spec),
         scheduler_params=(SCHEDULER_PARAMS + CLAIMED_WALK_PARAMS * has_claimed_walk(spec)) if ws else (),
         persistent=bool(ws and ws.persistent),
         claimed_walk=has_claimed_walk(spec),
@@ -766,15 +769,21 @@ SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * 128  # 8 rows of 128 bytes
 ELEM_PTR, OUT_PTR = "const elem_t* __restrict__", "out_t* __restrict__"
 # The kernel's parameters before extra_params, in signature order (elem_t and out_t are the
 # kernel's typedefs: the storage dtype, and f32 for split-KV partials).
-KERNEL_FIXED_PARAMS: tuple[tuple[str, str], ...] = (
-    (ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (OUT_PTR, "o"), ("float* __restrict__", "lse"),
-    ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
-    ("long long", "q_sb"), ("long long", "q_sh"), ("long long", "q_sn"),
-    ("long long", "k_sb"), ("long long", "k_sh"), ("long long", "k_sn"),
-    ("long long", "v_sb"), ("long long", "v_sh"), ("long long", "v_sn"),
-    ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
-    ("float", "scale"), ("float", "scale_log2"),
-)
+def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
+    """The forward kernel's first parameters, those it reads: q, k and v by pointer and strides
+    (where a producer loads them, its tensor maps stand in: plan.tma_params), o and lse, the
+    shape, and the scale as the scores take it (natural units for the score modifiers, log2
+    units straight into the softmax otherwise)."""
+    loaded = () if spec.warp_specialized else (
+        (ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"))
+    strides = () if spec.warp_specialized else (
+        ("long long", "q_sb"), ("long long", "q_sh"), ("long long", "q_sn"),
+        ("long long", "k_sb"), ("long long", "k_sh"), ("long long", "k_sn"),
+        ("long long", "v_sb"), ("long long", "v_sh"), ("long long", "v_sn"))
+    scale = ("float", "scale") if spec.score_mod.changes_scores else ("float", "scale_log2")
+    return (*loaded, (OUT_PTR, "o"), ("float* __restrict__", "lse"),
+            ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
+            *strides, ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"), scale)
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")

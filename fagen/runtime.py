@@ -164,7 +164,12 @@ class Launch:
         # cuLaunchKernel reads the pointer array and the slots during the call: both live here
         self._pointers = self.values.ctypes.data + SLOT_BYTES * np.array(offsets, dtype=np.uint64)
         self.params = self._pointers.ctypes.data
-        self.slots = tuple(offsets[names.index(name)] for name in slots)
+        # a tensor a producer loads through its map is no parameter: its slot is -1, and a
+        # re-point only re-encodes the map
+        self.slots = tuple(offsets[names.index(name)] if name in names else -1 for name in slots)
+        loose = [name for name, at in zip(slots, self.slots) if at < 0 and name not in {m.tensor for m in maps}]
+        if loose:
+            raise ValueError(f"slots {loose}: neither kernel parameters nor tensors of its maps")
         # (first slot, index of the mapped tensor among `slots`, dtype, layout): what a re-point re-encodes
         self.maps = tuple((offsets[names.index(m.param)], slots.index(m.tensor), m.dtype, m.layout) for m in maps)
         # the address each map was encoded for: a decode loop re-points k and v at the same cache
@@ -186,7 +191,8 @@ class Launch:
         else:
             values = self.values
             for index, address in zip(self.slots, addresses):
-                values[index] = address
+                if index >= 0:
+                    values[index] = address
         if self.maps:
             self.re_encode(addresses)
         if stream is None:
@@ -612,7 +618,7 @@ class Kernel:
             return Packed(self.spec, out, lse, launch, None, held)
         merge_out, merge_lse = merged_views or (out, lse)
         b, hq, nq, _ = tq.shape
-        parts_shape = (splits, *as_device_tensor(merge_out, "out").shape)
+        parts_shape = (splits, *(to.shape if merged_views is None else as_device_tensor(merge_out, "out").shape))
         o_parts = empty_like(tq, parts_shape, "float32")
         lse_parts = empty_like(tq, parts_shape[:-1], "float32")
         tp, tlp = as_device_tensor(o_parts, "o_parts"), as_device_tensor(lse_parts, "lse_parts")

@@ -454,7 +454,6 @@ fagen_alibi_causal_f16_d128(
     long long o_sh,
     long long o_sn,
     float scale,
-    float scale_log2,
     const float* __restrict__ alibi_slopes) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);

@@ -411,7 +411,6 @@ fagen_attn_bf16_d256_causal(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);

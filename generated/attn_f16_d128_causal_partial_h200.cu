@@ -410,7 +410,6 @@ fagen_attn_f16_d128_causal_partial_h200(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2,
     int kv_tiles_per_split,
     long long o_split_stride,

@@ -453,7 +453,6 @@ fagen_bias_matrix_f16_d64(
     long long o_sh,
     long long o_sn,
     float scale,
-    float scale_log2,
     const float* __restrict__ bias,
     long long bias_sb,
     long long bias_sh,

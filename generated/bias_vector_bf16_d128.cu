@@ -458,7 +458,6 @@ fagen_bias_vector_bf16_d128(
     long long o_sh,
     long long o_sn,
     float scale,
-    float scale_log2,
     const float* __restrict__ bias,
     long long bias_sb,
     long long bias_sh,

@@ -455,7 +455,6 @@ fagen_causal_softcap_sinks_f16_d128(
     long long o_sh,
     long long o_sn,
     float scale,
-    float scale_log2,
     const float* __restrict__ sinks) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);

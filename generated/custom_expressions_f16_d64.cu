@@ -457,8 +457,7 @@ fagen_custom_expressions_f16_d64(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
-    float scale_log2) {
+    float scale) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;

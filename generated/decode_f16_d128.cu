@@ -503,7 +503,6 @@ fagen_decode_f16_d128(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2,
     int kv_tiles_per_split,
     long long o_split_stride,

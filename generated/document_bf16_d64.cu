@@ -463,7 +463,6 @@ fagen_document_bf16_d64(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2,
     const int2* __restrict__ doc_bounds,
     long long doc_sb) {

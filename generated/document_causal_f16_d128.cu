@@ -460,7 +460,6 @@ fagen_document_causal_f16_d128(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2,
     const int2* __restrict__ doc_bounds,
     long long doc_sb) {

@@ -438,7 +438,6 @@ fagen_omni_prefetch_bf16_d64_sinks(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2,
     const int* __restrict__ bm_num,
     const int* __restrict__ bm_idx,

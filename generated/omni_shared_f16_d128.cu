@@ -434,7 +434,6 @@ fagen_omni_shared_f16_d128(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2,
     const int* __restrict__ bm_num,
     const int* __restrict__ bm_idx,

@@ -427,7 +427,6 @@ fagen_sliding_window_bf16_d64_sym(
     long long o_sb,
     long long o_sh,
     long long o_sn,
-    float scale,
     float scale_log2) {
   extern __shared__ __align__(SMEM_ALIGN) chunk16 smem_chunks[];
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);

@@ -7,7 +7,6 @@ import fagen
 from fagen import decode, dispatch, hot_path, oracle, variants
 from fagen.check import OUT_TOLERANCE, check_against_oracle, random_inputs, relative_error, to_numpy
 from fagen.device import cupy
-from fagen.plan import plan
 from fagen.spec import Mask, ScoreMod
 
 pytestmark = pytest.mark.gpu
@@ -321,8 +320,8 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod, b):
     assert relative_error(to_numpy(lse), ref_lse) < 1e-4
     call = fagen.prepare(q, k, v, mask=mask, softcap=mod.softcap, alibi_slopes=slopes, sinks=sinks)
     assert not call.spec.outputs.partial  # one launch a step, no partials
-    merged = variants.merged_variant(spec, mod.sinks)  # its occupancy sets the step's kernel
-    overfill = math.prod(plan(merged).tiles(b, hq, hkv, nq, 1)) > dispatch.slots(merged)
+    merged = fagen.compile(variants.merged_variant(spec, mod.sinks))  # its occupancy sets the step's kernel
+    overfill = math.prod(merged.plan.tiles(b, hq, hkv, nq, 1)) > dispatch.slots(merged)
     assert call.spec.name.endswith("_unsplit_half" + ("_sinks" if mod.sinks else "")) is overfill
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq, nq), float("nan"), device="cuda")

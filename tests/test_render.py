@@ -79,11 +79,12 @@ def test_no_two_specs_render_the_same_kernel():
 # ---- the template tree -----------------------------------------------------------------------
 MASK_KINDS = ("none", "causal", "sliding_window", "chunked", "prefix_lm", "document", "block_mask")
 SHARED = ("common", "masks", "score")  # partials every architecture renders
+SKELETONS = ("kernel", "forward")  # the kernels' skeletons and the forward's roles: they reach arch hooks
 
 
 # Partials only a main loop with a producer warpgroup has (pipeline.warp_specialized, sm_90a): the
 # skeletons include them where the plan says a producer feeds the loop
-PRODUCER_ROLES = {"tile_scheduler", "producer", "tma", "tma_ring", "qdo_producer", "dq_producer"}
+PRODUCER_ROLES = {"tile_scheduler", "producer", "tma", "tma_ring", "qdo_producer", "dq_producer", "warp_roles"}
 
 
 def _jinja(path) -> str:
@@ -98,8 +99,8 @@ def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
         assert (TEMPLATES / "masks" / f"{kind}.cu.j2").read_text().startswith('{% extends "common/mask.cu.j2" %}')
     folders = [p for p in TEMPLATES.iterdir() if p.is_dir() and re.fullmatch(r"sm\d+", p.name)]
     assert len(folders) >= 2
-    for skeleton in ("forward", "backward"):
-        text = (TEMPLATES / "kernel" / f"{skeleton}.cu.j2").read_text()
+    for skeleton in ("kernel/forward", "kernel/backward", "forward/consumer"):
+        text = (TEMPLATES / f"{skeleton}.cu.j2").read_text()
         hooks = set(re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', text))
         assert hooks, skeleton
         for part in hooks:
@@ -109,7 +110,7 @@ def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
     # (an arch's own tile MMAs, the pieces of its PTX wrappers), or is a hook of the skeletons
     named = {m for path in TEMPLATES.rglob("*.j2")
              for m in re.findall(r'(?:include|from) "(sm[89]0/[\w.]+)"', path.read_text())}
-    hooks = {f"{part}.cu.j2" for path in (TEMPLATES / "kernel").glob("*.j2")
+    hooks = {f"{part}.cu.j2" for folder in SKELETONS for path in (TEMPLATES / folder).glob("*.j2")
              for part in re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', path.read_text())}
     sm80, sm90 = ({p.name for p in (TEMPLATES / arch).iterdir()} for arch in ("sm80", "sm90"))
     orphans = {f"sm80/{name}" for name in sm80 - sm90 - hooks} | {f"sm90/{name}" for name in sm90 - sm80 - hooks}
@@ -121,11 +122,11 @@ def test_skeletons_and_shared_partials_hold_no_architecture_switch():
     template name the plan gives; the skeletons and shared partials never name an arch."""
     from fagen.render import TEMPLATES
 
-    for folder in (*SHARED, "kernel"):
+    for folder in (*SHARED, *SKELETONS):
         for path in (TEMPLATES / folder).glob("*.j2"):
             jinja = _jinja(path)
             assert not re.search(r"\bsm_?\d+|arch\s*[!=]=|mainloop\s*[!=]=", jinja), path
-            if folder != "kernel":  # the skeletons set `arch` from the plan to reach the hooks
+            if folder not in SKELETONS:  # the skeletons set `arch` from the plan to reach the hooks
                 assert not re.search(r"\b(mma|mainloop|wgmma|pingpong|warpgroups|kv_stages|kv_slots)\b", jinja), path
 
 

@@ -321,9 +321,13 @@ def test_kernel_signature_ends_with_the_extra_params(label, make):
     p = plan(spec)
     params = kernel_params(src, plan(spec).symbol)
     extra = [(t, n) for t, n in p.extra_params]
-    assert [n for _, n in params] == FIXED_PARAMS + [n for _, n in extra]
-    assert params[len(FIXED_PARAMS):] == extra  # the names in order, with the plan's C types
+    inputs = [n for n in FIXED_PARAMS if n in {n for _, n in p.input_params}]
+    assert [n for _, n in params] == inputs + [n for _, n in extra]
+    assert params[len(inputs):] == extra  # the names in order, with the plan's C types
     assert params == list(p.params)  # the whole signature is the plan's table
+    # no parameter the kernel never reads: each appears in the kernel's body
+    body = src[src.index(") {", src.index(f"\n{p.symbol}(")):]
+    assert [n for _, n in params if not re.search(rf"\b{n}\b", body)] == []
     # and the mask and score-mod structs receive their own parameters, in the same order
     mask_call = re.search(r"mask\.begin\(n_q, n_kv, mask_offset, b, h, q_first, q_last(.*?)\);", src).group(1)
     assert [a.strip() for a in mask_call.split(",") if a.strip()] == [n for _, n in p.mask_params]
