@@ -808,7 +808,9 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "kv_tile_bytes": kv_tile_elems * spec.element.bytes,
         "q_tile_bytes": t.block_q * spec.row_width * spec.element.bytes if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
-        "v_copy_rows_per_pass": threads // v_chunks_per_row if threads % v_chunks_per_row == 0 else 0,
+        # V copies as K does: by passes of whole rows where both divide the threads, else chunk by chunk
+        "v_copy_rows_per_pass": threads // v_chunks_per_row if threads % v_chunks_per_row == 0
+        and threads % chunks_per_row == 0 else 0,
         "out_chunks_per_warp": warp_rows * v_chunks_per_row,
         "s_acc_regs": m_frags * (t.block_kv // t.warps_kv // MMA_N) * acc_per_fragment,
         "o_acc_regs": m_frags * (dv // MMA_N) * acc_per_fragment,

@@ -22,6 +22,9 @@ from fagen.element_types import ELEMENT_TYPES, INPUT_TYPES, KERNEL_TYPES, Elemen
 from fagen.mask_kinds import KINDS
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
+# Q.K^T widths that only come with a narrower V (head_dim_v): DeepSeek's 192 (128 + 64 rotary)
+# over V and O of 128. As a square head (or V's width) it is not built yet.
+QK_HEAD_DIMS = (192,)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
 SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
@@ -564,6 +567,16 @@ class AttentionSpec(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _qk_head_dim(self) -> AttentionSpec:
+        """head_dim 192 is a Q.K^T width over a narrower V (DeepSeek's 192/128)."""
+        if self.head_dim in QK_HEAD_DIMS and self.dv == self.head_dim:
+            raise ValueError(rule("head_dim", self.head_dim, f"is a Q.K^T width that comes with a narrower V "
+                                  f"(head_dim_v, e.g. DeepSeek's 192/128); a square {self.head_dim}-wide head is not "
+                                  "built yet", "set head_dim_v: 128, or pad the head to head_dim: 256",
+                                  {"head_dim_v": 128}))
+        return self
+
+    @model_validator(mode="after")
     def _two_head_widths(self) -> AttentionSpec:
         """head_dim_v apart from head_dim: the forward over padded [B, H, N, d] tensors, one block
         per query tile; what it does not reach yet is refused by name."""
@@ -611,6 +624,8 @@ class AttentionSpec(_Frozen):
     @classmethod
     def _head_dim(cls, v: int | None, info) -> int | None:
         field = info.field_name
+        if field == "head_dim" and v in QK_HEAD_DIMS:
+            return v  # with a V of its own (_qk_head_dim)
         if v is not None and v not in HEAD_DIMS:
             up = next((d for d in HEAD_DIMS if d >= v), None)
             if up is None:

@@ -4,6 +4,7 @@ plan and the rendered kernel take from each width, and the oracle's reference fo
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import fagen
 from fagen import oracle
@@ -20,7 +21,8 @@ def test_each_width_feeds_its_own_product():
     """Q.K^T steps over head_dim, P.V's fragments and O's chunks over head_dim_v; the smem rows
     are as wide as the wider head (so the staged O fits Q's tile)."""
     for name, d, dv in (("value_head_f16_d128_v64", 128, 64), ("value_head_bf16_d64_v128", 64, 128),
-                        ("value_head_f16_d128_v64_sm90a", 128, 64), ("value_head_bf16_d64_v128_sm90a", 64, 128)):
+                        ("value_head_f16_d128_v64_sm90a", 128, 64), ("value_head_bf16_d64_v128_sm90a", 64, 128),
+                        ("value_head_f16_d192_v128", 192, 128), ("value_head_bf16_d192_v128_sm90a", 192, 128)):
         spec = _spec(name)
         p = plan(spec)
         assert (p.head_dim, p.head_dim_v, p.qk_k_steps, p.o_n_frags) == (d, dv, d // 16, dv // 8), name
@@ -53,3 +55,20 @@ def test_the_oracle_takes_a_value_head_of_its_own():
     s = np.where(np.tril(np.ones((9, 13), bool), 13 - 9), s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     assert np.allclose(out, (p / p.sum(-1, keepdims=True)) @ vv, rtol=0, atol=1e-12)
+
+
+def test_192_is_a_query_key_width_with_a_value_head_of_its_own():
+    """DeepSeek's 192/128: head_dim 192 takes a narrower V; a square 192 head is refused with the
+    fix that makes it DeepSeek's (which validates), and 192 is no V width."""
+    from fagen.spec import SpecError
+
+    base = _spec("value_head_f16_d192_v128").model_dump(exclude_none=True)
+    with pytest.raises(SpecError, match="head_dim = 192: is a Q.K\\^T width that comes with a narrower V") as refused:
+        fagen.parse_spec({**base, "head_dim_v": None})
+    assert refused.value.fix == {"head_dim_v": 128}
+    assert fagen.parse_spec({**base, "head_dim_v": None, **refused.value.fix}).dv == 128
+    with pytest.raises(SpecError, match="head_dim_v = 192: must be one of"):
+        fagen.parse_spec({**base, "head_dim": 128, "head_dim_v": 192})
+    # K's 24 chunks a row do not divide the threads: K and V both copy chunk by chunk
+    p = plan(_spec("value_head_f16_d192_v128"))
+    assert (p.copy_rows_per_pass, p.v_copy_rows_per_pass) == (0, 0)
