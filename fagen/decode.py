@@ -60,11 +60,11 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
             raise ValueError(f"{n}: dtype {t.dtype}, but q is {tq.dtype}; cast it to {tq.dtype}")
         if t.device != tq.device:
             raise ValueError(f"{n} is on cuda:{t.device} but q on cuda:{tq.device}: put them on one GPU")
-        if len(t.shape) != 4 or t.shape[-1] != d:
-            raise ValueError(f"{n}: shape {t.shape}; expected [B, Hkv, Nk, {d}] (q's head_dim)")
-    if tk.shape != tv.shape:
-        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [B, Hkv, Nk, d] (the shipped "
-                         f"kernels; for a V of its own width, compile a spec with head_dim_v: fagen.compile)")
+        if len(t.shape) != 4 or n == "k" and t.shape[-1] != d:
+            raise ValueError(f"{n}: shape {t.shape}; expected [B, Hkv, Nk, {d if n == 'k' else 'head_dim_v'}]"
+                             + (" (q's head_dim)" if n == "k" else ""))
+    if tk.shape[:3] != tv.shape[:3]:
+        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same [B, Hkv, Nk]")
     if bk != b:
         raise ValueError(f"batch mismatch: q has B = {b}, k and v have B = {bk}")
     if hkv == 0 and hq or hkv and hq % hkv:
@@ -74,7 +74,7 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
     side_inputs.check_shapes(b, hq, nq, nk, bias_kind=None if plain.score_mod.bias == "none" else plain.score_mod.bias,
                              **given)
     with cupy.cuda.Device(tq.device), stream_for(tq):
-        out = zeros_like(tq, (b, hq, nq, d), tq.dtype)
+        out = zeros_like(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)
         lse = full_like(tq, (b, hq, nq), -math.inf, "float32")
         if sinks is not None and b * hq * nq:  # rows that see only their sink
             cupy.asarray(lse)[...] = _aux_array(sinks, "sinks", "float32", tq.device)[None, :, None]
@@ -115,7 +115,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward (fagen.runtime.attention)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
-    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), **side)
+    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, **side)
 
 
@@ -144,7 +144,7 @@ class PreparedAttention:
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                            keys=sequence_keys(k))
+                            keys=sequence_keys(k), v=v)
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
@@ -153,7 +153,7 @@ class PreparedAttention:
             spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
         spec = spec or plain
         kernel = compile_kernel(spec)
-        out = empty_like(tq, (b, hq, nq, d), tq.dtype)  # the outputs' strides, for packing
+        out = empty_like(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)  # the outputs' strides, for packing (O as wide as V)
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
         lse = empty_like(tq, (b, hq, nq), "float32")
         with cupy.cuda.Device(tq.device), stream_for(tq):

@@ -20,7 +20,7 @@ from fagen.device import as_device_tensor
 from fagen.element_types import KERNEL_TYPES
 from fagen.mask_kinds import fields_of
 from fagen.runtime import Kernel, compile_kernel
-from fagen.spec import AttentionSpec, Mask, ScoreMod, SpecError
+from fagen.spec import HEAD_DIMS, QK_HEAD_DIMS, AttentionSpec, Mask, ScoreMod, SpecError
 
 
 def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False, keys: int | None = None) -> AttentionSpec:
@@ -30,20 +30,23 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False,
 
 
 def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
-                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None) -> AttentionSpec:
+                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None, v=None) -> AttentionSpec:
     """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
     head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
-    modifiers they ask for (fagen.variants)."""
+    modifiers they ask for (fagen.variants), and V's width where `v` is given and differs."""
     tq = as_device_tensor(q, "q")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
+    v_shape = getattr(v, "shape", ())
+    head_dim_v = int(v_shape[-1]) if len(v_shape) == 4 and v_shape[-1] != tq.shape[-1] else None
     return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
-                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys)
+                           bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys,
+                           head_dim_v=head_dim_v)
 
 
 def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-                    keys: int | None = None) -> AttentionSpec:
+                    keys: int | None = None, head_dim_v: int | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
     if isinstance(mask, str):
         mask = _named_mask(mask)
@@ -51,7 +54,7 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
         mask = _mask_of(mask)
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
-                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug())
+                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug(), head_dim_v)
 
 
 @lru_cache(maxsize=64)
@@ -73,9 +76,12 @@ def _mask_of(given) -> Mask:
 @lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
 def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
                   has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
-                  gpu: str) -> AttentionSpec:
+                  gpu: str, head_dim_v: int | None = None) -> AttentionSpec:
     if dtype not in KERNEL_TYPES:
         raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
+    if head_dim in QK_HEAD_DIMS and head_dim_v is None:
+        raise ValueError(f"q: head_dim {head_dim} is a Q.K^T width that comes with a narrower v (DeepSeek's "
+                         f"192/128); pass v of head_dim 128, or pad q, k and v to 256")
     if mask is not None:
         mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
         if causal and mask.kind != "causal":
@@ -94,8 +100,16 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
     side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
     score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
                          sinks=has_sinks)
-    base = variants.shipped_spec(dtype, head_dim, mask.kind == "causal", gpu=gpu, keys=keys)
-    return variants.variant(base, mask, score_mod)
+    # a Q.K^T width with no default of its own starts from the next wider head's
+    shipped_dim = next((d for d in HEAD_DIMS if d >= head_dim), head_dim) if head_dim in QK_HEAD_DIMS else head_dim
+    base = variants.shipped_spec(dtype, shipped_dim, mask.kind == "causal", gpu=gpu, keys=keys)
+    derived = variants.variant(base, mask, score_mod)
+    if head_dim_v is None:
+        return derived
+    try:  # V and O of their own width (spec.head_dim_v): the forward over padded tensors
+        return variants.value_head_variant(derived, head_dim_v, head_dim)
+    except SpecError as refused:
+        raise ValueError(f"v: head_dim {head_dim_v} beside q's and k's {head_dim}: {refused}") from None
 
 
 def sequence_keys(k) -> int | None:
@@ -117,6 +131,8 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
     tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
     if len(tk.shape) != 4 or tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
         return None  # the kernel's own checks say what is wrong
+    if plain.dv != plain.head_dim:
+        return None  # the decode kernels pack GQA heads: V as wide as Q only
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
     return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
 

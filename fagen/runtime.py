@@ -446,7 +446,7 @@ class Kernel:
                 raise ValueError(f"{n}: rank {len(t.shape)}, shape {t.shape}; expected [B, H, N, {d}]")
             if t.shape[-1] != d:
                 width = "head_dim_v" if n == "v" and spec.dv != spec.head_dim else "head_dim"
-                hint = ("; for a V of its own width, compile a spec with head_dim_v (fagen.compile)"
+                hint = ("; for a V of its own width, compile a spec with head_dim_v (fagen.compile), or call fagen.attention"
                         if n == "v" and spec.dv == spec.head_dim and tq.shape[-1:] == (d,) else "")
                 raise ValueError(f"{n}: {width} {t.shape[-1]}, but kernel {spec.name} is built for {d}{hint}")
             _check_layout(t, n)

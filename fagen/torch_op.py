@@ -56,26 +56,26 @@ def _side_inputs(bias, alibi_slopes, sinks, doc_ids) -> dict:
     return dict(bias=_without_grad(bias), alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
 
 
-def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict, keys: int | None = None):
-    return dispatch.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, keys=keys, **side)
+def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict, keys: int | None = None, v=None):
+    return dispatch.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, keys=keys, v=v, **side)
 
 
 @torch.library.custom_op("fagen::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
                       softcap: Optional[float], scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, Nq, d] of q's dtype, lse [B, Hq, Nq] float32, natural log): fagen.attention's
-    kernel for these arguments (deterministic is its backward's)."""
+    """(out [B, Hq, Nq, head_dim_v] of q's dtype, lse [B, Hq, Nq] float32, natural log):
+    fagen.attention's kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    plain = _spec(q, mask, causal, softcap, side, keys=dispatch.sequence_keys(k))
+    plain = _spec(q, mask, causal, softcap, side, keys=dispatch.sequence_keys(k), v=v)
     # a few query rows take the decode path (its backward is the plain one's)
     return decode.forward(plain, q, k, v, scale=scale, return_lse=True, **side)
 
 
 @attention_forward.register_fake
 def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic):
-    b, hq, nq, d = q.shape
-    return q.new_empty((b, hq, nq, d)), q.new_empty((b, hq, nq), dtype=torch.float32)
+    b, hq, nq, _ = q.shape
+    return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("fagen::attention_backward", mutates_args=())
@@ -143,7 +143,7 @@ class _BlockMaskAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
-        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, **side)
+        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, v=v, **side)
         out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -184,6 +184,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
         for x in (bias, alibi_slopes, sinks, doc_ids))
+    if v.dim() == 4 and q.dim() == 4 and v.shape[-1] != q.shape[-1] and _records_grad(q, k, v, bias, sinks):
+        raise ValueError(f"v: head_dim {v.shape[-1]} apart from q's {q.shape[-1]} has a forward only (no backward "
+                         f"yet): call it under torch.no_grad(), or with v as wide as q to train")
     if block_mask is not None:
         side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
         if not _records_grad(q, k, v, bias, sinks):

@@ -190,5 +190,27 @@ def test_a_value_head_of_its_own_is_checked_and_shapes_the_output():
         kernel(q, k, k)
     with pytest.raises(ValueError, match=r"out: .*expected a torch bfloat16 tensor \[B, Hq, Nq, head_dim_v\]"):
         kernel(q, k, v, out=torch.empty_like(q))
-    with pytest.raises(ValueError, match="compile a spec with head_dim_v"):
-        fagen.attention(q, k, v)
+
+@pytest.mark.parametrize("d, dv", [(64, 128), (128, 64), (192, 128)])
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_fagen_attention_takes_a_value_head_of_its_own(framework, d, dv):
+    """fagen.attention with v of another width than q's (DeepSeek's 192/128 among them) derives
+    the forward that takes it (fagen.dispatch) and matches the oracle, a single query row too
+    (the decode kernels take equal widths only); with gradients asked for, it refuses before any
+    launch (no backward yet)."""
+    q, k, v, _ = random_inputs(framework, "bfloat16", 2, 8, 2, 300, 517, d, d_v=dv)
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, return_lse=True)
+    out, lse = fagen.attention(q, k, v, causal=True, return_lse=True)
+    assert tuple(out.shape) == (2, 8, 300, dv)
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
+    assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+    if framework == "torch":
+        import torch
+
+        q1 = q[:, :, :1].clone()  # one query row a head: the plain forward still (decode packs equal widths)
+        assert relative_error(to_numpy(fagen.attention(q1, k, v)), oracle.attention(to_numpy(q1), to_numpy(k),
+                                                                                    to_numpy(v))) < OUT_TOLERANCE["bfloat16"]
+        with pytest.raises(ValueError, match=f"v: head_dim {dv} apart from q's {d} has a forward only"):
+            fagen.attention(q.requires_grad_(), k, v)
+        with torch.no_grad():
+            assert fagen.attention(q, k, v).shape == (2, 8, 300, dv)

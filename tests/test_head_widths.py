@@ -35,7 +35,7 @@ def test_each_width_feeds_its_own_product():
         else:
             assert p.smem_row == max(d, dv) + (8 if spec.smem_layout == "padded" else 0)
         assert f"constexpr int V_CHUNKS_PER_ROW = {dv // 8};" in text
-        assert f"copy_tile_async<BLOCK_KV, V_CHUNKS_PER_ROW" in text
+        assert "copy_tile_async<BLOCK_KV, V_CHUNKS_PER_ROW" in text
 
 
 def test_one_width_renders_as_before():
@@ -72,3 +72,27 @@ def test_192_is_a_query_key_width_with_a_value_head_of_its_own():
     # K's 24 chunks a row do not divide the threads: K and V both copy chunk by chunk
     p = plan(_spec("value_head_f16_d192_v128"))
     assert (p.copy_rows_per_pass, p.v_copy_rows_per_pass) == (0, 0)
+
+
+@pytest.mark.parametrize("gpu", ["h200", None])
+def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
+    """fagen.attention's spec for a v of another width than q's: the default for q's head (the
+    next wider head's for 192) as the forward that takes two widths (no producer warpgroup, whole
+    outputs), with its mask; a square 192 and a width the spec refuses are refused by argument."""
+    from fagen import device, dispatch
+    from fagen.spec import Mask
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: gpu)
+    for dtype, d, dv in (("float16", 128, 64), ("bfloat16", 64, 128), ("bfloat16", 192, 128), ("float16", 192, 128)):
+        spec = dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv)
+        assert (spec.head_dim, spec.dv, spec.dtype, spec.mask) == (d, dv, dtype, Mask(kind="causal")), spec.name
+        assert not spec.warp_specialized and not spec.outputs.partial and spec.backward is None
+        assert spec.name.endswith(f"_v{dv}")
+        assert plan(spec).head_dim_v == dv
+        # the same call derives the same spec (the cache keys the width)
+        assert dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv) is spec
+    assert dispatch.derive_spec_for("float16", 128, causal=True).dv == 128
+    with pytest.raises(ValueError, match="q: head_dim 192 is a Q.K\\^T width that comes with a narrower v"):
+        dispatch.derive_spec_for("float16", 192, causal=True)
+    with pytest.raises(ValueError, match="v: head_dim 96 beside q's and k's 64"):
+        dispatch.derive_spec_for("float16", 64, head_dim_v=96)

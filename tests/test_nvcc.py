@@ -101,6 +101,24 @@ def test_a_serialised_wgmma_is_read_from_the_log():
     assert not _resources("sm_90a", log, "fagen_k0", log).wgmma_serialized
 
 
+def _value_heads() -> list[fagen.AttentionSpec]:
+    """What fagen.attention derives for a v of its own width (fagen.dispatch): from the A100-class
+    and the H200 defaults, dense and causal, V narrower, wider, and DeepSeek's 192/128."""
+    from fagen.variants import shipped_spec, value_head_variant
+
+    out = []
+    for gpu in (None, "h200"):
+        for dtype, d, dv in (("float16", 128, 64), ("bfloat16", 64, 128), ("bfloat16", 192, 128)):
+            for causal in (False, True):
+                base = shipped_spec(dtype, 256 if d == 192 else d, causal, gpu=gpu)
+                out.append(value_head_variant(variant(base, Mask(kind="causal" if causal else "none"), ScoreMod()),
+                                              dv, d))
+    return list(dict.fromkeys(out))
+
+
+VALUE_HEADS = _value_heads()
+
+
 @pytest.fixture(scope="module")
 def shipped():
     """{(spec name, arch): Resources} for every shipped build and the defaults' partials."""
@@ -110,7 +128,7 @@ def shipped():
     rings = [(step(fagen.load_spec(p)), None) for p in RING_STEPS for step in RING_KERNELS]
     merging = [(merged_variant(fagen.load_spec(p), sinks=True), None) for p in DECODES]
     walks = [(sequence_variant(fagen.load_spec(p), "varlen", "varlen"), None) for p in CLAIMED_WALKS]
-    parts += [(s, targets(s)[-1]) for s, _ in rings + merging + walks]
+    parts += [(s, targets(s)[-1]) for s, _ in rings + merging + walks] + [(s, targets(s)[-1]) for s in VALUE_HEADS]
     results = compile_many(specs + parts)
     return {(s.name, a): r for (s, a), r in zip(specs + parts, results)}
 
@@ -164,6 +182,14 @@ def test_ring_steps_of_the_defaults_compile_without_spills(path, step, shipped):
     spec = step(fagen.load_spec(path))
     r = shipped[(spec.name, targets(spec)[-1])]
     assert _ok(r), r.log
+
+
+@pytest.mark.parametrize("spec", VALUE_HEADS, ids=lambda s: s.name)
+def test_value_head_variants_compile_without_spills(spec, shipped):
+    """fagen.attention with v of another width than q runs these."""
+    r = shipped[(spec.name, targets(spec)[-1])]
+    assert _ok(r), r.log
+    assert r.static_smem == 0
 
 
 @pytest.mark.parametrize("path", CLAIMED_WALKS, ids=lambda p: p.stem)
