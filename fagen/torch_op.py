@@ -1,5 +1,5 @@
 """fagen.attention as PyTorch operators: fagen::attention_forward and fagen::attention_backward
-(torch.library.custom_op), with fake implementations (shapes only) and an autograd formula, so
+(torch.library), with fake implementations (shapes only) and an autograd formula, so
 autograd, torch.compile(fullgraph=True) and CUDA graphs see one opaque op each way.
 
 The ops launch fagen's kernels (fagen.runtime, fagen.backward) on torch's current stream; all
@@ -20,11 +20,16 @@ from fagen import backward, decode, dispatch, runtime, variants
 from fagen.spec import Mask
 
 
-@torch.compiler.assume_constant_result  # pydantic is not traceable: torch.compile bakes the string in
 def mask_json(mask) -> str:
     """The mask as the ops carry it: JSON of fagen.spec.Mask's fields (a Mask, a dict of its
     fields or a kind name), "" for none."""
     return "" if mask is None else Mask.model_validate(mask).model_dump_json(exclude_defaults=True)
+
+
+# pydantic is not traceable: torch.compile bakes mask_json's string in. This is what
+# torch.compiler.assume_constant_result sets, without the import of torch._dynamo that the
+# decorator makes (about a second, and the torch.compile machinery eager calls never use).
+mask_json._dynamo_marked_constant = True
 
 
 def mask_of(text: str) -> Mask | None:
@@ -60,7 +65,23 @@ def _spec(q, mask: str, causal: bool, softcap: float | None, side: dict, keys: i
     return dispatch.derive_spec(q, causal=causal, mask=mask_of(mask), softcap=softcap, keys=keys, v=v, **side)
 
 
-@torch.library.custom_op("fagen::attention_forward", mutates_args=())
+# The ops are defined through a torch.library.Library rather than the custom_op decorator: the
+# decorator wraps each implementation in torch._disable_dynamo, whose first call imports
+# torch._dynamo (measured on a CPU host: a first call 1.05 s against 2.4 ms), which every eager
+# process paid on its first call. torch.compile, autograd and opcheck see the ops alike: their
+# schemas are inferred from the annotations, their fake implementations and autograd formula
+# registered through torch.library as before.
+_LIBRARY = torch.library.Library("fagen", "DEF")
+
+
+def _op(fn):
+    """fagen::<fn's name>, its schema from fn's annotations, fn its implementation on every device."""
+    _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+    _LIBRARY.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+    return fn
+
+
+@_op
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
                       softcap: Optional[float], scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
@@ -72,13 +93,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     return decode.forward(plain, q, k, v, scale=scale, return_lse=True, **side)
 
 
-@attention_forward.register_fake
+@torch.library.register_fake("fagen::attention_forward")
 def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic):
     b, hq, nq, _ = q.shape
     return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
-@torch.library.custom_op("fagen::attention_backward", mutates_args=())
+@_op
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        bias: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                        doc_ids: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
@@ -101,7 +122,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     return grads.dq, grads.dk, grads.dv, dsinks, dbias
 
 
-@attention_backward.register_fake
+@torch.library.register_fake("fagen::attention_backward")
 def _(dout, q, k, v, out, lse, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic,
       bias_grad):
     dbias = q.new_empty(bias.shape if bias_grad else (0,), dtype=torch.float32)
@@ -134,7 +155,7 @@ def _backward(ctx, dout, _dlse):
             *[None] * 6)
 
 
-attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
+torch.library.register_autograd("fagen::attention_forward", _backward, setup_context=_save_for_backward)
 
 
 class _BlockMaskAttention(torch.autograd.Function):
