@@ -307,31 +307,15 @@ def test_cuda_graph_of_a_training_step_replays(learned, deterministic, head_dim,
             assert relative_error(to_numpy(t.grad), to_numpy(e.grad)) <= 1e-3
 
 
-# A transformers model on fagen: the attention interface's function takes [B, H, N, d] and
-# returns [B, N, H, d]. Packed documents restart their position_ids at 0.
-def fagen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if dropout:
-        raise ValueError(f"dropout = {dropout}: fagen has no attention dropout; set attention_dropout=0.0")
-    return fagen.attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None
-
-
-def fagen_packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
-                           **kwargs):
-    if dropout:
-        raise ValueError(f"dropout = {dropout}: fagen has no attention dropout; set attention_dropout=0.0")
-    doc_ids = (position_ids == 0).cumsum(-1, dtype=torch.int32)  # a document starts where positions restart
-    out = fagen.attention(query, key, value, causal=True, scale=scaling, doc_ids=doc_ids)
-    return out.transpose(1, 2), None
-
-
+# A transformers model on fagen: fagen.transformers' attention function (packed documents from
+# position_ids restarting) and its mask function, under a name of the test's.
 def _register(name, function):
-    transformers = pytest.importorskip("transformers")
-    if hasattr(transformers, "AttentionInterface"):
-        transformers.AttentionInterface.register(name, function)
-    else:  # transformers before AttentionInterface: a plain dict
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    pytest.importorskip("transformers")
+    import fagen.transformers
+    from transformers import AttentionInterface
 
-        ALL_ATTENTION_FUNCTIONS[name] = function
+    fagen.transformers.register(name)  # the attention and its mask function
+    AttentionInterface.register(name, function)  # the test's wrapper of fagen.transformers.attention
 
 
 def _llama(attn_implementation: str, dtype):
@@ -362,8 +346,10 @@ def test_transformers_llama_training_step_matches_sdpa(dtype, packed):
             return function(*args, **kwargs)
         return attention
 
+    import fagen.transformers
+
     name = "fagen_packed" if packed else "fagen"
-    _register(name, counted(fagen_packed_attention if packed else fagen_attention))
+    _register(name, counted(fagen.transformers.attention))
     reference = _llama("sdpa", getattr(torch, dtype))
     model = _llama(name, getattr(torch, dtype))
     model.load_state_dict(reference.state_dict())
@@ -412,9 +398,11 @@ def test_transformers_llama_generates_the_sdpa_tokens(dtype):
 
     paths = []
 
+    import fagen.transformers
+
     def traced(module, query, key, value, attention_mask, **kwargs):
         paths.append(query.shape[2])
-        return fagen_attention(module, query, key, value, attention_mask, **kwargs)
+        return fagen.transformers.attention(module, query, key, value, attention_mask, **kwargs)
 
     _register("fagen_generate", traced)
     models = []

@@ -31,6 +31,7 @@ LAYERS = [
     ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's path
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
+    ("transformers",),  # fagen as a transformers attention implementation
     ("api",),  # the public entry points: fagen.attention and its siblings
     ("bench_cases", "bench_rows"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV files
     ("bench_backward", "bench_serving"),  # the backward and the serving layouts in `fagen bench`

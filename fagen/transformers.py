@@ -1,0 +1,78 @@
+"""fagen as a transformers attention implementation: `fagen.transformers.register()`, then
+`from_pretrained(..., attn_implementation="fagen")`.
+
+What each attention module says reaches the kernel: causality (`is_causal`), the scale
+(`scaling`), Gemma's and gpt-oss's sliding window and softcap, gpt-oss's sinks (`s_aux`), GQA as
+the module's K/V heads are (no repeat). Under autocast, float32 q, k and v (a rotary embedding
+computed in float32) go in as the autocast dtype, as SDPA takes them.
+
+The mask function registered beside it is transformers' FlashAttention one: None where no token
+is padding (one check a forward, not a layer), else the 2-D padding mask. Padding is not run
+yet, so a padded batch is refused by name rather than computed over its pad tokens (which is
+what an attention function registered alone gets: transformers hands it no mask at all). A
+custom 4-D mask is refused too. notes/transformers_integration.md has the plan for padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fagen import torch_op
+
+NAME = "fagen"
+
+
+def register(name: str = NAME) -> str:
+    """Register fagen's attention and its mask function under `name` with transformers; returns
+    the name to pass as `attn_implementation`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+              s_aux=None, **kwargs):
+    """transformers' attention-function contract: q [B, Hq, N, d], k and v [B, Hkv, Nk, d] in,
+    ([B, N, Hq, d_v], None) out."""
+    if attention_mask is not None:
+        what = "a padded batch (attention_mask with zeros)" if attention_mask.dim() == 2 else \
+            f"a {attention_mask.dim()}-D attention mask"
+        raise ValueError(f"attn_implementation='fagen': {what} is not supported yet; pass batches without "
+                         f"padding, or use attn_implementation='sdpa' for this model")
+    if dropout:
+        raise ValueError(f"attn_implementation='fagen': attention dropout {dropout} is not supported; set the "
+                         f"config's attention_dropout to 0.0, or use attn_implementation='sdpa'")
+    causal = module.is_causal if is_causal is None else is_causal
+    if sliding_window and not causal:
+        raise ValueError(f"attn_implementation='fagen': a sliding window of {sliding_window} without the causal "
+                         f"mask is not supported; use attn_implementation='sdpa' for this model")
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        low = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(low), key.to(low), value.to(low)
+    # transformers' window of W keys: kv_idx > q_idx - W, with the causal mask
+    mask = {"kind": "sliding_window", "window_left": sliding_window - 1} if sliding_window else None
+    doc_ids = packed_documents(kwargs.get("position_ids"), query, key)
+    if doc_ids is not None and mask is not None:
+        raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "
+                         "window are not supported; use attn_implementation='sdpa' for this model")
+    sinks = None if s_aux is None else s_aux.float()
+    out = torch_op.attention(query, key, value, causal=causal and mask is None, mask=mask, scale=scaling,
+                             softcap=softcap, sinks=sinks, doc_ids=doc_ids)
+    return out.transpose(1, 2), None
+
+
+def packed_documents(position_ids, query, key):
+    """Documents packed one after another into one sequence (position_ids restarting), as int32
+    [1, N] document numbers for fagen's document mask; None for anything else. Only a prefill or
+    training step of one row can be packed, and telling costs one host check, as transformers'
+    own FlashAttention path makes (decode steps, with one query, pay none)."""
+    if position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+        return None
+    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
+    if not bool(restarts.any()):
+        return None
+    return torch.nn.functional.pad(restarts.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))

@@ -1,0 +1,158 @@
+"""fagen.transformers without a GPU: the attention function a transformers model calls, with
+fagen's kernels stood in for by the float64 oracle, against transformers' own attention (SDPA,
+eager) on small random models: what each module says (causal, scale, GQA, Gemma-2's window and
+softcap, gpt-oss's sinks) reaches the kernel's arguments, and what it cannot run yet (padding,
+dropout) is refused by name. GPU runs with the real kernels: tests/test_gpu_torch.py."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import fagen  # noqa: E402
+from fagen import oracle  # noqa: E402
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """fagen's attention as the float64 oracle computes it; the calls' arguments, recorded."""
+    from fagen import torch_op
+    import fagen.transformers  # noqa: F401
+
+    calls = []
+
+    def attention(q, k, v, *, causal=False, mask=None, scale=None, softcap=None, sinks=None, doc_ids=None, **kwargs):
+        calls.append(dict(causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=sinks, dtype=q.dtype,
+                          doc_ids=doc_ids))
+        out = oracle.attention(*(t.detach().double().numpy() for t in (q, k, v)), causal=causal, mask=mask,
+                               scale=scale, softcap=softcap,
+                               sinks=None if sinks is None else sinks.detach().double().numpy(),
+                               doc_ids=None if doc_ids is None else doc_ids.numpy())
+        return torch.from_numpy(np.ascontiguousarray(out)).to(q.dtype)
+
+    monkeypatch.setattr(torch_op, "attention", attention)
+    fagen.transformers.register()
+    return calls
+
+
+def _logits(model_class, config, implementation, ids, mask=None, position_ids=None):
+    torch.manual_seed(0)
+    model = model_class._from_config(config, attn_implementation=implementation).eval()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+
+
+def test_a_llama_matches_sdpa(kernels):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=97)
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+    got, want = _logits(LlamaForCausalLM, config, "fagen", ids), _logits(LlamaForCausalLM, config, "sdpa", ids)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert len(kernels) == 2 and all(c["causal"] and c["mask"] is None for c in kernels)
+    assert kernels[0]["scale"] == pytest.approx(32 ** -0.5)
+    # an all-ones attention_mask is no padding: the same call
+    got = _logits(LlamaForCausalLM, config, "fagen", ids, mask=torch.ones_like(ids))
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_gemma2_window_and_softcap_reach_the_kernel(kernels):
+    """Gemma-2 alternates sliding-window and global layers, with a logit softcap: transformers'
+    window of W keys is fagen's window_left W - 1."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, num_hidden_layers=2, vocab_size=97, sliding_window=7,
+                          attn_logit_softcapping=20.0, query_pre_attn_scalar=32)
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(2))
+    got, want = _logits(Gemma2ForCausalLM, config, "fagen", ids), _logits(Gemma2ForCausalLM, config, "eager", ids)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    windows = [c["mask"] for c in kernels]
+    assert {"kind": "sliding_window", "window_left": 6} in windows and None in windows
+    assert all(c["softcap"] == 20.0 for c in kernels)
+
+
+def test_a_padded_batch_is_refused_not_computed_over_its_pads(kernels):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=97)
+    ids = torch.randint(0, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    with pytest.raises(ValueError, match="a padded batch .* is not supported yet"):
+        _logits(LlamaForCausalLM, config, "fagen", ids, mask=mask)
+    assert kernels == []  # refused before any kernel
+
+
+def test_attention_dropout_is_refused_while_training(kernels):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=97, attention_dropout=0.1)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="fagen").train()
+    with pytest.raises(ValueError, match="attention dropout 0.1 is not supported"):
+        model(input_ids=torch.randint(0, 97, (1, 5)))
+
+
+def test_gpt_oss_sinks_and_window_reach_the_kernel(kernels):
+    """gpt-oss: a learned sink logit a head (s_aux: fagen's sinks, float32) and alternating
+    sliding-window layers, against transformers' eager attention."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, num_hidden_layers=2, vocab_size=97, num_local_experts=2, num_experts_per_tok=1,
+                          sliding_window=7, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(3))
+
+    def logits(implementation):
+        torch.manual_seed(0)
+        model = GptOssForCausalLM._from_config(config, attn_implementation=implementation).eval()
+        for module in model.modules():
+            if hasattr(module, "sinks"):  # zeros at initialisation: make them count
+                torch.nn.init.normal_(module.sinks, generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    assert torch.allclose(logits("fagen"), logits("eager"), atol=1e-4, rtol=1e-4)
+    assert all(c["sinks"] is not None and c["sinks"].dtype == torch.float32 for c in kernels)
+    assert {"kind": "sliding_window", "window_left": 6} in [c["mask"] for c in kernels]
+
+
+def test_autocast_hands_the_kernel_the_autocast_dtype(kernels):
+    """Under autocast, float32 q, k, v (a rotary embedding computed in float32) go in as the
+    autocast dtype, as SDPA takes them; outside it they go in as they are."""
+    module = type("Attention", (), {"is_causal": True})()
+    q = torch.randn(1, 4, 6, 32)
+    kv = torch.randn(1, 2, 6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, weights = fagen.transformers.attention(module, q, kv, kv, None, scaling=0.2)
+    assert kernels[-1]["dtype"] == torch.bfloat16 and out.dtype == torch.bfloat16 and weights is None
+    assert out.shape == (1, 6, 4, 32)  # [B, N, H, d], as transformers' attention functions return
+    fagen.transformers.attention(module, q, kv, kv, None)
+    assert kernels[-1]["dtype"] == torch.float32
+
+
+def test_packed_documents_attend_within_themselves(kernels):
+    """Documents packed into one row, position_ids restarting at each (as transformers' data
+    collators pack them): fagen's document mask gives each document's logits as the document run
+    alone does (transformers' SDPA and eager paths, given no attention_mask, attend across the
+    documents); an unpacked row takes the plain causal kernel."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=97)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(5))
+    lengths, starts = (7, 9, 4), (0, 7, 16)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    got = _logits(LlamaForCausalLM, config, "fagen", ids, position_ids=positions)
+    alone = torch.cat([_logits(LlamaForCausalLM, config, "sdpa", ids[:, s:s + n], position_ids=torch.arange(n)[None])
+                       for s, n in zip(starts, lengths)], dim=1)
+    assert torch.allclose(got, alone, atol=1e-4, rtol=1e-4)
+    assert kernels[-1]["doc_ids"].tolist() == [[0] * 7 + [1] * 9 + [2] * 4]
+    across = _logits(LlamaForCausalLM, config, "sdpa", ids, position_ids=positions)
+    assert not torch.allclose(across, alone, atol=1e-3)  # the documents made a difference
+    _logits(LlamaForCausalLM, config, "fagen", ids, position_ids=torch.arange(20)[None])
+    assert kernels[-1]["doc_ids"] is None
