@@ -68,11 +68,13 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 def packed_documents(position_ids, query, key):
     """Documents packed one after another into one sequence (position_ids restarting), as int32
     [1, N] document numbers for fagen's document mask; None for anything else. Only a prefill or
-    training step of one row can be packed, and telling costs one host check, as transformers'
-    own FlashAttention path makes (decode steps, with one query, pay none)."""
+    training step of one row can be packed. Telling costs one host check, as transformers' own
+    FlashAttention path makes (decode steps, with one query, pay none); under torch.compile,
+    which cannot branch on a tensor's values, such a row always takes the document mask (one
+    document where nothing restarts: the same result, at the document kernel's speed)."""
     if position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return None
     restarts = position_ids[:, 1:] <= position_ids[:, :-1]
-    if not bool(restarts.any()):
+    if not torch.compiler.is_compiling() and not bool(restarts.any()):
         return None
     return torch.nn.functional.pad(restarts.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))

@@ -156,3 +156,32 @@ def test_packed_documents_attend_within_themselves(kernels):
     assert not torch.allclose(across, alone, atol=1e-3)  # the documents made a difference
     _logits(LlamaForCausalLM, config, "fagen", ids, position_ids=torch.arange(20)[None])
     assert kernels[-1]["doc_ids"] is None
+
+
+def test_a_packed_row_compiles_in_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) cannot branch on position_ids' values: under it a row that
+    could be packed always takes the document mask (one document where nothing restarts), and
+    the attention traces into the op without a break. The op's implementation is stubbed: this
+    checks the trace and what reaches the op."""
+    import fagen.transformers
+    from fagen import decode, dispatch
+
+    seen = []
+
+    def forward(plain, q, k, v, **side):
+        seen.append(side.get("doc_ids"))
+        return q * 1, q.new_zeros(q.shape[:3])
+
+    monkeypatch.setattr(decode, "forward", forward)
+    monkeypatch.setattr(dispatch, "derive_spec", lambda *args, **kwargs: None)
+    module = type("Attention", (), {"is_causal": True})()
+    q, kv = torch.randn(1, 4, 12, 64, requires_grad=True), torch.randn(1, 2, 12, 64)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def attend(q, kv, positions):
+        return fagen.transformers.attention(module, q, kv, kv, None, position_ids=positions)[0]
+
+    assert attend(q, kv, torch.cat([torch.arange(5), torch.arange(7)])[None]).shape == (1, 12, 4, 64)
+    assert seen[-1].tolist() == [[0] * 5 + [1] * 7]
+    attend(q, kv, torch.arange(12)[None])
+    assert seen[-1].tolist() == [[0] * 12]
