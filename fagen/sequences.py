@@ -273,11 +273,6 @@ def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=
     with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
         packed()
     return packed.out, packed.lse
-    with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
-        packed.kernel(None)
-        if packed.merge is not None:
-            packed.merge.launch(None)
-    return packed.out, packed.lse
 
 
 def _bhsd(t: DeviceTensor, varlen: bool) -> DeviceTensor:

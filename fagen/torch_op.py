@@ -76,7 +76,8 @@ _LIBRARY = torch.library.Library("fagen", "DEF")
 
 def _op(fn):
     """fagen::<fn's name>, its schema from fn's annotations, fn its implementation on every device."""
-    _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+    # pt2_compliant: as custom_op tags its ops (torch.compile's only_allow_pt2_compliant_ops)
+    _LIBRARY.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
     _LIBRARY.impl(fn.__name__, fn, "CompositeExplicitAutograd")
     return fn
 

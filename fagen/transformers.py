@@ -7,10 +7,12 @@ the module's K/V heads are (no repeat). Under autocast, float32 q, k and v (a ro
 computed in float32) go in as the autocast dtype, as SDPA takes them.
 
 The mask function registered beside it is transformers' FlashAttention one: None where no token
-is padding (one check a forward, not a layer), else the 2-D padding mask. Padding is not run
-yet, so a padded batch is refused by name rather than computed over its pad tokens (which is
-what an attention function registered alone gets: transformers hands it no mask at all). A
-custom 4-D mask is refused too. notes/transformers_integration.md has the plan for padding.
+is padding (one check a forward, not a layer), else the 2-D padding mask. What fagen cannot run
+yet is refused by name rather than computed wrongly (an attention function registered alone gets
+no mask at all from transformers, and would attend over pad tokens): padded batches, a static
+cache (keys past the tokens seen), mask patterns beyond causal and sliding windows, custom 4-D
+masks, attention dropout. Documents packed into one row (position_ids restarting) take the
+document mask. notes/transformers_integration.md has the plan for padding and the static cache.
 """
 
 from __future__ import annotations
@@ -26,11 +28,29 @@ def register(name: str = NAME) -> str:
     """Register fagen's attention and its mask function under `name` with transformers; returns
     the name to pass as `attn_implementation`."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, mask)
     return name
+
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, use_vmap=False, **kwargs):
+    """transformers' FlashAttention mask function (None where no token is padding, else the 2-D
+    padding mask), refusing by name what fagen cannot run yet: keys past the tokens seen (a
+    static cache's empty slots) and mask patterns beyond causal and sliding windows (an or/and
+    mask function, which transformers builds with vmap)."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if use_vmap:
+        raise ValueError("attn_implementation='fagen': a mask pattern beyond causal and sliding windows (the "
+                         "model's or/and mask function) is not supported yet; use attn_implementation='sdpa'")
+    if isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length:
+        raise ValueError(f"attn_implementation='fagen': {kv_length} keys for {q_length} queries at offset "
+                         f"{q_offset} (a static cache's slots past the tokens seen) is not supported yet; use the "
+                         f"dynamic cache")
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                                **kwargs)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -54,27 +74,31 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         low = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(low), key.to(low), value.to(low)
     # transformers' window of W keys: kv_idx > q_idx - W, with the causal mask
-    mask = {"kind": "sliding_window", "window_left": sliding_window - 1} if sliding_window else None
-    doc_ids = packed_documents(kwargs.get("position_ids"), query, key)
-    if doc_ids is not None and mask is not None:
+    window = {"kind": "sliding_window", "window_left": sliding_window - 1} if sliding_window else None
+    doc_ids = packed_documents(kwargs.get("position_ids"), query, key, windowed=window is not None)
+    if doc_ids is not None and window is not None:
         raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "
                          "window are not supported; use attn_implementation='sdpa' for this model")
     sinks = None if s_aux is None else s_aux.float()
-    out = torch_op.attention(query, key, value, causal=causal and mask is None, mask=mask, scale=scaling,
+    out = torch_op.attention(query, key, value, causal=causal and window is None, mask=window, scale=scaling,
                              softcap=softcap, sinks=sinks, doc_ids=doc_ids)
     return out.transpose(1, 2), None
 
 
-def packed_documents(position_ids, query, key):
+def packed_documents(position_ids, query, key, windowed: bool = False):
     """Documents packed one after another into one sequence (position_ids restarting), as int32
     [1, N] document numbers for fagen's document mask; None for anything else. Only a prefill or
     training step of one row can be packed. Telling costs one host check, as transformers' own
     FlashAttention path makes (decode steps, with one query, pay none); under torch.compile,
     which cannot branch on a tensor's values, such a row always takes the document mask (one
-    document where nothing restarts: the same result, at the document kernel's speed)."""
+    document where nothing restarts: the same result, at the document kernel's speed), but for a
+    sliding-window layer, which has no document form: there packing goes undetected."""
     if position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return None
     restarts = position_ids[:, 1:] <= position_ids[:, :-1]
-    if not torch.compiler.is_compiling() and not bool(restarts.any()):
+    if torch.compiler.is_compiling():
+        if windowed:
+            return None
+    elif not bool(restarts.any()):
         return None
     return torch.nn.functional.pad(restarts.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))

@@ -185,3 +185,50 @@ def test_a_packed_row_compiles_in_one_graph(monkeypatch):
     assert seen[-1].tolist() == [[0] * 5 + [1] * 7]
     attend(q, kv, torch.arange(12)[None])
     assert seen[-1].tolist() == [[0] * 12]
+
+
+def test_a_static_cache_is_refused_not_attended_past_its_tokens(kernels):
+    """A static cache's keys run to max_cache_len, past the tokens seen: refused by name (the
+    causal mask alone would attend to the empty slots)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=97)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="fagen").eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="a static cache's slots past the tokens seen"):
+        model(input_ids=torch.randint(0, 97, (1, 11)), past_key_values=StaticCache(config=config, max_cache_len=32))
+    assert kernels == []
+
+
+def test_the_ops_are_pt2_compliant():
+    """As torch.library.custom_op tags its ops: torch.compile with only_allow_pt2_compliant_ops."""
+    pytest.importorskip("fagen.torch_op")
+    for op in (torch.ops.fagen.attention_forward, torch.ops.fagen.attention_backward):
+        assert torch.Tag.pt2_compliant_tag in op.default.tags
+
+
+def test_a_gemma2_row_compiles_in_one_graph(monkeypatch):
+    """Gemma-2 under torch.compile(fullgraph=True), batch 1 (position_ids always reach the
+    attention): its sliding-window layers trace without the document mask, its global ones with
+    it. The op's implementation is stubbed: this checks the trace."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    import fagen.transformers
+    from fagen import decode, dispatch
+
+    seen = []
+
+    def forward(plain, q, k, v, **side):
+        seen.append(side.get("doc_ids") is not None)
+        return q * 1, q.new_zeros(q.shape[:3])
+
+    monkeypatch.setattr(decode, "forward", forward)
+    monkeypatch.setattr(dispatch, "derive_spec", lambda *args, **kwargs: None)
+    fagen.transformers.register()
+    config = Gemma2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, num_hidden_layers=2, vocab_size=97, sliding_window=7,
+                          attn_logit_softcapping=20.0, query_pre_attn_scalar=32)
+    model = Gemma2ForCausalLM._from_config(config, attn_implementation="fagen")
+    ids = torch.randint(0, 97, (1, 12))
+    loss = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and sorted(seen) == [False, True]
