@@ -96,7 +96,7 @@ def test_the_oracle_reads_seqused_k_as_each_sequence_s_keys():
 
 def test_a_varlen_batch_takes_the_long_class_where_it_walks_persistently(monkeypatch):
     """class_keys: a varlen batch's average keys pick its shape class as a padded call's keys do;
-    spec_for keeps a long class only where it walks persistently (d64 on an H200), not where it
+    batch_spec keeps a long class only where it walks persistently (d64 on an H200), not where it
     runs a block a tile (d128), nor below LONG_KEYS."""
     from fagen import device, sequences
     from fagen.device import DeviceTensor
