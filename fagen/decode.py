@@ -113,7 +113,8 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
-    where a decode kernel takes the arguments, else the plain forward (the derived spec's kernel); fagen.dispatch chooses which."""
+    where a decode kernel takes the arguments, else the plain forward of the derived spec
+    (fagen.dispatch chooses which)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, **side)
