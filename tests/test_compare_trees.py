@@ -1,0 +1,31 @@
+"""scripts/compare_trees.py's table: medians, the slowdown either way round, and whether two
+trees' runs are apart (the ratio of overlapping runs is the noise's)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_trees.py"
+
+
+@pytest.fixture(scope="module")
+def compare_trees():
+    spec = importlib.util.spec_from_file_location("compare_trees", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_times_compare_new_over_old_and_rates_old_over_new(compare_trees):
+    old = [{("a", "fagen"): 10.0, ("b", "fagen"): 5.0}, {("a", "fagen"): 12.0, ("b", "fagen"): 5.2},
+           {("a", "fagen"): 11.0, ("b", "fagen"): 5.1}]
+    new = [{("a", "fagen"): 11.5, ("b", "fagen"): 6.0}, {("a", "fagen"): 9.0, ("b", "fagen"): 6.1},
+           {("a", "fagen"): 12.5, ("b", "fagen"): 6.2, ("c", "fagen"): 1.0}]
+    rows = {r["case"]: r for r in compare_trees.compare(old, new, higher_is_better=False)}
+    assert set(rows) == {"a", "b"}  # a case one run lacks is left out
+    assert rows["a"]["old"] == 11.0 and rows["a"]["new"] == 11.5 and rows["a"]["slowdown"] == pytest.approx(11.5 / 11)
+    assert not rows["a"]["apart"]  # 9.0-12.5 overlaps 10-12: noise
+    assert rows["b"]["apart"] and rows["b"]["slowdown"] == pytest.approx(6.1 / 5.1)
+    rates = compare_trees.compare([{("a", "fagen"): 600.0}], [{("a", "fagen"): 500.0}], higher_is_better=True)
+    assert rates[0]["slowdown"] == pytest.approx(1.2)  # fewer TF/s: slower, above 1 as for times
