@@ -430,3 +430,51 @@ def test_transformers_llama_generates_the_sdpa_tokens(dtype):
             logits = runs[0].logits[step][row].float()
             gap = (logits[ref[row, step]] - logits[got[row, step]]).item()
             assert gap <= 2 ** -7 * logits.abs().max().item(), (row, step, gap)
+
+
+def _gemma2(implementation: str, dtype):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=256, num_hidden_layers=2, vocab_size=1000, sliding_window=64,
+                          attn_logit_softcapping=50.0, query_pre_attn_scalar=256, attn_implementation=implementation)
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+
+
+def _gpt_oss(implementation: str, dtype):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                          head_dim=64, num_hidden_layers=2, vocab_size=1000, num_local_experts=2, num_experts_per_tok=1,
+                          sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                          attn_implementation=implementation)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).eval()
+    for module in model.modules():
+        if hasattr(module, "sinks"):  # zeros at initialisation: make them count
+            torch.nn.init.normal_(module.sinks, generator=torch.Generator().manual_seed(4))
+    return model.to(device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_transformers_models_take_their_window_softcap_and_sinks(family):
+    """fagen.transformers on Gemma-2's shape (head_dim 256, sliding window, softcap) and gpt-oss's
+    (sinks, window), bfloat16, 300 tokens (past the window): teacher-forced logits against the
+    same model on transformers' eager attention (which takes the softcap and the sinks), and a
+    padded batch refused by name."""
+    pytest.importorskip("transformers")
+    import fagen.transformers
+
+    build = _gemma2 if family == "gemma2" else _gpt_oss
+    reference = build("eager", torch.bfloat16)
+    model = build(fagen.transformers.register(), torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 1000, (2, 300), generator=torch.Generator(device="cuda").manual_seed(6), device="cuda")
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits.float(), reference(input_ids=ids).logits.float()
+        assert relative_error(to_numpy(got), to_numpy(want)) < 3e-2
+        mask = torch.ones_like(ids)
+        mask[0, :10] = 0
+        with pytest.raises(ValueError, match="a padded batch"):
+            model(input_ids=ids, attention_mask=mask)
