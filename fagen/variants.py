@@ -65,7 +65,7 @@ def _shipped_spec(dtype: str, head_dim: int, causal: bool, gpu: str | None, part
     path = tuned or SPECS / f"{name}.yaml"
     if not path.exists():
         raise ValueError(f"no shipped kernel for dtype {dtype}, head_dim {head_dim}: fagen.attention takes "
-                         f"float16 or bfloat16 with head_dim 32, 64, 96, 128 or 256")
+                         f"float16 or bfloat16 with head_dim 32, 64, 96, 128 or 256 (192 with a v of 128)")
     return load_spec(path)
 
 
