@@ -19,9 +19,25 @@ from __future__ import annotations
 
 import torch
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from fagen import torch_op
 
 NAME = "fagen"
+
+# gpt-oss's sinks (a parameter of the model's dtype) as the kernels take them, float32: one copy
+# a parameter and version (its in-place updates), so that the runtime's once-per-object check of
+# their values (a host sync) runs once, not once a call. Not where autograd records the cast.
+_FLOAT32 = WeakIdKeyDictionary()
+
+
+def _float32(t):
+    if t.dtype == torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled() and t.requires_grad:
+        return t.float()
+    version, copy = _FLOAT32.get(t, (None, None))
+    if version != t._version:
+        version, copy = _FLOAT32[t] = (t._version, t.float())
+    return copy
 
 
 def register(name: str = NAME) -> str:
@@ -79,7 +95,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if doc_ids is not None and window is not None:
         raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "
                          "window are not supported; use attn_implementation='sdpa' for this model")
-    sinks = None if s_aux is None else s_aux.float()
+    sinks = None if s_aux is None else _float32(s_aux)
     out = torch_op.attention(query, key, value, causal=causal and window is None, mask=window, scale=scaling,
                              softcap=softcap, sinks=sinks, doc_ids=doc_ids)
     return out.transpose(1, 2), None

@@ -232,3 +232,23 @@ def test_a_gemma2_row_compiles_in_one_graph(monkeypatch):
     ids = torch.randint(0, 97, (1, 12))
     loss = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, labels=ids).loss
     assert torch.isfinite(loss) and sorted(seen) == [False, True]
+
+
+def test_sinks_of_another_dtype_are_cast_once_a_version(kernels):
+    """gpt-oss keeps its sinks in the model's dtype; the kernels take float32. Outside autograd
+    the float32 copy is kept a parameter and version (the runtime checks a sinks object's values
+    once: a host sync), made anew after an in-place update; under autograd it is cast each call,
+    so that its gradient reaches the parameter."""
+    module = type("Attention", (), {"is_causal": True})()
+    q, kv = torch.randn(1, 4, 6, 32), torch.randn(1, 2, 6, 32)
+    sinks = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    with torch.no_grad():
+        fagen.transformers.attention(module, q, kv, kv, None, s_aux=sinks)
+        fagen.transformers.attention(module, q, kv, kv, None, s_aux=sinks)
+        assert kernels[-1]["sinks"] is kernels[-2]["sinks"] and kernels[-1]["sinks"].dtype == torch.float32
+        sinks.add_(1)
+        fagen.transformers.attention(module, q, kv, kv, None, s_aux=sinks)
+        assert kernels[-1]["sinks"] is not kernels[-2]["sinks"]
+        assert torch.equal(kernels[-1]["sinks"], sinks.float())
+    fagen.transformers.attention(module, q, kv, kv, None, s_aux=sinks)
+    assert kernels[-1]["sinks"].requires_grad  # the cast autograd records
