@@ -9,6 +9,11 @@ bench --serving` (us, GPU time from CUDA-graph replays), `host` the serving benc
 cases alone (us of host time a call). Per case: both medians, new / old (for TF/s, old / new:
 above 1 is slower either way), both ranges, and whether the ranges are apart: a ratio past the
 bar with overlapping ranges is the noise's, not the change's.
+
+`host-one-process` takes process placement out of host time: OLD's package is copied and renamed
+`fagen_old` (its torch ops `fagen_old::`), both are imported into one process, and each case's
+calls through OLD and NEW are timed back to back, the order alternating, for `--rounds` rounds
+(both trees' outputs checked against SDPA's first).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +37,74 @@ rng = np.random.default_rng(0)
 rows = [row for case in bench_serving.cases() if case.section == "host" for row in bench_serving.run_host(case, rng)]
 json.dump([{"case": r.case, "impl": r.impl, "us": r.us} for r in rows], open(sys.argv[1], "w"))
 """
+
+ONE_PROCESS = """
+import json, sys
+import numpy as np
+import torch
+import fagen, fagen_old
+from fagen import bench_serving
+from fagen.check import random_inputs, relative_error, to_numpy, OUT_TOLERANCE
+
+rng = np.random.default_rng(0)
+runs = {"old": [], "new": []}
+calls = {}
+for case in [c for c in bench_serving.cases() if c.section == "host"]:
+    q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
+    ref = bench_serving._sdpa_reference(q, k, v, case.causal)
+    for tree, package in (("old", fagen_old), ("new", fagen)):
+        api = package.api
+        if case.page_size:
+            k_cache, v_cache, table = bench_serving.paged_cache(k, v, case.page_size, rng)
+            lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")
+            tensors = (q, k_cache, v_cache, lengths, table)
+            step = api.prepare_with_kvcache(*tensors, causal=case.causal)
+            status = torch.zeros(1, dtype=torch.int32, device="cuda")
+            unprepared = lambda api=api, t=tensors, s=status, c=case.causal: api.attention_with_kvcache(*t, causal=c, status=s, validate=False)
+        else:
+            tensors = (q, k, v)
+            step = api.prepare(*tensors, causal=case.causal)
+            unprepared = lambda api=api, t=tensors, c=case.causal: api.attention(*t, causal=c)
+        for impl, fn in (("fagen", lambda s=step, t=tensors: s(*t)), ("fagen_out", lambda s=step, t=tensors, o=out: s(*t, out=o)),
+                         ("fagen_attention", unprepared)):
+            out.fill_(float("nan"))
+            got = fn()
+            err = relative_error(to_numpy(out if got is None or impl == "fagen_out" else got), ref)
+            assert err <= OUT_TOLERANCE[case.dtype], (tree, case.key, impl, err)
+            calls[(case.key, impl, tree)] = fn
+for r in range(int(sys.argv[2])):
+    for (key, impl, tree), fn in (list(calls.items()) if r % 2 == 0 else list(calls.items())[::-1]):
+        calls_us = bench_serving.host_us(fn)
+        runs[tree].append(((key, impl), calls_us))
+json.dump({tree: [[list(k), us] for k, us in rows] for tree, rows in runs.items()}, open(sys.argv[1], "w"))
+"""
+
+
+def renamed_copy(tree: Path, into: Path) -> Path:
+    """`tree` copied into `into` with its package renamed fagen_old (every `fagen` word in its
+    Python sources, the torch op namespace among them), so that it imports beside fagen."""
+    shutil.copytree(tree, into, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build"))
+    shutil.move(into / "fagen", into / "fagen_old")
+    for source in (into / "fagen_old").rglob("*.py"):
+        source.write_text(re.sub(r"\bfagen\b", "fagen_old", source.read_text()))
+    return into
+
+
+def run_one_process(old: Path, new: Path, rounds: int, core: int) -> dict[str, list[dict]]:
+    """Both trees in one process (ONE_PROCESS): per tree, one {(case, impl): us} a round."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = renamed_copy(old, Path(tmp, "old"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(new), str(copy), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run(["taskset", "-c", str(core), sys.executable, "-c", ONE_PROCESS, f"{tmp}/rows.json", str(rounds)],
+                       cwd=new, env=env, check=True)
+        rows = json.loads(Path(tmp, "rows.json").read_text())
+    runs: dict[str, list[dict]] = {}
+    for tree, measured in rows.items():
+        per_case: dict[tuple[str, str], list[float]] = {}
+        for key, us in measured:
+            per_case.setdefault(tuple(key), []).append(us)
+        runs[tree] = [{key: values[i] for key, values in per_case.items()} for i in range(rounds)]
+    return runs
 
 
 def run_once(tree: Path, what: str, core: int) -> dict[tuple[str, str], float]:
@@ -67,14 +142,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
-    parser.add_argument("--what", choices=("quick", "serving", "host"), default="host")
+    parser.add_argument("--what", choices=("quick", "serving", "host", "host-one-process"), default="host")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--core", type=int, default=2)
     args = parser.parse_args()
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for i in range(args.rounds):
-        for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
-            runs[name].append(run_once(getattr(args, name).resolve(), args.what, args.core))
+    if args.what == "host-one-process":
+        runs = run_one_process(args.old.resolve(), args.new.resolve(), args.rounds, args.core)
+    else:
+        runs = {"old": [], "new": []}
+        for i in range(args.rounds):
+            for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                runs[name].append(run_once(getattr(args, name).resolve(), args.what, args.core))
     for row in compare(runs["old"], runs["new"], higher_is_better=args.what == "quick"):
         print(f"{row['case'][:52]:52} {row['impl']:16} old {row['old']:9.2f} new {row['new']:9.2f} "
               f"slowdown {row['slowdown']:6.3f}  old {row['old_range'][0]:.1f}-{row['old_range'][1]:.1f} "

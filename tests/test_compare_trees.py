@@ -29,3 +29,22 @@ def test_times_compare_new_over_old_and_rates_old_over_new(compare_trees):
     assert rows["b"]["apart"] and rows["b"]["slowdown"] == pytest.approx(6.1 / 5.1)
     rates = compare_trees.compare([{("a", "fagen"): 600.0}], [{("a", "fagen"): 500.0}], higher_is_better=True)
     assert rates[0]["slowdown"] == pytest.approx(1.2)  # fewer TF/s: slower, above 1 as for times
+
+
+def test_the_old_tree_imports_beside_the_new_under_another_name(compare_trees, tmp_path):
+    """host-one-process's copy: every `fagen` word in the old package's Python becomes fagen_old
+    (imports and the torch op namespace), names that merely start with it stay, and the copy imports."""
+    tree = tmp_path / "tree"
+    (tree / "fagen").mkdir(parents=True)
+    (tree / "specs").mkdir()
+    (tree / "fagen" / "__init__.py").write_text("from fagen.ops import OP\nHOT = 'fagen_hot_path'\n")
+    (tree / "fagen" / "ops.py").write_text("import fagen\nOP = 'fagen::attention_forward'\n")
+    copy = compare_trees.renamed_copy(tree, tmp_path / "copy")
+    assert (copy / "specs").is_dir() and not (copy / "fagen").exists()
+    assert (copy / "fagen_old" / "ops.py").read_text() == "import fagen_old\nOP = 'fagen_old::attention_forward'\n"
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import fagen_old; print(fagen_old.OP, fagen_old.HOT)"], cwd=copy,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["fagen_old::attention_forward", "fagen_hot_path"]

@@ -446,10 +446,10 @@ def _gpt_oss(implementation: str, dtype):
     from transformers import GptOssConfig, GptOssForCausalLM
 
     config = GptOssConfig(hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                          head_dim=64, num_hidden_layers=2, vocab_size=1000, num_local_experts=2, num_experts_per_tok=1,
+                          head_dim=64, num_hidden_layers=2, vocab_size=1000, num_local_experts=1, num_experts_per_tok=1,
                           sliding_window=64, layer_types=["sliding_attention", "full_attention"],
                           attn_implementation=implementation)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # one expert: with two, bfloat16 alone flips the routing (4% logit error against float32)
     model = GptOssForCausalLM(config).eval()
     for module in model.modules():
         if hasattr(module, "sinks"):  # zeros at initialisation: make them count
