@@ -21,6 +21,7 @@ against SDPA in float32 on the same inputs, varlen against the float32 reference
 
 from __future__ import annotations
 
+import itertools
 import sys
 import traceback
 from dataclasses import asdict, dataclass
@@ -38,6 +39,7 @@ REPS, REPLAYS = 10, 9
 # after the reference ran 9-10% slow, the next ones at speed; the peers, timed after it, did not pay)
 WARM_MS = 25.0
 HOST_CALLS, HOST_BATCHES = 100, 15
+GROWING = 64  # host time of a growing cache: calls cycle through this many key lengths
 JSON, CSV, PLOT = "bench_serving.json", "bench_serving.csv", "bench_serving.png"
 FIX = f"pass a {JSON} written by `fagen bench --serving` (or the full `fagen bench`)"
 PAGE_SIZE = 64
@@ -70,7 +72,8 @@ class ServingRow:
     section: str
     case: str
     impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen);
-    # fagen_out (host: out given), fagen_attention (host: fagen.attention, not prepared)
+    # fagen_out (host: out given), fagen_attention (host: fagen.attention, not prepared);
+    # fagen_attention_growing, sdpa_growing (host: a new key length and strides every call)
     dtype: str
     head_dim: int
     b: int
@@ -284,7 +287,23 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
                          note="not prepared"))
     gqa = case.hq != case.hkv
     us = host_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa))
-    return rows + [_row(case, "sdpa", us)]
+    rows.append(_row(case, "sdpa", us))
+    if case.page_size or case.nq != 1:
+        return rows
+    # a generation loop's cache: a new length (and strides: re-allocated, as transformers' dynamic
+    # cache is) every call, nk + 1 to nk + GROWING keys
+    caches = [(torch.cat([k, k[:, :, :i]], 2), torch.cat([v, v[:, :, :i]], 2)) for i in range(1, GROWING + 1)]
+    for impl, fn in (("fagen_attention_growing", lambda kc, vc: api.attention(q, kc, vc, causal=case.causal)),
+                     ("sdpa_growing", lambda kc, vc: F.scaled_dot_product_attention(q, kc, vc, is_causal=case.causal,
+                                                                             enable_gqa=gqa))):
+        turn = itertools.cycle(caches)
+        last = fn(*caches[-1])
+        if impl == "sdpa_growing":
+            rows.append(_row(case, impl, host_us(lambda: fn(*next(turn))), note="keys grow a call"))
+            continue
+        rows.append(_checked(case, impl, last, _sdpa_reference(q, *caches[-1], case.causal),
+                             lambda: host_us(lambda: fn(*next(turn))), note="keys grow a call"))
+    return rows
 
 
 def paged_cache(k, v, page_size: int, rng):
@@ -504,14 +523,15 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
     out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
             "the GPU's time is not in it)", "",
-            "| call | shape | prepared, out allocated | out given | not prepared | SDPA |",
-            "| --- | --- | --- | --- | --- | --- |"]
+            "| call | shape | prepared, out allocated | out given | not prepared | SDPA | not prepared, keys grow a call | SDPA, keys grow |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case, impls, f in _section(table, "host"):
         call = ("paged decode step (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
                 "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch")
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
         out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "
-                   f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} |")
+                   f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} | "
+                   f"{_us(impls.get('fagen_attention_growing'))} | {_us(impls.get('sdpa_growing'))} |")
     notes = [r for r in rows if r.note and not r.note.startswith("err")]
     if notes:
         out += ["", "Notes:"] + [f"- {r.case} ({r.impl}): {r.note}" for r in notes]

@@ -16,34 +16,18 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 
 import numpy as np
 
 from fagen import hot_path, side_inputs
-from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
+from fagen.device import (as_device_tensor, cupy, empty_like, full_like, is_torch, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
 from fagen.dispatch import derive_spec, no_work, packed_spec, sequence_keys, step_spec
 from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
@@ -115,6 +99,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward of the derived spec
     (fagen.dispatch chooses which)."""
+    if block_mask is None and bias is None and alibi_slopes is None and doc_ids is None and is_torch(q):
+        done = SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, sinks, return_lse)
+        if done is not NotImplemented:
+            return done
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, **side)
@@ -326,6 +314,139 @@ def _hot_launch(launch, positions: tuple[int, ...], addresses: int, workspace) -
     if launch.maps and positions != tuple(range(len(launch.slots))):
         raise ValueError("a launch with tensor maps re-points the inputs, out and lse in that order")
     return (*launch.driver_call(), tuple(slots), launch.re_encode if launch.maps else None, (launch, workspace))
+
+
+class GrowingKeys(PreparedAttention):
+    """A decode kernel's PreparedAttention for any key length in [lo, 2 lo) and any K/V strides
+    (a cache that grows by a token a step, re-allocated as it grows): the split count is fixed
+    for the class, chosen for lo keys so that each split has a tile at every length in it (at a
+    longer one a share past the keys is empty and merges as nothing), and a call with a new
+    length or new K/V strides rewrites n_kv, the diagonal's offset, the K/V strides and each
+    split's share of the tiles before it launches. PyTorch tensors; `run` declines
+    (NotImplemented) what it was not built for, which the general path then takes or refuses."""
+
+    def __init__(self, q, k, v, *, lo: int, **options):
+        super().__init__(q, k, v, **options)
+        self._hot = None  # the C path takes the prepared layout alone
+        self.lo, self.hi = lo, 2 * lo
+        self._block_kv = compile_kernel(self.spec).plan.block_kv
+        self._splits = self.kernel.grid[2]
+        self._split = self.spec.outputs.partial
+        self._nq = q.shape[2]
+        self._bottom_right = self.spec.mask.align == "bottom_right"
+        names = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")
+        self._write = self.kernel.writer(names + (("kv_tiles_per_split",) if self._split else ()))
+        self._keys = (k.stride(), v.stride(), k.shape[2])
+
+    def run(self, q, k, v, return_lse: bool):
+        """out (and lse) for q as prepared, k and v of the class (B, Hkv, d, dtype and device as
+        prepared: the caller's key holds them), or NotImplemented."""
+        ks, vs, nk = k.stride(), v.stride(), k.shape[2]
+        if (ks, vs, nk) != self._keys:
+            if not (self.lo <= nk < self.hi and v.shape[2] == nk and ks[3] == 1 and vs[3] == 1
+                    and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % 8):
+                return NotImplemented
+            share = (-(-(-(-nk // self._block_kv)) // self._splits),) if self._split else ()
+            self._write(nk, nk - self._nq if self._bottom_right else 0, *ks[:3], *vs[:3], *share)
+            self._keys = (ks, vs, nk)
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qp | kp | vp) % 16:
+            return NotImplemented
+        stream = self._stream(self.device)
+        if not self._captured and self._capturing():
+            self._keep_for_graphs()
+        out = self._torch.empty_like(q) if self._out_like_q else q.new_empty(self.out_shape)
+        lse = q.new_empty(self.lse_shape, dtype=self._torch.float32) if return_lse else None
+        lse_ptr = lse.data_ptr() if return_lse else self._lse_ptr
+        if self.merge is None:
+            self.kernel(stream, qp, kp, vp, out.data_ptr(), lse_ptr)
+        else:
+            self.kernel(stream, qp, kp, vp)
+            self.merge.launch(stream, out.data_ptr(), lse_ptr)
+        return (out, lse) if return_lse else out
+
+
+class ShapeClasses:
+    """fagen.attention's eager PyTorch calls, packed once a shape class: a call that comes again
+    launches through a PreparedAttention kept under a key of everything its choice and packing
+    read but the addresses (a few microseconds of host time where dispatch, checks and packing
+    take hundreds). A decode step's class takes every key length in [2^k, 2^(k+1)) and any K/V
+    strides (GrowingKeys: a generation loop's cache grows a token a call); other calls' classes
+    are their exact shapes and strides (PreparedAttention, its C path). The key holds the
+    stream and the thread (a class's workspace and argument buffer are one call's at a time).
+    At most LIMIT classes of each kind; then they start over (one a graph captured stays alive,
+    CAPTURED)."""
+
+    LIMIT = 64
+
+    def __init__(self):
+        self._growing: dict[tuple, GrowingKeys] = {}
+        self._exact: dict[tuple, PreparedAttention] = {}
+        self._stream = None
+
+    def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool):
+        """out (and lse) of fagen.attention's call, or NotImplemented where no class takes it (the
+        general path then runs it, or refuses it by name)."""
+        if self._stream is None:
+            self._stream = torch_stream_handle()
+        try:
+            if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+                return NotImplemented
+            device = q.get_device()
+            if device < 0:  # a host tensor: the general path says what to do
+                return NotImplemented
+            base = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, device, k.get_device(), v.get_device(),
+                    k.shape[0], k.shape[1], k.shape[3], v.shape[3], causal,
+                    mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())), softcap, scale,
+                    None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
+                    return_lse, self._stream(device), threading.get_ident())
+            nk = k.shape[2]
+            growing = self._growing.get((*base, nk.bit_length()))
+            if growing is not None:
+                done = growing.run(q, k, v, return_lse)
+                if done is not NotImplemented:
+                    return done
+            exact_key = (*base, k.shape, k.stride(), v.shape, v.stride())
+            exact = self._exact.get(exact_key)
+        except (AttributeError, TypeError):  # not tensors of this shape, or a mask with unhashable parts
+            return NotImplemented
+        if exact is not None:
+            return exact(q, k, v, return_lse=return_lse)
+        if growing is not None:
+            return NotImplemented
+        return self._add(base, exact_key, q, k, v, dict(causal=causal, mask=mask, softcap=softcap, scale=scale,
+                                                       sinks=sinks), return_lse)
+
+    def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, return_lse: bool):
+        """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)
+        where the general path is the call's: no work, or an input it refuses by name."""
+        try:
+            plain = derive_spec(q, causal=options["causal"], mask=options["mask"], softcap=options["softcap"],
+                                sinks=options["sinks"], keys=sequence_keys(k), v=v)
+            if no_work(q.shape, k.shape):
+                return NotImplemented
+            spec = packed_spec(plain, q, k)
+            b, hq, nq, _ = q.shape
+            hkv, nk = k.shape[1], k.shape[2]
+            if spec is not None and not spec.pipeline.warp_specialized:
+                lo = 1 << (nk.bit_length() - 1)
+                _, splits = step_spec(spec, b, hq, hkv, nq, lo, None, options["sinks"] is not None)
+                kept = self._growing
+                key, prepared = (*base, nk.bit_length()), GrowingKeys(q, k, v, lo=lo, splits=splits, **options)
+            else:
+                kept, key, prepared = self._exact, exact_key, PreparedAttention(q, k, v, **options)
+        except ValueError:
+            return NotImplemented
+        if len(kept) >= self.LIMIT:
+            kept.clear()
+        prepared._held.append(options["sinks"])  # its address and version are in the key: never another's
+        kept[key] = prepared
+        if isinstance(prepared, GrowingKeys):
+            return prepared.run(q, k, v, return_lse)  # NotImplemented (misaligned addresses): the general path's
+        return prepared(q, k, v, return_lse=return_lse)
+
+
+SHAPE_CLASSES = ShapeClasses()
 
 
 def prepare(q, k, v, **kwargs) -> PreparedAttention:

@@ -146,7 +146,7 @@ class Launch:
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
     __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "_pointers",
-                 "_first_slots", "_mapped", "_repoint_all", "_driver_launch")
+                 "_first_slots", "_mapped", "_repoint_all", "_driver_launch", "_param_slots")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
@@ -159,6 +159,7 @@ class Launch:
         self.function = getattr(function, "kernel", function).ptr  # the CUfunction of a RawKernel
         self.grid, self.block, self.smem = grid, threads, smem
         offsets, total = slot_offsets(params)
+        self._param_slots = {name: (offset, ctype) for offset, (ctype, name) in zip(offsets, params)}
         self.values = np.zeros(total, np.uint64)  # the driver reads each parameter from its first slot
         struct.pack_into(slot_format(params), self.values, 0, *(values[name] for name in names))
         # cuLaunchKernel reads the pointer array and the slots during the call: both live here
@@ -198,6 +199,19 @@ class Launch:
         if stream is None:
             stream = cupy.cuda.get_current_stream().ptr
         self._driver_launch(stream, self.params, 0)
+
+    def writer(self, names: tuple[str, ...]):
+        """A function of len(names) values writing those scalar parameters for later launches (a
+        prepared call whose keys grow rewrites n_kv, the K/V strides and the split share); KeyError
+        for a name the kernel does not take."""
+        fields = [(struct.Struct("<" + _slot_code(ctype)), SLOT_BYTES * offset)
+                  for offset, ctype in (self._param_slots[name] for name in names)]
+        buffer = self.values
+
+        def write(*values) -> None:
+            for (field, at), value in zip(fields, values):
+                field.pack_into(buffer, at, value)
+        return write
 
     def driver_call(self) -> tuple:
         """(CUfunction, grid, threads, shared memory, dependent, the pointer array's address, the

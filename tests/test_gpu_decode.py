@@ -329,3 +329,33 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod, b):
     assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"]
     assert relative_error(to_numpy(lse), ref_lse) < 1e-4
 
+
+
+@pytest.mark.parametrize("nq", [1, 4])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(mask={"kind": "sliding_window", "window_left": 300}),
+                                     dict(sinks=True, softcap=30.0)], ids=["plain", "causal", "window", "sinks_softcap"])
+def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_class_once(nq, options):
+    """A generation loop's calls (decode.ShapeClasses): keys one longer each call, the cache
+    re-allocated (new strides, as transformers' dynamic cache) or sliced from a longer buffer
+    (strides kept); lengths across the 1024 class boundary, and late in a class, where the
+    class's splits (chosen for its shortest length) leave shares past the keys empty. Every
+    output and LSE matches the oracle; each class is packed once."""
+    import torch
+
+    b, hq, hkv, d = 2, 8, 2, 128
+    rng = torch.Generator(device="cuda").manual_seed(nq)
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.float16, generator=rng)
+    buffer_k, buffer_v = (torch.randn(b, hkv, 2048, d, device="cuda", dtype=torch.float16, generator=rng)
+                          for _ in range(2))
+    sinks = torch.randn(hq, device="cuda", generator=rng) if options.get("sinks") else None
+    kwargs = {**options, "sinks": sinks}
+    before = len(decode.SHAPE_CLASSES._growing)
+    for n in [1021, 1022, 1023, 1024, 1025, 1026, 1500, 2040, 2047]:
+        for k, v in ((buffer_k[:, :, :n], buffer_v[:, :, :n]),
+                     (buffer_k[:, :, :n].contiguous(), buffer_v[:, :, :n].contiguous())):
+            out, lse = fagen.attention(q, k, v, return_lse=True, **kwargs)
+            ref, ref_lse = oracle.attention(*(to_numpy(x) for x in (q, k, v)), return_lse=True,
+                                            **{**kwargs, "sinks": None if sinks is None else to_numpy(sinks)})
+            assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], (n, k.stride())
+            assert relative_error(to_numpy(lse), ref_lse) < 1e-4, (n, k.stride())
+    assert len(decode.SHAPE_CLASSES._growing) - before == 2  # [512, 1024) and [1024, 2048)
