@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 
 from fagen import hot_path, side_inputs
-from fagen.device import (as_device_tensor, cupy, empty_like, full_like, is_torch, stream_for, tensor_signature,
+from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
 from fagen.dispatch import derive_spec, no_work, packed_spec, sequence_keys, step_spec
 from fagen.runtime import _aux_array, compile_kernel
@@ -99,10 +99,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward of the derived spec
     (fagen.dispatch chooses which)."""
-    if block_mask is None and bias is None and alibi_slopes is None and doc_ids is None and is_torch(q):
-        done = SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, sinks, return_lse)
-        if done is not NotImplemented:
-            return done
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, **side)

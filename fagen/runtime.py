@@ -139,6 +139,29 @@ class TensorMap:
     layout: tensor_maps.MapLayout
 
 
+def scalar_writer(buffer: np.ndarray, param_slots: dict[str, tuple[int, str]], names: tuple[str, ...]):
+    """A function of len(names) values packing them into `buffer`'s slots of the parameters
+    `names` (param_slots: name -> (first slot, C type)); parameters in adjacent slots, in that
+    order, pack as one struct store."""
+    runs: list[list] = []  # [first slot, format, value count]
+    for offset, ctype in (param_slots[name] for name in names):
+        code = _slot_code(ctype)
+        if runs and runs[-1][0] + struct.calcsize("<" + runs[-1][1]) // SLOT_BYTES == offset:
+            runs[-1][1] += code
+            runs[-1][2] += 1
+        else:
+            runs.append([offset, code, 1])
+    fields = [(struct.Struct("<" + code).pack_into, SLOT_BYTES * offset, count) for offset, code, count in runs]
+
+    def write(*values) -> None:
+        at = 0
+        for pack_into, offset, count in fields:
+            pack_into(buffer, offset, *values[at:at + count])
+            at += count
+    write.stores = len(fields)
+    return write
+
+
 class Launch:
     """One kernel launch packed once: grid, block, shared memory and every argument, each in
     its own 8-byte slot of a buffer handed to cuLaunchKernel. Calling it launches; `slots` name
@@ -204,14 +227,7 @@ class Launch:
         """A function of len(names) values writing those scalar parameters for later launches (a
         prepared call whose keys grow rewrites n_kv, the K/V strides and the split share); KeyError
         for a name the kernel does not take."""
-        fields = [(struct.Struct("<" + _slot_code(ctype)), SLOT_BYTES * offset)
-                  for offset, ctype in (self._param_slots[name] for name in names)]
-        buffer = self.values
-
-        def write(*values) -> None:
-            for (field, at), value in zip(fields, values):
-                field.pack_into(buffer, at, value)
-        return write
+        return scalar_writer(self.values, self._param_slots, names)
 
     def driver_call(self) -> tuple:
         """(CUfunction, grid, threads, shared memory, dependent, the pointer array's address, the

@@ -202,6 +202,13 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
     deterministic (as FlashAttention's; or torch.use_deterministic_algorithms(True)): a backward
     without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a)."""
+    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and _eager(q, k, v)
+            and (sinks is None or type(sinks) is Tensor and sinks.is_contiguous()) and not _records_grad(q, k, v, sinks)):
+        # an eager call for inference, the common case of a generation loop: its shape class's
+        # packed launch where one is kept (decode.ShapeClasses), before any other work
+        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, sinks, return_lse)
+        if done is not NotImplemented:
+            return done
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)

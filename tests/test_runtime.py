@@ -68,6 +68,25 @@ def test_launch_slots_hold_each_parameter_in_its_c_type():
     assert struct.unpack("<I", slots[4][:4])[0] == 2**31
 
 
+def test_a_scalar_writer_rewrites_named_parameters_in_adjacent_runs():
+    """GrowingKeys' per-call rewrite: the named parameters land in their slots in their C types,
+    nothing else changes, and parameters in adjacent slots pack as one store."""
+    import struct
+
+    from fagen.runtime import scalar_writer, slot_format, slot_offsets
+
+    params = (("const elem_t* __restrict__", "k"), ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"),
+              ("long long", "k_sb"), ("long long", "k_sh"), ("float", "scale_log2"), ("int", "kv_tiles_per_split"))
+    offsets, total = slot_offsets(params)
+    buffer = np.zeros(total, np.uint64)
+    struct.pack_into(slot_format(params), buffer, 0, 2**40, 1, 100, 99, 8, 16, 0.5, 3)
+    write = scalar_writer(buffer, {name: (at, ctype) for at, (ctype, name) in zip(offsets, params)},
+                          ("n_kv", "mask_offset", "k_sb", "k_sh", "kv_tiles_per_split"))
+    assert write.stores == 2  # n_kv .. k_sh adjacent; the split share after scale_log2
+    write(4097, -3, 2**33, 2**20, 7)
+    assert struct.unpack(slot_format(params), buffer.tobytes()) == (2**40, 1, 4097, -3, 2**33, 2**20, 0.5, 7)
+
+
 def test_repeated_calls_key_only_the_calls_a_kept_launch_can_serve():
     """A plain kernel keys calls without a given LSE or splits; a split-KV or accumulating one
     only calls that give their out and lse (what its launch writes) for one split. What the
