@@ -6,13 +6,15 @@ What each attention module says reaches the kernel: causality (`is_causal`), the
 the module's K/V heads are (no repeat). Under autocast, float32 q, k and v (a rotary embedding
 computed in float32) go in as the autocast dtype, as SDPA takes them.
 
-The mask function registered beside it is transformers' FlashAttention one: None where no token
-is padding (one check a forward, not a layer), else the 2-D padding mask. What fagen cannot run
-yet is refused by name rather than computed wrongly (an attention function registered alone gets
-no mask at all from transformers, and would attend over pad tokens): padded batches, a static
-cache (keys past the tokens seen), mask patterns beyond causal and sliding windows, custom 4-D
-masks, attention dropout. Documents packed into one row (position_ids restarting) take the
-document mask. notes/transformers_integration.md has the plan for padding and the static cache.
+The mask function registered beside it is transformers' FlashAttention one (None where no token
+is padding: one check a forward, not a layer), with padding turned into what fagen's kernels
+read: a float32 score bias [B, 1, Nk] per key, 0 on tokens and PAD on padding (left, right or
+anywhere), made once a forward and mask type and added to every head's scores; a row that sees
+only padding (a pad token's own query) comes out finite. What fagen cannot run yet is refused by
+name rather than computed wrongly: a static cache (keys past the tokens seen), mask patterns
+beyond causal and sliding windows, custom 4-D masks, attention dropout. Documents packed into one
+row (position_ids restarting) take the document mask. notes/transformers_integration.md has the
+plan for a per-sequence key range, which would skip padding rather than mask it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fagen import torch_op
 
 NAME = "fagen"
+
+# A padded key's score bias: far below any score (so exp() of it is 0 beside a real key) yet finite,
+# so that a row seeing only padding averages its pads rather than dividing 0 by 0.
+PAD = -1e30
 
 # gpt-oss's sinks (a parameter of the model's dtype) as the kernels take them, float32: one copy
 # a parameter and version (its in-place updates), so that the runtime's once-per-object check of
@@ -52,10 +58,10 @@ def register(name: str = NAME) -> str:
 
 
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, use_vmap=False, **kwargs):
-    """transformers' FlashAttention mask function (None where no token is padding, else the 2-D
-    padding mask), refusing by name what fagen cannot run yet: keys past the tokens seen (a
-    static cache's empty slots) and mask patterns beyond causal and sliding windows (an or/and
-    mask function, which transformers builds with vmap)."""
+    """transformers' FlashAttention mask function: None where no token is padding, else the
+    padding as a score bias (padding_bias). Refuses by name what fagen cannot run yet: keys past
+    the tokens seen (a static cache's empty slots) and mask patterns beyond causal and sliding
+    windows (an or/and mask function, which transformers builds with vmap)."""
     from transformers.masking_utils import flash_attention_mask
 
     if use_vmap:
@@ -65,8 +71,16 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
         raise ValueError(f"attn_implementation='fagen': {kv_length} keys for {q_length} queries at offset "
                          f"{q_offset} (a static cache's slots past the tokens seen) is not supported yet; use the "
                          f"dynamic cache")
-    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
-                                **kwargs)
+    padding = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                   attention_mask=attention_mask, **kwargs)
+    return None if padding is None else padding_bias(padding)
+
+
+def padding_bias(attention_mask):
+    """transformers' 2-D attention_mask [B, Nk] (1 or True: a token) as fagen's score bias [B, 1, Nk],
+    float32: 0 on tokens, PAD on padding."""
+    zero = torch.zeros((), dtype=torch.float32, device=attention_mask.device)
+    return torch.where(attention_mask.bool(), zero, PAD)[:, None, :]
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -74,11 +88,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
               s_aux=None, **kwargs):
     """transformers' attention-function contract: q [B, Hq, N, d], k and v [B, Hkv, Nk, d] in,
     ([B, N, Hq, d_v], None) out."""
-    if attention_mask is not None:
-        what = "a padded batch (attention_mask with zeros)" if attention_mask.dim() == 2 else \
-            f"a {attention_mask.dim()}-D attention mask"
-        raise ValueError(f"attn_implementation='fagen': {what} is not supported yet; pass batches without "
-                         f"padding, or use attn_implementation='sdpa' for this model")
+    if attention_mask is not None and not (attention_mask.dim() == 3 and attention_mask.dtype == torch.float32):
+        raise ValueError(f"attn_implementation='fagen': a {attention_mask.dim()}-D {attention_mask.dtype} attention "
+                         f"mask is not supported (padding comes as fagen.transformers.mask's [B, 1, Nk] bias); "
+                         f"use attn_implementation='sdpa' for a custom mask")
     if dropout:
         raise ValueError(f"attn_implementation='fagen': attention dropout {dropout} is not supported; set the "
                          f"config's attention_dropout to 0.0, or use attn_implementation='sdpa'")
@@ -97,7 +110,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
                          "window are not supported; use attn_implementation='sdpa' for this model")
     sinks = None if s_aux is None else _float32(s_aux)
     out = torch_op.attention(query, key, value, causal=causal and window is None, mask=window, scale=scaling,
-                             softcap=softcap, sinks=sinks, doc_ids=doc_ids)
+                             softcap=softcap, sinks=sinks, doc_ids=doc_ids, bias=attention_mask)
     return out.transpose(1, 2), None
 
 

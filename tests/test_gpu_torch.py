@@ -432,6 +432,37 @@ def test_transformers_llama_generates_the_sdpa_tokens(dtype):
             assert gap <= 2 ** -7 * logits.abs().max().item(), (row, step, gap)
 
 
+def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
+    """Batched greedy generation from prompts of three lengths, left-padded (transformers' way to
+    serve a batch): the prompt's logits at its tokens, and the 16 tokens each row generates
+    (prefill, then decode steps whose keys start past each row's padding), as on SDPA (fp16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fagen.transformers
+
+    name = fagen.transformers.register()
+    models = []
+    for implementation in ("sdpa", name):
+        config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=1000, max_position_embeddings=512, initializer_range=0.08,
+                             attn_implementation=implementation)
+        torch.manual_seed(0)
+        models.append(LlamaForCausalLM(config).to(device="cuda", dtype=torch.float16).eval())
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    ids = torch.randint(1, 1000, (3, 100), generator=gen, device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :40], mask[2, :63] = 0, 0
+    ids[mask == 0] = 0
+    with torch.no_grad():
+        ref, got = (m(input_ids=ids, attention_mask=mask).logits.float() for m in models)
+    tokens = mask.bool()
+    # two fp16 models' rounding through two layers; attending over a pad moves logits by O(1)
+    assert relative_error(to_numpy(got[tokens]), to_numpy(ref[tokens])) < 1e-2
+    runs = [m.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                       pad_token_id=0) for m in models]
+    assert torch.equal(runs[0][:, 100:], runs[1][:, 100:]), (runs[0][:, 100:], runs[1][:, 100:])
+
+
 def _gemma2(implementation: str, dtype):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -461,8 +492,8 @@ def _gpt_oss(implementation: str, dtype):
 def test_transformers_models_take_their_window_softcap_and_sinks(family):
     """fagen.transformers on Gemma-2's shape (head_dim 256, sliding window, softcap) and gpt-oss's
     (sinks, window), bfloat16, 300 tokens (past the window): teacher-forced logits against the
-    same model on transformers' eager attention (which takes the softcap and the sinks), and a
-    padded batch refused by name."""
+    same model on transformers' eager attention (which takes the softcap and the sinks), unpadded
+    and padded (left and right: fagen.transformers' score bias), at every token."""
     pytest.importorskip("transformers")
     import fagen.transformers
 
@@ -475,6 +506,9 @@ def test_transformers_models_take_their_window_softcap_and_sinks(family):
         got, want = model(input_ids=ids).logits.float(), reference(input_ids=ids).logits.float()
         assert relative_error(to_numpy(got), to_numpy(want)) < 3e-2
         mask = torch.ones_like(ids)
-        mask[0, :10] = 0
-        with pytest.raises(ValueError, match="a padded batch"):
-            model(input_ids=ids, attention_mask=mask)
+        mask[0, :10] = 0  # left padding
+        mask[1, 290:] = 0  # right padding
+        tokens = mask.bool()
+        got, want = (m(input_ids=ids, attention_mask=mask).logits.float() for m in (model, reference))
+        assert torch.isfinite(got).all()
+        assert relative_error(to_numpy(got[tokens]), to_numpy(want[tokens])) < 3e-2

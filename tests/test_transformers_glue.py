@@ -1,8 +1,8 @@
 """fagen.transformers without a GPU: the attention function a transformers model calls, with
 fagen's kernels stood in for by the float64 oracle, against transformers' own attention (SDPA,
 eager) on small random models: what each module says (causal, scale, GQA, Gemma-2's window and
-softcap, gpt-oss's sinks) reaches the kernel's arguments, and what it cannot run yet (padding,
-dropout) is refused by name. GPU runs with the real kernels: tests/test_gpu_torch.py."""
+softcap, gpt-oss's sinks, padding) reaches the kernel's arguments, and what it cannot run yet
+(a static cache, dropout) is refused by name. GPU runs with the real kernels: tests/test_gpu_torch.py."""
 
 import numpy as np
 import pytest
@@ -22,13 +22,15 @@ def kernels(monkeypatch):
 
     calls = []
 
-    def attention(q, k, v, *, causal=False, mask=None, scale=None, softcap=None, sinks=None, doc_ids=None, **kwargs):
+    def attention(q, k, v, *, causal=False, mask=None, scale=None, softcap=None, sinks=None, doc_ids=None, bias=None,
+                  **kwargs):
         calls.append(dict(causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=sinks, dtype=q.dtype,
-                          doc_ids=doc_ids))
+                          doc_ids=doc_ids, bias=bias))
         out = oracle.attention(*(t.detach().double().numpy() for t in (q, k, v)), causal=causal, mask=mask,
                                scale=scale, softcap=softcap,
                                sinks=None if sinks is None else sinks.detach().double().numpy(),
-                               doc_ids=None if doc_ids is None else doc_ids.numpy())
+                               doc_ids=None if doc_ids is None else doc_ids.numpy(),
+                               bias=None if bias is None else bias.numpy())
         return torch.from_numpy(np.ascontiguousarray(out)).to(q.dtype)
 
     monkeypatch.setattr(torch_op, "attention", attention)
@@ -74,17 +76,51 @@ def test_a_gemma2_window_and_softcap_reach_the_kernel(kernels):
     assert all(c["softcap"] == 20.0 for c in kernels)
 
 
-def test_a_padded_batch_is_refused_not_computed_over_its_pads(kernels):
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
+def test_a_padded_batch_matches_sdpa_on_its_tokens(kernels, side):
+    """Padding reaches the kernel as a float32 score bias [B, 1, Nk] (0 on tokens, PAD on pads):
+    logits at every token equal SDPA's (which masks with a 4-D mask), in the prompt and in a
+    decode step on the cache after it; rows of pads come out finite."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=1, vocab_size=97)
-    ids = torch.randint(0, 97, (2, 9))
+                         num_hidden_layers=2, vocab_size=97)
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    with pytest.raises(ValueError, match="a padded batch .* is not supported yet"):
-        _logits(LlamaForCausalLM, config, "fagen", ids, mask=mask)
-    assert kernels == []  # refused before any kernel
+    pads = {"left": (slice(0, 5), slice(0, 2)), "right": (slice(7, 12), slice(10, 12)),
+            "middle": (slice(4, 6), slice(8, 9))}[side]
+    mask[0, pads[0]] = 0
+    mask[1, pads[1]] = 0  # row 2 has no padding
+    step = torch.randint(0, 97, (3, 1), generator=torch.Generator().manual_seed(4))
+    results = {}
+    for implementation in ("fagen", "sdpa"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+        with torch.no_grad():
+            cache = DynamicCache(config=config)
+            prompt = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+            grown = torch.cat([mask, torch.ones_like(step)], 1)
+            decoded = model(input_ids=step, attention_mask=grown, past_key_values=cache).logits
+        results[implementation] = prompt, decoded
+    tokens = mask.bool()
+    assert torch.allclose(results["fagen"][0][tokens], results["sdpa"][0][tokens], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(results["fagen"][1], results["sdpa"][1], atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(results["fagen"][0]).all()
+    biases = [c["bias"] for c in kernels if c["bias"] is not None]
+    assert len(biases) == 4  # two layers, prompt and step
+    assert biases[0].shape == (3, 1, 12) and biases[0].dtype == torch.float32
+    assert (biases[0][:, 0] == 0).equal(tokens) and (biases[0][~tokens[:, None, :]] == fagen.transformers.PAD).all()
+    assert biases[-1].shape == (3, 1, 13)
+
+
+def test_a_custom_4d_mask_is_refused_by_name(kernels):
+    from fagen.transformers import attention
+
+    q = torch.zeros(1, 2, 3, 8)
+    module = type("Module", (), {"is_causal": True})()
+    with pytest.raises(ValueError, match="a 4-D torch.bool attention mask is not supported"):
+        attention(module, q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    assert kernels == []
 
 
 def test_attention_dropout_is_refused_while_training(kernels):
