@@ -1,0 +1,228 @@
+"""End to end: transformers generation with fagen against SDPA's backends, in one process.
+
+    python -m fagen.bench_e2e [--quick] [-o OUT_DIR]
+
+Random-weight models of real shapes (a Llama of 16 layers, hidden 2048, 32 query and 8 KV heads of
+64; a Gemma-2 of 8 layers, heads of 256, a 4096-key window on alternate layers, softcaps), bf16,
+transformers' dynamic cache, greedy `generate`. Per case and implementation: prefill ms (one
+forward over the prompt, median of PREFILL_REPS) and decode tokens/s (the generated tokens after
+the first, over generate's time less one prefill). SDPA runs as transformers calls it: its own
+backend choice (`sdpa`), and pinned to cuDNN (`sdpa_cudnn`) and FlashAttention-2 (`sdpa_flash`,
+which takes no mask: padded cases are n/a). Before fagen is timed, its prompt logits (at the
+prompt's tokens) and its generated tokens are compared with SDPA's; the row says how they agree.
+Padded cases draw each prompt's length from [PADDED_SHORTEST, prompt] and left-pad the batch, as
+transformers serves one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
+PREFILL_REPS = 3
+PADDED_SHORTEST = 256
+
+
+@dataclass(frozen=True)
+class E2ECase:
+    model: str  # llama or gemma2
+    batch: int
+    prompt: int  # tokens (padded: the longest prompt)
+    new_tokens: int
+    padded: bool = False
+
+    @property
+    def key(self) -> str:
+        lengths = f"{PADDED_SHORTEST}-{self.prompt} left-padded" if self.padded else str(self.prompt)
+        return f"{self.model} B{self.batch} prompt {lengths} +{self.new_tokens}"
+
+
+@dataclass
+class E2ERow:
+    case: str
+    impl: str
+    prefill_ms: float | None
+    decode_tok_s: float | None
+    note: str = ""
+
+
+def cases(quick: bool = False) -> list[E2ECase]:
+    equal = [E2ECase("llama", b, n, t) for b, n, t in ((1, 1024, 64), (8, 1024, 64), (32, 1024, 32), (1, 4096, 32),
+                                                        (8, 4096, 32))]
+    padded = [E2ECase("llama", b, 1024, t, padded=True) for b, t in ((8, 64), (32, 32))]
+    gemma = [E2ECase("gemma2", 1, 1024, 64), E2ECase("gemma2", 8, 1024, 64), E2ECase("gemma2", 8, 1024, 64, padded=True)]
+    if quick:
+        return [equal[0], equal[1], padded[0], gemma[0]]
+    return equal + padded + gemma
+
+
+def config(model: str):
+    """The model's transformers config (random weights; vocabulary cut to 32000)."""
+    if model == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=64, num_hidden_layers=16, vocab_size=32000, max_position_embeddings=8192)
+    from transformers import Gemma2Config
+
+    return Gemma2Config(hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=256, num_hidden_layers=8, vocab_size=32000, sliding_window=4096,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+                        max_position_embeddings=8192)
+
+
+def build(model: str):
+    """The model in bf16 on the GPU, its weights drawn there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return AutoModelForCausalLM.from_config(config(model), attn_implementation="sdpa").eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def prompts(case: E2ECase, seed: int = 0, device: str = "cuda"):
+    """input_ids [B, prompt] and attention_mask: equal lengths, or left-padded lengths in
+    [PADDED_SHORTEST, prompt] (the first row the longest)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(1, 32000, (case.batch, case.prompt), generator=gen, device=device)
+    mask = torch.ones_like(ids)
+    if case.padded:
+        lengths = torch.randint(PADDED_SHORTEST, case.prompt + 1, (case.batch,), generator=gen, device=device)
+        lengths[0] = case.prompt
+        mask = (torch.arange(case.prompt, device=device)[None] >= case.prompt - lengths[:, None]).long()
+        ids = ids * mask
+    return ids, mask
+
+
+def _backend(impl: str):
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return {"sdpa_cudnn": sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
+            "sdpa_flash": sdpa_kernel(SDPBackend.FLASH_ATTENTION)}.get(impl, contextlib.nullcontext())
+
+
+def decode_rate(case: E2ECase, generate_s: float, prefill_s: float) -> float:
+    """Tokens a second of the decode steps: generate's time less its prefill, over the tokens
+    after the first (which the prefill produces)."""
+    return case.batch * (case.new_tokens - 1) / (generate_s - prefill_s)
+
+
+def run_case(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[E2ERow, dict]:
+    """One implementation on one case: prefill ms, decode tokens/s, and what it computed (prompt
+    logits at tokens, generated tokens) for the next implementation's comparison."""
+    import torch
+
+    model.set_attn_implementation("fagen" if impl == "fagen" else "sdpa")
+    ids, mask = prompts(case)
+    with torch.no_grad(), _backend(impl):
+        try:
+            logits = model(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
+            generate = dict(attention_mask=mask, max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens,
+                            do_sample=False, pad_token_id=0)
+            tokens = model.generate(ids, **generate)[:, case.prompt:]  # also the warm-up
+        except RuntimeError as error:  # a backend that cannot take the case (FA2 and a mask)
+            return E2ERow(case.key, impl, None, None, f"n/a: {str(error).splitlines()[0][:80]}"), reference
+        note = ""
+        if reference is not None:
+            error = ((logits - reference["logits"]).norm() / reference["logits"].norm()).item()
+            same = (tokens == reference["tokens"]).float().mean().item()
+            note = f"prompt logits rel. err {error:.1e} against SDPA, {same:.0%} of generated tokens equal"
+        prefill = []
+        for _ in range(PREFILL_REPS):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(input_ids=ids, attention_mask=mask, use_cache=True)
+            torch.cuda.synchronize()
+            prefill.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, **generate)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - start
+    prefill_s = statistics.median(prefill)
+    row = E2ERow(case.key, impl, prefill_s * 1e3, decode_rate(case, total, prefill_s), note)
+    return row, reference or dict(logits=logits, tokens=tokens)
+
+
+def run(quick: bool = False, implementations=IMPLEMENTATIONS) -> list[E2ERow]:
+    import torch
+
+    import fagen.transformers
+
+    fagen.transformers.register()
+    rows: list[E2ERow] = []
+    for name in dict.fromkeys(c.model for c in cases(quick)):
+        model = build(name)
+        for case in (c for c in cases(quick) if c.model == name):
+            reference = None
+            for impl in implementations:  # SDPA first: fagen is compared with its result
+                row, reference = run_case(model, case, impl, reference)
+                rows.append(row)
+                print(f"{row.case:45} {row.impl:11} prefill {_num(row.prefill_ms)} ms  decode "
+                      f"{_num(row.decode_tok_s)} tok/s  {row.note}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def markdown(rows: list[E2ERow]) -> list[str]:
+    """Two tables (equal-length and padded prompts): prefill ms and decode tokens/s per
+    implementation, and fagen's ratio to SDPA's default (above 1: fagen is faster)."""
+    by_case: dict[str, dict[str, E2ERow]] = {}
+    for row in rows:
+        by_case.setdefault(row.case, {})[row.impl] = row
+    impls = [i for i in IMPLEMENTATIONS if any(i in r for r in by_case.values())]
+    head = " | ".join(impls)
+    out = []
+    for title, padded in (("Equal-length prompts", False), ("Left-padded prompts of mixed lengths", True)):
+        chosen = {k: v for k, v in by_case.items() if ("left-padded" in k) == padded}
+        if not chosen:
+            continue
+        out += [f"### {title} (dynamic cache)", "",
+                f"| case | prefill ms: {head} | decode tok/s: {head} | fagen / SDPA prefill, decode |",
+                "| --- | --- | --- | --- |"]
+        for case, got in chosen.items():
+            prefill = " / ".join(_num(got[i].prefill_ms) if i in got else "n/a" for i in impls)
+            decode = " / ".join(_num(got[i].decode_tok_s) if i in got else "n/a" for i in impls)
+            f, s = got.get("fagen"), got.get("sdpa")
+            ratio = "n/a" if not f or not s or None in (f.prefill_ms, s.prefill_ms, f.decode_tok_s, s.decode_tok_s) \
+                else f"{s.prefill_ms / f.prefill_ms:.2f}, {f.decode_tok_s / s.decode_tok_s:.2f}"
+            out.append(f"| {case} | {prefill} | {decode} | {ratio} |")
+        notes = [f"- {case}: {got['fagen'].note}" for case, got in chosen.items() if "fagen" in got and got["fagen"].note]
+        out += [""] + notes + [""]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="four cases, SDPA and fagen")
+    parser.add_argument("-o", "--out", type=Path, default=Path("bench"))
+    args = parser.parse_args()
+    rows = run(args.quick, ("sdpa", "fagen") if args.quick else IMPLEMENTATIONS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_e2e.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    (args.out / "bench_e2e.md").write_text("\n".join(markdown(rows)))
+    print("\n".join(markdown(rows)))
+
+
+if __name__ == "__main__":
+    main()
