@@ -27,9 +27,11 @@ from fagen import torch_op
 
 NAME = "fagen"
 
-# A padded key's score bias: far below any score (so exp() of it is 0 beside a real key) yet finite,
-# so that a row seeing only padding averages its pads rather than dividing 0 by 0.
-PAD = -1e30
+# A padded key's score bias: far below any score (exp() of it is 0 beside a real key), finite so
+# that a row seeing only padding averages its pads, and small enough that the kernels' softmax
+# stays exact: it computes exp2(s * log2(e) - m) as one fused multiply-add against the rounded
+# max m, whose rounding error grows with |s| (at -1e30, 2^77: exp2 of it is inf, and the row NaN).
+PAD = -1e4
 
 # gpt-oss's sinks (a parameter of the model's dtype) as the kernels take them, float32: one copy
 # a parameter and version (its in-place updates), so that the runtime's once-per-object check of
@@ -117,17 +119,29 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 def packed_documents(position_ids, query, key, windowed: bool = False):
     """Documents packed one after another into one sequence (position_ids restarting), as int32
     [1, N] document numbers for fagen's document mask; None for anything else. Only a prefill or
-    training step of one row can be packed. Telling costs one host check, as transformers' own
-    FlashAttention path makes (decode steps, with one query, pay none); under torch.compile,
+    training step of one row can be packed. Telling costs one host check a forward (the layers
+    share its answer, kept by the position_ids tensor; decode steps, with one query, pay none), as
+    transformers' own FlashAttention path makes; under torch.compile,
     which cannot branch on a tensor's values, such a row always takes the document mask (one
     document where nothing restarts: the same result, at the document kernel's speed), but for a
     sliding-window layer, which has no document form: there packing goes undetected."""
     if position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return None
-    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
     if torch.compiler.is_compiling():
-        if windowed:
-            return None
-    elif not bool(restarts.any()):
-        return None
+        return None if windowed else _document_ids(position_ids)
+    version, doc_ids = _DOCUMENTS.get(position_ids, (None, None))
+    if version != position_ids._version:  # the forward's first layer: its one host check
+        restarts = position_ids[:, 1:] <= position_ids[:, :-1]
+        doc_ids = _document_ids(position_ids) if bool(restarts.any()) else None
+        _DOCUMENTS[position_ids] = (position_ids._version, doc_ids)
+    return doc_ids
+
+
+# A forward's position_ids (the one tensor every layer gets) -> (its version, its document ids or
+# None): the host check a forward makes once, not once a layer (each check waits for the GPU).
+_DOCUMENTS = WeakIdKeyDictionary()
+
+
+def _document_ids(position_ids):
+    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
     return torch.nn.functional.pad(restarts.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))

@@ -288,3 +288,17 @@ def test_sinks_of_another_dtype_are_cast_once_a_version(kernels):
         assert torch.equal(kernels[-1]["sinks"], sinks.float())
     fagen.transformers.attention(module, q, kv, kv, None, s_aux=sinks)
     assert kernels[-1]["sinks"].requires_grad  # the cast autograd records
+
+
+def test_a_forward_tells_packed_documents_once_for_all_its_layers():
+    """packed_documents' host check runs once a position_ids tensor (a forward's layers share it):
+    later layers get the same ids without waiting for the GPU; an in-place change asks again."""
+    from fagen.transformers import packed_documents
+
+    q = torch.zeros(1, 2, 6, 8)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    first = packed_documents(position_ids, q, q)
+    assert first.tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert packed_documents(position_ids, q, q) is first
+    position_ids.copy_(torch.arange(6)[None])
+    assert packed_documents(position_ids, q, q) is None
