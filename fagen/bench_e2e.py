@@ -5,8 +5,9 @@
 Random-weight models of real shapes (a Llama of 16 layers, hidden 2048, 32 query and 8 KV heads of
 64; a Gemma-2 of 8 layers, heads of 256, a 4096-key window on alternate layers, softcaps), bf16,
 transformers' dynamic cache, greedy `generate`. Per case and implementation: prefill ms (one
-forward over the prompt, median of PREFILL_REPS) and decode tokens/s (the generated tokens after
-the first, over generate's time less one prefill). SDPA runs as transformers calls it: its own
+forward over the prompt) and decode tokens/s (the generated tokens after the first, over
+generate's time less the prefill), medians of ROUNDS rounds in which the implementations take
+turns (host time drifts by tens of percent between minutes on a shared host). SDPA runs as transformers calls it: its own
 backend choice (`sdpa`), and pinned to cuDNN (`sdpa_cudnn`) and FlashAttention-2 (`sdpa_flash`,
 which takes no mask: padded cases are n/a). Before fagen is timed, its prompt logits (at the
 prompt's tokens) and its generated tokens are compared with SDPA's; the row says how they agree.
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
-PREFILL_REPS = 3
+ROUNDS = 3  # timed rounds a case, implementations interleaved
 PADDED_SHORTEST = 256
 
 
@@ -123,9 +124,10 @@ def decode_rate(case: E2ECase, generate_s: float, prefill_s: float) -> float:
     return case.batch * (case.new_tokens - 1) / (generate_s - prefill_s)
 
 
-def run_case(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[E2ERow, dict]:
-    """One implementation on one case: prefill ms, decode tokens/s, and what it computed (prompt
-    logits at tokens, generated tokens) for the next implementation's comparison."""
+def check(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[str | None, dict]:
+    """One implementation's result on a case (its warm-up too): a note saying how its prompt
+    logits (at the tokens) and generated tokens agree with `reference` (SDPA's), or "n/a: why"
+    where the backend cannot take the case; and the result itself, the next one's reference."""
     import torch
 
     model.set_attn_implementation("fagen" if impl == "fagen" else "sdpa")
@@ -133,46 +135,76 @@ def run_case(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[E
     with torch.no_grad(), _backend(impl):
         try:
             logits = model(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
-            generate = dict(attention_mask=mask, max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens,
-                            do_sample=False, pad_token_id=0)
-            tokens = model.generate(ids, **generate)[:, case.prompt:]  # also the warm-up
+            tokens = model.generate(ids, **_generate_options(case, mask))[:, case.prompt:]
         except RuntimeError as error:  # a backend that cannot take the case (FA2 and a mask)
-            return E2ERow(case.key, impl, None, None, f"n/a: {str(error).splitlines()[0][:80]}"), reference
-        note = ""
-        if reference is not None:
-            error = ((logits - reference["logits"]).norm() / reference["logits"].norm()).item()
-            same = (tokens == reference["tokens"]).float().mean().item()
-            note = f"prompt logits rel. err {error:.1e} against SDPA, {same:.0%} of generated tokens equal"
-        prefill = []
-        for _ in range(PREFILL_REPS):
+            return f"n/a: {str(error).splitlines()[0][:80]}", reference
+    if reference is None:
+        return "", dict(logits=logits, tokens=tokens)
+    error = ((logits - reference["logits"]).norm() / reference["logits"].norm()).item()
+    same = (tokens == reference["tokens"]).float().mean().item()
+    return f"prompt logits rel. err {error:.1e} against SDPA, {same:.0%} of generated tokens equal", reference
+
+
+def _generate_options(case: E2ECase, mask) -> dict:
+    return dict(attention_mask=mask, max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens,
+                do_sample=False, pad_token_id=0)
+
+
+def timed(model, case: E2ECase, impl: str) -> tuple[float, float]:
+    """(prefill seconds, generate seconds) of one round: a forward over the prompt, then generate."""
+    import torch
+
+    model.set_attn_implementation("fagen" if impl == "fagen" else "sdpa")
+    ids, mask = prompts(case)
+    times = []
+    with torch.no_grad(), _backend(impl):
+        for call in (lambda: model(input_ids=ids, attention_mask=mask, use_cache=True),
+                     lambda: model.generate(ids, **_generate_options(case, mask))):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            model(input_ids=ids, attention_mask=mask, use_cache=True)
+            call()
             torch.cuda.synchronize()
-            prefill.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(ids, **generate)
-        torch.cuda.synchronize()
-        total = time.perf_counter() - start
-    prefill_s = statistics.median(prefill)
-    row = E2ERow(case.key, impl, prefill_s * 1e3, decode_rate(case, total, prefill_s), note)
-    return row, reference or dict(logits=logits, tokens=tokens)
+            times.append(time.perf_counter() - start)
+    return times[0], times[1]
 
 
-def run(quick: bool = False, implementations=IMPLEMENTATIONS) -> list[E2ERow]:
+def run_case(model, case: E2ECase, implementations) -> list[E2ERow]:
+    """Each implementation checked (SDPA's first, the others against it), then timed in ROUNDS
+    rounds, the implementations interleaved so that the host's drift falls on all of them: the
+    median prefill and the median generate make the row (the note gives the rounds' spread)."""
+    notes, reference = {}, None
+    for impl in implementations:
+        notes[impl], reference = check(model, case, impl, reference)
+    runnable = [impl for impl in implementations if not notes[impl].startswith("n/a")]
+    rounds: dict[str, list[tuple[float, float]]] = {impl: [] for impl in runnable}
+    for i in range(ROUNDS):
+        for impl in runnable if i % 2 == 0 else runnable[::-1]:
+            rounds[impl].append(timed(model, case, impl))
+    rows = []
+    for impl in implementations:
+        if impl not in rounds:
+            rows.append(E2ERow(case.key, impl, None, None, notes[impl]))
+            continue
+        prefill = statistics.median(p for p, _ in rounds[impl])
+        rates = [decode_rate(case, g, prefill) for _, g in rounds[impl]]
+        spread = f"decode {min(rates):.0f}-{max(rates):.0f} tok/s over {ROUNDS} rounds"
+        rows.append(E2ERow(case.key, impl, prefill * 1e3, statistics.median(rates),
+                           f"{notes[impl]}; {spread}" if notes[impl] else spread))
+    return rows
+
+
+def run(quick: bool = False, implementations=IMPLEMENTATIONS, only: str | None = None) -> list[E2ERow]:
     import torch
 
     import fagen.transformers
 
     fagen.transformers.register()
+    chosen = [c for c in cases(quick) if only is None or c.model == only]
     rows: list[E2ERow] = []
-    for name in dict.fromkeys(c.model for c in cases(quick)):
+    for name in dict.fromkeys(c.model for c in chosen):
         model = build(name)
-        for case in (c for c in cases(quick) if c.model == name):
-            reference = None
-            for impl in implementations:  # SDPA first: fagen is compared with its result
-                row, reference = run_case(model, case, impl, reference)
+        for case in (c for c in chosen if c.model == name):
+            for row in run_case(model, case, implementations):
                 rows.append(row)
                 print(f"{row.case:45} {row.impl:11} prefill {_num(row.prefill_ms)} ms  decode "
                       f"{_num(row.decode_tok_s)} tok/s  {row.note}", flush=True)
@@ -216,9 +248,15 @@ def markdown(rows: list[E2ERow]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="four cases, SDPA and fagen")
+    parser.add_argument("--model", choices=("llama", "gemma2"), default=None, help="one model's cases only")
+    parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=None,
+                        help="these implementations (default: all; --quick: sdpa and fagen)")
     parser.add_argument("-o", "--out", type=Path, default=Path("bench"))
     args = parser.parse_args()
-    rows = run(args.quick, ("sdpa", "fagen") if args.quick else IMPLEMENTATIONS)
+    impls = tuple(args.impl) if args.impl else ("sdpa", "fagen") if args.quick else IMPLEMENTATIONS
+    if impls[0] != "sdpa":
+        parser.error("--impl: put sdpa first (the others are checked against it)")
+    rows = run(args.quick, impls, args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_e2e.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     (args.out / "bench_e2e.md").write_text("\n".join(markdown(rows)))

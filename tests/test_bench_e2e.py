@@ -39,3 +39,31 @@ def test_the_tables_give_fagen_against_sdpa_and_mark_what_a_backend_cannot_run()
     assert f"| {equal} | 20.0 / n/a / 16.0 | 50.0 / n/a / 60.0 | 1.25, 1.20 |" in text
     assert f"| {padded} | 40.0 / n/a / 32.0 | 300.0 / n/a / 450.0 | 1.25, 1.50 |" in text
     assert text.index("Equal-length") < text.index("Left-padded") and f"- {equal}: logits ok" in text
+
+
+def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch):
+    """run_case: SDPA checked first and the others against its result; a backend that cannot run
+    the case is n/a and never timed; the rest take turns (order alternating by round), and each
+    row is the median prefill and the median decode rate of its rounds."""
+    case = E2ECase("llama", 2, 1024, 11)
+    checked, order = [], []
+
+    def check(model, case, impl, reference):
+        checked.append((impl, reference))
+        return ("n/a: no mask" if impl == "sdpa_flash" else "" if reference is None else "ok"), "sdpa's"
+
+    generate = {"sdpa": iter([1.1, 2.1, 3.1]), "fagen": iter([1.1, 1.6, 0.6])}
+
+    def timed(model, case, impl):
+        order.append(impl)
+        return 0.1, next(generate[impl])
+
+    monkeypatch.setattr(bench_e2e, "check", check)
+    monkeypatch.setattr(bench_e2e, "timed", timed)
+    rows = {r.impl: r for r in bench_e2e.run_case(None, case, ("sdpa", "sdpa_flash", "fagen"))}
+    assert checked == [("sdpa", None), ("sdpa_flash", "sdpa's"), ("fagen", "sdpa's")]
+    assert order == ["sdpa", "fagen", "fagen", "sdpa", "sdpa", "fagen"]
+    assert rows["sdpa_flash"].decode_tok_s is None and rows["sdpa_flash"].note == "n/a: no mask"
+    assert rows["fagen"].prefill_ms == pytest.approx(100.0)
+    assert rows["fagen"].decode_tok_s == pytest.approx(2 * 10 / (1.1 - 0.1))  # the median of 20, 13.3, 40
+    assert rows["sdpa"].decode_tok_s == pytest.approx(2 * 10 / (2.1 - 0.1)) and rows["fagen"].note.startswith("ok; ")
