@@ -18,48 +18,13 @@ transformers serves one.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
-ROUNDS = 3  # timed rounds a case, implementations interleaved
-PADDED_SHORTEST = 256
-
-
-@dataclass(frozen=True)
-class E2ECase:
-    model: str  # llama or gemma2
-    batch: int
-    prompt: int  # tokens (padded: the longest prompt)
-    new_tokens: int
-    padded: bool = False
-
-    @property
-    def key(self) -> str:
-        lengths = f"{PADDED_SHORTEST}-{self.prompt} left-padded" if self.padded else str(self.prompt)
-        return f"{self.model} B{self.batch} prompt {lengths} +{self.new_tokens}"
-
-
-@dataclass
-class E2ERow:
-    case: str
-    impl: str
-    prefill_ms: float | None
-    decode_tok_s: float | None
-    note: str = ""
-
-
-def cases(quick: bool = False) -> list[E2ECase]:
-    equal = [E2ECase("llama", b, n, t) for b, n, t in ((1, 1024, 64), (8, 1024, 64), (32, 1024, 32), (1, 4096, 32),
-                                                        (8, 4096, 32))]
-    padded = [E2ECase("llama", b, 1024, t, padded=True) for b, t in ((8, 64), (32, 32))]
-    gemma = [E2ECase("gemma2", 1, 1024, 64), E2ECase("gemma2", 8, 1024, 64), E2ECase("gemma2", 8, 1024, 64, padded=True)]
-    if quick:
-        return [equal[0], equal[1], padded[0], gemma[0]]
-    return equal + padded + gemma
+import fagen.transformers
+from fagen.bench_e2e_tables import (IMPLEMENTATIONS, JSON, ROUNDS, E2ECase, E2ERow, cases, decode_rate, markdown,
+                                    prompts, shown, write_json)
 
 
 def config(model: str):
@@ -93,22 +58,6 @@ def build(model: str):
         torch.set_default_dtype(default)
 
 
-def prompts(case: E2ECase, seed: int = 0, device: str = "cuda"):
-    """input_ids [B, prompt] and attention_mask: equal lengths, or left-padded lengths in
-    [PADDED_SHORTEST, prompt] (the first row the longest)."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.randint(1, 32000, (case.batch, case.prompt), generator=gen, device=device)
-    mask = torch.ones_like(ids)
-    if case.padded:
-        lengths = torch.randint(PADDED_SHORTEST, case.prompt + 1, (case.batch,), generator=gen, device=device)
-        lengths[0] = case.prompt
-        mask = (torch.arange(case.prompt, device=device)[None] >= case.prompt - lengths[:, None]).long()
-        ids = ids * mask
-    return ids, mask
-
-
 def _backend(impl: str):
     import contextlib
 
@@ -116,12 +65,6 @@ def _backend(impl: str):
 
     return {"sdpa_cudnn": sdpa_kernel(SDPBackend.CUDNN_ATTENTION),
             "sdpa_flash": sdpa_kernel(SDPBackend.FLASH_ATTENTION)}.get(impl, contextlib.nullcontext())
-
-
-def decode_rate(case: E2ECase, generate_s: float, prefill_s: float) -> float:
-    """Tokens a second of the decode steps: generate's time less its prefill, over the tokens
-    after the first (which the prefill produces)."""
-    return case.batch * (case.new_tokens - 1) / (generate_s - prefill_s)
 
 
 def check(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[str | None, dict]:
@@ -196,8 +139,6 @@ def run_case(model, case: E2ECase, implementations) -> list[E2ERow]:
 def run(quick: bool = False, implementations=IMPLEMENTATIONS, only: str | None = None) -> list[E2ERow]:
     import torch
 
-    import fagen.transformers
-
     fagen.transformers.register()
     chosen = [c for c in cases(quick) if only is None or c.model == only]
     rows: list[E2ERow] = []
@@ -206,43 +147,21 @@ def run(quick: bool = False, implementations=IMPLEMENTATIONS, only: str | None =
         for case in (c for c in chosen if c.model == name):
             for row in run_case(model, case, implementations):
                 rows.append(row)
-                print(f"{row.case:45} {row.impl:11} prefill {_num(row.prefill_ms)} ms  decode "
-                      f"{_num(row.decode_tok_s)} tok/s  {row.note}", flush=True)
+                print(f"{row.case:45} {row.impl:11} prefill {shown(row.prefill_ms)} ms  decode "
+                      f"{shown(row.decode_tok_s)} tok/s  {row.note}", flush=True)
         del model
         torch.cuda.empty_cache()
     return rows
 
 
-def _num(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1f}"
+def environment() -> dict:
+    import datetime
 
+    import torch
+    import transformers
 
-def markdown(rows: list[E2ERow]) -> list[str]:
-    """Two tables (equal-length and padded prompts): prefill ms and decode tokens/s per
-    implementation, and fagen's ratio to SDPA's default (above 1: fagen is faster)."""
-    by_case: dict[str, dict[str, E2ERow]] = {}
-    for row in rows:
-        by_case.setdefault(row.case, {})[row.impl] = row
-    impls = [i for i in IMPLEMENTATIONS if any(i in r for r in by_case.values())]
-    head = " | ".join(impls)
-    out = []
-    for title, padded in (("Equal-length prompts", False), ("Left-padded prompts of mixed lengths", True)):
-        chosen = {k: v for k, v in by_case.items() if ("left-padded" in k) == padded}
-        if not chosen:
-            continue
-        out += [f"### {title} (dynamic cache)", "",
-                f"| case | prefill ms: {head} | decode tok/s: {head} | fagen / SDPA prefill, decode |",
-                "| --- | --- | --- | --- |"]
-        for case, got in chosen.items():
-            prefill = " / ".join(_num(got[i].prefill_ms) if i in got else "n/a" for i in impls)
-            decode = " / ".join(_num(got[i].decode_tok_s) if i in got else "n/a" for i in impls)
-            f, s = got.get("fagen"), got.get("sdpa")
-            ratio = "n/a" if not f or not s or None in (f.prefill_ms, s.prefill_ms, f.decode_tok_s, s.decode_tok_s) \
-                else f"{s.prefill_ms / f.prefill_ms:.2f}, {f.decode_tok_s / s.decode_tok_s:.2f}"
-            out.append(f"| {case} | {prefill} | {decode} | {ratio} |")
-        notes = [f"- {case}: {got['fagen'].note}" for case, got in chosen.items() if "fagen" in got and got["fagen"].note]
-        out += [""] + notes + [""]
-    return out
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def main() -> None:
@@ -258,9 +177,11 @@ def main() -> None:
         parser.error("--impl: put sdpa first (the others are checked against it)")
     rows = run(args.quick, impls, args.model)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_e2e.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    (args.out / "bench_e2e.md").write_text("\n".join(markdown(rows)))
-    print("\n".join(markdown(rows)))
+    meta = environment()
+    write_json(rows, meta, args.out / JSON)
+    print("\n".join(markdown(rows, meta)))
+    print(f"wrote {args.out / JSON}; `python3 -m fagen bench --from-json {args.out / 'bench.json'}` redraws "
+          f"BENCHMARKS.md with it")
 
 
 if __name__ == "__main__":

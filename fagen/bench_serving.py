@@ -521,17 +521,21 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         ratio = "n/a" if f.tflops is None or p is None or p.tflops is None else f"{f.tflops / p.tflops:.2f}"
         lengths = ("mixed, " if case.endswith("mixed") else "") + f"{f.b} × {f.nq}"
         out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
+    # the growing-cache columns where the run timed them (a new key length and strides every call)
+    growing = ((" not prepared, keys grow a call | SDPA, keys grow |", " --- | --- |")
+               if any(r.impl == "fagen_attention_growing" for r in rows) else ("", ""))
     out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
             "the GPU's time is not in it)", "",
-            "| call | shape | prepared, out allocated | out given | not prepared | SDPA | not prepared, keys grow a call | SDPA, keys grow |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| call | shape | prepared, out allocated | out given | not prepared | SDPA |" + growing[0],
+            "| --- | --- | --- | --- | --- | --- |" + growing[1]]
     for case, impls, f in _section(table, "host"):
         call = ("paged decode step (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
                 "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch")
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
         out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "
-                   f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} | "
-                   f"{_us(impls.get('fagen_attention_growing'))} | {_us(impls.get('sdpa_growing'))} |")
+                   f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} |"
+                   + (f" {_us(impls.get('fagen_attention_growing'))} | {_us(impls.get('sdpa_growing'))} |"
+                      if growing[0] else ""))
     notes = [r for r in rows if r.note and not r.note.startswith("err")]
     if notes:
         out += ["", "Notes:"] + [f"- {r.case} ({r.impl}): {r.note}" for r in notes]

@@ -1,9 +1,10 @@
-"""fagen.bench_e2e without a GPU: its cases, its decode rate and its tables."""
+"""The end-to-end benchmark without a GPU: its cases, its decode rate, its tables
+(fagen.bench_e2e_tables) and the runner's order of checks and timed rounds (fagen.bench_e2e)."""
 
 import pytest
 
-from fagen import bench_e2e
-from fagen.bench_e2e import E2ECase, E2ERow
+from fagen import bench_e2e_tables as bench_e2e
+from fagen.bench_e2e_tables import E2ECase, E2ERow
 
 
 def test_cases_name_themselves_apart_and_cover_both_models_and_padding():
@@ -45,6 +46,10 @@ def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch)
     """run_case: SDPA checked first and the others against its result; a backend that cannot run
     the case is n/a and never timed; the rest take turns (order alternating by round), and each
     row is the median prefill and the median decode rate of its rounds."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from fagen import bench_e2e as runner
+
     case = E2ECase("llama", 2, 1024, 11)
     checked, order = [], []
 
@@ -58,12 +63,28 @@ def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch)
         order.append(impl)
         return 0.1, next(generate[impl])
 
-    monkeypatch.setattr(bench_e2e, "check", check)
-    monkeypatch.setattr(bench_e2e, "timed", timed)
-    rows = {r.impl: r for r in bench_e2e.run_case(None, case, ("sdpa", "sdpa_flash", "fagen"))}
+    monkeypatch.setattr(runner, "check", check)
+    monkeypatch.setattr(runner, "timed", timed)
+    rows = {r.impl: r for r in runner.run_case(None, case, ("sdpa", "sdpa_flash", "fagen"))}
     assert checked == [("sdpa", None), ("sdpa_flash", "sdpa's"), ("fagen", "sdpa's")]
     assert order == ["sdpa", "fagen", "fagen", "sdpa", "sdpa", "fagen"]
     assert rows["sdpa_flash"].decode_tok_s is None and rows["sdpa_flash"].note == "n/a: no mask"
     assert rows["fagen"].prefill_ms == pytest.approx(100.0)
     assert rows["fagen"].decode_tok_s == pytest.approx(2 * 10 / (1.1 - 0.1))  # the median of 20, 13.3, 40
     assert rows["sdpa"].decode_tok_s == pytest.approx(2 * 10 / (2.1 - 0.1)) and rows["fagen"].note.startswith("ok; ")
+
+
+def test_the_report_keeps_the_end_to_end_tables_from_their_json(tmp_path):
+    """bench_e2e's JSON round-trips, a file that is not one is refused in a line, and fagen
+    bench's BENCHMARKS.md takes its section from the JSON beside its own."""
+    from fagen import bench
+
+    rows = [E2ERow(E2ECase("llama", 1, 1024, 64).key, "sdpa", 20.0, 50.0),
+            E2ERow(E2ECase("llama", 1, 1024, 64).key, "fagen", 16.0, 60.0, "ok")]
+    bench_e2e.write_json(rows, {"gpu": "H200"}, tmp_path / bench_e2e.JSON)
+    assert bench_e2e.read_json(tmp_path / bench_e2e.JSON) == (rows, {"gpu": "H200"})
+    (tmp_path / "other.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a bench_e2e.json"):
+        bench_e2e.read_json(tmp_path / "other.json")
+    text = bench.markdown([], {}, [], e2e=bench.Part(rows, {"gpu": "H200"}))
+    assert "## End to end: transformers generation" in text and "gpu: H200" in text and "| 1.25, 1.20 |" in text

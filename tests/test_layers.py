@@ -33,8 +33,9 @@ LAYERS = [
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("transformers",),  # fagen as a transformers attention implementation
     ("api",),  # the public entry points: fagen.attention and its siblings
-    ("bench_cases", "bench_rows"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV files
-    ("bench_backward", "bench_serving"),  # the backward and the serving layouts in `fagen bench`
+    ("bench_cases", "bench_rows", "bench_e2e_tables"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV
+    # files; the end-to-end benchmark's cases and tables
+    ("bench_backward", "bench_serving", "bench_e2e"),  # the backward and serving layouts in `fagen bench`; generation
     ("bench",),
     ("tune",),
     ("cli",),

@@ -1,0 +1,124 @@
+"""The end-to-end benchmark's cases, rows, JSON and tables (fagen.bench_e2e runs them): apart
+from the runner so that `fagen bench` redraws BENCHMARKS.md from the JSON where there is no
+torch or transformers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
+ROUNDS = 3  # timed rounds a case, implementations interleaved
+JSON = "bench_e2e.json"  # beside fagen bench's JSON, whose BENCHMARKS.md takes its tables
+PADDED_SHORTEST = 256
+
+
+@dataclass(frozen=True)
+class E2ECase:
+    model: str  # llama or gemma2
+    batch: int
+    prompt: int  # tokens (padded: the longest prompt)
+    new_tokens: int
+    padded: bool = False
+
+    @property
+    def key(self) -> str:
+        lengths = f"{PADDED_SHORTEST}-{self.prompt} left-padded" if self.padded else str(self.prompt)
+        return f"{self.model} B{self.batch} prompt {lengths} +{self.new_tokens}"
+
+
+@dataclass
+class E2ERow:
+    case: str
+    impl: str
+    prefill_ms: float | None
+    decode_tok_s: float | None
+    note: str = ""
+
+
+def cases(quick: bool = False) -> list[E2ECase]:
+    equal = [E2ECase("llama", b, n, t) for b, n, t in ((1, 1024, 64), (8, 1024, 64), (32, 1024, 32), (1, 4096, 32),
+                                                        (8, 4096, 32))]
+    padded = [E2ECase("llama", b, 1024, t, padded=True) for b, t in ((8, 64), (32, 32))]
+    gemma = [E2ECase("gemma2", 1, 1024, 64), E2ECase("gemma2", 8, 1024, 64), E2ECase("gemma2", 8, 1024, 64, padded=True)]
+    if quick:
+        return [equal[0], equal[1], padded[0], gemma[0]]
+    return equal + padded + gemma
+
+
+def prompts(case: E2ECase, seed: int = 0, device: str = "cuda"):
+    """input_ids [B, prompt] and attention_mask: equal lengths, or left-padded lengths in
+    [PADDED_SHORTEST, prompt] (the first row the longest)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(1, 32000, (case.batch, case.prompt), generator=gen, device=device)
+    mask = torch.ones_like(ids)
+    if case.padded:
+        lengths = torch.randint(PADDED_SHORTEST, case.prompt + 1, (case.batch,), generator=gen, device=device)
+        lengths[0] = case.prompt
+        mask = (torch.arange(case.prompt, device=device)[None] >= case.prompt - lengths[:, None]).long()
+        ids = ids * mask
+    return ids, mask
+
+
+def decode_rate(case: E2ECase, generate_s: float, prefill_s: float) -> float:
+    """Tokens a second of the decode steps: generate's time less its prefill, over the tokens
+    after the first (which the prefill produces)."""
+    return case.batch * (case.new_tokens - 1) / (generate_s - prefill_s)
+
+
+def shown(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f}"
+
+
+def markdown(rows: list[E2ERow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's end-to-end section: two tables (equal-length and padded prompts), prefill
+    ms and decode tokens/s per implementation and fagen's ratio to SDPA's default (above 1:
+    fagen is faster), then how each fagen run agreed with SDPA's and its rounds' spread."""
+    by_case: dict[str, dict[str, E2ERow]] = {}
+    for row in rows:
+        by_case.setdefault(row.case, {})[row.impl] = row
+    impls = [i for i in IMPLEMENTATIONS if any(i in r for r in by_case.values())]
+    head = " / ".join(impls)
+    out = ["## End to end: transformers generation", "",
+           "Written by `python3 -m fagen.bench_e2e` (its JSON kept beside this report's). Random-weight bf16 models "
+           "(Llama: 16 layers, hidden 2048, 32/8 heads of 64; Gemma-2: 8 layers, 8/4 heads of 256, a 4096-key "
+           "window on alternate layers, softcaps), transformers' dynamic cache, greedy generate; prefill ms of a "
+           "forward over the prompt, decode tokens/s after the first token; medians of "
+           f"{ROUNDS} rounds with the implementations taking turns. fagen's result is compared with SDPA's before "
+           "it is timed (random weights in bfloat16 make greedy tokens diverge early: SDPA's own FA2 backend "
+           "differs from its default as much).", ""]
+    if meta:
+        out += [", ".join(f"{k}: {v}" for k, v in sorted(meta.items())), ""]
+    for title, padded in (("Equal-length prompts", False), ("Left-padded prompts of mixed lengths", True)):
+        chosen = {k: v for k, v in by_case.items() if ("left-padded" in k) == padded}
+        if not chosen:
+            continue
+        out += [f"### {title}", "",
+                f"| case | prefill ms: {head} | decode tok/s: {head} | fagen / SDPA prefill, decode |",
+                "| --- | --- | --- | --- |"]
+        for case, got in chosen.items():
+            prefill = " / ".join(shown(got[i].prefill_ms) if i in got else "n/a" for i in impls)
+            decode = " / ".join(shown(got[i].decode_tok_s) if i in got else "n/a" for i in impls)
+            f, s = got.get("fagen"), got.get("sdpa")
+            ratio = "n/a" if not f or not s or None in (f.prefill_ms, s.prefill_ms, f.decode_tok_s, s.decode_tok_s) \
+                else f"{s.prefill_ms / f.prefill_ms:.2f}, {f.decode_tok_s / s.decode_tok_s:.2f}"
+            out.append(f"| {case} | {prefill} | {decode} | {ratio} |")
+        notes = [f"- {case}: {got['fagen'].note}" for case, got in chosen.items() if "fagen" in got and got["fagen"].note]
+        out += [""] + notes + [""]
+    return out
+
+
+def write_json(rows: list[E2ERow], meta: dict, path: Path) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+
+
+def read_json(path: Path) -> tuple[list[E2ERow], dict]:
+    """The rows and meta of a bench_e2e.json; ValueError (one line) for a file that is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return [E2ERow(**r) for r in data["rows"]], dict(data["meta"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a bench_e2e.json ({error}); run python3 -m fagen.bench_e2e") from None
