@@ -146,7 +146,7 @@ static int launch_one(HotPath *self, Launch *launch, void *stream, const uint64_
 }
 
 /* run(q, k, v, [index tensors,] out): out (allocated where None) after the launches;
- * NotImplemented where the tensors are not as prepared */
+ * NotImplemented where the tensors are not as prepared, or q, k, v or out is not 16-byte aligned */
 static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!self->ready) {
         PyErr_SetString(PyExc_RuntimeError, "HotPath: not initialised");
@@ -161,6 +161,14 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
         PyErr_Clear();  /* a check that raised (not a torch tensor): the Python path says why */
         Py_RETURN_NOTIMPLEMENTED;
     }
+    uint64_t addresses[MAX_ADDRESSES];
+    for (int i = 0; i < self->inputs; i++) {
+        addresses[i] = address_of(args[i]);
+        if (PyErr_Occurred()) return NULL;
+    }
+    /* q, k and v are copied 16 bytes at a time (cp.async, TMA): another alignment is the Python
+     * path's to refuse by name (a view whose last axis starts mid-row has the prepared strides) */
+    if ((addresses[0] | addresses[1] | addresses[2]) % 16) Py_RETURN_NOTIMPLEMENTED;
     PyObject *out = args[self->inputs];
     if (out == Py_None) {
         out = PyObject_CallOneArg(self->allocate, args[0]);
@@ -169,6 +177,12 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
         Py_INCREF(out);
     } else {
         PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    addresses[self->inputs] = address_of(out);
+    if (PyErr_Occurred()) goto fail;
+    if (addresses[self->inputs] % 16) {
+        Py_DECREF(out);
         Py_RETURN_NOTIMPLEMENTED;
     }
     PyObject *handle = PyObject_CallOneArg(self->stream_of, PyTuple_GET_ITEM(self->keep, 0));
@@ -188,11 +202,6 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
             Py_DECREF(kept);
             self->captured = 1;
         }
-    }
-    uint64_t addresses[MAX_ADDRESSES];
-    for (int i = 0; i <= self->inputs; i++) {
-        addresses[i] = address_of(i < self->inputs ? args[i] : out);
-        if (PyErr_Occurred()) goto fail;
     }
     addresses[self->inputs + 1] = self->lse;
     for (int i = 0; i < self->launch_count; i++)
@@ -286,6 +295,21 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
+/* relayout(layout): the (shape, strides) pairs later calls are checked against, as init's; for
+ * a launch whose arguments were rewritten for them (a decode class's keys growing a call) */
+static PyObject *HotPath_relayout(HotPath *self, PyObject *layout) {
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "HotPath: not initialised");
+        return NULL;
+    }
+    if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != 2 * self->inputs) {
+        PyErr_Format(PyExc_ValueError, "HotPath.relayout: a tuple of %d (shape, strides) entries", 2 * self->inputs);
+        return NULL;
+    }
+    Py_SETREF(self->layout, Py_NewRef(layout));
+    Py_RETURN_NONE;
+}
+
 static void HotPath_dealloc(HotPath *self) {
     Py_XDECREF(self->layout);
     Py_XDECREF(self->dtypes);
@@ -307,6 +331,8 @@ static PyObject *HotPath_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 static PyMethodDef HotPath_methods[] = {
     {"run", (PyCFunction)(void (*)(void))HotPath_run, METH_FASTCALL,
      "run(q, k, v, [index tensors,] out): out after the launches, or NotImplemented where the tensors are not as prepared"},
+    {"relayout", (PyCFunction)HotPath_relayout, METH_O,
+     "relayout(layout): check later calls against these (shape, strides) pairs"},
     {NULL}};
 
 static PyTypeObject HotPathType = {

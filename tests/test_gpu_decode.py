@@ -359,3 +359,21 @@ def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_cla
             assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], (n, k.stride())
             assert relative_error(to_numpy(lse), ref_lse) < 1e-4, (n, k.stride())
     assert len(decode.SHAPE_CLASSES._growing) - before == 2  # [512, 1024) and [1024, 2048)
+
+
+def test_a_prepared_call_refuses_a_view_that_starts_inside_a_row():
+    """A view of the prepared shape and strides whose address is not 16-byte aligned (its last
+    axis starting mid-row) is refused by name, by the C path and the Python path alike; the
+    growing-cache class hands it to the general path, which refuses it too."""
+    import torch
+
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+    buffer = torch.randn(1, 8, 1024, 136, device="cuda", dtype=torch.float16)
+    k, shifted = buffer[..., :128], buffer[..., 1:129]
+    assert k.stride() == shifted.stride() and shifted.data_ptr() % 16
+    step = fagen.prepare(q, k, k)
+    with pytest.raises(ValueError, match="k, v: address not a multiple of 16 bytes"):
+        step(q, shifted, shifted)
+    fagen.attention(q, k, k)  # the class, packed
+    with pytest.raises(ValueError, match="multiples of 8 elements / 16 bytes"):
+        fagen.attention(q, shifted, shifted)

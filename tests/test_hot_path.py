@@ -254,3 +254,26 @@ def test_an_object_whose_init_failed_does_not_launch(module):
     with pytest.raises(RuntimeError, match="not initialised"):
         half.run(p.q, p.k, p.v, None)
     assert p.driver.launches == []
+
+
+def test_misaligned_inputs_or_out_are_handed_back_unlaunched(module):
+    """q, k, v and out are read and written 16 bytes at a time: a view whose address is not a
+    multiple of 16 (its strides as prepared) goes back to the Python path, nothing allocated."""
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    shifted = Tensor(p.k.shape, 0xB002)
+    assert p.hot.run(p.q, shifted, p.v, None) is NotImplemented and p.allocated == []
+    assert p.hot.run(p.q, p.k, p.v, Tensor(p.q.shape, 0xD008)) is NotImplemented
+    assert p.driver.launches == []
+
+
+def test_a_relayout_moves_the_layout_later_calls_are_checked_against(module):
+    """A decode class rewrites its launch for keys of a new length and strides, then tells the
+    hot path: calls of the new layout launch, the old one's go back."""
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    k, v = Tensor((1, 8, 1025, 128), 0xB000), Tensor((1, 8, 1025, 128), 0xC000)
+    assert p.hot.run(p.q, k, v, None) is NotImplemented
+    p.hot.relayout(tuple(x for t in (p.q, k, v) for x in (t.shape, t.stride())))
+    assert p.hot.run(p.q, k, v, None) is not NotImplemented and len(p.driver.launches) == 1
+    assert p.hot.run(p.q, p.k, p.v, None) is NotImplemented and len(p.driver.launches) == 1
+    with pytest.raises(ValueError, match="a tuple of 6"):
+        p.hot.relayout((p.q.shape, p.q.stride()))
