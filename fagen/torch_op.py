@@ -206,7 +206,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
             and (sinks is None or type(sinks) is Tensor and sinks.is_contiguous()) and not _records_grad(q, k, v, sinks)):
         # an eager call for inference, the common case of a generation loop: its shape class's
         # packed launch where one is kept (decode.ShapeClasses), before any other work
-        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, sinks, return_lse)
+        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, _without_grad(sinks), return_lse)
         if done is not NotImplemented:
             return done
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device

@@ -512,3 +512,18 @@ def test_transformers_models_take_their_window_softcap_and_sinks(family):
         got, want = (m(input_ids=ids, attention_mask=mask).logits.float() for m in (model, reference))
         assert torch.isfinite(got).all()
         assert relative_error(to_numpy(got[tokens]), to_numpy(want[tokens])) < 3e-2
+
+
+def test_inference_takes_sinks_that_are_a_parameter():
+    """Under no_grad, a float32 sinks parameter (requires_grad) reaches the kernel through its
+    detached alias (PyTorch refuses the array interface of a tensor that requires grad), in a
+    shape class whose key follows the parameter's in-place updates."""
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    sinks = torch.nn.Parameter(torch.randn(8, device="cuda"))
+    for _ in range(2):
+        with torch.no_grad():
+            out = fagen.attention(q, k, v, sinks=sinks)
+            want = oracle.attention(*(to_numpy(x) for x in (q, k, v)), sinks=to_numpy(sinks.detach()))
+            assert relative_error(to_numpy(out), want) < OUT_TOLERANCE["float16"]
+            sinks.add_(1.0)  # the next call must see the new values
