@@ -340,11 +340,14 @@ class GrowingKeys(PreparedAttention):
         self._keys = (k.stride(), v.stride(), k.shape[2])
 
     def run(self, q, k, v, return_lse: bool):
-        """out (and lse) for q as prepared, k and v of the class (B, Hkv, d, dtype and device as
-        prepared: the caller's key holds them), or NotImplemented."""
+        """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and
+        devices as prepared: the caller's key holds them; v as long as k and the current device
+        the prepared one, checked here), or NotImplemented."""
         ks, vs, nk = k.stride(), v.stride(), k.shape[2]
+        if v.shape[2] != nk or self._current_device() != self.device:  # the general path says why
+            return NotImplemented
         if (ks, vs, nk) != self._keys:
-            if not (self.lo <= nk < self.hi and v.shape[2] == nk and ks[3] == 1 and vs[3] == 1
+            if not (self.lo <= nk < self.hi and ks[3] == 1 and vs[3] == 1
                     and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % 8):
                 return NotImplemented
             share = (-(-(-(-nk // self._block_kv)) // self._splits),) if self._split else ()
@@ -397,27 +400,26 @@ class ShapeClasses:
         general path then runs it, or refuses it by name)."""
         if self._stream is None:
             self._stream = torch_stream_handle()
-        try:
+        try:  # the key alone: what is not a tensor of this rank, or a mask with unhashable parts, is not ours
             if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
                 return NotImplemented
             device = q.get_device()
             if device < 0:  # a host tensor: the general path says what to do
                 return NotImplemented
             base = (q.shape, q.stride(), q.dtype, k.dtype, v.dtype, device, k.get_device(), v.get_device(),
-                    k.shape[0], k.shape[1], k.shape[3], v.shape[3], causal,
+                    k.shape[0], k.shape[1], k.shape[3], v.shape[0], v.shape[1], v.shape[3], causal,
                     mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())), softcap, scale,
                     None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                     return_lse, self._stream(device), threading.get_ident())
-            nk = k.shape[2]
-            growing = self._growing.get((*base, nk.bit_length()))
-            if growing is not None:
-                done = growing.run(q, k, v, return_lse)
-                if done is not NotImplemented:
-                    return done
+            growing_key = (*base, k.shape[2].bit_length())
             exact_key = (*base, k.shape, k.stride(), v.shape, v.stride())
-            exact = self._exact.get(exact_key)
-        except (AttributeError, TypeError):  # not tensors of this shape, or a mask with unhashable parts
+            growing, exact = self._growing.get(growing_key), self._exact.get(exact_key)
+        except (AttributeError, TypeError):
             return NotImplemented
+        if growing is not None:
+            done = growing.run(q, k, v, return_lse)
+            if done is not NotImplemented:
+                return done
         if exact is not None:
             return exact(q, k, v, return_lse=return_lse)
         if growing is not None:

@@ -230,9 +230,9 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
                           &launch_kernel, &is_capturing, &PyTuple_Type, &launches))
         return -1;
     const Py_ssize_t inputs = PyTuple_GET_SIZE(dtypes) - 1;  /* dtypes: each input's, then out's */
-    if (inputs < 1 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
+    if (inputs < 3 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
             || PyTuple_GET_SIZE(launches) < 1 || PyTuple_GET_SIZE(launches) > MAX_LAUNCHES) {
-        PyErr_SetString(PyExc_ValueError, "HotPath: 1-6 inputs, a (shape, strides) pair and a dtype each, out's "
+        PyErr_SetString(PyExc_ValueError, "HotPath: 3-6 inputs (q, k, v, index tensors), a (shape, strides) pair and a dtype each, out's "
                         "dtype, and 1-2 launches");
         return -1;
     }

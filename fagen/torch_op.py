@@ -203,9 +203,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     deterministic (as FlashAttention's; or torch.use_deterministic_algorithms(True)): a backward
     without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a)."""
     if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and _eager(q, k, v)
-            and (sinks is None or type(sinks) is Tensor and sinks.is_contiguous()) and not _records_grad(q, k, v, sinks)):
+            and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous())
+            and not _records_grad(q, k, v, sinks)):
         # an eager call for inference, the common case of a generation loop: its shape class's
-        # packed launch where one is kept (decode.ShapeClasses), before any other work
+        # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
+        # the GPU only: the kernel reads those in place, where host ones are copied at packing
         done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, _without_grad(sinks), return_lse)
         if done is not NotImplemented:
             return done

@@ -377,3 +377,6 @@ def test_a_prepared_call_refuses_a_view_that_starts_inside_a_row():
     fagen.attention(q, k, k)  # the class, packed
     with pytest.raises(ValueError, match="multiples of 8 elements / 16 bytes"):
         fagen.attention(q, shifted, shifted)
+    # v shorter than k, with k's strides (a slice of the same buffer): refused, never read past its end
+    with pytest.raises(ValueError, match=r"must have the same \[B, Hkv, Nk\]"):
+        fagen.attention(q, k, buffer[:, :, :1000, :128])

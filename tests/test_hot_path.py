@@ -277,3 +277,10 @@ def test_a_relayout_moves_the_layout_later_calls_are_checked_against(module):
     assert p.hot.run(p.q, p.k, p.v, None) is NotImplemented and len(p.driver.launches) == 1
     with pytest.raises(ValueError, match="a tuple of 6"):
         p.hot.relayout((p.q.shape, p.q.stride()))
+
+
+def test_a_hot_path_takes_q_k_and_v_at_least(module):
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    layout, dtypes = p.arguments[0], p.arguments[1]
+    with pytest.raises(ValueError, match="3-6 inputs"):
+        module.HotPath(layout[:4], (*dtypes[:2], dtypes[-1]), *p.arguments[2:-1], (PackedLaunch(0xF00, (0, 1, 2, 3)).entry,))
