@@ -61,7 +61,8 @@ def register(name: str = NAME) -> str:
 
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, use_vmap=False, **kwargs):
     """transformers' FlashAttention mask function: None where no token is padding, else the
-    padding as a score bias (padding_bias). Refuses by name what fagen cannot run yet: keys past
+    padding as a score bias (padding_bias); under torch.compile, which cannot branch on the
+    mask's values, the bias whenever there is a mask. Refuses by name what fagen cannot run yet: keys past
     the tokens seen (a static cache's empty slots) and mask patterns beyond causal and sliding
     windows (an or/and mask function, which transformers builds with vmap)."""
     from transformers.masking_utils import flash_attention_mask
@@ -73,6 +74,8 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
         raise ValueError(f"attn_implementation='fagen': {kv_length} keys for {q_length} queries at offset "
                          f"{q_offset} (a static cache's slots past the tokens seen) is not supported yet; use the "
                          f"dynamic cache")
+    if torch.compiler.is_compiling():  # a graph cannot branch on the mask's values: the bias (zeros without padding)
+        return None if attention_mask is None else padding_bias(attention_mask[:, -kv_length:])
     padding = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                                    attention_mask=attention_mask, **kwargs)
     return None if padding is None else padding_bias(padding)

@@ -302,3 +302,34 @@ def test_a_forward_tells_packed_documents_once_for_all_its_layers():
     assert packed_documents(position_ids, q, q) is first
     position_ids.copy_(torch.arange(6)[None])
     assert packed_documents(position_ids, q, q) is None
+
+
+def test_a_padded_llama_compiles_in_one_graph(monkeypatch):
+    """A padded batch under torch.compile(fullgraph=True): the padding bias is made inside the
+    graph (no host check of the mask's values) and reaches the op as its bias. The op's
+    implementation is stubbed: this checks the trace and what reaches the op."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fagen.transformers
+    from fagen import decode, dispatch
+
+    seen = []
+
+    def forward(plain, q, k, v, **side):
+        seen.append(side.get("bias"))
+        return q * 1, q.new_zeros(q.shape[:3])
+
+    monkeypatch.setattr(decode, "forward", forward)
+    monkeypatch.setattr(dispatch, "derive_spec", lambda *args, **kwargs: None)
+    fagen.transformers.register()
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=97)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="fagen").eval()
+    ids = torch.randint(0, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        logits = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all() and len(seen) == 2
+    assert seen[0].shape == (2, 1, 12) and (seen[0][1, 0, :4] == fagen.transformers.PAD).all()
+    assert (seen[0][0] == 0).all()
