@@ -10,11 +10,12 @@ The mask function registered beside it is transformers' FlashAttention one (None
 is padding: one check a forward, not a layer), with padding turned into what fagen's kernels
 read: a float32 score bias [B, 1, Nk] per key, 0 on tokens and PAD on padding (left, right or
 anywhere), made once a forward and mask type and added to every head's scores; a row that sees
-only padding (a pad token's own query) comes out finite. What fagen cannot run yet is refused by
-name rather than computed wrongly: a static cache (keys past the tokens seen), mask patterns
-beyond causal and sliding windows, custom 4-D masks, attention dropout. Documents packed into one
-row (position_ids restarting) take the document mask. notes/transformers_integration.md has the
-plan for a per-sequence key range, which would skip padding rather than mask it.
+only padding (a pad token's own query) comes out finite. A static cache's slots past the tokens
+seen are masked the same way in a decode step (on the device: CUDA graphs replay it); its prefill
+takes the tokens seen alone. What fagen cannot run yet is refused by name rather than computed
+wrongly: mask patterns beyond causal and sliding windows, custom 4-D masks, attention dropout. Documents packed into one row (position_ids
+restarting) take the document mask. notes/transformers_integration.md has the plan for a
+per-sequence key range, which would skip padding and empty slots rather than mask them.
 """
 
 from __future__ import annotations
@@ -62,23 +63,58 @@ def register(name: str = NAME) -> str:
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, use_vmap=False, **kwargs):
     """transformers' FlashAttention mask function: None where no token is padding, else the
     padding as a score bias (padding_bias); under torch.compile, which cannot branch on the
-    mask's values, the bias whenever there is a mask. Refuses by name what fagen cannot run yet: keys past
-    the tokens seen (a static cache's empty slots) and mask patterns beyond causal and sliding
+    mask's values, the bias whenever there is a mask. A static cache (its keys run past the
+    tokens seen) is static_cache_bias's. Refuses by name mask patterns beyond causal and sliding
     windows (an or/and mask function, which transformers builds with vmap)."""
     from transformers.masking_utils import flash_attention_mask
 
     if use_vmap:
         raise ValueError("attn_implementation='fagen': a mask pattern beyond causal and sliding windows (the "
                          "model's or/and mask function) is not supported yet; use attn_implementation='sdpa'")
+    if attention_mask is not None and attention_mask.dim() == 3:
+        return attention_mask  # this function's own bias, made ahead (generate does for a compilable cache)
     if isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length:
-        raise ValueError(f"attn_implementation='fagen': {kv_length} keys for {q_length} queries at offset "
-                         f"{q_offset} (a static cache's slots past the tokens seen) is not supported yet; use the "
-                         f"dynamic cache")
+        return static_cache_bias(batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device"))
     if torch.compiler.is_compiling():  # a graph cannot branch on the mask's values: the bias (zeros without padding)
         return None if attention_mask is None else padding_bias(attention_mask[:, -kv_length:])
     padding = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                                    attention_mask=attention_mask, **kwargs)
     return None if padding is None else padding_bias(padding)
+
+
+def static_cache_bias(batch_size, q_length, kv_length, q_offset, attention_mask, device):
+    """A static cache's keys: slots [0, max_cache_len), of which the first q_offset + q_length hold
+    tokens. A decode step (one query) masks the rest on the device (PAD past the tokens seen, and
+    the padding): no host read, so a CUDA graph can replay it. A prefill (several queries) reads
+    the offset once and gets a bias of the tokens seen alone, whose length tells the attention to
+    take that many keys (the causal diagonal then sits where a dynamic cache puts it). A
+    sliding-window layer's cache is one too until its window of slots fills; then it holds the
+    last tokens in order, as a dynamic cache's window would."""
+    if device is None:
+        device = attention_mask.device if attention_mask is not None else getattr(q_offset, "device", None)
+    if q_length > 1:
+        if torch.compiler.is_compiling():
+            raise ValueError("attn_implementation='fagen': a prefill of several tokens into a static cache under "
+                             "torch.compile (it reads the cache's length on the host); run the prefill eagerly, or "
+                             "use the dynamic cache")
+        seen = int(q_offset) + q_length
+        tokens = torch.ones(batch_size, seen, dtype=torch.bool, device=device) if attention_mask is None else \
+            _tokens_of(attention_mask, seen)
+        return padding_bias(tokens)
+    position = torch.arange(kv_length, device=device)
+    tokens = position[None] < q_offset + q_length
+    if attention_mask is not None:
+        tokens = tokens & _tokens_of(attention_mask, kv_length)
+    return padding_bias(tokens.expand(batch_size, kv_length))
+
+
+def _tokens_of(attention_mask, length: int):
+    """The 2-D attention_mask over the first `length` slots, as bool: cut, or padded with pads
+    (slots it does not reach hold no token)."""
+    tokens = attention_mask[:, :length].bool()
+    if tokens.shape[1] < length:
+        tokens = torch.nn.functional.pad(tokens, (0, length - tokens.shape[1]), value=False)
+    return tokens
 
 
 def padding_bias(attention_mask):
@@ -97,6 +133,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise ValueError(f"attn_implementation='fagen': a {attention_mask.dim()}-D {attention_mask.dtype} attention "
                          f"mask is not supported (padding comes as fagen.transformers.mask's [B, 1, Nk] bias); "
                          f"use attn_implementation='sdpa' for a custom mask")
+    if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
+        # a static cache's prefill: the bias covers the tokens seen, the slots after them hold none
+        n = attention_mask.shape[-1]
+        key, value = key[:, :, :n], value[:, :, :n]
     if dropout:
         raise ValueError(f"attn_implementation='fagen': attention dropout {dropout} is not supported; set the "
                          f"config's attention_dropout to 0.0, or use attn_implementation='sdpa'")

@@ -435,7 +435,8 @@ def test_transformers_llama_generates_the_sdpa_tokens(dtype):
 def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
     """Batched greedy generation from prompts of three lengths, left-padded (transformers' way to
     serve a batch): the prompt's logits at its tokens, and the 16 tokens each row generates
-    (prefill, then decode steps whose keys start past each row's padding), as on SDPA (fp16)."""
+    (prefill, then decode steps whose keys start past each row's padding), on the dynamic and the
+    static cache, as on SDPA (fp16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import fagen.transformers
@@ -458,9 +459,10 @@ def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
     tokens = mask.bool()
     # two fp16 models' rounding through two layers; attending over a pad moves logits by O(1)
     assert relative_error(to_numpy(got[tokens]), to_numpy(ref[tokens])) < 1e-2
-    runs = [m.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                       pad_token_id=0) for m in models]
-    assert torch.equal(runs[0][:, 100:], runs[1][:, 100:]), (runs[0][:, 100:], runs[1][:, 100:])
+    for cache in ("dynamic", "static"):  # the static cache: its empty slots masked in each step
+        runs = [m.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           pad_token_id=0, cache_implementation=cache) for m in models]
+        assert torch.equal(runs[0][:, 100:], runs[1][:, 100:]), (cache, runs[0][:, 100:], runs[1][:, 100:])
 
 
 def _gemma2(implementation: str, dtype):

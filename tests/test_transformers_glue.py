@@ -1,8 +1,8 @@
 """fagen.transformers without a GPU: the attention function a transformers model calls, with
 fagen's kernels stood in for by the float64 oracle, against transformers' own attention (SDPA,
 eager) on small random models: what each module says (causal, scale, GQA, Gemma-2's window and
-softcap, gpt-oss's sinks, padding) reaches the kernel's arguments, and what it cannot run yet
-(a static cache, dropout) is refused by name. GPU runs with the real kernels: tests/test_gpu_torch.py."""
+softcap, gpt-oss's sinks, padding, a static cache) reaches the kernel's arguments, and what it
+cannot run yet (dropout, custom masks) is refused by name. GPU runs with the real kernels: tests/test_gpu_torch.py."""
 
 import numpy as np
 import pytest
@@ -233,17 +233,64 @@ def test_a_packed_row_compiles_in_one_graph(traced_op):
     assert traced_op[-1]["doc_ids"].tolist() == [[0] * 12]
 
 
-def test_a_static_cache_is_refused_not_attended_past_its_tokens(kernels):
-    """A static cache's keys run to max_cache_len, past the tokens seen: refused by name (the
-    causal mask alone would attend to the empty slots)."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_static_cache_matches_sdpa_and_never_attends_past_its_tokens(kernels, padded):
+    """A static cache's keys run to max_cache_len, past the tokens seen. Its prefill takes the
+    tokens seen alone (a bias as long as they are: the attention takes that many keys); each
+    decode step masks the slots past them on the device. Logits as SDPA's on its own static
+    cache, prompt and three steps, padded or not."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=1, vocab_size=97)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="fagen").eval()
-    with torch.no_grad(), pytest.raises(ValueError, match="a static cache's slots past the tokens seen"):
-        model(input_ids=torch.randint(0, 97, (1, 11)), past_key_values=StaticCache(config=config, max_cache_len=32))
-    assert kernels == []
+                         num_hidden_layers=2, vocab_size=97)
+    ids = torch.randint(1, 97, (2, 11), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+    steps = torch.randint(1, 97, (3, 2, 1), generator=torch.Generator().manual_seed(6))
+    results = {}
+    for implementation in ("fagen", "sdpa"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+        cache = StaticCache(config=config, max_cache_len=32)
+        with torch.no_grad():
+            logits = [model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[mask.bool()]]
+            grown = mask
+            for step in steps:
+                grown = torch.cat([grown, torch.ones_like(step)], 1)
+                logits.append(model(input_ids=step, attention_mask=grown, past_key_values=cache).logits)
+        results[implementation] = logits
+    for got, want in zip(results["fagen"], results["sdpa"]):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    biases = [c["bias"] for c in kernels]
+    assert biases[0].shape == (2, 1, 11)  # the prefill: the tokens seen
+    assert biases[-1].shape == (2, 1, 32) and (biases[-1][:, 0, 14:] == fagen.transformers.PAD).all()
+
+
+@pytest.mark.parametrize("prompt", [11, 4])
+def test_a_gemma2_static_cache_matches_eager(kernels, prompt):
+    """Gemma-2's static cache: global layers as above, sliding-window layers on their own window
+    of 7 slots; a prompt longer than the window, or shorter (its slots fill during the decode
+    steps), then five steps, as on eager attention."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, StaticCache
+
+    config = Gemma2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32, num_hidden_layers=2, vocab_size=97, sliding_window=7,
+                          attn_logit_softcapping=20.0, query_pre_attn_scalar=32)
+    ids = torch.randint(1, 97, (2, prompt), generator=torch.Generator().manual_seed(5))
+    steps = torch.randint(1, 97, (5, 2, 1), generator=torch.Generator().manual_seed(6))
+    results = {}
+    for implementation in ("fagen", "eager"):
+        torch.manual_seed(0)
+        model = Gemma2ForCausalLM._from_config(config, attn_implementation=implementation).eval()
+        cache = StaticCache(config=config, max_cache_len=32)
+        with torch.no_grad():
+            logits = [model(input_ids=ids, past_key_values=cache).logits]
+            for step in steps:
+                logits.append(model(input_ids=step, past_key_values=cache).logits)
+        results[implementation] = logits
+    for got, want in zip(results["fagen"], results["eager"]):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_the_ops_are_pt2_compliant():
@@ -322,3 +369,24 @@ def test_a_padded_llama_compiles_in_one_graph(traced_op):
     assert torch.isfinite(logits).all() and len(seen) == 2
     assert seen[0].shape == (2, 1, 12) and (seen[0][1, 0, :4] == fagen.transformers.PAD).all()
     assert (seen[0][0] == 0).all()
+
+
+def test_generate_on_a_static_cache_gives_sdpa_s_tokens(kernels):
+    """generate(cache_implementation="static"), a left-padded batch: the tokens SDPA generates."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=97, initializer_range=0.1)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    tokens = {}
+    for implementation in ("fagen", "sdpa"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+        tokens[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                                do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(tokens["fagen"], tokens["sdpa"])
+    lengths = [c["bias"].shape[-1] for c in kernels]  # two layers a forward
+    # the prompt's 9 tokens; then every slot of the cache (generate sizes it for the 5 steps after the prompt's)
+    assert lengths[:2] == [9, 9] and set(lengths[2:]) == {9 + 5} and len(lengths) == 2 * 6
