@@ -49,10 +49,11 @@ def traced_op(monkeypatch):
 
     def forward(plain, q, k, v, **side):
         seen.append(side)
-        return q * 1, q.new_zeros(q.shape[:3])
+        return (q * 1, q.new_zeros(q.shape[:3])) if side.get("return_lse") else q * 1
 
     monkeypatch.setattr(decode, "forward", forward)
-    monkeypatch.setattr(dispatch, "derive_spec", lambda *args, **kwargs: None)
+    for module in (dispatch, decode):  # the op's path reads dispatch's; the eager one, decode's import of it
+        monkeypatch.setattr(module, "derive_spec", lambda *args, **kwargs: None)
     fagen.transformers.register()
     return seen
 
@@ -390,3 +391,23 @@ def test_generate_on_a_static_cache_gives_sdpa_s_tokens(kernels):
     lengths = [c["bias"].shape[-1] for c in kernels]  # two layers a forward
     # the prompt's 9 tokens; then every slot of the cache (generate sizes it for the 5 steps after the prompt's)
     assert lengths[:2] == [9, 9] and set(lengths[2:]) == {9 + 5} and len(lengths) == 2 * 6
+
+
+def test_a_static_cache_decode_step_compiles_in_one_graph(traced_op):
+    """A static cache's decode step under torch.compile(fullgraph=True), as generate compiles it:
+    the empty slots' bias is made inside the graph from the cache's device counter (no host read),
+    and reaches the op at the cache's full length. The op's implementation is stubbed."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=97)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="fagen").eval()
+    cache = StaticCache(config=config, max_cache_len=32)
+    ids = torch.randint(1, 97, (2, 7))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)  # the prefill, eager
+        step = torch.compile(model, fullgraph=True, backend="eager")
+        logits = step(input_ids=ids[:, :1], past_key_values=cache).logits
+    assert torch.isfinite(logits).all()
+    bias = traced_op[-1]["bias"]
+    assert bias.shape == (2, 1, 32) and (bias[:, 0, :8] == 0).all() and (bias[:, 0, 8:] == fagen.transformers.PAD).all()
