@@ -4,14 +4,15 @@
 
 Random-weight models of real shapes (a Llama of 16 layers, hidden 2048, 32 query and 8 KV heads of
 64; a Gemma-2 of 8 layers, heads of 256, a 4096-key window on alternate layers, softcaps), bf16,
-transformers' dynamic cache, greedy `generate`. Per case and implementation: prefill ms (one
+greedy `generate` on transformers' dynamic cache, or on a static cache of STATIC_CACHE_LEN slots
+(whose decode steps generate compiles itself: torch.compile, CUDA graphs). Per case and implementation: prefill ms (one
 forward over the prompt) and decode tokens/s (the generated tokens after the first, over
 generate's time less the prefill), medians of ROUNDS rounds in which the implementations take
 turns (host time drifts by tens of percent between minutes on a shared host). SDPA runs as transformers calls it: its own
 backend choice (`sdpa`), and pinned to cuDNN (`sdpa_cudnn`) and FlashAttention-2 (`sdpa_flash`,
 which takes no mask: padded cases are n/a). Before fagen is timed, its prompt logits (at the
 prompt's tokens) and its generated tokens are compared with SDPA's; the row says how they agree.
-Padded cases draw each prompt's length from [PADDED_SHORTEST, prompt] and left-pad the batch, as
+Padded cases draw each prompt's length from [prompt / 4, prompt] and left-pad the batch, as
 transformers serves one.
 """
 
@@ -23,8 +24,8 @@ import time
 from pathlib import Path
 
 import fagen.transformers
-from fagen.bench_e2e_tables import (IMPLEMENTATIONS, JSON, ROUNDS, E2ECase, E2ERow, cases, decode_rate, markdown,
-                                    prompts, shown, write_json)
+from fagen.bench_e2e_tables import (IMPLEMENTATIONS, JSON, ROUNDS, STATIC_CACHE_LEN, E2ECase, E2ERow, cases,
+                                    decode_rate, markdown, prompts, shown, write_json)
 
 
 def config(model: str):
@@ -78,7 +79,7 @@ def check(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[str 
     with torch.no_grad(), _backend(impl):
         try:
             logits = model(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
-            tokens = model.generate(ids, **_generate_options(case, mask))[:, case.prompt:]
+            tokens = model.generate(ids, **_generate_options(model, case, mask))[:, case.prompt:]
         except RuntimeError as error:  # a backend that cannot take the case (FA2 and a mask)
             return f"n/a: {str(error).splitlines()[0][:80]}", reference
     if reference is None:
@@ -88,9 +89,30 @@ def check(model, case: E2ECase, impl: str, reference: dict | None) -> tuple[str 
     return f"prompt logits rel. err {error:.1e} against SDPA, {same:.0%} of generated tokens equal", reference
 
 
-def _generate_options(case: E2ECase, mask) -> dict:
-    return dict(attention_mask=mask, max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens,
-                do_sample=False, pad_token_id=0)
+def _generate_options(model, case: E2ECase, mask) -> dict:
+    """generate's arguments for the case: greedy, exactly new_tokens, and for a static case the
+    model's static cache (one a model, emptied for each call: its tensors keep their addresses,
+    which the compiled steps' CUDA graphs hold)."""
+    options = dict(attention_mask=mask, max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens,
+                   do_sample=False, pad_token_id=0)
+    if case.static:
+        options["past_key_values"] = static_cache(model, case.batch)
+    return options
+
+
+def static_cache(model, batch: int):
+    """The model's static cache for `batch` rows, made once and reset for each use."""
+    from transformers import StaticCache
+
+    kept = getattr(model, "_bench_static_caches", None)
+    if kept is None:
+        kept = model._bench_static_caches = {}
+    if batch not in kept:
+        kept.clear()  # one at a time: a 16k cache of 32 rows is gigabytes
+        kept[batch] = StaticCache(config=model.config, max_cache_len=STATIC_CACHE_LEN)
+    cache = kept[batch]
+    cache.reset()
+    return cache
 
 
 def timed(model, case: E2ECase, impl: str) -> tuple[float, float]:
@@ -102,7 +124,7 @@ def timed(model, case: E2ECase, impl: str) -> tuple[float, float]:
     times = []
     with torch.no_grad(), _backend(impl):
         for call in (lambda: model(input_ids=ids, attention_mask=mask, use_cache=True),
-                     lambda: model.generate(ids, **_generate_options(case, mask))):
+                     lambda: model.generate(ids, **_generate_options(model, case, mask))):
             torch.cuda.synchronize()
             start = time.perf_counter()
             call()

@@ -11,7 +11,7 @@ from pathlib import Path
 IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
 ROUNDS = 3  # timed rounds a case, implementations interleaved
 JSON = "bench_e2e.json"  # beside fagen bench's JSON, whose BENCHMARKS.md takes its tables
-PADDED_SHORTEST = 256
+STATIC_CACHE_LEN = 16384  # a static cache's slots (the decode step reads them all, fagen through its bias)
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,22 @@ class E2ECase:
     batch: int
     prompt: int  # tokens (padded: the longest prompt)
     new_tokens: int
-    padded: bool = False
+    padded: bool = False  # left-padded prompts of lengths in [prompt / 4, prompt]
+    static: bool = False  # a static cache of STATIC_CACHE_LEN slots: generate compiles the decode steps (CUDA graphs)
+
+    @property
+    def shortest(self) -> int:
+        return self.prompt // 4 if self.padded else self.prompt
 
     @property
     def key(self) -> str:
-        lengths = f"{PADDED_SHORTEST}-{self.prompt} left-padded" if self.padded else str(self.prompt)
-        return f"{self.model} B{self.batch} prompt {lengths} +{self.new_tokens}"
+        lengths = f"{self.shortest}-{self.prompt} left-padded" if self.padded else str(self.prompt)
+        cache = f", static cache {STATIC_CACHE_LEN // 1024}k" if self.static else ""
+        return f"{self.model} B{self.batch} prompt {lengths} +{self.new_tokens}{cache}"
+
+    @property
+    def section(self) -> str:
+        return "static" if self.static else "padded" if self.padded else "equal"
 
 
 @dataclass
@@ -42,21 +52,22 @@ def cases(quick: bool = False) -> list[E2ECase]:
                                                         (8, 4096, 32))]
     padded = [E2ECase("llama", b, 1024, t, padded=True) for b, t in ((8, 64), (32, 32))]
     gemma = [E2ECase("gemma2", 1, 1024, 64), E2ECase("gemma2", 8, 1024, 64), E2ECase("gemma2", 8, 1024, 64, padded=True)]
+    static = [E2ECase("llama", b, 4096, 32, padded=True, static=True) for b in (8, 32)]
     if quick:
         return [equal[0], equal[1], padded[0], gemma[0]]
-    return equal + padded + gemma
+    return equal + padded + gemma + static
 
 
 def prompts(case: E2ECase, seed: int = 0, device: str = "cuda"):
     """input_ids [B, prompt] and attention_mask: equal lengths, or left-padded lengths in
-    [PADDED_SHORTEST, prompt] (the first row the longest)."""
+    [case.shortest, prompt] (the first row the longest)."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(1, 32000, (case.batch, case.prompt), generator=gen, device=device)
     mask = torch.ones_like(ids)
     if case.padded:
-        lengths = torch.randint(PADDED_SHORTEST, case.prompt + 1, (case.batch,), generator=gen, device=device)
+        lengths = torch.randint(case.shortest, case.prompt + 1, (case.batch,), generator=gen, device=device)
         lengths[0] = case.prompt
         mask = (torch.arange(case.prompt, device=device)[None] >= case.prompt - lengths[:, None]).long()
         ids = ids * mask
@@ -85,15 +96,17 @@ def markdown(rows: list[E2ERow], meta: dict | None = None) -> list[str]:
     out = ["## End to end: transformers generation", "",
            "Written by `python3 -m fagen.bench_e2e` (its JSON kept beside this report's). Random-weight bf16 models "
            "(Llama: 16 layers, hidden 2048, 32/8 heads of 64; Gemma-2: 8 layers, 8/4 heads of 256, a 4096-key "
-           "window on alternate layers, softcaps), transformers' dynamic cache, greedy generate; prefill ms of a "
+           "window on alternate layers, softcaps), greedy generate on the dynamic cache or a static one; prefill ms of a "
            "forward over the prompt, decode tokens/s after the first token; medians of "
            f"{ROUNDS} rounds with the implementations taking turns. fagen's result is compared with SDPA's before "
            "it is timed (random weights in bfloat16 make greedy tokens diverge early: SDPA's own FA2 backend "
            "differs from its default as much).", ""]
     if meta:
         out += [", ".join(f"{k}: {v}" for k, v in sorted(meta.items())), ""]
-    for title, padded in (("Equal-length prompts", False), ("Left-padded prompts of mixed lengths", True)):
-        chosen = {k: v for k, v in by_case.items() if ("left-padded" in k) == padded}
+    titles = {"equal": "Equal-length prompts (dynamic cache)", "padded": "Left-padded prompts of mixed lengths (dynamic cache)",
+              "static": f"Static cache ({STATIC_CACHE_LEN // 1024}k slots; generate compiles the decode steps: CUDA graphs)"}
+    for section, title in titles.items():
+        chosen = {k: v for k, v in by_case.items() if _section(k) == section}
         if not chosen:
             continue
         out += [f"### {title}", "",
@@ -109,6 +122,11 @@ def markdown(rows: list[E2ERow], meta: dict | None = None) -> list[str]:
         notes = [f"- {case}: {got['fagen'].note}" for case, got in chosen.items() if "fagen" in got and got["fagen"].note]
         out += [""] + notes + [""]
     return out
+
+
+def _section(key: str) -> str:
+    """A case's table, from its key (E2ECase.section, for rows that keep the key alone)."""
+    return "static" if "static cache" in key else "padded" if "left-padded" in key else "equal"
 
 
 def write_json(rows: list[E2ERow], meta: dict, path: Path) -> None:

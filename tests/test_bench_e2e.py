@@ -7,10 +7,13 @@ from fagen import bench_e2e_tables as bench_e2e
 from fagen.bench_e2e_tables import E2ECase, E2ERow
 
 
-def test_cases_name_themselves_apart_and_cover_both_models_and_padding():
+def test_cases_name_themselves_apart_and_cover_both_models_padding_and_the_static_cache():
     full = bench_e2e.cases()
     assert len({c.key for c in full}) == len(full)
     assert {c.model for c in full} == {"llama", "gemma2"} and any(c.padded for c in full)
+    assert {c.section for c in full} == {"equal", "padded", "static"}
+    assert all(bench_e2e._section(c.key) == c.section for c in full)  # the tables split rows by their keys
+    assert {c.batch for c in full if c.static} == {8, 32} and all(c.prompt == 4096 and c.padded for c in full if c.static)
     assert {c.batch for c in full if not c.padded and c.model == "llama"} == {1, 8, 32}
     assert set(bench_e2e.cases(quick=True)) <= set(full)
 
@@ -26,7 +29,7 @@ def test_left_padded_prompts_pad_before_their_tokens():
     ids, mask = bench_e2e.prompts(case, device="cpu")
     lengths = mask.sum(1)
     assert ids.shape == mask.shape == (6, 700) and int(lengths[0]) == 700
-    assert bool(((lengths >= bench_e2e.PADDED_SHORTEST) & (lengths <= 700)).all())
+    assert bool(((lengths >= 700 // 4) & (lengths <= 700)).all()) and case.shortest == 175
     assert torch.equal(mask.flip(1).cummin(1).values.flip(1), mask)  # zeros only before the ones
     assert int(ids[mask == 0].abs().sum()) == 0
 
@@ -88,3 +91,20 @@ def test_the_report_keeps_the_end_to_end_tables_from_their_json(tmp_path):
         bench_e2e.read_json(tmp_path / "other.json")
     text = bench.markdown([], {}, [], e2e=bench.Part(rows, {"gpu": "H200"}))
     assert "## End to end: transformers generation" in text and "gpu: H200" in text and "| 1.25, 1.20 |" in text
+
+
+def test_a_static_case_generates_on_one_static_cache_a_model_emptied_each_time():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fagen import bench_e2e as runner
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=50))
+    case = E2ECase("llama", 2, 16, 4, static=True)
+    first = runner._generate_options(model, case, mask=None)["past_key_values"]
+    assert first.max_cache_len == bench_e2e.STATIC_CACHE_LEN
+    assert runner._generate_options(model, case, mask=None)["past_key_values"] is first  # same addresses
+    assert "past_key_values" not in runner._generate_options(model, E2ECase("llama", 2, 16, 4), mask=None)
+    assert runner._generate_options(model, E2ECase("llama", 3, 16, 4, static=True), None)["past_key_values"] is not first
