@@ -66,13 +66,24 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
     mask's values, the bias whenever there is a mask. A static cache (its keys run past the
     tokens seen) is static_cache_bias's. Refuses by name mask patterns beyond causal and sliding
     windows (an or/and mask function, which transformers builds with vmap)."""
-    from transformers.masking_utils import flash_attention_mask
+    from transformers.masking_utils import bidirectional_mask_function, flash_attention_mask
 
-    if use_vmap:
-        raise ValueError("attn_implementation='fagen': a mask pattern beyond causal and sliding windows (the "
-                         "model's or/and mask function) is not supported yet; use attn_implementation='sdpa'")
+    # torch.compile does not trace the mask function's closure: there the function is told by
+    # identity alone (bidirectional, else causal); its eager calls, generate's prefill among them,
+    # are checked whole
+    function = kwargs.get("mask_function")
+    pattern = mask_pattern(function) if not torch.compiler.is_compiling() else \
+        "bidirectional" if function is bidirectional_mask_function else "causal"
+    if use_vmap or pattern is None:
+        raise ValueError("attn_implementation='fagen': a mask pattern beyond causal, sliding windows and packed "
+                         "documents (the model's chunked, blockwise or composed mask function) is not supported yet; "
+                         "use attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() == 3:
         return attention_mask  # this function's own bias, made ahead (generate does for a compilable cache)
+    if pattern == "bidirectional":  # an encoder's or cross-attention's keys: all of them, but the padding
+        if attention_mask is None or not torch.compiler.is_compiling() and bool(attention_mask.all()):
+            return None
+        return padding_bias(attention_mask[:, -kv_length:])
     if isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length:
         return static_cache_bias(batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device"))
     if torch.compiler.is_compiling():  # a graph cannot branch on the mask's values: the bias (zeros without padding)
@@ -80,6 +91,33 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
     padding = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                                    attention_mask=attention_mask, **kwargs)
     return None if padding is None else padding_bias(padding)
+
+
+# transformers' mask-function pieces fagen's masks express: the causal mask, the sliding window
+# over it, the packed-documents overlay (fagen reads the documents from position_ids itself), and
+# the bidirectional mask of an encoder or a cross-attention
+_CAUSAL = "causal_mask_function"
+_PIECES = (_CAUSAL, "sliding_window_overlay.<locals>.inner_mask", "packed_sequence_mask_function.<locals>.inner_mask")
+
+
+def mask_pattern(mask_function) -> str | None:
+    """'causal' for transformers' causal mask function, alone or and-ed with a sliding window or a
+    packed-documents overlay; 'bidirectional' for its bidirectional one; None for anything else (a
+    chunked or blockwise overlay, an or-ed mask, a model's own), which fagen cannot express yet.
+    No mask function (an older caller): causal."""
+    if mask_function is None:
+        return "causal"
+    name = getattr(mask_function, "__qualname__", "")
+    if name == "bidirectional_mask_function":
+        return "bidirectional"
+    if name == _CAUSAL:
+        return "causal"
+    if name == "and_masks.<locals>.and_mask" and mask_function.__closure__:
+        pieces = [getattr(f, "__qualname__", "") for cell in mask_function.__closure__
+                  if isinstance(cell.cell_contents, tuple) for f in cell.cell_contents]
+        if pieces and all(piece in _PIECES for piece in pieces) and any(piece == _CAUSAL for piece in pieces):
+            return "causal"
+    return None
 
 
 def static_cache_bias(batch_size, q_length, kv_length, q_offset, attention_mask, device):
@@ -149,7 +187,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         query, key, value = query.to(low), key.to(low), value.to(low)
     # transformers' window of W keys: kv_idx > q_idx - W, with the causal mask
     window = {"kind": "sliding_window", "window_left": sliding_window - 1} if sliding_window else None
-    doc_ids = packed_documents(kwargs.get("position_ids"), query, key, windowed=window is not None)
+    doc_ids = None if attention_mask is not None else packed_documents(kwargs.get("position_ids"), query, key,
+                                                                        windowed=window is not None)
     if doc_ids is not None and window is not None:
         raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "
                          "window are not supported; use attn_implementation='sdpa' for this model")
@@ -160,22 +199,23 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
 
 def packed_documents(position_ids, query, key, windowed: bool = False):
-    """Documents packed one after another into one sequence (position_ids restarting), as int32
-    [1, N] document numbers for fagen's document mask; None for anything else. Only a prefill or
-    training step of one row can be packed. Telling costs one host check a forward (the layers
-    share its answer, kept by the position_ids tensor; decode steps, with one query, pay none), as
-    transformers' own FlashAttention path makes; under torch.compile,
-    which cannot branch on a tensor's values, such a row always takes the document mask (one
-    document where nothing restarts: the same result, at the document kernel's speed), but for a
-    sliding-window layer, which has no document form: there packing goes undetected."""
-    if position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2:
+    """Documents packed one after another into each row (position_ids not stepping by one, as
+    transformers tells them), as int32 [B|1, N] document numbers for fagen's document mask; None
+    for anything else. Only a prefill or training step without padding can be packed (the
+    attention asks only where there is no mask). Telling costs one host check a forward (the
+    layers share its answer, kept by the position_ids tensor; decode steps, with one query, pay
+    none), as transformers' own FlashAttention path makes; under torch.compile, which cannot
+    branch on a tensor's values, such a step always takes the document mask (one document where
+    nothing restarts: the same result, at the document kernel's speed), but for a sliding-window
+    layer, which has no document form: there packing goes undetected."""
+    if position_ids is None or query.shape[2] != key.shape[2] or query.shape[2] < 2 \
+            or position_ids.dim() != 2 or position_ids.shape[1] != query.shape[2]:
         return None
     if torch.compiler.is_compiling():
         return None if windowed else _document_ids(position_ids)
     version, doc_ids = _DOCUMENTS.get(position_ids, (None, None))
     if version != position_ids._version:  # the forward's first layer: its one host check
-        restarts = position_ids[:, 1:] <= position_ids[:, :-1]
-        doc_ids = _document_ids(position_ids) if bool(restarts.any()) else None
+        doc_ids = _document_ids(position_ids) if bool(_restarts(position_ids).any()) else None
         _DOCUMENTS[position_ids] = (position_ids._version, doc_ids)
     return doc_ids
 
@@ -185,6 +225,11 @@ def packed_documents(position_ids, query, key, windowed: bool = False):
 _DOCUMENTS = WeakIdKeyDictionary()
 
 
+def _restarts(position_ids):
+    """Where a new document starts: the position does not follow the one before by one (transformers' rule)."""
+    return position_ids[:, 1:] != position_ids[:, :-1] + 1
+
+
 def _document_ids(position_ids):
-    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
-    return torch.nn.functional.pad(restarts.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))
+    """int32 [B, N] document numbers, each row's from 0 (fagen's document mask reads them per row)."""
+    return torch.nn.functional.pad(_restarts(position_ids).to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))

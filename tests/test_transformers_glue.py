@@ -411,3 +411,84 @@ def test_a_static_cache_decode_step_compiles_in_one_graph(traced_op):
     assert torch.isfinite(logits).all()
     bias = traced_op[-1]["bias"]
     assert bias.shape == (2, 1, 32) and (bias[:, 0, :8] == 0).all() and (bias[:, 0, 8:] == fagen.transformers.PAD).all()
+
+
+def _llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=2, vocab_size=97, initializer_range=0.1), **overrides})
+
+
+def test_cross_attention_reads_every_encoder_key(kernels):
+    """An encoder-decoder (BART): cross-attention's keys are the encoder's (more than the decoder's
+    queries, yet no static cache), its padding masked; logits and generated tokens as SDPA's."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=97, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, init_std=0.3)
+    source = torch.randint(3, 97, (2, 15), generator=torch.Generator().manual_seed(1))
+    source_mask = torch.ones_like(source)
+    source_mask[1, 12:] = 0
+    target = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for implementation in ("sdpa", "fagen"):
+        torch.manual_seed(0)
+        model = BartForConditionalGeneration._from_config(config, attn_implementation=implementation).eval()
+        with torch.no_grad():
+            logits = model(input_ids=source, attention_mask=source_mask, decoder_input_ids=target).logits
+        tokens = model.generate(source, attention_mask=source_mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        results[implementation] = logits, tokens
+    assert torch.allclose(results["fagen"][0], results["sdpa"][0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(results["fagen"][1], results["sdpa"][1])
+
+
+def test_a_chunked_mask_is_refused_not_computed_as_causal(kernels):
+    """Llama-4's chunked attention is a mask pattern fagen does not express yet: refused by name
+    (it would otherwise run as plain causal past the first chunk)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(hidden_size=128, intermediate_size=128, intermediate_size_mlp=256, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, num_hidden_layers=2, vocab_size=97,
+                              num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=4, no_rope_layers=[1, 1],
+                              layer_types=["chunked_attention", "chunked_attention"])
+    model = Llama4ForCausalLM._from_config(config, attn_implementation="fagen").eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="a mask pattern beyond causal, sliding windows"):
+        model(input_ids=torch.randint(1, 97, (1, 12)))
+    assert kernels == []
+
+
+def test_a_padded_row_is_not_taken_for_packed_documents(kernels):
+    """generate makes position_ids from the mask (pads at 0), so a padded batch of one looks packed:
+    with a mask there is no packing; tokens on both sides of a gap see each other, as in SDPA."""
+    from transformers import LlamaForCausalLM
+
+    ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, 3:5] = 0
+    tokens = {}
+    for implementation in ("sdpa", "fagen"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(_llama_config(), attn_implementation=implementation).eval()
+        tokens[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                                                do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens["fagen"], tokens["sdpa"])
+    assert all(c["doc_ids"] is None for c in kernels)
+
+
+def test_rows_of_packed_documents_attend_within_their_own(kernels):
+    """A training batch of two rows, each packed with documents (position_ids restarting, no mask,
+    no cache): per-row document ids, logits as SDPA's (which finds the documents per row)."""
+    from transformers import LlamaForCausalLM
+
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(8)) + list(range(4))])
+    logits = {}
+    for implementation in ("sdpa", "fagen"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(_llama_config(), attn_implementation=implementation).eval()
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    assert torch.allclose(logits["fagen"], logits["sdpa"], atol=1e-4, rtol=1e-4)
+    assert kernels[0]["doc_ids"].tolist() == [[0] * 5 + [1] * 7, [0] * 8 + [1] * 4]
