@@ -323,12 +323,12 @@ class GrowingKeys(PreparedAttention):
     for the class, chosen for lo keys so that each split has a tile at every length in it (at a
     longer one a share past the keys is empty and merges as nothing), and a call with a new
     length or new K/V strides rewrites n_kv, the diagonal's offset, the K/V strides and each
-    split's share of the tiles before it launches, and moves the C path's layout with it
-    (HotPath.relayout). PyTorch tensors; `run` declines (NotImplemented) what it was not built
-    for, which the general path then takes or refuses."""
+    split's share of the tiles before it launches. PyTorch tensors; `run` declines
+    (NotImplemented) what it was not built for, which the general path then takes or refuses."""
 
     def __init__(self, q, k, v, *, lo: int, **options):
         super().__init__(q, k, v, **options)
+        self._hot = None  # the C path checks the prepared layout alone, and this one's changes every call
         self.lo, self.hi = lo, 2 * lo
         self._block_kv = compile_kernel(self.spec).plan.block_kv
         self._splits = self.kernel.grid[2]
@@ -353,13 +353,6 @@ class GrowingKeys(PreparedAttention):
             share = (-(-(-(-nk // self._block_kv)) // self._splits),) if self._split else ()
             self._write(nk, nk - self._nq if self._bottom_right else 0, *ks[:3], *vs[:3], *share)
             self._keys = (ks, vs, nk)
-            self._layout = (q.shape, q.stride(), k.shape, ks, v.shape, vs)  # what a call is checked against
-            if self._hot is not None:
-                self._hot.relayout(self._layout)
-        if self._hot is not None and not return_lse:
-            done = self._hot.run(q, k, v, None)  # NotImplemented: misaligned, the Python path's to decline
-            if done is not NotImplemented:
-                return done
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (qp | kp | vp) % 16:
             return NotImplemented

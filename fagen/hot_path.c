@@ -295,21 +295,6 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
-/* relayout(layout): the (shape, strides) pairs later calls are checked against, as init's; for
- * a launch whose arguments were rewritten for them (a decode class's keys growing a call) */
-static PyObject *HotPath_relayout(HotPath *self, PyObject *layout) {
-    if (!self->ready) {
-        PyErr_SetString(PyExc_RuntimeError, "HotPath: not initialised");
-        return NULL;
-    }
-    if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != 2 * self->inputs) {
-        PyErr_Format(PyExc_ValueError, "HotPath.relayout: a tuple of %d (shape, strides) entries", 2 * self->inputs);
-        return NULL;
-    }
-    Py_SETREF(self->layout, Py_NewRef(layout));
-    Py_RETURN_NONE;
-}
-
 static void HotPath_dealloc(HotPath *self) {
     Py_XDECREF(self->layout);
     Py_XDECREF(self->dtypes);
@@ -331,8 +316,6 @@ static PyObject *HotPath_new(PyTypeObject *type, PyObject *args, PyObject *kwarg
 static PyMethodDef HotPath_methods[] = {
     {"run", (PyCFunction)(void (*)(void))HotPath_run, METH_FASTCALL,
      "run(q, k, v, [index tensors,] out): out after the launches, or NotImplemented where the tensors are not as prepared"},
-    {"relayout", (PyCFunction)HotPath_relayout, METH_O,
-     "relayout(layout): check later calls against these (shape, strides) pairs"},
     {NULL}};
 
 static PyTypeObject HotPathType = {

@@ -266,19 +266,6 @@ def test_misaligned_inputs_or_out_are_handed_back_unlaunched(module):
     assert p.driver.launches == []
 
 
-def test_a_relayout_moves_the_layout_later_calls_are_checked_against(module):
-    """A decode class rewrites its launch for keys of a new length and strides, then tells the
-    hot path: calls of the new layout launch, the old one's go back."""
-    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
-    k, v = Tensor((1, 8, 1025, 128), 0xB000), Tensor((1, 8, 1025, 128), 0xC000)
-    assert p.hot.run(p.q, k, v, None) is NotImplemented
-    p.hot.relayout(tuple(x for t in (p.q, k, v) for x in (t.shape, t.stride())))
-    assert p.hot.run(p.q, k, v, None) is not NotImplemented and len(p.driver.launches) == 1
-    assert p.hot.run(p.q, p.k, p.v, None) is NotImplemented and len(p.driver.launches) == 1
-    with pytest.raises(ValueError, match="a tuple of 6"):
-        p.hot.relayout((p.q.shape, p.q.stride()))
-
-
 def test_a_hot_path_takes_q_k_and_v_at_least(module):
     p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
     layout, dtypes = p.arguments[0], p.arguments[1]
