@@ -220,27 +220,35 @@ class PreparedAttention:
         if lse is not None:
             return_lse = True
         if self.torch:
-            torch = self._torch
-            stream = self._stream(self.device)
-            if not self._captured and self._capturing():
-                self._keep_for_graphs()
-            if out is None:
-                out = torch.empty_like(q) if self._out_like_q else q.new_empty(self.out_shape)
-            if return_lse and lse is None:
-                lse = q.new_empty(self.lse_shape, dtype=torch.float32)
-            out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr
-            addresses = tuple(t.data_ptr() for t in inputs)
-        else:
-            current = cupy.cuda.get_current_stream()
-            stream = current.ptr
-            if not self._captured and current.is_capturing():
-                self._keep_for_graphs()
-            if out is None:
-                out = cupy.empty(self.out_shape, dtype=q.dtype)
-            if return_lse and lse is None:
-                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-            out_ptr, lse_ptr = out.data.ptr, lse.data.ptr if return_lse else self._lse_ptr
-            addresses = tuple(t.data.ptr for t in inputs)
+            return self._launch_torch(q, tuple(t.data_ptr() for t in inputs), out, lse, return_lse)
+        current = cupy.cuda.get_current_stream()
+        if not self._captured and current.is_capturing():
+            self._keep_for_graphs()
+        if out is None:
+            out = cupy.empty(self.out_shape, dtype=q.dtype)
+        if return_lse and lse is None:
+            lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+        self._launch(current.ptr, tuple(t.data.ptr for t in inputs), out.data.ptr,
+                     lse.data.ptr if return_lse else self._lse_ptr)
+        return (out, lse) if return_lse else out
+
+    def _launch_torch(self, q, addresses: tuple, out, lse, return_lse: bool):
+        """A torch call's launches on the current stream (keeping this object for a graph being
+        captured), out and lse allocated where not given; out, or (out, lse)."""
+        torch = self._torch
+        stream = self._stream(self.device)
+        if not self._captured and self._capturing():
+            self._keep_for_graphs()
+        if out is None:
+            out = torch.empty_like(q) if self._out_like_q else q.new_empty(self.out_shape)
+        if return_lse and lse is None:
+            lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        self._launch(stream, addresses, out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr)
+        return (out, lse) if return_lse else out
+
+    def _launch(self, stream: int, addresses: tuple, out_ptr: int, lse_ptr: int) -> None:
+        """The kernel's launch (and the merge kernel's after it) at these addresses, refusing any
+        of q, k, v and out not 16-byte aligned (a view starting inside a row has the prepared strides)."""
         misaligned = [name for name, at in zip(("q", "k", "v", "out"), (*addresses[:3], out_ptr)) if at % 16]
         if misaligned:
             raise ValueError(f"{', '.join(misaligned)}: address not a multiple of 16 bytes (a view starting inside a "
@@ -251,7 +259,6 @@ class PreparedAttention:
         else:
             self.kernel(stream, *addresses)
             self.merge.launch(stream, out_ptr, lse_ptr)
-        return (out, lse) if return_lse else out
 
     def _keep_for_graphs(self):
         if not self._captured:
@@ -353,21 +360,10 @@ class GrowingKeys(PreparedAttention):
             share = (-(-(-(-nk // self._block_kv)) // self._splits),) if self._split else ()
             self._write(nk, nk - self._nq if self._bottom_right else 0, *ks[:3], *vs[:3], *share)
             self._keys = (ks, vs, nk)
-        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if (qp | kp | vp) % 16:
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if (addresses[0] | addresses[1] | addresses[2]) % 16:  # the general path refuses it by name
             return NotImplemented
-        stream = self._stream(self.device)
-        if not self._captured and self._capturing():
-            self._keep_for_graphs()
-        out = self._torch.empty_like(q) if self._out_like_q else q.new_empty(self.out_shape)
-        lse = q.new_empty(self.lse_shape, dtype=self._torch.float32) if return_lse else None
-        lse_ptr = lse.data_ptr() if return_lse else self._lse_ptr
-        if self.merge is None:
-            self.kernel(stream, qp, kp, vp, out.data_ptr(), lse_ptr)
-        else:
-            self.kernel(stream, qp, kp, vp)
-            self.merge.launch(stream, out.data_ptr(), lse_ptr)
-        return (out, lse) if return_lse else out
+        return self._launch_torch(q, addresses, None, None, return_lse)
 
 
 class ShapeClasses:
