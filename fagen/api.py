@@ -42,9 +42,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs):
-    """Attention against a paged KV cache ([num_pages, page_size, Hkv, d], page_table [B,
-    max_pages], cache_seqlens [B]: FlashAttention's and vLLM's convention); fagen.sequences."""
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, **kwargs):
+    """Attention against a KV cache, FlashAttention's and vLLM's convention: paged
+    ([num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B]) or not
+    ([B, slots, Hkv, d], sequence b's keys slots cache_leftpad[b] .. cache_seqlens[b]); fagen.sequences."""
     from fagen.sequences import attention_with_kvcache as _attention_with_kvcache
 
     return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)

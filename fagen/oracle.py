@@ -120,6 +120,32 @@ def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlen
     return _per_sequence(sequences, q.shape, kwargs)
 
 
+def attention_cache(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, **kwargs):
+    """An unpaged KV cache: q [B, Hq, Nq, d], k_cache, v_cache [B, slots, Hkv, d], sequence b's
+    keys being slots cache_leftpad[b] .. cache_seqlens[b] (FlashAttention's flash_attn_with_kvcache;
+    no cache_leftpad: from slot 0). Masks align per sequence, bottom right: q's rows are the
+    last Nq positions before cache_seqlens[b]. The ranges are refused by the runtime's rules
+    (fagen.side_inputs.check_key_ranges)."""
+    q, k_cache, v_cache = _real(q, "q"), _real(k_cache, "k_cache"), _real(v_cache, "v_cache")
+    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3] or k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"q.shape = {list(q.shape)}, k_cache.shape = {list(k_cache.shape)}, v_cache.shape = "
+                         f"{list(v_cache.shape)}: must be [B, Hq, Nq, d] and [B, slots, Hkv, d] (one B, slots, Hkv); "
+                         f"pass q padded and the caches of one layout")
+    ends = np.asarray(cache_seqlens)
+    starts = np.zeros_like(ends) if cache_leftpad is None else np.asarray(cache_leftpad)
+    for name, x in (("cache_seqlens", ends), ("cache_leftpad", starts)):
+        if x.shape != (q.shape[0],) or x.dtype.kind not in "iu":
+            raise ValueError(f"{name}.shape = {list(x.shape)} of {x.dtype}: must be integers [B] = [{q.shape[0]}]; "
+                             f"pass one a sequence")
+    side_inputs.check_key_ranges(ends, None if cache_leftpad is None else starts, k_cache.shape[1])
+
+    def keys(cache, b):  # [1, Hkv, n, d]
+        return cache[b, int(starts[b]):int(ends[b])].transpose(1, 0, 2)[None]
+    outs = [_one(q[b:b + 1], keys(k_cache, b), keys(v_cache, b), kwargs) for b in range(q.shape[0])]
+    out, lse = np.concatenate([o for o, _ in outs]), np.concatenate([l for _, l in outs])
+    return (out, lse) if kwargs.get("return_lse") else out
+
+
 def _one(q, k, v, kwargs):
     """(out, lse) of one sequence [1, H, n, d]; no keys: O = 0, LSE = -inf (no sinks), as for a row no key is visible to."""
     if k.shape[2] == 0 and kwargs.get("sinks") is None:

@@ -190,6 +190,9 @@ class KernelPlan:
     # warp specialisation (pipeline.warp_specialized): consumer warpgroups compute, a producer
     # warpgroup after them loads through TMA; otherwise every thread is a consumer and copies
     warp_specialized: bool
+    # a ranged cache's TMA loads (sequences.kv ranged): a sequence's last tile runs past its keys
+    # into slots it does not own, whose V rows the consumers zero before P.V reads them
+    clears_rows_past_keys: bool
     consumer_threads: int
     producer_registers: int  # setmaxnreg targets (0: not warp-specialised)
     consumer_registers: int
@@ -345,7 +348,8 @@ def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     ones. varlen q: cu_seqlens_q, and total_q for LSE's [Hq, total_q]; varlen K/V: cu_seqlens_k
     (with seqused_k: each sequence's key count, and total_k);
     paged K/V: the page table (max_pages entries a sequence, page_table_stride apart), the page
-    size and count, cache_seqlens, and a status word the kernel flags bad page ids in."""
+    size and count, cache_seqlens, and a status word the kernel flags bad page ids in; ranged
+    K/V: cache_seqlens and cache_leftpad, each sequence's last key + 1 and first key."""
     seq, params = spec.sequences, ()
     if seq.q == "varlen":
         params += ((INT_PTR, "cu_seqlens_q"), ("int", "total_q"))
@@ -358,6 +362,8 @@ def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     elif seq.kv == "paged":
         params += ((INT_PTR, "page_table"), ("int", "page_table_stride"), ("int", "max_pages"), ("int", "page_size"),
                    ("int", "num_pages"), (INT_PTR, "cache_seqlens"), ("int* __restrict__", "status"))
+    elif seq.kv == "ranged":
+        params += ((INT_PTR, "cache_seqlens"), (INT_PTR, "cache_leftpad"))
     return params
 
 
@@ -747,6 +753,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         dependent_launch=t.pack_gqa,
         column_blocks=ws is not None,
         warp_specialized=ws is not None,
+        clears_rows_past_keys=ws is not None and spec.sequences.kv == "ranged",
         consumer_threads=32 * warps,
         producer_registers=ws.producer_registers if ws else 0,
         consumer_registers=ws.consumer_registers if ws else 0,

@@ -35,7 +35,7 @@ from fagen.dispatch import batch_spec, batch_step
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
-                                check_page_size, check_pages, check_scale, check_seqused_k)
+                                check_key_ranges, check_page_size, check_pages, check_scale, check_seqused_k)
 from fagen.spec import AttentionSpec
 
 TABLE_ROW_BYTES = 8  # a query tile table's row: (sequence, first row), two int32s
@@ -49,7 +49,7 @@ class Batch:
     k: DeviceTensor
     v: DeviceTensor
     q_layout: str  # "padded" or "varlen"
-    kv_layout: str  # "padded", "varlen" or "paged"
+    kv_layout: str  # "padded", "varlen", "paged" or "ranged"
     arguments: dict
     held: tuple  # device arrays behind the arguments' pointers
 
@@ -168,6 +168,40 @@ def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=
     capacity = table.shape[1] * page_size  # the keys of the longest sequence, at most
     kv = [_view(t, (b, hkv, capacity, d), (t.strides[0], t.strides[2], t.strides[1], 1)) for t in (tk, tv)]
     return Batch(tq, *kv, q_layout, "paged", args, (*held, table, seqlens, st, status))
+
+
+def ranged_batch(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, *, validate: bool = True) -> Batch:
+    """Check an unpaged KV cache (k_cache, v_cache [B, slots, Hkv, d], any strides with a contiguous
+    d; q padded [B, Hq, Nq, d]) whose sequence b's keys are slots cache_leftpad[b] ..
+    cache_seqlens[b] (int32 [B] on the GPU; cache_leftpad None: from slot 0), and view it. The
+    kernel reads the ranges on the device, clamped to the slots: validate=True checks them first
+    (a host sync)."""
+    tq = as_device_tensor(q, "q")
+    if len(tq.shape) != 4:
+        raise ValueError(f"q: shape {tq.shape}; expected [B, Hq, Nq, d]")
+    _check_layout(tq, "q")
+    tk, tv = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
+    for t, name in ((tk, "k_cache"), (tv, "v_cache")):
+        if len(t.shape) != 4 or t.shape[0] != tq.shape[0]:
+            raise ValueError(f"{name}: shape {t.shape}; expected [B, slots, Hkv, d] with q's B = {tq.shape[0]}")
+        _check_layout(t, name)
+    if tk.shape[:3] != tv.shape[:3]:
+        raise ValueError(f"k_cache {tk.shape} and v_cache {tv.shape} must have the same [B, slots, Hkv]")
+    b = tq.shape[0]
+    ends = _index_array(cache_seqlens, "cache_seqlens", tq.device, ("B",))
+    if cache_leftpad is None:
+        starts = zeros_like(tq, (b,), "int32")
+    else:
+        starts = _index_array(cache_leftpad, "cache_leftpad", tq.device, ("B",))
+    if ends.shape[0] != b or starts.shape[0] != b:
+        raise ValueError(f"cache_seqlens {tuple(ends.shape)} and cache_leftpad {tuple(starts.shape)}: both need B = "
+                         f"{b} entries, one a sequence of q")
+    if validate:
+        check_key_ranges(_host(ends), None if cache_leftpad is None else _host(starts), tk.shape[1])
+    kv = [_view(t, (b, t.shape[2], t.shape[1], t.shape[3]), (t.strides[0], t.strides[2], t.strides[1], 1))
+          for t in (tk, tv)]
+    arguments = dict(cache_seqlens=np.uint64(ends.data.ptr), cache_leftpad=np.uint64(starts.data.ptr))
+    return Batch(tq, *kv, "padded", "ranged", arguments, (ends, starts))
 
 
 def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
@@ -303,13 +337,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return (out, lse) if return_lse else out
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=None, v=None, cu_seqlens_q=None,
-                           max_seqlen_q: int | None = None, causal: bool = False, mask=None,
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, cache_leftpad=None, k=None, v=None,
+                           cu_seqlens_q=None, max_seqlen_q: int | None = None, causal: bool = False, mask=None,
                            softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
                            return_lse: bool = False, status=None, validate: bool = True, out=None):
-    """Attention against a paged KV cache (FlashAttention's flash_attn_with_kvcache with a
-    page_table): k_cache, v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages],
-    cache_seqlens [B] keys each. k, v (new tokens, shaped like q with Hkv heads) are first
+    """Attention against a KV cache (FlashAttention's flash_attn_with_kvcache). Paged: k_cache,
+    v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B] keys
+    each. Unpaged (page_table None): k_cache, v_cache [B, slots, Hkv, d], sequence b's keys being
+    slots cache_leftpad[b] .. cache_seqlens[b] (ranged_batch; a left-padded batch, a static
+    cache), q padded; masks align bottom right in each sequence. k, v (new tokens, shaped like q with Hkv heads) are first
     written into the cache after each sequence's cache_seqlens keys (chunked prefill), and the
     queries attend to the cache plus them; the caller advances cache_seqlens, as with
     FlashAttention. q: [B, Hq, Nq, d], or [total_q, Hq, d] with cu_seqlens_q and max_seqlen_q.
@@ -317,6 +353,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, *, k=
     SEQLEN_OVER_TABLE into (validate=False: what they skip, neither reading nor writing it)."""
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
+    if page_table is None:
+        if k is not None or cu_seqlens_q is not None:
+            raise ValueError("an unpaged cache (page_table None) takes neither new tokens k, v nor varlen q "
+                             "(cu_seqlens_q) yet: write the new keys into the cache first, and pass q padded")
+        batch = ranged_batch(q, k_cache, v_cache, cache_seqlens, cache_leftpad, validate=validate)
+        spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
+        return (out, lse) if return_lse else out
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
+                         "pass cache_leftpad for an unpaged cache only")
     append = None
     if k is not None:
         if status is None:  # the append's flags and the kernel's in one word

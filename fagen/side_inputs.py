@@ -212,6 +212,22 @@ def check_seqused_k(used, cu_k, total_k: int, max_seqlen_k: int) -> None:
             raise ValueError(f"seqused_k[{b}] = {used[b]} (from row cu_seqlens_k[{b}] = {cu_k[b]}): {rule}; {fix}")
 
 
+def check_key_ranges(cache_seqlens, cache_leftpad, slots: int) -> None:
+    """An unpaged cache's key ranges: sequence b's keys are slots cache_leftpad[b] ..
+    cache_seqlens[b] of its [slots] (FlashAttention's flash_attn_with_kvcache), so 0 <=
+    cache_leftpad[b] <= cache_seqlens[b] <= slots."""
+    ends = _values(cache_seqlens)
+    starts = [0] * len(ends) if cache_leftpad is None else _values(cache_leftpad)
+    for bad, name, value, rule, fix in (
+            (lambda b: not 0 <= ends[b] <= slots, "cache_seqlens", ends, f"must be in 0..{slots} (the cache's slots "
+             "a sequence, k_cache.shape[1])", "pass each sequence's keys, ending within its slots"),
+            (lambda b: not 0 <= starts[b] <= ends[b], "cache_leftpad", starts, "must be in 0..cache_seqlens[b] (the "
+             "sequence's first key, before its last)", "pass each sequence's padding before its first key")):
+        b = next(filter(bad, range(len(ends))), None)
+        if b is not None:
+            raise ValueError(f"{name}[{b}] = {value[b]}: {rule}; {fix}")
+
+
 def check_page_size(page_size: int) -> None:
     """A paged cache's slots a page (k_cache.shape[1]): at least one."""
     if page_size < 1:

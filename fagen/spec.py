@@ -404,11 +404,14 @@ class Sequences(_Frozen):
     long. varlen (FlashAttention's convention): token-major [total, H, d], sequence b being rows
     cu_seqlens[b] .. cu_seqlens[b + 1], so a batch of mixed lengths carries no padding. paged
     (K and V only): a cache [num_pages, page_size, H, d] whose pages a page table lists per
-    sequence, cache_seqlens[b] keys long (vLLM's and FlashAttention's KV cache). Each block
+    sequence, cache_seqlens[b] keys long (vLLM's and FlashAttention's KV cache). ranged (K and V
+    only): padded [B, H, N, d], sequence b's keys being rows cache_leftpad[b] .. cache_seqlens[b]
+    of its own (FlashAttention's unpaged KV cache with cache_leftpad): a left-padded batch, a
+    static cache's slots past the tokens seen, read as nothing rather than masked. Each block
     reads its sequence's lengths on the device, so every mask holds per sequence."""
 
     q: Literal["padded", "varlen"] = "padded"
-    kv: Literal["padded", "varlen", "paged"] = "padded"
+    kv: Literal["padded", "varlen", "paged", "ranged"] = "padded"
     # varlen K/V: sequence b uses seqused_k[b] keys from row cu_seqlens_k[b] on (FlashAttention's
     # seqused_k), so sequences may share rows: a rank's two zigzag query chunks, one K/V
     seqused_k: bool = False

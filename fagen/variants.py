@@ -184,7 +184,7 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
         return None  # refused for packing (tiling.pack_gqa's rules)
 
 
-SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged"}
+SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged", "ranged": "ranged"}
 
 
 @cache

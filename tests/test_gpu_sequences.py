@@ -449,3 +449,75 @@ def test_a_prepared_paged_step_refuses_other_tensors_and_replays_in_a_graph():
     torch.cuda.synchronize()
     ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), [n + 16 for n in lens])
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+def _ranged_cache(rng, dtype, b, slots, hkv, d, layout):
+    """k, v caches [B, slots, Hkv, d]: FlashAttention's layout, or transformers' [B, Hkv, slots, d]
+    seen through a transpose (the strides the glue hands over)."""
+    if layout == "bshd":
+        return _randn(rng, (b, slots, hkv, d), dtype), _randn(rng, (b, slots, hkv, d), dtype)
+    return tuple(_randn(rng, (b, hkv, slots, d), dtype).transpose(1, 2) for _ in range(2))
+
+
+# decode (one query, GQA-packed split kernels) and prefill (every slot a query, left-padded, the
+# warp-specialised prefill kernels on sm_90a)
+RANGED_CASES = [(1, 32, 8, "decode"), (1, 8, 8, "decode-mha"), (None, 16, 4, "prefill")]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", RANGED_CASES, ids=lambda c: c[3])
+@pytest.mark.parametrize("mask", [Mask(kind="causal"), Mask(kind="sliding_window", window_left=99), Mask()], ids=str)
+def test_an_unpaged_cache_reads_each_sequence_between_its_left_pad_and_its_length(dtype, d, case, mask):
+    """A left-padded batch and a static cache's empty slots: sequence b's keys are slots
+    cache_leftpad[b] .. cache_seqlens[b] of its own (one of them empty, one the whole cache); the
+    slots outside hold NaN, which a kernel reading them would carry into its output."""
+    nq, hq, hkv, _ = case
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{d}{case}{mask}".encode()))
+    b, slots = 6, 700
+    ends = np.array([700, 650, 1, 700, 333, 0], np.int32)
+    starts = np.array([0, 40, 1, 611, 200, 0], np.int32)
+    k, v = _ranged_cache(rng, dtype, b, slots, hkv, d, "bhsd" if d == 128 else "bshd")
+    for i in range(b):
+        k[i, :starts[i]], k[i, ends[i]:], v[i, :starts[i]], v[i, ends[i]:] = (float("nan"),) * 4
+    q = _randn(rng, (b, hq, nq or slots, d), dtype)
+    out = _nan(q.shape, dtype)
+    _, lse = fagen.attention_with_kvcache(q, k, v, _int32(ends), cache_leftpad=_int32(starts), mask=mask, out=out,
+                                          return_lse=True)
+    ref, ref_lse = oracle.attention_cache(_np(q), np.nan_to_num(_np(k)), np.nan_to_num(_np(v)), ends, starts,
+                                          mask=mask, return_lse=True)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("mod", [{"softcap": 30.0}, {"sinks": True}, {"alibi": "slopes"}], ids=str)
+def test_an_unpaged_cache_takes_the_modifiers(mod):
+    rng = np.random.default_rng(len(str(mod)))
+    b, slots, hq, hkv, d = 4, 1500, 32, 8, 128
+    ends, starts = np.array([1500, 900, 1200, 64], np.int32), np.array([0, 300, 1199, 0], np.int32)
+    k, v = _ranged_cache(rng, "bfloat16", b, slots, hkv, d, "bhsd")
+    q = _randn(rng, (b, hq, 1, d), "bfloat16")
+    side = {}
+    if "sinks" in mod:
+        side["sinks"] = torch.randn(hq, device="cuda")
+    if "alibi" in mod:
+        side["alibi_slopes"] = torch.rand(hq, device="cuda")
+    out = _nan(q.shape, "bfloat16")
+    fagen.attention_with_kvcache(q, k, v, _int32(ends), cache_leftpad=_int32(starts), causal=True,
+                                 softcap=mod.get("softcap"), out=out, **side)
+    ref = oracle.attention_cache(_np(q), _np(k), _np(v), ends, starts, causal=True, softcap=mod.get("softcap"),
+                                 **{n: _np(t) for n, t in side.items()})
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+def test_bad_key_ranges_are_refused_before_launch_and_clamped_without_validation():
+    rng = np.random.default_rng(2)
+    k, v = _ranged_cache(rng, "float16", 2, 64, 2, 64, "bshd")
+    q = _randn(rng, (2, 4, 1, 64), "float16")
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 65: must be in 0..64"):
+        fagen.attention_with_kvcache(q, k, v, _int32([64, 65]))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[0\] = 10: must be in 0..cache_seqlens\[b\]"):
+        fagen.attention_with_kvcache(q, k, v, _int32([5, 64]), cache_leftpad=_int32([10, 0]))
+    # unchecked (validate=False), the kernel clamps them to the slots: no read past the cache
+    out = fagen.attention_with_kvcache(q, k, v, _int32([1 << 30, -5]), cache_leftpad=_int32([-7, 3]), validate=False)
+    ref = oracle.attention_cache(_np(q), _np(k), _np(v), [64, 0], [0, 0])
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]

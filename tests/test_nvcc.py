@@ -128,7 +128,8 @@ def shipped():
     rings = [(step(fagen.load_spec(p)), None) for p in RING_STEPS for step in RING_KERNELS]
     merging = [(merged_variant(fagen.load_spec(p), sinks=True), None) for p in DECODES]
     walks = [(sequence_variant(fagen.load_spec(p), "varlen", "varlen"), None) for p in CLAIMED_WALKS]
-    parts += [(s, targets(s)[-1]) for s, _ in rings + merging + walks] + [(s, targets(s)[-1]) for s in VALUE_HEADS]
+    ranged = [(s, None) for s in RANGED]
+    parts += [(s, targets(s)[-1]) for s, _ in rings + merging + walks + ranged] + [(s, targets(s)[-1]) for s in VALUE_HEADS]
     results = compile_many(specs + parts)
     return {(s.name, a): r for (s, a), r in zip(specs + parts, results)}
 
@@ -217,6 +218,20 @@ def test_merging_decode_kernels_compile_clean_and_keep_their_occupancy(path, shi
     per_sm = lambda registers: 65536 // (-(-registers // 8) * 8 * threads)  # noqa: E731
     assert per_sm(r.registers) >= min(per_sm(partial.registers), plan(spec).blocks_per_sm_by_smem), (r.registers,
                                                                                                     partial.registers)
+
+
+# an unpaged cache read between each sequence's left pad and length (fagen.sequences.ranged_batch):
+# the merging decode kernels and the sm_90a prefill defaults over it
+RANGED = [sequence_variant(merged_variant(fagen.load_spec(p), sinks=True), "padded", "ranged") for p in DECODES] + [
+    sequence_variant(fagen.load_spec(p), "padded", "ranged") for p in CLAIMED_WALKS if "_f16_" in p.stem]
+
+
+@pytest.mark.parametrize("spec", RANGED, ids=lambda s: s.name)
+def test_ranged_cache_variants_compile_clean(spec, shipped):
+    """Reading a sequence's keys from its left pad costs no spill and no static shared memory."""
+    r = shipped[(spec.name, targets(spec)[-1])]
+    assert _ok(r), r.log
+    assert r.static_smem == 0 and r.registers <= 255
 
 
 @pytest.mark.parametrize(("base", "arch", "mask"), PAIRS,

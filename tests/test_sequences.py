@@ -46,6 +46,39 @@ def test_sequence_parameters_follow_the_layouts():
     assert not plan(variants.sequence_variant(top_left, "varlen", "varlen")).sequence_offset
 
 
+def test_a_ranged_cache_reads_its_ranges_and_moves_the_diagonal_per_sequence():
+    """An unpaged cache read between each sequence's left pad and length: the two index arrays are
+    the kernel's last parameters; the warp-specialised producer starts its K/V rows at the pad."""
+    ranged = variants.sequence_variant(variants.variant(ATTN, Mask(kind="causal"), ScoreMod()), "padded", "ranged")
+    p = plan(ranged)
+    assert [n for _, n in p.sequence_params] == ["cache_seqlens", "cache_leftpad"] and p.sequence_offset
+    assert ranged.name.endswith("_kvranged") and ranged.backward is None
+    source = render(ranged)
+    assert "kv_start = min(max(cache_leftpad[b], 0), kv_end)" in source
+    assert "k += b * k_sb + (long long)kv_start * k_sn" in source
+    h200 = variants.sequence_variant(load_spec(SPECS / "attn_f16_d128_causal_h200.yaml"), "padded", "ranged")
+    assert "kv_start, b, h, h_kv" in render(h200)
+
+
+def test_the_oracle_reads_an_unpaged_cache_per_sequence():
+    """Each sequence's slots cache_leftpad[b] .. cache_seqlens[b] as its own attention, bottom right;
+    an empty range gives O = 0 and LSE = -inf; the ranges' rules are the runtime's."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 4, 5, 16)), rng.standard_normal((3, 9, 2, 16)), rng.standard_normal((3, 9, 2, 16))
+    ends, starts = [9, 7, 4], [0, 2, 4]
+    out, lse = oracle.attention_cache(q, k, v, ends, starts, causal=True, return_lse=True)
+    for b in range(2):
+        keys = [x[b:b + 1, starts[b]:ends[b]].transpose(0, 2, 1, 3) for x in (k, v)]
+        ref, ref_lse = oracle.attention(q[b:b + 1], *keys, causal=True, return_lse=True)
+        np.testing.assert_allclose(out[b:b + 1], ref, atol=1e-12)
+        np.testing.assert_allclose(lse[b:b + 1], ref_lse, atol=1e-12)
+    assert not out[2].any() and np.isneginf(lse[2]).all()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 10: must be in 0..9"):
+        oracle.attention_cache(q, k, v, [10, 7, 4])
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 8: must be in 0..cache_seqlens\[b\]"):
+        oracle.attention_cache(q, k, v, ends, [0, 8, 0])
+
+
 def test_a_persistent_varlen_walk_claims_its_tiles():
     """Over a varlen batch's tile table a persistent kernel's blocks claim their tiles from a
     counter (one more parameter, one more smem word, the claim in the producer's loop); a block
