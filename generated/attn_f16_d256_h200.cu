@@ -666,7 +666,8 @@ fagen_attn_f16_d256_h200(
         mask.begin(n_q, n_kv, mask_offset, b, h, q_first, q_last);
         const int kv_tiles = mask.count;
         kv.begin(kv_tiles);
-        // the maps' coordinates: (row, head, batch); a varlen batch is one [1, H, total, d] tensor
+        // the maps' coordinates: (row, head, batch); a varlen batch is one [1, H, total, d] tensor,
+        // a ranged sequence's keys start at its row kv_start
         kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, b,
                    0, b, h, h_kv);
         kv.end();
