@@ -193,6 +193,7 @@ class KernelPlan:
     # a ranged cache's TMA loads (sequences.kv ranged): a sequence's last tile runs past its keys
     # into slots it does not own, whose V rows the consumers zero before P.V reads them
     clears_rows_past_keys: bool
+    clear_barrier: int  # ... its named barriers' first id, one a consumer warpgroup
     consumer_threads: int
     producer_registers: int  # setmaxnreg targets (0: not warp-specialised)
     consumer_registers: int
@@ -278,6 +279,9 @@ PAGE_ROWS = 16
 PAGE_OUT_OF_RANGE = 1  # a page id outside [0, num_pages): its rows loaded as zeros
 SEQLEN_OVER_TABLE = 2  # cache_seqlens past its table row (max_pages * page_size): cut to it
 INT_PTR = "const int* __restrict__"
+# Named barriers: 0 is __syncthreads, 1 .. 3 the ping-pong turns (TURN_BARRIER + warpgroup); the
+# consumers' clearing of a ranged sequence's last V rows takes CLEAR_BARRIER + warpgroup
+CLEAR_BARRIER = 8
 INT2_PTR = "const int2* __restrict__"
 # A TMA tensor map (CUtensorMap, 128 opaque bytes the host encodes) passed by value: TMA reads it
 # from the kernel's parameter space, where __grid_constant__ keeps it
@@ -754,6 +758,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         column_blocks=ws is not None,
         warp_specialized=ws is not None,
         clears_rows_past_keys=ws is not None and spec.sequences.kv == "ranged",
+        clear_barrier=CLEAR_BARRIER,
         consumer_threads=32 * warps,
         producer_registers=ws.producer_registers if ws else 0,
         consumer_registers=ws.consumer_registers if ws else 0,
