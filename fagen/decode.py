@@ -28,6 +28,7 @@ from fagen.dispatch import derive_spec, no_work, packed_spec, sequence_keys, ste
 from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge
+from fagen.variants import sequence_variant
 
 
 def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
@@ -65,12 +66,22 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
     return (out, lse) if return_lse else out
 
 
-def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return_lse: bool = False, **side):
+def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return_lse: bool = False,
+            cache_seqlens=None, cache_leftpad=None, **side):
     """out (and lse) of fagen.attention's call whose spec is `plain` (derive_spec's): nothing
     launched where there is no work (answer_without_work), the decode kernel where one takes the
-    call (packed_spec), else the plain forward. `side`: block_mask, bias, alibi_slopes, sinks, doc_ids."""
+    call (packed_spec), else the plain forward; key ranges (cache_seqlens, cache_leftpad) through
+    a PreparedAttention of them. `side`: block_mask, bias, alibi_slopes, sinks, doc_ids."""
     if len(getattr(q, "shape", ())) == 4 and len(getattr(k, "shape", ())) == 4 and no_work(q.shape, k.shape):
         return answer_without_work(plain, q, k, v, return_lse=return_lse, **side)
+    if cache_seqlens is not None or cache_leftpad is not None:
+        taken = {name: value for name, value in side.items() if value is not None and name not in ("alibi_slopes", "sinks")}
+        if taken:
+            raise ValueError(f"{', '.join(taken)} with key ranges (cache_seqlens): a side input indexed by padded "
+                             f"positions has no view of each sequence's range; pass a padding bias without the ranges")
+        prepared = PreparedAttention(q, k, v, plain=plain, scale=scale, alibi_slopes=side.get("alibi_slopes"),
+                                     sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+        return prepared(q, k, v, *prepared.ranges, return_lse=return_lse)
     spec = packed_spec(plain, q, k)
     if spec is None:
         return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
@@ -95,13 +106,16 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
-              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None):
+              return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+              cache_seqlens=None, cache_leftpad=None):
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward of the derived spec
-    (fagen.dispatch chooses which)."""
+    (fagen.dispatch chooses which). cache_seqlens, cache_leftpad (int32 [B] on the GPU): sequence
+    b's keys are rows cache_leftpad[b] .. cache_seqlens[b] of k and v (KeyRanges)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
-    return forward(plain, q, k, v, scale=scale, return_lse=return_lse, **side)
+    return forward(plain, q, k, v, scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
+                   cache_leftpad=cache_leftpad, **side)
 
 
 # Prepared calls captured in a CUDA graph. The graph holds their kernel arguments, which point at
@@ -126,14 +140,22 @@ class PreparedAttention:
     allocator while a graph may still replay. sequences.PreparedKVCache is the paged form."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
-                 scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None):
+                 scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None,
+                 cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                            keys=sequence_keys(k), v=v)
+        if plain is None:  # else the caller derived it from the same options
+            plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                keys=sequence_keys(k), v=v)
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
         refuse_without_work(tq.shape, tk.shape)
+        # key ranges: sequence b's keys are rows cache_leftpad[b] .. cache_seqlens[b] of its own
+        # (sequences.kv ranged), read on the device; the index tensors a call passes after q, k, v
+        ranges = KeyRanges(tq, cache_seqlens, cache_leftpad) if cache_seqlens is not None or cache_leftpad is not None \
+            else None
+        if ranges is not None:
+            spec, plain = (None if s is None else ranges.variant(s) for s in (spec, plain))
         if spec is not None:
             spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
         spec = spec or plain
@@ -146,12 +168,18 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            offset = nk - nq if spec.mask.align == "bottom_right" else 0
+            # ranges: each sequence's diagonal is the kernel's own (plan.sequence_offset)
+            offset = nk - nq if spec.mask.align == "bottom_right" and ranges is None else 0
+            if ranges is not None:
+                extras.update(ranges.arguments)
+                held = [*held, *ranges.held]
             packed = kernel.pack(tq, tk, tv, out, lse, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
                                  scale=side_inputs.check_scale(scale, tq.shape[-1]), mask_offset=offset,
-                                 splits=splits or 1, extras=extras, held=held, sinks=sinks)
+                                 splits=splits or 1, extras=extras, held=held, sinks=sinks,
+                                 indices=ranges.names if ranges is not None else ())
         self.split_counts = packed.split_counts
-        self._arm(spec, (q, k, v), out, lse, packed.kernel, packed.merge, packed.held)
+        self.ranges = ranges.tensors if ranges is not None else ()  # prepared calls pass theirs after q, k, v
+        self._arm(spec, (q, k, v, *self.ranges), out, lse, packed.kernel, packed.merge, packed.held)
 
     def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list) -> None:
         """Keep what a call checks and re-points: `inputs` (q, k, v, then the batch layout's index
@@ -294,6 +322,41 @@ class PreparedAttention:
                          f"{tensor_signature(out) if out is not None else None}, {tensor_signature(lse) if lse is not None else None}")
 
 
+KEYS_TO_THE_END = 2**31 - 1  # an absent cache_seqlens: clamped to k's rows by the kernel
+
+
+class KeyRanges:
+    """Key ranges of a padded K/V: sequence b's keys are rows cache_leftpad[b] .. cache_seqlens[b]
+    of its own (FlashAttention's flash_attn_with_kvcache names; a left-padded batch, a static
+    cache), int32 [B] tensors on q's device that the kernel reads there, clamped to the rows k
+    holds (sequences.kv ranged). Without cache_leftpad, rows from 0 (a zero array kept here);
+    without cache_seqlens, every row to the end (likewise k's row count). A prepared call passes
+    the given ones after q, k, v, and may point them at other tensors of the same layout."""
+
+    def __init__(self, tq, cache_seqlens, cache_leftpad):
+        b = tq.shape[0]
+        self.names, self.tensors, self.held, self.arguments = (), (), [], {}
+        for name, x in (("cache_seqlens", cache_seqlens), ("cache_leftpad", cache_leftpad)):
+            if x is None:  # the kernel clamps the end to k's rows
+                with cupy.cuda.Device(tq.device), stream_for(tq):
+                    array = full_like(tq, (b,), KEYS_TO_THE_END if name == "cache_seqlens" else 0, "int32")
+                self.held.append(array)
+                self.arguments[name] = np.uint64(as_device_tensor(array, name).ptr)
+                continue
+            t = as_device_tensor(x, name)
+            if t.dtype != "int32" or t.shape != (b,) or t.strides != (1,) or t.device != tq.device or t.kind != tq.kind:
+                raise ValueError(f"{name}: a {t.kind} {t.dtype} tensor {t.shape} on cuda:{t.device}; expected a "
+                                 f"contiguous int32 {tq.kind} tensor [{b}] (one a sequence of q) on q's cuda:{tq.device}"
+                                 f", e.g. {name}.to(torch.int32).contiguous()")
+            self.names += (name,)
+            self.tensors += (x,)
+            self.arguments[name] = np.uint64(t.ptr)
+
+    @staticmethod
+    def variant(spec: AttentionSpec) -> AttentionSpec:
+        return sequence_variant(spec, "padded", "ranged")
+
+
 def refuse_without_work(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> None:
     """A prepared call is for a loop of calls that launch: one with no work (no_work) has nothing
     to pack."""
@@ -341,15 +404,16 @@ class GrowingKeys(PreparedAttention):
         self._splits = self.kernel.grid[2]
         self._split = self.spec.outputs.partial
         self._nq = q.shape[2]
-        self._bottom_right = self.spec.mask.align == "bottom_right"
+        # a ranged kernel finds each sequence's diagonal itself (the offset stays 0)
+        self._bottom_right = self.spec.mask.align == "bottom_right" and not self.ranges
         names = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")
         self._write = self.kernel.writer(names + (("kv_tiles_per_split",) if self._split else ()))
         self._keys = (k.stride(), v.stride(), k.shape[2])
 
-    def run(self, q, k, v, return_lse: bool):
+    def run(self, q, k, v, ranges: tuple, return_lse: bool):
         """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and
-        devices as prepared: the caller's key holds them; v as long as k and the current device
-        the prepared one, checked here), or NotImplemented."""
+        devices as prepared, and the key ranges' layout: the caller's key holds them; v as long
+        as k and the current device the prepared one, checked here), or NotImplemented."""
         ks, vs, nk = k.stride(), v.stride(), k.shape[2]
         if v.shape[2] != nk or self._current_device() != self.device:  # the general path says why
             return NotImplemented
@@ -363,7 +427,7 @@ class GrowingKeys(PreparedAttention):
         addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         if (addresses[0] | addresses[1] | addresses[2]) % 16:  # the general path refuses it by name
             return NotImplemented
-        return self._launch_torch(q, addresses, None, None, return_lse)
+        return self._launch_torch(q, (*addresses, *(t.data_ptr() for t in ranges)), None, None, return_lse)
 
 
 class ShapeClasses:
@@ -384,9 +448,10 @@ class ShapeClasses:
         self._exact: dict[tuple, PreparedAttention] = {}
         self._stream = None
 
-    def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool):
+    def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple = ()):
         """out (and lse) of fagen.attention's call, or NotImplemented where no class takes it (the
-        general path then runs it, or refuses it by name)."""
+        general path then runs it, or refuses it by name). `ranges`: (cache_seqlens,
+        cache_leftpad), either None, as KeyRanges takes them."""
         if self._stream is None:
             self._stream = torch_stream_handle()
         try:  # the key alone: what is not a tensor of this rank, or a mask with unhashable parts, is not ours
@@ -399,24 +464,28 @@ class ShapeClasses:
                     k.shape[0], k.shape[1], k.shape[3], v.shape[0], v.shape[1], v.shape[3], causal,
                     mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())), softcap, scale,
                     None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
-                    return_lse, self._stream(device), threading.get_ident())
+                    return_lse, self._stream(device), threading.get_ident(),
+                    *(None if t is None else (t.dtype, t.shape, t.stride(), t.get_device()) for t in ranges))
             growing_key = (*base, k.shape[2].bit_length())
             exact_key = (*base, k.shape, k.stride(), v.shape, v.stride())
             growing, exact = self._growing.get(growing_key), self._exact.get(exact_key)
         except (AttributeError, TypeError):
             return NotImplemented
+        given = tuple(t for t in ranges if t is not None)
         if growing is not None:
-            done = growing.run(q, k, v, return_lse)
+            done = growing.run(q, k, v, given, return_lse)
             if done is not NotImplemented:
                 return done
         if exact is not None:
-            return exact(q, k, v, return_lse=return_lse)
+            return exact(q, k, v, *given, return_lse=return_lse)
         if growing is not None:
             return NotImplemented
+        cache_seqlens, cache_leftpad = ranges or (None, None)
         return self._add(base, exact_key, q, k, v, dict(causal=causal, mask=mask, softcap=softcap, scale=scale,
-                                                       sinks=sinks), return_lse)
+                                                       sinks=sinks, cache_seqlens=cache_seqlens,
+                                                       cache_leftpad=cache_leftpad), given, return_lse)
 
-    def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, return_lse: bool):
+    def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, given: tuple, return_lse: bool):
         """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)
         where the general path is the call's: no work, or an input it refuses by name."""
         try:
@@ -429,6 +498,8 @@ class ShapeClasses:
             hkv, nk = k.shape[1], k.shape[2]
             if spec is not None and not spec.pipeline.warp_specialized:
                 lo = 1 << (nk.bit_length() - 1)
+                if given:
+                    spec = KeyRanges.variant(spec)
                 _, splits = step_spec(spec, b, hq, hkv, nq, lo, None, options["sinks"] is not None)
                 kept = self._growing
                 key, prepared = (*base, nk.bit_length()), GrowingKeys(q, k, v, lo=lo, splits=splits, **options)
@@ -441,8 +512,8 @@ class ShapeClasses:
         prepared._held.append(options["sinks"])  # its address and version are in the key: never another's
         kept[key] = prepared
         if isinstance(prepared, GrowingKeys):
-            return prepared.run(q, k, v, return_lse)  # NotImplemented (misaligned addresses): the general path's
-        return prepared(q, k, v, return_lse=return_lse)
+            return prepared.run(q, k, v, given, return_lse)  # NotImplemented (misaligned addresses): the general path's
+        return prepared(q, k, v, *given, return_lse=return_lse)
 
 
 SHAPE_CLASSES = ShapeClasses()

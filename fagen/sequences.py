@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fagen.decode import PreparedAttention
+from fagen.decode import PreparedAttention, attention as decode_attention
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
-from fagen.dispatch import batch_spec, batch_step
+from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
@@ -49,7 +49,7 @@ class Batch:
     k: DeviceTensor
     v: DeviceTensor
     q_layout: str  # "padded" or "varlen"
-    kv_layout: str  # "padded", "varlen", "paged" or "ranged"
+    kv_layout: str  # "padded", "varlen" or "paged"
     arguments: dict
     held: tuple  # device arrays behind the arguments' pointers
 
@@ -170,38 +170,27 @@ def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=
     return Batch(tq, *kv, q_layout, "paged", args, (*held, table, seqlens, st, status))
 
 
-def ranged_batch(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, *, validate: bool = True) -> Batch:
-    """Check an unpaged KV cache (k_cache, v_cache [B, slots, Hkv, d], any strides with a contiguous
-    d; q padded [B, Hq, Nq, d]) whose sequence b's keys are slots cache_leftpad[b] ..
-    cache_seqlens[b] (int32 [B] on the GPU; cache_leftpad None: from slot 0), and view it. The
-    kernel reads the ranges on the device, clamped to the slots: validate=True checks them first
-    (a host sync)."""
-    tq = as_device_tensor(q, "q")
+def cache_rows(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, *, validate: bool = True):
+    """An unpaged KV cache (k_cache, v_cache [B, slots, Hkv, d], FlashAttention's layout; q padded
+    [B, Hq, Nq, d]) as fagen.attention's k and v [B, Hkv, slots, d] (views), its ranges checked
+    first where validate=True (a host sync): 0 <= cache_leftpad[b] <= cache_seqlens[b] <= slots.
+    Unchecked, the kernel clamps them to the slots."""
+    tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     if len(tq.shape) != 4:
-        raise ValueError(f"q: shape {tq.shape}; expected [B, Hq, Nq, d]")
-    _check_layout(tq, "q")
-    tk, tv = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
+        raise ValueError(f"q: shape {tq.shape}; expected [B, Hq, Nq, d] with an unpaged cache")
     for t, name in ((tk, "k_cache"), (tv, "v_cache")):
         if len(t.shape) != 4 or t.shape[0] != tq.shape[0]:
             raise ValueError(f"{name}: shape {t.shape}; expected [B, slots, Hkv, d] with q's B = {tq.shape[0]}")
-        _check_layout(t, name)
     if tk.shape[:3] != tv.shape[:3]:
         raise ValueError(f"k_cache {tk.shape} and v_cache {tv.shape} must have the same [B, slots, Hkv]")
-    b = tq.shape[0]
-    ends = _index_array(cache_seqlens, "cache_seqlens", tq.device, ("B",))
-    if cache_leftpad is None:
-        starts = zeros_like(tq, (b,), "int32")
-    else:
-        starts = _index_array(cache_leftpad, "cache_leftpad", tq.device, ("B",))
-    if ends.shape[0] != b or starts.shape[0] != b:
-        raise ValueError(f"cache_seqlens {tuple(ends.shape)} and cache_leftpad {tuple(starts.shape)}: both need B = "
-                         f"{b} entries, one a sequence of q")
     if validate:
-        check_key_ranges(_host(ends), None if cache_leftpad is None else _host(starts), tk.shape[1])
-    kv = [_view(t, (b, t.shape[2], t.shape[1], t.shape[3]), (t.strides[0], t.strides[2], t.strides[1], 1))
-          for t in (tk, tv)]
-    arguments = dict(cache_seqlens=np.uint64(ends.data.ptr), cache_leftpad=np.uint64(starts.data.ptr))
-    return Batch(tq, *kv, "padded", "ranged", arguments, (ends, starts))
+        ends = _index_array(cache_seqlens, "cache_seqlens", tq.device, ("B",))
+        starts = None if cache_leftpad is None else _index_array(cache_leftpad, "cache_leftpad", tq.device, ("B",))
+        if ends.shape[0] != tq.shape[0] or starts is not None and starts.shape[0] != tq.shape[0]:
+            raise ValueError(f"cache_seqlens {tuple(ends.shape)}, cache_leftpad "
+                             f"{None if starts is None else tuple(starts.shape)}: [B] with q's B = {tq.shape[0]}")
+        check_key_ranges(_host(ends), None if starts is None else _host(starts), tk.shape[1])
+    return tuple(x.transpose(1, 2) if tk.kind == "torch" else x.transpose(0, 2, 1, 3) for x in (k_cache, v_cache))
 
 
 def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
@@ -357,10 +346,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
         if k is not None or cu_seqlens_q is not None:
             raise ValueError("an unpaged cache (page_table None) takes neither new tokens k, v nor varlen q "
                              "(cu_seqlens_q) yet: write the new keys into the cache first, and pass q padded")
-        batch = ranged_batch(q, k_cache, v_cache, cache_seqlens, cache_leftpad, validate=validate)
-        spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-        out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
-        return (out, lse) if return_lse else out
+        keys, values = cache_rows(q, k_cache, v_cache, cache_seqlens, cache_leftpad, validate=validate)
+        options = dict(causal=causal, mask=mask, softcap=softcap, scale=scale, alibi_slopes=alibi_slopes, sinks=sinks,
+                       cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+        if no_work(tuple(q.shape), tuple(keys.shape)):
+            return decode_attention(q, keys, values, return_lse=return_lse, **options)
+        prepared = PreparedAttention(q, keys, values, **options)
+        return prepared(q, keys, values, *prepared.ranges, out=out, return_lse=return_lse)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")

@@ -84,18 +84,21 @@ def _op(fn):
 
 @_op
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                      sinks: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
-                      softcap: Optional[float], scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
+                      sinks: Optional[Tensor], doc_ids: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                      cache_leftpad: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
+                      scale: Optional[float], deterministic: bool) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, head_dim_v] of q's dtype, lse [B, Hq, Nq] float32, natural log):
     fagen.attention's kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
     plain = _spec(q, mask, causal, softcap, side, keys=dispatch.sequence_keys(k), v=v)
     # a few query rows take the decode path (its backward is the plain one's)
-    return decode.forward(plain, q, k, v, scale=scale, return_lse=True, **side)
+    return decode.forward(plain, q, k, v, scale=scale, return_lse=True, cache_seqlens=cache_seqlens,
+                          cache_leftpad=cache_leftpad, **side)
 
 
 @torch.library.register_fake("fagen::attention_forward")
-def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic):
+def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, cache_seqlens, cache_leftpad, mask, causal, softcap, scale,
+      deterministic):
     b, hq, nq, _ = q.shape
     return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -137,7 +140,8 @@ def _deterministic(asked: bool) -> bool:
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, bias, alibi_slopes, sinks, doc_ids, mask, causal, softcap, scale, deterministic = inputs
+    q, k, v, bias, alibi_slopes, sinks, doc_ids, _cache_seqlens, _cache_leftpad, mask, causal, softcap, scale, \
+        deterministic = inputs  # (key ranges never reach autograd: attention refuses them there)
     out, lse = output
     # d loss / d lse would change every row's D in the kernels: not supported, and said so by
     # lse.requires_grad being False rather than by a silently missing term
@@ -153,7 +157,7 @@ def _backward(ctx, dout, _dlse):
                                                                   doc_ids, *ctx.statics, bias_grad)
     # alibi_slopes and doc_ids get none: slopes are fixed by design, ids are integers
     return (dq, dk, dv, dbias.to(bias.dtype) if bias_grad else None, None, dsinks if ctx.needs_input_grad[5] else None,
-            *[None] * 6)
+            *[None] * 8)
 
 
 torch.library.register_autograd("fagen::attention_forward", _backward, setup_context=_save_for_backward)
@@ -196,21 +200,30 @@ def _eager(*tensors) -> bool:
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-              deterministic: bool = False):
+              deterministic: bool = False, cache_seqlens=None, cache_leftpad=None):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v, bias and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
     deterministic (as FlashAttention's; or torch.use_deterministic_algorithms(True)): a backward
-    without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a)."""
+    without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a).
+    cache_seqlens, cache_leftpad (int32 [B] on q's GPU, FlashAttention's names): sequence b's keys
+    are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference)."""
+    ranges = (cache_seqlens, cache_leftpad)
+    ranged = cache_seqlens is not None or cache_leftpad is not None
     if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and _eager(q, k, v)
             and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous())
             and not _records_grad(q, k, v, sinks)):
         # an eager call for inference, the common case of a generation loop: its shape class's
         # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
         # the GPU only: the kernel reads those in place, where host ones are copied at packing
-        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, _without_grad(sinks), return_lse)
+        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, _without_grad(sinks), return_lse,
+                                    ranges if ranged else ())
         if done is not NotImplemented:
             return done
+    if ranged and _records_grad(q, k, v, bias, sinks):
+        raise ValueError("cache_seqlens, cache_leftpad: key ranges are an inference layout (no backward); call "
+                         "under torch.no_grad(), or train with the padding as a bias (0 on tokens, a large negative "
+                         "value on pads)")
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
@@ -230,7 +243,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         # nothing for autograd or a compiler to see: the op's dispatch would add tens of microseconds
         # of host time to the same launches
         return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
-                                return_lse=return_lse, **_side_inputs(bias, alibi_slopes, sinks, doc_ids))
-    out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, mask_json(mask), causal,
-                                                 softcap, scale, deterministic)
+                                return_lse=return_lse, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                                **_side_inputs(bias, alibi_slopes, sinks, doc_ids))
+    out, lse = torch.ops.fagen.attention_forward(q, k, v, bias, alibi_slopes, sinks, doc_ids, cache_seqlens,
+                                                 cache_leftpad, mask_json(mask), causal, softcap, scale, deterministic)
     return (out, lse) if return_lse else out

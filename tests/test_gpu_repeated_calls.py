@@ -119,7 +119,8 @@ def test_eager_no_grad_attention_matches_the_op(causal):
     q, k, v, _ = _inputs("torch", "bfloat16", 128, seed=8)
     with torch.no_grad():
         out, lse = fagen.attention(q, k, v, causal=causal, return_lse=True)
-    op_out, op_lse = torch.ops.fagen.attention_forward(q, k, v, None, None, None, None, "", causal, None, None, False)
+    op_out, op_lse = torch.ops.fagen.attention_forward(q, k, v, None, None, None, None, None, None, "", causal, None, None,
+                                                          False)
     assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
     _check(q, k, v, out, causal, lse)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -179,19 +179,22 @@ def test_opcheck_both_ops():
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda", requires_grad=True)
     forward, backward = torch.ops.fagen.attention_forward.default, torch.ops.fagen.attention_backward.default
     leaves = [x.requires_grad_() for x in (q, k, v)]
-    torch.library.opcheck(forward, (*leaves, None, None, None, None, "", True, None, None, False))
-    torch.library.opcheck(forward, (*leaves, None, None, sinks, None, "", True, 30.0, None, True))
+    torch.library.opcheck(forward, (*leaves, None, None, None, None, None, None, "", True, None, None, False))
+    torch.library.opcheck(forward, (*leaves, None, None, sinks, None, None, None, "", True, 30.0, None, True))
     q, k, v = (x.detach() for x in leaves)
-    out, lse = forward(q, k, v, None, None, None, None, "", True, None, None, False)
+    ends, starts = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in ([70], [9]))
+    torch.library.opcheck(forward, (q, k, v, None, None, None, None, ends, starts, "", True, None, None, False))
+    out, lse = forward(q, k, v, None, None, None, None, None, None, "", True, None, None, False)
     for deterministic in (False, True):
         torch.library.opcheck(backward, (dout, q, k, v, out, lse, None, None, None, None, "", True, None, None,
                                          deterministic, False))
     bias = torch.randn(1, HQ, 77, 77, device="cuda")
-    out, lse = forward(q, k, v, bias, None, None, None, "", True, None, None, False)
+    out, lse = forward(q, k, v, bias, None, None, None, None, None, "", True, None, None, False)
     for deterministic in (False, True):  # the bias's gradient: deterministic sums a copy per KV head
         torch.library.opcheck(backward, (dout, q, k, v, out, lse, bias, None, None, None, "", True, None, None,
                                          deterministic, True))
-    torch.library.opcheck(forward, (*leaves, bias.requires_grad_(), None, None, None, "", True, None, None, False))
+    torch.library.opcheck(forward, (*leaves, bias.requires_grad_(), None, None, None, None, None, "", True, None, None,
+                                    False))
 
 
 class TinyAttention(torch.nn.Module):

@@ -49,8 +49,9 @@ def test_op_schemas():
 
     side = "Tensor? bias, Tensor? alibi_slopes, Tensor? sinks, Tensor? doc_ids, str mask, bool causal, " \
            "float? softcap, float? scale, bool deterministic"
+    ranged = side.replace("str mask", "Tensor? cache_seqlens, Tensor? cache_leftpad, str mask")
     assert str(torch.ops.fagen.attention_forward.default._schema) == \
-        f"fagen::attention_forward(Tensor q, Tensor k, Tensor v, {side}) -> (Tensor, Tensor)"
+        f"fagen::attention_forward(Tensor q, Tensor k, Tensor v, {ranged}) -> (Tensor, Tensor)"
     assert str(torch.ops.fagen.attention_backward.default._schema) == \
         f"fagen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {side}, " \
         f"bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
@@ -74,7 +75,7 @@ def test_an_eager_process_never_loads_torch_compile():
         backward.compile_backward = lambda spec: grads
         q = torch.randn(1, 2, 4, 64, requires_grad=True)
         start = time.perf_counter()
-        out, lse = torch.ops.fagen.attention_forward(q, q, q, None, None, None, None, "", True, None, None, False)
+        out, lse = torch.ops.fagen.attention_forward(q, q, q, None, None, None, None, None, None, "", True, None, None, False)
         out.sum().backward()
         took = time.perf_counter() - start
         assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
