@@ -66,7 +66,7 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
     mask's values, the bias whenever there is a mask. A static cache (its keys run past the
     tokens seen) is static_cache_bias's. Refuses by name mask patterns beyond causal and sliding
     windows (an or/and mask function, which transformers builds with vmap)."""
-    from transformers.masking_utils import bidirectional_mask_function, flash_attention_mask
+    from transformers.masking_utils import bidirectional_mask_function
 
     # torch.compile does not trace the mask function's closure: there the function is told by
     # identity alone (bidirectional, else causal); its eager calls, generate's prefill among them,
@@ -79,18 +79,59 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
                          "documents (the model's chunked, blockwise or composed mask function) is not supported yet; "
                          "use attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() == 3:
-        return attention_mask  # this function's own bias, made ahead (generate does for a compilable cache)
+        return attention_mask  # this function's own bias or ranges, made ahead (generate does for a compilable cache)
+    compiling = torch.compiler.is_compiling()
+    static = isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length
     if pattern == "bidirectional":  # an encoder's or cross-attention's keys: all of them, but the padding
-        if attention_mask is None or not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        if attention_mask is None:
             return None
-        return padding_bias(attention_mask[:, -kv_length:])
-    if isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length:
+        tokens = attention_mask[:, -kv_length:].bool()
+        return padding_bias(tokens) if compiling else _padding(tokens, None, static=False)
+    if static:
+        if not compiling:
+            device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else q_offset.device)
+            seen = torch.arange(kv_length, device=device)[None] < q_offset + q_length
+            tokens = seen if attention_mask is None else seen & _tokens_of(attention_mask, kv_length)
+            ranges = _padding(tokens.expand(batch_size, kv_length), (q_offset + q_length).clamp(max=kv_length)
+                              if isinstance(q_offset, torch.Tensor) else min(q_offset + q_length, kv_length), static=True)
+            if ranges is not None:
+                return ranges
         return static_cache_bias(batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device"))
-    if torch.compiler.is_compiling():  # a graph cannot branch on the mask's values: the bias (zeros without padding)
+    if compiling:  # a graph cannot branch on the mask's values: the bias (zeros without padding)
         return None if attention_mask is None else padding_bias(attention_mask[:, -kv_length:])
-    padding = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                                   attention_mask=attention_mask, **kwargs)
-    return None if padding is None else padding_bias(padding)
+    if attention_mask is None:
+        return None
+    return _padding(attention_mask[:, -kv_length:].bool(), kv_length, static=False)
+
+
+def _padding(tokens, end, static: bool):
+    """The padding of `tokens` (bool [B, Nk], True on a token) as the attention takes it, told by
+    one host read (as transformers' own flash and SDPA paths read the mask once a forward): None
+    without padding (but for a static cache, whose empty slots are padding too); key ranges
+    (key_ranges) where each row's tokens are one run, ending at `end` under a causal mask (the
+    queries are its last tokens; None: not causal); else the score bias, which masks any pattern.
+    None from a static cache whose tokens are not such runs: its own bias then (static_cache_bias)."""
+    ranges, one_run, last = key_ranges(tokens)
+    checks = [tokens.all(), one_run.all()] + ([] if end is None else [(last == end).all()])
+    no_padding, *runs = torch.stack(checks).tolist()
+    if no_padding and not static:
+        return None
+    if all(runs):
+        return ranges
+    return None if static else padding_bias(tokens)
+
+
+def key_ranges(tokens):
+    """Each row's tokens (bool [B, Nk]) as fagen's key ranges: int32 [2, 1, B], row 0 the first
+    token's slot (cache_leftpad), row 1 the last one's + 1 (cache_seqlens), 0 and 0 for a row
+    without one; with whether each row's tokens are one run, and each row's end, on the device."""
+    n = tokens.shape[-1]
+    count = tokens.sum(-1)
+    flags = tokens.to(torch.int8)
+    some = count > 0
+    first = torch.where(some, flags.argmax(-1), 0)  # argmax: the first of equal maxima
+    last = torch.where(some, n - flags.flip(-1).argmax(-1), 0)
+    return torch.stack([first, last]).to(torch.int32)[:, None], last - first == count, last
 
 
 # transformers' mask-function pieces fagen's masks express: the causal mask, the sliding window
@@ -167,10 +208,17 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
               s_aux=None, **kwargs):
     """transformers' attention-function contract: q [B, Hq, N, d], k and v [B, Hkv, Nk, d] in,
     ([B, N, Hq, d_v], None) out."""
-    if attention_mask is not None and not (attention_mask.dim() == 3 and attention_mask.dtype == torch.float32):
+    if attention_mask is not None and not (attention_mask.dim() == 3 and attention_mask.dtype in (torch.float32,
+                                                                                                 torch.int32)):
         raise ValueError(f"attn_implementation='fagen': a {attention_mask.dim()}-D {attention_mask.dtype} attention "
-                         f"mask is not supported (padding comes as fagen.transformers.mask's [B, 1, Nk] bias); "
-                         f"use attn_implementation='sdpa' for a custom mask")
+                         f"mask is not supported (padding comes as fagen.transformers.mask's [B, 1, Nk] bias or "
+                         f"[2, 1, B] key ranges); use attn_implementation='sdpa' for a custom mask")
+    ranges = None
+    if attention_mask is not None and attention_mask.dtype == torch.int32:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, s_aux)):
+            attention_mask = ranges_bias(attention_mask, key.shape[2])  # training: ranges have no backward
+        else:
+            ranges, attention_mask = attention_mask, None
     if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
         # a static cache's prefill: the bias covers the tokens seen, the slots after them hold none
         n = attention_mask.shape[-1]
@@ -194,8 +242,16 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
                          "window are not supported; use attn_implementation='sdpa' for this model")
     sinks = None if s_aux is None else _float32(s_aux)
     out = torch_op.attention(query, key, value, causal=causal and window is None, mask=window, scale=scaling,
-                             softcap=softcap, sinks=sinks, doc_ids=doc_ids, bias=attention_mask)
+                             softcap=softcap, sinks=sinks, doc_ids=doc_ids, bias=attention_mask,
+                             cache_leftpad=None if ranges is None else ranges[0, 0],
+                             cache_seqlens=None if ranges is None else ranges[1, 0])
     return out.transpose(1, 2), None
+
+
+def ranges_bias(ranges, length: int):
+    """Key ranges [2, 1, B] as the score bias [B, 1, length] of the same keys."""
+    slots = torch.arange(length, device=ranges.device)
+    return padding_bias((slots >= ranges[0, 0, :, None]) & (slots < ranges[1, 0, :, None]))
 
 
 def packed_documents(position_ids, query, key, windowed: bool = False):

@@ -23,15 +23,22 @@ def kernels(monkeypatch):
     calls = []
 
     def attention(q, k, v, *, causal=False, mask=None, scale=None, softcap=None, sinks=None, doc_ids=None, bias=None,
-                  **kwargs):
+                  cache_seqlens=None, cache_leftpad=None, **kwargs):
+        ranges = None if cache_seqlens is None else (cache_leftpad.tolist(), cache_seqlens.tolist())
         calls.append(dict(causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=sinks, dtype=q.dtype,
-                          doc_ids=doc_ids, bias=bias))
-        out = oracle.attention(*(t.detach().double().numpy() for t in (q, k, v)), causal=causal, mask=mask,
-                               scale=scale, softcap=softcap,
-                               sinks=None if sinks is None else sinks.detach().double().numpy(),
-                               doc_ids=None if doc_ids is None else doc_ids.numpy(),
-                               bias=None if bias is None else bias.numpy())
-        return torch.from_numpy(np.ascontiguousarray(out)).to(q.dtype)
+                          doc_ids=doc_ids, bias=bias, ranges=ranges))
+        dtype = q.dtype
+        q, k, v = (t.detach().double().numpy() for t in (q, k, v))
+        sinks = None if sinks is None else sinks.detach().double().numpy()
+        if ranges is not None:  # the kernel's key ranges: oracle.attention_cache reads [B, slots, Hkv, d]
+            assert cache_seqlens.dtype == cache_leftpad.dtype == torch.int32
+            out = oracle.attention_cache(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), ranges[1], ranges[0],
+                                         causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
+        else:
+            out = oracle.attention(q, k, v, causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=sinks,
+                                   doc_ids=None if doc_ids is None else doc_ids.numpy(),
+                                   bias=None if bias is None else bias.numpy())
+        return torch.from_numpy(np.ascontiguousarray(out)).to(dtype)
 
     monkeypatch.setattr(torch_op, "attention", attention)
     fagen.transformers.register()
@@ -98,9 +105,10 @@ def test_a_gemma2_window_and_softcap_reach_the_kernel(kernels):
 
 @pytest.mark.parametrize("side", ["left", "right", "middle"])
 def test_a_padded_batch_matches_sdpa_on_its_tokens(kernels, side):
-    """Padding reaches the kernel as a float32 score bias [B, 1, Nk] (0 on tokens, PAD on pads):
-    logits at every token equal SDPA's (which masks with a 4-D mask), in the prompt and in a
-    decode step on the cache after it; rows of pads come out finite."""
+    """Left padding reaches the kernel as each row's key range (its pads never read); padding
+    elsewhere as a float32 score bias [B, 1, Nk] (0 on tokens, PAD on pads): logits at every
+    token equal SDPA's (which masks with a 4-D mask), in the prompt and in a decode step on the
+    cache after it; rows of pads come out finite."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -126,6 +134,10 @@ def test_a_padded_batch_matches_sdpa_on_its_tokens(kernels, side):
     assert torch.allclose(results["fagen"][0][tokens], results["sdpa"][0][tokens], atol=1e-4, rtol=1e-4)
     assert torch.allclose(results["fagen"][1], results["sdpa"][1], atol=1e-4, rtol=1e-4)
     assert torch.isfinite(results["fagen"][0]).all()
+    if side == "left":  # one run of tokens a row, ending at the last key: each row's key range, no bias
+        assert [c["ranges"] for c in kernels] == [([5, 2, 0], [12] * 3)] * 2 + [([5, 2, 0], [13] * 3)] * 2
+        assert all(c["bias"] is None for c in kernels)
+        return
     biases = [c["bias"] for c in kernels if c["bias"] is not None]
     assert len(biases) == 4  # two layers, prompt and step
     assert biases[0].shape == (3, 1, 12) and biases[0].dtype == torch.float32
@@ -236,10 +248,9 @@ def test_a_packed_row_compiles_in_one_graph(traced_op):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_static_cache_matches_sdpa_and_never_attends_past_its_tokens(kernels, padded):
-    """A static cache's keys run to max_cache_len, past the tokens seen. Its prefill takes the
-    tokens seen alone (a bias as long as they are: the attention takes that many keys); each
-    decode step masks the slots past them on the device. Logits as SDPA's on its own static
-    cache, prompt and three steps, padded or not."""
+    """A static cache's keys run to max_cache_len, past the tokens seen: each row's key range ends
+    at them, prefill and decode steps alike (the slots after them never read). Logits as SDPA's
+    on its own static cache, prompt and three steps, padded or not."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -263,9 +274,10 @@ def test_a_static_cache_matches_sdpa_and_never_attends_past_its_tokens(kernels, 
         results[implementation] = logits
     for got, want in zip(results["fagen"], results["sdpa"]):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
-    biases = [c["bias"] for c in kernels]
-    assert biases[0].shape == (2, 1, 11)  # the prefill: the tokens seen
-    assert biases[-1].shape == (2, 1, 32) and (biases[-1][:, 0, 14:] == fagen.transformers.PAD).all()
+    # each row's range: from its pads to the tokens seen (the prefill's 11, then 12, 13, 14)
+    pads = [0, 4 if padded else 0]
+    assert [c["ranges"] for c in kernels] == [(pads, [seen] * 2) for seen in (11, 12, 13, 14) for _ in range(2)]
+    assert all(c["bias"] is None for c in kernels)
 
 
 @pytest.mark.parametrize("prompt", [11, 4])
@@ -388,9 +400,8 @@ def test_generate_on_a_static_cache_gives_sdpa_s_tokens(kernels):
         tokens[implementation] = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
                                                 do_sample=False, pad_token_id=0, cache_implementation="static")
     assert torch.equal(tokens["fagen"], tokens["sdpa"])
-    lengths = [c["bias"].shape[-1] for c in kernels]  # two layers a forward
-    # the prompt's 9 tokens; then every slot of the cache (generate sizes it for the 5 steps after the prompt's)
-    assert lengths[:2] == [9, 9] and set(lengths[2:]) == {9 + 5} and len(lengths) == 2 * 6
+    # two layers a forward: the prompt's 9 tokens, then one more a step, from each row's pads
+    assert [c["ranges"] for c in kernels] == [([3, 0], [seen] * 2) for seen in range(9, 15) for _ in range(2)]
 
 
 def test_a_static_cache_decode_step_compiles_in_one_graph(traced_op):
@@ -492,3 +503,58 @@ def test_rows_of_packed_documents_attend_within_their_own(kernels):
             logits[implementation] = model(input_ids=ids, position_ids=positions, use_cache=False).logits
     assert torch.allclose(logits["fagen"], logits["sdpa"], atol=1e-4, rtol=1e-4)
     assert kernels[0]["doc_ids"].tolist() == [[0] * 5 + [1] * 7, [0] * 8 + [1] * 4]
+
+
+def test_key_ranges_are_each_row_s_run_of_tokens():
+    """A row's first token and last + 1, 0 and 0 without one; whether its tokens are one run."""
+    tokens = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]).bool()
+    ranges, one_run, last = fagen.transformers.key_ranges(tokens)
+    assert ranges.dtype == torch.int32 and ranges.shape == (2, 1, 5)
+    assert ranges[0, 0].tolist() == [2, 0, 1, 0, 0] and ranges[1, 0].tolist() == [5, 3, 4, 0, 5]
+    assert one_run.tolist() == [True, True, False, True, True] and last.tolist() == [5, 3, 4, 0, 5]
+    # the same keys as a bias, for a training step (ranges have no backward)
+    bias = fagen.transformers.ranges_bias(ranges, 5)
+    assert bias.shape == (5, 1, 5) and ((bias[:, 0] == 0) == tokens).sum() == 24  # the holed row differs, at its hole
+
+
+def test_a_left_padded_training_step_takes_the_padding_as_a_bias_and_matches_sdpa(kernels):
+    """Training: the mask function's key ranges become the same keys' bias (the kernels' backward
+    reads a bias), and the loss and its gradients match SDPA's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=53)
+    ids = torch.randint(1, 53, (2, 10), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    losses = {}
+    for implementation in ("fagen", "sdpa"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation).train()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        losses[implementation] = logits[mask.bool()].float().square().mean()
+    assert torch.allclose(losses["fagen"], losses["sdpa"], atol=1e-5, rtol=1e-5)
+    assert kernels and all(c["ranges"] is None and c["bias"].shape == (2, 1, 10) for c in kernels)
+    assert (kernels[0]["bias"][0, 0, :3] == fagen.transformers.PAD).all() and (kernels[0]["bias"][:, 0, 3:] == 0).all()
+
+
+def test_a_static_cache_after_right_padding_takes_a_bias(kernels):
+    """Tokens that are not one run ending at the tokens seen (a right-padded prompt on a static
+    cache) cannot be key ranges under the causal mask: the static cache's bias, as before."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=53)
+    ids = torch.randint(1, 53, (2, 8), generator=torch.Generator().manual_seed(10))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    results = {}
+    for implementation in ("fagen", "sdpa"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+        with torch.no_grad():
+            cache = StaticCache(config=config, max_cache_len=16)
+            results[implementation] = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    tokens = mask.bool()
+    assert torch.allclose(results["fagen"][tokens], results["sdpa"][tokens], atol=1e-4, rtol=1e-4)
+    assert kernels[0]["ranges"] is None and kernels[0]["bias"].shape == (2, 1, 8)
