@@ -235,7 +235,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         query, key, value = query.to(low), key.to(low), value.to(low)
     # transformers' window of W keys: kv_idx > q_idx - W, with the causal mask
     window = {"kind": "sliding_window", "window_left": sliding_window - 1} if sliding_window else None
-    doc_ids = None if attention_mask is not None else packed_documents(kwargs.get("position_ids"), query, key,
+    doc_ids = None if attention_mask is not None or ranges is not None else packed_documents(kwargs.get("position_ids"), query, key,
                                                                         windowed=window is not None)
     if doc_ids is not None and window is not None:
         raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "

@@ -380,3 +380,67 @@ def test_a_prepared_call_refuses_a_view_that_starts_inside_a_row():
     # v shorter than k, with k's strides (a slice of the same buffer): refused, never read past its end
     with pytest.raises(ValueError, match=r"must have the same \[B, Hkv, Nk\]"):
         fagen.attention(q, k, buffer[:, :, :1000, :128])
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(mask={"kind": "sliding_window", "window_left": 300}),
+                                     dict(sinks=True, softcap=30.0)], ids=["causal", "window", "sinks_softcap"])
+def test_key_ranges_over_a_growing_cache_match_the_oracle_and_pack_a_class_once(options):
+    """A left-padded batch's generation loop (fagen.transformers' decode steps): each row's keys
+    from its pads to the cache's end, the cache a token longer each call; rows of other pads, one
+    of them starting past a whole split's worth of keys; the pads hold NaN, never read. Every
+    output and LSE matches the oracle's per-sequence attention; each class is packed once."""
+    import torch
+
+    b, hq, hkv, d = 3, 8, 2, 128
+    rng = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=rng)
+    buffer_k, buffer_v = (torch.randn(b, hkv, 2048, d, device="cuda", dtype=torch.bfloat16, generator=rng)
+                          for _ in range(2))
+    pads = [0, 17, 900]
+    for row, pad in enumerate(pads):
+        buffer_k[row, :, :pad], buffer_v[row, :, :pad] = float("nan"), float("nan")
+    leftpad = torch.tensor(pads, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(hq, device="cuda", generator=rng) if options.get("sinks") else None
+    kwargs = {**options, "sinks": sinks}
+    before = len(decode.SHAPE_CLASSES._growing)
+    for n in [1022, 1023, 1024, 1025, 1800, 2047]:
+        k, v = buffer_k[:, :, :n].contiguous(), buffer_v[:, :, :n].contiguous()
+        seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        out, lse = fagen.attention(q, k, v, return_lse=True, cache_seqlens=seqlens, cache_leftpad=leftpad, **kwargs)
+        keys = [np.nan_to_num(to_numpy(x)).transpose(0, 2, 1, 3) for x in (k, v)]
+        ref, ref_lse = oracle.attention_cache(to_numpy(q), *keys, [n] * b, pads, return_lse=True,
+                                              **{**kwargs, "sinks": None if sinks is None else to_numpy(sinks)})
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"], n
+        assert relative_error(to_numpy(lse), ref_lse) < 1e-4, n
+    assert len(decode.SHAPE_CLASSES._growing) - before == 2  # [512, 1024) and [1024, 2048)
+
+
+def test_a_static_cache_step_with_key_ranges_replays_in_a_cuda_graph():
+    """A static cache's decode step (every slot allocated, each row's tokens a range of them) in
+    a CUDA graph: between replays the ranges' tensors are written in place, and each replay reads
+    the new ones (a generation loop under torch.compile(mode="reduce-overhead"))."""
+    import torch
+
+    b, hq, hkv, d, slots = 4, 16, 4, 128, 4096
+    rng = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16, generator=rng)
+    k, v = (torch.randn(b, hkv, slots, d, device="cuda", dtype=torch.float16, generator=rng) for _ in range(2))
+    leftpad = torch.tensor([0, 100, 7, 1000], dtype=torch.int32, device="cuda")
+    seqlens = torch.full((b,), 1200, dtype=torch.int32, device="cuda")
+    fagen.attention(q, k, v, causal=True, cache_seqlens=seqlens, cache_leftpad=leftpad)  # the class, packed
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fagen.attention(q, k, v, causal=True, cache_seqlens=seqlens, cache_leftpad=leftpad)
+        with torch.cuda.graph(graph, stream=stream):
+            out = fagen.attention(q, k, v, causal=True, cache_seqlens=seqlens, cache_leftpad=leftpad)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seen in (1201, 2500, 4096):
+        seqlens.fill_(seen)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = oracle.attention_cache(to_numpy(q), *(to_numpy(x).transpose(0, 2, 1, 3) for x in (k, v)), [seen] * b,
+                                     leftpad.tolist(), causal=True)
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], seen

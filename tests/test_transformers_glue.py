@@ -470,14 +470,16 @@ def test_a_chunked_mask_is_refused_not_computed_as_causal(kernels):
     assert kernels == []
 
 
-def test_a_padded_row_is_not_taken_for_packed_documents(kernels):
+@pytest.mark.parametrize("pads", [slice(3, 5), slice(0, 4)], ids=["gap", "left"])
+def test_a_padded_row_is_not_taken_for_packed_documents(kernels, pads):
     """generate makes position_ids from the mask (pads at 0), so a padded batch of one looks packed:
-    with a mask there is no packing; tokens on both sides of a gap see each other, as in SDPA."""
+    with a mask (a bias, or key ranges) there is no packing; tokens on both sides of a gap see
+    each other, as in SDPA."""
     from transformers import LlamaForCausalLM
 
     ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[0, 3:5] = 0
+    mask[0, pads] = 0
     tokens = {}
     for implementation in ("sdpa", "fagen"):
         torch.manual_seed(0)
