@@ -32,6 +32,7 @@ def kernels(monkeypatch):
         sinks = None if sinks is None else sinks.detach().double().numpy()
         if ranges is not None:  # the kernel's key ranges: oracle.attention_cache reads [B, slots, Hkv, d]
             assert cache_seqlens.dtype == cache_leftpad.dtype == torch.int32
+            assert bias is None and doc_ids is None  # as the kernels refuse them beside ranges
             out = oracle.attention_cache(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), ranges[1], ranges[0],
                                          causal=causal, mask=mask, scale=scale, softcap=softcap, sinks=sinks)
         else:
