@@ -158,11 +158,12 @@ def run_case(model, case: E2ECase, implementations) -> list[E2ERow]:
     return rows
 
 
-def run(quick: bool = False, implementations=IMPLEMENTATIONS, only: str | None = None) -> list[E2ERow]:
+def run(quick: bool = False, implementations=IMPLEMENTATIONS, only: str | None = None,
+        sections: tuple[str, ...] | None = None) -> list[E2ERow]:
     import torch
 
     fagen.transformers.register()
-    chosen = [c for c in cases(quick) if only is None or c.model == only]
+    chosen = [c for c in cases(quick) if (only is None or c.model == only) and (sections is None or c.section in sections)]
     rows: list[E2ERow] = []
     for name in dict.fromkeys(c.model for c in chosen):
         model = build(name)
@@ -192,12 +193,14 @@ def main() -> None:
     parser.add_argument("--model", choices=("llama", "gemma2"), default=None, help="one model's cases only")
     parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=None,
                         help="these implementations (default: all; --quick: sdpa and fagen)")
+    parser.add_argument("--section", nargs="+", choices=("equal", "padded", "static"), default=None,
+                        help="these sections' cases only")
     parser.add_argument("-o", "--out", type=Path, default=Path("bench"))
     args = parser.parse_args()
     impls = tuple(args.impl) if args.impl else ("sdpa", "fagen") if args.quick else IMPLEMENTATIONS
     if impls[0] != "sdpa":
         parser.error("--impl: put sdpa first (the others are checked against it)")
-    rows = run(args.quick, impls, args.model)
+    rows = run(args.quick, impls, args.model, tuple(args.section) if args.section else None)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = environment()
     write_json(rows, meta, args.out / JSON)

@@ -81,7 +81,7 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
                              f"positions has no view of each sequence's range; pass a padding bias without the ranges")
         prepared = PreparedAttention(q, k, v, plain=plain, scale=scale, alibi_slopes=side.get("alibi_slopes"),
                                      sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
-        return prepared(q, k, v, *prepared.ranges, return_lse=return_lse)
+        return prepared.once(q, k, v, *prepared.ranges, return_lse=return_lse)
     spec = packed_spec(plain, q, k)
     if spec is None:
         return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
@@ -259,6 +259,15 @@ class PreparedAttention:
         self._launch(current.ptr, tuple(t.data.ptr for t in inputs), out.data.ptr,
                      lse.data.ptr if return_lse else self._lse_ptr)
         return (out, lse) if return_lse else out
+
+    def once(self, q, k, v, *indices, out=None, return_lse: bool = False):
+        """The one call of an object made for it (an unprepared call, the PyTorch op's under a graph
+        capture too): its workspace is this call's and goes with the object, which a capture must
+        not keep. Made during the capture, the workspace came from the capture's own memory pool,
+        which the graph holds for its replays (as for any op's temporaries; torch.compile's
+        CUDA graphs refuse memory of their pool that outlives the recording)."""
+        self._captured = True  # (not kept in CAPTURED)
+        return self(q, k, v, *indices, out=out, return_lse=return_lse)
 
     def _launch_torch(self, q, addresses: tuple, out, lse, return_lse: bool):
         """A torch call's launches on the current stream (keeping this object for a graph being

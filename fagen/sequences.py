@@ -352,7 +352,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
         if no_work(tuple(q.shape), tuple(keys.shape)):
             return decode_attention(q, keys, values, return_lse=return_lse, **options)
         prepared = PreparedAttention(q, keys, values, **options)
-        return prepared(q, keys, values, *prepared.ranges, out=out, return_lse=return_lse)
+        return prepared.once(q, keys, values, *prepared.ranges, out=out, return_lse=return_lse)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")

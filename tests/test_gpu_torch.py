@@ -462,10 +462,34 @@ def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
     tokens = mask.bool()
     # two fp16 models' rounding through two layers; attending over a pad moves logits by O(1)
     assert relative_error(to_numpy(got[tokens]), to_numpy(ref[tokens])) < 1e-2
-    for cache in ("dynamic", "static"):  # the static cache: its empty slots masked in each step
+    for cache in ("dynamic", "static"):  # the static cache: each row's keys a range of its slots
         runs = [m.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                           pad_token_id=0, cache_implementation=cache) for m in models]
-        assert torch.equal(runs[0][:, 100:], runs[1][:, 100:]), (cache, runs[0][:, 100:], runs[1][:, 100:])
+                           pad_token_id=0, cache_implementation=cache, output_logits=True,
+                           return_dict_in_generate=True) for m in models]
+        _same_greedy_tokens(runs[0], runs[1], cache)
+
+
+# Two greedy generations agree up to rounding: where SDPA's two best logits are closer than this
+# (in its own logits' units), another implementation's rounding may pick the other token
+NEAR_TIE = 0.05
+
+
+def _same_greedy_tokens(ref, got, what: str) -> None:
+    """Each row's tokens equal, and the logits they came from within 1e-2 (relative), up to a
+    step where the reference's choice was a near tie (NEAR_TIE): there the other token may win,
+    and the rows part (the rest of the row is then another generation)."""
+    ref_logits, got_logits = torch.stack(ref.logits, 1).float(), torch.stack(got.logits, 1).float()  # [B, steps, V]
+    steps = ref_logits.shape[1]
+    ref_tokens, got_tokens = ref.sequences[:, -steps:], got.sequences[:, -steps:]
+    for row in range(ref_tokens.shape[0]):
+        differ = (ref_tokens[row] != got_tokens[row]).nonzero()
+        last = int(differ[0]) if len(differ) else steps - 1  # the steps both generated from the same tokens
+        assert relative_error(to_numpy(got_logits[row, :last + 1]), to_numpy(ref_logits[row, :last + 1])) < 1e-2, \
+            (what, row)
+        if len(differ):
+            chosen = ref_logits[row, last]
+            margin = float(chosen[ref_tokens[row, last]] - chosen[got_tokens[row, last]])
+            assert margin < NEAR_TIE, (what, row, last, margin)
 
 
 def _gemma2(implementation: str, dtype):
