@@ -11,7 +11,7 @@ from pathlib import Path
 IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
 ROUNDS = 3  # timed rounds a case, implementations interleaved
 JSON = "bench_e2e.json"  # beside fagen bench's JSON, whose BENCHMARKS.md takes its tables
-STATIC_CACHE_LEN = 16384  # a static cache's slots (the decode step reads them all, fagen through its bias)
+STATIC_CACHE_LEN = 16384  # a static cache's slots (SDPA's decode step reads them all, fagen each row's tokens)
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,17 @@ What each attention module says reaches the kernel: causality (`is_causal`), the
 the module's K/V heads are (no repeat). Under autocast, float32 q, k and v (a rotary embedding
 computed in float32) go in as the autocast dtype, as SDPA takes them.
 
-The mask function registered beside it is transformers' FlashAttention one (None where no token
-is padding: one check a forward, not a layer), with padding turned into what fagen's kernels
-read: a float32 score bias [B, 1, Nk] per key, 0 on tokens and PAD on padding (left, right or
-anywhere), made once a forward and mask type and added to every head's scores; a row that sees
-only padding (a pad token's own query) comes out finite. A static cache's slots past the tokens
-seen are masked the same way in a decode step (on the device: CUDA graphs replay it); its prefill
-takes the tokens seen alone. What fagen cannot run yet is refused by name rather than computed
-wrongly: mask patterns beyond causal and sliding windows, custom 4-D masks, attention dropout. Documents packed into one row (position_ids
-restarting) take the document mask. notes/transformers_integration.md has the plan for a
-per-sequence key range, which would skip padding and empty slots rather than mask them.
+The mask function registered beside it tells padding once a forward (one host read, as
+transformers' own flash and SDPA paths make) and hands the attention what fagen's kernels read:
+each row's key range (int32 [2, 1, B]: its first token's slot and its last + 1) where the row's
+tokens are one run ending at its last query, a left-padded batch and a static cache's filled
+slots, whose pads and empty slots the kernels never read; otherwise (right padding under the
+causal mask, holes, graphs traced by torch.compile, which cannot branch on the mask) a float32
+score bias [B, 1, Nk], 0 on tokens and PAD on padding, added to every head's scores (a row that
+sees only padding comes out finite). Training turns ranges into the same keys' bias (the
+backward reads a bias). What fagen cannot run yet is refused by name rather than computed
+wrongly: mask patterns beyond causal and sliding windows, custom 4-D masks, attention dropout.
+Documents packed into one row (position_ids restarting, no mask) take the document mask.
 """
 
 from __future__ import annotations
@@ -61,11 +62,11 @@ def register(name: str = NAME) -> str:
 
 
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, use_vmap=False, **kwargs):
-    """transformers' FlashAttention mask function: None where no token is padding, else the
-    padding as a score bias (padding_bias); under torch.compile, which cannot branch on the
-    mask's values, the bias whenever there is a mask. A static cache (its keys run past the
-    tokens seen) is static_cache_bias's. Refuses by name mask patterns beyond causal and sliding
-    windows (an or/and mask function, which transformers builds with vmap)."""
+    """transformers' mask function for fagen: None where no token is padding, else key ranges
+    or a score bias (_padding); a static cache's slots past the tokens seen are padding too
+    (static_cache_bias where they cannot be ranges). Under torch.compile, which cannot branch on
+    the mask's values, the bias whenever there is a mask. Refuses by name mask patterns beyond
+    causal and sliding windows (an or/and mask function, which transformers builds with vmap)."""
     from transformers.masking_utils import bidirectional_mask_function
 
     # torch.compile does not trace the mask function's closure: there the function is told by
