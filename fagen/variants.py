@@ -159,9 +159,10 @@ def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
 
 
 # Decode (fagen.decode): GQA-packed split-KV kernels, by the packed rows (Nq x query heads a KV
-# head) they take: one warp of 16 rows, or four warps of 16 (K and V read once for up to 64 rows).
+# head) they take: one warp of 16 rows, or four warps of 16 (K and V read once for up to 64 rows);
+# at head_dim 256 the 16-row form alone (a warp's O is 128 registers a thread)
 DECODE_ROWS = (16, 64)
-DECODE_HEAD_DIMS = (64, 128)
+DECODE_HEAD_DIMS = {64: DECODE_ROWS, 128: DECODE_ROWS, 256: DECODE_ROWS[:1]}
 
 
 def decode_spec_name(dtype: str, head_dim: int, rows: int) -> str:
@@ -172,10 +173,10 @@ def decode_spec_name(dtype: str, head_dim: int, rows: int) -> str:
 def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score_mod: ScoreMod = ScoreMod()
                 ) -> AttentionSpec | None:
     """The decode kernel for `rows` packed rows (Nq x group), with this mask and these modifiers;
-    None where there is none: more rows than DECODE_ROWS' largest, another head_dim, or a mask or
-    modifier that packing cannot address (block masks, documents, a bias)."""
-    fits = [r for r in DECODE_ROWS if rows <= r]
-    if not fits or head_dim not in DECODE_HEAD_DIMS:
+    None where there is none: more rows than its head_dim's largest (DECODE_HEAD_DIMS), another
+    head_dim, or a mask or modifier that packing cannot address (block masks, documents, a bias)."""
+    fits = [r for r in DECODE_HEAD_DIMS.get(head_dim, ()) if rows <= r]
+    if not fits:
         return None
     base = load_spec(SPECS / f"{decode_spec_name(dtype, head_dim, fits[0])}.yaml")
     try:  # sinks join in the merge of the partials, not in the kernel

@@ -50,6 +50,23 @@ def test_merging_decode_kernels_match_the_oracle(dtype, d, shape):
     assert result.passed, result.summary()
 
 
+# head_dim 256 (Gemma-2/3): 16 packed rows at most; GQA 2 as Gemma's, MQA, MHA; the split kernel and
+# the merging one; key counts that end mid-tile
+D256_SHAPES = [(1, 8, 4, 1, 4097), (3, 16, 8, 2, 1000), (2, 4, 1, 3, 239), (1, 8, 8, 1, 20000)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("merged", [False, True], ids=["split", "merged"])
+@pytest.mark.parametrize("shape", D256_SHAPES)
+def test_head_dim_256_decode_kernels_match_the_oracle(dtype, merged, shape):
+    b, hq, hkv, nq, nk = shape
+    spec = _spec(dtype, 256, hq, hkv, nq, Mask(kind="sliding_window", window_left=4095), ScoreMod(softcap=50.0))
+    if merged:
+        spec = variants.merged_variant(spec)
+    result = check_against_oracle(spec, b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
 @pytest.mark.parametrize("mask", MASKS[:4], ids=str)
 @pytest.mark.parametrize("mod", [m for m in MODS if m.sinks], ids=lambda m: m.model_dump_json(exclude_defaults=True))
 def test_merging_decode_kernels_take_masks_and_sinks(mask, mod):
