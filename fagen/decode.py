@@ -353,7 +353,8 @@ class KeyRanges:
                 self.arguments[name] = np.uint64(as_device_tensor(array, name).ptr)
                 continue
             t = as_device_tensor(x, name)
-            if t.dtype != "int32" or t.shape != (b,) or t.strides != (1,) or t.device != tq.device or t.kind != tq.kind:
+            if t.dtype != "int32" or t.shape != (b,) or b > 1 and t.strides != (1,) or t.device != tq.device \
+                    or t.kind != tq.kind:
                 raise ValueError(f"{name}: a {t.kind} {t.dtype} tensor {t.shape} on cuda:{t.device}; expected a "
                                  f"contiguous int32 {tq.kind} tensor [{b}] (one a sequence of q) on q's cuda:{tq.device}"
                                  f", e.g. {name}.to(torch.int32).contiguous()")

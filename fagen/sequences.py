@@ -183,6 +183,11 @@ def cache_rows(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, *, valida
             raise ValueError(f"{name}: shape {t.shape}; expected [B, slots, Hkv, d] with q's B = {tq.shape[0]}")
     if tk.shape[:3] != tv.shape[:3]:
         raise ValueError(f"k_cache {tk.shape} and v_cache {tv.shape} must have the same [B, slots, Hkv]")
+    for x, name in ((cache_seqlens, "cache_seqlens"), (cache_leftpad, "cache_leftpad")):
+        t = None if x is None else as_device_tensor(x, name)
+        if t is not None and (t.dtype != "int32" or t.kind != tq.kind or t.device != tq.device):
+            raise ValueError(f"{name}: a {t.kind} {t.dtype} tensor on cuda:{t.device}; the kernel reads it in place: "
+                             f"pass an int32 {tq.kind} tensor on q's cuda:{tq.device}")
     if validate:
         ends = _index_array(cache_seqlens, "cache_seqlens", tq.device, ("B",))
         starts = None if cache_leftpad is None else _index_array(cache_leftpad, "cache_leftpad", tq.device, ("B",))
@@ -343,6 +348,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
     if page_table is None:
+        if status is not None:
+            raise ValueError("status: it flags a paged cache's bad page ids and over-long sequences; an unpaged cache "
+                             "(page_table None) has neither: drop status")
         if k is not None or cu_seqlens_q is not None:
             raise ValueError("an unpaged cache (page_table None) takes neither new tokens k, v nor varlen q "
                              "(cu_seqlens_q) yet: write the new keys into the cache first, and pass q padded")

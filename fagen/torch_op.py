@@ -140,8 +140,11 @@ def _deterministic(asked: bool) -> bool:
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, bias, alibi_slopes, sinks, doc_ids, _cache_seqlens, _cache_leftpad, mask, causal, softcap, scale, \
-        deterministic = inputs  # (key ranges never reach autograd: attention refuses them there)
+    q, k, v, bias, alibi_slopes, sinks, doc_ids, cache_seqlens, cache_leftpad, mask, causal, softcap, scale, \
+        deterministic = inputs
+    if (cache_seqlens is not None or cache_leftpad is not None) and any(ctx.needs_input_grad):
+        raise ValueError("cache_seqlens, cache_leftpad: key ranges are an inference layout (no backward); call "
+                         "under torch.no_grad(), or train with the padding as a bias")
     out, lse = output
     # d loss / d lse would change every row's D in the kernels: not supported, and said so by
     # lse.requires_grad being False rather than by a silently missing term

@@ -81,15 +81,17 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
                          "use attn_implementation='sdpa'")
     if attention_mask is not None and attention_mask.dim() == 3:
         return attention_mask  # this function's own bias or ranges, made ahead (generate does for a compilable cache)
-    compiling = torch.compiler.is_compiling()
+    # torch.compile's graphs cannot branch on the mask's values, nor can a CUDA graph being
+    # captured read them on the host: there the bias, which masks any padding
+    host_reads = not torch.compiler.is_compiling() and not _capturing()
     static = isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length
     if pattern == "bidirectional":  # an encoder's or cross-attention's keys: all of them, but the padding
         if attention_mask is None:
             return None
         tokens = attention_mask[:, -kv_length:].bool()
-        return padding_bias(tokens) if compiling else _padding(tokens, None, static=False)
+        return _padding(tokens, None, static=False) if host_reads else padding_bias(tokens)
     if static:
-        if not compiling:
+        if host_reads:
             device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else q_offset.device)
             seen = torch.arange(kv_length, device=device)[None] < q_offset + q_length
             tokens = seen if attention_mask is None else seen & _tokens_of(attention_mask, kv_length)
@@ -98,11 +100,16 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
             if ranges is not None:
                 return ranges
         return static_cache_bias(batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device"))
-    if compiling:  # a graph cannot branch on the mask's values: the bias (zeros without padding)
+    if not host_reads:  # the bias (zeros without padding)
         return None if attention_mask is None else padding_bias(attention_mask[:, -kv_length:])
     if attention_mask is None:
         return None
     return _padding(attention_mask[:, -kv_length:].bool(), kv_length, static=False)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (its work cannot be read on the host)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _padding(tokens, end, static: bool):

@@ -57,7 +57,20 @@ def test_a_ranged_cache_reads_its_ranges_and_moves_the_diagonal_per_sequence():
     assert "kv_start = min(max(cache_leftpad[b], 0), kv_end)" in source
     assert "k += b * k_sb + (long long)kv_start * k_sn" in source
     h200 = variants.sequence_variant(load_spec(SPECS / "attn_f16_d128_causal_h200.yaml"), "padded", "ranged")
-    assert "kv_start, b, h, h_kv" in render(h200)
+    ws = render(h200)
+    assert "kv_start, b, h, h_kv" in ws
+    # each tile clamps to the rows k holds, kept before the walk (a persistent block walks many
+    # sequences, each narrowing n_kv to its own)
+    assert "const int kv_rows = n_kv;" in ws and "min(max(cache_seqlens[b], 0), kv_rows)" in ws
+    # the TMA path zeroes a last tile's V rows past the keys, one named barrier a consumer warpgroup;
+    # the copying paths load zeros there already, and padded TMA maps fill them
+    assert plan(h200).clears_rows_past_keys and ws.count("kv.clear_v_rows(") == 2
+    assert "clear_v_rows" not in source and not plan(ranged).clears_rows_past_keys
+    assert "clear_v_rows" not in render(load_spec(SPECS / "attn_f16_d128_causal_h200.yaml"))
+    persistent = parse_spec({**h200.model_dump(), "name": "ranged_persistent", "pipeline": {
+        **h200.pipeline.model_dump(), "warp_specialized": {**h200.pipeline.warp_specialized.model_dump(),
+                                                           "persistent": True}}}, "test")
+    assert plan(persistent).persistent and "const int kv_rows = n_kv;" in render(persistent)
 
 
 def test_the_oracle_reads_an_unpaged_cache_per_sequence():

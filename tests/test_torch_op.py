@@ -100,3 +100,23 @@ def test_torch_compile_traces_the_mask_as_a_constant():
         return x + len(torch_op.mask_json(mask))
 
     assert float(length(torch.zeros(1))) == len(torch_op.mask_json(mask))
+
+
+def test_the_op_refuses_gradients_through_key_ranges(monkeypatch):
+    """Key ranges have no backward: a direct call of the op with them, on inputs that need
+    gradients, is refused when autograd records it (not differentiated as if unranged). The
+    kernels are stubbed: this checks the op's autograd registration alone."""
+    pytest.importorskip("fagen.torch_op")
+    import torch
+    from fagen import decode, torch_op
+
+    monkeypatch.setattr(decode, "forward", lambda plain, q, k, v, **kw: (q * 1, q.new_zeros(q.shape[:3])))
+    monkeypatch.setattr(torch_op.dispatch, "derive_spec", lambda *a, **k: None)
+    q = torch.randn(2, 2, 4, 64, requires_grad=True)
+    ends = torch.tensor([4, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="key ranges are an inference layout"):
+        torch.ops.fagen.attention_forward(q, q, q, None, None, None, None, ends, None, "", True, None, None, False)
+    with torch.no_grad():
+        out, _ = torch.ops.fagen.attention_forward(q, q, q, None, None, None, None, ends, None, "", True, None, None,
+                                                   False)
+    assert out.shape == q.shape
