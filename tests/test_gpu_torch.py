@@ -390,6 +390,36 @@ def test_transformers_llama_training_step_matches_sdpa(dtype, packed):
     assert all(e <= tolerance for e in errors.values()), {n: e for n, e in errors.items() if e > tolerance}
 
 
+def test_transformers_llama_trains_under_autocast_on_a_padded_batch_as_sdpa():
+    """A float32-master model under torch.autocast("cuda", torch.bfloat16), a left-padded batch:
+    float32 q and k from the rotary embedding go in as bfloat16 (as SDPA takes them), the padding as
+    the same keys' bias (key ranges have no backward); the loss and every gradient as SDPA's under
+    the same autocast."""
+    pytest.importorskip("transformers")
+    import fagen.transformers
+
+    reference = _llama("sdpa", torch.float32)
+    model = _llama(fagen.transformers.register(), torch.float32)
+    model.load_state_dict(reference.state_dict())
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    input_ids = torch.randint(1, 1000, (3, 160), generator=gen, device="cuda")
+    mask = torch.ones_like(input_ids)
+    mask[1, :37], mask[2, :101] = 0, 0
+    labels = input_ids.masked_fill(mask == 0, -100)
+    losses = []
+    for run in (model, reference):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = run(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss.item())
+    tolerance = LLAMA_TOLERANCE["bfloat16"]
+    assert abs(losses[0] - losses[1]) <= tolerance * abs(losses[1]), losses
+    reference_grads = dict(reference.named_parameters())
+    errors = {name: relative_error(to_numpy(p.grad), to_numpy(reference_grads[name].grad))
+              for name, p in model.named_parameters()}
+    assert all(e <= tolerance for e in errors.values()), {n: e for n, e in errors.items() if e > tolerance}
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_transformers_llama_generates_the_sdpa_tokens(dtype):
     """Greedy generation, 32 new tokens with a KV cache: the prompt through the plain forward,
@@ -522,7 +552,8 @@ def test_transformers_models_take_their_window_softcap_and_sinks(family):
     """fagen.transformers on Gemma-2's shape (head_dim 256, sliding window, softcap) and gpt-oss's
     (sinks, window), bfloat16, 300 tokens (past the window): teacher-forced logits against the
     same model on transformers' eager attention (which takes the softcap and the sinks), unpadded
-    and padded (left and right: fagen.transformers' score bias), at every token."""
+    and padded: both rows left-padded (key ranges), then one left and one right (the score bias),
+    at every token."""
     pytest.importorskip("transformers")
     import fagen.transformers
 
@@ -534,13 +565,16 @@ def test_transformers_models_take_their_window_softcap_and_sinks(family):
     with torch.no_grad():
         got, want = model(input_ids=ids).logits.float(), reference(input_ids=ids).logits.float()
         assert relative_error(to_numpy(got), to_numpy(want)) < 3e-2
-        mask = torch.ones_like(ids)
-        mask[0, :10] = 0  # left padding
-        mask[1, 290:] = 0  # right padding
-        tokens = mask.bool()
-        got, want = (m(input_ids=ids, attention_mask=mask).logits.float() for m in (model, reference))
-        assert torch.isfinite(got).all()
-        assert relative_error(to_numpy(got[tokens]), to_numpy(want[tokens])) < 3e-2
+        for right in (False, True):
+            mask = torch.ones_like(ids)
+            mask[0, :10] = 0  # left padding
+            mask[1, :3] = 0
+            if right:
+                mask[1, :3], mask[1, 290:] = 1, 0  # right padding
+            tokens = mask.bool()
+            got, want = (m(input_ids=ids, attention_mask=mask).logits.float() for m in (model, reference))
+            assert torch.isfinite(got).all()
+            assert relative_error(to_numpy(got[tokens]), to_numpy(want[tokens])) < 3e-2, right
 
 
 def test_inference_takes_sinks_that_are_a_parameter():
