@@ -73,7 +73,8 @@ class ServingRow:
     case: str
     impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen);
     # fagen_out (host: out given), fagen_attention (host: fagen.attention, not prepared);
-    # fagen_attention_growing, sdpa_growing (host: a new key length and strides every call)
+    # fagen_attention_growing, sdpa_growing (host: a new key length and strides every call);
+    # fagen_attention_ranged_growing (host: the same with key ranges made a call, a padded batch's)
     dtype: str
     head_dim: int
     b: int
@@ -293,7 +294,14 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
     # a generation loop's cache: a new length (and strides: re-allocated, as transformers' dynamic
     # cache is) every call, nk + 1 to nk + GROWING keys
     caches = [(torch.cat([k, k[:, :, :i]], 2), torch.cat([v, v[:, :, :i]], 2)) for i in range(1, GROWING + 1)]
+    # ... and a padded batch's (fagen.transformers' decode step): each row's key range, made a call
+    leftpad = torch.zeros(case.b, dtype=torch.int32, device="cuda")
+
+    def ranged(kc, vc):
+        ends = torch.full((case.b,), kc.shape[2], dtype=torch.int32, device="cuda")
+        return api.attention(q, kc, vc, causal=case.causal, cache_seqlens=ends, cache_leftpad=leftpad)
     for impl, fn in (("fagen_attention_growing", lambda kc, vc: api.attention(q, kc, vc, causal=case.causal)),
+                     ("fagen_attention_ranged_growing", ranged),
                      ("sdpa_growing", lambda kc, vc: F.scaled_dot_product_attention(q, kc, vc, is_causal=case.causal,
                                                                              enable_gqa=gqa))):
         turn = itertools.cycle(caches)
@@ -302,7 +310,8 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
             rows.append(_row(case, impl, host_us(lambda: fn(*next(turn))), note="keys grow a call"))
             continue
         rows.append(_checked(case, impl, last, _sdpa_reference(q, *caches[-1], case.causal),
-                             lambda: host_us(lambda: fn(*next(turn))), note="keys grow a call"))
+                             lambda: host_us(lambda: fn(*next(turn))),
+                             note="keys grow a call" + (", key ranges made a call" if "ranged" in impl else "")))
     return rows
 
 
@@ -522,7 +531,7 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         lengths = ("mixed, " if case.endswith("mixed") else "") + f"{f.b} × {f.nq}"
         out.append(f"| {_shape(f)} | {'yes' if 'causal' in case else 'no'} | {lengths} | {tf} | {ptf} | {ratio} |")
     # the growing-cache columns where the run timed them (a new key length and strides every call)
-    growing = ((" not prepared, keys grow a call | SDPA, keys grow |", " --- | --- |")
+    growing = ((" not prepared, keys grow a call | ... with key ranges | SDPA, keys grow |", " --- | --- | --- |")
                if any(r.impl == "fagen_attention_growing" for r in rows) else ("", ""))
     out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
             "the GPU's time is not in it)", "",
@@ -534,7 +543,8 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
         out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "
                    f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} |"
-                   + (f" {_us(impls.get('fagen_attention_growing'))} | {_us(impls.get('sdpa_growing'))} |"
+                   + (f" {_us(impls.get('fagen_attention_growing'))} | "
+                      f"{_us(impls.get('fagen_attention_ranged_growing'))} | {_us(impls.get('sdpa_growing'))} |"
                       if growing[0] else ""))
     notes = [r for r in rows if r.note and not r.note.startswith("err")]
     if notes:
