@@ -547,17 +547,42 @@ def _gpt_oss(implementation: str, dtype):
     return model.to(device="cuda", dtype=dtype)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def _more(family: str):
+    """Qwen2 (q/k/v biases, a window on one layer), Qwen3 (q/k norms), Mistral (a window on each
+    layer), Gemma-3 (five windowed layers to one global; head_dim 256): small random models."""
+    import transformers
+
+    def build(implementation: str, dtype):
+        common = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=1000, attn_implementation=implementation)
+        config = {
+            "qwen2": lambda: transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=64,
+                                                      max_window_layers=1,
+                                                      layer_types=["full_attention", "sliding_attention"]),
+            "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=128),
+            "mistral": lambda: transformers.MistralConfig(**common, sliding_window=64),
+            "gemma3": lambda: transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=256,
+                                                            sliding_window=64, query_pre_attn_scalar=256),
+        }[family]()
+        model_class = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                       "mistral": transformers.MistralForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[family]
+        torch.manual_seed(0)
+        return model_class(config).to(device="cuda", dtype=dtype).eval()
+    return build
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_transformers_models_take_their_window_softcap_and_sinks(family):
-    """fagen.transformers on Gemma-2's shape (head_dim 256, sliding window, softcap) and gpt-oss's
-    (sinks, window), bfloat16, 300 tokens (past the window): teacher-forced logits against the
+    """fagen.transformers on Gemma-2's shape (head_dim 256, sliding window, softcap), gpt-oss's
+    (sinks, window), Qwen2's, Qwen3's, Mistral's and Gemma-3's (_more), bfloat16, 300 tokens (past
+    the window): teacher-forced logits against the
     same model on transformers' eager attention (which takes the softcap and the sinks), unpadded
     and padded: both rows left-padded (key ranges), then one left and one right (the score bias),
     at every token."""
     pytest.importorskip("transformers")
     import fagen.transformers
 
-    build = _gemma2 if family == "gemma2" else _gpt_oss
+    build = {"gemma2": _gemma2, "gpt_oss": _gpt_oss}.get(family) or _more(family)
     reference = build("eager", torch.bfloat16)
     model = build(fagen.transformers.register(), torch.bfloat16)
     model.load_state_dict(reference.state_dict())

@@ -561,3 +561,55 @@ def test_a_static_cache_after_right_padding_takes_a_bias(kernels):
     tokens = mask.bool()
     assert torch.allclose(results["fagen"][tokens], results["sdpa"][tokens], atol=1e-4, rtol=1e-4)
     assert kernels[0]["ranges"] is None and kernels[0]["bias"].shape == (2, 1, 8)
+
+
+def _family(name: str):
+    """A small random model of each family the issue names beside Llama, Gemma-2 and gpt-oss:
+    Qwen2 (q/k/v biases, a sliding window on some layers), Qwen3 (q/k norms), Mistral (a sliding
+    window on every layer), Gemma-3 (five sliding layers to one global, its own scaling)."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, vocab_size=61)
+    if name == "qwen2":
+        return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=5, max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"])
+    if name == "qwen3":
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**common, head_dim=16)
+    if name == "mistral":
+        return transformers.MistralForCausalLM, transformers.MistralConfig(**common, sliding_window=5)
+    return transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
+        **{**common, "num_hidden_layers": 6}, head_dim=16, sliding_window=5, query_pre_attn_scalar=16)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma3"])
+def test_more_families_match_eager_on_left_padded_prompts_and_a_decode_step(kernels, family):
+    """Each family's windows, scaling and GQA reach the kernel: a left-padded prompt longer than
+    the window (key ranges), then a decode step on the dynamic cache, logits at every token as
+    transformers' eager attention gives them."""
+    from transformers import DynamicCache
+
+    model_class, config = _family(family)
+    ids = torch.randint(1, 61, (2, 12), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    step = torch.randint(1, 61, (2, 1), generator=torch.Generator().manual_seed(12))
+    results = {}
+    for implementation in ("fagen", "eager"):
+        torch.manual_seed(0)
+        model = model_class._from_config(config, attn_implementation=implementation).eval()
+        with torch.no_grad():
+            cache = DynamicCache(config=config)
+            prompt = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+            grown = torch.cat([mask, torch.ones_like(step)], 1)
+            decoded = model(input_ids=step, attention_mask=grown, past_key_values=cache).logits
+        results[implementation] = prompt, decoded
+    tokens = mask.bool()
+    assert torch.allclose(results["fagen"][0][tokens], results["eager"][0][tokens], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(results["fagen"][1], results["eager"][1], atol=1e-4, rtol=1e-4)
+    # left padding: key ranges, or nothing where a window's keys hold no pad (a decode step's last
+    # window of a sliding layer); never the bias
+    assert kernels and all(c["bias"] is None for c in kernels) and any(c["ranges"] is not None for c in kernels)
+    windows = {None if c["mask"] is None else c["mask"]["window_left"] for c in kernels}
+    assert windows == ({None} if family == "qwen3" else {None, 4} if family in ("qwen2", "gemma3") else {4})
