@@ -92,7 +92,8 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
         return _padding(tokens, None, static=False) if host_reads else padding_bias(tokens)
     if static:
         if host_reads:
-            device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else q_offset.device)
+            device = kwargs.get("device") or (attention_mask.device if attention_mask is not None else
+                                              getattr(q_offset, "device", None))
             seen = torch.arange(kv_length, device=device)[None] < q_offset + q_length
             tokens = seen if attention_mask is None else seen & _tokens_of(attention_mask, kv_length)
             ranges = _padding(tokens.expand(batch_size, kv_length), (q_offset + q_length).clamp(max=kv_length)
