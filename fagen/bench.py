@@ -1,5 +1,7 @@
-"""`fagen bench`: fagen's kernels beside PyTorch's SDPA (FlashAttention-2 and cuDNN backends)
-and FlexAttention, same process, same GPU.
+"""`fagen bench`: fagen's kernels beside PyTorch's SDPA (FlashAttention-2 and cuDNN backends),
+FlexAttention and FlashAttention-4 (the flash-attn-4 package where installed; dense, causal and
+sliding-window cases, in its own [B, N, H, d] layout, checked against fagen's kernel on the same
+inputs before it is timed), same process, same GPU.
 
 FLOPs: 4 * B * H * Nq * Nk * d (Q.K^T and P.V, 2 FLOPs per multiply-add), halved for causal;
 for masks, 4 * B * H * d * (kept (q, k) pairs). Every fagen case is checked against the
@@ -25,10 +27,10 @@ import numpy as np
 from fagen import bench_backward, bench_e2e_tables, bench_rows, bench_serving, masks, variants
 from fagen.side_inputs import check_scale
 from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
-    HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths, flex_block_mask,
-    kept_pairs, mask_predicate)
+    FA4, FA4_MASKS, HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths,
+    fa4_attention, flex_block_mask, kept_pairs, mask_predicate, to_fa4_layout)
 from fagen.bench_rows import by_case, write_json
-from fagen.check import attention_flops, check_against_oracle, random_inputs, time_ms
+from fagen.check import OUT_TOLERANCE, attention_flops, check_against_oracle, random_inputs, time_ms
 from fagen.device import as_device_tensor, empty_like, stream_for
 from fagen.dispatch import default_spec
 from fagen.runtime import compile_kernel, document_bounds
@@ -49,7 +51,7 @@ PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
 class Row:
     case: str
     kernel: str  # fagen spec name or peer name
-    impl: str  # fagen | sdpa_flash | sdpa_cudnn | flex
+    impl: str  # fagen | sdpa_flash | sdpa_cudnn | flex | fa4
     dtype: str
     head_dim: int
     n: int
@@ -143,7 +145,14 @@ def run_peer(case: Case, impl: str, flops: float) -> Row:
               case.mask_label, None, None)
     q, k, v, _ = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)
     try:
-        if impl in SDPA_BACKENDS:
+        if impl == FA4:  # checked against fagen's kernel (checked against the oracle) on the same inputs
+            fa4, layout = fa4_attention(case), [to_fa4_layout(x) for x in (q, k, v)]
+            error = _against_fagen(case, q, k, v, fa4(*layout).transpose(1, 2))
+            if not error <= 2 * OUT_TOLERANCE[case.dtype]:
+                row.note = f"WRONG, not timed: rel err {error:.2e} against fagen's kernel"
+                return row
+            row.ms = time_ms(lambda: fa4(*layout))
+        elif impl in SDPA_BACKENDS:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             fn = torch.nn.functional.scaled_dot_product_attention
@@ -156,6 +165,15 @@ def run_peer(case: Case, impl: str, flops: float) -> Row:
         return row
     row.tflops = flops / row.ms / 1e9
     return row
+
+
+def _against_fagen(case: Case, q, k, v, got) -> float:
+    """got's relative L2 error against fagen's kernel for the case on the same inputs."""
+    import torch
+
+    spec, _ = fagen_spec(case)
+    want = compile_kernel(spec)(q, k, v).float()
+    return float(torch.linalg.vector_norm(got.float() - want) / torch.linalg.vector_norm(want))
 
 
 def flex_runner(case: Case, q, k, v):
@@ -187,7 +205,7 @@ def run(case_list: list[Case], progress=None) -> list[Row]:
     for case in case_list:
         flops = case_flops(case)
         rows.append(run_fagen(case, flops))
-        peers = ("flex",) if case.mask != "none" else PEERS_DENSE
+        peers = (("flex",) if case.mask != "none" else PEERS_DENSE) + ((FA4,) if case.mask in FA4_MASKS else ())
         for impl in peers:
             rows.append(run_peer(case, impl, flops))
         if progress:
@@ -403,22 +421,23 @@ def _forward_markdown(rows: list[Row], meta: dict, plots: list[str], md_path: st
     out += [f"- {k}: {v}" for k, v in sorted(meta.items())] + [""]
     dense = [r for r in rows if r.mask == "none" and r.impl == "fagen"]
     for d in sorted({r.head_dim for r in dense}):
-        out += [f"## head_dim {d}", "", "| dtype | N | mask | fagen | SDPA FA2 | SDPA cuDNN | Flex | fagen / FA2 |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        out += [f"## head_dim {d}", "", "| dtype | N | mask | fagen | SDPA FA2 | SDPA cuDNN | Flex | FA4 | fagen / FA2 "
+                "| fagen / FA4 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted((r for r in dense if r.head_dim == d), key=lambda r: (r.dtype, r.causal, r.n)):
             t = table[r.case]
             out.append(f"| {r.dtype} | {r.n} | {'causal' if r.causal else 'none'} | {_fmt(r)} | "
                        f"{_fmt(t.get('sdpa_flash'))} | {_fmt(t.get('sdpa_cudnn'))} | {_fmt(t.get('flex'))} | "
-                       f"{_ratio(r, t.get('sdpa_flash'))} |")
+                       f"{_fmt(t.get(FA4))} | {_ratio(r, t.get('sdpa_flash'))} | {_ratio(r, t.get(FA4))} |")
         out.append("")
     masked = [r for r in rows if r.mask != "none" and r.impl == "fagen"]
     if masked:
         out += ["## Masks (static-mask kernels, kept-work TFLOP/s)", "",
-                "| dtype | d | N | mask | fagen | Flex | fagen / Flex |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                "| dtype | d | N | mask | fagen | Flex | fagen / Flex | FA4 | fagen / FA4 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in sorted(masked, key=lambda r: (r.head_dim, r.mask, r.n)):
             t = table[r.case]
             out.append(f"| {r.dtype} | {r.head_dim} | {r.n} | {r.mask} | {_fmt(r)} | {_fmt(t.get('flex'))} | "
-                       f"{_ratio(r, t.get('flex'))} |")
+                       f"{_ratio(r, t.get('flex'))} | {_fmt(t.get(FA4))} | {_ratio(r, t.get(FA4))} |")
         out.append("")
     notes = [r for r in rows if r.note]
     if notes:
@@ -437,7 +456,7 @@ def plot(rows: list[Row], head_dim: int, path: Path) -> None:
 
     sel = [r for r in rows if r.head_dim == head_dim and r.mask == "none"]
     panels = sorted({(r.dtype, r.causal) for r in sel})
-    impls = [i for i in ("fagen", "sdpa_flash", "sdpa_cudnn", "flex") if any(r.impl == i for r in sel)]
+    impls = [i for i in ("fagen", "sdpa_flash", "sdpa_cudnn", "flex", FA4) if any(r.impl == i for r in sel)]
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
     for ax, (dtype, causal) in zip(axes[0], panels):
         ns = sorted({r.n for r in sel if r.dtype == dtype and r.causal == causal})

@@ -2,7 +2,7 @@
 (fagen.bench_backward): a case is a dtype, head_dim, sequence length and mask at the
 FlashAttention papers' sizes (B * N = 16k tokens, H * d = 2048); its masks' parameters and
 predicates, the (q, k) pairs it keeps and its forward FLOPs; and how the peers are set up for it
-(SDPA's backends, FlexAttention's block mask)."""
+(SDPA's backends, FlexAttention's block mask, FlashAttention-4's arguments)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from fagen.check import attention_flops
 TOKENS, HIDDEN = 16384, 2048  # the FlashAttention papers' sweep: B * N = 16k tokens, H * d = 2048
 WINDOW, N_DOCS, PREFIX = 1024, 8, 1024
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+# FlashAttention-4 (the flash-attn-4 package's CuTe-DSL kernels; on Hopper, its sm90 forward and
+# backward), in its own layout [B, N, H, d], on the masks it takes natively
+FA4 = "fa4"
+FA4_MASKS = ("none", "sliding_window")
 
 
 @dataclass(frozen=True)
@@ -117,3 +121,22 @@ def flex_block_mask(case: Case):
         def mask_mod(b, h, qi, ki):
             return ki <= qi
     return create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
+
+
+def fa4_attention(case: Case):
+    """fn(q, k, v) -> out of FlashAttention-4 for this case, q, k, v in its layout [B, N, H, d]
+    (to_fa4_layout); NotImplementedError for a mask it takes only as a traced mask_mod (documents,
+    prefix-LM), not a kernel of its own. Its sliding window: (WINDOW, 0) keys about the diagonal,
+    the bench's mask_predicate."""
+    if case.mask not in FA4_MASKS:
+        raise NotImplementedError(f"FlashAttention-4 has no {case.mask} kernel of its own (a mask_mod only)")
+    from flash_attn.cute import flash_attn_func
+
+    window = (WINDOW, 0) if case.mask == "sliding_window" else (None, None)
+    causal = case.causal or case.mask == "sliding_window"
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window)[0]
+
+
+def to_fa4_layout(x):
+    """[B, H, N, d] as FlashAttention-4's contiguous [B, N, H, d] (a copy)."""
+    return x.transpose(1, 2).contiguous()

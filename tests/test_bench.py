@@ -335,13 +335,13 @@ def test_markdown_dense_lines_and_fagen_over_fa2(rows):
         cudnn = "n/a" if case.key == NOTED else f"{num['sdpa_cudnn']:.0f}"
         ratio = f"{num['fagen'] / num['sdpa_flash']:.2f}x"
         line = (f"| {case.dtype} | {case.n} | {'causal' if case.causal else 'none'} | {num['fagen']:.0f} | 200 | "
-                f"{cudnn} | n/a | {ratio} |")
+                f"{cudnn} | n/a | n/a | {ratio} | n/a |")
         assert line in _section(text, f"## head_dim {case.head_dim}"), line
     # by hand: d64 float16 dense 1024 is case 0 (200 / 200), bfloat16 dense 4096 is case 5 (250 / 200)
     assert DENSE_CASES[5] == Case("bfloat16", 64, 4096, False)
     d64 = _section(text, "## head_dim 64")
-    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in d64
-    assert "| bfloat16 | 4096 | none | 250 | 200 | 295 | n/a | 1.25x |" in d64
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | n/a | 1.00x | n/a |" in d64
+    assert "| bfloat16 | 4096 | none | 250 | 200 | 295 | n/a | n/a | 1.25x | n/a |" in d64
 
 
 def test_markdown_dense_rows_are_sorted_by_dtype_causal_n(rows):
@@ -359,10 +359,10 @@ def test_markdown_masks_table_with_fagen_over_flex(rows):
     masks = [ln for ln in _section(text, "## Masks (static-mask kernels, kept-work TFLOP/s)")
              if not ln.startswith("| -")]
     assert masks == [
-        "| float16 | 128 | 4096 | documents | 90 | 120 | 0.75x |",
-        "| float16 | 128 | 4096 | prefix_lm | 210 | 140 | 1.50x |",
-        "| float16 | 128 | 16384 | prefix_lm | 250 | n/a | n/a |",  # no Flex row: n/a, no ratio
-        "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x |",
+        "| float16 | 128 | 4096 | documents | 90 | 120 | 0.75x | n/a | n/a |",
+        "| float16 | 128 | 4096 | prefix_lm | 210 | 140 | 1.50x | n/a | n/a |",
+        "| float16 | 128 | 16384 | prefix_lm | 250 | n/a | n/a | n/a | n/a |",  # no Flex row: n/a, no ratio
+        "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x | n/a | n/a |",
     ]
 
 
@@ -430,8 +430,8 @@ def test_cli_bench_from_json_regenerates_table_and_plots(rows, tmp_path, no_gpu)
     assert result.exit_code == 0, result.output + repr(result.exception)
     text = md.read_text()
     assert [ln for ln in text.splitlines() if ln.startswith("## head_dim")] == ["## head_dim 64", "## head_dim 128"]
-    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in text
-    assert "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x |" in text
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | n/a | 1.00x | n/a |" in text
+    assert "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x | n/a | n/a |" in text
     assert f"- {NOTED} sdpa_cudnn: {NOTE}" in text
     links = [ln for ln in text.splitlines() if ln.startswith("![")]
     assert links == ["![bench_d64](out/bench_d64.png)", "![bench_d128](out/bench_d128.png)"]
@@ -631,22 +631,22 @@ def test_backward_markdown_dense_lines(brows):
     # by hand: case 0 is d64 dense 1k (fagen 300, FA2 200, cuDNN 250), case 3 d64 causal 16k (330, 200, 247)
     assert BWD_DENSE[0] == Case("float16", 64, 1024, False) and BWD_DENSE[3] == Case("float16", 64, 16384, True)
     assert d64 == [
-        "| float16 | 1024 | none | 300 | 200 | 250 | 1.50x | 320 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
-        "| float16 | 16384 | none | 310 | 200 | 249 | 1.55x | 330 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
-        "| float16 | 1024 | causal | 320 | 200 | 248 | 1.60x | 340 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
-        "| float16 | 16384 | causal | 330 | 200 | 247 | 1.65x | 350 | 230 | 280 | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 1024 | none | 300 | 200 | 250 | n/a | 1.50x | n/a | 320 | 230 | 280 | n/a | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 16384 | none | 310 | 200 | 249 | n/a | 1.55x | n/a | 330 | 230 | 280 | n/a | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 1024 | causal | 320 | 200 | 248 | n/a | 1.60x | n/a | 340 | 230 | 280 | n/a | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 16384 | causal | 330 | 200 | 247 | n/a | 1.65x | n/a | 350 | 230 | 280 | n/a | 192 / 320 / 260 | 2.5e-03 / 1.5e-03 |",
     ]
     header = [ln for ln in text.split("### Backward, head_dim 128")[1].splitlines() if ln.startswith("| dtype")][0]
-    assert header.split(" | ")[3:7] == ["fagen", "SDPA FA2", "SDPA cuDNN", "fagen / FA2"]
+    assert header.split(" | ")[3:9] == ["fagen", "SDPA FA2", "SDPA cuDNN", "FA4", "fagen / FA2", "fagen / FA4"]
 
 
 def test_backward_markdown_masks_notes_and_plot(brows, tmp_path):
     text = "\n".join(bench_backward.markdown(brows, BWD_META, "bench/bench_backward.png"))
     masks = [ln for ln in _subsection(text, "### Backward, masks (kept-work TFLOP/s)") if not ln.startswith("| -")]
     assert masks == [
-        "| float16 | 128 | 4096 | documents | 60 | n/a | n/a | 110 | n/a | 190 / n/a | 2.5e-03 / 1.5e-03 |",
-        "| float16 | 128 | 4096 | prefix_lm | n/a | 150 | n/a | n/a | 200 | n/a / 400 | n/a / n/a |",
-        "| float16 | 128 | 4096 | sliding_window | 120 | 80 | 1.50x | 170 | 130 | 190 / 400 | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 128 | 4096 | documents | 60 | n/a | n/a | n/a | n/a | 110 | n/a | 190 / n/a | 2.5e-03 / 1.5e-03 |",
+        "| float16 | 128 | 4096 | prefix_lm | n/a | 150 | n/a | n/a | n/a | n/a | 200 | n/a / 400 | n/a / n/a |",
+        "| float16 | 128 | 4096 | sliding_window | 120 | 80 | 1.50x | n/a | n/a | 170 | 130 | 190 / 400 | 2.5e-03 / 1.5e-03 |",
     ]
     notes = [ln for ln in text.split("### Backward notes")[1].splitlines() if ln.startswith("- ")]
     assert notes == [f"- float16-d128-n4096-documents4 flex: {FLEX_NOTE}",
@@ -782,7 +782,7 @@ def test_main_backward_only_keeps_the_forward_tables(fake_gpu, tmp_path, rows):
     assert lines[0] == f"kept the forward tables from {out / 'bench.json'} (not run this time)"
     text = md.read_text()
     assert "- date: 2025-01-01" in text and "- date: 2025-01-03" in text  # each half's own meta
-    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in text and "## Backward" in text
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | n/a | 1.00x | n/a |" in text and "## Backward" in text
 
 
 def test_main_quick_backward_runs_the_quick_backward_only(fake_gpu, tmp_path):
@@ -868,8 +868,8 @@ def test_cli_bench_from_json_takes_both_halves(rows, brows, tmp_path, no_gpu, gi
     result = CliRunner().invoke(main, ["bench", "--from-json", str(src / given), "-o", str(out), "--markdown", str(md)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     text = md.read_text()
-    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | 1.00x |" in text
-    assert "| float16 | 128 | 4096 | sliding_window | 120 | 80 | 1.50x | 170 | 130 | 190 / 400 | 2.5e-03 / 1.5e-03 |" in text
+    assert "| float16 | 1024 | none | 200 | 200 | 300 | n/a | n/a | 1.00x | n/a |" in text
+    assert "| float16 | 128 | 4096 | sliding_window | 120 | 80 | 1.50x | n/a | n/a | 170 | 130 | 190 / 400 | 2.5e-03 / 1.5e-03 |" in text
     assert "![bench_backward](out/bench_backward.png)" in text.splitlines()
     assert (out / "bench_backward.png").read_bytes().startswith(PNG)
     assert not (out / "bench.json").exists() and not (out / "bench_backward.json").exists()  # redrawn, not copied
@@ -957,3 +957,20 @@ def test_main_serving_only_keeps_the_other_tables(fake_gpu, tmp_path, rows):
     text = md.read_text()
     assert "## head_dim" in text and "## Serving: decode, paged KV, varlen" in text
     assert json.loads((out / "bench_serving.json").read_text())["meta"]["pass"] == "serving"
+
+
+def test_flash_attention_4_has_its_columns_and_ratios():
+    """FlashAttention-4's rows join the dense and mask tables with fagen's ratio to them."""
+    dense, window = Case("float16", 128, 4096, True), Case("float16", 128, 4096, True, mask="sliding_window")
+
+    def row(case, impl, tflops):
+        return bench.Row(case.key, impl, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads,
+                         case.causal, case.mask_label, 1.0, tflops)
+    rows = [row(dense, "fagen", 500.0), row(dense, "fa4", 400.0), row(window, "fagen", 300.0),
+            row(window, "flex", 200.0), row(window, "fa4", 250.0)]
+    text = bench.markdown(rows, META, [])
+    assert "| float16 | 4096 | causal | 500 | n/a | n/a | n/a | 400 | n/a | 1.25x |" in text
+    assert "| float16 | 128 | 4096 | sliding_window | 300 | 200 | 1.50x | 250 | 1.20x |" in text
+    assert bench_cases.fa4_attention.__doc__ and bench_cases.FA4_MASKS == ("none", "sliding_window")
+    with pytest.raises(NotImplementedError, match="no documents kernel"):
+        bench_cases.fa4_attention(Case("float16", 128, 4096, True, mask="documents"))
