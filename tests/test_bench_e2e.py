@@ -108,3 +108,23 @@ def test_a_static_case_generates_on_one_static_cache_a_model_emptied_each_time()
     assert runner._generate_options(model, case, mask=None)["past_key_values"] is first  # same addresses
     assert "past_key_values" not in runner._generate_options(model, E2ECase("llama", 2, 16, 4), mask=None)
     assert runner._generate_options(model, E2ECase("llama", 3, 16, 4, static=True), None)["past_key_values"] is not first
+
+
+def test_the_generation_profile_tells_attention_kernels_and_reports_a_step():
+    """scripts/profile_generation.py's pure parts: which kernels are attention (fagen's, SDPA's
+    backends'), and a step's wall, GPU-busy and attention times from kernel times of its steps."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_generation.py"
+    spec = importlib.util.spec_from_file_location("profile_generation", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.is_attention("fagen_decode_bf16_d64_kvranged_merged") and module.is_attention("flash_fwd_kernel")
+    assert not module.is_attention("sm90_xmma_gemm_bf16bf16_bf16f32") and not module.is_attention("elementwise_kernel")
+    steps = module.DECODE_STEPS
+    lines = module.report("fagen", 40.0, 15.0, {"fagen_decode": steps * 30.0, "sm90_xmma_gemm": steps * 400.0}, 5)
+    assert lines[0] == ("fagen: prefill 40.00 ms; decode step 15.00 ms wall, 0.430 ms GPU busy (3%), attention 0.030 ms "
+                        "(7% of the GPU's)")
+    assert lines[1].split() == ["0.400", "ms", "a", "step", "sm90_xmma_gemm"] and "*" in lines[2]
