@@ -338,7 +338,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     """Attention against a KV cache (FlashAttention's flash_attn_with_kvcache). Paged: k_cache,
     v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B] keys
     each. Unpaged (page_table None): k_cache, v_cache [B, slots, Hkv, d], sequence b's keys being
-    slots cache_leftpad[b] .. cache_seqlens[b] (ranged_batch; a left-padded batch, a static
+    slots cache_leftpad[b] .. cache_seqlens[b] (cache_rows; a left-padded batch, a static
     cache), q padded; masks align bottom right in each sequence. k, v (new tokens, shaped like q with Hkv heads) are first
     written into the cache after each sequence's cache_seqlens keys (chunked prefill), and the
     queries attend to the cache plus them; the caller advances cache_seqlens, as with

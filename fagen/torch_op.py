@@ -139,12 +139,18 @@ def _deterministic(asked: bool) -> bool:
     return asked or torch.are_deterministic_algorithms_enabled()
 
 
+# Refused where autograd would record a call with key ranges: before the op launches (attention),
+# and by the op's own autograd registration for a direct call of it
+RANGES_HAVE_NO_BACKWARD = ("cache_seqlens, cache_leftpad: key ranges are an inference layout (no backward); call "
+                           "under torch.no_grad(), or train with the padding as a bias (0 on tokens, a large negative "
+                           "value on pads)")
+
+
 def _save_for_backward(ctx, inputs, output):
     q, k, v, bias, alibi_slopes, sinks, doc_ids, cache_seqlens, cache_leftpad, mask, causal, softcap, scale, \
         deterministic = inputs
     if (cache_seqlens is not None or cache_leftpad is not None) and any(ctx.needs_input_grad):
-        raise ValueError("cache_seqlens, cache_leftpad: key ranges are an inference layout (no backward); call "
-                         "under torch.no_grad(), or train with the padding as a bias")
+        raise ValueError(RANGES_HAVE_NO_BACKWARD)
     out, lse = output
     # d loss / d lse would change every row's D in the kernels: not supported, and said so by
     # lse.requires_grad being False rather than by a silently missing term
@@ -224,9 +230,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         if done is not NotImplemented:
             return done
     if ranged and _records_grad(q, k, v, bias, sinks):
-        raise ValueError("cache_seqlens, cache_leftpad: key ranges are an inference layout (no backward); call "
-                         "under torch.no_grad(), or train with the padding as a bias (0 on tokens, a large negative "
-                         "value on pads)")
+        raise ValueError(RANGES_HAVE_NO_BACKWARD)
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)

@@ -220,7 +220,7 @@ def test_merging_decode_kernels_compile_clean_and_keep_their_occupancy(path, shi
                                                                                                     partial.registers)
 
 
-# an unpaged cache read between each sequence's left pad and length (fagen.sequences.ranged_batch):
+# an unpaged cache read between each sequence's left pad and length (sequences.kv ranged: fagen.decode.KeyRanges):
 # the merging decode kernels and the sm_90a prefill defaults over it
 RANGED = [sequence_variant(merged_variant(fagen.load_spec(p), sinks=True), "padded", "ranged") for p in DECODES] + [
     sequence_variant(fagen.load_spec(p), "padded", "ranged") for p in CLAIMED_WALKS if "_f16_" in p.stem]
