@@ -160,12 +160,10 @@ def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
 
 # Decode (fagen.decode): GQA-packed split-KV kernels, by the packed rows (Nq x query heads a KV
 # head) they take: one warp of 16 rows, or four warps of 16 (K and V read once for up to 64 rows).
-# Head_dim 256's 16-row kernels (specs/decode_*_d256.yaml; a warp's O is 128 registers a thread)
-# compile clean, and join this table once their GPU test has run against the oracle
-# (test_gpu_decode.py::test_head_dim_256_decode_kernels_match_the_oracle): until then a decode
-# step at 256 takes the plain forward
+# Head_dim 256 has the 16-row kernel only (specs/decode_*_d256.yaml): a warp's O is already 128
+# registers a thread, so its four warps split a 64-key tile instead of taking more rows
 DECODE_ROWS = (16, 64)
-DECODE_HEAD_DIMS = {64: DECODE_ROWS, 128: DECODE_ROWS}
+DECODE_HEAD_DIMS = {64: DECODE_ROWS, 128: DECODE_ROWS, 256: DECODE_ROWS[:1]}
 
 
 def decode_spec_name(dtype: str, head_dim: int, rows: int) -> str:

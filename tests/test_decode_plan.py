@@ -35,7 +35,8 @@ def test_packing_refuses_what_it_cannot_address(changes, field, fix):
 
 @pytest.mark.parametrize("d, rows, name", [(128, 1, "decode_f16_d128"), (128, 16, "decode_f16_d128"),
                                            (128, 17, "decode_f16_d128_q64"), (128, 64, "decode_f16_d128_q64"),
-                                           (128, 65, None), (96, 1, None)])
+                                           (128, 65, None), (96, 1, None), (256, 2, "decode_f16_d256"),
+                                           (256, 16, "decode_f16_d256"), (256, 17, None)])
 def test_the_packed_rows_pick_the_kernel(d, rows, name):
     spec = variants.decode_spec("float16", d, rows)
     assert (spec and spec.name) == name

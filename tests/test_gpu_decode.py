@@ -61,7 +61,7 @@ D256_SHAPES = [(1, 8, 4, 1, 4097), (3, 16, 8, 2, 1000), (2, 4, 1, 3, 239), (1, 8
 @pytest.mark.parametrize("shape", D256_SHAPES)
 def test_head_dim_256_decode_kernels_match_the_oracle(dtype, merged, shape):
     b, hq, hkv, nq, nk = shape
-    base = load_spec(SPECS / f"{variants.decode_spec_name(dtype, 256, 16)}.yaml")  # (not in DECODE_HEAD_DIMS yet)
+    base = load_spec(SPECS / f"{variants.decode_spec_name(dtype, 256, 16)}.yaml")
     spec = variants.variant(base, Mask(kind="sliding_window", window_left=4095), ScoreMod(softcap=50.0))
     if merged:
         spec = variants.merged_variant(spec)

@@ -393,31 +393,36 @@ def test_transformers_llama_training_step_matches_sdpa(dtype, packed):
 def test_transformers_llama_trains_under_autocast_on_a_padded_batch_as_sdpa():
     """A float32-master model under torch.autocast("cuda", torch.bfloat16), a left-padded batch:
     float32 q and k from the rotary embedding go in as bfloat16 (as SDPA takes them), the padding as
-    the same keys' bias (key ranges have no backward); the loss and every gradient as SDPA's under
-    the same autocast."""
+    the same keys' bias (key ranges have no backward). Measured on an H200, bfloat16 autocast moves
+    this padded step's gradients 10-14% from the float32 model's on SDPA itself (1% unpadded), so
+    fagen's loss and gradients are held to SDPA's own distance from the float32 truth."""
     pytest.importorskip("transformers")
     import fagen.transformers
 
+    truth = _llama("sdpa", torch.float32)
     reference = _llama("sdpa", torch.float32)
     model = _llama(fagen.transformers.register(), torch.float32)
-    model.load_state_dict(reference.state_dict())
+    for run in (reference, model):
+        run.load_state_dict(truth.state_dict())
     gen = torch.Generator(device="cuda").manual_seed(43)
     input_ids = torch.randint(1, 1000, (3, 160), generator=gen, device="cuda")
     mask = torch.ones_like(input_ids)
     mask[1, :37], mask[2, :101] = 0, 0
     labels = input_ids.masked_fill(mask == 0, -100)
     losses = []
-    for run in (model, reference):
-        with torch.autocast("cuda", torch.bfloat16):
+    for run, autocast in ((truth, False), (reference, True), (model, True)):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             loss = run(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         losses.append(loss.item())
-    tolerance = LLAMA_TOLERANCE["bfloat16"]
-    assert abs(losses[0] - losses[1]) <= tolerance * abs(losses[1]), losses
-    reference_grads = dict(reference.named_parameters())
-    errors = {name: relative_error(to_numpy(p.grad), to_numpy(reference_grads[name].grad))
+    assert abs(losses[2] - losses[0]) <= 1.25 * abs(losses[1] - losses[0]) + 1e-4 * abs(losses[0]), losses
+    exact = dict(truth.named_parameters())
+    sdpa = dict(reference.named_parameters())
+    errors = {name: (relative_error(to_numpy(p.grad), to_numpy(exact[name].grad)),
+                     relative_error(to_numpy(sdpa[name].grad), to_numpy(exact[name].grad)))
               for name, p in model.named_parameters()}
-    assert all(e <= tolerance for e in errors.values()), {n: e for n, e in errors.items() if e > tolerance}
+    assert all(ours <= 1.25 * theirs + 1e-3 for ours, theirs in errors.values()), \
+        {n: e for n, e in errors.items() if e[0] > 1.25 * e[1] + 1e-3}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
