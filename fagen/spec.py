@@ -363,6 +363,13 @@ class ScoreMod(_Frozen):
         return self.softcap is not None or self.alibi != "none" or self.bias != "none" or self.expression is not None
 
     @property
+    def unbounded(self) -> bool:
+        """Scores may reach any float: a bias or an expression carries a user's values (-1e9 to
+        mask a key), where q.k, softcap and ALiBi stay within a few thousand. The backward then
+        holds P = exp2(S - LSE) at its bound, 1 (ptx.cu.j2's exp2_shifted)."""
+        return self.bias != "none" or self.expression is not None
+
+    @property
     def nonlinear(self) -> bool:
         """The score's derivative varies per element (softcap, an expression): the backward keeps
         it per S register; the linear modifiers' derivative is the scale alone."""

@@ -86,6 +86,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// exp2(s * to_log2 - shift), shift at least the largest s * to_log2 of the row: at most 1.
+// A bias or an expression can make s huge (a user's -1e9 to mask a key). The backward's shift is
+// the LSE back from its natural-log form, at |s| ~ 1e30 up to 2^77 below the exact max, and exp2
+// would overflow: the exponent is held at its bound, 0 (min.NaN: a NaN score still reaches the
+// gradients).
+__device__ __forceinline__ float exp2_shifted(float s, float to_log2, float shift) {
+  float x;
+  asm("min.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(x) : "f"(fmaf(s, to_log2, -shift)));
+  return fast_exp2(x);
+}
+
 // cp.async groups: every thread commits its copies as a group and waits for all but the
 // newest N groups.
 __device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -633,7 +644,7 @@ fagen_bias_matrix_f16_d64_bwd_dkdv(
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[f][n][e] = fast_exp2(fmaf(s[f][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
+        for (int e = 0; e < 4; ++e) s[f][n][e] = exp2_shifted(s[f][n][e], to_log2, e & 1 ? lse1 : lse0);
     }
 
     // Phase 4: dV += P^T.dO. P^T's accumulators, packed to float16 pairs, are the A fragments
@@ -1126,7 +1137,7 @@ fagen_bias_matrix_f16_d64_bwd_dq(
 #pragma unroll
       for (int n = 0; n < S_N_FRAGS; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[f][n][e] = fast_exp2(fmaf(s[f][n][e], to_log2, -lse_row[f][e >> 1]));
+        for (int e = 0; e < 4; ++e) s[f][n][e] = exp2_shifted(s[f][n][e], to_log2, lse_row[f][e >> 1]);
 
     // Phase 4: dP = dO.V_j^T, then dS = P (dP - D) in place of P.
     float dp[M_FRAGS][S_N_FRAGS][4] = {};

@@ -94,6 +94,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// exp2(s * to_log2 - shift), shift at least the largest s * to_log2 of the row: at most 1.
+__device__ __forceinline__ float exp2_shifted(float s, float to_log2, float shift) {
+  return fast_exp2(fmaf(s, to_log2, -shift));
+}
+
 // cp.async groups: every thread commits its copies as a group and waits for all but the
 // newest N groups.
 __device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -309,6 +314,13 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
   }
 }
 
+// a * b rounded toward +inf
+__device__ __forceinline__ float mul_up(float a, float b) {
+  float y;
+  asm("mul.rp.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 // ---- online softmax --------------------------------------------------------------------
 // Scores move to the log2 domain with the scale folded in: p = exp2(s * to_log2 - m), where
 // to_log2 = scale * log2(e) on raw scores, or log2(e) once score modifiers applied the scale.
@@ -341,7 +353,10 @@ struct OnlineSoftmax {
         for (int n = 0; n < S_N_FRAGS; ++n) mx = fmaxf(mx, fmaxf(s[f][n][2 * h], s[f][n][2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m[f][h], mx * to_log2);
+        // The max's product rounded up, so that every exponent below is <= 0 however large the
+        // scores (a user's -1e9 bias): rounded to nearest, at |s| ~ 1e30 it fell up to 2^76 below
+        // the exact products the FMA subtracts it from, and exp2 overflowed (inf / inf = NaN).
+        const float m_new = fmaxf(m[f][h], mul_up(mx, to_log2));
         // A row with no key seen yet keeps m = -inf; subtracting 0 keeps its p = 0, not NaN.
         const float m_use = m_new == NEG_INF ? 0.f : m_new;
         alpha[f][h] = fast_exp2(m[f][h] - m_use);
@@ -351,7 +366,7 @@ struct OnlineSoftmax {
         for (int n = 0; n < S_N_FRAGS; ++n) {
 #pragma unroll
           for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            s[f][n][e] = fast_exp2(fmaf(s[f][n][e], to_log2, -m_use));
+            s[f][n][e] = exp2_shifted(s[f][n][e], to_log2, m_use);
             sum += s[f][n][e];
           }
         }

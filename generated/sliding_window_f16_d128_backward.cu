@@ -88,6 +88,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// exp2(s * to_log2 - shift), shift at least the largest s * to_log2 of the row: at most 1.
+__device__ __forceinline__ float exp2_shifted(float s, float to_log2, float shift) {
+  return fast_exp2(fmaf(s, to_log2, -shift));
+}
+
 // cp.async groups: every thread commits its copies as a group and waits for all but the
 // newest N groups.
 __device__ __forceinline__ void commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -582,7 +587,7 @@ fagen_sliding_window_f16_d128_bwd_dkdv(
 #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[f][n][e] = fast_exp2(fmaf(s[f][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
+        for (int e = 0; e < 4; ++e) s[f][n][e] = exp2_shifted(s[f][n][e], to_log2, e & 1 ? lse1 : lse0);
     }
 
     // Phase 4: dV += P^T.dO. P^T's accumulators, packed to float16 pairs, are the A fragments
@@ -1021,7 +1026,7 @@ fagen_sliding_window_f16_d128_bwd_dq(
 #pragma unroll
       for (int n = 0; n < S_N_FRAGS; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[f][n][e] = fast_exp2(fmaf(s[f][n][e], to_log2, -lse_row[f][e >> 1]));
+        for (int e = 0; e < 4; ++e) s[f][n][e] = exp2_shifted(s[f][n][e], to_log2, lse_row[f][e >> 1]);
 
     // Phase 4: dP = dO.V_j^T, then dS = P (dP - D) in place of P.
     float dp[M_FRAGS][S_N_FRAGS][4] = {};

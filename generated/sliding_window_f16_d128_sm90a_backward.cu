@@ -101,6 +101,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// exp2(s * to_log2 - shift), shift at least the largest s * to_log2 of the row: at most 1.
+__device__ __forceinline__ float exp2_shifted(float s, float to_log2, float shift) {
+  return fast_exp2(fmaf(s, to_log2, -shift));
+}
+
 // x, as a value the compiler cannot see through: what is computed from it is computed where it
 // is used, not hoisted out of the tile walk to hold registers across every tile's main loop.
 __device__ __forceinline__ int opaque(int x) {
@@ -851,7 +856,7 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
         const float2 lse_rows = pipe.lse_pair(t, n * 8 + 2 * (lane & 3));
         const float lse0 = lse_rows.x, lse1 = lse_rows.y;
   #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -(e & 1 ? lse1 : lse0)));
+        for (int e = 0; e < 4; ++e) s[0][n][e] = exp2_shifted(s[0][n][e], to_log2, e & 1 ? lse1 : lse0);
       }
 
       // Phase 4: dS^T = P^T (dP^T - D) in place of dP^T, in f32.
@@ -1453,7 +1458,7 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(fmaf(s[0][n][e], to_log2, -lse_row[0][e >> 1]));
+      for (int e = 0; e < 4; ++e) s[0][n][e] = exp2_shifted(s[0][n][e], to_log2, lse_row[0][e >> 1]);
 
     // Phase 4: dS = P (dP - D), packed to float16 pairs: wgmma's A fragments.
     wgmma_wait<0>();

@@ -171,6 +171,34 @@ def test_bias_gradient_against_the_oracle_and_torch_autograd(nan_empty, dtype, h
         assert relative_error(to_numpy(g), r.cpu().numpy()) <= GRAD_TOLERANCE[dtype], name
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("huge", [-1e9, -1e30, torch.finfo(torch.float32).min], ids=["1e9", "1e30", "float32_min"])
+def test_a_huge_negative_bias_masks_as_minus_infinity_does(nan_empty, dtype, head_dim, huge):
+    """A user's "large negative" mask value in a bias: masked keys get no weight, as the float64
+    oracle gives them, in the output and every gradient; a sequence whose keys are all masked
+    comes out finite (its row max and every score then share one rounding: the fused softmax
+    overflowed exp2 there, inf / inf, and the NaN rows poisoned a model's next layer)."""
+    nq, nk = 97, 203
+    q, k, v, _ = random_inputs("torch", dtype, 3, HQ, HKV, nq, nk, head_dim, seed=61)
+    dout = random_inputs("torch", dtype, 3, HQ, HKV, nq, nk, head_dim, seed=62)[0]
+    gen = torch.Generator(device="cuda").manual_seed(63)
+    bias = torch.randn((3, 1, nk), generator=gen, device="cuda")
+    masked = torch.rand((3, 1, nk), generator=gen, device="cuda") < 0.4
+    masked[2] = True  # the third sequence: every key
+    bias = bias.masked_fill(masked, huge)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    out = fagen.attention(q, k, v, causal=True, bias=bias)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    ref = oracle.attention_backward(*(to_numpy(x) for x in (q, k, v, dout)), causal=True, bias=to_numpy(bias))
+    kept = slice(0, 2)  # the sequences with keys (the third's rows have none the float32 kernel can tell apart)
+    expected = oracle.attention(*(to_numpy(x) for x in (q, k, v)), causal=True, bias=to_numpy(bias))
+    assert relative_error(to_numpy(out)[kept], expected[kept]) <= OUT_TOLERANCE[dtype]
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert relative_error(to_numpy(g)[kept], ref[name][kept]) <= GRAD_TOLERANCE[dtype], name
+
+
 def test_opcheck_both_ops():
     """torch.library.opcheck: schema (no mutation, no aliasing), fake tensors against the real
     kernels' shapes, dtypes and strides, the autograd registration, and AOT dispatch."""
