@@ -15,8 +15,8 @@ from functools import cached_property
 import numpy as np
 
 from fagen.backward_plan import TMA_TENSORS, BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork_join, multiprocessors, require_cupy,
-                          stream_for, tensor_signature, torch_stream_handle, zeros_like)
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork_join, is_torch, multiprocessors,
+                          require_cupy, stream_for, tensor_signature, torch_stream_handle, zeros_like)
 from fagen.render import render_backward
 from fagen import tensor_maps
 from fagen.runtime import (LOG2E, Kernel, Launch, KeptLaunches, TensorMap, block_mask_arguments, compile_kernel,
@@ -55,6 +55,7 @@ class Backward:
             if role in self.kernels and smem > 48 * 1024:
                 self.kernels[role].max_dynamic_shared_size_bytes = smem
         self.repeated_adds = KeptLaunches()  # QueryRows.add's dK/dV launches, by QueryRows._add_key
+        self.repeated_calls = KeptLaunches()  # plain calls' launches (KeptCall), by Backward._call_key
 
     def __repr__(self) -> str:
         return f"Backward({self.spec.name})"
@@ -78,6 +79,13 @@ class Backward:
         out and lse (natural-log LSE [B, Hq, Nq], f32) from the same arguments. dq, dk, dv:
         where to write them (like q, k, v), else fresh arrays."""
         spec, bp = self.spec, self.plan
+        given = (block_mask, bias, alibi_slopes, sinks, doc_ids, dq, dk, dv)
+        key = self._call_key(dout, q, k, v, out, lse, scale, mask_offset) if all(x is None for x in given) else None
+        kept = None if key is None else self.repeated_calls.get(key)
+        if kept is not None:
+            done = kept.run(dout, q, k, v, out, lse)
+            if done is not None:
+                return done
         tq, tk, tv = self.forward.check(q, k, v)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
@@ -112,6 +120,17 @@ class Backward:
                 per_kernel["dkdv"] = values | block_mask_arguments(block_mask, bp.dkdv.block_q, bp.dkdv.block_kv, *shape,
                                                                    key_major_group=hq // hkv)
             maps = self._maps(tq, tk, tv, tdo)
+
+            if key is not None:  # packed as a kept call's launches, then kept
+                launches = tuple(self._kept_launch(role, per_kernel[role], self._grid(role, b, hq, hkv, nq, nk, n_pad,
+                                                                                      tq.device), maps)
+                                 for role in self.kernels)
+                if all(launch is not None for _, launch in launches):
+                    kept = KeptCall(launches, n_pad, bp.atomic_dq)
+                    self.repeated_calls.keep(key, kept)
+                    for names, launch in launches:
+                        launch(None, *(values[name] for name in names))
+                    return Gradients(dq, dk, dv)
 
             def run(role: str) -> None:  # on CuPy's current stream
                 self._launch(role, per_kernel[role], self._grid(role, b, hq, hkv, nq, nk, n_pad, tq.device), maps)
@@ -192,6 +211,27 @@ class Backward:
         function(grid, (threads,), pack_arguments(self.packers[role], values), shared_mem=smem)
         return None
 
+    def _call_key(self, dout, q, k, v, out, lse, scale: float | None, mask_offset: int | None) -> tuple | None:
+        """What a plain call's checks and packing read, as a dict key (KeptCall); None where its
+        launches are not kept (dQ on a stream of its own beside dK/dV)."""
+        if self.plan.concurrent_dq:
+            return None
+        return (tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
+                tensor_signature(dout), tensor_signature(lse), scale, mask_offset, threading.get_ident())
+
+    def _kept_launch(self, role: str, values: dict, launch: tuple, maps: tuple) -> tuple[tuple[str, ...], Launch | None]:
+        """A kernel of a plain call packed as a Launch (not launched): the CALL_ADDRESSES it takes,
+        in that order, as its re-pointable slots; None for a grid with no blocks."""
+        (grid, threads, smem), function = launch, self.kernels[role]
+        taken = {name for _, name in getattr(self.plan, f"{role}_params")} | {m.tensor for m in maps if role in
+                                                                              self.producer_threads}
+        names = tuple(name for name in CALL_ADDRESSES if name in taken)
+        if 0 in grid:
+            return names, None
+        return names, Launch(function, (*grid, 1), self.producer_threads.get(role, threads), smem,
+                             getattr(self.plan, f"{role}_params"), values, slots=names,
+                             maps=maps if role in self.producer_threads else ())
+
     def _bias_grad_buffer(self, bias, ref: DeviceTensor, b: int, hkv: int) -> tuple[object, dict, tuple]:
         """The zeroed f32 buffer the dK/dV kernel adds d loss / d bias into, its arguments, and
         the axes to sum afterwards (none of them without backward.bias_grad)."""
@@ -203,6 +243,56 @@ class Backward:
         layout = bias_grad_layout(tuple(np.shape(bias)), b, hkv, self.spec.backward.deterministic)
         buffer = zeros_like(ref, layout.buffer_shape, "float32")
         return buffer, {"dbias": _ptr(buffer), **{k: np.int64(v) for k, v in layout.strides.items()}}, layout.summed_axes
+
+
+# a plain call's re-pointable addresses: each kernel takes those of them it has, in this order
+# (a producer-fed kernel its tensor maps' tensors among them)
+CALL_ADDRESSES = ("q", "k", "v", "dout", "o", "lse", "delta", "lse2", "dq", "dk", "dv", "dq_accum")
+
+
+@dataclass
+class KeptCall:
+    """A plain backward call's launches, packed by the first call of its key (Backward._call_key:
+    the inputs' shapes, strides, dtypes and devices, the scale, the diagonal and the thread): a
+    later call allocates D's and the LSE's rows and the gradients, re-points the launches at them
+    and at its inputs (re-encoding the tensor maps of moved tensors), and launches: tens of
+    microseconds of host time where checking and packing take hundreds, which a short sequence's
+    backward (a few hundred microseconds of GPU time) would otherwise wait on."""
+
+    launches: tuple[tuple[tuple[str, ...], Launch], ...]  # in launch order: (its CALL_ADDRESSES, the Launch)
+    n_pad: int
+    atomic_dq: bool
+
+    def run(self, dout, q, k, v, out, lse) -> Gradients | None:
+        """The gradients, or None (nothing launched) where an input is not 16-byte aligned or the
+        current device is not the inputs' (the checked call refuses those, with its message)."""
+        if is_torch(q):
+            import torch
+
+            device = q.get_device()
+            if device != cupy.cuda.runtime.getDevice():
+                return None
+            b, hq, _, d = q.shape
+            rows = torch.empty((2, b, hq, self.n_pad), dtype=torch.float32, device=q.device)
+            grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+            accum = torch.zeros((b, hq, self.n_pad, d), dtype=torch.float32, device=q.device) if self.atomic_dq else None
+            address, stream = (lambda t: t.data_ptr()), torch_stream_handle()(device)
+        else:
+            if q.device.id != cupy.cuda.runtime.getDevice():
+                return None
+            b, hq, _, d = q.shape
+            rows = cupy.empty((2, b, hq, self.n_pad), dtype=cupy.float32)
+            grads = tuple(cupy.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+            accum = cupy.zeros((b, hq, self.n_pad, d), dtype=cupy.float32) if self.atomic_dq else None
+            address, stream = (lambda t: t.data.ptr), None
+        inputs = tuple(address(t) for t in (q, k, v, dout, out, lse))
+        if any(a % 16 for a in inputs):
+            return None
+        at = dict(zip(CALL_ADDRESSES, (*inputs, address(rows[0]), address(rows[1]), *(address(g) for g in grads),
+                                       address(accum) if accum is not None else 0)))
+        for names, launch in self.launches:
+            launch(stream, *(at[name] for name in names))
+        return Gradients(*grads)
 
 
 # an add's re-pointable addresses, in QueryRows._run_again's order: the tensor maps' first

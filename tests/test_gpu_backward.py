@@ -484,3 +484,35 @@ def test_ring_gradient_sum_against_float64(framework, dtype, world):
     for name, got, plane in (("dk", dk, 0), ("dv", dv, 1)):
         err = relative_error(to_numpy(got).astype(np.float64), ref[plane])
         assert err < OUT_TOLERANCE[dtype], (name, err)
+
+
+@pytest.mark.parametrize("framework, dtype, head_dim, causal, deterministic", [
+    ("cupy", "float16", 128, True, False), ("torch", "float16", 128, True, False),
+    ("torch", "bfloat16", 64, False, False), ("cupy", "float16", 128, False, True),
+    ("torch", "float16", 128, False, True), ("torch", "bfloat16", 256, True, False)])
+def test_a_repeated_call_re_points_its_kept_launches(framework, dtype, head_dim, causal, deterministic):
+    """A plain call of a shape seen before launches what the first packed (Backward.repeated_calls)
+    on its own tensors: fresh inputs each call (gradients NaN-poisoned where torch allocates
+    them), each call against the oracle; another shape packs its own."""
+    import contextlib
+
+    from fagen.bench_backward import nan_filled_empties
+
+    spec = variants.trainable(default_spec(dtype, head_dim, causal), deterministic=deterministic)
+    backward = compile_backward(spec)
+    backward.repeated_calls = type(backward.repeated_calls)()  # this test's calls only
+    packed = []
+    original = backward._kept_launch
+    backward._kept_launch = lambda *args: packed.append(args[0]) or original(*args)
+    for seed, (nq, nk) in enumerate([(300, 317), (300, 317), (300, 317), (64, 317)]):
+        q, k, v, _ = random_inputs(framework, dtype, 2, 4, 2, nq, nk, head_dim, seed=10 + seed)
+        dout = random_inputs(framework, dtype, 2, 4, 2, nq, nk, head_dim, seed=20 + seed)[0]
+        out, lse = backward.forward(q, k, v, return_lse=True)
+        with nan_filled_empties() if framework == "torch" else contextlib.nullcontext():  # torch.empty: NaN
+            grads = backward(dout, q, k, v, out, lse)
+        ref = fagen.oracle.attention_backward(*(to_numpy(x) for x in (q, k, v, dout)), mask=spec.mask)
+        for name in ("dq", "dk", "dv"):
+            assert relative_error(to_numpy(getattr(grads, name)), ref[name]) <= OUT_TOLERANCE[dtype], (seed, name)
+    roles = len(backward.kernels)
+    assert len(packed) == 2 * roles  # the first call of each shape packed; the two repeats re-pointed
+    assert len(backward.repeated_calls._launches) == 2

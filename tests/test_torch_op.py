@@ -120,3 +120,31 @@ def test_the_op_refuses_gradients_through_key_ranges(monkeypatch):
         out, _ = torch.ops.fagen.attention_forward(q, q, q, None, None, None, None, ends, None, "", True, None, None,
                                                    False)
     assert out.shape == q.shape
+
+
+def test_an_eager_training_call_runs_the_op_s_implementation_without_its_dispatch(monkeypatch):
+    """Autograd records an eager call through _EagerAttention (the op's implementation and
+    formula, minus the dispatch's host time); the gradients are the formula's. Under tracing the
+    op runs (the compile tests). The kernels are stubbed: out = 2 q, dq = 3 dout."""
+    pytest.importorskip("fagen.torch_op")
+    import torch
+    from fagen import backward, decode, torch_op
+    from fagen.backward import Gradients
+
+    class Kernels:
+        def __call__(self, dout, q, k, v, out, lse, **side):
+            return Gradients(3 * dout, torch.zeros_like(k), torch.ones_like(v))
+
+    monkeypatch.setattr(decode, "forward", lambda plain, q, k, v, **kw: (2 * q, q.new_zeros(q.shape[:3])))
+    monkeypatch.setattr(torch_op.dispatch, "derive_spec", lambda *a, **k: None)
+    monkeypatch.setattr(torch_op.variants, "trainable", lambda *a: None)
+    monkeypatch.setattr(backward, "compile_backward", lambda spec: Kernels())
+    q, k, v = (torch.randn(2, 4, 8, 64, requires_grad=True) for _ in range(3))
+    out = torch_op.attention(q, k, v, causal=True)
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    assert torch.equal(out, 2 * q)
+    out.backward(torch.full_like(out, 0.5))
+    assert torch.equal(q.grad, torch.full_like(q, 1.5)) and not k.grad.any() and torch.equal(v.grad, torch.ones_like(v))
+    ends = torch.tensor([8, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="key ranges are an inference layout"):
+        torch_op.attention(q, k, v, cache_seqlens=ends)
