@@ -302,10 +302,11 @@ class PreparedAttention:
             CAPTURED.append(self)
             self._captured = True
 
-    def _hot_path(self):
+    def _hot_path(self, growing: tuple | None = None):
         """The C hot path of this call (fagen.hot_path.HotPath) for torch tensors, or None where
         the module could not be built: the same checks, addresses and launches as __call__'s
-        Python path, which a call takes where the hot path declines."""
+        Python path, which a call takes where the hot path declines. `growing`: a GrowingKeys
+        class's (HotPath's growing argument)."""
         module = hot_path.module() if self.torch else None
         if module is None:
             return None
@@ -320,7 +321,8 @@ class PreparedAttention:
         return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(shape),
                               self._out_placement[0], self._stream, self._current_device, allocate,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
-                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in launches))
+                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in launches),
+                              growing)
 
     def _refuse(self, inputs):
         raise ValueError(f"prepared for {self.signature}; got {tuple(tensor_signature(t) for t in inputs)}: "
@@ -408,7 +410,6 @@ class GrowingKeys(PreparedAttention):
 
     def __init__(self, q, k, v, *, lo: int, **options):
         super().__init__(q, k, v, **options)
-        self._hot = None  # the C path checks the prepared layout alone, and this one's changes every call
         self.lo, self.hi = lo, 2 * lo
         self._block_kv = compile_kernel(self.spec).plan.block_kv
         self._splits = self.kernel.grid[2]
@@ -416,14 +417,26 @@ class GrowingKeys(PreparedAttention):
         self._nq = q.shape[2]
         # a ranged kernel finds each sequence's diagonal itself (the offset stays 0)
         self._bottom_right = self.spec.mask.align == "bottom_right" and not self.ranges
-        names = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")
-        self._write = self.kernel.writer(names + (("kv_tiles_per_split",) if self._split else ()))
+        names = self.WRITTEN + (("kv_tiles_per_split",) if self._split else ())
+        self._write = self.kernel.writer(names)
         self._keys = (k.stride(), v.stride(), k.shape[2])
+        # the C path: the same checks and writes (every call), then the prepared launches
+        fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in self.kernel.param_slots(names))
+        self._hot = self._hot_path(growing=(self.lo, self.hi, self._block_kv, self._splits, self._nq,
+                                            self._bottom_right, (k.shape[0], k.shape[1], k.shape[3]),
+                                            (v.shape[0], v.shape[1], v.shape[3]), fields)) if self._hot else None
+
+    WRITTEN = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")  # HotPath's GROWING_FIELDS
 
     def run(self, q, k, v, ranges: tuple, return_lse: bool):
         """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and
         devices as prepared, and the key ranges' layout: the caller's key holds them; v as long
         as k and the current device the prepared one, checked here), or NotImplemented."""
+        if self._hot is not None and not return_lse:
+            done = self._hot.run(q, k, v, *ranges, None)
+            if done is not NotImplemented:
+                self._keys = None  # the C path wrote the slots: the Python path's next call rewrites them
+                return done
         ks, vs, nk = k.stride(), v.stride(), k.shape[2]
         if v.shape[2] != nk or self._current_device() != self.device:  # the general path says why
             return NotImplemented

@@ -12,7 +12,11 @@
  *
  * A call that is not the fast case (another layout, dtype, device or out) returns
  * NotImplemented and launches nothing: the Python path then checks it again and raises its
- * message. */
+ * message.
+ *
+ * A growing class (fagen.decode.GrowingKeys: a decode loop whose cache grows a token a call) takes
+ * k and v of any length in [lo, hi) and any 16-byte-row strides: each call writes the kernel's
+ * n_kv, diagonal offset, K/V strides and split share into its slots before the launch. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -21,6 +25,7 @@
 #define MAX_INPUTS 6   /* q, k, v and a batch layout's index tensors (paged: cache_seqlens, page_table) */
 #define MAX_ADDRESSES (MAX_INPUTS + 2) /* the inputs, out, lse: what a call may re-point, in this order */
 #define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CUlaunchAttributeID, cuda.h */
+#define GROWING_FIELDS 9 /* n_kv, mask_offset, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn[, kv_tiles_per_split] */
 
 /* CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out */
 typedef struct {
@@ -45,6 +50,7 @@ typedef struct {
     void *function;
     void **params;              /* the Launch's pointer array, one entry a parameter */
     uint64_t *values;           /* the Launch's 8-byte slots the pointers point into */
+    Py_ssize_t value_count;     /* ... how many */
     int slots[MAX_ADDRESSES];   /* the slot each address goes to; -1: not a parameter */
     PyObject *re_encode;        /* Launch.re_encode (tensor maps of moved tensors), or NULL */
 } Launch;
@@ -66,6 +72,12 @@ typedef struct {
     StreamIsCapturing is_capturing;
     int captured, launch_count, ready;  /* ready: init completed; run refuses otherwise */
     Launch launches[MAX_LAUNCHES];
+    /* a growing class (growing != 0): k's and v's batch, heads and head_dim as prepared, their
+     * length in [lo, hi); field_slots: where launches[0] takes n_kv, mask_offset, the six K/V
+     * strides and (split kernels) the split share, field_bytes: 4 (int) or 8 (long long) */
+    int growing, fields, bottom_right;
+    long long lo, hi, block_kv, splits, nq, kv_dims[2][3];  /* k's, then v's */
+    int field_slots[GROWING_FIELDS], field_bytes[GROWING_FIELDS];
 } HotPath;
 
 static PyObject *SHAPE, *STRIDE, *DTYPE, *GET_DEVICE, *DATA_PTR;
@@ -115,6 +127,59 @@ static int laid_out_as_prepared(HotPath *self, PyObject *const *inputs) {
     return 1;
 }
 
+/* index i of a tuple of ints (torch.Size, a stride tuple), or -1 with the error set */
+static long long item(PyObject *tuple, Py_ssize_t i) {
+    return PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
+}
+
+/* A growing class's k (input 1) or v (2): rank 4, batch, heads and head_dim as prepared, `length` rows (k's
+ * sets it), 16-byte rows (last stride 1, the others multiples of 8 elements), dtype and device
+ * as prepared; its strides into strides[0..2]. */
+static int kv_of_class(HotPath *self, PyObject *t, int input, long long *length, long long *strides) {
+    PyObject *shape = PyObject_GetAttr(t, SHAPE), *stride = shape ? PyObject_CallMethodNoArgs(t, STRIDE) : NULL;
+    int ok = shape && stride && PyTuple_Check(shape) && PyTuple_Check(stride) && PyTuple_GET_SIZE(shape) == 4
+        && PyTuple_GET_SIZE(stride) == 4;
+    for (int i = 0; ok && i < 3; i++) ok = item(shape, i == 2 ? 3 : i) == self->kv_dims[input - 1][i];
+    if (ok) {
+        long long n = item(shape, 2);
+        if (*length < 0) *length = n;
+        ok = n == *length && n >= self->lo && n < self->hi && item(stride, 3) == 1;
+    }
+    for (int i = 0; ok && i < 3; i++) {
+        strides[i] = item(stride, i);
+        ok = strides[i] % 8 == 0;
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    return ok && !PyErr_Occurred() && attribute_is(t, DTYPE, PyTuple_GET_ITEM(self->dtypes, input))
+        && device_is(t, self->device);
+}
+
+/* q and the index tensors as prepared, k and v of the class: then the kernel's length, diagonal,
+ * strides and split share written for them (every call: the Python path writes them too) */
+static int growing_as_prepared(HotPath *self, PyObject *const *inputs) {
+    long long length = -1, strides[6];
+    for (int i = 0; i < self->inputs; i++) {
+        if (i == 1 || i == 2) {
+            if (!kv_of_class(self, inputs[i], i, &length, strides + 3 * (i - 1))) return 0;
+        } else if (!attribute_is(inputs[i], SHAPE, PyTuple_GET_ITEM(self->layout, 2 * i))
+                   || !method_is(inputs[i], STRIDE, PyTuple_GET_ITEM(self->layout, 2 * i + 1))
+                   || !attribute_is(inputs[i], DTYPE, PyTuple_GET_ITEM(self->dtypes, i))
+                   || !device_is(inputs[i], self->device)) {
+            return 0;
+        }
+    }
+    const long long tiles = (length + self->block_kv - 1) / self->block_kv;
+    const long long values[GROWING_FIELDS] = {length, self->bottom_right ? length - self->nq : 0, strides[0],
+                                              strides[1], strides[2], strides[3], strides[4], strides[5],
+                                              (tiles + self->splits - 1) / self->splits};
+    uint64_t *slots = self->launches[0].values;
+    for (int i = 0; i < self->fields; i++)  /* an int's slot: its 4 bytes, then 4 zero bytes (struct's "i4x") */
+        slots[self->field_slots[i]] = self->field_bytes[i] == 4 ? (uint64_t)(uint32_t)(int32_t)values[i]
+                                                                : (uint64_t)values[i];
+    return 1;
+}
+
 static int out_as_prepared(HotPath *self, PyObject *out) {
     return attribute_is(out, SHAPE, self->out_shape) && method_is(out, STRIDE, self->out_stride)
         && attribute_is(out, DTYPE, PyTuple_GET_ITEM(self->dtypes, self->inputs)) && device_is(out, self->device);
@@ -157,7 +222,7 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
     if (!device) return NULL;
     long current = PyLong_AsLong(device);
     Py_DECREF(device);
-    if (current != self->device || !laid_out_as_prepared(self, args)) {
+    if (current != self->device || !(self->growing ? growing_as_prepared(self, args) : laid_out_as_prepared(self, args))) {
         PyErr_Clear();  /* a check that raised (not a torch tensor): the Python path says why */
         Py_RETURN_NOTIMPLEMENTED;
     }
@@ -212,22 +277,54 @@ fail:
     return NULL;
 }
 
+/* growing: (lo, hi, block_kv, splits, nq, bottom_right, k's and v's (B, Hkv, d), ((slot, bytes), ...)), the
+ * fields in GROWING_FIELDS' order (the split share only for a split kernel) */
+static int growing_init(HotPath *self, PyObject *growing) {
+    PyObject *fields;
+    long long (*dims)[3] = self->kv_dims;
+    if (!PyArg_ParseTuple(growing, "LLLLLp(LLL)(LLL)O!", &self->lo, &self->hi, &self->block_kv, &self->splits, &self->nq,
+                          &self->bottom_right, &dims[0][0], &dims[0][1], &dims[0][2], &dims[1][0], &dims[1][1],
+                          &dims[1][2], &PyTuple_Type, &fields))
+        return -1;
+    const Py_ssize_t count = PyTuple_GET_SIZE(fields);
+    if (self->inputs < 3 || count < GROWING_FIELDS - 1 || count > GROWING_FIELDS || self->block_kv < 1
+            || self->splits < 1) {
+        PyErr_SetString(PyExc_ValueError, "HotPath: a growing class writes n_kv, mask_offset, six strides and "
+                        "(split) the share, over key tiles and splits of at least 1");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int slot, bytes;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(fields, i), "ii", &slot, &bytes)) return -1;
+        if (slot < 0 || slot >= self->launches[0].value_count || (bytes != 4 && bytes != 8)) {
+            PyErr_Format(PyExc_ValueError, "HotPath: field %zd at slot %d of %d bytes (the kernel's launch has %zd "
+                         "slots)", i, slot, bytes, self->launches[0].value_count);
+            return -1;
+        }
+        self->field_slots[i] = slot;
+        self->field_bytes[i] = bytes;
+    }
+    self->fields = (int)count;
+    self->growing = 1;
+    return 0;
+}
+
 /* HotPath(layout, dtypes, device, out_shape, out_stride, stream_of, current_device, allocate,
  *         on_capture, lse, launch_kernel, is_capturing, launches): launches a tuple of
  * (function, (grid x, y, z), threads, smem, dependent, params, values, value slots, slots, re_encode,
  * owner): owner keeps alive what params, values and the addresses point at */
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     PyObject *layout, *dtypes, *out_shape, *out_stride, *stream_of, *current_device, *allocate, *on_capture;
-    PyObject *launches;
+    PyObject *launches, *growing = Py_None;
     long device;
     unsigned long long lse, launch_kernel, is_capturing;
     if (self->keep) {
         PyErr_SetString(PyExc_RuntimeError, "HotPath: initialised once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!lOOOOOOKKKO!", &PyTuple_Type, &layout, &PyTuple_Type, &dtypes, &device, &out_shape,
+    if (!PyArg_ParseTuple(args, "O!O!lOOOOOOKKKO!|O", &PyTuple_Type, &layout, &PyTuple_Type, &dtypes, &device, &out_shape,
                           &out_stride, &stream_of, &current_device, &allocate, &on_capture, &lse,
-                          &launch_kernel, &is_capturing, &PyTuple_Type, &launches))
+                          &launch_kernel, &is_capturing, &PyTuple_Type, &launches, &growing))
         return -1;
     const Py_ssize_t inputs = PyTuple_GET_SIZE(dtypes) - 1;  /* dtypes: each input's, then out's */
     if (inputs < 3 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
@@ -287,10 +384,12 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         launch->function = (void *)(uintptr_t)function;
         launch->params = (void **)(uintptr_t)params;
         launch->values = (uint64_t *)(uintptr_t)values;
+        launch->value_count = value_slots;
         launch->re_encode = re_encode == Py_None ? NULL : Py_NewRef(re_encode);
         PyTuple_SET_ITEM(self->keep, 1 + i, Py_NewRef(owner));
         self->launch_count = (int)i + 1;  /* dealloc releases what is set */
     }
+    if (growing != Py_None && growing_init(self, growing)) return -1;
     self->ready = 1;
     return 0;
 }

@@ -229,6 +229,11 @@ class Launch:
         for a name the kernel does not take."""
         return scalar_writer(self.values, self._param_slots, names)
 
+    def param_slots(self, names: tuple[str, ...]) -> tuple[tuple[int, str], ...]:
+        """(first slot, C type) of each named scalar parameter: where a writer (or the C hot path)
+        stores it."""
+        return tuple(self._param_slots[name] for name in names)
+
     def driver_call(self) -> tuple:
         """(CUfunction, grid, threads, shared memory, dependent, the pointer array's address, the
         slots' address, their count): what launching this from C takes (fagen.hot_path)."""

@@ -40,6 +40,7 @@ class Driver:
 
     def __init__(self):
         self.launches, self.capturing, self.status = [], 0, 0
+        self.slots = SLOTS  # a launch's 8-byte parameter slots to read back
         self.launch = LAUNCH(self._launch)
         self.is_capturing = IS_CAPTURING(self._is_capturing)
 
@@ -49,7 +50,7 @@ class Driver:
         self.launches.append(dict(function=function, grid=(c.grid_x, c.grid_y, c.grid_z),
                                   block=(c.block_x, c.block_y, c.block_z), smem=c.smem, stream=c.stream,
                                   attributes=attributes, extra=extra,
-                                  params=[ctypes.c_uint64.from_address(params[i]).value for i in range(SLOTS)]))
+                                  params=[ctypes.c_uint64.from_address(params[i]).value for i in range(self.slots)]))
         return self.status
 
     def _is_capturing(self, stream, status):
@@ -66,11 +67,11 @@ SLOTS = 8
 class PackedLaunch:
     """A Launch's buffers: 8-byte slots and the pointer array into them."""
 
-    def __init__(self, function, slots, dependent=False, re_encode=None):
-        self.values = np.full(SLOTS, 7, np.uint64)  # 7: a slot the call leaves alone
-        self.pointers = (self.values.ctypes.data + 8 * np.arange(SLOTS, dtype=np.uint64)).astype(np.uint64)
+    def __init__(self, function, slots, dependent=False, re_encode=None, count=SLOTS):
+        self.values = np.full(count, 7, np.uint64)  # 7: a slot the call leaves alone
+        self.pointers = (self.values.ctypes.data + 8 * np.arange(count, dtype=np.uint64)).astype(np.uint64)
         self.entry = (function, (8, 1, 4), 128, 135168, dependent, self.pointers.ctypes.data, self.values.ctypes.data,
-                      SLOTS, slots, re_encode, self)
+                      count, slots, re_encode, self)
 
 
 INT32 = object()
@@ -82,7 +83,7 @@ class Prepared:
 
     LSE = 0xE000
 
-    def __init__(self, launches, device=0, current_device=0, indices=False):
+    def __init__(self, launches, device=0, current_device=0, indices=False, growing=None):
         self.driver = Driver()
         self.q = Tensor((1, 32, 1, 128), 0xA000)
         self.k = Tensor((1, 8, 1024, 128), 0xB000)
@@ -95,7 +96,7 @@ class Prepared:
         self.arguments = (layout, dtypes, device, self.q.shape, self.q.stride(), self._stream_of, lambda: current_device,
                           self._allocate, self._on_capture, self.LSE, *self.driver.addresses(),
                           tuple(p.entry for p in launches))
-        self.hot = hot_path.module().HotPath(*self.arguments)
+        self.hot = hot_path.module().HotPath(*self.arguments, *(() if growing is None else (growing,)))
 
     def _stream_of(self, device):
         self.streams_asked.append(device)
@@ -271,3 +272,83 @@ def test_a_hot_path_takes_q_k_and_v_at_least(module):
     layout, dtypes = p.arguments[0], p.arguments[1]
     with pytest.raises(ValueError, match="3-6 inputs"):
         module.HotPath(layout[:4], (*dtypes[:2], dtypes[-1]), *p.arguments[2:-1], (PackedLaunch(0xF00, (0, 1, 2, 3)).entry,))
+
+
+# A growing class's kernel (fagen.decode.GrowingKeys): q, k, v, out and lse in slots 0-4, then the
+# fields each call writes, as Launch.param_slots gives them: n_kv and mask_offset (int), the six
+# K/V strides (long long), the split share (int)
+GROWING_PARAMS = {"n_kv": (5, "int"), "mask_offset": (6, "int"), "k_sb": (7, "long long"), "k_sh": (8, "long long"),
+                  "k_sn": (9, "long long"), "v_sb": (10, "long long"), "v_sh": (11, "long long"),
+                  "v_sn": (12, "long long"), "kv_tiles_per_split": (13, "int")}
+GROWING_SLOTS = 16
+
+
+def _growing(bottom_right=True, splits=4):
+    """A HotPath of a growing class over keys [1024, 2048) in 64-key tiles, and its kernel's launch."""
+    fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in GROWING_PARAMS.values())
+    packed = PackedLaunch(0xF00, (0, 1, 2, 3, 4), count=GROWING_SLOTS)
+    p = Prepared([packed], growing=(1024, 2048, 64, splits, 1, bottom_right, (1, 8, 128), (1, 8, 128), fields))
+    p.driver.slots = GROWING_SLOTS
+    return p, packed
+
+
+def _cache_view(length, rows=4096, address=0xB000):
+    """k or v: the first `length` rows of a [1, 8, rows, 128] cache (a generation loop's growing view)."""
+    return Tensor((1, 8, length, 128), address, stride=(8 * rows * 128, rows * 128, 128, 1))
+
+
+@pytest.mark.parametrize("length, rows, bottom_right", [(1500, 4096, True), (1024, 1024, True), (2047, 2048, False)])
+def test_a_growing_class_writes_its_fields_as_the_python_writer_does(module, length, rows, bottom_right):
+    from fagen.runtime import scalar_writer
+
+    p, packed = _growing(bottom_right)
+    k, v = _cache_view(length, rows), _cache_view(length, rows, 0xC000)
+    out = p.hot.run(p.q, k, v, None)
+    assert out is p.allocated[0]
+    (launch,) = p.driver.launches
+    expected = np.full(GROWING_SLOTS, 7, np.uint64)
+    expected[:5] = [0xA000, 0xB000, 0xC000, out.data_ptr(), Prepared.LSE]
+    share = -(-(-(-length // 64)) // 4)
+    scalar_writer(expected, GROWING_PARAMS, tuple(GROWING_PARAMS))(length, length - 1 if bottom_right else 0,
+                                                                   *k.stride()[:3], *v.stride()[:3], share)
+    assert launch["params"] == expected.tolist()
+
+
+def test_a_growing_class_without_splits_writes_no_share(module):
+    fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in list(GROWING_PARAMS.values())[:8])
+    packed = PackedLaunch(0xF00, (0, 1, 2, 3, 4), count=GROWING_SLOTS)
+    p = Prepared([packed], growing=(1024, 2048, 64, 1, 1, True, (1, 8, 128), (1, 8, 128), fields))
+    p.driver.slots = GROWING_SLOTS
+    p.hot.run(p.q, _cache_view(1100), _cache_view(1100, address=0xC000), None)
+    assert p.driver.launches[0]["params"][5:14] == [1100, 1099, *_cache_view(1100).stride()[:3],
+                                                    *_cache_view(1100).stride()[:3], 7]
+
+
+def _outside_the_class(p):
+    k, v = _cache_view(1500), _cache_view(1500, address=0xC000)
+    return [
+        ("k as long as the class's end", _cache_view(2048), _cache_view(2048, address=0xC000)),
+        ("k shorter than the class", _cache_view(1023), _cache_view(1023, address=0xC000)),
+        ("v shorter than k", k, _cache_view(1499, address=0xC000)),
+        ("a row stride off 16 bytes", Tensor((1, 8, 1500, 128), 0xB000, stride=(8 * 4096 * 130, 4096 * 130, 130, 1)), v),
+        ("a last stride of 2", Tensor((1, 8, 1500, 128), 0xB000, stride=(8 * 4096 * 256, 4096 * 256, 256, 2)), v),
+        ("other heads", Tensor((1, 4, 1500, 128), 0xB000, stride=(4 * 4096 * 128, 4096 * 128, 128, 1)), v),
+        ("another head_dim", k, Tensor((1, 8, 1500, 64), 0xC000, stride=(8 * 4096 * 64, 4096 * 64, 64, 1))),
+        ("another dtype", k, Tensor((1, 8, 1500, 128), 0xC000, INT32, stride=v.stride())),
+        ("another device", Tensor((1, 8, 1500, 128), 0xB000, device=1, stride=k.stride()), v),
+        ("rank 3", Tensor((8, 1500, 128), 0xB000), v),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_a_growing_class_hands_back_what_is_outside_it_unwritten(module, case):
+    p, packed = _growing()
+    what, k, v = _outside_the_class(p)[case]
+    assert p.hot.run(p.q, k, v, None) is NotImplemented, what
+    assert p.driver.launches == [] and p.allocated == [] and (packed.values == 7).all(), what
+
+
+def test_a_growing_class_s_fields_must_fit_the_launch(module):
+    with pytest.raises(ValueError, match="slot 16"):
+        Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4), count=GROWING_SLOTS)],
+                 growing=(1024, 2048, 64, 4, 1, True, (1, 8, 128), (1, 8, 128), ((16, 4),) * 9))
