@@ -4,6 +4,8 @@ call so that `import fagen` and `fagen render` load no CuPy or PyTorch."""
 
 from __future__ import annotations
 
+from functools import cache
+
 
 def compile(spec):
     """Compile a spec for the current GPU (needs CuPy); returns a callable `Kernel`."""
@@ -16,13 +18,19 @@ def attention(q, k, v, **kwargs):
     """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy);
     a few query rows (decode) take the GQA-packed split-KV kernels (fagen.decode). PyTorch tensors go through the fagen::attention_forward op: autograd, torch.compile and
     CUDA graphs see it (fagen.torch_op)."""
-    from fagen.device import is_torch
+    return _module_for(type(q)).attention(q, k, v, **kwargs)
 
-    if is_torch(q):
-        from fagen.torch_op import attention as _attention
+
+@cache
+def _module_for(kind: type):
+    """The module whose `attention` takes arrays of this type (PyTorch's: fagen.torch_op; others:
+    fagen.decode), imported by the first call of the type: a call after it pays a dictionary
+    lookup, not two import statements (a decode loop's host time)."""
+    if kind.__module__.startswith("torch") and hasattr(kind, "data_ptr"):  # fagen.device.is_torch, of the type
+        from fagen import torch_op as module
     else:
-        from fagen.decode import attention as _attention
-    return _attention(q, k, v, **kwargs)
+        from fagen import decode as module
+    return module
 
 
 def prepare(q, k, v, **kwargs):
