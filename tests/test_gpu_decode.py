@@ -377,7 +377,21 @@ def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_cla
                                             **{**kwargs, "sinks": None if sinks is None else to_numpy(sinks)})
             assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], (n, k.stride())
             assert relative_error(to_numpy(lse), ref_lse) < 1e-4, (n, k.stride())
-    assert len(decode.SHAPE_CLASSES._growing) - before == 2  # [512, 1024) and [1024, 2048)
+            out = fagen.attention(q, k, v, **kwargs)  # without the LSE: the C path's (hot_path.c, growing)
+            assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], (n, k.stride())
+    # [512, 1024) and [1024, 2048), with the LSE and without (return_lse is in the key)
+    assert len(decode.SHAPE_CLASSES._growing) - before == 4
+    _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:])
+
+
+def _took_the_c_path(classes):
+    """Where the C hot path builds (a C compiler and Python.h on the host), the last call of each
+    class without the LSE went through it: it leaves the Python path's written layout unset (the
+    classes with the LSE take the Python path)."""
+    from fagen import hot_path
+
+    if hot_path.module() is not None:
+        assert all(c._hot is not None for c in classes) and sum(c._keys is None for c in classes) == len(classes) // 2
 
 
 def test_a_prepared_call_refuses_a_view_that_starts_inside_a_row():
@@ -431,7 +445,11 @@ def test_key_ranges_over_a_growing_cache_match_the_oracle_and_pack_a_class_once(
                                               **{**kwargs, "sinks": None if sinks is None else to_numpy(sinks)})
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"], n
         assert relative_error(to_numpy(lse), ref_lse) < 1e-4, n
-    assert len(decode.SHAPE_CLASSES._growing) - before == 2  # [512, 1024) and [1024, 2048)
+        out = fagen.attention(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, **kwargs)  # the C path's
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"], n
+    # [512, 1024) and [1024, 2048), with the LSE and without (return_lse is in the key)
+    assert len(decode.SHAPE_CLASSES._growing) - before == 4
+    _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:])
 
 
 def test_a_static_cache_step_with_key_ranges_replays_in_a_cuda_graph():
