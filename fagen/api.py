@@ -4,8 +4,6 @@ call so that `import fagen` and `fagen render` load no CuPy or PyTorch."""
 
 from __future__ import annotations
 
-from functools import cache
-
 
 def compile(spec):
     """Compile a spec for the current GPU (needs CuPy); returns a callable `Kernel`."""
@@ -18,18 +16,23 @@ def attention(q, k, v, **kwargs):
     """softmax(q k^T * scale) v with a shipped kernel for q's dtype and head_dim (needs CuPy);
     a few query rows (decode) take the GQA-packed split-KV kernels (fagen.decode). PyTorch tensors go through the fagen::attention_forward op: autograd, torch.compile and
     CUDA graphs see it (fagen.torch_op)."""
-    return _module_for(type(q)).attention(q, k, v, **kwargs)
+    module = _MODULES.get(type(q))
+    return (module or _module_for(type(q))).attention(q, k, v, **kwargs)
 
 
-@cache
+# array type -> the module whose `attention` takes it: a decode loop's call pays a dictionary
+# lookup, not two import statements (a plain dict: torch.compile traces through this, and warns
+# on functools' caches)
+_MODULES: dict[type, object] = {}
+
+
 def _module_for(kind: type):
-    """The module whose `attention` takes arrays of this type (PyTorch's: fagen.torch_op; others:
-    fagen.decode), imported by the first call of the type: a call after it pays a dictionary
-    lookup, not two import statements (a decode loop's host time)."""
+    """PyTorch's tensors: fagen.torch_op; other arrays: fagen.decode (imported here, kept in _MODULES)."""
     if kind.__module__.startswith("torch") and hasattr(kind, "data_ptr"):  # fagen.device.is_torch, of the type
         from fagen import torch_op as module
     else:
         from fagen import decode as module
+    _MODULES[kind] = module
     return module
 
 

@@ -438,6 +438,8 @@ def _forward_rows(tq: DeviceTensor, dout, out, lse, scale: float | None) -> tupl
     b, hq, nq, d = tq.shape
     tdo, to = (_like(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
     tl = as_device_tensor(lse, "lse")
+    if tl.kind != tq.kind:
+        raise ValueError(f"lse: a {tl.kind} array with {tq.kind} q; pass the lse the forward returned for these inputs")
     if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.strides != (hq * nq, nq, 1):
         raise ValueError(f"lse: {tl.dtype} {tl.shape} strides {tl.strides}; expected the forward's contiguous "
                          f"float32 [{b}, {hq}, {nq}] (return_lse=True)")

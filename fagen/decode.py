@@ -433,9 +433,9 @@ class GrowingKeys(PreparedAttention):
         devices as prepared, and the key ranges' layout: the caller's key holds them; v as long
         as k and the current device the prepared one, checked here), or NotImplemented."""
         if self._hot is not None and not return_lse:
+            self._keys = None  # the C path may write the slots (even where it then declines): rewrite them below
             done = self._hot.run(q, k, v, *ranges, None)
             if done is not NotImplemented:
-                self._keys = None  # the C path wrote the slots: the Python path's next call rewrites them
                 return done
         ks, vs, nk = k.stride(), v.stride(), k.shape[2]
         if v.shape[2] != nk or self._current_device() != self.device:  # the general path says why

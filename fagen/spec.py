@@ -364,10 +364,11 @@ class ScoreMod(_Frozen):
 
     @property
     def unbounded(self) -> bool:
-        """Scores may reach any float: a bias or an expression carries a user's values (-1e9 to
-        mask a key), where q.k, softcap and ALiBi stay within a few thousand. The backward then
-        holds P = exp2(S - LSE) at its bound, 1 (ptx.cu.j2's exp2_shifted)."""
-        return self.bias != "none" or self.expression is not None
+        """Scores may reach any float: a bias, an expression or given ALiBi slopes carry a user's
+        values (-1e9 to mask a key), where q.k, softcap and geometric slopes stay within a few
+        thousand. The backward then holds P = exp2(S - LSE) at its bound, 1 (ptx.cu.j2's
+        exp2_shifted)."""
+        return self.bias != "none" or self.expression is not None or self.alibi == "slopes"
 
     @property
     def nonlinear(self) -> bool:

@@ -87,8 +87,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // exp2(s * to_log2 - shift), shift at least the largest s * to_log2 of the row: at most 1.
+// A bias or an expression can make s huge (a user's -1e9 to mask a key). The backward's shift is
+// the LSE back from its natural-log form, at |s| ~ 1e30 up to 2^77 below the exact max, and exp2
+// would overflow: the exponent is held at its bound, 0 (min.NaN: a NaN score still reaches the
+// gradients).
 __device__ __forceinline__ float exp2_shifted(float s, float to_log2, float shift) {
-  return fast_exp2(fmaf(s, to_log2, -shift));
+  float x;
+  asm("min.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(x) : "f"(fmaf(s, to_log2, -shift)));
+  return fast_exp2(x);
 }
 
 // cp.async groups: every thread commits its copies as a group and waits for all but the

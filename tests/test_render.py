@@ -159,14 +159,15 @@ def test_kernels_emit_only_what_they_use():
 def test_the_softmax_cannot_overflow_exp2_on_huge_scores():
     """Every forward rounds the row max's product up (each exponent then <= 0, whatever the
     scores); a backward whose scores a user's values reach (a bias, an expression: -1e9 to mask a
-    key) holds P = exp2(S - LSE) at 1; q.k, softcap and ALiBi keep the lone FMA there."""
+    key; given ALiBi slopes) holds P = exp2(S - LSE) at 1; q.k, softcap and geometric ALiBi keep
+    the lone FMA there."""
     from fagen.render import render_backward
     from fagen.spec import ScoreMod
     from fagen import variants
 
     base = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
-    for mod, unbounded in [(ScoreMod(), False), (ScoreMod(softcap=30.0, alibi="slopes"), False),
-                           (ScoreMod(bias="vector"), True),
+    for mod, unbounded in [(ScoreMod(), False), (ScoreMod(softcap=30.0, alibi="geometric"), False),
+                           (ScoreMod(bias="vector"), True), (ScoreMod(alibi="slopes"), True),
                            (ScoreMod(expression="score * 0.5f", expression_grad="0.5f"), True)]:
         spec = variants.variant(base, base.mask, mod)
         forward, backward = render(spec), render_backward(variants.trainable(spec, False, False))
