@@ -974,3 +974,27 @@ def test_flash_attention_4_has_its_columns_and_ratios():
     assert bench_cases.fa4_attention.__doc__ and bench_cases.FA4_MASKS == ("none", "sliding_window")
     with pytest.raises(NotImplementedError, match="no documents kernel"):
         bench_cases.fa4_attention(Case("float16", 128, 4096, True, mask="documents"))
+
+
+def test_the_training_host_time_script_reads_its_cases_and_tells_what_bounds_a_step():
+    """scripts/training_host_time.py's pure parts: a case's name to its shape (16k tokens, H x d =
+    2048), its forward FLOPs (halved for causal), a report line's TF/s of the do_bench time and
+    the bound (host above GPU: host-bound); a malformed case is refused with the form to use."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "training_host_time.py"
+    spec = importlib.util.spec_from_file_location("training_host_time", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    case = module.Case.parse("d128-1k-causal-f16")
+    assert case == module.Case(128, 1024, True, "float16") and case.shape == (16, 16, 1024, 128)
+    assert case.forward_flops() == 4 * 16 * 16 * 1024 ** 2 * 128 / 2
+    assert module.Case.parse("d64-4096-none-bf16").shape == (4, 32, 4096, 64)
+    line = module.row(case, "fagen", 1.0, 0.75, 0.8)
+    tflops = round(3.5 * case.forward_flops() / 0.8 / 1e9)
+    assert line.endswith(f"do_bench 0.800 ms = {tflops} TF/s (host-bound)") and "host 1.000 ms, GPU 0.750 ms" in line
+    assert module.row(case, "cudnn", 0.2, 0.7, 0.7).endswith("(GPU-bound)")
+    for bad in ("d128-1k-causal", "128-1k-causal-f16", "d128-1k-sliding-f16", "d128-1k-causal-fp8"):
+        with pytest.raises(ValueError, match="expected d<head_dim>-<N>"):
+            module.Case.parse(bad)
