@@ -408,6 +408,8 @@ class GrowingKeys(PreparedAttention):
     split's share of the tiles before it launches. PyTorch tensors; `run` declines
     (NotImplemented) what it was not built for, which the general path then takes or refuses."""
 
+    WRITTEN = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")  # HotPath's GROWING_FIELDS
+
     def __init__(self, q, k, v, *, lo: int, **options):
         super().__init__(q, k, v, **options)
         self.lo, self.hi = lo, 2 * lo
@@ -420,13 +422,12 @@ class GrowingKeys(PreparedAttention):
         names = self.WRITTEN + (("kv_tiles_per_split",) if self._split else ())
         self._write = self.kernel.writer(names)
         self._keys = (k.stride(), v.stride(), k.shape[2])
-        # the C path: the same checks and writes (every call), then the prepared launches
+        # the C path of the class (in place of the prepared layout's): the same checks and writes
+        # as `run`'s, every call, then the prepared launches
         fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in self.kernel.param_slots(names))
         self._hot = self._hot_path(growing=(self.lo, self.hi, self._block_kv, self._splits, self._nq,
                                             self._bottom_right, (k.shape[0], k.shape[1], k.shape[3]),
-                                            (v.shape[0], v.shape[1], v.shape[3]), fields)) if self._hot else None
-
-    WRITTEN = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")  # HotPath's GROWING_FIELDS
+                                            (v.shape[0], v.shape[1], v.shape[3]), fields))
 
     def run(self, q, k, v, ranges: tuple, return_lse: bool):
         """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and

@@ -4,9 +4,10 @@ autograd, torch.compile(fullgraph=True) and CUDA graphs see one opaque op each w
 
 The ops launch fagen's kernels (fagen.runtime, fagen.backward) on torch's current stream; all
 they allocate comes from torch's caching allocator, and they wait on the device only where the
-runtime checks a side input's values, once per tensor object. Eager calls that autograd does
-not record (no_grad, inference, inputs that do not require grad) launch the same kernels
-without the op: its dispatch costs tens of microseconds of host time. The mask travels as JSON of
+runtime checks a side input's values, once per tensor object. Eager calls launch the same kernels
+without the op, whose dispatch costs tens of microseconds of host time: those autograd does not
+record (no_grad, inference, inputs that do not require grad) directly, those it records through
+_EagerAttention (the op's implementation and formula); traced calls see the op. The mask travels as JSON of
 fagen.spec.Mask's fields ("" for none): an op takes no Python objects.
 """
 
