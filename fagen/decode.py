@@ -260,6 +260,11 @@ class PreparedAttention:
                      lse.data.ptr if return_lse else self._lse_ptr)
         return (out, lse) if return_lse else out
 
+    def launch_kept(self, q, k, v, indices: tuple):
+        """out from the C path alone (out allocated, no LSE), or NotImplemented where it declines
+        or was not built: ShapeClasses' call of a class it remembers, which checks nothing else."""
+        return NotImplemented if self._hot is None else self._hot.run(q, k, v, *indices, None)
+
     def once(self, q, k, v, *indices, out=None, return_lse: bool = False):
         """The one call of an object made for it (an unprepared call, the PyTorch op's under a graph
         capture too): its workspace is this call's and goes with the object, which a capture must
@@ -429,13 +434,16 @@ class GrowingKeys(PreparedAttention):
                                             self._bottom_right, (k.shape[0], k.shape[1], k.shape[3]),
                                             (v.shape[0], v.shape[1], v.shape[3]), fields))
 
+    def launch_kept(self, q, k, v, indices: tuple):
+        self._keys = None  # the C path may write the slots (even where it then declines): `run` rewrites them
+        return NotImplemented if self._hot is None else self._hot.run(q, k, v, *indices, None)
+
     def run(self, q, k, v, ranges: tuple, return_lse: bool):
         """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and
         devices as prepared, and the key ranges' layout: the caller's key holds them; v as long
         as k and the current device the prepared one, checked here), or NotImplemented."""
         if self._hot is not None and not return_lse:
-            self._keys = None  # the C path may write the slots (even where it then declines): rewrite them below
-            done = self._hot.run(q, k, v, *ranges, None)
+            done = self.launch_kept(q, k, v, ranges)
             if done is not NotImplemented:
                 return done
         ks, vs, nk = k.stride(), v.stride(), k.shape[2]
@@ -470,6 +478,11 @@ class ShapeClasses:
     def __init__(self):
         self._growing: dict[tuple, GrowingKeys] = {}
         self._exact: dict[tuple, PreparedAttention] = {}
+        # the options' key (no tensor's layout in it) -> the class a call with them last took:
+        # a model's layers call with the same options and tensors of one class, so a call tries
+        # that class's C path first, which checks the tensors' layouts itself (half the host time
+        # of building and hashing the whole key)
+        self._last: dict[tuple, PreparedAttention] = {}
         self._stream = None
 
     def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple = ()):
@@ -478,6 +491,24 @@ class ShapeClasses:
         cache_leftpad), either None, as KeyRanges takes them."""
         if self._stream is None:
             self._stream = torch_stream_handle()
+        options = None
+        given = tuple(t for t in ranges if t is not None) if ranges else ()
+        if not return_lse:  # (the C path's calls; no generator here: a decode step's host time)
+            try:
+                device = q.get_device()
+                if device >= 0:
+                    options = (q.shape, causal, mask if mask is None or isinstance(mask, str) else tuple(mask.items()),
+                               softcap, scale,
+                               None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
+                               device, self._stream(device), threading.get_ident(),
+                               ranges and (ranges[0] is None, ranges[1] is None))
+                    last = self._last.get(options)
+                    if last is not None:
+                        done = last.launch_kept(q, k, v, given)
+                        if done is not NotImplemented:
+                            return done
+            except (AttributeError, TypeError):  # not a tensor, or a mask with unhashable parts: the key's test below
+                options = None
         try:  # the key alone: what is not a tensor of this rank, or a mask with unhashable parts, is not ours
             if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
                 return NotImplemented
@@ -495,12 +526,13 @@ class ShapeClasses:
             growing, exact = self._growing.get(growing_key), self._exact.get(exact_key)
         except (AttributeError, TypeError):
             return NotImplemented
-        given = tuple(t for t in ranges if t is not None)
         if growing is not None:
             done = growing.run(q, k, v, given, return_lse)
             if done is not NotImplemented:
+                self._remember(options, growing)
                 return done
         if exact is not None:
+            self._remember(options, exact)
             return exact(q, k, v, *given, return_lse=return_lse)
         if growing is not None:
             return NotImplemented
@@ -508,6 +540,13 @@ class ShapeClasses:
         return self._add(base, exact_key, q, k, v, dict(causal=causal, mask=mask, softcap=softcap, scale=scale,
                                                        sinks=sinks, cache_seqlens=cache_seqlens,
                                                        cache_leftpad=cache_leftpad), given, return_lse)
+
+    def _remember(self, options: tuple | None, prepared: PreparedAttention) -> None:
+        """`prepared` as the class of calls with these options (None: not the C path's call)."""
+        if options is not None and prepared._hot is not None:
+            if len(self._last) >= self.LIMIT:
+                self._last.clear()
+            self._last[options] = prepared
 
     def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, given: tuple, return_lse: bool):
         """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)
@@ -533,6 +572,7 @@ class ShapeClasses:
             return NotImplemented
         if len(kept) >= self.LIMIT:
             kept.clear()
+            self._last.clear()  # (it keeps only classes kept here)
         prepared._held.append(options["sinks"])  # its address and version are in the key: never another's
         kept[key] = prepared
         if isinstance(prepared, GrowingKeys):

@@ -23,13 +23,15 @@ cu_seqlens and max_seqlen_*.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from fagen.decode import PreparedAttention, attention as decode_attention
-from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, zeros_like
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, stream_for, torch_stream_handle,
+                          zeros_like)
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
@@ -364,6 +366,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")
+    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q):
+        done = KEPT_PAGED_CALLS(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse,
+                                dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks))
+        if done is not NotImplemented:
+            return done
     append = None
     if k is not None:
         if status is None:  # the append's flags and the kernel's in one word
@@ -399,7 +406,7 @@ class PreparedKVCache(PreparedAttention):
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, page_table, *, causal: bool = False, mask=None,
                  softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
-                 status=None, splits: int | None = None):
+                 status=None, splits: int | None = None, validate: bool = True):
         tq = as_device_tensor(q, "q")
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
@@ -410,7 +417,7 @@ class PreparedKVCache(PreparedAttention):
                 raise ValueError(f"{name}: a {kind} array with {tq.kind} q; a prepared call reads its index tensors "
                                  f"in place: pass them as {tq.kind} tensors on q's device")
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
-        batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status)
+        batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status, validate=validate)
         spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         if 0 in tq.shape[:3]:  # (the cache's keys are the device's to count)
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
@@ -419,6 +426,57 @@ class PreparedKVCache(PreparedAttention):
                       indices=PAGED_INDICES)
         self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
                   packed.kernel, packed.merge, packed.held)
+
+
+class KeptPagedCalls:
+    """attention_with_kvcache's paged calls with validate=False (a serving loop's form: padded
+    q, no new tokens), PyTorch tensors: a PreparedKVCache kept a layout, so that a call that comes
+    again launches through it (its C path: a few microseconds of host time where checking and
+    packing take hundreds). The key is everything the packing read but the addresses (and the
+    index tensors' values, which the kernel reads): the five tensors' shapes, strides, dtypes and
+    devices, the options, the sinks' and status's addresses, the stream and the thread (a
+    class's workspace is one call's at a time). At most LIMIT; then they start over."""
+
+    LIMIT = 64
+
+    def __init__(self):
+        self._kept: dict[tuple, PreparedKVCache] = {}
+        self._stream = None
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict):
+        """out (and lse) of the call, or NotImplemented where the general path must take it (or
+        refuse it by name)."""
+        if self._stream is None:
+            self._stream = torch_stream_handle()
+        sinks, mask = options["sinks"], options["mask"]
+        if out is not None:  # (a given out of another layout is the general path's to take)
+            return NotImplemented
+        try:
+            tensors = (q, k_cache, v_cache, cache_seqlens, page_table)
+            device = q.get_device()
+            if device < 0 or sinks is not None and not (is_torch(sinks) and sinks.is_cuda):
+                return NotImplemented
+            key = (tuple((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), options["causal"],
+                   mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())),
+                   options["softcap"], options["scale"],
+                   None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
+                   None if status is None else (status.data_ptr(), status.get_device()),
+                   self._stream(device), threading.get_ident())
+            prepared = self._kept.get(key)
+        except (AttributeError, TypeError):  # not torch tensors, or a mask with unhashable parts
+            return NotImplemented
+        if prepared is None:
+            try:
+                prepared = PreparedKVCache(*tensors, status=status, validate=False, **options)
+            except ValueError:  # the general path refuses it by name
+                return NotImplemented
+            if len(self._kept) >= self.LIMIT:
+                self._kept.clear()
+            self._kept[key] = prepared
+        return prepared(*tensors, return_lse=return_lse)
+
+
+KEPT_PAGED_CALLS = KeptPagedCalls()
 
 
 def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs) -> PreparedKVCache:

@@ -1,6 +1,8 @@
 """Decode kernels without a GPU: GQA packing's rules, which kernel a shape gets, the splits, the
 rendered source and its registers."""
 
+import math
+
 import pytest
 
 from fagen import dispatch, nvcc, variants
@@ -215,3 +217,75 @@ def test_a_merging_plan_packs_the_merge_parameters_after_the_splits():
     split = names.index("lse_split_stride")
     assert names[split + 1:split + 8] == ["merged_o", "merged_sb", "merged_sh", "merged_sn", "merged_lse",
                                           "split_counts", "sinks"]
+
+
+class _Tensor:
+    """What ShapeClasses reads of a CUDA tensor, without one."""
+
+    def __init__(self, *shape, device=0):
+        self.shape, self._device, self.dtype = shape, device, "float16"
+
+    def stride(self):
+        return tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return self._device
+
+    def data_ptr(self):
+        return 4096
+
+
+class _Class:
+    """A kept class that records how it was called: `launch_kept` (the C path alone, what a
+    remembered class takes) or `run` (after the whole key's lookup)."""
+
+    def __init__(self, declines: bool = False):
+        self._hot, self.declines, self.calls = object(), declines, []
+
+    def launch_kept(self, q, k, v, indices):
+        self.calls.append("kept")
+        return NotImplemented if self.declines else "out"
+
+    def run(self, q, k, v, given, return_lse):
+        self.calls.append("run")
+        return "out"
+
+
+def test_shape_classes_try_the_class_a_call_with_the_same_options_last_took(monkeypatch):
+    """A model's layers call with the same options: after one call through the whole key, a call
+    with those options (and q's shape, stream, thread, key-range pattern) goes to the remembered
+    class's C path, which checks the tensors; where it declines (a class boundary crossed), the
+    whole key finds the call's class. Other options, or an LSE asked for, take the whole key."""
+    import threading
+
+    from fagen.decode import ShapeClasses
+
+    classes = ShapeClasses()
+    classes._stream = lambda device: 7
+    made = []
+
+    def add(base, exact_key, q, k, v, options, given, return_lse):  # the kernel's packing, stubbed
+        made.append(_Class(declines=len(made) == 0))
+        classes._growing[(*base, k.shape[2].bit_length())] = made[-1]
+        return made[-1].run(q, k, v, given, return_lse)
+
+    monkeypatch.setattr(classes, "_add", add)
+    q = _Tensor(1, 32, 1, 128)
+    call = lambda n, **o: classes(q, _Tensor(1, 8, n, 128), _Tensor(1, 8, n, 128), o.get("causal", True), None,
+                                  None, None, None, o.get("return_lse", False))
+    assert call(1000) == "out" and made[0].calls == ["run"]  # packed
+    assert call(1001) == "out" and made[0].calls == ["run", "run"]  # the whole key, then remembered
+    made[0].declines = False
+    assert call(1002) == "out" and made[0].calls == ["run", "run", "kept"]  # the remembered class alone
+    made[0].declines = True
+    assert call(1030) == "out" and made[1].calls == ["run"]  # declined (a new class): the whole key, packed
+    assert call(1031) == "out" and made[0].calls[-1] == "kept" and made[1].calls == ["run", "run"]
+    assert call(1032) == "out" and made[1].calls[-1] == "kept"  # the new class remembered
+    before = [len(c.calls) for c in made]
+    assert call(1033, return_lse=True) == "out" and len(made) == 3  # an LSE: the whole key (its own class)
+    assert call(1034, causal=False) == "out" and len(made) == 4  # other options: their own class
+    assert [len(c.calls) for c in made[:2]] == before
+    other = []
+    worker = threading.Thread(target=lambda: other.append(call(1035)))
+    worker.start(), worker.join()
+    assert other == ["out"] and len(made) == 5 and made[4].calls == ["run"]  # another thread: its own class

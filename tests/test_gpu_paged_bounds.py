@@ -264,3 +264,28 @@ def test_a_prepared_paged_step_reads_no_page_outside_the_cache(fault):
     ref = _reference(q, k_cache, v_cache, table, lens, causal=True)
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]
     _a_healthy_call_matches_the_oracle()
+
+
+def test_unvalidated_paged_calls_of_one_layout_launch_through_one_kept_class():
+    """attention_with_kvcache(validate=False) without out (a serving loop): calls of one layout
+    with new caches, page tables and lengths each time (one with a page id outside the cache)
+    match the oracle and flag their status as the general path does, through one kept class
+    (sequences.KeptPagedCalls), packed without reading the table back."""
+    kept = sequences.KEPT_PAGED_CALLS._kept
+    before = len(kept)
+    rng = _rng("kept")
+    k_cache, _, table, _, q, _ = _kernel_case(rng, (3, 32, 8, 1))
+    status = _status()
+    for call in range(4):
+        k_cache, v_cache, q = (_randn(rng, t.shape) for t in (k_cache, k_cache, q))  # new values, new addresses
+        pages = rng.permutation(k_cache.shape[0]).astype(np.int32)[table]  # the same pages, relabelled
+        lens = [int(x) for x in rng.integers(65, table.shape[1] * 64 + 1, table.shape[0])]  # (a second page read)
+        flag = _fault(pages, lens, "page_num_pages", k_cache.shape[0]) if call == 2 else 0
+        status.zero_()
+        out = fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(lens), _int32(pages), causal=True,
+                                           validate=False, status=status)
+        torch.cuda.synchronize()
+        assert int(status.item()) == flag, call
+        ref = _reference(q, k_cache, v_cache, pages, lens, causal=True)
+        assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"], call
+    assert len(kept) - before == 1

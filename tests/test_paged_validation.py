@@ -216,3 +216,57 @@ def test_contiguous_but_misaligned_new_rows_are_copied_to_an_aligned_allocation(
     np.testing.assert_array_equal(got.obj, x)
     aligned = _aligned_empty((2, HKV, 5, D), np.float16)
     assert sequences._aligned(aligned, _tensor(aligned, "k"), 2).ptr == aligned.ctypes.data  # no copy needed
+
+
+class _Torchish:
+    """What KeptPagedCalls reads of a CUDA tensor, without one."""
+
+    def __init__(self, *shape, dtype="float16", at=4096):
+        self.shape, self.dtype, self.at = shape, dtype, at
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return self.at
+
+
+def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
+    """attention_with_kvcache(validate=False)'s serving loop: the first call of a layout packs a
+    PreparedKVCache (without reading the page table back), a call with the same layout and options
+    launches through it; another layout, option, status or stream packs its own; a given out, or
+    what packing refuses, is the general path's (NotImplemented)."""
+    made = []
+
+    class Prepared:
+        def __init__(self, *tensors, status=None, validate=True, **options):
+            if options["softcap"] == -1.0:
+                raise ValueError("refused by name")
+            assert validate is False
+            self.calls = 0
+            made.append(self)
+
+        def __call__(self, *tensors, return_lse=False):
+            self.calls += 1
+            return "out"
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    kept = sequences.KeptPagedCalls()
+    streams = iter([7] * 6 + [8])
+    kept._stream = lambda device: next(streams)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
+    call = lambda *tensors, status=None, out=None, **o: kept(*tensors, status, out, False, {**options, **o})
+    assert call(q, cache, cache, lengths, table) == "out" and len(made) == 1
+    assert call(q, _Torchish(256, 16, 8, 128, at=8192), cache, _Torchish(4, dtype="int32", at=0), table) == "out"
+    assert len(made) == 1 and made[0].calls == 2  # other addresses, the same class
+    assert call(q, cache, cache, lengths, _Torchish(4, 32, dtype="int32")) == "out" and len(made) == 2  # another layout
+    assert call(q, cache, cache, lengths, table, causal=False) == "out" and len(made) == 3
+    assert call(q, cache, cache, lengths, table, status=_Torchish(1, dtype="int32")) == "out" and len(made) == 4
+    assert call(q, cache, cache, lengths, table, out=q) is NotImplemented and len(made) == 4
+    assert call(q, cache, cache, lengths, table, softcap=-1.0) is NotImplemented
+    assert call(q, cache, cache, lengths, table) == "out" and len(made) == 5  # stream 8: its own class
