@@ -15,8 +15,10 @@ from functools import cached_property
 import numpy as np
 
 from fagen.backward_plan import TMA_TENSORS, BackwardPlan, backward_plan, bias_grad_layout, kernel_symbols
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork_join, is_torch, multiprocessors,
-                          require_cupy, stream_for, tensor_signature, torch_stream_handle, zeros_like)
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork_join, is_torch, l2_bytes,
+                          multiprocessors, require_cupy, stream_for, tensor_signature, torch_stream_handle, zeros_like)
+from fagen.mask_kinds import KINDS
+from fagen.plan import l2_heads
 from fagen.render import render_backward
 from fagen import tensor_maps
 from fagen.runtime import (LOG2E, Kernel, Launch, KeptLaunches, TensorMap, block_mask_arguments, compile_kernel,
@@ -108,6 +110,7 @@ class Backward:
             dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
+                          heads_section=self._heads_section(b, hq, hkv, n_pad, d, tq.device),
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
                           **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **dbias_args, **extras)
@@ -170,6 +173,17 @@ class Backward:
             # order); else each block's dQ is summed here
             dq_sum = zeros_like(tq, (b, hq, n_pad, d) if self.plan.atomic_dq else (b, hq, nq, d), "float32")
         return QueryRows(self, tq, tdo, scale, n_pad, delta, lse2, dq_sum)
+
+    def _heads_section(self, b: int, hq: int, hkv: int, n_pad: int, d: int, device_id: int) -> int:
+        """The warp-specialised dK/dV walk's KV heads a section (templates/kernel/backward.cu.j2):
+        one at a time where every KV block of a head does the same work (its blocks read its Q and
+        dO in step, once from DRAM); else as many as keep their Q, dO, LSE and D within L2's share
+        (plan.l2_heads), so that every head's heaviest block starts first and the last wave holds
+        light ones (causal: KV block 0 sees every query, the last only the diagonal's)."""
+        if KINDS[self.spec.mask.kind].even_tiles:
+            return 1
+        per_head = (hq // hkv) * n_pad * (2 * d * self.spec.element.bytes + 8)  # Q and dO rows, LSE and D
+        return l2_heads(b * hkv, per_head, l2_bytes(device_id))
 
     def _dkdv_grid(self, tiles: int, device_id: int) -> tuple[int, int]:
         """The warp-specialised dK/dV kernel walks a 1-D tile grid: a block a tile, or (persistent)
@@ -361,6 +375,7 @@ class QueryRows:
                       for t, given in ((tk, dk), (tv, dv)))
             dq = None if mine.atomic_dq else empty_like(tq, tq.shape, kernels.spec.dtype)
             values = dict(n_q=nq, n_kv=nk, batch=b, mask_offset=mask_offset, heads_q=hq, group=hq // hkv,
+                          heads_section=kernels._heads_section(b, hq, hkv, self.n_pad, d, tq.device),
                           n_pad=self.n_pad, scale=self.scale, scale_log2=self.scale * LOG2E,
                           **self._row_addresses(), q=tq.ptr, k=tk.ptr, v=tv.ptr, dk=_ptr(dk), dv=_ptr(dv),
                           **({} if mine.atomic_dq else {"dq": _ptr(dq)}),

@@ -487,7 +487,8 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,
                      *dkdv.bias_grad_params,
                      *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if dkdv.warp_specialized else ()),
-                     *((("int", "batch"),) if dkdv.warp_specialized else ())),  # the tile grid's batch * KV heads
+                     # the tile grid's batch * KV heads, and how many of them a section walks
+                     *((("int", "batch"), ("int", "heads_section")) if dkdv.warp_specialized else ())),
         dq_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                    (OUT_PTR, "dq"), *SHAPE_PARAMS, *_strides("q", "k", "v", "dout", "dq"),
                    ("float", "scale"), ("float", "scale_log2"), *side,

@@ -314,7 +314,12 @@ def l2_section(tiles_x: int, tiles_y: int, kv_bytes_per_x: int, l2_bytes: int, e
         return 1
     if tiles_y > UNEVEN_SECTION_TILES_Y:
         return tiles_x
-    return max(1, min(tiles_x, int(l2_bytes * L2_SECTION_SHARE) // max(1, kv_bytes_per_x)))
+    return l2_heads(tiles_x, kv_bytes_per_x, l2_bytes)
+
+
+def l2_heads(heads: int, bytes_per_head: int, l2_bytes: int) -> int:
+    """How many heads' bytes_per_head fit in L2_SECTION_SHARE of L2: at least 1, at most `heads`."""
+    return max(1, min(heads, int(l2_bytes * L2_SECTION_SHARE) // max(1, bytes_per_head)))
 
 
 def has_sequence_tiles(spec: AttentionSpec) -> bool:

@@ -784,7 +784,8 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map,
     const __grid_constant__ TmaMap dout_map,
-    int batch) {
+    int batch,
+    int heads_section) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -792,6 +793,11 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
   const int heads_kv = heads_q / group;
   const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
 
+  // The tiles: (KV head, KV block), heads_section heads at a time (their Q and dO stay in L2;
+  // fagen.backward chooses it), the heads fastest within a section: where a mask's KV blocks
+  // differ in work (causal: block 0 sees every query), every head's heaviest block starts first
+  // and the last wave holds light ones, not a head's heaviest behind the rest.
+  //
   // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
   // thread loads every tile's K and V and every step's Q, dO, LSE and D as slots free up; the
   // consumers compute. Each role walks the tiles in its own loop, so that ptxas knows which
@@ -802,10 +808,10 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
-      const TileScheduler scheduler((n_kv + BLOCK_KV - 1) / BLOCK_KV, batch * heads_kv, 1);
+      const TileScheduler scheduler(batch * heads_kv, (n_kv + BLOCK_KV - 1) / BLOCK_KV, 1, heads_section);
       for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
         const Tile tile = scheduler.at(t);
-        const int b = tile.y / heads_kv, h_kv = tile.y % heads_kv, kv0 = tile.x * BLOCK_KV;
+        const int b = tile.x / heads_kv, h_kv = tile.x % heads_kv, kv0 = tile.y * BLOCK_KV;
         // K and V need no mask: in flight while the mask finds the tile's query tiles (a
         // document mask: its keys' document bounds, loads of their own)
         pipe.produce_kv(j, k_map, v_map, kv0, h_kv, b);
@@ -818,10 +824,10 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
-  const TileScheduler scheduler((n_kv + BLOCK_KV - 1) / BLOCK_KV, batch * heads_kv, 1);
+  const TileScheduler scheduler(batch * heads_kv, (n_kv + BLOCK_KV - 1) / BLOCK_KV, 1, heads_section);
   for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
     const Tile tile = scheduler.at(t);
-    const int b = tile.y / heads_kv, h_kv = tile.y % heads_kv, kv0 = tile.x * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
+    const int b = tile.x / heads_kv, h_kv = tile.x % heads_kv, kv0 = tile.y * BLOCK_KV, warp_kv0 = kv0 + warp_row0;
     Mask mask;
     mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, kv0);
     const int steps = mask.steps();
@@ -1395,6 +1401,11 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1);
   const int kv_tiles = mask.count;
+  // The tiles: (KV head, KV block), heads_section heads at a time (their Q and dO stay in L2;
+  // fagen.backward chooses it), the heads fastest within a section: where a mask's KV blocks
+  // differ in work (causal: block 0 sees every query), every head's heaviest block starts first
+  // and the last wave holds light ones, not a head's heaviest behind the rest.
+  //
   // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
   // thread loads every step's K and V as slots free up; the consumers compute. ptxas sees each
   // role's code under its own setmaxnreg budget.

@@ -9,7 +9,7 @@ import fagen
 from fagen.spec import Mask, ScoreMod
 from fagen import variants
 from fagen.backward_plan import backward_plan, bias_grad_layout, dq_accum_index, kernel_symbols
-from fagen.load import SPECS, with_fix
+from fagen.load import SPECS, load_spec, with_fix
 from fagen.plan import MBARRIER_BYTES, SWIZZLE_ATOM_BYTES
 from fagen.render import render_backward
 from tests.conftest import rejected
@@ -317,7 +317,8 @@ def test_warp_specialized_plan_adds_a_producer_warpgroup_and_its_maps():
     assert 128 * dkdv.producer_registers + 256 * dkdv.consumer_registers <= 384 * 168
     assert dkdv.smem_bytes == plain.dkdv.smem_bytes + 2 * MBARRIER_BYTES  # K and V's ring of one slot
     # the maps, then the tile grid's batch (the walk's batch * KV heads)
-    assert [name for _, name in plan.dkdv_params[-5:]] == ["q_map", "k_map", "v_map", "dout_map", "batch"]
+    assert [name for _, name in plan.dkdv_params[-6:]] == ["q_map", "k_map", "v_map", "dout_map", "batch",
+                                                        "heads_section"]
     assert not dkdv.column_blocks  # the TMA boxes land as row groups, the layout cp.async wrote
 
 
@@ -608,3 +609,24 @@ def test_head_dim_256_with_a_bias_validates_at_16_queries_and_keys(bias):
         "head_split": 2, "block_kv": 64, "block_q": 16, "dq_block_kv": 16, "bias_grad": True}}
     plan_ = backward_plan(fagen.parse_spec(data))
     assert plan_.dkdv.predicted_registers <= 255 and plan_.dq_predicted_registers <= 255
+
+
+def test_the_dkdv_walk_takes_heads_in_l2_sections_where_kv_blocks_differ_in_work(monkeypatch):
+    """Causal KV blocks differ in work: as many KV heads a section as keep their Q, dO, LSE and
+    D within half of L2 (each head's heaviest block first); dense ones, even, walk one head at a
+    time (the former order)."""
+    from types import SimpleNamespace
+
+    from fagen import backward
+    from fagen.plan import l2_heads
+
+    monkeypatch.setattr(backward, "l2_bytes", lambda device: 50 << 20)
+    section = lambda spec, b, hq, hkv, n_pad, d: backward.Backward._heads_section(  # noqa: E731
+        SimpleNamespace(spec=spec), b, hq, hkv, n_pad, d, 0)
+    causal, dense = (load_spec(SPECS / f"{name}.yaml") for name in ("attn_f16_d128_causal_h200", "attn_f16_d128_h200"))
+    per_head = 1024 * (2 * 128 * 2 + 8)  # one query head of 1k rows: Q and dO f16, LSE and D f32
+    assert section(causal, 16, 16, 16, 1024, 128) == l2_heads(256, per_head, 50 << 20) == (25 << 20) // per_head
+    assert section(causal, 16, 32, 8, 1024, 128) == (25 << 20) // (4 * per_head)  # GQA: a KV head's 4 query heads
+    assert section(causal, 1, 2, 2, 1024, 128) == 2  # at most every head
+    assert section(causal, 1, 16, 16, 1 << 20, 128) == 1  # at least one
+    assert section(dense, 16, 16, 16, 1024, 128) == 1
