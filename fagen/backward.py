@@ -110,7 +110,7 @@ class Backward:
             dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
-                          heads_section=self._heads_section(b, hq, hkv, n_pad, d, tq.device),
+                          heads_section=self._heads_section(b, hq, hkv, n_pad, nk, d, tq.device),
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
                           v=tv.ptr, dq=_ptr(dq), dk=_ptr(dk), dv=_ptr(dv), scale=scale, scale_log2=scale * LOG2E,
                           **({"dq_accum": _ptr(dq_accum)} if bp.atomic_dq else {}), **dbias_args, **extras)
@@ -174,13 +174,16 @@ class Backward:
             dq_sum = zeros_like(tq, (b, hq, n_pad, d) if self.plan.atomic_dq else (b, hq, nq, d), "float32")
         return QueryRows(self, tq, tdo, scale, n_pad, delta, lse2, dq_sum)
 
-    def _heads_section(self, b: int, hq: int, hkv: int, n_pad: int, d: int, device_id: int) -> int:
+    def _heads_section(self, b: int, hq: int, hkv: int, n_pad: int, n_kv: int, d: int, device_id: int) -> int:
         """The warp-specialised dK/dV walk's KV heads a section (templates/kernel/backward.cu.j2):
         one at a time where every KV block of a head does the same work (its blocks read its Q and
-        dO in step, once from DRAM); else as many as keep their Q, dO, LSE and D within L2's share
-        (plan.l2_heads), so that every head's heaviest block starts first and the last wave holds
-        light ones (causal: KV block 0 sees every query, the last only the diagonal's)."""
-        if KINDS[self.spec.mask.kind].even_tiles:
+        dO in step, once from DRAM), or where a head's blocks fill half the GPU by themselves (its
+        heaviest already start a wave ahead of its lightest); else as many as keep their Q, dO,
+        LSE and D within L2's share (plan.l2_heads), so that every head's heaviest block starts
+        first and the last wave holds light ones (causal: KV block 0 sees every query, the last
+        only the diagonal's). Measured, d128 causal (notes/perf.md): +4% at 4k keys, 0 at 1k, and
+        -2.5% at 16k, whose 128 blocks a head now walk one head at a time as before."""
+        if KINDS[self.spec.mask.kind].even_tiles or 2 * -(-n_kv // self.plan.dkdv.block_kv) >= multiprocessors(device_id):
             return 1
         per_head = (hq // hkv) * n_pad * (2 * d * self.spec.element.bytes + 8)  # Q and dO rows, LSE and D
         return l2_heads(b * hkv, per_head, l2_bytes(device_id))
@@ -375,7 +378,7 @@ class QueryRows:
                       for t, given in ((tk, dk), (tv, dv)))
             dq = None if mine.atomic_dq else empty_like(tq, tq.shape, kernels.spec.dtype)
             values = dict(n_q=nq, n_kv=nk, batch=b, mask_offset=mask_offset, heads_q=hq, group=hq // hkv,
-                          heads_section=kernels._heads_section(b, hq, hkv, self.n_pad, d, tq.device),
+                          heads_section=kernels._heads_section(b, hq, hkv, self.n_pad, nk, d, tq.device),
                           n_pad=self.n_pad, scale=self.scale, scale_log2=self.scale * LOG2E,
                           **self._row_addresses(), q=tq.ptr, k=tk.ptr, v=tv.ptr, dk=_ptr(dk), dv=_ptr(dv),
                           **({} if mine.atomic_dq else {"dq": _ptr(dq)}),

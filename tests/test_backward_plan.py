@@ -613,20 +613,25 @@ def test_head_dim_256_with_a_bias_validates_at_16_queries_and_keys(bias):
 
 def test_the_dkdv_walk_takes_heads_in_l2_sections_where_kv_blocks_differ_in_work(monkeypatch):
     """Causal KV blocks differ in work: as many KV heads a section as keep their Q, dO, LSE and
-    D within half of L2 (each head's heaviest block first); dense ones, even, walk one head at a
-    time (the former order)."""
+    D within half of L2 (each head's heaviest block first), while a head has fewer KV blocks than
+    half the SMs; dense ones, even, and long heads walk one head at a time (the former order)."""
     from types import SimpleNamespace
 
     from fagen import backward
     from fagen.plan import l2_heads
 
     monkeypatch.setattr(backward, "l2_bytes", lambda device: 50 << 20)
-    section = lambda spec, b, hq, hkv, n_pad, d: backward.Backward._heads_section(  # noqa: E731
-        SimpleNamespace(spec=spec), b, hq, hkv, n_pad, d, 0)
+    monkeypatch.setattr(backward, "multiprocessors", lambda device: 132)
     causal, dense = (load_spec(SPECS / f"{name}.yaml") for name in ("attn_f16_d128_causal_h200", "attn_f16_d128_h200"))
+    section = lambda spec, b, hq, hkv, n, d: backward.Backward._heads_section(  # noqa: E731
+        SimpleNamespace(spec=spec, plan=backward_plan(causal)), b, hq, hkv, n, n, d, 0)
+    assert backward_plan(causal).dkdv.block_kv == 128
     per_head = 1024 * (2 * 128 * 2 + 8)  # one query head of 1k rows: Q and dO f16, LSE and D f32
     assert section(causal, 16, 16, 16, 1024, 128) == l2_heads(256, per_head, 50 << 20) == (25 << 20) // per_head
     assert section(causal, 16, 32, 8, 1024, 128) == (25 << 20) // (4 * per_head)  # GQA: a KV head's 4 query heads
     assert section(causal, 1, 2, 2, 1024, 128) == 2  # at most every head
-    assert section(causal, 1, 16, 16, 1 << 20, 128) == 1  # at least one
+    assert section(causal, 4, 16, 16, 4096, 128) == (25 << 20) // (4 * per_head)  # 32 KV blocks a head
+    assert section(causal, 1, 16, 16, 8192, 128) == (25 << 20) // (8 * per_head)  # 64 blocks: under half the SMs
+    assert section(causal, 1, 16, 16, 8448, 128) == 1  # 66: half of 132, one head at a time
+    assert section(causal, 1, 16, 16, 16384, 128) == 1
     assert section(dense, 16, 16, 16, 1024, 128) == 1
