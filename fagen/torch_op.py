@@ -217,13 +217,6 @@ def _records_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _plain_inference(q, k, v) -> bool:
-    """q, k and v plain tensors outside tracing, in a call autograd does not record: what the
-    shape classes take. (_eager and _records_grad's test, spelled out: the decode loop's host time.)"""
-    return (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
-            and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()))
-
-
 def _eager(*tensors) -> bool:
     """Plain tensors (or parameters, or absent ones) outside torch.compile's tracing: no fake,
     functional or other subclass that only the op's registrations know how to run."""
@@ -244,13 +237,18 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     cache_seqlens, cache_leftpad (int32 [B] on q's GPU, FlashAttention's names): sequence b's keys
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference)."""
     ranged = cache_seqlens is not None or cache_leftpad is not None
-    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and _plain_inference(q, k, v)
+    # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
+    # _records_grad's test, spelled out inline: a decode loop's host time)
+    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None
+            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
+            and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
             and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous()
                  and not (sinks.requires_grad and torch.is_grad_enabled()))):
         # an eager call for inference, the common case of a generation loop: its shape class's
         # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
         # the GPU only: the kernel reads those in place, where host ones are copied at packing
-        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, _without_grad(sinks), return_lse,
+        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
+                                    sinks if sinks is None else _without_grad(sinks), return_lse,
                                     (cache_seqlens, cache_leftpad) if ranged else ())
         if done is not NotImplemented:
             return done
