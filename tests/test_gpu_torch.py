@@ -532,6 +532,45 @@ def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
         _same_greedy_tokens(runs[0], runs[1], cache)
 
 
+def test_transformers_llama_on_fagen_compiles_with_fullgraph_as_on_sdpa():
+    """torch.compile(fullgraph=True) of a transformers Llama on fagen, where the same model on SDPA
+    compiles too: a left-padded prompt (its padding as fagen's key bias under tracing) and a decode
+    step on its dynamic cache, logits against the eager fagen model and against SDPA's (fp16)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    import fagen.transformers
+
+    name = fagen.transformers.register()
+    models = []
+    for implementation in ("sdpa", name):
+        config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=1000, max_position_embeddings=512, initializer_range=0.08,
+                             attn_implementation=implementation)
+        torch.manual_seed(0)
+        models.append(LlamaForCausalLM(config).to(device="cuda", dtype=torch.float16).eval())
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    ids = torch.randint(1, 1000, (2, 96), generator=gen, device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    step = torch.randint(1, 1000, (2, 1), generator=gen, device="cuda")
+    tokens = mask.bool()
+
+    def run(model):
+        cache = DynamicCache(config=models[1].config)
+        prompt = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float()
+        decode = model(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1),
+                       past_key_values=cache, use_cache=True).logits.float()
+        return prompt[tokens], decode
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        sdpa, eager = run(models[0]), run(models[1])
+        compiled = run(torch.compile(models[1], fullgraph=True))
+    for got, ref in ((compiled, eager), (compiled, sdpa)):
+        for a, b in zip(got, ref):
+            assert relative_error(to_numpy(a), to_numpy(b)) < 1e-2
+
+
 # Two greedy generations agree up to rounding: where SDPA's two best logits are closer than this
 # (in its own logits' units), another implementation's rounding may pick the other token
 NEAR_TIE = 0.05
