@@ -441,26 +441,34 @@ class KeptPagedCalls:
 
     def __init__(self):
         self._kept: dict[tuple, PreparedKVCache] = {}
-        self._stream = None
+        self._stream = self._capturing = None
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict):
         """out (and lse) of the call, or NotImplemented where the general path must take it (or
         refuse it by name)."""
         if self._stream is None:
+            import torch
+
             self._stream = torch_stream_handle()
+            self._capturing = torch._C._cuda_isCurrentStreamCapturing
         sinks, mask = options["sinks"], options["mask"]
         if out is not None:  # (a given out of another layout is the general path's to take)
             return NotImplemented
         try:
             tensors = (q, k_cache, v_cache, cache_seqlens, page_table)
             device = q.get_device()
-            if device < 0 or sinks is not None and not (is_torch(sinks) and sinks.is_cuda):
+            # q's GPU the current one (the general path switches to it; a kept call refuses
+            # another), contiguous GPU sinks (their address and version say which values), and
+            # no graph being captured (a class made now would hold the capture's memory)
+            if device < 0 or device != cupy.cuda.runtime.getDevice() or sinks is not None and not (
+                    is_torch(sinks) and sinks.is_cuda and sinks.is_contiguous()) or self._capturing():
                 return NotImplemented
             key = (tuple((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), options["causal"],
                    mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())),
                    options["softcap"], options["scale"],
                    None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
-                   None if status is None else (status.data_ptr(), status.get_device()),
+                   None if status is None else (status.data_ptr(), status.shape, status.stride(), status.dtype,
+                                                status.get_device()),
                    self._stream(device), threading.get_ident())
             prepared = self._kept.get(key)
         except (AttributeError, TypeError):  # not torch tensors, or a mask with unhashable parts

@@ -1401,11 +1401,6 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
   Mask mask;
   mask.begin(n_q, n_kv, mask_offset, b, h, q0, min(q0 + BLOCK_Q, n_q) - 1);
   const int kv_tiles = mask.count;
-  // The tiles: (KV head, KV block), heads_section heads at a time (their Q and dO stay in L2;
-  // fagen.backward chooses it), the heads fastest within a section: where a mask's KV blocks
-  // differ in work (causal: block 0 sees every query), every head's heaviest block starts first
-  // and the last wave holds light ones, not a head's heaviest behind the rest.
-  //
   // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
   // thread loads every step's K and V as slots free up; the consumers compute. ptxas sees each
   // role's code under its own setmaxnreg budget.

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
     ("expression", "mask_kinds", "side_inputs", "element_types", "version"),  # leaves: standard library and NumPy
-    ("spec", "oracle"),  # the spec's models and rules; the float64 reference (NumPy alone)
+    ("spec", "oracle", "flex"),  # the spec's models and rules; the float64 reference (NumPy alone);
+    # FlexAttention's Python mods traced into expressions
     ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
     ("backward_plan",),  # the backward kernels' numbers (its dQ kernel is a forward plan)
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)

@@ -254,9 +254,13 @@ def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
             return "out"
 
     monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    current = [0]
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: current[0]))))
     kept = sequences.KeptPagedCalls()
-    streams = iter([7] * 6 + [8])
-    kept._stream = lambda device: next(streams)
+    streams = iter([7] * 6 + [8] + [8] * 2)
+    capturing = [False]
+    kept._stream, kept._capturing = (lambda device: next(streams)), (lambda: capturing[0])
     q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
     lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
     options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
@@ -270,3 +274,9 @@ def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
     assert call(q, cache, cache, lengths, table, out=q) is NotImplemented and len(made) == 4
     assert call(q, cache, cache, lengths, table, softcap=-1.0) is NotImplemented
     assert call(q, cache, cache, lengths, table) == "out" and len(made) == 5  # stream 8: its own class
+    # a status of another layout at the same address: its own class (the packing checks it)
+    assert call(q, cache, cache, lengths, table, status=_Torchish(1, dtype="int64")) == "out" and len(made) == 6
+    current[0] = 1  # another GPU current: the general path's, which switches to q's
+    assert call(q, cache, cache, lengths, table) is NotImplemented
+    current[0], capturing[0] = 0, True  # a graph being captured: the general path's
+    assert call(q, cache, cache, lengths, table) is NotImplemented and len(made) == 6
