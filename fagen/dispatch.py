@@ -30,10 +30,13 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False,
 
 
 def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
-                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None, v=None) -> AttentionSpec:
+                alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None, v=None,
+                score_expression: tuple[str, str] | None = None) -> AttentionSpec:
     """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
     head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
-    modifiers they ask for (fagen.variants), and V's width where `v` is given and differs."""
+    modifiers they ask for (fagen.variants), and V's width where `v` is given and differs.
+    score_expression: (score_mod.expression, score_mod.expression_grad), a traced score_mod's
+    (fagen.flex)."""
     tq = as_device_tensor(q, "q")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
@@ -41,12 +44,13 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
     head_dim_v = int(v_shape[-1]) if len(v_shape) == 4 and v_shape[-1] != tq.shape[-1] else None
     return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
                            bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys,
-                           head_dim_v=head_dim_v)
+                           head_dim_v=head_dim_v, score_expression=score_expression)
 
 
 def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-                    keys: int | None = None, head_dim_v: int | None = None) -> AttentionSpec:
+                    keys: int | None = None, head_dim_v: int | None = None,
+                    score_expression: tuple[str, str] | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
     if isinstance(mask, str):
         mask = _named_mask(mask)
@@ -54,7 +58,8 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
         mask = _mask_of(mask)
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
-                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug(), head_dim_v)
+                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug(), head_dim_v,
+                         None if score_expression is None else tuple(score_expression))
 
 
 @lru_cache(maxsize=64)
@@ -76,7 +81,8 @@ def _mask_of(given) -> Mask:
 @lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
 def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
                   has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
-                  gpu: str, head_dim_v: int | None = None) -> AttentionSpec:
+                  gpu: str, head_dim_v: int | None = None,
+                  score_expression: tuple[str, str] | None = None) -> AttentionSpec:
     if dtype not in KERNEL_TYPES:
         raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
     if head_dim in QK_HEAD_DIMS and head_dim_v is None:
@@ -98,8 +104,9 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
         mask = Mask(kind="causal" if causal else "none")
     # before compiling a variant for an array that is not there
     side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
+    expression, expression_grad = score_expression or (None, None)
     score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
-                         sinks=has_sinks)
+                         sinks=has_sinks, expression=expression, expression_grad=expression_grad)
     # a Q.K^T width with no default of its own starts from the next wider head's
     shipped_dim = next((d for d in HEAD_DIMS if d >= head_dim), head_dim) if head_dim in QK_HEAD_DIMS else head_dim
     base = variants.shipped_spec(dtype, shipped_dim, mask.kind == "causal", gpu=gpu, keys=keys)

@@ -188,13 +188,16 @@ class _EagerAttention(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-class _BlockMaskAttention(torch.autograd.Function):
-    """Autograd for a runtime block mask: a BlockMask is no tensor, so it cannot enter an op;
-    the same kernels run eagerly (torch.compile breaks the graph here), on torch's stream."""
+class _EagerKernelAttention(torch.autograd.Function):
+    """Autograd for what the op cannot carry: a runtime block mask (a BlockMask is no tensor) or
+    a traced score_mod (fagen.flex: a spec of its own). The same kernels run eagerly
+    (torch.compile breaks the graph here), on torch's stream."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
-        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, v=v, **side)
+    def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side,
+                score_expression=None):
+        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, v=v,
+                                    score_expression=score_expression, **side)
         out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -209,7 +212,7 @@ class _BlockMaskAttention(torch.autograd.Function):
         grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
                                                 block_mask=ctx.block_mask, **ctx.side)
         return (grads.dq, grads.dk, grads.dv, grads.dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None,
-                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)
+                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 8)
 
 
 def _records_grad(*tensors) -> bool:
@@ -266,7 +269,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         if not _records_grad(q, k, v, bias, sinks):
             return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
                                     return_lse=return_lse, block_mask=block_mask, **side)
-        out, lse = _BlockMaskAttention.apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale,
+        out, lse = _EagerKernelAttention.apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale,
                                              deterministic, side)
         return (out, lse) if return_lse else out
     if _eager(q, k, v) and not _records_grad(q, k, v, bias, sinks):

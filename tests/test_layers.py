@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
     ("expression", "mask_kinds", "side_inputs", "element_types", "version"),  # leaves: standard library and NumPy
-    ("spec", "oracle", "flex"),  # the spec's models and rules; the float64 reference (NumPy alone);
+    ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
     # FlexAttention's Python mods traced into expressions
     ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
     ("backward_plan",),  # the backward kernels' numbers (its dQ kernel is a forward plan)
@@ -33,7 +33,7 @@ LAYERS = [
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("transformers",),  # fagen as a transformers attention implementation
-    ("api",),  # the public entry points: fagen.attention and its siblings
+    ("api", "flex"),  # the public entry points: fagen.attention and its siblings; FlexAttention's API
     ("bench_cases", "bench_rows", "bench_e2e_tables"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV
     # files; the end-to-end benchmark's cases and tables
     ("bench_backward", "bench_serving", "bench_e2e"),  # the backward and serving layouts in `fagen bench`; generation

@@ -1,0 +1,562 @@
+"""FlexAttention's score_mod and mask_mod, traced into fagen's expression language (fagen.flex
+runs them).
+
+FlexAttention users write `score_mod(score, b, h, q_idx, kv_idx)` and `mask_mod(b, h, q_idx,
+kv_idx)` as PyTorch code. Here such a function is called once on proxies (`Traced`) that record
+what it does as a tree of fagen.expression's nodes: the language `score_mod.expression` and
+`mask.expression` take, whose parser then checks the printed text against its allow-list, so
+what reaches a kernel is what any spec's expression may be. The derivative by the score rides
+along (forward mode: each traced value carries d value / d score), which is the backward's
+`score_mod.expression_grad`.
+
+Semantics are PyTorch's, not C's, where they part: `/` divides as floats, `//` floors and `%`
+takes the divisor's sign (printed as C's truncating operators where both operands are known
+non-negative, as positions and heads are), `&` `|` `~` on bools are logical. Refused, naming
+the function's line: a Python branch on a traced value (`if`, `and`, `or`: use torch.where and
+`&`, `|`), a captured tensor indexed by one (not yet a kernel input), an infinity or NaN
+constant (mask keys with a mask_mod), and any function outside TORCH_FUNCTIONS.
+
+Depends on fagen.expression and PyTorch (imported when a function is traced).
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import math
+from dataclasses import dataclass
+
+from fagen import expression
+from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Name, Node, Number, Unary
+
+LN2 = 0.6931471805599453
+
+
+class TraceError(ValueError):
+    """A score_mod or mask_mod fagen cannot trace, with the line it stopped at."""
+
+
+@dataclass(frozen=True, eq=False)
+class Traced:
+    """A value of the traced function: its expression tree, its derivative by the score (None:
+    zero), and whether it is an int known to be >= 0 (positions, heads, their sums)."""
+
+    node: Node
+    grad: Node | None = None
+    nonnegative: bool = False
+
+    # ---- Python's operators ----------------------------------------------------------------
+    def __add__(self, other):
+        return _add(self, _lift(other))
+
+    def __radd__(self, other):
+        return _add(_lift(other), self)
+
+    def __sub__(self, other):
+        return _sub(self, _lift(other))
+
+    def __rsub__(self, other):
+        return _sub(_lift(other), self)
+
+    def __mul__(self, other):
+        return _mul(self, _lift(other))
+
+    def __rmul__(self, other):
+        return _mul(_lift(other), self)
+
+    def __truediv__(self, other):
+        return _div(self, _lift(other))
+
+    def __rtruediv__(self, other):
+        return _div(_lift(other), self)
+
+    def __floordiv__(self, other):
+        return _floordiv(self, _lift(other))
+
+    def __rfloordiv__(self, other):
+        return _floordiv(_lift(other), self)
+
+    def __mod__(self, other):
+        return _mod(self, _lift(other))
+
+    def __rmod__(self, other):
+        return _mod(_lift(other), self)
+
+    def __pow__(self, other):
+        return _pow(self, other)
+
+    def __neg__(self):
+        return _neg(self)
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return _abs(self)
+
+    def __lt__(self, other):
+        return _compare("<", self, _lift(other))
+
+    def __le__(self, other):
+        return _compare("<=", self, _lift(other))
+
+    def __gt__(self, other):
+        return _compare(">", self, _lift(other))
+
+    def __ge__(self, other):
+        return _compare(">=", self, _lift(other))
+
+    def __eq__(self, other):  # noqa: D105 - a traced comparison, as a tensor's
+        return _compare("==", self, _lift(other))
+
+    def __ne__(self, other):
+        return _compare("!=", self, _lift(other))
+
+    __hash__ = None
+
+    def __and__(self, other):
+        return _logical("&", self, _lift(other))
+
+    __rand__ = __and__
+
+    def __or__(self, other):
+        return _logical("|", self, _lift(other))
+
+    __ror__ = __or__
+
+    def __xor__(self, other):
+        return _logical("^", self, _lift(other))
+
+    __rxor__ = __xor__
+
+    def __invert__(self):
+        if self.node.type == BOOL:
+            return Traced(Unary("!", self.node, BOOL))
+        return Traced(Unary("~", self.node, INT))
+
+    def __bool__(self):
+        raise TraceError("a Python branch on a traced value (if, and, or, not, a chained comparison, min() or "
+                         "max()): its value is only known in the kernel; use torch.where(c, x, y), & and |, "
+                         "torch.minimum and torch.maximum instead")
+
+    def __index__(self):
+        raise TraceError("a traced value used as a Python int (a list index, range, a shape): its value is only "
+                         "known in the kernel")
+
+    __int__ = __float__ = __index__
+
+    def __getitem__(self, _):
+        raise TraceError("indexing a traced value: score, b, h, q_idx and kv_idx are scalars")
+
+    # ---- a tensor's methods ------------------------------------------------------------------
+    def abs(self):
+        return _abs(self)
+
+    def tanh(self):
+        return _tanh(self)
+
+    def exp(self):
+        return _exp(self)
+
+    def exp2(self):
+        return _exp2(self)
+
+    def log(self):
+        return _log(self)
+
+    def log2(self):
+        return _log2(self)
+
+    def sqrt(self):
+        return _sqrt(self)
+
+    def sigmoid(self):
+        return _sigmoid(self)
+
+    def floor(self):
+        return _rounding("floorf", self)
+
+    def ceil(self):
+        return _rounding("ceilf", self)
+
+    def clamp(self, min=None, max=None):  # noqa: A002 - torch's names
+        return _clamp(self, min, max)
+
+    clip = clamp
+
+    def float(self):
+        return _as_float(self)
+
+    def int(self):
+        return _as_int(self)
+
+    long = int
+
+    def bool(self):
+        return self if self.node.type == BOOL else _compare("!=", self, _lift(0))
+
+    def to(self, dtype, *args, **kwargs):
+        import torch
+
+        if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            return _as_float(self)
+        if dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+            return _as_int(self)
+        if dtype == torch.bool:
+            return self.bool()
+        raise TraceError(f".to({dtype}): traced values are float32, int32 or bool in the kernel")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in OPERATORS:  # a tensor's operator with a traced operand: the traced value's
+            return getattr(_lift(args[0]), name)(*args[1:])
+        if name == "__getitem__":
+            raise TraceError("a captured tensor indexed by a traced value: captured tensors are not kernel inputs "
+                             "yet; write the table's values as an expression of b, h, q_idx, kv_idx")
+        rule = TORCH_FUNCTIONS.get(name)
+        if rule is None:
+            raise TraceError(f"torch.{name} is not among the functions fagen traces "
+                             f"({', '.join(sorted(TORCH_FUNCTIONS))})")
+        return rule(*args, **(kwargs or {}))
+
+
+OPERATORS = {f"__{op}__" for op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv",
+                                    "rfloordiv", "mod", "rmod", "pow", "neg", "abs", "lt", "le", "gt", "ge", "eq",
+                                    "ne", "and", "rand", "or", "ror", "xor", "rxor", "invert")}
+
+
+# ---- building the tree ----------------------------------------------------------------------
+
+def _lift(value) -> Traced:
+    """A Python number, bool or 0-d tensor without gradient as a constant; a traced value as itself."""
+    if isinstance(value, Traced):
+        return value
+    if hasattr(value, "dim") and hasattr(value, "item"):  # a tensor
+        if value.dim() != 0 or value.requires_grad:
+            raise TraceError(f"a captured tensor of shape {tuple(value.shape)}: captured tensors are not kernel "
+                             f"inputs yet (a 0-d constant without gradient is)")
+        value = value.item()
+    if isinstance(value, bool):
+        return Traced(Name("true" if value else "false", BOOL))
+    if isinstance(value, int):
+        if not expression.INT_MIN <= value <= expression.INT_MAX:
+            raise TraceError(f"the int {value} is outside int32, the kernel's integers")
+        node = Number(str(abs(value)), INT)
+        return Traced(node if value >= 0 else Unary("-", node, INT), nonnegative=value >= 0)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise TraceError(f"the constant {value}: mask keys with a mask_mod (block_mask), not an infinite "
+                             f"score; other constants must be finite")
+        text = repr(abs(value))
+        if "e" not in text and "." not in text:
+            text += ".0"
+        node = Number(text + "f", FLOAT)
+        return Traced(node if value >= 0 else Unary("-", node, FLOAT))
+    raise TraceError(f"a {type(value).__name__} in a traced expression: numbers, bools and the traced "
+                     f"arguments only")
+
+
+def _type(*values: Traced) -> str:
+    return FLOAT if any(v.node.type == FLOAT for v in values) else INT
+
+
+def _float(node: Node) -> Node:
+    return node if node.type == FLOAT else Cast(FLOAT, node)
+
+
+ZERO, ONE = Number("0.0f", FLOAT), Number("1.0f", FLOAT)
+
+
+def _sum_grads(op: str, a: Node | None, b: Node | None) -> Node | None:
+    if b is None:
+        return a
+    if a is None:
+        return b if op == "+" else Unary("-", b, FLOAT)
+    return Binary(op, a, b, FLOAT)
+
+
+def _times(grad: Node | None, factor: Node) -> Node | None:
+    if grad is None:
+        return None
+    return _float(factor) if grad == ONE else Binary("*", _float(factor), grad, FLOAT)
+
+
+def _add(a: Traced, b: Traced) -> Traced:
+    return Traced(Binary("+", a.node, b.node, _type(a, b)), _sum_grads("+", a.grad, b.grad),
+                  a.nonnegative and b.nonnegative)
+
+
+def _sub(a: Traced, b: Traced) -> Traced:
+    return Traced(Binary("-", a.node, b.node, _type(a, b)), _sum_grads("-", a.grad, b.grad))
+
+
+def _mul(a: Traced, b: Traced) -> Traced:
+    grad = _sum_grads("+", _times(a.grad, b.node), _times(b.grad, a.node))
+    return Traced(Binary("*", a.node, b.node, _type(a, b)), grad, a.nonnegative and b.nonnegative)
+
+
+def _div(a: Traced, b: Traced) -> Traced:
+    """True division, as PyTorch's `/` (ints too): in float."""
+    quotient = Binary("/", _float(a.node), _float(b.node), FLOAT)
+    grad = _sum_grads("-", None if a.grad is None else Binary("/", a.grad, _float(b.node), FLOAT),
+                      None if b.grad is None else Binary("*", quotient, Binary("/", b.grad, _float(b.node), FLOAT),
+                                                         FLOAT))
+    return Traced(quotient, grad)
+
+
+def _integral(op: str, a: Traced, b: Traced) -> None:
+    if a.node.type == FLOAT or b.node.type == FLOAT:
+        raise TraceError(f"{op} of a float: fagen traces integer {op} (of positions and heads) only")
+
+
+def _positive_constant(t: Traced) -> bool:
+    return isinstance(t.node, Number) and int(t.node.text) > 0
+
+
+def _floordiv(a: Traced, b: Traced) -> Traced:
+    """PyTorch's `//`: floor. C's `/` truncates; they agree where both are >= 0."""
+    _integral("//", a, b)
+    quotient = Binary("/", a.node, b.node, INT)
+    if a.nonnegative and b.nonnegative:
+        return Traced(quotient, nonnegative=True)
+    zero, one = Number("0", INT), Number("1", INT)
+    remainder = Binary("%", a.node, b.node, INT)
+    if _positive_constant(b):  # truncated one too high exactly where the remainder is negative
+        return Traced(Binary("-", quotient, Conditional(Binary("<", remainder, zero, BOOL), one, zero, INT), INT))
+    signs_part = Binary("!=", Binary("<", a.node, zero, BOOL), Binary("<", b.node, zero, BOOL), BOOL)
+    down = Conditional(Binary("&&", Binary("!=", remainder, zero, BOOL), signs_part, BOOL), one, zero, INT)
+    return Traced(Binary("-", quotient, down, INT))
+
+
+def _mod(a: Traced, b: Traced) -> Traced:
+    """PyTorch's `%` (remainder): the divisor's sign. C's `%` takes the dividend's; they agree
+    where both are >= 0."""
+    _integral("%", a, b)
+    remainder = Binary("%", a.node, b.node, INT)
+    if a.nonnegative and b.nonnegative:
+        return Traced(remainder, nonnegative=True)
+    if _positive_constant(b):
+        return Traced(Binary("%", Binary("+", remainder, b.node, INT), b.node, INT), nonnegative=True)
+    zero = Number("0", INT)
+    parts = Binary("&&", Binary("!=", remainder, zero, BOOL),
+                   Binary("!=", Binary("<", remainder, zero, BOOL), Binary("<", b.node, zero, BOOL), BOOL), BOOL)
+    return Traced(Binary("+", remainder, Conditional(parts, b.node, zero, INT), INT))
+
+
+def _pow(a: Traced, exponent) -> Traced:
+    if isinstance(exponent, Traced):
+        raise TraceError("a traced exponent: write exp(y * log(x))")
+    if exponent == 0.5:
+        return _sqrt(a)
+    if not (isinstance(exponent, int) and 0 <= exponent <= 8):
+        raise TraceError(f"x ** {exponent!r}: whole exponents 0..8 and 0.5 are traced")
+    if exponent == 0:
+        return _lift(1.0 if a.node.type == FLOAT else 1)
+    result = a
+    for _ in range(exponent - 1):
+        result = _mul(result, a)
+    return result
+
+
+def _neg(a: Traced) -> Traced:
+    return Traced(Unary("-", a.node, a.node.type if a.node.type != BOOL else INT),
+                  None if a.grad is None else Unary("-", a.grad, FLOAT))
+
+
+def _abs(a: Traced) -> Traced:
+    if a.node.type != FLOAT:
+        return Traced(Call("abs", (a.node,), INT), nonnegative=True)
+    grad = None if a.grad is None else Conditional(Binary("<", a.node, ZERO, BOOL), Unary("-", a.grad, FLOAT), a.grad,
+                                                   FLOAT)
+    return Traced(Call("fabsf", (a.node,), FLOAT), grad)
+
+
+def _unary_float(function: str, a: Traced, derivative) -> Traced:
+    node = Call(function, (_float(a.node),), FLOAT)
+    return Traced(node, None if a.grad is None else Binary("*", derivative(node, _float(a.node)), a.grad, FLOAT))
+
+
+def _tanh(a):
+    return _unary_float("tanhf", _lift(a), lambda t, x: Binary("-", ONE, Binary("*", t, t, FLOAT), FLOAT))
+
+
+def _exp(a):
+    return _unary_float("expf", _lift(a), lambda e, x: e)
+
+
+def _exp2(a):
+    return _unary_float("exp2f", _lift(a), lambda e, x: Binary("*", e, Number(f"{LN2!r}f", FLOAT), FLOAT))
+
+
+def _log(a):
+    return _unary_float("logf", _lift(a), lambda _, x: Binary("/", ONE, x, FLOAT))
+
+
+def _log2(a):
+    return _unary_float("log2f", _lift(a), lambda _, x: Binary("/", ONE, Binary("*", x, Number(f"{LN2!r}f", FLOAT),
+                                                                             FLOAT), FLOAT))
+
+
+def _sqrt(a):
+    return _unary_float("sqrtf", _lift(a), lambda r, x: Binary("/", Number("0.5f", FLOAT), r, FLOAT))
+
+
+def _sigmoid(a):
+    a = _lift(a)
+    return _div(_lift(1.0), _add(_lift(1.0), _exp(_neg(a))))
+
+
+def _rounding(function: str, a) -> Traced:
+    a = _lift(a)
+    return Traced(Call(function, (_float(a.node),), FLOAT))
+
+
+def _as_float(a) -> Traced:
+    a = _lift(a)
+    return a if a.node.type == FLOAT else Traced(Cast(FLOAT, a.node))
+
+
+def _as_int(a) -> Traced:
+    """PyTorch's float -> int conversion truncates toward zero, as C's cast does."""
+    a = _lift(a)
+    if a.node.type == INT:
+        return a
+    return Traced(Cast(INT, a.node), nonnegative=a.node.type == BOOL)
+
+
+def _compare(op: str, a: Traced, b: Traced) -> Traced:
+    return Traced(Binary(op, a.node, b.node, BOOL))
+
+
+def _logical(op: str, a: Traced, b: Traced) -> Traced:
+    """& | ^ of bools: logical, as a bool tensor's; of ints: bitwise."""
+    if a.node.type == BOOL and b.node.type == BOOL:
+        return Traced(Binary({"&": "&&", "|": "||", "^": "!="}[op], a.node, b.node, BOOL))
+    _integral(op, a, b)
+    return Traced(Binary(op, a.node, b.node, INT), nonnegative=op != "^" and a.nonnegative and b.nonnegative)
+
+
+def _where(condition, x, y) -> Traced:
+    c, x, y = _lift(condition), _lift(x), _lift(y)
+    if c.node.type != BOOL:
+        c = Traced(Binary("!=", c.node, Number("0", INT), BOOL))
+    kind = BOOL if x.node.type == BOOL and y.node.type == BOOL else _type(x, y)
+    grad = None if x.grad is None and y.grad is None else \
+        Conditional(c.node, x.grad if x.grad is not None else ZERO, y.grad if y.grad is not None else ZERO, FLOAT)
+    return Traced(Conditional(c.node, x.node, y.node, kind), grad, x.nonnegative and y.nonnegative)
+
+
+def _pick(smaller: bool, a, b) -> Traced:
+    a, b = _lift(a), _lift(b)
+    if a.node.type != FLOAT and b.node.type != FLOAT:
+        return Traced(Call("min" if smaller else "max", (a.node, b.node), INT),
+                      nonnegative=(a.nonnegative or b.nonnegative) if not smaller else a.nonnegative and b.nonnegative)
+    node = Call("fminf" if smaller else "fmaxf", (_float(a.node), _float(b.node)), FLOAT)
+    grad = None if a.grad is None and b.grad is None else Conditional(
+        Binary("<=" if smaller else ">=", _float(a.node), _float(b.node), BOOL),
+        a.grad if a.grad is not None else ZERO, b.grad if b.grad is not None else ZERO, FLOAT)
+    return Traced(node, grad)
+
+
+def _clamp(x, min=None, max=None) -> Traced:  # noqa: A002 - torch's names
+    x = _lift(x)
+    if min is not None:
+        x = _pick(False, x, min)
+    if max is not None:
+        x = _pick(True, x, max)
+    return x
+
+
+# torch functions (and Tensor methods reached through __torch_function__) a traced function may call
+TORCH_FUNCTIONS = {
+    "where": _where, "tanh": _tanh, "exp": _exp, "exp2": _exp2, "log": _log, "log2": _log2, "sqrt": _sqrt,
+    "sigmoid": _sigmoid, "abs": lambda a: abs(_lift(a)), "floor": lambda a: _rounding("floorf", a),
+    "ceil": lambda a: _rounding("ceilf", a), "minimum": lambda a, b: _pick(True, a, b),
+    "maximum": lambda a, b: _pick(False, a, b), "clamp": _clamp, "clip": _clamp,
+    "logical_and": lambda a, b: _logical("&", _lift(a), _lift(b)),
+    "logical_or": lambda a, b: _logical("|", _lift(a), _lift(b)),
+    "logical_not": lambda a: ~_lift(a).bool(),
+}
+
+
+# ---- tracing -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TracedScoreMod:
+    """A score_mod as spec fields: score_mod.expression and its derivative by the score
+    (score_mod.expression_grad; "0.0f" where the result does not depend on the score)."""
+
+    expression: str
+    expression_grad: str
+
+
+def trace_score_mod(score_mod) -> TracedScoreMod:
+    """score_mod(score, b, h, q_idx, kv_idx) -> a float score, as fagen's expression and its
+    derivative by the score; TraceError naming the line where it cannot be traced."""
+    variables = expression.SCORE_VARIABLES
+    args = [Traced(Name("score", FLOAT), ONE)] + [Traced(Name(v, INT), nonnegative=True) for v in ("b", "h", "q_idx",
+                                                                                                   "kv_idx")]
+    result = _lift(_call(score_mod, args, "score_mod"))
+    if result.node.type == BOOL:
+        raise TraceError(f"score_mod {_name(score_mod)} returns a bool: a mask is a mask_mod's, a score_mod returns "
+                         f"the new score")
+    text = _checked(expression.source(_float(result.node)), variables, None, score_mod, "score_mod.expression")
+    grad = _checked(expression.source(result.grad) if result.grad is not None else "0.0f", variables, None,
+                    score_mod, "score_mod.expression_grad")
+    return TracedScoreMod(text, grad)
+
+
+def trace_mask_mod(mask_mod) -> str:
+    """mask_mod(b, h, q_idx, kv_idx) -> bool (True: the key is seen), as fagen's mask.expression."""
+    args = [Traced(Name(v, INT), nonnegative=True) for v in ("b", "h", "q_idx", "kv_idx")]
+    result = _lift(_call(mask_mod, args, "mask_mod"))
+    if result.node.type != BOOL:
+        raise TraceError(f"mask_mod {_name(mask_mod)} returns a {result.node.type}, not a bool (True where the "
+                         f"key is seen): compare it")
+    return _checked(expression.source(result.node), expression.MASK_VARIABLES, BOOL, mask_mod, "mask.expression")
+
+
+def _name(function) -> str:
+    return getattr(function, "__qualname__", repr(function))
+
+
+def _call(function, args: list[Traced], what: str):
+    try:
+        parameters = len(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        parameters = len(args)
+    if parameters != len(args):
+        names = "score, b, h, q_idx, kv_idx" if what == "score_mod" else "b, h, q_idx, kv_idx"
+        raise TraceError(f"{what} {_name(function)} takes {parameters} arguments; FlexAttention's {what} takes "
+                         f"({names})")
+    try:
+        return function(*args)
+    except TraceError as error:
+        raise TraceError(f"{what} {_name(function)}, {_line(function, error.__traceback__)}: {error}") from None
+
+
+def _line(function, traceback) -> str:
+    """'line N: <source>' of the deepest frame in the traced function's own code (or the last
+    frame outside this module, for a function it called)."""
+    code = getattr(function, "__code__", None)
+    found = None
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if frame.f_code is code or (found is None and frame.f_code.co_filename != __file__):
+            found = (frame.f_code.co_filename, traceback.tb_lineno)
+        traceback = traceback.tb_next
+    if found is None:
+        return "line ?"
+    text = linecache.getline(found[0], found[1]).strip()
+    return f"line {found[1]}: {text}" if text else f"line {found[1]}"
+
+
+def _checked(text: str, variables: dict[str, str], result: str | None, function, field: str) -> str:
+    """The text, parsed back against the language's allow-list (what a spec's field runs)."""
+    try:
+        expression.parse(text, variables, result)
+    except expression.ExpressionError as error:
+        raise TraceError(f"{_name(function)} traced to {field} = {text!r}, which fagen's expression language "
+                         f"refuses: {error}") from None
+    return text

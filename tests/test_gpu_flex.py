@@ -1,0 +1,59 @@
+"""fagen.flex on the GPU (marked `gpu`): flex_attention with traced score_mods and block masks
+from create_block_mask, output and gradients against PyTorch computing attention with the same
+Python functions in float64, fp16/bf16, d 64 and 128, GQA, lengths off the tiles.
+Run with: pytest -m gpu tests/test_gpu_flex.py
+"""
+
+import pytest
+
+from fagen.check import OUT_TOLERANCE, relative_error, to_numpy
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+from fagen import flex  # noqa: E402
+
+GRAD_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}  # as tests/test_gpu_torch.py's
+MODS = {
+    "softcap_causal": (lambda s, b, h, q, k: 20.0 * torch.tanh(s / 20.0), lambda b, h, q, k: q >= k),
+    "alibi_window": (lambda s, b, h, q, k: s - torch.exp2(-8.0 * (h + 1) / 8) * (q - k).abs(),
+                     lambda b, h, q, k: (q >= k) & (q - k <= 300)),
+    "dilated_relative": (lambda s, b, h, q, k: s + 0.01 * ((q - k) // 3), lambda b, h, q, k: ((q - k) % 2 == 0) | (k < 64)),
+    "mask_only_per_head": (None, lambda b, h, q, k: torch.where(h % 2 == 0, q >= k, (q // 128) == (k // 128))),
+    "score_only": (lambda s, b, h, q, k: s * torch.sigmoid(s), None),
+}
+
+
+def _reference(q, k, v, score_mod, mask_mod):
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.double() for x in (q, k, v))
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    b, h, qi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == a else 1 for i in range(4)])
+                    for a, n in enumerate(s.shape))
+    if score_mod is not None:
+        s = score_mod(s, b, h, qi, ki)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, qi, ki).expand(s.shape), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("name", list(MODS))
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
+def test_flex_attention_matches_pytorch_with_the_same_functions(name, dtype, d):
+    score_mod, mask_mod = MODS[name]
+    gen = torch.Generator(device="cuda").manual_seed(len(name) + d)
+    b, hq, hkv, n = 2, 8, 2, 777
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen, requires_grad=True)
+               for h in (hq, hkv, hkv))
+    block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, hq, n, n)
+    out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    want = _reference(*leaves, score_mod, mask_mod)
+    assert relative_error(to_numpy(out), to_numpy(want)) < OUT_TOLERANCE[dtype]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, leaves, dout.double())
+    for name_, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert relative_error(to_numpy(got), to_numpy(ref)) < GRAD_TOLERANCE[dtype], name_

@@ -1,0 +1,135 @@
+"""fagen.flex: FlexAttention's score_mod and mask_mod traced into fagen's expression language,
+judged by what PyTorch computes from the same Python functions (and autograd for the score's
+derivative), over grids of b, h, q_idx, kv_idx that cross zero differences both ways."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen import expression  # noqa: E402
+from fagen import mod_tracing as flex  # noqa: E402
+from fagen.load import SPECS, load_spec, parse_spec  # noqa: E402
+from fagen.render import render, render_backward  # noqa: E402
+
+W, PREFIX, DILATION, CHUNK, IMAGE_W, RADIUS, HEADS = 9, 5, 3, 8, 6, 1, 4
+
+# attention-gym's masks that need no captured tensor, and a few of fagen's own edge cases
+MASK_MODS = {
+    "causal": lambda b, h, q, k: q >= k,
+    "sliding_window": lambda b, h, q, k: (q >= k) & (q - k <= W),
+    "prefix_lm": lambda b, h, q, k: (k <= PREFIX) | (q >= k),
+    "dilated_sliding_window": lambda b, h, q, k: (q >= k) & (q - k <= W) & ((q - k) % DILATION == 0),
+    "chunked": lambda b, h, q, k: q // CHUNK == k // CHUNK,
+    "neighbourhood_2d": lambda b, h, q, k: ((q % IMAGE_W - k % IMAGE_W).abs() <= RADIUS)
+    & (torch.abs(q // IMAGE_W - k // IMAGE_W) <= RADIUS),
+    "per_head": lambda b, h, q, k: torch.where(h % 2 == 0, q >= k, q <= k),
+    "floor_of_negative": lambda b, h, q, k: ((q - k) // 4) % 2 == 0,
+    "remainder_of_negative": lambda b, h, q, k: (k - q) % 5 < 2,
+    "not_and_xor": lambda b, h, q, k: ~(q < k) ^ (b == 1),
+    "batch_and_clamp": lambda b, h, q, k: torch.clamp(q - k, min=-2, max=3) + b != 1,
+}
+
+SCORE_MODS = {
+    "softcap": lambda s, b, h, q, k: 30.0 * torch.tanh(s / 30.0),
+    "alibi": lambda s, b, h, q, k: s - torch.exp2(-8.0 * (h + 1) / HEADS) * (q - k).abs(),
+    "relative_position": lambda s, b, h, q, k: s + 0.01 * (q - k),
+    "where": lambda s, b, h, q, k: torch.where(q >= k, s, s * 0.5 - 1.0),
+    "silu": lambda s, b, h, q, k: s * torch.sigmoid(s),
+    "clamp": lambda s, b, h, q, k: s.clamp(min=-3.0, max=4.0),
+    "softplus": lambda s, b, h, q, k: torch.log(torch.exp(s) + 1.0),
+    "square_and_divide": lambda s, b, h, q, k: s ** 2 / (1.0 + (q - k) ** 2) + s / (h + 1),
+    "maximum": lambda s, b, h, q, k: torch.maximum(s, torch.minimum(s * 2.0, (q - k) * 0.25)),
+    "int_score": lambda s, b, h, q, k: q - k + s * 0,
+}
+
+
+def _grid():
+    b, h, q, k = np.meshgrid(np.arange(2), np.arange(HEADS), np.arange(37), np.arange(37), indexing="ij")
+    score = np.random.default_rng(0).standard_normal(b.shape).astype(np.float32) * 4
+    return score, b.astype(np.int32), h.astype(np.int32), q.astype(np.int32), k.astype(np.int32)
+
+
+def _torch(*arrays):
+    return [torch.from_numpy(a.astype(np.int64)) if a.dtype != np.float32 else torch.from_numpy(a) for a in arrays]
+
+
+@pytest.mark.parametrize("name", list(MASK_MODS))
+def test_a_traced_mask_mod_sees_the_keys_pytorch_computes(name):
+    _, b, h, q, k = _grid()
+    text = flex.trace_mask_mod(MASK_MODS[name])
+    got = expression.evaluate(expression.mask(text), dict(b=b, h=h, q_idx=q, kv_idx=k))
+    want = MASK_MODS[name](*_torch(b, h, q, k)).numpy()
+    assert got.dtype == bool and np.array_equal(got, want), text
+    assert 0 < want.sum() < want.size  # the mask sees some keys and hides others
+
+
+@pytest.mark.parametrize("name", list(SCORE_MODS))
+def test_a_traced_score_mod_and_its_derivative_are_pytorch_s(name):
+    score, b, h, q, k = _grid()
+    traced = flex.trace_score_mod(SCORE_MODS[name])
+    values = dict(score=score, b=b, h=h, q_idx=q, kv_idx=k)
+    got = expression.evaluate(expression.score(traced.expression), values)
+    grad = np.broadcast_to(expression.evaluate(expression.score(traced.expression_grad), values), score.shape)
+    s, *indices = _torch(score, b, h, q, k)
+    s.requires_grad_(True)
+    want = SCORE_MODS[name](s, *indices).float()
+    (want_grad,) = torch.autograd.grad(want.sum(), s, allow_unused=True)
+    want_grad = torch.zeros_like(s) if want_grad is None else want_grad
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=2e-5, atol=2e-5, err_msg=traced.expression)
+    np.testing.assert_allclose(grad, want_grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=traced.expression_grad)
+
+
+def test_traced_mods_make_specs_that_render_forward_and_backward():
+    """A traced score_mod and mask_mod are a spec's expression fields: the spec validates and its
+    forward and backward render, the expressions pasted as the kernel's text."""
+    traced = flex.trace_score_mod(SCORE_MODS["softcap"])
+    mask = flex.trace_mask_mod(MASK_MODS["dilated_sliding_window"])
+    base = load_spec(SPECS / "custom_expressions_f16_d64.yaml").model_dump()
+    spec = parse_spec({**base, "name": "traced_f16_d64",
+                       "mask": {"kind": "none", "expression": mask},
+                       "score_mod": {**base["score_mod"], "softcap": None, "expression": traced.expression,
+                                     "expression_grad": traced.expression_grad}})
+    forward, backward = render(spec), render_backward(spec)
+    assert "tanhf(score / 30.0f)" in forward and "tanhf(score / 30.0f)" in backward
+    assert "% 3" in forward
+
+
+def _branches(b, h, q, k):
+    if q > k:
+        return True
+    return False
+
+
+def _indexes_a_table(score, b, h, q, k):
+    table = torch.zeros(HEADS, 64)
+    return score + table[h, q - k]
+
+
+@pytest.mark.parametrize("function, kind, says", [
+    (_branches, "mask", r"line \d+: if q > k:.*Python branch.*torch.where"),
+    (_indexes_a_table, "score", r"line \d+: return score \+ table\[h, q - k\].*captured tensor"),
+    (lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")), "score", "mask keys with a mask_mod"),
+    (lambda s, b, h, q, k: torch.sin(s), "score", "torch.sin is not among"),
+    (lambda s, b, h, q, k: q >= k, "score", "returns a bool"),
+    (lambda b, h, q, k: q - k, "mask", "returns a int, not a bool"),
+    (lambda b, h, q: q, "mask", r"takes 3 arguments; FlexAttention's mask_mod takes \(b, h, q_idx, kv_idx\)"),
+    (lambda s, b, h, q, k: s * 2.5 // 2, "score", "integer // .* only"),
+    (lambda s, b, h, q, k: s ** 3.5, "score", r"whole exponents 0..8"),
+    (lambda s, b, h, q, k: s + 2**40, "score", "outside int32"),
+    (lambda s, b, h, q, k: s + torch.ones(3), "score", r"captured tensor of shape \(3,\)"),
+])
+def test_what_cannot_be_traced_is_refused_naming_it(function, kind, says):
+    trace = flex.trace_score_mod if kind == "score" else flex.trace_mask_mod
+    with pytest.raises(flex.TraceError, match=says):
+        trace(function)
+
+
+def test_a_traced_expression_past_the_language_s_length_is_refused_by_the_language():
+    def long(score, b, h, q, k):
+        for i in range(60):
+            score = score + (q - k) * (i + 1)
+        return score
+
+    with pytest.raises(flex.TraceError, match="characters, over the limit"):
+        flex.trace_score_mod(long)
