@@ -23,11 +23,13 @@ CASES = {
 }
 
 
-def _reference(q, k, v, score_mod, mask_mod, scale):
-    """Attention as PyTorch computes it with the user's functions, float64, GQA by repetition."""
-    k, v = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))
-    s = q @ k.transpose(-1, -2) * scale
-    b, h, qi, ki = (torch.arange(n).view(*[-1 if i == axis else 1 for i in range(4)])
+def reference_attention(q, k, v, score_mod, mask_mod):
+    """Attention as PyTorch computes it with the user's functions: float64, FlexAttention's default
+    scale, GQA by repeating K and V (tests/test_gpu_flex.py's reference too)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    b, h, qi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
                     for axis, n in enumerate(s.shape))
     if score_mod is not None:
         s = score_mod(s, b, h, qi, ki)
@@ -55,7 +57,7 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
     q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, HQ, N, N, BLOCK_SIZE=32)
     out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
-    want = _reference(q, k, v, score_mod, mask_mod, D ** -0.5)
+    want = reference_attention(q, k, v, score_mod, mask_mod)
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
     assert (calls[0] is None) == (score_mod is None)
     if score_mod is not None:  # the backward's fields: the oracle's gradients against autograd's
@@ -64,7 +66,7 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
         got = oracle.attention_backward(*(x.numpy() for x in (q, k, v, dout)), block_mask=block_mask,
                                         score_mod=fields)
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        grads = torch.autograd.grad((_reference(*leaves, score_mod, mask_mod, D ** -0.5) * dout).sum(), leaves)
+        grads = torch.autograd.grad((reference_attention(*leaves, score_mod, mask_mod) * dout).sum(), leaves)
         for name, g in zip(("dq", "dk", "dv"), grads):
             np.testing.assert_allclose(got[name], g.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 

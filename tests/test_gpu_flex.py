@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 from fagen import flex  # noqa: E402
+from tests.test_flex import reference_attention  # noqa: E402
 
 GRAD_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}  # as tests/test_gpu_torch.py's
 MODS = {
@@ -25,20 +26,6 @@ MODS = {
 }
 
 
-def _reference(q, k, v, score_mod, mask_mod):
-    group = q.shape[1] // k.shape[1]
-    q, k, v = (x.double() for x in (q, k, v))
-    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    b, h, qi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == a else 1 for i in range(4)])
-                    for a, n in enumerate(s.shape))
-    if score_mod is not None:
-        s = score_mod(s, b, h, qi, ki)
-    if mask_mod is not None:
-        s = s.masked_fill(~mask_mod(b, h, qi, ki).expand(s.shape), float("-inf"))
-    return torch.softmax(s, -1) @ v
-
-
 @pytest.mark.parametrize("name", list(MODS))
 @pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
 def test_flex_attention_matches_pytorch_with_the_same_functions(name, dtype, d):
@@ -49,8 +36,8 @@ def test_flex_attention_matches_pytorch_with_the_same_functions(name, dtype, d):
                for h in (hq, hkv, hkv))
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, hq, n, n)
     out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    want = _reference(*leaves, score_mod, mask_mod)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = reference_attention(*leaves, score_mod, mask_mod)
     assert relative_error(to_numpy(out), to_numpy(want)) < OUT_TOLERANCE[dtype]
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)

@@ -498,11 +498,8 @@ def test_transformers_llama_generates_the_sdpa_tokens(dtype):
             assert gap <= 2 ** -7 * logits.abs().max().item(), (row, step, gap)
 
 
-def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
-    """Batched greedy generation from prompts of three lengths, left-padded (transformers' way to
-    serve a batch): the prompt's logits at its tokens, and the 16 tokens each row generates
-    (prefill, then decode steps whose keys start past each row's padding), on the dynamic and the
-    static cache, as on SDPA (fp16)."""
+def _llama_on_sdpa_and_fagen():
+    """The same fp16 Llama (2 layers, 8/2 heads of 64, random weights) on SDPA and on fagen."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import fagen.transformers
@@ -515,6 +512,15 @@ def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
                              attn_implementation=implementation)
         torch.manual_seed(0)
         models.append(LlamaForCausalLM(config).to(device="cuda", dtype=torch.float16).eval())
+    return models
+
+
+def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
+    """Batched greedy generation from prompts of three lengths, left-padded (transformers' way to
+    serve a batch): the prompt's logits at its tokens, and the 16 tokens each row generates
+    (prefill, then decode steps whose keys start past each row's padding), on the dynamic and the
+    static cache, as on SDPA (fp16)."""
+    models = _llama_on_sdpa_and_fagen()
     gen = torch.Generator(device="cuda").manual_seed(7)
     ids = torch.randint(1, 1000, (3, 100), generator=gen, device="cuda")
     mask = torch.ones_like(ids)
@@ -536,18 +542,9 @@ def test_transformers_llama_on_fagen_compiles_with_fullgraph_as_on_sdpa():
     """torch.compile(fullgraph=True) of a transformers Llama on fagen, where the same model on SDPA
     compiles too: a left-padded prompt (its padding as fagen's key bias under tracing) and a decode
     step on its dynamic cache, logits against the eager fagen model and against SDPA's (fp16)."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
-    import fagen.transformers
-
-    name = fagen.transformers.register()
-    models = []
-    for implementation in ("sdpa", name):
-        config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
-                             num_hidden_layers=2, vocab_size=1000, max_position_embeddings=512, initializer_range=0.08,
-                             attn_implementation=implementation)
-        torch.manual_seed(0)
-        models.append(LlamaForCausalLM(config).to(device="cuda", dtype=torch.float16).eval())
+    models = _llama_on_sdpa_and_fagen()
     gen = torch.Generator(device="cuda").manual_seed(11)
     ids = torch.randint(1, 1000, (2, 96), generator=gen, device="cuda")
     mask = torch.ones_like(ids)
