@@ -2,42 +2,91 @@
 torch.nn.attention.flex_attention's signatures and meaning, so that swapping the import runs
 fagen for the common cases.
 
-- `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)`: the mask_mod traced into fagen's expression
-  language (fagen.mod_tracing), evaluated a query block at a time on the host into fagen's runtime
-  block mask (fagen.masks: blocks no key of which is seen are never loaded, fully seen ones run
-  without a per-element test, the rest read a bit pattern). Reusable across calls and layers.
+- `create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)`: the mask_mod run as PyTorch code on the
+  device, a chunk of query blocks at a time, into fagen's runtime block mask (fagen.masks: blocks
+  no key of which is seen are never loaded, fully seen ones run without a per-element test, the
+  rest read a bit pattern). It may read captured tensors. Reusable across calls and layers.
 - `flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
   enable_gqa=False, return_lse=False)`: the score_mod traced into `score_mod.expression` and its
   derivative, the kernels of that spec run eagerly under autograd (torch_op's
   _EagerKernelAttention, as for fagen.attention's block masks).
 
-Not yet: captured tensors (a score_mod indexing a tensor is refused, naming its line), masks
-built without the host's pass over every block, and torch.compile of a model calling it (the
-eager kernels break the graph).
+Not yet: captured tensors in a score_mod (refused, naming its line) and torch.compile of a model
+calling it (the eager kernels break the graph).
 """
 
 from __future__ import annotations
 
-from fagen import expression, masks, torch_op
+import numpy as np
+
+from fagen import masks, torch_op
 from fagen.mod_tracing import TracedScoreMod, TraceError, trace_mask_mod, trace_score_mod
 
 __all__ = ["create_block_mask", "flex_attention", "trace_mask_mod", "trace_score_mod", "TraceError",
            "TracedScoreMod"]
 
 
-def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device=None,
+def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cuda",
                       BLOCK_SIZE: int | tuple[int, int] = 128) -> masks.BlockMask:
     """FlexAttention's create_block_mask: mask_mod(b, h, q_idx, kv_idx) -> bool (True: the key is
-    seen) over B x H x Q_LEN x KV_LEN; B or H None broadcasts, as in FlexAttention. `device` is
-    accepted for the signature's sake: the block mask goes to q's device at the call."""
-    tree = expression.mask(trace_mask_mod(mask_mod))
+    seen) over B x H x Q_LEN x KV_LEN, B or H None broadcasting, as in FlexAttention. The
+    function runs as PyTorch code on `device`, a chunk of query blocks at a time (never the
+    whole Q_LEN x KV_LEN at once), so it may read captured tensors (documents' ids, a per-head
+    random mask); each block is classified there (never seen: not listed; all seen: FULL; the
+    causal diagonal's pattern: CAUSAL; else PARTIAL, its bits packed there), and what comes back
+    to the host is a few bytes a block."""
+    import torch
+
+    batch, heads = 1 if B is None else B, 1 if H is None else H
     q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    masks.check_builder(("Q_LEN", "KV_LEN"), Q_LEN, KV_LEN, q_block, kv_block, batch, heads)
+    n_qb, n_kb = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    chunk = max(1, CHUNK_ELEMENTS // (q_block * n_kb * kv_block))  # query blocks a call of mask_mod
+    k_idx = torch.arange(KV_LEN, device=device)
+    types = np.zeros((batch, heads, n_qb, n_kb), np.int32)
+    patterns = []  # per (b, h, query block chunk): [partials, q_block, words] uint32, in the walk's order
+    for b in range(batch):
+        for h in range(heads):
+            for first in range(0, n_qb, chunk):
+                blocks = range(first, min(first + chunk, n_qb))
+                q_idx = torch.arange(first * q_block, min(blocks.stop * q_block, Q_LEN), device=device)
+                keep = mask_mod(torch.tensor(b, device=device), torch.tensor(h, device=device), q_idx[:, None],
+                                k_idx[None, :])
+                kinds, bits = _classified(torch.as_tensor(keep, device=device).expand(len(q_idx), KV_LEN), q_idx,
+                                          k_idx, len(blocks), q_block, n_kb, kv_block)
+                types[b, h, blocks.start:blocks.stop] = kinds
+                patterns.append(bits)
+    return masks.from_types(Q_LEN, KV_LEN, q_block, kv_block, types, np.concatenate(patterns))
 
-    def seen(b, h, q_idx, kv_idx):  # the traced tree, as the kernel would compute it (PyTorch's semantics)
-        return expression.evaluate(tree, dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx))
 
-    return masks.from_predicate(seen, 1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN,
-                                q_block=q_block, kv_block=kv_block)
+CHUNK_ELEMENTS = 1 << 26  # (query, key) pairs create_block_mask evaluates a call: 64 MB of bools
+
+
+def _classified(keep, q_idx, k_idx, n_blocks: int, q_block: int, n_kb: int, kv_block: int):
+    """The blocks of `keep` [rows, keys] (n_blocks query blocks by n_kb key blocks; the last of
+    each may be short): their types [n_blocks, n_kb] and the PARTIAL ones' bits [partials,
+    q_block, words] (row-major over the blocks, as masks.from_types reads them), on the host."""
+    import torch
+
+    rows, keys = keep.shape
+    grid = (n_blocks * q_block, n_kb * kv_block)
+    pad = lambda x, value: torch.nn.functional.pad(x, (0, grid[1] - keys, 0, grid[0] - rows), value=value)  # noqa: E731
+    valid = pad(torch.ones_like(keep), False)
+    causal = pad(k_idx[None, :] <= q_idx[:, None], False)
+    keep = pad(keep.bool(), False)
+    by_block = lambda x: x.view(n_blocks, q_block, n_kb, kv_block).transpose(1, 2)  # noqa: E731
+    seen = by_block(keep).any(-1).any(-1)
+    full = by_block(keep | ~valid).all(-1).all(-1)
+    diagonal = by_block((keep == causal) | ~valid).all(-1).all(-1)
+    kinds = torch.where(~seen, masks.MASKED, torch.where(full, masks.FULL, torch.where(diagonal, masks.CAUSAL,
+                                                                                        masks.PARTIAL)))
+    words = -(-kv_block // masks.BITS)
+    partial = by_block(keep)[kinds == masks.PARTIAL]  # [partials, q_block, kv_block], row-major order
+    partial = torch.nn.functional.pad(partial, (0, words * masks.BITS - kv_block)).view(-1, q_block, words, masks.BITS)
+    weights = torch.bitwise_left_shift(torch.ones((), dtype=torch.int64, device=keep.device),
+                                       torch.arange(masks.BITS, device=keep.device))
+    bits = (partial.long() * weights).sum(-1)
+    return kinds.int().cpu().numpy(), bits.cpu().numpy().astype(np.uint32)
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMask | None = None,

@@ -292,6 +292,40 @@ def from_blocks(n_q: int, n_kv: int, q_block: int, kv_block: int, batch: int, he
                      masks, causal_offset)
 
 
+def from_types(n_q: int, n_kv: int, q_block: int, kv_block: int, types: np.ndarray, patterns: np.ndarray,
+               causal_offset: int = 0) -> BlockMask:
+    """A BlockMask from every block's type [B, H, n_q_blocks, n_kv_blocks] (MASKED ... PARTIAL)
+    and the PARTIAL blocks' bit patterns [partials, q_block, words], in the grid's row-major
+    order (from_blocks' order): a builder that classified the blocks itself (fagen.flex's, on
+    the device)."""
+    visited = types != MASKED
+    num = visited.sum(-1).astype(np.int32)
+    order = np.argsort(~visited, axis=-1, kind="stable").astype(np.int32)  # visited blocks first, ascending
+    max_blocks = max(1, int(num.max()) if num.size else 1)
+    listed = np.arange(max_blocks) < num[..., None]
+    kinds = np.take_along_axis(types, order[..., :max_blocks], -1)
+    idx = np.ascontiguousarray(np.where(listed, order[..., :max_blocks], 0), dtype=np.int32)
+    partial = listed & (kinds == PARTIAL)
+    pidx = np.where(partial, np.cumsum(partial.ravel()).reshape(partial.shape) - 1, -1).astype(np.int32)
+    if int(partial.sum()) != len(patterns):
+        raise ValueError(f"from_types: {int(partial.sum())} PARTIAL blocks but {len(patterns)} bit patterns")
+    words = -(-kv_block // BITS)
+    partial_masks = patterns if len(patterns) else np.zeros((1, q_block, words), np.uint32)
+    return BlockMask(n_q, n_kv, q_block, kv_block, num, idx, np.where(listed, kinds, 0).astype(np.int32),
+                     np.ascontiguousarray(pidx), np.ascontiguousarray(partial_masks, dtype=np.uint32), causal_offset)
+
+
+def check_builder(names: tuple[str, str], n_q: int, n_kv: int, q_block: int, kv_block: int, b: int = 1,
+                  h: int = 1) -> None:
+    """A builder's arguments, refused by name as from_predicate refuses them."""
+    _check_int("b", b, "batch rows of the mask; 1 broadcasts", 1, 1)
+    _check_int("h", h, "heads of the mask; 1 broadcasts", 1, 1)
+    _check_length(names[0], n_q)
+    _check_length(names[1], n_kv)
+    _check_blocks(q_block, kv_block, 0)
+    _check_size(names, n_q, n_kv, q_block, kv_block, b, h)
+
+
 # ---- builders ------------------------------------------------------------------------------
 
 def from_dense(mask: np.ndarray, q_block: int = 128, kv_block: int = 128, causal_offset: int = 0) -> BlockMask:

@@ -55,7 +55,7 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
     monkeypatch.setattr(torch_op, "_EagerKernelAttention", Kernels)
     gen = torch.Generator().manual_seed(len(case))
     q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
-    block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, HQ, N, N, BLOCK_SIZE=32)
+    block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, HQ, N, N, device="cpu", BLOCK_SIZE=32)
     out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
     want = reference_attention(q, k, v, score_mod, mask_mod)
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
@@ -71,16 +71,39 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
             np.testing.assert_allclose(got[name], g.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-def test_create_block_mask_keeps_the_keys_the_mask_mod_sees():
-    """The block mask's dense form is the mask_mod's own, for B and H given or broadcast."""
-    mask_mod = CASES["per_head_mask_only"][1]
-    for b, h in ((None, HQ), (B, HQ), (None, None)):
-        bm = flex.create_block_mask(mask_mod, b, h, 100, 120, BLOCK_SIZE=(32, 16))
-        dense = bm.to_dense()
-        bi, hi, qi, ki = (torch.arange(n).view(*[-1 if i == axis else 1 for i in range(4)])
-                          for axis, n in enumerate((b or 1, h or 1, 100, 120)))
-        assert isinstance(bm, masks.BlockMask) and (bm.q_block, bm.kv_block) == (32, 16)
-        np.testing.assert_array_equal(dense, np.broadcast_to(mask_mod(bi, hi, qi, ki).numpy(), dense.shape))
+NUMPY_MASKS = {  # mask_mods both PyTorch and NumPy run: create_block_mask's blocks against from_predicate's
+    "causal": lambda b, h, q, k: q >= k,
+    "window_and_head": lambda b, h, q, k: (q >= k) & (q - k <= 37 + 5 * h),
+    "dilated_or_prefix": lambda b, h, q, k: ((q - k) % 3 == 0) | (k < 21),
+    "batch_rows": lambda b, h, q, k: (q // 16 + b) % 2 == k // 16 % 2,
+    "none_seen_in_some_rows": lambda b, h, q, k: (q % 50 < 25) & (k <= q),
+}
+
+
+@pytest.mark.parametrize("name", list(NUMPY_MASKS))
+@pytest.mark.parametrize("shape", [(None, None, 100, 120, (32, 16)), (2, 3, 77, 77, 32), (1, 2, 64, 200, (64, 32))])
+def test_create_block_mask_builds_from_predicate_s_block_mask(name, shape, monkeypatch):
+    """Classified in PyTorch a chunk of query blocks at a time (chunks of one block here), the
+    block mask is the host builder's, array for array, and its dense form the mask_mod's."""
+    b, h, n_q, n_kv, size = shape
+    mask_mod = NUMPY_MASKS[name]
+    monkeypatch.setattr(flex, "CHUNK_ELEMENTS", 1)
+    got = flex.create_block_mask(mask_mod, b, h, n_q, n_kv, device="cpu", BLOCK_SIZE=size)
+    q_block, kv_block = (size, size) if isinstance(size, int) else size
+    want = masks.from_predicate(mask_mod, b or 1, h or 1, n_q, n_kv, q_block=q_block, kv_block=kv_block)
+    for field in ("kv_num_blocks", "kv_indices", "block_types", "partial_index", "partial_masks"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    assert 0 < want.to_dense().mean() < 1 and want.kv_num_blocks.sum() > 0
+
+
+def test_create_block_mask_reads_captured_tensors():
+    """Document masking, attention-gym's way: the mask_mod indexes a captured tensor of document
+    ids, which the block mask bakes in (no kernel input needed)."""
+    documents = torch.tensor([0] * 40 + [1] * 25 + [2] * 35)
+    mask_mod = lambda b, h, q, k: (documents[q] == documents[k]) & (q >= k)  # noqa: E731
+    bm = flex.create_block_mask(mask_mod, None, None, 100, 100, device="cpu", BLOCK_SIZE=16)
+    q, k = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    np.testing.assert_array_equal(bm.to_dense()[0, 0], mask_mod(0, 0, q, k).numpy())
 
 
 def test_flex_attention_refuses_what_flexattention_refuses_and_what_it_cannot_trace():
