@@ -72,8 +72,8 @@ def test_a_traced_score_mod_and_its_derivative_are_pytorch_s(name):
     got = expression.evaluate(expression.score(traced.expression), values)
     grad = np.broadcast_to(expression.evaluate(expression.score(traced.expression_grad), values), score.shape)
     s, *indices = _torch(score, b, h, q, k)
-    s.requires_grad_(True)
-    want = SCORE_MODS[name](s, *indices).float()
+    s = s.double().requires_grad_(True)  # (torch's float32 tanh on the CPU is off by up to ~5e-5 at times)
+    want = SCORE_MODS[name](s, *indices).double()
     (want_grad,) = torch.autograd.grad(want.sum(), s, allow_unused=True)
     want_grad = torch.zeros_like(s) if want_grad is None else want_grad
     np.testing.assert_allclose(got, want.detach().numpy(), rtol=2e-5, atol=2e-5, err_msg=traced.expression)
@@ -113,7 +113,7 @@ def _indexes_a_table(score, b, h, q, k):
     (lambda s, b, h, q, k: torch.sin(s), "score", "torch.sin is not among"),
     (lambda s, b, h, q, k: q >= k, "score", "returns a bool"),
     (lambda b, h, q, k: q - k, "mask", "returns a int, not a bool"),
-    (lambda b, h, q: q, "mask", r"takes 3 arguments; FlexAttention's mask_mod takes \(b, h, q_idx, kv_idx\)"),
+    (lambda b, h, q: q, "mask", r"cannot take FlexAttention's 4 arguments \(b, h, q_idx, kv_idx\)"),
     (lambda s, b, h, q, k: s * 2.5 // 2, "score", "integer // .* only"),
     (lambda s, b, h, q, k: s ** 3.5, "score", r"whole exponents 0..8"),
     (lambda s, b, h, q, k: s + 2**40, "score", "outside int32"),
@@ -133,3 +133,32 @@ def test_a_traced_expression_past_the_language_s_length_is_refused_by_the_langua
 
     with pytest.raises(flex.TraceError, match="characters, over the limit"):
         flex.trace_score_mod(long)
+
+
+def test_a_function_is_traced_again_only_when_what_it_reads_changes(monkeypatch):
+    """The trace is kept for a function, its closure, defaults and the globals its code names:
+    the same values cost a lookup; a closure value, a default or a global changed re-trace."""
+    traces = []
+    real = flex._trace_score_mod
+    monkeypatch.setattr(flex, "_trace_score_mod", lambda fn: traces.append(fn) or real(fn))
+
+    def softcap_of(cap):
+        return lambda s, b, h, q, k: cap * torch.tanh(s / cap)
+
+    mod = softcap_of(20.0)
+    assert flex.trace_score_mod(mod) is flex.trace_score_mod(mod) and len(traces) == 1
+    assert "30.0f" in flex.trace_score_mod(softcap_of(30.0)).expression and len(traces) == 2
+    assert flex.trace_score_mod(softcap_of(20.0)).expression == flex.trace_score_mod(mod).expression
+
+    def shifted(s, b, h, q, k, by=1.5):
+        return s + by * WIDTH_FOR_CACHE_TEST
+
+    first = flex.trace_score_mod(shifted).expression
+    monkeypatch.setattr(shifted, "__defaults__", (2.5,))
+    second = flex.trace_score_mod(shifted).expression
+    monkeypatch.setitem(globals(), "WIDTH_FOR_CACHE_TEST", 7)
+    third = flex.trace_score_mod(shifted).expression
+    assert (first, second, third) == ("score + 4.5f", "score + 7.5f", "score + 17.5f")  # Python folds them
+
+
+WIDTH_FOR_CACHE_TEST = 3
