@@ -36,7 +36,8 @@ LAYERS = [
     ("api", "flex"),  # the public entry points: fagen.attention and its siblings; FlexAttention's API
     ("bench_cases", "bench_rows", "bench_e2e_tables"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV
     # files; the end-to-end benchmark's cases and tables
-    ("bench_backward", "bench_serving", "bench_e2e"),  # the backward and serving layouts in `fagen bench`; generation
+    ("bench_backward", "bench_serving", "bench_e2e", "bench_flex"),  # the backward and serving layouts in
+    # `fagen bench`; generation; fagen.flex against FlexAttention
     ("bench",),
     ("tune",),
     ("cli",),

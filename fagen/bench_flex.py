@@ -1,0 +1,250 @@
+"""fagen.flex against compiled FlexAttention, the same Python mods on both: attention-gym's
+catalogue at the benchmark's sizes (B * N = 16k tokens, H * d = 2048; fp16; d 64 and 128; N 4k
+and 16k), forward and forward + backward, GPU time by CUDA events (fagen.check.time_ms).
+
+Each implementation's output and gradients are checked first against FlexAttention in float32
+on the same inputs (relative norms, OUT_TOLERANCE and GRAD_TOLERANCE); a check that fails is a
+row with the error, not a time. A mod fagen cannot take yet (a captured tensor in a score_mod)
+is a row saying why. TFLOP/s count the kept (q, k) pairs: 4 * B * H * d * kept forward,
+FWD_BWD_FACTOR times that forward and backward.
+
+    python3 -m fagen.bench_flex [--quick] [--out bench/bench_flex.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fagen import flex
+from fagen.bench_cases import HIDDEN, N_DOCS, PREFIX, TOKENS, WINDOW, doc_lengths
+from fagen.check import relative_error, time_ms, to_numpy
+
+HEAD_DIMS, LENGTHS = (64, 128), (4096, 16384)
+DTYPE = "float16"
+FWD_BWD_FACTOR = 3.5  # forward + backward FLOPs / forward FLOPs: 7 matmuls to 2
+OUT_TOLERANCE, GRAD_TOLERANCE = 1e-2, 2e-2  # against FlexAttention in float32, fp16 inputs
+NEIGHBOURHOOD = 8  # 2-D neighbourhood: keys within this many pixels along each axis of a square image
+DILATION = 2
+SOFTCAP = 20.0
+IMPLS = ("fagen", "flex")
+MOD_NAMES = ("causal", "sliding_window", "prefix_lm", "documents", "dilated_sliding_window", "neighbourhood_2d",
+             "alibi", "softcap", "relative_bias_table")  # mods()'s, in the tables' order
+
+
+@dataclass(frozen=True)
+class FlexCase:
+    mod: str  # a name of MODS
+    head_dim: int
+    n: int
+    dtype: str = DTYPE
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOKENS // self.n)
+
+    @property
+    def heads(self) -> int:
+        return HIDDEN // self.head_dim
+
+    @property
+    def key(self) -> str:
+        return f"{self.dtype}-d{self.head_dim}-n{self.n}-{self.mod}"
+
+
+@dataclass
+class FlexRow:
+    case: str
+    mod: str
+    impl: str  # fagen | flex
+    head_dim: int
+    n: int
+    batch: int
+    heads: int
+    fwd_ms: float | None = None
+    fwd_tflops: float | None = None
+    fwd_bwd_ms: float | None = None
+    fwd_bwd_tflops: float | None = None
+    error: float | None = None  # worst relative error of out, dq, dk, dv against FlexAttention in float32
+    note: str = ""
+
+
+def mods(n: int, heads: int, device="cuda") -> dict:
+    """name -> (score_mod or None, mask_mod or None): attention-gym's mods at length n."""
+    import torch
+
+    docs = torch.as_tensor(_document_ids(n), device=device)
+    side = math.isqrt(n)  # the 2-D neighbourhood's square image, side x side pixels
+    table = torch.randn(heads, 2 * n - 1, device=device) * 0.1  # a learned relative-position bias
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    return {
+        "causal": (None, causal),
+        "sliding_window": (None, lambda b, h, q, k: (q >= k) & (q - k <= WINDOW)),
+        "prefix_lm": (None, lambda b, h, q, k: (k < PREFIX) | (q >= k)),
+        "documents": (None, lambda b, h, q, k: (docs[q] == docs[k]) & (q >= k)),
+        "dilated_sliding_window": (None, lambda b, h, q, k: (q >= k) & (q - k <= WINDOW) & ((q - k) % DILATION == 0)),
+        "neighbourhood_2d": (None, lambda b, h, q, k: ((q % side - k % side).abs() <= NEIGHBOURHOOD)
+                             & ((q // side - k // side).abs() <= NEIGHBOURHOOD)),
+        "alibi": (lambda s, b, h, q, k: s - torch.exp2(-8.0 * (h + 1) / heads) * (q - k), causal),
+        "softcap": (lambda s, b, h, q, k: SOFTCAP * torch.tanh(s / SOFTCAP), causal),
+        "relative_bias_table": (lambda s, b, h, q, k: s + table[h, q - k + n - 1], causal),
+    }
+
+
+def _document_ids(n: int):
+    return np.repeat(np.arange(N_DOCS), doc_lengths(n, N_DOCS))
+
+
+def cases(quick: bool = False) -> list[FlexCase]:
+    """Every mod at d 64 and 128, N 4k and 16k (quick: three mods at d 128, N 4k)."""
+    if quick:
+        return [FlexCase(m, 128, 4096) for m in ("causal", "documents", "softcap")]
+    return [FlexCase(m, d, n) for m in MOD_NAMES for d in HEAD_DIMS for n in LENGTHS]
+
+
+def kept_pairs(mask_mod, n: int, heads: int, device="cuda", rows: int = 1024) -> int:
+    """(q, k) pairs the mask keeps, summed over the heads (a mask may differ by head), counted a
+    slab of rows at a time on `device`."""
+    import torch
+
+    if mask_mod is None:
+        return heads * n * n
+    k = torch.arange(n, device=device)[None, :]
+    total = 0
+    for h in range(heads):
+        for r0 in range(0, n, rows):
+            q = torch.arange(r0, min(n, r0 + rows), device=device)[:, None]
+            keep = torch.as_tensor(mask_mod(torch.tensor(0, device=device), torch.tensor(h, device=device), q, k))
+            total += int(keep.expand(q.shape[0], n).sum())
+    return total
+
+
+def run_case(case: FlexCase) -> list[FlexRow]:
+    """fagen and compiled FlexAttention on one draw of q, k, v and dout, each checked against
+    FlexAttention in float32 before it is timed."""
+    import torch
+    from torch.nn.attention import flex_attention as torch_flex
+
+    score_mod, mask_mod = mods(case.n, case.heads)[case.mod]
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
+    shape = (case.batch, case.heads, case.n, case.head_dim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=getattr(torch, case.dtype), generator=gen)
+                     for _ in range(4))
+    compiled = _compiled_flex()
+    torch_mask = None if mask_mod is None else torch_flex.create_block_mask(mask_mod, None, None, case.n, case.n)
+    reference = _run(compiled, torch_mask, score_mod, *(x.float() for x in (q, k, v, dout)))
+    flops = 4.0 * case.batch * case.head_dim * kept_pairs(mask_mod, case.n, case.heads)
+    rows = []
+    for impl in IMPLS:
+        row = FlexRow(case.key, case.mod, impl, case.head_dim, case.n, case.batch, case.heads)
+        rows.append(row)
+        try:
+            if impl == "fagen":
+                fn, block_mask = flex.flex_attention, None if mask_mod is None else flex.create_block_mask(
+                    mask_mod, None, None, case.n, case.n)
+            else:
+                fn, block_mask = compiled, torch_mask
+            got = _run(fn, block_mask, score_mod, q, k, v, dout)
+            row.error = max(relative_error(to_numpy(a), to_numpy(b)) for a, b in zip(got, reference))
+            tolerance = max(OUT_TOLERANCE, GRAD_TOLERANCE)
+            if not row.error <= tolerance:
+                row.note = f"WRONG, not timed: relative error {row.error:.2e} against FlexAttention in float32"
+                continue
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+            def forward():
+                with torch.no_grad():
+                    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+            def forward_backward():
+                return torch.autograd.grad(fn(*leaves, score_mod=score_mod, block_mask=block_mask), leaves, dout)
+
+            row.fwd_ms, row.fwd_bwd_ms = time_ms(forward), time_ms(forward_backward)
+            row.fwd_tflops = flops / row.fwd_ms / 1e9
+            row.fwd_bwd_tflops = FWD_BWD_FACTOR * flops / row.fwd_bwd_ms / 1e9
+        except Exception as err:  # noqa: BLE001 - a refused mod (flex.TraceError) or a failure is its row
+            if not isinstance(err, flex.TraceError):
+                traceback.print_exc(file=sys.stderr)
+            row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return rows
+
+
+def _run(fn, block_mask, score_mod, q, k, v, dout) -> tuple:
+    """out, dq, dk, dv of fn(q, k, v, score_mod=, block_mask=) with dout."""
+    import torch
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, score_mod=score_mod, block_mask=block_mask)
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+def markdown(rows: list[FlexRow]) -> list[str]:
+    """One table: a case a line, fagen and FlexAttention forward and forward + backward TFLOP/s
+    and their ratios; a row that was not timed says why."""
+    out = ["| mod | d | N | fagen fwd | Flex fwd | fagen / Flex | fagen fwd+bwd | Flex fwd+bwd | fagen / Flex | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by_case: dict[str, dict[str, FlexRow]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.impl] = r
+    for impls in by_case.values():
+        f, x = impls.get("fagen"), impls.get("flex")
+        any_row = f or x
+        notes = "; ".join(f"{r.impl}: {r.note}" for r in (f, x) if r is not None and r.note)
+        out.append(f"| {any_row.mod} | {any_row.head_dim} | {any_row.n} | {_tf(f, 'fwd_tflops')} | "
+                   f"{_tf(x, 'fwd_tflops')} | {_ratio(f, x, 'fwd_tflops')} | {_tf(f, 'fwd_bwd_tflops')} | "
+                   f"{_tf(x, 'fwd_bwd_tflops')} | {_ratio(f, x, 'fwd_bwd_tflops')} | {notes} |")
+    return out
+
+
+def _tf(row: FlexRow | None, field: str) -> str:
+    value = None if row is None else getattr(row, field)
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def _ratio(a: FlexRow | None, b: FlexRow | None, field: str) -> str:
+    x, y = (None if r is None else getattr(r, field) for r in (a, b))
+    return "n/a" if not x or not y else f"{x / y:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="three cases (d128, N 4k)")
+    parser.add_argument("--out", type=Path, default=Path("bench/bench_flex.json"))
+    args = parser.parse_args(argv)
+    rows: list[FlexRow] = []
+    for case in cases(args.quick):
+        rows += run_case(case)
+        print(f"{case.key}: " + ", ".join(f"{r.impl} {_tf(r, 'fwd_tflops')}/{_tf(r, 'fwd_bwd_tflops')}"
+                                           for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
+    print("\n".join(markdown(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""fagen.bench_flex's pure parts without a GPU: its cases, its mods (run on the CPU, and traced
+by fagen.flex where fagen takes them), the kept pairs it counts FLOPs by, and its table."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen import bench_flex, flex  # noqa: E402
+
+
+def test_every_mod_is_benchmarked_at_both_head_dims_and_lengths():
+    names = set(bench_flex.mods(4096, 16, device="cpu"))
+    assert names == set(bench_flex.MOD_NAMES)
+    cases = bench_flex.cases()
+    assert {(c.mod, c.head_dim, c.n) for c in cases} == {(m, d, n) for m in names for d in (64, 128)
+                                                         for n in (4096, 16384)}
+    assert all(c.batch * c.n == 16384 and c.heads * c.head_dim == 2048 for c in cases)
+    assert {c.mod for c in bench_flex.cases(quick=True)} < names
+
+
+def test_fagen_takes_every_mod_but_the_captured_table_and_the_masks_build():
+    n, heads = 256, 4
+    for name, (score_mod, mask_mod) in bench_flex.mods(n, heads, device="cpu").items():
+        if score_mod is not None:
+            if name == "relative_bias_table":
+                with pytest.raises(flex.TraceError, match="captured tensor"):
+                    flex.trace_score_mod(score_mod)
+                continue
+            flex.trace_score_mod(score_mod)
+        if mask_mod is not None:
+            bm = flex.create_block_mask(mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=64)
+            q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+            want = mask_mod(torch.tensor(0), torch.tensor(0), q, k).numpy()
+            np.testing.assert_array_equal(bm.to_dense()[0, 0], want, err_msg=name)
+
+
+def test_kept_pairs_count_the_mask_by_head():
+    n = 300
+    causal = lambda b, h, q, k: q >= k  # noqa: E731
+    per_head = lambda b, h, q, k: q - k <= h  # noqa: E731
+    assert bench_flex.kept_pairs(None, n, 3, device="cpu") == 3 * n * n
+    assert bench_flex.kept_pairs(causal, n, 2, device="cpu", rows=7) == 2 * n * (n + 1) // 2
+    assert bench_flex.kept_pairs(per_head, n, 2, device="cpu", rows=64) == \
+        sum(int((np.arange(n)[:, None] - np.arange(n)[None] <= h).sum()) for h in range(2))
+
+
+def test_the_table_gives_ratios_and_says_why_a_row_was_not_timed():
+    def row(case, mod, impl, fwd=None, fb=None, note=""):
+        return bench_flex.FlexRow(case, mod, impl, 128, 4096, 4, 16, fwd_tflops=fwd, fwd_bwd_tflops=fb, note=note)
+
+    lines = bench_flex.markdown([row("a", "softcap", "fagen", 600.0, 450.0), row("a", "softcap", "flex", 400.0, 300.0),
+                                 row("b", "relative_bias_table", "fagen", note="TraceError: captured tensor"),
+                                 row("b", "relative_bias_table", "flex", 300.0, 200.0)])
+    assert lines[2] == "| softcap | 128 | 4096 | 600 | 400 | 1.50x | 450 | 300 | 1.50x |  |"
+    assert lines[3] == ("| relative_bias_table | 128 | 4096 | n/a | 300 | n/a | n/a | 200 | n/a | "
+                        "fagen: TraceError: captured tensor |")
