@@ -11,8 +11,9 @@ fagen for the common cases.
   derivative, the kernels of that spec run eagerly under autograd (torch_op's
   _EagerKernelAttention, as for fagen.attention's block masks).
 
-Not yet: captured tensors in a score_mod (refused, naming its line) and torch.compile of a model
-calling it (the eager kernels break the graph).
+Not yet: captured tensors in a score_mod (refused, naming its line), a gradient through the LSE,
+and torch.compile of a model calling it (the eager kernels break the graph). A score_mod's ints are
+int32 in the kernel (int64 in PyTorch): a product of positions past 2^31 wraps.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["create_block_mask", "flex_attention", "trace_mask_mod", "trace_score
            "TracedScoreMod"]
 
 
-def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cuda",
+def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device=None,
                       BLOCK_SIZE: int | tuple[int, int] = 128) -> masks.BlockMask:
     """FlexAttention's create_block_mask: mask_mod(b, h, q_idx, kv_idx) -> bool (True: the key is
     seen) over B x H x Q_LEN x KV_LEN, B or H None broadcasting, as in FlexAttention. The
@@ -34,9 +35,12 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     whole Q_LEN x KV_LEN at once), so it may read captured tensors (documents' ids, a per-head
     random mask); each block is classified there (never seen: not listed; all seen: FULL; the
     causal diagonal's pattern: CAUSAL; else PARTIAL, its bits packed there), and what comes back
-    to the host is a few bytes a block."""
+    to the host is a few bytes a block. `device` None: the current CUDA device (else the CPU).
+    mask_mod must return bools, as FlexAttention asks."""
     import torch
 
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, heads = 1 if B is None else B, 1 if H is None else H
     q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
     masks.check_builder(("Q_LEN", "KV_LEN"), Q_LEN, KV_LEN, q_block, kv_block, batch, heads)
@@ -50,10 +54,14 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
             for first in range(0, n_qb, chunk):
                 blocks = range(first, min(first + chunk, n_qb))
                 q_idx = torch.arange(first * q_block, min(blocks.stop * q_block, Q_LEN), device=device)
-                keep = mask_mod(torch.tensor(b, device=device), torch.tensor(h, device=device), q_idx[:, None],
-                                k_idx[None, :])
-                kinds, bits = _classified(torch.as_tensor(keep, device=device).expand(len(q_idx), KV_LEN), q_idx,
-                                          k_idx, len(blocks), q_block, n_kb, kv_block)
+                keep = torch.as_tensor(mask_mod(torch.tensor(b, device=device), torch.tensor(h, device=device),
+                                                q_idx[:, None], k_idx[None, :]), device=device)
+                if keep.dtype != torch.bool:
+                    raise TypeError(f"mask_mod {getattr(mask_mod, '__qualname__', mask_mod)} returns {keep.dtype}; "
+                                    f"it must return bools (True: the key is seen), as FlexAttention's: compare it, "
+                                    f"e.g. x != 0")
+                kinds, bits = _classified(keep.expand(len(q_idx), KV_LEN), q_idx, k_idx, len(blocks), q_block, n_kb,
+                                          kv_block)
                 types[b, h, blocks.start:blocks.stop] = kinds
                 patterns.append(bits)
     return masks.from_types(Q_LEN, KV_LEN, q_block, kv_block, types, np.concatenate(patterns))
@@ -71,9 +79,9 @@ def _classified(keep, q_idx, k_idx, n_blocks: int, q_block: int, n_kb: int, kv_b
     rows, keys = keep.shape
     grid = (n_blocks * q_block, n_kb * kv_block)
     pad = lambda x, value: torch.nn.functional.pad(x, (0, grid[1] - keys, 0, grid[0] - rows), value=value)  # noqa: E731
-    valid = pad(torch.ones_like(keep), False)
+    valid = pad(torch.ones_like(keep, dtype=torch.bool), False)
     causal = pad(k_idx[None, :] <= q_idx[:, None], False)
-    keep = pad(keep.bool(), False)
+    keep = pad(keep, False)
     by_block = lambda x: x.view(n_blocks, q_block, n_kb, kv_block).transpose(1, 2)  # noqa: E731
     seen = by_block(keep).any(-1).any(-1)
     full = by_block(keep | ~valid).all(-1).all(-1)
@@ -90,14 +98,20 @@ def _classified(keep, q_idx, k_idx, n_blocks: int, q_block: int, n_kb: int, kv_b
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMask | None = None,
-                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False):
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                   kernel_options: dict | None = None):
     """FlexAttention's flex_attention on fagen's kernels: query [B, Hq, Nq, d], key and value
     [B, Hkv, Nk, d] PyTorch tensors; score_mod(score, b, h, q_idx, kv_idx) changes the scaled
-    score q.k * scale; block_mask from create_block_mask (or fagen.masks). Gradients flow to
-    query, key and value. Returns out (and the LSE [B, Hq, Nq] with return_lse)."""
+    score q.k * scale; block_mask from fagen.flex.create_block_mask (or fagen.masks). Gradients
+    flow to query, key and value; the LSE (return_lse) carries none. kernel_options (FlexAttention's
+    Triton tiling) is accepted and not read: fagen's kernels have their own. Returns out (and the
+    LSE [B, Hq, Nq])."""
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for "
                          f"grouped-query attention (as FlexAttention asks)")
+    if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
+        raise TypeError(f"block_mask: a {type(block_mask).__module__}.{type(block_mask).__name__}; fagen runs its own "
+                        f"block masks: build it with fagen.flex.create_block_mask (FlexAttention's arguments)")
     traced = None if score_mod is None else trace_score_mod(score_mod)
     out, lse = torch_op._EagerKernelAttention.apply(
         query, key, value, None, None, block_mask, False, None, None, scale, False,

@@ -317,13 +317,13 @@ def from_types(n_q: int, n_kv: int, q_block: int, kv_block: int, types: np.ndarr
 
 def check_builder(names: tuple[str, str], n_q: int, n_kv: int, q_block: int, kv_block: int, b: int = 1,
                   h: int = 1) -> None:
-    """A builder's arguments, refused by name as from_predicate refuses them."""
+    """A device builder's arguments, refused by name as from_predicate refuses them (but the host's
+    size limits: it evaluates on the GPU)."""
     _check_int("b", b, "batch rows of the mask; 1 broadcasts", 1, 1)
     _check_int("h", h, "heads of the mask; 1 broadcasts", 1, 1)
     _check_length(names[0], n_q)
     _check_length(names[1], n_kv)
     _check_blocks(q_block, kv_block, 0)
-    _check_size(names, n_q, n_kv, q_block, kv_block, b, h)
 
 
 # ---- builders ------------------------------------------------------------------------------

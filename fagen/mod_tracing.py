@@ -24,12 +24,14 @@ from __future__ import annotations
 import inspect
 import linecache
 import math
+import types
 from dataclasses import dataclass
 
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Name, Node, Number, Unary
 
 LN2 = 0.6931471805599453
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class TraceError(ValueError):
@@ -84,6 +86,9 @@ class Traced:
 
     def __pow__(self, other):
         return _pow(self, other)
+
+    def __rpow__(self, other):
+        raise TraceError("a traced exponent: write torch.exp(y * math.log(x)), or torch.exp2(y) for 2 ** y")
 
     def __neg__(self):
         return _neg(self)
@@ -179,6 +184,9 @@ class Traced:
     def ceil(self):
         return _rounding("ceilf", self)
 
+    def where(self, condition, other):  # x.where(c, y) is torch.where(c, x, y)
+        return _where(condition, self, other)
+
     def clamp(self, min=None, max=None):  # noqa: A002 - torch's names
         return _clamp(self, min, max)
 
@@ -214,6 +222,9 @@ class Traced:
         if name == "__getitem__":
             raise TraceError("a captured tensor indexed by a traced value: captured tensors are not kernel inputs "
                              "yet; write the table's values as an expression of b, h, q_idx, kv_idx")
+        if func is getattr(_torch(), "Tensor").where:  # x.where(condition, y): torch.where(condition, x, y)
+            x, condition, y = args
+            return _where(condition, x, y)
         rule = TORCH_FUNCTIONS.get(name)
         if rule is None:
             raise TraceError(f"torch.{name} is not among the functions fagen traces "
@@ -221,8 +232,14 @@ class Traced:
         return rule(*args, **(kwargs or {}))
 
 
+def _torch():
+    import torch
+
+    return torch
+
+
 OPERATORS = {f"__{op}__" for op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv",
-                                    "rfloordiv", "mod", "rmod", "pow", "neg", "abs", "lt", "le", "gt", "ge", "eq",
+                                    "rfloordiv", "mod", "rmod", "pow", "rpow", "neg", "abs", "lt", "le", "gt", "ge", "eq",
                                     "ne", "and", "rand", "or", "ror", "xor", "rxor", "invert")}
 
 
@@ -242,12 +259,14 @@ def _lift(value) -> Traced:
     if isinstance(value, int):
         if not expression.INT_MIN <= value <= expression.INT_MAX:
             raise TraceError(f"the int {value} is outside int32, the kernel's integers")
+        if value == expression.INT_MIN:  # (its magnitude is no int32 literal)
+            return Traced(Binary("-", Unary("-", Number(str(expression.INT_MAX), INT), INT), Number("1", INT), INT))
         node = Number(str(abs(value)), INT)
         return Traced(node if value >= 0 else Unary("-", node, INT), nonnegative=value >= 0)
     if isinstance(value, float):
-        if not math.isfinite(value):
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
             raise TraceError(f"the constant {value}: mask keys with a mask_mod (block_mask), not an infinite "
-                             f"score; other constants must be finite")
+                             f"score; other constants must be finite in float32 (|x| <= {FLOAT32_MAX:.7g})")
         text = repr(abs(value))
         if "e" not in text and "." not in text:
             text += ".0"
@@ -367,8 +386,10 @@ def _neg(a: Traced) -> Traced:
 def _abs(a: Traced) -> Traced:
     if a.node.type != FLOAT:
         return Traced(Call("abs", (a.node,), INT), nonnegative=True)
-    grad = None if a.grad is None else Conditional(Binary("<", a.node, ZERO, BOOL), Unary("-", a.grad, FLOAT), a.grad,
-                                                   FLOAT)
+    # sign(x) x', 0 at 0 (as torch's)
+    grad = None if a.grad is None else Conditional(
+        Binary(">", a.node, ZERO, BOOL), a.grad,
+        Conditional(Binary("<", a.node, ZERO, BOOL), Unary("-", a.grad, FLOAT), ZERO, FLOAT), FLOAT)
     return Traced(Call("fabsf", (a.node,), FLOAT), grad)
 
 
@@ -403,13 +424,18 @@ def _sqrt(a):
 
 
 def _sigmoid(a):
+    """1 / (1 + exp(-x)), its derivative s (1 - s) x' (the quotient rule's 0 * inf / inf at large -x
+    would be NaN)."""
     a = _lift(a)
-    return _div(_lift(1.0), _add(_lift(1.0), _exp(_neg(a))))
+    x = _float(a.node)
+    node = Binary("/", ONE, Binary("+", ONE, Call("expf", (Unary("-", x, FLOAT),), FLOAT), FLOAT), FLOAT)
+    return Traced(node, None if a.grad is None else Binary("*", Binary("*", node, Binary("-", ONE, node, FLOAT), FLOAT),
+                                                           a.grad, FLOAT))
 
 
 def _rounding(function: str, a) -> Traced:
     a = _lift(a)
-    return Traced(Call(function, (_float(a.node),), FLOAT))
+    return a if a.node.type != FLOAT else Traced(Call(function, (a.node,), FLOAT))
 
 
 def _as_float(a) -> Traced:
@@ -448,24 +474,39 @@ def _where(condition, x, y) -> Traced:
 
 
 def _pick(smaller: bool, a, b) -> Traced:
+    """torch.minimum / maximum: the derivative follows the one picked, half each at a tie (as torch's)."""
     a, b = _lift(a), _lift(b)
     if a.node.type != FLOAT and b.node.type != FLOAT:
         return Traced(Call("min" if smaller else "max", (a.node, b.node), INT),
                       nonnegative=(a.nonnegative or b.nonnegative) if not smaller else a.nonnegative and b.nonnegative)
-    node = Call("fminf" if smaller else "fmaxf", (_float(a.node), _float(b.node)), FLOAT)
-    grad = None if a.grad is None and b.grad is None else Conditional(
-        Binary("<=" if smaller else ">=", _float(a.node), _float(b.node), BOOL),
-        a.grad if a.grad is not None else ZERO, b.grad if b.grad is not None else ZERO, FLOAT)
+    x, y = _float(a.node), _float(b.node)
+    node = Call("fminf" if smaller else "fmaxf", (x, y), FLOAT)
+    if a.grad is None and b.grad is None:
+        return Traced(node)
+    ga, gb = (g if g is not None else ZERO for g in (a.grad, b.grad))
+    first = "<" if smaller else ">"
+    grad = Conditional(Binary(first, x, y, BOOL), ga, Conditional(
+        Binary(first, y, x, BOOL), gb, Binary("*", Number("0.5f", FLOAT), Binary("+", ga, gb, FLOAT), FLOAT), FLOAT),
+        FLOAT)
     return Traced(node, grad)
 
 
 def _clamp(x, min=None, max=None) -> Traced:  # noqa: A002 - torch's names
+    """torch.clamp: its derivative passes where min <= x <= max (the ends included, as torch's)."""
     x = _lift(x)
-    if min is not None:
-        x = _pick(False, x, min)
-    if max is not None:
-        x = _pick(True, x, max)
-    return x
+    bounds = [(_lift(v), ">" if side else "<") for v, side in ((min, False), (max, True)) if v is not None]
+    if x.node.type != FLOAT and all(v.node.type != FLOAT for v, _ in bounds):
+        for v, op in bounds:
+            x = Traced(Call("max" if op == "<" else "min", (x.node, v.node), INT),
+                       nonnegative=x.nonnegative or (op == "<" and v.nonnegative))
+        return x
+    node, outside = _float(x.node), None
+    for v, op in bounds:
+        node = Call("fmaxf" if op == "<" else "fminf", (node, _float(v.node)), FLOAT)
+        test = Binary(op, _float(x.node), _float(v.node), BOOL)
+        outside = test if outside is None else Binary("||", outside, test, BOOL)
+    grad = None if x.grad is None or outside is None else Conditional(outside, ZERO, x.grad, FLOAT)
+    return Traced(node, grad if outside is not None else x.grad)
 
 
 # torch functions (and Tensor methods reached through __torch_function__) a traced function may call
@@ -474,8 +515,9 @@ TORCH_FUNCTIONS = {
     "sigmoid": _sigmoid, "abs": lambda a: abs(_lift(a)), "floor": lambda a: _rounding("floorf", a),
     "ceil": lambda a: _rounding("ceilf", a), "minimum": lambda a, b: _pick(True, a, b),
     "maximum": lambda a, b: _pick(False, a, b), "clamp": _clamp, "clip": _clamp,
-    "logical_and": lambda a, b: _logical("&", _lift(a), _lift(b)),
-    "logical_or": lambda a, b: _logical("|", _lift(a), _lift(b)),
+    "logical_and": lambda a, b: _logical("&", _lift(a).bool(), _lift(b).bool()),
+    "logical_or": lambda a, b: _logical("|", _lift(a).bool(), _lift(b).bool()),
+    "logical_xor": lambda a, b: _logical("^", _lift(a).bool(), _lift(b).bool()),
     "logical_not": lambda a: ~_lift(a).bool(),
 }
 
@@ -521,27 +563,42 @@ def _cached(trace, function):
     return _TRACED[key]
 
 
-def _cache_key(function) -> tuple | None:
-    """What a trace of `function` read: its code, its closure's and defaults' values and the
-    globals its code names (numbers and strings by value, anything else by identity); None
-    where that cannot be told (a callable object, an empty cell), and the function is traced
-    again."""
+def _cache_key(function, depth: int = 0) -> tuple | None:
+    """What a trace of `function` read, where all of it can be told by value: its code, and the
+    values of its closure, defaults and the globals its code (and code nested in it) names, each
+    a number, a string, None, a module or a plain function keyed the same way. None otherwise (a
+    bound method, whose `self` is not in its closure; a tensor or a list, which may change in
+    place; an empty cell): then the function is traced again (~0.2 ms)."""
     code = getattr(function, "__code__", None)
-    if code is None:
+    if code is None or not isinstance(function, types.FunctionType) or depth > 4:
         return None
     try:
-        cells = tuple(_value_key(cell.cell_contents) for cell in function.__closure__ or ())
+        cells = [cell.cell_contents for cell in function.__closure__ or ()]
     except ValueError:  # a cell not yet filled
         return None
     names = function.__globals__
-    return (code, cells, tuple(_value_key(d) for d in function.__defaults__ or ()),
-            tuple((name, _value_key(names[name])) for name in code.co_names if name in names))
+    named = [(name, names[name]) for name in _names(code) if name in names]
+    values = [*cells, *(function.__defaults__ or ()), *(function.__kwdefaults__ or {}).values(), *(v for _, v in named)]
+    keys = [_value_key(v, depth) for v in values]
+    if any(k is None for k in keys):
+        return None
+    return code, tuple(keys), tuple(name for name, _ in named)
 
 
-def _value_key(value) -> tuple:
+def _names(code: types.CodeType) -> set[str]:
+    """The global names a code object and the code nested in it read."""
+    return set(code.co_names).union(*(_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+def _value_key(value, depth: int) -> tuple | None:
     if isinstance(value, (bool, int, float, str, type(None))):
         return type(value), value
-    return type(value), id(value)
+    if isinstance(value, types.ModuleType):
+        return types.ModuleType, value.__name__
+    if isinstance(value, types.FunctionType):
+        inner = _cache_key(value, depth + 1)
+        return None if inner is None else (types.FunctionType, inner)
+    return None
 
 
 def _trace_score_mod(score_mod) -> TracedScoreMod:

@@ -129,3 +129,11 @@ def test_a_traced_score_mod_derives_the_spec_fagen_runs(monkeypatch):
     assert (spec.score_mod.expression, spec.score_mod.expression_grad) == (traced.expression, traced.expression_grad)
     trained = variants.trainable(spec)
     assert trained.score_mod == spec.score_mod and backward_plan(trained) is not None
+
+
+def test_what_flex_attention_and_create_block_mask_refuse():
+    with pytest.raises(TypeError, match="must return bools"):
+        flex.create_block_mask(lambda b, h, q, k: (q >= k).int(), None, None, 64, 64, device="cpu")
+    q = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(TypeError, match="build it with fagen.flex.create_block_mask"):
+        flex.flex_attention(q, q, q, block_mask=object())

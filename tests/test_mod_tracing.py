@@ -162,3 +162,53 @@ def test_a_function_is_traced_again_only_when_what_it_reads_changes(monkeypatch)
 
 
 WIDTH_FOR_CACHE_TEST = 3
+
+
+def test_what_may_change_in_place_is_traced_anew_every_call():
+    """A closure holding a list or a tensor, or a bound method (whose self is not in its closure),
+    is traced again each call: a kept trace would serve values that changed since."""
+    def window_of(width):
+        holder = [width]
+        return lambda b, h, q, k: q - k <= holder[0]
+
+    class Windowed:
+        def __init__(self, width):
+            self.width = width
+
+        def mask(self, b, h, q, k):
+            return q - k <= self.width
+
+    assert [flex.trace_mask_mod(window_of(w)) for w in range(4)] == [f"q_idx - kv_idx <= {w}" for w in range(4)]
+    assert [flex.trace_mask_mod(Windowed(w).mask) for w in (4, 100)] == ["q_idx - kv_idx <= 4", "q_idx - kv_idx <= 100"]
+    cap = torch.tensor(3.0)
+    mod = lambda s, b, h, q, k: s * cap  # noqa: E731
+    first = flex.trace_score_mod(mod).expression
+    cap.fill_(5.0)
+    assert (first, flex.trace_score_mod(mod).expression) == ("score * 3.0f", "score * 5.0f")
+
+
+@pytest.mark.parametrize("function, at, value, derivative", [
+    (lambda s, b, h, q, k: torch.sigmoid(s), -100.0, 0.0, 0.0),  # no 0 * inf / inf
+    (lambda s, b, h, q, k: s.abs(), 0.0, 0.0, 0.0),  # sign(0) = 0, as torch's
+    (lambda s, b, h, q, k: torch.minimum(s, s * 0 + 1.0), 1.0, 1.0, 0.5),  # a tie: half each, as torch's
+    (lambda s, b, h, q, k: torch.clamp(s, min=1.0), 1.0, 1.0, 1.0),  # clamp's ends pass, as torch's
+    (lambda s, b, h, q, k: s.where(q >= k, s * 0.5), 2.0, 1.0, 0.5),  # q_idx 1 < kv_idx 2: the other
+    (lambda s, b, h, q, k: torch.logical_and(q, k) * s, 3.0, 3.0, 1.0),  # ints' truth, not their bits
+])
+def test_edge_values_match_pytorch(function, at, value, derivative):
+    traced = flex.trace_score_mod(function)
+    values = dict(score=np.float32(at), b=0, h=0, q_idx=1, kv_idx=2)
+    got = float(expression.evaluate(expression.score(traced.expression), values))
+    grad = float(expression.evaluate(expression.score(traced.expression_grad), values))
+    s = torch.tensor(at, dtype=torch.float64, requires_grad=True)
+    want = function(s, torch.tensor(0), torch.tensor(0), torch.tensor(1), torch.tensor(2))
+    (want_grad,) = torch.autograd.grad(want, s)
+    assert (got, grad) == pytest.approx((float(want.detach()), float(want_grad)), abs=1e-6) == (value, derivative)
+
+
+def test_constants_at_the_edges_of_their_types():
+    assert flex.trace_mask_mod(lambda b, h, q, k: q - k > -2**31) == "q_idx - kv_idx > -2147483647 - 1"
+    with pytest.raises(flex.TraceError, match="finite in float32"):
+        flex.trace_score_mod(lambda s, b, h, q, k: s + 1e39)
+    with pytest.raises(flex.TraceError, match="a traced exponent"):
+        flex.trace_score_mod(lambda s, b, h, q, k: 2 ** s)
