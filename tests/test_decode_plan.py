@@ -289,3 +289,52 @@ def test_shape_classes_try_the_class_a_call_with_the_same_options_last_took(monk
     worker = threading.Thread(target=lambda: other.append(call(1035)))
     worker.start(), worker.join()
     assert other == ["out"] and len(made) == 5 and made[4].calls == ["run"]  # another thread: its own class
+
+
+def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check(monkeypatch):
+    """The memo's key: a dict mask by its items, the sinks by address and version, which of the key
+    ranges are given; each other value is another class. At LIMIT entries the memo starts over."""
+    from fagen.decode import ShapeClasses
+
+    classes = ShapeClasses()
+    classes._stream = lambda device: 7
+    made = []
+
+    def add(base, exact_key, q, k, v, options, given, return_lse):
+        made.append(_Class())
+        classes._growing[(*base, k.shape[2].bit_length())] = made[-1]
+        return made[-1].run(q, k, v, given, return_lse)
+
+    monkeypatch.setattr(classes, "_add", add)
+    q = _Tensor(1, 32, 1, 128)
+    kv = (_Tensor(1, 8, 1000, 128), _Tensor(1, 8, 1000, 128))
+
+    class Sinks(_Tensor):
+        def __init__(self, at):
+            super().__init__(32)
+            self.at, self._version = at, 0
+
+        def data_ptr(self):
+            return self.at
+
+    def call(mask=None, sinks=None, ranges=()):
+        before = [len(c.calls) for c in made]
+        assert classes(q, *kv, True, mask, None, None, sinks, False, ranges) == "out"
+        assert classes(q, *kv, True, mask, None, None, sinks, False, ranges) == "out"  # remembered now
+        return [c.calls[n:] for c, n in zip(made, before)] + [c.calls for c in made[len(before):]]
+
+    window = {"kind": "sliding_window", "window_left": 300}
+    assert call(mask=window)[-1] == ["run", "run"]  # packed, then remembered
+    assert call(mask=dict(window))[0] == ["kept", "kept"]  # an equal dict: the same class
+    assert call(mask={**window, "window_left": 200})[-1] == ["run", "run"] and len(made) == 2
+    sinks = Sinks(8192)
+    assert call(sinks=sinks)[-1] == ["run", "run"] and len(made) == 3
+    sinks._version += 1  # written in place: the packing read its values
+    assert call(sinks=sinks)[-1] == ["run", "run"] and len(made) == 4
+    lengths = _Tensor(1)
+    assert call(ranges=(lengths, None))[-1] == ["run", "run"] and len(made) == 5
+    assert call(ranges=(None, lengths))[-1] == ["run", "run"] and len(made) == 6  # the other range given
+    assert len(classes._last) == 6
+    monkeypatch.setattr(ShapeClasses, "LIMIT", 6)
+    call(mask="causal")  # the seventh: the memo starts over
+    assert list(classes._last.values()) == [made[-1]]
