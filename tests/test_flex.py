@@ -137,3 +137,44 @@ def test_what_flex_attention_and_create_block_mask_refuse():
     q = torch.zeros(1, 2, 8, 16)
     with pytest.raises(TypeError, match="build it with fagen.flex.create_block_mask"):
         flex.flex_attention(q, q, q, block_mask=object())
+
+
+def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monkeypatch):
+    """flex_attention through torch_op._EagerKernelAttention, its kernels stubbed: the traced
+    fields reach the spec the forward derives, the backward runs that spec's trainable variant
+    with the block mask, and every input's gradient comes back (one a forward input)."""
+    from types import SimpleNamespace
+
+    from fagen import backward, dispatch, runtime, variants
+
+    seen = {}
+
+    def derive_spec(q, **kwargs):
+        seen["derive"] = kwargs
+        return "spec"
+
+    def compile_kernel(spec):
+        return lambda q, k, v, **kw: (q * 2, torch.zeros(q.shape[:3]))
+
+    def compile_backward(spec):
+        seen["backward"] = spec
+
+        def run(dout, q, k, v, out, lse, **kw):
+            seen["backward_kwargs"] = kw
+            return SimpleNamespace(dq=dout * 2, dk=torch.ones_like(k), dv=torch.full_like(v, 3.0), dbias=None,
+                                   dsinks=None)
+        return run
+
+    monkeypatch.setattr(dispatch, "derive_spec", derive_spec)
+    monkeypatch.setattr(runtime, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(backward, "compile_backward", compile_backward)
+    monkeypatch.setattr(variants, "trainable", lambda spec, deterministic, bias_grad: ("trainable", spec))
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    bm = flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    out = flex.flex_attention(q, k, v, score_mod=CASES["softcap_causal"][0], block_mask=bm, scale=0.25)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    traced = flex.trace_score_mod(CASES["softcap_causal"][0])
+    assert seen["derive"]["score_expression"] == (traced.expression, traced.expression_grad)
+    assert seen["derive"]["block_mask"] is bm and seen["backward"] == ("trainable", "spec")
+    assert seen["backward_kwargs"]["block_mask"] is bm and seen["backward_kwargs"]["scale"] == 0.25
+    assert torch.equal(dq, torch.full_like(q, 2.0)) and torch.equal(dk, torch.ones_like(k)) and (dv == 3).all()
