@@ -19,6 +19,7 @@ int32 in the kernel (int64 in PyTorch): a product of positions past 2^31 wraps.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from fagen import masks, torch_op
 from fagen.mod_tracing import TracedScoreMod, TraceError, trace_mask_mod, trace_score_mod
@@ -37,8 +38,6 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     causal diagonal's pattern: CAUSAL; else PARTIAL, its bits packed there), and what comes back
     to the host is a few bytes a block. `device` None: the current CUDA device (else the CPU).
     mask_mod must return bools, as FlexAttention asks."""
-    import torch
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, heads = 1 if B is None else B, 1 if H is None else H
@@ -74,8 +73,6 @@ def _classified(keep, q_idx, k_idx, n_blocks: int, q_block: int, n_kb: int, kv_b
     """The blocks of `keep` [rows, keys] (n_blocks query blocks by n_kb key blocks; the last of
     each may be short): their types [n_blocks, n_kb] and the PARTIAL ones' bits [partials,
     q_block, words] (row-major over the blocks, as masks.from_types reads them), on the host."""
-    import torch
-
     rows, keys = keep.shape
     grid = (n_blocks * q_block, n_kb * kv_block)
     pad = lambda x, value: torch.nn.functional.pad(x, (0, grid[1] - keys, 0, grid[0] - rows), value=value)  # noqa: E731
