@@ -232,12 +232,6 @@ def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts
     return np.array(rows + [(-1, 0)] * (slots - len(rows)), np.int32).reshape(slots, 2)
 
 
-
-
-
-
-
-
 def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
          splits: int | None = None, out=None, indices: tuple[str, ...] = ()) -> Packed:
     """The launches of `spec` (dispatch.batch_spec's) on a checked batch (`run` launches them; a prepared
