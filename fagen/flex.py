@@ -18,6 +18,8 @@ int32 in the kernel (int64 in PyTorch): a product of positions past 2^31 wraps.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -99,7 +101,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
                    kernel_options: dict | None = None):
     """FlexAttention's flex_attention on fagen's kernels: query [B, Hq, Nq, d], key and value
     [B, Hkv, Nk, d] PyTorch tensors; score_mod(score, b, h, q_idx, kv_idx) changes the scaled
-    score q.k * scale; block_mask from fagen.flex.create_block_mask (or fagen.masks). Gradients
+    score q.k * scale; block_mask from fagen.flex.create_block_mask (or fagen.masks; one of
+    FlexAttention's own is rebuilt from its mask_mod once, on its device, and kept). Gradients
     flow to query, key and value; the LSE (return_lse) carries none. kernel_options (FlexAttention's
     Triton tiling) is accepted and not read: fagen's kernels have their own. Returns out (and the
     LSE [B, Hq, Nq])."""
@@ -107,11 +110,28 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for "
                          f"grouped-query attention (as FlexAttention asks)")
     if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
-        raise TypeError(f"block_mask: a {type(block_mask).__module__}.{type(block_mask).__name__}; fagen runs its own "
-                        f"block masks: build it with fagen.flex.create_block_mask (FlexAttention's arguments)")
+        block_mask = _from_flex_block_mask(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
     out, lse = torch_op._EagerKernelAttention.apply(
         query, key, value, None, None, block_mask, False, None, None, scale, False,
         torch_op._side_inputs(None, None, None, None),
         None if traced is None else (traced.expression, traced.expression_grad))
     return (out, lse) if return_lse else out
+
+
+_FROM_FLEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FlexAttention's BlockMask -> fagen's
+
+
+def _from_flex_block_mask(block_mask) -> masks.BlockMask:
+    """FlexAttention's BlockMask as fagen's: its mask_mod over its lengths, batch, heads and block
+    sizes, built once (create_block_mask) and kept while it lives."""
+    mask_mod, lengths = getattr(block_mask, "mask_mod", None), getattr(block_mask, "seq_lengths", None)
+    if mask_mod is None or lengths is None or not hasattr(block_mask, "kv_num_blocks"):
+        raise TypeError(f"block_mask: a {type(block_mask).__module__}.{type(block_mask).__name__}, neither fagen's "
+                        f"block mask nor FlexAttention's; build it with fagen.flex.create_block_mask")
+    if block_mask not in _FROM_FLEX:
+        batch, heads = block_mask.kv_num_blocks.shape[:2]
+        _FROM_FLEX[block_mask] = create_block_mask(mask_mod, batch, heads, *lengths,
+                                                   device=block_mask.kv_num_blocks.device,
+                                                   BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE))
+    return _FROM_FLEX[block_mask]

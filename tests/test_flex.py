@@ -3,6 +3,8 @@ oracle reading the traced spec fields (what the GPU tests judge the kernels by),
 chain (trace, block mask, oracle) is held to PyTorch computing attention with the user's own
 Python functions, output and gradients."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -135,8 +137,27 @@ def test_what_flex_attention_and_create_block_mask_refuse():
     with pytest.raises(TypeError, match="must return bools"):
         flex.create_block_mask(lambda b, h, q, k: (q >= k).int(), None, None, 64, 64, device="cpu")
     q = torch.zeros(1, 2, 8, 16)
-    with pytest.raises(TypeError, match="build it with fagen.flex.create_block_mask"):
+    with pytest.raises(TypeError, match="neither fagen's block mask nor FlexAttention's"):
         flex.flex_attention(q, q, q, block_mask=object())
+
+
+def test_a_flexattention_block_mask_is_rebuilt_once_as_fagen_s(monkeypatch):
+    """Swapping flex_attention's import alone: FlexAttention's own BlockMask is rebuilt from its
+    mask_mod, lengths, batch, heads and block sizes, once while it lives."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    mask_mod = NUMPY_MASKS["window_and_head"]
+    theirs = torch_create_block_mask(mask_mod, None, 3, 200, 180, device="cpu", BLOCK_SIZE=(64, 32))
+    used = []
+    monkeypatch.setattr(torch_op, "_EagerKernelAttention", SimpleNamespace(
+        apply=lambda q, k, v, bias, sinks, block_mask, *rest: used.append(block_mask) or (q, None)))
+    q = torch.zeros(1, 3, 200, 16)
+    kv = torch.zeros(1, 3, 180, 16)
+    flex.flex_attention(q, kv, kv, block_mask=theirs)
+    flex.flex_attention(q, kv, kv, block_mask=theirs)
+    ours = flex.create_block_mask(mask_mod, None, 3, 200, 180, device="cpu", BLOCK_SIZE=(64, 32))
+    assert used[0] is used[1] and (used[0].q_block, used[0].kv_block) == (64, 32)
+    np.testing.assert_array_equal(used[0].to_dense(), ours.to_dense())
 
 
 def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monkeypatch):
