@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import sys
+import time
 import traceback
 import zlib
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ import numpy as np
 
 from fagen import flex
 from fagen.bench_cases import HIDDEN, N_DOCS, PREFIX, TOKENS, WINDOW, doc_lengths
+from fagen.bench_flex_tables import JSON, FlexRow, markdown
 from fagen.check import relative_error, time_ms, to_numpy
 
 HEAD_DIMS, LENGTHS = (64, 128), (4096, 16384)
@@ -58,23 +60,6 @@ class FlexCase:
     @property
     def key(self) -> str:
         return f"{self.dtype}-d{self.head_dim}-n{self.n}-{self.mod}"
-
-
-@dataclass
-class FlexRow:
-    case: str
-    mod: str
-    impl: str  # fagen | flex
-    head_dim: int
-    n: int
-    batch: int
-    heads: int
-    fwd_ms: float | None = None
-    fwd_tflops: float | None = None
-    fwd_bwd_ms: float | None = None
-    fwd_bwd_tflops: float | None = None
-    error: float | None = None  # worst relative error of out, dq, dk, dv against FlexAttention in float32
-    note: str = ""
 
 
 def mods(n: int, heads: int, device="cuda") -> dict:
@@ -207,46 +192,21 @@ def _compiled_flex():
     return _FLEX
 
 
-def markdown(rows: list[FlexRow]) -> list[str]:
-    """One table: a case a line, fagen and FlexAttention forward and forward + backward TFLOP/s
-    and their ratios; a row that was not timed says why."""
-    out = ["| mod | d | N | fagen fwd | Flex fwd | fagen / Flex | fagen fwd+bwd | Flex fwd+bwd | fagen / Flex | note |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    by_case: dict[str, dict[str, FlexRow]] = {}
-    for r in rows:
-        by_case.setdefault(r.case, {})[r.impl] = r
-    for impls in by_case.values():
-        f, x = impls.get("fagen"), impls.get("flex")
-        any_row = f or x
-        notes = "; ".join(f"{r.impl}: {r.note}" for r in (f, x) if r is not None and r.note)
-        out.append(f"| {any_row.mod} | {any_row.head_dim} | {any_row.n} | {_tf(f, 'fwd_tflops')} | "
-                   f"{_tf(x, 'fwd_tflops')} | {_ratio(f, x, 'fwd_tflops')} | {_tf(f, 'fwd_bwd_tflops')} | "
-                   f"{_tf(x, 'fwd_bwd_tflops')} | {_ratio(f, x, 'fwd_bwd_tflops')} | {notes} |")
-    return out
-
-
-def _tf(row: FlexRow | None, field: str) -> str:
-    value = None if row is None else getattr(row, field)
-    return "n/a" if value is None else f"{value:.0f}"
-
-
-def _ratio(a: FlexRow | None, b: FlexRow | None, field: str) -> str:
-    x, y = (None if r is None else getattr(r, field) for r in (a, b))
-    return "n/a" if not x or not y else f"{x / y:.2f}x"
-
-
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three cases (d128, N 4k)")
-    parser.add_argument("--out", type=Path, default=Path("bench/bench_flex.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
     args = parser.parse_args(argv)
     rows: list[FlexRow] = []
     for case in cases(args.quick):
         rows += run_case(case)
-        print(f"{case.key}: " + ", ".join(f"{r.impl} {_tf(r, 'fwd_tflops')}/{_tf(r, 'fwd_bwd_tflops')}"
+        print(f"{case.key}: " + ", ".join(f"{r.impl} {r.fwd_tflops}/{r.fwd_bwd_tflops} {r.note}"
                                            for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": [asdict(r) for r in rows]}, indent=1))
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     print("\n".join(markdown(rows)))
     return 0
 

@@ -1,12 +1,14 @@
 """fagen.bench_flex's pure parts without a GPU: its cases, its mods (run on the CPU, and traced
 by fagen.flex where fagen takes them), the kept pairs it counts FLOPs by, and its table."""
 
+import json
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from fagen import bench_flex, flex  # noqa: E402
+from fagen import bench_flex, bench_flex_tables, flex  # noqa: E402
 
 
 def test_every_mod_is_benchmarked_at_both_head_dims_and_lengths():
@@ -45,13 +47,29 @@ def test_kept_pairs_count_the_mask_by_head():
         sum(int((np.arange(n)[:, None] - np.arange(n)[None] <= h).sum()) for h in range(2))
 
 
-def test_the_table_gives_ratios_and_says_why_a_row_was_not_timed():
-    def row(case, mod, impl, fwd=None, fb=None, note=""):
-        return bench_flex.FlexRow(case, mod, impl, 128, 4096, 4, 16, fwd_tflops=fwd, fwd_bwd_tflops=fb, note=note)
+def test_the_table_gives_ratios_and_says_why_a_row_was_not_timed(tmp_path):
+    """The section BENCHMARKS.md takes from bench_flex.json (fagen bench redraws it beside the
+    others): a case a line, the ratios, and why a row has no time."""
+    from dataclasses import asdict
 
-    lines = bench_flex.markdown([row("a", "softcap", "fagen", 600.0, 450.0), row("a", "softcap", "flex", 400.0, 300.0),
-                                 row("b", "relative_bias_table", "fagen", note="TraceError: captured tensor"),
-                                 row("b", "relative_bias_table", "flex", 300.0, 200.0)])
-    assert lines[2] == "| softcap | 128 | 4096 | 600 | 400 | 1.50x | 450 | 300 | 1.50x |  |"
-    assert lines[3] == ("| relative_bias_table | 128 | 4096 | n/a | 300 | n/a | n/a | 200 | n/a | "
+    from fagen import bench
+
+    def row(case, mod, impl, fwd=None, fb=None, note=""):
+        return bench_flex_tables.FlexRow(case, mod, impl, 128, 4096, 4, 16, fwd_tflops=fwd, fwd_bwd_tflops=fb,
+                                         note=note)
+
+    rows = [row("a", "softcap", "fagen", 600.0, 450.0), row("a", "softcap", "flex", 400.0, 300.0),
+            row("b", "relative_bias_table", "fagen", note="TraceError: captured tensor"),
+            row("b", "relative_bias_table", "flex", 300.0, 200.0)]
+    lines = bench_flex_tables.markdown(rows, {"date": "2026-11-29"})
+    table = lines[lines.index(next(line for line in lines if line.startswith("| mod"))):]
+    assert table[2] == "| softcap | 128 | 4096 | 600 | 400 | 1.50x | 450 | 300 | 1.50x |  |"
+    assert table[3] == ("| relative_bias_table | 128 | 4096 | n/a | 300 | n/a | n/a | 200 | n/a | "
                         "fagen: TraceError: captured tensor |")
+    (tmp_path / bench_flex_tables.JSON).write_text(json.dumps({"meta": {}, "rows": [asdict(r) for r in rows]}))
+    assert bench_flex_tables.read_json(tmp_path / bench_flex_tables.JSON)[0] == rows
+    flex_part = bench._sibling(tmp_path / bench_flex_tables.JSON, bench_flex_tables.read_json)
+    text = bench.markdown([], {}, [], flex=flex_part)
+    assert "## FlexAttention's API" in text and table[2] in text
+    with pytest.raises(ValueError, match="not a bench_flex.json"):
+        bench_flex_tables.read_json(tmp_path / "missing.json")

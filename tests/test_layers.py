@@ -34,7 +34,8 @@ LAYERS = [
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops
     ("transformers",),  # fagen as a transformers attention implementation
     ("api", "flex"),  # the public entry points: fagen.attention and its siblings; FlexAttention's API
-    ("bench_cases", "bench_rows", "bench_e2e_tables"),  # the benchmark's cases, masks and FLOPs; its rows' JSON and CSV
+    ("bench_cases", "bench_rows", "bench_e2e_tables", "bench_flex_tables"),  # the benchmark's cases, masks and FLOPs;
+    # its rows' JSON and CSV
     # files; the end-to-end benchmark's cases and tables
     ("bench_backward", "bench_serving", "bench_e2e", "bench_flex"),  # the backward and serving layouts in
     # `fagen bench`; generation; fagen.flex against FlexAttention
