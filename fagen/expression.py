@@ -597,18 +597,19 @@ def _print(node: Node, kernel: bool, exact: bool) -> tuple[str, int]:
             CONDITIONAL_PRECEDENCE)
 
 
-def _overflows(node: Unary | Binary) -> bool:
+def _overflows(node: Unary | Binary, extents: dict[str, int] | None = None) -> bool:
     """Whether an int + - * or negation may leave int32, given its operands' bounds."""
     if isinstance(node, Unary):
-        lo, hi = _bounds(node.operand)
+        lo, hi = _bounds(node.operand, extents)
         return -lo > INT_MAX
-    (a, b), (c, d) = _bounds(node.left), _bounds(node.right)
+    (a, b), (c, d) = _bounds(node.left, extents), _bounds(node.right, extents)
     ends = {"+": (a + c, b + d), "-": (a - d, b - c), "*": (a * c, a * d, b * c, b * d)}[node.op]
     return min(ends) < INT_MIN or max(ends) > INT_MAX
 
 
-def _bounds(node: Node) -> tuple[int, int]:
-    """Bounds on an int or bool node's value in the kernel (int32 at worst)."""
+def _bounds(node: Node, extents: dict[str, int] | None = None) -> tuple[int, int]:
+    """Bounds on an int or bool node's value in the kernel (int32 at worst); `extents`: a
+    variable's values are 0 .. extents[name] - 1 (else as the kernel's indices bound them)."""
     full = (INT_MIN, INT_MAX)
     if node.type == BOOL:
         return 0, 1
@@ -617,26 +618,26 @@ def _bounds(node: Node) -> tuple[int, int]:
     if isinstance(node, Number):
         return int(node.text), int(node.text)
     if isinstance(node, Name):
-        return 0, INDEX_LIMIT - 1
+        return 0, (extents or {}).get(node.name, INDEX_LIMIT) - 1
     if isinstance(node, Cast):
-        return _bounds(node.operand) if node.operand.type != FLOAT else full
+        return _bounds(node.operand, extents) if node.operand.type != FLOAT else full
     if isinstance(node, Conditional):
-        (a, b), (c, d) = _bounds(node.then), _bounds(node.other)
+        (a, b), (c, d) = _bounds(node.then, extents), _bounds(node.other, extents)
         return min(a, c), max(b, d)
     if isinstance(node, Call):
-        (a, b), *rest = [_bounds(arg) for arg in node.args]
+        (a, b), *rest = [_bounds(arg, extents) for arg in node.args]
         if node.function == "abs":
             return (0 if a <= 0 <= b else min(abs(a), abs(b))), min(max(abs(a), abs(b)), INT_MAX)
         (c, d), pick = rest[0], min if node.function == "min" else max
         return pick(a, c), pick(b, d)
     if isinstance(node, Unary):
-        a, b = _bounds(node.operand)
+        a, b = _bounds(node.operand, extents)
         if node.op == "-":
-            return full if _overflows(node) else (-b, -a)
+            return full if _overflows(node, extents) else (-b, -a)
         return (~b, ~a) if node.op == "~" else (a, b)
-    (a, b), (c, d) = _bounds(node.left), _bounds(node.right)
+    (a, b), (c, d) = _bounds(node.left, extents), _bounds(node.right, extents)
     if node.op in "+-*":
-        if _overflows(node):
+        if _overflows(node, extents):
             return full
         ends = {"+": (a + c, b + d), "-": (a - d, b - c), "*": (a * c, a * d, b * c, b * d)}[node.op]
         return min(ends), max(ends)
@@ -653,6 +654,23 @@ def _bounds(node: Node) -> tuple[int, int]:
     if node.op in "|^" and a >= 0 and c >= 0:
         return 0, 2 ** max(b, d).bit_length() - 1
     return full
+
+
+def int_overflow(node: Node, extents: dict[str, int]) -> Node | None:
+    """The first int + - * or negation in `node` (operands before the operation) that may leave
+    int32 while each named variable v stays in 0 .. extents[v] - 1: where the kernel's int32
+    would wrap (its printer wraps through unsigned) and a 64-bit computation would not. None if
+    there is none."""
+    children = {Number: (), Name: (), Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
+                Conditional: ("condition", "then", "other")}.get(type(node))
+    for child in node.args if isinstance(node, Call) else [getattr(node, c) for c in children]:
+        found = int_overflow(child, extents)
+        if found is not None:
+            return found
+    if isinstance(node, (Unary, Binary)) and node.type == INT and (isinstance(node, Unary) and node.op == "-"
+                                                                 or isinstance(node, Binary) and node.op in "+-*"):
+        return node if _overflows(node, extents) else None
+    return None
 
 
 def reads(node: Node) -> frozenset[str]:

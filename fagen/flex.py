@@ -13,7 +13,8 @@ fagen for the common cases.
 
 Not yet: captured tensors in a score_mod (refused, naming its line), a gradient through the LSE,
 and torch.compile of a model calling it (the eager kernels break the graph). A score_mod's ints are
-int32 in the kernel (int64 in PyTorch): a product of positions past 2^31 wraps.
+int32 in the kernel (int64 in PyTorch): one whose int arithmetic may pass 2^31 at the call's
+lengths is refused, naming the term.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from fagen import masks, torch_op
-from fagen.mod_tracing import TracedScoreMod, TraceError, trace_mask_mod, trace_score_mod
+from fagen.mod_tracing import TracedScoreMod, TraceError, check_int32, trace_mask_mod, trace_score_mod
 
 __all__ = ["create_block_mask", "flex_attention", "trace_mask_mod", "trace_score_mod", "TraceError",
            "TracedScoreMod"]
@@ -112,6 +113,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
         block_mask = _from_flex_block_mask(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
+    if traced is not None:
+        check_int32(traced, dict(b=query.shape[0], h=query.shape[1], q_idx=query.shape[2], kv_idx=key.shape[2]),
+                    score_mod)
     out, lse = torch_op._EagerKernelAttention.apply(
         query, key, value, None, None, block_mask, False, None, None, scale, False,
         torch_op._side_inputs(None, None, None, None),

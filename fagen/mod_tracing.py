@@ -624,6 +624,20 @@ def _trace_mask_mod(mask_mod) -> str:
     return _checked(expression.source(result.node), expression.MASK_VARIABLES, BOOL, mask_mod, "mask.expression")
 
 
+def check_int32(traced: TracedScoreMod, extents: dict[str, int], score_mod=None) -> None:
+    """Refuse a traced score_mod whose int arithmetic may leave int32 while b, h, q_idx and kv_idx
+    stay below `extents` (the call's B, Hq, Nq, Nk): the kernel's ints are int32 and would wrap
+    where PyTorch's int64 do not."""
+    for field, text in (("score_mod.expression", traced.expression),
+                        ("score_mod.expression_grad", traced.expression_grad)):
+        wraps = expression.int_overflow(expression.score(text), extents)
+        if wraps is not None:
+            at = ", ".join(f"{name} < {n}" for name, n in extents.items())
+            raise TraceError(f"score_mod {_name(score_mod) if score_mod is not None else ''}: "
+                             f"{expression.source(wraps)} in {field} may pass int32 where {at} (the kernel's ints "
+                             f"are int32, PyTorch's int64); compute it in float, e.g. (q_idx - kv_idx) * 1.0")
+
+
 def _name(function) -> str:
     return getattr(function, "__qualname__", repr(function))
 

@@ -474,3 +474,16 @@ def test_a_call_whose_indices_reach_the_printed_range_is_refused():
     check_indices(b=1, h=8, q_idx=INDEX_LIMIT, kv_idx=INDEX_LIMIT)  # indices 0 .. INDEX_LIMIT - 1
     with pytest.raises(ValueError, match=r"kv_idx runs to 1073741824: .* below 1073741824"):
         check_indices(b=1, h=8, q_idx=4, kv_idx=INDEX_LIMIT + 1)
+
+
+def test_int_overflow_names_the_first_int_term_that_may_leave_int32_at_given_extents():
+    """What fagen.flex refuses at a call's lengths: the first int + - * (operands first) whose
+    bounds, with each variable below its extent, pass int32; none where they cannot."""
+    from fagen import expression
+
+    tree = expression.score("score + 1e-9f * (float)((q_idx - kv_idx) * (q_idx - kv_idx) * (q_idx - kv_idx))")
+    assert expression.int_overflow(tree, dict(q_idx=1000, kv_idx=1000)) is None
+    wraps = expression.int_overflow(tree, dict(q_idx=4000, kv_idx=4000))
+    assert expression.source(wraps) == "(q_idx - kv_idx) * (q_idx - kv_idx) * (q_idx - kv_idx)"
+    assert expression.int_overflow(expression.score("score * (float)(q_idx * 70000)"), dict(q_idx=40000)) is not None
+    assert expression.int_overflow(expression.score("score * (float)(q_idx * 70000)"), dict(q_idx=30)) is None

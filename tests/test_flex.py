@@ -199,3 +199,15 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     assert seen["derive"]["block_mask"] is bm and seen["backward"] == ("trainable", "spec")
     assert seen["backward_kwargs"]["block_mask"] is bm and seen["backward_kwargs"]["scale"] == 0.25
     assert torch.equal(dq, torch.full_like(q, 2.0)) and torch.equal(dk, torch.ones_like(k)) and (dv == 3).all()
+
+
+def test_int_arithmetic_that_would_wrap_in_the_kernel_s_int32_is_refused_at_the_call(monkeypatch):
+    """The kernel's ints are int32 (PyTorch's int64): a score_mod whose int terms may pass 2^31 at
+    the call's lengths is refused naming the term; at lengths where they cannot, it runs."""
+    monkeypatch.setattr(torch_op, "_EagerKernelAttention", SimpleNamespace(apply=lambda q, *rest: (q, None)))
+    cubic = lambda s, b, h, q, k: s + 1e-9 * (q - k) ** 3  # noqa: E731
+    short, long = torch.zeros(1, 2, 1000, 16), torch.zeros(1, 2, 4000, 16)
+    assert flex.flex_attention(short, short, short, score_mod=cubic) is short
+    with pytest.raises(flex.TraceError, match=r"\(q_idx - kv_idx\) \* \(q_idx - kv_idx\) \* \(q_idx - kv_idx\) in "
+                                              r"score_mod.expression may pass int32 where b < 1, h < 2, q_idx < 4000"):
+        flex.flex_attention(long, long, long, score_mod=cubic)
