@@ -21,15 +21,11 @@ FA4 = "fa4"
 FA4_MASKS = ("none", "sliding_window")
 
 
-@dataclass(frozen=True)
-class Case:
-    dtype: str
-    head_dim: int
+class SweepSize:
+    """A case's batch and heads at the sweep's sizes, from its `n` and `head_dim`."""
+
     n: int
-    causal: bool
-    mask: str = "none"  # none | sliding_window | documents | prefix_lm
-    docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
-    uniform: bool = False  # documents: of equal lengths, else cut at random (doc_lengths)
+    head_dim: int
 
     @property
     def batch(self) -> int:
@@ -38,6 +34,17 @@ class Case:
     @property
     def heads(self) -> int:
         return HIDDEN // self.head_dim
+
+
+@dataclass(frozen=True)
+class Case(SweepSize):
+    dtype: str
+    head_dim: int
+    n: int
+    causal: bool
+    mask: str = "none"  # none | sliding_window | documents | prefix_lm
+    docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
+    uniform: bool = False  # documents: of equal lengths, else cut at random (doc_lengths)
 
     @property
     def key(self) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from fagen import flex
-from fagen.bench_cases import HIDDEN, N_DOCS, PREFIX, TOKENS, WINDOW, doc_lengths
+from fagen.bench_cases import N_DOCS, PREFIX, WINDOW, SweepSize, doc_lengths
 from fagen.bench_flex_tables import JSON, FlexRow, markdown
 from fagen.check import relative_error, time_ms, to_numpy
 
@@ -43,19 +43,11 @@ MOD_NAMES = ("causal", "sliding_window", "prefix_lm", "documents", "dilated_slid
 
 
 @dataclass(frozen=True)
-class FlexCase:
+class FlexCase(SweepSize):
     mod: str  # a name of MODS
     head_dim: int
     n: int
     dtype: str = DTYPE
-
-    @property
-    def batch(self) -> int:
-        return max(1, TOKENS // self.n)
-
-    @property
-    def heads(self) -> int:
-        return HIDDEN // self.head_dim
 
     @property
     def key(self) -> str:

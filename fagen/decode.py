@@ -436,7 +436,7 @@ class GrowingKeys(PreparedAttention):
 
     def launch_kept(self, q, k, v, indices: tuple):
         self._keys = None  # the C path may write the slots (even where it then declines): `run` rewrites them
-        return NotImplemented if self._hot is None else self._hot.run(q, k, v, *indices, None)
+        return super().launch_kept(q, k, v, indices)
 
     def run(self, q, k, v, ranges: tuple, return_lse: bool):
         """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and
