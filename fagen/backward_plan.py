@@ -28,7 +28,7 @@ from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, FLOAT_PTR, KERNEL_SY
                         SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
                         score_params, searched_rule, wgmma_numbers)
 from fagen.mask_kinds import KINDS
-from fagen.spec import (MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, Backward, SpecError,
+from fagen.spec import (LANE_COLUMNS, MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, Backward, SpecError,
                         dq_producer_blocks_per_sm, rule)
 
 OUT_PTR = "elem_t* __restrict__"
@@ -255,7 +255,7 @@ class DkdvPlan:
     predicted_registers: int
     element_bytes: int
     smem_align: int  # bytes the dynamic smem base is aligned to
-    mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
+    mask_lane_words: int  # as the forward's, of S^T's rows (keys): query columns (masks.thread_words)
     mask_params: tuple[tuple[str, str], ...]  # as the forward's: the side inputs the partials read
     score_params: tuple[tuple[str, str], ...]
     # wgmma only (0 on mma.sync): the byte offsets within 128-byte-swizzled tiles, as the forward's
@@ -566,7 +566,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=spec.element.bytes, smem_align=smem_align,
-        mask_words=-(-bwd.block_kv // 32), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
+        mask_lane_words=-(-bwd.block_q // LANE_COLUMNS), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **tiles,
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
         bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fagen.mask_kinds import Predicate, as_keep, diagonal_offset
-from fagen.spec import rule
+from fagen.spec import LANE_COLUMNS, rule
 
 MASKED, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
 TYPE_NAMES = {MASKED: "MASKED", FULL: "FULL", CAUSAL: "CAUSAL", PARTIAL: "PARTIAL"}
@@ -244,6 +244,25 @@ def pack_bits(block: np.ndarray, kv_block: int) -> np.ndarray:
 def unpack_bits(words: np.ndarray, kv_block: int) -> np.ndarray:
     bits = (words[..., None] >> np.arange(BITS, dtype=np.uint32)) & 1
     return bits.reshape(*words.shape[:-1], -1)[..., :kv_block].astype(bool)
+
+
+def thread_words(patterns: np.ndarray, kv_block: int, transposed: bool = False) -> np.ndarray:
+    """PARTIAL patterns [P, q_block, ceil(kv_block / 32)] (bit-packed, key k in bit k % 32) as the
+    kernels' threads read them: [P, rows, 4, W] uint32, W = ceil(columns / LANE_COLUMNS), where
+    word w of thread t of a quad holds, in bit j of pair p = 32 w + j, column 8 (p // 2) + 2 t +
+    p % 2 of the row: its columns in the MMA accumulator's layout, so that the element test reads
+    registers loaded once a tile. Rows are queries and columns keys, or transposed, keys and
+    queries (the dK/dV kernel's S^T)."""
+    dense = unpack_bits(patterns, kv_block)
+    if transposed:
+        dense = dense.swapaxes(1, 2)
+    n_patterns, rows, n_cols = dense.shape
+    words = -(-n_cols // LANE_COLUMNS)
+    cols = np.zeros((n_patterns, rows, words * LANE_COLUMNS), bool)
+    cols[..., :n_cols] = dense
+    # [P, rows, n8 fragment, quad thread, its 2 columns] -> [P, rows, quad thread, (fragment, column)]
+    by_thread = cols.reshape(n_patterns, rows, -1, 4, 2).swapaxes(2, 3).reshape(n_patterns * rows * 4, -1)
+    return pack_bits(by_thread, words * BITS).reshape(n_patterns, rows, 4, words)
 
 
 def _classify(keep: np.ndarray, q0: int, k0: int, causal_offset: int) -> int:

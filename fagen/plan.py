@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from fagen.mask_kinds import KINDS
-from fagen.spec import (HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
+from fagen.spec import (LANE_COLUMNS, HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
                         AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule, with_fix)
 
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements (every KERNEL_TYPES entry)
@@ -129,7 +129,7 @@ class KernelPlan:
     kv_stages: int  # wgmma: K tiles (and V tiles) in flight or resident
     warpgroups: int  # wgmma: warpgroups of 64 query rows
     pingpong: bool  # wgmma: the two warpgroups take turns on the tensor cores
-    mask_words: int  # 32-bit words per row of a block mask's PARTIAL pattern
+    mask_lane_words: int  # 32-bit words of a row of a block mask's PARTIAL pattern a thread reads (masks.thread_words)
     smem_bytes: int
     smem_limit: int
     seed_budget_bytes: int  # seed 002: (2 Bc d + Br d + Br Bc) elements
@@ -737,7 +737,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         kv_stages=spec.pipeline.stages,
         warpgroups=warps // 4 if spec.wgmma else 0,
         pingpong=spec.pipeline.pingpong,
-        mask_words=-(-t.block_kv // 32),
+        mask_lane_words=-(-t.block_kv // LANE_COLUMNS),
         smem_bytes=smem_bytes,
         smem_limit=limit,
         seed_budget_bytes=seed_budget,

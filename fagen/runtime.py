@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import device, expression, side_inputs, tensor_maps
+from fagen import device, expression, masks, side_inputs, tensor_maps
 from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
@@ -845,7 +845,8 @@ def block_mask_arguments(mask, block_q: int, block_kv: int, b: int, hq: int, nq:
                          key_major_group: int | None = None) -> dict:
     """A BlockMask as a kernel's bm_* arguments, re-blocked to its tiles: query-major lists for
     the forward and the dQ kernel; with key_major_group, the dK/dV kernel's lists per KV block
-    (fagen.masks.BlockMask.key_major). Device copies are cached on the mask, per device."""
+    (fagen.masks.BlockMask.key_major). Patterns are laid out by thread (masks.thread_words).
+    Device copies are cached on the mask, per device."""
     side_inputs.check_block_mask(mask, b, hq, nq, nk)  # the oracle's rule
     tiles = mask.for_tiles(block_q, block_kv)
     key = ("device", cupy.cuda.Device().id, key_major_group)
@@ -855,7 +856,9 @@ def block_mask_arguments(mask, block_q: int, block_kv: int, b: int, hq: int, nq:
         else:
             km = tiles.key_major(key_major_group)
             lists = (km.num, km.entries, km.types, km.partial_index)
-        tiles._cache[key] = tuple(cupy.asarray(np.ascontiguousarray(a)) for a in (*lists, tiles.partial_masks))
+        # the patterns by thread (masks.thread_words): over keys, or over queries for the dK/dV kernel's S^T
+        patterns = masks.thread_words(tiles.partial_masks, block_kv, transposed=key_major_group is not None)
+        tiles._cache[key] = tuple(cupy.asarray(np.ascontiguousarray(a)) for a in (*lists, patterns))
     num, idx, types, partial, bits = tiles._cache[key]
     _, heads, rows = num.shape  # rows: query blocks (query-major) or KV blocks (key-major) of a head
     return dict(bm_num=_ptr(num), bm_idx=_ptr(idx), bm_type=_ptr(types), bm_partial=_ptr(partial),

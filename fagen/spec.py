@@ -28,6 +28,10 @@ QK_HEAD_DIMS = (192,)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
 SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
+# A thread of a quad holds columns 2t, 2t + 1 of each n8 fragment of its rows (mma.sync's and
+# wgmma's accumulators): one 32-bit word of a block mask's pattern covers its share of this many
+# columns (fagen.masks.thread_words)
+LANE_COLUMNS = 32 // 2 * MMA_N
 # sm_90a (Hopper only) selects warpgroup MMAs: wgmma.m64nNk16, K and V (and Q) read straight from
 # 128-byte-swizzled shared memory. A warpgroup is 4 warps owning 64 query rows.
 WARPGROUP_WARPS, WARPGROUP_ROWS, WARPGROUP_THREADS = 4, 64, 128

@@ -437,9 +437,9 @@ struct Mask {
   __device__ __forceinline__ int step_head(int t) const { return t / count; }
   __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
 
-  // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0: true
-  // unless every pair is known to count (rows past n_q never do).
-  __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0) {
+  // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0 (the warp's
+  // from warp_kv0): true unless every pair is known to count (rows past n_q never do).
+  __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0, int warp_kv0) {
     const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + BLOCK_KV - 1;
     bool full = r0 >= full_lo && r1 < full_hi && k1 <= r0;
     return !full || k1 >= n_kv || r1 >= n_q;
@@ -535,7 +535,7 @@ struct QdoPipeline {
 // cross one of its boundaries.
 __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
                                            Mask& mask, int t, int b, int h, int q0, int warp_kv0, int lane) {
-  if (mask.needs_element_test_keys(t, q0, warp_kv0 - warp_kv0 % BLOCK_KV)) {
+  if (mask.needs_element_test_keys(t, q0, warp_kv0 - warp_kv0 % BLOCK_KV, warp_kv0)) {
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll

@@ -173,7 +173,10 @@ struct KvRows {
 // attention is split across devices (bottom_right here).
 // Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
 constexpr int BLOCK_MASKED = 0, BLOCK_FULL = 1, BLOCK_CAUSAL = 2, BLOCK_PARTIAL = 3;
-constexpr int MASK_WORDS = 2;           // 32-key words per row of a PARTIAL pattern
+// A PARTIAL pattern is read by thread: each row holds, for thread t of a quad, LANE_WORDS words
+// of the row's columns it holds (2t and 2t + 1 of each n8 fragment; fagen.masks.thread_words),
+// loaded once a tile into registers that the element test reads.
+constexpr int LANE_WORDS = 1;
 
 struct Mask {
   int n_kv;
@@ -181,9 +184,31 @@ struct Mask {
   const int* __restrict__ idx;  // this (batch, head, query tile)'s list of KV tiles ...
   const int* __restrict__ type;  // ... their types ...
   const int* __restrict__ partial;  // ... and indices into bits (PARTIAL only)
-  const unsigned* __restrict__ bits;  // [n_partial][BLOCK_Q][MASK_WORDS] bit-packed patterns
+  const unsigned* __restrict__ bits;  // [n_partial][rows][4][LANE_WORDS]: the patterns by thread
   int causal_offset, q0;
-  int tile_type, tile_bits, tile_kv0;  // the tile being masked
+  int tile_type, tile_bits, tile_kv0;  // the tile being masked ...
+  unsigned row_bits[2 * M_FRAGS][LANE_WORDS];  // ... and, PARTIAL, this thread's words of its rows 16f + 8h + lane / 4
+
+  // A PARTIAL tile's words of the thread's rows, its warp's first being `row0` of the pattern's
+  // ROWS rows: one load a row (a tile's element test would otherwise load a word an element).
+  template <int ROWS>
+  __device__ __forceinline__ void load_rows(int row0) {
+    const int lane = threadIdx.x & 31;
+    const unsigned* rows = bits + (((long long)tile_bits * ROWS + row0 + (lane >> 2)) * 4 + (lane & 3)) * LANE_WORDS;
+#pragma unroll
+    for (int r = 0; r < 2 * M_FRAGS; ++r)
+#pragma unroll
+      for (int w = 0; w < LANE_WORDS; ++w) row_bits[r][w] = rows[((r >> 1) * 16 + (r & 1) * 8) * 4 * LANE_WORDS + w];
+  }
+
+  // Whether the thread's row r keeps column `col` of the tile (col = 8n + 2t + e, its own).
+  __device__ __forceinline__ bool kept(int r, int col) const {
+    const int pair = (col >> 3) * 2 + (col & 1);
+    unsigned word = row_bits[r][0];
+#pragma unroll
+    for (int w = 1; w < LANE_WORDS; ++w) if ((pair >> 5) == w) word = row_bits[r][w];
+    return (word >> (pair & 31)) & 1u;
+  }
 
   // The tile's query positions are [q0_, q_last] (q_last: its last real one).
   __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last, const int* __restrict__ bm_num, const int* __restrict__ bm_idx, const int* __restrict__ bm_type, const int* __restrict__ bm_partial, const unsigned* __restrict__ bm_bits, int bm_sb, int bm_sh, int bm_max, int bm_causal_offset) {
@@ -210,6 +235,7 @@ struct Mask {
     tile_kv0 = kv0;
     if (tile_type == BLOCK_CAUSAL && k1 <= r0 + causal_offset) tile_type = BLOCK_FULL;
     bool full = tile_type == BLOCK_FULL;
+    if (tile_type == BLOCK_PARTIAL) load_rows<BLOCK_Q>(r0 - q0);  // r0: the warp's first row
     return !full || k1 >= n_kv;
   }
 
@@ -219,9 +245,7 @@ struct Mask {
     if (tile_type == BLOCK_CAUSAL) {
       active &= kv_idx <= q_idx + causal_offset;
     } else if (tile_type == BLOCK_PARTIAL) {
-      const int kl = kv_idx - tile_kv0;  // local indices within this tile's pattern
-      const unsigned word = bits[((long long)tile_bits * BLOCK_Q + (q_idx - q0)) * MASK_WORDS + (kl >> 5)];
-      active &= (word >> (kl & 31)) & 1u;
+      active &= kept(row, kv_idx - tile_kv0);
     } else if (tile_type == BLOCK_MASKED) {
       active = false;
     }

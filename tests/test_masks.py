@@ -217,6 +217,26 @@ def test_pack_bits_layout():
     assert words.tolist() == [[1 | (1 << 5) | (1 << 31), 0], [0, 1 | (1 << 15)]]
 
 
+@pytest.mark.parametrize("q_block, kv_block", [(128, 128), (64, 176), (128, 80), (192, 128), (16, 48)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_thread_words_hold_each_threads_columns(q_block, kv_block, transposed):
+    """The kernels' element test: thread t of a quad finds column 8n + 2t + e of its row in bit
+    p % 32 of word p // 32, p = 2n + e (the MMA accumulator's columns of that thread)."""
+    rng = np.random.default_rng()
+    dense = rng.random((3, q_block, kv_block)) < 0.5
+    patterns = np.stack([masks.pack_bits(block, kv_block) for block in dense])
+    words = masks.thread_words(patterns, kv_block, transposed)
+    expected = dense.swapaxes(1, 2) if transposed else dense
+    rows, cols = expected.shape[1:]
+    assert words.shape == (3, rows, 4, -(-cols // 128)) and words.dtype == np.uint32
+    for col in range(cols):
+        thread, pair = col % 8 // 2, col // 8 * 2 + col % 2
+        got = (words[:, :, thread, pair // 32] >> np.uint32(pair % 32)) & 1
+        np.testing.assert_array_equal(got.astype(bool), expected[:, :, col], err_msg=f"column {col}")
+    assert not any((words[..., w] >> np.uint32(j)).any() & 1 for w in range(words.shape[-1]) for j in range(32)
+                   if 32 * w + j >= -(-cols // 8) * 2)  # bits past the last column stay clear
+
+
 # ---- re-blocking to tiles ------------------------------------------------------------------
 
 @pytest.mark.parametrize("mask_blocks, tile", [

@@ -227,9 +227,9 @@ def test_extra_params_in_signature_order(overrides, names):
 
 def test_mask_words_of_the_plan(monkeypatch):
     monkeypatch.setattr("fagen.plan.MAX_REGISTERS", 10**6)  # 128-key tiles: refused for registers, words still count
-    for block_kv, words in [(16, 1), (32, 1), (48, 2), (64, 2), (128, 4)]:
+    for block_kv, words in [(16, 1), (64, 1), (128, 1), (144, 2), (192, 2)]:  # a thread's words: 2 of 8 columns
         spec = parse(mask="block_mask", tiling={"block_q": 64, "block_kv": block_kv, "warps_q": 4})
-        assert plan(spec).mask_words == words
+        assert plan(spec).mask_lane_words == words
 
 
 # ---- rendering -----------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_chunked_and_prefix_render_their_numbers():
 
 def test_block_mask_renders_mask_words():
     src = fagen.render(parse(mask="block_mask"))
-    assert "constexpr int MASK_WORDS = 2" in src
+    assert "constexpr int LANE_WORDS = 1" in src
     assert "BLOCK_PARTIAL" in src and "WINDOW_LEFT" not in src
 
 
