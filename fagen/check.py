@@ -260,7 +260,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
 
 def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, *,
                                   framework: str | None = None, layout: str = "bhnd", seed: int | None = None,
-                                  extras: dict | None = None) -> CheckResult:
+                                  scale: float | None = None, extras: dict | None = None) -> CheckResult:
     """The backward of a spec with a backward: section: its forward, then dq, dk, dv (and
     dsinks, dbias) from a random dout, each NaN-poisoned before the launch, against
     fagen.oracle.attention_backward. out_error is the worst gradient's relative error."""
@@ -272,10 +272,11 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
     # NaN-filled, in k's shape and layout
     dk, dv = (random_inputs(framework, spec.dtype, b, hkv, hkv, nk, nk, spec.head_dim, layout)[3] for _ in range(2))
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
-    out, lse = backward.forward(q, k, v, out=out, return_lse=True, **extras)
-    grads = backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **extras)
+    out, lse = backward.forward(q, k, v, out=out, scale=scale, return_lse=True, **extras)
+    grads = backward(dout, q, k, v, out, lse, scale=scale, dq=dq, dk=dk, dv=dv, **extras)
     ref = oracle.attention_backward(
-        to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), mask=spec.mask, block_mask=extras.get("block_mask"),
+        to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), scale=scale, mask=spec.mask,
+        block_mask=extras.get("block_mask"),
         doc_ids=extras.get("doc_ids"), alibi_slopes=extras.get("alibi_slopes"), bias=extras.get("bias"),
         score_mod=spec.score_mod, sinks=extras.get("sinks"))
     errors = [relative_error(to_numpy(getattr(grads, name)), ref[name]) for name in ("dq", "dk", "dv")]

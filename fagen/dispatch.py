@@ -109,8 +109,7 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
                          sinks=has_sinks, expression=expression, expression_grad=expression_grad)
     # a Q.K^T width with no default of its own starts from the next wider head's
     shipped_dim = next((d for d in HEAD_DIMS if d >= head_dim), head_dim) if head_dim in QK_HEAD_DIMS else head_dim
-    base = variants.shipped_spec(dtype, shipped_dim, mask.kind == "causal", gpu=gpu, keys=keys)
-    derived = variants.variant(base, mask, score_mod)
+    derived = variants.modified_spec(dtype, shipped_dim, mask.kind == "causal", mask, score_mod, gpu=gpu, keys=keys)
     if head_dim_v is None:
         return derived
     try:  # V and O of their own width (spec.head_dim_v): the forward over padded tensors

@@ -89,6 +89,22 @@ def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSp
     return parse_falling_back(data, base, f"variant of {base.name}")
 
 
+def modified_spec(dtype: str, head_dim: int, causal: bool, mask: Mask, score_mod: ScoreMod, *, gpu: str | None,
+                  keys: int | None = None) -> AttentionSpec:
+    """The shipped spec for these keys with this mask and these modifiers (`variant`). The long
+    class's tiling (more query rows a tile, fewer registers a thread) keeps what it is tuned for
+    where they leave its block_kv whole; where they shrink it, whichever of it and the regular
+    class's keeps more keys a tile (H200, softcap f16 causal 4k: d128 192x64 -> 128x128 +7%, d64
+    192x96 -> 128x128 +2%; d256 keeps its long 128x80, 14% over the regular 128x64)."""
+    long = shipped_spec(dtype, head_dim, causal, gpu=gpu, keys=keys)
+    derived = variant(long, mask, score_mod)
+    regular = shipped_spec(dtype, head_dim, causal, gpu=gpu)
+    if regular == long or derived.tiling.block_kv >= long.tiling.block_kv:
+        return derived
+    other = variant(regular, mask, score_mod)
+    return other if other.tiling.block_kv > derived.tiling.block_kv else derived
+
+
 COPYING_WARPS_Q = 8  # the most query warps the copying sm_90a kernel (no producer warpgroup) takes
 
 

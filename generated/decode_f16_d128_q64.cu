@@ -236,8 +236,9 @@ struct Mask {
     return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
   }
 
-  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
+  // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv;
     return active;
   }
@@ -309,7 +310,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
           const int pi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;  // the packed row
           const int qi = rows.pos(pi), hi = h + rows.head(pi);
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, hi, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, hi, qi, ki, 2 * f + (e >> 1), 2 * n + (e & 1))) s[f][n][e] = NEG_INF;
         }
   }
 }

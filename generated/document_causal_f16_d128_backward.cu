@@ -445,8 +445,9 @@ struct Mask {
     return !full || k1 >= n_kv || r1 >= n_q;
   }
 
-  // row: which of the thread's accumulator rows kv_idx is (2f + h: key fragment f, half h).
-  __device__ __forceinline__ bool element_active_keys(int b, int h, int q_idx, int kv_idx, int row) const {
+  // row: which of the thread's accumulator rows kv_idx is (2f + h: key fragment f, half h);
+  // pair: which of its columns q_idx is (2n + e: query fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active_keys(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv && q_idx >= row_lo[row >> 1][row & 1] && q_idx < row_hi[row >> 1][row & 1];
     active &= kv_idx <= q_idx;
     return active && q_idx < n_q;
@@ -462,8 +463,9 @@ struct Mask {
     return !full || k1 >= n_kv;
   }
 
-  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
+  // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv && kv_idx >= row_lo[row >> 1][row & 1] && kv_idx <= q_idx;
     return active;
   }
@@ -544,7 +546,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
         for (int e = 0; e < 4; ++e) {
           const int ki = warp_kv0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int qi = q0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active_keys(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
+          if (!mask.element_active_keys(b, h, qi, ki, 2 * f + (e >> 1), 2 * n + (e & 1))) s[f][n][e] = NEG_INF;
         }
   }
 }
@@ -943,8 +945,9 @@ struct Mask {
     return !full || k1 >= n_kv;
   }
 
-  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
+  // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv && kv_idx >= row_lo[row >> 1][row & 1] && kv_idx <= q_idx;
     return active;
   }
@@ -1021,7 +1024,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
         for (int e = 0; e < 4; ++e) {
           const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1), 2 * n + (e & 1))) s[f][n][e] = NEG_INF;
         }
   }
 }

@@ -186,8 +186,13 @@ struct Mask {
   const int* __restrict__ partial;  // ... and indices into bits (PARTIAL only)
   const unsigned* __restrict__ bits;  // [n_partial][rows][4][LANE_WORDS]: the patterns by thread
   int causal_offset, q0;
-  int tile_type, tile_bits, tile_kv0;  // the tile being masked ...
-  unsigned row_bits[2 * M_FRAGS][LANE_WORDS];  // ... and, PARTIAL, this thread's words of its rows 16f + 8h + lane / 4
+  // The tile being masked, as one test for every type, with no branch an element (the forward's
+  // and the dQ kernel's; the dK/dV kernel branches on the type: with d64's S^T, 128 queries wide,
+  // the branch-free test spilled): a pair counts where kv_idx <= q_idx + tile_diagonal (CAUSAL:
+  // causal_offset, else n_kv: never binding) and the thread's row_bits keep its column (PARTIAL: its
+  // words of the pattern, else all ones)
+  int tile_type, tile_bits, tile_diagonal;
+  unsigned row_bits[2 * M_FRAGS][LANE_WORDS];  // rows 16f + 8h + lane / 4 of the thread
 
   // A PARTIAL tile's words of the thread's rows, its warp's first being `row0` of the pattern's
   // ROWS rows: one load a row (a tile's element test would otherwise load a word an element).
@@ -201,9 +206,23 @@ struct Mask {
       for (int w = 0; w < LANE_WORDS; ++w) row_bits[r][w] = rows[((r >> 1) * 16 + (r & 1) * 8) * 4 * LANE_WORDS + w];
   }
 
-  // Whether the thread's row r keeps column `col` of the tile (col = 8n + 2t + e, its own).
-  __device__ __forceinline__ bool kept(int r, int col) const {
-    const int pair = (col >> 3) * 2 + (col & 1);
+  // The tile's test for its type (tile_type, tile_bits set), from the warp's first row `row0` of
+  // the pattern's ROWS rows.
+  template <int ROWS>
+  __device__ __forceinline__ void set_tile_test(int row0) {
+    tile_diagonal = tile_type == BLOCK_CAUSAL ? causal_offset : n_kv;  // n_kv: no key (kv_idx < n_kv) is past q_idx + n_kv
+    if (tile_type == BLOCK_PARTIAL) {
+      load_rows<ROWS>(row0);
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2 * M_FRAGS; ++r)
+#pragma unroll
+        for (int w = 0; w < LANE_WORDS; ++w) row_bits[r][w] = tile_type == BLOCK_MASKED ? 0u : ~0u;
+    }
+  }
+
+  // Whether the thread's row r keeps its column `pair` (2n + e: fragment n, column e of its two).
+  __device__ __forceinline__ bool kept(int r, int pair) const {
     unsigned word = row_bits[r][0];
 #pragma unroll
     for (int w = 1; w < LANE_WORDS; ++w) if ((pair >> 5) == w) word = row_bits[r][w];
@@ -232,23 +251,16 @@ struct Mask {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
     tile_type = type[i];
     tile_bits = partial[i];
-    tile_kv0 = kv0;
     if (tile_type == BLOCK_CAUSAL && k1 <= r0 + causal_offset) tile_type = BLOCK_FULL;
     bool full = tile_type == BLOCK_FULL;
-    if (tile_type == BLOCK_PARTIAL) load_rows<BLOCK_Q>(r0 - q0);  // r0: the warp's first row
+    set_tile_test<BLOCK_Q>(r0 - q0);  // r0: the warp's first row
     return !full || k1 >= n_kv;
   }
 
-  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
-    bool active = kv_idx < n_kv;
-    if (tile_type == BLOCK_CAUSAL) {
-      active &= kv_idx <= q_idx + causal_offset;
-    } else if (tile_type == BLOCK_PARTIAL) {
-      active &= kept(row, kv_idx - tile_kv0);
-    } else if (tile_type == BLOCK_MASKED) {
-      active = false;
-    }
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
+  // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
+    bool active = kv_idx < n_kv && kv_idx <= q_idx + tile_diagonal && kept(row, pair);
     return active;
   }
 };
@@ -317,7 +329,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
         for (int e = 0; e < 4; ++e) {
           const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1), 2 * n + (e & 1))) s[f][n][e] = NEG_INF;
         }
   }
 }

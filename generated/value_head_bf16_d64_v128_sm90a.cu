@@ -317,8 +317,9 @@ struct Mask {
     return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
   }
 
-  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h).
-  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row) const {
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
+  // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv;
     return active;
   }
@@ -397,7 +398,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
         for (int e = 0; e < 4; ++e) {
           const int qi = warp_q0 + f * 16 + (lane >> 2) + (e >> 1) * 8;
           const int ki = kv0 + n * 8 + (lane & 3) * 2 + (e & 1);
-          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1))) s[f][n][e] = NEG_INF;
+          if (!mask.element_active(b, h, qi, ki, 2 * f + (e >> 1), 2 * n + (e & 1))) s[f][n][e] = NEG_INF;
         }
   }
 }

@@ -12,7 +12,7 @@ import pytest
 import fagen
 from fagen import variants
 from fagen.backward import compile_backward
-from fagen.check import (OUT_TOLERANCE, check_backward_against_oracle, random_block_mask, random_extras, random_inputs,
+from fagen.check import (OUT_TOLERANCE, check_against_oracle, check_backward_against_oracle, random_block_mask, random_extras, random_inputs,
                          relative_error, to_numpy)
 from fagen.load import SPECS
 from fagen.dispatch import default_spec
@@ -41,6 +41,20 @@ def test_backward_spec_against_oracle(path, nq, nk, hkv, layout):
     result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk, layout=layout)
     print(result.summary())
     assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_softcap_saturated_against_oracle(dtype, head_dim):
+    """softcap's tanh (on the SFU) where it saturates: scores of sd 10 against a cap of 10, so that
+    capped scores span the whole of (-cap, cap); forward and gradients within the dtype's tolerance."""
+    spec = variants.variant(default_spec(dtype, head_dim, True), Mask(kind="causal"), ScoreMod(softcap=10.0))
+    scale = 10.0 / head_dim ** 0.5
+    for nq, nk in ((239, 300), (1024, 1024)):
+        for result in (check_against_oracle(spec, 1, 4, 2, nq, nk, scale=scale),
+                       check_backward_against_oracle(variants.trainable(spec), 1, 4, 2, nq, nk, scale=scale)):
+            print(result.summary())
+            assert result.passed, result.summary()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -80,6 +80,16 @@ def test_a_traced_score_mod_and_its_derivative_are_pytorch_s(name):
     np.testing.assert_allclose(grad, want_grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=traced.expression_grad)
 
 
+@pytest.mark.parametrize("divisor, reciprocal", [(30.0, "0.03333333507180214f"), (-4, "-0.25f"), (0.5, "2.0f")])
+def test_division_by_a_constant_is_a_product_with_its_float32_reciprocal(divisor, reciprocal):
+    """C's `/` is IEEE division (a dozen instructions an element); by a constant the traced mod
+    multiplies by the reciprocal rounded to float32, as Triton's `/` is within ulps."""
+    traced = flex.trace_score_mod(lambda score, b, h, q_idx, kv_idx: score / divisor)
+    assert "/" not in traced.expression and reciprocal in traced.expression.replace("- ", "-")
+    by_tensor = flex.trace_score_mod(lambda score, b, h, q_idx, kv_idx: score / (q_idx - kv_idx + 1))
+    assert "/ (float)(q_idx - kv_idx + 1)" in by_tensor.expression  # not a constant: IEEE division
+
+
 def test_traced_mods_make_specs_that_render_forward_and_backward():
     """A traced score_mod and mask_mod are a spec's expression fields: the spec validates and its
     forward and backward render, the expressions pasted as the kernel's text."""
@@ -91,7 +101,8 @@ def test_traced_mods_make_specs_that_render_forward_and_backward():
                        "score_mod": {**base["score_mod"], "softcap": None, "expression": traced.expression,
                                      "expression_grad": traced.expression_grad}})
     forward, backward = render(spec), render_backward(spec)
-    assert "tanhf(score / 30.0f)" in forward and "tanhf(score / 30.0f)" in backward
+    text = "tanhf(score * 0.03333333507180214f)"  # a constant divisor: its float32 reciprocal
+    assert text in forward and text in backward
     assert "% 3" in forward
 
 
