@@ -75,13 +75,13 @@ class Backward:
         return {role: packers(getattr(self.plan, f"{role}_params")) for role in self.kernels}
 
     def __call__(self, dout, q, k, v, out, lse, *, scale: float | None = None, mask_offset: int | None = None,
-                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None, captured=None,
                  dq=None, dk=None, dv=None) -> Gradients:
         """The gradients of sum(out * dout) by q, k, v (and sinks), for the forward that gave
         out and lse (natural-log LSE [B, Hq, Nq], f32) from the same arguments. dq, dk, dv:
         where to write them (like q, k, v), else fresh arrays."""
         spec, bp = self.spec, self.plan
-        given = (block_mask, bias, alibi_slopes, sinks, doc_ids, dq, dk, dv)
+        given = (block_mask, bias, alibi_slopes, sinks, doc_ids, captured, dq, dk, dv)
         key = self._call_key(dout, q, k, v, out, lse, scale, mask_offset) if all(x is None for x in given) else None
         kept = None if key is None else self.repeated_calls.get(key)
         if kept is not None:
@@ -96,7 +96,8 @@ class Backward:
             mask_offset = nk - nq if spec.mask.align == "bottom_right" else 0
         n_pad = -(-nq // bp.row_pad) * bp.row_pad
         with cupy.cuda.Device(tq.device), stream_for(tq):
-            given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+            given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids,
+                         captured=captured)
             extras, keep_alive = self.forward.extra_arguments(tq, tk, given)
             extras.pop("sinks", None)  # the sink's share of each row is in the forward's LSE
             delta, lse2 = (empty_like(tq, (b, hq, n_pad), "float32") for _ in range(2))

@@ -189,16 +189,22 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three cases (d128, N 4k)")
+    parser.add_argument("--mods", nargs="+", choices=MOD_NAMES, help="only these mods")
+    parser.add_argument("--head-dims", nargs="+", type=int, choices=HEAD_DIMS, help="only these head dims")
+    parser.add_argument("--lengths", nargs="+", type=int, choices=LENGTHS, help="only these lengths")
     parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
     args = parser.parse_args(argv)
+    chosen = [c for c in cases(args.quick) if (args.mods is None or c.mod in args.mods)
+              and (args.head_dims is None or c.head_dim in args.head_dims) and (args.lengths is None or c.n in args.lengths)]
     rows: list[FlexRow] = []
-    for case in cases(args.quick):
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for case in chosen:
         rows += run_case(case)
         print(f"{case.key}: " + ", ".join(f"{r.impl} {r.fwd_tflops}/{r.fwd_bwd_tflops} {r.note}"
                                            for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+        # after every case: a run cut short keeps what it measured
+        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     print("\n".join(markdown(rows)))
     return 0
 

@@ -244,7 +244,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     ref_out, ref_lse = oracle.attention(
         to_numpy(q), to_numpy(k), to_numpy(v), scale=scale, return_lse=True, mask=spec.mask,
         block_mask=extras.get("block_mask"), doc_ids=extras.get("doc_ids"), alibi_slopes=extras.get("alibi_slopes"),
-        bias=extras.get("bias"), score_mod=spec.score_mod, sinks=extras.get("sinks"))
+        bias=extras.get("bias"), score_mod=spec.score_mod, sinks=extras.get("sinks"), captured=extras.get("captured"))
     result = CheckResult(
         spec.name, (b, hq, hkv, nq, nk),
         relative_error(to_numpy(got_out), ref_out),
@@ -278,7 +278,7 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
         to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), scale=scale, mask=spec.mask,
         block_mask=extras.get("block_mask"),
         doc_ids=extras.get("doc_ids"), alibi_slopes=extras.get("alibi_slopes"), bias=extras.get("bias"),
-        score_mod=spec.score_mod, sinks=extras.get("sinks"))
+        score_mod=spec.score_mod, sinks=extras.get("sinks"), captured=extras.get("captured"))
     errors = [relative_error(to_numpy(getattr(grads, name)), ref[name]) for name in ("dq", "dk", "dv")]
     for name in ("dsinks", "dbias"):
         if getattr(grads, name) is not None:

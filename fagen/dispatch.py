@@ -31,12 +31,12 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False,
 
 def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
                 alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None, v=None,
-                score_expression: tuple[str, str] | None = None) -> AttentionSpec:
+                score_expression: tuple[str, str, int] | None = None) -> AttentionSpec:
     """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
     head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
     modifiers they ask for (fagen.variants), and V's width where `v` is given and differs.
-    score_expression: (score_mod.expression, score_mod.expression_grad), a traced score_mod's
-    (fagen.flex)."""
+    score_expression: (score_mod.expression, score_mod.expression_grad, score_mod.captured), a
+    traced score_mod's (fagen.flex)."""
     tq = as_device_tensor(q, "q")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
@@ -50,7 +50,7 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
 def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
                     keys: int | None = None, head_dim_v: int | None = None,
-                    score_expression: tuple[str, str] | None = None) -> AttentionSpec:
+                    score_expression: tuple[str, str, int] | None = None) -> AttentionSpec:
     """derive_spec for a dtype and head_dim (the arrays only say which side inputs are given)."""
     if isinstance(mask, str):
         mask = _named_mask(mask)
@@ -82,7 +82,7 @@ def _mask_of(given) -> Mask:
 def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
                   has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
                   gpu: str, head_dim_v: int | None = None,
-                  score_expression: tuple[str, str] | None = None) -> AttentionSpec:
+                  score_expression: tuple[str, str, int] | None = None) -> AttentionSpec:
     if dtype not in KERNEL_TYPES:
         raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
     if head_dim in QK_HEAD_DIMS and head_dim_v is None:
@@ -104,9 +104,9 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
         mask = Mask(kind="causal" if causal else "none")
     # before compiling a variant for an array that is not there
     side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
-    expression, expression_grad = score_expression or (None, None)
+    expression, expression_grad, captured = score_expression or (None, None, 0)
     score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
-                         sinks=has_sinks, expression=expression, expression_grad=expression_grad)
+                         sinks=has_sinks, captured=captured, expression=expression, expression_grad=expression_grad)
     # a Q.K^T width with no default of its own starts from the next wider head's
     shipped_dim = next((d for d in HEAD_DIMS if d >= head_dim), head_dim) if head_dim in QK_HEAD_DIMS else head_dim
     derived = variants.modified_spec(dtype, shipped_dim, mask.kind == "causal", mask, score_mod, gpu=gpu, keys=keys)

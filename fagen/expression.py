@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 INT, FLOAT, BOOL = "int", "float", "bool"
+ARRAY = "float[]"  # a variable of this type is an array read as name[int index] (a captured tensor)
 INTEGRAL = (INT, BOOL)
 MAX_LENGTH = 500  # characters: room for any reasonable formula, not for a program
 INT_MAX = 2**31 - 1  # the kernel's positions and indices are int32
@@ -39,6 +40,17 @@ INT_BITS = 32
 # The variables each expression may read, with their C types.
 MASK_VARIABLES = {"b": INT, "h": INT, "q_idx": INT, "kv_idx": INT}
 SCORE_VARIABLES = {"score": FLOAT, **MASK_VARIABLES}
+MAX_CAPTURED = 4  # float32 arrays a score expression may read: captured0 .. captured3
+
+
+def captured_names(count: int) -> tuple[str, ...]:
+    """The names of a score expression's `count` captured arrays (score_mod.captured)."""
+    return tuple(f"captured{i}" for i in range(count))
+
+
+def score_variables(captured: int = 0) -> dict[str, str]:
+    """SCORE_VARIABLES and the captured arrays' names."""
+    return {**SCORE_VARIABLES, **dict.fromkeys(captured_names(captured), ARRAY)}
 
 # Callable functions: argument types (None: int or float, converted to float by C++) -> result.
 FUNCTIONS: dict[str, tuple[tuple[str | None, ...], str]] = {
@@ -61,7 +73,7 @@ BINARY = {  # operator -> precedence (higher binds tighter), as in C
 INTEGRAL_ONLY = {"%", "<<", ">>", "&", "|", "^", "~"}
 LOGICAL = {"||", "&&", "==", "!=", "<", "<=", ">", ">="}
 UNARY = {"!", "-", "+", "~"}
-PUNCTUATION = set(BINARY) | UNARY | {"(", ")", "?", ":", ","}
+PUNCTUATION = set(BINARY) | UNARY | {"(", ")", "?", ":", ",", "[", "]"}  # [ ]: an array's index alone
 
 # Operator-like tokens C++ lexes (longest first) that the language refuses, with what they are.
 REFUSED = {
@@ -73,7 +85,7 @@ REFUSED = {
     "+=": "assignment", "-=": "assignment", "*=": "assignment", "/=": "assignment", "%=": "assignment",
     "&=": "assignment", "|=": "assignment", "^=": "assignment", "=": "assignment", ".*": "member access",
     "##": "token pasting", "#": "a preprocessor directive", ";": "a statement end", "{": "a block",
-    "}": "a block", "[": "indexing", "]": "indexing", ".": "member access",
+    "}": "a block", ".": "member access",
 }
 _OPERATORS = sorted(set(REFUSED) | PUNCTUATION, key=len, reverse=True)
 # An f suffix needs a dot or an exponent: C++ reads 289f as a user-defined literal.
@@ -188,7 +200,16 @@ class Call:
     pos: int = field(default=0, compare=False)
 
 
-Node = Number | Name | Unary | Cast | Binary | Conditional | Call
+@dataclass(frozen=True)
+class Load:
+    """array[index]: an element of a captured float32 array, a kernel input."""
+    array: str
+    index: Node
+    type: str
+    pos: int = field(default=0, compare=False)
+
+
+Node = Number | Name | Unary | Cast | Binary | Conditional | Call | Load
 
 
 def _arithmetic(*types: str) -> str:
@@ -280,6 +301,8 @@ class _Parser:
         if token.kind != "name":
             self.i -= 1
             raise self.error("expected a number, a variable, a function call or '('")
+        if self.variables.get(token.text) == ARRAY:
+            return self.load(token)
         if token.text in self.variables:
             return Name(token.text, self.variables[token.text], token.pos)
         if token.text in LITERALS:
@@ -290,6 +313,17 @@ class _Parser:
             f"unknown name {token.text!r} at position {token.pos}: an expression may read "
             f"{', '.join(self.variables)}, use true/false, casts to int/float/bool, and call "
             f"{', '.join(FUNCTIONS)}")
+
+    def load(self, array: Token) -> Node:
+        if self.token.text != "[":
+            raise self.error(f"{array.text} is an array: read an element, {array.text}[index]")
+        self.take("[")
+        index = self.expression()
+        self.take("]")
+        if index.type == FLOAT:
+            raise ExpressionError(f"{array.text}[] at position {array.pos} takes an int index; cast it, "
+                                  f"{array.text}[(int)(...)]")
+        return Load(array.text, index, FLOAT, array.pos)
 
     def call(self, function: Token) -> Node:
         params, result = FUNCTIONS[function.text]
@@ -346,6 +380,9 @@ def _fold(node: Node) -> int | float | bool | None:
         return int(node.text) if node.type == INT else _as_type(float(node.text.rstrip("fF")), FLOAT, _double(node))
     if isinstance(node, Name):
         return {"true": True, "false": False}.get(node.name) if node.name in LITERALS else None
+    if isinstance(node, Load):
+        _fold(node.index)  # its constant parts are checked; the element is only known in the kernel
+        return None
     if isinstance(node, Call):
         args = [_fold(arg) for arg in node.args]
         if any(a is None for a in args):
@@ -473,7 +510,7 @@ def _replaced(tree: Node, old: Node, new: Node) -> Node:
     if isinstance(tree, Call):
         return Call(tree.function, tuple(_replaced(a, old, new) for a in tree.args), tree.type, tree.pos)
     parts = {Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
-             Conditional: ("condition", "then", "other")}.get(type(tree), ())
+             Conditional: ("condition", "then", "other"), Load: ("index",)}.get(type(tree), ())
     if not parts:
         return tree
     changes = {p: _replaced(getattr(tree, p), old, new) for p in parts}
@@ -570,6 +607,8 @@ def _print(node: Node, kernel: bool, exact: bool) -> tuple[str, int]:
         return node.text, PRIMARY_PRECEDENCE
     if isinstance(node, Name):
         return node.name, PRIMARY_PRECEDENCE
+    if isinstance(node, Load):
+        return f"{node.array}[{_print(node.index, kernel, exact)[0]}]", PRIMARY_PRECEDENCE
     if isinstance(node, Call):
         return f"{node.function}({', '.join(operand(arg, 0) for arg in node.args)})", PRIMARY_PRECEDENCE
     if isinstance(node, Cast):
@@ -662,7 +701,7 @@ def int_overflow(node: Node, extents: dict[str, int]) -> Node | None:
     would wrap (its printer wraps through unsigned) and a 64-bit computation would not. None if
     there is none."""
     children = {Number: (), Name: (), Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
-                Conditional: ("condition", "then", "other")}.get(type(node))
+                Conditional: ("condition", "then", "other"), Load: ("index",)}.get(type(node))
     for child in node.args if isinstance(node, Call) else [getattr(node, c) for c in children]:
         found = int_overflow(child, extents)
         if found is not None:
@@ -677,6 +716,8 @@ def reads(node: Node) -> frozenset[str]:
     """The variables an expression reads."""
     if isinstance(node, Name):
         return frozenset() if node.name in LITERALS else frozenset((node.name,))
+    if isinstance(node, Load):
+        return frozenset((node.array,)) | reads(node.index)
     children = {Number: (), Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
                 Conditional: ("condition", "then", "other")}.get(type(node))
     parts = node.args if isinstance(node, Call) else [getattr(node, c) for c in children]
@@ -713,6 +754,9 @@ def _eval(node: Node, values: dict, float_type: np.dtype) -> np.ndarray:
         if node.name in LITERALS:
             return np.asarray(node.name == "true")
         return _to(np.asarray(values[node.name]), node.type, float_type)
+    if isinstance(node, Load):
+        index = _to(np.asarray(_eval(node.index, values, float_type)), INT, float_type)
+        return np.asarray(values[node.array], float_type)[index]
     if isinstance(node, Cast):
         return _to(_eval(node.operand, values, float_type), node.type, float_type)
     if isinstance(node, Call):
@@ -813,6 +857,28 @@ def mask(text: str) -> Node:
     return parse(text, MASK_VARIABLES, BOOL)
 
 
-def score(text: str) -> Node:
-    """A spec's score_mod.expression or expression_grad: a number over score, b, h, q_idx, kv_idx."""
-    return parse(text, SCORE_VARIABLES)
+def score(text: str, captured: int = 0) -> Node:
+    """A spec's score_mod.expression or expression_grad: a number over score, b, h, q_idx, kv_idx
+    (and `captured` arrays, captured0[i] ...)."""
+    return parse(text, score_variables(captured))
+
+
+def loads(node: Node) -> list[Load]:
+    """The array elements an expression reads, outermost first."""
+    if isinstance(node, Load):
+        return [node, *loads(node.index)]
+    children = {Number: (), Name: (), Unary: ("operand",), Cast: ("operand",), Binary: ("left", "right"),
+                Conditional: ("condition", "then", "other")}.get(type(node))
+    parts = node.args if isinstance(node, Call) else [getattr(node, c) for c in children]
+    return [found for part in parts for found in loads(part)]
+
+
+def int_bounds(node: Node, extents: dict[str, int]) -> tuple[int, int]:
+    """Bounds on an int node's value while each variable v stays in 0 .. extents[v] - 1 (interval
+    arithmetic: sound, not always tight)."""
+    return _bounds(node, extents)
+
+
+def index_bounds(node: Load, extents: dict[str, int]) -> tuple[int, int]:
+    """Bounds on a Load's index while each variable v stays in 0 .. extents[v] - 1."""
+    return _bounds(node.index, extents)

@@ -11,8 +11,10 @@ fagen for the common cases.
   derivative, the kernels of that spec run eagerly under autograd (torch_op's
   _EagerKernelAttention, as for fagen.attention's block masks).
 
-Not yet: captured tensors in a score_mod (refused, naming its line), a gradient through the LSE,
-and torch.compile of a model calling it (the eager kernels break the graph). A score_mod's ints are
+A score_mod may read captured float tensors (a bias table indexed by head and distance): kernel
+inputs, each index proven within its dimension at the call's lengths. Not yet: a captured
+tensor's gradient (one that requires grad is refused), a gradient through the LSE, and
+torch.compile of a model calling it (the eager kernels break the graph). A score_mod's ints are
 int32 in the kernel (int64 in PyTorch): one whose int arithmetic may pass 2^31 at the call's
 lengths is refused, naming the term.
 """
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from fagen import masks, torch_op
-from fagen.mod_tracing import TracedScoreMod, TraceError, check_int32, trace_mask_mod, trace_score_mod
+from fagen.mod_tracing import TracedScoreMod, TraceError, check_captured, check_int32, trace_mask_mod, trace_score_mod
 
 __all__ = ["create_block_mask", "flex_attention", "trace_mask_mod", "trace_score_mod", "TraceError",
            "TracedScoreMod"]
@@ -113,13 +115,16 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
         block_mask = _from_flex_block_mask(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
+    captured = None
     if traced is not None:
-        check_int32(traced, dict(b=query.shape[0], h=query.shape[1], q_idx=query.shape[2], kv_idx=key.shape[2]),
-                    score_mod)
+        extents = dict(b=query.shape[0], h=query.shape[1], q_idx=query.shape[2], kv_idx=key.shape[2])
+        check_int32(traced, extents, score_mod)
+        check_captured(traced, extents, score_mod)
+        captured = [t.detach().to(query.device, torch.float32).contiguous() for t in traced.captured] or None
     out, lse = torch_op._EagerKernelAttention.apply(
         query, key, value, None, None, block_mask, False, None, None, scale, False,
         torch_op._side_inputs(None, None, None, None),
-        None if traced is None else (traced.expression, traced.expression_grad))
+        None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured)), captured)
     return (out, lse) if return_lse else out
 
 

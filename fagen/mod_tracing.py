@@ -11,10 +11,13 @@ along (forward mode: each traced value carries d value / d score), which is the 
 
 Semantics are PyTorch's, not C's, where they part: `/` divides as floats, `//` floors and `%`
 takes the divisor's sign (printed as C's truncating operators where both operands are known
-non-negative, as positions and heads are), `&` `|` `~` on bools are logical. Refused, naming
-the function's line: a Python branch on a traced value (`if`, `and`, `or`: use torch.where and
-`&`, `|`), a captured tensor indexed by one (not yet a kernel input), an infinity or NaN
-constant (mask keys with a mask_mod), and any function outside TORCH_FUNCTIONS.
+non-negative, as positions and heads are), `&` `|` `~` on bools are logical. A captured float
+tensor indexed by traced ints (a learned bias table) becomes a kernel input, read as float32
+(`captured0[...]`, its index flattened; check_captured proves each index within its dimension
+at a call's lengths). Refused, naming the function's line: a Python branch on a traced value
+(`if`, `and`, `or`: use torch.where and `&`, `|`), a captured tensor that requires grad (its
+gradient is not computed yet), an infinity or NaN constant (mask keys with a mask_mod), and any
+function outside TORCH_FUNCTIONS.
 
 Depends on fagen.expression and PyTorch (imported when a function is traced).
 """
@@ -25,11 +28,12 @@ import inspect
 import linecache
 import math
 import struct
+import threading
 import types
 from dataclasses import dataclass
 
 from fagen import expression
-from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Name, Node, Number, Unary
+from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 
 LN2 = 0.6931471805599453
 FLOAT32_MAX = 3.4028234663852886e38
@@ -221,8 +225,7 @@ class Traced:
         if name in OPERATORS:  # a tensor's operator with a traced operand: the traced value's
             return getattr(_lift(args[0]), name)(*args[1:])
         if name == "__getitem__":
-            raise TraceError("a captured tensor indexed by a traced value: captured tensors are not kernel inputs "
-                             "yet; write the table's values as an expression of b, h, q_idx, kv_idx")
+            return _load(*args)
         if func is getattr(_torch(), "Tensor").where:  # x.where(condition, y): torch.where(condition, x, y)
             x, condition, y = args
             return _where(condition, x, y)
@@ -237,6 +240,51 @@ def _torch():
     import torch
 
     return torch
+
+
+# The captured tensors the trace in progress (on this thread) has read, and each index it read
+# them at: [(slot, dim, index node, size)]
+_CAPTURING = threading.local()
+
+
+def _load(tensor, index) -> Traced:
+    """tensor[index] of a captured tensor, every dimension indexed (traced ints or constants): an
+    element of kernel input captured<slot>, its index flattened (row-major)."""
+    tensors, reads = getattr(_CAPTURING, "tensors", None), getattr(_CAPTURING, "reads", None)
+    if tensors is None:
+        raise TraceError("a captured tensor indexed in a mask_mod traced for a spec's mask.expression: build a "
+                         "block mask from the mask_mod instead (fagen.flex.create_block_mask)")
+    if not hasattr(tensor, "requires_grad"):
+        raise TraceError(f"indexing a {type(tensor).__name__}: fagen traces captured torch tensors")
+    if tensor.requires_grad:
+        raise TraceError(f"a captured tensor of shape {tuple(tensor.shape)} requires grad: fagen does not compute "
+                         f"a captured tensor's gradient yet; pass it detached (x.detach()) where it is not trained")
+    if not tensor.is_floating_point():
+        raise TraceError(f"a captured {tensor.dtype} tensor: the kernel reads captured tensors as float32; pass a "
+                         f"floating one (x.float(), exact for integers below 2^24)")
+    indices = index if isinstance(index, tuple) else (index,)
+    if any(i is None or i is Ellipsis or isinstance(i, slice) for i in indices) or len(indices) != tensor.dim():
+        raise TraceError(f"a captured tensor of shape {tuple(tensor.shape)} indexed by {len(indices)} indices: "
+                         f"index each of its {tensor.dim()} dimensions by one int (no slices)")
+    slot = next((i for i, t in enumerate(tensors) if t is tensor), len(tensors))
+    if slot == len(tensors):
+        if slot == expression.MAX_CAPTURED:
+            raise TraceError(f"more than {expression.MAX_CAPTURED} captured tensors indexed: concatenate them")
+        tensors.append(tensor)
+    flat, stride = None, 1
+    for dim in reversed(range(tensor.dim())):
+        size, i = int(tensor.shape[dim]), _lift(indices[dim])
+        if i.node.type == FLOAT:
+            raise TraceError(f"a float index into a captured tensor (dimension {dim}): index with ints, e.g. "
+                             f"x.long() or torch.floor(x).long()")
+        constant = expression.int_bounds(i.node, {})
+        if constant[0] == constant[1] and constant[0] < 0:  # PyTorch's negative index counts from the end
+            i = _lift(constant[0] + size)
+        reads.append((slot, dim, i.node, size))
+        term = i if stride == 1 else _mul(i, _lift(stride))
+        flat = term if flat is None else _add(term, flat)
+        stride *= size
+    return Traced(Load(f"captured{slot}", flat.node, FLOAT))
 
 
 OPERATORS = {f"__{op}__" for op in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv",
@@ -542,10 +590,14 @@ TORCH_FUNCTIONS = {
 @dataclass(frozen=True)
 class TracedScoreMod:
     """A score_mod as spec fields: score_mod.expression and its derivative by the score
-    (score_mod.expression_grad; "0.0f" where the result does not depend on the score)."""
+    (score_mod.expression_grad; "0.0f" where the result does not depend on the score), and the
+    captured tensors they read (score_mod.captured of them, the call's `captured`), with each
+    index read from them: (slot, dim, index, size)."""
 
     expression: str
     expression_grad: str
+    captured: tuple = ()
+    reads: tuple = ()
 
 
 def trace_score_mod(score_mod) -> TracedScoreMod:
@@ -617,17 +669,22 @@ def _value_key(value, depth: int) -> tuple | None:
 
 
 def _trace_score_mod(score_mod) -> TracedScoreMod:
-    variables = expression.SCORE_VARIABLES
     args = [Traced(Name("score", FLOAT), ONE)] + [Traced(Name(v, INT), nonnegative=True) for v in ("b", "h", "q_idx",
                                                                                                    "kv_idx")]
-    result = _lift(_call(score_mod, args, "score_mod"))
+    _CAPTURING.tensors, _CAPTURING.reads = [], []
+    try:
+        result = _lift(_call(score_mod, args, "score_mod"))
+        captured, reads = tuple(_CAPTURING.tensors), tuple(_CAPTURING.reads)
+    finally:
+        _CAPTURING.tensors = _CAPTURING.reads = None
+    variables = expression.score_variables(len(captured))
     if result.node.type == BOOL:
         raise TraceError(f"score_mod {_name(score_mod)} returns a bool: a mask is a mask_mod's, a score_mod returns "
                          f"the new score")
     text = _checked(expression.source(_float(result.node)), variables, None, score_mod, "score_mod.expression")
     grad = _checked(expression.source(result.grad) if result.grad is not None else "0.0f", variables, None,
                     score_mod, "score_mod.expression_grad")
-    return TracedScoreMod(text, grad)
+    return TracedScoreMod(text, grad, captured, reads)
 
 
 def _trace_mask_mod(mask_mod) -> str:
@@ -645,12 +702,27 @@ def check_int32(traced: TracedScoreMod, extents: dict[str, int], score_mod=None)
     where PyTorch's int64 do not."""
     for field, text in (("score_mod.expression", traced.expression),
                         ("score_mod.expression_grad", traced.expression_grad)):
-        wraps = expression.int_overflow(expression.score(text), extents)
+        wraps = expression.int_overflow(expression.score(text, len(traced.captured)), extents)
         if wraps is not None:
             at = ", ".join(f"{name} < {n}" for name, n in extents.items())
             raise TraceError(f"score_mod {_name(score_mod) if score_mod is not None else ''}: "
                              f"{expression.source(wraps)} in {field} may pass int32 where {at} (the kernel's ints "
                              f"are int32, PyTorch's int64); compute it in float, e.g. (q_idx - kv_idx) * 1.0")
+
+
+def check_captured(traced: TracedScoreMod, extents: dict[str, int], score_mod=None) -> None:
+    """Refuse a traced score_mod whose index into a captured tensor may leave that dimension
+    (0 .. size - 1) while b, h, q_idx and kv_idx stay below `extents`: PyTorch would raise, and
+    a kernel must not read past an array. Interval bounds: an index they cannot prove in range
+    (a clamp proves it) is refused."""
+    for slot, dim, index, size in traced.reads:
+        lo, hi = expression.int_bounds(index, extents)
+        if lo < 0 or hi >= size:
+            at = ", ".join(f"{name} < {n}" for name, n in extents.items())
+            raise TraceError(f"score_mod {_name(score_mod) if score_mod is not None else ''}: captured tensor "
+                             f"{slot}'s dimension {dim} (size {size}) is indexed by {expression.source(index)}, "
+                             f"which may be {lo if lo < 0 else hi} where {at}; keep it within 0 .. {size - 1} "
+                             f"(torch.clamp(i, 0, {size - 1}), or a larger table)")
 
 
 def _name(function) -> str:

@@ -45,10 +45,10 @@ def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
               mask=None, block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
-              alibi_slopes=None, bias=None, score_mod=None, sinks=None):
+              alibi_slopes=None, bias=None, score_mod=None, sinks=None, captured=None):
     f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
                 mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
-                sinks=sinks)
+                sinks=sinks, captured=captured)
     return (f["out"], f["lse"]) if return_lse else f["out"]
 
 
@@ -213,7 +213,8 @@ def _per_sequence(sequences, q_shape, kwargs):
 
 def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,
                        block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
-                       alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, sinks=None) -> dict:
+                       alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, sinks=None,
+                       captured=None) -> dict:
     """Gradients of L = sum(attention(...) * dout), arguments as attention's: {"dq", "dk", "dv"},
     dk and dv of k's and v's shape (GQA sums a group's query heads), plus "dbias" (the given
     bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given.
@@ -230,7 +231,7 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
                          f"for score * 0.5f")
     f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
                 mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
-                score_mod_grad=score_mod_grad, sinks=sinks)
+                score_mod_grad=score_mod_grad, sinks=sinks, captured=captured)
     out, p = f["out"], f["p"]
     dout = np.asarray(dout, np.float64)
     if dout.shape != out.shape:
@@ -261,7 +262,7 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
 
 
 def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, softcap, alibi_slopes, bias,
-            score_mod, sinks, score_mod_grad=None) -> dict:
+            score_mod, sinks, score_mod_grad=None, captured=None) -> dict:
     """The forward, keeping what the backward reads: q, and k, v repeated to Hq heads; scale;
     keep; p (normalized weights, 0 where masked) and p_sink; out and lse; and the chain-rule
     factors dcap (d softcap / d s) and dmod (score_mod_grad, 1 without it)."""
@@ -301,7 +302,7 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
 
     if score_mod is not None and not callable(score_mod):  # a spec's ScoreMod: every field of it applies
         score_mod, score_mod_grad, softcap, alibi_slopes = _spec_score_mod(
-            score_mod, score_mod_grad, softcap, alibi_slopes, bias, sinks, heads_q)
+            score_mod, score_mod_grad, softcap, alibi_slopes, bias, sinks, heads_q, captured)
     if softcap is not None:  # the spec's rule (score_mod.softcap)
         softcap = side_inputs.check_softcap("softcap", softcap)
 
@@ -358,8 +359,8 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
 
 
 # ---- a spec's score modifiers --------------------------------------------------------------
-SCORE_FIELD_DEFAULTS = {"softcap": None, "alibi": "none", "bias": "none", "expression": None, "expression_grad": None,
-                        "sinks": False}
+SCORE_FIELD_DEFAULTS = {"softcap": None, "alibi": "none", "bias": "none", "captured": 0, "expression": None,
+                        "expression_grad": None, "sinks": False}
 
 
 def _score_fields(score_mod) -> SimpleNamespace:
@@ -379,19 +380,25 @@ def _parsed(field: str, text: str, parse) -> expression.Node:
         raise ValueError(f"{field} = {text!r}: {err}") from None
 
 
-def _expression_function(field: str, text: str | None):
-    """fn(s, b, h, q_idx, kv_idx) of a score expression (None: none), in float64, shaped as s."""
+def _expression_function(field: str, text: str | None, captured: tuple = ()):
+    """fn(s, b, h, q_idx, kv_idx) of a score expression (None: none) reading the `captured`
+    arrays (flattened), in float64, shaped as s."""
     if text is None:
         return None
-    tree = _parsed(field, text, expression.score)
+    tree = _parsed(field, text, lambda t: expression.score(t, len(captured)))
+    arrays = {name: np.asarray(a, np.float64).ravel() for name, a in zip(expression.captured_names(len(captured)),
+                                                                         captured)}
     return lambda s, b, h, q, k: np.broadcast_to(expression.evaluate(
-        tree, dict(score=s, b=b, h=h, q_idx=q, kv_idx=k), np.float64), np.shape(s))
+        tree, dict(score=s, b=b, h=h, q_idx=q, kv_idx=k, **arrays), np.float64), np.shape(s))
 
 
-def _spec_score_mod(score_mod, score_mod_grad, softcap, alibi_slopes, bias, sinks, heads: int):
+def _spec_score_mod(score_mod, score_mod_grad, softcap, alibi_slopes, bias, sinks, heads: int, captured=None):
     """(score_mod, score_mod_grad, softcap, alibi_slopes) that apply a spec's ScoreMod; the side
     inputs it asks for must be given, and a softcap given beside it must be its own."""
     m = _score_fields(score_mod)
+    captured = tuple(captured or ())
+    if len(captured) != m.captured:
+        raise ValueError(f"captured: {len(captured)} arrays; score_mod.captured = {m.captured} asks for that many")
     if softcap is not None and softcap != m.softcap:
         raise ValueError(f"softcap = {softcap}: score_mod has softcap {m.softcap}; pass the spec's score_mod alone")
     if score_mod_grad is not None:
@@ -402,6 +409,6 @@ def _spec_score_mod(score_mod, score_mod_grad, softcap, alibi_slopes, bias, sink
                                       ("bias", bias, "bias", m.bias != "none"), ("sinks", sinks, "sinks", m.sinks)):
         if wants and given is None:
             raise ValueError(f"{name} = None: score_mod.{field} = {getattr(m, field)!r} asks for it; pass {name}")
-    return (_expression_function("score_mod.expression", m.expression),
-            _expression_function("score_mod.expression_grad", m.expression_grad), m.softcap, alibi_slopes)
+    return (_expression_function("score_mod.expression", m.expression, captured),
+            _expression_function("score_mod.expression_grad", m.expression_grad, captured), m.softcap, alibi_slopes)
 

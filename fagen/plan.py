@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from fagen import expression
 from fagen.mask_kinds import KINDS
 from fagen.spec import (LANE_COLUMNS, HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
                         AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule, with_fix)
@@ -383,6 +384,7 @@ def score_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
         params += ((FLOAT_PTR, "alibi_slopes"),)
     if mod.bias != "none":
         params += ((FLOAT_PTR, "bias"), ("long long", "bias_sb"), ("long long", "bias_sh"), ("long long", "bias_sq"))
+    params += tuple((FLOAT_PTR, name) for name in expression.captured_names(mod.captured))
     return params
 
 

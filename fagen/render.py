@@ -6,7 +6,7 @@ No CuPy here: rendering, snapshot tests and nvcc checks run on machines without 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -76,8 +76,9 @@ def spec_source(spec: AttentionSpec, path: str | Path | None = None) -> str:
 
 def expression_trees(spec: AttentionSpec) -> dict[str, expression.Node]:
     """The syntax trees of a spec's expressions, by name: mask, score, score_grad."""
-    texts = {"mask": (spec.mask.expression, expression.mask), "score": (spec.score_mod.expression, expression.score),
-             "score_grad": (spec.score_mod.expression_grad, expression.score)}
+    score = partial(expression.score, captured=spec.score_mod.captured)
+    texts = {"mask": (spec.mask.expression, expression.mask), "score": (spec.score_mod.expression, score),
+             "score_grad": (spec.score_mod.expression_grad, score)}
     return {name: parse(text) for name, (text, parse) in texts.items() if text is not None}
 
 
@@ -99,6 +100,7 @@ def context(spec: AttentionSpec) -> dict:
         "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,
         "score_mod": spec.score_mod,
+        "captured": expression.captured_names(spec.score_mod.captured),
         # printed from their syntax trees: what nvcc reads is what was validated, and what the oracle evaluates
         "expressions": {name: expression.cuda(tree) for name, tree in expression_trees(spec).items()},
         "expression_reads": {name: expression.reads(tree) for name, tree in expression_trees(spec).items()},

@@ -513,16 +513,18 @@ class Kernel:
         return tq, tk, tv
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None,
-                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
+                 block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None, captured=None,
                  splits: int | None = None, mask_offset: int | None = None, lse=None):
         """out (and lse) for q, k, v. A partial spec (outputs.partial) returns float32 partials
         (o_parts [S, B, Hq, Nq, d], lse_parts [S, B, Hq, Nq]) for `splits` shares of the KV
         tiles; fagen.splitkv merges them. An accumulating one (outputs.accumulate) folds its
         partial into the running float32 `out` [B, Hq, Nq, d] and `lse` [B, Hq, Nq] it is given
         (a ring step) and returns them. mask_offset moves the diagonal (key of query 0's
-        diagonal): shards of a sequence pass their positions through it."""
+        diagonal): shards of a sequence pass their positions through it. captured: the float32
+        arrays a score expression reads (score_mod.captured; each flattened, its indices checked
+        against its length at this call's extents)."""
         key, repeated = None, self.repeated_calls
-        if repeated is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids)):
+        if repeated is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids, captured)):
             key = repeated.key(q, k, v, out, lse, scale, return_lse, mask_offset, splits)
             launch = None if key is None else repeated.get(key)
             result = None if launch is None else repeated.run(launch, q, k, v, out, lse, return_lse)
@@ -558,7 +560,8 @@ class Kernel:
         # Everything below allocates on the launch stream, so memory a temporary frees can only
         # be reused by work ordered after this kernel.
         with cupy.cuda.Device(tq.device), stream_for(tq):
-            given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+            given = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids,
+                         captured=captured)
             if partial and not merged and sinks is not None:
                 raise ValueError("sinks: a split-KV kernel leaves them to the merge (fagen.splitkv.merge)")
             if partial and not merged:
@@ -728,6 +731,7 @@ class Kernel:
             "bias": spec.score_mod.bias != "none",
             "alibi_slopes": spec.score_mod.alibi == "slopes",
             "sinks": self.takes_sinks,
+            "captured": spec.score_mod.captured > 0,
         }
         for name, value in given.items():
             if value is not None and not wants[name] and not (name == "alibi_slopes" and spec.score_mod.alibi != "none"):
@@ -771,6 +775,10 @@ class Kernel:
                                         lambda: side_inputs.check_finite("sinks", cupy.asnumpy(sinks).tolist()))
             held.append(cupy.ascontiguousarray(sinks))
             args.update(sinks=_ptr(held[-1]))
+        if wants["captured"]:
+            arrays = captured_arrays(spec, given["captured"], dict(b=b, h=hq, q_idx=nq, kv_idx=nk), tq.device)
+            held += arrays
+            args.update({name: _ptr(a) for name, a in zip(expression.captured_names(len(arrays)), arrays)})
         return args, held
 
 
@@ -818,6 +826,41 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
 
 def _ptr(a) -> np.uint64:
     return np.uint64(a.data.ptr)
+
+
+def captured_arrays(spec: AttentionSpec, captured, extents: dict[str, int], device: int) -> list:
+    """A call's captured arrays as the kernel reads them (float32, flattened, contiguous, on q's
+    device), refused where the spec's expressions could read one outside its length while b, h,
+    q_idx and kv_idx stay below `extents` (the call's B, Hq, Nq, Nk): a kernel never reads past
+    an array."""
+    count = spec.score_mod.captured
+    if not isinstance(captured, (list, tuple)) or len(captured) != count:
+        raise ValueError(f"captured: {type(captured).__name__} of {len(captured) if isinstance(captured, (list, tuple)) else '?'}"
+                         f" arrays; kernel {spec.name} reads {count} (score_mod.captured): pass a list of {count}")
+    arrays = [cupy.ascontiguousarray(_aux_array(x, f"captured[{i}]", "float32", device)).ravel()
+              for i, x in enumerate(captured)]
+    check_captured_indices(spec, tuple(a.size for a in arrays), tuple(sorted(extents.items())))
+    return arrays
+
+
+@cache
+def check_captured_indices(spec: AttentionSpec, sizes: tuple[int, ...], extents: tuple[tuple[str, int], ...]) -> None:
+    """Every captured0[i] ... the spec's expressions read has 0 <= i < that array's size where
+    each variable stays below its extent (interval bounds of the index: an index they cannot
+    prove in range is refused). Cached: a repeated call checks nothing."""
+    bounds = dict(extents)
+    for field in ("expression", "expression_grad"):
+        text = getattr(spec.score_mod, field)
+        if text is None:
+            continue
+        for load in expression.loads(expression.score(text, spec.score_mod.captured)):
+            lo, hi = expression.index_bounds(load, bounds)
+            size = sizes[expression.captured_names(len(sizes)).index(load.array)]
+            if lo < 0 or hi >= size:
+                at = ", ".join(f"{name} < {n}" for name, n in bounds.items())
+                raise ValueError(f"score_mod.{field}: {expression.source(load)} may read index {lo if lo < 0 else hi}"
+                                 f" of {load.array}, which has {size} elements, where {at}; index it within "
+                                 f"0 .. {size - 1} (clamp the index, or pass a larger array)")
 
 
 def _aux_array(x, name: str, dtype: str, device: int):

@@ -15,7 +15,7 @@ import difflib
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from fagen import expression, mask_kinds, side_inputs
 from fagen.element_types import ELEMENT_TYPES, INPUT_TYPES, KERNEL_TYPES, ElementType
@@ -329,6 +329,9 @@ class ScoreMod(_Frozen):
     softcap: float | None = None  # s -> softcap * tanh(s / softcap)
     alibi: Literal["none", "slopes", "geometric"] = "none"  # s -> s - slope_h * |q + offset - k|
     bias: Literal["none", "vector", "matrix"] = "none"  # s -> s + bias[b, h, (q,) k], float32
+    # float32 arrays (kernel inputs, a call's `captured`) the expression reads as captured0[i] ...:
+    # a traced score_mod's captured tensors, flattened
+    captured: int = 0
     expression: str | None = None  # s -> a CUDA float expression over score, b, h, q_idx, kv_idx
     # d expression / d score, over the same variables: the backward's chain rule through it
     expression_grad: str | None = None
@@ -342,17 +345,36 @@ class ScoreMod(_Frozen):
             raise ValueError(rule("score_mod.softcap", v, *refused, {"score_mod.softcap": side_inputs.SOFTCAP_EXAMPLE}))
         return v
 
+    @field_validator("captured")
+    @classmethod
+    def _captured(cls, v: int) -> int:
+        if not 0 <= v <= expression.MAX_CAPTURED:
+            raise ValueError(rule("score_mod.captured", v, f"counts the float32 arrays score_mod.expression reads "
+                                  f"(captured0[i] ...), 0 to {expression.MAX_CAPTURED}",
+                                  f"use at most {expression.MAX_CAPTURED}",
+                                  {"score_mod.captured": expression.MAX_CAPTURED}))
+        return v
+
     @field_validator("expression")
     @classmethod
-    def _expression(cls, v: str | None) -> str | None:
-        return v if v is None else _check_expression("score_mod.expression", v, expression.SCORE_VARIABLES,
+    def _expression(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if v is None else _check_expression("score_mod.expression", v,
+                                                     expression.score_variables(info.data.get("captured", 0)),
                                                      "score * 0.5f")
 
     @field_validator("expression_grad")
     @classmethod
-    def _expression_grad(cls, v: str | None) -> str | None:
-        return v if v is None else _check_expression("score_mod.expression_grad", v, expression.SCORE_VARIABLES,
-                                                     "0.5f")
+    def _expression_grad(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if v is None else _check_expression("score_mod.expression_grad", v,
+                                                     expression.score_variables(info.data.get("captured", 0)), "0.5f")
+
+    @model_validator(mode="after")
+    def _captured_needs_expression(self) -> ScoreMod:
+        if self.captured and self.expression is None:
+            raise ValueError(rule("score_mod.captured", self.captured, "counts arrays score_mod.expression reads, "
+                                  "which is not set", "set expression, or remove captured",
+                                  {"score_mod.captured": REMOVE}))
+        return self
 
     @model_validator(mode="after")
     def _grad_needs_expression(self) -> ScoreMod:

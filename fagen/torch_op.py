@@ -195,9 +195,10 @@ class _EagerKernelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side,
-                score_expression=None):
+                score_expression=None, captured=None):
         spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, v=v,
                                     score_expression=score_expression, **side)
+        side = {**side, "captured": captured}  # a traced score_mod's captured tensors (fagen.flex), no gradient
         out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -212,7 +213,7 @@ class _EagerKernelAttention(torch.autograd.Function):
         grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
                                                 block_mask=ctx.block_mask, **ctx.side)
         return (grads.dq, grads.dk, grads.dv, grads.dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None,
-                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 8)
+                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 9)
 
 
 def _records_grad(*tensors) -> bool:

@@ -29,6 +29,7 @@
 //   score_mod:
 //     alibi: none
 //     bias: none
+//     captured: 0
 //     sinks: false
 //   sequences:
 //     kv: padded

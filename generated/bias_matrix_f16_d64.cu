@@ -35,6 +35,7 @@
 //   score_mod:
 //     alibi: none
 //     bias: matrix
+//     captured: 0
 //     sinks: false
 //   sequences:
 //     kv: padded

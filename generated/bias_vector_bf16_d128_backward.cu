@@ -37,6 +37,7 @@
 //   score_mod:
 //     alibi: none
 //     bias: vector
+//     captured: 0
 //     sinks: false
 //   sequences:
 //     kv: padded

@@ -38,6 +38,7 @@
 //   score_mod:
 //     alibi: none
 //     bias: none
+//     captured: 0
 //     expression: score * 0.5f + 0.25f * (float)(h % 2)
 //     expression_grad: 0.5f
 //     sinks: false

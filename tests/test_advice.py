@@ -95,6 +95,8 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "required window": (SM80, {"mask": {"kind": "sliding_window"}}),
     "softcap range": (SM80, {"score_mod.softcap": 1e7}),
     "grad without expression": (SM80, {"score_mod.expression_grad": "1.0f"}),
+    "captured arrays": (SM80, {"score_mod": {"captured": 9, "expression": "score + captured0[q_idx]"}}),
+    "captured without expression": (SM80, {"score_mod.captured": 1}),
     "partial without lse": (SM80, {"outputs": {"lse": False, "partial": True}}),
     "accumulate without partial": (SM80, {"outputs.accumulate": True}),
     "merge_splits without partial": (SM80, {"outputs.merge_splits": True}),

@@ -21,15 +21,13 @@ def test_every_mod_is_benchmarked_at_both_head_dims_and_lengths():
     assert {c.mod for c in bench_flex.cases(quick=True)} < names
 
 
-def test_fagen_takes_every_mod_but_the_captured_table_and_the_masks_build():
+def test_fagen_takes_every_mod_and_the_masks_build():
     n, heads = 256, 4
     for name, (score_mod, mask_mod) in bench_flex.mods(n, heads, device="cpu").items():
         if score_mod is not None:
-            if name == "relative_bias_table":
-                with pytest.raises(flex.TraceError, match="captured tensor"):
-                    flex.trace_score_mod(score_mod)
-                continue
-            flex.trace_score_mod(score_mod)
+            traced = flex.trace_score_mod(score_mod)
+            assert len(traced.captured) == (name == "relative_bias_table"), name  # the table, a kernel input
+            flex.check_captured(traced, dict(b=4, h=heads, q_idx=n, kv_idx=n), score_mod)
         if mask_mod is not None:
             bm = flex.create_block_mask(mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=64)
             q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]

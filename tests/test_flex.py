@@ -22,7 +22,10 @@ CASES = {
                               lambda b, h, q, k: ((q - k) % 2 == 0) | (k < 8)),
     "per_head_mask_only": (None, lambda b, h, q, k: torch.where(h % 2 == 0, q >= k, (q // 32) == (k // 32))),
     "score_only": (lambda s, b, h, q, k: s * torch.sigmoid(s) + 0.1 * b, None),
+    # a captured table (a kernel input) by head and distance, as attention-gym's relative bias
+    "bias_table_causal": (lambda s, b, h, q, k: s + TABLE[h, q - k + N - 1], lambda b, h, q, k: q >= k),
 }
+TABLE = torch.randn(HQ, 2 * N - 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 
 
 def reference_attention(q, k, v, score_mod, mask_mod):
@@ -47,11 +50,14 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
 
     class Kernels:  # the eager kernels' autograd, as the oracle computes them from the traced fields
         @staticmethod
-        def apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side, expression):
-            calls.append(expression)
-            fields = None if expression is None else {"expression": expression[0], "expression_grad": expression[1]}
+        def apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side, expression,
+                  captured):
+            calls.append((expression, captured))
+            fields = None if expression is None else {"expression": expression[0], "expression_grad": expression[1],
+                                                      "captured": expression[2]}
             out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
-                                        score_mod=fields, return_lse=True)
+                                        score_mod=fields, return_lse=True,
+                                        captured=None if captured is None else [t.numpy() for t in captured])
             return torch.from_numpy(out), torch.from_numpy(lse)
 
     monkeypatch.setattr(torch_op, "_EagerKernelAttention", Kernels)
@@ -61,12 +67,14 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
     out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
     want = reference_attention(q, k, v, score_mod, mask_mod)
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
-    assert (calls[0] is None) == (score_mod is None)
+    (expression, captured), = calls
+    assert (expression is None) == (score_mod is None)
     if score_mod is not None:  # the backward's fields: the oracle's gradients against autograd's
-        fields = {"expression": calls[0][0], "expression_grad": calls[0][1]}
+        fields = {"expression": expression[0], "expression_grad": expression[1], "captured": expression[2]}
         dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
         got = oracle.attention_backward(*(x.numpy() for x in (q, k, v, dout)), block_mask=block_mask,
-                                        score_mod=fields)
+                                        score_mod=fields, captured=None if captured is None else
+                                        [t.numpy() for t in captured])
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         grads = torch.autograd.grad((reference_attention(*leaves, score_mod, mask_mod) * dout).sum(), leaves)
         for name, g in zip(("dq", "dk", "dv"), grads):
@@ -113,8 +121,14 @@ def test_flex_attention_refuses_what_flexattention_refuses_and_what_it_cannot_tr
     with pytest.raises(ValueError, match="enable_gqa=True"):
         flex.flex_attention(q, k, k)
     table = torch.zeros(4, 16)
-    with pytest.raises(flex.TraceError, match=r"score_mod .*line \d+.*captured tensor"):
+    # PyTorch would wrap a negative index (or raise past the end): fagen proves each in range
+    with pytest.raises(flex.TraceError, match=r"dimension 1 \(size 16\) is indexed by q_idx - kv_idx, which may be -7"):
         flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki], enable_gqa=True)
+    with pytest.raises(flex.TraceError, match=r"dimension 0 \(size 4\) is indexed by h \+ 4, which may be 7"):
+        flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + table[h + 4, qi - ki + 7], enable_gqa=True)
+    trained = torch.zeros(4, 16, requires_grad=True)
+    with pytest.raises(flex.TraceError, match=r"line \d+.*requires grad.*x.detach\(\)"):
+        flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + trained[h, qi - ki + 7], enable_gqa=True)
 
 
 def test_a_traced_score_mod_derives_the_spec_fagen_runs(monkeypatch):
@@ -126,7 +140,7 @@ def test_a_traced_score_mod_derives_the_spec_fagen_runs(monkeypatch):
     monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
     traced = flex.trace_score_mod(CASES["softcap_causal"][0])
     spec = dispatch.derive_spec_for("float16", 128, block_mask=object(),
-                                    score_expression=(traced.expression, traced.expression_grad))
+                                    score_expression=(traced.expression, traced.expression_grad, 0))
     assert spec.mask.kind == "block_mask"
     assert (spec.score_mod.expression, spec.score_mod.expression_grad) == (traced.expression, traced.expression_grad)
     trained = variants.trainable(spec)
@@ -195,7 +209,7 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     out = flex.flex_attention(q, k, v, score_mod=CASES["softcap_causal"][0], block_mask=bm, scale=0.25)
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     traced = flex.trace_score_mod(CASES["softcap_causal"][0])
-    assert seen["derive"]["score_expression"] == (traced.expression, traced.expression_grad)
+    assert seen["derive"]["score_expression"] == (traced.expression, traced.expression_grad, 0)
     assert seen["derive"]["block_mask"] is bm and seen["backward"] == ("trainable", "spec")
     assert seen["backward_kwargs"]["block_mask"] is bm and seen["backward_kwargs"]["scale"] == 0.25
     assert torch.equal(dq, torch.full_like(q, 2.0)) and torch.equal(dk, torch.ones_like(k)) and (dv == 3).all()

@@ -44,3 +44,30 @@ def test_flex_attention_matches_pytorch_with_the_same_functions(name, dtype, d):
     want_grads = torch.autograd.grad(want, leaves, dout.double())
     for name_, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):
         assert relative_error(to_numpy(got), to_numpy(ref)) < GRAD_TOLERANCE[dtype], name_
+
+
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
+def test_flex_attention_reads_a_captured_bias_table(dtype, d):
+    """attention-gym's relative position bias from a table [H, 2N - 1] (a kernel input, read as
+    float32), causal: output and q, k, v gradients against PyTorch's with the same function; a
+    table that may be indexed past its end is refused before a launch."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    b, hq, hkv, n = 2, 8, 2, 777
+    table = torch.randn(hq, 2 * n - 1, device="cuda", generator=gen)
+    score_mod = lambda s, b_, h, q, k: s + table[h, q - k + n - 1]  # noqa: E731
+    mask_mod = lambda b_, h, q, k: q >= k  # noqa: E731
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen, requires_grad=True)
+               for h in (hq, hkv, hkv))
+    block_mask = flex.create_block_mask(mask_mod, None, None, n, n)
+    out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = reference_attention(*leaves, score_mod, mask_mod)
+    assert relative_error(to_numpy(out), to_numpy(want)) < OUT_TOLERANCE[dtype]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, leaves, dout.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert relative_error(to_numpy(got), to_numpy(ref)) < GRAD_TOLERANCE[dtype], name
+    longer = torch.randn(b, hq, n + 1, d, device="cuda", dtype=getattr(torch, dtype))
+    with pytest.raises(flex.TraceError, match="which may be"):
+        flex.flex_attention(longer, longer, longer, score_mod=score_mod)

@@ -112,14 +112,14 @@ def _branches(b, h, q, k):
     return False
 
 
-def _indexes_a_table(score, b, h, q, k):
-    table = torch.zeros(HEADS, 64)
+def _indexes_a_trained_table(score, b, h, q, k):
+    table = torch.zeros(HEADS, 64, requires_grad=True)
     return score + table[h, q - k]
 
 
 @pytest.mark.parametrize("function, kind, says", [
     (_branches, "mask", r"line \d+: if q > k:.*Python branch.*torch.where"),
-    (_indexes_a_table, "score", r"line \d+: return score \+ table\[h, q - k\].*captured tensor"),
+    (_indexes_a_trained_table, "score", r"line \d+: return score \+ table\[h, q - k\].*requires grad"),
     (lambda s, b, h, q, k: torch.where(q >= k, s, -float("inf")), "score", "mask keys with a mask_mod"),
     (lambda s, b, h, q, k: torch.sin(s), "score", "torch.sin is not among"),
     (lambda s, b, h, q, k: q >= k, "score", "returns a bool"),
