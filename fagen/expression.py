@@ -873,6 +873,11 @@ def loads(node: Node) -> list[Load]:
     return [found for part in parts for found in loads(part)]
 
 
+def constant(node: Node) -> int | float | bool | None:
+    """node's value where it is a constant (as the kernel computes it), else None."""
+    return _fold(node)
+
+
 def int_bounds(node: Node, extents: dict[str, int]) -> tuple[int, int]:
     """Bounds on an int node's value while each variable v stays in 0 .. extents[v] - 1 (interval
     arithmetic: sound, not always tight)."""

@@ -399,8 +399,15 @@ class ScoreMod(_Frozen):
     @property
     def nonlinear(self) -> bool:
         """The score's derivative varies per element (softcap, an expression): the backward keeps
-        it per S register; the linear modifiers' derivative is the scale alone."""
-        return self.softcap is not None or self.expression is not None
+        it per S register; the linear modifiers' derivative is the scale alone, and so is an
+        expression's whose derivative is the constant 1 (a score plus a bias of positions or a
+        table's: traced ALiBi, a relative bias)."""
+        return self.softcap is not None or (self.expression is not None and not self._unit_slope)
+
+    @property
+    def _unit_slope(self) -> bool:
+        return self.expression_grad is not None and \
+            expression.constant(expression.score(self.expression_grad, self.captured)) == 1
 
 
 class Outputs(_Frozen):

@@ -90,6 +90,19 @@ def test_division_by_a_constant_is_a_product_with_its_float32_reciprocal(divisor
     assert "/ (float)(q_idx - kv_idx + 1)" in by_tensor.expression  # not a constant: IEEE division
 
 
+@pytest.mark.parametrize("name, per_element", [("alibi", False), ("relative_position", False), ("softcap", True)])
+def test_a_score_mod_with_unit_slope_trains_as_a_linear_modifier(name, per_element):
+    """d score_mod / d score = 1 (a bias of positions: ALiBi, a relative bias) leaves dS as the
+    plain softmax's: the backward keeps no derivative per S register (ScoreMod.nonlinear)."""
+    traced = flex.trace_score_mod(SCORE_MODS[name])
+    base = load_spec(SPECS / "custom_expressions_f16_d64.yaml").model_dump()
+    spec = parse_spec({**base, "name": "traced_f16_d64", "mask": {"kind": "none"},
+                       "score_mod": {**base["score_mod"], "softcap": None, "expression": traced.expression,
+                                     "expression_grad": traced.expression_grad}})
+    assert spec.score_mod.nonlinear == per_element
+    assert ("dsdx" in render_backward(spec)) == per_element
+
+
 def test_traced_mods_make_specs_that_render_forward_and_backward():
     """A traced score_mod and mask_mod are a spec's expression fields: the spec validates and its
     forward and backward render, the expressions pasted as the kernel's text."""
