@@ -148,7 +148,9 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         warps, frags = bwd.dq_warps, bwd.dq_block_q // bwd.dq_warps // MMA_M
         acc, s = frags * (d // MMA_N) * per_fragment, frags * (bwd.dq_block_kv // MMA_N) * per_fragment
     kind = "document_causal" if mask.kind == "document" and mask.causal else mask.kind
-    terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * mod.nonlinear,
+    # a captured array's element an S register, as a nonlinear modifier's derivative (ptxas: d64's
+    # dK/dV kernel with a relative bias table spilled 52 bytes priced as a linear one)
+    terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * (mod.nonlinear or mod.captured > 0),
              "chunk_copy": float(32 * warps % (d // CHUNK_ELEMS) != 0), "stages1": float(bwd.stages == 1),
              "bias": float(mod.bias != "none"), "alibi": float(mod.alibi != "none")}
     if kernel == "dkdv" and bwd.bias_grad:

@@ -585,7 +585,8 @@ def source(node: Node) -> str:
 
 def cuda(node: Node) -> str:
     """The C++ text the kernel pastes: `source`, except where C and the NumPy evaluator would
-    part. An int + - * (or negation) that may overflow int32 is computed in unsigned and
+    part, and an array's index clamped into 0 .. <array>_size - 1 (elements past a tile's end
+    reach it, to be masked after). An int + - * (or negation) that may overflow int32 is computed in unsigned and
     converted back, which wraps as the evaluator does (the same IADD/IMAD instruction; signed
     overflow would be undefined, and nvcc may assume it away). Float + - * on a path to a
     comparison, a cast to int or bool, a condition or `!` (all of a mask expression) are
@@ -608,7 +609,10 @@ def _print(node: Node, kernel: bool, exact: bool) -> tuple[str, int]:
     if isinstance(node, Name):
         return node.name, PRIMARY_PRECEDENCE
     if isinstance(node, Load):
-        return f"{node.array}[{_print(node.index, kernel, exact)[0]}]", PRIMARY_PRECEDENCE
+        index = _print(node.index, kernel, exact)[0]
+        if kernel:  # rows and keys past a tile's end reach the expression too (masked after): never past the array
+            index = f"min(max({index}, 0), {node.array}_size - 1)"
+        return f"{node.array}[{index}]", PRIMARY_PRECEDENCE
     if isinstance(node, Call):
         return f"{node.function}({', '.join(operand(arg, 0) for arg in node.args)})", PRIMARY_PRECEDENCE
     if isinstance(node, Cast):

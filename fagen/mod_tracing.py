@@ -274,6 +274,9 @@ def _load(tensor, index) -> Traced:
     flat, stride = None, 1
     for dim in reversed(range(tensor.dim())):
         size, i = int(tensor.shape[dim]), _lift(indices[dim])
+        if i.node.type == BOOL:
+            raise TraceError(f"a bool index into a captured tensor (dimension {dim}): PyTorch selects by it as a "
+                             f"mask; index with an int (x.long())")
         if i.node.type == FLOAT:
             raise TraceError(f"a float index into a captured tensor (dimension {dim}): index with ints, e.g. "
                              f"x.long() or torch.floor(x).long()")
@@ -624,9 +627,12 @@ def _cached(trace, function):
         return trace(function)
     key = (trace, *key)
     if key not in _TRACED:
+        traced = trace(function)
+        if getattr(traced, "captured", ()):  # tensors, reached through a module's attribute: read afresh a call
+            return traced
         if len(_TRACED) >= TRACED_LIMIT:
             _TRACED.clear()
-        _TRACED[key] = trace(function)
+        _TRACED[key] = traced
     return _TRACED[key]
 
 
@@ -671,12 +677,13 @@ def _value_key(value, depth: int) -> tuple | None:
 def _trace_score_mod(score_mod) -> TracedScoreMod:
     args = [Traced(Name("score", FLOAT), ONE)] + [Traced(Name(v, INT), nonnegative=True) for v in ("b", "h", "q_idx",
                                                                                                    "kv_idx")]
+    outer = getattr(_CAPTURING, "tensors", None), getattr(_CAPTURING, "reads", None)  # a trace inside a trace
     _CAPTURING.tensors, _CAPTURING.reads = [], []
     try:
         result = _lift(_call(score_mod, args, "score_mod"))
         captured, reads = tuple(_CAPTURING.tensors), tuple(_CAPTURING.reads)
     finally:
-        _CAPTURING.tensors = _CAPTURING.reads = None
+        _CAPTURING.tensors, _CAPTURING.reads = outer
     variables = expression.score_variables(len(captured))
     if result.node.type == BOOL:
         raise TraceError(f"score_mod {_name(score_mod)} returns a bool: a mask is a mask_mod's, a score_mod returns "

@@ -384,7 +384,8 @@ def score_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
         params += ((FLOAT_PTR, "alibi_slopes"),)
     if mod.bias != "none":
         params += ((FLOAT_PTR, "bias"), ("long long", "bias_sb"), ("long long", "bias_sh"), ("long long", "bias_sq"))
-    params += tuple((FLOAT_PTR, name) for name in expression.captured_names(mod.captured))
+    for name in expression.captured_names(mod.captured):
+        params += ((FLOAT_PTR, name), ("int", f"{name}_size"))
     return params
 
 

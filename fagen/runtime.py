@@ -14,7 +14,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from functools import cache, cached_property, partial
+from functools import cache, cached_property, lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -776,9 +776,10 @@ class Kernel:
             held.append(cupy.ascontiguousarray(sinks))
             args.update(sinks=_ptr(held[-1]))
         if wants["captured"]:
-            arrays = captured_arrays(spec, given["captured"], dict(b=b, h=hq, q_idx=nq, kv_idx=nk), tq.device)
+            arrays = captured_arrays(spec, given.get("captured"), dict(b=b, h=hq, q_idx=nq, kv_idx=nk), tq.device)
             held += arrays
-            args.update({name: _ptr(a) for name, a in zip(expression.captured_names(len(arrays)), arrays)})
+            for name, a in zip(expression.captured_names(len(arrays)), arrays):
+                args.update({name: _ptr(a), f"{name}_size": np.int32(a.size)})
         return args, held
 
 
@@ -835,15 +836,17 @@ def captured_arrays(spec: AttentionSpec, captured, extents: dict[str, int], devi
     an array."""
     count = spec.score_mod.captured
     if not isinstance(captured, (list, tuple)) or len(captured) != count:
-        raise ValueError(f"captured: {type(captured).__name__} of {len(captured) if isinstance(captured, (list, tuple)) else '?'}"
-                         f" arrays; kernel {spec.name} reads {count} (score_mod.captured): pass a list of {count}")
+        given = "none" if captured is None else f"a {type(captured).__name__}" + (
+            f" of {len(captured)}" if isinstance(captured, (list, tuple)) else "")
+        raise ValueError(f"captured: {given}; kernel {spec.name} reads {count} arrays (score_mod.captured): pass a "
+                         f"list of {count}")
     arrays = [cupy.ascontiguousarray(_aux_array(x, f"captured[{i}]", "float32", device)).ravel()
               for i, x in enumerate(captured)]
     check_captured_indices(spec, tuple(a.size for a in arrays), tuple(sorted(extents.items())))
     return arrays
 
 
-@cache
+@lru_cache(maxsize=256)
 def check_captured_indices(spec: AttentionSpec, sizes: tuple[int, ...], extents: tuple[tuple[str, int], ...]) -> None:
     """Every captured0[i] ... the spec's expressions read has 0 <= i < that array's size where
     each variable stays below its extent (interval bounds of the index: an index they cannot

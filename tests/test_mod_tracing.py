@@ -236,3 +236,26 @@ def test_constants_at_the_edges_of_their_types():
         flex.trace_score_mod(lambda s, b, h, q, k: s + 1e39)
     with pytest.raises(flex.TraceError, match="a traced exponent"):
         flex.trace_score_mod(lambda s, b, h, q, k: 2 ** s)
+
+
+def test_a_captured_array_is_read_clamped_in_the_kernel():
+    """Rows and keys past a tile's end reach the expression (masked after): the kernel's text
+    clamps every index into the array, the language's text (and the oracle) reads it as written."""
+    tree = expression.score("score + captured0[q_idx - kv_idx + 3]", 1)
+    assert expression.source(tree) == "score + captured0[q_idx - kv_idx + 3]"
+    assert "captured0[min(max(q_idx - kv_idx + 3, 0), captured0_size - 1)]" in expression.cuda(tree)
+
+
+def test_a_trace_that_captures_tensors_is_not_kept():
+    """A table reached through a module's attribute may be replaced between calls: each call
+    traces afresh and reads the table it finds."""
+    import types
+
+    tables = types.ModuleType("tables")
+    tables.T = torch.zeros(4, 8)
+    score_mod = lambda s, b, h, q, k: s + tables.T[h, k]  # noqa: E731
+    first = flex.trace_score_mod(score_mod)
+    tables.T = torch.ones(4, 16)
+    second = flex.trace_score_mod(score_mod)
+    assert first.captured[0] is not second.captured[0] and second.captured[0].shape == (4, 16)
+    assert "h * 16" in second.expression
