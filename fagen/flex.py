@@ -12,9 +12,11 @@ fagen for the common cases.
   _EagerKernelAttention, as for fagen.attention's block masks).
 
 A score_mod may read captured float tensors (a bias table indexed by head and distance): kernel
-inputs, each index proven within its dimension at the call's lengths. Not yet: a captured
-tensor's gradient (one that requires grad is refused), a gradient through the LSE, and
-torch.compile of a model calling it (the eager kernels break the graph). A score_mod's ints are
+inputs, each index proven within its dimension at the call's lengths. Under torch.compile the
+call is the ops fagen::flex_forward and fagen::flex_backward (torch_op), the score_mod traced
+and the block mask registered once while the model is traced (_compiled_call), so a model
+compiles with fullgraph=True. Not yet: a captured tensor's gradient (one that requires grad is
+refused) and a gradient through the LSE. A score_mod's ints are
 int32 in the kernel (int64 in PyTorch): one whose int arithmetic may pass 2^31 at the call's
 lengths is refused, naming the term.
 """
@@ -112,6 +114,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for "
                          f"grouped-query attention (as FlexAttention asks)")
+    if torch.compiler.is_compiling():  # the ops, whose call the trace registers once
+        out, lse = torch.ops.fagen.flex_forward(query, key, value, _compiled_call(score_mod, block_mask), scale)
+        return (out, lse) if return_lse else out
     if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
         block_mask = _from_flex_block_mask(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
@@ -128,6 +133,37 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     return (out, lse) if return_lse else out
 
 
+_COMPILED_CALLS: dict[tuple[int, int], int] = {}  # (id(score_mod), id(block_mask)) -> index in torch_op.FLEX_CALLS
+
+
+@torch.compiler.assume_constant_result
+def _compiled_call(score_mod, block_mask) -> int:
+    """The index of this (score_mod, block_mask) in torch_op.FLEX_CALLS, traced and registered on
+    first sight: torch.compile runs this while it traces a model (its result a constant of the
+    graph), so that what an op cannot carry reaches the ops as an int. The captured tensors are
+    read where they live at each call (a CUDA graph replays their current values): float32,
+    contiguous, on a GPU, or refused here. Kept for the process, as the graph that holds it."""
+    key = (id(score_mod), id(block_mask))
+    if key not in _COMPILED_CALLS:
+        traced = None if score_mod is None else trace_score_mod(score_mod)
+        for i, t in enumerate(() if traced is None else traced.captured):
+            _check_read_in_place(t, i, score_mod)
+        mask = block_mask if block_mask is None or isinstance(block_mask, masks.BlockMask) else \
+            _from_flex_block_mask(block_mask)
+        torch_op.FLEX_CALLS.append((traced, mask))
+        _COMPILED_CALLS[key] = len(torch_op.FLEX_CALLS) - 1
+        _KEPT.append((score_mod, block_mask))  # their ids stay theirs while the index is used
+    return _COMPILED_CALLS[key]
+
+
+def _check_read_in_place(t, i: int, score_mod) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cuda:
+        raise TraceError(f"score_mod {getattr(score_mod, '__qualname__', score_mod)}: captured tensor {i} is {t.dtype}, "
+                         f"{'' if t.is_contiguous() else 'non-'}contiguous, on {t.device}; under torch.compile the "
+                         f"kernels read it in place: keep it float32, contiguous, on the GPU")
+
+
+_KEPT: list = []
 _FROM_FLEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FlexAttention's BlockMask -> fagen's
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, decode, dispatch, runtime, variants
+from fagen import backward, decode, dispatch, mod_tracing, runtime, variants
 from fagen.spec import Mask
 
 
@@ -175,6 +175,87 @@ def _backward(ctx, dout, _dlse):
 
 
 torch.library.register_autograd("fagen::attention_forward", _backward, setup_context=_save_for_backward)
+
+
+# ---- fagen.flex under torch.compile -------------------------------------------------------
+# What an op cannot carry, a block mask and a traced score_mod, is registered once for each
+# (score_mod, block_mask) pair torch.compile traces (fagen.flex.flex_attention), and the ops take
+# its index. Kept for the process: a compiled graph holds the index.
+FLEX_CALLS: list[tuple] = []  # index -> (fagen.mod_tracing.TracedScoreMod or None, fagen.masks.BlockMask or None)
+
+
+def flex_kernels_forward(q, k, v, traced, block_mask, scale):
+    """out, lse of fagen.flex's kernels for a traced score_mod (None: none) and a block mask,
+    its indices checked at these lengths first."""
+    extents = dict(b=q.shape[0], h=q.shape[1], q_idx=q.shape[2], kv_idx=k.shape[2])
+    if traced is not None:
+        mod_tracing.check_int32(traced, extents)
+        mod_tracing.check_captured(traced, extents)
+    spec = dispatch.derive_spec(q, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
+    return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask,
+                                        captured=_flex_captured(traced, q))
+
+
+def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale):
+    """dq, dk, dv of fagen.flex's kernels (flex_kernels_forward's)."""
+    spec = dispatch.derive_spec(q, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
+    grads = backward.compile_backward(variants.trainable(spec, _deterministic(False)))(
+        dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=block_mask, captured=_flex_captured(traced, q))
+    return grads.dq, grads.dk, grads.dv
+
+
+def _flex_fields(traced) -> tuple[str, str, int] | None:
+    return None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured))
+
+
+def _flex_captured(traced, q) -> list | None:
+    """A traced score_mod's captured tensors as the kernels read them: float32, contiguous, on q's
+    device (the tensors themselves where they are: a CUDA graph reads their current values)."""
+    if traced is None or not traced.captured:
+        return None
+    return [t.detach().to(q.device, torch.float32).contiguous() for t in traced.captured]
+
+
+@_op
+def flex_forward(q: Tensor, k: Tensor, v: Tensor, call: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """(out, lse) of fagen.flex.flex_attention's registered call `call` (FLEX_CALLS)."""
+    traced, block_mask = FLEX_CALLS[call]
+    return flex_kernels_forward(q, k, v, traced, block_mask, scale)
+
+
+@torch.library.register_fake("fagen::flex_forward")
+def _(q, k, v, call, scale):
+    b, hq, nq, _ = q.shape
+    return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+@_op
+def flex_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, call: int,
+                  scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of sum(out * dout) for flex_forward's call."""
+    traced, block_mask = FLEX_CALLS[call]
+    return flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale)
+
+
+@torch.library.register_fake("fagen::flex_backward")
+def _(dout, q, k, v, out, lse, call, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flex_save(ctx, inputs, output):
+    q, k, v, call, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.call, ctx.scale = call, scale
+
+
+def _flex_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, ctx.call, ctx.scale), None, None)
+
+
+torch.library.register_autograd("fagen::flex_forward", _flex_backward, setup_context=_flex_save)
 
 
 class _EagerAttention(torch.autograd.Function):

@@ -225,3 +225,58 @@ def test_int_arithmetic_that_would_wrap_in_the_kernel_s_int32_is_refused_at_the_
     with pytest.raises(flex.TraceError, match=r"\(q_idx - kv_idx\) \* \(q_idx - kv_idx\) \* \(q_idx - kv_idx\) in "
                                               r"score_mod.expression may pass int32 where b < 1, h < 2, q_idx < 4000"):
         flex.flex_attention(long, long, long, score_mod=cubic)
+
+
+def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
+    """torch.compile(fullgraph=True) of a model calling fagen.flex.flex_attention: the call is
+    fagen::flex_forward (and its backward fagen::flex_backward), the score_mod traced and the block
+    mask registered once while the model is traced. The kernels are the oracle here (no GPU)."""
+    import torch._dynamo
+
+    def kernels_forward(q, k, v, traced, block_mask, scale):
+        fields = {"expression": traced.expression, "expression_grad": traced.expression_grad,
+                  "captured": len(traced.captured)}
+        out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
+                                    score_mod=fields, return_lse=True, captured=[t.numpy() for t in traced.captured])
+        return torch.from_numpy(out), torch.from_numpy(lse)
+
+    def kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale):
+        fields = {"expression": traced.expression, "expression_grad": traced.expression_grad,
+                  "captured": len(traced.captured)}
+        got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), block_mask=block_mask,
+                                        score_mod=fields, captured=[t.numpy() for t in traced.captured])
+        return tuple(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv"))
+
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", kernels_forward)
+    monkeypatch.setattr(torch_op, "flex_kernels_backward", kernels_backward)
+    score_mod, mask_mod = CASES["bias_table_causal"]
+    block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
+    table = TABLE.float()
+    score_mod = lambda s, b, h, q, k: s + table[h, q - k + N - 1]  # noqa: E731
+    monkeypatch.setattr(flex, "_check_read_in_place", lambda *args: None)  # a CPU table, here
+
+    def layer(q, k, v):
+        return flex.flex_attention(q * 2, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True) + 1
+
+    graphs = []
+
+    def backend(graph, inputs):
+        graphs.append(str(graph.graph))
+        return graph.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+    calls = len(torch_op.FLEX_CALLS)
+    got = compiled(q, k, v)
+    compiled(q, k, v)
+    assert len(torch_op.FLEX_CALLS) == calls + 1  # registered once, while traced
+    assert len(graphs) == 1 and "fagen.flex_forward" in graphs[0]
+    want = reference_attention(q * 2, k, v, score_mod, mask_mod) + 1
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), name
