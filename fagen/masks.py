@@ -165,6 +165,21 @@ class BlockMask:
                             dense[b, h, rows, cols] = unpack_bits(self.partial_masks[self.partial_index[b, h, r, i]], kb)
         return dense[:, :, : self.n_q, : self.n_kv]
 
+    def plain_kind(self) -> str | None:
+        """"causal" or "none" where this mask is exactly that kind's pattern (square, every block
+        the same in each batch row and head: below the diagonal FULL, on it CAUSAL at offset 0,
+        above it MASKED; or every block FULL), which fagen's own causal or unmasked kernels run
+        without reading a list; else None."""
+        if self.n_q != self.n_kv or self.q_block != self.kv_block or self.causal_offset != 0:
+            return None
+        types = self.block_type_grid()
+        n = types.shape[-1]
+        r, c = np.arange(n)[:, None], np.arange(n)[None, :]
+        causal = np.where(c < r, FULL, np.where(c == r, CAUSAL, MASKED))
+        if (types == causal).all():
+            return "causal"
+        return "none" if (types == FULL).all() else None
+
     def sparsity(self) -> float:
         """Fraction of (q, k) pairs masked out."""
         return 1.0 - float(self.to_dense().mean())

@@ -181,24 +181,24 @@ torch.library.register_autograd("fagen::attention_forward", _backward, setup_con
 # What an op cannot carry, a block mask and a traced score_mod, is registered once for each
 # (score_mod, block_mask) pair torch.compile traces (fagen.flex.flex_attention), and the ops take
 # its index. Kept for the process: a compiled graph holds the index.
-FLEX_CALLS: list[tuple] = []  # index -> (fagen.mod_tracing.TracedScoreMod or None, fagen.masks.BlockMask or None)
+FLEX_CALLS: list[tuple] = []  # index -> (TracedScoreMod or None, fagen.masks.BlockMask or None, causal)
 
 
-def flex_kernels_forward(q, k, v, traced, block_mask, scale):
-    """out, lse of fagen.flex's kernels for a traced score_mod (None: none) and a block mask,
-    its indices checked at these lengths first."""
+def flex_kernels_forward(q, k, v, traced, block_mask, causal, scale):
+    """out, lse of fagen.flex's kernels for a traced score_mod (None: none) and a block mask (or
+    causal), its indices checked at these lengths first."""
     extents = dict(b=q.shape[0], h=q.shape[1], q_idx=q.shape[2], kv_idx=k.shape[2])
     if traced is not None:
         mod_tracing.check_int32(traced, extents)
         mod_tracing.check_captured(traced, extents)
-    spec = dispatch.derive_spec(q, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
+    spec = dispatch.derive_spec(q, causal=causal, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask,
                                         captured=_flex_captured(traced, q))
 
 
-def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale):
+def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale):
     """dq, dk, dv of fagen.flex's kernels (flex_kernels_forward's)."""
-    spec = dispatch.derive_spec(q, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
+    spec = dispatch.derive_spec(q, causal=causal, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
     grads = backward.compile_backward(variants.trainable(spec, _deterministic(False)))(
         dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=block_mask, captured=_flex_captured(traced, q))
     return grads.dq, grads.dk, grads.dv
@@ -219,8 +219,7 @@ def _flex_captured(traced, q) -> list | None:
 @_op
 def flex_forward(q: Tensor, k: Tensor, v: Tensor, call: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
     """(out, lse) of fagen.flex.flex_attention's registered call `call` (FLEX_CALLS)."""
-    traced, block_mask = FLEX_CALLS[call]
-    return flex_kernels_forward(q, k, v, traced, block_mask, scale)
+    return flex_kernels_forward(q, k, v, *FLEX_CALLS[call], scale)
 
 
 @torch.library.register_fake("fagen::flex_forward")
@@ -233,8 +232,7 @@ def _(q, k, v, call, scale):
 def flex_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, call: int,
                   scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of sum(out * dout) for flex_forward's call."""
-    traced, block_mask = FLEX_CALLS[call]
-    return flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale)
+    return flex_kernels_backward(dout, q, k, v, out, lse, *FLEX_CALLS[call], scale)
 
 
 @torch.library.register_fake("fagen::flex_backward")

@@ -46,7 +46,7 @@ def reference_attention(q, k, v, score_mod, mask_mod):
 @pytest.mark.parametrize("case", list(CASES))
 def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, monkeypatch):
     score_mod, mask_mod = CASES[case]
-    calls = []
+    calls, seen = [], {}
 
     class Kernels:  # the eager kernels' autograd, as the oracle computes them from the traced fields
         @staticmethod
@@ -55,8 +55,9 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
             calls.append((expression, captured))
             fields = None if expression is None else {"expression": expression[0], "expression_grad": expression[1],
                                                       "captured": expression[2]}
+            seen.update(block_mask=block_mask, causal=causal)
             out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
-                                        score_mod=fields, return_lse=True,
+                                        causal=causal, score_mod=fields, return_lse=True,
                                         captured=None if captured is None else [t.numpy() for t in captured])
             return torch.from_numpy(out), torch.from_numpy(lse)
 
@@ -69,11 +70,13 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
     (expression, captured), = calls
     assert (expression is None) == (score_mod is None)
+    causal = case in ("softcap_causal", "bias_table_causal")  # a causal mask_mod's blocks: the causal kernels
+    assert seen["causal"] == causal and (seen["block_mask"] is None) == (causal or mask_mod is None)
     if score_mod is not None:  # the backward's fields: the oracle's gradients against autograd's
         fields = {"expression": expression[0], "expression_grad": expression[1], "captured": expression[2]}
         dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
-        got = oracle.attention_backward(*(x.numpy() for x in (q, k, v, dout)), block_mask=block_mask,
-                                        score_mod=fields, captured=None if captured is None else
+        got = oracle.attention_backward(*(x.numpy() for x in (q, k, v, dout)), block_mask=seen["block_mask"],
+                                        causal=seen["causal"], score_mod=fields, captured=None if captured is None else
                                         [t.numpy() for t in captured])
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         grads = torch.autograd.grad((reference_attention(*leaves, score_mod, mask_mod) * dout).sum(), leaves)
@@ -205,7 +208,7 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
     monkeypatch.setattr(variants, "trainable", lambda spec, deterministic, bias_grad: ("trainable", spec))
     q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
-    bm = flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    bm = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) | (ki < 2), None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
     out = flex.flex_attention(q, k, v, score_mod=CASES["softcap_causal"][0], block_mask=bm, scale=0.25)
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     traced = flex.trace_score_mod(CASES["softcap_causal"][0])
@@ -233,18 +236,19 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
     mask registered once while the model is traced. The kernels are the oracle here (no GPU)."""
     import torch._dynamo
 
-    def kernels_forward(q, k, v, traced, block_mask, scale):
+    def kernels_forward(q, k, v, traced, block_mask, causal, scale):
         fields = {"expression": traced.expression, "expression_grad": traced.expression_grad,
                   "captured": len(traced.captured)}
         out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
-                                    score_mod=fields, return_lse=True, captured=[t.numpy() for t in traced.captured])
+                                    causal=causal, score_mod=fields, return_lse=True,
+                                    captured=[t.numpy() for t in traced.captured])
         return torch.from_numpy(out), torch.from_numpy(lse)
 
-    def kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale):
+    def kernels_backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale):
         fields = {"expression": traced.expression, "expression_grad": traced.expression_grad,
                   "captured": len(traced.captured)}
         got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), block_mask=block_mask,
-                                        score_mod=fields, captured=[t.numpy() for t in traced.captured])
+                                        causal=causal, score_mod=fields, captured=[t.numpy() for t in traced.captured])
         return tuple(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv"))
 
     monkeypatch.setattr(torch_op, "flex_kernels_forward", kernels_forward)

@@ -552,3 +552,21 @@ def test_static_document_needs_doc_ids():
 def test_static_block_mask_kind_is_all_true():
     pred = mask_kinds.predicate(Mask(kind="block_mask"), 9, 13)
     assert masks.dense_from_predicate(pred, 1, 1, 9, 13).all()
+
+
+@pytest.mark.parametrize("build, kind", [
+    (lambda: masks.causal(1000), "causal"),
+    (lambda: masks.from_predicate(lambda b, h, q, k: q >= k, 2, 3, 300, 300, 64, 64), "causal"),
+    (lambda: masks.from_predicate(lambda b, h, q, k: q >= 0, 1, 1, 300, 300, 64, 64), "none"),
+    (lambda: masks.causal(1000, q_block=64, kv_block=128), None),  # diagonal blocks not square: partial
+    (lambda: masks.causal(300, 400), None),  # not square
+    (lambda: masks.sliding_window(1000, 100), None),
+    (lambda: masks.from_predicate(lambda b, h, q, k: (q >= k) | (h == 1), 1, 2, 300, 300, 64, 64), None),
+])
+def test_plain_kind_names_a_mask_that_is_exactly_causal_or_none(build, kind):
+    """fagen.flex runs such a block mask as fagen's own causal or unmasked kernels."""
+    mask = build()
+    assert mask.plain_kind() == kind
+    if kind == "causal":
+        n = mask.n_q
+        assert (mask.to_dense() == (np.arange(n)[:, None] >= np.arange(n)[None, :])).all()
