@@ -170,6 +170,11 @@ class BlockMask:
         the same in each batch row and head: below the diagonal FULL, on it CAUSAL at offset 0,
         above it MASKED; or every block FULL), which fagen's own causal or unmasked kernels run
         without reading a list; else None."""
+        if "plain_kind" not in self._cache:  # once a mask: a call reads it
+            self._cache["plain_kind"] = self._plain_kind()
+        return self._cache["plain_kind"]
+
+    def _plain_kind(self) -> str | None:
         if self.n_q != self.n_kv or self.q_block != self.kv_block or self.causal_offset != 0:
             return None
         types = self.block_type_grid()

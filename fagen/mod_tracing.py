@@ -31,6 +31,7 @@ import struct
 import threading
 import types
 from dataclasses import dataclass
+from functools import lru_cache
 
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
@@ -628,20 +629,33 @@ def _cached(trace, function):
     key = (trace, *key)
     if key not in _TRACED:
         traced = trace(function)
-        if getattr(traced, "captured", ()):  # tensors, reached through a module's attribute: read afresh a call
+        # kept where the tensors it names are exactly the kernel inputs it captured (read each call);
+        # a 0-d tensor baked in as a constant, or one reached through an attribute that may be
+        # rebound, is read afresh a call
+        if {id(t) for t in _tensors_in(key)} != {id(t) for t in getattr(traced, "captured", ())}:
             return traced
         if len(_TRACED) >= TRACED_LIMIT:
             _TRACED.clear()
-        _TRACED[key] = traced
+        _TRACED[key] = traced  # (holding its tensors, whose ids then stay theirs)
     return _TRACED[key]
+
+
+def _tensors_in(key) -> list:
+    """The tensors a cache key holds (_value_key's), nested keys included."""
+    if isinstance(key, tuple):
+        if len(key) == 3 and key[0] == "tensor":
+            return [key[2]]
+        return [t for part in key for t in _tensors_in(part)]
+    return []
 
 
 def _cache_key(function, depth: int = 0) -> tuple | None:
     """What a trace of `function` read, where all of it can be told by value: its code, and the
     values of its closure, defaults and the globals its code (and code nested in it) names, each
-    a number, a string, None, a module or a plain function keyed the same way. None otherwise (a
-    bound method, whose `self` is not in its closure; a tensor or a list, which may change in
-    place; an empty cell): then the function is traced again (~0.2 ms)."""
+    a number, a string, None, a module or a plain function keyed the same way, or a tensor by its
+    identity, shape, dtype, device and requires_grad. None otherwise (a bound method, whose
+    `self` is not in its closure; a list, which may change in place; an empty cell): then the
+    function is traced again (~0.2 ms)."""
     code = getattr(function, "__code__", None)
     if code is None or not isinstance(function, types.FunctionType) or depth > 4:
         return None
@@ -666,6 +680,10 @@ def _names(code: types.CodeType) -> set[str]:
 def _value_key(value, depth: int) -> tuple | None:
     if isinstance(value, (bool, int, float, str, type(None))):
         return type(value), value
+    if type(value).__module__.startswith("torch") and hasattr(value, "data_ptr"):  # a captured tensor: the trace
+        # reads its shape, dtype, device and requires_grad, not its values (read by the kernel each call)
+        return "tensor", (id(value), tuple(value.shape), str(value.dtype), str(value.device), value.requires_grad), \
+            value
     if isinstance(value, types.ModuleType):
         return types.ModuleType, value.__name__
     if isinstance(value, types.FunctionType):
@@ -709,7 +727,7 @@ def check_int32(traced: TracedScoreMod, extents: dict[str, int], score_mod=None)
     where PyTorch's int64 do not."""
     for field, text in (("score_mod.expression", traced.expression),
                         ("score_mod.expression_grad", traced.expression_grad)):
-        wraps = expression.int_overflow(expression.score(text, len(traced.captured)), extents)
+        wraps = _wrapping(text, len(traced.captured), tuple(extents.items()))
         if wraps is not None:
             at = ", ".join(f"{name} < {n}" for name, n in extents.items())
             raise TraceError(f"score_mod {_name(score_mod) if score_mod is not None else ''}: "
@@ -722,14 +740,28 @@ def check_captured(traced: TracedScoreMod, extents: dict[str, int], score_mod=No
     (0 .. size - 1) while b, h, q_idx and kv_idx stay below `extents`: PyTorch would raise, and
     a kernel must not read past an array. Interval bounds: an index they cannot prove in range
     (a clamp proves it) is refused."""
-    for slot, dim, index, size in traced.reads:
-        lo, hi = expression.int_bounds(index, extents)
-        if lo < 0 or hi >= size:
+    for slot, dim, index, size, lo, hi in _outside(traced.reads, tuple(extents.items())):
             at = ", ".join(f"{name} < {n}" for name, n in extents.items())
             raise TraceError(f"score_mod {_name(score_mod) if score_mod is not None else ''}: captured tensor "
                              f"{slot}'s dimension {dim} (size {size}) is indexed by {expression.source(index)}, "
                              f"which may be {lo if lo < 0 else hi} where {at}; keep it within 0 .. {size - 1} "
                              f"(torch.clamp(i, 0, {size - 1}), or a larger table)")
+
+
+@lru_cache(maxsize=256)  # a call's checks, repeated: a lookup
+def _wrapping(text: str, captured: int, extents: tuple) -> Node | None:
+    return expression.int_overflow(expression.score(text, captured), dict(extents))
+
+
+@lru_cache(maxsize=256)
+def _outside(reads: tuple, extents: tuple) -> list[tuple]:
+    """The reads (slot, dim, index, size) whose index may leave 0 .. size - 1, with its bounds."""
+    found = []
+    for slot, dim, index, size in reads:
+        lo, hi = expression.int_bounds(index, dict(extents))
+        if lo < 0 or hi >= size:
+            found.append((slot, dim, index, size, lo, hi))
+    return found
 
 
 def _name(function) -> str:

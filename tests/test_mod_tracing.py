@@ -259,3 +259,18 @@ def test_a_trace_that_captures_tensors_is_not_kept():
     second = flex.trace_score_mod(score_mod)
     assert first.captured[0] is not second.captured[0] and second.captured[0].shape == (4, 16)
     assert "h * 16" in second.expression
+
+
+def test_a_captured_table_in_a_closure_is_traced_once():
+    """The kernel reads a captured table's values each call, so a trace keyed by the table's
+    identity and shape is kept; a table rebound in the closure (a new tensor) is traced anew."""
+    def relative_bias(table):
+        return lambda s, b, h, q, k: s + table[h, q - k + 7]
+
+    table = torch.zeros(4, 15)
+    score_mod = relative_bias(table)
+    first = flex.trace_score_mod(score_mod)
+    table.add_(1.0)  # values: the kernel's to read
+    assert flex.trace_score_mod(score_mod) is first
+    other = flex.trace_score_mod(relative_bias(torch.zeros(4, 15)))
+    assert other is not first and other.captured[0] is not table
