@@ -15,8 +15,10 @@ A score_mod may read captured float tensors (a bias table indexed by head and di
 inputs, each index proven within its dimension at the call's lengths. Under torch.compile the
 call is the ops fagen::flex_forward and fagen::flex_backward (torch_op), the score_mod traced
 and the block mask registered once while the model is traced (_compiled_call), so a model
-compiles with fullgraph=True. Not yet: a captured tensor's gradient (one that requires grad is
-refused) and a gradient through the LSE. A score_mod's ints are
+compiles with fullgraph=True. A captured tensor that requires grad gets its gradient, bitwise
+repeatable (captured_grads: the score's gradient recomputed in PyTorch and pulled back through
+the score_mod under deterministic algorithms), eagerly; under torch.compile it is refused. Not
+yet: a gradient through the LSE. A score_mod's ints are
 int32 in the kernel (int64 in PyTorch): one whose int arithmetic may pass 2^31 at the call's
 lengths is refused, naming the term.
 """
@@ -24,6 +26,7 @@ lengths is refused, naming the term.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -119,17 +122,87 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
         return (out, lse) if return_lse else out
     block_mask, causal = _plain(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
-    captured = None
-    if traced is not None:
-        extents = dict(b=query.shape[0], h=query.shape[1], q_idx=query.shape[2], kv_idx=key.shape[2])
-        check_int32(traced, extents, score_mod)
-        check_captured(traced, extents, score_mod)
-        captured = [t.detach().to(query.device, torch.float32).contiguous() for t in traced.captured] or None
-    out, lse = torch_op._EagerKernelAttention.apply(
-        query, key, value, None, None, block_mask, causal, None, None, scale, False,
-        torch_op._side_inputs(None, None, None, None),
-        None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured)), captured)
+    tables = () if traced is None else traced.captured
+    out, lse = _FlexAttention.apply(query, key, value, (traced, block_mask, causal, scale, score_mod), *tables)
     return (out, lse) if return_lse else out
+
+
+class _FlexAttention(torch.autograd.Function):
+    """flex_attention's eager calls: torch_op's flex kernels (the ones its ops run under
+    torch.compile), and the gradient of each captured tensor that requires one (captured_grads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call, *tables):
+        traced, block_mask, causal, scale, _ = call
+        out, lse = torch_op.flex_kernels_forward(q, k, v, traced, block_mask, causal, scale)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse, *tables)
+        ctx.call = call
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *tables = ctx.saved_tensors
+        traced, block_mask, causal, scale, score_mod = ctx.call
+        grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale) \
+            if any(ctx.needs_input_grad[:3]) else (None, None, None)
+        wanted = ctx.needs_input_grad[4:]
+        table_grads = captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, causal, scale, tables, wanted) \
+            if any(wanted) else [None] * len(tables)
+        return (*grads, None, *table_grads)
+
+
+CHUNK_SCORES = 1 << 24  # scores captured_grads recomputes at a time (64 MiB of float32, a few times over)
+
+
+def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, causal: bool, scale, tables, wanted) -> list:
+    """d loss / d each captured tensor that requires one (`wanted`), None for the others: the
+    score's gradient dS = P (dP - D) recomputed in PyTorch a slab of query rows at a time, in
+    float32, from the kernels' out and LSE, and pulled back through the user's score_mod by
+    autograd under deterministic algorithms (sorted scatters), the slabs added in order: bitwise
+    the same run to run. Its cost: the attention's matmuls again and a scatter of every score,
+    outside the fused kernels (FlexAttention adds the same gradient atomically)."""
+    b, hq, nq, d = q.shape
+    group, nk = hq // k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    keys, values = (x.detach().float().repeat_interleave(group, 1) for x in (k, v))
+    delta = (dout.float() * out.float()).sum(-1, keepdim=True)
+    dense = None if block_mask is None else torch.from_numpy(block_mask.to_dense()).to(q.device)
+    sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if w else None for t, w in zip(tables, wanted)]
+    pulled = [t for t, w in zip(tables, wanted) if w]
+    bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
+                  for axis, n in ((0, b), (1, hq), (3, nk)))
+    step = max(1, CHUNK_SCORES // (b * hq * nk))
+    for r0 in range(0, nq, step):
+        rows = slice(r0, min(nq, r0 + step))
+        qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
+        s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
+        keep = torch.ones_like(s, dtype=torch.bool)
+        if causal:
+            keep = keep & (ki <= qi + (nk - nq))
+        if dense is not None:
+            keep = keep & dense[:, :, rows]
+        ds = (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
+        with torch.enable_grad():
+            modified = score_mod(s, bi, hi, qi, ki)
+            p = torch.where(keep, torch.exp(modified.detach() - lse[:, :, rows, None]), 0.0)
+            with _deterministic_algorithms():
+                parts = torch.autograd.grad(modified, pulled, p * ds, allow_unused=True)
+        for total, part in zip((x for x in sums if x is not None), parts):
+            if part is not None:
+                total += part.float()
+    return [None if total is None else total.to(t.dtype) for total, t in zip(sums, tables)]
+
+
+@contextmanager
+def _deterministic_algorithms():
+    """PyTorch's deterministic algorithms (a scatter's sorted, not atomic), then as they were."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 _COMPILED_CALLS: dict[tuple[int, int], int] = {}  # (id(score_mod), id(block_mask)) -> index in torch_op.FLEX_CALLS
@@ -147,6 +220,10 @@ def _compiled_call(score_mod, block_mask) -> int:
         traced = None if score_mod is None else trace_score_mod(score_mod)
         for i, t in enumerate(() if traced is None else traced.captured):
             _check_read_in_place(t, i, score_mod)
+            if t.requires_grad:
+                raise TraceError(f"score_mod {getattr(score_mod, '__qualname__', score_mod)}: captured tensor {i} "
+                                 f"requires grad: under torch.compile its gradient is not computed yet; call "
+                                 f"fagen.flex.flex_attention eagerly (torch.compiler.disable) or detach it")
         torch_op.FLEX_CALLS.append((traced, *_plain(block_mask)))
         _COMPILED_CALLS[key] = len(torch_op.FLEX_CALLS) - 1
         _KEPT.append((score_mod, block_mask))  # their ids stay theirs while the index is used

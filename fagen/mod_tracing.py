@@ -15,9 +15,9 @@ non-negative, as positions and heads are), `&` `|` `~` on bools are logical. A c
 tensor indexed by traced ints (a learned bias table) becomes a kernel input, read as float32
 (`captured0[...]`, its index flattened; check_captured proves each index within its dimension
 at a call's lengths). Refused, naming the function's line: a Python branch on a traced value
-(`if`, `and`, `or`: use torch.where and `&`, `|`), a captured tensor that requires grad (its
-gradient is not computed yet), an infinity or NaN constant (mask keys with a mask_mod), and any
-function outside TORCH_FUNCTIONS.
+(`if`, `and`, `or`: use torch.where and `&`, `|`), an infinity or NaN constant (mask keys with a
+mask_mod), and any function outside TORCH_FUNCTIONS. (A captured tensor that requires grad gets
+its gradient from fagen.flex.captured_grads.)
 
 Depends on fagen.expression and PyTorch (imported when a function is traced).
 """
@@ -257,9 +257,6 @@ def _load(tensor, index) -> Traced:
                          "block mask from the mask_mod instead (fagen.flex.create_block_mask)")
     if not hasattr(tensor, "requires_grad"):
         raise TraceError(f"indexing a {type(tensor).__name__}: fagen traces captured torch tensors")
-    if tensor.requires_grad:
-        raise TraceError(f"a captured tensor of shape {tuple(tensor.shape)} requires grad: fagen does not compute "
-                         f"a captured tensor's gradient yet; pass it detached (x.detach()) where it is not trained")
     if not tensor.is_floating_point():
         raise TraceError(f"a captured {tensor.dtype} tensor: the kernel reads captured tensors as float32; pass a "
                          f"floating one (x.float(), exact for integers below 2^24)")

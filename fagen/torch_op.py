@@ -268,33 +268,27 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _EagerKernelAttention(torch.autograd.Function):
-    """Autograd for what the op cannot carry: a runtime block mask (a BlockMask is no tensor) or
-    a traced score_mod (fagen.flex: a spec of its own). The same kernels run eagerly
-    (torch.compile breaks the graph here), on torch's stream."""
+    """Autograd for what the op cannot carry: a runtime block mask (a BlockMask is no tensor). The
+    same kernels run eagerly (torch.compile breaks the graph here), on torch's stream."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side,
-                score_expression=None, captured=None):
-        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, v=v,
-                                    score_expression=score_expression, **side)
-        out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask,
-                                                captured=captured, **side)
+    def forward(ctx, q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side):
+        spec = dispatch.derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, v=v, **side)
+        out, lse = runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask, **side)
         ctx.mark_non_differentiable(lse)
-        # a traced score_mod's captured tensors (fagen.flex; no gradient): saved, so that one changed in
-        # place before the backward is refused as autograd refuses it
-        ctx.save_for_backward(q, k, v, out, lse, *(captured or ()))
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec, ctx.block_mask, ctx.scale, ctx.side, ctx.deterministic = spec, block_mask, scale, side, deterministic
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *captured = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         bias = ctx.side["bias"]
         spec = variants.trainable(ctx.spec, _deterministic(ctx.deterministic), ctx.needs_input_grad[3])
         grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
-                                                block_mask=ctx.block_mask, captured=captured or None, **ctx.side)
+                                                block_mask=ctx.block_mask, **ctx.side)
         return (grads.dq, grads.dk, grads.dv, grads.dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None,
-                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 9)
+                grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)
 
 
 def _records_grad(*tensors) -> bool:

@@ -43,45 +43,78 @@ def reference_attention(q, k, v, score_mod, mask_mod):
     return torch.softmax(s, -1) @ v
 
 
+def oracle_kernels(seen: dict):
+    """torch_op's flex kernels (forward, backward) as the oracle computes them from the traced
+    fields, in float64 on the CPU; `seen` records the mask they were given."""
+    def fields(traced):
+        return None if traced is None else {"expression": traced.expression, "expression_grad": traced.expression_grad,
+                                            "captured": len(traced.captured)}
+
+    def tables(traced):
+        return None if traced is None else [t.detach().numpy() for t in traced.captured]
+
+    def forward(q, k, v, traced, block_mask, causal, scale):
+        seen.update(block_mask=block_mask, causal=causal, traced=traced)
+        out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
+                                    causal=causal, score_mod=fields(traced), return_lse=True, captured=tables(traced))
+        return torch.from_numpy(out), torch.from_numpy(lse)
+
+    def backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale):
+        got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), scale=scale,
+                                        block_mask=block_mask, causal=causal, score_mod=fields(traced),
+                                        captured=tables(traced))
+        return tuple(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv"))
+    return forward, backward
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, monkeypatch):
+    """Output and q, k, v gradients against PyTorch running the same functions (the kernels: the
+    oracle on the traced fields); a causal mask_mod's blocks take the causal kernels."""
     score_mod, mask_mod = CASES[case]
-    calls, seen = [], {}
-
-    class Kernels:  # the eager kernels' autograd, as the oracle computes them from the traced fields
-        @staticmethod
-        def apply(q, k, v, bias, sinks, block_mask, causal, mask, softcap, scale, deterministic, side, expression,
-                  captured):
-            calls.append((expression, captured))
-            fields = None if expression is None else {"expression": expression[0], "expression_grad": expression[1],
-                                                      "captured": expression[2]}
-            seen.update(block_mask=block_mask, causal=causal)
-            out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
-                                        causal=causal, score_mod=fields, return_lse=True,
-                                        captured=None if captured is None else [t.numpy() for t in captured])
-            return torch.from_numpy(out), torch.from_numpy(lse)
-
-    monkeypatch.setattr(torch_op, "_EagerKernelAttention", Kernels)
+    seen = {}
+    forward, backward = oracle_kernels(seen)
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(torch_op, "flex_kernels_backward", backward)
     gen = torch.Generator().manual_seed(len(case))
-    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
+    leaves = [torch.randn(B, h, N, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV)]
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, HQ, N, N, device="cpu", BLOCK_SIZE=32)
-    out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
-    want = reference_attention(q, k, v, score_mod, mask_mod)
+    out = flex.flex_attention(*leaves, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+    references = [x.detach().clone().requires_grad_() for x in leaves]
+    want = reference_attention(*references, score_mod, mask_mod)
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
-    (expression, captured), = calls
-    assert (expression is None) == (score_mod is None)
+    assert (seen["traced"] is None) == (score_mod is None)
     causal = case in ("softcap_causal", "bias_table_causal")  # a causal mask_mod's blocks: the causal kernels
     assert seen["causal"] == causal and (seen["block_mask"] is None) == (causal or mask_mod is None)
-    if score_mod is not None:  # the backward's fields: the oracle's gradients against autograd's
-        fields = {"expression": expression[0], "expression_grad": expression[1], "captured": expression[2]}
-        dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
-        got = oracle.attention_backward(*(x.numpy() for x in (q, k, v, dout)), block_mask=seen["block_mask"],
-                                        causal=seen["causal"], score_mod=fields, captured=None if captured is None else
-                                        [t.numpy() for t in captured])
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        grads = torch.autograd.grad((reference_attention(*leaves, score_mod, mask_mod) * dout).sum(), leaves)
-        for name, g in zip(("dq", "dk", "dv"), grads):
-            np.testing.assert_allclose(got[name], g.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
+    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout),
+                          torch.autograd.grad(want, references, dout)):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("mask", ["causal", "prefix"])
+def test_a_captured_table_that_requires_grad_gets_its_gradient_bitwise_repeatable(mask, monkeypatch):
+    """A learned relative bias [H, 2N - 1] (requires grad): its gradient (captured_grads, the
+    score's gradient pulled back through score_mod a slab of rows at a time) against PyTorch's
+    autograd through the same function, and the same bits twice."""
+    seen = {}
+    forward, backward = oracle_kernels(seen)
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(torch_op, "flex_kernels_backward", backward)
+    monkeypatch.setattr(flex, "CHUNK_SCORES", B * HQ * N * 7)  # slabs of 7 rows: several, uneven
+    table = (TABLE * 0.5).requires_grad_()
+    score_mod = lambda s, b, h, q, k: s + table[h, q - k + N - 1]  # noqa: E731
+    mask_mod = {"causal": lambda b, h, q, k: q >= k, "prefix": lambda b, h, q, k: (q >= k) | (k < 20)}[mask]
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
+    block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
+    dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
+    got = [torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                   enable_gqa=True), table, dout)[0] for _ in range(2)]
+    want = torch.autograd.grad(reference_attention(q, k, v, score_mod, mask_mod), table, dout)[0]
+    # float32 slabs against float64 autograd: a relative norm, as the GPU tests judge
+    assert float((got[0] - want).norm() / want.norm()) < 1e-5
+    assert torch.equal(got[0], got[1])
 
 
 NUMPY_MASKS = {  # mask_mods both PyTorch and NumPy run: create_block_mask's blocks against from_predicate's
@@ -129,9 +162,8 @@ def test_flex_attention_refuses_what_flexattention_refuses_and_what_it_cannot_tr
         flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + table[h, qi - ki], enable_gqa=True)
     with pytest.raises(flex.TraceError, match=r"dimension 0 \(size 4\) is indexed by h \+ 4, which may be 7"):
         flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + table[h + 4, qi - ki + 7], enable_gqa=True)
-    trained = torch.zeros(4, 16, requires_grad=True)
-    with pytest.raises(flex.TraceError, match=r"line \d+.*requires grad.*x.detach\(\)"):
-        flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + trained[h, qi - ki + 7], enable_gqa=True)
+    with pytest.raises(flex.TraceError, match=r"a bool index into a captured tensor"):
+        flex.flex_attention(q, k, k, score_mod=lambda s, b, h, qi, ki: s + table[h, qi > ki], enable_gqa=True)
 
 
 def test_a_traced_score_mod_derives_the_spec_fagen_runs(monkeypatch):
@@ -166,8 +198,8 @@ def test_a_flexattention_block_mask_is_rebuilt_once_as_fagen_s(monkeypatch):
     mask_mod = NUMPY_MASKS["window_and_head"]
     theirs = torch_create_block_mask(mask_mod, None, 3, 200, 180, device="cpu", BLOCK_SIZE=(64, 32))
     used = []
-    monkeypatch.setattr(torch_op, "_EagerKernelAttention", SimpleNamespace(
-        apply=lambda q, k, v, bias, sinks, block_mask, *rest: used.append(block_mask) or (q, None)))
+    monkeypatch.setattr(torch_op, "flex_kernels_forward",
+                        lambda q, k, v, traced, block_mask, *rest: used.append(block_mask) or (q, q[..., 0]))
     q = torch.zeros(1, 3, 200, 16)
     kv = torch.zeros(1, 3, 180, 16)
     flex.flex_attention(q, kv, kv, block_mask=theirs)
@@ -206,7 +238,7 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     monkeypatch.setattr(dispatch, "derive_spec", derive_spec)
     monkeypatch.setattr(runtime, "compile_kernel", compile_kernel)
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
-    monkeypatch.setattr(variants, "trainable", lambda spec, deterministic, bias_grad: ("trainable", spec))
+    monkeypatch.setattr(variants, "trainable", lambda spec, deterministic=False, bias_grad=False: ("trainable", spec))
     q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
     bm = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) | (ki < 2), None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
     out = flex.flex_attention(q, k, v, score_mod=CASES["softcap_causal"][0], block_mask=bm, scale=0.25)
@@ -221,10 +253,13 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
 def test_int_arithmetic_that_would_wrap_in_the_kernel_s_int32_is_refused_at_the_call(monkeypatch):
     """The kernel's ints are int32 (PyTorch's int64): a score_mod whose int terms may pass 2^31 at
     the call's lengths is refused naming the term; at lengths where they cannot, it runs."""
-    monkeypatch.setattr(torch_op, "_EagerKernelAttention", SimpleNamespace(apply=lambda q, *rest: (q, None)))
+    from fagen import dispatch, runtime
+
+    monkeypatch.setattr(dispatch, "derive_spec", lambda q, **kwargs: "spec")  # the checks run, then no kernel
+    monkeypatch.setattr(runtime, "compile_kernel", lambda spec: lambda q, k, v, **kw: (q + 1, q[..., 0]))
     cubic = lambda s, b, h, q, k: s + 1e-9 * (q - k) ** 3  # noqa: E731
     short, long = torch.zeros(1, 2, 1000, 16), torch.zeros(1, 2, 4000, 16)
-    assert flex.flex_attention(short, short, short, score_mod=cubic) is short
+    assert torch.equal(flex.flex_attention(short, short, short, score_mod=cubic), short + 1)
     with pytest.raises(flex.TraceError, match=r"\(q_idx - kv_idx\) \* \(q_idx - kv_idx\) \* \(q_idx - kv_idx\) in "
                                               r"score_mod.expression may pass int32 where b < 1, h < 2, q_idx < 4000"):
         flex.flex_attention(long, long, long, score_mod=cubic)

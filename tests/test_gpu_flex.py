@@ -110,3 +110,24 @@ def test_a_compiled_layer_calling_flex_attention_captures_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(to_numpy(out), to_numpy(layer(q, k, v))) < 1e-3
+
+
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
+def test_a_learned_bias_table_gets_its_gradient_bitwise_repeatable(dtype, d):
+    """A relative bias table [H, 2N - 1] that requires grad: its gradient (fagen.flex.captured_grads)
+    against PyTorch's autograd through the same function in float64, and the same bits twice."""
+    gen = torch.Generator(device="cuda").manual_seed(d + 1)
+    b, hq, hkv, n = 2, 8, 2, 777
+    table = (torch.randn(hq, 2 * n - 1, device="cuda", generator=gen) * 0.5).requires_grad_()
+    score_mod = lambda s, b_, h, q, k: s + table[h, q - k + n - 1]  # noqa: E731
+    mask_mod = lambda b_, h, q, k: (q >= k) | (k < 64)  # noqa: E731
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen)
+               for h in (hq, hkv, hkv))
+    block_mask = flex.create_block_mask(mask_mod, None, None, n, n)
+    dout = torch.randn(b, hq, n, d, device="cuda", dtype=q.dtype, generator=gen)
+    got = [torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                   enable_gqa=True), table, dout)[0] for _ in range(2)]
+    assert torch.equal(got[0], got[1])
+    want = torch.autograd.grad(reference_attention(q.double(), k.double(), v.double(), score_mod, mask_mod), table,
+                               dout.double())[0]
+    assert relative_error(to_numpy(got[0]), to_numpy(want)) < GRAD_TOLERANCE[dtype]
