@@ -15,7 +15,8 @@ A score_mod may read captured float tensors (a bias table indexed by head and di
 inputs, each index proven within its dimension at the call's lengths. Under torch.compile the
 call is the ops fagen::flex_forward and fagen::flex_backward (torch_op), the score_mod traced
 and the block mask registered once while the model is traced (_compiled_call), so a model
-compiles with fullgraph=True. A captured tensor that requires grad gets its gradient, bitwise
+compiles with fullgraph=True: the score_mod defined outside the compiled function, its captured
+tensors in its closure (the ops' inputs). A captured tensor that requires grad gets its gradient, bitwise
 repeatable (captured_grads: the score's gradient recomputed in PyTorch and pulled back through
 the score_mod under deterministic algorithms), eagerly; under torch.compile it is refused. Not
 yet: a gradient through the LSE. A score_mod's ints are
@@ -118,13 +119,22 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True for "
                          f"grouped-query attention (as FlexAttention asks)")
     if torch.compiler.is_compiling():  # the ops, whose call the trace registers once
-        out, lse = torch.ops.fagen.flex_forward(query, key, value, _compiled_call(score_mod, block_mask), scale)
+        # the closure's tensors are the ops' inputs; reading its cells also has torch.compile guard
+        # the other values a trace baked in (a closure from one factory shares the same code)
+        tensors = [c for c in _closure(score_mod) if isinstance(c, torch.Tensor)]
+        out, lse = torch.ops.fagen.flex_forward(query, key, value, tensors, _compiled_call(score_mod, block_mask),
+                                                scale)
         return (out, lse) if return_lse else out
-    block_mask, causal = _plain(block_mask)
+    block_mask = _as_fagen(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
     tables = () if traced is None else traced.captured
-    out, lse = _FlexAttention.apply(query, key, value, (traced, block_mask, causal, scale, score_mod), *tables)
+    out, lse = _FlexAttention.apply(query, key, value, (traced, block_mask, scale, score_mod), *tables)
     return (out, lse) if return_lse else out
+
+
+def _closure(score_mod) -> list:
+    """The values a score_mod's closure holds (none for None or a function without one)."""
+    return [cell.cell_contents for cell in (getattr(score_mod, "__closure__", None) or ())]
 
 
 class _FlexAttention(torch.autograd.Function):
@@ -133,8 +143,8 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call, *tables):
-        traced, block_mask, causal, scale, _ = call
-        out, lse = torch_op.flex_kernels_forward(q, k, v, traced, block_mask, causal, scale)
+        traced, block_mask, scale, _ = call
+        out, lse = torch_op.flex_kernels_forward(q, k, v, traced, block_mask, scale, tables)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, *tables)
         ctx.call = call
@@ -143,11 +153,11 @@ class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *tables = ctx.saved_tensors
-        traced, block_mask, causal, scale, score_mod = ctx.call
-        grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale) \
+        traced, block_mask, scale, score_mod = ctx.call
+        grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables) \
             if any(ctx.needs_input_grad[:3]) else (None, None, None)
         wanted = ctx.needs_input_grad[4:]
-        table_grads = captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, causal, scale, tables, wanted) \
+        table_grads = captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, scale, tables, wanted) \
             if any(wanted) else [None] * len(tables)
         return (*grads, None, *table_grads)
 
@@ -155,7 +165,7 @@ class _FlexAttention(torch.autograd.Function):
 CHUNK_SCORES = 1 << 24  # scores captured_grads recomputes at a time (64 MiB of float32, a few times over)
 
 
-def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, causal: bool, scale, tables, wanted) -> list:
+def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, scale, tables, wanted) -> list:
     """d loss / d each captured tensor that requires one (`wanted`), None for the others: the
     score's gradient dS = P (dP - D) recomputed in PyTorch a slab of query rows at a time, in
     float32, from the kernels' out and LSE, and pulled back through the user's score_mod by
@@ -178,8 +188,6 @@ def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, causal: bool,
         qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
         s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
         keep = torch.ones_like(s, dtype=torch.bool)
-        if causal:
-            keep = keep & (ki <= qi + (nk - nq))
         if dense is not None:
             keep = keep & dense[:, :, rows]
         ds = (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
@@ -218,29 +226,32 @@ def _compiled_call(score_mod, block_mask) -> int:
     key = (id(score_mod), id(block_mask))
     if key not in _COMPILED_CALLS:
         traced = None if score_mod is None else trace_score_mod(score_mod)
+        held = [c for c in _closure(score_mod) if isinstance(c, torch.Tensor)]
+        slots = []
         for i, t in enumerate(() if traced is None else traced.captured):
             _check_read_in_place(t, i, score_mod)
+            name = getattr(score_mod, "__qualname__", score_mod)
             if t.requires_grad:
-                raise TraceError(f"score_mod {getattr(score_mod, '__qualname__', score_mod)}: captured tensor {i} "
-                                 f"requires grad: under torch.compile its gradient is not computed yet; call "
-                                 f"fagen.flex.flex_attention eagerly (torch.compiler.disable) or detach it")
-        torch_op.FLEX_CALLS.append((traced, *_plain(block_mask)))
+                raise TraceError(f"score_mod {name}: captured tensor {i} requires grad: under torch.compile its "
+                                 f"gradient is not computed yet; call fagen.flex.flex_attention eagerly "
+                                 f"(torch.compiler.disable) or detach it")
+            slot = next((j for j, h in enumerate(held) if h is t), None)
+            if slot is None:
+                raise TraceError(f"score_mod {name}: captured tensor {i} is not in its closure (a global or an "
+                                 f"attribute): under torch.compile the ops take the closure's tensors; bind it in "
+                                 f"a closure (def make(table): return lambda s, b, h, q, k: ...)")
+            slots.append(slot)
+        torch_op.FLEX_CALLS.append((traced, _as_fagen(block_mask), tuple(slots)))
         _COMPILED_CALLS[key] = len(torch_op.FLEX_CALLS) - 1
         _KEPT.append((score_mod, block_mask))  # their ids stay theirs while the index is used
     return _COMPILED_CALLS[key]
 
 
-def _plain(block_mask) -> tuple[masks.BlockMask | None, bool]:
-    """(block mask, causal) as the kernels take them: a block mask that is exactly a causal mask's
-    pattern, or no mask at all, runs fagen's own causal or unmasked kernels (no list to read:
-    d64 4k causal as a block mask ran at 392 TFLOP/s against the causal kernel's ~450-500); a
-    FlexAttention BlockMask is rebuilt as fagen's first."""
-    if block_mask is None:
-        return None, False
-    if not isinstance(block_mask, masks.BlockMask):
-        block_mask = _from_flex_block_mask(block_mask)
-    kind = block_mask.plain_kind()
-    return (block_mask, False) if kind is None else (None, kind == "causal")
+def _as_fagen(block_mask) -> masks.BlockMask | None:
+    """fagen's block mask: a FlexAttention BlockMask rebuilt (once) as one."""
+    if block_mask is None or isinstance(block_mask, masks.BlockMask):
+        return block_mask
+    return _from_flex_block_mask(block_mask)
 
 
 def _check_read_in_place(t, i: int, score_mod) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, decode, dispatch, mod_tracing, runtime, variants
+from fagen import backward, decode, dispatch, mod_tracing, runtime, side_inputs, variants
 from fagen.spec import Mask
 
 
@@ -177,80 +177,95 @@ def _backward(ctx, dout, _dlse):
 torch.library.register_autograd("fagen::attention_forward", _backward, setup_context=_save_for_backward)
 
 
-# ---- fagen.flex under torch.compile -------------------------------------------------------
+# ---- fagen.flex's kernels, and its ops under torch.compile -----------------------------------
 # What an op cannot carry, a block mask and a traced score_mod, is registered once for each
 # (score_mod, block_mask) pair torch.compile traces (fagen.flex.flex_attention), and the ops take
-# its index. Kept for the process: a compiled graph holds the index.
-FLEX_CALLS: list[tuple] = []  # index -> (TracedScoreMod or None, fagen.masks.BlockMask or None, causal)
+# its index. The captured tensors are the ops' inputs (the score_mod's closure's tensors, `slots`
+# picking the ones the trace read), so a graph reads whichever closure it is called with. Kept
+# for the process: a compiled graph holds the index.
+FLEX_CALLS: list[tuple] = []  # index -> (TracedScoreMod or None, fagen.masks.BlockMask or None, slots)
 
 
-def flex_kernels_forward(q, k, v, traced, block_mask, causal, scale):
-    """out, lse of fagen.flex's kernels for a traced score_mod (None: none) and a block mask (or
-    causal), its indices checked at these lengths first."""
+def flex_kernels_forward(q, k, v, traced, block_mask, scale, tables=()):
+    """out, lse of fagen.flex's kernels for a traced score_mod (None: none) reading `tables` (its
+    captured tensors), and a block mask: checked against these lengths, and one that is exactly a
+    causal mask's pattern, or no mask, run on fagen's own causal or unmasked kernels."""
     extents = dict(b=q.shape[0], h=q.shape[1], q_idx=q.shape[2], kv_idx=k.shape[2])
     if traced is not None:
         mod_tracing.check_int32(traced, extents)
         mod_tracing.check_captured(traced, extents)
-    spec = dispatch.derive_spec(q, causal=causal, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
+    spec, block_mask = _flex_spec(q, k, v, traced, block_mask)
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, block_mask=block_mask,
-                                        captured=_flex_captured(traced, q))
+                                        captured=_flex_captured(tables, q))
 
 
-def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale):
+def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables=()):
     """dq, dk, dv of fagen.flex's kernels (flex_kernels_forward's)."""
-    spec = dispatch.derive_spec(q, causal=causal, block_mask=block_mask, v=v, score_expression=_flex_fields(traced))
+    spec, block_mask = _flex_spec(q, k, v, traced, block_mask)
     grads = backward.compile_backward(variants.trainable(spec, _deterministic(False)))(
-        dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=block_mask, captured=_flex_captured(traced, q))
+        dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=block_mask, captured=_flex_captured(tables, q))
     return grads.dq, grads.dk, grads.dv
 
 
-def _flex_fields(traced) -> tuple[str, str, int] | None:
-    return None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured))
+def _flex_spec(q, k, v, traced, block_mask):
+    """(spec, the block mask its kernels read: None where it runs the causal or unmasked kernels,
+    which read no list: d64 4k causal as a block mask ran at 392 TFLOP/s, the causal kernel ~450-500)."""
+    causal = False
+    if block_mask is not None:
+        side_inputs.check_block_mask(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        kind = block_mask.plain_kind()  # (masks.BlockMask: a square mask at offset 0)
+        if kind is not None:
+            block_mask, causal = None, kind == "causal"
+    fields = None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured))
+    return dispatch.derive_spec(q, causal=causal, block_mask=block_mask, v=v, score_expression=fields), block_mask
 
 
-def _flex_captured(traced, q) -> list | None:
-    """A traced score_mod's captured tensors as the kernels read them: float32, contiguous, on q's
-    device (the tensors themselves where they are: a CUDA graph reads their current values)."""
-    if traced is None or not traced.captured:
-        return None
-    return [t.detach().to(q.device, torch.float32).contiguous() for t in traced.captured]
+def _flex_captured(tables, q) -> list | None:
+    """Captured tensors as the kernels read them: float32, contiguous, on q's device (the tensors
+    themselves where they are: a CUDA graph reads their current values)."""
+    return [t.detach().to(q.device, torch.float32).contiguous() for t in tables] or None
 
 
 @_op
-def flex_forward(q: Tensor, k: Tensor, v: Tensor, call: int, scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    """(out, lse) of fagen.flex.flex_attention's registered call `call` (FLEX_CALLS)."""
-    return flex_kernels_forward(q, k, v, *FLEX_CALLS[call], scale)
+def flex_forward(q: Tensor, k: Tensor, v: Tensor, captured: list[Tensor], call: int,
+                 scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """(out, lse) of fagen.flex.flex_attention's registered call `call` (FLEX_CALLS), its
+    score_mod's closure's tensors `captured`."""
+    traced, block_mask, slots = FLEX_CALLS[call]
+    return flex_kernels_forward(q, k, v, traced, block_mask, scale, [captured[i] for i in slots])
 
 
 @torch.library.register_fake("fagen::flex_forward")
-def _(q, k, v, call, scale):
+def _(q, k, v, captured, call, scale):
     b, hq, nq, _ = q.shape
     return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 @_op
-def flex_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, call: int,
-                  scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+def flex_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, captured: list[Tensor],
+                  call: int, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of sum(out * dout) for flex_forward's call."""
-    return flex_kernels_backward(dout, q, k, v, out, lse, *FLEX_CALLS[call], scale)
+    traced, block_mask, slots = FLEX_CALLS[call]
+    return flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, [captured[i] for i in slots])
 
 
 @torch.library.register_fake("fagen::flex_backward")
-def _(dout, q, k, v, out, lse, call, scale):
+def _(dout, q, k, v, out, lse, captured, call, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flex_save(ctx, inputs, output):
-    q, k, v, call, scale = inputs
+    q, k, v, captured, call, scale = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *captured)
     ctx.call, ctx.scale = call, scale
 
 
 def _flex_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    return (*torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, ctx.call, ctx.scale), None, None)
+    q, k, v, out, lse, *captured = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale)
+    return dq, dk, dv, [None] * len(captured), None, None  # (captured: no gradient under torch.compile)
 
 
 torch.library.register_autograd("fagen::flex_forward", _flex_backward, setup_context=_flex_save)

@@ -50,19 +50,18 @@ def oracle_kernels(seen: dict):
         return None if traced is None else {"expression": traced.expression, "expression_grad": traced.expression_grad,
                                             "captured": len(traced.captured)}
 
-    def tables(traced):
-        return None if traced is None else [t.detach().numpy() for t in traced.captured]
+    def tables(captured):
+        return [t.detach().numpy() for t in captured]
 
-    def forward(q, k, v, traced, block_mask, causal, scale):
-        seen.update(block_mask=block_mask, causal=causal, traced=traced)
+    def forward(q, k, v, traced, block_mask, scale, captured=()):
+        seen.update(block_mask=block_mask, traced=traced, captured=captured)
         out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
-                                    causal=causal, score_mod=fields(traced), return_lse=True, captured=tables(traced))
+                                    score_mod=fields(traced), return_lse=True, captured=tables(captured))
         return torch.from_numpy(out), torch.from_numpy(lse)
 
-    def backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale):
+    def backward(dout, q, k, v, out, lse, traced, block_mask, scale, captured=()):
         got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), scale=scale,
-                                        block_mask=block_mask, causal=causal, score_mod=fields(traced),
-                                        captured=tables(traced))
+                                        block_mask=block_mask, score_mod=fields(traced), captured=tables(captured))
         return tuple(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv"))
     return forward, backward
 
@@ -83,9 +82,7 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
     references = [x.detach().clone().requires_grad_() for x in leaves]
     want = reference_attention(*references, score_mod, mask_mod)
     assert torch.allclose(out, want, rtol=1e-4, atol=1e-5), (out - want).abs().max()
-    assert (seen["traced"] is None) == (score_mod is None)
-    causal = case in ("softcap_causal", "bias_table_causal")  # a causal mask_mod's blocks: the causal kernels
-    assert seen["causal"] == causal and (seen["block_mask"] is None) == (causal or mask_mod is None)
+    assert (seen["traced"] is None) == (score_mod is None) and (seen["block_mask"] is None) == (mask_mod is None)
     dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
     for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout),
                           torch.autograd.grad(want, references, dout)):
@@ -268,54 +265,63 @@ def test_int_arithmetic_that_would_wrap_in_the_kernel_s_int32_is_refused_at_the_
 def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
     """torch.compile(fullgraph=True) of a model calling fagen.flex.flex_attention: the call is
     fagen::flex_forward (and its backward fagen::flex_backward), the score_mod traced and the block
-    mask registered once while the model is traced. The kernels are the oracle here (no GPU)."""
+    mask registered once while the model is traced, the closure's tensors the op's inputs: two
+    score_mods from one factory (the same code) read their own tables. The kernels are the oracle
+    here (no GPU)."""
     import torch._dynamo
 
-    def kernels_forward(q, k, v, traced, block_mask, causal, scale):
-        fields = {"expression": traced.expression, "expression_grad": traced.expression_grad,
-                  "captured": len(traced.captured)}
-        out, lse = oracle.attention(*(x.detach().numpy() for x in (q, k, v)), scale=scale, block_mask=block_mask,
-                                    causal=causal, score_mod=fields, return_lse=True,
-                                    captured=[t.numpy() for t in traced.captured])
-        return torch.from_numpy(out), torch.from_numpy(lse)
-
-    def kernels_backward(dout, q, k, v, out, lse, traced, block_mask, causal, scale):
-        fields = {"expression": traced.expression, "expression_grad": traced.expression_grad,
-                  "captured": len(traced.captured)}
-        got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), block_mask=block_mask,
-                                        causal=causal, score_mod=fields, captured=[t.numpy() for t in traced.captured])
-        return tuple(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv"))
-
-    monkeypatch.setattr(torch_op, "flex_kernels_forward", kernels_forward)
-    monkeypatch.setattr(torch_op, "flex_kernels_backward", kernels_backward)
-    score_mod, mask_mod = CASES["bias_table_causal"]
+    seen = {}
+    forward, backward = oracle_kernels(seen)
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(torch_op, "flex_kernels_backward", backward)
+    monkeypatch.setattr(flex, "_check_read_in_place", lambda *args: None)  # CPU tables, here
+    mask_mod = lambda b, h, q, k: (q >= k) & (q - k < 40)  # noqa: E731
     block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
-    table = TABLE.float()
-    score_mod = lambda s, b, h, q, k: s + table[h, q - k + N - 1]  # noqa: E731
-    monkeypatch.setattr(flex, "_check_read_in_place", lambda *args: None)  # a CPU table, here
 
-    def layer(q, k, v):
-        return flex.flex_attention(q * 2, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True) + 1
+    def relative_bias(table):
+        return lambda s, b, h, q, k: s + table[h, q - k + N - 1]
 
+    mods = [relative_bias(TABLE.float()), relative_bias(TABLE.float() * -3)]
     graphs = []
 
     def backend(graph, inputs):
         graphs.append(str(graph.graph))
         return graph.forward
 
+    def layer(q, k, v, score_mod):
+        return flex.flex_attention(q * 2, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True) + 1
+
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
     calls = len(torch_op.FLEX_CALLS)
-    got = compiled(q, k, v)
-    compiled(q, k, v)
-    assert len(torch_op.FLEX_CALLS) == calls + 1  # registered once, while traced
-    assert len(graphs) == 1 and "fagen.flex_forward" in graphs[0]
-    want = reference_attention(q * 2, k, v, score_mod, mask_mod) + 1
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
-    dout = torch.randn_like(got)
-    grads = torch.autograd.grad(got, (q, k, v), dout)
-    want_grads = torch.autograd.grad(want, (q, k, v), dout)
-    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
-        assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), name
+    for score_mod in (*mods, mods[0]):
+        got = compiled(q, k, v, score_mod)
+        want = reference_attention(q * 2, k, v, score_mod, mask_mod) + 1
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+        dout = torch.randn_like(got)
+        for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(got, (q, k, v), dout),
+                              torch.autograd.grad(want, (q, k, v), dout)):
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), name
+    assert len(torch_op.FLEX_CALLS) - calls <= 2 and all("fagen.flex_forward" in g for g in graphs)
+    module_level = lambda s, b, h, q, k: s + TABLE[h, q - k + N - 1]  # noqa: E731  (a global: not the op's input)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="not in its closure"):
+        torch.compile(layer, fullgraph=True, backend=backend)(q, k, v, module_level)
+
+
+def test_a_causal_block_mask_runs_the_causal_kernels_and_every_mask_is_checked(monkeypatch):
+    """torch_op._flex_spec: a block mask that is exactly causal takes the causal kernels (no list
+    to read), another stays a block mask, and either is checked against the call's lengths."""
+    from fagen import dispatch
+
+    seen = {}
+    monkeypatch.setattr(dispatch, "derive_spec", lambda q, **kwargs: seen.update(kwargs) or "spec")
+    q = torch.zeros(1, 2, 300, 16)
+    causal = flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 300, 300, device="cpu")
+    window = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 50), None, None, 300, 300, device="cpu")
+    assert torch_op._flex_spec(q, q, q, None, causal) == ("spec", None) and seen["causal"] is True
+    assert torch_op._flex_spec(q, q, q, None, window) == ("spec", window) and seen["causal"] is False
+    with pytest.raises(ValueError, match="block_mask"):  # a mask for 300 x 300 against 200 queries
+        torch_op._flex_spec(torch.zeros(1, 2, 200, 16), q, q, None, causal)
