@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen.mask_kinds import Predicate, as_keep, diagonal_offset
-from fagen.spec import LANE_COLUMNS, rule
+from fagen.mask_kinds import Predicate, as_keep, diagonal_offset, predicate
+from fagen.spec import LANE_COLUMNS, Mask, rule
 
 MASKED, FULL, CAUSAL, PARTIAL = 0, 1, 2, 3
 TYPE_NAMES = {MASKED: "MASKED", FULL: "FULL", CAUSAL: "CAUSAL", PARTIAL: "PARTIAL"}
@@ -165,25 +165,65 @@ class BlockMask:
                             dense[b, h, rows, cols] = unpack_bits(self.partial_masks[self.partial_index[b, h, r, i]], kb)
         return dense[:, :, : self.n_q, : self.n_kv]
 
-    def plain_kind(self) -> str | None:
-        """"causal" or "none" where this mask is exactly that kind's pattern (square, every block
-        the same in each batch row and head: below the diagonal FULL, on it CAUSAL at offset 0,
-        above it MASKED; or every block FULL), which fagen's own causal or unmasked kernels run
-        without reading a list; else None."""
-        if "plain_kind" not in self._cache:  # once a mask: a call reads it
-            self._cache["plain_kind"] = self._plain_kind()
-        return self._cache["plain_kind"]
+    def as_kind(self) -> Mask | None:
+        """The mask kind whose pattern this mask is exactly, where fagen's own kernels run it
+        without reading a list: square, the same for every batch row and head, at offset 0, and
+        none (every block FULL), causal, a causal sliding window or a prefix-LM mask. Else None.
+        Cached on the mask: a call reads it."""
+        if "as_kind" not in self._cache:
+            fields = self._as_kind()
+            self._cache["as_kind"] = None if fields is None else Mask(**fields)
+        return self._cache["as_kind"]
 
-    def _plain_kind(self) -> str | None:
-        if self.n_q != self.n_kv or self.q_block != self.kv_block or self.causal_offset != 0:
+    def _as_kind(self) -> dict | None:
+        if (self.n_q != self.n_kv or self.q_block != self.kv_block or self.causal_offset != 0 or self.batch != 1
+                or self.heads != 1):
             return None
         types = self.block_type_grid()
-        n = types.shape[-1]
-        r, c = np.arange(n)[:, None], np.arange(n)[None, :]
-        causal = np.where(c < r, FULL, np.where(c == r, CAUSAL, MASKED))
-        if (types == causal).all():
-            return "causal"
-        return "none" if (types == FULL).all() else None
+        if (types == FULL).all():
+            return {"kind": "none"}
+        last, first = self.row_keys(self.n_q - 1), self.row_keys(0)
+        if not last.any() or not last[-1] or last[self.n_q:].any():  # the last query sees itself
+            return None
+        window = self.n_q - 1 - int(np.argmax(last))
+        candidates = [{"kind": "causal"}, {"kind": "prefix_lm", "prefix_len": int(first.sum())}]
+        if window < self.n_q - 1:
+            candidates.insert(1, {"kind": "sliding_window", "window_left": window})
+        for fields in candidates:
+            # a few rows first (each query tile's first and last), the whole pattern only then
+            if fields.get("prefix_len", 1) >= 1 and self._rows_match(fields) and \
+                    self._same_blocks(_builder(fields)(self.n_q, self.q_block)):
+                return fields
+        return None
+
+    def _rows_match(self, fields: dict) -> bool:
+        keep = predicate(fields, self.n_q, self.n_kv)
+        keys = np.arange(self.n_kv)
+        rows = sorted({r for qb in range(self.n_q_blocks)
+                       for r in (qb * self.q_block, min(self.n_q, (qb + 1) * self.q_block) - 1)})
+        return all(np.array_equal(self.row_keys(r), np.broadcast_to(keep(0, 0, r, keys), (self.n_kv,))) for r in rows)
+
+    def row_keys(self, row: int) -> np.ndarray:
+        """bool [n_kv]: the keys query `row` sees (batch row 0, head 0)."""
+        qb, kb, keep = row // self.q_block, self.kv_block, np.zeros(self.n_kv_blocks * self.kv_block, bool)
+        for i in range(self.kv_num_blocks[0, 0, qb]):
+            c, t = self.kv_indices[0, 0, qb, i], self.block_types[0, 0, qb, i]
+            keys = np.arange(c * kb, (c + 1) * kb)
+            if t == FULL:
+                keep[keys] = True
+            elif t == CAUSAL:
+                keep[keys] = keys <= row + self.causal_offset
+            elif t == PARTIAL:
+                keep[keys] = unpack_bits(self.partial_masks[self.partial_index[0, 0, qb, i]][row - qb * self.q_block], kb)
+        return keep[:self.n_kv]
+
+    def _same_blocks(self, other: BlockMask) -> bool:
+        """The same pattern, block for block (types, and PARTIAL blocks' bits)."""
+        (types, partials), (their_types, their_partials) = self._grids(), other._grids()
+        if types.shape != their_types.shape or not np.array_equal(types, their_types):
+            return False
+        mine, theirs = partials[types == PARTIAL], their_partials[types == PARTIAL]
+        return np.array_equal(self.partial_masks[mine], other.partial_masks[theirs])
 
     def sparsity(self) -> float:
         """Fraction of (q, k) pairs masked out."""
@@ -431,6 +471,13 @@ def sliding_window(n: int, left: int, right: int = 0, q_block: int = 128, kv_blo
     _check_int("left", left, "keys before the diagonal a query sees", 0)
     _check_int("right", right, "keys after the diagonal a query sees", 0, 0)
     return from_predicate(lambda b, h, q, k: (k >= q - left) & (k <= q + right), 1, 1, n, n, q_block, kv_block)
+
+
+def _builder(fields: dict):
+    """(n, block) -> the BlockMask of a square mask kind's fields (BlockMask.as_kind's candidates)."""
+    return {"causal": lambda n, block: causal(n, q_block=block, kv_block=block),
+            "sliding_window": lambda n, block: sliding_window(n, fields.get("window_left", 0), 0, block, block),
+            "prefix_lm": lambda n, block: prefix_lm(n, fields.get("prefix_len", 1), block, block)}[fields["kind"]]
 
 
 def document(doc_ids: np.ndarray, causal: bool = True, q_block: int = 128, kv_block: int = 128) -> BlockMask:

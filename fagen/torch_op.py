@@ -208,16 +208,19 @@ def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, ta
 
 
 def _flex_spec(q, k, v, traced, block_mask):
-    """(spec, the block mask its kernels read: None where it runs the causal or unmasked kernels,
-    which read no list: d64 4k causal as a block mask ran at 392 TFLOP/s, the causal kernel ~450-500)."""
-    causal = False
+    """(spec, the block mask its kernels read): a block mask that is exactly a mask kind's pattern
+    (masks.BlockMask.as_kind: none, causal, a causal window, prefix-LM) runs that kind's kernels,
+    which read no list (d64 4k forward as a block mask against the kind's kernel: causal 392 against
+    ~450-500 TFLOP/s, sliding window 275 against 342, prefix-LM 401 against 448), and its block mask
+    is then None."""
+    mask = None
     if block_mask is not None:
         side_inputs.check_block_mask(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        kind = block_mask.plain_kind()  # (masks.BlockMask: a square mask at offset 0)
-        if kind is not None:
-            block_mask, causal = None, kind == "causal"
+        mask = block_mask.as_kind()
+        if mask is not None:
+            block_mask = None
     fields = None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured))
-    return dispatch.derive_spec(q, causal=causal, block_mask=block_mask, v=v, score_expression=fields), block_mask
+    return dispatch.derive_spec(q, mask=mask, block_mask=block_mask, v=v, score_expression=fields), block_mask
 
 
 def _flex_captured(tables, q) -> list | None:

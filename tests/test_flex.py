@@ -237,7 +237,8 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
     monkeypatch.setattr(variants, "trainable", lambda spec, deterministic=False, bias_grad=False: ("trainable", spec))
     q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
-    bm = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) | (ki < 2), None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    bm = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) % 3 != 1), None, None, 8, 8, device="cpu",
+                                BLOCK_SIZE=4)  # no mask kind's pattern: read as a block mask
     out = flex.flex_attention(q, k, v, score_mod=CASES["softcap_causal"][0], block_mask=bm, scale=0.25)
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     traced = flex.trace_score_mod(CASES["softcap_causal"][0])
@@ -311,17 +312,23 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
         torch.compile(layer, fullgraph=True, backend=backend)(q, k, v, module_level)
 
 
-def test_a_causal_block_mask_runs_the_causal_kernels_and_every_mask_is_checked(monkeypatch):
-    """torch_op._flex_spec: a block mask that is exactly causal takes the causal kernels (no list
-    to read), another stays a block mask, and either is checked against the call's lengths."""
+def test_a_block_mask_of_a_kind_s_pattern_runs_that_kind_and_every_mask_is_checked(monkeypatch):
+    """torch_op._flex_spec: a block mask that is exactly a mask kind's pattern takes that kind's
+    kernels (no list to read), another stays a block mask, and either is checked against the
+    call's lengths."""
     from fagen import dispatch
 
     seen = {}
     monkeypatch.setattr(dispatch, "derive_spec", lambda q, **kwargs: seen.update(kwargs) or "spec")
     q = torch.zeros(1, 2, 300, 16)
-    causal = flex.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 300, 300, device="cpu")
-    window = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 50), None, None, 300, 300, device="cpu")
-    assert torch_op._flex_spec(q, q, q, None, causal) == ("spec", None) and seen["causal"] is True
-    assert torch_op._flex_spec(q, q, q, None, window) == ("spec", window) and seen["causal"] is False
+    build = lambda mask_mod: flex.create_block_mask(mask_mod, None, None, 300, 300, device="cpu")  # noqa: E731
+    for mask_mod, kind in ((lambda b, h, qi, ki: qi >= ki, {"kind": "causal"}),
+                           (lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= 50), {"kind": "sliding_window",
+                                                                                "window_left": 50}),
+                           (lambda b, h, qi, ki: (qi >= ki) | (ki < 70), {"kind": "prefix_lm", "prefix_len": 70})):
+        assert torch_op._flex_spec(q, q, q, None, build(mask_mod)) == ("spec", None)
+        assert seen["mask"].model_dump(include=set(kind)) == kind and seen["block_mask"] is None
+    dilated = build(lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) % 2 == 0))
+    assert torch_op._flex_spec(q, q, q, None, dilated) == ("spec", dilated) and seen["mask"] is None
     with pytest.raises(ValueError, match="block_mask"):  # a mask for 300 x 300 against 200 queries
-        torch_op._flex_spec(torch.zeros(1, 2, 200, 16), q, q, None, causal)
+        torch_op._flex_spec(torch.zeros(1, 2, 200, 16), q, q, None, dilated)

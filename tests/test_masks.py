@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fagen import mask_kinds, masks
-from fagen.mask_kinds import KINDS
+from fagen.mask_kinds import KINDS, predicate
 from fagen.spec import Mask
 
 TYPES = {masks.MASKED, masks.FULL, masks.CAUSAL, masks.PARTIAL}
@@ -555,18 +555,25 @@ def test_static_block_mask_kind_is_all_true():
 
 
 @pytest.mark.parametrize("build, kind", [
-    (lambda: masks.causal(1000), "causal"),
-    (lambda: masks.from_predicate(lambda b, h, q, k: q >= k, 2, 3, 300, 300, 64, 64), "causal"),
-    (lambda: masks.from_predicate(lambda b, h, q, k: q >= 0, 1, 1, 300, 300, 64, 64), "none"),
+    (lambda: masks.causal(1000), {"kind": "causal"}),
+    (lambda: masks.from_predicate(lambda b, h, q, k: q >= k, 2, 3, 300, 300, 64, 64), None),  # per batch and head
+    (lambda: masks.from_predicate(lambda b, h, q, k: q >= k, 1, 1, 300, 300, 64, 64), {"kind": "causal"}),
+    (lambda: masks.from_predicate(lambda b, h, q, k: q >= 0, 1, 1, 300, 300, 64, 64), {"kind": "none"}),
+    (lambda: masks.sliding_window(1000, 100), {"kind": "sliding_window", "window_left": 100}),
+    (lambda: masks.prefix_lm(1000, 300), {"kind": "prefix_lm", "prefix_len": 300}),
     (lambda: masks.causal(1000, q_block=64, kv_block=128), None),  # diagonal blocks not square: partial
     (lambda: masks.causal(300, 400), None),  # not square
-    (lambda: masks.sliding_window(1000, 100), None),
-    (lambda: masks.from_predicate(lambda b, h, q, k: (q >= k) | (h == 1), 1, 2, 300, 300, 64, 64), None),
+    (lambda: masks.sliding_window(1000, 100, 3), None),  # sees past the diagonal
+    (lambda: masks.chunked(1000, 256), None),
+    (lambda: masks.document(masks.documents_of_lengths([300, 500, 200])), None),
+    (lambda: masks.from_predicate(lambda b, h, q, k: (q >= k) & ((q - k) % 2 == 0), 1, 1, 300, 300, 64, 64), None),
 ])
-def test_plain_kind_names_a_mask_that_is_exactly_causal_or_none(build, kind):
-    """fagen.flex runs such a block mask as fagen's own causal or unmasked kernels."""
+def test_as_kind_names_a_mask_that_is_exactly_a_kind_s_pattern(build, kind):
+    """fagen.flex runs such a block mask on that kind's own kernels (no list to read)."""
     mask = build()
-    assert mask.plain_kind() == kind
-    if kind == "causal":
+    found = mask.as_kind()
+    assert (None if found is None else {"kind": found.kind, **found.model_dump(exclude_defaults=True)}) == kind
+    if found is not None:  # the kind's pattern is the mask's, pair for pair
         n = mask.n_q
-        assert (mask.to_dense() == (np.arange(n)[:, None] >= np.arange(n)[None, :])).all()
+        keep = predicate(found, n, n)(0, 0, np.arange(n)[:, None], np.arange(n)[None, :])
+        assert (mask.to_dense()[0, 0] == keep).all()
