@@ -8,20 +8,21 @@ fagen for the common cases.
   rest read a bit pattern). It may read captured tensors. Reusable across calls and layers.
 - `flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
   enable_gqa=False, return_lse=False)`: the score_mod traced into `score_mod.expression` and its
-  derivative, the kernels of that spec run eagerly under autograd (torch_op's
-  _EagerKernelAttention, as for fagen.attention's block masks).
+  derivative, the kernels of that spec run under autograd (torch_op's flex kernels: eagerly
+  through _FlexAttention, under torch.compile as the ops fagen::flex_forward and flex_backward).
+  A block mask that is exactly a mask kind's pattern (masks.BlockMask.as_kind) runs that kind's
+  kernels.
 
 A score_mod may read captured float tensors (a bias table indexed by head and distance): kernel
-inputs, each index proven within its dimension at the call's lengths. Under torch.compile the
-call is the ops fagen::flex_forward and fagen::flex_backward (torch_op), the score_mod traced
-and the block mask registered once while the model is traced (_compiled_call), so a model
-compiles with fullgraph=True: the score_mod defined outside the compiled function, its captured
-tensors in its closure (the ops' inputs). A captured tensor that requires grad gets its gradient, bitwise
-repeatable (captured_grads: the score's gradient recomputed in PyTorch and pulled back through
-the score_mod under deterministic algorithms), eagerly; under torch.compile it is refused. Not
-yet: a gradient through the LSE. A score_mod's ints are
-int32 in the kernel (int64 in PyTorch): one whose int arithmetic may pass 2^31 at the call's
-lengths is refused, naming the term.
+inputs, each index proven within its dimension at the call's lengths. One that requires grad
+gets its gradient, bitwise repeatable (captured_grads: the score's gradient recomputed in
+PyTorch and pulled back through the score_mod under deterministic algorithms), eagerly. Under
+torch.compile the score_mod is traced and the block mask registered once while the model is
+traced (_compiled_call), so a model compiles with fullgraph=True: the score_mod defined outside
+the compiled function, its captured tensors in its closure (the ops' inputs), none requiring
+grad. A score_mod's ints are int32 in the kernel (int64 in PyTorch): one whose int arithmetic
+may pass 2^31 at the call's lengths is refused, naming the term. Not yet: a gradient through
+the LSE.
 """
 
 from __future__ import annotations
