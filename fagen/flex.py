@@ -122,9 +122,17 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     if torch.compiler.is_compiling():  # the ops, whose call the trace registers once
         # the closure's tensors are the ops' inputs; reading its cells also has torch.compile guard
         # the other values a trace baked in (a closure from one factory shares the same code)
-        tensors = [c for c in _closure(score_mod) if isinstance(c, torch.Tensor)]
-        out, lse = torch.ops.fagen.flex_forward(query, key, value, tensors, _compiled_call(score_mod, block_mask),
-                                                scale)
+        cells = _closure(score_mod)
+        tensors = [c for c in cells if isinstance(c, torch.Tensor)]
+        call = _compiled_call(score_mod, block_mask)
+        # what the trace baked in: the closure's numbers (in its expression) and its tensors' shapes
+        # (its indices' strides and bounds). Comparing them here has torch.compile guard each, so
+        # another closure of the same code is traced anew (a graph would otherwise serve it the
+        # first one's call); a closure rebound since its trace is refused
+        if _baked(cells) != _COMPILED_BAKED[call]:
+            raise TraceError(f"score_mod {getattr(score_mod, '__qualname__', score_mod)}: its closure changed since "
+                             f"torch.compile traced it; build a new score_mod rather than rebinding its variables")
+        out, lse = torch.ops.fagen.flex_forward(query, key, value, tensors, call, scale)
         return (out, lse) if return_lse else out
     block_mask = _as_fagen(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
@@ -136,6 +144,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
 def _closure(score_mod) -> list:
     """The values a score_mod's closure holds (none for None or a function without one)."""
     return [cell.cell_contents for cell in (getattr(score_mod, "__closure__", None) or ())]
+
+
+def _baked(cells: list) -> tuple:
+    """A closure's numbers, and its tensors' shapes: what a trace of its function baked in."""
+    return (tuple(c for c in cells if isinstance(c, (bool, int, float, str)) or c is None),
+            tuple(tuple(c.shape) for c in cells if isinstance(c, torch.Tensor)))
 
 
 class _FlexAttention(torch.autograd.Function):
@@ -215,6 +229,7 @@ def _deterministic_algorithms():
 
 
 _COMPILED_CALLS: dict[tuple[int, int], int] = {}  # (id(score_mod), id(block_mask)) -> index in torch_op.FLEX_CALLS
+_COMPILED_BAKED: dict[int, tuple] = {}  # that index -> _baked of the score_mod's closure when traced
 
 
 @torch.compiler.assume_constant_result
@@ -243,6 +258,7 @@ def _compiled_call(score_mod, block_mask) -> int:
                                  f"a closure (def make(table): return lambda s, b, h, q, k: ...)")
             slots.append(slot)
         torch_op.FLEX_CALLS.append((traced, _as_fagen(block_mask), tuple(slots)))
+        _COMPILED_BAKED[len(torch_op.FLEX_CALLS) - 1] = _baked(_closure(score_mod))
         _COMPILED_CALLS[key] = len(torch_op.FLEX_CALLS) - 1
         _KEPT.append((score_mod, block_mask))  # their ids stay theirs while the index is used
     return _COMPILED_CALLS[key]

@@ -35,6 +35,9 @@ BITS = 32  # partial masks pack 32 keys per uint32 word, key 0 in bit 0
 # hours, so the builders refuse such sizes before any work (`fagen mask show` has caps of its own).
 MAX_BLOCKS = 1 << 20  # blocks classified: 1024 x 1024
 MAX_PAIRS = 1 << 34  # (query, key) pairs evaluated: a 131072 x 131072 mask
+# BlockMask.as_kind compares a mask with a kind's, built on the host, up to this many blocks (a
+# 32k x 32k mask of 128-blocks, ~2 s once a mask); a larger one runs as the block mask it is
+AS_KIND_MAX_BLOCKS = 1 << 16
 
 def _check_int(name: str, value, meaning: str, low: int | None = None, example: int = 1024) -> None:
     """Refuse a builder's argument that is not an integer >= low, naming it (fagen.spec.rule)."""
@@ -177,7 +180,7 @@ class BlockMask:
 
     def _as_kind(self) -> dict | None:
         if (self.n_q != self.n_kv or self.q_block != self.kv_block or self.causal_offset != 0 or self.batch != 1
-                or self.heads != 1):
+                or self.heads != 1 or self.n_q_blocks * self.n_kv_blocks > AS_KIND_MAX_BLOCKS):
             return None
         types = self.block_type_grid()
         if (types == FULL).all():

@@ -279,10 +279,12 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
     mask_mod = lambda b, h, q, k: (q >= k) & (q - k < 40)  # noqa: E731
     block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
 
-    def relative_bias(table):
-        return lambda s, b, h, q, k: s + table[h, q - k + N - 1]
+    def relative_bias(table, weight=1.0, offset=N - 1):
+        return lambda s, b, h, q, k: s + table[h, q - k + offset] * weight
 
-    mods = [relative_bias(TABLE.float()), relative_bias(TABLE.float() * -3)]
+    wider = torch.cat([TABLE.float(), TABLE.float()[:, :2]], 1)  # another shape: its own strides and bounds
+    mods = [relative_bias(TABLE.float()), relative_bias(TABLE.float() * -3), relative_bias(TABLE.float(), 2.0),
+            relative_bias(TABLE.float(), 3.0), relative_bias(wider, 1.0, N)]
     graphs = []
 
     def backend(graph, inputs):
@@ -305,7 +307,7 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
         for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(got, (q, k, v), dout),
                               torch.autograd.grad(want, (q, k, v), dout)):
             assert torch.allclose(g, w, rtol=1e-4, atol=1e-5), name
-    assert len(torch_op.FLEX_CALLS) - calls <= 2 and all("fagen.flex_forward" in g for g in graphs)
+    assert len(torch_op.FLEX_CALLS) - calls <= 4 and all("fagen.flex_forward" in g for g in graphs)
     module_level = lambda s, b, h, q, k: s + TABLE[h, q - k + N - 1]  # noqa: E731  (a global: not the op's input)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="not in its closure"):

@@ -577,3 +577,11 @@ def test_as_kind_names_a_mask_that_is_exactly_a_kind_s_pattern(build, kind):
         n = mask.n_q
         keep = predicate(found, n, n)(0, 0, np.arange(n)[:, None], np.arange(n)[None, :])
         assert (mask.to_dense()[0, 0] == keep).all()
+
+
+def test_as_kind_leaves_a_mask_past_its_block_limit_a_block_mask(monkeypatch):
+    """Comparing with a kind's mask builds that one on the host: past AS_KIND_MAX_BLOCKS a mask
+    runs as the block mask it is (correct, a list read), never a minutes-long build."""
+    monkeypatch.setattr(masks, "AS_KIND_MAX_BLOCKS", 8 * 8 - 1)
+    assert masks.causal(1024).as_kind() is None  # 8 x 8 blocks of 128
+    assert masks.causal(896).as_kind() is not None  # 7 x 7
