@@ -686,6 +686,8 @@ def _bounds(node: Node, extents: dict[str, int] | None = None) -> tuple[int, int
         return min(ends), max(ends)
     largest = max(abs(a), abs(b))
     if node.op == "/":
+        if c == d and c > 0:  # by a positive constant: C truncates toward zero, monotone in the dividend
+            return int(a / c), int(b / c)
         return max(-largest, INT_MIN), min(largest, INT_MAX)
     if node.op == "%":  # |r| < |divisor| and |r| <= |dividend|, with the dividend's sign
         size = min(largest, max(abs(c), abs(d)) - 1)

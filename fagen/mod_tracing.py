@@ -405,8 +405,11 @@ def _floordiv(a: Traced, b: Traced) -> Traced:
         return Traced(quotient, nonnegative=True)
     zero, one = Number("0", INT), Number("1", INT)
     remainder = Binary("%", a.node, b.node, INT)
-    if _positive_constant(b):  # truncated one too high exactly where the remainder is negative
-        return Traced(Binary("-", quotient, Conditional(Binary("<", remainder, zero, BOOL), one, zero, INT), INT))
+    if _positive_constant(b):  # a negative dividend: minus the quotient of its magnitude, rounded up
+        # (c - 1 - x) / c; each branch bounded by the dividend's bounds alone, so a bucketed index
+        # is proven in range (check_captured)
+        up = Binary("/", Binary("-", Number(str(int(b.node.text) - 1), INT), a.node, INT), b.node, INT)
+        return Traced(Conditional(Binary(">=", a.node, zero, BOOL), quotient, Unary("-", up, INT), INT))
     signs_part = Binary("!=", Binary("<", a.node, zero, BOOL), Binary("<", b.node, zero, BOOL), BOOL)
     down = Conditional(Binary("&&", Binary("!=", remainder, zero, BOOL), signs_part, BOOL), one, zero, INT)
     return Traced(Binary("-", quotient, down, INT))

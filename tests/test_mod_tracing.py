@@ -274,3 +274,20 @@ def test_a_captured_table_in_a_closure_is_traced_once():
     assert flex.trace_score_mod(score_mod) is first
     other = flex.trace_score_mod(relative_bias(torch.zeros(4, 15)))
     assert other is not first and other.captured[0] is not table
+
+
+def test_a_bucketed_index_is_proven_in_range():
+    """Division by a positive constant bounds an index by the dividend's bounds over it (C
+    truncates toward zero), so a bucketed table index, (q - k) // 2 + 15, is proven within 31
+    entries at 31 positions (a bound that ignored the divisor refused it)."""
+    table = torch.zeros(31)
+    traced = flex.trace_score_mod(lambda s, b, h, q, k: s + table[(q - k) // 2 + 15])
+    flex.check_captured(traced, dict(b=1, h=1, q_idx=31, kv_idx=31))
+    with pytest.raises(flex.TraceError, match="may be -1"):
+        flex.check_captured(traced, dict(b=1, h=1, q_idx=33, kv_idx=33))
+    for text in ("(q_idx - kv_idx) / 2 + 15", "(kv_idx - q_idx - 3) / 4", "q_idx / 7 - kv_idx / 3"):
+        tree = expression.parse(text, expression.MASK_VARIABLES)
+        q, k = np.meshgrid(np.arange(31), np.arange(29), indexing="ij")
+        values = expression.evaluate(tree, dict(b=0, h=0, q_idx=q, kv_idx=k))
+        lo, hi = expression.int_bounds(tree, dict(b=1, h=1, q_idx=31, kv_idx=29))
+        assert lo <= values.min() and values.max() <= hi, text
