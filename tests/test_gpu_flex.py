@@ -31,34 +31,20 @@ MODS = {
 def test_flex_attention_matches_pytorch_with_the_same_functions(name, dtype, d):
     score_mod, mask_mod = MODS[name]
     gen = torch.Generator(device="cuda").manual_seed(len(name) + d)
-    b, hq, hkv, n = 2, 8, 2, 777
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen, requires_grad=True)
-               for h in (hq, hkv, hkv))
-    block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, hq, n, n)
-    out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = reference_attention(*leaves, score_mod, mask_mod)
-    assert relative_error(to_numpy(out), to_numpy(want)) < OUT_TOLERANCE[dtype]
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    want_grads = torch.autograd.grad(want, leaves, dout.double())
-    for name_, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):
-        assert relative_error(to_numpy(got), to_numpy(ref)) < GRAD_TOLERANCE[dtype], name_
+    # a mask built for every head is read as a block mask; one broadcast over them, a kind's
+    # pattern (causal, a window) takes that kind's kernels (BlockMask.as_kind)
+    assert_matches_pytorch(score_mod, mask_mod, dtype, d, 8, gen, None if name in ("softcap_causal", "alibi_window")
+                           else 8)
 
 
-@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
-def test_flex_attention_reads_a_captured_bias_table(dtype, d):
-    """attention-gym's relative position bias from a table [H, 2N - 1] (a kernel input, read as
-    float32), causal: output and q, k, v gradients against PyTorch's with the same function; a
-    table that may be indexed past its end is refused before a launch."""
-    gen = torch.Generator(device="cuda").manual_seed(d)
-    b, hq, hkv, n = 2, 8, 2, 777
-    table = torch.randn(hq, 2 * n - 1, device="cuda", generator=gen)
-    score_mod = lambda s, b_, h, q, k: s + table[h, q - k + n - 1]  # noqa: E731
-    mask_mod = lambda b_, h, q, k: q >= k  # noqa: E731
+def assert_matches_pytorch(score_mod, mask_mod, dtype: str, d: int, hq: int, gen, mask_heads: int | None = None):
+    """fagen.flex's out and q, k, v gradients against PyTorch's in float64 with the same functions
+    (B 2, Hq hq over 2 KV heads, 777 positions: off the tiles; the block mask for mask_heads heads,
+    None: broadcast)."""
+    b, hkv, n = 2, 2, 777
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen, requires_grad=True)
                for h in (hq, hkv, hkv))
-    block_mask = flex.create_block_mask(mask_mod, None, None, n, n)
+    block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, None, mask_heads, n, n)
     out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     want = reference_attention(*leaves, score_mod, mask_mod)
@@ -68,7 +54,19 @@ def test_flex_attention_reads_a_captured_bias_table(dtype, d):
     want_grads = torch.autograd.grad(want, leaves, dout.double())
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want_grads):
         assert relative_error(to_numpy(got), to_numpy(ref)) < GRAD_TOLERANCE[dtype], name
-    longer = torch.randn(b, hq, n + 1, d, device="cuda", dtype=getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
+def test_flex_attention_reads_a_captured_bias_table(dtype, d):
+    """attention-gym's relative position bias from a table [H, 2N - 1] (a kernel input, read as
+    float32), causal: output and q, k, v gradients against PyTorch's with the same function; a
+    table that may be indexed past its end is refused before a launch."""
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    hq, n = 8, 777
+    table = torch.randn(hq, 2 * n - 1, device="cuda", generator=gen)
+    score_mod = lambda s, b_, h, q, k: s + table[h, q - k + n - 1]  # noqa: E731
+    assert_matches_pytorch(score_mod, lambda b_, h, q, k: q >= k, dtype, d, hq, gen, hq)  # a block mask per head
+    longer = torch.randn(2, hq, n + 1, d, device="cuda", dtype=getattr(torch, dtype))
     with pytest.raises(flex.TraceError, match="which may be"):
         flex.flex_attention(longer, longer, longer, score_mod=score_mod)
 
