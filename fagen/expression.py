@@ -889,7 +889,3 @@ def int_bounds(node: Node, extents: dict[str, int]) -> tuple[int, int]:
     arithmetic: sound, not always tight)."""
     return _bounds(node, extents)
 
-
-def index_bounds(node: Load, extents: dict[str, int]) -> tuple[int, int]:
-    """Bounds on a Load's index while each variable v stays in 0 .. extents[v] - 1."""
-    return _bounds(node.index, extents)

@@ -857,7 +857,7 @@ def check_captured_indices(spec: AttentionSpec, sizes: tuple[int, ...], extents:
         if text is None:
             continue
         for load in expression.loads(expression.score(text, spec.score_mod.captured)):
-            lo, hi = expression.index_bounds(load, bounds)
+            lo, hi = expression.int_bounds(load.index, bounds)
             size = sizes[expression.captured_names(len(sizes)).index(load.array)]
             if lo < 0 or hi >= size:
                 at = ", ".join(f"{name} < {n}" for name, n in bounds.items())
