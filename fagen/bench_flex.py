@@ -38,8 +38,11 @@ NEIGHBOURHOOD = 8  # 2-D neighbourhood: keys within this many pixels along each 
 DILATION = 2
 SOFTCAP = 20.0
 IMPLS = ("fagen", "flex")
+T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # T5's relative attention buckets (its defaults)
+RANDOM_BLOCK, RANDOM_DENSITY = 128, 0.5  # per-head random masks: blocks kept at random, each head its own
+PER_HEAD_MASKS = ("per_head_random",)  # their block masks hold each head's pattern
 MOD_NAMES = ("causal", "sliding_window", "prefix_lm", "documents", "dilated_sliding_window", "neighbourhood_2d",
-             "alibi", "softcap", "relative_bias_table")  # mods()'s, in the tables' order
+             "alibi", "softcap", "relative_bias_table", "t5_bias", "per_head_random")  # mods()'s, the tables' order
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ def mods(n: int, heads: int, device="cuda") -> dict:
     side = math.isqrt(n)  # the 2-D neighbourhood's square image, side x side pixels
     gen = torch.Generator(device=device).manual_seed(n)
     table = torch.randn(heads, 2 * n - 1, device=device, generator=gen) * 0.1  # a learned relative-position bias
+    t5_table = torch.randn(heads, T5_BUCKETS, device=device, generator=gen) * 0.1
+    blocks = -(-n // RANDOM_BLOCK)
+    kept_blocks = torch.rand(heads, blocks, blocks, device=device, generator=gen) < RANDOM_DENSITY
 
     def causal(b, h, q, k):
         return q >= k
@@ -77,7 +83,22 @@ def mods(n: int, heads: int, device="cuda") -> dict:
         "alibi": (lambda s, b, h, q, k: s - torch.exp2(-8.0 * (h + 1) / heads) * (q - k), causal),
         "softcap": (lambda s, b, h, q, k: SOFTCAP * torch.tanh(s / SOFTCAP), causal),
         "relative_bias_table": (lambda s, b, h, q, k: s + table[h, q - k + n - 1], causal),
+        "t5_bias": (lambda s, b, h, q, k: s + t5_table[h, t5_bucket(q - k)], causal),
+        "per_head_random": (None, lambda b, h, q, k: kept_blocks[h, q // RANDOM_BLOCK, k // RANDOM_BLOCK]
+                            | (q // RANDOM_BLOCK == k // RANDOM_BLOCK)),  # the diagonal's: no row without a key
     }
+
+
+def t5_bucket(distance):
+    """T5's relative-position bucket of a causal distance (transformers' _relative_position_bucket,
+    bidirectional=False): exact below half the buckets, log-spaced to T5_MAX_DISTANCE, then the
+    last bucket (the lower clamp, a no-op, proves the table's index in range)."""
+    import torch
+
+    exact = T5_BUCKETS // 2
+    distance = distance.clamp(min=0)
+    logarithmic = exact + torch.log(distance.float() / exact) / math.log(T5_MAX_DISTANCE / exact) * (T5_BUCKETS - exact)
+    return torch.where(distance < exact, distance, logarithmic.int().clamp(exact, T5_BUCKETS - 1))
 
 
 def _document_ids(n: int):
@@ -123,7 +144,8 @@ def run_case(case: FlexCase) -> list[FlexRow]:
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=getattr(torch, case.dtype), generator=gen)
                      for _ in range(4))
     compiled = _compiled_flex()
-    torch_mask = None if mask_mod is None else torch_flex.create_block_mask(mask_mod, None, None, case.n, case.n)
+    mask_heads = case.heads if case.mod in PER_HEAD_MASKS else None  # the others broadcast over the heads
+    torch_mask = None if mask_mod is None else torch_flex.create_block_mask(mask_mod, None, mask_heads, case.n, case.n)
     reference = _run(compiled, torch_mask, score_mod, *(x.float() for x in (q, k, v, dout)))
     flops = 4.0 * case.batch * case.head_dim * kept_pairs(mask_mod, case.n, case.heads)
     rows = []
@@ -133,7 +155,7 @@ def run_case(case: FlexCase) -> list[FlexRow]:
         try:
             if impl == "fagen":
                 fn, block_mask = flex.flex_attention, None if mask_mod is None else flex.create_block_mask(
-                    mask_mod, None, None, case.n, case.n)
+                    mask_mod, None, mask_heads, case.n, case.n)
             else:
                 fn, block_mask = compiled, torch_mask
             got = _run(fn, block_mask, score_mod, q, k, v, dout)

@@ -665,8 +665,10 @@ def _bounds(node: Node, extents: dict[str, int] | None = None) -> tuple[int, int
     if isinstance(node, Cast):
         return _bounds(node.operand, extents) if node.operand.type != FLOAT else full
     if isinstance(node, Conditional):
-        (a, b), (c, d) = _bounds(node.then, extents), _bounds(node.other, extents)
-        return min(a, c), max(b, d)
+        taken = [_narrowed(branch, node.condition, holds, _bounds(branch, extents))
+                 for branch, holds in ((node.then, True), (node.other, False))]
+        taken = [(lo, hi) for lo, hi in taken if lo <= hi] or [(0, 0)]  # neither: never evaluated
+        return min(lo for lo, _ in taken), max(hi for _, hi in taken)
     if isinstance(node, Call):
         (a, b), *rest = [_bounds(arg, extents) for arg in node.args]
         if node.function == "abs":
@@ -699,6 +701,21 @@ def _bounds(node: Node, extents: dict[str, int] | None = None) -> tuple[int, int
     if node.op in "|^" and a >= 0 and c >= 0:
         return 0, 2 ** max(b, d).bit_length() - 1
     return full
+
+
+_NEGATED = {"<": ">=", "<=": ">", ">": "<=", ">=": "<"}
+
+
+def _narrowed(value: Node, condition: Node, holds: bool, bounds: tuple[int, int]) -> tuple[int, int]:
+    """`value`'s bounds where `condition` is `holds`, when it compares `value` itself with a
+    number (rel < 16 ? rel : ...: rel < 16 in the first branch); empty (lo > hi) where it never
+    holds."""
+    if not (isinstance(condition, Binary) and condition.op in _NEGATED and condition.left == value
+            and isinstance(condition.right, Number) and condition.right.type == INT):
+        return bounds
+    op, c = condition.op if holds else _NEGATED[condition.op], int(condition.right.text)
+    lo, hi = bounds
+    return {"<": (lo, min(hi, c - 1)), "<=": (lo, min(hi, c)), ">": (max(lo, c + 1), hi), ">=": (max(lo, c), hi)}[op]
 
 
 def int_overflow(node: Node, extents: dict[str, int]) -> Node | None:

@@ -124,7 +124,11 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
         # the other values a trace baked in (a closure from one factory shares the same code)
         cells = _closure(score_mod)
         tensors = [c for c in cells if isinstance(c, torch.Tensor)]
-        call = _compiled_call(score_mod, block_mask)
+        if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
+            raise TypeError(f"block_mask: a {type(block_mask).__name__}; under torch.compile fagen.flex takes the "
+                            f"block masks of fagen.flex.create_block_mask (built outside the compiled function)")
+        # the mask passed by its serial: torch.compile hands a constant function numbers, not objects
+        call = _compiled_call(score_mod, None if block_mask is None else block_mask.serial)
         # what the trace baked in: the closure's numbers (in its expression) and its tensors' shapes
         # (its indices' strides and bounds). Comparing them here has torch.compile guard each, so
         # another closure of the same code is traced anew (a graph would otherwise serve it the
@@ -228,19 +232,20 @@ def _deterministic_algorithms():
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
-_COMPILED_CALLS: dict[tuple[int, int], int] = {}  # (id(score_mod), id(block_mask)) -> index in torch_op.FLEX_CALLS
+_COMPILED_CALLS: dict[tuple[int, int | None], int] = {}  # (id(score_mod), mask serial) -> index in torch_op.FLEX_CALLS
 _COMPILED_BAKED: dict[int, tuple] = {}  # that index -> _baked of the score_mod's closure when traced
 
 
 @torch.compiler.assume_constant_result
-def _compiled_call(score_mod, block_mask) -> int:
-    """The index of this (score_mod, block_mask) in torch_op.FLEX_CALLS, traced and registered on
+def _compiled_call(score_mod, mask_serial: int | None) -> int:
+    """The index of this (score_mod, block mask) in torch_op.FLEX_CALLS, traced and registered on
     first sight: torch.compile runs this while it traces a model (its result a constant of the
     graph), so that what an op cannot carry reaches the ops as an int. The captured tensors are
     read where they live at each call (a CUDA graph replays their current values): float32,
     contiguous, on a GPU, or refused here. Kept for the process, as the graph that holds it."""
-    key = (id(score_mod), id(block_mask))
+    key = (id(score_mod), mask_serial)
     if key not in _COMPILED_CALLS:
+        block_mask = None if mask_serial is None else masks.live_block_mask(mask_serial)
         traced = None if score_mod is None else trace_score_mod(score_mod)
         held = [c for c in _closure(score_mod) if isinstance(c, torch.Tensor)]
         slots = []
@@ -257,10 +262,10 @@ def _compiled_call(score_mod, block_mask) -> int:
                                  f"attribute): under torch.compile the ops take the closure's tensors; bind it in "
                                  f"a closure (def make(table): return lambda s, b, h, q, k: ...)")
             slots.append(slot)
-        torch_op.FLEX_CALLS.append((traced, _as_fagen(block_mask), tuple(slots)))
+        torch_op.FLEX_CALLS.append((traced, block_mask, tuple(slots)))
         _COMPILED_BAKED[len(torch_op.FLEX_CALLS) - 1] = _baked(_closure(score_mod))
         _COMPILED_CALLS[key] = len(torch_op.FLEX_CALLS) - 1
-        _KEPT.append((score_mod, block_mask))  # their ids stay theirs while the index is used
+        _KEPT.append((score_mod, block_mask))  # its id stays its own, the mask's serial live, while the index is used
     return _COMPILED_CALLS[key]
 
 

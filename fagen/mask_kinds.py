@@ -44,6 +44,8 @@ class MaskKind:
     kv_tile_cap: int | None = None
     # every query tile visits the same keys: no order of the tile walk balances anything
     even_tiles = False
+    # its tile test reads memory (Mask::prepare_tile), which the loops issue before a tile's S MMAs
+    prepares_tiles = False
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -194,6 +196,7 @@ class BlockMaskKind(MaskKind):
     side_input = "block_mask"
     packable = False
     uses_align = False
+    prepares_tiles = True  # a tile's type and its PARTIAL pattern's words
 
 
 KINDS: dict[str, MaskKind] = {k.name: k for k in (NoMask(), Causal(), SlidingWindow(), Chunked(), PrefixLM(),

@@ -15,9 +15,11 @@ walks its own tiles, whatever sizes the mask was built with.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +114,15 @@ class KeyMajorLists:
     partial_index: np.ndarray  # [..., max_steps] int32: into BlockMask.partial_masks, -1 unless PARTIAL
 
 
+_SERIALS = itertools.count()
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # serial -> the BlockMask, while it lives
+
+
+def live_block_mask(serial: int) -> BlockMask:
+    """The block mask of this serial (BlockMask.serial), while it lives."""
+    return _LIVE[serial]
+
+
 @dataclass
 class BlockMask:
     """Per (batch, head, query block): the KV blocks to visit, their types, and bit patterns."""
@@ -127,6 +138,11 @@ class BlockMask:
     partial_masks: np.ndarray  # [n_partial, q_block, ceil(kv_block / 32)] uint32
     causal_offset: int = 0  # CAUSAL blocks keep k <= q + causal_offset
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # names the mask to code that may pass only numbers (torch.compile's constant functions)
+    serial: int = field(default_factory=lambda: next(_SERIALS), init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _LIVE[self.serial] = self
 
     @property
     def batch(self) -> int:

@@ -33,6 +33,8 @@ import types
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 
@@ -303,6 +305,8 @@ def _lift(value) -> Traced:
         if value.dim() != 0 or value.requires_grad:
             raise TraceError(f"a captured tensor of shape {tuple(value.shape)}: captured tensors are not kernel "
                              f"inputs yet (a 0-d constant without gradient is)")
+        value = value.item()
+    if isinstance(value, np.generic):  # a NumPy scalar (np.float64 is a float whose repr is no C literal)
         value = value.item()
     if isinstance(value, bool):
         return Traced(Name("true" if value else "false", BOOL))

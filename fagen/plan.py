@@ -131,6 +131,7 @@ class KernelPlan:
     warpgroups: int  # wgmma: warpgroups of 64 query rows
     pingpong: bool  # wgmma: the two warpgroups take turns on the tensor cores
     mask_lane_words: int  # 32-bit words of a row of a block mask's PARTIAL pattern a thread reads (masks.thread_words)
+    mask_prepares_tiles: bool  # the loops call Mask::prepare_tile before a tile's S MMAs (MaskKind.prepares_tiles)
     smem_bytes: int
     smem_limit: int
     seed_budget_bytes: int  # seed 002: (2 Bc d + Br d + Br Bc) elements
@@ -741,6 +742,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         warpgroups=warps // 4 if spec.wgmma else 0,
         pingpong=spec.pipeline.pingpong,
         mask_lane_words=-(-t.block_kv // LANE_COLUMNS),
+        mask_prepares_tiles=KINDS[spec.mask.kind].prepares_tiles,
         smem_bytes=smem_bytes,
         smem_limit=limit,
         seed_budget_bytes=seed_budget,

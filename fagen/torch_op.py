@@ -220,7 +220,8 @@ def _flex_spec(q, k, v, traced, block_mask):
         if mask is not None:
             block_mask = None
     fields = None if traced is None else (traced.expression, traced.expression_grad, len(traced.captured))
-    return dispatch.derive_spec(q, mask=mask, block_mask=block_mask, v=v, score_expression=fields), block_mask
+    return dispatch.derive_spec(q, mask=mask, block_mask=block_mask, keys=dispatch.sequence_keys(k), v=v,
+                                score_expression=fields), block_mask
 
 
 def _flex_captured(tables, q) -> list | None:

@@ -247,15 +247,22 @@ struct Mask {
 
   __device__ __forceinline__ int kv_tile(int i) const { return idx[i]; }
 
-  // Rows [r0, r1] of a warp against tile i (keys [kv0, kv0 + BLOCK_KV)): true unless every
-  // pair is known to count.
-  __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
+  // Tile i's test as far as it reads memory, for rows from r0 against keys [kv0, kv0 + BLOCK_KV):
+  // called before the tile's S MMAs, whose time hides the loads (needs_element_test and
+  // element_active then read registers).
+  __device__ __forceinline__ void prepare_tile(int i, int kv0, int r0) {
     const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
     tile_type = type[i];
     tile_bits = partial[i];
     if (tile_type == BLOCK_CAUSAL && k1 <= r0 + causal_offset) tile_type = BLOCK_FULL;
-    bool full = tile_type == BLOCK_FULL;
     set_tile_test<BLOCK_Q>(r0 - q0);  // r0: the warp's first row
+  }
+
+  // Rows [r0, r1] of a warp against tile i (keys [kv0, kv0 + BLOCK_KV)): true unless every
+  // pair is known to count.
+  __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
+    const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
+    bool full = tile_type == BLOCK_FULL;  // (prepare_tile read the tile's type)
     return !full || k1 >= n_kv;
   }
 
@@ -535,6 +542,7 @@ fagen_omni_prefetch_bf16_d64_sinks(
 
   for (int j = 0; j < kv_tiles; ++j) {
     const int kv0 = mask.kv_tile(j) * BLOCK_KV;
+    mask.prepare_tile(j, kv0, warp_q0);  // its loads in flight while K_j lands and S is computed
 
     // Phase 2: S = Q.K_j^T on the tensor cores (K row-major is K^T column-major: no transpose).
     float s[M_FRAGS][S_N_FRAGS][4] = {};

@@ -26,13 +26,19 @@ def test_fagen_takes_every_mod_and_the_masks_build():
     for name, (score_mod, mask_mod) in bench_flex.mods(n, heads, device="cpu").items():
         if score_mod is not None:
             traced = flex.trace_score_mod(score_mod)
-            assert len(traced.captured) == (name == "relative_bias_table"), name  # the table, a kernel input
+            tables = name in ("relative_bias_table", "t5_bias")  # a table, a kernel input
+            assert len(traced.captured) == tables, name
             flex.check_captured(traced, dict(b=4, h=heads, q_idx=n, kv_idx=n), score_mod)
         if mask_mod is not None:
-            bm = flex.create_block_mask(mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=64)
+            mask_heads = heads if name in bench_flex.PER_HEAD_MASKS else None
+            bm = flex.create_block_mask(mask_mod, None, mask_heads, n, n, device="cpu", BLOCK_SIZE=64)
             q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
-            want = mask_mod(torch.tensor(0), torch.tensor(0), q, k).numpy()
-            np.testing.assert_array_equal(bm.to_dense()[0, 0], want, err_msg=name)
+            for h in range(heads):
+                want = mask_mod(torch.tensor(0), torch.tensor(h), q, k).numpy()
+                np.testing.assert_array_equal(bm.to_dense()[0, h if mask_heads else 0], want, err_msg=name)
+            assert (mask_heads is None) == all(np.array_equal(mask_mod(torch.tensor(0), torch.tensor(h), q, k),
+                                                              mask_mod(torch.tensor(0), torch.tensor(0), q, k))
+                                               for h in range(heads)), name  # per head exactly where it differs
 
 
 def test_kept_pairs_count_the_mask_by_head():

@@ -24,8 +24,20 @@ CASES = {
     "score_only": (lambda s, b, h, q, k: s * torch.sigmoid(s) + 0.1 * b, None),
     # a captured table (a kernel input) by head and distance, as attention-gym's relative bias
     "bias_table_causal": (lambda s, b, h, q, k: s + TABLE[h, q - k + N - 1], lambda b, h, q, k: q >= k),
+    "t5_buckets_causal": (lambda s, b, h, q, k: s + T5_TABLE[h, t5_bucket(q - k, 8, 32)], lambda b, h, q, k: q >= k),
 }
 TABLE = torch.randn(HQ, 2 * N - 1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+T5_TABLE = torch.randn(HQ, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+
+def t5_bucket(distance, buckets: int, max_distance: int):
+    """T5's relative-position bucket of a causal distance (transformers' _relative_position_bucket,
+    bidirectional=False): exact below buckets / 2, log-spaced up to max_distance, clamped to the
+    last bucket (the lower clamp a no-op that proves the table's index in range)."""
+    exact = buckets // 2
+    distance = distance.clamp(min=0)
+    logarithmic = exact + (torch.log(distance.float() / exact) / np.log(max_distance / exact) * (buckets - exact))
+    return torch.where(distance < exact, distance, logarithmic.int().clamp(exact, buckets - 1))
 
 
 def reference_attention(q, k, v, score_mod, mask_mod):
@@ -316,8 +328,8 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
 
 def test_a_block_mask_of_a_kind_s_pattern_runs_that_kind_and_every_mask_is_checked(monkeypatch):
     """torch_op._flex_spec: a block mask that is exactly a mask kind's pattern takes that kind's
-    kernels (no list to read), another stays a block mask, and either is checked against the
-    call's lengths."""
+    kernels (no list to read), another stays a block mask, either is checked against the call's
+    lengths, and the spec is the one for k's length."""
     from fagen import dispatch
 
     seen = {}
@@ -332,5 +344,6 @@ def test_a_block_mask_of_a_kind_s_pattern_runs_that_kind_and_every_mask_is_check
         assert seen["mask"].model_dump(include=set(kind)) == kind and seen["block_mask"] is None
     dilated = build(lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) % 2 == 0))
     assert torch_op._flex_spec(q, q, q, None, dilated) == ("spec", dilated) and seen["mask"] is None
+    assert seen["keys"] == 300  # the shape class's tiling, as fagen.attention's (long keys: more query rows a CTA)
     with pytest.raises(ValueError, match="block_mask"):  # a mask for 300 x 300 against 200 queries
         torch_op._flex_spec(torch.zeros(1, 2, 200, 16), q, q, None, dilated)

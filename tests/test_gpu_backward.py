@@ -72,14 +72,16 @@ def test_trainable_defaults_against_oracle(dtype, head_dim, causal):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("nq, nk, hkv, mask_heads, blocks", [
-    (203, 113, 2, 4, (32, 16)), (1023, 1024, 1, 1, (64, 128)), (1, 239, 4, 4, (16, 64)), (2049, 1000, 2, 1, (128, 64))])
-def test_block_mask_backward_against_oracle(dtype, head_dim, nq, nk, hkv, mask_heads, blocks):
+@pytest.mark.parametrize("nq, nk, hkv, mask_heads, blocks, deterministic", [
+    (203, 113, 2, 4, (32, 16), False), (1023, 1024, 1, 1, (64, 128), True), (1, 239, 4, 4, (16, 64), False),
+    (2049, 1000, 2, 1, (128, 64), True)])
+def test_block_mask_backward_against_oracle(dtype, head_dim, nq, nk, hkv, mask_heads, blocks, deterministic):
     """Runtime block masks (every block type) built at blocks of their own, which each loop
     re-blocks to its tiles (the dK/dV kernel's transposed, per KV head over its group's query
-    heads): per-head and head-broadcast masks, MHA, GQA and MQA; d 256 runs mma.sync."""
+    heads): per-head and head-broadcast masks, MHA, GQA and MQA; d 256 runs mma.sync; atomic dQ
+    and the deterministic dQ kernel (which prepares each tile's test before its scores)."""
     base = variants.variant(default_spec(dtype, head_dim, False), Mask(kind="block_mask"), ScoreMod())
-    spec = variants.trainable(base)
+    spec = variants.trainable(base, deterministic=deterministic)
     rng = np.random.default_rng(nq + head_dim)
     extras = {"block_mask": random_block_mask(rng, 2, mask_heads, nq, nk, *blocks)}
     result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk, extras=extras)

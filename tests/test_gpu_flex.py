@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 from fagen import flex  # noqa: E402
-from tests.test_flex import reference_attention  # noqa: E402
+from tests.test_flex import reference_attention, t5_bucket  # noqa: E402
 
 GRAD_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}  # as tests/test_gpu_torch.py's
 MODS = {
@@ -23,7 +23,10 @@ MODS = {
     "dilated_relative": (lambda s, b, h, q, k: s + 0.01 * ((q - k) // 3), lambda b, h, q, k: ((q - k) % 2 == 0) | (k < 64)),
     "mask_only_per_head": (None, lambda b, h, q, k: torch.where(h % 2 == 0, q >= k, (q // 128) == (k // 128))),
     "score_only": (lambda s, b, h, q, k: s * torch.sigmoid(s), None),
+    # T5's buckets (a captured table by head and bucket; exact and log-spaced distances)
+    "t5_buckets_causal": (lambda s, b, h, q, k: s + T5_TABLE[h, t5_bucket(q - k, 32, 128)], lambda b, h, q, k: q >= k),
 }
+T5_TABLE = torch.randn(8, 32, generator=torch.Generator().manual_seed(7)).cuda() if torch.cuda.is_available() else None
 
 
 @pytest.mark.parametrize("name", list(MODS))

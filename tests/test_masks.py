@@ -120,6 +120,23 @@ def test_from_predicate_matches_dense_from_predicate():
                                   masks.dense_from_predicate(fn, 2, 3, 41, 59))
 
 
+def test_a_block_mask_is_found_by_its_serial_while_it_lives():
+    """torch.compile's constant functions take numbers: a mask passes as its serial, its own."""
+    import dataclasses
+    import gc
+
+    fn = lambda b, h, q, k: q >= k  # noqa: E731
+    first, second = masks.from_predicate(fn, 1, 1, 40, 40, 16, 16), masks.from_predicate(fn, 1, 1, 40, 40, 16, 16)
+    copy = dataclasses.replace(first)
+    assert len({first.serial, second.serial, copy.serial}) == 3
+    assert all(masks.live_block_mask(m.serial) is m for m in (first, second, copy))
+    gone = second.serial
+    del second
+    gc.collect()
+    with pytest.raises(KeyError):
+        masks.live_block_mask(gone)
+
+
 @pytest.mark.parametrize("q_block, kv_block", [(16, 16), (32, 64), (64, 16), (128, 128), (48, 80)])
 def test_from_dense_round_trip(q_block, kv_block):
     rng = np.random.default_rng()

@@ -291,3 +291,25 @@ def test_a_bucketed_index_is_proven_in_range():
         values = expression.evaluate(tree, dict(b=0, h=0, q_idx=q, kv_idx=k))
         lo, hi = expression.int_bounds(tree, dict(b=1, h=1, q_idx=31, kv_idx=29))
         assert lo <= values.min() and values.max() <= hi, text
+
+
+def test_a_branch_is_bounded_by_the_comparison_that_chooses_it():
+    """`x < c ? x : y` bounds x below c in its branch (T5's buckets: the exact distances below
+    half the table, a clamped log bucket above), and the bounds stay sound against the values."""
+    extents = dict(b=1, h=1, q_idx=300, kv_idx=300)
+    q, k = np.meshgrid(np.arange(300), np.arange(300), indexing="ij")
+    for text, want in (("q_idx < 16 ? q_idx : 20", (0, 20)), ("q_idx >= 16 ? 3 : q_idx", (0, 15)),
+                       ("q_idx - kv_idx > 5 ? q_idx - kv_idx : 0", (0, 299)),
+                       ("q_idx <= 7 ? q_idx : min(q_idx, 9)", (0, 9)),
+                       ("q_idx < kv_idx ? q_idx : 0", (0, 299))):  # not against a number: not narrowed
+        tree = expression.parse(text, expression.MASK_VARIABLES)
+        assert expression.int_bounds(tree, extents) == want, text
+        values = expression.evaluate(tree, dict(b=0, h=0, q_idx=q, kv_idx=k))
+        assert want[0] <= values.min() and values.max() <= want[1], text
+    table = torch.zeros(2, 32)
+
+    def bucketed(s, b, h, q, k):
+        distance = (q - k).clamp(min=0)
+        return s + table[h, torch.where(distance < 16, distance, 31)]
+    t5 = flex.trace_score_mod(bucketed)
+    flex.check_captured(t5, dict(b=1, h=2, q_idx=4096, kv_idx=4096))
