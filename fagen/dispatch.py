@@ -57,9 +57,10 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
     elif mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
         mask = _mask_of(mask)
     bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
+    block_tiles = (block_mask.q_block, block_mask.kv_block) if hasattr(block_mask, "kv_block") else None
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
                          bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug(), head_dim_v,
-                         None if score_expression is None else tuple(score_expression))
+                         None if score_expression is None else tuple(score_expression), block_tiles)
 
 
 @lru_cache(maxsize=64)
@@ -82,7 +83,8 @@ def _mask_of(given) -> Mask:
 def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
                   has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
                   gpu: str, head_dim_v: int | None = None,
-                  score_expression: tuple[str, str, int] | None = None) -> AttentionSpec:
+                  score_expression: tuple[str, str, int] | None = None,
+                  block_tiles: tuple[int, int] | None = None) -> AttentionSpec:
     if dtype not in KERNEL_TYPES:
         raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
     if head_dim in QK_HEAD_DIMS and head_dim_v is None:
@@ -110,6 +112,8 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
     # a Q.K^T width with no default of its own starts from the next wider head's
     shipped_dim = next((d for d in HEAD_DIMS if d >= head_dim), head_dim) if head_dim in QK_HEAD_DIMS else head_dim
     derived = variants.modified_spec(dtype, shipped_dim, mask.kind == "causal", mask, score_mod, gpu=gpu, keys=keys)
+    if block_tiles is not None and head_dim_v is None:  # a block mask's blocks (q_block, kv_block)
+        derived = variants.block_aligned(derived, mask, score_mod, block_tiles, gpu=gpu)
     if head_dim_v is None:
         return derived
     try:  # V and O of their own width (spec.head_dim_v): the forward over padded tensors

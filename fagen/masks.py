@@ -166,23 +166,28 @@ class BlockMask:
 
     def to_dense(self) -> np.ndarray:
         """[Bm, Hm, n_q, n_kv] bool: the pairs this mask keeps."""
+        return np.stack([np.stack([self.dense_rows(b, h, 0, self.n_q) for h in range(self.heads)])
+                         for b in range(self.batch)])
+
+    def dense_rows(self, b: int, h: int, r0: int, r1: int) -> np.ndarray:
+        """[r1 - r0, n_kv] bool: the pairs query rows r0 .. r1 - 1 of batch row b and head h
+        keep (re-blocking reads a slab at a time, never the whole N x N of every head)."""
         qb, kb = self.q_block, self.kv_block
-        dense = np.zeros((self.batch, self.heads, self.n_q_blocks * qb, self.n_kv_blocks * kb), bool)
+        first, last = r0 // qb, -(-r1 // qb)
+        dense = np.zeros(((last - first) * qb, self.n_kv_blocks * kb), bool)
         qi = np.arange(qb)[:, None]
         ki = np.arange(kb)[None, :]
-        for b in range(self.batch):
-            for h in range(self.heads):
-                for r in range(self.n_q_blocks):
-                    for i in range(self.kv_num_blocks[b, h, r]):
-                        c, t = self.kv_indices[b, h, r, i], self.block_types[b, h, r, i]
-                        rows, cols = slice(r * qb, r * qb + qb), slice(c * kb, c * kb + kb)
-                        if t == FULL:
-                            dense[b, h, rows, cols] = True
-                        elif t == CAUSAL:
-                            dense[b, h, rows, cols] = (c * kb + ki) <= (r * qb + qi) + self.causal_offset
-                        elif t == PARTIAL:
-                            dense[b, h, rows, cols] = unpack_bits(self.partial_masks[self.partial_index[b, h, r, i]], kb)
-        return dense[:, :, : self.n_q, : self.n_kv]
+        for r in range(first, last):
+            for i in range(self.kv_num_blocks[b, h, r]):
+                c, t = self.kv_indices[b, h, r, i], self.block_types[b, h, r, i]
+                rows, cols = slice((r - first) * qb, (r - first + 1) * qb), slice(c * kb, c * kb + kb)
+                if t == FULL:
+                    dense[rows, cols] = True
+                elif t == CAUSAL:
+                    dense[rows, cols] = (c * kb + ki) <= (r * qb + qi) + self.causal_offset
+                elif t == PARTIAL:
+                    dense[rows, cols] = unpack_bits(self.partial_masks[self.partial_index[b, h, r, i]], kb)
+        return dense[r0 - first * qb: r1 - first * qb, : self.n_kv]
 
     def as_kind(self) -> Mask | None:
         """The mask kind whose pattern this mask is exactly, where fagen's own kernels run it
@@ -255,7 +260,15 @@ class BlockMask:
         if (self.q_block, self.kv_block) == (block_q, block_kv):
             return self
         if key not in self._cache:
-            self._cache[key] = from_dense(self.to_dense(), block_q, block_kv, causal_offset=self.causal_offset)
+            _check_blocks(block_q, block_kv, self.causal_offset)
+            slab: dict = {}  # the query tile's rows, dense, while its blocks are classified
+
+            def block_of(b: int, h: int, qb: int, kb: int) -> np.ndarray:
+                if slab.get("at") != (b, h, qb):
+                    slab.update(at=(b, h, qb), rows=self.dense_rows(b, h, qb * block_q, min(self.n_q, (qb + 1) * block_q)))
+                return slab["rows"][:, kb * block_kv:(kb + 1) * block_kv]
+            self._cache[key] = from_blocks(self.n_q, self.n_kv, block_q, block_kv, self.batch, self.heads, block_of,
+                                           self.causal_offset)
         return self._cache[key]
 
     def key_major(self, group: int) -> KeyMajorLists:

@@ -189,10 +189,10 @@ struct Mask {
   int causal_offset, q0;
   // The tile being masked, as one test for every type, with no branch an element (the forward's
   // and the dQ kernel's; the dK/dV kernel branches on the type: with d64's S^T, 128 queries wide,
-  // the branch-free test spilled): a pair counts where kv_idx <= q_idx + tile_diagonal (CAUSAL:
-  // causal_offset, else n_kv: never binding) and the thread's row_bits keep its column (PARTIAL: its
-  // words of the pattern, else all ones)
-  int tile_type, tile_bits, tile_diagonal;
+  // the branch-free test spilled): a pair counts where the thread's row_bits keep its column
+  // (PARTIAL: its words of the pattern, else all ones; fold_limits clears keys past n_kv and a
+  // CAUSAL tile's keys past the diagonal)
+  int tile_type, tile_bits;
   unsigned row_bits[2 * M_FRAGS][LANE_WORDS];  // rows 16f + 8h + lane / 4 of the thread
 
   // A PARTIAL tile's words of the thread's rows, its warp's first being `row0` of the pattern's
@@ -211,7 +211,6 @@ struct Mask {
   // the pattern's ROWS rows.
   template <int ROWS>
   __device__ __forceinline__ void set_tile_test(int row0) {
-    tile_diagonal = tile_type == BLOCK_CAUSAL ? causal_offset : n_kv;  // n_kv: no key (kv_idx < n_kv) is past q_idx + n_kv
     if (tile_type == BLOCK_PARTIAL) {
       load_rows<ROWS>(row0);
     } else {
@@ -219,6 +218,26 @@ struct Mask {
       for (int r = 0; r < 2 * M_FRAGS; ++r)
 #pragma unroll
         for (int w = 0; w < LANE_WORDS; ++w) row_bits[r][w] = tile_type == BLOCK_MASKED ? 0u : ~0u;
+    }
+  }
+
+  // Keys past n_kv and, in a CAUSAL tile, keys past each row's diagonal cleared from the thread's
+  // words, rows from r0 against keys from kv0 (the forward's and the dQ kernel's): a thread's
+  // columns 8n + 2t + e rise with its pair 2n + e, so a row's keys up to a column are a prefix of
+  // its pairs, and the element test is the bit alone.
+  __device__ __forceinline__ void fold_limits(int kv0, int r0) {
+    const int lane = threadIdx.x & 31, first_column = 2 * (lane & 3);
+#pragma unroll
+    for (int r = 0; r < 2 * M_FRAGS; ++r) {
+      int last = n_kv - 1 - kv0;  // the tile's last column that is a key
+      if (tile_type == BLOCK_CAUSAL) last = min(last, r0 + (r >> 1) * 16 + (r & 1) * 8 + (lane >> 2) + causal_offset - kv0);
+      const int past = last - first_column;  // columns past the thread's first
+      const int pairs = past < 0 ? 0 : 2 * (past >> 3) + min(past & 7, 1) + 1;  // pairs 0 .. pairs - 1 count
+#pragma unroll
+      for (int w = 0; w < LANE_WORDS; ++w) {
+        const int kept_here = pairs - 32 * w;
+        row_bits[r][w] &= kept_here >= 32 ? ~0u : kept_here <= 0 ? 0u : (1u << kept_here) - 1u;
+      }
     }
   }
 
@@ -255,6 +274,7 @@ struct Mask {
     tile_bits = partial[i];
     if (tile_type == BLOCK_CAUSAL && k1 <= r0 + causal_offset) tile_type = BLOCK_FULL;
     set_tile_test<BLOCK_Q>(r0 - q0);  // r0: the warp's first row
+    if (tile_type != BLOCK_FULL || k1 >= n_kv) fold_limits(kv0, r0);
   }
 
   // Rows [r0, r1] of a warp against tile i (keys [kv0, kv0 + BLOCK_KV)): true unless every
@@ -268,7 +288,7 @@ struct Mask {
   // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
   // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
   __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
-    bool active = kv_idx < n_kv && kv_idx <= q_idx + tile_diagonal && kept(row, pair);
+    bool active = kept(row, pair);  // (prepare_tile folded n_kv and the CAUSAL diagonal into the words)
     return active;
   }
 };

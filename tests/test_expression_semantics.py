@@ -412,6 +412,8 @@ def test_a_score_expression_that_ignores_the_score_compiles_without_warnings():
     ("(q_idx % 1000) * (kv_idx % 1000) > 5", "q_idx % 1000 * (kv_idx % 1000) > 5"),
     ("(float)q_idx * 0.5f + 1.f > (float)kv_idx", "__fadd_rn(__fmul_rn((float)q_idx, 0.5f), 1.f) > (float)kv_idx"),
     ("(float)q_idx * 0.1 - 1. < 3.f", "__dsub_rn(__dmul_rn((float)q_idx, 0.1), 1.) < 3.f"),  # double, as in C
+    # the MUFU approximations (expression.FAST_FUNCTIONS): the source keeps C's names
+    ("logf((float)q_idx) > expf((float)kv_idx) + log2f(2.f)", "__logf((float)q_idx) > __fadd_rn(__expf((float)kv_idx), __log2f(2.f))"),
 ])
 def test_the_kernel_text_wraps_int_overflow_and_rounds_each_float_step_of_a_mask(text, kernel):
     assert cuda(expression.mask(text)) == kernel

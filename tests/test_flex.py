@@ -347,3 +347,23 @@ def test_a_block_mask_of_a_kind_s_pattern_runs_that_kind_and_every_mask_is_check
     assert seen["keys"] == 300  # the shape class's tiling, as fagen.attention's (long keys: more query rows a CTA)
     with pytest.raises(ValueError, match="block_mask"):  # a mask for 300 x 300 against 200 queries
         torch_op._flex_spec(torch.zeros(1, 2, 200, 16), q, q, None, dilated)
+
+
+def test_a_block_mask_runs_on_its_own_blocks_where_a_shipped_tiling_matches(monkeypatch):
+    """dispatch.derive_spec_for with a block mask: on the H200 at d64 (defaults 192 x 128, 192 x
+    96 with a block mask) a mask of FlexAttention's 128-blocks takes a shipped 128 x 128 tiling,
+    so its whole blocks stay whole tiles; blocks no shipped tiling has keep the derived spec."""
+    from fagen import device, dispatch, variants
+    from fagen.spec import Mask, ScoreMod
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    build = lambda size: flex.create_block_mask(lambda b, h, q, k: q >= k, None, None, 512, 512,  # noqa: E731
+                                                device="cpu", BLOCK_SIZE=size)
+    block_mask = Mask(kind="block_mask")
+    derived = variants.modified_spec("float16", 64, False, block_mask, ScoreMod(), gpu="h200", keys=4096)
+    assert (derived.tiling.block_q, derived.tiling.block_kv) != (128, 128)
+    for dtype, d in (("float16", 64), ("bfloat16", 64), ("float16", 128)):
+        aligned = dispatch.derive_spec_for(dtype, d, block_mask=build(128), keys=4096)
+        assert (aligned.tiling.block_q, aligned.tiling.block_kv) == (128, 128) and aligned.mask == block_mask
+    odd = dispatch.derive_spec_for("float16", 64, block_mask=build(48), keys=4096)
+    assert odd == derived
