@@ -196,7 +196,6 @@ def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, scale, tables
     scale = d ** -0.5 if scale is None else scale
     keys, values = (x.detach().float().repeat_interleave(group, 1) for x in (k, v))
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)
-    dense = None if block_mask is None else torch.from_numpy(block_mask.to_dense()).to(q.device)
     sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if w else None for t, w in zip(tables, wanted)]
     pulled = [t for t, w in zip(tables, wanted) if w]
     bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
@@ -207,8 +206,10 @@ def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, scale, tables
         qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
         s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
         keep = torch.ones_like(s, dtype=torch.bool)
-        if dense is not None:
-            keep = keep & dense[:, :, rows]
+        if block_mask is not None:  # the slab's rows, dense (never N x N of every head at once)
+            keep = keep & torch.from_numpy(np.stack([np.stack([block_mask.dense_rows(bm, hm, rows.start, rows.stop)
+                                                               for hm in range(block_mask.heads)])
+                                                     for bm in range(block_mask.batch)])).to(q.device)
         ds = (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
         with torch.enable_grad():
             modified = score_mod(s, bi, hi, qi, ki)

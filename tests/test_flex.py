@@ -101,7 +101,7 @@ def test_flex_attention_is_pytorch_s_attention_with_the_same_functions(case, mon
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("mask", ["causal", "prefix"])
+@pytest.mark.parametrize("mask", ["causal", "prefix", "window_by_head"])
 def test_a_captured_table_that_requires_grad_gets_its_gradient_bitwise_repeatable(mask, monkeypatch):
     """A learned relative bias [H, 2N - 1] (requires grad): its gradient (captured_grads, the
     score's gradient pulled back through score_mod a slab of rows at a time) against PyTorch's
@@ -113,10 +113,12 @@ def test_a_captured_table_that_requires_grad_gets_its_gradient_bitwise_repeatabl
     monkeypatch.setattr(flex, "CHUNK_SCORES", B * HQ * N * 7)  # slabs of 7 rows: several, uneven
     table = (TABLE * 0.5).requires_grad_()
     score_mod = lambda s, b, h, q, k: s + table[h, q - k + N - 1]  # noqa: E731
-    mask_mod = {"causal": lambda b, h, q, k: q >= k, "prefix": lambda b, h, q, k: (q >= k) | (k < 20)}[mask]
+    mask_mod = {"causal": lambda b, h, q, k: q >= k, "prefix": lambda b, h, q, k: (q >= k) | (k < 20),
+                "window_by_head": lambda b, h, q, k: (q >= k) & (q - k <= 10 + 7 * h)}[mask]
     gen = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
-    block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
+    block_mask = flex.create_block_mask(mask_mod, None, HQ if mask == "window_by_head" else None, N, N, device="cpu",
+                                        BLOCK_SIZE=32)
     dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
     got = [torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                    enable_gqa=True), table, dout)[0] for _ in range(2)]
