@@ -600,7 +600,9 @@ def cuda(node: Node) -> str:
     __fadd_rn/__fsub_rn/__fmul_rn (__d*_rn in double), so nvcc does not contract them into an
     FMA whose single rounding the evaluator's float32 steps do not reproduce. Elsewhere (a
     score) the text is `source`, and nvcc may contract. logf, log2f and expf print as their fast
-    intrinsics (FAST_FUNCTIONS). Int / and % by a non-constant divisor
+    intrinsics (FAST_FUNCTIONS) on every path: no CUDA logarithm rounds as NumPy's does (logf
+    is within 1 ulp, __logf within about 2^-21 near 1), so a decision taken on one exactly at a
+    boundary may differ from the evaluator's either way. Int / and % by a non-constant divisor
     are printed as written: C leaves x / 0 and INT_MIN / -1 undefined, and the evaluator's 0
     there is no promise about the kernel."""
     return _print(node, kernel=True, exact=False)[0]

@@ -112,7 +112,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     """FlexAttention's flex_attention on fagen's kernels: query [B, Hq, Nq, d], key and value
     [B, Hkv, Nk, d] PyTorch tensors; score_mod(score, b, h, q_idx, kv_idx) changes the scaled
     score q.k * scale; block_mask from fagen.flex.create_block_mask (or fagen.masks; one of
-    FlexAttention's own is rebuilt from its mask_mod once, on its device, and kept). Gradients
+    FlexAttention's own is rebuilt from its mask_mod once, on its device, and kept; under
+    torch.compile it is refused: build it with fagen.flex.create_block_mask). Gradients
     flow to query, key and value; the LSE (return_lse) carries none. kernel_options (FlexAttention's
     Triton tiling) is accepted and not read: fagen's kernels have their own. Returns out (and the
     LSE [B, Hq, Nq])."""
@@ -152,7 +153,7 @@ def _closure(score_mod) -> list:
 
 def _baked(cells: list) -> tuple:
     """A closure's numbers, and its tensors' shapes: what a trace of its function baked in."""
-    return (tuple(c for c in cells if isinstance(c, (bool, int, float, str)) or c is None),
+    return (tuple(c for c in cells if isinstance(c, (bool, int, float, str, np.generic)) or c is None),
             tuple(tuple(c.shape) for c in cells if isinstance(c, torch.Tensor)))
 
 

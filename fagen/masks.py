@@ -144,6 +144,12 @@ class BlockMask:
     def __post_init__(self):
         _LIVE[self.serial] = self
 
+    def __setstate__(self, state: dict):
+        """A copy or an unpickled mask takes a serial of its own (copy, deepcopy and pickle set
+        the state without __init__): never one that names another mask in this process."""
+        self.__dict__.update(state, serial=next(_SERIALS))
+        _LIVE[self.serial] = self
+
     @property
     def batch(self) -> int:
         return self.kv_num_blocks.shape[0]

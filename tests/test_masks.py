@@ -122,14 +122,17 @@ def test_from_predicate_matches_dense_from_predicate():
 
 def test_a_block_mask_is_found_by_its_serial_while_it_lives():
     """torch.compile's constant functions take numbers: a mask passes as its serial, its own."""
+    import copy
     import dataclasses
     import gc
+    import pickle
 
     fn = lambda b, h, q, k: q >= k  # noqa: E731
     first, second = masks.from_predicate(fn, 1, 1, 40, 40, 16, 16), masks.from_predicate(fn, 1, 1, 40, 40, 16, 16)
-    copy = dataclasses.replace(first)
-    assert len({first.serial, second.serial, copy.serial}) == 3
-    assert all(masks.live_block_mask(m.serial) is m for m in (first, second, copy))
+    copies = [dataclasses.replace(first), copy.copy(first), copy.deepcopy(first), pickle.loads(pickle.dumps(first))]
+    assert len({first.serial, second.serial, *(c.serial for c in copies)}) == 2 + len(copies)
+    assert all(masks.live_block_mask(m.serial) is m for m in (first, second, *copies))
+    assert all(np.array_equal(c.to_dense(), first.to_dense()) for c in copies)
     gone = second.serial
     del second
     gc.collect()
