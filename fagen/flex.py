@@ -9,18 +9,19 @@ fagen for the common cases.
 - `flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
   enable_gqa=False, return_lse=False)`: the score_mod traced into `score_mod.expression` and its
   derivative, the kernels of that spec run under autograd (torch_op's flex kernels: eagerly
-  through _FlexAttention, under torch.compile as the ops fagen::flex_forward and flex_backward).
+  through _FlexAttention, under torch.compile as the ops fagen::flex_forward, flex_backward and
+  flex_captured_grads).
   A block mask that is exactly a mask kind's pattern (masks.BlockMask.as_kind) runs that kind's
   kernels.
 
 A score_mod may read captured float tensors (a bias table indexed by head and distance): kernel
 inputs, each index proven within its dimension at the call's lengths. One that requires grad
-gets its gradient, bitwise repeatable (captured_grads: the score's gradient recomputed in
-PyTorch and pulled back through the score_mod under deterministic algorithms), eagerly. Under
-torch.compile the score_mod is traced and the block mask registered once while the model is
-traced (_compiled_call), so a model compiles with fullgraph=True: the score_mod defined outside
-the compiled function, its captured tensors in its closure (the ops' inputs), none requiring
-grad. A score_mod's ints are int32 in the kernel (int64 in PyTorch): one whose int arithmetic
+gets its gradient, bitwise repeatable (fagen.captured_grads: the score's gradient recomputed in
+PyTorch, times each read's derivative from the traced expression, scattered in a fixed order),
+eagerly and under torch.compile (the op fagen::flex_captured_grads). Under torch.compile the
+score_mod is traced and the block mask registered once while the model is traced
+(_compiled_call), so a model compiles with fullgraph=True: the score_mod defined outside the
+compiled function, its captured tensors in its closure (the ops' inputs). A score_mod's ints are int32 in the kernel (int64 in PyTorch): one whose int arithmetic
 may pass 2^31 at the call's lengths is refused, naming the term. Not yet: a gradient through
 the LSE.
 """
@@ -28,12 +29,11 @@ the LSE.
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 
-from fagen import masks, torch_op
+from fagen import captured_grads, masks, torch_op
 from fagen.mod_tracing import TracedScoreMod, TraceError, check_captured, check_int32, trace_mask_mod, trace_score_mod
 
 __all__ = ["create_block_mask", "flex_attention", "trace_mask_mod", "trace_score_mod", "TraceError",
@@ -142,7 +142,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
     block_mask = _as_fagen(block_mask)
     traced = None if score_mod is None else trace_score_mod(score_mod)
     tables = () if traced is None else traced.captured
-    out, lse = _FlexAttention.apply(query, key, value, (traced, block_mask, scale, score_mod), *tables)
+    out, lse = _FlexAttention.apply(query, key, value, (traced, block_mask, scale), *tables)
     return (out, lse) if return_lse else out
 
 
@@ -163,7 +163,7 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call, *tables):
-        traced, block_mask, scale, _ = call
+        traced, block_mask, scale = call
         out, lse = torch_op.flex_kernels_forward(q, k, v, traced, block_mask, scale, tables)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, *tables)
@@ -173,65 +173,14 @@ class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *tables = ctx.saved_tensors
-        traced, block_mask, scale, score_mod = ctx.call
+        traced, block_mask, scale = ctx.call
         grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables) \
             if any(ctx.needs_input_grad[:3]) else (None, None, None)
         wanted = ctx.needs_input_grad[4:]
-        table_grads = captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, scale, tables, wanted) \
-            if any(wanted) else [None] * len(tables)
+        table_grads = captured_grads.captured_grads(
+            dout, q, k, v, out, lse, captured_grads.score_tree(traced.expression, len(tables)), block_mask, scale,
+            tables, wanted) if any(wanted) else [None] * len(tables)
         return (*grads, None, *table_grads)
-
-
-CHUNK_SCORES = 1 << 24  # scores captured_grads recomputes at a time (64 MiB of float32, a few times over)
-
-
-def captured_grads(dout, q, k, v, out, lse, score_mod, block_mask, scale, tables, wanted) -> list:
-    """d loss / d each captured tensor that requires one (`wanted`), None for the others: the
-    score's gradient dS = P (dP - D) recomputed in PyTorch a slab of query rows at a time, in
-    float32, from the kernels' out and LSE, and pulled back through the user's score_mod by
-    autograd under deterministic algorithms (sorted scatters), the slabs added in order: bitwise
-    the same run to run. Its cost: the attention's matmuls again and a scatter of every score,
-    outside the fused kernels (FlexAttention adds the same gradient atomically)."""
-    b, hq, nq, d = q.shape
-    group, nk = hq // k.shape[1], k.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    keys, values = (x.detach().float().repeat_interleave(group, 1) for x in (k, v))
-    delta = (dout.float() * out.float()).sum(-1, keepdim=True)
-    sums = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if w else None for t, w in zip(tables, wanted)]
-    pulled = [t for t, w in zip(tables, wanted) if w]
-    bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
-                  for axis, n in ((0, b), (1, hq), (3, nk)))
-    step = max(1, CHUNK_SCORES // (b * hq * nk))
-    for r0 in range(0, nq, step):
-        rows = slice(r0, min(nq, r0 + step))
-        qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
-        s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
-        keep = torch.ones_like(s, dtype=torch.bool)
-        if block_mask is not None:  # the slab's rows, dense (never N x N of every head at once)
-            keep = keep & torch.from_numpy(np.stack([np.stack([block_mask.dense_rows(bm, hm, rows.start, rows.stop)
-                                                               for hm in range(block_mask.heads)])
-                                                     for bm in range(block_mask.batch)])).to(q.device)
-        ds = (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
-        with torch.enable_grad():
-            modified = score_mod(s, bi, hi, qi, ki)
-            p = torch.where(keep, torch.exp(modified.detach() - lse[:, :, rows, None]), 0.0)
-            with _deterministic_algorithms():
-                parts = torch.autograd.grad(modified, pulled, p * ds, allow_unused=True)
-        for total, part in zip((x for x in sums if x is not None), parts):
-            if part is not None:
-                total += part.float()
-    return [None if total is None else total.to(t.dtype) for total, t in zip(sums, tables)]
-
-
-@contextmanager
-def _deterministic_algorithms():
-    """PyTorch's deterministic algorithms (a scatter's sorted, not atomic), then as they were."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 _COMPILED_CALLS: dict[tuple[int, int | None], int] = {}  # (id(score_mod), mask serial) -> index in torch_op.FLEX_CALLS
@@ -254,10 +203,6 @@ def _compiled_call(score_mod, mask_serial: int | None) -> int:
         for i, t in enumerate(() if traced is None else traced.captured):
             _check_read_in_place(t, i, score_mod)
             name = getattr(score_mod, "__qualname__", score_mod)
-            if t.requires_grad:
-                raise TraceError(f"score_mod {name}: captured tensor {i} requires grad: under torch.compile its "
-                                 f"gradient is not computed yet; call fagen.flex.flex_attention eagerly "
-                                 f"(torch.compiler.disable) or detach it")
             slot = next((j for j, h in enumerate(held) if h is t), None)
             if slot is None:
                 raise TraceError(f"score_mod {name}: captured tensor {i} is not in its closure (a global or an "

@@ -168,7 +168,7 @@ class BlockMask:
 
     def block_type_grid(self) -> np.ndarray:
         """[Bm, Hm, n_q_blocks, n_kv_blocks] of MASKED / FULL / CAUSAL / PARTIAL."""
-        return self._grids()[0]
+        return self.grids()[0]
 
     def to_dense(self) -> np.ndarray:
         """[Bm, Hm, n_q, n_kv] bool: the pairs this mask keeps."""
@@ -249,7 +249,7 @@ class BlockMask:
 
     def _same_blocks(self, other: BlockMask) -> bool:
         """The same pattern, block for block (types, and PARTIAL blocks' bits)."""
-        (types, partials), (their_types, their_partials) = self._grids(), other._grids()
+        (types, partials), (their_types, their_partials) = self.grids(), other.grids()
         if types.shape != their_types.shape or not np.array_equal(types, their_types):
             return False
         mine, theirs = partials[types == PARTIAL], their_partials[types == PARTIAL]
@@ -287,7 +287,7 @@ class BlockMask:
         key = ("key_major", group)
         if key in self._cache:
             return self._cache[key]
-        types, partials = self._grids()
+        types, partials = self.grids()
         b, h, n_qb, n_kb = types.shape
         if h > 1 and h % group:
             raise ValueError(f"block_mask has {h} heads, not a multiple of the group of {group} query heads per "
@@ -310,7 +310,14 @@ class BlockMask:
         self._cache[key] = lists
         return lists
 
-    def _grids(self) -> tuple[np.ndarray, np.ndarray]:
+    def cached(self, key, build: Callable[[], object]):
+        """build() kept on the mask under `key`: what a caller derives from it once (a device's
+        copy of its lists)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def grids(self) -> tuple[np.ndarray, np.ndarray]:
         """[Bm, Hm, n_q_blocks, n_kv_blocks] block types and partial indices (-1 unless PARTIAL)."""
         types = np.full((self.batch, self.heads, self.n_q_blocks, self.n_kv_blocks), MASKED, np.int32)
         partials = np.full_like(types, -1)

@@ -17,7 +17,7 @@ tensor indexed by traced ints (a learned bias table) becomes a kernel input, rea
 at a call's lengths). Refused, naming the function's line: a Python branch on a traced value
 (`if`, `and`, `or`: use torch.where and `&`, `|`), an infinity or NaN constant (mask keys with a
 mask_mod), and any function outside TORCH_FUNCTIONS. (A captured tensor that requires grad gets
-its gradient from fagen.flex.captured_grads.)
+its gradient from fagen.captured_grads.)
 
 Depends on fagen.expression and PyTorch (imported when a function is traced).
 """

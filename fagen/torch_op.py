@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, decode, dispatch, mod_tracing, runtime, side_inputs, variants
+from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants
 from fagen.spec import Mask
 
 
@@ -258,18 +258,43 @@ def _(dout, q, k, v, out, lse, captured, call, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@_op
+def flex_captured_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        captured: list[Tensor], call: int, scale: Optional[float], wanted: list[bool]) -> list[Tensor]:
+    """d loss / d each of flex_forward's `captured` tensors that is `wanted` (zeros for the
+    others), from the traced expression (fagen.captured_grads: no autograd, which an op's
+    implementation runs below)."""
+    traced, block_mask, slots = FLEX_CALLS[call]
+    tables = [captured[i] for i in slots]
+    grads = captured_grads.captured_grads(dout, q, k, v, out, lse,
+                                          captured_grads.score_tree(traced.expression, len(tables)), block_mask,
+                                          scale, tables, [wanted[i] for i in slots])
+    by_slot = {slot: grad for slot, grad in zip(slots, grads) if grad is not None}
+    return [by_slot[i] if i in by_slot else torch.zeros_like(t) for i, t in enumerate(captured)]
+
+
+@torch.library.register_fake("fagen::flex_captured_grads")
+def _(dout, q, k, v, out, lse, captured, call, scale, wanted):
+    return [t.new_empty(t.shape) for t in captured]
+
+
 def _flex_save(ctx, inputs, output):
     q, k, v, captured, call, scale = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, *captured)
     ctx.call, ctx.scale = call, scale
+    ctx.wanted = [t.requires_grad for t in captured]  # a learned table's gradient (captured_grads)
 
 
 def _flex_backward(ctx, dout, _dlse):
     q, k, v, out, lse, *captured = ctx.saved_tensors
     dq, dk, dv = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale)
-    return dq, dk, dv, [None] * len(captured), None, None  # (captured: no gradient under torch.compile)
+    grads = [None] * len(captured)
+    if any(ctx.wanted):
+        grads = torch.ops.fagen.flex_captured_grads(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale, ctx.wanted)
+        grads = [g if w else None for g, w in zip(grads, ctx.wanted)]
+    return dq, dk, dv, grads, None, None
 
 
 torch.library.register_autograd("fagen::flex_forward", _flex_backward, setup_context=_flex_save)

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fagen import flex, masks, oracle, torch_op  # noqa: E402
+from fagen import captured_grads, flex, masks, oracle, torch_op  # noqa: E402
 
 B, HQ, HKV, N, D = 2, 4, 2, 96, 32
 
@@ -110,7 +110,7 @@ def test_a_captured_table_that_requires_grad_gets_its_gradient_bitwise_repeatabl
     forward, backward = oracle_kernels(seen)
     monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
     monkeypatch.setattr(torch_op, "flex_kernels_backward", backward)
-    monkeypatch.setattr(flex, "CHUNK_SCORES", B * HQ * N * 7)  # slabs of 7 rows: several, uneven
+    monkeypatch.setattr(captured_grads, "CHUNK_SCORES", B * HQ * N * 7)  # slabs of 7 rows: several, uneven
     table = (TABLE * 0.5).requires_grad_()
     score_mod = lambda s, b, h, q, k: s + table[h, q - k + N - 1]  # noqa: E731
     mask_mod = {"causal": lambda b, h, q, k: q >= k, "prefix": lambda b, h, q, k: (q >= k) | (k < 20),
@@ -326,6 +326,38 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="not in its closure"):
         torch.compile(layer, fullgraph=True, backend=backend)(q, k, v, module_level)
+
+
+def test_a_learned_table_trains_under_torch_compile(monkeypatch):
+    """torch.compile(fullgraph=True) with AOTAutograd (which traces the backward) of a layer whose
+    score_mod reads a learned bias table: the table's gradient is fagen::flex_captured_grads's
+    (from the traced expression, no autograd), PyTorch's autograd's through the same function,
+    bitwise the same twice; q, k, v's too."""
+    forward, backward = oracle_kernels({})
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(torch_op, "flex_kernels_backward", backward)
+    monkeypatch.setattr(flex, "_check_read_in_place", lambda *args: None)  # CPU tables, here
+    monkeypatch.setattr(captured_grads, "CHUNK_SCORES", B * HQ * N * 13)
+    table = (TABLE.float() * 0.5).requires_grad_()
+    scale = torch.ones(HQ, 1, 1, dtype=torch.float32, requires_grad=True)  # a second learned tensor, nonlinear
+    score_mod = lambda s, b, h, q, k: s * torch.sigmoid(scale[h, 0, 0]) + table[h, q - k + N - 1]  # noqa: E731
+    mask_mod = lambda b, h, q, k: (q >= k) & (q - k < 50)  # noqa: E731
+    block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
+
+    def layer(q, k, v):
+        return flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+
+    torch.compiler.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+    dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
+    leaves = (q, k, v, table, scale)
+    got = [torch.autograd.grad(compiled(q, k, v), leaves, dout) for _ in range(2)]
+    want = torch.autograd.grad(reference_attention(q, k, v, score_mod, mask_mod), leaves, dout)
+    for name, g, w in zip(("dq", "dk", "dv", "table", "scale"), got[0], want):
+        assert float((g.double() - w.double()).norm() / w.double().norm()) < 1e-5, name
+    assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
 def test_a_block_mask_of_a_kind_s_pattern_runs_that_kind_and_every_mask_is_checked(monkeypatch):

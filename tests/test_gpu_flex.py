@@ -117,8 +117,9 @@ def test_a_compiled_layer_calling_flex_attention_captures_in_a_cuda_graph():
 
 @pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
 def test_a_learned_bias_table_gets_its_gradient_bitwise_repeatable(dtype, d):
-    """A relative bias table [H, 2N - 1] that requires grad: its gradient (fagen.flex.captured_grads)
-    against PyTorch's autograd through the same function in float64, and the same bits twice."""
+    """A relative bias table [H, 2N - 1] that requires grad: its gradient (fagen.captured_grads)
+    against PyTorch's autograd through the same function in float64, the same bits twice, and the
+    same bits under torch.compile(fullgraph=True) (fagen::flex_captured_grads)."""
     gen = torch.Generator(device="cuda").manual_seed(d + 1)
     b, hq, hkv, n = 2, 8, 2, 777
     table = (torch.randn(hq, 2 * n - 1, device="cuda", generator=gen) * 0.5).requires_grad_()
@@ -134,3 +135,6 @@ def test_a_learned_bias_table_gets_its_gradient_bitwise_repeatable(dtype, d):
     want = torch.autograd.grad(reference_attention(q.double(), k.double(), v.double(), score_mod, mask_mod), table,
                                dout.double())[0]
     assert relative_error(to_numpy(got[0]), to_numpy(want)) < GRAD_TOLERANCE[dtype]
+    compiled = torch.compile(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                                 enable_gqa=True), fullgraph=True)
+    assert torch.equal(torch.autograd.grad(compiled(q, k, v), table, dout)[0], got[0])

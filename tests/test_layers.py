@@ -18,7 +18,8 @@ LAYERS = [
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
     # FlexAttention's Python mods traced into expressions
     ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
-    ("backward_plan",),  # the backward kernels' numbers (its dQ kernel is a forward plan)
+    ("backward_plan", "captured_grads"),  # the backward kernels' numbers (its dQ kernel is a forward plan); a
+    # traced score_mod's captured tensors' gradients (over a block mask's pairs)
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
     ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU

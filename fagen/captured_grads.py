@@ -1,0 +1,260 @@
+"""The gradient of a traced score_mod's captured tensors (fagen.flex: a learned bias table), from
+the expression tree alone: no autograd, so it runs where autograd does not (inside the
+fagen::flex_captured_grads op, which torch.compile calls in a model's backward) as it does in an
+eager call.
+
+    d loss / d table[i] = sum over the (b, h, q, k) whose expression reads table[i] of
+                          dS(b, h, q, k) * d expression / d that read,
+
+dS = P (dP - D) the modified score's gradient. Each read of the expression (an `expression.Load`)
+has its derivative tree (`load_derivative`, the other reads held), evaluated with the index
+tree by `evaluate_torch` over a slab of query rows in float32; the products are added into the
+table by a sorted scatter (deterministic algorithms) and the slabs in order: bitwise the same
+run to run. Its cost: the attention's matmuls again and a scatter of every score, outside the
+fused kernels (FlexAttention adds the same gradient atomically).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import cache
+
+from fagen import expression
+from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
+from fagen.masks import CAUSAL, FULL, PARTIAL
+
+LN2 = 0.6931471805599453
+CHUNK_SCORES = 1 << 24  # scores recomputed at a time (64 MiB of float32, a few times over)
+_ONE, _ZERO = Number("1.0f", FLOAT), Number("0.0f", FLOAT)
+
+
+# ---- the derivative by one read ---------------------------------------------------------------
+
+def load_derivative(node: Node, read: Load) -> Node | None:
+    """d node / d read (every occurrence of that array element, the others held), a float tree;
+    None where it is 0. Comparisons, ints and rounding have none."""
+    if node == read:
+        return _ONE
+    if node.type != FLOAT or isinstance(node, (Number, Name, Load)):
+        return None
+    if isinstance(node, Cast):
+        return load_derivative(node.operand, read) if node.operand.type == FLOAT else None
+    if isinstance(node, Unary):
+        inner = load_derivative(node.operand, read)
+        if inner is None or node.op not in ("+", "-"):
+            return None
+        return inner if node.op == "+" else Unary("-", inner, FLOAT)
+    if isinstance(node, Conditional):
+        then, other = load_derivative(node.then, read), load_derivative(node.other, read)
+        if then is None and other is None:
+            return None
+        return Conditional(node.condition, then or _ZERO, other or _ZERO, FLOAT)
+    if isinstance(node, Binary):
+        a, b = load_derivative(node.left, read), load_derivative(node.right, read)
+        if node.op in "+-":
+            return _sum(node.op, a, b)
+        if node.op == "*":
+            return _sum("+", _scaled(a, node.right), _scaled(b, node.left))
+        if node.op == "/":  # (a / b)' = a' / b - a b' / b^2
+            quotient = None if a is None else Binary("/", a, node.right, FLOAT)
+            square = Binary("*", node.right, node.right, FLOAT)
+            return _sum("-", quotient, None if b is None else Binary("/", _scaled(b, node.left), square, FLOAT))
+        return None
+    if isinstance(node, Call):
+        return _call_derivative(node, [load_derivative(arg, read) for arg in node.args])
+    return None
+
+
+def _sum(op: str, a: Node | None, b: Node | None) -> Node | None:
+    if b is None:
+        return a
+    if a is None:
+        return b if op == "+" else Unary("-", b, FLOAT)
+    return Binary(op, a, b, FLOAT)
+
+
+def _scaled(grad: Node | None, factor: Node) -> Node | None:
+    if grad is None:
+        return None
+    factor = factor if factor.type == FLOAT else Cast(FLOAT, factor)
+    return factor if grad == _ONE else Binary("*", grad, factor, FLOAT)
+
+
+def _call_derivative(node: Call, inner: list[Node | None]) -> Node | None:
+    """The chain rule through one of the expression language's float functions."""
+    x = node.args[0]
+    if node.function in ("fminf", "fmaxf"):  # the chosen argument's derivative
+        a, b = inner
+        if a is None and b is None:
+            return None
+        pick_first = Binary("<" if node.function == "fminf" else ">", node.args[0], node.args[1], BOOL)
+        return Conditional(pick_first, a or _ZERO, b or _ZERO, FLOAT)
+    if inner[0] is None or node.function in ("floorf", "ceilf"):
+        return None
+    outer = {
+        "fabsf": Conditional(Binary("<", x, _ZERO, BOOL), Number("-1.0f", FLOAT),  # PyTorch's sign: 0 at 0
+                             Conditional(Binary(">", x, _ZERO, BOOL), _ONE, _ZERO, FLOAT), FLOAT),
+        "expf": node,
+        "exp2f": Binary("*", node, Number(f"{LN2!r}f", FLOAT), FLOAT),
+        "logf": Binary("/", _ONE, x, FLOAT),
+        "log2f": Binary("/", _ONE, Binary("*", x, Number(f"{LN2!r}f", FLOAT), FLOAT), FLOAT),
+        "sqrtf": Binary("/", Number("0.5f", FLOAT), node, FLOAT),
+        "tanhf": Binary("-", _ONE, Binary("*", node, node, FLOAT), FLOAT),
+    }[node.function]
+    return _scaled(inner[0], outer)
+
+
+# ---- evaluation on torch tensors --------------------------------------------------------------
+
+def evaluate_torch(node: Node, values: dict):
+    """The expression over torch tensors (b, h, q_idx, kv_idx int64, score and the captured
+    arrays float32, flattened), broadcast together: expression.evaluate's semantics where the
+    int32 checks a call passes hold (ints in int64 then equal int32's), floats in float32, a
+    captured index clamped into its array as the kernel clamps it."""
+    import torch
+
+    if isinstance(node, Number):
+        return torch.tensor(int(node.text) if node.type == INT else float(node.text.rstrip("fF")),
+                            dtype=torch.int64 if node.type == INT else torch.float32)
+    if isinstance(node, Name):
+        if node.name in expression.LITERALS:
+            return torch.tensor(node.name == "true")
+        return _to(values[node.name], node.type)
+    if isinstance(node, Load):
+        array = values[node.array]
+        return array[_to(evaluate_torch(node.index, values), INT).clamp(0, array.numel() - 1)]
+    if isinstance(node, Cast):
+        return _to(evaluate_torch(node.operand, values), node.type)
+    if isinstance(node, Call):
+        args = [_to(evaluate_torch(arg, values), node.type) for arg in node.args]
+        return _functions()[node.function](*args)
+    if isinstance(node, Conditional):
+        condition = _to(evaluate_torch(node.condition, values), BOOL)
+        then, other = evaluate_torch(node.then, values), evaluate_torch(node.other, values)
+        if node.type != BOOL:
+            then, other = _to(then, node.type), _to(other, node.type)
+        return torch.where(condition, then, other)
+    if isinstance(node, Unary):
+        operand = evaluate_torch(node.operand, values)
+        if node.op == "!":
+            return ~_to(operand, BOOL)
+        operand = _to(operand, node.type)
+        return {"-": torch.neg, "+": lambda x: x, "~": torch.bitwise_not}[node.op](operand)
+    left, right = evaluate_torch(node.left, values), evaluate_torch(node.right, values)
+    if node.op in ("&&", "||"):
+        left, right = _to(left, BOOL), _to(right, BOOL)
+        return left & right if node.op == "&&" else left | right
+    common = FLOAT if FLOAT in (node.left.type, node.right.type) else INT
+    left, right = _to(left, common), _to(right, common)
+    if node.op in expression.LOGICAL:
+        return {"==": torch.eq, "!=": torch.ne, "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge}[
+            node.op](left, right)
+    if node.op == "/" and common == INT:
+        return torch.div(left, right, rounding_mode="trunc")
+    if node.op == "%":
+        return torch.fmod(left, right)
+    return {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "&": torch.bitwise_and,
+            "|": torch.bitwise_or, "^": torch.bitwise_xor, "<<": torch.bitwise_left_shift,
+            ">>": torch.bitwise_right_shift}[node.op](left, right)
+
+
+def _to(value, kind: str):
+    """A C conversion: to bool (nonzero), to int (truncating toward zero), to float32."""
+    import torch
+
+    if kind == BOOL:
+        return value != 0 if value.dtype != torch.bool else value
+    if kind == INT:
+        return value.to(torch.int64) if value.dtype != torch.int64 else value
+    return value.to(torch.float32) if value.dtype != torch.float32 else value
+
+
+@cache
+def _functions() -> dict:
+    """The expression language's functions as torch's."""
+    import torch
+
+    return {"fabsf": torch.abs, "expf": torch.exp, "exp2f": torch.exp2, "logf": torch.log, "log2f": torch.log2,
+            "sqrtf": torch.sqrt, "tanhf": torch.tanh, "floorf": torch.floor, "ceilf": torch.ceil,
+            "fminf": torch.fmin, "fmaxf": torch.fmax, "min": torch.minimum, "max": torch.maximum, "abs": torch.abs}
+
+
+@cache
+def score_tree(text: str, captured: int) -> Node:
+    """A traced score_mod's expression as its tree (parsed once)."""
+    return expression.score(text, captured)
+
+
+# ---- the gradient ------------------------------------------------------------------------------
+
+def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, scale, tables, wanted) -> list:
+    """d loss / d each captured tensor that requires one (`wanted`), None for the others, for a
+    score_mod traced to `expression_tree` reading `tables` (captured0, captured1, ... in order):
+    dS = P (dP - D) recomputed a slab of query rows at a time in float32 from the kernels' out
+    and LSE, times each read's derivative, scattered into its table in a fixed order."""
+    import torch
+
+    b, hq, nq, d = q.shape
+    group, nk = hq // k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    keys, values = (x.detach().float().repeat_interleave(group, 1) for x in (k, v))
+    delta = (dout.float() * out.float()).sum(-1, keepdim=True)
+    names = expression.captured_names(len(tables))
+    reads = [(read, load_derivative(expression_tree, read)) for read in dict.fromkeys(expression.loads(expression_tree))
+             if wanted[names.index(read.array)]]
+    sums = [torch.zeros(t.numel(), dtype=torch.float32, device=q.device) if w else None for t, w in zip(tables, wanted)]
+    flat = {name: t.detach().float().reshape(-1).to(q.device) for name, t in zip(names, tables)}
+    bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
+                  for axis, n in ((0, b), (1, hq), (3, nk)))
+    step = max(1, CHUNK_SCORES // (b * hq * nk))
+    with deterministic_algorithms():
+        for r0 in range(0, nq, step):
+            rows = slice(r0, min(nq, r0 + step))
+            qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
+            s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
+            at = {"score": s, "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki, **flat}
+            modified = evaluate_torch(expression_tree, at).expand(s.shape)
+            p = torch.exp(modified - lse[:, :, rows, None].float())
+            if block_mask is not None:  # the slab's rows, dense (never N x N of every head at once)
+                p = torch.where(_kept(block_mask, rows, nk, q.device), p, 0.0)
+            ds = p * (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
+            for read, grad in reads:
+                if grad is None:
+                    continue
+                index = _to(evaluate_torch(read.index, at), INT).clamp(0, flat[read.array].numel() - 1)
+                part = ds * _to(evaluate_torch(grad, at), FLOAT)
+                total = sums[names.index(read.array)]
+                total.index_put_((index.expand(s.shape).reshape(-1),), part.reshape(-1), accumulate=True)
+    return [None if total is None else total.view(t.shape).to(t.dtype) for total, t in zip(sums, tables)]
+
+
+def _kept(block_mask, rows: slice, n_kv: int, device):
+    """[Bm, Hm, rows, n_kv] bool: the pairs a fagen.masks.BlockMask keeps in these query rows,
+    computed on `device` from its block grid and PARTIAL words (copied there once, kept on the
+    mask): no host array and no copy a call, so a CUDA graph may hold it."""
+    import torch
+
+    types, partials, words = block_mask.cached(
+        ("captured_grads", str(device)), lambda: tuple(torch.from_numpy(a.astype("int64")).to(device)
+                                                       for a in (*block_mask.grids(), block_mask.partial_masks)))
+    qi = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    ki = torch.arange(n_kv, device=device)[None, :]
+    qb, kb = qi // block_mask.q_block, ki // block_mask.kv_block
+    kind, which = types[:, :, qb, kb], partials[:, :, qb, kb]
+    column = ki % block_mask.kv_block
+    word = words[which.clamp(min=0), qi % block_mask.q_block, column // 32]
+    return ((kind == FULL) | (kind == CAUSAL) & (ki <= qi + block_mask.causal_offset)
+            | (kind == PARTIAL) & ((word >> (column % 32)) & 1 == 1))
+
+
+@contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms for the scatters (sorted, not atomic), restored after."""
+    import torch
+
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)

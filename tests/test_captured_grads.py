@@ -1,0 +1,64 @@
+"""fagen.captured_grads: the expression's derivative by each captured read, and the expression
+evaluated on torch tensors, each against what it stands in for (autograd through the same
+evaluation; the NumPy evaluator the oracle uses)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fagen import captured_grads, expression  # noqa: E402
+
+# score_mod expressions over two captured arrays, each read once or more
+EXPRESSIONS = [
+    "score + captured0[h * 15 + q_idx - kv_idx + 7]",
+    "score * captured0[h] + captured1[kv_idx % 5] * captured1[kv_idx % 5]",
+    "tanhf(score / captured0[h]) * 3.0f",
+    "expf(captured0[h] - 1.0f) + logf(fabsf(captured1[q_idx % 5]) + 0.5f) + sqrtf(captured1[1] + 4.0f)",
+    "fminf(score, captured0[h]) - fmaxf(captured1[kv_idx % 5], 0.25f) + fabsf(captured0[0])",
+    "q_idx >= kv_idx ? score - captured0[2] * (float)(q_idx - kv_idx) : -captured1[0] / (score * score + 1.0f)",
+    "exp2f(captured0[h]) + log2f(captured1[2] * captured1[2] + 1.0f) + floorf(captured0[1]) * score",
+]
+EXTENTS = dict(b=2, h=3, q_idx=7, kv_idx=8)
+
+
+def _values(gen, requires_grad=False):
+    b, h, q, k = (torch.arange(n).view(*[-1 if i == axis else 1 for i in range(4)])
+                  for axis, n in enumerate(EXTENTS.values()))
+    score = torch.randn(2, 3, 7, 8, generator=gen)
+    tables = [torch.randn(45, generator=gen).requires_grad_(requires_grad),
+              torch.randn(5, generator=gen).requires_grad_(requires_grad)]
+    return {"b": b, "h": h, "q_idx": q, "kv_idx": k, "score": score, "captured0": tables[0], "captured1": tables[1]}
+
+
+@pytest.mark.parametrize("text", EXPRESSIONS)
+def test_evaluate_torch_is_the_numpy_evaluator(text):
+    tree = expression.score(text, 2)
+    values = _values(torch.Generator().manual_seed(len(text)))
+    got = captured_grads.evaluate_torch(tree, values)
+    want = expression.evaluate(tree, {name: x.numpy() for name, x in values.items()})
+    np.testing.assert_allclose(np.broadcast_to(got.numpy(), want.shape), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("text", EXPRESSIONS)
+def test_each_read_s_derivative_is_autograd_s(text):
+    """sum over reads of (d expression / d read) scattered at the read's index, against autograd
+    through evaluate_torch with the arrays requiring grad; a read the expression only rounds or
+    compares has none."""
+    tree = expression.score(text, 2)
+    values = _values(torch.Generator().manual_seed(7 * len(text)), requires_grad=True)
+    weights = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(3))
+    result = captured_grads.evaluate_torch(tree, values).expand(weights.shape)
+    want = torch.autograd.grad((result * weights).sum(), [values["captured0"], values["captured1"]],
+                               allow_unused=True)
+    got = [torch.zeros(45), torch.zeros(5)]
+    with torch.no_grad():
+        for read in dict.fromkeys(expression.loads(tree)):
+            grad = captured_grads.load_derivative(tree, read)
+            if grad is None:
+                continue
+            index = captured_grads.evaluate_torch(read.index, values).expand(weights.shape).reshape(-1)
+            part = (weights * captured_grads.evaluate_torch(grad, values)).reshape(-1)
+            got[int(read.array[-1])].index_add_(0, index, part.expand(index.shape))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, rtol=1e-5, atol=1e-5)
