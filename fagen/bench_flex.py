@@ -46,7 +46,8 @@ T5_BUCKETS, T5_MAX_DISTANCE = 32, 128  # T5's relative attention buckets (its de
 RANDOM_BLOCK, RANDOM_DENSITY = 128, 0.5  # per-head random masks: blocks kept at random, each head its own
 PER_HEAD_MASKS = ("per_head_random",)  # their block masks hold each head's pattern
 MOD_NAMES = ("causal", "sliding_window", "prefix_lm", "documents", "dilated_sliding_window", "neighbourhood_2d",
-             "alibi", "softcap", "relative_bias_table", "t5_bias", "per_head_random")  # mods()'s, the tables' order
+             "alibi", "softcap", "relative_bias_table", "relative_bias_learned", "t5_bias",
+             "per_head_random")  # mods()'s, the tables' order
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def mods(n: int, heads: int, device="cuda") -> dict:
     side = math.isqrt(n)  # the 2-D neighbourhood's square image, side x side pixels
     gen = torch.Generator(device=device).manual_seed(n)
     table = torch.randn(heads, 2 * n - 1, device=device, generator=gen) * 0.1  # a learned relative-position bias
+    learned_table = table.clone().requires_grad_()
     t5_table = torch.randn(heads, T5_BUCKETS, device=device, generator=gen) * 0.1
     blocks = -(-n // RANDOM_BLOCK)
     kept_blocks = torch.rand(heads, blocks, blocks, device=device, generator=gen) < RANDOM_DENSITY
@@ -87,6 +89,8 @@ def mods(n: int, heads: int, device="cuda") -> dict:
         "alibi": (lambda s, b, h, q, k: s - torch.exp2(-8.0 * (h + 1) / heads) * (q - k), causal),
         "softcap": (lambda s, b, h, q, k: SOFTCAP * torch.tanh(s / SOFTCAP), causal),
         "relative_bias_table": (lambda s, b, h, q, k: s + table[h, q - k + n - 1], causal),
+        # the same table learned: its gradient (fagen's fagen.captured_grads, Flex's atomic adds) in the backward
+        "relative_bias_learned": (lambda s, b, h, q, k: s + learned_table[h, q - k + n - 1], causal),
         "t5_bias": (lambda s, b, h, q, k: s + t5_table[h, t5_bucket(q - k)], causal),
         "per_head_random": (None, lambda b, h, q, k: kept_blocks[h, q // RANDOM_BLOCK, k // RANDOM_BLOCK]
                             | (q // RANDOM_BLOCK == k // RANDOM_BLOCK)),  # the diagonal's: no row without a key
@@ -189,7 +193,7 @@ def _measure(row: FlexRow, fn, block_mask, score_mod, q, k, v, dout, reference, 
     errors = [relative_error(to_numpy(a), to_numpy(b)) for a, b in zip(got, reference)]
     row.error = max(errors)
     if not (errors[0] <= OUT_TOLERANCE and max(errors[1:]) <= GRAD_TOLERANCE):
-        row.note = (f"WRONG, not timed: relative errors of out, dq, dk, dv {', '.join(f'{e:.1e}' for e in errors)}"
+        row.note = (f"WRONG, not timed: relative errors of out, dq, dk, dv(, the learned tables) {', '.join(f'{e:.1e}' for e in errors)}"
                     f" against FlexAttention in float32")
         return
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -199,7 +203,8 @@ def _measure(row: FlexRow, fn, block_mask, score_mod, q, k, v, dout, reference, 
             return fn(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
     def forward_backward():
-        return torch.autograd.grad(fn(*leaves, score_mod=score_mod, block_mask=block_mask), leaves, dout)
+        return torch.autograd.grad(fn(*leaves, score_mod=score_mod, block_mask=block_mask),
+                                   leaves + learned(score_mod), dout)
 
     row.fwd_ms, row.fwd_bwd_ms = time_ms(forward), time_ms(forward_backward)
     row.fwd_tflops = flops / row.fwd_ms / 1e9
@@ -212,7 +217,16 @@ def _run(fn, block_mask, score_mod, q, k, v, dout) -> tuple:
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = fn(*leaves, score_mod=score_mod, block_mask=block_mask)
-    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    return (out.detach(), *torch.autograd.grad(out, leaves + learned(score_mod), dout))
+
+
+def learned(score_mod) -> list:
+    """The tensors a score_mod's closure holds that require grad (a learned table): their
+    gradients are checked and timed with q's, k's and v's."""
+    import torch
+
+    cells = [c.cell_contents for c in (getattr(score_mod, "__closure__", None) or ())]
+    return [c for c in cells if isinstance(c, torch.Tensor) and c.requires_grad]
 
 
 _FLEX = None

@@ -207,23 +207,23 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
     bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
                   for axis, n in ((0, b), (1, hq), (3, nk)))
     step = max(1, CHUNK_SCORES // (b * hq * nk))
-    with deterministic_algorithms():
-        for r0 in range(0, nq, step):
-            rows = slice(r0, min(nq, r0 + step))
-            qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
-            s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
-            at = {"score": s, "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki, **flat}
-            modified = evaluate_torch(expression_tree, at).expand(s.shape)
-            p = torch.exp(modified - lse[:, :, rows, None].float())
-            if block_mask is not None:  # the slab's rows, dense (never N x N of every head at once)
-                p = torch.where(_kept(block_mask, rows, nk, q.device), p, 0.0)
-            ds = p * (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
-            for read, grad in reads:
-                if grad is None:
-                    continue
-                index = _to(evaluate_torch(read.index, at), INT).clamp(0, flat[read.array].numel() - 1)
-                part = ds * _to(evaluate_torch(grad, at), FLOAT)
-                total = sums[names.index(read.array)]
+    for r0 in range(0, nq, step):
+        rows = slice(r0, min(nq, r0 + step))
+        qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
+        s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
+        at = {"score": s, "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki, **flat}
+        modified = evaluate_torch(expression_tree, at).expand(s.shape)
+        p = torch.exp(modified - lse[:, :, rows, None].float())
+        if block_mask is not None:  # the slab's rows, dense (never N x N of every head at once)
+            p = torch.where(_kept(block_mask, rows, nk, q.device), p, 0.0)
+        ds = p * (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
+        for read, grad in reads:
+            if grad is None:
+                continue
+            index = _to(evaluate_torch(read.index, at), INT).clamp(0, flat[read.array].numel() - 1)
+            part = ds * _to(evaluate_torch(grad, at), FLOAT)
+            total = sums[names.index(read.array)]
+            with deterministic_algorithms():  # the scatter alone (cuBLAS's matmuls would ask for a workspace setting)
                 total.index_put_((index.expand(s.shape).reshape(-1),), part.reshape(-1), accumulate=True)
     return [None if total is None else total.view(t.shape).to(t.dtype) for total, t in zip(sums, tables)]
 

@@ -26,8 +26,9 @@ def test_fagen_takes_every_mod_and_the_masks_build():
     for name, (score_mod, mask_mod) in bench_flex.mods(n, heads, device="cpu").items():
         if score_mod is not None:
             traced = flex.trace_score_mod(score_mod)
-            tables = name in ("relative_bias_table", "t5_bias")  # a table, a kernel input
+            tables = name in ("relative_bias_table", "relative_bias_learned", "t5_bias")  # a table, a kernel input
             assert len(traced.captured) == tables, name
+            assert len(bench_flex.learned(score_mod)) == (name == "relative_bias_learned"), name  # its gradient timed
             flex.check_captured(traced, dict(b=4, h=heads, q_idx=n, kv_idx=n), score_mod)
         if mask_mod is not None:
             mask_heads = heads if name in bench_flex.PER_HEAD_MASKS else None
