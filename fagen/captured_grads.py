@@ -87,8 +87,8 @@ def _call_derivative(node: Call, inner: list[Node | None]) -> Node | None:
         a, b = inner
         if a is None and b is None:
             return None
-        pick_first = Binary("<" if node.function == "fminf" else ">", node.args[0], node.args[1], BOOL)
-        return Conditional(pick_first, a or _ZERO, b or _ZERO, FLOAT)
+        # the side it returned: the first on a tie (as PyTorch's), the number beside a NaN
+        return Conditional(Binary("==", node, node.args[0], BOOL), a or _ZERO, b or _ZERO, FLOAT)
     if inner[0] is None or node.function in ("floorf", "ceilf"):
         return None
     outer = {
@@ -106,41 +106,45 @@ def _call_derivative(node: Call, inner: list[Node | None]) -> Node | None:
 
 # ---- evaluation on torch tensors --------------------------------------------------------------
 
-def evaluate_torch(node: Node, values: dict):
+def evaluate_torch(node: Node, values: dict, device=None):
     """The expression over torch tensors (b, h, q_idx, kv_idx int64, score and the captured
-    arrays float32, flattened), broadcast together: expression.evaluate's semantics where the
-    int32 checks a call passes hold (ints in int64 then equal int32's), floats in float32, a
-    captured index clamped into its array as the kernel clamps it."""
+    arrays float32, flattened), broadcast together, its constants on `device` (values["score"]'s
+    where None): expression.evaluate's semantics where the int32 checks a call passes hold (ints
+    in int64 then equal int32's; shifts in int32), floats in float32, a captured index clamped
+    into its array as the kernel clamps it, x / 0 and x % 0 (undefined in C) x and 0 as the
+    evaluator gives them rather than an error (both sides of ?: are evaluated)."""
     import torch
 
+    device = values["score"].device if device is None else device
     if isinstance(node, Number):
         return torch.tensor(int(node.text) if node.type == INT else float(node.text.rstrip("fF")),
-                            dtype=torch.int64 if node.type == INT else torch.float32)
+                            dtype=torch.int64 if node.type == INT else torch.float32, device=device)
     if isinstance(node, Name):
         if node.name in expression.LITERALS:
-            return torch.tensor(node.name == "true")
+            return torch.tensor(node.name == "true", device=device)
         return _to(values[node.name], node.type)
     if isinstance(node, Load):
         array = values[node.array]
-        return array[_to(evaluate_torch(node.index, values), INT).clamp(0, array.numel() - 1)]
+        # take, not array[i]: a 0-d index there would be read back to the host
+        return torch.take(array, _to(evaluate_torch(node.index, values, device), INT).clamp(0, array.numel() - 1))
     if isinstance(node, Cast):
-        return _to(evaluate_torch(node.operand, values), node.type)
+        return _to(evaluate_torch(node.operand, values, device), node.type)
     if isinstance(node, Call):
-        args = [_to(evaluate_torch(arg, values), node.type) for arg in node.args]
+        args = [_to(evaluate_torch(arg, values, device), node.type) for arg in node.args]
         return _functions()[node.function](*args)
     if isinstance(node, Conditional):
-        condition = _to(evaluate_torch(node.condition, values), BOOL)
-        then, other = evaluate_torch(node.then, values), evaluate_torch(node.other, values)
+        condition = _to(evaluate_torch(node.condition, values, device), BOOL)
+        then, other = evaluate_torch(node.then, values, device), evaluate_torch(node.other, values, device)
         if node.type != BOOL:
             then, other = _to(then, node.type), _to(other, node.type)
         return torch.where(condition, then, other)
     if isinstance(node, Unary):
-        operand = evaluate_torch(node.operand, values)
+        operand = evaluate_torch(node.operand, values, device)
         if node.op == "!":
             return ~_to(operand, BOOL)
         operand = _to(operand, node.type)
         return {"-": torch.neg, "+": lambda x: x, "~": torch.bitwise_not}[node.op](operand)
-    left, right = evaluate_torch(node.left, values), evaluate_torch(node.right, values)
+    left, right = evaluate_torch(node.left, values, device), evaluate_torch(node.right, values, device)
     if node.op in ("&&", "||"):
         left, right = _to(left, BOOL), _to(right, BOOL)
         return left & right if node.op == "&&" else left | right
@@ -149,22 +153,33 @@ def evaluate_torch(node: Node, values: dict):
     if node.op in expression.LOGICAL:
         return {"==": torch.eq, "!=": torch.ne, "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge}[
             node.op](left, right)
-    if node.op == "/" and common == INT:
-        return torch.div(left, right, rounding_mode="trunc")
-    if node.op == "%":
-        return torch.fmod(left, right)
-    return {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "&": torch.bitwise_and,
-            "|": torch.bitwise_or, "^": torch.bitwise_xor, "<<": torch.bitwise_left_shift,
-            ">>": torch.bitwise_right_shift}[node.op](left, right)
+    if common == INT and node.op in "/%":
+        zero = right == 0
+        divisor = torch.where(zero, 1, right)
+        if node.op == "/":
+            return torch.where(zero, left, torch.div(left, divisor, rounding_mode="trunc"))
+        return torch.where(zero, 0, torch.fmod(left, divisor))
+    if node.op in ("<<", ">>"):  # int32, a count outside 0 .. 31 as PTX's shl / shr take it (evaluate's)
+        narrow = left.to(torch.int32)
+        past = (right < 0) | (right >= expression.INT_BITS)
+        count = torch.where(past, 0, right).to(torch.int32)
+        shifted = narrow << count if node.op == "<<" else narrow >> count
+        beyond = torch.zeros_like(shifted) if node.op == "<<" else torch.where(narrow < 0, -1, 0).to(torch.int32)
+        return torch.where(past, beyond, shifted).to(torch.int64)
+    return {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "%": torch.fmod, "&": torch.bitwise_and,
+            "|": torch.bitwise_or, "^": torch.bitwise_xor}[node.op](left, right)
 
 
 def _to(value, kind: str):
-    """A C conversion: to bool (nonzero), to int (truncating toward zero), to float32."""
+    """A C conversion: to bool (nonzero), to int (truncating toward zero; a float past int32 or
+    NaN saturating as the GPU's cvt.rzi.s32 and expression.evaluate), to float32."""
     import torch
 
     if kind == BOOL:
         return value != 0 if value.dtype != torch.bool else value
     if kind == INT:
+        if value.is_floating_point():
+            value = torch.nan_to_num(value.double().trunc(), nan=0.0).clamp(expression.INT_MIN, expression.INT_MAX)
         return value.to(torch.int64) if value.dtype != torch.int64 else value
     return value.to(torch.float32) if value.dtype != torch.float32 else value
 
@@ -206,6 +221,8 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
     flat = {name: t.detach().float().reshape(-1).to(q.device) for name, t in zip(names, tables)}
     bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
                   for axis, n in ((0, b), (1, hq), (3, nk)))
+    if not any(grad is not None for _, grad in reads):  # the wanted tensors are only rounded or compared
+        return [None if total is None else torch.zeros_like(t) for total, t in zip(sums, tables)]
     step = max(1, CHUNK_SCORES // (b * hq * nk))
     for r0 in range(0, nq, step):
         rows = slice(r0, min(nq, r0 + step))
@@ -213,19 +230,22 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
         s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
         at = {"score": s, "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki, **flat}
         modified = evaluate_torch(expression_tree, at).expand(s.shape)
-        p = torch.exp(modified - lse[:, :, rows, None].float())
-        if block_mask is not None:  # the slab's rows, dense (never N x N of every head at once)
-            p = torch.where(_kept(block_mask, rows, nk, q.device), p, 0.0)
-        ds = p * (dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
+        ds = torch.exp(modified - lse[:, :, rows, None].float()) * (
+            dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
+        # the slab's pairs the mask keeps (never N x N of every head at once): a pair it drops adds
+        # nothing, whatever its derivative (0 x inf would be NaN)
+        kept = None if block_mask is None else _kept(block_mask, rows, nk, q.device)
         for read, grad in reads:
             if grad is None:
                 continue
             index = _to(evaluate_torch(read.index, at), INT).clamp(0, flat[read.array].numel() - 1)
             part = ds * _to(evaluate_torch(grad, at), FLOAT)
+            if kept is not None:
+                part = torch.where(kept, part, 0.0)
             total = sums[names.index(read.array)]
             with deterministic_algorithms():  # the scatter alone (cuBLAS's matmuls would ask for a workspace setting)
                 total.index_put_((index.expand(s.shape).reshape(-1),), part.reshape(-1), accumulate=True)
-    return [None if total is None else total.view(t.shape).to(t.dtype) for total, t in zip(sums, tables)]
+    return [None if total is None else total.view(t.shape).to(t.device, t.dtype) for total, t in zip(sums, tables)]
 
 
 def _kept(block_mask, rows: slice, n_kv: int, device):
@@ -249,7 +269,8 @@ def _kept(block_mask, rows: slice, n_kv: int, device):
 
 @contextmanager
 def deterministic_algorithms():
-    """torch.use_deterministic_algorithms for the scatters (sorted, not atomic), restored after."""
+    """torch.use_deterministic_algorithms for the scatters (sorted, not atomic), restored after.
+    (The switch is the process's: another thread's nondeterministic op in this window raises.)"""
     import torch
 
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()

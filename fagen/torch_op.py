@@ -285,11 +285,14 @@ def _flex_save(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *captured)
     ctx.call, ctx.scale = call, scale
     ctx.wanted = [t.requires_grad for t in captured]  # a learned table's gradient (captured_grads)
+    ctx.inputs_wanted = any(t.requires_grad for t in (q, k, v))
 
 
 def _flex_backward(ctx, dout, _dlse):
     q, k, v, out, lse, *captured = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale)
+    dq = dk = dv = None
+    if ctx.inputs_wanted:
+        dq, dk, dv = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale)
     grads = [None] * len(captured)
     if any(ctx.wanted):
         grads = torch.ops.fagen.flex_captured_grads(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale, ctx.wanted)

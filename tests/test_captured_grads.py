@@ -18,6 +18,10 @@ EXPRESSIONS = [
     "fminf(score, captured0[h]) - fmaxf(captured1[kv_idx % 5], 0.25f) + fabsf(captured0[0])",
     "q_idx >= kv_idx ? score - captured0[2] * (float)(q_idx - kv_idx) : -captured1[0] / (score * score + 1.0f)",
     "exp2f(captured0[h]) + log2f(captured1[2] * captured1[2] + 1.0f) + floorf(captured0[1]) * score",
+    # ints as the kernel's: x / 0 and x % 0 as the evaluator, shifts in int32, a float cast saturating
+    "captured0[(q_idx / (kv_idx - 3) + q_idx % (kv_idx - 2) + 40) % 45] + (float)((q_idx + 1) << 31 < 0) "
+    "+ (float)(-9 >> kv_idx + 28) + (float)(int)(score * 1e30f)",
+    "fminf(captured0[h], captured0[h]) + fmaxf(captured1[0], sqrtf(-1.0f - fabsf(score)))",  # a tie, beside a NaN
 ]
 EXTENTS = dict(b=2, h=3, q_idx=7, kv_idx=8)
 
@@ -62,3 +66,14 @@ def test_each_read_s_derivative_is_autograd_s(text):
             got[int(read.array[-1])].index_add_(0, index, part.expand(index.shape))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, torch.zeros_like(g) if w is None else w, rtol=1e-5, atol=1e-5)
+
+
+def test_constants_live_on_the_values_device():
+    """Every constant is made on the values' device (a CPU scalar beside CUDA tensors would be a
+    host copy a use: no CUDA graph could hold the gradient): on the meta device nothing is on
+    the CPU."""
+    tree = expression.score(EXPRESSIONS[5], 2)
+    values = {name: x.to("meta") for name, x in _values(torch.Generator().manual_seed(1)).items()}
+    assert captured_grads.evaluate_torch(tree, values).device.type == "meta"
+    for read in expression.loads(tree):
+        assert captured_grads.evaluate_torch(captured_grads.load_derivative(tree, read), values).device.type == "meta"

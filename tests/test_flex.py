@@ -328,6 +328,26 @@ def test_a_model_calling_flex_attention_compiles_whole(monkeypatch):
         torch.compile(layer, fullgraph=True, backend=backend)(q, k, v, module_level)
 
 
+def test_a_learned_tensor_s_gradient_skips_the_pairs_the_mask_drops(monkeypatch):
+    """A score_mod undefined on masked pairs (log of a negative distance): the kernels never
+    evaluate those, and the gradient adds nothing there (not 0 x NaN): it is the gradient of the
+    same function guarded by the mask (PyTorch's autograd through the unguarded one is NaN)."""
+    forward, backward = oracle_kernels({})
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(torch_op, "flex_kernels_backward", backward)
+    weight = torch.full((HQ,), 0.3, dtype=torch.float64, requires_grad=True)
+    score_mod = lambda s, b, h, q, k: s - weight[h] * torch.log((q - k + 1).float())  # noqa: E731
+    guarded = lambda s, b, h, q, k: s - weight[h] * torch.log((q - k + 1).clamp(min=1).float())  # noqa: E731
+    mask_mod = lambda b, h, q, k: q >= k  # noqa: E731
+    block_mask = flex.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
+    gen = torch.Generator().manual_seed(17)
+    q, k, v, dout = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
+    got = torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                  enable_gqa=True), weight, dout)[0]
+    want = torch.autograd.grad(reference_attention(q, k, v, guarded, mask_mod), weight, dout)[0]
+    assert torch.isfinite(got).all() and float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_a_learned_table_trains_under_torch_compile(monkeypatch):
     """torch.compile(fullgraph=True) with AOTAutograd (which traces the backward) of a layer whose
     score_mod reads a learned bias table: the table's gradient is fagen::flex_captured_grads's
