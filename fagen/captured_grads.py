@@ -9,9 +9,10 @@ eager call.
 dS = P (dP - D) the modified score's gradient. Each read of the expression (an `expression.Load`)
 has its derivative tree (`load_derivative`, the other reads held), evaluated with the index
 tree by `evaluate_torch` over a slab of query rows in float32; the products are added into the
-table by a sorted scatter (deterministic algorithms) and the slabs in order: bitwise the same
-run to run. Its cost: the attention's matmuls again and a scatter of every score, outside the
-fused kernels (FlexAttention adds the same gradient atomically).
+table exactly (int64 fixed point, integer atomics: no order can show) and the slabs in order into
+a float64 total: bitwise the same run to run. Its cost: two of the attention's matmuls again (TF32,
+exact for half-precision inputs) and a few passes over every score, outside the fused kernels
+(FlexAttention adds the same gradient atomically inside its kernel).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
     names = expression.captured_names(len(tables))
     reads = [(read, load_derivative(expression_tree, read)) for read in dict.fromkeys(expression.loads(expression_tree))
              if wanted[names.index(read.array)]]
-    sums = [torch.zeros(t.numel(), dtype=torch.float32, device=q.device) if w else None for t, w in zip(tables, wanted)]
+    sums = [torch.zeros(t.numel(), dtype=torch.float64, device=q.device) if w else None for t, w in zip(tables, wanted)]
     flat = {name: t.detach().float().reshape(-1).to(q.device) for name, t in zip(names, tables)}
     bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
                   for axis, n in ((0, b), (1, hq), (3, nk)))
@@ -227,11 +228,12 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
     for r0 in range(0, nq, step):
         rows = slice(r0, min(nq, r0 + step))
         qi = torch.arange(rows.start, rows.stop, device=q.device).view(1, 1, -1, 1)
-        s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
+        with _exact_products():
+            s = (q[:, :, rows].detach().float() @ keys.transpose(-1, -2)) * scale
+            dp = dout[:, :, rows].float() @ values.transpose(-1, -2)
         at = {"score": s, "b": bi, "h": hi, "q_idx": qi, "kv_idx": ki, **flat}
         modified = evaluate_torch(expression_tree, at).expand(s.shape)
-        ds = torch.exp(modified - lse[:, :, rows, None].float()) * (
-            dout[:, :, rows].float() @ values.transpose(-1, -2) - delta[:, :, rows])
+        ds = torch.exp(modified - lse[:, :, rows, None].float()) * (dp - delta[:, :, rows])
         # the slab's pairs the mask keeps (never N x N of every head at once): a pair it drops adds
         # nothing, whatever its derivative (0 x inf would be NaN)
         kept = None if block_mask is None else _kept(block_mask, rows, nk, q.device)
@@ -242,10 +244,27 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
             part = ds * _to(evaluate_torch(grad, at), FLOAT)
             if kept is not None:
                 part = torch.where(kept, part, 0.0)
-            total = sums[names.index(read.array)]
-            with deterministic_algorithms():  # the scatter alone (cuBLAS's matmuls would ask for a workspace setting)
-                total.index_put_((index.expand(s.shape).reshape(-1),), part.reshape(-1), accumulate=True)
+            # added over the axes the index does not vary along first (a relative bias: the batch)
+            axes = tuple(a for a in range(4) if index.dim() == 4 and index.shape[a] == 1 < part.shape[a])
+            part = part.sum(axes, keepdim=True) if axes else part
+            _add_exactly(sums[names.index(read.array)], index.expand(part.shape).reshape(-1), part.reshape(-1))
     return [None if total is None else total.view(t.shape).to(t.device, t.dtype) for total, t in zip(sums, tables)]
+
+
+def _add_exactly(total, index, part) -> None:
+    """total[index] += part, bitwise the same in any order: the slab's terms as int64 fixed point
+    (a power-of-two scale, from the slab's largest term, that keeps any index's sum below 2^62),
+    added by integer atomics (exact, so their order cannot show), then converted back into the
+    float64 running total, slab after slab."""
+    import torch
+
+    headroom = max(1, part.numel()).bit_length() + 1  # the most terms one index may take: every one
+    largest = part.abs().amax().double().clamp(min=2.0 ** -1000)
+    scale = torch.exp2(62 - headroom - torch.ceil(torch.log2(largest)))  # on the device: no read-back
+    fixed = torch.round(part.double() * scale).to(torch.int64)
+    with _nondeterministic_allowed():  # an integer index_add is exact: its order cannot show
+        sums = torch.zeros(total.shape, dtype=torch.int64, device=total.device).index_add_(0, index, fixed)
+    total += sums.double() / scale
 
 
 def _kept(block_mask, rows: slice, n_kv: int, device):
@@ -268,14 +287,29 @@ def _kept(block_mask, rows: slice, n_kv: int, device):
 
 
 @contextmanager
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms for the scatters (sorted, not atomic), restored after.
-    (The switch is the process's: another thread's nondeterministic op in this window raises.)"""
+def _nondeterministic_allowed():
+    """torch.use_deterministic_algorithms off for an op whose result cannot depend on order (it
+    refuses atomics by op, not by type), then as it was."""
     import torch
 
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(False)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+@contextmanager
+def _exact_products():
+    """TF32 matmuls for float32 copies of float16 / bfloat16 tensors: their products are exact in
+    TF32 (10 and 7 mantissa bits), accumulated in float32 as in the kernels, on the tensor cores
+    rather than at float32's SIMT rate; the setting restored after."""
+    import torch
+
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was

@@ -17,7 +17,7 @@ fagen for the common cases.
 A score_mod may read captured float tensors (a bias table indexed by head and distance): kernel
 inputs, each index proven within its dimension at the call's lengths. One that requires grad
 gets its gradient, bitwise repeatable (fagen.captured_grads: the score's gradient recomputed in
-PyTorch, times each read's derivative from the traced expression, scattered in a fixed order),
+PyTorch, times each read's derivative from the traced expression, added exactly in int64 fixed point),
 eagerly and under torch.compile (the op fagen::flex_captured_grads). Under torch.compile the
 score_mod is traced and the block mask registered once while the model is traced
 (_compiled_call), so a model compiles with fullgraph=True: the score_mod defined outside the

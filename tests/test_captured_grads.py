@@ -77,3 +77,21 @@ def test_constants_live_on_the_values_device():
     assert captured_grads.evaluate_torch(tree, values).device.type == "meta"
     for read in expression.loads(tree):
         assert captured_grads.evaluate_torch(captured_grads.load_derivative(tree, read), values).device.type == "meta"
+
+
+def test_the_scatter_is_exact_whatever_the_order():
+    """_add_exactly: the same bits for any order of the terms (integer sums), within 2^-30 of the
+    largest term of the float64 sum, and a zero slab adds nothing."""
+    gen = torch.Generator().manual_seed(5)
+    part = torch.randn(100_000, generator=gen) * torch.rand(100_000, generator=gen) ** 8 * 1e3
+    index = torch.randint(0, 97, (100_000,), generator=gen)
+    totals = []
+    for order in (torch.arange(100_000), torch.randperm(100_000, generator=gen), torch.arange(100_000).flip(0)):
+        total = torch.zeros(97, dtype=torch.float64)
+        captured_grads._add_exactly(total, index[order], part[order])
+        totals.append(total)
+    assert all(torch.equal(totals[0], t) for t in totals[1:])
+    want = torch.zeros(97, dtype=torch.float64).index_add_(0, index, part.double())
+    assert float((totals[0] - want).abs().max()) <= float(part.abs().max()) * 2.0 ** -30
+    captured_grads._add_exactly(totals[0], index, torch.zeros_like(part))
+    assert torch.equal(totals[0], totals[1])
