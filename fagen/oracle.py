@@ -25,17 +25,26 @@ attention_varlen and attention_paged apply it per sequence of a varlen batch or 
 cache (FlashAttention's layouts, fagen.sequences), each sequence a batch of one; a sequence
 with no keys gives O = 0 and LSE = -inf, as a row with no visible key does.
 
+FP8 (attention's q_descale, k_descale, v_descale, p_type, p_scale): q, k and v hold an FP8
+tensor's values (each rounded to its element type by the caller) and the descales, one number or
+one per (batch row, KV head) as FlashAttention-3's, give the real ones: s = q.k * scale *
+q_descale * k_descale. The kernel's steps are kept: P = exp(s - max) unnormalised, its row sum l
+in full precision, P * p_scale rounded to p_type (round to nearest even) and divided back, then
+O = (P.V) * v_descale / l.
+
 attention_backward differentiates the same computation analytically (dq, dk, dv; dbias, dsinks),
 sharing its scores, mask and softmax through _attend.
 """
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
 
 from fagen import expression, mask_kinds, side_inputs
+from fagen.element_types import element_type
 
 
 def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
@@ -45,11 +54,36 @@ def causal_mask(n_q: int, n_kv: int) -> np.ndarray:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
               mask=None, block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
-              alibi_slopes=None, bias=None, score_mod=None, sinks=None, captured=None):
+              alibi_slopes=None, bias=None, score_mod=None, sinks=None, captured=None,
+              q_descale=None, k_descale=None, v_descale=None, p_type: str | None = None, p_scale: float = 1.0):
     f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
                 mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
-                sinks=sinks, captured=captured)
+                sinks=sinks, captured=captured, quantized=_quantized(q_descale, k_descale, v_descale, p_type, p_scale))
     return (f["out"], f["lse"]) if return_lse else f["out"]
+
+
+def _quantized(q_descale, k_descale, v_descale, p_type: str | None, p_scale: float) -> dict | None:
+    """An FP8 forward's extra steps, or None where none is asked: the descales (checked against
+    the shapes in _attend) and P's rounding."""
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if p_type is None and p_scale == 1.0 and all(x is None for x in descales.values()):
+        return None
+    rounding = None
+    if p_type is not None:
+        element = element_type(p_type)
+        try:
+            value = float(p_scale)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= element.max_finite):
+            raise ValueError(f"p_scale = {p_scale!r}: must be a finite number in (0, {element.max_finite:g}] (P <= 1 "
+                             f"is multiplied by it before its rounding to {element.name}, so that its largest "
+                             f"value stays finite); e.g. 1.0, or {element.max_finite:g} to use the whole range")
+        rounding = lambda p: element.round(p * value) / value  # noqa: E731
+    elif p_scale != 1.0:
+        raise ValueError(f"p_scale = {p_scale!r} without p_type: P is scaled only to be rounded; pass "
+                         f"p_type='float8_e4m3' with it, or leave p_scale out")
+    return {**descales, "rounding": rounding}
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwargs):
@@ -262,10 +296,11 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
 
 
 def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, softcap, alibi_slopes, bias,
-            score_mod, sinks, score_mod_grad=None, captured=None) -> dict:
+            score_mod, sinks, score_mod_grad=None, captured=None, quantized=None) -> dict:
     """The forward, keeping what the backward reads: q, and k, v repeated to Hq heads; scale;
     keep; p (normalized weights, 0 where masked) and p_sink; out and lse; and the chain-rule
-    factors dcap (d softcap / d s) and dmod (score_mod_grad, 1 without it)."""
+    factors dcap (d softcap / d s) and dmod (score_mod_grad, 1 without it). `quantized`
+    (_quantized): FP8 descales, and P rounded before P.V (out; p and lse stay exact)."""
     q, k, v = (_real(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"oracle.attention: expected q [B,Hq,Nq,d], k [B,Hkv,Nk,d] and v [B,Hkv,Nk,d_v]; got "
@@ -295,6 +330,13 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
         side_inputs.check_block_mask(block_mask, b, heads_q, n_q, n_kv)
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     scale = side_inputs.check_scale(scale, d)
+    v_descale = 1.0
+    if quantized is not None:  # per (batch row, KV head): a group's query heads share its factors
+        q_descale, k_descale, v_descale = (
+            1.0 if quantized[name] is None else
+            np.repeat(side_inputs.check_descale(name, quantized[name], b, heads_kv), group, axis=1)[:, :, None, None]
+            for name in ("q_descale", "k_descale", "v_descale"))
+        scale = scale * q_descale * k_descale
     bi = np.arange(b)[:, None, None, None]
     hi = np.arange(heads_q)[None, :, None, None]
     qi = np.arange(n_q)[None, None, :, None]
@@ -352,8 +394,14 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     if sinks is not None:
         l = l + np.exp(sink - m0)
     l = np.where(empty, 1.0, l)
-    p = p / l
-    return dict(q=q, k=k, v=v, scale=scale, keep=keep, p=p, out=p @ v,
+    if quantized is None:
+        p = p / l
+        out = p @ v
+    else:  # the kernel's order: P rounded unnormalised (its row sum l taken before), 1 / l and V's descale after
+        rounded = p if quantized["rounding"] is None else quantized["rounding"](p)
+        out = (rounded @ v) * v_descale / l
+        p = p / l
+    return dict(q=q, k=k, v=v, scale=scale, keep=keep, p=p, out=out,
                 p_sink=None if sinks is None else np.exp(sink - m0) / l,
                 lse=np.where(empty, -np.inf, m0 + np.log(l))[..., 0], dcap=dcap, dmod=dmod)
 

@@ -76,6 +76,22 @@ def check_scale(scale, head_dim: int) -> float:
     return value
 
 
+def check_descale(name: str, value, batch: int, heads_kv: int) -> np.ndarray:
+    """An FP8 input's descale (FlashAttention-3's q_descale, k_descale, v_descale): one number
+    for the tensor, or one per (batch row, KV head), [B, Hkv], each finite and > 0; as float64
+    [B, Hkv]."""
+    shape = tuple(np.shape(value))
+    if shape not in ((), (batch, heads_kv)):
+        raise ValueError(f"{name}.shape = {_dims(shape)}: must be [] (the tensor's) or [B, Hkv] = "
+                         f"{_dims((batch, heads_kv))} (one a batch row and KV head, as FlashAttention-3's); "
+                         f"pass torch.full(({batch}, {heads_kv}), x) or one number")
+    array = np.asarray(value, np.float64) if np.isrealobj(np.asarray(value)) else np.array(np.nan)
+    if not (np.all(np.isfinite(array)) and np.all(array > 0)):
+        raise ValueError(f"{name} = {_shown(value)}: every entry must be a finite number > 0 (the FP8 tensor's "
+                         f"values times it are the real ones); fix the entries that are not, e.g. 1.0")
+    return np.broadcast_to(array, (batch, heads_kv))
+
+
 def require_mask_inputs(kind: str, *, has_block_mask: bool, has_doc_ids: bool) -> None:
     """A mask kind that reads its pattern from an array, named without the array."""
     if kind == "block_mask" and not has_block_mask:
