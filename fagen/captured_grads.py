@@ -23,10 +23,10 @@ from functools import cache
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 from fagen.masks import CAUSAL, FULL, PARTIAL
+from fagen.mod_tracing import ONE, ZERO, scaled_grad, sum_grads
 
 LN2 = 0.6931471805599453
 CHUNK_SCORES = 1 << 24  # scores recomputed at a time (64 MiB of float32, a few times over)
-_ONE, _ZERO = Number("1.0f", FLOAT), Number("0.0f", FLOAT)
 
 
 # ---- the derivative by one read ---------------------------------------------------------------
@@ -35,7 +35,7 @@ def load_derivative(node: Node, read: Load) -> Node | None:
     """d node / d read (every occurrence of that array element, the others held), a float tree;
     None where it is 0. Comparisons, ints and rounding have none."""
     if node == read:
-        return _ONE
+        return ONE
     if node.type != FLOAT or isinstance(node, (Number, Name, Load)):
         return None
     if isinstance(node, Cast):
@@ -49,36 +49,21 @@ def load_derivative(node: Node, read: Load) -> Node | None:
         then, other = load_derivative(node.then, read), load_derivative(node.other, read)
         if then is None and other is None:
             return None
-        return Conditional(node.condition, then or _ZERO, other or _ZERO, FLOAT)
+        return Conditional(node.condition, then or ZERO, other or ZERO, FLOAT)
     if isinstance(node, Binary):
         a, b = load_derivative(node.left, read), load_derivative(node.right, read)
         if node.op in "+-":
-            return _sum(node.op, a, b)
+            return sum_grads(node.op, a, b)
         if node.op == "*":
-            return _sum("+", _scaled(a, node.right), _scaled(b, node.left))
+            return sum_grads("+", scaled_grad(a, node.right), scaled_grad(b, node.left))
         if node.op == "/":  # (a / b)' = a' / b - a b' / b^2
             quotient = None if a is None else Binary("/", a, node.right, FLOAT)
             square = Binary("*", node.right, node.right, FLOAT)
-            return _sum("-", quotient, None if b is None else Binary("/", _scaled(b, node.left), square, FLOAT))
+            return sum_grads("-", quotient, None if b is None else Binary("/", scaled_grad(b, node.left), square, FLOAT))
         return None
     if isinstance(node, Call):
         return _call_derivative(node, [load_derivative(arg, read) for arg in node.args])
     return None
-
-
-def _sum(op: str, a: Node | None, b: Node | None) -> Node | None:
-    if b is None:
-        return a
-    if a is None:
-        return b if op == "+" else Unary("-", b, FLOAT)
-    return Binary(op, a, b, FLOAT)
-
-
-def _scaled(grad: Node | None, factor: Node) -> Node | None:
-    if grad is None:
-        return None
-    factor = factor if factor.type == FLOAT else Cast(FLOAT, factor)
-    return factor if grad == _ONE else Binary("*", grad, factor, FLOAT)
 
 
 def _call_derivative(node: Call, inner: list[Node | None]) -> Node | None:
@@ -89,20 +74,20 @@ def _call_derivative(node: Call, inner: list[Node | None]) -> Node | None:
         if a is None and b is None:
             return None
         # the side it returned: the first on a tie (as PyTorch's), the number beside a NaN
-        return Conditional(Binary("==", node, node.args[0], BOOL), a or _ZERO, b or _ZERO, FLOAT)
+        return Conditional(Binary("==", node, node.args[0], BOOL), a or ZERO, b or ZERO, FLOAT)
     if inner[0] is None or node.function in ("floorf", "ceilf"):
         return None
     outer = {
-        "fabsf": Conditional(Binary("<", x, _ZERO, BOOL), Number("-1.0f", FLOAT),  # PyTorch's sign: 0 at 0
-                             Conditional(Binary(">", x, _ZERO, BOOL), _ONE, _ZERO, FLOAT), FLOAT),
+        "fabsf": Conditional(Binary("<", x, ZERO, BOOL), Number("-1.0f", FLOAT),  # PyTorch's sign: 0 at 0
+                             Conditional(Binary(">", x, ZERO, BOOL), ONE, ZERO, FLOAT), FLOAT),
         "expf": node,
         "exp2f": Binary("*", node, Number(f"{LN2!r}f", FLOAT), FLOAT),
-        "logf": Binary("/", _ONE, x, FLOAT),
-        "log2f": Binary("/", _ONE, Binary("*", x, Number(f"{LN2!r}f", FLOAT), FLOAT), FLOAT),
+        "logf": Binary("/", ONE, x, FLOAT),
+        "log2f": Binary("/", ONE, Binary("*", x, Number(f"{LN2!r}f", FLOAT), FLOAT), FLOAT),
         "sqrtf": Binary("/", Number("0.5f", FLOAT), node, FLOAT),
-        "tanhf": Binary("-", _ONE, Binary("*", node, node, FLOAT), FLOAT),
+        "tanhf": Binary("-", ONE, Binary("*", node, node, FLOAT), FLOAT),
     }[node.function]
-    return _scaled(inner[0], outer)
+    return scaled_grad(inner[0], outer)
 
 
 # ---- evaluation on torch tensors --------------------------------------------------------------

@@ -341,7 +341,8 @@ def _float(node: Node) -> Node:
 ZERO, ONE = Number("0.0f", FLOAT), Number("1.0f", FLOAT)
 
 
-def _sum_grads(op: str, a: Node | None, b: Node | None) -> Node | None:
+def sum_grads(op: str, a: Node | None, b: Node | None) -> Node | None:
+    """a + b or a - b of two derivatives, None being 0 (fagen.captured_grads's chain rule too)."""
     if b is None:
         return a
     if a is None:
@@ -349,23 +350,24 @@ def _sum_grads(op: str, a: Node | None, b: Node | None) -> Node | None:
     return Binary(op, a, b, FLOAT)
 
 
-def _times(grad: Node | None, factor: Node) -> Node | None:
+def scaled_grad(grad: Node | None, factor: Node) -> Node | None:
+    """factor times a derivative (None: 0), the factor cast to float."""
     if grad is None:
         return None
     return _float(factor) if grad == ONE else Binary("*", _float(factor), grad, FLOAT)
 
 
 def _add(a: Traced, b: Traced) -> Traced:
-    return Traced(Binary("+", a.node, b.node, _type(a, b)), _sum_grads("+", a.grad, b.grad),
+    return Traced(Binary("+", a.node, b.node, _type(a, b)), sum_grads("+", a.grad, b.grad),
                   a.nonnegative and b.nonnegative)
 
 
 def _sub(a: Traced, b: Traced) -> Traced:
-    return Traced(Binary("-", a.node, b.node, _type(a, b)), _sum_grads("-", a.grad, b.grad))
+    return Traced(Binary("-", a.node, b.node, _type(a, b)), sum_grads("-", a.grad, b.grad))
 
 
 def _mul(a: Traced, b: Traced) -> Traced:
-    grad = _sum_grads("+", _times(a.grad, b.node), _times(b.grad, a.node))
+    grad = sum_grads("+", scaled_grad(a.grad, b.node), scaled_grad(b.grad, a.node))
     return Traced(Binary("*", a.node, b.node, _type(a, b)), grad, a.nonnegative and b.nonnegative)
 
 
@@ -378,7 +380,7 @@ def _div(a: Traced, b: Traced) -> Traced:
     if divisor:
         return _mul(a, _lift(struct.unpack("f", struct.pack("f", 1.0 / divisor))[0]))
     quotient = Binary("/", _float(a.node), _float(b.node), FLOAT)
-    grad = _sum_grads("-", None if a.grad is None else Binary("/", a.grad, _float(b.node), FLOAT),
+    grad = sum_grads("-", None if a.grad is None else Binary("/", a.grad, _float(b.node), FLOAT),
                       None if b.grad is None else Binary("*", quotient, Binary("/", b.grad, _float(b.node), FLOAT),
                                                          FLOAT))
     return Traced(quotient, grad)
