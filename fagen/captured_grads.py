@@ -23,9 +23,8 @@ from functools import cache
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 from fagen.masks import CAUSAL, FULL, PARTIAL
-from fagen.mod_tracing import ONE, ZERO, scaled_grad, sum_grads
+from fagen.mod_tracing import LN2, ONE, ZERO, scaled_grad, sum_grads
 
-LN2 = 0.6931471805599453
 CHUNK_SCORES = 1 << 24  # scores recomputed at a time (64 MiB of float32, a few times over)
 
 
