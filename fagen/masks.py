@@ -200,10 +200,7 @@ class BlockMask:
         without reading a list: square, the same for every batch row and head, at offset 0, and
         none (every block FULL), causal, a causal sliding window or a prefix-LM mask. Else None.
         Cached on the mask: a call reads it."""
-        if "as_kind" not in self._cache:
-            fields = self._as_kind()
-            self._cache["as_kind"] = None if fields is None else Mask(**fields)
-        return self._cache["as_kind"]
+        return self.cached("as_kind", lambda: None if (fields := self._as_kind()) is None else Mask(**fields))
 
     def _as_kind(self) -> dict | None:
         if (self.n_q != self.n_kv or self.q_block != self.kv_block or self.causal_offset != 0 or self.batch != 1
@@ -262,20 +259,19 @@ class BlockMask:
     def for_tiles(self, block_q: int, block_kv: int) -> BlockMask:
         """This mask re-blocked to a kernel's tile sizes (cached). Blocks larger or smaller than
         the tiles both work: types are recomputed from the exact pattern of each tile."""
-        key = ("tiles", block_q, block_kv)
         if (self.q_block, self.kv_block) == (block_q, block_kv):
             return self
-        if key not in self._cache:
-            _check_blocks(block_q, block_kv, self.causal_offset)
-            slab: dict = {}  # the query tile's rows, dense, while its blocks are classified
+        return self.cached(("tiles", block_q, block_kv), lambda: self._reblocked(block_q, block_kv))
 
-            def block_of(b: int, h: int, qb: int, kb: int) -> np.ndarray:
-                if slab.get("at") != (b, h, qb):
-                    slab.update(at=(b, h, qb), rows=self.dense_rows(b, h, qb * block_q, min(self.n_q, (qb + 1) * block_q)))
-                return slab["rows"][:, kb * block_kv:(kb + 1) * block_kv]
-            self._cache[key] = from_blocks(self.n_q, self.n_kv, block_q, block_kv, self.batch, self.heads, block_of,
-                                           self.causal_offset)
-        return self._cache[key]
+    def _reblocked(self, block_q: int, block_kv: int) -> BlockMask:
+        _check_blocks(block_q, block_kv, self.causal_offset)
+        slab: dict = {}  # the query tile's rows, dense, while its blocks are classified
+
+        def block_of(b: int, h: int, qb: int, kb: int) -> np.ndarray:
+            if slab.get("at") != (b, h, qb):
+                slab.update(at=(b, h, qb), rows=self.dense_rows(b, h, qb * block_q, min(self.n_q, (qb + 1) * block_q)))
+            return slab["rows"][:, kb * block_kv:(kb + 1) * block_kv]
+        return from_blocks(self.n_q, self.n_kv, block_q, block_kv, self.batch, self.heads, block_of, self.causal_offset)
 
     def key_major(self, group: int) -> KeyMajorLists:
         """The backward's dK/dV view of this mask, blocked as it is (for_tiles first): per
@@ -284,9 +280,9 @@ class BlockMask:
         their types and indices into the same partial_masks (patterns stay query-row-major).
         Heads: 1 where the mask broadcasts over heads, else one per KV head (cached)."""
         _check_int("group", group, "query heads per KV head, Hq // Hkv", 1, 1)
-        key = ("key_major", group)
-        if key in self._cache:
-            return self._cache[key]
+        return self.cached(("key_major", group), lambda: self._key_major(group))
+
+    def _key_major(self, group: int) -> KeyMajorLists:
         types, partials = self.grids()
         b, h, n_qb, n_kb = types.shape
         if h > 1 and h % group:
@@ -303,16 +299,14 @@ class BlockMask:
         steps = max(1, int(num.max()))
         order = np.argsort(~visit, axis=-1, kind="stable")[..., :steps].astype(np.int32)  # visited first, in order
         listed = np.arange(steps) < num[..., None]
-        lists = KeyMajorLists(
+        return KeyMajorLists(
             num, np.where(listed, order, 0).astype(np.int32),
             np.where(listed, np.take_along_axis(types, order, -1), MASKED).astype(np.int32),
             np.where(listed, np.take_along_axis(partials, order, -1), -1).astype(np.int32))
-        self._cache[key] = lists
-        return lists
 
     def cached(self, key, build: Callable[[], object]):
-        """build() kept on the mask under `key`: what a caller derives from it once (a device's
-        copy of its lists)."""
+        """build() kept on the mask under `key`: what it, or a caller, derives from it once (its
+        kind, its re-blockings, a device's copy of its lists)."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
