@@ -76,12 +76,15 @@ class Backward:
 
     def __call__(self, dout, q, k, v, out, lse, *, scale: float | None = None, mask_offset: int | None = None,
                  block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None, captured=None,
-                 dq=None, dk=None, dv=None) -> Gradients:
+                 captured_sums=None, dq=None, dk=None, dv=None) -> Gradients:
         """The gradients of sum(out * dout) by q, k, v (and sinks), for the forward that gave
         out and lse (natural-log LSE [B, Hq, Nq], f32) from the same arguments. dq, dk, dv:
-        where to write them (like q, k, v), else fresh arrays."""
+        where to write them (like q, k, v), else fresh arrays. captured_sums: (sums, scales),
+        where the dK/dV kernel adds the gradients of backward.captured_grads's arrays
+        (fagen.captured_grads.FixedPointSums: int64 zeroed, an element each, and a float64
+        scale an array)."""
         spec, bp = self.spec, self.plan
-        given = (block_mask, bias, alibi_slopes, sinks, doc_ids, captured, dq, dk, dv)
+        given = (block_mask, bias, alibi_slopes, sinks, doc_ids, captured, captured_sums, dq, dk, dv)
         key = self._call_key(dout, q, k, v, out, lse, scale, mask_offset) if all(x is None for x in given) else None
         kept = None if key is None else self.repeated_calls.get(key)
         if kept is not None:
@@ -110,6 +113,7 @@ class Backward:
             # backward_plan.dq_accum_index)
             dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
+            dbias_args.update(self._captured_sums_arguments(captured_sums))
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
                           heads_section=self._heads_section(b, hq, hkv, n_pad, nk, d, tq.device),
                           mask_offset=mask_offset, heads_q=hq, group=hq // hkv, n_pad=n_pad, q=tq.ptr, k=tk.ptr,
@@ -249,6 +253,18 @@ class Backward:
         return names, Launch(function, (*grid, 1), self.producer_threads.get(role, threads), smem,
                              getattr(self.plan, f"{role}_params"), values, slots=names,
                              maps=maps if role in self.producer_threads else ())
+
+    def _captured_sums_arguments(self, captured_sums) -> dict:
+        """The dK/dV kernel's backward.captured_grads arguments: each array's sums, the scales."""
+        arrays = self.plan.dkdv.captured_grads
+        if not arrays:
+            return {}
+        if captured_sums is None or len(captured_sums[0]) != len(arrays):
+            raise ValueError(f"captured_sums: kernel {self.spec.name} adds the gradients of {', '.join(arrays)} "
+                             f"(backward.captured_grads); pass their sums and scales "
+                             f"(fagen.captured_grads.FixedPointSums)")
+        sums, scales = captured_sums
+        return {f"{name}_grad": _ptr(total) for name, total in zip(arrays, sums)} | {"captured_grad_scales": _ptr(scales)}
 
     def _bias_grad_buffer(self, bias, ref: DeviceTensor, b: int, hkv: int) -> tuple[object, dict, tuple]:
         """The zeroed f32 buffer the dK/dV kernel adds d loss / d bias into, its arguments, and

@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from fagen import expression
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
                         SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
@@ -294,8 +295,14 @@ class DkdvPlan:
     dq_stage_bytes: int  # a warp's staging: its 16 rows x 64 columns of a tile, f32
     # backward.bias_grad: each step's score gradient at the bias added into dbias; "" without
     bias_grad: str  # score_mod.bias: "matrix" (an add per score) or "vector" (a key's sum over the step's queries)
-    dbias_before_chain: bool  # softcap comes before the bias: dbias is P^T (dP^T - D), before its factor
     bias_grad_params: tuple[tuple[str, str], ...]  # the buffer and its strides (stride 0 on broadcast axes)
+    # backward.captured_grads: the arrays whose gradient each step adds (int64 fixed point), and
+    # their sums and scales as kernel parameters
+    captured_grads: tuple[str, ...]
+    captured_grad_params: tuple[tuple[str, str], ...]
+    # a gradient taken at the modified score, P^T (dP^T - D), before the modifiers' own factor
+    # (softcap's, before a bias; the expression's, whose reads a captured gradient differentiates)
+    ds_before_chain: bool
     # backward.warp_specialized: a producer warpgroup after the consumers' (threads) loads with
     # TMA; the block has block_threads, and setmaxnreg moves registers between the roles
     warp_specialized: bool
@@ -428,6 +435,15 @@ BIAS_GRAD_PARAMS = (("float* __restrict__", "dbias"), ("long long", "dbias_sb"),
                     ("long long", "dbias_skv"), ("long long", "dbias_sq"))
 
 
+def captured_grad_params(arrays: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """backward.captured_grads: each array's sums (int64 fixed point, one an element, zeroed) and
+    the scales that turn a float into it, a float64 an array (a power of two: fagen.captured_grads)."""
+    if not arrays:
+        return ()
+    return (*(("long long* __restrict__", f"{name}_grad") for name in arrays),
+            ("const double* __restrict__", "captured_grad_scales"))
+
+
 # Where the dQ kernel runs beside the dK/dV kernel, measured (H200, d128, N 4k and 16k, same process,
 # alternating, two runs; gradients bitwise equal): sliding windows +4-6%, documents +7%; prefix-LM
 # -3%, dense and causal -2-5% (notes/perf.md).
@@ -487,7 +503,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,
-                     *dkdv.bias_grad_params,
+                     *dkdv.bias_grad_params, *dkdv.captured_grad_params,
                      *(((TMA_MAP, f"{t}_map") for t in TMA_TENSORS) if dkdv.warp_specialized else ()),
                      # the tile grid's batch * KV heads, and how many of them a section walks
                      *((("int", "batch"), ("int", "heads_section")) if dkdv.warp_specialized else ())),
@@ -558,6 +574,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
             f"and dP^T{', and as many for the score derivative' if mod.nonlinear else ''}) over the "
             f"{register_limit} limit{' (warp_specialized.consumer_registers)' if ws else ''}: it would spill",
             fix, change))
+    captured = tuple(expression.captured_names(mod.captured)[i] for i in bwd.captured_grads)
     return DkdvPlan(
         mainloop="sm90" if wgmma else "sm80", block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
         key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
@@ -571,8 +588,9 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         mask_lane_words=-(-bwd.block_q // LANE_COLUMNS), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **tiles,
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
-        bias_grad=mod.bias if bwd.bias_grad else "", dbias_before_chain=bwd.bias_grad and mod.softcap is not None,
-        bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else (),
+        bias_grad=mod.bias if bwd.bias_grad else "", bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else (),
+        captured_grads=captured, captured_grad_params=captured_grad_params(captured),
+        ds_before_chain=(bwd.bias_grad and mod.softcap is not None) or (bool(captured) and mod.nonlinear),
         warp_specialized=ws is not None, column_blocks=False, block_threads=threads + (32 * WARPGROUP_WARPS if ws else 0),
         producer_warpgroup=warps // WARPGROUP_WARPS if ws else 0,
         producer_registers=ws.producer_registers if ws else 0, consumer_registers=ws.consumer_registers if ws else 0)

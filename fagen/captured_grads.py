@@ -7,7 +7,7 @@ eager call.
                           dS(b, h, q, k) * d expression / d that read,
 
 dS = P (dP - D) the modified score's gradient. Each read of the expression (an `expression.Load`)
-has its derivative tree (`load_derivative`, the other reads held), evaluated with the index
+has its derivative tree (`derivatives.load_derivative`, the other reads held), evaluated with the index
 tree by `evaluate_torch` over a slab of query rows in float32; the products are added into the
 table exactly (int64 fixed point, integer atomics: no order can show) and the slabs in order into
 a float64 total: bitwise the same run to run. Its cost: two of the attention's matmuls again (TF32,
@@ -17,76 +17,16 @@ exact for half-precision inputs) and a few passes over every score, outside the 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from functools import cache
 
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 from fagen.masks import CAUSAL, FULL, PARTIAL
-from fagen.mod_tracing import LN2, ONE, ZERO, scaled_grad, sum_grads
+from fagen.derivatives import read_derivatives
 
 CHUNK_SCORES = 1 << 24  # scores recomputed at a time (64 MiB of float32, a few times over)
-
-
-# ---- the derivative by one read ---------------------------------------------------------------
-
-def load_derivative(node: Node, read: Load) -> Node | None:
-    """d node / d read (every occurrence of that array element, the others held), a float tree;
-    None where it is 0. Comparisons, ints and rounding have none."""
-    if node == read:
-        return ONE
-    if node.type != FLOAT or isinstance(node, (Number, Name, Load)):
-        return None
-    if isinstance(node, Cast):
-        return load_derivative(node.operand, read) if node.operand.type == FLOAT else None
-    if isinstance(node, Unary):
-        inner = load_derivative(node.operand, read)
-        if inner is None or node.op not in ("+", "-"):
-            return None
-        return inner if node.op == "+" else Unary("-", inner, FLOAT)
-    if isinstance(node, Conditional):
-        then, other = load_derivative(node.then, read), load_derivative(node.other, read)
-        if then is None and other is None:
-            return None
-        return Conditional(node.condition, then or ZERO, other or ZERO, FLOAT)
-    if isinstance(node, Binary):
-        a, b = load_derivative(node.left, read), load_derivative(node.right, read)
-        if node.op in "+-":
-            return sum_grads(node.op, a, b)
-        if node.op == "*":
-            return sum_grads("+", scaled_grad(a, node.right), scaled_grad(b, node.left))
-        if node.op == "/":  # (a / b)' = a' / b - a b' / b^2
-            quotient = None if a is None else Binary("/", a, node.right, FLOAT)
-            square = Binary("*", node.right, node.right, FLOAT)
-            return sum_grads("-", quotient, None if b is None else Binary("/", scaled_grad(b, node.left), square, FLOAT))
-        return None
-    if isinstance(node, Call):
-        return _call_derivative(node, [load_derivative(arg, read) for arg in node.args])
-    return None
-
-
-def _call_derivative(node: Call, inner: list[Node | None]) -> Node | None:
-    """The chain rule through one of the expression language's float functions."""
-    x = node.args[0]
-    if node.function in ("fminf", "fmaxf"):  # the chosen argument's derivative
-        a, b = inner
-        if a is None and b is None:
-            return None
-        # the side it returned: the first on a tie (as PyTorch's), the number beside a NaN
-        return Conditional(Binary("==", node, node.args[0], BOOL), a or ZERO, b or ZERO, FLOAT)
-    if inner[0] is None or node.function in ("floorf", "ceilf"):
-        return None
-    outer = {
-        "fabsf": Conditional(Binary("<", x, ZERO, BOOL), Number("-1.0f", FLOAT),  # PyTorch's sign: 0 at 0
-                             Conditional(Binary(">", x, ZERO, BOOL), ONE, ZERO, FLOAT), FLOAT),
-        "expf": node,
-        "exp2f": Binary("*", node, Number(f"{LN2!r}f", FLOAT), FLOAT),
-        "logf": Binary("/", ONE, x, FLOAT),
-        "log2f": Binary("/", ONE, Binary("*", x, Number(f"{LN2!r}f", FLOAT), FLOAT), FLOAT),
-        "sqrtf": Binary("/", Number("0.5f", FLOAT), node, FLOAT),
-        "tanhf": Binary("-", ONE, Binary("*", node, node, FLOAT), FLOAT),
-    }[node.function]
-    return scaled_grad(inner[0], outer)
 
 
 # ---- evaluation on torch tensors --------------------------------------------------------------
@@ -200,13 +140,12 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
     keys, values = (x.detach().float().repeat_interleave(group, 1) for x in (k, v))
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)
     names = expression.captured_names(len(tables))
-    reads = [(read, load_derivative(expression_tree, read)) for read in dict.fromkeys(expression.loads(expression_tree))
-             if wanted[names.index(read.array)]]
+    reads = read_derivatives(expression_tree, {name for name, w in zip(names, wanted) if w})
     sums = [torch.zeros(t.numel(), dtype=torch.float64, device=q.device) if w else None for t, w in zip(tables, wanted)]
     flat = {name: t.detach().float().reshape(-1).to(q.device) for name, t in zip(names, tables)}
     bi, hi, ki = (torch.arange(n, device=q.device).view(*[-1 if i == axis else 1 for i in range(4)])
                   for axis, n in ((0, b), (1, hq), (3, nk)))
-    if not any(grad is not None for _, grad in reads):  # the wanted tensors are only rounded or compared
+    if not reads:  # the wanted tensors are only rounded or compared
         return [None if total is None else torch.zeros_like(t) for total, t in zip(sums, tables)]
     step = max(1, CHUNK_SCORES // (b * hq * nk))
     for r0 in range(0, nq, step):
@@ -222,8 +161,6 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
         # nothing, whatever its derivative (0 x inf would be NaN)
         kept = None if block_mask is None else _kept(block_mask, rows, nk, q.device)
         for read, grad in reads:
-            if grad is None:
-                continue
             index = _to(evaluate_torch(read.index, at), INT).clamp(0, flat[read.array].numel() - 1)
             part = ds * _to(evaluate_torch(grad, at), FLOAT)
             if kept is not None:
@@ -233,6 +170,111 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
             part = part.sum(axes, keepdim=True) if axes else part
             _add_exactly(sums[names.index(read.array)], index.expand(part.shape).reshape(-1), part.reshape(-1))
     return [None if total is None else total.view(t.shape).to(t.device, t.dtype) for total, t in zip(sums, tables)]
+
+
+# ---- the fused gradient: the dK/dV kernel's sums (backward.captured_grads) --------------------
+
+def split_wanted(tree: Node, wanted) -> tuple[tuple[int, ...], list[bool]]:
+    """(the wanted arrays the dK/dV kernel can sum: each read's derivative and index free of the
+    score and its derivative bounded, `_bound`; the others, for captured_grads)."""
+    names = expression.captured_names(len(wanted))
+    fused = []
+    for i, w in enumerate(wanted):
+        reads = read_derivatives(tree, {names[i]}) if w else []
+        if reads and all("score" not in expression.reads(grad) | expression.reads(read.index)
+                         and _bound(grad, dict.fromkeys(names, 1.0), {}) is not None for read, grad in reads):
+            fused.append(i)
+    return tuple(fused), [bool(w) and i not in fused for i, w in enumerate(wanted)]
+
+
+class FixedPointSums:
+    """Where the dK/dV kernel adds the gradients of backward.captured_grads's arrays: int64 fixed
+    point, an element each (zeroed), times a power-of-two scale an array chosen so that no sum
+    can reach 2^62 (a bound on every term's sum, below: no overflow, and integer adds are exact in
+    any order). `gradients` turns them into the tables' gradients."""
+
+    def __init__(self, dout, v, tree: Node, tables, arrays: tuple[int, ...]):
+        import torch
+
+        b, hq, nq, _ = dout.shape
+        names = expression.captured_names(len(tables))
+        absmax = {name: t.detach().abs().amax().float().to(dout.device) for name, t in zip(names, tables)}
+        extents = {"b": b, "h": hq, "q_idx": nq, "kv_idx": v.shape[2]}
+        # sum over every (b, h, q, k) of |dS| <= sum over rows of 2 |dO_q| max_k |V_k| (dP = dO.V and
+        # D = dO.O, O a convex mix of V's rows; P's row sums to 1), doubled for rounding
+        ds_total = 4 * torch.linalg.vector_norm(dout.float(), dim=-1).sum() * torch.linalg.vector_norm(
+            v.float(), dim=-1).amax()
+        bounds = []
+        for i in arrays:
+            total = sum(_bound(grad, absmax, extents) for _, grad in read_derivatives(tree, {names[i]}))
+            bounds.append(torch.as_tensor(total, dtype=torch.float64, device=dout.device) * ds_total.double())
+        largest = torch.stack(bounds).clamp(min=2.0 ** -1000, max=2.0 ** 1000)
+        self.scales = torch.exp2(62 - torch.ceil(torch.log2(largest)))
+        self.sums = [torch.zeros(tables[i].numel(), dtype=torch.int64, device=dout.device) for i in arrays]
+        self.arrays = arrays
+
+    def gradients(self, tables) -> dict[int, object]:
+        """Each summed array's gradient, by its index: float64 sums over the scale, as the table."""
+        return {i: (total.double() / scale).view(tables[i].shape).to(tables[i].device, tables[i].dtype)
+                for i, total, scale in zip(self.arrays, self.sums, self.scales)}
+
+
+def _bound(node: Node, absmax: dict, extents: dict[str, int]):
+    """An upper bound on |node| (a float, or a tensor where it reads an array: absmax holds each
+    array's largest |element|) while each variable stays in 0 .. extents - 1; None where there is
+    none known (the score; a division by a variable; a logarithm)."""
+    if node.type != FLOAT:
+        lo, hi = expression.int_bounds(node, extents)
+        return float(max(abs(lo), abs(hi)))
+    if isinstance(node, Number):
+        return abs(float(node.text.rstrip("fF")))
+    if isinstance(node, Load):
+        return absmax[node.array]
+    if isinstance(node, (Cast, Unary)):
+        return _bound(node.operand, absmax, extents)
+    if isinstance(node, Conditional):
+        return _largest(_bound(node.then, absmax, extents), _bound(node.other, absmax, extents))
+    if isinstance(node, Binary):
+        a, b = _bound(node.left, absmax, extents), _bound(node.right, absmax, extents)
+        if a is None or b is None:
+            return None
+        if node.op in "+-":
+            return a + b
+        if node.op == "*":
+            return a * b
+        divisor = expression.constant(node.right) if node.op == "/" else None
+        return a / abs(divisor) if divisor else None
+    if isinstance(node, Call):
+        args = [_bound(arg, absmax, extents) for arg in node.args]
+        if any(a is None for a in args):
+            return None
+        if node.function == "tanhf":
+            return 1.0
+        if node.function in ("fabsf", "fminf", "fmaxf"):
+            return _largest(*args) if len(args) > 1 else args[0]
+        if node.function in ("floorf", "ceilf"):
+            return args[0] + 1
+        grow = {"expf": math.exp, "exp2f": math.exp2, "sqrtf": math.sqrt}.get(node.function)
+        if grow is None:
+            return None
+        x = args[0]
+        return grow(min(x, 700.0)) if isinstance(x, float) else {"expf": x.exp, "exp2f": x.exp2, "sqrtf": x.sqrt}[
+            node.function]()
+    return None  # the score
+
+
+def _largest(a, b):
+    """max(a, b) of two bounds, each a float or a tensor."""
+    import torch
+
+    if a is None or b is None:
+        return None
+    if isinstance(a, float) and isinstance(b, float):
+        return max(a, b)
+    if isinstance(a, float) or isinstance(b, float):
+        tensor, number = (b, a) if isinstance(a, float) else (a, b)
+        return tensor.clamp(min=number)
+    return torch.maximum(a, b)
 
 
 def _add_exactly(total, index, part) -> None:

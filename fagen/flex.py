@@ -174,13 +174,9 @@ class _FlexAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *tables = ctx.saved_tensors
         traced, block_mask, scale = ctx.call
-        grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables) \
-            if any(ctx.needs_input_grad[:3]) else (None, None, None)
-        wanted = ctx.needs_input_grad[4:]
-        table_grads = captured_grads.captured_grads(
-            dout, q, k, v, out, lse, captured_grads.score_tree(traced.expression, len(tables)), block_mask, scale,
-            tables, wanted) if any(wanted) else [None] * len(tables)
-        return (*grads, None, *table_grads)
+        dq, dk, dv, table_grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale,
+                                                                 tables, ctx.needs_input_grad[4:])
+        return dq, dk, dv, None, *table_grads
 
 
 _COMPILED_CALLS: dict[tuple[int, int | None], int] = {}  # (id(score_mod), mask serial) -> index in torch_op.FLEX_CALLS

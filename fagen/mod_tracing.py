@@ -36,9 +36,10 @@ from functools import lru_cache
 import numpy as np
 
 from fagen import expression
+from fagen.derivatives import LN2, ONE, ZERO, scaled_grad, sum_grads
+from fagen.derivatives import as_float as _float
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 
-LN2 = 0.6931471805599453
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -332,29 +333,6 @@ def _lift(value) -> Traced:
 
 def _type(*values: Traced) -> str:
     return FLOAT if any(v.node.type == FLOAT for v in values) else INT
-
-
-def _float(node: Node) -> Node:
-    return node if node.type == FLOAT else Cast(FLOAT, node)
-
-
-ZERO, ONE = Number("0.0f", FLOAT), Number("1.0f", FLOAT)
-
-
-def sum_grads(op: str, a: Node | None, b: Node | None) -> Node | None:
-    """a + b or a - b of two derivatives, None being 0 (fagen.captured_grads's chain rule too)."""
-    if b is None:
-        return a
-    if a is None:
-        return b if op == "+" else Unary("-", b, FLOAT)
-    return Binary(op, a, b, FLOAT)
-
-
-def scaled_grad(grad: Node | None, factor: Node) -> Node | None:
-    """factor times a derivative (None: 0), the factor cast to float."""
-    if grad is None:
-        return None
-    return _float(factor) if grad == ONE else Binary("*", _float(factor), grad, FLOAT)
 
 
 def _add(a: Traced, b: Traced) -> Traced:

@@ -16,6 +16,7 @@ import yaml
 from fagen import expression
 from fagen.version import __version__
 from fagen.backward_plan import backward_plan
+from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, KERNEL_TYPES
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
@@ -125,11 +126,34 @@ def render(spec: AttentionSpec) -> str:
     return environment().get_template(FORWARD_TEMPLATE).render(context(spec))
 
 
+@dataclass(frozen=True)
+class CapturedGradRead:
+    """One read of an array whose gradient the dK/dV kernel sums (backward.captured_grads): the
+    array, its place among those arrays (its scale's), its index clamped as the read clamps it,
+    and d expression / d read, as the kernel prints them."""
+
+    array: str
+    slot: int
+    index: str
+    derivative: str
+
+
+def captured_grad_reads(spec: AttentionSpec) -> list[CapturedGradRead]:
+    arrays = backward_plan(spec).dkdv.captured_grads
+    if not arrays:
+        return []
+    tree = expression.score(spec.score_mod.expression, spec.score_mod.captured)
+    return [CapturedGradRead(read.array, arrays.index(read.array),
+                             f"min(max({expression.cuda(read.index)}, 0), {read.array}_size - 1)", expression.cuda(grad))
+            for read, grad in read_derivatives(tree, set(arrays))]
+
+
 def render_backward(spec: AttentionSpec) -> str:
     """The backward kernels of a spec with a `backward:` section (fagen.backward_plan)."""
     spec = validated(spec)
     return environment().get_template(BACKWARD_TEMPLATE).render(
-        {**context(spec), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear})
+        {**context(spec), "bplan": backward_plan(spec), "backward": True, "grads": spec.score_mod.nonlinear,
+         "captured_grad_reads": captured_grad_reads(spec)})
 
 
 MERGE_DTYPES = (*KERNEL_TYPES, "float32")  # float32: a partial again, to merge further

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from fagen import expression, mask_kinds, side_inputs
+from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, INPUT_TYPES, KERNEL_TYPES, ElementType
 from fagen.mask_kinds import KINDS
 
@@ -497,6 +498,15 @@ class Backward(_Frozen):
     # the dK/dV kernel also adds d loss / d bias (score_mod.bias) into a float32 buffer of the
     # bias's shape: the score gradient at the bias, summed over what the bias broadcasts
     bias_grad: bool = False
+    # the dK/dV kernel also sums d loss / d these captured arrays (score_mod.captured's indices:
+    # a learned table): each score's gradient times its read's derivative, added as int64 fixed
+    # point (exact, so the sums are bitwise the same run to run)
+    captured_grads: tuple[int, ...] = ()
+
+    @field_validator("captured_grads", mode="before")
+    @classmethod
+    def _captured_grads_list(cls, v):
+        return tuple(v) if isinstance(v, list) else v  # YAML's list, held as a tuple (a spec is hashed)
     # sm_90a's wgmma dK/dV kernel: a producer warp loads K, V and each step's Q, dO, LSE and D
     # with TMA, and the consumer warpgroups only compute; unset, every thread copies with cp.async
     warp_specialized: WarpSpecialized | None = None
@@ -887,6 +897,27 @@ class AttentionSpec(_Frozen):
                                   unpadded))
         return self
 
+    def _captured_grads_rules(self) -> None:
+        """backward.captured_grads: arrays score_mod.expression reads, each read's derivative and
+        index free of the score (the dK/dV kernel evaluates them from b, h, q_idx, kv_idx after
+        the score has become P)."""
+        wanted, count = self.backward.captured_grads, self.score_mod.captured
+        if not wanted:
+            return
+        fix = {"backward.captured_grads": REMOVE}
+        if list(wanted) != sorted(set(wanted)) or not all(0 <= i < count for i in wanted):
+            raise ValueError(rule("backward.captured_grads", list(wanted), f"lists captured arrays by index, "
+                                  f"ascending and distinct, each below score_mod.captured ({count})",
+                                  "list the indices of the arrays whose gradient is wanted, or remove it", fix))
+        tree = expression.score(self.score_mod.expression, count)
+        names = {expression.captured_names(count)[i] for i in wanted}
+        for read, grad in read_derivatives(tree, names):
+            if "score" in expression.reads(grad) | expression.reads(read.index):
+                raise ValueError(rule("backward.captured_grads", list(wanted), f"the read "
+                                      f"{expression.source(read)}: its derivative or index depends on the score, "
+                                      f"which the dK/dV kernel no longer holds where it adds the gradient",
+                                      "remove it (fagen.flex then sums that gradient outside the kernels)", fix))
+
     @model_validator(mode="after")
     def _backward_rules(self) -> AttentionSpec:
         if self.backward is None:
@@ -906,6 +937,7 @@ class AttentionSpec(_Frozen):
                 "nonlinear factors of the chain rule, and the kernel keeps only their product per score",
                 "drop softcap or the expression, or train with a fixed bias (bias_grad: false)",
                 {"backward.bias_grad": False}))
+        self._captured_grads_rules()
         if self.outputs.partial:
             raise ValueError(rule("backward", "set", "differentiates the whole attention, not split-KV partials",
                                   "remove backward, or set outputs.partial: false", {"backward": REMOVE}))

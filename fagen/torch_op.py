@@ -199,12 +199,24 @@ def flex_kernels_forward(q, k, v, traced, block_mask, scale, tables=()):
                                         captured=_flex_captured(tables, q))
 
 
-def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables=()):
-    """dq, dk, dv of fagen.flex's kernels (flex_kernels_forward's)."""
-    spec, block_mask = _flex_spec(q, k, v, traced, block_mask)
-    grads = backward.compile_backward(variants.trainable(spec, _deterministic(False)))(
-        dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=block_mask, captured=_flex_captured(tables, q))
-    return grads.dq, grads.dk, grads.dv
+def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables=(), wanted=()):
+    """(dq, dk, dv, the captured tensors' gradients) of fagen.flex's kernels (flex_kernels_forward's):
+    a gradient for each captured tensor `wanted` says requires one (None for the others), summed
+    by the dK/dV kernel where its reads allow (captured_grads.split_wanted), else by
+    captured_grads.captured_grads."""
+    spec, kernel_mask = _flex_spec(q, k, v, traced, block_mask)
+    wanted = list(wanted) + [False] * (len(tables) - len(wanted))
+    tree = captured_grads.score_tree(traced.expression, len(tables)) if any(wanted) else None
+    fused, eager = captured_grads.split_wanted(tree, wanted) if tree is not None else ((), wanted)
+    sums = captured_grads.FixedPointSums(dout, v, tree, tables, fused) if fused else None
+    grads = backward.compile_backward(variants.trainable(spec, _deterministic(False), captured_grads=fused))(
+        dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=kernel_mask, captured=_flex_captured(tables, q),
+        captured_sums=None if sums is None else (sums.sums, sums.scales))
+    table_grads = captured_grads.captured_grads(dout, q, k, v, out, lse, tree, block_mask, scale, tables, eager) \
+        if any(eager) else [None] * len(tables)
+    for i, grad in ({} if sums is None else sums.gradients(tables)).items():
+        table_grads[i] = grad
+    return grads.dq, grads.dk, grads.dv, table_grads
 
 
 def _flex_spec(q, k, v, traced, block_mask):
@@ -247,35 +259,19 @@ def _(q, k, v, captured, call, scale):
 
 @_op
 def flex_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, captured: list[Tensor],
-                  call: int, scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of sum(out * dout) for flex_forward's call."""
+                  call: int, scale: Optional[float], wanted: list[bool]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, d loss / d each of `captured` that is `wanted`, zeros for the others) of
+    sum(out * dout) for flex_forward's call."""
     traced, block_mask, slots = FLEX_CALLS[call]
-    return flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, [captured[i] for i in slots])
+    dq, dk, dv, grads = flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale,
+                                              [captured[i] for i in slots], [wanted[i] for i in slots])
+    by_slot = {slot: grad for slot, grad in zip(slots, grads) if grad is not None}
+    return dq, dk, dv, [by_slot[i] if i in by_slot else torch.zeros_like(t) for i, t in enumerate(captured)]
 
 
 @torch.library.register_fake("fagen::flex_backward")
-def _(dout, q, k, v, out, lse, captured, call, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-@_op
-def flex_captured_grads(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        captured: list[Tensor], call: int, scale: Optional[float], wanted: list[bool]) -> list[Tensor]:
-    """d loss / d each of flex_forward's `captured` tensors that is `wanted` (zeros for the
-    others), from the traced expression (fagen.captured_grads: no autograd, which an op's
-    implementation runs below)."""
-    traced, block_mask, slots = FLEX_CALLS[call]
-    tables = [captured[i] for i in slots]
-    grads = captured_grads.captured_grads(dout, q, k, v, out, lse,
-                                          captured_grads.score_tree(traced.expression, len(tables)), block_mask,
-                                          scale, tables, [wanted[i] for i in slots])
-    by_slot = {slot: grad for slot, grad in zip(slots, grads) if grad is not None}
-    return [by_slot[i] if i in by_slot else torch.zeros_like(t) for i, t in enumerate(captured)]
-
-
-@torch.library.register_fake("fagen::flex_captured_grads")
 def _(dout, q, k, v, out, lse, captured, call, scale, wanted):
-    return [t.new_empty(t.shape) for t in captured]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), [t.new_empty(t.shape) for t in captured]
 
 
 def _flex_save(ctx, inputs, output):
@@ -284,20 +280,14 @@ def _flex_save(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, *captured)
     ctx.call, ctx.scale = call, scale
-    ctx.wanted = [t.requires_grad for t in captured]  # a learned table's gradient (captured_grads)
-    ctx.inputs_wanted = any(t.requires_grad for t in (q, k, v))
+    ctx.wanted = [t.requires_grad for t in captured]  # a learned table's gradient
 
 
 def _flex_backward(ctx, dout, _dlse):
     q, k, v, out, lse, *captured = ctx.saved_tensors
-    dq = dk = dv = None
-    if ctx.inputs_wanted:
-        dq, dk, dv = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale)
-    grads = [None] * len(captured)
-    if any(ctx.wanted):
-        grads = torch.ops.fagen.flex_captured_grads(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale, ctx.wanted)
-        grads = [g if w else None for g, w in zip(grads, ctx.wanted)]
-    return dq, dk, dv, grads, None, None
+    dq, dk, dv, grads = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale,
+                                                      ctx.wanted)
+    return dq, dk, dv, [g if w else None for g, w in zip(grads, ctx.wanted)], None, None
 
 
 torch.library.register_autograd("fagen::flex_forward", _flex_backward, setup_context=_flex_save)

@@ -11,6 +11,7 @@ from pathlib import Path
 from contextlib import nullcontext
 from functools import cache
 
+from fagen import expression
 from fagen.backward_plan import fixes_unsought
 from fagen.element_types import ELEMENT_TYPES
 from fagen.load import SPECS, load_spec, parse_spec
@@ -412,24 +413,31 @@ def with_producers(tiling: dict, persistent: bool = False, dq_producer: bool = T
 
 
 @cache
-def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool = False) -> AttentionSpec:
+def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool = False,
+              captured_grads: tuple[int, ...] = ()) -> AttentionSpec:
     """`spec` with a backward: section (its own, or the tiling BACKWARD_TILINGS gives its
     head_dim), named <name>_bwd: what fagen.attention runs when gradients are wanted.
     deterministic: no two blocks add into one output (on sm_90a the dQ kernel rather than
-    atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias)."""
+    atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias).
+    captured_grads: the gradient of those captured arrays too (<name>_bwd..._dcaptured0 ...)."""
     wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
     # deterministic changes a kernel only where blocks would add into one element: atomic dQ
     # (sm_90a) and a bias's gradient
     deterministic = deterministic and (wgmma or bias_grad)
+    captured_suffix = "".join(f"_d{name}" for i, name in enumerate(expression.captured_names(spec.score_mod.captured))
+                              if i in captured_grads)
     if spec.backward is not None:  # its tiling, with what is asked on top
         own = spec.backward
-        if (deterministic <= own.deterministic) and (bias_grad <= own.bias_grad):
+        if (deterministic <= own.deterministic) and (bias_grad <= own.bias_grad) and set(captured_grads) <= set(
+                own.captured_grads):
             return spec
         suffix = ("_det" if deterministic > own.deterministic else "") + ("_dbias" if bias_grad > own.bias_grad else "")
-        return parse_spec({**spec.model_dump(), "name": spec.name + suffix, "backward": {
+        return parse_spec({**spec.model_dump(), "name": spec.name + suffix + captured_suffix, "backward": {
             **own.model_dump(), "deterministic": own.deterministic or deterministic,
-            "bias_grad": own.bias_grad or bias_grad}}, f"trainable {spec.name}")
-    data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"}
+            "bias_grad": own.bias_grad or bias_grad,
+            "captured_grads": sorted({*own.captured_grads, *captured_grads})}}, f"trainable {spec.name}")
+    data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"
+                                         f"{captured_suffix}"}
     if wgmma:  # whole tilings, in order; at head_dim 128 each with TMA producers first, where they fit
         tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
@@ -445,8 +453,9 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
         # only the last tiling's refusal is shown: the others' search no fix
         with nullcontext() if i == len(tilings) - 1 else fixes_unsought():
             try:
-                return parse_spec({**data, "backward": {"deterministic": deterministic, **tiling,
-                                                        "bias_grad": bias_grad}}, f"trainable {spec.name}")
+                return parse_spec({**data, "backward": {"deterministic": deterministic, **tiling, "bias_grad": bias_grad,
+                                                        "captured_grads": sorted(captured_grads)}},
+                                  f"trainable {spec.name}")
             except SpecError as error:
                 refused = error
     raise refused  # the smallest tiling's refusal: its advice is what no tiling here took

@@ -10,6 +10,7 @@
 //     bias_grad: false
 //     block_kv: 128
 //     block_q: 32
+//     captured_grads: []
 //     deterministic: false
 //     dq_block_kv: 64
 //     dq_block_q: 64

@@ -153,6 +153,12 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "bias_grad between two nonlinear factors": (
         SM80_BWD, {"backward.bias_grad": True, "backward.block_q": 16, "score_mod": {"bias": "vector", "softcap": 30.0,
                                                              "expression": "score", "expression_grad": "1.0f"}}),
+    "captured_grads past the arrays": (
+        SM80_BWD, {"backward.captured_grads": [1], "score_mod": {"expression": "score + captured0[h]",
+                                                                 "expression_grad": "1.0f", "captured": 1}}),
+    "captured_grads of a read whose derivative is the score": (
+        SM80_BWD, {"backward.captured_grads": [0], "score_mod": {"expression": "score * captured0[h]",
+                                                                 "expression_grad": "captured0[h]", "captured": 1}}),
     "backward of partials": (SM80_BWD, {"outputs.partial": True}),
     "backward without lse": (SM80_BWD, {"outputs.lse": False}),
     "wgmma backward tiles": (HOPPER_BWD, {"backward.warps": 4}),

@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fagen import captured_grads, expression  # noqa: E402
+from fagen import captured_grads, derivatives, expression  # noqa: E402
 
 # score_mod expressions over two captured arrays, each read once or more
 EXPRESSIONS = [
@@ -58,7 +58,7 @@ def test_each_read_s_derivative_is_autograd_s(text):
     got = [torch.zeros(45), torch.zeros(5)]
     with torch.no_grad():
         for read in dict.fromkeys(expression.loads(tree)):
-            grad = captured_grads.load_derivative(tree, read)
+            grad = derivatives.load_derivative(tree, read)
             if grad is None:
                 continue
             index = captured_grads.evaluate_torch(read.index, values).expand(weights.shape).reshape(-1)
@@ -76,7 +76,7 @@ def test_constants_live_on_the_values_device():
     values = {name: x.to("meta") for name, x in _values(torch.Generator().manual_seed(1)).items()}
     assert captured_grads.evaluate_torch(tree, values).device.type == "meta"
     for read in expression.loads(tree):
-        assert captured_grads.evaluate_torch(captured_grads.load_derivative(tree, read), values).device.type == "meta"
+        assert captured_grads.evaluate_torch(derivatives.load_derivative(tree, read), values).device.type == "meta"
 
 
 def test_the_scatter_is_exact_whatever_the_order():
@@ -95,3 +95,28 @@ def test_the_scatter_is_exact_whatever_the_order():
     assert float((totals[0] - want).abs().max()) <= float(part.abs().max()) * 2.0 ** -30
     captured_grads._add_exactly(totals[0], index, torch.zeros_like(part))
     assert torch.equal(totals[0], totals[1])
+
+
+@pytest.mark.parametrize("text", EXPRESSIONS)
+def test_a_fused_read_s_derivative_stays_within_its_bound(text):
+    """split_wanted gives the dK/dV kernel the arrays whose every read has a derivative free of the
+    score with a bound (FixedPointSums' scale rests on it): that bound holds at every point."""
+    tree = expression.score(text, 2)
+    fused, eager = captured_grads.split_wanted(tree, [True, True])
+    values = _values(torch.Generator().manual_seed(len(text)))
+    absmax = {name: values[name].abs().amax() for name in ("captured0", "captured1")}
+    for i in fused:
+        for read, grad in derivatives.read_derivatives(tree, {f"captured{i}"}):
+            assert "score" not in expression.reads(grad)
+            bound = captured_grads._bound(grad, absmax, EXTENTS)
+            got = captured_grads.evaluate_torch(grad, values).abs()
+            assert bool((got <= bound).all()), (text, expression.source(grad))
+    assert not any(i in fused and eager[i] for i in range(2))
+
+
+def test_reads_whose_derivative_needs_the_score_are_summed_outside_the_kernel():
+    tree = expression.score("score * captured0[h] + captured1[kv_idx % 5] * captured1[kv_idx % 5]", 2)
+    assert captured_grads.split_wanted(tree, [True, True]) == ((1,), [True, False])
+    assert captured_grads.split_wanted(tree, [False, True]) == ((1,), [False, False])
+    # a logarithm of a read has no bound: the scale could not be chosen
+    assert captured_grads.split_wanted(expression.score("score + logf(captured0[h])", 1), [True]) == ((), [True])

@@ -71,10 +71,14 @@ def oracle_kernels(seen: dict):
                                     score_mod=fields(traced), return_lse=True, captured=tables(captured))
         return torch.from_numpy(out), torch.from_numpy(lse)
 
-    def backward(dout, q, k, v, out, lse, traced, block_mask, scale, captured=()):
+    def backward(dout, q, k, v, out, lse, traced, block_mask, scale, captured=(), wanted=()):
         got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), scale=scale,
                                         block_mask=block_mask, score_mod=fields(traced), captured=tables(captured))
-        return tuple(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv"))
+        wanted = list(wanted) + [False] * (len(captured) - len(wanted))
+        table_grads = captured_grads.captured_grads(
+            dout, q, k, v, out, lse, captured_grads.score_tree(traced.expression, len(captured)), block_mask, scale,
+            captured, wanted) if any(wanted) else [None] * len(captured)
+        return (*(torch.from_numpy(got[name]) for name in ("dq", "dk", "dv")), table_grads)
     return forward, backward
 
 
@@ -249,7 +253,8 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     monkeypatch.setattr(dispatch, "derive_spec", derive_spec)
     monkeypatch.setattr(runtime, "compile_kernel", compile_kernel)
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
-    monkeypatch.setattr(variants, "trainable", lambda spec, deterministic=False, bias_grad=False: ("trainable", spec))
+    monkeypatch.setattr(variants, "trainable", lambda spec, deterministic=False, bias_grad=False, captured_grads=(): (
+        "trainable", spec))
     q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
     bm = flex.create_block_mask(lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) % 3 != 1), None, None, 8, 8, device="cpu",
                                 BLOCK_SIZE=4)  # no mask kind's pattern: read as a block mask
@@ -421,3 +426,63 @@ def test_a_block_mask_runs_on_its_own_blocks_where_a_shipped_tiling_matches(monk
         assert (aligned.tiling.block_q, aligned.tiling.block_kv) == (128, 128) and aligned.mask == block_mask
     odd = dispatch.derive_spec_for("float16", 64, block_mask=build(48), keys=4096)
     assert odd == derived
+
+
+def test_learned_tables_are_summed_by_the_dkdv_kernel_in_fixed_point(monkeypatch):
+    """Tables whose reads' derivatives are free of the score are summed by the dK/dV kernel (the
+    trainable spec it runs has backward.captured_grads): its int64 adds, emulated here over the
+    scores' gradient at FixedPointSums' scales, never near 2^62, give PyTorch's gradients, bitwise
+    the same twice; a table whose derivative reads the score is summed outside (captured_grads)."""
+    from fagen import backward, derivatives, device, dispatch, expression
+
+    forward, _ = oracle_kernels({})
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    monkeypatch.setattr(dispatch, "derive_spec", lambda q, **kw: dispatch.derive_spec_for(
+        "bfloat16", 64, **{name: value for name, value in kw.items() if name != "v"}))
+    seen = {}
+
+    def compile_backward(spec):
+        seen["spec"] = spec
+
+        def run(dout, q, k, v, out, lse, scale=None, block_mask=None, captured=None, captured_sums=None):
+            got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), scale=scale,
+                                            score_mod={"expression": spec.score_mod.expression,
+                                                       "expression_grad": spec.score_mod.expression_grad,
+                                                       "captured": spec.score_mod.captured},
+                                            captured=[t.numpy() for t in captured])
+            keys, values = (x.repeat_interleave(HQ // HKV, 1) for x in (k, v))
+            at = {"score": q @ keys.transpose(-1, -2) * D ** -0.5, "b": torch.arange(B).view(-1, 1, 1, 1),
+                  "h": torch.arange(HQ).view(1, -1, 1, 1), "q_idx": torch.arange(N).view(1, 1, -1, 1),
+                  "kv_idx": torch.arange(N).view(1, 1, 1, -1),
+                  **{f"captured{i}": t.reshape(-1) for i, t in enumerate(captured)}}
+            tree = expression.score(spec.score_mod.expression, spec.score_mod.captured)
+            p = torch.exp(captured_grads.evaluate_torch(tree, at).double() - lse[..., None])
+            ds = (p * (dout @ values.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))).float()
+            sums, scales = captured_sums
+            arrays = [f"captured{i}" for i in spec.backward.captured_grads]
+            for read, grad in derivatives.read_derivatives(tree, set(arrays)):
+                slot = arrays.index(read.array)
+                index = captured_grads.evaluate_torch(read.index, at).clamp(0, sums[slot].numel() - 1)
+                term = ds * captured_grads.evaluate_torch(grad, at)  # float32, then times the scale in double
+                fixed = torch.round(term.double() * scales[slot]).long()  # __double2ll_rn
+                sums[slot].index_add_(0, index.expand(fixed.shape).reshape(-1), fixed.reshape(-1))
+            assert all(int(s.abs().max()) < 2 ** 61 for s in sums)
+            return SimpleNamespace(**{name: torch.from_numpy(got[name]) for name in ("dq", "dk", "dv")})
+        return run
+
+    monkeypatch.setattr(backward, "compile_backward", compile_backward)
+    gen = torch.Generator().manual_seed(23)
+    temperature, table, gain = (torch.randn(*shape, generator=gen).requires_grad_()
+                                for shape in ((HQ,), (HQ, 2 * N - 1), (HQ,)))
+    score_mod = lambda s, b, h, q, k: s * torch.sigmoid(temperature[h]) + table[h, q - k + N - 1] * gain[h]  # noqa: E731
+    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+    dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
+    leaves = (q, k, v, temperature, table, gain)
+    got = [torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True), leaves, dout)
+           for _ in range(2)]
+    assert seen["spec"].backward.captured_grads == (1, 2)  # table and gain; the temperature's reads the score
+    want = torch.autograd.grad(reference_attention(q, k, v, score_mod, None), leaves, dout)
+    for name, g, w in zip(("dq", "dk", "dv", "temperature", "table", "gain"), got[0], want):
+        assert float((g.double() - w.double()).norm() / w.double().norm()) < 1e-5, name
+    assert all(torch.equal(a, b) for a, b in zip(*got))

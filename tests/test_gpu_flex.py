@@ -115,16 +115,21 @@ def test_a_compiled_layer_calling_flex_attention_captures_in_a_cuda_graph():
         assert relative_error(to_numpy(out), to_numpy(layer(q, k, v))) < 1e-3
 
 
-@pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
-def test_a_learned_bias_table_gets_its_gradient_bitwise_repeatable(dtype, d):
-    """A relative bias table [H, 2N - 1] that requires grad: its gradient (fagen.captured_grads)
-    against PyTorch's autograd through the same function in float64, the same bits twice, and the
-    same bits under torch.compile(fullgraph=True) (fagen::flex_captured_grads)."""
+LEARNED_MASKS = {"prefix_lm": lambda b_, h, q, k: (q >= k) | (k < 64),  # the prefix-LM kind's kernels
+                 "dilated": lambda b_, h, q, k: (q >= k) & ((q - k) % 3 != 1)}  # a block mask's
+
+
+@pytest.mark.parametrize("dtype, d, mask", [("float16", 64, "prefix_lm"), ("bfloat16", 128, "prefix_lm"),
+                                            ("bfloat16", 64, "dilated"), ("float16", 128, "dilated")])
+def test_a_learned_bias_table_gets_its_gradient_bitwise_repeatable(dtype, d, mask):
+    """A relative bias table [H, 2N - 1] that requires grad, summed by the dK/dV kernel (int64 fixed
+    point, backward.captured_grads): its gradient against PyTorch's autograd through the same
+    function in float64, the same bits twice, and the same bits under torch.compile(fullgraph=True)."""
     gen = torch.Generator(device="cuda").manual_seed(d + 1)
     b, hq, hkv, n = 2, 8, 2, 777
     table = (torch.randn(hq, 2 * n - 1, device="cuda", generator=gen) * 0.5).requires_grad_()
     score_mod = lambda s, b_, h, q, k: s + table[h, q - k + n - 1]  # noqa: E731
-    mask_mod = lambda b_, h, q, k: (q >= k) | (k < 64)  # noqa: E731
+    mask_mod = LEARNED_MASKS[mask]
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype), generator=gen)
                for h in (hq, hkv, hkv))
     block_mask = flex.create_block_mask(mask_mod, None, None, n, n)
@@ -138,3 +143,26 @@ def test_a_learned_bias_table_gets_its_gradient_bitwise_repeatable(dtype, d):
     compiled = torch.compile(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
                                                                  enable_gqa=True), fullgraph=True)
     assert torch.equal(torch.autograd.grad(compiled(q, k, v), table, dout)[0], got[0])
+
+
+def test_tables_summed_in_the_kernel_and_outside_train_together():
+    """A score_mod with three learned tensors: a temperature (its derivative reads the score: summed
+    outside the kernels), a relative table and a per-head gain (summed by the dK/dV kernel, whose
+    spec says so), each gradient and q, k, v's against PyTorch's autograd in float64."""
+    from fagen import backward
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, hq, hkv, n, d = 2, 4, 2, 500, 64
+    temperature, table, gain = (torch.randn(*shape, device="cuda", generator=gen).requires_grad_()
+                                for shape in ((hq,), (hq, 2 * n - 1), (hq,)))
+    score_mod = lambda s, b_, h, q, k: s * torch.sigmoid(temperature[h]) + table[h, q - k + n - 1] * gain[h]  # noqa: E731
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (hq, hkv, hkv))
+    dout = torch.randn(b, hq, n, d, device="cuda", dtype=q.dtype, generator=gen)
+    leaves = (q, k, v, temperature, table, gain)
+    got = torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=score_mod, enable_gqa=True), leaves, dout)
+    want = torch.autograd.grad(reference_attention(*(x.double() for x in (q, k, v)), score_mod, None), leaves,
+                               dout.double())
+    for name, g, w in zip(("dq", "dk", "dv", "temperature", "table", "gain"), got, want):
+        assert relative_error(to_numpy(g), to_numpy(w)) < GRAD_TOLERANCE["bfloat16"], name
+    assert any(spec.backward.captured_grads == (1, 2) for spec, _ in backward._CACHE)

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
     ("expression", "mask_kinds", "side_inputs", "element_types", "version"),  # leaves: standard library and NumPy
+    ("derivatives",),  # expression trees' derivatives, as trees
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
     # FlexAttention's Python mods traced into expressions
     ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
