@@ -153,7 +153,10 @@ def run_case(case: FlexCase) -> list[FlexRow]:
                      for _ in range(4))
     compiled = _compiled_flex()
     mask_heads = case.heads if case.mod in PER_HEAD_MASKS else None  # the others broadcast over the heads
-    torch_mask = None if mask_mod is None else torch_flex.create_block_mask(mask_mod, None, mask_heads, case.n, case.n)
+    # a per-head mask compiled, as FlexAttention advises at length: its eager build is dense (64 GiB
+    # at d64 16k: out of memory)
+    torch_mask = None if mask_mod is None else torch_flex.create_block_mask(
+        mask_mod, None, mask_heads, case.n, case.n, _compile=mask_heads is not None)
     reference = _run(compiled, torch_mask, score_mod, *(x.float() for x in (q, k, v, dout)))
     flops = 4.0 * case.batch * case.head_dim * kept_pairs(mask_mod, case.n, case.heads)
     rows = []

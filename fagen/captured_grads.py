@@ -1,19 +1,23 @@
 """The gradient of a traced score_mod's captured tensors (fagen.flex: a learned bias table), from
 the expression tree alone: no autograd, so it runs where autograd does not (inside the
-fagen::flex_captured_grads op, which torch.compile calls in a model's backward) as it does in an
+fagen::flex_backward op, which torch.compile calls in a model's backward) as it does in an
 eager call.
 
     d loss / d table[i] = sum over the (b, h, q, k) whose expression reads table[i] of
                           dS(b, h, q, k) * d expression / d that read,
 
-dS = P (dP - D) the modified score's gradient. Each read of the expression (an `expression.Load`)
-has its derivative tree (`derivatives.load_derivative`, the other reads held), evaluated with the index
-tree by `evaluate_torch` over a slab of query rows in float32; the products are added into the
-table exactly (int64 fixed point, integer atomics: no order can show) and the slabs in order into
-a float64 total: bitwise the same run to run. Its cost: two of the attention's matmuls again (TF32,
-exact for half-precision inputs) and a few passes over every score, outside the fused kernels
-(FlexAttention adds the same gradient atomically inside its kernel).
-"""
+dS = P (dP - D) the modified score's gradient, and each read's derivative its own tree
+(fagen.derivatives). Two paths, both adding int64 fixed point (exact: no order can show, so the
+result is bitwise the same run to run):
+
+- the dK/dV kernel (backward.captured_grads), where each read's derivative and index are free of
+  the score and bounded (`split_wanted`): it adds each term as it computes dS, into the sums
+  `FixedPointSums` allocates at a scale a bound on every sum chooses;
+- `captured_grads` for the others: dS recomputed a slab of query rows at a time in float32,
+  each read's derivative evaluated over it by `evaluate_torch`, the slabs in order into a
+  float64 total. Its cost: two of the attention's matmuls again (TF32, exact for half-precision
+  inputs) and a few passes over every score.
+""""""
 
 from __future__ import annotations
 

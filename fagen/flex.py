@@ -9,16 +9,16 @@ fagen for the common cases.
 - `flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
   enable_gqa=False, return_lse=False)`: the score_mod traced into `score_mod.expression` and its
   derivative, the kernels of that spec run under autograd (torch_op's flex kernels: eagerly
-  through _FlexAttention, under torch.compile as the ops fagen::flex_forward, flex_backward and
-  flex_captured_grads).
+  through _FlexAttention, under torch.compile as the ops fagen::flex_forward and flex_backward).
   A block mask that is exactly a mask kind's pattern (masks.BlockMask.as_kind) runs that kind's
   kernels.
 
 A score_mod may read captured float tensors (a bias table indexed by head and distance): kernel
 inputs, each index proven within its dimension at the call's lengths. One that requires grad
-gets its gradient, bitwise repeatable (fagen.captured_grads: the score's gradient recomputed in
-PyTorch, times each read's derivative from the traced expression, added exactly in int64 fixed point),
-eagerly and under torch.compile (the op fagen::flex_captured_grads). Under torch.compile the
+gets its gradient, bitwise repeatable (fagen.captured_grads: the score's gradient times each
+read's derivative from the traced expression, added exactly in int64 fixed point by the dK/dV
+kernel where the derivative allows, else recomputed in PyTorch), eagerly and under
+torch.compile. Under torch.compile the
 score_mod is traced and the block mask registered once while the model is traced
 (_compiled_call), so a model compiles with fullgraph=True: the score_mod defined outside the
 compiled function, its captured tensors in its closure (the ops' inputs). A score_mod's ints are int32 in the kernel (int64 in PyTorch): one whose int arithmetic

@@ -355,7 +355,7 @@ def test_a_learned_tensor_s_gradient_skips_the_pairs_the_mask_drops(monkeypatch)
 
 def test_a_learned_table_trains_under_torch_compile(monkeypatch):
     """torch.compile(fullgraph=True) with AOTAutograd (which traces the backward) of a layer whose
-    score_mod reads a learned bias table: the table's gradient is fagen::flex_captured_grads's
+    score_mod reads a learned bias table: the table's gradient is fagen::flex_backward's
     (from the traced expression, no autograd), PyTorch's autograd's through the same function,
     bitwise the same twice; q, k, v's too."""
     forward, backward = oracle_kernels({})
