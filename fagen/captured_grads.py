@@ -17,7 +17,7 @@ result is bitwise the same run to run):
   each read's derivative evaluated over it by `evaluate_torch`, the slabs in order into a
   float64 total. Its cost: two of the attention's matmuls again (TF32, exact for half-precision
   inputs) and a few passes over every score.
-""""""
+"""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class FixedPointSums:
         bounds = []
         for i in arrays:
             total = sum(_bound(grad, absmax, extents) for _, grad in read_derivatives(tree, {names[i]}))
-            bounds.append(torch.as_tensor(total, dtype=torch.float64, device=dout.device) * ds_total.double())
+            bounds.append(ds_total.double() * total)  # a kernel's scalar or a tensor: no copy from the host
         largest = torch.stack(bounds).clamp(min=2.0 ** -1000, max=2.0 ** 1000)
         self.scales = torch.exp2(62 - torch.ceil(torch.log2(largest)))
         self.sums = [torch.zeros(tables[i].numel(), dtype=torch.int64, device=dout.device) for i in arrays]
