@@ -258,6 +258,9 @@ class Backward:
         """The dK/dV kernel's backward.captured_grads arguments: each array's sums, the scales."""
         arrays = self.plan.dkdv.captured_grads
         if not arrays:
+            if captured_sums is not None:
+                raise ValueError(f"captured_sums: kernel {self.spec.name} adds no captured array's gradient "
+                                 f"(backward.captured_grads is empty); pass None, or train a spec that lists them")
             return {}
         if captured_sums is None or len(captured_sums[0]) != len(arrays):
             raise ValueError(f"captured_sums: kernel {self.spec.name} adds the gradients of {', '.join(arrays)} "

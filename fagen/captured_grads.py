@@ -21,14 +21,13 @@ result is bitwise the same run to run):
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from functools import cache
 
 from fagen import expression
 from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 from fagen.masks import CAUSAL, FULL, PARTIAL
-from fagen.derivatives import read_derivatives
+from fagen.derivatives import FloatOps, interval, magnitude, read_derivatives
 
 CHUNK_SCORES = 1 << 24  # scores recomputed at a time (64 MiB of float32, a few times over)
 
@@ -178,16 +177,27 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
 
 # ---- the fused gradient: the dK/dV kernel's sums (backward.captured_grads) --------------------
 
-def split_wanted(tree: Node, wanted) -> tuple[tuple[int, ...], list[bool]]:
-    """(the wanted arrays the dK/dV kernel can sum: each read's derivative and index free of the
-    score and its derivative bounded, `_bound`; the others, for captured_grads)."""
+# A derivative whose bound, with every array within +-1, passes this at the call's lengths goes
+# outside the kernels: each bit the bound has over the values it holds is a bit of the sums'
+# resolution lost (a float cast to int is bounded at 2^31, whatever it holds).
+LOOSEST_BOUND = 2.0 ** 20
+
+
+def split_wanted(tree: Node, wanted, extents: dict[str, int]) -> tuple[tuple[int, ...], list[bool]]:
+    """(the wanted arrays the dK/dV kernel sums: each read's derivative and index free of the
+    score, the derivative bounded (derivatives.interval) within LOOSEST_BOUND while the arrays
+    hold +-1 and the variables stay within `extents`; the others, for captured_grads)."""
     names = expression.captured_names(len(wanted))
-    fused = []
-    for i, w in enumerate(wanted):
-        reads = read_derivatives(tree, {names[i]}) if w else []
-        if reads and all("score" not in expression.reads(grad) | expression.reads(read.index)
-                         and _bound(grad, dict.fromkeys(names, 1.0), {}) is not None for read, grad in reads):
-            fused.append(i)
+    unit = dict.fromkeys(names, (-1.0, 1.0))
+
+    def summable(read, grad) -> bool:
+        if "score" in expression.reads(grad) | expression.reads(read.index):
+            return False
+        bounds = interval(grad, unit, extents)
+        return bounds is not None and magnitude(bounds) <= LOOSEST_BOUND
+
+    fused = [i for i, w in enumerate(wanted) if w and (reads := read_derivatives(tree, {names[i]}))
+             and all(summable(read, grad) for read, grad in reads)]
     return tuple(fused), [bool(w) and i not in fused for i, w in enumerate(wanted)]
 
 
@@ -202,83 +212,69 @@ class FixedPointSums:
 
         b, hq, nq, _ = dout.shape
         names = expression.captured_names(len(tables))
-        absmax = {name: t.detach().abs().amax().float().to(dout.device) for name, t in zip(names, tables)}
+        # each array's least and largest element, on the device (no read-back): its reads' bounds
+        ranges = {name: (t.detach().amin().double(), t.detach().amax().double()) for name, t in zip(names, tables)}
         extents = {"b": b, "h": hq, "q_idx": nq, "kv_idx": v.shape[2]}
         # sum over every (b, h, q, k) of |dS| <= sum over rows of 2 |dO_q| max_k |V_k| (dP = dO.V and
         # D = dO.O, O a convex mix of V's rows; P's row sums to 1), doubled for rounding
-        ds_total = 4 * torch.linalg.vector_norm(dout.float(), dim=-1).sum() * torch.linalg.vector_norm(
-            v.float(), dim=-1).amax()
+        ds_total = 4 * torch.linalg.vector_norm(dout.float(), dim=-1).double().sum() * torch.linalg.vector_norm(
+            v.float(), dim=-1).amax().double()
         bounds = []
         for i in arrays:
-            total = sum(_bound(grad, absmax, extents) for _, grad in read_derivatives(tree, {names[i]}))
-            bounds.append(ds_total.double() * total)  # a kernel's scalar or a tensor: no copy from the host
-        largest = torch.stack(bounds).clamp(min=2.0 ** -1000, max=2.0 ** 1000)
-        self.scales = torch.exp2(62 - torch.ceil(torch.log2(largest)))
+            derivative = sum(magnitude(interval(grad, ranges, extents, TensorOps), TensorOps)
+                             for _, grad in read_derivatives(tree, {names[i]}))
+            bounds.append(ds_total * derivative)  # a kernel's scalar or a tensor: no copy from the host
+        largest = torch.stack(bounds)
+        self.finite = torch.isfinite(largest)  # an array holding inf or NaN: its gradient is NaN
+        self.scales = torch.exp2(62 - torch.ceil(torch.log2(largest.nan_to_num(1.0).clamp(2.0 ** -900, 2.0 ** 900))))
         self.sums = [torch.zeros(tables[i].numel(), dtype=torch.int64, device=dout.device) for i in arrays]
         self.arrays = arrays
 
-    def gradients(self, tables) -> dict[int, object]:
-        """Each summed array's gradient, by its index: float64 sums over the scale, as the table."""
-        return {i: (total.double() / scale).view(tables[i].shape).to(tables[i].device, tables[i].dtype)
-                for i, total, scale in zip(self.arrays, self.sums, self.scales)}
+    def gradients(self, tables, dk) -> dict[int, object]:
+        """Each summed array's gradient, by its index: float64 sums over the scale, as the table;
+        NaN where a term could not be a number (dK is not finite: some dS was not; or an array's
+        bound is not)."""
+        import torch
+
+        valid = self.finite & torch.isfinite(dk).all()
+        return {i: torch.where(ok, total.double() / scale, torch.nan).view(tables[i].shape).to(tables[i].device,
+                                                                                               tables[i].dtype)
+                for i, total, scale, ok in zip(self.arrays, self.sums, self.scales, valid)}
 
 
-def _bound(node: Node, absmax: dict, extents: dict[str, int]):
-    """An upper bound on |node| (a float, or a tensor where it reads an array: absmax holds each
-    array's largest |element|) while each variable stays in 0 .. extents - 1; None where there is
-    none known (the score; a division by a variable; a logarithm)."""
-    if node.type != FLOAT:
-        lo, hi = expression.int_bounds(node, extents)
-        return float(max(abs(lo), abs(hi)))
-    if isinstance(node, Number):
-        return abs(float(node.text.rstrip("fF")))
-    if isinstance(node, Load):
-        return absmax[node.array]
-    if isinstance(node, (Cast, Unary)):
-        return _bound(node.operand, absmax, extents)
-    if isinstance(node, Conditional):
-        return _largest(_bound(node.then, absmax, extents), _bound(node.other, absmax, extents))
-    if isinstance(node, Binary):
-        a, b = _bound(node.left, absmax, extents), _bound(node.right, absmax, extents)
-        if a is None or b is None:
-            return None
-        if node.op in "+-":
-            return a + b
-        if node.op == "*":
-            return a * b
-        divisor = expression.constant(node.right) if node.op == "/" else None
-        return a / abs(divisor) if divisor else None
-    if isinstance(node, Call):
-        args = [_bound(arg, absmax, extents) for arg in node.args]
-        if any(a is None for a in args):
-            return None
-        if node.function == "tanhf":
-            return 1.0
-        if node.function in ("fabsf", "fminf", "fmaxf"):
-            return _largest(*args) if len(args) > 1 else args[0]
-        if node.function in ("floorf", "ceilf"):
-            return args[0] + 1
-        grow = {"expf": math.exp, "exp2f": math.exp2, "sqrtf": math.sqrt}.get(node.function)
-        if grow is None:
-            return None
-        x = args[0]
-        return grow(min(x, 700.0)) if isinstance(x, float) else {"expf": x.exp, "exp2f": x.exp2, "sqrtf": x.sqrt}[
-            node.function]()
-    return None  # the score
+class TensorOps(FloatOps):
+    """derivatives.interval's arithmetic where a bound may be a 0-d tensor (an array's range, on
+    the device): a float beside a tensor enters as a clamp, not as a copy from the host."""
 
+    @staticmethod
+    def minimum(a, b):
+        if isinstance(a, float) and isinstance(b, float):
+            return min(a, b)
+        import torch
 
-def _largest(a, b):
-    """max(a, b) of two bounds, each a float or a tensor."""
-    import torch
+        return torch.minimum(a, b) if not isinstance(a, float) and not isinstance(b, float) else \
+            (b.clamp(max=a) if isinstance(a, float) else a.clamp(max=b))
 
-    if a is None or b is None:
-        return None
-    if isinstance(a, float) and isinstance(b, float):
-        return max(a, b)
-    if isinstance(a, float) or isinstance(b, float):
-        tensor, number = (b, a) if isinstance(a, float) else (a, b)
-        return tensor.clamp(min=number)
-    return torch.maximum(a, b)
+    @staticmethod
+    def maximum(a, b):
+        if isinstance(a, float) and isinstance(b, float):
+            return max(a, b)
+        import torch
+
+        return torch.maximum(a, b) if not isinstance(a, float) and not isinstance(b, float) else \
+            (b.clamp(min=a) if isinstance(a, float) else a.clamp(min=b))
+
+    @staticmethod
+    def exp(x):
+        return FloatOps.exp(x) if isinstance(x, float) else x.clamp(max=709.0).exp()
+
+    @staticmethod
+    def exp2(x):
+        return FloatOps.exp2(x) if isinstance(x, float) else x.clamp(max=1023.0).exp2()
+
+    @staticmethod
+    def sqrt(x):
+        return FloatOps.sqrt(x) if isinstance(x, float) else x.clamp(min=0.0).sqrt()
 
 
 def _add_exactly(total, index, part) -> None:

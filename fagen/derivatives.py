@@ -5,7 +5,10 @@ kernel's in-kernel sum, backward.captured_grads) share. None stands for a deriva
 
 from __future__ import annotations
 
-from fagen.expression import BOOL, FLOAT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary, loads
+import math
+
+from fagen.expression import (BOOL, FLOAT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary, constant,
+                              int_bounds, loads)
 
 LN2 = 0.6931471805599453
 ZERO, ONE = Number("0.0f", FLOAT), Number("1.0f", FLOAT)
@@ -95,3 +98,101 @@ def read_derivatives(tree: Node, arrays: set[str] | frozenset[str]) -> list[tupl
     0, outermost first."""
     found = ((read, load_derivative(tree, read)) for read in dict.fromkeys(loads(tree)) if read.array in arrays)
     return [(read, grad) for read, grad in found if grad is not None]
+
+
+# ---- bounds: what a derivative can reach ------------------------------------------------------
+
+class FloatOps:
+    """interval's arithmetic on Python floats (a bound that would overflow is capped, not raised)."""
+
+    minimum, maximum = staticmethod(min), staticmethod(max)
+
+    @staticmethod
+    def exp(x):
+        return math.exp(min(x, 709.0))
+
+    @staticmethod
+    def exp2(x):
+        return 2.0 ** min(x, 1023.0)
+
+    @staticmethod
+    def sqrt(x):
+        return math.sqrt(max(x, 0.0))
+
+
+def interval(node: Node, arrays: dict, extents: dict[str, int], ops=FloatOps) -> tuple | None:
+    """(lo, hi): bounds on node's value while each variable v stays in 0 .. extents[v] - 1 and
+    each array's elements within arrays[name] (a pair); None where none is known (the score, a
+    logarithm, a division by a non-constant). Sound, not tight (a condition is not narrowed).
+    `ops` does the arithmetic: FloatOps, or a twin over tensors (fagen.captured_grads keeps the
+    arrays' bounds on the device)."""
+    if node.type != FLOAT:
+        lo, hi = int_bounds(node, extents)
+        return float(lo), float(hi)
+    if isinstance(node, Number):
+        value = float(node.text.rstrip("fF"))
+        return value, value
+    if isinstance(node, Load):
+        return arrays[node.array]
+    if isinstance(node, Name):
+        return None  # the score
+    if isinstance(node, (Cast, Unary)):
+        inner = interval(node.operand, arrays, extents, ops)
+        if inner is None or isinstance(node, Cast) or node.op == "+":
+            return inner
+        return -inner[1], -inner[0]
+    parts = [interval(child, arrays, extents, ops) for child in _children(node)]
+    if any(part is None for part in parts):
+        return None
+    if isinstance(node, Conditional):
+        (a, b), (c, d) = parts[1:]
+        return ops.minimum(a, c), ops.maximum(b, d)
+    if isinstance(node, Binary):
+        (a, b), (c, d) = parts
+        if node.op == "+":
+            return a + c, b + d
+        if node.op == "-":
+            return a - d, b - c
+        if node.op == "*":
+            ends = (a * c, a * d, b * c, b * d)
+            return _fold(ops.minimum, ends), _fold(ops.maximum, ends)
+        divisor = constant(node.right) if node.op == "/" else None
+        if not divisor:
+            return None
+        return (a / divisor, b / divisor) if divisor > 0 else (b / divisor, a / divisor)
+    return _call_interval(node, parts, ops)
+
+
+def _call_interval(node: Call, parts: list[tuple], ops) -> tuple | None:
+    (a, b), *rest = parts
+    if node.function == "fabsf":  # |x|: 0 where the interval holds 0, else its nearer end
+        return ops.maximum(ops.maximum(a, -b), 0.0), ops.maximum(-a, b)
+    if node.function in ("fminf", "fmaxf"):
+        (c, d), pick = rest[0], ops.minimum if node.function == "fminf" else ops.maximum
+        return pick(a, c), pick(b, d)
+    if node.function == "tanhf":
+        return -1.0, 1.0
+    if node.function in ("floorf", "ceilf"):
+        return a - 1.0, b + 1.0
+    grow = {"expf": ops.exp, "exp2f": ops.exp2, "sqrtf": ops.sqrt}.get(node.function)
+    return None if grow is None else (grow(a), grow(b))
+
+
+def _children(node: Node) -> list[Node]:
+    if isinstance(node, Call):
+        return list(node.args)
+    if isinstance(node, Conditional):
+        return [node.condition, node.then, node.other]
+    return [node.left, node.right]
+
+
+def _fold(pick, values):
+    result = values[0]
+    for value in values[1:]:
+        result = pick(result, value)
+    return result
+
+
+def magnitude(bounds: tuple, ops=FloatOps):
+    """The largest |value| an interval holds."""
+    return ops.maximum(-bounds[0], bounds[1])

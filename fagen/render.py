@@ -129,11 +129,10 @@ def render(spec: AttentionSpec) -> str:
 @dataclass(frozen=True)
 class CapturedGradRead:
     """One read of an array whose gradient the dK/dV kernel sums (backward.captured_grads): the
-    array, its place among those arrays (its scale's), its index clamped as the read clamps it,
-    and d expression / d read, as the kernel prints them."""
+    array, its index clamped as the read clamps it, and d expression / d read, as the kernel
+    prints them."""
 
     array: str
-    slot: int
     index: str
     derivative: str
 
@@ -143,8 +142,8 @@ def captured_grad_reads(spec: AttentionSpec) -> list[CapturedGradRead]:
     if not arrays:
         return []
     tree = expression.score(spec.score_mod.expression, spec.score_mod.captured)
-    return [CapturedGradRead(read.array, arrays.index(read.array),
-                             f"min(max({expression.cuda(read.index)}, 0), {read.array}_size - 1)", expression.cuda(grad))
+    return [CapturedGradRead(read.array, f"min(max({expression.cuda(read.index)}, 0), {read.array}_size - 1)",
+                             expression.cuda(grad))
             for read, grad in read_derivatives(tree, set(arrays))]
 
 

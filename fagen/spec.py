@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from fagen import expression, mask_kinds, side_inputs
-from fagen.derivatives import read_derivatives
+from fagen.derivatives import interval, read_derivatives
 from fagen.element_types import ELEMENT_TYPES, INPUT_TYPES, KERNEL_TYPES, ElementType
 from fagen.mask_kinds import KINDS
 
@@ -910,13 +910,31 @@ class AttentionSpec(_Frozen):
                                   f"ascending and distinct, each below score_mod.captured ({count})",
                                   "list the indices of the arrays whose gradient is wanted, or remove it", fix))
         tree = expression.score(self.score_mod.expression, count)
-        names = {expression.captured_names(count)[i] for i in wanted}
-        for read, grad in read_derivatives(tree, names):
-            if "score" in expression.reads(grad) | expression.reads(read.index):
-                raise ValueError(rule("backward.captured_grads", list(wanted), f"the read "
-                                      f"{expression.source(read)}: its derivative or index depends on the score, "
-                                      f"which the dK/dV kernel no longer holds where it adds the gradient",
-                                      "remove it (fagen.flex then sums that gradient outside the kernels)", fix))
+        names = expression.captured_names(count)
+        unit = dict.fromkeys(names, (-1.0, 1.0))
+        for i in wanted:
+            reads = read_derivatives(tree, {names[i]})
+            if not reads:
+                raise ValueError(rule("backward.captured_grads", list(wanted), f"{names[i]}: no read of it has a "
+                                      f"derivative (it is only compared, rounded or an index): its gradient is 0",
+                                      "remove its index", fix))
+            for read, grad in reads:
+                if "score" in expression.reads(grad) | expression.reads(read.index):
+                    raise ValueError(rule("backward.captured_grads", list(wanted), f"the read "
+                                          f"{expression.source(read)}: its derivative or index depends on the score, "
+                                          f"which the dK/dV kernel no longer holds where it adds the gradient",
+                                          "remove it (fagen.flex then sums that gradient outside the kernels)", fix))
+                if interval(grad, unit, {}) is None:
+                    raise ValueError(rule("backward.captured_grads", list(wanted), f"the read "
+                                          f"{expression.source(read)}: its derivative {expression.source(grad)} has "
+                                          f"no known bound (a logarithm, a division by a variable), and the kernel's "
+                                          f"fixed-point sums take their scale from one",
+                                          "remove it (fagen.flex then sums that gradient outside the kernels)", fix))
+        if self.backward.bias_grad and self.score_mod.nonlinear:
+            raise ValueError(rule("backward.captured_grads", list(wanted), "with backward.bias_grad and a nonlinear "
+                                  "expression: the bias's gradient takes the expression's factor, the captured "
+                                  "arrays' the score's gradient before it, and the kernel keeps one of them",
+                                  "remove captured_grads, or train with a fixed bias (bias_grad: false)", fix))
 
     @model_validator(mode="after")
     def _backward_rules(self) -> AttentionSpec:

@@ -207,14 +207,15 @@ def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, ta
     spec, kernel_mask = _flex_spec(q, k, v, traced, block_mask)
     wanted = list(wanted) + [False] * (len(tables) - len(wanted))
     tree = captured_grads.score_tree(traced.expression, len(tables)) if any(wanted) else None
-    fused, eager = captured_grads.split_wanted(tree, wanted) if tree is not None else ((), wanted)
+    extents = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": k.shape[2]}
+    fused, eager = captured_grads.split_wanted(tree, wanted, extents) if tree is not None else ((), wanted)
     sums = captured_grads.FixedPointSums(dout, v, tree, tables, fused) if fused else None
     grads = backward.compile_backward(variants.trainable(spec, _deterministic(False), captured_grads=fused))(
         dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=kernel_mask, captured=_flex_captured(tables, q),
         captured_sums=None if sums is None else (sums.sums, sums.scales))
     table_grads = captured_grads.captured_grads(dout, q, k, v, out, lse, tree, block_mask, scale, tables, eager) \
         if any(eager) else [None] * len(tables)
-    for i, grad in ({} if sums is None else sums.gradients(tables)).items():
+    for i, grad in ({} if sums is None else sums.gradients(tables, grads.dk)).items():
         table_grads[i] = grad
     return grads.dq, grads.dk, grads.dv, table_grads
 

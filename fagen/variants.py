@@ -428,14 +428,17 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
                               if i in captured_grads)
     if spec.backward is not None:  # its tiling, with what is asked on top
         own = spec.backward
-        if (deterministic <= own.deterministic) and (bias_grad <= own.bias_grad) and set(captured_grads) <= set(
-                own.captured_grads):
+        # captured_grads exactly as asked: the kernel adds into the sums its caller passes, one an array
+        if (deterministic <= own.deterministic) and (bias_grad <= own.bias_grad) and tuple(
+                sorted(captured_grads)) == own.captured_grads:
             return spec
         suffix = ("_det" if deterministic > own.deterministic else "") + ("_dbias" if bias_grad > own.bias_grad else "")
-        return parse_spec({**spec.model_dump(), "name": spec.name + suffix + captured_suffix, "backward": {
+        if tuple(sorted(captured_grads)) != own.captured_grads:
+            suffix += captured_suffix or "_dcaptured_none"
+        return parse_spec({**spec.model_dump(), "name": spec.name + suffix, "backward": {
             **own.model_dump(), "deterministic": own.deterministic or deterministic,
             "bias_grad": own.bias_grad or bias_grad,
-            "captured_grads": sorted({*own.captured_grads, *captured_grads})}}, f"trainable {spec.name}")
+            "captured_grads": sorted(captured_grads)}}, f"trainable {spec.name}")
     data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"
                                          f"{captured_suffix}"}
     if wgmma:  # whole tilings, in order; at head_dim 128 each with TMA producers first, where they fit

@@ -159,6 +159,17 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "captured_grads of a read whose derivative is the score": (
         SM80_BWD, {"backward.captured_grads": [0], "score_mod": {"expression": "score * captured0[h]",
                                                                  "expression_grad": "captured0[h]", "captured": 1}}),
+    "captured_grads of an array only compared": (
+        SM80_BWD, {"backward.captured_grads": [0], "score_mod": {"expression": "captured0[h] > 0.0f ? score : 0.0f",
+                                                                 "expression_grad": "captured0[h] > 0.0f ? 1.0f : 0.0f",
+                                                                 "captured": 1}}),
+    "captured_grads of a read with no bound": (
+        SM80_BWD, {"backward.captured_grads": [0], "score_mod": {"expression": "score + logf(captured0[h])",
+                                                                 "expression_grad": "1.0f", "captured": 1}}),
+    "captured_grads beside bias_grad": (
+        SM80_BWD, {"backward.captured_grads": [0], "backward.bias_grad": True, "backward.block_q": 16,
+                   "score_mod": {"bias": "vector", "expression": "score * 0.5f + captured0[h]",
+                                 "expression_grad": "0.5f", "captured": 1}}),
     "backward of partials": (SM80_BWD, {"outputs.partial": True}),
     "backward without lse": (SM80_BWD, {"outputs.lse": False}),
     "wgmma backward tiles": (HOPPER_BWD, {"backward.warps": 4}),

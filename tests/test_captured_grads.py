@@ -100,23 +100,35 @@ def test_the_scatter_is_exact_whatever_the_order():
 @pytest.mark.parametrize("text", EXPRESSIONS)
 def test_a_fused_read_s_derivative_stays_within_its_bound(text):
     """split_wanted gives the dK/dV kernel the arrays whose every read has a derivative free of the
-    score with a bound (FixedPointSums' scale rests on it): that bound holds at every point."""
+    score with a bound (FixedPointSums' scale rests on it): that interval, computed on tensors
+    from the arrays' least and largest elements as the kernel's caller computes it, holds the
+    derivative at every point."""
     tree = expression.score(text, 2)
-    fused, eager = captured_grads.split_wanted(tree, [True, True])
+    fused, eager = captured_grads.split_wanted(tree, [True, True], EXTENTS)
     values = _values(torch.Generator().manual_seed(len(text)))
-    absmax = {name: values[name].abs().amax() for name in ("captured0", "captured1")}
+    ranges = {name: (values[name].amin().double(), values[name].amax().double()) for name in ("captured0", "captured1")}
     for i in fused:
         for read, grad in derivatives.read_derivatives(tree, {f"captured{i}"}):
             assert "score" not in expression.reads(grad)
-            bound = captured_grads._bound(grad, absmax, EXTENTS)
-            got = captured_grads.evaluate_torch(grad, values).abs()
-            assert bool((got <= bound).all()), (text, expression.source(grad))
+            lo, hi = derivatives.interval(grad, ranges, EXTENTS, captured_grads.TensorOps)
+            got = captured_grads.evaluate_torch(grad, values).double()
+            assert bool((got >= lo).all() and (got <= hi).all()), (text, expression.source(grad))
     assert not any(i in fused and eager[i] for i in range(2))
 
 
-def test_reads_whose_derivative_needs_the_score_are_summed_outside_the_kernel():
+def test_which_reads_the_kernel_sums():
+    """Outside the kernel: a derivative that reads the score, one with no bound (a logarithm),
+    one whose bound is past LOOSEST_BOUND (a float cast to int); inside: a decaying amplitude,
+    whose bound the signs keep at 1 (an unsigned bound, exp(|x|), was 1e22 at N 1024: every
+    term rounded to 0)."""
+    extents = dict(b=1, h=2, q_idx=1024, kv_idx=1024)
     tree = expression.score("score * captured0[h] + captured1[kv_idx % 5] * captured1[kv_idx % 5]", 2)
-    assert captured_grads.split_wanted(tree, [True, True]) == ((1,), [True, False])
-    assert captured_grads.split_wanted(tree, [False, True]) == ((1,), [False, False])
-    # a logarithm of a read has no bound: the scale could not be chosen
-    assert captured_grads.split_wanted(expression.score("score + logf(captured0[h])", 1), [True]) == ((), [True])
+    assert captured_grads.split_wanted(tree, [True, True], extents) == ((1,), [True, False])
+    assert captured_grads.split_wanted(tree, [False, True], extents) == ((1,), [False, False])
+    for text in ("score + logf(captured0[h])", "score + captured0[h] * (float)(int)(score * 1e6f)",
+                 "score + captured0[h] * (float)(int)(captured0[0] * 1e9f)"):
+        assert captured_grads.split_wanted(expression.score(text, 1), [True], extents) == ((), [True]), text
+    decaying = expression.score("score + captured0[h] * expf(-(float)abs(q_idx - kv_idx) * 0.05f)", 1)
+    assert captured_grads.split_wanted(decaying, [True], extents) == ((0,), [False])
+    (_, grad), = derivatives.read_derivatives(decaying, {"captured0"})
+    assert derivatives.magnitude(derivatives.interval(grad, {"captured0": (-1.0, 1.0)}, extents)) == 1.0
