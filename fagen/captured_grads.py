@@ -181,6 +181,7 @@ def captured_grads(dout, q, k, v, out, lse, expression_tree: Node, block_mask, s
 # outside the kernels: each bit the bound has over the values it holds is a bit of the sums'
 # resolution lost (a float cast to int is bounded at 2^31, whatever it holds).
 LOOSEST_BOUND = 2.0 ** 20
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def split_wanted(tree: Node, wanted, extents: dict[str, int]) -> tuple[tuple[int, ...], list[bool]]:
@@ -225,7 +226,10 @@ class FixedPointSums:
                              for _, grad in read_derivatives(tree, {names[i]}))
             bounds.append(ds_total * derivative)  # a kernel's scalar or a tensor: no copy from the host
         largest = torch.stack(bounds)
-        self.finite = torch.isfinite(largest)  # an array holding inf or NaN: its gradient is NaN
+        # an array holding inf or NaN, or a term that could pass float32 (the kernel's product):
+        # its gradient is NaN. (A derivative's inner products are not bounded one by one: one
+        # that overflows float32 while the whole stays finite is not caught.)
+        self.finite = largest < FLOAT32_MAX
         self.scales = torch.exp2(62 - torch.ceil(torch.log2(largest.nan_to_num(1.0).clamp(2.0 ** -900, 2.0 ** 900))))
         self.sums = [torch.zeros(tables[i].numel(), dtype=torch.int64, device=dout.device) for i in arrays]
         self.arrays = arrays
@@ -266,11 +270,11 @@ class TensorOps(FloatOps):
 
     @staticmethod
     def exp(x):
-        return FloatOps.exp(x) if isinstance(x, float) else x.clamp(max=709.0).exp()
+        return FloatOps.exp(x) if isinstance(x, float) else x.exp()
 
     @staticmethod
     def exp2(x):
-        return FloatOps.exp2(x) if isinstance(x, float) else x.clamp(max=1023.0).exp2()
+        return FloatOps.exp2(x) if isinstance(x, float) else x.exp2()
 
     @staticmethod
     def sqrt(x):

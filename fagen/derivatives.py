@@ -103,17 +103,17 @@ def read_derivatives(tree: Node, arrays: set[str] | frozenset[str]) -> list[tupl
 # ---- bounds: what a derivative can reach ------------------------------------------------------
 
 class FloatOps:
-    """interval's arithmetic on Python floats (a bound that would overflow is capped, not raised)."""
+    """interval's arithmetic on Python floats (a bound past float64 is inf, not an error)."""
 
     minimum, maximum = staticmethod(min), staticmethod(max)
 
     @staticmethod
     def exp(x):
-        return math.exp(min(x, 709.0))
+        return math.exp(x) if x <= 709.0 else math.inf
 
     @staticmethod
     def exp2(x):
-        return 2.0 ** min(x, 1023.0)
+        return 2.0 ** x if x <= 1023.0 else math.inf
 
     @staticmethod
     def sqrt(x):
@@ -159,6 +159,7 @@ def interval(node: Node, arrays: dict, extents: dict[str, int], ops=FloatOps) ->
         divisor = constant(node.right) if node.op == "/" else None
         if not divisor:
             return None
+        divisor = float(divisor)  # (a float literal folds to a NumPy float32)
         return (a / divisor, b / divisor) if divisor > 0 else (b / divisor, a / divisor)
     return _call_interval(node, parts, ops)
 
