@@ -252,21 +252,11 @@ class TensorOps(FloatOps):
 
     @staticmethod
     def minimum(a, b):
-        if isinstance(a, float) and isinstance(b, float):
-            return min(a, b)
-        import torch
-
-        return torch.minimum(a, b) if not isinstance(a, float) and not isinstance(b, float) else \
-            (b.clamp(max=a) if isinstance(a, float) else a.clamp(max=b))
+        return _pair(a, b, min, "minimum", "max")
 
     @staticmethod
     def maximum(a, b):
-        if isinstance(a, float) and isinstance(b, float):
-            return max(a, b)
-        import torch
-
-        return torch.maximum(a, b) if not isinstance(a, float) and not isinstance(b, float) else \
-            (b.clamp(min=a) if isinstance(a, float) else a.clamp(min=b))
+        return _pair(a, b, max, "maximum", "min")
 
     @staticmethod
     def exp(x):
@@ -279,6 +269,19 @@ class TensorOps(FloatOps):
     @staticmethod
     def sqrt(x):
         return FloatOps.sqrt(x) if isinstance(x, float) else x.clamp(min=0.0).sqrt()
+
+
+def _pair(a, b, of_floats, of_tensors: str, clamp: str):
+    """min or max of two bounds: Python's of two floats, torch's of two tensors, a clamp of the
+    tensor by the float."""
+    import torch
+
+    if isinstance(a, float) and isinstance(b, float):
+        return of_floats(a, b)
+    if isinstance(a, float) or isinstance(b, float):
+        tensor, number = (b, a) if isinstance(a, float) else (a, b)
+        return tensor.clamp(**{clamp: number})
+    return getattr(torch, of_tensors)(a, b)
 
 
 def _add_exactly(total, index, part) -> None:
