@@ -175,7 +175,8 @@ class _FlexAttention(torch.autograd.Function):
         q, k, v, out, lse, *tables = ctx.saved_tensors
         traced, block_mask, scale = ctx.call
         dq, dk, dv, table_grads = torch_op.flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale,
-                                                                 tables, ctx.needs_input_grad[4:])
+                                                                 tables, ctx.needs_input_grad[4:],
+                                                                 any(ctx.needs_input_grad[:3]))
         return dq, dk, dv, None, *table_grads
 
 

@@ -199,25 +199,30 @@ def flex_kernels_forward(q, k, v, traced, block_mask, scale, tables=()):
                                         captured=_flex_captured(tables, q))
 
 
-def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables=(), wanted=()):
+def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, tables=(), wanted=(),
+                          inputs_wanted: bool = True):
     """(dq, dk, dv, the captured tensors' gradients) of fagen.flex's kernels (flex_kernels_forward's):
     a gradient for each captured tensor `wanted` says requires one (None for the others), summed
     by the dK/dV kernel where its reads allow (captured_grads.split_wanted), else by
-    captured_grads.captured_grads."""
+    captured_grads.captured_grads. Without inputs_wanted (q, k and v frozen) the kernels run only
+    where they sum a table, and dq, dk, dv are None."""
     spec, kernel_mask = _flex_spec(q, k, v, traced, block_mask)
     wanted = list(wanted) + [False] * (len(tables) - len(wanted))
     tree = captured_grads.score_tree(traced.expression, len(tables)) if any(wanted) else None
     extents = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": k.shape[2]}
     fused, eager = captured_grads.split_wanted(tree, wanted, extents) if tree is not None else ((), wanted)
     sums = captured_grads.FixedPointSums(dout, v, tree, tables, fused) if fused else None
-    grads = backward.compile_backward(variants.trainable(spec, _deterministic(False), captured_grads=fused))(
-        dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=kernel_mask, captured=_flex_captured(tables, q),
-        captured_sums=None if sums is None else (sums.sums, sums.scales))
+    dq = dk = dv = None
+    if inputs_wanted or fused:
+        grads = backward.compile_backward(variants.trainable(spec, _deterministic(False), captured_grads=fused))(
+            dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=kernel_mask,
+            captured=_flex_captured(tables, q), captured_sums=None if sums is None else (sums.sums, sums.scales))
+        dq, dk, dv = grads.dq, grads.dk, grads.dv
     table_grads = captured_grads.captured_grads(dout, q, k, v, out, lse, tree, block_mask, scale, tables, eager) \
         if any(eager) else [None] * len(tables)
-    for i, grad in ({} if sums is None else sums.gradients(tables, grads.dk)).items():
+    for i, grad in ({} if sums is None else sums.gradients(tables, dk)).items():
         table_grads[i] = grad
-    return grads.dq, grads.dk, grads.dv, table_grads
+    return dq, dk, dv, table_grads
 
 
 def _flex_spec(q, k, v, traced, block_mask):
@@ -260,18 +265,21 @@ def _(q, k, v, captured, call, scale):
 
 @_op
 def flex_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, captured: list[Tensor],
-                  call: int, scale: Optional[float], wanted: list[bool]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+                  call: int, scale: Optional[float], wanted: list[bool],
+                  inputs_wanted: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """(dq, dk, dv, d loss / d each of `captured` that is `wanted`, zeros for the others) of
-    sum(out * dout) for flex_forward's call."""
+    sum(out * dout) for flex_forward's call (dq, dk, dv zeros without inputs_wanted, where the
+    kernels do not run for them)."""
     traced, block_mask, slots = FLEX_CALLS[call]
     dq, dk, dv, grads = flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale,
-                                              [captured[i] for i in slots], [wanted[i] for i in slots])
+                                              [captured[i] for i in slots], [wanted[i] for i in slots], inputs_wanted)
     by_slot = {slot: grad for slot, grad in zip(slots, grads) if grad is not None}
+    dq, dk, dv = (torch.zeros_like(x) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, [by_slot[i] if i in by_slot else torch.zeros_like(t) for i, t in enumerate(captured)]
 
 
 @torch.library.register_fake("fagen::flex_backward")
-def _(dout, q, k, v, out, lse, captured, call, scale, wanted):
+def _(dout, q, k, v, out, lse, captured, call, scale, wanted, inputs_wanted):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), [t.new_empty(t.shape) for t in captured]
 
 
@@ -282,12 +290,13 @@ def _flex_save(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *captured)
     ctx.call, ctx.scale = call, scale
     ctx.wanted = [t.requires_grad for t in captured]  # a learned table's gradient
+    ctx.inputs_wanted = any(t.requires_grad for t in (q, k, v))
 
 
 def _flex_backward(ctx, dout, _dlse):
     q, k, v, out, lse, *captured = ctx.saved_tensors
     dq, dk, dv, grads = torch.ops.fagen.flex_backward(dout, q, k, v, out, lse, captured, ctx.call, ctx.scale,
-                                                      ctx.wanted)
+                                                      ctx.wanted, ctx.inputs_wanted)
     return dq, dk, dv, [g if w else None for g, w in zip(grads, ctx.wanted)], None, None
 
 

@@ -71,7 +71,7 @@ def oracle_kernels(seen: dict):
                                     score_mod=fields(traced), return_lse=True, captured=tables(captured))
         return torch.from_numpy(out), torch.from_numpy(lse)
 
-    def backward(dout, q, k, v, out, lse, traced, block_mask, scale, captured=(), wanted=()):
+    def backward(dout, q, k, v, out, lse, traced, block_mask, scale, captured=(), wanted=(), inputs_wanted=True):
         got = oracle.attention_backward(*(x.detach().numpy() for x in (q, k, v, dout)), scale=scale,
                                         block_mask=block_mask, score_mod=fields(traced), captured=tables(captured))
         wanted = list(wanted) + [False] * (len(captured) - len(wanted))
@@ -486,3 +486,34 @@ def test_learned_tables_are_summed_by_the_dkdv_kernel_in_fixed_point(monkeypatch
     for name, g, w in zip(("dq", "dk", "dv", "temperature", "table", "gain"), got[0], want):
         assert float((g.double() - w.double()).norm() / w.double().norm()) < 1e-5, name
     assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_frozen_inputs_run_the_backward_kernels_only_to_sum_a_table(monkeypatch):
+    """q, k and v frozen: a table summed outside the kernels launches no backward kernel (its
+    gradient still PyTorch's); one the dK/dV kernel sums launches it, with that table asked."""
+    from fagen import backward, variants
+
+    forward, _ = oracle_kernels({})
+    monkeypatch.setattr(torch_op, "flex_kernels_forward", forward)
+    monkeypatch.setattr(torch_op, "_flex_spec", lambda q, k, v, traced, block_mask: ("spec", block_mask))
+    monkeypatch.setattr(variants, "trainable", lambda spec, deterministic=False, bias_grad=False, captured_grads=():
+                        captured_grads)
+    launched = []
+
+    def compile_backward(fused):
+        launched.append(fused)
+        return lambda dout, q, k, v, *rest, **kw: SimpleNamespace(dq=torch.zeros_like(q), dk=torch.zeros_like(k),
+                                                                   dv=torch.zeros_like(v))
+    monkeypatch.setattr(backward, "compile_backward", compile_backward)
+    gen = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
+    dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)
+    temperature = torch.randn(HQ, generator=gen).requires_grad_()
+    warm = lambda s, b, h, qi, ki: s * torch.sigmoid(temperature[h])  # noqa: E731
+    got = torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=warm, enable_gqa=True), temperature, dout)[0]
+    want = torch.autograd.grad(reference_attention(q, k, v, warm, None), temperature, dout)[0]
+    assert launched == [] and float((got.double() - want).norm() / want.norm()) < 1e-5
+    table = torch.randn(HQ, 2 * N - 1, generator=gen).requires_grad_()
+    biased = lambda s, b, h, qi, ki: s + table[h, qi - ki + N - 1]  # noqa: E731
+    torch.autograd.grad(flex.flex_attention(q, k, v, score_mod=biased, enable_gqa=True), table, dout)
+    assert launched == [(0,)]
