@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from fagen import expression
 from fagen.mask_kinds import KINDS
-from fagen.spec import (LANE_COLUMNS, HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_THREADS,
+from fagen.spec import (LANE_COLUMNS, HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, WARPGROUP_THREADS,
                         AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule, with_fix)
 
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements (every KERNEL_TYPES entry)
@@ -118,8 +118,9 @@ class KernelPlan:
     m_frags: int  # m16 fragments per warp along the queries
     s_n_frags: int  # n8 fragments of a warp's S tile (its keys)
     o_n_frags: int  # n8 fragments of a warp's O tile (head_dim_v)
-    qk_k_steps: int  # k16 steps of Q.K^T (over head_dim)
-    pv_k_steps: int  # k16 steps of P.V (over a warp's keys of a tile)
+    mma_k: int  # an MMA's k: the element type's for the instruction (16 for half types; FP8's wgmma 32)
+    qk_k_steps: int  # k steps of Q.K^T (over head_dim)
+    pv_k_steps: int  # k steps of P.V (over a warp's keys of a tile)
     smem_row: int  # elements between consecutive rows of a smem tile (wgmma: of a swizzle atom)
     atoms_per_row: int  # wgmma: 128-byte swizzle atoms across a tile's row (an 8-row group's stride)
     chunks_per_row: int  # 16-byte chunks in one row of Q or K (head_dim)
@@ -665,8 +666,10 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     warps = t.warps_q * t.warps_kv
     m_frags = t.block_q // (t.warps_q * MMA_M)
     # Q, K, V and the staged O share one row layout, as wide as the wider head
-    if spec.wgmma:  # rows live in 128-byte swizzle atoms, width / 64 of them side by side
-        smem_row = SWIZZLE_ATOM_ELEMS
+    atom_columns = swizzle_atom_columns(spec)
+    mma_k = spec.element.mma_k["wgmma" if spec.wgmma else "mma.sync"]
+    if spec.wgmma:  # rows live in 128-byte swizzle atoms, side by side across the row
+        smem_row = atom_columns
     else:
         smem_row = width + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
     q_tile = t.block_q * (width if spec.wgmma else smem_row)
@@ -729,10 +732,11 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         m_frags=m_frags,
         s_n_frags=t.block_kv // t.warps_kv // MMA_N,
         o_n_frags=dv // MMA_N,
-        qk_k_steps=d // MMA_K,
-        pv_k_steps=t.block_kv // t.warps_kv // MMA_K,
+        mma_k=mma_k,
+        qk_k_steps=d // mma_k,
+        pv_k_steps=t.block_kv // t.warps_kv // mma_k,
         smem_row=smem_row,
-        atoms_per_row=width // SWIZZLE_ATOM_ELEMS if spec.wgmma else 0,
+        atoms_per_row=width // atom_columns if spec.wgmma else 0,
         chunks_per_row=d // CHUNK_ELEMS,
         v_chunks_per_row=dv // CHUNK_ELEMS,
         q_tile_elems=q_tile,
@@ -787,7 +791,13 @@ def plan(spec: AttentionSpec) -> KernelPlan:
 CHUNK_BYTES = 16  # cp.async and ldmatrix move 16-byte chunks
 WARPGROUP_WARPS = 4  # a warpgroup: 4 consecutive warps, 64 rows of one wgmma.m64
 SWIZZLE_ATOM_ROWS = 8  # a 128-byte swizzle atom: 8 rows of 128 bytes
-SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * 128  # 8 rows of 128 bytes
+SWIZZLE_ROW_BYTES = 128
+SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * SWIZZLE_ROW_BYTES
+
+
+def swizzle_atom_columns(spec: AttentionSpec) -> int:
+    """Elements across a 128-byte swizzle atom's row: 64 of a half type, 128 of FP8."""
+    return SWIZZLE_ROW_BYTES // spec.element.bytes
 ELEM_PTR, OUT_PTR = "const elem_t* __restrict__", "out_t* __restrict__"
 # The kernel's parameters before extra_params, in signature order (elem_t and out_t are the
 # kernel's typedefs: the storage dtype, and f32 for split-KV partials).
@@ -848,29 +858,30 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool =
     blocks (a tile's 64-column block of every row, one after the other: what one TMA box of 64
     columns writes). The backward's kernels read row groups (its TMA producer loads a box a group)."""
     rows_per_warpgroup = WARPGROUP_WARPS * MMA_M
+    columns, mma_k = swizzle_atom_columns(spec), spec.element.mma_k["wgmma"]
     if column_blocks:  # 8 rows of one column block; the blocks a tile's rows * 128 bytes apart
         row_group = SWIZZLE_ATOM_BYTES
-        column_step = {name: rows * SWIZZLE_ATOM_ELEMS * spec.element.bytes
-                       for name, rows in (("q", spec.tiling.block_q), ("k", spec.tiling.block_kv))}
-    else:  # 8 rows: row_width / 64 atoms side by side
-        row_group = spec.row_width // SWIZZLE_ATOM_ELEMS * SWIZZLE_ATOM_BYTES
+        column_step = {name: rows * SWIZZLE_ROW_BYTES for name, rows in (("q", spec.tiling.block_q),
+                                                                       ("k", spec.tiling.block_kv))}
+    else:  # 8 rows: the row's atoms side by side
+        row_group = spec.row_width // columns * SWIZZLE_ATOM_BYTES
         column_step = {"q": SWIZZLE_ATOM_BYTES, "k": SWIZZLE_ATOM_BYTES}
     return {
         "warpgroup_warps": WARPGROUP_WARPS,
-        "atom_elems": SWIZZLE_ATOM_ROWS * SWIZZLE_ATOM_ELEMS,
+        "atom_elems": SWIZZLE_ATOM_ROWS * columns,
         "atom_bytes": SWIZZLE_ATOM_BYTES,
         "row_group_bytes": row_group,
-        "k_step_bytes": MMA_K * spec.element.bytes,
-        "k_steps_per_atom": SWIZZLE_ATOM_ELEMS // MMA_K,
-        "v_step_bytes": MMA_K // SWIZZLE_ATOM_ROWS * row_group,
+        "k_step_bytes": mma_k * spec.element.bytes,
+        "k_steps_per_atom": columns // mma_k,
+        "v_step_bytes": mma_k // SWIZZLE_ATOM_ROWS * row_group,
         "warpgroup_q_bytes": rows_per_warpgroup // SWIZZLE_ATOM_ROWS * row_group,
         "kv_ring_bytes": spec.pipeline.stages * kv_tile_elems * spec.element.bytes,
         "mbarrier_bytes": MBARRIER_BYTES,
         "q_atom_step_bytes": column_step["q"],
         "k_atom_step_bytes": column_step["k"],
         "v_lead_bytes": column_step["k"],
-        "atom_columns": SWIZZLE_ATOM_ELEMS,
-        "atom_row_bytes": SWIZZLE_ATOM_ELEMS * spec.element.bytes,
+        "atom_columns": columns,
+        "atom_row_bytes": SWIZZLE_ROW_BYTES,
     }
 
 
