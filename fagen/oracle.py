@@ -44,6 +44,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from fagen import expression, mask_kinds, side_inputs
+from fagen.derivatives import read_derivatives
 from fagen.element_types import element_type
 
 
@@ -251,7 +252,8 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
                        captured=None) -> dict:
     """Gradients of L = sum(attention(...) * dout), arguments as attention's: {"dq", "dk", "dv"},
     dk and dv of k's and v's shape (GQA sums a group's query heads), plus "dbias" (the given
-    bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given.
+    bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given, and
+    "dcaptured" (a list, each as its array) for a spec's score_mod reading captured arrays.
     score_mod_grad(s, b, h, q_idx, kv_idx) is d score_mod / d s at the same point. Masked
     pairs, and rows that see no key, get zero gradient."""
     if callable(score_mod) and score_mod_grad is None:
@@ -292,7 +294,31 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     if sinks is not None:
         # the sink's logit only divides: d O / d sink = -P_sink O
         grads["dsinks"] = -(f["p_sink"] * delta).sum(axis=(0, 2, 3))
+    if spec_mod is not None and spec_mod.captured:
+        grads["dcaptured"] = _captured_grads(spec_mod, captured, np.where(f["keep"], p * (dp - delta), 0.0),
+                                             f["expression_input"], f["keep"])
     return grads
+
+
+def _captured_grads(mod, captured, ds, score, keep) -> list[np.ndarray]:
+    """d L / d each captured array (its shape): for each read of it in the expression (an element
+    clamped into the array, as the kernel reads it), the expression's gradient ds times d
+    expression / d that read (fagen.derivatives), evaluated in float64, summed into the element."""
+    tree = expression.score(mod.expression, mod.captured)
+    names = expression.captured_names(mod.captured)
+    arrays = [np.asarray(a, np.float64) for a in captured]
+    b, h, n_q, n_kv = ds.shape
+    values = dict(score=score, b=np.arange(b)[:, None, None, None], h=np.arange(h)[None, :, None, None],
+                  q_idx=np.arange(n_q)[None, None, :, None], kv_idx=np.arange(n_kv)[None, None, None, :],
+                  **{name: a.ravel() for name, a in zip(names, arrays)})
+    grads = [np.zeros(a.size) for a in arrays]
+    for read, grad in read_derivatives(tree, set(names)):
+        i = names.index(read.array)
+        index = np.clip(expression.evaluate(read.index, values, np.float64), 0, arrays[i].size - 1)
+        with np.errstate(invalid="ignore", over="ignore"):  # a masked pair's derivative may be anything
+            terms = np.where(keep, ds * expression.evaluate(grad, values, np.float64), 0.0)
+        np.add.at(grads[i], np.broadcast_to(index, ds.shape).ravel(), np.broadcast_to(terms, ds.shape).ravel())
+    return [g.reshape(a.shape) for g, a in zip(grads, arrays)]
 
 
 def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, softcap, alibi_slopes, bias,
@@ -360,6 +386,7 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     if bias is not None:
         bias = np.asarray(bias, np.float64)
         s = s + (bias[:, :, None, :] if bias.ndim == 3 else bias)
+    expression_input = s  # the score a spec's expression reads (its captured arrays' derivatives too)
     if score_mod is not None:
         if score_mod_grad is not None:
             dmod = np.asarray(score_mod_grad(s, bi, hi, qi, ki), np.float64)
@@ -403,7 +430,8 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
         p = p / l
     return dict(q=q, k=k, v=v, scale=scale, keep=keep, p=p, out=out,
                 p_sink=None if sinks is None else np.exp(sink - m0) / l,
-                lse=np.where(empty, -np.inf, m0 + np.log(l))[..., 0], dcap=dcap, dmod=dmod)
+                lse=np.where(empty, -np.inf, m0 + np.log(l))[..., 0], dcap=dcap, dmod=dmod,
+                expression_input=expression_input)
 
 
 # ---- a spec's score modifiers --------------------------------------------------------------

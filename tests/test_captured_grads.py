@@ -136,3 +136,30 @@ def test_which_reads_the_kernel_sums():
     assert captured_grads.split_wanted(decaying, [True], extents) == ((0,), [False])
     (_, grad), = derivatives.read_derivatives(decaying, {"captured0"})
     assert derivatives.magnitude(derivatives.interval(grad, {"captured0": (-1.0, 1.0)}, extents)) == 1.0
+
+
+@pytest.mark.parametrize("text, grad, reference", [
+    ("score + captured0[h * 15 + q_idx - kv_idx + 7] * captured1[h]", "1.0f",
+     lambda s, h, qi, ki, t0, t1: s + t0.reshape(-1)[h * 15 + qi - ki + 7] * t1[h]),
+    ("score * captured0[h] + captured1[kv_idx % 3]", "captured0[h]",
+     lambda s, h, qi, ki, t0, t1: s * t0.reshape(-1)[h] + t1[ki % 3]),
+])
+def test_the_oracle_s_captured_gradients_are_autograd_s(text, grad, reference):
+    """oracle.attention_backward's "dcaptured" (each read's derivative from fagen.derivatives, in
+    float64) against PyTorch's autograd through the same function, GQA and a causal mask."""
+    from fagen import oracle
+
+    gen = torch.Generator().manual_seed(len(text))
+    b, hq, hkv, n, d = 2, 3, 1, 8, 16
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+    tables = [torch.randn(hq, 15, generator=gen, dtype=torch.float64), torch.randn(3, generator=gen,
+                                                                                  dtype=torch.float64)]
+    got = oracle.attention_backward(*(x.numpy() for x in (q, k, v, dout)), causal=True, captured=[t.numpy() for t in tables],
+                                    score_mod={"expression": text, "expression_grad": grad, "captured": 2})["dcaptured"]
+    leaves = [t.clone().requires_grad_() for t in tables]
+    hi, qi, ki = torch.arange(hq).view(1, -1, 1, 1), torch.arange(n).view(1, 1, -1, 1), torch.arange(n).view(1, 1, 1, -1)
+    s = reference(q @ k.repeat_interleave(hq // hkv, 1).transpose(-1, -2) * d ** -0.5, hi, qi, ki, *leaves)
+    p = torch.softmax(torch.where(qi >= ki, s, -torch.inf), dim=-1)
+    want = torch.autograd.grad(p @ v.repeat_interleave(hq // hkv, 1), leaves, dout)
+    for g, w in zip(got, want):
+        assert g.shape == tuple(w.shape) and np.allclose(g, w.numpy(), rtol=1e-10, atol=1e-12)
