@@ -29,6 +29,20 @@ MODS = {
 T5_TABLE = torch.randn(8, 32, generator=torch.Generator().manual_seed(7)).cuda() if torch.cuda.is_available() else None
 
 
+def in_a_cuda_graph(fn):
+    """(graph, its outputs): fn warmed up on a side stream (compiles, allocations), then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 @pytest.mark.parametrize("name", list(MODS))
 @pytest.mark.parametrize("dtype, d", [("float16", 64), ("bfloat16", 128)])
 def test_flex_attention_matches_pytorch_with_the_same_functions(name, dtype, d):
@@ -99,15 +113,7 @@ def test_a_compiled_layer_calling_flex_attention_captures_in_a_cuda_graph():
     for g, w in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, eager_leaves, dout)):
         assert relative_error(to_numpy(g), to_numpy(w)) < 1e-3
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                compiled(q, k, v)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = compiled(q, k, v)
+        graph, out = in_a_cuda_graph(lambda: compiled(q, k, v))
         q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
         table.mul_(-2.0)
         graph.replay()
@@ -188,15 +194,7 @@ def test_a_learned_table_s_training_step_replays_in_a_cuda_graph():
         out = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
         return torch.autograd.grad(out, (q, k, v, table), dout)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = in_a_cuda_graph(step)
     with torch.no_grad():
         q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
         table.mul_(-2.0)
