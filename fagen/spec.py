@@ -502,11 +502,6 @@ class Backward(_Frozen):
     # a learned table): each score's gradient times its read's derivative, added as int64 fixed
     # point (exact, so the sums are bitwise the same run to run)
     captured_grads: tuple[int, ...] = ()
-
-    @field_validator("captured_grads", mode="before")
-    @classmethod
-    def _captured_grads_list(cls, v):
-        return tuple(v) if isinstance(v, list) else v  # YAML's list, held as a tuple (a spec is hashed)
     # sm_90a's wgmma dK/dV kernel: a producer warp loads K, V and each step's Q, dO, LSE and D
     # with TMA, and the consumer warpgroups only compute; unset, every thread copies with cp.async
     warp_specialized: WarpSpecialized | None = None
@@ -514,6 +509,11 @@ class Backward(_Frozen):
     # step's K and V, with TMA; with one consumer warpgroup (dq_warps 4) two blocks share an SM,
     # so the two warpgroups' registers must fit half of it (consumer_registers <= 232)
     dq_warp_specialized: WarpSpecialized | None = None
+
+    @field_validator("captured_grads", mode="before")
+    @classmethod
+    def _captured_grads_list(cls, v):
+        return tuple(v) if isinstance(v, list) else v  # YAML's list, held as a tuple (a spec is hashed)
 
     @field_validator("warps", "dq_warps")
     @classmethod
