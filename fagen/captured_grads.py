@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from functools import cache
 
 from fagen import expression
-from fagen.expression import BOOL, FLOAT, INT, Binary, Call, Cast, Conditional, Load, Name, Node, Number, Unary
+from fagen.expression import BOOL, FLOAT, INT, Call, Cast, Conditional, Load, Name, Node, Number, Unary
 from fagen.masks import CAUSAL, FULL, PARTIAL
 from fagen.derivatives import FloatOps, interval, magnitude, read_derivatives
 

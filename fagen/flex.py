@@ -33,7 +33,7 @@ import weakref
 import numpy as np
 import torch
 
-from fagen import captured_grads, masks, torch_op
+from fagen import masks, torch_op
 from fagen.mod_tracing import TracedScoreMod, TraceError, check_captured, check_int32, trace_mask_mod, trace_score_mod
 
 __all__ = ["create_block_mask", "flex_attention", "trace_mask_mod", "trace_score_mod", "TraceError",
