@@ -472,7 +472,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
             f"the dQ kernel needs {dq_smem} bytes of shared memory (Q and dO tiles, 2 stages of K and V tiles) "
             f"but {spec.arch} allows {SMEM_PER_BLOCK[spec.arch]} per block", dq_fixes(spec),
             "use a smaller dq_block_kv or dq_block_q", trains, spec)
-    kind, mod_params = KINDS[spec.mask.kind], score_params(spec)
+    mod_params = score_params(spec)
     mask_params = KINDS[spec.mask.kind].params
     side = mask_params + mod_params
     chunks = d // CHUNK_ELEMS
