@@ -30,6 +30,12 @@ from fagen.variants import trainable, variant
 FAMILIES = (None, "h200")  # the generic defaults (sm_80) and the sm_90a ones (H100, H200)
 EVERY_MODIFIER = {"softcap": 30.0, "alibi": "slopes", "sinks": True}
 GEMMA = (Mask(kind="sliding_window", window_left=300), ScoreMod(softcap=30.0))
+# a relative table times a per-head gain; a table beside a nonlinear term (its gradient taken
+# before the expression's factor: ds_before_chain)
+LEARNED_TABLES = ScoreMod(expression="score + captured0[h * 8191 + q_idx - kv_idx + 4095] * captured1[h]",
+                          expression_grad="1.0f", captured=2)
+LEARNED_SOFTCAPPED = ScoreMod(expression="tanhf(score * 0.05f) * 20.0f + captured0[h * 8191 + q_idx - kv_idx + 4095]",
+                              expression_grad="1.0f - tanhf(score * 0.05f) * tanhf(score * 0.05f)", captured=1)
 
 
 def defaults(gpu, head_dim):
@@ -81,6 +87,10 @@ def builds():
             out += [trainable(biased, deterministic, True) for deterministic in (False, True)]
             vector = variant(base, Mask(kind="sliding_window", window_left=1000), ScoreMod(bias="vector"))
             out.append(trainable(vector, False, True))
+            if head_dim == 128:  # learned tables summed by the dK/dV kernel (backward.captured_grads), one a loop
+                out.append(trainable(variant(base, Mask(kind="causal"), LEARNED_TABLES), False, False, (0, 1))
+                           if gpu else trainable(variant(base, Mask(kind="block_mask"), LEARNED_SOFTCAPPED), False,
+                                                 False, (0,)))
     return list(dict.fromkeys(out))
 
 
