@@ -760,14 +760,22 @@ struct QdoPipeline {
   // ([B, Hq, n_pad]) are padded to whole tiles, so their copies are always in range.
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& do_map, const float* lse2,
                                           const float* delta, int n_pad, int heads_q, int h0, int b) const {
-    for (int t = 0; t < mask.steps(); ++t) {
+    // each step's head and query tile read a step ahead, before the wait for its slot (a block
+    // mask's list lives in global memory: read after the wait, its latency delays the loads)
+    const int steps = mask.steps();
+    int head = steps > 0 ? mask.step_head(0) : 0, q_tile = steps > 0 ? mask.step_q_tile(0) : 0;
+    for (int t = 0; t < steps; ++t) {
+      const int next_head = t + 1 < steps ? mask.step_head(t + 1) : 0;
+      const int next_q_tile = t + 1 < steps ? mask.step_q_tile(t + 1) : 0;
       const unsigned bar = bars.arm(step(t), 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
-      const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
+      const int q0 = q_tile * BLOCK_Q;
       tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
       tma_load_rows<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
       const long long row0 = (long long)(b * heads_q + h0 + head) * n_pad + q0;
       bulk_copy(rows_slot(t), lse2 + row0, ROW_BYTES, bar);
       bulk_copy(rows_slot(t) + ROW_BYTES, delta + row0, ROW_BYTES, bar);
+      head = next_head;
+      q_tile = next_q_tile;
     }
   }
 
