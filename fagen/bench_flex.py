@@ -146,6 +146,9 @@ def run_case(case: FlexCase) -> list[FlexRow]:
     # Flex compiles afresh a case: past dynamo's recompile limit (new closures, dtypes, grad modes)
     # it would run eagerly without a word (as bench.py and bench_backward.py do)
     torch._dynamo.reset()
+    started = time.perf_counter()
+    progress = lambda step: print(f"  {case.key}: {step} at {time.perf_counter() - started:.0f} s",  # noqa: E731
+                                  file=sys.stderr, flush=True)
     score_mod, mask_mod = mods(case.n, case.heads)[case.mod]
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
     shape = (case.batch, case.heads, case.n, case.head_dim)
@@ -157,7 +160,9 @@ def run_case(case: FlexCase) -> list[FlexRow]:
     # at d64 16k: out of memory)
     torch_mask = None if mask_mod is None else torch_flex.create_block_mask(
         mask_mod, None, mask_heads, case.n, case.n, _compile=mask_heads is not None)
+    progress("Flex's block mask")
     reference = _run(compiled, torch_mask, score_mod, *(x.float() for x in (q, k, v, dout)))
+    progress("the float32 reference")
     flops = 4.0 * case.batch * case.head_dim * kept_pairs(mask_mod, case.n, case.heads)
     rows = []
     for impl in IMPLS:
@@ -171,6 +176,7 @@ def run_case(case: FlexCase) -> list[FlexRow]:
         try:
             try:
                 _measure(row, fn, block_mask, score_mod, q, k, v, dout, reference, flops)
+                progress(f"{impl} measured")
             except Exception as err:  # noqa: BLE001
                 if impl != "flex" or "out of resource" not in str(err):
                     raise
