@@ -36,10 +36,20 @@ class ElementType:
     # ||out - ref|| / ||ref|| a forward of this input type meets against the float64 oracle (P's
     # rounding to the MMA input type plus f32 accumulation); None: no kernel takes it yet
     tolerance: float | None = None
+    # what a forward of this input type writes (a half type: itself; FP8: bfloat16 or float16,
+    # FlashAttention-3's outputs), the first the default
+    out_types: tuple[str, ...] = ()
+    # P = exp2(s - max + p_log2_scale) before it is rounded to this type as the A operand of P.V
+    # (FP8: 2^8 keeps P's small values normal; FlashAttention-3's Max_offset); 0 for half types
+    p_log2_scale: int = 0
 
     @property
     def has_kernels(self) -> bool:
         return self.tolerance is not None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.bytes == 1
 
     @property
     def in_cupy(self) -> bool:
@@ -61,13 +71,17 @@ class ElementType:
 
 FLOAT16 = ElementType("float16", "f16", 2, "unsigned short", "f16", {"mma.sync": 16, "wgmma": 16}, _TMA_FLOAT16,
                       "float16", "float16", mantissa_bits=10, min_exponent=-14, max_finite=65504.0,
-                      tolerance=4e-3)
+                      tolerance=4e-3, out_types=("float16",))
 BFLOAT16 = ElementType("bfloat16", "bf16", 2, "unsigned short", "bf16", {"mma.sync": 16, "wgmma": 16}, _TMA_BFLOAT16,
                        "bfloat16", "float16", mantissa_bits=7, min_exponent=-126, max_finite=3.3895313892515355e38,
-                       tolerance=2e-2)
+                       tolerance=2e-2, out_types=("bfloat16",))
 FLOAT8_E4M3 = ElementType("float8_e4m3", "e4m3", 1, "unsigned char", "e4m3", {"wgmma": 32}, _TMA_UINT8,
                           "float8_e4m3fn", "uint8", mantissa_bits=3, min_exponent=-6, max_finite=448.0,
-                          saturates_to_nan=True)
+                          saturates_to_nan=True, out_types=("bfloat16", "float16"), p_log2_scale=8,
+                          # against the oracle that rounds q, k, v and P as the kernel does (the format's
+                          # own error, ~4e-2 against exact attention, is notes/fp8.md's): what is left is
+                          # accumulation order, the MUFU's exp2 and the output's rounding
+                          tolerance=1e-2)
 FLOAT8_E5M2 = ElementType("float8_e5m2", "e5m2", 1, "unsigned char", "e5m2", {"wgmma": 32}, _TMA_UINT8,
                           "float8_e5m2", "uint8", mantissa_bits=2, min_exponent=-14, max_finite=57344.0)
 # the accumulators' and split-KV partials' type: no MMA takes it as input here
@@ -77,7 +91,11 @@ FLOAT32 = ElementType("float32", "f32", 4, "float", "f32", {}, _TMA_FLOAT32, "fl
 ELEMENT_TYPES: dict[str, ElementType] = {t.name: t for t in (FLOAT16, BFLOAT16, FLOAT8_E4M3, FLOAT8_E5M2, FLOAT32)}
 # what a kernel's q, k, v and o may be, in the order messages list them
 INPUT_TYPES = tuple(t.name for t in (FLOAT16, BFLOAT16, FLOAT8_E4M3, FLOAT8_E5M2))
-KERNEL_TYPES = tuple(name for name in INPUT_TYPES if ELEMENT_TYPES[name].has_kernels)
+# the types whose kernels take q, k, v and o all of that type (the half types) ...
+KERNEL_TYPES = tuple(name for name in INPUT_TYPES if name in ELEMENT_TYPES[name].out_types)
+# ... and those whose forward writes another (FP8: bfloat16 or float16 out)
+FP8_KERNEL_TYPES = tuple(name for name in INPUT_TYPES
+                         if ELEMENT_TYPES[name].has_kernels and name not in ELEMENT_TYPES[name].out_types)
 
 
 def element_type(name: str) -> ElementType:

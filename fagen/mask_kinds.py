@@ -46,6 +46,10 @@ class MaskKind:
     even_tiles = False
     # its tile test reads memory (Mask::prepare_tile), which the loops issue before a tile's S MMAs
     prepares_tiles = False
+    # its tiles' numbers are a list in global memory (Mask::kv_tile): the forward's producer reads
+    # each a step ahead of the wait for its slot (others compute it, with no latency to hide; the
+    # read-ahead's registers spilled the 24-register producer of varlen d64 kernels)
+    lists_tiles = False
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -197,6 +201,7 @@ class BlockMaskKind(MaskKind):
     packable = False
     uses_align = False
     prepares_tiles = True  # a tile's type and its PARTIAL pattern's words
+    lists_tiles = True
 
 
 KINDS: dict[str, MaskKind] = {k.name: k for k in (NoMask(), Causal(), SlidingWindow(), Chunked(), PrefixLM(),

@@ -133,6 +133,7 @@ class KernelPlan:
     pingpong: bool  # wgmma: the two warpgroups take turns on the tensor cores
     mask_lane_words: int  # 32-bit words of a row of a block mask's PARTIAL pattern a thread reads (masks.thread_words)
     mask_prepares_tiles: bool  # the loops call Mask::prepare_tile before a tile's S MMAs (MaskKind.prepares_tiles)
+    kv_tiles_listed: bool  # Mask::kv_tile reads a list in global memory (MaskKind.lists_tiles)
     smem_bytes: int
     smem_limit: int
     seed_budget_bytes: int  # seed 002: (2 Bc d + Br d + Br Bc) elements
@@ -167,6 +168,8 @@ class KernelPlan:
     warp_keys: int
     key_merge_floats: int  # warps_kv > 1: the floats a lane hands the first warp (its O, a max and sum a row half)
     element_bytes: int
+    p_log2_scale: float  # P's scale before its rounding to an FP8 A operand, log2 (element type's; 0 otherwise)
+    exp2_poly_every: int  # every this many n8 fragments of S, exp2 runs as a polynomial on the FMA pipe (0: never)
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
     q_tile_bytes: int
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
@@ -687,7 +690,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     s_regs = m_frags * (t.block_kv // t.warps_kv // MMA_N) * per_thread
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
     # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
-    p_regs = s_regs // 2 if spec.wgmma else 0
+    p_regs = s_regs * spec.element.bytes // 4 if spec.wgmma else 0  # four FP8 values a register
     registers = predict_registers(spec, o_regs, s_regs, q_regs, 32 * warps)
     ws = spec.pipeline.warp_specialized
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS  # the consumers' setmaxnreg
@@ -747,6 +750,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         pingpong=spec.pipeline.pingpong,
         mask_lane_words=-(-t.block_kv // LANE_COLUMNS),
         mask_prepares_tiles=KINDS[spec.mask.kind].prepares_tiles,
+        kv_tiles_listed=KINDS[spec.mask.kind].lists_tiles,
         smem_bytes=smem_bytes,
         smem_limit=limit,
         seed_budget_bytes=seed_budget,
@@ -815,7 +819,20 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     scale = ("float", "scale") if spec.score_mod.changes_scores else ("float", "scale_log2")
     return (*loaded, (OUT_PTR, "o"), ("float* __restrict__", "lse"),
             ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
-            *strides, ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"), scale)
+            *strides, ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"), scale,
+            *(DESCALE_PARAMS if spec.element.is_fp8 else ()))
+
+
+# FP8 at d128: wgmma consumes S elements as fast as the MUFU exponentiates them (16 a clock an
+# SM), so a warp's softmax is bound by its SM sub-partition's MUFU; a fraction of the exponentials
+# run instead as a degree-3 polynomial on the FMA pipe (FlashAttention-4's move), exact far past
+# e4m3's rounding of P. One n8 fragment in EXP2_POLY_EVERY (H200, d128 dense 16k, the kernel
+# alone: none 867 TFLOP/s, one in 8 897, in 4 895, in 2 793: the FMA pipe's share then costs more
+# issue slots than the MUFU it frees).
+EXP2_POLY_EVERY = 8
+# FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), all three alike
+DESCALE_PARAMS = ((FLOAT_PTR, "q_descale"), (FLOAT_PTR, "k_descale"), (FLOAT_PTR, "v_descale"),
+                  ("long long", "descale_sb"), ("long long", "descale_sh"))
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")
@@ -837,6 +854,8 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "warp_keys": t.block_kv // t.warps_kv,
         "key_merge_floats": m_frags * (dv // MMA_N) * acc_per_fragment + 4 * m_frags,
         "element_bytes": spec.element.bytes,
+        "p_log2_scale": float(spec.element.p_log2_scale),
+        "exp2_poly_every": EXP2_POLY_EVERY if spec.element.is_fp8 and spec.wgmma else 0,
         "kv_tile_bytes": kv_tile_elems * spec.element.bytes,
         "q_tile_bytes": t.block_q * spec.row_width * spec.element.bytes if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,

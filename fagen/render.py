@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import jinja2
 import yaml
 
-from fagen import expression
+from fagen import expression, fp8_inputs
 from fagen.version import __version__
 from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
@@ -39,6 +39,10 @@ SEQUENCE_TILES_THREADS = 256
 APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
 APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128
+V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
+V_TRANSPOSE = "v_transpose_kernel"
+V_TRANSPOSE_THREADS = 256
+V_TRANSPOSE_MAX_D = 256
 GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
 GRADIENT_SUM_THREADS = 256
 GRADIENT_SUM_BATCH = 9  # shares whose loads a thread issues at once: the own block's 2 and an 8-GPU ring's 7
@@ -97,6 +101,7 @@ def context(spec: AttentionSpec) -> dict:
         "dtype": spec.dtype,
         "ptx_type": spec.element.ptx,
         "element": spec.element,
+        "out_element": spec.out_element,
         "plan": plan(spec),
         "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,
@@ -191,6 +196,14 @@ def render_append_kv() -> str:
         paging={"page_out_of_range": PAGE_OUT_OF_RANGE, "seqlen_over_table": SEQLEN_OVER_TABLE})
 
 
+def render_v_transpose() -> str:
+    """The kernel writing an FP8 forward's V^T in its key order (fagen.fp8_inputs), once a call."""
+    return environment().get_template(V_TRANSPOSE_TEMPLATE).render(
+        version=__version__, name=V_TRANSPOSE, threads=V_TRANSPOSE_THREADS, tile_keys=fp8_inputs.V_TILE_KEYS,
+        key_group=fp8_inputs.KEY_GROUP, key_order=[int(k) for k in fp8_inputs.KEY_ORDER], max_d=V_TRANSPOSE_MAX_D,
+        row_bytes=V_TRANSPOSE_MAX_D + 4)
+
+
 def gradient_sum_name(dtype: str) -> str:
     return f"gradient_sum_{dtype}"
 
@@ -229,7 +242,8 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
                                                   lambda d=dtype: render_gradient_sum(d)) for dtype in KERNEL_TYPES},
             f"{DOCUMENT_BOUNDS}.cu": ("fagen's document bounds kernel", render_document_bounds),
             f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
-            f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv)}
+            f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv),
+            f"{V_TRANSPOSE}.cu": ("fagen's FP8 V^T kernel", render_v_transpose)}
 
 
 def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
@@ -276,7 +290,7 @@ def renders(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
 
 def shared_kernels() -> dict[str, str]:
     """The kernels no one spec owns, by file name: the split-KV merges, the ring's gradient sums,
-    the document bounds, the varlen tile table and the paged cache's append."""
+    the document bounds, the varlen tile table, the paged cache's append and FP8's V^T."""
     return {name: text() for name, (_, text) in _shared_kernels().items()}
 
 

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import device, expression, masks, side_inputs, tensor_maps
+from fagen import device, expression, fp8_inputs, masks, side_inputs, tensor_maps
 from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
-from fagen.render import DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, merge_name, render, shared_kernels
+from fagen.render import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
+                          V_TRANSPOSE_THREADS, merge_name, render, shared_kernels)
 from fagen.spec import AttentionSpec
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -435,8 +436,9 @@ class Kernel:
         self.function = module.get_function(self.plan.symbol)
         if self.plan.smem_bytes > 48 * 1024:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes
-        outputs = spec.outputs  # repeated calls skip the checks and the packing (not a merging kernel's)
-        self.repeated_calls = (None if outputs.merge_splits or self.takes_side_inputs
+        outputs = spec.outputs  # repeated calls skip the checks and the packing (not a merging kernel's, nor
+        # FP8's: its launch reads V^T and the descales, made each call)
+        self.repeated_calls = (None if outputs.merge_splits or self.takes_side_inputs or spec.element.is_fp8
                                else RepeatedCalls(writes_given=outputs.partial or outputs.accumulate))
 
     def __repr__(self) -> str:
@@ -472,8 +474,8 @@ class Kernel:
         for t, n, d in ((tq, "q", spec.head_dim), (tk, "k", spec.head_dim), (tv, "v", spec.dv)):
             if t.kind != tq.kind:
                 raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all three from one framework")
-            if t.dtype != spec.dtype:
-                raise ValueError(f"{n}: dtype {t.dtype}, but kernel {spec.name} takes {spec.dtype}; "
+            if t.dtype not in (spec.dtype, spec.element.torch_name):
+                raise ValueError(f"{n}: dtype {t.dtype}, but kernel {spec.name} takes {spec.element.torch_name}; "
                                  f"cast it or use a {t.dtype} spec (fagen.attention picks one)")
             if t.device != tq.device:
                 raise ValueError(f"{n} is on cuda:{t.device} but q on cuda:{tq.device}: put them on one GPU")
@@ -506,15 +508,16 @@ class Kernel:
         if out is not None:
             to = as_device_tensor(out, "out")
             shape = out_shape(tq, tv)
-            if to.kind != tq.kind or to.dtype != spec.dtype or to.shape != shape or to.device != tq.device:
+            if to.kind != tq.kind or to.dtype != spec.out_element.name or to.shape != shape or to.device != tq.device:
                 raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} "
-                                 f"{spec.dtype} tensor [B, Hq, Nq, head_dim_v] = {shape} on cuda:{tq.device}")
+                                 f"{spec.out_element.name} tensor [B, Hq, Nq, head_dim_v] = {shape} on cuda:{tq.device}")
             _check_layout(to, "out")
         return tq, tk, tv
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None,
                  block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None, captured=None,
-                 splits: int | None = None, mask_offset: int | None = None, lse=None):
+                 splits: int | None = None, mask_offset: int | None = None, lse=None, q_descale=None,
+                 k_descale=None, v_descale=None):
         """out (and lse) for q, k, v. A partial spec (outputs.partial) returns float32 partials
         (o_parts [S, B, Hq, Nq, d], lse_parts [S, B, Hq, Nq]) for `splits` shares of the KV
         tiles; fagen.splitkv merges them. An accumulating one (outputs.accumulate) folds its
@@ -522,7 +525,8 @@ class Kernel:
         (a ring step) and returns them. mask_offset moves the diagonal (key of query 0's
         diagonal): shards of a sequence pass their positions through it. captured: the float32
         arrays a score expression reads (score_mod.captured; each flattened, its indices checked
-        against its length at this call's extents)."""
+        against its length at this call's extents). q_descale, k_descale, v_descale: an FP8
+        kernel's (FlashAttention-3's: float32, one number or [B, Hkv]; None is 1)."""
         key, repeated = None, self.repeated_calls
         if repeated is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids, captured)):
             key = repeated.key(q, k, v, out, lse, scale, return_lse, mask_offset, splits)
@@ -567,10 +571,14 @@ class Kernel:
             if partial and not merged:
                 given["sinks"] = None
             extras, keep_alive = self.extra_arguments(tq, tk, given)
+            descaled = self._descales(tq, tk, q_descale, k_descale, v_descale)
+            if descaled is not None:
+                extras.update(descaled[0])
+                keep_alive = [*keep_alive, descaled[1]]
             if partial:
                 splits = math.ceil(n_tiles / math.ceil(n_tiles / splits))  # equal shares of the tiles
             if merged or not partial:  # out and lse are the call's (the partials, a workspace)
-                out = empty_like(tq, (b, hq, nq, d), self.spec.dtype) if out is None else out
+                out = empty_like(tq, (b, hq, nq, d), self.spec.out_element.name) if out is None else out
                 lse = empty_like(tq, (b, hq, nq), "float32")
                 packed = self.pack(tq, tk, tv, out, lse, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
                                    scale=scale, mask_offset=mask_offset, splits=splits, extras=extras,
@@ -601,6 +609,22 @@ class Kernel:
         if accumulate:
             return running
         return (out, lse) if return_lse or partial and not merged else out
+
+    def _descales(self, tq: DeviceTensor, tk: DeviceTensor, q_descale, k_descale, v_descale) -> tuple[dict, object] | None:
+        """An FP8 kernel's descale arguments and the [3, B, Hkv] array behind them; None for others
+        (which refuse descales)."""
+        given = [name for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+                 if x is not None]
+        if not self.spec.element.is_fp8:
+            if given:
+                raise ValueError(f"{given[0]}: kernel {self.spec.name} takes {self.spec.dtype} inputs; descales "
+                                 f"are for FP8 ones (dtype float8_e4m3)")
+            return None
+        b, hkv = tq.shape[0], tk.shape[1]
+        table = fp8_inputs.descales(q_descale, k_descale, v_descale, b, hkv, tq.obj)
+        base, row = as_device_tensor(table, "descales").ptr, b * hkv * 4  # bytes of one descale's [B, Hkv]
+        return dict(q_descale=base, k_descale=np.uint64(base + row), v_descale=np.uint64(base + 2 * row),
+                    descale_sb=np.int64(hkv), descale_sh=np.int64(1)), table
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
         """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned
@@ -650,6 +674,10 @@ class Kernel:
         [splits, *shape of out]: `merged_views` gives out and lse as it sees them where the
         kernel's views are not (a varlen batch: [1, Hq, total_q, d]). `indices`: the layout's
         index parameters a prepared call re-points (its slots after q, k, v)."""
+        if self.spec.element.is_fp8:  # the kernel reads V^T (fp8_inputs), kept with the launch
+            vt = v_transposed(tv)
+            held = [*held, vt]
+            tv = as_device_tensor(vt, "v")
         if not self.spec.outputs.partial:
             launch = self.launch(tq, tk, tv, to, tl, scale=scale, mask_offset=mask_offset, splits=1, extras=extras,
                                  indices=indices)
@@ -696,7 +724,8 @@ class Kernel:
         maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(*_mapped(t, total), self.spec.element.bytes, rows, name))
                      for t, name, rows, total in ((tq, "q", self.plan.block_q, extras.get("total_q")),
                                                   (tk, "k", self.plan.block_kv, extras.get("total_k")),
-                                                  (tv, "v", self.plan.block_kv, extras.get("total_k")))
+                                                  (tv, "v", self.plan.head_dim_v if self.spec.element.is_fp8
+                                                   else self.plan.block_kv, extras.get("total_k")))
                      ) if self.plan.warp_specialized else ()
         tiles = self.plan.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
         grid = tiles
@@ -823,6 +852,22 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
                                                   (np.uint64(docs.ptr), np.int64(docs.strides[0]), np.int32(n),
                                                    np.uint64(as_device_tensor(bounds, "doc_bounds").ptr)))
     return bounds
+
+
+def v_transposed(tv: DeviceTensor):
+    """An FP8 forward's V [B, Hkv, N, d] (rows 16-byte aligned: the kernel's TMA checks held) as
+    its kernel reads it, V^T [B, Hkv, d, padded N] in fp8_inputs' key order, from `tv`'s allocator
+    by one launch on the current stream (fp8_inputs.transposed_v is its twin)."""
+    b, h, n, d = tv.shape
+    if d % 16 or d > V_TRANSPOSE_MAX_D:
+        raise ValueError(f"v: head_dim {d}; the FP8 V^T kernel takes multiples of 16 up to {V_TRANSPOSE_MAX_D}")
+    keys = fp8_inputs.padded_keys(n)
+    vt = empty_like(tv, (b, h, d, keys), tv.dtype)
+    shared_function(V_TRANSPOSE, tv.device)(
+        (keys // fp8_inputs.V_TILE_KEYS, b * h), (V_TRANSPOSE_THREADS,),
+        (np.uint64(tv.ptr), np.int64(tv.strides[0]), np.int64(tv.strides[1]), np.int64(tv.strides[2]), np.int32(h),
+         np.int32(n), np.int32(d), np.uint64(as_device_tensor(vt, "v^T").ptr), np.int32(keys)))
+    return vt
 
 
 def _ptr(a) -> np.uint64:

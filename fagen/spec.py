@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, mod
 
 from fagen import expression, mask_kinds, side_inputs
 from fagen.derivatives import interval, read_derivatives
-from fagen.element_types import ELEMENT_TYPES, INPUT_TYPES, KERNEL_TYPES, ElementType
+from fagen.element_types import ELEMENT_TYPES, FP8_KERNEL_TYPES, INPUT_TYPES, KERNEL_TYPES, ElementType
 from fagen.mask_kinds import KINDS
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -606,18 +606,57 @@ class AttentionSpec(_Frozen):
 
     @model_validator(mode="after")
     def _element_types(self) -> AttentionSpec:
-        """The kernels take q, k, v and o of one type, of those with kernels (KERNEL_TYPES); other
-        combinations are spellable, and refused here by what exists."""
-        exist = f"the kernels take q, k, v and o all of one type: {' or '.join(KERNEL_TYPES)}"
-        if self.dtype not in KERNEL_TYPES:
+        """The kernels take q, k, v and o of one type, of those with kernels (KERNEL_TYPES), or
+        FP8 q, k and v with a half-type o (FP8_KERNEL_TYPES); other combinations are spellable,
+        and refused here by what exists."""
+        exist = (f"the kernels take q, k, v and o all of one type ({' or '.join(KERNEL_TYPES)}), or q, k and v "
+                 f"{' or '.join(FP8_KERNEL_TYPES)} with o {' or '.join(ELEMENT_TYPES[FP8_KERNEL_TYPES[0]].out_types)}")
+        if self.dtype not in KERNEL_TYPES + FP8_KERNEL_TYPES:
             raise ValueError(rule("dtype", self.dtype, f"no kernel takes {self.dtype} yet; {exist}",
                                   f"use dtype: {KERNEL_TYPES[-1]}", {"dtype": KERNEL_TYPES[-1]}))
-        for field in ("kv_dtype", "out_dtype"):
-            value = getattr(self, field)
-            if value is not None and value != self.dtype:
-                tensors = "k and v" if field == "kv_dtype" else "o"
-                raise ValueError(rule(field, value, f"no kernel takes q {self.dtype} with {tensors} {value} yet; {exist}",
-                                      f"remove {field} ({tensors} then {self.dtype})", {field: REMOVE}))
+        if self.kv_dtype is not None and self.kv_dtype != self.dtype:
+            raise ValueError(rule("kv_dtype", self.kv_dtype, f"no kernel takes q {self.dtype} with k and v "
+                                  f"{self.kv_dtype} yet; {exist}", f"remove kv_dtype (k and v then {self.dtype})",
+                                  {"kv_dtype": REMOVE}))
+        if self.dtype in FP8_KERNEL_TYPES:
+            return self._fp8_forward()
+        if self.out_dtype is not None and self.out_dtype != self.dtype:
+            raise ValueError(rule("out_dtype", self.out_dtype, f"no kernel takes q {self.dtype} with o "
+                                  f"{self.out_dtype} yet; {exist}", f"remove out_dtype (o then {self.dtype})",
+                                  {"out_dtype": REMOVE}))
+        return self
+
+    def _fp8_forward(self) -> AttentionSpec:
+        """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 (a row
+        of one 128-byte swizzle atom; 256 with 128-key tiles predicts 256 registers, past the
+        consumers' 240), 128-key tiles (V^T's tile row is one atom), padded sequences, whole
+        outputs, no backward, no sinks; o in a half type."""
+        fix = {"dtype": KERNEL_TYPES[-1], **({"out_dtype": REMOVE} if self.out_dtype else {})}
+        fix_text = f"use dtype: {KERNEL_TYPES[-1]}" + (" and remove out_dtype" if self.out_dtype else "")
+        fp8 = f"the {self.dtype} forward"
+        o, seq = self.outputs, self.sequences
+        refused = [
+            ("arch", self.arch, self.arch != "sm_90a", f"{fp8} runs on wgmma (sm_90a) only"),
+            ("pipeline.warp_specialized", None, self.pipeline.warp_specialized is None,
+             f"{fp8} is the TMA producer's kernel"),
+            ("head_dim", self.head_dim, self.head_dim != 128 or self.dv != self.head_dim,
+             f"{fp8} is built for head_dim 128 with V as wide"),
+            ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv != 128,
+             f"{fp8} reads V transposed in 128-key tiles (a 128-byte swizzle row)"),
+            ("backward", "set", self.backward is not None, f"{fp8} has no backward yet"),
+            ("sequences", "not padded", not seq.padded, f"{fp8} takes padded [B, H, N, d] sequences only"),
+            ("outputs", "partial / accumulate / merge_splits", o.partial or o.accumulate or o.merge_splits,
+             f"{fp8} writes the whole output"),
+            ("tiling.pack_gqa", True, self.tiling.pack_gqa, f"{fp8} does not pack GQA heads yet"),
+            ("score_mod.sinks", True, self.score_mod.sinks, f"{fp8} does not take sinks yet (P's 2^8 scale)"),
+        ]
+        for field, value, broken, why in refused:
+            if broken:
+                raise ValueError(rule(field, value, f"{why}; {self.dtype} with these is not built yet", fix_text, fix))
+        outs = ELEMENT_TYPES[self.dtype].out_types
+        if self.out_dtype not in outs:
+            raise ValueError(rule("out_dtype", self.out_dtype, f"{fp8} writes o in {' or '.join(outs)}",
+                                  f"use out_dtype: {outs[0]}", {"out_dtype": outs[0]}))
         return self
 
     @model_validator(mode="after")
@@ -671,8 +710,13 @@ class AttentionSpec(_Frozen):
 
     @property
     def element(self) -> ElementType:
-        """q's element type (and, while the kernels take one type, k's, v's and o's)."""
+        """q's element type, and k's and v's."""
         return ELEMENT_TYPES[self.dtype]
+
+    @property
+    def out_element(self) -> ElementType:
+        """o's element type: out_dtype, else q's."""
+        return ELEMENT_TYPES[self.out_dtype or self.dtype]
 
     @field_validator("head_dim", "head_dim_v")
     @classmethod

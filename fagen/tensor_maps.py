@@ -18,7 +18,8 @@ import numpy as np
 from fagen.element_types import element_type
 
 MAP_BYTES, MAP_ALIGN = 128, 64  # sizeof and alignof(CUtensorMap)
-BOX_COLUMNS = 64  # one 128-byte swizzle atom's width: a box is one column block of a tile
+SWIZZLE_ROW_BYTES = 128  # one 128-byte swizzle atom's row: a box is one column block of a tile ...
+BOX_COLUMNS = 64  # ... 64 columns of a half type (the backward's row groups: half types only)
 MAX_BOX_ROWS = 256
 ROW_GROUP_ROWS = 8  # rows of one 128-byte swizzle atom
 GLOBAL_STRIDE_ALIGN = 16  # bytes
@@ -47,9 +48,10 @@ def _byte_strides(shape: tuple[int, ...], strides: tuple[int, ...], element_byte
     dimension of size 1 is never stepped along, so its stride is replaced by a valid one; any
     other must be a positive multiple of 16 bytes under 2^40."""
     b, h, n, d = shape
-    if strides[-1] != 1 or d % BOX_COLUMNS:
+    columns = box_columns(element_bytes)
+    if strides[-1] != 1 or d % columns:
         raise ValueError(f"{what}: shape {tuple(shape)}, strides {tuple(strides)}: TMA reads rows of head_dim "
-                         f"(a multiple of {BOX_COLUMNS}) at unit stride; pass a contiguous copy")
+                         f"(a multiple of {columns}) at unit stride; pass a contiguous copy")
     natural = element_bytes * d  # a row's bytes: the stride a size-1 dimension gets
     byte_strides = []
     for size, stride, name in ((n, strides[2], "sequence"), (h, strides[1], "head"), (b, strides[0], "batch")):
@@ -71,7 +73,13 @@ def layout(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int,
     b, h, n, d = shape
     if not 1 <= rows <= MAX_BOX_ROWS:
         raise ValueError(f"{what}: a TMA box of {rows} rows; boxes hold 1..{MAX_BOX_ROWS}")
-    return MapLayout(dims=(d, n, h, b), strides=_byte_strides(shape, strides, element_bytes, what), box=(BOX_COLUMNS, rows, 1, 1))
+    return MapLayout(dims=(d, n, h, b), strides=_byte_strides(shape, strides, element_bytes, what),
+                     box=(box_columns(element_bytes), rows, 1, 1))
+
+
+def box_columns(element_bytes: int) -> int:
+    """A box's columns: one 128-byte swizzle atom's row (64 of a half type, 128 of FP8)."""
+    return SWIZZLE_ROW_BYTES // element_bytes
 
 
 @lru_cache(maxsize=256)

@@ -437,19 +437,12 @@ struct KvPipeline {
     if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
     mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
     load<BLOCK_Q>(q_tile, q_map, q_full, q_row, h, q_batch);
-    // Each group's KV tile number is read a group ahead, before the wait for its slot: a block
-    // mask's list lives in global memory, and read after the wait its latency would delay every
-    // TMA load behind a freed slot (other masks compute the number).
-    int k_tile = tiles > 0 ? mask.kv_tile(0) : 0, v_tile = 0;
     for (int g = 0; g <= tiles; ++g) {
-      const int next_tile = g + 1 < tiles ? mask.kv_tile(g + 1) : 0;
       const unsigned bar = full + MBARRIER_BYTES * stage(g);
       if (first + g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage(g), phase(g) ^ 1);  // group n - KV_STAGES is done
       mbarrier_arrive_expect_tx(bar, (g < tiles ? KV_TILE_BYTES : 0) + (g >= 1 ? KV_TILE_BYTES : 0));
-      if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, kv_row0 + k_tile * BLOCK_KV, h_kv, kv_batch);
-      if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, kv_row0 + v_tile * BLOCK_KV, h_kv, kv_batch);
-      v_tile = k_tile;
-      k_tile = next_tile;
+      if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, kv_row0 + mask.kv_tile(g) * BLOCK_KV, h_kv, kv_batch);
+      if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV, h_kv, kv_batch);
     }
   }
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fagen.element_types import (BFLOAT16, ELEMENT_TYPES, FLOAT8_E4M3, FLOAT8_E5M2, FLOAT16, INPUT_TYPES, KERNEL_TYPES,
-                                 element_type, itemsize)
+from fagen.element_types import (BFLOAT16, ELEMENT_TYPES, FLOAT8_E4M3, FLOAT8_E5M2, FLOAT16, FP8_KERNEL_TYPES, INPUT_TYPES,
+                                 KERNEL_TYPES, element_type, itemsize)
 from fagen.load import parse_spec
 from fagen.spec import SpecError
 from fagen.variants import shipped_spec
@@ -78,6 +78,9 @@ def test_the_spec_takes_exactly_the_types_with_kernels():
         data = {**base, "dtype": name, "name": "t"}
         if name in KERNEL_TYPES:
             assert parse_spec(data, "t").element is ELEMENT_TYPES[name]
+        elif name in FP8_KERNEL_TYPES:  # a kernel of its own: sm_90a's warp-specialized forward
+            with pytest.raises(SpecError, match=f"arch = 'sm_80': the {name} forward runs on wgmma"):
+                parse_spec(data, "t")
         else:
             with pytest.raises(SpecError, match=f"no kernel takes {name} yet.*float16 or bfloat16"):
                 parse_spec(data, "t")

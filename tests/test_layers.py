@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
-    ("expression", "mask_kinds", "side_inputs", "element_types", "version"),  # leaves: standard library and NumPy
+    ("expression", "mask_kinds", "side_inputs", "element_types", "version", "fp8_inputs"),  # leaves: standard
+    # library and NumPy (fp8_inputs: its torch and CuPy paths import them where they run)
     ("derivatives",),  # expression trees' derivatives, as trees
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
     # FlexAttention's Python mods traced into expressions

@@ -1,0 +1,83 @@
+"""What an FP8 forward's inputs become before its launch (issue 55).
+
+- V, transposed. FP8 wgmma reads both operands K-major, so P.V's B is V^T: [B, Hkv, head_dim_v,
+  keys], the keys padded with zeros to whole 128-key tiles (P is 0 past the last key, but an FP8
+  byte of garbage may be NaN, and 0 * NaN is NaN). Within each 32 keys, column c of V^T holds key
+  KEY_ORDER[c]: the order P's registers come out of the S accumulator in (templates/sm90
+  mainloop: a thread holds keys 2t, 2t+1, 8+2t, 9+2t where wgmma's A operand wants k 4t..4t+3),
+  so P needs no shuffle. A pass over V costs ~1% of the attention at 4k keys (it reads and
+  writes V once; the attention reads it once per query tile).
+- The descales, FlashAttention-3's convention: float32, one number or [B, Hkv] each (None: 1);
+  the true q is q * q_descale[b, h_kv], likewise k and v. The three go to the kernel as one
+  [3, B, Hkv] array.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+KEY_GROUP = 32  # keys of one k32 wgmma step: the permutation's period
+V_TILE_KEYS = 128  # keys of the FP8 kernel's V^T tile (spec: tiling.block_kv)
+
+
+def key_order() -> np.ndarray:
+    """KEY_ORDER: the key each V^T column holds within a group of 32 (0, 1, 8, 9, 2, 3, 10, 11, ...)."""
+    column = np.arange(KEY_GROUP)
+    half, quad, pair = column // 16, column % 16 // 4, column % 4
+    return half * 16 + 2 * quad + pair % 2 + 8 * (pair // 2)
+
+
+KEY_ORDER = key_order()
+
+
+def padded_keys(n: int) -> int:
+    return -(-n // V_TILE_KEYS) * V_TILE_KEYS
+
+
+def transposed_v(v):
+    """V [B, Hkv, N, dv] (a torch float8 tensor, or a CuPy or NumPy uint8 array of its bytes) as
+    the kernel reads it: [B, Hkv, dv, padded N], contiguous, keys in KEY_ORDER by groups of 32."""
+    b, h, n, d = v.shape
+    keys = padded_keys(n)
+    if type(v).__module__.startswith("torch"):
+        import torch
+
+        raw = v.view(torch.uint8) if v.dtype != torch.uint8 else v
+        out = torch.zeros((b, h, keys, d), dtype=torch.uint8, device=raw.device)
+        out[:, :, :n] = raw
+        order = torch.as_tensor(KEY_ORDER, device=raw.device)
+        grouped = out.view(b, h, keys // KEY_GROUP, KEY_GROUP, d).index_select(3, order)
+        return grouped.view(b, h, keys, d).transpose(2, 3).contiguous().view(v.dtype)
+    xp = _array_module(v)
+    out = xp.zeros((b, h, keys, d), dtype=v.dtype)
+    out[:, :, :n] = v
+    grouped = out.reshape(b, h, keys // KEY_GROUP, KEY_GROUP, d)[:, :, :, xp.asarray(KEY_ORDER)]
+    return xp.ascontiguousarray(grouped.reshape(b, h, keys, d).transpose(0, 1, 3, 2))
+
+
+def descales(q_descale, k_descale, v_descale, b: int, hkv: int, like):
+    """The three descales as one float32 [3, B, Hkv] array on `like`'s device (like: a torch
+    tensor or a CuPy array), each checked: None (1), one number, or [B, Hkv]."""
+    rows = []
+    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        shape = () if x is None or np.isscalar(x) else tuple(x.shape)
+        if shape not in ((), (1,), (b, hkv)):
+            raise ValueError(f"{name}: shape {shape}; FlashAttention-3's descales are one number or [B, Hkv] = "
+                             f"[{b}, {hkv}] float32 (the true tensor is the FP8 one times its descale)")
+        rows.append(1.0 if x is None else x)
+    if type(like).__module__.startswith("torch"):
+        import torch
+
+        flat = [torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1) for x in rows]
+        return torch.stack([x.expand(b * hkv) for x in flat]).reshape(3, b, hkv).contiguous()
+    xp = _array_module(like)
+    flat = [xp.asarray(x, dtype=xp.float32).reshape(-1) for x in rows]
+    return xp.ascontiguousarray(xp.stack([xp.broadcast_to(x, (b * hkv,)) for x in flat]).reshape(3, b, hkv))
+
+
+def _array_module(x):
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np

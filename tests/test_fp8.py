@@ -1,0 +1,121 @@
+"""The FP8 forward's host side and its kernel's P.V contract, without a GPU: V^T's key order
+makes P.V right with P packed as the kernel packs it; V^T and the descales as the launch takes
+them; the spec's FP8 rules; the rendered kernel's FP8 instructions."""
+
+import numpy as np
+import pytest
+
+from fagen import fp8_inputs
+from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descales, transposed_v
+from fagen.load import load_spec, parse_spec
+from fagen.render import render
+from fagen.spec import SpecError
+
+SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
+
+
+def a_operand(p: np.ndarray) -> np.ndarray:
+    """P [64, 32] as one k32 step's A operand reads it once the kernel packed its registers
+    (templates/sm90/mainloop.cu.j2): thread (g, t) of warp w holds S accumulator columns 8f + 2t,
+    8f + 2t + 1 of rows 16w + g and 16w + g + 8 (fragments f = 0..3), and packs register 0 from
+    fragments 0 and 1 of row g, register 1 the same of row g + 8, registers 2 and 3 from
+    fragments 2 and 3. wgmma reads register 0 as k 4t..4t+3 of row g, 1 as row g + 8, 2 and 3 as
+    k 16 + 4t.. of each."""
+    a = np.full_like(p, np.nan)
+    for row in range(64):
+        for t in range(4):
+            held = [p[row, 8 * f + 2 * t + c] for f in range(4) for c in range(2)]  # the thread's accumulators
+            a[row, 4 * t:4 * t + 4] = held[0:4]  # fragments 0 and 1 -> registers 0 / 1
+            a[row, 16 + 4 * t:16 + 4 * t + 4] = held[4:8]  # fragments 2 and 3 -> registers 2 / 3
+    return a
+
+
+def test_v_transposed_in_key_order_makes_the_packed_p_v_exact():
+    rng = np.random.default_rng(0)
+    keys, d = 128, 16
+    p = rng.standard_normal((64, keys))
+    v = rng.integers(0, 256, (1, 1, keys, d)).astype(np.uint8)
+    vt = transposed_v(v)[0, 0].astype(np.float64)  # [d, keys], keys in the kernel's order
+    got = sum(a_operand(p[:, k0:k0 + KEY_GROUP]) @ vt[:, k0:k0 + KEY_GROUP].T for k0 in range(0, keys, KEY_GROUP))
+    np.testing.assert_allclose(got, p @ v[0, 0].astype(np.float64), rtol=1e-12)
+
+
+def test_the_key_order_is_a_permutation_of_each_group():
+    assert sorted(KEY_ORDER) == list(range(KEY_GROUP))
+    assert list(KEY_ORDER[:8]) == [0, 1, 8, 9, 2, 3, 10, 11]
+
+
+def test_v_transposed_pads_the_keys_with_zeros_to_whole_tiles():
+    v = np.random.default_rng(1).integers(1, 256, (2, 3, 200, 128)).astype(np.uint8)
+    vt = transposed_v(v)
+    assert vt.shape == (2, 3, 128, 256) and vt.flags.c_contiguous
+    order = np.concatenate([g + KEY_ORDER for g in range(0, 256, KEY_GROUP)])
+    padded = np.zeros((2, 3, 256, 128), np.uint8)
+    padded[:, :, :200] = v
+    np.testing.assert_array_equal(vt, padded[:, :, order].transpose(0, 1, 3, 2))
+    assert (np.sort(vt, axis=-1)[..., :56] == 0).all()  # 56 zero keys a row, wherever the order put them
+
+
+def test_v_transposed_from_torch_float8_keeps_its_bytes():
+    torch = pytest.importorskip("torch")
+    v = torch.randn(1, 2, 70, 128).to(torch.float8_e4m3fn)
+    vt = transposed_v(v)
+    assert vt.dtype == torch.float8_e4m3fn and vt.shape == (1, 2, 128, 128) and vt.is_contiguous()
+    np.testing.assert_array_equal(vt.view(torch.uint8).numpy(), transposed_v(v.view(torch.uint8).numpy()))
+
+
+def test_descales_broadcast_into_one_array():
+    b, hkv = 2, 3
+    per_head = np.arange(6, dtype=np.float32).reshape(b, hkv)
+    table = descales(None, 0.5, per_head, b, hkv, np.zeros(1))
+    assert table.shape == (3, b, hkv) and table.dtype == np.float32
+    np.testing.assert_array_equal(table[0], 1.0)
+    np.testing.assert_array_equal(table[1], 0.5)
+    np.testing.assert_array_equal(table[2], per_head)
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 3, 1), (3, 2)])
+def test_a_descale_of_another_shape_is_refused_by_name(shape):
+    with pytest.raises(ValueError, match=r"k_descale: shape .*\[B, Hkv\] = \[2, 3\]"):
+        descales(None, np.ones(shape, np.float32), None, 2, 3, np.zeros(1))
+
+
+def test_the_fp8_kernel_reads_fp8_and_writes_its_out_dtype():
+    spec = load_spec(SPEC)
+    source = render(spec)
+    assert spec.element.is_fp8 and spec.out_element.name == "bfloat16"
+    assert source.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2  # Q.K^T and P.V
+    assert "cvt.rn.satfinite.e4m3x2.f32" in source and "cvt.rn.bf16x2.f32" in source
+    assert "typedef unsigned short out_t;" in source and "typedef unsigned char elem_t;" in source
+    assert "m_use - P_LOG2_SCALE" in source and "- P_LOG2_SCALE) * LN2" in source  # P's 2^8, out of the LSE
+    assert "q_descale[descale_at] * k_descale[descale_at]" in source and "v_descale[descale_at]" in source
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"out_dtype": None}, "out_dtype"),
+    ({"out_dtype": "float8_e4m3"}, "out_dtype"),
+    ({"arch": "sm_80", "pipeline": {"kv_smem": "separate", "stages": 2}}, "arch"),
+    ({"head_dim": 64}, "head_dim"),
+    ({"tiling": {"block_q": 128, "block_kv": 176, "warps_q": 8, "warps_kv": 1}}, "tiling.block_kv"),
+    ({"sequences": {"q": "varlen", "kv": "varlen"}}, "sequences"),
+    ({"score_mod": {"sinks": True}}, "score_mod.sinks"),
+])
+def test_what_the_fp8_forward_is_not_built_for_is_refused_by_field(change, field):
+    data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
+    data.update(change)
+    data = {k: v for k, v in data.items() if v is not None}
+    with pytest.raises(SpecError, match=rf"{field} = "):
+        parse_spec(data, "fp8_refused")
+
+
+def test_padded_keys_are_whole_v_tiles():
+    assert [fp8_inputs.padded_keys(n) for n in (1, 128, 129, 4096)] == [128, 128, 256, 4096]
+
+
+def test_the_v_transpose_kernel_compiles_without_spills():
+    from fagen.nvcc import _ptxas
+    from fagen.render import V_TRANSPOSE, shared_kernels
+
+    status, log = _ptxas(f"{V_TRANSPOSE}.cu", shared_kernels()[f"{V_TRANSPOSE}.cu"], "sm_90a")
+    assert status == 0, log
+    assert "0 bytes spill stores, 0 bytes spill loads" in log and "0 bytes stack frame" in log

@@ -1,0 +1,116 @@
+"""The FP8 forward on the GPU (marked `gpu`; Hopper only): e4m3 q, k and v with FlashAttention-3's
+descales, bfloat16 or float16 out, against the float64 oracle on the same FP8 values.
+
+The bar is FlashAttention-3's: the kernel's error against exact attention of the FP8 values is at
+most twice the error of the oracle that rounds P to e4m3 as the kernel does (P's rounding is the
+format's own error, ~2e-2: notes/fp8.md), so what the kernel adds beyond it (accumulation order,
+the MUFU's exp2, P rounded at each tile's running max rather than the row's final one) is bounded.
+The LSE takes P's sum before rounding, so only the scores' own error reaches it: Hopper's FP8
+MMA keeps about 13 bits of its f32 accumulator (DeepSeek-V3 reports ~14), so the bound is the
+scores' largest possible magnitude (scale |q| |k|, Cauchy-Schwarz) times 2^-11."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from fagen import oracle
+from fagen.check import relative_error, to_numpy
+from fagen.load import load_spec, parse_spec
+from fagen.runtime import compile_kernel
+
+pytestmark = pytest.mark.gpu
+
+SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
+LSE_BITS = 11  # of a score's magnitude bound that the LSE keeps (the FP8 MMA's accumulator: ~13)
+
+
+def fp8_spec(head_dim: int = 128, out_dtype: str = "bfloat16", **changes):
+    data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
+    data.update(head_dim=head_dim, out_dtype=out_dtype, **changes)
+    data["name"] = f"fp8_test_d{head_dim}_{out_dtype}_{zlib.crc32(repr(sorted(changes.items())).encode()):08x}"
+    return parse_spec(data, data["name"])
+
+
+def quantized(rng, shape, hkv_axis_shape, torch, scale: float = 1.0):
+    """A float32 activation, its per-(batch, KV head) descale at amax / 448 (times a random
+    factor, so descales differ by head) and its e4m3 tensor: true = e4m3 * descale."""
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).cuda()
+    b, h = shape[:2]
+    amax = x.abs().amax(dim=(2, 3)).reshape(b, hkv_axis_shape, -1).amax(-1)  # [B, Hkv]
+    descale = (amax / 448.0 * torch.from_numpy(rng.uniform(1.0, 2.0, amax.shape).astype(np.float32)).cuda())
+    per_head = descale.repeat_interleave(h // hkv_axis_shape, dim=1)[:, :, None, None]
+    return (x / per_head).to(torch.float8_e4m3fn), descale
+
+
+CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
+    (128, None, None, "bfloat16", 2, 4, 2, 384, 384),
+    (128, None, None, "float16", 1, 2, 2, 200, 333),  # keys past the last whole tile, rows past the last
+    (128, {"kind": "causal"}, None, "bfloat16", 1, 8, 2, 1024, 1024),
+    (128, {"kind": "causal", "align": "bottom_right"}, None, "bfloat16", 2, 2, 1, 300, 700),
+    (128, {"kind": "sliding_window", "window_left": 200, "window_right": 30}, None, "bfloat16", 1, 4, 4, 900, 900),
+    (128, None, {"softcap": 30.0}, "bfloat16", 1, 4, 2, 512, 640),
+]
+
+
+@pytest.mark.parametrize("d,mask,score_mod,out_dtype,b,hq,hkv,nq,nk", CASES)
+def test_an_fp8_forward_is_within_twice_p_rounding_s_error(d, mask, score_mod, out_dtype, b, hq, hkv, nq, nk):
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the FP8 kernel needs a Hopper GPU")
+    changes = {}
+    if mask:
+        changes["mask"] = mask
+    if score_mod:
+        changes["score_mod"] = score_mod
+    spec = fp8_spec(d, out_dtype, **changes)
+    kernel = compile_kernel(spec)
+    rng = np.random.default_rng([d, b, hq, hkv, nq, nk, len(CASES)])
+    q8, q_descale = quantized(rng, (b, hq, nq, d), hkv, torch, scale=1.5)
+    k8, k_descale = quantized(rng, (b, hkv, nk, d), hkv, torch, scale=1.5)
+    v8, v_descale = quantized(rng, (b, hkv, nk, d), hkv, torch)
+    out = torch.full((b, hq, nq, d), float("nan"), dtype=getattr(torch, out_dtype), device="cuda")
+    got, lse = kernel(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out=out,
+                      return_lse=True)
+    assert got.data_ptr() == out.data_ptr()
+
+    qn, kn, vn = (to_numpy(x.float()) for x in (q8, k8, v8))
+    descales = dict(q_descale=to_numpy(q_descale), k_descale=to_numpy(k_descale), v_descale=to_numpy(v_descale))
+    keywords = dict(return_lse=True, mask=spec.mask, score_mod=spec.score_mod, **descales)
+    exact, exact_lse = oracle.attention(qn, kn, vn, **keywords)
+    rounded, _ = oracle.attention(qn, kn, vn, p_type=spec.dtype, p_scale=2.0 ** spec.element.p_log2_scale, **keywords)
+    error, p_error = relative_error(to_numpy(got.float()), exact), relative_error(rounded, exact)
+    assert error <= 2 * p_error, f"out: {error:.2e} against exact attention; P's rounding alone {p_error:.2e}"
+    true = [x * np.repeat(d, x.shape[1] // d.shape[1], axis=1)[:, :, None, None]
+            for x, d in ((qn, descales["q_descale"]), (kn, descales["k_descale"]))]
+    score_bound = np.linalg.norm(true[0], axis=-1).max() * np.linalg.norm(true[1], axis=-1).max() / np.sqrt(d)
+    lse_error = np.nanmax(np.abs(to_numpy(lse) - exact_lse))
+    assert lse_error <= score_bound * 2.0 ** -LSE_BITS, f"lse: {lse_error:.2e}, scores up to {score_bound:.1f}"
+
+
+def test_an_fp8_kernel_refuses_what_it_cannot_read():
+    torch = pytest.importorskip("torch")
+    kernel = compile_kernel(fp8_spec())
+    q = torch.zeros((1, 2, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
+    with pytest.raises(ValueError, match="q_descale: shape"):
+        kernel(q, q, q, q_descale=torch.ones(3, device="cuda"))
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        kernel(q.to(torch.bfloat16), q, q)
+
+
+@pytest.mark.parametrize("b,h,n,d,row_stride", [(2, 3, 200, 128, 128), (1, 2, 4096, 128, 384), (1, 1, 1, 64, 64)])
+def test_the_v_transpose_kernel_matches_its_twin(b, h, n, d, row_stride):
+    """V^T from the kernel, byte for byte as fp8_inputs.transposed_v (keys in the P registers'
+    order, zeros past N), also from V rows that are a slice of wider ones (a packed QKV)."""
+    torch = pytest.importorskip("torch")
+    from fagen.device import as_device_tensor
+    from fagen.fp8_inputs import transposed_v
+    from fagen.runtime import v_transposed
+
+    wide = torch.randint(0, 256, (b, h, n, row_stride), dtype=torch.uint8, device="cuda")
+    v = wide[..., :d].view(torch.float8_e4m3fn)
+    got = v_transposed(as_device_tensor(v, "v"))
+    assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
+    np.testing.assert_array_equal(to_numpy(got.view(torch.uint8)), transposed_v(to_numpy(v.view(torch.uint8))))
