@@ -79,6 +79,17 @@ def _mask_of(given) -> Mask:
         raise
 
 
+def call_mask(causal: bool, mask) -> Mask:
+    """fagen.attention's causal= and mask= (a Mask, or its mapping) as one Mask."""
+    if mask is None:
+        return Mask(kind="causal" if causal else "none")
+    mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
+    if causal and mask.kind != "causal":
+        raise ValueError(f"causal=True and mask kind {mask.kind!r}: pick one (chunked, prefix_lm and "
+                         f"document masks have their own causal structure)")
+    return mask
+
+
 @lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
 def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
                   has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
@@ -91,10 +102,7 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
         raise ValueError(f"q: head_dim {head_dim} is a Q.K^T width that comes with a narrower v (DeepSeek's "
                          f"192/128); pass v of head_dim 128, or pad q, k and v to 256")
     if mask is not None:
-        mask = mask if isinstance(mask, Mask) else Mask.model_validate(mask)
-        if causal and mask.kind != "causal":
-            raise ValueError(f"causal=True and mask kind {mask.kind!r}: pick one (chunked, prefix_lm and "
-                             f"document masks have their own causal structure)")
+        mask = call_mask(causal, mask)
     elif has_block_mask:
         if causal:
             raise ValueError("causal=True with a block_mask: build the causal structure into the mask "
@@ -103,7 +111,7 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
     elif has_doc_ids:
         mask = Mask(kind="document", causal=causal)
     else:
-        mask = Mask(kind="causal" if causal else "none")
+        mask = call_mask(causal, None)
     # before compiling a variant for an array that is not there
     side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
     expression, expression_grad, captured = score_expression or (None, None, 0)

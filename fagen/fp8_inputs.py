@@ -35,8 +35,9 @@ def padded_keys(n: int) -> int:
 
 
 def transposed_v(v):
-    """V [B, Hkv, N, dv] (a torch float8 tensor, or a CuPy or NumPy uint8 array of its bytes) as
-    the kernel reads it: [B, Hkv, dv, padded N], contiguous, keys in KEY_ORDER by groups of 32."""
+    """V [B, Hkv, N, dv] (a torch float8 tensor, or a NumPy uint8 array of its bytes) as the
+    kernel reads it: [B, Hkv, dv, padded N], contiguous, keys in KEY_ORDER by groups of 32. The
+    twin of the V^T kernel (templates/kernel/v_transpose.cu.j2), which the launches use."""
     b, h, n, d = v.shape
     keys = padded_keys(n)
     if type(v).__module__.startswith("torch"):
@@ -57,7 +58,7 @@ def transposed_v(v):
 
 def descales(q_descale, k_descale, v_descale, b: int, hkv: int, like):
     """The three descales as one float32 [3, B, Hkv] array on `like`'s device (like: a torch
-    tensor or a CuPy array), each checked: None (1), one number, or [B, Hkv]."""
+    tensor, or a NumPy array for the tests), each checked: None (1), one number, or [B, Hkv]."""
     rows = []
     for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         shape = () if x is None or np.isscalar(x) else tuple(x.shape)

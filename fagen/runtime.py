@@ -855,12 +855,17 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
 
 
 def v_transposed(tv: DeviceTensor):
-    """An FP8 forward's V [B, Hkv, N, d] (rows 16-byte aligned: the kernel's TMA checks held) as
-    its kernel reads it, V^T [B, Hkv, d, padded N] in fp8_inputs' key order, from `tv`'s allocator
-    by one launch on the current stream (fp8_inputs.transposed_v is its twin)."""
+    """An FP8 forward's V [B, Hkv, N, d] as its kernel reads it, V^T [B, Hkv, d, padded N] in
+    fp8_inputs' key order, from `tv`'s allocator by one launch on the current stream
+    (fp8_inputs.transposed_v is its twin). The kernel reads V's rows 16 bytes at a time: a V whose
+    address or strides are not multiples of 16 bytes (a slice of wider rows) is copied first."""
     b, h, n, d = tv.shape
     if d % 16 or d > V_TRANSPOSE_MAX_D:
         raise ValueError(f"v: head_dim {d}; the FP8 V^T kernel takes multiples of 16 up to {V_TRANSPOSE_MAX_D}")
+    if b * h > MAX_GRID_Y:
+        raise ValueError(f"v: B * Hkv = {b * h}; the FP8 V^T kernel's grid takes at most {MAX_GRID_Y} (split the batch)")
+    if tv.ptr % 16 or any(stride % 16 for stride, size in zip(tv.strides[:3], tv.shape[:3]) if size > 1):
+        tv = as_device_tensor(tv.obj.contiguous() if tv.kind == "torch" else cupy.ascontiguousarray(tv.obj), "v")
     keys = fp8_inputs.padded_keys(n)
     vt = empty_like(tv, (b, h, d, keys), tv.dtype)
     shared_function(V_TRANSPOSE, tv.device)(

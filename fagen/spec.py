@@ -631,26 +631,37 @@ class AttentionSpec(_Frozen):
         of one 128-byte swizzle atom; 256 with 128-key tiles predicts 256 registers, past the
         consumers' 240), 128-key tiles (V^T's tile row is one atom), padded sequences, whole
         outputs, no backward, no sinks; o in a half type."""
-        fix = {"dtype": KERNEL_TYPES[-1], **({"out_dtype": REMOVE} if self.out_dtype else {})}
-        fix_text = f"use dtype: {KERNEL_TYPES[-1]}" + (" and remove out_dtype" if self.out_dtype else "")
         fp8 = f"the {self.dtype} forward"
         o, seq = self.outputs, self.sequences
-        refused = [
-            ("arch", self.arch, self.arch != "sm_90a", f"{fp8} runs on wgmma (sm_90a) only"),
+        # back to the half type (the copying or warp-specialized bf16 kernel of the same fields)
+        half = {"dtype": KERNEL_TYPES[-1], **({"out_dtype": REMOVE} if self.out_dtype else {})}
+        half_text = f"use dtype: {KERNEL_TYPES[-1]}" + (" and remove out_dtype" if self.out_dtype else "")
+        hopper_only = self.pipeline.pingpong or self.pipeline.warp_specialized is not None
+        refused = [  # (field, value, broken, why, fix text, fix)
+            ("arch", self.arch, self.arch != "sm_90a", f"{fp8} runs on wgmma (sm_90a) only",
+             *(("use arch: sm_90a", {"arch": "sm_90a"}) if hopper_only else (half_text, half))),
             ("pipeline.warp_specialized", None, self.pipeline.warp_specialized is None,
-             f"{fp8} is the TMA producer's kernel"),
-            ("head_dim", self.head_dim, self.head_dim != 128 or self.dv != self.head_dim,
-             f"{fp8} is built for head_dim 128 with V as wide"),
+             f"{fp8} is the TMA producer's kernel", half_text, half),
+            ("head_dim_v", self.dv, self.dv != self.head_dim, f"{fp8} has V as wide as Q and K",
+             "remove head_dim_v", {"head_dim_v": REMOVE}),
+            ("head_dim", self.head_dim, self.head_dim != 128, f"{fp8} is built for head_dim 128",
+             "use head_dim: 128", {"head_dim": 128}),
             ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv != 128,
-             f"{fp8} reads V transposed in 128-key tiles (a 128-byte swizzle row)"),
-            ("backward", "set", self.backward is not None, f"{fp8} has no backward yet"),
-            ("sequences", "not padded", not seq.padded, f"{fp8} takes padded [B, H, N, d] sequences only"),
+             f"{fp8} reads V transposed in 128-key tiles (a 128-byte swizzle row)", "use tiling.block_kv: 128",
+             {"tiling.block_kv": 128}),
+            ("backward", "set", self.backward is not None, f"{fp8} has no backward yet", "remove the backward: section",
+             {"backward": REMOVE}),
+            ("sequences", "not padded", not seq.padded, f"{fp8} takes padded [B, H, N, d] sequences only",
+             "remove sequences (padded)", {"sequences": REMOVE}),
             ("outputs", "partial / accumulate / merge_splits", o.partial or o.accumulate or o.merge_splits,
-             f"{fp8} writes the whole output"),
-            ("tiling.pack_gqa", True, self.tiling.pack_gqa, f"{fp8} does not pack GQA heads yet"),
-            ("score_mod.sinks", True, self.score_mod.sinks, f"{fp8} does not take sinks yet (P's 2^8 scale)"),
+             f"{fp8} writes the whole output", "set partial, accumulate and merge_splits: false",
+             {"outputs.partial": False, "outputs.accumulate": False, "outputs.merge_splits": False}),
+            ("tiling.pack_gqa", True, self.tiling.pack_gqa, f"{fp8} does not pack GQA heads yet",
+             "set tiling.pack_gqa: false", {"tiling.pack_gqa": False}),
+            ("score_mod.sinks", True, self.score_mod.sinks, f"{fp8} does not take sinks yet (P's 2^8 scale)",
+             "set score_mod.sinks: false", {"score_mod.sinks": False}),
         ]
-        for field, value, broken, why in refused:
+        for field, value, broken, why, fix_text, fix in refused:
             if broken:
                 raise ValueError(rule(field, value, f"{why}; {self.dtype} with these is not built yet", fix_text, fix))
         outs = ELEMENT_TYPES[self.dtype].out_types

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants
-from fagen.spec import Mask
+from fagen.spec import Mask, ScoreMod
 
 
 def mask_json(mask) -> str:
@@ -338,6 +338,28 @@ class _EagerKernelAttention(torch.autograd.Function):
                 grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)
 
 
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, unsupported):
+    """The FP8 forward, eagerly (no op yet: torch.compile and autograd do not see it)."""
+    if q.dtype is not FP8_DTYPE:
+        raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn q, k and v (FlashAttention-3's FP8 "
+                         f"forward); q is {q.dtype}")
+    if unsupported:
+        raise ValueError(f"{unsupported[0]}: not with float8_e4m3fn q, k, v yet (the FP8 forward takes causal, mask, "
+                         f"softcap, scale and the descales); pass bfloat16 tensors for it")
+    if _records_grad(q, k, v):
+        raise ValueError("q, k, v float8_e4m3fn: the FP8 forward has no backward yet; call it under torch.no_grad()")
+    if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
+                         f"{tuple(v.shape)}; the FP8 forward takes all three float8_e4m3fn [B, H, N, d]")
+    spec = variants.fp8_spec("float8_e4m3", q.shape[-1], dispatch.call_mask(causal, mask), ScoreMod(softcap=softcap))
+    kernel = runtime.compile_kernel(spec)
+    return kernel(q, k, v, scale=scale, return_lse=return_lse, q_descale=descales[0], k_descale=descales[1],
+                  v_descale=descales[2])
+
+
 def _records_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -354,14 +376,22 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-              deterministic: bool = False, cache_seqlens=None, cache_leftpad=None):
+              deterministic: bool = False, cache_seqlens=None, cache_leftpad=None, q_descale=None, k_descale=None,
+              v_descale=None):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v, bias and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
     deterministic (as FlashAttention's; or torch.use_deterministic_algorithms(True)): a backward
     without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a).
     cache_seqlens, cache_leftpad (int32 [B] on q's GPU, FlashAttention's names): sequence b's keys
-    are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference)."""
+    are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
+    q, k, v float8_e4m3fn: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
+    k_descale, v_descale (float32, one number or [B, Hkv]; None is 1)."""
+    if q.dtype is FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
+        unsupported = {"block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes, "sinks": sinks,
+                       "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
+        return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
+                              [name for name, x in unsupported.items() if x is not None])
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)

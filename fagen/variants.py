@@ -91,6 +91,23 @@ def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSp
     return parse_falling_back(data, base, f"variant of {base.name}")
 
 
+def fp8_spec(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod) -> AttentionSpec:
+    """The FP8 forward (`specs/attn_<short>_d<head_dim>_sm90a.yaml`: bfloat16 out) with this mask
+    and these modifiers (`variant`), or a ValueError naming the FP8 kernels there are."""
+    short = ELEMENT_TYPES[dtype].short
+    path = SPECS / f"attn_{short}_d{head_dim}_sm90a.yaml"
+    if not path.exists():
+        built = sorted(p.stem for p in SPECS.glob(f"attn_{short}_d*_sm90a.yaml"))
+        raise ValueError(f"q: {dtype} with head_dim {head_dim}: the FP8 forward is built for {', '.join(built) or 'none'}"
+                         f" (head_dim 128); pad q, k and v to 128 or use bfloat16")
+    return variant(_fp8_base(path), mask, score_mod)
+
+
+@cache
+def _fp8_base(path: Path) -> AttentionSpec:
+    return load_spec(path)
+
+
 def modified_spec(dtype: str, head_dim: int, causal: bool, mask: Mask, score_mod: ScoreMod, *, gpu: str | None,
                   keys: int | None = None) -> AttentionSpec:
     """The shipped spec for these keys with this mask and these modifiers (`variant`). The long

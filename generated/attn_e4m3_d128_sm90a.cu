@@ -240,7 +240,7 @@ constexpr int WGMMA_SCALE_A = 1;     // imm-scale-a: A as is (-1 would negate it
 constexpr int WGMMA_SCALE_B = 1;     // imm-scale-b: B as is
 constexpr int WGMMA_TRANS_A = 0;     // imm-trans-a: an A from smem (Q; K or V) is K-major, no transpose
 // float8_e4m3 wgmma reads both operands K-major (it has no transposes): row-major K is, and V
-// arrives transposed (V^T, fagen.fp8_layout).
+// arrives transposed (V^T, fagen.fp8_inputs).
 constexpr int WGMMA_ACCUMULATE = 1;  // scale-d of P.V: O always accumulates
 
 // S (+)= Q.K^T over one k32 step, one warpgroup: A = 64 rows of Q, B = K, both from shared
@@ -801,7 +801,7 @@ fagen_attn_e4m3_d128_sm90a(
       softmax.rescale(o_acc, alpha);
       // A k32 step's A registers hold, for rows g and g + 8, k 4t..4t+3 and 16+4t..16+4t+3; the
       // thread's S columns are 2t, 2t+1 of each n8 fragment. Register 0 takes fragments 0 and 1
-      // of row g (keys 2t, 2t+1, 8+2t, 9+2t): V^T's keys lie in that order (fagen.fp8_layout), so
+      // of row g (keys 2t, 2t+1, 8+2t, 9+2t): V^T's keys lie in that order (fagen.fp8_inputs), so
       // P needs no shuffle.
   #pragma unroll
       for (int ks = 0; ks < PV_K_STEPS; ++ks) {

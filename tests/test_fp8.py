@@ -119,3 +119,34 @@ def test_the_v_transpose_kernel_compiles_without_spills():
     status, log = _ptxas(f"{V_TRANSPOSE}.cu", shared_kernels()[f"{V_TRANSPOSE}.cu"], "sm_90a")
     assert status == 0, log
     assert "0 bytes spill stores, 0 bytes spill loads" in log and "0 bytes stack frame" in log
+
+
+@pytest.mark.parametrize("mask,score_mod", [
+    (None, {}), ({"kind": "causal"}, {}), ({"kind": "sliding_window", "window_left": 256}, {}),
+    ({"kind": "causal"}, {"softcap": 30.0}), ({"kind": "prefix_lm", "prefix_len": 100}, {"alibi": "slopes"})])
+def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
+    from fagen import nvcc
+    from fagen.dispatch import call_mask
+    from fagen.spec import ScoreMod
+    from fagen.variants import fp8_spec
+
+    spec = fp8_spec("float8_e4m3", 128, call_mask(False, mask), ScoreMod(**score_mod))
+    assert spec.element.is_fp8 and spec.tiling.block_kv == 128 and spec.out_dtype == "bfloat16"
+    (resources,) = nvcc.compile_many([(spec, "sm_90a")])
+    assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
+
+
+def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu():
+    torch = pytest.importorskip("torch")
+    from fagen.torch_op import attention
+
+    q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn .* q is torch.bfloat16"):
+        attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
+    with pytest.raises(ValueError, match="sinks: not with float8_e4m3fn"):
+        attention(q8, q8, q8, sinks=torch.zeros(2))
+    recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="no backward yet"):
+        attention(q8, q8, recorded_v, causal=True)
+    with pytest.raises(ValueError, match="head_dim 64: the FP8 forward is built for attn_e4m3_d128_sm90a"):
+        attention(q8[..., :64], q8[..., :64], q8[..., :64])
