@@ -1,0 +1,248 @@
+"""FP8 attention forward: fagen's e4m3 kernel beside its own bfloat16 forward and cuDNN's FP8 SDPA
+(cudnn-frontend's `sdpa_fp8`, where `import cudnn` works), on the same FP8 values, each checked
+against exact attention of those values (float64, on the GPU, one head) before it is timed.
+
+    python3 -m fagen.bench_fp8 [--quick] [--out bench/bench_fp8.json]
+
+Activations are Gaussian ("plain") or with 4 channels of q and k 100x the rest ("outliers",
+rescaled to the same score variance); descales at amax / 448 per tensor (cuDNN takes one number
+each; fagen the same numbers, broadcast). Each row: TFLOP/s of the whole call (fagen's includes
+its V^T pass), the relative error against exact attention, and the error of an oracle that only
+rounds P (the format's floor)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fagen import api
+from fagen.bench_cases import SweepSize
+from fagen.check import time_ms
+
+JSON = "bench_fp8.json"
+IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16")
+HEAD_DIMS, LENGTHS = (128,), (4096, 16384)
+OUTLIER_CHANNELS, OUTLIER_SCALE = 4, 100.0
+P_SCALE_LOG2 = 8  # cuDNN's P scale, as fagen's (its s_scale; s_descale the inverse)
+
+
+@dataclass(frozen=True)
+class Fp8Case(SweepSize):
+    n: int
+    head_dim: int
+    causal: bool
+    activations: str  # plain | outliers
+
+    @property
+    def key(self) -> str:
+        return f"d{self.head_dim}-n{self.n}-{'causal' if self.causal else 'dense'}-{self.activations}"
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.batch * self.heads * self.n * self.n * self.head_dim / (2 if self.causal else 1)
+
+
+@dataclass
+class Fp8Row:
+    case: str
+    impl: str
+    head_dim: int
+    n: int
+    causal: bool
+    activations: str
+    ms: float | None = None
+    tflops: float | None = None
+    error: float | None = None  # ||out - exact|| / ||exact||, head 0 of batch 0
+    note: str = ""
+
+
+def cases(quick: bool = False) -> list[Fp8Case]:
+    if quick:
+        return [Fp8Case(4096, 128, False, "plain")]
+    return [Fp8Case(n, d, causal, act) for d in HEAD_DIMS for n in LENGTHS for causal in (False, True)
+            for act in ("plain", "outliers")]
+
+
+def markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's FP8 section: a case a line, each implementation's TFLOP/s and error, and
+    fagen FP8 over cuDNN FP8."""
+    out = ["## FP8 forward: fagen e4m3 against cuDNN FP8 and fagen bfloat16", "",
+           "`python3 -m fagen.bench_fp8`: B * N = 16k tokens, H * d = 2048, per-tensor descales at amax / 448; "
+           "TFLOP/s of the whole call; errors against exact attention of the same FP8 values (head 0)."
+           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           "| d | N | mask | activations | fagen FP8 | cuDNN FP8 | fagen / cuDNN | fagen bf16 | fagen FP8 error | "
+           "cuDNN FP8 error | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by_case: dict[str, dict[str, Fp8Row]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.impl] = r
+    for impls in by_case.values():
+        f, c, h = (impls.get(i) for i in IMPLS)
+        one = f or c or h
+        ratio = f"{f.tflops / c.tflops:.2f}x" if f and c and f.tflops and c.tflops else "-"
+        notes = "; ".join(f"{r.impl}: {r.note}" for r in (f, c, h) if r is not None and r.note)
+        out.append(f"| {one.head_dim} | {one.n} | {'causal' if one.causal else 'none'} | {one.activations} | "
+                   f"{_tf(f)} | {_tf(c)} | {ratio} | {_tf(h)} | {_err(f)} | {_err(c)} | {notes} |")
+    return out
+
+
+def _tf(row: Fp8Row | None) -> str:
+    return f"{row.tflops:.0f}" if row is not None and row.tflops else "-"
+
+
+def _err(row: Fp8Row | None) -> str:
+    return f"{row.error:.1e}" if row is not None and row.error is not None else "-"
+
+
+def read_json(path: Path) -> tuple[list[Fp8Row], dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return [Fp8Row(**r) for r in data["rows"]], dict(data.get("meta", {}))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a {JSON} ({error}); run python3 -m fagen.bench_fp8") from None
+
+
+def activations(case: Fp8Case, gen):
+    """q, k, v float32 [B, H, N, d] on the GPU: Gaussian, or with OUTLIER_CHANNELS channels of q
+    and k OUTLIER_SCALE times the rest, rescaled so that the scores keep unit variance."""
+    import torch
+
+    shape = (case.batch, case.heads, case.n, case.head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", generator=gen) for _ in range(3))
+    if case.activations == "outliers":
+        for x in (q, k):
+            x[..., :OUTLIER_CHANNELS] *= OUTLIER_SCALE
+        spread = ((case.head_dim - OUTLIER_CHANNELS + OUTLIER_CHANNELS * OUTLIER_SCALE ** 4) / case.head_dim) ** 0.25
+        q, k = q / spread, k / spread
+    return q, k, v
+
+
+def quantized(x):
+    """x's e4m3 tensor and its per-tensor descale (amax / 448)."""
+    import torch
+
+    descale = x.abs().amax().clamp(min=1e-12) / 448.0
+    return (x / descale).to(torch.float8_e4m3fn), descale.reshape(1).float()
+
+
+def exact_head0(q8, k8, v8, descales, causal: bool, scale: float):
+    """Exact attention (float64, GPU) of batch 0, head 0 of the FP8 values."""
+    import torch
+
+    q, k, v = (x[0, 0].double() * d.double() for x, d in zip((q8, k8, v8), descales))
+    s = (q @ k.T) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def relative(out, ref) -> float:
+    import torch
+
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm())
+
+
+def cudnn_fp8(case: Fp8Case, q8, k8, v8, descales, scale: float):
+    """A callable running cuDNN's FP8 SDPA on q8, k8, v8 ([B, H, N, d] contiguous) into a bfloat16
+    out, and that out; None where cudnn-frontend is not importable."""
+    try:
+        import cudnn
+    except ImportError:
+        return None
+    import torch
+
+    b, h, n, d = q8.shape
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT)
+    stride = (h * n * d, n * d, d, 1)
+    q, k, v = (graph.tensor(uid=uid, dim=(b, h, n, d), stride=stride, data_type=cudnn.data_type.FP8_E4M3)
+               for uid in (1, 2, 3))
+    one = lambda uid: graph.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.FLOAT)  # noqa: E731
+    scalars = {name: one(uid) for uid, name in enumerate(("descale_q", "descale_k", "descale_v", "scale_s",
+                                                          "descale_s", "scale_o"), start=10)}
+    o, _, amax_s, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, generate_stats=False, attn_scale=scale,
+                                          use_causal_mask=case.causal, **scalars)
+    o.set_uid(4).set_output(True).set_dim((b, h, n, d)).set_stride(stride).set_data_type(cudnn.data_type.BFLOAT16)
+    for uid, amax in ((5, amax_s), (6, amax_o)):
+        amax.set_uid(uid).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(
+            cudnn.data_type.FLOAT)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    out = torch.full((b, h, n, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    values = [descales[0], descales[1], descales[2], torch.tensor([2.0 ** P_SCALE_LOG2], device="cuda"),
+              torch.tensor([2.0 ** -P_SCALE_LOG2], device="cuda"), torch.ones(1, device="cuda")]
+    pack = {1: q8, 2: k8, 3: v8, 4: out, 5: torch.zeros(1, device="cuda"), 6: torch.zeros(1, device="cuda"),
+            **{uid: x for uid, x in enumerate(values, start=10)}}
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device="cuda")
+    return (lambda: graph.execute(pack, workspace)), out
+
+
+def run_case(case: Fp8Case) -> list[Fp8Row]:
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
+    q, k, v = activations(case, gen)
+    (q8, qd), (k8, kd), (v8, vd) = (quantized(x) for x in (q, k, v))
+    scale = case.head_dim ** -0.5
+    exact = exact_head0(q8, k8, v8, (qd, kd, vd), case.causal, scale)
+    runners = {
+        "fagen_fp8": lambda: api.attention(q8, k8, v8, causal=case.causal, q_descale=qd, k_descale=kd, v_descale=vd),
+        "fagen_bf16": (lambda qb=q.bfloat16(), kb=k.bfloat16(), vb=v.bfloat16():
+                       api.attention(qb, kb, vb, causal=case.causal)),
+    }
+    rows = []
+    for impl in IMPLS:
+        row = Fp8Row(case.key, impl, case.head_dim, case.n, case.causal, case.activations)
+        rows.append(row)
+        try:
+            if impl == "cudnn_fp8":
+                made = cudnn_fp8(case, q8, k8, v8, (qd, kd, vd), scale)
+                if made is None:
+                    row.note = "cudnn-frontend not importable"
+                    continue
+                fn, out = made
+                fn()
+                got = out
+            else:
+                fn = runners[impl]
+                got = fn()
+            torch.cuda.synchronize()
+            row.error = relative(got[0, 0], exact)
+            row.ms = time_ms(fn)
+            row.tflops = case.flops / row.ms / 1e9
+        except Exception as err:  # noqa: BLE001 - a refused or failing implementation is its row
+            row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one case (d128, N 4k, dense)")
+    parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
+    args = parser.parse_args(argv)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    rows: list[Fp8Row] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for case in cases(args.quick):
+        rows += run_case(case)
+        print(f"{case.key}: " + ", ".join(f"{r.impl} {r.tflops and round(r.tflops)} err {r.error} {r.note}"
+                                           for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    print("\n".join(markdown(rows, meta)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""The FP8 benchmark's cases, rows and table, without a GPU (fagen.bench_fp8 runs them)."""
+
+import json
+
+from fagen.bench_fp8 import IMPLS, Fp8Row, cases, markdown, read_json
+
+
+def test_the_cases_cover_dense_and_causal_plain_and_outliers_at_4k_and_16k():
+    got = cases()
+    assert {(c.n, c.causal, c.activations) for c in got} == {
+        (n, causal, act) for n in (4096, 16384) for causal in (False, True) for act in ("plain", "outliers")}
+    assert all(c.batch * c.n == 16384 and c.heads * c.head_dim == 2048 for c in got)
+    dense, causal = (next(c for c in got if c.n == 4096 and c.causal is x) for x in (False, True))
+    assert dense.flops == 2 * causal.flops == 4.0 * 4 * 16 * 4096 * 4096 * 128
+
+
+def test_the_table_puts_fagen_over_cudnn_and_says_why_a_cell_is_empty(tmp_path):
+    case = cases()[0]
+    rows = [Fp8Row(case.key, impl, case.head_dim, case.n, case.causal, case.activations, ms=1.0, tflops=t, error=e)
+            for impl, t, e in zip(IMPLS, (900.0, 1000.0, 700.0), (3e-2, 4e-2, 3e-3))]
+    rows[1].tflops, rows[1].note = None, "cudnn-frontend not importable"
+    line = markdown(rows)[-1]
+    assert "| 900 | - | - | 700 | 3.0e-02 | 4.0e-02 | cudnn_fp8: cudnn-frontend not importable |" in line
+    rows[1].tflops = 1000.0
+    assert "| 900 | 1000 | 0.90x | 700 |" in markdown(rows)[-1]
+    path = tmp_path / "bench_fp8.json"
+    path.write_text(json.dumps({"meta": {"date": "2026-11-29"}, "rows": [r.__dict__ for r in rows]}))
+    assert read_json(path)[0] == rows
