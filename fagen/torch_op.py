@@ -341,8 +341,28 @@ class _EagerKernelAttention(torch.autograd.Function):
 FP8_DTYPE = torch.float8_e4m3fn
 
 
+@_op
+def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
+                          v_descale: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
+                          scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    """(out [B, Hq, Nq, d] bfloat16, lse [B, Hq, Nq] float32): the FP8 forward of float8_e4m3fn
+    q, k, v with FlashAttention-3's descales (float32, one number or [B, Hkv]; None is 1)."""
+    spec = variants.fp8_spec("float8_e4m3", q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
+                             ScoreMod(softcap=softcap))
+    return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
+                                        k_descale=k_descale, v_descale=v_descale)
+
+
+@torch.library.register_fake("fagen::fp8_attention_forward")
+def _(q, k, v, q_descale, k_descale, v_descale, mask, causal, softcap, scale):
+    b, hq, nq, _ = q.shape
+    return (q.new_empty((b, hq, nq, v.shape[-1]), dtype=torch.bfloat16),
+            q.new_empty((b, hq, nq), dtype=torch.float32))
+
+
 def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, unsupported):
-    """The FP8 forward, eagerly (no op yet: torch.compile and autograd do not see it)."""
+    """The FP8 forward: straight to its kernel eagerly, through fagen::fp8_attention_forward
+    under torch.compile (which sees no gradient: there is no FP8 backward yet)."""
     if q.dtype is not FP8_DTYPE:
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn q, k and v (FlashAttention-3's FP8 "
                          f"forward); q is {q.dtype}")
@@ -354,10 +374,14 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
                          f"{tuple(v.shape)}; the FP8 forward takes all three float8_e4m3fn [B, H, N, d]")
-    spec = variants.fp8_spec("float8_e4m3", q.shape[-1], dispatch.call_mask(causal, mask), ScoreMod(softcap=softcap))
-    kernel = runtime.compile_kernel(spec)
-    return kernel(q, k, v, scale=scale, return_lse=return_lse, q_descale=descales[0], k_descale=descales[1],
-                  v_descale=descales[2])
+    # descales as the op takes them: tensors (a number becomes one, on q's device)
+    descales = [x if x is None or isinstance(x, Tensor) else torch.full((1,), float(x), device=q.device)
+                for x in descales]
+    if _eager(q, k, v, *descales):
+        out, lse = fp8_attention_forward(q, k, v, *descales, mask_json(mask), causal, softcap, scale)
+    else:
+        out, lse = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, mask_json(mask), causal, softcap, scale)
+    return (out, lse) if return_lse else out
 
 
 def _records_grad(*tensors) -> bool:

@@ -150,3 +150,34 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
         attention(q8, q8, recorded_v, causal=True)
     with pytest.raises(ValueError, match="head_dim 64: the FP8 forward is built for attn_e4m3_d128_sm90a"):
         attention(q8[..., :64], q8[..., :64], q8[..., :64])
+
+
+def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
+    """torch.compile(fullgraph=True) traces fagen.attention on float8 tensors into
+    fagen::fp8_attention_forward (its fake gives bfloat16 out and float32 lse), and the op runs
+    the FP8 spec's kernel with the mask, softcap and descales. The kernel is stubbed (no GPU)."""
+    torch = pytest.importorskip("torch")
+    from fagen import api, runtime
+
+    calls = []
+
+    def kernel_of(spec):
+        def run(q, k, v, **kw):
+            calls.append((spec, kw))
+            b, h, n, _ = q.shape
+            return torch.ones((b, h, n, v.shape[-1]), dtype=torch.bfloat16), torch.zeros((b, h, n))
+        return run
+
+    monkeypatch.setattr(runtime, "compile_kernel", kernel_of)
+    q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
+    descale = torch.full((1, 2), 0.5)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def layer(q, k, v):
+        return api.attention(q, k, v, causal=True, softcap=30.0, q_descale=descale, k_descale=descale, v_descale=2.0)
+
+    out = layer(q8, q8, q8)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 2, 64, 128)
+    (spec, kw), = calls
+    assert spec.element.is_fp8 and spec.mask.kind == "causal" and spec.score_mod.softcap == 30.0
+    assert kw["q_descale"] is not None and float(kw["v_descale"]) == 2.0 and kw["return_lse"]
