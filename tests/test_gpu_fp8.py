@@ -142,3 +142,38 @@ def test_fagen_attention_takes_float8_tensors_and_descales():
     rounded = oracle.attention(qn, kn, vn, mask=spec.mask, score_mod=spec.score_mod, p_type=spec.dtype,
                                p_scale=2.0 ** spec.element.p_log2_scale, **descales)
     assert relative_error(to_numpy(got.float()), exact) <= 2 * relative_error(rounded, exact)
+
+
+def test_a_compiled_fp8_layer_replays_in_a_cuda_graph():
+    """A layer calling fagen.attention on float8 tensors compiles with fullgraph=True (through
+    fagen::fp8_attention_forward), and its call captured in a CUDA graph (V^T, the descales'
+    table and the kernel) replays the eager result bit for bit on new values of the same tensors."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(11)
+    q8, qd = quantized(rng, (2, 4, 256, 128), 2, torch)
+    k8, kd = quantized(rng, (2, 2, 256, 128), 2, torch)
+    v8, vd = quantized(rng, (2, 2, 256, 128), 2, torch)
+
+    def layer(q, k, v):
+        return fagen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    eager = layer(q8, k8, v8)
+    assert torch.equal(compiled(q8, k8, v8), eager)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            compiled(q8, k8, v8)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = compiled(q8, k8, v8)
+    fresh = [quantized(rng, x.shape, 2, torch)[0] for x in (q8, k8, v8)]
+    for x, new in zip((q8, k8, v8), fresh):
+        x.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, layer(q8, k8, v8))
