@@ -454,7 +454,7 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
         # (a block mask's pattern words too: d64 with 192 keys fits at 208, under the fit's terms alone)
         kept = {name: amount for name, amount in terms.items()
                 if name not in ("base", "stages", "o", "s", "pattern_words")}
-        main_loop = (o_regs + s_regs + s_regs // 2 + WARP_SPECIALIZED_REST
+        main_loop = (o_regs + s_regs + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST
                      + WARP_SPECIALIZED_MODIFIER_REST * spec.score_mod.changes_scores
                      + WARP_SPECIALIZED_SOFTCAP_PER_S * max(0, s_regs - WARP_SPECIALIZED_SOFTCAP_S_FREE)
                      * (spec.score_mod.softcap is not None)
@@ -462,6 +462,13 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
         masked = spec.mask.kind != "none" or spec.mask.expression is not None
         return int(max(main_loop, accumulate_epilogue(spec, o_regs, s_regs), WARP_SPECIALIZED_MASKED_FLOOR * masked))
     return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
+
+
+def p_registers(spec: AttentionSpec, s_regs: int) -> int:
+    """wgmma: P of the previous tile, packed as P.V's A operand while S is live: two half-type
+    values a register, four FP8 ones (d256 FP8 at 128 x 128: 16, where pairs would have predicted
+    256 registers; nvcc: 0 spills at 240)."""
+    return s_regs * spec.element.bytes // 4
 
 
 def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
@@ -479,7 +486,7 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
     rows = fold_rows(o_regs, spec.dv, limit)
     pv_steps = spec.tiling.block_kv // MMA_K
     odd_steps = ACCUMULATE_ODD_PV_STEPS * (pv_steps > 1 and pv_steps % 2 == 1)
-    return o_regs + rows * (spec.dv // MMA_N) * 2 + s_regs // 2 + WARP_SPECIALIZED_REST + odd_steps
+    return o_regs + rows * (spec.dv // MMA_N) * 2 + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST + odd_steps
 
 
 # ... and where the last P.V takes an odd count of k16 steps past one (48 or 80 keys), this many
@@ -690,7 +697,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     s_regs = m_frags * (t.block_kv // t.warps_kv // MMA_N) * per_thread
     q_regs = m_frags * (d // MMA_K) * 4 if spec.pipeline.q_in_registers else 0
     # wgmma: P.V of tile j - 1 is in flight while tile j's scores are live, its P packed in pairs
-    p_regs = s_regs * spec.element.bytes // 4 if spec.wgmma else 0  # four FP8 values a register
+    p_regs = p_registers(spec, s_regs) if spec.wgmma else 0
     registers = predict_registers(spec, o_regs, s_regs, q_regs, 32 * warps)
     ws = spec.pipeline.warp_specialized
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS  # the consumers' setmaxnreg
