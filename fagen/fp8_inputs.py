@@ -49,11 +49,10 @@ def transposed_v(v):
         order = torch.as_tensor(KEY_ORDER, device=raw.device)
         grouped = out.view(b, h, keys // KEY_GROUP, KEY_GROUP, d).index_select(3, order)
         return grouped.view(b, h, keys, d).transpose(2, 3).contiguous().view(v.dtype)
-    xp = _array_module(v)
-    out = xp.zeros((b, h, keys, d), dtype=v.dtype)
+    out = np.zeros((b, h, keys, d), dtype=v.dtype)
     out[:, :, :n] = v
-    grouped = out.reshape(b, h, keys // KEY_GROUP, KEY_GROUP, d)[:, :, :, xp.asarray(KEY_ORDER)]
-    return xp.ascontiguousarray(grouped.reshape(b, h, keys, d).transpose(0, 1, 3, 2))
+    grouped = out.reshape(b, h, keys // KEY_GROUP, KEY_GROUP, d)[:, :, :, KEY_ORDER]
+    return np.ascontiguousarray(grouped.reshape(b, h, keys, d).transpose(0, 1, 3, 2))
 
 
 def descales(q_descale, k_descale, v_descale, b: int, hkv: int, like):
@@ -71,14 +70,5 @@ def descales(q_descale, k_descale, v_descale, b: int, hkv: int, like):
 
         flat = [torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1) for x in rows]
         return torch.stack([x.expand(b * hkv) for x in flat]).reshape(3, b, hkv).contiguous()
-    xp = _array_module(like)
-    flat = [xp.asarray(x, dtype=xp.float32).reshape(-1) for x in rows]
-    return xp.ascontiguousarray(xp.stack([xp.broadcast_to(x, (b * hkv,)) for x in flat]).reshape(3, b, hkv))
-
-
-def _array_module(x):
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
+    flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in rows]
+    return np.ascontiguousarray(np.stack([np.broadcast_to(x, (b * hkv,)) for x in flat]).reshape(3, b, hkv))
