@@ -627,10 +627,9 @@ class AttentionSpec(_Frozen):
         return self
 
     def _fp8_forward(self) -> AttentionSpec:
-        """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 (a row
-        of one 128-byte swizzle atom; 256 with 128-key tiles predicts 256 registers, past the
-        consumers' 240), 128-key tiles (V^T's tile row is one atom), padded sequences, whole
-        outputs, no backward, no sinks; o in a half type."""
+        """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 or 256
+        (rows of whole 128-byte swizzle atoms), 128-key tiles (V^T's tile row is one atom), padded
+        sequences, whole outputs, no backward, no sinks; o in a half type."""
         fp8 = f"the {self.dtype} forward"
         o, seq = self.outputs, self.sequences
         # back to the half type (the copying or warp-specialized bf16 kernel of the same fields)
@@ -644,7 +643,7 @@ class AttentionSpec(_Frozen):
              f"{fp8} is the TMA producer's kernel", half_text, half),
             ("head_dim_v", self.dv, self.dv != self.head_dim, f"{fp8} has V as wide as Q and K",
              "remove head_dim_v", {"head_dim_v": REMOVE}),
-            ("head_dim", self.head_dim, self.head_dim != 128, f"{fp8} is built for head_dim 128",
+            ("head_dim", self.head_dim, self.head_dim not in (128, 256), f"{fp8} is built for head_dim 128 or 256",
              "use head_dim: 128", {"head_dim": 128}),
             ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv != 128,
              f"{fp8} reads V transposed in 128-key tiles (a 128-byte swizzle row)", "use tiling.block_kv: 128",

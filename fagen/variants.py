@@ -98,8 +98,8 @@ def fp8_spec(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod) -> Atte
     path = SPECS / f"attn_{short}_d{head_dim}_sm90a.yaml"
     if not path.exists():
         built = sorted(p.stem for p in SPECS.glob(f"attn_{short}_d*_sm90a.yaml"))
-        raise ValueError(f"q: {dtype} with head_dim {head_dim}: the FP8 forward is built for {', '.join(built) or 'none'}"
-                         f" (head_dim 128); pad q, k and v to 128 or use bfloat16")
+        raise ValueError(f"q: {dtype} with head_dim {head_dim}: the FP8 forward is built for {', '.join(built) or 'none'};"
+                         f" pad q, k and v to one of their head dims, or use bfloat16")
     return variant(_fp8_base(path), mask, score_mod)
 
 

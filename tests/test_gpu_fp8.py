@@ -50,6 +50,8 @@ CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
     (128, {"kind": "causal", "align": "bottom_right"}, None, "bfloat16", 2, 2, 1, 300, 700),
     (128, {"kind": "sliding_window", "window_left": 200, "window_right": 30}, None, "bfloat16", 1, 4, 4, 900, 900),
     (128, None, {"softcap": 30.0}, "bfloat16", 1, 4, 2, 512, 640),
+    (256, None, None, "bfloat16", 1, 4, 2, 512, 512),
+    (256, {"kind": "causal"}, None, "float16", 2, 2, 2, 700, 700),
 ]
 
 
