@@ -83,7 +83,8 @@ FLOAT8_E4M3 = ElementType("float8_e4m3", "e4m3", 1, "unsigned char", "e4m3", {"w
                           # accumulation order, the MUFU's exp2 and the output's rounding
                           tolerance=1e-2)
 FLOAT8_E5M2 = ElementType("float8_e5m2", "e5m2", 1, "unsigned char", "e5m2", {"wgmma": 32}, _TMA_UINT8,
-                          "float8_e5m2", "uint8", mantissa_bits=2, min_exponent=-14, max_finite=57344.0)
+                          "float8_e5m2", "uint8", mantissa_bits=2, min_exponent=-14, max_finite=57344.0,
+                          out_types=("bfloat16", "float16"), p_log2_scale=8, tolerance=1e-2)
 # the accumulators' and split-KV partials' type: no MMA takes it as input here
 FLOAT32 = ElementType("float32", "f32", 4, "float", "f32", {}, _TMA_FLOAT32, "float32", "float32",
                       mantissa_bits=23, min_exponent=-126, max_finite=3.4028234663852886e38)

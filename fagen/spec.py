@@ -611,9 +611,6 @@ class AttentionSpec(_Frozen):
         and refused here by what exists."""
         exist = (f"the kernels take q, k, v and o all of one type ({' or '.join(KERNEL_TYPES)}), or q, k and v "
                  f"{' or '.join(FP8_KERNEL_TYPES)} with o {' or '.join(ELEMENT_TYPES[FP8_KERNEL_TYPES[0]].out_types)}")
-        if self.dtype not in KERNEL_TYPES + FP8_KERNEL_TYPES:
-            raise ValueError(rule("dtype", self.dtype, f"no kernel takes {self.dtype} yet; {exist}",
-                                  f"use dtype: {KERNEL_TYPES[-1]}", {"dtype": KERNEL_TYPES[-1]}))
         if self.kv_dtype is not None and self.kv_dtype != self.dtype:
             raise ValueError(rule("kv_dtype", self.kv_dtype, f"no kernel takes q {self.dtype} with k and v "
                                   f"{self.kv_dtype} yet; {exist}", f"remove kv_dtype (k and v then {self.dtype})",

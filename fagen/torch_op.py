@@ -338,7 +338,7 @@ class _EagerKernelAttention(torch.autograd.Function):
                 grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)
 
 
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2"}  # torch's dtype: fagen's
 
 
 @_op
@@ -347,7 +347,7 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
                           scale: Optional[float]) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, d] bfloat16, lse [B, Hq, Nq] float32): the FP8 forward of float8_e4m3fn
     q, k, v with FlashAttention-3's descales (float32, one number or [B, Hkv]; None is 1)."""
-    spec = variants.fp8_spec("float8_e4m3", q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
+    spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
                              ScoreMod(softcap=softcap))
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
                                         k_descale=k_descale, v_descale=v_descale)
@@ -363,17 +363,17 @@ def _(q, k, v, q_descale, k_descale, v_descale, mask, causal, softcap, scale):
 def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, unsupported):
     """The FP8 forward: straight to its kernel eagerly, through fagen::fp8_attention_forward
     under torch.compile (which sees no gradient: there is no FP8 backward yet)."""
-    if q.dtype is not FP8_DTYPE:
-        raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn q, k and v (FlashAttention-3's FP8 "
-                         f"forward); q is {q.dtype}")
+    if q.dtype not in FP8_TYPES:
+        raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 q, k and v "
+                         f"(FlashAttention-3's FP8 forward); q is {q.dtype}")
     if unsupported:
         raise ValueError(f"{unsupported[0]}: not with float8_e4m3fn q, k, v yet (the FP8 forward takes causal, mask, "
                          f"softcap, scale and the descales); pass bfloat16 tensors for it")
     if _records_grad(q, k, v):
-        raise ValueError("q, k, v float8_e4m3fn: the FP8 forward has no backward yet; call it under torch.no_grad()")
+        raise ValueError(f"q, k, v {q.dtype}: the FP8 forward has no backward yet; call it under torch.no_grad()")
     if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
-                         f"{tuple(v.shape)}; the FP8 forward takes all three float8_e4m3fn [B, H, N, d]")
+                         f"{tuple(v.shape)}; the FP8 forward takes all three of one FP8 type, [B, H, N, d]")
     # descales as the op takes them: tensors (a number becomes one, on q's device)
     descales = [x if x is None or isinstance(x, Tensor) else torch.full((1,), float(x), device=q.device)
                 for x in descales]
@@ -409,9 +409,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     without atomics, bitwise repeatable, where the default adds dQ atomically (sm_90a).
     cache_seqlens, cache_leftpad (int32 [B] on q's GPU, FlashAttention's names): sequence b's keys
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
-    q, k, v float8_e4m3fn: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
+    q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1)."""
-    if q.dtype is FP8_DTYPE or q_descale is not None or k_descale is not None or v_descale is not None:
+    if q.dtype in FP8_TYPES or q_descale is not None or k_descale is not None or v_descale is not None:
         unsupported = {"block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes, "sinks": sinks,
                        "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),

@@ -48,7 +48,7 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "text for a bool": (SM80, {"pipeline.q_in_registers": "yes"}),
     "quoted softcap": (SM80, {"score_mod.softcap": "30"}),
     "dtype": (SM80, {"dtype": "float32"}),
-    "dtype without kernels": (SM80, {"dtype": "float8_e5m2"}),
+    "e5m2 off sm_90a": (SM80, {"dtype": "float8_e5m2"}),
     "fp8 off sm_90a": (SM80, {"dtype": "float8_e4m3"}),
     "fp8 with 176-key tiles": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "tiling.block_kv": 176}),
     "fp8 without out_dtype": (HOPPER, {"dtype": "float8_e4m3"}),

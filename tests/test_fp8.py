@@ -141,7 +141,7 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     from fagen.torch_op import attention
 
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn .* q is torch.bfloat16"):
+    with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
     with pytest.raises(ValueError, match="sinks: not with float8_e4m3fn"):
         attention(q8, q8, q8, sinks=torch.zeros(2))

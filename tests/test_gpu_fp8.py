@@ -16,6 +16,7 @@ import pytest
 
 from fagen import oracle
 from fagen.check import relative_error, to_numpy
+from fagen.element_types import ELEMENT_TYPES
 from fagen.load import load_spec, parse_spec
 from fagen.runtime import compile_kernel
 
@@ -25,22 +26,25 @@ SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
 LSE_BITS = 11  # of a score's magnitude bound that the LSE keeps (the FP8 MMA's accumulator: ~13)
 
 
-def fp8_spec(head_dim: int = 128, out_dtype: str = "bfloat16", **changes):
+def fp8_spec(head_dim: int = 128, out_dtype: str = "bfloat16", dtype: str = "float8_e4m3", **changes):
     data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
-    data.update(head_dim=head_dim, out_dtype=out_dtype, **changes)
-    data["name"] = f"fp8_test_d{head_dim}_{out_dtype}_{zlib.crc32(repr(sorted(changes.items())).encode()):08x}"
+    data.update(head_dim=head_dim, out_dtype=out_dtype, dtype=dtype, **changes)
+    data["name"] = (f"fp8_test_{ELEMENT_TYPES[dtype].short}_d{head_dim}_{out_dtype}_"
+                    f"{zlib.crc32(repr(sorted(changes.items())).encode()):08x}")
     return parse_spec(data, data["name"])
 
 
-def quantized(rng, shape, hkv_axis_shape, torch, scale: float = 1.0):
-    """A float32 activation, its per-(batch, KV head) descale at amax / 448 (times a random
-    factor, so descales differ by head) and its e4m3 tensor: true = e4m3 * descale."""
+def quantized(rng, shape, hkv_axis_shape, torch, scale: float = 1.0, dtype: str = "float8_e4m3"):
+    """A float32 activation, its per-(batch, KV head) descale at amax / the type's largest finite
+    value (times a random factor, so descales differ by head) and its FP8 tensor: true = FP8 *
+    descale."""
+    element = ELEMENT_TYPES[dtype]
     x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).cuda()
     b, h = shape[:2]
     amax = x.abs().amax(dim=(2, 3)).reshape(b, hkv_axis_shape, -1).amax(-1)  # [B, Hkv]
-    descale = (amax / 448.0 * torch.from_numpy(rng.uniform(1.0, 2.0, amax.shape).astype(np.float32)).cuda())
+    descale = amax / element.max_finite * torch.from_numpy(rng.uniform(1.0, 2.0, amax.shape).astype(np.float32)).cuda()
     per_head = descale.repeat_interleave(h // hkv_axis_shape, dim=1)[:, :, None, None]
-    return (x / per_head).to(torch.float8_e4m3fn), descale
+    return (x / per_head).to(getattr(torch, element.torch_name)), descale
 
 
 CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
@@ -53,10 +57,14 @@ CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
     (256, None, None, "bfloat16", 1, 4, 2, 512, 512),
     (256, {"kind": "causal"}, None, "float16", 2, 2, 2, 700, 700),
 ]
+TYPED_CASES = [("float8_e4m3", *case) for case in CASES] + [  # e5m2: its own P rounding, the same kernel
+    ("float8_e5m2", 128, None, None, "bfloat16", 2, 4, 2, 384, 384),
+    ("float8_e5m2", 128, {"kind": "causal"}, None, "float16", 1, 4, 1, 700, 700),
+]
 
 
-@pytest.mark.parametrize("d,mask,score_mod,out_dtype,b,hq,hkv,nq,nk", CASES)
-def test_an_fp8_forward_is_within_twice_p_rounding_s_error(d, mask, score_mod, out_dtype, b, hq, hkv, nq, nk):
+@pytest.mark.parametrize("dtype,d,mask,score_mod,out_dtype,b,hq,hkv,nq,nk", TYPED_CASES)
+def test_an_fp8_forward_is_within_twice_p_rounding_s_error(dtype, d, mask, score_mod, out_dtype, b, hq, hkv, nq, nk):
     torch = pytest.importorskip("torch")
     import cupy
 
@@ -67,12 +75,12 @@ def test_an_fp8_forward_is_within_twice_p_rounding_s_error(d, mask, score_mod, o
         changes["mask"] = mask
     if score_mod:
         changes["score_mod"] = score_mod
-    spec = fp8_spec(d, out_dtype, **changes)
+    spec = fp8_spec(d, out_dtype, dtype, **changes)
     kernel = compile_kernel(spec)
     rng = np.random.default_rng([d, b, hq, hkv, nq, nk, len(CASES)])
-    q8, q_descale = quantized(rng, (b, hq, nq, d), hkv, torch, scale=1.5)
-    k8, k_descale = quantized(rng, (b, hkv, nk, d), hkv, torch, scale=1.5)
-    v8, v_descale = quantized(rng, (b, hkv, nk, d), hkv, torch)
+    q8, q_descale = quantized(rng, (b, hq, nq, d), hkv, torch, scale=1.5, dtype=dtype)
+    k8, k_descale = quantized(rng, (b, hkv, nk, d), hkv, torch, scale=1.5, dtype=dtype)
+    v8, v_descale = quantized(rng, (b, hkv, nk, d), hkv, torch, dtype=dtype)
     out = torch.full((b, hq, nq, d), float("nan"), dtype=getattr(torch, out_dtype), device="cuda")
     got, lse = kernel(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out=out,
                       return_lse=True)
@@ -85,8 +93,8 @@ def test_an_fp8_forward_is_within_twice_p_rounding_s_error(d, mask, score_mod, o
     rounded, _ = oracle.attention(qn, kn, vn, p_type=spec.dtype, p_scale=2.0 ** spec.element.p_log2_scale, **keywords)
     error, p_error = relative_error(to_numpy(got.float()), exact), relative_error(rounded, exact)
     assert error <= 2 * p_error, f"out: {error:.2e} against exact attention; P's rounding alone {p_error:.2e}"
-    true = [x * np.repeat(d, x.shape[1] // d.shape[1], axis=1)[:, :, None, None]
-            for x, d in ((qn, descales["q_descale"]), (kn, descales["k_descale"]))]
+    true = [x * np.repeat(scale, x.shape[1] // scale.shape[1], axis=1)[:, :, None, None]
+            for x, scale in ((qn, descales["q_descale"]), (kn, descales["k_descale"]))]
     score_bound = np.linalg.norm(true[0], axis=-1).max() * np.linalg.norm(true[1], axis=-1).max() / np.sqrt(d)
     got_lse = to_numpy(lse)
     np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(exact_lse))  # no NaN, -inf where no key
