@@ -114,6 +114,9 @@ class KeyMajorLists:
     partial_index: np.ndarray  # [..., max_steps] int32: into BlockMask.partial_masks, -1 unless PARTIAL
 
 
+# a head's busiest query block over its mean that still walks as even (BlockMask.even_tiles):
+# per-head random blocks at half density spread 1.2-1.4 (4k-16k keys), causal 2
+EVEN_TILE_SPREAD = 1.5
 _SERIALS = itertools.count()
 _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # serial -> the BlockMask, while it lives
 
@@ -143,6 +146,15 @@ class BlockMask:
 
     def __post_init__(self):
         _LIVE[self.serial] = self
+
+    @property
+    def even_tiles(self) -> bool:
+        """Whether each head's query blocks visit about as many KV blocks (the busiest at most
+        EVEN_TILE_SPREAD times the mean): walked a head at a time, their blocks in flight then
+        share that head's K and V in L2 (plan.l2_section). A causal pattern's spread is 2."""
+        counts = self.kv_num_blocks.reshape(-1, self.kv_num_blocks.shape[-1]).astype(np.float64)
+        mean = counts.mean(axis=1)
+        return bool(np.all(counts.max(axis=1) <= EVEN_TILE_SPREAD * np.maximum(mean, 1e-9)))
 
     def __setstate__(self, state: dict):
         """A copy or an unpickled mask takes a serial of its own (copy, deepcopy and pickle set

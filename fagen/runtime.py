@@ -734,7 +734,7 @@ class Kernel:
             per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # x: a query head, unpacked
             values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2],
                           tiles_section=l2_section(*tiles[:2], per_x, device.l2_bytes(tq.device),
-                                                   KINDS[self.spec.mask.kind].even_tiles))
+                                                   extras.get("even_tiles", KINDS[self.spec.mask.kind].even_tiles)))
             count = math.prod(tiles)
             grid = (min(count, device.multiprocessors(tq.device)) if self.plan.persistent else count, 1, 1)
         # a prepared call re-points the inputs and the outputs it returns (the merged ones, where the
@@ -942,7 +942,8 @@ def block_mask_arguments(mask, block_q: int, block_kv: int, b: int, hq: int, nq:
     """A BlockMask as a kernel's bm_* arguments, re-blocked to its tiles: query-major lists for
     the forward and the dQ kernel; with key_major_group, the dK/dV kernel's lists per KV block
     (fagen.masks.BlockMask.key_major). Patterns are laid out by thread (masks.thread_words).
-    Device copies are cached on the mask, per device."""
+    Device copies are cached on the mask, per device. Beside them, `even_tiles` (no parameter:
+    the tile walk's order, BlockMask.even_tiles)."""
     side_inputs.check_block_mask(mask, b, hq, nq, nk)  # the oracle's rule
     tiles = mask.for_tiles(block_q, block_kv)
     key = ("device", cupy.cuda.Device().id, key_major_group)
@@ -960,7 +961,8 @@ def block_mask_arguments(mask, block_q: int, block_kv: int, b: int, hq: int, nq:
     return dict(bm_num=_ptr(num), bm_idx=_ptr(idx), bm_type=_ptr(types), bm_partial=_ptr(partial),
                 bm_bits=_ptr(bits), bm_sb=np.int32(heads * rows if num.shape[0] > 1 else 0),
                 bm_sh=np.int32(rows if heads > 1 else 0), bm_max=np.int32(idx.shape[-1]),
-                bm_causal_offset=np.int32(tiles.causal_offset))
+                bm_causal_offset=np.int32(tiles.causal_offset),
+                even_tiles=tiles._cache.setdefault("even_tiles", tiles.even_tiles))
 
 
 _KERNELS: dict[str, Kernel] = {}

@@ -605,3 +605,20 @@ def test_as_kind_leaves_a_mask_past_its_block_limit_a_block_mask(monkeypatch):
     monkeypatch.setattr(masks, "AS_KIND_MAX_BLOCKS", 8 * 8 - 1)
     assert masks.causal(1024).as_kind() is None  # 8 x 8 blocks of 128
     assert masks.causal(896).as_kind() is not None  # 7 x 7
+
+
+def test_per_head_random_blocks_walk_as_even_tiles_and_causal_ones_do_not():
+    """BlockMask.even_tiles: each head's query blocks visit about as many KV blocks (per-head
+    random blocks at half density) or not (causal, whose last block visits twice the mean)."""
+    import numpy as np
+
+    from fagen import masks
+
+    rng = np.random.default_rng(0)
+    n, block = 4096, 128
+    blocks = n // block
+    kept = rng.random((4, blocks, blocks)) < 0.5
+    random = masks.from_predicate(lambda b, h, q, k: kept[h, q // block, k // block] | (q // block == k // block),
+                                  1, 4, n, n, block, block)
+    causal = masks.from_predicate(lambda b, h, q, k: k <= q, 1, 1, n, n, block, block)
+    assert random.even_tiles and not causal.even_tiles
