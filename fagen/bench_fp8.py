@@ -26,7 +26,7 @@ from fagen.check import time_ms
 
 JSON = "bench_fp8.json"
 IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16")
-HEAD_DIMS, LENGTHS = (128,), (4096, 16384)
+HEAD_DIMS, LENGTHS = (128, 256), (4096, 16384)
 OUTLIER_CHANNELS, OUTLIER_SCALE = 4, 100.0
 P_SCALE_LOG2 = 8  # cuDNN's P scale, as fagen's (its s_scale; s_descale the inverse)
 

@@ -327,9 +327,9 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigne
 
 // O += P.V over a V^T tile (head_dim_v rows of the tile's keys, one 128-byte swizzle atom a row:
 // K-major, as Q.K^T's K), committed as one wgmma group: k steps K_STEP_BYTES along the rows,
-// 8-row groups ATOM_BYTES apart.
-__device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned vt_tile) {
-  const unsigned long long v_desc = smem_desc(vt_tile, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
+// 8-row groups ROW_GROUP_BYTES apart.
+__device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
+  const unsigned long long v_desc = smem_desc(v_tile, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((ks * K_STEP_BYTES) >> DESC_UNIT_SHIFT));
   wgmma_commit();
