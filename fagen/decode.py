@@ -25,10 +25,11 @@ from fagen import hot_path, side_inputs
 from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
 from fagen.dispatch import derive_spec, no_work, packed_spec, sequence_keys, step_spec
+from fagen.element_types import element_type
 from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge
-from fagen.variants import sequence_variant
+from fagen.variants import DECODE_HEAD_DIMS, sequence_variant
 
 
 def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
@@ -67,7 +68,7 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
 
 
 def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return_lse: bool = False,
-            cache_seqlens=None, cache_leftpad=None, **side):
+            cache_seqlens=None, cache_leftpad=None, k_descale=None, v_descale=None, **side):
     """out (and lse) of fagen.attention's call whose spec is `plain` (derive_spec's): nothing
     launched where there is no work (answer_without_work), the decode kernel where one takes the
     call (packed_spec), else the plain forward; key ranges (cache_seqlens, cache_leftpad) through
@@ -82,40 +83,62 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
         prepared = PreparedAttention(q, k, v, plain=plain, scale=scale, alibi_slopes=side.get("alibi_slopes"),
                                      sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
         return prepared.once(q, k, v, *prepared.ranges, return_lse=return_lse)
+    fp8_kv = element_type(as_device_tensor(k, "k").dtype).is_fp8 and not plain.element.is_fp8
+    if fp8_kv and (cache_seqlens is not None or cache_leftpad is not None):
+        raise ValueError("k, v: an FP8 KV cache with key ranges (cache_seqlens, cache_leftpad) is not built yet; "
+                         "pass the cache's rows [B, Hkv, N, d] without them, or a bfloat16 cache")
     spec = packed_spec(plain, q, k)
     if spec is None:
+        if fp8_kv:
+            raise ValueError(fp8_kv_refusal(plain, q, k))
         return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=side.get("alibi_slopes"),
-               sinks=side.get("sinks"))
+               sinks=side.get("sinks"), k_descale=k_descale, v_descale=v_descale)
+
+
+def fp8_kv_refusal(plain: AttentionSpec, q, k) -> str:
+    """Why an FP8 KV cache's call has no kernel: the decode kernels read one, and these rows or
+    this head width are not theirs."""
+    tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
+    rows = tq.shape[2] * (tq.shape[1] // max(tk.shape[1], 1))
+    return (f"k, v: {tk.dtype} (an FP8 KV cache) is read by the decode kernels: head_dim 128 and at most "
+            f"{max(DECODE_HEAD_DIMS.get(128, (0,)))} packed query rows (Nq x Hq / Hkv) a KV head; this call has head_dim "
+            f"{plain.head_dim} and {rows} rows ({plain.mask.kind} mask). Split the queries into chunks of fewer rows, "
+            f"or cast k and v to {plain.dtype}")
 
 
 def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int | None = None,
-        return_lse: bool = False, alibi_slopes=None, sinks=None):
+        return_lse: bool = False, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
     """out (and lse) through the decode kernel `spec` (a GQA-packed partial spec): one launch, or
     two where the merge kernel combines the partials (step_spec)."""
     tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
     b, hq, nq, _ = tq.shape
     step, splits = step_spec(spec, b, hq, tk.shape[1], nq, tk.shape[2], splits, sinks is not None)
     kernel = compile_kernel(step)
+    # an FP8 KV cache's (FlashAttention-3's k_descale, v_descale); other kernels refuse descales
+    descales = {} if k_descale is None and v_descale is None else {"k_descale": k_descale, "v_descale": v_descale}
     if step.outputs.partial and not step.outputs.merge_splits:  # the merge kernel's launch after it
-        o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes)
+        o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes,
+                                    **descales)
         out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
         return (out, lse) if return_lse else out
     return kernel(q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks,
-                  splits=None if splits == 1 else splits)
+                  splits=None if splits == 1 else splits, **descales)
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-              cache_seqlens=None, cache_leftpad=None):
+              cache_seqlens=None, cache_leftpad=None, k_descale=None, v_descale=None):
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward of the derived spec
     (fagen.dispatch chooses which). cache_seqlens, cache_leftpad (int32 [B] on the GPU): sequence
-    b's keys are rows cache_leftpad[b] .. cache_seqlens[b] of k and v (KeyRanges)."""
+    b's keys are rows cache_leftpad[b] .. cache_seqlens[b] of k and v (KeyRanges). k and v in an
+    FP8 type against a half-type q: an FP8 KV cache, read by the decode kernels, with
+    FlashAttention-3's k_descale and v_descale (float32, one number or [B, Hkv]; None is 1)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
-                   cache_leftpad=cache_leftpad, **side)
+                   cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale, **side)
 
 
 # Prepared calls captured in a CUDA graph. The graph holds their kernel arguments, which point at

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from fagen import device, side_inputs, variants
 from fagen.device import as_device_tensor
-from fagen.element_types import KERNEL_TYPES
+from fagen.element_types import KERNEL_TYPES, element_type
 from fagen.mask_kinds import fields_of
 from fagen.runtime import Kernel, compile_kernel
 from fagen.spec import HEAD_DIMS, QK_HEAD_DIMS, AttentionSpec, Mask, ScoreMod, SpecError
@@ -152,7 +152,14 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
     if plain.dv != plain.head_dim:
         return None  # the decode kernels pack GQA heads: V as wide as Q only
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
-    return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    spec = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    kv = element_type(tk.dtype)
+    if spec is None or not kv.is_fp8 or plain.element.is_fp8:
+        return spec
+    try:  # an FP8 KV cache: the decode kernel widening its K and V (variants.fp8_kv_variant)
+        return variants.fp8_kv_variant(spec, kv.name)
+    except SpecError:
+        return None
 
 
 def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,

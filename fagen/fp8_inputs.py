@@ -68,7 +68,10 @@ def descales(q_descale, k_descale, v_descale, b: int, hkv: int, like):
     if type(like).__module__.startswith("torch"):
         import torch
 
-        flat = [torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1) for x in rows]
+        # numbers (and None) filled on the device: a host tensor's copy would block the host and
+        # CUDA graph capture refuses it
+        flat = [torch.full((1,), float(x), dtype=torch.float32, device=like.device) if np.isscalar(x)
+                else torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1) for x in rows]
         return torch.stack([x.expand(b * hkv) for x in flat]).reshape(3, b, hkv).contiguous()
     flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in rows]
     return np.ascontiguousarray(np.stack([np.broadcast_to(x, (b * hkv,)) for x in flat]).reshape(3, b, hkv))

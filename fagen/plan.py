@@ -174,6 +174,9 @@ class KernelPlan:
     q_tile_bytes: int
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
     v_copy_rows_per_pass: int  # ... of V
+    kv_chunk_elems: int  # K's and V's elements in a 16-byte chunk (16 for an FP8 KV cache, else 8)
+    kv_chunks_per_row: int  # ... and chunks in a row of them
+    kv_copy_rows_per_pass: int  # their copy's rows a pass (copy_rows_per_pass of K's and V's rows)
     out_chunks_per_warp: int  # 16-byte chunks of a warp's rows of O (the epilogue's stores)
     s_acc_regs: int  # f32 accumulator registers a thread holds for S
     o_acc_regs: int  # ... and for O
@@ -685,12 +688,13 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     q_tile = t.block_q * (width if spec.wgmma else smem_row)
     kv_tile = t.block_kv * (width if spec.wgmma else smem_row)
     slots = kv_slots(spec)
-    smem_bytes = (q_tile + slots * kv_tile) * spec.element.bytes
+    kv_bytes = spec.kv_element.bytes  # an FP8 KV cache's tiles hold its bytes: half a half type's
+    smem_bytes = q_tile * spec.element.bytes + slots * kv_tile * kv_bytes
     if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring (and for Q, with a producer)
         smem_bytes += 2 * (spec.pipeline.stages + spec.warp_specialized) * MBARRIER_BYTES
         smem_bytes += MBARRIER_BYTES * has_claimed_walk(spec)  # the tile the producer claimed, for the consumers
     limit = SMEM_PER_BLOCK[spec.arch]
-    seed_budget = (t.block_kv * (d + dv) + t.block_q * d + t.block_q * t.block_kv) * spec.element.bytes
+    seed_budget = t.block_kv * (d + dv) * kv_bytes + (t.block_q * d + t.block_q * t.block_kv) * spec.element.bytes
 
     per_thread = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
     o_regs = m_frags * (dv // MMA_N) * per_thread
@@ -711,9 +715,9 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     # warps along the keys merge through the (then idle) KV ring: a lane's O, max and sum, for each
     # warp but the first of its rows
     combine_bytes = (t.warps_kv - 1) * t.warps_q * 32 * (o_regs + 4 * m_frags) * 4
-    if combine_bytes > slots * kv_tile * spec.element.bytes:
+    if combine_bytes > slots * kv_tile * kv_bytes:
         raise searched_rule("tiling.warps_kv", t.warps_kv, f"merges {combine_bytes} bytes of O through the KV ring "
-                            f"({slots * kv_tile * spec.element.bytes} bytes)", merge_fixes(spec),
+                            f"({slots * kv_tile * kv_bytes} bytes)", merge_fixes(spec),
                             "use fewer warps_kv, or more stages", plan, spec)
     if seed_budget > limit:
         raise searched_rule(
@@ -810,6 +814,7 @@ def swizzle_atom_columns(spec: AttentionSpec) -> int:
     """Elements across a 128-byte swizzle atom's row: 64 of a half type, 128 of FP8."""
     return SWIZZLE_ROW_BYTES // spec.element.bytes
 ELEM_PTR, OUT_PTR = "const elem_t* __restrict__", "out_t* __restrict__"
+KV_PTR = "const kv_elem_t* __restrict__"  # an FP8 KV cache's k and v (spec.fp8_kv)
 # The kernel's parameters before extra_params, in signature order (elem_t and out_t are the
 # kernel's typedefs: the storage dtype, and f32 for split-KV partials).
 def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
@@ -817,8 +822,9 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     (where a producer loads them, its tensor maps stand in: plan.tma_params), o and lse, the
     shape, and the scale as the scores take it (natural units for the score modifiers, log2
     units straight into the softmax otherwise)."""
+    kv_ptr = KV_PTR if spec.fp8_kv else ELEM_PTR
     loaded = () if spec.warp_specialized else (
-        (ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"))
+        (ELEM_PTR, "q"), (kv_ptr, "k"), (kv_ptr, "v"))
     strides = () if spec.warp_specialized else (
         ("long long", "q_sb"), ("long long", "q_sh"), ("long long", "q_sn"),
         ("long long", "k_sb"), ("long long", "k_sh"), ("long long", "k_sn"),
@@ -827,7 +833,7 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     return (*loaded, (OUT_PTR, "o"), ("float* __restrict__", "lse"),
             ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
             *strides, ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"), scale,
-            *(DESCALE_PARAMS if spec.element.is_fp8 else ()))
+            *(DESCALE_PARAMS if spec.element.is_fp8 else KV_DESCALE_PARAMS if spec.fp8_kv else ()))
 
 
 # FP8 at d128: wgmma consumes S elements as fast as the MUFU exponentiates them (16 a clock an
@@ -840,6 +846,8 @@ EXP2_POLY_EVERY = 8
 # FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), all three alike
 DESCALE_PARAMS = ((FLOAT_PTR, "q_descale"), (FLOAT_PTR, "k_descale"), (FLOAT_PTR, "v_descale"),
                   ("long long", "descale_sb"), ("long long", "descale_sh"))
+# an FP8 KV cache's: k's and v's alone (q is a half type)
+KV_DESCALE_PARAMS = DESCALE_PARAMS[1:]
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")
@@ -851,6 +859,7 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
     warps = t.warps_q * t.warps_kv
     threads, warp_rows = 32 * warps, t.block_q // t.warps_q
     chunks_per_row, v_chunks_per_row = d // CHUNK_ELEMS, dv // CHUNK_ELEMS
+    kv_chunks_per_row = d * spec.kv_element.bytes // CHUNK_BYTES
     acc_per_fragment = MMA_M * MMA_N // 32  # f32 accumulators a thread holds per m16n8 fragment
     return {
         "mainloop": "sm90" if spec.wgmma else "sm80",
@@ -863,7 +872,11 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "element_bytes": spec.element.bytes,
         "p_log2_scale": float(spec.element.p_log2_scale),
         "exp2_poly_every": EXP2_POLY_EVERY if spec.element.is_fp8 and spec.wgmma else 0,
-        "kv_tile_bytes": kv_tile_elems * spec.element.bytes,
+        "kv_tile_bytes": kv_tile_elems * spec.kv_element.bytes,
+        # an FP8 KV cache's rows: twice a half type's elements in a 16-byte chunk, half the chunks a row
+        "kv_chunk_elems": CHUNK_BYTES // spec.kv_element.bytes,
+        "kv_chunks_per_row": kv_chunks_per_row,
+        "kv_copy_rows_per_pass": threads // kv_chunks_per_row if threads % kv_chunks_per_row == 0 else 0,
         "q_tile_bytes": t.block_q * spec.row_width * spec.element.bytes if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         # V copies as K does: by passes of whole rows where both divide the threads, else chunk by chunk

@@ -99,9 +99,11 @@ def context(spec: AttentionSpec) -> dict:
         "spec_lines": echoed.rstrip("\n").splitlines(),
         "name": spec.name,
         "dtype": spec.dtype,
-        "ptx_type": spec.element.ptx,
+        "ptx_type": spec.mma_element.ptx,  # the type the MMAs read (spec.mma_element)
         "element": spec.element,
         "out_element": spec.out_element,
+        "kv_element": spec.kv_element,
+        "fp8_kv": spec.fp8_kv,  # a half-type q against an FP8 KV cache (spec.fp8_kv)
         "plan": plan(spec),
         "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,

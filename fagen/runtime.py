@@ -438,7 +438,7 @@ class Kernel:
             self.function.max_dynamic_shared_size_bytes = self.plan.smem_bytes
         outputs = spec.outputs  # repeated calls skip the checks and the packing (not a merging kernel's, nor
         # FP8's: its launch reads V^T and the descales, made each call)
-        self.repeated_calls = (None if outputs.merge_splits or self.takes_side_inputs or spec.element.is_fp8
+        self.repeated_calls = (None if outputs.merge_splits or self.takes_side_inputs or spec.element.is_fp8 or spec.fp8_kv
                                else RepeatedCalls(writes_given=outputs.partial or outputs.accumulate))
 
     def __repr__(self) -> str:
@@ -474,8 +474,9 @@ class Kernel:
         for t, n, d in ((tq, "q", spec.head_dim), (tk, "k", spec.head_dim), (tv, "v", spec.dv)):
             if t.kind != tq.kind:
                 raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all three from one framework")
-            if t.dtype not in (spec.dtype, spec.element.torch_name):
-                raise ValueError(f"{n}: dtype {t.dtype}, but kernel {spec.name} takes {spec.element.torch_name}; "
+            element = spec.element if n == "q" else spec.kv_element
+            if t.dtype not in (element.name, element.torch_name):
+                raise ValueError(f"{n}: dtype {t.dtype}, but kernel {spec.name} takes {element.torch_name}; "
                                  f"cast it or use a {t.dtype} spec (fagen.attention picks one)")
             if t.device != tq.device:
                 raise ValueError(f"{n} is on cuda:{t.device} but q on cuda:{tq.device}: put them on one GPU")
@@ -615,15 +616,20 @@ class Kernel:
         (which refuse descales)."""
         given = [name for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
                  if x is not None]
-        if not self.spec.element.is_fp8:
+        spec = self.spec
+        if not (spec.element.is_fp8 or spec.fp8_kv):
             if given:
-                raise ValueError(f"{given[0]}: kernel {self.spec.name} takes {self.spec.dtype} inputs; descales "
+                raise ValueError(f"{given[0]}: kernel {spec.name} takes {spec.dtype} inputs; descales "
                                  f"are for FP8 ones (dtype float8_e4m3)")
             return None
+        if spec.fp8_kv and q_descale is not None:
+            raise ValueError(f"q_descale: kernel {spec.name} takes q in {spec.dtype}, which has no descale; pass "
+                             f"k_descale and v_descale for its {spec.kv_dtype} k and v only")
         b, hkv = tq.shape[0], tk.shape[1]
         table = fp8_inputs.descales(q_descale, k_descale, v_descale, b, hkv, tq.obj)
         base, row = as_device_tensor(table, "descales").ptr, b * hkv * 4  # bytes of one descale's [B, Hkv]
-        return dict(q_descale=base, k_descale=np.uint64(base + row), v_descale=np.uint64(base + 2 * row),
+        q_part = {} if spec.fp8_kv else {"q_descale": base}  # (an FP8 KV cache's kernel reads k's and v's)
+        return dict(**q_part, k_descale=np.uint64(base + row), v_descale=np.uint64(base + 2 * row),
                     descale_sb=np.int64(hkv), descale_sh=np.int64(1)), table
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:

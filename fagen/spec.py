@@ -27,6 +27,9 @@ HEAD_DIMS = (32, 64, 96, 128, 256)
 # over V and O of 128. As a square head (or V's width) it is not built yet.
 QK_HEAD_DIMS = (192,)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
+# an FP8 KV cache widens K and V with cvt.f16x2.e4m3x2 / e5m2x2: sm_89 and after, on mma.sync
+FP8_KV_ARCHS = ("sm_89", "sm_90")
+FP8_KV_WARP_KEYS = 32  # a warp's keys of a tile, at least: a widened K load is four n8 fragments
 SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # A thread of a quad holds columns 2t, 2t + 1 of each n8 fragment of its rows (mma.sync's and
@@ -612,9 +615,12 @@ class AttentionSpec(_Frozen):
         exist = (f"the kernels take q, k, v and o all of one type ({' or '.join(KERNEL_TYPES)}), or q, k and v "
                  f"{' or '.join(FP8_KERNEL_TYPES)} with o {' or '.join(ELEMENT_TYPES[FP8_KERNEL_TYPES[0]].out_types)}")
         if self.kv_dtype is not None and self.kv_dtype != self.dtype:
+            if self.dtype in KERNEL_TYPES and self.kv_dtype in FP8_KERNEL_TYPES:
+                return self._fp8_kv_cache()
             raise ValueError(rule("kv_dtype", self.kv_dtype, f"no kernel takes q {self.dtype} with k and v "
-                                  f"{self.kv_dtype} yet; {exist}", f"remove kv_dtype (k and v then {self.dtype})",
-                                  {"kv_dtype": REMOVE}))
+                                  f"{self.kv_dtype} yet; {exist}, or q {' or '.join(KERNEL_TYPES)} with k and v "
+                                  f"{' or '.join(FP8_KERNEL_TYPES)} (an FP8 KV cache)",
+                                  f"remove kv_dtype (k and v then {self.dtype})", {"kv_dtype": REMOVE}))
         if self.dtype in FP8_KERNEL_TYPES:
             return self._fp8_forward()
         if self.out_dtype is not None and self.out_dtype != self.dtype:
@@ -665,6 +671,47 @@ class AttentionSpec(_Frozen):
             raise ValueError(rule("out_dtype", self.out_dtype, f"{fp8} writes o in {' or '.join(outs)}",
                                   f"use out_dtype: {outs[0]}", {"out_dtype": outs[0]}))
         return self
+
+    def _fp8_kv_cache(self) -> AttentionSpec:
+        """What a half-type q against an FP8 KV cache is built for: the GQA-packed mma.sync kernels
+        (decode), K and V widened to float16 in registers (cvt from FP8 pairs needs sm_89), rows
+        of at least eight 16-byte chunks in a swizzled tile, no backward; o in q's type."""
+        kv = f"q {self.dtype} against k and v {self.kv_dtype}"
+        refused = [  # (field, value, broken, why, fix text, fix)
+            ("arch", self.arch, self.arch not in FP8_KV_ARCHS,
+             f"{kv} widens FP8 pairs with cvt (sm_89 on) in the mma.sync kernel", f"use arch: {FP8_KV_ARCHS[-1]}",
+             {"arch": FP8_KV_ARCHS[-1]}),
+            ("tiling.pack_gqa", False, not self.tiling.pack_gqa,
+             f"{kv} is the decode kernel's (the query heads of a KV group packed into its rows)",
+             "set tiling.pack_gqa: true", {"tiling.pack_gqa": True}),
+            ("head_dim", self.head_dim, self.head_dim not in (128, 256) or self.dv != self.head_dim,
+             f"{kv} is built for head_dim 128 or 256, V as wide (a row of at least eight 16-byte chunks)",
+             "use head_dim: 128 and remove head_dim_v", {"head_dim": 128, "head_dim_v": REMOVE}),
+            ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv % (FP8_KV_WARP_KEYS * self.tiling.warps_kv) != 0,
+             f"{kv} gives each of the {self.tiling.warps_kv} key warps a multiple of {FP8_KV_WARP_KEYS} keys of a tile "
+             "(a widened K load is four n8 fragments)", f"use tiling.block_kv: {FP8_KV_WARP_KEYS * self.tiling.warps_kv * -(-self.tiling.block_kv // (FP8_KV_WARP_KEYS * self.tiling.warps_kv))}",
+             {"tiling.block_kv": FP8_KV_WARP_KEYS * self.tiling.warps_kv * -(-self.tiling.block_kv // (FP8_KV_WARP_KEYS * self.tiling.warps_kv))}),
+            ("smem_layout", self.smem_layout, self.smem_layout != "swizzled",
+             f"{kv} reads its FP8 tiles from swizzled rows", "use smem_layout: swizzled", {"smem_layout": "swizzled"}),
+            ("pipeline.q_in_registers", True, self.pipeline.q_in_registers,
+             f"{kv} reads Q's fragments in K's column order from shared memory", "set pipeline.q_in_registers: false",
+             {"pipeline.q_in_registers": False}),
+            ("backward", "set", self.backward is not None, f"{kv} has no backward (a KV cache is inference's)",
+             "remove the backward: section", {"backward": REMOVE}),
+            ("out_dtype", self.out_dtype, self.out_dtype not in (None, self.dtype), f"{kv} writes o in q's type",
+             "remove out_dtype", {"out_dtype": REMOVE}),
+        ]
+        broken = [(field, value, why, fix_text, fix) for field, value, on, why, fix_text, fix in refused if on]
+        if not broken:
+            return self
+        field, value, why = broken[0][:3]
+        if any(b[0] == "tiling.pack_gqa" for b in broken):  # not a decode spec: far from any FP8 KV kernel
+            fix_text, fix = (f"remove kv_dtype (k and v then {self.dtype}), or start from a decode spec "
+                             "(specs/decode_*.yaml)", {"kv_dtype": REMOVE})
+        else:  # every change at once, so that the fix validates
+            fix_text = ", and ".join(b[3] for b in broken)
+            fix = {k: v for b in broken for k, v in b[4].items()}
+        raise ValueError(rule(field, value, f"{why}; not built otherwise yet", fix_text, fix))
 
     @model_validator(mode="after")
     def _qk_head_dim(self) -> AttentionSpec:
@@ -719,6 +766,22 @@ class AttentionSpec(_Frozen):
     def element(self) -> ElementType:
         """q's element type, and k's and v's."""
         return ELEMENT_TYPES[self.dtype]
+
+    @property
+    def kv_element(self) -> ElementType:
+        """k's and v's element type: kv_dtype, else q's."""
+        return ELEMENT_TYPES[self.kv_dtype or self.dtype]
+
+    @property
+    def fp8_kv(self) -> bool:
+        """A half-type q against FP8 k and v (an FP8 KV cache): K and V widen to float16 in
+        registers, and the MMAs run in float16 (a bfloat16 q is rescaled to it in shared memory)."""
+        return self.kv_element.is_fp8 and not self.element.is_fp8
+
+    @property
+    def mma_element(self) -> ElementType:
+        """The type the MMAs read: q's, or float16 against an FP8 KV cache (FP8 widens to it exactly)."""
+        return ELEMENT_TYPES["float16"] if self.fp8_kv else self.element
 
     @property
     def out_element(self) -> ElementType:

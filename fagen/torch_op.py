@@ -345,8 +345,12 @@ FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2
 def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
                           v_descale: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
                           scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    """(out [B, Hq, Nq, d] bfloat16, lse [B, Hq, Nq] float32): the FP8 forward of float8_e4m3fn
-    q, k, v with FlashAttention-3's descales (float32, one number or [B, Hkv]; None is 1)."""
+    """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
+    number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out; a half-type q against
+    FP8 k and v (an FP8 KV cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
+    if q.dtype not in FP8_TYPES:
+        return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
+                                return_lse=True, k_descale=k_descale, v_descale=v_descale)
     spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
                              ScoreMod(softcap=softcap))
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
@@ -356,24 +360,31 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
 @torch.library.register_fake("fagen::fp8_attention_forward")
 def _(q, k, v, q_descale, k_descale, v_descale, mask, causal, softcap, scale):
     b, hq, nq, _ = q.shape
-    return (q.new_empty((b, hq, nq, v.shape[-1]), dtype=torch.bfloat16),
+    return (q.new_empty((b, hq, nq, v.shape[-1]), dtype=torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype),
             q.new_empty((b, hq, nq), dtype=torch.float32))
 
 
 def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, unsupported):
-    """The FP8 forward: straight to its kernel eagerly, through fagen::fp8_attention_forward
-    under torch.compile (which sees no gradient: there is no FP8 backward yet)."""
-    if q.dtype not in FP8_TYPES:
-        raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 q, k and v "
-                         f"(FlashAttention-3's FP8 forward); q is {q.dtype}")
+    """The FP8 forward, or a half-type q against an FP8 KV cache (k and v FP8): straight to the
+    kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
+    gradient: there is no FP8 backward yet)."""
+    kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
+    what = f"q {q.dtype} against an FP8 KV cache" if kv_cache else f"{q.dtype} q, k, v (the FP8 forward)"
+    if q.dtype not in FP8_TYPES and not kv_cache:
+        raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
+                         f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
+    if kv_cache and descales[0] is not None:
+        raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
+                         f"{k.dtype} k and v only")
     if unsupported:
-        raise ValueError(f"{unsupported[0]}: not with float8_e4m3fn q, k, v yet (the FP8 forward takes causal, mask, "
-                         f"softcap, scale and the descales); pass bfloat16 tensors for it")
+        raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale and the "
+                         f"descales); pass bfloat16 tensors for it")
     if _records_grad(q, k, v):
-        raise ValueError(f"q, k, v {q.dtype}: the FP8 forward has no backward yet; call it under torch.no_grad()")
-    if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()")
+    if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.dtype == v.dtype and (kv_cache or q.dtype == k.dtype)):
         raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
-                         f"{tuple(v.shape)}; the FP8 forward takes all three of one FP8 type, [B, H, N, d]")
+                         f"{tuple(v.shape)}; the FP8 forward takes all three of one FP8 type, an FP8 KV cache a "
+                         f"float16 or bfloat16 q with k and v of one FP8 type, each [B, H, N, d]")
     # descales as the op takes them: tensors (a number becomes one, on q's device)
     descales = [x if x is None or isinstance(x, Tensor) else torch.full((1,), float(x), device=q.device)
                 for x in descales]
@@ -410,8 +421,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     cache_seqlens, cache_leftpad (int32 [B] on q's GPU, FlashAttention's names): sequence b's keys
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
     q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
-    k_descale, v_descale (float32, one number or [B, Hkv]; None is 1)."""
-    if q.dtype in FP8_TYPES or q_descale is not None or k_descale is not None or v_descale is not None:
+    k_descale, v_descale (float32, one number or [B, Hkv]; None is 1). A float16 or bfloat16 q against
+    FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type)."""
+    if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
+            or v_descale is not None):
         unsupported = {"block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes, "sinks": sinks,
                        "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),

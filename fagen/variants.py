@@ -17,7 +17,7 @@ from fagen.element_types import ELEMENT_TYPES
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
 from fagen.plan import has_sequence_tiles
-from fagen.spec import (THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec,
+from fagen.spec import (FP8_KV_ARCHS, FP8_KV_WARP_KEYS, THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec,
                         Mask, ScoreMod, Sequences, SpecError)
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
@@ -237,6 +237,23 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
         return variant(base, mask, score_mod.model_copy(update={"sinks": False}))
     except SpecError:
         return None  # refused for packing (tiling.pack_gqa's rules)
+
+
+@cache
+def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str) -> AttentionSpec:
+    """A decode kernel reading K and V from an FP8 cache (spec.fp8_kv: widened to float16 in
+    registers, FlashAttention-3's k_descale and v_descale), named <name>_kv_<type>: on sm_90, in
+    swizzled rows (its FP8 tiles' only layout), its ring holding as many bytes in flight as the
+    half-type kernel's (a memory-bound loop: half the bytes a key, so twice the keys): each warp's
+    share of a tile at least 32 keys (four n8 fragments a widened K load), then twice the stages."""
+    element, t, pipeline = ELEMENT_TYPES[kv_dtype], spec.tiling, spec.pipeline
+    block_kv = max(t.block_kv, FP8_KV_WARP_KEYS * t.warps_kv)
+    stages = pipeline.stages * (2 if block_kv == t.block_kv else 1)
+    return parse_spec({**spec.model_dump(exclude_none=True), "name": f"{spec.name}_kv_{element.short}",
+                       "kv_dtype": kv_dtype, "arch": FP8_KV_ARCHS[-1], "smem_layout": "swizzled",
+                       "tiling": {**t.model_dump(exclude_none=True), "block_kv": block_kv},
+                       "pipeline": {**pipeline.model_dump(exclude_none=True), "stages": stages}},
+                      f"{kv_dtype} KV cache {spec.name}")
 
 
 SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged", "ranged": "ranged"}

@@ -30,6 +30,7 @@ SM80_BWD = {**copy.deepcopy(BASE), "head_dim": 64, "backward": {}}  # mma.sync b
 HOPPER = yaml.safe_load((SPECS / "attn_f16_d128_h200.yaml").read_text())  # warp-specialised, pingpong
 HOPPER_BWD = yaml.safe_load((SPECS / "attn_f16_d128_causal_h200.yaml").read_text())  # + a wgmma backward
 COPYING_HOPPER = with_fix(HOPPER, {"pipeline.warp_specialized": REMOVE, "pipeline.pingpong": False})
+DECODE = yaml.safe_load((SPECS / "decode_bf16_d128.yaml").read_text())  # GQA-packed split-KV, mma.sync
 
 CORPUS = {  # id: (a valid spec, the changes that break it)
     # types: a value every field of that type would refuse
@@ -63,6 +64,14 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "fp8 varlen": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "sequences": {"q": "varlen", "kv": "varlen"}}),
     "fp8 with a backward": (HOPPER_BWD, {"dtype": "float8_e4m3", "out_dtype": "bfloat16"}),
     "kv_dtype unlike q": (SM80, {"kv_dtype": "float8_e4m3"}),
+    "kv_dtype another half type": (SM80, {"kv_dtype": "bfloat16" if SM80["dtype"] == "float16" else "float16"}),
+    "fp8 kv cache on sm_80": (DECODE, {"kv_dtype": "float8_e4m3"}),
+    "fp8 kv cache, padded rows, q in registers": (DECODE, {"kv_dtype": "float8_e5m2", "arch": "sm_90",
+                                                          "smem_layout": "padded", "pipeline.q_in_registers": True}),
+    "fp8 kv cache at d64": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "head_dim": 64}),
+    "fp8 kv cache, 16-key warps": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "tiling.block_kv": 64}),
+    "fp8 kv cache with a backward": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "backward": {}}),
+    "fp8 kv cache writing f16": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "out_dtype": "float16"}),
     "out_dtype unlike q": (HOPPER, {"out_dtype": "bfloat16"}),
     # two head widths
     "head_dim_v not a head width": (SM80, {"head_dim_v": 100}),

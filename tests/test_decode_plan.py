@@ -338,3 +338,41 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
     monkeypatch.setattr(ShapeClasses, "LIMIT", 6)
     call(mask="causal")  # the seventh: the memo starts over
     assert list(classes._last.values()) == [made[-1]]
+
+
+def test_the_shipped_fp8_kv_spec_is_the_variant_fagen_attention_derives():
+    """specs/decode_bf16_d128_kv_e4m3.yaml is fp8_kv_variant of the bfloat16 decode spec, field for
+    field: the file a reader renders is the kernel a float8 cache runs."""
+    shipped = load_spec(SPECS / "decode_bf16_d128_kv_e4m3.yaml")
+    derived = variants.fp8_kv_variant(variants.decode_spec("bfloat16", 128, 4), "float8_e4m3")
+    assert derived == shipped
+    assert derived.fp8_kv and derived.mma_element.name == "float16" and derived.kv_element.bytes == 1
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, rows", [("bfloat16", "float8_e4m3", 16), ("float16", "float8_e5m2", 64)])
+def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows):
+    """Every kernel a decode step of an FP8 cache may launch (split, merging its splits, unsplit,
+    unsplit on half the ring), with a window, softcap and ALiBi: 0 spills; their K/V ring holds
+    the half-type kernel's bytes (twice the stages of half the bytes a key)."""
+    half = variants.decode_spec(dtype, 128, rows)
+    base = variants.fp8_kv_variant(variants.variant(half, Mask(kind="sliding_window", window_left=900, window_right=0),
+                                                    ScoreMod(softcap=30.0, alibi="slopes")), kv_dtype)
+    specs = [base, variants.merged_variant(base), variants.unsplit_variant(base),
+             variants.unsplit_variant(base, half_ring=True)]
+    from fagen.plan import plan
+    assert plan(base).kv_slots * plan(base).kv_tile_bytes == plan(half).kv_slots * plan(half).kv_tile_bytes
+    for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
+        assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
+
+
+def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
+    """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; too many packed rows:
+    none (the call then refuses). Only shapes and dtypes are read: stand-ins replace the tensors."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dispatch, "as_device_tensor", lambda x, what: x)
+    plain = variants.shipped_spec("bfloat16", 128, False, gpu=None)
+    k8 = SimpleNamespace(shape=(2, 8, 4096, 128), dtype="float8_e4m3fn")
+    spec = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 1, 128), dtype="bfloat16"), k8)
+    assert spec.name == "decode_bf16_d128_kv_e4m3" and spec.kv_dtype == "float8_e4m3"
+    assert dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 64, 128), dtype="bfloat16"), k8) is None

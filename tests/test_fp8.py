@@ -143,7 +143,7 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
-    with pytest.raises(ValueError, match="sinks: not with float8_e4m3fn"):
+    with pytest.raises(ValueError, match="sinks: not with torch.float8_e4m3fn q, k, v"):
         attention(q8, q8, q8, sinks=torch.zeros(2))
     recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="no backward yet"):
@@ -151,6 +151,24 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     with pytest.raises(ValueError, match="head_dim 64: the FP8 forward is built for attn_e4m3_d128_sm90a, "
                                          "attn_e4m3_d256_sm90a"):
         attention(q8[..., :64], q8[..., :64], q8[..., :64])
+
+
+def test_fagen_attention_refuses_what_an_fp8_kv_cache_does_not_take_before_the_gpu():
+    """A half-type q against FP8 k and v (an FP8 KV cache): q has no descale, there is no backward,
+    k and v must share their FP8 type, and side inputs the path does not take are named."""
+    torch = pytest.importorskip("torch")
+    from fagen.torch_op import attention
+
+    q = torch.zeros((1, 8, 1, 128), dtype=torch.bfloat16)
+    k8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="q_descale: q is torch.bfloat16, which has no descale"):
+        attention(q, k8, k8, q_descale=2.0, k_descale=1.0)
+    with pytest.raises(ValueError, match="no backward yet"):
+        attention(q.clone().requires_grad_(), k8, k8)
+    with pytest.raises(ValueError, match="k and v of one FP8 type"):
+        attention(q, k8, k8.to(torch.float8_e5m2))
+    with pytest.raises(ValueError, match="bias: not with q torch.bfloat16 against an FP8 KV cache"):
+        attention(q, k8, k8, bias=torch.zeros(1, 8, 1, 64))
 
 
 def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):

@@ -1,0 +1,112 @@
+"""An FP8 KV cache on the GPU (marked `gpu`; sm_90): a bfloat16 or float16 q against e4m3 or e5m2 k
+and v with FlashAttention-3's k_descale and v_descale, through the decode kernels, against the
+float64 oracle on the same FP8 values.
+
+The kernel widens K and V to float16 exactly and rounds nothing but P (to float16, as the half-type
+kernels round it to their own type), Q (a bfloat16 q rescaled by a power of two into float16:
+exact) and O to q's type, so it meets q's type's own tolerance against exact attention of the FP8
+values (element_types.ElementType.tolerance)."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from fagen import oracle, variants
+from fagen.check import relative_error, to_numpy
+from fagen.element_types import ELEMENT_TYPES
+from fagen.runtime import compile_kernel
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # (q dtype, kv dtype, B, Hq, Hkv, Nq, Nk, causal, |q| scale)
+    ("bfloat16", "float8_e4m3", 2, 32, 8, 1, 4097, False, 1.0),  # keys past the last whole tile
+    ("bfloat16", "float8_e4m3", 1, 8, 1, 2, 1000, True, 1.0),  # MQA, two query rows, bottom-right causal
+    ("float16", "float8_e4m3", 3, 16, 4, 1, 300, False, 1.0),
+    ("bfloat16", "float8_e5m2", 2, 8, 2, 1, 2048, False, 1.0),
+    ("bfloat16", "float8_e4m3", 1, 32, 8, 1, 3000, False, 3e5),  # |q| past float16's range: rescaled
+    ("bfloat16", "float8_e4m3", 1, 32, 8, 1, 3000, False, 1e-6),  # ... and far under its normals
+    ("bfloat16", "float8_e4m3", 64, 32, 8, 1, 512, False, 1.0),  # blocks enough unsplit
+    ("bfloat16", "float8_e4m3", 2, 32, 2, 4, 1500, True, 1.0),  # 64 packed rows: the q64 kernel
+]
+
+
+def cache(rng, shape, dtype: str, torch):
+    """An FP8 tensor of a Gaussian activation and its per-(batch, KV head) descale (amax over the
+    type's largest finite value, times a random factor in [1, 2): heads differ): true = FP8 * descale."""
+    element = ELEMENT_TYPES[dtype]
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda()
+    descale = x.abs().amax(dim=(2, 3)) / element.max_finite
+    descale = descale * torch.from_numpy(rng.uniform(1.0, 2.0, descale.shape).astype(np.float32)).cuda()
+    return (x / descale[:, :, None, None]).to(getattr(torch, element.torch_name)), descale
+
+
+def inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, q_scale, torch):
+    q = torch.from_numpy(rng.standard_normal((b, hq, nq, 128)).astype(np.float32) * q_scale).cuda()
+    q = q.to(getattr(torch, dtype))
+    (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, 128), kv_dtype, torch) for _ in range(2))
+    return q, k8, v8, kd, vd
+
+
+def exact(q, k8, v8, kd, vd, causal: bool):
+    """Attention of the FP8 values times their descales, float64 (the oracle's FP8 steps, P unrounded)."""
+    return oracle.attention(*(to_numpy(x.float()) for x in (q, k8, v8)), causal=causal,
+                            k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,b,hq,hkv,nq,nk,causal,q_scale", CASES)
+def test_fagen_attention_reads_an_fp8_kv_cache(dtype, kv_dtype, b, hq, hkv, nq, nk, causal, q_scale):
+    """fagen.attention with a half-type q and FP8 k and v takes the decode kernels' FP8 variant and
+    meets q's type's tolerance against exact attention of the FP8 values."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, kv_dtype, b, hq, nq, nk, q_scale)).encode()))
+    q, k8, v8, kd, vd = inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, q_scale, torch)
+    with torch.no_grad():
+        got = fagen.attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    error = relative_error(to_numpy(got.float()), exact(q, k8, v8, kd, vd, causal))
+    assert error <= ELEMENT_TYPES[dtype].tolerance, error
+
+
+@pytest.mark.parametrize("form", ["split", "merged", "unsplit"])
+def test_each_fp8_kv_kernel_writes_every_output(form):
+    """The FP8 variant of the d128 decode kernel as the merge kernel's split, merging its own
+    splits, and unsplit, each into NaN-poisoned outputs: O and the LSE against the oracle's."""
+    torch = pytest.importorskip("torch")
+    from fagen.splitkv import merge
+
+    rng = np.random.default_rng(5)
+    b, hq, hkv, nq, nk = 2, 16, 4, 1, 2500
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", b, hq, hkv, nq, nk, 1.0, torch)
+    base = variants.fp8_kv_variant(variants.decode_spec("bfloat16", 128, nq * hq // hkv), "float8_e4m3")
+    spec = {"split": base, "merged": variants.merged_variant(base), "unsplit": variants.unsplit_variant(base)}[form]
+    kernel = compile_kernel(spec)
+    nan = float("nan")
+    if form == "split":
+        parts = torch.full((4, b, hq, nq, 128), nan, device="cuda"), torch.full((4, b, hq, nq), nan, device="cuda")
+        o_parts, lse_parts = kernel(q, k8, v8, splits=4, out=parts[0], lse=parts[1], k_descale=kd, v_descale=vd)
+        out, lse = merge(o_parts, lse_parts, out_dtype="bfloat16")
+    else:
+        out = torch.full_like(q, nan)
+        out, lse = kernel(q, k8, v8, out=out, return_lse=True, k_descale=kd, v_descale=vd,
+                          **({"splits": 4} if form == "merged" else {}))
+    want, want_lse = oracle.attention(*(to_numpy(x.float()) for x in (q, k8, v8)), return_lse=True,
+                                      k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+    np.testing.assert_allclose(to_numpy(lse), want_lse, rtol=0, atol=1e-3)
+
+
+def test_an_fp8_kv_cache_outside_the_decode_kernels_is_refused():
+    """More packed query rows than a decode kernel holds: refused before launch, naming the FP8
+    cache, the rows and the way out."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(3)
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 1, 8, 1, 256, 512, 1.0, torch)
+    with pytest.raises(ValueError, match="FP8 KV cache.*2048 rows"):
+        fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd)
+    with pytest.raises(ValueError, match="q_descale"):
+        fagen.attention(q[:, :, :1], k8, v8, q_descale=kd, k_descale=kd, v_descale=vd)
