@@ -1,8 +1,10 @@
-"""FP8 attention forward: fagen's e4m3 kernel beside its own bfloat16 forward and cuDNN's FP8 SDPA
+"""FP8 attention: fagen's e4m3 forward beside its own bfloat16 forward and cuDNN's FP8 SDPA
 (cudnn-frontend's `sdpa_fp8`, where `import cudnn` works), on the same FP8 values, each checked
-against exact attention of those values (float64, on the GPU, one head) before it is timed.
+against exact attention of those values (float64, on the GPU, one head) before it is timed; and
+decode against an e4m3 KV cache beside the bfloat16 cache (KV_CASES: device time of a step, from
+CUDA graph replays, and the FP8 bytes a second it reads).
 
-    python3 -m fagen.bench_fp8 [--quick] [--out bench/bench_fp8.json]
+    python3 -m fagen.bench_fp8 [--quick] [--kv-only] [--out bench/bench_fp8.json]
 
 Activations are Gaussian ("plain") or with 4 channels of q and k 100x the rest ("outliers",
 rescaled to the same score variance); descales at amax / 448 per tensor (cuDNN takes one number
@@ -61,6 +63,48 @@ class Fp8Row:
     note: str = ""
 
 
+@dataclass(frozen=True)
+class KvCase:
+    """A decode step: B sequences of Nk cached keys, Hq 32 query heads over Hkv 8, d 128, one query."""
+    batch: int
+    keys: int
+    heads_q: int = 32
+    heads_kv: int = 8
+    head_dim: int = 128
+
+    @property
+    def key(self) -> str:
+        return f"kv-b{self.batch}-n{self.keys}"
+
+    def cache_bytes(self, item: int) -> int:
+        """K's and V's bytes a step reads, at `item` bytes an element."""
+        return 2 * self.batch * self.heads_kv * self.keys * self.head_dim * item
+
+
+@dataclass
+class KvRow:
+    case: str
+    batch: int
+    keys: int
+    bf16_us: float | None = None  # a step's device time against the bfloat16 cache
+    fp8_us: float | None = None  # ... against the e4m3 cache
+    error: float | None = None  # FP8's ||out - exact|| / ||exact||, exact of the FP8 values (float64, sequence 0)
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        """Tokens a second against the FP8 cache over against the bfloat16 one."""
+        return self.bf16_us / self.fp8_us if self.bf16_us and self.fp8_us else None
+
+    def tbps(self, fp8: bool) -> float | None:
+        """The cache's bytes a second read, TB/s."""
+        us = self.fp8_us if fp8 else self.bf16_us
+        return KvCase(self.batch, self.keys).cache_bytes(1 if fp8 else 2) / us / 1e6 if us else None
+
+
+KV_CASES = [KvCase(b, n) for b in (1, 8, 32) for n in (8192, 32768, 131072)]
+
+
 def cases(quick: bool = False) -> list[Fp8Case]:
     if quick:
         return [Fp8Case(4096, 128, False, "plain")]
@@ -68,9 +112,15 @@ def cases(quick: bool = False) -> list[Fp8Case]:
             for act in ("plain", "outliers")]
 
 
-def markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
-    """BENCHMARKS.md's FP8 section: a case a line, each implementation's TFLOP/s and error, and
-    fagen FP8 over cuDNN FP8."""
+def markdown(rows: list, meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's FP8 sections: the forward's (a case a line, each implementation's TFLOP/s
+    and error, and fagen FP8 over cuDNN FP8), then the KV cache's (kv_markdown) where it has rows."""
+    kv = [r for r in rows if isinstance(r, KvRow)]
+    rows = [r for r in rows if isinstance(r, Fp8Row)]
+    return (_forward_markdown(rows, meta) if rows else []) + (["", *kv_markdown(kv, meta)] if kv else [])
+
+
+def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
     out = ["## FP8 forward: fagen e4m3 against cuDNN FP8 and fagen bfloat16", "",
            "`python3 -m fagen.bench_fp8`: B * N = 16k tokens, H * d = 2048, per-tensor descales at amax / 448; "
            "TFLOP/s of the whole call; errors against exact attention of the same FP8 values (head 0). "
@@ -92,6 +142,23 @@ def markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
     return out
 
 
+def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's FP8 KV cache section: a decode step against the e4m3 and the bfloat16 cache."""
+    out = ["## FP8 KV cache: decode against an e4m3 cache and a bfloat16 one", "",
+           "`python3 -m fagen.bench_fp8 --kv-only`: a bfloat16 q (Hq 32, one query) against Hkv 8 heads of d 128, "
+           "device time of a step (CUDA graph replays), the cache's bytes a second; the FP8 step's error against "
+           "exact attention of the FP8 values (float64, sequence 0)."
+           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           "| B | Nk | bf16 cache us | TB/s | e4m3 cache us | TB/s | tokens/s, e4m3 / bf16 | e4m3 error | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = [f"{x:.1f}" if x else "-" for x in (r.bf16_us, r.tbps(False), r.fp8_us, r.tbps(True))]
+        speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
+        error = f"{r.error:.1e}" if r.error is not None else "-"
+        out.append(f"| {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {error} | {r.note} |")
+    return out
+
+
 def _tf(row: Fp8Row | None) -> str:
     return f"{row.tflops:.0f}" if row is not None and row.tflops else "-"
 
@@ -100,10 +167,12 @@ def _err(row: Fp8Row | None) -> str:
     return f"{row.error:.1e}" if row is not None and row.error is not None else "-"
 
 
-def read_json(path: Path) -> tuple[list[Fp8Row], dict]:
+def read_json(path: Path) -> tuple[list, dict]:
+    """The forward's rows (Fp8Row) and the KV cache's (KvRow), and the run's meta."""
     try:
         data = json.loads(Path(path).read_text())
-        return [Fp8Row(**r) for r in data["rows"]], dict(data.get("meta", {}))
+        rows = [Fp8Row(**r) for r in data["rows"]] + [KvRow(**r) for r in data.get("kv_rows", [])]
+        return rows, dict(data.get("meta", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a {JSON} ({error}); run python3 -m fagen.bench_fp8") from None
 
@@ -246,22 +315,97 @@ def run_case(case: Fp8Case) -> list[Fp8Row]:
     return rows
 
 
+def run_kv_case(case: KvCase) -> KvRow:
+    """One decode step against the bfloat16 cache and against its e4m3 rounding (descales per
+    (sequence, KV head)), the FP8 step checked against exact attention of the FP8 values before
+    both are timed."""
+    import torch
+
+    row = KvRow(case.key, case.batch, case.keys)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
+    shape = (case.batch, case.heads_kv, case.keys, case.head_dim)
+    q = torch.randn((case.batch, case.heads_q, 1, case.head_dim), device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    (k8, kd), (v8, vd) = (quantized_per_head(x) for x in (k, v))
+    try:
+        with torch.no_grad():
+            got = api.attention(q, k8, v8, k_descale=kd, v_descale=vd)
+            kx, vx = (x[0].double() * d[0][:, None, None].double() for x, d in ((k8, kd), (v8, vd)))
+            group = case.heads_q // case.heads_kv
+            kx, vx = (x.repeat_interleave(group, dim=0) for x in (kx, vx))
+            exact = torch.softmax((q[0].double() @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
+            row.error = relative(got[0], exact)
+            row.bf16_us = graph_us(lambda: api.attention(q, k, v))
+            row.fp8_us = graph_us(lambda: api.attention(q, k8, v8, k_descale=kd, v_descale=vd))
+    except Exception as err:  # noqa: BLE001 - a failing case is its row
+        row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return row
+
+
+def quantized_per_head(x):
+    """x's e4m3 tensor and its [B, Hkv] descales (amax / 448 a sequence and KV head)."""
+    import torch
+
+    descale = x.float().abs().amax(dim=(2, 3)).clamp(min=1e-12) / 448.0
+    return (x.float() / descale[:, :, None, None]).to(torch.float8_e4m3fn), descale
+
+
+def graph_us(fn, steps: int = 20) -> float:
+    """Device microseconds a call of fn, from replays of a CUDA graph of `steps` calls (a decode
+    step's host time is another table's: the serving benchmark's)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / steps)
+    return sorted(times)[len(times) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one case (d128, N 4k, dense)")
+    parser.add_argument("--kv-only", action="store_true", help="the KV cache's cases alone (the forward's kept "
+                        "from --out's JSON)")
     parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
     args = parser.parse_args(argv)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     rows: list[Fp8Row] = []
+    kv_rows: list[KvRow] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for case in cases(args.quick):
+    if args.kv_only and args.out.exists():
+        rows = [r for r in read_json(args.out)[0] if isinstance(r, Fp8Row)]
+
+    def write() -> None:
+        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
+                                        "kv_rows": [asdict(r) for r in kv_rows]}, indent=1))
+
+    for case in [] if args.kv_only else cases(args.quick):
         rows += run_case(case)
         print(f"{case.key}: " + ", ".join(f"{r.impl} {r.tflops and round(r.tflops)} err {r.error} {r.note}"
                                            for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
-        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
-    print("\n".join(markdown(rows, meta)))
+        write()
+    for case in KV_CASES[:1] if args.quick else KV_CASES:
+        kv_rows.append(run_kv_case(case))
+        print(f"{case.key}: {kv_rows[-1]}", file=sys.stderr, flush=True)
+        write()
+    print("\n".join(markdown([*rows, *kv_rows], meta)))
     return 0
 
 

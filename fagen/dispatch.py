@@ -273,8 +273,19 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
             plain = long
     if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
-    packed = variants.decode_spec(plain.dtype, plain.head_dim, tq.shape[2] * (tq.shape[1] // tk.shape[1]),
-                                  plain.mask, plain.score_mod)
+    rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
+    packed = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    kv = element_type(tk.dtype)
+    if kv.is_fp8:  # an FP8 KV cache: the decode kernel's FP8 variant, or nothing
+        if packed is None:
+            raise ValueError(f"k_cache, v_cache: {tk.dtype} (an FP8 KV cache) is read by the decode kernels: head_dim "
+                             f"128 and at most {max(variants.DECODE_HEAD_DIMS[128])} packed query rows (Nq x Hq / Hkv); "
+                             f"this call has head_dim {plain.head_dim} and {rows} rows. Split the queries into chunks "
+                             f"of fewer rows, or keep the cache in {plain.dtype}")
+        try:
+            packed = variants.fp8_kv_variant(packed, kv.name)
+        except SpecError as refused:
+            raise ValueError(f"k_cache, v_cache: {tk.dtype}: {refused}") from None
     try:
         return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout, batch.seqused_k)
     except SpecError as refused:

@@ -108,5 +108,9 @@ def element_type(name: str) -> ElementType:
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes an element of `dtype` takes: an element type's, else NumPy's (int32, float64)."""
-    return ELEMENT_TYPES[dtype].bytes if dtype in ELEMENT_TYPES else np.dtype(dtype).itemsize
+    """Bytes an element of `dtype` takes: an element type's (by fagen's or torch's name), else
+    NumPy's (int32, float64)."""
+    for t in ELEMENT_TYPES.values():
+        if dtype in (t.name, t.torch_name):
+            return t.bytes
+    return np.dtype(dtype).itemsize

@@ -148,7 +148,8 @@ def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlen
         rows = cache[page_table[b, :-(-n // page_size)]].reshape(-1, *cache.shape[2:])[:n]
         return rows.transpose(1, 0, 2)
     if cu_seqlens_q is None:
-        outs = [_one(q[b:b + 1], keys(k_cache, b)[None], keys(v_cache, b)[None], kwargs) for b in range(q.shape[0])]
+        outs = [_one(q[b:b + 1], keys(k_cache, b)[None], keys(v_cache, b)[None], _sequence_kwargs(kwargs, b, batch))
+                for b in range(q.shape[0])]
         out, lse = np.concatenate([o for o, _ in outs]), np.concatenate([l for _, l in outs])
         return (out, lse) if kwargs.get("return_lse") else out
     sequences = [(_rows(q, cu_seqlens_q, b), keys(k_cache, b), keys(v_cache, b)) for b in range(len(cu_seqlens_q) - 1)]
@@ -188,6 +189,16 @@ def _one(q, k, v, kwargs):
     if k.shape[2] == 0:  # only the sink: O = 0, LSE = its logit
         return np.zeros(q.shape), np.broadcast_to(np.asarray(kwargs["sinks"], np.float64)[None, :, None], q.shape[:3]).copy()
     return attention(q, k, v, **{**kwargs, "return_lse": True})
+
+
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _sequence_kwargs(kwargs: dict, b: int, batch: int) -> dict:
+    """kwargs for sequence b of a batch the oracle runs a sequence at a time: a descale given per
+    (sequence, KV head), [B, Hkv], becomes that sequence's row [1, Hkv]."""
+    return {name: (np.asarray(x)[b:b + 1] if name in DESCALES and np.ndim(x) == 2 and np.shape(x)[0] == batch else x)
+            for name, x in kwargs.items()}
 
 
 def _real(x, name: str) -> np.ndarray:
@@ -236,10 +247,10 @@ def _per_sequence(sequences, q_shape, kwargs):
     out = np.zeros(q_shape, np.float64)
     lse = np.zeros((q_shape[1], q_shape[0]), np.float64)
     row = 0
-    for sq, sk, sv in sequences:
+    for b, (sq, sk, sv) in enumerate(sequences):
         n = sq.shape[1]
         if n:
-            o, l = _one(sq[None], sk[None], sv[None], kwargs)
+            o, l = _one(sq[None], sk[None], sv[None], _sequence_kwargs(kwargs, b, len(sequences)))
             out[row:row + n] = o[0].transpose(1, 0, 2)
             lse[:, row:row + n] = l[0]
         row += n

@@ -24,6 +24,7 @@ from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
+from fagen.element_types import itemsize
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
 from fagen.render import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
@@ -39,9 +40,10 @@ def _check_layout(t: DeviceTensor, what: str) -> None:
     if t.strides[-1] != 1:
         raise ValueError(f"{what}: last-dim stride is {t.strides[-1]}, must be 1 (16-byte copies read whole "
                          f"rows); pass a contiguous copy ({what}.contiguous() / cupy.ascontiguousarray)")
-    bad = [s for s in t.strides[:-1] if s % 8]
+    chunk = 16 // itemsize(t.dtype)  # elements in a 16-byte copy: 8 of a half type, 16 of FP8
+    bad = [s for s in t.strides[:-1] if s % chunk]
     if t.ptr % 16 or bad:
-        raise ValueError(f"{what}: strides {t.strides} (elements) and address must be multiples of 8 elements "
+        raise ValueError(f"{what}: strides {t.strides} (elements) and address must be multiples of {chunk} elements "
                          f"/ 16 bytes for cp.async; pass a contiguous copy")
 
 
@@ -572,7 +574,7 @@ class Kernel:
             if partial and not merged:
                 given["sinks"] = None
             extras, keep_alive = self.extra_arguments(tq, tk, given)
-            descaled = self._descales(tq, tk, q_descale, k_descale, v_descale)
+            descaled = self.descale_arguments(tq, tk, q_descale, k_descale, v_descale)
             if descaled is not None:
                 extras.update(descaled[0])
                 keep_alive = [*keep_alive, descaled[1]]
@@ -611,7 +613,7 @@ class Kernel:
             return running
         return (out, lse) if return_lse or partial and not merged else out
 
-    def _descales(self, tq: DeviceTensor, tk: DeviceTensor, q_descale, k_descale, v_descale) -> tuple[dict, object] | None:
+    def descale_arguments(self, tq: DeviceTensor, tk: DeviceTensor, q_descale, k_descale, v_descale) -> tuple[dict, object] | None:
         """An FP8 kernel's descale arguments and the [3, B, Hkv] array behind them; None for others
         (which refuse descales)."""
         given = [name for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))

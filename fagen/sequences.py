@@ -34,6 +34,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           zeros_like)
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
+from fagen.element_types import element_type
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
@@ -233,7 +234,7 @@ def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts
 
 
 def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
-         splits: int | None = None, out=None, indices: tuple[str, ...] = ()) -> Packed:
+         splits: int | None = None, out=None, indices: tuple[str, ...] = (), k_descale=None, v_descale=None) -> Packed:
     """The launches of `spec` (dispatch.batch_spec's) on a checked batch (`run` launches them; a prepared
     call keeps them): out like q ([B, Hq, Nq, d] or [total_q, Hq, d]; given, it is written in
     place), lse [B, Hq, Nq] or [Hq, total_q]. `indices`: the batch's index parameters a prepared
@@ -241,8 +242,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
     tq, tk, tv = batch.q, batch.k, batch.v
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
-    if tq.dtype != spec.dtype or tk.dtype != tq.dtype or tv.dtype != tq.dtype:
-        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; all float16 or all bfloat16")
+    kv_types = (spec.kv_element.name, spec.kv_element.torch_name)
+    if tq.dtype != spec.dtype or tk.dtype not in kv_types or tv.dtype not in kv_types:
+        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; all float16 or all bfloat16, or a "
+                         f"float16 or bfloat16 q against k and v of one FP8 type (an FP8 KV cache)")
     if tk.shape[-1] != d:
         raise ValueError(f"head_dim: q has {d}, k and v have {tk.shape[-1]}")
     if len({tq.device, tk.device, tv.device}) != 1:
@@ -260,6 +263,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
                      sinks=sinks if kernel.takes_sinks else None)
         extras, held = kernel.extra_arguments(tq, tk, given)
         extras.update(batch.arguments)
+        descaled = kernel.descale_arguments(tq, tk, None, k_descale, v_descale)  # an FP8 cache's
+        if descaled is not None:
+            extras.update(descaled[0])
+            held = [*held, descaled[1]]
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles: number them first
             table = query_tiles(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
             ptr = as_device_tensor(table, "q_tiles").ptr
@@ -291,9 +298,10 @@ def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor):
 
 
 def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
-        splits: int | None = None, out=None):
+        splits: int | None = None, out=None, k_descale=None, v_descale=None):
     """(out, lse) of `spec` (dispatch.batch_spec's) on a checked batch, launched on the inputs' stream."""
-    packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out)
+    packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out,
+                  k_descale=k_descale, v_descale=v_descale)
     with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
         packed()
     return packed.out, packed.lse
@@ -330,7 +338,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, cache_leftpad=None, k=None, v=None,
                            cu_seqlens_q=None, max_seqlen_q: int | None = None, causal: bool = False, mask=None,
                            softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
-                           return_lse: bool = False, status=None, validate: bool = True, out=None):
+                           return_lse: bool = False, status=None, validate: bool = True, out=None, k_descale=None,
+                           v_descale=None):
     """Attention against a KV cache (FlashAttention's flash_attn_with_kvcache). Paged: k_cache,
     v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B] keys
     each. Unpaged (page_table None): k_cache, v_cache [B, slots, Hkv, d], sequence b's keys being
@@ -340,7 +349,18 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     queries attend to the cache plus them; the caller advances cache_seqlens, as with
     FlashAttention. q: [B, Hq, Nq, d], or [total_q, Hq, d] with cu_seqlens_q and max_seqlen_q.
     status: an int32 [1] device array the append and the kernel OR PAGE_OUT_OF_RANGE and
-    SEQLEN_OVER_TABLE into (validate=False: what they skip, neither reading nor writing it)."""
+    SEQLEN_OVER_TABLE into (validate=False: what they skip, neither reading nor writing it).
+    An FP8 cache (k_cache, v_cache float8_e4m3fn or float8_e5m2, q float16 or bfloat16; paged):
+    read by the decode kernels with FlashAttention-3's k_descale and v_descale (float32, one number
+    or [B, Hkv]; None is 1); new tokens k, v go into it quantized first (not by this call yet)."""
+    fp8_cache = element_type(as_device_tensor(k_cache, "k_cache").dtype).is_fp8
+    if fp8_cache and (page_table is None or k is not None):
+        raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) and without new tokens yet: "
+                         "quantize k and v into it first (k / k_descale, cast to its type, written at each "
+                         "sequence's cache_seqlens), then call with page_table and without k, v")
+    if not fp8_cache and (k_descale is not None or v_descale is not None):
+        raise ValueError("k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2 k_cache and "
+                         "v_cache); this one is a half type: drop them")
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
     if page_table is None:
@@ -360,7 +380,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")
-    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q):
+    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q) and not fp8_cache:
         done = KEPT_PAGED_CALLS(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse,
                                 dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks))
         if done is not NotImplemented:
@@ -378,7 +398,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if append is not None:
         append.launch()
-    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
+    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out, k_descale=k_descale,
+                   v_descale=v_descale)
     return (out, lse) if return_lse else out
 
 

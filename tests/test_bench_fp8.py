@@ -26,3 +26,19 @@ def test_the_table_puts_fagen_over_cudnn_and_says_why_a_cell_is_empty(tmp_path):
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {"date": "2026-11-29"}, "rows": [r.__dict__ for r in rows]}))
     assert read_json(path)[0] == rows
+
+
+def test_the_kv_table_reads_tokens_a_second_and_bytes_and_survives_json(tmp_path):
+    """A KV cache row: the FP8 step's speed over the bfloat16 one's, each cache's TB/s (bytes of K
+    and V a step over its device time), kept in the JSON beside the forward's rows."""
+    from fagen.bench_fp8 import KV_CASES, KvRow
+
+    row = KvRow("kv-b8-n32768", 8, 32768, bf16_us=240.0, fp8_us=150.0, error=1.1e-3)
+    assert abs(row.tbps(False) - 2 * 8 * 8 * 32768 * 128 * 2 / 240e-6 / 1e12) < 1e-9
+    assert abs(row.tbps(True) - 2 * 8 * 8 * 32768 * 128 / 150e-6 / 1e12) < 1e-9
+    line = markdown([row])[-1]
+    assert line.startswith("| 8 | 32768 | 240.0 |") and "| 1.60x | 1.1e-03 |" in line
+    assert {(c.batch, c.keys) for c in KV_CASES} >= {(1, 32768), (32, 131072)}
+    path = tmp_path / "bench_fp8.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [], "kv_rows": [row.__dict__]}))
+    assert read_json(path)[0] == [row]

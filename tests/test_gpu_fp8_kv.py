@@ -110,3 +110,70 @@ def test_an_fp8_kv_cache_outside_the_decode_kernels_is_refused():
         fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd)
     with pytest.raises(ValueError, match="q_descale"):
         fagen.attention(q[:, :, :1], k8, v8, q_descale=kd, k_descale=kd, v_descale=vd)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_a_paged_fp8_cache_matches_the_oracle(page_size):
+    """attention_with_kvcache over an e4m3 paged cache (pages shuffled, spare pages of garbage,
+    ragged lengths with an empty one), per-(sequence, KV head) descales, into NaN-poisoned out."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(page_size)
+    lens = [int(x) for x in rng.integers(1, 3000, 5)] + [0]
+    b, hq, hkv, d = len(lens), 32, 8, 128
+    need = [-(-n // page_size) for n in lens]
+    num_pages = sum(need) + 3
+    order = rng.permutation(num_pages)
+    table = np.full((b, max(need) + 1), -7, np.int32)  # unused entries: never read
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = order[used:used + n]
+        used += n
+    (k8, kd), (v8, vd) = (cache(rng, (num_pages, page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    # cache()'s descales are per page; a sequence's are per (sequence, KV head): one of its own
+    kd, vd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() for _ in range(2))
+    q = torch.from_numpy(rng.standard_normal((b, hq, 1, d)).astype(np.float32)).cuda().to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    fagen.attention_with_kvcache(q, k8, v8, seqlens, torch.from_numpy(table).cuda(), out=out, status=status,
+                                 k_descale=kd, v_descale=vd)
+    want = oracle.attention_paged(*(to_numpy(x.float()) for x in (q, k8, v8)), np.maximum(table, 0), lens,
+                                  k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+    assert int(status.item()) == 0
+
+
+def test_a_compiled_layer_reading_an_fp8_cache_replays_in_a_cuda_graph():
+    """fagen.attention on a bfloat16 q and an e4m3 cache compiles with fullgraph=True (through
+    fagen::fp8_attention_forward) and replays in a CUDA graph the eager result, bit for bit, on
+    new values of the same tensors."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(13)
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 4096, 1.0, torch)
+
+    def layer(q, k, v):
+        return fagen.attention(q, k, v, k_descale=kd, v_descale=vd)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        eager = layer(q, k8, v8)
+        assert torch.equal(compiled(q, k8, v8), eager)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                compiled(q, k8, v8)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = compiled(q, k8, v8)
+        new = inputs(rng, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 4096, 1.0, torch)
+        for x, fresh in zip((q, k8, v8), new[:3]):
+            x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, layer(q, k8, v8))

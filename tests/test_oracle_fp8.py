@@ -61,3 +61,27 @@ def test_fp8_arguments_are_refused_by_name():
         oracle.attention(q, k, v, p_type="float7")
     # each fix the messages give is accepted
     oracle.attention(q, k, v, q_descale=np.ones((B, HKV)), v_descale=1.0, p_type="float8_e4m3", p_scale=448.0)
+
+
+def test_a_paged_cache_takes_each_sequences_descales():
+    """oracle.attention_paged with [B, Hkv] descales: sequence b is attention of its own keys with
+    its own row of descales (the sequences run one at a time)."""
+    from fagen import oracle
+
+    rng = np.random.default_rng(2)
+    b, hq, hkv, d, page = 3, 4, 2, 16, 16
+    lens = [5, 0, 33]
+    k_cache, v_cache = (rng.standard_normal((6, page, hkv, d)) for _ in range(2))
+    table = np.array([[0, 5, 1], [2, 2, 2], [3, 4, 1]], np.int32)
+    q = rng.standard_normal((b, hq, 1, d))
+    kd, vd = (rng.uniform(0.5, 2.0, (b, hkv)) for _ in range(2))
+    got = oracle.attention_paged(q, k_cache, v_cache, table, lens, k_descale=kd, v_descale=vd)
+    for i, n in enumerate(lens):
+        keys = [k_cache[table[i, j // page], j % page] for j in range(n)]
+        values = [v_cache[table[i, j // page], j % page] for j in range(n)]
+        if not n:
+            assert np.all(got[i] == 0)
+            continue
+        k, v = (np.stack(x).transpose(1, 0, 2)[None] for x in (keys, values))
+        want = oracle.attention(q[i:i + 1], k, v, k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
+        np.testing.assert_allclose(got[i:i + 1], want, rtol=1e-12, atol=1e-12)
