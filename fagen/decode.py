@@ -160,11 +160,13 @@ class PreparedAttention:
     host) and, for the same reason as any workspace, must not run concurrently on two streams.
     A call captured in a CUDA graph keeps this object alive for the rest of the process
     (CAPTURED): the graph's replays write its workspace, which must not go back to the
-    allocator while a graph may still replay. sequences.PreparedKVCache is the paged form."""
+    allocator while a graph may still replay. sequences.PreparedKVCache is the paged form. An FP8
+    cache's k_descale and v_descale are read at prepare time (a copy: prepare again for others)."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None,
-                 cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None):
+                 cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None, k_descale=None,
+                 v_descale=None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -191,6 +193,10 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
+            descaled = kernel.descale_arguments(tq, tk, None, k_descale, v_descale)  # an FP8 cache's, read now
+            if descaled is not None:
+                extras.update(descaled[0])
+                held = [*held, descaled[1]]
             # ranges: each sequence's diagonal is the kernel's own (plan.sequence_offset)
             offset = nk - nq if spec.mask.align == "bottom_right" and ranges is None else 0
             if ranges is not None:

@@ -417,11 +417,12 @@ class PreparedKVCache(PreparedAttention):
     call trusts them as attention_with_kvcache(validate=False) does: the kernel loads zeros for
     a page id outside the cache and ORs a flag into `status`, and cuts a sequence longer than
     its table row to it. q is padded [B, Hq, Nq, d]; new tokens go into the cache before the
-    call (append_kv)."""
+    call (append_kv). An FP8 cache's k_descale and v_descale are read at prepare time (a copy:
+    prepare again for others)."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, page_table, *, causal: bool = False, mask=None,
                  softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
-                 status=None, splits: int | None = None, validate: bool = True):
+                 status=None, splits: int | None = None, validate: bool = True, k_descale=None, v_descale=None):
         tq = as_device_tensor(q, "q")
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
@@ -438,7 +439,7 @@ class PreparedKVCache(PreparedAttention):
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
                              f"attention_with_kvcache, which answers a call without query rows with no launch")
         packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
-                      indices=PAGED_INDICES)
+                      indices=PAGED_INDICES, k_descale=k_descale, v_descale=v_descale)
         self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
                   packed.kernel, packed.merge, packed.held)
 

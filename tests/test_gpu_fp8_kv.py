@@ -177,3 +177,26 @@ def test_a_compiled_layer_reading_an_fp8_cache_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, layer(q, k8, v8))
+
+
+def test_prepared_calls_read_an_fp8_cache_as_the_eager_ones():
+    """fagen.prepare and fagen.prepare_with_kvcache on e4m3 caches, descales given at prepare:
+    each call equals the eager call bit for bit, on new values of the same tensors."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(17)
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 4, 32, 8, 1, 3000, 1.0, torch)
+    with torch.no_grad():
+        step = fagen.prepare(q, k8, v8, k_descale=kd, v_descale=vd)
+        for _ in range(2):
+            assert torch.equal(step(q, k8, v8), fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd))
+            q.copy_(torch.randn_like(q))
+        page_size, n = 16, 2992  # the cache's first n keys as pages of 16, sequence b's in table row b
+        kc, vc = (x[:, :, :n].permute(0, 2, 1, 3).reshape(4 * n // page_size, page_size, 8, 128).contiguous()
+                  for x in (k8, v8))
+        table = torch.arange(4 * n // page_size, dtype=torch.int32, device="cuda").reshape(4, -1)
+        lens = torch.tensor([n, 1000, 17, n], dtype=torch.int32, device="cuda")
+        paged = fagen.prepare_with_kvcache(q, kc, vc, lens, table, k_descale=kd, v_descale=vd)
+        want = fagen.attention_with_kvcache(q, kc, vc, lens, table, k_descale=kd, v_descale=vd)
+        assert torch.equal(paged(q, kc, vc, lens, table), want)
