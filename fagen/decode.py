@@ -24,12 +24,12 @@ import numpy as np
 from fagen import hot_path, side_inputs
 from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
-from fagen.dispatch import derive_spec, no_work, packed_spec, sequence_keys, step_spec
-from fagen.element_types import element_type
+from fagen.dispatch import derive_spec, fp8_kv_refusal, no_work, packed_spec, sequence_keys, step_spec
+from fagen.element_types import fp8_element
 from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge
-from fagen.variants import DECODE_HEAD_DIMS, sequence_variant
+from fagen.variants import sequence_variant
 
 
 def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
@@ -42,7 +42,7 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
     for t, n in ((tk, "k"), (tv, "v")):
         if t.kind != tq.kind:
             raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all three from one framework")
-        if t.dtype != tq.dtype:
+        if t.dtype != tq.dtype and not (fp8_element(t.dtype) is not None and tk.dtype == tv.dtype):  # (an FP8 cache)
             raise ValueError(f"{n}: dtype {t.dtype}, but q is {tq.dtype}; cast it to {tq.dtype}")
         if t.device != tq.device:
             raise ValueError(f"{n} is on cuda:{t.device} but q on cuda:{tq.device}: put them on one GPU")
@@ -75,6 +75,10 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
     a PreparedAttention of them. `side`: block_mask, bias, alibi_slopes, sinks, doc_ids."""
     if len(getattr(q, "shape", ())) == 4 and len(getattr(k, "shape", ())) == 4 and no_work(q.shape, k.shape):
         return answer_without_work(plain, q, k, v, return_lse=return_lse, **side)
+    fp8_kv = fp8_element(as_device_tensor(k, "k").dtype) is not None and not plain.element.is_fp8
+    if fp8_kv and (cache_seqlens is not None or cache_leftpad is not None):
+        raise ValueError("k, v: an FP8 KV cache with key ranges (cache_seqlens, cache_leftpad) is not built yet; "
+                         "pass the cache's rows [B, Hkv, N, d] without them, or its pages to attention_with_kvcache")
     if cache_seqlens is not None or cache_leftpad is not None:
         taken = {name: value for name, value in side.items() if value is not None and name not in ("alibi_slopes", "sinks")}
         if taken:
@@ -83,28 +87,14 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
         prepared = PreparedAttention(q, k, v, plain=plain, scale=scale, alibi_slopes=side.get("alibi_slopes"),
                                      sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
         return prepared.once(q, k, v, *prepared.ranges, return_lse=return_lse)
-    fp8_kv = element_type(as_device_tensor(k, "k").dtype).is_fp8 and not plain.element.is_fp8
-    if fp8_kv and (cache_seqlens is not None or cache_leftpad is not None):
-        raise ValueError("k, v: an FP8 KV cache with key ranges (cache_seqlens, cache_leftpad) is not built yet; "
-                         "pass the cache's rows [B, Hkv, N, d] without them, or a bfloat16 cache")
     spec = packed_spec(plain, q, k)
     if spec is None:
         if fp8_kv:
-            raise ValueError(fp8_kv_refusal(plain, q, k))
+            tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
+            raise ValueError(fp8_kv_refusal("k, v", tk.dtype, plain, tq.shape[2] * (tq.shape[1] // max(tk.shape[1], 1))))
         return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=side.get("alibi_slopes"),
                sinks=side.get("sinks"), k_descale=k_descale, v_descale=v_descale)
-
-
-def fp8_kv_refusal(plain: AttentionSpec, q, k) -> str:
-    """Why an FP8 KV cache's call has no kernel: the decode kernels read one, and these rows or
-    this head width are not theirs."""
-    tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
-    rows = tq.shape[2] * (tq.shape[1] // max(tk.shape[1], 1))
-    return (f"k, v: {tk.dtype} (an FP8 KV cache) is read by the decode kernels: head_dim 128 and at most "
-            f"{max(DECODE_HEAD_DIMS.get(128, (0,)))} packed query rows (Nq x Hq / Hkv) a KV head; this call has head_dim "
-            f"{plain.head_dim} and {rows} rows ({plain.mask.kind} mask). Split the queries into chunks of fewer rows, "
-            f"or cast k and v to {plain.dtype}")
 
 
 def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int | None = None,
@@ -171,6 +161,9 @@ class PreparedAttention:
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                 keys=sequence_keys(k), v=v)
+        if fp8_element(tk.dtype) is not None and (cache_seqlens is not None or cache_leftpad is not None):
+            raise ValueError("k, v: an FP8 KV cache with key ranges (cache_seqlens, cache_leftpad) is not built yet; "
+                             "prepare on the cache's rows [B, Hkv, N, d] without them, or prepare_with_kvcache on its pages")
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 from fagen import device, side_inputs, variants
 from fagen.device import as_device_tensor
-from fagen.element_types import KERNEL_TYPES, element_type
+from fagen.element_types import KERNEL_TYPES, fp8_element
 from fagen.mask_kinds import fields_of
 from fagen.runtime import Kernel, compile_kernel
 from fagen.spec import HEAD_DIMS, QK_HEAD_DIMS, AttentionSpec, Mask, ScoreMod, SpecError
@@ -153,13 +153,22 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
         return None  # the decode kernels pack GQA heads: V as wide as Q only
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
     spec = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
-    kv = element_type(tk.dtype)
-    if spec is None or not kv.is_fp8 or plain.element.is_fp8:
+    kv = fp8_element(tk.dtype)
+    if spec is None or kv is None or plain.element.is_fp8:
         return spec
     try:  # an FP8 KV cache: the decode kernel widening its K and V (variants.fp8_kv_variant)
         return variants.fp8_kv_variant(spec, kv.name)
     except SpecError:
-        return None
+        return None  # (head_dim 64: the caller refuses, fp8_kv_refusal)
+
+
+def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:
+    """Why a call on an FP8 KV cache has no kernel: the decode kernels read one (head_dim 128, a
+    few packed rows), and these rows or this head width are not theirs."""
+    return (f"{names}: {dtype} (an FP8 KV cache) is read by the decode kernels: head_dim 128 and at most "
+            f"{max(variants.DECODE_HEAD_DIMS[128])} packed query rows (Nq x Hq / Hkv) a KV head; this call has head_dim "
+            f"{plain.head_dim} and {rows} rows ({plain.mask.kind} mask). Split the queries into chunks of fewer rows, "
+            f"or keep the cache in {plain.dtype}")
 
 
 def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
@@ -275,17 +284,21 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
     packed = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
-    kv = element_type(tk.dtype)
-    if kv.is_fp8:  # an FP8 KV cache: the decode kernel's FP8 variant, or nothing
-        if packed is None:
-            raise ValueError(f"k_cache, v_cache: {tk.dtype} (an FP8 KV cache) is read by the decode kernels: head_dim "
-                             f"128 and at most {max(variants.DECODE_HEAD_DIMS[128])} packed query rows (Nq x Hq / Hkv); "
-                             f"this call has head_dim {plain.head_dim} and {rows} rows. Split the queries into chunks "
-                             f"of fewer rows, or keep the cache in {plain.dtype}")
-        try:
-            packed = variants.fp8_kv_variant(packed, kv.name)
-        except SpecError as refused:
-            raise ValueError(f"k_cache, v_cache: {tk.dtype}: {refused}") from None
+    kv = fp8_element(tk.dtype)
+    if kv is not None:  # an FP8 KV cache: paged, through the decode kernel's FP8 variant
+        if batch.kv_layout != "paged":
+            raise ValueError(f"k, v: {tk.dtype} (an FP8 KV cache) is read paged (attention_with_kvcache with a "
+                             f"page_table) or as [B, Hkv, N, d] rows (fagen.attention), with k_descale and v_descale; "
+                             f"not {batch.kv_layout} yet")
+        fp8 = None
+        if packed is not None:
+            try:
+                fp8 = variants.fp8_kv_variant(packed, kv.name)
+            except SpecError:
+                pass
+        if fp8 is None:
+            raise ValueError(fp8_kv_refusal("k_cache, v_cache", tk.dtype, plain, rows))
+        packed = fp8
     try:
         return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout, batch.seqused_k)
     except SpecError as refused:

@@ -107,6 +107,15 @@ def element_type(name: str) -> ElementType:
     raise ValueError(f"dtype {name!r}: fagen knows {', '.join(ELEMENT_TYPES)}")
 
 
+def fp8_element(dtype: str) -> ElementType | None:
+    """The FP8 element type called `dtype` (fagen's or torch's name), else None (a half type, or
+    a dtype fagen does not know: the caller's own check names it)."""
+    for t in ELEMENT_TYPES.values():
+        if t.is_fp8 and dtype in (t.name, t.torch_name):
+            return t
+    return None
+
+
 def itemsize(dtype: str) -> int:
     """Bytes an element of `dtype` takes: an element type's (by fagen's or torch's name), else
     NumPy's (int32, float64)."""

@@ -431,6 +431,9 @@ class Kernel:
         if spec.wgmma and self.arch != "sm_90":
             raise RuntimeError(f"{spec.name}: arch sm_90a (wgmma) runs on Hopper (sm_90) only, this GPU is "
                                f"{self.arch}; use a spec with arch: sm_80")
+        if int(self.arch[3:]) < int(spec.arch[3:5]) and spec.fp8_kv:
+            raise RuntimeError(f"{spec.name}: an FP8 KV cache's kernels run on {spec.arch} (Hopper) here, this GPU is "
+                               f"{self.arch}; keep the cache in {spec.dtype} on it")
         if int(self.arch[3:]) < int(spec.arch[3:5]):
             raise RuntimeError(f"{spec.name}: spec arch {spec.arch} is newer than this GPU ({self.arch}); "
                                f"set arch: sm_80 in the spec")
@@ -489,7 +492,8 @@ class Kernel:
                 hint = ("; for a V of its own width, compile a spec with head_dim_v (fagen.compile), or call fagen.attention"
                         if n == "v" and spec.dv == spec.head_dim and tq.shape[-1:] == (d,) else "")
                 raise ValueError(f"{n}: {width} {t.shape[-1]}, but kernel {spec.name} is built for {d}{hint}")
-            _check_layout(t, n)
+            if not (spec.element.is_fp8 and n == "v"):  # (the FP8 forward reads V^T, v_transposed's copy)
+                _check_layout(t, n)
         if cupy.cuda.Device().id != tq.device:
             raise ValueError(f"inputs are on cuda:{tq.device} but the current device is cuda:{cupy.cuda.Device().id}; "
                              f"use `with cupy.cuda.Device({tq.device}):`")
@@ -594,6 +598,9 @@ class Kernel:
                 if to.shape != (splits, b, hq, nq, d) or to.dtype != "float32" or to.strides[-1] != 1:
                     raise ValueError(f"out: {to.dtype} {to.shape}; a split-KV kernel writes float32 "
                                      f"[{splits}, {b}, {hq}, {nq}, {d}]")
+                if self.spec.fp8_kv and (to.ptr % 16 or any(x % 4 for x in to.strides[:-1])):
+                    raise ValueError(f"out: strides {to.strides} at {to.ptr:#x}; an FP8 KV cache's split kernel writes "
+                                     f"16 bytes at a time: pass 16-byte-aligned partials (a fresh contiguous tensor)")
                 tl = as_device_tensor(lse, "lse")
                 rows = tl.strides[2] if accumulate else nq  # an accumulating kernel reads the heads' stride
                 if tl.shape != (splits, b, hq, nq) or tl.dtype != "float32" or tl.strides[1:] != (hq * rows, rows, 1):
@@ -750,7 +757,7 @@ class Kernel:
         outputs = ("merged_o", "merged_lse") if self.spec.outputs.merge_splits else ("o", "lse")
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
                       slots=("q", "k", "v", *indices, *outputs), maps=maps,
-                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * self.spec.element.bytes))
+                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * self.spec.kv_element.bytes))
 
     def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
         """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by

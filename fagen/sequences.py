@@ -34,7 +34,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           zeros_like)
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
-from fagen.element_types import element_type
+from fagen.element_types import fp8_element
 from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
@@ -353,7 +353,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     An FP8 cache (k_cache, v_cache float8_e4m3fn or float8_e5m2, q float16 or bfloat16; paged):
     read by the decode kernels with FlashAttention-3's k_descale and v_descale (float32, one number
     or [B, Hkv]; None is 1); new tokens k, v go into it quantized first (not by this call yet)."""
-    fp8_cache = element_type(as_device_tensor(k_cache, "k_cache").dtype).is_fp8
+    fp8_cache = fp8_element(as_device_tensor(k_cache, "k_cache").dtype) is not None
     if fp8_cache and (page_table is None or k is not None):
         raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) and without new tokens yet: "
                          "quantize k and v into it first (k / k_descale, cast to its type, written at each "

@@ -674,8 +674,8 @@ class AttentionSpec(_Frozen):
 
     def _fp8_kv_cache(self) -> AttentionSpec:
         """What a half-type q against an FP8 KV cache is built for: the GQA-packed mma.sync kernels
-        (decode), K and V widened to float16 in registers (cvt from FP8 pairs needs sm_89), rows
-        of at least eight 16-byte chunks in a swizzled tile, no backward; o in q's type."""
+        (decode), K and V widened to float16 in registers (cvt from FP8 pairs needs sm_89), head_dim
+        128 in a swizzled tile, no backward; o in q's type."""
         kv = f"q {self.dtype} against k and v {self.kv_dtype}"
         refused = [  # (field, value, broken, why, fix text, fix)
             ("arch", self.arch, self.arch not in FP8_KV_ARCHS,
@@ -684,8 +684,8 @@ class AttentionSpec(_Frozen):
             ("tiling.pack_gqa", False, not self.tiling.pack_gqa,
              f"{kv} is the decode kernel's (the query heads of a KV group packed into its rows)",
              "set tiling.pack_gqa: true", {"tiling.pack_gqa": True}),
-            ("head_dim", self.head_dim, self.head_dim not in (128, 256) or self.dv != self.head_dim,
-             f"{kv} is built for head_dim 128 or 256, V as wide (a row of at least eight 16-byte chunks)",
+            ("head_dim", self.head_dim, self.head_dim != 128 or self.dv != self.head_dim,
+             f"{kv} is built for head_dim 128, V as wide (256 spills with key warps of 32 keys)",
              "use head_dim: 128 and remove head_dim_v", {"head_dim": 128, "head_dim_v": REMOVE}),
             ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv % (FP8_KV_WARP_KEYS * self.tiling.warps_kv) != 0,
              f"{kv} gives each of the {self.tiling.warps_kv} key warps a multiple of {FP8_KV_WARP_KEYS} keys of a tile "
