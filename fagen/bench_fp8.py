@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fagen import api
 from fagen.bench_cases import SweepSize
-from fagen.check import time_ms
+from fagen.check import interleaved_us, time_ms
 
 JSON = "bench_fp8.json"
 IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16")
@@ -335,8 +335,9 @@ def run_kv_case(case: KvCase) -> KvRow:
             kx, vx = (x.repeat_interleave(group, dim=0) for x in (kx, vx))
             exact = torch.softmax((q[0].double() @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
             row.error = relative(got[0], exact)
-            row.bf16_us = graph_us(lambda: api.attention(q, k, v))
-            row.fp8_us = graph_us(lambda: api.attention(q, k8, v8, k_descale=kd, v_descale=vd))
+            # replayed in turns: the two arms see the same clocks (check.interleaved_us)
+            row.bf16_us, row.fp8_us = interleaved_us(lambda: api.attention(q, k, v),
+                                                     lambda: api.attention(q, k8, v8, k_descale=kd, v_descale=vd))
     except Exception as err:  # noqa: BLE001 - a failing case is its row
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
     return row
@@ -348,32 +349,6 @@ def quantized_per_head(x):
 
     descale = x.float().abs().amax(dim=(2, 3)).clamp(min=1e-12) / 448.0
     return (x.float() / descale[:, :, None, None]).to(torch.float8_e4m3fn), descale
-
-
-def graph_us(fn, steps: int = 20) -> float:
-    """Device microseconds a call of fn, from replays of a CUDA graph of `steps` calls (a decode
-    step's host time is another table's: the serving benchmark's)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / steps)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,14 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from fagen import api, bench_rows
-from fagen.check import OUT_TOLERANCE, random_inputs, relative_error, stream_held, to_numpy
+from fagen.check import (OUT_TOLERANCE, REPLAYS, REPS, graph_us, interleaved_us, random_inputs, relative_error,
+                         to_numpy)
 
-REPS, REPLAYS = 10, 9
-# Untimed replays before the timed ones, until this much GPU time has passed: a case's first
-# measurement follows host work (the float32 reference, its copy to the host) that leaves the
-# GPU idle, and its clocks take milliseconds to come back (H200: the first graph of a decode step
-# after the reference ran 9-10% slow, the next ones at speed; the peers, timed after it, did not pay)
-WARM_MS = 25.0
 HOST_CALLS, HOST_BATCHES = 100, 15
 GROWING = 64  # host time of a growing cache: calls cycle through this many key lengths
 JSON, CSV, PLOT = "bench_serving.json", "bench_serving.csv", "bench_serving.png"
@@ -120,65 +115,6 @@ def cases(quick: bool = False) -> list[ServingCase]:
     if quick:
         return [decode[1], paged[1], mixed[0], varlen[1], host[0]]
     return decode + paged + mixed + varlen + host
-
-
-def _captured(fn):
-    """A CUDA graph of REPS calls of fn (captured after warm-up on a side stream), replayed
-    untimed for WARM_MS."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    warm_start, warm_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    warm_start.record()
-    while True:
-        graph.replay()
-        warm_end.record()
-        warm_end.synchronize()
-        if warm_start.elapsed_time(warm_end) >= WARM_MS:
-            break
-    return graph
-
-
-def _replay_us(graph) -> float:
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with stream_held():  # the replay is enqueued whole before its start event runs: GPU time only
-        start.record()
-        graph.replay()
-        end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPS
-
-
-def graph_us(fn) -> float:
-    """GPU microseconds a call of fn: a CUDA graph of REPS calls, the median of REPLAYS replays
-    after WARM_MS of untimed ones."""
-    graph = _captured(fn)
-    return float(np.median([_replay_us(graph) for _ in range(REPLAYS)]))
-
-
-def interleaved_us(*fns) -> list[float]:
-    """graph_us of each fn, their replays taken in turns (each round starting one further on):
-    arms compared with each other see the same clocks, where one after the other a kernel at the
-    GPU's power cap read 3-8% apart from run to run (H200)."""
-    graphs = [_captured(fn) for fn in fns]
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(REPLAYS):
-        for i in range(len(graphs)):
-            at = (r + i) % len(graphs)
-            times[at].append(_replay_us(graphs[at]))
-    return [float(np.median(t)) for t in times]
 
 
 def host_us(fn) -> float:
