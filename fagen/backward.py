@@ -94,7 +94,7 @@ class Backward:
         tq, tk, tv = self.forward.check(q, k, v)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
-        tdo, to, tl, scale = _forward_rows(tq, dout, out, lse, scale)
+        tdo, to, tl, scale = _forward_rows(tq, dout, out, lse, scale, spec.dv)
         if mask_offset is None:
             mask_offset = nk - nq if spec.mask.align == "bottom_right" else 0
         n_pad = -(-nq // bp.row_pad) * bp.row_pad
@@ -166,7 +166,7 @@ class Backward:
         attention's steps): their D and LSE rows computed now, once. lse: the rows' final LSE
         (the whole sequence's), so that each block's softmax is the whole one's."""
         tq = as_device_tensor(q, "q")
-        tdo, to, tl, scale = _forward_rows(tq, dout, out, lse, scale)
+        tdo, to, tl, scale = _forward_rows(tq, dout, out, lse, scale, self.spec.dv)
         b, hq, nq, d = tq.shape
         n_pad = -(-nq // self.plan.row_pad) * self.plan.row_pad
         with cupy.cuda.Device(tq.device), stream_for(tq):
@@ -471,10 +471,10 @@ def _rows_layout(plan: BackwardPlan) -> tuple:
     return plan.row_pad, plan.dkdv.block_q, plan.atomic_dq
 
 
-def _forward_rows(tq: DeviceTensor, dout, out, lse, scale: float | None) -> tuple:
-    """dout and out (like q), lse (the forward's f32 [B, Hq, Nq]) and the scale, checked."""
+def _forward_rows(tq: DeviceTensor, dout, out, lse, scale: float | None, d_v: int) -> tuple:
+    """dout and out (like q, head_dim_v wide), lse (the forward's f32 [B, Hq, Nq]) and the scale, checked."""
     b, hq, nq, d = tq.shape
-    tdo, to = (_like(x, name, tq) for x, name in ((dout, "dout"), (out, "out")))
+    tdo, to = (_like(x, name, tq, (b, hq, nq, d_v)) for x, name in ((dout, "dout"), (out, "out")))
     tl = as_device_tensor(lse, "lse")
     if tl.kind != tq.kind:
         raise ValueError(f"lse: a {tl.kind} array with {tq.kind} q; pass the lse the forward returned for these inputs")
@@ -489,12 +489,13 @@ def _stride_values(*named: tuple[str, DeviceTensor]) -> dict:
     return {f"{name}_{axis}": stride for name, t in named for axis, stride in zip(("sb", "sh", "sn"), t.strides[:3])}
 
 
-def _like(x, name: str, ref: DeviceTensor) -> DeviceTensor:
-    """x as a DeviceTensor of ref's framework, dtype, shape and device, with 16-byte rows."""
+def _like(x, name: str, ref: DeviceTensor, shape: tuple | None = None) -> DeviceTensor:
+    """x as a DeviceTensor of ref's framework, dtype and device, of `shape` (else ref's), with 16-byte rows."""
     t = as_device_tensor(x, name)
-    if t.kind != ref.kind or t.dtype != ref.dtype or t.shape != ref.shape or t.device != ref.device:
+    shape = ref.shape if shape is None else shape
+    if t.kind != ref.kind or t.dtype != ref.dtype or t.shape != shape or t.device != ref.device:
         raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected a {ref.kind} "
-                         f"{ref.dtype} {ref.shape} tensor on cuda:{ref.device}")
+                         f"{ref.dtype} {shape} tensor on cuda:{ref.device}")
     if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:
         raise ValueError(f"{name}: strides {t.strides} (elements); the last must be 1 and the others multiples of 8 "
                          f"(16-byte rows): pass {name}.contiguous()")

@@ -139,12 +139,13 @@ WARP_SPECIALIZED_BIAS_GRAD = 24  # head_dim 64, a matrix bias's gradient with at
 
 def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     """The amounts REGISTER_COSTS[kernel] prices, for this spec ("dkdv" or "dq")."""
-    bwd, d, mask, mod = spec.backward, spec.head_dim, spec.mask, spec.score_mod
+    bwd, d, dv, mask, mod = spec.backward, spec.head_dim, spec.dv, spec.mask, spec.score_mod
     per_fragment = MMA_M * MMA_N // 32  # f32 accumulator registers a thread holds per m16n8 fragment
-    if kernel == "dkdv":
+    if kernel == "dkdv":  # dK over head_dim, dV over head_dim_v
         warps, key_warps = bwd.warps, bwd.warps // bwd.head_split
         frags = bwd.block_kv // key_warps // MMA_M
-        acc, s = 2 * frags * (d // bwd.head_split // MMA_N) * per_fragment, frags * (bwd.block_q // MMA_N) * per_fragment
+        acc = frags * ((d + dv) // bwd.head_split // MMA_N) * per_fragment
+        s = frags * (bwd.block_q // MMA_N) * per_fragment
     else:
         warps, frags = bwd.dq_warps, bwd.dq_block_q // bwd.dq_warps // MMA_M
         acc, s = frags * (d // MMA_N) * per_fragment, frags * (bwd.dq_block_kv // MMA_N) * per_fragment
@@ -152,7 +153,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     # a captured array's element an S register, as a nonlinear modifier's derivative (ptxas: d64's
     # dK/dV kernel with a relative bias table spilled 52 bytes priced as a linear one)
     terms = {"base": 1.0, "acc": acc, "s": s, "s_nonlinear": s * (mod.nonlinear or mod.captured > 0),
-             "chunk_copy": float(32 * warps % (d // CHUNK_ELEMS) != 0), "stages1": float(bwd.stages == 1),
+             "chunk_copy": float(any(32 * warps % (width // CHUNK_ELEMS) for width in {d, dv})),
+             "stages1": float(bwd.stages == 1),
              "bias": float(mod.bias != "none"), "alibi": float(mod.alibi != "none")}
     if kernel == "dkdv" and bwd.bias_grad:
         terms[f"bias_grad_{mod.bias}"] = s if mod.bias == "matrix" else 1.0
@@ -171,10 +173,12 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
 
 def cost_table(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     """REGISTER_COSTS' prices for this spec's `kernel` ("dkdv" or "dq"): wgmma's on sm_90a up to
-    head_dim 128, mma.sync's at head_dim 256 (its own fit), else mma.sync's."""
+    head_dim 128, mma.sync's at head_dim 256 (its own fit) and the dQ kernel's at 192 (dQ 96
+    registers a thread, where the small heads' price over-predicted by 40: ptxas -v), else mma.sync's."""
     if spec.wgmma_backward:
         return REGISTER_COSTS[f"{kernel}_wgmma"]
-    return REGISTER_COSTS[f"{kernel}_d256" if spec.head_dim == 256 else kernel]
+    wide = spec.head_dim == 256 or kernel == "dq" and spec.head_dim == 192
+    return REGISTER_COSTS[f"{kernel}_d256" if wide else kernel]
 
 
 # Kernels the estimate refuses that ptxas -v was run on (sm_80 and sm_90, nvcc 13.0): they fit, at
@@ -199,7 +203,7 @@ MEASURED_FIT = {
 def measured_key(spec: AttentionSpec) -> tuple | None:
     """spec's key in MEASURED_FIT, or None where it is not a kernel of that kind."""
     bwd, mod = spec.backward, spec.score_mod
-    if mod.alibi != "none" or mod.bias != "none" or mod.expression or spec.mask.expression:
+    if mod.alibi != "none" or mod.bias != "none" or mod.expression or spec.mask.expression or spec.dv != spec.head_dim:
         return None
     kind = "document_causal" if spec.mask.kind == "document" and spec.mask.causal else spec.mask.kind
     tiling = (bwd.block_kv, bwd.block_q, bwd.warps, bwd.head_split, bwd.stages, bwd.dq_block_q, bwd.dq_block_kv,
@@ -234,9 +238,12 @@ class DkdvPlan:
     warp_keys: int  # keys a warp owns: the rows of its S^T
     k_frags: int  # m16 fragments of those keys
     s_n_frags: int  # n8 fragments of S^T (queries)
-    d_n_frags: int  # n8 fragments of the warp's columns of dK and dV
+    d_n_frags: int  # n8 fragments of the warp's columns of dK (and of dV, as wide)
     d_cols: int  # head_dim / head_split: the warp's columns
+    dv_n_frags: int  # ... of dV, head_dim_v wide (d_n_frags where V is as wide as K)
+    dv_cols: int  # head_dim_v / head_split
     qk_k_steps: int  # k16 steps of S^T = K Q^T over head_dim
+    v_k_steps: int  # k16 steps of dP^T = V dO^T over head_dim_v
     q_k_steps: int  # k16 steps of dV += P^T dO and dK += dS^T Q over the step's queries
     stages: int  # Q/dO tiles in flight
     # backward.warp_specialized.persistent: one block an SM walks the KV blocks (tiles), loading
@@ -245,15 +252,18 @@ class DkdvPlan:
     claimed_walk = False  # its blocks take every gridDim.x-th KV block (templates/sm90/tile_scheduler.cu.j2)
     kv_slots: int  # K/V tile pairs in smem: 1, or 2 persistent
     kv_slot_bytes: int  # a K tile and its V tile
-    smem_row: int  # elements between smem rows (padded: 16 bytes past head_dim)
-    chunks_per_row: int
+    smem_row: int  # elements between smem rows (padded: 16 bytes past the wider head)
+    chunks_per_row: int  # of a Q, K or dK row (head_dim)
     copy_rows_per_pass: int  # 0: a row's chunks do not divide the threads
+    v_chunks_per_row: int  # of a V, dO or dV row (head_dim_v)
+    v_copy_rows_per_pass: int  # ... as copy_rows_per_pass (0 where either width's chunks do not divide the threads)
     kv_tile_bytes: int  # the K tile, then the V tile
     q_tile_bytes: int  # a Q tile; a dO tile follows it in each stage
     stage_bytes: int  # Q, dO, then their rows' LSE and D (f32)
     row_floats_chunks: int  # 16-byte chunks of one tile's LSE (and of its D)
     row_bytes: int  # one tile's LSE (and its D): f32 a query row
-    out_chunks: int  # 16-byte chunks of the block's dK (and of its dV)
+    out_chunks: int  # 16-byte chunks of the block's dK
+    v_out_chunks: int  # ... of its dV
     smem_bytes: int
     predicted_registers: int
     element_bytes: int
@@ -339,9 +349,10 @@ class BackwardPlan:
     preprocess_threads: int
     preprocess_lanes: int  # lanes a query row in the preprocess (a power of two up to 8), side by side along it
     preprocess_rows: int  # query rows a preprocess block covers: threads / lanes
-    chunks_per_row: int
+    chunks_per_row: int  # the preprocess's: of an O and a dO row (head_dim_v)
     dkdv: DkdvPlan
-    dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec)
+    dq: KernelPlan  # the dQ kernel's forward-shaped numbers (see dq_spec), its "O" dQ: head_dim wide
+    dq_v_k_steps: int  # k16 steps of its dP = dO V^T over head_dim_v
     dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q (and the producer's Q/dO mbarriers)
     dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
     dq_predicted_registers: int
@@ -475,7 +486,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     mod_params = score_params(spec)
     mask_params = KINDS[spec.mask.kind].params
     side = mask_params + mod_params
-    chunks = d // CHUNK_ELEMS
+    chunks = spec.dv // CHUNK_ELEMS  # O and dO rows, in the preprocess
     return BackwardPlan(
         name=spec.name,
         preprocess_symbol=f"{KERNEL_SYMBOL_PREFIX}{spec.name}_bwd_preprocess",
@@ -489,7 +500,10 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         preprocess_rows=32 * PREPROCESS_WARPS // lanes,
         chunks_per_row=chunks,
         dkdv=dkdv,
-        dq=replace(dq, mask_params=mask_params),
+        # the dQ kernel's output is dQ, head_dim wide, where the forward's O is head_dim_v wide
+        dq=replace(dq, mask_params=mask_params, o_n_frags=d // MMA_N, o_acc_regs=dq.o_acc_regs * d // spec.dv,
+                   out_chunks_per_warp=dq.warp_rows * d // CHUNK_ELEMS),
+        dq_v_k_steps=spec.dv // MMA_K,
         dq_smem_bytes=dq_smem,
         dq_producer=producer,
         dq_predicted_registers=dq_registers,
@@ -528,13 +542,15 @@ def dq_producer(spec: AttentionSpec) -> DqProducer | None:
 
 
 def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
-    bwd, d = spec.backward, spec.head_dim
+    bwd, d, dv = spec.backward, spec.head_dim, spec.dv
     warps, key_warps = bwd.warps, bwd.warps // bwd.head_split
-    threads, chunks = 32 * warps, d // CHUNK_ELEMS
+    threads, chunks, v_chunks = 32 * warps, d // CHUNK_ELEMS, dv // CHUNK_ELEMS
     warp_keys = bwd.block_kv // key_warps
     k_frags, s_n_frags, d_cols = warp_keys // MMA_M, bwd.block_q // MMA_N, d // bwd.head_split
     wgmma = spec.wgmma_backward
-    smem_row = d if wgmma else d + PAD_ELEMS  # wgmma: rows of swizzle atoms, unpadded
+    # every tile one row layout, as wide as the wider head (V and dO leave columns unused where
+    # narrower, as the forward's tiles do); wgmma: rows of swizzle atoms, unpadded
+    smem_row = spec.row_width if wgmma else spec.row_width + PAD_ELEMS
     smem_align = SWIZZLE_ATOM_BYTES if wgmma else CHUNK_BYTES
     kv_tile_bytes = bwd.block_kv * smem_row * spec.element.bytes
     q_tile_bytes = bwd.block_q * smem_row * spec.element.bytes
@@ -578,12 +594,17 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     return DkdvPlan(
         mainloop="sm90" if wgmma else "sm80", block_q=bwd.block_q, block_kv=bwd.block_kv, threads=threads, warps=warps, head_split=bwd.head_split,
         key_warps=key_warps, warp_keys=warp_keys, k_frags=k_frags, s_n_frags=s_n_frags,
-        d_n_frags=d_cols // MMA_N, d_cols=d_cols, qk_k_steps=d // MMA_K, q_k_steps=bwd.block_q // MMA_K,
+        d_n_frags=d_cols // MMA_N, d_cols=d_cols, dv_n_frags=dv // bwd.head_split // MMA_N, dv_cols=dv // bwd.head_split,
+        qk_k_steps=d // MMA_K, v_k_steps=dv // MMA_K, q_k_steps=bwd.block_q // MMA_K,
         stages=bwd.stages, persistent=persistent, kv_slots=kv_slots, kv_slot_bytes=2 * kv_tile_bytes,
         smem_row=smem_row, chunks_per_row=chunks,
         copy_rows_per_pass=threads // chunks if threads % chunks == 0 else 0,
+        # V and dO copy as K and Q do: by passes of whole rows where both widths divide the threads
+        v_chunks_per_row=v_chunks, v_copy_rows_per_pass=threads // v_chunks if threads % v_chunks == 0
+        and threads % chunks == 0 else 0,
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
+        v_out_chunks=bwd.block_kv * v_chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=spec.element.bytes, smem_align=smem_align,
         mask_lane_words=-(-bwd.block_q // LANE_COLUMNS), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **tiles,

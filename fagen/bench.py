@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import (bench_backward, bench_e2e_tables, bench_flex_tables, bench_fp8, bench_rows, bench_serving, masks,
+from fagen import (bench_backward, bench_e2e_tables, bench_flex_tables, bench_fp8, bench_head_widths, bench_rows, bench_serving, masks,
                    variants)
 from fagen.side_inputs import check_scale
 from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
@@ -320,9 +320,10 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
     e2e = _sibling(out / bench_e2e_tables.JSON, bench_e2e_tables.read_json)  # kept: bench_e2e writes it
     flex = _sibling(out / bench_flex_tables.JSON, bench_flex_tables.read_json)  # likewise bench_flex
     fp8 = _sibling(out / bench_fp8.JSON, bench_fp8.read_json)  # and bench_fp8
+    widths = _sibling(out / bench_head_widths.JSON, bench_head_widths.read_json)  # and bench_head_widths
     md_path.write_text(markdown(rows, meta, [str(p) for p in plots], md_path=md_path, backward=backward,
                                 backward_plot=backward_plot, serving=serving, serving_plot=serving_plot, e2e=e2e,
-                                flex=flex, fp8=fp8))
+                                flex=flex, fp8=fp8, widths=widths))
     return written + plots + [p for p in (backward_plot, serving_plot) if p] + [md_path]
 
 
@@ -396,11 +397,12 @@ def _link(plot_path: str | Path, md_path: str | Path | None) -> str:
 def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path | None = None, *,
              backward: Part | None = None, backward_plot: str | Path | None = None, serving: Part | None = None,
              serving_plot: str | Path | None = None, e2e: Part | None = None, flex: Part | None = None,
-             fp8: Part | None = None) -> str:
+             fp8: Part | None = None, widths: Part | None = None) -> str:
     """BENCHMARKS.md: meta, one table per head_dim (dense), one for masks, the plots; then,
     with `backward` rows, the backward section (fagen.bench_backward.markdown), the serving
     section, the end-to-end one (fagen.bench_e2e's, from its JSON), FlexAttention's API's
-    (fagen.bench_flex's, likewise) and FP8's (fagen.bench_fp8's). With `md_path` (where
+    (fagen.bench_flex's, likewise), FP8's (fagen.bench_fp8's) and two head widths' (fagen.bench_head_widths').
+    With `md_path` (where
     the text will be written), plot links are relative to its folder."""
     out = ["# Benchmarks", ""]
     if rows or not (backward and backward.rows):
@@ -417,6 +419,8 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path 
         out += ["", *bench_flex_tables.markdown(flex.rows, flex.meta)]
     if fp8 is not None and fp8.rows:
         out += ["", *bench_fp8.markdown(fp8.rows, fp8.meta)]
+    if widths is not None and widths.rows:
+        out += ["", *bench_head_widths.markdown(widths.rows, widths.meta)]
     return "\n".join(out)
 
 

@@ -338,11 +338,13 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
     fagen.oracle.attention_backward. out_error is the worst gradient's relative error."""
     framework = framework or ("cupy" if spec.element.in_cupy else "torch")
     backward = compile_backward(spec)
-    q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed)
-    dout, _, _, dq = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout,
-                                   None if seed is None else seed + 1)
-    # NaN-filled, in k's shape and layout
-    dk, dv = (random_inputs(framework, spec.dtype, b, hkv, hkv, nk, nk, spec.head_dim, layout)[3] for _ in range(2))
+    q, k, v, out = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout, seed, d_v=spec.dv)
+    dout = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.dv, layout,
+                         None if seed is None else seed + 1)[0]
+    dq = random_inputs(framework, spec.dtype, b, hq, hkv, nq, nk, spec.head_dim, layout)[3]
+    # NaN-filled, in k's and v's shapes and layout
+    dk, dv = (random_inputs(framework, spec.dtype, b, hkv, hkv, nk, nk, width, layout)[3]
+              for width in (spec.head_dim, spec.dv))
     extras = random_extras(spec, b, hq, nq, nk, seed) if extras is None else extras
     out, lse = backward.forward(q, k, v, out=out, scale=scale, return_lse=True, **extras)
     grads = backward(dout, q, k, v, out, lse, scale=scale, dq=dq, dk=dk, dv=dv, **extras)

@@ -726,7 +726,7 @@ class AttentionSpec(_Frozen):
     @model_validator(mode="after")
     def _two_head_widths(self) -> AttentionSpec:
         """head_dim_v apart from head_dim: the forward over padded [B, H, N, d] tensors, one block
-        per query tile; what it does not reach yet is refused by name."""
+        per query tile, and its mma.sync backward; what it does not reach yet is refused by name."""
         if self.dv == self.head_dim:
             return self
         why = f"head_dim_v {self.dv} differs from head_dim {self.head_dim}"
@@ -742,7 +742,6 @@ class AttentionSpec(_Frozen):
                                   "remove head_dim_v (V as wide as Q and K), or use head_dim_v 64 or 128 beside head_dim 64, "
                                   "128 or 256", {"head_dim_v": REMOVE}))
         refused = [
-            ("backward", self.backward is not None, "remove the backward: section", {"backward": REMOVE}),
             ("pipeline.warp_specialized", self.pipeline.warp_specialized is not None,
              "remove pipeline.warp_specialized and set pingpong: false (the copying sm_90a kernel)",
              {"pipeline.warp_specialized": REMOVE, "pipeline.pingpong": False}),
@@ -752,6 +751,10 @@ class AttentionSpec(_Frozen):
             ("sequences", not seq.padded, "use padded sequences", {"sequences": REMOVE}),
             ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
+            # the backward is mma.sync's (wgmma_backward): no TMA producers
+            *((f"backward.{ws}", getattr(self.backward, ws) is not None, f"remove backward.{ws}",
+               {f"backward.{ws}": REMOVE}) for ws in ("warp_specialized", "dq_warp_specialized")
+              if self.backward is not None),
         ]
         broken = [(field, change, values) for field, on, change, values in refused if on]
         if broken:  # the first named; the fix makes every change at once, so that it validates
@@ -1088,8 +1091,8 @@ class AttentionSpec(_Frozen):
         if bwd.warp_specialized is not None and not self.wgmma_backward:
             raise ValueError(rule(
                 "backward.warp_specialized", "set", f"the TMA producer feeds the wgmma dK/dV kernel (sm_90a, head_dim "
-                f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}); this spec's is mma.sync (arch {self.arch}, head_dim "
-                f"{self.head_dim})", "remove backward.warp_specialized",
+                f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}, V as wide); this spec's is mma.sync ({self._heads_text})",
+                "remove backward.warp_specialized",
                 {"backward.warp_specialized": REMOVE}))
         if bwd.warp_specialized is not None:
             register_split_rules("backward.warp_specialized", bwd.warp_specialized, bwd.warps // WARPGROUP_WARPS, blocks=1)
@@ -1125,7 +1128,7 @@ class AttentionSpec(_Frozen):
         query tile, and the register split of the blocks an SM holds fitting its register file."""
         bwd, ws = self.backward, self.backward.dq_warp_specialized
         if not self.wgmma_backward or not bwd.deterministic:
-            why = (f"this spec's is mma.sync (arch {self.arch}, head_dim {self.head_dim})" if not self.wgmma_backward
+            why = (f"this spec's is mma.sync ({self._heads_text})" if not self.wgmma_backward
                    else "without deterministic the dK/dV kernel adds dQ with atomics and there is no dQ kernel")
             raise ValueError(rule(
                 "backward.dq_warp_specialized", "set", f"the TMA producer feeds the wgmma dQ kernel (sm_90a, head_dim "
@@ -1140,6 +1143,11 @@ class AttentionSpec(_Frozen):
         register_split_rules("backward.dq_warp_specialized", ws, consumers, dq_producer_blocks_per_sm(consumers))
 
     @property
+    def _heads_text(self) -> str:
+        """The arch and head widths, as the backward's loop refusals name them."""
+        return f"arch {self.arch}, head_dim {self.head_dim}" + (f", head_dim_v {self.dv}" if self.dv != self.head_dim else "")
+
+    @property
     def atomic_dq(self) -> bool:
         """dQ accumulates in the dK/dV kernel with float32 atomics (backward.deterministic false,
         on the wgmma loop); else a Q-major kernel of its own computes it."""
@@ -1147,8 +1155,11 @@ class AttentionSpec(_Frozen):
 
     @property
     def wgmma_backward(self) -> bool:
-        """The dK/dV kernel runs on wgmma (sm_90a, head_dim up to WGMMA_BACKWARD_MAX_HEAD_DIM)."""
-        return self.wgmma and self.backward is not None and self.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
+        """The dK/dV kernel runs on wgmma (sm_90a, head_dim up to WGMMA_BACKWARD_MAX_HEAD_DIM, V
+        as wide as Q and K); else on mma.sync (two head widths: their loops take each width's
+        k-steps and fragments, not yet wgmma's instruction shapes and TMA byte counts)."""
+        return (self.wgmma and self.backward is not None and self.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
+                and self.dv == self.head_dim)
 
     @property
     def warp_specialized(self) -> bool:

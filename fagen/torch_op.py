@@ -122,7 +122,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 torch.zeros(q.shape[1], dtype=torch.float32, device=q.device), dbias)
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
-    spec = variants.trainable(_spec(q, mask, causal, softcap, side), _deterministic(deterministic), bias_grad)
+    spec = variants.trainable(_spec(q, mask, causal, softcap, side, v=v), _deterministic(deterministic), bias_grad)
     grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)
     dsinks = grads.dsinks if sinks is not None else torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     dbias = grads.dbias if bias_grad else torch.empty(0, dtype=torch.float32, device=q.device)
@@ -451,9 +451,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     bias, alibi_slopes, sinks, doc_ids = (
         x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(x, device=q.device)
         for x in (bias, alibi_slopes, sinks, doc_ids))
-    if v.dim() == 4 and q.dim() == 4 and v.shape[-1] != q.shape[-1] and _records_grad(q, k, v, bias, sinks):
-        raise ValueError(f"v: head_dim {v.shape[-1]} apart from q's {q.shape[-1]} has a forward only (no backward "
-                         f"yet): call it under torch.no_grad(), or with v as wide as q to train")
     if block_mask is not None:
         side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
         if not _records_grad(q, k, v, bias, sinks):

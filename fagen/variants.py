@@ -395,6 +395,9 @@ def _a_block_a_tile(spec: AttentionSpec, data: dict) -> dict:
 # registers, so head_dim 256 splits them across warp pairs, and its tiles shrink to fit smem.
 BACKWARD_TILINGS = {
     32: {}, 64: {}, 96: {"block_q": 32}, 128: {"block_q": 32},
+    # DeepSeek's 192/128 (dK and dV 80 registers a thread at head_split 2): 216 and 222 registers,
+    # 0 spills (ptxas -v, sm_80 and sm_90, nvcc 13.0)
+    192: {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
     256: {"head_split": 2, "block_kv": 64, "block_q": 32, "dq_block_kv": 32},
 }
 # ... and where a spec's modifiers or mask push the kernels over the registers: fewer queries a
@@ -454,7 +457,7 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
     deterministic: no two blocks add into one output (on sm_90a the dQ kernel rather than
     atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias).
     captured_grads: the gradient of those captured arrays too (<name>_bwd..._dcaptured0 ...)."""
-    wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
+    wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM and spec.dv == spec.head_dim
     # deterministic changes a kernel only where blocks would add into one element: atomic dQ
     # (sm_90a) and a bias's gradient
     deterministic = deterministic and (wgmma or bias_grad)
@@ -483,7 +486,7 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
             tilings = [fed for t in tilings
                        for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]
     else:  # changes to the head_dim's tiling
-        base = BACKWARD_TILINGS[spec.head_dim]
+        base = BACKWARD_TILINGS[spec.row_width]  # two head widths: the wider one's
         tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]
     refused = None
     for i, tiling in enumerate(tilings):

@@ -202,20 +202,26 @@ constexpr int KEY_WARPS = 8;           // warps along the keys
 constexpr int WARP_ROWS = 16;          // keys a warp owns: the rows of its S^T
 constexpr int M_FRAGS = 1;             // m16 fragments of those keys
 constexpr int S_N_FRAGS = 4;           // n8 fragments of S^T (queries)
-constexpr int D_COLS = 128;            // the warp's columns of dK and dV
+constexpr int D_COLS = 128;            // the warp's columns of dK
 constexpr int D_N_FRAGS = 16;          // ... as n8 fragments
+constexpr int DV_COLS = 128;           // ... of dV (head_dim_v)
+constexpr int DV_N_FRAGS = 16;
 constexpr int QK_K_STEPS = 8;          // k16 steps of S^T = K.Q^T over head_dim
+constexpr int V_K_STEPS = 8;           // ... of dP^T = V.dO^T over head_dim_v
 constexpr int Q_K_STEPS = 2;           // k16 steps of dV += P^T.dO, dK += dS^T.Q over queries
 constexpr int STAGES = 2;              // Q/dO tiles in flight
 constexpr int SMEM_ALIGN = 16;          // bytes: the smem tiles' start (their layout's unit)
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
+constexpr int V_CHUNKS_PER_ROW = 16;    // ... in a row of V, dO and dV (head_dim_v)
 constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
+constexpr int V_COPY_ROWS_PER_PASS = 16;
 constexpr int ELEM_BYTES = 2;
 constexpr int KV_TILE_BYTES = 34816;     // the K tile, then the V tile
 constexpr int Q_TILE_BYTES = 8704;      // a Q tile; its dO tile follows
 constexpr int STAGE_BYTES = 17664;       // Q, dO, then the rows' LSE and D (f32)
 constexpr int ROW_CHUNKS = 8;          // 16-byte chunks of a tile's LSE (and of its D)
-constexpr int OUT_CHUNKS = 2048;        // 16-byte chunks of the block's dK (and of its dV)
+constexpr int OUT_CHUNKS = 2048;        // 16-byte chunks of the block's dK
+constexpr int V_OUT_CHUNKS = 2048;      // ... of its dV
 constexpr int SMEM_ROW = 136;          // elements between smem rows (padded)
 
 // ---- shared-memory tiles ---------------------------------------------------------------
@@ -452,7 +458,7 @@ struct QdoPipeline {
     if (t < steps) {
       const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
       copy_tile_async<BLOCK_Q>(q_slot(t), q + head * q_sh, q_sn, q0, n_q, tid);
-      copy_tile_async<BLOCK_Q>(do_slot(t), dout + head * do_sh, do_sn, q0, n_q, tid);
+      copy_tile_async<BLOCK_Q, V_CHUNKS_PER_ROW, V_COPY_ROWS_PER_PASS>(do_slot(t), dout + head * do_sh, do_sn, q0, n_q, tid);
       // LSE and D rows are padded to whole tiles: always in range
       const long long row0 = (long long)head * n_pad + q0;
       for (int c = tid; c < 2 * ROW_CHUNKS; c += THREADS)
@@ -565,12 +571,12 @@ fagen_sliding_window_f16_d128_bwd_dkdv(
 
   // Phase 1: the block's K and V (one group), then the first STAGES steps, all in flight.
   copy_tile_async<BLOCK_KV>(k_tile, k, k_sn, kv0, n_kv, tid);
-  copy_tile_async<BLOCK_KV>(v_tile, v, v_sn, kv0, n_kv, tid);
+  copy_tile_async<BLOCK_KV, V_CHUNKS_PER_ROW, V_COPY_ROWS_PER_PASS>(v_tile, v, v_sn, kv0, n_kv, tid);
   commit_group();
   pipe.prologue(mask);
 
   const float to_log2 = scale_log2;
-  float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
+  float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][DV_N_FRAGS][4] = {};
 
   for (int t = 0; t < steps; ++t) {
     const int head = mask.step_head(t);  // the group's query head ...
@@ -598,11 +604,11 @@ fagen_sliding_window_f16_d128_bwd_dkdv(
     // (no trip through smem), and P^T stays packed: half the registers while dP^T is computed.
     unsigned p[M_FRAGS][Q_K_STEPS][4];
     pack_a(s, p);
-    mma_packed_rows<M_FRAGS, D_N_FRAGS, Q_K_STEPS>(dv_acc, p, do_tile, col0, lane);
+    mma_packed_rows<M_FRAGS, DV_N_FRAGS, Q_K_STEPS>(dv_acc, p, do_tile, col0, lane);
 
     // Phase 5: dP^T = V.dO^T, then dS^T = P^T (dP^T - D) in place of dP^T.
     float dp[M_FRAGS][S_N_FRAGS][4] = {};
-    mma_rows_rows<M_FRAGS, S_N_FRAGS, QK_K_STEPS>(dp, v_tile, warp_row0, do_tile, lane);
+    mma_rows_rows<M_FRAGS, S_N_FRAGS, V_K_STEPS>(dp, v_tile, warp_row0, do_tile, lane);
     const float* delta = pipe.delta_rows(t);
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n) {
@@ -679,6 +685,7 @@ constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 8704;
 constexpr int KV_TILE_BYTES = 17408;     // one KV tile: the stride between ring slots
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
+constexpr int V_K_STEPS = 8;           // k16 steps of dP = dO.V^T over head_dim_v
 
 // mma.sync main loop: padded or swizzled smem rows, a ring of KV_SLOTS tiles.
 constexpr int SMEM_ALIGN = 16;          // bytes: cp.async and ldmatrix move 16-byte chunks
@@ -1035,7 +1042,7 @@ fagen_sliding_window_f16_d128_bwd_dq(
 
     // Phase 4: dP = dO.V_j^T, then dS = P (dP - D) in place of P.
     float dp[M_FRAGS][S_N_FRAGS][4] = {};
-    mma_rows_rows<M_FRAGS, S_N_FRAGS, QK_K_STEPS>(dp, smem_do_u32, warp_row0, v_tile, lane);
+    mma_rows_rows<M_FRAGS, S_N_FRAGS, V_K_STEPS>(dp, smem_do_u32, warp_row0, v_tile, lane);
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll

@@ -195,20 +195,26 @@ constexpr int KEY_WARPS = 8;           // warps along the keys
 constexpr int WARP_ROWS = 16;          // keys a warp owns: the rows of its S^T
 constexpr int M_FRAGS = 1;             // m16 fragments of those keys
 constexpr int S_N_FRAGS = 8;           // n8 fragments of S^T (queries)
-constexpr int D_COLS = 128;            // the warp's columns of dK and dV
+constexpr int D_COLS = 128;            // the warp's columns of dK
 constexpr int D_N_FRAGS = 16;          // ... as n8 fragments
+constexpr int DV_COLS = 128;           // ... of dV (head_dim_v)
+constexpr int DV_N_FRAGS = 16;
 constexpr int QK_K_STEPS = 8;          // k16 steps of S^T = K.Q^T over head_dim
+constexpr int V_K_STEPS = 8;           // ... of dP^T = V.dO^T over head_dim_v
 constexpr int Q_K_STEPS = 4;           // k16 steps of dV += P^T.dO, dK += dS^T.Q over queries
 constexpr int STAGES = 3;              // Q/dO tiles in flight
 constexpr int SMEM_ALIGN = 1024;          // bytes: the smem tiles' start (their layout's unit)
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
+constexpr int V_CHUNKS_PER_ROW = 16;    // ... in a row of V, dO and dV (head_dim_v)
 constexpr int COPY_ROWS_PER_PASS = 16;  // tile rows all threads copy at once
+constexpr int V_COPY_ROWS_PER_PASS = 16;
 constexpr int ELEM_BYTES = 2;
 constexpr int KV_TILE_BYTES = 32768;     // the K tile, then the V tile
 constexpr int Q_TILE_BYTES = 16384;      // a Q tile; its dO tile follows
 constexpr int STAGE_BYTES = 33792;       // Q, dO, then the rows' LSE and D (f32)
 constexpr int ROW_CHUNKS = 16;          // 16-byte chunks of a tile's LSE (and of its D)
-constexpr int OUT_CHUNKS = 2048;        // 16-byte chunks of the block's dK (and of its dV)
+constexpr int OUT_CHUNKS = 2048;        // 16-byte chunks of the block's dK
+constexpr int V_OUT_CHUNKS = 2048;      // ... of its dV
 // wgmma: a warpgroup's 4 warps own 64 keys (16 a warp: M_FRAGS is 1); tiles are rows of
 // 128-byte swizzle atoms, laid out as the forward's.
 constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 keys)
@@ -847,7 +853,7 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
     const unsigned k_tile = smem_u32(smem) + kv_offset, v_tile = k_tile + KV_TILE_BYTES;
     pipe.wait_kv(j);  // Phase 1: the tile's K and V, loaded under the previous tile (or since the block began)
     const float to_log2 = scale_log2;
-    float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][D_N_FRAGS][4] = {};
+    float dk_acc[M_FRAGS][D_N_FRAGS][4] = {}, dv_acc[M_FRAGS][DV_N_FRAGS][4] = {};
 
     // The warpgroup's 64 keys of the K and V tiles: wgmma's A of S^T and dP^T.
     const int warpgroup = warp / WARPGROUP_WARPS;
@@ -964,6 +970,7 @@ constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 8192;
 constexpr int KV_TILE_BYTES = 16384;     // one KV tile: the stride between ring slots
 #define NEG_INF __int_as_float(0xff800000)  // -inf; NVRTC has no INFINITY without headers
+constexpr int V_K_STEPS = 8;           // k16 steps of dP = dO.V^T over head_dim_v
 
 // wgmma main loop: tiles of 128-byte swizzle atoms, K and V rings of KV_STAGES tiles each.
 constexpr int SMEM_ALIGN = 1024;        // bytes: swizzle atoms start 1024-byte aligned

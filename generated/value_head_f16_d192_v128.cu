@@ -4,6 +4,18 @@
 // value_head_f16_d192_v128: FlashAttention-2 forward, mma.sync.m16n8k16 + ldmatrix + cp.async
 // spec:
 //   arch: sm_80
+//   backward:
+//     bias_grad: false
+//     block_kv: 64
+//     block_q: 32
+//     captured_grads: []
+//     deterministic: false
+//     dq_block_kv: 32
+//     dq_block_q: 64
+//     dq_warps: 4
+//     head_split: 2
+//     stages: 2
+//     warps: 8
 //   dtype: float16
 //   head_dim: 192
 //   head_dim_v: 128

@@ -78,7 +78,7 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "head_dim_v off the swizzle atom": (COPYING_HOPPER, {"head_dim_v": 96}),
     "head_dim_v beside a 96-wide head": (SM80, {"head_dim": 96, "head_dim_v": 64}),
     "head_dim 192 without its V": (SM80, {"head_dim": 192}),
-    "head_dim_v with a backward": (HOPPER_BWD, {"head_dim_v": 64}),
+    "head_dim_v with a producer-fed backward": (HOPPER_BWD, {"head_dim_v": 64, "backward.block_q": 32}),
     "head_dim_v with warps_kv": (SM80, {"head_dim_v": 64, "tiling.warps_kv": 2}),
     "head_dim_v under a swizzle": (SM80, {"head_dim": 32, "head_dim_v": 32, "smem_layout": "swizzled"}),
     "mask kind": (SM80, {"mask": {"kind": "casual"}}),

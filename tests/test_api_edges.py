@@ -222,7 +222,7 @@ def _readme_submodules() -> list[str]:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
-        modules -= {"torch_op", "transformers", "bench_e2e"}
+        modules -= {"torch_op", "transformers", "bench_e2e", "flex", "bench_flex"}
     return sorted(used & modules - set(fagen.__all__))
 
 

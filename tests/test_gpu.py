@@ -198,8 +198,7 @@ def test_a_value_head_of_its_own_is_checked_and_shapes_the_output():
 def test_fagen_attention_takes_a_value_head_of_its_own(framework, d, dv):
     """fagen.attention with v of another width than q's (DeepSeek's 192/128 among them) derives
     the forward that takes it (fagen.dispatch) and matches the oracle, a single query row too
-    (the decode kernels take equal widths only); with gradients asked for, it refuses before any
-    launch (no backward yet)."""
+    (the decode kernels take equal widths only); gradients through autograd match the oracle's."""
     dtype = "bfloat16" if framework == "torch" else "float16"  # CuPy has no bfloat16
     q, k, v, _ = random_inputs(framework, dtype, 2, 8, 2, 300, 517, d, d_v=dv)
     ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, return_lse=True)
@@ -213,7 +212,11 @@ def test_fagen_attention_takes_a_value_head_of_its_own(framework, d, dv):
         q1 = q[:, :, :1].clone()  # one query row a head: the plain forward still (decode packs equal widths)
         assert relative_error(to_numpy(fagen.attention(q1, k, v)), oracle.attention(to_numpy(q1), to_numpy(k),
                                                                                     to_numpy(v))) < OUT_TOLERANCE["bfloat16"]
-        with pytest.raises(ValueError, match=f"v: head_dim {dv} apart from q's {d} has a forward only"):
-            fagen.attention(q.requires_grad_(), k, v)
-        with torch.no_grad():
-            assert fagen.attention(q, k, v).shape == (2, 8, 300, dv)
+        # autograd through the op: dq and dk head_dim wide, dv head_dim_v, against the oracle's
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        dout = torch.randn(2, 8, 300, dv, device="cuda").to(q.dtype)
+        fagen.attention(*leaves, causal=True).backward(dout)
+        ref = oracle.attention_backward(*(to_numpy(x) for x in (q, k, v, dout)), causal=True)
+        for name, x in zip(("dq", "dk", "dv"), leaves):
+            assert x.grad.shape == x.shape, name
+            assert relative_error(to_numpy(x.grad), ref[name]) < OUT_TOLERANCE["bfloat16"], name

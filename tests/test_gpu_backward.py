@@ -115,8 +115,33 @@ def test_trainable_masks_against_oracle(dtype, mask):
         assert result.passed, result.summary()
 
 
+# V of its own width (DeepSeek's 192/128 among them): what fagen.attention trains such a v with
+# (dispatch's value-head variant, its mma.sync backward), under each mask kind
+WIDTH_MASKS = [None, Mask(kind="causal"), Mask(kind="sliding_window", window_left=300),
+               Mask(kind="chunked", chunk_size=192), Mask(kind="prefix_lm", prefix_len=150),
+               Mask(kind="document", causal=True)]
+
+
+@pytest.mark.parametrize("mask", WIDTH_MASKS, ids=str)
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64), (64, 128)])
+def test_two_head_widths_train_against_oracle(d, dv, mask):
+    """dK head_dim wide and dV head_dim_v wide, each NaN-poisoned, against the oracle: bfloat16 and
+    float16, softcap on one case, MHA, GQA and MQA, at awkward lengths."""
+    from fagen.dispatch import derive_spec_for
+
+    document = mask is not None and mask.kind == "document"
+    for i, (dtype, nq, nk, hkv) in enumerate((("bfloat16", 1023, 1024, 2), ("float16", 203, 113, 1),
+                                              ("bfloat16", 2049, 1000, 4))):
+        spec = variants.trainable(derive_spec_for(dtype, d, mask=mask, softcap=30.0 if i == 1 else None,
+                                                  head_dim_v=dv, doc_ids=True if document else None))
+        assert (spec.head_dim, spec.dv) == (d, dv)
+        result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nq if document else nk)
+        print(result.summary())
+        assert result.passed, result.summary()
+
+
 DETERMINISTIC = ["causal_softcap_sinks_f16_d128", "document_causal_f16_d128", "sliding_window_f16_d128",
-                 "attn_f16_d128_causal_h200", "attn_bf16_d64_h200"]
+                 "attn_f16_d128_causal_h200", "attn_bf16_d64_h200", "value_head_f16_d192_v128"]
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC)
@@ -127,8 +152,8 @@ def test_backward_is_bitwise_deterministic(name):
     assert spec.backward.deterministic or not spec.atomic_dq
     backward = compile_backward(spec)
     framework = "cupy" if spec.dtype == "float16" else "torch"
-    q, k, v, _ = random_inputs(framework, spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=3)
-    dout = random_inputs(framework, spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=4)[0]
+    q, k, v, _ = random_inputs(framework, spec.dtype, 2, 8, 2, 1500, 1500, spec.head_dim, seed=3, d_v=spec.dv)
+    dout = random_inputs(framework, spec.dtype, 2, 8, 2, 1500, 1500, spec.dv, seed=4)[0]
     extras = random_extras(spec, 2, 8, 1500, 1500, seed=5)
     out, lse = backward.forward(q, k, v, return_lse=True, **extras)
     runs = [backward(dout, q, k, v, out, lse, **extras) for _ in range(3)]

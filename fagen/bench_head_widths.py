@@ -1,0 +1,202 @@
+"""Two head widths (DeepSeek's 192/128): fagen's forward and backward against FlashAttention-4 and
+SDPA's cuDNN and memory-efficient backends, one process.
+
+    python3 -m fagen.bench_head_widths [--quick] [--out bench/bench_head_widths.json]
+
+bfloat16, B * N = 16k tokens, H * d_v = 2048. TFLOP/s: forward 2 * B * H * N^2 * (d_qk + d_v),
+backward 2.5 times that (FlashAttention's convention), both halved for causal; Triton's do_bench
+(host time included). Each implementation's output and gradients are checked against float32
+attention (B 1, H 4, N 2000) before it is timed; one that fails is not timed, its row says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+JSON = "bench_head_widths.json"
+WIDTHS = ((192, 128),)  # (d_qk, d_v)
+LENGTHS = (4096, 16384)
+TOKENS, V_COLUMNS = 16384, 2048  # B * N, H * d_v
+IMPLS = ("fagen", "fa4", "sdpa_cudnn", "sdpa_efficient")
+LABELS = {"fagen": "fagen", "fa4": "FA4", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA efficient"}
+CHECK_SHAPE = (1, 4, 2000)  # B, H, N of the check against float32 attention
+TOLERANCE = 2e-2  # relative, the worst of O, dQ, dK, dV (bfloat16 inputs)
+
+
+@dataclass
+class WidthRow:
+    impl: str
+    d_qk: int
+    d_v: int
+    n: int
+    causal: bool
+    forward_tflops: float | None = None
+    backward_tflops: float | None = None
+    error: float | None = None  # the worst of O, dQ, dK, dV against float32 attention
+    note: str = ""
+
+    @property
+    def case(self) -> str:
+        return f"d{self.d_qk}/{self.d_v} N{self.n} {'causal' if self.causal else 'none'}"
+
+
+def forward_flops(d_qk: int, d_v: int, n: int, causal: bool) -> float:
+    heads = V_COLUMNS // d_v
+    return 2 * (TOKENS // n) * heads * n * n * (d_qk + d_v) / (2 if causal else 1)
+
+
+def implementations() -> dict:
+    """Each implementation as f(q, k, v, causal) on [B, H, N, d] tensors; FA4 where it imports."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fagen import api
+
+    impls = {"fagen": lambda q, k, v, causal: api.attention(q, k, v, causal=causal)}
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(q, k, v, causal):
+            out = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal)
+            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+        impls["fa4"] = fa4
+    except ImportError:
+        pass
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def sdpa(q, k, v, causal, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        impls[name] = sdpa
+    return impls
+
+
+def check_error(f, d_qk: int, d_v: int, causal: bool) -> float:
+    """The worst relative error of f's O, dQ, dK and dV against float32 attention."""
+    import torch
+
+    b, h, n = CHECK_SHAPE
+    gen = torch.Generator(device="cuda").manual_seed(d_qk + d_v + causal)
+    q, k = (torch.randn(b, h, n, d_qk, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    v, dout = (torch.randn(b, h, n, d_v, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    ref = [x.float().requires_grad_() for x in (q, k, v)]
+    s = ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(d_qk)
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    ref_out = torch.softmax(s, -1) @ ref[2]
+    ref_out.backward(dout.float())
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = f(*leaves, causal)
+    out.backward(dout)
+    pairs = [(out, ref_out), *((x.grad, r.grad) for x, r in zip(leaves, ref))]
+    return max(((a.float() - r.float()).norm() / r.float().norm()).item() for a, r in pairs)
+
+
+def run_case(impls: dict, d_qk: int, d_v: int, n: int, causal: bool, errors: dict) -> list[WidthRow]:
+    import torch
+    from triton.testing import do_bench
+
+    b, h = TOKENS // n, V_COLUMNS // d_v
+    q, k = (torch.randn(b, h, n, d_qk, device="cuda").bfloat16() for _ in range(2))
+    v, dout = (torch.randn(b, h, n, d_v, device="cuda").bfloat16() for _ in range(2))
+    flops = forward_flops(d_qk, d_v, n, causal)
+    rows = []
+    for impl in IMPLS:
+        row = WidthRow(impl, d_qk, d_v, n, causal)
+        rows.append(row)
+        if impl not in impls:
+            row.note = "not installed"
+            continue
+        f = impls[impl]
+        try:
+            if (impl, causal) not in errors:
+                errors[impl, causal] = check_error(f, d_qk, d_v, causal)
+            row.error = errors[impl, causal]
+            if row.error > TOLERANCE:
+                row.note = f"error {row.error:.1e} over {TOLERANCE:.0e}: not timed"
+                continue
+            with torch.no_grad():
+                row.forward_tflops = flops / do_bench(lambda: f(q, k, v, causal), warmup=50, rep=300) / 1e9
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+            out = f(*leaves, causal)
+            ms = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=30, rep=300, grad_to_none=leaves)
+            row.backward_tflops = 2.5 * flops / ms / 1e9
+        except Exception as err:  # noqa: BLE001 - a failing implementation is its row
+            row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return rows
+
+
+def markdown(rows: list[WidthRow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's head-widths section: a case a line, each implementation's forward and
+    backward TFLOP/s, and fagen's over FlashAttention-4's and cuDNN's."""
+    out = ["## Two head widths: DeepSeek's 192/128, forward and backward", "",
+           "`python3 -m fagen.bench_head_widths`: bfloat16, B * N = 16k tokens, H * d_v = 2048; TFLOP/s with "
+           "forward 2 * B * H * N^2 * (d_qk + d_v), backward 2.5 times that, halved for causal (Triton's do_bench, "
+           "host time included); each implementation's O, dQ, dK and dV checked against float32 attention first "
+           "(the worst relative error shown)."
+           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           "| case | " + " | ".join(f"{LABELS[i]} fwd / bwd" for i in IMPLS) + " | fagen / FA4, fwd / bwd | "
+           "fagen / cuDNN, fwd / bwd | errors | note |",
+           "| --- |" + " --- |" * (len(IMPLS) + 4)]
+    by_case: dict[str, dict[str, WidthRow]] = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.impl] = r
+    for case, impls in by_case.items():
+        cells = [f"{_tf(impls.get(i), 'forward')} / {_tf(impls.get(i), 'backward')}" for i in IMPLS]
+        ratios = [_ratios(impls.get("fagen"), impls.get(peer)) for peer in ("fa4", "sdpa_cudnn")]
+        errors = ", ".join(f"{LABELS[i]} {impls[i].error:.1e}" for i in IMPLS if i in impls and impls[i].error is not None)
+        notes = "; ".join(f"{LABELS[i]}: {impls[i].note}" for i in IMPLS if i in impls and impls[i].note)
+        out.append(f"| {case} | {' | '.join(cells)} | {' | '.join(ratios)} | {errors} | {notes} |")
+    return out
+
+
+def _tf(row: WidthRow | None, which: str) -> str:
+    value = None if row is None else getattr(row, f"{which}_tflops")
+    return f"{value:.0f}" if value else "-"
+
+
+def _ratios(mine: WidthRow | None, peer: WidthRow | None) -> str:
+    def ratio(which: str) -> str:
+        a, b = (None if r is None else getattr(r, f"{which}_tflops") for r in (mine, peer))
+        return f"{a / b:.2f}x" if a and b else "-"
+    return f"{ratio('forward')} / {ratio('backward')}"
+
+
+def read_json(path: Path) -> tuple[list[WidthRow], dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return [WidthRow(**r) for r in data["rows"]], dict(data.get("meta", {}))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a bench_head_widths JSON ({err}); rerun python3 -m fagen.bench_head_widths") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one case (192/128, N 4k, causal)")
+    parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
+    args = parser.parse_args(argv)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    impls, errors, rows = implementations(), {}, []
+    cases = [(192, 128, 4096, True)] if args.quick else [
+        (d_qk, d_v, n, causal) for d_qk, d_v in WIDTHS for n in LENGTHS for causal in (False, True)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        rows += run_case(impls, *case, errors)
+        print(" | ".join(f"{r.case} {r.impl} {_tf(r, 'forward')}/{_tf(r, 'backward')} {r.note}"
+                         for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    print("\n".join(markdown(rows, meta)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""The head-widths benchmark's rows and table, without a GPU (fagen.bench_head_widths runs them)."""
+
+import json
+
+import pytest
+
+from fagen.bench_head_widths import IMPLS, WidthRow, forward_flops, markdown, read_json
+
+
+def test_flops_count_both_widths_and_halve_for_causal():
+    """B * N = 16k tokens and H * d_v = 2048: at 192/128 and 4k, 4 sequences of 16 heads."""
+    dense = forward_flops(192, 128, 4096, False)
+    assert dense == 2 * 4 * 16 * 4096 * 4096 * (192 + 128)
+    assert forward_flops(192, 128, 4096, True) == dense / 2
+
+
+def test_the_table_puts_fagen_over_its_peers_and_says_why_a_cell_is_empty(tmp_path):
+    rows = [WidthRow(impl, 192, 128, 4096, True, f, b, 3e-3)
+            for impl, f, b in zip(IMPLS, (400.0, 600.0, 500.0, 140.0), (300.0, 400.0, 600.0, 40.0))]
+    rows[3].forward_tflops = rows[3].backward_tflops = None
+    rows[3].note = "not installed"
+    line = markdown(rows)[-1]
+    assert line.startswith("| d192/128 N4096 causal | 400 / 300 | 600 / 400 | 500 / 600 | - / - | 0.67x / 0.75x | "
+                           "0.80x / 0.50x |"), line
+    assert line.endswith("| SDPA efficient: not installed |"), line
+    path = tmp_path / "bench_head_widths.json"
+    path.write_text(json.dumps({"meta": {"date": "2026-11-29"}, "rows": [r.__dict__ for r in rows]}))
+    assert read_json(path)[0] == rows
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a bench_head_widths JSON"):
+        read_json(path)
