@@ -78,7 +78,12 @@ REGISTER_COSTS = {
                    # the chunks of K, V, Q and dO, and their addresses stay live; measured at 255 with
                    # 4 bytes of spills at block_q 64 (12 with 3 stages; head_dim 128, every mask, float16
                    # and bfloat16), where two warpgroups use 254 and spill nothing
-                   "one_warpgroup": 8.0},
+                   "one_warpgroup": 8.0,
+                   # two head widths under a document mask, per f32 register of S^T: measured (ptxas -v,
+                   # nvcc 13.0, 84 builds: 192/128, 128/64, 64/128 x every mask kind x softcap or none,
+                   # float16 and bfloat16) 242 at 128/64 with 64 queries a step, and 255 with 12 bytes of
+                   # spills under softcap, where this table said 227 and 243; the other masks within 10
+                   "two_widths_document": 0.41},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -166,6 +171,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["atomic_causal"] = s
     if kernel == "dkdv" and spec.wgmma_backward and spec.atomic_dq and mask.kind == "chunked" and bwd.warp_specialized:
         terms["producer_atomic_chunked"] = 1.0
+    if kernel == "dkdv" and spec.wgmma_backward and spec.dv != d and mask.kind == "document":
+        terms["two_widths_document"] = s
     if kernel == "dkdv" and spec.wgmma_backward and bwd.warps == WARPGROUP_WARPS and bwd.warp_specialized is None:
         terms["one_warpgroup"] = 1.0
     return terms
@@ -273,7 +280,7 @@ class DkdvPlan:
     score_params: tuple[tuple[str, str], ...]
     # wgmma only (0 on mma.sync): the byte offsets within 128-byte-swizzled tiles, as the forward's
     warpgroup_warps: int  # warps of one wgmma.m64: 64 keys, 16 a warp
-    atoms_per_row: int  # 128-byte swizzle atoms across head_dim
+    atoms_per_row: int  # 128-byte swizzle atoms across a row (the wider head)
     atom_elems: int
     atom_bytes: int  # the leading byte offset of an MN-major B (dO, Q of dV and dK)
     row_group_bytes: int  # 8 rows of a tile: the stride byte offset
@@ -285,7 +292,8 @@ class DkdvPlan:
     s_acc_regs: int  # f32 registers a thread holds of S^T (and of dP^T): block_q / 2
     # P^T packed to 16-bit pairs before dP^T lands, dS^T computed from them (EARLY_P_PACK_S_REGS)
     early_p_pack: bool
-    d_acc_regs: int  # ... of dK (and of dV): head_dim / 2
+    d_acc_regs: int  # ... of dK: head_dim / 2
+    dv_acc_regs: int  # ... of dV: head_dim_v / 2
     # atomic dQ only (0 otherwise): a step's dS^T goes to smem (two buffers, keys as rows, the
     # queries in 64-wide swizzle atoms), then warpgroup w adds the 64 x 64 tile w of dQ = dS.K
     atomic_dq: bool
@@ -501,7 +509,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         chunks_per_row=chunks,
         dkdv=dkdv,
         # the dQ kernel's output is dQ, head_dim wide, where the forward's O is head_dim_v wide
-        dq=replace(dq, mask_params=mask_params, o_n_frags=d // MMA_N, o_acc_regs=dq.o_acc_regs * d // spec.dv,
+        dq=replace(dq, mask_params=mask_params, head_dim_v=d, o_n_frags=d // MMA_N, o_acc_regs=dq.o_acc_regs * d // spec.dv,
                    out_chunks_per_warp=dq.warp_rows * d // CHUNK_ELEMS),
         dq_v_k_steps=spec.dv // MMA_K,
         dq_smem_bytes=dq_smem,
@@ -713,7 +721,7 @@ def dkdv_register_fix(spec: AttentionSpec) -> tuple[str, dict | None]:
 EARLY_P_PACK_S_REGS = 64
 DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                       "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs",
-                      "early_p_pack")
+                      "dv_acc_regs", "early_p_pack")
 ATOMIC_DQ_NUMBERS = ("atomic_dq", "ds_offset", "ds_tile_bytes", "ds_atoms_per_row", "ds_row_group_bytes", "dq_tiles",
                      "dq_key_split", "dq_n_tiles", "dq_key_steps", "dq_n_frags", "ds_barrier_threads",
                      "dq_stage_offset", "dq_stage_bytes")
@@ -772,7 +780,7 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
     s_acc_regs = WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup
     return {
         "warpgroup_warps": WARPGROUP_WARPS,
-        "atoms_per_row": spec.head_dim // SWIZZLE_ATOM_ELEMS,
+        "atoms_per_row": spec.row_width // SWIZZLE_ATOM_ELEMS,
         **{name: forward[name] for name in ("atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                                             "k_steps_per_atom")},
         "q_step_bytes": forward["v_step_bytes"],
@@ -780,6 +788,7 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
         "mbarrier_bytes": MBARRIER_BYTES,
         "s_acc_regs": s_acc_regs,
         "d_acc_regs": WARPGROUP_ROWS * spec.head_dim // threads_per_warpgroup,
+        "dv_acc_regs": WARPGROUP_ROWS * spec.dv // threads_per_warpgroup,
         "early_p_pack": bwd.warp_specialized is not None and s_acc_regs >= EARLY_P_PACK_S_REGS,
     }
 

@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fagen import api
+
 JSON = "bench_head_widths.json"
 WIDTHS = ((192, 128),)  # (d_qk, d_v)
 LENGTHS = (4096, 16384)
@@ -55,8 +57,6 @@ def implementations() -> dict:
     """Each implementation as f(q, k, v, causal) on [B, H, N, d] tensors; FA4 where it imports."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from fagen import api
 
     impls = {"fagen": lambda q, k, v, causal: api.attention(q, k, v, causal=causal)}
     try:

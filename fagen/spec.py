@@ -44,6 +44,9 @@ SWIZZLE_ATOM_ELEMS = 64  # one 128-byte swizzle row of half-precision elements
 # The sm_90a dK/dV kernel: a warpgroup owns 64 keys and holds their dK and dV rows (head_dim f32
 # registers a thread together), so head_dim 256 keeps the mma.sync kernel's head_split instead.
 WGMMA_BACKWARD_MAX_HEAD_DIM = 128
+# ... and two head widths (the dQ kernel's, not atomic dQ): up to DeepSeek's 192/128, whose dK and dV
+# hold 160 accumulator registers a thread at 64 keys a warpgroup
+WGMMA_BACKWARD_MAX_ROW_WIDTH = 192
 MAX_NAME_LENGTH = 100  # a file name with room for a suffix and a tuned variant's tags
 
 
@@ -1150,16 +1153,23 @@ class AttentionSpec(_Frozen):
     @property
     def atomic_dq(self) -> bool:
         """dQ accumulates in the dK/dV kernel with float32 atomics (backward.deterministic false,
-        on the wgmma loop); else a Q-major kernel of its own computes it."""
-        return self.wgmma_backward and not self.backward.deterministic
+        on the wgmma loop, V as wide as Q and K); else a Q-major kernel of its own computes it."""
+        return self.wgmma_backward and not self.backward.deterministic and self.dv == self.head_dim
 
     @property
     def wgmma_backward(self) -> bool:
-        """The dK/dV kernel runs on wgmma (sm_90a, head_dim up to WGMMA_BACKWARD_MAX_HEAD_DIM, V
-        as wide as Q and K); else on mma.sync (two head widths: their loops take each width's
-        k-steps and fragments, not yet wgmma's instruction shapes and TMA byte counts)."""
-        return (self.wgmma and self.backward is not None and self.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
-                and self.dv == self.head_dim)
+        """The dK/dV kernel runs on wgmma (spec.wgmma_trains); else on mma.sync."""
+        return self.backward is not None and self.wgmma_trains
+
+    @property
+    def wgmma_trains(self) -> bool:
+        """Whether this spec's backward runs on wgmma: sm_90a, up to head_dim
+        WGMMA_BACKWARD_MAX_HEAD_DIM, or two head widths up to WGMMA_BACKWARD_MAX_ROW_WIDTH."""
+        if not self.wgmma:
+            return False
+        if self.dv == self.head_dim:
+            return self.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM
+        return self.row_width <= WGMMA_BACKWARD_MAX_ROW_WIDTH
 
     @property
     def warp_specialized(self) -> bool:

@@ -17,7 +17,7 @@ from fagen.element_types import ELEMENT_TYPES
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
 from fagen.plan import has_sequence_tiles
-from fagen.spec import (FP8_KV_ARCHS, FP8_KV_WARP_KEYS, THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, WGMMA_BACKWARD_MAX_HEAD_DIM, AttentionSpec,
+from fagen.spec import (FP8_KV_ARCHS, FP8_KV_WARP_KEYS, THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, AttentionSpec,
                         Mask, ScoreMod, Sequences, SpecError)
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
@@ -414,6 +414,10 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
 # 64). Where a mask or modifiers push that over the registers: 64 queries, then the dQ kernel
 # instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 2}, 128: {"stages": 2}}
+# ... and two head widths, by the wider (the dQ kernel's, no producers yet): 128/64 and 64/128 at 64
+# queries a step (231-233 registers, 0 spills; 128 spill 76-80 bytes), DeepSeek's 192/128 at 32 (dK
+# and dV 160 registers a thread: 250, 0 spills; 64 spill 156 bytes). ptxas -v, nvcc 13.0.
+WGMMA_TWO_WIDTHS_TILINGS = {128: {"stages": 2}, 192: {"block_q": 32, "stages": 2}}
 # The dK/dV kernel's TMA producer (backward.warp_specialized), measured on an H200 (same process,
 # alternating arms): head_dim 128 +3-10% (dense, causal, masks); head_dim 64 +2-7% (dense and
 # causal, 4k and 16k) since P^T is packed before dP^T lands: before, its 128-query steps spilled
@@ -457,7 +461,7 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
     deterministic: no two blocks add into one output (on sm_90a the dQ kernel rather than
     atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias).
     captured_grads: the gradient of those captured arrays too (<name>_bwd..._dcaptured0 ...)."""
-    wgmma = spec.wgmma and spec.head_dim <= WGMMA_BACKWARD_MAX_HEAD_DIM and spec.dv == spec.head_dim
+    wgmma = spec.wgmma_trains
     # deterministic changes a kernel only where blocks would add into one element: atomic dQ
     # (sm_90a) and a bias's gradient
     deterministic = deterministic and (wgmma or bias_grad)
@@ -479,9 +483,11 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
     data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"
                                          f"{captured_suffix}"}
     if wgmma:  # whole tilings, in order; at head_dim 128 each with TMA producers first, where they fit
-        tilings = [WGMMA_BACKWARD_TILINGS[spec.head_dim], *WGMMA_BACKWARD_FALLBACKS]
+        two_widths = spec.dv != spec.head_dim
+        first = WGMMA_TWO_WIDTHS_TILINGS[spec.row_width] if two_widths else WGMMA_BACKWARD_TILINGS[spec.head_dim]
+        tilings = [first, *WGMMA_BACKWARD_FALLBACKS]
         tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
-        if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS:
+        if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS and not two_widths:
             dq_producer = spec.head_dim in DQ_PRODUCER_HEAD_DIMS
             tilings = [fed for t in tilings
                        for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]

@@ -371,8 +371,9 @@ __device__ __forceinline__ void wgmma_keys_queries(float (&d)[S_N_FRAGS][4], uns
 }
 
 // acc += A.B over one k16 step of the queries: A = the thread's packed fragment of P^T (or
-// dS^T), B = the step's 16 rows of dO (or Q) from shared memory, transposed on load.
-__device__ __forceinline__ void wgmma_keys_dims(float (&d)[D_N_FRAGS][4], const unsigned (&a)[4], unsigned long long b) {
+// dS^T), B = the step's 16 rows of dO (or Q) from shared memory, transposed on load. One
+// overload a width: dK's (head_dim).
+__device__ __forceinline__ void wgmma_keys_dims(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 { "
@@ -391,13 +392,15 @@ __device__ __forceinline__ void wgmma_keys_dims(float (&d)[D_N_FRAGS][4], const 
         "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_Q));
 }
 
-// S^T (or dP^T) = A.B^T over head_dim, committed as one wgmma group: `keys` is the warpgroup's
-// 64 rows of the K (or V) tile, `queries` the step's Q (or dO) tile.
+// S^T (or dP^T) = A.B^T over K_STEPS k16 steps of head_dim (or head_dim_v), committed as one
+// wgmma group: `keys` is the warpgroup's 64 rows of the K (or V) tile, `queries` the step's Q
+// (or dO) tile.
+template <int K_STEPS>
 __device__ __forceinline__ void issue_keys_queries(float (&acc)[S_N_FRAGS][4], unsigned keys, unsigned queries) {
   const unsigned long long a = smem_desc(keys, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
   const unsigned long long b = smem_desc(queries, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
-  for (int ks = 0; ks < QK_K_STEPS; ++ks) {
+  for (int ks = 0; ks < K_STEPS; ++ks) {
     const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
     wgmma_keys_queries(acc, a + step, b + step, ks > 0);
   }
@@ -406,7 +409,8 @@ __device__ __forceinline__ void issue_keys_queries(float (&acc)[S_N_FRAGS][4], u
 
 // dV (or dK) += A.B over the step's queries, one wgmma group: A packed P^T (or dS^T), B the
 // step's dO (or Q) tile. Its 64-column atoms are ATOM_BYTES apart, its 8-row groups ROW_GROUP_BYTES.
-__device__ __forceinline__ void issue_keys_dims(float (&acc)[D_N_FRAGS][4], const unsigned (&a)[Q_K_STEPS][4],
+template <int N_FRAGS>
+__device__ __forceinline__ void issue_keys_dims(float (&acc)[N_FRAGS][4], const unsigned (&a)[Q_K_STEPS][4],
                                                 unsigned queries) {
   const unsigned long long b = smem_desc(queries, ATOM_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
@@ -632,7 +636,7 @@ struct QdoPipeline {
     if (t < steps) {
       const int head = mask.step_head(t), q0 = mask.step_q_tile(t) * BLOCK_Q;
       copy_tile_async<BLOCK_Q>(q_slot(t), q + head * q_sh, q_sn, q0, n_q, tid);
-      copy_tile_async<BLOCK_Q>(do_slot(t), dout + head * do_sh, do_sn, q0, n_q, tid);
+      copy_tile_async<BLOCK_Q, V_CHUNKS_PER_ROW, V_COPY_ROWS_PER_PASS>(do_slot(t), dout + head * do_sh, do_sn, q0, n_q, tid);
       // LSE and D rows are padded to whole tiles: always in range
       const long long row0 = (long long)head * n_pad + q0;
       for (int c = tid; c < 2 * ROW_CHUNKS; c += THREADS)
@@ -780,8 +784,8 @@ fagen_attn_bf16_d64_h200_bwd_dkdv(
     // keys as rows, on the tensor cores together.
     float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
     wgmma_fence();
-    issue_keys_queries(s[0], k_rows, q_tile);
-    issue_keys_queries(dp[0], v_rows, do_tile);
+    issue_keys_queries<QK_K_STEPS>(s[0], k_rows, q_tile);
+    issue_keys_queries<V_K_STEPS>(dp[0], v_rows, do_tile);
     pipe.issue(t + STAGES - 1, mask);  // the slot step t - 1 used, refilled under the MMAs
     wgmma_wait<1>();  // S^T is done; dP^T may still run
     pin_registers(s[0]);

@@ -356,8 +356,9 @@ __device__ __forceinline__ void wgmma_keys_queries(float (&d)[S_N_FRAGS][4], uns
 }
 
 // acc += A.B over one k16 step of the queries: A = the thread's packed fragment of P^T (or
-// dS^T), B = the step's 16 rows of dO (or Q) from shared memory, transposed on load.
-__device__ __forceinline__ void wgmma_keys_dims(float (&d)[D_N_FRAGS][4], const unsigned (&a)[4], unsigned long long b) {
+// dS^T), B = the step's 16 rows of dO (or Q) from shared memory, transposed on load. One
+// overload a width: dK's (head_dim).
+__device__ __forceinline__ void wgmma_keys_dims(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 { "
@@ -386,13 +387,15 @@ __device__ __forceinline__ void wgmma_keys_dims(float (&d)[D_N_FRAGS][4], const 
         "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_Q));
 }
 
-// S^T (or dP^T) = A.B^T over head_dim, committed as one wgmma group: `keys` is the warpgroup's
-// 64 rows of the K (or V) tile, `queries` the step's Q (or dO) tile.
+// S^T (or dP^T) = A.B^T over K_STEPS k16 steps of head_dim (or head_dim_v), committed as one
+// wgmma group: `keys` is the warpgroup's 64 rows of the K (or V) tile, `queries` the step's Q
+// (or dO) tile.
+template <int K_STEPS>
 __device__ __forceinline__ void issue_keys_queries(float (&acc)[S_N_FRAGS][4], unsigned keys, unsigned queries) {
   const unsigned long long a = smem_desc(keys, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
   const unsigned long long b = smem_desc(queries, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
-  for (int ks = 0; ks < QK_K_STEPS; ++ks) {
+  for (int ks = 0; ks < K_STEPS; ++ks) {
     const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
     wgmma_keys_queries(acc, a + step, b + step, ks > 0);
   }
@@ -401,7 +404,8 @@ __device__ __forceinline__ void issue_keys_queries(float (&acc)[S_N_FRAGS][4], u
 
 // dV (or dK) += A.B over the step's queries, one wgmma group: A packed P^T (or dS^T), B the
 // step's dO (or Q) tile. Its 64-column atoms are ATOM_BYTES apart, its 8-row groups ROW_GROUP_BYTES.
-__device__ __forceinline__ void issue_keys_dims(float (&acc)[D_N_FRAGS][4], const unsigned (&a)[Q_K_STEPS][4],
+template <int N_FRAGS>
+__device__ __forceinline__ void issue_keys_dims(float (&acc)[N_FRAGS][4], const unsigned (&a)[Q_K_STEPS][4],
                                                 unsigned queries) {
   const unsigned long long b = smem_desc(queries, ATOM_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
@@ -868,8 +872,8 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
       // keys as rows, on the tensor cores together.
       float s[M_FRAGS][S_N_FRAGS][4], dp[M_FRAGS][S_N_FRAGS][4];
       wgmma_fence();
-      issue_keys_queries(s[0], k_rows, q_tile);
-      issue_keys_queries(dp[0], v_rows, do_tile);
+      issue_keys_queries<QK_K_STEPS>(s[0], k_rows, q_tile);
+      issue_keys_queries<V_K_STEPS>(dp[0], v_rows, do_tile);
       wgmma_wait<1>();  // S^T is done; dP^T may still run
       pin_registers(s[0]);
 
@@ -1475,7 +1479,7 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dq(
     }
     wgmma_commit();
 #pragma unroll
-    for (int ks = 0; ks < QK_K_STEPS; ++ks) {
+    for (int ks = 0; ks < V_K_STEPS; ++ks) {
       const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
       wgmma_qk(dp[0], do_desc + step, v_desc + step, ks > 0);
     }

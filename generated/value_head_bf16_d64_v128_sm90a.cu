@@ -5,6 +5,18 @@
 // 128-byte-swizzled shared memory + cp.async
 // spec:
 //   arch: sm_90a
+//   backward:
+//     bias_grad: false
+//     block_kv: 128
+//     block_q: 64
+//     captured_grads: []
+//     deterministic: true
+//     dq_block_kv: 64
+//     dq_block_q: 64
+//     dq_warps: 4
+//     head_split: 1
+//     stages: 2
+//     warps: 8
 //   dtype: bfloat16
 //   head_dim: 64
 //   head_dim_v: 128

@@ -40,7 +40,7 @@ LAYERS = [
     ("bench_cases", "bench_rows", "bench_e2e_tables", "bench_flex_tables"),  # the benchmark's cases, masks and FLOPs;
     # its rows' JSON and CSV
     # files; the end-to-end benchmark's cases and tables
-    ("bench_backward", "bench_serving", "bench_e2e", "bench_flex", "bench_fp8"),  # the backward and serving layouts in
+    ("bench_backward", "bench_serving", "bench_e2e", "bench_flex", "bench_fp8", "bench_head_widths"),  # the backward and serving layouts in
     # `fagen bench`; generation; fagen.flex against FlexAttention
     ("bench",),
     ("tune",),
