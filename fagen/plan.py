@@ -171,7 +171,11 @@ class KernelPlan:
     p_log2_scale: float  # P's scale before its rounding to an FP8 A operand, log2 (element type's; 0 otherwise)
     exp2_poly_every: int  # every this many n8 fragments of S, exp2 runs as a polynomial on the FMA pipe (0: never)
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
-    q_tile_bytes: int
+    q_tile_bytes: int  # wgmma: the bytes of Q a tile loads (head_dim wide: a producer's expect_tx)
+    k_load_bytes: int  # wgmma: ... of K (head_dim wide)
+    v_load_bytes: int  # wgmma: ... of V (head_dim_v wide)
+    qk_atoms: int  # wgmma: 64-column boxes (swizzle atoms) across a Q or K row ...
+    v_atoms: int  # ... and across a V row
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
     v_copy_rows_per_pass: int  # ... of V
     kv_chunk_elems: int  # K's and V's elements in a 16-byte chunk (16 for an FP8 KV cache, else 8)
@@ -877,7 +881,11 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "kv_chunk_elems": CHUNK_BYTES // spec.kv_element.bytes,
         "kv_chunks_per_row": kv_chunks_per_row,
         "kv_copy_rows_per_pass": threads // kv_chunks_per_row if threads % kv_chunks_per_row == 0 else 0,
-        "q_tile_bytes": t.block_q * spec.row_width * spec.element.bytes if spec.wgmma else 0,
+        "q_tile_bytes": t.block_q * d * spec.element.bytes if spec.wgmma else 0,
+        "k_load_bytes": t.block_kv * d * spec.kv_element.bytes if spec.wgmma else 0,
+        "v_load_bytes": t.block_kv * dv * spec.kv_element.bytes if spec.wgmma else 0,
+        "qk_atoms": d // swizzle_atom_columns(spec) if spec.wgmma else 0,
+        "v_atoms": dv // swizzle_atom_columns(spec) if spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         # V copies as K does: by passes of whole rows where both divide the threads, else chunk by chunk
         "v_copy_rows_per_pass": threads // v_chunks_per_row if threads % v_chunks_per_row == 0

@@ -745,9 +745,6 @@ class AttentionSpec(_Frozen):
                                   "remove head_dim_v (V as wide as Q and K), or use head_dim_v 64 or 128 beside head_dim 64, "
                                   "128 or 256", {"head_dim_v": REMOVE}))
         refused = [
-            ("pipeline.warp_specialized", self.pipeline.warp_specialized is not None,
-             "remove pipeline.warp_specialized and set pingpong: false (the copying sm_90a kernel)",
-             {"pipeline.warp_specialized": REMOVE, "pipeline.pingpong": False}),
             ("outputs", o.partial or o.accumulate or o.merge_splits, "write the whole output (partial, accumulate "
              "and merge_splits: false)", {"outputs.partial": False, "outputs.accumulate": False,
                                          "outputs.merge_splits": False}),

@@ -149,21 +149,28 @@ COPYING_WARPS_Q = 8  # the most query warps the copying sm_90a kernel (no produc
 def value_head_variant(spec: AttentionSpec, head_dim_v: int, head_dim: int | None = None) -> AttentionSpec:
     """`spec` with V and O head_dim_v wide (and Q and K head_dim wide, where given: a Q.K^T width
     with no default of its own, from a wider head's spec), as the spec's rules take two head
-    widths (the forward over padded tensors, whole outputs, no producer warpgroup, one warp along
-    the keys): a warp-specialised default becomes the copying sm_90a kernel of its tiling,
-    falling back as `variant` does where the plan refuses it (rows as wide as the wider head)."""
+    widths (the forward over padded tensors, whole outputs, one warp along the keys): its own
+    kernel, warp-specialised where it is, falling back as `variant` does where the plan refuses it
+    (rows as wide as the wider head); a warp-specialised kernel refused at every tiling becomes
+    the copying sm_90a kernel of its tiling."""
     head_dim = head_dim or spec.head_dim
     if (head_dim, head_dim_v) == (spec.head_dim, spec.dv):
         return spec
     data = spec.model_dump()
     tag = f"_d{head_dim}" if head_dim != spec.head_dim else ""
-    tiling = {**data["tiling"], "pack_gqa": False, "warps_kv": 1}
-    if spec.warp_specialized and tiling["warps_q"] > COPYING_WARPS_Q:  # three consumer warpgroups need a producer
-        tiling.update(warps_q=COPYING_WARPS_Q, block_q=tiling["block_q"] * COPYING_WARPS_Q // tiling["warps_q"])
     data.update(name=f"{spec.name}{tag}_v{head_dim_v}", head_dim=head_dim, head_dim_v=head_dim_v, backward=None,
-                tiling=tiling,
-                pipeline={**data["pipeline"], "warp_specialized": None, "pingpong": False},
+                tiling={**data["tiling"], "pack_gqa": False, "warps_kv": 1},
                 outputs={**data["outputs"], "partial": False, "accumulate": False, "merge_splits": False})
+    try:
+        return parse_falling_back(data, spec, f"value-head variant of {spec.name}")
+    except SpecError:
+        if not spec.warp_specialized:
+            raise
+    tiling = dict(data["tiling"])
+    if tiling["warps_q"] > COPYING_WARPS_Q:  # three consumer warpgroups need a producer
+        tiling.update(warps_q=COPYING_WARPS_Q, block_q=tiling["block_q"] * COPYING_WARPS_Q // tiling["warps_q"])
+    data.update(name=f"{data['name']}_copying", tiling=tiling,
+                pipeline={**data["pipeline"], "warp_specialized": None, "pingpong": False})
     return parse_falling_back(data, spec, f"value-head variant of {spec.name}")
 
 

@@ -84,7 +84,11 @@ constexpr int CONSUMER_THREADS = 256;
 constexpr int PRODUCER_WARPGROUP = 2;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to S, P and O
-constexpr int Q_TILE_BYTES = 65536;
+constexpr int Q_TILE_BYTES = 65536;       // the bytes a tile's loads deliver: Q's ...
+constexpr int K_LOAD_BYTES = 40960;       // ... K's
+constexpr int V_LOAD_BYTES = 40960;       // ... and V's
+constexpr int QK_ATOMS = 4;  // TMA boxes across a Q or K row (head_dim) ...
+constexpr int V_ATOMS = 4;  // ... and across a V row (head_dim_v)
 constexpr int ATOM_COLUMNS = 64;  // a TMA box is one atom wide ...
 constexpr int ATOM_ROW_BYTES = 128;  // ... and a tile's rows tall
 
@@ -430,11 +434,12 @@ struct KvPipeline {
   }
 
   // ---- the producer's side (one thread) ----
-  // ROWS rows of a tile from `row` on: one box per 64-column block, the blocks ROWS * 128 bytes apart.
-  template <int ROWS>
+  // ROWS rows of a tile from `row` on: one box per 64-column block of the tensor's ATOMS, the
+  // blocks ROWS * 128 bytes apart.
+  template <int ROWS, int ATOMS>
   __device__ __forceinline__ static void load(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
 #pragma unroll
-    for (int a = 0; a < ATOMS_PER_ROW; ++a) tma_load_tile(dst + a * ROWS * ATOM_ROW_BYTES, map, bar, a * ATOM_COLUMNS, row, head, batch);
+    for (int a = 0; a < ATOMS; ++a) tma_load_tile(dst + a * ROWS * ATOM_ROW_BYTES, map, bar, a * ATOM_COLUMNS, row, head, batch);
   }
 
   // The tile's Q rows start at row q_row of batch q_batch in q_map, its keys at row kv_row0 of
@@ -444,13 +449,13 @@ struct KvPipeline {
                                           int h_kv) const {
     if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
     mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
-    load<BLOCK_Q>(q_tile, q_map, q_full, q_row, h, q_batch);
+    load<BLOCK_Q, QK_ATOMS>(q_tile, q_map, q_full, q_row, h, q_batch);
     for (int g = 0; g <= tiles; ++g) {
       const unsigned bar = full + MBARRIER_BYTES * stage(g);
       if (first + g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage(g), phase(g) ^ 1);  // group n - KV_STAGES is done
-      mbarrier_arrive_expect_tx(bar, (g < tiles ? KV_TILE_BYTES : 0) + (g >= 1 ? KV_TILE_BYTES : 0));
-      if (g < tiles) load<BLOCK_KV>(k_slot(g), k_map, bar, kv_row0 + mask.kv_tile(g) * BLOCK_KV, h_kv, kv_batch);
-      if (g >= 1) load<BLOCK_KV>(v_slot(g - 1), v_map, bar, kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV, h_kv, kv_batch);
+      mbarrier_arrive_expect_tx(bar, (g < tiles ? K_LOAD_BYTES : 0) + (g >= 1 ? V_LOAD_BYTES : 0));
+      if (g < tiles) load<BLOCK_KV, QK_ATOMS>(k_slot(g), k_map, bar, kv_row0 + mask.kv_tile(g) * BLOCK_KV, h_kv, kv_batch);
+      if (g >= 1) load<BLOCK_KV, V_ATOMS>(v_slot(g - 1), v_map, bar, kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV, h_kv, kv_batch);
     }
   }
 
