@@ -89,6 +89,8 @@ def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
         assert spec.warp_specialized == (gpu == "h200") and not spec.outputs.partial and spec.backward is None
         assert spec.name.endswith(f"_v{dv}")
         assert plan(spec).head_dim_v == dv
+        if d == 192 and gpu == "h200":  # FlashAttention-3's tile for 192, not the 256 default's
+            assert (spec.tiling.block_q, spec.tiling.block_kv) == (128, 112)
         # the same call derives the same spec (the cache keys the width)
         assert dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv) is spec
     assert dispatch.derive_spec_for("float16", 128, causal=True).dv == 128
