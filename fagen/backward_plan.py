@@ -44,13 +44,19 @@ PREPROCESS_ROW_LANES = 8
 # kind with and without modifiers at the tilings fagen.variants.trainable picks)
 # (scripts/fit_backward_registers.py; sm_80 and sm_90, nvcc 13.0) so that every kernel that
 # spilled is predicted over MAX_REGISTERS and every other at least at its count.
+# Two head widths with a bias, its gradient or captured arrays' gradients: the dK/dV kernel's
+# separate dK and dV accumulators beside the modifier's state; set by hand from 132 ptxas -v builds
+# (192/128, 128/64, 64/128 x no mask, causal, sliding window, causal document x a matrix or vector
+# bias with and without softcap, its gradient, ALiBi, learned tables; nvcc 13.0), where 17 spilled
+# 8-60 bytes predicted 240-252 (wgmma and mma.sync alike).
+TWO_WIDTHS_MODIFIED = 16.0
 REGISTER_COSTS = {
     "dkdv": {"base": 61.12, "acc": 1.17, "s": 3.1, "s_nonlinear": 0.5, "chunk_copy": 11.88, "stages1": 0.0,
              "causal": 0.17, "sliding_window": 10.31, "chunked": 3.79, "document": 5.0, "document_causal": 5.0,
              "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79,
              # a bias's gradient (by hand, 90 ptxas -v runs: head_dim 64, 128, 256 x masks x bias kinds);
              # a matrix bias's per S register (an address per score)
-             "bias_grad_matrix": 0.25, "bias_grad_vector": 4.0},
+             "bias_grad_matrix": 0.25, "bias_grad_vector": 4.0, "two_widths_modified": TWO_WIDTHS_MODIFIED},
     # sm_90a's wgmma kernels (head_dim <= 128), fitted by hand to 192 ptxas -v runs (head_dim 64
     # and 128 x block_q 32, 64, 128 x every mask kind x softcap, ALiBi, a bias; nvcc 13.0): every
     # build that spilled is predicted over MAX_REGISTERS; a few that just fit are refused too
@@ -83,7 +89,7 @@ REGISTER_COSTS = {
                    # nvcc 13.0, 84 builds: 192/128, 128/64, 64/128 x every mask kind x softcap or none,
                    # float16 and bfloat16) 242 at 128/64 with 64 queries a step, and 255 with 12 bytes of
                    # spills under softcap, where this table said 227 and 243; the other masks within 10
-                   "two_widths_document": 0.41},
+                   "two_widths_document": 0.41, "two_widths_modified": TWO_WIDTHS_MODIFIED},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -99,7 +105,7 @@ REGISTER_COSTS = {
     "dkdv_d256": {"base": 78.0, "acc": 1.0, "s": 3.25, "s_nonlinear": 0.88, "chunk_copy": 0.0, "stages1": 0.0,
                   "causal": 0.0, "sliding_window": 0.0, "chunked": 1.0, "document": 6.0, "document_causal": 6.0,
                   "prefix_lm": 0.0, "block_mask": 7.0, "bias": 4.0, "alibi": 2.0,
-                  "bias_grad_matrix": 0.25, "bias_grad_vector": 2.0},
+                  "bias_grad_matrix": 0.25, "bias_grad_vector": 2.0, "two_widths_modified": TWO_WIDTHS_MODIFIED},
     "dq_d256": {"base": 72.0, "acc": 1.0, "s": 3.25, "s_nonlinear": 0.5, "chunk_copy": 0.0, "stages1": 0.0,
                 "causal": 0.0, "sliding_window": 4.0, "chunked": 9.0, "document": 7.0, "document_causal": 7.0,
                 "prefix_lm": 0.0, "block_mask": 1.0, "bias": 6.0, "alibi": 2.0},
@@ -171,6 +177,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["atomic_causal"] = s
     if kernel == "dkdv" and spec.wgmma_backward and spec.atomic_dq and mask.kind == "chunked" and bwd.warp_specialized:
         terms["producer_atomic_chunked"] = 1.0
+    if kernel == "dkdv" and spec.dv != d and (mod.bias != "none" or bwd.bias_grad or bwd.captured_grads):
+        terms["two_widths_modified"] = 1.0
     if kernel == "dkdv" and spec.wgmma_backward and spec.dv != d and mask.kind == "document":
         terms["two_widths_document"] = s
     if kernel == "dkdv" and spec.wgmma_backward and bwd.warps == WARPGROUP_WARPS and bwd.warp_specialized is None:

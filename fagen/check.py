@@ -358,4 +358,4 @@ def check_backward_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int
         if getattr(grads, name) is not None:
             errors.append(relative_error(to_numpy(getattr(grads, name)), ref[name]))
     return CheckResult(spec.name + " backward", (b, hq, hkv, nq, nk), max(errors), 0.0, OUT_TOLERANCE[spec.dtype],
-                       flops=2.5 * attention_flops(b, hq, nq, nk, spec.head_dim, spec.causal))
+                       flops=2.5 * attention_flops(b, hq, nq, nk, (spec.head_dim + spec.dv) / 2, spec.causal))

@@ -745,7 +745,7 @@ class Kernel:
         tiles = self.plan.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
         grid = tiles
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
-            kv_bytes = 2 * tk.shape[2] * tk.shape[3] * self.spec.element.bytes // splits  # a KV head's K and V (a split's share)
+            kv_bytes = tk.shape[2] * (tk.shape[3] + tv.shape[3]) * self.spec.element.bytes // splits  # a KV head's K and V (a split's share)
             per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # x: a query head, unpacked
             values.update(tiles_x=tiles[0], tiles_y=tiles[1], tiles_z=tiles[2],
                           tiles_section=l2_section(*tiles[:2], per_x, device.l2_bytes(tq.device),

@@ -515,6 +515,10 @@ class Backward(_Frozen):
     # step's K and V, with TMA; with one consumer warpgroup (dq_warps 4) two blocks share an SM,
     # so the two warpgroups' registers must fit half of it (consumer_registers <= 232)
     dq_warp_specialized: WarpSpecialized | None = None
+    # the main loops' instructions: unset, wgmma where the spec allows it (AttentionSpec.wgmma_trains);
+    # mma_sync: the mma.sync loops anyway (an sm_90a spec's built for sm_90), where registers refuse
+    # every wgmma tiling (two head widths with a bias's gradient, say)
+    mma: Literal["mma_sync"] | None = None
 
     @field_validator("captured_grads", mode="before")
     @classmethod
@@ -729,7 +733,8 @@ class AttentionSpec(_Frozen):
     @model_validator(mode="after")
     def _two_head_widths(self) -> AttentionSpec:
         """head_dim_v apart from head_dim: the forward over padded [B, H, N, d] tensors, one block
-        per query tile, and its mma.sync backward; what it does not reach yet is refused by name."""
+        per query tile, and its backward (wgmma or mma.sync, the dQ kernel's); what it does not
+        reach yet is refused by name."""
         if self.dv == self.head_dim:
             return self
         why = f"head_dim_v {self.dv} differs from head_dim {self.head_dim}"
@@ -751,7 +756,7 @@ class AttentionSpec(_Frozen):
             ("sequences", not seq.padded, "use padded sequences", {"sequences": REMOVE}),
             ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
-            # the backward is mma.sync's (wgmma_backward): no TMA producers
+            # the backward's TMA producers load one width (their byte counts are K's and Q's)
             *((f"backward.{ws}", getattr(self.backward, ws) is not None, f"remove backward.{ws}",
                {f"backward.{ws}": REMOVE}) for ws in ("warp_specialized", "dq_warp_specialized")
               if self.backward is not None),
@@ -760,8 +765,8 @@ class AttentionSpec(_Frozen):
         if broken:  # the first named; the fix makes every change at once, so that it validates
             field = broken[0][0]
             raise ValueError(rule(field, "set" if field != "tiling.warps_kv" else t.warps_kv,
-                                  f"is not built yet where {why} (the forward over padded tensors, whole "
-                                  "outputs, one warp along the keys)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  f"is not built yet where {why} (padded tensors, whole outputs, one warp "
+                                  "along the keys, no backward producers)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 
@@ -1155,8 +1160,8 @@ class AttentionSpec(_Frozen):
 
     @property
     def wgmma_backward(self) -> bool:
-        """The dK/dV kernel runs on wgmma (spec.wgmma_trains); else on mma.sync."""
-        return self.backward is not None and self.wgmma_trains
+        """The dK/dV kernel runs on wgmma (spec.wgmma_trains, backward.mma unset); else on mma.sync."""
+        return self.backward is not None and self.wgmma_trains and self.backward.mma is None
 
     @property
     def wgmma_trains(self) -> bool:

@@ -168,6 +168,7 @@ def value_head_variant(spec: AttentionSpec, head_dim_v: int, head_dim: int | Non
     tiling = {**data["tiling"], "pack_gqa": False, "warps_kv": 1}
     if head_dim != spec.head_dim and spec.warp_specialized and head_dim in WIDE_QK_KV_TILE:
         tiling["block_kv"] = WIDE_QK_KV_TILE[head_dim]
+        tag += f"_kv{tiling['block_kv']}"  # the name says the tile, not the wider head's
     data.update(name=f"{spec.name}{tag}_v{head_dim_v}", head_dim=head_dim, head_dim_v=head_dim_v, backward=None,
                 tiling=tiling,
                 outputs={**data["outputs"], "partial": False, "accumulate": False, "merge_splits": False})
@@ -478,10 +479,10 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
     deterministic: no two blocks add into one output (on sm_90a the dQ kernel rather than
     atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias).
     captured_grads: the gradient of those captured arrays too (<name>_bwd..._dcaptured0 ...)."""
-    wgmma = spec.wgmma_trains
+    wgmma, two_widths = spec.wgmma_trains, spec.dv != spec.head_dim
     # deterministic changes a kernel only where blocks would add into one element: atomic dQ
-    # (sm_90a) and a bias's gradient
-    deterministic = deterministic and (wgmma or bias_grad)
+    # (sm_90a, V as wide as Q and K) and a bias's gradient
+    deterministic = deterministic and (wgmma and not two_widths or bias_grad)
     captured_suffix = "".join(f"_d{name}" for i, name in enumerate(expression.captured_names(spec.score_mod.captured))
                               if i in captured_grads)
     if spec.backward is not None:  # its tiling, with what is asked on top
@@ -499,18 +500,18 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
             "captured_grads": sorted(captured_grads)}}, f"trainable {spec.name}")
     data = {**spec.model_dump(), "name": f"{spec.name}_bwd{'_det' if deterministic else ''}{'_dbias' if bias_grad else ''}"
                                          f"{captured_suffix}"}
+    base = BACKWARD_TILINGS[spec.row_width]  # mma.sync's: changes to the (wider) head's tiling
+    tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]
     if wgmma:  # whole tilings, in order; at head_dim 128 each with TMA producers first, where they fit
-        two_widths = spec.dv != spec.head_dim
         first = WGMMA_TWO_WIDTHS_TILINGS[spec.row_width] if two_widths else WGMMA_BACKWARD_TILINGS[spec.head_dim]
-        tilings = [first, *WGMMA_BACKWARD_FALLBACKS]
-        tilings = [t for t in tilings if t.get("deterministic") or not deterministic]
+        wgmma_tilings = [t for t in (first, *WGMMA_BACKWARD_FALLBACKS) if t.get("deterministic") or not deterministic]
         if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS and not two_widths:
             dq_producer = spec.head_dim in DQ_PRODUCER_HEAD_DIMS
-            tilings = [fed for t in tilings
-                       for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]
-    else:  # changes to the head_dim's tiling
-        base = BACKWARD_TILINGS[spec.row_width]  # two head widths: the wider one's
-        tilings = [base] + [{**base, **change} for change in BACKWARD_FALLBACKS]
+            wgmma_tilings = [fed for t in wgmma_tilings
+                             for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]
+        # two widths: the mma.sync loops where registers refuse every wgmma tiling (160 accumulator
+        # registers a thread at 192/128 leave a bias's gradient no room)
+        tilings = wgmma_tilings + ([{**t, "mma": "mma_sync"} for t in tilings] if two_widths else [])
     refused = None
     for i, tiling in enumerate(tilings):
         # only the last tiling's refusal is shown: the others' search no fix

@@ -127,6 +127,7 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "backward warps": (HOPPER_BWD, {"backward.warps": 3}),
     "backward dq_warps": (SM80_BWD, {"backward.dq_warps": 3}),
     "head_split": (SM80_BWD, {"backward.head_split": 3}),
+    "backward mma not a loop": (SM80_BWD, {"backward.mma": "wgmma"}),
     "backward stages": (SM80_BWD, {"backward.stages": 5}),
     "backward block_q": (SM80_BWD, {"backward.block_q": 40}),
     "head_split divides warps": (SM80_BWD, {"backward.warps": 1, "backward.block_kv": 16, "backward.block_q": 16,

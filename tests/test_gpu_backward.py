@@ -140,6 +140,22 @@ def test_two_head_widths_train_against_oracle(d, dv, mask):
         assert result.passed, result.summary()
 
 
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64)])
+def test_two_head_widths_train_a_bias_against_oracle(d, dv):
+    """A matrix bias and its gradient beside two widths, under softcap: at 192/128 registers refuse
+    every wgmma tiling and the mma.sync loops train it (backward.mma) on sm_90a too."""
+    from fagen.dispatch import derive_spec_for
+
+    spec = variants.trainable(derive_spec_for("bfloat16", d, causal=True, softcap=30.0, bias=np.zeros((1, 4, 1, 1)),
+                                              head_dim_v=dv), bias_grad=True)
+    if spec.wgmma:
+        assert spec.backward.mma == ("mma_sync" if d == 192 else None)
+    for nq, nk, hkv in ((300, 517, 2), (1023, 1024, 1)):
+        result = check_backward_against_oracle(spec, 2, 4, hkv, nq, nk)
+        print(result.summary())
+        assert result.passed, result.summary()
+
+
 DETERMINISTIC = ["causal_softcap_sinks_f16_d128", "document_causal_f16_d128", "sliding_window_f16_d128",
                  "attn_f16_d128_causal_h200", "attn_bf16_d64_h200", "value_head_f16_d192_v128"]
 

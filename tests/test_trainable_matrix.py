@@ -132,3 +132,28 @@ def test_a_ring_full_step_lays_its_rows_out_as_the_causal_block(gpu, head_dim):
         own = trainable(shipped_spec(dtype, head_dim, True, gpu=gpu))
         full = trainable_alike(shipped_spec(dtype, head_dim, False, gpu=gpu), own)
         assert rows(full) == rows(own), (dtype, full.name)
+
+
+@pytest.mark.parametrize("gpu", FAMILIES)
+@pytest.mark.parametrize("d, dv", [(192, 128), (128, 64), (64, 128)])
+def test_every_two_width_combination_finds_a_backward(gpu, d, dv):
+    """A v of its own width (fagen.attention's value-head variant of each cell; 192 from head_dim
+    256's defaults, as fagen.dispatch derives it) trains under every mask kind but block masks
+    (refused with two widths) and every modifier: on the wgmma loops where registers allow, else
+    on mma.sync's (192/128 with a bias's gradient: dK and dV hold 160 registers a thread)."""
+    from fagen.variants import value_head_variant
+
+    refused, loops = [], set()
+    for spec, deterministic, bias_grad in cells(gpu, 256 if d == 192 else d):
+        if spec.mask.kind == "block_mask":
+            continue
+        try:
+            trained = trainable(value_head_variant(spec, dv, d), deterministic, bias_grad)
+        except SpecError as error:
+            refused.append(f"{spec.name} deterministic={deterministic} bias_grad={bias_grad}: {error}")
+            continue
+        assert (trained.head_dim, trained.dv, trained.backward.bias_grad) == (d, dv, bias_grad)
+        assert not trained.atomic_dq  # a two-width dQ is the dQ kernel's
+        loops.add(trained.wgmma_backward)
+    assert not refused, f"{len(refused)} refused, e.g.\n" + "\n".join(refused[:5])
+    assert loops == ({True, False} if (gpu, d) == ("h200", 192) else {gpu == "h200"}), loops
