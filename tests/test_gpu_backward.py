@@ -140,6 +140,19 @@ def test_two_head_widths_train_against_oracle(d, dv, mask):
         assert result.passed, result.summary()
 
 
+@pytest.mark.parametrize("d, dv", [(256, 128), (256, 64), (128, 256), (64, 256), (32, 64)])
+def test_every_pair_of_widths_trains_against_oracle(d, dv):
+    """The other pairs fagen.attention derives (rows wider than 192: mma.sync on sm_90a too; 32
+    beside 64: the generic specs), causal, GQA, awkward lengths, against the oracle."""
+    from fagen.dispatch import derive_spec_for
+
+    spec = variants.trainable(derive_spec_for("bfloat16", d, causal=True, head_dim_v=dv))
+    assert (spec.head_dim, spec.dv) == (d, dv) and not spec.atomic_dq
+    result = check_backward_against_oracle(spec, 2, 4, 2, 203, 517)
+    print(result.summary())
+    assert result.passed, result.summary()
+
+
 @pytest.mark.parametrize("d, dv", [(192, 128), (128, 64)])
 def test_two_head_widths_train_a_bias_against_oracle(d, dv):
     """A matrix bias and its gradient beside two widths, under softcap: at 192/128 registers refuse
