@@ -190,7 +190,7 @@ class Backward:
         -2.5% at 16k, whose 128 blocks a head now walk one head at a time as before."""
         if KINDS[self.spec.mask.kind].even_tiles or 2 * -(-n_kv // self.plan.dkdv.block_kv) >= multiprocessors(device_id):
             return 1
-        per_head = (hq // hkv) * n_pad * (2 * d * self.spec.element.bytes + 8)  # Q and dO rows, LSE and D
+        per_head = (hq // hkv) * n_pad * ((d + self.spec.dv) * self.spec.element.bytes + 8)  # Q and dO rows, LSE and D
         return l2_heads(b * hkv, per_head, l2_bytes(device_id))
 
     def _dkdv_grid(self, tiles: int, device_id: int) -> tuple[int, int]:

@@ -123,7 +123,7 @@ REGISTER_COSTS = {
 # dQ's addresses and its dQ tile then weigh more. Set by ptxas -v on 120 builds (head_dim 64 and
 # 128 x block_q 32-128 x every mask kind x softcap, ALiBi, a bias x atomic or not; nvcc 13.0):
 # every build that spilled is predicted over the consumers' registers, a few that fit are too.
-WARP_SPECIALIZED_SAVING = 16
+WARP_SPECIALIZED_SAVING = 16  # (not with two head widths: 192/128's consumers spilled 88 bytes predicted 234)
 # ... and atomic dQ there: its dQ tile and addresses in place of the copy state. Refitted once the
 # epilogue's addresses stopped being hoisted across the walk and P^T was packed before dP^T lands,
 # on 160 builds (ptxas -v, nvcc 13.0; head_dim 128 at block_q 64 and head_dim 64 at 64 and 128 x every
@@ -274,6 +274,8 @@ class DkdvPlan:
     v_copy_rows_per_pass: int  # ... as copy_rows_per_pass (0 where either width's chunks do not divide the threads)
     kv_tile_bytes: int  # the K tile, then the V tile
     q_tile_bytes: int  # a Q tile; a dO tile follows it in each stage
+    kv_load_bytes: int  # what a tile's K and V loads deliver (each head's own width): a producer's expect_tx
+    qdo_load_bytes: int  # ... a step's Q and dO
     stage_bytes: int  # Q, dO, then their rows' LSE and D (f32)
     row_floats_chunks: int  # 16-byte chunks of one tile's LSE (and of its D)
     row_bytes: int  # one tile's LSE (and its D): f32 a query row
@@ -588,7 +590,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     if ws:
         registers += (WARP_SPECIALIZED_ATOMIC_DQ * spec.atomic_dq + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad
                       + WARP_SPECIALIZED_BF16_EARLY_PACK * (tiles["early_p_pack"] and spec.dtype == "bfloat16")
-                      - WARP_SPECIALIZED_SAVING)
+                      - WARP_SPECIALIZED_SAVING * (spec.dv == spec.head_dim))
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS
     limit = SMEM_PER_BLOCK[spec.arch]
     if smem_bytes > limit:
@@ -619,6 +621,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         v_chunks_per_row=v_chunks, v_copy_rows_per_pass=threads // v_chunks if threads % v_chunks == 0
         and threads % chunks == 0 else 0,
         kv_tile_bytes=kv_tile_bytes, q_tile_bytes=q_tile_bytes, stage_bytes=stage_bytes,
+        kv_load_bytes=bwd.block_kv * (d + dv) * spec.element.bytes, qdo_load_bytes=bwd.block_q * (d + dv) * spec.element.bytes,
         row_floats_chunks=bwd.block_q * 4 // 16, row_bytes=bwd.block_q * 4, out_chunks=bwd.block_kv * chunks,
         v_out_chunks=bwd.block_kv * v_chunks,
         smem_bytes=smem_bytes, predicted_registers=registers, element_bytes=spec.element.bytes, smem_align=smem_align,

@@ -756,17 +756,17 @@ class AttentionSpec(_Frozen):
             ("sequences", not seq.padded, "use padded sequences", {"sequences": REMOVE}),
             ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
-            # the backward's TMA producers load one width (their byte counts are K's and Q's)
-            *((f"backward.{ws}", getattr(self.backward, ws) is not None, f"remove backward.{ws}",
-               {f"backward.{ws}": REMOVE}) for ws in ("warp_specialized", "dq_warp_specialized")
-              if self.backward is not None),
+            # the dQ kernel's TMA producer loads one width (its byte counts are Q's and K's)
+            *(("backward.dq_warp_specialized", self.backward.dq_warp_specialized is not None,
+               "remove backward.dq_warp_specialized", {"backward.dq_warp_specialized": REMOVE})
+              for _ in (0,) if self.backward is not None),
         ]
         broken = [(field, change, values) for field, on, change, values in refused if on]
         if broken:  # the first named; the fix makes every change at once, so that it validates
             field = broken[0][0]
             raise ValueError(rule(field, "set" if field != "tiling.warps_kv" else t.warps_kv,
                                   f"is not built yet where {why} (padded tensors, whole outputs, one warp "
-                                  "along the keys, no backward producers)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  "along the keys, no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 
@@ -1093,10 +1093,15 @@ class AttentionSpec(_Frozen):
                 "or 8), each owning 64 keys (block_kv = 16 * warps), head_dim not split",
                 "use block_kv: 128, warps: 8, head_split: 1 (or block_kv: 64, warps: 4)",
                 {"backward.block_kv": 128, "backward.warps": 8, "backward.head_split": 1}))
+        if bwd.mma is not None and not self.wgmma_trains:
+            raise ValueError(rule("backward.mma", bwd.mma, f"chooses the mma.sync loops over wgmma's, and this spec's "
+                                  f"backward has no wgmma loops to choose from ({self._heads_text})",
+                                  "remove backward.mma", {"backward.mma": REMOVE}))
         if bwd.warp_specialized is not None and not self.wgmma_backward:
             raise ValueError(rule(
                 "backward.warp_specialized", "set", f"the TMA producer feeds the wgmma dK/dV kernel (sm_90a, head_dim "
-                f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}, V as wide); this spec's is mma.sync ({self._heads_text})",
+                f"up to {WGMMA_BACKWARD_MAX_HEAD_DIM}, or two widths up to {WGMMA_BACKWARD_MAX_ROW_WIDTH}); this "
+                f"spec's is mma.sync ({'backward.mma: ' + bwd.mma if bwd.mma else self._heads_text})",
                 "remove backward.warp_specialized",
                 {"backward.warp_specialized": REMOVE}))
         if bwd.warp_specialized is not None:

@@ -257,7 +257,7 @@ def backward_candidates(base: AttentionSpec, quick: bool = False) -> tuple[list[
         data["backward"] = {"block_kv": bkv, "warps": warps, "head_split": split, "block_q": bq, "stages": stages,
                             "dq_block_q": dqq, "dq_block_kv": dqkv, "dq_warps": dqw,
                             "deterministic": own.deterministic if own else False,
-                            "bias_grad": own.bias_grad if own else False}
+                            "bias_grad": own.bias_grad if own else False, "mma": own.mma if own else None}
         data["name"] = f"{base.name}_bwd_kv{bkv}w{warps}s{split}_q{bq}_st{stages}_dq{dqq}x{dqkv}w{dqw}"
         try:
             spec = parse_spec(data, data["name"])

@@ -479,7 +479,8 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
     deterministic: no two blocks add into one output (on sm_90a the dQ kernel rather than
     atomics): <name>_bwd_det. bias_grad: the bias's gradient too (<name>_bwd[_det]_dbias).
     captured_grads: the gradient of those captured arrays too (<name>_bwd..._dcaptured0 ...)."""
-    wgmma, two_widths = spec.wgmma_trains, spec.dv != spec.head_dim
+    wgmma = spec.wgmma_trains and (spec.backward is None or spec.backward.mma is None)
+    two_widths = spec.dv != spec.head_dim
     # deterministic changes a kernel only where blocks would add into one element: atomic dQ
     # (sm_90a, V as wide as Q and K) and a bias's gradient
     deterministic = deterministic and (wgmma and not two_widths or bias_grad)
@@ -505,8 +506,8 @@ def trainable(spec: AttentionSpec, deterministic: bool = False, bias_grad: bool 
     if wgmma:  # whole tilings, in order; at head_dim 128 each with TMA producers first, where they fit
         first = WGMMA_TWO_WIDTHS_TILINGS[spec.row_width] if two_widths else WGMMA_BACKWARD_TILINGS[spec.head_dim]
         wgmma_tilings = [t for t in (first, *WGMMA_BACKWARD_FALLBACKS) if t.get("deterministic") or not deterministic]
-        if spec.head_dim in PRODUCER_BACKWARD_HEAD_DIMS and not two_widths:
-            dq_producer = spec.head_dim in DQ_PRODUCER_HEAD_DIMS
+        if spec.row_width in PRODUCER_BACKWARD_HEAD_DIMS:  # two widths: the dK/dV kernel's producer alone
+            dq_producer = spec.head_dim in DQ_PRODUCER_HEAD_DIMS and not two_widths
             wgmma_tilings = [fed for t in wgmma_tilings
                              for fed in with_producers(t, spec.mask.kind in PERSISTENT_DKDV_MASKS, dq_producer)]
         # two widths: the mma.sync loops where registers refuse every wgmma tiling (160 accumulator

@@ -251,6 +251,8 @@ constexpr int PRODUCER_WARPGROUP = 2;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to dK, dV, S and dP
 constexpr int ROW_BYTES = 256;  // a step's LSE (and its D): f32 a query row
+constexpr int KV_LOAD_BYTES = 65536;  // a tile's K and V boxes deliver (each its own head width) ...
+constexpr int QDO_LOAD_BYTES = 32768;  // ... a step's Q and dO boxes
 constexpr int NAMED_BARRIER_EPILOGUE = 3;  // the consumers, before dK and dV are staged over K and V
 constexpr int KV_SLOTS = 1;  // K/V tile pairs: 2 where a persistent block loads the next tile's under this one
 constexpr int KV_SLOT_BYTES = 65536;  // a K tile and its V tile
@@ -761,7 +763,7 @@ struct QdoPipeline {
   // Tile j's K and V, once its slot's last tile is written out.
   __device__ __forceinline__ void produce_kv(int j, const TmaMap& k_map, const TmaMap& v_map, int kv0, int h_kv,
                                              int b) const {
-    const unsigned bar = kv_bars.arm(j, 2 * KV_TILE_BYTES), k_tile = kv_ring + kv_offset(j);
+    const unsigned bar = kv_bars.arm(j, KV_LOAD_BYTES), k_tile = kv_ring + kv_offset(j);
     tma_load_rows<BLOCK_KV>(k_tile, k_map, bar, kv0, h_kv, b);
     tma_load_rows<BLOCK_KV>(k_tile + KV_TILE_BYTES, v_map, bar, kv0, h_kv, b);
   }
@@ -777,7 +779,7 @@ struct QdoPipeline {
     for (int t = 0; t < steps; ++t) {
       const int next_head = t + 1 < steps ? mask.step_head(t + 1) : 0;
       const int next_q_tile = t + 1 < steps ? mask.step_q_tile(t + 1) : 0;
-      const unsigned bar = bars.arm(step(t), 2 * Q_TILE_BYTES + 2 * ROW_BYTES);
+      const unsigned bar = bars.arm(step(t), QDO_LOAD_BYTES + 2 * ROW_BYTES);
       const int q0 = q_tile * BLOCK_Q;
       tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
       tma_load_rows<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
@@ -854,9 +856,9 @@ struct TileScheduler {
 // a tile, or one an SM. A head's tiles run together, so they share its Q and dO tiles (and
 // atomic dQ's rows) in L2 (under a causal mask its first tiles see the most queries, and run
 // first).
-// q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv, head_dim]; delta, lse2: [B, Hq,
-// n_pad] f32 from the preprocess. A tile's keys are seen by the query heads h_kv * group ... +
-// group - 1 (GQA): it sums their gradients in registers.
+// q: [B, Hq, n_q, head_dim], dout: [B, Hq, n_q, head_dim_v]; k, dk: [B, Hkv, n_kv, head_dim]; v, dv:
+// [B, Hkv, n_kv, head_dim_v]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. A tile's keys
+// are seen by the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
 extern "C" __global__ void __launch_bounds__(BLOCK_THREADS, 1)
 fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     const elem_t* __restrict__ q,

@@ -508,9 +508,9 @@ __device__ __forceinline__ void score_tile(float (&s)[M_FRAGS][S_N_FRAGS][4],
 // Grid: x = KV block, y = batch * KV head: a head's blocks run together, so they share its Q
 // and dO tiles (and atomic dQ's rows) in L2 (under a causal mask its first blocks see the most
 // queries, and run first).
-// q, dout: [B, Hq, n_q, head_dim]; k, v, dk, dv: [B, Hkv, n_kv, head_dim]; delta, lse2: [B, Hq,
-// n_pad] f32 from the preprocess. A tile's keys are seen by the query heads h_kv * group ... +
-// group - 1 (GQA): it sums their gradients in registers.
+// q: [B, Hq, n_q, head_dim], dout: [B, Hq, n_q, head_dim_v]; k, dk: [B, Hkv, n_kv, head_dim]; v, dv:
+// [B, Hkv, n_kv, head_dim_v]; delta, lse2: [B, Hq, n_pad] f32 from the preprocess. A tile's keys
+// are seen by the query heads h_kv * group ... + group - 1 (GQA): it sums their gradients in registers.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fagen_sliding_window_bf16_d64_sym_bwd_dkdv(
     const elem_t* __restrict__ q,

@@ -31,6 +31,9 @@ HOPPER = yaml.safe_load((SPECS / "attn_f16_d128_h200.yaml").read_text())  # warp
 HOPPER_BWD = yaml.safe_load((SPECS / "attn_f16_d128_causal_h200.yaml").read_text())  # + a wgmma backward
 COPYING_HOPPER = with_fix(HOPPER, {"pipeline.warp_specialized": REMOVE, "pipeline.pingpong": False})
 DECODE = yaml.safe_load((SPECS / "decode_bf16_d128.yaml").read_text())  # GQA-packed split-KV, mma.sync
+# 128/64 on sm_90a, a backward at 32 queries a step: its wgmma loops, or mma.sync's (backward.mma)
+TWO_WIDTHS_HOPPER_BWD = with_fix(yaml.safe_load((SPECS / "value_head_f16_d128_v64_sm90a.yaml").read_text()),
+                                 {"backward.block_q": 32})
 
 CORPUS = {  # id: (a valid spec, the changes that break it)
     # types: a value every field of that type would refuse
@@ -78,7 +81,9 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "head_dim_v off the swizzle atom": (COPYING_HOPPER, {"head_dim_v": 96}),
     "head_dim_v beside a 96-wide head": (SM80, {"head_dim": 96, "head_dim_v": 64}),
     "head_dim 192 without its V": (SM80, {"head_dim": 192}),
-    "head_dim_v with a producer-fed backward": (HOPPER_BWD, {"head_dim_v": 64, "backward.block_q": 32}),
+    "head_dim_v with the dQ kernel's producer": (HOPPER_BWD, {"head_dim_v": 64, "backward.block_q": 32,
+                                                            "backward.deterministic": True,
+                                                            "backward.dq_warp_specialized": {"consumer_registers": 232}}),
     "head_dim_v with warps_kv": (SM80, {"head_dim_v": 64, "tiling.warps_kv": 2}),
     "head_dim_v under a swizzle": (SM80, {"head_dim": 32, "head_dim_v": 32, "smem_layout": "swizzled"}),
     "mask kind": (SM80, {"mask": {"kind": "casual"}}),
@@ -127,7 +132,8 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "backward warps": (HOPPER_BWD, {"backward.warps": 3}),
     "backward dq_warps": (SM80_BWD, {"backward.dq_warps": 3}),
     "head_split": (SM80_BWD, {"backward.head_split": 3}),
-    "backward mma not a loop": (SM80_BWD, {"backward.mma": "wgmma"}),
+    "backward mma not a loop": (TWO_WIDTHS_HOPPER_BWD, {"backward.mma": "wgmma"}),
+    "backward mma with no wgmma loops": (SM80_BWD, {"backward.mma": "mma_sync"}),
     "backward stages": (SM80_BWD, {"backward.stages": 5}),
     "backward block_q": (SM80_BWD, {"backward.block_q": 40}),
     "head_split divides warps": (SM80_BWD, {"backward.warps": 1, "backward.block_kv": 16, "backward.block_q": 16,

@@ -116,7 +116,7 @@ def test_trainable_masks_against_oracle(dtype, mask):
 
 
 # V of its own width (DeepSeek's 192/128 among them): what fagen.attention trains such a v with
-# (dispatch's value-head variant, its mma.sync backward), under each mask kind
+# (dispatch's value-head variant and its backward: wgmma on sm_90a up to 192/128), under each mask kind
 WIDTH_MASKS = [None, Mask(kind="causal"), Mask(kind="sliding_window", window_left=300),
                Mask(kind="chunked", chunk_size=192), Mask(kind="prefix_lm", prefix_len=150),
                Mask(kind="document", causal=True)]

@@ -98,3 +98,70 @@ def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
         dispatch.derive_spec_for("float16", 192, causal=True)
     with pytest.raises(ValueError, match="v: head_dim 96 beside q's and k's 64"):
         dispatch.derive_spec_for("float16", 64, head_dim_v=96)
+
+
+def test_each_width_feeds_its_own_product_in_the_backward():
+    """The backward's plans: dK and S^T over head_dim, dV and dP^T over head_dim_v, and a TMA
+    producer's expect_tx the bytes its boxes deliver (each tensor's own width, not the row's);
+    the dQ kernel's "O" is dQ, head_dim wide. wgmma: one dK/dV instruction shape a width."""
+    from fagen.backward_plan import backward_plan
+    from fagen.render import render_backward
+
+    for name, d, dv in (("value_head_f16_d192_v128", 192, 128), ("value_head_f16_d128_v64", 128, 64),
+                        ("value_head_bf16_d64_v128", 64, 128), ("value_head_bf16_d192_v128_sm90a", 192, 128),
+                        ("value_head_f16_d128_v64_sm90a", 128, 64)):
+        spec = _spec(name)
+        bp = backward_plan(spec)
+        k, bwd = bp.dkdv, spec.backward
+        assert (k.qk_k_steps, k.v_k_steps, bp.dq_v_k_steps) == (d // 16, dv // 16, dv // 16), name
+        assert (k.d_cols, k.dv_cols) == (d // bwd.head_split, dv // bwd.head_split), name
+        assert (k.chunks_per_row, k.v_chunks_per_row, bp.chunks_per_row) == (d // 8, dv // 8, dv // 8), name
+        assert (k.kv_load_bytes, k.qdo_load_bytes) == (bwd.block_kv * (d + dv) * 2, bwd.block_q * (d + dv) * 2), name
+        assert (bp.dq.head_dim_v, bp.dq.o_n_frags) == (d, d // 8), name  # the dQ kernel writes dQ
+        text = render_backward(spec)
+        if spec.wgmma_backward:
+            assert f"m64n{d}k16" in text and f"m64n{dv}k16" in text, name
+            assert "issue_keys_queries<V_K_STEPS>(dp[0], v_rows, do_tile)" in text, name
+        else:
+            assert "mma_rows_rows<M_FRAGS, S_N_FRAGS, V_K_STEPS>(dp, v_tile" in text, name
+
+
+def test_the_forward_producer_arms_each_width_s_boxes(monkeypatch):
+    """The warp-specialised forward with two widths: Q and K load head_dim / 64 boxes, V head_dim_v
+    / 64, and each arms the bytes those boxes deliver (rows x 128 bytes a box)."""
+    from fagen import device, dispatch
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    for d, dv in ((192, 128), (128, 64), (64, 128)):
+        spec = dispatch.derive_spec_for("bfloat16", d, causal=True, head_dim_v=dv)
+        p = plan(spec)
+        assert spec.warp_specialized and (p.qk_atoms, p.v_atoms) == (d // 64, dv // 64)
+        assert p.q_tile_bytes == p.qk_atoms * p.block_q * 128 and p.k_load_bytes == p.qk_atoms * p.block_kv * 128
+        assert p.v_load_bytes == p.v_atoms * p.block_kv * 128
+        text = render(spec)
+        assert "load<BLOCK_KV, V_ATOMS>(v_slot(g - 1)" in text and "K_LOAD_BYTES : 0) + (g >= 1 ? V_LOAD_BYTES" in text
+
+
+def test_the_dkdv_producer_arms_what_its_boxes_deliver(monkeypatch):
+    """The producer-fed dK/dV kernel at 128/64 and 64/128 (trainable's pick on the H200): each tile
+    arms K's and V's boxes and each step Q's and dO's, every box 8 rows of its tensor's own width
+    (tensor_maps.row_groups), not the smem rows' wider one."""
+    from fagen import device, dispatch, tensor_maps, variants
+    from fagen.backward_plan import backward_plan
+    from fagen.render import render_backward
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    for d, dv in ((128, 64), (64, 128)):
+        spec = variants.trainable(dispatch.derive_spec_for("bfloat16", d, causal=True, head_dim_v=dv))
+        assert spec.backward.warp_specialized is not None, spec.name
+        k = backward_plan(spec).dkdv
+
+        def box_bytes(width, rows):
+            box = tensor_maps.row_groups((1, 1, 4096, width), (4096 * width, 4096 * width, width, 1), 2, "t").box
+            return rows // box[1] * box[0] * box[1] * box[2] * 2
+
+        assert k.kv_load_bytes == box_bytes(d, k.block_kv) + box_bytes(dv, k.block_kv)
+        assert k.qdo_load_bytes == box_bytes(d, k.block_q) + box_bytes(dv, k.block_q)
+        text = render_backward(spec)
+        assert f"constexpr int KV_LOAD_BYTES = {k.kv_load_bytes};" in text
+        assert "kv_bars.arm(j, KV_LOAD_BYTES)" in text and "bars.arm(step(t), QDO_LOAD_BYTES + 2 * ROW_BYTES)" in text
