@@ -757,9 +757,8 @@ class AttentionSpec(_Frozen):
             ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
             # the dQ kernel's TMA producer loads one width (its byte counts are Q's and K's)
-            *(("backward.dq_warp_specialized", self.backward.dq_warp_specialized is not None,
-               "remove backward.dq_warp_specialized", {"backward.dq_warp_specialized": REMOVE})
-              for _ in (0,) if self.backward is not None),
+            ("backward.dq_warp_specialized", self.backward is not None and self.backward.dq_warp_specialized is not None,
+             "remove backward.dq_warp_specialized", {"backward.dq_warp_specialized": REMOVE}),
         ]
         broken = [(field, change, values) for field, on, change, values in refused if on]
         if broken:  # the first named; the fix makes every change at once, so that it validates

@@ -432,7 +432,8 @@ BACKWARD_FALLBACKS = ({"block_q": 32}, {"block_q": 32, "dq_block_kv": 32},
 # 64). Where a mask or modifiers push that over the registers: 64 queries, then the dQ kernel
 # instead (deterministic), then fewer queries a step.
 WGMMA_BACKWARD_TILINGS = {64: {"block_q": 128, "stages": 2}, 128: {"stages": 2}}
-# ... and two head widths, by the wider (the dQ kernel's, no producers yet): 128/64 and 64/128 at 64
+# ... and two head widths, by the wider (the dQ kernel, not atomic dQ; the dK/dV kernel's producer
+# first at 128, where its consumers fit: +2-6%): 128/64 and 64/128 at 64
 # queries a step (231-233 registers, 0 spills; 128 spill 76-80 bytes), DeepSeek's 192/128 at 32 (dK
 # and dV 160 registers a thread: 250, 0 spills; 64 spill 156 bytes). ptxas -v, nvcc 13.0.
 WGMMA_TWO_WIDTHS_TILINGS = {128: {"stages": 2}, 192: {"block_q": 32, "stages": 2}}
