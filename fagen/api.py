@@ -69,3 +69,19 @@ def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwarg
     from fagen.sequences import prepare_with_kvcache as _prepare_with_kvcache
 
     return _prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
+
+
+def mla_decode(q, kv_cache, page_table, cache_seqlens, **kwargs):
+    """MLA decode (DeepSeek's absorbed latent attention): q [B, Hq, Nq, 576] against a paged
+    latent cache [num_pages, 64, 1, 576] whose first 512 columns are V; out [B, Hq, Nq, 512];
+    fagen.mla."""
+    from fagen.mla import mla_decode as _mla_decode
+
+    return _mla_decode(q, kv_cache, page_table, cache_seqlens, **kwargs)
+
+
+def prepare_mla_decode(q, kv_cache, page_table, cache_seqlens, **kwargs):
+    """mla_decode packed once for a decode loop (fagen.mla.PreparedMlaDecode)."""
+    from fagen.mla import prepare_mla_decode as _prepare_mla_decode
+
+    return _prepare_mla_decode(q, kv_cache, page_table, cache_seqlens, **kwargs)

@@ -18,7 +18,8 @@ from fagen.version import __version__
 from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, KERNEL_TYPES
-from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
+from fagen.mla_plan import MLA_TYPES, MlaPlan
+from fagen.plan import MERGE_WIDTHS, PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
 
@@ -44,6 +45,7 @@ V_TRANSPOSE = "v_transpose_kernel"
 V_TRANSPOSE_THREADS = 256
 V_TRANSPOSE_MAX_D = 256
 GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
+MLA_TEMPLATE = "sm90/mla_decode.cu.j2"
 GRADIENT_SUM_THREADS = 256
 GRADIENT_SUM_BATCH = 9  # shares whose loads a thread issues at once: the own block's 2 and an 8-GPU ring's 7
 SEQUENCE_TILES_COUNTS = 4096  # a tile table orders sequences of up to 4095 tiles by length (262080 rows of 64-row tiles)
@@ -165,17 +167,19 @@ def render_backward(spec: AttentionSpec) -> str:
 MERGE_DTYPES = (*KERNEL_TYPES, "float32")  # float32: a partial again, to merge further
 
 
-def merge_name(out_dtype: str) -> str:
-    return f"merge_partials_{out_dtype}"
+def merge_name(out_dtype: str, width: int = MERGE_WIDTHS[0]) -> str:
+    """The merge kernel summing up to `width` columns a row (MERGE_WIDTHS)."""
+    return f"merge_partials_{out_dtype}" + ("" if width == MERGE_WIDTHS[0] else f"_d{width}")
 
 
-def render_merge(out_dtype: str) -> str:
-    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, to merge further)."""
+def render_merge(out_dtype: str, width: int = MERGE_WIDTHS[0]) -> str:
+    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, to merge further),
+    rows of up to `width` columns."""
     if out_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
     return environment().get_template(MERGE_TEMPLATE).render(
-        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=ELEMENT_TYPES[out_dtype].ptx,
-        plan=merge_plan(out_dtype))
+        version=__version__, name=merge_name(out_dtype, width), out_dtype=out_dtype,
+        ptx_type=ELEMENT_TYPES[out_dtype].ptx, plan=merge_plan(out_dtype, width))
 
 
 def render_document_bounds() -> str:
@@ -217,6 +221,16 @@ def render_gradient_sum(dtype: str) -> str:
         threads=GRADIENT_SUM_THREADS, share_batch=GRADIENT_SUM_BATCH)
 
 
+def render_mla(dtype: str) -> str:
+    """The MLA decode kernel reading `dtype` q and cache, writing `dtype` out."""
+    if dtype not in MLA_TYPES:
+        raise ValueError(f"MLA decode dtype {dtype!r}: one of {MLA_TYPES}")
+    plan = MlaPlan(dtype)
+    return environment().get_template(MLA_TEMPLATE).render(
+        version=__version__, name=plan.name, plan=plan, dtype=dtype, merge_name=merge_name(dtype, plan.head_dim_v),
+        backward=False, accumulate=False)
+
+
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
 
@@ -245,7 +259,12 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
             f"{DOCUMENT_BOUNDS}.cu": ("fagen's document bounds kernel", render_document_bounds),
             f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
             f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv),
-            f"{V_TRANSPOSE}.cu": ("fagen's FP8 V^T kernel", render_v_transpose)}
+            f"{V_TRANSPOSE}.cu": ("fagen's FP8 V^T kernel", render_v_transpose),
+            **{f"{merge_name(dtype, width)}.cu": (f"fagen's split-KV merge kernel ({dtype}, {width} columns)",
+                                                  lambda d=dtype, w=width: render_merge(d, w))
+               for width in MERGE_WIDTHS[1:] for dtype in MLA_TYPES},
+            **{f"{MlaPlan(dtype).name}.cu": (f"fagen's MLA decode kernel ({dtype})", lambda d=dtype: render_mla(d))
+               for dtype in MLA_TYPES}}
 
 
 def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
@@ -288,6 +307,11 @@ def renders(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,
     """The files a render of `specs` into out_dir writes, and their text (outputs: refused if two
     would share a file)."""
     return {o.path: o.text() for o in outputs(specs, out_dir, with_merge=with_merge, sources=sources)}
+
+
+def shared_kernel(file_name: str) -> str:
+    """One of shared_kernels, rendered alone."""
+    return _shared_kernels()[file_name][1]()
 
 
 def shared_kernels() -> dict[str, str]:

@@ -95,6 +95,24 @@ def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: 
                      box=(BOX_COLUMNS, ROW_GROUP_ROWS, blocks, 1, 1))
 
 
+@lru_cache(maxsize=64)
+def paged_latent(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, page_size: int) -> MapLayout:
+    """The map of a paged latent cache [num_pages, page_size, 1, d] (MLA's one KV head; strides
+    in elements) whose box is one 64-column block of a whole page: dims (d, page_size,
+    num_pages). A page id outside the cache loads as zeros."""
+    pages, rows, heads, d = shape
+    columns = box_columns(element_bytes)
+    if strides[-1] != 1 or d % columns or heads != 1 or rows != page_size:
+        raise ValueError(f"kv_cache: shape {tuple(shape)}, strides {tuple(strides)}: TMA reads pages of {page_size} "
+                         f"rows of one head at unit stride along d; pass a contiguous cache")
+    row_step, page_step = element_bytes * strides[1], element_bytes * strides[0]
+    for step, name in ((row_step, "row"), (page_step, "page")):
+        if step <= 0 or step % GLOBAL_STRIDE_ALIGN or step >= MAX_GLOBAL_STRIDE:
+            raise ValueError(f"kv_cache: {name} stride {step} bytes: a TMA tensor map needs a positive multiple of "
+                             f"{GLOBAL_STRIDE_ALIGN} bytes under 2^40; pass a contiguous cache (kv_cache.contiguous())")
+    return MapLayout(dims=(d, rows, pages), strides=(row_step, page_step), box=(columns, rows, 1))
+
+
 @cache
 def _encoder():
     """cuTensorMapEncodeTiled from the driver library CuPy has loaded."""

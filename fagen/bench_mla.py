@@ -1,0 +1,154 @@
+"""MLA decode (576/512 over a paged latent cache, page_size 64): fagen's kernel in the
+memory-bound regime (Hq 16, Nq 1: bytes of cache read a second) and the compute-bound one (Hq
+128, Nq 2, causal: TFLOP/s), the head-widths issue's bars.
+
+    python3 -m fagen.bench_mla [--quick] [--out bench/bench_mla.json]
+
+No peer runs this shape on the GPU host (FlashMLA is not installed there): the bars are FlashMLA's
+published figures. Each case is checked against float32 attention over the gathered keys before
+it is timed; its time is the median of CUDA-graph replays of REPS prepared steps (a decode
+loop's launches, no host time), and the cache's pages are shuffled across a cache of the whole
+batch's keys. Bytes: B * Nk * 576 * 2 (each key's row read once); FLOPs: 2 * B * Hq * Nq * Nk *
+(576 + 512), causal's lost pair ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fagen import api
+from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+
+JSON = "bench_mla.json"
+MEMORY_CASES = tuple((b, 16, 1, nk) for b in (1, 4, 16) for nk in (8192, 32768, 65536))  # (B, Hq, Nq, Nk)
+COMPUTE_CASES = ((64, 128, 2, 4096), (64, 128, 2, 8192))
+QUICK_CASES = ((4, 16, 1, 32768), (64, 128, 2, 4096))
+REPS, REPLAYS = 20, 15
+TOLERANCE = 1e-2  # relative, against float32 attention (bfloat16 inputs)
+
+
+@dataclass
+class MlaRow:
+    b: int
+    hq: int
+    nq: int
+    nk: int
+    splits: int
+    microseconds: float | None = None
+    tb_per_s: float | None = None  # cache bytes read a second
+    tflops: float | None = None
+    error: float | None = None
+    note: str = ""
+
+
+def make_case(b: int, hq: int, nq: int, nk: int, seed: int = 0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-nk // PAGE_SIZE)
+    kv = torch.randn(b * pages, PAGE_SIZE, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(b * pages, device="cuda", generator=g).to(torch.int32).view(b, pages)
+    q = torch.randn(b, hq, nq, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    lengths = torch.full((b,), nk, device="cuda", dtype=torch.int32)
+    return q, kv, table, lengths
+
+
+def reference(q, kv, table, lengths, causal: bool):
+    """float32 attention over each sequence's gathered keys (the first 512 columns as V)."""
+    import torch
+
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(lengths[i])
+        keys = kv[table[i]].reshape(-1, HEAD_DIM)[:n].float()
+        s = q[i].float() @ keys.T / HEAD_DIM ** 0.5  # [Hq, Nq, n]
+        if causal:
+            nq = q.shape[2]
+            seen = torch.arange(n, device="cuda")[None, :] <= torch.arange(nq, device="cuda")[:, None] + n - nq
+            s = s.masked_fill(~seen, float("-inf"))
+        outs.append(torch.softmax(s, -1) @ keys[:, :HEAD_DIM_V])
+    return torch.stack(outs)
+
+
+def time_step(step, args) -> float:
+    """Median microseconds a step over CUDA-graph replays of REPS steps."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(*args)  # warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(REPS):
+                step(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / REPS)
+    return sorted(times)[len(times) // 2]
+
+
+def run_case(b: int, hq: int, nq: int, nk: int, splits: int | None = None) -> MlaRow:
+    import torch
+
+    causal = nq > 1
+    q, kv, table, lengths = make_case(b, hq, nq, nk)
+    step = api.prepare_mla_decode(q, kv, table, lengths, causal=causal, splits=splits)
+    row = MlaRow(b, hq, nq, nk, step.splits)
+    out = step(q, kv, table, lengths)
+    ref = reference(q, kv, table, lengths, causal)
+    row.error = float((out.float() - ref).norm() / ref.norm())
+    if not row.error <= TOLERANCE:
+        row.note = f"error {row.error:.2e} over {TOLERANCE}: not timed"
+        return row
+    row.microseconds = time_step(step, (q, kv, table, lengths))
+    seconds = row.microseconds * 1e-6
+    row.tb_per_s = b * nk * HEAD_DIM * 2 / seconds / 1e12
+    row.tflops = 2 * b * hq * nq * nk * (HEAD_DIM + HEAD_DIM_V) / seconds / 1e12
+    del q, kv, table, lengths, step
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows: list[MlaRow]) -> str:
+    lines = ["| B | Hq | Nq | Nk | splits | µs | cache TB/s | TFLOP/s | error |", "| --- " * 9 + "|"]
+    for r in rows:
+        cells = [r.b, r.hq, r.nq, r.nk, r.splits,
+                 *(f"{x:.1f}" if x is not None else "—" for x in (r.microseconds,)),
+                 *(f"{x:.2f}" if x is not None else "—" for x in (r.tb_per_s,)),
+                 *(f"{x:.0f}" if x is not None else "—" for x in (r.tflops,)),
+                 f"{r.error:.1e}" if r.error is not None else r.note]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one memory-bound and one compute-bound case")
+    parser.add_argument("--splits", type=int, nargs="*", default=None,
+                        help="time each case at these split counts too (default: the kernel's own choice)")
+    parser.add_argument("--out", type=Path, default=None, help=f"write the rows as JSON (e.g. bench/{JSON})")
+    args = parser.parse_args(argv)
+    rows = []
+    for case in (QUICK_CASES if args.quick else MEMORY_CASES + COMPUTE_CASES):
+        for splits in [None, *(args.splits or [])]:
+            rows.append(run_case(*case, splits=splits))
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(markdown(rows))
+    if args.out:
+        args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""MLA decode: DeepSeek's multi-head latent attention in its absorbed form, on sm_90a.
+
+Every query head attends to one latent KV head of 576 columns a key (512 latent + 64 rotary),
+and V is the first 512 columns of the same row: q [B, Hq, Nq, 576] against a paged latent cache
+[num_pages, 64, 1, 576] (FlashMLA's layout: page_size 64, a page table [B, max_pages] and
+cache_seqlens [B]). One kernel (templates/kernel/mla_decode.cu.j2) reads each page once for
+64 packed query rows (heads x Nq) and splits O's 512 columns across two warpgroups; split-KV
+fills the GPU where the batch does not, its partials merged by the 512-column merge kernel.
+
+    out = fagen.mla_decode(q, kv_cache, page_table, cache_seqlens)            # a call
+    step = fagen.prepare_mla_decode(q, kv_cache, page_table, cache_seqlens)   # a decode loop
+    out = step(q, kv_cache, page_table, cache_seqlens)
+
+Nq 2 (speculative decoding) is causal within the pair where causal=True: query n of Nq sees the
+keys up to cache_seqlens[b] - Nq + n, bottom-right aligned as FlashAttention aligns it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numpy as np
+
+from fagen import side_inputs, tensor_maps
+from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for)
+from fagen.element_types import ELEMENT_TYPES
+from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, MLA_TYPES, PAGE_SIZE, MlaPlan
+from fagen.render import render_mla
+from fagen.runtime import LOG2E, Launch, TensorMap, compile_module, merge_launch
+
+QUERY_TOKENS = (1, 2)  # Nq: a decode step, or one with a speculative token
+
+
+
+
+@functools.cache
+def _function(dtype: str, device: int):
+    with cupy.cuda.Device(device):
+        plan = MlaPlan(dtype)
+        function = compile_module(render_mla(dtype), plan.name, wgmma=True).get_function(plan.name)
+        function.max_dynamic_shared_size_bytes = plan.smem_bytes
+        return function
+
+
+def _check(tq, tc, tp, ts) -> None:
+    """The call's tensors against the layouts the kernel reads, each refusal naming its fix."""
+    if len(tq.shape) != 4 or tq.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q: shape {tq.shape}; MLA decode takes q [B, Hq, Nq, {HEAD_DIM}] (512 latent + 64 rotary "
+                         f"columns a head, W_UK absorbed)")
+    b, hq, nq, _ = tq.shape
+    if tq.dtype not in MLA_TYPES:
+        raise ValueError(f"q: dtype {tq.dtype}; MLA decode reads float16 or bfloat16: cast q and kv_cache to one")
+    if nq not in QUERY_TOKENS:
+        raise ValueError(f"q: Nq = {nq} query tokens a sequence; MLA decode takes {QUERY_TOKENS} (a decode step, or "
+                         f"one with a speculative token): run longer chunks through fagen.attention")
+    if b < 1 or hq < 1:
+        raise ValueError(f"q: shape {tq.shape}; B and Hq must be >= 1")
+    if len(tc.shape) != 4 or tc.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
+        raise ValueError(f"kv_cache: shape {tc.shape}; expected [num_pages, {PAGE_SIZE}, 1, {HEAD_DIM}] (one latent "
+                         f"head, page_size {PAGE_SIZE} as FlashMLA's); allocate the cache with pages of {PAGE_SIZE} keys")
+    for t, n in ((tc, "kv_cache"),):
+        if t.dtype != tq.dtype:
+            raise ValueError(f"{n}: dtype {t.dtype}, but q is {tq.dtype}; cast it to {tq.dtype}")
+    for t, n in ((tc, "kv_cache"), (tp, "page_table"), (ts, "cache_seqlens")):
+        if t.kind != tq.kind:
+            raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all from one framework")
+        if t.device != tq.device:
+            raise ValueError(f"{n} is on cuda:{t.device} but q on cuda:{tq.device}: put them on one GPU")
+    if tq.strides[-1] != 1 or any(s % 8 for s in tq.strides[:3]) or tq.ptr % 16:
+        raise ValueError(f"q: strides {tq.strides}; the kernel reads 16-byte pieces of each row: pass a contiguous "
+                         f"q (q.contiguous())")
+    if tp.dtype != "int32" or len(tp.shape) != 2 or tp.shape[0] != b or tp.shape[1] < 1 or tp.strides[1] != 1:
+        raise ValueError(f"page_table: {tp.dtype} {tp.shape}, strides {tp.strides}; expected int32 [B, max_pages] = "
+                         f"[{b}, >= 1] with unit stride along the pages (page_table.to(torch.int32).contiguous())")
+    if ts.dtype != "int32" or ts.shape != (b,) or ts.strides != (1,):
+        raise ValueError(f"cache_seqlens: {ts.dtype} {ts.shape}; expected contiguous int32 [B] = [{b}] (each "
+                         f"sequence's keys)")
+
+
+def default_splits(batch: int, row_tiles: int, max_pages: int, device: int) -> int:
+    """Splits of each sequence's pages: as many as keep a block on every SM (one fits an SM: 225
+    KB of shared memory), whole waves only, at most a page a split."""
+    return max(1, min(multiprocessors(device) // (batch * row_tiles), max_pages))
+
+
+class PreparedMlaDecode:
+    """mla_decode packed once for a decode loop: `step(q, kv_cache, page_table, cache_seqlens,
+    out=None)` takes tensors of the prepared shapes, strides and dtypes (the engine rewrites the
+    page table and lengths in place between steps) and launches with no checks and no host sync.
+    The page table's values are checked here, once (validate=True); a call trusts them: the
+    kernel's TMA loads zeros for a page id outside the cache, and a length past the table row
+    is cut to it, so that bad values never read or write out of bounds."""
+
+    def __init__(self, q, kv_cache, page_table, cache_seqlens, *, causal: bool = False, scale: float | None = None,
+                 splits: int | None = None, validate: bool = True):
+        require_cupy()
+        tq, tc = as_device_tensor(q, "q"), as_device_tensor(kv_cache, "kv_cache")
+        tp, ts = as_device_tensor(page_table, "page_table"), as_device_tensor(cache_seqlens, "cache_seqlens")
+        _check(tq, tc, tp, ts)
+        b, hq, nq, _ = tq.shape
+        self.shape, self.dtype, self.device = tq.shape, tq.dtype, tq.device
+        if validate:
+            with cupy.cuda.Device(tq.device), stream_for(tq):
+                table, lengths = (cupy.asnumpy(cupy.asarray(x)) for x in (page_table, cache_seqlens))
+            side_inputs.check_pages(table, lengths, tc.shape[0], PAGE_SIZE)
+        if scale is not None and not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({HEAD_DIM}))")
+        scale = 1.0 / math.sqrt(HEAD_DIM) if scale is None else float(scale)
+        rows = hq * nq
+        row_tiles = -(-rows // MlaPlan(tq.dtype).block_rows)
+        max_pages = tp.shape[1]
+        if splits is None:
+            splits = default_splits(b, row_tiles, max_pages, tq.device)
+        if not (isinstance(splits, (int, np.integer)) and 1 <= splits <= max_pages):
+            raise ValueError(f"splits = {splits}: must be an integer in 1..{max_pages} (page_table's pages a "
+                             f"sequence); leave it None for what fills the GPU")
+        self.splits = int(splits)
+        plan = MlaPlan(tq.dtype)
+        with cupy.cuda.Device(tq.device), stream_for(tq):
+            self.out = empty_like(tq, (b, hq, nq, HEAD_DIM_V), tq.dtype)
+            self.lse = empty_like(tq, (b, hq, nq), "float32")
+            if self.splits > 1:
+                self._o_parts = empty_like(tq, (self.splits, b, hq, nq, HEAD_DIM_V), "float32")
+                self._lse_parts = empty_like(tq, (self.splits, b, hq, nq), "float32")
+        to = as_device_tensor(self.out, "out")
+        parts = ((as_device_tensor(self._o_parts, "o_parts").ptr, as_device_tensor(self._lse_parts, "lse_parts").ptr)
+                 if self.splits > 1 else (0, 0))
+        cache_map = tensor_maps.paged_latent(tc.shape, tc.strides, ELEMENT_TYPES[tc.dtype].bytes, plan.page_size)
+        values = dict(kv_cache=tc.ptr, q=tq.ptr, q_sb=tq.strides[0], q_sh=tq.strides[1], q_sn=tq.strides[2],
+                      page_table=tp.ptr, page_table_stride=tp.strides[0], max_pages=max_pages, cache_seqlens=ts.ptr,
+                      out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1], o_sn=to.strides[2],
+                      lse=as_device_tensor(self.lse, "lse").ptr, o_parts=parts[0], lse_parts=parts[1], batch=b,
+                      heads=hq, n_q=nq, causal=int(bool(causal) and nq > 1), scale_log2=scale * LOG2E)
+        with cupy.cuda.Device(tq.device):
+            self._launch = Launch(_function(tq.dtype, tq.device), (self.splits, row_tiles, b), plan.threads,
+                                  plan.smem_bytes, plan.params, values,
+                                  slots=("q", "kv_cache", "page_table", "cache_seqlens", "out", "lse"),
+                                  maps=(TensorMap("kv_map", "kv_cache", tc.dtype, cache_map),))
+            self._merge = (merge_launch(self._o_parts, self._lse_parts, self.out, self.lse).launch
+                           if self.splits > 1 else None)
+        self._layout = tuple((t.shape, t.strides, t.dtype, t.device) for t in (tq, tc, tp, ts))
+
+    def __call__(self, q, kv_cache, page_table, cache_seqlens, *, out=None, return_lse: bool = False):
+        """out [B, Hq, Nq, 512] (and lse [B, Hq, Nq], natural log) of this step. `out` given: the
+        step writes there (same shape, strides and dtype as the prepared one) and returns it."""
+        ts = [as_device_tensor(x, n) for x, n in ((q, "q"), (kv_cache, "kv_cache"), (page_table, "page_table"),
+                                                 (cache_seqlens, "cache_seqlens"))]
+        for t, (shape, strides, dtype, device) in zip(ts, self._layout):
+            if (t.shape, t.strides, t.dtype, t.device) != (shape, strides, dtype, device):
+                raise ValueError(f"{['q', 'kv_cache', 'page_table', 'cache_seqlens'][ts.index(t)]}: {t.dtype} "
+                                 f"{t.shape}, strides {t.strides}; this step was prepared for {dtype} {shape}, strides "
+                                 f"{strides}: prepare another for it")
+        target = self.out
+        if out is not None:
+            tout = as_device_tensor(out, "out")
+            ref = as_device_tensor(self.out, "out")
+            if (tout.shape, tout.strides, tout.dtype, tout.device) != (ref.shape, ref.strides, ref.dtype, ref.device):
+                raise ValueError(f"out: {tout.dtype} {tout.shape}, strides {tout.strides}; expected {ref.dtype} "
+                                 f"{ref.shape}, strides {ref.strides}")
+            target = out
+        stream = stream_for(ts[0])
+        with cupy.cuda.Device(self.device):
+            self._launch(stream.ptr, *(t.ptr for t in ts), as_device_tensor(target, "out").ptr,
+                         as_device_tensor(self.lse, "lse").ptr)
+            if self._merge is not None:
+                self._merge(stream.ptr, as_device_tensor(target, "out").ptr, as_device_tensor(self.lse, "lse").ptr)
+        return (target, self.lse) if return_lse else target
+
+
+def prepare_mla_decode(q, kv_cache, page_table, cache_seqlens, **kwargs) -> PreparedMlaDecode:
+    """A decode loop's MLA step, packed once (PreparedMlaDecode)."""
+    return PreparedMlaDecode(q, kv_cache, page_table, cache_seqlens, **kwargs)
+
+
+def mla_decode(q, kv_cache, page_table, cache_seqlens, *, causal: bool = False, scale: float | None = None,
+               splits: int | None = None, return_lse: bool = False, validate: bool = True):
+    """Absorbed MLA decode: q [B, Hq, Nq, 576] (Nq 1 or 2) against a paged latent cache
+    kv_cache [num_pages, 64, 1, 576] whose first 512 columns are V; page_table int32 [B,
+    max_pages], cache_seqlens int32 [B]. Returns out [B, Hq, Nq, 512] like q's dtype (and lse
+    [B, Hq, Nq] float32). scale defaults to 1 / sqrt(576), as FlashMLA's."""
+    step = PreparedMlaDecode(q, kv_cache, page_table, cache_seqlens, causal=causal, scale=scale, splits=splits,
+                             validate=validate)
+    out, lse = step(q, kv_cache, page_table, cache_seqlens, return_lse=True)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["HEAD_DIM", "HEAD_DIM_V", "PAGE_SIZE", "MlaPlan", "PreparedMlaDecode", "mla_decode", "prepare_mla_decode",
+           "render_mla"]
