@@ -5,7 +5,7 @@ and V is the first 512 columns of the same row: q [B, Hq, Nq, 576] against a pag
 [num_pages, 64, 1, 576] (FlashMLA's layout: page_size 64, a page table [B, max_pages] and
 cache_seqlens [B]). One kernel (templates/kernel/mla_decode.cu.j2) reads each page once for
 64 packed query rows (heads x Nq) and splits O's 512 columns across two warpgroups; split-KV
-fills the GPU where the batch does not, its partials merged by the 512-column merge kernel.
+fills the GPU where the batch does not, its partials merged by the module's merge kernel.
 
     out = fagen.mla_decode(q, kv_cache, page_table, cache_seqlens)            # a call
     step = fagen.prepare_mla_decode(q, kv_cache, page_table, cache_seqlens)   # a decode loop
@@ -26,7 +26,7 @@ from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, r
 from fagen.element_types import ELEMENT_TYPES
 from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, MLA_TYPES, PAGE_SIZE, MlaPlan
 from fagen.render import render_mla
-from fagen.runtime import LOG2E, Launch, TensorMap, compile_module, merge_launch
+from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 
 QUERY_TOKENS = (1, 2)  # Nq: a decode step, or one with a speculative token
 
@@ -34,12 +34,14 @@ QUERY_TOKENS = (1, 2)  # Nq: a decode step, or one with a speculative token
 
 
 @functools.cache
-def _function(dtype: str, device: int):
+def _functions(dtype: str, device: int):
+    """The module's attention kernel and its merge, compiled once a device and process."""
     with cupy.cuda.Device(device):
         plan = MlaPlan(dtype)
-        function = compile_module(render_mla(dtype), plan.name, wgmma=True).get_function(plan.name)
-        function.max_dynamic_shared_size_bytes = plan.smem_bytes
-        return function
+        module = compile_module(render_mla(dtype), plan.name, wgmma=True)
+        attention, merge = module.get_function(plan.name), module.get_function(plan.merge_name)
+        attention.max_dynamic_shared_size_bytes = plan.smem_bytes
+        return attention, merge
 
 
 def _check(tq, tc, tp, ts) -> None:
@@ -132,12 +134,17 @@ class PreparedMlaDecode:
                       lse=as_device_tensor(self.lse, "lse").ptr, o_parts=parts[0], lse_parts=parts[1], batch=b,
                       heads=hq, n_q=nq, causal=int(bool(causal) and nq > 1), scale_log2=scale * LOG2E)
         with cupy.cuda.Device(tq.device):
-            self._launch = Launch(_function(tq.dtype, tq.device), (self.splits, row_tiles, b), plan.threads,
+            attention, merge = _functions(tq.dtype, tq.device)
+            self._launch = Launch(attention, (self.splits, row_tiles, b), plan.threads,
                                   plan.smem_bytes, plan.params, values,
                                   slots=("q", "kv_cache", "page_table", "cache_seqlens", "out", "lse"),
                                   maps=(TensorMap("kv_map", "kv_cache", tc.dtype, cache_map),))
-            self._merge = (merge_launch(self._o_parts, self._lse_parts, self.out, self.lse).launch
-                           if self.splits > 1 else None)
+            self._merge = None
+            if self.splits > 1:
+                merged = dict(o_parts=parts[0], lse_parts=parts[1], out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1],
+                              o_sn=to.strides[2], lse=values["lse"], splits=self.splits, batch=b, heads=hq, n_q=nq)
+                self._merge = Launch(merge, (b * rows, HEAD_DIM_V // plan.merge_columns, 1), plan.merge_threads(self.splits), 0,
+                                     plan.merge_params, merged, slots=("out", "lse"), dependent=True)
         self._layout = tuple((t.shape, t.strides, t.dtype, t.device) for t in (tq, tc, tp, ts))
 
     def __call__(self, q, kv_cache, page_table, cache_seqlens, *, out=None, return_lse: bool = False):

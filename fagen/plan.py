@@ -964,10 +964,6 @@ MERGE_PARAMS: tuple[tuple[str, str], ...] = (
 )
 
 
-# The merge kernels' widths: every spec's head_dim_v, and MLA decode's 512 latent columns (fagen.mla)
-MERGE_WIDTHS = (max(HEAD_DIMS), 512)
-
-
-def merge_plan(out_dtype: str, width: int = MERGE_WIDTHS[0]) -> MergePlan:
+def merge_plan(out_dtype: str) -> MergePlan:
     return MergePlan(out_dtype=out_dtype, max_warps=MERGE_WARPS, splits_in_flight=MERGE_SPLITS_IN_FLIGHT,
-                     params=MERGE_PARAMS, columns_per_lane=width // 32)
+                     params=MERGE_PARAMS, columns_per_lane=max(HEAD_DIMS) // 32)

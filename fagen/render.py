@@ -19,7 +19,7 @@ from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, KERNEL_TYPES
 from fagen.mla_plan import MLA_TYPES, MlaPlan
-from fagen.plan import MERGE_WIDTHS, PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
+from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
 
@@ -167,19 +167,17 @@ def render_backward(spec: AttentionSpec) -> str:
 MERGE_DTYPES = (*KERNEL_TYPES, "float32")  # float32: a partial again, to merge further
 
 
-def merge_name(out_dtype: str, width: int = MERGE_WIDTHS[0]) -> str:
-    """The merge kernel summing up to `width` columns a row (MERGE_WIDTHS)."""
-    return f"merge_partials_{out_dtype}" + ("" if width == MERGE_WIDTHS[0] else f"_d{width}")
+def merge_name(out_dtype: str) -> str:
+    return f"merge_partials_{out_dtype}"
 
 
-def render_merge(out_dtype: str, width: int = MERGE_WIDTHS[0]) -> str:
-    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, to merge further),
-    rows of up to `width` columns."""
+def render_merge(out_dtype: str) -> str:
+    """The split-KV merge kernel writing `out_dtype` (float32: a partial again, to merge further)."""
     if out_dtype not in MERGE_DTYPES:
         raise ValueError(f"merge output dtype {out_dtype!r}: one of {MERGE_DTYPES}")
     return environment().get_template(MERGE_TEMPLATE).render(
-        version=__version__, name=merge_name(out_dtype, width), out_dtype=out_dtype,
-        ptx_type=ELEMENT_TYPES[out_dtype].ptx, plan=merge_plan(out_dtype, width))
+        version=__version__, name=merge_name(out_dtype), out_dtype=out_dtype, ptx_type=ELEMENT_TYPES[out_dtype].ptx,
+        plan=merge_plan(out_dtype))
 
 
 def render_document_bounds() -> str:
@@ -227,7 +225,7 @@ def render_mla(dtype: str) -> str:
         raise ValueError(f"MLA decode dtype {dtype!r}: one of {MLA_TYPES}")
     plan = MlaPlan(dtype)
     return environment().get_template(MLA_TEMPLATE).render(
-        version=__version__, name=plan.name, plan=plan, dtype=dtype, merge_name=merge_name(dtype, plan.head_dim_v),
+        version=__version__, name=plan.name, plan=plan, dtype=dtype,
         backward=False, accumulate=False)
 
 
@@ -260,9 +258,6 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
             f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
             f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv),
             f"{V_TRANSPOSE}.cu": ("fagen's FP8 V^T kernel", render_v_transpose),
-            **{f"{merge_name(dtype, width)}.cu": (f"fagen's split-KV merge kernel ({dtype}, {width} columns)",
-                                                  lambda d=dtype, w=width: render_merge(d, w))
-               for width in MERGE_WIDTHS[1:] for dtype in MLA_TYPES},
             **{f"{MlaPlan(dtype).name}.cu": (f"fagen's MLA decode kernel ({dtype})", lambda d=dtype: render_mla(d))
                for dtype in MLA_TYPES}}
 

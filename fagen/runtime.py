@@ -26,8 +26,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           tensor_signature, torch_stream_handle, zeros_like)
 from fagen.element_types import itemsize
 from fagen.mask_kinds import KINDS
-from fagen.mla_plan import MLA_TYPES
-from fagen.plan import MERGE_WIDTHS, TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
+from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
 from fagen.render import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
                           V_TRANSPOSE_THREADS, merge_name, render, shared_kernel)
 from fagen.spec import AttentionSpec
@@ -380,15 +379,13 @@ def merge_launch(o_parts, lse_parts, out, lse, *, sinks=None) -> MergeLaunch:
             raise ValueError(f"merge: sinks shape {held.shape}; expected [{h}]")
         sink_ptr = np.uint64(held.data.ptr)
     rows = b * h * n
-    if d > MERGE_WIDTHS[-1] or d > MERGE_WIDTHS[0] and to.dtype not in MLA_TYPES:
-        raise ValueError(f"merge: head_dim {d} of {to.dtype}; the merges sum at most {MERGE_WIDTHS[0]} columns "
-                         f"({MERGE_WIDTHS[-1]} into {' or '.join(MLA_TYPES)})")
-    width = min(w for w in MERGE_WIDTHS if w >= d)
-    geometry = merge_plan(to.dtype, width)
+    geometry = merge_plan(to.dtype)
+    if d > 32 * geometry.columns_per_lane:
+        raise ValueError(f"merge: head_dim {d}; the merge sums at most {32 * geometry.columns_per_lane} columns")
     values = dict(o_parts=tp.ptr, lse_parts=tl.ptr, sinks=sink_ptr, out=to.ptr, lse=tlse.ptr,
                   splits=s, rows=rows, head_dim=d, heads=h, n_q=n, part_stride=b * h * n * d,
                   lse_part_stride=b * h * n, **dict(zip(("o_sb", "o_sh", "o_sn"), to.strides[:3])))
-    launch = Launch(shared_function(merge_name(to.dtype, width), tp.device), (rows, 1, 1), 32 * merge_warps(s), 0, geometry.params, values,
+    launch = Launch(shared_function(merge_name(to.dtype), tp.device), (rows, 1, 1), 32 * merge_warps(s), 0, geometry.params, values,
                     slots=("out", "lse"))
     return MergeLaunch(launch, held)
 

@@ -12,7 +12,7 @@
 //   warpgroup 2  the producer: one thread loads each page as 9 TMA boxes of 64 columns into a
 //                ring of KV_STAGES slots. V is the slot itself, read MN-major: a page is loaded once.
 // With one split a block writes out and the LSE; with more, float32 partials that
-// merge_partials_bfloat16_d512 merges by LSE after it.
+// mla_merge_bf16_v512, the module's second kernel, merges by LSE after it.
 typedef unsigned short elem_t;  // bfloat16 storage; arithmetic in f32 registers
 #define NEG_INF __int_as_float(0xff800000)
 constexpr float LN2 = 0.6931471805599453f;
@@ -659,4 +659,83 @@ mla_decode_bf16_d576_v512(
       if (warpgroup == 0 && t == 0) lse_parts[part_row] = row_lse;
     }
   }
+}
+
+// ---- the merge of the splits' partials ----------------------------------------------------
+// With m = max_s LSE_s: L = sum_s exp(LSE_s - m), O = sum_s exp(LSE_s - m) O_s / L, LSE = m + log L;
+// a row no split saw (every LSE_s = -inf) gives O = 0, LSE = -inf. A split that saw no key of a
+// row adds no columns, whatever they hold.
+constexpr int MERGE_QUADS = 32;  // 4-column pieces a block (of one row)
+constexpr int MERGE_MAX_SPLIT_LANES = 16;  // threads a piece (blockDim.x / MERGE_QUADS), each a share of the splits
+constexpr int MERGE_BATCH = 8;  // splits a thread loads before it folds them
+
+// Fold (lse_s, o_s) into a running (m, l, acc): weights exp(lse - m), rescaled as m grows.
+__device__ __forceinline__ void fold(float& m, float& l, float (&acc)[4], float lse_s, const float4& o_s) {
+  const float m_new = fmaxf(m, lse_s), m_use = m_new == NEG_INF ? 0.f : m_new;
+  const float keep = __expf(m - m_use), w = __expf(lse_s - m_use);
+  const float add = w > 0.f ? w : 0.f;
+  l = l * keep + w;
+  acc[0] = acc[0] * keep + add * o_s.x, acc[1] = acc[1] * keep + add * o_s.y;
+  acc[2] = acc[2] * keep + add * o_s.z, acc[3] = acc[3] * keep + add * o_s.w;
+  m = m_new;
+}
+
+// Grid: x = row of the batch (b * heads * n_q + h * n_q + n), y = block of MERGE_QUADS * 4 columns;
+// MERGE_QUADS threads a lane of the splits, as many lanes as take the splits in one batch each.
+extern "C" __global__ void __launch_bounds__(MERGE_QUADS * MERGE_MAX_SPLIT_LANES)
+mla_merge_bf16_v512(
+    const float* __restrict__ o_parts,
+    const float* __restrict__ lse_parts,
+    elem_t* __restrict__ out,
+    long long o_sb,
+    long long o_sh,
+    long long o_sn,
+    float* __restrict__ lse,
+    int splits,
+    int batch,
+    int heads,
+    int n_q) {
+  // Launched while the attention kernel may still run (a programmatic dependent launch, which
+  // hides this launch's gap): wait for it to finish, its partials visible, before any load.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  __shared__ float4 shares[MERGE_MAX_SPLIT_LANES][MERGE_QUADS];
+  __shared__ float2 weights[MERGE_MAX_SPLIT_LANES][MERGE_QUADS];
+  const int quad = threadIdx.x % MERGE_QUADS, share = threadIdx.x / MERGE_QUADS, lanes = blockDim.x / MERGE_QUADS;
+  const int row = blockIdx.x, rows = heads * n_q, column = (blockIdx.y * MERGE_QUADS + quad) * 4;
+  const long long split_rows = (long long)batch * rows;
+  const float* part = o_parts + (long long)row * HEAD_DIM_V + column;
+  float m = NEG_INF, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int s0 = share; s0 < splits; s0 += lanes * MERGE_BATCH) {
+    float lse_s[MERGE_BATCH];
+    float4 o_s[MERGE_BATCH];
+#pragma unroll
+    for (int k = 0; k < MERGE_BATCH; ++k) {  // every load issued before anything waits on one
+      const int s = s0 + k * lanes;
+      lse_s[k] = s < splits ? __ldcg(lse_parts + s * split_rows + row) : NEG_INF;
+      o_s[k] = s < splits ? __ldcg(reinterpret_cast<const float4*>(part + s * split_rows * HEAD_DIM_V)) : float4{};
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_BATCH; ++k) fold(m, l, acc, lse_s[k], o_s[k]);
+  }
+  if (lanes > 1) {
+    shares[share][quad] = float4{acc[0], acc[1], acc[2], acc[3]};
+    weights[share][quad] = float2{m, l};
+    __syncthreads();
+  }
+  if (share != 0) return;
+  for (int g = 1; g < lanes; ++g) {  // share 0 folds the others' in
+    const float2 theirs = weights[g][quad];
+    const float m_new = fmaxf(m, theirs.x), m_use = m_new == NEG_INF ? 0.f : m_new;
+    const float keep = __expf(m - m_use), take = __expf(theirs.x - m_use);
+    const float4 o = shares[g][quad];
+    l = l * keep + theirs.y * take;
+    acc[0] = acc[0] * keep + o.x * take, acc[1] = acc[1] * keep + o.y * take;
+    acc[2] = acc[2] * keep + o.z * take, acc[3] = acc[3] * keep + o.w * take;
+    m = m_new;
+  }
+  const int b = row / rows, h = row % rows / n_q, n = row % n_q;
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  *reinterpret_cast<uint2*>(out + b * o_sb + h * o_sh + n * o_sn + column) =
+      uint2{pack2(acc[0] * inv, acc[1] * inv), pack2(acc[2] * inv, acc[3] * inv)};
+  if (blockIdx.y == 0 && quad == 0) lse[row] = l > 0.f ? m + __logf(l) : NEG_INF;
 }
