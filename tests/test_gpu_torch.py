@@ -671,6 +671,57 @@ def test_transformers_models_take_their_window_softcap_and_sinks(family):
             assert relative_error(to_numpy(got[tokens]), to_numpy(want[tokens])) < 3e-2, right
 
 
+def _deepseek_v3(implementation: str, dtype):
+    """DeepSeek-V3's attention at its own widths (q and k 128 + 64 rotary = 192, v 128, MLA's
+    low-rank q and kv projections), small: 2 layers, 4 heads, dense MLPs (routed experts would
+    flip their top-k between two attentions' roundings), random weights."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=192, kv_lora_rank=128,
+                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2,
+                              vocab_size=1000, max_position_embeddings=512, attn_implementation=implementation)
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(config).to(device="cuda", dtype=dtype).train()
+
+
+def test_transformers_deepseek_v3_prefills_and_trains_as_sdpa():
+    """Two head widths in a model: DeepSeek-V3 (192/128) on fagen.transformers, bfloat16, a batch
+    of two 300-token rows: the prefill's logits and one training step's loss and every
+    parameter's gradient against the same model on SDPA."""
+    pytest.importorskip("transformers")
+    import fagen.transformers
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[2].shape[-1] if len(args) > 2 else None)
+        return fagen.transformers.attention(*args, **kwargs)
+
+    _register("fagen_deepseek", counted)
+    reference = _deepseek_v3("sdpa", torch.bfloat16)
+    model = _deepseek_v3("fagen_deepseek", torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 1000, (2, 300), generator=torch.Generator(device="cuda").manual_seed(8), device="cuda")
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits.float(), reference(input_ids=ids).logits.float()
+    assert relative_error(to_numpy(got), to_numpy(want)) < 3e-2
+    assert calls and all(width == 192 for width in calls), calls  # q and k at 192 reached fagen
+    losses = []
+    for run in (model, reference):
+        loss = run(input_ids=ids, labels=ids).loss
+        (loss * LOSS_SCALE).backward()
+        losses.append(loss.item())
+    tolerance = LLAMA_TOLERANCE["bfloat16"]
+    assert abs(losses[0] - losses[1]) <= tolerance * abs(losses[1]), losses
+    reference_grads = dict(reference.named_parameters())
+    errors = {name: relative_error(to_numpy(p.grad), to_numpy(reference_grads[name].grad))
+              for name, p in model.named_parameters() if p.grad is not None}
+    assert len(errors) == len([p for p in reference.parameters() if p.grad is not None])
+    assert all(e <= tolerance for e in errors.values()), {n: e for n, e in errors.items() if e > tolerance}
+
+
 def test_inference_takes_sinks_that_are_a_parameter():
     """Under no_grad, a float32 sinks parameter (requires_grad) reaches the kernel through its
     detached alias (PyTorch refuses the array interface of a tensor that requires grad), in a
