@@ -271,19 +271,21 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
     sequence's queries x its group) fit one, else the plain forward of its shape class
     (class_keys), in the batch's layouts."""
     tq, tk = batch.q, batch.k
+    dv = batch.v.shape[-1] if batch.v.shape[-1] != tq.shape[-1] else None  # two head widths (head_dim_v)
     plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
-                            alibi_slopes=alibi_slopes, sinks=sinks)
+                            alibi_slopes=alibi_slopes, sinks=sinks, head_dim_v=dv)
     keys = class_keys(batch)
     if keys is not None:
         long = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
-                               alibi_slopes=alibi_slopes, sinks=sinks, keys=keys)
+                               alibi_slopes=alibi_slopes, sinks=sinks, keys=keys, head_dim_v=dv)
         ws = long.pipeline.warp_specialized
         if ws is not None and ws.persistent:
             plain = long
     if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
-    packed = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    packed = (variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+              if dv is None else None)  # (the decode kernels hold one width)
     kv = fp8_element(tk.dtype)
     if kv is not None:  # an FP8 KV cache: paged, through the decode kernel's FP8 variant
         if batch.kv_layout != "paged":

@@ -108,7 +108,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwar
     keys = cu_seqlens_k if seqused_k is None else [(cu_seqlens_k[b], cu_seqlens_k[b] + seqused_k[b])
                                                     for b in range(len(cu_seqlens_q) - 1)]
     sequences = [(_rows(q, cu_seqlens_q, b), _rows(k, keys, b), _rows(v, keys, b)) for b in range(len(cu_seqlens_q) - 1)]
-    return _per_sequence(sequences, q.shape, kwargs)
+    return _per_sequence(sequences, (*q.shape[:2], v.shape[-1]), kwargs)
 
 
 def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, **kwargs):
@@ -153,7 +153,7 @@ def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlen
         out, lse = np.concatenate([o for o, _ in outs]), np.concatenate([l for _, l in outs])
         return (out, lse) if kwargs.get("return_lse") else out
     sequences = [(_rows(q, cu_seqlens_q, b), keys(k_cache, b), keys(v_cache, b)) for b in range(len(cu_seqlens_q) - 1)]
-    return _per_sequence(sequences, q.shape, kwargs)
+    return _per_sequence(sequences, (*q.shape[:2], v_cache.shape[-1]), kwargs)
 
 
 def attention_cache(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, **kwargs):
@@ -185,9 +185,9 @@ def attention_cache(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, **kw
 def _one(q, k, v, kwargs):
     """(out, lse) of one sequence [1, H, n, d]; no keys: O = 0, LSE = -inf (no sinks), as for a row no key is visible to."""
     if k.shape[2] == 0 and kwargs.get("sinks") is None:
-        return np.zeros(q.shape), np.full(q.shape[:3], -np.inf)
+        return np.zeros((*q.shape[:3], v.shape[-1])), np.full(q.shape[:3], -np.inf)
     if k.shape[2] == 0:  # only the sink: O = 0, LSE = its logit
-        return np.zeros(q.shape), np.broadcast_to(np.asarray(kwargs["sinks"], np.float64)[None, :, None], q.shape[:3]).copy()
+        return np.zeros((*q.shape[:3], v.shape[-1])), np.broadcast_to(np.asarray(kwargs["sinks"], np.float64)[None, :, None], q.shape[:3]).copy()
     return attention(q, k, v, **{**kwargs, "return_lse": True})
 
 
@@ -242,10 +242,11 @@ def _rows(x, cu, b):
     return x[start:end].transpose(1, 0, 2)
 
 
-def _per_sequence(sequences, q_shape, kwargs):
-    """The oracle on each ([H, n, d] q, k, v) sequence, gathered token-major: out [total_q, Hq, d], lse [Hq, total_q]."""
-    out = np.zeros(q_shape, np.float64)
-    lse = np.zeros((q_shape[1], q_shape[0]), np.float64)
+def _per_sequence(sequences, out_shape, kwargs):
+    """The oracle on each ([H, n, d] q, k, v) sequence, gathered token-major: out [total_q, Hq,
+    d_v] (out_shape), lse [Hq, total_q]."""
+    out = np.zeros(out_shape, np.float64)
+    lse = np.zeros((out_shape[1], out_shape[0]), np.float64)
     row = 0
     for b, (sq, sk, sv) in enumerate(sequences):
         n = sq.shape[1]

@@ -94,8 +94,9 @@ def varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seq
     """Check a varlen batch (FlashAttention's flash_attn_varlen_func arguments, seqused_k
     included) and view it."""
     tq, tk, tv = _tokens(q, "q", "Hq"), _tokens(k, "k", "Hkv"), _tokens(v, "v", "Hkv")
-    if tk.shape != tv.shape:
-        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same shape [total_k, Hkv, d]")
+    if tk.shape[:2] != tv.shape[:2]:
+        raise ValueError(f"k {tk.shape} and v {tv.shape} must have the same [total_k, Hkv] (v's width may differ: "
+                         f"head_dim_v)")
     cu_q = _index_array(cu_seqlens_q, "cu_seqlens_q", tq.device, ("B + 1",))
     cu_k = _index_array(cu_seqlens_k, "cu_seqlens_k", tq.device, ("B + 1",))
     check_cu_seqlens_pair(cu_q.shape[0], cu_k.shape[0])  # the oracle's rule and message
@@ -253,7 +254,8 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
     scale = check_scale(scale, d)
     varlen_q = batch.q_layout == "varlen"
     total_q = int(batch.arguments["total_q"]) if varlen_q else 0
-    out_shape, lse_shape = ((total_q, hq, d), (hq, total_q)) if varlen_q else ((b, hq, nq, d), (b, hq, nq))
+    dv = tv.shape[-1]  # O's width: V's (head_dim_v)
+    out_shape, lse_shape = ((total_q, hq, dv), (hq, total_q)) if varlen_q else ((b, hq, nq, dv), (b, hq, nq))
     with cupy.cuda.Device(tq.device), stream_for(tq):
         if 0 in out_shape:  # no query row: nothing to launch (nor to split: dispatch.no_work)
             return Packed(spec, _outputs(out, out_shape, tq), empty_like(tq, lse_shape, "float32"), None, None, [])

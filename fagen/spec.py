@@ -732,9 +732,9 @@ class AttentionSpec(_Frozen):
 
     @model_validator(mode="after")
     def _two_head_widths(self) -> AttentionSpec:
-        """head_dim_v apart from head_dim: the forward over padded [B, H, N, d] tensors, one block
-        per query tile, and its backward (wgmma or mma.sync, the dQ kernel's); what it does not
-        reach yet is refused by name."""
+        """head_dim_v apart from head_dim: the forward over padded or varlen tensors, one block per
+        query tile, and its backward (wgmma or mma.sync, the dQ kernel's); what it does not reach
+        yet is refused by name."""
         if self.dv == self.head_dim:
             return self
         why = f"head_dim_v {self.dv} differs from head_dim {self.head_dim}"
@@ -753,7 +753,8 @@ class AttentionSpec(_Frozen):
             ("outputs", o.partial or o.accumulate or o.merge_splits, "write the whole output (partial, accumulate "
              "and merge_splits: false)", {"outputs.partial": False, "outputs.accumulate": False,
                                          "outputs.merge_splits": False}),
-            ("sequences", not seq.padded, "use padded sequences", {"sequences": REMOVE}),
+            # varlen q and K/V, as a prefill batch takes them; a cache (paged, ranged) holds one width
+            ("sequences.kv", seq.kv in ("paged", "ranged"), "use padded or varlen K/V", {"sequences.kv": "varlen"}),
             ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
             # the dQ kernel's TMA producer loads one width (its byte counts are Q's and K's)
@@ -764,8 +765,8 @@ class AttentionSpec(_Frozen):
         if broken:  # the first named; the fix makes every change at once, so that it validates
             field = broken[0][0]
             raise ValueError(rule(field, "set" if field != "tiling.warps_kv" else t.warps_kv,
-                                  f"is not built yet where {why} (padded tensors, whole outputs, one warp "
-                                  "along the keys, no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  f"is not built yet where {why} (padded or varlen tensors, whole outputs, one "
+                                  "warp along the keys, no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 

@@ -68,6 +68,26 @@ def test_varlen_prefill_matches_the_oracle(dtype, d, mask):
     _check(out, lse, ref, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("widths", [(192, 128), (128, 64), (64, 128)], ids=lambda w: f"d{w[0]}_v{w[1]}")
+@pytest.mark.parametrize("mask", MASKS[:3], ids=str)
+def test_varlen_prefill_with_two_head_widths_matches_the_oracle(dtype, widths, mask):
+    """DeepSeek's prefill as a serving batch takes it: q and k of one width, v (and out) of
+    another (head_dim_v), token-major with cu_seqlens; random lengths, one a single query."""
+    d, dv = widths
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{widths}{mask}".encode()))
+    lens_q = [int(x) for x in rng.integers(1, 400, 4)] + [1]
+    lens_k = [n + int(rng.integers(0, 200)) for n in lens_q]
+    q, k, _, cu_q, cu_k = _varlen(rng, dtype, lens_q, lens_k, 8, 2, d)
+    v = _randn(rng, (k.shape[0], 2, dv), dtype)
+    out = _nan((q.shape[0], 8, dv), dtype)
+    got, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens_q), max(lens_k), mask=mask,
+                                      return_lse=True, out=out)
+    assert got is out
+    ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, mask=mask, return_lse=True)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
 @pytest.mark.parametrize("b", [1, 9, 300, 700])  # past one round of the kernel's 256 threads
 def test_the_query_tile_table_kernel_matches_numpy(b):
     from fagen.device import as_device_tensor

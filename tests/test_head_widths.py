@@ -57,6 +57,20 @@ def test_the_oracle_takes_a_value_head_of_its_own():
     assert np.allclose(out, (p / p.sum(-1, keepdims=True)) @ vv, rtol=0, atol=1e-12)
 
 
+def test_the_varlen_oracle_writes_rows_of_the_value_width():
+    """Token-major sequences at 192/128, the first without keys (O = 0, LSE = -inf): each sequence
+    equals the padded oracle on its own rows."""
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((30, 4, 192)), rng.standard_normal((40, 2, 192)), rng.standard_normal((40, 2, 128))
+    out, lse = oracle.attention_varlen(q, k, v, np.array([0, 10, 30]), np.array([0, 0, 40]), causal=True,
+                                       return_lse=True)
+    assert out.shape == (30, 4, 128) and lse.shape == (4, 30)
+    assert not out[:10].any() and np.isneginf(lse[:, :10]).all()
+    bhsd = lambda x: x[None].transpose(0, 2, 1, 3)  # noqa: E731
+    want = oracle.attention(bhsd(q[10:]), bhsd(k), bhsd(v), causal=True)
+    assert np.array_equal(out[10:], want[0].transpose(1, 0, 2))
+
+
 def test_192_is_a_query_key_width_with_a_value_head_of_its_own():
     """DeepSeek's 192/128: head_dim 192 takes a narrower V; a square 192 head is refused with the
     fix that makes it DeepSeek's (which validates), and 192 is no V width."""
@@ -72,6 +86,25 @@ def test_192_is_a_query_key_width_with_a_value_head_of_its_own():
     # K's 24 chunks a row do not divide the threads: K and V both copy chunk by chunk
     p = plan(_spec("value_head_f16_d192_v128"))
     assert (p.copy_rows_per_pass, p.v_copy_rows_per_pass) == (0, 0)
+
+
+def test_two_widths_take_varlen_batches_but_not_a_cache(monkeypatch):
+    """A varlen prefill batch at 192/128 renders (its TMA producer arms each width's boxes); a
+    paged or ranged cache, which holds one width, is refused by name with a fix that validates."""
+    from fagen import device, dispatch, variants
+    from fagen.spec import SpecError, with_fix
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    plain = dispatch.derive_spec_for("bfloat16", 192, causal=True, head_dim_v=128)
+    varlen = variants.sequence_variant(plain, "varlen", "varlen")
+    p = plan(varlen)
+    assert varlen.dv == 128 and p.sequence_tiles and (p.qk_atoms, p.v_atoms) == (3, 2)
+    assert "V_ATOMS = 2;" in render(varlen)
+    base = {**plain.model_dump(exclude_none=True), "backward": None}
+    for kv in ("paged", "ranged"):
+        with pytest.raises(SpecError, match="sequences.kv") as refused:
+            fagen.parse_spec({**base, "sequences": {"q": "padded", "kv": kv}})
+        assert fagen.parse_spec(with_fix({**base, "sequences": {"q": "padded", "kv": kv}}, refused.value.fix)).dv == 128
 
 
 @pytest.mark.parametrize("gpu", ["h200", None])
