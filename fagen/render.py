@@ -17,7 +17,7 @@ from fagen import expression, fp8_inputs
 from fagen.version import __version__
 from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
-from fagen.element_types import ELEMENT_TYPES, KERNEL_TYPES
+from fagen.element_types import ELEMENT_TYPES, FP8_KERNEL_TYPES, KERNEL_TYPES
 from fagen.mla_plan import MLA_TYPES, MlaPlan
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
@@ -40,6 +40,7 @@ SEQUENCE_TILES_THREADS = 256
 APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
 APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128
+FP8_CACHE_TYPES = FP8_KERNEL_TYPES  # the FP8 caches the decode kernels read, and the append fills
 V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
 V_TRANSPOSE = "v_transpose_kernel"
 V_TRANSPOSE_THREADS = 256
@@ -193,10 +194,24 @@ def render_sequence_tiles() -> str:
         counts_per_thread=SEQUENCE_TILES_COUNTS // SEQUENCE_TILES_THREADS)
 
 
-def render_append_kv() -> str:
-    """The kernel writing new tokens' K and V into a paged cache (fagen.sequences.append_kv)."""
+def append_kv_name(source: str | None = None, cache: str | None = None) -> str:
+    """The append kernel copying new tokens as they are, or quantizing `source` ones into a `cache` (FP8) one."""
+    if source is None:
+        return APPEND_KV
+    return f"append_kv_{ELEMENT_TYPES[source].short}_to_{ELEMENT_TYPES[cache].short}_kernel"
+
+
+def render_append_kv(source: str | None = None, cache: str | None = None) -> str:
+    """The kernel writing new tokens' K and V into a paged cache (fagen.sequences.append_kv):
+    copied, or quantized from `source` (a half type) into an FP8 `cache` with the descales."""
+    quantize = None
+    if source is not None:
+        if source not in KERNEL_TYPES or not ELEMENT_TYPES[cache].is_fp8:
+            raise ValueError(f"append_kv quantizes float16 or bfloat16 new tokens into an FP8 cache, not {source} "
+                             f"into {cache}")
+        quantize = {"source": ELEMENT_TYPES[source], "cache": ELEMENT_TYPES[cache]}
     return environment().get_template(APPEND_KV_TEMPLATE).render(
-        version=__version__, name=APPEND_KV, threads=APPEND_KV_THREADS,
+        version=__version__, name=append_kv_name(source, cache), threads=APPEND_KV_THREADS, quantize=quantize,
         paging={"page_out_of_range": PAGE_OUT_OF_RANGE, "seqlen_over_table": SEQLEN_OVER_TABLE})
 
 
@@ -257,6 +272,9 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
             f"{DOCUMENT_BOUNDS}.cu": ("fagen's document bounds kernel", render_document_bounds),
             f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
             f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv),
+            **{f"{append_kv_name(source, cache)}.cu": (f"fagen's paged cache append kernel ({source} into {cache})",
+                                                       lambda s=source, c=cache: render_append_kv(s, c))
+               for source in KERNEL_TYPES for cache in FP8_CACHE_TYPES},
             f"{V_TRANSPOSE}.cu": ("fagen's FP8 V^T kernel", render_v_transpose),
             **{f"{MlaPlan(dtype).name}.cu": (f"fagen's MLA decode kernel ({dtype})", lambda d=dtype: render_mla(d))
                for dtype in MLA_TYPES}}

@@ -34,8 +34,9 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           zeros_like)
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
-from fagen.element_types import fp8_element
-from fagen.render import APPEND_KV, APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
+from fagen import fp8_inputs
+from fagen.element_types import KERNEL_TYPES, fp8_element
+from fagen.render import APPEND_KV_THREADS, append_kv_name, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
 from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
                                 check_key_ranges, check_page_size, check_pages, check_scale, check_seqused_k)
@@ -354,12 +355,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     SEQLEN_OVER_TABLE into (validate=False: what they skip, neither reading nor writing it).
     An FP8 cache (k_cache, v_cache float8_e4m3fn or float8_e5m2, q float16 or bfloat16; paged):
     read by the decode kernels with FlashAttention-3's k_descale and v_descale (float32, one number
-    or [B, Hkv]; None is 1); new tokens k, v go into it quantized first (not by this call yet)."""
+    or [B, Hkv]; None is 1); new tokens k, v (float16 or bfloat16) go into it quantized with the
+    same descales first (append_kv)."""
     fp8_cache = fp8_element(as_device_tensor(k_cache, "k_cache").dtype) is not None
-    if fp8_cache and (page_table is None or k is not None):
-        raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) and without new tokens yet: "
-                         "quantize k and v into it first (k / k_descale, cast to its type, written at each "
-                         "sequence's cache_seqlens), then call with page_table and without k, v")
+    if fp8_cache and page_table is None:
+        raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) yet: pass it as pages "
+                         "[num_pages, page_size, Hkv, d] with a page_table")
     if not fp8_cache and (k_descale is not None or v_descale is not None):
         raise ValueError("k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2 k_cache and "
                          "v_cache); this one is a half type: drop them")
@@ -391,7 +392,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if k is not None:
         if status is None:  # the append's flags and the kernel's in one word
             status = zeros_like(as_device_tensor(q, "q"), (1,), "int32")
-        append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status)
+        append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status,
+                         k_descale if fp8_cache else None, v_descale if fp8_cache else None)
         cache_seqlens = append.new_lengths
     # the whole call is checked before the append writes: the batch against the lengths after it
     # (the page table once), the kernel's spec
@@ -511,7 +513,7 @@ def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwarg
 
 
 def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q=None, validate: bool = True,
-              status=None):
+              status=None, k_descale=None, v_descale=None):
     """Write new tokens' k, v ([B, Hkv, N, d], or [total, Hkv, d] with cu_seqlens_q) into the paged
     cache after each sequence's cache_seqlens keys, by one launch on the cache's stream; returns the
     new lengths (cache_seqlens + N). validate=True checks the values first (a host sync): the
@@ -520,8 +522,12 @@ def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q
     page its own table entry names, and only where that is a page of the cache: a token past its
     table row, or whose page id is outside the cache, is dropped, and flagged in `status` (int32
     [1]) as the attention kernels flag what they skip (SEQLEN_OVER_TABLE, PAGE_OUT_OF_RANGE): the
-    other pages hold other sequences' keys."""
-    append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status)
+    other pages hold other sequences' keys. An FP8 cache (float8_e4m3fn or float8_e5m2) takes
+    float16 or bfloat16 k and v, quantized on the way in: k / k_descale and v / v_descale rounded to
+    nearest even and saturated (FlashAttention-3's descales, float32, one number or [B, Hkv]: the
+    cache's own, which its readers pass too)."""
+    append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status, k_descale,
+                     v_descale)
     if validate:
         check_pages(_host(append.table), _host(append.new_lengths), append.num_pages, append.page_size)
     append.launch()
@@ -539,7 +545,8 @@ class Append:
     launch: Callable[[], None]
 
 
-def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate: bool, status) -> Append:
+def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate: bool, status, k_descale=None,
+            v_descale=None) -> Append:
     """append_kv's checks of everything but the pages (the caller's to check against the new
     lengths, once: append_kv, or attention_with_kvcache's paged_batch) and its launch, unlaunched."""
     tk, tv = as_device_tensor(k, "k"), as_device_tensor(v, "v")
@@ -568,14 +575,29 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
             or tk.shape[-1] != d:
         raise ValueError(f"k: shape {tk.shape}; expected {layout} with the cache's Hkv = {hkv} and d = {d}"
                          + ("" if varlen else " (or token-major [total, Hkv, d] with cu_seqlens_q)"))
+    fp8 = fp8_element(tkc.dtype)
     for t, name in ((tk, "k"), (tv, "v")):
-        if t.dtype != tkc.dtype or t.device != device:
-            raise ValueError(f"{name}: {t.dtype} on cuda:{t.device}, but the cache holds {tkc.dtype} on cuda:{device}; "
-                             f"cast it and move it there ({name}.to(k_cache.dtype) / .astype)")
-    item = _item_bytes(tkc)
-    if d * item % 16:
+        if t.device != device:
+            raise ValueError(f"{name} is on cuda:{t.device}, but the cache on cuda:{device}: move it there")
+        if fp8 is None and t.dtype != tkc.dtype:
+            raise ValueError(f"{name}: {t.dtype}, but the cache holds {tkc.dtype}; cast it ({name}.to(k_cache.dtype) / "
+                             f".astype)")
+        if fp8 is not None and t.dtype not in KERNEL_TYPES:
+            raise ValueError(f"{name}: {t.dtype} into a {tkc.dtype} cache; pass float16 or bfloat16 new tokens: the "
+                             f"append quantizes them ({name} / {name}_descale)")
+    if fp8 is None and (k_descale is not None or v_descale is not None):
+        raise ValueError(f"k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2); this one holds "
+                         f"{tkc.dtype}: drop them")
+    if fp8 is not None and (k_descale is None or v_descale is None):
+        raise ValueError(f"k_descale, v_descale: a {tkc.dtype} cache stores k / k_descale and v / v_descale; pass the "
+                         f"cache's descales (float32, one number or [B, Hkv]) so that new tokens share its scale")
+    if fp8 is not None and int(cupy.cuda.Device(device).compute_capability) < 89:
+        raise ValueError(f"k_cache: {tkc.dtype} on sm_{cupy.cuda.Device(device).compute_capability}: rounding to FP8 "
+                         f"(cvt ... e4m3x2) needs sm_89 or later")
+    item, cache_item = _item_bytes(tk), _item_bytes(tkc)  # a new row's element bytes, a cache row's
+    if d * item % 16 or d * cache_item % 8:
         raise ValueError(f"k_cache: head_dim {d} of {tkc.dtype}: rows are copied 16 bytes at a time; use a head_dim "
-                         f"that is a multiple of {16 // item}")
+                         f"that is a multiple of {16 // min(item, 2 * cache_item)}")
     with cupy.cuda.Device(device), stream_for(tkc):
         if varlen:
             cu = _index_array(cu_seqlens_q, "cu_seqlens_q", device, ("B + 1",))
@@ -592,6 +614,10 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
         if validate:  # where the new tokens go (the pages they land in: the caller's check_pages); this
             check_cached_lengths(_host(seqlens))  # read waits on the cache's stream: new_lengths are there
         st = None if status is None else _index_array(status, "status", device, ("1",))
+        descales = None
+        if fp8 is not None:  # [3, B, Hkv] float32 (q's row unused), as the decode kernels read them
+            descales = fp8_inputs.descales(None, k_descale, v_descale, b, hkv, tk.obj)
+            descales = descales if is_torch(descales) else cupy.asarray(descales)
 
     def launch() -> None:
         if not tokens:
@@ -603,13 +629,19 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
                 sb, sn, sh = (0, t.strides[0], t.strides[1]) if varlen else (t.strides[0], t.strides[2], t.strides[1])
                 strides += [sb * item, sn * item, sh * item]
             for t in (tkc, tvc):  # the cache's: between pages, slots, heads
-                strides += [s * item for s in t.strides[:3]]
-            shared_function(APPEND_KV, device)((tokens,), (APPEND_KV_THREADS,), (
+                strides += [s * cache_item for s in t.strides[:3]]
+            quantized = ()
+            name = append_kv_name()
+            if descales is not None:  # k's and v's rows of the table, (sequence, head) strides
+                base, row = as_device_tensor(descales, "descales").ptr, b * hkv * 4
+                quantized = (np.uint64(base + row), np.uint64(base + 2 * row), np.int64(hkv), np.int64(1))
+                name = append_kv_name(tk.dtype, fp8.name)
+            shared_function(name, device)((tokens,), (APPEND_KV_THREADS,), (
                 *(np.uint64(t.ptr) for t in (*new, tkc, tvc)), *(np.int64(s) for s in strides),
                 np.uint64(0 if cu is None else cu.data.ptr), np.int32(b), np.int32(per_sequence),
                 np.uint64(seqlens.data.ptr), np.uint64(table.data.ptr), np.int64(table.shape[1]),
                 np.int32(table.shape[1]), np.int32(page_size), np.int32(num_pages), np.int32(hkv),
-                np.int32(d * item // 16), np.uint64(0 if st is None else st.data.ptr)))
+                np.int32(d * item // 16), np.uint64(0 if st is None else st.data.ptr), *quantized))
             del new  # a copy made for alignment is freed only after the launch is enqueued
 
     return Append(new_lengths, table, num_pages, page_size, launch)

@@ -200,3 +200,78 @@ def test_prepared_calls_read_an_fp8_cache_as_the_eager_ones():
         paged = fagen.prepare_with_kvcache(q, kc, vc, lens, table, k_descale=kd, v_descale=vd)
         want = fagen.attention_with_kvcache(q, kc, vc, lens, table, k_descale=kd, v_descale=vd)
         assert torch.equal(paged(q, kc, vc, lens, table), want)
+
+
+def _quantized(x, descale, kv_dtype):
+    """float64 `x` [..., Hkv, d] / descale (broadcast over its heads) as the append rounds it:
+    saturated to the type's largest finite value, then to nearest even."""
+    element = ELEMENT_TYPES[kv_dtype]
+    return element.round(np.clip(x / descale, -element.max_finite, element.max_finite))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3", "float8_e5m2"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["one_descale", "per_head_descales"])
+@pytest.mark.parametrize("source", ["bfloat16", "float16"])
+def test_append_quantizes_new_tokens_into_an_fp8_cache(kv_dtype, per_head, source):
+    """append_kv of half-type tokens into an FP8 paged cache: each lands in its sequence's slot as
+    new / descale, saturated and rounded to nearest even (some values past the type's range);
+    every other slot keeps its bytes. Then attention_with_kvcache appends and attends in one call,
+    against the oracle over the dequantized cache."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(zlib.crc32(repr((kv_dtype, per_head, source)).encode()))
+    page_size, b, hkv, d, n_new = 16, 3, 2, 128, 7
+    lens = [5, 0, 17]
+    num_pages = 12
+    table = rng.permutation(num_pages)[:b * 4].reshape(b, 4).astype(np.int32)  # distinct pages a sequence
+    k8 = torch.from_numpy(rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32)).cuda()
+    k8, v8 = (x.to(getattr(torch, ELEMENT_TYPES[kv_dtype].torch_name)) for x in (k8, k8.flip(0)))
+    kd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() if per_head
+          else torch.tensor(0.75, device="cuda"))
+    vd = kd * 1.5
+    k, v = (torch.from_numpy(rng.standard_normal((b, hkv, n_new, d)).astype(np.float32) * 100).cuda()
+            .to(getattr(torch, source)) for _ in range(2))
+    before_k, before_v = k8.clone(), v8.clone()
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    pages = torch.from_numpy(table).cuda()
+    new_lens = fagen.sequences.append_kv(k8, v8, pages, seqlens, k, v, k_descale=kd, v_descale=vd)
+    assert new_lens.tolist() == [n + n_new for n in lens]
+    written = np.zeros((num_pages, page_size), bool)
+    descales = {name: np.broadcast_to(to_numpy(x).reshape(-1 if per_head else 1), (b * hkv,)).reshape(b, hkv)
+                for name, x in (("k", kd), ("v", vd))}
+    for i, n in enumerate(lens):
+        for j in range(n_new):
+            page, slot = table[i, (n + j) // page_size], (n + j) % page_size
+            written[page, slot] = True
+            for name, new, got in (("k", k, k8), ("v", v, v8)):
+                want = _quantized(to_numpy(new[i, :, j].float()).astype(np.float64), descales[name][i][:, None],
+                                  kv_dtype)
+                assert np.array_equal(to_numpy(got[page, slot].float()), want), (name, i, j)
+    assert torch.equal(k8.view(torch.uint8)[~torch.from_numpy(written).cuda()],
+                       before_k.view(torch.uint8)[~torch.from_numpy(written).cuda()])
+    assert torch.equal(v8.view(torch.uint8)[~torch.from_numpy(written).cuda()],
+                       before_v.view(torch.uint8)[~torch.from_numpy(written).cuda()])
+
+    # append and attend in one call: the queries see the cache with the new tokens quantized in
+    q = torch.from_numpy(rng.standard_normal((b, 8, n_new, d)).astype(np.float32)).cuda().to(getattr(torch, source))
+    out = torch.full_like(q, float("nan"))
+    fagen.attention_with_kvcache(q, k8, v8, new_lens, pages, k=k, v=v, causal=True, k_descale=kd, v_descale=vd,
+                                 out=out)
+    final = [n + 2 * n_new for n in lens]
+    want = oracle.attention_paged(*(to_numpy(x.float()) for x in (q, k8, v8)), table, final, causal=True,
+                                  k_descale=descales["k"], v_descale=descales["v"])
+    assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES[source].tolerance
+
+
+def test_an_fp8_append_without_the_cache_descales_is_refused():
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    k8 = torch.zeros(4, 16, 2, 128, device="cuda").to(torch.float8_e4m3fn)
+    k = torch.zeros(1, 2, 3, 128, device="cuda", dtype=torch.bfloat16)
+    pages, lens = torch.zeros(1, 2, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"k_descale, v_descale: a float8_e4m3fn cache stores k / k_descale"):
+        fagen.sequences.append_kv(k8, k8.clone(), pages, lens, k, k)
+    with pytest.raises(ValueError, match=r"k: torch.float32|k: float32 into a float8_e4m3fn cache"):
+        fagen.sequences.append_kv(k8, k8.clone(), pages, lens, k.float(), k.float(), k_descale=1.0, v_descale=1.0)

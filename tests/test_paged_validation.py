@@ -95,7 +95,7 @@ def test_a_checked_append_refuses_a_negative_cache_length_before_writing(device)
         sequences.append_kv(k_cache, v_cache, _table(rng, 2, 2), np.array([4, -3]), k, v)
     assert device.launches == []
     sequences.append_kv(k_cache, v_cache, _table(rng, 2, 2), np.array([4, 3]), k, v)
-    assert [name for name, _ in device.launches] == [sequences.APPEND_KV]
+    assert [name for name, _ in device.launches] == [sequences.append_kv_name()]
 
 
 def test_a_checked_append_refuses_cu_seqlens_past_the_new_rows_before_writing(device):
@@ -132,7 +132,7 @@ def test_attention_with_kvcache_checks_the_whole_call_once_before_the_append(dev
     table[1, 1] = rng.integers(NUM_PAGES)
     device.checks.clear()
     sequences.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, k=k, v=v, cu_seqlens_q=cu, max_seqlen_q=3)
-    assert [name for name, _ in device.launches] == [sequences.APPEND_KV, "attention"]
+    assert [name for name, _ in device.launches] == [sequences.append_kv_name(), "attention"]
     assert len(device.checks) == 1 and list(device.checks[0][1]) == [9, 23]
 
 
