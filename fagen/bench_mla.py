@@ -7,7 +7,7 @@ memory-bound regime (Hq 16, Nq 1: bytes of cache read a second) and the compute-
 No peer runs this shape on the GPU host (FlashMLA is not installed there): the bars are FlashMLA's
 published figures. Each case is checked against float32 attention over the gathered keys before
 it is timed; its time is the median of CUDA-graph replays of REPS prepared steps (a decode
-loop's launches, no host time), and the cache's pages are shuffled across a cache of the whole
+loop's launches, no host time; the host time of an eager step is its own column), and the cache's pages are shuffled across a cache of the whole
 batch's keys. Bytes: B * Nk * 576 * 2 (each key's row read once); FLOPs: 2 * B * Hq * Nq * Nk *
 (576 + 512), causal's lost pair ignored.
 """
@@ -42,6 +42,7 @@ class MlaRow:
     tb_per_s: float | None = None  # cache bytes read a second
     tflops: float | None = None
     error: float | None = None
+    host_us: float | None = None  # enqueue time a prepared step (eager, no graph)
     note: str = ""
 
 
@@ -98,6 +99,23 @@ def time_step(step, args) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_time(step, args, calls: int = 50, batches: int = 7) -> float:
+    """Median microseconds of host time a prepared step: the enqueue time of `calls` calls."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step(*args)
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
 def run_case(b: int, hq: int, nq: int, nk: int, splits: int | None = None) -> MlaRow:
     import torch
 
@@ -112,6 +130,7 @@ def run_case(b: int, hq: int, nq: int, nk: int, splits: int | None = None) -> Ml
         row.note = f"error {row.error:.2e} over {TOLERANCE}: not timed"
         return row
     row.microseconds = time_step(step, (q, kv, table, lengths))
+    row.host_us = host_time(step, (q, kv, table, lengths))
     seconds = row.microseconds * 1e-6
     row.tb_per_s = b * nk * HEAD_DIM * 2 / seconds / 1e12
     row.tflops = 2 * b * hq * nq * nk * (HEAD_DIM + HEAD_DIM_V) / seconds / 1e12
@@ -121,12 +140,13 @@ def run_case(b: int, hq: int, nq: int, nk: int, splits: int | None = None) -> Ml
 
 
 def markdown(rows: list[MlaRow]) -> str:
-    lines = ["| B | Hq | Nq | Nk | splits | µs | cache TB/s | TFLOP/s | error |", "| --- " * 9 + "|"]
+    lines = ["| B | Hq | Nq | Nk | splits | µs | cache TB/s | TFLOP/s | host µs | error |", "| --- " * 10 + "|"]
     for r in rows:
         cells = [r.b, r.hq, r.nq, r.nk, r.splits,
                  *(f"{x:.1f}" if x is not None else "—" for x in (r.microseconds,)),
                  *(f"{x:.2f}" if x is not None else "—" for x in (r.tb_per_s,)),
                  *(f"{x:.0f}" if x is not None else "—" for x in (r.tflops,)),
+                 f"{r.host_us:.1f}" if r.host_us is not None else "—",
                  f"{r.error:.1e}" if r.error is not None else r.note]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

@@ -22,7 +22,8 @@ import math
 import numpy as np
 
 from fagen import side_inputs, tensor_maps
-from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for)
+from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
+                          tensor_signature, torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
 from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, MLA_TYPES, PAGE_SIZE, MlaPlan
 from fagen.render import render_mla
@@ -145,32 +146,39 @@ class PreparedMlaDecode:
                               o_sn=to.strides[2], lse=values["lse"], splits=self.splits, batch=b, heads=hq, n_q=nq)
                 self._merge = Launch(merge, (b * rows, HEAD_DIM_V // plan.merge_columns, 1), plan.merge_threads(self.splits), 0,
                                      plan.merge_params, merged, slots=("out", "lse"), dependent=True)
-        self._layout = tuple((t.shape, t.strides, t.dtype, t.device) for t in (tq, tc, tp, ts))
+        self._signatures = tuple(tensor_signature(x) for x in (q, kv_cache, page_table, cache_seqlens))
+        self._out_signature = tensor_signature(self.out)
+        self._lse_ptr = as_device_tensor(self.lse, "lse").ptr
+        self._torch = tq.kind == "torch"
 
     def __call__(self, q, kv_cache, page_table, cache_seqlens, *, out=None, return_lse: bool = False):
         """out [B, Hq, Nq, 512] (and lse [B, Hq, Nq], natural log) of this step. `out` given: the
-        step writes there (same shape, strides and dtype as the prepared one) and returns it."""
-        ts = [as_device_tensor(x, n) for x, n in ((q, "q"), (kv_cache, "kv_cache"), (page_table, "page_table"),
-                                                 (cache_seqlens, "cache_seqlens"))]
-        for t, (shape, strides, dtype, device) in zip(ts, self._layout):
-            if (t.shape, t.strides, t.dtype, t.device) != (shape, strides, dtype, device):
-                raise ValueError(f"{['q', 'kv_cache', 'page_table', 'cache_seqlens'][ts.index(t)]}: {t.dtype} "
-                                 f"{t.shape}, strides {t.strides}; this step was prepared for {dtype} {shape}, strides "
-                                 f"{strides}: prepare another for it")
+        step writes there (same shape, strides and dtype as the prepared one) and returns it. A
+        call compares the tensors' signatures and launches: no checks of values, no host sync."""
+        tensors = (q, kv_cache, page_table, cache_seqlens)
+        if tuple(tensor_signature(x) for x in tensors) != self._signatures:
+            for x, name, want in zip(tensors, ("q", "kv_cache", "page_table", "cache_seqlens"), self._signatures):
+                if tensor_signature(x) != want:
+                    t = as_device_tensor(x, name)
+                    raise ValueError(f"{name}: {t.dtype} {t.shape}, strides {t.strides} on cuda:{t.device}; this step "
+                                     f"was prepared for {want}: prepare another for it")
         target = self.out
         if out is not None:
-            tout = as_device_tensor(out, "out")
-            ref = as_device_tensor(self.out, "out")
-            if (tout.shape, tout.strides, tout.dtype, tout.device) != (ref.shape, ref.strides, ref.dtype, ref.device):
-                raise ValueError(f"out: {tout.dtype} {tout.shape}, strides {tout.strides}; expected {ref.dtype} "
-                                 f"{ref.shape}, strides {ref.strides}")
+            if tensor_signature(out) != self._out_signature:
+                t = as_device_tensor(out, "out")
+                raise ValueError(f"out: {t.dtype} {t.shape}, strides {t.strides}; expected {self._out_signature} (the "
+                                 f"prepared out's)")
             target = out
-        stream = stream_for(ts[0])
+        if self._torch:
+            addresses = [x.data_ptr() for x in (*tensors, target)]
+            stream = torch_stream_handle()(self.device)
+        else:
+            addresses = [x.data.ptr for x in (*tensors, target)]
+            stream = cupy.cuda.get_current_stream().ptr
         with cupy.cuda.Device(self.device):
-            self._launch(stream.ptr, *(t.ptr for t in ts), as_device_tensor(target, "out").ptr,
-                         as_device_tensor(self.lse, "lse").ptr)
+            self._launch(stream, *addresses, self._lse_ptr)
             if self._merge is not None:
-                self._merge(stream.ptr, as_device_tensor(target, "out").ptr, as_device_tensor(self.lse, "lse").ptr)
+                self._merge(stream, addresses[4], self._lse_ptr)
         return (target, self.lse) if return_lse else target
 
 

@@ -585,6 +585,9 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
         if fp8 is not None and t.dtype not in KERNEL_TYPES:
             raise ValueError(f"{name}: {t.dtype} into a {tkc.dtype} cache; pass float16 or bfloat16 new tokens: the "
                              f"append quantizes them ({name} / {name}_descale)")
+    if fp8 is not None and tk.dtype != tv.dtype:
+        raise ValueError(f"k: {tk.dtype}, v: {tv.dtype}; new keys and values are quantized by one kernel: pass both in "
+                         f"one type (v.to(k.dtype))")
     if fp8 is None and (k_descale is not None or v_descale is not None):
         raise ValueError(f"k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2); this one holds "
                          f"{tkc.dtype}: drop them")

@@ -673,10 +673,10 @@ constexpr int MERGE_BATCH = 8;  // splits a thread loads before it folds them
 __device__ __forceinline__ void fold(float& m, float& l, float (&acc)[4], float lse_s, const float4& o_s) {
   const float m_new = fmaxf(m, lse_s), m_use = m_new == NEG_INF ? 0.f : m_new;
   const float keep = __expf(m - m_use), w = __expf(lse_s - m_use);
-  const float add = w > 0.f ? w : 0.f;
+  const bool adds = w > 0.f;  // (0 times a NaN column would be NaN)
   l = l * keep + w;
-  acc[0] = acc[0] * keep + add * o_s.x, acc[1] = acc[1] * keep + add * o_s.y;
-  acc[2] = acc[2] * keep + add * o_s.z, acc[3] = acc[3] * keep + add * o_s.w;
+  acc[0] = acc[0] * keep + (adds ? w * o_s.x : 0.f), acc[1] = acc[1] * keep + (adds ? w * o_s.y : 0.f);
+  acc[2] = acc[2] * keep + (adds ? w * o_s.z : 0.f), acc[3] = acc[3] * keep + (adds ? w * o_s.w : 0.f);
   m = m_new;
 }
 

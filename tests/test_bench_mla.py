@@ -11,9 +11,9 @@ def test_the_cases_are_the_issue_bars_shapes():
 
 
 def test_a_timed_row_shows_its_rates_and_an_untimed_one_why():
-    timed = MlaRow(4, 16, 1, 32768, 33, 47.7, 3.16, 96.0, 1.7e-3)
+    timed = MlaRow(4, 16, 1, 32768, 33, 47.7, 3.16, 96.0, 1.7e-3, host_us=9.04)
     failed = MlaRow(1, 16, 1, 8192, 128, error=0.5, note="error 5.00e-01 over 1.00e-02: not timed")
     failed.error = None
     lines = markdown([timed, failed]).splitlines()
-    assert lines[2] == "| 4 | 16 | 1 | 32768 | 33 | 47.7 | 3.16 | 96 | 1.7e-03 |"
-    assert lines[3] == "| 1 | 16 | 1 | 8192 | 128 | — | — | — | error 5.00e-01 over 1.00e-02: not timed |"
+    assert lines[2] == "| 4 | 16 | 1 | 32768 | 33 | 47.7 | 3.16 | 96 | 9.0 | 1.7e-03 |"
+    assert lines[3] == "| 1 | 16 | 1 | 8192 | 128 | — | — | — | — | error 5.00e-01 over 1.00e-02: not timed |"

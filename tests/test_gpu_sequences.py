@@ -88,6 +88,22 @@ def test_varlen_prefill_with_two_head_widths_matches_the_oracle(dtype, widths, m
     _check(out, lse, ref, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("widths", [(192, 128), (64, 128)], ids=lambda w: f"d{w[0]}_v{w[1]}")
+def test_a_long_varlen_batch_with_two_head_widths_matches_the_oracle(widths):
+    """Sequences of 1.5k-5k keys under causal: the long shape class's persistent kernel, its
+    blocks claiming the batch's tiles, at two widths."""
+    d, dv = widths
+    rng = np.random.default_rng(zlib.crc32(repr(widths).encode()))
+    lens = [int(x) for x in rng.integers(1500, 5000, 4)]
+    q, k, _, cu_q, cu_k = _varlen(rng, "bfloat16", lens, lens, 8, 2, d)
+    v = _randn(rng, (k.shape[0], 2, dv), "bfloat16")
+    out = _nan((q.shape[0], 8, dv), "bfloat16")
+    _, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens), causal=True,
+                                    return_lse=True, out=out)
+    ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, causal=True, return_lse=True)
+    _check(out, lse, ref, ref_lse, "bfloat16")
+
+
 @pytest.mark.parametrize("b", [1, 9, 300, 700])  # past one round of the kernel's 256 threads
 def test_the_query_tile_table_kernel_matches_numpy(b):
     from fagen.device import as_device_tensor
