@@ -247,7 +247,17 @@ def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
                 raise ValueError("refused by name")
             assert validate is False
             self.calls = 0
+            self.layout = [(t.shape, t.stride(), t.dtype) for t in tensors]
             made.append(self)
+            prepared = self
+
+            class Hot:  # the C path: launches where the tensors' layouts are the prepared ones
+                def run(self, *given):
+                    if [(t.shape, t.stride(), t.dtype) for t in given[:-1]] != prepared.layout:
+                        return NotImplemented
+                    prepared.calls += 1
+                    return "out"
+            self._hot = Hot()
 
         def __call__(self, *tensors, return_lse=False):
             self.calls += 1
@@ -280,3 +290,56 @@ def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
     assert call(q, cache, cache, lengths, table) is NotImplemented
     current[0], capturing[0] = 0, True  # a graph being captured: the general path's
     assert call(q, cache, cache, lengths, table) is NotImplemented and len(made) == 6
+
+
+def test_a_serving_loop_s_repeated_paged_call_skips_the_key(monkeypatch):
+    """The last call's class is tried first where the options are the same objects: its C path
+    checks the tensors; another layout declines there and the whole key takes over. A mask given
+    as a mapping (which may change in place) and a sinks tensor updated in place are never taken
+    from the memo."""
+    made, keys = [], []
+
+    class Prepared:
+        def __init__(self, *tensors, status=None, validate=True, **options):
+            self.layout, self.calls = [(t.shape, t.stride(), t.dtype) for t in tensors], 0
+            made.append(self)
+            prepared = self
+
+            class Hot:
+                def run(self, *given):
+                    if [(t.shape, t.stride(), t.dtype) for t in given[:-1]] != prepared.layout:
+                        return NotImplemented
+                    prepared.calls += 1
+                    return "hot"
+            self._hot = Hot()
+
+        def __call__(self, *tensors, return_lse=False):
+            return "packed"
+
+    class Kept(sequences.KeptPagedCalls):
+        def __init__(self):
+            super().__init__()
+            self._kept = KeyLog()
+
+    class KeyLog(dict):
+        def get(self, key, default=None):
+            keys.append(key)
+            return super().get(key, default)
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = Kept()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
+    assert kept(q, cache, cache, lengths, table, None, None, False, options) == "packed" and len(keys) == 1
+    assert kept(q, cache, cache, lengths, table, None, None, False, dict(options)) == "hot" and len(keys) == 1
+    other = _Torchish(4, 32, dtype="int32")  # another table width: the C path declines, the key decides
+    assert kept(q, cache, cache, lengths, other, None, None, False, options) == "packed" and len(keys) == 2
+    assert kept(q, cache, cache, lengths, other, None, None, False, options) == "hot" and len(keys) == 2
+    windowed = {**options, "mask": {"kind": "sliding_window", "window_left": 8}}
+    kept(q, cache, cache, lengths, other, None, None, False, windowed)
+    kept(q, cache, cache, lengths, other, None, None, False, windowed)
+    assert len(keys) == 4  # a mapping mask: the whole key every call
