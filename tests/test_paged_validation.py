@@ -234,6 +234,25 @@ class _Torchish:
         return self.at
 
 
+def _prepared_fake(made: list, answer: str):
+    """A PreparedKVCache stand-in recording itself in `made`, with a C path (`_hot`) that launches
+    (counting calls, answering `answer`) where the tensors' layouts are the prepared ones."""
+    class Prepared:
+        def __init__(self, *tensors, **options):
+            self.layout, self.calls = [(t.shape, t.stride(), t.dtype) for t in tensors], 0
+            made.append(self)
+            prepared = self
+
+            class Hot:
+                def run(self, *given):
+                    if [(t.shape, t.stride(), t.dtype) for t in given[:-1]] != prepared.layout:
+                        return NotImplemented
+                    prepared.calls += 1
+                    return answer
+            self._hot = Hot()
+    return Prepared
+
+
 def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
     """attention_with_kvcache(validate=False)'s serving loop: the first call of a layout packs a
     PreparedKVCache (without reading the page table back), a call with the same layout and options
@@ -241,23 +260,12 @@ def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
     what packing refuses, is the general path's (NotImplemented)."""
     made = []
 
-    class Prepared:
+    class Prepared(_prepared_fake(made, "out")):
         def __init__(self, *tensors, status=None, validate=True, **options):
             if options["softcap"] == -1.0:
                 raise ValueError("refused by name")
             assert validate is False
-            self.calls = 0
-            self.layout = [(t.shape, t.stride(), t.dtype) for t in tensors]
-            made.append(self)
-            prepared = self
-
-            class Hot:  # the C path: launches where the tensors' layouts are the prepared ones
-                def run(self, *given):
-                    if [(t.shape, t.stride(), t.dtype) for t in given[:-1]] != prepared.layout:
-                        return NotImplemented
-                    prepared.calls += 1
-                    return "out"
-            self._hot = Hot()
+            super().__init__(*tensors)
 
         def __call__(self, *tensors, return_lse=False):
             self.calls += 1
@@ -299,20 +307,7 @@ def test_a_serving_loop_s_repeated_paged_call_skips_the_key(monkeypatch):
     from the memo."""
     made, keys = [], []
 
-    class Prepared:
-        def __init__(self, *tensors, status=None, validate=True, **options):
-            self.layout, self.calls = [(t.shape, t.stride(), t.dtype) for t in tensors], 0
-            made.append(self)
-            prepared = self
-
-            class Hot:
-                def run(self, *given):
-                    if [(t.shape, t.stride(), t.dtype) for t in given[:-1]] != prepared.layout:
-                        return NotImplemented
-                    prepared.calls += 1
-                    return "hot"
-            self._hot = Hot()
-
+    class Prepared(_prepared_fake(made, "hot")):
         def __call__(self, *tensors, return_lse=False):
             return "packed"
 
