@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import (bench_backward, bench_e2e_tables, bench_flex_tables, bench_fp8, bench_head_widths, bench_rows, bench_serving, masks,
-                   variants)
+from fagen import (bench_backward, bench_e2e_tables, bench_flex_tables, bench_fp8, bench_head_widths, bench_mla,
+                   bench_rows, bench_serving, masks, variants)
 from fagen.side_inputs import check_scale
 from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
     FA4, FA4_MASKS, HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths,
@@ -321,9 +321,10 @@ def write_report(rows: list[Row], meta: dict, out: Path, md_path: Path, *, with_
     flex = _sibling(out / bench_flex_tables.JSON, bench_flex_tables.read_json)  # likewise bench_flex
     fp8 = _sibling(out / bench_fp8.JSON, bench_fp8.read_json)  # and bench_fp8
     widths = _sibling(out / bench_head_widths.JSON, bench_head_widths.read_json)  # and bench_head_widths
+    mla = _sibling(out / bench_mla.JSON, bench_mla.read_json)  # and bench_mla
     md_path.write_text(markdown(rows, meta, [str(p) for p in plots], md_path=md_path, backward=backward,
                                 backward_plot=backward_plot, serving=serving, serving_plot=serving_plot, e2e=e2e,
-                                flex=flex, fp8=fp8, widths=widths))
+                                flex=flex, fp8=fp8, widths=widths, mla=mla))
     return written + plots + [p for p in (backward_plot, serving_plot) if p] + [md_path]
 
 
@@ -397,11 +398,12 @@ def _link(plot_path: str | Path, md_path: str | Path | None) -> str:
 def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path | None = None, *,
              backward: Part | None = None, backward_plot: str | Path | None = None, serving: Part | None = None,
              serving_plot: str | Path | None = None, e2e: Part | None = None, flex: Part | None = None,
-             fp8: Part | None = None, widths: Part | None = None) -> str:
+             fp8: Part | None = None, widths: Part | None = None, mla: Part | None = None) -> str:
     """BENCHMARKS.md: meta, one table per head_dim (dense), one for masks, the plots; then,
     with `backward` rows, the backward section (fagen.bench_backward.markdown), the serving
     section, the end-to-end one (fagen.bench_e2e's, from its JSON), FlexAttention's API's
-    (fagen.bench_flex's, likewise), FP8's (fagen.bench_fp8's) and two head widths' (fagen.bench_head_widths').
+    (fagen.bench_flex's, likewise), FP8's (fagen.bench_fp8's), two head widths' (fagen.bench_head_widths')
+    and MLA decode's (fagen.bench_mla's).
     With `md_path` (where
     the text will be written), plot links are relative to its folder."""
     out = ["# Benchmarks", ""]
@@ -421,6 +423,8 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], md_path: str | Path 
         out += ["", *bench_fp8.markdown(fp8.rows, fp8.meta)]
     if widths is not None and widths.rows:
         out += ["", *bench_head_widths.markdown(widths.rows, widths.meta)]
+    if mla is not None and mla.rows:
+        out += ["", *bench_mla.markdown(mla.rows, mla.meta)]
     return "\n".join(out)
 
 

@@ -4,6 +4,8 @@ memory-bound regime (Hq 16, Nq 1: bytes of cache read a second) and the compute-
 
     python3 -m fagen.bench_mla [--quick] [--out bench/bench_mla.json]
 
+`fagen bench` puts the JSON's table in BENCHMARKS.md.
+
 No peer runs this shape on the GPU host (FlashMLA is not installed there): the bars are FlashMLA's
 published figures. Each case is checked against float32 attention over the gathered keys before
 it is timed; its time is the median of CUDA-graph replays of REPS prepared steps (a decode
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -139,8 +142,18 @@ def run_case(b: int, hq: int, nq: int, nk: int, splits: int | None = None) -> Ml
     return row
 
 
-def markdown(rows: list[MlaRow]) -> str:
-    lines = ["| B | Hq | Nq | Nk | splits | µs | cache TB/s | TFLOP/s | host µs | error |", "| --- " * 10 + "|"]
+def markdown(rows: list[MlaRow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's MLA section: what is timed, then a case a line."""
+    out = ["## MLA decode: 576/512 over a paged latent cache", "",
+           "`python3 -m fagen.bench_mla`: DeepSeek's absorbed MLA, q [B, Hq, Nq, 576] against one latent head of 576 "
+           "(its first 512 columns V), bfloat16, page size 64, pages shuffled across the cache; a step's GPU time by "
+           f"CUDA-graph replays of {REPS} prepared steps (the attention kernel and, with splits, the merge after it); "
+           "cache TB/s = B * Nk * 1152 bytes a step; TFLOP/s = 2 * B * Hq * Nq * Nk * (576 + 512); host µs: the "
+           "enqueue time of an eager prepared step. Each case is checked against float32 attention over the gathered "
+           "keys first. No peer runs this shape on the GPU host (FlashMLA is not installed there): the bars are the "
+           "head-widths issue's (3.6 TB/s memory-bound, 600 TFLOP/s compute-bound, from FlashMLA's published figures)."
+           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           "| B | Hq | Nq | Nk | splits | µs | cache TB/s | TFLOP/s | host µs | error |", "| --- " * 10 + "|"]
     for r in rows:
         cells = [r.b, r.hq, r.nq, r.nk, r.splits,
                  *(f"{x:.1f}" if x is not None else "—" for x in (r.microseconds,)),
@@ -148,8 +161,16 @@ def markdown(rows: list[MlaRow]) -> str:
                  *(f"{x:.0f}" if x is not None else "—" for x in (r.tflops,)),
                  f"{r.host_us:.1f}" if r.host_us is not None else "—",
                  f"{r.error:.1e}" if r.error is not None else r.note]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return out
+
+
+def read_json(path: Path) -> tuple[list[MlaRow], dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return [MlaRow(**r) for r in data["rows"]], dict(data.get("meta", {}))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a bench_mla JSON ({err}); rerun python3 -m fagen.bench_mla") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,16 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one memory-bound and one compute-bound case")
     parser.add_argument("--splits", type=int, nargs="*", default=None,
                         help="time each case at these split counts too (default: the kernel's own choice)")
-    parser.add_argument("--out", type=Path, default=None, help=f"write the rows as JSON (e.g. bench/{JSON})")
+    parser.add_argument("--out", type=Path, default=Path("bench") / JSON, help="where the rows go, as JSON")
     args = parser.parse_args(argv)
+    import torch
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for case in (QUICK_CASES if args.quick else MEMORY_CASES + COMPUTE_CASES):
         for splits in [None, *(args.splits or [])]:
             rows.append(run_case(*case, splits=splits))
             print(rows[-1], file=sys.stderr, flush=True)
-    print(markdown(rows))
-    if args.out:
-        args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+            args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    print("\n".join(markdown(rows, meta)))
     return 0
 
 
