@@ -3,7 +3,7 @@
 Every query head attends to one latent KV head of 576 columns a key (512 latent + 64 rotary),
 and V is the first 512 columns of the same row: q [B, Hq, Nq, 576] against a paged latent cache
 [num_pages, 64, 1, 576] (FlashMLA's layout: page_size 64, a page table [B, max_pages] and
-cache_seqlens [B]). One kernel (templates/kernel/mla_decode.cu.j2) reads each page once for
+cache_seqlens [B]). One kernel (templates/sm90/mla_decode.cu.j2) reads each page once for
 64 packed query rows (heads x Nq) and splits O's 512 columns across two warpgroups; split-KV
 fills the GPU where the batch does not, its partials merged by the module's merge kernel.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+
 import numpy as np
 
 from fagen import side_inputs, tensor_maps
@@ -30,8 +31,6 @@ from fagen.render import render_mla
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 
 QUERY_TOKENS = (1, 2)  # Nq: a decode step, or one with a speculative token
-
-
 
 
 @functools.cache
@@ -61,9 +60,8 @@ def _check(tq, tc, tp, ts) -> None:
     if len(tc.shape) != 4 or tc.shape[1:] != (PAGE_SIZE, 1, HEAD_DIM):
         raise ValueError(f"kv_cache: shape {tc.shape}; expected [num_pages, {PAGE_SIZE}, 1, {HEAD_DIM}] (one latent "
                          f"head, page_size {PAGE_SIZE} as FlashMLA's); allocate the cache with pages of {PAGE_SIZE} keys")
-    for t, n in ((tc, "kv_cache"),):
-        if t.dtype != tq.dtype:
-            raise ValueError(f"{n}: dtype {t.dtype}, but q is {tq.dtype}; cast it to {tq.dtype}")
+    if tc.dtype != tq.dtype:
+        raise ValueError(f"kv_cache: dtype {tc.dtype}, but q is {tq.dtype}; cast it to {tq.dtype}")
     for t, n in ((tc, "kv_cache"), (tp, "page_table"), (ts, "cache_seqlens")):
         if t.kind != tq.kind:
             raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all from one framework")
@@ -92,7 +90,9 @@ class PreparedMlaDecode:
     page table and lengths in place between steps) and launches with no checks and no host sync.
     The page table's values are checked here, once (validate=True); a call trusts them: the
     kernel's TMA loads zeros for a page id outside the cache, and a length past the table row
-    is cut to it, so that bad values never read or write out of bounds."""
+    is cut to it, so that bad values never read or write out of bounds. The split partials are
+    this object's workspace: one step at a time (not on two streams at once), and keep it alive
+    as long as a CUDA graph that captured it may replay."""
 
     def __init__(self, q, kv_cache, page_table, cache_seqlens, *, causal: bool = False, scale: float | None = None,
                  splits: int | None = None, validate: bool = True):
@@ -148,13 +148,13 @@ class PreparedMlaDecode:
                                      plan.merge_params, merged, slots=("out", "lse"), dependent=True)
         self._signatures = tuple(tensor_signature(x) for x in (q, kv_cache, page_table, cache_seqlens))
         self._out_signature = tensor_signature(self.out)
-        self._lse_ptr = as_device_tensor(self.lse, "lse").ptr
         self._torch = tq.kind == "torch"
 
     def __call__(self, q, kv_cache, page_table, cache_seqlens, *, out=None, return_lse: bool = False):
-        """out [B, Hq, Nq, 512] (and lse [B, Hq, Nq], natural log) of this step. `out` given: the
-        step writes there (same shape, strides and dtype as the prepared one) and returns it. A
-        call compares the tensors' signatures and launches: no checks of values, no host sync."""
+        """out [B, Hq, Nq, 512] (and lse [B, Hq, Nq], natural log) of this step, allocated on the
+        stream; `out` given (same shape, strides and dtype as the prepared one), the step writes
+        there and returns it. A call compares the tensors' signatures and launches: no checks of
+        values, no host sync."""
         tensors = (q, kv_cache, page_table, cache_seqlens)
         if tuple(tensor_signature(x) for x in tensors) != self._signatures:
             for x, name, want in zip(tensors, ("q", "kv_cache", "page_table", "cache_seqlens"), self._signatures):
@@ -162,24 +162,25 @@ class PreparedMlaDecode:
                     t = as_device_tensor(x, name)
                     raise ValueError(f"{name}: {t.dtype} {t.shape}, strides {t.strides} on cuda:{t.device}; this step "
                                      f"was prepared for {want}: prepare another for it")
-        target = self.out
-        if out is not None:
-            if tensor_signature(out) != self._out_signature:
-                t = as_device_tensor(out, "out")
-                raise ValueError(f"out: {t.dtype} {t.shape}, strides {t.strides}; expected {self._out_signature} (the "
-                                 f"prepared out's)")
-            target = out
-        if self._torch:
-            addresses = [x.data_ptr() for x in (*tensors, target)]
-            stream = torch_stream_handle()(self.device)
-        else:
-            addresses = [x.data.ptr for x in (*tensors, target)]
-            stream = cupy.cuda.get_current_stream().ptr
+        if out is not None and tensor_signature(out) != self._out_signature:
+            t = as_device_tensor(out, "out")
+            raise ValueError(f"out: {t.dtype} {t.shape}, strides {t.strides}; expected {self._out_signature} (the "
+                             f"prepared out's)")
         with cupy.cuda.Device(self.device):
-            self._launch(stream, *addresses, self._lse_ptr)
+            if self._torch:  # (new_empty: the tensor's own framework, device and the current stream)
+                target = self.out.new_empty(self.out.shape) if out is None else out
+                lse = self.lse.new_empty(self.lse.shape) if return_lse else self.lse  # else a scratch LSE
+                addresses = [x.data_ptr() for x in (*tensors, target, lse)]
+                stream = torch_stream_handle()(self.device)
+            else:
+                target = cupy.empty_like(self.out) if out is None else out
+                lse = cupy.empty_like(self.lse) if return_lse else self.lse
+                addresses = [x.data.ptr for x in (*tensors, target, lse)]
+                stream = cupy.cuda.get_current_stream().ptr
+            self._launch(stream, *addresses)
             if self._merge is not None:
-                self._merge(stream, addresses[4], self._lse_ptr)
-        return (target, self.lse) if return_lse else target
+                self._merge(stream, addresses[4], addresses[5])
+        return (target, lse) if return_lse else target
 
 
 def prepare_mla_decode(q, kv_cache, page_table, cache_seqlens, **kwargs) -> PreparedMlaDecode:
