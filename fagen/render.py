@@ -40,13 +40,12 @@ SEQUENCE_TILES_THREADS = 256
 APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
 APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128
-FP8_CACHE_TYPES = FP8_KERNEL_TYPES  # the FP8 caches the decode kernels read, and the append fills
+MLA_TEMPLATE = "sm90/mla_decode.cu.j2"  # MLA decode and its merge (fagen.mla_plan)
 V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
 V_TRANSPOSE = "v_transpose_kernel"
 V_TRANSPOSE_THREADS = 256
 V_TRANSPOSE_MAX_D = 256
 GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
-MLA_TEMPLATE = "sm90/mla_decode.cu.j2"
 GRADIENT_SUM_THREADS = 256
 GRADIENT_SUM_BATCH = 9  # shares whose loads a thread issues at once: the own block's 2 and an 8-GPU ring's 7
 SEQUENCE_TILES_COUNTS = 4096  # a tile table orders sequences of up to 4095 tiles by length (262080 rows of 64-row tiles)
@@ -274,7 +273,7 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
             f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv),
             **{f"{append_kv_name(source, cache)}.cu": (f"fagen's paged cache append kernel ({source} into {cache})",
                                                        lambda s=source, c=cache: render_append_kv(s, c))
-               for source in KERNEL_TYPES for cache in FP8_CACHE_TYPES},
+               for source in KERNEL_TYPES for cache in FP8_KERNEL_TYPES},  # (the FP8 caches the decode kernels read)
             f"{V_TRANSPOSE}.cu": ("fagen's FP8 V^T kernel", render_v_transpose),
             **{f"{MlaPlan(dtype).name}.cu": (f"fagen's MLA decode kernel ({dtype})", lambda d=dtype: render_mla(d))
                for dtype in MLA_TYPES}}

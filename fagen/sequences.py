@@ -36,7 +36,7 @@ from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_ti
 from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen import fp8_inputs
 from fagen.element_types import KERNEL_TYPES, fp8_element
-from fagen.render import APPEND_KV_THREADS, append_kv_name, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS
+from fagen.render import APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS, append_kv_name
 from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
                                 check_key_ranges, check_page_size, check_pages, check_scale, check_seqused_k)
