@@ -4,7 +4,7 @@ import importlib
 import pkgutil
 
 from fagen.api import (attention, attention_varlen, attention_with_kvcache, compile, mla_decode,  # noqa: F401
-                       prepare, prepare_mla_decode, prepare_with_kvcache)
+                       prepare, prepare_mla_decode, prepare_varlen, prepare_with_kvcache)
 from fagen.render import render
 from fagen.version import __version__  # noqa: F401
 from fagen.load import load_spec, parse_spec
@@ -27,5 +27,5 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["AttentionSpec", "SpecError", "__version__", "attention", "attention_varlen", "attention_with_kvcache",
-           "compile", "load_spec", "mla_decode", "parse_spec", "prepare", "prepare_mla_decode", "prepare_with_kvcache",
-           "render"]
+           "compile", "load_spec", "mla_decode", "parse_spec", "prepare", "prepare_mla_decode", "prepare_varlen",
+           "prepare_with_kvcache", "render"]

@@ -62,6 +62,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     return _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
 
 
+def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **kwargs):
+    """attention_varlen packed once for a batch layout that comes again: a callable taking (q, k,
+    v, cu_seqlens_q, cu_seqlens_k[, seqused_k]) of the same shapes, strides and dtypes, whose
+    lengths may change within max_seqlen_q and max_seqlen_k, with a few microseconds of host work
+    a call (fagen.sequences.PreparedVarlen)."""
+    from fagen.sequences import prepare_varlen as _prepare_varlen
+
+    return _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+
+
 def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs):
     """attention_with_kvcache packed once for a decode loop over a paged cache: a callable taking
     (q, k_cache, v_cache, cache_seqlens, page_table) of the same shapes, strides and dtypes, with

@@ -52,11 +52,12 @@ class ServingCase:
     nk: int
     causal: bool = False
     page_size: int = 0  # paged
-    mixed: bool = False  # varlen: random lengths with the same total
+    mixed: bool = False  # varlen: random lengths with the same total (host: a varlen batch's)
 
     @property
     def key(self) -> str:
-        what = {"decode": "", "host": f" page {self.page_size}" if self.page_size else "", "paged": f" page {self.page_size}", "mixed": f" page {self.page_size}",
+        what = {"decode": "", "host": f" page {self.page_size}" if self.page_size else " varlen" if self.mixed else "",
+                "paged": f" page {self.page_size}", "mixed": f" page {self.page_size}",
                 "varlen": " mixed" if self.mixed else " uniform"}
         return (f"{self.section} {self.dtype} d{self.head_dim} {self.hq}/{self.hkv} B{self.b} Nq{self.nq} "
                 f"Nk{self.nk}{' causal' if self.causal else ''}{what[self.section]}")
@@ -107,11 +108,13 @@ def cases(quick: bool = False) -> list[ServingCase]:
     varlen = [ServingCase("varlen", **f16, b=b, **gqa, nq=n, nk=n, causal=True, mixed=m)
               for b, n, m in ((8, 2048, False), (8, 2048, True), (16, 1024, True))]
     varlen.append(ServingCase("varlen", "bfloat16", 64, 4, 16, 16, 4096, 4096, mixed=True))
-    # host time: a decode step (one launch, its last split merging), a one-launch prepared call, and
-    # a paged decode step (fagen.prepare_with_kvcache)
+    # host time: a decode step (one launch, its last split merging), a one-launch prepared call, a
+    # paged decode step (fagen.prepare_with_kvcache) and a small varlen prefill (fagen.prepare_varlen:
+    # the tile table's launch and the kernel's)
     host = [ServingCase("host", **f16, b=1, **gqa, nq=1, nk=1024),
             ServingCase("host", "float16", 64, 1, 1, 1, 128, 128),
-            ServingCase("host", **f16, b=8, **gqa, nq=1, nk=1024, page_size=PAGE_SIZE)]
+            ServingCase("host", **f16, b=8, **gqa, nq=1, nk=1024, page_size=PAGE_SIZE),
+            ServingCase("host", **f16, b=8, **gqa, nq=64, nk=64, causal=True, mixed=True)]
     if quick:
         return [decode[1], paged[1], mixed[0], varlen[1], host[0]]
     return decode + paged + mixed + varlen + host
@@ -204,6 +207,8 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
     import torch.nn.functional as F
 
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
+    if case.mixed:
+        return _host_varlen(case, q, k, v, rng)
     ref = _sdpa_reference(q, k, v, case.causal)
     if case.page_size:
         k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
@@ -248,6 +253,41 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
         rows.append(_checked(case, impl, last, _sdpa_reference(q, *caches[-1], case.causal),
                              lambda: host_us(lambda: fn(*next(turn))),
                              note="keys grow a call" + (", key ranges made a call" if "ranged" in impl else "")))
+    return rows
+
+
+def _host_varlen(case: ServingCase, qp, kp, vp, rng) -> list[ServingRow]:
+    """Host time of a varlen batch of B x Nq tokens in mixed lengths: prepared (fagen.prepare_varlen),
+    and attention_varlen(validate=False), whose kept class takes calls of new lengths (the same
+    total) in turn; SDPA's call on the padded batch of as many tokens (qp, kp, vp)."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).contiguous() for x in (qp, kp, vp))
+    batches = []
+    for _ in range(8):
+        lengths = varlen_lengths(case, rng)
+        cu = torch.as_tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+        batches.append((cu, lengths))
+    longest = max(max(lengths) for _, lengths in batches)
+    cu, lengths = batches[0]
+    ref = np.concatenate([_sdpa_reference(*(x[a:e].transpose(0, 1)[None] for x in (q, k, v)), case.causal)[0]
+                          .transpose(1, 0, 2) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    step = api.prepare_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal)
+    out = torch.full_like(q, float("nan"))
+    step(q, k, v, cu, cu, out=out)
+    rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(q, k, v, cu, cu)), note="out allocated"),
+            _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(q, k, v, cu, cu, out=out)),
+                     note="out given")]
+    turn = itertools.cycle(batches)
+
+    def unprepared(cu=None):
+        cu = next(turn)[0] if cu is None else cu
+        return api.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, validate=False)
+    rows.append(_checked(case, "fagen_attention", unprepared(cu), ref, lambda: host_us(unprepared),
+                         note="not prepared, validate=False, new lengths a call"))
+    us = host_us(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=case.causal, enable_gqa=True))
+    rows.append(_row(case, "sdpa", us, note="the padded batch of as many tokens"))
     return rows
 
 
@@ -475,6 +515,7 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
             "| --- | --- | --- | --- | --- | --- |" + growing[1]]
     for case, impls, f in _section(table, "host"):
         call = ("paged decode step (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
+                "varlen prefill, mixed lengths (prepare_varlen; unprepared: validate=False)" if "varlen" in case else
                 "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch")
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
         out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "

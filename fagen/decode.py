@@ -203,14 +203,21 @@ class PreparedAttention:
         self.ranges = ranges.tensors if ranges is not None else ()  # prepared calls pass theirs after q, k, v
         self._arm(spec, (q, k, v, *self.ranges), out, lse, packed.kernel, packed.merge, packed.held)
 
-    def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list) -> None:
+    def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list,
+             first: tuple | None = None) -> None:
         """Keep what a call checks and re-points: `inputs` (q, k, v, then the batch layout's index
         tensors) as prepared, out's and lse's shapes and strides, the kernel's Launch (slots: the
         inputs, then out and lse where it writes them) and the merge kernel's after it (slots out,
-        lse), or None; `held`: memory the launches read."""
+        lse), or None; `first`: (a Launch before the kernel's, the positions among the inputs of
+        the tensors its slots take), or None; `held`: memory the launches read."""
         q = inputs[0]
         tq = as_device_tensor(q, "q")
         self.spec, self.kernel, self.merge, self._held = spec, kernel, merge, held
+        n = len(inputs)  # a call's addresses: the inputs, out, lse
+        # each launch in order with the positions of the addresses its slots take
+        self._launches = ((() if first is None else (first,))
+                          + (((kernel, tuple(range(n))), (merge.launch, (n, n + 1))) if merge else
+                             ((kernel, tuple(range(n + 2))),)))
         self.torch = tq.kind == "torch"
         self.inputs = len(inputs)
         self.device = tq.device
@@ -318,11 +325,9 @@ class PreparedAttention:
             raise ValueError(f"{', '.join(misaligned)}: address not a multiple of 16 bytes (a view starting inside a "
                              f"row), though laid out as prepared; the kernels copy whole 16-byte pieces: pass a "
                              f"contiguous copy")
-        if self.merge is None:
-            self.kernel(stream, *addresses, out_ptr, lse_ptr)
-        else:
-            self.kernel(stream, *addresses)
-            self.merge.launch(stream, out_ptr, lse_ptr)
+        addresses = (*addresses, out_ptr, lse_ptr)
+        for launch, at in self._launches:
+            launch(stream, *(addresses[i] for i in at))
 
     def _keep_for_graphs(self):
         if not self._captured:
@@ -341,14 +346,12 @@ class PreparedAttention:
         shape = self.out_shape
         allocate = torch.empty_like if self._out_like_q else (lambda q: q.new_empty(shape))
         n = self.inputs  # addresses: the inputs, out, lse
-        launches = (((self.kernel, tuple(range(n))), (self.merge.launch, (n, n + 1))) if self.merge else
-                    ((self.kernel, tuple(range(n + 2))),))
         launch_kernel, is_capturing = hot_path.driver_functions()
         workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is
         return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(shape),
                               self._out_placement[0], self._stream, self._current_device, allocate,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
-                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in launches),
+                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in self._launches),
                               growing)
 
     def _refuse(self, inputs):

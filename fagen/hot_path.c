@@ -21,7 +21,7 @@
 #include <Python.h>
 #include <stdint.h>
 
-#define MAX_LAUNCHES 2 /* the split kernel and the merge kernel after it */
+#define MAX_LAUNCHES 3 /* a varlen batch's tile table, the kernel, the merge kernel after a split one */
 #define MAX_INPUTS 6   /* q, k, v and a batch layout's index tensors (paged: cache_seqlens, page_table) */
 #define MAX_ADDRESSES (MAX_INPUTS + 2) /* the inputs, out, lse: what a call may re-point, in this order */
 #define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CUlaunchAttributeID, cuda.h */
@@ -73,8 +73,9 @@ typedef struct {
     int captured, launch_count, ready;  /* ready: init completed; run refuses otherwise */
     Launch launches[MAX_LAUNCHES];
     /* a growing class (growing != 0): k's and v's batch, heads and head_dim as prepared, their
-     * length in [lo, hi); field_slots: where launches[0] takes n_kv, mask_offset, the six K/V
-     * strides and (split kernels) the split share, field_bytes: 4 (int) or 8 (long long) */
+     * length in [lo, hi); field_slots: where launches[0] (the kernel's: nothing launches before
+     * it there) takes n_kv, mask_offset, the six K/V strides and (split kernels) the split share,
+     * field_bytes: 4 (int) or 8 (long long) */
     int growing, fields, bottom_right;
     long long lo, hi, block_kv, splits, nq, kv_dims[2][3];  /* k's, then v's */
     int field_slots[GROWING_FIELDS], field_bytes[GROWING_FIELDS];
@@ -330,7 +331,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     if (inputs < 3 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
             || PyTuple_GET_SIZE(launches) < 1 || PyTuple_GET_SIZE(launches) > MAX_LAUNCHES) {
         PyErr_SetString(PyExc_ValueError, "HotPath: 3-6 inputs (q, k, v, index tensors), a (shape, strides) pair and a dtype each, out's "
-                        "dtype, and 1-2 launches");
+                        "dtype, and 1-3 launches");
         return -1;
     }
     self->inputs = (int)inputs;

@@ -37,6 +37,8 @@ DOCUMENT_BOUNDS_THREADS = 256
 SEQUENCE_TILES_TEMPLATE = "kernel/sequence_tiles.cu.j2"
 SEQUENCE_TILES = "sequence_tiles_kernel"
 SEQUENCE_TILES_THREADS = 256
+SEQUENCE_TILES_PARAMS = (("const int*", "cu_seqlens"), ("int", "batch"), ("int", "block_q"), ("int", "slots"),
+                         ("int2*", "tiles"), ("unsigned*", "claimed"))  # its signature's, in order
 APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
 APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128

@@ -410,9 +410,12 @@ class Packed:
     merge: MergeLaunch | None
     held: list
     split_counts: object = None  # a kernel merging its own splits: each tile's arrival count (0 between calls)
+    first: Launch | None = None  # a launch before the kernel's: a varlen batch's tile table, from cu_seqlens_q
 
     def __call__(self, stream: int | None = None) -> None:
         """Launch on `stream` (None: CuPy's current stream), as packed."""
+        if self.first is not None:
+            self.first(stream)
         if self.kernel is not None:
             self.kernel(stream)
         if self.merge is not None:

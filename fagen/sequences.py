@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,8 +36,9 @@ from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_ti
 from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen import fp8_inputs
 from fagen.element_types import KERNEL_TYPES, fp8_element
-from fagen.render import APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_THREADS, append_kv_name
-from fagen.runtime import Packed, _aux_array, _check_layout, compile_kernel, shared_function
+from fagen.render import (APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_PARAMS,
+                          SEQUENCE_TILES_THREADS, append_kv_name)
+from fagen.runtime import Launch, Packed, _aux_array, _check_layout, compile_kernel, shared_function
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
                                 check_key_ranges, check_page_size, check_pages, check_scale, check_seqused_k)
 from fagen.spec import AttentionSpec
@@ -203,19 +204,28 @@ def cache_rows(q, k_cache, v_cache, cache_seqlens, cache_leftpad=None, *, valida
     return tuple(x.transpose(1, 2) if tk.kind == "torch" else x.transpose(0, 2, 1, 3) for x in (k_cache, v_cache))
 
 
-def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
-    """A varlen batch's query tile table (plan.sequence_tiles) from cu_seqlens_q (a device address,
-    batch + 1 int32s), by one launch on the current stream: int32 [query_tile_slots + 1, 2] from
-    like's allocator (a CUDA graph may capture it). Row t < query_tile_slots is tile t's
-    (sequence, first row) or (-1, 0): the longest sequences first, each one's latest rows first
-    (templates/kernel/sequence_tiles.cu.j2). The last row's first word is the count a claimed
-    walk's blocks take tiles from (plan.claimed_walk), zeroed: claimed_counter's address."""
+def tile_table(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
+    """A varlen batch's query tile table (plan.sequence_tiles) and the launch that fills it from
+    cu_seqlens_q (a device address, batch + 1 int32s; the launch's one slot, which a prepared
+    call re-points): int32 [query_tile_slots + 1, 2] from like's allocator (a CUDA graph may
+    capture it). Row t < query_tile_slots is tile t's (sequence, first row) or (-1, 0): the
+    longest sequences first, each one's latest rows first (templates/kernel/sequence_tiles.cu.j2).
+    The last row's first word is the count a claimed walk's blocks take tiles from
+    (plan.claimed_walk), zeroed: claimed_counter's address. The table follows cu_seqlens_q's
+    values, so the launch runs before each call's kernel."""
     slots = query_tile_slots(total_q, batch, block_q)
     table = empty_like(like, (slots + 1, 2), "int32")
     ptr = as_device_tensor(table, "q_tiles").ptr
-    shared_function(SEQUENCE_TILES, like.device)((1,), (SEQUENCE_TILES_THREADS,), (
-        np.uint64(cu_seqlens_q), np.int32(batch), np.int32(block_q), np.int32(slots), np.uint64(ptr),
-        np.uint64(claimed_counter(ptr, slots))))
+    values = dict(cu_seqlens=cu_seqlens_q, batch=batch, block_q=block_q, slots=slots, tiles=ptr,
+                  claimed=claimed_counter(ptr, slots))
+    return table, Launch(shared_function(SEQUENCE_TILES, like.device), (1, 1, 1), SEQUENCE_TILES_THREADS, 0,
+                         SEQUENCE_TILES_PARAMS, values, slots=("cu_seqlens",))
+
+
+def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like: DeviceTensor):
+    """tile_table's table, filled by one launch on the current stream."""
+    table, launch = tile_table(cu_seqlens_q, batch, block_q, total_q, like)
+    launch(None)
     return table
 
 
@@ -270,8 +280,9 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         if descaled is not None:
             extras.update(descaled[0])
             held = [*held, descaled[1]]
+        tiles = None
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles: number them first
-            table = query_tiles(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
+            table, tiles = tile_table(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
             ptr = as_device_tensor(table, "q_tiles").ptr
             extras["q_tiles"] = np.uint64(ptr)
             if kernel.plan.claimed_walk:
@@ -284,9 +295,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         # merge's: a varlen batch is one sequence of total_q rows
         to = _bhsd(as_device_tensor(out, "out"), varlen_q)
         merged_views = (_as_one_sequence(out), lse[None]) if varlen_q else None
-        return kernel.pack(tq, tk, tv, out, lse, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0,
-                           splits=splits or 1, extras=extras, held=[*held, *batch.held], indices=indices, sinks=sinks,
-                           merged_views=merged_views)
+        packed = kernel.pack(tq, tk, tv, out, lse, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0,
+                             splits=splits or 1, extras=extras, held=[*held, *batch.held], indices=indices,
+                             sinks=sinks, merged_views=merged_views)
+        return replace(packed, first=tiles)
 
 
 def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor):
@@ -331,6 +343,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     seqused_k (int32 [B]), sequence b's keys are rows cu_seqlens_k[b] .. cu_seqlens_k[b] +
     seqused_k[b], which may overlap another's. Every mask holds per sequence (causal: bottom
     right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q])."""
+    if not validate and alibi_slopes is None and is_torch(q):  # a loop's call: its layout's kept class
+        done = KEPT_VARLEN_CALLS(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, out,
+                                 return_lse, dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks))
+        if done is not NotImplemented:
+            return done
     batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                          validate=validate)
     spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -414,6 +431,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
 PAGED_INDICES = ("cache_seqlens", "page_table")
 
 
+def _read_in_place(tq: DeviceTensor, **indices) -> None:
+    """A prepared call re-points its kernel at the index tensors a call passes: refuse ones of
+    another framework than q's (packing would read a copy)."""
+    for name, x in indices.items():
+        kind = as_device_tensor(x, name).kind
+        if kind != tq.kind:
+            raise ValueError(f"{name}: a {kind} array with {tq.kind} q; a prepared call reads its index tensors "
+                             f"in place: pass them as {tq.kind} tensors on q's device")
+
+
 class PreparedKVCache(PreparedAttention):
     """attention_with_kvcache packed once for a decode loop over a paged cache: a call
     `step(q, k_cache, v_cache, cache_seqlens, page_table, out=None)` takes tensors of the
@@ -433,11 +460,7 @@ class PreparedKVCache(PreparedAttention):
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
                              f"attention_with_kvcache with cu_seqlens_q, whose tile table follows its values each call)")
-        for x, name in ((cache_seqlens, "cache_seqlens"), (page_table, "page_table")):
-            kind = as_device_tensor(x, name).kind
-            if kind != tq.kind:  # a call re-points the kernel at these very tensors
-                raise ValueError(f"{name}: a {kind} array with {tq.kind} q; a prepared call reads its index tensors "
-                                 f"in place: pass them as {tq.kind} tensors on q's device")
+        _read_in_place(tq, cache_seqlens=cache_seqlens, page_table=page_table)
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status, validate=validate)
         spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
@@ -450,27 +473,32 @@ class PreparedKVCache(PreparedAttention):
                   packed.kernel, packed.merge, packed.held)
 
 
-class KeptPagedCalls:
-    """attention_with_kvcache's paged calls with validate=False (a serving loop's form: padded
-    q, no new tokens), PyTorch tensors: a PreparedKVCache kept a layout, so that a call that comes
-    again launches through it (its C path: a few microseconds of host time where checking and
-    packing take hundreds). The key is everything the packing read but the addresses (and the
-    index tensors' values, which the kernel reads): the five tensors' shapes, strides, dtypes and
-    devices, the options, the sinks' and status's addresses, the stream and the thread (a
-    class's workspace is one call's at a time). At most LIMIT; then they start over."""
+class KeptCalls:
+    """Unvalidated calls of one API function (validate=False: a serving or training loop's form),
+    PyTorch tensors: a prepared call kept a layout, so that a call that comes again launches
+    through it (its C path: a few microseconds of host time where checking and packing take
+    hundreds). The key is everything the packing read but the addresses (and the index tensors'
+    values, which the kernels read): the tensors' shapes, strides, dtypes and devices, the
+    `fixed` tensors' addresses and layouts (ones the launch holds, not re-pointed: a status word),
+    the host `values` (max_seqlen_q, ...), the options, the sinks' address and version, the
+    stream and the thread (a class's workspace is one call's at a time). At most LIMIT; then they
+    start over. A subclass says how to prepare (`_make`)."""
 
     LIMIT = 64
 
     def __init__(self):
-        self._kept: dict[tuple, PreparedKVCache] = {}
+        self._kept: dict[tuple, PreparedAttention] = {}
         self._stream = self._capturing = None
-        # the last call's options (by identity where they are objects), stream, thread and GPU, and
-        # its class: a serving loop calls with them again, so the class's C path, which checks the
+        # the last call's options and fixed tensors (by identity), values, stream, thread and GPU,
+        # and its class: a loop calls with them again, so the class's C path, which checks the
         # tensors' layouts itself, is tried before the whole key is built (~4 us of the call)
         self._last: tuple | None = None
-        self._last_prepared: PreparedKVCache | None = None
+        self._last_prepared: PreparedAttention | None = None
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict):
+    def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
+        raise NotImplementedError
+
+    def call(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: dict):
         """out (and lse) of the call, or NotImplemented where the general path must take it (or
         refuse it by name)."""
         if self._stream is None:
@@ -484,18 +512,18 @@ class KeptPagedCalls:
             device = cupy.cuda.runtime.getDevice()
             last = self._last
             if (last[0] is options["causal"] and last[1] is mask and last[2] is options["softcap"]
-                    and last[3] is options["scale"] and last[4] is sinks and last[5] is status
-                    and (sinks is None or last[6] == sinks._version) and last[7] == device
-                    and last[8] == self._stream(device) and last[9] == threading.get_ident()
+                    and last[3] is options["scale"] and last[4] is sinks and last[5] == values
+                    and len(last[6]) == len(fixed) and all(a is b for a, b in zip(last[6], fixed))
+                    and (sinks is None or last[7] == sinks._version) and last[8] == device
+                    and last[9] == self._stream(device) and last[10] == threading.get_ident()
                     and not self._capturing()):
-                done = hot.run(q, k_cache, v_cache, cache_seqlens, page_table, None)
+                done = hot.run(*tensors, None)
                 if done is not NotImplemented:
                     return done
         if out is not None:  # (a given out of another layout is the general path's to take)
             return NotImplemented
         try:
-            tensors = (q, k_cache, v_cache, cache_seqlens, page_table)
-            device = q.get_device()
+            device = tensors[0].get_device()
             # q's GPU the current one (the general path switches to it; a kept call refuses
             # another), contiguous GPU sinks (their address and version say which values), and
             # no graph being captured (a class made now would hold the capture's memory)
@@ -506,28 +534,92 @@ class KeptPagedCalls:
                    mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())),
                    options["softcap"], options["scale"],
                    None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
-                   None if status is None else (status.data_ptr(), status.shape, status.stride(), status.dtype,
-                                                status.get_device()),
-                   self._stream(device), threading.get_ident())
+                   tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
+                         for t in fixed), values, self._stream(device), threading.get_ident())
             prepared = self._kept.get(key)
         except (AttributeError, TypeError):  # not torch tensors, or a mask with unhashable parts
             return NotImplemented
         if prepared is None:
             try:
-                prepared = PreparedKVCache(*tensors, status=status, validate=False, **options)
+                prepared = self._make(tensors, fixed, values, options)
             except ValueError:  # the general path refuses it by name
                 return NotImplemented
             if len(self._kept) >= self.LIMIT:
                 self._kept.clear()
             self._kept[key] = prepared
         # (a mask given as a mapping may change in place: only None and names are remembered)
-        self._last = (options["causal"], mask, options["softcap"], options["scale"], sinks, status,
+        self._last = (options["causal"], mask, options["softcap"], options["scale"], sinks, values, fixed,
                       None if sinks is None else sinks._version, device, key[-2], key[-1])
         self._last_prepared = prepared if mask is None or isinstance(mask, str) else None
         return prepared(*tensors, return_lse=return_lse)
 
 
+class KeptPagedCalls(KeptCalls):
+    """attention_with_kvcache's paged calls with validate=False (padded q, no new tokens): a
+    PreparedKVCache a layout, its status word fixed."""
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict):
+        return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), (), out, return_lse, options)
+
+    def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
+        return PreparedKVCache(*tensors, status=fixed[0], validate=False, **options)
+
+
 KEPT_PAGED_CALLS = KeptPagedCalls()
+
+
+# A prepared varlen call's index tensors, in its argument order after q, k, v (seqused_k where given)
+VARLEN_INDICES = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")
+
+
+class PreparedVarlen(PreparedAttention):
+    """attention_varlen packed once for a batch layout that comes again (a training loop's packed
+    documents of a fixed token count, a server's repeated batch): a call `step(q, k, v,
+    cu_seqlens_q, cu_seqlens_k[, seqused_k], out=None)` takes tensors of the prepared shapes
+    (total_q, total_k and B as prepared), strides and dtypes, with any lengths that fit the
+    prepared max_seqlen_q and max_seqlen_k, and launches with a few microseconds of host work, no
+    host sync, capturable in a CUDA graph: the query tile table's launch (it follows
+    cu_seqlens_q's values), then the kernel's. validate=True checks the prepared cu_seqlens once;
+    a call trusts its own as attention_varlen(validate=False) does."""
+
+    def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                 seqused_k=None, causal: bool = False, mask=None, softcap: float | None = None,
+                 scale: float | None = None, alibi_slopes=None, sinks=None, validate: bool = True):
+        batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                             validate=validate)
+        indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        if seqused_k is not None:
+            indices["seqused_k"] = seqused_k
+        _read_in_place(as_device_tensor(q, "q"), **indices)
+        spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        if int(batch.arguments["total_q"]) == 0:
+            raise ValueError("q: no query row to prepare (total_q 0); call attention_varlen, which answers a call "
+                             "without query rows with no launch")
+        packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, indices=tuple(indices))
+        self._arm(packed.spec, (q, k, v, *indices.values()), packed.out, packed.lse, packed.kernel, packed.merge,
+                  packed.held, first=None if packed.first is None else (packed.first, (3,)))  # reads cu_seqlens_q
+
+
+class KeptVarlenCalls(KeptCalls):
+    """attention_varlen's calls with validate=False: a PreparedVarlen a layout and max_seqlen pair."""
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int, out,
+                 return_lse: bool, options: dict):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
+        return self.call(tensors, (), (max_seqlen_q, max_seqlen_k), out, return_lse, options)
+
+    def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
+        return PreparedVarlen(*tensors[:5], *values, seqused_k=tensors[5] if len(tensors) > 5 else None,
+                              validate=False, **options)
+
+
+KEPT_VARLEN_CALLS = KeptVarlenCalls()
+
+
+def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                   **kwargs) -> PreparedVarlen:
+    """attention_varlen's launches for these tensors' shapes, packed once (PreparedVarlen)."""
+    return PreparedVarlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
 def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs) -> PreparedKVCache:

@@ -197,6 +197,90 @@ def test_a_long_varlen_batch_matches_the_oracle_on_its_shape_class():
     _check(out, lse, ref, ref_lse, "float16")
 
 
+def _lengths(rng, total: int, b: int, most: int, least: int = 0) -> list[int]:
+    """b random lengths summing to `total`, each in [least, most]."""
+    while True:
+        cuts = np.sort(rng.integers(0, total + 1, b - 1))
+        lens = np.diff([0, *cuts, total])
+        if least <= lens.min() and lens.max() <= most:
+            return [int(n) for n in lens]
+
+
+# (Hq, Hkv, d, each sequence's queries: None for random lengths, 1 for a decode batch, the GQA
+# split kernel and its merge), causal
+PREPARED_VARLEN = [(8, 2, 128, None, True), (4, 4, 64, None, False), (32, 8, 128, 1, True), (8, 2, 96, None, True)]
+
+
+@pytest.mark.parametrize("case", PREPARED_VARLEN, ids=lambda c: f"h{c[0]}_{c[1]}_d{c[2]}_q{c[3]}_{'causal' if c[4] else 'full'}")
+def test_a_prepared_varlen_call_follows_new_lengths_from_call_to_call(case):
+    """fagen.prepare_varlen: calls with new lengths of the same totals (each within the prepared
+    maxima, new cu_seqlens tensors, new q, k, v) into NaN-poisoned outputs: the tile table follows
+    each call's cu_seqlens_q; each call against the oracle, the C hot path bitwise equal to the
+    Python path; attention_varlen(validate=False) takes the same calls through one kept class."""
+    hq, hkv, d, per_q, causal = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    b, total_q = 7, 7 if per_q else 1500
+    most_q, total_k, most_k = (1, 2100, 900) if per_q else (700, 1500 + 7 * 50, 750)
+    mask = Mask(kind="causal") if causal else Mask()
+
+    def batch():
+        lens_q = [per_q] * b if per_q else _lengths(rng, total_q, b, most_q)
+        lens_k = _lengths(rng, total_k, b, most_k, least=1) if per_q else [n + 50 for n in lens_q]
+        return _varlen(rng, "float16", lens_q, lens_k, hq, hkv, d)
+
+    q, k, v, cu_q, cu_k = batch()
+    step = fagen.prepare_varlen(q, k, v, _int32(cu_q), _int32(cu_k), most_q, most_k, causal=causal)
+    assert step._hot is not None
+    kept = sequences.KEPT_VARLEN_CALLS._kept
+    kept.clear()
+    for call in range(3):
+        q, k, v, cu_q, cu_k = batch()
+        ref = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, mask=mask)
+        out = _nan(q.shape, "float16")
+        assert step(q, k, v, _int32(cu_q), _int32(cu_k), out=out) is out
+        assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"], call
+        hot, step._hot = step._hot, None  # the Python path on the same tensors
+        again = step(q, k, v, _int32(cu_q), _int32(cu_k))
+        step._hot = hot
+        assert torch.equal(again, out), call
+        got = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), most_q, most_k, causal=causal,
+                                     validate=False)
+        assert relative_error(_np(got), ref) < OUT_TOLERANCE["float16"], call
+    assert len(kept) == 1
+
+
+def test_a_prepared_varlen_call_refuses_other_tensors_and_replays_in_a_graph():
+    rng = np.random.default_rng(21)
+    lens = [300, 41, 0, 500]
+    q, k, v, cu_q, cu_k = _varlen(rng, "bfloat16", lens, lens, 8, 2, 128)
+    used = _int32(lens)
+    step = fagen.prepare_varlen(q, k, v, _int32(cu_q), _int32(cu_k), 500, 500, seqused_k=used, causal=True)
+    with pytest.raises(ValueError, match="prepare again"):  # another total
+        step(q[:-1], k, v, _int32(cu_q), _int32(cu_k), used)
+    with pytest.raises(TypeError, match="prepared for 6 tensors"):
+        step(q, k, v, _int32(cu_q), _int32(cu_k))
+    cupy = pytest.importorskip("cupy")
+    with pytest.raises(ValueError, match="reads its index tensors in place"):
+        fagen.prepare_varlen(q, k, v, cupy.asarray(cu_q, dtype=cupy.int32), _int32(cu_k), 500, 500)
+    cu_q_t, cu_k_t = _int32(cu_q), _int32(cu_k)
+    out = _nan(q.shape, "bfloat16")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(q, k, v, cu_q_t, cu_k_t, used, out=out)
+    assert step in decode.CAPTURED
+    lens = [100, 441, 200, 100]  # new lengths, the same total, written in place
+    cu = np.cumsum([0, *lens])
+    q.copy_(_randn(rng, q.shape, "bfloat16"))
+    cu_q_t.copy_(_int32(cu))
+    cu_k_t.copy_(_int32(cu))
+    used.copy_(_int32(lens))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = oracle.attention_varlen(_np(q), _np(k), _np(v), cu, cu, causal=True)
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
 def test_seqused_k_past_k_is_refused_before_launch():
     q, k, v = (torch.zeros(n, 2, 64, dtype=torch.float16, device="cuda") for n in (10, 100, 100))
     with pytest.raises(ValueError, match=r"seqused_k\[1\] = 60 \(from row cu_seqlens_k\[1\] = 50\): must end within"):

@@ -218,6 +218,26 @@ def test_a_paged_call_re_points_its_index_tensors_and_checks_their_dtype(module)
     assert p.hot.run(p.q, p.k, p.v, out) is NotImplemented and len(p.driver.launches) == 1  # too few
 
 
+def test_a_varlen_call_numbers_its_tiles_from_cu_seqlens_q_before_the_kernel_and_the_merge(module):
+    """A varlen batch's three launches in order: the tile table's (its one slot: the index tensor
+    after q, k, v), the split kernel's (the inputs), the merge's (out, lse)."""
+    tiles = PackedLaunch(0xF02, (-1, -1, -1, 0, -1, -1, -1))
+    split = PackedLaunch(0xF00, (0, 1, 2, 3, 4, -1, -1))
+    merge = PackedLaunch(0xF01, (-1, -1, -1, -1, -1, 0, 1))
+    p = Prepared([tiles, split, merge], indices=True)
+    out = Tensor(p.q.shape, 0xD000)
+    assert p.hot.run(*p.inputs, out) is out
+    assert [launch["function"] for launch in p.driver.launches] == [0xF02, 0xF00, 0xF01]
+    first, second, third = (launch["params"] for launch in p.driver.launches)
+    assert first == [0x1000, 7, 7, 7, 7, 7, 7, 7]
+    assert second[:5] == [0xA000, 0xB000, 0xC000, 0x1000, 0x2000] and third[:2] == [0xD000, Prepared.LSE]
+
+
+def test_at_most_three_launches(module):
+    with pytest.raises(ValueError, match="1-3 launches"):
+        Prepared([PackedLaunch(0xF00 + i, (0, 1, 2, 3, 4)) for i in range(4)])
+
+
 def test_a_build_that_fails_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     with pytest.raises(RuntimeError, match="false failed on hot_path.c"):

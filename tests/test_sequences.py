@@ -273,3 +273,15 @@ def assert_sequence_runs(table: np.ndarray, lengths, block_q: int) -> None:
         assert rows == list(range(0, int(lengths[b]), block_q))[::-1]
     assert all(len(a[1]) >= len(z[1]) for a, z in zip(runs, runs[1:]))
     assert {b for b, _ in runs} == {b for b, n in enumerate(lengths) if n > 0}
+
+
+def test_the_tile_table_launch_packs_the_tile_kernel_s_signature():
+    """sequences.tile_table packs its launch by SEQUENCE_TILES_PARAMS: they are the rendered
+    kernel's parameters, in order, with their C types."""
+    import re
+
+    from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_PARAMS, render_sequence_tiles
+
+    signature = re.search(rf"{SEQUENCE_TILES}\(([^)]*)\)", render_sequence_tiles()).group(1)
+    params = [p.replace("__restrict__", "").rsplit(None, 1) for p in signature.split(",")]
+    assert [(" ".join(ctype.split()), name) for ctype, name in params] == list(SEQUENCE_TILES_PARAMS)

@@ -1,0 +1,169 @@
+"""The kept classes of unvalidated calls (sequences.KeptCalls), without a GPU: the first call of a
+layout prepares a class, a call of the same layout and options launches through it, anything
+else prepares its own or is handed to the general path; the last call's class is tried first.
+Tensors and prepared calls are stand-ins recording what they are asked."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from fagen import sequences
+
+
+class _Torchish:
+    """What KeptPagedCalls reads of a CUDA tensor, without one."""
+
+    def __init__(self, *shape, dtype="float16", at=4096):
+        self.shape, self.dtype, self.at = shape, dtype, at
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return self.at
+
+
+def _prepared_fake(made: list, answer: str):
+    """A PreparedKVCache stand-in recording itself in `made`, with a C path (`_hot`) that launches
+    (counting calls, answering `answer`) where the tensors' layouts are the prepared ones."""
+    class Prepared:
+        def __init__(self, *tensors, **options):
+            self.layout, self.calls = [(t.shape, t.stride(), t.dtype) for t in tensors], 0
+            made.append(self)
+            prepared = self
+
+            class Hot:
+                def run(self, *given):
+                    if [(t.shape, t.stride(), t.dtype) for t in given[:-1]] != prepared.layout:
+                        return NotImplemented
+                    prepared.calls += 1
+                    return answer
+            self._hot = Hot()
+    return Prepared
+
+
+def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
+    """attention_with_kvcache(validate=False)'s serving loop: the first call of a layout packs a
+    PreparedKVCache (without reading the page table back), a call with the same layout and options
+    launches through it; another layout, option, status or stream packs its own; a given out, or
+    what packing refuses, is the general path's (NotImplemented)."""
+    made = []
+
+    class Prepared(_prepared_fake(made, "out")):
+        def __init__(self, *tensors, status=None, validate=True, **options):
+            if options["softcap"] == -1.0:
+                raise ValueError("refused by name")
+            assert validate is False
+            super().__init__(*tensors)
+
+        def __call__(self, *tensors, return_lse=False):
+            self.calls += 1
+            return "out"
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    current = [0]
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: current[0]))))
+    kept = sequences.KeptPagedCalls()
+    streams = iter([7] * 6 + [8] + [8] * 2)
+    capturing = [False]
+    kept._stream, kept._capturing = (lambda device: next(streams)), (lambda: capturing[0])
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
+    call = lambda *tensors, status=None, out=None, **o: kept(*tensors, status, out, False, {**options, **o})
+    assert call(q, cache, cache, lengths, table) == "out" and len(made) == 1
+    assert call(q, _Torchish(256, 16, 8, 128, at=8192), cache, _Torchish(4, dtype="int32", at=0), table) == "out"
+    assert len(made) == 1 and made[0].calls == 2  # other addresses, the same class
+    assert call(q, cache, cache, lengths, _Torchish(4, 32, dtype="int32")) == "out" and len(made) == 2  # another layout
+    assert call(q, cache, cache, lengths, table, causal=False) == "out" and len(made) == 3
+    assert call(q, cache, cache, lengths, table, status=_Torchish(1, dtype="int32")) == "out" and len(made) == 4
+    assert call(q, cache, cache, lengths, table, out=q) is NotImplemented and len(made) == 4
+    assert call(q, cache, cache, lengths, table, softcap=-1.0) is NotImplemented
+    assert call(q, cache, cache, lengths, table) == "out" and len(made) == 5  # stream 8: its own class
+    # a status of another layout at the same address: its own class (the packing checks it)
+    assert call(q, cache, cache, lengths, table, status=_Torchish(1, dtype="int64")) == "out" and len(made) == 6
+    current[0] = 1  # another GPU current: the general path's, which switches to q's
+    assert call(q, cache, cache, lengths, table) is NotImplemented
+    current[0], capturing[0] = 0, True  # a graph being captured: the general path's
+    assert call(q, cache, cache, lengths, table) is NotImplemented and len(made) == 6
+
+
+def test_a_serving_loop_s_repeated_paged_call_skips_the_key(monkeypatch):
+    """The last call's class is tried first where the options are the same objects: its C path
+    checks the tensors; another layout declines there and the whole key takes over. A mask given
+    as a mapping (which may change in place) and a sinks tensor updated in place are never taken
+    from the memo."""
+    made, keys = [], []
+
+    class Prepared(_prepared_fake(made, "hot")):
+        def __call__(self, *tensors, return_lse=False):
+            return "packed"
+
+    class Kept(sequences.KeptPagedCalls):
+        def __init__(self):
+            super().__init__()
+            self._kept = KeyLog()
+
+    class KeyLog(dict):
+        def get(self, key, default=None):
+            keys.append(key)
+            return super().get(key, default)
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = Kept()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
+    assert kept(q, cache, cache, lengths, table, None, None, False, options) == "packed" and len(keys) == 1
+    assert kept(q, cache, cache, lengths, table, None, None, False, dict(options)) == "hot" and len(keys) == 1
+    other = _Torchish(4, 32, dtype="int32")  # another table width: the C path declines, the key decides
+    assert kept(q, cache, cache, lengths, other, None, None, False, options) == "packed" and len(keys) == 2
+    assert kept(q, cache, cache, lengths, other, None, None, False, options) == "hot" and len(keys) == 2
+    windowed = {**options, "mask": {"kind": "sliding_window", "window_left": 8}}
+    kept(q, cache, cache, lengths, other, None, None, False, windowed)
+    kept(q, cache, cache, lengths, other, None, None, False, windowed)
+    assert len(keys) == 4  # a mapping mask: the whole key every call
+
+
+def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seqlen_pair(monkeypatch):
+    """attention_varlen(validate=False): a PreparedVarlen a layout (totals included) and max_seqlen
+    pair, the last one's C path first; seqused_k makes a layout of its own; what preparing refuses,
+    and a given out, are the general path's."""
+    made = []
+
+    class Prepared(_prepared_fake(made, "hot")):
+        def __init__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_k=None, validate=True, **options):
+            assert validate is False
+            if options["softcap"] == -1.0:
+                raise ValueError("refused by name")
+            self.max_seqlens = (max_q, max_k)
+            super().__init__(q, k, v, cu_q, cu_k, *(() if seqused_k is None else (seqused_k,)))
+
+        def __call__(self, *tensors, return_lse=False):
+            self.calls += 1
+            return "packed"
+
+    monkeypatch.setattr(sequences, "PreparedVarlen", Prepared)
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = sequences.KeptVarlenCalls()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    q, k = _Torchish(3000, 32, 128), _Torchish(3000, 8, 128)
+    cu = _Torchish(5, dtype="int32")
+    options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
+    call = lambda q=q, k=k, used=None, maxes=(1024, 1024), out=None, **o: kept(  # noqa: E731
+        q, k, k, cu, cu, used, *maxes, out, False, {**options, **o})
+    assert call() == "packed" and len(made) == 1 and made[0].max_seqlens == (1024, 1024)
+    assert call() == "hot" and call(k=_Torchish(3000, 8, 128, at=8192)) == "hot" and len(made) == 1
+    assert call(maxes=(2048, 1024)) == "packed" and len(made) == 2 and made[1].max_seqlens == (2048, 1024)
+    assert call(q=_Torchish(3001, 32, 128)) == "packed" and len(made) == 3  # another total_q: its own class
+    assert call(used=_Torchish(4, dtype="int32")) == "packed" and len(made) == 4 and len(made[3].layout) == 6
+    assert call(out=q) is NotImplemented and call(softcap=-1.0) is NotImplemented and len(made) == 4
+    assert call() == "packed" and made[0].calls == 4  # the first class, found by its key
