@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from fagen import hot_path, side_inputs
+from fagen import hot_path, side_inputs, wide_head
 from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
 from fagen.dispatch import derive_spec, fp8_kv_refusal, no_work, packed_spec, sequence_keys, step_spec
@@ -30,6 +30,7 @@ from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
 from fagen.splitkv import merge
 from fagen.variants import sequence_variant
+from fagen.wide_head_plan import WIDE_HEAD_DIMS
 
 
 def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = False, sinks=None, **side):
@@ -126,6 +127,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     FP8 type against a half-type q: an FP8 KV cache, read by the decode kernels, with
     FlashAttention-3's k_descale and v_descale (float32, one number or [B, Hkv]; None is 1)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+    if getattr(q, "shape", (0,))[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own kernel
+        return wide_head.attention_with_options(q, k, v, causal=causal, mask=mask, scale=scale, return_lse=return_lse,
+                                                softcap=softcap, cache_seqlens=cache_seqlens,
+                                                cache_leftpad=cache_leftpad, k_descale=k_descale,
+                                                v_descale=v_descale, **side)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
                    cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale, **side)

@@ -46,6 +46,10 @@ class MlaPlan:
         return f"mla_decode_{ELEMENT_TYPES[self.dtype].short}_d{self.head_dim}_v{self.head_dim_v}"
 
     @property
+    def block_kv(self) -> int:  # keys a KV tile (S's n): a page
+        return self.page_size
+
+    @property
     def ptx(self) -> str:
         return ELEMENT_TYPES[self.dtype].ptx
 

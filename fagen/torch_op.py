@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants
 from fagen.spec import Mask, ScoreMod
+from fagen.wide_head_plan import WIDE_HEAD_DIMS
 
 
 def mask_json(mask) -> str:
@@ -429,6 +430,13 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
                        "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
                               [name for name, x in unsupported.items() if x is not None])
+    if q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward, no backward yet
+        if _records_grad(q, k, v, bias, sinks):
+            raise ValueError(f"q, k, v: head_dim {q.shape[-1]} has a forward only (no backward yet): call under "
+                             f"torch.no_grad() for inference, or train at head_dim 256 or less")
+        return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale, return_lse=return_lse,
+                                block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                                doc_ids=doc_ids, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)

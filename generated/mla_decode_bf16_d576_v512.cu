@@ -83,7 +83,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-// P and the cleared rows are generic stores that wgmma reads through the async proxy.
+// Stores to shared memory that wgmma reads (P; cleared rows) go through the generic proxy, wgmma through the async one.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
@@ -246,20 +246,11 @@ constexpr int WGMMA_SCALE_A = 1;     // imm-scale-a: A as is (-1 would negate it
 constexpr int WGMMA_SCALE_B = 1;     // imm-scale-b: B as is
 constexpr int WGMMA_TRANS_A = 0;     // imm-trans-a: an A from smem (Q; K or V) is K-major, no transpose
 
-// Box {64 columns, PAGE_SIZE rows, 1 page} at (col, 0, page) of the cache's map (dims HEAD_DIM,
-// PAGE_SIZE, num_pages): a page id outside the cache loads as zeros.
-__device__ __forceinline__ void tma_load_page(unsigned dst, const TmaMap& map, unsigned bar, int col, int page) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, 0, %3 }], [%4];\n"
-      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(page), "r"(bar)
-      : "memory");
-}
-
-constexpr int WGMMA_TRANS_K = 0;  // imm-trans-b of Q.K^T: a page's rows are the K-major B it wants
+constexpr int WGMMA_TRANS_K = 0;  // imm-trans-b of Q.K^T: a KV tile's rows are the K-major B it wants
 constexpr int WGMMA_TRANS_V = 1;  // imm-trans-b of P.V: the same rows as V are MN-major, transposed on load
 constexpr int WGMMA_ACCUMULATE = 1;  // scale-d of P.V: O always accumulates
 
-// S (+)= Q.K^T over one k16 step: A = Q's 64 rows, B = a page's 64 keys, both K-major in shared memory.
+// S (+)= Q.K^T over one k16 step: A = Q's 64 rows, B = a KV tile's keys, both K-major in shared memory.
 __device__ __forceinline__ void wgmma_s(float (&d)[S_N_FRAGS][4], unsigned long long a, unsigned long long b,
                                         int accumulate) {
   asm volatile(
@@ -384,6 +375,16 @@ __device__ __forceinline__ void wgmma_pv_shared(float (&d)[O_N_FRAGS][4], unsign
 // of 128-byte swizzle atoms: chunk index XOR the row's place in its 8-row group.
 __device__ __forceinline__ unsigned swizzled(int row, int chunk) {
   return (chunk / ATOM_ROW_CHUNKS) * ATOM_BYTES + row * ROW_BYTES + (((chunk % ATOM_ROW_CHUNKS) ^ (row & 7)) << 4);
+}
+
+
+// Box {64 columns, PAGE_SIZE rows, 1 page} at (col, 0, page) of the cache's map (dims HEAD_DIM,
+// PAGE_SIZE, num_pages): a page id outside the cache loads as zeros.
+__device__ __forceinline__ void tma_load_page(unsigned dst, const TmaMap& map, unsigned bar, int col, int page) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { %2, 0, %3 }], [%4];\n"
+      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(col), "r"(page), "r"(bar)
+      : "memory");
 }
 
 // ---- the kernel ------------------------------------------------------------------------

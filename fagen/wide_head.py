@@ -1,0 +1,119 @@
+"""The attention forward at head_dim 512 on sm_90a (Gemma-4's global layers): q [B, Hq, Nq, 512],
+k, v [B, Hkv, Nk, 512] (Hq a multiple of Hkv), no mask or causal (bottom right), out like q and
+the LSE. One kernel (templates/sm90/wide_forward.cu.j2) splits O's 512 columns over two
+warpgroups, as MLA decode does; fagen.attention takes this path for head_dim 512.
+
+    out = fagen.wide_head.attention(q, k, v, causal=True)
+
+No backward yet: a call whose inputs require gradients is refused by fagen.attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from fagen import tensor_maps
+from fagen.dispatch import call_mask
+from fagen.device import as_device_tensor, cupy, empty_like, require_cupy, stream_for, torch_stream_handle
+from fagen.element_types import ELEMENT_TYPES
+from fagen.render import render_wide
+from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
+from fagen.wide_head_plan import WIDE_HEAD_DIMS, WIDE_TYPES, WideHeadPlan
+
+
+@functools.cache
+def _function(dtype: str, device: int):
+    """The kernel for `dtype`, compiled once a device and process."""
+    with cupy.cuda.Device(device):
+        plan = WideHeadPlan(dtype)
+        function = compile_module(render_wide(dtype), plan.name, wgmma=True).get_function(plan.name)
+        function.max_dynamic_shared_size_bytes = plan.smem_bytes
+        return function
+
+
+def check(tq, tk, tv) -> None:
+    """q, k and v against what the kernel reads, each refusal naming its fix."""
+    for t, name, heads in ((tq, "q", "Hq"), (tk, "k", "Hkv"), (tv, "v", "Hkv")):
+        if len(t.shape) != 4:
+            raise ValueError(f"{name}: shape {t.shape}; expected [B, {heads}, N, d]")
+    d = tq.shape[-1]
+    if d not in WIDE_HEAD_DIMS or tk.shape[-1] != d or tv.shape[-1] != d:
+        raise ValueError(f"head_dim: q {d}, k {tk.shape[-1]}, v {tv.shape[-1]}; the wide-head forward takes "
+                         f"{' or '.join(map(str, WIDE_HEAD_DIMS))} for all three")
+    if tq.dtype not in WIDE_TYPES or tk.dtype != tq.dtype or tv.dtype != tq.dtype:
+        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; head_dim {d} reads float16 or "
+                         f"bfloat16, one for all three: cast them")
+    b, hq, _, _ = tq.shape
+    if tk.shape != tv.shape or tk.shape[0] != b:
+        raise ValueError(f"k {tk.shape} and v {tv.shape}: one shape [B, Hkv, Nk, d] with q's B = {b}")
+    hkv = tk.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"heads: q has {hq}, k and v {hkv}; Hq must be a multiple of Hkv (GQA)")
+    for t, name in ((tk, "k"), (tv, "v")):
+        if t.kind != tq.kind or t.device != tq.device:
+            raise ValueError(f"{name}: a {t.kind} tensor on cuda:{t.device}, q a {tq.kind} tensor on "
+                             f"cuda:{tq.device}: pass all from one framework on one GPU")
+
+
+def _out(out, shape: tuple[int, ...], tq):
+    if out is None:
+        return empty_like(tq, shape, tq.dtype)
+    to = as_device_tensor(out, "out")
+    if to.shape != shape or to.dtype != tq.dtype or to.kind != tq.kind or to.device != tq.device \
+            or to.strides[-1] != 1 or to.ptr % 4 or any(s % 2 for s in to.strides[:3]):
+        raise ValueError(f"out: {to.kind} {to.dtype} {to.shape}, strides {to.strides} on cuda:{to.device}; expected a "
+                         f"{tq.kind} {tq.dtype} tensor {shape} on cuda:{tq.device} with a unit last stride and even "
+                         f"others (the kernel stores column pairs)")
+    return out
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False, out=None):
+    """softmax(q k^T * scale) v at head_dim 512 (scale 1 / sqrt(512) by default); causal aligns
+    the diagonal bottom right (query i sees keys up to i + Nk - Nq). Returns out [B, Hq, Nq, 512]
+    (and lse [B, Hq, Nq] float32, natural log; a row that sees no key: out 0, lse -inf)."""
+    require_cupy()
+    tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    check(tq, tk, tv)
+    b, hq, nq, d = tq.shape
+    hkv, nk = tk.shape[1], tk.shape[2]
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    plan = WideHeadPlan(tq.dtype)
+    element = ELEMENT_TYPES[tq.dtype].bytes
+    with cupy.cuda.Device(tq.device), stream_for(tq):
+        out = _out(out, (b, hq, nq, d), tq)
+        lse = empty_like(tq, (b, hq, nq), "float32")
+        if 0 in (b, hq, nq):
+            return (out, lse) if return_lse else out
+        if nk == 0:  # no key: every row sees none
+            out[...] = 0
+            lse[...] = -math.inf
+            return (out, lse) if return_lse else out
+        # TMA maps: q's boxes of 64 rows, k's and v's of a KV tile's rows (refusing strides TMA cannot take)
+        maps = tuple(TensorMap(f"{name}_map", name, tq.dtype, tensor_maps.layout(t.shape, t.strides, element, rows, name))
+                     for t, name, rows in ((tq, "q", plan.block_rows), (tk, "k", plan.block_kv), (tv, "v", plan.block_kv)))
+        to = as_device_tensor(out, "out")
+        values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1],
+                      o_sn=to.strides[2], lse=as_device_tensor(lse, "lse").ptr, heads=hq, group=hq // hkv, n_q=nq,
+                      n_kv=nk, causal=int(bool(causal)), scale_log2=scale * LOG2E)
+        launch = Launch(_function(tq.dtype, tq.device), (-(-nq // plan.block_rows), hq, b), plan.threads,
+                        plan.smem_bytes, plan.params, values, slots=("q", "k", "v", "out", "lse"), maps=maps)
+        launch(torch_stream_handle()(tq.device) if tq.kind == "torch" else None)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_options(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None,
+                           return_lse: bool = False, **others):
+    """fagen.attention's call at head_dim 512: what this kernel runs (no mask, or causal bottom
+    right), every other option given refused by name."""
+    given = [name for name, x in others.items() if x is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: head_dim 512 runs no score modifier, side input or key range yet "
+                         f"(its forward takes causal only); drop them, or use head_dim 256 or less")
+    mask = call_mask(causal, {"kind": mask} if isinstance(mask, str) else mask)
+    if mask.kind not in ("none", "causal") or mask.align != "bottom_right":
+        raise ValueError(f"mask: kind {mask.kind!r}, align {mask.align!r}; head_dim 512 runs no mask but causal "
+                         f"(bottom right) yet: pass causal=True, or no mask")
+    return attention(q, k, v, causal=mask.kind == "causal", scale=scale, return_lse=return_lse)

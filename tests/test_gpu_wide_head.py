@@ -1,0 +1,84 @@
+"""The head_dim 512 forward on the GPU (fagen.wide_head; fagen.attention takes it at head_dim
+512), against the float64 oracle (marked `gpu`). Inputs are random and fresh per case, out is
+NaN-poisoned before the launch: a row left unwritten fails."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import fagen
+from fagen import oracle, wide_head
+from fagen.check import LSE_TOLERANCE, OUT_TOLERANCE, relative_error, to_numpy
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+D = 512
+
+
+def _inputs(seed: str, b, hq, hkv, nq, nk, dtype, layout="bhsd"):
+    """q, k, v as torch tensors: [B, H, N, d], or FlashAttention's [B, N, H, d] seen through a
+    transpose (the strides a model hands over)."""
+    rng = np.random.default_rng(zlib.crc32(seed.encode()))
+    dt = getattr(torch, dtype)
+
+    def tensor(h, n):
+        if layout == "bhsd":
+            return torch.from_numpy(rng.standard_normal((b, h, n, D)).astype(np.float32)).to("cuda", dt)
+        return torch.from_numpy(rng.standard_normal((b, n, h, D)).astype(np.float32)).to("cuda", dt).transpose(1, 2)
+    return tensor(hq, nq), tensor(hkv, nk), tensor(hkv, nk)
+
+
+def _reference(q, k, v, causal, scale=None):
+    return oracle.attention(*(to_numpy(x).astype(np.float64) for x in (q, k, v)), causal=causal, scale=scale,
+                            return_lse=True)
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE[dtype]
+    finite = np.isfinite(ref_lse)
+    assert (to_numpy(lse)[~finite] == -np.inf).all()
+    assert relative_error(to_numpy(lse)[finite], ref_lse[finite]) < LSE_TOLERANCE
+
+
+# (B, Hq, Hkv, Nq, Nk): a ragged last tile; GQA with more keys than queries (causal bottom right);
+# more queries than keys (causal: the first rows see none); one query; many tiles
+SHAPES = [(2, 4, 2, 300, 300), (1, 4, 1, 77, 513), (1, 2, 2, 200, 100), (3, 2, 1, 1, 1000), (1, 2, 1, 1024, 1024)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_head_dim_512_forward_matches_the_oracle(dtype, causal, shape):
+    q, k, v = _inputs(f"{dtype}{causal}{shape}", *shape, dtype)
+    out = torch.full_like(q, float("nan"))
+    got, lse = wide_head.attention(q, k, v, causal=causal, return_lse=True, out=out)
+    assert got is out
+    _check(out, lse, *_reference(q, k, v, causal), dtype)
+
+
+def test_fagen_attention_takes_head_dim_512_in_flash_attention_s_layout_with_a_scale():
+    q, k, v = _inputs("bshd", 2, 8, 2, 257, 700, "bfloat16", layout="bshd")
+    out, lse = fagen.attention(q, k, v, causal=True, scale=0.03, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _check(out, lse, *_reference(q, k, v, True, scale=0.03), "bfloat16")
+
+
+def test_no_keys_give_zeros_and_an_lse_of_minus_infinity():
+    q, k, v = _inputs("empty", 1, 2, 1, 5, 0, "float16")
+    out, lse = wide_head.attention(q, k, v, return_lse=True, out=torch.full_like(q, float("nan")))
+    assert (out == 0).all() and (lse == -float("inf")).all()
+
+
+def test_what_head_dim_512_does_not_run_yet_is_refused_by_name():
+    q, k, v = _inputs("refused", 1, 2, 1, 64, 64, "bfloat16")
+    with pytest.raises(ValueError, match=r"softcap: head_dim 512 runs no score modifier"):
+        fagen.attention(q, k, v, softcap=30.0)
+    with pytest.raises(ValueError, match=r"mask: kind 'sliding_window'.*head_dim 512 runs no mask but causal"):
+        fagen.attention(q, k, v, mask={"kind": "sliding_window", "window_left": 8})
+    with pytest.raises(ValueError, match=r"head_dim 512 has a forward only"):
+        fagen.attention(q.requires_grad_(), k, v)
+    with pytest.raises(ValueError, match=r"dtypes bfloat16, float16, bfloat16"):
+        wide_head.attention(q.detach(), k.half(), v)
+    with pytest.raises(ValueError, match=r"Hq must be a multiple of Hkv"):
+        wide_head.attention(torch.cat([q.detach()] * 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1, 1), v[:, :1].repeat(1, 2, 1, 1))
