@@ -1,7 +1,8 @@
-"""Two head widths (DeepSeek's 192/128): fagen's forward and backward against FlashAttention-4 and
-SDPA's cuDNN and memory-efficient backends, one process.
+"""Head widths: DeepSeek's 192/128 (fagen's forward and backward) and 512 (the forward; no peer
+runs it, no backward yet) against FlashAttention-4 and SDPA's cuDNN and memory-efficient
+backends, one process.
 
-    python3 -m fagen.bench_head_widths [--quick] [--out bench/bench_head_widths.json]
+    python3 -m fagen.bench_head_widths [--quick] [--widths 512/512] [--append] [--out bench/bench_head_widths.json]
 
 bfloat16, B * N = 16k tokens, H * d_v = 2048. TFLOP/s: forward 2 * B * H * N^2 * (d_qk + d_v),
 backward 2.5 times that (FlashAttention's convention), both halved for causal; Triton's do_bench
@@ -22,7 +23,8 @@ from pathlib import Path
 from fagen import api
 
 JSON = "bench_head_widths.json"
-WIDTHS = ((192, 128),)  # (d_qk, d_v)
+WIDTHS = ((192, 128), (512, 512))  # (d_qk, d_v)
+FORWARD_ONLY = {(512, 512)}  # widths whose backward fagen does not run yet: the forward is checked and timed
 LENGTHS = (4096, 16384)
 TOKENS, V_COLUMNS = 16384, 2048  # B * N, H * d_v
 IMPLS = ("fagen", "fa4", "sdpa_cudnn", "sdpa_efficient")
@@ -79,7 +81,8 @@ def implementations() -> dict:
 
 
 def check_error(f, d_qk: int, d_v: int, causal: bool) -> float:
-    """The worst relative error of f's O, dQ, dK and dV against float32 attention."""
+    """The worst relative error of f's O, dQ, dK and dV against float32 attention (O alone for
+    FORWARD_ONLY widths)."""
     import torch
 
     b, h, n = CHECK_SHAPE
@@ -92,6 +95,10 @@ def check_error(f, d_qk: int, d_v: int, causal: bool) -> float:
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
     ref_out = torch.softmax(s, -1) @ ref[2]
     ref_out.backward(dout.float())
+    if (d_qk, d_v) in FORWARD_ONLY:
+        with torch.no_grad():
+            out = f(q, k, v, causal)
+        return ((out.float() - ref_out.detach()).norm() / ref_out.detach().norm()).item()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = f(*leaves, causal)
     out.backward(dout)
@@ -124,6 +131,8 @@ def run_case(impls: dict, d_qk: int, d_v: int, n: int, causal: bool, errors: dic
                 continue
             with torch.no_grad():
                 row.forward_tflops = flops / do_bench(lambda: f(q, k, v, causal), warmup=50, rep=300) / 1e9
+            if (d_qk, d_v) in FORWARD_ONLY:
+                continue
             leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
             out = f(*leaves, causal)
             ms = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=30, rep=300, grad_to_none=leaves)
@@ -136,12 +145,14 @@ def run_case(impls: dict, d_qk: int, d_v: int, n: int, causal: bool, errors: dic
 def markdown(rows: list[WidthRow], meta: dict | None = None) -> list[str]:
     """BENCHMARKS.md's head-widths section: a case a line, each implementation's forward and
     backward TFLOP/s, and fagen's over FlashAttention-4's and cuDNN's."""
-    out = ["## Two head widths: DeepSeek's 192/128, forward and backward", "",
+    out = ["## Head widths: DeepSeek's 192/128 (forward and backward) and 512 (forward)", "",
            "`python3 -m fagen.bench_head_widths`: bfloat16, B * N = 16k tokens, H * d_v = 2048; TFLOP/s with "
            "forward 2 * B * H * N^2 * (d_qk + d_v), backward 2.5 times that, halved for causal (Triton's do_bench, "
            "host time included); each implementation's O, dQ, dK and dV checked against float32 attention first "
-           "(the worst relative error shown)."
-           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           "(the worst relative error shown; O alone at d 512, whose backward fagen does not run yet)."
+           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else "")
+           + (f" Rows of other widths from an earlier run: {meta['earlier'].get('date', '?')}, "
+              f"{meta['earlier'].get('gpu', '')}." if meta and meta.get("earlier") else ""), "",
            "| case | " + " | ".join(f"{LABELS[i]} fwd / bwd" for i in IMPLS) + " | fagen / FA4, fwd / bwd | "
            "fagen / cuDNN, fwd / bwd | errors | note |",
            "| --- |" + " --- |" * (len(IMPLS) + 4)]
@@ -182,12 +193,21 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one case (192/128, N 4k, causal)")
+    parser.add_argument("--widths", default=None, help="d_qk/d_v pairs to run, comma-separated (default: all)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep --out's rows of other cases (a run of some widths beside an earlier one's)")
     parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
     args = parser.parse_args(argv)
+    widths = WIDTHS if args.widths is None else tuple(tuple(int(x) for x in w.split("/")) for w in args.widths.split(","))
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     impls, errors, rows = implementations(), {}, []
     cases = [(192, 128, 4096, True)] if args.quick else [
-        (d_qk, d_v, n, causal) for d_qk, d_v in WIDTHS for n in LENGTHS for causal in (False, True)]
+        (d_qk, d_v, n, causal) for d_qk, d_v in widths for n in LENGTHS for causal in (False, True)]
+    if args.append and args.out.exists():
+        kept, earlier = read_json(args.out)
+        ran = {(d_qk, d_v) for d_qk, d_v, _, _ in cases}
+        rows = [r for r in kept if (r.d_qk, r.d_v) not in ran]
+        meta["earlier"] = {k: v for k, v in earlier.items() if k != "earlier"}  # the kept rows' run
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for case in cases:
         rows += run_case(impls, *case, errors)

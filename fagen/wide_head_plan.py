@@ -56,6 +56,10 @@ class WideHeadPlan:
         return self.atom_columns * self.element_bytes
 
     @property
+    def chunks_per_atom_row(self) -> int:  # 16-byte pieces of an atom's row
+        return self.row_bytes // 16
+
+    @property
     def atoms(self) -> int:  # 64-column blocks of a row
         return self.head_dim // self.atom_columns
 
