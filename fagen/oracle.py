@@ -436,8 +436,11 @@ def _attend(q, k, v, *, causal, scale, mask, block_mask, doc_ids, mask_mod, soft
     if quantized is None:
         p = p / l
         out = p @ v
-    else:  # the kernel's order: P rounded unnormalised (its row sum l taken before), 1 / l and V's descale after
-        rounded = p if quantized["rounding"] is None else quantized["rounding"](p)
+    else:  # the kernel's order: P rounded unnormalised (its row sum l taken before), 1 / l and V's descale after;
+        # P relative to the keys' own max (a sink joins the max only in the epilogue)
+        keys_max = s.max(axis=-1, keepdims=True)
+        shift = np.where((keys_max == -np.inf) | empty, 0.0, m0 - keys_max) if sinks is not None else 0.0
+        rounded = p if quantized["rounding"] is None else quantized["rounding"](p * np.exp(shift)) * np.exp(-shift)
         out = (rounded @ v) * v_descale / l
         p = p / l
     return dict(q=q, k=k, v=v, scale=scale, keep=keep, p=p, out=out,

@@ -667,8 +667,6 @@ class AttentionSpec(_Frozen):
              {"outputs.partial": False, "outputs.accumulate": False, "outputs.merge_splits": False}),
             ("tiling.pack_gqa", True, self.tiling.pack_gqa, f"{fp8} does not pack GQA heads yet",
              "set tiling.pack_gqa: false", {"tiling.pack_gqa": False}),
-            ("score_mod.sinks", True, self.score_mod.sinks, f"{fp8} does not take sinks yet (P's 2^8 scale)",
-             "set score_mod.sinks: false", {"score_mod.sinks": False}),
         ]
         for field, value, broken, why, fix_text, fix in refused:
             if broken:

@@ -98,7 +98,6 @@ def test_the_fp8_kernel_reads_fp8_and_writes_its_out_dtype():
     ({"head_dim": 64}, "head_dim"),
     ({"tiling": {"block_q": 128, "block_kv": 176, "warps_q": 8, "warps_kv": 1}}, "tiling.block_kv"),
     ({"sequences": {"q": "varlen", "kv": "varlen"}}, "sequences"),
-    ({"score_mod": {"sinks": True}}, "score_mod.sinks"),
 ])
 def test_what_the_fp8_forward_is_not_built_for_is_refused_by_field(change, field):
     data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
@@ -106,6 +105,29 @@ def test_what_the_fp8_forward_is_not_built_for_is_refused_by_field(change, field
     data = {k: v for k, v in data.items() if v is not None}
     with pytest.raises(SpecError, match=rf"{field} = "):
         parse_spec(data, "fp8_refused")
+
+
+def test_a_sink_joins_the_fp8_denominator_at_p_s_scale():
+    """P is 2^8 exp2(s - m) over the keys' own max; the sink's term joins l at the same scale."""
+    data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
+    data.update(score_mod={"sinks": True}, mask={"kind": "causal"})
+    source = render(parse_spec(data, "fp8_sinks"))
+    assert "fast_exp2(sink_log2 - m_new + P_LOG2_SCALE)" in source
+
+
+def test_the_oracle_rounds_p_over_the_keys_max_where_a_sink_dominates():
+    """FP8's P is rounded as the kernel rounds it, relative to the keys' own max, not to a larger
+    sink's: a sink 30 above every score leaves P's relative rounding error as it was (rounding
+    relative to the sink would flush P to zero: an error of 1)."""
+    from fagen import oracle
+    from fagen.check import relative_error
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 2, 64, 128)) for _ in range(3))
+    sinks = np.array([30.0, 30.0])
+    exact = oracle.attention(q, k, v, sinks=sinks)
+    rounded = oracle.attention(q, k, v, sinks=sinks, p_type="float8_e4m3", p_scale=256.0)
+    assert 1e-3 < relative_error(rounded, exact) < 0.1
 
 
 def test_padded_keys_are_whole_v_tiles():
@@ -123,7 +145,8 @@ def test_the_v_transpose_kernel_compiles_without_spills():
 
 @pytest.mark.parametrize("mask,score_mod", [
     (None, {}), ({"kind": "causal"}, {}), ({"kind": "sliding_window", "window_left": 256}, {}),
-    ({"kind": "causal"}, {"softcap": 30.0}), ({"kind": "prefix_lm", "prefix_len": 100}, {"alibi": "slopes"})])
+    ({"kind": "causal"}, {"softcap": 30.0}), ({"kind": "prefix_lm", "prefix_len": 100}, {"alibi": "slopes"}),
+    ({"kind": "causal"}, {"sinks": True})])
 def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     from fagen import nvcc
     from fagen.dispatch import call_mask
@@ -143,8 +166,8 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
-    with pytest.raises(ValueError, match="sinks: not with torch.float8_e4m3fn q, k, v"):
-        attention(q8, q8, q8, sinks=torch.zeros(2))
+    with pytest.raises(ValueError, match="alibi_slopes: not with torch.float8_e4m3fn q, k, v"):
+        attention(q8, q8, q8, alibi_slopes=torch.zeros(2))
     recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="no backward yet"):
         attention(q8, q8, recorded_v, causal=True)
