@@ -127,7 +127,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     FP8 type against a half-type q: an FP8 KV cache, read by the decode kernels, with
     FlashAttention-3's k_descale and v_descale (float32, one number or [B, Hkv]; None is 1)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
-    if getattr(q, "shape", (0,))[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own kernel
+    shape = getattr(q, "shape", ())
+    if len(shape) and shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own kernel
         return wide_head.attention_with_options(q, k, v, causal=causal, mask=mask, scale=scale, return_lse=return_lse,
                                                 softcap=softcap, cache_seqlens=cache_seqlens,
                                                 cache_leftpad=cache_leftpad, k_descale=k_descale,

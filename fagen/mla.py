@@ -100,6 +100,10 @@ class PreparedMlaDecode:
         tq, tc = as_device_tensor(q, "q"), as_device_tensor(kv_cache, "kv_cache")
         tp, ts = as_device_tensor(page_table, "page_table"), as_device_tensor(cache_seqlens, "cache_seqlens")
         _check(tq, tc, tp, ts)
+        arch = cupy.cuda.Device(tq.device).compute_capability
+        if arch != "90":
+            raise ValueError(f"q: MLA decode on sm_{arch}; its kernel is built for sm_90a (Hopper's wgmma) only: run it "
+                             f"on an H100 or H200")
         b, hq, nq, _ = tq.shape
         self.shape, self.dtype, self.device = tq.shape, tq.dtype, tq.device
         if validate:

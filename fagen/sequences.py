@@ -491,9 +491,9 @@ class KeptCalls:
         self._stream = self._capturing = None
         # the last call's options and fixed tensors (by identity), values, stream, thread and GPU,
         # and its class: a loop calls with them again, so the class's C path, which checks the
-        # tensors' layouts itself, is tried before the whole key is built (~4 us of the call)
-        self._last: tuple | None = None
-        self._last_prepared: PreparedAttention | None = None
+        # tensors' layouts itself, is tried before the whole key is built (~4 us of the call). One
+        # tuple, set by one store: another thread's call never pairs its class with this one's options
+        self._last: tuple | None = None  # (options, values, fixed, ..., thread), the class
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         raise NotImplementedError
@@ -507,10 +507,11 @@ class KeptCalls:
             self._stream = torch_stream_handle()
             self._capturing = torch._C._cuda_isCurrentStreamCapturing
         sinks, mask = options["sinks"], options["mask"]
-        hot = None if self._last_prepared is None or out is not None or return_lse else self._last_prepared._hot
+        memo = self._last
+        hot = None if memo is None or out is not None or return_lse else memo[1]._hot
         if hot is not None:
             device = cupy.cuda.runtime.getDevice()
-            last = self._last
+            last = memo[0]
             if (last[0] is options["causal"] and last[1] is mask and last[2] is options["softcap"]
                     and last[3] is options["scale"] and last[4] is sinks and last[5] == values
                     and len(last[6]) == len(fixed) and all(a is b for a, b in zip(last[6], fixed))
@@ -548,9 +549,9 @@ class KeptCalls:
                 self._kept.clear()
             self._kept[key] = prepared
         # (a mask given as a mapping may change in place: only None and names are remembered)
-        self._last = (options["causal"], mask, options["softcap"], options["scale"], sinks, values, fixed,
-                      None if sinks is None else sinks._version, device, key[-2], key[-1])
-        self._last_prepared = prepared if mask is None or isinstance(mask, str) else None
+        self._last = ((options["causal"], mask, options["softcap"], options["scale"], sinks, values, fixed,
+                       None if sinks is None else sinks._version, device, key[-2], key[-1]), prepared) \
+            if mask is None or isinstance(mask, str) else None
         return prepared(*tensors, return_lse=return_lse)
 
 

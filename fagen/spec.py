@@ -639,7 +639,7 @@ class AttentionSpec(_Frozen):
     def _fp8_forward(self) -> AttentionSpec:
         """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 or 256
         (rows of whole 128-byte swizzle atoms), 128-key tiles (V^T's tile row is one atom), padded
-        sequences, whole outputs, no backward, no sinks; o in a half type."""
+        sequences, whole outputs, no backward; o in a half type."""
         fp8 = f"the {self.dtype} forward"
         o, seq = self.outputs, self.sequences
         # back to the half type (the copying or warp-specialized bf16 kernel of the same fields)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants
+from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants, wide_head
 from fagen.spec import Mask, ScoreMod
 from fagen.wide_head_plan import WIDE_HEAD_DIMS
 
@@ -94,6 +94,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
     """(out [B, Hq, Nq, head_dim_v] of q's dtype, lse [B, Hq, Nq] float32, natural log):
     fagen.attention's kernel for these arguments (deterministic is its backward's)."""
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
+    if q.shape[-1] in WIDE_HEAD_DIMS:  # (head_dim 512: its own forward, which refuses what it does not run)
+        return decode.attention(q, k, v, causal=causal, mask=mask_of(mask), softcap=softcap, scale=scale,
+                                return_lse=True, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, **side)
     plain = _spec(q, mask, causal, softcap, side, keys=dispatch.sequence_keys(k), v=v)
     # a few query rows take the decode path (its backward is the plain one's)
     return decode.forward(plain, q, k, v, scale=scale, return_lse=True, cache_seqlens=cache_seqlens,
@@ -403,8 +406,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
 
 
 def _records_grad(*tensors) -> bool:
-    """Whether autograd records a call on these tensors."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd records a call on these tensors (anything else given, a list or an array, is not one)."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
 def _eager(*tensors) -> bool:
@@ -436,13 +439,20 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
                        "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
                               sinks, [name for name, x in unsupported.items() if x is not None])
-    if q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward, no backward yet
+    if q.dim() and q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward, no backward yet
         if _records_grad(q, k, v, bias, sinks):
             raise ValueError(f"q, k, v: head_dim {q.shape[-1]} has a forward only (no backward yet): call under "
                              f"torch.no_grad() for inference, or train at head_dim 256 or less")
-        return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale, return_lse=return_lse,
-                                block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
-                                doc_ids=doc_ids, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+        if _eager(q, k, v):
+            return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
+                                    return_lse=return_lse, block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes,
+                                    sinks=sinks, doc_ids=doc_ids, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+        # traced (torch.compile): the op, the options it does not run refused at trace time (the mask by the op)
+        wide_head.refuse_others(softcap=softcap, block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes,
+                                sinks=sinks, doc_ids=doc_ids, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+        out, lse = torch.ops.fagen.attention_forward(q, k, v, None, None, None, None, None, None, mask_json(mask),
+                                                     causal, None, scale, deterministic)
+        return (out, lse) if return_lse else out
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)

@@ -21,6 +21,8 @@ from fagen.render import render_wide
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 from fagen.wide_head_plan import WIDE_HEAD_DIMS, WIDE_TYPES, WideHeadPlan
 
+WIDE_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)
+
 
 @functools.cache
 def _function(dtype: str, device: int):
@@ -77,6 +79,10 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     check(tq, tk, tv)
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
+    arch = cupy.cuda.Device(tq.device).compute_capability
+    if arch != WIDE_ARCH:
+        raise ValueError(f"q: head_dim {d} on sm_{arch}; its forward is built for sm_{WIDE_ARCH}a (Hopper's wgmma) "
+                         f"only: run it on an H100 or H200, or use head_dim 256 or less")
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -104,16 +110,27 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     return (out, lse) if return_lse else out
 
 
-def attention_with_options(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None,
-                           return_lse: bool = False, **others):
-    """fagen.attention's call at head_dim 512: what this kernel runs (no mask, or causal bottom
-    right), every other option given refused by name."""
+def refuse_others(**others) -> None:
+    """Every option of fagen.attention's given here (but causal and mask) refused by name: the
+    head_dim 512 forward runs none yet. Plain Python, so torch.compile traces it."""
     given = [name for name, x in others.items() if x is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: head_dim 512 runs no score modifier, side input or key range yet "
                          f"(its forward takes causal only); drop them, or use head_dim 256 or less")
+
+
+def causal_of(causal: bool = False, mask=None, **others) -> bool:
+    """fagen.attention's options at head_dim 512 as the kernel's one (causal, bottom right, or no
+    mask), every other option given refused by name."""
+    refuse_others(**others)
     mask = call_mask(causal, {"kind": mask} if isinstance(mask, str) else mask)
     if mask.kind not in ("none", "causal") or mask.align != "bottom_right":
         raise ValueError(f"mask: kind {mask.kind!r}, align {mask.align!r}; head_dim 512 runs no mask but causal "
                          f"(bottom right) yet: pass causal=True, or no mask")
-    return attention(q, k, v, causal=mask.kind == "causal", scale=scale, return_lse=return_lse)
+    return mask.kind == "causal"
+
+
+def attention_with_options(q, k, v, *, causal: bool = False, mask=None, scale: float | None = None,
+                           return_lse: bool = False, **others):
+    """fagen.attention's call at head_dim 512 (causal_of's options)."""
+    return attention(q, k, v, causal=causal_of(causal, mask, **others), scale=scale, return_lse=return_lse)

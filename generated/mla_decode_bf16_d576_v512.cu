@@ -670,14 +670,27 @@ constexpr int MERGE_QUADS = 32;  // 4-column pieces a block (of one row)
 constexpr int MERGE_MAX_SPLIT_LANES = 16;  // threads a piece (blockDim.x / MERGE_QUADS), each a share of the splits
 constexpr int MERGE_BATCH = 8;  // splits a thread loads before it folds them
 
-// Fold (lse_s, o_s) into a running (m, l, acc): weights exp(lse - m), rescaled as m grows.
-__device__ __forceinline__ void fold(float& m, float& l, float (&acc)[4], float lse_s, const float4& o_s) {
-  const float m_new = fmaxf(m, lse_s), m_use = m_new == NEG_INF ? 0.f : m_new;
+// Split partials merged by their LSE, online: (m, l, acc) is a running max, the sum of weights
+// exp(LSE_s - m) and the weighted sum of 4 columns, all rescaled as m grows.
+// One split's LSE and its 4 columns folded in. A split that saw no key of the row (weight 0)
+// adds no columns, whatever they hold; a NaN LSE makes w, then l, NaN: it must reach the output.
+__device__ __forceinline__ void fold_split(float& m, float& l, float (&acc)[4], float lse_s, const float4& o_s) {
+  const float m_new = fmaxf(m, lse_s), m_use = m_new == NEG_INF ? 0.f : m_new;  // no key yet: weights 0
   const float keep = __expf(m - m_use), w = __expf(lse_s - m_use);
-  const bool adds = w > 0.f;  // (0 times a NaN column would be NaN)
+  const bool adds = w > 0.f;
   l = l * keep + w;
   acc[0] = acc[0] * keep + (adds ? w * o_s.x : 0.f), acc[1] = acc[1] * keep + (adds ? w * o_s.y : 0.f);
   acc[2] = acc[2] * keep + (adds ? w * o_s.z : 0.f), acc[3] = acc[3] * keep + (adds ? w * o_s.w : 0.f);
+  m = m_new;
+}
+
+// Another share's running (m_g, l_g, acc_g) folded in (the shares of one row's splits meeting).
+__device__ __forceinline__ void fold_share(float& m, float& l, float (&acc)[4], float m_g, float l_g, const float4& acc_g) {
+  const float m_new = fmaxf(m, m_g), m_use = m_new == NEG_INF ? 0.f : m_new;
+  const float keep = __expf(m - m_use), take = __expf(m_g - m_use);
+  l = l * keep + l_g * take;
+  acc[0] = acc[0] * keep + acc_g.x * take, acc[1] = acc[1] * keep + acc_g.y * take;
+  acc[2] = acc[2] * keep + acc_g.z * take, acc[3] = acc[3] * keep + acc_g.w * take;
   m = m_new;
 }
 
@@ -716,7 +729,7 @@ mla_merge_bf16_v512(
       o_s[k] = s < splits ? __ldcg(reinterpret_cast<const float4*>(part + s * split_rows * HEAD_DIM_V)) : float4{};
     }
 #pragma unroll
-    for (int k = 0; k < MERGE_BATCH; ++k) fold(m, l, acc, lse_s[k], o_s[k]);
+    for (int k = 0; k < MERGE_BATCH; ++k) fold_split(m, l, acc, lse_s[k], o_s[k]);
   }
   if (lanes > 1) {
     shares[share][quad] = float4{acc[0], acc[1], acc[2], acc[3]};
@@ -724,16 +737,8 @@ mla_merge_bf16_v512(
     __syncthreads();
   }
   if (share != 0) return;
-  for (int g = 1; g < lanes; ++g) {  // share 0 folds the others' in
-    const float2 theirs = weights[g][quad];
-    const float m_new = fmaxf(m, theirs.x), m_use = m_new == NEG_INF ? 0.f : m_new;
-    const float keep = __expf(m - m_use), take = __expf(theirs.x - m_use);
-    const float4 o = shares[g][quad];
-    l = l * keep + theirs.y * take;
-    acc[0] = acc[0] * keep + o.x * take, acc[1] = acc[1] * keep + o.y * take;
-    acc[2] = acc[2] * keep + o.z * take, acc[3] = acc[3] * keep + o.w * take;
-    m = m_new;
-  }
+  for (int g = 1; g < lanes; ++g)  // share 0 folds the others' in
+    fold_share(m, l, acc, weights[g][quad].x, weights[g][quad].y, shares[g][quad]);
   const int b = row / rows, h = row % rows / n_q, n = row % n_q;
   const float inv = l > 0.f ? 1.f / l : 0.f;
   *reinterpret_cast<uint2*>(out + b * o_sb + h * o_sh + n * o_sn + column) =

@@ -587,12 +587,12 @@ wide_forward_bf16_d512(
   for (int i = 0; i < 2; ++i) {
     const int r = i ? r1 : r0, row = p0 + r;
     if (row >= n_q) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];  // (a NaN score leaves l NaN: it must reach O and the LSE)
     elem_t* o_row = out + b * o_sb + h * o_sh + row * o_sn + column0;
 #pragma unroll
     for (int f = 0; f < O_N_FRAGS; ++f)
       *reinterpret_cast<unsigned*>(o_row + 8 * f) = pack2(o[f][2 * i] * inv, o[f][2 * i + 1] * inv);
     if (warpgroup == 0 && t == 0)
-      lse[((long long)b * heads + h) * n_q + row] = l[i] > 0.f ? (m[i] + __log2f(l[i])) * LN2 : NEG_INF;
+      lse[((long long)b * heads + h) * n_q + row] = l[i] == 0.f ? NEG_INF : (m[i] + __log2f(l[i])) * LN2;
   }
 }

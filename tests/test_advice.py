@@ -56,7 +56,6 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "fp8 off sm_90a": (SM80, {"dtype": "float8_e4m3"}),
     "fp8 with 176-key tiles": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "tiling.block_kv": 176}),
     "fp8 without out_dtype": (HOPPER, {"dtype": "float8_e4m3"}),
-    "fp8 with sinks": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "float16", "score_mod.sinks": True}),
     "fp8 at d64": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "head_dim": 64}),
     "fp8 with a narrower v": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "head_dim_v": 64}),
     "fp8 packing gqa": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "tiling.pack_gqa": True}),

@@ -82,3 +82,18 @@ def test_what_head_dim_512_does_not_run_yet_is_refused_by_name():
         wide_head.attention(q.detach(), k.half(), v)
     with pytest.raises(ValueError, match=r"Hq must be a multiple of Hkv"):
         wide_head.attention(torch.cat([q.detach()] * 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1, 1), v[:, :1].repeat(1, 2, 1, 1))
+
+
+def test_a_nan_score_reaches_out_and_the_lse():
+    """A NaN in K makes every row's scores NaN: O and the LSE say so (an LSE of -inf would pass
+    for a row that saw no key, and a merge of LSEs would drop it)."""
+    q, k, v = _inputs("nan", 1, 2, 1, 64, 100, "bfloat16")
+    k[0, 0, 7, 3] = float("nan")
+    out, lse = wide_head.attention(q, k, v, return_lse=True)
+    assert torch.isnan(out).any(dim=-1).all() and torch.isnan(lse).all()
+
+
+def test_sinks_given_as_a_list_are_refused_by_name_with_grad_mode_on():
+    q, k, v = _inputs("list-sinks", 1, 2, 1, 64, 64, "bfloat16")
+    with pytest.raises(ValueError, match=r"sinks: head_dim 512 runs no score modifier"):
+        fagen.attention(q, k, v, sinks=[0.5, 0.5])

@@ -42,3 +42,35 @@ def test_the_kernel_builds_for_sm90a_without_spills(dtype):
 def test_render_refuses_an_unknown_dtype_by_name():
     with pytest.raises(ValueError, match=r"head_dim 512 forward dtype 'float32'"):
         render_wide("float32")
+
+
+def test_a_compiled_model_calls_the_head_dim_512_forward_through_the_op(monkeypatch):
+    """torch.compile(fullgraph=True) traces fagen.attention at head_dim 512 into
+    fagen::attention_forward, whose implementation runs the head_dim 512 forward (stubbed: no
+    GPU); what that forward does not run is refused while tracing."""
+    torch = pytest.importorskip("torch")
+    from fagen import api, wide_head
+
+    calls = []
+
+    def forward(q, k, v, *, causal=False, scale=None, return_lse=False, out=None):
+        calls.append((causal, scale, return_lse))
+        b, h, n, _ = q.shape
+        return torch.ones_like(q), torch.zeros(b, h, n)
+
+    monkeypatch.setattr(wide_head, "attention", forward)
+    q = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def layer(q, k, v):
+        return api.attention(q, k, v, causal=True, scale=0.05)
+
+    out = layer(q, q[:, :1], q[:, :1])
+    assert out.shape == q.shape and (out == 1).all() and calls == [(True, 0.05, True)]
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def capped(q, k, v):
+        return api.attention(q, k, v, softcap=30.0)
+
+    with pytest.raises(Exception, match="softcap: head_dim 512 runs no score modifier"):
+        capped(q, q, q)
