@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fagen.column_split import ColumnSplitPlan
 from fagen.element_types import ELEMENT_TYPES
 from fagen.plan import TMA_MAP
 
@@ -15,31 +16,17 @@ MLA_TYPES = ("float16", "bfloat16")
 
 
 @dataclass(frozen=True)
-class MlaPlan:
+class MlaPlan(ColumnSplitPlan):
     """The numbers templates/kernel/mla_decode.cu.j2 prints: tile, shared memory and roles.
 
-    A block is 64 packed query rows of one sequence and one split of its pages, three
-    warpgroups: 0 computes S = Q.K^T (m64n64, 36 k16 steps over 576), the softmax and
-    O[:, :256]; 1 computes O[:, 256:] from P in shared memory; 2 is the TMA producer. A 64 x 512
-    f32 O is 256 registers a thread; split by columns it is 128 in each consumer warpgroup."""
+    A block is 64 packed query rows of one sequence and one split of its pages
+    (ColumnSplitPlan's three warpgroups): S = Q.K^T is m64n64, 36 k16 steps over 576; O's 512
+    columns are 256 in each consumer warpgroup; the producer's page slot is both K and V."""
 
-    dtype: str
-    block_rows: int = 64  # packed query rows a block: one wgmma.m64
     page_size: int = PAGE_SIZE
     head_dim: int = HEAD_DIM
     head_dim_v: int = HEAD_DIM_V
     kv_stages: int = 2  # pages in flight: three do not fit beside Q (227 KB)
-    atom_columns: int = 64  # a 128-byte swizzle atom's row of a half type: a TMA box's width
-    mma_k: int = 16
-    producer_registers: int = 24  # setmaxnreg: it only issues TMA loads ...
-    consumer_registers: int = 240  # ... and hands its registers to S and O
-    mbarrier_bytes: int = 8
-    smem_align: int = 1024  # swizzle atoms start 1024-byte aligned
-    warpgroup_threads: int = 128
-    consumer_threads: int = 256  # warpgroups 0 and 1 ...
-    producer_warpgroup: int = 2  # ... and the producer's
-    threads: int = 384
-    warp_specialized: bool = True  # (read by the shared sm90 includes: a TMA producer, no cp.async)
 
     @property
     def name(self) -> str:
@@ -50,16 +37,8 @@ class MlaPlan:
         return self.page_size
 
     @property
-    def ptx(self) -> str:
-        return ELEMENT_TYPES[self.dtype].ptx
-
-    @property
-    def row_bytes(self) -> int:  # a tile row of one atom: 64 elements
-        return self.atom_columns * ELEMENT_TYPES[self.dtype].bytes
-
-    @property
-    def atom_bytes(self) -> int:  # one 64-column block of a 64-row tile (Q) or of a page (K)
-        return self.block_rows * self.row_bytes
+    def value_dim(self) -> int:  # V's (and O's) width: a latent key's first columns
+        return self.head_dim_v
 
     @property
     def qk_atoms(self) -> int:
@@ -70,80 +49,12 @@ class MlaPlan:
         return self.qk_atoms * self.atom_bytes
 
     @property
-    def v_atoms_per_warpgroup(self) -> int:  # O's columns split across the two consumer warpgroups
-        return self.head_dim_v // 2 // self.atom_columns
-
-    @property
-    def o_columns(self) -> int:  # a consumer warpgroup's columns of O: its wgmma's n
-        return self.head_dim_v // 2
-
-    @property
-    def qk_k_steps(self) -> int:
-        return self.head_dim // self.mma_k
-
-    @property
-    def k_steps_per_atom(self) -> int:
-        return self.atom_columns // self.mma_k
-
-    @property
-    def k_step_bytes(self) -> int:
-        return self.row_bytes // self.k_steps_per_atom
-
-    @property
-    def pv_k_steps(self) -> int:
-        return self.page_size // self.mma_k
-
-    @property
-    def row_group_bytes(self) -> int:  # 8 rows: wgmma's stride byte offset
-        return 8 * self.row_bytes
-
-    @property
-    def v_step_bytes(self) -> int:  # a k16 step of P.V: 16 keys of V
-        return self.mma_k * self.row_bytes
-
-    @property
-    def s_n_frags(self) -> int:
-        return self.page_size // 8
-
-    @property
-    def o_n_frags(self) -> int:
-        return self.o_columns // 8
-
-    @property
-    def p_bytes(self) -> int:  # P, 64 rows x 64 keys: one atom
-        return self.block_rows * self.page_size * ELEMENT_TYPES[self.dtype].bytes
-
-    @property
     def ring_at(self) -> int:
         return self.tile_bytes
 
     @property
     def p_at(self) -> int:
         return self.ring_at + self.kv_stages * self.tile_bytes
-
-    @property
-    def row_scale_at(self) -> int:  # 64 floats a vector: alpha, the final row sum, the final row max
-        return self.p_at + self.p_bytes
-
-    @property
-    def row_sum_at(self) -> int:
-        return self.row_scale_at + 4 * self.block_rows
-
-    @property
-    def row_max_at(self) -> int:
-        return self.row_sum_at + 4 * self.block_rows
-
-    @property
-    def barriers_at(self) -> int:
-        return self.row_max_at + 4 * self.block_rows
-
-    @property
-    def v_lead_bytes(self) -> int:  # V's next 64 columns: the next atom of the page
-        return self.atom_bytes
-
-    @property
-    def v_half_bytes(self) -> int:  # where warpgroup 1's columns of V start
-        return self.v_atoms_per_warpgroup * self.atom_bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -156,10 +67,6 @@ class MlaPlan:
     @property
     def row_chunks(self) -> int:
         return self.head_dim * ELEMENT_TYPES[self.dtype].bytes // 16
-
-    @property
-    def chunks_per_atom_row(self) -> int:
-        return self.row_bytes // 16
 
     @property
     def params(self) -> tuple[tuple[str, str], ...]:

@@ -19,7 +19,8 @@ LAYERS = [
     ("derivatives",),  # expression trees' derivatives, as trees
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
     # FlexAttention's Python mods traced into expressions
-    ("plan", "masks"),  # every derived number and the kernel ABI; runtime block masks
+    ("plan", "masks", "column_split"),  # every derived number and the kernel ABI; runtime block masks; what
+    # the kernels that split O by columns over two warpgroups (MLA decode, head_dim 512) share
     ("backward_plan", "captured_grads", "mla_plan", "wide_head_plan"),  # the backward kernels' numbers (its dQ
     # kernel is a forward plan); a traced score_mod's captured tensors' gradients (over a block mask's pairs); MLA
     # decode's and the head_dim 512 forward's kernel numbers
