@@ -68,7 +68,8 @@ class ServingRow:
     section: str
     case: str
     impl: str  # fagen; sdpa (its default backend), sdpa_flash; fagen_contiguous (paged); fagen_padded (varlen);
-    # fagen_out (host: out given), fagen_attention (host: fagen.attention, not prepared);
+    # fagen_out (host: out given), fagen_moved (host: out given, new q, k, v a call),
+    # fagen_attention (host: fagen.attention, not prepared);
     # fagen_attention_growing, sdpa_growing (host: a new key length and strides every call);
     # fagen_attention_ranged_growing (host: the same with key ranges made a call, a padded batch's)
     dtype: str
@@ -276,9 +277,13 @@ def _host_varlen(case: ServingCase, qp, kp, vp, rng) -> list[ServingRow]:
     step = api.prepare_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal)
     out = torch.full_like(q, float("nan"))
     step(q, k, v, cu, cu, out=out)
+    # a loop's tensors move: three copies in turn, so every call re-encodes q's, k's and v's TMA maps
+    copies = itertools.cycle([(q, k, v)] + [tuple(x.clone() for x in (q, k, v)) for _ in range(2)])
     rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(q, k, v, cu, cu)), note="out allocated"),
             _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(q, k, v, cu, cu, out=out)),
-                     note="out given")]
+                     note="out given"),
+            _checked(case, "fagen_moved", out, ref, lambda: host_us(lambda: step(*next(copies), cu, cu, out=out)),
+                     note="out given, new q, k, v a call (three in turn)")]
     turn = itertools.cycle(batches)
 
     def unprepared(cu=None):
@@ -511,14 +516,14 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
                if any(r.impl == "fagen_attention_growing" for r in rows) else ("", ""))
     out += ["", f"### Host time a call (µs: enqueue time of {HOST_CALLS} calls, median of {HOST_BATCHES} batches; "
             "the GPU's time is not in it)", "",
-            "| call | shape | prepared, out allocated | out given | not prepared | SDPA |" + growing[0],
-            "| --- | --- | --- | --- | --- | --- |" + growing[1]]
+            "| call | shape | prepared, out allocated | out given | ... new tensors a call | not prepared | SDPA |"
+            + growing[0], "| --- | --- | --- | --- | --- | --- | --- |" + growing[1]]
     for case, impls, f in _section(table, "host"):
         call = ("paged decode step (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
                 "varlen prefill, mixed lengths (prepare_varlen; unprepared: validate=False)" if "varlen" in case else
                 "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch")
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"
-        out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | "
+        out.append(f"| {call} | {shape} | {_us(f)} | {_us(impls.get('fagen_out'))} | {_us(impls.get('fagen_moved'))} | "
                    f"{_us(impls.get('fagen_attention'))} | {_us(impls.get('sdpa'))} |"
                    + (f" {_us(impls.get('fagen_attention_growing'))} | "
                       f"{_us(impls.get('fagen_attention_ranged_growing'))} | {_us(impls.get('sdpa_growing'))} |"

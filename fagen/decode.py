@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from fagen import hot_path, side_inputs, wide_head
+from fagen import hot_path, side_inputs, tensor_maps, wide_head
 from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
 from fagen.dispatch import derive_spec, fp8_kv_refusal, no_work, packed_spec, sequence_keys, step_spec
@@ -353,12 +353,13 @@ class PreparedAttention:
         shape = self.out_shape
         allocate = torch.empty_like if self._out_like_q else (lambda q: q.new_empty(shape))
         n = self.inputs  # addresses: the inputs, out, lse
-        launch_kernel, is_capturing = hot_path.driver_functions()
+        launch_kernel, is_capturing, encode_tiled = hot_path.driver_functions()
         workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is
         return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(shape),
                               self._out_placement[0], self._stream, self._current_device, allocate,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
-                              launch_kernel, is_capturing, tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in self._launches),
+                              launch_kernel, is_capturing, encode_tiled, tensor_maps.ENCODE_FLAGS,
+                              tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in self._launches),
                               growing)
 
     def _refuse(self, inputs):
@@ -424,8 +425,8 @@ def _keep_for_graphs(owner: weakref.ref) -> None:
 
 def _hot_launch(launch, positions: tuple[int, ...], addresses: int, workspace) -> tuple:
     """A Launch as HotPath takes it: its driver call, the slot each of the call's `addresses`
-    (the inputs, out, lse) goes to (-1: not re-pointed), its tensor maps' re-encoding (called
-    with all the addresses, which are its slots' order where it has maps), and what the C side
+    (the inputs, out, lse) goes to (-1: not re-pointed), its tensor maps' encodings (each follows
+    one of the addresses, which are its slots' order where it has maps), and what the C side
     keeps alive: the Launch, whose buffers it writes, and `workspace`, which the launch's
     arguments point at."""
     slots = [-1] * addresses
@@ -433,7 +434,7 @@ def _hot_launch(launch, positions: tuple[int, ...], addresses: int, workspace) -
         slots[position] = slot
     if launch.maps and positions != tuple(range(len(launch.slots))):
         raise ValueError("a launch with tensor maps re-points the inputs, out and lse in that order")
-    return (*launch.driver_call(), tuple(slots), launch.re_encode if launch.maps else None, (launch, workspace))
+    return (*launch.driver_call(), tuple(slots), launch.map_encodings(), (launch, workspace))
 
 
 class GrowingKeys(PreparedAttention):

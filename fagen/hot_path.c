@@ -8,7 +8,11 @@
  *
  * Built by fagen/hot_path.py with the host's C compiler against Python.h alone: no CUDA or
  * torch headers. The driver entry points come in as addresses (cuLaunchKernelEx,
- * cuStreamIsCapturing), so a test can hand in recording callbacks instead.
+ * cuStreamIsCapturing, cuTensorMapEncodeTiled), so a test can hand in recording callbacks instead.
+ *
+ * A TMA kernel reads a tensor's address from its map (a 128-byte parameter): a re-pointed tensor's
+ * map is encoded here, by the driver, into the launch's slots (in Python it cost microseconds a
+ * map); the address each map holds is shared with the Python path (Launch._mapped).
  *
  * A call that is not the fast case (another layout, dtype, device or out) returns
  * NotImplemented and launches nothing: the Python path then checks it again and raises its
@@ -20,11 +24,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 
 #define MAX_LAUNCHES 3 /* a varlen batch's tile table, the kernel, the merge kernel after a split one */
 #define MAX_INPUTS 6   /* q, k, v and a batch layout's index tensors (paged: cache_seqlens, page_table) */
 #define MAX_ADDRESSES (MAX_INPUTS + 2) /* the inputs, out, lse: what a call may re-point, in this order */
 #define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CUlaunchAttributeID, cuda.h */
+#define MAX_MAPS 4      /* a launch's tensor maps: q, k, v (the TMA producer's) */
+#define MAP_BYTES 128   /* sizeof(CUtensorMap) */
+#define MAX_MAP_RANK 5
 #define GROWING_FIELDS 9 /* n_kv, mask_offset, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn[, kv_tiles_per_split] */
 
 /* CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out */
@@ -43,6 +52,18 @@ typedef struct {
 
 typedef int (*LaunchKernelEx)(const LaunchConfig *, void *function, void **params, void **extra);
 typedef int (*StreamIsCapturing)(void *stream, int *status);
+typedef int (*EncodeTiled)(void *map, int data_type, unsigned rank, void *address, const uint64_t *dims,
+                           const uint64_t *strides, const unsigned *box, const unsigned *element_strides,
+                           int interleave, int swizzle, int l2_promotion, int oob_fill);
+
+/* one tensor map parameter: its first slot, the address it follows (an index into a call's
+ * addresses) and what cuTensorMapEncodeTiled takes beside that address */
+typedef struct {
+    int slot, tensor, data_type;
+    unsigned rank;
+    uint64_t dims[MAX_MAP_RANK], strides[MAX_MAP_RANK - 1];
+    unsigned box[MAX_MAP_RANK];
+} MapEncoding;
 
 typedef struct {
     LaunchConfig config;
@@ -52,7 +73,9 @@ typedef struct {
     uint64_t *values;           /* the Launch's 8-byte slots the pointers point into */
     Py_ssize_t value_count;     /* ... how many */
     int slots[MAX_ADDRESSES];   /* the slot each address goes to; -1: not a parameter */
-    PyObject *re_encode;        /* Launch.re_encode (tensor maps of moved tensors), or NULL */
+    MapEncoding maps[MAX_MAPS];
+    int map_count;
+    uint64_t *mapped;           /* the address each map was last encoded for (Launch._mapped's buffer) */
 } Launch;
 
 typedef struct {
@@ -70,6 +93,8 @@ typedef struct {
     uint64_t lse;
     LaunchKernelEx launch_kernel;
     StreamIsCapturing is_capturing;
+    EncodeTiled encode_tiled;
+    int map_flags[4];           /* interleave, swizzle, L2 promotion, out-of-bounds fill: every map's */
     int captured, launch_count, ready;  /* ready: init completed; run refuses otherwise */
     Launch launches[MAX_LAUNCHES];
     /* a growing class (growing != 0): k's and v's batch, heads and head_dim as prepared, their
@@ -186,22 +211,34 @@ static int out_as_prepared(HotPath *self, PyObject *out) {
         && attribute_is(out, DTYPE, PyTuple_GET_ITEM(self->dtypes, self->inputs)) && device_is(out, self->device);
 }
 
+/* the maps of the tensors this call moved, encoded into their slots */
+static int encode_maps(HotPath *self, Launch *launch, const uint64_t *addresses) {
+    static const unsigned every[MAX_MAP_RANK] = {1, 1, 1, 1, 1};  /* every element of the box, no stepping */
+    for (int i = 0; i < launch->map_count; i++) {
+        const MapEncoding *m = &launch->maps[i];
+        const uint64_t address = addresses[m->tensor];
+        if (launch->mapped[i] == address) continue;
+        _Alignas(64) unsigned char map[MAP_BYTES];  /* the driver writes a 64-byte-aligned map */
+        int status = self->encode_tiled(map, m->data_type, m->rank, (void *)(uintptr_t)address, m->dims, m->strides,
+                                        m->box, every, self->map_flags[0], self->map_flags[1], self->map_flags[2],
+                                        self->map_flags[3]);
+        if (status) {
+            char why[96];  /* (PyErr_Format has no 64-bit hex) */
+            snprintf(why, sizeof why, "cuTensorMapEncodeTiled refused the tensor at %#llx (CUresult %d)",
+                     (unsigned long long)address, status);
+            PyErr_SetString(PyExc_ValueError, why);
+            return -1;
+        }
+        memcpy(launch->values + m->slot, map, MAP_BYTES);
+        launch->mapped[i] = address;
+    }
+    return 0;
+}
+
 static int launch_one(HotPath *self, Launch *launch, void *stream, const uint64_t *addresses) {
     const int count = self->inputs + 2;
     for (int i = 0; i < count; i++)
         if (launch->slots[i] >= 0) launch->values[launch->slots[i]] = addresses[i];
-    if (launch->re_encode) {
-        PyObject *moved = PyTuple_New(count);
-        for (int i = 0; moved && i < count; i++) {
-            PyObject *address = PyLong_FromUnsignedLongLong(addresses[i]);
-            if (!address) Py_CLEAR(moved);
-            else PyTuple_SET_ITEM(moved, i, address);
-        }
-        PyObject *done = moved ? PyObject_CallOneArg(launch->re_encode, moved) : NULL;
-        Py_XDECREF(moved);
-        if (!done) return -1;
-        Py_DECREF(done);
-    }
     launch->config.stream = stream;
     int status = self->launch_kernel(&launch->config, launch->function, launch->params, NULL);
     if (status) {
@@ -270,6 +307,8 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
         }
     }
     addresses[self->inputs + 1] = self->lse;
+    for (int i = 0; i < self->launch_count; i++)  /* every map first: a refused one launches nothing */
+        if (encode_maps(self, &self->launches[i], addresses)) goto fail;
     for (int i = 0; i < self->launch_count; i++)
         if (launch_one(self, &self->launches[i], stream, addresses)) goto fail;
     return out;
@@ -310,22 +349,62 @@ static int growing_init(HotPath *self, PyObject *growing) {
     return 0;
 }
 
+/* maps: None, or (the address of `count` uint64 mapped addresses, ((slot, tensor, data type, dims,
+ * strides, box), ... `count` of them)) */
+static int maps_init(Launch *launch, PyObject *maps, int addresses) {
+    if (maps == Py_None) return 0;
+    unsigned long long mapped;
+    PyObject *encodings;
+    if (!PyArg_ParseTuple(maps, "KO!", &mapped, &PyTuple_Type, &encodings)) return -1;
+    const Py_ssize_t count = PyTuple_GET_SIZE(encodings);
+    if (count > MAX_MAPS) {
+        PyErr_Format(PyExc_ValueError, "HotPath: %zd tensor maps; at most %d", count, MAX_MAPS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        MapEncoding *m = &launch->maps[i];
+        PyObject *dims, *strides, *box;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(encodings, i), "iiiO!O!O!", &m->slot, &m->tensor, &m->data_type,
+                              &PyTuple_Type, &dims, &PyTuple_Type, &strides, &PyTuple_Type, &box))
+            return -1;
+        const Py_ssize_t rank = PyTuple_GET_SIZE(dims);
+        if (rank < 1 || rank > MAX_MAP_RANK || PyTuple_GET_SIZE(strides) != rank - 1 || PyTuple_GET_SIZE(box) != rank
+                || m->slot < 0 || m->slot + MAP_BYTES / 8 > launch->value_count || m->tensor < 0 || m->tensor >= addresses) {
+            PyErr_SetString(PyExc_ValueError, "HotPath: a map of rank 1-5 (its strides one fewer, its box as many), "
+                            "its 128 bytes within the launch's slots, following one of the call's addresses");
+            return -1;
+        }
+        m->rank = (unsigned)rank;
+        for (Py_ssize_t j = 0; j < rank; j++) {
+            m->dims[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dims, j));
+            m->box[j] = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(box, j));
+            if (j < rank - 1) m->strides[j] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(strides, j));
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    launch->mapped = (uint64_t *)(uintptr_t)mapped;
+    launch->map_count = (int)count;
+    return 0;
+}
+
 /* HotPath(layout, dtypes, device, out_shape, out_stride, stream_of, current_device, allocate,
- *         on_capture, lse, launch_kernel, is_capturing, launches): launches a tuple of
- * (function, (grid x, y, z), threads, smem, dependent, params, values, value slots, slots, re_encode,
- * owner): owner keeps alive what params, values and the addresses point at */
+ *         on_capture, lse, launch_kernel, is_capturing, encode_tiled, map_flags, launches): launches
+ * a tuple of (function, (grid x, y, z), threads, smem, dependent, params, values, value slots,
+ * slots, maps, owner): owner keeps alive what params, values, the mapped addresses and the call's
+ * addresses point at; map_flags: (interleave, swizzle, L2 promotion, out-of-bounds fill) */
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     PyObject *layout, *dtypes, *out_shape, *out_stride, *stream_of, *current_device, *allocate, *on_capture;
     PyObject *launches, *growing = Py_None;
     long device;
-    unsigned long long lse, launch_kernel, is_capturing;
+    unsigned long long lse, launch_kernel, is_capturing, encode_tiled;
     if (self->keep) {
         PyErr_SetString(PyExc_RuntimeError, "HotPath: initialised once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "O!O!lOOOOOOKKKO!|O", &PyTuple_Type, &layout, &PyTuple_Type, &dtypes, &device, &out_shape,
-                          &out_stride, &stream_of, &current_device, &allocate, &on_capture, &lse,
-                          &launch_kernel, &is_capturing, &PyTuple_Type, &launches, &growing))
+    if (!PyArg_ParseTuple(args, "O!O!lOOOOOOKKKK(iiii)O!|O", &PyTuple_Type, &layout, &PyTuple_Type, &dtypes, &device,
+                          &out_shape, &out_stride, &stream_of, &current_device, &allocate, &on_capture, &lse,
+                          &launch_kernel, &is_capturing, &encode_tiled, &self->map_flags[0], &self->map_flags[1],
+                          &self->map_flags[2], &self->map_flags[3], &PyTuple_Type, &launches, &growing))
         return -1;
     const Py_ssize_t inputs = PyTuple_GET_SIZE(dtypes) - 1;  /* dtypes: each input's, then out's */
     if (inputs < 3 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
@@ -353,16 +432,17 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     self->lse = lse;
     self->launch_kernel = (LaunchKernelEx)(uintptr_t)launch_kernel;
     self->is_capturing = (StreamIsCapturing)(uintptr_t)is_capturing;
+    self->encode_tiled = (EncodeTiled)(uintptr_t)encode_tiled;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(launches); i++) {
         Launch *launch = &self->launches[i];
         unsigned long long function, params, values;
         int dependent;
         Py_ssize_t value_slots;
-        PyObject *slots, *re_encode, *owner;
+        PyObject *slots, *maps, *owner;
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)IIpKKnO!OO", &function,
                               &launch->config.grid_x, &launch->config.grid_y, &launch->config.grid_z,
                               &launch->config.block_x, &launch->config.smem, &dependent, &params, &values,
-                              &value_slots, &PyTuple_Type, &slots, &re_encode, &owner))
+                              &value_slots, &PyTuple_Type, &slots, &maps, &owner))
             return -1;
         if (PyTuple_GET_SIZE(slots) != inputs + 2) {
             PyErr_SetString(PyExc_ValueError, "HotPath: a launch's slots are the inputs', out's and lse's");
@@ -386,9 +466,9 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         launch->params = (void **)(uintptr_t)params;
         launch->values = (uint64_t *)(uintptr_t)values;
         launch->value_count = value_slots;
-        launch->re_encode = re_encode == Py_None ? NULL : Py_NewRef(re_encode);
         PyTuple_SET_ITEM(self->keep, 1 + i, Py_NewRef(owner));
         self->launch_count = (int)i + 1;  /* dealloc releases what is set */
+        if (maps_init(launch, maps, (int)inputs + 2)) return -1;
     }
     if (growing != Py_None && growing_init(self, growing)) return -1;
     self->ready = 1;
@@ -405,7 +485,6 @@ static void HotPath_dealloc(HotPath *self) {
     Py_XDECREF(self->allocate);
     Py_XDECREF(self->on_capture);
     Py_XDECREF(self->keep);
-    for (int i = 0; i < self->launch_count; i++) Py_XDECREF(self->launches[i].re_encode);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

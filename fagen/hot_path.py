@@ -82,8 +82,8 @@ def reason() -> str | None:
 
 
 @cache
-def driver_functions() -> tuple[int, int]:
-    """The addresses of cuLaunchKernelEx and cuStreamIsCapturing in libcuda."""
+def driver_functions() -> tuple[int, int, int]:
+    """The addresses of cuLaunchKernelEx, cuStreamIsCapturing and cuTensorMapEncodeTiled in libcuda."""
     cuda = ctypes.CDLL("libcuda.so.1")
     return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
-                 for name in ("cuLaunchKernelEx", "cuStreamIsCapturing"))
+                 for name in ("cuLaunchKernelEx", "cuStreamIsCapturing", "cuTensorMapEncodeTiled"))

@@ -359,6 +359,12 @@ def has_claimed_walk(spec: AttentionSpec) -> bool:
     return bool(ws and ws.persistent) and has_sequence_tiles(spec)
 
 
+# A varlen call of one wave numbers its tiles in the kernel (templates/common/numbered_tiles),
+# each role's walk reading cu_seqlens_q this many entries at a time: the most the d64 consumers'
+# registers hold beside the tile without spilling (4 spilled 8 bytes, ptxas -v, nvcc 13.0).
+NUMBERED_LOADS = 2
+
+
 def query_tile_slots(total_q: int, batch: int, block_q: int) -> int:
     """Entries of a varlen batch's tile table: at least its tiles, sum_b ceil(n_b / block_q),
     which is at most (total_q + batch (block_q - 1)) / block_q."""
@@ -375,8 +381,8 @@ def sequence_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     seq, params = spec.sequences, ()
     if seq.q == "varlen":
         params += ((INT_PTR, "cu_seqlens_q"), ("int", "total_q"))
-    if has_sequence_tiles(spec):
-        params += ((INT2_PTR, "q_tiles"),)
+    if has_sequence_tiles(spec):  # the tile table, or null: the kernel numbers the batch's tiles
+        params += ((INT2_PTR, "q_tiles"), ("int", "batch"))
     if seq.kv == "varlen":
         params += ((INT_PTR, "cu_seqlens_k"),)
     if seq.seqused_k:  # each sequence's keys, clamped to k's rows: unchecked counts never read past them

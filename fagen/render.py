@@ -20,7 +20,7 @@ from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, FP8_KERNEL_TYPES, KERNEL_TYPES
 from fagen.mla_plan import MLA_TYPES, MlaPlan
 from fagen.wide_head_plan import WIDE_TYPES, WideHeadPlan
-from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
+from fagen.plan import NUMBERED_LOADS, PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
 
@@ -111,6 +111,7 @@ def context(spec: AttentionSpec) -> dict:
         "kv_element": spec.kv_element,
         "fp8_kv": spec.fp8_kv,  # a half-type q against an FP8 KV cache (spec.fp8_kv)
         "plan": plan(spec),
+        "numbered_loads": NUMBERED_LOADS,
         "swizzled": spec.smem_layout == "swizzled",
         "mask": spec.mask,
         "score_mod": spec.score_mod,

@@ -24,7 +24,7 @@ from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle, zeros_like)
-from fagen.element_types import itemsize
+from fagen.element_types import element_type, itemsize
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
 from fagen.render import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
@@ -199,8 +199,9 @@ class Launch:
             raise ValueError(f"slots {loose}: neither kernel parameters nor tensors of its maps")
         # (first slot, index of the mapped tensor among `slots`, dtype, layout): what a re-point re-encodes
         self.maps = tuple((offsets[names.index(m.param)], slots.index(m.tensor), m.dtype, m.layout) for m in maps)
-        # the address each map was encoded for: a decode loop re-points k and v at the same cache
-        self._mapped = [int(values[m.tensor]) for m in maps]
+        # the address each map was encoded for (a decode loop re-points k and v at the same cache):
+        # one buffer, which the C hot path reads and writes too
+        self._mapped = np.array([int(values[m.tensor]) for m in maps], np.uint64)
         # the usual case, slots the first parameters in order: one struct store re-points them all
         first = self.slots == tuple(range(len(self.slots)))
         self._first_slots = struct.Struct(f"<{len(self.slots)}Q") if first else None
@@ -242,6 +243,15 @@ class Launch:
         slots' address, their count): what launching this from C takes (fagen.hot_path)."""
         return (self.function, self.grid, self.block, self.smem, isinstance(self._driver_launch, DependentLaunch),
                 self.params, self.values.ctypes.data, len(self.values))
+
+    def map_encodings(self) -> tuple | None:
+        """What the C hot path re-encodes the maps from: (the mapped addresses' buffer, ((first
+        slot, index of the mapped tensor among the call's addresses, the driver's data type, dims,
+        byte strides, box), ...)), or None without maps."""
+        if not self.maps:
+            return None
+        return (self._mapped.ctypes.data, tuple((slot, tensor, element_type(dtype).tensor_map, layout.dims, layout.strides,
+                                                 layout.box) for slot, tensor, dtype, layout in self.maps))
 
     def re_encode(self, addresses: tuple[int, ...]) -> None:
         """TMA reads a tensor's address from its map: encode the maps of re-pointed tensors."""

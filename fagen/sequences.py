@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fagen.decode import PreparedAttention, attention as decode_attention
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, stream_for, torch_stream_handle,
-                          zeros_like)
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, multiprocessors, stream_for,
+                          torch_stream_handle, zeros_like)
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen import fp8_inputs
@@ -229,6 +229,13 @@ def query_tiles(cu_seqlens_q: int, batch: int, block_q: int, total_q: int, like:
     return table
 
 
+def one_wave(tiles: tuple[int, int, int], device_index: int) -> bool:
+    """Whether a varlen launch's tiles (query heads x table entries x splits) run at once, a block
+    an SM: then no order among them pays for the tile table's launch (a driver call, 4 us of host
+    time on an H200 host), and the kernel numbers them itself (templates/common/numbered_tiles)."""
+    return tiles[0] * tiles[1] * tiles[2] <= multiprocessors(device_index)
+
+
 def claimed_counter(table_ptr: int, slots: int) -> int:
     """The address of a query tile table's claim count: the first word after its slots' rows."""
     return table_ptr + slots * TABLE_ROW_BYTES
@@ -281,13 +288,19 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
             extras.update(descaled[0])
             held = [*held, descaled[1]]
         tiles = None
-        if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles: number them first
-            table, tiles = tile_table(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
-            ptr = as_device_tensor(table, "q_tiles").ptr
-            extras["q_tiles"] = np.uint64(ptr)
-            if kernel.plan.claimed_walk:
-                extras["tiles_claimed"] = np.uint64(claimed_counter(ptr, table.shape[0] - 1))
-            held = [*held, table]
+        if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles
+            extras["batch"] = b
+            if one_wave(kernel.plan.tiles(b, hq, hkv, nq, splits or 1, total_q), tq.device):
+                extras["q_tiles"] = np.uint64(0)  # the kernel numbers them: one launch, not two
+                if kernel.plan.claimed_walk:
+                    extras["tiles_claimed"] = np.uint64(0)
+            else:  # the table orders them for the waves (the longest sequences first)
+                table, tiles = tile_table(int(batch.arguments["cu_seqlens_q"]), b, kernel.plan.block_q, total_q, tq)
+                ptr = as_device_tensor(table, "q_tiles").ptr
+                extras["q_tiles"] = np.uint64(ptr)
+                if kernel.plan.claimed_walk:
+                    extras["tiles_claimed"] = np.uint64(claimed_counter(ptr, table.shape[0] - 1))
+                held = [*held, table]
         out = _outputs(out, out_shape, tq)
         _check_layout(as_device_tensor(out, "out"), "out")
         lse = empty_like(tq, lse_shape, "float32")

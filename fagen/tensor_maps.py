@@ -29,6 +29,7 @@ INTERLEAVE_NONE = 0
 SWIZZLE_128B = 3  # the layout wgmma's descriptors read (DESC_SWIZZLE_128B)
 L2_PROMOTION_128B = 2
 OOB_FILL_ZEROS = 0  # rows past the tensor's end load as zeros, as cp.async's zero-fill did
+ENCODE_FLAGS = (INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_128B, OOB_FILL_ZEROS)  # every map's
 CUDA_SUCCESS = 0
 
 
@@ -137,8 +138,8 @@ def encode(address: int, dtype: str, mapping: MapLayout) -> bytes:
     strides = (ctypes.c_uint64 * (rank - 1))(*mapping.strides)
     box = (ctypes.c_uint32 * rank)(*mapping.box)
     unit = (ctypes.c_uint32 * rank)(*[1] * rank)  # every element of the box, no stepping
-    status = _encoder()(out.ctypes.data, element_type(dtype).tensor_map, rank, address, dims, strides, box, unit, INTERLEAVE_NONE,
-                        SWIZZLE_128B, L2_PROMOTION_128B, OOB_FILL_ZEROS)
+    status = _encoder()(out.ctypes.data, element_type(dtype).tensor_map, rank, address, dims, strides, box, unit,
+                        *ENCODE_FLAGS)
     if status != CUDA_SUCCESS:
         raise ValueError(f"cuTensorMapEncodeTiled refused a {dtype} tensor at {address:#x} with dims {mapping.dims}, "
                          f"byte strides {mapping.strides}, box {mapping.box} (CUresult {status})")

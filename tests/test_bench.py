@@ -900,7 +900,8 @@ def serving_rows() -> list:
             row(paged, "fagen", 80.0, tb_s=1.7), row(paged, "fagen_contiguous", 60.0, tb_s=2.2),
             row(paged, "sdpa", 38.0, tb_s=3.5),
             row(varlen, "fagen", 900.0, tflops=450.0), row(varlen, "fagen_padded", 850.0, tflops=500.0),
-            row(host, "fagen", 11.5), row(host, "fagen_out", 8.25), row(host, "fagen_attention", 14.0), row(host, "sdpa", 18.0),
+            row(host, "fagen", 11.5), row(host, "fagen_out", 8.25), row(host, "fagen_moved", 9.0),
+            row(host, "fagen_attention", 14.0), row(host, "sdpa", 18.0),
             row(host, "fagen_attention_growing", 12.5), row(host, "fagen_attention_ranged_growing", 13.5),
             row(host, "sdpa_growing", 19.0),
             row(mixed, "fagen", 100.0, tb_s=3.0, note="err 3.0e-04, lengths 2100-14000"),
@@ -934,7 +935,7 @@ def test_serving_markdown_tables(tmp_path):
     assert "| 450 | 500 | 0.90 |" in text and "![serving](bench/bench_serving.png)" in text
     assert "(sdpa_flash): unsupported: no" in text
     assert "| float16 d128, 32/8, B 16 | 8k | 2100-14000 | 100.0 | 3.00 | 400.0 | 4.00x |" in text
-    assert ("| decode step (the last split merges) | float16 d128, 32/8, B 1, Nq 1, Nk 1024 | 11.5 | 8.2 | 14.0 | 18.0 "
+    assert ("| decode step (the last split merges) | float16 d128, 32/8, B 1, Nq 1, Nk 1024 | 11.5 | 8.2 | 9.0 | 14.0 | 18.0 "
             "| 12.5 | 13.5 | 19.0 |") in text
     bench_serving.plot(serving_rows(), tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 1000

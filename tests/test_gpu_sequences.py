@@ -160,6 +160,35 @@ def test_varlen_prefill_with_empty_and_many_sequences_matches_the_oracle(d):
         _check(out, lse, ref, ref_lse, "float16")
 
 
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False), (96, True)])  # wgmma (claimed, static); mma.sync
+def test_a_call_of_one_wave_numbers_its_own_tiles_with_the_table_s_results(monkeypatch, d, causal):
+    """Tiles that fit one wave have no tile table: the kernel numbers them (one launch, no
+    counter to claim from); forced onto the table, the same call gives the same bits. A batch of
+    more tiles than SMs keeps the table."""
+    rng = np.random.default_rng(31 + d + causal)
+    lens = [130, 0, 1, 257, 64, 3, 190]
+    q, k, v, cu_q, cu_k = _varlen(rng, "float16", lens, lens, 4, 2, d)
+
+    def packed(q, k, v, cu_q, cu_k, lens):
+        batch = sequences.varlen_batch(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens))
+        spec = dispatch.batch_spec(batch, causal=causal, mask=None, softcap=None, alibi_slopes=None, sinks=None)
+        return sequences.pack(batch, spec)
+
+    assert packed(q, k, v, cu_q, cu_k, lens).first is None
+    many = [int(n) for n in rng.integers(100, 400, 300)]
+    assert packed(*_varlen(rng, "float16", many, many, 4, 2, d), many).first is not None
+    outs = []
+    for wave in (True, False):
+        monkeypatch.setattr(sequences, "one_wave", lambda tiles, device: wave)
+        out = _nan(q.shape, "float16")
+        _, lse = fagen.attention_varlen(q, k, v, _int32(cu_q), _int32(cu_k), max(lens), max(lens), causal=causal,
+                                        return_lse=True, out=out)
+        ref, ref_lse = oracle.attention_varlen(_np(q), _np(k), _np(v), cu_q, cu_k, causal=causal, return_lse=True)
+        _check(out, lse, ref, ref_lse, "float16")
+        outs.append(out)
+    assert torch.equal(*outs)
+
+
 @pytest.mark.parametrize("d", [128, 96])  # a TMA producer (wgmma, its tiles claimed); mma.sync
 def test_varlen_with_seqused_k_lets_sequences_share_keys(d):
     """seqused_k (FlashAttention's): sequence b's keys are seqused_k[b] rows from cu_seqlens_k[b],

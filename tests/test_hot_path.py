@@ -1,7 +1,7 @@
 """fagen.hot_path without a GPU: the C hot path of a prepared call, built with this machine's
 compiler and driven with torch-like tensors and recording stand-ins for the driver's
-cuLaunchKernelEx and cuStreamIsCapturing (whose config layout test_dependent_launch checks
-against cuda.h)."""
+cuLaunchKernelEx, cuStreamIsCapturing (whose config layout test_dependent_launch checks
+against cuda.h) and cuTensorMapEncodeTiled."""
 
 import ctypes
 
@@ -14,6 +14,10 @@ from fagen.dependent_launch import PROGRAMMATIC_STREAM_SERIALIZATION, _Config
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                           ctypes.c_void_p)
 IS_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+_U64, _U32 = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+ENCODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, _U64, _U64,
+                          _U32, _U32, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+MAP_FLAGS = (0, 3, 2, 0)  # tensor_maps.ENCODE_FLAGS: the C side passes them through
 FLOAT16 = object()  # a dtype: compared by identity, as torch's are
 STREAM = 0x5EED
 
@@ -36,13 +40,25 @@ class Tensor:
 
 
 class Driver:
-    """Recording cuLaunchKernelEx and cuStreamIsCapturing; `status` is what the launch returns."""
+    """Recording cuLaunchKernelEx, cuStreamIsCapturing and cuTensorMapEncodeTiled; `status` is
+    what the launch returns, `encode_status` what the encoder does. An encoded map's 128 bytes are
+    16 words: the address, then the rank, then 14 of its number in `encoded`."""
 
     def __init__(self):
         self.launches, self.capturing, self.status = [], 0, 0
+        self.encoded, self.encode_status = [], 0
         self.slots = SLOTS  # a launch's 8-byte parameter slots to read back
         self.launch = LAUNCH(self._launch)
         self.is_capturing = IS_CAPTURING(self._is_capturing)
+        self.encode = ENCODE(self._encode)
+
+    def _encode(self, out, data_type, rank, address, dims, strides, box, unit, *flags):
+        self.encoded.append(dict(data_type=data_type, address=address, dims=tuple(dims[:rank]),
+                                 strides=tuple(strides[:rank - 1]), box=tuple(box[:rank]), unit=tuple(unit[:rank]),
+                                 flags=flags, aligned=out % 64 == 0))
+        words = (ctypes.c_uint64 * 16).from_address(out)
+        words[:] = [address or 0, rank] + [len(self.encoded)] * 14
+        return self.encode_status
 
     def _launch(self, config, function, params, extra):
         c = config.contents
@@ -58,7 +74,8 @@ class Driver:
         return 0
 
     def addresses(self):
-        return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (self.launch, self.is_capturing))
+        return (*(ctypes.cast(f, ctypes.c_void_p).value for f in (self.launch, self.is_capturing, self.encode)),
+                MAP_FLAGS)
 
 
 SLOTS = 8
@@ -67,11 +84,14 @@ SLOTS = 8
 class PackedLaunch:
     """A Launch's buffers: 8-byte slots and the pointer array into them."""
 
-    def __init__(self, function, slots, dependent=False, re_encode=None, count=SLOTS):
+    def __init__(self, function, slots, dependent=False, maps=(), count=SLOTS):
+        """maps: (first slot, index of the address it follows, dims, strides, box) each"""
         self.values = np.full(count, 7, np.uint64)  # 7: a slot the call leaves alone
         self.pointers = (self.values.ctypes.data + 8 * np.arange(count, dtype=np.uint64)).astype(np.uint64)
+        self.mapped = np.zeros(len(maps), np.uint64)  # Launch._mapped: encoded for no address yet
+        encodings = (self.mapped.ctypes.data, tuple((slot, tensor, 6, *layout) for slot, tensor, *layout in maps))
         self.entry = (function, (8, 1, 4), 128, 135168, dependent, self.pointers.ctypes.data, self.values.ctypes.data,
-                      count, slots, re_encode, self)
+                      count, slots, encodings if maps else None, self)
 
 
 INT32 = object()
@@ -149,11 +169,50 @@ def test_the_merge_launch_takes_out_and_lse_and_the_split_kernel_the_inputs(modu
     assert second["function"] == 0xF01 and second["params"][:3] == [Prepared.LSE, 0xD000, 7]
 
 
-def test_tensor_maps_are_re_encoded_with_the_five_addresses(module):
-    seen = []
-    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4), re_encode=seen.append)])
+# a map of q (rank 4) in slots 8-23 and of v (rank 5) in slots 24-39, after five address slots
+Q_MAP = (8, 0, (128, 1, 32, 1), (256, 256, 8192), (64, 128, 1, 1))
+V_MAP = (24, 2, (64, 1024, 2, 8, 1), (128, 128, 2 ** 18, 2 ** 21), (64, 8, 2, 1, 1))
+
+
+def test_tensor_maps_are_encoded_where_their_tensors_moved(module):
+    """Each map is encoded into its 16 slots, for the address it follows, with its dims, strides
+    and box, every element stepped, the flags passed through, into a 64-byte-aligned map; a call
+    with the same addresses encodes nothing; a moved v encodes v's map alone."""
+    packed = PackedLaunch(0xF00, (0, 1, 2, 3, 4), maps=(Q_MAP, V_MAP), count=40)
+    p = Prepared([packed])
+    p.driver.slots = 40
     p.hot.run(p.q, p.k, p.v, Tensor(p.q.shape, 0xD000))
-    assert seen == [(0xA000, 0xB000, 0xC000, 0xD000, Prepared.LSE)]
+    first, second = p.driver.encoded
+    assert first == dict(data_type=6, address=0xA000, dims=Q_MAP[2], strides=Q_MAP[3], box=Q_MAP[4], unit=(1,) * 4,
+                         flags=MAP_FLAGS, aligned=True)
+    assert second["address"] == 0xC000 and second["dims"] == V_MAP[2] and second["unit"] == (1,) * 5
+    params = p.driver.launches[0]["params"]
+    assert params[8:10] == [0xA000, 4] and params[10:24] == [1] * 14
+    assert params[24:26] == [0xC000, 5] and params[26:40] == [2] * 14
+    assert list(packed.mapped) == [0xA000, 0xC000]  # shared with the Python path
+    p.hot.run(p.q, p.k, p.v, None)
+    assert len(p.driver.encoded) == 2
+    p.hot.run(p.q, p.k, Tensor(p.v.shape, 0xC100), None)
+    assert [e["address"] for e in p.driver.encoded] == [0xA000, 0xC000, 0xC100]
+    assert p.driver.launches[-1]["params"][24:27] == [0xC100, 5, 3] and list(packed.mapped) == [0xA000, 0xC100]
+
+
+def test_a_refused_map_launches_nothing_and_says_why(module):
+    tiles = PackedLaunch(0xF02, (0, -1, -1, -1, -1))
+    kernel = PackedLaunch(0xF00, (0, 1, 2, 3, 4), maps=(Q_MAP,), count=24)
+    p = Prepared([tiles, kernel])
+    p.driver.encode_status = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(ValueError, match="cuTensorMapEncodeTiled refused the tensor at 0xa000 .CUresult 1."):
+        p.hot.run(p.q, p.k, p.v, None)
+    assert p.driver.launches == [] and list(kernel.mapped) == [0]
+
+
+@pytest.mark.parametrize("bad_map, why", [((20, 0, *Q_MAP[2:]), "128 bytes within"), ((8, 5, *Q_MAP[2:]), "addresses"),
+                                          ((8, 0, (1,) * 6, (1,) * 5, (1,) * 6), "rank 1-5"),
+                                          ((8, 0, Q_MAP[2], Q_MAP[3][:2], Q_MAP[4]), "strides one fewer")])
+def test_a_map_outside_its_launch_is_refused(module, bad_map, why):
+    with pytest.raises(ValueError, match="rank 1-5 .its strides one fewer, its box as many., its 128 bytes within"):
+        Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4), maps=(bad_map,), count=24)])
 
 
 def _not_as_prepared(p):

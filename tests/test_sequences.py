@@ -32,7 +32,7 @@ def test_layouts_refuse_what_is_indexed_by_padded_positions(changes, fix):
 def test_sequence_parameters_follow_the_layouts():
     assert plan(ATTN).sequence_params == ()
     varlen = plan(variants.sequence_variant(ATTN, "varlen", "varlen"))
-    assert [n for _, n in varlen.sequence_params] == ["cu_seqlens_q", "total_q", "q_tiles", "cu_seqlens_k"]
+    assert [n for _, n in varlen.sequence_params] == ["cu_seqlens_q", "total_q", "q_tiles", "batch", "cu_seqlens_k"]
     assert varlen.sequence_tiles and not plan(ATTN).sequence_tiles
     packed = plan(variants.sequence_variant(DECODE, "varlen", "paged"))  # a few rows a sequence: its own grid
     assert not packed.sequence_tiles and "q_tiles" not in [n for _, n in packed.sequence_params]
@@ -105,8 +105,8 @@ def test_a_persistent_varlen_walk_claims_its_tiles():
     assert "tiles_claimed" not in [n for _, n in static.params]
     assert claimed.smem_bytes - plan(walk.model_copy(update={"sequences": causal.sequences})).smem_bytes == 8
     source = render(walk)
-    assert "t = TileScheduler::claim(tiles_claimed)" in source and "kv.next_tile()" in source
-    assert "TileScheduler::claim" not in render(causal)
+    assert "t = scheduler.claim(tiles_claimed)" in source and "kv.next_tile()" in source
+    assert "scheduler.claim" not in render(causal)
     dense = plan(variants.sequence_variant(load_spec(SPECS / "attn_f16_d128_h200.yaml"), "varlen", "varlen"))
     assert not dense.persistent and not dense.claimed_walk  # even tiles: a block a tile
 
@@ -118,7 +118,7 @@ def test_seqused_k_counts_each_sequence_s_keys_from_its_row():
         parse_spec({**ATTN.model_dump(), "sequences": {"q": "varlen", "kv": "paged", "seqused_k": True}}, "test")
     used = variants.sequence_variant(ATTN, "varlen", "varlen", seqused_k=True)
     assert used.name == "attn_f16_d128_qvarlen_kvvarlen_seqused"
-    assert [n for _, n in plan(used).sequence_params] == ["cu_seqlens_q", "total_q", "q_tiles", "cu_seqlens_k",
+    assert [n for _, n in plan(used).sequence_params] == ["cu_seqlens_q", "total_q", "q_tiles", "batch", "cu_seqlens_k",
                                                           "seqused_k", "total_k"]
     source = render(used)
     assert "n_kv = max(0, min(seqused_k[b], total_k - kv_start));" in source
@@ -176,7 +176,8 @@ def test_sources_read_only_what_their_layout_uses():
     varlen = render(variants.sequence_variant(ATTN, "varlen", "varlen"))
     assert "n_q = cu_seqlens_q[b + 1] - q_start" in varlen and "lse + (long long)h * total_q + q_start" in varlen
     assert "PageTable" not in varlen and "if (q0 >= n_q) return;" not in varlen  # no tile past a sequence's end
-    assert "const int2 seq_tile = q_tiles[blockIdx.y];" in varlen and "if (seq_tile.x < 0) return;" in varlen
+    assert ("const int2 seq_tile = q_tiles != nullptr ? q_tiles[blockIdx.y] : numbered_tile(cu_seqlens_q, batch, "
+            "blockIdx.y, gridDim.y);") in varlen and "if (seq_tile.x < 0) return;" in varlen
     assert "const int q0 = seq_tile.y;" in varlen and "h = blockIdx.x" in varlen and "bh / heads_q" not in varlen
     paged = render(variants.sequence_variant(DECODE, "varlen", "paged"))
     assert "struct PageTable" in paged and "copy_paged_tile_async<BLOCK_KV>" in paged

@@ -52,7 +52,8 @@ def test_varlen_loads_rows_of_one_tensor():
     text = render(fagen.parse_spec(ws_spec(sequences={"q": "varlen", "kv": "varlen"}, mask={"kind": "causal"})))
     assert "kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q_start + q0, 0,\n                   kv_start, 0, h, h_kv);" in text
     assert text.count("if (seq_tile.x < 0) continue;") == 2 and "return;  // past" not in text
-    assert "if (q0 >= n_q)" not in text and text.count("const int2 seq_tile = q_tiles[tile.y];") == 2
+    assert "if (q0 >= n_q)" not in text and text.count("const int2 seq_tile = q_tiles != nullptr ? q_tiles[tile.y] : numbered_tile(cu_seqlens_q, batch, tile.y, "
+                                                "tiles_y);") == 2
     assert "const int diagonal = mask_offset + n_kv - n_q;" in text and "mask_offset +=" not in text
     padded = render(fagen.parse_spec(ws_spec()))
     assert "smem_q_u32, q0, b,\n                   0, b, h, h_kv);" in padded
