@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from fagen import hot_path, side_inputs, tensor_maps, wide_head
+from fagen import fp8_inputs, hot_path, side_inputs, tensor_maps, wide_head
 from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
                           torch_stream_handle, zeros_like)
 from fagen.dispatch import derive_spec, fp8_kv_refusal, no_work, packed_spec, sequence_keys, step_spec
@@ -193,7 +193,8 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            descaled = kernel.descale_arguments(tq, tk, None, k_descale, v_descale)  # an FP8 cache's, read now
+            descaled = kernel.descale_arguments(tq, tk, None, fp8_inputs.prepared_copy(k_descale),
+                                                fp8_inputs.prepared_copy(v_descale))  # an FP8 cache's, read now
             if descaled is not None:
                 extras.update(descaled[0])
                 held = [*held, descaled[1]]

@@ -8,8 +8,8 @@
   so P needs no shuffle. A pass over V costs ~1% of the attention at 4k keys (it reads and
   writes V once; the attention reads it once per query tile).
 - The descales, FlashAttention-3's convention: float32, one number or [B, Hkv] each (None: 1);
-  the true q is q * q_descale[b, h_kv], likewise k and v. The three go to the kernel as one
-  [3, B, Hkv] array.
+  the true q is q * q_descale[b, h_kv], likewise k and v. Each goes to the kernel as an address and
+  its (sequence, KV head) strides, a device tensor read where it lies (descale_views).
 """
 
 from __future__ import annotations
@@ -55,23 +55,63 @@ def transposed_v(v):
     return np.ascontiguousarray(grouped.reshape(b, h, keys, d).transpose(0, 1, 3, 2))
 
 
-def descales(q_descale, k_descale, v_descale, b: int, hkv: int, like):
-    """The three descales as one float32 [3, B, Hkv] array on `like`'s device (like: a torch
-    tensor, or a NumPy array for the tests), each checked: None (1), one number, or [B, Hkv]."""
-    rows = []
-    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+# 1.0 on each device, kept: a descale not given reads it (no fill a call)
+_ONES: dict = {}
+
+
+def descale_views(q_descale, k_descale, v_descale, b: int, hkv: int, like) -> tuple[tuple[object, int, int], ...]:
+    """Each descale as a kernel reads it: (a float32 array on like's device, its sequence and KV
+    head strides in elements), FlashAttention-3's forms checked: None (1), one number, or [B, Hkv]
+    ([1] or a 0-d tensor too; strides 0 along what it lacks). A float32 tensor on that device is
+    read where it lies, any strides: a call launches nothing for it (a decode step's few
+    microseconds of GPU time once went to building one [3, B, Hkv] table a call). like: a torch
+    tensor or a CuPy array; a NumPy one for the tests (the arrays stay NumPy)."""
+    views = []
+    for name, x in zip(DESCALE_NAMES, (q_descale, k_descale, v_descale)):
         shape = () if x is None or np.isscalar(x) else tuple(x.shape)
         if shape not in ((), (1,), (b, hkv)):
             raise ValueError(f"{name}: shape {shape}; FlashAttention-3's descales are one number or [B, Hkv] = "
                              f"[{b}, {hkv}] float32 (the true tensor is the FP8 one times its descale)")
-        rows.append(1.0 if x is None else x)
-    if type(like).__module__.startswith("torch"):
+        array = _one(like) if x is None else _on_device(x, like)
+        views.append((array, *((array.stride() if _is_torch(array) else
+                                tuple(s // 4 for s in array.strides)) if shape == (b, hkv) else (0, 0))))
+    return tuple(views)
+
+
+def prepared_copy(x):
+    """A descale as a prepared call keeps it: its values at prepare time (an array is copied, on
+    its device), which later changes to the caller's array do not reach."""
+    return x.clone() if _is_torch(x) else x.copy() if hasattr(x, "copy") and not np.isscalar(x) else x
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _one(like):
+    device = like.device if _is_torch(like) else getattr(like, "device", None)
+    key = (type(like).__module__.split(".")[0], str(device))
+    if key not in _ONES:
+        _ONES[key] = _on_device(1.0, like)
+    return _ONES[key]
+
+
+def _on_device(x, like):
+    """x (a number or an array) as float32 on like's device, 1-D where it is one number; a float32
+    tensor already there as it is."""
+    if _is_torch(like):
         import torch
 
-        # numbers (and None) filled on the device: a host tensor's copy would block the host and
-        # CUDA graph capture refuses it
-        flat = [torch.full((1,), float(x), dtype=torch.float32, device=like.device) if np.isscalar(x)
-                else torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(-1) for x in rows]
-        return torch.stack([x.expand(b * hkv) for x in flat]).reshape(3, b, hkv).contiguous()
-    flat = [np.asarray(x, dtype=np.float32).reshape(-1) for x in rows]
-    return np.ascontiguousarray(np.stack([np.broadcast_to(x, (b * hkv,)) for x in flat]).reshape(3, b, hkv))
+        if _is_torch(x) and x.dtype == torch.float32 and x.device == like.device:
+            return x.reshape(1) if x.dim() == 0 else x
+        if np.isscalar(x):  # filled on the device: a host copy would block, and capture refuses it
+            return torch.full((1,), float(x), dtype=torch.float32, device=like.device)
+        return torch.as_tensor(x, dtype=torch.float32, device=like.device).reshape(tuple(x.shape) or (1,))
+    if type(like).__module__.startswith("cupy"):
+        import cupy
+
+        with cupy.cuda.Device(like.device.id):
+            return cupy.asarray(x, dtype=cupy.float32).reshape(np.shape(x) or (1,))
+    return np.asarray(x, dtype=np.float32).reshape(np.shape(x) or (1,))

@@ -853,11 +853,12 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
 # alone: none 867 TFLOP/s, one in 8 897, in 4 895, in 2 793: the FMA pipe's share then costs more
 # issue slots than the MUFU it frees).
 EXP2_POLY_EVERY = 8
-# FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), all three alike
-DESCALE_PARAMS = ((FLOAT_PTR, "q_descale"), (FLOAT_PTR, "k_descale"), (FLOAT_PTR, "v_descale"),
-                  ("long long", "descale_sb"), ("long long", "descale_sh"))
+# FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), each read where it
+# lies: its address and (sequence, KV head) strides
+DESCALE_PARAMS = tuple(param for name in ("q_descale", "k_descale", "v_descale")
+                       for param in ((FLOAT_PTR, name), ("long long", f"{name}_sb"), ("long long", f"{name}_sh")))
 # an FP8 KV cache's: k's and v's alone (q is a half type)
-KV_DESCALE_PARAMS = DESCALE_PARAMS[1:]
+KV_DESCALE_PARAMS = DESCALE_PARAMS[3:]
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")

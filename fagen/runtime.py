@@ -634,8 +634,9 @@ class Kernel:
         return (out, lse) if return_lse or partial and not merged else out
 
     def descale_arguments(self, tq: DeviceTensor, tk: DeviceTensor, q_descale, k_descale, v_descale) -> tuple[dict, object] | None:
-        """An FP8 kernel's descale arguments and the [3, B, Hkv] array behind them; None for others
-        (which refuse descales)."""
+        """An FP8 kernel's descale arguments (each descale's address and (sequence, KV head)
+        strides, fp8_inputs.descale_views) and the arrays behind them; None for others (which
+        refuse descales)."""
         given = [name for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
                  if x is not None]
         spec = self.spec
@@ -647,12 +648,8 @@ class Kernel:
         if spec.fp8_kv and q_descale is not None:
             raise ValueError(f"q_descale: kernel {spec.name} takes q in {spec.dtype}, which has no descale; pass "
                              f"k_descale and v_descale for its {spec.kv_dtype} k and v only")
-        b, hkv = tq.shape[0], tk.shape[1]
-        table = fp8_inputs.descales(q_descale, k_descale, v_descale, b, hkv, tq.obj)
-        base, row = as_device_tensor(table, "descales").ptr, b * hkv * 4  # bytes of one descale's [B, Hkv]
-        q_part = {} if spec.fp8_kv else {"q_descale": base}  # (an FP8 KV cache's kernel reads k's and v's)
-        return dict(**q_part, k_descale=np.uint64(base + row), v_descale=np.uint64(base + 2 * row),
-                    descale_sb=np.int64(hkv), descale_sh=np.int64(1)), table
+        views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj)
+        return descale_parameters(views, fp8_inputs.DESCALE_NAMES[spec.fp8_kv:]), [array for array, _, _ in views]
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
         """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned
@@ -880,6 +877,17 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
                                                   (np.uint64(docs.ptr), np.int64(docs.strides[0]), np.int32(n),
                                                    np.uint64(as_device_tensor(bounds, "doc_bounds").ptr)))
     return bounds
+
+
+def descale_parameters(views: tuple, names: tuple[str, ...]) -> dict:
+    """The kernel parameters of descale_views' `names` (an FP8 KV cache's kernels read k's and
+    v's alone): each one's address, <name>_sb and <name>_sh."""
+    args = {}
+    for name, (array, sb, sh) in zip(fp8_inputs.DESCALE_NAMES, views):
+        if name in names:
+            args.update({name: np.uint64(as_device_tensor(array, name).ptr), f"{name}_sb": np.int64(sb),
+                         f"{name}_sh": np.int64(sh)})
+    return args
 
 
 def v_transposed(tv: DeviceTensor):

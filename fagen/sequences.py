@@ -481,7 +481,8 @@ class PreparedKVCache(PreparedAttention):
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
                              f"attention_with_kvcache, which answers a call without query rows with no launch")
         packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
-                      indices=PAGED_INDICES, k_descale=k_descale, v_descale=v_descale)
+                      indices=PAGED_INDICES, k_descale=fp8_inputs.prepared_copy(k_descale),
+                      v_descale=fp8_inputs.prepared_copy(v_descale))
         self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
                   packed.kernel, packed.merge, packed.held)
 
@@ -747,9 +748,8 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
             check_cached_lengths(_host(seqlens))  # read waits on the cache's stream: new_lengths are there
         st = None if status is None else _index_array(status, "status", device, ("1",))
         descales = None
-        if fp8 is not None:  # [3, B, Hkv] float32 (q's row unused), as the decode kernels read them
-            descales = fp8_inputs.descales(None, k_descale, v_descale, b, hkv, tk.obj)
-            descales = descales if is_torch(descales) else cupy.asarray(descales)
+        if fp8 is not None:  # k's and v's, each read where it lies (fp8_inputs.descale_views)
+            descales = fp8_inputs.descale_views(None, k_descale, v_descale, b, hkv, tk.obj)[1:]
 
     def launch() -> None:
         if not tokens:
@@ -764,9 +764,9 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
                 strides += [s * cache_item for s in t.strides[:3]]
             quantized = ()
             name = append_kv_name()
-            if descales is not None:  # k's and v's rows of the table, (sequence, head) strides
-                base, row = as_device_tensor(descales, "descales").ptr, b * hkv * 4
-                quantized = (np.uint64(base + row), np.uint64(base + 2 * row), np.int64(hkv), np.int64(1))
+            if descales is not None:  # each one's address and (sequence, head) strides
+                quantized = tuple(x for array, sb, sh in descales
+                                  for x in (np.uint64(as_device_tensor(array, "descale").ptr), np.int64(sb), np.int64(sh)))
                 name = append_kv_name(tk.dtype, fp8.name)
             shared_function(name, device)((tokens,), (APPEND_KV_THREADS,), (
                 *(np.uint64(t.ptr) for t in (*new, tkc, tvc)), *(np.int64(s) for s in strides),

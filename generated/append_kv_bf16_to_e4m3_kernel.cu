@@ -60,7 +60,8 @@ append_kv_bf16_to_e4m3_kernel(const char* __restrict__ k_new, const char* __rest
     const int* __restrict__ cu_seqlens, int batch, int tokens_per_sequence, const int* __restrict__ cache_seqlens,
     const int* __restrict__ page_table, long long page_table_stride, int max_pages, int page_size, int num_pages,
     int heads, int row_chunks, int* __restrict__ status, const float* __restrict__ k_descale,
-    const float* __restrict__ v_descale, long long descale_sb, long long descale_sh) {
+    long long k_descale_sb, long long k_descale_sh, const float* __restrict__ v_descale, long long v_descale_sb,
+    long long v_descale_sh) {
   // byte strides: the new rows' between sequences (padded [B, Hkv, N, d]; varlen 0), tokens and
   // heads; the cache's between pages, slots and heads
   const long long t = blockIdx.x;
@@ -94,7 +95,7 @@ append_kv_bf16_to_e4m3_kernel(const char* __restrict__ k_new, const char* __rest
                            : k_new + b * k_sb + source_row * k_sn + h * k_sh;
     char* dst = is_v ? v_cache + page * vc_page + slot * vc_slot + h * vc_sh
                      : k_cache + page * kc_page + slot * kc_slot + h * kc_sh;
-    const float descale = (is_v ? v_descale : k_descale)[b * descale_sb + h * descale_sh];
+    const float descale = is_v ? v_descale[b * v_descale_sb + h * v_descale_sh] : k_descale[b * k_descale_sb + h * k_descale_sh];
     const uint4 x = *reinterpret_cast<const uint4*>(src + chunk * 16);
     *reinterpret_cast<uint2*>(dst + chunk * 8) = uint2{quantize4(x.x, x.y, descale), quantize4(x.z, x.w, descale)};
   }

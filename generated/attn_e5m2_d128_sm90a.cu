@@ -671,10 +671,14 @@ fagen_attn_e5m2_d128_sm90a(
     long long o_sn,
     float scale_log2,
     const float* __restrict__ q_descale,
+    long long q_descale_sb,
+    long long q_descale_sh,
     const float* __restrict__ k_descale,
+    long long k_descale_sb,
+    long long k_descale_sh,
     const float* __restrict__ v_descale,
-    long long descale_sb,
-    long long descale_sh,
+    long long v_descale_sb,
+    long long v_descale_sh,
     int tiles_x,
     int tiles_y,
     int tiles_z,
@@ -742,8 +746,7 @@ fagen_attn_e5m2_d128_sm90a(
     kv.begin(kv_tiles);
     // FlashAttention-3's descales: the true q is q * q_descale[b, h_kv], likewise k and v. Q.K^T's
     // two fold into the scale; V's multiplies O once, after the last P.V.
-    const long long descale_at = b * descale_sb + h_kv * descale_sh;
-    const float qk_descale = q_descale[descale_at] * k_descale[descale_at];
+    const float qk_descale = q_descale[b * q_descale_sb + h_kv * q_descale_sh] * k_descale[b * k_descale_sb + h_kv * k_descale_sh];
     const float to_log2 = scale_log2 * qk_descale;
     const int warp_q0 = q0 + warp_row0, warp_q_last = min(warp_q0 + WARP_ROWS, n_q) - 1;
 
@@ -835,7 +838,7 @@ fagen_attn_e5m2_d128_sm90a(
     if (kv_tiles == 0) kv.release_q();
 
     {
-      const float descale = v_descale[descale_at];
+      const float descale = v_descale[b * v_descale_sb + h_kv * v_descale_sh];
   #pragma unroll
       for (int f = 0; f < M_FRAGS; ++f)
   #pragma unroll

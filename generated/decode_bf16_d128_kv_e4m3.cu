@@ -591,9 +591,11 @@ fagen_decode_bf16_d128_kv_e4m3(
     long long o_sn,
     float scale_log2,
     const float* __restrict__ k_descale,
+    long long k_descale_sb,
+    long long k_descale_sh,
     const float* __restrict__ v_descale,
-    long long descale_sb,
-    long long descale_sh,
+    long long v_descale_sb,
+    long long v_descale_sh,
     int kv_tiles_per_split,
     long long o_split_stride,
     long long lse_split_stride) {
@@ -639,8 +641,7 @@ fagen_decode_bf16_d128_kv_e4m3(
   const float q_unscale = q_to_float16(smem_q, tid);
   // An FP8 KV cache's descales (FlashAttention-3's k_descale, v_descale): the true k is
   // k * k_descale[b, h_kv], likewise v. K's folds into the scale with Q's float16 rescale; V's multiplies O once, after the last P.V.
-  const long long descale_at = b * descale_sb + h_kv * descale_sh;
-  const float qk_descale = k_descale[descale_at] * q_unscale;
+  const float qk_descale = k_descale[b * k_descale_sb + h_kv * k_descale_sh] * q_unscale;
   const float to_log2 = scale_log2 * qk_descale;
 
   float o_acc[M_FRAGS][O_N_FRAGS][4] = {};
@@ -739,7 +740,7 @@ fagen_decode_bf16_d128_kv_e4m3(
   if (!merge_key_warps(o_acc, softmax, reinterpret_cast<float*>(smem + Q_TILE_ELEMS), warp, lane)) return;
 
   {
-    const float descale = v_descale[descale_at];
+    const float descale = v_descale[b * v_descale_sb + h_kv * v_descale_sh];
 #pragma unroll
     for (int f = 0; f < M_FRAGS; ++f)
 #pragma unroll

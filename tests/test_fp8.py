@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fagen import fp8_inputs
-from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descales, transposed_v
+from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, prepared_copy, transposed_v
 from fagen.load import load_spec, parse_spec
 from fagen.render import render
 from fagen.spec import SpecError
@@ -64,20 +64,32 @@ def test_v_transposed_from_torch_float8_keeps_its_bytes():
     np.testing.assert_array_equal(vt.view(torch.uint8).numpy(), transposed_v(v.view(torch.uint8).numpy()))
 
 
-def test_descales_broadcast_into_one_array():
+def test_each_descale_is_read_through_its_own_strides():
+    """None reads a kept 1, a number one float32, a [B, Hkv] array its own elements at its own
+    strides (a transposed view too): a kernel reads descale[b * sb + h * sh]."""
     b, hkv = 2, 3
-    per_head = np.arange(6, dtype=np.float32).reshape(b, hkv)
-    table = descales(None, 0.5, per_head, b, hkv, np.zeros(1))
-    assert table.shape == (3, b, hkv) and table.dtype == np.float32
-    np.testing.assert_array_equal(table[0], 1.0)
-    np.testing.assert_array_equal(table[1], 0.5)
-    np.testing.assert_array_equal(table[2], per_head)
+    per_head = np.arange(6, dtype=np.float32).reshape(hkv, b).T  # strides (1, 2): not contiguous
+    views = descale_views(None, 0.5, per_head, b, hkv, np.zeros(1))
+    assert views[0][1:] == (0, 0) and views[1][1:] == (0, 0) and views[2][1:] == (1, 2)
+    assert all(array.dtype == np.float32 for array, _, _ in views)
+    for (array, sb, sh), want in zip(views, (np.ones((b, hkv)), np.full((b, hkv), 0.5), per_head)):
+        flat = np.lib.stride_tricks.as_strided(array, (array.size,), (4,))  # its memory, in order
+        got = [[flat[i * sb + h * sh] for h in range(hkv)] for i in range(b)]
+        np.testing.assert_array_equal(got, want)
+    assert descale_views(None, None, None, b, hkv, np.zeros(1))[0][0] is views[0][0]  # one kept 1
+
+
+def test_a_prepared_call_keeps_its_descales_values():
+    given = np.ones((2, 3), np.float32)
+    kept = prepared_copy(given)
+    given[:] = 7
+    assert (kept == 1).all() and prepared_copy(0.5) == 0.5 and prepared_copy(None) is None
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 3, 1), (3, 2)])
 def test_a_descale_of_another_shape_is_refused_by_name(shape):
     with pytest.raises(ValueError, match=r"k_descale: shape .*\[B, Hkv\] = \[2, 3\]"):
-        descales(None, np.ones(shape, np.float32), None, 2, 3, np.zeros(1))
+        descale_views(None, np.ones(shape, np.float32), None, 2, 3, np.zeros(1))
 
 
 def test_the_fp8_kernel_reads_fp8_and_writes_its_out_dtype():
@@ -88,7 +100,8 @@ def test_the_fp8_kernel_reads_fp8_and_writes_its_out_dtype():
     assert "cvt.rn.satfinite.e4m3x2.f32" in source and "cvt.rn.bf16x2.f32" in source
     assert "typedef unsigned short out_t;" in source and "typedef unsigned char elem_t;" in source
     assert "m_use - P_LOG2_SCALE" in source and "- P_LOG2_SCALE) * LN2" in source  # P's 2^8, out of the LSE
-    assert "q_descale[descale_at] * k_descale[descale_at]" in source and "v_descale[descale_at]" in source
+    assert ("q_descale[b * q_descale_sb + h_kv * q_descale_sh] * k_descale[b * k_descale_sb + h_kv * k_descale_sh]"
+            in source and "v_descale[b * v_descale_sb + h_kv * v_descale_sh]" in source)
 
 
 @pytest.mark.parametrize("change,field", [

@@ -179,6 +179,30 @@ def test_a_compiled_layer_reading_an_fp8_cache_replays_in_a_cuda_graph():
         assert torch.equal(replayed, layer(q, k8, v8))
 
 
+def test_descales_are_read_through_their_own_strides_and_kept_by_a_prepared_call():
+    """Each descale is read where it lies: a transposed [B, Hkv] view, a 0-d tensor and a number
+    give the oracle's result (as contiguous copies do); a prepared call keeps its values at prepare
+    time, later writes to the caller's tensors notwithstanding."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(23)
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 3, 32, 8, 1, 1500, 1.0, torch)
+    kd_view = kd.t().contiguous().t()  # strides (1, 3): the values of kd, not contiguous
+    assert not kd_view.is_contiguous()
+    v_scalar = vd[1, 2].clone()  # a 0-d tensor: every (sequence, head) reads it
+    with torch.no_grad():
+        step = fagen.prepare(q, k8, v8, k_descale=kd_view, v_descale=v_scalar)
+        for kd_given, vd_given in ((kd_view, v_scalar), (kd_view, float(v_scalar))):
+            got = fagen.attention(q, k8, v8, k_descale=kd_given, v_descale=vd_given)
+            want = exact(q, k8, v8, kd, torch.full_like(vd, float(v_scalar)), False)
+            assert relative_error(to_numpy(got.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+        before = fagen.attention(q, k8, v8, k_descale=kd_view, v_descale=v_scalar)
+        kd_view.mul_(2.0)
+        v_scalar.mul_(3.0)
+        assert torch.equal(step(q, k8, v8), before)  # the prepared call's descales: as at prepare time
+
+
 def test_prepared_calls_read_an_fp8_cache_as_the_eager_ones():
     """fagen.prepare and fagen.prepare_with_kvcache on e4m3 caches, descales given at prepare:
     each call equals the eager call bit for bit, on new values of the same tensors."""

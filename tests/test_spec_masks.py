@@ -26,7 +26,8 @@ BASE = {  # specs/sliding_window_f16_d128.yaml
 
 FIXED_PARAMS = ["q", "k", "v", "o", "lse", "n_q", "n_kv", "mask_offset", "heads_q", "group", "q_sb", "q_sh", "q_sn",
                 "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sn", "scale", "scale_log2",
-                "q_descale", "k_descale", "v_descale", "descale_sb", "descale_sh"]
+                "q_descale", "q_descale_sb", "q_descale_sh", "k_descale", "k_descale_sb", "k_descale_sh", "v_descale",
+                "v_descale_sb", "v_descale_sh"]
 BM_PARAMS = ["bm_num", "bm_idx", "bm_type", "bm_partial", "bm_bits", "bm_sb", "bm_sh", "bm_max", "bm_causal_offset"]
 BIAS_PARAMS = ["bias", "bias_sb", "bias_sh", "bias_sq"]
 
