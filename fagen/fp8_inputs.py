@@ -57,27 +57,32 @@ def transposed_v(v):
 
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
-# 1.0 on each device, kept: a descale not given reads it (no fill a call)
+# 1.0 on each device, kept: a descale not given reads it (no fill a call). Made outside stream
+# capture only, and waited for once (a fill recorded in a graph runs at its replays alone).
 _ONES: dict = {}
 
 
-def descale_views(q_descale, k_descale, v_descale, b: int, hkv: int, like) -> tuple[tuple[object, int, int], ...]:
-    """Each descale as a kernel reads it: (a float32 array on like's device, its sequence and KV
-    head strides in elements), FlashAttention-3's forms checked: None (1), one number, or [B, Hkv]
-    ([1] or a 0-d tensor too; strides 0 along what it lacks). A float32 tensor on that device is
-    read where it lies, any strides: a call launches nothing for it (a decode step's few
-    microseconds of GPU time once went to building one [3, B, Hkv] table a call). like: a torch
-    tensor or a CuPy array; a NumPy one for the tests (the arrays stay NumPy)."""
-    views = []
+def descale_views(q_descale, k_descale, v_descale, b: int, hkv: int, like,
+                  names: tuple[str, ...] = DESCALE_NAMES) -> dict[str, tuple[object, int, int]]:
+    """The descales `names` as a kernel reads them: name -> (a float32 array on like's device, its
+    sequence and KV head strides in elements), FlashAttention-3's forms checked: None (1), one
+    number, or [B, Hkv] ([1] or a 0-d tensor too; strides 0 along what it lacks). A float32 tensor
+    on that device is read where it lies, any strides: a call launches nothing for it (a decode
+    step's few microseconds of GPU time once went to building one [3, B, Hkv] table a call); a
+    number is filled on the device a call, another dtype or device copied. like: a torch tensor
+    or a CuPy array; a NumPy one for the tests (the arrays stay NumPy)."""
+    views = {}
     for name, x in zip(DESCALE_NAMES, (q_descale, k_descale, v_descale)):
         shape = () if x is None or np.isscalar(x) else tuple(x.shape)
         if shape not in ((), (1,), (b, hkv)):
             raise ValueError(f"{name}: shape {shape}; FlashAttention-3's descales are one number or [B, Hkv] = "
                              f"[{b}, {hkv}] float32 (the true tensor is the FP8 one times its descale)")
+        if name not in names:
+            continue
         array = _one(like) if x is None else _on_device(x, like)
-        views.append((array, *((array.stride() if _is_torch(array) else
-                                tuple(s // 4 for s in array.strides)) if shape == (b, hkv) else (0, 0))))
-    return tuple(views)
+        views[name] = (array, *((array.stride() if _is_torch(array) else
+                                 tuple(s // 4 for s in array.strides)) if shape == (b, hkv) else (0, 0)))
+    return views
 
 
 def prepared_copy(x):
@@ -91,11 +96,27 @@ def _is_torch(x) -> bool:
 
 
 def _one(like):
-    device = like.device if _is_torch(like) else getattr(like, "device", None)
-    key = (type(like).__module__.split(".")[0], str(device))
-    if key not in _ONES:
-        _ONES[key] = _on_device(1.0, like)
-    return _ONES[key]
+    """1.0 on like's device: the kept one, or under stream capture a fill of the call's own (held
+    with its launch), which the graph's replays run."""
+    kind = type(like).__module__.split(".")[0]
+    key = (kind, str(like.device) if kind in ("torch", "cupy") else None)
+    if key in _ONES:
+        return _ONES[key]
+    one = _on_device(1.0, like)
+    if kind == "torch":
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return one
+        torch.cuda.current_stream(like.device).synchronize()
+    elif kind == "cupy":
+        import cupy
+
+        if cupy.cuda.get_current_stream().is_capturing():
+            return one
+        cupy.cuda.get_current_stream().synchronize()
+    _ONES[key] = one
+    return one
 
 
 def _on_device(x, like):
@@ -112,6 +133,8 @@ def _on_device(x, like):
     if type(like).__module__.startswith("cupy"):
         import cupy
 
-        with cupy.cuda.Device(like.device.id):
-            return cupy.asarray(x, dtype=cupy.float32).reshape(np.shape(x) or (1,))
+        if isinstance(x, cupy.ndarray) and x.dtype == cupy.float32 and x.device.id == like.device.id:
+            return x.reshape(1) if x.ndim == 0 else x
+        with cupy.cuda.Device(like.device.id):  # (cupy.array copies from another device, asarray would not)
+            return cupy.array(x, dtype=cupy.float32).reshape(np.shape(x) or (1,))
     return np.asarray(x, dtype=np.float32).reshape(np.shape(x) or (1,))

@@ -336,8 +336,9 @@ def l2_heads(heads: int, bytes_per_head: int, l2_bytes: int) -> int:
 
 
 def has_sequence_tiles(spec: AttentionSpec) -> bool:
-    """Whether the kernel's query tiles come from a varlen batch's tile table (q_tiles: entry y is
-    tile y's (sequence, first row), the longest sequences first, (-1, 0) past the batch's tiles):
+    """Whether the kernel walks a varlen batch's tiles (grid y: the tile table's entries; q_tiles:
+    entry y is tile y's (sequence, first row), the longest sequences first, (-1, 0) past the
+    batch's tiles; q_tiles null where they fit one wave, the kernel numbering them itself):
     varlen q, a query head a tile. A grid of B x the longest sequence's tiles spends a block on
     each tile past a shorter sequence's end (10.8% of a causal prefill with 6 of 14 tiles a head
     empty), and a persistent walk over it is uneven; over the table it is not (causal varlen

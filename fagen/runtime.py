@@ -250,16 +250,16 @@ class Launch:
         byte strides, box), ...)), or None without maps."""
         if not self.maps:
             return None
-        return (self._mapped.ctypes.data, tuple((slot, tensor, element_type(dtype).tensor_map, layout.dims, layout.strides,
-                                                 layout.box) for slot, tensor, dtype, layout in self.maps))
+        return (self._mapped.ctypes.data, tuple((slot, tensor, element_type(dtype).tensor_map, *(tuple(map(int, x)) for x in (
+            layout.dims, layout.strides, layout.box))) for slot, tensor, dtype, layout in self.maps))
 
     def re_encode(self, addresses: tuple[int, ...]) -> None:
         """TMA reads a tensor's address from its map: encode the maps of re-pointed tensors."""
         for i, (slot, tensor, dtype, layout) in enumerate(self.maps):
             if tensor < len(addresses) and addresses[tensor] != self._mapped[i]:
-                self._mapped[i] = addresses[tensor]
                 struct.pack_into(SLOT_FORMATS[TMA_MAP], self.values, SLOT_BYTES * slot,
                                  tensor_maps.encode(addresses[tensor], dtype, layout))
+                self._mapped[i] = addresses[tensor]  # (recorded once written: the C path skips what it names)
 
 
 def call_signature(q, k, v, out, scale: float | None, return_lse: bool) -> tuple:
@@ -648,8 +648,9 @@ class Kernel:
         if spec.fp8_kv and q_descale is not None:
             raise ValueError(f"q_descale: kernel {spec.name} takes q in {spec.dtype}, which has no descale; pass "
                              f"k_descale and v_descale for its {spec.kv_dtype} k and v only")
-        views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj)
-        return descale_parameters(views, fp8_inputs.DESCALE_NAMES[spec.fp8_kv:]), [array for array, _, _ in views]
+        views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj,
+                                         names=fp8_inputs.DESCALE_NAMES[spec.fp8_kv:])  # a KV cache's: k's, v's
+        return descale_parameters(views), [array for array, _, _ in views.values()]
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
         """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned
@@ -879,14 +880,12 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
     return bounds
 
 
-def descale_parameters(views: tuple, names: tuple[str, ...]) -> dict:
-    """The kernel parameters of descale_views' `names` (an FP8 KV cache's kernels read k's and
-    v's alone): each one's address, <name>_sb and <name>_sh."""
+def descale_parameters(views: dict) -> dict:
+    """The kernel parameters of descale_views' descales: each one's address, <name>_sb and <name>_sh."""
     args = {}
-    for name, (array, sb, sh) in zip(fp8_inputs.DESCALE_NAMES, views):
-        if name in names:
-            args.update({name: np.uint64(as_device_tensor(array, name).ptr), f"{name}_sb": np.int64(sb),
-                         f"{name}_sh": np.int64(sh)})
+    for name, (array, sb, sh) in views.items():
+        args.update({name: np.uint64(as_device_tensor(array, name).ptr), f"{name}_sb": np.int64(sb),
+                     f"{name}_sh": np.int64(sh)})
     return args
 
 

@@ -23,6 +23,7 @@ cu_seqlens and max_seqlen_*.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -311,6 +312,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         packed = kernel.pack(tq, tk, tv, out, lse, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0,
                              splits=splits or 1, extras=extras, held=[*held, *batch.held], indices=indices,
                              sinks=sinks, merged_views=merged_views)
+        if kernel.plan.claimed_walk and tiles is None and math.prod(packed.kernel.grid) < math.prod(
+                kernel.plan.tiles(b, hq, hkv, nq, splits or 1, total_q)):  # (no counter: a block a tile)
+            raise RuntimeError(f"kernel {spec.name}: a walk of one wave launched {packed.kernel.grid} blocks, fewer "
+                               f"than its tiles")
         return replace(packed, first=tiles)
 
 
@@ -593,8 +598,9 @@ class PreparedVarlen(PreparedAttention):
     cu_seqlens_q, cu_seqlens_k[, seqused_k], out=None)` takes tensors of the prepared shapes
     (total_q, total_k and B as prepared), strides and dtypes, with any lengths that fit the
     prepared max_seqlen_q and max_seqlen_k, and launches with a few microseconds of host work, no
-    host sync, capturable in a CUDA graph: the query tile table's launch (it follows
-    cu_seqlens_q's values), then the kernel's. validate=True checks the prepared cu_seqlens once;
+    host sync, capturable in a CUDA graph: the kernel's launch, which numbers the batch's tiles
+    itself where they fit one wave (one_wave), else the query tile table's launch first (it
+    follows cu_seqlens_q's values). validate=True checks the prepared cu_seqlens once;
     a call trusts its own as attention_varlen(validate=False) does."""
 
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -749,7 +755,8 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
         st = None if status is None else _index_array(status, "status", device, ("1",))
         descales = None
         if fp8 is not None:  # k's and v's, each read where it lies (fp8_inputs.descale_views)
-            descales = fp8_inputs.descale_views(None, k_descale, v_descale, b, hkv, tk.obj)[1:]
+            descales = tuple(fp8_inputs.descale_views(None, k_descale, v_descale, b, hkv, tk.obj,
+                                                      names=("k_descale", "v_descale")).values())
 
     def launch() -> None:
         if not tokens:

@@ -70,13 +70,16 @@ def test_each_descale_is_read_through_its_own_strides():
     b, hkv = 2, 3
     per_head = np.arange(6, dtype=np.float32).reshape(hkv, b).T  # strides (1, 2): not contiguous
     views = descale_views(None, 0.5, per_head, b, hkv, np.zeros(1))
-    assert views[0][1:] == (0, 0) and views[1][1:] == (0, 0) and views[2][1:] == (1, 2)
-    assert all(array.dtype == np.float32 for array, _, _ in views)
-    for (array, sb, sh), want in zip(views, (np.ones((b, hkv)), np.full((b, hkv), 0.5), per_head)):
+    assert list(views) == ["q_descale", "k_descale", "v_descale"]
+    assert views["q_descale"][1:] == (0, 0) and views["k_descale"][1:] == (0, 0) and views["v_descale"][1:] == (1, 2)
+    assert all(array.dtype == np.float32 for array, _, _ in views.values())
+    for (array, sb, sh), want in zip(views.values(), (np.ones((b, hkv)), np.full((b, hkv), 0.5), per_head)):
         flat = np.lib.stride_tricks.as_strided(array, (array.size,), (4,))  # its memory, in order
         got = [[flat[i * sb + h * sh] for h in range(hkv)] for i in range(b)]
         np.testing.assert_array_equal(got, want)
-    assert descale_views(None, None, None, b, hkv, np.zeros(1))[0][0] is views[0][0]  # one kept 1
+    again = descale_views(None, None, None, b, hkv, np.zeros(1), names=("k_descale", "v_descale"))
+    assert list(again) == ["k_descale", "v_descale"]  # an FP8 KV cache's: q's is not built
+    assert again["k_descale"][0] is views["q_descale"][0]  # one kept 1
 
 
 def test_a_prepared_call_keeps_its_descales_values():

@@ -203,6 +203,29 @@ def test_descales_are_read_through_their_own_strides_and_kept_by_a_prepared_call
         assert torch.equal(step(q, k8, v8), before)  # the prepared call's descales: as at prepare time
 
 
+def test_a_descale_left_out_under_capture_reads_one_outside_the_graph():
+    """The kept 1.0 that a descale left out reads is made outside stream capture only: where a
+    device's first FP8 call is captured, eager calls are right before any replay, and so is the
+    replay."""
+    torch = pytest.importorskip("torch")
+    import fagen
+    from fagen import fp8_inputs
+
+    rng = np.random.default_rng(29)
+    q, k8, v8, kd, _ = inputs(rng, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 700, 1.0, torch)
+    with torch.no_grad():
+        want = fagen.attention(q, k8, v8, k_descale=kd)  # (compiles outside the capture)
+        fp8_inputs._ONES.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fagen.attention(q, k8, v8, k_descale=kd)
+        assert not fp8_inputs._ONES  # nothing kept from the capture
+        assert torch.equal(fagen.attention(q, k8, v8, k_descale=kd), want)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want)
+
+
 def test_prepared_calls_read_an_fp8_cache_as_the_eager_ones():
     """fagen.prepare and fagen.prepare_with_kvcache on e4m3 caches, descales given at prepare:
     each call equals the eager call bit for bit, on new values of the same tensors."""
