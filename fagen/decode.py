@@ -360,7 +360,7 @@ class PreparedAttention:
                               self._out_placement[0], self._stream, self._current_device, allocate,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
                               launch_kernel, is_capturing, encode_tiled, tensor_maps.ENCODE_FLAGS,
-                              tuple(_hot_launch(launch, at, n + 2, workspace) for launch, at in self._launches),
+                              tuple(hot_path.launch_entry(launch, at, n + 2, (launch, workspace)) for launch, at in self._launches),
                               growing)
 
     def _refuse(self, inputs):
@@ -422,20 +422,6 @@ def _keep_for_graphs(owner: weakref.ref) -> None:
     prepared = owner()
     if prepared is not None:
         prepared._keep_for_graphs()
-
-
-def _hot_launch(launch, positions: tuple[int, ...], addresses: int, workspace) -> tuple:
-    """A Launch as HotPath takes it: its driver call, the slot each of the call's `addresses`
-    (the inputs, out, lse) goes to (-1: not re-pointed), its tensor maps' encodings (each follows
-    one of the addresses, which are its slots' order where it has maps), and what the C side
-    keeps alive: the Launch, whose buffers it writes, and `workspace`, which the launch's
-    arguments point at."""
-    slots = [-1] * addresses
-    for slot, position in zip(launch.slots, positions):
-        slots[position] = slot
-    if launch.maps and positions != tuple(range(len(launch.slots))):
-        raise ValueError("a launch with tensor maps re-points the inputs, out and lse in that order")
-    return (*launch.driver_call(), tuple(slots), launch.map_encodings(), (launch, workspace))
 
 
 class GrowingKeys(PreparedAttention):

@@ -87,3 +87,16 @@ def driver_functions() -> tuple[int, int, int]:
     cuda = ctypes.CDLL("libcuda.so.1")
     return tuple(ctypes.cast(getattr(cuda, name), ctypes.c_void_p).value
                  for name in ("cuLaunchKernelEx", "cuStreamIsCapturing", "cuTensorMapEncodeTiled"))
+
+
+def launch_entry(launch, positions: tuple[int, ...], addresses: int, owner) -> tuple:
+    """A Launch as HotPath takes it: its driver call, the slot each of the call's `addresses`
+    (the inputs, out, lse) goes to (-1: not re-pointed), its tensor maps' encodings (each follows
+    one of the addresses, which are its slots' order where it has maps), and what the C side
+    keeps alive: `owner`, the Launch, whose buffers it writes, beside what its arguments point at."""
+    slots = [-1] * addresses
+    for slot, position in zip(launch.slots, positions):
+        slots[position] = slot
+    if launch.maps and positions != tuple(range(len(launch.slots))):
+        raise ValueError("a launch with tensor maps re-points the inputs, out and lse in that order")
+    return (*launch.driver_call(), tuple(slots), launch.map_encodings(), owner)

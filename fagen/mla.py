@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from fagen import side_inputs, tensor_maps
+from fagen import hot_path, side_inputs, tensor_maps
 from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
                           tensor_signature, torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
@@ -153,12 +153,36 @@ class PreparedMlaDecode:
         self._signatures = tuple(tensor_signature(x) for x in (q, kv_cache, page_table, cache_seqlens))
         self._out_signature = tensor_signature(self.out)
         self._torch = tq.kind == "torch"
+        self._hot = self._hot_path((q, kv_cache, page_table, cache_seqlens)) if self._torch else None
+
+    def _hot_path(self, inputs: tuple):
+        """The C path of a torch step (fagen.hot_path: its checks and launches, the cache's map
+        re-encoded where another cache comes), or None where it could not be built. A step
+        captured in a graph is the caller's to keep alive, as always: no hook keeps it."""
+        module = hot_path.module()
+        if module is None:
+            return None
+        import torch
+
+        launches = ((self._launch, tuple(range(6))),) + (((self._merge, (4, 5)),) if self._merge else ())
+        workspace = (self.lse, getattr(self, "_o_parts", None), getattr(self, "_lse_parts", None))
+        shape = self.out.shape
+        return module.HotPath(tuple(x for t in inputs for x in (t.shape, t.stride())),
+                              (*(t.dtype for t in inputs), self.out.dtype), self.device, torch.Size(shape),
+                              self.out.stride(), torch_stream_handle(), cupy.cuda.runtime.getDevice,
+                              lambda q: q.new_empty(shape), lambda: None, as_device_tensor(self.lse, "lse").ptr,
+                              *hot_path.driver_functions(), tensor_maps.ENCODE_FLAGS,
+                              tuple(hot_path.launch_entry(launch, at, 6, (launch, workspace)) for launch, at in launches))
 
     def __call__(self, q, kv_cache, page_table, cache_seqlens, *, out=None, return_lse: bool = False):
         """out [B, Hq, Nq, 512] (and lse [B, Hq, Nq], natural log) of this step, allocated on the
         stream; `out` given (same shape, strides and dtype as the prepared one), the step writes
         there and returns it. A call compares the tensors' signatures and launches: no checks of
         values, no host sync."""
+        if self._hot is not None and not return_lse:
+            done = self._hot.run(q, kv_cache, page_table, cache_seqlens, out)  # NotImplemented: checked below
+            if done is not NotImplemented:
+                return done
         tensors = (q, kv_cache, page_table, cache_seqlens)
         if tuple(tensor_signature(x) for x in tensors) != self._signatures:
             for x, name, want in zip(tensors, ("q", "kv_cache", "page_table", "cache_seqlens"), self._signatures):

@@ -116,6 +116,27 @@ def test_a_prepared_step_follows_the_lengths_it_reads_in_place():
         assert relative_error(to_numpy(got), ref) <= OUT_TOLERANCE["bfloat16"]
 
 
+def test_a_prepared_step_runs_from_c_as_from_python():
+    """A torch step launches from the C hot path: bitwise the Python path's output, with out
+    allocated or given, a new q each step, and a new cache (its map re-encoded there); an out of
+    another layout goes back to the Python path, which refuses it by name."""
+    q, kv, table, lengths = paged_case([700, 65], 16, 1, "bfloat16", seed=4)
+    step = fagen.prepare_mla_decode(q, kv, table, lengths, splits=3)
+    assert step._hot is not None, fagen.hot_path.reason()
+    for fresh_q, cache in ((q, kv), (torch.randn_like(q), kv), (q, kv.clone())):
+        out = torch.full((2, 16, 1, HEAD_DIM_V), float("nan"), dtype=q.dtype, device="cuda")
+        assert step(fresh_q, cache, table, lengths, out=out) is out
+        allocated = step(fresh_q, cache, table, lengths)
+        hot, step._hot = step._hot, None
+        want = step(fresh_q, cache, table, lengths)
+        step._hot = hot
+        assert torch.equal(out, want) and torch.equal(allocated, want)
+        ref, _ = reference(fresh_q, cache, table, lengths, causal=False)
+        assert relative_error(to_numpy(want), ref) <= OUT_TOLERANCE["bfloat16"]
+    with pytest.raises(ValueError, match="out: "):
+        step(q, kv, table, lengths, out=torch.empty((2, 16, 1, HEAD_DIM_V), dtype=torch.float16, device="cuda"))
+
+
 def test_bad_inputs_are_refused_by_name():
     q, kv, table, lengths = paged_case([100], 16, 1, "bfloat16", seed=4)
     with pytest.raises(ValueError, match=r"q: shape .*\[B, Hq, Nq, 576\]"):
