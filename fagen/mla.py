@@ -166,11 +166,12 @@ class PreparedMlaDecode:
 
         launches = ((self._launch, tuple(range(6))),) + (((self._merge, (4, 5)),) if self._merge else ())
         workspace = (self.lse, getattr(self, "_o_parts", None), getattr(self, "_lse_parts", None))
-        shape = self.out.shape
         return module.HotPath(tuple(x for t in inputs for x in (t.shape, t.stride())),
-                              (*(t.dtype for t in inputs), self.out.dtype), self.device, torch.Size(shape),
+                              (*(t.dtype for t in inputs), self.out.dtype), self.device, torch.Size(self.out.shape),
                               self.out.stride(), torch_stream_handle(), cupy.cuda.runtime.getDevice,
-                              lambda q: q.new_empty(shape), lambda: None, as_device_tensor(self.lse, "lse").ptr,
+                              # (empty_like of the prepared out: 2 us of host time where q.new_empty took 4)
+                              lambda q, like=self.out: torch.empty_like(like), lambda: None,
+                              as_device_tensor(self.lse, "lse").ptr,
                               *hot_path.driver_functions(), tensor_maps.ENCODE_FLAGS,
                               tuple(hot_path.launch_entry(launch, at, 6, (launch, workspace)) for launch, at in launches))
 
