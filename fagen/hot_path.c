@@ -270,7 +270,9 @@ static PyObject *HotPath_run(HotPath *self, PyObject *const *args, Py_ssize_t na
         if (PyErr_Occurred()) return NULL;
     }
     /* q, k and v are copied 16 bytes at a time (cp.async, TMA): another alignment is the Python
-     * path's to refuse by name (a view whose last axis starts mid-row has the prepared strides) */
+     * path's to refuse by name (a view whose last axis starts mid-row has the prepared strides).
+     * MLA's inputs are q, the latent cache and the page table: a table view off 16 bytes takes
+     * the Python path too (a few microseconds), never a wrong launch */
     if ((addresses[0] | addresses[1] | addresses[2]) % 16) Py_RETURN_NOTIMPLEMENTED;
     PyObject *out = args[self->inputs];
     if (out == Py_None) {

@@ -206,6 +206,11 @@ class PreparedMlaDecode:
                 lse = cupy.empty_like(self.lse) if return_lse else self.lse
                 addresses = [x.data.ptr for x in (*tensors, target, lse)]
                 stream = cupy.cuda.get_current_stream().ptr
+            misaligned = [name for name, at in (("q", addresses[0]), ("out", addresses[4])) if at % 16]
+            if misaligned:  # (the C path hands these back: refused here by name, never launched)
+                raise ValueError(f"{', '.join(misaligned)}: address not a multiple of 16 bytes (a view starting inside "
+                                 f"a row), though laid out as prepared; the kernels copy whole 16-byte pieces: pass a "
+                                 f"contiguous copy")
             self._launch(stream, *addresses)
             if self._merge is not None:
                 self._merge(stream, addresses[4], addresses[5])

@@ -126,6 +126,7 @@ def test_a_prepared_step_runs_from_c_as_from_python():
     for fresh_q, cache in ((q, kv), (torch.randn_like(q), kv), (q, kv.clone())):
         out = torch.full((2, 16, 1, HEAD_DIM_V), float("nan"), dtype=q.dtype, device="cuda")
         assert step(fresh_q, cache, table, lengths, out=out) is out
+        assert step._hot.run(fresh_q, cache, table, lengths, None) is not NotImplemented  # the C path took it
         allocated = step(fresh_q, cache, table, lengths)
         hot, step._hot = step._hot, None
         want = step(fresh_q, cache, table, lengths)
