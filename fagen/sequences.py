@@ -288,10 +288,11 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         if descaled is not None:
             extras.update(descaled[0])
             held = [*held, descaled[1]]
-        tiles = None
+        tiles = tile_grid = None
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles
             extras["batch"] = b
-            if one_wave(kernel.plan.tiles(b, hq, hkv, nq, splits or 1, total_q), tq.device):
+            tile_grid = kernel.plan.tiles(b, hq, hkv, nq, splits or 1, total_q)
+            if one_wave(tile_grid, tq.device):
                 extras["q_tiles"] = np.uint64(0)  # the kernel numbers them: one launch, not two
                 if kernel.plan.claimed_walk:
                     extras["tiles_claimed"] = np.uint64(0)
@@ -312,8 +313,8 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         packed = kernel.pack(tq, tk, tv, out, lse, to, as_device_tensor(lse, "lse"), scale=scale, mask_offset=0,
                              splits=splits or 1, extras=extras, held=[*held, *batch.held], indices=indices,
                              sinks=sinks, merged_views=merged_views)
-        if kernel.plan.claimed_walk and tiles is None and math.prod(packed.kernel.grid) < math.prod(
-                kernel.plan.tiles(b, hq, hkv, nq, splits or 1, total_q)):  # (no counter: a block a tile)
+        if kernel.plan.claimed_walk and tiles is None and math.prod(packed.kernel.grid) < math.prod(tile_grid):
+            # (a walk without a counter takes a block a tile)
             raise RuntimeError(f"kernel {spec.name}: a walk of one wave launched {packed.kernel.grid} blocks, fewer "
                                f"than its tiles")
         return replace(packed, first=tiles)
