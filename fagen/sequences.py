@@ -39,7 +39,8 @@ from fagen import fp8_inputs
 from fagen.element_types import KERNEL_TYPES, fp8_element
 from fagen.render import (APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_PARAMS,
                           SEQUENCE_TILES_THREADS, append_kv_name)
-from fagen.runtime import Launch, Packed, _aux_array, _check_layout, compile_kernel, shared_function
+from fagen.runtime import (Launch, Packed, _aux_array, _check_layout, compile_kernel, descale_parameters,
+                           shared_function)
 from fagen.side_inputs import (check_cached_lengths, check_cu_seqlens, check_cu_seqlens_pair,  # the oracle's too
                                 check_key_ranges, check_page_size, check_pages, check_scale, check_seqused_k)
 from fagen.spec import AttentionSpec
@@ -756,8 +757,8 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
         st = None if status is None else _index_array(status, "status", device, ("1",))
         descales = None
         if fp8 is not None:  # k's and v's, each read where it lies (fp8_inputs.descale_views)
-            descales = tuple(fp8_inputs.descale_views(None, k_descale, v_descale, b, hkv, tk.obj,
-                                                      names=("k_descale", "v_descale")).values())
+            descales = fp8_inputs.descale_views(None, k_descale, v_descale, b, hkv, tk.obj,
+                                                names=("k_descale", "v_descale"))
 
     def launch() -> None:
         if not tokens:
@@ -772,9 +773,8 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
                 strides += [s * cache_item for s in t.strides[:3]]
             quantized = ()
             name = append_kv_name()
-            if descales is not None:  # each one's address and (sequence, head) strides
-                quantized = tuple(x for array, sb, sh in descales
-                                  for x in (np.uint64(as_device_tensor(array, "descale").ptr), np.int64(sb), np.int64(sh)))
+            if descales is not None:  # k's, then v's: address and (sequence, head) strides, the kernel's order
+                quantized = tuple(descale_parameters(descales).values())
                 name = append_kv_name(tk.dtype, fp8.name)
             shared_function(name, device)((tokens,), (APPEND_KV_THREADS,), (
                 *(np.uint64(t.ptr) for t in (*new, tkc, tvc)), *(np.int64(s) for s in strides),
