@@ -19,7 +19,8 @@ from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, FP8_KERNEL_TYPES, KERNEL_TYPES
 from fagen.mla_plan import MLA_TYPES, MlaPlan
-from fagen.wide_head_plan import WIDE_TYPES, WideHeadPlan
+from fagen.wide_head_plan import (WIDE_POSTPROCESS_PARAMS, WIDE_PREPROCESS_PARAMS, WIDE_TYPES, WideBackwardPlan,
+                                  WideHeadPlan)
 from fagen.plan import NUMBERED_LOADS, PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, merge_plan, plan
 from fagen.load import validated
 from fagen.spec import AttentionSpec, SpecError
@@ -45,6 +46,7 @@ APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128
 MLA_TEMPLATE = "sm90/mla_decode.cu.j2"  # MLA decode and its merge (fagen.mla_plan)
 WIDE_TEMPLATE = "sm90/wide_forward.cu.j2"  # the head_dim 512 forward (fagen.wide_head_plan)
+WIDE_BACKWARD_TEMPLATE = "sm90/wide_backward.cu.j2"  # ... and its backward
 V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
 V_TRANSPOSE = "v_transpose_kernel"
 V_TRANSPOSE_THREADS = 256
@@ -257,6 +259,16 @@ def render_wide(dtype: str) -> str:
         version=__version__, name=plan.name, plan=plan, dtype=dtype, backward=False, accumulate=False)
 
 
+def render_wide_backward(dtype: str) -> str:
+    """The head_dim 512 backward (its preprocess, kernel and postprocess) for `dtype` inputs."""
+    if dtype not in WIDE_TYPES:
+        raise ValueError(f"head_dim 512 backward dtype {dtype!r}: one of {WIDE_TYPES}")
+    plan = WideBackwardPlan(dtype)
+    return environment().get_template(WIDE_BACKWARD_TEMPLATE).render(
+        version=__version__, name=plan.name, plan=plan, dtype=dtype, backward=False, accumulate=False,
+        preprocess_params=WIDE_PREPROCESS_PARAMS, postprocess_params=WIDE_POSTPROCESS_PARAMS)
+
+
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
 
@@ -292,7 +304,9 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
             **{f"{MlaPlan(dtype).name}.cu": (f"fagen's MLA decode kernel ({dtype})", lambda d=dtype: render_mla(d))
                for dtype in MLA_TYPES},
             **{f"{WideHeadPlan(dtype).name}.cu": (f"fagen's head_dim 512 forward ({dtype})", lambda d=dtype: render_wide(d))
-               for dtype in WIDE_TYPES}}
+               for dtype in WIDE_TYPES},
+            **{f"{WideBackwardPlan(dtype).name}.cu": (f"fagen's head_dim 512 backward ({dtype})",
+                                                      lambda d=dtype: render_wide_backward(d)) for dtype in WIDE_TYPES}}
 
 
 def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,

@@ -125,6 +125,11 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         dbias = torch.zeros(bias.shape if bias_grad else (0,), dtype=torch.float32, device=q.device)
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 torch.zeros(q.shape[1], dtype=torch.float32, device=q.device), dbias)
+    if q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own backward (no modifier, sinks or bias to differentiate)
+        dq, dk, dv = wide_head.backward(dout, q, k, v, out, lse, causal=wide_head.causal_of(causal, mask_of(mask)),
+                                        scale=scale, deterministic=_deterministic(deterministic))
+        return (dq, dk, dv, torch.zeros(q.shape[1], dtype=torch.float32, device=q.device),
+                torch.empty(0, dtype=torch.float32, device=q.device))
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
     spec = variants.trainable(_spec(q, mask, causal, softcap, side, v=v), _deterministic(deterministic), bias_grad)
     grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)
@@ -439,19 +444,20 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
                        "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
                               sinks, [name for name, x in unsupported.items() if x is not None])
-    if q.dim() and q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward, no backward yet
-        if _records_grad(q, k, v, bias, sinks):
-            raise ValueError(f"q, k, v: head_dim {q.shape[-1]} has a forward only (no backward yet): call under "
-                             f"torch.no_grad() for inference, or train at head_dim 256 or less")
-        if _eager(q, k, v):
+    if q.dim() and q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward and backward
+        records = _records_grad(q, k, v, bias, sinks)
+        if _eager(q, k, v) and not records:
             return decode.attention(q, k, v, causal=causal, mask=mask, softcap=softcap, scale=scale,
                                     return_lse=return_lse, block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes,
                                     sinks=sinks, doc_ids=doc_ids, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
-        # traced (torch.compile): the op, the options it does not run refused at trace time (the mask by the op)
+        # recorded or traced: the op (or its eager twin), the options it does not run refused here (the mask by the op)
         wide_head.refuse_others(softcap=softcap, block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes,
                                 sinks=sinks, doc_ids=doc_ids, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
-        out, lse = torch.ops.fagen.attention_forward(q, k, v, None, None, None, None, None, None, mask_json(mask),
-                                                     causal, None, scale, deterministic)
+        if records and _deterministic(deterministic):
+            wide_head.refuse_deterministic()
+        forward = _EagerAttention.apply if _eager(q, k, v) else torch.ops.fagen.attention_forward
+        out, lse = forward(q, k, v, None, None, None, None, None, None, mask_json(mask), causal, None, scale,
+                           deterministic)
         return (out, lse) if return_lse else out
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and

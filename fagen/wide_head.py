@@ -5,7 +5,12 @@ warpgroups, as MLA decode does; fagen.attention takes this path for head_dim 512
 
     out = fagen.wide_head.attention(q, k, v, causal=True)
 
-No backward yet: a call whose inputs require gradients is refused by fagen.attention.
+    dq, dk, dv = fagen.wide_head.backward(dout, q, k, v, out, lse, causal=True)
+
+The backward (templates/sm90/wide_backward.cu.j2) runs each 64-key tile as a cluster of two
+blocks, each owning half of the 512 columns, exchanging S^T's and dP^T's partial products through
+distributed shared memory; dQ is added atomically (not bitwise repeatable). fagen.attention's
+autograd takes it for head_dim 512.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from fagen import tensor_maps
 from fagen.dispatch import call_mask
 from fagen.device import as_device_tensor, cupy, empty_like, require_cupy, stream_for, torch_stream_handle
 from fagen.element_types import ELEMENT_TYPES
-from fagen.render import render_wide
+from fagen.render import render_wide, render_wide_backward
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
-from fagen.wide_head_plan import WIDE_HEAD_DIMS, WIDE_TYPES, WideHeadPlan
+from fagen.wide_head_plan import (WIDE_HEAD_DIMS, WIDE_POSTPROCESS_PARAMS, WIDE_PREPROCESS_PARAMS, WIDE_TYPES,
+                                  WideBackwardPlan, WideHeadPlan)
 
 WIDE_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)
 
@@ -32,6 +38,17 @@ def _function(dtype: str, device: int):
         function = compile_module(render_wide(dtype), plan.name, wgmma=True).get_function(plan.name)
         function.max_dynamic_shared_size_bytes = plan.smem_bytes
         return function
+
+
+@functools.cache
+def _backward_functions(dtype: str, device: int):
+    """The backward's preprocess, kernel and postprocess for `dtype`, compiled once a device and process."""
+    with cupy.cuda.Device(device):
+        plan = WideBackwardPlan(dtype)
+        module = compile_module(render_wide_backward(dtype), plan.name, wgmma=True)
+        kernel = module.get_function(plan.name)
+        kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
+        return module.get_function(f"{plan.name}_preprocess"), kernel, module.get_function(f"{plan.name}_postprocess")
 
 
 def check(tq, tk, tv) -> None:
@@ -108,6 +125,91 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
                         plan.smem_bytes, plan.params, values, slots=("q", "k", "v", "out", "lse"), maps=maps)
         launch(torch_stream_handle()(tq.device) if tq.kind == "torch" else None)
     return (out, lse) if return_lse else out
+
+
+PREPROCESS_ROWS = 4  # query rows a preprocess or postprocess block: a warp each
+ROW_ALIGN_ELEMENTS = 8  # the preprocess reads O and dO rows in 16-byte pieces
+
+
+def _like_q(x, what: str, tq):
+    """out or dout as the backward reads it: q's shape, type and device, rows 16-byte aligned (a
+    copy where they are not)."""
+    t = as_device_tensor(x, what)
+    if t.shape != tq.shape or t.dtype != tq.dtype or t.kind != tq.kind or t.device != tq.device:
+        raise ValueError(f"{what}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected q's {tq.kind} {tq.dtype} "
+                         f"{tq.shape} on cuda:{tq.device}")
+    if t.strides[-1] != 1 or t.ptr % 16 or any(s % ROW_ALIGN_ELEMENTS for s in t.strides[:3]):
+        x = x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x)
+        t = as_device_tensor(x, what)
+    return t
+
+
+def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None, deterministic: bool = False):
+    """(dq, dk, dv) of sum(out * dout) for attention(q, k, v, causal=causal, scale=scale) at
+    head_dim 512, given its out and lse (return_lse=True). dq is added atomically across key
+    tiles: deterministic=True is refused."""
+    require_cupy()
+    if deterministic:
+        refuse_deterministic()
+    tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    check(tq, tk, tv)
+    b, hq, nq, d = tq.shape
+    hkv, nk = tk.shape[1], tk.shape[2]
+    tl = as_device_tensor(lse, "lse")
+    if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.kind != tq.kind or tl.device != tq.device:
+        raise ValueError(f"lse: {tl.kind} {tl.dtype} {tl.shape}; expected the forward's float32 [B, Hq, Nq] = "
+                         f"{(b, hq, nq)} on q's device (return_lse=True)")
+    arch = cupy.cuda.Device(tq.device).compute_capability
+    if arch != WIDE_ARCH:
+        raise ValueError(f"q: head_dim {d} on sm_{arch}; its backward is built for sm_{WIDE_ARCH}a (Hopper's wgmma) "
+                         f"only: run it on an H100 or H200, or use head_dim 256 or less")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    plan = WideBackwardPlan(tq.dtype)
+    element = ELEMENT_TYPES[tq.dtype].bytes
+    with cupy.cuda.Device(tq.device), stream_for(tq):
+        dq, dk, dv = (empty_like(t, t.shape, tq.dtype) for t in (tq, tk, tv))
+        if 0 in (b, hq, nq, nk):  # nothing attended: out was constant
+            for g in (dq, dk, dv):
+                g[...] = 0
+            return dq, dk, dv
+        to, tdo = _like_q(out, "out", tq), _like_q(dout, "dout", tq)
+        if tl.strides != (hq * nq, nq, 1):
+            lse = lse.contiguous() if tl.kind == "torch" else cupy.ascontiguousarray(lse)
+            tl = as_device_tensor(lse, "lse")
+        padded_q = -(-nq // plan.block_rows) * plan.block_rows
+        rows = empty_like(tq, (b, hq, 2, padded_q), "float32")
+        dq_accum = empty_like(tq, (b, hq, padded_q, d), "float32")
+        tr, ta = as_device_tensor(rows, "rows"), as_device_tensor(dq_accum, "dq_accum")
+        tdq, tdk, tdv = (as_device_tensor(g, n) for g, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
+        preprocess, kernel, postprocess = _backward_functions(tq.dtype, tq.device)
+        stream = torch_stream_handle()(tq.device) if tq.kind == "torch" else None
+        row_grid = (-(-padded_q // PREPROCESS_ROWS), hq, b)
+        Launch(preprocess, row_grid, 32 * PREPROCESS_ROWS, 0, WIDE_PREPROCESS_PARAMS,
+               dict(out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1], o_sn=to.strides[2], dout=tdo.ptr,
+                    do_sb=tdo.strides[0], do_sh=tdo.strides[1], do_sn=tdo.strides[2], lse=tl.ptr, rows=tr.ptr,
+                    dq_accum=ta.ptr, heads=hq, n_q=nq, padded_q=padded_q))(stream)
+        maps = tuple(TensorMap(param, name, tq.dtype, tensor_maps.layout(t.shape, t.strides, element, plan.block_kv, name))
+                     for t, name, param in ((tq, "q", "q_map"), (tk, "k", "k_map"), (tv, "v", "v_map"),
+                                            (tdo, "dout", "do_map")))
+        values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, dout=tdo.ptr, rows=tr.ptr, dq_accum=ta.ptr,
+                      dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1], dk_sn=tdk.strides[2],
+                      dv=tdv.ptr, dv_sb=tdv.strides[0], dv_sh=tdv.strides[1], dv_sn=tdv.strides[2],
+                      heads=hq, group=hq // hkv, n_q=nq, n_kv=nk, padded_q=padded_q, causal=int(bool(causal)),
+                      scale_log2=scale * LOG2E, scale=scale)
+        Launch(kernel, (2 * -(-nk // plan.block_kv), hkv, b), plan.threads, plan.smem_bytes, plan.params, values,
+               slots=("q", "k", "v", "dout"), maps=maps)(stream)
+        Launch(postprocess, (-(-nq // PREPROCESS_ROWS), hq, b), 32 * PREPROCESS_ROWS, 0, WIDE_POSTPROCESS_PARAMS,
+               dict(dq_accum=ta.ptr, dq=tdq.ptr, dq_sb=tdq.strides[0], dq_sh=tdq.strides[1], dq_sn=tdq.strides[2],
+                    heads=hq, n_q=nq, padded_q=padded_q, scale=scale))(stream)
+    return dq, dk, dv
+
+
+def refuse_deterministic() -> None:
+    raise ValueError("deterministic: head_dim 512's backward adds dQ atomically across key tiles (no bitwise "
+                     "repeatable mode yet); pass deterministic=False (and leave torch.use_deterministic_algorithms "
+                     "off), or train at head_dim 256 or less")
 
 
 def refuse_others(**others) -> None:

@@ -76,8 +76,51 @@ def test_what_head_dim_512_does_not_run_yet_is_refused_by_name():
         fagen.attention(q, k, v, softcap=30.0)
     with pytest.raises(ValueError, match=r"mask: kind 'sliding_window'.*head_dim 512 runs no mask but causal"):
         fagen.attention(q, k, v, mask={"kind": "sliding_window", "window_left": 8})
-    with pytest.raises(ValueError, match=r"head_dim 512 has a forward only"):
-        fagen.attention(q.requires_grad_(), k, v)
+    with pytest.raises(ValueError, match=r"deterministic: head_dim 512's backward adds dQ atomically"):
+        fagen.attention(q.requires_grad_(), k, v, deterministic=True)
+
+
+def _backward_reference(q, k, v, dout, causal, scale=None):
+    return oracle.attention_backward(*(to_numpy(x).astype(np.float64) for x in (q, k, v, dout)), causal=causal,
+                                     scale=scale)
+
+
+# (B, Hq, Hkv, Nq, Nk): ragged tiles both ways; GQA with more keys than queries; more queries than
+# keys (causal: the first rows see none); many tiles of each
+BACKWARD_SHAPES = [(2, 4, 2, 300, 300), (1, 4, 1, 77, 513), (1, 2, 2, 200, 100), (1, 2, 1, 1024, 1024)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_head_dim_512_backward_matches_the_oracle(dtype, causal, shape):
+    """dq, dk, dv (every buffer the backward allocates NaN-filled) against the float64 oracle."""
+    from fagen.bench_backward import nan_filled_empties
+
+    q, k, v = _inputs(f"bwd{dtype}{causal}{shape}", *shape, dtype)
+    dout = _inputs(f"dout{dtype}{causal}{shape}", *shape, dtype)[0]
+    out, lse = wide_head.attention(q, k, v, causal=causal, return_lse=True)
+    with nan_filled_empties() as filled:
+        dq, dk, dv = wide_head.backward(dout, q, k, v, out, lse, causal=causal)
+    assert filled
+    ref = _backward_reference(q, k, v, dout, causal)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert got.shape == ref[name].shape and got.dtype == q.dtype
+        assert relative_error(to_numpy(got), ref[name]) < OUT_TOLERANCE[dtype], name
+
+
+def test_fagen_attention_trains_at_head_dim_512_in_flash_attention_s_layout():
+    """Autograd through fagen.attention: [B, N, H, d] views, GQA, a scale, causal; the gradients
+    against the oracle's."""
+    q, k, v = _inputs("train", 2, 4, 2, 257, 700, "bfloat16", layout="bshd")
+    dout = _inputs("train dout", 2, 4, 2, 257, 700, "bfloat16", layout="bshd")[0]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fagen.attention(*leaves, causal=True, scale=0.03)
+    out.backward(dout)
+    ref = _backward_reference(q, k, v, dout, True, scale=0.03)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        assert leaf.grad.shape == leaf.shape
+        assert relative_error(to_numpy(leaf.grad), ref[name]) < OUT_TOLERANCE["bfloat16"], name
     with pytest.raises(ValueError, match=r"dtypes bfloat16, float16, bfloat16"):
         wide_head.attention(q.detach(), k.half(), v)
     with pytest.raises(ValueError, match=r"Hq must be a multiple of Hkv"):

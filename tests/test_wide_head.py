@@ -1,14 +1,14 @@
-"""The head_dim 512 forward without a GPU: its plan fits shared memory and registers, the kernel
-builds for sm_90a without spills, and what it does not run is refused by name before any
-device work."""
+"""The head_dim 512 forward and backward without a GPU: their plans fit shared memory and
+registers, the kernels build for sm_90a without spills, and what they do not run is refused by
+name before any device work."""
 
 import re
 
 import pytest
 
 from fagen import nvcc
-from fagen.render import render_wide
-from fagen.wide_head_plan import WIDE_TYPES, WideHeadPlan
+from fagen.render import render_wide, render_wide_backward
+from fagen.wide_head_plan import WIDE_TYPES, WideBackwardPlan, WideHeadPlan
 
 SM90A_SMEM = 227 * 1024
 
@@ -42,6 +42,39 @@ def test_the_kernel_builds_for_sm90a_without_spills(dtype):
 def test_render_refuses_an_unknown_dtype_by_name():
     with pytest.raises(ValueError, match=r"head_dim 512 forward dtype 'float32'"):
         render_wide("float32")
+    with pytest.raises(ValueError, match=r"head_dim 512 backward dtype 'float32'"):
+        render_wide_backward("float32")
+
+
+@pytest.mark.parametrize("dtype", WIDE_TYPES)
+def test_the_backward_plan_fits_k_v_two_q_do_stages_and_the_exchange_in_shared_memory(dtype):
+    plan = WideBackwardPlan(dtype)
+    half = plan.block_kv * plan.head_dim // 2 * 2  # a 64-row tile's half of the columns, bf16
+    assert plan.half_bytes == half and plan.stage_bytes == 2 * half
+    assert plan.ring_at == 2 * half and plan.rows_at == plan.ring_at + plan.q_stages * plan.stage_bytes
+    # the exchange buffers hold a 64 x 64 f32 partial each, after the row vectors
+    assert plan.exchange_bytes == 64 * 64 * 4
+    assert plan.s_exchange_at >= plan.rows_at + plan.q_stages * 2 * plan.row_vector_bytes
+    assert plan.smem_bytes <= SM90A_SMEM < plan.smem_bytes + plan.stage_bytes  # two stages, a third does not fit
+    # every swizzle atom starts aligned: K's, V's, each stage's Q and dO, dS^T's tile in dP's buffer
+    for at in (plan.k_at, plan.v_at, plan.ring_at, plan.ring_at + half, plan.ring_at + plan.stage_bytes,
+               plan.dp_exchange_at):
+        assert at % plan.smem_align == 0
+    # dK or dV of 64 keys at half the columns: 128 f32 registers a consumer thread
+    assert plan.o_n_frags * 4 == plan.block_kv * plan.half_columns // 128 == 128
+    assert plan.qk_k_steps * plan.mma_k == plan.half_columns
+    assert plan.name == f"wide_backward_{'bf16' if dtype == 'bfloat16' else 'f16'}_d512"
+
+
+@pytest.mark.parametrize("dtype", WIDE_TYPES)
+def test_the_backward_kernels_build_for_sm90a_without_spills(dtype):
+    plan = WideBackwardPlan(dtype)
+    code, log = nvcc._ptxas(f"{plan.name}.cu", render_wide_backward(dtype), "sm_90a")
+    assert code == 0, log
+    for entry in (plan.name, f"{plan.name}_preprocess", f"{plan.name}_postprocess"):
+        report = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
+        assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), (entry, report)
+    assert "wgmma.mma_async instructions are serialized" not in log
 
 
 def test_a_compiled_model_calls_the_head_dim_512_forward_through_the_op(monkeypatch):
