@@ -1,5 +1,5 @@
-"""Head widths: DeepSeek's 192/128 (fagen's forward and backward) and 512 (the forward; no peer
-runs it, no backward yet) against FlashAttention-4 and SDPA's cuDNN and memory-efficient
+"""Head widths: DeepSeek's 192/128 and 512 (no peer but SDPA's memory-efficient backend runs it),
+fagen's forward and backward against FlashAttention-4 and SDPA's cuDNN and memory-efficient
 backends, one process.
 
     python3 -m fagen.bench_head_widths [--quick] [--widths 512/512] [--append] [--out bench/bench_head_widths.json]
@@ -24,7 +24,6 @@ from fagen import api
 
 JSON = "bench_head_widths.json"
 WIDTHS = ((192, 128), (512, 512))  # (d_qk, d_v)
-FORWARD_ONLY = {(512, 512)}  # widths whose backward fagen does not run yet: the forward is checked and timed
 LENGTHS = (4096, 16384)
 TOKENS, V_COLUMNS = 16384, 2048  # B * N, H * d_v
 IMPLS = ("fagen", "fa4", "sdpa_cudnn", "sdpa_efficient")
@@ -81,8 +80,7 @@ def implementations() -> dict:
 
 
 def check_error(f, d_qk: int, d_v: int, causal: bool) -> float:
-    """The worst relative error of f's O, dQ, dK and dV against float32 attention (O alone for
-    FORWARD_ONLY widths)."""
+    """The worst relative error of f's O, dQ, dK and dV against float32 attention."""
     import torch
 
     b, h, n = CHECK_SHAPE
@@ -95,10 +93,6 @@ def check_error(f, d_qk: int, d_v: int, causal: bool) -> float:
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
     ref_out = torch.softmax(s, -1) @ ref[2]
     ref_out.backward(dout.float())
-    if (d_qk, d_v) in FORWARD_ONLY:
-        with torch.no_grad():
-            out = f(q, k, v, causal)
-        return ((out.float() - ref_out.detach()).norm() / ref_out.detach().norm()).item()
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out = f(*leaves, causal)
     out.backward(dout)
@@ -131,8 +125,6 @@ def run_case(impls: dict, d_qk: int, d_v: int, n: int, causal: bool, errors: dic
                 continue
             with torch.no_grad():
                 row.forward_tflops = flops / do_bench(lambda: f(q, k, v, causal), warmup=50, rep=300) / 1e9
-            if (d_qk, d_v) in FORWARD_ONLY:
-                continue
             leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
             out = f(*leaves, causal)
             ms = do_bench(lambda: out.backward(dout, retain_graph=True), warmup=30, rep=300, grad_to_none=leaves)
@@ -145,11 +137,11 @@ def run_case(impls: dict, d_qk: int, d_v: int, n: int, causal: bool, errors: dic
 def markdown(rows: list[WidthRow], meta: dict | None = None) -> list[str]:
     """BENCHMARKS.md's head-widths section: a case a line, each implementation's forward and
     backward TFLOP/s, and fagen's over FlashAttention-4's and cuDNN's."""
-    out = ["## Head widths: DeepSeek's 192/128 (forward and backward) and 512 (forward)", "",
+    out = ["## Head widths: DeepSeek's 192/128 and 512, forward and backward", "",
            "`python3 -m fagen.bench_head_widths`: bfloat16, B * N = 16k tokens, H * d_v = 2048; TFLOP/s with "
            "forward 2 * B * H * N^2 * (d_qk + d_v), backward 2.5 times that, halved for causal (Triton's do_bench, "
            "host time included); each implementation's O, dQ, dK and dV checked against float32 attention first "
-           "(the worst relative error shown; O alone at d 512, whose backward fagen does not run yet)."
+           "(the worst relative error shown)."
            + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else "")
            + (f" Rows of other widths from an earlier run: {meta['earlier'].get('date', '?')}, "
               f"{meta['earlier'].get('gpu', '')}." if meta and meta.get("earlier") else ""), "",

@@ -9,7 +9,7 @@ warpgroups, as MLA decode does; fagen.attention takes this path for head_dim 512
 
 The backward (templates/sm90/wide_backward.cu.j2) runs each 64-key tile as a cluster of two
 blocks, each owning half of the 512 columns, exchanging S^T's and dP^T's partial products through
-distributed shared memory; dQ is added atomically (not bitwise repeatable). fagen.attention's
+distributed shared memory; dQ is added by bulk reduce-adds across key tiles (not bitwise repeatable). fagen.attention's
 autograd takes it for head_dim 512.
 """
 
@@ -127,7 +127,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     return (out, lse) if return_lse else out
 
 
-PREPROCESS_ROWS = 4  # query rows a preprocess or postprocess block: a warp each
+PREPROCESS_ROWS = 4  # query rows a preprocess block: a warp each
 ROW_ALIGN_ELEMENTS = 8  # the preprocess reads O and dO rows in 16-byte pieces
 
 
@@ -200,7 +200,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
                       scale_log2=scale * LOG2E, scale=scale)
         Launch(kernel, (2 * -(-nk // plan.block_kv), hkv, b), plan.threads, plan.smem_bytes, plan.params, values,
                slots=("q", "k", "v", "dout"), maps=maps)(stream)
-        Launch(postprocess, (-(-nq // PREPROCESS_ROWS), hq, b), 32 * PREPROCESS_ROWS, 0, WIDE_POSTPROCESS_PARAMS,
+        chunks = padded_q // plan.block_rows * (d // plan.atom_columns)  # a postprocess block a 64 x 64 chunk of dQ
+        Launch(postprocess, (chunks, hq, b), plan.warpgroup_threads, 0, WIDE_POSTPROCESS_PARAMS,
                dict(dq_accum=ta.ptr, dq=tdq.ptr, dq_sb=tdq.strides[0], dq_sh=tdq.strides[1], dq_sn=tdq.strides[2],
                     heads=hq, n_q=nq, padded_q=padded_q, scale=scale))(stream)
     return dq, dk, dv

@@ -131,6 +131,26 @@ class WideBackwardPlan(ColumnSplitPlan):
         return self.atom_columns // 8
 
     @property
+    def dq_chunks(self) -> int:  # dQ chunks a consumer warpgroup: half of a half's atoms
+        return self.half_atoms // 2
+
+    @property
+    def atoms_per_row(self) -> int:  # dq_accum's chunks a 64-row tile
+        return self.head_dim // self.atom_columns
+
+    @property
+    def warpgroup_warps(self) -> int:
+        return self.warpgroup_threads // 32
+
+    @property
+    def dq_warp_bytes(self) -> int:  # a warp's 16 rows of a dQ chunk: its fragments x 32 lanes x 4 floats
+        return self.dq_n_frags * 32 * 16
+
+    @property
+    def dq_chunk_bytes(self) -> int:  # a 64 x 64 f32 chunk, staged where its warpgroup's half tile was
+        return self.warpgroup_warps * self.dq_warp_bytes
+
+    @property
     def stage_bytes(self) -> int:  # Q's half, then dO's
         return 2 * self.half_bytes
 

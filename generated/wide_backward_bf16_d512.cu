@@ -15,7 +15,7 @@
 //   warpgroup 0  P^T = exp2(S^T * scale_log2 - LSE), masked; P^T (f32) to shared memory for warpgroup 1;
 //                dV += P^T.dO (P^T from registers)
 //   warpgroup 1  dS^T = P^T * (dP^T - D); dS^T to shared memory; dK += dS^T.Q (dS^T from registers)
-//   both         dQ[:, half] += dS.K, two 64-column chunks each, added to the accumulator by atomics
+//   both         dQ[:, half] += dS.K, two 64-column chunks each, added to the accumulator by bulk reduces
 //   warpgroup 2  the producer: K's and V's halves once, then each step's Q and dO halves and the
 //                rows' LSE and D into a ring of Q_STAGES slots.
 // An exchange buffer is refilled by the peer only once this block has read it (an mbarrier of
@@ -51,7 +51,12 @@ constexpr int V_LEAD_BYTES = 8192;    // its next 64 columns: the next atom
 constexpr int S_N_FRAGS = 8;          // n8 fragments of S^T (a step's queries) ...
 constexpr int O_N_FRAGS = 32;         // ... of dK or dV (a half's columns) ...
 constexpr int DQ_N_FRAGS = 8;         // ... and of a dQ chunk (an atom's)
-constexpr int DQ_CHUNKS = HALF_ATOMS / 2;  // dQ chunks a warpgroup
+constexpr int DQ_CHUNKS = 2;          // dQ chunks a warpgroup
+constexpr int ATOMS_PER_ROW = 8;      // dq_accum's chunks a 64-row tile
+constexpr int WARPGROUP_WARPS = 4;
+constexpr int DQ_WARP_BYTES = 4096;   // a warp's 16 rows of a dQ chunk: 8 fragments x 32 lanes x 4 floats
+constexpr int DQ_CHUNK_BYTES = 16384;  // a 64 x 64 f32 chunk
+static_assert(DQ_CHUNKS * DQ_CHUNK_BYTES == HALF_BYTES, "a warpgroup's dQ chunks fill the half tile they are staged in");
 constexpr int THREADS = 384;
 constexpr int CONSUMER_THREADS = 256;
 constexpr int WARPGROUP_THREADS = 128;
@@ -451,9 +456,16 @@ __device__ __forceinline__ void wgmma_dq(float (&d)[DQ_N_FRAGS][4], unsigned lon
       : "l"(a), "l"(b), "r"(accumulate), "n"(WGMMA_SCALE_A), "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_V), "n"(WGMMA_TRANS_V));
 }
 
-__device__ __forceinline__ void red_add_v2(float* at, float x, float y) {
-  asm volatile("red.global.add.v2.f32 [%0], { %1, %2 };\n" :: "l"(at), "f"(x), "f"(y) : "memory");
+// dst[i] += src[i] over `bytes` of f32, one bulk group (the async proxy reads the staging: fence it first).
+// Per-thread vector reductions of a whole dQ chunk a step ran at 0.73x this (notes/perf.md).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, unsigned src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
+// This thread's bulk groups have read their staging (it may be overwritten) ...
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... or are done, their adds made.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Two packed elements -> two f32, the low half first.
 __device__ __forceinline__ float2 unpack2(unsigned v) {
@@ -523,15 +535,20 @@ wide_backward_bf16_d512_postprocess(
     int n_q,
     int padded_q,
     float scale) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z;
-  if (row >= n_q) return;
-  const float4* accum = reinterpret_cast<const float4*>(dq_accum + (((long long)b * heads + h) * padded_q + row) * HEAD_DIM);
-  elem_t* d = dq + b * dq_sb + h * dq_sh + row * dq_sn;
+  // Grid: x = a 64-row tile's 64-column chunk (ATOMS_PER_ROW a tile), y = query head, z = batch;
+  // a warp reads its 16 rows of the chunk in the kernel's register order: lane l's 4 floats of
+  // fragment n are rows r0 = 16w + l / 4 and r0 + 8, columns 8n + 2 (l % 4) and the next.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
+  const int tile = blockIdx.x / ATOMS_PER_ROW, atom = blockIdx.x % ATOMS_PER_ROW;
+  const float4* chunk = reinterpret_cast<const float4*>(dq_accum) +
+      ((((long long)b * heads + h) * (padded_q / BLOCK_Q) + tile) * ATOMS_PER_ROW + atom) * (BLOCK_Q * ATOM_COLUMNS / 4);
+  const int r0 = tile * BLOCK_Q + 16 * warp + lane / 4, column = atom * ATOM_COLUMNS + 2 * (lane % 4);
+  elem_t* d = dq + b * dq_sb + h * dq_sh + column;
 #pragma unroll
-  for (int c = lane; c < HEAD_DIM / 4; c += 32) {
-    const float4 x = accum[c];
-    *reinterpret_cast<uint2*>(d + 4 * c) = make_uint2(pack2(x.x * scale, x.y * scale), pack2(x.z * scale, x.w * scale));
+  for (int n = 0; n < DQ_N_FRAGS; ++n) {
+    const float4 x = chunk[(warp * DQ_N_FRAGS + n) * 32 + lane];
+    if (r0 < n_q) *reinterpret_cast<unsigned*>(d + r0 * dq_sn + 8 * n) = pack2(x.x * scale, x.y * scale);
+    if (r0 + 8 < n_q) *reinterpret_cast<unsigned*>(d + (r0 + 8) * dq_sn + 8 * n) = pack2(x.z * scale, x.w * scale);
   }
 }
 
@@ -539,7 +556,8 @@ wide_backward_bf16_d512_postprocess(
 // Grid: x = 2 x key tiles (a cluster of two: rank 0 the first half of the columns, rank 1 the
 // second), y = KV head, z = batch. q, dO [B, Hq, n_q, HEAD_DIM] and k, v [B, Hkv, n_kv, HEAD_DIM]
 // through their maps; rows [B, Hq, 2, padded_q] (the LSE in log2 units, then D); dq_accum [B, Hq,
-// padded_q, HEAD_DIM] f32, cleared; dk, dv any strides with a unit last one. Causal: query i sees
+// padded_q, HEAD_DIM] f32 (cleared; each 64 x 64 chunk in register order: 4 warps x 8 fragments x 32
+// lanes x 4 floats); dk, dv any strides with a unit last one. Causal: query i sees
 // keys up to i + n_kv - n_q (bottom right).
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
 wide_backward_bf16_d512(
@@ -623,7 +641,7 @@ wide_backward_bf16_d512(
 
   // A thread's rows of a 64-row accumulator, r0 and r1 (keys of S^T, dK, dV; queries of dQ); its
   // columns of each n8 fragment, 2t and 2t + 1.
-  const int wg_thread = tid % WARPGROUP_THREADS, t = lane % 4;
+  const int wg_thread = tid % WARPGROUP_THREADS, t = lane % 4, warp_in_group = wg_thread / 32;
   const int r0 = wg_thread / 32 * 16 + lane / 4, r1 = r0 + 8;
   float acc[O_N_FRAGS][4];  // dV (warpgroup 0) or dK (warpgroup 1): keys r0, r1 x this half's columns
 #pragma unroll
@@ -738,31 +756,47 @@ wide_backward_bf16_d512(
     wgmma_commit();
     if (warpgroup == 0) named_barrier_sync(NAMED_BARRIER_DS_FULL, CONSUMER_THREADS);
 
-    // dQ[:, half] += dS.K: this warpgroup's DQ_CHUNKS atoms of K's half, each to the accumulator
-    float* dq_rows = dq_accum + (((long long)b * heads + h) * padded_q + q0) * HEAD_DIM + column0 + 2 * t;
+    // dQ[:, half] += dS.K: this warpgroup's DQ_CHUNKS atoms of K's half. Each chunk is staged
+    // where the step's operands of this warpgroup's last product lay, once it is done (dO's half
+    // after dV, Q's after dK), a warp's fragments in register order (DQ_WARP_BYTES contiguous),
+    // and added into dq_accum, laid out in that order, by one bulk reduce a warp.
+    const unsigned stage = slot + (warpgroup == 0 ? HALF_BYTES : 0) + warp_in_group * DQ_WARP_BYTES;
 #pragma unroll 1
-    for (int c = warpgroup * DQ_CHUNKS; c < (warpgroup + 1) * DQ_CHUNKS; ++c) {
+    for (int c = 0; c < DQ_CHUNKS; ++c) {
+      const int atom = warpgroup * DQ_CHUNKS + c;  // of this half
       float dq[DQ_N_FRAGS][4];
-      const unsigned long long k_desc = smem_desc(base + K_AT + c * ATOM_BYTES, V_LEAD_BYTES, ROW_GROUP_BYTES);
+      const unsigned long long k_desc = smem_desc(base + K_AT + atom * ATOM_BYTES, V_LEAD_BYTES, ROW_GROUP_BYTES);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < PV_K_STEPS; ++ks)
         wgmma_dq(dq, ds_desc + ((ks * V_STEP_BYTES) >> DESC_UNIT_SHIFT), k_desc + ((ks * V_STEP_BYTES) >> DESC_UNIT_SHIFT), ks > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<0>();  // (dV's or dK's product too: the staging is free)
       pin_registers(dq);
+      const unsigned chunk_stage = stage + c * DQ_CHUNK_BYTES;
 #pragma unroll
-      for (int n = 0; n < DQ_N_FRAGS; ++n) {
-        red_add_v2(dq_rows + r0 * HEAD_DIM + c * ATOM_COLUMNS + 8 * n, dq[n][0], dq[n][1]);
-        red_add_v2(dq_rows + r1 * HEAD_DIM + c * ATOM_COLUMNS + 8 * n, dq[n][2], dq[n][3]);
+      for (int n = 0; n < DQ_N_FRAGS; ++n) st_shared_f4(chunk_stage + (n * 32 + lane) * 16, dq[n]);
+      fence_async_smem();
+      __syncwarp();
+      if (lane == 0) {
+        const long long chunk = ((long long)(b * heads + h) * (padded_q / BLOCK_Q) + q0 / BLOCK_Q) * ATOMS_PER_ROW +
+                                rank * HALF_ATOMS + atom;
+        bulk_reduce_add(dq_accum + (chunk * WARPGROUP_WARPS + warp_in_group) * (DQ_WARP_BYTES / 4), chunk_stage,
+                        DQ_WARP_BYTES);
       }
     }
     pin_registers(acc);
-    // dS^T is read (and the peer's dP^T before it): the peer may send its next; the slot is done.
+    // dS^T is read (and the peer's dP^T before it): the peer may send its next. The slot is
+    // free once the bulk reduces have read their staging.
     __syncwarp();
-    if (lane == 0 && j + 1 < steps) mbarrier_arrive_remote(peer_dp_free);
+    if (lane == 0) {
+      if (j + 1 < steps) mbarrier_arrive_remote(peer_dp_free);
+      bulk_wait_read();
+    }
+    __syncwarp();
     ring.release(j);
   }
+  if (lane == 0) bulk_wait();
 
   // The epilogue: dV (warpgroup 0) or scale * dK (warpgroup 1), keys past n_kv not written.
   elem_t* grad = warpgroup == 0 ? dv + b * dv_sb + h_kv * dv_sh : dk + b * dk_sb + h_kv * dk_sh;
