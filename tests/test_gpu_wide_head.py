@@ -140,3 +140,20 @@ def test_sinks_given_as_a_list_are_refused_by_name_with_grad_mode_on():
     q, k, v = _inputs("list-sinks", 1, 2, 1, 64, 64, "bfloat16")
     with pytest.raises(ValueError, match=r"sinks: head_dim 512 runs no score modifier"):
         fagen.attention(q, k, v, sinks=[0.5, 0.5])
+
+
+def test_a_compiled_layer_trains_at_head_dim_512_through_the_ops():
+    """torch.compile(fullgraph=True) of a layer calling fagen.attention at head_dim 512: its
+    forward and backward are fagen's ops; the gradients against the oracle's."""
+    q, k, v = _inputs("compiled", 1, 4, 2, 200, 300, "bfloat16")
+    dout = _inputs("compiled dout", 1, 4, 2, 200, 300, "bfloat16")[0]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    @torch.compile(fullgraph=True)
+    def layer(q, k, v):
+        return fagen.attention(q, k, v, causal=True) * 2
+
+    layer(*leaves).backward(dout)
+    ref = _backward_reference(q, k, v, 2 * dout.double(), True)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        assert relative_error(to_numpy(leaf.grad), ref[name]) < OUT_TOLERANCE["bfloat16"], name
