@@ -117,9 +117,9 @@ def run_case(impls: dict, d_qk: int, d_v: int, n: int, causal: bool, errors: dic
             continue
         f = impls[impl]
         try:
-            if (impl, causal) not in errors:
-                errors[impl, causal] = check_error(f, d_qk, d_v, causal)
-            row.error = errors[impl, causal]
+            if (impl, d_qk, d_v, causal) not in errors:
+                errors[impl, d_qk, d_v, causal] = check_error(f, d_qk, d_v, causal)
+            row.error = errors[impl, d_qk, d_v, causal]
             if row.error > TOLERANCE:
                 row.note = f"error {row.error:.1e} over {TOLERANCE:.0e}: not timed"
                 continue

@@ -138,7 +138,8 @@ def _like_q(x, what: str, tq):
     if t.shape != tq.shape or t.dtype != tq.dtype or t.kind != tq.kind or t.device != tq.device:
         raise ValueError(f"{what}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected q's {tq.kind} {tq.dtype} "
                          f"{tq.shape} on cuda:{tq.device}")
-    if t.strides[-1] != 1 or t.ptr % 16 or any(s % ROW_ALIGN_ELEMENTS for s in t.strides[:3]):
+    if t.strides[-1] != 1 or t.ptr % 16 or any(s % ROW_ALIGN_ELEMENTS or s <= 0 for s in t.strides[:3]):
+        # (a stride of 0, a broadcast dout from a pooled loss, is no TMA map's either)
         x = x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x)
         t = as_device_tensor(x, what)
     return t
@@ -146,8 +147,8 @@ def _like_q(x, what: str, tq):
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None, deterministic: bool = False):
     """(dq, dk, dv) of sum(out * dout) for attention(q, k, v, causal=causal, scale=scale) at
-    head_dim 512, given its out and lse (return_lse=True). dq is added atomically across key
-    tiles: deterministic=True is refused."""
+    head_dim 512, given its out and lse (return_lse=True). dq is summed across key tiles by bulk
+    reduce-adds, in no fixed order: deterministic=True is refused."""
     require_cupy()
     if deterministic:
         refuse_deterministic()

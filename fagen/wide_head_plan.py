@@ -1,5 +1,5 @@
-"""The head_dim 512 forward's kernel plan: the numbers templates/sm90/wide_forward.cu.j2 prints
-(fagen.wide_head is the call)."""
+"""The head_dim 512 kernels' plans: the numbers templates/sm90/wide_forward.cu.j2 and
+wide_backward.cu.j2 print (fagen.wide_head is the call)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ class WideBackwardPlan(ColumnSplitPlan):
     and of the gradients. Each computes the partial S^T = K.Q^T and dP^T = V.dO^T over its half
     (m64n64: keys are M, a step's queries N), sends it to its peer's shared memory (st.async)
     and adds the peer's: nothing is computed twice. Warpgroup 0 holds dV (64 x 256 f32: 128
-    registers a thread), warpgroup 1 dK; dQ's half goes to a float32 accumulator by atomics.
+    registers a thread), warpgroup 1 dK; dQ's half goes to a float32 accumulator by bulk
+    reduce-adds, one a warp a 64-column chunk.
 
     Shared memory (bf16): K's and V's halves 32 KB each, two stages of Q's and dO's halves (64 KB
     a stage), the rows' LSE and D, and the two 16 KB exchange buffers: 225 KB of the 227."""

@@ -78,6 +78,16 @@ def test_what_head_dim_512_does_not_run_yet_is_refused_by_name():
         fagen.attention(q, k, v, mask={"kind": "sliding_window", "window_left": 8})
     with pytest.raises(ValueError, match=r"deterministic: head_dim 512's backward adds dQ atomically"):
         fagen.attention(q.requires_grad_(), k, v, deterministic=True)
+    torch.use_deterministic_algorithms(True)
+    try:  # PyTorch's global switch, as its own kernels honour it
+        with pytest.raises(ValueError, match=r"deterministic: head_dim 512's backward adds dQ atomically"):
+            fagen.attention(q, k, v)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ValueError, match=r"dtypes bfloat16, float16, bfloat16"):
+        wide_head.attention(q.detach(), k.half(), v)
+    with pytest.raises(ValueError, match=r"Hq must be a multiple of Hkv"):
+        wide_head.attention(torch.cat([q.detach()] * 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1, 1), v[:, :1].repeat(1, 2, 1, 1))
 
 
 def _backward_reference(q, k, v, dout, causal, scale=None):
@@ -86,8 +96,10 @@ def _backward_reference(q, k, v, dout, causal, scale=None):
 
 
 # (B, Hq, Hkv, Nq, Nk): ragged tiles both ways; GQA with more keys than queries; more queries than
-# keys (causal: the first rows see none); many tiles of each
-BACKWARD_SHAPES = [(2, 4, 2, 300, 300), (1, 4, 1, 77, 513), (1, 2, 2, 200, 100), (1, 2, 1, 1024, 1024)]
+# keys (causal: the first rows see none); one query (63 of its tile's rows padding); one partial
+# key tile; many tiles of each
+BACKWARD_SHAPES = [(2, 4, 2, 300, 300), (1, 4, 1, 77, 513), (1, 2, 2, 200, 100), (3, 2, 1, 1, 1000),
+                   (1, 2, 1, 100, 40), (1, 2, 1, 1024, 1024)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -121,10 +133,6 @@ def test_fagen_attention_trains_at_head_dim_512_in_flash_attention_s_layout():
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
         assert leaf.grad.shape == leaf.shape
         assert relative_error(to_numpy(leaf.grad), ref[name]) < OUT_TOLERANCE["bfloat16"], name
-    with pytest.raises(ValueError, match=r"dtypes bfloat16, float16, bfloat16"):
-        wide_head.attention(q.detach(), k.half(), v)
-    with pytest.raises(ValueError, match=r"Hq must be a multiple of Hkv"):
-        wide_head.attention(torch.cat([q.detach()] * 3, 1)[:, :3], k[:, :1].repeat(1, 2, 1, 1), v[:, :1].repeat(1, 2, 1, 1))
 
 
 def test_a_nan_score_reaches_out_and_the_lse():
@@ -140,6 +148,18 @@ def test_sinks_given_as_a_list_are_refused_by_name_with_grad_mode_on():
     q, k, v = _inputs("list-sinks", 1, 2, 1, 64, 64, "bfloat16")
     with pytest.raises(ValueError, match=r"sinks: head_dim 512 runs no score modifier"):
         fagen.attention(q, k, v, sinks=[0.5, 0.5])
+
+
+def test_a_pooled_loss_hands_the_backward_a_broadcast_gradient():
+    """out.sum(dim=2) gives the backward a dout of stride 0 along the queries (no TMA map takes
+    it): copied, not refused; the gradients against the oracle's of the broadcast dout."""
+    q, k, v = _inputs("pooled", 1, 2, 1, 130, 200, "bfloat16")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    weights = _inputs("pooled w", 1, 2, 1, 1, 200, "bfloat16")[0]
+    (fagen.attention(*leaves).sum(dim=2, keepdim=True) * weights).sum().backward()
+    ref = _backward_reference(q, k, v, weights.expand_as(q), False)
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        assert relative_error(to_numpy(leaf.grad), ref[name]) < OUT_TOLERANCE["bfloat16"], name
 
 
 def test_a_compiled_layer_trains_at_head_dim_512_through_the_ops():
