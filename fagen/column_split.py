@@ -113,3 +113,35 @@ class ColumnSplitPlan:
     @property
     def barriers_at(self) -> int:
         return self.row_max_at + 4 * self.block_rows
+
+    # The merge of split partials (templates/sm90/split_merge_kernel.cu.j2, its own kernel in the
+    # module; a subclass names it `merge_name`): a block merges MERGE_COLUMNS columns of one row,
+    # `merge_split_lanes` threads a 4-column piece, each taking every lanes-th split, MERGE_BATCH
+    # of them loaded before it folds any: one round trip to L2 a thread. A step of one sequence
+    # has 16 rows and up to 132 splits (4 MB of partials): 16 lanes; 16 sequences 8 splits: one.
+    merge_columns: int = 128
+    merge_max_split_lanes: int = 16
+    merge_batch: int = 8
+
+    def merge_split_lanes(self, splits: int) -> int:
+        return min(self.merge_max_split_lanes, -(-splits // self.merge_batch))
+
+    @property
+    def merge_quads(self) -> int:
+        return self.merge_columns // 4
+
+    def merge_threads(self, splits: int) -> int:
+        return self.merge_quads * self.merge_split_lanes(splits)
+
+    @property
+    def merge_params(self) -> tuple[tuple[str, str], ...]:
+        return MERGE_PARAMS
+
+
+# o_parts [splits, B, heads * n_q, value_dim] and lse_parts [splits, B, heads * n_q] into out and
+# lse ([B, heads, n_q], contiguous)
+MERGE_PARAMS: tuple[tuple[str, str], ...] = (
+    ("const float* __restrict__", "o_parts"), ("const float* __restrict__", "lse_parts"),
+    ("elem_t* __restrict__", "out"), ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
+    ("float* __restrict__", "lse"), ("int", "splits"), ("int", "batch"), ("int", "heads"), ("int", "n_q"),
+)

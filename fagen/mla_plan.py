@@ -72,32 +72,9 @@ class MlaPlan(ColumnSplitPlan):
     def params(self) -> tuple[tuple[str, str], ...]:
         return MLA_PARAMS
 
-    # The merge of split partials (its own kernel in the module): a block merges MERGE_COLUMNS
-    # columns of one row, `merge_split_lanes` threads a 4-column piece, each taking every lanes-th
-    # split, MERGE_BATCH of them loaded before it folds any: one round trip to L2 a thread. A step
-    # of one sequence has 16 rows and up to 132 splits (4 MB of partials): 16 lanes; 16 sequences
-    # 8 splits: one.
-    merge_columns: int = 128
-    merge_max_split_lanes: int = 16
-    merge_batch: int = 8
-
-    def merge_split_lanes(self, splits: int) -> int:
-        return min(self.merge_max_split_lanes, -(-splits // self.merge_batch))
-
     @property
     def merge_name(self) -> str:
         return f"mla_merge_{ELEMENT_TYPES[self.dtype].short}_v{self.head_dim_v}"
-
-    @property
-    def merge_quads(self) -> int:
-        return self.merge_columns // 4
-
-    def merge_threads(self, splits: int) -> int:
-        return self.merge_quads * self.merge_split_lanes(splits)
-
-    @property
-    def merge_params(self) -> tuple[tuple[str, str], ...]:
-        return MLA_MERGE_PARAMS
 
 
 MLA_PARAMS: tuple[tuple[str, str], ...] = (
@@ -108,9 +85,4 @@ MLA_PARAMS: tuple[tuple[str, str], ...] = (
     ("elem_t* __restrict__", "out"), ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
     ("float* __restrict__", "lse"), ("float* __restrict__", "o_parts"), ("float* __restrict__", "lse_parts"),
     ("int", "batch"), ("int", "heads"), ("int", "n_q"), ("int", "causal"), ("float", "scale_log2"),
-)
-MLA_MERGE_PARAMS: tuple[tuple[str, str], ...] = (
-    ("const float* __restrict__", "o_parts"), ("const float* __restrict__", "lse_parts"),
-    ("elem_t* __restrict__", "out"), ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
-    ("float* __restrict__", "lse"), ("int", "splits"), ("int", "batch"), ("int", "heads"), ("int", "n_q"),
 )

@@ -1,7 +1,9 @@
 """The attention forward at head_dim 512 on sm_90a (Gemma-4's global layers): q [B, Hq, Nq, 512],
 k, v [B, Hkv, Nk, 512] (Hq a multiple of Hkv), no mask or causal (bottom right), out like q and
 the LSE. One kernel (templates/sm90/wide_forward.cu.j2) splits O's 512 columns over two
-warpgroups, as MLA decode does; fagen.attention takes this path for head_dim 512.
+warpgroups, as MLA decode does; fagen.attention takes this path for head_dim 512. Decode packs
+a GQA group's heads as one tile's rows, and splits the keys over blocks (merged by LSE) where the
+tiles and heads leave SMs idle.
 
     out = fagen.wide_head.attention(q, k, v, causal=True)
 
@@ -20,7 +22,8 @@ import math
 
 from fagen import tensor_maps
 from fagen.dispatch import call_mask
-from fagen.device import as_device_tensor, cupy, empty_like, require_cupy, stream_for, torch_stream_handle
+from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
+                          torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
 from fagen.render import render_wide, render_wide_backward
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
@@ -31,13 +34,14 @@ WIDE_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)
 
 
 @functools.cache
-def _function(dtype: str, device: int):
-    """The kernel for `dtype`, compiled once a device and process."""
+def _functions(dtype: str, device: int):
+    """The forward's kernel and its merge for `dtype`, compiled once a device and process."""
     with cupy.cuda.Device(device):
         plan = WideHeadPlan(dtype)
-        function = compile_module(render_wide(dtype), plan.name, wgmma=True).get_function(plan.name)
+        module = compile_module(render_wide(dtype), plan.name, wgmma=True)
+        function = module.get_function(plan.name)
         function.max_dynamic_shared_size_bytes = plan.smem_bytes
-        return function
+        return function, module.get_function(plan.merge_name)
 
 
 @functools.cache
@@ -114,17 +118,61 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             out[...] = 0
             lse[...] = -math.inf
             return (out, lse) if return_lse else out
-        # TMA maps: q's boxes of 64 rows, k's and v's of a KV tile's rows (refusing strides TMA cannot take)
-        maps = tuple(TensorMap(f"{name}_map", name, tq.dtype, tensor_maps.layout(t.shape, t.strides, element, rows, name))
-                     for t, name, rows in ((tq, "q", plan.block_rows), (tk, "k", plan.block_kv), (tv, "v", plan.block_kv)))
         to = as_device_tensor(out, "out")
-        values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1],
-                      o_sn=to.strides[2], lse=as_device_tensor(lse, "lse").ptr, heads=hq, group=hq // hkv, n_q=nq,
-                      n_kv=nk, causal=int(bool(causal)), scale_log2=scale * LOG2E)
-        launch = Launch(_function(tq.dtype, tq.device), (-(-nq // plan.block_rows), hq, b), plan.threads,
-                        plan.smem_bytes, plan.params, values, slots=("q", "k", "v", "out", "lse"), maps=maps)
-        launch(torch_stream_handle()(tq.device) if tq.kind == "torch" else None)
+        # A group's query heads as rows of one tile where their rows line up (one query a head, or
+        # heads Nq rows apart): each KV head's keys are read once for its group, not once a head.
+        group = hq // hkv
+        q_rows, o_rows = _packed_rows(tq, group, causal), _packed_rows(to, group, causal)
+        if group > 1 and q_rows and o_rows:
+            heads, rows, group, q_view, o_strides = hkv, group * nq, 1, q_rows, o_rows[1]
+            causal = causal and nq > 1  # (one query sees every key: bottom right)
+        else:
+            heads, rows, q_view, o_strides = hq, nq, (tq.shape, tq.strides), to.strides
+        q_tiles = -(-rows // plan.block_rows)
+        splits = default_splits(b * heads * q_tiles, -(-nk // plan.block_kv), tq.device)
+        # TMA maps: q's boxes of 64 rows, k's and v's of a KV tile's rows (refusing strides TMA cannot take)
+        maps = tuple(TensorMap(f"{name}_map", name, tq.dtype, tensor_maps.layout(*view, element, box, name))
+                     for view, name, box in ((q_view, "q", plan.block_rows), ((tk.shape, tk.strides), "k", plan.block_kv),
+                                             ((tv.shape, tv.strides), "v", plan.block_kv)))
+        parts = ((empty_like(tq, (splits, b, heads * rows, d), "float32"), empty_like(tq, (splits, b, heads * rows), "float32"))
+                 if splits > 1 else ())
+        part_ptrs = tuple(as_device_tensor(x, "parts").ptr for x in parts) or (0, 0)
+        values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, out=to.ptr, o_sb=o_strides[0], o_sh=o_strides[1],
+                      o_sn=o_strides[2], lse=as_device_tensor(lse, "lse").ptr, o_parts=part_ptrs[0],
+                      lse_parts=part_ptrs[1], splits=splits, heads=heads, group=group, n_q=rows, n_kv=nk,
+                      causal=int(bool(causal)), scale_log2=scale * LOG2E)
+        function, merge = _functions(tq.dtype, tq.device)
+        stream = torch_stream_handle()(tq.device) if tq.kind == "torch" else None
+        Launch(function, (q_tiles * splits, heads, b), plan.threads, plan.smem_bytes, plan.params, values,
+               slots=("q", "k", "v", "out", "lse"), maps=maps)(stream)
+        if splits > 1:
+            merged = dict(o_parts=part_ptrs[0], lse_parts=part_ptrs[1], out=to.ptr, o_sb=o_strides[0],
+                          o_sh=o_strides[1], o_sn=o_strides[2], lse=values["lse"], splits=splits, batch=b, heads=heads,
+                          n_q=rows)
+            Launch(merge, (b * heads * rows, d // plan.merge_columns, 1), plan.merge_threads(splits), 0,
+                   plan.merge_params, merged, dependent=True)(stream)
     return (out, lse) if return_lse else out
+
+
+def _packed_rows(t, group: int, causal: bool):
+    """(shape, strides) of [B, Hq, Nq, d] `t` seen as [B, Hkv, group * Nq, d], its heads' rows one
+    after the other at one stride, or None where they are not (or causal rows would need their own
+    diagonals: Nq > 1)."""
+    b, hq, nq, d = t.shape
+    sb, sh, sn, sd = t.strides
+    if nq == 1:
+        row = sh
+    elif not causal and sh == nq * sn:
+        row = sn
+    else:
+        return None
+    return (b, hq // group, group * nq, d), (sb, group * sh, row, sd)
+
+
+def default_splits(blocks: int, kv_tiles: int, device: int) -> int:
+    """Splits of each tile's keys: as many as keep a block on every SM (one fits an SM: 193 KB of
+    shared memory) where the tiles and heads do not, at most a KV tile a split."""
+    return max(1, min(multiprocessors(device) // blocks, kv_tiles))
 
 
 PREPROCESS_ROWS = 4  # query rows a preprocess block: a warp each

@@ -34,6 +34,10 @@ class WideHeadPlan(ColumnSplitPlan):
         return self.head_dim
 
     @property
+    def merge_name(self) -> str:  # the module's second kernel: split partials merged by LSE
+        return f"wide_merge_{ELEMENT_TYPES[self.dtype].short}_d{self.head_dim}"
+
+    @property
     def atoms(self) -> int:  # 64-column blocks of a row
         return self.head_dim // self.atom_columns
 
@@ -69,8 +73,9 @@ class WideHeadPlan(ColumnSplitPlan):
 WIDE_PARAMS: tuple[tuple[str, str], ...] = (
     (TMA_MAP, "q_map"), (TMA_MAP, "k_map"), (TMA_MAP, "v_map"),
     ("elem_t* __restrict__", "out"), ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"),
-    ("float* __restrict__", "lse"),
-    ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "n_kv"), ("int", "causal"), ("float", "scale_log2"),
+    ("float* __restrict__", "lse"), ("float* __restrict__", "o_parts"), ("float* __restrict__", "lse_parts"),
+    ("int", "splits"), ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "n_kv"), ("int", "causal"),
+    ("float", "scale_log2"),
 )
 
 

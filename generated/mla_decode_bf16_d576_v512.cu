@@ -740,8 +740,8 @@ mla_merge_bf16_v512(
   for (int g = 1; g < lanes; ++g)  // share 0 folds the others' in
     fold_share(m, l, acc, weights[g][quad].x, weights[g][quad].y, shares[g][quad]);
   const int b = row / rows, h = row % rows / n_q, n = row % n_q;
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  const float inv = l == 0.f ? 0.f : 1.f / l;  // (a NaN LSE leaves l NaN: it must reach O and the LSE)
   *reinterpret_cast<uint2*>(out + b * o_sb + h * o_sh + n * o_sn + column) =
       uint2{pack2(acc[0] * inv, acc[1] * inv), pack2(acc[2] * inv, acc[3] * inv)};
-  if (blockIdx.y == 0 && quad == 0) lse[row] = l > 0.f ? m + __logf(l) : NEG_INF;
+  if (blockIdx.y == 0 && quad == 0) lse[row] = l == 0.f ? NEG_INF : m + __logf(l);
 }

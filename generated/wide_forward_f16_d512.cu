@@ -9,12 +9,16 @@
 //   warpgroup 1  O[:, 256:] += P.V, P from shared memory
 //   warpgroup 2  the producer: one thread loads Q's tile (8 TMA boxes of 64 columns), then each
 //                32-key tile of K and of V (8 boxes each) into a ring of KV_STAGES slots.
-// Rows and keys past the tensors' ends load as zeros (TMA); keys past n_kv are masked.
+// Rows and keys past the tensors' ends load as zeros (TMA); keys past n_kv are masked. Where the
+// tiles and heads leave SMs idle (decode, a short prompt), each tile's keys are split over
+// `splits` blocks, each writing a float32 partial and its LSE, and wide_merge_f16_d512, the module's
+// second kernel, merges them by LSE.
 typedef unsigned short elem_t;  // float16 storage; arithmetic in f32 registers
 #define NEG_INF __int_as_float(0xff800000)
 constexpr float LN2 = 0.6931471805599453f;
 
 constexpr int HEAD_DIM = 512;
+constexpr int HEAD_DIM_V = 512;  // O's width (the merge's)
 constexpr int BLOCK_ROWS = 64;      // query rows a block: one wgmma.m64
 constexpr int BLOCK_KV = 32;         // keys a KV tile
 constexpr int KV_STAGES = 2;         // KV tiles in flight
@@ -369,7 +373,7 @@ __device__ __forceinline__ unsigned swizzled(int row, int chunk) {
 
 
 // ---- the kernel ------------------------------------------------------------------------
-// Grid: x = query tile (the last rows first: under causal the longest), y = query head, z =
+// Grid: x = query tile x splits (the last rows first: under causal the longest), y = query head, z =
 // batch. q [B, Hq, n_q, HEAD_DIM], k, v [B, Hkv, n_kv, HEAD_DIM] through their maps (16-byte
 // aligned strides), out [B, Hq, n_q, HEAD_DIM] any strides with a unit last one, lse [B, Hq,
 // n_q] contiguous. Causal: query i sees keys up to i + n_kv - n_q (bottom right).
@@ -383,6 +387,9 @@ wide_forward_f16_d512(
     long long o_sh,
     long long o_sn,
     float* __restrict__ lse,
+    float* __restrict__ o_parts,
+    float* __restrict__ lse_parts,
+    int splits,
     int heads,
     int group,
     int n_q,
@@ -396,12 +403,15 @@ wide_forward_f16_d512(
   float* row_sum = reinterpret_cast<float*>(smem + ROW_SUM_AT);
   float* row_max = reinterpret_cast<float*>(smem + ROW_MAX_AT);
   const int tid = threadIdx.x, warpgroup = tid / WARPGROUP_THREADS, lane = tid & 31;
-  const int tile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
+  const int q_tiles = gridDim.x / splits, split = blockIdx.x % splits;
+  const int tile = q_tiles - 1 - blockIdx.x / splits, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
   const int p0 = tile * BLOCK_ROWS, offset = n_kv - n_q;
 
-  // The keys some row of the tile sees, and their KV tiles.
+  // The keys some row of the tile sees, and this split's share of their KV tiles: j0 on, `tiles`
+  // of them (a share may be empty).
   const int keys = causal ? min(n_kv, max(p0 + BLOCK_ROWS + offset, 0)) : n_kv;
-  const int tiles = (keys + BLOCK_KV - 1) / BLOCK_KV;
+  const int all_tiles = (keys + BLOCK_KV - 1) / BLOCK_KV, share = (all_tiles + splits - 1) / splits;
+  const int j0 = min(split * share, all_tiles), tiles = min(j0 + share, all_tiles) - j0;
 
   const unsigned q_landed = base + BARRIERS_AT;
   const RingBarriers<KV_STAGES, CONSUMER_THREADS> ring(base + BARRIERS_AT + MBARRIER_BYTES);
@@ -423,8 +433,8 @@ wide_forward_f16_d512(
         const unsigned bar = ring.arm(j, STAGE_BYTES), slot = base + RING_AT + (j % KV_STAGES) * STAGE_BYTES;
 #pragma unroll 1
         for (int a = 0; a < ATOMS; ++a) {
-          tma_load_tile(slot + a * KV_ATOM_BYTES, k_map, bar, a * ATOM_COLUMNS, j * BLOCK_KV, h_kv, b);
-          tma_load_tile(slot + K_BYTES + a * KV_ATOM_BYTES, v_map, bar, a * ATOM_COLUMNS, j * BLOCK_KV, h_kv, b);
+          tma_load_tile(slot + a * KV_ATOM_BYTES, k_map, bar, a * ATOM_COLUMNS, (j0 + j) * BLOCK_KV, h_kv, b);
+          tma_load_tile(slot + K_BYTES + a * KV_ATOM_BYTES, v_map, bar, a * ATOM_COLUMNS, (j0 + j) * BLOCK_KV, h_kv, b);
         }
       }
     }
@@ -474,7 +484,7 @@ wide_forward_f16_d512(
     // Tile j's scores into P (in s) and the rows' rescale factors: the mask and the online softmax.
     float alpha[2];
     auto softmax = [&](int j) {
-      const int kv0 = j * BLOCK_KV;
+      const int kv0 = (j0 + j) * BLOCK_KV;
       if (kv0 + BLOCK_KV > seen) {  // keys some row does not see (or past n_kv, loaded as zeros): -inf
 #pragma unroll
         for (int n = 0; n < S_N_FRAGS; ++n)
@@ -581,18 +591,112 @@ wide_forward_f16_d512(
     l[0] = row_sum[r0], l[1] = row_sum[r1], m[0] = row_max[r0], m[1] = row_max[r1];
   }
 
-  // The epilogue: O / l and the LSE. A row that saw no key (l = 0) writes O = 0 and LSE = -inf.
+  // The epilogue: O / l and the LSE, or this split's float32 partial and its LSE. A row that saw
+  // no key (l = 0) writes O = 0 and LSE = -inf.
   const int column0 = warpgroup * (HEAD_DIM / 2) + 2 * t;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = i ? r1 : r0, row = p0 + r;
     if (row >= n_q) continue;
     const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];  // (a NaN score leaves l NaN: it must reach O and the LSE)
-    elem_t* o_row = out + b * o_sb + h * o_sh + row * o_sn + column0;
+    const float row_lse = l[i] == 0.f ? NEG_INF : (m[i] + __log2f(l[i])) * LN2;
+    if (splits == 1) {
+      elem_t* o_row = out + b * o_sb + h * o_sh + row * o_sn + column0;
 #pragma unroll
-    for (int f = 0; f < O_N_FRAGS; ++f)
-      *reinterpret_cast<unsigned*>(o_row + 8 * f) = pack2(o[f][2 * i] * inv, o[f][2 * i + 1] * inv);
-    if (warpgroup == 0 && t == 0)
-      lse[((long long)b * heads + h) * n_q + row] = l[i] == 0.f ? NEG_INF : (m[i] + __log2f(l[i])) * LN2;
+      for (int f = 0; f < O_N_FRAGS; ++f)
+        *reinterpret_cast<unsigned*>(o_row + 8 * f) = pack2(o[f][2 * i] * inv, o[f][2 * i + 1] * inv);
+      if (warpgroup == 0 && t == 0) lse[((long long)b * heads + h) * n_q + row] = row_lse;
+    } else {  // o_parts [splits, B, heads * n_q, HEAD_DIM], lse_parts [splits, B, heads * n_q]
+      const long long part_row = (((long long)split * gridDim.z + b) * heads + h) * n_q + row;
+      float* o_row = o_parts + part_row * HEAD_DIM + column0;
+#pragma unroll
+      for (int f = 0; f < O_N_FRAGS; ++f)
+        *reinterpret_cast<float2*>(o_row + 8 * f) = float2{o[f][2 * i] * inv, o[f][2 * i + 1] * inv};
+      if (warpgroup == 0 && t == 0) lse_parts[part_row] = row_lse;
+    }
   }
+}
+
+// ---- the merge of the splits' partials ----------------------------------------------------
+// With m = max_s LSE_s: L = sum_s exp(LSE_s - m), O = sum_s exp(LSE_s - m) O_s / L, LSE = m + log L;
+// a row no split saw (every LSE_s = -inf) gives O = 0, LSE = -inf. A split that saw no key of a
+// row adds no columns, whatever they hold.
+constexpr int MERGE_QUADS = 32;  // 4-column pieces a block (of one row)
+constexpr int MERGE_MAX_SPLIT_LANES = 16;  // threads a piece (blockDim.x / MERGE_QUADS), each a share of the splits
+constexpr int MERGE_BATCH = 8;  // splits a thread loads before it folds them
+
+// Split partials merged by their LSE, online: (m, l, acc) is a running max, the sum of weights
+// exp(LSE_s - m) and the weighted sum of 4 columns, all rescaled as m grows.
+// One split's LSE and its 4 columns folded in. A split that saw no key of the row (weight 0)
+// adds no columns, whatever they hold; a NaN LSE makes w, then l, NaN: it must reach the output.
+__device__ __forceinline__ void fold_split(float& m, float& l, float (&acc)[4], float lse_s, const float4& o_s) {
+  const float m_new = fmaxf(m, lse_s), m_use = m_new == NEG_INF ? 0.f : m_new;  // no key yet: weights 0
+  const float keep = __expf(m - m_use), w = __expf(lse_s - m_use);
+  const bool adds = w > 0.f;
+  l = l * keep + w;
+  acc[0] = acc[0] * keep + (adds ? w * o_s.x : 0.f), acc[1] = acc[1] * keep + (adds ? w * o_s.y : 0.f);
+  acc[2] = acc[2] * keep + (adds ? w * o_s.z : 0.f), acc[3] = acc[3] * keep + (adds ? w * o_s.w : 0.f);
+  m = m_new;
+}
+
+// Another share's running (m_g, l_g, acc_g) folded in (the shares of one row's splits meeting).
+__device__ __forceinline__ void fold_share(float& m, float& l, float (&acc)[4], float m_g, float l_g, const float4& acc_g) {
+  const float m_new = fmaxf(m, m_g), m_use = m_new == NEG_INF ? 0.f : m_new;
+  const float keep = __expf(m - m_use), take = __expf(m_g - m_use);
+  l = l * keep + l_g * take;
+  acc[0] = acc[0] * keep + acc_g.x * take, acc[1] = acc[1] * keep + acc_g.y * take;
+  acc[2] = acc[2] * keep + acc_g.z * take, acc[3] = acc[3] * keep + acc_g.w * take;
+  m = m_new;
+}
+
+// Grid: x = row of the batch (b * heads * n_q + h * n_q + n), y = block of MERGE_QUADS * 4 columns;
+// MERGE_QUADS threads a lane of the splits, as many lanes as take the splits in one batch each.
+extern "C" __global__ void __launch_bounds__(MERGE_QUADS * MERGE_MAX_SPLIT_LANES)
+wide_merge_f16_d512(
+    const float* __restrict__ o_parts,
+    const float* __restrict__ lse_parts,
+    elem_t* __restrict__ out,
+    long long o_sb,
+    long long o_sh,
+    long long o_sn,
+    float* __restrict__ lse,
+    int splits,
+    int batch,
+    int heads,
+    int n_q) {
+  // Launched while the attention kernel may still run (a programmatic dependent launch, which
+  // hides this launch's gap): wait for it to finish, its partials visible, before any load.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  __shared__ float4 shares[MERGE_MAX_SPLIT_LANES][MERGE_QUADS];
+  __shared__ float2 weights[MERGE_MAX_SPLIT_LANES][MERGE_QUADS];
+  const int quad = threadIdx.x % MERGE_QUADS, share = threadIdx.x / MERGE_QUADS, lanes = blockDim.x / MERGE_QUADS;
+  const int row = blockIdx.x, rows = heads * n_q, column = (blockIdx.y * MERGE_QUADS + quad) * 4;
+  const long long split_rows = (long long)batch * rows;
+  const float* part = o_parts + (long long)row * HEAD_DIM_V + column;
+  float m = NEG_INF, l = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int s0 = share; s0 < splits; s0 += lanes * MERGE_BATCH) {
+    float lse_s[MERGE_BATCH];
+    float4 o_s[MERGE_BATCH];
+#pragma unroll
+    for (int k = 0; k < MERGE_BATCH; ++k) {  // every load issued before anything waits on one
+      const int s = s0 + k * lanes;
+      lse_s[k] = s < splits ? __ldcg(lse_parts + s * split_rows + row) : NEG_INF;
+      o_s[k] = s < splits ? __ldcg(reinterpret_cast<const float4*>(part + s * split_rows * HEAD_DIM_V)) : float4{};
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_BATCH; ++k) fold_split(m, l, acc, lse_s[k], o_s[k]);
+  }
+  if (lanes > 1) {
+    shares[share][quad] = float4{acc[0], acc[1], acc[2], acc[3]};
+    weights[share][quad] = float2{m, l};
+    __syncthreads();
+  }
+  if (share != 0) return;
+  for (int g = 1; g < lanes; ++g)  // share 0 folds the others' in
+    fold_share(m, l, acc, weights[g][quad].x, weights[g][quad].y, shares[g][quad]);
+  const int b = row / rows, h = row % rows / n_q, n = row % n_q;
+  const float inv = l == 0.f ? 0.f : 1.f / l;  // (a NaN LSE leaves l NaN: it must reach O and the LSE)
+  *reinterpret_cast<uint2*>(out + b * o_sb + h * o_sh + n * o_sn + column) =
+      uint2{pack2(acc[0] * inv, acc[1] * inv), pack2(acc[2] * inv, acc[3] * inv)};
+  if (blockIdx.y == 0 && quad == 0) lse[row] = l == 0.f ? NEG_INF : m + __logf(l);
 }

@@ -57,6 +57,33 @@ def test_the_head_dim_512_forward_matches_the_oracle(dtype, causal, shape):
     _check(out, lse, *_reference(q, k, v, causal), dtype)
 
 
+# (B, Hq, Hkv, Nq, Nk) of decode: one query a head, a group's heads packed as one tile's rows and
+# the keys split over blocks that fill the GPU, merged by LSE
+DECODE_SHAPES = [(1, 8, 2, 1, 20000), (4, 16, 4, 1, 4097), (2, 4, 4, 1, 300)]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_head_dim_512_decode_packs_a_group_s_heads_and_splits_the_keys(shape, layout):
+    from fagen.bench_backward import nan_filled_empties
+
+    q, k, v = _inputs(f"decode{shape}{layout}", *shape, "bfloat16", layout=layout)
+    out = torch.full(q.shape, float("nan"), device="cuda", dtype=q.dtype)
+    if layout == "bshd":  # FlashAttention's [B, 1, H, d] out, seen as [B, H, 1, d]
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    with nan_filled_empties():  # (the partials and the LSE too)
+        got, lse = wide_head.attention(q, k, v, causal=True, return_lse=True, out=out)
+    _check(got, lse, *_reference(q, k, v, True), "bfloat16")
+
+
+def test_a_few_long_rows_split_their_keys_under_causal():
+    """A short causal prompt against many keys: 3 query tiles of 2 heads leave SMs idle, so each
+    tile's keys are split (a split of the first tiles may hold none)."""
+    q, k, v = _inputs("few rows", 1, 2, 1, 150, 9000, "float16")
+    got, lse = wide_head.attention(q, k, v, causal=True, return_lse=True, out=torch.full_like(q, float("nan")))
+    _check(got, lse, *_reference(q, k, v, True), "float16")
+
+
 def test_fagen_attention_takes_head_dim_512_in_flash_attention_s_layout_with_a_scale():
     q, k, v = _inputs("bshd", 2, 8, 2, 257, 700, "bfloat16", layout="bshd")
     out, lse = fagen.attention(q, k, v, causal=True, scale=0.03, return_lse=True)
