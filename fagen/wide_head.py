@@ -79,6 +79,19 @@ def check(tq, tk, tv) -> None:
                              f"cuda:{tq.device}: pass all from one framework on one GPU")
 
 
+def _checked_scale(tq, scale: float | None, kernel: str) -> float:
+    """The softmax scale (1 / sqrt(head_dim) by default), a GPU other than sm_90 and a scale that
+    is no positive finite number refused by name."""
+    d = tq.shape[-1]
+    arch = cupy.cuda.Device(tq.device).compute_capability
+    if arch != WIDE_ARCH:
+        raise ValueError(f"q: head_dim {d} on sm_{arch}; its {kernel} is built for sm_{WIDE_ARCH}a (Hopper's wgmma) "
+                         f"only: run it on an H100 or H200, or use head_dim 256 or less")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
 def _out(out, shape: tuple[int, ...], tq):
     if out is None:
         return empty_like(tq, shape, tq.dtype)
@@ -100,13 +113,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     check(tq, tk, tv)
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
-    arch = cupy.cuda.Device(tq.device).compute_capability
-    if arch != WIDE_ARCH:
-        raise ValueError(f"q: head_dim {d} on sm_{arch}; its forward is built for sm_{WIDE_ARCH}a (Hopper's wgmma) "
-                         f"only: run it on an H100 or H200, or use head_dim 256 or less")
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = _checked_scale(tq, scale, "forward")
     plan = WideHeadPlan(tq.dtype)
     element = ELEMENT_TYPES[tq.dtype].bytes
     with cupy.cuda.Device(tq.device), stream_for(tq):
@@ -129,7 +136,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         else:
             heads, rows, q_view, o_strides = hq, nq, (tq.shape, tq.strides), to.strides
         q_tiles = -(-rows // plan.block_rows)
-        splits = default_splits(b * heads * q_tiles, -(-nk // plan.block_kv), tq.device)
+        splits = default_splits(b * heads * q_tiles, -(-nk // plan.block_kv), multiprocessors(tq.device))
         # TMA maps: q's boxes of 64 rows, k's and v's of a KV tile's rows (refusing strides TMA cannot take)
         maps = tuple(TensorMap(f"{name}_map", name, tq.dtype, tensor_maps.layout(*view, element, box, name))
                      for view, name, box in ((q_view, "q", plan.block_rows), ((tk.shape, tk.strides), "k", plan.block_kv),
@@ -169,10 +176,10 @@ def _packed_rows(t, group: int, causal: bool):
     return (b, hq // group, group * nq, d), (sb, group * sh, row, sd)
 
 
-def default_splits(blocks: int, kv_tiles: int, device: int) -> int:
-    """Splits of each tile's keys: as many as keep a block on every SM (one fits an SM: 193 KB of
-    shared memory) where the tiles and heads do not, at most a KV tile a split."""
-    return max(1, min(multiprocessors(device) // blocks, kv_tiles))
+def default_splits(blocks: int, kv_tiles: int, sms: int) -> int:
+    """Splits of each tile's keys: as many as keep a block on every one of `sms` SMs (one fits an
+    SM: 193 KB of shared memory) where the `blocks` of tiles and heads do not, at most a KV tile a split."""
+    return max(1, min(sms // blocks, kv_tiles))
 
 
 PREPROCESS_ROWS = 4  # query rows a preprocess block: a warp each
@@ -208,13 +215,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
     if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.kind != tq.kind or tl.device != tq.device:
         raise ValueError(f"lse: {tl.kind} {tl.dtype} {tl.shape}; expected the forward's float32 [B, Hq, Nq] = "
                          f"{(b, hq, nq)} on q's device (return_lse=True)")
-    arch = cupy.cuda.Device(tq.device).compute_capability
-    if arch != WIDE_ARCH:
-        raise ValueError(f"q: head_dim {d} on sm_{arch}; its backward is built for sm_{WIDE_ARCH}a (Hopper's wgmma) "
-                         f"only: run it on an H100 or H200, or use head_dim 256 or less")
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = _checked_scale(tq, scale, "backward")
     plan = WideBackwardPlan(tq.dtype)
     element = ELEMENT_TYPES[tq.dtype].bytes
     with cupy.cuda.Device(tq.device), stream_for(tq):

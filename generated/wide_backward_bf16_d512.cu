@@ -19,7 +19,9 @@
 //   warpgroup 2  the producer: K's and V's halves once, then each step's Q and dO halves and the
 //                rows' LSE and D into a ring of Q_STAGES slots.
 // An exchange buffer is refilled by the peer only once this block has read it (an mbarrier of
-// the peer's, arrived on from here); both blocks walk the same steps.
+// the peer's, arrived on from here); both blocks walk the same steps. No block signals or writes
+// its peer but what the peer waits for (no free signal after the last step): a block may leave
+// as soon as its own last wait is met, with no cluster barrier at the end.
 typedef unsigned short elem_t;  // bfloat16 storage; arithmetic in f32 registers
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)

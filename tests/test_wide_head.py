@@ -107,3 +107,33 @@ def test_a_compiled_model_calls_the_head_dim_512_forward_through_the_op(monkeypa
 
     with pytest.raises(Exception, match="softcap: head_dim 512 runs no score modifier"):
         capped(q, q, q)
+
+
+def test_decode_packs_a_group_s_heads_as_rows_only_where_they_line_up():
+    """q or out [B, Hq, Nq, d] seen as [B, Hkv, group * Nq, d]: one query a head (either layout),
+    or heads Nq rows apart without causal; causal rows of Nq > 1 need their own diagonals."""
+    from types import SimpleNamespace
+
+    from fagen.wide_head import _packed_rows
+
+    def tensor(shape, strides):
+        return SimpleNamespace(shape=shape, strides=strides)
+
+    d = 512
+    bhsd = tensor((2, 8, 1, d), (8 * d, d, d, 1))
+    bshd = tensor((2, 8, 1, d), (8 * d, d, 8 * d, 1))  # FlashAttention's [B, 1, H, d] seen as [B, H, 1, d]
+    for t in (bhsd, bshd):
+        assert _packed_rows(t, 4, causal=True) == ((2, 2, 4, d), (8 * d, 4 * d, d, 1))
+    rows = tensor((1, 4, 77, d), (4 * 77 * d, 77 * d, d, 1))
+    assert _packed_rows(rows, 4, causal=False) == ((1, 1, 308, d), (4 * 77 * d, 4 * 77 * d, d, 1))
+    assert _packed_rows(rows, 4, causal=True) is None
+    assert _packed_rows(tensor((1, 4, 77, d), (77 * 4 * d, d, 4 * d, 1)), 4, causal=False) is None
+
+
+def test_the_keys_split_only_where_tiles_and_heads_leave_sms_idle():
+    from fagen.wide_head import default_splits
+
+    assert default_splits(blocks=1024, kv_tiles=128, sms=132) == 1  # a prompt fills the GPU
+    assert default_splits(blocks=4, kv_tiles=2048, sms=132) == 33  # decode: B 1, 4 KV heads
+    assert default_splits(blocks=6, kv_tiles=3, sms=132) == 3  # at most a KV tile a split
+    assert default_splits(blocks=200, kv_tiles=50, sms=132) == 1
