@@ -643,8 +643,8 @@ mla_decode_bf16_d576_v512(
     const int r = i ? r1 : r0, p = p0 + r;
     if (p >= rows) continue;
     const int h = p / n_q, n = p % n_q;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const float row_lse = l[i] > 0.f ? (m[i] + __log2f(l[i])) * LN2 : NEG_INF;
+    const float inv = l[i] == 0.f ? 0.f : 1.f / l[i];  // (a NaN score leaves l NaN: it must reach O and the LSE)
+    const float row_lse = l[i] == 0.f ? NEG_INF : (m[i] + __log2f(l[i])) * LN2;
     if (splits == 1) {
       elem_t* o_row = out + b * o_sb + h * o_sh + n * o_sn + column0;
 #pragma unroll
@@ -741,7 +741,10 @@ mla_merge_bf16_v512(
     fold_share(m, l, acc, weights[g][quad].x, weights[g][quad].y, shares[g][quad]);
   const int b = row / rows, h = row % rows / n_q, n = row % n_q;
   const float inv = l == 0.f ? 0.f : 1.f / l;  // (a NaN LSE leaves l NaN: it must reach O and the LSE)
-  *reinterpret_cast<uint2*>(out + b * o_sb + h * o_sh + n * o_sn + column) =
-      uint2{pack2(acc[0] * inv, acc[1] * inv), pack2(acc[2] * inv, acc[3] * inv)};
+  // two 4-byte stores: out need only be 4-byte aligned with even strides (a caller's out, as the
+  // attention kernels' pair stores take it), not 8
+  unsigned* o_pair = reinterpret_cast<unsigned*>(out + b * o_sb + h * o_sh + n * o_sn + column);
+  o_pair[0] = pack2(acc[0] * inv, acc[1] * inv);
+  o_pair[1] = pack2(acc[2] * inv, acc[3] * inv);
   if (blockIdx.y == 0 && quad == 0) lse[row] = l == 0.f ? NEG_INF : m + __logf(l);
 }

@@ -696,7 +696,10 @@ wide_merge_bf16_d512(
     fold_share(m, l, acc, weights[g][quad].x, weights[g][quad].y, shares[g][quad]);
   const int b = row / rows, h = row % rows / n_q, n = row % n_q;
   const float inv = l == 0.f ? 0.f : 1.f / l;  // (a NaN LSE leaves l NaN: it must reach O and the LSE)
-  *reinterpret_cast<uint2*>(out + b * o_sb + h * o_sh + n * o_sn + column) =
-      uint2{pack2(acc[0] * inv, acc[1] * inv), pack2(acc[2] * inv, acc[3] * inv)};
+  // two 4-byte stores: out need only be 4-byte aligned with even strides (a caller's out, as the
+  // attention kernels' pair stores take it), not 8
+  unsigned* o_pair = reinterpret_cast<unsigned*>(out + b * o_sb + h * o_sh + n * o_sn + column);
+  o_pair[0] = pack2(acc[0] * inv, acc[1] * inv);
+  o_pair[1] = pack2(acc[2] * inv, acc[3] * inv);
   if (blockIdx.y == 0 && quad == 0) lse[row] = l == 0.f ? NEG_INF : m + __logf(l);
 }

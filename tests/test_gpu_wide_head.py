@@ -76,6 +76,17 @@ def test_head_dim_512_decode_packs_a_group_s_heads_and_splits_the_keys(shape, la
     _check(got, lse, *_reference(q, k, v, True), "bfloat16")
 
 
+def test_a_split_decode_writes_a_caller_s_out_that_is_only_4_byte_aligned():
+    """The merge stores into out what the attention kernel would: pairs, 4-byte aligned (out 4
+    bytes past an 8-byte boundary, heads 514 elements apart)."""
+    q, k, v = _inputs("aligned 4", 1, 8, 2, 1, 4096, "bfloat16")
+    flat = torch.full((8 * 514 + 2,), float("nan"), device="cuda", dtype=q.dtype)
+    out = flat[2:].view(1, 8, 1, 514)[..., :512]
+    assert out.data_ptr() % 8 == 4
+    got, lse = wide_head.attention(q, k, v, return_lse=True, out=out)
+    _check(got, lse, *_reference(q, k, v, False), "bfloat16")
+
+
 def test_a_few_long_rows_split_their_keys_under_causal():
     """A short causal prompt against many keys: 3 query tiles of 2 heads leave SMs idle, so each
     tile's keys are split (a split of the first tiles may hold none)."""
