@@ -29,3 +29,20 @@ def test_the_table_puts_fagen_over_its_peers_and_says_why_a_cell_is_empty(tmp_pa
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a bench_head_widths JSON"):
         read_json(path)
+
+
+def test_decode_rows_count_the_cache_read_and_sit_under_the_widths_table(tmp_path):
+    """Head dim 512 decode: TB/s of K and V (B x Hkv x Nk x 512 x 2 bytes x 2) over the step's
+    time; the table after the widths', fagen over SDPA; both kinds of row round-trip the JSON."""
+    from fagen.bench_head_widths import DECODE_HEADS, DecodeRow
+
+    mine, peer = DecodeRow("fagen", 4, 32768, 40.0, 2e-3), DecodeRow("sdpa_efficient", 4, 32768, 400.0, 3e-3)
+    assert mine.cache_bytes == 4 * DECODE_HEADS[1] * 32768 * 512 * 2 * 2
+    assert abs(mine.tbps - mine.cache_bytes / 40e-6 / 1e12) < 1e-9
+    width = WidthRow("fagen", 512, 512, 4096, False, 400.0, 280.0, 2e-3)
+    lines = markdown([width, mine, peer])
+    assert lines.index(next(line for line in lines if line.startswith("### Head dim 512 decode"))) > 4
+    assert lines[-1].startswith(f"| 4 | 32768 | 40.0 | {mine.tbps:.2f} | 400.0 | {peer.tbps:.2f} | 10.00x |"), lines[-1]
+    path = tmp_path / "bench_head_widths.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [r.__dict__ for r in (width, mine, peer)]}))
+    assert read_json(path)[0] == [width, mine, peer]
