@@ -11,8 +11,8 @@ tiles and heads leave SMs idle.
 
 The backward (templates/sm90/wide_backward.cu.j2) runs each 64-key tile as a cluster of two
 blocks, each owning half of the 512 columns, exchanging S^T's and dP^T's partial products through
-distributed shared memory; dQ is added by bulk reduce-adds across key tiles (not bitwise repeatable). fagen.attention's
-autograd takes it for head_dim 512.
+distributed shared memory; dQ is added by bulk reduce-adds across key tiles (not bitwise
+repeatable). fagen.attention's autograd takes it for head_dim 512.
 """
 
 from __future__ import annotations
