@@ -458,22 +458,22 @@ __device__ __forceinline__ void wgmma_dq(float (&d)[DQ_N_FRAGS][4], unsigned lon
       : "l"(a), "l"(b), "r"(accumulate), "n"(WGMMA_SCALE_A), "n"(WGMMA_SCALE_B), "n"(WGMMA_TRANS_V), "n"(WGMMA_TRANS_V));
 }
 
-// dst[i] += src[i] over `bytes` of f32, one bulk group (the async proxy reads the staging: fence it first).
-// Per-thread vector reductions of a whole dQ chunk a step ran at 0.73x this (notes/perf.md).
+// dst[i] += src[i] over `bytes` of f32 (the async proxy reads the staging: fence it first),
+// committed as one bulk group.
 __device__ __forceinline__ void bulk_reduce_add(float* dst, unsigned src, int bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                "cp.async.bulk.commit_group;\n" :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
-// This thread's bulk groups have read their staging (it may be overwritten) ...
+
+// This thread's bulk groups have read their shared memory (the staging may be written again) ...
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-// ... or are done, their adds made.
+// ... or are done, their adds made (before the block exits).
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Two packed elements -> two f32, the low half first.
-__device__ __forceinline__ float2 unpack2(unsigned v) {
-  float lo, hi;
-  asm("{ .reg .b16 l, h;\nmov.b32 { l, h }, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n" : "=f"(lo), "=f"(hi) : "r"(v));
-  return make_float2(lo, hi);
+// Two float16 values of a 32-bit register as f32, `lo` from the low half.
+__device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
+  asm("{ .reg .f16 l, h; mov.b32 { l, h }, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }\n"
+      : "=f"(lo), "=f"(hi) : "r"(r));
 }
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
@@ -511,8 +511,10 @@ wide_backward_f16_d512_preprocess(
       const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float2 a = unpack2(xs[i]), e = unpack2(ys[i]);
-        d += a.x * e.x + a.y * e.y;
+        float a0, a1, e0, e1;
+        unpack2(xs[i], a0, a1);
+        unpack2(ys[i], e0, e1);
+        d += a0 * e0 + a1 * e1;
       }
     }
 #pragma unroll
