@@ -6,8 +6,8 @@ What each attention module says reaches the kernel: causality (`is_causal`), the
 the module's K/V heads are (no repeat). Under autocast, float32 q, k and v (a rotary embedding
 computed in float32) go in as the autocast dtype, as SDPA takes them.
 
-The mask function registered beside it tells padding once a forward (one host read, as
-transformers' own flash and SDPA paths make) and hands the attention what fagen's kernels read:
+The mask function registered beside it tells padding once a forward (a host read, as
+transformers' own flash and SDPA paths make; a padded batch's second) and hands the attention what fagen's kernels read:
 each row's key range (int32 [2, 1, B]: its first token's slot and its last + 1) where the row's
 tokens are one run ending at its last query, a left-padded batch and a static cache's filled
 slots, whose pads and empty slots the kernels never read; otherwise (right padding under the
@@ -115,17 +115,18 @@ def _capturing() -> bool:
 
 def _padding(tokens, end, static: bool):
     """The padding of `tokens` (bool [B, Nk], True on a token) as the attention takes it, told by
-    one host read (as transformers' own flash and SDPA paths read the mask once a forward): None
+    host reads (as transformers' own flash and SDPA paths read the mask once a forward): None
     without padding (but for a static cache, whose empty slots are padding too); key ranges
     (key_ranges) where each row's tokens are one run, ending at `end` under a causal mask (the
     queries are its last tokens; None: not causal); else the score bias, which masks any pattern.
-    None from a static cache whose tokens are not such runs: its own bias then (static_cache_bias)."""
-    ranges, one_run, last = key_ranges(tokens)
-    checks = [tokens.all(), one_run.all()] + ([] if end is None else [(last == end).all()])
-    no_padding, *runs = torch.stack(checks).tolist()
-    if no_padding and not static:
+    None from a static cache whose tokens are not such runs: its own bias then (static_cache_bias).
+    Equal-length batches, the common case, are told by one reduction before the ranges' dozen
+    small ops (a padded batch pays a second read for that)."""
+    if not static and bool(tokens.all()):
         return None
-    if all(runs):
+    ranges, one_run, last = key_ranges(tokens)
+    checks = [one_run.all()] + ([] if end is None else [(last == end).all()])
+    if all(torch.stack(checks).tolist()):
         return ranges
     return None if static else padding_bias(tokens)
 
