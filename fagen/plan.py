@@ -176,6 +176,8 @@ class KernelPlan:
     v_load_bytes: int  # wgmma: ... of V (head_dim_v wide)
     qk_atoms: int  # wgmma: 64-column boxes (swizzle atoms) across a Q or K row ...
     v_atoms: int  # ... and across a V row
+    v_key_boxes: int  # FP8: V^T's boxes a tile (one swizzle atom's row of keys each; the last one's tail unread)
+    v_key_box_bytes: int  # FP8: ... and the bytes of one (head_dim_v rows)
     copy_rows_per_pass: int  # tile rows all threads copy in one pass; 0: a row's chunks do not divide the threads
     v_copy_rows_per_pass: int  # ... of V
     kv_chunk_elems: int  # K's and V's elements in a 16-byte chunk (16 for an FP8 KV cache, else 8)
@@ -697,7 +699,9 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     else:
         smem_row = width + (PAD_ELEMS if spec.smem_layout == "padded" else 0)
     q_tile = t.block_q * (width if spec.wgmma else smem_row)
-    kv_tile = t.block_kv * (width if spec.wgmma else smem_row)
+    # FP8 reads V^T in boxes of one swizzle atom's row of keys: a tile that is no whole number of
+    # them lands in whole boxes (the last box's keys past the tile unread), its ring slot as long
+    kv_tile = max(t.block_kv, v_box_keys(spec)) * (width if spec.wgmma else smem_row)
     slots = kv_slots(spec)
     kv_bytes = spec.kv_element.bytes  # an FP8 KV cache's tiles hold its bytes: half a half type's
     smem_bytes = q_tile * spec.element.bytes + slots * kv_tile * kv_bytes
@@ -821,6 +825,15 @@ SWIZZLE_ROW_BYTES = 128
 SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * SWIZZLE_ROW_BYTES
 
 
+def v_box_keys(spec: AttentionSpec) -> int:
+    """The FP8 forward's V^T keys a tile loads: whole boxes of one swizzle atom's row (128 keys),
+    the tile's keys rounded up; 0 for other kernels (their V is loaded as K is)."""
+    if not (spec.element.is_fp8 and spec.wgmma):
+        return 0
+    columns = swizzle_atom_columns(spec)
+    return -(-spec.tiling.block_kv // columns) * columns
+
+
 def swizzle_atom_columns(spec: AttentionSpec) -> int:
     """Elements across a 128-byte swizzle atom's row: 64 of a half type, 128 of FP8."""
     return SWIZZLE_ROW_BYTES // spec.element.bytes
@@ -891,9 +904,11 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "kv_copy_rows_per_pass": threads // kv_chunks_per_row if threads % kv_chunks_per_row == 0 else 0,
         "q_tile_bytes": t.block_q * d * spec.element.bytes if spec.wgmma else 0,
         "k_load_bytes": t.block_kv * d * spec.kv_element.bytes if spec.wgmma else 0,
-        "v_load_bytes": t.block_kv * dv * spec.kv_element.bytes if spec.wgmma else 0,
+        "v_load_bytes": max(t.block_kv, v_box_keys(spec)) * dv * spec.kv_element.bytes if spec.wgmma else 0,
         "qk_atoms": d // swizzle_atom_columns(spec) if spec.wgmma else 0,
         "v_atoms": dv // swizzle_atom_columns(spec) if spec.wgmma else 0,
+        "v_key_boxes": v_box_keys(spec) // swizzle_atom_columns(spec) if spec.element.is_fp8 and spec.wgmma else 0,
+        "v_key_box_bytes": dv * SWIZZLE_ROW_BYTES if spec.element.is_fp8 and spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         # V copies as K does: by passes of whole rows where both divide the threads, else chunk by chunk
         "v_copy_rows_per_pass": threads // v_chunks_per_row if threads % v_chunks_per_row == 0

@@ -30,6 +30,9 @@ QK_HEAD_DIMS = (192,)
 # an FP8 KV cache widens K and V with cvt.f16x2.e4m3x2 / e5m2x2: sm_89 and after, on mma.sync
 FP8_KV_ARCHS = ("sm_89", "sm_90")
 FP8_KV_WARP_KEYS = 32  # a warp's keys of a tile, at least: a widened K load is four n8 fragments
+# The FP8 forward's key tiles: whole k32 steps of P.V (a V^T key group), from one V^T box (a
+# 128-byte swizzle row of keys) to wgmma's widest n of S
+FP8_KEY_STEP, FP8_MIN_KEYS, FP8_MAX_KEYS = 32, 128, 256
 SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
 MMA_M, MMA_N, MMA_K = 16, 8, 16  # mma.sync.m16n8k16
 # A thread of a quad holds columns 2t, 2t + 1 of each n8 fragment of its rows (mma.sync's and
@@ -655,9 +658,11 @@ class AttentionSpec(_Frozen):
              "remove head_dim_v", {"head_dim_v": REMOVE}),
             ("head_dim", self.head_dim, self.head_dim not in (128, 256), f"{fp8} is built for head_dim 128 or 256",
              "use head_dim: 128", {"head_dim": 128}),
-            ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv != 128,
-             f"{fp8} reads V transposed in 128-key tiles (a 128-byte swizzle row)", "use tiling.block_kv: 128",
-             {"tiling.block_kv": 128}),
+            ("tiling.block_kv", self.tiling.block_kv,
+             self.tiling.block_kv % FP8_KEY_STEP != 0 or not FP8_MIN_KEYS <= self.tiling.block_kv <= FP8_MAX_KEYS,
+             f"{fp8} takes tiles of {FP8_MIN_KEYS}-{FP8_MAX_KEYS} keys in whole k{FP8_KEY_STEP} steps of P.V "
+             f"(V^T is read in {FP8_MIN_KEYS}-key boxes, a 128-byte swizzle row)", f"use tiling.block_kv: {FP8_MIN_KEYS}",
+             {"tiling.block_kv": FP8_MIN_KEYS}),
             ("backward", "set", self.backward is not None, f"{fp8} has no backward yet", "remove the backward: section",
              {"backward": REMOVE}),
             ("sequences", "not padded", not seq.padded, f"{fp8} takes padded [B, H, N, d] sequences only",

@@ -95,6 +95,8 @@ constexpr int K_LOAD_BYTES = 32768;       // ... K's
 constexpr int V_LOAD_BYTES = 32768;       // ... and V's
 constexpr int QK_ATOMS = 2;  // TMA boxes across a Q or K row (head_dim) ...
 constexpr int V_ATOMS = 2;  // ... and across a V row (head_dim_v)
+constexpr int V_KEY_BOXES = 1;  // V^T's boxes a tile, one swizzle row of keys each ...
+constexpr int V_KEY_BOX_BYTES = 32768;  // ... every row (head_dim_v) of it
 constexpr int ATOM_COLUMNS = 128;  // a TMA box is one atom wide ...
 constexpr int ATOM_ROW_BYTES = 128;  // ... and a tile's rows tall
 
@@ -329,13 +331,15 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[O_N_FRAGS][4], const unsigne
         "n"(WGMMA_SCALE_B));
 }
 
-// O += P.V over a V^T tile (head_dim_v rows of the tile's keys, one 128-byte swizzle atom a row:
-// K-major, as Q.K^T's K), committed as one wgmma group: k steps K_STEP_BYTES along the rows,
-// 8-row groups ROW_GROUP_BYTES apart.
+// O += P.V over a V^T tile (head_dim_v rows of the tile's keys in boxes of one 128-byte swizzle
+// row: K-major, as Q.K^T's K), committed as one wgmma group: k steps K_STEP_BYTES along a box's
+// rows, then on to the next box; 8-row groups ROW_GROUP_BYTES apart.
 __device__ __forceinline__ void issue_pv(float (&o)[O_N_FRAGS][4], const unsigned (&p)[PV_K_STEPS][4], unsigned v_tile) {
   const unsigned long long v_desc = smem_desc(v_tile, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
-  for (int ks = 0; ks < PV_K_STEPS; ++ks) wgmma_pv(o, p[ks], v_desc + ((ks * K_STEP_BYTES) >> DESC_UNIT_SHIFT));
+  for (int ks = 0; ks < PV_K_STEPS; ++ks)
+    wgmma_pv(o, p[ks], v_desc + (((ks / K_STEPS_PER_ATOM) * V_KEY_BOX_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES)
+                                 >> DESC_UNIT_SHIFT));
   wgmma_commit();
 }
 
@@ -492,8 +496,13 @@ struct KvPipeline {
       if (first + g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage(g), phase(g) ^ 1);  // group n - KV_STAGES is done
       mbarrier_arrive_expect_tx(bar, (g < tiles ? K_LOAD_BYTES : 0) + (g >= 1 ? V_LOAD_BYTES : 0));
       if (g < tiles) load<BLOCK_KV, QK_ATOMS>(k_slot(g), k_map, bar, kv_row0 + mask.kv_tile(g) * BLOCK_KV, h_kv, kv_batch);
-      // V^T ([B, Hkv, head_dim_v, keys]): one box of the tile's keys by every row
-      if (g >= 1) tma_load_tile(v_slot(g - 1), v_map, bar, kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV, 0, h_kv, kv_batch);
+      // V^T ([B, Hkv, head_dim_v, keys]): boxes of the tile's keys by every row
+      if (g >= 1) {
+#pragma unroll
+        for (int box = 0; box < V_KEY_BOXES; ++box)
+          tma_load_tile(v_slot(g - 1) + box * V_KEY_BOX_BYTES, v_map, bar,
+                        kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV + box * ATOM_COLUMNS, 0, h_kv, kv_batch);
+      }
     }
   }
 

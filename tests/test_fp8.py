@@ -99,7 +99,8 @@ def test_the_fp8_kernel_reads_fp8_and_writes_its_out_dtype():
     spec = load_spec(SPEC)
     source = render(spec)
     assert spec.element.is_fp8 and spec.out_element.name == "bfloat16"
-    assert source.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2  # Q.K^T and P.V
+    assert source.count("wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3") == 1  # Q.K^T over 192 keys
+    assert source.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 1  # P.V over head_dim
     assert "cvt.rn.satfinite.e4m3x2.f32" in source and "cvt.rn.bf16x2.f32" in source
     assert "typedef unsigned short out_t;" in source and "typedef unsigned char elem_t;" in source
     assert "m_use - P_LOG2_SCALE" in source and "- P_LOG2_SCALE) * LN2" in source  # P's 2^8, out of the LSE
@@ -170,9 +171,29 @@ def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     from fagen.variants import fp8_spec
 
     spec = fp8_spec("float8_e4m3", 128, call_mask(False, mask), ScoreMod(**score_mod))
-    assert spec.element.is_fp8 and spec.tiling.block_kv == 128 and spec.out_dtype == "bfloat16"
+    # (softcap's tanh and its derivative's registers: the register estimate's fallback, 128 keys)
+    assert spec.element.is_fp8 and spec.tiling.block_kv == (128 if "softcap" in score_mod else 192)
+    assert spec.out_dtype == "bfloat16"
     (resources,) = nvcc.compile_many([(spec, "sm_90a")])
     assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
+
+
+@pytest.mark.parametrize("block_kv,boxes", [(160, 2), (192, 2), (224, 2)])
+def test_an_fp8_tile_past_one_v_t_box_loads_whole_boxes_and_compiles_without_spills(block_kv, boxes):
+    """A key tile that is no whole number of V^T's 128-key boxes: S is m64n<block_kv>, V^T lands in
+    whole boxes (the ring's slots as long as they), P.V steps from one box to the next."""
+    from fagen import nvcc
+    from fagen.plan import plan
+
+    data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
+    data["tiling"]["block_kv"] = block_kv
+    spec = parse_spec(data, f"fp8_kv{block_kv}")
+    kernel_plan, source = plan(spec), render(spec)
+    assert kernel_plan.v_key_boxes == boxes and kernel_plan.v_load_bytes == boxes * 128 * spec.dv
+    assert kernel_plan.kv_tile_bytes == max(block_kv, boxes * 128) * spec.head_dim
+    assert f"m64n{block_kv}k32.f32.e4m3.e4m3" in source and f"constexpr int V_KEY_BOXES = {boxes};" in source
+    (resources,) = nvcc.compile_many([(spec, "sm_90a")])
+    assert resources.spill_stores == 0 and resources.spill_loads == 0
 
 
 def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu():

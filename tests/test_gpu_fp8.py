@@ -27,7 +27,7 @@ LSE_BITS = 11  # of a score's magnitude bound that the LSE keeps (the FP8 MMA's 
 
 
 def fp8_spec(head_dim: int = 128, out_dtype: str = "bfloat16", dtype: str = "float8_e4m3", **changes):
-    data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
+    data = load_spec(SPEC.replace("d128", f"d{head_dim}")).model_dump(mode="json", exclude_none=True)
     data.update(head_dim=head_dim, out_dtype=out_dtype, dtype=dtype, **changes)
     data["name"] = (f"fp8_test_{ELEMENT_TYPES[dtype].short}_d{head_dim}_{out_dtype}_"
                     f"{zlib.crc32(repr(sorted(changes.items())).encode()):08x}")
@@ -64,14 +64,31 @@ TYPED_CASES = [("float8_e4m3", *case) for case in CASES] + [  # e5m2: its own P 
 ]
 
 
-@pytest.mark.parametrize("dtype,d,mask,score_mod,out_dtype,b,hq,hkv,nq,nk", TYPED_CASES)
-def test_an_fp8_forward_is_within_twice_p_rounding_s_error(dtype, d, mask, score_mod, out_dtype, b, hq, hkv, nq, nk):
+# Key tiles other than the shipped 192 (two V^T boxes, the second's tail never read): one box
+# (128), and other tails: keys past the last whole tile, causal diagonals at every alignment, a
+# window, sinks
+TILE_CASES = [  # (..., block_kv)
+    ("float8_e4m3", 128, None, None, "bfloat16", 1, 2, 2, 333, 1000, 128),
+    ("float8_e4m3", 128, {"kind": "causal"}, None, "bfloat16", 1, 4, 2, 700, 700, 128),
+    ("float8_e4m3", 128, {"kind": "causal", "align": "bottom_right"}, None, "float16", 2, 2, 1, 300, 900, 224),
+    ("float8_e4m3", 128, {"kind": "sliding_window", "window_left": 200, "window_right": 30}, None, "bfloat16",
+     1, 2, 2, 900, 900, 160),
+    ("float8_e4m3", 128, {"kind": "causal"}, {"sinks": True}, "bfloat16", 1, 4, 2, 600, 600, 224),
+]
+
+
+@pytest.mark.parametrize("dtype,d,mask,score_mod,out_dtype,b,hq,hkv,nq,nk,block_kv",
+                         [(*case, None) for case in TYPED_CASES] + TILE_CASES)
+def test_an_fp8_forward_is_within_twice_p_rounding_s_error(dtype, d, mask, score_mod, out_dtype, b, hq, hkv, nq, nk,
+                                                           block_kv):
     torch = pytest.importorskip("torch")
     import cupy
 
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the FP8 kernel needs a Hopper GPU")
     changes = {}
+    if block_kv:
+        changes["tiling"] = {**load_spec(SPEC).tiling.model_dump(mode="json", exclude_none=True), "block_kv": block_kv}
     if mask:
         changes["mask"] = mask
     if score_mod:
