@@ -19,6 +19,8 @@ from fagen.check import relative_error, to_numpy
 from fagen.element_types import ELEMENT_TYPES
 from fagen.load import load_spec, parse_spec
 from fagen.runtime import compile_kernel
+from fagen.spec import Mask, ScoreMod
+from fagen.variants import variant
 
 pytestmark = pytest.mark.gpu
 
@@ -26,12 +28,16 @@ SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
 LSE_BITS = 11  # of a score's magnitude bound that the LSE keeps (the FP8 MMA's accumulator: ~13)
 
 
-def fp8_spec(head_dim: int = 128, out_dtype: str = "bfloat16", dtype: str = "float8_e4m3", **changes):
+def fp8_spec(head_dim: int = 128, out_dtype: str = "bfloat16", dtype: str = "float8_e4m3", mask=None, score_mod=None,
+             **changes):
+    """The shipped FP8 spec of this head_dim with these changes, then the mask and modifiers as
+    fagen.attention derives them (variants.variant: a tiling their registers fit)."""
     data = load_spec(SPEC.replace("d128", f"d{head_dim}")).model_dump(mode="json", exclude_none=True)
     data.update(head_dim=head_dim, out_dtype=out_dtype, dtype=dtype, **changes)
     data["name"] = (f"fp8_test_{ELEMENT_TYPES[dtype].short}_d{head_dim}_{out_dtype}_"
                     f"{zlib.crc32(repr(sorted(changes.items())).encode()):08x}")
-    return parse_spec(data, data["name"])
+    base = parse_spec(data, data["name"])
+    return variant(base, Mask(**mask) if mask else base.mask, ScoreMod(**score_mod) if score_mod else base.score_mod)
 
 
 def quantized(rng, shape, hkv_axis_shape, torch, scale: float = 1.0, dtype: str = "float8_e4m3"):
