@@ -22,8 +22,8 @@ import weakref
 import numpy as np
 
 from fagen import fp8_inputs, hot_path, side_inputs, tensor_maps, wide_head
-from fagen.device import (as_device_tensor, cupy, empty_like, full_like, stream_for, tensor_signature,
-                          torch_stream_handle, zeros_like)
+from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, empty_permuted, full_like,
+                          layout_order, stream_for, tensor_signature, torch_stream_handle)
 from fagen.dispatch import derive_spec, fp8_kv_refusal, no_work, packed_spec, sequence_keys, step_spec
 from fagen.element_types import fp8_element
 from fagen.runtime import _aux_array, compile_kernel
@@ -61,7 +61,8 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
     side_inputs.check_shapes(b, hq, nq, nk, bias_kind=None if plain.score_mod.bias == "none" else plain.score_mod.bias,
                              **given)
     with cupy.cuda.Device(tq.device), stream_for(tq):
-        out = zeros_like(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)
+        out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)
+        out[...] = 0
         lse = full_like(tq, (b, hq, nq), -math.inf, "float32")
         if sinks is not None and b * hq * nq:  # rows that see only their sink
             cupy.asarray(lse)[...] = _aux_array(sinks, "sinks", "float32", tq.device)[None, :, None]
@@ -111,7 +112,8 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
     if step.outputs.partial and not step.outputs.merge_splits:  # the merge kernel's launch after it
         o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes,
                                     **descales)
-        out, lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=tq.dtype)
+        out = empty_laid_out_as(tq, (b, hq, nq, as_device_tensor(v, "v").shape[-1]), tq.dtype)
+        out, lse = merge(o_parts, lse_parts, sinks=sinks, out=out)
         return (out, lse) if return_lse else out
     return kernel(q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks,
                   splits=None if splits == 1 else splits, **descales)
@@ -185,7 +187,7 @@ class PreparedAttention:
             spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
         spec = spec or plain
         kernel = compile_kernel(spec)
-        out = empty_like(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)  # the outputs' strides, for packing (O as wide as V)
+        out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)  # the outputs' strides, for packing (O as wide as V)
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
         lse = empty_like(tq, (b, hq, nq), "float32")
         with cupy.cuda.Device(tq.device), stream_for(tq):
@@ -236,9 +238,11 @@ class PreparedAttention:
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(lse)
         self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
-        # out laid out as q is (decode: [B, Hq, Nq, d] both): torch.empty_like(q) allocates it in
-        # half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7, q.new_empty 5.4)
+        # out laid out as q is (its strides too where V is as wide as Q): torch.empty_like(q)
+        # allocates it in half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7,
+        # q.new_empty 5.4); else in the packed out's order of dimensions
         self._out_like_q = self.signature[0][:2] == self.out_signature[:2]
+        self._out_order = layout_order(self.out_signature[1])
         self._lse_ptr = as_device_tensor(lse, "lse").ptr
         self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
         if self.torch:
@@ -290,7 +294,7 @@ class PreparedAttention:
         if not self._captured and current.is_capturing():
             self._keep_for_graphs()
         if out is None:
-            out = cupy.empty(self.out_shape, dtype=q.dtype)
+            out = empty_permuted("cupy", self.out_shape, self._out_order, q.dtype)
         if return_lse and lse is None:
             lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
         self._launch(current.ptr, tuple(t.data.ptr for t in inputs), out.data.ptr,
@@ -319,7 +323,8 @@ class PreparedAttention:
         if not self._captured and self._capturing():
             self._keep_for_graphs()
         if out is None:
-            out = torch.empty_like(q) if self._out_like_q else q.new_empty(self.out_shape)
+            out = torch.empty_like(q) if self._out_like_q else \
+                torch.empty_permuted(self.out_shape, self._out_order, dtype=q.dtype, device=q.device)
         if return_lse and lse is None:
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         self._launch(stream, addresses, out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr)
@@ -352,7 +357,9 @@ class PreparedAttention:
             return None
         torch = self._torch
         shape = self.out_shape
-        allocate = torch.empty_like if self._out_like_q else (lambda q: q.new_empty(shape))
+        order = self._out_order
+        allocate = torch.empty_like if self._out_like_q else \
+            (lambda q: torch.empty_permuted(shape, order, dtype=q.dtype, device=q.device))
         n = self.inputs  # addresses: the inputs, out, lse
         launch_kernel, is_capturing, encode_tiled = hot_path.driver_functions()
         workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is

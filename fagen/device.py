@@ -103,6 +103,34 @@ def empty_like(ref: DeviceTensor, shape, dtype: str):
     return cupy.empty(shape, dtype=ref.obj.dtype if dtype == ref.dtype else dtype)
 
 
+def layout_order(strides) -> tuple[int, ...]:
+    """A tensor's dimensions from outermost to innermost in memory: by stride, largest first
+    (ties, size-1 dimensions among them, in their logical order)."""
+    return tuple(sorted(range(len(strides)), key=lambda i: -strides[i]))
+
+
+def empty_permuted(framework, shape, order: tuple[int, ...], dtype, device=None):
+    """An uninitialised array of `shape` whose dimensions lie in memory in `order` (outermost
+    first): torch.empty_permuted, or its CuPy equivalent (a transposed contiguous array)."""
+    if framework == "torch":
+        import torch
+
+        return torch.empty_permuted(shape, order, dtype=dtype, device=device)
+    return cupy.empty([shape[i] for i in order], dtype=dtype).transpose(np.argsort(order).tolist())
+
+
+def empty_laid_out_as(ref: DeviceTensor, shape, dtype: str):
+    """An uninitialised array of `shape` (ref's rank) whose dimensions lie in memory in ref's order
+    (layout_order): an attention output laid out as q is, as SDPA's and FlashAttention's are, so
+    that a [B, N, H, d] tensor seen as [B, H, N, d] (a model's heads split off its hidden size)
+    gets an out that transposes back without a copy."""
+    if ref.kind == "torch":
+        import torch
+
+        return empty_permuted("torch", shape, layout_order(ref.strides), getattr(torch, dtype), ref.obj.device)
+    return empty_permuted("cupy", shape, layout_order(ref.strides), ref.obj.dtype if dtype == ref.dtype else dtype)
+
+
 def zeros_like(ref: DeviceTensor, shape, dtype: str):
     """A zeroed array of `ref`'s framework and device (the memset on its current stream)."""
     if ref.kind == "torch":

@@ -22,8 +22,8 @@ import numpy as np
 from fagen import device, expression, fp8_inputs, masks, side_inputs, tensor_maps
 from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
-from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_torch, require_cupy, stream_for,
-                          tensor_signature, torch_stream_handle, zeros_like)
+from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_laid_out_as, empty_like, empty_permuted, is_torch,
+                          layout_order, require_cupy, stream_for, tensor_signature, torch_stream_handle, zeros_like)
 from fagen.element_types import element_type, itemsize
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
@@ -325,8 +325,9 @@ class RepeatedCalls(KeptLaunches):
             stream = torch_stream_handle()(device)
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
-            if not self.writes_given:
-                out = q.new_empty((*q.shape[:3], v.shape[-1])) if out is None else out
+            if not self.writes_given:  # out laid out as q (the key's), as the packing call's was
+                out = empty_permuted("torch", (*q.shape[:3], v.shape[-1]), layout_order(q.stride()), q.dtype,
+                                     q.device) if out is None else out
                 lse = q.new_empty(q.shape[:3], dtype=_torch_float32())
             launch(stream, *addresses[:3], out.data_ptr(), lse.data_ptr())
         else:
@@ -336,7 +337,8 @@ class RepeatedCalls(KeptLaunches):
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
             if not self.writes_given:
-                out = cupy.empty((*q.shape[:3], v.shape[-1]), q.dtype) if out is None else out
+                out = empty_permuted("cupy", (*q.shape[:3], v.shape[-1]), layout_order(q.strides), q.dtype) \
+                    if out is None else out
                 lse = cupy.empty(q.shape[:3], cupy.float32)
             launch(None, *addresses[:3], out.data.ptr, lse.data.ptr)
         return (out, lse) if return_lse or self.writes_given else out
@@ -598,7 +600,7 @@ class Kernel:
             if partial:
                 splits = math.ceil(n_tiles / math.ceil(n_tiles / splits))  # equal shares of the tiles
             if merged or not partial:  # out and lse are the call's (the partials, a workspace)
-                out = empty_like(tq, (b, hq, nq, d), self.spec.out_element.name) if out is None else out
+                out = empty_laid_out_as(tq, (b, hq, nq, d), self.spec.out_element.name) if out is None else out
                 lse = empty_like(tq, (b, hq, nq), "float32")
                 packed = self.pack(tq, tk, tv, out, lse, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
                                    scale=scale, mask_offset=mask_offset, splits=splits, extras=extras,

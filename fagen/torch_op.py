@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants, wide_head
+from fagen.device import layout_order
 from fagen.spec import Mask, ScoreMod
 from fagen.wide_head_plan import WIDE_HEAD_DIMS
 
@@ -103,11 +104,18 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], a
                           cache_leftpad=cache_leftpad, **side)
 
 
+def _empty_out(q, head_dim_v, dtype=None):
+    """A forward op's out [B, Hq, Nq, head_dim_v] for its fake: laid out as q, as the kernels'
+    calls allocate it (device.empty_laid_out_as)."""
+    return torch.empty_permuted((*q.shape[:3], head_dim_v), layout_order(q.stride()), dtype=dtype or q.dtype,
+                                device=q.device)
+
+
 @torch.library.register_fake("fagen::attention_forward")
 def _(q, k, v, bias, alibi_slopes, sinks, doc_ids, cache_seqlens, cache_leftpad, mask, causal, softcap, scale,
       deterministic):
     b, hq, nq, _ = q.shape
-    return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
+    return _empty_out(q, v.shape[-1]), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 @_op
@@ -269,7 +277,7 @@ def flex_forward(q: Tensor, k: Tensor, v: Tensor, captured: list[Tensor], call: 
 @torch.library.register_fake("fagen::flex_forward")
 def _(q, k, v, captured, call, scale):
     b, hq, nq, _ = q.shape
-    return q.new_empty((b, hq, nq, v.shape[-1])), q.new_empty((b, hq, nq), dtype=torch.float32)
+    return _empty_out(q, v.shape[-1]), q.new_empty((b, hq, nq), dtype=torch.float32)
 
 
 @_op
@@ -370,7 +378,7 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
 @torch.library.register_fake("fagen::fp8_attention_forward")
 def _(q, k, v, q_descale, k_descale, v_descale, sinks, mask, causal, softcap, scale):
     b, hq, nq, _ = q.shape
-    return (q.new_empty((b, hq, nq, v.shape[-1]), dtype=torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype),
+    return (_empty_out(q, v.shape[-1], torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype),
             q.new_empty((b, hq, nq), dtype=torch.float32))
 
 

@@ -22,7 +22,7 @@ import math
 
 from fagen import tensor_maps
 from fagen.dispatch import call_mask
-from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
+from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, multiprocessors, require_cupy, stream_for,
                           torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
 from fagen.render import render_wide, render_wide_backward
@@ -94,7 +94,7 @@ def _checked_scale(tq, scale: float | None, kernel: str) -> float:
 
 def _out(out, shape: tuple[int, ...], tq):
     if out is None:
-        return empty_like(tq, shape, tq.dtype)
+        return empty_laid_out_as(tq, shape, tq.dtype)
     to = as_device_tensor(out, "out")
     if to.shape != shape or to.dtype != tq.dtype or to.kind != tq.kind or to.device != tq.device \
             or to.strides[-1] != 1 or to.ptr % 4 or any(s % 2 for s in to.strides[:3]):

@@ -27,3 +27,22 @@ def test_host_arrays_are_refused_with_the_move_to_make():
         device.as_device_tensor(np.zeros((1, 1, 1, 8), np.float16), "q")
     with pytest.raises(ValueError, match="expected a CuPy array or a PyTorch CUDA tensor"):
         device.as_device_tensor([1, 2], "k")
+
+
+@pytest.mark.parametrize("strides, order", [
+    ((2048, 128, 64, 1), (0, 1, 2, 3)),          # [B, H, N, d] contiguous
+    ((65536, 64, 512, 1), (0, 2, 1, 3)),         # [B, N, H, d] seen as [B, H, N, d]: a model's heads
+    ((24576, 64, 1536, 1), (0, 2, 1, 3)),        # ... a slice of a fused QKV projection's heads
+    ((512, 64, 512, 1), (0, 2, 1, 3)),           # one query (N = 1): B's and N's strides tie, logical order
+    ((8, 8, 8, 1), (0, 1, 2, 3)),                # every leading dimension of size 1
+])
+def test_layout_order_is_the_dimensions_outermost_first(strides, order):
+    assert device.layout_order(strides) == order
+
+
+def test_an_out_laid_out_as_a_transposed_q_transposes_back_contiguous():
+    """empty_permuted's strides: an out [B, H, N, d] in q's order of a [B, N, H, d] tensor is one."""
+    torch = pytest.importorskip("torch")
+    q = torch.empty(2, 5, 3, 8).transpose(1, 2)  # [B, H, N, d] over [B, N, H, d]
+    out = device.empty_permuted("torch", (2, 3, 5, 16), device.layout_order(q.stride()), torch.float32)
+    assert out.shape == (2, 3, 5, 16) and out.transpose(1, 2).is_contiguous()

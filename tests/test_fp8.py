@@ -178,7 +178,7 @@ def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
 
 
-@pytest.mark.parametrize("block_kv,boxes", [(160, 2), (192, 2), (224, 2)])
+@pytest.mark.parametrize("block_kv,boxes", [(160, 2), (224, 2)])  # (192, the shipped tile: compiled above)
 def test_an_fp8_tile_past_one_v_t_box_loads_whole_boxes_and_compiles_without_spills(block_kv, boxes):
     """A key tile that is no whole number of V^T's 128-key boxes: S is m64n<block_kv>, V^T lands in
     whole boxes (the ring's slots as long as they), P.V steps from one box to the next."""

@@ -225,6 +225,27 @@ def test_opcheck_both_ops():
                                     False))
 
 
+@pytest.mark.parametrize("nq, nk, causal", [(300, 300, True), (1, 700, False)], ids=["prefill", "decode"])
+def test_out_is_laid_out_as_q(nq, nk, causal):
+    """A model's q, k, v are [B, N, H, d] seen as [B, H, N, d]: out comes laid out as q (as SDPA's
+    and FlashAttention's), so its transpose back to [B, N, H, d] is contiguous and the model's
+    reshape copies nothing; its values are the contiguous call's (within rounding: the two may
+    take different kernels), eagerly, through the op (opcheck: the fake's strides are the
+    kernels'), and for a call that comes again."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(B, n, h, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for n, h in ((nq, HQ), (nk, HKV), (nk, HKV)))
+    want = fagen.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal)
+    for _ in range(2):  # the call that packs its class, then the kept class's
+        out = fagen.attention(q, k, v, causal=causal)
+        assert out.transpose(1, 2).is_contiguous(), out.stride()
+        assert relative_error(to_numpy(out), to_numpy(want)) < 1e-2
+    forward = torch.ops.fagen.attention_forward.default
+    torch.library.opcheck(forward, (q, k, v, None, None, None, None, None, None, "", causal, None, None, False))
+    out, _ = forward(q, k, v, None, None, None, None, None, None, "", causal, None, None, False)
+    assert out.transpose(1, 2).is_contiguous() and relative_error(to_numpy(out), to_numpy(want)) < 1e-2
+
+
 class TinyAttention(torch.nn.Module):
     """One attention layer: fused QKV projection, fagen.attention (GQA), output projection."""
 
