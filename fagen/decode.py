@@ -242,7 +242,7 @@ class PreparedAttention:
         # allocates it in half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7,
         # q.new_empty 5.4); else in the packed out's order of dimensions
         self._out_like_q = self.signature[0][:2] == self.out_signature[:2]
-        self._out_order = layout_order(self.out_signature[1])
+        self._out_order = layout_order(self.signature[0][1])  # q's: the packed out's own (empty_laid_out_as)
         self._lse_ptr = as_device_tensor(lse, "lse").ptr
         self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
         if self.torch:

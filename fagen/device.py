@@ -104,9 +104,11 @@ def empty_like(ref: DeviceTensor, shape, dtype: str):
 
 
 def layout_order(strides) -> tuple[int, ...]:
-    """A tensor's dimensions from outermost to innermost in memory: by stride, largest first
-    (ties, size-1 dimensions among them, in their logical order)."""
-    return tuple(sorted(range(len(strides)), key=lambda i: -strides[i]))
+    """A tensor's dimensions from outermost to innermost in memory, the last one innermost (the
+    kernels read and write rows at unit stride): the others by stride, largest first, a
+    broadcast one (stride 0) outermost, ties (size-1 dimensions among them) in their logical order."""
+    last = len(strides) - 1
+    return (*sorted(range(last), key=lambda i: (strides[i] != 0, -strides[i])), last)
 
 
 def empty_permuted(framework, shape, order: tuple[int, ...], dtype, device=None):

@@ -1,7 +1,7 @@
 """What an FP8 forward's inputs become before its launch (issue 55).
 
 - V, transposed. FP8 wgmma reads both operands K-major, so P.V's B is V^T: [B, Hkv, head_dim_v,
-  keys], the keys padded with zeros to whole 128-key tiles (P is 0 past the last key, but an FP8
+  keys], the keys padded with zeros to whole 128-key boxes (P is 0 past the last key, but an FP8
   byte of garbage may be NaN, and 0 * NaN is NaN). Within each 32 keys, column c of V^T holds key
   KEY_ORDER[c]: the order P's registers come out of the S accumulator in (templates/sm90
   mainloop: a thread holds keys 2t, 2t+1, 8+2t, 9+2t where wgmma's A operand wants k 4t..4t+3),
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 KEY_GROUP = 32  # keys of one k32 wgmma step: the permutation's period
-V_TILE_KEYS = 128  # keys of the FP8 kernel's V^T tile (spec: tiling.block_kv)
+V_TILE_KEYS = 128  # keys of a V^T box: one 128-byte swizzle row of FP8 (plan.swizzle_atom_columns)
 
 
 def key_order() -> np.ndarray:

@@ -725,7 +725,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         raise searched_rule(
             "pipeline", f"{spec.pipeline.kv_smem}, stages {spec.pipeline.stages}",
             f"needs {smem_bytes} bytes of shared memory (Q tile + {slots} KV tiles of "
-            f"{t.block_kv}x{kv_tile // t.block_kv}) but {spec.arch} allows {limit} per block", smem_fixes(spec),
+            f"{kv_tile * kv_bytes} bytes, {t.block_kv} keys) but {spec.arch} allows {limit} per block", smem_fixes(spec),
             "use fewer stages or a smaller block_kv" + ("" if spec.wgmma else ", or kv_smem: shared"), plan, spec)
     # warps along the keys merge through the (then idle) KV ring: a lane's O, max and sum, for each
     # warp but the first of its rows

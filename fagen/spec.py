@@ -641,8 +641,9 @@ class AttentionSpec(_Frozen):
 
     def _fp8_forward(self) -> AttentionSpec:
         """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 or 256
-        (rows of whole 128-byte swizzle atoms), 128-key tiles (V^T's tile row is one atom), padded
-        sequences, whole outputs, no backward; o in a half type."""
+        (rows of whole 128-byte swizzle atoms), key tiles of 128-256 keys in k32 steps (V^T read in
+        128-key boxes, one atom's row each), padded sequences, whole outputs, no backward; o in a
+        half type."""
         fp8 = f"the {self.dtype} forward"
         o, seq = self.outputs, self.sequences
         # back to the half type (the copying or warp-specialized bf16 kernel of the same fields)

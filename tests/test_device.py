@@ -35,6 +35,8 @@ def test_host_arrays_are_refused_with_the_move_to_make():
     ((24576, 64, 1536, 1), (0, 2, 1, 3)),        # ... a slice of a fused QKV projection's heads
     ((512, 64, 512, 1), (0, 2, 1, 3)),           # one query (N = 1): B's and N's strides tie, logical order
     ((8, 8, 8, 1), (0, 1, 2, 3)),                # every leading dimension of size 1
+    ((0, 128, 128, 1), (0, 1, 2, 3)),            # a batch broadcast (stride 0): outermost, d still innermost
+    ((2048, 0, 64, 1), (1, 0, 2, 3)),            # a head broadcast
 ])
 def test_layout_order_is_the_dimensions_outermost_first(strides, order):
     assert device.layout_order(strides) == order
