@@ -701,7 +701,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     q_tile = t.block_q * (width if spec.wgmma else smem_row)
     # FP8 reads V^T in boxes of one swizzle atom's row of keys: a tile that is no whole number of
     # them lands in whole boxes (the last box's keys past the tile unread), its ring slot as long
-    kv_tile = max(t.block_kv, v_box_keys(spec)) * (width if spec.wgmma else smem_row)
+    kv_tile = v_tile_keys(spec) * (width if spec.wgmma else smem_row)
     slots = kv_slots(spec)
     kv_bytes = spec.kv_element.bytes  # an FP8 KV cache's tiles hold its bytes: half a half type's
     smem_bytes = q_tile * spec.element.bytes + slots * kv_tile * kv_bytes
@@ -825,11 +825,11 @@ SWIZZLE_ROW_BYTES = 128
 SWIZZLE_ATOM_BYTES = SWIZZLE_ATOM_ROWS * SWIZZLE_ROW_BYTES
 
 
-def v_box_keys(spec: AttentionSpec) -> int:
-    """The FP8 forward's V^T keys a tile loads: whole boxes of one swizzle atom's row (128 keys),
-    the tile's keys rounded up; 0 for other kernels (their V is loaded as K is)."""
+def v_tile_keys(spec: AttentionSpec) -> int:
+    """The keys of V a tile loads (and its ring slot holds): the tile's, but for the FP8 forward,
+    which reads V^T in whole boxes of one swizzle atom's row (128 keys): the tile's keys rounded up."""
     if not (spec.element.is_fp8 and spec.wgmma):
-        return 0
+        return spec.tiling.block_kv
     columns = swizzle_atom_columns(spec)
     return -(-spec.tiling.block_kv // columns) * columns
 
@@ -904,10 +904,10 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "kv_copy_rows_per_pass": threads // kv_chunks_per_row if threads % kv_chunks_per_row == 0 else 0,
         "q_tile_bytes": t.block_q * d * spec.element.bytes if spec.wgmma else 0,
         "k_load_bytes": t.block_kv * d * spec.kv_element.bytes if spec.wgmma else 0,
-        "v_load_bytes": max(t.block_kv, v_box_keys(spec)) * dv * spec.kv_element.bytes if spec.wgmma else 0,
+        "v_load_bytes": v_tile_keys(spec) * dv * spec.kv_element.bytes if spec.wgmma else 0,
         "qk_atoms": d // swizzle_atom_columns(spec) if spec.wgmma else 0,
         "v_atoms": dv // swizzle_atom_columns(spec) if spec.wgmma else 0,
-        "v_key_boxes": v_box_keys(spec) // swizzle_atom_columns(spec) if spec.element.is_fp8 and spec.wgmma else 0,
+        "v_key_boxes": v_tile_keys(spec) // swizzle_atom_columns(spec) if spec.element.is_fp8 and spec.wgmma else 0,
         "v_key_box_bytes": dv * SWIZZLE_ROW_BYTES if spec.element.is_fp8 and spec.wgmma else 0,
         "copy_rows_per_pass": threads // chunks_per_row if threads % chunks_per_row == 0 else 0,
         # V copies as K does: by passes of whole rows where both divide the threads, else chunk by chunk
