@@ -496,10 +496,25 @@ def _like(x, name: str, ref: DeviceTensor, shape: tuple | None = None) -> Device
     if t.kind != ref.kind or t.dtype != ref.dtype or t.shape != shape or t.device != ref.device:
         raise ValueError(f"{name}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected a {ref.kind} "
                          f"{ref.dtype} {shape} tensor on cuda:{ref.device}")
-    if t.strides[-1] != 1 or any(s % 8 for s in t.strides[:-1]) or t.ptr % 16:
-        raise ValueError(f"{name}: strides {t.strides} (elements); the last must be 1 and the others multiples of 8 "
-                         f"(16-byte rows): pass {name}.contiguous()")
+    if not _rows_readable(t):
+        raise ValueError(f"{name}: strides {t.strides} (elements); the last must be 1 and the others positive "
+                         f"multiples of 8 (16-byte rows): pass {name}.contiguous()")
     return t
+
+
+def _rows_readable(t: DeviceTensor) -> bool:
+    """Whether the kernels read t by its strides: unit last stride, 16-byte rows, no broadcast (a
+    TMA map has no stride 0)."""
+    return t.strides[-1] == 1 and all(s > 0 and s % 8 == 0 for s in t.strides[:-1]) and t.ptr % 16 == 0
+
+
+def readable(x):
+    """x itself where the backward reads it by its strides (a model's dout is often a transposed
+    view), else a contiguous copy (a broadcast dout from a pooled loss, odd strides)."""
+    t = as_device_tensor(x, "dout")
+    if _rows_readable(t):
+        return x
+    return x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x)
 
 
 def _ptr(a) -> np.uint64:

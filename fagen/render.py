@@ -18,6 +18,7 @@ from fagen.version import __version__
 from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, FP8_KERNEL_TYPES, KERNEL_TYPES
+from fagen.key_split_plan import KEY_SPLIT_TYPES, KeySplitBackwardPlan
 from fagen.mla_plan import MLA_TYPES, MlaPlan
 from fagen.wide_head_plan import (WIDE_POSTPROCESS_PARAMS, WIDE_PREPROCESS_PARAMS, WIDE_TYPES, WideBackwardPlan,
                                   WideHeadPlan)
@@ -47,6 +48,7 @@ APPEND_KV_THREADS = 128
 MLA_TEMPLATE = "sm90/mla_decode.cu.j2"  # MLA decode and its merge (fagen.mla_plan)
 WIDE_TEMPLATE = "sm90/wide_forward.cu.j2"  # the head_dim 512 forward (fagen.wide_head_plan)
 WIDE_BACKWARD_TEMPLATE = "sm90/wide_backward.cu.j2"  # ... and its backward
+KEY_SPLIT_TEMPLATE = "sm90/key_split_backward.cu.j2"  # the 192/128 backward (fagen.key_split_plan)
 V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
 V_TRANSPOSE = "v_transpose_kernel"
 V_TRANSPOSE_THREADS = 256
@@ -269,6 +271,16 @@ def render_wide_backward(dtype: str) -> str:
         preprocess_params=WIDE_PREPROCESS_PARAMS, postprocess_params=WIDE_POSTPROCESS_PARAMS)
 
 
+def render_key_split_backward(dtype: str) -> str:
+    """The two-width (192/128) backward (its preprocess, kernel and postprocess) for `dtype` inputs."""
+    if dtype not in KEY_SPLIT_TYPES:
+        raise ValueError(f"192/128 backward dtype {dtype!r}: one of {KEY_SPLIT_TYPES}")
+    plan = KeySplitBackwardPlan(dtype)
+    return environment().get_template(KEY_SPLIT_TEMPLATE).render(
+        version=__version__, name=plan.name, plan=plan, dtype=dtype, backward=False, accumulate=False,
+        preprocess_params=WIDE_PREPROCESS_PARAMS, postprocess_params=WIDE_POSTPROCESS_PARAMS)
+
+
 def generated_path(spec: AttentionSpec, out_dir: Path = GENERATED) -> Path:
     return Path(out_dir) / f"{spec.name}.cu"
 
@@ -306,7 +318,10 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
             **{f"{WideHeadPlan(dtype).name}.cu": (f"fagen's head_dim 512 forward ({dtype})", lambda d=dtype: render_wide(d))
                for dtype in WIDE_TYPES},
             **{f"{WideBackwardPlan(dtype).name}.cu": (f"fagen's head_dim 512 backward ({dtype})",
-                                                      lambda d=dtype: render_wide_backward(d)) for dtype in WIDE_TYPES}}
+                                                      lambda d=dtype: render_wide_backward(d)) for dtype in WIDE_TYPES},
+            **{f"{KeySplitBackwardPlan(dtype).name}.cu": (f"fagen's 192/128 backward ({dtype})",
+                                                          lambda d=dtype: render_key_split_backward(d))
+               for dtype in KEY_SPLIT_TYPES}}
 
 
 def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import backward, captured_grads, decode, dispatch, mod_tracing, runtime, side_inputs, variants, wide_head
+from fagen import (backward, captured_grads, decode, dispatch, key_split, mod_tracing, runtime, side_inputs, variants,
+                   wide_head)
 from fagen.device import layout_order
 from fagen.spec import Mask, ScoreMod
 from fagen.wide_head_plan import WIDE_HEAD_DIMS
@@ -138,12 +139,34 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                                         scale=scale, deterministic=_deterministic(deterministic))
         return (dq, dk, dv, torch.zeros(q.shape[1], dtype=torch.float32, device=q.device),
                 torch.empty(0, dtype=torch.float32, device=q.device))
+    key_split_causal = _key_split_causal(q, k, v, mask, causal, softcap, (bias, alibi_slopes, sinks, doc_ids),
+                                         _deterministic(deterministic))
+    if key_split_causal is not None:  # DeepSeek's 192/128: its own kernel (no modifier to differentiate)
+        dq, dk, dv = key_split.backward(dout, q, k, v, out, lse, causal=key_split_causal, scale=scale)
+        return (dq, dk, dv, torch.zeros(q.shape[1], dtype=torch.float32, device=q.device),
+                torch.empty(0, dtype=torch.float32, device=q.device))
     side = _side_inputs(bias, alibi_slopes, sinks, doc_ids)
     spec = variants.trainable(_spec(q, mask, causal, softcap, side, v=v), _deterministic(deterministic), bias_grad)
-    grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=scale, **side)
+    grads = backward.compile_backward(spec)(backward.readable(dout), q, k, v, out, lse, scale=scale, **side)
     dsinks = grads.dsinks if sinks is not None else torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     dbias = grads.dbias if bias_grad else torch.empty(0, dtype=torch.float32, device=q.device)
     return grads.dq, grads.dk, grads.dv, dsinks, dbias
+
+
+def _key_split_causal(q: Tensor, k: Tensor, v: Tensor, mask: str, causal: bool, softcap: float | None,
+                      side: tuple, deterministic: bool) -> bool | None:
+    """causal for fagen.key_split's backward where it runs this call (no mask or causal, nothing
+    else to differentiate, its widths and types), else None."""
+    if softcap is not None or any(t is not None for t in side) or q.shape[-1] == v.shape[-1]:
+        return None
+    whole = dispatch.call_mask(causal, mask_of(mask))
+    if whole.kind not in ("none", "causal") or whole.expression is not None:
+        return None
+    is_causal = whole.kind == "causal"
+    dtype = str(q.dtype).removeprefix("torch.")
+    takes = key_split.takes(q.shape, k.shape, v.shape, dtype, q.device.index, causal=is_causal, align=whole.align,
+                            deterministic=deterministic)
+    return is_causal if takes else None
 
 
 @torch.library.register_fake("fagen::attention_backward")
@@ -232,7 +255,7 @@ def flex_kernels_backward(dout, q, k, v, out, lse, traced, block_mask, scale, ta
     dq = dk = dv = None
     if inputs_wanted or fused:
         grads = backward.compile_backward(variants.trainable(spec, _deterministic(False), captured_grads=fused))(
-            dout.contiguous(), q, k, v, out, lse, scale=scale, block_mask=kernel_mask,
+            backward.readable(dout), q, k, v, out, lse, scale=scale, block_mask=kernel_mask,
             captured=_flex_captured(tables, q), captured_sums=None if sums is None else (sums.sums, sums.scales))
         dq, dk, dv = grads.dq, grads.dk, grads.dv
     table_grads = captured_grads.captured_grads(dout, q, k, v, out, lse, tree, block_mask, scale, tables, eager) \
@@ -349,7 +372,7 @@ class _EagerKernelAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         bias = ctx.side["bias"]
         spec = variants.trainable(ctx.spec, _deterministic(ctx.deterministic), ctx.needs_input_grad[3])
-        grads = backward.compile_backward(spec)(dout.contiguous(), q, k, v, out, lse, scale=ctx.scale,
+        grads = backward.compile_backward(spec)(backward.readable(dout), q, k, v, out, lse, scale=ctx.scale,
                                                 block_mask=ctx.block_mask, **ctx.side)
         return (grads.dq, grads.dk, grads.dv, grads.dbias.to(bias.dtype) if ctx.needs_input_grad[3] else None,
                 grads.dsinks if ctx.needs_input_grad[4] else None, *[None] * 7)

@@ -246,6 +246,41 @@ def test_out_is_laid_out_as_q(nq, nk, causal):
     assert out.transpose(1, 2).is_contiguous() and relative_error(to_numpy(out), to_numpy(want)) < 1e-2
 
 
+def test_an_expanded_q_is_answered_as_its_copy():
+    """A broadcast q (one query row expanded over the batch: stride 0) keeps head_dim innermost
+    in out's layout, so no two rows of out overlap; eager, kept and prepared calls."""
+    torch.manual_seed(4)
+    q = torch.randn(1, HQ, 1, 64, device="cuda", dtype=torch.bfloat16).expand(B, HQ, 1, 64)
+    k, v = (torch.randn(B, HKV, 700, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want = fagen.attention(q.contiguous(), k, v)
+    for _ in range(2):
+        out = fagen.attention(q, k, v)
+        assert out.stride()[-1] == 1 and relative_error(to_numpy(out), to_numpy(want)) < 1e-2
+    prepared = fagen.prepare(q, k, v)
+    assert relative_error(to_numpy(prepared(q, k, v)), to_numpy(want)) < 1e-2
+
+
+@pytest.mark.parametrize("dout_of", ["transposed", "broadcast"])
+def test_gradients_of_a_strided_dout_are_its_copy(nan_empty, dout_of):
+    """The backward reads a model's transposed dout by its strides (no copy) and copies only what
+    no kernel can read (a broadcast dout from a pooled loss): the gradients equal those of the
+    contiguous dout and the oracle's."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(B, n, h, 64, device="cuda", dtype=torch.float16).transpose(1, 2).requires_grad_()
+               for n, h in ((200, HQ), (200, HKV), (200, HKV)))
+    out = fagen.attention(q, k, v, causal=True)
+    if dout_of == "transposed":
+        dout = torch.randn(B, 200, HQ, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+    else:
+        dout = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.float16).expand(out.shape)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    want = torch.autograd.grad(out, (q, k, v), dout.contiguous())
+    ref = oracle.attention_backward(*(to_numpy(x) for x in (q, k, v, dout)), causal=True)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert relative_error(to_numpy(g), to_numpy(w)) < 1e-3, name
+        assert relative_error(to_numpy(g), ref[name]) < GRAD_TOLERANCE["float16"], name
+
+
 class TinyAttention(torch.nn.Module):
     """One attention layer: fused QKV projection, fagen.attention (GQA), output projection."""
 

@@ -21,9 +21,9 @@ LAYERS = [
     # FlexAttention's Python mods traced into expressions
     ("plan", "masks", "column_split"),  # every derived number and the kernel ABI; runtime block masks; what
     # the kernels that split O by columns over two warpgroups (MLA decode, head_dim 512) share
-    ("backward_plan", "captured_grads", "mla_plan", "wide_head_plan"),  # the backward kernels' numbers (its dQ
-    # kernel is a forward plan); a traced score_mod's captured tensors' gradients (over a block mask's pairs); MLA
-    # decode's and the head_dim 512 forward's kernel numbers
+    ("backward_plan", "captured_grads", "mla_plan", "wide_head_plan", "key_split_plan"),  # the backward kernels'
+    # numbers (its dQ kernel is a forward plan); a traced score_mod's captured tensors' gradients (over a block mask's
+    # pairs); MLA decode's, the head_dim 512 kernels' and the 192/128 backward's numbers
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
     ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU
@@ -33,8 +33,8 @@ LAYERS = [
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
     ("dispatch",),  # which kernel a call runs: family, spec, split count
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
-    ("splitkv", "mla", "wide_head"),  # split-KV partials and the merge; MLA decode (576/512 over a paged latent
-    # cache); the head_dim 512 forward
+    ("splitkv", "mla", "wide_head", "key_split"),  # split-KV partials and the merge; MLA decode (576/512 over a
+    # paged latent cache); the head_dim 512 forward and backward; the 192/128 backward
     ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's path
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops

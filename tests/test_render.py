@@ -93,7 +93,7 @@ def _jinja(path) -> str:
 
 
 def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
-    from fagen.render import MLA_TEMPLATE, TEMPLATES, WIDE_BACKWARD_TEMPLATE, WIDE_TEMPLATE
+    from fagen.render import KEY_SPLIT_TEMPLATE, MLA_TEMPLATE, TEMPLATES, WIDE_BACKWARD_TEMPLATE, WIDE_TEMPLATE
 
     for kind in MASK_KINDS:
         assert (TEMPLATES / "masks" / f"{kind}.cu.j2").read_text().startswith('{% extends "common/mask.cu.j2" %}')
@@ -112,7 +112,7 @@ def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
     # split, the head_dim 512 backward's cluster pair)
     named = {m for path in TEMPLATES.rglob("*.j2")
              for m in re.findall(r'(?:include|from) "(sm[89]0/[\w.]+)"', path.read_text())} | {
-        MLA_TEMPLATE, WIDE_TEMPLATE, WIDE_BACKWARD_TEMPLATE}
+        MLA_TEMPLATE, WIDE_TEMPLATE, WIDE_BACKWARD_TEMPLATE, KEY_SPLIT_TEMPLATE}
     hooks = {f"{part}.cu.j2" for folder in SKELETONS for path in (TEMPLATES / folder).glob("*.j2")
              for part in re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', path.read_text())}
     sm80, sm90 = ({p.name for p in (TEMPLATES / arch).iterdir()} for arch in ("sm80", "sm90"))
