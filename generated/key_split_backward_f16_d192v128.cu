@@ -13,9 +13,10 @@
 //   S = Q.K_w^T and dP = dO.V_w^T    (m64n48: queries are M, its keys N; both operands K-major)
 //   P = exp2(S * scale_log2 - LSE), masked; dS = P * (dP - D)
 //   P^T and dS^T to shared memory    (stmatrix .trans: its key rows of the two 96-row tiles)
-//   dV^T += dO^T.P, dK^T += Q^T.dS   (A: dO's or Q's stage read MN-major; B: its rows of P^T or dS^T)
-//   dQ[:, its columns] = dS.K        (A: dS^T read MN-major, all 96 keys; B: K read MN-major), staged
-//                                     and added to the accumulator by one bulk reduce a warp
+//   dQ[:, its columns] = dS.K        (A: dS^T read MN-major, all 96 keys; B: K read MN-major), then
+//   dV^T += dO^T.P, dK^T += Q^T.dS   (A: dO's or Q's stage read MN-major; B: its rows of P^T or dS^T) in a
+//                                     second group, under which dQ is staged and added to the
+//                                     accumulator by one bulk reduce a warp
 // warpgroup 2 is the producer: K and V once, then each step's Q, dO and the rows' LSE and D into
 // a ring of Q_STAGES slots. The two consumer warpgroups meet twice a step: once both have written
 // dS^T (dQ reads both halves), and before either overwrites it (both have read it).
@@ -616,12 +617,20 @@ key_split_backward_f16_d192v128(
     fence_async_smem();
     named_barrier_sync(NAMED_BARRIER_DS_FULL, CONSUMER_THREADS);
 
-    // dV^T += dO^T.P and dK^T += Q^T.dS (the step's queries are k), then dQ = dS.K over the
-    // block's keys: this warpgroup's atom of K and its piece of the last.
+    // dQ = dS.K over the block's keys (this warpgroup's atom of K and its piece of the last) in
+    // one group, then dV^T += dO^T.P and dK^T += Q^T.dS (the step's queries are k) in another:
+    // dQ's staging and bulk reduce run under the gradients' products.
     float dq_wide[DQ_WIDE_N_FRAGS][4], dq_narrow[DQ_NARROW_N_FRAGS][4];
     const unsigned long long do_cols = smem_desc(slot + Q_BYTES, Q_ATOM_BYTES, ROW_GROUP_BYTES);
     const unsigned long long q_cols = smem_desc(slot, Q_ATOM_BYTES, ROW_GROUP_BYTES);
     wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KV_K_STEPS; ++ks) {
+      const unsigned long long down = (ks * ROW_STEP_BYTES) >> DESC_UNIT_SHIFT;
+      wgmma_dq_wide(dq_wide, ds_all + down, k_wide + down, ks > 0);
+      wgmma_dq_narrow(dq_narrow, ds_all + down, k_narrow + down, ks > 0);
+    }
+    wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < Q_K_STEPS; ++ks) {
       const unsigned long long down = (ks * ROW_STEP_BYTES) >> DESC_UNIT_SHIFT, along = (ks * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
@@ -632,21 +641,10 @@ key_split_backward_f16_d192v128(
       for (int a = 0; a < QK_ATOMS; ++a)
         wgmma_swapped(dkt[a], q_cols + ((a * Q_ATOM_BYTES) >> DESC_UNIT_SHIFT) + down, dst_rows + along, 1);
     }
-#pragma unroll
-    for (int ks = 0; ks < KV_K_STEPS; ++ks) {
-      const unsigned long long down = (ks * ROW_STEP_BYTES) >> DESC_UNIT_SHIFT;
-      wgmma_dq_wide(dq_wide, ds_all + down, k_wide + down, ks > 0);
-      wgmma_dq_narrow(dq_narrow, ds_all + down, k_narrow + down, ks > 0);
-    }
     wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int a = 0; a < V_ATOMS; ++a) pin_registers(dvt[a]);
-#pragma unroll
-    for (int a = 0; a < QK_ATOMS; ++a) pin_registers(dkt[a]);
+    wgmma_wait<1>();
     pin_registers(dq_wide);
     pin_registers(dq_narrow);
-    ring.release(j);  // Q and dO are read
 
     // dQ staged in the warp's pieces (register order) once its last bulk reduce has read them,
     // then added into the tile's accumulator by one bulk reduce.
@@ -664,6 +662,12 @@ key_split_backward_f16_d192v128(
       const long long tile = ((long long)b * heads + h) * (padded_q / BLOCK_Q) + q0 / BLOCK_Q;
       bulk_reduce_add(dq_accum + tile * DQ_TILE_FLOATS + (tid / 32) * (DQ_WARP_BYTES / 4), dq_stage, DQ_WARP_BYTES);
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int a = 0; a < V_ATOMS; ++a) pin_registers(dvt[a]);
+#pragma unroll
+    for (int a = 0; a < QK_ATOMS; ++a) pin_registers(dkt[a]);
+    ring.release(j);  // Q and dO are read
   }
   if (lane == 0) bulk_wait();
 
