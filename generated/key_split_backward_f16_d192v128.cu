@@ -9,14 +9,15 @@
 //
 // A block owns 96 keys of one KV head; consumer warpgroup w owns 48 of them and holds
 // their swapped gradients, dK^T (192 x 48) and dV^T (128 x 48), in registers. Each step
-// (64 queries of one query head of the KV head's group), each consumer warpgroup:
-//   S = Q.K_w^T and dP = dO.V_w^T    (m64n48: queries are M, its keys N; both operands K-major)
-//   P = exp2(S * scale_log2 - LSE), masked; dS = P * (dP - D)
-//   P^T and dS^T to shared memory    (stmatrix .trans: its key rows of the two 96-row tiles)
-//   dQ[:, its columns] = dS.K        (A: dS^T read MN-major, all 96 keys; B: K read MN-major), then
-//   dV^T += dO^T.P, dK^T += Q^T.dS   (A: dO's or Q's stage read MN-major; B: its rows of P^T or dS^T) in a
-//                                     second group, under which dQ is staged and added to the
-//                                     accumulator by one bulk reduce a warp
+// (64 queries of one query head of the KV head's group), each consumer warpgroup, each product its
+// own wgmma group so that each piece of the softmax runs under the next product:
+//   S = Q.K_w^T, dP = dO.V_w^T       (m64n48: queries are M, its keys N; both operands K-major)
+//   P = exp2(S * scale_log2 - LSE), masked; P^T to shared memory (stmatrix .trans: its key rows)
+//   dV^T += dO^T.P                   (A: dO's stage read MN-major; B: its rows of P^T)
+//   dS = P * (dP - D); dS^T to shared memory
+//   dQ[:, its columns] = dS.K        (A: dS^T read MN-major, all 96 keys; B: K read MN-major)
+//   dK^T += Q^T.dS                   (A: Q's stage read MN-major; B: its rows of dS^T), under which
+//                                     dQ is staged and added to the accumulator by one bulk reduce a warp
 // warpgroup 2 is the producer: K and V once, then each step's Q, dO and the rows' LSE and D into
 // a ring of Q_STAGES slots. The two consumer warpgroups meet twice a step: once both have written
 // dS^T (dQ reads both halves), and before either overwrites it (both have read it).
@@ -559,6 +560,10 @@ key_split_backward_f16_d192v128(
   const unsigned dq_stage = base + DQ_STAGE_AT + (tid / 32) * DQ_WARP_BYTES;
   mbarrier_wait(kv_landed, 0);
 
+  // A step's products in the order their inputs come ready, each its own group, so that each
+  // piece of the softmax runs under the next products: S, then dP (P = exp2(S ..) and P^T under
+  // it); dV^T, which needs P^T only (dS = P * (dP - D) and dS^T under it); dQ, then dK^T (dQ's
+  // staging and bulk reduce under dK^T's).
 #pragma unroll 1
   for (int j = 0; j < steps; ++j) {
     const int h = h_kv * group + j / per_head, q0 = (first + j % per_head) * BLOCK_Q;
@@ -566,7 +571,7 @@ key_split_backward_f16_d192v128(
     const float* vectors = reinterpret_cast<const float*>(smem + ROWS_AT + (j % Q_STAGES) * 2 * ROW_VECTOR_BYTES);
     ring.wait(j);
 
-    // S = Q.K_w^T and dP = dO.V_w^T, one group.
+    // S = Q.K_w^T, then dP = dO.V_w^T.
     float s[S_N_FRAGS][4], dp[S_N_FRAGS][4];
     const unsigned long long q_rows = smem_desc(slot, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
     const unsigned long long do_rows = smem_desc(slot + Q_BYTES, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
@@ -577,6 +582,7 @@ key_split_backward_f16_d192v128(
       wgmma_scores(s, q_rows + ((a * Q_ATOM_BYTES + along) >> DESC_UNIT_SHIFT),
                    k_rows + ((a * KV_ATOM_BYTES + along) >> DESC_UNIT_SHIFT), ks > 0);
     }
+    wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < V_K_STEPS; ++ks) {
       const int a = ks / K_STEPS_PER_ATOM, along = (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES;
@@ -584,14 +590,14 @@ key_split_backward_f16_d192v128(
                    v_rows + ((a * KV_ATOM_BYTES + along) >> DESC_UNIT_SHIFT), ks > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     pin_registers(s);
-    pin_registers(dp);
 
     // P = exp2(S * scale_log2 - LSE): a key past n_kv (loaded as zeros) or, under causal, after a
-    // query's diagonal is masked; a query past n_q has LSE +inf. dS = P * (dP - D).
+    // query's diagonal is masked; a query past n_q has LSE +inf. Its P^T rows: only this
+    // warpgroup's dV^T reads them (its last step's is done).
     const bool edge = key0 + GROUP_KEYS > n_kv || (causal && key0 + GROUP_KEYS - 1 > q0 + offset);
-    const float lse0 = vectors[r0], lse1 = vectors[r1], d0 = vectors[BLOCK_Q + r0], d1 = vectors[BLOCK_Q + r1];
+    const float lse0 = vectors[r0], lse1 = vectors[r1];
 #pragma unroll
     for (int n = 0; n < S_N_FRAGS; ++n)
 #pragma unroll
@@ -600,28 +606,45 @@ key_split_backward_f16_d192v128(
         float x = s[n][e] * scale_log2 - (e < 2 ? lse0 : lse1);
         if (edge && (key >= n_kv || (causal && key > q + offset))) x = NEG_INF;
         s[n][e] = fast_exp2(x);
-        dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? d0 : d1));
       }
+#pragma unroll
+    for (int n = 0; n < S_N_FRAGS; n += 2)
+      stmatrix_trans(base + PT_AT + swizzled(st_key + 8 * n, st_chunk), pack2(s[n][0], s[n][1]), pack2(s[n][2], s[n][3]),
+                     pack2(s[n + 1][0], s[n + 1][1]), pack2(s[n + 1][2], s[n + 1][3]));
+    fence_async_smem();
 
-    // P^T and dS^T rows of this warpgroup's keys, once both warpgroups' dQ of the last step has
-    // read dS^T (P^T only this warpgroup's own dV^T, waited for below).
+    // dV^T += dO^T.P (the step's queries are k: A an atom of dO's stage, MN-major; B this
+    // warpgroup's rows of P^T).
+    const unsigned long long do_cols = smem_desc(slot + Q_BYTES, Q_ATOM_BYTES, ROW_GROUP_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Q_K_STEPS; ++ks) {
+      const unsigned long long down = (ks * ROW_STEP_BYTES) >> DESC_UNIT_SHIFT, along = (ks * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
+#pragma unroll
+      for (int a = 0; a < V_ATOMS; ++a)
+        wgmma_swapped(dvt[a], do_cols + ((a * Q_ATOM_BYTES) >> DESC_UNIT_SHIFT) + down, pt_rows + along, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    pin_registers(dp);
+
+    // dS = P * (dP - D); its dS^T rows once both warpgroups' dQ of the last step has read dS^T.
+    const float d0 = vectors[BLOCK_Q + r0], d1 = vectors[BLOCK_Q + r1];
+#pragma unroll
+    for (int n = 0; n < S_N_FRAGS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? d0 : d1));
     named_barrier_sync(NAMED_BARRIER_DS_FREE, CONSUMER_THREADS);
 #pragma unroll
-    for (int n = 0; n < S_N_FRAGS; n += 2) {
-      const unsigned at = swizzled(st_key + 8 * n, st_chunk);
-      stmatrix_trans(base + PT_AT + at, pack2(s[n][0], s[n][1]), pack2(s[n][2], s[n][3]), pack2(s[n + 1][0], s[n + 1][1]),
-                     pack2(s[n + 1][2], s[n + 1][3]));
-      stmatrix_trans(base + DST_AT + at, pack2(dp[n][0], dp[n][1]), pack2(dp[n][2], dp[n][3]),
+    for (int n = 0; n < S_N_FRAGS; n += 2)
+      stmatrix_trans(base + DST_AT + swizzled(st_key + 8 * n, st_chunk), pack2(dp[n][0], dp[n][1]), pack2(dp[n][2], dp[n][3]),
                      pack2(dp[n + 1][0], dp[n + 1][1]), pack2(dp[n + 1][2], dp[n + 1][3]));
-    }
     fence_async_smem();
     named_barrier_sync(NAMED_BARRIER_DS_FULL, CONSUMER_THREADS);
 
-    // dQ = dS.K over the block's keys (this warpgroup's atom of K and its piece of the last) in
-    // one group, then dV^T += dO^T.P and dK^T += Q^T.dS (the step's queries are k) in another:
-    // dQ's staging and bulk reduce run under the gradients' products.
+    // dQ = dS.K over the block's keys (this warpgroup's atom of K and its piece of the last),
+    // then dK^T += Q^T.dS (A an atom of Q's stage, MN-major; B this warpgroup's rows of dS^T).
     float dq_wide[DQ_WIDE_N_FRAGS][4], dq_narrow[DQ_NARROW_N_FRAGS][4];
-    const unsigned long long do_cols = smem_desc(slot + Q_BYTES, Q_ATOM_BYTES, ROW_GROUP_BYTES);
     const unsigned long long q_cols = smem_desc(slot, Q_ATOM_BYTES, ROW_GROUP_BYTES);
     wgmma_fence();
 #pragma unroll
@@ -634,9 +657,6 @@ key_split_backward_f16_d192v128(
 #pragma unroll
     for (int ks = 0; ks < Q_K_STEPS; ++ks) {
       const unsigned long long down = (ks * ROW_STEP_BYTES) >> DESC_UNIT_SHIFT, along = (ks * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
-#pragma unroll
-      for (int a = 0; a < V_ATOMS; ++a)
-        wgmma_swapped(dvt[a], do_cols + ((a * Q_ATOM_BYTES) >> DESC_UNIT_SHIFT) + down, pt_rows + along, 1);
 #pragma unroll
       for (int a = 0; a < QK_ATOMS; ++a)
         wgmma_swapped(dkt[a], q_cols + ((a * Q_ATOM_BYTES) >> DESC_UNIT_SHIFT) + down, dst_rows + along, 1);
