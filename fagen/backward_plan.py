@@ -786,7 +786,7 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
     """The wgmma dK/dV kernel's offsets: its tiles are laid out as the forward's (fagen.plan), with
     keys in the forward's query rows (K and V are wgmma's A) and queries in its key rows (Q and
     dO are the B of S^T and dP^T, then of dK and dV, transposed)."""
-    bwd, forward = spec.backward, wgmma_numbers(spec, 0)
+    bwd, forward = spec.backward, wgmma_numbers(spec, 0, 0)
     threads_per_warpgroup = 32 * WARPGROUP_WARPS
     s_acc_regs = WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup
     return {

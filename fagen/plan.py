@@ -171,6 +171,7 @@ class KernelPlan:
     p_log2_scale: float  # P's scale before its rounding to an FP8 A operand, log2 (element type's; 0 otherwise)
     exp2_poly_every: int  # every this many n8 fragments of S, exp2 runs as a polynomial on the FMA pipe (0: never)
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
+    v_tile_bytes: int  # ... of V's own ring (warp-specialised: V's width; else kv_tile_bytes)
     q_tile_bytes: int  # wgmma: the bytes of Q a tile loads (head_dim wide: a producer's expect_tx)
     k_load_bytes: int  # wgmma: ... of K (head_dim wide)
     v_load_bytes: int  # wgmma: ... of V (head_dim_v wide)
@@ -195,6 +196,7 @@ class KernelPlan:
     v_step_bytes: int  # wgmma: bytes between the k16 steps of P.V (16 keys: two row groups)
     warpgroup_q_bytes: int  # wgmma: bytes between the warpgroups' rows of the Q tile
     kv_ring_bytes: int  # wgmma: K's ring of kv_stages tiles (V's ring follows it, then the mbarriers)
+    v_ring_bytes: int  # wgmma: V's ring (kv_stages tiles of v_tile_bytes)
     mbarrier_bytes: int  # wgmma: one mbarrier
     q_atom_step_bytes: int  # wgmma: from one 64-column block of Q's head_dim to the next
     k_atom_step_bytes: int  # wgmma: ... of K's (Q.K^T's k steps move along both)
@@ -702,9 +704,14 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     # FP8 reads V^T in boxes of one swizzle atom's row of keys: a tile that is no whole number of
     # them lands in whole boxes (the last box's keys past the tile unread), its ring slot as long
     kv_tile = v_tile_keys(spec) * (width if spec.wgmma else smem_row)
+    # a warp-specialised kernel's V tiles (TMA's 64-column blocks) are V's own width: where K's
+    # rows are wider (DeepSeek's 192 beside 128), V's ring is the narrower
+    v_tile = v_tile_keys(spec) * dv if spec.warp_specialized else kv_tile
     slots = kv_slots(spec)
     kv_bytes = spec.kv_element.bytes  # an FP8 KV cache's tiles hold its bytes: half a half type's
-    smem_bytes = q_tile * spec.element.bytes + slots * kv_tile * kv_bytes
+    ring_bytes = (spec.pipeline.stages * (kv_tile + v_tile) if spec.pipeline.kv_smem == "separate"
+                  else slots * kv_tile) * kv_bytes
+    smem_bytes = q_tile * spec.element.bytes + ring_bytes
     if spec.wgmma:  # a "landed" and a "freed" mbarrier per stage of the KV ring (and for Q, with a producer)
         smem_bytes += 2 * (spec.pipeline.stages + spec.warp_specialized) * MBARRIER_BYTES
         smem_bytes += MBARRIER_BYTES * has_claimed_walk(spec)  # the tile the producer claimed, for the consumers
@@ -724,15 +731,18 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     if smem_bytes > limit:
         raise searched_rule(
             "pipeline", f"{spec.pipeline.kv_smem}, stages {spec.pipeline.stages}",
-            f"needs {smem_bytes} bytes of shared memory (Q tile + {slots} KV tiles of "
-            f"{kv_tile * kv_bytes} bytes, {t.block_kv} keys) but {spec.arch} allows {limit} per block", smem_fixes(spec),
+            f"needs {smem_bytes} bytes of shared memory (Q tile + "
+            + (f"{slots} KV tiles of {kv_tile * kv_bytes}" if v_tile == kv_tile else
+               f"{spec.pipeline.stages} K tiles of {kv_tile * kv_bytes} and {spec.pipeline.stages} V tiles of "
+               f"{v_tile * kv_bytes}")
+            + f" bytes, {t.block_kv} keys) but {spec.arch} allows {limit} per block", smem_fixes(spec),
             "use fewer stages or a smaller block_kv" + ("" if spec.wgmma else ", or kv_smem: shared"), plan, spec)
     # warps along the keys merge through the (then idle) KV ring: a lane's O, max and sum, for each
     # warp but the first of its rows
     combine_bytes = (t.warps_kv - 1) * t.warps_q * 32 * (o_regs + 4 * m_frags) * 4
-    if combine_bytes > slots * kv_tile * kv_bytes:
+    if combine_bytes > ring_bytes:
         raise searched_rule("tiling.warps_kv", t.warps_kv, f"merges {combine_bytes} bytes of O through the KV ring "
-                            f"({slots * kv_tile * kv_bytes} bytes)", merge_fixes(spec),
+                            f"({ring_bytes} bytes)", merge_fixes(spec),
                             "use fewer warps_kv, or more stages", plan, spec)
     if seed_budget > limit:
         raise searched_rule(
@@ -813,7 +823,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         claimed_walk=has_claimed_walk(spec),
         end_aligned_tiles=end_aligned_tiles(spec),
         output_staged=not spec.outputs.partial and not (ws and ws.persistent),
-        **template_numbers(spec, m_frags, kv_tile),
+        **template_numbers(spec, m_frags, kv_tile, v_tile),
     )
 
 
@@ -874,11 +884,11 @@ DESCALE_PARAMS = tuple(param for name in ("q_descale", "k_descale", "v_descale")
 # an FP8 KV cache's: k's and v's alone (q is a half type)
 KV_DESCALE_PARAMS = DESCALE_PARAMS[3:]
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
-                 "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "mbarrier_bytes",
+                 "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "v_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")
 
 
-def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> dict:
+def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_tile_elems: int) -> dict:
     """The KernelPlan fields from `mainloop` on: what the templates print beside the tiling."""
     t, d, dv = spec.tiling, spec.head_dim, spec.dv
     warps = t.warps_q * t.warps_kv
@@ -898,6 +908,7 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "p_log2_scale": float(spec.element.p_log2_scale),
         "exp2_poly_every": EXP2_POLY_EVERY if spec.element.is_fp8 and spec.wgmma else 0,
         "kv_tile_bytes": kv_tile_elems * spec.kv_element.bytes,
+        "v_tile_bytes": v_tile_elems * spec.kv_element.bytes,
         # an FP8 KV cache's rows: twice a half type's elements in a 16-byte chunk, half the chunks a row
         "kv_chunk_elems": CHUNK_BYTES // spec.kv_element.bytes,
         "kv_chunks_per_row": kv_chunks_per_row,
@@ -916,12 +927,12 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int) -> d
         "out_chunks_per_warp": warp_rows * v_chunks_per_row,
         "s_acc_regs": m_frags * (t.block_kv // t.warps_kv // MMA_N) * acc_per_fragment,
         "o_acc_regs": m_frags * (dv // MMA_N) * acc_per_fragment,
-        **(wgmma_numbers(spec, kv_tile_elems, column_blocks=spec.warp_specialized) if spec.wgmma
+        **(wgmma_numbers(spec, kv_tile_elems, v_tile_elems, column_blocks=spec.warp_specialized) if spec.wgmma
            else dict.fromkeys(WGMMA_NUMBERS, 0)),
     }
 
 
-def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool = False) -> dict[str, int]:
+def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, v_tile_elems: int, column_blocks: bool = False) -> dict[str, int]:
     """The sm_90a kernel's byte offsets within its 128-byte-swizzled tiles. Two layouts of the
     same atoms: row groups (cp.async: 8-row groups one after the other, each row_width / 64 atoms
     wide) or, where TMA fills the tiles (column_blocks: the forward's warp_specialized), column
@@ -946,6 +957,7 @@ def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, column_blocks: bool =
         "v_step_bytes": mma_k // SWIZZLE_ATOM_ROWS * row_group,
         "warpgroup_q_bytes": rows_per_warpgroup // SWIZZLE_ATOM_ROWS * row_group,
         "kv_ring_bytes": spec.pipeline.stages * kv_tile_elems * spec.element.bytes,
+        "v_ring_bytes": spec.pipeline.stages * v_tile_elems * spec.element.bytes,
         "mbarrier_bytes": MBARRIER_BYTES,
         "q_atom_step_bytes": column_step["q"],
         "k_atom_step_bytes": column_step["k"],

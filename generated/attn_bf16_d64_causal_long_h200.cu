@@ -87,6 +87,8 @@ constexpr int CONSUMER_REGISTERS = 160;  // ... and hands its registers to S, P 
 constexpr int Q_TILE_BYTES = 24576;       // the bytes a tile's loads deliver: Q's ...
 constexpr int K_LOAD_BYTES = 16384;       // ... K's
 constexpr int V_LOAD_BYTES = 16384;       // ... and V's
+constexpr int V_TILE_BYTES = 16384;       // V's ring slots: V's own width ...
+constexpr int V_RING_BYTES = 32768;      // ... and its ring, after K's
 constexpr int QK_ATOMS = 1;  // TMA boxes across a Q or K row (head_dim) ...
 constexpr int V_ATOMS = 1;  // ... and across a V row (head_dim_v)
 constexpr int ATOM_COLUMNS = 64;  // a TMA box is one atom wide ...
@@ -383,16 +385,16 @@ struct KvPipeline {
   int tiles = 0;  // this tile's KV tiles
   int q_loads = 0;  // Q tiles before this one: the phase of Q's barriers
 
-  // K's ring starts at `ring`, right after the Q tile; V's ring follows it, then the mbarriers.
+  // K's ring starts at `ring`, right after the Q tile; V's ring (its own width) follows it, then the mbarriers.
   __device__ __forceinline__ explicit KvPipeline(unsigned ring)
-      : k_ring(ring), v_ring(ring + KV_RING_BYTES), full(v_ring + KV_RING_BYTES),
+      : k_ring(ring), v_ring(ring + KV_RING_BYTES), full(v_ring + V_RING_BYTES),
         empty(full + KV_STAGES * MBARRIER_BYTES), q_full(empty + KV_STAGES * MBARRIER_BYTES),
         q_empty(q_full + MBARRIER_BYTES) {}
 
   __device__ __forceinline__ int stage(int g) const { return (first + g) % KV_STAGES; }
   __device__ __forceinline__ int phase(int g) const { return (first + g) / KV_STAGES & 1; }
   __device__ __forceinline__ unsigned k_slot(int j) const { return k_ring + KV_TILE_BYTES * stage(j); }
-  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + KV_TILE_BYTES * stage(j); }
+  __device__ __forceinline__ unsigned v_slot(int j) const { return v_ring + V_TILE_BYTES * stage(j); }
 
   // One thread sets the barriers up, before the block splits into its roles.
   __device__ __forceinline__ void init(int tid) const {
