@@ -508,10 +508,10 @@ def _rows_readable(t: DeviceTensor) -> bool:
     return t.strides[-1] == 1 and all(s > 0 and s % 8 == 0 for s in t.strides[:-1]) and t.ptr % 16 == 0
 
 
-def readable(x):
+def readable(x, what: str = "dout"):
     """x itself where the backward reads it by its strides (a model's dout is often a transposed
     view), else a contiguous copy (a broadcast dout from a pooled loss, odd strides)."""
-    t = as_device_tensor(x, "dout")
+    t = as_device_tensor(x, what)
     if _rows_readable(t):
         return x
     return x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x)

@@ -227,6 +227,20 @@ class KeySplitBackwardPlan:
     def params(self) -> tuple[tuple[str, str], ...]:
         return KEY_SPLIT_PARAMS
 
+    # the launch's numbers (fagen.accumulated_dq)
+    @property
+    def tile_rows(self) -> int:
+        return self.block_q
+
+    def grid(self, n_kv: int, heads_kv: int, batch: int) -> tuple[int, int, int]:  # a block a 96-key tile
+        return -(-n_kv // self.block_kv), heads_kv, batch
+
+    def box_rows(self, tensor: str) -> int:  # a step's rows of q and dout, the block's keys of k and v
+        return self.block_kv if tensor in ("k", "v") else self.block_q
+
+    def postprocess_blocks(self, padded_q: int) -> int:  # a block a 32-column piece of a 64-row tile
+        return padded_q // self.block_q * self.consumer_warpgroups * self.dq_pieces
+
 
 KEY_SPLIT_PARAMS: tuple[tuple[str, str], ...] = (
     (TMA_MAP, "q_map"), (TMA_MAP, "k_map"), (TMA_MAP, "v_map"), (TMA_MAP, "do_map"),

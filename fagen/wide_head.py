@@ -20,15 +20,14 @@ from __future__ import annotations
 import functools
 import math
 
-from fagen import tensor_maps
+from fagen import accumulated_dq, tensor_maps
 from fagen.dispatch import call_mask
 from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, multiprocessors, require_cupy, stream_for,
                           torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
 from fagen.render import render_wide, render_wide_backward
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
-from fagen.wide_head_plan import (WIDE_HEAD_DIMS, WIDE_POSTPROCESS_PARAMS, WIDE_PREPROCESS_PARAMS, WIDE_TYPES,
-                                  WideBackwardPlan, WideHeadPlan)
+from fagen.wide_head_plan import WIDE_HEAD_DIMS, WIDE_TYPES, WideBackwardPlan, WideHeadPlan
 
 WIDE_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)
 
@@ -182,24 +181,6 @@ def default_splits(blocks: int, kv_tiles: int, sms: int) -> int:
     return max(1, min(sms // blocks, kv_tiles))
 
 
-PREPROCESS_ROWS = 4  # query rows a preprocess block: a warp each
-ROW_ALIGN_ELEMENTS = 8  # the preprocess reads O and dO rows in 16-byte pieces
-
-
-def _like_q(x, what: str, tq):
-    """out or dout as the backward reads it: q's shape, type and device, rows 16-byte aligned (a
-    copy where they are not)."""
-    t = as_device_tensor(x, what)
-    if t.shape != tq.shape or t.dtype != tq.dtype or t.kind != tq.kind or t.device != tq.device:
-        raise ValueError(f"{what}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected q's {tq.kind} {tq.dtype} "
-                         f"{tq.shape} on cuda:{tq.device}")
-    if t.strides[-1] != 1 or t.ptr % 16 or any(s % ROW_ALIGN_ELEMENTS or s <= 0 for s in t.strides[:3]):
-        # (a stride of 0, a broadcast dout from a pooled loss, is no TMA map's either)
-        x = x.contiguous() if t.kind == "torch" else cupy.ascontiguousarray(x)
-        t = as_device_tensor(x, what)
-    return t
-
-
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None, deterministic: bool = False):
     """(dq, dk, dv) of sum(out * dout) for attention(q, k, v, causal=causal, scale=scale) at
     head_dim 512, given its out and lse (return_lse=True). dq is summed across key tiles by bulk
@@ -209,52 +190,9 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
         refuse_deterministic()
     tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     check(tq, tk, tv)
-    b, hq, nq, d = tq.shape
-    hkv, nk = tk.shape[1], tk.shape[2]
-    tl = as_device_tensor(lse, "lse")
-    if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.kind != tq.kind or tl.device != tq.device:
-        raise ValueError(f"lse: {tl.kind} {tl.dtype} {tl.shape}; expected the forward's float32 [B, Hq, Nq] = "
-                         f"{(b, hq, nq)} on q's device (return_lse=True)")
     scale = _checked_scale(tq, scale, "backward")
-    plan = WideBackwardPlan(tq.dtype)
-    element = ELEMENT_TYPES[tq.dtype].bytes
-    with cupy.cuda.Device(tq.device), stream_for(tq):
-        dq, dk, dv = (empty_like(t, t.shape, tq.dtype) for t in (tq, tk, tv))
-        if 0 in (b, hq, nq, nk):  # nothing attended: out was constant
-            for g in (dq, dk, dv):
-                g[...] = 0
-            return dq, dk, dv
-        to, tdo = _like_q(out, "out", tq), _like_q(dout, "dout", tq)
-        if tl.strides != (hq * nq, nq, 1):
-            lse = lse.contiguous() if tl.kind == "torch" else cupy.ascontiguousarray(lse)
-            tl = as_device_tensor(lse, "lse")
-        padded_q = -(-nq // plan.block_rows) * plan.block_rows
-        rows = empty_like(tq, (b, hq, 2, padded_q), "float32")
-        dq_accum = empty_like(tq, (b, hq, padded_q, d), "float32")
-        tr, ta = as_device_tensor(rows, "rows"), as_device_tensor(dq_accum, "dq_accum")
-        tdq, tdk, tdv = (as_device_tensor(g, n) for g, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
-        preprocess, kernel, postprocess = _backward_functions(tq.dtype, tq.device)
-        stream = torch_stream_handle()(tq.device) if tq.kind == "torch" else None
-        row_grid = (-(-padded_q // PREPROCESS_ROWS), hq, b)
-        Launch(preprocess, row_grid, 32 * PREPROCESS_ROWS, 0, WIDE_PREPROCESS_PARAMS,
-               dict(out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1], o_sn=to.strides[2], dout=tdo.ptr,
-                    do_sb=tdo.strides[0], do_sh=tdo.strides[1], do_sn=tdo.strides[2], lse=tl.ptr, rows=tr.ptr,
-                    dq_accum=ta.ptr, heads=hq, n_q=nq, padded_q=padded_q))(stream)
-        maps = tuple(TensorMap(param, name, tq.dtype, tensor_maps.layout(t.shape, t.strides, element, plan.block_kv, name))
-                     for t, name, param in ((tq, "q", "q_map"), (tk, "k", "k_map"), (tv, "v", "v_map"),
-                                            (tdo, "dout", "do_map")))
-        values = dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, dout=tdo.ptr, rows=tr.ptr, dq_accum=ta.ptr,
-                      dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1], dk_sn=tdk.strides[2],
-                      dv=tdv.ptr, dv_sb=tdv.strides[0], dv_sh=tdv.strides[1], dv_sn=tdv.strides[2],
-                      heads=hq, group=hq // hkv, n_q=nq, n_kv=nk, padded_q=padded_q, causal=int(bool(causal)),
-                      scale_log2=scale * LOG2E, scale=scale)
-        Launch(kernel, (2 * -(-nk // plan.block_kv), hkv, b), plan.threads, plan.smem_bytes, plan.params, values,
-               slots=("q", "k", "v", "dout"), maps=maps)(stream)
-        chunks = padded_q // plan.block_rows * (d // plan.atom_columns)  # a postprocess block a 64 x 64 chunk of dQ
-        Launch(postprocess, (chunks, hq, b), plan.warpgroup_threads, 0, WIDE_POSTPROCESS_PARAMS,
-               dict(dq_accum=ta.ptr, dq=tdq.ptr, dq_sb=tdq.strides[0], dq_sh=tdq.strides[1], dq_sn=tdq.strides[2],
-                    heads=hq, n_q=nq, padded_q=padded_q, scale=scale))(stream)
-    return dq, dk, dv
+    return accumulated_dq.launch(_backward_functions(tq.dtype, tq.device), WideBackwardPlan(tq.dtype), tq, tk, tv,
+                                 out, dout, lse, causal=causal, scale=scale)
 
 
 def refuse_deterministic() -> None:

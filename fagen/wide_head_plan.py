@@ -208,6 +208,20 @@ class WideBackwardPlan(ColumnSplitPlan):
     def params(self) -> tuple[tuple[str, str], ...]:
         return WIDE_BACKWARD_PARAMS
 
+    # the launch's numbers (fagen.accumulated_dq)
+    @property
+    def tile_rows(self) -> int:
+        return self.block_rows
+
+    def grid(self, n_kv: int, heads_kv: int, batch: int) -> tuple[int, int, int]:  # a cluster of two a 64-key tile
+        return 2 * -(-n_kv // self.block_kv), heads_kv, batch
+
+    def box_rows(self, tensor: str) -> int:  # 64 rows of every tensor
+        return self.block_kv
+
+    def postprocess_blocks(self, padded_q: int) -> int:  # a block a 64 x 64 chunk of dQ
+        return padded_q // self.block_rows * self.atoms_per_row
+
 
 WIDE_BACKWARD_PARAMS: tuple[tuple[str, str], ...] = (
     (TMA_MAP, "q_map"), (TMA_MAP, "k_map"), (TMA_MAP, "v_map"), (TMA_MAP, "do_map"),

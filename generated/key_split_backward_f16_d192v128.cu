@@ -84,6 +84,8 @@ static_assert(DQ_WIDE_N_FRAGS + DQ_NARROW_N_FRAGS == DQ_PIECES * DQ_PIECE_FRAGS,
 // rows written (dQ reads them all); DS_FREE, every thread's dQ of the last step done (dS^T may be overwritten).
 constexpr int NAMED_BARRIER_DS_FULL = 1;
 constexpr int NAMED_BARRIER_DS_FREE = 2;
+// P_FULL + w: warpgroup w's own, its four warps' P^T rows written (its dV^T reads them all).
+constexpr int NAMED_BARRIER_P_FULL = 3;
 
 // ---- PTX wrappers: inline PTX, no CUDA headers (NVRTC compiles it as is) ----
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
@@ -595,7 +597,8 @@ key_split_backward_f16_d192v128(
 
     // P = exp2(S * scale_log2 - LSE): a key past n_kv (loaded as zeros) or, under causal, after a
     // query's diagonal is masked; a query past n_q has LSE +inf. Its P^T rows: only this
-    // warpgroup's dV^T reads them (its last step's is done).
+    // warpgroup's dV^T reads them (its last step's is done), every warp's part of them, once
+    // all four warps have written theirs (the warpgroup's own named barrier).
     const bool edge = key0 + GROUP_KEYS > n_kv || (causal && key0 + GROUP_KEYS - 1 > q0 + offset);
     const float lse0 = vectors[r0], lse1 = vectors[r1];
 #pragma unroll
@@ -612,6 +615,7 @@ key_split_backward_f16_d192v128(
       stmatrix_trans(base + PT_AT + swizzled(st_key + 8 * n, st_chunk), pack2(s[n][0], s[n][1]), pack2(s[n][2], s[n][3]),
                      pack2(s[n + 1][0], s[n + 1][1]), pack2(s[n + 1][2], s[n + 1][3]));
     fence_async_smem();
+    named_barrier_sync(NAMED_BARRIER_P_FULL + warpgroup, WARPGROUP_THREADS);
 
     // dV^T += dO^T.P (the step's queries are k: A an atom of dO's stage, MN-major; B this
     // warpgroup's rows of P^T).

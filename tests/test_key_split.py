@@ -48,3 +48,17 @@ def test_render_refuses_an_unknown_dtype_or_widths_by_name():
         render_key_split_backward("float32")
     with pytest.raises(AssertionError, match=r"worked out for these widths"):
         KeySplitBackwardPlan("bfloat16", head_dim=256, value_dim=128)
+
+
+def test_takes_leaves_what_it_does_not_run_to_the_general_kernels():
+    """Other widths, fp32, deterministic, causal aligned top left with Nq != Nk, and a batch or
+    heads past the grid's 65535: False, decided before any device query."""
+    from fagen.key_split import takes
+
+    q, k, v = (2, 4, 300, 192), (2, 2, 500, 192), (2, 2, 500, 128)
+    ok = dict(causal=True, align="bottom_right", deterministic=False)
+    assert not takes(q, k, k, "bfloat16", 0, **ok)
+    assert not takes(q, k, v, "float32", 0, **ok)
+    assert not takes(q, k, v, "bfloat16", 0, **{**ok, "deterministic": True})
+    assert not takes(q, k, v, "bfloat16", 0, **{**ok, "align": "top_left"})
+    assert not takes((70000, 4, 300, 192), (70000, 2, 500, 192), (70000, 2, 500, 128), "bfloat16", 0, **ok)

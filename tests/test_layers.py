@@ -33,6 +33,7 @@ LAYERS = [
     ("runtime",),  # compile with NVRTC, check and pack arguments, launch
     ("dispatch",),  # which kernel a call runs: family, spec, split count
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
+    ("accumulated_dq",),  # the launch of the dedicated backwards that add dQ into a float32 accumulator
     ("splitkv", "mla", "wide_head", "key_split"),  # split-KV partials and the merge; MLA decode (576/512 over a
     # paged latent cache); the head_dim 512 forward and backward; the 192/128 backward
     ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's path
