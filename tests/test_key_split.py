@@ -62,3 +62,15 @@ def test_takes_leaves_what_it_does_not_run_to_the_general_kernels():
     assert not takes(q, k, v, "bfloat16", 0, **{**ok, "deterministic": True})
     assert not takes(q, k, v, "bfloat16", 0, **{**ok, "align": "top_left"})
     assert not takes((70000, 4, 300, 192), (70000, 2, 500, 192), (70000, 2, 500, 128), "bfloat16", 0, **ok)
+
+
+@pytest.mark.parametrize("dtype", KEY_SPLIT_TYPES)
+def test_the_launch_numbers_cover_every_key_and_every_piece_of_dq(dtype):
+    """fagen.accumulated_dq's numbers from the plan: a block a 96-key tile (a partial last one),
+    TMA boxes of a step's rows (q, dout) and of the block's keys (k, v), and a postprocess block
+    for each 32-column piece of every 64-row tile: 6 a tile cover dQ's 192 columns."""
+    plan = KeySplitBackwardPlan(dtype)
+    assert plan.grid(1000, 3, 2) == (11, 3, 2) and plan.grid(96, 1, 1) == (1, 1, 1)
+    assert [plan.box_rows(t) for t in ("q", "k", "v", "dout")] == [64, 96, 96, 64]
+    assert plan.postprocess_blocks(256) == 4 * 6 and 6 * plan.dq_piece_columns == plan.head_dim
+    assert plan.tile_rows == plan.block_q == 64

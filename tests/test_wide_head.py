@@ -137,3 +137,13 @@ def test_the_keys_split_only_where_tiles_and_heads_leave_sms_idle():
     assert default_splits(blocks=4, kv_tiles=2048, sms=132) == 33  # decode: B 1, 4 KV heads
     assert default_splits(blocks=6, kv_tiles=3, sms=132) == 3  # at most a KV tile a split
     assert default_splits(blocks=200, kv_tiles=50, sms=132) == 1
+
+
+@pytest.mark.parametrize("dtype", WIDE_TYPES)
+def test_the_backward_launch_numbers_pair_blocks_and_cover_dq(dtype):
+    """fagen.accumulated_dq's numbers from the head_dim 512 plan: a cluster of two blocks a 64-key
+    tile, 64-row TMA boxes, a postprocess block a 64 x 64 chunk of dQ (8 a tile)."""
+    plan = WideBackwardPlan(dtype)
+    assert plan.grid(1000, 3, 2) == (2 * 16, 3, 2)
+    assert {plan.box_rows(t) for t in ("q", "k", "v", "dout")} == {64}
+    assert plan.postprocess_blocks(128) == 2 * 8 and plan.tile_rows == 64
