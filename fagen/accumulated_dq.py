@@ -10,13 +10,14 @@ TMA boxes and the postprocess's blocks; the checks of the inputs are the caller'
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+from typing import Callable, Protocol
 
 from fagen import tensor_maps
 from fagen.backward import readable
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, stream_for, torch_stream_handle
 from fagen.element_types import ELEMENT_TYPES
-from fagen.runtime import LOG2E, Launch, TensorMap
+from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 from fagen.wide_head_plan import WIDE_POSTPROCESS_PARAMS, WIDE_PREPROCESS_PARAMS
 
 PREPROCESS_ROWS = 4  # query rows a preprocess block: a warp each
@@ -25,8 +26,10 @@ TMA_TENSORS = (("q", "q_map"), ("k", "k_map"), ("v", "v_map"), ("dout", "do_map"
 
 
 class AccumulatedDqPlan(Protocol):
-    """What the launch reads of a kernel's plan."""
+    """What the launch reads of a kernel's plan (frozen: a cache key)."""
 
+    dtype: str
+    name: str
     params: tuple[tuple[str, str], ...]
     threads: int
     smem_bytes: int
@@ -41,18 +44,29 @@ class AccumulatedDqPlan(Protocol):
     def postprocess_blocks(self, padded_q: int) -> int: ...  # a batch and head's postprocess blocks
 
 
-def launch(functions: tuple, plan: AccumulatedDqPlan, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, out,
-           dout, lse, *, causal: bool, scale: float):
+@functools.cache
+def _functions(plan: AccumulatedDqPlan, render: Callable[[str], str], device: int) -> tuple:
+    """The module's preprocess, kernel and postprocess (its source render(plan.dtype)), compiled
+    once a device and process."""
+    with cupy.cuda.Device(device):
+        module = compile_module(render(plan.dtype), plan.name, wgmma=True)
+        kernel = module.get_function(plan.name)
+        kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
+        return module.get_function(f"{plan.name}_preprocess"), kernel, module.get_function(f"{plan.name}_postprocess")
+
+
+def launch(plan: AccumulatedDqPlan, render: Callable[[str], str], tq: DeviceTensor, tk: DeviceTensor,
+           tv: DeviceTensor, out, dout, lse, *, causal: bool, scale: float):
     """(dq, dk, dv) for checked q, k, v ([B, H, N, d]; v of its own width), the forward's out and
     lse (float32 [B, Hq, Nq]) and dout; out and dout copied only where the kernels cannot read
-    them by their strides. `functions`: the module's preprocess, kernel and postprocess."""
+    them by their strides. `render`: the module's source for a dtype."""
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
     tl = as_device_tensor(lse, "lse")
     if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.kind != tq.kind or tl.device != tq.device:
         raise ValueError(f"lse: {tl.kind} {tl.dtype} {tl.shape}; expected the forward's float32 [B, Hq, Nq] = "
                          f"{(b, hq, nq)} on q's device (return_lse=True)")
-    preprocess, kernel, postprocess = functions
+    preprocess, kernel, postprocess = _functions(plan, render, tq.device)
     with cupy.cuda.Device(tq.device), stream_for(tq):
         dq, dk, dv = (empty_like(t, t.shape, tq.dtype) for t in (tq, tk, tv))
         if 0 in (b, hq, nq, nk):  # nothing attended: out was constant

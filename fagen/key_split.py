@@ -17,7 +17,6 @@ from fagen import accumulated_dq
 from fagen.device import as_device_tensor, cupy, require_cupy
 from fagen.key_split_plan import KEY_SPLIT_TYPES, KEY_SPLIT_WIDTHS, KeySplitBackwardPlan
 from fagen.render import render_key_split_backward
-from fagen.runtime import compile_module
 
 KEY_SPLIT_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)
 MAX_GRID_YZ = 65535  # the grids' heads (y) and batch (z): more take the general kernels
@@ -36,17 +35,6 @@ def takes(q_shape, k_shape, v_shape, dtype: str, device: int, *, causal: bool, a
 @functools.cache
 def _arch(device: int) -> str:
     return cupy.cuda.Device(device).compute_capability
-
-
-@functools.cache
-def _functions(dtype: str, device: int):
-    """The preprocess, kernel and postprocess for `dtype`, compiled once a device and process."""
-    with cupy.cuda.Device(device):
-        plan = KeySplitBackwardPlan(dtype)
-        module = compile_module(render_key_split_backward(dtype), plan.name, wgmma=True)
-        kernel = module.get_function(plan.name)
-        kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
-        return module.get_function(f"{plan.name}_preprocess"), kernel, module.get_function(f"{plan.name}_postprocess")
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None):
@@ -79,5 +67,5 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return accumulated_dq.launch(_functions(tq.dtype, tq.device), KeySplitBackwardPlan(tq.dtype, d, d_v), tq, tk, tv,
-                                 out, dout, lse, causal=causal, scale=scale)
+    return accumulated_dq.launch(KeySplitBackwardPlan(tq.dtype, d, d_v), render_key_split_backward, tq, tk, tv, out,
+                                 dout, lse, causal=causal, scale=scale)

@@ -43,17 +43,6 @@ def _functions(dtype: str, device: int):
         return function, module.get_function(plan.merge_name)
 
 
-@functools.cache
-def _backward_functions(dtype: str, device: int):
-    """The backward's preprocess, kernel and postprocess for `dtype`, compiled once a device and process."""
-    with cupy.cuda.Device(device):
-        plan = WideBackwardPlan(dtype)
-        module = compile_module(render_wide_backward(dtype), plan.name, wgmma=True)
-        kernel = module.get_function(plan.name)
-        kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
-        return module.get_function(f"{plan.name}_preprocess"), kernel, module.get_function(f"{plan.name}_postprocess")
-
-
 def check(tq, tk, tv) -> None:
     """q, k and v against what the kernel reads, each refusal naming its fix."""
     for t, name, heads in ((tq, "q", "Hq"), (tk, "k", "Hkv"), (tv, "v", "Hkv")):
@@ -191,8 +180,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
     tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     check(tq, tk, tv)
     scale = _checked_scale(tq, scale, "backward")
-    return accumulated_dq.launch(_backward_functions(tq.dtype, tq.device), WideBackwardPlan(tq.dtype), tq, tk, tv,
-                                 out, dout, lse, causal=causal, scale=scale)
+    return accumulated_dq.launch(WideBackwardPlan(tq.dtype), render_wide_backward, tq, tk, tv, out, dout, lse,
+                                 causal=causal, scale=scale)
 
 
 def refuse_deterministic() -> None:
