@@ -99,11 +99,6 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-__device__ __forceinline__ unsigned short to_elem(float x) {
-  unsigned short r;
-  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-  return r;
-}
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -113,6 +108,14 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ unsigned short to_elem(float x) {
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
+  return r;
 }
 __device__ __forceinline__ void st_shared_f4(unsigned at, const float (&x)[4]) {
   asm volatile("st.shared.v4.f32 [%0], { %1, %2, %3, %4 };\n" :: "r"(at), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3]) : "memory");

@@ -83,7 +83,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-// Stores to shared memory that wgmma reads (P; cleared rows) go through the generic proxy, wgmma through the async one.
+// Stores to shared memory that wgmma or a bulk copy reads go through the generic proxy, those through the async one.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
