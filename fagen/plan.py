@@ -219,8 +219,8 @@ class KernelPlan:
     # (scheduler_params), one per block or, persistent, one block per SM over all of them
     scheduler_params: tuple[tuple[str, str], ...]
     persistent: bool
-    # persistent over a varlen batch's tile table (has_claimed_walk): past its first tile a block
-    # claims the next from a counter, so each walks until the table runs out
+    # persistent over tiles of different costs (has_claimed_walk): past its first tile a block
+    # claims the next from a counter, so each walks until the tiles run out
     claimed_walk: bool
     # causal tiles end at n_q (end_aligned_tiles): a partial tile is the lightest, not the heaviest
     end_aligned_tiles: bool
@@ -307,7 +307,14 @@ TMA_MAP = "const __grid_constant__ TmaMap"
 # x batch * heads, y query tiles, z KV splits, as the grid of a block-a-tile launch; walked a
 # section of tiles_section x's at a time (l2_section)
 SCHEDULER_PARAMS = (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"), ("int", "tiles_section"))
-# A claimed walk's counter of tiles claimed past the first wave (zeroed by the tile table's kernel)
+# A claimed walk's producer holds the claim beside the mask's state across its loop: at 24
+# registers ptxas spills 4-20 bytes of it for block masks, windows, documents and d64's softcap
+# variant (nvcc 13.0), at 32 none; an accumulating kernel's producer, which also prefetches the
+# running O and LSE, spilled 24 bytes at 32 and none at 40. The consumers give up what that takes.
+CLAIMING_PRODUCER_REGISTERS = 32
+CLAIMING_ACCUMULATING_PRODUCER_REGISTERS = 40
+# A claimed walk's counters: tiles claimed past the first wave, then blocks done claiming (both
+# zero before the launch and after it; null where the walk is one wave)
 CLAIMED_WALK_PARAMS = (("unsigned* __restrict__", "tiles_claimed"),)
 # The share of L2 a section's K and V may take: the rest holds Q, O and the TMA's other traffic
 L2_SECTION_SHARE = 0.5
@@ -352,16 +359,31 @@ def has_sequence_tiles(spec: AttentionSpec) -> bool:
 
 def has_claimed_walk(spec: AttentionSpec) -> bool:
     """Whether a persistent kernel's blocks claim their tiles past the first from a counter
-    (tiles_claimed, zeroed each call by the tile table's kernel) rather than take every
-    gridDim.x-th: where they walk a varlen batch's tile table. Its tiles' costs are a sawtooth
-    (each sequence's latest rows first, the sequences by length): a static share of it left the
-    busiest SM 7-17% over the mean for 16 causal sequences of 300-1900 rows, claiming in table
-    order (list scheduling, heaviest first) under 1% (a simulation of the walk). Measured (H200,
-    causal, notes/perf.md): 16 mixed sequences of ~1024 rows 5-11% faster at d128, 12% at d64,
-    17% at d256; 8 of ~2048 within 1%. Padded grids have no kernel before them to zero a counter,
-    and their static walk simulates within 3% of the mean."""
+    (tiles_claimed) rather than take every gridDim.x-th: where the tiles' costs differ, a varlen
+    batch's tile table (a sawtooth: each sequence's latest rows first, the sequences by length) or
+    a mask's uneven tiles (causal: every head's heaviest first). Claiming in walk order is list
+    scheduling, heaviest first: the busiest SM within 1% of the mean where a static share left it
+    7-17% over for 16 causal sequences of 300-1900 rows and ~6% over for padded causal grids of
+    16-128 tiles a head (simulations of the walk). Measured (H200, causal, notes/perf.md): 16
+    mixed sequences of ~1024 rows 5-11% faster at d128, 12% at d64, 17% at d256. The counter
+    comes zeroed to the launch, which leaves it so (tile_scheduler's release)."""
     ws = spec.pipeline.warp_specialized
-    return bool(ws and ws.persistent) and has_sequence_tiles(spec)
+    return bool(ws and ws.persistent) and (has_sequence_tiles(spec) or not KINDS[spec.mask.kind].even_tiles)
+
+
+def register_split(spec: AttentionSpec) -> tuple[int, int]:
+    """setmaxnreg's (producer, consumer) registers a thread: the spec's, but a claimed walk's
+    producer at CLAIMING_(ACCUMULATING_)PRODUCER_REGISTERS at least, the consumers under what
+    then remains (240 -> 232 beside two warpgroups; 160 stays beside three, 152 accumulating);
+    (0, 0) where the kernel is not warp-specialised."""
+    ws = spec.pipeline.warp_specialized
+    if not ws:
+        return 0, 0
+    producer = (CLAIMING_ACCUMULATING_PRODUCER_REGISTERS if spec.outputs.accumulate else
+                CLAIMING_PRODUCER_REGISTERS) if has_claimed_walk(spec) else 0
+    if ws.producer_registers >= producer:
+        return ws.producer_registers, ws.consumer_registers
+    return producer, min(ws.consumer_registers, most_consumer_registers(spec.tiling.warps_q // 4, producer))
 
 
 # A varlen call of one wave numbers its tiles in the kernel (templates/common/numbered_tiles),
@@ -726,7 +748,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
     p_regs = p_registers(spec, s_regs) if spec.wgmma else 0
     registers = predict_registers(spec, o_regs, s_regs, q_regs, 32 * warps)
     ws = spec.pipeline.warp_specialized
-    register_limit = ws.consumer_registers if ws else MAX_REGISTERS  # the consumers' setmaxnreg
+    producer_registers, consumer_registers = register_split(spec)
+    register_limit = consumer_registers if ws else MAX_REGISTERS  # the consumers' setmaxnreg
 
     if smem_bytes > limit:
         raise searched_rule(
@@ -814,8 +837,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         clears_rows_past_keys=ws is not None and spec.sequences.kv == "ranged",
         clear_barrier=CLEAR_BARRIER,
         consumer_threads=32 * warps,
-        producer_registers=ws.producer_registers if ws else 0,
-        consumer_registers=ws.consumer_registers if ws else 0,
+        producer_registers=producer_registers,
+        consumer_registers=consumer_registers,
         tma_params=tuple((TMA_MAP, f"{t}_map") for t in "qkv") if ws else (),
         input_params=input_params(spec),
         scheduler_params=(SCHEDULER_PARAMS + CLAIMED_WALK_PARAMS * has_claimed_walk(spec)) if ws else (),

@@ -171,18 +171,19 @@ class Launch:
     the pointer parameters a call may re-point at other tensors of the same shape and strides
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
-    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "_pointers",
+    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "held", "_pointers",
                  "_first_slots", "_mapped", "_repoint_all", "_driver_launch", "_param_slots")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
                  params: tuple[tuple[str, str], ...], values: dict, slots: tuple[str, ...] = (),
-                 maps: tuple[TensorMap, ...] = (), dependent: bool = False):
+                 maps: tuple[TensorMap, ...] = (), dependent: bool = False, held: object = None):
         names = [name for _, name in params]
         values = {**values, **{m.param: tensor_maps.encode(values[m.tensor], m.dtype, m.layout) for m in maps}}
         missing = [name for name in names if name not in values]
         if missing:
             raise ValueError(f"no value for kernel parameter(s) {missing}")
         self.function = getattr(function, "kernel", function).ptr  # the CUfunction of a RawKernel
+        self.held = held  # what the launch reads beside its tensors (a claimed walk's counters): kept with it
         self.grid, self.block, self.smem = grid, threads, smem
         offsets, total = slot_offsets(params)
         self._param_slots = {name: (offset, ctype) for offset, (ctype, name) in zip(offsets, params)}
@@ -756,7 +757,7 @@ class Kernel:
                                                    else self.plan.block_kv, extras.get("total_k")))
                      ) if self.plan.warp_specialized else ()
         tiles = self.plan.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
-        grid = tiles
+        grid, counters = tiles, None
         if self.plan.scheduler_params:  # the blocks walk the tile grid: a block a tile, or one an SM
             kv_bytes = tk.shape[2] * (tk.shape[3] + tv.shape[3]) * self.spec.element.bytes // splits  # a KV head's K and V (a split's share)
             per_x = kv_bytes if self.spec.tiling.pack_gqa else kv_bytes // (hq // tk.shape[1])  # x: a query head, unpacked
@@ -765,12 +766,16 @@ class Kernel:
                                                    extras.get("even_tiles", KINDS[self.spec.mask.kind].even_tiles)))
             count = math.prod(tiles)
             grid = (min(count, device.multiprocessors(tq.device)) if self.plan.persistent else count, 1, 1)
+            if self.plan.claimed_walk and "tiles_claimed" not in values:  # a padded grid's walk
+                counters = zeros_like(tq, (2,), "int32") if count > grid[0] else None  # (none: one wave)
+                values["tiles_claimed"] = 0 if counters is None else as_device_tensor(counters, "tiles_claimed").ptr
         # a prepared call re-points the inputs and the outputs it returns (the merged ones, where the
         # partials are a workspace)
         outputs = ("merged_o", "merged_lse") if self.spec.outputs.merge_splits else ("o", "lse")
         return Launch(self.function, grid, self.plan.threads, self.plan.smem_bytes, self.plan.params, values,
                       slots=("q", "k", "v", *indices, *outputs), maps=maps,
-                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * self.spec.kv_element.bytes))
+                      dependent=self.dependent_launch and pays_off(2 * math.prod(tk.shape) * self.spec.kv_element.bytes),
+                      held=counters)
 
     def extra_arguments(self, tq: DeviceTensor, tk: DeviceTensor, given: dict) -> tuple[dict, list]:
         """The mask and score-modifier arrays this kernel reads, checked, as kernel arguments by

@@ -150,6 +150,9 @@ COPYING_WARPS_Q = 8  # the most query warps the copying sm_90a kernel (no produc
 # 256 default's 128 x 80 dense and 128 x 64 causal: +3-9% (H200, bfloat16, N 4k and 16k; 128 keys
 # do not fit shared memory).
 WIDE_QK_KV_TILE = {192: 112}
+# ... and a persistent walk that claims its tiles where a mask's tiles are uneven, whatever the
+# wider head's long class does (a block a tile): 192/128 causal +9% at 4k, +1-3% at 16k (H200,
+# bfloat16; d256's own within 2% either way; notes/perf.md).
 
 
 @cache
@@ -166,11 +169,15 @@ def value_head_variant(spec: AttentionSpec, head_dim_v: int, head_dim: int | Non
     data = spec.model_dump()
     tag = f"_d{head_dim}" if head_dim != spec.head_dim else ""
     tiling = {**data["tiling"], "pack_gqa": False, "warps_kv": 1}
+    pipeline = data["pipeline"]
     if head_dim != spec.head_dim and spec.warp_specialized and head_dim in WIDE_QK_KV_TILE:
         tiling["block_kv"] = WIDE_QK_KV_TILE[head_dim]
         tag += f"_kv{tiling['block_kv']}"  # the name says the tile, not the wider head's
+        if not KINDS[spec.mask.kind].even_tiles and not pipeline["warp_specialized"]["persistent"]:
+            pipeline = {**pipeline, "warp_specialized": {**pipeline["warp_specialized"], "persistent": True}}
+            tag += "_persistent"
     data.update(name=f"{spec.name}{tag}_v{head_dim_v}", head_dim=head_dim, head_dim_v=head_dim_v, backward=None,
-                tiling=tiling,
+                tiling=tiling, pipeline=pipeline,
                 outputs={**data["outputs"], "partial": False, "accumulate": False, "merge_splits": False})
     try:
         return parse_falling_back(data, spec, f"value-head variant of {spec.name}")

@@ -82,8 +82,8 @@ constexpr int MBARRIER_BYTES = 8;
 // Warp specialisation: CONSUMER_THREADS compute; the warpgroup after them is the producer.
 constexpr int CONSUMER_THREADS = 256;
 constexpr int PRODUCER_WARPGROUP = 2;
-constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
-constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to S, P and O
+constexpr int PRODUCER_REGISTERS = 32;  // setmaxnreg: it only issues TMA loads
+constexpr int CONSUMER_REGISTERS = 232;  // ... and hands its registers to S, P and O
 constexpr int Q_TILE_BYTES = 16384;       // the bytes a tile's loads deliver: Q's ...
 constexpr int K_LOAD_BYTES = 16384;       // ... K's
 constexpr int V_LOAD_BYTES = 16384;       // ... and V's
@@ -339,8 +339,10 @@ struct Mask {
 // next section, z slowest. Sections keep the K and V the blocks in flight read in L2: one head
 // at a time where the tiles are even, a few heads' heaviest tiles first where a mask's are not
 // (fagen.plan.l2_section).
-// Persistent: one block an SM walks them (tile blockIdx.x, then every gridDim.x-th), so its
-// producer loads the next tile's inputs while the consumers finish this one.
+// Persistent: one block an SM walks them, so its producer loads the next tile's inputs while the
+// consumers finish this one. Past its first tile (blockIdx.x) a block claims the next one in the
+// walk's order from the launch's counter: the tiles' costs differ (a varlen batch's sawtooth, a
+// causal mask's heaviest first), and blocks that drew light tiles take more of them.
 struct Tile {
   int x, y, z;
 };
@@ -362,6 +364,23 @@ struct TileScheduler {
     const unsigned r = i - x0 * ny;
     return Tile{int(x0 + r % width), int(r / width), int(z)};
   }
+  // The tile after the first wave's that no block has claimed yet (tiles_claimed starts at 0);
+  // none where the walk is one wave (no table: no counter; fagen.sequences.pack holds the grid
+  // to a block a tile there).
+  __device__ __forceinline__ int claim(unsigned* claimed) const {
+    return claimed != nullptr ? gridDim.x + int(atomicAdd(claimed, 1u)) : count;
+  }
+  // After a block's last claim: the last block to get here zeroes both counters (claims, then
+  // blocks done), every claim of the launch being behind it, so the next launch starts from zero
+  // without a memset of its own.
+  __device__ __forceinline__ void release(unsigned* claimed) const {
+    if (claimed == nullptr) return;
+    __threadfence();  // this block's claims before its count
+    if (atomicAdd(claimed + 1, 1u) == gridDim.x - 1) {
+      claimed[0] = 0;
+      claimed[1] = 0;
+    }
+  }
 };
 
 // ---- KV pipeline: a TMA producer ------------------------------------------------------------
@@ -377,6 +396,18 @@ struct TileScheduler {
 // waits for all of them before it refills the stage. Q has its own pair: the consumers free it
 // after their last S = Q.K^T, so the next tile's Q loads under this tile's last P.V and epilogue.
 // Invariant: producer and consumers call begin(tiles) and end() on the same tiles, in order.
+// A claimed walk's tiles are the producer's to know: it writes each one's number to tile_word()
+// before arming Q's `full` (the arrival releases it, the consumers' wait acquires it), and a
+// number past the walk, with no Q, after the last.
+__device__ __forceinline__ void st_shared_u32(unsigned at, int value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(at), "r"(value) : "memory");
+}
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned at) {
+  unsigned value;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(at) : "memory");
+  return value;
+}
+
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
   unsigned full, empty;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
@@ -390,6 +421,8 @@ struct KvPipeline {
       : k_ring(ring), v_ring(ring + KV_RING_BYTES), full(v_ring + V_RING_BYTES),
         empty(full + KV_STAGES * MBARRIER_BYTES), q_full(empty + KV_STAGES * MBARRIER_BYTES),
         q_empty(q_full + MBARRIER_BYTES) {}
+  // The number of the tile whose Q is in flight, in the word after Q's barriers.
+  __device__ __forceinline__ unsigned tile_word() const { return q_empty + MBARRIER_BYTES; }
 
   __device__ __forceinline__ int stage(int g) const { return (first + g) % KV_STAGES; }
   __device__ __forceinline__ int phase(int g) const { return (first + g) / KV_STAGES & 1; }
@@ -430,8 +463,9 @@ struct KvPipeline {
   // batch kv_batch in k_map and v_map.
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                           unsigned q_tile, int q_row, int q_batch, int kv_row0, int kv_batch, int h,
-                                          int h_kv) const {
+                                          int h_kv, int tile) const {
     if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
+    st_shared_u32(tile_word(), tile);
     mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
     load<BLOCK_Q, QK_ATOMS>(q_tile, q_map, q_full, q_row, h, q_batch);
     for (int g = 0; g <= tiles; ++g) {
@@ -443,10 +477,22 @@ struct KvPipeline {
     }
   }
 
+  // The walk is over: `past` (no tile) goes to the consumers in place of a next tile's number.
+  __device__ __forceinline__ void finish(int past) const {
+    if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);
+    st_shared_u32(tile_word(), past);
+    mbarrier_arrive(q_full);
+  }
+
   // ---- the consumers' side ----
   // Group g, or Q, is in smem: TMA wrote it through the async proxy wgmma reads by, so no fence.
   __device__ __forceinline__ void wait(int g) const { mbarrier_wait(full + MBARRIER_BYTES * stage(g), phase(g)); }
   __device__ __forceinline__ void wait_q() const { mbarrier_wait(q_full, q_loads & 1); }
+  // The number of the tile whose Q has landed (or the walk's end, past it).
+  __device__ __forceinline__ int next_tile() const {
+    wait_q();
+    return int(ld_shared_u32(tile_word()));
+  }
 
   // This thread's MMAs reading group g, or Q, are complete.
   __device__ __forceinline__ void release(int g) const { mbarrier_arrive(empty + MBARRIER_BYTES * stage(g)); }
@@ -638,6 +684,7 @@ fagen_attn_f16_d64_causal_h200(
     int tiles_y,
     int tiles_z,
     int tiles_section,
+    unsigned* __restrict__ tiles_claimed,
     const __grid_constant__ TmaMap q_map,
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map) {
@@ -661,7 +708,9 @@ fagen_attn_f16_d64_causal_h200(
   if (warpgroup == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
-      for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
+      // (a claim issued before this tile's loads would hold its number across them: ptxas spills
+      // it at 24 registers; after them it runs while the consumers finish the tile)
+      for (int t = scheduler.first(); t < scheduler.count; t = scheduler.claim(tiles_claimed)) {
         const Tile tile = scheduler.at(t);
         // (unsigned divisions: half a signed one's instructions, at every tile's start)
         const unsigned bh = tile.x;
@@ -679,9 +728,11 @@ fagen_attn_f16_d64_causal_h200(
         // the maps' coordinates: (row, head, batch); a varlen batch is one [1, H, total, d] tensor,
         // a ranged sequence's keys start at its row kv_start
         kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, b,
-                   0, b, h, h_kv);
+                   0, b, h, h_kv, t);
         kv.end();
       }
+      kv.finish(scheduler.count);
+      scheduler.release(tiles_claimed);
     }
     return;
   }
@@ -690,7 +741,8 @@ fagen_attn_f16_d64_causal_h200(
   // while another writes O: warpgroup 0 takes the first turn (handed to it by the last
   // warpgroup, its predecessor in the round), and takes back the last hand-over after the walk.
   if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);
-  for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
+  // The producer's tiles, in its order (it skips the table's empty entries: none reach here).
+  for (int t = kv.next_tile(); t < scheduler.count; t = kv.next_tile()) {
     const Tile tile = scheduler.at(t);
     // (unsigned divisions: half a signed one's instructions, at every tile's start)
     const unsigned bh = tile.x;

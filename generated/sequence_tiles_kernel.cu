@@ -6,8 +6,8 @@
 // end cost a block each. A sequence's entries lie together, its latest rows first (under causal
 // the heaviest tile first), so that the blocks in flight share its K and V in L2; the sequences
 // go by tile count, the longest first, so that the last wave holds the shortest. Entries past
-// the batch's tiles are (-1, 0), no tile. It also zeroes `claimed`, the count of tiles a
-// persistent kernel's blocks claim as they walk the table (plan.claimed_walk).
+// the batch's tiles are (-1, 0), no tile. It also zeroes `claimed`, the counters of a
+// persistent kernel's blocks that claim tiles as they walk the table (plan.claimed_walk).
 // One block: (1) the tiles of the sequences of each count, (2) where each count's sequences start
 // (the longer ones' tiles before them: a scan over the counts from the top, a chunk a thread),
 // (3) each sequence takes the next place of its count (the order among equal counts is the
@@ -29,7 +29,7 @@ sequence_tiles_kernel(const int* __restrict__ cu_seqlens, int batch, int block_q
   __shared__ unsigned chunk_first[THREADS];
   __shared__ unsigned all_tiles;
   const int tid = threadIdx.x;
-  if (tid == 0) *claimed = 0;
+  if (tid == 0) claimed[0] = claimed[1] = 0;  // claims and blocks done (tile_scheduler's release)
   for (int c = tid; c < COUNTS; c += THREADS) count_next[c] = 0;
   __syncthreads();
   for (int b = tid; b < batch; b += THREADS) {  // (1)

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import fagen
@@ -97,6 +96,37 @@ def test_a_persistent_split_kv_kernel_walks_its_splits():
                       backward=None)
     result = check_against_oracle(spec, 1, 20, 4, 900, 2500, framework="torch")  # 3 splits
     assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("dtype,d,dv,n", [("float16", 128, 128, 1100), ("bfloat16", 192, 128, 2100)])
+def test_a_claimed_walk_zeroes_its_counters_for_the_next_launch(dtype, d, dv, n):
+    """A persistent causal walk claims its tiles from a counter pair that its last block zeroes
+    (no memset a call): one prepared launch run again and again, and replayed from a CUDA graph,
+    covers every tile each time, out NaN-filled before each run. d128 below 2048 keys takes the
+    persistent base class, 192/128 at 2100 its long class's persistent variant."""
+    _hopper_default()
+    import torch
+
+    q, k, v, _ = random_inputs("torch", dtype, 2, 16, 4, n, n, d, d_v=dv)
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
+    out = torch.empty(2, 16, n, dv, device="cuda", dtype=q.dtype)
+    prepared = fagen.prepare(q, k, v, causal=True)
+    walk = compile_kernel(prepared.spec).plan
+    assert walk.persistent and walk.claimed_walk and prepared.kernel.held is not None  # more tiles than SMs
+    for _ in range(3):
+        out.fill_(float("nan"))
+        prepared(q, k, v, out=out)
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE[dtype]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        prepared(q, k, v, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE[dtype]
 
 
 def test_a_prepared_call_re_encodes_its_maps_for_new_tensors():

@@ -116,7 +116,8 @@ def test_smem_and_seed_budget_of_every_shipped_spec(path):
     size, kv_size = spec.element.bytes, spec.kv_element.bytes  # (an FP8 KV cache: K and V one byte an element)
     # the FP8 forward's slots hold V^T's whole 128-key boxes
     slot_keys = -(-t.block_kv // 128) * 128 if spec.element.is_fp8 and spec.wgmma else t.block_kv
-    assert p.smem_bytes == t.block_q * row * size + slots * slot_keys * row * kv_size + barriers
+    claimed_tile = 8 * p.claimed_walk  # the word a claimed walk's producer hands its tile number in
+    assert p.smem_bytes == t.block_q * row * size + slots * slot_keys * row * kv_size + barriers + claimed_tile
     assert p.seed_budget_bytes == t.block_kv * (d + dv) * kv_size + (t.block_q * d + t.block_q * t.block_kv) * size
     assert p.smem_limit == SMEM_PER_BLOCK[spec.arch]
     assert p.smem_bytes <= p.smem_limit

@@ -7,7 +7,7 @@ import pytest
 from fagen import dispatch, nvcc, oracle, variants
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.plan import plan, query_tile_slots
-from fagen.render import render
+from fagen.render import render, render_sequence_tiles
 from fagen.sequences import check_cu_seqlens, check_pages, check_seqused_k, query_tiles_numpy
 from fagen.spec import Mask, ScoreMod, SpecError
 
@@ -92,23 +92,34 @@ def test_the_oracle_reads_an_unpaged_cache_per_sequence():
         oracle.attention_cache(q, k, v, ends, [0, 8, 0])
 
 
-def test_a_persistent_varlen_walk_claims_its_tiles():
-    """Over a varlen batch's tile table a persistent kernel's blocks claim their tiles from a
-    counter (one more parameter, one more smem word, the claim in the producer's loop); a block
-    a tile, and padded grids, take theirs from the grid."""
+def test_a_persistent_walk_over_uneven_tiles_claims_them():
+    """Where tiles' costs differ (a varlen batch's table, a causal mask's tiles) a persistent
+    kernel's blocks claim their tiles from a counter (one more parameter, one more smem word, the
+    claim in the producer's loop, the counters zeroed again by the last block); even tiles, and a
+    block a tile, take theirs from the grid."""
     causal = load_spec(SPECS / "attn_f16_d128_causal_h200.yaml")
-    assert causal.pipeline.warp_specialized.persistent and not plan(causal).claimed_walk
     walk = variants.sequence_variant(causal, "varlen", "varlen")
-    claimed, static = plan(walk), plan(causal)
-    assert claimed.claimed_walk and claimed.persistent
-    assert claimed.scheduler_params[-1] == ("unsigned* __restrict__", "tiles_claimed")
-    assert "tiles_claimed" not in [n for _, n in static.params]
-    assert claimed.smem_bytes - plan(walk.model_copy(update={"sequences": causal.sequences})).smem_bytes == 8
-    source = render(walk)
-    assert "t = scheduler.claim(tiles_claimed)" in source and "kv.next_tile()" in source
-    assert "scheduler.claim" not in render(causal)
+    for spec in (causal, walk):
+        claimed = plan(spec)
+        assert claimed.claimed_walk and claimed.persistent
+        assert claimed.scheduler_params[-1] == ("unsigned* __restrict__", "tiles_claimed")
+        source = render(spec)
+        assert "t = scheduler.claim(tiles_claimed)" in source and "kv.next_tile()" in source
+        assert "scheduler.release(tiles_claimed);" in source
+        assert "atomicAdd(claimed + 1, 1u) == gridDim.x - 1" in source
+    static = causal.model_copy(update={"mask": Mask(kind="none")})  # the same kernel, dense
+    even = plan(static)
+    assert even.persistent and not even.claimed_walk  # dense: every tile costs the same
+    assert "tiles_claimed" not in [n for _, n in even.params] and "scheduler.claim" not in render(static)
+    assert plan(causal).smem_bytes - even.smem_bytes == 8
     dense = plan(variants.sequence_variant(load_spec(SPECS / "attn_f16_d128_h200.yaml"), "varlen", "varlen"))
     assert not dense.persistent and not dense.claimed_walk  # even tiles: a block a tile
+
+
+def test_the_tile_table_zeroes_both_walk_counters():
+    """The table kernel zeroes the claim count and the count of blocks done claiming, which the
+    walk's last block compares against the grid."""
+    assert "claimed[0] = claimed[1] = 0;" in render_sequence_tiles()
 
 
 def test_seqused_k_counts_each_sequence_s_keys_from_its_row():
