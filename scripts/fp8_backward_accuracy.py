@@ -11,7 +11,9 @@ P * 256 in e4m3 for dV (as the forward's P). They differ in dS, the operand of d
 
     python3 scripts/fp8_backward_accuracy.py [--n 1024] [--d 128] [--heads 4]
 
-A second table takes each rounding alone against float64 gradients of the e4m3 inputs themselves.
+A second table takes each rounding alone against float64 gradients of the e4m3 inputs themselves,
+and the scales a kernel can pull out of its sums (`kernel's scales`: dO a head, dS for dK a
+power of two a key and step, dS for dQ a tile; notes/fp8_backward.md).
 
 No GPU: the question is which rounding the kernel can afford before it exists.
 """
@@ -50,8 +52,23 @@ def per_tile(x: np.ndarray, element, rows: int, cols: int | None = None) -> np.n
     return rounded[:, :, :n, :m]
 
 
-def gradients(q, k, v, dout, causal: bool, ds_round, *, p_round, dout_round, inputs_round) -> dict:
-    """dq, dk, dv as a kernel computes them (float64 otherwise) from rounded inputs: P, dP, dS."""
+def per_key_step(x: np.ndarray, element) -> np.ndarray:
+    """dS [B, H, queries, keys] rounded as dK's operand can be: a power-of-two scale a key and a
+    step of TILE_Q queries (its amax at most the type's largest). dK accumulates over the steps in
+    float32 registers; a key's row of it is rescaled by the ratio of two powers of two (exact) when
+    its scale moves, as the forward's O is by the running max."""
+    b, h, n, m = x.shape
+    pad = -n % TILE_Q
+    t = np.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, h, (n + pad) // TILE_Q, TILE_Q, m)
+    amax = np.abs(t).max(axis=3, keepdims=True)
+    scale = np.where(amax == 0, 1.0, 2.0 ** np.ceil(np.log2(np.where(amax == 0, 1.0, amax) / element.max_finite)))
+    return (element.round(t / scale) * scale).reshape(b, h, n + pad, m)[:, :, :n]
+
+
+def gradients(q, k, v, dout, causal: bool, ds_round, *, p_round, dout_round, inputs_round,
+              ds_round_dk=None) -> dict:
+    """dq, dk, dv as a kernel computes them (float64 otherwise) from rounded inputs: P, dP, dS
+    (ds_round_dk: dK's operand where it is rounded apart from dQ's)."""
     q, k, v = (inputs_round(x) for x in (q, k, v))
     do = dout_round(dout)
     forward = oracle.attention(q, k, v, causal=causal, return_lse=True)
@@ -65,7 +82,8 @@ def gradients(q, k, v, dout, causal: bool, ds_round, *, p_round, dout_round, inp
     delta = (dout * out).sum(axis=-1, keepdims=True)  # D from the upstream dO and O (the preprocess's f32)
     ds = p * (dp - delta)
     ds_r = ds_round(ds)
-    return {"dq": scale * ds_r @ k, "dk": scale * ds_r.swapaxes(-1, -2) @ q,
+    ds_k = ds_r if ds_round_dk is None else ds_round_dk(ds)
+    return {"dq": scale * ds_r @ k, "dk": scale * ds_k.swapaxes(-1, -2) @ q,
             "dv": p_round(p).swapaxes(-1, -2) @ do}
 
 
@@ -105,11 +123,16 @@ def parts(q, k, v, dout, causal: bool) -> dict[str, tuple[float, float, float]]:
         "dS bf16": (BF16.round, exact, exact),
         "bf16: P, dS, dO": (BF16.round, BF16.round, BF16.round),
         "e4m3: P, dS, dO": (lambda x: per_tile(x, E4M3, TILE_Q, TILE_K), p_e4m3, do_e4m3),
+        "dO e4m3 a head": (exact, exact, lambda x: per_head(x, E4M3)),
+        "dS e4m3 for dK a key and step": (exact, exact, exact),
+        "kernel's scales": (lambda x: per_tile(x, E4M3, TILE_Q, TILE_K), p_e4m3, lambda x: per_head(x, E4M3)),
     }
+    for_dk = {"dS e4m3 for dK a key and step": lambda x: per_key_step(x, E4M3),
+              "kernel's scales": lambda x: per_key_step(x, E4M3)}
     out = {}
     for name, (ds_round, p_round, dout_round) in cases.items():
         grads = gradients(q8, k8, v8, dout, causal, ds_round, p_round=p_round, dout_round=dout_round,
-                          inputs_round=exact)
+                          inputs_round=exact, ds_round_dk=for_dk.get(name))
         out[name] = tuple(float(np.linalg.norm(grads[n] - reference[n]) / np.linalg.norm(reference[n]))
                           for n in ("dq", "dk", "dv"))
     return out

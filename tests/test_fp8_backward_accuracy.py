@@ -56,3 +56,18 @@ def test_the_backward_s_own_roundings_rank_as_the_note_says():
     assert dq["dS e5m2"] > 1.5 * dq["dS e4m3"] > 15 * dq["dS bf16"]
     assert table["P e4m3"][0] < 1e-12 < 1e-2 < table["P e4m3"][2]
     assert 10 * max(table["bf16: P, dS, dO"]) < min(table["e4m3: P, dS, dO"])
+
+
+def test_the_scales_a_kernel_can_use_cost_what_the_tile_model_does():
+    """dO scaled a head (dV sums every step in place) and dS for dK scaled a key and step by powers
+    of two (dK's rows rescaled exactly as the scale moves): the gradients' errors stay within 20%
+    of the per-tile model's, and dS's rounding for dK reaches dK alone."""
+    f = _script()
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (rng.standard_normal((1, 2, 256, 64)) for _ in range(4))
+    table = f.parts(q, k, v, dout, True)
+    for ideal, real in zip(table["e4m3: P, dS, dO"], table["kernel's scales"]):
+        assert real < 1.2 * ideal
+    assert max(table["dO e4m3 a head"]) < 1.2 * max(table["dO e4m3"])
+    only_dk = table["dS e4m3 for dK a key and step"]
+    assert only_dk[0] < 1e-12 and only_dk[2] < 1e-12 and 1e-2 < only_dk[1] < 1.2 * table["dS e4m3"][1]
