@@ -12,7 +12,8 @@ turns (host time drifts by tens of percent between minutes on a shared host). SD
 backend choice (`sdpa`), and pinned to cuDNN (`sdpa_cudnn`) and FlashAttention-2 (`sdpa_flash`,
 which takes no mask: padded cases are n/a). Before fagen is timed, its prompt logits (at the
 prompt's tokens) and its generated tokens are compared with SDPA's; the row says how they agree.
-Padded cases draw each prompt's length from [prompt / 4, prompt] and left-pad the batch, as
+Padded cases draw each prompt's length from [shortest, prompt] (Llama: 256 to 4096 tokens, the
+issue's mixed lengths; otherwise a quarter of the longest up) and left-pad the batch, as
 transformers serves one.
 """
 

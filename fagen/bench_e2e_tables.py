@@ -20,12 +20,13 @@ class E2ECase:
     batch: int
     prompt: int  # tokens (padded: the longest prompt)
     new_tokens: int
-    padded: bool = False  # left-padded prompts of lengths in [prompt / 4, prompt]
+    padded: bool = False  # left-padded prompts of lengths in [shortest, prompt]
     static: bool = False  # a static cache of STATIC_CACHE_LEN slots: generate compiles the decode steps (CUDA graphs)
+    shortest_prompt: int = 0  # padded: the shortest length drawn (0: a quarter of the longest)
 
     @property
     def shortest(self) -> int:
-        return self.prompt // 4 if self.padded else self.prompt
+        return (self.shortest_prompt or self.prompt // 4) if self.padded else self.prompt
 
     @property
     def key(self) -> str:
@@ -49,8 +50,9 @@ class E2ERow:
 
 def cases(quick: bool = False) -> list[E2ECase]:
     equal = [E2ECase("llama", b, n, t) for b, n, t in ((1, 1024, 64), (8, 1024, 64), (32, 1024, 32), (1, 4096, 32),
-                                                        (8, 4096, 32))]
-    padded = [E2ECase("llama", b, 1024, t, padded=True) for b, t in ((8, 64), (32, 32))]
+                                                        (8, 4096, 32), (32, 4096, 32))]
+    # the mixed lengths: 256 to 4k tokens a prompt
+    padded = [E2ECase("llama", b, 4096, t, padded=True, shortest_prompt=256) for b, t in ((8, 64), (32, 32))]
     gemma = [E2ECase("gemma2", 1, 1024, 64), E2ECase("gemma2", 8, 1024, 64), E2ECase("gemma2", 8, 1024, 64, padded=True)]
     static = [E2ECase("llama", b, 4096, 32, padded=True, static=True) for b in (8, 32)]
     if quick:

@@ -34,6 +34,15 @@ def test_left_padded_prompts_pad_before_their_tokens():
     assert int(ids[mask == 0].abs().sum()) == 0
 
 
+def test_the_padded_cases_draw_the_issue_s_lengths():
+    """Left-padded Llama batches of 8 and 32 with prompts of 256 to 4096 tokens (issue 53's mixed
+    lengths), named by that range."""
+    padded = [c for c in bench_e2e.cases() if c.section == "padded" and c.model == "llama"]
+    assert sorted(c.batch for c in padded) == [8, 32]
+    assert all((c.shortest, c.prompt) == (256, 4096) and "256-4096 left-padded" in c.key for c in padded)
+    assert E2ECase("llama", 8, 1000, 4, padded=True).shortest == 250  # a quarter where not given
+
+
 def test_the_tables_give_fagen_against_sdpa_and_mark_what_a_backend_cannot_run():
     equal, padded = E2ECase("llama", 1, 1024, 64).key, E2ECase("llama", 8, 1024, 64, padded=True).key
     rows = [E2ERow(equal, "sdpa", 20.0, 50.0), E2ERow(equal, "fagen", 16.0, 60.0, "logits ok"),
