@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from fagen import expression, mask_kinds, side_inputs
+from fagen import expression, fp8_backward_rounding, mask_kinds, side_inputs
 from fagen.derivatives import read_derivatives
 from fagen.element_types import element_type
 
@@ -261,13 +261,16 @@ def _per_sequence(sequences, out_shape, kwargs):
 def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,
                        block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
                        alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, sinks=None,
-                       captured=None) -> dict:
+                       captured=None, fp8_type: str | None = None) -> dict:
     """Gradients of L = sum(attention(...) * dout), arguments as attention's: {"dq", "dk", "dv"},
     dk and dv of k's and v's shape (GQA sums a group's query heads), plus "dbias" (the given
     bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given, and
     "dcaptured" (a list, each as its array) for a spec's score_mod reading captured arrays.
     score_mod_grad(s, b, h, q_idx, kv_idx) is d score_mod / d s at the same point. Masked
-    pairs, and rows that see no key, get zero gradient."""
+    pairs, and rows that see no key, get zero gradient. fp8_type ("float8_e4m3"): dq, dk and dv
+    as fagen's FP8 backward rounds its operands (fagen.fp8_backward_rounding: dO a scale a head,
+    P times 2^8, dS a scale a key and step for dK and a tile for dQ); D = rowsum(dO * O) from the
+    unrounded dO, as its preprocess computes it."""
     if callable(score_mod) and score_mod_grad is None:
         raise ValueError("score_mod_grad = None: is required with score_mod (the backward needs d score_mod / d s); "
                          "pass score_mod_grad(s, b, h, q_idx, kv_idx), elementwise, e.g. lambda s, b, h, q_idx, "
@@ -285,11 +288,17 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     if dout.shape != out.shape:
         raise ValueError(f"oracle.attention_backward: dout.shape = {dout.shape}: must be O's, {out.shape}")
     delta = (dout * out).sum(axis=-1, keepdims=True)  # D = rowsum(dO * O)
-    dp = dout @ f["v"].swapaxes(-1, -2)
+    rounding = _fp8_backward_rounding(fp8_type)
+    dout_mma = rounding.round_dout(dout) if rounding else dout  # the products' dO
+    dp = dout_mma @ f["v"].swapaxes(-1, -2)
     # d L / d s at bias level (score_mod's input); np.where so that score_mod_grad at a masked
     # pair, where it may be inf or NaN, never reaches a sum
     ds = np.where(f["keep"], p * (dp - delta) * f["dmod"], 0.0)
     ds_dot = ds * f["dcap"] * f["scale"]  # back through softcap and the scale to q.k
+    ds_for_dk = ds_dot
+    if rounding:  # dS is rounded at q.k's level, before the softmax scale the epilogue applies
+        ds_for_dk = rounding.round_ds_for_dk(ds * f["dcap"]) * f["scale"]
+        ds_dot = rounding.round_ds_for_dq(ds * f["dcap"]) * f["scale"]
     b, heads_q = f["q"].shape[:2]
     heads_kv = np.shape(k)[1]
 
@@ -297,8 +306,8 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
         return x.reshape(b, heads_kv, heads_q // heads_kv, *x.shape[2:]).sum(axis=2)
 
     grads = {"dq": ds_dot @ f["k"],
-             "dk": per_kv_head(ds_dot.swapaxes(-1, -2) @ f["q"]),
-             "dv": per_kv_head(p.swapaxes(-1, -2) @ dout)}
+             "dk": per_kv_head(ds_for_dk.swapaxes(-1, -2) @ f["q"]),
+             "dv": per_kv_head((rounding.round_p(p) if rounding else p).swapaxes(-1, -2) @ dout_mma)}
     if bias is not None:
         shape = np.shape(bias)
         dbias = ds.sum(axis=2) if len(shape) == 3 else ds  # a vector bias is shared by every query
@@ -310,6 +319,18 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
         grads["dcaptured"] = _captured_grads(spec_mod, captured, np.where(f["keep"], p * (dp - delta), 0.0),
                                              f["expression_input"], f["keep"])
     return grads
+
+
+def _fp8_backward_rounding(fp8_type: str | None):
+    """attention_backward's roundings for fp8_type (None: none): functions of one array each."""
+    if fp8_type is None:
+        return None
+    element = element_type(fp8_type)
+    if not element.is_fp8:
+        raise ValueError(f"fp8_type = {fp8_type!r}: must be an FP8 element type (float8_e4m3, float8_e5m2), or None "
+                         f"for the unrounded backward")
+    return SimpleNamespace(**{name: (lambda x, f=getattr(fp8_backward_rounding, name): f(x, element))
+                              for name in ("round_dout", "round_p", "round_ds_for_dq", "round_ds_for_dk")})
 
 
 def _captured_grads(mod, captured, ds, score, keep) -> list[np.ndarray]:

@@ -26,43 +26,11 @@ import numpy as np
 
 from fagen import oracle
 from fagen.element_types import ELEMENT_TYPES
+from fagen.fp8_backward_rounding import BLOCK_KEYS, STEP_QUERIES, per_head, per_key_step, per_tile
 
 E4M3, E5M2, BF16 = ELEMENT_TYPES["float8_e4m3"], ELEMENT_TYPES["float8_e5m2"], ELEMENT_TYPES["bfloat16"]
-TILE_Q, TILE_K = 64, 128  # a backward step's queries and a block's keys: one scale a tile of dS
-P_SCALE = 256.0  # P's scale before its e4m3 rounding (the forward's Max_offset 8)
-
-
-def per_head(x: np.ndarray, element) -> np.ndarray:
-    """x rounded to `element` with one scale a (batch, head): its amax onto the type's largest."""
-    scale = np.abs(x).max(axis=(2, 3), keepdims=True) / element.max_finite
-    scale = np.where(scale == 0, 1.0, scale)
-    return element.round(x / scale) * scale
-
-
-def per_tile(x: np.ndarray, element, rows: int, cols: int | None = None) -> np.ndarray:
-    """x [B, H, N, M] rounded to `element` with one scale a (rows x cols) tile (cols None: whole rows)."""
-    b, h, n, m = x.shape
-    cols = cols or m
-    pad_n, pad_m = -n % rows, -m % cols
-    t = np.pad(x, ((0, 0), (0, 0), (0, pad_n), (0, pad_m))).reshape(b, h, (n + pad_n) // rows, rows,
-                                                                     (m + pad_m) // cols, cols)
-    scale = np.abs(t).max(axis=(3, 5), keepdims=True) / element.max_finite
-    scale = np.where(scale == 0, 1.0, scale)
-    rounded = (element.round(t / scale) * scale).reshape(b, h, n + pad_n, m + pad_m)
-    return rounded[:, :, :n, :m]
-
-
-def per_key_step(x: np.ndarray, element) -> np.ndarray:
-    """dS [B, H, queries, keys] rounded as dK's operand can be: a power-of-two scale a key and a
-    step of TILE_Q queries (its amax at most the type's largest). dK accumulates over the steps in
-    float32 registers; a key's row of it is rescaled by the ratio of two powers of two (exact) when
-    its scale moves, as the forward's O is by the running max."""
-    b, h, n, m = x.shape
-    pad = -n % TILE_Q
-    t = np.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, h, (n + pad) // TILE_Q, TILE_Q, m)
-    amax = np.abs(t).max(axis=3, keepdims=True)
-    scale = np.where(amax == 0, 1.0, 2.0 ** np.ceil(np.log2(np.where(amax == 0, 1.0, amax) / element.max_finite)))
-    return (element.round(t / scale) * scale).reshape(b, h, n + pad, m)[:, :, :n]
+TILE_Q, TILE_K = STEP_QUERIES, BLOCK_KEYS  # a backward step's queries and a block's keys: one scale a tile of dS
+P_SCALE = 2.0 ** E4M3.p_log2_scale  # P's scale before its e4m3 rounding (the forward's)
 
 
 def gradients(q, k, v, dout, causal: bool, ds_round, *, p_round, dout_round, inputs_round,
