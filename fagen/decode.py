@@ -597,6 +597,10 @@ class ShapeClasses:
                 kept, key, prepared = self._exact, exact_key, PreparedAttention(q, k, v, **options)
         except ValueError:
             return NotImplemented
+        if prepared.kernel is not None and prepared.kernel.claims and prepared._capturing():
+            # its walk's counters were zeroed by a node of the graph being recorded: an eager call
+            # of the class before the graph's first replay would claim from unzeroed ones
+            return prepared.once(q, k, v, *given, return_lse=return_lse)
         if len(kept) >= self.LIMIT:
             kept.clear()
             self._last.clear()  # (it keeps only classes kept here)

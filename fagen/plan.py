@@ -659,7 +659,7 @@ def register_fixes(spec: AttentionSpec, limit: int) -> Iterable[Fix]:
             break
     ws = p.warp_specialized
     if ws:
-        most = most_consumer_registers(t.warps_q // 4, ws.producer_registers)
+        most = most_consumer_registers(t.warps_q // 4, register_split(spec)[0])
         if most > ws.consumer_registers:
             yield (f"set warp_specialized.consumer_registers: {most}",
                    {"pipeline.warp_specialized.consumer_registers": most})

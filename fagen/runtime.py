@@ -171,7 +171,7 @@ class Launch:
     the pointer parameters a call may re-point at other tensors of the same shape and strides
     (a prepared call: a few stores and the driver call, no checks, specs or packing)."""
 
-    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "held", "_pointers",
+    __slots__ = ("function", "grid", "block", "smem", "values", "params", "slots", "maps", "held", "claims", "_pointers",
                  "_first_slots", "_mapped", "_repoint_all", "_driver_launch", "_param_slots")
 
     def __init__(self, function, grid: tuple[int, int, int], threads: int, smem: int,
@@ -184,6 +184,7 @@ class Launch:
             raise ValueError(f"no value for kernel parameter(s) {missing}")
         self.function = getattr(function, "kernel", function).ptr  # the CUfunction of a RawKernel
         self.held = held  # what the launch reads beside its tensors (a claimed walk's counters): kept with it
+        self.claims = "tiles_claimed" in values and bool(values["tiles_claimed"])  # from counters: not two at once
         self.grid, self.block, self.smem = grid, threads, smem
         offsets, total = slot_offsets(params)
         self._param_slots = {name: (offset, ctype) for offset, (ctype, name) in zip(offsets, params)}
@@ -300,9 +301,18 @@ class RepeatedCalls(KeptLaunches):
     is part of the key); a split-KV or accumulating kernel's (not merging) with its out and lse
     given, one split (a ring's steps)."""
 
-    def __init__(self, writes_given: bool):
+    def __init__(self, writes_given: bool, per_stream: bool = False):
         super().__init__()
         self.writes_given = writes_given  # partial or accumulating: out and lse are the caller's
+        # a claimed walk's launch claims its tiles from the counter pair it holds (zeroed again by
+        # each launch's last block): kept a stream, so that no two run at once, and not from under
+        # a graph capture (a graph's replays would claim from the pair beside eager calls)
+        self.per_stream = per_stream
+
+    def keep(self, key: tuple, launch: Launch) -> None:
+        if launch.claims and cupy.cuda.get_current_stream().is_capturing():
+            return
+        super().keep(key, launch)
 
     def key(self, q, k, v, out, lse, scale: float | None, return_lse: bool, mask_offset: int | None,
             splits: int | None) -> tuple | None:
@@ -311,8 +321,10 @@ class RepeatedCalls(KeptLaunches):
                       else lse is None and splits is None)
         if not repeatable:
             return None
+        stream = (torch_stream_handle()(q.get_device()) if is_torch(q) else cupy.cuda.get_current_stream().ptr
+                  ) if self.per_stream else None
         return (call_signature(q, k, v, out, scale, return_lse), None if lse is None else tensor_signature(lse),
-                mask_offset, splits)
+                mask_offset, splits, stream)
 
     def run(self, launch: Launch, q, k, v, out, lse, return_lse: bool):
         """Launch `launch` on q, k, v (and out) of its key: a plain call's out (where not given) and
@@ -326,6 +338,8 @@ class RepeatedCalls(KeptLaunches):
             stream = torch_stream_handle()(device)
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
+            if launch.claims and _torch_capturing()():
+                return None
             if not self.writes_given:  # out laid out as q (the key's), as the packing call's was
                 out = empty_permuted("torch", (*q.shape[:3], v.shape[-1]), layout_order(q.stride()), q.dtype,
                                      q.device) if out is None else out
@@ -337,12 +351,22 @@ class RepeatedCalls(KeptLaunches):
             addresses = q.data.ptr, k.data.ptr, v.data.ptr, None if out is None else out.data.ptr
             if (addresses[0] | addresses[1] | addresses[2] | (addresses[3] or 0)) % 16:
                 return None
+            if launch.claims and cupy.cuda.get_current_stream().is_capturing():
+                return None
             if not self.writes_given:
                 out = empty_permuted("cupy", (*q.shape[:3], v.shape[-1]), layout_order(q.strides), q.dtype) \
                     if out is None else out
                 lse = cupy.empty(q.shape[:3], cupy.float32)
             launch(None, *addresses[:3], out.data.ptr, lse.data.ptr)
         return (out, lse) if return_lse or self.writes_given else out
+
+
+@cache
+def _torch_capturing():
+    """PyTorch's test of whether the current stream is recording a graph (a function)."""
+    import torch
+
+    return torch.cuda.is_current_stream_capturing
 
 
 @cache
@@ -460,7 +484,8 @@ class Kernel:
         outputs = spec.outputs  # repeated calls skip the checks and the packing (not a merging kernel's, nor
         # FP8's: its launch reads V^T and the descales, made each call)
         self.repeated_calls = (None if outputs.merge_splits or self.takes_side_inputs or spec.element.is_fp8 or spec.fp8_kv
-                               else RepeatedCalls(writes_given=outputs.partial or outputs.accumulate))
+                               else RepeatedCalls(writes_given=outputs.partial or outputs.accumulate,
+                                                  per_stream=self.plan.claimed_walk))
 
     def __repr__(self) -> str:
         return f"Kernel({self.spec.name}, {self.arch})"
@@ -767,7 +792,9 @@ class Kernel:
             count = math.prod(tiles)
             grid = (min(count, device.multiprocessors(tq.device)) if self.plan.persistent else count, 1, 1)
             if self.plan.claimed_walk and "tiles_claimed" not in values:  # a padded grid's walk
-                counters = zeros_like(tq, (2,), "int32") if count > grid[0] else None  # (none: one wave)
+                # its counter pair (tiles claimed, blocks done), zeroed here and by each launch's
+                # last block after it, kept with the launch; null where the tiles are one wave
+                counters = zeros_like(tq, (2,), "int32") if count > grid[0] else None
                 values["tiles_claimed"] = 0 if counters is None else as_device_tensor(counters, "tiles_claimed").ptr
         # a prepared call re-points the inputs and the outputs it returns (the merged ones, where the
         # partials are a workspace)

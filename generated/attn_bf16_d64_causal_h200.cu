@@ -365,8 +365,7 @@ struct TileScheduler {
     return Tile{int(x0 + r % width), int(r / width), int(z)};
   }
   // The tile after the first wave's that no block has claimed yet (tiles_claimed starts at 0);
-  // none where the walk is one wave (no table: no counter; fagen.sequences.pack holds the grid
-  // to a block a tile there).
+  // none where the walk is one wave (the counter is null: a block a tile).
   __device__ __forceinline__ int claim(unsigned* claimed) const {
     return claimed != nullptr ? gridDim.x + int(atomicAdd(claimed, 1u)) : count;
   }
@@ -377,6 +376,7 @@ struct TileScheduler {
     if (claimed == nullptr) return;
     __threadfence();  // this block's claims before its count
     if (atomicAdd(claimed + 1, 1u) == gridDim.x - 1) {
+      __threadfence();  // every block's count, and so its claims, before the zeros
       claimed[0] = 0;
       claimed[1] = 0;
     }

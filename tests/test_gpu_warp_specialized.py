@@ -129,6 +129,48 @@ def test_a_claimed_walk_zeroes_its_counters_for_the_next_launch(dtype, d, dv, n)
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE[dtype]
 
 
+def test_a_kept_claimed_walk_is_each_stream_s_own_and_not_a_graph_s():
+    """A kernel's repeated calls keep their launch, whose causal walk over several waves claims
+    from the counter pair it holds: calls on two streams each keep one of their own (queued behind
+    a sleep on both, so that they overlap), and a graph recorded after eager calls packs its own,
+    replayed on a side stream beside eager calls; every output covers every tile."""
+    _hopper_default()
+    import torch
+
+    q, k, v, _ = random_inputs("torch", "float16", 2, 16, 4, 1100, 1100, 128)
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
+    kernel = compile_kernel(variants.shipped_spec("float16", 128, True, gpu="h200"))
+    assert kernel.plan.claimed_walk and kernel.repeated_calls.per_stream
+    streams, outs = [torch.cuda.Stream() for _ in range(2)], []
+    for _ in range(3):
+        for stream in streams:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(1_000_000)  # both streams' calls queue behind it: they run at once
+        for _ in range(2):
+            for stream in streams:
+                with torch.cuda.stream(stream):
+                    outs.append(kernel(q, k, v))
+        torch.cuda.synchronize()
+    assert sum(launch.claims for launch in kernel.repeated_calls._launches.values()) == 2  # one a stream
+    for out in outs:
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"]
+    graph, side, replay = torch.cuda.CUDAGraph(), torch.cuda.Stream(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        captured = kernel(q, k, v)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        replay.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(replay):
+            torch.cuda._sleep(1_000_000)
+            graph.replay()
+        eager = kernel(q, k, v)
+        torch.cuda.synchronize()
+        assert relative_error(to_numpy(captured), ref) < OUT_TOLERANCE["float16"]
+        assert relative_error(to_numpy(eager), ref) < OUT_TOLERANCE["float16"]
+
+
 def test_a_prepared_call_re_encodes_its_maps_for_new_tensors():
     _hopper_default()
     first = random_inputs("torch", "float16", 2, 4, 2, 333, 517, 128)

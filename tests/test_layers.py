@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 LAYERS = [
     ("expression", "mask_kinds", "side_inputs", "element_types", "version", "fp8_inputs"),  # leaves: standard
     # library and NumPy (fp8_inputs: its torch and CuPy paths import them where they run)
-    ("derivatives",),  # expression trees' derivatives, as trees
+    ("derivatives", "fp8_backward_rounding"),  # expression trees' derivatives, as trees; where an FP8
+    # backward rounds (the oracle's model of it)
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
     # FlexAttention's Python mods traced into expressions
     ("plan", "masks", "column_split"),  # every derived number and the kernel ABI; runtime block masks; what
