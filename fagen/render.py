@@ -263,20 +263,21 @@ def render_wide(dtype: str) -> str:
 
 def render_wide_backward(dtype: str) -> str:
     """The head_dim 512 backward (its preprocess, kernel and postprocess) for `dtype` inputs."""
-    if dtype not in WIDE_TYPES:
-        raise ValueError(f"head_dim 512 backward dtype {dtype!r}: one of {WIDE_TYPES}")
-    plan = WideBackwardPlan(dtype)
-    return environment().get_template(WIDE_BACKWARD_TEMPLATE).render(
-        version=__version__, name=plan.name, plan=plan, dtype=dtype, backward=False, accumulate=False,
-        preprocess_params=WIDE_PREPROCESS_PARAMS, postprocess_params=WIDE_POSTPROCESS_PARAMS)
+    return _render_accumulated_dq(WIDE_BACKWARD_TEMPLATE, WideBackwardPlan, dtype, WIDE_TYPES, "head_dim 512")
 
 
 def render_key_split_backward(dtype: str) -> str:
     """The two-width (192/128) backward (its preprocess, kernel and postprocess) for `dtype` inputs."""
-    if dtype not in KEY_SPLIT_TYPES:
-        raise ValueError(f"192/128 backward dtype {dtype!r}: one of {KEY_SPLIT_TYPES}")
-    plan = KeySplitBackwardPlan(dtype)
-    return environment().get_template(KEY_SPLIT_TEMPLATE).render(
+    return _render_accumulated_dq(KEY_SPLIT_TEMPLATE, KeySplitBackwardPlan, dtype, KEY_SPLIT_TYPES, "192/128")
+
+
+def _render_accumulated_dq(template: str, plan_of, dtype: str, dtypes: tuple[str, ...], what: str) -> str:
+    """A backward module launched through fagen.accumulated_dq: its plan's kernel beside the shared
+    preprocess's and postprocess's parameters."""
+    if dtype not in dtypes:
+        raise ValueError(f"{what} backward dtype {dtype!r}: one of {dtypes}")
+    plan = plan_of(dtype)
+    return environment().get_template(template).render(
         version=__version__, name=plan.name, plan=plan, dtype=dtype, backward=False, accumulate=False,
         preprocess_params=WIDE_PREPROCESS_PARAMS, postprocess_params=WIDE_POSTPROCESS_PARAMS)
 
