@@ -73,7 +73,8 @@ def launch(plan: AccumulatedDqPlan, render: Callable[[str], str], tq: DeviceTens
             for g in (dq, dk, dv):
                 g[...] = 0
             return dq, dk, dv
-        to, tdo = (_forward_rows(x, what, (b, hq, nq, tv.shape[-1]), tq) for x, what in ((out, "out"), (dout, "dout")))
+        to, tdo = (forward_rows(x, what, (b, hq, nq, tv.shape[-1]), tq.dtype, tq)
+                   for x, what in ((out, "out"), (dout, "dout")))
         if tl.strides != (hq * nq, nq, 1):
             tl = as_device_tensor(tl.obj.contiguous() if tl.kind == "torch" else cupy.ascontiguousarray(tl.obj), "lse")
         padded_q = -(-nq // plan.tile_rows) * plan.tile_rows
@@ -105,10 +106,10 @@ def launch(plan: AccumulatedDqPlan, render: Callable[[str], str], tq: DeviceTens
     return dq, dk, dv
 
 
-def _forward_rows(x, what: str, shape: tuple[int, ...], tq: DeviceTensor) -> DeviceTensor:
-    """out or dout as the kernels read it: `shape` (v's width), q's type, framework and device."""
+def forward_rows(x, what: str, shape: tuple[int, ...], dtype: str, tq: DeviceTensor) -> DeviceTensor:
+    """out or dout as the kernels read it: `shape` (v's width), `dtype`, q's framework and device."""
     t = as_device_tensor(x, what)
-    if t.shape != shape or t.dtype != tq.dtype or t.kind != tq.kind or t.device != tq.device:
-        raise ValueError(f"{what}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected a {tq.kind} {tq.dtype} "
+    if t.shape != shape or t.dtype != dtype or t.kind != tq.kind or t.device != tq.device:
+        raise ValueError(f"{what}: {t.kind} {t.dtype} {t.shape} on cuda:{t.device}; expected a {tq.kind} {dtype} "
                          f"{shape} on cuda:{tq.device}")
     return as_device_tensor(readable(x, what), what)

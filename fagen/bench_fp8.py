@@ -2,9 +2,11 @@
 (cudnn-frontend's `sdpa_fp8`, where `import cudnn` works), on the same FP8 values, each checked
 against exact attention of those values (float64, on the GPU, one head) before it is timed; and
 decode against an e4m3 KV cache beside the bfloat16 cache (KV_CASES: device time of a step, from
-CUDA graph replays, and the FP8 bytes a second it reads).
+CUDA graph replays, and the FP8 bytes a second it reads); and the FP8 backward beside fagen's
+bfloat16 backward on the same values (BACKWARD_CASES: kernel time given the forward's out and lse,
+the gradients checked against exact ones of head 0 first).
 
-    python3 -m fagen.bench_fp8 [--quick] [--kv-only] [--out bench/bench_fp8.json]
+    python3 -m fagen.bench_fp8 [--quick] [--kv-only | --backward-only] [--out bench/bench_fp8.json]
 
 Activations are Gaussian ("plain") or with 4 channels of q and k 100x the rest ("outliers",
 rescaled to the same score variance); descales at amax / 448 per tensor (cuDNN takes one number
@@ -22,9 +24,12 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fagen import api
+from fagen import api, fp8_backward, runtime, variants
+from fagen.backward import compile_backward
 from fagen.bench_cases import SweepSize
 from fagen.check import interleaved_us, time_ms
+from fagen.dispatch import derive_spec
+from fagen.spec import Mask, ScoreMod
 
 JSON = "bench_fp8.json"
 IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16")
@@ -105,6 +110,23 @@ class KvRow:
 KV_CASES = [KvCase(b, n) for b in (1, 8, 32) for n in (8192, 32768, 131072)]
 
 
+@dataclass
+class BackwardRow:
+    """The FP8 backward and fagen's bfloat16 backward on one case (d128, plain activations)."""
+    case: str
+    n: int
+    causal: bool
+    fp8_tflops: float | None = None  # 10 B H N^2 d (halved causal) over the backward's kernel time
+    bf16_tflops: float | None = None
+    error: float | None = None  # the FP8 gradients' largest ||g - exact|| / ||exact|| of dq, dk, dv, head 0
+    bf16_error: float | None = None
+    note: str = ""
+
+
+BACKWARD_CASES = [Fp8Case(n, 128, causal, "plain") for n in LENGTHS for causal in (False, True)]
+BACKWARD_CHECK = 0.1  # an FP8 backward's gradients past this against exact ones (its own ~4e-2) are wrong: not timed
+
+
 def cases(quick: bool = False) -> list[Fp8Case]:
     if quick:
         return [Fp8Case(4096, 128, False, "plain")]
@@ -113,11 +135,15 @@ def cases(quick: bool = False) -> list[Fp8Case]:
 
 
 def markdown(rows: list, meta: dict | None = None) -> list[str]:
-    """BENCHMARKS.md's FP8 sections: the forward's (a case a line, each implementation's TFLOP/s
-    and error, and fagen FP8 over cuDNN FP8), then the KV cache's (kv_markdown) where it has rows."""
-    kv = [r for r in rows if isinstance(r, KvRow)]
-    rows = [r for r in rows if isinstance(r, Fp8Row)]
-    return (_forward_markdown(rows, meta) if rows else []) + (["", *kv_markdown(kv, meta)] if kv else [])
+    """BENCHMARKS.md's FP8 sections, each where it has rows: the forward's (a case a line, each
+    implementation's TFLOP/s and error, and fagen FP8 over cuDNN FP8), the KV cache's
+    (kv_markdown), the backward's (backward_markdown); a blank line between."""
+    out: list[str] = []
+    for kind, section in ((Fp8Row, _forward_markdown), (KvRow, kv_markdown), (BackwardRow, backward_markdown)):
+        mine = [r for r in rows if isinstance(r, kind)]
+        if mine:
+            out += ([""] if out else []) + section(mine, meta)
+    return out
 
 
 def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
@@ -159,6 +185,25 @@ def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
     return out
 
 
+def backward_markdown(rows: list[BackwardRow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's FP8 backward section: its TFLOP/s and fagen's bfloat16 backward's, a case a line."""
+    out = ["## FP8 backward: fagen e4m3 against fagen bfloat16", "",
+           "`python3 -m fagen.bench_fp8 --backward-only`: d 128, B * N = 16k tokens, H 16, per-tensor descales; "
+           "the backward alone given the forward's out and lse (TFLOP/s of 10 B H N^2 d, halved causal); "
+           "errors: the largest of dq's, dk's and dv's against exact gradients of the same FP8 values "
+           "(float64, head 0), the bfloat16 backward on those values widened."
+           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           "| N | mask | fagen FP8 | fagen bf16 | FP8 / bf16 | FP8 error | bf16 error | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ratio = f"{r.fp8_tflops / r.bf16_tflops:.2f}x" if r.fp8_tflops and r.bf16_tflops else "-"
+        tf = [f"{x:.0f}" if x else "-" for x in (r.fp8_tflops, r.bf16_tflops)]
+        errors = [f"{x:.1e}" if x is not None else "-" for x in (r.error, r.bf16_error)]
+        out.append(f"| {r.n} | {'causal' if r.causal else 'none'} | {tf[0]} | {tf[1]} | {ratio} | {errors[0]} | "
+                   f"{errors[1]} | {r.note} |")
+    return out
+
+
 def _tf(row: Fp8Row | None) -> str:
     return f"{row.tflops:.0f}" if row is not None and row.tflops else "-"
 
@@ -171,7 +216,8 @@ def read_json(path: Path) -> tuple[list, dict]:
     """The forward's rows (Fp8Row) and the KV cache's (KvRow), and the run's meta."""
     try:
         data = json.loads(Path(path).read_text())
-        rows = [Fp8Row(**r) for r in data["rows"]] + [KvRow(**r) for r in data.get("kv_rows", [])]
+        rows = ([Fp8Row(**r) for r in data["rows"]] + [KvRow(**r) for r in data.get("kv_rows", [])]
+                + [BackwardRow(**r) for r in data.get("backward_rows", [])])
         return rows, dict(data.get("meta", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a {JSON} ({error}); run python3 -m fagen.bench_fp8") from None
@@ -343,6 +389,48 @@ def run_kv_case(case: KvCase) -> KvRow:
     return row
 
 
+def run_backward_case(case: Fp8Case) -> BackwardRow:
+    """The FP8 backward (fagen.fp8_backward) and fagen's bfloat16 backward on the same values,
+    each checked against exact gradients of head 0 (float64 autograd on the GPU) before timing."""
+    import torch
+
+    row = BackwardRow(case.key, case.n, case.causal)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
+    (q8, qd), (k8, kd), (v8, vd) = (quantized(x) for x in activations(case, gen))
+    dout = torch.randn(q8.shape, device="cuda", generator=gen).bfloat16()
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    flops = 10.0 * case.batch * case.heads * case.n * case.n * case.head_dim / (2 if case.causal else 1)
+    try:
+        mask = Mask(kind="causal", align="bottom_right") if case.causal else Mask(kind="none")
+        out, lse = runtime.compile_kernel(variants.fp8_spec("float8_e4m3", case.head_dim, mask, ScoreMod()))(
+            q8, k8, v8, return_lse=True, **descales)
+        fp8 = lambda: fp8_backward.backward(dout, q8, k8, v8, out, lse, causal=case.causal, **descales)  # noqa: E731
+        qb, kb, vb = (x.float().mul(d).bfloat16() for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        backward = compile_backward(variants.trainable(derive_spec(qb, causal=case.causal)))
+        out_b, lse_b = backward.forward(qb, kb, vb, return_lse=True)
+        bf16 = lambda: (lambda g: (g.dq, g.dk, g.dv))(backward(dout, qb, kb, vb, out_b, lse_b))  # noqa: E731
+        exact = _exact_gradients_head0(q8, k8, v8, (qd, kd, vd), dout, case.causal, case.head_dim ** -0.5)
+        row.error, row.bf16_error = (max(relative(g[0, 0], e) for g, e in zip(fn(), exact)) for fn in (fp8, bf16))
+        if not row.error <= BACKWARD_CHECK:
+            row.note = f"WRONG, not timed: FP8 gradients {row.error:.1e} against exact (check {BACKWARD_CHECK})"
+            return row
+        row.fp8_tflops, row.bf16_tflops = (flops / time_ms(fn) / 1e9 for fn in (fp8, bf16))
+    except Exception as err:  # noqa: BLE001 - a failing case is its row
+        row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return row
+
+
+def _exact_gradients_head0(q8, k8, v8, descales, dout, causal: bool, scale: float):
+    """dq, dk, dv of batch 0, head 0 of the FP8 values' attention (float64 autograd on the GPU)."""
+    import torch
+
+    q, k, v = (x[0, 0].double().mul(d.double()).requires_grad_() for x, d in zip((q8, k8, v8), descales))
+    s = (q @ k.T) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.autograd.grad(torch.softmax(s, dim=-1) @ v, (q, k, v), dout[0, 0].double())
+
+
 def quantized_per_head(x):
     """x's e4m3 tensor and its [B, Hkv] descales (amax / 448 a sequence and KV head)."""
     import torch
@@ -358,29 +446,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one case (d128, N 4k, dense)")
     parser.add_argument("--kv-only", action="store_true", help="the KV cache's cases alone (the forward's kept "
                         "from --out's JSON)")
+    parser.add_argument("--backward-only", action="store_true", help="the FP8 backward's cases alone (the rest kept "
+                        "from --out's JSON)")
     parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
     args = parser.parse_args(argv)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     rows: list[Fp8Row] = []
     kv_rows: list[KvRow] = []
+    backward_rows: list[BackwardRow] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.kv_only and args.out.exists():
-        rows = [r for r in read_json(args.out)[0] if isinstance(r, Fp8Row)]
+    only = args.kv_only or args.backward_only
+    if only and args.out.exists():
+        kept = read_json(args.out)[0]
+        rows = [r for r in kept if isinstance(r, Fp8Row)]
+        kv_rows = [r for r in kept if isinstance(r, KvRow)] if args.backward_only else []
+        backward_rows = [r for r in kept if isinstance(r, BackwardRow)] if args.kv_only else []
 
     def write() -> None:
         args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
-                                        "kv_rows": [asdict(r) for r in kv_rows]}, indent=1))
+                                        "kv_rows": [asdict(r) for r in kv_rows],
+                                        "backward_rows": [asdict(r) for r in backward_rows]}, indent=1))
 
-    for case in [] if args.kv_only else cases(args.quick):
+    for case in [] if only else cases(args.quick):
         rows += run_case(case)
         print(f"{case.key}: " + ", ".join(f"{r.impl} {r.tflops and round(r.tflops)} err {r.error} {r.note}"
                                            for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
         write()
-    for case in KV_CASES[:1] if args.quick else KV_CASES:
+    for case in [] if args.backward_only else KV_CASES[:1] if args.quick else KV_CASES:
         kv_rows.append(run_kv_case(case))
         print(f"{case.key}: {kv_rows[-1]}", file=sys.stderr, flush=True)
         write()
-    print("\n".join(markdown([*rows, *kv_rows], meta)))
+    for case in [] if args.kv_only else BACKWARD_CASES[:1] if args.quick else BACKWARD_CASES:
+        backward_rows.append(run_backward_case(case))
+        print(f"{case.key}: {backward_rows[-1]}", file=sys.stderr, flush=True)
+        write()
+    print("\n".join(markdown([*rows, *kv_rows, *backward_rows], meta)))
     return 0
 
 

@@ -4,8 +4,9 @@ scripts/fp8_backward_accuracy.py.
 
 A scale is only usable where the kernel can take it back out of a product's sum; dK and dV are
 sums over every query step of a block, accumulated in place by wgmma:
-- dO, the B operand of dP = dO.V^T and of dV += P^T.dO: one scale a (batch, head), onto the
-  type's largest (a step's scale could not leave dV's sum).
+- dO, the B operand of dP = dO.V^T and of dV += P^T.dO: one scale a (batch, KV head), onto the
+  type's largest (a step's scale could not leave dV's sum, and a GQA group's query heads add
+  into one dV).
 - P, the A operand of dV: times 2^p_log2_scale (the forward's), P <= 1 being exact after the LSE.
 - dS as dK's A operand (registers, keys as rows): a power of two a key and a step of
   STEP_QUERIES queries; a key's dK row is rescaled by the ratio of two powers of two (exact in
@@ -63,9 +64,13 @@ def round_p(p: np.ndarray, element: ElementType) -> np.ndarray:
     return element.round(p * scale) / scale
 
 
-def round_dout(dout: np.ndarray, element: ElementType) -> np.ndarray:
-    """dO as the preprocess quantises it: one scale a (batch, head)."""
-    return per_head(dout, element)
+def round_dout(dout: np.ndarray, element: ElementType, heads_kv: int | None = None) -> np.ndarray:
+    """dO [B, Hq, N, dv] as the preprocess quantises it: one scale a (batch, KV head), over its
+    group's query heads (heads_kv None: a scale a query head)."""
+    b, hq, n, m = dout.shape
+    heads_kv = heads_kv or hq
+    grouped = dout.reshape(b, heads_kv, hq // heads_kv * n, m)
+    return per_head(grouped, element).reshape(b, hq, n, m)
 
 
 def round_ds_for_dq(ds: np.ndarray, element: ElementType) -> np.ndarray:

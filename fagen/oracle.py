@@ -261,16 +261,19 @@ def _per_sequence(sequences, out_shape, kwargs):
 def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | None = None, mask=None,
                        block_mask=None, doc_ids=None, mask_mod=None, softcap: float | None = None,
                        alibi_slopes=None, bias=None, score_mod=None, score_mod_grad=None, sinks=None,
-                       captured=None, fp8_type: str | None = None) -> dict:
+                       captured=None, fp8_type: str | None = None, out=None, lse=None) -> dict:
     """Gradients of L = sum(attention(...) * dout), arguments as attention's: {"dq", "dk", "dv"},
     dk and dv of k's and v's shape (GQA sums a group's query heads), plus "dbias" (the given
     bias's shape, summed over its broadcast axes) and "dsinks" ([Hq]) when those are given, and
     "dcaptured" (a list, each as its array) for a spec's score_mod reading captured arrays.
     score_mod_grad(s, b, h, q_idx, kv_idx) is d score_mod / d s at the same point. Masked
     pairs, and rows that see no key, get zero gradient. fp8_type ("float8_e4m3"): dq, dk and dv
-    as fagen's FP8 backward rounds its operands (fagen.fp8_backward_rounding: dO a scale a head,
+    as fagen's FP8 backward rounds its operands (fagen.fp8_backward_rounding: dO a scale a KV head,
     P times 2^8, dS a scale a key and step for dK and a tile for dQ); D = rowsum(dO * O) from the
-    unrounded dO, as its preprocess computes it."""
+    unrounded dO, as its preprocess computes it. out: the forward's output as a kernel saved it
+    (rounded to its type, from its own rounded P where FP8) for D, and lse its log-sum-exp ([B, Hq,
+    Nq], natural log) for P = exp(s - lse), as the backward kernels read them; None: the oracle's
+    own. (An FP8 forward's LSE carries its MMA's ~13-bit accumulation: a row's P moves with it.)"""
     if callable(score_mod) and score_mod_grad is None:
         raise ValueError("score_mod_grad = None: is required with score_mod (the backward needs d score_mod / d s); "
                          "pass score_mod_grad(s, b, h, q_idx, kv_idx), elementwise, e.g. lambda s, b, h, q_idx, "
@@ -283,13 +286,22 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
     f = _attend(q, k, v, causal=causal, scale=scale, mask=mask, block_mask=block_mask, doc_ids=doc_ids,
                 mask_mod=mask_mod, softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
                 score_mod_grad=score_mod_grad, sinks=sinks, captured=captured)
-    out, p = f["out"], f["p"]
+    p = f["p"]
+    if lse is not None:  # P against the given LSE: exp(s - lse) = P exp(lse_own - lse); a row that saw no key stays 0
+        lse = np.asarray(lse, np.float64)
+        if lse.shape != f["lse"].shape:
+            raise ValueError(f"oracle.attention_backward: lse.shape = {lse.shape}: must be [B, Hq, Nq], "
+                             f"{f['lse'].shape}")
+        finite = np.isfinite(f["lse"]) & np.isfinite(lse)
+        p = p * np.where(finite, np.exp(np.where(finite, f["lse"] - lse, 0.0)), 0.0)[..., None]
     dout = np.asarray(dout, np.float64)
-    if dout.shape != out.shape:
-        raise ValueError(f"oracle.attention_backward: dout.shape = {dout.shape}: must be O's, {out.shape}")
+    if dout.shape != f["out"].shape or (out is not None and np.shape(out) != f["out"].shape):
+        raise ValueError(f"oracle.attention_backward: dout.shape = {dout.shape}, out: "
+                         f"{None if out is None else np.shape(out)}: must be O's, {f['out'].shape}")
+    out = f["out"] if out is None else np.asarray(out, np.float64)
     delta = (dout * out).sum(axis=-1, keepdims=True)  # D = rowsum(dO * O)
     rounding = _fp8_backward_rounding(fp8_type)
-    dout_mma = rounding.round_dout(dout) if rounding else dout  # the products' dO
+    dout_mma = rounding.round_dout(dout, np.shape(k)[1]) if rounding else dout  # the products' dO
     dp = dout_mma @ f["v"].swapaxes(-1, -2)
     # d L / d s at bias level (score_mod's input); np.where so that score_mod_grad at a masked
     # pair, where it may be inf or NaN, never reaches a sum
@@ -329,8 +341,9 @@ def _fp8_backward_rounding(fp8_type: str | None):
     if not element.is_fp8:
         raise ValueError(f"fp8_type = {fp8_type!r}: must be an FP8 element type (float8_e4m3, float8_e5m2), or None "
                          f"for the unrounded backward")
-    return SimpleNamespace(**{name: (lambda x, f=getattr(fp8_backward_rounding, name): f(x, element))
-                              for name in ("round_dout", "round_p", "round_ds_for_dq", "round_ds_for_dk")})
+    return SimpleNamespace(round_dout=lambda x, heads_kv: fp8_backward_rounding.round_dout(x, element, heads_kv),
+                           **{name: (lambda x, f=getattr(fp8_backward_rounding, name): f(x, element))
+                              for name in ("round_p", "round_ds_for_dq", "round_ds_for_dk")})
 
 
 def _captured_grads(mod, captured, ds, score, keep) -> list[np.ndarray]:

@@ -18,6 +18,8 @@ from fagen.version import __version__
 from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
 from fagen.element_types import ELEMENT_TYPES, FP8_KERNEL_TYPES, KERNEL_TYPES
+from fagen.fp8_backward_plan import (FP8_AMAX_PARAMS, FP8_BACKWARD_OUT_TYPES, FP8_BACKWARD_PARAMS, FP8_BACKWARD_TYPES,
+                                     FP8_POSTPROCESS_PARAMS, FP8_PREPROCESS_PARAMS, Fp8BackwardPlan)
 from fagen.key_split_plan import KEY_SPLIT_TYPES, KeySplitBackwardPlan
 from fagen.mla_plan import MLA_TYPES, MlaPlan
 from fagen.wide_head_plan import (WIDE_POSTPROCESS_PARAMS, WIDE_PREPROCESS_PARAMS, WIDE_TYPES, WideBackwardPlan,
@@ -49,6 +51,7 @@ MLA_TEMPLATE = "sm90/mla_decode.cu.j2"  # MLA decode and its merge (fagen.mla_pl
 WIDE_TEMPLATE = "sm90/wide_forward.cu.j2"  # the head_dim 512 forward (fagen.wide_head_plan)
 WIDE_BACKWARD_TEMPLATE = "sm90/wide_backward.cu.j2"  # ... and its backward
 KEY_SPLIT_TEMPLATE = "sm90/key_split_backward.cu.j2"  # the 192/128 backward (fagen.key_split_plan)
+FP8_BACKWARD_TEMPLATE = "sm90/fp8_backward.cu.j2"  # the FP8 backward (fagen.fp8_backward_plan)
 V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
 V_TRANSPOSE = "v_transpose_kernel"
 V_TRANSPOSE_THREADS = 256
@@ -271,6 +274,19 @@ def render_key_split_backward(dtype: str) -> str:
     return _render_accumulated_dq(KEY_SPLIT_TEMPLATE, KeySplitBackwardPlan, dtype, KEY_SPLIT_TYPES, "192/128")
 
 
+def render_fp8_backward(dtype: str, out_dtype: str) -> str:
+    """The FP8 backward (dO's amax, the preprocess, the kernel, the postprocess) of `dtype` q, k, v
+    with O, dO and the gradients in `out_dtype`."""
+    if dtype not in FP8_BACKWARD_TYPES or out_dtype not in FP8_BACKWARD_OUT_TYPES:
+        raise ValueError(f"FP8 backward dtypes {dtype!r} / {out_dtype!r}: q, k, v one of {FP8_BACKWARD_TYPES}, "
+                         f"out one of {FP8_BACKWARD_OUT_TYPES}")
+    plan = Fp8BackwardPlan(dtype, out_dtype)
+    return environment().get_template(FP8_BACKWARD_TEMPLATE).render(
+        version=__version__, name=plan.name, plan=plan, dtype=out_dtype, backward=False, accumulate=False,
+        plan_params=FP8_BACKWARD_PARAMS, amax_params=FP8_AMAX_PARAMS, preprocess_params=FP8_PREPROCESS_PARAMS,
+        postprocess_params=FP8_POSTPROCESS_PARAMS)
+
+
 def _render_accumulated_dq(template: str, plan_of, dtype: str, dtypes: tuple[str, ...], what: str) -> str:
     """A backward module launched through fagen.accumulated_dq: its plan's kernel beside the shared
     preprocess's and postprocess's parameters."""
@@ -322,7 +338,10 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
                                                       lambda d=dtype: render_wide_backward(d)) for dtype in WIDE_TYPES},
             **{f"{KeySplitBackwardPlan(dtype).name}.cu": (f"fagen's 192/128 backward ({dtype})",
                                                           lambda d=dtype: render_key_split_backward(d))
-               for dtype in KEY_SPLIT_TYPES}}
+               for dtype in KEY_SPLIT_TYPES},
+            **{f"{Fp8BackwardPlan(dtype, out).name}.cu": (f"fagen's FP8 backward ({dtype} in, {out} gradients)",
+                                                          lambda d=dtype, o=out: render_fp8_backward(d, o))
+               for dtype in FP8_BACKWARD_TYPES for out in FP8_BACKWARD_OUT_TYPES}}
 
 
 def outputs(specs: Sequence[AttentionSpec], out_dir: Path, *, with_merge: bool,

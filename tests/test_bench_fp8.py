@@ -42,3 +42,23 @@ def test_the_kv_table_reads_tokens_a_second_and_bytes_and_survives_json(tmp_path
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {}, "rows": [], "kv_rows": [row.__dict__]}))
     assert read_json(path)[0] == [row]
+
+
+def test_the_backward_table_puts_fp8_over_bf16_and_keeps_a_wrong_case_untimed(tmp_path):
+    """A backward row: the FP8 backward's TFLOP/s over the bfloat16 one's, both errors; a row the
+    check refused shows no speed, only why; kept in the JSON beside the other sections."""
+    from fagen.bench_fp8 import BACKWARD_CASES, BackwardRow
+
+    assert {(c.n, c.causal, c.head_dim) for c in BACKWARD_CASES} == {(n, causal, 128) for n in (4096, 16384)
+                                                                      for causal in (False, True)}
+    good = BackwardRow("d128-n16384-dense-plain", 16384, False, fp8_tflops=650.0, bf16_tflops=500.0, error=4.1e-2,
+                       bf16_error=3.0e-3)
+    wrong = BackwardRow("d128-n4096-causal-plain", 4096, True, error=0.9, bf16_error=3.0e-3,
+                        note="WRONG, not timed: FP8 gradients 9.0e-01 against exact (check 0.1)")
+    table = markdown([good, wrong])
+    assert table[0] == "## FP8 backward: fagen e4m3 against fagen bfloat16"
+    assert table[-2] == "| 16384 | none | 650 | 500 | 1.30x | 4.1e-02 | 3.0e-03 |  |"
+    assert table[-1].startswith("| 4096 | causal | - | - | - | 9.0e-01 | 3.0e-03 | WRONG, not timed")
+    path = tmp_path / "bench_fp8.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [], "backward_rows": [good.__dict__, wrong.__dict__]}))
+    assert read_json(path)[0] == [good, wrong]

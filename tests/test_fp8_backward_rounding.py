@@ -70,3 +70,34 @@ def test_the_oracle_s_fp8_backward_sums_a_group_s_heads_and_refuses_a_half_type(
     assert got["dq"].shape == q.shape and got["dk"].shape == got["dv"].shape == k.shape
     with pytest.raises(ValueError, match="fp8_type = 'bfloat16': must be an FP8 element type"):
         oracle.attention_backward(q, k, v, dout, fp8_type="bfloat16")
+
+
+def test_do_s_scale_is_one_a_kv_head_over_its_group_s_query_heads():
+    """A GQA group's query heads add into one dV: one dO scale for all of them, set by the
+    group's largest |dO| (head 1's small values round on head 0's coarse grid)."""
+    rng = np.random.default_rng(3)
+    dout = rng.standard_normal((2, 4, 30, 16)) * np.array([100.0, 1.0, 5.0, 0.5])[None, :, None, None]
+    got = rounding.round_dout(dout, E4M3, heads_kv=2)
+    for b in range(2):
+        for g in range(2):
+            group = dout[b, 2 * g:2 * g + 2]
+            scale = np.abs(group).max() / E4M3.max_finite
+            assert np.array_equal(got[b, 2 * g:2 * g + 2], E4M3.round(group / scale) * scale)
+    assert np.array_equal(rounding.round_dout(dout, E4M3), rounding.per_head(dout, E4M3))  # MHA: a head each
+
+
+def test_the_oracle_reads_d_and_p_from_a_forward_s_out_and_lse_where_given():
+    """out moves D = rowsum(dO * O) only (dV does not read it); lse rescales each row's P by
+    exp(lse_own - lse); the oracle's own out and lse give its own gradients back exactly."""
+    q, k, v, dout = _inputs(4)
+    own_out, own_lse = oracle.attention(q, k, v, causal=True, return_lse=True)
+    base = oracle.attention_backward(q, k, v, dout, causal=True)
+    same = oracle.attention_backward(q, k, v, dout, causal=True, out=own_out, lse=own_lse)
+    for name in ("dq", "dk", "dv"):
+        assert np.allclose(same[name], base[name], rtol=1e-12, atol=1e-12)
+    moved = oracle.attention_backward(q, k, v, dout, causal=True, out=own_out * 1.01)
+    assert np.array_equal(moved["dv"], base["dv"]) and not np.allclose(moved["dq"], base["dq"])
+    shifted = oracle.attention_backward(q, k, v, dout, causal=True, lse=own_lse - np.log(2.0))
+    assert np.allclose(shifted["dv"], 2 * base["dv"], rtol=1e-12, atol=1e-12)  # P twice over: dV = P^T dO
+    with pytest.raises(ValueError, match=r"lse.shape = \(1, 2, 7\)"):
+        oracle.attention_backward(q, k, v, dout, lse=own_lse[..., :7])

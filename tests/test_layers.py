@@ -22,9 +22,9 @@ LAYERS = [
     # FlexAttention's Python mods traced into expressions
     ("plan", "masks", "column_split"),  # every derived number and the kernel ABI; runtime block masks; what
     # the kernels that split O by columns over two warpgroups (MLA decode, head_dim 512) share
-    ("backward_plan", "captured_grads", "mla_plan", "wide_head_plan", "key_split_plan"),  # the backward kernels'
-    # numbers (its dQ kernel is a forward plan); a traced score_mod's captured tensors' gradients (over a block mask's
-    # pairs); MLA decode's, the head_dim 512 kernels' and the 192/128 backward's numbers
+    ("backward_plan", "captured_grads", "mla_plan", "wide_head_plan", "key_split_plan", "fp8_backward_plan"),
+    # the backward kernels' numbers (its dQ kernel is a forward plan); a traced score_mod's captured tensors' gradients (over a block mask's
+    # pairs); MLA decode's, the head_dim 512 kernels', the 192/128 backward's and the FP8 backward's numbers
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
     ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU
@@ -35,8 +35,8 @@ LAYERS = [
     ("dispatch",),  # which kernel a call runs: family, spec, split count
     ("backward",),  # the backward kernels, launched on the forward's inputs and outputs
     ("accumulated_dq",),  # the launch of the dedicated backwards that add dQ into a float32 accumulator
-    ("splitkv", "mla", "wide_head", "key_split"),  # split-KV partials and the merge; MLA decode (576/512 over a
-    # paged latent cache); the head_dim 512 forward and backward; the 192/128 backward
+    ("splitkv", "mla", "wide_head", "key_split", "fp8_backward"),  # split-KV partials and the merge; MLA decode
+    # (576/512 over a paged latent cache); the head_dim 512 forward and backward; the 192/128 backward; the FP8 backward
     ("decode",),  # GQA-packed split-KV for a few query rows; fagen.attention's path
     ("sequences",),  # varlen batches and paged KV caches (serving layouts)
     ("check", "distributed", "torch_op"),  # against the oracle; multi-GPU modes; the PyTorch ops

@@ -93,7 +93,8 @@ def _jinja(path) -> str:
 
 
 def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
-    from fagen.render import KEY_SPLIT_TEMPLATE, MLA_TEMPLATE, TEMPLATES, WIDE_BACKWARD_TEMPLATE, WIDE_TEMPLATE
+    from fagen.render import (FP8_BACKWARD_TEMPLATE, KEY_SPLIT_TEMPLATE, MLA_TEMPLATE, TEMPLATES,
+                              WIDE_BACKWARD_TEMPLATE, WIDE_TEMPLATE)
 
     for kind in MASK_KINDS:
         assert (TEMPLATES / "masks" / f"{kind}.cu.j2").read_text().startswith('{% extends "common/mask.cu.j2" %}')
@@ -109,10 +110,10 @@ def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
     # a partial one architecture has and the other has not is named outright where it is used
     # (an arch's own tile MMAs, the pieces of its PTX wrappers), or is a hook of the skeletons, or
     # is a kernel only that architecture runs (MLA decode's and the head_dim 512 forward's wgmma column
-    # split, the head_dim 512 backward's cluster pair)
+    # split, the head_dim 512 backward's cluster pair, the FP8 backward)
     named = {m for path in TEMPLATES.rglob("*.j2")
              for m in re.findall(r'(?:include|from) "(sm[89]0/[\w.]+)"', path.read_text())} | {
-        MLA_TEMPLATE, WIDE_TEMPLATE, WIDE_BACKWARD_TEMPLATE, KEY_SPLIT_TEMPLATE}
+        MLA_TEMPLATE, WIDE_TEMPLATE, WIDE_BACKWARD_TEMPLATE, KEY_SPLIT_TEMPLATE, FP8_BACKWARD_TEMPLATE}
     hooks = {f"{part}.cu.j2" for folder in SKELETONS for path in (TEMPLATES / folder).glob("*.j2")
              for part in re.findall(r'include arch ~ "/(\w+)\.cu\.j2"', path.read_text())}
     sm80, sm90 = ({p.name for p in (TEMPLATES / arch).iterdir()} for arch in ("sm80", "sm90"))

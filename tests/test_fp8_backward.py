@@ -1,0 +1,58 @@
+"""The FP8 backward (fagen.fp8_backward) without a GPU: its plan fits shared memory and registers,
+its kernels build for sm_90a without spills, and what it does not run is refused by name."""
+
+import re
+
+import pytest
+
+from fagen import nvcc
+from fagen.fp8_backward_plan import FP8_BACKWARD_OUT_TYPES, Fp8BackwardPlan
+from fagen.render import render_fp8_backward
+
+SM90A_SMEM = 227 * 1024
+SM90_REGISTERS = 64 * 1024
+
+
+@pytest.mark.parametrize("out_dtype", FP8_BACKWARD_OUT_TYPES)
+def test_the_plan_fits_k_v_k_transposed_two_stages_ds_and_dq_s_staging(out_dtype):
+    plan = Fp8BackwardPlan("float8_e4m3", out_dtype)
+    # a stage: Q's and dO's 64 rows, and their transposes (128 head_dim rows of 128-byte swizzle rows)
+    assert plan.stage_bytes == 2 * 64 * 128 + 2 * 128 * 128 and plan.ring_at == 3 * 128 * 128
+    assert plan.smem_bytes <= SM90A_SMEM < plan.smem_bytes + plan.stage_bytes  # two stages, a third does not fit
+    for at in (plan.k_at, plan.v_at, plan.kt_at, plan.ring_at, plan.stage_bytes, plan.stage_do_at, plan.stage_qt_at,
+               plan.stage_dot_at, plan.ds_at):
+        assert at % plan.smem_align == 0
+    # dV and dK of a warpgroup's 64 keys: 128 f32 registers a thread; S^T, dP^T and dQ 32 each
+    assert 4 * 2 * plan.g_n_frags == 128 and 4 * plan.s_n_frags == 4 * plan.dq_n_frags == 32
+    assert plan.consumer_warps * plan.dq_warp_bytes == plan.dq_tile_floats * 4  # a step's dQ tile, every warp's piece
+    assert plan.producer_registers * 128 + plan.consumer_registers * plan.consumer_threads <= SM90_REGISTERS
+    assert plan.name == f"fp8_backward_e4m3_d128_{'bf16' if out_dtype == 'bfloat16' else 'f16'}"
+
+
+@pytest.mark.parametrize("out_dtype", FP8_BACKWARD_OUT_TYPES)
+def test_the_kernels_build_for_sm90a_without_spills(out_dtype):
+    plan = Fp8BackwardPlan("float8_e4m3", out_dtype)
+    code, log = nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype), "sm_90a")
+    assert code == 0, log
+    for entry in (plan.name, f"{plan.name}_amax", f"{plan.name}_preprocess", f"{plan.name}_postprocess"):
+        report = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
+        assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), (entry, report)
+    assert "wgmma.mma_async instructions are serialized" not in log
+
+
+def test_render_refuses_an_unknown_dtype_or_head_dim_by_name():
+    with pytest.raises(ValueError, match=r"FP8 backward dtypes 'float8_e5m2' / 'bfloat16'"):
+        render_fp8_backward("float8_e5m2", "bfloat16")
+    with pytest.raises(ValueError, match=r"out one of \('bfloat16', 'float16'\)"):
+        render_fp8_backward("float8_e4m3", "float32")
+    with pytest.raises(AssertionError, match=r"worked out for head_dim 128"):
+        Fp8BackwardPlan(head_dim=256)
+
+
+def test_the_launch_numbers_cover_every_key_and_every_half_of_dq():
+    """A block a 128-key tile (a partial last one), TMA boxes of a step's rows (q, dO) and of the
+    block's keys (k, v), and a postprocess block for each warpgroup's half of every 64-row tile."""
+    plan = Fp8BackwardPlan()
+    assert plan.grid(1000, 3, 2) == (8, 3, 2) and plan.grid(128, 1, 1) == (1, 1, 1)
+    assert [plan.box_rows(t) for t in ("q", "k", "v", "do8")] == [64, 128, 128, 64]
+    assert plan.postprocess_blocks(256) == 4 * 2 and 2 * plan.dq_columns == plan.head_dim

@@ -1,0 +1,123 @@
+"""The FP8 backward (fagen.fp8_backward) on the GPU (marked `gpu`; Hopper only): e4m3 q, k, v with
+per-(batch, KV head) descales, dO in bfloat16 or float16, every buffer the backward allocates
+NaN-filled (dO's e4m3 copy with 0xff bytes: e4m3's NaN), against the float64 oracle.
+
+Two references: the oracle that rounds dO, P and dS where and at the scales the kernel does
+(`fp8_type`), D from the forward's out and P from its LSE as the kernel reads them, which the kernel must track far
+closer than the model is to exact (what is left: the FP8 MMA's accumulation, about 13 bits, in
+S and so in P, the MUFU's exp2, and the elements whose rounding these move to
+a neighbouring e4m3 value); and exact gradients of the FP8 inputs, against which the FP8
+roundings themselves cost ~4e-2 (notes/fp8_backward.md), so the kernel's error there must be the
+model's."""
+
+import numpy as np
+import pytest
+
+from fagen import fp8_backward_rounding, oracle
+from fagen.check import relative_error, to_numpy
+from fagen.element_types import ELEMENT_TYPES
+from fagen.spec import Mask, ScoreMod
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+D = 128
+E4M3 = ELEMENT_TYPES["float8_e4m3"]
+# against the rounding model: at most this share of the model's own error (see above; measured up to
+# 0.36). Not for dK and dV of fewer queries than a step: their rows sum a few products, so one
+# rounding that the MMA's accumulation moves to its neighbour is a large share (1 query against
+# 1000 keys: the model's own dV moves 3.4e-2 when its LSE moves 1e-3)
+MODEL_FRACTION = 0.5
+EXACT_SLACK = 1.1  # against exact gradients: at most 10% over the model's own error
+
+
+def _quantized(rng, shape, hkv, scale=1.0):
+    """(e4m3 tensor, its [B, Hkv] float32 descale): a float32 activation at amax / 448 a (batch,
+    KV head), times a random factor so descales differ by head."""
+    x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * scale).cuda()
+    b, h = shape[:2]
+    amax = x.abs().amax(dim=(2, 3)).reshape(b, hkv, -1).amax(-1)
+    descale = amax / E4M3.max_finite * torch.from_numpy(rng.uniform(1.0, 2.0, amax.shape).astype(np.float32)).cuda()
+    per_head = descale.repeat_interleave(h // hkv, dim=1)[:, :, None, None]
+    return (x / per_head).to(torch.float8_e4m3fn), descale
+
+
+def _true(x8, descale):
+    """The float64 tensor an e4m3 one and its [B, Hkv] descale stand for."""
+    x = to_numpy(x8.float()).astype(np.float64)
+    d = to_numpy(descale).astype(np.float64)
+    return x * np.repeat(d, x.shape[1] // d.shape[1], axis=1)[:, :, None, None]
+
+
+def _forward(q8, k8, v8, descales, causal):
+    """The FP8 forward's bfloat16 out and its LSE (bottom-right causal)."""
+    from fagen import runtime, variants
+
+    mask = Mask(kind="causal", align="bottom_right") if causal else Mask(kind="none")
+    spec = variants.fp8_spec("float8_e4m3", D, mask, ScoreMod())
+    return runtime.compile_kernel(spec)(q8, k8, v8, return_lse=True, **descales)
+
+
+# (B, Hq, Hkv, Nq, Nk): ragged both ways (a partial 128-key block, a partial 64-query step), GQA,
+# more keys than queries (causal bottom right), more queries than keys (causal: the first rows see
+# none, whole key blocks see no step), one query, whole blocks
+SHAPES = [(2, 4, 2, 300, 300), (1, 4, 1, 77, 513), (1, 2, 2, 200, 100), (3, 2, 1, 1, 1000), (1, 2, 1, 1152, 1152)]
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_fp8_backward_tracks_its_rounding_model(out_dtype, causal, shape):
+    import cupy
+
+    from fagen import fp8_backward
+    from fagen.bench_backward import nan_filled_empties
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the FP8 backward needs a Hopper GPU")
+    b, hq, hkv, nq, nk = shape
+    rng = np.random.default_rng([b, hq, hkv, nq, nk, int(causal), len(out_dtype)])
+    q8, qd = _quantized(rng, (b, hq, nq, D), hkv, scale=1.5)
+    k8, kd = _quantized(rng, (b, hkv, nk, D), hkv, scale=1.5)
+    v8, vd = _quantized(rng, (b, hkv, nk, D), hkv)
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    out, lse = _forward(q8, k8, v8, descales, causal)
+    dt = getattr(torch, out_dtype)
+    out = out.to(dt)
+    dout = torch.from_numpy(rng.standard_normal((b, hq, nq, D)).astype(np.float32)).to("cuda", dt)
+    with nan_filled_empties() as filled:
+        dq, dk, dv = fp8_backward.backward(dout, q8, k8, v8, out, lse, causal=causal, **descales)
+    assert filled
+    q, k, v = _true(q8, qd), _true(k8, kd), _true(v8, vd)
+    dout64 = to_numpy(dout.float()).astype(np.float64)
+    keywords = dict(mask=Mask(kind="causal", align="bottom_right") if causal else None)
+    model = oracle.attention_backward(q, k, v, dout64, fp8_type="float8_e4m3", out=to_numpy(out.float()),
+                                      lse=to_numpy(lse), **keywords)
+    exact = oracle.attention_backward(q, k, v, dout64, **keywords)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert got.dtype == dt and tuple(got.shape) == model[name].shape
+        g = to_numpy(got.float()).astype(np.float64)
+        to_model, to_exact, model_error = (relative_error(g, model[name]), relative_error(g, exact[name]),
+                                           relative_error(model[name], exact[name]))
+        print(name, f"model {to_model:.2e} exact {to_exact:.2e} (model's own {model_error:.2e})")
+        assert np.isfinite(g).all(), name
+        if name == "dq" or nq >= fp8_backward_rounding.STEP_QUERIES:
+            assert to_model <= MODEL_FRACTION * model_error, (name, to_model, model_error)
+        assert to_exact <= EXACT_SLACK * model_error + 1e-3, (name, to_exact, model_error)
+
+
+def test_the_fp8_backward_refuses_what_it_cannot_read():
+    from fagen import fp8_backward
+
+    q8 = torch.zeros((1, 2, 64, D), dtype=torch.float8_e4m3fn, device="cuda")
+    out = torch.zeros((1, 2, 64, D), dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros((1, 2, 64), dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match=r"q: a torch bfloat16 tensor; the FP8 backward reads"):
+        fp8_backward.backward(out, out, q8, q8, out, lse)
+    with pytest.raises(ValueError, match=r"head_dim: q 64"):
+        fp8_backward.backward(out[..., :64], q8[..., :64], q8[..., :64], q8[..., :64], out[..., :64], lse)
+    with pytest.raises(ValueError, match=r"dout: dtype float32"):
+        fp8_backward.backward(out.float(), q8, q8, q8, out, lse)
+    with pytest.raises(ValueError, match=r"lse: torch float32 \(1, 2, 63\)"):
+        fp8_backward.backward(out, q8, q8, q8, out, lse[..., :63])
+    with pytest.raises(ValueError, match=r"q_descale: shape \(3,\)"):
+        fp8_backward.backward(out, q8, q8, q8, out, lse, q_descale=torch.ones(3, device="cuda"))
