@@ -47,6 +47,12 @@ def gpu_missing(torch: bool = False) -> str | None:
     return None
 
 
+@cache
+def compute_capability(device: int) -> str:
+    """A device's compute capability as CuPy spells it ("90" for an H100 or H200), asked once."""
+    return cupy.cuda.Device(device).compute_capability
+
+
 def require_cupy() -> None:
     if cupy is None:
         raise RuntimeError(f"fagen's runtime needs CuPy and a CUDA GPU: {CUPY_INSTALL}")

@@ -19,8 +19,9 @@ import math
 
 from fagen import fp8_inputs, tensor_maps
 from fagen.accumulated_dq import forward_rows
-from fagen.device import as_device_tensor, cupy, empty_like, require_cupy, stream_for, torch_stream_handle, zeros_like
-from fagen.element_types import element_type, fp8_element
+from fagen.device import (as_device_tensor, compute_capability, cupy, empty_like, require_cupy, stream_for,
+                          torch_stream_handle, zeros_like)
+from fagen.element_types import fp8_element
 from fagen.fp8_backward_plan import (FP8_AMAX_PARAMS, FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_OUT_TYPES,
                                      FP8_BACKWARD_PARAMS, FP8_BACKWARD_TYPES, FP8_POSTPROCESS_PARAMS,
                                      FP8_PREPROCESS_PARAMS, POSTPROCESS_THREADS, PREPROCESS_ROWS, Fp8BackwardPlan)
@@ -41,11 +42,6 @@ def _functions(plan: Fp8BackwardPlan, device: int) -> tuple:
         kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
         return tuple(module.get_function(f"{plan.name}{part}") if part else kernel
                      for part in ("_amax", "_preprocess", "", "_postprocess"))
-
-
-@functools.cache
-def _arch(device: int) -> str:
-    return cupy.cuda.Device(device).compute_capability
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None, q_descale=None,
@@ -76,7 +72,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
                          f"a multiple of Hkv")
     if b > MAX_GRID_YZ or hkv > MAX_GRID_YZ:
         raise ValueError(f"q: B = {b}, Hkv = {hkv}: the grid takes at most {MAX_GRID_YZ} of each; split the batch")
-    arch = _arch(tq.device)
+    arch = compute_capability(tq.device)
     if arch != FP8_BACKWARD_ARCH:
         raise ValueError(f"q: sm_{arch}; the FP8 backward is built for sm_{FP8_BACKWARD_ARCH}a (Hopper's FP8 "
                          f"wgmma) only")
@@ -84,7 +80,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
         raise ValueError(f"scale = {scale}: must be a positive finite number (default 1 / sqrt({d}))")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     tdo = as_device_tensor(dout, "dout")
-    out_dtype = element_type(tdo.dtype).name if tdo.dtype in ("bfloat16", "float16") else tdo.dtype
+    out_dtype = tdo.dtype
     if out_dtype not in FP8_BACKWARD_OUT_TYPES:
         raise ValueError(f"dout: dtype {tdo.dtype}; the FP8 backward takes dout and out in "
                          f"{' or '.join(FP8_BACKWARD_OUT_TYPES)} (the forward's out_dtype), the gradients' type")

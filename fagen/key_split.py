@@ -10,11 +10,10 @@ deterministic backward keeps the general kernels. fagen.attention's autograd tak
 
 from __future__ import annotations
 
-import functools
 import math
 
 from fagen import accumulated_dq
-from fagen.device import as_device_tensor, cupy, require_cupy
+from fagen.device import as_device_tensor, compute_capability, require_cupy
 from fagen.key_split_plan import KEY_SPLIT_TYPES, KEY_SPLIT_WIDTHS, KeySplitBackwardPlan
 from fagen.render import render_key_split_backward
 
@@ -29,12 +28,7 @@ def takes(q_shape, k_shape, v_shape, dtype: str, device: int, *, causal: bool, a
     return ((q_shape[-1], v_shape[-1]) in KEY_SPLIT_WIDTHS and k_shape[-1] == q_shape[-1] and dtype in KEY_SPLIT_TYPES
             and not deterministic and (not causal or align == "bottom_right" or q_shape[2] == k_shape[2])
             and q_shape[0] <= MAX_GRID_YZ and q_shape[1] <= MAX_GRID_YZ
-            and _arch(device) == KEY_SPLIT_ARCH)
-
-
-@functools.cache
-def _arch(device: int) -> str:
-    return cupy.cuda.Device(device).compute_capability
+            and compute_capability(device) == KEY_SPLIT_ARCH)
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None):
@@ -61,7 +55,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
         if t.dtype != tq.dtype or t.kind != tq.kind or t.device != tq.device:
             raise ValueError(f"{name}: a {t.kind} {t.dtype} tensor on cuda:{t.device}; expected q's {tq.kind} "
                              f"{tq.dtype} on cuda:{tq.device}")
-    arch = _arch(tq.device)
+    arch = compute_capability(tq.device)
     if arch != KEY_SPLIT_ARCH:
         raise ValueError(f"q: sm_{arch}; this backward is built for sm_{KEY_SPLIT_ARCH}a (Hopper's wgmma) only")
     if scale is not None and not (math.isfinite(scale) and scale > 0):

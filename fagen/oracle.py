@@ -293,7 +293,8 @@ def attention_backward(q, k, v, dout, *, causal: bool = False, scale: float | No
             raise ValueError(f"oracle.attention_backward: lse.shape = {lse.shape}: must be [B, Hq, Nq], "
                              f"{f['lse'].shape}")
         finite = np.isfinite(f["lse"]) & np.isfinite(lse)
-        p = p * np.where(finite, np.exp(np.where(finite, f["lse"] - lse, 0.0)), 0.0)[..., None]
+        shift = np.where(finite, f["lse"], 0.0) - np.where(finite, lse, 0.0)  # (no inf - inf computed)
+        p = p * np.where(finite, np.exp(shift), 0.0)[..., None]
     dout = np.asarray(dout, np.float64)
     if dout.shape != f["out"].shape or (out is not None and np.shape(out) != f["out"].shape):
         raise ValueError(f"oracle.attention_backward: dout.shape = {dout.shape}, out: "
