@@ -18,6 +18,7 @@ import functools
 import math
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -301,11 +302,6 @@ class PreparedAttention:
                      lse.data.ptr if return_lse else self._lse_ptr)
         return (out, lse) if return_lse else out
 
-    def launch_kept(self, q, k, v, indices: tuple):
-        """out from the C path alone (out allocated, no LSE), or NotImplemented where it declines
-        or was not built: ShapeClasses' call of a class it remembers, which checks nothing else."""
-        return NotImplemented if self._hot is None else self._hot.run(q, k, v, *indices, None)
-
     def once(self, q, k, v, *indices, out=None, return_lse: bool = False):
         """The one call of an object made for it (an unprepared call, the PyTorch op's under a graph
         capture too): its workspace is this call's and goes with the object, which a capture must
@@ -461,18 +457,18 @@ class GrowingKeys(PreparedAttention):
                                             self._bottom_right, (k.shape[0], k.shape[1], k.shape[3]),
                                             (v.shape[0], v.shape[1], v.shape[3]), fields))
 
-    def launch_kept(self, q, k, v, indices: tuple):
-        self._keys = None  # the C path may write the slots (even where it then declines): `run` rewrites them
-        return super().launch_kept(q, k, v, indices)
-
     def run(self, q, k, v, ranges: tuple, return_lse: bool):
         """out (and lse) for q as prepared, k and v of the class (their B, Hkv, d, dtypes and
         devices as prepared, and the key ranges' layout: the caller's key holds them; v as long
         as k and the current device the prepared one, checked here), or NotImplemented."""
-        if self._hot is not None and not return_lse:
-            done = self.launch_kept(q, k, v, ranges)
-            if done is not NotImplemented:
-                return done
+        if self._hot is not None:
+            if not return_lse:
+                done = self._hot.run(q, k, v, *ranges, None)
+                if done is not NotImplemented:
+                    return done
+            # the C path writes the slots (this call's, even where it declined, or a remembered
+            # class's call: ShapeClasses): rewritten below
+            self._keys = None
         ks, vs, nk = k.stride(), v.stride(), k.shape[2]
         if v.shape[2] != nk or self._current_device() != self.device:  # the general path says why
             return NotImplemented
@@ -505,11 +501,11 @@ class ShapeClasses:
     def __init__(self):
         self._growing: dict[tuple, GrowingKeys] = {}
         self._exact: dict[tuple, PreparedAttention] = {}
-        # the options' key (no tensor's layout in it) -> the class a call with them last took:
-        # a model's layers call with the same options and tensors of one class, so a call tries
-        # that class's C path first, which checks the tensors' layouts itself (half the host time
-        # of building and hashing the whole key)
-        self._last: dict[tuple, PreparedAttention] = {}
+        # the options' key (no tensor's layout in it) -> the C path (HotPath.run) of the class a
+        # call with them last took: a model's layers call with the same options and tensors of
+        # one class, so a call tries that class's C path first, which checks the tensors' layouts
+        # itself (half the host time of building and hashing the whole key)
+        self._last: dict[tuple, Callable] = {}
         self._stream = None
 
     def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple = ()):
@@ -529,9 +525,9 @@ class ShapeClasses:
                                None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                                device, self._stream(device), threading.get_ident(),
                                ranges and (ranges[0] is None, ranges[1] is None))
-                    last = self._last.get(options)
-                    if last is not None:
-                        done = last.launch_kept(q, k, v, given)
+                    hot = self._last.get(options)
+                    if hot is not None:
+                        done = hot(q, k, v, *given, None)
                         if done is not NotImplemented:
                             return done
             except (AttributeError, TypeError):  # not a tensor, or a mask with unhashable parts: the key's test below
@@ -573,11 +569,13 @@ class ShapeClasses:
         if options is not None and prepared._hot is not None:
             if len(self._last) >= self.LIMIT:
                 self._last.clear()
-            self._last[options] = prepared
+            self._last[options] = prepared._hot.run
 
     def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, given: tuple, return_lse: bool):
         """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)
         where the general path is the call's: no work, or an input it refuses by name."""
+        if q.shape[-1] in WIDE_HEAD_DIMS or any(fp8_element(str(t.dtype).removeprefix("torch.")) for t in (q, k, v)):
+            return NotImplemented  # their own paths (fagen.torch_op): head_dim 512's kernels, FP8 with its descales
         try:
             plain = derive_spec(q, causal=options["causal"], mask=options["mask"], softcap=options["softcap"],
                                 sinks=options["sinks"], keys=sequence_keys(k), v=v)

@@ -366,24 +366,43 @@ def has_claimed_walk(spec: AttentionSpec) -> bool:
     7-17% over for 16 causal sequences of 300-1900 rows and ~6% over for padded causal grids of
     16-128 tiles a head (simulations of the walk). Measured (H200, causal, notes/perf.md): 16
     mixed sequences of ~1024 rows 5-11% faster at d128, 12% at d64, 17% at d256. The counter
-    comes zeroed to the launch, which leaves it so (tile_scheduler's release)."""
+    comes zeroed to the launch, which leaves it so (tile_scheduler's release).
+    A claim costs the producer registers (claiming_producer_registers): where the consumers then
+    keep fewer than they are predicted to hold (the FP8 forward's 128 x 128 tiles at d256: 240,
+    against 232 beside a 32-register producer), the blocks walk statically (every gridDim.x-th
+    tile), the split the spec's."""
     ws = spec.pipeline.warp_specialized
-    return bool(ws and ws.persistent) and (has_sequence_tiles(spec) or not KINDS[spec.mask.kind].even_tiles)
+    if not (ws and ws.persistent and (has_sequence_tiles(spec) or not KINDS[spec.mask.kind].even_tiles)):
+        return False
+    producer = claiming_producer_registers(spec)
+    return ws.producer_registers >= producer or _predicted(spec) <= _consumers_beside(spec, producer)
+
+
+def claiming_producer_registers(spec: AttentionSpec) -> int:
+    """The fewest registers a claimed walk's producer thread takes (CLAIMING_PRODUCER_REGISTERS'
+    note)."""
+    return CLAIMING_ACCUMULATING_PRODUCER_REGISTERS if spec.outputs.accumulate else CLAIMING_PRODUCER_REGISTERS
+
+
+def _consumers_beside(spec: AttentionSpec, producer: int) -> int:
+    """The consumers' setmaxnreg beside a producer at `producer` registers: the spec's, at most
+    what then remains (240 -> 232 beside two warpgroups and 32; 160 stays beside three, 152 beside
+    40)."""
+    return min(spec.pipeline.warp_specialized.consumer_registers,
+               most_consumer_registers(spec.tiling.warps_q // 4, producer))
 
 
 def register_split(spec: AttentionSpec) -> tuple[int, int]:
     """setmaxnreg's (producer, consumer) registers a thread: the spec's, but a claimed walk's
-    producer at CLAIMING_(ACCUMULATING_)PRODUCER_REGISTERS at least, the consumers under what
-    then remains (240 -> 232 beside two warpgroups; 160 stays beside three, 152 accumulating);
+    producer at claiming_producer_registers at least, the consumers under what then remains;
     (0, 0) where the kernel is not warp-specialised."""
     ws = spec.pipeline.warp_specialized
     if not ws:
         return 0, 0
-    producer = (CLAIMING_ACCUMULATING_PRODUCER_REGISTERS if spec.outputs.accumulate else
-                CLAIMING_PRODUCER_REGISTERS) if has_claimed_walk(spec) else 0
+    producer = claiming_producer_registers(spec) if has_claimed_walk(spec) else 0
     if ws.producer_registers >= producer:
         return ws.producer_registers, ws.consumer_registers
-    return producer, min(ws.consumer_registers, most_consumer_registers(spec.tiling.warps_q // 4, producer))
+    return producer, _consumers_beside(spec, producer)
 
 
 # A varlen call of one wave numbers its tiles in the kernel (templates/common/numbered_tiles),

@@ -24,6 +24,7 @@ cu_seqlens and max_seqlen_*.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -533,12 +534,12 @@ class KeptCalls:
         if hot is not None:
             device = cupy.cuda.runtime.getDevice()
             last = memo[0]
+            # (a graph being captured: the C path keeps the class for its replays)
             if (last[0] is options["causal"] and last[1] is mask and last[2] is options["softcap"]
                     and last[3] is options["scale"] and last[4] is sinks and last[5] == values
-                    and len(last[6]) == len(fixed) and all(a is b for a, b in zip(last[6], fixed))
+                    and len(last[6]) == len(fixed) and all(map(operator.is_, last[6], fixed))
                     and (sinks is None or last[7] == sinks._version) and last[8] == device
-                    and last[9] == self._stream(device) and last[10] == threading.get_ident()
-                    and not self._capturing()):
+                    and last[9] == self._stream(device) and last[10] == threading.get_ident()):
                 done = hot.run(*tensors, None)
                 if done is not NotImplemented:
                     return done

@@ -469,6 +469,24 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1). A float16 or bfloat16 q against
     FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type)."""
+    ranged = cache_seqlens is not None or cache_leftpad is not None
+    # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
+    # _records_grad's test, spelled out inline: a decode loop's host time)
+    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and q_descale is None
+            and k_descale is None and v_descale is None
+            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous()
+                 and not (sinks.requires_grad and torch.is_grad_enabled()))):
+        # an eager call for inference, the common case of a generation loop: its shape class's
+        # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
+        # the GPU only: the kernel reads those in place, where host ones are copied at packing.
+        # FP8 tensors and wide heads have no class (ShapeClasses declines them): their paths below
+        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
+                                    sinks if sinks is None else _without_grad(sinks), return_lse,
+                                    (cache_seqlens, cache_leftpad) if ranged else ())
+        if done is not NotImplemented:
+            return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
             or v_descale is not None):
         unsupported = {"block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes,
@@ -490,22 +508,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         out, lse = forward(q, k, v, None, None, None, None, None, None, mask_json(mask), causal, None, scale,
                            deterministic)
         return (out, lse) if return_lse else out
-    ranged = cache_seqlens is not None or cache_leftpad is not None
-    # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
-    # _records_grad's test, spelled out inline: a decode loop's host time)
-    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None
-            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
-            and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
-            and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous()
-                 and not (sinks.requires_grad and torch.is_grad_enabled()))):
-        # an eager call for inference, the common case of a generation loop: its shape class's
-        # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
-        # the GPU only: the kernel reads those in place, where host ones are copied at packing
-        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
-                                    sinks if sinks is None else _without_grad(sinks), return_lse,
-                                    (cache_seqlens, cache_leftpad) if ranged else ())
-        if done is not NotImplemented:
-            return done
     if ranged and _records_grad(q, k, v, bias, sinks):
         raise ValueError(RANGES_HAVE_NO_BACKWARD)
     # side inputs given as NumPy or CuPy arrays, as the runtime takes them: tensors on q's device

@@ -235,16 +235,23 @@ class _Tensor:
         return 4096
 
 
+class _CPath:
+    """A kept class's C path (HotPath): what a remembered class takes alone."""
+
+    def __init__(self, owner):
+        self.owner = owner
+
+    def run(self, q, k, v, *indices_and_out):
+        self.owner.calls.append("kept")
+        return NotImplemented if self.owner.declines else "out"
+
+
 class _Class:
-    """A kept class that records how it was called: `launch_kept` (the C path alone, what a
-    remembered class takes) or `run` (after the whole key's lookup)."""
+    """A kept class that records how it was called: its C path alone ("kept") or `run` (after
+    the whole key's lookup)."""
 
     def __init__(self, declines: bool = False):
-        self._hot, self.declines, self.calls = object(), declines, []
-
-    def launch_kept(self, q, k, v, indices):
-        self.calls.append("kept")
-        return NotImplemented if self.declines else "out"
+        self._hot, self.declines, self.calls = _CPath(self), declines, []
 
     def run(self, q, k, v, given, return_lse):
         self.calls.append("run")
@@ -337,7 +344,7 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
     assert len(classes._last) == 6
     monkeypatch.setattr(ShapeClasses, "LIMIT", 6)
     call(mask="causal")  # the seventh: the memo starts over
-    assert list(classes._last.values()) == [made[-1]]
+    assert list(classes._last.values()) == [made[-1]._hot.run]
 
 
 def test_the_shipped_fp8_kv_spec_is_the_variant_fagen_attention_derives():

@@ -178,6 +178,25 @@ def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
 
 
+@pytest.mark.parametrize("mask", [None, {"kind": "causal"}])
+def test_fagen_attention_s_d256_fp8_variants_keep_their_registers_and_compile_without_spills(mask):
+    """d256's 128 x 128 tiles hold 240 registers a consumer thread: the causal variant walks its
+    tiles statically (every gridDim.x-th), since a claiming producer's 32 registers would leave its
+    two consumer warpgroups 232 (plan.has_claimed_walk)."""
+    from fagen import nvcc
+    from fagen.dispatch import call_mask
+    from fagen.plan import plan
+    from fagen.spec import ScoreMod
+    from fagen.variants import fp8_spec
+
+    spec = fp8_spec("float8_e4m3", 256, call_mask(False, mask), ScoreMod())
+    kernel_plan = plan(spec)
+    assert spec.tiling.block_kv == 128 and kernel_plan.persistent and not kernel_plan.claimed_walk
+    assert (kernel_plan.producer_registers, kernel_plan.consumer_registers) == (24, 240)
+    (resources,) = nvcc.compile_many([(spec, "sm_90a")])
+    assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
+
+
 @pytest.mark.parametrize("block_kv,boxes", [(160, 2), (224, 2)])  # (192, the shipped tile: compiled above)
 def test_an_fp8_tile_past_one_v_t_box_loads_whole_boxes_and_compiles_without_spills(block_kv, boxes):
     """A key tile that is no whole number of V^T's 128-key boxes: S is m64n<block_kv>, V^T lands in

@@ -354,7 +354,8 @@ def test_one_split_is_one_launch_without_a_merge(mask, mod, b):
 @pytest.mark.parametrize("nq", [1, 4])
 @pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(mask={"kind": "sliding_window", "window_left": 300}),
                                      dict(sinks=True, softcap=30.0)], ids=["plain", "causal", "window", "sinks_softcap"])
-def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_class_once(nq, options):
+def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_class_once(nq, options,
+                                                                                         python_launches):
     """A generation loop's calls (decode.ShapeClasses): keys one longer each call, the cache
     re-allocated (new strides, as transformers' dynamic cache) or sliced from a longer buffer
     (strides kept); lengths across the 1024 class boundary, and late in a class, where the
@@ -382,17 +383,28 @@ def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_cla
             assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], (n, k.stride())
     # [512, 1024) and [1024, 2048), with the LSE and without (return_lse is in the key)
     assert len(decode.SHAPE_CLASSES._growing) - before == 4
-    _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:])
+    _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:], python_launches)
 
 
-def _took_the_c_path(classes):
-    """Where the C hot path builds (a C compiler and Python.h on the host), the last call of each
-    class without the LSE went through it: it leaves the Python path's written layout unset (the
-    classes with the LSE take the Python path)."""
+@pytest.fixture
+def python_launches(monkeypatch):
+    """return_lse of each launch a growing class makes from Python (GrowingKeys._launch_torch)."""
+    made, original = [], decode.GrowingKeys._launch_torch
+
+    def recording(self, q, addresses, out, lse, return_lse):
+        made.append(return_lse)
+        return original(self, q, addresses, out, lse, return_lse)
+    monkeypatch.setattr(decode.GrowingKeys, "_launch_torch", recording)
+    return made
+
+
+def _took_the_c_path(classes, python_launches):
+    """Where the C hot path builds (a C compiler and Python.h on the host), every call without
+    the LSE went through it: the Python path launched only the calls with the LSE."""
     from fagen import hot_path
 
     if hot_path.module() is not None:
-        assert all(c._hot is not None for c in classes) and sum(c._keys is None for c in classes) == len(classes) // 2
+        assert all(c._hot is not None for c in classes) and python_launches and all(python_launches)
 
 
 def test_a_prepared_call_refuses_a_view_that_starts_inside_a_row():
@@ -418,7 +430,7 @@ def test_a_prepared_call_refuses_a_view_that_starts_inside_a_row():
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(mask={"kind": "sliding_window", "window_left": 300}),
                                      dict(sinks=True, softcap=30.0)], ids=["causal", "window", "sinks_softcap"])
-def test_key_ranges_over_a_growing_cache_match_the_oracle_and_pack_a_class_once(options):
+def test_key_ranges_over_a_growing_cache_match_the_oracle_and_pack_a_class_once(options, python_launches):
     """A left-padded batch's generation loop (fagen.transformers' decode steps): each row's keys
     from its pads to the cache's end, the cache a token longer each call; rows of other pads, one
     of them starting past a whole split's worth of keys; the pads hold NaN, never read. Every
@@ -450,7 +462,7 @@ def test_key_ranges_over_a_growing_cache_match_the_oracle_and_pack_a_class_once(
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["bfloat16"], n
     # [512, 1024) and [1024, 2048), with the LSE and without (return_lse is in the key)
     assert len(decode.SHAPE_CLASSES._growing) - before == 4
-    _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:])
+    _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:], python_launches)
 
 
 def test_a_static_cache_step_with_key_ranges_replays_in_a_cuda_graph():
