@@ -21,9 +21,10 @@ from fagen import fp8_inputs, tensor_maps
 from fagen.accumulated_dq import forward_rows
 from fagen.device import (as_device_tensor, compute_capability, cupy, empty_like, require_cupy, stream_for,
                           torch_stream_handle, zeros_like)
+from fagen.dispatch import call_mask
 from fagen.element_types import fp8_element
-from fagen.fp8_backward_plan import (FP8_AMAX_PARAMS, FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_OUT_TYPES,
-                                     FP8_BACKWARD_PARAMS, FP8_BACKWARD_TYPES, FP8_POSTPROCESS_PARAMS,
+from fagen.fp8_backward_plan import (FP8_AMAX_PARAMS, FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS,
+                                     FP8_BACKWARD_OUT_TYPES, FP8_BACKWARD_PARAMS, FP8_BACKWARD_TYPES, FP8_POSTPROCESS_PARAMS,
                                      FP8_PREPROCESS_PARAMS, POSTPROCESS_THREADS, PREPROCESS_ROWS, Fp8BackwardPlan)
 from fagen.render import render_fp8_backward
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
@@ -37,21 +38,28 @@ TMA_TENSORS = (("q", "q_map"), ("k", "k_map"), ("v", "v_map"), ("do8", "do_map")
 def _functions(plan: Fp8BackwardPlan, device: int) -> tuple:
     """The module's amax, preprocess, kernel and postprocess, compiled once a device and process."""
     with cupy.cuda.Device(device):
-        module = compile_module(render_fp8_backward(plan.dtype, plan.out_dtype), plan.name, wgmma=True)
+        module = compile_module(render_fp8_backward(plan.dtype, plan.out_dtype, plan.mask), plan.name, wgmma=True)
         kernel = module.get_function(plan.name)
         kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
         return tuple(module.get_function(f"{plan.name}{part}") if part else kernel
                      for part in ("_amax", "_preprocess", "", "_postprocess"))
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | None = None, q_descale=None,
-             k_descale=None, v_descale=None):
+def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale: float | None = None,
+             q_descale=None, k_descale=None, v_descale=None):
     """(dq, dk, dv) of sum(out * dout) for the FP8 forward attention(q, k, v, causal=causal,
-    scale=scale, q_descale=.., k_descale=.., v_descale=..), given its out and lse
+    mask=mask, scale=scale, q_descale=.., k_descale=.., v_descale=..), given its out and lse
     (return_lse=True): q [B, Hq, Nq, 128], k and v [B, Hkv, Nk, 128] torch.float8_e4m3fn (Hq a
     multiple of Hkv); dout and out [B, Hq, Nq, 128] in bfloat16 or float16, the gradients' type;
-    the descales None (1), one number or [B, Hkv] float32. Causal bottom right."""
+    the descales None (1), one number or [B, Hkv] float32. mask as fagen.attention's, of a kind
+    in FP8_BACKWARD_MASKS (none, causal, sliding_window, chunked, prefix_lm; either align)."""
     require_cupy()
+    mask = call_mask(causal, mask)
+    if mask.kind not in FP8_BACKWARD_MASKS or mask.expression is not None:
+        what = f"kind {mask.kind!r}" if mask.expression is None else "an expression"
+        raise ValueError(f"mask: {what}; the FP8 backward takes the kinds {', '.join(FP8_BACKWARD_MASKS)} without "
+                         f"an expression (their tests read positions alone); run the bfloat16 backward for it "
+                         f"(fagen.attention on bfloat16 q, k, v)")
     tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     for t, name in ((tq, "q"), (tk, "k"), (tv, "v")):
         if len(t.shape) != 4:
@@ -88,7 +96,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
     if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.kind != tq.kind or tl.device != tq.device:
         raise ValueError(f"lse: {tl.kind} {tl.dtype} {tl.shape}; expected the forward's float32 [B, Hq, Nq] = "
                          f"{(b, hq, nq)} on q's device (return_lse=True)")
-    plan = Fp8BackwardPlan(fp8_element(tq.dtype).name, out_dtype)
+    plan = Fp8BackwardPlan(fp8_element(tq.dtype).name, out_dtype, mask=mask)
     amax, preprocess, kernel, postprocess = _functions(plan, tq.device)
     with cupy.cuda.Device(tq.device), stream_for(tq):
         dq, dk, dv = (empty_like(t, t.shape, out_dtype) for t in (tq, tk, tv))
@@ -127,7 +135,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: float | No
                dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, do8=do8.ptr, rows=rows.ptr, do_amax=do_amax.ptr,
                     dq_accum=dq_accum.ptr, dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1], dk_sn=tdk.strides[2],
                     dv=tdv.ptr, dv_sb=tdv.strides[0], dv_sh=tdv.strides[1], dv_sn=tdv.strides[2], n_kv=nk,
-                    causal=int(bool(causal)), scale_log2=scale * LOG2E, scale=scale, **descale_values, **shape),
+                    mask_offset=nk - nq if mask.align == "bottom_right" else 0, scale_log2=scale * LOG2E, scale=scale,
+                    **descale_values, **shape),
                slots=tuple(name for name, _ in TMA_TENSORS), maps=maps)(stream)
         Launch(postprocess, (plan.postprocess_blocks(padded_q), hq, b), POSTPROCESS_THREADS, 0, FP8_POSTPROCESS_PARAMS,
                dict(dq_accum=dq_accum.ptr, do_amax=do_amax.ptr, dq=tdq.ptr, dq_sb=tdq.strides[0],

@@ -20,14 +20,20 @@ first 64 bytes of each."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 from fagen.element_types import ELEMENT_TYPES
+from fagen.mask_kinds import KINDS
 from fagen.plan import DESCALE_PARAMS, TMA_MAP
+from fagen.spec import Mask
 
 FP8_BACKWARD_TYPES = ("float8_e4m3",)  # q, k and v
 FP8_BACKWARD_OUT_TYPES = ("bfloat16", "float16")  # O, dO and the gradients
 FP8_BACKWARD_HEAD_DIMS = (128,)  # one 128-byte swizzle row of FP8: Q's, K's and V's rows, one box wide
+# The mask kinds whose test is a function of positions alone (no kernel parameter: a document's
+# bounds or a block mask's lists are not read yet), walked key-major as the dK/dV kernels walk them
+FP8_BACKWARD_MASKS = tuple(name for name, kind in KINDS.items() if not kind.params)
 
 
 @dataclass(frozen=True)
@@ -59,17 +65,29 @@ class Fp8BackwardPlan:
     exponent_min: int = -100
     exponent_max: int = 100
     exponent_drop: int = 64
+    # which (query, key) pairs count: the kind's partial (templates/masks/), walked key-major; its
+    # diagonal's offset a launch parameter (mask_offset)
+    mask: Mask = field(default_factory=Mask)
 
     def __post_init__(self):
         assert self.dtype in FP8_BACKWARD_TYPES, self.dtype
         assert self.out_dtype in FP8_BACKWARD_OUT_TYPES, self.out_dtype
         assert self.head_dim in FP8_BACKWARD_HEAD_DIMS, "the tiling below is worked out for head_dim 128"
         assert self.consumer_warpgroups * self.group_keys == self.block_kv
+        assert self.mask.kind in FP8_BACKWARD_MASKS and self.mask.expression is None, self.mask
 
     @property
     def name(self) -> str:
+        """fp8_backward_e4m3_d128_bf16, and a mask's kind and the hash of its fields after it (as
+        the forward's variants are named)."""
+        masked = "" if self.mask.kind == "none" else \
+            f"_{self.mask.kind}_{hashlib.sha256(repr(self.mask).encode()).hexdigest()[:10]}"
         return (f"fp8_backward_{ELEMENT_TYPES[self.dtype].short}_d{self.head_dim}_"
-                f"{ELEMENT_TYPES[self.out_dtype].short}")
+                f"{ELEMENT_TYPES[self.out_dtype].short}{masked}")
+
+    @property
+    def mask_params(self) -> tuple[tuple[str, str], ...]:  # (the mask partial's: none for these kinds)
+        return KINDS[self.mask.kind].params
 
     @property
     def operand_ptx(self) -> str:  # the wgmma operands'
@@ -254,7 +272,7 @@ FP8_BACKWARD_PARAMS: tuple[tuple[str, str], ...] = (
     ("float* __restrict__", "dq_accum"),
     ("grad_t* __restrict__", "dk"), ("long long", "dk_sb"), ("long long", "dk_sh"), ("long long", "dk_sn"),
     ("grad_t* __restrict__", "dv"), ("long long", "dv_sb"), ("long long", "dv_sh"), ("long long", "dv_sn"),
-    ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "n_kv"), ("int", "padded_q"), ("int", "causal"),
+    ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "n_kv"), ("int", "padded_q"), ("int", "mask_offset"),
     ("float", "scale_log2"), ("float", "scale"),
 )
 # dO's largest magnitude a (batch, KV head): the first pass over dO

@@ -330,6 +330,83 @@ __device__ __forceinline__ void unpack2(unsigned r, float& lo, float& hi) {
   asm("{ .reg .f16 l, h; mov.b32 { l, h }, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }\n"
       : "=f"(lo), "=f"(hi) : "r"(r));
 }
+// ---- mask: none ----------------------------------------------------
+// Which KV tiles a query tile visits, which of them need a per-element test, and the test.
+// The diagonal: query q faces key q + offset. The runtime passes offset: n_kv - n_q aligned
+// bottom right, 0 top left, shifted by the positions of a shard's first query and key when
+// attention is split across devices (bottom_right here).
+// Keys at or past n_kv never count; tiles that cross n_kv always take the element test.
+
+struct Mask {
+  int n_kv;
+  int n_q;
+  int group;  // query heads of the block's KV head
+  int first, count;  // query tiles [first, first + count) of each query head (block_mask: steps)
+
+  // The tile's query positions are [q0_, q_last] (q_last: its last real one).
+  __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
+    n_kv = n_kv_;
+    int lo = 0, hi = n_kv;  // keys [lo, hi) some row of the tile may see
+    first = lo / BLOCK_KV;
+    count = hi > lo ? (hi + BLOCK_KV - 1) / BLOCK_KV - first : 0;
+  }
+
+  // The query tiles that see keys [kv0_, kv0_ + BLOCK_KV) of KV head h_kv (the dK/dV kernel's loop).
+  __device__ __forceinline__ void begin_keys(int n_q_, int n_kv_, int offset_, int b, int h_kv, int group_, int kv0_) {
+    n_q = n_q_;
+    n_kv = n_kv_;
+    group = group_;
+    const int kv_last = min(kv0_ + BLOCK_KV, n_kv) - 1;  // the block's last real key
+    int lo = 0, hi = n_q;  // queries [lo, hi) that may see some key of the block
+    first = lo / BLOCK_Q;
+    count = hi > lo ? (hi + BLOCK_Q - 1) / BLOCK_Q - first : 0;
+  }
+
+  // Steps of the loop, and step t's query head (within the group) and query tile.
+  __device__ __forceinline__ int steps() const { return group * count; }
+  __device__ __forceinline__ int step_head(int t) const { return t / count; }
+  __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
+
+  // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0 (the warp's
+  // from warp_kv0): true unless every pair is known to count (rows past n_q never do).
+  __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0, int warp_kv0) {
+    const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + BLOCK_KV - 1;
+    return k1 >= n_kv || r1 >= n_q;  // every pair counts: only a tile past an end needs the test
+  }
+
+  // Queries [q0, q0 + BLOCK_Q) against one warpgroup's GROUP_KEYS keys from kv0 (a block's keys
+  // split over its warpgroups): true unless every pair is known to count. Rows past n_q are the
+  // caller's (the FP8 backward's LSE there is +inf).
+  __device__ __forceinline__ bool needs_element_test_group(int q0, int kv0) const {
+    const int r0 = q0, r1 = q0 + BLOCK_Q - 1, k1 = kv0 + GROUP_KEYS - 1;
+    bool full = true;
+
+    return !full || k1 >= n_kv;
+  }
+
+  // row: which of the thread's accumulator rows kv_idx is (2f + h: key fragment f, half h);
+  // pair: which of its columns q_idx is (2n + e: query fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active_keys(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
+    bool active = kv_idx < n_kv;
+    return active && q_idx < n_q;
+  }
+
+  __device__ __forceinline__ int kv_tile(int i) const { return first + i; }
+
+  // Rows [r0, r1] of a warp against tile i (keys [kv0, kv0 + BLOCK_KV)): true unless every
+  // pair is known to count.
+  __device__ __forceinline__ bool needs_element_test(int i, int kv0, int r0, int r1) {
+    const int k1 = kv0 + BLOCK_KV - 1;  // the tile's last key
+    return k1 >= n_kv;  // every key counts: only a tile past the end needs the test
+  }
+
+  // row: which of the thread's accumulator rows q_idx is (2f + h: fragment f, half h); pair:
+  // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
+  __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
+    bool active = kv_idx < n_kv;
+    return active;
+  }
+};
 
 // S^T (+)= K_w.Q^T, dP^T (+)= V_w.dO^T or dQ (+)= dS.K over a k32 step: m64n64, both operands K-major in shared memory.
 __device__ __forceinline__ void wgmma_n64(float (&d)[S_N_FRAGS][4], unsigned long long a, unsigned long long b,
@@ -383,8 +460,6 @@ __device__ __forceinline__ void wgmma_grad(float (&d)[G_N_FRAGS][4], const unsig
 // The byte of 16-byte chunk `chunk` of row `row` in a tile of 128-byte swizzled rows: the chunk
 // index XOR the row's place in its 8-row group (TMA's and wgmma's 128-byte swizzle).
 __device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * ROW_BYTES + ((chunk ^ (row & 7)) << 4); }
-
-__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 // A transposed tile, written by the producer warpgroup's warps 1-3 (`thread` 0 .. 95): row d of
 // `dst` holds byte d of the rows of `src` (128-byte swizzled rows both), position c of it
@@ -554,7 +629,9 @@ fp8_backward_e4m3_d128_f16_postprocess(
 // Hkv, n_kv, HEAD_DIM] (float8_e4m3) and dO in e4m3 [B, Hq, padded_q, HEAD_DIM] (the preprocess's)
 // through their maps; rows [B, Hq, 2, padded_q] (the LSE in log2 units less P_LOG2_SCALE, then D'); dq_accum [B, Hq,
 // padded_q / 64, 64 * HEAD_DIM] f32 (cleared; each tile in the kernel's register order); dk, dv any
-// strides with a unit last one and even rows. Causal: query i sees keys up to i + n_kv - n_q (bottom right).
+// strides with a unit last one and even rows. The mask (none) walked key-major: the block visits
+// the query tiles that see one of its keys, each query head of the group; its diagonal is
+// mask_offset (n_kv - n_q bottom right, 0 top left).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 fp8_backward_e4m3_d128_f16(
     const __grid_constant__ TmaMap q_map,
@@ -586,7 +663,7 @@ fp8_backward_e4m3_d128_f16(
     int n_q,
     int n_kv,
     int padded_q,
-    int causal,
+    int mask_offset,
     float scale_log2,
     float scale) {
   extern __shared__ unsigned char smem_raw[];
@@ -594,11 +671,12 @@ fp8_backward_e4m3_d128_f16(
   unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
   const int tid = threadIdx.x, warpgroup = tid / WARPGROUP_THREADS, lane = tid & 31;
   const int k0 = blockIdx.x * BLOCK_KV, h_kv = blockIdx.y, b = blockIdx.z;
-  const int offset = n_kv - n_q;
 
-  // The steps: each query head of the group, its query tiles from the first whose rows see a key here.
-  const int first = causal ? max(0, floor_div(k0 - offset, BLOCK_Q)) : 0;
-  const int per_head = max(padded_q / BLOCK_Q - first, 0), steps = group * per_head;
+  // The steps: each query head of the group, its query tiles that see a key of the block.
+  Mask mask;
+  mask.begin_keys(n_q, n_kv, mask_offset, b, h_kv, group, k0);
+  const int steps = mask.steps();
+
 
   const unsigned kv_landed = base + BARRIERS_AT, kt_written = kv_landed + MBARRIER_BYTES;
   const RingBarriers<Q_STAGES, CONSUMER_THREADS> ring(kt_written + MBARRIER_BYTES);
@@ -622,7 +700,7 @@ fp8_backward_e4m3_d128_f16(
       tma_load_tile(base + V_AT, v_map, kv_landed, 0, k0, h_kv, b);
 #pragma unroll 1
       for (int j = 0; j < steps; ++j) {
-        const int h = h_kv * group + j / per_head, q0 = (first + j % per_head) * BLOCK_Q;
+        const int h = h_kv * group + mask.step_head(j), q0 = mask.step_q_tile(j) * BLOCK_Q;
         const unsigned bar = ring.arm(j, STAGE_TX), slot = base + RING_AT + (j % Q_STAGES) * STAGE_BYTES;
         tma_load_tile(slot, q_map, bar, 0, q0, h, b);
         tma_load_tile(slot + STAGE_DO_AT, do_map, bar, 0, q0, h, b);
@@ -685,7 +763,7 @@ fp8_backward_e4m3_d128_f16(
 
 #pragma unroll 1
   for (int j = 0; j < steps; ++j) {
-    const int h = h_kv * group + j / per_head, q0 = (first + j % per_head) * BLOCK_Q;
+    const int h = h_kv * group + mask.step_head(j), q0 = mask.step_q_tile(j) * BLOCK_Q;
     const unsigned slot = base + RING_AT + (j % Q_STAGES) * STAGE_BYTES;
     const float* vectors = reinterpret_cast<const float*>(smem + ROWS_AT + (j % Q_STAGES) * 2 * ROW_VECTOR_BYTES);
     ring.wait(j);
@@ -705,9 +783,9 @@ fp8_backward_e4m3_d128_f16(
     pin_registers(s);
 
     // P^T times 2^P_LOG2_SCALE = exp2(S^T * to_log2 - (LSE - P_LOG2_SCALE)): a key past n_kv (loaded
-    // as zeros) or, under causal, after a query's diagonal is masked; a query past n_q has LSE +inf.
-    // A thread's queries: 8m + 2t + (e & 1).
-    const bool edge = key0 + GROUP_KEYS > n_kv || (causal && key0 + GROUP_KEYS - 1 > q0 + offset);
+    // as zeros) or one the mask drops is masked (the pair's test, element_active: a query past n_q
+    // needs none, its LSE is +inf, and testing it spilled 28 bytes). A thread's queries: 8m + 2t + (e & 1).
+    const bool edge = mask.needs_element_test_group(q0, key0);
 #pragma unroll
     for (int m = 0; m < S_N_FRAGS; ++m) {
       const float2 lse = *reinterpret_cast<const float2*>(vectors + 8 * m + 2 * t);
@@ -715,7 +793,7 @@ fp8_backward_e4m3_d128_f16(
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + (e < 2 ? r0 : r1), q = q0 + 8 * m + 2 * t + (e & 1);
         float x = s[m][e] * to_log2 - (e & 1 ? lse.y : lse.x);
-        if (edge && (key >= n_kv || (causal && key > q + offset))) x = NEG_INF;
+        if (edge && !mask.element_active(b, h, q, key, 0, 0)) x = NEG_INF;
         s[m][e] = fast_exp2(x);
       }
     }

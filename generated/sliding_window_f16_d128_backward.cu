@@ -402,7 +402,9 @@ struct Mask {
   // pair: which of its columns q_idx is (2n + e: query fragment n, column e of its two).
   __device__ __forceinline__ bool element_active_keys(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv;
-    active &= kv_idx >= q_idx + offset - WINDOW_LEFT && kv_idx <= q_idx + offset + WINDOW_RIGHT;
+    // kv_idx in [q_idx + offset - WINDOW_LEFT, q_idx + offset + WINDOW_RIGHT], as one unsigned
+    // compare (the FP8 backward's registers hold one bound a pair, not two)
+    active &= (unsigned)(kv_idx - (q_idx + offset - WINDOW_LEFT)) <= (unsigned)(WINDOW_LEFT + WINDOW_RIGHT);
     return active && q_idx < n_q;
   }
 
@@ -420,7 +422,9 @@ struct Mask {
   // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
   __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv;
-    active &= kv_idx >= q_idx + offset - WINDOW_LEFT && kv_idx <= q_idx + offset + WINDOW_RIGHT;
+    // kv_idx in [q_idx + offset - WINDOW_LEFT, q_idx + offset + WINDOW_RIGHT], as one unsigned
+    // compare (the FP8 backward's registers hold one bound a pair, not two)
+    active &= (unsigned)(kv_idx - (q_idx + offset - WINDOW_LEFT)) <= (unsigned)(WINDOW_LEFT + WINDOW_RIGHT);
     return active;
   }
 };
@@ -866,7 +870,9 @@ struct Mask {
   // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
   __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv;
-    active &= kv_idx >= q_idx + offset - WINDOW_LEFT && kv_idx <= q_idx + offset + WINDOW_RIGHT;
+    // kv_idx in [q_idx + offset - WINDOW_LEFT, q_idx + offset + WINDOW_RIGHT], as one unsigned
+    // compare (the FP8 backward's registers hold one bound a pair, not two)
+    active &= (unsigned)(kv_idx - (q_idx + offset - WINDOW_LEFT)) <= (unsigned)(WINDOW_LEFT + WINDOW_RIGHT);
     return active;
   }
 };

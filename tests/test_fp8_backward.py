@@ -6,8 +6,9 @@ import re
 import pytest
 
 from fagen import nvcc
-from fagen.fp8_backward_plan import FP8_BACKWARD_OUT_TYPES, Fp8BackwardPlan
+from fagen.fp8_backward_plan import FP8_BACKWARD_MASKS, FP8_BACKWARD_OUT_TYPES, Fp8BackwardPlan
 from fagen.render import render_fp8_backward
+from fagen.spec import Mask
 
 SM90A_SMEM = 227 * 1024
 SM90_REGISTERS = 64 * 1024
@@ -29,10 +30,18 @@ def test_the_plan_fits_k_v_k_transposed_two_stages_ds_and_dq_s_staging(out_dtype
     assert plan.name == f"fp8_backward_e4m3_d128_{'bf16' if out_dtype == 'bfloat16' else 'f16'}"
 
 
-@pytest.mark.parametrize("out_dtype", FP8_BACKWARD_OUT_TYPES)
-def test_the_kernels_build_for_sm90a_without_spills(out_dtype):
-    plan = Fp8BackwardPlan("float8_e4m3", out_dtype)
-    code, log = nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype), "sm_90a")
+# every kind the FP8 backward walks (FP8_BACKWARD_MASKS), both aligns of the diagonal, f16 with one
+MASKS = [Mask(), Mask(kind="causal"), Mask(kind="causal", align="top_left"),
+         Mask(kind="sliding_window", window_left=200, window_right=30), Mask(kind="chunked", chunk_size=192),
+         Mask(kind="prefix_lm", prefix_len=100, align="top_left")]
+
+
+@pytest.mark.parametrize("out_dtype,mask", [(out, Mask()) for out in FP8_BACKWARD_OUT_TYPES] +
+                         [("bfloat16", mask) for mask in MASKS[1:]] + [("float16", MASKS[3])],
+                         ids=lambda x: x if isinstance(x, str) else f"{x.kind}-{x.align}")
+def test_the_kernels_build_for_sm90a_without_spills(out_dtype, mask):
+    plan = Fp8BackwardPlan("float8_e4m3", out_dtype, mask=mask)
+    code, log = nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype, mask), "sm_90a")
     assert code == 0, log
     for entry in (plan.name, f"{plan.name}_amax", f"{plan.name}_preprocess", f"{plan.name}_postprocess"):
         report = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
@@ -47,6 +56,18 @@ def test_render_refuses_an_unknown_dtype_or_head_dim_by_name():
         render_fp8_backward("float8_e4m3", "float32")
     with pytest.raises(AssertionError, match=r"worked out for head_dim 128"):
         Fp8BackwardPlan(head_dim=256)
+
+
+def test_the_masks_built_are_every_kind_of_positions_alone_and_name_their_module():
+    """The kinds with no kernel parameter (a document's bounds, a block mask's lists are not read
+    yet), each test tested above; a mask's module is named by its kind and fields."""
+    assert {m.kind for m in MASKS} == set(FP8_BACKWARD_MASKS) == {"none", "causal", "sliding_window", "chunked",
+                                                                  "prefix_lm"}
+    names = {Fp8BackwardPlan(mask=m).name for m in MASKS}
+    assert len(names) == len(MASKS) and Fp8BackwardPlan().name == "fp8_backward_e4m3_d128_bf16"
+    assert Fp8BackwardPlan(mask=MASKS[3]).name.startswith("fp8_backward_e4m3_d128_bf16_sliding_window_")
+    with pytest.raises(AssertionError):
+        Fp8BackwardPlan(mask=Mask(kind="document"))
 
 
 def test_the_launch_numbers_cover_every_key_and_every_half_of_dq():

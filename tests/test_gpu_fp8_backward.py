@@ -48,11 +48,10 @@ def _true(x8, descale):
     return x * np.repeat(d, x.shape[1] // d.shape[1], axis=1)[:, :, None, None]
 
 
-def _forward(q8, k8, v8, descales, causal):
-    """The FP8 forward's bfloat16 out and its LSE (bottom-right causal)."""
+def _forward(q8, k8, v8, descales, mask: Mask):
+    """The FP8 forward's bfloat16 out and its LSE."""
     from fagen import runtime, variants
 
-    mask = Mask(kind="causal", align="bottom_right") if causal else Mask(kind="none")
     spec = variants.fp8_spec("float8_e4m3", D, mask, ScoreMod())
     return runtime.compile_kernel(spec)(q8, k8, v8, return_lse=True, **descales)
 
@@ -67,6 +66,27 @@ SHAPES = [(2, 4, 2, 300, 300), (1, 4, 1, 77, 513), (1, 2, 2, 200, 100), (3, 2, 1
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_fp8_backward_tracks_its_rounding_model(out_dtype, causal, shape):
+    _check_against_the_model(shape, out_dtype, Mask(kind="causal") if causal else Mask())
+
+
+# The other kinds it walks (FP8_BACKWARD_MASKS), a diagonal each way: key blocks a window leaves
+# without a step, chunks across block and step edges, a prefix wider than a step, more queries
+# than keys top left (the last keys seen by no query)
+MASK_CASES = [
+    (Mask(kind="sliding_window", window_left=200, window_right=30), (1, 4, 2, 700, 900), "bfloat16"),
+    (Mask(kind="sliding_window", window_left=64, align="top_left"), (2, 2, 1, 300, 500), "float16"),
+    (Mask(kind="chunked", chunk_size=192), (1, 4, 1, 500, 600), "bfloat16"),
+    (Mask(kind="prefix_lm", prefix_len=100, align="top_left"), (1, 2, 2, 400, 333), "bfloat16"),
+    (Mask(kind="causal", align="top_left"), (2, 2, 1, 300, 450), "float16"),
+]
+
+
+@pytest.mark.parametrize("mask,shape,out_dtype", MASK_CASES, ids=lambda x: getattr(x, "kind", None))
+def test_the_fp8_backward_tracks_its_rounding_model_under_every_mask_it_takes(mask, shape, out_dtype):
+    _check_against_the_model(shape, out_dtype, mask)
+
+
+def _check_against_the_model(shape, out_dtype: str, mask: Mask):
     import cupy
 
     from fagen import fp8_backward
@@ -75,21 +95,21 @@ def test_the_fp8_backward_tracks_its_rounding_model(out_dtype, causal, shape):
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the FP8 backward needs a Hopper GPU")
     b, hq, hkv, nq, nk = shape
-    rng = np.random.default_rng([b, hq, hkv, nq, nk, int(causal), len(out_dtype)])
+    rng = np.random.default_rng([b, hq, hkv, nq, nk, len(mask.kind), len(mask.align), len(out_dtype)])
     q8, qd = _quantized(rng, (b, hq, nq, D), hkv, scale=1.5)
     k8, kd = _quantized(rng, (b, hkv, nk, D), hkv, scale=1.5)
     v8, vd = _quantized(rng, (b, hkv, nk, D), hkv)
     descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    out, lse = _forward(q8, k8, v8, descales, causal)
+    out, lse = _forward(q8, k8, v8, descales, mask)
     dt = getattr(torch, out_dtype)
     out = out.to(dt)
     dout = torch.from_numpy(rng.standard_normal((b, hq, nq, D)).astype(np.float32)).to("cuda", dt)
     with nan_filled_empties() as filled:
-        dq, dk, dv = fp8_backward.backward(dout, q8, k8, v8, out, lse, causal=causal, **descales)
+        dq, dk, dv = fp8_backward.backward(dout, q8, k8, v8, out, lse, mask=mask, **descales)
     assert filled
     q, k, v = _true(q8, qd), _true(k8, kd), _true(v8, vd)
     dout64 = to_numpy(dout.float()).astype(np.float64)
-    keywords = dict(mask=Mask(kind="causal", align="bottom_right") if causal else None)
+    keywords = dict(mask=mask)
     model = oracle.attention_backward(q, k, v, dout64, fp8_type="float8_e4m3", out=to_numpy(out.float()),
                                       lse=to_numpy(lse), **keywords)
     exact = oracle.attention_backward(q, k, v, dout64, **keywords)
@@ -119,5 +139,9 @@ def test_the_fp8_backward_refuses_what_it_cannot_read():
         fp8_backward.backward(out.float(), q8, q8, q8, out, lse)
     with pytest.raises(ValueError, match=r"lse: torch float32 \(1, 2, 63\)"):
         fp8_backward.backward(out, q8, q8, q8, out, lse[..., :63])
+    with pytest.raises(ValueError, match=r"mask: kind 'document'; the FP8 backward takes the kinds none, causal"):
+        fp8_backward.backward(out, q8, q8, q8, out, lse, mask={"kind": "document"})
+    with pytest.raises(ValueError, match=r"mask: an expression; the FP8 backward takes"):
+        fp8_backward.backward(out, q8, q8, q8, out, lse, mask={"kind": "causal", "expression": "kv_idx % 2 == 0"})
     with pytest.raises(ValueError, match=r"q_descale: shape \(3,\)"):
         fp8_backward.backward(out, q8, q8, q8, out, lse, q_descale=torch.ones(3, device="cuda"))
