@@ -38,7 +38,7 @@ TMA_TENSORS = (("q", "q_map"), ("k", "k_map"), ("v", "v_map"), ("do8", "do_map")
 def _functions(plan: Fp8BackwardPlan, device: int) -> tuple:
     """The module's amax, preprocess, kernel and postprocess, compiled once a device and process."""
     with cupy.cuda.Device(device):
-        module = compile_module(render_fp8_backward(plan.dtype, plan.out_dtype, plan.mask), plan.name, wgmma=True)
+        module = compile_module(render_fp8_backward(plan.dtype, plan.out_dtype, plan.mask, plan.deterministic), plan.name, wgmma=True)
         kernel = module.get_function(plan.name)
         kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
         return tuple(module.get_function(f"{plan.name}{part}") if part else kernel
@@ -46,13 +46,15 @@ def _functions(plan: Fp8BackwardPlan, device: int) -> tuple:
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale: float | None = None,
-             q_descale=None, k_descale=None, v_descale=None):
+             q_descale=None, k_descale=None, v_descale=None, deterministic: bool = False):
     """(dq, dk, dv) of sum(out * dout) for the FP8 forward attention(q, k, v, causal=causal,
     mask=mask, scale=scale, q_descale=.., k_descale=.., v_descale=..), given its out and lse
     (return_lse=True): q [B, Hq, Nq, 128], k and v [B, Hkv, Nk, 128] torch.float8_e4m3fn (Hq a
     multiple of Hkv); dout and out [B, Hq, Nq, 128] in bfloat16 or float16, the gradients' type;
     the descales None (1), one number or [B, Hkv] float32. mask as fagen.attention's, of a kind
-    in FP8_BACKWARD_MASKS (none, causal, sliding_window, chunked, prefix_lm; either align)."""
+    in FP8_BACKWARD_MASKS (none, causal, sliding_window, chunked, prefix_lm; either align).
+    deterministic (as fagen.attention's; or torch.use_deterministic_algorithms(True)): dQ's adds
+    in key-block order, bitwise repeatable, where the default adds them as they come."""
     require_cupy()
     mask = call_mask(causal, mask)
     if mask.kind not in FP8_BACKWARD_MASKS or mask.expression is not None:
@@ -96,7 +98,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
     if tl.shape != (b, hq, nq) or tl.dtype != "float32" or tl.kind != tq.kind or tl.device != tq.device:
         raise ValueError(f"lse: {tl.kind} {tl.dtype} {tl.shape}; expected the forward's float32 [B, Hq, Nq] = "
                          f"{(b, hq, nq)} on q's device (return_lse=True)")
-    plan = Fp8BackwardPlan(fp8_element(tq.dtype).name, out_dtype, mask=mask)
+    deterministic = bool(deterministic) or _torch_deterministic()  # (q is a torch tensor: checked above)
+    plan = Fp8BackwardPlan(fp8_element(tq.dtype).name, out_dtype, mask=mask, deterministic=deterministic)
     amax, preprocess, kernel, postprocess = _functions(plan, tq.device)
     with cupy.cuda.Device(tq.device), stream_for(tq):
         dq, dk, dv = (empty_like(t, t.shape, out_dtype) for t in (tq, tk, tv))
@@ -116,6 +119,10 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
         do8 = as_device_tensor(empty_like(tq, (b, hq, padded_q, d), "uint8"), "do8")
         rows = as_device_tensor(empty_like(tq, (b, hq, 2, padded_q), "float32"), "rows")
         dq_accum = as_device_tensor(empty_like(tq, (b, hq, padded_q, d), "float32"), "dq_accum")
+        # a tile's turn count (deterministic; the preprocess starts it): the key blocks' warps that have added into it
+        dq_turns = as_device_tensor(empty_like(tq, (b, hq, padded_q // plan.block_q), "int32"), "dq_turns") \
+            if deterministic else None
+        mask_offset = nk - nq if mask.align == "bottom_right" else 0
         tdq, tdk, tdv = (as_device_tensor(g, n) for g, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
         stream = torch_stream_handle()(tq.device)
         shape = dict(heads=hq, group=hq // hkv, n_q=nq, padded_q=padded_q)
@@ -125,7 +132,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
         Launch(preprocess, (padded_q // PREPROCESS_ROWS, hq, b), 32 * PREPROCESS_ROWS, 0, FP8_PREPROCESS_PARAMS,
                dict(out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1], o_sn=to.strides[2], dout=tdo.ptr,
                     do_sb=tdo.strides[0], do_sh=tdo.strides[1], do_sn=tdo.strides[2], lse=tl.ptr, do_amax=do_amax.ptr,
-                    do8=do8.ptr, rows=rows.ptr, dq_accum=dq_accum.ptr, **descale_values, **shape))(stream)
+                    do8=do8.ptr, rows=rows.ptr, dq_accum=dq_accum.ptr, dq_turns=dq_turns.ptr if deterministic else 0,
+                    n_kv=nk, mask_offset=mask_offset, **descale_values, **shape))(stream)
         # TMA maps, each box the plan's rows of one 128-byte row (refusing strides TMA cannot take)
         tensors = {"q": tq, "k": tk, "v": tv, "do8": do8}
         maps = tuple(TensorMap(param, name, plan.dtype, tensor_maps.layout(tensors[name].shape, tensors[name].strides,
@@ -133,12 +141,19 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
                      for name, param in TMA_TENSORS)
         Launch(kernel, plan.grid(nk, hkv, b), plan.threads, plan.smem_bytes, FP8_BACKWARD_PARAMS,
                dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, do8=do8.ptr, rows=rows.ptr, do_amax=do_amax.ptr,
-                    dq_accum=dq_accum.ptr, dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1], dk_sn=tdk.strides[2],
+                    dq_accum=dq_accum.ptr, dq_turns=dq_turns.ptr if deterministic else 0, dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1], dk_sn=tdk.strides[2],
                     dv=tdv.ptr, dv_sb=tdv.strides[0], dv_sh=tdv.strides[1], dv_sn=tdv.strides[2], n_kv=nk,
-                    mask_offset=nk - nq if mask.align == "bottom_right" else 0, scale_log2=scale * LOG2E, scale=scale,
+                    mask_offset=mask_offset, scale_log2=scale * LOG2E, scale=scale,
                     **descale_values, **shape),
                slots=tuple(name for name, _ in TMA_TENSORS), maps=maps)(stream)
         Launch(postprocess, (plan.postprocess_blocks(padded_q), hq, b), POSTPROCESS_THREADS, 0, FP8_POSTPROCESS_PARAMS,
                dict(dq_accum=dq_accum.ptr, do_amax=do_amax.ptr, dq=tdq.ptr, dq_sb=tdq.strides[0],
                     dq_sh=tdq.strides[1], dq_sn=tdq.strides[2], scale=scale, **descale_values, **shape))(stream)
     return dq, dk, dv
+
+
+def _torch_deterministic() -> bool:
+    """torch.use_deterministic_algorithms(True) in force (the inputs are torch tensors: torch is loaded)."""
+    import torch
+
+    return torch.are_deterministic_algorithms_enabled()

@@ -68,6 +68,9 @@ class Fp8BackwardPlan:
     # which (query, key) pairs count: the kind's partial (templates/masks/), walked key-major; its
     # diagonal's offset a launch parameter (mask_offset)
     mask: Mask = field(default_factory=Mask)
+    # dQ's adds in key-block order, the last first (bitwise repeatable): a warp's add into a tile
+    # waits for the key blocks after its own that visit the tile (dq_turns)
+    deterministic: bool = False
 
     def __post_init__(self):
         assert self.dtype in FP8_BACKWARD_TYPES, self.dtype
@@ -83,7 +86,7 @@ class Fp8BackwardPlan:
         masked = "" if self.mask.kind == "none" else \
             f"_{self.mask.kind}_{hashlib.sha256(repr(self.mask).encode()).hexdigest()[:10]}"
         return (f"fp8_backward_{ELEMENT_TYPES[self.dtype].short}_d{self.head_dim}_"
-                f"{ELEMENT_TYPES[self.out_dtype].short}{masked}")
+                f"{ELEMENT_TYPES[self.out_dtype].short}{masked}{'_deterministic' * self.deterministic}")
 
     @property
     def mask_params(self) -> tuple[tuple[str, str], ...]:  # (the mask partial's: none for these kinds)
@@ -269,7 +272,7 @@ POSTPROCESS_THREADS = 128  # a warpgroup's four warps' pieces of a tile
 FP8_BACKWARD_PARAMS: tuple[tuple[str, str], ...] = (
     (TMA_MAP, "q_map"), (TMA_MAP, "k_map"), (TMA_MAP, "v_map"), (TMA_MAP, "do_map"),
     ("const float* __restrict__", "rows"), ("const float* __restrict__", "do_amax"), *DESCALE_PARAMS,
-    ("float* __restrict__", "dq_accum"),
+    ("float* __restrict__", "dq_accum"), ("unsigned* __restrict__", "dq_turns"),
     ("grad_t* __restrict__", "dk"), ("long long", "dk_sb"), ("long long", "dk_sh"), ("long long", "dk_sn"),
     ("grad_t* __restrict__", "dv"), ("long long", "dv_sb"), ("long long", "dv_sh"), ("long long", "dv_sn"),
     ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "n_kv"), ("int", "padded_q"), ("int", "mask_offset"),
@@ -286,7 +289,8 @@ FP8_PREPROCESS_PARAMS: tuple[tuple[str, str], ...] = (
     ("const grad_t* __restrict__", "dout"), ("long long", "do_sb"), ("long long", "do_sh"), ("long long", "do_sn"),
     ("const float* __restrict__", "lse"), ("const float* __restrict__", "do_amax"), *DESCALE_PARAMS[6:],
     ("unsigned char* __restrict__", "do8"), ("float* __restrict__", "rows"), ("float* __restrict__", "dq_accum"),
-    ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "padded_q"),
+    ("unsigned* __restrict__", "dq_turns"), ("int", "heads"), ("int", "group"), ("int", "n_q"), ("int", "n_kv"),
+    ("int", "padded_q"), ("int", "mask_offset"),
 )
 # dQ = the accumulator times scale * k_descale * v_descale / dO's scale
 FP8_POSTPROCESS_PARAMS: tuple[tuple[str, str], ...] = (

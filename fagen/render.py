@@ -274,13 +274,14 @@ def render_key_split_backward(dtype: str) -> str:
     return _render_accumulated_dq(KEY_SPLIT_TEMPLATE, KeySplitBackwardPlan, dtype, KEY_SPLIT_TYPES, "192/128")
 
 
-def render_fp8_backward(dtype: str, out_dtype: str, mask: Mask = Mask()) -> str:
+def render_fp8_backward(dtype: str, out_dtype: str, mask: Mask = Mask(), deterministic: bool = False) -> str:
     """The FP8 backward (dO's amax, the preprocess, the kernel, the postprocess) of `dtype` q, k, v
-    with O, dO and the gradients in `out_dtype`, under `mask` (a kind of FP8_BACKWARD_MASKS)."""
+    with O, dO and the gradients in `out_dtype`, under `mask` (a kind of FP8_BACKWARD_MASKS), dQ's
+    adds in key-block order where `deterministic`."""
     if dtype not in FP8_BACKWARD_TYPES or out_dtype not in FP8_BACKWARD_OUT_TYPES:
         raise ValueError(f"FP8 backward dtypes {dtype!r} / {out_dtype!r}: q, k, v one of {FP8_BACKWARD_TYPES}, "
                          f"out one of {FP8_BACKWARD_OUT_TYPES}")
-    plan = Fp8BackwardPlan(dtype, out_dtype, mask=mask)
+    plan = Fp8BackwardPlan(dtype, out_dtype, mask=mask, deterministic=deterministic)
     return environment().get_template(FP8_BACKWARD_TEMPLATE).render(
         version=__version__, name=plan.name, plan=plan, dtype=out_dtype, backward=False, accumulate=False,
         plan_params=FP8_BACKWARD_PARAMS, amax_params=FP8_AMAX_PARAMS, preprocess_params=FP8_PREPROCESS_PARAMS,

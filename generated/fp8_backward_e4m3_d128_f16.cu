@@ -545,10 +545,13 @@ fp8_backward_e4m3_d128_f16_preprocess(
     unsigned char* __restrict__ do8,
     float* __restrict__ rows,
     float* __restrict__ dq_accum,
+    unsigned* __restrict__ dq_turns,
     int heads,
     int group,
     int n_q,
-    int padded_q) {
+    int n_kv,
+    int padded_q,
+    int mask_offset) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = blockIdx.x * 4 + warp, h = blockIdx.y, b = blockIdx.z, h_kv = h / group;
   if (row >= padded_q) return;
@@ -650,6 +653,7 @@ fp8_backward_e4m3_d128_f16(
     long long v_descale_sb,
     long long v_descale_sh,
     float* __restrict__ dq_accum,
+    unsigned* __restrict__ dq_turns,
     grad_t* __restrict__ dk,
     long long dk_sb,
     long long dk_sh,

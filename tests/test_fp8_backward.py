@@ -36,12 +36,16 @@ MASKS = [Mask(), Mask(kind="causal"), Mask(kind="causal", align="top_left"),
          Mask(kind="prefix_lm", prefix_len=100, align="top_left")]
 
 
-@pytest.mark.parametrize("out_dtype,mask", [(out, Mask()) for out in FP8_BACKWARD_OUT_TYPES] +
-                         [("bfloat16", mask) for mask in MASKS[1:]] + [("float16", MASKS[3])],
-                         ids=lambda x: x if isinstance(x, str) else f"{x.kind}-{x.align}")
-def test_the_kernels_build_for_sm90a_without_spills(out_dtype, mask):
-    plan = Fp8BackwardPlan("float8_e4m3", out_dtype, mask=mask)
-    code, log = nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype, mask), "sm_90a")
+@pytest.mark.parametrize("out_dtype,mask,deterministic",
+                         [(out, Mask(), False) for out in FP8_BACKWARD_OUT_TYPES] +
+                         [("bfloat16", mask, False) for mask in MASKS[1:]] + [("float16", MASKS[3], False)] +
+                         [("bfloat16", mask, True) for mask in MASKS] + [("float16", MASKS[4], True)],
+                         ids=lambda x: x if isinstance(x, str) else f"{x.kind}-{x.align}" if isinstance(x, Mask)
+                         else "deterministic" if x else "")
+def test_the_kernels_build_for_sm90a_without_spills(out_dtype, mask, deterministic):
+    plan = Fp8BackwardPlan("float8_e4m3", out_dtype, mask=mask, deterministic=deterministic)
+    code, log = nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype, mask, deterministic),
+                            "sm_90a")
     assert code == 0, log
     for entry in (plan.name, f"{plan.name}_amax", f"{plan.name}_preprocess", f"{plan.name}_postprocess"):
         report = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
@@ -68,6 +72,32 @@ def test_the_masks_built_are_every_kind_of_positions_alone_and_name_their_module
     assert Fp8BackwardPlan(mask=MASKS[3]).name.startswith("fp8_backward_e4m3_d128_bf16_sliding_window_")
     with pytest.raises(AssertionError):
         Fp8BackwardPlan(mask=Mask(kind="document"))
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"{m.kind}-{m.align}")
+def test_a_deterministic_tile_s_turns_are_the_key_blocks_that_visit_it(mask):
+    """The deterministic dQ's turns (the preprocess starts a query tile's count from the last key
+    block of the forward's walk of its rows, Mask::begin; a block waits for the count of the blocks
+    after it): the blocks whose key-major walk (Mask::begin_keys) visits the tile must be that
+    walk's run of blocks, or a block would wait for one that never adds (or two would race). The
+    kinds' NumPy twins, over tiles and blocks of both diagonals and ragged ends."""
+    from fagen.mask_kinds import KINDS
+
+    plan, kind = Fp8BackwardPlan(mask=mask), KINDS[mask.kind]
+    for nq, nk in ((300, 700), (700, 300), (1000, 1000), (64, 1000), (500, 128), (1, 777), (777, 1)):
+        off = nk - nq if mask.align == "bottom_right" else 0
+        blocks = -(-nk // plan.block_kv)
+        for t in range(-(-nq // plan.block_q)):
+            q0, q1 = t * plan.block_q, min((t + 1) * plan.block_q, nq) - 1
+            visitors = []
+            for x in range(blocks):
+                lo, hi = kind.q_range(mask, x * plan.block_kv, min((x + 1) * plan.block_kv, nk) - 1, off, nq, None)
+                if hi > lo and lo // plan.block_q <= t < -(-hi // plan.block_q):
+                    visitors.append(x)
+            if visitors:
+                lo, hi = kind.kv_range(mask, q0, q1, off, nk, None)
+                walked = list(range(lo // plan.block_kv, -(-hi // plan.block_kv)))
+                assert visitors == walked, (nq, nk, t, walked, visitors)
 
 
 def test_the_launch_numbers_cover_every_key_and_every_half_of_dq():

@@ -86,7 +86,54 @@ def test_the_fp8_backward_tracks_its_rounding_model_under_every_mask_it_takes(ma
     _check_against_the_model(shape, out_dtype, mask)
 
 
-def _check_against_the_model(shape, out_dtype: str, mask: Mask):
+# deterministic: dQ added in key-block order (a tile's turn count), bitwise repeatable; many key
+# blocks a query tile, GQA, ragged ends, and the masked walks whose first visitor is not block 0
+DETERMINISTIC_CASES = [(Mask(), (2, 4, 2, 1000, 1500)), (Mask(kind="causal"), (1, 4, 1, 700, 1300)),
+                       (Mask(kind="sliding_window", window_left=300, window_right=20), (1, 2, 2, 900, 900)),
+                       (Mask(kind="chunked", chunk_size=192, align="top_left"), (1, 2, 1, 600, 500))]
+
+
+@pytest.mark.parametrize("mask,shape", DETERMINISTIC_CASES, ids=lambda x: getattr(x, "kind", None))
+def test_the_deterministic_fp8_backward_is_bitwise_repeatable_and_tracks_the_model(mask, shape):
+    again = _check_against_the_model(shape, "bfloat16", mask, deterministic=True)
+    first = again()
+    for _ in range(3):
+        for name, x, y in zip(("dq", "dk", "dv"), first, again()):
+            assert torch.equal(x.view(torch.int16), y.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("mask", [Mask(), Mask(kind="causal")], ids=["full", "causal"])
+def test_the_deterministic_fp8_backward_takes_turns_across_waves_of_blocks(mask):
+    """Many more blocks than SMs (B 4, 8 KV heads, 2048 keys: 512 blocks): a block waits only for
+    blocks launched before it, so the turns cannot deadlock; dK and dV are the default's bit for
+    bit (their sums are a block's own), dQ the same sums in another order."""
+    import cupy
+
+    from fagen import fp8_backward
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the FP8 backward needs a Hopper GPU")
+    rng = np.random.default_rng(7)
+    b, hq, hkv, n = 4, 16, 8, 2048
+    q8, qd = _quantized(rng, (b, hq, n, D), hkv, scale=1.5)
+    k8, kd = _quantized(rng, (b, hkv, n, D), hkv, scale=1.5)
+    v8, vd = _quantized(rng, (b, hkv, n, D), hkv)
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    out, lse = _forward(q8, k8, v8, descales, mask)
+    dout = torch.from_numpy(rng.standard_normal((b, hq, n, D)).astype(np.float32)).to("cuda", out.dtype)
+    grads = [fp8_backward.backward(dout, q8, k8, v8, out, lse, mask=mask, deterministic=d, **descales)
+             for d in (True, True, False)]
+    for name, first, second, default in zip(("dq", "dk", "dv"), *grads):
+        assert torch.equal(first.view(torch.int16), second.view(torch.int16)), name
+        if name == "dq":
+            assert relative_error(to_numpy(first.float()), to_numpy(default.float())) < 1e-2
+        else:
+            assert torch.equal(first.view(torch.int16), default.view(torch.int16)), name
+
+
+def _check_against_the_model(shape, out_dtype: str, mask: Mask, deterministic: bool = False):
+    """The backward of random e4m3 inputs against the rounding model and exact gradients; returns
+    a call of it again on the same inputs."""
     import cupy
 
     from fagen import fp8_backward
@@ -104,8 +151,10 @@ def _check_against_the_model(shape, out_dtype: str, mask: Mask):
     dt = getattr(torch, out_dtype)
     out = out.to(dt)
     dout = torch.from_numpy(rng.standard_normal((b, hq, nq, D)).astype(np.float32)).to("cuda", dt)
+    def again():
+        return fp8_backward.backward(dout, q8, k8, v8, out, lse, mask=mask, deterministic=deterministic, **descales)
     with nan_filled_empties() as filled:
-        dq, dk, dv = fp8_backward.backward(dout, q8, k8, v8, out, lse, mask=mask, **descales)
+        dq, dk, dv = again()
     assert filled
     q, k, v = _true(q8, qd), _true(k8, kd), _true(v8, vd)
     dout64 = to_numpy(dout.float()).astype(np.float64)
@@ -123,6 +172,7 @@ def _check_against_the_model(shape, out_dtype: str, mask: Mask):
         if name == "dq" or nq >= fp8_backward_rounding.STEP_QUERIES:
             assert to_model <= MODEL_FRACTION * model_error, (name, to_model, model_error)
         assert to_exact <= EXACT_SLACK * model_error + 1e-3, (name, to_exact, model_error)
+    return again
 
 
 def test_the_fp8_backward_refuses_what_it_cannot_read():
