@@ -128,7 +128,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask: masks.BlockMas
         if block_mask is not None and not isinstance(block_mask, masks.BlockMask):
             raise TypeError(f"block_mask: a {type(block_mask).__name__}; under torch.compile fagen.flex takes the "
                             f"block masks of fagen.flex.create_block_mask (built outside the compiled function)")
-        # the mask passed by its serial: torch.compile hands a constant function numbers, not objects
+        # the mask passed by its serial (a string: an int that differs between traces would turn
+        # symbolic): torch.compile hands a constant function constants, not objects
         call = _compiled_call(score_mod, None if block_mask is None else block_mask.serial)
         # what the trace baked in: the closure's numbers (in its expression) and its tensors' shapes
         # (its indices' strides and bounds). Comparing them here has torch.compile guard each, so
@@ -180,12 +181,12 @@ class _FlexAttention(torch.autograd.Function):
         return dq, dk, dv, None, *table_grads
 
 
-_COMPILED_CALLS: dict[tuple[int, int | None], int] = {}  # (id(score_mod), mask serial) -> index in torch_op.FLEX_CALLS
+_COMPILED_CALLS: dict[tuple[int, str | None], int] = {}  # (id(score_mod), mask serial) -> index in torch_op.FLEX_CALLS
 _COMPILED_BAKED: dict[int, tuple] = {}  # that index -> _baked of the score_mod's closure when traced
 
 
 @torch.compiler.assume_constant_result
-def _compiled_call(score_mod, mask_serial: int | None) -> int:
+def _compiled_call(score_mod, mask_serial: str | None) -> int:
     """The index of this (score_mod, block mask) in torch_op.FLEX_CALLS, traced and registered on
     first sight: torch.compile runs this while it traces a model (its result a constant of the
     graph), so that what an op cannot carry reaches the ops as an int. The captured tensors are

@@ -121,7 +121,13 @@ _SERIALS = itertools.count()
 _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # serial -> the BlockMask, while it lives
 
 
-def live_block_mask(serial: int) -> BlockMask:
+def _next_serial() -> str:
+    """A new mask's name, a string: torch.compile makes an int attribute that differs between two
+    traces a symbolic int (automatic dynamic shapes), which a constant function cannot take."""
+    return f"block_mask_{next(_SERIALS)}"
+
+
+def live_block_mask(serial: str) -> BlockMask:
     """The block mask of this serial (BlockMask.serial), while it lives."""
     return _LIVE[serial]
 
@@ -142,7 +148,7 @@ class BlockMask:
     causal_offset: int = 0  # CAUSAL blocks keep k <= q + causal_offset
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     # names the mask to code that may pass only numbers (torch.compile's constant functions)
-    serial: int = field(default_factory=lambda: next(_SERIALS), init=False, repr=False, compare=False)
+    serial: str = field(default_factory=_next_serial, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         _LIVE[self.serial] = self
@@ -159,7 +165,7 @@ class BlockMask:
     def __setstate__(self, state: dict):
         """A copy or an unpickled mask takes a serial of its own (copy, deepcopy and pickle set
         the state without __init__): never one that names another mask in this process."""
-        self.__dict__.update(state, serial=next(_SERIALS))
+        self.__dict__.update(state, serial=_next_serial())
         _LIVE[self.serial] = self
 
     @property

@@ -121,6 +121,22 @@ def test_a_compiled_layer_calling_flex_attention_captures_in_a_cuda_graph():
         assert relative_error(to_numpy(out), to_numpy(layer(q, k, v))) < 1e-3
 
 
+def test_a_compiled_flex_call_takes_one_block_mask_after_another():
+    """One compiled function called with three block masks in turn: each call traces anew, and a
+    mask's serial (the number that names it to the traced call) that differs between traces must
+    stay a constant (an int would turn symbolic: automatic dynamic shapes). Each output as the
+    eager call's."""
+    b, h, n, d = 1, 4, 384, 64
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v, mask: flex.flex_attention(q, k, v, block_mask=mask), fullgraph=True)
+    for stride in (2, 3, 5):
+        mask = flex.create_block_mask(lambda b_, h_, q_, k_, s=stride: (q_ >= k_) & ((q_ - k_) % s != 1), None,
+                                      None, n, n)
+        got, want = compiled(q, k, v, mask), flex.flex_attention(q, k, v, block_mask=mask)
+        assert relative_error(to_numpy(got), to_numpy(want)) < 1e-3, stride
+
+
 LEARNED_MASKS = {"prefix_lm": lambda b_, h, q, k: (q >= k) | (k < 64),  # the prefix-LM kind's kernels
                  "dilated": lambda b_, h, q, k: (q >= k) & ((q - k) % 3 != 1)}  # a block mask's
 
