@@ -18,9 +18,11 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import (backward, captured_grads, decode, dispatch, key_split, mod_tracing, runtime, side_inputs, variants,
-                   wide_head)
+from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, key_split, mod_tracing, runtime,
+                   side_inputs, variants, wide_head)
 from fagen.device import layout_order
+from fagen.element_types import ELEMENT_TYPES
+from fagen.fp8_backward_plan import FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS
 from fagen.spec import Mask, ScoreMod
 from fagen.wide_head_plan import WIDE_HEAD_DIMS
 
@@ -379,6 +381,7 @@ class _EagerKernelAttention(torch.autograd.Function):
 
 
 FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2"}  # torch's dtype: fagen's
+E4M3_MAX = ELEMENT_TYPES["float8_e4m3"].max_finite
 
 
 @_op
@@ -441,6 +444,61 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     return (out, lse) if return_lse else out
 
 
+def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deterministic: bool, others: list[str]):
+    """fagen.attention(..., fp8=True): its checks, then _Fp8Quantized."""
+    if others:
+        raise ValueError(f"{others[0]}: not with fp8=True (it takes causal, mask, scale, deterministic and "
+                         f"return_lse; the scales are its own); drop it, or call without fp8")
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4 or not t.is_cuda:
+            raise ValueError(f"{name}: {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}; "
+                             f"fp8=True quantizes bfloat16 CUDA tensors [B, H, N, d] (pass q.bfloat16() and so on)")
+    if q.shape[-1] not in FP8_BACKWARD_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head_dim: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; fp8=True takes "
+                         f"{' or '.join(map(str, FP8_BACKWARD_HEAD_DIMS))} for all three (the FP8 backward's)")
+    if mask.kind not in FP8_BACKWARD_MASKS or mask.expression is not None:
+        raise ValueError(f"mask: kind {mask.kind!r}{' with an expression' if mask.expression else ''}; fp8=True "
+                         f"takes {', '.join(FP8_BACKWARD_MASKS)} (the FP8 backward's); call without fp8 for it")
+    if not _eager(q, k, v):
+        raise ValueError("fp8=True: eager calls only yet (no op for torch.compile or a graph being traced); "
+                         "call it outside torch.compile")
+    out, lse = _Fp8Quantized.apply(q, k, v, mask, scale, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def _e4m3_with_descale(x: Tensor, heads_kv: int) -> tuple[Tensor, Tensor]:
+    """(x quantized to e4m3, its float32 [B, Hkv] descale): a scale a batch and KV head (its group of
+    query heads for q) at amax / e4m3's largest value, so that x8 * descale stands for x."""
+    b, h = x.shape[:2]
+    amax = x.detach().abs().amax(dim=(2, 3)).float().reshape(b, heads_kv, h // heads_kv).amax(-1)
+    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    per_head = descale.repeat_interleave(h // heads_kv, dim=1)[:, :, None, None]
+    return (x.detach().float() / per_head).to(torch.float8_e4m3fn), descale
+
+
+class _Fp8Quantized(torch.autograd.Function):
+    """fp8=True's forward and backward: q, k, v quantized (_e4m3_with_descale), the FP8 forward, and
+    fagen.fp8_backward's gradients of attention over the quantized tensors, handed to q, k, v as
+    theirs (straight through the rounding)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: Mask, scale, deterministic: bool):
+        (q8, qd), (k8, kd), (v8, vd) = (_e4m3_with_descale(x, k.shape[1]) for x in (q, k, v))
+        out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, mask_json(mask), False, None, scale)
+        ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
+        ctx.mask, ctx.scale, ctx.deterministic = mask, scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
+        dq, dk, dv = fp8_backward.backward(dout, q8, k8, v8, out, lse, mask=ctx.mask, scale=ctx.scale, q_descale=qd,
+                                           k_descale=kd, v_descale=vd, deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
 def _records_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (anything else given, a list or an array, is not one)."""
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
@@ -458,7 +516,7 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
               deterministic: bool = False, cache_seqlens=None, cache_leftpad=None, q_descale=None, k_descale=None,
-              v_descale=None):
+              v_descale=None, fp8: bool = False):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v, bias and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
@@ -468,7 +526,16 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
     q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1). A float16 or bfloat16 q against
-    FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type)."""
+    FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type).
+    fp8=True: bfloat16 q, k, v quantized to e4m3 inside (a scale a batch and KV head, from their
+    amax), the FP8 forward and, where autograd records, the FP8 backward (fagen.fp8_backward);
+    bfloat16 out and gradients, passed straight through the rounding to q, k and v."""
+    if fp8:
+        others = {"softcap": softcap, "block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes,
+                  "sinks": sinks, "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad,
+                  "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+        return _fp8_quantized_attention(q, k, v, dispatch.call_mask(causal, mask), scale, return_lse,
+                                        _deterministic(deterministic), [n for n, x in others.items() if x is not None])
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)
