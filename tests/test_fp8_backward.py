@@ -1,7 +1,9 @@
 """The FP8 backward (fagen.fp8_backward) without a GPU: its plan fits shared memory and registers,
 its kernels build for sm_90a without spills, and what it does not run is refused by name."""
 
+import functools
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,16 +38,29 @@ MASKS = [Mask(), Mask(kind="causal"), Mask(kind="causal", align="top_left"),
          Mask(kind="prefix_lm", prefix_len=100, align="top_left")]
 
 
-@pytest.mark.parametrize("out_dtype,mask,deterministic",
-                         [(out, Mask(), False) for out in FP8_BACKWARD_OUT_TYPES] +
-                         [("bfloat16", mask, False) for mask in MASKS[1:]] + [("float16", MASKS[3], False)] +
-                         [("bfloat16", mask, True) for mask in MASKS] + [("float16", MASKS[4], True)],
+BUILDS = ([(out, Mask(), False) for out in FP8_BACKWARD_OUT_TYPES] +
+          [("bfloat16", mask, False) for mask in MASKS[1:]] + [("float16", MASKS[3], False)] +
+          [("bfloat16", mask, True) for mask in MASKS] + [("float16", MASKS[4], True)])
+
+
+@functools.cache
+def _ptxas_logs() -> dict:
+    """Each build's (return code, ptxas log), compiled a core at a time on first use."""
+    def build(case):
+        out_dtype, mask, deterministic = case
+        plan = Fp8BackwardPlan("float8_e4m3", out_dtype, mask=mask, deterministic=deterministic)
+        return nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype, mask, deterministic),
+                           "sm_90a")
+    with ThreadPoolExecutor(nvcc.default_jobs()) as pool:
+        return dict(zip(BUILDS, pool.map(build, BUILDS)))
+
+
+@pytest.mark.parametrize("out_dtype,mask,deterministic", BUILDS,
                          ids=lambda x: x if isinstance(x, str) else f"{x.kind}-{x.align}" if isinstance(x, Mask)
                          else "deterministic" if x else "")
 def test_the_kernels_build_for_sm90a_without_spills(out_dtype, mask, deterministic):
     plan = Fp8BackwardPlan("float8_e4m3", out_dtype, mask=mask, deterministic=deterministic)
-    code, log = nvcc._ptxas(f"{plan.name}.cu", render_fp8_backward("float8_e4m3", out_dtype, mask, deterministic),
-                            "sm_90a")
+    code, log = _ptxas_logs()[out_dtype, mask, deterministic]
     assert code == 0, log
     for entry in (plan.name, f"{plan.name}_amax", f"{plan.name}_preprocess", f"{plan.name}_postprocess"):
         report = log.split(f"Compiling entry function '{entry}'")[1].split("Compile time")[0]
