@@ -454,6 +454,9 @@ def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deter
         if not isinstance(t, Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4 or not t.is_cuda:
             raise ValueError(f"{name}: {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}; "
                              f"fp8=True quantizes bfloat16 CUDA tensors [B, H, N, d] (pass q.bfloat16() and so on)")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: fp8=True takes k and v of one "
+                         f"[B, Hkv, Nk], q's B, and Hq a multiple of Hkv (its scales are a batch and KV head's)")
     if q.shape[-1] not in FP8_BACKWARD_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         raise ValueError(f"head_dim: q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}; fp8=True takes "
                          f"{' or '.join(map(str, FP8_BACKWARD_HEAD_DIMS))} for all three (the FP8 backward's)")

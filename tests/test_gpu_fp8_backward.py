@@ -252,3 +252,5 @@ def test_fagen_attention_fp8_refuses_what_it_does_not_quantize_by_name():
         fagen.attention(x[..., :64], x[..., :64], x[..., :64], fp8=True)
     with pytest.raises(ValueError, match=r"mask: kind 'document'; fp8=True takes"):
         fagen.attention(x, x, x, fp8=True, mask={"kind": "document"})
+    with pytest.raises(ValueError, match=r"Hq a multiple of Hkv"):
+        fagen.attention(x, x[:, :1].expand(1, 3, 64, D)[:, :3], x[:, :1].expand(1, 3, 64, D), fp8=True)
