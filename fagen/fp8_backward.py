@@ -38,7 +38,8 @@ TMA_TENSORS = (("q", "q_map"), ("k", "k_map"), ("v", "v_map"), ("do8", "do_map")
 def _functions(plan: Fp8BackwardPlan, device: int) -> tuple:
     """The module's amax, preprocess, kernel and postprocess, compiled once a device and process."""
     with cupy.cuda.Device(device):
-        module = compile_module(render_fp8_backward(plan.dtype, plan.out_dtype, plan.mask, plan.deterministic), plan.name, wgmma=True)
+        source = render_fp8_backward(plan.dtype, plan.out_dtype, plan.mask, plan.deterministic)
+        module = compile_module(source, plan.name, wgmma=True)
         kernel = module.get_function(plan.name)
         kernel.max_dynamic_shared_size_bytes = plan.smem_bytes
         return tuple(module.get_function(f"{plan.name}{part}") if part else kernel
@@ -120,8 +121,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
         rows = as_device_tensor(empty_like(tq, (b, hq, 2, padded_q), "float32"), "rows")
         dq_accum = as_device_tensor(empty_like(tq, (b, hq, padded_q, d), "float32"), "dq_accum")
         # a tile's turn count (deterministic; the preprocess starts it): the key blocks' warps that have added into it
-        dq_turns = as_device_tensor(empty_like(tq, (b, hq, padded_q // plan.block_q), "int32"), "dq_turns") \
-            if deterministic else None
+        turns = as_device_tensor(empty_like(tq, (b, hq, padded_q // plan.block_q), "int32"), "dq_turns").ptr \
+            if deterministic else 0
         mask_offset = nk - nq if mask.align == "bottom_right" else 0
         tdq, tdk, tdv = (as_device_tensor(g, n) for g, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
         stream = torch_stream_handle()(tq.device)
@@ -132,8 +133,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
         Launch(preprocess, (padded_q // PREPROCESS_ROWS, hq, b), 32 * PREPROCESS_ROWS, 0, FP8_PREPROCESS_PARAMS,
                dict(out=to.ptr, o_sb=to.strides[0], o_sh=to.strides[1], o_sn=to.strides[2], dout=tdo.ptr,
                     do_sb=tdo.strides[0], do_sh=tdo.strides[1], do_sn=tdo.strides[2], lse=tl.ptr, do_amax=do_amax.ptr,
-                    do8=do8.ptr, rows=rows.ptr, dq_accum=dq_accum.ptr, dq_turns=dq_turns.ptr if deterministic else 0,
-                    n_kv=nk, mask_offset=mask_offset, **descale_values, **shape))(stream)
+                    do8=do8.ptr, rows=rows.ptr, dq_accum=dq_accum.ptr, dq_turns=turns, n_kv=nk,
+                    mask_offset=mask_offset, **descale_values, **shape))(stream)
         # TMA maps, each box the plan's rows of one 128-byte row (refusing strides TMA cannot take)
         tensors = {"q": tq, "k": tk, "v": tv, "do8": do8}
         maps = tuple(TensorMap(param, name, plan.dtype, tensor_maps.layout(tensors[name].shape, tensors[name].strides,
@@ -141,7 +142,8 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, mask=None, scale:
                      for name, param in TMA_TENSORS)
         Launch(kernel, plan.grid(nk, hkv, b), plan.threads, plan.smem_bytes, FP8_BACKWARD_PARAMS,
                dict(q=tq.ptr, k=tk.ptr, v=tv.ptr, do8=do8.ptr, rows=rows.ptr, do_amax=do_amax.ptr,
-                    dq_accum=dq_accum.ptr, dq_turns=dq_turns.ptr if deterministic else 0, dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1], dk_sn=tdk.strides[2],
+                    dq_accum=dq_accum.ptr, dq_turns=turns, dk=tdk.ptr, dk_sb=tdk.strides[0], dk_sh=tdk.strides[1],
+                    dk_sn=tdk.strides[2],
                     dv=tdv.ptr, dv_sb=tdv.strides[0], dv_sh=tdv.strides[1], dv_sn=tdv.strides[2], n_kv=nk,
                     mask_offset=mask_offset, scale_log2=scale * LOG2E, scale=scale,
                     **descale_values, **shape),
