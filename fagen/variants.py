@@ -100,7 +100,16 @@ def fp8_spec(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod) -> Atte
         built = sorted(p.stem for p in SPECS.glob(f"attn_{short}_d*_sm90a.yaml"))
         raise ValueError(f"q: {dtype} with head_dim {head_dim}: the FP8 forward is built for {', '.join(built) or 'none'};"
                          f" pad q, k and v to one of their head dims, or use bfloat16")
-    return variant(_fp8_base(path), mask, score_mod)
+    base = _fp8_base(path)
+    try:
+        return variant(base, mask, score_mod)
+    except SpecError as refused:  # (the register rule's own fix, a smaller key tile, is not built in FP8)
+        raise ValueError(f"mask {mask.kind!r}, score_mod {score_mod.model_dump(exclude_defaults=True) or 'none'}: "
+                         f"the {dtype} forward at head_dim {head_dim} ({base.tiling.block_q} x "
+                         f"{base.tiling.block_kv} tiles at {base.pipeline.warp_specialized.consumer_registers} "
+                         f"registers a thread, the most there are; FP8 tiles of fewer keys are not built) has no "
+                         f"room for them. Pass bfloat16 q, k and v for it, or drop the mask or modifier (head_dim "
+                         f"128's FP8 forward takes them)") from refused
 
 
 @cache

@@ -7,9 +7,9 @@ import pytest
 
 from fagen import fp8_inputs
 from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, prepared_copy, transposed_v
-from fagen.load import load_spec, parse_spec
+from fagen.load import SPECS as SPECS_DIR, load_spec, parse_spec
 from fagen.render import render
-from fagen.spec import SpecError
+from fagen.spec import Mask, ScoreMod, SpecError
 
 SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
 
@@ -279,3 +279,29 @@ def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
     (spec, kw), = calls
     assert spec.element.is_fp8 and spec.mask.kind == "causal" and spec.score_mod.softcap == 30.0
     assert kw["q_descale"] is not None and float(kw["v_descale"]) == 2.0 and kw["return_lse"]
+
+
+FP8_FORWARD_MASKS = [Mask(), Mask(kind="causal"), Mask(kind="causal", align="top_left"),
+                     Mask(kind="sliding_window", window_left=256, window_right=16), Mask(kind="chunked", chunk_size=512),
+                     Mask(kind="prefix_lm", prefix_len=100)]
+
+
+@pytest.mark.parametrize("path", sorted(SPECS_DIR.glob("attn_e*_d*_sm90a.yaml")), ids=lambda p: p.stem)
+def test_every_fp8_forward_derives_the_masks_and_modifiers_it_takes_and_refuses_the_rest_by_name(path):
+    """What fagen.attention derives for FP8 q, k, v (variants.fp8_spec), for each shipped FP8
+    forward, every mask kind of positions and the modifiers: head_dim 128 takes them all; 256's
+    128 x 128 tile (240 registers a thread) takes no mask or causal and no modifier, and refuses the
+    rest naming a fix that runs. A plan rule that refuses one more (the d256 causal variant was,
+    once causal forwards claimed their tiles) is caught here, not on the GPU."""
+    from fagen.variants import fp8_spec
+
+    base = load_spec(path)
+    for mask in FP8_FORWARD_MASKS:
+        for score_mod in (ScoreMod(), ScoreMod(softcap=30.0), ScoreMod(sinks=True)):
+            if base.head_dim == 256 and (mask.kind not in ("none", "causal") or score_mod != ScoreMod()):
+                with pytest.raises(ValueError, match=rf"at head_dim 256 \(128 x 128 tiles at 240 registers a thread"
+                                                     rf".*Pass bfloat16 q, k and v for it"):
+                    fp8_spec(base.dtype, base.head_dim, mask, score_mod)
+                continue
+            spec = fp8_spec(base.dtype, base.head_dim, mask, score_mod)
+            assert spec.element.is_fp8 and spec.mask == mask, (path.stem, mask, score_mod)
