@@ -219,9 +219,7 @@ struct Mask {
   // which of its columns kv_idx is (2n + e: key fragment n, column e of its two).
   __device__ __forceinline__ bool element_active(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
     bool active = kv_idx < n_kv;
-    // at or before the diagonal, in its chunk (the same keys as kv_idx >= the chunk's first: the
-    // FP8 backward's registers hold that, not the bound)
-    active &= kv_idx <= q_idx + offset && floor_div(kv_idx, CHUNK_SIZE) == floor_div(q_idx + offset, CHUNK_SIZE);
+    active &= kv_idx <= q_idx + offset && kv_idx >= floor_div(q_idx + offset, CHUNK_SIZE) * CHUNK_SIZE;
     return active;
   }
 };

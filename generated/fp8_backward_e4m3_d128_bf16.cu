@@ -384,6 +384,13 @@ struct Mask {
     return !full || k1 >= n_kv;
   }
 
+  // The pair (q_idx, kv_idx) counts: element_test's pairs, which a kind may test otherwise for
+  // this layout's registers (element_test_group); rows past n_q are the caller's, as above.
+  __device__ __forceinline__ bool element_active_group(int b, int h, int q_idx, int kv_idx) const {
+    bool active = kv_idx < n_kv;
+    return active;
+  }
+
   // row: which of the thread's accumulator rows kv_idx is (2f + h: key fragment f, half h);
   // pair: which of its columns q_idx is (2n + e: query fragment n, column e of its two).
   __device__ __forceinline__ bool element_active_keys(int b, int h, int q_idx, int kv_idx, int row, int pair) const {
@@ -787,8 +794,8 @@ fp8_backward_e4m3_d128_bf16(
     pin_registers(s);
 
     // P^T times 2^P_LOG2_SCALE = exp2(S^T * to_log2 - (LSE - P_LOG2_SCALE)): a key past n_kv (loaded
-    // as zeros) or one the mask drops is masked (the pair's test, element_active: a query past n_q
-    // needs none, its LSE is +inf, and testing it spilled 28 bytes). A thread's queries: 8m + 2t + (e & 1).
+    // as zeros) or one the mask drops is masked (the pair's test, element_active_group: a query past
+    // n_q needs none, its LSE is +inf, and testing it spilled 28 bytes). A thread's queries: 8m + 2t + (e & 1).
     const bool edge = mask.needs_element_test_group(q0, key0);
 #pragma unroll
     for (int m = 0; m < S_N_FRAGS; ++m) {
@@ -797,7 +804,7 @@ fp8_backward_e4m3_d128_bf16(
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + (e < 2 ? r0 : r1), q = q0 + 8 * m + 2 * t + (e & 1);
         float x = s[m][e] * to_log2 - (e & 1 ? lse.y : lse.x);
-        if (edge && !mask.element_active(b, h, q, key, 0, 0)) x = NEG_INF;
+        if (edge && !mask.element_active_group(b, h, q, key)) x = NEG_INF;
         s[m][e] = fast_exp2(x);
       }
     }
