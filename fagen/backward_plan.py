@@ -80,6 +80,12 @@ REGISTER_COSTS = {
                    # beside the consumers' 240): head_dim 64 float16 at 128 queries predicted 238,
                    # spilled 20 bytes, where every other mask kind fit at 236-240 (ptxas -v, nvcc 13.0)
                    "producer_atomic_chunked": 4.0,
+                   # a third stage in the copying kernel (its addresses): measured (ptxas -v, nvcc 13.0;
+                   # head_dim 64 and 128 x block_q 32 and 64 x no mask, causal, a top-left document x
+                   # softcap or none x 2 and 3 stages, 8 warps, deterministic) where only head_dim 128 at
+                   # 64 queries under a document spilled, 8 bytes at 255 with 3 stages (predicted 254;
+                   # 2 stages fit), and no mask and causal at 251 fit with 3 (a fuzz run found it)
+                   "copying_stages3": 2.0,
                    # one warpgroup (warps 4, block_kv 64) copying its tiles: each thread copies twice
                    # the chunks of K, V, Q and dO, and their addresses stay live; measured at 255 with
                    # 4 bytes of spills at block_q 64 (12 with 3 stages; head_dim 128, every mask, float16
@@ -183,6 +189,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["two_widths_document"] = s
     if kernel == "dkdv" and spec.wgmma_backward and bwd.warps == WARPGROUP_WARPS and bwd.warp_specialized is None:
         terms["one_warpgroup"] = 1.0
+    if kernel == "dkdv" and spec.wgmma_backward and bwd.stages >= 3 and bwd.warp_specialized is None:
+        terms["copying_stages3"] = 1.0
     return terms
 
 

@@ -635,3 +635,27 @@ def test_the_dkdv_walk_takes_heads_in_l2_sections_where_kv_blocks_differ_in_work
     assert section(causal, 1, 16, 16, 8448, 128) == 1  # 66: half of 132, one head at a time
     assert section(causal, 1, 16, 16, 16384, 128) == 1
     assert section(dense, 16, 16, 16, 1024, 128) == 1
+
+
+# A fuzz run's finding (tests.spec_fuzz, seed 7): the copying wgmma dK/dV kernel at d128, 64 queries
+# a step, a top-left document, a third stage: predicted 254, ptxas 255 with 8 bytes of spills
+# (nvcc 13.0); at 2 stages it fits
+FUZZ_THIRD_STAGE = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 128, "tiling": {"block_q": 64, "block_kv": 32, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 3, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "document", "align": "top_left"},
+    "score_mod": {"sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 128, "warps": 8, "block_q": 64, "stages": 3, "dq_block_q": 128, "dq_warps": 8,
+                 "dq_block_kv": 64, "deterministic": True}}
+
+
+def test_a_third_stage_in_the_copying_dkdv_kernel_is_priced():
+    """The spec above is refused at 3 stages, naming a change that validates, and accepted at 2."""
+    from fagen.load import parse_spec
+    from fagen.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"the dK/dV kernel predicts 256 registers") as refused:
+        parse_spec(FUZZ_THIRD_STAGE)
+    assert refused.value.fix and parse_spec(with_fix(FUZZ_THIRD_STAGE, refused.value.fix))
+    two = {**FUZZ_THIRD_STAGE, "backward": {**FUZZ_THIRD_STAGE["backward"], "stages": 2}}
+    assert backward_plan(parse_spec(two)).dkdv.predicted_registers <= 255
