@@ -56,7 +56,12 @@ REGISTER_COSTS = {
              "prefix_lm": 0.0, "block_mask": 10.31, "bias": 14.38, "alibi": 13.79,
              # a bias's gradient (by hand, 90 ptxas -v runs: head_dim 64, 128, 256 x masks x bias kinds);
              # a matrix bias's per S register (an address per score)
-             "bias_grad_matrix": 0.25, "bias_grad_vector": 4.0, "two_widths_modified": TWO_WIDTHS_MODIFIED},
+             "bias_grad_matrix": 0.25, "bias_grad_vector": 4.0, "two_widths_modified": TWO_WIDTHS_MODIFIED,
+             # softcap and a score expression whose derivative varies, both: two derivative chains
+             # per S register, measured (ptxas -v, nvcc 13.0, a fuzz run's finding and its
+             # neighbours) at 255 with 4 bytes of spills at head_dim 64, 64 queries and keys a step
+             # (predicted 251), where either alone fits there
+             "s_two_nonlinear": 0.16},
     # sm_90a's wgmma kernels (head_dim <= 128), fitted by hand to 192 ptxas -v runs (head_dim 64
     # and 128 x block_q 32, 64, 128 x every mask kind x softcap, ALiBi, a bias; nvcc 13.0): every
     # build that spilled is predicted over MAX_REGISTERS; a few that just fit are refused too
@@ -191,6 +196,9 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["one_warpgroup"] = 1.0
     if kernel == "dkdv" and spec.wgmma_backward and bwd.stages >= 3 and bwd.warp_specialized is None:
         terms["copying_stages3"] = 1.0
+    if (kernel == "dkdv" and cost_table(spec, kernel) is REGISTER_COSTS["dkdv"] and mod.softcap is not None
+            and mod.nonlinear_expression):
+        terms["s_two_nonlinear"] = s
     return terms
 
 

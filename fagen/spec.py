@@ -412,7 +412,12 @@ class ScoreMod(_Frozen):
         it per S register; the linear modifiers' derivative is the scale alone, and so is an
         expression's whose derivative is the constant 1 (a score plus a bias of positions or a
         table's: traced ALiBi, a relative bias)."""
-        return self.softcap is not None or (self.expression is not None and not self._unit_slope)
+        return self.softcap is not None or self.nonlinear_expression
+
+    @property
+    def nonlinear_expression(self) -> bool:
+        """An expression whose derivative varies per element (not the constant 1)."""
+        return self.expression is not None and not self._unit_slope
 
     @property
     def _unit_slope(self) -> bool:

@@ -659,3 +659,27 @@ def test_a_third_stage_in_the_copying_dkdv_kernel_is_priced():
     assert refused.value.fix and parse_spec(with_fix(FUZZ_THIRD_STAGE, refused.value.fix))
     two = {**FUZZ_THIRD_STAGE, "backward": {**FUZZ_THIRD_STAGE["backward"], "stages": 2}}
     assert backward_plan(parse_spec(two)).dkdv.predicted_registers <= 255
+
+
+# ... and another (seed 23): the mma.sync dK/dV kernel with softcap and a score expression whose
+# derivative varies, both, at head_dim 64, 64 queries and keys a step: predicted 251, ptxas 255 with 4
+# bytes of spills (nvcc 13.0); either alone fits there
+FUZZ_TWO_NONLINEAR = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 64, "tiling": {"block_q": 128, "block_kv": 32, "warps_q": 4},
+    "pipeline": {"kv_smem": "shared", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "padded", "arch": "sm_90", "mask": {"kind": "causal"},
+    "score_mod": {"softcap": 5.0, "expression": "score * score * 0.01f", "expression_grad": "score * 0.02f"},
+    "outputs": {"lse": True},
+    "backward": {"block_kv": 64, "warps": 4, "head_split": 1, "block_q": 64, "stages": 2, "dq_block_q": 128,
+                 "dq_warps": 4, "dq_block_kv": 32, "deterministic": True}}
+
+
+def test_softcap_beside_a_nonlinear_expression_is_priced_in_the_mma_sync_dkdv_kernel():
+    from fagen.load import parse_spec
+    from fagen.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"the dK/dV kernel predicts 256 registers") as refused:
+        parse_spec(FUZZ_TWO_NONLINEAR)
+    assert refused.value.fix and parse_spec(with_fix(FUZZ_TWO_NONLINEAR, refused.value.fix))
+    for score_mod in ({"softcap": 5.0}, {k: v for k, v in FUZZ_TWO_NONLINEAR["score_mod"].items() if k != "softcap"}):
+        assert parse_spec({**FUZZ_TWO_NONLINEAR, "score_mod": score_mod})  # either alone: 251, fits
