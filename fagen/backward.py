@@ -214,7 +214,8 @@ class Backward:
         """The producer-fed kernels' tensor maps, by value (row groups, both kernels alike)."""
         if not self.producer_threads:
             return ()
-        return tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.row_groups(t.shape, t.strides, self.spec.element.bytes, name))
+        rows, size = self.plan.tma_box_rows, self.spec.element.bytes
+        return tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.row_groups(t.shape, t.strides, size, name, rows))
                      for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
 
     def _launch(self, role: str, values: dict, launch: tuple, maps: tuple,

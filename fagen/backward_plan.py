@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from fagen import expression
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
-                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
+                        SWIZZLE_ATOM_BYTES, SWIZZLE_ATOM_ROWS, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
                         score_params, searched_rule, wgmma_numbers)
 from fagen.mask_kinds import KINDS
 from fagen.spec import (LANE_COLUMNS, MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, Backward, SpecError,
@@ -389,6 +389,10 @@ class BackwardPlan:
     dq_v_k_steps: int  # k16 steps of its dP = dO V^T over head_dim_v
     dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q (and the producer's Q/dO mbarriers)
     dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
+    # rows one TMA box of the producer-fed kernels' maps writes (tensor_maps.row_groups, both
+    # kernels' tiles whole boxes): where a row is one swizzle atom (head_dim 64), every tile's
+    # row groups lie in order and one box writes a tile; else a row's atoms interleave by group
+    tma_box_rows: int
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
     # the dQ kernel launched beside the dK/dV kernel (a second stream), not after it
@@ -540,6 +544,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dq_v_k_steps=spec.dv // MMA_K,
         dq_smem_bytes=dq_smem,
         dq_producer=producer,
+        tma_box_rows=tma_box_rows(spec, dkdv, producer),
         dq_predicted_registers=dq_registers,
         smem_align=max(dkdv.smem_align, dq.smem_align),
         concurrent_dq=not spec.atomic_dq and spec.mask.kind in CONCURRENT_DQ_MASKS,
@@ -563,6 +568,16 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                             ("float", "scale"), *_strides("dq")),
     )
 
+
+
+def tma_box_rows(spec: AttentionSpec, dkdv: DkdvPlan, producer: DqProducer | None) -> int:
+    """BackwardPlan.tma_box_rows: a row group where a row spans several swizzle atoms; else the
+    rows every producer-fed tile (the dK/dV kernel's and the dQ kernel's) is a whole number of.
+    One box a tile, not one a row group: a step's 32 TMA instructions become 2 at head_dim 64."""
+    if spec.head_dim != SWIZZLE_ATOM_ELEMS or spec.dv != SWIZZLE_ATOM_ELEMS:
+        return SWIZZLE_ATOM_ROWS
+    bwd = spec.backward
+    return math.gcd(dkdv.block_q, dkdv.block_kv, *((bwd.dq_block_q, bwd.dq_block_kv) if producer else ()))
 
 
 def dq_producer(spec: AttentionSpec) -> DqProducer | None:

@@ -461,16 +461,17 @@ __device__ __forceinline__ int ds_offset(int key, int query) {  // query: a mult
           ((((query >> 3) & 7) ^ (key & 7)) << 3)) * ELEM_BYTES;
 }
 
-// Stores this thread's packed dS^T pairs (keys g, g + 8 of its warp's 16; queries 2c, 2c + 1
-// of each n8 fragment) at their swizzled places in a dS^T buffer.
+// Stores the warp's packed dS^T (its 16 keys, every query of the step) at its swizzled places in
+// a dS^T buffer: one stmatrix a k16 step, four 8 x 8 matrices whose rows (8 queries, 16 bytes) are
+// the A fragment's registers r (keys + 8 (r & 1), queries + 8 (r >> 1)); lane l gives the address
+// of row l % 8 of matrix l / 8. 8 stores a step, where 32 scalar ones queued behind dV's issue.
 __device__ __forceinline__ void store_ds(unsigned buffer, const unsigned (&ds)[Q_K_STEPS][4], int warp_row0, int lane) {
-  const int key = warp_row0 + (lane >> 2), pair = 4 * (lane & 3);
+  const int key = warp_row0 + (lane & 7) + 8 * ((lane >> 3) & 1), query = 8 * (lane >> 4);
 #pragma unroll
   for (int ks = 0; ks < Q_K_STEPS; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r)  // the A fragment's registers: key + 8 (r & 1), queries + 8 (r >> 1)
-      asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(buffer + ds_offset(key + 8 * (r & 1), 16 * ks + 8 * (r >> 1)) + pair),
-                   "r"(ds[ks][r]) : "memory");
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+                 :: "r"(buffer + ds_offset(key, 16 * ks + query)), "r"(ds[ks][0]), "r"(ds[ks][1]), "r"(ds[ks][2]),
+                    "r"(ds[ks][3]) : "memory");
 }
 
 // dQ's way out, FlashAttention-3's: a warp's fragments go to its staging in register order (a

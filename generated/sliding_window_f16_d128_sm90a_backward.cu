@@ -233,6 +233,7 @@ constexpr int BLOCK_THREADS = 384;
 constexpr int PRODUCER_WARPGROUP = 2;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to dK, dV, S and dP
+constexpr int TMA_BOX_ROWS = 8;  // rows one TMA box writes (whole row groups: tensor_maps.row_groups)
 constexpr int ROW_BYTES = 256;  // a step's LSE (and its D): f32 a query row
 constexpr int KV_LOAD_BYTES = 65536;  // a tile's K and V boxes deliver (each its own head width) ...
 constexpr int QDO_LOAD_BYTES = 32768;  // ... a step's Q and dO boxes
@@ -564,22 +565,26 @@ __device__ __forceinline__ void registers_claim() {
 }
 
 // ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
-// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
-// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
-__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
-                                                   int batch) {
+// BOX_ROWS rows (whole 8-row groups) of a [B, H, N, d] tensor's tile, every 64-column block of
+// them (the map's row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down
+// on `bar`.
+__device__ __forceinline__ void tma_load_box(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
+                                             int batch) {
   asm volatile(
       "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
       :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
       : "memory");
 }
 
-// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
-// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
-template <int ROWS>
+// A ROWS-row tile from `row` on: one box a BOX_ROWS rows (the map's box), BOX_ROWS / 8 row groups
+// of ROW_GROUP_BYTES apart. A loop, not unrolled: the producer issues under a few dozen
+// registers, and each unrolled box would hold its own.
+template <int ROWS, int BOX_ROWS>
 __device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
+  static_assert(ROWS % BOX_ROWS == 0 && BOX_ROWS % 8 == 0, "a tile is whole boxes of whole row groups");
 #pragma unroll 1
-  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
+  for (int g = 0; g < ROWS / BOX_ROWS; ++g)
+    tma_load_box(dst + g * (BOX_ROWS / 8) * ROW_GROUP_BYTES, map, bar, row + BOX_ROWS * g, head, batch);
 }
 
 // `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
@@ -631,8 +636,8 @@ struct RingBarriers {
 // Step t of a tile's dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
 // mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots.
 // Steps are numbered on across the block's tiles (`first` is this tile's step 0), so the ring
-// runs on from one tile into the next. One producer thread issues each step as TMA boxes (a box
-// an 8-row group: the row-group layout the wgmma descriptors read) and two bulk copies of the
+// runs on from one tile into the next. One producer thread issues each step as TMA boxes (whole
+// 8-row groups: the row-group layout the wgmma descriptors read) and two bulk copies of the
 // rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V arrive once, in a ring
 // of their own, a step a tile: with KV_SLOTS = 2 the next tile's load under this one's loop.
 // Invariant: producer and consumers call end(steps) after the same tiles, in order.
@@ -677,8 +682,8 @@ struct QdoPipeline {
   __device__ __forceinline__ void produce_kv(int j, const TmaMap& k_map, const TmaMap& v_map, int kv0, int h_kv,
                                              int b) const {
     const unsigned bar = kv_bars.arm(j, KV_LOAD_BYTES), k_tile = kv_ring + kv_offset(j);
-    tma_load_rows<BLOCK_KV>(k_tile, k_map, bar, kv0, h_kv, b);
-    tma_load_rows<BLOCK_KV>(k_tile + KV_TILE_BYTES, v_map, bar, kv0, h_kv, b);
+    tma_load_rows<BLOCK_KV, TMA_BOX_ROWS>(k_tile, k_map, bar, kv0, h_kv, b);
+    tma_load_rows<BLOCK_KV, TMA_BOX_ROWS>(k_tile + KV_TILE_BYTES, v_map, bar, kv0, h_kv, b);
   }
 
   // Every step: Q and dO rows of query head h0 + step_head(t) of batch b; LSE and D rows
@@ -694,8 +699,11 @@ struct QdoPipeline {
       const int next_q_tile = t + 1 < steps ? mask.step_q_tile(t + 1) : 0;
       const unsigned bar = bars.arm(step(t), QDO_LOAD_BYTES + 2 * ROW_BYTES);
       const int q0 = q_tile * BLOCK_Q;
-      tma_load_rows<BLOCK_Q>(q_slot(t), q_map, bar, q0, h0 + head, b);
-      tma_load_rows<BLOCK_Q>(do_slot(t), do_map, bar, q0, h0 + head, b);
+      // Q, then dO (Q_TILE_BYTES on): one loop over both maps, where a box a tile issued
+      // straight spilled a 24-register producer
+#pragma unroll 1
+      for (int m = 0; m < 2; ++m)
+        tma_load_rows<BLOCK_Q, TMA_BOX_ROWS>(q_slot(t) + m * Q_TILE_BYTES, m ? do_map : q_map, bar, q0, h0 + head, b);
       const long long row0 = (long long)(b * heads_q + h0 + head) * n_pad + q0;
       bulk_copy(rows_slot(t), lse2 + row0, ROW_BYTES, bar);
       bulk_copy(rows_slot(t) + ROW_BYTES, delta + row0, ROW_BYTES, bar);
@@ -1237,22 +1245,26 @@ struct Mask {
 };
 
 // ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
-// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
-// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
-__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
-                                                   int batch) {
+// BOX_ROWS rows (whole 8-row groups) of a [B, H, N, d] tensor's tile, every 64-column block of
+// them (the map's row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down
+// on `bar`.
+__device__ __forceinline__ void tma_load_box(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
+                                             int batch) {
   asm volatile(
       "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
       :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
       : "memory");
 }
 
-// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
-// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
-template <int ROWS>
+// A ROWS-row tile from `row` on: one box a BOX_ROWS rows (the map's box), BOX_ROWS / 8 row groups
+// of ROW_GROUP_BYTES apart. A loop, not unrolled: the producer issues under a few dozen
+// registers, and each unrolled box would hold its own.
+template <int ROWS, int BOX_ROWS>
 __device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
+  static_assert(ROWS % BOX_ROWS == 0 && BOX_ROWS % 8 == 0, "a tile is whole boxes of whole row groups");
 #pragma unroll 1
-  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
+  for (int g = 0; g < ROWS / BOX_ROWS; ++g)
+    tma_load_box(dst + g * (BOX_ROWS / 8) * ROW_GROUP_BYTES, map, bar, row + BOX_ROWS * g, head, batch);
 }
 
 // `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
@@ -1303,13 +1315,14 @@ struct RingBarriers {
 // ---- KV pipeline: a TMA producer (the dQ kernel) ----------------------------------------
 // Step j of the dQ loop reads KV tile mask.kv_tile(j): its K and V tiles, through rings of
 // KV_STAGES slots each (slot j % KV_STAGES). One producer thread issues each step as TMA boxes
-// (a box an 8-row group: the row-group layout the wgmma descriptors read) on the ring's
+// (whole 8-row groups: the row-group layout the wgmma descriptors read) on the ring's
 // barriers (sm90/tma_ring.cu.j2). Q and dO arrive once: a ring of one slot, walked one step.
 constexpr int BLOCK_THREADS = 256;  // THREADS compute (the consumers), then the producer warpgroup
 constexpr int PRODUCER_WARPGROUP = 1;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 232;  // ... and hands its registers to dQ, S and dP
 constexpr int BLOCKS_PER_SM = 2;  // the register split is sized for this many blocks an SM
+constexpr int TMA_BOX_ROWS = 8;  // rows one TMA box writes (as the dK/dV kernel's maps)
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's slot 0
   RingBarriers<KV_STAGES, THREADS> bars;  // after V's ring
@@ -1336,8 +1349,8 @@ struct KvPipeline {
   __device__ __forceinline__ void produce_qdo(unsigned q_tile, unsigned do_tile, const TmaMap& q_map,
                                               const TmaMap& do_map, int q0, int h, int b) const {
     const unsigned bar = qdo_bars.arm(0, 2 * Q_TILE_ELEMS * ELEM_BYTES);
-    tma_load_rows<BLOCK_Q>(q_tile, q_map, bar, q0, h, b);
-    tma_load_rows<BLOCK_Q>(do_tile, do_map, bar, q0, h, b);
+    tma_load_rows<BLOCK_Q, TMA_BOX_ROWS>(q_tile, q_map, bar, q0, h, b);
+    tma_load_rows<BLOCK_Q, TMA_BOX_ROWS>(do_tile, do_map, bar, q0, h, b);
   }
 
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& k_map, const TmaMap& v_map, int h_kv,
@@ -1348,8 +1361,8 @@ struct KvPipeline {
       const int next_tile = j + 1 < mask.count ? mask.kv_tile(j + 1) : 0;
       const unsigned bar = bars.arm(j, 2 * KV_TILE_BYTES);
       const int kv0 = kv_tile * BLOCK_KV;
-      tma_load_rows<BLOCK_KV>(k_slot(j), k_map, bar, kv0, h_kv, b);
-      tma_load_rows<BLOCK_KV>(v_slot(j), v_map, bar, kv0, h_kv, b);
+      tma_load_rows<BLOCK_KV, TMA_BOX_ROWS>(k_slot(j), k_map, bar, kv0, h_kv, b);
+      tma_load_rows<BLOCK_KV, TMA_BOX_ROWS>(v_slot(j), v_map, bar, kv0, h_kv, b);
       kv_tile = next_tile;
     }
   }
