@@ -127,11 +127,11 @@ class Backward:
                 per_kernel["dq"] = values | block_mask_arguments(block_mask, bp.dq.block_q, bp.dq.block_kv, *shape)
                 per_kernel["dkdv"] = values | block_mask_arguments(block_mask, bp.dkdv.block_q, bp.dkdv.block_kv, *shape,
                                                                    key_major_group=hq // hkv)
-            maps = self._maps(tq, tk, tv, tdo)
+            maps = {role: self._maps(role, tq, tk, tv, tdo) for role in self.kernels}
 
             if key is not None:  # packed as a kept call's launches, then kept
                 launches = tuple(self._kept_launch(role, per_kernel[role], self._grid(role, b, hq, hkv, nq, nk, n_pad,
-                                                                                      tq.device), maps)
+                                                                                      tq.device), maps[role])
                                  for role in self.kernels)
                 if all(launch is not None for _, launch in launches):
                     kept = KeptCall(launches, n_pad, bp.atomic_dq)
@@ -141,7 +141,7 @@ class Backward:
                     return Gradients(dq, dk, dv)
 
             def run(role: str) -> None:  # on CuPy's current stream
-                self._launch(role, per_kernel[role], self._grid(role, b, hq, hkv, nq, nk, n_pad, tq.device), maps)
+                self._launch(role, per_kernel[role], self._grid(role, b, hq, hkv, nq, nk, n_pad, tq.device), maps[role])
 
             run("preprocess")
             if bp.concurrent_dq:
@@ -210,12 +210,21 @@ class Backward:
             return (b * hq, -(-nq // bp.dq.block_q)), bp.dq.threads, bp.dq_smem_bytes
         return (bp.postprocess_blocks(nq), b * hq), bp.preprocess_threads, 0
 
-    def _maps(self, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, tdo: DeviceTensor) -> tuple:
-        """The producer-fed kernels' tensor maps, by value (row groups, both kernels alike)."""
-        if not self.producer_threads:
+    def _maps(self, role: str, tq: DeviceTensor, tk: DeviceTensor, tv: DeviceTensor, tdo: DeviceTensor) -> tuple:
+        """A producer-fed kernel's tensor maps, by value: the dK/dV kernel's boxes are a tile's
+        64-column blocks (Q and dO tiles of block_q rows, K and V of block_kv), the dQ kernel's
+        8-row groups; () for a kernel without a producer."""
+        if role not in self.producer_threads:
             return ()
-        rows, size = self.plan.tma_box_rows, self.spec.element.bytes
-        return tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.row_groups(t.shape, t.strides, size, name, rows))
+        size, dkdv = self.spec.element.bytes, self.plan.dkdv
+
+        def layout(name: str, t: DeviceTensor) -> tensor_maps.MapLayout:
+            if role == "dkdv":
+                rows = dkdv.block_q if name in ("q", "dout") else dkdv.block_kv
+                return tensor_maps.layout(t.shape, t.strides, size, rows, name)
+            return tensor_maps.row_groups(t.shape, t.strides, size, name)
+
+        return tuple(TensorMap(f"{name}_map", name, self.spec.dtype, layout(name, t))
                      for name, t in zip(TMA_TENSORS, (tq, tk, tv, tdo)))
 
     def _launch(self, role: str, values: dict, launch: tuple, maps: tuple,
@@ -406,10 +415,10 @@ class QueryRows:
                           **_stride_values(("q", tq), ("k", tk), ("v", tv), ("dout", self.dout),
                                            *((name, as_device_tensor(x, name)) for name, x in
                                              (("dk", dk), ("dv", dv), ("dq", dq)) if x is not None)))
-            maps = kernels._maps(tq, tk, tv, self.dout)
             for role in ("dkdv",) if mine.atomic_dq else ("dkdv", "dq"):
                 launch = kernels._launch(role, values, kernels._grid(role, b, hq, hkv, nq, nk, self.n_pad, tq.device),
-                                         maps, slots=ADD_SLOTS if mine.atomic_dq else TMA_TENSORS)
+                                         kernels._maps(role, tq, tk, tv, self.dout),
+                                         slots=ADD_SLOTS if mine.atomic_dq else TMA_TENSORS)
             if key is not None and launch is not None:
                 kernels.repeated_adds.keep(key, launch)
             if dq is not None:

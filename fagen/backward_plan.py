@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from fagen import expression
 from fagen.plan import (CHUNK_BYTES, CHUNK_ELEMS, ELEM_PTR, FLOAT_PTR, KERNEL_SYMBOL_PREFIX, MAX_REGISTERS, MBARRIER_BYTES,
                         PAD_ELEMS, TMA_MAP,
-                        SWIZZLE_ATOM_BYTES, SWIZZLE_ATOM_ROWS, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
+                        SWIZZLE_ATOM_BYTES, WARPGROUP_WARPS, Fix, KernelPlan, combined, first_valid, fixes_unsought, plan,
                         score_params, searched_rule, wgmma_numbers)
 from fagen.mask_kinds import KINDS
 from fagen.spec import (LANE_COLUMNS, MMA_K, MMA_M, MMA_N, REMOVE, SMEM_PER_BLOCK, SWIZZLE_ATOM_ELEMS, WARPGROUP_ROWS, AttentionSpec, Backward, SpecError,
@@ -308,8 +308,17 @@ class DkdvPlan:
     warpgroup_warps: int  # warps of one wgmma.m64: 64 keys, 16 a warp
     atoms_per_row: int  # 128-byte swizzle atoms across a row (the wider head)
     atom_elems: int
-    atom_bytes: int  # the leading byte offset of an MN-major B (dO, Q of dV and dK)
+    atom_bytes: int  # one 8-row swizzle atom (the dS^T buffers' row-group layout)
     row_group_bytes: int  # 8 rows of a tile: the stride byte offset
+    # a tile's next 64 columns: one atom on in row groups; a tile's rows of 128 bytes on in column
+    # blocks (the producer's boxes); as the leading byte offset of an MN-major B (dO and Q in dV
+    # and dK, K in dQ), a K-major k step across atoms otherwise
+    kv_atom_step_bytes: int  # of the K and V tiles
+    q_atom_step_bytes: int  # of the Q and dO tiles
+    d_atoms: int  # 64-column blocks of a head_dim row (K, Q) ...
+    dv_atoms: int  # ... and of a head_dim_v row (V, dO): a producer's boxes a tile
+    atom_columns: int  # a block's columns (a box's)
+    atom_row_bytes: int  # ... of a row: in column blocks a block's rows are this far apart
     k_step_bytes: int  # a k16 step over head_dim within an atom ...
     k_steps_per_atom: int  # ... this many, then on to the next atom
     q_step_bytes: int  # a k16 step over the queries of dV and dK (16 rows: two row groups)
@@ -350,7 +359,9 @@ class DkdvPlan:
     # backward.warp_specialized: a producer warpgroup after the consumers' (threads) loads with
     # TMA; the block has block_threads, and setmaxnreg moves registers between the roles
     warp_specialized: bool
-    column_blocks: bool  # always false: TMA fills the tiles by row groups (tensor_maps.row_groups)
+    # smem_offset's layout (cp.async's tiles; dK and dV staged over K and V): row groups. A
+    # producer's tiles are column blocks (a TMA box each: kv_atom_step_bytes, q_atom_step_bytes)
+    column_blocks: bool
     block_threads: int  # threads, plus the producer warpgroup's where warp-specialised
     producer_warpgroup: int  # its index: the one after the consumers' (0 without)
     producer_registers: int  # setmaxnreg targets (0: every thread copies with cp.async)
@@ -389,10 +400,6 @@ class BackwardPlan:
     dq_v_k_steps: int  # k16 steps of its dP = dO V^T over head_dim_v
     dq_smem_bytes: int  # its plan's (Q tile, KV ring) and the dO tile after Q (and the producer's Q/dO mbarriers)
     dq_producer: DqProducer | None  # backward.dq_warp_specialized; None: every thread copies with cp.async
-    # rows one TMA box of the producer-fed kernels' maps writes (tensor_maps.row_groups, both
-    # kernels' tiles whole boxes): where a row is one swizzle atom (head_dim 64), every tile's
-    # row groups lie in order and one box writes a tile; else a row's atoms interleave by group
-    tma_box_rows: int
     dq_predicted_registers: int
     smem_align: int  # bytes: the dynamic smem both main loops share, at the stricter one's alignment
     # the dQ kernel launched beside the dK/dV kernel (a second stream), not after it
@@ -544,7 +551,6 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         dq_v_k_steps=spec.dv // MMA_K,
         dq_smem_bytes=dq_smem,
         dq_producer=producer,
-        tma_box_rows=tma_box_rows(spec, dkdv, producer),
         dq_predicted_registers=dq_registers,
         smem_align=max(dkdv.smem_align, dq.smem_align),
         concurrent_dq=not spec.atomic_dq and spec.mask.kind in CONCURRENT_DQ_MASKS,
@@ -568,16 +574,6 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
                             ("float", "scale"), *_strides("dq")),
     )
 
-
-
-def tma_box_rows(spec: AttentionSpec, dkdv: DkdvPlan, producer: DqProducer | None) -> int:
-    """BackwardPlan.tma_box_rows: a row group where a row spans several swizzle atoms; else the
-    rows every producer-fed tile (the dK/dV kernel's and the dQ kernel's) is a whole number of.
-    One box a tile, not one a row group: a step's 32 TMA instructions become 2 at head_dim 64."""
-    if spec.head_dim != SWIZZLE_ATOM_ELEMS or spec.dv != SWIZZLE_ATOM_ELEMS:
-        return SWIZZLE_ATOM_ROWS
-    bwd = spec.backward
-    return math.gcd(dkdv.block_q, dkdv.block_kv, *((bwd.dq_block_q, bwd.dq_block_kv) if producer else ()))
 
 
 def dq_producer(spec: AttentionSpec) -> DqProducer | None:
@@ -761,7 +757,9 @@ def dkdv_register_fix(spec: AttentionSpec) -> tuple[str, dict | None]:
 # 240 registers (0 spills in float16, +2-7% over the copying kernel, H200). At 64 queries a step
 # the unpacking costs 3%; the copying kernel (255 registers) keeps the f32 tile.
 EARLY_P_PACK_S_REGS = 64
-DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
+DKDV_WGMMA_NUMBERS = ("warpgroup_warps", "atoms_per_row", "atom_elems", "atom_bytes", "row_group_bytes",
+                      "kv_atom_step_bytes", "q_atom_step_bytes", "d_atoms", "dv_atoms", "atom_columns", "atom_row_bytes",
+                      "k_step_bytes",
                       "k_steps_per_atom", "q_step_bytes", "warpgroup_keys_bytes", "mbarrier_bytes", "s_acc_regs", "d_acc_regs",
                       "dv_acc_regs", "early_p_pack")
 ATOMIC_DQ_NUMBERS = ("atomic_dq", "ds_offset", "ds_tile_bytes", "ds_atoms_per_row", "ds_row_group_bytes", "dq_tiles",
@@ -817,7 +815,9 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
     """The wgmma dK/dV kernel's offsets: its tiles are laid out as the forward's (fagen.plan), with
     keys in the forward's query rows (K and V are wgmma's A) and queries in its key rows (Q and
     dO are the B of S^T and dP^T, then of dK and dV, transposed)."""
-    bwd, forward = spec.backward, wgmma_numbers(spec, 0, 0)
+    bwd = spec.backward
+    # a TMA producer writes column blocks, a box each; cp.async, row groups
+    forward = wgmma_numbers(spec, 0, 0, column_blocks=bwd.warp_specialized is not None, rows=(bwd.block_kv, bwd.block_q))
     threads_per_warpgroup = 32 * WARPGROUP_WARPS
     s_acc_regs = WARPGROUP_ROWS * bwd.block_q // threads_per_warpgroup
     return {
@@ -825,6 +825,12 @@ def dkdv_wgmma_numbers(spec: AttentionSpec) -> dict[str, int]:
         "atoms_per_row": spec.row_width // SWIZZLE_ATOM_ELEMS,
         **{name: forward[name] for name in ("atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                                             "k_steps_per_atom")},
+        "kv_atom_step_bytes": forward["q_atom_step_bytes"],
+        "q_atom_step_bytes": forward["k_atom_step_bytes"],
+        "d_atoms": spec.head_dim // forward["atom_columns"],
+        "dv_atoms": spec.dv // forward["atom_columns"],
+        "atom_columns": forward["atom_columns"],
+        "atom_row_bytes": forward["atom_row_bytes"],
         "q_step_bytes": forward["v_step_bytes"],
         "warpgroup_keys_bytes": forward["warpgroup_q_bytes"],
         "mbarrier_bytes": MBARRIER_BYTES,

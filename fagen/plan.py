@@ -974,18 +974,20 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_ti
     }
 
 
-def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, v_tile_elems: int, column_blocks: bool = False) -> dict[str, int]:
+def wgmma_numbers(spec: AttentionSpec, kv_tile_elems: int, v_tile_elems: int, column_blocks: bool = False,
+                  rows: tuple[int, int] | None = None) -> dict[str, int]:
     """The sm_90a kernel's byte offsets within its 128-byte-swizzled tiles. Two layouts of the
     same atoms: row groups (cp.async: 8-row groups one after the other, each row_width / 64 atoms
-    wide) or, where TMA fills the tiles (column_blocks: the forward's warp_specialized), column
+    wide) or, where TMA fills the tiles (column_blocks: a warp-specialised kernel's), column
     blocks (a tile's 64-column block of every row, one after the other: what one TMA box of 64
-    columns writes). The backward's kernels read row groups (its TMA producer loads a box a group)."""
+    columns writes). rows: the rows of wgmma's A tile (the forward's Q) and of its B tile (K),
+    where not the forward's tiling's (the backward's dK/dV kernel: K, then Q)."""
     rows_per_warpgroup = WARPGROUP_WARPS * MMA_M
     columns, mma_k = swizzle_atom_columns(spec), spec.element.mma_k["wgmma"]
     if column_blocks:  # 8 rows of one column block; the blocks a tile's rows * 128 bytes apart
         row_group = SWIZZLE_ATOM_BYTES
-        column_step = {name: rows * SWIZZLE_ROW_BYTES for name, rows in (("q", spec.tiling.block_q),
-                                                                       ("k", spec.tiling.block_kv))}
+        a_rows, b_rows = rows or (spec.tiling.block_q, spec.tiling.block_kv)
+        column_step = {"q": a_rows * SWIZZLE_ROW_BYTES, "k": b_rows * SWIZZLE_ROW_BYTES}
     else:  # 8 rows: the row's atoms side by side
         row_group = spec.row_width // columns * SWIZZLE_ATOM_BYTES
         column_step = {"q": SWIZZLE_ATOM_BYTES, "k": SWIZZLE_ATOM_BYTES}

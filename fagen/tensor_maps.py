@@ -84,22 +84,16 @@ def box_columns(element_bytes: int) -> int:
 
 
 @lru_cache(maxsize=256)
-def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, what: str,
-               rows: int = ROW_GROUP_ROWS) -> MapLayout:
+def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, what: str) -> MapLayout:
     """The map of a [B, H, N, d] tensor whose box is one 8-row group of a tile, head_dim's
     64-column blocks side by side (the backward's layout, the one its wgmma descriptors read):
     a row's 64-column blocks are a dimension of their own, 128 bytes apart, outside the rows, so
-    one box lands as 8 rows of block 0, then 8 rows of block 1, ... Rows past N load as zeros.
-    Where head_dim is one block, a box of `rows` rows lands as that many groups in order: a whole
-    tile in one box, not one a group."""
+    one box lands as 8 rows of block 0, then 8 rows of block 1, ... Rows past N load as zeros."""
     b, h, n, d = shape
     sequence, head, batch = _byte_strides(shape, strides, element_bytes, what)
     blocks = d // BOX_COLUMNS
-    if rows != ROW_GROUP_ROWS and (blocks != 1 or rows % ROW_GROUP_ROWS or not 0 < rows <= MAX_BOX_ROWS):
-        raise ValueError(f"{what}: a row-group box of {rows} rows over {blocks} column blocks; boxes of more than "
-                         f"{ROW_GROUP_ROWS} rows take whole row groups, up to {MAX_BOX_ROWS}, of one block")
     return MapLayout(dims=(BOX_COLUMNS, n, blocks, h, b), strides=(sequence, BOX_COLUMNS * element_bytes, head, batch),
-                     box=(BOX_COLUMNS, rows, blocks, 1, 1))
+                     box=(BOX_COLUMNS, ROW_GROUP_ROWS, blocks, 1, 1))
 
 
 @lru_cache(maxsize=64)

@@ -209,17 +209,19 @@ constexpr int STAGE_BYTES = 33792;       // Q, dO, then the rows' LSE and D (f32
 constexpr int ROW_CHUNKS = 16;          // 16-byte chunks of a tile's LSE (and of its D)
 constexpr int OUT_CHUNKS = 2048;        // 16-byte chunks of the block's dK
 constexpr int V_OUT_CHUNKS = 2048;      // ... of its dV
-// wgmma: a warpgroup's 4 warps own 64 keys (16 a warp: M_FRAGS is 1); tiles are rows of
-// 128-byte swizzle atoms, laid out as the forward's.
+// wgmma: a warpgroup's 4 warps own 64 keys (16 a warp: M_FRAGS is 1); tiles are 128-byte
+// swizzle atoms, laid out as the forward's: column blocks (a TMA box each: a 64-column block of every row of the tile).
 constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 keys)
 constexpr int ATOMS_PER_ROW = 2;        // 128-byte swizzle atoms across head_dim
 constexpr int ATOM_ELEMS = 512;        // one atom: 8 rows of 64 elements
-constexpr int ATOM_BYTES = 1024;       // ... the leading byte offset of a transposed B
-constexpr int ROW_GROUP_BYTES = 2048;  // 8 rows of a tile: wgmma's stride byte offset
+constexpr int ATOM_BYTES = 1024;       // ... the dS^T buffers' leading byte offset
+constexpr int ROW_GROUP_BYTES = 1024;  // 8 rows of a tile: wgmma's stride byte offset
+constexpr int KV_ATOM_STEP_BYTES = 16384;  // the K and V tiles' next 64 columns
+constexpr int Q_ATOM_STEP_BYTES = 8192;   // the Q and dO tiles' next 64 columns
 constexpr int K_STEP_BYTES = 32;        // a k16 step over head_dim along an atom's rows ...
 constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom
-constexpr int Q_STEP_BYTES = 4096;      // a k16 step of dV and dK: 16 queries, two row groups
-constexpr int WARPGROUP_KEYS_BYTES = 16384;  // a warpgroup's 64 rows of the K (and V) tile
+constexpr int Q_STEP_BYTES = 2048;      // a k16 step of dV and dK: 16 queries, two row groups
+constexpr int WARPGROUP_KEYS_BYTES = 8192;  // a warpgroup's 64 rows of the K (and V) tile
 constexpr int MBARRIER_BYTES = 8;      // the Q/dO ring's landed and freed barriers follow it
 // Atomic dQ: each step's dS^T goes to smem (two buffers, so a warpgroup may write step t + 1's
 // while another still reads step t's), keys as rows and the queries in 64-wide swizzle atoms;
@@ -250,8 +252,11 @@ constexpr int BLOCK_THREADS = 384;
 constexpr int PRODUCER_WARPGROUP = 2;
 constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to dK, dV, S and dP
-constexpr int TMA_BOX_ROWS = 8;  // rows one TMA box writes (whole row groups: tensor_maps.row_groups)
 constexpr int ROW_BYTES = 256;  // a step's LSE (and its D): f32 a query row
+constexpr int D_ATOMS = 2;   // a K or Q tile's boxes: its 64-column blocks ...
+constexpr int DV_ATOMS = 2;  // ... and a V or dO tile's
+constexpr int ATOM_COLUMNS = 64;  // a box's columns
+constexpr int ATOM_ROW_BYTES = 128;  // ... of a row: a block's rows are this far apart
 constexpr int KV_LOAD_BYTES = 65536;  // a tile's K and V boxes deliver (each its own head width) ...
 constexpr int QDO_LOAD_BYTES = 32768;  // ... a step's Q and dO boxes
 constexpr int NAMED_BARRIER_EPILOGUE = 3;  // the consumers, before dK and dV are staged over K and V
@@ -416,18 +421,19 @@ __device__ __forceinline__ void issue_keys_queries(float (&acc)[S_N_FRAGS][4], u
   const unsigned long long b = smem_desc(queries, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < K_STEPS; ++ks) {
-    const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
-    wgmma_keys_queries(acc, a + step, b + step, ks > 0);
+    const int atom = ks / K_STEPS_PER_ATOM, within = (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES;
+    wgmma_keys_queries(acc, a + ((atom * KV_ATOM_STEP_BYTES + within) >> DESC_UNIT_SHIFT),
+                       b + ((atom * Q_ATOM_STEP_BYTES + within) >> DESC_UNIT_SHIFT), ks > 0);
   }
   wgmma_commit();
 }
 
 // dV (or dK) += A.B over the step's queries, one wgmma group: A packed P^T (or dS^T), B the
-// step's dO (or Q) tile. Its 64-column atoms are ATOM_BYTES apart, its 8-row groups ROW_GROUP_BYTES.
+// step's dO (or Q) tile. Its 64-column blocks are Q_ATOM_STEP_BYTES apart, its 8-row groups ROW_GROUP_BYTES.
 template <int N_FRAGS>
 __device__ __forceinline__ void issue_keys_dims(float (&acc)[N_FRAGS][4], const unsigned (&a)[Q_K_STEPS][4],
                                                 unsigned queries) {
-  const unsigned long long b = smem_desc(queries, ATOM_BYTES, ROW_GROUP_BYTES);
+  const unsigned long long b = smem_desc(queries, Q_ATOM_STEP_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < Q_K_STEPS; ++ks) wgmma_keys_dims(acc, a[ks], b + ((ks * Q_STEP_BYTES) >> DESC_UNIT_SHIFT));
   wgmma_commit();
@@ -462,7 +468,7 @@ __device__ __forceinline__ void wgmma_dq(float (&d)[DQ_N_FRAGS][4], unsigned lon
 // column) of the dS^T buffer, `k_cols` its 64 columns (one atom column) of the K tile.
 __device__ __forceinline__ void issue_dq(float (&acc)[DQ_N_FRAGS][4], unsigned ds, unsigned k_cols) {
   const unsigned long long a = smem_desc(ds, ATOM_BYTES, DS_ROW_GROUP_BYTES);
-  const unsigned long long b = smem_desc(k_cols, ATOM_BYTES, ROW_GROUP_BYTES);
+  const unsigned long long b = smem_desc(k_cols, KV_ATOM_STEP_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < DQ_KEY_STEPS; ++ks)  // 16 keys: two row groups of either tile
     wgmma_dq(acc, a + ((2 * ks * DS_ROW_GROUP_BYTES) >> DESC_UNIT_SHIFT), b + ((ks * Q_STEP_BYTES) >> DESC_UNIT_SHIFT),
@@ -653,26 +659,22 @@ __device__ __forceinline__ void registers_claim() {
 }
 
 // ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
-// BOX_ROWS rows (whole 8-row groups) of a [B, H, N, d] tensor's tile, every 64-column block of
-// them (the map's row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down
-// on `bar`.
-__device__ __forceinline__ void tma_load_box(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
-                                             int batch) {
+// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
+// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
+__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
+                                                   int batch) {
   asm volatile(
       "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
       :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
       : "memory");
 }
 
-// A ROWS-row tile from `row` on: one box a BOX_ROWS rows (the map's box), BOX_ROWS / 8 row groups
-// of ROW_GROUP_BYTES apart. A loop, not unrolled: the producer issues under a few dozen
-// registers, and each unrolled box would hold its own.
-template <int ROWS, int BOX_ROWS>
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
+// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
+template <int ROWS>
 __device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
-  static_assert(ROWS % BOX_ROWS == 0 && BOX_ROWS % 8 == 0, "a tile is whole boxes of whole row groups");
 #pragma unroll 1
-  for (int g = 0; g < ROWS / BOX_ROWS; ++g)
-    tma_load_box(dst + g * (BOX_ROWS / 8) * ROW_GROUP_BYTES, map, bar, row + BOX_ROWS * g, head, batch);
+  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
 }
 
 // `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
@@ -724,9 +726,9 @@ struct RingBarriers {
 // Step t of a tile's dK/dV loop reads query tile mask.step_q_tile(t) of the group's query head
 // mask.step_head(t): its Q and dO tiles and its rows' LSE and D, through a ring of STAGES slots.
 // Steps are numbered on across the block's tiles (`first` is this tile's step 0), so the ring
-// runs on from one tile into the next. One producer thread issues each step as TMA boxes (whole
-// 8-row groups: the row-group layout the wgmma descriptors read) and two bulk copies of the
-// rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V arrive once, in a ring
+// runs on from one tile into the next. One producer thread issues each step as TMA boxes (a
+// box a 64-column block of the tile: the column-block layout the wgmma descriptors read) and
+// two bulk copies of the rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V arrive once, in a ring
 // of their own, a step a tile: with KV_SLOTS = 2 the next tile's load under this one's loop.
 // Invariant: producer and consumers call end(steps) after the same tiles, in order.
 struct QdoPipeline {
@@ -766,12 +768,21 @@ struct QdoPipeline {
   }
 
   // ---- the producer's side (one thread) ----
+  // ROWS rows of a tile from `row` on, `atoms` 64-column blocks of them: a box a block, ROWS
+  // rows of ATOM_ROW_BYTES apart. A loop, not unrolled: the producer issues under 24 registers.
+  template <int ROWS>
+  __device__ __forceinline__ static void load(unsigned dst, const TmaMap& map, int atoms, unsigned bar, int row, int head,
+                                              int batch) {
+#pragma unroll 1
+    for (int a = 0; a < atoms; ++a) tma_load_tile(dst + a * ROWS * ATOM_ROW_BYTES, map, bar, a * ATOM_COLUMNS, row, head, batch);
+  }
+
   // Tile j's K and V, once its slot's last tile is written out.
   __device__ __forceinline__ void produce_kv(int j, const TmaMap& k_map, const TmaMap& v_map, int kv0, int h_kv,
                                              int b) const {
     const unsigned bar = kv_bars.arm(j, KV_LOAD_BYTES), k_tile = kv_ring + kv_offset(j);
-    tma_load_rows<BLOCK_KV, TMA_BOX_ROWS>(k_tile, k_map, bar, kv0, h_kv, b);
-    tma_load_rows<BLOCK_KV, TMA_BOX_ROWS>(k_tile + KV_TILE_BYTES, v_map, bar, kv0, h_kv, b);
+    load<BLOCK_KV>(k_tile, k_map, D_ATOMS, bar, kv0, h_kv, b);
+    load<BLOCK_KV>(k_tile + KV_TILE_BYTES, v_map, DV_ATOMS, bar, kv0, h_kv, b);
   }
 
   // Every step: Q and dO rows of query head h0 + step_head(t) of batch b; LSE and D rows
@@ -787,11 +798,11 @@ struct QdoPipeline {
       const int next_q_tile = t + 1 < steps ? mask.step_q_tile(t + 1) : 0;
       const unsigned bar = bars.arm(step(t), QDO_LOAD_BYTES + 2 * ROW_BYTES);
       const int q0 = q_tile * BLOCK_Q;
-      // Q, then dO (Q_TILE_BYTES on): one loop over both maps, where a box a tile issued
-      // straight spilled a 24-register producer
+      // Q, then dO (Q_TILE_BYTES on): one loop over both maps, where the two issued straight
+      // spilled a 24-register producer
 #pragma unroll 1
       for (int m = 0; m < 2; ++m)
-        tma_load_rows<BLOCK_Q, TMA_BOX_ROWS>(q_slot(t) + m * Q_TILE_BYTES, m ? do_map : q_map, bar, q0, h0 + head, b);
+        load<BLOCK_Q>(q_slot(t) + m * Q_TILE_BYTES, m ? do_map : q_map, m ? DV_ATOMS : D_ATOMS, bar, q0, h0 + head, b);
       const long long row0 = (long long)(b * heads_q + h0 + head) * n_pad + q0;
       bulk_copy(rows_slot(t), lse2 + row0, ROW_BYTES, bar);
       bulk_copy(rows_slot(t) + ROW_BYTES, delta + row0, ROW_BYTES, bar);
@@ -971,7 +982,7 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     const int dq_tile = warpgroup % DQ_TILES, dq_keys = warpgroup / DQ_TILES * (BLOCK_KV / DQ_KEY_SPLIT);
     const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
     const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
-    const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
+    const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * KV_ATOM_STEP_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
     for (int t = 0; t < steps; ++t) {
       const int head = mask.step_head(t);  // the group's query head ...
       const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile

@@ -204,13 +204,15 @@ constexpr int STAGE_BYTES = 33792;       // Q, dO, then the rows' LSE and D (f32
 constexpr int ROW_CHUNKS = 16;          // 16-byte chunks of a tile's LSE (and of its D)
 constexpr int OUT_CHUNKS = 1024;        // 16-byte chunks of the block's dK
 constexpr int V_OUT_CHUNKS = 2048;      // ... of its dV
-// wgmma: a warpgroup's 4 warps own 64 keys (16 a warp: M_FRAGS is 1); tiles are rows of
-// 128-byte swizzle atoms, laid out as the forward's.
+// wgmma: a warpgroup's 4 warps own 64 keys (16 a warp: M_FRAGS is 1); tiles are 128-byte
+// swizzle atoms, laid out as the forward's: row groups (8 rows, their atoms side by side).
 constexpr int WARPGROUP_WARPS = 4;      // warps of one wgmma.m64 (4 x 16 keys)
 constexpr int ATOMS_PER_ROW = 2;        // 128-byte swizzle atoms across head_dim
 constexpr int ATOM_ELEMS = 512;        // one atom: 8 rows of 64 elements
-constexpr int ATOM_BYTES = 1024;       // ... the leading byte offset of a transposed B
+constexpr int ATOM_BYTES = 1024;       // ... the dS^T buffers' leading byte offset
 constexpr int ROW_GROUP_BYTES = 2048;  // 8 rows of a tile: wgmma's stride byte offset
+constexpr int KV_ATOM_STEP_BYTES = 1024;  // the K and V tiles' next 64 columns
+constexpr int Q_ATOM_STEP_BYTES = 1024;   // the Q and dO tiles' next 64 columns
 constexpr int K_STEP_BYTES = 32;        // a k16 step over head_dim along an atom's rows ...
 constexpr int K_STEPS_PER_ATOM = 4;     // ... this many, then on to the next atom
 constexpr int Q_STEP_BYTES = 4096;      // a k16 step of dV and dK: 16 queries, two row groups
@@ -393,18 +395,19 @@ __device__ __forceinline__ void issue_keys_queries(float (&acc)[S_N_FRAGS][4], u
   const unsigned long long b = smem_desc(queries, KMAJOR_LEAD_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < K_STEPS; ++ks) {
-    const int step = ((ks / K_STEPS_PER_ATOM) * ATOM_BYTES + (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES) >> DESC_UNIT_SHIFT;
-    wgmma_keys_queries(acc, a + step, b + step, ks > 0);
+    const int atom = ks / K_STEPS_PER_ATOM, within = (ks % K_STEPS_PER_ATOM) * K_STEP_BYTES;
+    wgmma_keys_queries(acc, a + ((atom * KV_ATOM_STEP_BYTES + within) >> DESC_UNIT_SHIFT),
+                       b + ((atom * Q_ATOM_STEP_BYTES + within) >> DESC_UNIT_SHIFT), ks > 0);
   }
   wgmma_commit();
 }
 
 // dV (or dK) += A.B over the step's queries, one wgmma group: A packed P^T (or dS^T), B the
-// step's dO (or Q) tile. Its 64-column atoms are ATOM_BYTES apart, its 8-row groups ROW_GROUP_BYTES.
+// step's dO (or Q) tile. Its 64-column blocks are Q_ATOM_STEP_BYTES apart, its 8-row groups ROW_GROUP_BYTES.
 template <int N_FRAGS>
 __device__ __forceinline__ void issue_keys_dims(float (&acc)[N_FRAGS][4], const unsigned (&a)[Q_K_STEPS][4],
                                                 unsigned queries) {
-  const unsigned long long b = smem_desc(queries, ATOM_BYTES, ROW_GROUP_BYTES);
+  const unsigned long long b = smem_desc(queries, Q_ATOM_STEP_BYTES, ROW_GROUP_BYTES);
 #pragma unroll
   for (int ks = 0; ks < Q_K_STEPS; ++ks) wgmma_keys_dims(acc, a[ks], b + ((ks * Q_STEP_BYTES) >> DESC_UNIT_SHIFT));
   wgmma_commit();

@@ -183,26 +183,22 @@ __device__ __forceinline__ void registers_claim() {
 }
 
 // ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
-// BOX_ROWS rows (whole 8-row groups) of a [B, H, N, d] tensor's tile, every 64-column block of
-// them (the map's row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down
-// on `bar`.
-__device__ __forceinline__ void tma_load_box(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
-                                             int batch) {
+// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
+// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
+__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
+                                                   int batch) {
   asm volatile(
       "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
       :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
       : "memory");
 }
 
-// A ROWS-row tile from `row` on: one box a BOX_ROWS rows (the map's box), BOX_ROWS / 8 row groups
-// of ROW_GROUP_BYTES apart. A loop, not unrolled: the producer issues under a few dozen
-// registers, and each unrolled box would hold its own.
-template <int ROWS, int BOX_ROWS>
+// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
+// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
+template <int ROWS>
 __device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
-  static_assert(ROWS % BOX_ROWS == 0 && BOX_ROWS % 8 == 0, "a tile is whole boxes of whole row groups");
 #pragma unroll 1
-  for (int g = 0; g < ROWS / BOX_ROWS; ++g)
-    tma_load_box(dst + g * (BOX_ROWS / 8) * ROW_GROUP_BYTES, map, bar, row + BOX_ROWS * g, head, batch);
+  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
 }
 
 // `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.

@@ -319,13 +319,20 @@ def test_warp_specialized_plan_adds_a_producer_warpgroup_and_its_maps():
     # the maps, then the tile grid's batch (the walk's batch * KV heads)
     assert [name for _, name in plan.dkdv_params[-6:]] == ["q_map", "k_map", "v_map", "dout_map", "batch",
                                                         "heads_section"]
-    assert not dkdv.column_blocks  # the TMA boxes land as row groups, the layout cp.async wrote
+    # TMA writes the tiles as column blocks, a box each: a tile's 64 columns of every row, then the next
+    assert (dkdv.row_group_bytes, plain.dkdv.row_group_bytes) == (1024, 2048)
+    assert (dkdv.kv_atom_step_bytes, dkdv.q_atom_step_bytes) == (dkdv.block_kv * 128, dkdv.block_q * 128)
+    assert (plain.dkdv.kv_atom_step_bytes, plain.dkdv.q_atom_step_bytes) == (1024, 1024)  # cp.async: row groups
+    # the boxes deliver what the barriers expect: a box a 64-column block of each tile
+    assert (dkdv.d_atoms + dkdv.dv_atoms) * dkdv.block_q * dkdv.atom_row_bytes == dkdv.qdo_load_bytes
+    assert (dkdv.d_atoms + dkdv.dv_atoms) * dkdv.block_kv * dkdv.atom_row_bytes == dkdv.kv_load_bytes
+    assert not dkdv.column_blocks  # smem_offset (dK and dV staged over K and V) keeps row groups
 
 
 def test_warp_specialized_backward_renders_a_producer_and_no_copies_in_the_dkdv_kernel():
     source = render_backward(fagen.parse_spec(hopper(deterministic=True, warp_specialized={})))
     dkdv = source[source.index("namespace dkdv"):source.index("}  // namespace dkdv")]
-    assert "cp.async.bulk.tensor.5d" in dkdv and "setmaxnreg.dec" in dkdv and "setmaxnreg.inc" in dkdv
+    assert "cp.async.bulk.tensor.4d" in dkdv and "setmaxnreg.dec" in dkdv and "setmaxnreg.inc" in dkdv
     assert "__launch_bounds__(BLOCK_THREADS, 1)" in dkdv and "constexpr int BLOCK_THREADS = 384;" in dkdv
     assert "copy_tile_async<BLOCK_KV>(k_tile" not in dkdv and "pipe.issue(" not in dkdv
     assert "__syncthreads();" not in dkdv[dkdv.index("pipe.wait_kv(j)"):]  # the producer has left: named barriers only

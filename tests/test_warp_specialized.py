@@ -364,14 +364,21 @@ def test_repointing_a_mapped_tensor_encodes_its_map_anew(monkeypatch):
 
 
 def test_the_backward_keeps_its_own_tile_layout():
-    """The backward's kernels copy with cp.async into row groups whatever the forward's producer."""
+    """The backward's tiles are laid out for its own loads, whatever the forward's producer: column
+    blocks where its dK/dV kernel has a producer of its own (a TMA box a block), else row groups."""
     from fagen.backward_plan import backward_plan
     from fagen.variants import trainable
 
     ws = trainable(fagen.parse_spec(ws_spec()))
     threads = trainable(fagen.parse_spec(ws_spec(pipeline={"warp_specialized": None})))
-    assert backward_plan(ws).dkdv == backward_plan(threads).dkdv
-    assert backward_plan(ws).dkdv.row_group_bytes == 2 * 1024  # 8 rows of two atoms side by side
+    dkdv = backward_plan(ws).dkdv
+    assert dkdv == backward_plan(threads).dkdv
+    assert dkdv.warp_specialized and dkdv.row_group_bytes == 1024  # 8 rows of one 64-column block
+    assert dkdv.kv_atom_step_bytes == dkdv.block_kv * 128  # the next block: the tile's rows of 128 bytes on
+    copying = trainable(fagen.parse_spec(ws_spec()), deterministic=True)
+    copying = fagen.parse_spec({**copying.model_dump(), "name": "copying",
+                                "backward": {**copying.backward.model_dump(), "warp_specialized": None}})
+    assert backward_plan(copying).dkdv.row_group_bytes == 2 * 1024  # cp.async: 8 rows of two atoms side by side
 
 
 def test_a_ring_step_folds_into_the_running_output_a_block_a_tile():
