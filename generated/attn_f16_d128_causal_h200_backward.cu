@@ -1027,10 +1027,10 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
       pack_a(dp, ds);
       wgmma_fence();
       issue_keys_dims(dv_acc[0], p[0], do_tile);
-      // dQ = dS.K between them: dS^T to this step's buffer (dV runs meanwhile), where the rows a
-      // warpgroup's tile reads are after the barrier; then the tile's MMAs, and its adds into
-      // the f32 accumulator while dK runs, once P^T has died. Rows past n_q land in the padding,
-      // never read.
+      // dQ = dS.K between them: dS^T in this step's buffer (stored while dV runs), where
+      // the rows a warpgroup's tile reads are after the barrier; then the tile's MMAs, and its adds
+      // into the f32 accumulator while dK runs, once P^T has died. Rows past n_q land in the
+      // padding, never read.
       store_ds(ds_tiles + (pipe.step(t) & 1) * DS_TILE_BYTES, ds[0], warp_row0, lane);
       fence_async_smem();
       named_barrier_sync(NAMED_BARRIER_DS + (DS_BARRIER_THREADS == THREADS ? 0 : warpgroup), DS_BARRIER_THREADS);
