@@ -100,7 +100,15 @@ REGISTER_COSTS = {
                    # nvcc 13.0, 84 builds: 192/128, 128/64, 64/128 x every mask kind x softcap or none,
                    # float16 and bfloat16) 242 at 128/64 with 64 queries a step, and 255 with 12 bytes of
                    # spills under softcap, where this table said 227 and 243; the other masks within 10
-                   "two_widths_document": 0.41, "two_widths_modified": TWO_WIDTHS_MODIFIED},
+                   "two_widths_document": 0.41, "two_widths_modified": TWO_WIDTHS_MODIFIED,
+                   # a mask expression, tested at every element of every step (not only the diagonal's):
+                   # measured (ptxas -v, nvcc 13.0, the lowest of 168-240 by 8 with no spill; head_dim
+                   # 128 x block_q 32 on one warpgroup and 64 on two, deterministic or not x causal and
+                   # a top-left document x softcap or none x kv_idx < 64, q_idx % 2 == 0 || kv_idx < 64,
+                   # h % 2 == 0 || kv_idx < 64): up to 3 over this table; reading the step's query head
+                   # on one warpgroup, 11-23 over (a fuzz run's document with softcap and sinks spilled
+                   # 8 bytes at 224, predicted 217); on two, within 5
+                   "mask_expression": 3.0, "mask_expression_head_one_warpgroup": 13.0},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -199,6 +207,10 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     if (kernel == "dkdv" and cost_table(spec, kernel) is REGISTER_COSTS["dkdv"] and mod.softcap is not None
             and mod.nonlinear_expression):
         terms["s_two_nonlinear"] = s
+    if kernel == "dkdv" and spec.wgmma_backward and mask.expression:
+        terms["mask_expression"] = 1.0
+        if "h" in expression.reads(expression.mask(mask.expression)) and bwd.warps == WARPGROUP_WARPS:
+            terms["mask_expression_head_one_warpgroup"] = 1.0
     return terms
 
 

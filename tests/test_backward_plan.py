@@ -690,3 +690,30 @@ def test_softcap_beside_a_nonlinear_expression_is_priced_in_the_mma_sync_dkdv_ke
     assert refused.value.fix and parse_spec(with_fix(FUZZ_TWO_NONLINEAR, refused.value.fix))
     for score_mod in ({"softcap": 5.0}, {k: v for k, v in FUZZ_TWO_NONLINEAR["score_mod"].items() if k != "softcap"}):
         assert parse_spec({**FUZZ_TWO_NONLINEAR, "score_mod": score_mod})  # either alone: 251, fits
+
+
+# ... and another (seed 20261201): the producer-fed dK/dV kernel on one warpgroup (deterministic,
+# head_dim 128, 32 queries a step) under a document mask whose expression reads the step's query
+# head, with softcap and sinks: predicted 217, ptxas 224 with 8 bytes of spills (nvcc 13.0); the
+# same expression without `h` fits there
+FUZZ_HEAD_EXPRESSION = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 128, "tiling": {"block_q": 128, "block_kv": 64, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False,
+                 "warp_specialized": {"consumer_registers": 232, "persistent": True}},
+    "smem_layout": "swizzled", "arch": "sm_90a",
+    "mask": {"kind": "document", "align": "top_left", "causal": True, "expression": "h % 2 == 0 || kv_idx < 64"},
+    "score_mod": {"softcap": 5.0, "sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 64, "warps": 4, "block_q": 32, "stages": 2, "dq_block_q": 64, "dq_warps": 4,
+                 "dq_block_kv": 64, "deterministic": True,
+                 "warp_specialized": {"consumer_registers": 224, "persistent": False}}}
+
+
+def test_a_mask_expression_reading_the_head_is_priced_in_the_producer_fed_dkdv_kernel():
+    from fagen.load import parse_spec
+    from fagen.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"the dK/dV kernel predicts 233 registers a thread") as refused:
+        parse_spec(FUZZ_HEAD_EXPRESSION)
+    assert refused.value.fix and parse_spec(with_fix(FUZZ_HEAD_EXPRESSION, refused.value.fix))
+    without_head = {**FUZZ_HEAD_EXPRESSION, "mask": {**FUZZ_HEAD_EXPRESSION["mask"], "expression": "kv_idx < 64"}}
+    assert backward_plan(parse_spec(without_head)).dkdv.predicted_registers == 220  # fits its 224
