@@ -538,6 +538,38 @@ def test_a_paged_decode_step_replays_in_a_cuda_graph():
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"] and int(status.item()) == 0
 
 
+def test_a_kept_paged_call_captured_through_its_memo_replays_in_a_cuda_graph():
+    """validate=False without out: the call's kept class, remembered by the stream's last call, is
+    what a capture on that stream takes (its C path, the output from the graph's pool); replayed
+    after new queries and longer sequences are written into the buffers."""
+    rng = np.random.default_rng(22)
+    lens = [300, 900]
+    k_cache, v_cache, table = _paged_cache(rng, "float16", [n + 24 for n in lens], 16, 4, 128)
+    q = _randn(rng, (2, 16, 1, 128), "float16")
+    seqlens, pages = _int32(lens), _int32(table)
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step():
+        return fagen.attention_with_kvcache(q, k_cache, v_cache, seqlens, pages, status=status, validate=False)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        step()  # the memo: this stream's last call and its class
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = step()
+    q.copy_(_randn(rng, q.shape, "float16"))
+    seqlens.copy_(_int32([n + 24 for n in lens]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), [n + 24 for n in lens])
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"] and int(status.item()) == 0
+
+
 @pytest.mark.parametrize("shape", [(3, 32, 8, 1), (2, 16, 4, 16), (48, 32, 8, 1)],
                          ids=["merged-in-kernel", "merge-kernel", "unsplit"])
 def test_a_prepared_paged_step_follows_its_tensors_from_step_to_step(shape):
