@@ -487,7 +487,7 @@ def dq_spec(spec: AttentionSpec) -> AttentionSpec:
 
 
 STRIDES = ("sb", "sh", "sn")
-TMA_TENSORS = ("q", "k", "v", "dout")  # the producer-fed kernels' tensor maps (row groups: dK/dV and dQ alike)
+TMA_TENSORS = ("q", "k", "v", "dout")  # the producer-fed kernels' tensor maps (dK/dV: column blocks; dQ: row groups)
 
 
 def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:

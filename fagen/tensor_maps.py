@@ -86,7 +86,8 @@ def box_columns(element_bytes: int) -> int:
 @lru_cache(maxsize=256)
 def row_groups(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int, what: str) -> MapLayout:
     """The map of a [B, H, N, d] tensor whose box is one 8-row group of a tile, head_dim's
-    64-column blocks side by side (the backward's layout, the one its wgmma descriptors read):
+    64-column blocks side by side (the backward dQ kernel's layout, the one its wgmma descriptors
+    read; the dK/dV kernel's producer loads column blocks, `layout`):
     a row's 64-column blocks are a dimension of their own, 128 bytes apart, outside the rows, so
     one box lands as 8 rows of block 0, then 8 rows of block 1, ... Rows past N load as zeros."""
     b, h, n, d = shape
