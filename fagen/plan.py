@@ -310,9 +310,12 @@ SCHEDULER_PARAMS = (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"), 
 # A claimed walk's producer holds the claim beside the mask's state across its loop: at 24
 # registers ptxas spills 4-20 bytes of it for block masks, windows, documents and d64's softcap
 # variant (nvcc 13.0), at 32 none; an accumulating kernel's producer, which also prefetches the
-# running O and LSE, spilled 24 bytes at 32 and none at 40. The consumers give up what that takes.
+# running O and LSE, spilled 24 bytes at 32 and none at 40, and so did a split-KV partial's over
+# KV tiles of a width that is no power of two (its split bounds divide by it: 8-24 bytes at 96, 160
+# and 192 keys, head_dim 64 and 128, with and without ALiBi; none at 32, 64, 128; a fuzz run found
+# it). The consumers give up what that takes.
 CLAIMING_PRODUCER_REGISTERS = 32
-CLAIMING_ACCUMULATING_PRODUCER_REGISTERS = 40
+CLAIMING_WIDE_PRODUCER_REGISTERS = 40
 # A claimed walk's counters: tiles claimed past the first wave, then blocks done claiming (both
 # zero before the launch and after it; null where the walk is one wave)
 CLAIMED_WALK_PARAMS = (("unsigned* __restrict__", "tiles_claimed"),)
@@ -381,7 +384,9 @@ def has_claimed_walk(spec: AttentionSpec) -> bool:
 def claiming_producer_registers(spec: AttentionSpec) -> int:
     """The fewest registers a claimed walk's producer thread takes (CLAIMING_PRODUCER_REGISTERS'
     note)."""
-    return CLAIMING_ACCUMULATING_PRODUCER_REGISTERS if spec.outputs.accumulate else CLAIMING_PRODUCER_REGISTERS
+    block_kv = spec.tiling.block_kv
+    dividing = spec.outputs.partial and block_kv & (block_kv - 1)  # split bounds over a width no power of two
+    return CLAIMING_WIDE_PRODUCER_REGISTERS if spec.outputs.accumulate or dividing else CLAIMING_PRODUCER_REGISTERS
 
 
 def _consumers_beside(spec: AttentionSpec, producer: int) -> int:

@@ -441,3 +441,29 @@ def test_row_group_map_of_a_token_major_tensor_and_its_refusals():
     assert m.dims == (64, 1000, 1, 8, 3) and m.strides == (8 * 64 * 2, 128, 64 * 2, 1000 * 8 * 64 * 2)
     with pytest.raises(ValueError, match="sequence stride 132"):
         tensor_maps.row_groups((2, 8, 64, 128), (8 * 64 * 128, 64 * 128, 132, 1), 2, "dout")
+
+
+# A fuzz run's finding (seed 47): a split-KV partial's claimed walk over 96-key tiles, whose
+# producer spilled 8 bytes at 32 registers (its split bounds divide by the tile's width)
+FUZZ_PARTIAL_96 = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 64, "tiling": {"block_q": 128, "block_kv": 96, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False,
+                 "warp_specialized": {"consumer_registers": 232, "persistent": True}},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "causal", "align": "bottom_right"},
+    "score_mod": {"alibi": "slopes"}, "outputs": {"lse": True, "partial": True}}
+
+
+@pytest.mark.parametrize("block_kv, producer, consumers", [(96, 40, 232), (160, 40, 232), (64, 32, 232), (128, 32, 232)])
+def test_a_partial_claimed_walk_over_tiles_of_no_power_of_two_width_gives_its_producer_40_registers(
+        block_kv, producer, consumers):
+    from fagen.plan import register_split
+
+    spec = fagen.parse_spec({**FUZZ_PARTIAL_96, "tiling": {**FUZZ_PARTIAL_96["tiling"], "block_kv": block_kv}})
+    assert plan(spec).claimed_walk and register_split(spec) == (producer, consumers)
+
+
+def test_the_partial_claimed_walk_over_96_keys_compiles_without_spills():
+    from fagen import nvcc
+
+    kernels = nvcc.compile_all(fagen.parse_spec(FUZZ_PARTIAL_96), "sm_90a")
+    assert kernels and all(k.clean for k in kernels), [k.summary() for k in kernels]
