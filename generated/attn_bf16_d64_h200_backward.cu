@@ -467,7 +467,7 @@ __device__ __forceinline__ int ds_offset(int key, int query) {  // query: a mult
 // Stores the warp's packed dS^T (its 16 keys, every query of the step) at its swizzled places in
 // a dS^T buffer: one stmatrix a k16 step, four 8 x 8 matrices whose rows (8 queries, 16 bytes) are
 // the A fragment's registers r (keys + 8 (r & 1), queries + 8 (r >> 1)); lane l gives the address
-// of row l % 8 of matrix l / 8. 8 stores a step, where 32 scalar ones queued behind dV's issue.
+// of row l % 8 of matrix l / 8. Q_K_STEPS stores a step, where 4 x Q_K_STEPS scalar ones were.
 __device__ __forceinline__ void store_ds(unsigned buffer, const unsigned (&ds)[Q_K_STEPS][4], int warp_row0, int lane) {
   const int key = warp_row0 + (lane & 7) + 8 * ((lane >> 3) & 1), query = 8 * (lane >> 4);
 #pragma unroll

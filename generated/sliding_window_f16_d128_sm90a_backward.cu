@@ -640,8 +640,9 @@ struct RingBarriers {
 // Steps are numbered on across the block's tiles (`first` is this tile's step 0), so the ring
 // runs on from one tile into the next. One producer thread issues each step as TMA boxes (a
 // box a 64-column block of the tile: the column-block layout the wgmma descriptors read) and
-// two bulk copies of the rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V arrive once, in a ring
-// of their own, a step a tile: with KV_SLOTS = 2 the next tile's load under this one's loop.
+// two bulk copies of the rows, on the ring's barriers (sm90/tma_ring.cu.j2). A tile's K and V
+// arrive once, in a ring of their own, a step a tile: with KV_SLOTS = 2 the next tile's load
+// under this one's loop.
 // Invariant: producer and consumers call end(steps) after the same tiles, in order.
 struct QdoPipeline {
   unsigned kv_ring, ring;  // smem addresses of K/V slot 0 and of Q/dO slot 0, after the K/V slots
