@@ -162,25 +162,7 @@ __device__ __forceinline__ void registers_claim() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
 }
 
-// ---- a TMA ring: row-group loads and the barriers one producer thread and the consumers share
-// One 8-row group of a [B, H, N, d] tensor's tile, every 64-column block of it (the map's
-// row_groups layout: dims 64 columns, N rows, d / 64 blocks, H, B), counted down on `bar`.
-__device__ __forceinline__ void tma_load_row_group(unsigned dst, const TmaMap& map, unsigned bar, int row, int head,
-                                                   int batch) {
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, { 0, %2, 0, %3, %4 }], [%5];\n"
-      :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(row), "r"(head), "r"(batch), "r"(bar)
-      : "memory");
-}
-
-// A ROWS-row tile from `row` on: one box an 8-row group, ROW_GROUP_BYTES apart. A loop, not
-// unrolled: the producer issues under a few dozen registers, and each unrolled box would hold its own.
-template <int ROWS>
-__device__ __forceinline__ void tma_load_rows(unsigned dst, const TmaMap& map, unsigned bar, int row, int head, int batch) {
-#pragma unroll 1
-  for (int g = 0; g < ROWS / 8; ++g) tma_load_row_group(dst + g * ROW_GROUP_BYTES, map, bar, row + 8 * g, head, batch);
-}
-
+// ---- a TMA ring: bulk copies and the barriers one producer thread and the consumers share
 // `bytes` (a multiple of 16) of contiguous global memory, counted down on `bar`.
 __device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, int bytes, unsigned bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
