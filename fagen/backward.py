@@ -109,9 +109,9 @@ class Backward:
                     _like(given, name, t)  # where the caller asks them written: checked first
             dq, dk, dv = (empty_like(t, t.shape, spec.dtype) if given is None else given
                           for t, given in ((tq, dq), (tk, dk), (tv, dv)))
-            # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, zeroed first (in its own order:
-            # backward_plan.dq_accum_index)
-            dq_accum = zeros_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
+            # atomic dQ: the dK/dV kernel adds into f32 rows padded as D's, which the preprocess zeroes
+            # (in its own order: backward_plan.dq_accum_index)
+            dq_accum = empty_like(tq, (b, hq, n_pad, d), "float32") if bp.atomic_dq else None
             dbias, dbias_args, summed = self._bias_grad_buffer(bias, tq, b, hkv)
             dbias_args.update(self._captured_sums_arguments(captured_sums))
             values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, n_kv=nk, batch=b,
@@ -171,12 +171,13 @@ class Backward:
         n_pad = -(-nq // self.plan.row_pad) * self.plan.row_pad
         with cupy.cuda.Device(tq.device), stream_for(tq):
             delta, lse2 = (empty_like(tq, (b, hq, n_pad), "float32") for _ in range(2))
-            values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, heads_q=hq,
-                          n_pad=n_pad, **_stride_values(("o", to), ("dout", tdo)))
-            self._launch("preprocess", values, self._grid("preprocess", b, hq, 0, nq, 0, n_pad, tq.device), ())
             # atomic dQ: the dK/dV kernels add into rows padded as D's (backward_plan.dq_accum_index's
-            # order); else each block's dQ is summed here
-            dq_sum = zeros_like(tq, (b, hq, n_pad, d) if self.plan.atomic_dq else (b, hq, nq, d), "float32")
+            # order), which the preprocess zeroes; else each block's dQ is summed here
+            dq_sum = (empty_like(tq, (b, hq, n_pad, d), "float32") if self.plan.atomic_dq
+                      else zeros_like(tq, (b, hq, nq, d), "float32"))
+            values = dict(o=to.ptr, dout=tdo.ptr, lse=tl.ptr, delta=_ptr(delta), lse2=_ptr(lse2), n_q=nq, heads_q=hq,
+                          n_pad=n_pad, dq_accum=_ptr(dq_sum), **_stride_values(("o", to), ("dout", tdo)))
+            self._launch("preprocess", values, self._grid("preprocess", b, hq, 0, nq, 0, n_pad, tq.device), ())
         return QueryRows(self, tq, tdo, scale, n_pad, delta, lse2, dq_sum)
 
     def _heads_section(self, b: int, hq: int, hkv: int, n_pad: int, n_kv: int, d: int, device_id: int) -> int:
@@ -230,14 +231,16 @@ class Backward:
     def _launch(self, role: str, values: dict, launch: tuple, maps: tuple,
                 slots: tuple[str, ...] = TMA_TENSORS) -> Launch | None:
         """One kernel on CuPy's current stream, its arguments packed by name from `values`; the
-        Launch of a producer-fed kernel (`slots` the pointers a later launch may re-point)."""
+        Launch of a producer-fed kernel (`slots` the pointers a later launch may re-point) or of a
+        dependent one (BackwardPlan.dependent_roles)."""
         (grid, threads, smem), function = launch, self.kernels[role]
         if 0 in grid:  # no rows (a ring's empty chunk)
             return None
         producers = self.producer_threads
-        if role in producers:
-            packed = Launch(function, (*grid, 1), producers[role], smem, getattr(self.plan, f"{role}_params"), values,
-                            slots=slots, maps=maps)
+        if role in producers or role in self.plan.dependent_roles:
+            packed = Launch(function, (*grid, 1), producers.get(role, threads), smem,
+                            getattr(self.plan, f"{role}_params"), values, slots=slots if role in producers else (),
+                            maps=maps, dependent=role in self.plan.dependent_roles)
             packed(None)
             return packed
         function(grid, (threads,), pack_arguments(self.packers[role], values), shared_mem=smem)
@@ -262,7 +265,8 @@ class Backward:
             return names, None
         return names, Launch(function, (*grid, 1), self.producer_threads.get(role, threads), smem,
                              getattr(self.plan, f"{role}_params"), values, slots=names,
-                             maps=maps if role in self.producer_threads else ())
+                             maps=maps if role in self.producer_threads else (),
+                             dependent=role in self.plan.dependent_roles)
 
     def _captured_sums_arguments(self, captured_sums) -> dict:
         """The dK/dV kernel's backward.captured_grads arguments: each array's sums, the scales."""
@@ -322,7 +326,7 @@ class KeptCall:
             b, hq, _, d = q.shape
             rows = torch.empty((2, b, hq, self.n_pad), dtype=torch.float32, device=q.device)
             grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-            accum = torch.zeros((b, hq, self.n_pad, d), dtype=torch.float32, device=q.device) if self.atomic_dq else None
+            accum = torch.empty((b, hq, self.n_pad, d), dtype=torch.float32, device=q.device) if self.atomic_dq else None
             address, stream = (lambda t: t.data_ptr()), torch_stream_handle()(device)
         else:
             if q.device.id != cupy.cuda.runtime.getDevice():
@@ -330,7 +334,7 @@ class KeptCall:
             b, hq, _, d = q.shape
             rows = cupy.empty((2, b, hq, self.n_pad), dtype=cupy.float32)
             grads = tuple(cupy.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-            accum = cupy.zeros((b, hq, self.n_pad, d), dtype=cupy.float32) if self.atomic_dq else None
+            accum = cupy.empty((b, hq, self.n_pad, d), dtype=cupy.float32) if self.atomic_dq else None
             address, stream = (lambda t: t.data.ptr), None
         inputs = tuple(address(t) for t in (q, k, v, dout, out, lse))
         if any(a % 16 for a in inputs):

@@ -457,6 +457,16 @@ class BackwardPlan:
         element where it applies it."""
         return plan.mainloop == "sm80" and any(name == "bias" for _, name in self.score_params)
 
+    @property
+    def dependent_roles(self) -> tuple[str, ...]:
+        """The kernels launched as programmatic dependents of the one before them on the stream
+        (fagen.dependent_launch): each waits for it (griddepcontrol.wait) before touching memory,
+        so its launch and prologue overlap that kernel's last wave. The producer-fed dK/dV kernel
+        after the preprocess, and atomic dQ's postprocess after it."""
+        if not self.dkdv.warp_specialized:
+            return ()
+        return ("dkdv", "postprocess") if self.atomic_dq else ("dkdv",)
+
     def postprocess_blocks(self, n_q: int) -> int:
         """The postprocess's blocks a head: a thread per 16 floats (two rows' 8 columns) of the
         dq_accum query tiles that hold n_q rows."""
@@ -497,7 +507,7 @@ def _strides(*tensors: str) -> tuple[tuple[str, str], ...]:
 SHAPE_PARAMS = (("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
                 ("int", "n_pad"))
 ROW_PARAMS = ((FLOAT_PTR, "delta"), (FLOAT_PTR, "lse2"))  # D and LSE * log2(e), [B, Hq, n_pad]
-DQ_ACCUM = ("float* __restrict__", "dq_accum")  # atomic dQ: [B, Hq, n_pad, head_dim] f32, zeroed
+DQ_ACCUM = ("float* __restrict__", "dq_accum")  # atomic dQ: [B, Hq, n_pad, head_dim] f32, zeroed by the preprocess
 # backward.bias_grad: dbias f32, zeroed, of the bias's shape or one copy per batch and KV head
 # (deterministic): element (b, h, q, k) at b sb + h sh + (h / group) skv + q sq + k
 BIAS_GRAD_PARAMS = (("float* __restrict__", "dbias"), ("long long", "dbias_sb"), ("long long", "dbias_sh"),
@@ -571,7 +581,7 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         score_params=mod_params,
         preprocess_params=((ELEM_PTR, "o"), (ELEM_PTR, "dout"), (FLOAT_PTR, "lse"), ("float* __restrict__", "delta"),
                            ("float* __restrict__", "lse2"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
-                           *_strides("o", "dout")),
+                           *_strides("o", "dout"), *((DQ_ACCUM,) if spec.atomic_dq else ())),
         dkdv_params=((ELEM_PTR, "q"), (ELEM_PTR, "k"), (ELEM_PTR, "v"), (ELEM_PTR, "dout"), *ROW_PARAMS,
                      (OUT_PTR, "dk"), (OUT_PTR, "dv"), *((DQ_ACCUM,) if spec.atomic_dq else ()), *SHAPE_PARAMS,
                      *_strides("q", "k", "v", "dout", "dk", "dv"), ("float", "scale"), ("float", "scale_log2"), *side,

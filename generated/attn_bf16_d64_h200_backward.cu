@@ -119,11 +119,13 @@ constexpr int THREADS = 128;
 constexpr int CHUNKS_PER_ROW = 8;  // 16-byte chunks in a head_dim row
 constexpr int LANES = 8;          // lanes along a row, its chunks dealt among them
 constexpr int ROWS = 16;           // rows a block: THREADS / LANES
+constexpr int HEAD_DIM = 64;  // atomic dQ's accumulator rows, which it zeroes
 
 // D = rowsum(dO * O) in f32, and the forward's LSE times log2(e): LANES lanes a query row, each
 // summing its chunks (lane i: chunks i, i + LANES, ...: the row group's lanes read whole lines),
 // then a shuffle sum. A row that saw no key (LSE = -inf) gets +inf, so the loops' exp2(S - LSE)
 // give it P = 0, not NaN; padding rows [n_q, n_pad) get D = 0 and +inf.
+// Atomic dQ: a block also zeroes its rows' run of the accumulator the dK/dV kernel adds into.
 extern "C" __global__ void __launch_bounds__(THREADS)
 fagen_attn_bf16_d64_h200_bwd_preprocess(
     const elem_t* __restrict__ o,
@@ -139,8 +141,14 @@ fagen_attn_bf16_d64_h200_bwd_preprocess(
     long long o_sn,
     long long dout_sb,
     long long dout_sh,
-    long long dout_sn) {
+    long long dout_sn,
+    float* __restrict__ dq_accum) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
+  {  // the accumulator's floats of this block's rows, zeroed (its tiles are in register order, not by row)
+    float4* run = reinterpret_cast<float4*>(dq_accum + ((long long)bh * n_pad + blockIdx.x * ROWS) * HEAD_DIM);
+    const int floats = min(ROWS, n_pad - (int)blockIdx.x * ROWS) * HEAD_DIM;
+    for (int i = threadIdx.x; i < floats / 4; i += THREADS) run[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
   if (row >= n_pad) return;  // a row's LANES lanes leave together: the shuffles below are theirs
   float d = 0.f;

@@ -121,11 +121,13 @@ constexpr int THREADS = 128;
 constexpr int CHUNKS_PER_ROW = 16;  // 16-byte chunks in a head_dim row
 constexpr int LANES = 8;          // lanes along a row, its chunks dealt among them
 constexpr int ROWS = 16;           // rows a block: THREADS / LANES
+constexpr int HEAD_DIM = 128;  // atomic dQ's accumulator rows, which it zeroes
 
 // D = rowsum(dO * O) in f32, and the forward's LSE times log2(e): LANES lanes a query row, each
 // summing its chunks (lane i: chunks i, i + LANES, ...: the row group's lanes read whole lines),
 // then a shuffle sum. A row that saw no key (LSE = -inf) gets +inf, so the loops' exp2(S - LSE)
 // give it P = 0, not NaN; padding rows [n_q, n_pad) get D = 0 and +inf.
+// Atomic dQ: a block also zeroes its rows' run of the accumulator the dK/dV kernel adds into.
 extern "C" __global__ void __launch_bounds__(THREADS)
 fagen_attn_f16_d128_causal_h200_bwd_preprocess(
     const elem_t* __restrict__ o,
@@ -141,8 +143,17 @@ fagen_attn_f16_d128_causal_h200_bwd_preprocess(
     long long o_sn,
     long long dout_sb,
     long long dout_sh,
-    long long dout_sn) {
+    long long dout_sn,
+    float* __restrict__ dq_accum) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // the dK/dV kernel may launch (it waits for this one)
+#endif
+  {  // the accumulator's floats of this block's rows, zeroed (its tiles are in register order, not by row)
+    float4* run = reinterpret_cast<float4*>(dq_accum + ((long long)bh * n_pad + blockIdx.x * ROWS) * HEAD_DIM);
+    const int floats = min(ROWS, n_pad - (int)blockIdx.x * ROWS) * HEAD_DIM;
+    for (int i = threadIdx.x; i < floats / 4; i += THREADS) run[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
   if (row >= n_pad) return;  // a row's LANES lanes leave together: the shuffles below are theirs
   float d = 0.f;
@@ -924,6 +935,11 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
   // (Each role builds its own scheduler: a value live across setmaxnreg is spilled.)
   QdoPipeline pipe(smem);
   pipe.init(tid);
+  // Launched while the preprocess may still run (Backward's dependent launch): its D, LSE rows
+  // and zeroed accumulator are read only after it has finished. The
+  // postprocess may launch now: it waits for this kernel the same way.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
@@ -1106,6 +1122,7 @@ fagen_attn_f16_d128_causal_h200_bwd_postprocess(
     long long dq_sb,
     long long dq_sh,
     long long dq_sn) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // launched while the dK/dV kernel may still run: its adds first
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
   const int i = blockIdx.x * THREADS + threadIdx.x;
   const int n = i % DQ_N_FRAGS, g = i / DQ_N_FRAGS % 8, w = i / (DQ_N_FRAGS * 8) % WARPGROUP_WARPS;

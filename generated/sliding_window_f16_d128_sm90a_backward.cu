@@ -149,6 +149,9 @@ fagen_sliding_window_f16_d128_sm90a_bwd_preprocess(
     long long dout_sh,
     long long dout_sn) {
   const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // the dK/dV kernel may launch (it waits for this one)
+#endif
   const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
   if (row >= n_pad) return;  // a row's LANES lanes leave together: the shuffles below are theirs
   float d = 0.f;
@@ -835,6 +838,11 @@ fagen_sliding_window_f16_d128_sm90a_bwd_dkdv(
   // (Each role builds its own scheduler: a value live across setmaxnreg is spilled.)
   QdoPipeline pipe(smem);
   pipe.init(tid);
+  // Launched while the preprocess may still run (Backward's dependent launch): its D, LSE rows
+  // are read only after it has finished. The
+  // postprocess may launch now: it waits for this kernel the same way.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" :::);
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {

@@ -490,6 +490,32 @@ def test_the_preprocess_reads_whole_lines_of_a_row(head_dim, lanes):
     assert "__shfl_xor_sync(group, d, offset)" in preprocess and "if (lane == 0) {" in preprocess
 
 
+@pytest.mark.parametrize("warp_specialized", [True, False])
+def test_the_preprocess_zeroes_the_accumulator_and_the_kernels_after_it_wait(warp_specialized):
+    """Atomic dQ's accumulator is zeroed by the preprocess (no memset launch: a block clears its
+    rows' run of it), and where the dK/dV kernel has a producer it and the postprocess launch as
+    programmatic dependents (BackwardPlan.dependent_roles): each waits for the kernel before it
+    (griddepcontrol.wait) first thing, and the kernel before lets it launch. A kernel launched
+    plainly emits neither instruction; the dQ kernel (deterministic) is never a dependent."""
+    spec = fagen.load_spec(SPECS / "attn_f16_d128_causal_h200.yaml")
+    if not warp_specialized:
+        spec = fagen.parse_spec(hopper())
+    deterministic = variants.trainable(spec, deterministic=True)
+    for s, roles in ((spec, ("dkdv", "postprocess") if warp_specialized else ()),
+                     (deterministic, ("dkdv",) if deterministic.backward.warp_specialized else ())):
+        plan = backward_plan(s)
+        assert plan.dependent_roles == roles and plan.dkdv.warp_specialized == warp_specialized
+        assert (("float* __restrict__", "dq_accum") in plan.preprocess_params) == s.atomic_dq
+        source = render_backward(s)
+        kernels = {role: source[source.index(f"{symbol}(\n"):] for role, symbol in kernel_symbols(plan).items()}
+        for role, text in kernels.items():
+            body = text[:text.index("\n}\n")]
+            assert ("griddepcontrol.wait" in body) == (role in roles), (role, roles)
+        preprocess = kernels["preprocess"][:kernels["preprocess"].index("\n}\n")]
+        assert ("griddepcontrol.launch_dependents" in preprocess) == bool(roles)
+        assert ("run[i] = make_float4(0.f, 0.f, 0.f, 0.f)" in preprocess) == s.atomic_dq
+
+
 # ---- a document mask's bounds, resolved once a call (fagen.runtime.document_bounds) ------------
 
 @pytest.mark.parametrize("causal", [True, False])
