@@ -244,7 +244,8 @@ def list_cmd(specs: tuple[str, ...]) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="print the whole ptxas report")
 def compile_cmd(spec: str, arch: str | None, verbose: bool) -> None:
     """Compile every kernel SPEC renders (the forward; with backward:, its kernels too) offline
-    with nvcc and print each one's registers, stack frame and spills; exit 1 if any spills."""
+    with nvcc and print each one's registers, stack frame, spills and SASS instructions (its
+    code's size); exit 1 if any spills."""
     from fagen.nvcc import arch_error, compile_all, targets
 
     s = _load(Path(spec))
@@ -262,7 +263,8 @@ def compile_cmd(spec: str, arch: str | None, verbose: bool) -> None:
         r = k.resources
         click.echo(f"{s.name} {r.arch}: {k.symbol} ({k.label}): {r.registers} registers, "
                    + (f"{plan(s).smem_bytes} bytes dynamic smem, " if k.file == "forward" else "")
-                   + f"{r.stack_frame} bytes stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)")
+                   + f"{r.stack_frame} bytes stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads), "
+                   + f"{r.instructions} SASS instructions")
     spilled = [f"{k.symbol} ({k.label})" for k in kernels if not k.clean]
     if spilled:
         click.echo(f"Error: {s.name}: {', '.join(spilled)} spill or use a stack frame on {arch}", err=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,9 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 _SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized.*? in the function '(\w+)'")
 # the front end's warning and, on the next line, the source line it is about
 _WARNING = re.compile(r"^.*\(\d+\): warning\b.*\n(.*)$", re.MULTILINE)
+# what _ptxas adds to the log for each kernel of the cubin: its SASS instructions (sass_instructions)
+_INSTRUCTIONS = re.compile(r"^fagen: (\w+) has (\d+) SASS instructions$", re.MULTILINE)
+SASS_INSTRUCTION_BYTES = 16  # every instruction from sm_70 on
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Resources:
     static_smem: int
     log: str
     wgmma_serialized: bool = False  # ptxas serialised the kernel's wgmmas (C7520)
+    # its code's static size (not a count of executed ones): two trees' kernels compared without a
+    # GPU or a disassembler, as notes/perf.md's uniform warp index was
+    instructions: int = 0
 
 
 MMA_SYNC_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")  # oldest first
@@ -99,10 +106,29 @@ def _ptxas(file: str, source: str, arch: str) -> tuple[int, str]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / file
         src.write_text(source)
-        cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v",
-               "-o", str(Path(tmp) / "k.cubin"), str(src)]
+        cubin = Path(tmp) / "k.cubin"
+        cmd = [find_nvcc(), "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", "-o", str(cubin), str(src)]
         run = subprocess.run(cmd, capture_output=True, text=True)
-    return run.returncode, run.stdout + run.stderr
+        counts = sass_instructions(cubin.read_bytes()) if run.returncode == 0 else {}
+    return run.returncode, run.stdout + run.stderr + "".join(f"fagen: {symbol} has {n} SASS instructions\n"
+                                                            for symbol, n in counts.items())
+
+
+def sass_instructions(cubin: bytes) -> dict[str, int]:
+    """Each kernel's SASS instructions in a cubin (an ELF64 file): its `.text.<symbol>` section's
+    bytes over SASS_INSTRUCTION_BYTES. Read from the section headers, so no disassembler is needed."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    # a section header: name (an offset into the names section), type, flags, address, offset, size, ...
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entry_size) for i in range(count)]
+    names_at = headers[names_index][4]
+
+    def name(header) -> str:
+        start = names_at + header[0]
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    return {n.removeprefix(".text."): h[5] // SASS_INSTRUCTION_BYTES for h in headers
+            if (n := name(h)).startswith(".text.")}
 
 
 def _ptxas_log(spec: AttentionSpec, file: str, source: str, arch: str) -> str:
@@ -166,7 +192,8 @@ class Kernel:
     def summary(self) -> str:
         r = self.resources
         return (f"{self.symbol} ({self.label}) {r.arch}: {r.registers} registers, {r.stack_frame} bytes "
-                f"stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads)")
+                f"stack frame, {r.spill_stores}/{r.spill_loads} bytes spilled (stores/loads), {r.instructions} SASS "
+                f"instructions")
 
 
 def compile_all(spec: AttentionSpec, arch: str) -> list[Kernel]:
@@ -235,8 +262,9 @@ def _resources(arch: str, log: str, symbol: str, whole_log: str) -> Resources:
     usage, frame, smem = _USAGE.search(log), _FRAME.search(log), _SMEM.search(log)
     if not (usage and frame):
         raise RuntimeError(f"could not read ptxas -v output for {symbol}:\n{log}")
+    instructions = dict(_INSTRUCTIONS.findall(whole_log)).get(symbol, 0)
     return Resources(arch, int(usage[1]), int(frame[1]), int(frame[2]), int(frame[3]),
-                     int(smem[1]) if smem else 0, log, symbol in _SERIALIZED.findall(whole_log))
+                     int(smem[1]) if smem else 0, log, symbol in _SERIALIZED.findall(whole_log), int(instructions))
 
 
 def _compile_bundle(bodies: list[str], arch: str) -> tuple[int, str, list[str]]:

@@ -25,8 +25,8 @@ import pytest
 import fagen
 from fagen.load import SPECS, validated
 from fagen.backward_plan import backward_plan
-from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _resources, attention_defaults, attention_variants,
-                        compile_backward_many, compile_many, score_mods, targets)
+from fagen.nvcc import (ATTENTION_MASKS, SOFTCAP, _parse_entries, _ptxas, _resources, attention_defaults,
+                        attention_variants, compile_backward_many, compile_many, score_mods, targets)
 from fagen.plan import MEASURED_FIT, plan
 from fagen.spec import Mask, ScoreMod
 from fagen.variants import (accumulate_variant, merged_variant, partial_variant, ring_start_variant, sequence_variant,
@@ -101,6 +101,22 @@ def test_a_serialised_wgmma_is_read_from_the_log():
            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
     assert _resources("sm_90a", log, "fagen_k1", log).wgmma_serialized
     assert not _resources("sm_90a", log, "fagen_k0", log).wgmma_serialized
+
+
+def test_a_kernel_s_sass_instructions_are_its_code_s_size():
+    """Resources.instructions: each kernel's .text section in the cubin over 16 bytes, read from
+    the ELF section headers (no disassembler). A kernel with 64 more dependent multiply-adds than
+    another, in the same file, counts at least 64 more; a kernel the file does not hold counts 0."""
+    chain = "".join(f"  y = fmaf(y, x[{i}], x[{i + 1}]);\n" for i in range(64))
+    source = ('extern "C" __global__ void short_one(const float* x, float* out) { out[0] = x[0] + 1.f; }\n'
+              'extern "C" __global__ void long_one(const float* x, float* out) {\n  float y = x[0];\n'
+              + chain + "  out[0] = y;\n}\n")
+    code, log = _ptxas("two.cu", source, "sm_90a")
+    assert code == 0, log
+    entries = _parse_entries(log)
+    short, long = (_resources("sm_90a", entries[k][1], k, log).instructions for k in ("short_one", "long_one"))
+    assert 0 < short and long - short >= 64, (short, long)
+    assert _resources("sm_90a", entries["short_one"][1], "absent", log).instructions == 0
 
 
 def _value_heads() -> list[fagen.AttentionSpec]:
