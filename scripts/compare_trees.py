@@ -1,6 +1,6 @@
 """Two checkouts against each other on one GPU: the same benchmark in alternating processes.
 
-    python3 scripts/compare_trees.py OLD_DIR NEW_DIR [--what quick|serving|host] [--rounds 4]
+    python3 scripts/compare_trees.py OLD_DIR NEW_DIR [--what quick|serving|host|sass] [--rounds 4]
 
 Each round runs both trees, each in a process of its own pinned to one core (host time moves
 with the core and the process), the order alternating from round to round (OLD, NEW, then NEW,
@@ -9,6 +9,12 @@ bench --serving` (us, GPU time from CUDA-graph replays), `host` the serving benc
 cases alone (us of host time a call). Per case: both medians, new / old (for TF/s, old / new:
 above 1 is slower either way), both ranges, and whether the ranges are apart: a ratio past the
 bar with overlapping ranges is the noise's, not the change's.
+
+`sass` needs no GPU: each tree renders the forward and (head_dim 64 and 128) the trainable
+backward that fagen.attention derives on an H200 for a few shapes, nvcc compiles them for sm_90a,
+and each kernel's SASS instructions are counted from its cubin (fagen.nvcc.sass_instructions):
+a static count, not a speed, but it shows what a template change adds to or takes from the
+code, in any two trees, old ones included.
 
 `host-one-process` takes process placement out of host time: OLD's package is copied and renamed
 `fagen_old` (its torch ops `fagen_old::`), both are imported into one process, and each case's
@@ -36,6 +42,29 @@ from fagen import bench_serving
 rng = np.random.default_rng(0)
 rows = [row for case in bench_serving.cases() if case.section == "host" for row in bench_serving.run_host(case, rng)]
 json.dump([{"case": r.case, "impl": r.impl, "us": r.us} for r in rows], open(sys.argv[1], "w"))
+"""
+
+# the kernels `sass` counts: each tree's own derivation and rendering (names that old trees have
+# too), one cubin a file written to argv[1] as <case>~<file>.cubin
+SASS_CASES = """
+import subprocess, sys
+from pathlib import Path
+from fagen import device, dispatch, variants
+from fagen.render import render, render_backward
+device.gpu_slug = lambda *a: "h200"
+out = Path(sys.argv[1])
+for dtype, d, causal in (("float16", 64, False), ("float16", 64, True), ("float16", 128, False),
+                         ("float16", 128, True), ("bfloat16", 256, True)):
+    spec = dispatch.derive_spec_for(dtype, d, causal=causal, keys=4096)
+    case = f"{dtype} d{d} {'causal' if causal else 'dense'} 4k"
+    files = {"forward": render(spec)}
+    if d <= 128:
+        files["backward"] = render_backward(variants.trainable(spec))
+    for file, source in files.items():
+        src = out / f"{case}~{file}.cu"
+        src.write_text(source)
+        subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-std=c++17", "-o", str(src.with_suffix(".cubin")), str(src)],
+                       check=True, capture_output=True)
 """
 
 ONE_PROCESS = """
@@ -125,6 +154,24 @@ def run_once(tree: Path, what: str, core: int) -> dict[tuple[str, str], float]:
         return {(r["case"], r["impl"]): r[key] for r in rows if r.get(key) is not None}
 
 
+def run_sass(tree: Path) -> dict[tuple[str, str], float]:
+    """{(case, kernel): SASS instructions} of `tree`'s kernels (SASS_CASES), counted by this
+    tree's fagen.nvcc.sass_instructions: the kernel named by its role, the spec's name left out."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from fagen.nvcc import sass_instructions
+
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-c", SASS_CASES, out], cwd=tree, env=env, check=True, capture_output=True)
+        counted = {}
+        for cubin in Path(out).glob("*.cubin"):
+            case, file = cubin.stem.split("~")
+            for symbol, n in sass_instructions(cubin.read_bytes()).items():
+                role = symbol.rsplit("_", 1)[-1] if file == "backward" else "forward"
+                counted[(case, f"{file} {role}" if file == "backward" else file)] = float(n)
+        return counted
+
+
 def compare(old: list[dict], new: list[dict], higher_is_better: bool) -> list[dict]:
     """Per case both trees ran: medians, the slowdown (new over old in time, old over new in
     rate: above 1 is slower), the ranges, and whether they are apart."""
@@ -142,12 +189,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
-    parser.add_argument("--what", choices=("quick", "serving", "host", "host-one-process"), default="host")
+    parser.add_argument("--what", choices=("quick", "serving", "host", "host-one-process", "sass"), default="host")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--core", type=int, default=2)
     args = parser.parse_args()
     if args.what == "host-one-process":
         runs = run_one_process(args.old.resolve(), args.new.resolve(), args.rounds, args.core)
+    elif args.what == "sass":  # deterministic: one run each
+        runs = {name: [run_sass(getattr(args, name).resolve())] for name in ("old", "new")}
     else:
         runs = {"old": [], "new": []}
         for i in range(args.rounds):

@@ -48,3 +48,23 @@ def test_the_old_tree_imports_beside_the_new_under_another_name(compare_trees, t
     done = subprocess.run([sys.executable, "-c", "import fagen_old; print(fagen_old.OP, fagen_old.HOT)"], cwd=copy,
                           capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["fagen_old::attention_forward", "fagen_hot_path"]
+
+
+def test_the_sass_cases_name_what_every_tree_has(compare_trees):
+    """`--what sass` runs SASS_CASES in each tree: it must be Python whose fagen names exist
+    (the derivation, the trainable variant, both renderers), and its cubins are counted by
+    fagen.nvcc.sass_instructions here."""
+    import ast
+    import importlib
+
+    from fagen.nvcc import sass_instructions
+
+    # (fagen.render is the function the package exports: the module by its name)
+    modules = {name: importlib.import_module(f"fagen.{name}") for name in ("dispatch", "variants", "render")}
+    tree = ast.parse(compare_trees.SASS_CASES)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            assert hasattr(modules[node.value.id], node.attr), node.attr
+        if isinstance(node, ast.ImportFrom) and node.module == "fagen.render":
+            assert all(hasattr(modules["render"], alias.name) for alias in node.names)
+    assert callable(sass_instructions)
