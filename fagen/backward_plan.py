@@ -57,6 +57,12 @@ REGISTER_COSTS = {
              # a bias's gradient (by hand, 90 ptxas -v runs: head_dim 64, 128, 256 x masks x bias kinds);
              # a matrix bias's per S register (an address per score)
              "bias_grad_matrix": 0.25, "bias_grad_vector": 4.0, "two_widths_modified": TWO_WIDTHS_MODIFIED,
+             # one stage of Q and dO at head_dim 128 or more, per S register: measured (ptxas -v,
+             # nvcc 13.0, sm_80; a fuzz run's finding and its neighbours: head_dim 64 and 128 x
+             # head_split 1 and 2 x block_q 32-128 x block_kv 32 and 64 x 4 and 8 warps x 1 and 2
+             # stages) at 254-255 with 12-24 bytes of spills at head_dim 128, 64 queries a step (32
+             # S registers), where 2 stages use 216 and head_dim 64 or 32 queries a step fit at 1 stage
+             "stages1_wide": 1.25,
              # softcap and a score expression whose derivative varies, both: two derivative chains
              # per S register, measured (ptxas -v, nvcc 13.0, a fuzz run's finding and its
              # neighbours) at 255 with 4 bytes of spills at head_dim 64, 64 queries and keys a step
@@ -204,6 +210,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["one_warpgroup"] = 1.0
     if kernel == "dkdv" and spec.wgmma_backward and bwd.stages >= 3 and bwd.warp_specialized is None:
         terms["copying_stages3"] = 1.0
+    if kernel == "dkdv" and cost_table(spec, kernel) is REGISTER_COSTS["dkdv"] and bwd.stages == 1 and d >= 128:
+        terms["stages1_wide"] = s
     if (kernel == "dkdv" and cost_table(spec, kernel) is REGISTER_COSTS["dkdv"] and mod.softcap is not None
             and mod.nonlinear_expression):
         terms["s_two_nonlinear"] = s

@@ -50,6 +50,7 @@ REGISTER_COSTS = {
         "s_causal": 0.11, "s_sliding_window": 0.29, "s_chunked": 0.16, "s_document": 0.29,
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
         "paged": 16,  # measured, not fitted: see register_terms
+        "partial_d96": 2, "varlen_kv_d96": 2,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -476,6 +477,14 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # priced from ptxas -v, paged against varlen variants of the shipped specs (sm_90a d64 and d128:
     # +37, +38; mma.sync: +7 to +14), with room to spare.
     terms["paged"] = float(spec.sequences.kv == "paged")
+    # A split-KV partial's outputs and a varlen cache's rows at head_dim 96 on mma.sync (its 12
+    # n8 fragments a row): measured (ptxas -v, nvcc 13.0, sm_89; a fuzz run's finding and 74
+    # neighbours: head_dim 64, 96, 128 x block_q 64-160 x block_kv 32-64 x partial or not x padded
+    # or varlen keys): at 128-160 queries and 48 keys, predicted 254, either or both spilled 16-44
+    # bytes where the padded whole-output kernel fit at 251-253. At 64 and 128 they cost 0-8
+    # registers below the limit, and a shipped partial (d128, 128 x 128) fits at its predicted 255.
+    terms["partial_d96"] = float(spec.outputs.partial and d == 96)
+    terms["varlen_kv_d96"] = float(spec.sequences.kv == "varlen" and d == 96)
     # A block mask's PARTIAL pattern: a thread loads a word of 32 keys for each of its rows (2 an
     # m16 fragment) and each 32 keys of the tile, all held through the element test. Measured, not
     # fitted (the fitted data held few block masks beside a modifier): on wgmma (sm_90a d128, 64 x

@@ -122,6 +122,60 @@ def _compile(tmp_path, data: dict):
     return CliRunner().invoke(main, ["compile", str(path)])
 
 
+# Two validated specs a fuzz run (seed 7777) found spilling, on mma.sync: a split-KV partial over
+# a varlen cache at head_dim 96 (the forward, sm_89: 44 bytes at 255, predicted 254), and a
+# one-stage dK/dV kernel at head_dim 128 (sm_80: 24 bytes at 254, predicted 235)
+FUZZ_D96_PARTIAL_VARLEN = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 96, "tiling": {"block_q": 160, "block_kv": 48, "warps_q": 5},
+    "pipeline": {"kv_smem": "separate", "stages": 3, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "padded", "arch": "sm_89", "mask": {"kind": "none", "align": "bottom_right"}, "score_mod": {},
+    "outputs": {"lse": True, "partial": True, "merge_splits": False},
+    "sequences": {"q": "padded", "kv": "varlen", "seqused_k": False}}
+FUZZ_ONE_STAGE_D128 = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+    "pipeline": {"kv_smem": "shared", "stages": 2, "q_in_registers": True, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_80", "mask": {"kind": "none", "align": "bottom_right"},
+    "score_mod": {"sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 32, "warps": 4, "head_split": 2, "block_q": 64, "stages": 1, "dq_block_q": 64,
+                 "dq_warps": 4, "dq_block_kv": 64, "deterministic": False}}
+
+
+def _kernels_clean(spec, arch: str) -> list[str]:
+    return [k.summary() for k in compile_all(spec, arch) if not k.clean]
+
+
+@pytest.mark.parametrize("outputs, kv, valid", [(True, "varlen", False), (True, "padded", False),
+                                                (False, "varlen", False), (False, "padded", True)])
+def test_a_partial_or_varlen_forward_at_the_limit_is_refused(outputs, kv, valid):
+    """REGISTER_COSTS' partial_d96 and varlen_kv_d96 (mma.sync): at head_dim 96, 160 queries and 48 keys
+    (predicted 254) either spilled (16-44 bytes, ptxas -v) and is refused now, with a fix that
+    compiles clean; the padded, whole-output kernel fits (253) and still validates, and compiles clean."""
+    data = {**FUZZ_D96_PARTIAL_VARLEN, "outputs": {"lse": True, "partial": outputs, **({"merge_splits": False} if outputs else {})},
+            "sequences": {"q": "padded", "kv": kv, "seqused_k": False}}
+    if valid:
+        assert not _kernels_clean(parse_spec(data), "sm_89")
+        return
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    block_kv = re.search(r"use block_kv: (\d+)", str(err.value))
+    assert block_kv, str(err.value)
+    assert not _kernels_clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(block_kv[1])}}), "sm_89")
+
+
+def test_a_one_stage_dkdv_kernel_at_head_dim_128_is_refused():
+    """REGISTER_COSTS' stages1_wide (mma.sync dK/dV): one stage of Q and dO at head_dim 128 and 64
+    queries a step spilled 24 bytes at 254 (predicted 235), where two stages use 216: refused now,
+    with a fix that compiles clean; the two-stage kernel still validates and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_ONE_STAGE_D128)
+    block_q = re.search(r"use block_q: (\d+)", str(err.value))
+    assert block_q, str(err.value)
+    fixed = {**FUZZ_ONE_STAGE_D128, "backward": {**FUZZ_ONE_STAGE_D128["backward"], "block_q": int(block_q[1])}}
+    two = {**FUZZ_ONE_STAGE_D128, "backward": {**FUZZ_ONE_STAGE_D128["backward"], "stages": 2}}
+    for data in (fixed, two):
+        assert not _kernels_clean(parse_spec(data), "sm_80")
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
