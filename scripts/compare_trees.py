@@ -1,10 +1,11 @@
 """Two checkouts against each other on one GPU: the same benchmark in alternating processes.
 
-    python3 scripts/compare_trees.py OLD_DIR NEW_DIR [--what quick|serving|host|sass] [--rounds 4]
+    python3 scripts/compare_trees.py OLD_DIR NEW_DIR [--what quick|backward|serving|host|sass] [--rounds 4]
 
 Each round runs both trees, each in a process of its own pinned to one core (host time moves
 with the core and the process), the order alternating from round to round (OLD, NEW, then NEW,
-OLD) so that drift falls on both. `quick` is `fagen bench --quick` (TF/s), `serving` is `fagen
+OLD) so that drift falls on both. `quick` is `fagen bench --quick` (TF/s), `backward` `fagen bench --quick --backward` (the
+backward's TF/s), `serving` is `fagen
 bench --serving` (us, GPU time from CUDA-graph replays), `host` the serving benchmark's host-time
 cases alone (us of host time a call). Per case: both medians, new / old (for TF/s, old / new:
 above 1 is slower either way), both ranges, and whether the ranges are apart: a ratio past the
@@ -137,20 +138,21 @@ def run_one_process(old: Path, new: Path, rounds: int, core: int) -> dict[str, l
 
 
 def run_once(tree: Path, what: str, core: int) -> dict[tuple[str, str], float]:
-    """{(case, impl): value} of one process of `tree`: TF/s for quick, us otherwise."""
+    """{(case, impl): value} of one process of `tree`: TF/s for quick and backward, us otherwise."""
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with tempfile.TemporaryDirectory() as out:
         if what == "host":
             command = [sys.executable, "-c", HOST_CASES, f"{out}/rows.json"]
         else:
-            command = [sys.executable, "-m", "fagen", "bench", f"--{what}", "-o", out, "--markdown", f"{out}/B.md"]
+            flags = ["--quick", "--backward"] if what == "backward" else [f"--{what}"]
+            command = [sys.executable, "-m", "fagen", "bench", *flags, "-o", out, "--markdown", f"{out}/B.md"]
         subprocess.run(["taskset", "-c", str(core), *command], cwd=tree, env=env, check=True, capture_output=True)
         if what == "host":
             rows = json.loads(Path(out, "rows.json").read_text())
             return {(r["case"], r["impl"]): r["us"] for r in rows if r["us"] is not None}
-        name = "bench.json" if what == "quick" else "bench_serving.json"
+        name, key = {"quick": ("bench.json", "tflops"), "backward": ("bench_backward.json", "bwd_tflops")}.get(
+            what, ("bench_serving.json", "us"))
         rows = json.loads(Path(out, name).read_text())["rows"]
-        key = "tflops" if what == "quick" else "us"
         return {(r["case"], r["impl"]): r[key] for r in rows if r.get(key) is not None}
 
 
@@ -189,7 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
-    parser.add_argument("--what", choices=("quick", "serving", "host", "host-one-process", "sass"), default="host")
+    parser.add_argument("--what", choices=("quick", "backward", "serving", "host", "host-one-process", "sass"),
+                        default="host")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--core", type=int, default=2)
     args = parser.parse_args()
@@ -202,7 +205,7 @@ def main() -> None:
         for i in range(args.rounds):
             for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
                 runs[name].append(run_once(getattr(args, name).resolve(), args.what, args.core))
-    for row in compare(runs["old"], runs["new"], higher_is_better=args.what == "quick"):
+    for row in compare(runs["old"], runs["new"], higher_is_better=args.what in ("quick", "backward")):
         print(f"{row['case'][:52]:52} {row['impl']:16} old {row['old']:9.2f} new {row['new']:9.2f} "
               f"slowdown {row['slowdown']:6.3f}  old {row['old_range'][0]:.1f}-{row['old_range'][1]:.1f} "
               f"new {row['new_range'][0]:.1f}-{row['new_range'][1]:.1f}{'  APART' if row['apart'] else ''}")
