@@ -63,6 +63,14 @@ REGISTER_COSTS = {
              # stages) at 254-255 with 12-24 bytes of spills at head_dim 128, 64 queries a step (32
              # S registers), where 2 stages use 216 and head_dim 64 or 32 queries a step fit at 1 stage
              "stages1_wide": 1.25,
+             # a mask expression, tested at every element of every step: measured (ptxas -v, nvcc
+             # 13.0, sm_90; a fuzz run's finding and its neighbours: head_dim 64, block_kv 64 and 128,
+             # no mask, causal and a top-left document x a matrix bias or none, sinks) 5-26 over the
+             # same kernel without it, and at 255 with 4-12 bytes of spills under a document with a
+             # matrix bias at 128 keys (predicted 254): the least that refuses it; the table's slack
+             # covers the rest (every neighbour that fits is predicted within 1 of its count or
+             # over it; the shipped custom_expressions spec, predicted 254, uses 229)
+             "mask_expression": 3.0,
              # softcap and a score expression whose derivative varies, both: two derivative chains
              # per S register, measured (ptxas -v, nvcc 13.0, a fuzz run's finding and its
              # neighbours) at 255 with 4 bytes of spills at head_dim 64, 64 queries and keys a step
@@ -215,7 +223,7 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     if (kernel == "dkdv" and cost_table(spec, kernel) is REGISTER_COSTS["dkdv"] and mod.softcap is not None
             and mod.nonlinear_expression):
         terms["s_two_nonlinear"] = s
-    if kernel == "dkdv" and spec.wgmma_backward and mask.expression:
+    if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
         if "h" in expression.reads(expression.mask(mask.expression)) and bwd.warps == WARPGROUP_WARPS:
             terms["mask_expression_head_one_warpgroup"] = 1.0

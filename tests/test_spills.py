@@ -176,6 +176,34 @@ def test_a_one_stage_dkdv_kernel_at_head_dim_128_is_refused():
         assert not _kernels_clean(parse_spec(data), "sm_80")
 
 
+# ... and one more (seed 4242): the mma.sync dK/dV kernel under a top-left document mask with a
+# mask expression, a matrix bias and sinks (head_dim 64, 128 keys): 12 bytes at 255, predicted 254
+FUZZ_EXPRESSION_DOCUMENT = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 64, "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_89",
+    "mask": {"kind": "document", "align": "top_left", "causal": False, "expression": "q_idx / 64 >= kv_idx / 64"},
+    "score_mod": {"bias": "matrix", "sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 128, "warps": 8, "head_split": 2, "block_q": 32, "stages": 2, "dq_block_q": 64,
+                 "dq_warps": 4, "dq_block_kv": 32, "deterministic": False}}
+
+
+def test_a_mask_expression_in_the_mma_sync_dkdv_kernel_is_priced():
+    """REGISTER_COSTS' mask_expression in mma.sync's dK/dV table: the expression is tested at every
+    element of every step (5-26 registers, ptxas -v): refused where it spilled, with a fix that
+    compiles clean; the same kernel without the expression validates and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_EXPRESSION_DOCUMENT)
+    block_q = re.search(r"use block_q: (\d+)", str(err.value))
+    assert block_q, str(err.value)
+    bwd = FUZZ_EXPRESSION_DOCUMENT["backward"]
+    fixed = {**FUZZ_EXPRESSION_DOCUMENT, "backward": {**bwd, "block_q": int(block_q[1])}}
+    mask = {k: v for k, v in FUZZ_EXPRESSION_DOCUMENT["mask"].items() if k != "expression"}
+    plain = {**FUZZ_EXPRESSION_DOCUMENT, "mask": mask}
+    for data in (fixed, plain):
+        assert not _kernels_clean(parse_spec(data), "sm_90")
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
