@@ -225,7 +225,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["s_two_nonlinear"] = s
     if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
-        if "h" in expression.reads(expression.mask(mask.expression)) and bwd.warps == WARPGROUP_WARPS:
+        if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))
+                and bwd.warps == WARPGROUP_WARPS):
             terms["mask_expression_head_one_warpgroup"] = 1.0
     return terms
 

@@ -202,6 +202,11 @@ def test_a_mask_expression_in_the_mma_sync_dkdv_kernel_is_priced():
     plain = {**FUZZ_EXPRESSION_DOCUMENT, "mask": mask}
     for data in (fixed, plain):
         assert not _kernels_clean(parse_spec(data), "sm_90")
+    # an expression that reads the query head, on one warpgroup's worth of warps: wgmma's price
+    # for it is no term of mma.sync's table (a fuzz run's KeyError), which validates the spec
+    head = {**fixed, "mask": {**FUZZ_EXPRESSION_DOCUMENT["mask"], "expression": "h % 2 == 0 || kv_idx < 64"},
+            "backward": {**fixed["backward"], "warps": 4, "block_kv": 64}}
+    parse_spec(head)
 
 
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
