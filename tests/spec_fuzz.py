@@ -224,6 +224,8 @@ def try_spec(data: dict, every_arch: bool = True) -> Outcome:
         spec = parse_spec(data)
     except SpecError:
         return Outcome(refused=True)
+    except Exception as err:  # noqa: BLE001 - validation must refuse by name, never crash: a finding
+        return Outcome(refused=False, problem=f"validation raised {type(err).__name__}: {str(err)[:2000]}")
     try:
         targets = archs(spec)
         if not every_arch:  # one of them, fixed by the data (so a rerun compiles the same)

@@ -29,3 +29,16 @@ def test_random_specs_validate_only_if_they_compile_without_spills():
         outcomes = list(pool.map(try_spec, valid, [False] * len(valid)))
     findings = [(d, o.problem) for d, o in zip(valid, outcomes) if o.problem]
     assert not findings, "\n".join(f"{p}\n  {d}" for d, p in findings[:5])
+
+
+def test_a_validation_that_crashes_is_a_finding_not_an_abort(monkeypatch):
+    """Bad input is refused by name (SpecError), never a crash: a validation that raises anything
+    else is the fuzz's finding (the run goes on), as a mma.sync dK/dV table's missing price once was."""
+    import tests.spec_fuzz as fuzz
+
+    def crash(data):
+        raise KeyError("mask_expression_head_one_warpgroup")
+
+    monkeypatch.setattr(fuzz, "parse_spec", crash)
+    outcome = fuzz.try_spec(specs(SEED, 1)[0], False)
+    assert not outcome.refused and outcome.problem.startswith("validation raised KeyError")
