@@ -122,7 +122,14 @@ REGISTER_COSTS = {
                    # h % 2 == 0 || kv_idx < 64): up to 3 over this table; reading the step's query head
                    # on one warpgroup, 11-23 over (a fuzz run's document with softcap and sinks spilled
                    # 8 bytes at 224, predicted 217); on two, within 5
-                   "mask_expression": 3.0, "mask_expression_head_one_warpgroup": 13.0},
+                   "mask_expression": 3.0, "mask_expression_head_one_warpgroup": 13.0,
+                   # softcap beside ALiBi or a bias in the producer-fed kernel on one warpgroup
+                   # (warps 4): measured (ptxas -v, nvcc 13.0; a fuzz run's finding and its
+                   # neighbours: head_dim 64, 64 queries and keys, a two-sided sliding window and
+                   # causal x softcap, ALiBi, a vector bias x consumers at 208-240) 9-17 over this
+                   # table where both are on (a window with all three spilled 4 bytes at 232,
+                   # predicted 220); either modifier alone fits its estimate
+                   "softcap_modified_one_warpgroup": 17.0},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -223,6 +230,9 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     if (kernel == "dkdv" and cost_table(spec, kernel) is REGISTER_COSTS["dkdv"] and mod.softcap is not None
             and mod.nonlinear_expression):
         terms["s_two_nonlinear"] = s
+    if (kernel == "dkdv" and spec.wgmma_backward and bwd.warp_specialized and bwd.warps == WARPGROUP_WARPS
+            and mod.softcap is not None and (mod.alibi != "none" or mod.bias != "none")):
+        terms["softcap_modified_one_warpgroup"] = 1.0
     if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
         if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))

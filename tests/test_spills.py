@@ -209,6 +209,33 @@ def test_a_mask_expression_in_the_mma_sync_dkdv_kernel_is_priced():
     parse_spec(head)
 
 
+# ... and (seed 99) the producer-fed dK/dV kernel on one warpgroup with softcap, ALiBi and a vector
+# bias under a two-sided window: 4 bytes at 224 consumer registers, predicted 220
+FUZZ_SOFTCAP_MODIFIED = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 64, "tiling": {"block_q": 64, "block_kv": 32, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_90a",
+    "mask": {"kind": "sliding_window", "align": "top_left", "window_left": 1024, "window_right": 64},
+    "score_mod": {"softcap": 30.0, "alibi": "slopes", "bias": "vector"}, "outputs": {"lse": True},
+    "backward": {"block_kv": 64, "warps": 4, "block_q": 64, "stages": 2, "dq_block_q": 64, "dq_warps": 4,
+                 "dq_block_kv": 32, "deterministic": False,
+                 "warp_specialized": {"consumer_registers": 224, "persistent": False}}}
+
+
+def test_softcap_beside_another_modifier_on_one_producer_fed_warpgroup_is_priced():
+    """REGISTER_COSTS' softcap_modified_one_warpgroup: refused at the consumers' 224 and 232 (it
+    spilled at both), with a fix (the copying kernel) that compiles clean; at 240 it validates
+    and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_SOFTCAP_MODIFIED)
+    assert "remove backward.warp_specialized" in str(err.value), str(err.value)
+    bwd = {k: v for k, v in FUZZ_SOFTCAP_MODIFIED["backward"].items() if k != "warp_specialized"}
+    ws = {**FUZZ_SOFTCAP_MODIFIED["backward"]["warp_specialized"], "consumer_registers": 240}
+    roomy = {**FUZZ_SOFTCAP_MODIFIED, "backward": {**FUZZ_SOFTCAP_MODIFIED["backward"], "warp_specialized": ws}}
+    for data in ({**FUZZ_SOFTCAP_MODIFIED, "backward": bwd}, roomy):
+        assert not _clean(parse_spec(data))
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
