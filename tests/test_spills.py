@@ -32,9 +32,9 @@ S2 = {"name": "s2", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 1
       "backward": {"block_kv": 64, "warps": 4, "block_q": 64, "dq_warps": 4, "dq_block_q": 64, "deterministic": True}}
 
 
-def _clean(spec) -> list[str]:
-    """The kernels of `spec` that spill or use a stack frame, on its sm_90a target."""
-    return [k.summary() for k in compile_all(spec, "sm_90a") if not k.clean]
+def _clean(spec, arch: str = "sm_90a") -> list[str]:
+    """The kernels of `spec` that spill or use a stack frame, on `arch`."""
+    return [k.summary() for k in compile_all(spec, arch) if not k.clean]
 
 
 def _refused_or_clean(data: dict) -> None:
@@ -140,10 +140,6 @@ FUZZ_ONE_STAGE_D128 = {
                  "dq_warps": 4, "dq_block_kv": 64, "deterministic": False}}
 
 
-def _kernels_clean(spec, arch: str) -> list[str]:
-    return [k.summary() for k in compile_all(spec, arch) if not k.clean]
-
-
 @pytest.mark.parametrize("outputs, kv, valid", [(True, "varlen", False), (True, "padded", False),
                                                 (False, "varlen", False), (False, "padded", True)])
 def test_a_partial_or_varlen_forward_at_the_limit_is_refused(outputs, kv, valid):
@@ -153,13 +149,13 @@ def test_a_partial_or_varlen_forward_at_the_limit_is_refused(outputs, kv, valid)
     data = {**FUZZ_D96_PARTIAL_VARLEN, "outputs": {"lse": True, "partial": outputs, **({"merge_splits": False} if outputs else {})},
             "sequences": {"q": "padded", "kv": kv, "seqused_k": False}}
     if valid:
-        assert not _kernels_clean(parse_spec(data), "sm_89")
+        assert not _clean(parse_spec(data), "sm_89")
         return
     with pytest.raises(SpecError) as err:
         parse_spec(data)
     block_kv = re.search(r"use block_kv: (\d+)", str(err.value))
     assert block_kv, str(err.value)
-    assert not _kernels_clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(block_kv[1])}}), "sm_89")
+    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(block_kv[1])}}), "sm_89")
 
 
 def test_a_one_stage_dkdv_kernel_at_head_dim_128_is_refused():
@@ -173,7 +169,7 @@ def test_a_one_stage_dkdv_kernel_at_head_dim_128_is_refused():
     fixed = {**FUZZ_ONE_STAGE_D128, "backward": {**FUZZ_ONE_STAGE_D128["backward"], "block_q": int(block_q[1])}}
     two = {**FUZZ_ONE_STAGE_D128, "backward": {**FUZZ_ONE_STAGE_D128["backward"], "stages": 2}}
     for data in (fixed, two):
-        assert not _kernels_clean(parse_spec(data), "sm_80")
+        assert not _clean(parse_spec(data), "sm_80")
 
 
 # ... and one more (seed 4242): the mma.sync dK/dV kernel under a top-left document mask with a
@@ -201,7 +197,7 @@ def test_a_mask_expression_in_the_mma_sync_dkdv_kernel_is_priced():
     mask = {k: v for k, v in FUZZ_EXPRESSION_DOCUMENT["mask"].items() if k != "expression"}
     plain = {**FUZZ_EXPRESSION_DOCUMENT, "mask": mask}
     for data in (fixed, plain):
-        assert not _kernels_clean(parse_spec(data), "sm_90")
+        assert not _clean(parse_spec(data), "sm_90")
     # an expression that reads the query head, on one warpgroup's worth of warps: wgmma's price
     # for it is no term of mma.sync's table (a fuzz run's KeyError), which validates the spec
     head = {**fixed, "mask": {**FUZZ_EXPRESSION_DOCUMENT["mask"], "expression": "h % 2 == 0 || kv_idx < 64"},
