@@ -598,6 +598,19 @@ struct Mask {
   __device__ __forceinline__ int step_head(int t) const { return t / count; }
   __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
 
+  // The steps in order without a division a step: step 0's (head, query tile), then step t's
+  // from step t - 1's (called with t = steps after the last: nothing is read then).
+  __device__ __forceinline__ void step_first(int& head, int& q_tile) const {
+    head = 0;
+    q_tile = first;
+  }
+  __device__ __forceinline__ void step_next(int t, int& head, int& q_tile) const {
+    if (++q_tile == first + count) {
+      q_tile = first;
+      ++head;
+    }
+  }
+
   // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0 (the warp's
   // from warp_kv0): true unless every pair is known to count (rows past n_q never do).
   __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0, int warp_kv0) {
@@ -786,10 +799,12 @@ struct QdoPipeline {
     // each step's head and query tile read a step ahead, before the wait for its slot (a block
     // mask's list lives in global memory: read after the wait, its latency delays the loads)
     const int steps = mask.steps();
-    int head = steps > 0 ? mask.step_head(0) : 0, q_tile = steps > 0 ? mask.step_q_tile(0) : 0;
+    int head, q_tile, next_head, next_q_tile;
+    mask.step_first(head, q_tile);
+    next_head = head;
+    next_q_tile = q_tile;
     for (int t = 0; t < steps; ++t) {
-      const int next_head = t + 1 < steps ? mask.step_head(t + 1) : 0;
-      const int next_q_tile = t + 1 < steps ? mask.step_q_tile(t + 1) : 0;
+      mask.step_next(t + 1, next_head, next_q_tile);
       const unsigned bar = bars.arm(step(t), QDO_LOAD_BYTES + 2 * ROW_BYTES);
       const int q0 = q_tile * BLOCK_Q;
       // Q, then dO (Q_TILE_BYTES on): one loop over both maps, where the two issued straight
@@ -918,7 +933,11 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     int heads_section) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
+  // the warp's index as ptxas can prove warp-uniform (lane 0's, shuffled): a warpgroup's smem
+  // descriptors and rows derived from it stay in uniform registers (CUTLASS's
+  // canonical_warp_idx_sync; 4-7% fewer SASS instructions in the dK/dV kernel)
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
   const int col0 = (warp / KEY_WARPS) * D_COLS;  // the warp's columns of dK and dV
   const int heads_kv = heads_q / group;
   const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
@@ -982,9 +1001,10 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     const unsigned ds_tiles = smem_u32(smem) + DS_OFFSET;  // two buffers, by step parity (numbered on across tiles)
     const unsigned ds_reads = ds_tiles + (dq_tile / DQ_N_TILES) * ATOM_BYTES + dq_keys / 8 * DS_ROW_GROUP_BYTES;
     const unsigned k_cols = k_tile + (dq_tile % DQ_N_TILES) * KV_ATOM_STEP_BYTES + dq_keys / 8 * ROW_GROUP_BYTES;
-    for (int t = 0; t < steps; ++t) {
-      const int head = mask.step_head(t);  // the group's query head ...
-      const int h = h_kv * group + head, q0 = mask.step_q_tile(t) * BLOCK_Q;  // ... and its query tile
+    int head, query_tile;  // the step's query head (of the group) and query tile
+    mask.step_first(head, query_tile);
+    for (int t = 0; t < steps; mask.step_next(++t, head, query_tile)) {
+      const int h = h_kv * group + head, q0 = query_tile * BLOCK_Q;
       pipe.wait(t);
       const unsigned q_tile = pipe.q_slot(t), do_tile = pipe.do_slot(t);
 

@@ -100,6 +100,12 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+// v as lane 0 has it, which ptxas then knows is warp-uniform: indices derived from the thread
+// index (a warpgroup's, a warp's) stay in uniform registers with the smem addresses built on
+// them (CUTLASS's canonical_warp_idx_sync).
+__device__ __forceinline__ int warp_uniform(int v) {
+  return __shfl_sync(0xffffffffu, v, 0);
+}
 // Two f32 -> one float16x2 register, `lo` in the low half (the lower column).
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   unsigned r;
@@ -348,6 +354,19 @@ struct Mask {
   __device__ __forceinline__ int steps() const { return group * count; }
   __device__ __forceinline__ int step_head(int t) const { return t / count; }
   __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
+
+  // The steps in order without a division a step: step 0's (head, query tile), then step t's
+  // from step t - 1's (called with t = steps after the last: nothing is read then).
+  __device__ __forceinline__ void step_first(int& head, int& q_tile) const {
+    head = 0;
+    q_tile = first;
+  }
+  __device__ __forceinline__ void step_next(int t, int& head, int& q_tile) const {
+    if (++q_tile == first + count) {
+      q_tile = first;
+      ++head;
+    }
+  }
 
   // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0 (the warp's
   // from warp_kv0): true unless every pair is known to count (rows past n_q never do).

@@ -93,6 +93,12 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+// v as lane 0 has it, which ptxas then knows is warp-uniform: indices derived from the thread
+// index (a warpgroup's, a warp's) stay in uniform registers with the smem addresses built on
+// them (CUTLASS's canonical_warp_idx_sync).
+__device__ __forceinline__ int warp_uniform(int v) {
+  return __shfl_sync(0xffffffffu, v, 0);
+}
 // Two f32 -> one float16x2 register, `lo` in the low half (the lower column).
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   unsigned r;
@@ -469,7 +475,7 @@ key_split_backward_f16_d192v128(
   extern __shared__ unsigned char smem_raw[];
   const unsigned base = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(SMEM_ALIGN - 1);
   unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
-  const int tid = threadIdx.x, warpgroup = tid / WARPGROUP_THREADS, lane = tid & 31;
+  const int tid = threadIdx.x, warpgroup = warp_uniform(tid / WARPGROUP_THREADS), lane = tid & 31;
   const int k0 = blockIdx.x * BLOCK_KV, h_kv = blockIdx.y, b = blockIdx.z;
   const int offset = n_kv - n_q;
 
@@ -515,7 +521,7 @@ key_split_backward_f16_d192v128(
 
   // A thread's place in a 64-row accumulator: rows r0 and r1 (queries of S, dP and dQ; head-dim
   // rows of dK^T and dV^T), columns 2t and 2t + 1 of each n8 fragment.
-  const int wg_thread = tid % WARPGROUP_THREADS, t = lane % 4, warp = wg_thread / 32;
+  const int wg_thread = tid % WARPGROUP_THREADS, t = lane % 4, warp = warp_uniform(wg_thread / 32);
   const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
   const int key0 = k0 + warpgroup * GROUP_KEYS;  // this warpgroup's first key
   float dvt[V_ATOMS][S_N_FRAGS][4], dkt[QK_ATOMS][S_N_FRAGS][4];  // dV^T, dK^T: head-dim rows x its keys

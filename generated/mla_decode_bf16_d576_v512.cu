@@ -72,6 +72,12 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+// v as lane 0 has it, which ptxas then knows is warp-uniform: indices derived from the thread
+// index (a warpgroup's, a warp's) stay in uniform registers with the smem addresses built on
+// them (CUTLASS's canonical_warp_idx_sync).
+__device__ __forceinline__ int warp_uniform(int v) {
+  return __shfl_sync(0xffffffffu, v, 0);
+}
 // Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   unsigned r;
@@ -404,7 +410,7 @@ mla_decode_bf16_d576_v512(
   float* row_scale = reinterpret_cast<float*>(smem + ROW_SCALE_AT);
   float* row_sum = reinterpret_cast<float*>(smem + ROW_SUM_AT);
   float* row_max = reinterpret_cast<float*>(smem + ROW_MAX_AT);
-  const int tid = threadIdx.x, warpgroup = tid / WARPGROUP_THREADS, lane = tid & 31;
+  const int tid = threadIdx.x, warpgroup = warp_uniform(tid / WARPGROUP_THREADS), lane = tid & 31;
   const int split = blockIdx.x, splits = gridDim.x, tile = blockIdx.y, b = blockIdx.z;
   const int rows = heads * n_q, p0 = tile * BLOCK_ROWS;
 

@@ -378,6 +378,19 @@ struct Mask {
   __device__ __forceinline__ int step_head(int t) const { return t / count; }
   __device__ __forceinline__ int step_q_tile(int t) const { return first + t % count; }
 
+  // The steps in order without a division a step: step 0's (head, query tile), then step t's
+  // from step t - 1's (called with t = steps after the last: nothing is read then).
+  __device__ __forceinline__ void step_first(int& head, int& q_tile) const {
+    head = 0;
+    q_tile = first;
+  }
+  __device__ __forceinline__ void step_next(int t, int& head, int& q_tile) const {
+    if (++q_tile == first + count) {
+      q_tile = first;
+      ++head;
+    }
+  }
+
   // Step i's query tile (rows [q0, q0 + BLOCK_Q)) against the block's keys from kv0 (the warp's
   // from warp_kv0): true unless every pair is known to count (rows past n_q never do).
   __device__ __forceinline__ bool needs_element_test_keys(int i, int q0, int kv0, int warp_kv0) {
@@ -537,7 +550,8 @@ fagen_value_head_f16_d192_v128_bwd_dkdv(
     float scale_log2) {
   static_assert(SMEM_CHUNKS_ALIGN % SMEM_ALIGN == 0, "smem_chunks is aligned for this kernel's tiles");
   char* smem = reinterpret_cast<char*>(smem_chunks);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int warp = tid >> 5;
   const int col0 = (warp / KEY_WARPS) * D_COLS, dv_col0 = (warp / KEY_WARPS) * DV_COLS;  // the warp's columns of dK, of dV
   const int heads_kv = heads_q / group;
   const int warp_row0 = (warp % KEY_WARPS) * WARP_ROWS;
@@ -970,7 +984,8 @@ fagen_value_head_f16_d192_v128_bwd_dq(
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
   const unsigned smem_q_u32 = smem_u32(smem_q), smem_do_u32 = smem_q_u32 + Q_TILE_ELEMS * ELEM_BYTES;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int warp = tid >> 5;
   const int b = blockIdx.x / heads_q, h = blockIdx.x % heads_q, h_kv = h / group;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_Q;
   const int warp_row0 = warp * WARP_ROWS;  // the warp's first row within the tile

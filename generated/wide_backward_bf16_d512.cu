@@ -92,6 +92,12 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
   return r;
 }
+// v as lane 0 has it, which ptxas then knows is warp-uniform: indices derived from the thread
+// index (a warpgroup's, a warp's) stay in uniform registers with the smem addresses built on
+// them (CUTLASS's canonical_warp_idx_sync).
+__device__ __forceinline__ int warp_uniform(int v) {
+  return __shfl_sync(0xffffffffu, v, 0);
+}
 // Two f32 -> one bfloat16x2 register, `lo` in the low half (the lower column).
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   unsigned r;
@@ -574,7 +580,7 @@ wide_backward_bf16_d512(
   extern __shared__ unsigned char smem_raw[];
   const unsigned base = (smem_u32(smem_raw) + SMEM_ALIGN - 1) & ~(SMEM_ALIGN - 1);
   unsigned char* smem = smem_raw + (base - smem_u32(smem_raw));
-  const int tid = threadIdx.x, warpgroup = tid / WARPGROUP_THREADS, lane = tid & 31;
+  const int tid = threadIdx.x, warpgroup = warp_uniform(tid / WARPGROUP_THREADS), lane = tid & 31;
   const unsigned rank = cluster_rank(), peer = rank ^ 1u;
   const int k0 = blockIdx.x / 2 * BLOCK_KV, h_kv = blockIdx.y, b = blockIdx.z;
   const int column0 = rank * HALF_COLUMNS, offset = n_kv - n_q;
@@ -629,7 +635,7 @@ wide_backward_bf16_d512(
 
   // A thread's rows of a 64-row accumulator, r0 and r1 (keys of S^T, dK, dV; queries of dQ); its
   // columns of each n8 fragment, 2t and 2t + 1.
-  const int wg_thread = tid % WARPGROUP_THREADS, t = lane % 4, warp_in_group = wg_thread / 32;
+  const int wg_thread = tid % WARPGROUP_THREADS, t = lane % 4, warp_in_group = warp_uniform(wg_thread / 32);
   const int r0 = wg_thread / 32 * 16 + lane / 4, r1 = r0 + 8;
   float acc[O_N_FRAGS][4];  // dV (warpgroup 0) or dK (warpgroup 1): keys r0, r1 x this half's columns
 #pragma unroll
