@@ -5,6 +5,22 @@
 // 128-byte-swizzled shared memory + TMA (a producer warp)
 // spec:
 //   arch: sm_90a
+//   backward:
+//     bias_grad: false
+//     block_kv: 128
+//     block_q: 64
+//     captured_grads: []
+//     deterministic: false
+//     dq_block_kv: 64
+//     dq_block_q: 64
+//     dq_warps: 4
+//     head_split: 1
+//     stages: 2
+//     warp_specialized:
+//       consumer_registers: 240
+//       persistent: true
+//       producer_registers: 24
+//     warps: 8
 //   dtype: bfloat16
 //   head_dim: 64
 //   mask:
