@@ -154,7 +154,15 @@ REGISTER_COSTS = {
                  "prefix_lm": 4.0, "block_mask": 10.0, "bias": 12.0, "alibi": 6.0},
     "dq": {"base": 56.0, "acc": 1.62, "s": 2.06, "s_nonlinear": 0.84, "chunk_copy": 20.0, "stages1": 0.0,
            "causal": 0.0, "sliding_window": 0.0, "chunked": 4.0, "document": 4.0, "document_causal": 2.0,
-           "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0},
+           "prefix_lm": 1.0, "block_mask": 4.0, "bias": 12.0, "alibi": 16.0,
+           # a mask expression, tested at every element of every step: measured (ptxas -v, nvcc 13.0,
+           # sm_89 and sm_90; a fuzz run's finding and its 64 neighbours: head_dim 64, dq_block_q 64
+           # and 128 x dq_block_kv 32 and 64 x top-left causal or no mask x softcap x sinks) 0-22 over
+           # the same kernel without it, and at 255 with 4 bytes of spills on sm_90 under a top-left
+           # causal mask with softcap at 128 queries and 32 keys (predicted 252): the least that
+           # refuses it; the table's slack covers the rest (the neighbours that fit and are predicted
+           # under their count, by 1-16, fit at 141-189)
+           "mask_expression": 4.0},
 }
 
 
@@ -233,6 +241,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
     if (kernel == "dkdv" and spec.wgmma_backward and bwd.warp_specialized and bwd.warps == WARPGROUP_WARPS
             and mod.softcap is not None and (mod.alibi != "none" or mod.bias != "none")):
         terms["softcap_modified_one_warpgroup"] = 1.0
+    if kernel == "dq" and mask.expression and cost_table(spec, kernel) is REGISTER_COSTS["dq"]:
+        terms["mask_expression"] = 1.0
     if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
         if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))

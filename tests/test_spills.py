@@ -232,6 +232,33 @@ def test_softcap_beside_another_modifier_on_one_producer_fed_warpgroup_is_priced
         assert not _clean(parse_spec(data))
 
 
+# ... and (seed 1130) the mma.sync dQ kernel under a top-left causal mask with a mask expression,
+# softcap and sinks (head_dim 64, 128 queries, 32 keys a step): 4 bytes at 255 on sm_90, predicted 252
+FUZZ_EXPRESSION_DQ = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 64, "tiling": {"block_q": 64, "block_kv": 128, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": True, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_89",
+    "mask": {"kind": "causal", "align": "top_left", "expression": "q_idx / 64 >= kv_idx / 64"},
+    "score_mod": {"softcap": 30.0, "sinks": True}, "outputs": {"lse": True, "partial": False},
+    "backward": {"block_kv": 128, "warps": 8, "head_split": 1, "block_q": 16, "stages": 2, "dq_block_q": 128,
+                 "dq_warps": 4, "dq_block_kv": 32, "deterministic": False}}
+
+
+def test_a_mask_expression_in_the_mma_sync_dq_kernel_is_priced():
+    """REGISTER_COSTS' mask_expression in mma.sync's dQ table: refused where it spilled, with a
+    fix that compiles clean on both archs the spec runs on; without the expression it validates
+    and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_EXPRESSION_DQ)
+    dq_block_kv = re.search(r"use dq_block_kv: (\d+)", str(err.value))
+    assert dq_block_kv, str(err.value)
+    fixed = {**FUZZ_EXPRESSION_DQ, "backward": {**FUZZ_EXPRESSION_DQ["backward"], "dq_block_kv": int(dq_block_kv[1])}}
+    mask = {k: v for k, v in FUZZ_EXPRESSION_DQ["mask"].items() if k != "expression"}
+    for data in (fixed, {**FUZZ_EXPRESSION_DQ, "mask": mask}):
+        for arch in ("sm_89", "sm_90"):
+            assert not _clean(parse_spec(data), arch)
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
