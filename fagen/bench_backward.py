@@ -233,17 +233,18 @@ def peak_extra_mib(fn) -> float:
 
 
 def fagen_spec(case: Case, q) -> tuple:
-    """What fagen.attention trains with here: variants.trainable of dispatch.derive_spec, and
-    the side inputs (doc_ids on q's device)."""
-    import torch
-
+    """What fagen.attention trains with here: variants.trainable of dispatch.derive_spec for
+    the case's key length (its shape class, as fagen.attention picks it), and the side inputs
+    (doc_ids on q's device)."""
     if case.mask == "documents":
+        import torch
+
         ids = masks.documents_of_lengths(case.doc_lengths(), case.batch)
         docs = torch.from_numpy(ids).to(q.device)
-        return trainable(derive_spec(q, causal=True, doc_ids=docs)), {"doc_ids": docs}
+        return trainable(derive_spec(q, causal=True, doc_ids=docs, keys=case.n)), {"doc_ids": docs}
     mask = {"sliding_window": Mask(kind="sliding_window", window_left=bench_cases.WINDOW),
             "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench_cases.PREFIX)}.get(case.mask)
-    return trainable(derive_spec(q, causal=case.causal and mask is None, mask=mask)), {}
+    return trainable(derive_spec(q, causal=case.causal and mask is None, mask=mask, keys=case.n)), {}
 
 
 def oracle_check(spec, case: Case) -> tuple[float, bool]:

@@ -406,7 +406,7 @@ def run_backward_case(case: Fp8Case) -> BackwardRow:
             q8, k8, v8, return_lse=True, **descales)
         fp8 = lambda: fp8_backward.backward(dout, q8, k8, v8, out, lse, causal=case.causal, **descales)  # noqa: E731
         qb, kb, vb = (x.float().mul(d).bfloat16() for x, d in ((q8, qd), (k8, kd), (v8, vd)))
-        backward = compile_backward(variants.trainable(derive_spec(qb, causal=case.causal)))
+        backward = compile_backward(variants.trainable(derive_spec(qb, causal=case.causal, keys=case.n)))
         out_b, lse_b = backward.forward(qb, kb, vb, return_lse=True)
         bf16 = lambda: (lambda g: (g.dq, g.dk, g.dv))(backward(dout, qb, kb, vb, out_b, lse_b))  # noqa: E731
         exact = _exact_gradients_head0(q8, k8, v8, (qd, kd, vd), dout, case.causal, case.head_dim ** -0.5)

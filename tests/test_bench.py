@@ -568,6 +568,26 @@ def test_every_backward_case_has_a_trainable_spec():
             assert spec.backward is not None and spec.head_dim == case.head_dim and spec.mask == mask
 
 
+def test_the_backward_bench_trains_each_case_in_its_key_lengths_class(monkeypatch):
+    """fagen.attention derives its spec with k's length (a shape class from LONG_KEYS on, with its
+    own forward and backward tiling); the bench's fagen_spec must too, or its long cases time the
+    short class's kernels."""
+    asked = []
+
+    def derive(q, **kwargs):
+        asked.append(kwargs.get("keys"))
+        return variants.shipped_spec(q, 128, kwargs["causal"], gpu="h200", keys=kwargs.get("keys"))
+
+    monkeypatch.setattr(bench_backward, "derive_spec", derive)
+    for case in bench_backward.cases():
+        if case.mask == "documents":  # (its doc_ids go to the GPU)
+            continue
+        spec, _ = bench_backward.fagen_spec(case, case.dtype)
+        assert asked[-1] == case.n
+        assert spec.name.startswith(variants.shipped_spec(case.dtype, 128, case.causal and case.mask == "none",
+                                                          gpu="h200", keys=case.n).name)
+
+
 def _subsection(text: str, title: str) -> list[str]:
     """The table lines, less the column names, of a '### title' section."""
     lines = text.splitlines()
