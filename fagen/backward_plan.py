@@ -162,7 +162,13 @@ REGISTER_COSTS = {
            # causal mask with softcap at 128 queries and 32 keys (predicted 252): the least that
            # refuses it; the table's slack covers the rest (the neighbours that fit and are predicted
            # under their count, by 1-16, fit at 141-189)
-           "mask_expression": 4.0},
+           "mask_expression": 4.0,
+           # ... beside a bias (vector or matrix): measured (ptxas -v, nvcc 13.0, sm_86 and sm_90; a
+           # later fuzz run's two findings at head_dim 96 and their 72 neighbours: head_dim 64, 96,
+           # 128 x dq_block_kv 32 and 64 x causal and prefix-LM x no bias, vector, matrix) 16-41 over
+           # the same kernel without the expression, where alone it costs 7-20: at 255 with 40 bytes
+           # of spills at head_dim 96, 64 keys a step (predicted 235); the least that refuses it
+           "mask_expression_bias": 21.0},
 }
 
 
@@ -243,6 +249,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
         terms["softcap_modified_one_warpgroup"] = 1.0
     if kernel == "dq" and mask.expression and cost_table(spec, kernel) is REGISTER_COSTS["dq"]:
         terms["mask_expression"] = 1.0
+        if mod.bias != "none":
+            terms["mask_expression_bias"] = 1.0
     if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
         if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))

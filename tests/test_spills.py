@@ -259,6 +259,40 @@ def test_a_mask_expression_in_the_mma_sync_dq_kernel_is_priced():
             assert not _clean(parse_spec(data), arch)
 
 
+# ... and (seed 2026) two more of it at head_dim 96 beside a bias: a bottom-right causal mask with a
+# matrix bias (40 bytes at 255 on sm_86, sm_89 and sm_90, predicted 235) and a top-left prefix-LM
+# with a vector bias, a score expression and sinks, deterministic (32 bytes on sm_90)
+FUZZ_EXPRESSION_BIAS_DQ = [
+    {"name": "fuzz", "dtype": "float16", "head_dim": 96, "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+     "pipeline": {"kv_smem": "shared", "stages": 2, "q_in_registers": False, "pingpong": False},
+     "smem_layout": "padded", "arch": "sm_86",
+     "mask": {"kind": "causal", "align": "bottom_right", "expression": "q_idx / 64 >= kv_idx / 64"},
+     "score_mod": {"bias": "matrix"}, "outputs": {"lse": True},
+     "backward": {"block_kv": 128, "warps": 8, "head_split": 1, "block_q": 32, "stages": 1, "dq_block_q": 64,
+                  "dq_warps": 4, "dq_block_kv": 64, "deterministic": False}},
+    {"name": "fuzz", "dtype": "float16", "head_dim": 96, "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+     "pipeline": {"kv_smem": "shared", "stages": 3, "q_in_registers": False, "pingpong": False},
+     "smem_layout": "padded", "arch": "sm_86",
+     "mask": {"kind": "prefix_lm", "align": "top_left", "prefix_len": 100, "expression": "kv_idx <= q_idx"},
+     "score_mod": {"bias": "vector", "expression": "score + 0.5f", "expression_grad": "1.0f", "sinks": True},
+     "outputs": {"lse": True, "partial": False},
+     "backward": {"block_kv": 64, "warps": 4, "head_split": 1, "block_q": 32, "stages": 2, "dq_block_q": 64,
+                  "dq_warps": 4, "dq_block_kv": 64, "deterministic": True}}]
+
+
+@pytest.mark.parametrize("data", FUZZ_EXPRESSION_BIAS_DQ, ids=["causal_matrix", "prefix_lm_vector"])
+def test_a_mask_expression_beside_a_bias_in_the_mma_sync_dq_kernel_is_priced(data):
+    """REGISTER_COSTS' mask_expression_bias in mma.sync's dQ table: refused where it spilled,
+    with a fix that compiles clean on sm_86 and sm_90."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    dq_block_kv = re.search(r"use dq_block_kv: (\d+)", str(err.value))
+    assert dq_block_kv, str(err.value)
+    fixed = {**data, "backward": {**data["backward"], "dq_block_kv": int(dq_block_kv[1])}}
+    for arch in ("sm_86", "sm_90"):
+        assert not _clean(parse_spec(fixed), arch)
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
