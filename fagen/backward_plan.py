@@ -129,7 +129,16 @@ REGISTER_COSTS = {
                    # causal x softcap, ALiBi, a vector bias x consumers at 208-240) 9-17 over this
                    # table where both are on (a window with all three spilled 4 bytes at 232,
                    # predicted 220); either modifier alone fits its estimate
-                   "softcap_modified_one_warpgroup": 17.0},
+                   "softcap_modified_one_warpgroup": 17.0,
+                   # a mask expression in the persistent (producer-fed) kernel, beside its walk's
+                   # state: measured (ptxas -v, nvcc 13.0; a fuzz run's finding and its 32
+                   # neighbours: head_dim 128, 32 queries a step, deterministic x persistent or not x
+                   # no mask, causal, a causal document, a sliding window x the expression or not x
+                   # consumers at 224 and 232) 4-8 bytes of spills at 224 under every mask and at
+                   # 232 under the document (predicted 209-212), where the kernel a block a tile and
+                   # the persistent one without the expression spill nothing: the least that refuses
+                   # every build that spilled and none that fit at 232
+                   "persistent_mask_expression": 21.0},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -253,6 +262,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
             terms["mask_expression_bias"] = 1.0
     if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
+        if spec.wgmma_backward and bwd.warp_specialized and bwd.warp_specialized.persistent:
+            terms["persistent_mask_expression"] = 1.0
         if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))
                 and bwd.warps == WARPGROUP_WARPS):
             terms["mask_expression_head_one_warpgroup"] = 1.0

@@ -293,6 +293,38 @@ def test_a_mask_expression_beside_a_bias_in_the_mma_sync_dq_kernel_is_priced(dat
         assert not _clean(parse_spec(fixed), arch)
 
 
+# ... and (seed 777) the persistent producer-fed dK/dV kernel with a mask expression: a causal
+# document, deterministic, 32 queries a step, consumers at 232: 8 bytes, predicted 212
+FUZZ_PERSISTENT_EXPRESSION = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 128, "block_kv": 64, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": True,
+                 "warp_specialized": {"consumer_registers": 216, "persistent": False}},
+    "smem_layout": "swizzled", "arch": "sm_90a",
+    "mask": {"kind": "document", "align": "bottom_right", "causal": True, "expression": "true"},
+    "score_mod": {"sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 128, "warps": 8, "block_q": 32, "stages": 2, "dq_block_q": 128, "dq_warps": 8,
+                 "dq_block_kv": 32, "deterministic": True,
+                 "warp_specialized": {"consumer_registers": 232, "persistent": True}}}
+
+
+def test_a_mask_expression_in_the_persistent_dkdv_kernel_is_priced():
+    """REGISTER_COSTS' persistent_mask_expression (wgmma's dK/dV table): refused where it spilled,
+    with a fix that compiles clean; at the consumers' 240, or a block a tile, it validates and
+    compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_PERSISTENT_EXPRESSION)
+    block_q = re.search(r"use block_q: (\d+)", str(err.value))
+    assert block_q, str(err.value)
+    bwd = FUZZ_PERSISTENT_EXPRESSION["backward"]
+    fixed = {**FUZZ_PERSISTENT_EXPRESSION, "backward": {**bwd, "block_q": int(block_q[1])}}
+    roomy = {**FUZZ_PERSISTENT_EXPRESSION, "backward": {
+        **bwd, "warp_specialized": {**bwd["warp_specialized"], "consumer_registers": 240}}}
+    walked = {**FUZZ_PERSISTENT_EXPRESSION, "backward": {
+        **bwd, "warp_specialized": {**bwd["warp_specialized"], "persistent": False}}}
+    for data in (fixed, roomy, walked):
+        assert not _clean(parse_spec(data))
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
