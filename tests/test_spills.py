@@ -56,6 +56,15 @@ def _refused_or_clean(data: dict) -> None:
     assert not _clean(spec), "validated and spills"
 
 
+def _backward_fix(data: dict, field: str) -> dict:
+    """`data` refused with a fix that sets backward.<field> (`use <field>: N`): data so fixed."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    value = re.search(rf"use {field}: (\d+)", str(err.value))
+    assert value, str(err.value)
+    return {**data, "backward": {**data["backward"], field: int(value[1])}}
+
+
 @pytest.mark.parametrize("data", [S1, S3], ids=["s1_accumulate_d256", "s3_block_mask_bias"])
 def test_forward_specs_that_spilled_are_refused_with_a_fix_that_compiles_clean(data):
     _refused_or_clean(data)
@@ -162,11 +171,7 @@ def test_a_one_stage_dkdv_kernel_at_head_dim_128_is_refused():
     """REGISTER_COSTS' stages1_wide (mma.sync dK/dV): one stage of Q and dO at head_dim 128 and 64
     queries a step spilled 24 bytes at 254 (predicted 235), where two stages use 216: refused now,
     with a fix that compiles clean; the two-stage kernel still validates and compiles clean."""
-    with pytest.raises(SpecError) as err:
-        parse_spec(FUZZ_ONE_STAGE_D128)
-    block_q = re.search(r"use block_q: (\d+)", str(err.value))
-    assert block_q, str(err.value)
-    fixed = {**FUZZ_ONE_STAGE_D128, "backward": {**FUZZ_ONE_STAGE_D128["backward"], "block_q": int(block_q[1])}}
+    fixed = _backward_fix(FUZZ_ONE_STAGE_D128, "block_q")
     two = {**FUZZ_ONE_STAGE_D128, "backward": {**FUZZ_ONE_STAGE_D128["backward"], "stages": 2}}
     for data in (fixed, two):
         assert not _clean(parse_spec(data), "sm_80")
@@ -188,12 +193,7 @@ def test_a_mask_expression_in_the_mma_sync_dkdv_kernel_is_priced():
     """REGISTER_COSTS' mask_expression in mma.sync's dK/dV table: the expression is tested at every
     element of every step (5-26 registers, ptxas -v): refused where it spilled, with a fix that
     compiles clean; the same kernel without the expression validates and compiles clean."""
-    with pytest.raises(SpecError) as err:
-        parse_spec(FUZZ_EXPRESSION_DOCUMENT)
-    block_q = re.search(r"use block_q: (\d+)", str(err.value))
-    assert block_q, str(err.value)
-    bwd = FUZZ_EXPRESSION_DOCUMENT["backward"]
-    fixed = {**FUZZ_EXPRESSION_DOCUMENT, "backward": {**bwd, "block_q": int(block_q[1])}}
+    fixed = _backward_fix(FUZZ_EXPRESSION_DOCUMENT, "block_q")
     mask = {k: v for k, v in FUZZ_EXPRESSION_DOCUMENT["mask"].items() if k != "expression"}
     plain = {**FUZZ_EXPRESSION_DOCUMENT, "mask": mask}
     for data in (fixed, plain):
@@ -248,11 +248,7 @@ def test_a_mask_expression_in_the_mma_sync_dq_kernel_is_priced():
     """REGISTER_COSTS' mask_expression in mma.sync's dQ table: refused where it spilled, with a
     fix that compiles clean on both archs the spec runs on; without the expression it validates
     and compiles clean."""
-    with pytest.raises(SpecError) as err:
-        parse_spec(FUZZ_EXPRESSION_DQ)
-    dq_block_kv = re.search(r"use dq_block_kv: (\d+)", str(err.value))
-    assert dq_block_kv, str(err.value)
-    fixed = {**FUZZ_EXPRESSION_DQ, "backward": {**FUZZ_EXPRESSION_DQ["backward"], "dq_block_kv": int(dq_block_kv[1])}}
+    fixed = _backward_fix(FUZZ_EXPRESSION_DQ, "dq_block_kv")
     mask = {k: v for k, v in FUZZ_EXPRESSION_DQ["mask"].items() if k != "expression"}
     for data in (fixed, {**FUZZ_EXPRESSION_DQ, "mask": mask}):
         for arch in ("sm_89", "sm_90"):
@@ -284,11 +280,7 @@ FUZZ_EXPRESSION_BIAS_DQ = [
 def test_a_mask_expression_beside_a_bias_in_the_mma_sync_dq_kernel_is_priced(data):
     """REGISTER_COSTS' mask_expression_bias in mma.sync's dQ table: refused where it spilled,
     with a fix that compiles clean on sm_86 and sm_90."""
-    with pytest.raises(SpecError) as err:
-        parse_spec(data)
-    dq_block_kv = re.search(r"use dq_block_kv: (\d+)", str(err.value))
-    assert dq_block_kv, str(err.value)
-    fixed = {**data, "backward": {**data["backward"], "dq_block_kv": int(dq_block_kv[1])}}
+    fixed = _backward_fix(data, "dq_block_kv")
     for arch in ("sm_86", "sm_90"):
         assert not _clean(parse_spec(fixed), arch)
 
@@ -311,12 +303,8 @@ def test_a_mask_expression_in_the_persistent_dkdv_kernel_is_priced():
     """REGISTER_COSTS' persistent_mask_expression (wgmma's dK/dV table): refused where it spilled,
     with a fix that compiles clean; at the consumers' 240, or a block a tile, it validates and
     compiles clean."""
-    with pytest.raises(SpecError) as err:
-        parse_spec(FUZZ_PERSISTENT_EXPRESSION)
-    block_q = re.search(r"use block_q: (\d+)", str(err.value))
-    assert block_q, str(err.value)
+    fixed = _backward_fix(FUZZ_PERSISTENT_EXPRESSION, "block_q")
     bwd = FUZZ_PERSISTENT_EXPRESSION["backward"]
-    fixed = {**FUZZ_PERSISTENT_EXPRESSION, "backward": {**bwd, "block_q": int(block_q[1])}}
     roomy = {**FUZZ_PERSISTENT_EXPRESSION, "backward": {
         **bwd, "warp_specialized": {**bwd["warp_specialized"], "consumer_registers": 240}}}
     walked = {**FUZZ_PERSISTENT_EXPRESSION, "backward": {
