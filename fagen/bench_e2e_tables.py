@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 IMPLEMENTATIONS = ("sdpa", "sdpa_cudnn", "sdpa_flash", "fagen")
-ROUNDS = 3  # timed rounds a case, implementations interleaved
+ROUNDS = 5  # timed rounds a case, implementations interleaved; the best of them is the row
 JSON = "bench_e2e.json"  # beside fagen bench's JSON, whose BENCHMARKS.md takes its tables
 STATIC_CACHE_LEN = 16384  # a static cache's slots (SDPA's decode step reads them all, fagen each row's tokens)
 
@@ -46,6 +46,7 @@ class E2ERow:
     prefill_ms: float | None
     decode_tok_s: float | None
     note: str = ""
+    attention_host_us: float | None = None  # a decode step's host time in the attention and mask functions
 
 
 def cases(quick: bool = False) -> list[E2ECase]:
@@ -99,8 +100,11 @@ def markdown(rows: list[E2ERow], meta: dict | None = None) -> list[str]:
            "Written by `python3 -m fagen.bench_e2e` (its JSON kept beside this report's). Random-weight bf16 models "
            "(Llama: 16 layers, hidden 2048, 32/8 heads of 64; Gemma-2: 8 layers, 8/4 heads of 256, a 4096-key "
            "window on alternate layers, softcaps), greedy generate on the dynamic cache or a static one; prefill ms of a "
-           "forward over the prompt, decode tokens/s after the first token; medians of "
-           f"{ROUNDS} rounds with the implementations taking turns. fagen's result is compared with SDPA's before "
+           "forward over the prompt, decode tokens/s after the first token; the best of "
+           f"{ROUNDS} rounds with the implementations taking turns (a shared host's interference only adds time); attention host µs a decode step: the host time "
+           "a decode step spends in the attention and mask functions transformers calls (all layers; what the "
+           "implementation itself costs where generation is host-bound; n/a for a compiled static cache and for "
+           "runs before it was measured). fagen's result is compared with SDPA's before "
            "it is timed (random weights in bfloat16 make greedy tokens diverge early: SDPA's own FA2 backend "
            "differs from its default as much).", ""]
     if meta:
@@ -112,15 +116,17 @@ def markdown(rows: list[E2ERow], meta: dict | None = None) -> list[str]:
         if not chosen:
             continue
         out += [f"### {title}", "",
-                f"| case | prefill ms: {head} | decode tok/s: {head} | fagen / SDPA prefill, decode |",
-                "| --- | --- | --- | --- |"]
+                f"| case | prefill ms: {head} | decode tok/s: {head} | fagen / SDPA prefill, decode | attention host "
+                f"µs a decode step: {head} |",
+                "| --- | --- | --- | --- | --- |"]
         for case, got in chosen.items():
             prefill = " / ".join(shown(got[i].prefill_ms) if i in got else "n/a" for i in impls)
             decode = " / ".join(shown(got[i].decode_tok_s) if i in got else "n/a" for i in impls)
             f, s = got.get("fagen"), got.get("sdpa")
             ratio = "n/a" if not f or not s or None in (f.prefill_ms, s.prefill_ms, f.decode_tok_s, s.decode_tok_s) \
                 else f"{s.prefill_ms / f.prefill_ms:.2f}, {f.decode_tok_s / s.decode_tok_s:.2f}"
-            out.append(f"| {case} | {prefill} | {decode} | {ratio} |")
+            host = " / ".join(shown(got[i].attention_host_us) if i in got else "n/a" for i in impls)
+            out.append(f"| {case} | {prefill} | {decode} | {ratio} | {host} |")
         notes = [f"- {case}: {got['fagen'].note}" for case, got in chosen.items() if "fagen" in got and got["fagen"].note]
         out += [""] + notes + [""]
     return out

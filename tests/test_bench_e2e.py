@@ -46,18 +46,18 @@ def test_the_padded_cases_draw_the_issue_s_lengths():
 def test_the_tables_give_fagen_against_sdpa_and_mark_what_a_backend_cannot_run():
     equal, padded = E2ECase("llama", 1, 1024, 64).key, E2ECase("llama", 8, 1024, 64, padded=True).key
     rows = [E2ERow(equal, "sdpa", 20.0, 50.0), E2ERow(equal, "fagen", 16.0, 60.0, "logits ok"),
-            E2ERow(padded, "sdpa", 40.0, 300.0), E2ERow(padded, "sdpa_flash", None, None, "n/a: no mask"),
-            E2ERow(padded, "fagen", 32.0, 450.0)]
+            E2ERow(padded, "sdpa", 40.0, 300.0, attention_host_us=310.0),
+            E2ERow(padded, "sdpa_flash", None, None, "n/a: no mask"), E2ERow(padded, "fagen", 32.0, 450.0, "", 120.5)]
     text = "\n".join(bench_e2e.markdown(rows))
-    assert f"| {equal} | 20.0 / n/a / 16.0 | 50.0 / n/a / 60.0 | 1.25, 1.20 |" in text
-    assert f"| {padded} | 40.0 / n/a / 32.0 | 300.0 / n/a / 450.0 | 1.25, 1.50 |" in text
+    assert f"| {equal} | 20.0 / n/a / 16.0 | 50.0 / n/a / 60.0 | 1.25, 1.20 | n/a / n/a / n/a |" in text
+    assert f"| {padded} | 40.0 / n/a / 32.0 | 300.0 / n/a / 450.0 | 1.25, 1.50 | 310.0 / n/a / 120.5 |" in text
     assert text.index("Equal-length") < text.index("Left-padded") and f"- {equal}: logits ok" in text
 
 
 def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch):
     """run_case: SDPA checked first and the others against its result; a backend that cannot run
     the case is n/a and never timed; the rest take turns (order alternating by round), and each
-    row is the median prefill and the median decode rate of its rounds."""
+    row is the best prefill and the best decode rate of its rounds."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from fagen import bench_e2e as runner
@@ -70,20 +70,25 @@ def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch)
         return ("n/a: no mask" if impl == "sdpa_flash" else "" if reference is None else "ok"), "sdpa's"
 
     generate = {"sdpa": iter([1.1, 2.1, 3.1]), "fagen": iter([1.1, 1.6, 0.6])}
+    spent = {"sdpa": iter([3e-4, 1e-4, 2e-4]), "fagen": iter([5e-5, None, 7e-5])}
 
     def timed(model, case, impl):
         order.append(impl)
-        return 0.1, next(generate[impl])
+        return 0.1, next(generate[impl]), next(spent[impl])
 
     monkeypatch.setattr(runner, "check", check)
     monkeypatch.setattr(runner, "timed", timed)
+    monkeypatch.setattr(runner, "ROUNDS", 3)
     rows = {r.impl: r for r in runner.run_case(None, case, ("sdpa", "sdpa_flash", "fagen"))}
     assert checked == [("sdpa", None), ("sdpa_flash", "sdpa's"), ("fagen", "sdpa's")]
     assert order == ["sdpa", "fagen", "fagen", "sdpa", "sdpa", "fagen"]
     assert rows["sdpa_flash"].decode_tok_s is None and rows["sdpa_flash"].note == "n/a: no mask"
     assert rows["fagen"].prefill_ms == pytest.approx(100.0)
-    assert rows["fagen"].decode_tok_s == pytest.approx(2 * 10 / (1.1 - 0.1))  # the median of 20, 13.3, 40
-    assert rows["sdpa"].decode_tok_s == pytest.approx(2 * 10 / (2.1 - 0.1)) and rows["fagen"].note.startswith("ok; ")
+    assert rows["fagen"].decode_tok_s == pytest.approx(2 * 10 / (0.6 - 0.1))  # the best of 20, 13.3, 40
+    assert rows["sdpa"].decode_tok_s == pytest.approx(2 * 10 / (1.1 - 0.1)) and rows["fagen"].note.startswith("ok; ")
+    # a decode step's attention host time: the least of the rounds that measured it
+    assert rows["sdpa"].attention_host_us == pytest.approx(100.0) and rows["fagen"].attention_host_us == pytest.approx(50.0)
+    assert rows["sdpa_flash"].attention_host_us is None
 
 
 def test_the_report_keeps_the_end_to_end_tables_from_their_json(tmp_path):
