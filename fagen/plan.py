@@ -51,6 +51,7 @@ REGISTER_COSTS = {
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
         "paged": 16,  # measured, not fitted: see register_terms
         "partial_d96": 2, "varlen_kv_d96": 2,  # measured, not fitted: see register_terms
+        "one_warp": 22,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -502,8 +503,13 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     if swizzled and threads % chunks == 0:  # rows_per_pass rows a pass; row % 8 repeats every 8 / gcd
         rows_per_pass = threads // chunks
         copy_offsets = min(-(-t.block_kv // rows_per_pass), 8 // math.gcd(rows_per_pass, 8))
+    # A block of one warp copies each tile alone (a 128-key d64 K tile: 32 chunks a thread) and
+    # holds more of it than the fit (two warps and up) saw: measured, not fitted (ptxas -v, nvcc
+    # 13.0, sm_86; a fuzz run's finding and 72 neighbours: 16 or 32 queries x 80-128 keys x no
+    # mask, causal or chunked x softcap or not x partial or not): one warp ran 2-22 registers over
+    # the estimate and spilled 4-76 bytes at a predicted 246-254; two warps stayed 3-49 under it.
     return {**terms, f"{spec.pipeline.kv_smem}{spec.pipeline.stages}": 1.0,
-            "few_threads": float(threads <= 64),
+            "few_threads": float(threads <= 64), "one_warp": float(threads == 32),
             "swizzle_q": (d // MMA_K) if swizzled and not spec.pipeline.q_in_registers else 0,
             "swizzle_copy": copy_offsets, "chunk_copy": float(threads % chunks != 0)}
 

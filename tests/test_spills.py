@@ -339,3 +339,28 @@ def test_compile_exits_1_on_a_forward_kernel_that_spills(tmp_path, monkeypatch):
     assert re.search(r"s1 sm_90a: fagen_s1 \(forward\): \d+ registers, \d+ bytes dynamic smem, [1-9]\d* bytes stack "
                      r"frame", result.output), result.output
     assert "fagen_s1 (forward) spill" in result.output.splitlines()[-1]
+
+
+# A fuzz run's finding (seed 11300): a one-warp mma.sync forward (16 queries, 112 keys, one stage)
+# under a top-left chunked mask with softcap, writing split partials: 16 bytes at 254, predicted 252
+FUZZ_ONE_WARP = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 64, "tiling": {"block_q": 16, "block_kv": 112, "warps_q": 1},
+    "pipeline": {"kv_smem": "separate", "stages": 1, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_86", "mask": {"kind": "chunked", "align": "top_left", "chunk_size": 1},
+    "score_mod": {"softcap": 30.0}, "outputs": {"lse": True, "partial": True}}
+
+
+@pytest.mark.parametrize("mask, block_kv", [({"kind": "chunked", "align": "top_left", "chunk_size": 1}, 112),
+                                            ({"kind": "none"}, 128), ({"kind": "causal", "align": "top_left"}, 128)])
+def test_a_one_warp_forward_at_many_keys_is_refused_with_a_fix_that_compiles_clean(mask, block_kv):
+    """REGISTER_COSTS' one_warp (mma.sync): one-warp blocks spilled 4-76 bytes at a predicted
+    246-254 (the finding, and no mask or causal at 128 keys): refused now, each with a fix that
+    compiles clean; the same kernel on two warps still validates and compiles clean."""
+    data = {**FUZZ_ONE_WARP, "mask": mask, "tiling": {**FUZZ_ONE_WARP["tiling"], "block_kv": block_kv}}
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    fix = re.search(r"use block_kv: (\d+)", str(err.value))
+    assert fix, str(err.value)
+    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_86")
+    two_warps = {**data, "tiling": {"block_q": 32, "block_kv": block_kv, "warps_q": 2}}
+    assert not _clean(parse_spec(two_warps), "sm_86")
