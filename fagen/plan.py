@@ -50,7 +50,7 @@ REGISTER_COSTS = {
         "s_causal": 0.11, "s_sliding_window": 0.29, "s_chunked": 0.16, "s_document": 0.29,
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
         "paged": 16,  # measured, not fitted: see register_terms
-        "partial_d96": 2, "varlen_kv_d96": 2,  # measured, not fitted: see register_terms
+        "partial_d96": 2, "varlen_kv_d96": 9,  # measured, not fitted: see register_terms
         "one_warp": 22,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
@@ -315,7 +315,9 @@ SCHEDULER_PARAMS = (("int", "tiles_x"), ("int", "tiles_y"), ("int", "tiles_z"), 
 # running O and LSE, spilled 24 bytes at 32 and none at 40, and so did a split-KV partial's over
 # KV tiles of a width that is no power of two (its split bounds divide by it: 8-24 bytes at 96, 160
 # and 192 keys, head_dim 64 and 128, with and without ALiBi; none at 32, 64, 128; a fuzz run found
-# it). The consumers give up what that takes.
+# it), and so did a split-KV partial's under a block mask at head_dim 64 (its tile list read a step
+# ahead beside the split's bounds: 12-16 bytes at 32-128 keys, with and without ALiBi, none at 40;
+# head_dim 128 none at 32; a fuzz run found it). The consumers give up what that takes.
 CLAIMING_PRODUCER_REGISTERS = 32
 CLAIMING_WIDE_PRODUCER_REGISTERS = 40
 # A claimed walk's counters: tiles claimed past the first wave, then blocks done claiming (both
@@ -388,7 +390,9 @@ def claiming_producer_registers(spec: AttentionSpec) -> int:
     note)."""
     block_kv = spec.tiling.block_kv
     dividing = spec.outputs.partial and block_kv & (block_kv - 1)  # split bounds over a width no power of two
-    return CLAIMING_WIDE_PRODUCER_REGISTERS if spec.outputs.accumulate or dividing else CLAIMING_PRODUCER_REGISTERS
+    listed = spec.outputs.partial and spec.mask.kind == "block_mask"  # ... or beside a block mask's tile list
+    wide = spec.outputs.accumulate or dividing or listed
+    return CLAIMING_WIDE_PRODUCER_REGISTERS if wide else CLAIMING_PRODUCER_REGISTERS
 
 
 def _consumers_beside(spec: AttentionSpec, producer: int) -> int:
@@ -484,6 +488,10 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # or varlen keys): at 128-160 queries and 48 keys, predicted 254, either or both spilled 16-44
     # bytes where the padded whole-output kernel fit at 251-253. At 64 and 128 they cost 0-8
     # registers below the limit, and a shipped partial (d128, 128 x 128) fits at its predicted 255.
+    # A varlen cache at 48 keys, swept again after a second finding (seed 30110: 224 queries,
+    # causal, sinks, seqused_k; 44 bytes at 255, predicted 254): 128-224 queries, causal or no
+    # mask, sinks or not, with or without seqused_k spilled 40-44 bytes at a predicted 249-254 on
+    # sm_80, where the padded kernel fit: 9 registers, the least that refuses them all.
     terms["partial_d96"] = float(spec.outputs.partial and d == 96)
     terms["varlen_kv_d96"] = float(spec.sequences.kv == "varlen" and d == 96)
     # A block mask's PARTIAL pattern: a thread loads a word of 32 keys for each of its rows (2 an

@@ -364,3 +364,28 @@ def test_a_one_warp_forward_at_many_keys_is_refused_with_a_fix_that_compiles_cle
     assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_86")
     two_warps = {**data, "tiling": {"block_q": 32, "block_kv": block_kv, "warps_q": 2}}
     assert not _clean(parse_spec(two_warps), "sm_86")
+
+
+# ... and one more at head_dim 96 (seed 30110): a varlen cache under a top-left causal mask with
+# sinks and seqused_k, 224 queries and 48 keys: 44 bytes at 255 on sm_80, predicted 254
+FUZZ_D96_VARLEN_CAUSAL = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 96, "tiling": {"block_q": 224, "block_kv": 48, "warps_q": 7},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "padded", "arch": "sm_80", "mask": {"kind": "causal", "align": "top_left"},
+    "score_mod": {"sinks": True}, "outputs": {"lse": True, "partial": False, "merge_splits": False},
+    "sequences": {"q": "padded", "kv": "varlen", "seqused_k": True}}
+
+
+@pytest.mark.parametrize("mask", [{"kind": "causal", "align": "top_left"}, {"kind": "none"}])
+def test_a_varlen_cache_at_head_dim_96_is_refused_with_a_fix_that_compiles_clean(mask):
+    """REGISTER_COSTS' varlen_kv_d96 at 9: the finding and its no-mask twin (40-44 bytes spilled at a
+    predicted 249-254) are refused, each with a fix that compiles clean; the padded cache's kernel
+    still validates and compiles clean."""
+    data = {**FUZZ_D96_VARLEN_CAUSAL, "mask": mask}
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    fix = re.search(r"use block_kv: (\d+)", str(err.value))
+    assert fix, str(err.value)
+    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_80")
+    padded = {**data, "sequences": {"q": "padded", "kv": "padded", "seqused_k": False}}
+    assert not _clean(parse_spec(padded), "sm_80")

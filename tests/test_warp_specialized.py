@@ -467,3 +467,26 @@ def test_the_partial_claimed_walk_over_96_keys_compiles_without_spills():
 
     kernels = nvcc.compile_all(fagen.parse_spec(FUZZ_PARTIAL_96), "sm_90a")
     assert kernels and all(k.clean for k in kernels), [k.summary() for k in kernels]
+
+
+# A fuzz run's finding (seed 30110): a split-KV partial under a block mask at head_dim 64, whose
+# claiming producer (32 registers) spilled 12 bytes with a 16-byte stack frame
+FUZZ_PARTIAL_BLOCK_MASK = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 64, "tiling": {"block_q": 128, "block_kv": 32, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": True,
+                 "warp_specialized": {"consumer_registers": 240, "persistent": True}},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "block_mask", "align": "bottom_right"},
+    "score_mod": {"alibi": "slopes"}, "outputs": {"lse": True, "partial": True}}
+
+
+@pytest.mark.parametrize("partial, producer", [(True, 40), (False, 32)])
+def test_a_block_mask_s_partial_claimed_walk_gives_its_producer_40_registers_and_compiles_clean(partial, producer):
+    """The block mask's tile list, read a step ahead, beside the split's bounds: 40 registers for
+    the producer of a partial (none spilled at 32-128 keys there), 32 for a whole output; both clean."""
+    from fagen import nvcc
+    from fagen.plan import register_split
+
+    spec = fagen.parse_spec({**FUZZ_PARTIAL_BLOCK_MASK, "outputs": {"lse": True, "partial": partial}})
+    assert plan(spec).claimed_walk and register_split(spec) == (producer, 232)
+    kernels = nvcc.compile_all(spec, "sm_90a")
+    assert kernels and all(k.clean for k in kernels), [k.summary() for k in kernels]
