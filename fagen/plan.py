@@ -51,7 +51,7 @@ REGISTER_COSTS = {
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
         "paged": 16,  # measured, not fitted: see register_terms
         "partial_d96": 2, "varlen_kv_d96": 9,  # measured, not fitted: see register_terms
-        "one_warp": 22,  # measured, not fitted: see register_terms
+        "one_warp": 22, "bias_shared_kv": 14,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -516,6 +516,12 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # 13.0, sm_86; a fuzz run's finding and 72 neighbours: 16 or 32 queries x 80-128 keys x no
     # mask, causal or chunked x softcap or not x partial or not): one warp ran 2-22 registers over
     # the estimate and spilled 4-76 bytes at a predicted 246-254; two warps stayed 3-49 under it.
+    # A score bias beside K and V sharing their ring slots (kv_smem shared): measured, not fitted
+    # (ptxas -v, nvcc 13.0, sm_89; a fuzz run's finding, a block mask with a matrix bias at head_dim
+    # 128, 128 x 64, 24 bytes at 255, predicted 246, and 23 neighbours: 48 and 64 keys x shared or
+    # separate x block mask, causal or none x bias or not): beside shared slots a bias ran 11-20
+    # registers over the estimate, beside separate ones 11-49 under it.
+    terms["bias_shared_kv"] = float(mod.bias != "none" and spec.pipeline.kv_smem == "shared")
     return {**terms, f"{spec.pipeline.kv_smem}{spec.pipeline.stages}": 1.0,
             "few_threads": float(threads <= 64), "one_warp": float(threads == 32),
             "swizzle_q": (d // MMA_K) if swizzled and not spec.pipeline.q_in_registers else 0,

@@ -388,3 +388,24 @@ def test_a_varlen_cache_at_head_dim_96_is_refused_with_a_fix_that_compiles_clean
     assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_80")
     padded = {**data, "sequences": {"q": "padded", "kv": "padded", "seqused_k": False}}
     assert not _clean(parse_spec(padded), "sm_80")
+
+
+# ... and one more (seed 2718281): a block mask with a matrix bias beside shared K/V slots,
+# head_dim 128, 128 x 64: 24 bytes at 255 on sm_89, predicted 246
+FUZZ_BIAS_SHARED_KV = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 128, "block_kv": 64, "warps_q": 8},
+    "pipeline": {"kv_smem": "shared", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_89", "mask": {"kind": "block_mask", "align": "top_left"},
+    "score_mod": {"bias": "matrix"}, "outputs": {"lse": True}}
+
+
+def test_a_bias_beside_shared_kv_slots_is_priced():
+    """REGISTER_COSTS' bias_shared_kv (mma.sync): the finding is refused with a fix that compiles
+    clean; beside separate slots the same kernel still validates and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_BIAS_SHARED_KV)
+    fix = re.search(r"use block_kv: (\d+)", str(err.value))
+    assert fix, str(err.value)
+    data = FUZZ_BIAS_SHARED_KV
+    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_89")
+    assert not _clean(parse_spec({**data, "pipeline": {**data["pipeline"], "kv_smem": "separate"}}), "sm_89")
