@@ -579,7 +579,9 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
     rows = fold_rows(o_regs, spec.dv, limit)
     pv_steps = spec.tiling.block_kv // MMA_K
     odd_steps = ACCUMULATE_ODD_PV_STEPS * (pv_steps > 1 and pv_steps % 2 == 1)
-    return o_regs + rows * (spec.dv // MMA_N) * 2 + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST + odd_steps
+    listed = ACCUMULATE_BLOCK_MASK * (spec.mask.kind == "block_mask")
+    return (o_regs + rows * (spec.dv // MMA_N) * 2 + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST + odd_steps
+            + listed)
 
 
 # ... and where the last P.V takes an odd count of k16 steps past one (48 or 80 keys), this many
@@ -589,6 +591,12 @@ def accumulate_epilogue(spec: AttentionSpec, o_regs: int, s_regs: int) -> int:
 # warpgroups needed 152 with 48 keys (144 with 32 or 64) and spilled at 152 with 80: each at
 # least 5 over the estimate, and no even count was.
 ACCUMULATE_ODD_PV_STEPS = 8
+# ... and under a block mask, its tile list's state through the fold: measured, not fitted (a fuzz
+# run's finding: d256, 128 x 32, three stages, top-left block mask, sinks, a claimed walk's 232
+# consumers: 4 bytes spilled at a predicted 232, where the causal twin fits at the same 232; with
+# fewer consumer registers beside a wider producer, 16 bytes; at 16 keys, predicted 228, 4 bytes
+# again). 8 refuses both; their fix, 240 consumers and a static walk, compiles clean.
+ACCUMULATE_BLOCK_MASK = 8
 
 
 # A fix being checked: its own refusals offer none (no search within the search). Per thread: a

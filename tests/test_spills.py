@@ -409,3 +409,24 @@ def test_a_bias_beside_shared_kv_slots_is_priced():
     data = FUZZ_BIAS_SHARED_KV
     assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_89")
     assert not _clean(parse_spec({**data, "pipeline": {**data["pipeline"], "kv_smem": "separate"}}), "sm_89")
+
+
+# ... and one more (seed 161803): an accumulating split partial (the ring's fold) under a top-left
+# block mask, head_dim 256, 128 x 32, a claimed walk's 232 consumers: 4 bytes at a predicted 232
+FUZZ_ACCUMULATE_BLOCK_MASK = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 256, "tiling": {"block_q": 128, "block_kv": 32, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 3, "q_in_registers": False, "pingpong": False,
+                 "warp_specialized": {"consumer_registers": 232, "persistent": True}},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "block_mask", "align": "top_left"},
+    "score_mod": {"sinks": True}, "outputs": {"lse": True, "partial": True, "accumulate": True, "merge_splits": False}}
+
+
+def test_an_accumulating_block_mask_kernel_is_priced_with_a_fix_that_compiles_clean():
+    """ACCUMULATE_BLOCK_MASK: the finding is refused, and its fix (240 consumers, a static walk)
+    compiles clean; the causal twin, which fit at the same 232, still validates and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_ACCUMULATE_BLOCK_MASK)
+    _refused_or_clean(FUZZ_ACCUMULATE_BLOCK_MASK)
+    assert "consumer_registers: 240" in str(err.value)
+    causal = {**FUZZ_ACCUMULATE_BLOCK_MASK, "mask": {"kind": "causal", "align": "top_left"}}
+    assert not _clean(parse_spec(causal))
