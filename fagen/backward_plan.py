@@ -195,6 +195,10 @@ WARP_SPECIALIZED_SAVING = 16  # (not with two head widths: 192/128's consumers s
 # this term); every build that spilled (softcap, biases) is predicted over 240, and ALiBi's,
 # which fit, are refused too.
 WARP_SPECIALIZED_ATOMIC_DQ = -6
+# ... a saving fitted where the consumers had 240: with fewer they do not get it (a fuzz run's
+# finding: head_dim 128, 128 keys, 64 queries a step, consumers at 232, causal and no mask alike
+# spilled 16 bytes at a predicted 229-231, and fit at 240; ptxas -v, nvcc 13.0).
+ATOMIC_DQ_FITTED_CONSUMERS = 240
 # Two builds the estimate let through spilled since dQ's adds became a bulk reduce a warp (ptxas -v,
 # nvcc 13.0, over the 56 atomic-dQ builds trainable picks under every mask with no modifier,
 # softcap or ALiBi): float16 head_dim 64 chunked (producer-fed, 20 bytes) and bfloat16 head_dim 64
@@ -694,7 +698,8 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
     registers = predict_registers(spec, "dkdv")
     tiles = dkdv_wgmma_numbers(spec) if wgmma else dict.fromkeys(DKDV_WGMMA_NUMBERS, 0)
     if ws:
-        registers += (WARP_SPECIALIZED_ATOMIC_DQ * spec.atomic_dq + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad
+        atomic_fit = spec.atomic_dq and ws.consumer_registers >= ATOMIC_DQ_FITTED_CONSUMERS
+        registers += (WARP_SPECIALIZED_ATOMIC_DQ * atomic_fit + WARP_SPECIALIZED_BIAS_GRAD * bwd.bias_grad
                       + WARP_SPECIALIZED_BF16_EARLY_PACK * (tiles["early_p_pack"] and spec.dtype == "bfloat16")
                       - WARP_SPECIALIZED_SAVING * (spec.dv == spec.head_dim))
     register_limit = ws.consumer_registers if ws else MAX_REGISTERS

@@ -430,3 +430,29 @@ def test_an_accumulating_block_mask_kernel_is_priced_with_a_fix_that_compiles_cl
     assert "consumer_registers: 240" in str(err.value)
     causal = {**FUZZ_ACCUMULATE_BLOCK_MASK, "mask": {"kind": "causal", "align": "top_left"}}
     assert not _clean(parse_spec(causal))
+
+
+# ... and one more (seed 1414): the warp-specialised dK/dV kernel with atomic dQ at head_dim 128,
+# 128 keys, 64 queries a step, its consumers at 232: 16 bytes spilled at a predicted 231
+FUZZ_ATOMIC_DKDV_232 = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "causal", "align": "bottom_right"},
+    "score_mod": {}, "outputs": {"lse": True, "partial": False},
+    "backward": {"block_kv": 128, "warps": 8, "block_q": 64, "stages": 2, "dq_block_q": 128, "dq_warps": 8,
+                 "dq_block_kv": 64, "deterministic": False,
+                 "warp_specialized": {"consumer_registers": 232, "persistent": False}}}
+
+
+def test_atomic_dq_s_saving_needs_the_consumers_it_was_fitted_at():
+    """ATOMIC_DQ_FITTED_CONSUMERS: at 232 consumers the finding is refused, and its fix (the copying
+    kernel) compiles clean; at 240 the same kernel still validates and compiles clean."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(FUZZ_ATOMIC_DKDV_232)
+    assert "remove backward.warp_specialized" in str(err.value)
+    copying = {**FUZZ_ATOMIC_DKDV_232, "backward": {k: v for k, v in FUZZ_ATOMIC_DKDV_232["backward"].items()
+                                                    if k != "warp_specialized"}}
+    at_240 = {**FUZZ_ATOMIC_DKDV_232, "backward": {**FUZZ_ATOMIC_DKDV_232["backward"],
+                                                   "warp_specialized": {"consumer_registers": 240, "persistent": False}}}
+    for data in (copying, at_240):
+        assert not _clean(parse_spec(data)), data["backward"]
