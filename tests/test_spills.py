@@ -56,6 +56,15 @@ def _refused_or_clean(data: dict) -> None:
     assert not _clean(spec), "validated and spills"
 
 
+def _block_kv_fix(data: dict) -> dict:
+    """`data` refused with the fix `use block_kv: N`: data so fixed."""
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    value = re.search(r"use block_kv: (\d+)", str(err.value))
+    assert value, str(err.value)
+    return {**data, "tiling": {**data["tiling"], "block_kv": int(value[1])}}
+
+
 def _backward_fix(data: dict, field: str) -> dict:
     """`data` refused with a fix that sets backward.<field> (`use <field>: N`): data so fixed."""
     with pytest.raises(SpecError) as err:
@@ -160,11 +169,7 @@ def test_a_partial_or_varlen_forward_at_the_limit_is_refused(outputs, kv, valid)
     if valid:
         assert not _clean(parse_spec(data), "sm_89")
         return
-    with pytest.raises(SpecError) as err:
-        parse_spec(data)
-    block_kv = re.search(r"use block_kv: (\d+)", str(err.value))
-    assert block_kv, str(err.value)
-    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(block_kv[1])}}), "sm_89")
+    assert not _clean(parse_spec(_block_kv_fix(data)), "sm_89")
 
 
 def test_a_one_stage_dkdv_kernel_at_head_dim_128_is_refused():
@@ -357,11 +362,7 @@ def test_a_one_warp_forward_at_many_keys_is_refused_with_a_fix_that_compiles_cle
     246-254 (the finding, and no mask at 128 keys among them): refused now, each with a fix that
     compiles clean; the same kernel on two warps still validates and compiles clean."""
     data = {**FUZZ_ONE_WARP, "mask": mask, "tiling": {**FUZZ_ONE_WARP["tiling"], "block_kv": block_kv}}
-    with pytest.raises(SpecError) as err:
-        parse_spec(data)
-    fix = re.search(r"use block_kv: (\d+)", str(err.value))
-    assert fix, str(err.value)
-    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_86")
+    assert not _clean(parse_spec(_block_kv_fix(data)), "sm_86")
     two_warps = {**data, "tiling": {"block_q": 32, "block_kv": block_kv, "warps_q": 2}}
     assert not _clean(parse_spec(two_warps), "sm_86")
 
@@ -381,11 +382,7 @@ def test_a_varlen_cache_at_head_dim_96_is_refused_with_a_fix_that_compiles_clean
     bytes at a predicted 249-254) is refused with a fix that compiles clean; the padded cache's
     kernel still validates and compiles clean."""
     data = FUZZ_D96_VARLEN_CAUSAL
-    with pytest.raises(SpecError) as err:
-        parse_spec(data)
-    fix = re.search(r"use block_kv: (\d+)", str(err.value))
-    assert fix, str(err.value)
-    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_80")
+    assert not _clean(parse_spec(_block_kv_fix(data)), "sm_80")
     padded = {**data, "sequences": {"q": "padded", "kv": "padded", "seqused_k": False}}
     assert not _clean(parse_spec(padded), "sm_80")
 
@@ -402,12 +399,8 @@ FUZZ_BIAS_SHARED_KV = {
 def test_a_bias_beside_shared_kv_slots_is_priced():
     """REGISTER_COSTS' bias_shared_kv (mma.sync): the finding is refused with a fix that compiles
     clean; beside separate slots the same kernel still validates and compiles clean."""
-    with pytest.raises(SpecError) as err:
-        parse_spec(FUZZ_BIAS_SHARED_KV)
-    fix = re.search(r"use block_kv: (\d+)", str(err.value))
-    assert fix, str(err.value)
     data = FUZZ_BIAS_SHARED_KV
-    assert not _clean(parse_spec({**data, "tiling": {**data["tiling"], "block_kv": int(fix[1])}}), "sm_89")
+    assert not _clean(parse_spec(_block_kv_fix(data)), "sm_89")
     assert not _clean(parse_spec({**data, "pipeline": {**data["pipeline"], "kv_smem": "separate"}}), "sm_89")
 
 
