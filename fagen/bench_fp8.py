@@ -95,11 +95,21 @@ class KvRow:
     fp8_us: float | None = None  # ... against the e4m3 cache
     error: float | None = None  # FP8's ||out - exact|| / ||exact||, exact of the FP8 values (float64, sequence 0)
     note: str = ""
+    # a plain read of the e4m3 cache's bytes (one torch.sum over them, in the same graphs' turns):
+    # what a step that only reads them costs on this GPU, launch included
+    read_us: float | None = None
 
     @property
     def speedup(self) -> float | None:
         """Tokens a second against the FP8 cache over against the bfloat16 one."""
         return self.bf16_us / self.fp8_us if self.bf16_us and self.fp8_us else None
+
+    @property
+    def read_ratio(self) -> float | None:
+        """The bfloat16 step's time over a plain read's of the FP8 bytes: what a launch that did
+        nothing but read them would gain. A yardstick for small steps, where a launch's fixed cost
+        weighs (the sum is no fastest reader: at large sizes the FP8 step beats it)."""
+        return self.bf16_us / self.read_us if self.bf16_us and self.read_us else None
 
     def tbps(self, fp8: bool) -> float | None:
         """The cache's bytes a second read, TB/s."""
@@ -152,7 +162,7 @@ def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]
            "TFLOP/s of the whole call; errors against exact attention of the same FP8 values (head 0). "
            "On sm90 cuDNN builds FP8 attention only with an e4m3 out (its bf16 out is Blackwell's), so its error "
            "includes O's rounding to e4m3, and it writes half the bytes."
-           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           + _dated(meta, "forward"), "",
            "| d | N | mask | activations | fagen FP8 | cuDNN FP8 | fagen / cuDNN | fagen bf16 | fagen FP8 error | "
            "cuDNN FP8 error | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_case: dict[str, dict[str, Fp8Row]] = {}
@@ -173,15 +183,19 @@ def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
     out = ["## FP8 KV cache: decode against an e4m3 cache and a bfloat16 one", "",
            "`python3 -m fagen.bench_fp8 --kv-only`: a bfloat16 q (Hq 32, one query) against Hkv 8 heads of d 128, "
            "device time of a step (CUDA graph replays), the cache's bytes a second; the FP8 step's error against "
-           "exact attention of the FP8 values (float64, sequence 0)."
-           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
-           "| B | Nk | bf16 cache us | TB/s | e4m3 cache us | TB/s | tokens/s, e4m3 / bf16 | e4m3 error | note |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "exact attention of the FP8 values (float64, sequence 0). Plain read: one `torch.sum` over exactly the "
+           "e4m3 cache's bytes, replayed in turn with the two steps: a yardstick for small steps, where a launch's fixed cost weighs "
+           "(at large sizes the FP8 step reads faster than the sum)."
+           + _dated(meta, "kv"), "",
+           "| B | Nk | bf16 cache us | TB/s | e4m3 cache us | TB/s | tokens/s, e4m3 / bf16 | plain read us | "
+           "bf16 / read | e4m3 error | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cells = [f"{x:.1f}" if x else "-" for x in (r.bf16_us, r.tbps(False), r.fp8_us, r.tbps(True))]
         speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
+        read = f"{r.read_us:.1f} | {r.read_ratio:.2f}x" if r.read_ratio else "- | -"
         error = f"{r.error:.1e}" if r.error is not None else "-"
-        out.append(f"| {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {error} | {r.note} |")
+        out.append(f"| {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {read} | {error} | {r.note} |")
     return out
 
 
@@ -192,7 +206,7 @@ def backward_markdown(rows: list[BackwardRow], meta: dict | None = None) -> list
            "the backward alone given the forward's out and lse (TFLOP/s of 10 B H N^2 d, halved causal); "
            "errors: the largest of dq's, dk's and dv's against exact gradients of the same FP8 values "
            "(float64, head 0), the bfloat16 backward on those values widened."
-           + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else ""), "",
+           + _dated(meta, "backward"), "",
            "| N | mask | fagen FP8 | fagen bf16 | FP8 / bf16 | FP8 error | bf16 error | note |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -202,6 +216,13 @@ def backward_markdown(rows: list[BackwardRow], meta: dict | None = None) -> list
         out.append(f"| {r.n} | {'causal' if r.causal else 'none'} | {tf[0]} | {tf[1]} | {ratio} | {errors[0]} | "
                    f"{errors[1]} | {r.note} |")
     return out
+
+
+def _dated(meta: dict | None, section: str) -> str:
+    """A section's date and GPU: its own run's (meta["<section>_date"], written by --kv-only and
+    --backward-only, which keep the other sections' rows) or the whole run's."""
+    date = meta and (meta.get(f"{section}_date") or meta.get("date"))
+    return f" {date}, {meta.get('gpu', '')}." if date else ""
 
 
 def _tf(row: Fp8Row | None) -> str:
@@ -381,9 +402,12 @@ def run_kv_case(case: KvCase) -> KvRow:
             kx, vx = (x.repeat_interleave(group, dim=0) for x in (kx, vx))
             exact = torch.softmax((q[0].double() @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
             row.error = relative(got[0], exact)
-            # replayed in turns: the two arms see the same clocks (check.interleaved_us)
-            row.bf16_us, row.fp8_us = interleaved_us(lambda: api.attention(q, k, v),
-                                                     lambda: api.attention(q, k8, v8, k_descale=kd, v_descale=vd))
+            # the e4m3 cache's bytes in one buffer, for the plain read beside the steps
+            raw = torch.cat([k8.view(torch.uint8).reshape(-1), v8.view(torch.uint8).reshape(-1)]).view(torch.bfloat16)
+            # replayed in turns: the arms see the same clocks (check.interleaved_us)
+            row.bf16_us, row.fp8_us, row.read_us = interleaved_us(
+                lambda: api.attention(q, k, v), lambda: api.attention(q, k8, v8, k_descale=kd, v_descale=vd),
+                lambda: raw.sum())
     except Exception as err:  # noqa: BLE001 - a failing case is its row
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
     return row
@@ -457,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     only = args.kv_only or args.backward_only
     if only and args.out.exists():
-        kept = read_json(args.out)[0]
+        kept, kept_meta = read_json(args.out)
+        # the kept sections keep their dates; the one run now gets today's
+        meta = {**kept_meta, "gpu": meta["gpu"], "torch": meta["torch"],
+                ("kv_date" if args.kv_only else "backward_date"): meta["date"]}
+        meta.setdefault("date", meta["kv_date" if args.kv_only else "backward_date"])
         rows = [r for r in kept if isinstance(r, Fp8Row)]
         kv_rows = [r for r in kept if isinstance(r, KvRow)] if args.backward_only else []
         backward_rows = [r for r in kept if isinstance(r, BackwardRow)] if args.kv_only else []

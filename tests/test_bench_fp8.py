@@ -33,11 +33,19 @@ def test_the_kv_table_reads_tokens_a_second_and_bytes_and_survives_json(tmp_path
     and V a step over its device time), kept in the JSON beside the forward's rows."""
     from fagen.bench_fp8 import KV_CASES, KvRow
 
-    row = KvRow("kv-b8-n32768", 8, 32768, bf16_us=240.0, fp8_us=150.0, error=1.1e-3)
+    row = KvRow("kv-b8-n32768", 8, 32768, bf16_us=240.0, fp8_us=150.0, error=1.1e-3, read_us=125.0)
     assert abs(row.tbps(False) - 2 * 8 * 8 * 32768 * 128 * 2 / 240e-6 / 1e12) < 1e-9
     assert abs(row.tbps(True) - 2 * 8 * 8 * 32768 * 128 / 150e-6 / 1e12) < 1e-9
     line = markdown([row])[-1]
-    assert line.startswith("| 8 | 32768 | 240.0 |") and "| 1.60x | 1.1e-03 |" in line
+    # the plain read's time and the bf16 step over it: 240 / 125
+    assert line.startswith("| 8 | 32768 | 240.0 |") and "| 1.60x | 125.0 | 1.92x | 1.1e-03 |" in line
+    # a row from before the plain read was measured shows none
+    assert "| 1.60x | - | - | 1.1e-03 |" in markdown([KvRow("kv-b8-n32768", 8, 32768, 240.0, 150.0, 1.1e-3)])[-1]
+    # a --kv-only run dates its own section; the kept ones keep the run's date
+    meta = {"date": "2026-11-29", "kv_date": "2026-11-30", "gpu": "NVIDIA H200"}
+    assert "2026-11-30, NVIDIA H200." in markdown([row], meta)[2]
+    assert "2026-11-29, NVIDIA H200." in markdown([Fp8Row("d128-n4096-dense-plain", "fagen_fp8", 128, 4096, False,
+                                                          "plain", 1.0, 900.0)], meta)[2]
     assert {(c.batch, c.keys) for c in KV_CASES} >= {(1, 32768), (32, 131072)}
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {}, "rows": [], "kv_rows": [row.__dict__]}))
