@@ -4,9 +4,11 @@ against exact attention of those values (float64, on the GPU, one head) before i
 decode against an e4m3 KV cache beside the bfloat16 cache (KV_CASES: device time of a step, from
 CUDA graph replays, and the FP8 bytes a second it reads); and the FP8 backward beside fagen's
 bfloat16 backward on the same values (BACKWARD_CASES: kernel time given the forward's out and lse,
-the gradients checked against exact ones of head 0 first).
+the gradients checked against exact ones of head 0 first); and FP8's error against the
+unquantized attention (ERROR_CASES: fagen.attention(..., fp8=True) with and without incoherent
+processing, beside the bfloat16 attention, each against exact attention of the float32 inputs).
 
-    python3 -m fagen.bench_fp8 [--quick] [--kv-only | --backward-only] [--out bench/bench_fp8.json]
+    python3 -m fagen.bench_fp8 [--quick] [--kv-only | --backward-only | --errors-only] [--out bench/bench_fp8.json]
 
 Activations are Gaussian ("plain") or with 4 channels of q and k 100x the rest ("outliers",
 rescaled to the same score variance); descales at amax / 448 per tensor (cuDNN takes one number
@@ -133,6 +135,22 @@ class BackwardRow:
     note: str = ""
 
 
+@dataclass
+class ErrorRow:
+    """FP8 attention's error against exact attention of the unquantized (float32) inputs, head 0:
+    q, k, v quantized a batch and KV head at a time (fagen.attention's fp8=True), then with q and
+    k rotated first (incoherent=True), and the bfloat16 attention of the same inputs."""
+    case: str
+    n: int
+    causal: bool
+    activations: str
+    fp8_error: float | None = None
+    incoherent_error: float | None = None
+    bf16_error: float | None = None
+    note: str = ""
+
+
+ERROR_CASES = [Fp8Case(4096, 128, causal, act) for causal in (False, True) for act in ("plain", "outliers")]
 BACKWARD_CASES = [Fp8Case(n, 128, causal, "plain") for n in LENGTHS for causal in (False, True)]
 BACKWARD_CHECK = 0.1  # an FP8 backward's gradients past this against exact ones (its own ~4e-2) are wrong: not timed
 
@@ -149,7 +167,8 @@ def markdown(rows: list, meta: dict | None = None) -> list[str]:
     implementation's TFLOP/s and error, and fagen FP8 over cuDNN FP8), the KV cache's
     (kv_markdown), the backward's (backward_markdown); a blank line between."""
     out: list[str] = []
-    for kind, section in ((Fp8Row, _forward_markdown), (KvRow, kv_markdown), (BackwardRow, backward_markdown)):
+    for kind, section in ((Fp8Row, _forward_markdown), (ErrorRow, error_markdown), (KvRow, kv_markdown),
+                          (BackwardRow, backward_markdown)):
         mine = [r for r in rows if isinstance(r, kind)]
         if mine:
             out += ([""] if out else []) + section(mine, meta)
@@ -199,6 +218,27 @@ def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
     return out
 
 
+def error_markdown(rows: list[ErrorRow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's FP8 error section: the error against the unquantized attention, plain and
+    with incoherent processing, beside bfloat16's."""
+    out = ["## FP8 error against the unquantized attention: incoherent processing", "",
+           "`python3 -m fagen.bench_fp8 --errors-only`: d 128, H 16, B x N = 16k; each output's relative error "
+           "against exact attention (float64) of the float32 inputs, head 0: `fagen.attention(..., fp8=True)` "
+           "(q, k, v quantized to e4m3 a batch and KV head at a time), the same with `incoherent=True` (q and k "
+           "rotated by a random-sign Hadamard matrix before they are quantized: fagen.incoherent), and the "
+           "bfloat16 attention of the inputs rounded to bfloat16. Outliers: 4 channels of q and k 100x the rest."
+           + _dated(meta, "errors"), "",
+           "| N | mask | activations | FP8 | FP8, incoherent | incoherent / plain | bfloat16 | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = [f"{x:.1e}" if x is not None else "-" for x in (r.fp8_error, r.incoherent_error)]
+        ratio = f"{r.incoherent_error / r.fp8_error:.2f}x" if r.fp8_error and r.incoherent_error else "-"
+        bf16 = f"{r.bf16_error:.1e}" if r.bf16_error is not None else "-"
+        out.append(f"| {r.n} | {'causal' if r.causal else 'none'} | {r.activations} | {' | '.join(cells)} | {ratio} | "
+                   f"{bf16} | {r.note} |")
+    return out
+
+
 def backward_markdown(rows: list[BackwardRow], meta: dict | None = None) -> list[str]:
     """BENCHMARKS.md's FP8 backward section: its TFLOP/s and fagen's bfloat16 backward's, a case a line."""
     out = ["## FP8 backward: fagen e4m3 against fagen bfloat16", "",
@@ -237,7 +277,8 @@ def read_json(path: Path) -> tuple[list, dict]:
     """The forward's rows (Fp8Row) and the KV cache's (KvRow), and the run's meta."""
     try:
         data = json.loads(Path(path).read_text())
-        rows = ([Fp8Row(**r) for r in data["rows"]] + [KvRow(**r) for r in data.get("kv_rows", [])]
+        rows = ([Fp8Row(**r) for r in data["rows"]] + [ErrorRow(**r) for r in data.get("errors_rows", [])]
+                + [KvRow(**r) for r in data.get("kv_rows", [])]
                 + [BackwardRow(**r) for r in data.get("backward_rows", [])])
         return rows, dict(data.get("meta", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -382,6 +423,29 @@ def run_case(case: Fp8Case) -> list[Fp8Row]:
     return rows
 
 
+def run_error_case(case: Fp8Case) -> ErrorRow:
+    """One ERROR_CASES row: fagen.attention on the case's activations in bfloat16, with fp8=True
+    (incoherent or not) and without, each against exact attention of the float32 inputs."""
+    import torch
+
+    row = ErrorRow(case.key, case.n, case.causal, case.activations)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
+    q, k, v = activations(case, gen)
+    scale = case.head_dim ** -0.5
+    ones = tuple(torch.ones(1, device="cuda") for _ in range(3))
+    exact = exact_head0(q, k, v, ones, case.causal, scale)
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    try:
+        with torch.no_grad():
+            row.fp8_error = relative(api.attention(qb, kb, vb, causal=case.causal, fp8=True)[0, 0], exact)
+            row.incoherent_error = relative(api.attention(qb, kb, vb, causal=case.causal, fp8=True, incoherent=True)[0, 0],
+                                            exact)
+            row.bf16_error = relative(api.attention(qb, kb, vb, causal=case.causal)[0, 0], exact)
+    except Exception as err:  # noqa: BLE001 - a failing case is its row
+        row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return row
+
+
 def run_kv_case(case: KvCase) -> KvRow:
     """One decode step against the bfloat16 cache and against its e4m3 rounding (descales per
     (sequence, KV head)), the FP8 step checked against exact attention of the FP8 values before
@@ -467,48 +531,44 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one case (d128, N 4k, dense)")
-    parser.add_argument("--kv-only", action="store_true", help="the KV cache's cases alone (the forward's kept "
-                        "from --out's JSON)")
-    parser.add_argument("--backward-only", action="store_true", help="the FP8 backward's cases alone (the rest kept "
-                        "from --out's JSON)")
+    parser.add_argument("--quick", action="store_true", help="one case of each section (d128, N 4k, dense)")
+    only_sections = parser.add_mutually_exclusive_group()
+    for section, what in (("kv", "the KV cache's cases"), ("backward", "the FP8 backward's cases"),
+                          ("errors", "the error report's cases (FP8 against the unquantized attention)")):
+        only_sections.add_argument(f"--{section}-only", dest="only", action="store_const", const=section,
+                                   help=f"{what} alone (the other sections kept from --out's JSON)")
     parser.add_argument("--out", type=Path, default=Path("bench") / JSON)
     args = parser.parse_args(argv)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    rows: list[Fp8Row] = []
-    kv_rows: list[KvRow] = []
-    backward_rows: list[BackwardRow] = []
+    kept: list = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    only = args.kv_only or args.backward_only
-    if only and args.out.exists():
+    if args.only and args.out.exists():
         kept, kept_meta = read_json(args.out)
         # the kept sections keep their dates; the one run now gets today's
-        meta = {**kept_meta, "gpu": meta["gpu"], "torch": meta["torch"],
-                ("kv_date" if args.kv_only else "backward_date"): meta["date"]}
-        meta.setdefault("date", meta["kv_date" if args.kv_only else "backward_date"])
-        rows = [r for r in kept if isinstance(r, Fp8Row)]
-        kv_rows = [r for r in kept if isinstance(r, KvRow)] if args.backward_only else []
-        backward_rows = [r for r in kept if isinstance(r, BackwardRow)] if args.kv_only else []
+        meta = {**kept_meta, "gpu": meta["gpu"], "torch": meta["torch"], f"{args.only}_date": meta["date"]}
+        meta.setdefault("date", meta[f"{args.only}_date"])
+    runs = (("forward", Fp8Row, cases(args.quick)), ("errors", ErrorRow, ERROR_CASES[:1] if args.quick else ERROR_CASES),
+            ("kv", KvRow, KV_CASES[:1] if args.quick else KV_CASES),
+            ("backward", BackwardRow, BACKWARD_CASES[:1] if args.quick else BACKWARD_CASES))
+    # each section's rows: run now, or kept from the JSON where another section alone runs
+    sections = {name: [] if args.only in (None, name) else [r for r in kept if isinstance(r, kind)]
+                for name, kind, _ in runs}
 
     def write() -> None:
-        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
-                                        "kv_rows": [asdict(r) for r in kv_rows],
-                                        "backward_rows": [asdict(r) for r in backward_rows]}, indent=1))
+        args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in sections["forward"]],
+                                        **{f"{name}_rows": [asdict(r) for r in sections[name]]
+                                           for name in ("errors", "kv", "backward")}}, indent=1))
 
-    for case in [] if only else cases(args.quick):
-        rows += run_case(case)
-        print(f"{case.key}: " + ", ".join(f"{r.impl} {r.tflops and round(r.tflops)} err {r.error} {r.note}"
-                                           for r in rows[-len(IMPLS):]), file=sys.stderr, flush=True)
-        write()
-    for case in [] if args.backward_only else KV_CASES[:1] if args.quick else KV_CASES:
-        kv_rows.append(run_kv_case(case))
-        print(f"{case.key}: {kv_rows[-1]}", file=sys.stderr, flush=True)
-        write()
-    for case in [] if args.kv_only else BACKWARD_CASES[:1] if args.quick else BACKWARD_CASES:
-        backward_rows.append(run_backward_case(case))
-        print(f"{case.key}: {backward_rows[-1]}", file=sys.stderr, flush=True)
-        write()
-    print("\n".join(markdown([*rows, *kv_rows, *backward_rows], meta)))
+    run = {"forward": run_case, "errors": run_error_case, "kv": run_kv_case, "backward": run_backward_case}
+    for name, _, section_cases in runs:
+        if args.only not in (None, name):
+            continue
+        for case in section_cases:
+            got = run[name](case)
+            sections[name] += got if isinstance(got, list) else [got]
+            print(f"{case.key}: {got}", file=sys.stderr, flush=True)
+            write()
+    print("\n".join(markdown([r for name, _, _ in runs for r in sections[name]], meta)))
     return 0
 
 

@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, key_split, mod_tracing, runtime,
                    side_inputs, variants, wide_head)
+from fagen import incoherent as incoherent_rotation  # (the parameter is named incoherent)
 from fagen.device import layout_order
 from fagen.element_types import ELEMENT_TYPES
 from fagen.fp8_backward_plan import FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS
@@ -444,7 +445,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     return (out, lse) if return_lse else out
 
 
-def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deterministic: bool, others: list[str]):
+def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deterministic: bool, others: list[str],
+                             incoherent: bool = False):
     """fagen.attention(..., fp8=True): its checks, then _Fp8Quantized."""
     if others:
         raise ValueError(f"{others[0]}: not with fp8=True (it takes causal, mask, scale, deterministic and "
@@ -466,7 +468,7 @@ def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deter
     if not _eager(q, k, v):
         raise ValueError("fp8=True: eager calls only yet (no op for torch.compile or a graph being traced); "
                          "call it outside torch.compile")
-    out, lse = _Fp8Quantized.apply(q, k, v, mask, scale, deterministic)
+    out, lse = _Fp8Quantized.apply(q, k, v, mask, scale, deterministic, incoherent)
     return (out, lse) if return_lse else out
 
 
@@ -481,16 +483,19 @@ def _e4m3_with_descale(x: Tensor, heads_kv: int) -> tuple[Tensor, Tensor]:
 
 
 class _Fp8Quantized(torch.autograd.Function):
-    """fp8=True's forward and backward: q, k, v quantized (_e4m3_with_descale), the FP8 forward, and
-    fagen.fp8_backward's gradients of attention over the quantized tensors, handed to q, k, v as
-    theirs (straight through the rounding)."""
+    """fp8=True's forward and backward: q, k, v quantized (_e4m3_with_descale; q and k rotated
+    first where incoherent), the FP8 forward, and fagen.fp8_backward's gradients of attention over
+    the quantized tensors, handed to q, k, v as theirs (straight through the rounding; dq and dk
+    rotated back)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: Mask, scale, deterministic: bool):
+    def forward(ctx, q, k, v, mask: Mask, scale, deterministic: bool, incoherent: bool = False):
+        if incoherent:  # float32 products, rounded once, to e4m3
+            q, k = incoherent_rotation.rotate(q.detach()), incoherent_rotation.rotate(k.detach())
         (q8, qd), (k8, kd), (v8, vd) = (_e4m3_with_descale(x, k.shape[1]) for x in (q, k, v))
         out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, mask_json(mask), False, None, scale)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
-        ctx.mask, ctx.scale, ctx.deterministic = mask, scale, deterministic
+        ctx.mask, ctx.scale, ctx.deterministic, ctx.incoherent = mask, scale, deterministic, incoherent
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -499,7 +504,9 @@ class _Fp8Quantized(torch.autograd.Function):
         q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
         dq, dk, dv = fp8_backward.backward(dout, q8, k8, v8, out, lse, mask=ctx.mask, scale=ctx.scale, q_descale=qd,
                                            k_descale=kd, v_descale=vd, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None
+        if ctx.incoherent:
+            dq, dk = (incoherent_rotation.unrotate(g).to(g.dtype) for g in (dq, dk))
+        return dq, dk, dv, None, None, None, None
 
 
 def _records_grad(*tensors) -> bool:
@@ -519,7 +526,7 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
               deterministic: bool = False, cache_seqlens=None, cache_leftpad=None, q_descale=None, k_descale=None,
-              v_descale=None, fp8: bool = False):
+              v_descale=None, fp8: bool = False, incoherent: bool = False):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v, bias and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
@@ -532,13 +539,20 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type).
     fp8=True: bfloat16 q, k, v quantized to e4m3 inside (a scale a batch and KV head, from their
     amax), the FP8 forward and, where autograd records, the FP8 backward (fagen.fp8_backward);
-    bfloat16 out and gradients, passed straight through the rounding to q, k and v."""
+    bfloat16 out and gradients, passed straight through the rounding to q, k and v. incoherent=True
+    (with fp8=True): q and k rotated by one orthogonal matrix before they are quantized
+    (fagen.incoherent), which leaves the scores as they are but spreads outlier channels, so that
+    a head's scale does not spend e4m3's range on a few of them; dq and dk rotate back."""
+    if incoherent and not fp8:
+        raise ValueError("incoherent=True: only with fp8=True (it rotates q and k before they are quantized); "
+                         "for FP8 tensors you quantize yourself, rotate q and k with fagen.incoherent.rotate first")
     if fp8:
         others = {"softcap": softcap, "block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes,
                   "sinks": sinks, "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad,
                   "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         return _fp8_quantized_attention(q, k, v, dispatch.call_mask(causal, mask), scale, return_lse,
-                                        _deterministic(deterministic), [n for n, x in others.items() if x is not None])
+                                        _deterministic(deterministic), [n for n, x in others.items() if x is not None],
+                                        incoherent)
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)

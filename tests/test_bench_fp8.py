@@ -70,3 +70,20 @@ def test_the_backward_table_puts_fp8_over_bf16_and_keeps_a_wrong_case_untimed(tm
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {}, "rows": [], "backward_rows": [good.__dict__, wrong.__dict__]}))
     assert read_json(path)[0] == [good, wrong]
+
+
+def test_the_error_table_puts_incoherent_over_plain_and_survives_json(tmp_path):
+    """An error-report row: FP8's error against the unquantized attention, plain and incoherent,
+    their ratio, bfloat16's beside; dated by its own run; kept in the JSON beside the other sections."""
+    from fagen.bench_fp8 import ERROR_CASES, ErrorRow
+
+    assert {(c.head_dim, c.activations) for c in ERROR_CASES} == {(128, "plain"), (128, "outliers")}
+    row = ErrorRow("d128-n4096-dense-outliers", 4096, False, "outliers", fp8_error=8.0e-2, incoherent_error=4.0e-2,
+                   bf16_error=3.0e-3)
+    table = markdown([row], {"date": "2026-11-29", "errors_date": "2026-11-30", "gpu": "NVIDIA H200"})
+    assert table[0] == "## FP8 error against the unquantized attention: incoherent processing"
+    assert "2026-11-30, NVIDIA H200." in table[2]
+    assert table[-1] == "| 4096 | none | outliers | 8.0e-02 | 4.0e-02 | 0.50x | 3.0e-03 |  |"
+    path = tmp_path / "bench_fp8.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [], "errors_rows": [row.__dict__]}))
+    assert read_json(path)[0] == [row]

@@ -240,6 +240,44 @@ def test_fagen_attention_fp8_trains_bfloat16_tensors_through_the_fp8_kernels(mas
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+@pytest.mark.parametrize("mask", [Mask(), Mask(kind="causal")], ids=["full", "causal"])
+def test_incoherent_fp8_halves_the_error_where_channels_are_outliers(mask):
+    """fp8=True, incoherent=True on activations with four channels of q and k at 100x (the FP8
+    bench's outliers): q and k rotated before they are quantized, so out's error against exact
+    attention of the unquantized inputs falls to well under the plain FP8 call's (the CPU model,
+    tests/test_incoherent.py: 0.50-0.58x), and the gradients, rotated back, are no worse than the
+    plain call's against the bfloat16 attention's."""
+    import cupy
+
+    import fagen
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the FP8 kernels need a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    b, h, n = 1, 4, 512
+    q, k, v = (torch.randn(b, h, n, D, device="cuda", generator=gen) for _ in range(3))
+    spread = ((D - 4 + 4 * 100.0 ** 4) / D) ** 0.25  # scores of unit variance, as the bench's
+    for x in (q, k):
+        x[..., :4] *= 100.0
+        x /= spread
+    q, k, v = (x.bfloat16().requires_grad_() for x in (q, k, v))
+    dout = torch.randn(b, h, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    exact = torch.from_numpy(oracle.attention(*(to_numpy(x.detach().double()) for x in (q, k, v)),
+                                              causal=mask.kind == "causal"))
+    errors, grads = {}, {}
+    for incoherent in (False, True):
+        out = fagen.attention(q, k, v, mask=mask, fp8=True, incoherent=incoherent)
+        assert not torch.isnan(out).any()
+        errors[incoherent] = relative_error(to_numpy(out.float()), exact.numpy())
+        grads[incoherent] = torch.autograd.grad(out, (q, k, v), dout)
+    assert errors[True] < 0.65 * errors[False], errors
+    reference = torch.autograd.grad(fagen.attention(q, k, v, mask=mask), (q, k, v), dout)
+    for name, plain, rotated, want in zip("qkv", grads[False], grads[True], reference):
+        plain_error = relative_error(to_numpy(plain.float()), to_numpy(want.float()))
+        rotated_error = relative_error(to_numpy(rotated.float()), to_numpy(want.float()))
+        assert rotated_error < min(1.5e-1, 1.1 * plain_error), (name, plain_error, rotated_error)
+
+
 def test_fagen_attention_fp8_refuses_what_it_does_not_quantize_by_name():
     import fagen
 
@@ -248,6 +286,8 @@ def test_fagen_attention_fp8_refuses_what_it_does_not_quantize_by_name():
         fagen.attention(x.half(), x, x, fp8=True)
     with pytest.raises(ValueError, match=r"softcap: not with fp8=True"):
         fagen.attention(x, x, x, fp8=True, softcap=30.0)
+    with pytest.raises(ValueError, match=r"incoherent=True: only with fp8=True"):
+        fagen.attention(x, x, x, incoherent=True)
     with pytest.raises(ValueError, match=r"head_dim: q 64, k 64, v 64; fp8=True takes 128"):
         fagen.attention(x[..., :64], x[..., :64], x[..., :64], fp8=True)
     with pytest.raises(ValueError, match=r"mask: kind 'document'; fp8=True takes"):
