@@ -387,29 +387,35 @@ E4M3_MAX = ELEMENT_TYPES["float8_e4m3"].max_finite
 
 @_op
 def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
-                          v_descale: Optional[Tensor], sinks: Optional[Tensor], mask: str, causal: bool,
-                          softcap: Optional[float], scale: Optional[float]) -> tuple[Tensor, Tensor]:
+                          v_descale: Optional[Tensor], sinks: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                          bias: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
+                          scale: Optional[float]) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
-    logits); a half-type q against FP8 k and v (an FP8 KV cache, no q_descale): the decode kernels'
+    logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
+    scores); a half-type q against FP8 k and v (an FP8 KV cache, no q_descale): the decode kernels'
     FP8 variant, out in q's type."""
     if q.dtype not in FP8_TYPES:
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
                                 return_lse=True, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+    bias_kind = "none" if bias is None else "vector" if bias.dim() == 3 else "matrix"
     spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
-                             ScoreMod(softcap=softcap, sinks=sinks is not None))
+                             ScoreMod(softcap=softcap, sinks=sinks is not None, bias=bias_kind,
+                                      alibi="none" if alibi_slopes is None else "slopes"))
+    side = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias)) if x is not None}
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
-                                        k_descale=k_descale, v_descale=v_descale, sinks=sinks)
+                                        k_descale=k_descale, v_descale=v_descale, sinks=sinks, **side)
 
 
 @torch.library.register_fake("fagen::fp8_attention_forward")
-def _(q, k, v, q_descale, k_descale, v_descale, sinks, mask, causal, softcap, scale):
+def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, mask, causal, softcap, scale):
     b, hq, nq, _ = q.shape
     return (_empty_out(q, v.shape[-1], torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype),
             q.new_empty((b, hq, nq), dtype=torch.float32))
 
 
-def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, sinks, unsupported):
+def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, sinks, unsupported,
+                   alibi_slopes=None, bias=None):
     """The FP8 forward, or a half-type q against an FP8 KV cache (k and v FP8): straight to the
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
     gradient: there is no FP8 backward yet)."""
@@ -418,15 +424,17 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     if q.dtype not in FP8_TYPES and not kv_cache:
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
                          f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
-    if kv_cache and sinks is not None:
-        unsupported = ["sinks", *unsupported]
+    if kv_cache:  # (the FP8 forward adds them to its scores; the KV cache's decode kernels do not yet)
+        unsupported = [name for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes), ("bias", bias))
+                       if x is not None] + unsupported
     if kv_cache and descales[0] is not None:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"{k.dtype} k and v only")
     if unsupported:
         raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale"
-                         f"{'' if kv_cache else ', sinks'} and the descales); pass bfloat16 tensors for it")
-    if _records_grad(q, k, v, sinks):
+                         f"{'' if kv_cache else ', sinks, alibi_slopes, bias'} and the descales); pass bfloat16 "
+                         f"tensors for it")
+    if _records_grad(q, k, v, sinks, bias):
         raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()")
     if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.dtype == v.dtype and (kv_cache or q.dtype == k.dtype)):
         raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
@@ -437,11 +445,14 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
                 for x in descales]
     if sinks is not None and not isinstance(sinks, Tensor):
         sinks = torch.as_tensor(sinks, dtype=torch.float32, device=q.device)
-    if _eager(q, k, v, *descales, sinks):
-        out, lse = fp8_attention_forward(q, k, v, *descales, sinks, mask_json(mask), causal, softcap, scale)
+    alibi_slopes, bias = (x if x is None or isinstance(x, Tensor) else torch.as_tensor(x, device=q.device)
+                          for x in (alibi_slopes, bias))
+    if _eager(q, k, v, *descales, sinks, alibi_slopes, bias):
+        out, lse = fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, mask_json(mask), causal,
+                                         softcap, scale)
     else:
-        out, lse = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, mask_json(mask), causal, softcap,
-                                                         scale)
+        out, lse = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias,
+                                                         mask_json(mask), causal, softcap, scale)
     return (out, lse) if return_lse else out
 
 
@@ -493,7 +504,7 @@ class _Fp8Quantized(torch.autograd.Function):
         if incoherent:  # float32 products, rounded once, to e4m3
             q, k = incoherent_rotation.rotate(q.detach()), incoherent_rotation.rotate(k.detach())
         (q8, qd), (k8, kd), (v8, vd) = (_e4m3_with_descale(x, k.shape[1]) for x in (q, k, v))
-        out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, mask_json(mask), False, None, scale)
+        out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, None, None, mask_json(mask), False, None, scale)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
         ctx.mask, ctx.scale, ctx.deterministic, ctx.incoherent = mask, scale, deterministic, incoherent
         ctx.mark_non_differentiable(lse)
@@ -573,10 +584,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
             return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
             or v_descale is not None):
-        unsupported = {"block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes,
-                       "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
+        unsupported = {"block_mask": block_mask, "doc_ids": doc_ids, "cache_seqlens": cache_seqlens,
+                       "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
-                              sinks, [name for name, x in unsupported.items() if x is not None])
+                              sinks, [name for name, x in unsupported.items() if x is not None], alibi_slopes, bias)
     if q.dim() and q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward and backward
         records = _records_grad(q, k, v, bias, sinks)
         if _eager(q, k, v) and not records:

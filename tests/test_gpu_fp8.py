@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fagen import oracle
-from fagen.check import relative_error, to_numpy
+from fagen.check import random_extras, relative_error, to_numpy
 from fagen.element_types import ELEMENT_TYPES
 from fagen.load import load_spec, parse_spec
 from fagen.runtime import compile_kernel
@@ -61,6 +61,9 @@ CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
     (128, {"kind": "sliding_window", "window_left": 200, "window_right": 30}, None, "bfloat16", 1, 4, 4, 900, 900),
     (128, None, {"softcap": 30.0}, "bfloat16", 1, 4, 2, 512, 640),
     (128, {"kind": "causal"}, {"sinks": True}, "bfloat16", 1, 4, 2, 600, 600),  # gpt-oss's sinks (P's 2^8 scale)
+    (128, None, {"alibi": "slopes"}, "bfloat16", 1, 4, 2, 512, 700),  # ALiBi and biases: added to the descaled scores
+    (128, {"kind": "causal"}, {"bias": "vector"}, "bfloat16", 2, 4, 2, 400, 400),
+    (128, None, {"bias": "matrix"}, "float16", 1, 2, 1, 300, 333),
     (256, None, None, "bfloat16", 1, 4, 2, 512, 512),
     (256, {"kind": "causal"}, None, "float16", 2, 2, 2, 700, 700),
 ]
@@ -108,13 +111,15 @@ def test_an_fp8_forward_is_within_twice_p_rounding_s_error(dtype, d, mask, score
     out = torch.full((b, hq, nq, d), float("nan"), dtype=getattr(torch, out_dtype), device="cuda")
     # sinks from below to above the rows' largest scores: some rows' sums are mostly the sink's
     sinks = rng.uniform(-2.0, 12.0, hq).astype(np.float32) if spec.score_mod.sinks else None
+    extras = {name: x for name, x in random_extras(spec, b, hq, nq, nk, seed=nq * nk).items()
+              if name in ("bias", "alibi_slopes")}
     got, lse = kernel(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out=out,
-                      return_lse=True, sinks=None if sinks is None else torch.from_numpy(sinks).cuda())
+                      return_lse=True, sinks=None if sinks is None else torch.from_numpy(sinks).cuda(), **extras)
     assert got.data_ptr() == out.data_ptr()
 
     qn, kn, vn = (to_numpy(x.float()) for x in (q8, k8, v8))
     descales = dict(q_descale=to_numpy(q_descale), k_descale=to_numpy(k_descale), v_descale=to_numpy(v_descale))
-    keywords = dict(return_lse=True, mask=spec.mask, score_mod=spec.score_mod, sinks=sinks, **descales)
+    keywords = dict(return_lse=True, mask=spec.mask, score_mod=spec.score_mod, sinks=sinks, **descales, **extras)
     exact, exact_lse = oracle.attention(qn, kn, vn, **keywords)
     rounded, _ = oracle.attention(qn, kn, vn, p_type=spec.dtype, p_scale=2.0 ** spec.element.p_log2_scale, **keywords)
     error, p_error = relative_error(to_numpy(got.float()), exact), relative_error(rounded, exact)
@@ -190,6 +195,21 @@ def test_fagen_attention_takes_float8_tensors_and_descales():
     with pytest.raises(ValueError, match=r"sinks: not with q torch.bfloat16 against an FP8 KV cache"):
         fagen.attention(torch.zeros(b, hq, 1, d, dtype=torch.bfloat16, device="cuda"), k8, v8,
                         sinks=torch.from_numpy(sinks).cuda(), k_descale=k_descale, v_descale=v_descale)
+    # ALiBi slopes and a bias (a batch's [B, 1, Nk] vector, broadcast over heads) on the FP8 scores
+    slopes = rng.uniform(0.01, 0.5, hq).astype(np.float32)
+    bias = rng.standard_normal((b, 1, n)).astype(np.float32)
+    got = fagen.attention(q8, k8, v8, causal=True, alibi_slopes=torch.from_numpy(slopes).cuda(),
+                          bias=torch.from_numpy(bias).cuda(), q_descale=q_descale, k_descale=k_descale,
+                          v_descale=v_descale)
+    spec = fp8_spec(mask={"kind": "causal"}, score_mod={"alibi": "slopes", "bias": "vector"})
+    extras = dict(alibi_slopes=slopes, bias=bias)
+    exact = oracle.attention(qn, kn, vn, mask=spec.mask, score_mod=spec.score_mod, **extras, **descales)
+    rounded = oracle.attention(qn, kn, vn, mask=spec.mask, score_mod=spec.score_mod, p_type=spec.dtype,
+                               p_scale=2.0 ** spec.element.p_log2_scale, **extras, **descales)
+    assert relative_error(to_numpy(got.float()), exact) <= 2 * relative_error(rounded, exact)
+    with pytest.raises(ValueError, match=r"bias: not with q torch.bfloat16 against an FP8 KV cache"):
+        fagen.attention(torch.zeros(b, hq, 1, d, dtype=torch.bfloat16, device="cuda"), k8, v8,
+                        bias=torch.from_numpy(bias).cuda(), k_descale=k_descale, v_descale=v_descale)
 
 
 def test_a_compiled_fp8_layer_replays_in_a_cuda_graph():
