@@ -253,6 +253,7 @@ def test_the_eager_kernels_autograd_carries_the_traced_score_mod_both_ways(monke
     monkeypatch.setattr(dispatch, "derive_spec", derive_spec)
     monkeypatch.setattr(runtime, "compile_kernel", compile_kernel)
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
+    monkeypatch.setattr(backward, "readable", lambda dout, what="dout": dout)  # (a CUDA tensor's strides)
     monkeypatch.setattr(variants, "trainable", lambda spec, deterministic=False, bias_grad=False, captured_grads=(): (
         "trainable", spec))
     q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
@@ -472,6 +473,7 @@ def test_learned_tables_are_summed_by_the_dkdv_kernel_in_fixed_point(monkeypatch
         return run
 
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
+    monkeypatch.setattr(backward, "readable", lambda dout, what="dout": dout)  # (a CUDA tensor's strides)
     gen = torch.Generator().manual_seed(23)
     temperature, table, gain = (torch.randn(*shape, generator=gen).requires_grad_()
                                 for shape in ((HQ,), (HQ, 2 * N - 1), (HQ,)))
@@ -505,6 +507,7 @@ def test_frozen_inputs_run_the_backward_kernels_only_to_sum_a_table(monkeypatch)
         return lambda dout, q, k, v, *rest, **kw: SimpleNamespace(dq=torch.zeros_like(q), dk=torch.zeros_like(k),
                                                                    dv=torch.zeros_like(v))
     monkeypatch.setattr(backward, "compile_backward", compile_backward)
+    monkeypatch.setattr(backward, "readable", lambda dout, what="dout": dout)  # (a CUDA tensor's strides)
     gen = torch.Generator().manual_seed(31)
     q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64) for h in (HQ, HKV, HKV))
     dout = torch.randn(B, HQ, N, D, generator=gen, dtype=torch.float64)

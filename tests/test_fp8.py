@@ -222,8 +222,10 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
-    with pytest.raises(ValueError, match="alibi_slopes: not with torch.float8_e4m3fn q, k, v"):
-        attention(q8, q8, q8, alibi_slopes=torch.zeros(2))
+    with pytest.raises(ValueError, match="doc_ids: not with torch.float8_e4m3fn q, k, v"):
+        attention(q8, q8, q8, doc_ids=torch.zeros(1, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="no backward yet"):  # a bias autograd records: the FP8 forward has none
+        attention(q8, q8, q8, bias=torch.zeros(1, 2, 64, requires_grad=True))
     recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="no backward yet"):
         attention(q8, q8, recorded_v, causal=True)

@@ -73,6 +73,7 @@ def test_an_eager_process_never_loads_torch_compile():
         torch_op.variants.trainable = lambda *a, **k: None
         grads = lambda dout, q, k, v, out, lse, **kw: type("G", (), dict(dq=dout * 1, dk=k * 0, dv=v * 0))
         backward.compile_backward = lambda spec: grads
+        backward.readable = lambda dout: dout  # (it reads a CUDA tensor's strides: these are the CPU's)
         q = torch.randn(1, 2, 4, 64, requires_grad=True)
         start = time.perf_counter()
         out, lse = torch.ops.fagen.attention_forward(q, q, q, None, None, None, None, None, None, "", True, None, None, False)
@@ -139,6 +140,7 @@ def test_an_eager_training_call_runs_the_op_s_implementation_without_its_dispatc
     monkeypatch.setattr(torch_op.dispatch, "derive_spec", lambda *a, **k: None)
     monkeypatch.setattr(torch_op.variants, "trainable", lambda *a: None)
     monkeypatch.setattr(backward, "compile_backward", lambda spec: Kernels())
+    monkeypatch.setattr(backward, "readable", lambda dout: dout)  # (it reads a CUDA tensor's strides)
     q, k, v = (torch.randn(2, 4, 8, 64, requires_grad=True) for _ in range(3))
     out = torch_op.attention(q, k, v, causal=True)
     assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
