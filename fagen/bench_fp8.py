@@ -259,8 +259,8 @@ def backward_markdown(rows: list[BackwardRow], meta: dict | None = None) -> list
 
 
 def _dated(meta: dict | None, section: str) -> str:
-    """A section's date and GPU: its own run's (meta["<section>_date"], written by --kv-only and
-    --backward-only, which keep the other sections' rows) or the whole run's."""
+    """A section's date and GPU: its own run's (meta["<section>_date"], written by --<section>-only,
+    which keeps the other sections' rows) or the whole run's."""
     date = meta and (meta.get(f"{section}_date") or meta.get("date"))
     return f" {date}, {meta.get('gpu', '')}." if date else ""
 
@@ -274,7 +274,7 @@ def _err(row: Fp8Row | None) -> str:
 
 
 def read_json(path: Path) -> tuple[list, dict]:
-    """The forward's rows (Fp8Row) and the KV cache's (KvRow), and the run's meta."""
+    """Every section's rows (Fp8Row, ErrorRow, KvRow, BackwardRow) and the run's meta."""
     try:
         data = json.loads(Path(path).read_text())
         rows = ([Fp8Row(**r) for r in data["rows"]] + [ErrorRow(**r) for r in data.get("errors_rows", [])]

@@ -47,6 +47,11 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
                            head_dim_v=head_dim_v, score_expression=score_expression)
 
 
+def bias_kind(bias) -> str:
+    """ScoreMod.bias for a bias array (or None): a [B|1, H|1, Nk] vector a row, else a matrix."""
+    return "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
+
+
 def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=None, softcap: float | None = None,
                     block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
                     keys: int | None = None, head_dim_v: int | None = None,
@@ -56,10 +61,9 @@ def derive_spec_for(dtype: str, head_dim: int, *, causal: bool = False, mask=Non
         mask = _named_mask(mask)
     elif mask is not None and not isinstance(mask, Mask):  # a Mask keys the cache as it is
         mask = _mask_of(mask)
-    bias_kind = "none" if bias is None else ("vector" if len(getattr(bias, "shape", ())) == 3 else "matrix")
     block_tiles = (block_mask.q_block, block_mask.kv_block) if hasattr(block_mask, "kv_block") else None
     return _derived_spec(dtype, head_dim, causal, mask, softcap, block_mask is not None, doc_ids is not None,
-                         bias_kind, alibi_slopes is not None, sinks is not None, keys, device.gpu_slug(), head_dim_v,
+                         bias_kind(bias), alibi_slopes is not None, sinks is not None, keys, device.gpu_slug(), head_dim_v,
                          None if score_expression is None else tuple(score_expression), block_tiles)
 
 

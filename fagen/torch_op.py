@@ -398,9 +398,8 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     if q.dtype not in FP8_TYPES:
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
                                 return_lse=True, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
-    bias_kind = "none" if bias is None else "vector" if bias.dim() == 3 else "matrix"
     spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
-                             ScoreMod(softcap=softcap, sinks=sinks is not None, bias=bias_kind,
+                             ScoreMod(softcap=softcap, sinks=sinks is not None, bias=dispatch.bias_kind(bias),
                                       alibi="none" if alibi_slopes is None else "slopes"))
     side = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias)) if x is not None}
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
