@@ -163,7 +163,10 @@ def test_the_v_transpose_kernel_compiles_without_spills():
 @pytest.mark.parametrize("mask,score_mod", [
     (None, {}), ({"kind": "causal"}, {}), ({"kind": "sliding_window", "window_left": 256}, {}),
     ({"kind": "causal"}, {"softcap": 30.0}), ({"kind": "prefix_lm", "prefix_len": 100}, {"alibi": "slopes"}),
-    ({"kind": "causal"}, {"sinks": True})])
+    ({"kind": "causal"}, {"sinks": True}),
+    # what fagen.attention's FP8 path takes since it passes ALiBi slopes and biases: a bias (either
+    # kind) and ALiBi with softcap take 128-key tiles, the register model's fit
+    (None, {"bias": "vector"}), ({"kind": "causal"}, {"bias": "matrix"}), (None, {"alibi": "slopes", "softcap": 30.0})])
 def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     from fagen import nvcc
     from fagen.dispatch import call_mask
@@ -172,7 +175,7 @@ def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
 
     spec = fp8_spec("float8_e4m3", 128, call_mask(False, mask), ScoreMod(**score_mod))
     # (softcap's tanh and its derivative's registers: the register estimate's fallback, 128 keys)
-    assert spec.element.is_fp8 and spec.tiling.block_kv == (128 if "softcap" in score_mod else 192)
+    assert spec.element.is_fp8 and spec.tiling.block_kv == (128 if "softcap" in score_mod or "bias" in score_mod else 192)
     assert spec.out_dtype == "bfloat16"
     (resources,) = nvcc.compile_many([(spec, "sm_90a")])
     assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
