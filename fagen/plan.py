@@ -51,7 +51,7 @@ REGISTER_COSTS = {
         "s_block_mask": 0.32, "s_softcap": 0.02, "s_alibi": 0.39, "s_bias": 0.48,
         "paged": 16,  # measured, not fitted: see register_terms
         "partial_d96": 2, "varlen_kv_d96": 9,  # measured, not fitted: see register_terms
-        "one_warp": 22, "bias_shared_kv": 14,  # measured, not fitted: see register_terms
+        "one_warp": 22, "bias_shared_kv": 14, "rows32_d96": 18,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -522,6 +522,14 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # separate x block mask, causal or none x bias or not): beside shared slots a bias ran 11-20
     # registers over the estimate, beside separate ones 11-49 under it.
     terms["bias_shared_kv"] = float(mod.bias != "none" and spec.pipeline.kv_smem == "shared")
+    # Head_dim 96 at 32 rows a warp (two m16 fragments of 12 n8 fragments of O each): measured, not
+    # fitted (ptxas -v, nvcc 13.0, sm_89 and sm_90; a fuzz run's finding, seed 8675309: 96 x 32, a
+    # paged cache, split-KV merged in the kernel, causal: 4 bytes at 255 on sm_90, predicted 238;
+    # and 269 neighbours: 64-128 queries x 32-64 keys x 16 or 32 rows a warp x padded, varlen or
+    # paged keys x whole, partial or merged outputs x causal or none). At 32 rows a warp sm_90's
+    # builds ran up to 17 registers over the estimate, and 7 kernels predicted at or under 255
+    # spilled 4-32 bytes; at 16 rows a warp none came near the limit. 18 refuses all 7.
+    terms["rows32_d96"] = float(d == 96 and 2 * o_regs // spec.dv == 2)
     return {**terms, f"{spec.pipeline.kv_smem}{spec.pipeline.stages}": 1.0,
             "few_threads": float(threads <= 64), "one_warp": float(threads == 32),
             "swizzle_q": (d // MMA_K) if swizzled and not spec.pipeline.q_in_registers else 0,

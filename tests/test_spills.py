@@ -158,17 +158,14 @@ FUZZ_ONE_STAGE_D128 = {
                  "dq_warps": 4, "dq_block_kv": 64, "deterministic": False}}
 
 
-@pytest.mark.parametrize("outputs, kv, valid", [(True, "varlen", False), (True, "padded", False),
-                                                (False, "varlen", False), (False, "padded", True)])
-def test_a_partial_or_varlen_forward_at_the_limit_is_refused(outputs, kv, valid):
+@pytest.mark.parametrize("outputs, kv", [(True, "varlen"), (True, "padded"), (False, "varlen"), (False, "padded")])
+def test_a_partial_or_varlen_forward_at_the_limit_is_refused(outputs, kv):
     """REGISTER_COSTS' partial_d96 and varlen_kv_d96 (mma.sync): at head_dim 96, 160 queries and 48 keys
-    (predicted 254) either spilled (16-44 bytes, ptxas -v) and is refused now, with a fix that
-    compiles clean; the padded, whole-output kernel fits (253) and still validates, and compiles clean."""
+    (predicted 254) either spilled (16-44 bytes, ptxas -v) and is refused, with a fix that
+    compiles clean. The padded, whole-output kernel fit (253-255 across sm_80-sm_90) but sits where
+    a neighbour at 128 queries spilled 8 bytes at a predicted 247: rows32_d96 refuses it too now."""
     data = {**FUZZ_D96_PARTIAL_VARLEN, "outputs": {"lse": True, "partial": outputs, **({"merge_splits": False} if outputs else {})},
             "sequences": {"q": "padded", "kv": kv, "seqused_k": False}}
-    if valid:
-        assert not _clean(parse_spec(data), "sm_89")
-        return
     assert not _clean(parse_spec(_block_kv_fix(data)), "sm_89")
 
 
@@ -379,12 +376,15 @@ FUZZ_D96_VARLEN_CAUSAL = {
 
 def test_a_varlen_cache_at_head_dim_96_is_refused_with_a_fix_that_compiles_clean():
     """REGISTER_COSTS' varlen_kv_d96 at 9: the finding (its sweep's varlen kernels spilled 40-44
-    bytes at a predicted 249-254) is refused with a fix that compiles clean; the padded cache's
-    kernel still validates and compiles clean."""
+    bytes at a predicted 249-254) is refused with a fix that compiles clean; so is the padded
+    cache's kernel at these 32 rows a warp (rows32_d96), and at 16 rows a warp the varlen
+    cache's kernel validates and compiles clean."""
     data = FUZZ_D96_VARLEN_CAUSAL
     assert not _clean(parse_spec(_block_kv_fix(data)), "sm_80")
     padded = {**data, "sequences": {"q": "padded", "kv": "padded", "seqused_k": False}}
-    assert not _clean(parse_spec(padded), "sm_80")
+    assert not _clean(parse_spec(_block_kv_fix(padded)), "sm_80")
+    sixteen = {**data, "tiling": {"block_q": 128, "block_kv": 48, "warps_q": 8}}
+    assert not _clean(parse_spec(sixteen), "sm_80")
 
 
 # ... and one more (seed 2718281): a block mask with a matrix bias beside shared K/V slots,
@@ -449,3 +449,25 @@ def test_atomic_dq_s_saving_needs_the_consumers_it_was_fitted_at():
                                                    "warp_specialized": {"consumer_registers": 240, "persistent": False}}}
     for data in (copying, at_240):
         assert not _clean(parse_spec(data)), data["backward"]
+
+
+# ... and one more (seed 8675309): head_dim 96 at 32 rows a warp, a paged cache, split-KV merged in
+# the kernel, causal: 4 bytes at 255 on sm_90, predicted 238
+FUZZ_D96_ROWS32_PAGED = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 96, "tiling": {"block_q": 96, "block_kv": 32, "warps_q": 3},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "padded", "arch": "sm_89", "mask": {"kind": "causal", "align": "bottom_right"},
+    "outputs": {"lse": True, "partial": True, "merge_splits": True},
+    "sequences": {"q": "padded", "kv": "paged", "seqused_k": False}}
+
+
+def test_head_dim_96_at_32_rows_a_warp_is_priced():
+    """REGISTER_COSTS' rows32_d96 (mma.sync): the finding is refused with a fix that compiles clean
+    on both archs it targets; at 16 rows a warp (six warps) the same tile still validates and
+    compiles clean."""
+    data = FUZZ_D96_ROWS32_PAGED
+    fixed = parse_spec(_block_kv_fix(data))
+    sixteen = parse_spec({**data, "tiling": {**data["tiling"], "warps_q": 6}})
+    for spec in (fixed, sixteen):
+        for arch in ("sm_89", "sm_90"):
+            assert not _clean(spec, arch), (spec.tiling, arch)
