@@ -7,8 +7,8 @@ M = diag(s) H / sqrt(d): H Sylvester's Hadamard matrix (d a power of two), s ran
 fixed seed, so every call rotates alike (and its backward undoes the same M). A channel c of x
 becomes s_c x_c H[c, :] / sqrt(d) in x M: magnitude |x_c| / sqrt(d) in every channel.
 
-    m = rotation(128)                     # float64 [d, d], NumPy: the oracle's and the tests'
-    q_r, k_r = rotate(q, m), rotate(k, m)  # torch: float32 products, on q's device
+    m = rotation(128)                # float64 [d, d], NumPy
+    q_r, k_r = rotate(q), rotate(k)  # x @ rotation(d): torch float32 on x's device, or NumPy float64
 
 fagen.attention(..., fp8=True, incoherent=True) rotates inside and hands dq and dk back through
 M^T; callers quantizing their own FP8 tensors rotate q and k with `rotate` first."""
@@ -42,16 +42,14 @@ def _device_rotation(head_dim: int, device):
     return torch.from_numpy(rotation(head_dim)).float().to(device)
 
 
-def rotate(x, m=None):
-    """x [..., d] times M (rotation(d) unless given), as float32 on x's device: a PyTorch tensor,
-    or a NumPy array (float64) for the oracle's side."""
+def rotate(x):
+    """x [..., d] times M = rotation(d): a PyTorch tensor as float32 on its device, a NumPy array
+    (the oracle's side) as float64."""
     if isinstance(x, np.ndarray):
-        return x.astype(np.float64) @ (rotation(x.shape[-1]) if m is None else m)
-    rotated = _device_rotation(x.shape[-1], x.device) if m is None else m
-    return x.float() @ rotated
+        return x.astype(np.float64) @ rotation(x.shape[-1])
+    return x.float() @ _device_rotation(x.shape[-1], x.device)
 
 
-def unrotate(dx, m=None):
+def unrotate(dx):
     """A gradient with respect to x M, taken back to x: dx M^T (float32)."""
-    rotated = _device_rotation(dx.shape[-1], dx.device) if m is None else m
-    return dx.float() @ rotated.T
+    return dx.float() @ _device_rotation(dx.shape[-1], dx.device).T
