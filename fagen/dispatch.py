@@ -94,17 +94,10 @@ def call_mask(causal: bool, mask) -> Mask:
     return mask
 
 
-@lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
-def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
-                  has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
-                  gpu: str, head_dim_v: int | None = None,
-                  score_expression: tuple[str, str, int] | None = None,
-                  block_tiles: tuple[int, int] | None = None) -> AttentionSpec:
-    if dtype not in KERNEL_TYPES:
-        raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
-    if head_dim in QK_HEAD_DIMS and head_dim_v is None:
-        raise ValueError(f"q: head_dim {head_dim} is a Q.K^T width that comes with a narrower v (DeepSeek's "
-                         f"192/128); pass v of head_dim 128, or pad q, k and v to 256")
+def kernel_mask(causal: bool, mask: Mask | None, has_block_mask: bool, has_doc_ids: bool) -> Mask:
+    """The mask a call's arguments ask for: mask= (with causal=), else a block_mask's or
+    doc_ids' kind, else causal or none; refused where its kind's array is not given, before a
+    variant is compiled for it."""
     if mask is not None:
         mask = call_mask(causal, mask)
     elif has_block_mask:
@@ -116,8 +109,22 @@ def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float 
         mask = Mask(kind="document", causal=causal)
     else:
         mask = call_mask(causal, None)
-    # before compiling a variant for an array that is not there
     side_inputs.require_mask_inputs(mask.kind, has_block_mask=has_block_mask, has_doc_ids=has_doc_ids)
+    return mask
+
+
+@lru_cache(maxsize=512)  # a call's spec is a function of these: a repeated call derives and validates nothing
+def _derived_spec(dtype: str, head_dim: int, causal: bool, mask, softcap: float | None, has_block_mask: bool,
+                  has_doc_ids: bool, bias_kind: str, has_alibi_slopes: bool, has_sinks: bool, keys: int | None,
+                  gpu: str, head_dim_v: int | None = None,
+                  score_expression: tuple[str, str, int] | None = None,
+                  block_tiles: tuple[int, int] | None = None) -> AttentionSpec:
+    if dtype not in KERNEL_TYPES:
+        raise ValueError(f"q: dtype {dtype}; fagen.attention takes {' or '.join(KERNEL_TYPES)}")
+    if head_dim in QK_HEAD_DIMS and head_dim_v is None:
+        raise ValueError(f"q: head_dim {head_dim} is a Q.K^T width that comes with a narrower v (DeepSeek's "
+                         f"192/128); pass v of head_dim 128, or pad q, k and v to 256")
+    mask = kernel_mask(causal, mask, has_block_mask, has_doc_ids)
     expression, expression_grad, captured = score_expression or (None, None, 0)
     score_mod = ScoreMod(softcap=softcap, alibi="slopes" if has_alibi_slopes else "none", bias=bias_kind,
                          sinks=has_sinks, captured=captured, expression=expression, expression_grad=expression_grad)

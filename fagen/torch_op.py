@@ -388,53 +388,64 @@ E4M3_MAX = ELEMENT_TYPES["float8_e4m3"].max_finite
 @_op
 def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
                           v_descale: Optional[Tensor], sinks: Optional[Tensor], alibi_slopes: Optional[Tensor],
-                          bias: Optional[Tensor], mask: str, causal: bool, softcap: Optional[float],
-                          scale: Optional[float]) -> tuple[Tensor, Tensor]:
+                          bias: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
+                          softcap: Optional[float], scale: Optional[float]) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
     logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
-    scores); a half-type q against FP8 k and v (an FP8 KV cache, no q_descale): the decode kernels'
-    FP8 variant, out in q's type."""
+    scores; doc_ids [B|1, N] int32: a document mask); a half-type q against FP8 k and v (an FP8 KV
+    cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
     if q.dtype not in FP8_TYPES:
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
                                 return_lse=True, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
-    spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], dispatch.call_mask(causal, mask_of(mask)),
-                             ScoreMod(softcap=softcap, sinks=sinks is not None, bias=dispatch.bias_kind(bias),
-                                      alibi="none" if alibi_slopes is None else "slopes"))
-    side = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias)) if x is not None}
+    return _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), mask_of(mask), causal, softcap, scale,
+                        sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
+
+
+def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
+    """The FP8 forward's kernel for these arguments (side: sinks, alibi_slopes, bias, doc_ids,
+    block_mask; None where not given), launched: (out, lse)."""
+    side = {name: x for name, x in side.items() if x is not None}
+    kernel_mask = dispatch.kernel_mask(causal, mask, "block_mask" in side, "doc_ids" in side)
+    spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], kernel_mask,
+                             ScoreMod(softcap=softcap, sinks="sinks" in side, bias=dispatch.bias_kind(side.get("bias")),
+                                      alibi="slopes" if "alibi_slopes" in side else "none"))
+    q_descale, k_descale, v_descale = descales
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
-                                        k_descale=k_descale, v_descale=v_descale, sinks=sinks, **side)
+                                        k_descale=k_descale, v_descale=v_descale, **side)
 
 
 @torch.library.register_fake("fagen::fp8_attention_forward")
-def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, mask, causal, softcap, scale):
+def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, doc_ids, mask, causal, softcap, scale):
     b, hq, nq, _ = q.shape
     return (_empty_out(q, v.shape[-1], torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype),
             q.new_empty((b, hq, nq), dtype=torch.float32))
 
 
-def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, sinks, unsupported,
-                   alibi_slopes=None, bias=None):
+def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, unsupported: list[str], *, sinks=None,
+                   alibi_slopes=None, bias=None, doc_ids=None, block_mask=None):
     """The FP8 forward, or a half-type q against an FP8 KV cache (k and v FP8): straight to the
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
-    gradient: there is no FP8 backward yet)."""
+    gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask, no
+    tensor, cannot enter the op: eager calls only."""
     kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
     what = f"q {q.dtype} against an FP8 KV cache" if kv_cache else f"{q.dtype} q, k, v (the FP8 forward)"
     if q.dtype not in FP8_TYPES and not kv_cache:
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
                          f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
-    if kv_cache:  # (the FP8 forward adds them to its scores; the KV cache's decode kernels do not yet)
-        unsupported = [name for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes), ("bias", bias))
-                       if x is not None] + unsupported
+    side = {"sinks": sinks, "alibi_slopes": alibi_slopes, "bias": bias, "doc_ids": doc_ids, "block_mask": block_mask}
+    if kv_cache:  # (the FP8 forward takes them; the KV cache's decode kernels do not yet)
+        unsupported = [name for name, x in side.items() if x is not None] + unsupported
     if kv_cache and descales[0] is not None:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"{k.dtype} k and v only")
     if unsupported:
         raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale"
-                         f"{'' if kv_cache else ', sinks, alibi_slopes, bias'} and the descales); pass bfloat16 "
+                         f"{'' if kv_cache else ', ' + ', '.join(side)} and the descales); pass bfloat16 "
                          f"tensors for it")
     if _records_grad(q, k, v, sinks, bias):
-        raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()")
+        raise ValueError(f"{what}: no backward yet; call it under torch.no_grad(), or pass bfloat16 tensors with "
+                         f"fp8=True (quantized inside, with the FP8 backward)")
     if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.dtype == v.dtype and (kv_cache or q.dtype == k.dtype)):
         raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
                          f"{tuple(v.shape)}; the FP8 forward takes all three of one FP8 type, an FP8 KV cache a "
@@ -444,13 +455,21 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
                 for x in descales]
     if sinks is not None and not isinstance(sinks, Tensor):
         sinks = torch.as_tensor(sinks, dtype=torch.float32, device=q.device)
-    alibi_slopes, bias = (x if x is None or isinstance(x, Tensor) else torch.as_tensor(x, device=q.device)
-                          for x in (alibi_slopes, bias))
-    if _eager(q, k, v, *descales, sinks, alibi_slopes, bias):
-        out, lse = fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, mask_json(mask), causal,
-                                         softcap, scale)
+    alibi_slopes, bias, doc_ids = (x if x is None or isinstance(x, Tensor) else torch.as_tensor(x, device=q.device)
+                                   for x in (alibi_slopes, bias, doc_ids))
+    eager = _eager(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids)
+    if block_mask is not None:
+        if not eager:
+            raise ValueError("block_mask with FP8 q, k, v: eager calls only (a BlockMask is no tensor, so it cannot "
+                             "enter fagen::fp8_attention_forward); call it outside torch.compile, or pass doc_ids "
+                             "or a mask kind of positions instead")
+        out, lse = _fp8_forward(q, k, v, descales, mask_of(mask_json(mask)), causal, softcap, scale, sinks=sinks,
+                                alibi_slopes=alibi_slopes, bias=bias, block_mask=block_mask)
+    elif eager:
+        out, lse = fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids, mask_json(mask),
+                                         causal, softcap, scale)
     else:
-        out, lse = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias,
+        out, lse = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids,
                                                          mask_json(mask), causal, softcap, scale)
     return (out, lse) if return_lse else out
 
@@ -503,7 +522,8 @@ class _Fp8Quantized(torch.autograd.Function):
         if incoherent:  # float32 products, rounded once, to e4m3
             q, k = incoherent_rotation.rotate(q.detach()), incoherent_rotation.rotate(k.detach())
         (q8, qd), (k8, kd), (v8, vd) = (_e4m3_with_descale(x, k.shape[1]) for x in (q, k, v))
-        out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, None, None, mask_json(mask), False, None, scale)
+        out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, None, None, None, mask_json(mask), False, None,
+                                         scale)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
         ctx.mask, ctx.scale, ctx.deterministic, ctx.incoherent = mask, scale, deterministic, incoherent
         ctx.mark_non_differentiable(lse)
@@ -545,7 +565,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     cache_seqlens, cache_leftpad (int32 [B] on q's GPU, FlashAttention's names): sequence b's keys
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
     q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
-    k_descale, v_descale (float32, one number or [B, Hkv]; None is 1). A float16 or bfloat16 q against
+    k_descale, v_descale (float32, one number or [B, Hkv]; None is 1), and the masks (doc_ids; a
+    block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types. A float16 or bfloat16 q against
     FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type).
     fp8=True: bfloat16 q, k, v quantized to e4m3 inside (a scale a batch and KV head, from their
     amax), the FP8 forward and, where autograd records, the FP8 backward (fagen.fp8_backward);
@@ -583,10 +604,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
             return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
             or v_descale is not None):
-        unsupported = {"block_mask": block_mask, "doc_ids": doc_ids, "cache_seqlens": cache_seqlens,
-                       "cache_leftpad": cache_leftpad}
+        unsupported = {"cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
-                              sinks, [name for name, x in unsupported.items() if x is not None], alibi_slopes, bias)
+                              [name for name, x in unsupported.items() if x is not None], sinks=sinks,
+                              alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids, block_mask=block_mask)
     if q.dim() and q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward and backward
         records = _records_grad(q, k, v, bias, sinks)
         if _eager(q, k, v) and not records:

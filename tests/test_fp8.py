@@ -166,7 +166,10 @@ def test_the_v_transpose_kernel_compiles_without_spills():
     ({"kind": "causal"}, {"sinks": True}),
     # what fagen.attention's FP8 path takes since it passes ALiBi slopes and biases: a bias (either
     # kind) and ALiBi with softcap take 128-key tiles, the register model's fit
-    (None, {"bias": "vector"}), ({"kind": "causal"}, {"bias": "matrix"}), (None, {"alibi": "slopes", "softcap": 30.0})])
+    (None, {"bias": "vector"}), ({"kind": "causal"}, {"bias": "matrix"}), (None, {"alibi": "slopes", "softcap": 30.0}),
+    # masks read from arrays: documents take 128-key tiles (their bounds' registers), block masks 192
+    ({"kind": "document", "causal": True}, {"sinks": True}), ({"kind": "block_mask"}, {}),
+    ({"kind": "block_mask"}, {"softcap": 30.0})])
 def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     from fagen import nvcc
     from fagen.dispatch import call_mask
@@ -175,7 +178,8 @@ def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
 
     spec = fp8_spec("float8_e4m3", 128, call_mask(False, mask), ScoreMod(**score_mod))
     # (softcap's tanh and its derivative's registers: the register estimate's fallback, 128 keys)
-    assert spec.element.is_fp8 and spec.tiling.block_kv == (128 if "softcap" in score_mod or "bias" in score_mod else 192)
+    narrow = "softcap" in score_mod or "bias" in score_mod or (mask or {}).get("kind") == "document"
+    assert spec.element.is_fp8 and spec.tiling.block_kv == (128 if narrow else 192)
     assert spec.out_dtype == "bfloat16"
     (resources,) = nvcc.compile_many([(spec, "sm_90a")])
     assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
@@ -225,8 +229,8 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
-    with pytest.raises(ValueError, match="doc_ids: not with torch.float8_e4m3fn q, k, v"):
-        attention(q8, q8, q8, doc_ids=torch.zeros(1, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_seqlens: not with torch.float8_e4m3fn q, k, v"):
+        attention(q8, q8, q8, cache_seqlens=torch.full((1,), 64, dtype=torch.int32))
     with pytest.raises(ValueError, match="no backward yet"):  # a bias autograd records: the FP8 forward has none
         attention(q8, q8, q8, bias=torch.zeros(1, 2, 64, requires_grad=True))
     recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)
@@ -284,6 +288,39 @@ def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
     (spec, kw), = calls
     assert spec.element.is_fp8 and spec.mask.kind == "causal" and spec.score_mod.softcap == 30.0
     assert kw["q_descale"] is not None and float(kw["v_descale"]) == 2.0 and kw["return_lse"]
+
+
+def test_a_compiled_model_passes_doc_ids_to_the_fp8_forward_and_refuses_a_block_mask(monkeypatch):
+    """doc_ids beside FP8 tensors reach fagen::fp8_attention_forward under torch.compile, which
+    derives the document variant; a block_mask (no tensor: no op carries it) is refused by name
+    before anything runs. The kernel is stubbed (no GPU)."""
+    torch = pytest.importorskip("torch")
+    from fagen import api, masks, runtime
+
+    calls = []
+
+    def kernel_of(spec):
+        def run(q, k, v, **kw):
+            calls.append((spec, kw))
+            b, h, n, _ = q.shape
+            return torch.ones((b, h, n, v.shape[-1]), dtype=torch.bfloat16), torch.zeros((b, h, n))
+        return run
+
+    monkeypatch.setattr(runtime, "compile_kernel", kernel_of)
+    q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
+    ids = torch.from_numpy(masks.documents_of_lengths([24, 40]))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def layer(q, k, v, ids):
+        return api.attention(q, k, v, causal=True, doc_ids=ids)
+
+    assert layer(q8, q8, q8, ids).dtype == torch.bfloat16
+    (spec, kw), = calls
+    assert spec.element.is_fp8 and (spec.mask.kind, spec.mask.causal) == ("document", True) and "doc_ids" in kw
+    block_mask = masks.sliding_window(64, 16, q_block=16, kv_block=16)
+    with pytest.raises(Exception, match="block_mask with FP8 q, k, v: eager calls only"):
+        torch.compile(lambda q: api.attention(q, q, q, block_mask=block_mask), fullgraph=True, backend="eager")(q8)
+    assert len(calls) == 1
 
 
 FP8_FORWARD_MASKS = [Mask(), Mask(kind="causal"), Mask(kind="causal", align="top_left"),

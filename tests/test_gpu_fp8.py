@@ -64,6 +64,12 @@ CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
     (128, None, {"alibi": "slopes"}, "bfloat16", 1, 4, 2, 512, 700),  # ALiBi and biases: added to the descaled scores
     (128, {"kind": "causal"}, {"bias": "vector"}, "bfloat16", 2, 4, 2, 400, 400),
     (128, None, {"bias": "matrix"}, "float16", 1, 2, 1, 300, 333),
+    # masks read from arrays: documents (128-key tiles, the register model's fit) and block masks,
+    # re-blocked to the kernel's 128 x 192 tiles (blocks of 16-128 straddle them)
+    (128, {"kind": "document"}, None, "bfloat16", 2, 4, 2, 500, 500),
+    (128, {"kind": "document", "causal": True}, {"sinks": True}, "bfloat16", 1, 4, 1, 700, 700),
+    (128, {"kind": "block_mask"}, None, "bfloat16", 2, 4, 2, 384, 640),
+    (128, {"kind": "block_mask"}, {"softcap": 20.0}, "float16", 1, 2, 2, 300, 333),
     (256, None, None, "bfloat16", 1, 4, 2, 512, 512),
     (256, {"kind": "causal"}, None, "float16", 2, 2, 2, 700, 700),
 ]
@@ -112,7 +118,7 @@ def test_an_fp8_forward_is_within_twice_p_rounding_s_error(dtype, d, mask, score
     # sinks from below to above the rows' largest scores: some rows' sums are mostly the sink's
     sinks = rng.uniform(-2.0, 12.0, hq).astype(np.float32) if spec.score_mod.sinks else None
     extras = {name: x for name, x in random_extras(spec, b, hq, nq, nk, seed=nq * nk).items()
-              if name in ("bias", "alibi_slopes")}
+              if name in ("bias", "alibi_slopes", "doc_ids", "block_mask")}
     got, lse = kernel(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out=out,
                       return_lse=True, sinks=None if sinks is None else torch.from_numpy(sinks).cuda(), **extras)
     assert got.data_ptr() == out.data_ptr()
@@ -245,3 +251,47 @@ def test_a_compiled_fp8_layer_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, layer(q8, k8, v8))
+
+
+def test_fagen_attention_takes_documents_and_block_masks_on_float8_tensors():
+    """doc_ids and a block_mask beside FP8 q, k, v run the FP8 forward's document and block-mask
+    variants (fagen.attention derives them as for half types); a compiled layer passes doc_ids
+    through fagen::fp8_attention_forward, and a block_mask, which no op can carry, is refused
+    there by name."""
+    torch = pytest.importorskip("torch")
+    import fagen
+    from fagen import masks
+
+    rng = np.random.default_rng(13)
+    b, hq, hkv, n, d = 2, 4, 2, 600, 128
+    q8, q_descale = quantized(rng, (b, hq, n, d), hkv, torch)
+    k8, k_descale = quantized(rng, (b, hkv, n, d), hkv, torch)
+    v8, v_descale = quantized(rng, (b, hkv, n, d), hkv, torch)
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    numpy_descales = {name: to_numpy(x) for name, x in descales.items()}
+    qn, kn, vn = (to_numpy(x.float()) for x in (q8, k8, v8))
+    doc_ids = masks.documents_of_lengths([100, 250, 250], batch=b)
+    block_mask = masks.sliding_window(n, 100, 20, q_block=64, kv_block=64)
+
+    def checked(got, spec, **extras):
+        exact = oracle.attention(qn, kn, vn, mask=spec.mask, score_mod=spec.score_mod, **extras, **numpy_descales)
+        rounded = oracle.attention(qn, kn, vn, mask=spec.mask, score_mod=spec.score_mod, p_type=spec.dtype,
+                                   p_scale=2.0 ** spec.element.p_log2_scale, **extras, **numpy_descales)
+        assert got.dtype == torch.bfloat16 and got.shape == (b, hq, n, d)
+        assert relative_error(to_numpy(got.float()), exact) <= 2 * relative_error(rounded, exact)
+
+    ids = torch.from_numpy(np.asarray(doc_ids)).cuda()
+    for causal in (False, True):
+        got = fagen.attention(q8, k8, v8, causal=causal, doc_ids=ids, **descales)
+        checked(got, fp8_spec(mask={"kind": "document", "causal": causal}), doc_ids=np.asarray(doc_ids))
+    got = fagen.attention(q8, k8, v8, block_mask=block_mask, **descales)
+    checked(got, fp8_spec(mask={"kind": "block_mask"}), block_mask=block_mask)
+
+    def layer(q, k, v, ids):
+        return fagen.attention(q, k, v, causal=True, doc_ids=ids, **descales)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(q8, k8, v8, ids), layer(q8, k8, v8, ids))
+    with pytest.raises(Exception, match="block_mask with FP8 q, k, v: eager calls only"):
+        torch.compile(lambda q, k, v: fagen.attention(q, k, v, block_mask=block_mask, **descales),
+                      fullgraph=True)(q8, k8, v8)
