@@ -277,11 +277,34 @@ def class_keys(batch) -> int | None:
     return int(batch.arguments["total_k"]) // batch.q.shape[0]
 
 
+def _fp8_batch_spec(batch, dtype: str, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
+    """batch_spec for FP8 q, k, v: the FP8 forward (variants.fp8_spec) in the batch's layouts."""
+    tq, tk, tv = batch.q, batch.k, batch.v
+    if tk.dtype != tq.dtype or tv.dtype != tq.dtype:
+        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; the FP8 forward takes all three of "
+                         f"one FP8 type (an FP8 KV cache, a half-type q, is read paged)")
+    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
+        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
+    if tv.shape[-1] != tq.shape[-1]:
+        raise ValueError(f"head_dim: q {tq.shape[-1]}, v {tv.shape[-1]}; the FP8 forward has V as wide as Q and K")
+    spec = variants.fp8_spec(dtype, tq.shape[-1], call_mask(causal, mask),
+                             ScoreMod(softcap=softcap, sinks=sinks is not None,
+                                      alibi="none" if alibi_slopes is None else "slopes"))
+    try:
+        return variants.sequence_variant(spec, batch.q_layout, batch.kv_layout, batch.seqused_k)
+    except SpecError as refused:
+        raise ValueError(f"{batch.q_layout} q, {batch.kv_layout} K/V: {refused}") from None
+
+
 def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
     """The kernel for a batch (a fagen.sequences.Batch): the decode kernel where a KV head's packed rows (the longest
     sequence's queries x its group) fit one, else the plain forward of its shape class
     (class_keys), in the batch's layouts."""
     tq, tk = batch.q, batch.k
+    q_fp8 = fp8_element(tq.dtype)
+    if q_fp8 is not None:  # FP8 q, k, v: the FP8 forward, in the batch's layouts
+        return _fp8_batch_spec(batch, q_fp8.name, causal=causal, mask=mask, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks)
     dv = batch.v.shape[-1] if batch.v.shape[-1] != tq.shape[-1] else None  # two head widths (head_dim_v)
     plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
                             alibi_slopes=alibi_slopes, sinks=sinks, head_dim_v=dv)

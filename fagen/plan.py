@@ -227,7 +227,8 @@ class KernelPlan:
     # causal tiles end at n_q (end_aligned_tiles): a partial tile is the lightest, not the heaviest
     end_aligned_tiles: bool
     # O goes through the Q tile to 16-byte row stores; not where the Q tile is refilled for the
-    # next tile (persistent), nor for f32 partials: those store straight from registers
+    # next tile (persistent), nor for f32 partials, nor where O's rows are wider than Q's (FP8 q,
+    # bfloat16 o): those store straight from registers
     output_staged: bool
     input_params: tuple[tuple[str, str], ...]  # q, k, v (unless TMA maps stand in), o, lse, shape, strides, scale
 
@@ -914,7 +915,8 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         persistent=bool(ws and ws.persistent),
         claimed_walk=has_claimed_walk(spec),
         end_aligned_tiles=end_aligned_tiles(spec),
-        output_staged=not spec.outputs.partial and not (ws and ws.persistent),
+        output_staged=(not spec.outputs.partial and not (ws and ws.persistent)
+                       and spec.out_element.bytes == spec.element.bytes),
         **template_numbers(spec, m_frags, kv_tile, v_tile),
     )
 

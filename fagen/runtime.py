@@ -729,7 +729,7 @@ class Kernel:
         kernel's views are not (a varlen batch: [1, Hq, total_q, d]). `indices`: the layout's
         index parameters a prepared call re-points (its slots after q, k, v)."""
         if self.spec.element.is_fp8:  # the kernel reads V^T (fp8_inputs), kept with the launch
-            vt = v_transposed(tv)
+            vt = v_transposed(tv, extras.get("cu_seqlens_k"))
             held = [*held, vt]
             tv = as_device_tensor(vt, "v")
         if not self.spec.outputs.partial:
@@ -778,8 +778,8 @@ class Kernel:
         maps = tuple(TensorMap(f"{name}_map", name, self.spec.dtype, tensor_maps.layout(*_mapped(t, total), self.spec.element.bytes, rows, name))
                      for t, name, rows, total in ((tq, "q", self.plan.block_q, extras.get("total_q")),
                                                   (tk, "k", self.plan.block_kv, extras.get("total_k")),
-                                                  (tv, "v", self.plan.head_dim_v if self.spec.element.is_fp8
-                                                   else self.plan.block_kv, extras.get("total_k")))
+                                                  (tv, "v", *((self.plan.head_dim_v, None) if self.spec.element.is_fp8
+                                                              else (self.plan.block_kv, extras.get("total_k")))))
                      ) if self.plan.warp_specialized else ()
         tiles = self.plan.tiles(b, hq, tk.shape[1], nq, splits, total_q=int(extras["total_q"]) if "total_q" in extras else None)
         grid, counters = tiles, None
@@ -923,24 +923,31 @@ def descale_parameters(views: dict) -> dict:
     return args
 
 
-def v_transposed(tv: DeviceTensor):
+def v_transposed(tv: DeviceTensor, cu_seqlens: int | None = None):
     """An FP8 forward's V [B, Hkv, N, d] as its kernel reads it, V^T [B, Hkv, d, padded N] in
     fp8_inputs' key order, from `tv`'s allocator by one launch on the current stream
     (fp8_inputs.transposed_v is its twin). The kernel reads V's rows 16 bytes at a time: a V whose
-    address or strides are not multiples of 16 bytes (a slice of wider rows) is copied first."""
+    address or strides are not multiples of 16 bytes (a slice of wider rows) is copied first.
+    cu_seqlens (a device address): `tv` is a varlen batch's view ([B, Hkv, max_seqlen_k, d] over
+    token-major rows), sequence b's keys rows cu_seqlens[b] .. cu_seqlens[b + 1], and its V^T
+    sequence b's own, padded like a [B, Hkv, max_seqlen_k, d] batch's."""
     b, h, n, d = tv.shape
     if d % 16 or d > V_TRANSPOSE_MAX_D:
         raise ValueError(f"v: head_dim {d}; the FP8 V^T kernel takes multiples of 16 up to {V_TRANSPOSE_MAX_D}")
     if b * h > MAX_GRID_Y:
         raise ValueError(f"v: B * Hkv = {b * h}; the FP8 V^T kernel's grid takes at most {MAX_GRID_Y} (split the batch)")
     if tv.ptr % 16 or any(stride % 16 for stride, size in zip(tv.strides[:3], tv.shape[:3]) if size > 1):
+        if cu_seqlens is not None:  # (a copy would lose the batch's view)
+            raise ValueError(f"v: address {tv.ptr:#x}, strides {tv.strides}; the FP8 V^T kernel reads a varlen "
+                             f"batch's rows 16 bytes at a time: pass v.contiguous()")
         tv = as_device_tensor(tv.obj.contiguous() if tv.kind == "torch" else cupy.ascontiguousarray(tv.obj), "v")
     keys = fp8_inputs.padded_keys(n)
     vt = empty_like(tv, (b, h, d, keys), tv.dtype)
     shared_function(V_TRANSPOSE, tv.device)(
         (keys // fp8_inputs.V_TILE_KEYS, b * h), (V_TRANSPOSE_THREADS,),
         (np.uint64(tv.ptr), np.int64(tv.strides[0]), np.int64(tv.strides[1]), np.int64(tv.strides[2]), np.int32(h),
-         np.int32(n), np.int32(d), np.uint64(as_device_tensor(vt, "v^T").ptr), np.int32(keys)))
+         np.int32(n), np.int32(d), np.uint64(as_device_tensor(vt, "v^T").ptr), np.int32(keys),
+         np.uint64(cu_seqlens or 0)))
     return vt
 
 

@@ -256,7 +256,8 @@ def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts
 
 
 def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
-         splits: int | None = None, out=None, indices: tuple[str, ...] = (), k_descale=None, v_descale=None) -> Packed:
+         splits: int | None = None, out=None, indices: tuple[str, ...] = (), q_descale=None, k_descale=None,
+         v_descale=None) -> Packed:
     """The launches of `spec` (dispatch.batch_spec's) on a checked batch (`run` launches them; a prepared
     call keeps them): out like q ([B, Hq, Nq, d] or [total_q, Hq, d]; given, it is written in
     place), lse [B, Hq, Nq] or [Hq, total_q]. `indices`: the batch's index parameters a prepared
@@ -265,9 +266,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
     kv_types = (spec.kv_element.name, spec.kv_element.torch_name)
-    if tq.dtype != spec.dtype or tk.dtype not in kv_types or tv.dtype not in kv_types:
-        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; all float16 or all bfloat16, or a "
-                         f"float16 or bfloat16 q against k and v of one FP8 type (an FP8 KV cache)")
+    if tq.dtype not in (spec.element.name, spec.element.torch_name) or tk.dtype not in kv_types or tv.dtype not in kv_types:
+        raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; all float16 or all bfloat16, all "
+                         f"of one FP8 type (varlen), or a float16 or bfloat16 q against k and v of one FP8 type (an "
+                         f"FP8 KV cache)")
     if tk.shape[-1] != d:
         raise ValueError(f"head_dim: q has {d}, k and v have {tk.shape[-1]}")
     if len({tq.device, tk.device, tv.device}) != 1:
@@ -279,14 +281,14 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
     out_shape, lse_shape = ((total_q, hq, dv), (hq, total_q)) if varlen_q else ((b, hq, nq, dv), (b, hq, nq))
     with cupy.cuda.Device(tq.device), stream_for(tq):
         if 0 in out_shape:  # no query row: nothing to launch (nor to split: dispatch.no_work)
-            return Packed(spec, _outputs(out, out_shape, tq), empty_like(tq, lse_shape, "float32"), None, None, [])
+            return Packed(spec, _outputs(out, out_shape, tq, spec.out_element.name), empty_like(tq, lse_shape, "float32"), None, None, [])
         spec, splits = batch_step(spec, varlen_q, b, hq, hkv, nq, nk, splits, sinks is not None)
         kernel = compile_kernel(spec)
         given = dict(block_mask=None, bias=None, doc_ids=None, alibi_slopes=alibi_slopes,
                      sinks=sinks if kernel.takes_sinks else None)
         extras, held = kernel.extra_arguments(tq, tk, given)
         extras.update(batch.arguments)
-        descaled = kernel.descale_arguments(tq, tk, None, k_descale, v_descale)  # an FP8 cache's
+        descaled = kernel.descale_arguments(tq, tk, q_descale, k_descale, v_descale)  # FP8 inputs
         if descaled is not None:
             extras.update(descaled[0])
             held = [*held, descaled[1]]
@@ -305,7 +307,7 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
                 if kernel.plan.claimed_walk:
                     extras["tiles_claimed"] = np.uint64(claimed_counter(ptr, table.shape[0] - 1))
                 held = [*held, table]
-        out = _outputs(out, out_shape, tq)
+        out = _outputs(out, out_shape, tq, spec.out_element.name)
         _check_layout(as_device_tensor(out, "out"), "out")
         lse = empty_like(tq, lse_shape, "float32")
         # the kernel's views of out and lse: [B, Hq, Nq, d] strides, varlen rows token-major; the
@@ -322,22 +324,22 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         return replace(packed, first=tiles)
 
 
-def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor):
-    """out as given (checked: `shape`, q's dtype, framework and device) or allocated."""
+def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor, dtype: str):
+    """out as given (checked: `shape`, `dtype` (the kernel's out type), q's framework and device) or allocated."""
     if out is None:
-        return empty_like(tq, shape, tq.dtype)
+        return empty_like(tq, shape, dtype)
     to = as_device_tensor(out, "out")
-    if to.shape != shape or to.dtype != tq.dtype or to.kind != tq.kind or to.device != tq.device:
-        raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} {tq.dtype} "
+    if to.shape != shape or to.dtype != dtype or to.kind != tq.kind or to.device != tq.device:
+        raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} {dtype} "
                          f"tensor {shape} on cuda:{tq.device}")
     return out
 
 
 def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
-        splits: int | None = None, out=None, k_descale=None, v_descale=None):
+        splits: int | None = None, out=None, q_descale=None, k_descale=None, v_descale=None):
     """(out, lse) of `spec` (dispatch.batch_spec's) on a checked batch, launched on the inputs' stream."""
     packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out,
-                  k_descale=k_descale, v_descale=v_descale)
+                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
         packed()
     return packed.out, packed.lse
@@ -358,13 +360,17 @@ def _as_one_sequence(out):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
                      alibi_slopes=None, sinks=None, return_lse: bool = False, validate: bool = True, out=None,
-                     seqused_k=None):
+                     seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention over a varlen batch (FlashAttention's flash_attn_varlen_func): q [total_q, Hq, d],
     k, v [total_k, Hkv, d], sequence b being rows cu_seqlens_*[b] .. cu_seqlens_*[b + 1]; with
     seqused_k (int32 [B]), sequence b's keys are rows cu_seqlens_k[b] .. cu_seqlens_k[b] +
     seqused_k[b], which may overlap another's. Every mask holds per sequence (causal: bottom
-    right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q])."""
-    if not validate and alibi_slopes is None and is_torch(q):  # a loop's call: its layout's kept class
+    right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q]). q, k, v of one FP8
+    type: the FP8 forward (out bfloat16), FlashAttention-3's q_descale, k_descale, v_descale
+    (float32, one number or [B, Hkv], B the sequences; None is 1); not with seqused_k."""
+    descales = (q_descale, k_descale, v_descale)
+    if not validate and alibi_slopes is None and is_torch(q) and descales == (None,) * 3 and not _fp8(q):
+        # a loop's call: its layout's kept class
         done = KEPT_VARLEN_CALLS(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, out,
                                  return_lse, dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks))
         if done is not NotImplemented:
@@ -372,8 +378,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                          validate=validate)
     spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out)
+    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out, q_descale=q_descale,
+                   k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_lse else out
+
+
+def _fp8(x) -> bool:
+    """Whether an array is of an FP8 type (a torch tensor's dtype read as is)."""
+    return fp8_element(str(x.dtype).removeprefix("torch.") if is_torch(x) else as_device_tensor(x, "q").dtype) is not None
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, cache_leftpad=None, k=None, v=None,
@@ -609,6 +621,9 @@ class PreparedVarlen(PreparedAttention):
     def __init__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                  seqused_k=None, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, validate: bool = True):
+        if _fp8(q):  # (its launch reads V^T, made from each call's v)
+            raise ValueError(f"q: {q.dtype}; a prepared varlen call takes float16 or bfloat16 tensors: call "
+                             f"attention_varlen for FP8 q, k, v")
         batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                              validate=validate)
         indices = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)

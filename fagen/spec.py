@@ -648,7 +648,7 @@ class AttentionSpec(_Frozen):
         """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 or 256
         (rows of whole 128-byte swizzle atoms), key tiles of 128-256 keys in k32 steps (V^T read in
         128-key boxes, one atom's row each), padded sequences, whole outputs, no backward; o in a
-        half type."""
+        half type. Sequences padded, or varlen q and K/V (V^T per sequence: fagen.fp8_inputs)."""
         fp8 = f"the {self.dtype} forward"
         o, seq = self.outputs, self.sequences
         # back to the half type (the copying or warp-specialized bf16 kernel of the same fields)
@@ -671,7 +671,9 @@ class AttentionSpec(_Frozen):
              {"tiling.block_kv": FP8_MIN_KEYS}),
             ("backward", "set", self.backward is not None, f"{fp8} has no backward yet", "remove the backward: section",
              {"backward": REMOVE}),
-            ("sequences", "not padded", not seq.padded, f"{fp8} takes padded [B, H, N, d] sequences only",
+            ("sequences", f"q {seq.q}, kv {seq.kv}" + (", seqused_k" if seq.seqused_k else ""),
+             not (seq.padded or (seq.q, seq.kv, seq.seqused_k) == ("varlen", "varlen", False)),
+             f"{fp8} takes padded [B, H, N, d] sequences, or varlen q and K/V (without seqused_k)",
              "remove sequences (padded)", {"sequences": REMOVE}),
             ("outputs", "partial / accumulate / merge_splits", o.partial or o.accumulate or o.merge_splits,
              f"{fp8} writes the whole output", "set partial, accumulate and merge_splits: false",

@@ -476,10 +476,10 @@ struct KvPipeline {
   }
 
   // The tile's Q rows start at row q_row of batch q_batch in q_map, its keys at row kv_row0 of
-  // batch kv_batch in k_map and v_map.
+  // batch kv_batch in k_map and at key 0 of sequence v_batch in v_map (V^T, a sequence's own).
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                           unsigned q_tile, int q_row, int q_batch, int kv_row0, int kv_batch, int h,
-                                          int h_kv) const {
+                                          int h_kv, int v_batch) const {
     if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
     mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
     load<BLOCK_Q, QK_ATOMS>(q_tile, q_map, q_full, q_row, h, q_batch);
@@ -488,12 +488,13 @@ struct KvPipeline {
       if (first + g >= KV_STAGES) mbarrier_wait(empty + MBARRIER_BYTES * stage(g), phase(g) ^ 1);  // group n - KV_STAGES is done
       mbarrier_arrive_expect_tx(bar, (g < tiles ? K_LOAD_BYTES : 0) + (g >= 1 ? V_LOAD_BYTES : 0));
       if (g < tiles) load<BLOCK_KV, QK_ATOMS>(k_slot(g), k_map, bar, kv_row0 + mask.kv_tile(g) * BLOCK_KV, h_kv, kv_batch);
-      // V^T ([B, Hkv, head_dim_v, keys]): boxes of the tile's keys by every row
+      // V^T ([B, Hkv, head_dim_v, keys], a varlen batch's sequences padded apart): boxes of the
+      // tile's keys by every row
       if (g >= 1) {
 #pragma unroll
         for (int box = 0; box < V_KEY_BOXES; ++box)
           tma_load_tile(v_slot(g - 1) + box * V_KEY_BOX_BYTES, v_map, bar,
-                        kv_row0 + mask.kv_tile(g - 1) * BLOCK_KV + box * ATOM_COLUMNS, 0, h_kv, kv_batch);
+                        mask.kv_tile(g - 1) * BLOCK_KV + box * ATOM_COLUMNS, 0, h_kv, v_batch);
       }
     }
   }
@@ -742,7 +743,7 @@ fagen_attn_e4m3_d128_sm90a(
         // the maps' coordinates: (row, head, batch); a varlen batch is one [1, H, total, d] tensor,
         // a ranged sequence's keys start at its row kv_start
         kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, b,
-                   0, b, h, h_kv);
+                   0, b, h, h_kv, b);
         kv.end();
       }
     }

@@ -18,12 +18,16 @@ __device__ const unsigned char KEY_ORDER[KEY_GROUP] = { 0, 1, 8, 9, 2, 3, 10, 11
 struct alignas(16) chunk16 { unsigned x, y, z, w; };
 
 // Grid: x = V^T tiles (padded / TILE_KEYS), y = batch * KV head. d: a multiple of 16, at most 256.
+// A varlen batch (cu_seqlens not null; V [total, Hkv, d], v_sb unused): sequence b's keys are rows
+// cu_seqlens[b] .. cu_seqlens[b + 1] (at most padded of them read), its V^T sequence b's own.
 extern "C" __global__ void __launch_bounds__(THREADS)
 v_transpose_kernel(const unsigned char* __restrict__ v, long long v_sb, long long v_sh, long long v_sn, int heads_kv, int n,
-           int d, unsigned char* __restrict__ vt, int padded) {
+           int d, unsigned char* __restrict__ vt, int padded, const int* __restrict__ cu_seqlens) {
   __shared__ __align__(16) unsigned char tile[TILE_KEYS * ROW_BYTES];
   const int b = blockIdx.y / heads_kv, h = blockIdx.y % heads_kv, k0 = blockIdx.x * TILE_KEYS;
-  const unsigned char* rows = v + b * v_sb + h * v_sh;
+  const long long first = cu_seqlens != nullptr ? cu_seqlens[b] : 0;
+  if (cu_seqlens != nullptr) n = min(cu_seqlens[b + 1] - cu_seqlens[b], padded);
+  const unsigned char* rows = v + (cu_seqlens != nullptr ? first * v_sn : b * v_sb) + h * v_sh;
   const int chunks = d / 16;  // a key's row, in 16-byte chunks
   for (int i = threadIdx.x; i < TILE_KEYS * chunks; i += THREADS) {
     const int key = i / chunks, c = i % chunks;

@@ -114,7 +114,9 @@ def test_the_fp8_kernel_reads_fp8_and_writes_its_out_dtype():
     ({"arch": "sm_80", "pipeline": {"kv_smem": "separate", "stages": 2}}, "arch"),
     ({"head_dim": 64}, "head_dim"),
     ({"tiling": {"block_q": 128, "block_kv": 176, "warps_q": 8, "warps_kv": 1}}, "tiling.block_kv"),
-    ({"sequences": {"q": "varlen", "kv": "varlen"}}, "sequences"),
+    ({"sequences": {"q": "varlen", "kv": "paged"}}, "sequences"),
+    ({"sequences": {"q": "varlen", "kv": "varlen", "seqused_k": True}}, "sequences"),
+    ({"sequences": {"q": "padded", "kv": "ranged"}}, "sequences"),
 ])
 def test_what_the_fp8_forward_is_not_built_for_is_refused_by_field(change, field):
     data = load_spec(SPEC).model_dump(mode="json", exclude_none=True)
@@ -122,6 +124,26 @@ def test_what_the_fp8_forward_is_not_built_for_is_refused_by_field(change, field
     data = {k: v for k, v in data.items() if v is not None}
     with pytest.raises(SpecError, match=rf"{field} = "):
         parse_spec(data, "fp8_refused")
+
+
+@pytest.mark.parametrize("mask", [None, {"kind": "causal"}])
+def test_a_varlen_fp8_forward_reads_v_t_a_sequence_at_a_time_and_compiles_without_spills(mask):
+    """Varlen q and K/V: K's rows start at cu_seqlens_k[b] in the one [1, Hkv, total, d] map, V^T's
+    at key 0 of sequence b (fagen.runtime.v_transposed pads each sequence's keys apart)."""
+    from fagen import nvcc
+    from fagen.dispatch import call_mask
+    from fagen.plan import plan
+    from fagen.variants import fp8_spec, sequence_variant
+
+    spec = sequence_variant(fp8_spec("float8_e4m3", 128, call_mask(False, mask), ScoreMod()), "varlen", "varlen")
+    source = render(spec)
+    assert "smem_q_u32, q_start + q0, 0," in source
+    assert "kv_start, 0, h, h_kv, b" in source  # K at the sequence's rows of batch 0, V^T at sequence b
+    assert "{{" not in source and "h_kv, v_batch);" in source
+    # O's bfloat16 rows are twice Q's e4m3 ones: never staged through the Q tile (a block a tile, too)
+    assert not plan(spec).output_staged and "st_global_v4(out" in source
+    (resources,) = nvcc.compile_many([(spec, "sm_90a")])
+    assert resources.spill_stores == 0 and resources.spill_loads == 0 and not resources.wgmma_serialized
 
 
 def test_a_sink_joins_the_fp8_denominator_at_p_s_scale():

@@ -295,3 +295,80 @@ def test_fagen_attention_takes_documents_and_block_masks_on_float8_tensors():
     with pytest.raises(Exception, match="block_mask with FP8 q, k, v: eager calls only"):
         torch.compile(lambda q, k, v: fagen.attention(q, k, v, block_mask=block_mask, **descales),
                       fullgraph=True)(q8, k8, v8)
+
+
+VARLEN_CASES = [  # (mask, Hq, Hkv, query lengths, key lengths)
+    (None, 4, 2, [300, 1, 700, 129], [300, 1, 700, 129]),
+    ({"kind": "causal"}, 4, 1, [200, 640, 1000], [500, 640, 1300]),  # bottom right in each sequence
+    ({"kind": "sliding_window", "window_left": 100, "window_right": 20}, 2, 2, [450, 77], [450, 900]),
+]
+
+
+@pytest.mark.parametrize("mask,hq,hkv,q_lengths,k_lengths", VARLEN_CASES)
+def test_a_varlen_fp8_batch_matches_each_sequence_s_oracle(mask, hq, hkv, q_lengths, k_lengths):
+    """fagen.attention_varlen on FP8 q, k, v (FlashAttention-3's varlen FP8 forward): descales a
+    sequence and KV head, V^T a sequence's own (keys padded to whole boxes apart), out bfloat16
+    written over NaN; each sequence within twice P's rounding error of the float64 oracle of its
+    FP8 values, its LSE finite where it sees a key."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng([hq, hkv, *q_lengths, *k_lengths])
+    d, b = 128, len(q_lengths)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (q_lengths, k_lengths))
+
+    def quantized_tokens(cu, heads, scale):
+        x = rng.standard_normal((int(cu[-1]), heads, d)).astype(np.float32) * scale
+        descale = np.stack([np.abs(x[cu[i]:cu[i + 1]]).reshape(-1, hkv, heads // hkv, d).max(axis=(0, 2, 3))
+                            if cu[i + 1] > cu[i] else np.ones(hkv, np.float32) for i in range(b)])
+        descale = (descale / ELEMENT_TYPES["float8_e4m3"].max_finite * rng.uniform(1.0, 2.0, descale.shape)).astype(np.float32)
+        per_row = np.repeat(descale, heads // hkv, axis=1)[np.repeat(np.arange(b), np.diff(cu))]  # [total, heads]
+        return torch.from_numpy(x / per_row[..., None]).cuda().to(torch.float8_e4m3fn), descale
+
+    q8, qd = quantized_tokens(cu_q, hq, 1.5)
+    k8, kd = quantized_tokens(cu_k, hkv, 1.5)
+    v8, vd = quantized_tokens(cu_k, hkv, 1.0)
+    out = torch.full((int(cu_q[-1]), hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = fagen.attention_varlen(q8, k8, v8, torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda(),
+                                      max(q_lengths), max(k_lengths), mask=mask, out=out, return_lse=True,
+                                      q_descale=torch.from_numpy(qd).cuda(), k_descale=torch.from_numpy(kd).cuda(),
+                                      v_descale=torch.from_numpy(vd).cuda())
+    assert got.data_ptr() == out.data_ptr() and lse.shape == (hq, int(cu_q[-1]))
+    spec = fp8_spec(mask=mask)
+    qn, kn, vn = (to_numpy(x.float()) for x in (q8, k8, v8))
+    got_n, lse_n = to_numpy(got.float()), to_numpy(lse)
+    for i in range(b):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        one = [x[s].transpose(1, 0, 2)[None] for x, s in ((qn, rows), (kn, keys), (vn, keys))]
+        descales = dict(q_descale=qd[i:i + 1], k_descale=kd[i:i + 1], v_descale=vd[i:i + 1])
+        exact, exact_lse = oracle.attention(*one, mask=spec.mask, return_lse=True, **descales)
+        rounded = oracle.attention(*one, mask=spec.mask, p_type=spec.dtype, p_scale=2.0 ** spec.element.p_log2_scale,
+                                   **descales)
+        mine = got_n[rows].transpose(1, 0, 2)[None]
+        # (plus out's own bfloat16 rounding: a sequence of one key has P = 1 exactly, no P error)
+        assert relative_error(mine, exact) <= 2 * relative_error(rounded, exact) + 2.0 ** -8, f"sequence {i}"
+        np.testing.assert_array_equal(np.isfinite(lse_n[:, rows]), np.isfinite(exact_lse[0]))
+
+
+def test_the_v_transpose_kernel_takes_a_varlen_batch():
+    """V^T of a varlen batch: sequence b's keys (rows cu_seqlens[b] .. cu_seqlens[b + 1] of [total,
+    Hkv, d]) as the padded batch [B, Hkv, max_seqlen, d] of the same keys would be transposed."""
+    torch = pytest.importorskip("torch")
+    from fagen.device import as_device_tensor
+    from fagen.fp8_inputs import transposed_v
+    from fagen.runtime import v_transposed
+    from fagen.sequences import varlen_batch
+
+    rng = np.random.default_rng(5)
+    lengths, hkv, d = [130, 1, 300], 2, 128
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    raw = rng.integers(0, 120, (int(cu[-1]), hkv, d), dtype=np.uint8)  # finite e4m3 bytes
+    v = torch.from_numpy(raw).cuda().view(torch.float8_e4m3fn)
+    cu_d = torch.from_numpy(cu).cuda()
+    batch = varlen_batch(v, v, v, cu_d, cu_d, max(lengths), max(lengths))
+    got = v_transposed(batch.v, int(batch.arguments["cu_seqlens_k"]))
+    padded = np.zeros((len(lengths), hkv, max(lengths), d), np.uint8)
+    for i, n in enumerate(lengths):
+        padded[i, :, :n] = raw[cu[i]:cu[i + 1]].transpose(1, 0, 2)
+    np.testing.assert_array_equal(to_numpy(got.view(torch.uint8)), transposed_v(padded))
+    assert as_device_tensor(got, "v^T").shape == (len(lengths), hkv, d, 384)
