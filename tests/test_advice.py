@@ -63,7 +63,7 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "fp8 merging splits": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "outputs.partial": True,
                                     "outputs.merge_splits": True}),
     "fp8 hopper spec on sm_80": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "arch": "sm_80"}),
-    "fp8 varlen": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "sequences": {"q": "varlen", "kv": "varlen"}}),
+    "fp8 paged": (HOPPER, {"dtype": "float8_e4m3", "out_dtype": "bfloat16", "sequences": {"q": "varlen", "kv": "paged"}}),
     "fp8 with a backward": (HOPPER_BWD, {"dtype": "float8_e4m3", "out_dtype": "bfloat16"}),
     "kv_dtype unlike q": (SM80, {"kv_dtype": "float8_e4m3"}),
     "kv_dtype another half type": (SM80, {"kv_dtype": "bfloat16" if SM80["dtype"] == "float16" else "float16"}),
