@@ -163,23 +163,34 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
     if plain.dv != plain.head_dim:
         return None  # the decode kernels pack GQA heads: V as wide as Q only
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
-    spec = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
     kv = fp8_element(tk.dtype)
-    if spec is None or kv is None or plain.element.is_fp8:
-        return spec
-    try:  # an FP8 KV cache: the decode kernel widening its K and V (variants.fp8_kv_variant)
-        return variants.fp8_kv_variant(spec, kv.name)
+    if kv is None or plain.element.is_fp8:
+        return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    return fp8_kv_spec(plain, rows, kv.name)
+
+
+def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec | None:
+    """The kernel a half-type q runs against an FP8 KV cache (the decode kernel widening its K
+    and V, variants.fp8_kv_variant) for `rows` packed query rows a KV head, or None (head_dim
+    64: the caller refuses, fp8_kv_refusal). No other kernel reads an FP8 cache, so more rows
+    than the largest decode kernel holds (a chunk of prefill) take that one over several row
+    tiles."""
+    rows = min(rows, max(variants.DECODE_HEAD_DIMS.get(plain.head_dim, (rows,))))
+    spec = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    if spec is None:
+        return None
+    try:
+        return variants.fp8_kv_variant(spec, kv_dtype)
     except SpecError:
-        return None  # (head_dim 64: the caller refuses, fp8_kv_refusal)
+        return None
 
 
 def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:
     """Why a call on an FP8 KV cache has no kernel: the decode kernels read one (head_dim 128, a
     few packed rows), and these rows or this head width are not theirs."""
-    return (f"{names}: {dtype} (an FP8 KV cache) is read by the decode kernels: head_dim 128 and at most "
-            f"{max(variants.DECODE_HEAD_DIMS[128])} packed query rows (Nq x Hq / Hkv) a KV head; this call has head_dim "
-            f"{plain.head_dim} and {rows} rows ({plain.mask.kind} mask). Split the queries into chunks of fewer rows, "
-            f"or keep the cache in {plain.dtype}")
+    return (f"{names}: {dtype} (an FP8 KV cache) is read by the decode kernels: head_dim 128, V as wide, and a "
+            f"mask they pack; this call has head_dim {plain.head_dim}, head_dim_v {plain.dv} and {rows} packed query "
+            f"rows ({plain.mask.kind} mask). Keep the cache in {plain.dtype} for it")
 
 
 def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
@@ -326,15 +337,9 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
             raise ValueError(f"k, v: {tk.dtype} (an FP8 KV cache) is read paged (attention_with_kvcache with a "
                              f"page_table) or as [B, Hkv, N, d] rows (fagen.attention), with k_descale and v_descale; "
                              f"not {batch.kv_layout} yet")
-        fp8 = None
-        if packed is not None:
-            try:
-                fp8 = variants.fp8_kv_variant(packed, kv.name)
-            except SpecError:
-                pass
-        if fp8 is None:
+        packed = fp8_kv_spec(plain, rows, kv.name) if dv is None else None
+        if packed is None:
             raise ValueError(fp8_kv_refusal("k_cache, v_cache", tk.dtype, plain, rows))
-        packed = fp8
     try:
         return variants.sequence_variant(packed or plain, batch.q_layout, batch.kv_layout, batch.seqused_k)
     except SpecError as refused:

@@ -297,15 +297,16 @@ def test_fagen_attention_takes_documents_and_block_masks_on_float8_tensors():
                       fullgraph=True)(q8, k8, v8)
 
 
-VARLEN_CASES = [  # (mask, Hq, Hkv, query lengths, key lengths)
-    (None, 4, 2, [300, 1, 700, 129], [300, 1, 700, 129]),
-    ({"kind": "causal"}, 4, 1, [200, 640, 1000], [500, 640, 1300]),  # bottom right in each sequence
-    ({"kind": "sliding_window", "window_left": 100, "window_right": 20}, 2, 2, [450, 77], [450, 900]),
+VARLEN_CASES = [  # (head_dim, mask, Hq, Hkv, query lengths, key lengths)
+    (128, None, 4, 2, [300, 1, 700, 129], [300, 1, 700, 129]),
+    (128, {"kind": "causal"}, 4, 1, [200, 640, 1000], [500, 640, 1300]),  # bottom right in each sequence
+    (128, {"kind": "sliding_window", "window_left": 100, "window_right": 20}, 2, 2, [450, 77], [450, 900]),
+    (256, {"kind": "causal"}, 4, 2, [300, 129], [300, 700]),
 ]
 
 
-@pytest.mark.parametrize("mask,hq,hkv,q_lengths,k_lengths", VARLEN_CASES)
-def test_a_varlen_fp8_batch_matches_each_sequence_s_oracle(mask, hq, hkv, q_lengths, k_lengths):
+@pytest.mark.parametrize("d,mask,hq,hkv,q_lengths,k_lengths", VARLEN_CASES)
+def test_a_varlen_fp8_batch_matches_each_sequence_s_oracle(d, mask, hq, hkv, q_lengths, k_lengths):
     """fagen.attention_varlen on FP8 q, k, v (FlashAttention-3's varlen FP8 forward): descales a
     sequence and KV head, V^T a sequence's own (keys padded to whole boxes apart), out bfloat16
     written over NaN; each sequence within twice P's rounding error of the float64 oracle of its
@@ -313,8 +314,8 @@ def test_a_varlen_fp8_batch_matches_each_sequence_s_oracle(mask, hq, hkv, q_leng
     torch = pytest.importorskip("torch")
     import fagen
 
-    rng = np.random.default_rng([hq, hkv, *q_lengths, *k_lengths])
-    d, b = 128, len(q_lengths)
+    rng = np.random.default_rng([d, hq, hkv, *q_lengths, *k_lengths])
+    b = len(q_lengths)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (q_lengths, k_lengths))
 
     def quantized_tokens(cu, heads, scale):
@@ -334,7 +335,7 @@ def test_a_varlen_fp8_batch_matches_each_sequence_s_oracle(mask, hq, hkv, q_leng
                                       q_descale=torch.from_numpy(qd).cuda(), k_descale=torch.from_numpy(kd).cuda(),
                                       v_descale=torch.from_numpy(vd).cuda())
     assert got.data_ptr() == out.data_ptr() and lse.shape == (hq, int(cu_q[-1]))
-    spec = fp8_spec(mask=mask)
+    spec = fp8_spec(d, mask=mask)
     qn, kn, vn = (to_numpy(x.float()) for x in (q8, k8, v8))
     got_n, lse_n = to_numpy(got.float()), to_numpy(lse)
     for i in range(b):

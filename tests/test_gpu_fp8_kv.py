@@ -98,18 +98,54 @@ def test_each_fp8_kv_kernel_writes_every_output(form):
     np.testing.assert_allclose(to_numpy(lse), want_lse, rtol=0, atol=1e-3)
 
 
-def test_an_fp8_kv_cache_outside_the_decode_kernels_is_refused():
-    """More packed query rows than a decode kernel holds: refused before launch, naming the FP8
-    cache, the rows and the way out."""
+@pytest.mark.parametrize("hq,hkv,nq,nk,causal", [
+    (8, 1, 256, 512, True),  # 2048 packed rows: 32 row tiles of the q64 kernel
+    (32, 8, 100, 1200, True),  # 400 rows, the last tile part-filled, bottom-right causal
+    (16, 4, 40, 700, False),
+])
+def test_a_chunk_of_queries_reads_an_fp8_kv_cache(hq, hkv, nq, nk, causal):
+    """More packed query rows than a decode kernel holds (chunked prefill against the cache): the
+    largest decode kernel's FP8 variant over several row tiles, into NaN-poisoned out, within
+    bfloat16's tolerance of exact attention of the FP8 values; q_descale (a half-type q has
+    none) is still refused."""
     torch = pytest.importorskip("torch")
     import fagen
 
-    rng = np.random.default_rng(3)
-    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 1, 8, 1, 256, 512, 1.0, torch)
-    with pytest.raises(ValueError, match="FP8 KV cache.*2048 rows"):
-        fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd)
+    rng = np.random.default_rng([hq, hkv, nq, nk])
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 2, hq, hkv, nq, nk, 1.0, torch)
+    with torch.no_grad():
+        got = fagen.attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert relative_error(to_numpy(got.float()), exact(q, k8, v8, kd, vd, causal)) <= ELEMENT_TYPES["bfloat16"].tolerance
     with pytest.raises(ValueError, match="q_descale"):
         fagen.attention(q[:, :, :1], k8, v8, q_descale=kd, k_descale=kd, v_descale=vd)
+
+
+def test_a_chunk_of_queries_reads_a_paged_fp8_cache():
+    """attention_with_kvcache with 48 new queries a sequence (GQA 4: 192 packed rows, three tiles)
+    against a shuffled e4m3 paged cache, causal bottom right in each sequence, into NaN out."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(17)
+    lens, page_size, hq, hkv, d, nq = [900, 48, 2000], 64, 16, 4, 128, 48
+    b = len(lens)
+    need = [-(-n // page_size) for n in lens]
+    order = rng.permutation(sum(need) + 2)
+    table = np.zeros((b, max(need)), np.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = order[used:used + n]
+        used += n
+    (k8, _), (v8, _) = (cache(rng, (len(order), page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    kd, vd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() for _ in range(2))
+    q = torch.from_numpy(rng.standard_normal((b, hq, nq, d)).astype(np.float32)).cuda().to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    fagen.attention_with_kvcache(q, k8, v8, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                 torch.from_numpy(table).cuda(), causal=True, out=out, k_descale=kd, v_descale=vd)
+    want = oracle.attention_paged(*(to_numpy(x.float()) for x in (q, k8, v8)), table, lens, causal=True,
+                                  k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
 
 
 @pytest.mark.parametrize("page_size", [16, 64, 256])
