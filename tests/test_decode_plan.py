@@ -373,8 +373,10 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows):
 
 
 def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
-    """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; too many packed rows:
-    none (the call then refuses). Only shapes and dtypes are read: stand-ins replace the tensors."""
+    """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; more packed rows than
+    the largest decode kernel holds (a chunk of prefill): that kernel's, over several row tiles
+    (no other kernel reads an FP8 cache); head_dim 64: none (the call then refuses). Only shapes
+    and dtypes are read: stand-ins replace the tensors."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(dispatch, "as_device_tensor", lambda x, what: x)
@@ -382,4 +384,8 @@ def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     k8 = SimpleNamespace(shape=(2, 8, 4096, 128), dtype="float8_e4m3fn")
     spec = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 1, 128), dtype="bfloat16"), k8)
     assert spec.name == "decode_bf16_d128_kv_e4m3" and spec.kv_dtype == "float8_e4m3"
-    assert dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 64, 128), dtype="bfloat16"), k8) is None
+    chunk = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 64, 128), dtype="bfloat16"), k8)
+    assert chunk.name == "decode_bf16_d128_q64_kv_e4m3" and chunk.tiling.block_q == 64
+    plain64 = variants.shipped_spec("bfloat16", 64, False, gpu=None)
+    k8_64 = SimpleNamespace(shape=(2, 8, 4096, 64), dtype="float8_e4m3fn")
+    assert dispatch.packed_spec(plain64, SimpleNamespace(shape=(2, 32, 1, 64), dtype="bfloat16"), k8_64) is None
