@@ -20,7 +20,7 @@ from fagen.device import as_device_tensor
 from fagen.element_types import KERNEL_TYPES, fp8_element
 from fagen.mask_kinds import fields_of
 from fagen.runtime import Kernel, compile_kernel
-from fagen.spec import HEAD_DIMS, QK_HEAD_DIMS, AttentionSpec, Mask, ScoreMod, SpecError
+from fagen.spec import FP8_KV_HEAD_DIMS, HEAD_DIMS, QK_HEAD_DIMS, AttentionSpec, Mask, ScoreMod, SpecError
 
 
 def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False, keys: int | None = None) -> AttentionSpec:
@@ -186,9 +186,10 @@ def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec
 
 
 def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:
-    """Why a call on an FP8 KV cache has no kernel: the decode kernels read one (head_dim 128, a
-    few packed rows), and these rows or this head width are not theirs."""
-    return (f"{names}: {dtype} (an FP8 KV cache) is read by the decode kernels: head_dim 128, V as wide, and a "
+    """Why a call on an FP8 KV cache has no kernel: the decode kernels read one (head_dim 64 or 128,
+    V as wide, a mask they pack), and this call's head width or mask is not theirs."""
+    return (f"{names}: {dtype} (an FP8 KV cache) is read by the decode kernels: head_dim "
+            f"{' or '.join(map(str, FP8_KV_HEAD_DIMS))}, V as wide, and a "
             f"mask they pack; this call has head_dim {plain.head_dim}, head_dim_v {plain.dv} and {rows} packed query "
             f"rows ({plain.mask.kind} mask). Keep the cache in {plain.dtype} for it")
 

@@ -29,6 +29,8 @@ QK_HEAD_DIMS = (192,)
 # Largest dynamic shared memory one block may opt into, in bytes, per target.
 # an FP8 KV cache widens K and V with cvt.f16x2.e4m3x2 / e5m2x2: sm_89 and after, on mma.sync
 FP8_KV_ARCHS = ("sm_89", "sm_90")
+MAX_STAGES = 3  # pipeline.stages: KV tiles in flight per buffer
+FP8_KV_HEAD_DIMS = (64, 128)  # an FP8 KV cache's decode kernels: rows of 4 or 8 16-byte chunks (head_dim 256 spills)
 FP8_KV_WARP_KEYS = 32  # a warp's keys of a tile, at least: a widened K load is four n8 fragments
 # The FP8 forward's key tiles: whole k32 steps of P.V (a V^T key group), from one V^T box (a
 # 128-byte swizzle row of keys) to wgmma's widest n of S
@@ -272,7 +274,7 @@ class Pipeline(_Frozen):
     @field_validator("stages")
     @classmethod
     def _stages(cls, v: int) -> int:
-        if v not in (1, 2, 3):
+        if not 1 <= v <= MAX_STAGES:
             raise ValueError(rule("pipeline.stages", v, "must be 1, 2 or 3 (KV tiles in flight per buffer)",
                                   "use 2", {"pipeline.stages": 2}))
         return v
@@ -702,8 +704,9 @@ class AttentionSpec(_Frozen):
             ("tiling.pack_gqa", False, not self.tiling.pack_gqa,
              f"{kv} is the decode kernel's (the query heads of a KV group packed into its rows)",
              "set tiling.pack_gqa: true", {"tiling.pack_gqa": True}),
-            ("head_dim", self.head_dim, self.head_dim != 128 or self.dv != self.head_dim,
-             f"{kv} is built for head_dim 128, V as wide (256 spills with key warps of 32 keys)",
+            ("head_dim", self.head_dim, self.head_dim not in FP8_KV_HEAD_DIMS or self.dv != self.head_dim,
+             f"{kv} is built for head_dim {' or '.join(map(str, FP8_KV_HEAD_DIMS))}, V as wide (256 spills with key "
+             f"warps of 32 keys)",
              "use head_dim: 128 and remove head_dim_v", {"head_dim": 128, "head_dim_v": REMOVE}),
             ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv % (FP8_KV_WARP_KEYS * self.tiling.warps_kv) != 0,
              f"{kv} gives each of the {self.tiling.warps_kv} key warps a multiple of {FP8_KV_WARP_KEYS} keys of a tile "

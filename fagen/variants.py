@@ -17,7 +17,7 @@ from fagen.element_types import ELEMENT_TYPES
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
 from fagen.plan import has_sequence_tiles
-from fagen.spec import (FP8_KV_ARCHS, FP8_KV_WARP_KEYS, THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, AttentionSpec,
+from fagen.spec import (FP8_KV_ARCHS, FP8_KV_WARP_KEYS, MAX_STAGES, THREE_WARPGROUPS_WARPS, WARPGROUP_ROWS, WARPGROUP_WARPS, AttentionSpec,
                         Mask, ScoreMod, Sequences, SpecError)
 
 # GPUs whose tuned specs stand in for one another where only one was tuned (same SM, same smem).
@@ -279,10 +279,11 @@ def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str) -> AttentionSpec:
     registers, FlashAttention-3's k_descale and v_descale), named <name>_kv_<type>: on sm_90, in
     swizzled rows (its FP8 tiles' only layout), its ring holding as many bytes in flight as the
     half-type kernel's (a memory-bound loop: half the bytes a key, so twice the keys): each warp's
-    share of a tile at least 32 keys (four n8 fragments a widened K load), then twice the stages."""
+    share of a tile at least 32 keys (four n8 fragments a widened K load), then twice the stages
+    (three at most: head_dim 64's 256-key tiles already run two)."""
     element, t, pipeline = ELEMENT_TYPES[kv_dtype], spec.tiling, spec.pipeline
     block_kv = max(t.block_kv, FP8_KV_WARP_KEYS * t.warps_kv)
-    stages = pipeline.stages * (2 if block_kv == t.block_kv else 1)
+    stages = min(MAX_STAGES, pipeline.stages * (2 if block_kv == t.block_kv else 1))
     return parse_spec({**spec.model_dump(exclude_none=True), "name": f"{spec.name}_kv_{element.short}",
                        "kv_dtype": kv_dtype, "arch": FP8_KV_ARCHS[-1], "smem_layout": "swizzled",
                        "tiling": {**t.model_dump(exclude_none=True), "block_kv": block_kv},

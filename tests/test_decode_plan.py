@@ -356,18 +356,23 @@ def test_the_shipped_fp8_kv_spec_is_the_variant_fagen_attention_derives():
     assert derived.fp8_kv and derived.mma_element.name == "float16" and derived.kv_element.bytes == 1
 
 
-@pytest.mark.parametrize("dtype, kv_dtype, rows", [("bfloat16", "float8_e4m3", 16), ("float16", "float8_e5m2", 64)])
-def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows):
+@pytest.mark.parametrize("dtype, kv_dtype, rows, head_dim", [("bfloat16", "float8_e4m3", 16, 128),
+                                                         ("float16", "float8_e5m2", 64, 128),
+                                                         ("bfloat16", "float8_e4m3", 16, 64),
+                                                         ("bfloat16", "float8_e4m3", 64, 64)])
+def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, head_dim):
     """Every kernel a decode step of an FP8 cache may launch (split, merging its splits, unsplit,
     unsplit on half the ring), with a window, softcap and ALiBi: 0 spills; their K/V ring holds
-    the half-type kernel's bytes (twice the stages of half the bytes a key)."""
-    half = variants.decode_spec(dtype, 128, rows)
+    the half-type kernel's bytes (twice the stages of half the bytes a key), at head_dim 64 two
+    thirds of them or more (three stages, the most there are; the half type's rows are padded)."""
+    half = variants.decode_spec(dtype, head_dim, rows)
     base = variants.fp8_kv_variant(variants.variant(half, Mask(kind="sliding_window", window_left=900, window_right=0),
                                                     ScoreMod(softcap=30.0, alibi="slopes")), kv_dtype)
     specs = [base, variants.merged_variant(base), variants.unsplit_variant(base),
              variants.unsplit_variant(base, half_ring=True)]
     from fagen.plan import plan
-    assert plan(base).kv_slots * plan(base).kv_tile_bytes == plan(half).kv_slots * plan(half).kv_tile_bytes
+    held, half_held = plan(base).kv_slots * plan(base).kv_tile_bytes, plan(half).kv_slots * plan(half).kv_tile_bytes
+    assert held == half_held if head_dim == 128 else 3 * held >= 2 * half_held
     for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
 
@@ -375,7 +380,8 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows):
 def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; more packed rows than
     the largest decode kernel holds (a chunk of prefill): that kernel's, over several row tiles
-    (no other kernel reads an FP8 cache); head_dim 64: none (the call then refuses). Only shapes
+    (no other kernel reads an FP8 cache); head_dim 64 too (three stages); 256: none (the call then
+    refuses). Only shapes
     and dtypes are read: stand-ins replace the tensors."""
     from types import SimpleNamespace
 
@@ -388,4 +394,8 @@ def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     assert chunk.name == "decode_bf16_d128_q64_kv_e4m3" and chunk.tiling.block_q == 64
     plain64 = variants.shipped_spec("bfloat16", 64, False, gpu=None)
     k8_64 = SimpleNamespace(shape=(2, 8, 4096, 64), dtype="float8_e4m3fn")
-    assert dispatch.packed_spec(plain64, SimpleNamespace(shape=(2, 32, 1, 64), dtype="bfloat16"), k8_64) is None
+    spec64 = dispatch.packed_spec(plain64, SimpleNamespace(shape=(2, 32, 1, 64), dtype="bfloat16"), k8_64)
+    assert spec64.name == "decode_bf16_d64_kv_e4m3" and spec64.pipeline.stages == 3  # (two already: three at most)
+    plain256 = variants.shipped_spec("bfloat16", 256, False, gpu=None)
+    k8_256 = SimpleNamespace(shape=(2, 8, 4096, 256), dtype="float8_e4m3fn")
+    assert dispatch.packed_spec(plain256, SimpleNamespace(shape=(2, 32, 1, 256), dtype="bfloat16"), k8_256) is None

@@ -41,10 +41,10 @@ def cache(rng, shape, dtype: str, torch):
     return (x / descale[:, :, None, None]).to(getattr(torch, element.torch_name)), descale
 
 
-def inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, q_scale, torch):
-    q = torch.from_numpy(rng.standard_normal((b, hq, nq, 128)).astype(np.float32) * q_scale).cuda()
+def inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, q_scale, torch, d: int = 128):
+    q = torch.from_numpy(rng.standard_normal((b, hq, nq, d)).astype(np.float32) * q_scale).cuda()
     q = q.to(getattr(torch, dtype))
-    (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, 128), kv_dtype, torch) for _ in range(2))
+    (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, d), kv_dtype, torch) for _ in range(2))
     return q, k8, v8, kd, vd
 
 
@@ -66,6 +66,27 @@ def test_fagen_attention_reads_an_fp8_kv_cache(dtype, kv_dtype, b, hq, hkv, nq, 
     with torch.no_grad():
         got = fagen.attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
     assert got.dtype == q.dtype and got.shape == q.shape
+    error = relative_error(to_numpy(got.float()), exact(q, k8, v8, kd, vd, causal))
+    assert error <= ELEMENT_TYPES[dtype].tolerance, error
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,b,hq,hkv,nq,nk,causal", [
+    ("bfloat16", "float8_e4m3", 2, 32, 8, 1, 4097, False),  # Llama-3.2-1B's heads: 32 / 8 of 64
+    ("float16", "float8_e5m2", 1, 8, 2, 3, 1000, True),
+    ("bfloat16", "float8_e4m3", 64, 32, 8, 1, 512, False),  # blocks enough unsplit
+    ("bfloat16", "float8_e4m3", 2, 16, 4, 100, 900, True),  # a chunk: 400 rows over the q64 kernel's tiles
+])
+def test_a_head_dim_64_fp8_kv_cache_matches_the_oracle(dtype, kv_dtype, b, hq, hkv, nq, nk, causal):
+    """head_dim 64 against an FP8 cache: rows of four 16-byte chunks, swizzled by (row / 2) % 4;
+    q's type's tolerance against exact attention of the FP8 values, out written over NaN."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, kv_dtype, b, hq, nq, nk, 64)).encode()))
+    q, k8, v8, kd, vd = inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, 1.0, torch, d=64)
+    with torch.no_grad():
+        got = fagen.attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
+    assert got.dtype == q.dtype and got.shape == q.shape and not torch.isnan(got).any()
     error = relative_error(to_numpy(got.float()), exact(q, k8, v8, kd, vd, causal))
     assert error <= ELEMENT_TYPES[dtype].tolerance, error
 
@@ -148,16 +169,16 @@ def test_a_chunk_of_queries_reads_a_paged_fp8_cache():
     assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_a_paged_fp8_cache_matches_the_oracle(page_size):
+@pytest.mark.parametrize("page_size,d", [(16, 128), (64, 128), (256, 128), (16, 64)])
+def test_a_paged_fp8_cache_matches_the_oracle(page_size, d):
     """attention_with_kvcache over an e4m3 paged cache (pages shuffled, spare pages of garbage,
     ragged lengths with an empty one), per-(sequence, KV head) descales, into NaN-poisoned out."""
     torch = pytest.importorskip("torch")
     import fagen
 
-    rng = np.random.default_rng(page_size)
+    rng = np.random.default_rng([page_size, d])
     lens = [int(x) for x in rng.integers(1, 3000, 5)] + [0]
-    b, hq, hkv, d = len(lens), 32, 8, 128
+    b, hq, hkv = len(lens), 32, 8
     need = [-(-n // page_size) for n in lens]
     num_pages = sum(need) + 3
     order = rng.permutation(num_pages)
