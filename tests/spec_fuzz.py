@@ -161,9 +161,51 @@ def random_spec(rng: random.Random) -> dict:
         p["warp_specialized"] = {"consumer_registers": most - 8 * rng.choice((0, 0, 1, 2, 3)),
                                  "persistent": rng.random() < 0.3}
         p["pingpong"] = consumers == 2 and rng.random() < 0.5
+    if not training and rng.random() < 0.2:
+        fp8(rng, spec, wgmma)
     if training:
         spec["backward"] = backward(rng, head_dim, wgmma, "bias" in score_mod)
     return spec
+
+
+FP8_TYPES = ("float8_e4m3", "float8_e5m2")
+
+
+def fp8(rng: random.Random, spec: dict, wgmma: bool) -> None:
+    """FP8 element types on an inference spec, mostly within their rules: on sm_90a the FP8
+    forward (q, k, v FP8, o bfloat16 or float16, the TMA producer's kernel, 128-256 keys a tile
+    in k32 steps, head_dim 128 or 256, padded or varlen); elsewhere an FP8 KV cache under a
+    half-type q (the GQA-packed mma.sync decode kernels, head_dim 64 or 128, swizzled rows,
+    32 keys a key warp); a share of values just outside."""
+    t, p = spec["tiling"], spec["pipeline"]
+    near = rng.random() < 0.85  # within the rules; else as drawn
+    if wgmma and rng.random() < 0.7:
+        spec.update(dtype=rng.choice(FP8_TYPES), out_dtype=rng.choice(("bfloat16", "float16")) if near else
+                    rng.choice((None, "float8_e4m3")))
+        if near:
+            spec["head_dim"] = rng.choice((128, 128, 256))
+            t.update(block_kv=rng.choice((128, 160, 192, 224, 256)), pack_gqa=False, warps_kv=1)
+            spec["outputs"] = {"lse": True}
+            if spec.get("sequences", {}).get("kv") == "paged" or rng.random() < 0.5:
+                spec["sequences"] = {"q": "varlen", "kv": "varlen"} if rng.random() < 0.5 else {}
+            if "warp_specialized" not in p:
+                t.update(warps_q=8, block_q=128)
+                p.update(warp_specialized={"consumer_registers": 240, "persistent": rng.random() < 0.5},
+                         pingpong=rng.random() < 0.7)
+        return
+    spec["kv_dtype"] = rng.choice(FP8_TYPES)
+    if near:
+        spec.update(arch=rng.choice(("sm_89", "sm_90")), head_dim=rng.choice((64, 128, 128)), smem_layout="swizzled")
+        warps_kv = rng.choice((1, 2, 4))
+        warps_q = rng.choice([w for w in (1, 2, 4) if w * warps_kv <= 8])
+        t.update(pack_gqa=True, warps_kv=warps_kv, block_kv=32 * warps_kv * rng.choice((1, 2)), warps_q=warps_q,
+                 block_q=16 * warps_q)
+        if spec["mask"]["kind"] in ("document", "block_mask"):  # (a packed tile's rows mix the group's heads)
+            spec["mask"] = {"kind": rng.choice(("none", "causal"))}
+        spec["score_mod"].pop("bias", None)
+        p.update(q_in_registers=False, pingpong=False)
+        p.pop("warp_specialized", None)
+        spec["outputs"] = {"lse": True, "partial": rng.random() < 0.6}
 
 
 def backward(rng: random.Random, head_dim: int, wgmma: bool, bias: bool) -> dict:
