@@ -52,6 +52,7 @@ REGISTER_COSTS = {
         "paged": 16,  # measured, not fitted: see register_terms
         "partial_d96": 2, "varlen_kv_d96": 9,  # measured, not fitted: see register_terms
         "one_warp": 22, "bias_shared_kv": 14, "rows32_d96": 18,  # measured, not fitted: see register_terms
+        "fp8_kv_d256": -46,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -531,6 +532,12 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # builds ran up to 17 registers over the estimate, and 7 kernels predicted at or under 255
     # spilled 4-32 bytes; at 16 rows a warp none came near the limit. 18 refuses all 7.
     terms["rows32_d96"] = float(d == 96 and 2 * o_regs // spec.dv == 2)
+    # An FP8 KV cache's decode kernel at head_dim 256, 16 rows and 16 keys a warp (its only tiling:
+    # O's 128 registers leave no room for more keys): measured, not fitted (ptxas -v, nvcc 13.0,
+    # sm_90; 156 builds: none, causal either way, window, chunked, prefix-LM x none, softcap, ALiBi,
+    # both x split, merged, unsplit, half ring, paged, varlen-paged x bfloat16 / e4m3 and float16 /
+    # e5m2): every one at 255 with no spill, where the fit (swizzled rows, two stages) says 270-301.
+    terms["fp8_kv_d256"] = float(spec.fp8_kv and d == 256 and s_regs <= 8 and 2 * o_regs // spec.dv == 1)
     return {**terms, f"{spec.pipeline.kv_smem}{spec.pipeline.stages}": 1.0,
             "few_threads": float(threads <= 64), "one_warp": float(threads == 32),
             "swizzle_q": (d // MMA_K) if swizzled and not spec.pipeline.q_in_registers else 0,

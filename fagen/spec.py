@@ -30,8 +30,8 @@ QK_HEAD_DIMS = (192,)
 # an FP8 KV cache widens K and V with cvt.f16x2.e4m3x2 / e5m2x2: sm_89 and after, on mma.sync
 FP8_KV_ARCHS = ("sm_89", "sm_90")
 MAX_STAGES = 3  # pipeline.stages: KV tiles in flight per buffer
-FP8_KV_HEAD_DIMS = (64, 128)  # an FP8 KV cache's decode kernels: rows of 4 or 8 16-byte chunks (head_dim 256 spills)
-FP8_KV_WARP_KEYS = 32  # a warp's keys of a tile, at least: a widened K load is four n8 fragments
+FP8_KV_HEAD_DIMS = (64, 128, 256)  # an FP8 KV cache's decode kernels: rows of 4, 8 or 16 16-byte chunks
+FP8_KV_WARP_KEYS = 16  # a warp's keys of a tile, at least: a widened K load is two n8 fragments (or four)
 # The FP8 forward's key tiles: whole k32 steps of P.V (a V^T key group), from one V^T box (a
 # 128-byte swizzle row of keys) to wgmma's widest n of S
 FP8_KEY_STEP, FP8_MIN_KEYS, FP8_MAX_KEYS = 32, 128, 256
@@ -705,12 +705,11 @@ class AttentionSpec(_Frozen):
              f"{kv} is the decode kernel's (the query heads of a KV group packed into its rows)",
              "set tiling.pack_gqa: true", {"tiling.pack_gqa": True}),
             ("head_dim", self.head_dim, self.head_dim not in FP8_KV_HEAD_DIMS or self.dv != self.head_dim,
-             f"{kv} is built for head_dim {' or '.join(map(str, FP8_KV_HEAD_DIMS))}, V as wide (256 spills with key "
-             f"warps of 32 keys)",
+             f"{kv} is built for head_dim {' or '.join(map(str, FP8_KV_HEAD_DIMS))}, V as wide",
              "use head_dim: 128 and remove head_dim_v", {"head_dim": 128, "head_dim_v": REMOVE}),
             ("tiling.block_kv", self.tiling.block_kv, self.tiling.block_kv % (FP8_KV_WARP_KEYS * self.tiling.warps_kv) != 0,
              f"{kv} gives each of the {self.tiling.warps_kv} key warps a multiple of {FP8_KV_WARP_KEYS} keys of a tile "
-             "(a widened K load is four n8 fragments)", f"use tiling.block_kv: {FP8_KV_WARP_KEYS * self.tiling.warps_kv * -(-self.tiling.block_kv // (FP8_KV_WARP_KEYS * self.tiling.warps_kv))}",
+             "(a widened K load is two n8 fragments)", f"use tiling.block_kv: {FP8_KV_WARP_KEYS * self.tiling.warps_kv * -(-self.tiling.block_kv // (FP8_KV_WARP_KEYS * self.tiling.warps_kv))}",
              {"tiling.block_kv": FP8_KV_WARP_KEYS * self.tiling.warps_kv * -(-self.tiling.block_kv // (FP8_KV_WARP_KEYS * self.tiling.warps_kv))}),
             ("smem_layout", self.smem_layout, self.smem_layout != "swizzled",
              f"{kv} reads its FP8 tiles from swizzled rows", "use smem_layout: swizzled", {"smem_layout": "swizzled"}),

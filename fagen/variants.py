@@ -279,10 +279,12 @@ def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str) -> AttentionSpec:
     registers, FlashAttention-3's k_descale and v_descale), named <name>_kv_<type>: on sm_90, in
     swizzled rows (its FP8 tiles' only layout), its ring holding as many bytes in flight as the
     half-type kernel's (a memory-bound loop: half the bytes a key, so twice the keys): each warp's
-    share of a tile at least 32 keys (four n8 fragments a widened K load), then twice the stages
-    (three at most: head_dim 64's 256-key tiles already run two)."""
+    share of a tile at least 32 keys (four n8 fragments a widened K load; 16 at head_dim 256, whose
+    O takes 128 registers a thread), then twice the stages (three at most: head_dim 64's 256-key
+    tiles already run two)."""
     element, t, pipeline = ELEMENT_TYPES[kv_dtype], spec.tiling, spec.pipeline
-    block_kv = max(t.block_kv, FP8_KV_WARP_KEYS * t.warps_kv)
+    warp_keys = FP8_KV_WARP_KEYS if spec.head_dim > 128 else 2 * FP8_KV_WARP_KEYS
+    block_kv = max(t.block_kv, warp_keys * t.warps_kv)
     stages = min(MAX_STAGES, pipeline.stages * (2 if block_kv == t.block_kv else 1))
     return parse_spec({**spec.model_dump(exclude_none=True), "name": f"{spec.name}_kv_{element.short}",
                        "kv_dtype": kv_dtype, "arch": FP8_KV_ARCHS[-1], "smem_layout": "swizzled",

@@ -70,7 +70,7 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "fp8 kv cache on sm_80": (DECODE, {"kv_dtype": "float8_e4m3"}),
     "fp8 kv cache, padded rows, q in registers": (DECODE, {"kv_dtype": "float8_e5m2", "arch": "sm_90",
                                                           "smem_layout": "padded", "pipeline.q_in_registers": True}),
-    "fp8 kv cache at d256": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "head_dim": 256}),
+    "fp8 kv cache at d96": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "head_dim": 96}),
     "fp8 kv cache, 16-key warps": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "tiling.block_kv": 64}),
     "fp8 kv cache with a backward": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "backward": {}}),
     "fp8 kv cache writing f16": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "out_dtype": "float16"}),

@@ -359,7 +359,8 @@ def test_the_shipped_fp8_kv_spec_is_the_variant_fagen_attention_derives():
 @pytest.mark.parametrize("dtype, kv_dtype, rows, head_dim", [("bfloat16", "float8_e4m3", 16, 128),
                                                          ("float16", "float8_e5m2", 64, 128),
                                                          ("bfloat16", "float8_e4m3", 16, 64),
-                                                         ("bfloat16", "float8_e4m3", 64, 64)])
+                                                         ("bfloat16", "float8_e4m3", 64, 64),
+                                                         ("bfloat16", "float8_e4m3", 16, 256)])
 def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, head_dim):
     """Every kernel a decode step of an FP8 cache may launch (split, merging its splits, unsplit,
     unsplit on half the ring), with a window, softcap and ALiBi: 0 spills; their K/V ring holds
@@ -372,7 +373,7 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
              variants.unsplit_variant(base, half_ring=True)]
     from fagen.plan import plan
     held, half_held = plan(base).kv_slots * plan(base).kv_tile_bytes, plan(half).kv_slots * plan(half).kv_tile_bytes
-    assert held == half_held if head_dim == 128 else 3 * held >= 2 * half_held
+    assert held == half_held if head_dim == 128 else 3 * held >= 2 * half_held  # (d256's half type: one padded stage)
     for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
 
@@ -380,8 +381,8 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
 def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; more packed rows than
     the largest decode kernel holds (a chunk of prefill): that kernel's, over several row tiles
-    (no other kernel reads an FP8 cache); head_dim 64 too (three stages); 256: none (the call then
-    refuses). Only shapes
+    (no other kernel reads an FP8 cache); head_dim 64 (three stages) and 256 (16 keys a key warp)
+    too; 96: none (the call then refuses). Only shapes
     and dtypes are read: stand-ins replace the tensors."""
     from types import SimpleNamespace
 
@@ -398,4 +399,8 @@ def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     assert spec64.name == "decode_bf16_d64_kv_e4m3" and spec64.pipeline.stages == 3  # (two already: three at most)
     plain256 = variants.shipped_spec("bfloat16", 256, False, gpu=None)
     k8_256 = SimpleNamespace(shape=(2, 8, 4096, 256), dtype="float8_e4m3fn")
-    assert dispatch.packed_spec(plain256, SimpleNamespace(shape=(2, 32, 1, 256), dtype="bfloat16"), k8_256) is None
+    spec256 = dispatch.packed_spec(plain256, SimpleNamespace(shape=(2, 32, 1, 256), dtype="bfloat16"), k8_256)
+    assert spec256.name == "decode_bf16_d256_kv_e4m3" and spec256.tiling.block_kv // spec256.tiling.warps_kv == 16
+    plain96 = variants.shipped_spec("float16", 96, False, gpu=None)
+    k8_96 = SimpleNamespace(shape=(2, 8, 4096, 96), dtype="float8_e4m3fn")
+    assert dispatch.packed_spec(plain96, SimpleNamespace(shape=(2, 32, 1, 96), dtype="float16"), k8_96) is None

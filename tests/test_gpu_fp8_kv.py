@@ -70,20 +70,25 @@ def test_fagen_attention_reads_an_fp8_kv_cache(dtype, kv_dtype, b, hq, hkv, nq, 
     assert error <= ELEMENT_TYPES[dtype].tolerance, error
 
 
-@pytest.mark.parametrize("dtype,kv_dtype,b,hq,hkv,nq,nk,causal", [
-    ("bfloat16", "float8_e4m3", 2, 32, 8, 1, 4097, False),  # Llama-3.2-1B's heads: 32 / 8 of 64
-    ("float16", "float8_e5m2", 1, 8, 2, 3, 1000, True),
-    ("bfloat16", "float8_e4m3", 64, 32, 8, 1, 512, False),  # blocks enough unsplit
-    ("bfloat16", "float8_e4m3", 2, 16, 4, 100, 900, True),  # a chunk: 400 rows over the q64 kernel's tiles
+@pytest.mark.parametrize("d,dtype,kv_dtype,b,hq,hkv,nq,nk,causal", [
+    (64, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 4097, False),  # Llama-3.2-1B's heads: 32 / 8 of 64
+    (64, "float16", "float8_e5m2", 1, 8, 2, 3, 1000, True),
+    (64, "bfloat16", "float8_e4m3", 64, 32, 8, 1, 512, False),  # blocks enough unsplit
+    (64, "bfloat16", "float8_e4m3", 2, 16, 4, 100, 900, True),  # a chunk: 400 rows over the q64 kernel's tiles
+    (256, "bfloat16", "float8_e4m3", 2, 8, 4, 1, 3001, False),  # Gemma-2's heads: 8 / 4 of 256
+    (256, "float16", "float8_e5m2", 1, 16, 2, 2, 1000, True),
+    (256, "bfloat16", "float8_e4m3", 64, 8, 4, 1, 512, False),
+    (256, "bfloat16", "float8_e4m3", 1, 8, 4, 30, 700, True),  # a chunk: 60 rows over the q16 kernel's tiles
 ])
-def test_a_head_dim_64_fp8_kv_cache_matches_the_oracle(dtype, kv_dtype, b, hq, hkv, nq, nk, causal):
-    """head_dim 64 against an FP8 cache: rows of four 16-byte chunks, swizzled by (row / 2) % 4;
-    q's type's tolerance against exact attention of the FP8 values, out written over NaN."""
+def test_an_fp8_kv_cache_at_head_dim_64_and_256_matches_the_oracle(d, dtype, kv_dtype, b, hq, hkv, nq, nk, causal):
+    """head_dim 64 against an FP8 cache (rows of four 16-byte chunks, swizzled by (row / 2) % 4) and
+    256 (16 keys a key warp: K read two n8 fragments at a time): q's type's tolerance against
+    exact attention of the FP8 values, out written over NaN."""
     torch = pytest.importorskip("torch")
     import fagen
 
-    rng = np.random.default_rng(zlib.crc32(repr((dtype, kv_dtype, b, hq, nq, nk, 64)).encode()))
-    q, k8, v8, kd, vd = inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, 1.0, torch, d=64)
+    rng = np.random.default_rng(zlib.crc32(repr((dtype, kv_dtype, b, hq, nq, nk, d)).encode()))
+    q, k8, v8, kd, vd = inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, 1.0, torch, d=d)
     with torch.no_grad():
         got = fagen.attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
     assert got.dtype == q.dtype and got.shape == q.shape and not torch.isnan(got).any()
@@ -169,7 +174,7 @@ def test_a_chunk_of_queries_reads_a_paged_fp8_cache():
     assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
 
 
-@pytest.mark.parametrize("page_size,d", [(16, 128), (64, 128), (256, 128), (16, 64)])
+@pytest.mark.parametrize("page_size,d", [(16, 128), (64, 128), (256, 128), (16, 64), (64, 256)])
 def test_a_paged_fp8_cache_matches_the_oracle(page_size, d):
     """attention_with_kvcache over an e4m3 paged cache (pages shuffled, spare pages of garbage,
     ragged lengths with an empty one), per-(sequence, KV head) descales, into NaN-poisoned out."""
