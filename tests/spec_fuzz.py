@@ -175,8 +175,8 @@ def fp8(rng: random.Random, spec: dict, wgmma: bool) -> None:
     """FP8 element types on an inference spec, mostly within their rules: on sm_90a the FP8
     forward (q, k, v FP8, o bfloat16 or float16, the TMA producer's kernel, 128-256 keys a tile
     in k32 steps, head_dim 128 or 256, padded or varlen); elsewhere an FP8 KV cache under a
-    half-type q (the GQA-packed mma.sync decode kernels, head_dim 64 or 128, swizzled rows,
-    32 keys a key warp); a share of values just outside."""
+    half-type q (the GQA-packed mma.sync decode kernels, head_dim 64, 128 or 256, swizzled rows,
+    16-64 keys a key warp); a share of values just outside."""
     t, p = spec["tiling"], spec["pipeline"]
     near = rng.random() < 0.85  # within the rules; else as drawn
     if wgmma and rng.random() < 0.7:
@@ -195,10 +195,10 @@ def fp8(rng: random.Random, spec: dict, wgmma: bool) -> None:
         return
     spec["kv_dtype"] = rng.choice(FP8_TYPES)
     if near:
-        spec.update(arch=rng.choice(("sm_89", "sm_90")), head_dim=rng.choice((64, 128, 128)), smem_layout="swizzled")
+        spec.update(arch=rng.choice(("sm_89", "sm_90")), head_dim=rng.choice((64, 128, 128, 256)), smem_layout="swizzled")
         warps_kv = rng.choice((1, 2, 4))
         warps_q = rng.choice([w for w in (1, 2, 4) if w * warps_kv <= 8])
-        t.update(pack_gqa=True, warps_kv=warps_kv, block_kv=32 * warps_kv * rng.choice((1, 2)), warps_q=warps_q,
+        t.update(pack_gqa=True, warps_kv=warps_kv, block_kv=rng.choice((16, 32, 32, 64)) * warps_kv, warps_q=warps_q,
                  block_q=16 * warps_q)
         if spec["mask"]["kind"] in ("document", "block_mask"):  # (a packed tile's rows mix the group's heads)
             spec["mask"] = {"kind": rng.choice(("none", "causal"))}
