@@ -397,7 +397,8 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
     if q.dtype not in FP8_TYPES:
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
-                                return_lse=True, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+                                return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, k_descale=k_descale,
+                                v_descale=v_descale)
     return _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), mask_of(mask), causal, softcap, scale,
                         sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
 
@@ -434,15 +435,15 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
                          f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
     side = {"sinks": sinks, "alibi_slopes": alibi_slopes, "bias": bias, "doc_ids": doc_ids, "block_mask": block_mask}
-    if kv_cache:  # (the FP8 forward takes them; the KV cache's decode kernels do not yet)
-        unsupported = [name for name, x in side.items() if x is not None] + unsupported
+    packs = ("sinks", "alibi_slopes")  # what the decode kernels, GQA-packed, take beside a mask of positions
+    if kv_cache:  # (the FP8 forward takes them all; the KV cache's decode kernels a packed tile's share)
+        unsupported = [name for name, x in side.items() if x is not None and name not in packs] + unsupported
     if kv_cache and descales[0] is not None:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"{k.dtype} k and v only")
     if unsupported:
-        raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale"
-                         f"{'' if kv_cache else ', ' + ', '.join(side)} and the descales); pass bfloat16 "
-                         f"tensors for it")
+        raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale, "
+                         f"{', '.join(packs if kv_cache else side)} and the descales); pass bfloat16 tensors for it")
     if _records_grad(q, k, v, sinks, bias):
         raise ValueError(f"{what}: no backward yet; call it under torch.no_grad(), or pass bfloat16 tensors with "
                          f"fp8=True (quantized inside, with the FP8 backward)")
@@ -566,8 +567,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
     q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1), and the masks (doc_ids; a
-    block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types. A float16 or bfloat16 q against
-    FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale, v_descale; out in q's type).
+    block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types. A float16
+    or bfloat16 q against FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale,
+    v_descale; masks of positions, softcap, sinks and ALiBi slopes; out in q's type).
     fp8=True: bfloat16 q, k, v quantized to e4m3 inside (a scale a batch and KV head, from their
     amax), the FP8 forward and, where autograd records, the FP8 backward (fagen.fp8_backward);
     bfloat16 out and gradients, passed straight through the rounding to q, k and v. incoherent=True

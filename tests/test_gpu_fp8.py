@@ -198,9 +198,10 @@ def test_fagen_attention_takes_float8_tensors_and_descales():
     rounded = oracle.attention(qn, kn, vn, mask=spec.mask, score_mod=spec.score_mod, sinks=sinks, p_type=spec.dtype,
                                p_scale=2.0 ** spec.element.p_log2_scale, **descales)
     assert relative_error(to_numpy(got.float()), exact) <= 2 * relative_error(rounded, exact)
-    with pytest.raises(ValueError, match=r"sinks: not with q torch.bfloat16 against an FP8 KV cache"):
+    with pytest.raises(ValueError, match=r"doc_ids: not with q torch.bfloat16 against an FP8 KV cache"):
         fagen.attention(torch.zeros(b, hq, 1, d, dtype=torch.bfloat16, device="cuda"), k8, v8,
-                        sinks=torch.from_numpy(sinks).cuda(), k_descale=k_descale, v_descale=v_descale)
+                        doc_ids=torch.zeros(b, n, dtype=torch.int32, device="cuda"), k_descale=k_descale,
+                        v_descale=v_descale)
     # ALiBi slopes and a bias (a batch's [B, 1, Nk] vector, broadcast over heads) on the FP8 scores
     slopes = rng.uniform(0.01, 0.5, hq).astype(np.float32)
     bias = rng.standard_normal((b, 1, n)).astype(np.float32)

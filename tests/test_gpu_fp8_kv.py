@@ -96,6 +96,28 @@ def test_an_fp8_kv_cache_at_head_dim_64_and_256_matches_the_oracle(d, dtype, kv_
     assert error <= ELEMENT_TYPES[dtype].tolerance, error
 
 
+@pytest.mark.parametrize("b,nk,causal", [(2, 3000, False), (64, 512, True)])  # split (sinks in the merge), unsplit
+def test_an_fp8_kv_cache_takes_sinks_and_alibi_slopes(b, nk, causal):
+    """gpt-oss's sinks and ALiBi slopes beside an FP8 cache: the sinks join in the split kernels'
+    merge (or the unsplit kernel's epilogue), the slopes on the descaled scores; bfloat16's
+    tolerance against exact attention of the FP8 values, out written over NaN."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng([b, nk])
+    hq, hkv = 32, 8
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", b, hq, hkv, 1, nk, 1.0, torch)
+    sinks = rng.uniform(-1.0, 4.0, hq).astype(np.float32)
+    slopes = rng.uniform(0.001, 0.05, hq).astype(np.float32)
+    with torch.no_grad():
+        got = fagen.attention(q, k8, v8, causal=causal, sinks=torch.from_numpy(sinks).cuda(),
+                              alibi_slopes=torch.from_numpy(slopes).cuda(), k_descale=kd, v_descale=vd)
+    want = oracle.attention(*(to_numpy(x.float()) for x in (q, k8, v8)), causal=causal, sinks=sinks,
+                            alibi_slopes=slopes, k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    assert not torch.isnan(got).any()
+    assert relative_error(to_numpy(got.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+
+
 @pytest.mark.parametrize("form", ["split", "merged", "unsplit"])
 def test_each_fp8_kv_kernel_writes_every_output(form):
     """The FP8 variant of the d128 decode kernel as the merge kernel's split, merging its own
