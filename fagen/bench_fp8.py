@@ -72,16 +72,21 @@ class Fp8Row:
 
 @dataclass(frozen=True)
 class KvCase:
-    """A decode step: B sequences of Nk cached keys, Hq 32 query heads over Hkv 8, d 128, one query."""
+    """A decode step: B sequences of Nk cached keys, Hq query heads over Hkv 8 (32 at d 64 and 128,
+    Llama's; 16 at d 256, Gemma-2's), one query."""
     batch: int
     keys: int
-    heads_q: int = 32
-    heads_kv: int = 8
     head_dim: int = 128
 
     @property
+    def heads_q(self) -> int:
+        return 16 if self.head_dim == 256 else 32
+
+    heads_kv = 8
+
+    @property
     def key(self) -> str:
-        return f"kv-b{self.batch}-n{self.keys}"
+        return f"kv-b{self.batch}-n{self.keys}" + ("" if self.head_dim == 128 else f"-d{self.head_dim}")
 
     def cache_bytes(self, item: int) -> int:
         """K's and V's bytes a step reads, at `item` bytes an element."""
@@ -100,6 +105,7 @@ class KvRow:
     # a plain read of the e4m3 cache's bytes (one torch.sum over them, in the same graphs' turns):
     # what a step that only reads them costs on this GPU, launch included
     read_us: float | None = None
+    head_dim: int = 128
 
     @property
     def speedup(self) -> float | None:
@@ -116,10 +122,12 @@ class KvRow:
     def tbps(self, fp8: bool) -> float | None:
         """The cache's bytes a second read, TB/s."""
         us = self.fp8_us if fp8 else self.bf16_us
-        return KvCase(self.batch, self.keys).cache_bytes(1 if fp8 else 2) / us / 1e6 if us else None
+        return KvCase(self.batch, self.keys, self.head_dim).cache_bytes(1 if fp8 else 2) / us / 1e6 if us else None
 
 
-KV_CASES = [KvCase(b, n) for b in (1, 8, 32) for n in (8192, 32768, 131072)]
+KV_CASES = ([KvCase(b, n) for b in (1, 8, 32) for n in (8192, 32768, 131072)]
+            + [KvCase(b, n, 64) for b, n in ((1, 32768), (8, 32768), (32, 32768), (8, 131072))]
+            + [KvCase(b, n, 256) for b, n in ((1, 32768), (8, 8192), (8, 32768), (16, 32768))])
 
 
 @dataclass
@@ -200,21 +208,22 @@ def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]
 def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
     """BENCHMARKS.md's FP8 KV cache section: a decode step against the e4m3 and the bfloat16 cache."""
     out = ["## FP8 KV cache: decode against an e4m3 cache and a bfloat16 one", "",
-           "`python3 -m fagen.bench_fp8 --kv-only`: a bfloat16 q (Hq 32, one query) against Hkv 8 heads of d 128, "
+           "`python3 -m fagen.bench_fp8 --kv-only`: a bfloat16 q (one query; Hq 32, or 16 at d 256) against Hkv 8 heads, "
            "device time of a step (CUDA graph replays), the cache's bytes a second; the FP8 step's error against "
            "exact attention of the FP8 values (float64, sequence 0). Plain read: one `torch.sum` over exactly the "
            "e4m3 cache's bytes, replayed in turn with the two steps: a yardstick for small steps, where a launch's fixed cost weighs "
            "(at large sizes the FP8 step reads faster than the sum)."
            + _dated(meta, "kv"), "",
-           "| B | Nk | bf16 cache us | TB/s | e4m3 cache us | TB/s | tokens/s, e4m3 / bf16 | plain read us | "
+           "| d | B | Nk | bf16 cache us | TB/s | e4m3 cache us | TB/s | tokens/s, e4m3 / bf16 | plain read us | "
            "bf16 / read | e4m3 error | note |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cells = [f"{x:.1f}" if x else "-" for x in (r.bf16_us, r.tbps(False), r.fp8_us, r.tbps(True))]
         speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
         read = f"{r.read_us:.1f} | {r.read_ratio:.2f}x" if r.read_ratio else "- | -"
         error = f"{r.error:.1e}" if r.error is not None else "-"
-        out.append(f"| {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {read} | {error} | {r.note} |")
+        out.append(f"| {r.head_dim} | {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {read} | {error} | "
+                   f"{r.note} |")
     return out
 
 
@@ -452,7 +461,7 @@ def run_kv_case(case: KvCase) -> KvRow:
     both are timed."""
     import torch
 
-    row = KvRow(case.key, case.batch, case.keys)
+    row = KvRow(case.key, case.batch, case.keys, head_dim=case.head_dim)
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
     shape = (case.batch, case.heads_kv, case.keys, case.head_dim)
     q = torch.randn((case.batch, case.heads_q, 1, case.head_dim), device="cuda", generator=gen).bfloat16()

@@ -38,7 +38,11 @@ def test_the_kv_table_reads_tokens_a_second_and_bytes_and_survives_json(tmp_path
     assert abs(row.tbps(True) - 2 * 8 * 8 * 32768 * 128 / 150e-6 / 1e12) < 1e-9
     line = markdown([row])[-1]
     # the plain read's time and the bf16 step over it: 240 / 125
-    assert line.startswith("| 8 | 32768 | 240.0 |") and "| 1.60x | 125.0 | 1.92x | 1.1e-03 |" in line
+    assert line.startswith("| 128 | 8 | 32768 | 240.0 |") and "| 1.60x | 125.0 | 1.92x | 1.1e-03 |" in line
+    # another head width: its bytes (Hkv 8 heads of 256) and its column
+    wide = KvRow("kv-b8-n32768-d256", 8, 32768, bf16_us=500.0, fp8_us=250.0, head_dim=256)
+    assert abs(wide.tbps(True) - 2 * 8 * 8 * 32768 * 256 / 250e-6 / 1e12) < 1e-9
+    assert markdown([wide])[-1].startswith("| 256 | 8 | 32768 |")
     # a row from before the plain read was measured shows none
     assert "| 1.60x | - | - | 1.1e-03 |" in markdown([KvRow("kv-b8-n32768", 8, 32768, 240.0, 150.0, 1.1e-3)])[-1]
     # a --kv-only run dates its own section; the kept ones keep the run's date
@@ -47,6 +51,7 @@ def test_the_kv_table_reads_tokens_a_second_and_bytes_and_survives_json(tmp_path
     assert "2026-11-29, NVIDIA H200." in markdown([Fp8Row("d128-n4096-dense-plain", "fagen_fp8", 128, 4096, False,
                                                           "plain", 1.0, 900.0)], meta)[2]
     assert {(c.batch, c.keys) for c in KV_CASES} >= {(1, 32768), (32, 131072)}
+    assert {c.head_dim for c in KV_CASES} == {64, 128, 256} and len({c.key for c in KV_CASES}) == len(KV_CASES)
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {}, "rows": [], "kv_rows": [row.__dict__]}))
     assert read_json(path)[0] == [row]
