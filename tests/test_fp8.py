@@ -281,12 +281,10 @@ def test_fagen_attention_refuses_what_an_fp8_kv_cache_does_not_take_before_the_g
         attention(q, k8, k8, bias=torch.zeros(1, 8, 1, 64))
 
 
-def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
-    """torch.compile(fullgraph=True) traces fagen.attention on float8 tensors into
-    fagen::fp8_attention_forward (its fake gives bfloat16 out and float32 lse), and the op runs
-    the FP8 spec's kernel with the mask, softcap and descales. The kernel is stubbed (no GPU)."""
-    torch = pytest.importorskip("torch")
-    from fagen import api, runtime
+def stub_kernels(monkeypatch, torch) -> list:
+    """runtime.compile_kernel replaced by a stub returning bfloat16 ones and a zero LSE; the
+    (spec, keywords) of each launch it is asked for, in the list returned."""
+    from fagen import runtime
 
     calls = []
 
@@ -298,6 +296,17 @@ def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
         return run
 
     monkeypatch.setattr(runtime, "compile_kernel", kernel_of)
+    return calls
+
+
+def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
+    """torch.compile(fullgraph=True) traces fagen.attention on float8 tensors into
+    fagen::fp8_attention_forward (its fake gives bfloat16 out and float32 lse), and the op runs
+    the FP8 spec's kernel with the mask, softcap and descales. The kernel is stubbed (no GPU)."""
+    torch = pytest.importorskip("torch")
+    from fagen import api
+
+    calls = stub_kernels(monkeypatch, torch)
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     descale = torch.full((1, 2), 0.5)
 
@@ -317,18 +326,9 @@ def test_a_compiled_model_passes_doc_ids_to_the_fp8_forward_and_refuses_a_block_
     derives the document variant; a block_mask (no tensor: no op carries it) is refused by name
     before anything runs. The kernel is stubbed (no GPU)."""
     torch = pytest.importorskip("torch")
-    from fagen import api, masks, runtime
+    from fagen import api, masks
 
-    calls = []
-
-    def kernel_of(spec):
-        def run(q, k, v, **kw):
-            calls.append((spec, kw))
-            b, h, n, _ = q.shape
-            return torch.ones((b, h, n, v.shape[-1]), dtype=torch.bfloat16), torch.zeros((b, h, n))
-        return run
-
-    monkeypatch.setattr(runtime, "compile_kernel", kernel_of)
+    calls = stub_kernels(monkeypatch, torch)
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     ids = torch.from_numpy(masks.documents_of_lengths([24, 40]))
 
