@@ -79,16 +79,14 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
     if len(getattr(q, "shape", ())) == 4 and len(getattr(k, "shape", ())) == 4 and no_work(q.shape, k.shape):
         return answer_without_work(plain, q, k, v, return_lse=return_lse, **side)
     fp8_kv = fp8_element(as_device_tensor(k, "k").dtype) is not None and not plain.element.is_fp8
-    if fp8_kv and (cache_seqlens is not None or cache_leftpad is not None):
-        raise ValueError("k, v: an FP8 KV cache with key ranges (cache_seqlens, cache_leftpad) is not built yet; "
-                         "pass the cache's rows [B, Hkv, N, d] without them, or its pages to attention_with_kvcache")
     if cache_seqlens is not None or cache_leftpad is not None:
         taken = {name: value for name, value in side.items() if value is not None and name not in ("alibi_slopes", "sinks")}
         if taken:
             raise ValueError(f"{', '.join(taken)} with key ranges (cache_seqlens): a side input indexed by padded "
                              f"positions has no view of each sequence's range; pass a padding bias without the ranges")
         prepared = PreparedAttention(q, k, v, plain=plain, scale=scale, alibi_slopes=side.get("alibi_slopes"),
-                                     sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
+                                     sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                                     k_descale=k_descale, v_descale=v_descale)
         return prepared.once(q, k, v, *prepared.ranges, return_lse=return_lse)
     spec = packed_spec(plain, q, k)
     if spec is None:
@@ -171,9 +169,6 @@ class PreparedAttention:
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                                 keys=sequence_keys(k), v=v)
-        if fp8_element(tk.dtype) is not None and (cache_seqlens is not None or cache_leftpad is not None):
-            raise ValueError("k, v: an FP8 KV cache with key ranges (cache_seqlens, cache_leftpad) is not built yet; "
-                             "prepare on the cache's rows [B, Hkv, N, d] without them, or prepare_with_kvcache on its pages")
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]

@@ -423,27 +423,39 @@ def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, doc_i
             q.new_empty((b, hq, nq), dtype=torch.float32))
 
 
-def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, unsupported: list[str], *, sinks=None,
-                   alibi_slopes=None, bias=None, doc_ids=None, block_mask=None):
+def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, *, sinks=None, alibi_slopes=None,
+                   bias=None, doc_ids=None, block_mask=None, cache_seqlens=None, cache_leftpad=None):
     """The FP8 forward, or a half-type q against an FP8 KV cache (k and v FP8): straight to the
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
-    gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask, no
-    tensor, cannot enter the op: eager calls only."""
+    gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
+    tensor) and key ranges (the op carries none) run eagerly only."""
     kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
     what = f"q {q.dtype} against an FP8 KV cache" if kv_cache else f"{q.dtype} q, k, v (the FP8 forward)"
     if q.dtype not in FP8_TYPES and not kv_cache:
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
                          f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
     side = {"sinks": sinks, "alibi_slopes": alibi_slopes, "bias": bias, "doc_ids": doc_ids, "block_mask": block_mask}
-    packs = ("sinks", "alibi_slopes")  # what the decode kernels, GQA-packed, take beside a mask of positions
-    if kv_cache:  # (the FP8 forward takes them all; the KV cache's decode kernels a packed tile's share)
-        unsupported = [name for name, x in side.items() if x is not None and name not in packs] + unsupported
+    ranges = {"cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
+    # what the decode kernels, GQA-packed, take beside a mask of positions; the FP8 forward takes
+    # the side inputs, not key ranges
+    packs = ("sinks", "alibi_slopes", *ranges)
+    taken = {**side, **ranges}.items() if kv_cache else ranges.items()
+    unsupported = [name for name, x in taken if x is not None and not (kv_cache and name in packs)]
     if kv_cache and descales[0] is not None:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"{k.dtype} k and v only")
     if unsupported:
         raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale, "
                          f"{', '.join(packs if kv_cache else side)} and the descales); pass bfloat16 tensors for it")
+    if kv_cache and (cache_seqlens is not None or cache_leftpad is not None):  # eagerly: the op carries no ranges
+        if not _eager(q, k, v, *descales, cache_seqlens, cache_leftpad):
+            raise ValueError("cache_seqlens, cache_leftpad with an FP8 KV cache: eager calls only yet (the op "
+                             "fagen::fp8_attention_forward carries no key ranges); call it outside torch.compile")
+        if _records_grad(q, k, v, sinks):
+            raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()")
+        return decode.attention(q, k, v, mask=mask, causal=causal, softcap=softcap, scale=scale, return_lse=return_lse,
+                                sinks=sinks, alibi_slopes=alibi_slopes, cache_seqlens=cache_seqlens,
+                                cache_leftpad=cache_leftpad, k_descale=descales[1], v_descale=descales[2])
     if _records_grad(q, k, v, sinks, bias):
         raise ValueError(f"{what}: no backward yet; call it under torch.no_grad(), or pass bfloat16 tensors with "
                          f"fp8=True (quantized inside, with the FP8 backward)")
@@ -569,7 +581,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1), and the masks (doc_ids; a
     block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types. A float16
     or bfloat16 q against FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale,
-    v_descale; masks of positions, softcap, sinks and ALiBi slopes; out in q's type).
+    v_descale; masks of positions, softcap, sinks, ALiBi slopes and, eagerly, key ranges; out in q's
+    type).
     fp8=True: bfloat16 q, k, v quantized to e4m3 inside (a scale a batch and KV head, from their
     amax), the FP8 forward and, where autograd records, the FP8 backward (fagen.fp8_backward);
     bfloat16 out and gradients, passed straight through the rounding to q, k and v. incoherent=True
@@ -606,10 +619,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
             return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
             or v_descale is not None):
-        unsupported = {"cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad}
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
-                              [name for name, x in unsupported.items() if x is not None], sinks=sinks,
-                              alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids, block_mask=block_mask)
+                              sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids, block_mask=block_mask,
+                              cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad)
     if q.dim() and q.shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own forward and backward
         records = _records_grad(q, k, v, bias, sinks)
         if _eager(q, k, v) and not records:

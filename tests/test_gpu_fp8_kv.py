@@ -118,6 +118,32 @@ def test_an_fp8_kv_cache_takes_sinks_and_alibi_slopes(b, nk, causal):
     assert relative_error(to_numpy(got.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
 
 
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False), (256, True)])
+def test_an_fp8_kv_cache_takes_key_ranges(d, causal):
+    """cache_seqlens and cache_leftpad (a left-padded batch, a static cache) beside an FP8 cache:
+    sequence b's keys are rows cache_leftpad[b] .. cache_seqlens[b], masks bottom right in each;
+    each sequence within bfloat16's tolerance of exact attention of its FP8 rows, out over NaN."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng([d, causal])
+    b, hq, hkv, nq, slots = 4, 16, 4, 2, 1500
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", b, hq, hkv, nq, slots, 1.0, torch, d=d)
+    ends = np.array([1500, 700, 2, 1100], np.int32)
+    starts = np.array([0, 300, 0, 1099], np.int32)
+    with torch.no_grad():
+        got = fagen.attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd,
+                              cache_seqlens=torch.from_numpy(ends).cuda(), cache_leftpad=torch.from_numpy(starts).cuda())
+    assert not torch.isnan(got).any()
+    qn, kn, vn = (to_numpy(x.float()) for x in (q, k8, v8))
+    for i in range(b):
+        keys = slice(starts[i], ends[i])
+        want = oracle.attention(qn[i:i + 1], kn[i:i + 1, :, keys], vn[i:i + 1, :, keys], causal=causal,
+                                k_descale=to_numpy(kd)[i:i + 1], v_descale=to_numpy(vd)[i:i + 1])
+        error = relative_error(to_numpy(got[i:i + 1].float()), want)
+        assert error <= ELEMENT_TYPES["bfloat16"].tolerance, (i, error)
+
+
 @pytest.mark.parametrize("form", ["split", "merged", "unsplit"])
 def test_each_fp8_kv_kernel_writes_every_output(form):
     """The FP8 variant of the d128 decode kernel as the merge kernel's split, merging its own
