@@ -171,8 +171,8 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
 
 def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec | None:
     """The kernel a half-type q runs against an FP8 KV cache (the decode kernel widening its K
-    and V, variants.fp8_kv_variant) for `rows` packed query rows a KV head, or None (head_dim
-    64: the caller refuses, fp8_kv_refusal). No other kernel reads an FP8 cache, so more rows
+    and V, variants.fp8_kv_variant) for `rows` packed query rows a KV head, or None (a head width
+    or mask they do not take: the caller refuses, fp8_kv_refusal). No other kernel reads an FP8 cache, so more rows
     than the largest decode kernel holds (a chunk of prefill) take that one over several row
     tiles."""
     rows = min(rows, max(variants.DECODE_HEAD_DIMS.get(plain.head_dim, (rows,))))
