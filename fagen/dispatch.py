@@ -289,6 +289,15 @@ def class_keys(batch) -> int | None:
     return int(batch.arguments["total_k"]) // batch.q.shape[0]
 
 
+def fp8_forward_spec(dtype: str, head_dim: int, causal: bool, mask, *, softcap=None, sinks=None, alibi_slopes=None,
+                     bias=None, doc_ids=None, block_mask=None) -> AttentionSpec:
+    """The FP8 forward (variants.fp8_spec) for a call's options: the mask they ask for
+    (kernel_mask) and the modifiers of the side inputs given (arrays or None)."""
+    return variants.fp8_spec(dtype, head_dim, kernel_mask(causal, mask, block_mask is not None, doc_ids is not None),
+                             ScoreMod(softcap=softcap, sinks=sinks is not None, bias=bias_kind(bias),
+                                      alibi="none" if alibi_slopes is None else "slopes"))
+
+
 def _fp8_batch_spec(batch, dtype: str, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:
     """batch_spec for FP8 q, k, v: the FP8 forward (variants.fp8_spec) in the batch's layouts."""
     tq, tk, tv = batch.q, batch.k, batch.v
@@ -299,9 +308,7 @@ def _fp8_batch_spec(batch, dtype: str, *, causal: bool, mask, softcap, alibi_slo
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     if tv.shape[-1] != tq.shape[-1]:
         raise ValueError(f"head_dim: q {tq.shape[-1]}, v {tv.shape[-1]}; the FP8 forward has V as wide as Q and K")
-    spec = variants.fp8_spec(dtype, tq.shape[-1], call_mask(causal, mask),
-                             ScoreMod(softcap=softcap, sinks=sinks is not None,
-                                      alibi="none" if alibi_slopes is None else "slopes"))
+    spec = fp8_forward_spec(dtype, tq.shape[-1], causal, mask, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     try:
         return variants.sequence_variant(spec, batch.q_layout, batch.kv_layout, batch.seqused_k)
     except SpecError as refused:

@@ -24,7 +24,7 @@ from fagen import incoherent as incoherent_rotation  # (the parameter is named i
 from fagen.device import layout_order
 from fagen.element_types import ELEMENT_TYPES
 from fagen.fp8_backward_plan import FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS
-from fagen.spec import Mask, ScoreMod
+from fagen.spec import Mask
 from fagen.wide_head_plan import WIDE_HEAD_DIMS
 
 
@@ -406,11 +406,8 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
 def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
     """The FP8 forward's kernel for these arguments (side: sinks, alibi_slopes, bias, doc_ids,
     block_mask; None where not given), launched: (out, lse)."""
+    spec = dispatch.fp8_forward_spec(FP8_TYPES[q.dtype], q.shape[-1], causal, mask, softcap=softcap, **side)
     side = {name: x for name, x in side.items() if x is not None}
-    kernel_mask = dispatch.kernel_mask(causal, mask, "block_mask" in side, "doc_ids" in side)
-    spec = variants.fp8_spec(FP8_TYPES[q.dtype], q.shape[-1], kernel_mask,
-                             ScoreMod(softcap=softcap, sinks="sinks" in side, bias=dispatch.bias_kind(side.get("bias")),
-                                      alibi="slopes" if "alibi_slopes" in side else "none"))
     q_descale, k_descale, v_descale = descales
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
                                         k_descale=k_descale, v_descale=v_descale, **side)
