@@ -190,8 +190,7 @@ def test_the_v_transpose_kernel_compiles_without_spills():
     # kind) and ALiBi with softcap take 128-key tiles, the register model's fit
     (None, {"bias": "vector"}), ({"kind": "causal"}, {"bias": "matrix"}), (None, {"alibi": "slopes", "softcap": 30.0}),
     # masks read from arrays: documents take 128-key tiles (their bounds' registers), block masks 192
-    ({"kind": "document", "causal": True}, {"sinks": True}), ({"kind": "block_mask"}, {}),
-    ({"kind": "block_mask"}, {"softcap": 30.0})])
+    ({"kind": "document", "causal": True}, {"sinks": True}), ({"kind": "block_mask"}, {})])
 def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     from fagen import nvcc
     from fagen.dispatch import call_mask
