@@ -52,7 +52,7 @@ REGISTER_COSTS = {
         "paged": 16,  # measured, not fitted: see register_terms
         "partial_d96": 2, "varlen_kv_d96": 9,  # measured, not fitted: see register_terms
         "one_warp": 22, "bias_shared_kv": 14, "rows32_d96": 18,  # measured, not fitted: see register_terms
-        "fp8_kv_d256": -46,  # measured, not fitted: see register_terms
+        "fp8_kv_d256": -46, "varlen_q_rows32_d128": 5,  # measured, not fitted: see register_terms
     },
     "wgmma": {  # s covers P too (half of S, packed)
         # base, and per stage of the KV ring: addresses, loop and pipeline state
@@ -538,6 +538,14 @@ def register_terms(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, t
     # both x split, merged, unsplit, half ring, paged, varlen-paged x bfloat16 / e4m3 and float16 /
     # e5m2): every one at 255 with no spill, where the fit (swizzled rows, two stages) says 270-301.
     terms["fp8_kv_d256"] = float(spec.fp8_kv and d == 256 and s_regs <= 8 and 2 * o_regs // spec.dv == 1)
+    # Varlen queries at head_dim 128 and 32 rows a warp: measured, not fitted (ptxas -v, nvcc 13.0,
+    # sm_90; a fuzz run's finding, seed 90909: 256 x 32, shared slots, three stages, causal, 8
+    # bytes at 255, predicted 254; and 63 neighbours: 4 or 8 warps x 32 or 64 keys x shared or
+    # separate x 2 or 3 stages x varlen or padded q x causal or none). Five varlen kernels
+    # predicted 251-255 spilled 8-32 bytes where their padded twins fit; 5 refuses them all (and,
+    # on the conservative side, four varlen ones at 251-255 that fit). No shipped d128 tiling runs
+    # 32 rows a warp.
+    terms["varlen_q_rows32_d128"] = float(spec.sequences.q == "varlen" and d == 128 and 2 * o_regs // spec.dv == 2)
     return {**terms, f"{spec.pipeline.kv_smem}{spec.pipeline.stages}": 1.0,
             "few_threads": float(threads <= 64), "one_warp": float(threads == 32),
             "swizzle_q": (d // MMA_K) if swizzled and not spec.pipeline.q_in_registers else 0,

@@ -471,3 +471,23 @@ def test_head_dim_96_at_32_rows_a_warp_is_priced():
     for spec in (fixed, sixteen):
         for arch in ("sm_89", "sm_90"):
             assert not _clean(spec, arch), (spec.tiling, arch)
+
+
+FUZZ_D128_ROWS32_VARLEN = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 128, "tiling": {"block_q": 256, "block_kv": 32, "warps_q": 8},
+    "pipeline": {"kv_smem": "shared", "stages": 3, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "padded", "arch": "sm_89", "mask": {"kind": "causal", "align": "bottom_right"},
+    "outputs": {"lse": True, "partial": False, "merge_splits": False},
+    "sequences": {"q": "varlen", "kv": "padded", "seqused_k": False}}
+
+
+def test_varlen_queries_at_head_dim_128_and_32_rows_a_warp_are_priced():
+    """REGISTER_COSTS' varlen_q_rows32_d128 (mma.sync; a fuzz run's finding: 8 bytes spilled on
+    sm_90 at a predicted 254): refused with a fix that compiles clean on both archs it targets;
+    its padded twin, which fit, still validates and compiles clean."""
+    data = FUZZ_D128_ROWS32_VARLEN
+    fixed = parse_spec(_block_kv_fix(data))
+    padded = parse_spec({**data, "sequences": {"q": "padded", "kv": "padded", "seqused_k": False}})
+    for spec in (fixed, padded):
+        for arch in ("sm_89", "sm_90"):
+            assert not _clean(spec, arch), (spec.tiling, spec.sequences, arch)
