@@ -185,6 +185,27 @@ def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec
         return None
 
 
+def fp8_query_decodes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...], kv_dtype: str, *,
+                      causal: bool = False, mask=None, softcap: float | None = None, sinks=None, alibi_slopes=None,
+                      bias=None, doc_ids=None, block_mask=None) -> bool:
+    """Whether FP8 q, k, v ([B, H, N, d]) run as a decode step: q widened to bfloat16 (exactly,
+    fp8_inputs.widened_query) against k and v as an FP8 KV cache, in the kernels that pack a KV
+    head's query rows (GQA) and split its keys. True where one of them holds the call's rows and
+    takes its options; the FP8 forward's 128-row tiles would hold a head's few rows each, one
+    block a head, with no split. Side inputs the decode kernels lack (a bias, documents, a block
+    mask) keep the FP8 forward."""
+    if bias is not None or doc_ids is not None or block_mask is not None:
+        return False
+    if not (len(q_shape) == len(k_shape) == len(v_shape) == 4) or k_shape[1] == 0 or q_shape[1] % k_shape[1]:
+        return False
+    head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
+    if v_shape[-1] != head_dim or not 1 <= rows <= max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
+        return False
+    plain = derive_spec_for("bfloat16", head_dim, causal=causal, mask=mask, softcap=softcap, sinks=sinks,
+                            alibi_slopes=alibi_slopes)
+    return fp8_kv_spec(plain, rows, kv_dtype) is not None
+
+
 def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:
     """Why a call on an FP8 KV cache has no kernel: the decode kernels read one (head_dim 64 or 128,
     V as wide, a mask they pack), and this call's head width or mask is not theirs."""

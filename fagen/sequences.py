@@ -391,8 +391,8 @@ def _fp8(x) -> bool:
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, cache_leftpad=None, k=None, v=None,
                            cu_seqlens_q=None, max_seqlen_q: int | None = None, causal: bool = False, mask=None,
                            softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
-                           return_lse: bool = False, status=None, validate: bool = True, out=None, k_descale=None,
-                           v_descale=None):
+                           return_lse: bool = False, status=None, validate: bool = True, out=None, q_descale=None,
+                           k_descale=None, v_descale=None):
     """Attention against a KV cache (FlashAttention's flash_attn_with_kvcache). Paged: k_cache,
     v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B] keys
     each. Unpaged (page_table None): k_cache, v_cache [B, slots, Hkv, d], sequence b's keys being
@@ -406,16 +406,29 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     An FP8 cache (k_cache, v_cache float8_e4m3fn or float8_e5m2, q float16 or bfloat16; paged):
     read by the decode kernels with FlashAttention-3's k_descale and v_descale (float32, one number
     or [B, Hkv]; None is 1); new tokens k, v (float16 or bfloat16) go into it quantized with the
-    same descales first (append_kv)."""
+    same descales first (append_kv). q may be FP8 too (a torch tensor, with q_descale, as
+    FlashAttention-3's FP8 calls): it goes in as bfloat16, exactly, its descale folded into k's
+    (fp8_inputs.widened_query), out bfloat16. New tokens of the cache's FP8 type are in its units
+    already and go in as they are."""
     # (a torch tensor's dtype read as is: the kept paged calls below are a few microseconds)
     fp8_cache = fp8_element(str(k_cache.dtype).removeprefix("torch.") if is_torch(k_cache)
                             else as_device_tensor(k_cache, "k_cache").dtype) is not None
     if fp8_cache and page_table is None:
         raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) yet: pass it as pages "
                          "[num_pages, page_size, Hkv, d] with a page_table")
-    if not fp8_cache and (k_descale is not None or v_descale is not None):
-        raise ValueError("k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2 k_cache and "
-                         "v_cache); this one is a half type: drop them")
+    if not fp8_cache and (q_descale is not None or k_descale is not None or v_descale is not None):
+        raise ValueError("q_descale, k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2 k_cache "
+                         "and v_cache); this one is a half type: drop them")
+    fp8_query = _fp8(q)
+    if fp8_query and not fp8_cache:
+        raise ValueError(f"q: {q.dtype} against a {k_cache.dtype} cache; an FP8 q reads an FP8 cache (of its own "
+                         f"type's range, with the descales); pass q in {k_cache.dtype}")
+    if q_descale is not None and not fp8_query:
+        raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
+                         f"FP8 cache only")
+    append_descales = (k_descale, v_descale)  # the cache's own: new half-type tokens are quantized by them
+    if fp8_query:  # (paged: an FP8 cache is, above)
+        q, k_descale = fp8_inputs.widened_query(q, q_descale, k_descale, page_table.shape[0], k_cache.shape[2])
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
     if page_table is None:
@@ -445,7 +458,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
         if status is None:  # the append's flags and the kernel's in one word
             status = zeros_like(as_device_tensor(q, "q"), (1,), "int32")
         append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status,
-                         k_descale if fp8_cache else None, v_descale if fp8_cache else None)
+                         *(append_descales if fp8_cache else (None, None)))
         cache_seqlens = append.new_lengths
     # the whole call is checked before the append writes: the batch against the lengths after it
     # (the page table once), the kernel's spec
@@ -493,6 +506,10 @@ class PreparedKVCache(PreparedAttention):
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
                              f"attention_with_kvcache with cu_seqlens_q, whose tile table follows its values each call)")
+        if _fp8(q):
+            raise ValueError(f"q: {q.dtype}; a prepared call launches on q as it lies, a half type: prepare it with "
+                             f"q.to(torch.bfloat16) (exact for FP8 values) and k_descale = q_descale * k_descale, "
+                             f"and pass the widened q each call (attention_with_kvcache widens an FP8 q itself)")
         _read_in_place(tq, cache_seqlens=cache_seqlens, page_table=page_table)
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status, validate=validate)
@@ -679,7 +696,8 @@ def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q
     other pages hold other sequences' keys. An FP8 cache (float8_e4m3fn or float8_e5m2) takes
     float16 or bfloat16 k and v, quantized on the way in: k / k_descale and v / v_descale rounded to
     nearest even and saturated (FlashAttention-3's descales, float32, one number or [B, Hkv]: the
-    cache's own, which its readers pass too)."""
+    cache's own, which its readers pass too); new tokens of the cache's own FP8 type are in its units
+    already and go in as they are."""
     append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status, k_descale,
                      v_descale)
     if validate:
@@ -703,6 +721,12 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
             v_descale=None) -> Append:
     """append_kv's checks of everything but the pages (the caller's to check against the new
     lengths, once: append_kv, or attention_with_kvcache's paged_batch) and its launch, unlaunched."""
+    if _fp8(k) or _fp8(v):  # FP8 tokens are in the cache's units already: in exactly (bfloat16 over a descale of 1)
+        if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+            raise ValueError(f"k, v: {k.dtype} and {v.dtype} new tokens into a {k_cache.dtype} cache; FP8 new "
+                             f"tokens are of the cache's type (in its units), or float16 / bfloat16 (quantized "
+                             f"with k_descale and v_descale on the way in): pass k.to({k_cache.dtype})")
+        k, v, k_descale, v_descale = fp8_inputs.widened(k), fp8_inputs.widened(v), 1.0, 1.0
     tk, tv = as_device_tensor(k, "k"), as_device_tensor(v, "v")
     tkc, tvc = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
     if tv.shape != tk.shape:

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, key_split, mod_tracing, runtime,
-                   side_inputs, variants, wide_head)
+from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, fp8_inputs, key_split, mod_tracing,
+                   runtime, side_inputs, variants, wide_head)
 from fagen import incoherent as incoherent_rotation  # (the parameter is named incoherent)
 from fagen.device import layout_order
 from fagen.element_types import ELEMENT_TYPES
@@ -393,14 +393,31 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
     logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
-    scores; doc_ids [B|1, N] int32: a document mask); a half-type q against FP8 k and v (an FP8 KV
-    cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
+    scores; doc_ids [B|1, N] int32: a document mask), or for a decode step's few rows the FP8 KV
+    cache's kernels on q widened (_decode_step_query); a half-type q against FP8 k and v (an FP8
+    KV cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
+    descales = (q_descale, k_descale, v_descale)
+    if q.dtype in FP8_TYPES:  # a compiled call's decode step (eager ones come widened)
+        q, descales = _decode_step_query(q, k, v, descales, causal, mask_of(mask), softcap, sinks=sinks,
+                                         alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
+        _, k_descale, v_descale = descales
     if q.dtype not in FP8_TYPES:
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
                                 return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, k_descale=k_descale,
                                 v_descale=v_descale)
-    return _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), mask_of(mask), causal, softcap, scale,
-                        sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
+    return _fp8_forward(q, k, v, descales, mask_of(mask), causal, softcap, scale, sinks=sinks,
+                        alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
+
+
+def _decode_step_query(q, k, v, descales, causal: bool, mask, softcap, **side):
+    """FP8 q, k, v as an FP8 KV cache's decode step where dispatch.fp8_query_decodes says so: (q
+    widened to bfloat16, exactly; the descales with q's folded into k's); else as they are."""
+    if k.dtype != q.dtype or v.dtype != q.dtype or not dispatch.fp8_query_decodes(
+            tuple(q.shape), tuple(k.shape), tuple(v.shape), FP8_TYPES[k.dtype], causal=causal, mask=mask,
+            softcap=softcap, **side):
+        return q, descales
+    q, k_descale = fp8_inputs.widened_query(q, descales[0], descales[1], q.shape[0], k.shape[1])
+    return q, (None, k_descale, descales[2])
 
 
 def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
@@ -425,7 +442,11 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     """The FP8 forward, or a half-type q against an FP8 KV cache (k and v FP8): straight to the
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
     gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
-    tensor) and key ranges (the op carries none) run eagerly only."""
+    tensor) and key ranges (the op carries none) run eagerly only. FP8 q, k, v of a decode step
+    (dispatch.fp8_query_decodes) run as an FP8 KV cache's, q widened exactly."""
+    if q.dtype in FP8_TYPES and not torch.compiler.is_compiling():  # (traced: the op's body decides, unseen)
+        q, descales = _decode_step_query(q, k, v, descales, causal, mask, softcap, sinks=sinks,
+                                         alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids, block_mask=block_mask)
     kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
     what = f"q {q.dtype} against an FP8 KV cache" if kv_cache else f"{q.dtype} q, k, v (the FP8 forward)"
     if q.dtype not in FP8_TYPES and not kv_cache:
@@ -576,7 +597,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     are rows cache_leftpad[b] .. cache_seqlens[b] of k and v, read on the device (inference).
     q, k, v float8_e4m3fn or float8_e5m2: the FP8 forward (bfloat16 out), with FlashAttention-3's q_descale,
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1), and the masks (doc_ids; a
-    block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types. A float16
+    block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types; a decode
+    step's (a KV head's query rows few enough for a decode kernel) runs as an FP8 KV cache's, q
+    widened to bfloat16 exactly and its descale folded into k's (GQA packed, keys split). A float16
     or bfloat16 q against FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale,
     v_descale; masks of positions, softcap, sinks, ALiBi slopes and, eagerly, key ranges; out in q's
     type).

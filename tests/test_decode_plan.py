@@ -377,6 +377,29 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
 
 
+@pytest.mark.parametrize("q_shape, k_shape, options, decodes", [
+    ((1, 32, 1, 128), (1, 8, 32768, 128), {}, True),  # a decode step: 4 packed rows a KV head
+    ((2, 32, 16, 128), (2, 8, 4096, 128), {"causal": True}, True),  # 64 rows: the q64 kernel
+    ((2, 32, 17, 128), (2, 8, 4096, 128), {}, False),  # 68 rows: the FP8 forward's tiles
+    ((4, 8, 1, 64), (4, 2, 900, 64), {"softcap": 30.0, "sinks": 1, "alibi_slopes": 1}, True),
+    ((4, 8, 4, 256), (4, 2, 900, 256), {}, True),  # 16 rows: d256's one decode kernel
+    ((4, 8, 5, 256), (4, 2, 900, 256), {}, False),
+    ((1, 8, 1, 96), (1, 8, 900, 96), {}, False),  # no FP8 cache kernel at 96
+    ((1, 8, 0, 128), (1, 8, 900, 128), {}, False),  # no rows: the forward's own no-work answer
+    ((1, 32, 1, 128), (1, 8, 4096, 128), {"bias": 1}, False),  # side inputs of the FP8 forward's alone
+    ((1, 32, 1, 128), (1, 8, 4096, 128), {"doc_ids": 1}, False),
+    ((1, 32, 1, 128), (1, 8, 4096, 128), {"mask": {"kind": "sliding_window", "window_left": 256}}, True),
+    ((1, 30, 1, 128), (1, 8, 4096, 128), {}, False),  # heads not grouped: refused by the forward's checks
+])
+def test_fp8_q_k_v_of_a_decode_step_take_the_fp8_cache_kernels(monkeypatch, q_shape, k_shape, options, decodes):
+    """FP8 q, k, v with few query rows a KV head run as an FP8 KV cache's decode step (q widened
+    to bfloat16): GQA packed and the keys split, where the FP8 forward's 128-row tiles would hold
+    a head's few rows each; more rows, another head width or the forward's own side inputs keep it."""
+    monkeypatch.setattr(dispatch.device, "gpu_slug", lambda: "h200")
+    for kv in ("float8_e4m3", "float8_e5m2"):
+        assert dispatch.fp8_query_decodes(q_shape, k_shape, k_shape, kv, **options) is decodes
+
+
 def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; more packed rows than
     the largest decode kernel holds (a chunk of prefill): that kernel's, over several row tiles

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fagen import fp8_inputs
-from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, prepared_copy, transposed_v
+from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, folded_descale, prepared_copy, transposed_v
 from fagen.load import SPECS as SPECS_DIR, load_spec, parse_spec
 from fagen.render import render
 from fagen.spec import Mask, ScoreMod, SpecError
@@ -80,6 +80,24 @@ def test_each_descale_is_read_through_its_own_strides():
     again = descale_views(None, None, None, b, hkv, np.zeros(1), names=("k_descale", "v_descale"))
     assert list(again) == ["k_descale", "v_descale"]  # an FP8 KV cache's: q's is not built
     assert again["k_descale"][0] is views["q_descale"][0]  # one kept 1
+
+
+def test_q_s_descale_folds_into_k_s_without_a_broadcast_of_another_shape():
+    """An FP8 q read by the FP8 cache's kernels brings its descale into k's: the product, per
+    (sequence, KV head), one number where both are; None leaves the other as it is; a factor of
+    another shape is refused by its own name before it could broadcast ([Hkv] x [B, Hkv] would)."""
+    b, hkv = 2, 3
+    per_head = np.arange(1, 7, dtype=np.float32).reshape(b, hkv)
+    assert folded_descale(None, None, b, hkv, np.zeros(1)) is None
+    assert folded_descale(0.5, None, b, hkv, np.zeros(1)) == 0.5 and folded_descale(None, per_head, b, hkv, None) is per_head
+    assert folded_descale(0.5, 3, b, hkv, np.zeros(1)) == 1.5
+    np.testing.assert_array_equal(folded_descale(0.5, per_head, b, hkv, np.zeros(1)), per_head * 0.5)
+    np.testing.assert_array_equal(folded_descale(per_head, np.float32([2]), b, hkv, np.zeros(1)), per_head * 2)
+    np.testing.assert_array_equal(folded_descale(per_head, per_head.T.copy().T, b, hkv, np.zeros(1)), per_head ** 2)
+    with pytest.raises(ValueError, match=r"q_descale: shape \(3,\); .*\[B, Hkv\] = \[2, 3\]"):
+        folded_descale(np.ones(hkv, np.float32), per_head, b, hkv, np.zeros(1))
+    with pytest.raises(ValueError, match=r"k_descale: shape \(2, 3, 1\)"):
+        folded_descale(0.5, np.ones((2, 3, 1), np.float32), b, hkv, np.zeros(1))
 
 
 def test_a_prepared_call_keeps_its_descales_values():

@@ -436,3 +436,119 @@ def test_an_fp8_append_without_the_cache_descales_is_refused():
         fagen.sequences.append_kv(k8, k8.clone(), pages, lens, k.float(), k.float(), k_descale=1.0, v_descale=1.0)
     with pytest.raises(ValueError, match=r"k: bfloat16, v: float16; new keys and values are quantized by one kernel"):
         fagen.sequences.append_kv(k8, k8.clone(), pages, lens, k, k.half(), k_descale=1.0, v_descale=1.0)
+
+
+def _fp8_queries(rng, kv_dtype, b, hq, hkv, nq, d, per_head, torch):
+    """An FP8 q [B, Hq, Nq, d] and its descale, FlashAttention-3's: a number, or [B, Hkv] (each
+    KV head's group of query heads shares one, amax over the type's largest finite value)."""
+    element = ELEMENT_TYPES[kv_dtype]
+    x = torch.from_numpy(rng.standard_normal((b, hq, nq, d)).astype(np.float32)).cuda()
+    if per_head:
+        descale = x.view(b, hkv, hq // hkv, nq, d).abs().amax(dim=(2, 3, 4)) / element.max_finite
+        per_row = descale.repeat_interleave(hq // hkv, dim=1)[:, :, None, None]
+    else:
+        descale = float(x.abs().max()) / element.max_finite
+        per_row = descale
+    return (x / per_row).to(getattr(torch, element.torch_name)), descale
+
+
+@pytest.mark.parametrize("d,kv_dtype,b,hq,hkv,nq,nk,causal,per_head", [
+    (128, "float8_e4m3", 2, 32, 8, 1, 4097, False, True),  # the keys split, merged in the kernel
+    (128, "float8_e5m2", 1, 8, 1, 2, 1000, True, False),  # MQA, two rows, bottom-right causal
+    (128, "float8_e4m3", 64, 32, 8, 1, 512, False, True),  # blocks enough unsplit
+    (128, "float8_e4m3", 2, 32, 8, 16, 1500, True, True),  # 64 packed rows: the q64 kernel
+    (64, "float8_e4m3", 2, 32, 8, 1, 3000, False, False),  # (the FP8 forward has no head_dim 64)
+    (256, "float8_e4m3", 2, 8, 4, 2, 3001, True, True),
+])
+def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, hkv, nq, nk, causal, per_head):
+    """fagen.attention on FP8 q, k, v with FlashAttention-3's three descales, a decode step's few
+    rows a KV head: the FP8 cache's decode kernel (GQA packed, keys split) on q widened to
+    bfloat16 with q_descale folded into k_descale, bit for bit that call, within bfloat16's
+    tolerance of exact attention of the FP8 values times their descales; the compiled call too."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(zlib.crc32(repr((d, kv_dtype, b, hq, nq, nk, per_head)).encode()))
+    q8, qd = _fp8_queries(rng, kv_dtype, b, hq, hkv, nq, d, per_head, torch)
+    (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, d), kv_dtype, torch) for _ in range(2))
+    with torch.no_grad():
+        got = fagen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+        as_cache = fagen.attention(q8.to(torch.bfloat16), k8, v8, causal=causal, k_descale=kd * qd, v_descale=vd)
+    assert got.dtype == torch.bfloat16 and got.shape == q8.shape and not torch.isnan(got).any()
+    assert torch.equal(got, as_cache)
+    want = oracle.attention(*(to_numpy(x.float()) for x in (q8, k8, v8)), causal=causal,
+                            q_descale=to_numpy(qd) if per_head else np.full((b, hkv), qd, np.float32),
+                            k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    error = relative_error(to_numpy(got.float()), want)
+    assert error <= ELEMENT_TYPES["bfloat16"].tolerance, error
+    if d == 128 and nk == 4097:
+        compiled = torch.compile(lambda q, k, v: fagen.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd),
+                                 fullgraph=True)
+        with torch.no_grad():
+            assert torch.equal(compiled(q8, k8, v8), got)
+
+
+def test_fp8_q_against_a_paged_fp8_cache_appends_fp8_tokens_as_they_are():
+    """attention_with_kvcache with FP8 q (q_descale [B, Hkv]) and FP8 new tokens k, v of the cache's
+    type: the tokens land in their slots byte for byte (in the cache's units already), every other
+    slot keeps its bytes, and the queries (causal, bottom right) attend to the cache with them
+    within bfloat16's tolerance of exact attention, into NaN-poisoned out; a half-type q with
+    q_descale, and FP8 tokens of another type, are refused by name."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(29)
+    page_size, hq, hkv, d, n_new = 16, 16, 4, 128, 3
+    lens = [40, 0, 300]
+    b = len(lens)
+    need = [-(-(n + n_new) // page_size) for n in lens]
+    order = rng.permutation(sum(need) + 2)
+    table = np.zeros((b, max(need)), np.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = order[used:used + n]
+        used += n
+    (k8, _), (v8, _) = (cache(rng, (len(order), page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    kd, vd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() for _ in range(2))
+    q8, qd = _fp8_queries(rng, "float8_e4m3", b, hq, hkv, n_new, d, True, torch)
+    (k_new, _), (v_new, _) = (cache(rng, (b, hkv, n_new, d), "float8_e4m3", torch) for _ in range(2))
+    before_k, before_v = k8.clone(), v8.clone()
+    seqlens, pages = torch.tensor(lens, dtype=torch.int32, device="cuda"), torch.from_numpy(table).cuda()
+    out = torch.full((b, hq, n_new, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fagen.attention_with_kvcache(q8, k8, v8, seqlens, pages, k=k_new, v=v_new, causal=True, out=out,
+                                 q_descale=qd, k_descale=kd, v_descale=vd)
+    written = np.zeros(k8.shape[:2], bool)
+    for i, n in enumerate(lens):
+        for j in range(n_new):
+            page, slot = table[i, (n + j) // page_size], (n + j) % page_size
+            written[page, slot] = True
+            assert torch.equal(k8[page, slot].view(torch.uint8), k_new[i, :, j].view(torch.uint8)), (i, j)
+            assert torch.equal(v8[page, slot].view(torch.uint8), v_new[i, :, j].view(torch.uint8)), (i, j)
+    kept = ~torch.from_numpy(written).cuda()
+    assert torch.equal(k8.view(torch.uint8)[kept], before_k.view(torch.uint8)[kept])
+    assert torch.equal(v8.view(torch.uint8)[kept], before_v.view(torch.uint8)[kept])
+    want = oracle.attention_paged(*(to_numpy(x.float()) for x in (q8, k8, v8)), table, [n + n_new for n in lens],
+                                  causal=True, q_descale=to_numpy(qd), k_descale=to_numpy(kd),
+                                  v_descale=to_numpy(vd))
+    assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+    with pytest.raises(ValueError, match="q_descale: q is torch.bfloat16, which has no descale"):
+        fagen.attention_with_kvcache(q8.to(torch.bfloat16), k8, v8, seqlens, pages, q_descale=qd, k_descale=kd,
+                                     v_descale=vd)
+    with pytest.raises(ValueError, match=r"k, v: torch.float8_e5m2 and torch.float8_e5m2 new tokens into a "
+                                         r"torch.float8_e4m3fn cache"):
+        fagen.attention_with_kvcache(q8, k8, v8, seqlens, pages, k=k_new.to(torch.float8_e5m2),
+                                     v=v_new.to(torch.float8_e5m2), q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+def test_a_prepared_paged_call_refuses_an_fp8_q_with_the_widening_to_do():
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    k8, v8 = (torch.ones(4, 16, 2, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+    q8 = torch.ones(1, 8, 1, 128, device="cuda").to(torch.float8_e4m3fn)
+    pages, lens = torch.zeros(1, 2, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"q: torch.float8_e4m3fn; a prepared call .* q.to\(torch.bfloat16\)"):
+        fagen.prepare_with_kvcache(q8, k8, v8, lens, pages, k_descale=1.0, v_descale=1.0)
+    q = q8.to(torch.bfloat16)  # the fix the message gives
+    prepared = fagen.prepare_with_kvcache(q, k8, v8, lens, pages, k_descale=0.5, v_descale=1.0)
+    assert torch.equal(prepared(q, k8, v8, lens, pages), torch.ones_like(q))  # one key of ones
