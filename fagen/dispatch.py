@@ -173,13 +173,15 @@ def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec
     """The kernel a half-type q runs against an FP8 KV cache (the decode kernel widening its K
     and V, variants.fp8_kv_variant) for `rows` packed query rows a KV head, or None (a head width
     or mask they do not take: the caller refuses, fp8_kv_refusal). No other kernel reads an FP8 cache, so more rows
-    than the largest decode kernel holds (a chunk of prefill) take that one over several row
-    tiles."""
-    rows = min(rows, max(variants.DECODE_HEAD_DIMS.get(plain.head_dim, (rows,))))
-    spec = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+    than the largest decode kernel holds (a chunk of prefill) take its chunk variant over several
+    row tiles (variants.fp8_kv_chunk_variant)."""
+    largest = max(variants.DECODE_HEAD_DIMS.get(plain.head_dim, (rows,)))
+    spec = variants.decode_spec(plain.dtype, plain.head_dim, min(rows, largest), plain.mask, plain.score_mod)
     if spec is None:
         return None
     try:
+        if rows > largest:  # a chunk of prefill: prefill-shaped row tiles where they fit
+            return variants.fp8_kv_chunk_variant(spec, kv_dtype)
         return variants.fp8_kv_variant(spec, kv_dtype)
     except SpecError:
         return None

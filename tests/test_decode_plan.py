@@ -400,6 +400,27 @@ def test_fp8_q_k_v_of_a_decode_step_take_the_fp8_cache_kernels(monkeypatch, q_sh
         assert dispatch.fp8_query_decodes(q_shape, k_shape, k_shape, kv, **options) is decodes
 
 
+def test_a_chunk_of_prefill_on_an_fp8_cache_takes_128_row_tiles_that_fit():
+    """More packed rows than a decode kernel holds: 128 rows a tile on one key warp a row group,
+    the widest key tile the registers fit (d128: 128 keys, 64 beside a window with softcap and
+    ALiBi; d64: 128), its split, merging and unsplit kernels free of spills; d256 keeps its
+    decode kernel's tiles."""
+    window = Mask(kind="sliding_window", window_left=900, window_right=0)
+    causal128 = variants.fp8_kv_chunk_variant(variants.decode_spec("bfloat16", 128, 64, Mask(kind="causal")),
+                                              "float8_e4m3")
+    window128 = variants.fp8_kv_chunk_variant(variants.decode_spec("bfloat16", 128, 64, window,
+                                                                   ScoreMod(softcap=30.0, alibi="slopes")), "float8_e4m3")
+    window64 = variants.fp8_kv_chunk_variant(variants.decode_spec("float16", 64, 64, window, ScoreMod(softcap=30.0)),
+                                             "float8_e5m2")
+    assert [(s.tiling.block_q, s.tiling.warps_kv, s.tiling.block_kv) for s in (causal128, window128, window64)] == [
+        (128, 1, 128), (128, 1, 64), (128, 1, 128)]
+    d256 = variants.decode_spec("bfloat16", 256, 16)
+    assert variants.fp8_kv_chunk_variant(d256, "float8_e4m3") == variants.fp8_kv_variant(d256, "float8_e4m3")
+    specs = [causal128, variants.unsplit_variant(window128, half_ring=True), variants.merged_variant(window64)]
+    for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
+        assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
+
+
 def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     """dispatch.packed_spec on a float8 k: the decode kernel's FP8 variant; more packed rows than
     the largest decode kernel holds (a chunk of prefill): that kernel's, over several row tiles
@@ -414,7 +435,7 @@ def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     spec = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 1, 128), dtype="bfloat16"), k8)
     assert spec.name == "decode_bf16_d128_kv_e4m3" and spec.kv_dtype == "float8_e4m3"
     chunk = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 64, 128), dtype="bfloat16"), k8)
-    assert chunk.name == "decode_bf16_d128_q64_kv_e4m3" and chunk.tiling.block_q == 64
+    assert chunk.name == "decode_bf16_d128_q64_rows128_kv_e4m3" and chunk.tiling.block_q == 128
     plain64 = variants.shipped_spec("bfloat16", 64, False, gpu=None)
     k8_64 = SimpleNamespace(shape=(2, 8, 4096, 64), dtype="float8_e4m3fn")
     spec64 = dispatch.packed_spec(plain64, SimpleNamespace(shape=(2, 32, 1, 64), dtype="bfloat16"), k8_64)

@@ -74,7 +74,7 @@ def test_fagen_attention_reads_an_fp8_kv_cache(dtype, kv_dtype, b, hq, hkv, nq, 
     (64, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 4097, False),  # Llama-3.2-1B's heads: 32 / 8 of 64
     (64, "float16", "float8_e5m2", 1, 8, 2, 3, 1000, True),
     (64, "bfloat16", "float8_e4m3", 64, 32, 8, 1, 512, False),  # blocks enough unsplit
-    (64, "bfloat16", "float8_e4m3", 2, 16, 4, 100, 900, True),  # a chunk: 400 rows over the q64 kernel's tiles
+    (64, "bfloat16", "float8_e4m3", 2, 16, 4, 100, 900, True),  # a chunk: 400 rows over the chunk kernel's 128-row tiles
     (256, "bfloat16", "float8_e4m3", 2, 8, 4, 1, 3001, False),  # Gemma-2's heads: 8 / 4 of 256
     (256, "float16", "float8_e5m2", 1, 16, 2, 2, 1000, True),
     (256, "bfloat16", "float8_e4m3", 64, 8, 4, 1, 512, False),
@@ -193,6 +193,27 @@ def test_a_chunk_of_queries_reads_an_fp8_kv_cache(hq, hkv, nq, nk, causal):
     assert relative_error(to_numpy(got.float()), exact(q, k8, v8, kd, vd, causal)) <= ELEMENT_TYPES["bfloat16"].tolerance
     with pytest.raises(ValueError, match="q_descale"):
         fagen.attention(q[:, :, :1], k8, v8, q_descale=kd, k_descale=kd, v_descale=vd)
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_a_chunk_beside_a_window_softcap_and_alibi_reads_an_fp8_kv_cache(d):
+    """The chunk kernel's narrower key tile (d128: 64 keys where a window, softcap and ALiBi take
+    the registers of 128) within bfloat16's tolerance of exact attention of the FP8 values."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng([d, 3])
+    hq, hkv, nq, nk = 16, 4, 90, 1300
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 2, hq, hkv, nq, nk, 1.0, torch, d=d)
+    slopes = rng.uniform(0.001, 0.05, hq).astype(np.float32)
+    mask = {"kind": "sliding_window", "window_left": 300, "window_right": 0}
+    with torch.no_grad():
+        got = fagen.attention(q, k8, v8, mask=mask, softcap=20.0, alibi_slopes=torch.from_numpy(slopes).cuda(),
+                              k_descale=kd, v_descale=vd)
+    want = oracle.attention(*(to_numpy(x.float()) for x in (q, k8, v8)), mask=mask, softcap=20.0,
+                            alibi_slopes=slopes, k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    assert not torch.isnan(got).any()
+    assert relative_error(to_numpy(got.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
 
 
 def test_a_chunk_of_queries_reads_a_paged_fp8_cache():
