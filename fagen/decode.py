@@ -503,10 +503,12 @@ class ShapeClasses:
         self._last: dict[tuple, Callable] = {}
         self._stream = None
 
-    def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple = ()):
+    def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple = (),
+                 descales: tuple = ()):
         """out (and lse) of fagen.attention's call, or NotImplemented where no class takes it (the
         general path then runs it, or refuses it by name). `ranges`: (cache_seqlens,
-        cache_leftpad), either None, as KeyRanges takes them."""
+        cache_leftpad), either None, as KeyRanges takes them. `descales`: an FP8 KV cache's
+        (k_descale, v_descale), in the keys as fp8_inputs.descale_key holds them."""
         if self._stream is None:
             self._stream = torch_stream_handle()
         options = None
@@ -519,7 +521,8 @@ class ShapeClasses:
                                softcap, scale,
                                None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                                device, self._stream(device), threading.get_ident(),
-                               ranges and (ranges[0] is None, ranges[1] is None))
+                               ranges and (ranges[0] is None, ranges[1] is None),
+                               descales and tuple(map(fp8_inputs.descale_key, descales)))
                     hot = self._last.get(options)
                     if hot is not None:
                         done = hot(q, k, v, *given, None)
@@ -538,7 +541,8 @@ class ShapeClasses:
                     mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())), softcap, scale,
                     None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                     return_lse, self._stream(device), threading.get_ident(),
-                    *(None if t is None else (t.dtype, t.shape, t.stride(), t.get_device()) for t in ranges))
+                    *(None if t is None else (t.dtype, t.shape, t.stride(), t.get_device()) for t in ranges),
+                    descales and tuple(map(fp8_inputs.descale_key, descales)))
             growing_key = (*base, k.shape[2].bit_length())
             exact_key = (*base, k.shape, k.stride(), v.shape, v.stride())
             growing, exact = self._growing.get(growing_key), self._exact.get(exact_key)
@@ -555,9 +559,11 @@ class ShapeClasses:
         if growing is not None:
             return NotImplemented
         cache_seqlens, cache_leftpad = ranges or (None, None)
+        k_descale, v_descale = descales or (None, None)
         return self._add(base, exact_key, q, k, v, dict(causal=causal, mask=mask, softcap=softcap, scale=scale,
                                                        sinks=sinks, cache_seqlens=cache_seqlens,
-                                                       cache_leftpad=cache_leftpad), given, return_lse)
+                                                       cache_leftpad=cache_leftpad, k_descale=k_descale,
+                                                       v_descale=v_descale), given, return_lse)
 
     def _remember(self, options: tuple | None, prepared: PreparedAttention) -> None:
         """`prepared` as the class of calls with these options (None: not the C path's call)."""
@@ -569,8 +575,8 @@ class ShapeClasses:
     def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, given: tuple, return_lse: bool):
         """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)
         where the general path is the call's: no work, or an input it refuses by name."""
-        if q.shape[-1] in WIDE_HEAD_DIMS or any(fp8_element(str(t.dtype).removeprefix("torch.")) for t in (q, k, v)):
-            return NotImplemented  # their own paths (fagen.torch_op): head_dim 512's kernels, FP8 with its descales
+        if q.shape[-1] in WIDE_HEAD_DIMS or fp8_element(str(q.dtype).removeprefix("torch.")):
+            return NotImplemented  # their own paths (fagen.torch_op): head_dim 512's kernels, the FP8 forward
         try:
             plain = derive_spec(q, causal=options["causal"], mask=options["mask"], softcap=options["softcap"],
                                 sinks=options["sinks"], keys=sequence_keys(k), v=v)

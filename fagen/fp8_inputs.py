@@ -124,6 +124,16 @@ def widened(x):
     return x.to(torch.bfloat16)
 
 
+def descale_key(x):
+    """What a kept call's key holds of a descale: None or a number as itself, a torch tensor by its
+    address, layout and version (a kept call holds a copy of its values, prepared_copy; a write to
+    the tensor makes a new version, so a new key). Anything else raises AttributeError (the kept
+    paths then leave the call to the general one)."""
+    if x is None or np.isscalar(x):
+        return x
+    return (x.data_ptr(), x._version, x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device())
+
+
 def prepared_copy(x):
     """A descale as a prepared call keeps it: its values at prepare time (an array is copied, on
     its device), which later changes to the caller's array do not reach."""

@@ -448,9 +448,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")
-    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q) and not fp8_cache:
+    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q) and not fp8_query:
         done = KEPT_PAGED_CALLS(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse,
-                                dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks))
+                                dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks),
+                                (k_descale, v_descale) if fp8_cache else ())
         if done is not NotImplemented:
             return done
     append = None
@@ -608,13 +609,23 @@ class KeptCalls:
 
 class KeptPagedCalls(KeptCalls):
     """attention_with_kvcache's paged calls with validate=False (padded q, no new tokens): a
-    PreparedKVCache a layout, its status word fixed."""
+    PreparedKVCache a layout, its status word fixed. An FP8 cache's descales are in the key as
+    values: a number as itself, a tensor by its address, layout and version (the prepared call
+    keeps a copy of its values; a write to the tensor makes a new version, and a new class)."""
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict):
-        return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), (), out, return_lse, options)
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict,
+                 descales: tuple = ()):
+        if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
+            return NotImplemented  # (a kept call's descales are numbers or torch tensors)
+        values = tuple(map(fp8_inputs.descale_key, descales))
+        if descales:
+            options = {**options, "k_descale": descales[0], "v_descale": descales[1]}
+        return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), values, out, return_lse,
+                         options)
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         return PreparedKVCache(*tensors, status=fixed[0], validate=False, **options)
+
 
 
 KEPT_PAGED_CALLS = KeptPagedCalls()

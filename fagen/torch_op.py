@@ -623,7 +623,6 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)
     if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and q_descale is None
-            and k_descale is None and v_descale is None
             and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous()
@@ -631,10 +630,12 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         # an eager call for inference, the common case of a generation loop: its shape class's
         # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
         # the GPU only: the kernel reads those in place, where host ones are copied at packing.
-        # FP8 tensors and wide heads have no class (ShapeClasses declines them): their paths below
+        # FP8 q and wide heads have no class (ShapeClasses declines them): their paths below; an
+        # FP8 KV cache (FP8 k and v, a half-type q) has, its descales in the class's key
         done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
                                     sinks if sinks is None else _without_grad(sinks), return_lse,
-                                    (cache_seqlens, cache_leftpad) if ranged else ())
+                                    (cache_seqlens, cache_leftpad) if ranged else (),
+                                    () if k_descale is None and v_descale is None else (k_descale, v_descale))
         if done is not NotImplemented:
             return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None

@@ -484,7 +484,8 @@ def _fp8_queries(rng, kv_dtype, b, hq, hkv, nq, d, per_head, torch):
 def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, hkv, nq, nk, causal, per_head):
     """fagen.attention on FP8 q, k, v with FlashAttention-3's three descales, a decode step's few
     rows a KV head: the FP8 cache's decode kernel (GQA packed, keys split) on q widened to
-    bfloat16 with q_descale folded into k_descale, bit for bit that call, within bfloat16's
+    bfloat16 with q_descale folded into k_descale, bit for bit that call (the general path's),
+    within bfloat16's
     tolerance of exact attention of the FP8 values times their descales; the compiled call too."""
     torch = pytest.importorskip("torch")
     import fagen
@@ -494,7 +495,9 @@ def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, h
     (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, d), kv_dtype, torch) for _ in range(2))
     with torch.no_grad():
         got = fagen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-        as_cache = fagen.attention(q8.to(torch.bfloat16), k8, v8, causal=causal, k_descale=kd * qd, v_descale=vd)
+        # (the general path's call, as the FP8 one takes it: a kept class may split the keys otherwise)
+        as_cache = fagen.decode.attention(q8.to(torch.bfloat16), k8, v8, causal=causal, k_descale=kd * qd,
+                                          v_descale=vd)
     assert got.dtype == torch.bfloat16 and got.shape == q8.shape and not torch.isnan(got).any()
     assert torch.equal(got, as_cache)
     want = oracle.attention(*(to_numpy(x.float()) for x in (q8, k8, v8)), causal=causal,
@@ -573,3 +576,68 @@ def test_a_prepared_paged_call_refuses_an_fp8_q_with_the_widening_to_do():
     q = q8.to(torch.bfloat16)  # the fix the message gives
     prepared = fagen.prepare_with_kvcache(q, k8, v8, lens, pages, k_descale=0.5, v_descale=1.0)
     assert torch.equal(prepared(q, k8, v8, lens, pages), torch.ones_like(q))  # one key of ones
+
+
+def test_unvalidated_paged_calls_on_an_fp8_cache_are_kept_and_follow_their_descales():
+    """attention_with_kvcache(validate=False) on an FP8 cache goes through a kept prepared call
+    (its class keyed by the descales: a number's value, a tensor's address and version): calls
+    equal the validated call bit for bit, a write into k_descale reaches the next call, and a
+    number descale takes its own class."""
+    torch = pytest.importorskip("torch")
+    import fagen
+    from fagen.sequences import KEPT_PAGED_CALLS
+
+    rng = np.random.default_rng(31)
+    b, hq, hkv, d, page = 4, 32, 8, 128, 64
+    lens = [900, 64, 3000, 1]
+    need = [-(-n // page) for n in lens]
+    (k8, _), (v8, _) = (cache(rng, (sum(need) + 1, page, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    table = torch.from_numpy(np.concatenate([[0], np.cumsum(need)])[:-1, None] + np.arange(max(need))[None]).to(
+        torch.int32).cuda()
+    table = torch.minimum(table, torch.tensor(sum(need), device="cuda", dtype=torch.int32))
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kd, vd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() for _ in range(2))
+    q = torch.from_numpy(rng.standard_normal((b, hq, 1, d)).astype(np.float32)).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(2):
+            kept = fagen.attention_with_kvcache(q, k8, v8, seqlens, table, validate=False, k_descale=kd, v_descale=vd)
+            assert torch.equal(kept, fagen.attention_with_kvcache(q, k8, v8, seqlens, table, k_descale=kd,
+                                                                  v_descale=vd))
+        classes = len(KEPT_PAGED_CALLS._kept)
+        kd.mul_(1.5)
+        moved = fagen.attention_with_kvcache(q, k8, v8, seqlens, table, validate=False, k_descale=kd, v_descale=vd)
+        assert torch.equal(moved, fagen.attention_with_kvcache(q, k8, v8, seqlens, table, k_descale=kd, v_descale=vd))
+        assert not torch.equal(moved, kept) and len(KEPT_PAGED_CALLS._kept) == classes + 1
+        as_number = fagen.attention_with_kvcache(q, k8, v8, seqlens, table, validate=False, k_descale=0.75,
+                                                 v_descale=vd)
+        assert torch.equal(as_number, fagen.attention_with_kvcache(q, k8, v8, seqlens, table, k_descale=0.75,
+                                                                   v_descale=vd))
+    want = oracle.attention_paged(*(to_numpy(x.float()) for x in (q, k8, v8)), table.cpu().numpy(), lens,
+                                  k_descale=to_numpy(kd), v_descale=to_numpy(vd))
+    assert relative_error(to_numpy(moved.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+
+
+def test_fagen_attention_on_an_fp8_cache_keeps_its_class_and_follows_its_descales():
+    """fagen.attention on a bfloat16 q and an e4m3 cache (no autograd) goes through a kept shape
+    class (ShapeClasses: the descales in its key, a tensor by address and version): a growing
+    cache's steps and repeated calls equal a fresh prepared call's result bit for bit, a write into
+    v_descale reaches the next call, and the class count grows only for a new descale."""
+    torch = pytest.importorskip("torch")
+    import fagen
+    from fagen.decode import SHAPE_CLASSES
+
+    rng = np.random.default_rng(37)
+    q, k8, v8, kd, vd = inputs(rng, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 2500, 1.0, torch)
+    with torch.no_grad():
+        for nk in (2300, 2301, 2302, 2302):  # a generation loop's growing cache, then a repeated call
+            got = fagen.attention(q, k8[:, :, :nk], v8[:, :, :nk], k_descale=kd, v_descale=vd)
+            want = fagen.prepare(q, k8[:, :, :nk], v8[:, :, :nk], k_descale=kd, v_descale=vd)(
+                q, k8[:, :, :nk], v8[:, :, :nk])
+            assert torch.equal(got, want), nk
+        classes = len(SHAPE_CLASSES._growing) + len(SHAPE_CLASSES._exact)
+        vd.mul_(0.5)
+        moved = fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd)
+        assert torch.allclose(moved.float(), 0.5 * fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd * 2).float(),
+                              rtol=1e-2, atol=1e-3)
+        assert len(SHAPE_CLASSES._growing) + len(SHAPE_CLASSES._exact) > classes
+    assert relative_error(to_numpy(moved.float()), exact(q, k8, v8, kd, vd, False)) <= ELEMENT_TYPES["bfloat16"].tolerance
