@@ -71,7 +71,7 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
 
 
 def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return_lse: bool = False,
-            cache_seqlens=None, cache_leftpad=None, k_descale=None, v_descale=None, **side):
+            cache_seqlens=None, cache_leftpad=None, q_descale=None, k_descale=None, v_descale=None, **side):
     """out (and lse) of fagen.attention's call whose spec is `plain` (derive_spec's): nothing
     launched where there is no work (answer_without_work), the decode kernel where one takes the
     call (packed_spec), else the plain forward; key ranges (cache_seqlens, cache_leftpad) through
@@ -86,7 +86,7 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
                              f"positions has no view of each sequence's range; pass a padding bias without the ranges")
         prepared = PreparedAttention(q, k, v, plain=plain, scale=scale, alibi_slopes=side.get("alibi_slopes"),
                                      sinks=side.get("sinks"), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
-                                     k_descale=k_descale, v_descale=v_descale)
+                                     q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return prepared.once(q, k, v, *prepared.ranges, return_lse=return_lse)
     spec = packed_spec(plain, q, k)
     if spec is None:
@@ -95,19 +95,20 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
             raise ValueError(fp8_kv_refusal("k, v", tk.dtype, plain, tq.shape[2] * (tq.shape[1] // max(tk.shape[1], 1))))
         return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=side.get("alibi_slopes"),
-               sinks=side.get("sinks"), k_descale=k_descale, v_descale=v_descale)
+               sinks=side.get("sinks"), q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int | None = None,
-        return_lse: bool = False, alibi_slopes=None, sinks=None, k_descale=None, v_descale=None):
+        return_lse: bool = False, alibi_slopes=None, sinks=None, q_descale=None, k_descale=None, v_descale=None):
     """out (and lse) through the decode kernel `spec` (a GQA-packed partial spec): one launch, or
     two where the merge kernel combines the partials (step_spec)."""
     tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
     b, hq, nq, _ = tq.shape
     step, splits = step_spec(spec, b, hq, tk.shape[1], nq, tk.shape[2], splits, sinks is not None)
     kernel = compile_kernel(step)
-    # an FP8 KV cache's (FlashAttention-3's k_descale, v_descale); other kernels refuse descales
-    descales = {} if k_descale is None and v_descale is None else {"k_descale": k_descale, "v_descale": v_descale}
+    # an FP8 KV cache's (FlashAttention-3's; q's for an FP8 q widened); other kernels refuse descales
+    descales = {} if q_descale is None and k_descale is None and v_descale is None else {
+        "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if step.outputs.partial and not step.outputs.merge_splits:  # the merge kernel's launch after it
         o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes,
                                     **descales)
@@ -120,23 +121,25 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
 
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
-              cache_seqlens=None, cache_leftpad=None, k_descale=None, v_descale=None):
+              cache_seqlens=None, cache_leftpad=None, q_descale=None, k_descale=None, v_descale=None):
     """fagen.attention for CuPy arrays (and PyTorch tensors outside autograd): the decode path
     where a decode kernel takes the arguments, else the plain forward of the derived spec
     (fagen.dispatch chooses which). cache_seqlens, cache_leftpad (int32 [B] on the GPU): sequence
     b's keys are rows cache_leftpad[b] .. cache_seqlens[b] of k and v (KeyRanges). k and v in an
     FP8 type against a half-type q: an FP8 KV cache, read by the decode kernels, with
-    FlashAttention-3's k_descale and v_descale (float32, one number or [B, Hkv]; None is 1)."""
+    FlashAttention-3's k_descale and v_descale (float32, one number or [B, Hkv]; None is 1), and
+    q_descale where q is an FP8 one widened (fp8_inputs.widened)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     shape = getattr(q, "shape", ())
     if len(shape) and shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own kernel
         return wide_head.attention_with_options(q, k, v, causal=causal, mask=mask, scale=scale, return_lse=return_lse,
                                                 softcap=softcap, cache_seqlens=cache_seqlens,
-                                                cache_leftpad=cache_leftpad, k_descale=k_descale,
-                                                v_descale=v_descale, **side)
+                                                cache_leftpad=cache_leftpad, q_descale=q_descale,
+                                                k_descale=k_descale, v_descale=v_descale, **side)
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
-                   cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale, **side)
+                   cache_leftpad=cache_leftpad, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                   **side)
 
 
 # Prepared calls captured in a CUDA graph. The graph holds their kernel arguments, which point at
@@ -159,12 +162,13 @@ class PreparedAttention:
     A call captured in a CUDA graph keeps this object alive for the rest of the process
     (CAPTURED): the graph's replays write its workspace, which must not go back to the
     allocator while a graph may still replay. sequences.PreparedKVCache is the paged form. An FP8
-    cache's k_descale and v_descale are read at prepare time (a copy: prepare again for others)."""
+    cache's k_descale and v_descale (and q_descale, for an FP8 q widened) are read at prepare time
+    (a copy: prepare again for others)."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None,
-                 cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None, k_descale=None,
-                 v_descale=None):
+                 cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None, q_descale=None,
+                 k_descale=None, v_descale=None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -191,8 +195,8 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            descaled = kernel.descale_arguments(tq, tk, None, fp8_inputs.prepared_copy(k_descale),
-                                                fp8_inputs.prepared_copy(v_descale))  # an FP8 cache's, read now
+            descaled = kernel.descale_arguments(tq, tk, *map(fp8_inputs.prepared_copy, (q_descale, k_descale, v_descale)))
+            # (an FP8 cache's, read now)
             if descaled is not None:
                 extras.update(descaled[0])
                 held = [*held, descaled[1]]
@@ -508,7 +512,8 @@ class ShapeClasses:
         """out (and lse) of fagen.attention's call, or NotImplemented where no class takes it (the
         general path then runs it, or refuses it by name). `ranges`: (cache_seqlens,
         cache_leftpad), either None, as KeyRanges takes them. `descales`: an FP8 KV cache's
-        (k_descale, v_descale), in the keys as fp8_inputs.descale_key holds them."""
+        (q_descale, k_descale, v_descale) (q's for an FP8 q widened), in the keys as
+        fp8_inputs.descale_key holds them."""
         if self._stream is None:
             self._stream = torch_stream_handle()
         options = None
@@ -559,11 +564,11 @@ class ShapeClasses:
         if growing is not None:
             return NotImplemented
         cache_seqlens, cache_leftpad = ranges or (None, None)
-        k_descale, v_descale = descales or (None, None)
+        q_descale, k_descale, v_descale = descales or (None, None, None)
         return self._add(base, exact_key, q, k, v, dict(causal=causal, mask=mask, softcap=softcap, scale=scale,
                                                        sinks=sinks, cache_seqlens=cache_seqlens,
-                                                       cache_leftpad=cache_leftpad, k_descale=k_descale,
-                                                       v_descale=v_descale), given, return_lse)
+                                                       cache_leftpad=cache_leftpad, q_descale=q_descale,
+                                                       k_descale=k_descale, v_descale=v_descale), given, return_lse)
 
     def _remember(self, options: tuple | None, prepared: PreparedAttention) -> None:
         """`prepared` as the class of calls with these options (None: not the C path's call)."""

@@ -175,8 +175,13 @@ def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec
     or mask they do not take: the caller refuses, fp8_kv_refusal). No other kernel reads an FP8 cache, so more rows
     than the largest decode kernel holds (a chunk of prefill) take its chunk variant over several
     row tiles (variants.fp8_kv_chunk_variant)."""
-    largest = max(variants.DECODE_HEAD_DIMS.get(plain.head_dim, (rows,)))
-    spec = variants.decode_spec(plain.dtype, plain.head_dim, min(rows, largest), plain.mask, plain.score_mod)
+    return _fp8_kv_kernel(plain.dtype, plain.head_dim, plain.mask, plain.score_mod, rows, kv_dtype)
+
+
+def _fp8_kv_kernel(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod, rows: int, kv_dtype: str
+                   ) -> AttentionSpec | None:
+    largest = max(variants.DECODE_HEAD_DIMS.get(head_dim, (rows,)))
+    spec = variants.decode_spec(dtype, head_dim, min(rows, largest), mask, score_mod)
     if spec is None:
         return None
     try:
@@ -191,21 +196,33 @@ def fp8_query_decodes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shap
                       causal: bool = False, mask=None, softcap: float | None = None, sinks=None, alibi_slopes=None,
                       bias=None, doc_ids=None, block_mask=None) -> bool:
     """Whether FP8 q, k, v ([B, H, N, d]) run as a decode step: q widened to bfloat16 (exactly,
-    fp8_inputs.widened_query) against k and v as an FP8 KV cache, in the kernels that pack a KV
-    head's query rows (GQA) and split its keys. True where one of them holds the call's rows and
-    takes its options; the FP8 forward's 128-row tiles would hold a head's few rows each, one
-    block a head, with no split. Side inputs the decode kernels lack (a bias, documents, a block
-    mask) keep the FP8 forward."""
+    fp8_inputs.widened) against k and v as an FP8 KV cache, in the kernels that pack a KV head's
+    query rows (GQA) and split its keys, q_descale read beside k's. True where one of them holds
+    the call's rows and takes its options; the FP8 forward's 128-row tiles would hold a head's
+    few rows each, one block a head, with no split. Side inputs the decode kernels lack (a bias,
+    documents, a block mask) keep the FP8 forward. (Asked on every FP8 call: remembered.)"""
     if bias is not None or doc_ids is not None or block_mask is not None:
         return False
     if not (len(q_shape) == len(k_shape) == len(v_shape) == 4) or k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         return False
-    head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
-    if v_shape[-1] != head_dim or not 1 <= rows <= max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
+    if isinstance(mask, str):
+        mask = _named_mask(mask)
+    elif mask is not None and not isinstance(mask, Mask):
+        mask = _mask_of(mask)
+    return _fp8_query_decodes(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
+                              sinks is not None, alibi_slopes is not None)
+
+
+@lru_cache(maxsize=256)
+def _fp8_query_decodes(q_shape: tuple[int, ...], hkv: int, head_dim_v: int, kv_dtype: str, causal: bool,
+                       mask: Mask | None, softcap: float | None, sinks: bool, alibi: bool) -> bool:
+    """(No GPU read: a decode kernel's spec is the same on every GPU, and a call's refusals come first.)"""
+    head_dim, rows = q_shape[-1], q_shape[1] * (q_shape[0] // hkv)
+    if head_dim_v != head_dim or not 1 <= rows <= max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
         return False
-    plain = derive_spec_for("bfloat16", head_dim, causal=causal, mask=mask, softcap=softcap, sinks=sinks,
-                            alibi_slopes=alibi_slopes)
-    return fp8_kv_spec(plain, rows, kv_dtype) is not None
+    score_mod = ScoreMod(softcap=softcap, sinks=sinks, alibi="slopes" if alibi else "none")
+    return _fp8_kv_kernel("bfloat16", head_dim, kernel_mask(causal, mask, False, False), score_mod, rows,
+                          kv_dtype) is not None
 
 
 def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:

@@ -10,9 +10,9 @@
 - The descales, FlashAttention-3's convention: float32, one number or [B, Hkv] each (None: 1);
   the true q is q * q_descale[b, h_kv], likewise k and v. Each goes to the kernel as an address and
   its (sequence, KV head) strides, a device tensor read where it lies (descale_views).
-- An FP8 q beside an FP8 KV cache, where a decode kernel takes the call: bfloat16, exactly, its
-  descale folded into k's (widened_query), so the cache's kernels, which split the keys and pack
-  GQA heads, run it.
+- An FP8 q beside an FP8 KV cache, where a decode kernel takes the call: bfloat16, exactly
+  (widened), so the cache's kernels, which split the keys and pack GQA heads, run it; they read
+  its q_descale beside k_descale (a score is q.k x q_descale x k_descale).
 """
 
 from __future__ import annotations
@@ -94,31 +94,9 @@ def _descale_shape(name: str, x, b: int, hkv: int) -> tuple[int, ...]:
     return shape
 
 
-def widened_query(q, q_descale, k_descale, b: int, hkv: int):
-    """An FP8 q (a torch tensor, [B, Hq, N, d] or varlen [total, Hq, d] of B sequences) as the
-    half-type q of an FP8 KV cache's kernels: (q in bfloat16, folded_descale). Exact: every e4m3
-    and e5m2 value is a bfloat16 one."""
-    return widened(q), folded_descale(q_descale, k_descale, b, hkv, q)
-
-
-def folded_descale(q_descale, k_descale, b: int, hkv: int, like):
-    """q's descale folded into k's: a score is q.k x q_descale x k_descale, both per (sequence,
-    KV head), so their product descales the FP8 call's scores where k's alone is read (the FP8
-    cache's kernels fold it into the softmax's scale). One number where both are (None: 1), else
-    computed on like's device ([B, Hkv] or [1], no host sync); each factor checked against
-    FlashAttention-3's forms first, so neither broadcasts into a shape the kernel misreads."""
-    for name, x in (("q_descale", q_descale), ("k_descale", k_descale)):
-        _descale_shape(name, x, b, hkv)
-    if q_descale is None or k_descale is None:
-        return k_descale if q_descale is None else q_descale
-    if np.isscalar(q_descale) and np.isscalar(k_descale):
-        return float(q_descale) * float(k_descale)
-    return _on_device(q_descale, like) * _on_device(k_descale, like)
-
-
 def widened(x):
     """An FP8 torch tensor in bfloat16, exactly (e4m3: 3 mantissa bits, exponents -9..8; e5m2: 2
-    and -16..15; bfloat16 holds 7 and -133..127)."""
+    and -16..15; bfloat16 holds 7 and -133..127): an FP8 q as an FP8 KV cache's kernels read it."""
     import torch
 
     return x.to(torch.bfloat16)

@@ -976,7 +976,7 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     return (*loaded, (OUT_PTR, "o"), ("float* __restrict__", "lse"),
             ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
             *strides, ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"), scale,
-            *(DESCALE_PARAMS if spec.element.is_fp8 else KV_DESCALE_PARAMS if spec.fp8_kv else ()))
+            *(DESCALE_PARAMS if spec.element.is_fp8 or spec.fp8_kv else ()))
 
 
 # FP8 at d128: wgmma consumes S elements as fast as the MUFU exponentiates them (16 a clock an
@@ -987,11 +987,10 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
 # issue slots than the MUFU it frees).
 EXP2_POLY_EVERY = 8
 # FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), each read where it
-# lies: its address and (sequence, KV head) strides
+# lies: its address and (sequence, KV head) strides. An FP8 KV cache's kernels take q's too: 1 for
+# a half-type q, an FP8 q's own where it was widened to one (fp8_inputs.widened)
 DESCALE_PARAMS = tuple(param for name in ("q_descale", "k_descale", "v_descale")
                        for param in ((FLOAT_PTR, name), ("long long", f"{name}_sb"), ("long long", f"{name}_sh")))
-# an FP8 KV cache's: k's and v's alone (q is a half type)
-KV_DESCALE_PARAMS = DESCALE_PARAMS[3:]
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "v_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")

@@ -673,11 +673,8 @@ class Kernel:
                 raise ValueError(f"{given[0]}: kernel {spec.name} takes {spec.dtype} inputs; descales "
                                  f"are for FP8 ones (dtype float8_e4m3)")
             return None
-        if spec.fp8_kv and q_descale is not None:
-            raise ValueError(f"q_descale: kernel {spec.name} takes q in {spec.dtype}, which has no descale; pass "
-                             f"k_descale and v_descale for its {spec.kv_dtype} k and v only")
-        views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj,
-                                         names=fp8_inputs.DESCALE_NAMES[spec.fp8_kv:])  # a KV cache's: k's, v's
+        # (an FP8 KV cache's q_descale: an FP8 q's, widened to the kernel's q type; None reads 1)
+        views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj)
         return descale_parameters(views), [array for array, _, _ in views.values()]
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:

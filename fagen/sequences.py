@@ -407,8 +407,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     read by the decode kernels with FlashAttention-3's k_descale and v_descale (float32, one number
     or [B, Hkv]; None is 1); new tokens k, v (float16 or bfloat16) go into it quantized with the
     same descales first (append_kv). q may be FP8 too (a torch tensor, with q_descale, as
-    FlashAttention-3's FP8 calls): it goes in as bfloat16, exactly, its descale folded into k's
-    (fp8_inputs.widened_query), out bfloat16. New tokens of the cache's FP8 type are in its units
+    FlashAttention-3's FP8 calls): it goes in as bfloat16, exactly (fp8_inputs.widened), its
+    descale read beside k's, out bfloat16. New tokens of the cache's FP8 type are in its units
     already and go in as they are."""
     # (a torch tensor's dtype read as is: the kept paged calls below are a few microseconds)
     fp8_cache = fp8_element(str(k_cache.dtype).removeprefix("torch.") if is_torch(k_cache)
@@ -428,7 +428,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
                          f"FP8 cache only")
     append_descales = (k_descale, v_descale)  # the cache's own: new half-type tokens are quantized by them
     if fp8_query:  # (paged: an FP8 cache is, above)
-        q, k_descale = fp8_inputs.widened_query(q, q_descale, k_descale, page_table.shape[0], k_cache.shape[2])
+        q = fp8_inputs.widened(q)
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
     if page_table is None:
@@ -448,10 +448,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")
-    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q) and not fp8_query:
+    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q):
         done = KEPT_PAGED_CALLS(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse,
                                 dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks),
-                                (k_descale, v_descale) if fp8_cache else ())
+                                (q_descale, k_descale, v_descale) if fp8_cache else ())
         if done is not NotImplemented:
             return done
     append = None
@@ -468,8 +468,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     if append is not None:
         append.launch()
-    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out, k_descale=k_descale,
-                   v_descale=v_descale)
+    out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out, q_descale=q_descale,
+                   k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -498,19 +498,21 @@ class PreparedKVCache(PreparedAttention):
     a page id outside the cache and ORs a flag into `status`, and cuts a sequence longer than
     its table row to it. q is padded [B, Hq, Nq, d]; new tokens go into the cache before the
     call (append_kv). An FP8 cache's k_descale and v_descale are read at prepare time (a copy:
-    prepare again for others)."""
+    prepare again for others), and q_descale where q is an FP8 q widened to bfloat16 (the call
+    passes the widened q)."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, page_table, *, causal: bool = False, mask=None,
                  softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
-                 status=None, splits: int | None = None, validate: bool = True, k_descale=None, v_descale=None):
+                 status=None, splits: int | None = None, validate: bool = True, q_descale=None, k_descale=None,
+                 v_descale=None):
         tq = as_device_tensor(q, "q")
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
                              f"attention_with_kvcache with cu_seqlens_q, whose tile table follows its values each call)")
         if _fp8(q):
             raise ValueError(f"q: {q.dtype}; a prepared call launches on q as it lies, a half type: prepare it with "
-                             f"q.to(torch.bfloat16) (exact for FP8 values) and k_descale = q_descale * k_descale, "
-                             f"and pass the widened q each call (attention_with_kvcache widens an FP8 q itself)")
+                             f"q.to(torch.bfloat16) (exact for FP8 values) and its q_descale, and pass the widened q "
+                             f"each call (attention_with_kvcache widens an FP8 q itself)")
         _read_in_place(tq, cache_seqlens=cache_seqlens, page_table=page_table)
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status, validate=validate)
@@ -519,8 +521,8 @@ class PreparedKVCache(PreparedAttention):
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
                              f"attention_with_kvcache, which answers a call without query rows with no launch")
         packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
-                      indices=PAGED_INDICES, k_descale=fp8_inputs.prepared_copy(k_descale),
-                      v_descale=fp8_inputs.prepared_copy(v_descale))
+                      indices=PAGED_INDICES, q_descale=fp8_inputs.prepared_copy(q_descale),
+                      k_descale=fp8_inputs.prepared_copy(k_descale), v_descale=fp8_inputs.prepared_copy(v_descale))
         self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
                   packed.kernel, packed.merge, packed.held)
 
@@ -619,7 +621,7 @@ class KeptPagedCalls(KeptCalls):
             return NotImplemented  # (a kept call's descales are numbers or torch tensors)
         values = tuple(map(fp8_inputs.descale_key, descales))
         if descales:
-            options = {**options, "k_descale": descales[0], "v_descale": descales[1]}
+            options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2]}
         return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), values, out, return_lse,
                          options)
 

@@ -396,28 +396,26 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     scores; doc_ids [B|1, N] int32: a document mask), or for a decode step's few rows the FP8 KV
     cache's kernels on q widened (_decode_step_query); a half-type q against FP8 k and v (an FP8
     KV cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
-    descales = (q_descale, k_descale, v_descale)
     if q.dtype in FP8_TYPES:  # a compiled call's decode step (eager ones come widened)
-        q, descales = _decode_step_query(q, k, v, descales, causal, mask_of(mask), softcap, sinks=sinks,
-                                         alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
-        _, k_descale, v_descale = descales
+        q = _decode_step_query(q, k, v, causal, mask_of(mask), softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                               bias=bias, doc_ids=doc_ids)
     if q.dtype not in FP8_TYPES:
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
-                                return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, k_descale=k_descale,
-                                v_descale=v_descale)
-    return _fp8_forward(q, k, v, descales, mask_of(mask), causal, softcap, scale, sinks=sinks,
-                        alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
+                                return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, q_descale=q_descale,
+                                k_descale=k_descale, v_descale=v_descale)
+    return _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), mask_of(mask), causal, softcap, scale,
+                        sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
 
 
-def _decode_step_query(q, k, v, descales, causal: bool, mask, softcap, **side):
-    """FP8 q, k, v as an FP8 KV cache's decode step where dispatch.fp8_query_decodes says so: (q
-    widened to bfloat16, exactly; the descales with q's folded into k's); else as they are."""
+def _decode_step_query(q, k, v, causal: bool, mask, softcap, **side):
+    """An FP8 q of FP8 q, k, v widened to bfloat16 (exactly, fp8_inputs.widened) where
+    dispatch.fp8_query_decodes runs the call as an FP8 KV cache's decode step (its q_descale then
+    read by the cache's kernels beside k's); else q as it is."""
     if k.dtype != q.dtype or v.dtype != q.dtype or not dispatch.fp8_query_decodes(
             tuple(q.shape), tuple(k.shape), tuple(v.shape), FP8_TYPES[k.dtype], causal=causal, mask=mask,
             softcap=softcap, **side):
-        return q, descales
-    q, k_descale = fp8_inputs.widened_query(q, descales[0], descales[1], q.shape[0], k.shape[1])
-    return q, (None, k_descale, descales[2])
+        return q
+    return fp8_inputs.widened(q)
 
 
 def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
@@ -444,9 +442,10 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
     tensor) and key ranges (the op carries none) run eagerly only. FP8 q, k, v of a decode step
     (dispatch.fp8_query_decodes) run as an FP8 KV cache's, q widened exactly."""
-    if q.dtype in FP8_TYPES and not torch.compiler.is_compiling():  # (traced: the op's body decides, unseen)
-        q, descales = _decode_step_query(q, k, v, descales, causal, mask, softcap, sinks=sinks,
-                                         alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids, block_mask=block_mask)
+    fp8_q = q.dtype in FP8_TYPES
+    if fp8_q and not torch.compiler.is_compiling():  # (traced: the op's body decides, unseen)
+        q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
+                               doc_ids=doc_ids, block_mask=block_mask)
     kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
     what = f"q {q.dtype} against an FP8 KV cache" if kv_cache else f"{q.dtype} q, k, v (the FP8 forward)"
     if q.dtype not in FP8_TYPES and not kv_cache:
@@ -459,7 +458,7 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     packs = ("sinks", "alibi_slopes", *ranges)
     taken = {**side, **ranges}.items() if kv_cache else ranges.items()
     unsupported = [name for name, x in taken if x is not None and not (kv_cache and name in packs)]
-    if kv_cache and descales[0] is not None:
+    if kv_cache and not fp8_q and descales[0] is not None:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"{k.dtype} k and v only")
     if unsupported:
@@ -473,7 +472,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
             raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()")
         return decode.attention(q, k, v, mask=mask, causal=causal, softcap=softcap, scale=scale, return_lse=return_lse,
                                 sinks=sinks, alibi_slopes=alibi_slopes, cache_seqlens=cache_seqlens,
-                                cache_leftpad=cache_leftpad, k_descale=descales[1], v_descale=descales[2])
+                                cache_leftpad=cache_leftpad, q_descale=descales[0], k_descale=descales[1],
+                                v_descale=descales[2])
     if _records_grad(q, k, v, sinks, bias):
         raise ValueError(f"{what}: no backward yet; call it under torch.no_grad(), or pass bfloat16 tensors with "
                          f"fp8=True (quantized inside, with the FP8 backward)")
@@ -599,7 +599,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1), and the masks (doc_ids; a
     block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types; a decode
     step's (a KV head's query rows few enough for a decode kernel) runs as an FP8 KV cache's, q
-    widened to bfloat16 exactly and its descale folded into k's (GQA packed, keys split). A float16
+    widened to bfloat16 exactly, its descale read beside k's (GQA packed, keys split). A float16
     or bfloat16 q against FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale,
     v_descale; masks of positions, softcap, sinks, ALiBi slopes and, eagerly, key ranges; out in q's
     type).
@@ -622,7 +622,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     ranged = cache_seqlens is not None or cache_leftpad is not None
     # q, k and v plain tensors outside tracing, in a call autograd does not record (_eager and
     # _records_grad's test, spelled out inline: a decode loop's host time)
-    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None and q_descale is None
+    if (bias is None and alibi_slopes is None and doc_ids is None and block_mask is None
             and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and (sinks is None or isinstance(sinks, Tensor) and sinks.is_cuda and sinks.is_contiguous()
@@ -630,14 +630,18 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         # an eager call for inference, the common case of a generation loop: its shape class's
         # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
         # the GPU only: the kernel reads those in place, where host ones are copied at packing.
-        # FP8 q and wide heads have no class (ShapeClasses declines them): their paths below; an
-        # FP8 KV cache (FP8 k and v, a half-type q) has, its descales in the class's key
-        done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
-                                    sinks if sinks is None else _without_grad(sinks), return_lse,
-                                    (cache_seqlens, cache_leftpad) if ranged else (),
-                                    () if k_descale is None and v_descale is None else (k_descale, v_descale))
-        if done is not NotImplemented:
-            return done
+        # An FP8 KV cache (FP8 k and v) has a class, its descales in the class's key; FP8 q, k, v
+        # a decode step's, q widened (q_descale then read beside k's); the FP8 forward and wide
+        # heads have none (ShapeClasses declines them): their paths below
+        fast_q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks) if q.dtype in FP8_TYPES else q
+        if fast_q.dtype not in FP8_TYPES and (q_descale is None or fast_q is not q):
+            done = decode.SHAPE_CLASSES(fast_q, k, v, causal, mask, softcap, scale,
+                                        sinks if sinks is None else _without_grad(sinks), return_lse,
+                                        (cache_seqlens, cache_leftpad) if ranged else (),
+                                        () if q_descale is None and k_descale is None and v_descale is None
+                                        else (q_descale, k_descale, v_descale))
+            if done is not NotImplemented:
+                return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
             or v_descale is not None):
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),

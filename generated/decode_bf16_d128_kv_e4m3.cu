@@ -590,6 +590,9 @@ fagen_decode_bf16_d128_kv_e4m3(
     long long o_sh,
     long long o_sn,
     float scale_log2,
+    const float* __restrict__ q_descale,
+    long long q_descale_sb,
+    long long q_descale_sh,
     const float* __restrict__ k_descale,
     long long k_descale_sb,
     long long k_descale_sh,
@@ -640,8 +643,9 @@ fagen_decode_bf16_d128_kv_e4m3(
   __syncthreads();
   const float q_unscale = q_to_float16(smem_q, tid);
   // An FP8 KV cache's descales (FlashAttention-3's k_descale, v_descale): the true k is
-  // k * k_descale[b, h_kv], likewise v. K's folds into the scale with Q's float16 rescale; V's multiplies O once, after the last P.V.
-  const float qk_descale = k_descale[b * k_descale_sb + h_kv * k_descale_sh] * q_unscale;
+  // k * k_descale[b, h_kv], likewise v; q's is 1, or an FP8 q's widened to q's type. Q's and K's
+  // fold into the scale with Q's float16 rescale; V's multiplies O once, after the last P.V.
+  const float qk_descale = q_descale[b * q_descale_sb + h_kv * q_descale_sh] * k_descale[b * k_descale_sb + h_kv * k_descale_sh] * q_unscale;
   const float to_log2 = scale_log2 * qk_descale;
 
   float o_acc[M_FRAGS][O_N_FRAGS][4] = {};

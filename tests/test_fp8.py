@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fagen import fp8_inputs
-from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, folded_descale, prepared_copy, transposed_v
+from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, prepared_copy, transposed_v
 from fagen.load import SPECS as SPECS_DIR, load_spec, parse_spec
 from fagen.render import render
 from fagen.spec import Mask, ScoreMod, SpecError
@@ -80,24 +80,6 @@ def test_each_descale_is_read_through_its_own_strides():
     again = descale_views(None, None, None, b, hkv, np.zeros(1), names=("k_descale", "v_descale"))
     assert list(again) == ["k_descale", "v_descale"]  # an FP8 KV cache's: q's is not built
     assert again["k_descale"][0] is views["q_descale"][0]  # one kept 1
-
-
-def test_q_s_descale_folds_into_k_s_without_a_broadcast_of_another_shape():
-    """An FP8 q read by the FP8 cache's kernels brings its descale into k's: the product, per
-    (sequence, KV head), one number where both are; None leaves the other as it is; a factor of
-    another shape is refused by its own name before it could broadcast ([Hkv] x [B, Hkv] would)."""
-    b, hkv = 2, 3
-    per_head = np.arange(1, 7, dtype=np.float32).reshape(b, hkv)
-    assert folded_descale(None, None, b, hkv, np.zeros(1)) is None
-    assert folded_descale(0.5, None, b, hkv, np.zeros(1)) == 0.5 and folded_descale(None, per_head, b, hkv, None) is per_head
-    assert folded_descale(0.5, 3, b, hkv, np.zeros(1)) == 1.5
-    np.testing.assert_array_equal(folded_descale(0.5, per_head, b, hkv, np.zeros(1)), per_head * 0.5)
-    np.testing.assert_array_equal(folded_descale(per_head, np.float32([2]), b, hkv, np.zeros(1)), per_head * 2)
-    np.testing.assert_array_equal(folded_descale(per_head, per_head.T.copy().T, b, hkv, np.zeros(1)), per_head ** 2)
-    with pytest.raises(ValueError, match=r"q_descale: shape \(3,\); .*\[B, Hkv\] = \[2, 3\]"):
-        folded_descale(np.ones(hkv, np.float32), per_head, b, hkv, np.zeros(1))
-    with pytest.raises(ValueError, match=r"k_descale: shape \(2, 3, 1\)"):
-        folded_descale(0.5, np.ones((2, 3, 1), np.float32), b, hkv, np.zeros(1))
 
 
 def test_a_prepared_call_keeps_its_descales_values():
@@ -268,8 +250,10 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
+    # (a decode step's rows, 64 a KV head or fewer, run on the FP8 cache's kernels, which take key ranges)
+    rows200 = torch.zeros((1, 2, 200, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="cache_seqlens: not with torch.float8_e4m3fn q, k, v"):
-        attention(q8, q8, q8, cache_seqlens=torch.full((1,), 64, dtype=torch.int32))
+        attention(rows200, rows200, rows200, cache_seqlens=torch.full((1,), 64, dtype=torch.int32))
     with pytest.raises(ValueError, match="no backward yet"):  # a bias autograd records: the FP8 forward has none
         attention(q8, q8, q8, bias=torch.zeros(1, 2, 64, requires_grad=True))
     recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)
@@ -277,7 +261,7 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
         attention(q8, q8, recorded_v, causal=True)
     with pytest.raises(ValueError, match="head_dim 64: the FP8 forward is built for attn_e4m3_d128_sm90a, "
                                          "attn_e4m3_d256_sm90a"):
-        attention(q8[..., :64], q8[..., :64], q8[..., :64])
+        attention(rows200[..., :64], rows200[..., :64], rows200[..., :64])
 
 
 def test_fagen_attention_refuses_what_an_fp8_kv_cache_does_not_take_before_the_gpu():
@@ -324,7 +308,7 @@ def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
     from fagen import api
 
     calls = stub_kernels(monkeypatch, torch)
-    q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
+    q8 = torch.zeros((1, 2, 200, 128)).to(torch.float8_e4m3fn)  # (more rows than a decode step's)
     descale = torch.full((1, 2), 0.5)
 
     @torch.compile(fullgraph=True, backend="eager")
@@ -332,7 +316,7 @@ def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
         return api.attention(q, k, v, causal=True, softcap=30.0, q_descale=descale, k_descale=descale, v_descale=2.0)
 
     out = layer(q8, q8, q8)
-    assert out.dtype == torch.bfloat16 and out.shape == (1, 2, 64, 128)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 2, 200, 128)
     (spec, kw), = calls
     assert spec.element.is_fp8 and spec.mask.kind == "causal" and spec.score_mod.softcap == 30.0
     assert kw["q_descale"] is not None and float(kw["v_descale"]) == 2.0 and kw["return_lse"]

@@ -484,9 +484,9 @@ def _fp8_queries(rng, kv_dtype, b, hq, hkv, nq, d, per_head, torch):
 def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, hkv, nq, nk, causal, per_head):
     """fagen.attention on FP8 q, k, v with FlashAttention-3's three descales, a decode step's few
     rows a KV head: the FP8 cache's decode kernel (GQA packed, keys split) on q widened to
-    bfloat16 with q_descale folded into k_descale, bit for bit that call (the general path's),
-    within bfloat16's
-    tolerance of exact attention of the FP8 values times their descales; the compiled call too."""
+    bfloat16, q_descale read beside k_descale: bit for bit the widened call with the descales
+    multiplied (each through a kept class), within bfloat16's tolerance of exact attention of the
+    FP8 values times their descales; the compiled call bit for bit the general path's."""
     torch = pytest.importorskip("torch")
     import fagen
 
@@ -495,9 +495,9 @@ def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, h
     (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, d), kv_dtype, torch) for _ in range(2))
     with torch.no_grad():
         got = fagen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
-        # (the general path's call, as the FP8 one takes it: a kept class may split the keys otherwise)
-        as_cache = fagen.decode.attention(q8.to(torch.bfloat16), k8, v8, causal=causal, k_descale=kd * qd,
-                                          v_descale=vd)
+        as_cache = fagen.attention(q8.to(torch.bfloat16), k8, v8, causal=causal, k_descale=kd * qd, v_descale=vd)
+        general = fagen.decode.attention(q8.to(torch.bfloat16), k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                         v_descale=vd)
     assert got.dtype == torch.bfloat16 and got.shape == q8.shape and not torch.isnan(got).any()
     assert torch.equal(got, as_cache)
     want = oracle.attention(*(to_numpy(x.float()) for x in (q8, k8, v8)), causal=causal,
@@ -509,7 +509,7 @@ def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, h
         compiled = torch.compile(lambda q, k, v: fagen.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd),
                                  fullgraph=True)
         with torch.no_grad():
-            assert torch.equal(compiled(q8, k8, v8), got)
+            assert torch.equal(compiled(q8, k8, v8), general)
 
 
 def test_fp8_q_against_a_paged_fp8_cache_appends_fp8_tokens_as_they_are():
@@ -581,8 +581,8 @@ def test_a_prepared_paged_call_refuses_an_fp8_q_with_the_widening_to_do():
 def test_unvalidated_paged_calls_on_an_fp8_cache_are_kept_and_follow_their_descales():
     """attention_with_kvcache(validate=False) on an FP8 cache goes through a kept prepared call
     (its class keyed by the descales: a number's value, a tensor's address and version): calls
-    equal the validated call bit for bit, a write into k_descale reaches the next call, and a
-    number descale takes its own class."""
+    equal the validated call bit for bit, a write into k_descale reaches the next call, a
+    number descale takes its own class, and an FP8 q (widened, q_descale in the key) keeps one."""
     torch = pytest.importorskip("torch")
     import fagen
     from fagen.sequences import KEPT_PAGED_CALLS
@@ -612,6 +612,12 @@ def test_unvalidated_paged_calls_on_an_fp8_cache_are_kept_and_follow_their_desca
                                                  v_descale=vd)
         assert torch.equal(as_number, fagen.attention_with_kvcache(q, k8, v8, seqlens, table, k_descale=0.75,
                                                                    v_descale=vd))
+        q8 = (q.float() * 8).to(torch.float8_e4m3fn)  # an FP8 q, widened each call, its descale read by the kernel
+        for _ in range(2):
+            fp8_q = fagen.attention_with_kvcache(q8, k8, v8, seqlens, table, validate=False, q_descale=0.125,
+                                                 k_descale=kd, v_descale=vd)
+            assert torch.equal(fp8_q, fagen.attention_with_kvcache(q8, k8, v8, seqlens, table, q_descale=0.125,
+                                                                   k_descale=kd, v_descale=vd))
     want = oracle.attention_paged(*(to_numpy(x.float()) for x in (q, k8, v8)), table.cpu().numpy(), lens,
                                   k_descale=to_numpy(kd), v_descale=to_numpy(vd))
     assert relative_error(to_numpy(moved.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
