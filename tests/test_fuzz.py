@@ -12,7 +12,7 @@ from fagen.spec import SpecError
 from fagen.load import parse_spec
 from tests.spec_fuzz import specs, try_spec
 
-SEED, COUNT = 20261122, 300  # 27 of them validate, 16 with a backward: ~30 s of nvcc on two cores
+SEED, COUNT = 20261122, 240  # 36 of them validate (FP8 types drawn since): ~20 s of nvcc on two cores
 
 
 def test_random_specs_validate_only_if_they_compile_without_spills():
