@@ -48,6 +48,18 @@ def inputs(rng, dtype, kv_dtype, b, hq, hkv, nq, nk, q_scale, torch, d: int = 12
     return q, k8, v8, kd, vd
 
 
+def shuffled_table(rng, need: list[int], spare: int = 2) -> tuple[np.ndarray, int]:
+    """A page table [B, max(need)] (int32) over a cache of sum(need) + spare pages in shuffled
+    order: sequence b's first need[b] entries are its own pages, the rest 0 (never read)."""
+    order = rng.permutation(sum(need) + spare)
+    table = np.zeros((len(need), max(need)), np.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = order[used:used + n]
+        used += n
+    return table, len(order)
+
+
 def exact(q, k8, v8, kd, vd, causal: bool):
     """Attention of the FP8 values times their descales, float64 (the oracle's FP8 steps, P unrounded)."""
     return oracle.attention(*(to_numpy(x.float()) for x in (q, k8, v8)), causal=causal,
@@ -225,14 +237,8 @@ def test_a_chunk_of_queries_reads_a_paged_fp8_cache():
     rng = np.random.default_rng(17)
     lens, page_size, hq, hkv, d, nq = [900, 48, 2000], 64, 16, 4, 128, 48
     b = len(lens)
-    need = [-(-n // page_size) for n in lens]
-    order = rng.permutation(sum(need) + 2)
-    table = np.zeros((b, max(need)), np.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = order[used:used + n]
-        used += n
-    (k8, _), (v8, _) = (cache(rng, (len(order), page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    table, num_pages = shuffled_table(rng, [-(-n // page_size) for n in lens])
+    (k8, _), (v8, _) = (cache(rng, (num_pages, page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
     kd, vd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() for _ in range(2))
     q = torch.from_numpy(rng.standard_normal((b, hq, nq, d)).astype(np.float32)).cuda().to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
@@ -525,14 +531,8 @@ def test_fp8_q_against_a_paged_fp8_cache_appends_fp8_tokens_as_they_are():
     page_size, hq, hkv, d, n_new = 16, 16, 4, 128, 3
     lens = [40, 0, 300]
     b = len(lens)
-    need = [-(-(n + n_new) // page_size) for n in lens]
-    order = rng.permutation(sum(need) + 2)
-    table = np.zeros((b, max(need)), np.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = order[used:used + n]
-        used += n
-    (k8, _), (v8, _) = (cache(rng, (len(order), page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    table, num_pages = shuffled_table(rng, [-(-(n + n_new) // page_size) for n in lens])
+    (k8, _), (v8, _) = (cache(rng, (num_pages, page_size, hkv, d), "float8_e4m3", torch) for _ in range(2))
     kd, vd = (torch.from_numpy(rng.uniform(0.5, 2.0, (b, hkv)).astype(np.float32)).cuda() for _ in range(2))
     q8, qd = _fp8_queries(rng, "float8_e4m3", b, hq, hkv, n_new, d, True, torch)
     (k_new, _), (v_new, _) = (cache(rng, (b, hkv, n_new, d), "float8_e4m3", torch) for _ in range(2))
