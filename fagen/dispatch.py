@@ -344,8 +344,6 @@ def _fp8_batch_spec(batch, dtype: str, *, causal: bool, mask, softcap, alibi_slo
     if tk.dtype != tq.dtype or tv.dtype != tq.dtype:
         raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; the FP8 forward takes all three of "
                          f"one FP8 type (an FP8 KV cache, a half-type q, is read paged)")
-    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
-        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     if tv.shape[-1] != tq.shape[-1]:
         raise ValueError(f"head_dim: q {tq.shape[-1]}, v {tv.shape[-1]}; the FP8 forward has V as wide as Q and K")
     spec = fp8_forward_spec(dtype, tq.shape[-1], causal, mask, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
@@ -360,6 +358,8 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
     sequence's queries x its group) fit one, else the plain forward of its shape class
     (class_keys), in the batch's layouts."""
     tq, tk = batch.q, batch.k
+    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
+        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     q_fp8 = fp8_element(tq.dtype)
     if q_fp8 is not None:  # FP8 q, k, v: the FP8 forward, in the batch's layouts
         return _fp8_batch_spec(batch, q_fp8.name, causal=causal, mask=mask, softcap=softcap,
@@ -374,8 +374,6 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
         ws = long.pipeline.warp_specialized
         if ws is not None and ws.persistent:
             plain = long
-    if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
-        raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
     packed = (variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
               if dv is None else None)  # (the decode kernels hold one width)

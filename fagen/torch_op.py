@@ -464,19 +464,17 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     if unsupported:
         raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale, "
                          f"{', '.join(packs if kv_cache else side)} and the descales); pass bfloat16 tensors for it")
+    if _records_grad(q, k, v, sinks, bias):
+        raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()" + (
+            "" if kv_cache else ", or pass bfloat16 tensors with fp8=True (quantized inside, with the FP8 backward)"))
     if kv_cache and (cache_seqlens is not None or cache_leftpad is not None):  # eagerly: the op carries no ranges
         if not _eager(q, k, v, *descales, cache_seqlens, cache_leftpad):
             raise ValueError("cache_seqlens, cache_leftpad with an FP8 KV cache: eager calls only yet (the op "
                              "fagen::fp8_attention_forward carries no key ranges); call it outside torch.compile")
-        if _records_grad(q, k, v, sinks):
-            raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()")
         return decode.attention(q, k, v, mask=mask, causal=causal, softcap=softcap, scale=scale, return_lse=return_lse,
                                 sinks=sinks, alibi_slopes=alibi_slopes, cache_seqlens=cache_seqlens,
                                 cache_leftpad=cache_leftpad, q_descale=descales[0], k_descale=descales[1],
                                 v_descale=descales[2])
-    if _records_grad(q, k, v, sinks, bias):
-        raise ValueError(f"{what}: no backward yet; call it under torch.no_grad(), or pass bfloat16 tensors with "
-                         f"fp8=True (quantized inside, with the FP8 backward)")
     if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and k.dtype == v.dtype and (kv_cache or q.dtype == k.dtype)):
         raise ValueError(f"q, k, v: {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, {v.dtype} "
                          f"{tuple(v.shape)}; the FP8 forward takes all three of one FP8 type, an FP8 KV cache a "
