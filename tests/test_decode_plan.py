@@ -300,7 +300,8 @@ def test_shape_classes_try_the_class_a_call_with_the_same_options_last_took(monk
 
 def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check(monkeypatch):
     """The memo's key: a dict mask by its items, the sinks by address and version, which of the key
-    ranges are given; each other value is another class. At LIMIT entries the memo starts over."""
+    ranges are given, an FP8 cache's descales (numbers by value, tensors by address and version);
+    each other value is another class. At LIMIT entries the memo starts over."""
     from fagen.decode import ShapeClasses
 
     classes = ShapeClasses()
@@ -324,10 +325,10 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
         def data_ptr(self):
             return self.at
 
-    def call(mask=None, sinks=None, ranges=()):
+    def call(mask=None, sinks=None, ranges=(), descales=()):
         before = [len(c.calls) for c in made]
-        assert classes(q, *kv, True, mask, None, None, sinks, False, ranges) == "out"
-        assert classes(q, *kv, True, mask, None, None, sinks, False, ranges) == "out"  # remembered now
+        assert classes(q, *kv, True, mask, None, None, sinks, False, ranges, descales) == "out"
+        assert classes(q, *kv, True, mask, None, None, sinks, False, ranges, descales) == "out"  # remembered now
         return [c.calls[n:] for c, n in zip(made, before)] + [c.calls for c in made[len(before):]]
 
     window = {"kind": "sliding_window", "window_left": 300}
@@ -341,8 +342,15 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
     lengths = _Tensor(1)
     assert call(ranges=(lengths, None))[-1] == ["run", "run"] and len(made) == 5
     assert call(ranges=(None, lengths))[-1] == ["run", "run"] and len(made) == 6  # the other range given
-    assert len(classes._last) == 6
-    monkeypatch.setattr(ShapeClasses, "LIMIT", 6)
+    k_descale = Sinks(12288)
+    assert call(descales=(None, k_descale, 0.5))[-1] == ["run", "run"] and len(made) == 7
+    assert call(descales=(None, k_descale, 0.5))[-1] == ["kept", "kept"] and len(made) == 7  # the same class
+    assert call(descales=(None, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 8  # another number
+    k_descale._version += 1  # written in place: the packing copied its values
+    assert call(descales=(None, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 9
+    assert call(descales=(0.5, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 10  # an FP8 q's descale
+    assert len(classes._last) == 10
+    monkeypatch.setattr(ShapeClasses, "LIMIT", 10)
     call(mask="causal")  # the seventh: the memo starts over
     assert list(classes._last.values()) == [made[-1]._hot.run]
 
