@@ -407,6 +407,18 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
                         sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
 
 
+def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple,
+                   descales: tuple):
+    """decode.SHAPE_CLASSES for a call with descales: an FP8 KV cache's (a half-type q), or FP8 q,
+    k, v of a decode step (q widened; q_descale read beside k's); NotImplemented for the rest (a
+    half-type q with q_descale is refused by the general path, the FP8 forward has no class)."""
+    fast_q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks) if q.dtype in FP8_TYPES else q
+    if fast_q.dtype in FP8_TYPES or (descales[0] is not None and fast_q is q):
+        return NotImplemented
+    return decode.SHAPE_CLASSES(fast_q, k, v, causal, mask, softcap, scale,
+                                sinks if sinks is None else _without_grad(sinks), return_lse, ranges, descales)
+
+
 def _decode_step_query(q, k, v, causal: bool, mask, softcap, **side):
     """An FP8 q of FP8 q, k, v widened to bfloat16 (exactly, fp8_inputs.widened) where
     dispatch.fp8_query_decodes runs the call as an FP8 KV cache's decode step (its q_descale then
@@ -628,18 +640,19 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
         # an eager call for inference, the common case of a generation loop: its shape class's
         # packed launch where one is kept (decode.ShapeClasses), before any other work. Sinks on
         # the GPU only: the kernel reads those in place, where host ones are copied at packing.
-        # An FP8 KV cache (FP8 k and v) has a class, its descales in the class's key; FP8 q, k, v
-        # a decode step's, q widened (q_descale then read beside k's); the FP8 forward and wide
-        # heads have none (ShapeClasses declines them): their paths below
-        fast_q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks) if q.dtype in FP8_TYPES else q
-        if fast_q.dtype not in FP8_TYPES and (q_descale is None or fast_q is not q):
-            done = decode.SHAPE_CLASSES(fast_q, k, v, causal, mask, softcap, scale,
+        # FP8 q and wide heads have no class (ShapeClasses declines them): their paths below
+        if q_descale is None and k_descale is None and v_descale is None:
+            done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
                                         sinks if sinks is None else _without_grad(sinks), return_lse,
-                                        (cache_seqlens, cache_leftpad) if ranged else (),
-                                        () if q_descale is None and k_descale is None and v_descale is None
-                                        else (q_descale, k_descale, v_descale))
-            if done is not NotImplemented:
-                return done
+                                        (cache_seqlens, cache_leftpad) if ranged else ())
+            if done is NotImplemented and q.dtype in FP8_TYPES:  # (off the hot path: a class's first call)
+                done = _kept_fp8_call(q, k, v, causal, mask, softcap, scale, sinks, return_lse,
+                                      (cache_seqlens, cache_leftpad) if ranged else (), (None, None, None))
+        else:  # an FP8 KV cache: its descales in its class's key; FP8 q, k, v of a decode step too, q widened
+            done = _kept_fp8_call(q, k, v, causal, mask, softcap, scale, sinks, return_lse,
+                                  (cache_seqlens, cache_leftpad) if ranged else (), (q_descale, k_descale, v_descale))
+        if done is not NotImplemented:
+            return done
     if (q.dtype in FP8_TYPES or k.dtype in FP8_TYPES or q_descale is not None or k_descale is not None
             or v_descale is not None):
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
