@@ -106,6 +106,10 @@ class KvRow:
     # what a step that only reads them costs on this GPU, launch included
     read_us: float | None = None
     head_dim: int = 128
+    # e4m3 q too (FlashAttention-3's FP8 call: q_descale a sequence and KV head), on the same e4m3
+    # cache: q widened to bfloat16 and read by the cache's kernels (fagen.dispatch.fp8_query_decodes)
+    fp8_q_us: float | None = None
+    fp8_q_error: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -212,18 +216,20 @@ def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
            "device time of a step (CUDA graph replays), the cache's bytes a second; the FP8 step's error against "
            "exact attention of the FP8 values (float64, sequence 0). Plain read: one `torch.sum` over exactly the "
            "e4m3 cache's bytes, replayed in turn with the two steps: a yardstick for small steps, where a launch's fixed cost weighs "
-           "(at large sizes the FP8 step reads faster than the sum)."
+           "(at large sizes the FP8 step reads faster than the sum). e4m3 q, k, v: the same step with q in e4m3 too "
+           "(q_descale a sequence and KV head), its error against exact attention of all three FP8 values."
            + _dated(meta, "kv"), "",
            "| d | B | Nk | bf16 cache us | TB/s | e4m3 cache us | TB/s | tokens/s, e4m3 / bf16 | plain read us | "
-           "bf16 / read | e4m3 error | note |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "bf16 / read | e4m3 error | e4m3 q, k, v us | its error | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cells = [f"{x:.1f}" if x else "-" for x in (r.bf16_us, r.tbps(False), r.fp8_us, r.tbps(True))]
         speedup = f"{r.speedup:.2f}x" if r.speedup else "-"
         read = f"{r.read_us:.1f} | {r.read_ratio:.2f}x" if r.read_ratio else "- | -"
-        error = f"{r.error:.1e}" if r.error is not None else "-"
+        error, q_error = (f"{x:.1e}" if x is not None else "-" for x in (r.error, r.fp8_q_error))
+        fp8_q = f"{r.fp8_q_us:.1f}" if r.fp8_q_us else "-"
         out.append(f"| {r.head_dim} | {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {read} | {error} | "
-                   f"{r.note} |")
+                   f"{fp8_q} | {q_error} | {r.note} |")
     return out
 
 
@@ -475,12 +481,17 @@ def run_kv_case(case: KvCase) -> KvRow:
             kx, vx = (x.repeat_interleave(group, dim=0) for x in (kx, vx))
             exact = torch.softmax((q[0].double() @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
             row.error = relative(got[0], exact)
+            q8, qd = quantized_per_kv_head(q, case.heads_kv)
+            got8 = api.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+            qx = q8[0].double() * qd[0].repeat_interleave(group)[:, None, None].double()
+            exact8 = torch.softmax((qx @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
+            row.fp8_q_error = relative(got8[0], exact8)
             # the e4m3 cache's bytes in one buffer, for the plain read beside the steps
             raw = torch.cat([k8.view(torch.uint8).reshape(-1), v8.view(torch.uint8).reshape(-1)]).view(torch.bfloat16)
             # replayed in turns: the arms see the same clocks (check.interleaved_us)
-            row.bf16_us, row.fp8_us, row.read_us = interleaved_us(
+            row.bf16_us, row.fp8_us, row.read_us, row.fp8_q_us = interleaved_us(
                 lambda: api.attention(q, k, v), lambda: api.attention(q, k8, v8, k_descale=kd, v_descale=vd),
-                lambda: raw.sum())
+                lambda: raw.sum(), lambda: api.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd))
     except Exception as err:  # noqa: BLE001 - a failing case is its row
         row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
     return row
@@ -526,6 +537,17 @@ def _exact_gradients_head0(q8, k8, v8, descales, dout, causal: bool, scale: floa
     if causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     return torch.autograd.grad(torch.softmax(s, dim=-1) @ v, (q, k, v), dout[0, 0].double())
+
+
+def quantized_per_kv_head(q, heads_kv: int):
+    """q [B, Hq, N, d] in e4m3 and its FlashAttention-3 descales [B, Hkv]: amax / 448 over each
+    KV head's group of query heads."""
+    import torch
+
+    b, hq, n, d = q.shape
+    descale = q.float().reshape(b, heads_kv, -1).abs().amax(dim=2).clamp(min=1e-12) / 448.0
+    per_head = descale.repeat_interleave(hq // heads_kv, dim=1)[:, :, None, None]
+    return (q.float() / per_head).to(torch.float8_e4m3fn), descale
 
 
 def quantized_per_head(x):

@@ -38,7 +38,11 @@ def test_the_kv_table_reads_tokens_a_second_and_bytes_and_survives_json(tmp_path
     assert abs(row.tbps(True) - 2 * 8 * 8 * 32768 * 128 / 150e-6 / 1e12) < 1e-9
     line = markdown([row])[-1]
     # the plain read's time and the bf16 step over it: 240 / 125
-    assert line.startswith("| 128 | 8 | 32768 | 240.0 |") and "| 1.60x | 125.0 | 1.92x | 1.1e-03 |" in line
+    assert line.startswith("| 128 | 8 | 32768 | 240.0 |") and "| 1.60x | 125.0 | 1.92x | 1.1e-03 | - | - |" in line
+    # e4m3 q too: its step's time and error beside the cache's
+    with_q = KvRow("kv-b8-n32768", 8, 32768, bf16_us=240.0, fp8_us=150.0, error=1.1e-3, read_us=125.0,
+                   fp8_q_us=151.5, fp8_q_error=2.2e-2)
+    assert "| 1.1e-03 | 151.5 | 2.2e-02 |" in markdown([with_q])[-1]
     # another head width: its bytes (Hkv 8 heads of 256) and its column
     wide = KvRow("kv-b8-n32768-d256", 8, 32768, bf16_us=500.0, fp8_us=250.0, head_dim=256)
     assert abs(wide.tbps(True) - 2 * 8 * 8 * 32768 * 256 / 250e-6 / 1e12) < 1e-9
