@@ -419,10 +419,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if not fp8_cache and (q_descale is not None or k_descale is not None or v_descale is not None):
         raise ValueError("q_descale, k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2 k_cache "
                          "and v_cache); this one is a half type: drop them")
-    fp8_query = _fp8(q)
-    if fp8_query and not fp8_cache:
-        raise ValueError(f"q: {q.dtype} against a {k_cache.dtype} cache; an FP8 q reads an FP8 cache (of its own "
-                         f"type's range, with the descales); pass q in {k_cache.dtype}")
+    fp8_query = fp8_cache and _fp8(q)  # (a half-type cache refuses an FP8 q by its dtype checks, off the hot path)
     if q_descale is not None and not fp8_query:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"FP8 cache only")
@@ -617,10 +614,11 @@ class KeptPagedCalls(KeptCalls):
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict,
                  descales: tuple = ()):
-        if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
-            return NotImplemented  # (a kept call's descales are numbers or torch tensors)
-        values = tuple(map(fp8_inputs.descale_key, descales))
+        values = ()  # (a half-type cache's calls: nothing more to key)
         if descales:
+            if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
+                return NotImplemented  # (a kept call's descales are numbers or torch tensors)
+            values = tuple(map(fp8_inputs.descale_key, descales))
             options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2]}
         return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), values, out, return_lse,
                          options)
