@@ -423,7 +423,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if q_descale is not None and not fp8_query:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"FP8 cache only")
-    append_descales = (k_descale, v_descale)  # the cache's own: new half-type tokens are quantized by them
     if fp8_query:  # (paged: an FP8 cache is, above)
         q = fp8_inputs.widened(q)
     if (k is None) != (v is None):
@@ -456,7 +455,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
         if status is None:  # the append's flags and the kernel's in one word
             status = zeros_like(as_device_tensor(q, "q"), (1,), "int32")
         append = _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, validate, status,
-                         *(append_descales if fp8_cache else (None, None)))
+                         k_descale if fp8_cache else None, v_descale if fp8_cache else None)
         cache_seqlens = append.new_lengths
     # the whole call is checked before the append writes: the batch against the lengths after it
     # (the page table once), the kernel's spec
@@ -625,7 +624,6 @@ class KeptPagedCalls(KeptCalls):
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         return PreparedKVCache(*tensors, status=fixed[0], validate=False, **options)
-
 
 
 KEPT_PAGED_CALLS = KeptPagedCalls()
