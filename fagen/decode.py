@@ -93,7 +93,9 @@ def forward(plain: AttentionSpec, q, k, v, *, scale: float | None = None, return
         if fp8_kv:
             tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
             raise ValueError(fp8_kv_refusal("k, v", tk.dtype, plain, tq.shape[2] * (tq.shape[1] // max(tk.shape[1], 1))))
-        return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side)
+        descales = {name: x for name, x in zip(fp8_inputs.DESCALE_NAMES, (q_descale, k_descale, v_descale))
+                    if x is not None}  # (the plain kernel refuses them by name: they are FP8 inputs')
+        return compile_kernel(plain)(q, k, v, scale=scale, return_lse=return_lse, **side, **descales)
     return run(spec, q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=side.get("alibi_slopes"),
                sinks=side.get("sinks"), q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
@@ -588,6 +590,9 @@ class ShapeClasses:
             if no_work(q.shape, k.shape):
                 return NotImplemented
             spec = packed_spec(plain, q, k)
+            descaled = any(options[name] is not None for name in fp8_inputs.DESCALE_NAMES)
+            if spec is None and (descaled or fp8_element(str(k.dtype).removeprefix("torch."))):
+                return NotImplemented  # an FP8 cache no decode kernel takes: the general path refuses it by name
             b, hq, nq, _ = q.shape
             hkv, nk = k.shape[1], k.shape[2]
             if spec is not None and not spec.pipeline.warp_specialized:
@@ -601,14 +606,16 @@ class ShapeClasses:
                 kept, key, prepared = self._exact, exact_key, PreparedAttention(q, k, v, **options)
         except ValueError:
             return NotImplemented
-        if prepared.kernel is not None and prepared.kernel.claims and prepared._capturing():
-            # its walk's counters were zeroed by a node of the graph being recorded: an eager call
-            # of the class before the graph's first replay would claim from unzeroed ones
+        if (prepared.kernel is not None and prepared.kernel.claims or descaled) and prepared._capturing():
+            # its walk's counters (or its copy of the descales) were written by a node of the graph
+            # being recorded: an eager call of the class before the graph's first replay would read
+            # them unwritten
             return prepared.once(q, k, v, *given, return_lse=return_lse)
         if len(kept) >= self.LIMIT:
             kept.clear()
             self._last.clear()  # (it keeps only classes kept here)
-        prepared._held.append(options["sinks"])  # its address and version are in the key: never another's
+        # the sinks' and descales' addresses and versions are in the key: held, never another's
+        prepared._held.extend((options["sinks"], *(options[name] for name in fp8_inputs.DESCALE_NAMES)))
         kept[key] = prepared
         if isinstance(prepared, GrowingKeys):
             return prepared.run(q, k, v, given, return_lse)  # NotImplemented (misaligned addresses): the general path's

@@ -205,6 +205,8 @@ def fp8_query_decodes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shap
         return False
     if not (len(q_shape) == len(k_shape) == len(v_shape) == 4) or k_shape[1] == 0 or q_shape[1] % k_shape[1]:
         return False
+    if softcap is not None and not isinstance(softcap, (int, float)):
+        return False  # (the FP8 forward's checks refuse it by name)
     if isinstance(mask, str):
         mask = _named_mask(mask)
     elif mask is not None and not isinstance(mask, Mask):

@@ -105,8 +105,10 @@ def widened(x):
 def descale_key(x):
     """What a kept call's key holds of a descale: None or a number as itself, a torch tensor by its
     address, layout and version (a kept call holds a copy of its values, prepared_copy; a write to
-    the tensor makes a new version, so a new key). Anything else raises AttributeError (the kept
-    paths then leave the call to the general one)."""
+    the tensor makes a new version, so a new key; and it holds the tensor, so that no other one
+    takes its address). A new tensor a call (or a write a call) is a new class each call: keep
+    one descale tensor, or pass a number. Anything else raises AttributeError (the kept paths
+    then leave the call to the general one)."""
     if x is None or np.isscalar(x):
         return x
     return (x.data_ptr(), x._version, x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device())

@@ -623,7 +623,10 @@ class KeptPagedCalls(KeptCalls):
                          options)
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
-        return PreparedKVCache(*tensors, status=fixed[0], validate=False, **options)
+        prepared = PreparedKVCache(*tensors, status=fixed[0], validate=False, **options)
+        # the descales' addresses are in the key: held, so that no other tensor takes them
+        prepared._held.extend(options.get(name) for name in fp8_inputs.DESCALE_NAMES)
+        return prepared
 
 
 KEPT_PAGED_CALLS = KeptPagedCalls()

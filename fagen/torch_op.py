@@ -394,8 +394,10 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
     logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
     scores; doc_ids [B|1, N] int32: a document mask), or for a decode step's few rows the FP8 KV
-    cache's kernels on q widened (_decode_step_query); a half-type q against FP8 k and v (an FP8
-    KV cache, no q_descale): the decode kernels' FP8 variant, out in q's type."""
+    cache's kernels on q widened (_decode_step_query), q_descale read beside k's; a half-type q
+    against FP8 k and v (an FP8 KV cache; q_descale only for a q widened from FP8, which
+    fagen.attention refuses for a half-type q given): the decode kernels' FP8 variant, out in
+    q's type."""
     if q.dtype in FP8_TYPES:  # a compiled call's decode step (eager ones come widened)
         q = _decode_step_query(q, k, v, causal, mask_of(mask), softcap, sinks=sinks, alibi_slopes=alibi_slopes,
                                bias=bias, doc_ids=doc_ids)
@@ -412,6 +414,8 @@ def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_ls
     """decode.SHAPE_CLASSES for a call with descales: an FP8 KV cache's (a half-type q), or FP8 q,
     k, v of a decode step (q widened; q_descale read beside k's); NotImplemented for the rest (a
     half-type q with q_descale is refused by the general path, the FP8 forward has no class)."""
+    if k.dtype not in FP8_TYPES:  # descales beside half-type k and v: the general path refuses them
+        return NotImplemented
     fast_q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks) if q.dtype in FP8_TYPES else q
     if fast_q.dtype in FP8_TYPES or (descales[0] is not None and fast_q is q):
         return NotImplemented
@@ -454,12 +458,13 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
     tensor) and key ranges (the op carries none) run eagerly only. FP8 q, k, v of a decode step
     (dispatch.fp8_query_decodes) run as an FP8 KV cache's, q widened exactly."""
-    fp8_q = q.dtype in FP8_TYPES
+    fp8_q, given_dtype = q.dtype in FP8_TYPES, q.dtype
     if fp8_q and not torch.compiler.is_compiling():  # (traced: the op's body decides, unseen)
         q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
                                doc_ids=doc_ids, block_mask=block_mask)
     kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
-    what = f"q {q.dtype} against an FP8 KV cache" if kv_cache else f"{q.dtype} q, k, v (the FP8 forward)"
+    what = (f"q {q.dtype} against an FP8 KV cache" if kv_cache and not fp8_q
+            else f"{given_dtype} q, k, v (the FP8 forward{', a decode step' if kv_cache else ''})")
     if q.dtype not in FP8_TYPES and not kv_cache:
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
                          f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
@@ -478,7 +483,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
                          f"{', '.join(packs if kv_cache else side)} and the descales); pass bfloat16 tensors for it")
     if _records_grad(q, k, v, sinks, bias):
         raise ValueError(f"{what}: no backward yet; call it under torch.no_grad()" + (
-            "" if kv_cache else ", or pass bfloat16 tensors with fp8=True (quantized inside, with the FP8 backward)"))
+            "" if kv_cache and not fp8_q
+            else ", or pass bfloat16 tensors with fp8=True (quantized inside, with the FP8 backward)"))
     if kv_cache and (cache_seqlens is not None or cache_leftpad is not None):  # eagerly: the op carries no ranges
         if not _eager(q, k, v, *descales, cache_seqlens, cache_leftpad):
             raise ValueError("cache_seqlens, cache_leftpad with an FP8 KV cache: eager calls only yet (the op "
@@ -645,7 +651,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
             done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
                                         sinks if sinks is None else _without_grad(sinks), return_lse,
                                         (cache_seqlens, cache_leftpad) if ranged else ())
-            if done is NotImplemented and q.dtype in FP8_TYPES:  # (off the hot path: a class's first call)
+            if done is NotImplemented and q.dtype in FP8_TYPES:  # (FP8 q without descales: its class is the widened q's)
                 done = _kept_fp8_call(q, k, v, causal, mask, softcap, scale, sinks, return_lse,
                                       (cache_seqlens, cache_leftpad) if ranged else (), (None, None, None))
         else:  # an FP8 KV cache: its descales in its class's key; FP8 q, k, v of a decode step too, q widened

@@ -277,7 +277,8 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
 def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str, tiling: tuple[tuple[str, int], ...] = (), tag: str = ""
                    ) -> AttentionSpec:
     """A decode kernel reading K and V from an FP8 cache (spec.fp8_kv: widened to float16 in
-    registers, FlashAttention-3's k_descale and v_descale), named <name>_kv_<type>: on sm_90, in
+    registers, FlashAttention-3's k_descale and v_descale, and q_descale for a q widened from FP8),
+    named <name>_kv_<type>: on sm_90, in
     swizzled rows (its FP8 tiles' only layout), its ring holding as many bytes in flight as the
     half-type kernel's (a memory-bound loop: half the bytes a key, so twice the keys): each warp's
     share of a tile at least 32 keys (four n8 fragments a widened K load; 16 at head_dim 256, whose
@@ -304,14 +305,15 @@ def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str, tiling: tuple[tuple[str, 
 FP8_KV_CHUNK_TILINGS = {64: ((128, 8, 128),), 128: ((128, 8, 128), (128, 8, 64))}  # (block_q, warps_q, block_kv)
 
 
+@cache  # (a tiling that does not fit is refused by its validation: asked once)
 def fp8_kv_chunk_variant(spec: AttentionSpec, kv_dtype: str) -> AttentionSpec:
     """fp8_kv_variant of the largest decode kernel `spec` (its mask and modifiers) for a chunk of
-    prefill: on the first of FP8_KV_CHUNK_TILINGS that validates, named <name>_rows<block_q>, else
-    on the decode kernel's own tiles."""
+    prefill: on the first of FP8_KV_CHUNK_TILINGS that validates, named
+    <name>_rows<block_q>x<block_kv>, else on the decode kernel's own tiles."""
     for block_q, warps_q, block_kv in FP8_KV_CHUNK_TILINGS.get(spec.head_dim, ()):
         tiling = (("block_q", block_q), ("warps_q", warps_q), ("warps_kv", 1), ("block_kv", block_kv))
         try:
-            return fp8_kv_variant(spec, kv_dtype, tiling, f"_rows{block_q}")
+            return fp8_kv_variant(spec, kv_dtype, tiling, f"_rows{block_q}x{block_kv}")
         except SpecError:  # (its registers: a mask's or modifier's temporaries beside a wider tile)
             continue
     return fp8_kv_variant(spec, kv_dtype)

@@ -398,6 +398,7 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
     ((1, 32, 1, 128), (1, 8, 4096, 128), {"doc_ids": 1}, False),
     ((1, 32, 1, 128), (1, 8, 4096, 128), {"mask": {"kind": "sliding_window", "window_left": 256}}, True),
     ((1, 30, 1, 128), (1, 8, 4096, 128), {}, False),  # heads not grouped: refused by the forward's checks
+    ((1, 32, 1, 128), (1, 8, 4096, 128), {"softcap": [30.0]}, False),  # not a number: refused there by name
 ])
 def test_fp8_q_k_v_of_a_decode_step_take_the_fp8_cache_kernels(monkeypatch, q_shape, k_shape, options, decodes):
     """FP8 q, k, v with few query rows a KV head run as an FP8 KV cache's decode step (q widened
@@ -443,7 +444,7 @@ def test_an_fp8_cache_takes_the_fp8_variant_of_the_decode_kernel(monkeypatch):
     spec = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 1, 128), dtype="bfloat16"), k8)
     assert spec.name == "decode_bf16_d128_kv_e4m3" and spec.kv_dtype == "float8_e4m3"
     chunk = dispatch.packed_spec(plain, SimpleNamespace(shape=(2, 32, 64, 128), dtype="bfloat16"), k8)
-    assert chunk.name == "decode_bf16_d128_q64_rows128_kv_e4m3" and chunk.tiling.block_q == 128
+    assert chunk.name == "decode_bf16_d128_q64_rows128x128_kv_e4m3" and chunk.tiling.block_q == 128
     plain64 = variants.shipped_spec("bfloat16", 64, False, gpu=None)
     k8_64 = SimpleNamespace(shape=(2, 8, 4096, 64), dtype="float8_e4m3fn")
     spec64 = dispatch.packed_spec(plain64, SimpleNamespace(shape=(2, 32, 1, 64), dtype="bfloat16"), k8_64)

@@ -180,6 +180,7 @@ def test_eager_calls_with_descales_reach_their_kept_class_and_fp8_q_arrives_wide
                                                                        (torch.bfloat16, (None, None, None))]
     seen.clear()
     assert torch_op.attention(q16, k8, k8, q_descale=0.25) == "general" and not seen  # refused there, by name
+    assert torch_op.attention(q16, k16, k16, k_descale=0.5) == "general" and not seen  # descales of no FP8 tensor
     rows200 = torch.zeros(2, 8, 200, 128).to(torch.float8_e4m3fn)  # the FP8 forward's shapes: no class
     assert torch_op.attention(rows200, k8[:, :8], k8[:, :8], q_descale=0.25) == "general"
-    assert general == [torch.bfloat16, torch.float8_e4m3fn] and not seen
+    assert general == [torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn] and not seen
