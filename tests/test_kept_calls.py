@@ -32,6 +32,7 @@ def _prepared_fake(made: list, answer: str):
     class Prepared:
         def __init__(self, *tensors, **options):
             self.layout, self.calls = [(t.shape, t.stride(), t.dtype) for t in tensors], 0
+            self._held = []  # (a prepared call's memory its launches read: a kept call adds what its key names)
             made.append(self)
             prepared = self
 
@@ -167,3 +168,40 @@ def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seql
     assert call(used=_Torchish(4, dtype="int32")) == "packed" and len(made) == 4 and len(made[3].layout) == 6
     assert call(out=q) is NotImplemented and call(softcap=-1.0) is NotImplemented and len(made) == 4
     assert call() == "packed" and made[0].calls == 4  # the first class, found by its key
+
+
+def test_an_fp8_cache_s_descales_key_its_paged_class_and_are_held(monkeypatch):
+    """An FP8 cache's descales are in a kept paged class's key (a number by value, a tensor by
+    address, layout and version) and reach its packing; the class holds the tensors it keys by
+    address, so that no later tensor takes one and finds it with a stale copy."""
+    made = []
+
+    class Prepared(_prepared_fake(made, "out")):
+        def __init__(self, *tensors, status=None, validate=True, **options):
+            super().__init__(*tensors)
+            self.descales = tuple(options[name] for name in ("q_descale", "k_descale", "v_descale"))
+
+        def __call__(self, *tensors, return_lse=False):
+            self.calls += 1
+            return "out"
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = sequences.KeptPagedCalls()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=False, mask=None, softcap=None, scale=None, sinks=None)
+    k_descale = _Torchish(4, 8, dtype="float32", at=1 << 20)
+    k_descale._version = 0
+    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, dict(options), descales)
+    assert call(None, k_descale, 0.5) == "out" and call(None, k_descale, 0.5) == "out" and len(made) == 1
+    assert made[0].descales == (None, k_descale, 0.5) and k_descale in made[0]._held and made[0].calls == 2
+    assert call(None, k_descale, 0.25) == "out" and len(made) == 2  # another number
+    k_descale._version += 1  # written in place: the packing copied its values
+    assert call(None, k_descale, 0.25) == "out" and len(made) == 3
+    assert call(2.0, k_descale, 0.25) == "out" and len(made) == 4  # an FP8 q's descale too
+    assert kept(q, cache, cache, lengths, table, None, None, False, dict(options), (None, np.ones(1), None)) \
+        is NotImplemented  # a descale neither a number nor a torch tensor: the general path's
