@@ -6,9 +6,13 @@ CUDA graph replays, and the FP8 bytes a second it reads); and the FP8 backward b
 bfloat16 backward on the same values (BACKWARD_CASES: kernel time given the forward's out and lse,
 the gradients checked against exact ones of head 0 first); and FP8's error against the
 unquantized attention (ERROR_CASES: fagen.attention(..., fp8=True) with and without incoherent
-processing, beside the bfloat16 attention, each against exact attention of the float32 inputs).
+processing, beside the bfloat16 attention, each against exact attention of the float32 inputs);
+and a chunk of prefill against an e4m3 cache beside the bfloat16 cache, padded and paged
+(CHUNK_CASES: causal queries after a cache's keys, device time from CUDA graph replays, the FP8
+output checked against the bfloat16 kernel's on the dequantized cache first).
 
-    python3 -m fagen.bench_fp8 [--quick] [--kv-only | --backward-only | --errors-only] [--out bench/bench_fp8.json]
+    python3 -m fagen.bench_fp8 [--quick] [--kv-only | --backward-only | --errors-only | --chunk-only]
+                               [--out bench/bench_fp8.json]
 
 Activations are Gaussian ("plain") or with 4 channels of q and k 100x the rest ("outliers",
 rescaled to the same score variance); descales at amax / 448 per tensor (cuDNN takes one number
@@ -134,6 +138,54 @@ KV_CASES = ([KvCase(b, n) for b in (1, 8, 32) for n in (8192, 32768, 131072)]
             + [KvCase(b, n, 256) for b, n in ((1, 32768), (8, 8192), (8, 32768), (16, 32768))])
 
 
+@dataclass(frozen=True)
+class ChunkCase:
+    """A chunk of prefill: B sequences of Nq new queries (causal, bottom right) after Nk - Nq
+    cached keys, Hq 32 over Hkv 8, against a cache padded [B, Hkv, Nk, d] or paged (pages of 64
+    keys, shuffled)."""
+    batch: int
+    queries: int
+    keys: int
+    head_dim: int = 128
+    paged: bool = False
+    heads_q = 32
+    heads_kv = 8
+    page_size = 64
+
+    @property
+    def key(self) -> str:
+        return (f"chunk-b{self.batch}-q{self.queries}-n{self.keys}-d{self.head_dim}"
+                + ("-paged" if self.paged else ""))
+
+    @property
+    def flops(self) -> float:
+        """Causal, bottom right: each query sees the cached keys and the queries up to its own."""
+        return 4.0 * self.batch * self.heads_q * self.queries * self.head_dim * (self.keys - self.queries / 2)
+
+
+CHUNK_CASES = [ChunkCase(b, nq, nk, d, paged) for paged in (False, True)
+               for d, b, nq, nk in ((128, 1, 2048, 10240), (128, 4, 512, 4096), (128, 8, 256, 16384),
+                                    (64, 1, 2048, 10240), (64, 4, 512, 8192))]
+
+
+@dataclass
+class ChunkRow:
+    case: str
+    head_dim: int
+    batch: int
+    queries: int
+    keys: int
+    paged: bool
+    bf16_tflops: float | None = None  # against the bfloat16 cache (padded: the wgmma forward; paged: mma.sync)
+    fp8_tflops: float | None = None  # against its e4m3 rounding (the FP8 cache's chunk kernel)
+    error: float | None = None  # ||FP8 out - bf16 out|| / ||bf16 out||, the bfloat16 kernel on the dequantized cache
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return self.fp8_tflops / self.bf16_tflops if self.fp8_tflops and self.bf16_tflops else None
+
+
 @dataclass
 class BackwardRow:
     """The FP8 backward and fagen's bfloat16 backward on one case (d128, plain activations)."""
@@ -180,7 +232,7 @@ def markdown(rows: list, meta: dict | None = None) -> list[str]:
     (kv_markdown), the backward's (backward_markdown); a blank line between."""
     out: list[str] = []
     for kind, section in ((Fp8Row, _forward_markdown), (ErrorRow, error_markdown), (KvRow, kv_markdown),
-                          (BackwardRow, backward_markdown)):
+                          (ChunkRow, chunk_markdown), (BackwardRow, backward_markdown)):
         mine = [r for r in rows if isinstance(r, kind)]
         if mine:
             out += ([""] if out else []) + section(mine, meta)
@@ -230,6 +282,27 @@ def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
         fp8_q = f"{r.fp8_q_us:.1f}" if r.fp8_q_us else "-"
         out.append(f"| {r.head_dim} | {r.batch} | {r.keys} | {' | '.join(cells)} | {speedup} | {read} | {error} | "
                    f"{fp8_q} | {q_error} | {r.note} |")
+    return out
+
+
+def chunk_markdown(rows: list[ChunkRow], meta: dict | None = None) -> list[str]:
+    """BENCHMARKS.md's chunked-prefill section: a chunk of queries against the e4m3 and the
+    bfloat16 cache, padded and paged."""
+    out = ["## FP8 KV cache: a chunk of prefill against an e4m3 cache and a bfloat16 one", "",
+           "`python3 -m fagen.bench_fp8 --chunk-only`: Nq causal queries a sequence after Nk - Nq cached keys "
+           "(bottom right), Hq 32 over Hkv 8, a bfloat16 q; TFLOP/s of the device time (CUDA graph replays); padded "
+           "[B, Hkv, Nk, d] (`fagen.attention`) or paged (pages of 64 keys, shuffled; `fagen.prepare_with_kvcache`). The "
+           "bfloat16 cache runs the wgmma forward padded and the mma.sync kernel paged; the e4m3 cache the FP8 "
+           "cache's chunk kernel (mma.sync) in both. Error: the e4m3 output against the bfloat16 kernel's on the "
+           "dequantized cache." + _dated(meta, "chunk"), "",
+           "| d | B | Nq | Nk | layout | bf16 cache TFLOP/s | e4m3 cache TFLOP/s | e4m3 / bf16 | error | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = [f"{x:.0f}" if x else "-" for x in (r.bf16_tflops, r.fp8_tflops)]
+        ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
+        error = f"{r.error:.1e}" if r.error is not None else "-"
+        out.append(f"| {r.head_dim} | {r.batch} | {r.queries} | {r.keys} | {'paged' if r.paged else 'padded'} | "
+                   f"{' | '.join(cells)} | {ratio} | {error} | {r.note} |")
     return out
 
 
@@ -294,6 +367,7 @@ def read_json(path: Path) -> tuple[list, dict]:
         data = json.loads(Path(path).read_text())
         rows = ([Fp8Row(**r) for r in data["rows"]] + [ErrorRow(**r) for r in data.get("errors_rows", [])]
                 + [KvRow(**r) for r in data.get("kv_rows", [])]
+                + [ChunkRow(**r) for r in data.get("chunk_rows", [])]
                 + [BackwardRow(**r) for r in data.get("backward_rows", [])])
         return rows, dict(data.get("meta", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -497,6 +571,53 @@ def run_kv_case(case: KvCase) -> KvRow:
     return row
 
 
+def run_chunk_case(case: ChunkCase) -> ChunkRow:
+    """A chunk of prefill against the bfloat16 cache and its e4m3 rounding (descales a sequence
+    and KV head), the e4m3 output checked against the bfloat16 kernel's on the dequantized cache
+    (within bfloat16's tolerance: the FP8 cache's kernels widen K and V exactly) before both are
+    timed, in turns."""
+    import torch
+
+    row = ChunkRow(case.key, case.head_dim, case.batch, case.queries, case.keys, case.paged)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
+    q = torch.randn((case.batch, case.heads_q, case.queries, case.head_dim), device="cuda", generator=gen).bfloat16()
+    shape = (case.batch, case.heads_kv, case.keys, case.head_dim)
+    (k8, kd), (v8, vd) = (quantized_per_head(torch.randn(shape, device="cuda", generator=gen)) for _ in range(2))
+    k16, v16 = (x.float().mul(d[:, :, None, None]).bfloat16() for x, d in ((k8, kd), (v8, vd)))
+    try:
+        if case.paged:
+            pages = case.batch * case.keys // case.page_size
+            order = torch.randperm(pages, device="cuda", generator=gen)
+            table = torch.empty_like(order)
+            table[order] = torch.arange(pages, device="cuda")
+            table = table.view(case.batch, -1).to(torch.int32)
+            lengths = torch.full((case.batch,), case.keys, dtype=torch.int32, device="cuda")
+
+            def paged(x):  # [B, Hkv, Nk, d] as pages of a shuffled pool: page p of the pool is table's entry
+                return x.permute(0, 2, 1, 3).reshape(pages, case.page_size, case.heads_kv, case.head_dim)[order]
+
+            k16p, v16p, k8p, v8p = (paged(x).contiguous() for x in (k16, v16, k8, v8))
+            # prepared (a serving loop's form; packed outside the graphs the timing captures)
+            bf16_step = api.prepare_with_kvcache(q, k16p, v16p, lengths, table, causal=True)
+            fp8_step = api.prepare_with_kvcache(q, k8p, v8p, lengths, table, causal=True, k_descale=kd, v_descale=vd)
+            bf16 = lambda: bf16_step(q, k16p, v16p, lengths, table)
+            fp8 = lambda: fp8_step(q, k8p, v8p, lengths, table)
+        else:
+            bf16 = lambda: api.attention(q, k16, v16, causal=True)
+            fp8 = lambda: api.attention(q, k8, v8, causal=True, k_descale=kd, v_descale=vd)
+        with torch.no_grad():
+            want = bf16()
+            row.error = relative(fp8(), want.double())
+            if row.error > 1e-2:  # (bfloat16's own tolerance against the same values)
+                row.note = f"FP8 cache output off by {row.error:.1e}: not timed"
+                return row
+            bf16_us, fp8_us = interleaved_us(bf16, fp8)
+        row.bf16_tflops, row.fp8_tflops = (case.flops / us / 1e6 for us in (bf16_us, fp8_us))
+    except Exception as err:  # noqa: BLE001 - a failing case is its row
+        row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return row
+
+
 def run_backward_case(case: Fp8Case) -> BackwardRow:
     """The FP8 backward (fagen.fp8_backward) and fagen's bfloat16 backward on the same values,
     each checked against exact gradients of head 0 (float64 autograd on the GPU) before timing."""
@@ -564,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one case of each section (d128, N 4k, dense)")
     only_sections = parser.add_mutually_exclusive_group()
-    for section, what in (("kv", "the KV cache's cases"), ("backward", "the FP8 backward's cases"),
+    for section, what in (("kv", "the KV cache's cases"), ("chunk", "the chunked-prefill cases"),
+                          ("backward", "the FP8 backward's cases"),
                           ("errors", "the error report's cases (FP8 against the unquantized attention)")):
         only_sections.add_argument(f"--{section}-only", dest="only", action="store_const", const=section,
                                    help=f"{what} alone (the other sections kept from --out's JSON)")
@@ -580,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         meta.setdefault("date", meta[f"{args.only}_date"])
     runs = (("forward", Fp8Row, cases(args.quick)), ("errors", ErrorRow, ERROR_CASES[:1] if args.quick else ERROR_CASES),
             ("kv", KvRow, KV_CASES[:1] if args.quick else KV_CASES),
+            ("chunk", ChunkRow, CHUNK_CASES[:1] if args.quick else CHUNK_CASES),
             ("backward", BackwardRow, BACKWARD_CASES[:1] if args.quick else BACKWARD_CASES))
     # each section's rows: run now, or kept from the JSON where another section alone runs
     sections = {name: [] if args.only in (None, name) else [r for r in kept if isinstance(r, kind)]
@@ -588,9 +711,10 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> None:
         args.out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in sections["forward"]],
                                         **{f"{name}_rows": [asdict(r) for r in sections[name]]
-                                           for name in ("errors", "kv", "backward")}}, indent=1))
+                                           for name in ("errors", "kv", "chunk", "backward")}}, indent=1))
 
-    run = {"forward": run_case, "errors": run_error_case, "kv": run_kv_case, "backward": run_backward_case}
+    run = {"forward": run_case, "errors": run_error_case, "kv": run_kv_case, "chunk": run_chunk_case,
+           "backward": run_backward_case}
     for name, _, section_cases in runs:
         if args.only not in (None, name):
             continue

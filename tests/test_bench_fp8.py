@@ -96,3 +96,23 @@ def test_the_error_table_puts_incoherent_over_plain_and_survives_json(tmp_path):
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {}, "rows": [], "errors_rows": [row.__dict__]}))
     assert read_json(path)[0] == [row]
+
+
+def test_the_chunk_table_puts_the_fp8_cache_over_the_bf16_one_and_survives_json(tmp_path):
+    """A chunked-prefill row: each cache's TFLOP/s (causal queries after the cached keys, bottom
+    right: 4 B Hq Nq d (Nk - Nq / 2)), e4m3 over bfloat16, the layout named; a case refused for
+    its error shows no speed; the rows come back from the JSON beside the other sections'."""
+    from fagen.bench_fp8 import CHUNK_CASES, ChunkCase, ChunkRow
+
+    case = ChunkCase(4, 512, 4096, 128, paged=True)
+    assert case.key == "chunk-b4-q512-n4096-d128-paged" and case.flops == 4.0 * 4 * 32 * 512 * 128 * (4096 - 256)
+    row = ChunkRow(case.key, 128, 4, 512, 4096, True, bf16_tflops=281.0, fp8_tflops=192.0, error=2.5e-3)
+    line = markdown([row])[-1]
+    assert line.startswith("| 128 | 4 | 512 | 4096 | paged | 281 | 192 | 0.68x | 2.5e-03 |")
+    refused = ChunkRow("chunk-b1-q2048-n10240-d64", 64, 1, 2048, 10240, False, error=0.3, note="off")
+    assert "| padded | - | - | - | 3.0e-01 | off |" in markdown([refused])[-1]
+    assert {c.paged for c in CHUNK_CASES} == {False, True} and {c.head_dim for c in CHUNK_CASES} == {64, 128}
+    assert all(c.keys % c.page_size == 0 and c.queries <= c.keys for c in CHUNK_CASES)
+    path = tmp_path / "bench_fp8.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [], "chunk_rows": [row.__dict__]}))
+    assert read_json(path)[0] == [row]
