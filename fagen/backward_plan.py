@@ -71,6 +71,14 @@ REGISTER_COSTS = {
              # covers the rest (every neighbour that fits is predicted within 1 of its count or
              # over it; the shipped custom_expressions spec, predicted 254, uses 229)
              "mask_expression": 3.0,
+             # ... beside a bias (vector or matrix), per S register past 16: measured (ptxas -v,
+             # nvcc 13.0, sm_89; a fuzz run's two findings, 32 bytes at 255 predicted 245 and 252,
+             # and their 40 neighbours: head_dim 64, 96, 128 x block_kv 64 and 128 x head_split 1
+             # and 2 x 32 and 64 queries a step x no bias, vector, matrix x no mask and prefix-LM)
+             # 2-15 over the estimate at 16 S registers, none spilling, and 3-37 at 32, where
+             # without a bias it is within 8: the least that refuses every one that spilled (one
+             # that fit at 255, predicted 252, is refused too)
+             "mask_expression_bias": 0.75,
              # softcap and a score expression whose derivative varies, both: two derivative chains
              # per S register, measured (ptxas -v, nvcc 13.0, a fuzz run's finding and its
              # neighbours) at 255 with 4 bytes of spills at head_dim 64, 64 queries and keys a step
@@ -266,6 +274,8 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
             terms["mask_expression_bias"] = 1.0
     if kernel == "dkdv" and mask.expression and (spec.wgmma_backward or cost_table(spec, kernel) is REGISTER_COSTS["dkdv"]):
         terms["mask_expression"] = 1.0
+        if not spec.wgmma_backward and mod.bias != "none":
+            terms["mask_expression_bias"] = max(0.0, s - 16)
         if spec.wgmma_backward and bwd.warp_specialized and bwd.warp_specialized.persistent:
             terms["persistent_mask_expression"] = 1.0
         if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))

@@ -287,6 +287,34 @@ def test_a_mask_expression_beside_a_bias_in_the_mma_sync_dq_kernel_is_priced(dat
         assert not _clean(parse_spec(fixed), arch)
 
 
+# ... and (seed 8675309) mma.sync's dK/dV kernel with a mask expression beside a matrix bias: head_dim
+# 64 at 128 keys, head_split 2 (predicted 252) and head_dim 96 at 64 keys and queries a step under a
+# prefix-LM (predicted 245), 32 bytes at 255 each on sm_89
+FUZZ_EXPRESSION_BIAS_DKDV = [
+    {"name": "fuzz", "dtype": "bfloat16", "head_dim": 64, "tiling": {"block_q": 128, "block_kv": 64, "warps_q": 8},
+     "pipeline": {"kv_smem": "shared", "stages": 2, "q_in_registers": False, "pingpong": False},
+     "smem_layout": "padded", "arch": "sm_89",
+     "mask": {"kind": "none", "align": "bottom_right", "expression": "(q_idx - kv_idx) % 4 != 3"},
+     "score_mod": {"bias": "matrix"}, "outputs": {"lse": True},
+     "backward": {"block_kv": 128, "warps": 8, "head_split": 2, "block_q": 32, "stages": 2, "dq_block_q": 64,
+                  "dq_warps": 4, "dq_block_kv": 64, "deterministic": False}},
+    {"name": "fuzz", "dtype": "float16", "head_dim": 96, "tiling": {"block_q": 64, "block_kv": 32, "warps_q": 4},
+     "pipeline": {"kv_smem": "shared", "stages": 3, "q_in_registers": False, "pingpong": False},
+     "smem_layout": "padded", "arch": "sm_86",
+     "mask": {"kind": "prefix_lm", "align": "bottom_right", "prefix_len": 4096,
+              "expression": "(q_idx - kv_idx) % 4 != 3"},
+     "score_mod": {"bias": "matrix"}, "outputs": {"lse": True},
+     "backward": {"block_kv": 64, "warps": 8, "head_split": 2, "block_q": 64, "stages": 2, "dq_block_q": 128,
+                  "dq_warps": 8, "dq_block_kv": 32, "deterministic": False}}]
+
+
+@pytest.mark.parametrize("data", FUZZ_EXPRESSION_BIAS_DKDV, ids=["d64_keys128", "d96_prefix_lm"])
+def test_a_mask_expression_beside_a_bias_in_the_mma_sync_dkdv_kernel_is_priced(data):
+    """REGISTER_COSTS' mask_expression_bias in mma.sync's dK/dV table (per S register): refused
+    where it spilled, with a fix (fewer queries a step) that compiles clean."""
+    assert not _clean(parse_spec(_backward_fix(data, "block_q")), "sm_89")
+
+
 # ... and (seed 777) the persistent producer-fed dK/dV kernel with a mask expression: a causal
 # document, deterministic, 32 queries a step, consumers at 232: 8 bytes, predicted 212
 FUZZ_PERSISTENT_EXPRESSION = {
