@@ -165,12 +165,14 @@ class PreparedAttention:
     (CAPTURED): the graph's replays write its workspace, which must not go back to the
     allocator while a graph may still replay. sequences.PreparedKVCache is the paged form. An FP8
     cache's k_descale and v_descale (and q_descale, for an FP8 q widened) are read at prepare time
-    (a copy: prepare again for others)."""
+    (a copy: prepare again for others); those `moving_descales` names (fagen's kept calls: float32
+    tensors on q's GPU) are read where they lie instead, and a call passes its own after the index
+    tensors."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None,
                  cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None, q_descale=None,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, moving_descales: tuple[str, ...] = ()):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -197,8 +199,9 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            descaled = kernel.descale_arguments(tq, tk, *map(fp8_inputs.prepared_copy, (q_descale, k_descale, v_descale)))
-            # (an FP8 cache's, read now)
+            descales = dict(zip(fp8_inputs.DESCALE_NAMES, (q_descale, k_descale, v_descale)))
+            descaled = kernel.descale_arguments(tq, tk, *(x if name in moving_descales else fp8_inputs.prepared_copy(x)
+                                                          for name, x in descales.items()))  # (an FP8 cache's)
             if descaled is not None:
                 extras.update(descaled[0])
                 held = [*held, descaled[1]]
@@ -210,10 +213,11 @@ class PreparedAttention:
             packed = kernel.pack(tq, tk, tv, out, lse, as_device_tensor(out, "out"), as_device_tensor(lse, "lse"),
                                  scale=side_inputs.check_scale(scale, tq.shape[-1]), mask_offset=offset,
                                  splits=splits or 1, extras=extras, held=held, sinks=sinks,
-                                 indices=ranges.names if ranges is not None else ())
+                                 indices=(*(ranges.names if ranges is not None else ()), *moving_descales))
         self.split_counts = packed.split_counts
         self.ranges = ranges.tensors if ranges is not None else ()  # prepared calls pass theirs after q, k, v
-        self._arm(spec, (q, k, v, *self.ranges), out, lse, packed.kernel, packed.merge, packed.held)
+        self._arm(spec, (q, k, v, *self.ranges, *(descales[name] for name in moving_descales)), out, lse,
+                  packed.kernel, packed.merge, packed.held)
 
     def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list,
              first: tuple | None = None) -> None:
@@ -514,12 +518,21 @@ class ShapeClasses:
         """out (and lse) of fagen.attention's call, or NotImplemented where no class takes it (the
         general path then runs it, or refuses it by name). `ranges`: (cache_seqlens,
         cache_leftpad), either None, as KeyRanges takes them. `descales`: an FP8 KV cache's
-        (q_descale, k_descale, v_descale) (q's for an FP8 q widened), in the keys as
-        fp8_inputs.descale_key holds them."""
+        (q_descale, k_descale, v_descale) (q's for an FP8 q widened): the moving ones
+        (fp8_inputs.moving) re-pointed each call after the ranges, the others in the key."""
         if self._stream is None:
             self._stream = torch_stream_handle()
         options = None
         given = tuple(t for t in ranges if t is not None) if ranges else ()
+        descale_keys = moves = ()
+        if descales:
+            try:
+                moves = fp8_inputs.moving(descales, q.get_device())
+                descale_keys = tuple(fp8_inputs.class_key(x, name in moves)
+                                     for name, x in zip(fp8_inputs.DESCALE_NAMES, descales))
+            except (AttributeError, TypeError):  # not a tensor or a number: the general path says why
+                return NotImplemented
+            given += tuple(x for name, x in zip(fp8_inputs.DESCALE_NAMES, descales) if name in moves)
         if not return_lse:  # (the C path's calls; no generator here: a decode step's host time)
             try:
                 device = q.get_device()
@@ -528,8 +541,7 @@ class ShapeClasses:
                                softcap, scale,
                                None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                                device, self._stream(device), threading.get_ident(),
-                               ranges and (ranges[0] is None, ranges[1] is None),
-                               descales and tuple(map(fp8_inputs.descale_key, descales)))
+                               ranges and (ranges[0] is None, ranges[1] is None), descale_keys)
                     hot = self._last.get(options)
                     if hot is not None:
                         done = hot(q, k, v, *given, None)
@@ -549,7 +561,7 @@ class ShapeClasses:
                     None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                     return_lse, self._stream(device), threading.get_ident(),
                     *(None if t is None else (t.dtype, t.shape, t.stride(), t.get_device()) for t in ranges),
-                    descales and tuple(map(fp8_inputs.descale_key, descales)))
+                    descale_keys)
             growing_key = (*base, k.shape[2].bit_length())
             exact_key = (*base, k.shape, k.stride(), v.shape, v.stride())
             growing, exact = self._growing.get(growing_key), self._exact.get(exact_key)
@@ -570,7 +582,8 @@ class ShapeClasses:
         return self._add(base, exact_key, q, k, v, dict(causal=causal, mask=mask, softcap=softcap, scale=scale,
                                                        sinks=sinks, cache_seqlens=cache_seqlens,
                                                        cache_leftpad=cache_leftpad, q_descale=q_descale,
-                                                       k_descale=k_descale, v_descale=v_descale), given, return_lse)
+                                                       k_descale=k_descale, v_descale=v_descale,
+                                                       moving_descales=moves), given, return_lse)
 
     def _remember(self, options: tuple | None, prepared: PreparedAttention) -> None:
         """`prepared` as the class of calls with these options (None: not the C path's call)."""
@@ -591,13 +604,16 @@ class ShapeClasses:
                 return NotImplemented
             spec = packed_spec(plain, q, k)
             descaled = any(options[name] is not None for name in fp8_inputs.DESCALE_NAMES)
+            # descales the class copies (numbers filled, other tensors converted): made now, read later
+            copied = any(options[name] is not None and name not in options["moving_descales"]
+                         for name in fp8_inputs.DESCALE_NAMES)
             if spec is None and (descaled or fp8_element(str(k.dtype).removeprefix("torch."))):
                 return NotImplemented  # an FP8 cache no decode kernel takes: the general path refuses it by name
             b, hq, nq, _ = q.shape
             hkv, nk = k.shape[1], k.shape[2]
             if spec is not None and not spec.pipeline.warp_specialized:
                 lo = 1 << (nk.bit_length() - 1)
-                if given:
+                if options["cache_seqlens"] is not None or options["cache_leftpad"] is not None:
                     spec = KeyRanges.variant(spec)
                 _, splits = step_spec(spec, b, hq, hkv, nq, lo, None, options["sinks"] is not None)
                 kept = self._growing
@@ -606,7 +622,7 @@ class ShapeClasses:
                 kept, key, prepared = self._exact, exact_key, PreparedAttention(q, k, v, **options)
         except ValueError:
             return NotImplemented
-        if (prepared.kernel is not None and prepared.kernel.claims or descaled) and prepared._capturing():
+        if (prepared.kernel is not None and prepared.kernel.claims or copied) and prepared._capturing():
             # its walk's counters (or its copy of the descales) were written by a node of the graph
             # being recorded: an eager call of the class before the graph's first replay would read
             # them unwritten
@@ -614,8 +630,9 @@ class ShapeClasses:
         if len(kept) >= self.LIMIT:
             kept.clear()
             self._last.clear()  # (it keeps only classes kept here)
-        # the sinks' and descales' addresses and versions are in the key: held, never another's
-        prepared._held.extend((options["sinks"], *(options[name] for name in fp8_inputs.DESCALE_NAMES)))
+        # the sinks' and copied descales' addresses and versions are in the key: held, never another's
+        prepared._held.extend((options["sinks"], *(options[name] for name in fp8_inputs.DESCALE_NAMES
+                                                   if name not in options["moving_descales"])))
         kept[key] = prepared
         if isinstance(prepared, GrowingKeys):
             return prepared.run(q, k, v, given, return_lse)  # NotImplemented (misaligned addresses): the general path's

@@ -102,13 +102,29 @@ def widened(x):
     return x.to(torch.bfloat16)
 
 
+def moving(descales: tuple, device: int) -> tuple[str, ...]:
+    """The names, in DESCALE_NAMES' order, of the descales a kept call (decode.ShapeClasses,
+    sequences.KeptPagedCalls) reads from each call: float32 torch tensors on the call's GPU,
+    which the kernel reads where they lie, so a call re-points them (a dynamic scale, a fresh
+    tensor each call, keeps the call's class). Numbers and other tensors are copied when the class
+    is made and keyed by value, or by address and version (descale_key)."""
+    return tuple(name for name, x in zip(DESCALE_NAMES, descales)
+                 if _is_torch(x) and str(x.dtype) == "torch.float32" and x.get_device() == device)
+
+
+def class_key(x, moves: bool):
+    """What a kept call's key holds of a descale: a moving one's layout (dtype, shape, strides,
+    device: each call's tensor is re-pointed), else descale_key's."""
+    return (x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device()) if moves else descale_key(x)
+
+
 def descale_key(x):
-    """What a kept call's key holds of a descale: None or a number as itself, a torch tensor by its
-    address, layout and version (a kept call holds a copy of its values, prepared_copy; a write to
-    the tensor makes a new version, so a new key; and it holds the tensor, so that no other one
-    takes its address). A new tensor a call (or a write a call) is a new class each call: keep
-    one descale tensor, or pass a number. Anything else raises AttributeError (the kept paths
-    then leave the call to the general one)."""
+    """What a kept call's key holds of a descale it copies (not `moving`): None or a number as
+    itself, a torch tensor by its address, layout and version (a kept call holds a copy of its
+    values, prepared_copy; a write to the tensor makes a new version, so a new key; and it holds
+    the tensor, so that no other one takes its address). Such a tensor made anew each call (one
+    of another dtype or device) is a new class each call: pass float32 on q's GPU. Anything else
+    raises AttributeError (the kept paths then leave the call to the general one)."""
     if x is None or np.isscalar(x):
         return x
     return (x.data_ptr(), x._version, x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device())

@@ -28,7 +28,8 @@
 #include <string.h>
 
 #define MAX_LAUNCHES 3 /* a varlen batch's tile table, the kernel, the merge kernel after a split one */
-#define MAX_INPUTS 6   /* q, k, v and a batch layout's index tensors (paged: cache_seqlens, page_table) */
+#define MAX_INPUTS 8   /* q, k, v, a batch layout's index tensors (paged: cache_seqlens, page_table) and
+                          an FP8 cache's descales read where they lie */
 #define MAX_ADDRESSES (MAX_INPUTS + 2) /* the inputs, out, lse: what a call may re-point, in this order */
 #define PROGRAMMATIC_STREAM_SERIALIZATION 6 /* CUlaunchAttributeID, cuda.h */
 #define MAX_MAPS 4      /* a launch's tensor maps: q, k, v (the TMA producer's) */
@@ -411,7 +412,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
     const Py_ssize_t inputs = PyTuple_GET_SIZE(dtypes) - 1;  /* dtypes: each input's, then out's */
     if (inputs < 3 || inputs > MAX_INPUTS || PyTuple_GET_SIZE(layout) != 2 * inputs
             || PyTuple_GET_SIZE(launches) < 1 || PyTuple_GET_SIZE(launches) > MAX_LAUNCHES) {
-        PyErr_SetString(PyExc_ValueError, "HotPath: 3-6 inputs (q, k, v, index tensors), a (shape, strides) pair and a dtype each, out's "
+        PyErr_SetString(PyExc_ValueError, "HotPath: 3-8 inputs (q, k, v, index tensors, descales), a (shape, strides) pair and a dtype each, out's "
                         "dtype, and 1-3 launches");
         return -1;
     }

@@ -495,12 +495,13 @@ class PreparedKVCache(PreparedAttention):
     its table row to it. q is padded [B, Hq, Nq, d]; new tokens go into the cache before the
     call (append_kv). An FP8 cache's k_descale and v_descale are read at prepare time (a copy:
     prepare again for others), and q_descale where q is an FP8 q widened to bfloat16 (the call
-    passes the widened q)."""
+    passes the widened q); those `moving_descales` names (fagen's kept calls: float32 tensors on q's
+    GPU) are read where they lie instead, and a call passes its own after the page table."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, page_table, *, causal: bool = False, mask=None,
                  softcap: float | None = None, scale: float | None = None, alibi_slopes=None, sinks=None,
                  status=None, splits: int | None = None, validate: bool = True, q_descale=None, k_descale=None,
-                 v_descale=None):
+                 v_descale=None, moving_descales: tuple[str, ...] = ()):
         tq = as_device_tensor(q, "q")
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
@@ -516,11 +517,14 @@ class PreparedKVCache(PreparedAttention):
         if 0 in tq.shape[:3]:  # (the cache's keys are the device's to count)
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
                              f"attention_with_kvcache, which answers a call without query rows with no launch")
+        descales = dict(zip(fp8_inputs.DESCALE_NAMES, (q_descale, k_descale, v_descale)))
         packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
-                      indices=PAGED_INDICES, q_descale=fp8_inputs.prepared_copy(q_descale),
-                      k_descale=fp8_inputs.prepared_copy(k_descale), v_descale=fp8_inputs.prepared_copy(v_descale))
-        self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table), packed.out, packed.lse,
-                  packed.kernel, packed.merge, packed.held)
+                      indices=(*PAGED_INDICES, *moving_descales),
+                      **{name: x if name in moving_descales else fp8_inputs.prepared_copy(x)
+                         for name, x in descales.items()})
+        self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table,
+                                *(descales[name] for name in moving_descales)),
+                  packed.out, packed.lse, packed.kernel, packed.merge, packed.held)
 
 
 class KeptCalls:
@@ -607,25 +611,35 @@ class KeptCalls:
 
 class KeptPagedCalls(KeptCalls):
     """attention_with_kvcache's paged calls with validate=False (padded q, no new tokens): a
-    PreparedKVCache a layout, its status word fixed. An FP8 cache's descales are in the key as
-    values: a number as itself, a tensor by its address, layout and version (the prepared call
-    keeps a copy of its values; a write to the tensor makes a new version, and a new class)."""
+    PreparedKVCache a layout, its status word fixed. An FP8 cache's moving descales
+    (fp8_inputs.moving: float32 tensors on q's GPU) are re-pointed each call, after the page
+    table; the others are in the key as values: a number as itself, a tensor by its address,
+    layout and version (the prepared call keeps a copy of its values; a write to the tensor makes
+    a new version, and a new class)."""
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict,
                  descales: tuple = ()):
-        values = ()  # (a half-type cache's calls: nothing more to key)
+        values = moved = ()  # (a half-type cache's calls: nothing more to key)
         if descales:
             if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
                 return NotImplemented  # (a kept call's descales are numbers or torch tensors)
-            values = tuple(map(fp8_inputs.descale_key, descales))
-            options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2]}
-        return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), values, out, return_lse,
-                         options)
+            try:
+                moves = fp8_inputs.moving(descales, q.get_device())
+            except AttributeError:  # not a tensor: the general path says why
+                return NotImplemented
+            values = (moves, *(fp8_inputs.descale_key(x) for name, x in zip(fp8_inputs.DESCALE_NAMES, descales)
+                               if name not in moves))
+            moved = tuple(x for name, x in zip(fp8_inputs.DESCALE_NAMES, descales) if name in moves)
+            options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2],
+                       "moving_descales": moves}
+        return self.call((q, k_cache, v_cache, cache_seqlens, page_table, *moved), (status,), values, out,
+                         return_lse, options)
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
-        prepared = PreparedKVCache(*tensors, status=fixed[0], validate=False, **options)
-        # the descales' addresses are in the key: held, so that no other tensor takes them
-        prepared._held.extend(options.get(name) for name in fp8_inputs.DESCALE_NAMES)
+        prepared = PreparedKVCache(*tensors[:5], status=fixed[0], validate=False, **options)
+        # the copied descales' addresses are in the key: held, so that no other tensor takes them
+        prepared._held.extend(options.get(name) for name in fp8_inputs.DESCALE_NAMES
+                              if name not in options.get("moving_descales", ()))
         return prepared
 
 

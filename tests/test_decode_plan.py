@@ -355,6 +355,74 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
     assert list(classes._last.values()) == [made[-1]._hot.run]
 
 
+class _Float32:
+    """torch.float32 as fp8_inputs.moving reads it (one object, as torch's dtypes are)."""
+
+    def __str__(self):
+        return "torch.float32"
+
+
+FLOAT32 = _Float32()
+
+
+class _Descale(_Tensor):
+    """A float32 descale tensor as fp8_inputs.moving reads one (its type's module is torch's)."""
+
+    __module__ = "torch.stand_in"
+
+    def __init__(self, at, shape=(1, 8), device=0):
+        super().__init__(*shape, device=device)
+        self.dtype, self.at, self._version = FLOAT32, at, 0
+
+    def data_ptr(self):
+        return self.at
+
+
+def test_float32_descales_on_q_s_gpu_are_re_pointed_each_call_not_keyed(monkeypatch):
+    """A dynamic scale is a fresh tensor each call: float32 descales on q's GPU are keyed by their
+    layout and handed to the class after the key ranges (its C path re-points them), so fresh
+    tensors and in-place writes keep the class; which descales are given stays in the key, and a
+    descale on another GPU is keyed by address and version as before (its values copied)."""
+    from fagen.decode import ShapeClasses
+
+    classes = ShapeClasses()
+    classes._stream = lambda device: 7
+    made, seen = [], []
+
+    class Class(_Class):
+        def __init__(self, options):
+            super().__init__()
+            self.moving = options["moving_descales"]
+            self._hot.run = lambda q, k, v, *given: seen.append(given[:-1]) or "out"
+
+        def run(self, q, k, v, given, return_lse):
+            seen.append(given)
+            return "out"
+
+    def add(base, exact_key, q, k, v, options, given, return_lse):
+        made.append(Class(options))
+        classes._growing[(*base, k.shape[2].bit_length())] = made[-1]
+        seen.append(given)
+        return "out"
+
+    monkeypatch.setattr(classes, "_add", add)
+    q = _Tensor(1, 32, 1, 128)
+    kv = (_Tensor(1, 8, 1000, 128), _Tensor(1, 8, 1000, 128))
+    call = lambda *descales: classes(q, *kv, True, None, None, None, None, False, (), descales)
+    kd, vd = _Descale(1 << 20), _Descale(1 << 21)
+    assert call(None, kd, vd) == "out" and made[0].moving == ("k_descale", "v_descale") and seen[-1] == (kd, vd)
+    fresh_k, fresh_v = _Descale(1 << 22), _Descale(1 << 23)
+    fresh_k._version = 5
+    assert call(None, fresh_k, fresh_v) == "out" and len(made) == 1 and seen[-1] == (fresh_k, fresh_v)
+    assert call(None, None, vd) == "out" and len(made) == 2 and made[1].moving == ("v_descale",)
+    assert call(None, vd, None) == "out" and len(made) == 3  # the same layout as the other descale: its own class
+    assert call(None, _Descale(1 << 24, shape=(1,)), vd) == "out" and len(made) == 4  # another layout
+    elsewhere = _Descale(1 << 25, device=1)  # another GPU's: copied when the class is made, keyed by address
+    assert call(None, elsewhere, vd) == "out" and len(made) == 5 and made[4].moving == ("v_descale",)
+    elsewhere._version += 1
+    assert call(None, elsewhere, vd) == "out" and len(made) == 6
+
+
 def test_the_shipped_fp8_kv_spec_is_the_variant_fagen_attention_derives():
     """specs/decode_bf16_d128_kv_e4m3.yaml is fp8_kv_variant of the bfloat16 decode spec, field for
     field: the file a reader renders is the kernel a float8 cache runs."""

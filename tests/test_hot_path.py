@@ -349,7 +349,7 @@ def test_misaligned_inputs_or_out_are_handed_back_unlaunched(module):
 def test_a_hot_path_takes_q_k_and_v_at_least(module):
     p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
     layout, dtypes = p.arguments[0], p.arguments[1]
-    with pytest.raises(ValueError, match="3-6 inputs"):
+    with pytest.raises(ValueError, match="3-8 inputs"):
         module.HotPath(layout[:4], (*dtypes[:2], dtypes[-1]), *p.arguments[2:-1], (PackedLaunch(0xF00, (0, 1, 2, 3)).entry,))
 
 

@@ -205,3 +205,58 @@ def test_an_fp8_cache_s_descales_key_its_paged_class_and_are_held(monkeypatch):
     assert call(2.0, k_descale, 0.25) == "out" and len(made) == 4  # an FP8 q's descale too
     assert kept(q, cache, cache, lengths, table, None, None, False, dict(options), (None, np.ones(1), None)) \
         is NotImplemented  # a descale neither a number nor a torch tensor: the general path's
+
+
+class _Float32:
+    def __str__(self):
+        return "torch.float32"
+
+
+FLOAT32 = _Float32()  # (one object, as torch's dtypes are)
+
+
+class _Descale(_Torchish):
+    """A float32 descale tensor on GPU 0 as fp8_inputs.moving reads one (its type's module is torch's)."""
+
+    __module__ = "torch.stand_in"
+
+    def __init__(self, at, *shape):
+        super().__init__(*(shape or (4, 8)), at=at)
+        self.dtype, self._version = FLOAT32, 0
+
+
+def test_float32_descales_are_re_pointed_each_paged_call(monkeypatch):
+    """A kept paged class takes float32 descales on q's GPU as tensors it re-points each call
+    (after the page table), keyed by layout: a fresh tensor a call (a dynamic scale) or a write in
+    place keeps the class, and the call hands the class its own; which descales are given, and
+    their layouts, still key the class; numbers stay values."""
+    made, calls = [], []
+
+    class Prepared(_prepared_fake(made, "out")):
+        def __init__(self, *tensors, status=None, validate=True, **options):
+            super().__init__(*tensors)
+            self.moving = options["moving_descales"]
+
+        def __call__(self, *tensors, return_lse=False):
+            calls.append(tensors[5:])
+            return "out"
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = sequences.KeptPagedCalls()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=False, mask=None, softcap=None, scale=None, sinks=None)
+    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, dict(options), descales)
+    for n in range(3):  # fresh tensors each call
+        kd, vd = _Descale(1 << (20 + 2 * n)), _Descale(1 << (21 + 2 * n))
+        kd._version = n
+        assert call(None, kd, vd) == "out" and len(made) == 1 and calls[-1] == (kd, vd)
+    assert made[0].moving == ("k_descale", "v_descale") and not any(isinstance(x, _Descale) for x in made[0]._held)
+    assert call(None, kd, 0.5) == "out" and len(made) == 2 and made[1].moving == ("k_descale",)
+    assert call(None, None, kd) == "out" and len(made) == 3  # the other descale given: its own class
+    assert call(None, kd, _Descale(1 << 30, 1)) == "out" and len(made) == 4  # another layout
+    assert call(None, kd, vd) == "out" and len(made) == 4 and calls[-1] == (kd, vd)  # the first class again
