@@ -167,12 +167,13 @@ class PreparedAttention:
     cache's k_descale and v_descale (and q_descale, for an FP8 q widened) are read at prepare time
     (a copy: prepare again for others); those `moving_descales` names (fagen's kept calls: float32
     tensors on q's GPU) are read where they lie instead, and a call passes its own after the index
-    tensors."""
+    tensors. `split_keys`: the key count the split count is chosen and evened for (a growing class's
+    least, so that its splits are the class's, whichever length made it), k's own where None."""
 
     def __init__(self, q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None,
                  scale: float | None = None, alibi_slopes=None, sinks=None, splits: int | None = None,
                  cache_seqlens=None, cache_leftpad=None, plain: AttentionSpec | None = None, q_descale=None,
-                 k_descale=None, v_descale=None, moving_descales: tuple[str, ...] = ()):
+                 k_descale=None, v_descale=None, moving_descales: tuple[str, ...] = (), split_keys: int | None = None):
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -188,7 +189,7 @@ class PreparedAttention:
         if ranges is not None:
             spec, plain = (None if s is None else ranges.variant(s) for s in (spec, plain))
         if spec is not None:
-            spec, splits = step_spec(spec, b, hq, hkv, nq, nk, splits, sinks is not None)
+            spec, splits = step_spec(spec, b, hq, hkv, nq, split_keys or nk, splits, sinks is not None)
         spec = spec or plain
         kernel = compile_kernel(spec)
         out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)  # the outputs' strides, for packing (O as wide as V)
@@ -435,8 +436,9 @@ def _keep_for_graphs(owner: weakref.ref) -> None:
 class GrowingKeys(PreparedAttention):
     """A decode kernel's PreparedAttention for any key length in [lo, 2 lo) and any K/V strides
     (a cache that grows by a token a step, re-allocated as it grows): the split count is fixed
-    for the class, chosen for lo keys so that each split has a tile at every length in it (at a
-    longer one a share past the keys is empty and merges as nothing), and a call with a new
+    for the class, chosen and evened for lo keys so that each split has a tile at every length in
+    it (at a longer one a share past the keys is empty and merges as nothing) and a call's bits do
+    not depend on the length that made the class, and a call with a new
     length or new K/V strides rewrites n_kv, the diagonal's offset, the K/V strides and each
     split's share of the tiles before it launches. PyTorch tensors; `run` declines
     (NotImplemented) what it was not built for, which the general path then takes or refuses."""
@@ -444,7 +446,7 @@ class GrowingKeys(PreparedAttention):
     WRITTEN = ("n_kv", "mask_offset", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn")  # HotPath's GROWING_FIELDS
 
     def __init__(self, q, k, v, *, lo: int, **options):
-        super().__init__(q, k, v, **options)
+        super().__init__(q, k, v, split_keys=lo, **options)
         self.lo, self.hi = lo, 2 * lo
         self._block_kv = compile_kernel(self.spec).plan.block_kv
         self._splits = self.kernel.grid[2]

@@ -386,6 +386,32 @@ def test_fagen_attention_over_a_growing_cache_matches_the_oracle_and_packs_a_cla
     _took_the_c_path(list(decode.SHAPE_CLASSES._growing.values())[before:], python_launches)
 
 
+def test_a_growing_class_s_bits_do_not_depend_on_the_length_that_made_it(monkeypatch):
+    """A growing class's split count is chosen and evened for its shortest length: a class made by a
+    call at 4097 keys and one made at 4096 answer a call at 4096 (or 4100) bit for bit alike. (Evened
+    for the length that made it, 17 tiles of 256 keys took 6 splits where 16 take 8.)"""
+    import torch
+
+    b, hq, hkv, d = 2, 32, 8, 128
+    rng = torch.Generator(device="cuda").manual_seed(4097)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=rng)
+    k, v = (torch.randn(b, hkv, 4100, d, device="cuda", dtype=torch.bfloat16, generator=rng) for _ in range(2))
+    answers, splits = [], []
+    for first in (4097, 4096):
+        monkeypatch.setattr(decode, "SHAPE_CLASSES", decode.ShapeClasses())  # no class yet
+        with torch.no_grad():
+            fagen.attention(q, k[:, :, :first], v[:, :, :first])
+            answers.append([fagen.attention(q, k[:, :, :n], v[:, :, :n]) for n in (4096, 4100)])
+        (growing,) = decode.SHAPE_CLASSES._growing.values()
+        assert growing.lo == 4096
+        splits.append(growing._splits)
+    assert splits[0] == splits[1]
+    for made_at_4097, made_at_4096 in zip(*answers):
+        assert torch.equal(made_at_4097, made_at_4096)
+    ref = oracle.attention(*(to_numpy(x[:, :, :4096]) for x in (q, k, v)))
+    assert relative_error(to_numpy(answers[0][0]), ref) < OUT_TOLERANCE["bfloat16"]
+
+
 @pytest.fixture
 def python_launches(monkeypatch):
     """return_lse of each launch a growing class makes from Python (GrowingKeys._launch_torch)."""
