@@ -205,7 +205,8 @@ class PreparedAttention:
                                                           for name, x in descales.items()))  # (an FP8 cache's)
             if descaled is not None:
                 extras.update(descaled[0])
-                held = [*held, descaled[1]]
+                # (a moving descale is each call's own: the class keeps none of them alive)
+                held = [*held, [x for name, x in zip(fp8_inputs.DESCALE_NAMES, descaled[1]) if name not in moving_descales]]
             # ranges: each sequence's diagonal is the kernel's own (plan.sequence_offset)
             offset = nk - nq if spec.mask.align == "bottom_right" and ranges is None else 0
             if ranges is not None:
@@ -606,9 +607,6 @@ class ShapeClasses:
                 return NotImplemented
             spec = packed_spec(plain, q, k)
             descaled = any(options[name] is not None for name in fp8_inputs.DESCALE_NAMES)
-            # descales the class copies (numbers filled, other tensors converted): made now, read later
-            copied = any(options[name] is not None and name not in options["moving_descales"]
-                         for name in fp8_inputs.DESCALE_NAMES)
             if spec is None and (descaled or fp8_element(str(k.dtype).removeprefix("torch."))):
                 return NotImplemented  # an FP8 cache no decode kernel takes: the general path refuses it by name
             b, hq, nq, _ = q.shape
@@ -624,10 +622,11 @@ class ShapeClasses:
                 kept, key, prepared = self._exact, exact_key, PreparedAttention(q, k, v, **options)
         except ValueError:
             return NotImplemented
-        if (prepared.kernel is not None and prepared.kernel.claims or copied) and prepared._capturing():
-            # its walk's counters (or its copy of the descales) were written by a node of the graph
-            # being recorded: an eager call of the class before the graph's first replay would read
-            # them unwritten
+        if prepared._capturing():
+            # made during a stream capture: what its packing wrote (its walk's counters, the split
+            # merge's zeroed counts, a copied descale, a missing one's 1, a missing key range) was
+            # written by nodes of the graph being recorded, and an eager call of a kept class before
+            # the graph's first replay would read it unwritten
             return prepared.once(q, k, v, *given, return_lse=return_lse)
         if len(kept) >= self.LIMIT:
             kept.clear()

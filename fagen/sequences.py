@@ -291,7 +291,8 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         descaled = kernel.descale_arguments(tq, tk, q_descale, k_descale, v_descale)  # FP8 inputs
         if descaled is not None:
             extras.update(descaled[0])
-            held = [*held, descaled[1]]
+            # (a descale among the re-pointed `indices` is each call's own: kept alive by none)
+            held = [*held, [x for name, x in zip(fp8_inputs.DESCALE_NAMES, descaled[1]) if name not in indices]]
         tiles = tile_grid = None
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles
             extras["batch"] = b

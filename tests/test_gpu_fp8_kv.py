@@ -370,6 +370,31 @@ def test_a_descale_left_out_under_capture_reads_one_outside_the_graph():
         assert torch.equal(captured, want)
 
 
+def test_a_class_first_met_under_capture_is_not_kept(monkeypatch):
+    """A call whose class is first made during stream capture (its split counts zeroed, the 1.0 a
+    left-out descale reads, filled by nodes of the graph) runs once, unkept: the eager call after
+    the capture, before any replay, makes its own class and is right, and so is the replay."""
+    torch = pytest.importorskip("torch")
+    import fagen
+    from fagen import decode, fp8_inputs
+
+    rng = np.random.default_rng(31)
+    q, k8, v8, kd, _ = inputs(rng, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 900, 1.0, torch)
+    with torch.no_grad():
+        want = fagen.decode.attention(q, k8, v8, k_descale=kd)  # (compiles outside the capture)
+        monkeypatch.setattr(decode, "SHAPE_CLASSES", decode.ShapeClasses())
+        fp8_inputs._ONES.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fagen.attention(q, k8, v8, k_descale=kd)
+        assert not decode.SHAPE_CLASSES._growing and not decode.SHAPE_CLASSES._exact
+        eager = fagen.attention(q, k8, v8, k_descale=kd)
+        assert relative_error(to_numpy(eager.float()), to_numpy(want.float())) < 1e-2
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(to_numpy(captured.float()), to_numpy(want.float())) < 1e-2
+
+
 def test_prepared_calls_read_an_fp8_cache_as_the_eager_ones():
     """fagen.prepare and fagen.prepare_with_kvcache on e4m3 caches, descales given at prepare:
     each call equals the eager call bit for bit, on new values of the same tensors."""
