@@ -170,6 +170,22 @@ def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seql
     assert call() == "packed" and made[0].calls == 4  # the first class, found by its key
 
 
+def _fp8_paged_calls(monkeypatch, prepared):
+    """KeptPagedCalls over stand-ins (`prepared` for PreparedKVCache) on an e4m3 cache, B 4: a call
+    taking the descales, then the tensors and options it passes."""
+    monkeypatch.setattr(sequences, "PreparedKVCache", prepared)
+    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = sequences.KeptPagedCalls()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    options = dict(causal=False, mask=None, softcap=None, scale=None, sinks=None)
+    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, dict(options), descales)
+    return call, q, cache, lengths, table, options, kept
+
+
 def test_an_fp8_cache_s_descales_key_its_paged_class_and_are_held(monkeypatch):
     """An FP8 cache's descales are in a kept paged class's key (a number by value, a tensor by
     address, layout and version) and reach its packing; the class holds the tensors it keys by
@@ -185,18 +201,9 @@ def test_an_fp8_cache_s_descales_key_its_paged_class_and_are_held(monkeypatch):
             self.calls += 1
             return "out"
 
-    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
-    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
-    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
-        runtime=SimpleNamespace(getDevice=lambda: 0))))
-    kept = sequences.KeptPagedCalls()
-    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
-    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
-    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
-    options = dict(causal=False, mask=None, softcap=None, scale=None, sinks=None)
+    call, q, cache, lengths, table, options, kept = _fp8_paged_calls(monkeypatch, Prepared)
     k_descale = _Torchish(4, 8, dtype="float32", at=1 << 20)
     k_descale._version = 0
-    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, dict(options), descales)
     assert call(None, k_descale, 0.5) == "out" and call(None, k_descale, 0.5) == "out" and len(made) == 1
     assert made[0].descales == (None, k_descale, 0.5) and k_descale in made[0]._held and made[0].calls == 2
     assert call(None, k_descale, 0.25) == "out" and len(made) == 2  # another number
@@ -241,16 +248,7 @@ def test_float32_descales_are_re_pointed_each_paged_call(monkeypatch):
             calls.append(tensors[5:])
             return "out"
 
-    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
-    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
-    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
-        runtime=SimpleNamespace(getDevice=lambda: 0))))
-    kept = sequences.KeptPagedCalls()
-    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
-    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
-    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
-    options = dict(causal=False, mask=None, softcap=None, scale=None, sinks=None)
-    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, dict(options), descales)
+    call = _fp8_paged_calls(monkeypatch, Prepared)[0]
     for n in range(3):  # fresh tensors each call
         kd, vd = _Descale(1 << (20 + 2 * n)), _Descale(1 << (21 + 2 * n))
         kd._version = n
