@@ -206,7 +206,8 @@ class PreparedAttention:
             if descaled is not None:
                 extras.update(descaled[0])
                 # (a moving descale is each call's own: the class keeps none of them alive)
-                held = [*held, [x for name, x in zip(fp8_inputs.DESCALE_NAMES, descaled[1]) if name not in moving_descales]]
+                held = [*held, [x for name, x in zip(fp8_inputs.DESCALE_NAMES, descaled[1])
+                                 if name not in moving_descales]]
             # ranges: each sequence's diagonal is the kernel's own (plan.sequence_offset)
             offset = nk - nq if spec.mask.align == "bottom_right" and ranges is None else 0
             if ranges is not None:
