@@ -202,12 +202,11 @@ class PreparedAttention:
             kernel.check(q, k, v, out)
             descales = dict(zip(fp8_inputs.DESCALE_NAMES, (q_descale, k_descale, v_descale)))
             descaled = kernel.descale_arguments(tq, tk, *(x if name in moving_descales else fp8_inputs.prepared_copy(x)
-                                                          for name, x in descales.items()))  # (an FP8 cache's)
+                                                          for name, x in descales.items()),
+                                                moving=moving_descales)  # (an FP8 cache's)
             if descaled is not None:
                 extras.update(descaled[0])
-                # (a moving descale is each call's own: the class keeps none of them alive)
-                held = [*held, [x for name, x in zip(fp8_inputs.DESCALE_NAMES, descaled[1])
-                                 if name not in moving_descales]]
+                held = [*held, descaled[1]]
             # ranges: each sequence's diagonal is the kernel's own (plan.sequence_offset)
             offset = nk - nq if spec.mask.align == "bottom_right" and ranges is None else 0
             if ranges is not None:
@@ -523,7 +522,7 @@ class ShapeClasses:
         general path then runs it, or refuses it by name). `ranges`: (cache_seqlens,
         cache_leftpad), either None, as KeyRanges takes them. `descales`: an FP8 KV cache's
         (q_descale, k_descale, v_descale) (q's for an FP8 q widened): the moving ones
-        (fp8_inputs.moving) re-pointed each call after the ranges, the others in the key."""
+        (fp8_inputs.kept_form) re-pointed each call after the ranges, the others in the key."""
         if self._stream is None:
             self._stream = torch_stream_handle()
         options = None
@@ -531,12 +530,10 @@ class ShapeClasses:
         descale_keys = moves = ()
         if descales:
             try:
-                moves = fp8_inputs.moving(descales, q.get_device())
-                descale_keys = tuple(fp8_inputs.class_key(x, name in moves)
-                                     for name, x in zip(fp8_inputs.DESCALE_NAMES, descales))
+                moves, moved, descale_keys = fp8_inputs.kept_form(descales, q.get_device())
             except (AttributeError, TypeError):  # not a tensor or a number: the general path says why
                 return NotImplemented
-            given += tuple(x for name, x in zip(fp8_inputs.DESCALE_NAMES, descales) if name in moves)
+            given += moved
         if not return_lse:  # (the C path's calls; no generator here: a decode step's host time)
             try:
                 device = q.get_device()

@@ -102,24 +102,23 @@ def widened(x):
     return x.to(torch.bfloat16)
 
 
-def moving(descales: tuple, device: int) -> tuple[str, ...]:
-    """The names, in DESCALE_NAMES' order, of the descales a kept call (decode.ShapeClasses,
-    sequences.KeptPagedCalls) reads from each call: float32 torch tensors on the call's GPU,
-    which the kernel reads where they lie, so a call re-points them (a dynamic scale, a fresh
-    tensor each call, keeps the call's class). Numbers and other tensors are copied when the class
-    is made and keyed by value, or by address and version (descale_key)."""
-    return tuple(name for name, x in zip(DESCALE_NAMES, descales)
-                 if _is_torch(x) and str(x.dtype) == "torch.float32" and x.get_device() == device)
-
-
-def class_key(x, moves: bool):
-    """What a kept call's key holds of a descale: a moving one's layout (dtype, shape, strides,
-    device: each call's tensor is re-pointed), else descale_key's."""
-    return (x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device()) if moves else descale_key(x)
+def kept_form(descales: tuple, device: int) -> tuple[tuple[str, ...], tuple, tuple]:
+    """How a kept call (decode.ShapeClasses, sequences.KeptPagedCalls) takes (q_descale,
+    k_descale, v_descale): (the names it re-points each call, those tensors in that order, the
+    key of all three). The moving ones are float32 torch tensors on the call's GPU: the kernel
+    reads them where they lie, so a call re-points them, keyed by their layout (dtype, shape,
+    strides, device), and a dynamic scale (a fresh tensor each call) keeps the call's class.
+    Numbers and other tensors are copied when the class is made and keyed by value, or by address
+    and version (descale_key). AttributeError for what is neither a number nor a tensor."""
+    moves = tuple(name for name, x in zip(DESCALE_NAMES, descales)
+                  if _is_torch(x) and str(x.dtype) == "torch.float32" and x.get_device() == device)
+    key = tuple((x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device()) if name in moves else descale_key(x)
+                for name, x in zip(DESCALE_NAMES, descales))
+    return moves, tuple(x for name, x in zip(DESCALE_NAMES, descales) if name in moves), key
 
 
 def descale_key(x):
-    """What a kept call's key holds of a descale it copies (not `moving`): None or a number as
+    """What a kept call's key holds of a descale it copies (not kept_form's moving): None or a number as
     itself, a torch tensor by its address, layout and version (a kept call holds a copy of its
     values, prepared_copy; a write to the tensor makes a new version, so a new key; and it holds
     the tensor, so that no other one takes its address). Such a tensor made anew each call (one

@@ -661,9 +661,11 @@ class Kernel:
             return running
         return (out, lse) if return_lse or partial and not merged else out
 
-    def descale_arguments(self, tq: DeviceTensor, tk: DeviceTensor, q_descale, k_descale, v_descale) -> tuple[dict, object] | None:
+    def descale_arguments(self, tq: DeviceTensor, tk: DeviceTensor, q_descale, k_descale, v_descale,
+                          moving: tuple[str, ...] = ()) -> tuple[dict, object] | None:
         """An FP8 kernel's descale arguments (each descale's address and (sequence, KV head)
-        strides, fp8_inputs.descale_views) and the arrays behind them; None for others (which
+        strides, fp8_inputs.descale_views) and the arrays behind them, but the `moving` ones (each
+        call's own, re-pointed by a prepared call: not to be kept alive); None for others (which
         refuse descales)."""
         given = [name for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
                  if x is not None]
@@ -675,7 +677,7 @@ class Kernel:
             return None
         # (an FP8 KV cache's q_descale: an FP8 q's, widened to the kernel's q type; None reads 1)
         views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj)
-        return descale_parameters(views), [array for array, _, _ in views.values()]
+        return descale_parameters(views), [array for name, (array, _, _) in views.items() if name not in moving]
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
         """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned

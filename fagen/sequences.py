@@ -288,11 +288,11 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
                      sinks=sinks if kernel.takes_sinks else None)
         extras, held = kernel.extra_arguments(tq, tk, given)
         extras.update(batch.arguments)
-        descaled = kernel.descale_arguments(tq, tk, q_descale, k_descale, v_descale)  # FP8 inputs
+        # (FP8 inputs; a descale among the re-pointed `indices` is each call's own: held by none)
+        descaled = kernel.descale_arguments(tq, tk, q_descale, k_descale, v_descale, moving=indices)
         if descaled is not None:
             extras.update(descaled[0])
-            # (a descale among the re-pointed `indices` is each call's own: kept alive by none)
-            held = [*held, [x for name, x in zip(fp8_inputs.DESCALE_NAMES, descaled[1]) if name not in indices]]
+            held = [*held, descaled[1]]
         tiles = tile_grid = None
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles
             extras["batch"] = b
@@ -613,7 +613,7 @@ class KeptCalls:
 class KeptPagedCalls(KeptCalls):
     """attention_with_kvcache's paged calls with validate=False (padded q, no new tokens): a
     PreparedKVCache a layout, its status word fixed. An FP8 cache's moving descales
-    (fp8_inputs.moving: float32 tensors on q's GPU) are re-pointed each call, after the page
+    (fp8_inputs.kept_form: float32 tensors on q's GPU) are re-pointed each call, after the page
     table; the others are in the key as values: a number as itself, a tensor by its address,
     layout and version (the prepared call keeps a copy of its values; a write to the tensor makes
     a new version, and a new class)."""
@@ -625,12 +625,9 @@ class KeptPagedCalls(KeptCalls):
             if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
                 return NotImplemented  # (a kept call's descales are numbers or torch tensors)
             try:
-                moves = fp8_inputs.moving(descales, q.get_device())
+                moves, moved, values = fp8_inputs.kept_form(descales, q.get_device())
             except AttributeError:  # not a tensor: the general path says why
                 return NotImplemented
-            values = (moves, *(fp8_inputs.descale_key(x) for name, x in zip(fp8_inputs.DESCALE_NAMES, descales)
-                               if name not in moves))
-            moved = tuple(x for name, x in zip(fp8_inputs.DESCALE_NAMES, descales) if name in moves)
             options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2],
                        "moving_descales": moves}
         return self.call((q, k_cache, v_cache, cache_seqlens, page_table, *moved), (status,), values, out,

@@ -356,7 +356,7 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
 
 
 class _Float32:
-    """torch.float32 as fp8_inputs.moving reads it (one object, as torch's dtypes are)."""
+    """torch.float32 as fp8_inputs.kept_form reads it (one object, as torch's dtypes are)."""
 
     def __str__(self):
         return "torch.float32"
@@ -366,7 +366,7 @@ FLOAT32 = _Float32()
 
 
 class _Descale(_Tensor):
-    """A float32 descale tensor as fp8_inputs.moving reads one (its type's module is torch's)."""
+    """A float32 descale tensor as fp8_inputs.kept_form reads one (its type's module is torch's)."""
 
     __module__ = "torch.stand_in"
 

@@ -223,7 +223,7 @@ FLOAT32 = _Float32()  # (one object, as torch's dtypes are)
 
 
 class _Descale(_Torchish):
-    """A float32 descale tensor on GPU 0 as fp8_inputs.moving reads one (its type's module is torch's)."""
+    """A float32 descale tensor on GPU 0 as fp8_inputs.kept_form reads one (its type's module is torch's)."""
 
     __module__ = "torch.stand_in"
 
