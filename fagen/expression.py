@@ -394,9 +394,10 @@ def _fold(node: Node) -> int | float | bool | None:
             return np.float32(_FLOAT_FUNCTIONS[node.function](*(np.float32(a) for a in args)))
     if isinstance(node, Conditional):
         condition, then, other = _fold(node.condition), _fold(node.then), _fold(node.other)
-        if condition is None or then is None or other is None:
-            return None
-        return _as_type(then if condition else other, node.type, _double(node))
+        chosen = None if condition is None else then if condition else other
+        # a constant condition picks its branch whatever the other one is (as nvcc folds it: a
+        # remainder by `36 ? false : score` is a remainder by zero)
+        return None if chosen is None else _as_type(chosen, node.type, _double(node))
     if isinstance(node, Cast):
         value = _fold(node.operand)
         if value is None:
@@ -426,6 +427,8 @@ def _fold(node: Node) -> int | float | bool | None:
                          [_with(node, right=Number(str(c), INT)) for c in counts])
     if node.op == "<<" and left is not None and right is not None:
         _check_left_shift(node, int(left), int(right))
+    if node.op in ("&&", "||") and left is not None and bool(left) == (node.op == "||"):
+        return node.op == "||"  # decided by its left operand, as C's short circuit (false && x, true || x)
     if left is None or right is None:
         return None
     if node.op in ("&&", "||"):

@@ -34,6 +34,11 @@ REFUSED_MASKS = [  # (expression, what the message names)
     ("kv_idx != 00", "C reads as octal"),
     ("q_idx / 0 == 0", "'q_idx / 0' at position 0 divides by zero"),
     ("q_idx % (1 - 1) == 0", "'q_idx % (1 - 1)' at position 0 divides by zero"),
+    # a constant condition or a short circuit decides the value whatever the other side is (nvcc
+    # folds them and warns; a fuzz run found the first)
+    ("q_idx % (36 ? 0 : kv_idx) == 0", "'q_idx % (36 ? 0 : kv_idx)' at position 0 divides by zero"),
+    ("q_idx % (false && kv_idx > 3) == 0", "'q_idx % (false && kv_idx > 3)' at position 0 divides by zero"),
+    ("q_idx / (0 ? kv_idx : 0) == 0", "'q_idx / (0 ? kv_idx : 0)' at position 0 divides by zero"),
     ("(q_idx << 40) == 0", "'q_idx << 40' at position 1 shifts by 40"),
     ("(kv_idx >> -1) == 0", "'kv_idx >> -1' at position 1 shifts by -1"),
     ("2147483647 + 1 > q_idx", "'2147483647 + 1' at position 0 overflows int"),
@@ -93,6 +98,7 @@ def test_a_mask_expression_c_would_not_mean_is_refused_with_a_fix(text, names):
 
 @pytest.mark.parametrize("text, names", [
     ("score / 0.0f", "'score / 0.0f' at position 0 divides by zero"),  # nvcc warns on it: refused first
+    ("70 % (36 ? false : b + false && score)", "divides by zero"),  # a fuzz run's: nvcc warned on it
     ("score * (float)(q_idx << 32)", "'q_idx << 32' at position 16 shifts by 32"),
     ("score + (float)(2147483647 * 2)", "'2147483647 * 2' at position 16 overflows int"),
 ])
