@@ -200,10 +200,8 @@ class PreparedAttention:
                 "alibi_slopes": alibi_slopes, "sinks": sinks if kernel.takes_sinks else None,
                 "block_mask": None, "bias": None, "doc_ids": None})
             kernel.check(q, k, v, out)
-            descales = dict(zip(fp8_inputs.DESCALE_NAMES, (q_descale, k_descale, v_descale)))
-            descaled = kernel.descale_arguments(tq, tk, *(x if name in moving_descales else fp8_inputs.prepared_copy(x)
-                                                          for name, x in descales.items()),
-                                                moving=moving_descales)  # (an FP8 cache's)
+            descales, moved = fp8_inputs.prepared((q_descale, k_descale, v_descale), moving_descales)
+            descaled = kernel.descale_arguments(tq, tk, **descales, moving=moving_descales)  # (an FP8 cache's)
             if descaled is not None:
                 extras.update(descaled[0])
                 held = [*held, descaled[1]]
@@ -218,8 +216,7 @@ class PreparedAttention:
                                  indices=(*(ranges.names if ranges is not None else ()), *moving_descales))
         self.split_counts = packed.split_counts
         self.ranges = ranges.tensors if ranges is not None else ()  # prepared calls pass theirs after q, k, v
-        self._arm(spec, (q, k, v, *self.ranges, *(descales[name] for name in moving_descales)), out, lse,
-                  packed.kernel, packed.merge, packed.held)
+        self._arm(spec, (q, k, v, *self.ranges, *moved), out, lse, packed.kernel, packed.merge, packed.held)
 
     def _arm(self, spec: AttentionSpec, inputs: tuple, out, lse, kernel, merge, held: list,
              first: tuple | None = None) -> None:

@@ -135,6 +135,15 @@ def prepared_copy(x):
     return x.clone() if _is_torch(x) else x.copy() if hasattr(x, "copy") and not np.isscalar(x) else x
 
 
+def prepared(descales: tuple, moving: tuple[str, ...]) -> tuple[dict, tuple]:
+    """(q_descale, k_descale, v_descale) as a prepared call packs them: by name, the `moving`
+    ones as given (each call passes its own: kept_form) and the others prepared_copy's; and the
+    moving tensors, in that order (the inputs a call passes after the index tensors)."""
+    named = dict(zip(DESCALE_NAMES, descales))
+    return ({name: x if name in moving else prepared_copy(x) for name, x in named.items()},
+            tuple(named[name] for name in moving))
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 

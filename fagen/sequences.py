@@ -518,14 +518,11 @@ class PreparedKVCache(PreparedAttention):
         if 0 in tq.shape[:3]:  # (the cache's keys are the device's to count)
             raise ValueError(f"q: shape {tq.shape}, no query row to prepare (B, Hq and Nq must be >= 1); call "
                              f"attention_with_kvcache, which answers a call without query rows with no launch")
-        descales = dict(zip(fp8_inputs.DESCALE_NAMES, (q_descale, k_descale, v_descale)))
+        descales, moved = fp8_inputs.prepared((q_descale, k_descale, v_descale), moving_descales)
         packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits,
-                      indices=(*PAGED_INDICES, *moving_descales),
-                      **{name: x if name in moving_descales else fp8_inputs.prepared_copy(x)
-                         for name, x in descales.items()})
-        self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table,
-                                *(descales[name] for name in moving_descales)),
-                  packed.out, packed.lse, packed.kernel, packed.merge, packed.held)
+                      indices=(*PAGED_INDICES, *moving_descales), **descales)
+        self._arm(packed.spec, (q, k_cache, v_cache, cache_seqlens, page_table, *moved), packed.out, packed.lse,
+                  packed.kernel, packed.merge, packed.held)
 
 
 class KeptCalls:
