@@ -25,7 +25,8 @@ import numpy as np
 from fagen import fp8_inputs, hot_path, side_inputs, tensor_maps, wide_head
 from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, empty_permuted, full_like,
                           layout_order, stream_for, tensor_signature, torch_stream_handle)
-from fagen.dispatch import derive_spec, fp8_kv_refusal, no_work, packed_spec, sequence_keys, step_spec
+from fagen.dispatch import (derive_spec, fp8_kv_refusal, fp8_query_decodes, no_work, packed_spec, sequence_keys,
+                            step_spec)
 from fagen.element_types import fp8_element
 from fagen.runtime import _aux_array, compile_kernel
 from fagen.spec import AttentionSpec
@@ -62,7 +63,7 @@ def answer_without_work(plain: AttentionSpec, q, k, v, *, return_lse: bool = Fal
     side_inputs.check_shapes(b, hq, nq, nk, bias_kind=None if plain.score_mod.bias == "none" else plain.score_mod.bias,
                              **given)
     with cupy.cuda.Device(tq.device), stream_for(tq):
-        out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)
+        out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), plain.out_element.name)
         out[...] = 0
         lse = full_like(tq, (b, hq, nq), -math.inf, "float32")
         if sinks is not None and b * hq * nq:  # rows that see only their sink
@@ -108,13 +109,13 @@ def run(spec: AttentionSpec, q, k, v, *, scale: float | None = None, splits: int
     b, hq, nq, _ = tq.shape
     step, splits = step_spec(spec, b, hq, tk.shape[1], nq, tk.shape[2], splits, sinks is not None)
     kernel = compile_kernel(step)
-    # an FP8 KV cache's (FlashAttention-3's; q's for an FP8 q widened); other kernels refuse descales
+    # an FP8 KV cache's (FlashAttention-3's; q's for an FP8 q); other kernels refuse descales
     descales = {} if q_descale is None and k_descale is None and v_descale is None else {
         "q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if step.outputs.partial and not step.outputs.merge_splits:  # the merge kernel's launch after it
         o_parts, lse_parts = kernel(q, k, v, scale=scale, splits=splits, alibi_slopes=alibi_slopes,
                                     **descales)
-        out = empty_laid_out_as(tq, (b, hq, nq, as_device_tensor(v, "v").shape[-1]), tq.dtype)
+        out = empty_laid_out_as(tq, (b, hq, nq, as_device_tensor(v, "v").shape[-1]), step.out_element.name)
         out, lse = merge(o_parts, lse_parts, sinks=sinks, out=out)
         return (out, lse) if return_lse else out
     return kernel(q, k, v, scale=scale, return_lse=return_lse, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -130,7 +131,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     b's keys are rows cache_leftpad[b] .. cache_seqlens[b] of k and v (KeyRanges). k and v in an
     FP8 type against a half-type q: an FP8 KV cache, read by the decode kernels, with
     FlashAttention-3's k_descale and v_descale (float32, one number or [B, Hkv]; None is 1), and
-    q_descale where q is an FP8 one widened (fp8_inputs.widened)."""
+    q_descale where q is FP8 too (a decode step's, which those kernels widen as it lands)."""
     side = dict(block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
     shape = getattr(q, "shape", ())
     if len(shape) and shape[-1] in WIDE_HEAD_DIMS:  # head_dim 512: its own kernel
@@ -164,7 +165,7 @@ class PreparedAttention:
     A call captured in a CUDA graph keeps this object alive for the rest of the process
     (CAPTURED): the graph's replays write its workspace, which must not go back to the
     allocator while a graph may still replay. sequences.PreparedKVCache is the paged form. An FP8
-    cache's k_descale and v_descale (and q_descale, for an FP8 q widened) are read at prepare time
+    cache's k_descale and v_descale (and q_descale, for an FP8 q) are read at prepare time
     (a copy: prepare again for others); those `moving_descales` names (fagen's kept calls: float32
     tensors on q's GPU) are read where they lie instead, and a call passes its own after the index
     tensors. `split_keys`: the key count the split count is chosen and evened for (a growing class's
@@ -192,7 +193,7 @@ class PreparedAttention:
             spec, splits = step_spec(spec, b, hq, hkv, nq, split_keys or nk, splits, sinks is not None)
         spec = spec or plain
         kernel = compile_kernel(spec)
-        out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), tq.dtype)  # the outputs' strides, for packing (O as wide as V)
+        out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), spec.out_element.name)  # the outputs' strides, for packing (O as wide as V)
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call
         lse = empty_like(tq, (b, hq, nq), "float32")
         with cupy.cuda.Device(tq.device), stream_for(tq):
@@ -246,7 +247,7 @@ class PreparedAttention:
         # out laid out as q is (its strides too where V is as wide as Q): torch.empty_like(q)
         # allocates it in half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7,
         # q.new_empty 5.4); else in the packed out's order of dimensions
-        self._out_like_q = self.signature[0][:2] == self.out_signature[:2]
+        self._out_like_q = self.signature[0][:3] == self.out_signature[:3]
         self._out_order = layout_order(self.signature[0][1])  # q's: the packed out's own (empty_laid_out_as)
         self._lse_ptr = as_device_tensor(lse, "lse").ptr
         self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
@@ -258,7 +259,7 @@ class PreparedAttention:
             self._capturing = torch._C._cuda_isCurrentStreamCapturing
             self._layout = tuple(x for t in inputs for x in (t.shape, t.stride()))
             self._dtypes = tuple(t.dtype for t in inputs)
-            self._dtype = q.dtype
+            self._dtype = out.dtype
             self._hot = self._hot_path()
 
     def __call__(self, q, k, v, *indices, out=None, lse=None, return_lse: bool = False):
@@ -299,7 +300,7 @@ class PreparedAttention:
         if not self._captured and current.is_capturing():
             self._keep_for_graphs()
         if out is None:
-            out = empty_permuted("cupy", self.out_shape, self._out_order, q.dtype)
+            out = empty_permuted("cupy", self.out_shape, self._out_order, self.out_signature[2])
         if return_lse and lse is None:
             lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
         self._launch(current.ptr, tuple(t.data.ptr for t in inputs), out.data.ptr,
@@ -324,7 +325,7 @@ class PreparedAttention:
             self._keep_for_graphs()
         if out is None:
             out = torch.empty_like(q) if self._out_like_q else \
-                torch.empty_permuted(self.out_shape, self._out_order, dtype=q.dtype, device=q.device)
+                torch.empty_permuted(self.out_shape, self._out_order, dtype=self._dtype, device=q.device)
         if return_lse and lse is None:
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         self._launch(stream, addresses, out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr)
@@ -356,10 +357,9 @@ class PreparedAttention:
         if module is None:
             return None
         torch = self._torch
-        shape = self.out_shape
-        order = self._out_order
+        shape, order, dtype = self.out_shape, self._out_order, self._dtype
         allocate = torch.empty_like if self._out_like_q else \
-            (lambda q: torch.empty_permuted(shape, order, dtype=q.dtype, device=q.device))
+            (lambda q: torch.empty_permuted(shape, order, dtype=dtype, device=q.device))
         n = self.inputs  # addresses: the inputs, out, lse
         launch_kernel, is_capturing, encode_tiled = hot_path.driver_functions()
         workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is
@@ -450,6 +450,7 @@ class GrowingKeys(PreparedAttention):
         self._splits = self.kernel.grid[2]
         self._split = self.spec.outputs.partial
         self._nq = q.shape[2]
+        self._chunk = compile_kernel(self.spec).plan.kv_chunk_elems  # K's and V's elements a 16-byte copy
         # a ranged kernel finds each sequence's diagonal itself (the offset stays 0)
         self._bottom_right = self.spec.mask.align == "bottom_right" and not self.ranges
         names = self.WRITTEN + (("kv_tiles_per_split",) if self._split else ())
@@ -459,7 +460,7 @@ class GrowingKeys(PreparedAttention):
         # as `run`'s, every call, then the prepared launches
         fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in self.kernel.param_slots(names))
         self._hot = self._hot_path(growing=(self.lo, self.hi, self._block_kv, self._splits, self._nq,
-                                            self._bottom_right, (k.shape[0], k.shape[1], k.shape[3]),
+                                            self._bottom_right, self._chunk, (k.shape[0], k.shape[1], k.shape[3]),
                                             (v.shape[0], v.shape[1], v.shape[3]), fields))
 
     def run(self, q, k, v, ranges: tuple, return_lse: bool):
@@ -479,7 +480,7 @@ class GrowingKeys(PreparedAttention):
             return NotImplemented
         if (ks, vs, nk) != self._keys:
             if not (self.lo <= nk < self.hi and ks[3] == 1 and vs[3] == 1
-                    and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % 8):
+                    and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % self._chunk):
                 return NotImplemented
             share = (-(-(-(-nk // self._block_kv)) // self._splits),) if self._split else ()
             self._write(nk, nk - self._nq if self._bottom_right else 0, *ks[:3], *vs[:3], *share)
@@ -518,20 +519,16 @@ class ShapeClasses:
         """out (and lse) of fagen.attention's call, or NotImplemented where no class takes it (the
         general path then runs it, or refuses it by name). `ranges`: (cache_seqlens,
         cache_leftpad), either None, as KeyRanges takes them. `descales`: an FP8 KV cache's
-        (q_descale, k_descale, v_descale) (q's for an FP8 q widened): the moving ones
+        (q_descale, k_descale, v_descale) (q's for an FP8 q): the moving ones
         (fp8_inputs.kept_form) re-pointed each call after the ranges, the others in the key."""
         if self._stream is None:
             self._stream = torch_stream_handle()
         options = None
         given = tuple(t for t in ranges if t is not None) if ranges else ()
-        descale_keys = moves = ()
-        if descales:
-            try:
-                moves, moved, descale_keys = fp8_inputs.kept_form(descales, q.get_device())
-            except (AttributeError, TypeError):  # not a tensor or a number: the general path says why
-                return NotImplemented
-            given += moved
-        if not return_lse:  # (the C path's calls; no generator here: a decode step's host time)
+        # the descales as the last class's C path takes them: every torch tensor re-pointed (that
+        # path checks each one's layout, dtype and GPU itself), numbers by value in the options
+        descale_options, tensors = fp8_inputs.re_pointed(descales, type(q))
+        if not return_lse and descale_options is not None:  # (the C path's calls; no generator here: a decode step's host time)
             try:
                 device = q.get_device()
                 if device >= 0:
@@ -539,13 +536,23 @@ class ShapeClasses:
                                softcap, scale,
                                None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                                device, self._stream(device), threading.get_ident(),
-                               ranges and (ranges[0] is None, ranges[1] is None), descale_keys)
+                               ranges and (ranges[0] is None, ranges[1] is None),
+                               descale_options)
                     hot = self._last.get(options)
                     if hot is not None:
-                        done = hot(q, k, v, *given, None)
+                        done = hot(q, k, v, *given, *tensors, None)
                         if done is not NotImplemented:
                             return done
             except (AttributeError, TypeError):  # not a tensor, or a mask with unhashable parts: the key's test below
+                options = None
+        descale_keys = moves = ()
+        if descales:
+            try:
+                moves, moved, descale_keys = fp8_inputs.kept_form(descales, q.get_device())
+            except (AttributeError, TypeError):  # not a tensor or a number: the general path says why
+                return NotImplemented
+            given += moved
+            if len(moved) != len(tensors):  # a descale copied: its class's C path is not the options' to try
                 options = None
         try:  # the key alone: what is not a tensor of this rank, or a mask with unhashable parts, is not ours
             if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
@@ -593,8 +600,13 @@ class ShapeClasses:
     def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, given: tuple, return_lse: bool):
         """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)
         where the general path is the call's: no work, or an input it refuses by name."""
-        if q.shape[-1] in WIDE_HEAD_DIMS or fp8_element(str(q.dtype).removeprefix("torch.")):
-            return NotImplemented  # their own paths (fagen.torch_op): head_dim 512's kernels, the FP8 forward
+        if q.shape[-1] in WIDE_HEAD_DIMS:
+            return NotImplemented  # its own path (fagen.torch_op): head_dim 512's kernels
+        q8 = fp8_element(str(q.dtype).removeprefix("torch."))
+        if q8 is not None and not (k.dtype == q.dtype == v.dtype and fp8_query_decodes(
+                tuple(q.shape), tuple(k.shape), tuple(v.shape), q8.name, causal=options["causal"], mask=options["mask"],
+                softcap=options["softcap"], sinks=options["sinks"])):
+            return NotImplemented  # the FP8 forward's (fagen.torch_op): not a decode step on the cache's kernels
         try:
             plain = derive_spec(q, causal=options["causal"], mask=options["mask"], softcap=options["softcap"],
                                 sinks=options["sinks"], keys=sequence_keys(k), v=v)

@@ -32,8 +32,8 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False,
 def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
                 alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None, v=None,
                 score_expression: tuple[str, str, int] | None = None) -> AttentionSpec:
-    """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype and
-    head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
+    """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype (an FP8
+    q against FP8 v: cache_query_dtype's) and head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
     modifiers they ask for (fagen.variants), and V's width where `v` is given and differs.
     score_expression: (score_mod.expression, score_mod.expression_grad, score_mod.captured), a
     traced score_mod's (fagen.flex)."""
@@ -42,9 +42,26 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
     v_shape = getattr(v, "shape", ())
     head_dim_v = int(v_shape[-1]) if len(v_shape) == 4 and v_shape[-1] != tq.shape[-1] else None
-    return derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
+    dtype = tq.dtype
+    if v is not None and fp8_element(dtype) is not None:  # an FP8 q: a decode step's on an FP8 cache
+        dtype = cache_query_dtype(dtype, as_device_tensor(v, "v").dtype)
+    return derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
                            bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys,
                            head_dim_v=head_dim_v, score_expression=score_expression)
+
+
+# The half type an FP8 KV cache's kernels are derived for where q is FP8 too (they widen it as it
+# lands, spec.q_dtype): FlashAttention-3's FP8 calls write bfloat16
+CACHE_QUERY_HALF_TYPE = "bfloat16"
+
+
+def cache_query_dtype(q_dtype: str, kv_dtype: str) -> str:
+    """The dtype a call's plain spec is derived for: q's, or CACHE_QUERY_HALF_TYPE for an FP8 q
+    against FP8 k and v (the callers send only a decode step's there: fp8_query_decodes; the
+    decode kernels' FP8 variant then reads q as it lies, packed_spec)."""
+    if fp8_element(q_dtype) is not None and fp8_element(kv_dtype) is not None:
+        return CACHE_QUERY_HALF_TYPE
+    return q_dtype
 
 
 def bias_kind(bias) -> str:
@@ -166,28 +183,30 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
     kv = fp8_element(tk.dtype)
     if kv is None or plain.element.is_fp8:
         return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
-    return fp8_kv_spec(plain, rows, kv.name)
+    query = fp8_element(tq.dtype)
+    return fp8_kv_spec(plain, rows, kv.name, None if query is None else query.name)
 
 
-def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str) -> AttentionSpec | None:
+def fp8_kv_spec(plain: AttentionSpec, rows: int, kv_dtype: str, q_dtype: str | None = None) -> AttentionSpec | None:
     """The kernel a half-type q runs against an FP8 KV cache (the decode kernel widening its K
     and V, variants.fp8_kv_variant) for `rows` packed query rows a KV head, or None (a head width
     or mask they do not take: the caller refuses, fp8_kv_refusal). No other kernel reads an FP8 cache, so more rows
     than the largest decode kernel holds (a chunk of prefill) take its chunk variant over several
-    row tiles (variants.fp8_kv_chunk_variant)."""
-    return _fp8_kv_kernel(plain.dtype, plain.head_dim, plain.mask, plain.score_mod, rows, kv_dtype)
+    row tiles (variants.fp8_kv_chunk_variant). q_dtype: an FP8 q the kernel widens as it lands
+    (plain then CACHE_QUERY_HALF_TYPE's)."""
+    return _fp8_kv_kernel(plain.dtype, plain.head_dim, plain.mask, plain.score_mod, rows, kv_dtype, q_dtype)
 
 
-def _fp8_kv_kernel(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod, rows: int, kv_dtype: str
-                   ) -> AttentionSpec | None:
+def _fp8_kv_kernel(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod, rows: int, kv_dtype: str,
+                   q_dtype: str | None = None) -> AttentionSpec | None:
     largest = max(variants.DECODE_HEAD_DIMS.get(head_dim, (rows,)))
     spec = variants.decode_spec(dtype, head_dim, min(rows, largest), mask, score_mod)
     if spec is None:
         return None
     try:
         if rows > largest:  # a chunk of prefill: prefill-shaped row tiles where they fit
-            return variants.fp8_kv_chunk_variant(spec, kv_dtype)
-        return variants.fp8_kv_variant(spec, kv_dtype)
+            return variants.fp8_kv_chunk_variant(spec, kv_dtype, q_dtype)
+        return variants.fp8_kv_variant(spec, kv_dtype, q_dtype=q_dtype)
     except SpecError:
         return None
 
@@ -195,9 +214,9 @@ def _fp8_kv_kernel(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod, r
 def fp8_query_decodes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...], kv_dtype: str, *,
                       causal: bool = False, mask=None, softcap: float | None = None, sinks=None, alibi_slopes=None,
                       bias=None, doc_ids=None, block_mask=None) -> bool:
-    """Whether FP8 q, k, v ([B, H, N, d]) run as a decode step: q widened to bfloat16 (exactly,
-    fp8_inputs.widened) against k and v as an FP8 KV cache, in the kernels that pack a KV head's
-    query rows (GQA) and split its keys, q_descale read beside k's. True where one of them holds
+    """Whether FP8 q, k, v ([B, H, N, d]) run as a decode step: q against k and v as an FP8 KV
+    cache, in the kernels that pack a KV head's query rows (GQA) and split its keys, which widen q
+    as it lands (spec.q_dtype), q_descale read beside k's. True where one of them holds
     the call's rows and takes its options; the FP8 forward's 128-row tiles would hold a head's
     few rows each, one block a head, with no split. Side inputs the decode kernels lack (a bias,
     documents, a block mask) keep the FP8 forward. (Asked on every FP8 call: remembered.)"""
@@ -223,8 +242,8 @@ def _fp8_query_decodes(q_shape: tuple[int, ...], hkv: int, head_dim_v: int, kv_d
     if head_dim_v != head_dim or not 1 <= rows <= max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
         return False
     score_mod = ScoreMod(softcap=softcap, sinks=sinks, alibi="slopes" if alibi else "none")
-    return _fp8_kv_kernel("bfloat16", head_dim, kernel_mask(causal, mask, False, False), score_mod, rows,
-                          kv_dtype) is not None
+    return _fp8_kv_kernel(CACHE_QUERY_HALF_TYPE, head_dim, kernel_mask(causal, mask, False, False), score_mod, rows,
+                          kv_dtype, kv_dtype) is not None
 
 
 def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:
@@ -363,15 +382,21 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
     if tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
         raise ValueError(f"q has Hq = {tq.shape[1]} heads, k and v Hkv = {tk.shape[1]}: Hq must be a multiple of Hkv")
     q_fp8 = fp8_element(tq.dtype)
-    if q_fp8 is not None:  # FP8 q, k, v: the FP8 forward, in the batch's layouts
+    if q_fp8 is not None and batch.kv_layout != "paged":  # FP8 q, k, v: the FP8 forward, in the batch's layouts
         return _fp8_batch_spec(batch, q_fp8.name, causal=causal, mask=mask, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks)
+    kv = fp8_element(tk.dtype)
+    if q_fp8 is not None and q_fp8 != kv:
+        raise ValueError(f"q: {tq.dtype} against a {tk.dtype} cache; the cache's kernels widen an FP8 q of the "
+                         f"cache's own type: pass q as {tk.dtype}, or in bfloat16 with its descale applied (and no "
+                         f"q_descale)")
     dv = batch.v.shape[-1] if batch.v.shape[-1] != tq.shape[-1] else None  # two head widths (head_dim_v)
-    plain = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
+    dtype = cache_query_dtype(tq.dtype, tk.dtype)  # (an FP8 q of a paged FP8 cache: its kernels widen it)
+    plain = derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
                             alibi_slopes=alibi_slopes, sinks=sinks, head_dim_v=dv)
     keys = class_keys(batch)
     if keys is not None:
-        long = derive_spec_for(tq.dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
+        long = derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, keys=keys, head_dim_v=dv)
         ws = long.pipeline.warp_specialized
         if ws is not None and ws.persistent:
@@ -379,13 +404,12 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
     packed = (variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
               if dv is None else None)  # (the decode kernels hold one width)
-    kv = fp8_element(tk.dtype)
     if kv is not None:  # an FP8 KV cache: paged, through the decode kernel's FP8 variant
         if batch.kv_layout != "paged":
             raise ValueError(f"k, v: {tk.dtype} (an FP8 KV cache) is read paged (attention_with_kvcache with a "
                              f"page_table) or as [B, Hkv, N, d] rows (fagen.attention), with k_descale and v_descale; "
                              f"not {batch.kv_layout} yet")
-        packed = fp8_kv_spec(plain, rows, kv.name) if dv is None else None
+        packed = fp8_kv_spec(plain, rows, kv.name, None if q_fp8 is None else q_fp8.name) if dv is None else None
         if packed is None:
             raise ValueError(fp8_kv_refusal("k_cache, v_cache", tk.dtype, plain, rows))
     try:

@@ -10,9 +10,9 @@
 - The descales, FlashAttention-3's convention: float32, one number or [B, Hkv] each (None: 1);
   the true q is q * q_descale[b, h_kv], likewise k and v. Each goes to the kernel as an address and
   its (sequence, KV head) strides, a device tensor read where it lies (descale_views).
-- An FP8 q beside an FP8 KV cache, where a decode kernel takes the call: bfloat16, exactly
-  (widened), so the cache's kernels, which split the keys and pack GQA heads, run it; they read
-  its q_descale beside k_descale (a score is q.k x q_descale x k_descale).
+- An FP8 q beside an FP8 KV cache of its type, where a decode kernel takes the call: the cache's
+  kernels, which split the keys and pack GQA heads, widen it exactly as it lands (spec.q_dtype)
+  and read its q_descale beside k_descale (a score is q.k x q_descale x k_descale).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _descale_shape(name: str, x, b: int, hkv: int) -> tuple[int, ...]:
 
 def widened(x):
     """An FP8 torch tensor in bfloat16, exactly (e4m3: 3 mantissa bits, exponents -9..8; e5m2: 2
-    and -16..15; bfloat16 holds 7 and -133..127): an FP8 q as an FP8 KV cache's kernels read it."""
+    and -16..15; bfloat16 holds 7 and -133..127): FP8 new tokens as the cache's append reads them."""
     import torch
 
     return x.to(torch.bfloat16)
@@ -115,6 +115,31 @@ def kept_form(descales: tuple, device: int) -> tuple[tuple[str, ...], tuple, tup
     key = tuple((x.dtype, tuple(x.shape), tuple(x.stride()), x.get_device()) if name in moves else descale_key(x)
                 for name, x in zip(DESCALE_NAMES, descales))
     return moves, tuple(x for name, x in zip(DESCALE_NAMES, descales) if name in moves), key
+
+
+# a descale tensor in a kept call's options (re_pointed): the kept class's C path re-points it
+RE_POINTED = object()
+
+
+def re_pointed(descales: tuple, tensor: type) -> tuple[tuple | None, tuple]:
+    """(q_descale, k_descale, v_descale) as a kept call's last class is tried with: (each
+    `tensor` as RE_POINTED, None and Python numbers as given, or None where one is anything else,
+    which that class may hold a copy of; those tensors in order). That class's C path checks
+    each tensor's layout, dtype and GPU itself, so the options need not (kept_form, which reads
+    them, runs where the class is looked up or made). Spelled out, no generator: a decode step's
+    host time."""
+    if not descales:
+        return (), ()
+    form, tensors = [], ()
+    for x in descales:
+        if type(x) is tensor:
+            form.append(RE_POINTED)
+            tensors = (*tensors, x)
+        elif x is None or type(x) in (float, int):
+            form.append(x)
+        else:
+            return None, tensors
+    return tuple(form), tensors
 
 
 def descale_key(x):

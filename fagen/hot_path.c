@@ -103,7 +103,8 @@ typedef struct {
      * it there) takes n_kv, mask_offset, the six K/V strides and (split kernels) the split share,
      * field_bytes: 4 (int) or 8 (long long) */
     int growing, fields, bottom_right;
-    long long lo, hi, block_kv, splits, nq, kv_dims[2][3];  /* k's, then v's */
+    long long lo, hi, block_kv, splits, nq, kv_chunk, kv_dims[2][3];  /* kv_chunk: K's and V's elements a 16-byte
+                                                                     copy; kv_dims: k's, then v's */
     int field_slots[GROWING_FIELDS], field_bytes[GROWING_FIELDS];
 } HotPath;
 
@@ -160,8 +161,8 @@ static long long item(PyObject *tuple, Py_ssize_t i) {
 }
 
 /* A growing class's k (input 1) or v (2): rank 4, batch, heads and head_dim as prepared, `length` rows (k's
- * sets it), 16-byte rows (last stride 1, the others multiples of 8 elements), dtype and device
- * as prepared; its strides into strides[0..2]. */
+ * sets it), 16-byte rows (last stride 1, the others multiples of kv_chunk elements: 8 of a half type, 16 of
+ * an FP8 cache), dtype and device as prepared; its strides into strides[0..2]. */
 static int kv_of_class(HotPath *self, PyObject *t, int input, long long *length, long long *strides) {
     PyObject *shape = PyObject_GetAttr(t, SHAPE), *stride = shape ? PyObject_CallMethodNoArgs(t, STRIDE) : NULL;
     int ok = shape && stride && PyTuple_Check(shape) && PyTuple_Check(stride) && PyTuple_GET_SIZE(shape) == 4
@@ -174,7 +175,7 @@ static int kv_of_class(HotPath *self, PyObject *t, int input, long long *length,
     }
     for (int i = 0; ok && i < 3; i++) {
         strides[i] = item(stride, i);
-        ok = strides[i] % 8 == 0;
+        ok = strides[i] % self->kv_chunk == 0;
     }
     Py_XDECREF(shape);
     Py_XDECREF(stride);
@@ -320,20 +321,21 @@ fail:
     return NULL;
 }
 
-/* growing: (lo, hi, block_kv, splits, nq, bottom_right, k's and v's (B, Hkv, d), ((slot, bytes), ...)), the
- * fields in GROWING_FIELDS' order (the split share only for a split kernel) */
+/* growing: (lo, hi, block_kv, splits, nq, bottom_right, kv_chunk, k's and v's (B, Hkv, d), ((slot, bytes), ...)),
+ * the fields in GROWING_FIELDS' order (the split share only for a split kernel) */
 static int growing_init(HotPath *self, PyObject *growing) {
     PyObject *fields;
     long long (*dims)[3] = self->kv_dims;
-    if (!PyArg_ParseTuple(growing, "LLLLLp(LLL)(LLL)O!", &self->lo, &self->hi, &self->block_kv, &self->splits, &self->nq,
-                          &self->bottom_right, &dims[0][0], &dims[0][1], &dims[0][2], &dims[1][0], &dims[1][1],
-                          &dims[1][2], &PyTuple_Type, &fields))
+    if (!PyArg_ParseTuple(growing, "LLLLLpL(LLL)(LLL)O!", &self->lo, &self->hi, &self->block_kv, &self->splits,
+                          &self->nq, &self->bottom_right, &self->kv_chunk, &dims[0][0], &dims[0][1], &dims[0][2],
+                          &dims[1][0], &dims[1][1], &dims[1][2], &PyTuple_Type, &fields))
         return -1;
     const Py_ssize_t count = PyTuple_GET_SIZE(fields);
     if (self->inputs < 3 || count < GROWING_FIELDS - 1 || count > GROWING_FIELDS || self->block_kv < 1
-            || self->splits < 1) {
+            || self->splits < 1 || (self->kv_chunk != 8 && self->kv_chunk != 16)) {
         PyErr_SetString(PyExc_ValueError, "HotPath: a growing class writes n_kv, mask_offset, six strides and "
-                        "(split) the share, over key tiles and splits of at least 1");
+                        "(split) the share, over key tiles and splits of at least 1, K and V copied in 16-byte "
+                        "chunks of 8 or 16 elements");
         return -1;
     }
     for (Py_ssize_t i = 0; i < count; i++) {

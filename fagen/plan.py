@@ -187,6 +187,8 @@ class KernelPlan:
     kv_chunk_elems: int  # K's and V's elements in a 16-byte chunk (16 for an FP8 KV cache, else 8)
     kv_chunks_per_row: int  # ... and chunks in a row of them
     kv_copy_rows_per_pass: int  # their copy's rows a pass (copy_rows_per_pass of K's and V's rows)
+    q_chunk_elems: int  # q's elements in a 16-byte chunk (16 for an FP8 q widened as it lands, else 8)
+    q_chunks_per_row: int  # ... and chunks in a row of it
     out_chunks_per_warp: int  # 16-byte chunks of a warp's rows of O (the epilogue's stores)
     s_acc_regs: int  # f32 accumulator registers a thread holds for S
     o_acc_regs: int  # ... and for O
@@ -958,6 +960,7 @@ def swizzle_atom_columns(spec: AttentionSpec) -> int:
     return SWIZZLE_ROW_BYTES // spec.element.bytes
 ELEM_PTR, OUT_PTR = "const elem_t* __restrict__", "out_t* __restrict__"
 KV_PTR = "const kv_elem_t* __restrict__"  # an FP8 KV cache's k and v (spec.fp8_kv)
+Q_PTR = "const q_elem_t* __restrict__"  # an FP8 q that kernel widens as it lands (spec.widens_query)
 # The kernel's parameters before extra_params, in signature order (elem_t and out_t are the
 # kernel's typedefs: the storage dtype, and f32 for split-KV partials).
 def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
@@ -967,7 +970,7 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     units straight into the softmax otherwise)."""
     kv_ptr = KV_PTR if spec.fp8_kv else ELEM_PTR
     loaded = () if spec.warp_specialized else (
-        (ELEM_PTR, "q"), (kv_ptr, "k"), (kv_ptr, "v"))
+        (Q_PTR if spec.widens_query else ELEM_PTR, "q"), (kv_ptr, "k"), (kv_ptr, "v"))
     strides = () if spec.warp_specialized else (
         ("long long", "q_sb"), ("long long", "q_sh"), ("long long", "q_sn"),
         ("long long", "k_sb"), ("long long", "k_sh"), ("long long", "k_sn"),
@@ -988,7 +991,7 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
 EXP2_POLY_EVERY = 8
 # FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), each read where it
 # lies: its address and (sequence, KV head) strides. An FP8 KV cache's kernels take q's too: 1 for
-# a half-type q, an FP8 q's own where it was widened to one (fp8_inputs.widened)
+# a half-type q, an FP8 q's own (spec.widens_query)
 DESCALE_PARAMS = tuple(param for name in ("q_descale", "k_descale", "v_descale")
                        for param in ((FLOAT_PTR, name), ("long long", f"{name}_sb"), ("long long", f"{name}_sh")))
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
@@ -1021,6 +1024,8 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_ti
         "kv_chunk_elems": CHUNK_BYTES // spec.kv_element.bytes,
         "kv_chunks_per_row": kv_chunks_per_row,
         "kv_copy_rows_per_pass": threads // kv_chunks_per_row if threads % kv_chunks_per_row == 0 else 0,
+        "q_chunk_elems": CHUNK_BYTES // spec.q_element.bytes,
+        "q_chunks_per_row": d * spec.q_element.bytes // CHUNK_BYTES,
         "q_tile_bytes": t.block_q * d * spec.element.bytes if spec.wgmma else 0,
         "k_load_bytes": t.block_kv * d * spec.kv_element.bytes if spec.wgmma else 0,
         "v_load_bytes": v_tile_keys(spec) * dv * spec.kv_element.bytes if spec.wgmma else 0,

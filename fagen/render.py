@@ -117,6 +117,8 @@ def context(spec: AttentionSpec) -> dict:
         "out_element": spec.out_element,
         "kv_element": spec.kv_element,
         "fp8_kv": spec.fp8_kv,  # a half-type q against an FP8 KV cache (spec.fp8_kv)
+        "q_element": spec.q_element,
+        "widens_query": spec.widens_query,  # ... or an FP8 q, widened as it lands (spec.widens_query)
         "plan": plan(spec),
         "numbered_loads": NUMBERED_LOADS,
         "swizzled": spec.smem_layout == "swizzled",

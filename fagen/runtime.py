@@ -520,7 +520,7 @@ class Kernel:
         for t, n, d in ((tq, "q", spec.head_dim), (tk, "k", spec.head_dim), (tv, "v", spec.dv)):
             if t.kind != tq.kind:
                 raise ValueError(f"{n} is a {t.kind} tensor but q is {tq.kind}: pass all three from one framework")
-            element = spec.element if n == "q" else spec.kv_element
+            element = spec.q_element if n == "q" else spec.kv_element
             if t.dtype not in (element.name, element.torch_name):
                 raise ValueError(f"{n}: dtype {t.dtype}, but kernel {spec.name} takes {element.torch_name}; "
                                  f"cast it or use a {t.dtype} spec (fagen.attention picks one)")
@@ -675,7 +675,7 @@ class Kernel:
                 raise ValueError(f"{given[0]}: kernel {spec.name} takes {spec.dtype} inputs; descales "
                                  f"are for FP8 ones (dtype float8_e4m3)")
             return None
-        # (an FP8 KV cache's q_descale: an FP8 q's, widened to the kernel's q type; None reads 1)
+        # (an FP8 KV cache's q_descale: an FP8 q's, which the kernel widens as it lands; None reads 1)
         views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj)
         return descale_parameters(views), [array for name, (array, _, _) in views.items() if name not in moving]
 

@@ -266,7 +266,7 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
     kv_types = (spec.kv_element.name, spec.kv_element.torch_name)
-    if tq.dtype not in (spec.element.name, spec.element.torch_name) or tk.dtype not in kv_types or tv.dtype not in kv_types:
+    if tq.dtype not in (spec.q_element.name, spec.q_element.torch_name) or tk.dtype not in kv_types or tv.dtype not in kv_types:
         raise ValueError(f"q, k, v: dtypes {tq.dtype}, {tk.dtype}, {tv.dtype}; all float16 or all bfloat16, all "
                          f"of one FP8 type (varlen), or a float16 or bfloat16 q against k and v of one FP8 type (an "
                          f"FP8 KV cache)")
@@ -407,9 +407,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     An FP8 cache (k_cache, v_cache float8_e4m3fn or float8_e5m2, q float16 or bfloat16; paged):
     read by the decode kernels with FlashAttention-3's k_descale and v_descale (float32, one number
     or [B, Hkv]; None is 1); new tokens k, v (float16 or bfloat16) go into it quantized with the
-    same descales first (append_kv). q may be FP8 too (a torch tensor, with q_descale, as
-    FlashAttention-3's FP8 calls): it goes in as bfloat16, exactly (fp8_inputs.widened), its
-    descale read beside k's, out bfloat16. New tokens of the cache's FP8 type are in its units
+    same descales first (append_kv). q may be FP8 too (a torch tensor of the cache's type, with
+    q_descale, as FlashAttention-3's FP8 calls): the kernels widen it exactly as it lands and read
+    its descale beside k's, out bfloat16. New tokens of the cache's FP8 type are in its units
     already and go in as they are."""
     # (a torch tensor's dtype read as is: the kept paged calls below are a few microseconds)
     fp8_cache = fp8_element(str(k_cache.dtype).removeprefix("torch.") if is_torch(k_cache)
@@ -424,8 +424,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if q_descale is not None and not fp8_query:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"FP8 cache only")
-    if fp8_query:  # (paged: an FP8 cache is, above)
-        q = fp8_inputs.widened(q)
     if (k is None) != (v is None):
         raise ValueError("k and v: pass both new tokens' keys and values, or neither")
     if page_table is None:
@@ -495,8 +493,8 @@ class PreparedKVCache(PreparedAttention):
     a page id outside the cache and ORs a flag into `status`, and cuts a sequence longer than
     its table row to it. q is padded [B, Hq, Nq, d]; new tokens go into the cache before the
     call (append_kv). An FP8 cache's k_descale and v_descale are read at prepare time (a copy:
-    prepare again for others), and q_descale where q is an FP8 q widened to bfloat16 (the call
-    passes the widened q); those `moving_descales` names (fagen's kept calls: float32 tensors on q's
+    prepare again for others), and q_descale where q is FP8 (of the cache's type: the kernel widens
+    it as it lands); those `moving_descales` names (fagen's kept calls: float32 tensors on q's
     GPU) are read where they lie instead, and a call passes its own after the page table."""
 
     def __init__(self, q, k_cache, v_cache, cache_seqlens, page_table, *, causal: bool = False, mask=None,
@@ -507,10 +505,6 @@ class PreparedKVCache(PreparedAttention):
         if len(tq.shape) != 4:
             raise ValueError(f"q: shape {tq.shape}; a prepared paged call takes padded q [B, Hq, Nq, d] (varlen q: "
                              f"attention_with_kvcache with cu_seqlens_q, whose tile table follows its values each call)")
-        if _fp8(q):
-            raise ValueError(f"q: {q.dtype}; a prepared call launches on q as it lies, a half type: prepare it with "
-                             f"q.to(torch.bfloat16) (exact for FP8 values) and its q_descale, and pass the widened q "
-                             f"each call (attention_with_kvcache widens an FP8 q itself)")
         _read_in_place(tq, cache_seqlens=cache_seqlens, page_table=page_table)
         self.status = zeros_like(tq, (1,), "int32") if status is None else status
         batch = paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, status=self.status, validate=validate)
@@ -550,29 +544,38 @@ class KeptCalls:
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         raise NotImplementedError
 
-    def call(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: dict):
-        """out (and lse) of the call, or NotImplemented where the general path must take it (or
-        refuse it by name)."""
+    def last(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: dict):
+        """out of the call through the last call's class where its options, fixed tensors and
+        values are this call's (that class's C path checks the tensors); else NotImplemented."""
         if self._stream is None:
             import torch
 
             self._stream = torch_stream_handle()
             self._capturing = torch._C._cuda_isCurrentStreamCapturing
-        sinks, mask = options["sinks"], options["mask"]
         memo = self._last
         hot = None if memo is None or out is not None or return_lse else memo[1]._hot
         if hot is not None:
+            sinks = options["sinks"]
             device = cupy.cuda.runtime.getDevice()
             last = memo[0]
             # (a graph being captured: the C path keeps the class for its replays)
-            if (last[0] is options["causal"] and last[1] is mask and last[2] is options["softcap"]
+            if (last[0] is options["causal"] and last[1] is options["mask"] and last[2] is options["softcap"]
                     and last[3] is options["scale"] and last[4] is sinks and last[5] == values
                     and len(last[6]) == len(fixed) and all(map(operator.is_, last[6], fixed))
                     and (sinks is None or last[7] == sinks._version) and last[8] == device
                     and last[9] == self._stream(device) and last[10] == threading.get_ident()):
-                done = hot.run(*tensors, None)
-                if done is not NotImplemented:
-                    return done
+                return hot.run(*tensors, None)
+        return NotImplemented
+
+    def call(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: dict,
+             tried: bool = False):
+        """out (and lse) of the call, or NotImplemented where the general path must take it (or
+        refuse it by name). tried: `last` has been tried with these arguments."""
+        if not tried:
+            done = self.last(tensors, fixed, values, out, return_lse, options)
+            if done is not NotImplemented:
+                return done
+        sinks, mask = options["sinks"], options["mask"]
         if out is not None:  # (a given out of another layout is the general path's to take)
             return NotImplemented
         try:
@@ -617,18 +620,27 @@ class KeptPagedCalls(KeptCalls):
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict,
                  descales: tuple = ()):
-        values = moved = ()  # (a half-type cache's calls: nothing more to key)
-        if descales:
-            if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
-                return NotImplemented  # (a kept call's descales are numbers or torch tensors)
-            try:
-                moves, moved, values = fp8_inputs.kept_form(descales, q.get_device())
-            except AttributeError:  # not a tensor: the general path says why
-                return NotImplemented
-            options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2],
-                       "moving_descales": moves}
+        if not descales:  # (a half-type cache's calls: nothing more to key)
+            return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), (), out, return_lse, options)
+        # every descale tensor re-pointed, as the last class's C path is tried (it checks them)
+        values, tensors = fp8_inputs.re_pointed(descales, type(q))
+        if values is not None:
+            done = self.last((q, k_cache, v_cache, cache_seqlens, page_table, *tensors), (status,), values, out,
+                             return_lse, options)
+            if done is not NotImplemented:
+                return done
+        if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
+            return NotImplemented  # (a kept call's descales are numbers or torch tensors)
+        try:
+            moves, moved, key = fp8_inputs.kept_form(descales, q.get_device())
+        except AttributeError:  # not a tensor: the general path says why
+            return NotImplemented
+        if values is None or len(moved) != len(tensors):  # a descale copied: keyed by its address and version
+            values = key
+        options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2],
+                   "moving_descales": moves}
         return self.call((q, k_cache, v_cache, cache_seqlens, page_table, *moved), (status,), values, out,
-                         return_lse, options)
+                         return_lse, options, tried=True)
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         prepared = PreparedKVCache(*tensors[:5], status=fixed[0], validate=False, **options)

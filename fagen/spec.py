@@ -586,7 +586,10 @@ class Backward(_Frozen):
 
 class AttentionSpec(_Frozen):
     name: str
-    dtype: str  # q's element type, and k's, v's and o's where kv_dtype and out_dtype are not given
+    dtype: str  # q's element type, and k's, v's and o's where q_dtype, kv_dtype and out_dtype are not given
+    # q's where it is not dtype: an FP8 q that an FP8 KV cache's kernel widens as it lands (exactly,
+    # to the float16 its MMAs read), dtype then the half type the kernel is otherwise built for
+    q_dtype: str | None = None
     kv_dtype: str | None = None
     out_dtype: str | None = None
     head_dim: int  # Q's and K's width (Q.K^T's reduction)
@@ -614,7 +617,7 @@ class AttentionSpec(_Frozen):
                 f"use letters, digits and single underscores, e.g. {like}", {"name": like}))
         return v
 
-    @field_validator("dtype", "kv_dtype", "out_dtype")
+    @field_validator("dtype", "q_dtype", "kv_dtype", "out_dtype")
     @classmethod
     def _known_type(cls, v: str | None, info) -> str | None:
         if v is not None and v not in INPUT_TYPES:
@@ -631,6 +634,8 @@ class AttentionSpec(_Frozen):
         and refused here by what exists."""
         exist = (f"the kernels take q, k, v and o all of one type ({' or '.join(KERNEL_TYPES)}), or q, k and v "
                  f"{' or '.join(FP8_KERNEL_TYPES)} with o {' or '.join(ELEMENT_TYPES[FP8_KERNEL_TYPES[0]].out_types)}")
+        if self.q_dtype is not None and self.q_dtype != self.dtype:
+            self._widened_query()
         if self.kv_dtype is not None and self.kv_dtype != self.dtype:
             if self.dtype in KERNEL_TYPES and self.kv_dtype in FP8_KERNEL_TYPES:
                 return self._fp8_kv_cache()
@@ -691,6 +696,17 @@ class AttentionSpec(_Frozen):
             raise ValueError(rule("out_dtype", self.out_dtype, f"{fp8} writes o in {' or '.join(outs)}",
                                   f"use out_dtype: {outs[0]}", {"out_dtype": outs[0]}))
         return self
+
+    def _widened_query(self) -> None:
+        """q_dtype: an FP8 q read by an FP8 KV cache's kernel (dtype a half type, kv_dtype FP8), which
+        widens it as it lands; no other kernel takes a q of its own type."""
+        fp8_cache = self.dtype in KERNEL_TYPES and self.kv_dtype in FP8_KERNEL_TYPES
+        if self.q_dtype != self.kv_dtype or not fp8_cache:
+            raise ValueError(rule("q_dtype", self.q_dtype, f"a q of its own type is an FP8 q of the cache's type "
+                                  f"read by an FP8 KV cache's kernel (dtype {' or '.join(KERNEL_TYPES)}, kv_dtype "
+                                  f"{' or '.join(FP8_KERNEL_TYPES)}, q_dtype the same), which widens it as it "
+                                  f"lands; this spec has dtype {self.dtype} and kv_dtype {self.kv_dtype}",
+                                  f"remove q_dtype (q then {self.dtype})", {"q_dtype": REMOVE}))
 
     def _fp8_kv_cache(self) -> AttentionSpec:
         """What a half-type q against an FP8 KV cache is built for: the GQA-packed mma.sync kernels
@@ -785,8 +801,19 @@ class AttentionSpec(_Frozen):
 
     @property
     def element(self) -> ElementType:
-        """q's element type, and k's and v's."""
+        """The kernel's element type (dtype's): q's where q_dtype is not given, k's and v's where
+        kv_dtype is not."""
         return ELEMENT_TYPES[self.dtype]
+
+    @property
+    def q_element(self) -> ElementType:
+        """q's element type as the kernel reads it from memory: q_dtype, else dtype's."""
+        return ELEMENT_TYPES[self.q_dtype or self.dtype]
+
+    @property
+    def widens_query(self) -> bool:
+        """An FP8 q (q_dtype) that the FP8 KV cache's kernel widens to float16 as it lands."""
+        return self.q_element.is_fp8 and self.fp8_kv
 
     @property
     def kv_element(self) -> ElementType:

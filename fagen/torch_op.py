@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, fp8_inputs, key_split, mod_tracing,
+from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, key_split, mod_tracing,
                    runtime, side_inputs, variants, wide_head)
 from fagen import incoherent as incoherent_rotation  # (the parameter is named incoherent)
 from fagen.device import layout_order
@@ -393,15 +393,13 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
     logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
-    scores; doc_ids [B|1, N] int32: a document mask), or for a decode step's few rows the FP8 KV
-    cache's kernels on q widened (_decode_step_query), q_descale read beside k's; a half-type q
-    against FP8 k and v (an FP8 KV cache; q_descale only for a q widened from FP8, which
-    fagen.attention refuses for a half-type q given): the decode kernels' FP8 variant, out in
-    q's type."""
-    if q.dtype in FP8_TYPES:  # a compiled call's decode step (eager ones come widened)
-        q = _decode_step_query(q, k, v, causal, mask_of(mask), softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                               bias=bias, doc_ids=doc_ids)
-    if q.dtype not in FP8_TYPES:
+    scores; doc_ids [B|1, N] int32: a document mask), or for a decode step's few rows
+    (_decodes_on_cache) the FP8 KV cache's kernels, which widen q as it lands and read
+    q_descale beside k's; a half-type q against FP8 k and v (an FP8 KV cache; q_descale only for
+    an FP8 q, which fagen.attention refuses for a half-type q given): the decode kernels' FP8
+    variant, out in q's type."""
+    if q.dtype not in FP8_TYPES or _decodes_on_cache(q, k, v, causal, mask_of(mask), softcap, sinks=sinks,
+                                                     alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids):
         return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
                                 return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, q_descale=q_descale,
                                 k_descale=k_descale, v_descale=v_descale)
@@ -412,26 +410,21 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
 def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple,
                    descales: tuple):
     """decode.SHAPE_CLASSES for a call with descales: an FP8 KV cache's (a half-type q), or FP8 q,
-    k, v of a decode step (q widened; q_descale read beside k's); NotImplemented for the rest (a
-    half-type q with q_descale is refused by the general path, the FP8 forward has no class)."""
-    if k.dtype not in FP8_TYPES:  # descales beside half-type k and v: the general path refuses them
-        return NotImplemented
-    fast_q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks) if q.dtype in FP8_TYPES else q
-    if fast_q.dtype in FP8_TYPES or (descales[0] is not None and fast_q is q):
-        return NotImplemented
-    return decode.SHAPE_CLASSES(fast_q, k, v, causal, mask, softcap, scale,
-                                sinks if sinks is None else _without_grad(sinks), return_lse, ranges, descales)
+    k, v of a decode step (the class decides: dispatch.fp8_query_decodes); NotImplemented for the
+    rest (a half-type q with q_descale is refused by the general path, the FP8 forward has no
+    class)."""
+    if k.dtype not in FP8_TYPES or descales[0] is not None and q.dtype not in FP8_TYPES:
+        return NotImplemented  # descales beside half-type k and v, or q_descale of a half-type q: refused there
+    return decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale, sinks if sinks is None else _without_grad(sinks),
+                                return_lse, ranges, descales)
 
 
-def _decode_step_query(q, k, v, causal: bool, mask, softcap, **side):
-    """An FP8 q of FP8 q, k, v widened to bfloat16 (exactly, fp8_inputs.widened) where
-    dispatch.fp8_query_decodes runs the call as an FP8 KV cache's decode step (its q_descale then
-    read by the cache's kernels beside k's); else q as it is."""
-    if k.dtype != q.dtype or v.dtype != q.dtype or not dispatch.fp8_query_decodes(
-            tuple(q.shape), tuple(k.shape), tuple(v.shape), FP8_TYPES[k.dtype], causal=causal, mask=mask,
-            softcap=softcap, **side):
-        return q
-    return fp8_inputs.widened(q)
+def _decodes_on_cache(q, k, v, causal: bool, mask, softcap, **side) -> bool:
+    """Whether FP8 q, k, v run as an FP8 KV cache's decode step (dispatch.fp8_query_decodes: the
+    cache's kernels widen q as it lands and read q_descale beside k's), not the FP8 forward."""
+    return k.dtype == q.dtype == v.dtype and dispatch.fp8_query_decodes(
+        tuple(q.shape), tuple(k.shape), tuple(v.shape), FP8_TYPES[k.dtype], causal=causal, mask=mask, softcap=softcap,
+        **side)
 
 
 def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
@@ -457,15 +450,16 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
     gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
     tensor) and key ranges (the op carries none) run eagerly only. FP8 q, k, v of a decode step
-    (dispatch.fp8_query_decodes) run as an FP8 KV cache's, q widened exactly."""
-    fp8_q, given_dtype = q.dtype in FP8_TYPES, q.dtype
-    if fp8_q and not torch.compiler.is_compiling():  # (traced: the op's body decides, unseen)
-        q = _decode_step_query(q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
-                               doc_ids=doc_ids, block_mask=block_mask)
-    kv_cache = q.dtype not in FP8_TYPES and k.dtype in FP8_TYPES
+    (dispatch.fp8_query_decodes) run as an FP8 KV cache's, q widened as it lands."""
+    fp8_q = q.dtype in FP8_TYPES
+    # (traced: the op's body decides, unseen)
+    decodes = fp8_q and not torch.compiler.is_compiling() and _decodes_on_cache(
+        q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids,
+        block_mask=block_mask)
+    kv_cache = k.dtype in FP8_TYPES and (not fp8_q or decodes)
     what = (f"q {q.dtype} against an FP8 KV cache" if kv_cache and not fp8_q
-            else f"{given_dtype} q, k, v (the FP8 forward{', a decode step' if kv_cache else ''})")
-    if q.dtype not in FP8_TYPES and not kv_cache:
+            else f"{q.dtype} q, k, v (the FP8 forward{', a decode step' if kv_cache else ''})")
+    if not fp8_q and not kv_cache:
         raise ValueError(f"q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 tensors (FlashAttention-3's "
                          f"FP8 forward, or k and v of an FP8 KV cache); q is {q.dtype}, k {k.dtype}")
     side = {"sinks": sinks, "alibi_slopes": alibi_slopes, "bias": bias, "doc_ids": doc_ids, "block_mask": block_mask}
@@ -615,7 +609,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     k_descale, v_descale (float32, one number or [B, Hkv]; None is 1), and the masks (doc_ids; a
     block_mask in eager calls), softcap, sinks, ALiBi slopes and biases as for half types; a decode
     step's (a KV head's query rows few enough for a decode kernel) runs as an FP8 KV cache's, q
-    widened to bfloat16 exactly, its descale read beside k's (GQA packed, keys split). A float16
+    widened to float16 exactly as it lands, its descale read beside k's (GQA packed, keys split). A float16
     or bfloat16 q against FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale,
     v_descale; masks of positions, softcap, sinks, ALiBi slopes and, eagerly, key ranges; out in q's
     type).
@@ -651,10 +645,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
             done = decode.SHAPE_CLASSES(q, k, v, causal, mask, softcap, scale,
                                         sinks if sinks is None else _without_grad(sinks), return_lse,
                                         (cache_seqlens, cache_leftpad) if ranged else ())
-            if done is NotImplemented and q.dtype in FP8_TYPES:  # (FP8 q without descales: its class is the widened q's)
-                done = _kept_fp8_call(q, k, v, causal, mask, softcap, scale, sinks, return_lse,
-                                      (cache_seqlens, cache_leftpad) if ranged else (), (None, None, None))
-        else:  # an FP8 KV cache: its descales in its class's key; FP8 q, k, v of a decode step too, q widened
+        else:  # an FP8 KV cache: its descales in its class's key; FP8 q, k, v of a decode step too
             done = _kept_fp8_call(q, k, v, causal, mask, softcap, scale, sinks, return_lse,
                                   (cache_seqlens, cache_leftpad) if ranged else (), (q_descale, k_descale, v_descale))
         if done is not NotImplemented:

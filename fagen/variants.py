@@ -274,22 +274,25 @@ def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score
 
 
 @cache
-def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str, tiling: tuple[tuple[str, int], ...] = (), tag: str = ""
-                   ) -> AttentionSpec:
+def fp8_kv_variant(spec: AttentionSpec, kv_dtype: str, tiling: tuple[tuple[str, int], ...] = (), tag: str = "",
+                   q_dtype: str | None = None) -> AttentionSpec:
     """A decode kernel reading K and V from an FP8 cache (spec.fp8_kv: widened to float16 in
-    registers, FlashAttention-3's k_descale and v_descale, and q_descale for a q widened from FP8),
+    registers, FlashAttention-3's k_descale and v_descale, and q_descale for an FP8 q),
     named <name>_kv_<type>: on sm_90, in
     swizzled rows (its FP8 tiles' only layout), its ring holding as many bytes in flight as the
     half-type kernel's (a memory-bound loop: half the bytes a key, so twice the keys): each warp's
     share of a tile at least 32 keys (four n8 fragments a widened K load; 16 at head_dim 256, whose
     O takes 128 registers a thread), then twice the stages (three at most: head_dim 64's 256-key
     tiles already run two). tiling: (field, value) pairs of spec's tiling to replace first (named
-    <name><tag>_kv_<type>)."""
+    <name><tag>_kv_<type>). q_dtype: an FP8 q the kernel widens as it lands (spec.q_dtype), named
+    <name>..._kv_<type>_q_<type>."""
     element, t, pipeline = ELEMENT_TYPES[kv_dtype], spec.tiling.model_copy(update=dict(tiling)), spec.pipeline
+    query = {} if q_dtype is None else {"q_dtype": q_dtype}
     warp_keys = FP8_KV_WARP_KEYS if spec.head_dim > 128 else 2 * FP8_KV_WARP_KEYS
     block_kv = max(t.block_kv, warp_keys * t.warps_kv)
     stages = min(MAX_STAGES, pipeline.stages * (2 if block_kv == t.block_kv else 1))
-    return parse_spec({**spec.model_dump(exclude_none=True), "name": f"{spec.name}{tag}_kv_{element.short}",
+    name = f"{spec.name}{tag}_kv_{element.short}" + (f"_q_{ELEMENT_TYPES[q_dtype].short}" if q_dtype else "")
+    return parse_spec({**spec.model_dump(exclude_none=True), "name": name, **query,
                        "kv_dtype": kv_dtype, "arch": FP8_KV_ARCHS[-1], "smem_layout": "swizzled",
                        "tiling": {**t.model_dump(exclude_none=True), "block_kv": block_kv},
                        "pipeline": {**pipeline.model_dump(exclude_none=True), "stages": stages}},
@@ -306,17 +309,17 @@ FP8_KV_CHUNK_TILINGS = {64: ((128, 8, 128),), 128: ((128, 8, 128), (128, 8, 64))
 
 
 @cache  # (a tiling that does not fit is refused by its validation: asked once)
-def fp8_kv_chunk_variant(spec: AttentionSpec, kv_dtype: str) -> AttentionSpec:
+def fp8_kv_chunk_variant(spec: AttentionSpec, kv_dtype: str, q_dtype: str | None = None) -> AttentionSpec:
     """fp8_kv_variant of the largest decode kernel `spec` (its mask and modifiers) for a chunk of
     prefill: on the first of FP8_KV_CHUNK_TILINGS that validates, named
     <name>_rows<block_q>x<block_kv>, else on the decode kernel's own tiles."""
     for block_q, warps_q, block_kv in FP8_KV_CHUNK_TILINGS.get(spec.head_dim, ()):
         tiling = (("block_q", block_q), ("warps_q", warps_q), ("warps_kv", 1), ("block_kv", block_kv))
         try:
-            return fp8_kv_variant(spec, kv_dtype, tiling, f"_rows{block_q}x{block_kv}")
+            return fp8_kv_variant(spec, kv_dtype, tiling, f"_rows{block_q}x{block_kv}", q_dtype)
         except SpecError:  # (its registers: a mask's or modifier's temporaries beside a wider tile)
             continue
-    return fp8_kv_variant(spec, kv_dtype)
+    return fp8_kv_variant(spec, kv_dtype, q_dtype=q_dtype)
 
 
 SEQUENCE_TAGS = {"padded": "", "varlen": "varlen", "paged": "paged", "ranged": "ranged"}

@@ -56,6 +56,7 @@ constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
+constexpr int Q_CHUNKS_PER_ROW = 16;    // ... in a row of q
 constexpr int COPY_ROWS_PER_PASS = 8;  // tile rows all threads copy at once
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 2048;
@@ -191,10 +192,10 @@ struct QueryRows {
 // rows past the last.
 __device__ __forceinline__ void copy_packed_q_async(unsigned tile, const elem_t* __restrict__ q, long long q_sh,
                                                     long long q_sn, const QueryRows& rows, int p0, int tid) {
-  constexpr int CHUNKS = BLOCK_Q * CHUNKS_PER_ROW;
+  constexpr int CHUNKS = BLOCK_Q * Q_CHUNKS_PER_ROW;
 #pragma unroll
   for (int c = tid; c < CHUNKS; c += THREADS) {
-    const int row = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
+    const int row = c / Q_CHUNKS_PER_ROW, col = (c % Q_CHUNKS_PER_ROW) * 8;
     const bool in_range = p0 + row < rows.n;
     cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? q + rows.offset(p0 + row, q_sh, q_sn) + col : q,
                   in_range);

@@ -59,6 +59,7 @@ constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 4;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
+constexpr int Q_CHUNKS_PER_ROW = 16;    // ... in a row of q
 constexpr int KV_CHUNKS_PER_ROW = 8;    // ... in a row of K or V (float8_e4m3)
 constexpr int KV_COPY_ROWS_PER_PASS = 16;
 constexpr int ELEM_BYTES = 2;
@@ -256,10 +257,10 @@ struct QueryRows {
 // rows past the last.
 __device__ __forceinline__ void copy_packed_q_async(unsigned tile, const elem_t* __restrict__ q, long long q_sh,
                                                     long long q_sn, const QueryRows& rows, int p0, int tid) {
-  constexpr int CHUNKS = BLOCK_Q * CHUNKS_PER_ROW;
+  constexpr int CHUNKS = BLOCK_Q * Q_CHUNKS_PER_ROW;
 #pragma unroll
   for (int c = tid; c < CHUNKS; c += THREADS) {
-    const int row = c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
+    const int row = c / Q_CHUNKS_PER_ROW, col = (c % Q_CHUNKS_PER_ROW) * 8;
     const bool in_range = p0 + row < rows.n;
     cp_async_cg16(tile + ELEM_BYTES * smem_offset(row, col), in_range ? q + rows.offset(p0 + row, q_sh, q_sn) + col : q,
                   in_range);
@@ -643,7 +644,7 @@ fagen_decode_bf16_d128_kv_e4m3(
   __syncthreads();
   const float q_unscale = q_to_float16(smem_q, tid);
   // An FP8 KV cache's descales (FlashAttention-3's k_descale, v_descale): the true k is
-  // k * k_descale[b, h_kv], likewise v; q's is 1, or an FP8 q's widened to q's type. Q's and K's
+  // k * k_descale[b, h_kv], likewise v; q's is 1, or an FP8 q's. Q's and K's
   // fold into the scale with Q's float16 rescale; V's multiplies O once, after the last P.V.
   const float qk_descale = q_descale[b * q_descale_sb + h_kv * q_descale_sh] * k_descale[b * k_descale_sb + h_kv * k_descale_sh] * q_unscale;
   const float to_log2 = scale_log2 * qk_descale;

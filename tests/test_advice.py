@@ -74,6 +74,9 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "fp8 kv cache, 16-key warps": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "tiling.block_kv": 64}),
     "fp8 kv cache with a backward": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "backward": {}}),
     "fp8 kv cache writing f16": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90", "out_dtype": "float16"}),
+    "fp8 q beside a half-type cache": (DECODE, {"q_dtype": "float8_e4m3"}),
+    "fp8 q of another type than the cache's": (DECODE, {"kv_dtype": "float8_e4m3", "arch": "sm_90",
+                                                       "q_dtype": "float8_e5m2"}),
     "out_dtype unlike q": (HOPPER, {"out_dtype": "bfloat16"}),
     # two head widths
     "head_dim_v not a head width": (SM80, {"head_dim_v": 100}),

@@ -300,7 +300,8 @@ def test_shape_classes_try_the_class_a_call_with_the_same_options_last_took(monk
 
 def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check(monkeypatch):
     """The memo's key: a dict mask by its items, the sinks by address and version, which of the key
-    ranges are given, an FP8 cache's descales (numbers by value, tensors by address and version);
+    ranges are given, an FP8 cache's descales (numbers by value; a descale the class copied is not
+    remembered: each call finds its class by the whole key, which holds its address and version);
     each other value is another class. At LIMIT entries the memo starts over."""
     from fagen.decode import ShapeClasses
 
@@ -342,16 +343,18 @@ def test_the_remembered_class_is_keyed_by_every_option_the_c_path_does_not_check
     lengths = _Tensor(1)
     assert call(ranges=(lengths, None))[-1] == ["run", "run"] and len(made) == 5
     assert call(ranges=(None, lengths))[-1] == ["run", "run"] and len(made) == 6  # the other range given
-    k_descale = Sinks(12288)
-    assert call(descales=(None, k_descale, 0.5))[-1] == ["run", "run"] and len(made) == 7
-    assert call(descales=(None, k_descale, 0.5))[-1] == ["kept", "kept"] and len(made) == 7  # the same class
-    assert call(descales=(None, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 8  # another number
-    k_descale._version += 1  # written in place: the packing copied its values
+    assert call(descales=(None, 2.0, 0.5))[-1] == ["run", "run"] and len(made) == 7
+    assert call(descales=(None, 2.0, 0.5))[-1] == ["kept", "kept"] and len(made) == 7  # the same class
+    assert call(descales=(None, 2.0, 0.25))[-1] == ["run", "run"] and len(made) == 8  # another number
+    k_descale = Sinks(12288)  # a tensor the class copies (not float32 on q's GPU): never remembered
     assert call(descales=(None, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 9
-    assert call(descales=(0.5, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 10  # an FP8 q's descale
-    assert len(classes._last) == 10
-    monkeypatch.setattr(ShapeClasses, "LIMIT", 10)
-    call(mask="causal")  # the seventh: the memo starts over
+    assert call(descales=(None, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 9  # by the whole key
+    k_descale._version += 1  # written in place: the packing copied its values
+    assert call(descales=(None, k_descale, 0.25))[-1] == ["run", "run"] and len(made) == 10
+    assert call(descales=(0.5, 2.0, 0.25))[-1] == ["run", "run"] and len(made) == 11  # an FP8 q's descale
+    assert len(classes._last) == 9
+    monkeypatch.setattr(ShapeClasses, "LIMIT", 9)
+    call(mask="causal")  # the tenth: the memo starts over
     assert list(classes._last.values()) == [made[-1]._hot.run]
 
 
@@ -376,6 +379,38 @@ class _Descale(_Tensor):
 
     def data_ptr(self):
         return self.at
+
+
+def test_a_call_s_descale_tensors_go_to_the_remembered_class_s_c_path_as_they_are(monkeypatch):
+    """A decode loop's fresh descale tensor each call (a dynamic scale): after the whole key has
+    found the class once, a call with the same options takes its C path with the tensors after
+    the key ranges, unread (the C path checks their layout, dtype and GPU); numbers stay in the
+    options by value (another number: the whole key again)."""
+    from fagen.decode import ShapeClasses
+
+    classes = ShapeClasses()
+    classes._stream = lambda device: 7
+    made, hot = [], []
+
+    class Class(_Class):
+        def __init__(self):
+            super().__init__()
+            self._hot.run = lambda q, k, v, *given: hot.append(given[:-1]) or "out"
+
+    def add(base, exact_key, q, k, v, options, given, return_lse):
+        made.append(Class())
+        classes._growing[(*base, k.shape[2].bit_length())] = made[-1]
+        return "out"
+
+    monkeypatch.setattr(classes, "_add", add)
+    q, k, v = _Descale(1, shape=(1, 32, 1, 128)), _Descale(2, shape=(1, 8, 1000, 128)), _Descale(3, shape=(1, 8, 1000, 128))
+    lengths = _Descale(4, shape=(1,))
+    call = lambda *descales: classes(q, k, v, True, None, None, None, None, False, (lengths, None), descales)
+    fresh = [(_Descale(1 << (20 + i)), _Descale(1 << (40 + i))) for i in range(4)]
+    assert call(2.0, *fresh[0]) == "out" and len(made) == 1 and not hot  # packed
+    assert call(2.0, *fresh[1]) == "out" and made[0].calls == ["run"] and not hot  # the whole key, then remembered
+    assert call(2.0, *fresh[2]) == "out" and hot == [(lengths, *fresh[2])] and made[0].calls == ["run"]
+    assert call(0.5, *fresh[3]) == "out" and len(made) == 2 and len(hot) == 1  # another number: its own class
 
 
 def test_float32_descales_on_q_s_gpu_are_re_pointed_each_call_not_keyed(monkeypatch):
@@ -451,6 +486,24 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
     assert held == half_held if head_dim == 128 else 3 * held >= 2 * half_held  # (d256's half type: one padded stage)
     for spec, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
+
+
+@pytest.mark.parametrize("rows, head_dim", [(4, 128), (64, 128), (16, 64), (16, 256), (200, 128)])
+def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
+    """FP8 q, k, v of a decode step run on the FP8 cache's kernels (dispatch.fp8_kv_spec with
+    q_dtype): each takes q's bytes (16 values a copy) and widens them in shared memory, its name
+    saying so; a chunk of prefill (more rows than a decode kernel holds) too. Every kernel such a
+    step may launch compiles without spills."""
+    plain = variants.decode_spec("bfloat16", head_dim, min(rows, 64))
+    spec = dispatch.fp8_kv_spec(plain, rows, "float8_e4m3", "float8_e4m3")
+    assert spec.widens_query and spec.q_element.bytes == 1 and spec.name.endswith("_kv_e4m3_q_e4m3")
+    assert dispatch.fp8_kv_spec(plain, rows, "float8_e4m3").widens_query is False
+    source = render(spec)
+    assert "const q_elem_t* __restrict__ q," in source and "widen_q(smem_q, tid);" in source
+    assert "q_to_float16" not in source and "q_unscale" not in source  # (a bfloat16 q's rescale)
+    specs = [spec, variants.merged_variant(spec), variants.unsplit_variant(spec)]
+    for s, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
+        assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_frame == 0, (s.name, res.log)
 
 
 @pytest.mark.parametrize("q_shape, k_shape, options, decodes", [

@@ -620,18 +620,35 @@ def test_fp8_q_against_a_paged_fp8_cache_appends_fp8_tokens_as_they_are():
                                      v=v_new.to(torch.float8_e5m2), q_descale=qd, k_descale=kd, v_descale=vd)
 
 
-def test_a_prepared_paged_call_refuses_an_fp8_q_with_the_widening_to_do():
+@pytest.mark.parametrize("nq", [1, 3])
+def test_a_prepared_paged_call_takes_an_fp8_q_as_it_lies(nq):
+    """prepare_with_kvcache on an FP8 q of the cache's type: the kernel widens q as it lands, so a
+    call equals the one on q widened to bfloat16 beforehand, bit for bit (both widenings and the
+    bfloat16 q's power-of-two rescale are exact; q's descale folded into k's), and is as close to
+    the oracle; an FP8 q of another type than the cache's is refused by name, with a fix."""
     torch = pytest.importorskip("torch")
     import fagen
 
-    k8, v8 = (torch.ones(4, 16, 2, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
-    q8 = torch.ones(1, 8, 1, 128, device="cuda").to(torch.float8_e4m3fn)
-    pages, lens = torch.zeros(1, 2, dtype=torch.int32, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match=r"q: torch.float8_e4m3fn; a prepared call .* q.to\(torch.bfloat16\)"):
-        fagen.prepare_with_kvcache(q8, k8, v8, lens, pages, k_descale=1.0, v_descale=1.0)
-    q = q8.to(torch.bfloat16)  # the fix the message gives
-    prepared = fagen.prepare_with_kvcache(q, k8, v8, lens, pages, k_descale=0.5, v_descale=1.0)
-    assert torch.equal(prepared(q, k8, v8, lens, pages), torch.ones_like(q))  # one key of ones
+    rng = np.random.default_rng(47 + nq)
+    b, hq, hkv, d, page, lens = 3, 32, 8, 128, 64, [700, 1, 2048]
+    need = [-(-n // page) for n in lens]
+    (k8, _), (v8, _) = (cache(rng, (sum(need), page, hkv, d), "float8_e4m3", torch) for _ in range(2))
+    pages = np.zeros((b, max(need)), np.int32)  # sequence s's pages in order; entries past them read none
+    for s, start in enumerate(np.cumsum([0, *need[:-1]])):
+        pages[s, :need[s]] = start + np.arange(need[s])
+    table, seqlens = torch.from_numpy(pages).cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q8 = (torch.from_numpy(rng.standard_normal((b, hq, nq, d)).astype(np.float32)).cuda() * 40).to(torch.float8_e4m3fn)
+    fp8 = fagen.prepare_with_kvcache(q8, k8, v8, seqlens, table, causal=True, q_descale=0.25, k_descale=0.5,
+                                     v_descale=1.5)
+    widened = q8.to(torch.bfloat16)
+    half = fagen.prepare_with_kvcache(widened, k8, v8, seqlens, table, causal=True, k_descale=0.125, v_descale=1.5)
+    out = fp8(q8, k8, v8, seqlens, table)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, half(widened, k8, v8, seqlens, table))
+    want = oracle.attention_paged(to_numpy(q8.float()) * 0.25, to_numpy(k8.float()), to_numpy(v8.float()), pages,
+                                  lens, causal=True, k_descale=np.full((b, hkv), 0.5), v_descale=np.full((b, hkv), 1.5))
+    assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
+    with pytest.raises(ValueError, match=r"q: torch.float8_e5m2 against a torch.float8_e4m3fn cache.*pass q as"):
+        fagen.prepare_with_kvcache(q8.to(torch.float8_e5m2), k8, v8, seqlens, table, k_descale=0.5, v_descale=1.5)
 
 
 def test_unvalidated_paged_calls_on_an_fp8_cache_are_kept_and_follow_their_descales():

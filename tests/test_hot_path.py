@@ -362,11 +362,12 @@ GROWING_PARAMS = {"n_kv": (5, "int"), "mask_offset": (6, "int"), "k_sb": (7, "lo
 GROWING_SLOTS = 16
 
 
-def _growing(bottom_right=True, splits=4):
-    """A HotPath of a growing class over keys [1024, 2048) in 64-key tiles, and its kernel's launch."""
+def _growing(bottom_right=True, splits=4, chunk=8):
+    """A HotPath of a growing class over keys [1024, 2048) in 64-key tiles, K and V copied `chunk`
+    elements at a time (16 bytes: 8 of a half type, 16 of an FP8 cache), and its kernel's launch."""
     fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in GROWING_PARAMS.values())
     packed = PackedLaunch(0xF00, (0, 1, 2, 3, 4), count=GROWING_SLOTS)
-    p = Prepared([packed], growing=(1024, 2048, 64, splits, 1, bottom_right, (1, 8, 128), (1, 8, 128), fields))
+    p = Prepared([packed], growing=(1024, 2048, 64, splits, 1, bottom_right, chunk, (1, 8, 128), (1, 8, 128), fields))
     p.driver.slots = GROWING_SLOTS
     return p, packed
 
@@ -396,7 +397,7 @@ def test_a_growing_class_writes_its_fields_as_the_python_writer_does(module, len
 def test_a_growing_class_without_splits_writes_no_share(module):
     fields = tuple((slot, 8 if ctype == "long long" else 4) for slot, ctype in list(GROWING_PARAMS.values())[:8])
     packed = PackedLaunch(0xF00, (0, 1, 2, 3, 4), count=GROWING_SLOTS)
-    p = Prepared([packed], growing=(1024, 2048, 64, 1, 1, True, (1, 8, 128), (1, 8, 128), fields))
+    p = Prepared([packed], growing=(1024, 2048, 64, 1, 1, True, 8, (1, 8, 128), (1, 8, 128), fields))
     p.driver.slots = GROWING_SLOTS
     p.hot.run(p.q, _cache_view(1100), _cache_view(1100, address=0xC000), None)
     assert p.driver.launches[0]["params"][5:14] == [1100, 1099, *_cache_view(1100).stride()[:3],
@@ -427,7 +428,23 @@ def test_a_growing_class_hands_back_what_is_outside_it_unwritten(module, case):
     assert p.driver.launches == [] and p.allocated == [] and (packed.values == 7).all(), what
 
 
+@pytest.mark.parametrize("row_stride, taken", [(136, False), (144, True)])
+def test_an_fp8_cache_s_class_takes_rows_of_whole_16_byte_chunks(module, row_stride, taken):
+    """An FP8 cache's K and V rows are copied 16 values at a time: a row stride of 136 elements
+    (8 bytes off 16) would make the kernel's copies misaligned, so the class hands it back."""
+    p, packed = _growing(chunk=16)
+    k, v = (Tensor((1, 8, 1500, 128), address, stride=(8 * 4096 * row_stride, 4096 * row_stride, row_stride, 1))
+            for address in (0xB000, 0xC000))
+    out = p.hot.run(p.q, k, v, None)
+    assert (out is not NotImplemented) == taken and len(p.driver.launches) == taken
+
+
+def test_a_growing_class_s_copies_are_16_bytes_of_a_half_type_or_fp8(module):
+    with pytest.raises(ValueError, match="chunks of 8 or 16 elements"):
+        _growing(chunk=4)
+
+
 def test_a_growing_class_s_fields_must_fit_the_launch(module):
     with pytest.raises(ValueError, match="slot 16"):
         Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4), count=GROWING_SLOTS)],
-                 growing=(1024, 2048, 64, 4, 1, True, (1, 8, 128), (1, 8, 128), ((16, 4),) * 9))
+                 growing=(1024, 2048, 64, 4, 1, True, 8, (1, 8, 128), (1, 8, 128), ((16, 4),) * 9))

@@ -152,11 +152,12 @@ def test_an_eager_training_call_runs_the_op_s_implementation_without_its_dispatc
         torch_op.attention(q, k, v, cache_seqlens=ends)
 
 
-def test_eager_calls_with_descales_reach_their_kept_class_and_fp8_q_arrives_widened(monkeypatch):
+def test_eager_calls_with_descales_reach_their_kept_class_and_fp8_q_arrives_as_it_is(monkeypatch):
     """fagen.attention's eager fast path: a call without descales goes to ShapeClasses as before
-    (no descales in its arguments); an FP8 cache's descales go with the call; FP8 q, k, v of a
-    decode step arrive as a bfloat16 q beside q_descale, with or without descales; a half-type q
-    with q_descale and the FP8 forward's shapes do not (the general path refuses or runs them)."""
+    (no descales in its arguments); an FP8 cache's descales go with the call; FP8 q, k, v arrive
+    as they are beside q_descale, with or without descales (the class decides whether a decode
+    step's kernels take them, and widen q as it lands); a half-type q with q_descale does not
+    (the general path refuses it by name), nor does what no class takes."""
     torch = pytest.importorskip("torch")
     from fagen import decode, torch_op
 
@@ -164,7 +165,7 @@ def test_eager_calls_with_descales_reach_their_kept_class_and_fp8_q_arrives_wide
 
     def classes(q, k, v, causal, mask, softcap, scale, sinks, return_lse, ranges=(), descales=()):
         seen.append((q.dtype, descales))
-        return "out" if q.dtype in (torch.bfloat16, torch.float16) else NotImplemented
+        return "out" if q.shape[2] == 1 else NotImplemented  # (a decode step's class; none for the FP8 forward's)
 
     monkeypatch.setattr(decode, "SHAPE_CLASSES", classes)
     general = []
@@ -175,12 +176,12 @@ def test_eager_calls_with_descales_reach_their_kept_class_and_fp8_q_arrives_wide
     assert torch_op.attention(q16, k8, k8, k_descale=0.5, v_descale=2.0) == "out"
     assert seen.pop() == (torch.bfloat16, (None, 0.5, 2.0))
     assert torch_op.attention(q8, k8, k8, q_descale=0.25, k_descale=0.5) == "out"
-    assert seen.pop() == (torch.bfloat16, (0.25, 0.5, None))  # widened, its descale beside k's
-    assert torch_op.attention(q8, k8, k8) == "out" and seen[-2:] == [(torch.float8_e4m3fn, ()),
-                                                                       (torch.bfloat16, (None, None, None))]
+    assert seen.pop() == (torch.float8_e4m3fn, (0.25, 0.5, None))  # as it is, its descale beside k's
+    assert torch_op.attention(q8, k8, k8) == "out" and seen == [(torch.float8_e4m3fn, ())]
     seen.clear()
     assert torch_op.attention(q16, k8, k8, q_descale=0.25) == "general" and not seen  # refused there, by name
     assert torch_op.attention(q16, k16, k16, k_descale=0.5) == "general" and not seen  # descales of no FP8 tensor
     rows200 = torch.zeros(2, 8, 200, 128).to(torch.float8_e4m3fn)  # the FP8 forward's shapes: no class
     assert torch_op.attention(rows200, k8[:, :8], k8[:, :8], q_descale=0.25) == "general"
-    assert general == [torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn] and not seen
+    assert seen == [(torch.float8_e4m3fn, (0.25, None, None))]
+    assert general == [torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn]
