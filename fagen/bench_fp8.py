@@ -30,7 +30,7 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fagen import api, fp8_backward, runtime, variants
+from fagen import api, fp8_backward, fp8_inputs, runtime, variants
 from fagen.backward import compile_backward
 from fagen.bench_cases import SweepSize
 from fagen.check import interleaved_us, time_ms
@@ -546,7 +546,7 @@ def run_kv_case(case: KvCase) -> KvRow:
     shape = (case.batch, case.heads_kv, case.keys, case.head_dim)
     q = torch.randn((case.batch, case.heads_q, 1, case.head_dim), device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(shape, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    (k8, kd), (v8, vd) = (quantized_per_head(x) for x in (k, v))
+    (k8, kd), (v8, vd) = (fp8_inputs.quantized(x) for x in (k, v))
     try:
         with torch.no_grad():
             got = api.attention(q, k8, v8, k_descale=kd, v_descale=vd)
@@ -555,7 +555,7 @@ def run_kv_case(case: KvCase) -> KvRow:
             kx, vx = (x.repeat_interleave(group, dim=0) for x in (kx, vx))
             exact = torch.softmax((q[0].double() @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
             row.error = relative(got[0], exact)
-            q8, qd = quantized_per_kv_head(q, case.heads_kv)
+            q8, qd = fp8_inputs.quantized(q, case.heads_kv)
             got8 = api.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
             qx = q8[0].double() * qd[0].repeat_interleave(group)[:, None, None].double()
             exact8 = torch.softmax((qx @ kx.transpose(1, 2)) * case.head_dim ** -0.5, dim=-1) @ vx
@@ -582,7 +582,7 @@ def run_chunk_case(case: ChunkCase) -> ChunkRow:
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(case.key.encode()))
     q = torch.randn((case.batch, case.heads_q, case.queries, case.head_dim), device="cuda", generator=gen).bfloat16()
     shape = (case.batch, case.heads_kv, case.keys, case.head_dim)
-    (k8, kd), (v8, vd) = (quantized_per_head(torch.randn(shape, device="cuda", generator=gen)) for _ in range(2))
+    (k8, kd), (v8, vd) = (fp8_inputs.quantized(torch.randn(shape, device="cuda", generator=gen)) for _ in range(2))
     k16, v16 = (x.float().mul(d[:, :, None, None]).bfloat16() for x, d in ((k8, kd), (v8, vd)))
     try:
         if case.paged:
@@ -658,25 +658,6 @@ def _exact_gradients_head0(q8, k8, v8, descales, dout, causal: bool, scale: floa
     if causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
     return torch.autograd.grad(torch.softmax(s, dim=-1) @ v, (q, k, v), dout[0, 0].double())
-
-
-def quantized_per_kv_head(q, heads_kv: int):
-    """q [B, Hq, N, d] in e4m3 and its FlashAttention-3 descales [B, Hkv]: amax / 448 over each
-    KV head's group of query heads."""
-    import torch
-
-    b, hq, n, d = q.shape
-    descale = q.float().reshape(b, heads_kv, -1).abs().amax(dim=2).clamp(min=1e-12) / 448.0
-    per_head = descale.repeat_interleave(hq // heads_kv, dim=1)[:, :, None, None]
-    return (q.float() / per_head).to(torch.float8_e4m3fn), descale
-
-
-def quantized_per_head(x):
-    """x's e4m3 tensor and its [B, Hkv] descales (amax / 448 a sequence and KV head)."""
-    import torch
-
-    descale = x.float().abs().amax(dim=(2, 3)).clamp(min=1e-12) / 448.0
-    return (x.float() / descale[:, :, None, None]).to(torch.float8_e4m3fn), descale
 
 
 def main(argv: list[str] | None = None) -> int:

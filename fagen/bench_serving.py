@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import api, bench_rows
+from fagen import api, bench_rows, fp8_inputs
 from fagen.check import (OUT_TOLERANCE, REPLAYS, REPS, graph_us, interleaved_us, random_inputs, relative_error,
                          to_numpy)
 
@@ -53,10 +53,12 @@ class ServingCase:
     causal: bool = False
     page_size: int = 0  # paged
     mixed: bool = False  # varlen: random lengths with the same total (host: a varlen batch's)
+    fp8: str = ""  # host: "cache" (k and v in e4m3, dtype q), "qkv" (q too): FlashAttention-3's descales
 
     @property
     def key(self) -> str:
-        what = {"decode": "", "host": f" page {self.page_size}" if self.page_size else " varlen" if self.mixed else "",
+        what = {"decode": "", "host": (f" page {self.page_size}" if self.page_size else " varlen" if self.mixed else "")
+                + (f" fp8 {self.fp8}" if self.fp8 else ""),
                 "paged": f" page {self.page_size}", "mixed": f" page {self.page_size}",
                 "varlen": " mixed" if self.mixed else " uniform"}
         return (f"{self.section} {self.dtype} d{self.head_dim} {self.hq}/{self.hkv} B{self.b} Nq{self.nq} "
@@ -116,6 +118,9 @@ def cases(quick: bool = False) -> list[ServingCase]:
             ServingCase("host", "float16", 64, 1, 1, 1, 128, 128),
             ServingCase("host", **f16, b=8, **gqa, nq=1, nk=1024, page_size=PAGE_SIZE),
             ServingCase("host", **f16, b=4, hq=8, hkv=2, nq=32, nk=32, causal=True, mixed=True)]
+    # ... and an FP8 KV cache's decode step (bfloat16 q; FP8 q, k, v), contiguous and paged
+    host += [ServingCase("host", "bfloat16", 128, 8, 32, 8, 1, 4096, page_size=page, fp8=fp8)
+             for fp8 in ("cache", "qkv") for page in (0, PAGE_SIZE)]
     if quick:
         return [decode[1], paged[1], mixed[0], varlen[1], host[0]]
     return decode + paged + mixed + varlen + host
@@ -210,6 +215,8 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
     if case.mixed:
         return _host_varlen(case, q, k, v, rng)
+    if case.fp8:
+        return _host_fp8(case, q, k, v, out, rng)
     ref = _sdpa_reference(q, k, v, case.causal)
     if case.page_size:
         k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
@@ -255,6 +262,44 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
                              lambda: host_us(lambda: fn(*next(turn))),
                              note="keys grow a call" + (", key ranges made a call" if "ranged" in impl else "")))
     return rows
+
+
+def _host_fp8(case: ServingCase, q, k, v, out, rng) -> list[ServingRow]:
+    """Host time of a decode step on an e4m3 KV cache (FlashAttention-3's descales a sequence and
+    KV head; case.fp8 "qkv": q in e4m3 too, with its q_descale, which the cache's kernels widen as
+    it lands): prepared (fagen.prepare, or prepare_with_kvcache on pages; descales copied at
+    prepare time), out given, and unprepared (fagen.attention, or attention_with_kvcache with
+    validate=False) with fresh descale tensors a call (a dynamic scale: four in turn); SDPA's call
+    on the bfloat16 cache beside them. Each checked against float32 SDPA on the dequantized values."""
+    import torch
+    import torch.nn.functional as F
+
+    group = case.hq // case.hkv
+    (k8, kd), (v8, vd) = fp8_inputs.quantized(k), fp8_inputs.quantized(v)
+    q8, qd = fp8_inputs.quantized(q, case.hkv) if case.fp8 == "qkv" else (q, None)
+    wide = lambda x8, d, n=1: x8.float() * d.repeat_interleave(n, 1)[:, :, None, None]  # noqa: E731
+    ref = _sdpa_reference(wide(q8, qd, group) if qd is not None else q, wide(k8, kd), wide(v8, vd))
+    descales = {"k_descale": kd, "v_descale": vd, **({"q_descale": qd} if qd is not None else {})}
+    fresh = itertools.cycle([{n: d.clone() for n, d in descales.items()} for _ in range(4)])
+    if case.page_size:
+        # (paged as bytes: an index copy of the FP8 values themselves)
+        k_cache, v_cache, table = paged_cache(k8.view(torch.uint8), v8.view(torch.uint8), case.page_size, rng)
+        k_cache, v_cache = k_cache.view(k8.dtype), v_cache.view(v8.dtype)
+        lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")
+        tensors = (q8, k_cache, v_cache, lengths, table)
+        step = api.prepare_with_kvcache(*tensors, **descales)
+        unprepared = lambda: api.attention_with_kvcache(*tensors, validate=False, **next(fresh))  # noqa: E731
+    else:
+        tensors = (q8, k8, v8)
+        step = api.prepare(*tensors, **descales)
+        unprepared = lambda: api.attention(*tensors, **next(fresh))  # noqa: E731
+    step(*tensors, out=out)
+    rows = [_checked(case, "fagen", out, ref, lambda: host_us(lambda: step(*tensors)), note="out allocated"),
+            _checked(case, "fagen_out", out, ref, lambda: host_us(lambda: step(*tensors, out=out)), note="out given"),
+            _checked(case, "fagen_attention", unprepared(), ref, lambda: host_us(unprepared),
+                     note="not prepared, fresh descale tensors a call")]
+    us = host_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=group > 1))
+    return rows + [_row(case, "sdpa", us, note="the bfloat16 cache")]
 
 
 def _host_varlen(case: ServingCase, qp, kp, vp, rng) -> list[ServingRow]:
@@ -519,7 +564,10 @@ def markdown(rows: list[ServingRow], meta: dict, plot_link: str | None = None) -
             "| call | shape | prepared, out allocated | out given | ... new tensors a call | not prepared | SDPA |"
             + growing[0], "| --- | --- | --- | --- | --- | --- | --- |" + growing[1]]
     for case, impls, f in _section(table, "host"):
-        call = ("paged decode step (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
+        fp8 = (" on an e4m3 cache" if case.endswith("fp8 cache") else ", e4m3 q, k, v" if case.endswith("fp8 qkv")
+               else "")
+        call = (f"paged decode step{fp8} (prepare_with_kvcache; unprepared: validate=False)" if "page" in case else
+                f"decode step{fp8} (descales a sequence and KV head; unprepared: fresh ones a call)" if fp8 else
                 "varlen prefill, mixed lengths (prepare_varlen; unprepared: validate=False)" if "varlen" in case else
                 "decode step (the last split merges)" if f.nq * (f.hq // f.hkv) <= 64 else "one launch")
         shape = f"{_shape(f)}, Nq {f.nq}, Nk {f.nk}{', causal' if 'causal' in case else ''}"

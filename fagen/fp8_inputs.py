@@ -102,6 +102,20 @@ def widened(x):
     return x.to(torch.bfloat16)
 
 
+def quantized(x, heads_kv: int | None = None):
+    """(x, a half-type torch tensor [B, H, N, d], in e4m3; its float32 [B, Hkv] descale, FlashAttention-3's):
+    a scale a batch and KV head (for q, over its group of query heads; heads_kv None: x's own
+    heads) at amax / e4m3's largest value, so that x8 * descale stands for x (1 where the amax is 0)."""
+    import torch
+
+    b, h = x.shape[:2]
+    heads_kv = heads_kv or h
+    amax = x.detach().abs().amax(dim=(2, 3)).float().reshape(b, heads_kv, h // heads_kv).amax(-1)
+    descale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
+    per_head = descale.repeat_interleave(h // heads_kv, dim=1)[:, :, None, None]
+    return (x.detach().float() / per_head).to(torch.float8_e4m3fn), descale
+
+
 def kept_form(descales: tuple, device: int) -> tuple[tuple[str, ...], tuple, tuple]:
     """How a kept call (decode.ShapeClasses, sequences.KeptPagedCalls) takes (q_descale,
     k_descale, v_descale): (the names it re-points each call, those tensors in that order, the

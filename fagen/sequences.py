@@ -384,9 +384,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return (out, lse) if return_lse else out
 
 
-def _fp8(x) -> bool:
-    """Whether an array is of an FP8 type (a torch tensor's dtype read as is)."""
-    return fp8_element(str(x.dtype).removeprefix("torch.") if is_torch(x) else as_device_tensor(x, "q").dtype) is not None
+# an array's dtype -> whether it is an FP8 type: a kept call's test is a dictionary lookup
+_FP8_DTYPES: dict = {}
+
+
+def _fp8(x, name: str = "q") -> bool:
+    """Whether an array is of an FP8 type (its dtype object remembered: a serving loop's call)."""
+    dtype = getattr(x, "dtype", None)
+    fp8 = _FP8_DTYPES.get(dtype)
+    if fp8 is None:
+        fp8 = fp8_element(str(dtype).removeprefix("torch.") if is_torch(x) else as_device_tensor(x, name).dtype) is not None
+        if dtype is not None:
+            _FP8_DTYPES[dtype] = fp8
+    return fp8
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, *, cache_leftpad=None, k=None, v=None,
@@ -411,9 +421,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     q_descale, as FlashAttention-3's FP8 calls): the kernels widen it exactly as it lands and read
     its descale beside k's, out bfloat16. New tokens of the cache's FP8 type are in its units
     already and go in as they are."""
-    # (a torch tensor's dtype read as is: the kept paged calls below are a few microseconds)
-    fp8_cache = fp8_element(str(k_cache.dtype).removeprefix("torch.") if is_torch(k_cache)
-                            else as_device_tensor(k_cache, "k_cache").dtype) is not None
+    fp8_cache = _fp8(k_cache, "k_cache")  # (a dictionary lookup: the kept paged calls below are a few microseconds)
     if fp8_cache and page_table is None:
         raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) yet: pass it as pages "
                          "[num_pages, page_size, Hkv, d] with a page_table")

@@ -18,11 +18,10 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, key_split, mod_tracing,
+from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, fp8_inputs, key_split, mod_tracing,
                    runtime, side_inputs, variants, wide_head)
 from fagen import incoherent as incoherent_rotation  # (the parameter is named incoherent)
 from fagen.device import layout_order
-from fagen.element_types import ELEMENT_TYPES
 from fagen.fp8_backward_plan import FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS
 from fagen.spec import Mask
 from fagen.wide_head_plan import WIDE_HEAD_DIMS
@@ -382,7 +381,6 @@ class _EagerKernelAttention(torch.autograd.Function):
 
 
 FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2"}  # torch's dtype: fagen's
-E4M3_MAX = ELEMENT_TYPES["float8_e4m3"].max_finite
 
 
 @_op
@@ -542,18 +540,8 @@ def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deter
     return (out, lse) if return_lse else out
 
 
-def _e4m3_with_descale(x: Tensor, heads_kv: int) -> tuple[Tensor, Tensor]:
-    """(x quantized to e4m3, its float32 [B, Hkv] descale): a scale a batch and KV head (its group of
-    query heads for q) at amax / e4m3's largest value, so that x8 * descale stands for x."""
-    b, h = x.shape[:2]
-    amax = x.detach().abs().amax(dim=(2, 3)).float().reshape(b, heads_kv, h // heads_kv).amax(-1)
-    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    per_head = descale.repeat_interleave(h // heads_kv, dim=1)[:, :, None, None]
-    return (x.detach().float() / per_head).to(torch.float8_e4m3fn), descale
-
-
 class _Fp8Quantized(torch.autograd.Function):
-    """fp8=True's forward and backward: q, k, v quantized (_e4m3_with_descale; q and k rotated
+    """fp8=True's forward and backward: q, k, v quantized (fp8_inputs.quantized; q and k rotated
     first where incoherent), the FP8 forward, and fagen.fp8_backward's gradients of attention over
     the quantized tensors, handed to q, k, v as theirs (straight through the rounding; dq and dk
     rotated back)."""
@@ -562,7 +550,7 @@ class _Fp8Quantized(torch.autograd.Function):
     def forward(ctx, q, k, v, mask: Mask, scale, deterministic: bool, incoherent: bool = False):
         if incoherent:  # float32 products, rounded once, to e4m3
             q, k = incoherent_rotation.rotate(q.detach()), incoherent_rotation.rotate(k.detach())
-        (q8, qd), (k8, kd), (v8, vd) = (_e4m3_with_descale(x, k.shape[1]) for x in (q, k, v))
+        (q8, qd), (k8, kd), (v8, vd) = (fp8_inputs.quantized(x, k.shape[1]) for x in (q, k, v))
         out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, None, None, None, mask_json(mask), False, None,
                                          scale)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)

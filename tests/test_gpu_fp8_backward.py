@@ -207,7 +207,7 @@ def test_fagen_attention_fp8_trains_bfloat16_tensors_through_the_fp8_kernels(mas
     import cupy
 
     import fagen
-    from fagen import fp8_backward, torch_op
+    from fagen import fp8_backward, fp8_inputs
 
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the FP8 kernels need a Hopper GPU")
@@ -219,7 +219,7 @@ def test_fagen_attention_fp8_trains_bfloat16_tensors_through_the_fp8_kernels(mas
     out = fagen.attention(q, k, v, mask=mask, fp8=True, deterministic=True)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in grads)
-    (q8, qd), (k8, kd), (v8, vd) = (torch_op._e4m3_with_descale(x, hkv) for x in (q, k, v))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8_inputs.quantized(x, hkv) for x in (q, k, v))
     descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
     want_out, want_lse = _forward(q8, k8, v8, descales, mask)
     assert torch.equal(out.view(torch.int16), want_out.view(torch.int16))
