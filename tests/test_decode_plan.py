@@ -488,7 +488,7 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
 
 
-@pytest.mark.parametrize("rows, head_dim", [(4, 128), (64, 128), (16, 64), (16, 256), (200, 128)])
+@pytest.mark.parametrize("rows, head_dim", [(4, 128), (16, 64), (16, 256), (200, 128)])
 def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
     """FP8 q, k, v of a decode step run on the FP8 cache's kernels (dispatch.fp8_kv_spec with
     q_dtype): each takes q's bytes (16 values a copy) and widens them in shared memory, its name

@@ -574,6 +574,27 @@ def test_fp8_q_quantised_afresh_each_decode_step_keeps_its_class():
     assert len(SHAPE_CLASSES._growing) + len(SHAPE_CLASSES._exact) == classes
 
 
+def test_a_decode_class_of_an_fp8_cache_hands_back_rows_off_16_bytes():
+    """A growing decode class over an e4m3 cache takes any key length of its range and K/V strides
+    of whole 16-byte copies (16 values); a view whose rows start 8 bytes off 16 (row stride 136) is
+    handed back, and the general path refuses it by name, before any launch."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(79)
+    b, hq, hkv, d, nk = 1, 32, 8, 128, 1500
+    q = torch.from_numpy(rng.standard_normal((b, hq, 1, d)).astype(np.float32)).cuda().to(torch.bfloat16)
+    (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, d), "float8_e4m3", torch) for _ in range(2))
+    with torch.no_grad():
+        fagen.attention(q, k8, v8, k_descale=kd, v_descale=vd)  # the class
+        wide = torch.zeros(b, hkv, nk, d + 8, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        wide[..., :d] = k8
+        off = wide[..., :d]  # rows of 136 bytes
+        assert off.stride()[2] == 136
+        with pytest.raises(ValueError, match=r"k: strides .* multiples of 16 elements"):
+            fagen.attention(q, off, v8, k_descale=kd, v_descale=vd)
+
+
 def test_fp8_q_against_a_paged_fp8_cache_appends_fp8_tokens_as_they_are():
     """attention_with_kvcache with FP8 q (q_descale [B, Hkv]) and FP8 new tokens k, v of the cache's
     type: the tokens land in their slots byte for byte (in the cache's units already), every other
