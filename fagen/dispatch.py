@@ -16,7 +16,7 @@ import math
 from functools import lru_cache
 
 from fagen import device, side_inputs, variants
-from fagen.device import as_device_tensor
+from fagen.device import DeviceTensor, as_device_tensor
 from fagen.element_types import KERNEL_TYPES, fp8_element
 from fagen.mask_kinds import fields_of
 from fagen.runtime import Kernel, compile_kernel
@@ -43,8 +43,10 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
     v_shape = getattr(v, "shape", ())
     head_dim_v = int(v_shape[-1]) if len(v_shape) == 4 and v_shape[-1] != tq.shape[-1] else None
     dtype = tq.dtype
-    if v is not None and fp8_element(dtype) is not None:  # an FP8 q: a decode step's on an FP8 cache
-        dtype = cache_query_dtype(dtype, as_device_tensor(v, "v").dtype)
+    if v is not None and fp8_element(dtype) is not None:  # an FP8 q: a decode step's on an FP8 cache, or refused
+        dtype = _decode_step_query(tq, as_device_tensor(v, "v"), causal=causal, mask=mask, softcap=softcap,
+                                   block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
+                                   doc_ids=doc_ids)
     return derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
                            bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys,
                            head_dim_v=head_dim_v, score_expression=score_expression)
@@ -56,12 +58,33 @@ CACHE_QUERY_HALF_TYPE = "bfloat16"
 
 
 def cache_query_dtype(q_dtype: str, kv_dtype: str) -> str:
-    """The dtype a call's plain spec is derived for: q's, or CACHE_QUERY_HALF_TYPE for an FP8 q
-    against FP8 k and v (the callers send only a decode step's there: fp8_query_decodes; the
-    decode kernels' FP8 variant then reads q as it lies, packed_spec)."""
-    if fp8_element(q_dtype) is not None and fp8_element(kv_dtype) is not None:
+    """The dtype a call on an FP8 KV cache derives its plain spec for: q's, or
+    CACHE_QUERY_HALF_TYPE for an FP8 q of the cache's type (the cache's kernels then read q as it
+    lies and widen it: packed_spec, batch_spec); an FP8 q of another FP8 type is refused by name."""
+    q8, kv8 = fp8_element(q_dtype), fp8_element(kv_dtype)
+    if q8 is None or kv8 is None:
+        return q_dtype
+    if q8 != kv8:
+        raise ValueError(f"q: {q_dtype} against a {kv_dtype} cache; the cache's kernels widen an FP8 q of the "
+                         f"cache's own type: pass q as {kv_dtype}, or in bfloat16 with its descale applied (and no "
+                         f"q_descale)")
+    return CACHE_QUERY_HALF_TYPE
+
+
+def _decode_step_query(tq: DeviceTensor, tv: DeviceTensor, **options) -> str:
+    """The dtype derive_spec derives for an FP8 q beside v: CACHE_QUERY_HALF_TYPE where the call is
+    a decode step the FP8 cache's kernels take (fp8_query_decodes); q's own where v is not FP8
+    (_derived_spec refuses it by name); else refused: FP8 q, k, v of other shapes are the FP8
+    forward's, which fagen.attention runs and which is not prepared or packed here."""
+    if fp8_element(tv.dtype) is None:
+        return tq.dtype
+    cache_query_dtype(tq.dtype, tv.dtype)  # (refuses an FP8 q of another type than the cache's)
+    if fp8_query_decodes(tuple(tq.shape), tuple(tv.shape), tuple(tv.shape), fp8_element(tv.dtype).name, **options):
         return CACHE_QUERY_HALF_TYPE
-    return q_dtype
+    raise ValueError(f"q: {tq.dtype} {tq.shape}: FP8 q, k and v run the FP8 forward (fagen.attention), but for a "
+                     f"decode step's few query rows (up to {max(max(r) for r in variants.DECODE_HEAD_DIMS.values())} "
+                     f"a KV head, no bias, documents or block mask), which run on the FP8 cache's kernels; this call "
+                     f"is not one: call fagen.attention, which runs the FP8 forward unprepared")
 
 
 def bias_kind(bias) -> str:
@@ -386,10 +409,6 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
         return _fp8_batch_spec(batch, q_fp8.name, causal=causal, mask=mask, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks)
     kv = fp8_element(tk.dtype)
-    if q_fp8 is not None and q_fp8 != kv:
-        raise ValueError(f"q: {tq.dtype} against a {tk.dtype} cache; the cache's kernels widen an FP8 q of the "
-                         f"cache's own type: pass q as {tk.dtype}, or in bfloat16 with its descale applied (and no "
-                         f"q_descale)")
     dv = batch.v.shape[-1] if batch.v.shape[-1] != tq.shape[-1] else None  # two head widths (head_dim_v)
     dtype = cache_query_dtype(tq.dtype, tk.dtype)  # (an FP8 q of a paged FP8 cache: its kernels widen it)
     plain = derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap,

@@ -194,6 +194,8 @@ def fp8(rng: random.Random, spec: dict, wgmma: bool) -> None:
                          pingpong=rng.random() < 0.7)
         return
     spec["kv_dtype"] = rng.choice(FP8_TYPES)
+    if rng.random() < 0.4:  # an FP8 q of the cache's type, widened as it lands (or, far, refused)
+        spec["q_dtype"] = spec["kv_dtype"] if near or rng.random() < 0.5 else rng.choice(FP8_TYPES)
     if near:
         spec.update(arch=rng.choice(("sm_89", "sm_90")), head_dim=rng.choice((64, 128, 128, 256)), smem_layout="swizzled")
         warps_kv = rng.choice((1, 2, 4))

@@ -506,6 +506,28 @@ def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
         assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_frame == 0, (s.name, res.log)
 
 
+def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name():
+    """derive_spec (fagen.prepare, decode.attention, the kept classes) takes an FP8 q beside FP8 v
+    as the FP8 cache's decode step only where the cache's kernels take its rows; other shapes are
+    the FP8 forward's (fagen.attention), refused here with that fix, never run on a chunk kernel
+    that fagen.attention would not pick; an FP8 q of another type than v's is refused by name."""
+    from fagen.device import DeviceTensor
+
+    def tensor(shape, dtype="float8_e4m3fn"):
+        return DeviceTensor(None, "torch", 0, shape, (0,) * len(shape), dtype, 0)
+
+    cache = tensor((1, 8, 4096, 128))
+    assert dispatch._decode_step_query(tensor((1, 32, 1, 128)), cache) == "bfloat16"
+    assert dispatch._decode_step_query(tensor((1, 32, 2, 128)), cache, causal=True) == "bfloat16"
+    with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward.*call fagen.attention"):
+        dispatch._decode_step_query(tensor((1, 8, 300, 128)), tensor((1, 8, 300, 128)), causal=True)
+    with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward"):  # a bias: the forward's alone
+        dispatch._decode_step_query(tensor((1, 32, 1, 128)), cache, bias=1)
+    with pytest.raises(ValueError, match=r"q: float8_e5m2 against a float8_e4m3fn cache.*pass q as float8_e4m3fn"):
+        dispatch._decode_step_query(tensor((1, 32, 1, 128), "float8_e5m2"), cache)
+    assert dispatch._decode_step_query(tensor((1, 32, 1, 128)), tensor((1, 8, 4096, 128), "bfloat16")) == "float8_e4m3fn"
+
+
 @pytest.mark.parametrize("q_shape, k_shape, options, decodes", [
     ((1, 32, 1, 128), (1, 8, 32768, 128), {}, True),  # a decode step: 4 packed rows a KV head
     ((2, 32, 16, 128), (2, 8, 4096, 128), {"causal": True}, True),  # 64 rows: the q64 kernel

@@ -521,8 +521,8 @@ def _fp8_queries(rng, kv_dtype, b, hq, hkv, nq, d, per_head, torch):
 ])
 def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, hkv, nq, nk, causal, per_head):
     """fagen.attention on FP8 q, k, v with FlashAttention-3's three descales, a decode step's few
-    rows a KV head: the FP8 cache's decode kernel (GQA packed, keys split) on q widened to
-    bfloat16, q_descale read beside k_descale: bit for bit the widened call with the descales
+    rows a KV head: the FP8 cache's decode kernel (GQA packed, keys split), which widens q as it
+    lands, q_descale read beside k_descale: bit for bit the call on q widened to bfloat16 beforehand, with the descales
     multiplied (each through a kept class), within bfloat16's tolerance of exact attention of the
     FP8 values times their descales; the compiled call bit for bit the general path's."""
     torch = pytest.importorskip("torch")
@@ -670,6 +670,25 @@ def test_a_prepared_paged_call_takes_an_fp8_q_as_it_lies(nq):
     assert relative_error(to_numpy(out.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
     with pytest.raises(ValueError, match=r"q: float8_e5m2 against a float8_e4m3fn cache.*pass q as float8_e4m3fn"):
         fagen.prepare_with_kvcache(q8.to(torch.float8_e5m2), k8, v8, seqlens, table, k_descale=0.5, v_descale=1.5)
+
+
+def test_prepare_takes_an_fp8_decode_step_and_refuses_the_fp8_forward_s_shapes():
+    """fagen.prepare on FP8 q, k, v: a decode step's rows run on the FP8 cache's kernels, as
+    fagen.attention runs them (bit for bit); a prefill's shapes are the FP8 forward's, which
+    fagen.attention runs unprepared: refused by name, not packed on another kernel."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(83)
+    (k8, kd), (v8, vd) = (cache(rng, (1, 8, 300, 128), "float8_e4m3", torch) for _ in range(2))
+    q8, qd = _fp8_queries(rng, "float8_e4m3", 1, 32, 8, 1, 128, True, torch)
+    with torch.no_grad():
+        step = fagen.prepare(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+        assert torch.equal(step(q8, k8, v8), fagen.attention(q8, k8, v8, causal=True, q_descale=qd, k_descale=kd,
+                                                             v_descale=vd))
+        prefill = q8[:, :8].expand(1, 8, 300, 128).contiguous()
+        with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward.*call fagen.attention"):
+            fagen.prepare(prefill, k8, v8, causal=True, q_descale=kd, k_descale=kd, v_descale=vd)
 
 
 def test_unvalidated_paged_calls_on_an_fp8_cache_are_kept_and_follow_their_descales():
