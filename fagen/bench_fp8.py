@@ -111,7 +111,7 @@ class KvRow:
     read_us: float | None = None
     head_dim: int = 128
     # e4m3 q too (FlashAttention-3's FP8 call: q_descale a sequence and KV head), on the same e4m3
-    # cache: q read by the cache's kernels, which widen it as it lands (fagen.dispatch.fp8_query_decodes)
+    # cache: q read by the cache's kernels, which widen it as it lands (fagen.dispatch.fp8_on_cache_kernels)
     fp8_q_us: float | None = None
     fp8_q_error: float | None = None
 

@@ -25,7 +25,7 @@ import numpy as np
 from fagen import fp8_inputs, hot_path, side_inputs, tensor_maps, wide_head
 from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, empty_permuted, full_like,
                           layout_order, stream_for, tensor_signature, torch_stream_handle)
-from fagen.dispatch import (derive_spec, fp8_kv_refusal, fp8_query_decodes, no_work, packed_spec, sequence_keys,
+from fagen.dispatch import (derive_spec, fp8_kv_refusal, fp8_on_cache_kernels, no_work, packed_spec, sequence_keys,
                             step_spec)
 from fagen.element_types import fp8_element
 from fagen.runtime import _aux_array, compile_kernel
@@ -603,7 +603,7 @@ class ShapeClasses:
         if q.shape[-1] in WIDE_HEAD_DIMS:
             return NotImplemented  # its own path (fagen.torch_op): head_dim 512's kernels
         q8 = fp8_element(str(q.dtype).removeprefix("torch."))
-        if q8 is not None and not (k.dtype == q.dtype == v.dtype and fp8_query_decodes(
+        if q8 is not None and not (k.dtype == q.dtype == v.dtype and fp8_on_cache_kernels(
                 tuple(q.shape), tuple(k.shape), tuple(v.shape), q8.name, causal=options["causal"], mask=options["mask"],
                 softcap=options["softcap"], sinks=options["sinks"])):
             return NotImplemented  # the FP8 forward's (fagen.torch_op): not a decode step on the cache's kernels

@@ -73,13 +73,13 @@ def cache_query_dtype(q_dtype: str, kv_dtype: str) -> str:
 
 def _decode_step_query(tq: DeviceTensor, tv: DeviceTensor, **options) -> str:
     """The dtype derive_spec derives for an FP8 q beside v: CACHE_QUERY_HALF_TYPE where the call is
-    a decode step the FP8 cache's kernels take (fp8_query_decodes); q's own where v is not FP8
+    a decode step the FP8 cache's kernels take (fp8_on_cache_kernels); q's own where v is not FP8
     (_derived_spec refuses it by name); else refused: FP8 q, k, v of other shapes are the FP8
     forward's, which fagen.attention runs and which is not prepared or packed here."""
     if fp8_element(tv.dtype) is None:
         return tq.dtype
     cache_query_dtype(tq.dtype, tv.dtype)  # (refuses an FP8 q of another type than the cache's)
-    if fp8_query_decodes(tuple(tq.shape), tuple(tv.shape), tuple(tv.shape), fp8_element(tv.dtype).name, **options):
+    if fp8_on_cache_kernels(tuple(tq.shape), tuple(tv.shape), tuple(tv.shape), fp8_element(tv.dtype).name, **options):
         return CACHE_QUERY_HALF_TYPE
     raise ValueError(f"q: {tq.dtype} {tq.shape}: FP8 q, k and v run the FP8 forward (fagen.attention), but for a "
                      f"decode step's few query rows (up to {max(max(r) for r in variants.DECODE_HEAD_DIMS.values())} "
@@ -234,14 +234,15 @@ def _fp8_kv_kernel(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod, r
         return None
 
 
-def fp8_query_decodes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...], kv_dtype: str, *,
+def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...], kv_dtype: str, *,
                       causal: bool = False, mask=None, softcap: float | None = None, sinks=None, alibi_slopes=None,
-                      bias=None, doc_ids=None, block_mask=None) -> bool:
-    """Whether FP8 q, k, v ([B, H, N, d]) run as a decode step: q against k and v as an FP8 KV
-    cache, in the kernels that pack a KV head's query rows (GQA) and split its keys, which widen q
-    as it lands (spec.q_dtype), q_descale read beside k's. True where one of them holds
-    the call's rows and takes its options; the FP8 forward's 128-row tiles would hold a head's
-    few rows each, one block a head, with no split. Side inputs the decode kernels lack (a bias,
+                      bias=None, doc_ids=None, block_mask=None, sms: int | None = None) -> bool:
+    """Whether FP8 q, k, v ([B, H, N, d]) run as an FP8 KV cache's: q against k and v in the
+    kernels that pack a KV head's query rows (GQA) and split its keys, which widen q as it lands
+    (spec.q_dtype), q_descale read beside k's. True where a decode kernel holds the call's rows
+    and takes its options; and for more rows (speculative decoding, a short chunk) where the FP8
+    forward would fill little of the GPU (fp8_forward_fill, on `sms` SMs: the current GPU's where
+    None) and the cache's chunk kernels take them. Side inputs the cache's kernels lack (a bias,
     documents, a block mask) keep the FP8 forward. (Asked on every FP8 call: remembered.)"""
     if bias is not None or doc_ids is not None or block_mask is not None:
         return False
@@ -253,20 +254,58 @@ def fp8_query_decodes(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shap
         mask = _named_mask(mask)
     elif mask is not None and not isinstance(mask, Mask):
         mask = _mask_of(mask)
-    return _fp8_query_decodes(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
+    head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
+    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))) and not _chunks_beat_the_forward(
+            q_shape, kv_dtype, causal, mask, softcap, sinks is not None, alibi_slopes is not None,
+            sms or device.multiprocessors(device.current_device())):
+        return False
+    return _fp8_cache_kernels_take(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
                               sinks is not None, alibi_slopes is not None)
 
 
 @lru_cache(maxsize=256)
-def _fp8_query_decodes(q_shape: tuple[int, ...], hkv: int, head_dim_v: int, kv_dtype: str, causal: bool,
+def _fp8_cache_kernels_take(q_shape: tuple[int, ...], hkv: int, head_dim_v: int, kv_dtype: str, causal: bool,
                        mask: Mask | None, softcap: float | None, sinks: bool, alibi: bool) -> bool:
     """(No GPU read: a decode kernel's spec is the same on every GPU, and a call's refusals come first.)"""
     head_dim, rows = q_shape[-1], q_shape[1] * (q_shape[0] // hkv)
-    if head_dim_v != head_dim or not 1 <= rows <= max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
+    if head_dim_v != head_dim or rows < 1:
         return False
     score_mod = ScoreMod(softcap=softcap, sinks=sinks, alibi="slopes" if alibi else "none")
     return _fp8_kv_kernel(CACHE_QUERY_HALF_TYPE, head_dim, kernel_mask(causal, mask, False, False), score_mod, rows,
                           kv_dtype, kv_dtype) is not None
+
+
+# FP8 q, k, v with more query rows a KV head than a decode kernel holds: the FP8 forward tiles each
+# head's rows alone (128 a tile) and splits no keys, so a few rows a head leave most of its tiles'
+# rows and of the GPU's SMs idle; the cache's chunk kernels pack a KV group's rows into 128-row
+# tiles and split the keys, on mma.sync at about a third of the forward's wgmma peak. H200, d128,
+# Hq 32 / Hkv 8, causal, GPU time (notes/perf.md, 2026-12-01): the chunks 1.3-4.5x faster where the
+# forward's fill (its tiles' rows used x the share of SMs its blocks occupy) is 0.24 or less, the
+# forward 1.1-2.5x faster where it is 0.48 or more. Head widths the forward lacks (64) take the chunks.
+CHUNKS_BELOW_FORWARD_FILL = 0.35
+
+
+def fp8_forward_fill(b: int, hq: int, nq: int, block_q: int, sms: int) -> float:
+    """The share of the GPU the FP8 forward's grid fills: its tiles' rows that hold a query row,
+    times the SMs its B x Hq x tiles blocks occupy (up to one wave)."""
+    tiles = -(-nq // block_q)
+    return nq / (tiles * block_q) * min(1.0, b * hq * tiles / sms)
+
+
+@lru_cache(maxsize=256)
+def _chunks_beat_the_forward(q_shape: tuple[int, ...], kv_dtype: str, causal: bool, mask: Mask | None,
+                             softcap: float | None, sinks: bool, alibi: bool, sms: int) -> bool:
+    """Whether FP8 q, k, v with more rows a KV head than a decode kernel holds take the FP8 cache's
+    chunk kernels (CHUNKS_BELOW_FORWARD_FILL), where there are chunk kernels of their head width."""
+    b, hq, nq, head_dim = q_shape
+    if head_dim not in variants.FP8_KV_CHUNK_TILINGS:
+        return False
+    try:
+        forward = fp8_forward_spec(kv_dtype, head_dim, causal, mask, softcap=softcap, sinks=True if sinks else None,
+                                   alibi_slopes=True if alibi else None)
+    except (SpecError, ValueError):  # a head width or mask the FP8 forward lacks: the chunks where they take it
+        return True
+    return fp8_forward_fill(b, hq, nq, forward.tiling.block_q, sms) < CHUNKS_BELOW_FORWARD_FILL
 
 
 def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> str:

@@ -408,7 +408,7 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
 def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple,
                    descales: tuple):
     """decode.SHAPE_CLASSES for a call with descales: an FP8 KV cache's (a half-type q), or FP8 q,
-    k, v of a decode step (the class decides: dispatch.fp8_query_decodes); NotImplemented for the
+    k, v of a decode step (the class decides: dispatch.fp8_on_cache_kernels); NotImplemented for the
     rest (a half-type q with q_descale is refused by the general path, the FP8 forward has no
     class)."""
     if k.dtype not in FP8_TYPES or descales[0] is not None and q.dtype not in FP8_TYPES:
@@ -418,9 +418,9 @@ def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_ls
 
 
 def _decodes_on_cache(q, k, v, causal: bool, mask, softcap, **side) -> bool:
-    """Whether FP8 q, k, v run as an FP8 KV cache's decode step (dispatch.fp8_query_decodes: the
+    """Whether FP8 q, k, v run as an FP8 KV cache's decode step (dispatch.fp8_on_cache_kernels: the
     cache's kernels widen q as it lands and read q_descale beside k's), not the FP8 forward."""
-    return k.dtype == q.dtype == v.dtype and dispatch.fp8_query_decodes(
+    return k.dtype == q.dtype == v.dtype and dispatch.fp8_on_cache_kernels(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), FP8_TYPES[k.dtype], causal=causal, mask=mask, softcap=softcap,
         **side)
 
@@ -448,7 +448,7 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
     gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
     tensor) and key ranges (the op carries none) run eagerly only. FP8 q, k, v of a decode step
-    (dispatch.fp8_query_decodes) run as an FP8 KV cache's, q widened as it lands."""
+    (dispatch.fp8_on_cache_kernels) run as an FP8 KV cache's, q widened as it lands."""
     fp8_q = q.dtype in FP8_TYPES
     # (traced: the op's body decides, unseen)
     decodes = fp8_q and not torch.compiler.is_compiling() and _decodes_on_cache(

@@ -493,7 +493,7 @@ def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
     """FP8 q, k, v of a decode step run on the FP8 cache's kernels (dispatch.fp8_kv_spec with
     q_dtype): each takes q's bytes (16 values a copy) and widens them in shared memory, its name
     saying so; a chunk of prefill (more rows than a decode kernel holds) too. Every kernel such a
-    step may launch compiles without spills."""
+    step may launch at d128 compiles without spills."""
     plain = variants.decode_spec("bfloat16", head_dim, min(rows, 64))
     spec = dispatch.fp8_kv_spec(plain, rows, "float8_e4m3", "float8_e4m3")
     assert spec.widens_query and spec.q_element.bytes == 1 and spec.name.endswith("_kv_e4m3_q_e4m3")
@@ -501,17 +501,22 @@ def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
     source = render(spec)
     assert "const q_elem_t* __restrict__ q," in source and "widen_q(smem_q, tid);" in source
     assert "q_to_float16" not in source and "q_unscale" not in source  # (a bfloat16 q's rescale)
-    specs = [spec, variants.merged_variant(spec), variants.unsplit_variant(spec)]
-    for s, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
-        assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_frame == 0, (s.name, res.log)
+    if head_dim == 128:  # (the other widths' kernels differ in their tiles, not in the widening: rendered only)
+        specs = [spec, variants.merged_variant(spec), variants.unsplit_variant(spec)]
+        for s, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
+            assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_frame == 0, (s.name, res.log)
 
 
-def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name():
+def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name(monkeypatch):
     """derive_spec (fagen.prepare, decode.attention, the kept classes) takes an FP8 q beside FP8 v
-    as the FP8 cache's decode step only where the cache's kernels take its rows; other shapes are
-    the FP8 forward's (fagen.attention), refused here with that fix, never run on a chunk kernel
-    that fagen.attention would not pick; an FP8 q of another type than v's is refused by name."""
+    on the FP8 cache's kernels only where fagen.attention would (fp8_on_cache_kernels); other
+    shapes are the FP8 forward's (fagen.attention), refused here with that fix, never run on a
+    chunk kernel fagen.attention would not pick; an FP8 q of another type than v's is refused by
+    name."""
     from fagen.device import DeviceTensor
+
+    monkeypatch.setattr(dispatch.device, "current_device", lambda: 0)
+    monkeypatch.setattr(dispatch.device, "multiprocessors", lambda device: 132)  # an H200
 
     def tensor(shape, dtype="float8_e4m3fn"):
         return DeviceTensor(None, "torch", 0, shape, (0,) * len(shape), dtype, 0)
@@ -519,8 +524,9 @@ def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name():
     cache = tensor((1, 8, 4096, 128))
     assert dispatch._decode_step_query(tensor((1, 32, 1, 128)), cache) == "bfloat16"
     assert dispatch._decode_step_query(tensor((1, 32, 2, 128)), cache, causal=True) == "bfloat16"
+    assert dispatch._decode_step_query(tensor((1, 8, 300, 128)), tensor((1, 8, 300, 128))) == "bfloat16"  # chunks
     with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward.*call fagen.attention"):
-        dispatch._decode_step_query(tensor((1, 8, 300, 128)), tensor((1, 8, 300, 128)), causal=True)
+        dispatch._decode_step_query(tensor((4, 32, 512, 128)), tensor((4, 8, 512, 128)), causal=True)
     with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward"):  # a bias: the forward's alone
         dispatch._decode_step_query(tensor((1, 32, 1, 128)), cache, bias=1)
     with pytest.raises(ValueError, match=r"q: float8_e5m2 against a float8_e4m3fn cache.*pass q as float8_e4m3fn"):
@@ -531,10 +537,16 @@ def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name():
 @pytest.mark.parametrize("q_shape, k_shape, options, decodes", [
     ((1, 32, 1, 128), (1, 8, 32768, 128), {}, True),  # a decode step: 4 packed rows a KV head
     ((2, 32, 16, 128), (2, 8, 4096, 128), {"causal": True}, True),  # 64 rows: the q64 kernel
-    ((2, 32, 17, 128), (2, 8, 4096, 128), {}, False),  # 68 rows: the FP8 forward's tiles
+    # more rows: the cache's chunk kernels where the FP8 forward would fill under CHUNKS_BELOW_FORWARD_FILL
+    ((2, 32, 17, 128), (2, 8, 4096, 128), {}, True),  # 68 rows, 64 forward blocks of 17 rows in 128
+    ((1, 32, 128, 128), (1, 8, 16384, 128), {"causal": True}, True),  # fill 0.24 (measured: chunks 1.29x)
+    ((4, 32, 64, 128), (4, 8, 16384, 128), {"causal": True}, False),  # fill 0.48 (measured: the forward 1.19x)
+    ((4, 32, 128, 128), (4, 8, 8192, 128), {"causal": True}, False),  # fill 0.97 (the forward 2x)
+    ((16, 32, 32, 128), (16, 8, 4096, 128), {"causal": True}, True),  # fill 0.25: rows of a tile (chunks 1.83x)
+    ((4, 32, 512, 64), (4, 8, 8192, 64), {"causal": True}, True),  # d64: no FP8 forward, the chunks
     ((4, 8, 1, 64), (4, 2, 900, 64), {"softcap": 30.0, "sinks": 1, "alibi_slopes": 1}, True),
     ((4, 8, 4, 256), (4, 2, 900, 256), {}, True),  # 16 rows: d256's one decode kernel
-    ((4, 8, 5, 256), (4, 2, 900, 256), {}, False),
+    ((4, 8, 5, 256), (4, 2, 900, 256), {}, False),  # d256: no chunk kernel measured, the forward
     ((1, 8, 1, 96), (1, 8, 900, 96), {}, False),  # no FP8 cache kernel at 96
     ((1, 8, 0, 128), (1, 8, 900, 128), {}, False),  # no rows: the forward's own no-work answer
     ((1, 32, 1, 128), (1, 8, 4096, 128), {"bias": 1}, False),  # side inputs of the FP8 forward's alone
@@ -543,13 +555,14 @@ def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name():
     ((1, 30, 1, 128), (1, 8, 4096, 128), {}, False),  # heads not grouped: refused by the forward's checks
     ((1, 32, 1, 128), (1, 8, 4096, 128), {"softcap": [30.0]}, False),  # not a number: refused there by name
 ])
-def test_fp8_q_k_v_of_a_decode_step_take_the_fp8_cache_kernels(monkeypatch, q_shape, k_shape, options, decodes):
-    """FP8 q, k, v with few query rows a KV head run as an FP8 KV cache's decode step (q widened
-    to bfloat16): GQA packed and the keys split, where the FP8 forward's 128-row tiles would hold
-    a head's few rows each; more rows, another head width or the forward's own side inputs keep it."""
+def test_fp8_q_k_v_of_few_rows_a_kv_head_take_the_fp8_cache_kernels(monkeypatch, q_shape, k_shape, options, decodes):
+    """FP8 q, k, v with few query rows a KV head run on an FP8 KV cache's kernels (q widened as it
+    lands): GQA packed and the keys split, where the FP8 forward's 128-row tiles would hold a
+    head's few rows each; more rows where the forward would fill little of an H200 (132 SMs);
+    another head width or the forward's own side inputs keep the forward."""
     monkeypatch.setattr(dispatch.device, "gpu_slug", lambda: "h200")
     for kv in ("float8_e4m3", "float8_e5m2"):
-        assert dispatch.fp8_query_decodes(q_shape, k_shape, k_shape, kv, **options) is decodes
+        assert dispatch.fp8_on_cache_kernels(q_shape, k_shape, k_shape, kv, sms=132, **options) is decodes
 
 
 def test_a_chunk_of_prefill_on_an_fp8_cache_takes_128_row_tiles_that_fit():

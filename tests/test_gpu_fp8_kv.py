@@ -518,10 +518,14 @@ def _fp8_queries(rng, kv_dtype, b, hq, hkv, nq, d, per_head, torch):
     (128, "float8_e4m3", 2, 32, 8, 16, 1500, True, True),  # 64 packed rows: the q64 kernel
     (64, "float8_e4m3", 2, 32, 8, 1, 3000, False, False),  # (the FP8 forward has no head_dim 64)
     (256, "float8_e4m3", 2, 8, 4, 2, 3001, True, True),
+    # more rows than a decode kernel holds, where the FP8 forward would fill little of the GPU: chunks
+    (128, "float8_e4m3", 1, 32, 8, 32, 3001, True, True),  # 128 packed rows (the forward: 32 blocks of 32 rows)
+    (64, "float8_e5m2", 2, 16, 4, 50, 2000, False, True),  # 200 rows at d64 (no FP8 forward there)
 ])
 def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, hkv, nq, nk, causal, per_head):
     """fagen.attention on FP8 q, k, v with FlashAttention-3's three descales, a decode step's few
-    rows a KV head: the FP8 cache's decode kernel (GQA packed, keys split), which widens q as it
+    rows a KV head (or more, where the FP8 forward would fill little of the GPU: the chunk
+    kernels): the FP8 cache's decode kernel (GQA packed, keys split), which widens q as it
     lands, q_descale read beside k_descale: bit for bit the call on q widened to bfloat16 beforehand, with the descales
     multiplied (each through a kept class), within bfloat16's tolerance of exact attention of the
     FP8 values times their descales; the compiled call bit for bit the general path's."""
@@ -692,9 +696,12 @@ def test_prepare_takes_an_fp8_decode_step_and_refuses_the_fp8_forward_s_shapes()
                                                       v_descale=vd)):
             assert got.dtype == torch.bfloat16
             assert relative_error(to_numpy(got.float()), want) <= ELEMENT_TYPES["bfloat16"].tolerance
-        prefill = q8[:, :8].expand(1, 8, 300, 128).contiguous()
+        # a prefill that fills the GPU with the forward's tiles (4 x 32 heads x 4 tiles of 128 rows)
+        prefill = q8[:, :, :1].expand(1, 32, 512, 128).repeat(4, 1, 1, 1)
+        keys, values = (x.repeat(4, 1, 1, 1) for x in (k8, v8))
         with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward.*call fagen.attention"):
-            fagen.prepare(prefill, k8, v8, causal=True, q_descale=kd, k_descale=kd, v_descale=vd)
+            fagen.prepare(prefill, keys, values, causal=True, q_descale=qd.repeat(4, 1), k_descale=kd.repeat(4, 1),
+                          v_descale=vd.repeat(4, 1))
 
 
 def test_unvalidated_paged_calls_on_an_fp8_cache_are_kept_and_follow_their_descales():
