@@ -82,9 +82,10 @@ def _decode_step_query(tq: DeviceTensor, tv: DeviceTensor, **options) -> str:
     if fp8_on_cache_kernels(tuple(tq.shape), tuple(tv.shape), tuple(tv.shape), fp8_element(tv.dtype).name, **options):
         return CACHE_QUERY_HALF_TYPE
     raise ValueError(f"q: {tq.dtype} {tq.shape}: FP8 q, k and v run the FP8 forward (fagen.attention), but for a "
-                     f"decode step's few query rows (up to {max(max(r) for r in variants.DECODE_HEAD_DIMS.values())} "
-                     f"a KV head, no bias, documents or block mask), which run on the FP8 cache's kernels; this call "
-                     f"is not one: call fagen.attention, which runs the FP8 forward unprepared")
+                     f"KV head's few query rows (a decode step's, up to "
+                     f"{max(max(r) for r in variants.DECODE_HEAD_DIMS.values())}, or more where the forward would fill "
+                     f"little of the GPU; no bias, documents or block mask), which run on the FP8 cache's kernels; this "
+                     f"call is not one: call fagen.attention, which runs the FP8 forward unprepared")
 
 
 def bias_kind(bias) -> str:
@@ -255,10 +256,11 @@ def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_s
     elif mask is not None and not isinstance(mask, Mask):
         mask = _mask_of(mask)
     head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
-    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))) and not _chunks_beat_the_forward(
-            q_shape, kv_dtype, causal, mask, softcap, sinks is not None, alibi_slopes is not None,
-            sms or device.multiprocessors(device.current_device())):
-        return False
+    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
+        sms = sms or (device.multiprocessors(device.current_device()) if device.cupy is not None else None)
+        if sms is None or not _chunks_beat_the_forward(q_shape, kv_dtype, causal, mask, softcap, sinks is not None,
+                                                       alibi_slopes is not None, sms):
+            return False  # (no GPU to fill: the forward's checks speak)
     return _fp8_cache_kernels_take(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
                               sinks is not None, alibi_slopes is not None)
 

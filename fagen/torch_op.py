@@ -551,8 +551,9 @@ class _Fp8Quantized(torch.autograd.Function):
         if incoherent:  # float32 products, rounded once, to e4m3
             q, k = incoherent_rotation.rotate(q.detach()), incoherent_rotation.rotate(k.detach())
         (q8, qd), (k8, kd), (v8, vd) = (fp8_inputs.quantized(x, k.shape[1]) for x in (q, k, v))
-        out, lse = fp8_attention_forward(q8, k8, v8, qd, kd, vd, None, None, None, None, mask_json(mask), False, None,
-                                         scale)
+        # the FP8 forward itself, whatever the shape (the cache's kernels would round P otherwise than the
+        # backward's model of it: fp8_backward_rounding)
+        out, lse = _fp8_forward(q8, k8, v8, (qd, kd, vd), mask, False, None, scale)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
         ctx.mask, ctx.scale, ctx.deterministic, ctx.incoherent = mask, scale, deterministic, incoherent
         ctx.mark_non_differentiable(lse)

@@ -515,8 +515,9 @@ def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name(monke
     name."""
     from fagen.device import DeviceTensor
 
+    monkeypatch.setattr(dispatch.device, "cupy", object())  # a GPU to fill: an H200's 132 SMs
     monkeypatch.setattr(dispatch.device, "current_device", lambda: 0)
-    monkeypatch.setattr(dispatch.device, "multiprocessors", lambda device: 132)  # an H200
+    monkeypatch.setattr(dispatch.device, "multiprocessors", lambda device: 132)
 
     def tensor(shape, dtype="float8_e4m3fn"):
         return DeviceTensor(None, "torch", 0, shape, (0,) * len(shape), dtype, 0)

@@ -250,7 +250,9 @@ def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
-    # (a decode step's rows, 64 a KV head or fewer, run on the FP8 cache's kernels, which take key ranges)
+    # (a decode step's rows, 64 a KV head or fewer, run on the FP8 cache's kernels, which take key
+    # ranges; more rows where the forward would fill little of the GPU: dispatch.fp8_on_cache_kernels,
+    # which without a GPU leaves them all to the forward's checks)
     rows200 = torch.zeros((1, 2, 200, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="cache_seqlens: not with torch.float8_e4m3fn q, k, v"):
         attention(rows200, rows200, rows200, cache_seqlens=torch.full((1,), 64, dtype=torch.int32))
