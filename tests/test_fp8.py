@@ -373,3 +373,24 @@ def test_every_fp8_forward_derives_the_masks_and_modifiers_it_takes_and_refuses_
                 continue
             spec = fp8_spec(base.dtype, base.head_dim, mask, score_mod)
             assert spec.element.is_fp8 and spec.mask == mask, (path.stem, mask, score_mod)
+
+
+def test_fp8_true_runs_the_fp8_forward_where_the_routing_would_take_the_cache_s_chunks(monkeypatch):
+    """fagen.attention(..., fp8=True) trains through the FP8 forward and the FP8 backward, which
+    models that forward's rounding of P: its forward is the FP8 forward's kernel even at a shape
+    whose FP8 q, k, v would run on the cache's chunk kernels (a low fill of an H200's 132 SMs).
+    The kernel is stubbed (no GPU)."""
+    torch = pytest.importorskip("torch")
+    from fagen import dispatch, torch_op
+
+    monkeypatch.setattr(dispatch.device, "cupy", object())
+    monkeypatch.setattr(dispatch.device, "current_device", lambda: 0)
+    monkeypatch.setattr(dispatch.device, "multiprocessors", lambda device: 132)
+    shapes = ((1, 4, 300, 128), (1, 2, 300, 128), (1, 2, 300, 128))
+    assert dispatch.fp8_on_cache_kernels(*shapes, "float8_e4m3", causal=True)  # FP8 tensors given: the chunks
+    calls = stub_kernels(monkeypatch, torch)
+    q, k, v = (torch.randn(shape, dtype=torch.bfloat16) for shape in shapes)
+    out, lse = torch_op._Fp8Quantized.apply(q, k, v, Mask(kind="causal"), None, False)
+    (spec, kw), = calls
+    assert spec.element.is_fp8 and spec.wgmma and not spec.fp8_kv and spec.mask.kind == "causal"
+    assert kw["q_descale"].shape == (1, 2) and out.dtype == torch.bfloat16
