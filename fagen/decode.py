@@ -139,7 +139,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
                                                 softcap=softcap, cache_seqlens=cache_seqlens,
                                                 cache_leftpad=cache_leftpad, q_descale=q_descale,
                                                 k_descale=k_descale, v_descale=v_descale, **side)
-    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v, **side)
+    plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, keys=sequence_keys(k), v=v,
+                        ranged=cache_seqlens is not None or cache_leftpad is not None, **side)
     return forward(plain, q, k, v, scale=scale, return_lse=return_lse, cache_seqlens=cache_seqlens,
                    cache_leftpad=cache_leftpad, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                    **side)
@@ -178,7 +179,8 @@ class PreparedAttention:
         tq, tk, tv = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         if plain is None:  # else the caller derived it from the same options
             plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                                keys=sequence_keys(k), v=v)
+                                keys=sequence_keys(k), v=v,
+                                ranged=cache_seqlens is not None or cache_leftpad is not None)
         spec = packed_spec(plain, q, k)
         b, hq, nq, d = tq.shape
         hkv, nk = tk.shape[1], tk.shape[2]
@@ -603,13 +605,14 @@ class ShapeClasses:
         if q.shape[-1] in WIDE_HEAD_DIMS:
             return NotImplemented  # its own path (fagen.torch_op): head_dim 512's kernels
         q8 = fp8_element(str(q.dtype).removeprefix("torch."))
+        ranged = options["cache_seqlens"] is not None or options["cache_leftpad"] is not None
         if q8 is not None and not (k.dtype == q.dtype == v.dtype and fp8_on_cache_kernels(
                 tuple(q.shape), tuple(k.shape), tuple(v.shape), q8.name, causal=options["causal"], mask=options["mask"],
-                softcap=options["softcap"], sinks=options["sinks"])):
+                softcap=options["softcap"], sinks=options["sinks"], ranged=ranged, gpu=q.get_device())):
             return NotImplemented  # the FP8 forward's (fagen.torch_op): not a decode step on the cache's kernels
         try:
             plain = derive_spec(q, causal=options["causal"], mask=options["mask"], softcap=options["softcap"],
-                                sinks=options["sinks"], keys=sequence_keys(k), v=v)
+                                sinks=options["sinks"], keys=sequence_keys(k), v=v, ranged=ranged)
             if no_work(q.shape, k.shape):
                 return NotImplemented
             spec = packed_spec(plain, q, k)
@@ -620,7 +623,7 @@ class ShapeClasses:
             hkv, nk = k.shape[1], k.shape[2]
             if spec is not None and not spec.pipeline.warp_specialized:
                 lo = 1 << (nk.bit_length() - 1)
-                if options["cache_seqlens"] is not None or options["cache_leftpad"] is not None:
+                if ranged:
                     spec = KeyRanges.variant(spec)
                 _, splits = step_spec(spec, b, hq, hkv, nq, lo, None, options["sinks"] is not None)
                 kept = self._growing

@@ -31,12 +31,13 @@ def default_spec(dtype: str, head_dim: int, causal: bool, partial: bool = False,
 
 def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = None, block_mask=None, bias=None,
                 alibi_slopes=None, sinks=None, doc_ids=None, keys: int | None = None, v=None,
-                score_expression: tuple[str, str, int] | None = None) -> AttentionSpec:
+                score_expression: tuple[str, str, int] | None = None, ranged: bool = False) -> AttentionSpec:
     """The spec fagen.attention runs for these arguments: the shipped spec for q's dtype (an FP8
     q against FP8 v: cache_query_dtype's) and head_dim on this GPU (and `keys`, k's length, where given), with the mask and score
     modifiers they ask for (fagen.variants), and V's width where `v` is given and differs.
     score_expression: (score_mod.expression, score_mod.expression_grad, score_mod.captured), a
-    traced score_mod's (fagen.flex)."""
+    traced score_mod's (fagen.flex). ranged: the call has key ranges (cache_seqlens, cache_leftpad:
+    an FP8 q's then the cache's kernels wherever they take its rows, fp8_on_cache_kernels)."""
     tq = as_device_tensor(q, "q")
     if len(tq.shape) != 4:
         raise ValueError(f"q: rank {len(tq.shape)}, shape {tq.shape}; expected [B, H, N, d]")
@@ -46,7 +47,7 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
     if v is not None and fp8_element(dtype) is not None:  # an FP8 q: a decode step's on an FP8 cache, or refused
         dtype = _decode_step_query(tq, as_device_tensor(v, "v"), causal=causal, mask=mask, softcap=softcap,
                                    block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
-                                   doc_ids=doc_ids)
+                                   doc_ids=doc_ids, ranged=ranged)
     return derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
                            bias=bias, alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, keys=keys,
                            head_dim_v=head_dim_v, score_expression=score_expression)
@@ -79,7 +80,8 @@ def _decode_step_query(tq: DeviceTensor, tv: DeviceTensor, **options) -> str:
     if fp8_element(tv.dtype) is None:
         return tq.dtype
     cache_query_dtype(tq.dtype, tv.dtype)  # (refuses an FP8 q of another type than the cache's)
-    if fp8_on_cache_kernels(tuple(tq.shape), tuple(tv.shape), tuple(tv.shape), fp8_element(tv.dtype).name, **options):
+    if fp8_on_cache_kernels(tuple(tq.shape), tuple(tv.shape), tuple(tv.shape), fp8_element(tv.dtype).name,
+                            gpu=tq.device, **options):
         return CACHE_QUERY_HALF_TYPE
     raise ValueError(f"q: {tq.dtype} {tq.shape}: FP8 q, k and v run the FP8 forward (fagen.attention), but for a "
                      f"KV head's few query rows (a decode step's, up to "
@@ -237,14 +239,17 @@ def _fp8_kv_kernel(dtype: str, head_dim: int, mask: Mask, score_mod: ScoreMod, r
 
 def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_shape: tuple[int, ...], kv_dtype: str, *,
                       causal: bool = False, mask=None, softcap: float | None = None, sinks=None, alibi_slopes=None,
-                      bias=None, doc_ids=None, block_mask=None, sms: int | None = None) -> bool:
+                      bias=None, doc_ids=None, block_mask=None, ranged: bool = False, gpu: int | None = None) -> bool:
     """Whether FP8 q, k, v ([B, H, N, d]) run as an FP8 KV cache's: q against k and v in the
     kernels that pack a KV head's query rows (GQA) and split its keys, which widen q as it lands
     (spec.q_dtype), q_descale read beside k's. True where a decode kernel holds the call's rows
-    and takes its options; and for more rows (speculative decoding, a short chunk) where the FP8
-    forward would fill little of the GPU (fp8_forward_fill, on `sms` SMs: the current GPU's where
-    None) and the cache's chunk kernels take them. Side inputs the cache's kernels lack (a bias,
-    documents, a block mask) keep the FP8 forward. (Asked on every FP8 call: remembered.)"""
+    and takes its options; and for more rows (a few dozen to a hundred queries a head: speculative
+    decoding, a short chunk) where the cache's chunk kernels take them and the FP8 forward would
+    fill little of GPU `gpu` (fp8_forward_fill; the current GPU where None; no GPU to read: the
+    forward), or the call has key ranges (`ranged`: cache_seqlens, which only the cache's kernels
+    take). Which kernel runs thus depends on the batch's size and the GPU: the results of one
+    sequence may differ by FP8's rounding between batch sizes. Side inputs the cache's kernels lack
+    (a bias, documents, a block mask) keep the FP8 forward. (Asked on every FP8 call: remembered.)"""
     if bias is not None or doc_ids is not None or block_mask is not None:
         return False
     if not (len(q_shape) == len(k_shape) == len(v_shape) == 4) or k_shape[1] == 0 or q_shape[1] % k_shape[1]:
@@ -256,13 +261,23 @@ def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_s
     elif mask is not None and not isinstance(mask, Mask):
         mask = _mask_of(mask)
     head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
-    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
-        sms = sms or (device.multiprocessors(device.current_device()) if device.cupy is not None else None)
+    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))) and not ranged:
+        sms = _sms(gpu)
         if sms is None or not _chunks_beat_the_forward(q_shape, kv_dtype, causal, mask, softcap, sinks is not None,
                                                        alibi_slopes is not None, sms):
             return False  # (no GPU to fill: the forward's checks speak)
     return _fp8_cache_kernels_take(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
                               sinks is not None, alibi_slopes is not None)
+
+
+def _sms(gpu: int | None) -> int | None:
+    """GPU `gpu`'s SMs (the current GPU's where None), or None where no GPU can be read."""
+    if device.cupy is None:
+        return None
+    try:
+        return device.multiprocessors(device.current_device() if gpu is None else gpu)
+    except Exception:  # noqa: BLE001 - CuPy without a driver or device: no GPU to fill
+        return None
 
 
 @lru_cache(maxsize=256)
@@ -283,7 +298,8 @@ def _fp8_cache_kernels_take(q_shape: tuple[int, ...], hkv: int, head_dim_v: int,
 # tiles and split the keys, on mma.sync at about a third of the forward's wgmma peak. H200, d128,
 # Hq 32 / Hkv 8, causal, GPU time (notes/perf.md, 2026-12-01): the chunks 1.3-4.5x faster where the
 # forward's fill (its tiles' rows used x the share of SMs its blocks occupy) is 0.24 or less, the
-# forward 1.1-2.5x faster where it is 0.48 or more. Head widths the forward lacks (64) take the chunks.
+# forward 1.1-2.5x faster where it is 0.48 or more (BENCHMARKS.md's prefill rows: the chunks run
+# 270-305 TFLOP/s, the forward 800-940). Head widths the forward lacks (64) take the chunks.
 CHUNKS_BELOW_FORWARD_FILL = 0.35
 
 

@@ -418,11 +418,12 @@ def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_ls
 
 
 def _decodes_on_cache(q, k, v, causal: bool, mask, softcap, **side) -> bool:
-    """Whether FP8 q, k, v run as an FP8 KV cache's decode step (dispatch.fp8_on_cache_kernels: the
-    cache's kernels widen q as it lands and read q_descale beside k's), not the FP8 forward."""
+    """Whether FP8 q, k, v run on an FP8 KV cache's kernels (dispatch.fp8_on_cache_kernels: they
+    widen q as it lands and read q_descale beside k's), not the FP8 forward. side: the side inputs,
+    and `ranged` (key ranges given)."""
     return k.dtype == q.dtype == v.dtype and dispatch.fp8_on_cache_kernels(
         tuple(q.shape), tuple(k.shape), tuple(v.shape), FP8_TYPES[k.dtype], causal=causal, mask=mask, softcap=softcap,
-        **side)
+        gpu=q.get_device(), **side)
 
 
 def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
@@ -453,7 +454,7 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     # (traced: the op's body decides, unseen)
     decodes = fp8_q and not torch.compiler.is_compiling() and _decodes_on_cache(
         q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids,
-        block_mask=block_mask)
+        block_mask=block_mask, ranged=cache_seqlens is not None or cache_leftpad is not None)
     kv_cache = k.dtype in FP8_TYPES and (not fp8_q or decodes)
     what = (f"q {q.dtype} against an FP8 KV cache" if kv_cache and not fp8_q
             else f"{q.dtype} q, k, v (the FP8 forward{', a decode step' if kv_cache else ''})")

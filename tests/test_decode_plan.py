@@ -488,12 +488,12 @@ def test_fp8_kv_decode_kernels_compile_without_spills(dtype, kv_dtype, rows, hea
         assert res.spill_stores == 0 and res.spill_loads == 0, (spec.name, res.log)
 
 
-@pytest.mark.parametrize("rows, head_dim", [(4, 128), (16, 64), (16, 256), (200, 128)])
+@pytest.mark.parametrize("rows, head_dim", [(4, 128), (16, 64), (16, 256), (200, 128), (200, 64)])
 def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
     """FP8 q, k, v of a decode step run on the FP8 cache's kernels (dispatch.fp8_kv_spec with
     q_dtype): each takes q's bytes (16 values a copy) and widens them in shared memory, its name
     saying so; a chunk of prefill (more rows than a decode kernel holds) too. Every kernel such a
-    step may launch at d128 compiles without spills."""
+    step may launch at d128, and a d64 chunk's (d64 has no FP8 forward), compiles without spills."""
     plain = variants.decode_spec("bfloat16", head_dim, min(rows, 64))
     spec = dispatch.fp8_kv_spec(plain, rows, "float8_e4m3", "float8_e4m3")
     assert spec.widens_query and spec.q_element.bytes == 1 and spec.name.endswith("_kv_e4m3_q_e4m3")
@@ -501,7 +501,7 @@ def test_an_fp8_q_is_widened_by_the_cache_s_kernels_as_it_lands(rows, head_dim):
     source = render(spec)
     assert "const q_elem_t* __restrict__ q," in source and "widen_q(smem_q, tid);" in source
     assert "q_to_float16" not in source and "q_unscale" not in source  # (a bfloat16 q's rescale)
-    if head_dim == 128:  # (the other widths' kernels differ in their tiles, not in the widening: rendered only)
+    if rows == 200 or head_dim == 128:  # (d64's and d256's decode kernels differ in their tiles alone: rendered)
         specs = [spec, variants.merged_variant(spec), variants.unsplit_variant(spec)]
         for s, res in zip(specs, nvcc.compile_many([(s, "sm_90") for s in specs])):
             assert res.spill_stores == 0 and res.spill_loads == 0 and res.stack_frame == 0, (s.name, res.log)
@@ -562,8 +562,16 @@ def test_fp8_q_k_v_of_few_rows_a_kv_head_take_the_fp8_cache_kernels(monkeypatch,
     head's few rows each; more rows where the forward would fill little of an H200 (132 SMs);
     another head width or the forward's own side inputs keep the forward."""
     monkeypatch.setattr(dispatch.device, "gpu_slug", lambda: "h200")
+    monkeypatch.setattr(dispatch.device, "cupy", object())
+    monkeypatch.setattr(dispatch.device, "multiprocessors", lambda device: 132)
     for kv in ("float8_e4m3", "float8_e5m2"):
-        assert dispatch.fp8_on_cache_kernels(q_shape, k_shape, k_shape, kv, sms=132, **options) is decodes
+        assert dispatch.fp8_on_cache_kernels(q_shape, k_shape, k_shape, kv, gpu=0, **options) is decodes
+    if not decodes and q_shape[-1] == 128 and q_shape[2] > 16 and not options.get("bias"):
+        # key ranges: only the cache's kernels take them, whatever the forward would fill
+        assert dispatch.fp8_on_cache_kernels(q_shape, k_shape, k_shape, "float8_e4m3", gpu=0, ranged=True, **options)
+    monkeypatch.setattr(dispatch.device, "cupy", None)  # no GPU to fill: more rows than a decode keep the forward
+    if q_shape[2] * q_shape[1] // k_shape[1] > 64:
+        assert not dispatch.fp8_on_cache_kernels(q_shape, k_shape, k_shape, "float8_e4m3", **options)
 
 
 def test_a_chunk_of_prefill_on_an_fp8_cache_takes_128_row_tiles_that_fit():

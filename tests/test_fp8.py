@@ -243,19 +243,23 @@ def test_an_fp8_tile_past_one_v_t_box_loads_whole_boxes_and_compiles_without_spi
     assert resources.spill_stores == 0 and resources.spill_loads == 0
 
 
-def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu():
+def test_fagen_attention_refuses_what_its_fp8_path_does_not_take_before_the_gpu(monkeypatch):
     torch = pytest.importorskip("torch")
+    from fagen import dispatch
     from fagen.torch_op import attention
+
+    monkeypatch.setattr(dispatch.device, "cupy", None)  # (no GPU to fill: the FP8 forward's shapes stay its own)
 
     q8 = torch.zeros((1, 2, 64, 128)).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="q_descale, k_descale, v_descale: for float8_e4m3fn or float8_e5m2 .* q is torch.bfloat16"):
         attention(q8.to(torch.bfloat16), q8.to(torch.bfloat16), q8.to(torch.bfloat16), q_descale=2.0)
     # (a decode step's rows, 64 a KV head or fewer, run on the FP8 cache's kernels, which take key
-    # ranges; more rows where the forward would fill little of the GPU: dispatch.fp8_on_cache_kernels,
-    # which without a GPU leaves them all to the forward's checks)
+    # ranges, and so do more rows where the cache's chunks take them; on a GPU, more rows where the
+    # forward would fill little of it: dispatch.fp8_on_cache_kernels)
     rows200 = torch.zeros((1, 2, 200, 128)).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="cache_seqlens: not with torch.float8_e4m3fn q, k, v"):
-        attention(rows200, rows200, rows200, cache_seqlens=torch.full((1,), 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_seqlens: not with torch.float8_e4m3fn q, k, v"):  # documents: the forward's
+        attention(rows200, rows200, rows200, cache_seqlens=torch.full((1,), 64, dtype=torch.int32),
+                  doc_ids=torch.zeros((1, 200), dtype=torch.int32))
     with pytest.raises(ValueError, match="no backward yet"):  # a bias autograd records: the FP8 forward has none
         attention(q8, q8, q8, bias=torch.zeros(1, 2, 64, requires_grad=True))
     recorded_v = torch.zeros((1, 2, 64, 128), requires_grad=True).to(torch.float8_e4m3fn)

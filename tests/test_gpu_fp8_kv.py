@@ -554,6 +554,45 @@ def test_fp8_q_k_v_of_a_decode_step_run_as_an_fp8_kv_cache(d, kv_dtype, b, hq, h
             assert torch.equal(compiled(q8, k8, v8), general)
 
 
+@pytest.mark.parametrize("b, nq, nk, causal, with_sinks, ranged", [
+    (1, 200, 100, True, False, False),  # more rows than keys, causal bottom right: the first rows see none
+    (1, 200, 3000, False, True, False),  # sinks, joined in the chunks' merge
+    (16, 128, 2000, True, False, True),  # key ranges: the cache's chunks though the forward would fill the GPU
+])
+def test_fp8_q_k_v_of_many_rows_run_on_the_cache_s_chunks(b, nq, nk, causal, with_sinks, ranged):
+    """FP8 q, k, v of more rows a KV head than a decode kernel holds, where the cache's chunk kernels
+    take them (dispatch.fp8_on_cache_kernels: a low fill of the FP8 forward, or key ranges, which
+    the forward lacks): each sequence within bfloat16's tolerance of exact attention of its FP8
+    values times the descales, out free of NaN."""
+    torch = pytest.importorskip("torch")
+    import fagen
+    from fagen import dispatch
+
+    rng = np.random.default_rng([b, nq, nk, int(with_sinks), int(ranged)])
+    hq, hkv, d = 8, 2, 128
+    assert dispatch.fp8_on_cache_kernels((b, hq, nq, d), (b, hkv, nk, d), (b, hkv, nk, d), "float8_e4m3",
+                                         causal=causal, sinks=1 if with_sinks else None, ranged=ranged)
+    q8, qd = _fp8_queries(rng, "float8_e4m3", b, hq, hkv, nq, d, True, torch)
+    (k8, kd), (v8, vd) = (cache(rng, (b, hkv, nk, d), "float8_e4m3", torch) for _ in range(2))
+    sinks = rng.uniform(-1.0, 4.0, hq).astype(np.float32) if with_sinks else None
+    ends = np.array([nk - 37 * i for i in range(b)], np.int32)
+    starts = np.array([5 * i for i in range(b)], np.int32)
+    ranges = dict(cache_seqlens=torch.from_numpy(ends).cuda(), cache_leftpad=torch.from_numpy(starts).cuda()) \
+        if ranged else {}
+    with torch.no_grad():
+        got = fagen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                              sinks=None if sinks is None else torch.from_numpy(sinks).cuda(), **ranges)
+    assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
+    qn, kn, vn = (to_numpy(x.float()) for x in (q8, k8, v8))
+    for i in range(b):
+        keys = slice(starts[i], ends[i]) if ranged else slice(0, nk)
+        want = oracle.attention(qn[i:i + 1], kn[i:i + 1, :, keys], vn[i:i + 1, :, keys], causal=causal, sinks=sinks,
+                                q_descale=to_numpy(qd)[i:i + 1], k_descale=to_numpy(kd)[i:i + 1],
+                                v_descale=to_numpy(vd)[i:i + 1])
+        error = relative_error(to_numpy(got[i:i + 1].float()), want)
+        assert error <= ELEMENT_TYPES["bfloat16"].tolerance, (i, error)
+
+
 def test_fp8_q_quantised_afresh_each_decode_step_keeps_its_class():
     """A decode loop quantises q each step (a fresh q_descale tensor, [B, Hkv] float32): the steps
     after the first launch through the class the first made (the C path re-points the descales),
