@@ -243,12 +243,13 @@ def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_s
     """Whether FP8 q, k, v ([B, H, N, d]) run as an FP8 KV cache's: q against k and v in the
     kernels that pack a KV head's query rows (GQA) and split its keys, which widen q as it lands
     (spec.q_dtype), q_descale read beside k's. True where a decode kernel holds the call's rows
-    and takes its options; and for more rows (a few dozen to a hundred queries a head: speculative
-    decoding, a short chunk) where the cache's chunk kernels take them and the FP8 forward would
-    fill little of GPU `gpu` (fp8_forward_fill; the current GPU where None; no GPU to read: the
-    forward), or the call has key ranges (`ranged`: cache_seqlens, which only the cache's kernels
-    take). Which kernel runs thus depends on the batch's size and the GPU: the results of one
-    sequence may differ by FP8's rounding between batch sizes. Side inputs the cache's kernels lack
+    and takes its options (key ranges too: `ranged`); and for more rows (a few dozen to a hundred
+    queries a head: speculative decoding, a short chunk) where the cache's chunk kernels take them
+    and the FP8 forward would fill little of GPU `gpu` (fp8_forward_fill; the current GPU where
+    None; no GPU to read: the forward), without key ranges (the forward refuses those by name at
+    every fill: the chunks have not been run with them and an FP8 q). Which kernel runs thus
+    depends on the batch's size and the GPU: the results of one sequence may differ by FP8's
+    rounding between batch sizes. Side inputs the cache's kernels lack
     (a bias, documents, a block mask) keep the FP8 forward. (Asked on every FP8 call: remembered.)"""
     if bias is not None or doc_ids is not None or block_mask is not None:
         return False
@@ -261,11 +262,11 @@ def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_s
     elif mask is not None and not isinstance(mask, Mask):
         mask = _mask_of(mask)
     head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
-    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))) and not ranged:
+    if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
         sms = _sms(gpu)
-        if sms is None or not _chunks_beat_the_forward(q_shape, kv_dtype, causal, mask, softcap, sinks is not None,
-                                                       alibi_slopes is not None, sms):
-            return False  # (no GPU to fill: the forward's checks speak)
+        if ranged or sms is None or not _chunks_beat_the_forward(q_shape, kv_dtype, causal, mask, softcap,
+                                                                 sinks is not None, alibi_slopes is not None, sms):
+            return False  # (no GPU to fill: the forward's checks speak; key ranges: refused there, whatever the fill)
     return _fp8_cache_kernels_take(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
                               sinks is not None, alibi_slopes is not None)
 
