@@ -448,11 +448,12 @@ class GrowingKeys(PreparedAttention):
     def __init__(self, q, k, v, *, lo: int, **options):
         super().__init__(q, k, v, split_keys=lo, **options)
         self.lo, self.hi = lo, 2 * lo
-        self._block_kv = compile_kernel(self.spec).plan.block_kv
+        plan = compile_kernel(self.spec).plan
+        self._block_kv = plan.block_kv
         self._splits = self.kernel.grid[2]
         self._split = self.spec.outputs.partial
         self._nq = q.shape[2]
-        self._chunk = compile_kernel(self.spec).plan.kv_chunk_elems  # K's and V's elements a 16-byte copy
+        self._chunk = plan.kv_chunk_elems  # K's and V's elements a 16-byte copy
         # a ranged kernel finds each sequence's diagonal itself (the offset stays 0)
         self._bottom_right = self.spec.mask.align == "bottom_right" and not self.ranges
         names = self.WRITTEN + (("kv_tiles_per_split",) if self._split else ())
