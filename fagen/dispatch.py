@@ -45,7 +45,7 @@ def derive_spec(q, *, causal: bool = False, mask=None, softcap: float | None = N
     head_dim_v = int(v_shape[-1]) if len(v_shape) == 4 and v_shape[-1] != tq.shape[-1] else None
     dtype = tq.dtype
     if v is not None and fp8_element(dtype) is not None:  # an FP8 q: a decode step's on an FP8 cache, or refused
-        dtype = _decode_step_query(tq, as_device_tensor(v, "v"), causal=causal, mask=mask, softcap=softcap,
+        dtype = _fp8_query_dtype(tq, as_device_tensor(v, "v"), causal=causal, mask=mask, softcap=softcap,
                                    block_mask=block_mask, bias=bias, alibi_slopes=alibi_slopes, sinks=sinks,
                                    doc_ids=doc_ids, ranged=ranged)
     return derive_spec_for(dtype, tq.shape[-1], causal=causal, mask=mask, softcap=softcap, block_mask=block_mask,
@@ -72,9 +72,9 @@ def cache_query_dtype(q_dtype: str, kv_dtype: str) -> str:
     return CACHE_QUERY_HALF_TYPE
 
 
-def _decode_step_query(tq: DeviceTensor, tv: DeviceTensor, **options) -> str:
-    """The dtype derive_spec derives for an FP8 q beside v: CACHE_QUERY_HALF_TYPE where the call is
-    a decode step the FP8 cache's kernels take (fp8_on_cache_kernels); q's own where v is not FP8
+def _fp8_query_dtype(tq: DeviceTensor, tv: DeviceTensor, **options) -> str:
+    """The dtype derive_spec derives for an FP8 q beside v: CACHE_QUERY_HALF_TYPE where the FP8
+    cache's kernels take the call (fp8_on_cache_kernels); q's own where v is not FP8
     (_derived_spec refuses it by name); else refused: FP8 q, k, v of other shapes are the FP8
     forward's, which fagen.attention runs and which is not prepared or packed here."""
     if fp8_element(tv.dtype) is None:
@@ -263,10 +263,12 @@ def fp8_on_cache_kernels(q_shape: tuple[int, ...], k_shape: tuple[int, ...], v_s
         mask = _mask_of(mask)
     head_dim, rows = q_shape[-1], q_shape[2] * (q_shape[1] // k_shape[1])
     if rows > max(variants.DECODE_HEAD_DIMS.get(head_dim, (0,))):
+        if ranged:
+            return False  # (refused by the forward's checks, whatever the fill)
         sms = _sms(gpu)
-        if ranged or sms is None or not _chunks_beat_the_forward(q_shape, kv_dtype, causal, mask, softcap,
-                                                                 sinks is not None, alibi_slopes is not None, sms):
-            return False  # (no GPU to fill: the forward's checks speak; key ranges: refused there, whatever the fill)
+        if sms is None or not _chunks_beat_the_forward(q_shape, kv_dtype, causal, mask, softcap, sinks is not None,
+                                                       alibi_slopes is not None, sms):
+            return False  # (no GPU to fill: the forward's checks speak)
     return _fp8_cache_kernels_take(q_shape[1:], k_shape[1], v_shape[-1], kv_dtype, causal, mask, softcap,
                               sinks is not None, alibi_slopes is not None)
 

@@ -523,16 +523,16 @@ def test_an_fp8_q_is_derived_as_the_cache_s_decode_step_or_refused_by_name(monke
         return DeviceTensor(None, "torch", 0, shape, (0,) * len(shape), dtype, 0)
 
     cache = tensor((1, 8, 4096, 128))
-    assert dispatch._decode_step_query(tensor((1, 32, 1, 128)), cache) == "bfloat16"
-    assert dispatch._decode_step_query(tensor((1, 32, 2, 128)), cache, causal=True) == "bfloat16"
-    assert dispatch._decode_step_query(tensor((1, 8, 300, 128)), tensor((1, 8, 300, 128))) == "bfloat16"  # chunks
+    assert dispatch._fp8_query_dtype(tensor((1, 32, 1, 128)), cache) == "bfloat16"
+    assert dispatch._fp8_query_dtype(tensor((1, 32, 2, 128)), cache, causal=True) == "bfloat16"
+    assert dispatch._fp8_query_dtype(tensor((1, 8, 300, 128)), tensor((1, 8, 300, 128))) == "bfloat16"  # chunks
     with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward.*call fagen.attention"):
-        dispatch._decode_step_query(tensor((4, 32, 512, 128)), tensor((4, 8, 512, 128)), causal=True)
+        dispatch._fp8_query_dtype(tensor((4, 32, 512, 128)), tensor((4, 8, 512, 128)), causal=True)
     with pytest.raises(ValueError, match=r"FP8 q, k and v run the FP8 forward"):  # a bias: the forward's alone
-        dispatch._decode_step_query(tensor((1, 32, 1, 128)), cache, bias=1)
+        dispatch._fp8_query_dtype(tensor((1, 32, 1, 128)), cache, bias=1)
     with pytest.raises(ValueError, match=r"q: float8_e5m2 against a float8_e4m3fn cache.*pass q as float8_e4m3fn"):
-        dispatch._decode_step_query(tensor((1, 32, 1, 128), "float8_e5m2"), cache)
-    assert dispatch._decode_step_query(tensor((1, 32, 1, 128)), tensor((1, 8, 4096, 128), "bfloat16")) == "float8_e4m3fn"
+        dispatch._fp8_query_dtype(tensor((1, 32, 1, 128), "float8_e5m2"), cache)
+    assert dispatch._fp8_query_dtype(tensor((1, 32, 1, 128)), tensor((1, 8, 4096, 128), "bfloat16")) == "float8_e4m3fn"
 
 
 @pytest.mark.parametrize("q_shape, k_shape, options, decodes", [
