@@ -1,6 +1,8 @@
 """The public entry points (fagen.attention and its siblings), thin: each hands its tensors to the
 module that owns the layout (the PyTorch op, decode, sequences). Their imports wait for the first
-call so that `import fagen` and `fagen render` load no CuPy or PyTorch."""
+call so that `import fagen` and `fagen render` load no CuPy or PyTorch. fagen.attention_varlen and
+fagen.attention_with_kvcache are fagen.sequences' own functions, bound at their first lookup
+(fagen.__getattr__): a serving loop's call pays no forwarding frame."""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ def attention(q, k, v, **kwargs):
     return (module or _module_for(type(q))).attention(q, k, v, **kwargs)
 
 
-# array type -> the module whose `attention` takes it (and "sequences" -> fagen.sequences): a
+# array type -> the module whose `attention` takes it : a
 # decode loop's call pays a dictionary lookup, not two import statements (a plain dict:
 # torch.compile traces through this, and warns on functools' caches)
-_MODULES: dict[type | str, object] = {}
+_MODULES: dict[type, object] = {}
 
 
 def _module_for(kind: type):
@@ -43,30 +45,6 @@ def prepare(q, k, v, **kwargs):
     from fagen.decode import prepare as _prepare
 
     return _prepare(q, k, v, **kwargs)
-
-
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
-    """Attention over sequences of different lengths packed token-major (FlashAttention's
-    varlen convention: q [total_q, Hq, d], cu_seqlens int32 [B + 1]); fagen.sequences."""
-    return _sequences().attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
-
-
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, **kwargs):
-    """Attention against a KV cache, FlashAttention's and vLLM's convention: paged
-    ([num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B]) or not
-    ([B, slots, Hkv, d], sequence b's keys slots cache_leftpad[b] .. cache_seqlens[b]); fagen.sequences."""
-    return _sequences().attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwargs)
-
-
-def _sequences():
-    """fagen.sequences, imported at the first call and kept (_MODULES): a serving loop's call
-    pays a dictionary lookup, not an import statement."""
-    module = _MODULES.get("sequences")
-    if module is None:
-        from fagen import sequences as module
-
-        _MODULES["sequences"] = module
-    return module
 
 
 def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, **kwargs):

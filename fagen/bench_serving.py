@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import api, bench_rows, fp8_inputs
+from fagen import api, bench_rows, fp8_inputs, sequences
 from fagen.check import (OUT_TOLERANCE, REPLAYS, REPS, graph_us, interleaved_us, random_inputs, relative_error,
                          to_numpy)
 
@@ -224,7 +224,7 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
         tensors = (q, k_cache, v_cache, lengths, table)
         step = api.prepare_with_kvcache(*tensors, causal=case.causal)
         status = torch.zeros(1, dtype=torch.int32, device="cuda")
-        unprepared = lambda: api.attention_with_kvcache(*tensors, causal=case.causal, status=status,  # noqa: E731
+        unprepared = lambda: sequences.attention_with_kvcache(*tensors, causal=case.causal, status=status,  # noqa: E731
                                                           validate=False)
     else:
         tensors = (q, k, v)
@@ -288,7 +288,7 @@ def _host_fp8(case: ServingCase, q, k, v, out, rng) -> list[ServingRow]:
         lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")
         tensors = (q8, k_cache, v_cache, lengths, table)
         step = api.prepare_with_kvcache(*tensors, **descales)
-        unprepared = lambda: api.attention_with_kvcache(*tensors, validate=False, **next(fresh))  # noqa: E731
+        unprepared = lambda: sequences.attention_with_kvcache(*tensors, validate=False, **next(fresh))  # noqa: E731
     else:
         tensors = (q8, k8, v8)
         step = api.prepare(*tensors, **descales)
@@ -333,7 +333,7 @@ def _host_varlen(case: ServingCase, qp, kp, vp, rng) -> list[ServingRow]:
 
     def unprepared(cu=None):
         cu = next(turn)[0] if cu is None else cu
-        return api.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, validate=False)
+        return sequences.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, validate=False)
     rows.append(_checked(case, "fagen_attention", unprepared(cu), ref, lambda: host_us(unprepared),
                          note="not prepared, validate=False, new lengths a call"))
     us = host_us(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=case.causal, enable_gqa=True))
@@ -367,9 +367,9 @@ def run_paged(case: ServingCase, rng) -> list[ServingRow]:
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def paged():
-        return api.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out, status=status,
+        return sequences.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out, status=status,
                                            validate=False)
-    api.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out)  # validated once
+    sequences.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out)  # validated once
     rows = [_checked(case, "fagen", out, ref, lambda: graph_us(paged), tb_s=kv_bytes(case))]
     # the contiguous cache of the same keys, in a cache's own [B, N, Hkv, d] layout
     kt, vt = (x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for x in (k, v))
@@ -398,9 +398,9 @@ def run_mixed(case: ServingCase, rng) -> list[ServingRow]:
     k_cache, v_cache, table = paged_cache(k, v, case.page_size, rng)
     seqlens = torch.as_tensor(lengths, dtype=torch.int32, device="cuda")
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
-    api.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)  # validated once
+    sequences.attention_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)  # validated once
     read = 2.0 * case.hkv * case.head_dim * 2 * sum(lengths)  # the keys the sequences have
-    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(lambda: api.attention_with_kvcache(
+    rows = [_checked(case, "fagen", out, ref, lambda: graph_us(lambda: sequences.attention_with_kvcache(
         q, k_cache, v_cache, seqlens, table, out=out, status=status, validate=False)), tb_s=read,
         note=f"lengths {min(lengths)}-{max(lengths)}")]
     us = graph_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa))
@@ -434,7 +434,7 @@ def run_varlen(case: ServingCase, rng) -> list[ServingRow]:
                           .transpose(1, 0, 2) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
     out = torch.full_like(q, float("nan"))
     longest = max(lengths)
-    api.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, out=out)
+    sequences.attention_varlen(q, k, v, cu, cu, longest, longest, causal=case.causal, out=out)
     # the padded batch of the same number of tokens, equal lengths: the kernel varlen is measured
     # against, its replays taken in turns with varlen's
     n = total // case.b
@@ -443,7 +443,7 @@ def run_varlen(case: ServingCase, rng) -> list[ServingRow]:
     times: dict[str, float] = {}
 
     def varlen_us() -> float:
-        times["varlen"], times["padded"] = interleaved_us(lambda: api.attention_varlen(
+        times["varlen"], times["padded"] = interleaved_us(lambda: sequences.attention_varlen(
             q, k, v, cu, cu, longest, longest, causal=case.causal, out=out, validate=False), padded)
         return times["varlen"]
 

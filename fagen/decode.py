@@ -246,10 +246,6 @@ class PreparedAttention:
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(lse)
         self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
-        # out laid out as q is (its strides too where V is as wide as Q): torch.empty_like(q)
-        # allocates it in half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7,
-        # q.new_empty 5.4); else in the packed out's order of dimensions
-        self._out_like_q = self.signature[0][:3] == self.out_signature[:3]
         self._out_order = layout_order(self.signature[0][1])  # q's: the packed out's own (empty_laid_out_as)
         self._lse_ptr = as_device_tensor(lse, "lse").ptr
         self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
@@ -262,6 +258,7 @@ class PreparedAttention:
             self._layout = tuple(x for t in inputs for x in (t.shape, t.stride()))
             self._dtypes = tuple(t.dtype for t in inputs)
             self._dtype = out.dtype
+            self._allocate_out = self._out_allocator()
             self._hot = self._hot_path()
 
     def __call__(self, q, k, v, *indices, out=None, lse=None, return_lse: bool = False):
@@ -326,8 +323,7 @@ class PreparedAttention:
         if not self._captured and self._capturing():
             self._keep_for_graphs()
         if out is None:
-            out = torch.empty_like(q) if self._out_like_q else \
-                torch.empty_permuted(self.out_shape, self._out_order, dtype=self._dtype, device=q.device)
+            out = self._allocate_out(q)
         if return_lse and lse is None:
             lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         self._launch(stream, addresses, out.data_ptr(), lse.data_ptr() if return_lse else self._lse_ptr)
@@ -350,6 +346,16 @@ class PreparedAttention:
             CAPTURED.append(self)
             self._captured = True
 
+    def _out_allocator(self):
+        """A function of a torch call's q allocating its out (uninitialised, on q's GPU)."""
+        torch, shape, order, dtype = self._torch, self.out_shape, self._out_order, self._dtype
+        # out laid out as q is (its strides too where V is as wide as Q): torch.empty_like(q)
+        # allocates it in half torch.empty's host time (H200 host: 3.7-3.9 µs against 7.2-9.7,
+        # q.new_empty 5.4), of out's dtype where q's differs (an FP8 q)
+        if self.signature[0][:2] == self.out_signature[:2]:
+            return torch.empty_like if self.signature[0][2] == dtype else functools.partial(torch.empty_like, dtype=dtype)
+        return lambda q: torch.empty_permuted(shape, order, dtype=dtype, device=q.device)
+
     def _hot_path(self, growing: tuple | None = None):
         """The C hot path of this call (fagen.hot_path.HotPath) for torch tensors, or None where
         the module could not be built: the same checks, addresses and launches as __call__'s
@@ -359,14 +365,11 @@ class PreparedAttention:
         if module is None:
             return None
         torch = self._torch
-        shape, order, dtype = self.out_shape, self._out_order, self._dtype
-        allocate = torch.empty_like if self._out_like_q else \
-            (lambda q: torch.empty_permuted(shape, order, dtype=dtype, device=q.device))
         n = self.inputs  # addresses: the inputs, out, lse
         launch_kernel, is_capturing, encode_tiled = hot_path.driver_functions()
         workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is
-        return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(shape),
-                              self._out_placement[0], self._stream, self._current_device, allocate,
+        return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(self.out_shape),
+                              self._out_placement[0], self._stream, self._current_device, self._allocate_out,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
                               launch_kernel, is_capturing, encode_tiled, tensor_maps.ENCODE_FLAGS,
                               tuple(hot_path.launch_entry(launch, at, n + 2, (launch, workspace)) for launch, at in self._launches),

@@ -82,6 +82,10 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     PyObject *layout;           /* (q.shape, q.stride(), k.shape, k.stride(), ...): each input's */
+    char dense[MAX_INPUTS];     /* an input's prepared strides are its shape's contiguous ones: then a
+                                   tensor of that shape with is_contiguous() is laid out as prepared (a
+                                   stride over a dimension of one is never stepped), one cheap call
+                                   in place of stride()'s tuple and its comparison */
     PyObject *dtypes;           /* each input's dtype, then out's */
     PyObject *out_shape, *out_stride;
     int inputs;                 /* q, k, v and the index tensors: run's arguments before out */
@@ -108,7 +112,7 @@ typedef struct {
     int field_slots[GROWING_FIELDS], field_bytes[GROWING_FIELDS];
 } HotPath;
 
-static PyObject *SHAPE, *STRIDE, *DTYPE, *GET_DEVICE, *DATA_PTR;
+static PyObject *SHAPE, *STRIDE, *DTYPE, *GET_DEVICE, *DATA_PTR, *IS_CONTIGUOUS;
 
 static int same(PyObject *a, PyObject *b) {
     return a && b && PyObject_RichCompareBool(a, b, Py_EQ) == 1;
@@ -143,21 +147,44 @@ static uint64_t address_of(PyObject *tensor) {
     return value;
 }
 
-/* shape, strides, dtype and device as prepared: what makes the packed launch safe to reuse */
-static int laid_out_as_prepared(HotPath *self, PyObject *const *inputs) {
-    for (int i = 0; i < self->inputs; i++) {
-        PyObject *t = inputs[i];
-        if (!attribute_is(t, SHAPE, PyTuple_GET_ITEM(self->layout, 2 * i))
-                || !method_is(t, STRIDE, PyTuple_GET_ITEM(self->layout, 2 * i + 1))
-                || !attribute_is(t, DTYPE, PyTuple_GET_ITEM(self->dtypes, i)) || !device_is(t, self->device))
-            return 0;
-    }
-    return 1;
-}
-
 /* index i of a tuple of ints (torch.Size, a stride tuple), or -1 with the error set */
 static long long item(PyObject *tuple, Py_ssize_t i) {
     return PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
+}
+
+/* input i's shape, strides, dtype and device as prepared: what makes the packed launch safe to reuse */
+static int input_as_prepared(HotPath *self, PyObject *t, int i) {
+    return attribute_is(t, SHAPE, PyTuple_GET_ITEM(self->layout, 2 * i))
+        && (self->dense[i] ? method_is(t, IS_CONTIGUOUS, Py_True)
+                           : method_is(t, STRIDE, PyTuple_GET_ITEM(self->layout, 2 * i + 1)))
+        && attribute_is(t, DTYPE, PyTuple_GET_ITEM(self->dtypes, i)) && device_is(t, self->device);
+}
+
+static int laid_out_as_prepared(HotPath *self, PyObject *const *inputs) {
+    for (int i = 0; i < self->inputs; i++)
+        if (!input_as_prepared(self, inputs[i], i)) return 0;
+    return 1;
+}
+
+/* whether strides are the contiguous ones of shape, as torch's is_contiguous() reads them
+ * (dimensions of one skipped; no element: contiguous), or -1 with the error set */
+static int contiguous(PyObject *shape, PyObject *strides) {
+    if (!PyTuple_Check(shape) || !PyTuple_Check(strides) || PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(strides)) {
+        PyErr_SetString(PyExc_ValueError, "HotPath: an input's layout is a shape and as many strides");
+        return -1;
+    }
+    long long expected = 1, elements = 1;
+    int dense = 1;
+    for (Py_ssize_t d = PyTuple_GET_SIZE(shape) - 1; d >= 0; d--) {
+        const long long size = item(shape, d), stride = item(strides, d);
+        if (PyErr_Occurred()) return -1;
+        elements *= size;
+        if (size != 1) {
+            dense &= stride == expected;
+            expected *= size;
+        }
+    }
+    return dense || elements == 0;
 }
 
 /* A growing class's k (input 1) or v (2): rank 4, batch, heads and head_dim as prepared, `length` rows (k's
@@ -190,10 +217,7 @@ static int growing_as_prepared(HotPath *self, PyObject *const *inputs) {
     for (int i = 0; i < self->inputs; i++) {
         if (i == 1 || i == 2) {
             if (!kv_of_class(self, inputs[i], i, &length, strides + 3 * (i - 1))) return 0;
-        } else if (!attribute_is(inputs[i], SHAPE, PyTuple_GET_ITEM(self->layout, 2 * i))
-                   || !method_is(inputs[i], STRIDE, PyTuple_GET_ITEM(self->layout, 2 * i + 1))
-                   || !attribute_is(inputs[i], DTYPE, PyTuple_GET_ITEM(self->dtypes, i))
-                   || !device_is(inputs[i], self->device)) {
+        } else if (!input_as_prepared(self, inputs[i], i)) {
             return 0;
         }
     }
@@ -419,6 +443,11 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     self->inputs = (int)inputs;
+    for (int i = 0; i < self->inputs; i++) {
+        const int dense = contiguous(PyTuple_GET_ITEM(layout, 2 * i), PyTuple_GET_ITEM(layout, 2 * i + 1));
+        if (dense < 0) return -1;
+        self->dense[i] = (char)dense;
+    }
     /* keep: the device as an int object (stream_of's argument), then every launch's owner */
     self->keep = PyTuple_New(1 + PyTuple_GET_SIZE(launches));
     if (!self->keep) return -1;
@@ -523,7 +552,8 @@ PyMODINIT_FUNC PyInit_fagen_hot_path(void) {
     DTYPE = PyUnicode_InternFromString("dtype");
     GET_DEVICE = PyUnicode_InternFromString("get_device");
     DATA_PTR = PyUnicode_InternFromString("data_ptr");
-    if (!SHAPE || !STRIDE || !DTYPE || !GET_DEVICE || !DATA_PTR) return NULL;
+    IS_CONTIGUOUS = PyUnicode_InternFromString("is_contiguous");
+    if (!SHAPE || !STRIDE || !DTYPE || !GET_DEVICE || !DATA_PTR || !IS_CONTIGUOUS) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&HotPathType);

@@ -369,11 +369,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q]). q, k, v of one FP8
     type: the FP8 forward (out bfloat16), FlashAttention-3's q_descale, k_descale, v_descale
     (float32, one number or [B, Hkv], B the sequences; None is 1); not with seqused_k."""
-    descales = (q_descale, k_descale, v_descale)
-    if not validate and alibi_slopes is None and is_torch(q) and descales == (None,) * 3 and not _fp8(q):
+    if not validate and alibi_slopes is None and q_descale is None and k_descale is None and v_descale is None:
         # a loop's call: its layout's kept class
         done = KEPT_VARLEN_CALLS(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, out,
-                                 return_lse, dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks))
+                                 return_lse, (causal, mask, softcap, scale, sinks))
         if done is not NotImplemented:
             return done
     batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
@@ -422,6 +421,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     its descale beside k's, out bfloat16. New tokens of the cache's FP8 type are in its units
     already and go in as they are."""
     fp8_cache = _fp8(k_cache, "k_cache")  # (a dictionary lookup: the kept paged calls below are a few microseconds)
+    kept = not validate and page_table is not None and k is None and v is None and cu_seqlens_q is None \
+        and alibi_slopes is None and cache_leftpad is None
+    if kept:  # a loop's call: the last call's class first, which was made after the checks below
+        options, descales = (causal, mask, softcap, scale, sinks), (q_descale, k_descale, v_descale) if fp8_cache else ()
+        done = KEPT_PAGED_CALLS.again(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse, options,
+                                      descales)
+        if done is not NotImplemented:
+            return done
     if fp8_cache and page_table is None:
         raise ValueError("k_cache, v_cache: an FP8 cache is read paged (page_table) yet: pass it as pages "
                          "[num_pages, page_size, Hkv, d] with a page_table")
@@ -451,10 +458,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad with a page_table: a paged sequence's keys start at its first page's slot 0; "
                          "pass cache_leftpad for an unpaged cache only")
-    if not validate and k is None and cu_seqlens_q is None and alibi_slopes is None and is_torch(q):
-        done = KEPT_PAGED_CALLS(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse,
-                                dict(causal=causal, mask=mask, softcap=softcap, scale=scale, sinks=sinks),
-                                (q_descale, k_descale, v_descale) if fp8_cache else ())
+    if kept and is_torch(q):
+        done = KEPT_PAGED_CALLS(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse, options,
+                                descales, tried=True)
         if done is not NotImplemented:
             return done
     append = None
@@ -527,6 +533,11 @@ class PreparedKVCache(PreparedAttention):
                   packed.kernel, packed.merge, packed.held)
 
 
+# A kept call's options, in the order the API functions pass them (a tuple: a loop's call builds no
+# dictionary); the prepared call takes them by name
+KEPT_OPTIONS = ("causal", "mask", "softcap", "scale", "sinks")
+
+
 class KeptCalls:
     """Unvalidated calls of one API function (validate=False: a serving or training loop's form),
     PyTorch tensors: a prepared call kept a layout, so that a call that comes again launches
@@ -534,9 +545,9 @@ class KeptCalls:
     hundreds). The key is everything the packing read but the addresses (and the index tensors'
     values, which the kernels read): the tensors' shapes, strides, dtypes and devices, the
     `fixed` tensors' addresses and layouts (ones the launch holds, not re-pointed: a status word),
-    the host `values` (max_seqlen_q, ...), the options, the sinks' address and version, the
-    stream and the thread (a class's workspace is one call's at a time). At most LIMIT; then they
-    start over. A subclass says how to prepare (`_make`)."""
+    the host `values` (max_seqlen_q, ...), the options (KEPT_OPTIONS' values), the sinks' address
+    and version, the stream and the thread (a class's workspace is one call's at a time). At most
+    LIMIT; then they start over. A subclass says how to prepare (`_make`)."""
 
     LIMIT = 64
 
@@ -552,7 +563,7 @@ class KeptCalls:
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         raise NotImplementedError
 
-    def last(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: dict):
+    def last(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: tuple):
         """out of the call through the last call's class where its options, fixed tensors and
         values are this call's (that class's C path checks the tensors); else NotImplemented."""
         if self._stream is None:
@@ -563,27 +574,29 @@ class KeptCalls:
         memo = self._last
         hot = None if memo is None or out is not None or return_lse else memo[1]._hot
         if hot is not None:
-            sinks = options["sinks"]
+            sinks = options[4]
             device = cupy.cuda.runtime.getDevice()
             last = memo[0]
+            kept = last[0]
             # (a graph being captured: the C path keeps the class for its replays)
-            if (last[0] is options["causal"] and last[1] is options["mask"] and last[2] is options["softcap"]
-                    and last[3] is options["scale"] and last[4] is sinks and last[5] == values
-                    and len(last[6]) == len(fixed) and all(map(operator.is_, last[6], fixed))
-                    and (sinks is None or last[7] == sinks._version) and last[8] == device
-                    and last[9] == self._stream(device) and last[10] == threading.get_ident()):
+            if (kept[0] is options[0] and kept[1] is options[1] and kept[2] is options[2] and kept[3] is options[3]
+                    and kept[4] is sinks and last[1] == values
+                    and len(last[2]) == len(fixed) and all(map(operator.is_, last[2], fixed))
+                    and (sinks is None or last[3] == sinks._version) and last[4] == device
+                    and last[5] == self._stream(device) and last[6] == threading.get_ident()):
                 return hot.run(*tensors, None)
         return NotImplemented
 
-    def call(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: dict,
-             tried: bool = False):
+    def call(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: tuple,
+             tried: bool = False, more: dict | None = None):
         """out (and lse) of the call, or NotImplemented where the general path must take it (or
-        refuse it by name). tried: `last` has been tried with these arguments."""
+        refuse it by name). tried: `last` has been tried with these arguments. more: options
+        beyond KEPT_OPTIONS that the packing takes (what the key holds of them is in `values`)."""
         if not tried:
             done = self.last(tensors, fixed, values, out, return_lse, options)
             if done is not NotImplemented:
                 return done
-        sinks, mask = options["sinks"], options["mask"]
+        mask, sinks = options[1], options[4]
         if out is not None:  # (a given out of another layout is the general path's to take)
             return NotImplemented
         try:
@@ -594,9 +607,9 @@ class KeptCalls:
             if device < 0 or device != cupy.cuda.runtime.getDevice() or sinks is not None and not (
                     is_torch(sinks) and sinks.is_cuda and sinks.is_contiguous()) or self._capturing():
                 return NotImplemented
-            key = (tuple((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), options["causal"],
+            key = (tuple((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), options[0],
                    mask if mask is None or isinstance(mask, str) else tuple(sorted(mask.items())),
-                   options["softcap"], options["scale"],
+                   options[2], options[3],
                    None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
                    tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
                          for t in fixed), values, self._stream(device), threading.get_ident())
@@ -605,16 +618,15 @@ class KeptCalls:
             return NotImplemented
         if prepared is None:
             try:
-                prepared = self._make(tensors, fixed, values, options)
+                prepared = self._make(tensors, fixed, values, {**dict(zip(KEPT_OPTIONS, options)), **(more or {})})
             except ValueError:  # the general path refuses it by name
                 return NotImplemented
             if len(self._kept) >= self.LIMIT:
                 self._kept.clear()
             self._kept[key] = prepared
         # (a mask given as a mapping may change in place: only None and names are remembered)
-        self._last = ((options["causal"], mask, options["softcap"], options["scale"], sinks, values, fixed,
-                       None if sinks is None else sinks._version, device, key[-2], key[-1]), prepared) \
-            if mask is None or isinstance(mask, str) else None
+        self._last = ((options, values, fixed, None if sinks is None else sinks._version, device, key[-2], key[-1]),
+                      prepared) if mask is None or isinstance(mask, str) else None
         return prepared(*tensors, return_lse=return_lse)
 
 
@@ -626,17 +638,29 @@ class KeptPagedCalls(KeptCalls):
     layout and version (the prepared call keeps a copy of its values; a write to the tensor makes
     a new version, and a new class)."""
 
-    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: dict,
-                 descales: tuple = ()):
-        if not descales:  # (a half-type cache's calls: nothing more to key)
-            return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), (), out, return_lse, options)
-        # every descale tensor re-pointed, as the last class's C path is tried (it checks them)
+    def again(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: tuple,
+              descales: tuple = ()):
+        """The call through the last call's class (`last`), or NotImplemented. An FP8 cache's
+        descale tensors are re-pointed (that class's C path checks them), its numbers compared."""
         values, tensors = fp8_inputs.re_pointed(descales, type(q))
-        if values is not None:
-            done = self.last((q, k_cache, v_cache, cache_seqlens, page_table, *tensors), (status,), values, out,
-                             return_lse, options)
+        if values is None:  # a descale the class may hold a copy of: the key says
+            return NotImplemented
+        return self.last((q, k_cache, v_cache, cache_seqlens, page_table, *tensors), (status,), values, out,
+                         return_lse, options)
+
+    def __call__(self, q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse: bool, options: tuple,
+                 descales: tuple = (), tried: bool = False):
+        """The call through its layout's class (made where new), or NotImplemented where the
+        general path must take it. tried: `again` has been tried with these arguments."""
+        if not tried:
+            done = self.again(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse, options,
+                              descales)
             if done is not NotImplemented:
                 return done
+        if not descales:  # (a half-type cache's calls: nothing more to key)
+            return self.call((q, k_cache, v_cache, cache_seqlens, page_table), (status,), (), out, return_lse,
+                             options, tried=True)
+        values, tensors = fp8_inputs.re_pointed(descales, type(q))
         if any(x is not None and not np.isscalar(x) and not is_torch(x) for x in descales):
             return NotImplemented  # (a kept call's descales are numbers or torch tensors)
         try:
@@ -645,10 +669,9 @@ class KeptPagedCalls(KeptCalls):
             return NotImplemented
         if values is None or len(moved) != len(tensors):  # a descale copied: keyed by its address and version
             values = key
-        options = {**options, "q_descale": descales[0], "k_descale": descales[1], "v_descale": descales[2],
-                   "moving_descales": moves}
+        more = {**dict(zip(fp8_inputs.DESCALE_NAMES, descales)), "moving_descales": moves}
         return self.call((q, k_cache, v_cache, cache_seqlens, page_table, *moved), (status,), values, out,
-                         return_lse, options, tried=True)
+                         return_lse, options, tried=True, more=more)
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         prepared = PreparedKVCache(*tensors[:5], status=fixed[0], validate=False, **options)
@@ -701,9 +724,14 @@ class KeptVarlenCalls(KeptCalls):
     """attention_varlen's calls with validate=False: a PreparedVarlen a layout and max_seqlen pair."""
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q: int, max_seqlen_k: int, out,
-                 return_lse: bool, options: dict):
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if seqused_k is None else (seqused_k,))
-        return self.call(tensors, (), (max_seqlen_q, max_seqlen_k), out, return_lse, options)
+                 return_lse: bool, options: tuple):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) if seqused_k is None else \
+            (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        values = (max_seqlen_q, max_seqlen_k)
+        done = self.last(tensors, (), values, out, return_lse, options)  # (its C path refuses what is not torch's)
+        if done is not NotImplemented or not is_torch(q) or _fp8(q):  # (FP8 q, k, v: the FP8 forward's, V^T made)
+            return done
+        return self.call(tensors, (), values, out, return_lse, options, tried=True)
 
     def _make(self, tensors: tuple, fixed: tuple, values: tuple, options: dict) -> PreparedAttention:
         return PreparedVarlen(*tensors[:5], *values, seqused_k=tensors[5] if len(tensors) > 5 else None,

@@ -83,7 +83,7 @@ for case in [c for c in bench_serving.cases() if c.section == "host"]:
     q, k, v, out = random_inputs("torch", case.dtype, case.b, case.hq, case.hkv, case.nq, case.nk, case.head_dim)
     ref = bench_serving._sdpa_reference(q, k, v, case.causal)
     for tree, package in (("old", fagen_old), ("new", fagen)):
-        api = package.api
+        api = package
         if case.page_size:
             k_cache, v_cache, table = bench_serving.paged_cache(k, v, case.page_size, rng)
             lengths = torch.full((case.b,), case.nk, dtype=torch.int32, device="cuda")

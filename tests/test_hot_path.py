@@ -32,6 +32,15 @@ class Tensor:
     def stride(self):
         return self._stride
 
+    def is_contiguous(self):  # torch's rule: dimensions of one skipped, no element contiguous
+        expected = 1
+        for size, stride in reversed(tuple(zip(self.shape, self._stride))):
+            if size != 1:
+                if stride != expected:
+                    return 0 in self.shape
+                expected *= size
+        return True
+
     def get_device(self):
         return self._device
 
@@ -237,6 +246,31 @@ def test_tensors_not_as_prepared_are_handed_back_unlaunched(module, case):
     what, q, k, v, out = _not_as_prepared(p)[case]
     assert p.hot.run(q, k, v, out) is NotImplemented, what
     assert p.driver.launches == [] and p.allocated == []
+
+
+class _NoStrides(Tensor):
+    """A contiguous tensor whose strides may not be read: the hot path asks is_contiguous() instead."""
+
+    def stride(self):
+        raise AssertionError("stride() read for a contiguous input")
+
+
+def test_a_contiguous_input_s_strides_over_dimensions_of_one_are_not_compared(module):
+    """An input prepared contiguous takes a tensor of its shape that is contiguous, whatever its
+    strides over dimensions of one (never stepped), without reading its strides; one prepared with
+    other strides takes exactly those."""
+    p = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    q = _NoStrides(p.q.shape, 0xA100, stride=(999, 128, 5, 1))
+    out = Tensor(p.q.shape, 0xD000)
+    assert p.hot.run(q, p.k, p.v, out) is out and len(p.driver.launches) == 1
+    transposed = Tensor(p.q.shape, 0xA100, stride=(4096, 1, 4096, 32))  # (of the shape, not contiguous)
+    assert p.hot.run(transposed, p.k, p.v, out) is NotImplemented
+    strided = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
+    strided.k = Tensor(p.k.shape, 0xB000, stride=(2 ** 20, 256, 2048, 1))  # every other row of a wider cache
+    layout = tuple(x for t in (strided.q, strided.k, strided.v) for x in (t.shape, t.stride()))
+    hot = module.HotPath(layout, *strided.arguments[1:])
+    assert hot.run(strided.q, strided.k, strided.v, out) is out
+    assert hot.run(strided.q, p.k, strided.v, out) is NotImplemented  # contiguous, not as prepared
 
 
 def test_another_current_device_is_handed_back(module):

@@ -26,6 +26,12 @@ class _Torchish:
         return self.at
 
 
+def _options(**given) -> tuple:
+    """A kept call's options as the API functions pass them (sequences.KEPT_OPTIONS' order)."""
+    named = {**dict(causal=False, mask=None, softcap=None, scale=None, sinks=None), **given}
+    return tuple(named[name] for name in sequences.KEPT_OPTIONS)
+
+
 def _prepared_fake(made: list, answer: str):
     """A PreparedKVCache stand-in recording itself in `made`, with a C path (`_hot`) that launches
     (counting calls, answering `answer`) where the tensors' layouts are the prepared ones."""
@@ -75,7 +81,7 @@ def test_paged_calls_without_validation_are_packed_once_a_layout(monkeypatch):
     q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
     lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
     options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
-    call = lambda *tensors, status=None, out=None, **o: kept(*tensors, status, out, False, {**options, **o})
+    call = lambda *tensors, status=None, out=None, **o: kept(*tensors, status, out, False, _options(**{**options, **o}))
     assert call(q, cache, cache, lengths, table) == "out" and len(made) == 1
     assert call(q, _Torchish(256, 16, 8, 128, at=8192), cache, _Torchish(4, dtype="int32", at=0), table) == "out"
     assert len(made) == 1 and made[0].calls == 2  # other addresses, the same class
@@ -121,13 +127,13 @@ def test_a_serving_loop_s_repeated_paged_call_skips_the_key(monkeypatch):
     kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
     q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
     lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
-    options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
+    options = _options(causal=True)
     assert kept(q, cache, cache, lengths, table, None, None, False, options) == "packed" and len(keys) == 1
-    assert kept(q, cache, cache, lengths, table, None, None, False, dict(options)) == "hot" and len(keys) == 1
+    assert kept(q, cache, cache, lengths, table, None, None, False, _options(causal=True)) == "hot" and len(keys) == 1
     other = _Torchish(4, 32, dtype="int32")  # another table width: the C path declines, the key decides
     assert kept(q, cache, cache, lengths, other, None, None, False, options) == "packed" and len(keys) == 2
     assert kept(q, cache, cache, lengths, other, None, None, False, options) == "hot" and len(keys) == 2
-    windowed = {**options, "mask": {"kind": "sliding_window", "window_left": 8}}
+    windowed = _options(causal=True, mask={"kind": "sliding_window", "window_left": 8})
     kept(q, cache, cache, lengths, other, None, None, False, windowed)
     kept(q, cache, cache, lengths, other, None, None, False, windowed)
     assert len(keys) == 4  # a mapping mask: the whole key every call
@@ -152,6 +158,7 @@ def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seql
             return "packed"
 
     monkeypatch.setattr(sequences, "PreparedVarlen", Prepared)
+    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
     monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
         runtime=SimpleNamespace(getDevice=lambda: 0))))
     kept = sequences.KeptVarlenCalls()
@@ -160,13 +167,15 @@ def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seql
     cu = _Torchish(5, dtype="int32")
     options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
     call = lambda q=q, k=k, used=None, maxes=(1024, 1024), out=None, **o: kept(  # noqa: E731
-        q, k, k, cu, cu, used, *maxes, out, False, {**options, **o})
+        q, k, k, cu, cu, used, *maxes, out, False, _options(**{**options, **o}))
     assert call() == "packed" and len(made) == 1 and made[0].max_seqlens == (1024, 1024)
     assert call() == "hot" and call(k=_Torchish(3000, 8, 128, at=8192)) == "hot" and len(made) == 1
     assert call(maxes=(2048, 1024)) == "packed" and len(made) == 2 and made[1].max_seqlens == (2048, 1024)
     assert call(q=_Torchish(3001, 32, 128)) == "packed" and len(made) == 3  # another total_q: its own class
     assert call(used=_Torchish(4, dtype="int32")) == "packed" and len(made) == 4 and len(made[3].layout) == 6
     assert call(out=q) is NotImplemented and call(softcap=-1.0) is NotImplemented and len(made) == 4
+    # FP8 q, k, v: the FP8 forward's (it makes V^T), never a class of their own
+    assert call(q=_Torchish(3000, 32, 128, dtype="float8_e4m3fn")) is NotImplemented and len(made) == 4
     assert call() == "packed" and made[0].calls == 4  # the first class, found by its key
 
 
@@ -181,8 +190,8 @@ def _fp8_paged_calls(monkeypatch, prepared):
     kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
     q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
     lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
-    options = dict(causal=False, mask=None, softcap=None, scale=None, sinks=None)
-    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, dict(options), descales)
+    options = _options()
+    call = lambda *descales: kept(q, cache, cache, lengths, table, None, None, False, options, descales)
     return call, q, cache, lengths, table, options, kept
 
 
@@ -210,7 +219,7 @@ def test_an_fp8_cache_s_descales_key_its_paged_class_and_are_held(monkeypatch):
     k_descale._version += 1  # written in place: the packing copied its values
     assert call(None, k_descale, 0.25) == "out" and len(made) == 3
     assert call(2.0, k_descale, 0.25) == "out" and len(made) == 4  # an FP8 q's descale too
-    assert kept(q, cache, cache, lengths, table, None, None, False, dict(options), (None, np.ones(1), None)) \
+    assert kept(q, cache, cache, lengths, table, None, None, False, options, (None, np.ones(1), None)) \
         is NotImplemented  # a descale neither a number nor a torch tensor: the general path's
 
 
