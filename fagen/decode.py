@@ -24,7 +24,7 @@ import numpy as np
 
 from fagen import fp8_inputs, hot_path, side_inputs, tensor_maps, wide_head
 from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, empty_permuted, full_like,
-                          layout_order, stream_for, tensor_signature, torch_stream_handle)
+                          laid_out_as, layout_order, stream_for, tensor_signature, torch_stream_handle)
 from fagen.dispatch import (derive_spec, fp8_kv_refusal, fp8_on_cache_kernels, no_work, packed_spec, sequence_keys,
                             step_spec)
 from fagen.element_types import fp8_element
@@ -245,7 +245,6 @@ class PreparedAttention:
         self._lse = lse
         self.out_shape, self.lse_shape = tuple(out.shape), tuple(lse.shape)
         self.out_signature, self.lse_signature = tensor_signature(out), tensor_signature(lse)
-        self._out_placement = self.out_signature[1::2]  # (strides, device): a torch call's out check
         self._out_order = layout_order(self.signature[0][1])  # q's: the packed out's own (empty_laid_out_as)
         self._lse_ptr = as_device_tensor(lse, "lse").ptr
         self._hot = None  # the C hot path of a torch call (fagen.hot_path), where it could be built
@@ -274,13 +273,13 @@ class PreparedAttention:
         if len(inputs) != self.inputs:
             raise TypeError(f"prepared for {self.inputs} tensors (q, k, v{', and the index tensors' if self.inputs > 3 else ''}); "
                             f"got {len(inputs)}")
-        if self.torch:  # attribute reads, no signature tuples
-            if (tuple(x for t in inputs for x in (t.shape, t.stride())) != self._layout
+        if self.torch:  # attribute reads, no signature tuples (laid_out_as where they differ)
+            if ((tuple(x for t in inputs for x in (t.shape, t.stride())) != self._layout
                     or any(t.dtype is not dtype for t, dtype in zip(inputs, self._dtypes))
-                    or any(t.get_device() != self.device for t in inputs)):
+                    or any(t.get_device() != self.device for t in inputs))
+                    and not all(map(laid_out_as, inputs, self.signature))):
                 self._refuse(inputs)
-            if out is not None and (out.shape != self.out_shape or out.dtype is not self._dtype
-                                    or (out.stride(), out.get_device()) != self._out_placement) \
+            if out is not None and not laid_out_as(out, self.out_signature) \
                     or lse is not None and tensor_signature(lse) != self.lse_signature:
                 self._refuse_outputs(out, lse)
         elif tuple(tensor_signature(t) for t in inputs) != self.signature:
@@ -369,7 +368,7 @@ class PreparedAttention:
         launch_kernel, is_capturing, encode_tiled = hot_path.driver_functions()
         workspace = (self._lse, self._held)  # the LSE and partials the launches write: alive while the C path is
         return module.HotPath(self._layout, (*self._dtypes, self._dtype), self.device, torch.Size(self.out_shape),
-                              self._out_placement[0], self._stream, self._current_device, self._allocate_out,
+                              self.out_signature[1], self._stream, self._current_device, self._allocate_out,
                               functools.partial(_keep_for_graphs, weakref.ref(self)), self._lse_ptr,
                               launch_kernel, is_capturing, encode_tiled, tensor_maps.ENCODE_FLAGS,
                               tuple(hot_path.launch_entry(launch, at, n + 2, (launch, workspace)) for launch, at in self._launches),

@@ -100,6 +100,31 @@ def tensor_signature(x) -> tuple:
             getattr(getattr(x, "device", None), "id", None))
 
 
+def contiguous_strides(shape, strides) -> bool:
+    """Whether strides are shape's contiguous ones by torch's is_contiguous() rule: dimensions of
+    one skipped, and no element contiguous (hot_path.c's `contiguous`)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1:
+            if stride != expected:
+                return 0 in shape
+            expected *= size
+    return True
+
+
+def laid_out_as(x, signature: tuple) -> bool:
+    """Whether x is laid out as a prepared call's tensor of this tensor_signature was: its shape,
+    dtype and device, and its strides, where that tensor was contiguous any strides of a contiguous
+    torch tensor (a stride over a dimension of one is never stepped): the rule of the C hot path,
+    so a call it takes the Python path takes too."""
+    got = tensor_signature(x)
+    if got == signature:
+        return True
+    shape, strides, dtype, device = signature
+    return (is_torch(x) and got[0] == shape and got[2] == dtype and got[3] == device
+            and contiguous_strides(shape, strides) and x.is_contiguous())
+
+
 def empty_like(ref: DeviceTensor, shape, dtype: str):
     """An uninitialised array of `ref`'s framework and device."""
     if ref.kind == "torch":

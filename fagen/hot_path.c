@@ -82,7 +82,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     PyObject *layout;           /* (q.shape, q.stride(), k.shape, k.stride(), ...): each input's */
-    char dense[MAX_INPUTS];     /* an input's prepared strides are its shape's contiguous ones: then a
+    char dense[MAX_INPUTS], out_dense;  /* an input's (out's) prepared strides are its shape's contiguous ones: then a
                                    tensor of that shape with is_contiguous() is laid out as prepared (a
                                    stride over a dimension of one is never stepped), one cheap call
                                    in place of stride()'s tuple and its comparison */
@@ -233,7 +233,8 @@ static int growing_as_prepared(HotPath *self, PyObject *const *inputs) {
 }
 
 static int out_as_prepared(HotPath *self, PyObject *out) {
-    return attribute_is(out, SHAPE, self->out_shape) && method_is(out, STRIDE, self->out_stride)
+    return attribute_is(out, SHAPE, self->out_shape)
+        && (self->out_dense ? method_is(out, IS_CONTIGUOUS, Py_True) : method_is(out, STRIDE, self->out_stride))
         && attribute_is(out, DTYPE, PyTuple_GET_ITEM(self->dtypes, self->inputs)) && device_is(out, self->device);
 }
 
@@ -448,6 +449,9 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwargs) {
         if (dense < 0) return -1;
         self->dense[i] = (char)dense;
     }
+    const int out_dense = contiguous(out_shape, out_stride);
+    if (out_dense < 0) return -1;
+    self->out_dense = (char)out_dense;
     /* keep: the device as an int object (stream_of's argument), then every launch's owner */
     self->keep = PyTuple_New(1 + PyTuple_GET_SIZE(launches));
     if (!self->keep) return -1;

@@ -23,8 +23,8 @@ import math
 import numpy as np
 
 from fagen import hot_path, side_inputs, tensor_maps
-from fagen.device import (as_device_tensor, cupy, empty_like, multiprocessors, require_cupy, stream_for,
-                          tensor_signature, torch_stream_handle)
+from fagen.device import (as_device_tensor, cupy, empty_like, laid_out_as, multiprocessors, require_cupy,
+                          stream_for, tensor_signature, torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
 from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, MLA_TYPES, PAGE_SIZE, MlaPlan
 from fagen.render import render_mla
@@ -185,13 +185,13 @@ class PreparedMlaDecode:
             if done is not NotImplemented:
                 return done
         tensors = (q, kv_cache, page_table, cache_seqlens)
-        if tuple(tensor_signature(x) for x in tensors) != self._signatures:
+        if not all(map(laid_out_as, tensors, self._signatures)):
             for x, name, want in zip(tensors, ("q", "kv_cache", "page_table", "cache_seqlens"), self._signatures):
-                if tensor_signature(x) != want:
+                if not laid_out_as(x, want):
                     t = as_device_tensor(x, name)
                     raise ValueError(f"{name}: {t.dtype} {t.shape}, strides {t.strides} on cuda:{t.device}; this step "
                                      f"was prepared for {want}: prepare another for it")
-        if out is not None and tensor_signature(out) != self._out_signature:
+        if out is not None and not laid_out_as(out, self._out_signature):
             t = as_device_tensor(out, "out")
             raise ValueError(f"out: {t.dtype} {t.shape}, strides {t.strides}; expected {self._out_signature} (the "
                              f"prepared out's)")

@@ -422,7 +422,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     already and go in as they are."""
     fp8_cache = _fp8(k_cache, "k_cache")  # (a dictionary lookup: the kept paged calls below are a few microseconds)
     kept = not validate and page_table is not None and k is None and v is None and cu_seqlens_q is None \
-        and alibi_slopes is None and cache_leftpad is None
+        and alibi_slopes is None and cache_leftpad is None \
+        and (fp8_cache or q_descale is None and k_descale is None and v_descale is None)  # (else refused below)
     if kept:  # a loop's call: the last call's class first, which was made after the checks below
         options, descales = (causal, mask, softcap, scale, sinks), (q_descale, k_descale, v_descale) if fp8_cache else ()
         done = KEPT_PAGED_CALLS.again(q, k_cache, v_cache, cache_seqlens, page_table, status, out, return_lse, options,
@@ -566,12 +567,7 @@ class KeptCalls:
     def last(self, tensors: tuple, fixed: tuple, values: tuple, out, return_lse: bool, options: tuple):
         """out of the call through the last call's class where its options, fixed tensors and
         values are this call's (that class's C path checks the tensors); else NotImplemented."""
-        if self._stream is None:
-            import torch
-
-            self._stream = torch_stream_handle()
-            self._capturing = torch._C._cuda_isCurrentStreamCapturing
-        memo = self._last
+        memo = self._last  # (set by `call` on torch tensors: a CuPy caller imports no torch here)
         hot = None if memo is None or out is not None or return_lse else memo[1]._hot
         if hot is not None:
             sinks = options[4]
@@ -599,6 +595,11 @@ class KeptCalls:
         mask, sinks = options[1], options[4]
         if out is not None:  # (a given out of another layout is the general path's to take)
             return NotImplemented
+        if self._stream is None:  # (torch tensors here: the callers asked is_torch)
+            import torch
+
+            self._stream = torch_stream_handle()
+            self._capturing = torch._C._cuda_isCurrentStreamCapturing
         try:
             device = tensors[0].get_device()
             # q's GPU the current one (the general path switches to it; a kept call refuses

@@ -265,6 +265,8 @@ def test_a_contiguous_input_s_strides_over_dimensions_of_one_are_not_compared(mo
     assert p.hot.run(q, p.k, p.v, out) is out and len(p.driver.launches) == 1
     transposed = Tensor(p.q.shape, 0xA100, stride=(4096, 1, 4096, 32))  # (of the shape, not contiguous)
     assert p.hot.run(transposed, p.k, p.v, out) is NotImplemented
+    given = _NoStrides(p.q.shape, 0xD100, stride=(5, 128, 3, 1))  # out, likewise (empty_like of such a q)
+    assert p.hot.run(p.q, p.k, p.v, given) is given and len(p.driver.launches) == 2
     strided = Prepared([PackedLaunch(0xF00, (0, 1, 2, 3, 4))])
     strided.k = Tensor(p.k.shape, 0xB000, stride=(2 ** 20, 256, 2048, 1))  # every other row of a wider cache
     layout = tuple(x for t in (strided.q, strided.k, strided.v) for x in (t.shape, t.stride()))

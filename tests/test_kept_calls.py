@@ -3,9 +3,11 @@ layout prepares a class, a call of the same layout and options launches through 
 else prepares its own or is handed to the general path; the last call's class is tried first.
 Tensors and prepared calls are stand-ins recording what they are asked."""
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from fagen import sequences
 
@@ -267,3 +269,47 @@ def test_float32_descales_are_re_pointed_each_paged_call(monkeypatch):
     assert call(None, None, kd) == "out" and len(made) == 3  # the other descale given: its own class
     assert call(None, kd, _Descale(1 << 30, 1)) == "out" and len(made) == 4  # another layout
     assert call(None, kd, vd) == "out" and len(made) == 4 and calls[-1] == (kd, vd)  # the first class again
+
+
+def test_a_half_type_cache_s_descales_are_refused_after_a_kept_class_too(monkeypatch):
+    """attention_with_kvcache tries the last call's class before its argument checks: descales on
+    a half-type cache, which those checks refuse, never reach that class (their call is refused
+    the same with or without one)."""
+    made = []
+
+    class Prepared(_prepared_fake(made, "hot")):
+        def __init__(self, *tensors, status=None, validate=True, **options):
+            super().__init__(*tensors)
+
+        def __call__(self, *tensors, return_lse=False):
+            return "packed"
+
+    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
+    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = sequences.KeptPagedCalls()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    monkeypatch.setattr(sequences, "KEPT_PAGED_CALLS", kept)
+    q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
+    lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
+    call = lambda **descales: sequences.attention_with_kvcache(q, cache, cache, lengths, table, validate=False,  # noqa: E731
+                                                               **descales)
+    assert call() == "packed" and call() == "hot" and len(made) == 1
+    for descales in (dict(k_descale=0.5), dict(q_descale=2.0, v_descale=0.25)):
+        with pytest.raises(ValueError, match="for an FP8 cache"):
+            call(**descales)
+    assert made[0].calls == 1
+
+
+def test_unvalidated_calls_on_other_arrays_import_no_torch(monkeypatch):
+    """A kept call's memo is tried before the torch test, so it asks nothing of torch until a
+    torch call has made a class: a CuPy caller without torch gets the general path's answer."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # (import torch raises)
+    monkeypatch.setattr(sequences, "KEPT_VARLEN_CALLS", sequences.KeptVarlenCalls())
+    q, k = np.zeros((64, 4, 64), np.float16), np.zeros((64, 2, 64), np.float16)
+    cu = np.array([0, 64], np.int32)
+    with pytest.raises(ValueError, match="host"):
+        sequences.attention_varlen(q, k, k, cu, cu, 64, 64, validate=False)
+    assert sequences.KeptPagedCalls().again(q, k, k, cu, cu, None, None, False, (False, None, None, None, None)) \
+        is NotImplemented
