@@ -227,6 +227,26 @@ def test_a_prepared_call_allocates_out_laid_out_as_q():
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], layout
 
 
+def test_a_prepared_call_takes_a_contiguous_q_whatever_its_stride_over_one_row():
+    """A decode step's q from a model's [B, 1, Hq, d] transposed to [B, Hq, 1, d] is contiguous but
+    for the stride over its one row (never stepped): a step prepared on a contiguous q takes it on
+    the C path, on the Python path (return_lse), and as out, the bits of the contiguous call."""
+    import torch
+
+    q, k, v, _ = random_inputs("torch", "float16", 2, 8, 2, 1, 3000, 64)
+    call = fagen.prepare(q, k, v)
+    q_model = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, 1, Hq, d] storage
+    assert q_model.stride() != q.stride() and q_model.is_contiguous()
+    want = call(q, k, v)
+    assert call._hot is not None and call._hot.run(q_model, k, v, None) is not NotImplemented
+    out = torch.full_like(q_model, float("nan"))
+    assert call(q_model, k, v, out=out) is out and torch.equal(out, want)
+    got, lse = call(q_model, k, v, return_lse=True)  # (the Python path: the C path returns no lse)
+    assert torch.equal(got, want)
+    ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v))
+    assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE["float16"]
+
+
 def test_a_prepared_call_refuses_other_shapes():
     q, k, v, _ = random_inputs("torch", "float16", 1, 8, 2, 1, 1000, 64)
     call = fagen.prepare(q, k, v)
