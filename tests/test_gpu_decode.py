@@ -235,7 +235,7 @@ def test_a_prepared_call_takes_a_contiguous_q_whatever_its_stride_over_one_row()
 
     q, k, v, _ = random_inputs("torch", "float16", 2, 8, 2, 1, 3000, 64)
     call = fagen.prepare(q, k, v)
-    q_model = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, 1, Hq, d] storage
+    q_model = torch.empty((2, 1, 8, 64), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(q)  # [B, 1, Hq, d] storage
     assert q_model.stride() != q.stride() and q_model.is_contiguous()
     want = call(q, k, v)
     assert call._hot is not None and call._hot.run(q_model, k, v, None) is not NotImplemented
