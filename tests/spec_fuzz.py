@@ -211,7 +211,7 @@ def fp8(rng: random.Random, spec: dict, wgmma: bool) -> None:
 
 
 def backward(rng: random.Random, head_dim: int, wgmma: bool, bias: bool) -> dict:
-    """A backward: section by the backward's rules (fagen.spec.Backward; README "The backward"),
+    """A backward: section by the backward's rules (fagen.spec.Backward; docs/kernels.md, "The backward"),
     about one in six with a value just across one of them. On sm_90a up to head_dim 128 both
     main loops are wgmma: whole warpgroups owning 64 keys (block_kv = 16 warps) or 64 query rows
     (dq_block_q = 16 dq_warps), head_dim not split, 2 or 3 stages; atomic dQ (deterministic
