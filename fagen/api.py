@@ -22,9 +22,9 @@ def attention(q, k, v, **kwargs):
     return (module or _module_for(type(q))).attention(q, k, v, **kwargs)
 
 
-# array type -> the module whose `attention` takes it: a
-# decode loop's call pays a dictionary lookup, not two import statements (a plain dict:
-# torch.compile traces through this, and warns on functools' caches)
+# array type -> the module whose `attention` takes it: a decode loop's call pays a dictionary
+# lookup, not two import statements (a plain dict: torch.compile traces through this, and warns
+# on functools' caches)
 _MODULES: dict[type, object] = {}
 
 

@@ -224,8 +224,8 @@ def run_host(case: ServingCase, rng) -> list[ServingRow]:
         tensors = (q, k_cache, v_cache, lengths, table)
         step = api.prepare_with_kvcache(*tensors, causal=case.causal)
         status = torch.zeros(1, dtype=torch.int32, device="cuda")
-        unprepared = lambda: sequences.attention_with_kvcache(*tensors, causal=case.causal, status=status,  # noqa: E731
-                                                          validate=False)
+        unprepared = lambda: sequences.attention_with_kvcache(*tensors, causal=case.causal,  # noqa: E731
+                                                                status=status, validate=False)
     else:
         tensors = (q, k, v)
         step = api.prepare(*tensors, causal=case.causal)
@@ -368,7 +368,7 @@ def run_paged(case: ServingCase, rng) -> list[ServingRow]:
 
     def paged():
         return sequences.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out, status=status,
-                                           validate=False)
+                                                validate=False)
     sequences.attention_with_kvcache(q, k_cache, v_cache, lengths, table, out=out)  # validated once
     rows = [_checked(case, "fagen", out, ref, lambda: graph_us(paged), tb_s=kv_bytes(case))]
     # the contiguous cache of the same keys, in a cache's own [B, N, Hkv, d] layout
