@@ -141,6 +141,19 @@ def test_a_serving_loop_s_repeated_paged_call_skips_the_key(monkeypatch):
     assert len(keys) == 4  # a mapping mask: the whole key every call
 
 
+def _kept_over_stand_ins(monkeypatch, kind, prepared):
+    """A `kind` (KeptVarlenCalls or KeptPagedCalls) over stand-ins: `prepared` in place of the class
+    it makes, _Torchish taken for torch's tensors, GPU 0 current, stream 7, no graph captured."""
+    monkeypatch.setattr(sequences, "PreparedVarlen" if kind is sequences.KeptVarlenCalls else "PreparedKVCache",
+                        prepared)
+    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
+    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
+        runtime=SimpleNamespace(getDevice=lambda: 0))))
+    kept = kind()
+    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    return kept
+
+
 def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seqlen_pair(monkeypatch):
     """attention_varlen(validate=False): a PreparedVarlen a layout (totals included) and max_seqlen
     pair, the last one's C path first; seqused_k makes a layout of its own; what preparing refuses,
@@ -159,12 +172,7 @@ def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seql
             self.calls += 1
             return "packed"
 
-    monkeypatch.setattr(sequences, "PreparedVarlen", Prepared)
-    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
-    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
-        runtime=SimpleNamespace(getDevice=lambda: 0))))
-    kept = sequences.KeptVarlenCalls()
-    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    kept = _kept_over_stand_ins(monkeypatch, sequences.KeptVarlenCalls, Prepared)
     q, k = _Torchish(3000, 32, 128), _Torchish(3000, 8, 128)
     cu = _Torchish(5, dtype="int32")
     options = dict(causal=True, mask=None, softcap=None, scale=None, sinks=None)
@@ -184,12 +192,7 @@ def test_varlen_calls_without_validation_are_prepared_once_a_layout_and_max_seql
 def _fp8_paged_calls(monkeypatch, prepared):
     """KeptPagedCalls over stand-ins (`prepared` for PreparedKVCache) on an e4m3 cache, B 4: a call
     taking the descales, then the tensors and options it passes."""
-    monkeypatch.setattr(sequences, "PreparedKVCache", prepared)
-    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
-    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
-        runtime=SimpleNamespace(getDevice=lambda: 0))))
-    kept = sequences.KeptPagedCalls()
-    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
+    kept = _kept_over_stand_ins(monkeypatch, sequences.KeptPagedCalls, prepared)
     q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128, dtype="float8_e4m3fn")
     lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
     options = _options()
@@ -284,13 +287,8 @@ def test_a_half_type_cache_s_descales_are_refused_after_a_kept_class_too(monkeyp
         def __call__(self, *tensors, return_lse=False):
             return "packed"
 
-    monkeypatch.setattr(sequences, "PreparedKVCache", Prepared)
-    monkeypatch.setattr(sequences, "is_torch", lambda x: isinstance(x, _Torchish))
-    monkeypatch.setattr(sequences, "cupy", SimpleNamespace(cuda=SimpleNamespace(
-        runtime=SimpleNamespace(getDevice=lambda: 0))))
-    kept = sequences.KeptPagedCalls()
-    kept._stream, kept._capturing = (lambda device: 7), (lambda: False)
-    monkeypatch.setattr(sequences, "KEPT_PAGED_CALLS", kept)
+    monkeypatch.setattr(sequences, "KEPT_PAGED_CALLS", _kept_over_stand_ins(monkeypatch, sequences.KeptPagedCalls,
+                                                                            Prepared))
     q, cache = _Torchish(4, 32, 1, 128), _Torchish(256, 16, 8, 128)
     lengths, table = _Torchish(4, dtype="int32"), _Torchish(4, 64, dtype="int32")
     call = lambda **descales: sequences.attention_with_kvcache(q, cache, cache, lengths, table, validate=False,  # noqa: E731
