@@ -19,7 +19,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, fork
                           multiprocessors, require_cupy, stream_for, tensor_signature, torch_stream_handle, zeros_like)
 from fagen.mask_kinds import KINDS
 from fagen.plan import l2_heads
-from fagen.render import render_backward
+from fagen.rendering import render_backward
 from fagen import tensor_maps
 from fagen.runtime import (LOG2E, Kernel, Launch, KeptLaunches, TensorMap, block_mask_arguments, compile_kernel,
                            compile_module, pack_arguments, packers)

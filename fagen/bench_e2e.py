@@ -6,8 +6,8 @@ Random-weight models of real shapes (a Llama of 16 layers, hidden 2048, 32 query
 64; a Gemma-2 of 8 layers, heads of 256, a 4096-key window on alternate layers, softcaps), bf16,
 greedy `generate` on transformers' dynamic cache, or on a static cache of STATIC_CACHE_LEN slots
 (whose decode steps generate compiles itself: torch.compile, CUDA graphs). Per case and implementation: prefill ms (one
-forward over the prompt) and decode tokens/s (the generated tokens after the first, over
-generate's time less the prefill), the best of ROUNDS rounds in which the implementations take
+forward over the prompt) and decode tokens/s (the batch over the median period between the
+tokens after the first, stamped by a logits processor), the best of ROUNDS rounds in which the implementations take
 turns (host time drifts by tens of percent between minutes on a shared host, and only ever adds),
 and the host time a decode step spends in the attention and mask functions. SDPA runs as transformers calls it: its own
 backend choice (`sdpa`), and pinned to cuDNN (`sdpa_cudnn`) and FlashAttention-2 (`sdpa_flash`,
@@ -25,9 +25,11 @@ import contextlib
 import time
 from pathlib import Path
 
+from transformers import LogitsProcessor, LogitsProcessorList
+
 import fagen.transformers
 from fagen.bench_e2e_tables import (IMPLEMENTATIONS, JSON, ROUNDS, STATIC_CACHE_LEN, E2ECase, E2ERow, cases,
-                                    decode_rate, markdown, prompts, shown, write_json)
+                                    decode_rate, markdown, prompts, shown, whole_decode_rate, write_json)
 
 
 def config(model: str):
@@ -154,21 +156,39 @@ def attention_host_time(impl: str, spent: list[float]):
         AttentionMaskInterface.register(name, mask)
 
 
-def timed(model, case: E2ECase, impl: str) -> tuple[float, float, float | None]:
-    """(prefill seconds, generate seconds, host seconds a decode step in the attention and mask
-    functions) of one round: a forward over the prompt, then generate. The last is None for a
-    static cache, whose decode steps are compiled graphs that call no Python function."""
+class StepClock(LogitsProcessor):
+    """Stamps the host's clock each time generate asks for a token's scores: the periods between
+    the stamps are the decode steps (the first stamp follows the prefill)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    @property
+    def steps(self) -> list[float]:
+        return [after - before for before, after in zip(self.stamps, self.stamps[1:])]
+
+
+def timed(model, case: E2ECase, impl: str) -> tuple[float, float, list[float], float | None]:
+    """(prefill seconds, generate seconds, its decode steps' seconds, host seconds a decode step
+    in the attention and mask functions) of one round: a forward over the prompt, then generate.
+    The last is None for a static cache, whose decode steps are compiled graphs that call no
+    Python function."""
     import torch
 
     model.set_attn_implementation("fagen" if impl == "fagen" else "sdpa")
     ids, mask = prompts(case)
-    spent = [0.0]
+    spent, clock = [0.0], StepClock()
     timing = contextlib.nullcontext() if case.static else attention_host_time(impl, spent)
+    options = dict(_generate_options(model, case, mask), logits_processor=LogitsProcessorList([clock]))
     with torch.no_grad(), _backend(impl):
         prefill = _seconds(lambda: model(input_ids=ids, attention_mask=mask, use_cache=True))
         with timing:
-            generate = _seconds(lambda: model.generate(ids, **_generate_options(model, case, mask)))
-    return prefill, generate, None if case.static else spent[0] / (case.new_tokens - 1)
+            generate = _seconds(lambda: model.generate(ids, **options))
+    return prefill, generate, clock.steps, None if case.static else spent[0] / (case.new_tokens - 1)
 
 
 def _seconds(call) -> float:
@@ -191,7 +211,7 @@ def run_case(model, case: E2ECase, implementations) -> list[E2ERow]:
     for impl in implementations:
         notes[impl], reference = check(model, case, impl, reference)
     runnable = [impl for impl in implementations if not notes[impl].startswith("n/a")]
-    rounds: dict[str, list[tuple[float, float, float | None]]] = {impl: [] for impl in runnable}
+    rounds: dict[str, list[tuple[float, float, list[float], float | None]]] = {impl: [] for impl in runnable}
     for i in range(ROUNDS):
         for impl in runnable if i % 2 == 0 else runnable[::-1]:
             rounds[impl].append(timed(model, case, impl))
@@ -200,10 +220,12 @@ def run_case(model, case: E2ECase, implementations) -> list[E2ERow]:
         if impl not in rounds:
             rows.append(E2ERow(case.key, impl, None, None, notes[impl]))
             continue
-        prefill = min(p for p, _, _ in rounds[impl])
-        rates = [decode_rate(case, g, prefill) for _, g, _ in rounds[impl]]
-        spent = [s for _, _, s in rounds[impl] if s is not None]
-        spread = f"decode {min(rates):.0f}-{max(rates):.0f} tok/s over {ROUNDS} rounds"
+        prefill = min(p for p, _, _, _ in rounds[impl])
+        rates = [decode_rate(case, steps) for _, _, steps, _ in rounds[impl]]
+        whole = max(whole_decode_rate(case, g, prefill) for _, g, _, _ in rounds[impl])
+        spent = [s for _, _, _, s in rounds[impl] if s is not None]
+        spread = (f"decode {min(rates):.0f}-{max(rates):.0f} tok/s over {ROUNDS} rounds "
+                  f"({whole:.0f} by generate's time less the prefill)")
         rows.append(E2ERow(case.key, impl, prefill * 1e3, max(rates),
                            f"{notes[impl]}; {spread}" if notes[impl] else spread,
                            min(spent) * 1e6 if spent else None))

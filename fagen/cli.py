@@ -16,7 +16,7 @@ import click
 
 from fagen.load import load_spec
 from fagen.plan import plan
-from fagen.render import outputs, stale
+from fagen.rendering import outputs, stale
 from fagen.spec import SpecError
 
 SPECS_DIR = Path("specs")  # relative: the working directory's

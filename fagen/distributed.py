@@ -32,7 +32,7 @@ from fagen import ring_link, sequences, variants
 from fagen.backward import compile_backward
 from fagen.device import DeviceTensor, as_device_tensor, cupy, empty_like, full_like, stream_for, zeros_like
 from fagen.process_group import NcclGroup, TorchGroup, as_group, check_rank, init, launch
-from fagen.render import GRADIENT_SUM_THREADS, gradient_sum_name
+from fagen.rendering import GRADIENT_SUM_THREADS, gradient_sum_name
 from fagen.dispatch import default_spec
 from fagen.runtime import compile_kernel, shared_function
 from fagen.spec import Mask, ScoreMod

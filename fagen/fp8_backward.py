@@ -26,7 +26,7 @@ from fagen.element_types import fp8_element
 from fagen.fp8_backward_plan import (FP8_AMAX_PARAMS, FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS,
                                      FP8_BACKWARD_OUT_TYPES, FP8_BACKWARD_PARAMS, FP8_BACKWARD_TYPES, FP8_POSTPROCESS_PARAMS,
                                      FP8_PREPROCESS_PARAMS, POSTPROCESS_THREADS, PREPROCESS_ROWS, Fp8BackwardPlan)
-from fagen.render import render_fp8_backward
+from fagen.rendering import render_fp8_backward
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 
 FP8_BACKWARD_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)

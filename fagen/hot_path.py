@@ -19,6 +19,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+from fagen import disk_cache
+
 SOURCE = Path(__file__).with_name("hot_path.c")
 MODULE = "fagen_hot_path"
 COMPILE_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11")
@@ -26,16 +28,12 @@ COMPILE_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11")
 _failure: list[str] = []  # why the module could not be had, once tried
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FAGEN_CACHE_DIR", Path.home() / ".cache" / "fagen"))
-
-
 def library_path(source: str) -> Path:
     """Where the build of `source` for this interpreter lives: keyed by the source, the flags
     and the interpreter's ABI, so an edit or another Python builds anew."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     key = hashlib.sha256("\0".join([source, *COMPILE_FLAGS, suffix]).encode()).hexdigest()[:16]
-    return cache_dir() / f"{MODULE}-{key}{suffix}"
+    return disk_cache.directory() / f"{MODULE}-{key}{suffix}"
 
 
 def build(path: Path) -> None:

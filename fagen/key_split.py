@@ -15,7 +15,7 @@ import math
 from fagen import accumulated_dq
 from fagen.device import as_device_tensor, compute_capability, require_cupy
 from fagen.key_split_plan import KEY_SPLIT_TYPES, KEY_SPLIT_WIDTHS, KeySplitBackwardPlan
-from fagen.render import render_key_split_backward
+from fagen.rendering import render_key_split_backward
 
 KEY_SPLIT_ARCH = "90"  # compute capability: the kernel is wgmma's (sm_90a)
 MAX_GRID_YZ = 65535  # the grids' heads (y) and batch (z): more take the general kernels

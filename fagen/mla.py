@@ -27,7 +27,7 @@ from fagen.device import (as_device_tensor, cupy, empty_like, laid_out_as, multi
                           stream_for, tensor_signature, torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
 from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, MLA_TYPES, PAGE_SIZE, MlaPlan
-from fagen.render import render_mla
+from fagen.rendering import render_mla
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 
 QUERY_TOKENS = (1, 2)  # Nq: a decode step, or one with a speculative token

@@ -17,7 +17,7 @@ from fagen.backward_plan import backward_plan, kernel_symbols
 from fagen.element_types import KERNEL_TYPES
 from fagen.plan import plan
 from fagen import expression
-from fagen.render import expression_trees, render, render_backward
+from fagen.rendering import expression_trees, render, render_backward
 from fagen.spec import HEAD_DIMS, SMEM_PER_BLOCK, AttentionSpec, Mask, ScoreMod
 from fagen.variants import LONG_KEYS, shipped_spec, variant
 
@@ -197,7 +197,7 @@ class Kernel:
 
 
 def compile_all(spec: AttentionSpec, arch: str) -> list[Kernel]:
-    """Every kernel `spec` renders (fagen.render.renders): the forward file's, and with a
+    """Every kernel `spec` renders (fagen.rendering.renders): the forward file's, and with a
     `backward:` section the backward file's (preprocess, dK/dV, dQ or postprocess), the backward
     for backward_target(spec, arch). Each entry function ptxas reports is one Kernel, so a kernel
     a template adds is checked too; raises RuntimeError with nvcc's log where it fails."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fagen import device, expression, fp8_inputs, masks, side_inputs, tensor_maps
+from fagen import device, disk_cache, expression, fp8_inputs, masks, side_inputs, tensor_maps
 from fagen.version import __version__
 from fagen.dependent_launch import MIN_COMPUTE_CAPABILITY, DependentLaunch, pays_off
 from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_laid_out_as, empty_like, empty_permuted, is_torch,
@@ -27,7 +27,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_laid_out_a
 from fagen.element_types import element_type, itemsize
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
-from fagen.render import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
+from fagen.rendering import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
                           V_TRANSPOSE_THREADS, merge_name, render, shared_kernel)
 from fagen.spec import AttentionSpec
 
@@ -75,7 +75,7 @@ def cache_key(source: str, options: tuple[str, ...], arch: str) -> str:
 def _compile_sm90a(source: str, name: str, key: str) -> str:
     """NVRTC for sm_90a (CuPy compiles for the plain arch, which has no wgmma): the cubin's path,
     cached on disk under the kernel's hash like CuPy's own cache."""
-    cache = Path(os.environ.get("FAGEN_CACHE_DIR", Path.home() / ".cache" / "fagen"))
+    cache = disk_cache.directory()
     path = cache / f"{key}.cubin"
     if path.exists():
         return str(path)

@@ -38,7 +38,7 @@ from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_ti
 from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen import fp8_inputs
 from fagen.element_types import KERNEL_TYPES, fp8_element
-from fagen.render import (APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_PARAMS,
+from fagen.rendering import (APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_PARAMS,
                           SEQUENCE_TILES_THREADS, append_kv_name)
 from fagen.runtime import (Launch, Packed, _aux_array, _check_layout, compile_kernel, descale_parameters,
                            shared_function)

@@ -11,6 +11,8 @@ _EagerAttention (the op's implementation and formula); traced calls see the op. 
 fagen.spec.Mask's fields ("" for none): an op takes no Python objects.
 """
 
+import inspect
+import sys
 from functools import lru_cache
 from typing import Optional
 
@@ -18,13 +20,20 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, fp8_inputs, key_split, mod_tracing,
+# torch.library's register_fake records its caller's file and line through inspect, whose first
+# lookup of a frame's module walks sys.modules and, touching each module's __file__, loads every
+# lazily imported module there: CuPy's cupyx and SciPy behind it, 0.34 s of an eager first call
+# on an H200 host. Looked up once here, before the imports below bring CuPy in, the walk finds
+# none, and the registrations below find this file's module in inspect's cache.
+inspect.getframeinfo(sys._getframe())
+
+from fagen import (backward, captured_grads, decode, dispatch, fp8_backward, fp8_inputs, key_split, mod_tracing,  # noqa: E402
                    runtime, side_inputs, variants, wide_head)
-from fagen import incoherent as incoherent_rotation  # (the parameter is named incoherent)
-from fagen.device import layout_order
-from fagen.fp8_backward_plan import FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS
-from fagen.spec import Mask
-from fagen.wide_head_plan import WIDE_HEAD_DIMS
+from fagen import incoherent as incoherent_rotation  # noqa: E402  (the parameter is named incoherent)
+from fagen.device import layout_order  # noqa: E402
+from fagen.fp8_backward_plan import FP8_BACKWARD_HEAD_DIMS, FP8_BACKWARD_MASKS  # noqa: E402
+from fagen.spec import Mask  # noqa: E402
+from fagen.wide_head_plan import WIDE_HEAD_DIMS  # noqa: E402
 
 
 def mask_json(mask) -> str:

@@ -124,6 +124,9 @@ def _padding(tokens, end, static: bool):
     small ops (a padded batch pays a second read for that)."""
     if not static and bool(tokens.all()):
         return None
+    if end == tokens.shape[-1]:  # runs to the last slot: left padding, told by fewer ops (a decode step's)
+        ranges = left_padded_ranges(tokens)
+        return ranges if ranges is not None or static else padding_bias(tokens)
     ranges, one_run, last = key_ranges(tokens)
     checks = [one_run.all()] + ([] if end is None else [(last == end).all()])
     if all(torch.stack(checks).tolist()):
@@ -142,6 +145,18 @@ def key_ranges(tokens):
     first = torch.where(some, flags.argmax(-1), 0)  # argmax: the first of equal maxima
     last = torch.where(some, n - flags.flip(-1).argmax(-1), 0)
     return torch.stack([first, last]).to(torch.int32)[:, None], last - first == count, last
+
+
+def left_padded_ranges(tokens):
+    """key_ranges' answer where each row's tokens (bool [B, Nk]) are one run to the last slot (left
+    padding: a generation's rows on the dynamic cache), else None: told by one host read and ten
+    small ops, not twenty (each ~20 us of a decode step's host time on an H200 host). A row without
+    a token is not such a run."""
+    n = tokens.shape[-1]
+    start = (n - tokens.sum(-1, dtype=torch.int32)).clamp_(max=n - 1)  # (a row without a token: never equal)
+    if not torch.equal(tokens, torch.arange(n, device=tokens.device) >= start[:, None]):
+        return None
+    return torch.stack((start, torch.full_like(start, n)))[:, None]
 
 
 # transformers' mask-function pieces fagen's masks express: the causal mask, the sliding window
@@ -251,11 +266,29 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "
                          "window are not supported; use attn_implementation='sdpa' for this model")
     sinks = None if s_aux is None else _float32(s_aux)
+    leftpad, seqlens = (None, None) if ranges is None else _range_rows(ranges)
     out = torch_op.attention(query, key, value, causal=causal and window is None, mask=window, scale=scaling,
                              softcap=softcap, sinks=sinks, doc_ids=doc_ids, bias=attention_mask,
-                             cache_leftpad=None if ranges is None else ranges[0, 0],
-                             cache_seqlens=None if ranges is None else ranges[1, 0])
+                             cache_leftpad=leftpad, cache_seqlens=seqlens)
     return out.transpose(1, 2), None
+
+
+# The last forward's key ranges (the one tensor all its layers get) and their rows as the attention
+# takes them: indexed once a forward, not once a layer (two indexing ops, ~10 us of host time a
+# layer). One pair, replaced whole: the rows are views, which hold their ranges alive.
+_last_ranges: tuple = (None, None)
+
+
+def _range_rows(ranges):
+    """(cache_leftpad, cache_seqlens): the key ranges' rows 0 and 1, [B] int32 views."""
+    global _last_ranges
+    if torch.compiler.is_compiling():
+        return ranges[0, 0], ranges[1, 0]
+    last, rows = _last_ranges
+    if last is not ranges:
+        rows = (ranges[0, 0], ranges[1, 0])
+        _last_ranges = (ranges, rows)
+    return rows
 
 
 def ranges_bias(ranges, length: int):

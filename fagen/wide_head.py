@@ -25,7 +25,7 @@ from fagen.dispatch import call_mask
 from fagen.device import (as_device_tensor, cupy, empty_laid_out_as, empty_like, multiprocessors, require_cupy, stream_for,
                           torch_stream_handle)
 from fagen.element_types import ELEMENT_TYPES
-from fagen.render import render_wide, render_wide_backward
+from fagen.rendering import render_wide, render_wide_backward
 from fagen.runtime import LOG2E, Launch, TensorMap, compile_module
 from fagen.wide_head_plan import WIDE_HEAD_DIMS, WIDE_TYPES, WideBackwardPlan, WideHeadPlan
 

@@ -51,7 +51,10 @@ SASS_CASES = """
 import subprocess, sys
 from pathlib import Path
 from fagen import device, dispatch, variants
-from fagen.render import render, render_backward
+try:
+    from fagen.rendering import render, render_backward
+except ImportError:  # a tree from before the module's rename (fagen.render)
+    from fagen.render import render, render_backward
 device.gpu_slug = lambda *a: "h200"
 out = Path(sys.argv[1])
 for dtype, d, causal in (("float16", 64, False), ("float16", 64, True), ("float16", 128, False),

@@ -11,7 +11,7 @@ import time
 import cupy
 cupy.empty(1)  # the CUDA context: paid by any CUDA program, not by fagen
 import fagen
-from fagen.render import render
+from fagen.rendering import render
 from fagen.load import SPECS
 spec = fagen.parse_spec({**fagen.load_spec(SPECS / "attn_f16_d128.yaml").model_dump(), "name": "compile_probe_f16_d128"})
 t0 = time.perf_counter()

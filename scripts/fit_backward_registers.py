@@ -32,7 +32,7 @@ import numpy as np
 from fagen import backward_plan as bp
 from fagen import plan as plan_module
 from fagen.nvcc import default_jobs, find_nvcc
-from fagen.render import context, environment
+from fagen.rendering import context, environment
 from fagen.spec import AttentionSpec
 
 MASKS = ["none", "causal", {"kind": "sliding_window", "window_left": 100}, {"kind": "chunked", "chunk_size": 64},

@@ -214,8 +214,8 @@ def test_launch_timeout_must_be_finite(value, monkeypatch):
 # ---- what the README says of the package and its scripts ---------------------------------------
 
 def _readme_submodules() -> list[str]:
-    """The fagen.<name> the README writes that are submodules (fagen.render is the function the
-    package exports, as README's `fagen.render(spec)` reads it)."""
+    """The fagen.<name> the README writes that are submodules (fagen.render, README's
+    `fagen.render(spec)`, is the function the package exports)."""
     modules = {p.stem for p in (ROOT / "fagen").glob("*.py")} - {"__init__", "__main__"}
     used = set(re.findall(r"\bfagen\.([a-z_]+)\b", (ROOT / "README.md").read_text()))
     try:  # the PyTorch modules import torch (and transformers) at the top: reachable where those are
@@ -238,6 +238,20 @@ def test_the_readme_s_submodules_are_reachable_after_import_fagen():
     assert "refused" in done.stdout and "no_such_module" in done.stdout
     # the README's own examples read these as attributes
     assert callable(fagen.oracle.attention) and callable(fagen.sequences.from_flashinfer)
+
+
+def test_import_fagen_loads_what_its_names_need_at_their_first_use():
+    """`import fagen` is light (pydantic, Jinja2 and NumPy wait for the first name that needs
+    them), and the exported names are the functions and classes, not modules."""
+    code = ("import sys, types, fagen\n"
+            "print(sorted(m for m in ('numpy', 'pydantic', 'jinja2', 'yaml', 'cupy', 'torch') if m in sys.modules))\n"
+            "import fagen.rendering\n"  # the module of fagen.render, imported first: the name stays the function
+            "assert callable(fagen.render) and not isinstance(fagen.render, types.ModuleType)\n"
+            "assert fagen.render is fagen.rendering.render and fagen.SpecError is fagen.spec.SpecError\n"
+            "print(fagen.AttentionSpec.__name__, fagen.load_spec.__module__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "AttentionSpec fagen.load"]
 
 
 def test_core_timing_without_a_gpu_says_what_is_missing_in_one_line():

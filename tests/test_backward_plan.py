@@ -11,7 +11,7 @@ from fagen import variants
 from fagen.backward_plan import backward_plan, bias_grad_layout, dq_accum_index, kernel_symbols
 from fagen.load import SPECS, load_spec, with_fix
 from fagen.plan import MBARRIER_BYTES, SWIZZLE_ATOM_BYTES
-from fagen.render import render_backward
+from fagen.rendering import render_backward
 from tests.conftest import rejected
 
 HOPPER = fagen.load_spec(SPECS / "attn_f16_d128_causal_h200.yaml")  # wgmma backward, atomic dQ

@@ -18,9 +18,12 @@ def test_cases_name_themselves_apart_and_cover_both_models_padding_and_the_stati
     assert set(bench_e2e.cases(quick=True)) <= set(full)
 
 
-def test_the_decode_rate_leaves_out_the_prefill_and_its_token():
-    case = E2ECase("llama", 8, 1024, 65)
-    assert bench_e2e.decode_rate(case, generate_s=2.5, prefill_s=0.5) == pytest.approx(8 * 64 / 2.0)
+def test_the_decode_rate_is_the_batch_over_the_median_step_and_a_pause_does_not_move_it():
+    case = E2ECase("llama", 8, 1024, 6)
+    assert bench_e2e.decode_rate(case, [0.02, 0.021, 0.5, 0.019, 0.02]) == pytest.approx(8 / 0.02)
+    # the rate before: generate's time less the prefill, over the tokens after the first
+    assert bench_e2e.whole_decode_rate(E2ECase("llama", 8, 1024, 65), generate_s=2.5, prefill_s=0.5) == \
+        pytest.approx(8 * 64 / 2.0)
 
 
 def test_left_padded_prompts_pad_before_their_tokens():
@@ -70,11 +73,12 @@ def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch)
         return ("n/a: no mask" if impl == "sdpa_flash" else "" if reference is None else "ok"), "sdpa's"
 
     generate = {"sdpa": iter([1.1, 2.1, 3.1]), "fagen": iter([1.1, 1.6, 0.6])}
+    steps = {"sdpa": iter([[0.1, 0.3, 0.1], [0.2] * 3, [0.4] * 3]), "fagen": iter([[0.2] * 3, [0.1, 0.05, 9.0], [0.1] * 3])}
     spent = {"sdpa": iter([3e-4, 1e-4, 2e-4]), "fagen": iter([5e-5, None, 7e-5])}
 
     def timed(model, case, impl):
         order.append(impl)
-        return 0.1, next(generate[impl]), next(spent[impl])
+        return 0.1, next(generate[impl]), next(steps[impl]), next(spent[impl])
 
     monkeypatch.setattr(runner, "check", check)
     monkeypatch.setattr(runner, "timed", timed)
@@ -84,8 +88,10 @@ def test_a_case_checks_each_implementation_then_times_them_in_turns(monkeypatch)
     assert order == ["sdpa", "fagen", "fagen", "sdpa", "sdpa", "fagen"]
     assert rows["sdpa_flash"].decode_tok_s is None and rows["sdpa_flash"].note == "n/a: no mask"
     assert rows["fagen"].prefill_ms == pytest.approx(100.0)
-    assert rows["fagen"].decode_tok_s == pytest.approx(2 * 10 / (0.6 - 0.1))  # the best of 20, 13.3, 40
-    assert rows["sdpa"].decode_tok_s == pytest.approx(2 * 10 / (1.1 - 0.1)) and rows["fagen"].note.startswith("ok; ")
+    # the best round's batch over its median step: fagen 2 / 0.1 (of 10, 20, 20), SDPA 2 / 0.1 (of 20, 10, 5)
+    assert rows["fagen"].decode_tok_s == pytest.approx(20.0) and rows["sdpa"].decode_tok_s == pytest.approx(20.0)
+    assert rows["fagen"].note.startswith("ok; ") and "decode 10-20 tok/s" in rows["fagen"].note
+    assert "(40 by generate's time less the prefill)" in rows["fagen"].note  # 2 * 10 / (0.6 - 0.1)
     # a decode step's attention host time: the least of the rounds that measured it
     assert rows["sdpa"].attention_host_us == pytest.approx(100.0) and rows["fagen"].attention_host_us == pytest.approx(50.0)
     assert rows["sdpa_flash"].attention_host_us is None

@@ -13,10 +13,10 @@ import yaml
 from click.testing import CliRunner
 
 import fagen
-from fagen.render import shared_kernels
+from fagen.rendering import shared_kernels
 from fagen.cli import main
 from fagen.plan import plan
-from fagen.render import GENERATED
+from fagen.rendering import GENERATED
 from fagen.load import SPECS
 
 SPEC = SPECS / "attn_f16_d128.yaml"

@@ -59,12 +59,11 @@ def test_the_sass_cases_name_what_every_tree_has(compare_trees):
 
     from fagen.nvcc import sass_instructions
 
-    # (fagen.render is the function the package exports: the module by its name)
-    modules = {name: importlib.import_module(f"fagen.{name}") for name in ("dispatch", "variants", "render")}
+    modules = {name: importlib.import_module(f"fagen.{name}") for name in ("dispatch", "variants", "rendering")}
     tree = ast.parse(compare_trees.SASS_CASES)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
             assert hasattr(modules[node.value.id], node.attr), node.attr
-        if isinstance(node, ast.ImportFrom) and node.module == "fagen.render":
-            assert all(hasattr(modules["render"], alias.name) for alias in node.names)
+        if isinstance(node, ast.ImportFrom) and node.module == "fagen.rendering":
+            assert all(hasattr(modules["rendering"], alias.name) for alias in node.names)
     assert callable(sass_instructions)

@@ -7,7 +7,7 @@ import pytest
 
 from fagen import dispatch, nvcc, variants
 from fagen.load import SPECS, load_spec, parse_spec
-from fagen.render import render
+from fagen.rendering import render
 from fagen.spec import Mask, ScoreMod, SpecError
 
 DECODE = load_spec(SPECS / "decode_f16_d128.yaml")

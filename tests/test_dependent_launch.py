@@ -9,7 +9,7 @@ import pytest
 from fagen import dependent_launch, variants
 from fagen.load import SPECS, load_spec
 from fagen.nvcc import find_nvcc
-from fagen.render import render
+from fagen.rendering import render
 
 LAYOUT = r"""
 #include <cuda.h>

@@ -10,7 +10,7 @@ import pytest
 
 from fagen import decode, dispatch, splitkv
 from fagen.nvcc import find_nvcc
-from fagen.render import APPEND_KV, render_append_kv, shared_kernels
+from fagen.rendering import APPEND_KV, render_append_kv, shared_kernels
 
 
 @pytest.mark.parametrize("blocks, tiles", [(0, 10), (0, 0), (8, 0)])

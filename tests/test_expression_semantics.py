@@ -395,7 +395,7 @@ def test_a_score_expression_that_ignores_the_score_compiles_without_warnings():
     """The kernel declares `score` only where an expression reads it (nvcc warns of an unused
     variable); the backward declares it where expression_grad reads it."""
     from fagen.nvcc import compile_offline
-    from fagen.render import render_backward
+    from fagen.rendering import render_backward
 
     spec = fagen.parse_spec({**base(score_mod={"expression": "(float)(h % 2)", "expression_grad": "0.f"}),
                              "name": "ignores_score", "head_dim": 64, "backward": {}})

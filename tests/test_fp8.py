@@ -8,7 +8,7 @@ import pytest
 from fagen import fp8_inputs
 from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER, descale_views, prepared_copy, transposed_v
 from fagen.load import SPECS as SPECS_DIR, load_spec, parse_spec
-from fagen.render import render
+from fagen.rendering import render
 from fagen.spec import Mask, ScoreMod, SpecError
 
 SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
@@ -175,7 +175,7 @@ def test_padded_keys_are_whole_v_tiles():
 
 def test_the_v_transpose_kernel_compiles_without_spills():
     from fagen.nvcc import _ptxas
-    from fagen.render import V_TRANSPOSE, shared_kernels
+    from fagen.rendering import V_TRANSPOSE, shared_kernels
 
     status, log = _ptxas(f"{V_TRANSPOSE}.cu", shared_kernels()[f"{V_TRANSPOSE}.cu"], "sm_90a")
     assert status == 0, log

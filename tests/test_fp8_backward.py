@@ -9,7 +9,7 @@ import pytest
 
 from fagen import nvcc
 from fagen.fp8_backward_plan import FP8_BACKWARD_MASKS, FP8_BACKWARD_OUT_TYPES, Fp8BackwardPlan
-from fagen.render import render_fp8_backward
+from fagen.rendering import render_fp8_backward
 from fagen.spec import Mask
 
 SM90A_SMEM = 227 * 1024

@@ -128,7 +128,7 @@ def test_the_query_tile_table_kernel_matches_numpy(b):
 def test_the_query_tile_table_is_never_written_past_its_end():
     """cu_seqlens go unchecked with validate=False: lengths summing past total_q fill the table
     and stop at its end (a sentinel row after it stays)."""
-    from fagen.render import SEQUENCE_TILES
+    from fagen.rendering import SEQUENCE_TILES
     from fagen.runtime import shared_function
 
     lengths = [5000, 3000, 7000, -900, 2**30]  # total_q said 100: slots for 100 rows

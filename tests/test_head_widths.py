@@ -10,7 +10,7 @@ import fagen
 from fagen import oracle
 from fagen.load import SPECS
 from fagen.plan import plan
-from fagen.render import render
+from fagen.rendering import render
 
 
 def _spec(name: str):
@@ -143,7 +143,7 @@ def test_each_width_feeds_its_own_product_in_the_backward():
     producer's expect_tx the bytes its boxes deliver (each tensor's own width, not the row's);
     the dQ kernel's "O" is dQ, head_dim wide. wgmma: one dK/dV instruction shape a width."""
     from fagen.backward_plan import backward_plan
-    from fagen.render import render_backward
+    from fagen.rendering import render_backward
 
     for name, d, dv in (("value_head_f16_d192_v128", 192, 128), ("value_head_f16_d128_v64", 128, 64),
                         ("value_head_bf16_d64_v128", 64, 128), ("value_head_bf16_d192_v128_sm90a", 192, 128),
@@ -186,7 +186,7 @@ def test_the_dkdv_producer_arms_what_its_boxes_deliver(monkeypatch):
     (tensor_maps.row_groups), not the smem rows' wider one."""
     from fagen import device, dispatch, tensor_maps, variants
     from fagen.backward_plan import backward_plan
-    from fagen.render import render_backward
+    from fagen.rendering import render_backward
 
     monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
     for d, dv in ((128, 64), (64, 128)):

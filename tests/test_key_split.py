@@ -7,7 +7,7 @@ import pytest
 
 from fagen import nvcc
 from fagen.key_split_plan import KEY_SPLIT_TYPES, KeySplitBackwardPlan
-from fagen.render import render_key_split_backward
+from fagen.rendering import render_key_split_backward
 
 SM90A_SMEM = 227 * 1024
 

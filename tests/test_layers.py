@@ -14,8 +14,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
-    ("expression", "mask_kinds", "side_inputs", "element_types", "version", "fp8_inputs", "incoherent"),  # leaves:
-    # standard library and NumPy (fp8_inputs, incoherent: their torch and CuPy paths import them where they run)
+    ("expression", "mask_kinds", "side_inputs", "element_types", "version", "fp8_inputs", "incoherent", "disk_cache"),
+    # leaves: standard library and NumPy (fp8_inputs, incoherent: their torch and CuPy paths import them where
+    # they run); fagen's directory on disk
     ("derivatives", "fp8_backward_rounding"),  # expression trees' derivatives, as trees; where an FP8
     # backward rounds (the oracle's model of it)
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
@@ -26,7 +27,7 @@ LAYERS = [
     # the backward kernels' numbers (its dQ kernel is a forward plan); a traced score_mod's captured tensors' gradients (over a block mask's
     # pairs); MLA decode's, the head_dim 512 kernels', the 192/128 backward's and the FP8 backward's numbers
     ("load",),  # YAML and mappings to validated specs (the spec's and the plan's rules)
-    ("render", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
+    ("rendering", "variants"),  # spec -> CUDA; the shipped specs and the variants derived from them
     ("nvcc",),  # offline compilation and resource checks, no GPU
     ("device", "tensor_maps", "dependent_launch", "hot_path"),  # CuPy, tensor adapters, streams, GPU identity;
     # the driver: TMA tensor maps, programmatic dependent launches, a prepared call's launches from C
@@ -111,7 +112,7 @@ def test_the_leaves_and_the_oracle_need_no_pydantic(module):
                            "functools", "types", "typing"}, third_party
 
 
-@pytest.mark.parametrize("module", ["spec", "plan", "load", "render", "variants", "nvcc"])
+@pytest.mark.parametrize("module", ["spec", "plan", "load", "rendering", "variants", "nvcc"])
 def test_layers_below_the_device_import_no_cupy_or_torch(module):
     text = (PACKAGE / f"{module}.py").read_text()
     assert "import cupy" not in text and "import torch" not in text

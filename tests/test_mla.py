@@ -6,7 +6,7 @@ import pytest
 
 from fagen import nvcc, tensor_maps
 from fagen.mla_plan import HEAD_DIM, HEAD_DIM_V, MLA_TYPES, PAGE_SIZE, MlaPlan
-from fagen.render import render_mla
+from fagen.rendering import render_mla
 
 SM90A_SMEM = 227 * 1024  # the most dynamic shared memory a block may take on sm_90a
 

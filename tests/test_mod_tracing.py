@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from fagen import expression  # noqa: E402
 from fagen import mod_tracing as flex  # noqa: E402
 from fagen.load import SPECS, load_spec, parse_spec  # noqa: E402
-from fagen.render import render, render_backward  # noqa: E402
+from fagen.rendering import render, render_backward  # noqa: E402
 
 W, PREFIX, DILATION, CHUNK, IMAGE_W, RADIUS, HEADS = 9, 5, 3, 8, 6, 1, 4
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import fagen
 from fagen.cli import main
 from fagen.load import SPECS
-from fagen.render import outputs, renders, shared_kernels
+from fagen.rendering import outputs, renders, shared_kernels
 
 SMALL = dict(dtype="float16", head_dim=32, tiling={"block_q": 64, "block_kv": 32, "warps_q": 4})
 

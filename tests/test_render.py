@@ -5,7 +5,7 @@ from pathlib import Path
 
 import fagen
 from fagen import __version__
-from fagen.render import GENERATED, MERGE_DTYPES, merge_name, render, render_merge, renders, shared_kernels, stale
+from fagen.rendering import GENERATED, MERGE_DTYPES, merge_name, render, render_merge, renders, shared_kernels, stale
 from fagen.load import SPECS
 
 SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
@@ -14,6 +14,19 @@ SPEC_PATHS = sorted(SPECS.glob("*.yaml"))
 def test_same_spec_renders_byte_identical_text():
     for path in SPEC_PATHS:
         assert render(fagen.load_spec(path)) == render(fagen.load_spec(path))
+
+
+def test_compiled_templates_are_kept_on_disk_and_render_the_same_text(tmp_path, monkeypatch):
+    from fagen import rendering
+
+    spec = fagen.load_spec(SPECS / "attn_f16_d128.yaml")
+    expected = render(spec)
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path))
+    for _ in range(2):  # a fresh environment writes the compiled templates, the next one loads them
+        rendering.environment.cache_clear()
+        assert render(spec) == expected
+    assert len(list((tmp_path / "templates").iterdir())) >= 10
+    rendering.environment.cache_clear()  # (the next test's environment: the default directory's)
 
 
 def test_banner_names_version_and_spec_and_holds_no_machine_detail():
@@ -93,7 +106,7 @@ def _jinja(path) -> str:
 
 
 def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
-    from fagen.render import (FP8_BACKWARD_TEMPLATE, KEY_SPLIT_TEMPLATE, MLA_TEMPLATE, TEMPLATES,
+    from fagen.rendering import (FP8_BACKWARD_TEMPLATE, KEY_SPLIT_TEMPLATE, MLA_TEMPLATE, TEMPLATES,
                               WIDE_BACKWARD_TEMPLATE, WIDE_TEMPLATE)
 
     for kind in MASK_KINDS:
@@ -124,7 +137,7 @@ def test_one_partial_per_mask_kind_and_one_folder_per_main_loop():
 def test_skeletons_and_shared_partials_hold_no_architecture_switch():
     """What differs by architecture is in its folder, reached through `arch ~ "/hook"` or a
     template name the plan gives; the skeletons and shared partials never name an arch."""
-    from fagen.render import TEMPLATES
+    from fagen.rendering import TEMPLATES
 
     for folder in (*SHARED, *SKELETONS):
         for path in (TEMPLATES / folder).glob("*.j2"):
@@ -137,7 +150,7 @@ def test_skeletons_and_shared_partials_hold_no_architecture_switch():
 def test_templates_print_numbers_they_do_not_compute():
     """File-scope constants are the plan's (or spec's) numbers, printed; the named PTX encodings
     and math constants are the exceptions."""
-    from fagen.render import TEMPLATES
+    from fagen.rendering import TEMPLATES
 
     for path in TEMPLATES.rglob("*.j2"):
         for name, value in re.findall(r"^constexpr \w+(?: \w+)? (\w+) = ([^;]*);", path.read_text(), re.M):
@@ -165,7 +178,7 @@ def test_the_softmax_cannot_overflow_exp2_on_huge_scores():
     scores); a backward whose scores a user's values reach (a bias, an expression: -1e9 to mask a
     key; given ALiBi slopes) holds P = exp2(S - LSE) at 1; q.k, softcap and geometric ALiBi keep
     the lone FMA there."""
-    from fagen.render import render_backward
+    from fagen.rendering import render_backward
     from fagen.spec import ScoreMod
     from fagen import variants
 

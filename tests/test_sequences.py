@@ -7,7 +7,7 @@ import pytest
 from fagen import dispatch, nvcc, oracle, variants
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.plan import plan, query_tile_slots
-from fagen.render import render, render_sequence_tiles
+from fagen.rendering import render, render_sequence_tiles
 from fagen.sequences import check_cu_seqlens, check_pages, check_seqused_k, query_tiles_numpy
 from fagen.spec import Mask, ScoreMod, SpecError
 
@@ -292,7 +292,7 @@ def test_the_tile_table_launch_packs_the_tile_kernel_s_signature():
     kernel's parameters, in order, with their C types."""
     import re
 
-    from fagen.render import SEQUENCE_TILES, SEQUENCE_TILES_PARAMS, render_sequence_tiles
+    from fagen.rendering import SEQUENCE_TILES, SEQUENCE_TILES_PARAMS, render_sequence_tiles
 
     signature = re.search(rf"{SEQUENCE_TILES}\(([^)]*)\)", render_sequence_tiles()).group(1)
     params = [p.replace("__restrict__", "").rsplit(None, 1) for p in signature.split(",")]

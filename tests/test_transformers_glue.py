@@ -520,6 +520,26 @@ def test_key_ranges_are_each_row_s_run_of_tokens():
     assert bias.shape == (5, 1, 5) and ((bias[:, 0] == 0) == tokens).sum() == 24  # the holed row differs, at its hole
 
 
+def test_left_padded_ranges_agree_with_key_ranges_where_rows_run_to_the_last_slot():
+    """The decode step's shortcut: key_ranges' ranges where every row is one run to the last
+    slot, None where a row is not (a hole, right padding, no token), as the general path refuses."""
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        n, b = int(rng.integers(2, 40)), int(rng.integers(1, 9))
+        starts = torch.tensor(rng.integers(0, n, size=b))
+        tokens = torch.arange(n)[None] >= starts[:, None]
+        ranges, one_run, last = fagen.transformers.key_ranges(tokens)
+        assert torch.equal(fagen.transformers.left_padded_ranges(tokens), ranges)
+        broken = tokens.clone()
+        row, slot = int(rng.integers(0, b)), int(rng.integers(0, n))
+        broken[row, slot] = not bool(broken[row, slot])
+        _, one_run, last = fagen.transformers.key_ranges(broken)
+        runs = bool(one_run.all()) and bool((last == n).all())
+        assert (fagen.transformers.left_padded_ranges(broken) is not None) == runs
+    assert fagen.transformers.left_padded_ranges(torch.zeros(2, 5, dtype=torch.bool)) is None
+    assert fagen.transformers.left_padded_ranges(torch.tensor([[1, 1, 1, 0]]).bool()) is None
+
+
 def test_a_left_padded_training_step_takes_the_padding_as_a_bias_and_matches_sdpa(kernels):
     """Training: the mask function's key ranges become the same keys' bias (the kernels' backward
     reads a bias), and the loss and its gradients match SDPA's."""

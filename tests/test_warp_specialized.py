@@ -15,7 +15,7 @@ from fagen import runtime, tensor_maps
 from fagen.load import SPECS
 from fagen.plan import TMA_MAP, UNEVEN_SECTION_TILES_Y, l2_section, plan
 from fagen.spec import Mask, ScoreMod
-from fagen.render import render
+from fagen.rendering import render
 from fagen.variants import fallback_tilings, partial_variant, sequence_variant, variant
 from tests.conftest import rejected
 

@@ -10,7 +10,7 @@ import pytest
 import fagen
 from fagen import dispatch
 from fagen.plan import plan
-from fagen.render import render
+from fagen.rendering import render
 from fagen.load import SPECS
 from fagen.tune import candidates
 

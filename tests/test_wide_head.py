@@ -7,7 +7,7 @@ import re
 import pytest
 
 from fagen import nvcc
-from fagen.render import render_wide, render_wide_backward
+from fagen.rendering import render_wide, render_wide_backward
 from fagen.wide_head_plan import WIDE_TYPES, WideBackwardPlan, WideHeadPlan
 
 SM90A_SMEM = 227 * 1024
