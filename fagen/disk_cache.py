@@ -9,4 +9,4 @@ from pathlib import Path
 
 
 def directory() -> Path:
-    return Path(os.environ.get("FAGEN_CACHE_DIR", Path.home() / ".cache" / "fagen"))
+    return Path(os.environ.get("FAGEN_CACHE_DIR") or Path.home() / ".cache" / "fagen")

@@ -5,6 +5,7 @@ No CuPy here: rendering, snapshot tests and nvcc checks run on machines without 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
@@ -72,29 +73,41 @@ def asm_operands(outputs: int, *inputs: str) -> dict[str, str]:
     return {"acc": acc, **{name: f"%{outputs + i}" for i, name in enumerate(inputs)}}
 
 
-def template_bytecode_cache() -> jinja2.BytecodeCache | None:
-    """Compiled templates on disk (fagen.disk_cache), each keyed by its name and its source (jinja2's
-    own check): a fresh process's first render loads them instead of parsing and compiling ~25
-    templates, 0.1-0.2 s of a first call on an H200 host. None where the directory cannot be made."""
-    directory = disk_cache.directory() / "templates"
+# How the templates are read: what their compiled code depends on beyond their sources
+ENVIRONMENT_OPTIONS = dict(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                           keep_trailing_newline=True, autoescape=False)
+
+
+class TemplateBytecodeCache(jinja2.FileSystemBytecodeCache):
+    """Compiled templates on disk: Jinja2 keys each file by the template's name and checks its
+    source; the directory is named by Jinja2's version and ENVIRONMENT_OPTIONS, which change the
+    compiled code too. A write that fails (a read-only or full disk) leaves the template compiled
+    in memory: rendering never fails for want of the cache."""
+
+    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            super().dump_bytecode(bucket)
+        except OSError:
+            pass
+
+
+def template_bytecode_cache() -> TemplateBytecodeCache | None:
+    """The environment's compiled templates (fagen.disk_cache): a fresh process's first render loads
+    them instead of parsing and compiling ~25 templates, 0.1-0.2 s of a first call on an H200
+    host. None where the directory cannot be had."""
+    options = repr((jinja2.__version__, sorted((k, repr(v)) for k, v in ENVIRONMENT_OPTIONS.items())))
     try:
+        directory = disk_cache.directory() / f"templates-{hashlib.sha256(options.encode()).hexdigest()[:12]}"
         directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    except (OSError, RuntimeError):  # (RuntimeError: no home directory to put it under)
         return None
-    return jinja2.FileSystemBytecodeCache(str(directory))
+    return TemplateBytecodeCache(str(directory))
 
 
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
-        bytecode_cache=template_bytecode_cache(),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), bytecode_cache=template_bytecode_cache(),
+                             **ENVIRONMENT_OPTIONS)
     env.globals["asm_operands"] = asm_operands
     return env
 

@@ -15,7 +15,6 @@ import struct
 import threading
 from dataclasses import dataclass
 from functools import cache, cached_property, lru_cache, partial
-from pathlib import Path
 
 import numpy as np
 
@@ -880,7 +879,7 @@ def _check_sorted(docs) -> None:
 
 @cache
 def shared_function(name: str, device: int):
-    """A kernel no one spec owns (render.shared_kernels: the split-KV merges, the document
+    """A kernel no one spec owns (rendering.shared_kernels: the split-KV merges, the document
     bounds, the varlen tile table), compiled once a device and process."""
     with cupy.cuda.Device(device):
         return cupy.RawModule(code=shared_kernel(f"{name}.cu"), options=NVRTC_OPTIONS).get_function(name)

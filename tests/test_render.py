@@ -22,11 +22,23 @@ def test_compiled_templates_are_kept_on_disk_and_render_the_same_text(tmp_path, 
     spec = fagen.load_spec(SPECS / "attn_f16_d128.yaml")
     expected = render(spec)
     monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path))
-    for _ in range(2):  # a fresh environment writes the compiled templates, the next one loads them
+    try:
+        for _ in range(2):  # a fresh environment writes the compiled templates, the next one loads them
+            rendering.environment.cache_clear()
+            assert render(spec) == expected
+        (directory,) = tmp_path.iterdir()  # named by Jinja2's version and the environment's options
+        assert directory.name.startswith("templates-") and len(list(directory.iterdir())) >= 10
+        # writes that fail (a read-only or full disk): templates compiled in memory, as before
+        monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "elsewhere"))
+        monkeypatch.setattr("tempfile.NamedTemporaryFile", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "full")))
         rendering.environment.cache_clear()
         assert render(spec) == expected
-    assert len(list((tmp_path / "templates").iterdir())) >= 10
-    rendering.environment.cache_clear()  # (the next test's environment: the default directory's)
+        # no directory at all (a file where it would be)
+        (tmp_path / "a file").write_text("")
+        monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "a file"))
+        assert rendering.template_bytecode_cache() is None
+    finally:
+        rendering.environment.cache_clear()  # (the next test's environment: the default directory's)
 
 
 def test_banner_names_version_and_spec_and_holds_no_machine_detail():
