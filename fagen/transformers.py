@@ -124,7 +124,9 @@ def _padding(tokens, end, static: bool):
     small ops (a padded batch pays a second read for that)."""
     if not static and bool(tokens.all()):
         return None
-    if end == tokens.shape[-1]:  # runs to the last slot: left padding, told by fewer ops (a decode step's)
+    # runs to the last slot: left padding, told by fewer ops (a decode step's); an end on the device
+    # (a static cache's) takes the general path, whose one read checks it
+    if isinstance(end, int) and end == tokens.shape[-1]:
         ranges = left_padded_ranges(tokens)
         return ranges if ranges is not None or static else padding_bias(tokens)
     ranges, one_run, last = key_ranges(tokens)

@@ -53,7 +53,9 @@ from pathlib import Path
 from fagen import device, dispatch, variants
 try:
     from fagen.rendering import render, render_backward
-except ImportError:  # a tree from before the module's rename (fagen.render)
+except ModuleNotFoundError as missing:  # a tree from before the module's rename (fagen.render)
+    if missing.name != "fagen.rendering":
+        raise
     from fagen.render import render, render_backward
 device.gpu_slug = lambda *a: "h200"
 out = Path(sys.argv[1])
