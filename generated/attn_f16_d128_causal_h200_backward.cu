@@ -253,15 +253,21 @@ constexpr int DQ_N_FRAGS = 8;            // n8 fragments of a 64-column tile
 // per warpgroup (ids NAMED_BARRIER_DS + w) where each reads only its own keys
 constexpr int NAMED_BARRIER_DS = 1;    // 0 is __syncthreads
 constexpr int DS_BARRIER_THREADS = 256;
-// A step's dQ leaves each warp as one bulk reduce-add (TMA) of its 16 x 64 fragments, staged in
-// smem in register order: dq_accum keeps every query tile in that order, which the postprocess reads.
+// A step's dQ is staged in smem in register order (a warp's 16 x 64 fragments), each warpgroup's
+// contiguous; the producer warpgroup's dQ writer adds a warpgroup's with one bulk reduce: dq_accum
+// keeps every query tile in that order, which the postprocess reads.
 constexpr int DQ_STAGE_OFFSET = 166912;  // bytes from the smem base to warp 0's staging
 constexpr int DQ_STAGE_BYTES = 4096;    // a warp's: 16 rows x 64 columns, f32
+constexpr int CONSUMER_WARPGROUPS = 2;
+constexpr int DQ_ROWS_OFFSET = 134128;  // a warpgroup's staged part: where it goes (8 bytes each)
+constexpr int NAMED_BARRIER_DQ_FULL = 4;  // + w: warpgroup w's staging holds the step's dQ (after the epilogue's 3)
+constexpr int NAMED_BARRIER_DQ_EMPTY = NAMED_BARRIER_DQ_FULL + CONSUMER_WARPGROUPS;  // + w: ... it may be staged again
+constexpr int DQ_BARRIER_THREADS = 160;  // a warpgroup and the writer warp
 // Warp specialisation: THREADS compute (the consumers); the warpgroup after them is the
-// producer, whose one thread issues every load with TMA.
+// producer, whose one thread issues every load with TMA (and whose warp 1 issues dQ's adds).
 constexpr int BLOCK_THREADS = 384;
 constexpr int PRODUCER_WARPGROUP = 2;
-constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
+constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads and bulk adds
 constexpr int CONSUMER_REGISTERS = 240;  // ... and hands its registers to dK, dV, S and dP
 constexpr int ROW_BYTES = 256;  // a step's LSE (and its D): f32 a query row
 constexpr int D_ATOMS = 2;   // a K or Q tile's boxes: its 64-column blocks ...
@@ -532,6 +538,10 @@ __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 // Some of the block's threads meet: a warpgroup's, or the consumers' (the producer has left).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+// ... or one side signals the other, not waiting
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
 // Copy rows [row0, row0 + ROWS) of a [n, ROW_CHUNKS * 8] global matrix (row stride `stride`)
@@ -949,6 +959,7 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
   //
   // The roles: the producer warpgroup hands its registers to the consumers, and its issuing
   // thread loads every tile's K and V and every step's Q, dO, LSE and D as slots free up; the
+  // producer's warp 1 adds each step's dQ as the consumers stage it; the
   // consumers compute. Each role walks the tiles in its own loop, so that ptxas knows which
   // register budget (setmaxnreg's) every instruction runs under.
   // (Each role builds its own scheduler: a value live across setmaxnreg is spilled.)
@@ -961,6 +972,33 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
   asm volatile("griddepcontrol.launch_dependents;" :::);
   if (warp / WARPGROUP_WARPS == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
+    if (warp == PRODUCER_WARPGROUP * WARPGROUP_WARPS + 1) {
+      // The dQ writer (FlashAttention-3's): once a consumer warpgroup has staged its part of a
+      // step's dQ and said where it goes (`full`), one bulk reduce-add of it into dq_accum; once
+      // that has read the staging, the warpgroup may stage its next (`empty`). A null destination:
+      // the warpgroup's walk is over. (The warpgroups walk the same steps, a tile's count being its
+      // KV block's, so taking them in turn waits for none out of order.)
+      const unsigned long long* destinations = reinterpret_cast<const unsigned long long*>(smem + DQ_ROWS_OFFSET);
+      for (bool more = true; more;) {
+#pragma unroll 1
+        for (int w = 0; w < CONSUMER_WARPGROUPS; ++w) {
+          named_barrier_sync(NAMED_BARRIER_DQ_FULL + w, DQ_BARRIER_THREADS);
+          float* rows = reinterpret_cast<float*>(destinations[w]);
+          if (rows == nullptr) {
+            more = false;
+            continue;
+          }
+          if (lane == 0) {
+            bulk_reduce_add(rows, smem_u32(smem) + DQ_STAGE_OFFSET + w * WARPGROUP_WARPS * DQ_STAGE_BYTES,
+                            WARPGROUP_WARPS * DQ_STAGE_BYTES);
+            bulk_wait_read();
+          }
+          __syncwarp();
+          named_barrier_arrive(NAMED_BARRIER_DQ_EMPTY + w, DQ_BARRIER_THREADS);
+        }
+      }
+      if (lane == 0) bulk_wait();  // dQ's last adds are made before the block leaves
+    } else
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
       const TileScheduler scheduler(batch * heads_kv, (n_kv + BLOCK_KV - 1) / BLOCK_KV, 1, heads_section);
       for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
@@ -978,6 +1016,7 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     return;
   }
   registers_claim<CONSUMER_REGISTERS>();
+  bool dq_staged = false;  // a step's dQ has gone to the writer: the next waits for its staging to be read
   const TileScheduler scheduler(batch * heads_kv, (n_kv + BLOCK_KV - 1) / BLOCK_KV, 1, heads_section);
   for (int t = scheduler.first(), j = 0; t < scheduler.count; t = scheduler.next(t), ++j) {
     const Tile tile = scheduler.at(t);
@@ -1061,19 +1100,16 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
       pin_registers(p[0]);
       pin_registers(dv_acc[0]);
       pin_registers(dq_acc);
-      // the tile's adds, one bulk reduce a warp, once the warp's last one has read the staging (its
-      // places are worked out here: held across the loop they cost head_dim 64 a spill)
-      if (lane == 0) bulk_wait_read();
-      __syncwarp();
-      const unsigned dq_stage = smem_u32(smem) + DQ_STAGE_OFFSET + warp * DQ_STAGE_BYTES;
-      stage_dq(dq_stage, dq_acc, lane);
+      // the step's dQ to the warpgroup's staging, once the writer's adds have read the step before's
+      // (none before the block's first step: dq_staged), then handed to the writer
+      if (dq_staged) named_barrier_sync(NAMED_BARRIER_DQ_EMPTY + warpgroup, DQ_BARRIER_THREADS);
+      dq_staged = true;
+      stage_dq(smem_u32(smem) + DQ_STAGE_OFFSET + warp * DQ_STAGE_BYTES, dq_acc, lane);
+      if (warp % WARPGROUP_WARPS == 0 && lane == 0)  // where the warpgroup's part goes: its tile of the step's query rows
+        reinterpret_cast<unsigned long long*>(smem + DQ_ROWS_OFFSET)[warpgroup] = reinterpret_cast<unsigned long long>(
+            dq_accum + ((long long)(b * heads_q + h) * n_pad + q0) * D_COLS + dq_tile * WARPGROUP_WARPS * (DQ_STAGE_BYTES / 4));
       fence_async_smem();
-      __syncwarp();
-      if (lane == 0) {  // a query tile of dq_accum: BLOCK_Q x D_COLS floats (wgmma never splits head_dim)
-        const int warp_floats = (dq_tile * WARPGROUP_WARPS + warp % WARPGROUP_WARPS) * (DQ_STAGE_BYTES / 4);
-        bulk_reduce_add(dq_accum + ((long long)(b * heads_q + h) * n_pad + q0) * D_COLS + warp_floats, dq_stage,
-                        DQ_STAGE_BYTES);
-      }
+      named_barrier_arrive(NAMED_BARRIER_DQ_FULL + warpgroup, DQ_BARRIER_THREADS);
       wgmma_wait<0>();  // dK is done: the step's Q/dO slot is free
       pin_registers(ds[0]);
       pin_registers(dk_acc[0]);
@@ -1114,7 +1150,12 @@ fagen_attn_f16_d128_causal_h200_bwd_dkdv(
     pipe.release_kv(j);  // the next tile but one loads its K and V here
     pipe.end(steps);
   }
-  if (lane == 0) bulk_wait();  // dQ's last adds are made, and have read the staging, before the block leaves
+  {  // the walk is over: a null destination to the writer, once it has read the last step's
+    const int warpgroup = warp / WARPGROUP_WARPS;
+    if (dq_staged) named_barrier_sync(NAMED_BARRIER_DQ_EMPTY + warpgroup, DQ_BARRIER_THREADS);
+    if (tid % (WARPGROUP_WARPS * 32) == 0) reinterpret_cast<unsigned long long*>(smem + DQ_ROWS_OFFSET)[warpgroup] = 0;
+    named_barrier_arrive(NAMED_BARRIER_DQ_FULL + warpgroup, DQ_BARRIER_THREADS);
+  }
 }
 }  // namespace dkdv
 

@@ -84,6 +84,28 @@ def test_atomic_plan_lays_ds_buffers_after_the_ring():
                                     "postprocess": plan.postprocess_symbol}
 
 
+def test_producer_fed_head_dim_128_hands_dq_to_the_producer_s_writer():
+    """At head_dim 128 the producer warpgroup's dQ writer issues the bulk adds (DQ_WRITER_HEAD_DIMS):
+    the consumers' part of a step goes to it with its destination, held where the barriers leave
+    room before the dS^T buffers (no more shared memory), and they issue no bulk reduce of their own;
+    at head_dim 64, and without a producer, each consumer warp issues its own."""
+    fed = fagen.parse_spec(hopper(warp_specialized={"producer_registers": 24, "consumer_registers": 240}))
+    dkdv = backward_plan(fed).dkdv
+    warpgroups = fed.backward.warps // 4
+    assert dkdv.dq_writer and dkdv.smem_bytes == dkdv.dq_stage_offset + fed.backward.warps * dkdv.dq_stage_bytes
+    ring_end = 2 * dkdv.kv_tile_bytes + fed.backward.stages * dkdv.stage_bytes + 2 * (fed.backward.stages + 1) * MBARRIER_BYTES
+    assert ring_end <= dkdv.dq_rows_offset and dkdv.dq_rows_offset + 8 * warpgroups <= dkdv.ds_offset
+    source = render_backward(fed)
+    mainloop = source[source.index("registers_claim<CONSUMER_REGISTERS>"):source.index("namespace postprocess")]
+    assert "bulk_reduce_add(" not in mainloop and "named_barrier_arrive(NAMED_BARRIER_DQ_FULL" in mainloop
+    assert source.count("bulk_reduce_add(rows") == 1  # the writer's
+    copying = backward_plan(fagen.parse_spec(hopper())).dkdv
+    assert not copying.dq_writer and copying.dq_rows_offset == 0
+    d64 = variants.trainable(fagen.load_spec(SPECS / "attn_f16_d64_causal_h200.yaml"))
+    assert d64.backward.warp_specialized is not None and not backward_plan(d64).dkdv.dq_writer
+    assert "NAMED_BARRIER_DQ_FULL" not in render_backward(d64)
+
+
 def test_deterministic_plan_has_a_dq_kernel_and_no_accumulator():
     plan = backward_plan(fagen.parse_spec(hopper(deterministic=True)))
     assert not plan.atomic_dq and plan.dkdv.ds_tile_bytes == 0
