@@ -433,7 +433,6 @@ class DkdvPlan:
     # warpgroup stages its part and writes its destination here, not issuing bulk reduces itself
     dq_writer: bool
     dq_rows_offset: int  # bytes from the smem base to the warpgroups' destinations (dq_writer)
-    consumer_warpgroups: int  # the warpgroups that compute (a wgmma kernel's)
     dq_barrier_threads: int  # a consumer warpgroup and the writer warp, at each of their barriers (dq_writer)
     # backward.bias_grad: each step's score gradient at the bias added into dbias; "" without
     bias_grad: str  # score_mod.bias: "matrix" (an add per score) or "vector" (a key's sum over the step's queries)
@@ -766,7 +765,7 @@ def dkdv_plan(spec: AttentionSpec) -> DkdvPlan:
         mask_lane_words=-(-bwd.block_q // LANE_COLUMNS), mask_params=KINDS[spec.mask.kind].params, score_params=score_params(spec),
         **tiles,
         **(atomic_dq_numbers(spec, ds_offset) if spec.atomic_dq else dict.fromkeys(ATOMIC_DQ_NUMBERS, 0)),
-        dq_writer=dq_writer, dq_rows_offset=dq_rows_offset, consumer_warpgroups=warps // WARPGROUP_WARPS,
+        dq_writer=dq_writer, dq_rows_offset=dq_rows_offset,
         dq_barrier_threads=32 * (WARPGROUP_WARPS + 1) if dq_writer else 0,
         bias_grad=mod.bias if bwd.bias_grad else "", bias_grad_params=BIAS_GRAD_PARAMS if bwd.bias_grad else (),
         captured_grads=captured, captured_grad_params=captured_grad_params(captured),

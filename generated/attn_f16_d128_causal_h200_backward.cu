@@ -258,7 +258,7 @@ constexpr int DS_BARRIER_THREADS = 256;
 // keeps every query tile in that order, which the postprocess reads.
 constexpr int DQ_STAGE_OFFSET = 166912;  // bytes from the smem base to warp 0's staging
 constexpr int DQ_STAGE_BYTES = 4096;    // a warp's: 16 rows x 64 columns, f32
-constexpr int CONSUMER_WARPGROUPS = 2;
+constexpr int CONSUMER_WARPGROUPS = 2;  // the producer's index: the warpgroups before it
 constexpr int DQ_ROWS_OFFSET = 134128;  // a warpgroup's staged part: where it goes (8 bytes each)
 constexpr int NAMED_BARRIER_DQ_FULL = 4;  // + w: warpgroup w's staging holds the step's dQ (after the epilogue's 3)
 constexpr int NAMED_BARRIER_DQ_EMPTY = NAMED_BARRIER_DQ_FULL + CONSUMER_WARPGROUPS;  // + w: ... it may be staged again
