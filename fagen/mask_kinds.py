@@ -39,9 +39,6 @@ class MaskKind:
     # a function of positions alone (no array indexed by query tile or row): GQA packing, whose
     # tile rows are (position, head) pairs, may test it per row
     packable = True
-    # the most keys a KV tile of its variants holds (None: the default's): where the kind's tile
-    # boundaries fall anywhere, a tile straddling one is computed whole and masked pair by pair
-    kv_tile_cap: int | None = None
     # every query tile visits the same keys: no order of the tile walk balances anything
     even_tiles = False
     # its tile test reads memory (Mask::prepare_tile), which the loops issue before a tile's S MMAs
@@ -69,8 +66,26 @@ class MaskKind:
         """Does every pair of rows [q0, q1] x keys [k0, k1] count? (needs_element_test)"""
         return True
 
+    def kv_tile(self, block_kv: int) -> int:
+        """The keys a KV tile of its variants holds, given the default's: a tile straddling one of
+        the kind's boundaries is computed whole and masked pair by pair."""
+        return block_kv
+
     def __repr__(self) -> str:
         return f"MaskKind({self.name})"
+
+
+class PowerOfTwoSpans(MaskKind):
+    """A kind whose boundaries users place at multiples of a power of two (windows and chunks of
+    1024 or 4096 keys, FlexAttention's 128-key blocks): a variant's KV tile over 128 keys comes
+    down to the largest power of two in it, so that those boundaries fall between tiles. H200, N
+    4k-16k, against the default's width: d128's 176 -> 128 on windows of 1024 keys +6-11%, chunks
+    of 1024 +31-64%, a window's 128-key block mask +6-10%; e4m3 d128's 192 -> 128 windows +5-6%,
+    chunks +13%. Narrower tiles stay: d256's 80 -> 64 measured 0.91-0.97x on windows and block
+    masks (more tiles a row cost more than the straddling saves)."""
+
+    def kv_tile(self, block_kv: int) -> int:
+        return block_kv if block_kv <= 128 else 1 << (block_kv.bit_length() - 1)
 
 
 class NoMask(MaskKind):
@@ -97,7 +112,7 @@ class Causal(MaskKind):
         return k1 <= q0 + off
 
 
-class SlidingWindow(MaskKind):
+class SlidingWindow(PowerOfTwoSpans):
     name = "sliding_window"
     fields = ("window_left", "window_right")
     required = "window_left"
@@ -116,7 +131,7 @@ class SlidingWindow(MaskKind):
         return k0 >= q1 + off - m.window_left and k1 <= q0 + off + (m.window_right or 0)
 
 
-class Chunked(MaskKind):
+class Chunked(PowerOfTwoSpans):
     name = "chunked"
     fields = ("chunk_size",)
     required = "chunk_size"
@@ -169,7 +184,8 @@ class Document(MaskKind):
     uses_align = False
     # Documents start anywhere: 128 keys (FlexAttention's block) divide the usual lengths, where
     # the 192-key tiles of the d64 defaults computed half again the kept pairs of 512-key documents
-    kv_tile_cap = 128
+    def kv_tile(self, block_kv: int) -> int:
+        return min(block_kv, 128)
 
     def keep(self, m, q, k, off, doc):
         keep = doc(q) == doc(k)
@@ -189,7 +205,7 @@ class Document(MaskKind):
         return bool(docs[q0] == docs[q1] == docs[k0] == docs[k1]) and (not m.causal or k1 <= q0)
 
 
-class BlockMaskKind(MaskKind):
+class BlockMaskKind(PowerOfTwoSpans):
     """The pattern is a runtime fagen.masks.BlockMask: its lists say which tiles to visit and
     how to test them, so its NumPy twin lives with the builders there."""
 

@@ -84,10 +84,10 @@ def variant(base: AttentionSpec, mask: Mask, score_mod: ScoreMod) -> AttentionSp
     tag = hashlib.sha256(repr((mask, score_mod)).encode()).hexdigest()[:10]
     data = {**base.model_dump(), "name": f"{base.name}_{mask.kind}_{tag}", "mask": mask.model_dump(),
             "score_mod": score_mod.model_dump(), "backward": None}
-    cap = KINDS[mask.kind].kv_tile_cap
-    if cap is not None and base.tiling.block_kv > cap:  # the kind's own tile size (MaskKind.kv_tile_cap)
-        data["name"] += f"_kv{cap}"
-        data["tiling"] = {**data["tiling"], "block_kv": cap}
+    block_kv = KINDS[mask.kind].kv_tile(base.tiling.block_kv)
+    if block_kv != base.tiling.block_kv:  # the kind's own tile size (MaskKind.kv_tile)
+        data["name"] += f"_kv{block_kv}"
+        data["tiling"] = {**data["tiling"], "block_kv": block_kv}
     return parse_falling_back(data, base, f"variant of {base.name}")
 
 
