@@ -86,3 +86,22 @@ def rejected(data: dict) -> str:
     with pytest.raises(fagen.SpecError) as info:
         fagen.parse_spec(data)
     return str(info.value)
+
+
+# ---- compute-sanitizer on a script (the GPU suites' sanitizer tests) ---------------------------
+def assert_sanitizer_clean(tool: str, script: str) -> None:
+    """Run `script` (Python, printing "ran" at its end) under compute-sanitizer's `tool`; fail with
+    its report unless it ran and the tool found nothing."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not os.path.exists(sanitizer):
+        pytest.fail("compute-sanitizer is not on this GPU machine (CUDA toolkit's bin/)")
+    run = subprocess.run([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert run.returncode == 0 and "ran" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    # memcheck and synccheck end with "ERROR SUMMARY: 0 errors", racecheck with "(0 errors, 0 warnings)"
+    assert re.search(r"ERROR SUMMARY: 0 errors|\(0 errors, 0 warnings\)", run.stdout + run.stderr), run.stdout[-3000:]
