@@ -21,6 +21,14 @@ code, in any two trees, old ones included.
 `fagen_old` (its torch ops `fagen_old::`), both are imported into one process, and each case's
 calls through OLD and NEW are timed back to back, the order alternating, for `--rounds` rounds
 (both trees' outputs checked against SDPA's first).
+
+`kernels-one-process` does the same for the kernels' GPU time: the forward that fagen.attention
+derives (dense and causal; float16 and bfloat16; head_dim 64, 128, 256; N 1k, 4k, 16k at
+B * N = 16k, H * d = 2048) and the backward's three kernels (float16, head_dim 64 and 128, N 1k
+to 16k), each tree's call timed by CUDA events (fagen.check.time_ms) back to back with the other's,
+the order alternating; TF/s. Outputs are checked against float32 SDPA first (gradients up to 4k).
+The old tree can be any directory holding a checkout (`git worktree add`, or `git archive` of a
+revision unpacked), carried to the GPU machine beside the new one.
 """
 
 from __future__ import annotations
@@ -114,6 +122,59 @@ for r in range(int(sys.argv[2])):
 json.dump({tree: [[list(k), us] for k, us in rows] for tree, rows in runs.items()}, open(sys.argv[1], "w"))
 """
 
+KERNELS_ONE_PROCESS = """
+import json, sys
+import torch
+import fagen, fagen_old
+from fagen.check import OUT_TOLERANCE, time_ms
+
+def forward(package, dtype, d, n, causal, q, k, v):
+    spec = package.dispatch.default_spec(dtype, d, causal, keys=n)
+    kernel = package.runtime.compile_kernel(spec)
+    return lambda q, k, v, dout: kernel(q, k, v)
+
+def backward(package, dtype, d, n, causal, q, k, v):
+    import importlib
+    bench = importlib.import_module(package.__name__ + ".bench_backward")
+    case = importlib.import_module(package.__name__ + ".bench_cases").Case(dtype, d, n, causal)
+    spec, _ = bench.fagen_spec(case, q)
+    kernels = importlib.import_module(package.__name__ + ".backward").compile_backward(spec)
+    out, lse = kernels.forward(q, k, v, return_lse=True)  # the forward's saved out and LSE
+    return lambda q, k, v, dout: kernels(dout, q, k, v, out, lse)
+
+CASES = [("forward", dt, d, n, c) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
+         for n in (1024, 4096, 16384) for c in (False, True)]
+CASES += [("backward", "float16", d, n, c) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
+rounds = int(sys.argv[2])
+runs = {"old": [{} for _ in range(rounds)], "new": [{} for _ in range(rounds)]}
+for what, dtype, d, n, causal in CASES:
+    b, h = 16384 // n, 2048 // d
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(4))
+    maker = forward if what == "forward" else backward
+    calls = {tree: maker(package, dtype, d, n, causal, q, k, v) for tree, package in (("old", fagen_old), ("new", fagen))}
+    if what == "forward":
+        ref = [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).float()]
+        got = {tree: [call(q, k, v, dout).float()] for tree, call in calls.items()}
+    elif n <= 4096:
+        x = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*x, is_causal=causal), x, dout.float())
+        got = {tree: [g.float() for g in (lambda r: (r.dq, r.dk, r.dv))(call(q, k, v, dout))] for tree, call in calls.items()}
+    else:
+        ref, got = None, {}
+    for tree, outputs in got.items():
+        err = max(((o - r).norm() / r.norm()).item() for o, r in zip(outputs, ref))
+        assert err <= 2 * OUT_TOLERANCE[dtype], (tree, what, dtype, d, n, causal, err)
+    flops = (4 if what == "forward" else 10) * b * h * n * n * d / (2 if causal else 1)
+    key = (f"{dtype} d{d} n{n} {'causal' if causal else 'dense'}", what)
+    for r in range(rounds):
+        for tree in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            ms = time_ms(lambda: calls[tree](q, k, v, dout), warmup=10, iters=30)
+            runs[tree][r][key] = flops / ms / 1e9
+json.dump({tree: [[[list(k), v] for k, v in run.items()] for run in rounds_] for tree, rounds_ in runs.items()},
+          open(sys.argv[1], "w"))
+"""
+
 
 def renamed_copy(tree: Path, into: Path) -> Path:
     """`tree` copied into `into` with its package renamed fagen_old (every `fagen` word in its
@@ -123,6 +184,17 @@ def renamed_copy(tree: Path, into: Path) -> Path:
     for source in (into / "fagen_old").rglob("*.py"):
         source.write_text(re.sub(r"\bfagen\b", "fagen_old", source.read_text()))
     return into
+
+
+def run_kernels_one_process(old: Path, new: Path, rounds: int) -> dict[str, list[dict]]:
+    """Both trees in one process (KERNELS_ONE_PROCESS): per tree, one {(case, pass): TF/s} a round."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = renamed_copy(old, Path(tmp, "old"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(new), str(copy), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-c", KERNELS_ONE_PROCESS, f"{tmp}/rows.json", str(rounds)],
+                       cwd=new, env=env, check=True)
+        rows = json.loads(Path(tmp, "rows.json").read_text())
+    return {tree: [{tuple(key): value for key, value in run} for run in measured] for tree, measured in rows.items()}
 
 
 def run_one_process(old: Path, new: Path, rounds: int, core: int) -> dict[str, list[dict]]:
@@ -196,13 +268,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old", type=Path)
     parser.add_argument("new", type=Path)
-    parser.add_argument("--what", choices=("quick", "backward", "serving", "host", "host-one-process", "sass"),
+    parser.add_argument("--what", choices=("quick", "backward", "serving", "host", "host-one-process", "kernels-one-process",
+                                            "sass"),
                         default="host")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--core", type=int, default=2)
     args = parser.parse_args()
     if args.what == "host-one-process":
         runs = run_one_process(args.old.resolve(), args.new.resolve(), args.rounds, args.core)
+    elif args.what == "kernels-one-process":
+        runs = run_kernels_one_process(args.old.resolve(), args.new.resolve(), args.rounds)
     elif args.what == "sass":  # deterministic: one run each
         runs = {name: [run_sass(getattr(args, name).resolve())] for name in ("old", "new")}
     else:
@@ -210,7 +285,7 @@ def main() -> None:
         for i in range(args.rounds):
             for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
                 runs[name].append(run_once(getattr(args, name).resolve(), args.what, args.core))
-    for row in compare(runs["old"], runs["new"], higher_is_better=args.what in ("quick", "backward")):
+    for row in compare(runs["old"], runs["new"], higher_is_better=args.what in ("quick", "backward", "kernels-one-process")):
         print(f"{row['case'][:52]:52} {row['impl']:16} old {row['old']:9.2f} new {row['new']:9.2f} "
               f"slowdown {row['slowdown']:6.3f}  old {row['old_range'][0]:.1f}-{row['old_range'][1]:.1f} "
               f"new {row['new_range'][0]:.1f}-{row['new_range'][1]:.1f}{'  APART' if row['apart'] else ''}")
