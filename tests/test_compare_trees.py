@@ -67,3 +67,33 @@ def test_the_sass_cases_name_what_every_tree_has(compare_trees):
         if isinstance(node, ast.ImportFrom) and node.module == "fagen.rendering":
             assert all(hasattr(modules["rendering"], alias.name) for alias in node.names)
     assert callable(sass_instructions)
+
+
+def test_the_kernel_cases_name_what_the_tree_has(compare_trees):
+    """`--what kernels-one-process` runs KERNELS_ONE_PROCESS with both packages imported: it must
+    be Python whose fagen names exist with the arguments it passes (each tree's derivation,
+    compile and backward entry points, the bench's backward spec and case; the timing and
+    tolerances it reads from the new tree), and its cases' shapes must tile B * N = 16k tokens."""
+    import ast
+    import inspect
+
+    from fagen import backward, bench_backward, bench_cases, check, dispatch, runtime
+
+    script = compare_trees.KERNELS_ONE_PROCESS
+    tree = ast.parse(script)
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for module, name in ((dispatch, "default_spec"), (runtime, "compile_kernel"), (bench_backward, "fagen_spec"),
+                         (bench_cases, "Case"), (backward, "compile_backward"), (check, "time_ms"), (check, "OUT_TOLERANCE")):
+        assert hasattr(module, name) and name in script, (module.__name__, name)
+    assert {"default_spec", "compile_kernel"} <= attributes
+    assert "keys" in inspect.signature(dispatch.default_spec).parameters
+    assert list(inspect.signature(bench_backward.fagen_spec).parameters) == ["case", "q"]
+    assert "return_lse" in inspect.signature(runtime.Kernel.__call__).parameters  # Backward.forward: the Kernel
+    # the case lists alone (literal comprehensions), run apart from the script's torch work
+    cases = [node for node in tree.body if isinstance(node, (ast.Assign, ast.AugAssign))
+             and "CASES" in {t.id for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=cases, type_ignores=[]), "KERNELS_ONE_PROCESS", "exec"), namespace)
+    passes = {case[0] for case in namespace["CASES"]}
+    assert passes == {"forward", "backward"}
+    assert all(16384 % n == 0 and 2048 % d == 0 for _, _, d, n, _ in namespace["CASES"])
