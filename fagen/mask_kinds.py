@@ -77,12 +77,12 @@ class MaskKind:
 
 class PowerOfTwoSpans(MaskKind):
     """A kind whose boundaries users place at multiples of a power of two (windows and chunks of
-    1024 or 4096 keys, FlexAttention's 128-key blocks): a variant's KV tile over 128 keys comes
-    down to the largest power of two in it, so that those boundaries fall between tiles. H200, N
-    4k-16k, against the default's width: d128's 176 -> 128 on windows of 1024 keys +6-11%, chunks
-    of 1024 +31-64%, a window's 128-key block mask +6-10%; e4m3 d128's 192 -> 128 windows +5-6%,
-    chunks +13%. Narrower tiles stay: d256's 80 -> 64 measured 0.91-0.97x on windows and block
-    masks (more tiles a row cost more than the straddling saves)."""
+    1024 or 4096 keys): a variant's KV tile over 128 keys comes down to the largest power of two
+    in it, so that those boundaries fall between tiles. H200, N 4k-16k, against the default's
+    width: d128's 176 -> 128 on windows of 1024 keys +6-11%, chunks of 1024 +31-64%; e4m3 d128's
+    192 -> 128 windows +5-6%, chunks +13%. Narrower tiles stay: d256's 80 -> 64 measured
+    0.91-0.97x on windows (more tiles a row cost more than the straddling saves). (Block masks
+    take their own blocks' tiles where a shipped spec has them: variants.block_aligned.)"""
 
     def kv_tile(self, block_kv: int) -> int:
         return block_kv if block_kv <= 128 else 1 << (block_kv.bit_length() - 1)
@@ -182,6 +182,7 @@ class Document(MaskKind):
     side_input = "doc_ids"
     packable = False
     uses_align = False
+
     # Documents start anywhere: 128 keys (FlexAttention's block) divide the usual lengths, where
     # the 192-key tiles of the d64 defaults computed half again the kept pairs of 512-key documents
     def kv_tile(self, block_kv: int) -> int:
@@ -205,7 +206,7 @@ class Document(MaskKind):
         return bool(docs[q0] == docs[q1] == docs[k0] == docs[k1]) and (not m.causal or k1 <= q0)
 
 
-class BlockMaskKind(PowerOfTwoSpans):
+class BlockMaskKind(MaskKind):
     """The pattern is a runtime fagen.masks.BlockMask: its lists say which tiles to visit and
     how to test them, so its NumPy twin lives with the builders there."""
 

@@ -227,15 +227,16 @@ WGMMA_TILE_STEP = (3, 4)
 
 def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
     """(block_kv, pipeline change, name suffix) to try, in order, where base's tiling is refused:
-    base's block_kv, (wgmma) three quarters of it where that is a whole number of k16 steps
-    (128 -> 96), then the powers of two below it down to 16 (176 -> 128, 64, 32, 16), each first
-    with base's pipeline, then (mma.sync) with separate K and V buffers, 2 stages (fewer
-    registers for slot addresses than one stage, by ptxas)."""
+    base's block_kv, then the powers of two below it down to 16 (176 -> 128, 64, 32, 16) with
+    (wgmma) three quarters of the largest of them after it (128 -> 96 -> 64; 176 -> 128 -> 96;
+    80 -> 64 -> 48), each first with base's pipeline, then (mma.sync) with separate K and V
+    buffers, 2 stages (fewer registers for slot addresses than one stage, by ptxas)."""
     out = []
-    sizes = [base.tiling.block_kv] + [1 << p for p in range(8, 3, -1) if 1 << p < base.tiling.block_kv]
-    three_quarters = base.tiling.block_kv * WGMMA_TILE_STEP[0] // WGMMA_TILE_STEP[1]
+    powers = [1 << p for p in range(8, 3, -1) if 1 << p <= base.tiling.block_kv]
+    sizes = [base.tiling.block_kv] + [size for size in powers if size < base.tiling.block_kv]
+    three_quarters = powers[0] * WGMMA_TILE_STEP[0] // WGMMA_TILE_STEP[1] if powers else 0
     if base.wgmma and three_quarters % 16 == 0 and three_quarters not in sizes:
-        sizes.insert(1, three_quarters)
+        sizes.insert(sizes.index(powers[0]) + 1, three_quarters)
     for block_kv in sizes:
         if block_kv != base.tiling.block_kv:
             out.append((block_kv, {}, f"_kv{block_kv}"))

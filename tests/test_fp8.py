@@ -184,13 +184,13 @@ def test_the_v_transpose_kernel_compiles_without_spills():
 
 @pytest.mark.parametrize("mask,score_mod", [
     (None, {}), ({"kind": "causal"}, {}), ({"kind": "sliding_window", "window_left": 256}, {}),
-    ({"kind": "causal"}, {"softcap": 30.0}), ({"kind": "prefix_lm", "prefix_len": 100}, {"alibi": "slopes"}),
+    ({"kind": "chunked", "chunk_size": 1024}, {}), ({"kind": "causal"}, {"softcap": 30.0}), ({"kind": "prefix_lm", "prefix_len": 100}, {"alibi": "slopes"}),
     ({"kind": "causal"}, {"sinks": True}),
     # what fagen.attention's FP8 path takes since it passes ALiBi slopes and biases: a bias (either
     # kind) and ALiBi with softcap take 128-key tiles, the register model's fit
     (None, {"bias": "vector"}), ({"kind": "causal"}, {"bias": "matrix"}), (None, {"alibi": "slopes", "softcap": 30.0}),
-    # masks read from arrays: documents and block masks take 128-key tiles (MaskKind.kv_tile), as
-    # windows do
+    # masks read from arrays: documents take 128-key tiles (MaskKind.kv_tile), as windows do;
+    # block masks 192
     ({"kind": "document", "causal": True}, {"sinks": True}), ({"kind": "block_mask"}, {})])
 def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
     from fagen import nvcc
@@ -200,9 +200,9 @@ def test_fagen_attention_s_fp8_variants_compile_without_spills(mask, score_mod):
 
     spec = fp8_spec("float8_e4m3", 128, call_mask(False, mask), ScoreMod(**score_mod))
     # (softcap's tanh and its derivative's registers: the register estimate's fallback, 128 keys;
-    # documents, windows and block masks: their kind's tile)
+    # documents, windows and chunks: their kind's tile)
     narrow = "softcap" in score_mod or "bias" in score_mod or \
-        (mask or {}).get("kind") in ("document", "sliding_window", "block_mask")
+        (mask or {}).get("kind") in ("document", "sliding_window", "chunked")
     assert spec.element.is_fp8 and spec.tiling.block_kv == (128 if narrow else 192)
     assert spec.out_dtype == "bfloat16"
     (resources,) = nvcc.compile_many([(spec, "sm_90a")])

@@ -601,6 +601,7 @@ for dtype, d, (b, h, n), causal in (("float16", 128, (1, 2, 333), True), ("bfloa
     q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, dtype)) for _ in range(4))
     spec, _ = fagen_spec(Case(dtype, d, n, causal), q)
     backward = compile_backward(spec)
+    assert backward.plan.dkdv.dq_writer == (d == 128), spec.name  # the kernels this is here for
     out, lse = backward.forward(q, k, v, return_lse=True)
     grads = backward(dout, q, k, v, out, lse)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))

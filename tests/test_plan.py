@@ -228,7 +228,7 @@ def test_variants_fall_back_to_a_tiling_the_estimate_accepts():
     """fagen.attention's variants keep the default's tiling where the estimate accepts it, else
     take a smaller block_kv (and, mma.sync, two separate stages): never a refusal."""
     from fagen.spec import Mask, ScoreMod
-    from fagen.variants import variant
+    from fagen.variants import fallback_tilings, variant
 
     h200 = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
     h200 = fagen.parse_spec({**h200.model_dump(), "tiling": {**h200.tiling.model_dump(), "block_kv": 128}})  # the document kind's tile
@@ -236,6 +236,14 @@ def test_variants_fall_back_to_a_tiling_the_estimate_accepts():
     assert doc.tiling == h200.tiling  # the document mask's kernel fix: no fallback needed
     heavy = variant(h200, Mask(kind="document"), ScoreMod(softcap=30.0, alibi="slopes", bias="matrix", sinks=True))
     assert heavy.tiling.block_kv < h200.tiling.block_kv and heavy.name.endswith(f"_kv{heavy.tiling.block_kv}")
+    # the ladder's three quarters are of the largest power of two in the tile: 176 keys fall back
+    # to 128, then 96, as 128 does (not 128 -> 64)
+    shipped = fagen.load_spec(SPECS / "attn_f16_d128_h200.yaml")
+    assert shipped.tiling.block_kv == 176
+    assert [size for size, _, _ in fallback_tilings(shipped)] == [128, 96, 64, 32, 16]
+    assert [size for size, _, _ in fallback_tilings(h200)] == [96, 64, 32, 16]
+    for mask in (Mask(), Mask(kind="document"), Mask(kind="chunked", chunk_size=1024)):
+        assert variant(shipped, mask, heavy.score_mod).tiling.block_kv == heavy.tiling.block_kv == 96, mask
     d256 = fagen.load_spec(SPECS / "attn_f16_d256_causal.yaml")
     bias = variant(d256, Mask(kind="causal"), ScoreMod(bias="vector"))
     assert plan(bias).predicted_registers <= 255
@@ -245,25 +253,25 @@ def test_variants_fall_back_to_a_tiling_the_estimate_accepts():
 
 def test_masks_take_the_kinds_kv_tile():
     """A variant's KV tile is its kind's (MaskKind.kv_tile), named for it where it differs from the
-    default's: documents start anywhere (at most 128 keys); windows, chunks and block masks sit at
-    multiples of a power of two (a tile over 128 keys comes down to the largest power of two in
-    it); the other kinds keep the default's. A default already at or under it is unchanged."""
+    default's: documents start anywhere (at most 128 keys); windows and chunks sit at multiples of
+    a power of two (a tile over 128 keys comes down to the largest power of two in it); the other
+    kinds keep the default's. A default already at or under it is unchanged."""
     from fagen.mask_kinds import KINDS
     from fagen.spec import Mask, ScoreMod
     from fagen.variants import variant
 
     widths = (64, 80, 96, 128, 160, 176, 192, 256)
     assert [KINDS["document"].kv_tile(w) for w in widths] == [64, 80, 96, 128, 128, 128, 128, 128]
-    for kind in ("sliding_window", "chunked", "block_mask"):
+    for kind in ("sliding_window", "chunked"):
         assert [KINDS[kind].kv_tile(w) for w in widths] == [64, 80, 96, 128, 128, 128, 128, 256], kind
-    for kind in ("none", "causal", "prefix_lm"):
+    for kind in ("none", "causal", "prefix_lm", "block_mask"):  # block masks: variants.block_aligned
         assert [KINDS[kind].kv_tile(w) for w in widths] == list(widths), kind
 
     d64 = fagen.load_spec(SPECS / "attn_f16_d64_h200.yaml")  # two consumer warpgroups, 176 keys (the old default)
     d64 = fagen.parse_spec({**d64.model_dump(), "tiling": {"block_q": 128, "block_kv": 176, "warps_q": 8},
                             "pipeline": {**d64.pipeline.model_dump(), "warp_specialized": {"persistent": True}}})
     for mask in (Mask(kind="document"), Mask(kind="document", causal=True), Mask(kind="sliding_window", window_left=100),
-                 Mask(kind="chunked", chunk_size=1024), Mask(kind="block_mask")):
+                 Mask(kind="chunked", chunk_size=1024)):
         derived = variant(d64, mask, ScoreMod())
         assert derived.tiling.block_kv == 128 and derived.name.endswith("_kv128"), mask
         assert derived.pipeline == d64.pipeline  # still warp-specialised and persistent
