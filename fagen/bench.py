@@ -19,6 +19,7 @@ where it was not run, from its JSON in the output folder.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -226,14 +227,17 @@ class _NoBar:
 
 
 def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool = False, serving_only: bool = False,
-         forward_only: bool = False, report: tuple[Part, Part] | None = None, progressbar=None) -> list[str]:
+         forward_only: bool = False, only: str | None = None, report: tuple[Part, Part] | None = None,
+         progressbar=None) -> list[str]:
     """`fagen bench` once its arguments are parsed: run the cases (or take `report`, the
     (forward, backward) halves of an earlier run, from load_report) and write the report;
     the lines to print. Runs the forward sweep (cases(quick)) unless backward_only, and the
     backward cases (fagen.bench_backward.cases) in the full run or with backward_only (with
     quick: its small subset), and the serving cases (fagen.bench_serving) likewise with
     serving_only; forward_only runs the forward sweep alone. A part not run this time is kept
-    from its JSON in `out`.
+    from its JSON in `out`. only: a regular expression; just the cases whose key it finds run
+    (pick_cases), their rows taking the place of the same cases' rows in the part's JSON in
+    `out` (merge_rerun), so that a run too long for one sitting is made in several.
     progressbar(length, label): a context manager whose update(1, case) follows each case."""
     lines: list[str] = []
     if report is not None:
@@ -242,6 +246,8 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
         forward_cases = [] if backward_only or serving_only else cases(quick)
         backward_cases = bench_backward.cases(quick) if backward_only or not (quick or serving_only or forward_only) else []
         serving_cases = bench_serving.cases(quick) if serving_only or not (quick or backward_only or forward_only) else []
+        if only is not None:
+            forward_cases, backward_cases, serving_cases = pick_cases(only, forward_cases, backward_cases, serving_cases)
         env = environment_meta()
         mode = "quick" if quick else "full"
         forward = backward = serving = None
@@ -260,6 +266,12 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
                 rows = bench_serving.run(serving_cases, progress=lambda case: bar.update(1, case))
                 meta = {**env, "pass": "serving", "cases": str(len(serving_cases)), "mode": mode}
                 serving = Part(rows, meta, fresh=True)
+        if only is not None:  # each part run in place of its cases' rows in the JSON kept in `out`
+            forward, backward, serving = (
+                part if part is None else merge_rerun(_sibling(out / name, reader), part, only)
+                for part, name, reader in ((forward, "bench.json", read_json),
+                                           (backward, BACKWARD_JSON, bench_backward.read_json),
+                                           (serving, bench_serving.JSON, bench_serving.read_json)))
         kept = []
         if forward is None:
             forward = _sibling(out / "bench.json", read_json) or Part([], {})
@@ -282,6 +294,38 @@ def main(out: Path, md_path: Path, *, quick: bool = False, backward_only: bool =
     lines += bench_serving.summary_lines(serving.rows)
     lines.append(f"wrote {', '.join(map(str, written))}")
     return lines
+
+
+class CasePatternError(ValueError):
+    """`fagen bench --only`'s pattern is no regular expression, or finds no case."""
+
+
+def pick_cases(only: str, *parts: list) -> list[list]:
+    """Each part's cases whose key the regular expression `only` finds; CasePatternError (naming
+    the pattern, what is wrong and a key it could find) where it is no expression or finds none."""
+    try:
+        pattern = re.compile(only)
+    except re.error as err:
+        raise CasePatternError(f"--only {only!r} is no regular expression ({err}); e.g. --only 'd128-n4096'") from None
+    picked = [[case for case in part if pattern.search(case.key)] for part in parts]
+    if not any(picked):
+        keys = [case.key for part in parts for case in part]
+        raise CasePatternError(f"--only {only!r} finds none of the {len(keys)} cases' keys; they read like "
+                               f"{keys[0]!r}" if keys else f"--only {only!r}: there are no cases to pick from")
+    return picked
+
+
+def merge_rerun(kept: Part | None, rerun: Part, only: str) -> Part:
+    """`rerun`'s rows in place of `kept`'s rows of the same cases (a bench JSON read back), the
+    rest of `kept` as it was, and its meta saying which cases were measured again, when and
+    where; `rerun` itself where nothing was kept."""
+    if kept is None or not kept.rows:
+        return rerun
+    cases = {row.case for row in rerun.rows}
+    rows = [row for row in kept.rows if row.case not in cases] + rerun.rows
+    note = f"{rerun.meta.get('date')} on {rerun.meta.get('gpu')}: {len(cases)} case{'s' * (len(cases) != 1)} matching {only!r}"
+    remeasured = "; ".join(filter(None, (kept.meta.get("remeasured"), note)))
+    return Part(rows, {**kept.meta, "remeasured": remeasured}, fresh=True)
 
 
 # ---- writers (pure: unit-tested on synthetic rows) --------------------------------------------

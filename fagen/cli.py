@@ -488,8 +488,11 @@ def mask_show_cmd(kind, length, block, window, docs, prefix, chunk, out_path) ->
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
               help="redraw plots and the table from an earlier run's bench.json or bench_backward.json (and the "
                    "other beside it), no GPU")
+@click.option("--only", "only", default=None, metavar="REGEX",
+              help="just the cases whose key (e.g. float16-d128-n4096-causal) the expression finds; their rows take "
+                   "the place of the same cases' rows in -o's JSON, the rest kept: a long run made in parts")
 def bench_cmd(quick: bool, backward: bool, serving: bool, forward: bool, out_dir: str, md_path: str,
-              from_json: str | None) -> None:
+              from_json: str | None, only: str | None) -> None:
     """Check, then time fagen beside SDPA (FlashAttention-2, cuDNN) and FlexAttention: the forward
     sweep, the backward cases and the serving cases (--forward, --backward, --serving: that alone)."""
     from fagen import bench
@@ -497,8 +500,9 @@ def bench_cmd(quick: bool, backward: bool, serving: bool, forward: bool, out_dir
     out, md = Path(out_dir), Path(md_path)
     report = None
     if from_json:
-        if quick or backward or serving or forward:
-            picked = "--quick" if quick else "--backward" if backward else "--serving" if serving else "--forward"
+        if quick or backward or serving or forward or only is not None:
+            picked = ("--quick" if quick else "--backward" if backward else "--serving" if serving else "--forward"
+                      if forward else "--only")
             raise click.UsageError(f"{picked} picks cases to run; --from-json runs none: leave one out")
         try:
             report = bench.load_report(Path(from_json))
@@ -519,7 +523,9 @@ def bench_cmd(quick: bool, backward: bool, serving: bool, forward: bool, out_dir
             raise click.UsageError("--forward, --backward and --serving each run their cases alone: pick one, or none "
                                    "for all")
         lines = bench.main(out, md, quick=quick, backward_only=backward, serving_only=serving, forward_only=forward,
-                           report=report, progressbar=progressbar)
+                           only=only, report=report, progressbar=progressbar)
+    except bench.CasePatternError as err:  # refused before any case runs
+        raise click.BadParameter(str(err), param_hint="'--only'") from None
     except OSError as err:
         if err.filename is None:
             raise

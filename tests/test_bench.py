@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -1019,3 +1021,59 @@ def test_the_training_host_time_script_reads_its_cases_and_tells_what_bounds_a_s
     for bad in ("d128-1k-causal", "128-1k-causal-f16", "d128-1k-sliding-f16", "d128-1k-causal-fp8"):
         with pytest.raises(ValueError, match="expected d<head_dim>-<N>"):
             module.Case.parse(bad)
+
+
+# ---- --only: a long run made in parts -------------------------------------------------------------
+
+
+def test_only_picks_each_part_s_cases_by_key_and_refuses_a_pattern_that_finds_none():
+    forward, backward = bench.cases(), bench_backward.cases()
+    picked_forward, picked_backward = bench.pick_cases(r"d128-n4096-(dense|causal)$", forward, backward)
+    assert [c.key for c in picked_forward] == ["float16-d128-n4096-dense", "float16-d128-n4096-causal",
+                                               "bfloat16-d128-n4096-dense", "bfloat16-d128-n4096-causal"]
+    assert [c.key for c in picked_backward] == ["float16-d128-n4096-dense", "float16-d128-n4096-causal"]
+    for pattern, says in (("d512", "finds none of the 111 cases' keys; they read like 'float16-d64-n512-dense'"),
+                          ("d128-(", "is no regular expression")):
+        with pytest.raises(bench.CasePatternError, match=re.escape(says)):
+            bench.pick_cases(pattern, forward, backward)
+
+
+def test_a_rerun_takes_the_place_of_its_cases_rows_and_the_meta_says_so(rows, tmp_path, monkeypatch):
+    """main(only=...) runs the picked cases alone (fagen and its peers), replaces every row of those
+    cases in the JSON kept in `out`, keeps the other cases' rows and the run's meta, and notes the
+    rerun in the meta; a second rerun's note follows the first's."""
+    out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
+    out.mkdir()
+    bench.write_json(rows, out / "bench.json", META)  # the earlier full run
+    asked = []
+
+    def run(case_list, progress=None):  # every implementation of each case asked for, at 999 TF/s
+        asked.extend(c.key for c in case_list)
+        return [replace(r, tflops=999.0, note="") for r in rows if r.case in {c.key for c in case_list}]
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "environment_meta", lambda: {"gpu": "NVIDIA H100", "date": "2025-02-01"})
+    rerun = {r.case for r in rows} & {c.key for c in bench.cases()}
+    target = sorted(rerun)[0]
+    bench.main(out, md, forward_only=True, only=f"^{target}$")
+    assert asked == [target]
+    back, meta = bench.read_json(out / "bench.json")
+    assert sorted((r.case, r.impl) for r in back) == sorted((r.case, r.impl) for r in rows)  # no row lost or added
+    assert all((r.tflops == 999.0) == (r.case == target) for r in back)
+    assert {k: v for k, v in meta.items() if k != "remeasured"} == META  # the run's own meta kept
+    assert meta["remeasured"] == f"2025-02-01 on NVIDIA H100: 1 case matching '^{target}$'"
+    bench.main(out, md, forward_only=True, only=f"^{target}$")
+    assert bench.read_json(out / "bench.json")[1]["remeasured"].count("2025-02-01 on NVIDIA H100") == 2
+    assert "- remeasured: 2025-02-01 on NVIDIA H100" in md.read_text()
+
+
+def test_cli_only_refuses_a_pattern_before_running_anything(fake_gpu, tmp_path, rows):
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, ["bench", "--forward", "--only", "d999", "-o", str(out),
+                                       "--markdown", str(tmp_path / "B.md")])
+    assert result.exit_code == 2 and "'--only'" in result.output and "finds none of the 96 cases" in result.output
+    assert fake_gpu == []  # nothing ran
+    src = tmp_path / "b.json"
+    bench.write_json(rows, src, META)
+    result = CliRunner().invoke(main, ["bench", "--from-json", str(src), "--only", "d128"])
+    assert result.exit_code == 2 and "--only picks cases to run; --from-json runs none" in result.output
