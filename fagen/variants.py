@@ -234,8 +234,8 @@ def fallback_tilings(base: AttentionSpec) -> list[tuple[int, dict, str]]:
     out = []
     powers = [1 << p for p in range(8, 3, -1) if 1 << p <= base.tiling.block_kv]
     sizes = [base.tiling.block_kv] + [size for size in powers if size < base.tiling.block_kv]
-    three_quarters = powers[0] * WGMMA_TILE_STEP[0] // WGMMA_TILE_STEP[1] if powers else 0
-    if base.wgmma and three_quarters % 16 == 0 and three_quarters not in sizes:
+    three_quarters = powers[0] * WGMMA_TILE_STEP[0] // WGMMA_TILE_STEP[1] if powers else None
+    if base.wgmma and three_quarters and three_quarters % 16 == 0 and three_quarters not in sizes:
         sizes.insert(sizes.index(powers[0]) + 1, three_quarters)
     for block_kv in sizes:
         if block_kv != base.tiling.block_kv:
