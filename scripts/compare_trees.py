@@ -137,11 +137,8 @@ def forward(package, dtype, d, n, causal, q, k, v):
     return lambda q, k, v, dout: kernel(q, k, v)
 
 def backward(package, dtype, d, n, causal, q, k, v):
-    import importlib
-    bench = importlib.import_module(package.__name__ + ".bench_backward")
-    case = importlib.import_module(package.__name__ + ".bench_cases").Case(dtype, d, n, causal)
-    spec, _ = bench.fagen_spec(case, q)
-    kernels = importlib.import_module(package.__name__ + ".backward").compile_backward(spec)
+    spec, _ = package.bench_backward.fagen_spec(package.bench_cases.Case(dtype, d, n, causal), q)
+    kernels = package.backward.compile_backward(spec)
     out, lse = kernels.forward(q, k, v, return_lse=True)  # the forward's saved out and LSE
     return lambda q, k, v, dout: kernels(dout, q, k, v, out, lse)
 
