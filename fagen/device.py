@@ -12,6 +12,8 @@ from functools import cache
 
 import numpy as np
 
+from fagen.element_types import ELEMENT_TYPES
+
 try:
     import cupy
 except ImportError:  # pragma: no cover - exercised on machines without CUDA
@@ -125,12 +127,20 @@ def laid_out_as(x, signature: tuple) -> bool:
             and contiguous_strides(shape, strides) and x.is_contiguous())
 
 
+def torch_dtype(dtype: str):
+    """torch's dtype for fagen's name of it (float8_e4m3: torch.float8_e4m3fn; int32 and other
+    names of no element type: torch's own)."""
+    import torch
+
+    return getattr(torch, ELEMENT_TYPES[dtype].torch_name if dtype in ELEMENT_TYPES else dtype)
+
+
 def empty_like(ref: DeviceTensor, shape, dtype: str):
     """An uninitialised array of `ref`'s framework and device."""
     if ref.kind == "torch":
         import torch
 
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=ref.obj.device)
+        return torch.empty(shape, dtype=torch_dtype(dtype), device=ref.obj.device)
     return cupy.empty(shape, dtype=ref.obj.dtype if dtype == ref.dtype else dtype)
 
 
@@ -160,7 +170,7 @@ def empty_laid_out_as(ref: DeviceTensor, shape, dtype: str):
     if ref.kind == "torch":
         import torch
 
-        return empty_permuted("torch", shape, layout_order(ref.strides), getattr(torch, dtype), ref.obj.device)
+        return empty_permuted("torch", shape, layout_order(ref.strides), torch_dtype(dtype), ref.obj.device)
     return empty_permuted("cupy", shape, layout_order(ref.strides), ref.obj.dtype if dtype == ref.dtype else dtype)
 
 
@@ -169,7 +179,7 @@ def zeros_like(ref: DeviceTensor, shape, dtype: str):
     if ref.kind == "torch":
         import torch
 
-        return torch.zeros(shape, dtype=getattr(torch, dtype), device=ref.obj.device)
+        return torch.zeros(shape, dtype=torch_dtype(dtype), device=ref.obj.device)
     return cupy.zeros(shape, dtype=dtype)
 
 

@@ -434,12 +434,14 @@ def class_keys(batch) -> int | None:
 
 
 def fp8_forward_spec(dtype: str, head_dim: int, causal: bool, mask, *, softcap=None, sinks=None, alibi_slopes=None,
-                     bias=None, doc_ids=None, block_mask=None) -> AttentionSpec:
+                     bias=None, doc_ids=None, block_mask=None, out_dtype: str | None = None) -> AttentionSpec:
     """The FP8 forward (variants.fp8_spec) for a call's options: the mask they ask for
-    (kernel_mask) and the modifiers of the side inputs given (arrays or None)."""
-    return variants.fp8_spec(dtype, head_dim, kernel_mask(causal, mask, block_mask is not None, doc_ids is not None),
+    (kernel_mask), the modifiers of the side inputs given (arrays or None), and o in out_dtype
+    (None: the spec's bfloat16)."""
+    spec = variants.fp8_spec(dtype, head_dim, kernel_mask(causal, mask, block_mask is not None, doc_ids is not None),
                              ScoreMod(softcap=softcap, sinks=sinks is not None, bias=bias_kind(bias),
                                       alibi="none" if alibi_slopes is None else "slopes"))
+    return spec if out_dtype is None else variants.output_type_variant(spec, out_dtype)
 
 
 def _fp8_batch_spec(batch, dtype: str, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> AttentionSpec:

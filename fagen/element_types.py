@@ -37,7 +37,7 @@ class ElementType:
     # rounding to the MMA input type plus f32 accumulation); None: no kernel takes it yet
     tolerance: float | None = None
     # what a forward of this input type writes (a half type: itself; FP8: bfloat16 or float16,
-    # FlashAttention-3's outputs), the first the default
+    # FlashAttention-3's outputs, and e4m3 at an output scale, cuDNN's), the first the default
     out_types: tuple[str, ...] = ()
     # P = exp2(s - max + p_log2_scale) before it is rounded to this type as the A operand of P.V
     # (FP8: 2^8 keeps P's small values normal; FlashAttention-3's Max_offset); 0 for half types
@@ -68,6 +68,11 @@ class ElementType:
         overflow = np.nan if self.saturates_to_nan else np.copysign(np.inf, x)
         return np.where(too_big & np.isfinite(x), overflow, np.where(np.isfinite(x), out, x))
 
+    def round_saturated(self, x) -> np.ndarray:
+        """`round`, a value past the largest finite one becoming it (cvt's .satfinite, as FP8
+        outputs are written); NaN stays NaN."""
+        return self.round(np.clip(np.asarray(x, dtype=np.float64), -self.max_finite, self.max_finite))
+
 
 FLOAT16 = ElementType("float16", "f16", 2, "unsigned short", "f16", {"mma.sync": 16, "wgmma": 16}, _TMA_FLOAT16,
                       "float16", "float16", mantissa_bits=10, min_exponent=-14, max_finite=65504.0,
@@ -77,14 +82,14 @@ BFLOAT16 = ElementType("bfloat16", "bf16", 2, "unsigned short", "bf16", {"mma.sy
                        tolerance=2e-2, out_types=("bfloat16",))
 FLOAT8_E4M3 = ElementType("float8_e4m3", "e4m3", 1, "unsigned char", "e4m3", {"wgmma": 32}, _TMA_UINT8,
                           "float8_e4m3fn", "uint8", mantissa_bits=3, min_exponent=-6, max_finite=448.0,
-                          saturates_to_nan=True, out_types=("bfloat16", "float16"), p_log2_scale=8,
+                          saturates_to_nan=True, out_types=("bfloat16", "float16", "float8_e4m3"), p_log2_scale=8,
                           # against the oracle that rounds q, k, v and P as the kernel does (the format's
                           # own error, ~4e-2 against exact attention, is notes/fp8.md's): what is left is
                           # accumulation order, the MUFU's exp2 and the output's rounding
                           tolerance=1e-2)
 FLOAT8_E5M2 = ElementType("float8_e5m2", "e5m2", 1, "unsigned char", "e5m2", {"wgmma": 32}, _TMA_UINT8,
                           "float8_e5m2", "uint8", mantissa_bits=2, min_exponent=-14, max_finite=57344.0,
-                          out_types=("bfloat16", "float16"), p_log2_scale=8, tolerance=1e-2)
+                          out_types=("bfloat16", "float16", "float8_e4m3"), p_log2_scale=8, tolerance=1e-2)
 # the accumulators' and split-KV partials' type: no MMA takes it as input here
 FLOAT32 = ElementType("float32", "f32", 4, "float", "f32", {}, _TMA_FLOAT32, "float32", "float32",
                       mantissa_bits=23, min_exponent=-126, max_finite=3.4028234663852886e38)
@@ -93,10 +98,9 @@ ELEMENT_TYPES: dict[str, ElementType] = {t.name: t for t in (FLOAT16, BFLOAT16, 
 # what a kernel's q, k, v and o may be, in the order messages list them
 INPUT_TYPES = tuple(t.name for t in (FLOAT16, BFLOAT16, FLOAT8_E4M3, FLOAT8_E5M2))
 # the types whose kernels take q, k, v and o all of that type (the half types) ...
-KERNEL_TYPES = tuple(name for name in INPUT_TYPES if name in ELEMENT_TYPES[name].out_types)
-# ... and those whose forward writes another (FP8: bfloat16 or float16 out)
-FP8_KERNEL_TYPES = tuple(name for name in INPUT_TYPES
-                         if ELEMENT_TYPES[name].has_kernels and name not in ELEMENT_TYPES[name].out_types)
+KERNEL_TYPES = tuple(name for name in INPUT_TYPES if ELEMENT_TYPES[name].has_kernels and not ELEMENT_TYPES[name].is_fp8)
+# ... and the FP8 ones, whose forward writes o in a half type by default
+FP8_KERNEL_TYPES = tuple(name for name in INPUT_TYPES if ELEMENT_TYPES[name].has_kernels and ELEMENT_TYPES[name].is_fp8)
 
 
 def element_type(name: str) -> ElementType:

@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 KEY_GROUP = 32  # keys of one k32 wgmma step: the permutation's period
@@ -59,6 +61,52 @@ def transposed_v(v):
 
 
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
+def output_scale(scale_o, like):
+    """An FP8 output's scale (cuDNN's scale_o: o = e4m3(O * scale_o), saturated) as the kernel reads
+    it: float32 [1] on like's device (None: 1), refused unless one positive finite number."""
+    shape = () if scale_o is None or np.isscalar(scale_o) else tuple(scale_o.shape)
+    if shape not in ((), (1,)):
+        raise ValueError(f"scale_o: shape {shape}; the output scale is one number (float32 [1] on q's GPU, or a "
+                         f"Python float): o = e4m3(O * scale_o)")
+    if scale_o is None:
+        return _one(like)
+    return _on_device(checked_output_scale(scale_o) if np.isscalar(scale_o) else scale_o, like)
+
+
+def checked_output_scale(scale_o) -> float:
+    """A number given as scale_o, refused unless positive and finite."""
+    try:
+        value = float(scale_o)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale_o = {scale_o!r}: must be a positive finite number (o = e4m3(O * scale_o)); "
+                         f"e.g. 448 / amax_o of an earlier call, or 1.0")
+    return value
+
+
+def output_amax(amax_o, like):
+    """amax_o as the kernel writes it (max |O| over the output's real rows): a float32 [1] tensor or
+    array on like's device, contiguous, written in place; refused otherwise (the kernel's
+    atomic max needs the caller's memory, not a copy)."""
+    kind = type(like).__module__.split(".")[0]
+    dtype = str(getattr(amax_o, "dtype", type(amax_o).__name__)).removeprefix("torch.")
+    shape = tuple(getattr(amax_o, "shape", (None,)))
+    if type(amax_o).__module__.split(".")[0] != kind:
+        on_device = False
+    elif kind == "torch":
+        on_device = amax_o.device == like.device
+    elif kind == "cupy":
+        on_device = amax_o.device.id == like.device.id
+    else:
+        on_device = True  # NumPy: the tests' host twin
+    if not (on_device and dtype == "float32" and shape in ((1,), ())):
+        raise ValueError(f"amax_o: {dtype} {shape}; pass a float32 [1] tensor on q's device (e.g. "
+                         f"torch.empty(1, device=q.device)): the kernel writes max |O| into it")
+    return amax_o
+
 
 # 1.0 on each device, kept: a descale not given reads it (no fill a call). Made outside stream
 # capture only, and waited for once (a fill recorded in a graph runs at its replays alone).

@@ -63,6 +63,15 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     return (f["out"], f["lse"]) if return_lse else f["out"]
 
 
+def scaled_output(out, scale_o: float, out_type: str = "float8_e4m3") -> tuple[np.ndarray, float]:
+    """An FP8 output of the attention `out` (float64): (out * scale_o rounded to out_type, to
+    nearest even and saturated, as the kernel writes it; max |out| over its numbers, its amax_o:
+    a NaN left out, as the kernel's fmaxf leaves it)."""
+    out = np.asarray(out, dtype=np.float64)
+    amax = float(np.max(np.abs(out), initial=0.0, where=~np.isnan(out)))
+    return element_type(out_type).round_saturated(out * scale_o), amax
+
+
 def _quantized(q_descale, k_descale, v_descale, p_type: str | None, p_scale: float) -> dict | None:
     """An FP8 forward's extra steps, or None where none is asked: the descales (checked against
     the shapes in _attend) and P's rounding."""

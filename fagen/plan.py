@@ -932,7 +932,7 @@ def plan(spec: AttentionSpec) -> KernelPlan:
         persistent=bool(ws and ws.persistent),
         claimed_walk=has_claimed_walk(spec),
         end_aligned_tiles=end_aligned_tiles(spec),
-        output_staged=(not spec.outputs.partial and not (ws and ws.persistent)
+        output_staged=(not spec.outputs.partial and not (ws and ws.persistent) and not spec.element.is_fp8
                        and spec.out_element.bytes == spec.element.bytes),
         **template_numbers(spec, m_frags, kv_tile, v_tile),
     )
@@ -979,7 +979,8 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
     return (*loaded, (OUT_PTR, "o"), ("float* __restrict__", "lse"),
             ("int", "n_q"), ("int", "n_kv"), ("int", "mask_offset"), ("int", "heads_q"), ("int", "group"),
             *strides, ("long long", "o_sb"), ("long long", "o_sh"), ("long long", "o_sn"), scale,
-            *(DESCALE_PARAMS if spec.element.is_fp8 or spec.fp8_kv else ()))
+            *(DESCALE_PARAMS if spec.element.is_fp8 or spec.fp8_kv else ()),
+            *(FP8_OUT_PARAMS if spec.out_element.is_fp8 else ()))
 
 
 # FP8 at d128: wgmma consumes S elements as fast as the MUFU exponentiates them (16 a clock an
@@ -994,6 +995,10 @@ EXP2_POLY_EVERY = 8
 # a half-type q, an FP8 q's own (spec.widens_query)
 DESCALE_PARAMS = tuple(param for name in ("q_descale", "k_descale", "v_descale")
                        for param in ((FLOAT_PTR, name), ("long long", f"{name}_sb"), ("long long", f"{name}_sh")))
+# FP8 out (cuDNN's): o = e4m3(O * scale_o), saturated, scale_o float32 [1] read where it lies;
+# amax_o float32 [1], zeroed by the launch, takes max |O| over the real rows (atomically, a warp a
+# tile), or null where the call does not ask for it
+FP8_OUT_PARAMS = ((FLOAT_PTR, "scale_o"), ("float* __restrict__", "amax_o"))
 WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes", "k_step_bytes",
                  "k_steps_per_atom", "v_step_bytes", "warpgroup_q_bytes", "kv_ring_bytes", "v_ring_bytes", "mbarrier_bytes",
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")

@@ -555,16 +555,17 @@ class Kernel:
         if out is not None:
             to = as_device_tensor(out, "out")
             shape = out_shape(tq, tv)
-            if to.kind != tq.kind or to.dtype != spec.out_element.name or to.shape != shape or to.device != tq.device:
+            named = (spec.out_element.name, spec.out_element.torch_name)
+            if to.kind != tq.kind or to.dtype not in named or to.shape != shape or to.device != tq.device:
                 raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} "
-                                 f"{spec.out_element.name} tensor [B, Hq, Nq, head_dim_v] = {shape} on cuda:{tq.device}")
+                                 f"{spec.out_element.torch_name} tensor [B, Hq, Nq, head_dim_v] = {shape} on cuda:{tq.device}")
             _check_layout(to, "out")
         return tq, tk, tv
 
     def __call__(self, q, k, v, *, scale: float | None = None, return_lse: bool = False, out=None,
                  block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None, captured=None,
                  splits: int | None = None, mask_offset: int | None = None, lse=None, q_descale=None,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, scale_o=None, amax_o=None):
         """out (and lse) for q, k, v. A partial spec (outputs.partial) returns float32 partials
         (o_parts [S, B, Hq, Nq, d], lse_parts [S, B, Hq, Nq]) for `splits` shares of the KV
         tiles; fagen.splitkv merges them. An accumulating one (outputs.accumulate) folds its
@@ -573,7 +574,10 @@ class Kernel:
         diagonal): shards of a sequence pass their positions through it. captured: the float32
         arrays a score expression reads (score_mod.captured; each flattened, its indices checked
         against its length at this call's extents). q_descale, k_descale, v_descale: an FP8
-        kernel's (FlashAttention-3's: float32, one number or [B, Hkv]; None is 1)."""
+        kernel's (FlashAttention-3's: float32, one number or [B, Hkv]; None is 1). scale_o, amax_o:
+        an FP8 output's (out_dtype float8_e4m3, cuDNN's): o = e4m3(O * scale_o), saturated (a number
+        or float32 [1] on q's device; None is 1), and max |O| written into amax_o (float32 [1]) where
+        given."""
         key, repeated = None, self.repeated_calls
         if repeated is not None and all(x is None for x in (block_mask, bias, alibi_slopes, sinks, doc_ids, captured)):
             key = repeated.key(q, k, v, out, lse, scale, return_lse, mask_offset, splits)
@@ -622,6 +626,10 @@ class Kernel:
             if descaled is not None:
                 extras.update(descaled[0])
                 keep_alive = [*keep_alive, descaled[1]]
+            if self.spec.out_element.is_fp8 or scale_o is not None or amax_o is not None:
+                scaled, held = self.output_scale_arguments(tq, scale_o, amax_o)
+                extras.update(scaled)
+                keep_alive = [*keep_alive, held]
             if partial:
                 splits = math.ceil(n_tiles / math.ceil(n_tiles / splits))  # equal shares of the tiles
             if merged or not partial:  # out and lse are the call's (the partials, a workspace)
@@ -677,6 +685,21 @@ class Kernel:
         # (an FP8 KV cache's q_descale: an FP8 q's, which the kernel widens as it lands; None reads 1)
         views = fp8_inputs.descale_views(q_descale, k_descale, v_descale, tq.shape[0], tk.shape[1], tq.obj)
         return descale_parameters(views), [array for name, (array, _, _) in views.items() if name not in moving]
+
+    def output_scale_arguments(self, tq: DeviceTensor, scale_o, amax_o) -> tuple[dict, list]:
+        """An FP8 output's kernel arguments (scale_o's address; amax_o's, zeroed on the launch's
+        stream, or null where not asked for) and the arrays behind them; refused for other kernels."""
+        spec = self.spec
+        if not spec.out_element.is_fp8:
+            name = "scale_o" if scale_o is not None else "amax_o"
+            raise ValueError(f"{name}: kernel {spec.name} writes o in {spec.out_element.name}; scale_o and amax_o are "
+                             f"an FP8 output's (FP8 q, k, v with out_dtype: float8_e4m3)")
+        scale = fp8_inputs.output_scale(scale_o, tq.obj)
+        amax = 0
+        if amax_o is not None:
+            amax = as_device_tensor(fp8_inputs.output_amax(amax_o, tq.obj), "amax_o").ptr
+            cupy.cuda.runtime.memsetAsync(amax, 0, 4, cupy.cuda.get_current_stream().ptr)  # the kernel max()es into it
+        return dict(scale_o=np.uint64(as_device_tensor(scale, "scale_o").ptr), amax_o=np.uint64(amax)), [scale, amax_o]
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
         """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned

@@ -396,7 +396,8 @@ FP8_TYPES = {torch.float8_e4m3fn: "float8_e4m3", torch.float8_e5m2: "float8_e5m2
 def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
                           v_descale: Optional[Tensor], sinks: Optional[Tensor], alibi_slopes: Optional[Tensor],
                           bias: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
-                          softcap: Optional[float], scale: Optional[float]) -> tuple[Tensor, Tensor]:
+                          softcap: Optional[float], scale: Optional[float], scale_o: Optional[Tensor],
+                          return_amax: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
     logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
@@ -404,14 +405,20 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     (_decodes_on_cache) the FP8 KV cache's kernels, which widen q as it lands and read
     q_descale beside k's; a half-type q against FP8 k and v (an FP8 KV cache; q_descale only for
     an FP8 q, which fagen.attention refuses for a half-type q given): the decode kernels' FP8
-    variant, out in q's type."""
-    if q.dtype not in FP8_TYPES or _decodes_on_cache(q, k, v, causal, mask_of(mask), softcap, sinks=sinks,
-                                                     alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids):
-        return decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
-                                return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, q_descale=q_descale,
-                                k_descale=k_descale, v_descale=v_descale)
-    return _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), mask_of(mask), causal, softcap, scale,
-                        sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)
+    variant, out in q's type. scale_o (float32 [1]; FP8 q, k, v): the FP8 forward's e4m3 out,
+    e4m3(O * scale_o) saturated; the third output is max |O| (float32 [1]) with return_amax, else
+    empty ([0])."""
+    amax = q.new_empty((1 if return_amax else 0,), dtype=torch.float32)  # (zeroed by the launch that writes it)
+    if scale_o is None and (q.dtype not in FP8_TYPES or _decodes_on_cache(
+            q, k, v, causal, mask_of(mask), softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)):
+        out, lse = decode.attention(q, k, v, mask=mask_of(mask), causal=causal, softcap=softcap, scale=scale,
+                                    return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, q_descale=q_descale,
+                                    k_descale=k_descale, v_descale=v_descale)
+        return out, lse, amax
+    out, lse = _fp8_forward(q, k, v, (q_descale, k_descale, v_descale), mask_of(mask), causal, softcap, scale,
+                            sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids, scale_o=scale_o,
+                            amax_o=amax if return_amax else None)
+    return out, lse, amax
 
 
 def _kept_fp8_call(q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple,
@@ -435,33 +442,53 @@ def _decodes_on_cache(q, k, v, causal: bool, mask, softcap, **side) -> bool:
         gpu=q.get_device(), **side)
 
 
-def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, **side):
+def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, scale, *, scale_o=None, amax_o=None,
+                 **side):
     """The FP8 forward's kernel for these arguments (side: sinks, alibi_slopes, bias, doc_ids,
-    block_mask; None where not given), launched: (out, lse)."""
-    spec = dispatch.fp8_forward_spec(FP8_TYPES[q.dtype], q.shape[-1], causal, mask, softcap=softcap, **side)
+    block_mask; None where not given; scale_o: its e4m3 output, amax_o written where given),
+    launched: (out, lse)."""
+    spec = dispatch.fp8_forward_spec(FP8_TYPES[q.dtype], q.shape[-1], causal, mask, softcap=softcap,
+                                     out_dtype=None if scale_o is None else FP8_OUTPUT_TYPE, **side)
     side = {name: x for name, x in side.items() if x is not None}
+    if scale_o is not None:
+        side.update(scale_o=scale_o, amax_o=amax_o)
     q_descale, k_descale, v_descale = descales
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
                                         k_descale=k_descale, v_descale=v_descale, **side)
 
 
+FP8_OUTPUT_TYPE = "float8_e4m3"  # what fagen.attention's scale_o writes (cuDNN's FP8 output)
+
+
 @torch.library.register_fake("fagen::fp8_attention_forward")
-def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, doc_ids, mask, causal, softcap, scale):
+def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, doc_ids, mask, causal, softcap, scale,
+      scale_o, return_amax):
     b, hq, nq, _ = q.shape
-    return (_empty_out(q, v.shape[-1], torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype),
-            q.new_empty((b, hq, nq), dtype=torch.float32))
+    out_type = torch.float8_e4m3fn if scale_o is not None else torch.bfloat16 if q.dtype in FP8_TYPES else q.dtype
+    return (_empty_out(q, v.shape[-1], out_type), q.new_empty((b, hq, nq), dtype=torch.float32),
+            q.new_empty((1 if return_amax else 0,), dtype=torch.float32))
 
 
 def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, *, sinks=None, alibi_slopes=None,
-                   bias=None, doc_ids=None, block_mask=None, cache_seqlens=None, cache_leftpad=None):
+                   bias=None, doc_ids=None, block_mask=None, cache_seqlens=None, cache_leftpad=None, scale_o=None,
+                   return_amax: bool = False):
     """The FP8 forward, or a half-type q against an FP8 KV cache (k and v FP8): straight to the
     kernels eagerly, through fagen::fp8_attention_forward under torch.compile (which sees no
     gradient: there is no backward for FP8 tensors given; fp8=True has one). A block_mask (no
     tensor) and key ranges (the op carries none) run eagerly only. FP8 q, k, v of a decode step
-    (dispatch.fp8_on_cache_kernels) run as an FP8 KV cache's, q widened as it lands."""
+    (dispatch.fp8_on_cache_kernels) run as an FP8 KV cache's, q widened as it lands. scale_o: the
+    FP8 forward's e4m3 out (the decode kernels write bfloat16, so a decode step takes the forward
+    too), max |O| returned last with return_amax."""
     fp8_q = q.dtype in FP8_TYPES
+    if (scale_o is not None or return_amax) and not (fp8_q and k.dtype == v.dtype == q.dtype):
+        raise ValueError(f"{'scale_o' if scale_o is not None else 'return_amax'}: an FP8 output is the FP8 forward's "
+                         f"(float8_e4m3fn or float8_e5m2 q, k and v of one type); q is {q.dtype}, k {k.dtype}, "
+                         f"v {v.dtype}: drop it, or quantize q, k and v")
+    if return_amax and scale_o is None:
+        raise ValueError("return_amax=True: amax_o is an FP8 output's (max |O| before scale_o); pass scale_o "
+                         "(e.g. 1.0) to have o written in float8_e4m3fn")
     # (traced: the op's body decides, unseen)
-    decodes = fp8_q and not torch.compiler.is_compiling() and _decodes_on_cache(
+    decodes = fp8_q and scale_o is None and not torch.compiler.is_compiling() and _decodes_on_cache(
         q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids,
         block_mask=block_mask, ranged=cache_seqlens is not None or cache_leftpad is not None)
     kv_cache = k.dtype in FP8_TYPES and (not fp8_q or decodes)
@@ -502,6 +529,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     # descales as the op takes them: tensors (a number becomes one, on q's device)
     descales = [x if x is None or isinstance(x, Tensor) else torch.full((1,), float(x), device=q.device)
                 for x in descales]
+    if scale_o is not None and not isinstance(scale_o, Tensor):
+        scale_o = torch.full((1,), fp8_inputs.checked_output_scale(scale_o), dtype=torch.float32, device=q.device)
     if sinks is not None and not isinstance(sinks, Tensor):
         sinks = torch.as_tensor(sinks, dtype=torch.float32, device=q.device)
     alibi_slopes, bias, doc_ids = (x if x is None or isinstance(x, Tensor) else torch.as_tensor(x, device=q.device)
@@ -512,15 +541,18 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
             raise ValueError("block_mask with FP8 q, k, v: eager calls only (a BlockMask is no tensor, so it cannot "
                              "enter fagen::fp8_attention_forward); call it outside torch.compile, or pass doc_ids "
                              "or a mask kind of positions instead")
+        amax = q.new_empty((1,), dtype=torch.float32) if return_amax else None
         out, lse = _fp8_forward(q, k, v, descales, mask_of(mask_json(mask)), causal, softcap, scale, sinks=sinks,
-                                alibi_slopes=alibi_slopes, bias=bias, block_mask=block_mask)
+                                alibi_slopes=alibi_slopes, bias=bias, block_mask=block_mask, scale_o=scale_o,
+                                amax_o=amax)
     elif eager:
-        out, lse = fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids, mask_json(mask),
-                                         causal, softcap, scale)
+        out, lse, amax = fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids, mask_json(mask),
+                                               causal, softcap, scale, scale_o, return_amax)
     else:
-        out, lse = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids,
-                                                         mask_json(mask), causal, softcap, scale)
-    return (out, lse) if return_lse else out
+        out, lse, amax = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids,
+                                                               mask_json(mask), causal, softcap, scale, scale_o,
+                                                               return_amax)
+    return (out, *([lse] if return_lse else []), *([amax] if return_amax else [])) if return_lse or return_amax else out
 
 
 def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deterministic: bool, others: list[str],
@@ -596,7 +628,7 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
               return_lse: bool = False, block_mask=None, bias=None, alibi_slopes=None, sinks=None, doc_ids=None,
               deterministic: bool = False, cache_seqlens=None, cache_leftpad=None, q_descale=None, k_descale=None,
-              v_descale=None, fp8: bool = False, incoherent: bool = False):
+              v_descale=None, fp8: bool = False, incoherent: bool = False, scale_o=None, return_amax: bool = False):
     """fagen.attention for PyTorch tensors: through fagen::attention_forward, so gradients flow
     to q, k, v, bias and sinks. lse (return_lse=True) carries no gradient. A block_mask is no tensor,
     so it cannot enter an op: its gradients come from an eager autograd.Function instead.
@@ -612,12 +644,23 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     or bfloat16 q against FP8 k and v: an FP8 KV cache, read by the decode kernels (k_descale,
     v_descale; masks of positions, softcap, sinks, ALiBi slopes and, eagerly, key ranges; out in q's
     type).
+    scale_o (FP8 q, k, v; a number or float32 [1] on q's GPU): out in float8_e4m3fn, e4m3(O * scale_o)
+    rounded to nearest and saturated (cuDNN's FP8 output); return_amax=True returns max |O| (float32
+    [1], for the next call's scale_o) last: (out, amax_o), or (out, lse, amax_o).
     fp8=True: bfloat16 q, k, v quantized to e4m3 inside (a scale a batch and KV head, from their
     amax), the FP8 forward and, where autograd records, the FP8 backward (fagen.fp8_backward);
     bfloat16 out and gradients, passed straight through the rounding to q, k and v. incoherent=True
     (with fp8=True): q and k rotated by one orthogonal matrix before they are quantized
     (fagen.incoherent), which leaves the scores as they are but spreads outlier channels, so that
     a head's scale does not spend e4m3's range on a few of them; dq and dk rotate back."""
+    if scale_o is not None or return_amax:  # an FP8 output: the FP8 forward's alone
+        if fp8:
+            raise ValueError("scale_o: not with fp8=True (its output is bfloat16, for its backward); quantize q, k "
+                             "and v yourself (fagen.fp8_inputs.quantized) and pass the FP8 tensors with their descales")
+        return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
+                              sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids,
+                              block_mask=block_mask, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                              scale_o=scale_o, return_amax=return_amax)
     if incoherent and not fp8:
         raise ValueError("incoherent=True: only with fp8=True (it rotates q and k before they are quantized); "
                          "for FP8 tensors you quantize yourself, rotate q and k with fagen.incoherent.rotate first")

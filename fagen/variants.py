@@ -117,6 +117,16 @@ def _fp8_base(path: Path) -> AttentionSpec:
     return load_spec(path)
 
 
+@cache
+def output_type_variant(spec: AttentionSpec, out_dtype: str) -> AttentionSpec:
+    """`spec` writing o in `out_dtype` (an FP8 forward's e4m3 output: FlashInfer's names, the o
+    type last: `<name>_o<short>`), validated like any spec: the element type says what it may write."""
+    if out_dtype == spec.out_element.name:
+        return spec
+    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_o{ELEMENT_TYPES[out_dtype].short}",
+                       "out_dtype": out_dtype}, f"{out_dtype} output of {spec.name}")
+
+
 def modified_spec(dtype: str, head_dim: int, causal: bool, mask: Mask, score_mod: ScoreMod, *, gpu: str | None,
                   keys: int | None = None) -> AttentionSpec:
     """The shipped spec for these keys with this mask and these modifiers (`variant`). The long

@@ -125,7 +125,7 @@ json.dump({tree: [[list(k), us] for k, us in rows] for tree, rows in runs.items(
 """
 
 KERNELS_ONE_PROCESS = """
-import json, sys
+import json, re, sys
 import torch
 import fagen, fagen_old
 from fagen.bench_backward import FULL_TOLERANCE
@@ -136,6 +136,9 @@ def forward(package, dtype, d, n, causal, q, k, v):
     kernel = package.runtime.compile_kernel(spec)
     return lambda q, k, v, dout: kernel(q, k, v)
 
+def case_key(what, dtype, d, n, causal):
+    return f"{what} {dtype} d{d} n{n} {'causal' if causal else 'dense'}"
+
 def backward(package, dtype, d, n, causal, q, k, v):
     spec, _ = package.bench_backward.fagen_spec(package.bench_cases.Case(dtype, d, n, causal), q)
     kernels = package.backward.compile_backward(spec)
@@ -145,6 +148,7 @@ def backward(package, dtype, d, n, causal, q, k, v):
 CASES = [("forward", dt, d, n, c) for dt in ("float16", "bfloat16") for d in (64, 128, 256)
          for n in (1024, 4096, 16384) for c in (False, True)]
 CASES += [("backward", "float16", d, n, c) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
+CASES = [case for case in CASES if re.search(sys.argv[3], case_key(*case))]
 rounds = int(sys.argv[2])
 runs = {"old": [{} for _ in range(rounds)], "new": [{} for _ in range(rounds)]}
 for what, dtype, d, n, causal in CASES:
@@ -166,7 +170,7 @@ for what, dtype, d, n, causal in CASES:
         err = max(((o - r).norm() / r.norm()).item() for o, r in zip(outputs, ref))
         assert err <= (OUT_TOLERANCE[dtype] if what == "forward" else FULL_TOLERANCE), (tree, what, dtype, d, n, causal, err)
     flops = (4 if what == "forward" else 10) * b * h * n * n * d / (2 if causal else 1)
-    key = (f"{dtype} d{d} n{n} {'causal' if causal else 'dense'}", what)
+    key = (case_key(what, dtype, d, n, causal), what)
     for r in range(rounds):
         for tree in (("old", "new") if r % 2 == 0 else ("new", "old")):
             ms = time_ms(lambda: calls[tree](q, k, v, dout), warmup=10, iters=30)
@@ -186,12 +190,13 @@ def renamed_copy(tree: Path, into: Path) -> Path:
     return into
 
 
-def run_kernels_one_process(old: Path, new: Path, rounds: int) -> dict[str, list[dict]]:
-    """Both trees in one process (KERNELS_ONE_PROCESS): per tree, one {(case, pass): TF/s} a round."""
+def run_kernels_one_process(old: Path, new: Path, rounds: int, only: str) -> dict[str, list[dict]]:
+    """Both trees in one process (KERNELS_ONE_PROCESS): per tree, one {(case, pass): TF/s} a round,
+    for the cases whose key ("forward float16 d128 n4096 causal") `only` finds."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = renamed_copy(old, Path(tmp, "old"))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(new), str(copy), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([sys.executable, "-c", KERNELS_ONE_PROCESS, f"{tmp}/rows.json", str(rounds)],
+        subprocess.run([sys.executable, "-c", KERNELS_ONE_PROCESS, f"{tmp}/rows.json", str(rounds), only],
                        cwd=new, env=env, check=True)
         rows = json.loads(Path(tmp, "rows.json").read_text())
     return {tree: [{tuple(key): value for key, value in run} for run in measured] for tree, measured in rows.items()}
@@ -273,11 +278,20 @@ def main() -> None:
                         default="host")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--core", type=int, default=2)
+    parser.add_argument("--only", default="", metavar="REGEX",
+                        help="kernels-one-process: the cases whose key (\"forward float16 d128 n4096 causal\") "
+                             "it finds")
     args = parser.parse_args()
+    if args.only and args.what != "kernels-one-process":
+        parser.error("--only picks kernels-one-process's cases; the other comparisons run their benchmark whole")
+    try:
+        re.compile(args.only)
+    except re.error as bad:
+        parser.error(f"--only {args.only!r} is not a regular expression ({bad}); write e.g. 'forward .* d128'")
     if args.what == "host-one-process":
         runs = run_one_process(args.old.resolve(), args.new.resolve(), args.rounds, args.core)
     elif args.what == "kernels-one-process":
-        runs = run_kernels_one_process(args.old.resolve(), args.new.resolve(), args.rounds)
+        runs = run_kernels_one_process(args.old.resolve(), args.new.resolve(), args.rounds, args.only)
     elif args.what == "sass":  # deterministic: one run each
         runs = {name: [run_sass(getattr(args, name).resolve())] for name in ("old", "new")}
     else:

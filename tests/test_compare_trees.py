@@ -2,7 +2,9 @@
 trees' runs are apart (the ratio of overlapping runs is the noise's)."""
 
 import importlib.util
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -91,9 +93,17 @@ def test_the_kernel_cases_name_what_the_tree_has(compare_trees):
     assert "return_lse" in inspect.signature(runtime.Kernel.__call__).parameters  # Backward.forward: the Kernel
     # the case lists alone (literal comprehensions), run apart from the script's torch work
     cases = [node for node in tree.body if isinstance(node, (ast.Assign, ast.AugAssign))
-             and "CASES" in {t.id for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}]
-    namespace: dict = {}
-    exec(compile(ast.Module(body=cases, type_ignores=[]), "KERNELS_ONE_PROCESS", "exec"), namespace)
-    passes = {case[0] for case in namespace["CASES"]}
-    assert passes == {"forward", "backward"}
-    assert all(16384 % n == 0 and 2048 % d == 0 for _, _, d, n, _ in namespace["CASES"])
+             and "CASES" in {t.id for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+             or isinstance(node, ast.FunctionDef) and node.name == "case_key"]
+
+    def picked(only: str) -> list[tuple]:
+        namespace: dict = {"re": re, "sys": SimpleNamespace(argv=["-c", "rows.json", "4", only])}
+        exec(compile(ast.Module(body=cases, type_ignores=[]), "KERNELS_ONE_PROCESS", "exec"), namespace)
+        return namespace["CASES"]
+
+    every = picked("")
+    assert {case[0] for case in every} == {"forward", "backward"}
+    assert all(16384 % n == 0 and 2048 % d == 0 for _, _, d, n, _ in every)
+    # --only: the cases whose key the pattern finds, and no others
+    assert picked("forward .* d128 ") == [case for case in every if case[0] == "forward" and case[2] == 128]
+    assert picked("backward float16 d64 n1024 causal") == [("backward", "float16", 64, 1024, True)]
