@@ -63,16 +63,40 @@ def transposed_v(v):
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
+OUTPUT_TYPE = "float8_e4m3"  # what scale_o writes (cuDNN's FP8 output)
+
+
+def check_output_request(scale_o, return_amax: bool, fp8_inputs: bool, types: str) -> bool:
+    """Whether a call asks for an FP8 output (scale_o given, or return_amax); refused where its q, k
+    and v (`types`, as the message names them) are not of one FP8 type, or amax is asked alone."""
+    if scale_o is None and not return_amax:
+        return False
+    if not fp8_inputs:
+        raise ValueError(f"{'scale_o' if scale_o is not None else 'return_amax'}: an FP8 output is the FP8 forward's "
+                         f"(float8_e4m3fn or float8_e5m2 q, k and v of one type); {types}: drop it, or quantize q, "
+                         f"k and v (fagen.fp8_inputs.quantized)")
+    if scale_o is None:
+        raise ValueError("return_amax=True: amax_o is an FP8 output's (max |O| before scale_o); pass scale_o "
+                         "(e.g. 1.0) to have o written in float8_e4m3fn")
+    return True
+
+
 def output_scale(scale_o, like):
     """An FP8 output's scale (cuDNN's scale_o: o = e4m3(O * scale_o), saturated) as the kernel reads
     it: float32 [1] on like's device (None: 1), refused unless one positive finite number."""
-    shape = () if scale_o is None or np.isscalar(scale_o) else tuple(scale_o.shape)
-    if shape not in ((), (1,)):
-        raise ValueError(f"scale_o: shape {shape}; the output scale is one number (float32 [1] on q's GPU, or a "
-                         f"Python float): o = e4m3(O * scale_o)")
     if scale_o is None:
         return _one(like)
-    return _on_device(checked_output_scale(scale_o) if np.isscalar(scale_o) else scale_o, like)
+    on_device = type(scale_o).__module__.split(".")[0] in ("torch", "cupy") and str(scale_o.device) != "cpu"
+    if not on_device:  # a number, a host array or a CPU tensor: its value is checked here
+        host = np.asarray(scale_o.cpu() if _is_torch(scale_o) else scale_o, dtype=np.float64)
+        if host.shape not in ((), (1,)):
+            raise ValueError(f"scale_o: shape {host.shape}; the output scale is one number (float32 [1] on q's "
+                             f"GPU, or a Python float): o = e4m3(O * scale_o)")
+        return _on_device(checked_output_scale(host.item()), like)
+    if tuple(scale_o.shape) not in ((), (1,)):  # (a device tensor's value is read by the kernel, unchecked)
+        raise ValueError(f"scale_o: shape {tuple(scale_o.shape)}; the output scale is one number (float32 [1] on "
+                         f"q's GPU, or a Python float): o = e4m3(O * scale_o)")
+    return _on_device(scale_o, like)
 
 
 def checked_output_scale(scale_o) -> float:
@@ -103,7 +127,9 @@ def output_amax(amax_o, like):
     else:
         on_device = True  # NumPy: the tests' host twin
     if not (on_device and dtype == "float32" and shape in ((1,), ())):
-        raise ValueError(f"amax_o: {dtype} {shape}; pass a float32 [1] tensor on q's device (e.g. "
+        where = getattr(amax_o, "device", "the host")
+        raise ValueError(f"amax_o: a {type(amax_o).__module__.split('.')[0]} {type(amax_o).__name__} of {dtype}, "
+                         f"shape {shape}, on {where}; pass a float32 [1] tensor on q's device (e.g. "
                          f"torch.empty(1, device=q.device)): the kernel writes max |O| into it")
     return amax_o
 

@@ -693,7 +693,8 @@ class Kernel:
         if not spec.out_element.is_fp8:
             name = "scale_o" if scale_o is not None else "amax_o"
             raise ValueError(f"{name}: kernel {spec.name} writes o in {spec.out_element.name}; scale_o and amax_o are "
-                             f"an FP8 output's (FP8 q, k, v with out_dtype: float8_e4m3)")
+                             f"an FP8 output's: compile fagen.variants.output_type_variant(spec, 'float8_e4m3') "
+                             f"(FP8 q, k, v) for it, or drop them")
         scale = fp8_inputs.output_scale(scale_o, tq.obj)
         amax = 0
         if amax_o is not None:

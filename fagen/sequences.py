@@ -36,7 +36,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
                           torch_stream_handle, zeros_like)
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
-from fagen import fp8_inputs
+from fagen import fp8_inputs, variants
 from fagen.element_types import KERNEL_TYPES, fp8_element
 from fagen.rendering import (APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_PARAMS,
                           SEQUENCE_TILES_THREADS, append_kv_name)
@@ -257,11 +257,12 @@ def query_tiles_numpy(cu_seqlens_q: np.ndarray, block_q: int, slots: int, counts
 
 def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
          splits: int | None = None, out=None, indices: tuple[str, ...] = (), q_descale=None, k_descale=None,
-         v_descale=None) -> Packed:
+         v_descale=None, scale_o=None, amax_o=None) -> Packed:
     """The launches of `spec` (dispatch.batch_spec's) on a checked batch (`run` launches them; a prepared
     call keeps them): out like q ([B, Hq, Nq, d] or [total_q, Hq, d]; given, it is written in
     place), lse [B, Hq, Nq] or [Hq, total_q]. `indices`: the batch's index parameters a prepared
-    call re-points (the kernel's slots after q, k, v)."""
+    call re-points (the kernel's slots after q, k, v). scale_o, amax_o: an FP8 output's (amax_o
+    zeroed here, so for launches made once: `run`'s)."""
     tq, tk, tv = batch.q, batch.k, batch.v
     b, hq, nq, d = tq.shape
     hkv, nk = tk.shape[1], tk.shape[2]
@@ -293,6 +294,10 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
         if descaled is not None:
             extras.update(descaled[0])
             held = [*held, descaled[1]]
+        if spec.out_element.is_fp8:
+            scaled, kept = kernel.output_scale_arguments(tq, scale_o, amax_o)
+            extras.update(scaled)
+            held = [*held, kept]
         tiles = tile_grid = None
         if kernel.plan.sequence_tiles:  # the grid walks the batch's tiles
             extras["batch"] = b
@@ -337,10 +342,11 @@ def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor, dtype: str):
 
 
 def run(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks=None, alibi_slopes=None,
-        splits: int | None = None, out=None, q_descale=None, k_descale=None, v_descale=None):
+        splits: int | None = None, out=None, q_descale=None, k_descale=None, v_descale=None, scale_o=None,
+        amax_o=None):
     """(out, lse) of `spec` (dispatch.batch_spec's) on a checked batch, launched on the inputs' stream."""
     packed = pack(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, splits=splits, out=out,
-                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, scale_o=scale_o, amax_o=amax_o)
     with cupy.cuda.Device(batch.q.device), stream_for(batch.q):
         packed()
     return packed.out, packed.lse
@@ -361,15 +367,19 @@ def _as_one_sequence(out):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, mask=None, softcap: float | None = None, scale: float | None = None,
                      alibi_slopes=None, sinks=None, return_lse: bool = False, validate: bool = True, out=None,
-                     seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
+                     seqused_k=None, q_descale=None, k_descale=None, v_descale=None, scale_o=None,
+                     return_amax: bool = False):
     """Attention over a varlen batch (FlashAttention's flash_attn_varlen_func): q [total_q, Hq, d],
     k, v [total_k, Hkv, d], sequence b being rows cu_seqlens_*[b] .. cu_seqlens_*[b + 1]; with
     seqused_k (int32 [B]), sequence b's keys are rows cu_seqlens_k[b] .. cu_seqlens_k[b] +
     seqused_k[b], which may overlap another's. Every mask holds per sequence (causal: bottom
     right in each). Returns out [total_q, Hq, d] (and lse [Hq, total_q]). q, k, v of one FP8
     type: the FP8 forward (out bfloat16), FlashAttention-3's q_descale, k_descale, v_descale
-    (float32, one number or [B, Hkv], B the sequences; None is 1); not with seqused_k."""
-    if not validate and alibi_slopes is None and q_descale is None and k_descale is None and v_descale is None:
+    (float32, one number or [B, Hkv], B the sequences; None is 1); not with seqused_k. scale_o
+    (FP8 q, k, v): out in float8_e4m3, e4m3(O * scale_o) saturated, and with return_amax max |O|
+    (float32 [1]) returned last, as fagen.attention's."""
+    if (not validate and alibi_slopes is None and q_descale is None and k_descale is None and v_descale is None
+            and scale_o is None and not return_amax):
         # a loop's call: its layout's kept class
         done = KEPT_VARLEN_CALLS(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, out,
                                  return_lse, (causal, mask, softcap, scale, sinks))
@@ -378,8 +388,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     batch = varlen_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                          validate=validate)
     spec = batch_spec(batch, causal=causal, mask=mask, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+    amax = None
+    if fp8_inputs.check_output_request(scale_o, return_amax, spec.element.is_fp8,
+                                       f"q, k, v are {batch.q.dtype}, {batch.k.dtype}, {batch.v.dtype}"):
+        spec = variants.output_type_variant(spec, fp8_inputs.OUTPUT_TYPE)
+        amax = zeros_like(batch.q, (1,), "float32") if return_amax else None  # (0 where no row is written)
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out, q_descale=q_descale,
-                   k_descale=k_descale, v_descale=v_descale)
+                   k_descale=k_descale, v_descale=v_descale, scale_o=scale_o, amax_o=amax)
+    if return_amax:
+        return (out, lse, amax) if return_lse else (out, amax)
     return (out, lse) if return_lse else out
 
 

@@ -630,7 +630,7 @@ class AttentionSpec(_Frozen):
     @model_validator(mode="after")
     def _element_types(self) -> AttentionSpec:
         """The kernels take q, k, v and o of one type, of those with kernels (KERNEL_TYPES), or
-        FP8 q, k and v with a half-type o (FP8_KERNEL_TYPES); other combinations are spellable,
+        FP8 q, k and v with a half-type or e4m3 o (FP8_KERNEL_TYPES); other combinations are spellable,
         and refused here by what exists."""
         exist = (f"the kernels take q, k, v and o all of one type ({' or '.join(KERNEL_TYPES)}), or q, k and v "
                  f"{' or '.join(FP8_KERNEL_TYPES)} with o {' or '.join(ELEMENT_TYPES[FP8_KERNEL_TYPES[0]].out_types)}")
@@ -655,7 +655,8 @@ class AttentionSpec(_Frozen):
         """What the FP8 forward is built for: sm_90a's warp-specialized kernel, head_dim 128 or 256
         (rows of whole 128-byte swizzle atoms), key tiles of 128-256 keys in k32 steps (V^T read in
         128-key boxes, one atom's row each), padded sequences, whole outputs, no backward; o in a
-        half type. Sequences padded, or varlen q and K/V (V^T per sequence: fagen.fp8_inputs)."""
+        half type, or e4m3 at an output scale. Sequences padded, or varlen q and K/V (V^T per
+        sequence: fagen.fp8_inputs)."""
         fp8 = f"the {self.dtype} forward"
         o, seq = self.outputs, self.sequences
         # back to the half type (the copying or warp-specialized bf16 kernel of the same fields)
@@ -692,9 +693,11 @@ class AttentionSpec(_Frozen):
             if broken:
                 raise ValueError(rule(field, value, f"{why}; {self.dtype} with these is not built yet", fix_text, fix))
         outs = ELEMENT_TYPES[self.dtype].out_types
-        if self.out_dtype not in outs:
+        if self.out_dtype not in outs:  # the nearest: an FP8 one for an FP8 one, else the default
+            fp8_out = self.out_dtype is not None and ELEMENT_TYPES[self.out_dtype].is_fp8
+            near = next((o for o in outs if ELEMENT_TYPES[o].is_fp8 == fp8_out), outs[0])
             raise ValueError(rule("out_dtype", self.out_dtype, f"{fp8} writes o in {' or '.join(outs)}",
-                                  f"use out_dtype: {outs[0]}", {"out_dtype": outs[0]}))
+                                  f"use out_dtype: {near}", {"out_dtype": near}))
         return self
 
     def _widened_query(self) -> None:

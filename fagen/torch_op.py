@@ -398,7 +398,7 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
                           bias: Optional[Tensor], doc_ids: Optional[Tensor], mask: str, causal: bool,
                           softcap: Optional[float], scale: Optional[float], scale_o: Optional[Tensor],
                           return_amax: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32) with FlashAttention-3's descales (float32, one
+    """(out [B, Hq, Nq, d], lse [B, Hq, Nq] float32, amax) with FlashAttention-3's descales (float32, one
     number or [B, Hkv]; None is 1): FP8 q, k, v: the FP8 forward, bfloat16 out (sinks: float32 [Hq]
     logits; alibi_slopes float32 [Hq]; bias [B, Hq, Nk] or [B, Hq, Nq, Nk], added to the scaled
     scores; doc_ids [B|1, N] int32: a document mask), or for a decode step's few rows
@@ -408,6 +408,8 @@ def fp8_attention_forward(q: Tensor, k: Tensor, v: Tensor, q_descale: Optional[T
     variant, out in q's type. scale_o (float32 [1]; FP8 q, k, v): the FP8 forward's e4m3 out,
     e4m3(O * scale_o) saturated; the third output is max |O| (float32 [1]) with return_amax, else
     empty ([0])."""
+    fp8_inputs.check_output_request(scale_o, return_amax, q.dtype in FP8_TYPES and k.dtype == v.dtype == q.dtype,
+                                    f"q is {q.dtype}, k {k.dtype}, v {v.dtype}")
     amax = q.new_empty((1 if return_amax else 0,), dtype=torch.float32)  # (zeroed by the launch that writes it)
     if scale_o is None and (q.dtype not in FP8_TYPES or _decodes_on_cache(
             q, k, v, causal, mask_of(mask), softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids)):
@@ -448,7 +450,7 @@ def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, sc
     block_mask; None where not given; scale_o: its e4m3 output, amax_o written where given),
     launched: (out, lse)."""
     spec = dispatch.fp8_forward_spec(FP8_TYPES[q.dtype], q.shape[-1], causal, mask, softcap=softcap,
-                                     out_dtype=None if scale_o is None else FP8_OUTPUT_TYPE, **side)
+                                     out_dtype=None if scale_o is None else fp8_inputs.OUTPUT_TYPE, **side)
     side = {name: x for name, x in side.items() if x is not None}
     if scale_o is not None:
         side.update(scale_o=scale_o, amax_o=amax_o)
@@ -456,8 +458,6 @@ def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, sc
     return runtime.compile_kernel(spec)(q, k, v, scale=scale, return_lse=True, q_descale=q_descale,
                                         k_descale=k_descale, v_descale=v_descale, **side)
 
-
-FP8_OUTPUT_TYPE = "float8_e4m3"  # what fagen.attention's scale_o writes (cuDNN's FP8 output)
 
 
 @torch.library.register_fake("fagen::fp8_attention_forward")
@@ -480,13 +480,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     FP8 forward's e4m3 out (the decode kernels write bfloat16, so a decode step takes the forward
     too), max |O| returned last with return_amax."""
     fp8_q = q.dtype in FP8_TYPES
-    if (scale_o is not None or return_amax) and not (fp8_q and k.dtype == v.dtype == q.dtype):
-        raise ValueError(f"{'scale_o' if scale_o is not None else 'return_amax'}: an FP8 output is the FP8 forward's "
-                         f"(float8_e4m3fn or float8_e5m2 q, k and v of one type); q is {q.dtype}, k {k.dtype}, "
-                         f"v {v.dtype}: drop it, or quantize q, k and v")
-    if return_amax and scale_o is None:
-        raise ValueError("return_amax=True: amax_o is an FP8 output's (max |O| before scale_o); pass scale_o "
-                         "(e.g. 1.0) to have o written in float8_e4m3fn")
+    fp8_inputs.check_output_request(scale_o, return_amax, fp8_q and k.dtype == v.dtype == q.dtype,
+                                    f"q is {q.dtype}, k {k.dtype}, v {v.dtype}")
     # (traced: the op's body decides, unseen)
     decodes = fp8_q and scale_o is None and not torch.compiler.is_compiling() and _decodes_on_cache(
         q, k, v, causal, mask, softcap, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids,
@@ -507,6 +502,10 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
     if kv_cache and not fp8_q and descales[0] is not None:
         raise ValueError(f"q_descale: q is {q.dtype}, which has no descale; pass k_descale and v_descale for the "
                          f"{k.dtype} k and v only")
+    if unsupported and scale_o is not None and unsupported[0] in ranges:
+        raise ValueError(f"{unsupported[0]}: not with scale_o (the FP8 forward writes e4m3 out, and takes no key "
+                         f"ranges; the FP8 KV cache's kernels, which do, write bfloat16): drop scale_o, or "
+                         f"{unsupported[0]}")
     if unsupported:
         raise ValueError(f"{unsupported[0]}: not with {what} yet (it takes causal, mask, softcap, scale, "
                          f"{', '.join(packs if kv_cache else side)} and the descales); pass bfloat16 tensors for it")
@@ -535,7 +534,7 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
         sinks = torch.as_tensor(sinks, dtype=torch.float32, device=q.device)
     alibi_slopes, bias, doc_ids = (x if x is None or isinstance(x, Tensor) else torch.as_tensor(x, device=q.device)
                                    for x in (alibi_slopes, bias, doc_ids))
-    eager = _eager(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids)
+    eager = _eager(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids, scale_o)
     if block_mask is not None:
         if not eager:
             raise ValueError("block_mask with FP8 q, k, v: eager calls only (a BlockMask is no tensor, so it cannot "
@@ -653,17 +652,18 @@ def attention(q, k, v, *, causal: bool = False, mask=None, softcap: float | None
     (with fp8=True): q and k rotated by one orthogonal matrix before they are quantized
     (fagen.incoherent), which leaves the scores as they are but spreads outlier channels, so that
     a head's scale does not spend e4m3's range on a few of them; dq and dk rotate back."""
+    if incoherent and not fp8:
+        raise ValueError("incoherent=True: only with fp8=True (it rotates q and k before they are quantized); "
+                         "for FP8 tensors you quantize yourself, rotate q and k with fagen.incoherent.rotate first")
     if scale_o is not None or return_amax:  # an FP8 output: the FP8 forward's alone
         if fp8:
-            raise ValueError("scale_o: not with fp8=True (its output is bfloat16, for its backward); quantize q, k "
-                             "and v yourself (fagen.fp8_inputs.quantized) and pass the FP8 tensors with their descales")
+            raise ValueError(f"{'scale_o' if scale_o is not None else 'return_amax'}: not with fp8=True (its output "
+                             f"is bfloat16, for its backward); quantize q, k and v yourself "
+                             f"(fagen.fp8_inputs.quantized) and pass the FP8 tensors with their descales")
         return _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, (q_descale, k_descale, v_descale),
                               sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, doc_ids=doc_ids,
                               block_mask=block_mask, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
                               scale_o=scale_o, return_amax=return_amax)
-    if incoherent and not fp8:
-        raise ValueError("incoherent=True: only with fp8=True (it rotates q and k before they are quantized); "
-                         "for FP8 tensors you quantize yourself, rotate q and k with fagen.incoherent.rotate first")
     if fp8:
         others = {"softcap": softcap, "block_mask": block_mask, "bias": bias, "alibi_slopes": alibi_slopes,
                   "sinks": sinks, "doc_ids": doc_ids, "cache_seqlens": cache_seqlens, "cache_leftpad": cache_leftpad,

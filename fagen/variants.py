@@ -13,7 +13,7 @@ from functools import cache
 
 from fagen import expression
 from fagen.backward_plan import fixes_unsought
-from fagen.element_types import ELEMENT_TYPES
+from fagen.element_types import ELEMENT_TYPES, element_type
 from fagen.load import SPECS, load_spec, parse_spec
 from fagen.mask_kinds import KINDS
 from fagen.plan import has_sequence_tiles
@@ -121,10 +121,11 @@ def _fp8_base(path: Path) -> AttentionSpec:
 def output_type_variant(spec: AttentionSpec, out_dtype: str) -> AttentionSpec:
     """`spec` writing o in `out_dtype` (an FP8 forward's e4m3 output: FlashInfer's names, the o
     type last: `<name>_o<short>`), validated like any spec: the element type says what it may write."""
-    if out_dtype == spec.out_element.name:
+    out = element_type(out_dtype)  # (torch's names too: float8_e4m3fn)
+    if out is spec.out_element:
         return spec
-    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_o{ELEMENT_TYPES[out_dtype].short}",
-                       "out_dtype": out_dtype}, f"{out_dtype} output of {spec.name}")
+    return parse_spec({**spec.model_dump(), "name": f"{spec.name}_o{out.short}", "out_dtype": out.name},
+                      f"{out.name} output of {spec.name}")
 
 
 def modified_spec(dtype: str, head_dim: int, causal: bool, mask: Mask, score_mod: ScoreMod, *, gpu: str | None,

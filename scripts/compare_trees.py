@@ -149,6 +149,8 @@ CASES = [("forward", dt, d, n, c) for dt in ("float16", "bfloat16") for d in (64
          for n in (1024, 4096, 16384) for c in (False, True)]
 CASES += [("backward", "float16", d, n, c) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
 CASES = [case for case in CASES if re.search(sys.argv[3], case_key(*case))]
+if not CASES:
+    sys.exit(f"--only {sys.argv[3]!r} picks none of the cases (keys like 'forward float16 d128 n4096 causal')")
 rounds = int(sys.argv[2])
 runs = {"old": [{} for _ in range(rounds)], "new": [{} for _ in range(rounds)]}
 for what, dtype, d, n, causal in CASES:

@@ -3,6 +3,7 @@ trees' runs are apart (the ratio of overlapping runs is the noise's)."""
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,12 +93,17 @@ def test_the_kernel_cases_name_what_the_tree_has(compare_trees):
     assert list(inspect.signature(bench_backward.fagen_spec).parameters) == ["case", "q"]
     assert "return_lse" in inspect.signature(runtime.Kernel.__call__).parameters  # Backward.forward: the Kernel
     # the case lists alone (literal comprehensions), run apart from the script's torch work
-    cases = [node for node in tree.body if isinstance(node, (ast.Assign, ast.AugAssign))
-             and "CASES" in {t.id for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)}
+    def names(node, context) -> set[str]:
+        return {t.id for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, context)}
+
+    # the statements that make and check CASES, and the key they filter by
+    cases = [node for node in tree.body
+             if isinstance(node, (ast.Assign, ast.AugAssign)) and "CASES" in names(node, ast.Store)
+             or isinstance(node, ast.If) and "CASES" in names(node.test, ast.Load)
              or isinstance(node, ast.FunctionDef) and node.name == "case_key"]
 
     def picked(only: str) -> list[tuple]:
-        namespace: dict = {"re": re, "sys": SimpleNamespace(argv=["-c", "rows.json", "4", only])}
+        namespace: dict = {"re": re, "sys": SimpleNamespace(argv=["-c", "rows.json", "4", only], exit=sys.exit)}
         exec(compile(ast.Module(body=cases, type_ignores=[]), "KERNELS_ONE_PROCESS", "exec"), namespace)
         return namespace["CASES"]
 
@@ -107,3 +113,5 @@ def test_the_kernel_cases_name_what_the_tree_has(compare_trees):
     # --only: the cases whose key the pattern finds, and no others
     assert picked("forward .* d128 ") == [case for case in every if case[0] == "forward" and case[2] == 128]
     assert picked("backward float16 d64 n1024 causal") == [("backward", "float16", 64, 1024, True)]
+    with pytest.raises(SystemExit, match="picks none of the cases"):
+        picked("d96")

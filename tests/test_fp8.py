@@ -292,9 +292,9 @@ def test_fagen_attention_refuses_what_an_fp8_kv_cache_does_not_take_before_the_g
         attention(q, k8, k8, bias=torch.zeros(1, 8, 1, 64))
 
 
-def stub_kernels(monkeypatch, torch) -> list:
-    """runtime.compile_kernel replaced by a stub returning bfloat16 ones and a zero LSE; the
-    (spec, keywords) of each launch it is asked for, in the list returned."""
+def stub_kernels(monkeypatch, torch, out_dtype=None) -> list:
+    """runtime.compile_kernel replaced by a stub returning ones (bfloat16, or out_dtype) and a zero
+    LSE; the (spec, keywords) of each launch it is asked for, in the list returned."""
     from fagen import runtime
 
     calls = []
@@ -303,7 +303,8 @@ def stub_kernels(monkeypatch, torch) -> list:
         def run(q, k, v, **kw):
             calls.append((spec, kw))
             b, h, n, _ = q.shape
-            return torch.ones((b, h, n, v.shape[-1]), dtype=torch.bfloat16), torch.zeros((b, h, n))
+            out = torch.ones((b, h, n, v.shape[-1]), dtype=torch.bfloat16).to(out_dtype or torch.bfloat16)
+            return out, torch.zeros((b, h, n))
         return run
 
     monkeypatch.setattr(runtime, "compile_kernel", kernel_of)
@@ -330,6 +331,31 @@ def test_a_compiled_model_calls_the_fp8_forward_through_its_op(monkeypatch):
     (spec, kw), = calls
     assert spec.element.is_fp8 and spec.mask.kind == "causal" and spec.score_mod.softcap == 30.0
     assert kw["q_descale"] is not None and float(kw["v_descale"]) == 2.0 and kw["return_lse"]
+
+
+def test_a_compiled_model_asks_the_fp8_forward_for_an_e4m3_output_through_its_op(monkeypatch):
+    """scale_o and return_amax under torch.compile(fullgraph=True): the op's fake gives an e4m3
+    out and a float32 [1] amax, and the op runs the e4m3-output variant with scale_o and the amax
+    it returns. The kernel is stubbed (no GPU)."""
+    torch = pytest.importorskip("torch")
+    from fagen import api
+
+    calls = stub_kernels(monkeypatch, torch, out_dtype=torch.float8_e4m3fn)
+    q8 = torch.zeros((1, 2, 200, 128)).to(torch.float8_e4m3fn)
+    scale_o = torch.tensor([4.0])
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def layer(q, k, v):
+        return api.attention(q, k, v, causal=True, q_descale=0.5, scale_o=scale_o, return_amax=True)
+
+    out, amax = layer(q8, q8, q8)
+    assert out.dtype == torch.float8_e4m3fn and amax.shape == (1,) and amax.dtype == torch.float32
+    (spec, kw), = calls
+    assert spec.out_element.name == "float8_e4m3" and spec.name.endswith("_oe4m3")
+    assert torch.equal(kw["scale_o"], scale_o) and kw["amax_o"] is not None and kw["amax_o"].shape == (1,)
+    with pytest.raises(ValueError, match=r"return_amax=True: .*pass scale_o"):
+        torch.ops.fagen.fp8_attention_forward(q8, q8, q8, None, None, None, None, None, None, None, "", False,
+                                              None, None, None, True)
 
 
 def test_a_compiled_model_passes_doc_ids_to_the_fp8_forward_and_refuses_a_block_mask(monkeypatch):

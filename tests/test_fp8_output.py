@@ -39,6 +39,14 @@ def test_an_fp8_forward_takes_an_e4m3_output_with_its_scale_and_amax(dtype):
     assert "scale_o" not in render(variants.fp8_spec(dtype, 128, Mask(kind="causal"), ScoreMod()))
 
 
+def test_an_output_type_is_named_as_fagen_or_torch_names_it():
+    plain = variants.fp8_spec("float8_e4m3", 128, Mask(), ScoreMod())
+    assert variants.output_type_variant(plain, "float8_e4m3fn") == variants.output_type_variant(plain, "float8_e4m3")
+    assert variants.output_type_variant(plain, "bfloat16") is plain
+    with pytest.raises(ValueError, match=r"dtype 'e4m3': fagen knows"):
+        variants.output_type_variant(plain, "e4m3")
+
+
 def test_a_half_type_forward_refuses_an_fp8_output_with_a_fix_that_validates():
     data = load_spec("specs/attn_bf16_d128.yaml").model_dump(mode="json", exclude_none=True)
     with pytest.raises(SpecError, match=r"out_dtype.*float8_e4m3.*remove out_dtype") as refused:
@@ -48,8 +56,9 @@ def test_a_half_type_forward_refuses_an_fp8_output_with_a_fix_that_validates():
     assert "out_dtype" in str(refused.value)
     # e5m2 is no output type of the FP8 forward: the message lists those there are
     e4m3 = load_spec("specs/attn_e4m3_d128_sm90a.yaml").model_dump(mode="json", exclude_none=True)
-    with pytest.raises(SpecError, match=r"writes o in bfloat16 or float16 or float8_e4m3"):
+    with pytest.raises(SpecError, match=r"writes o in bfloat16 or float16 or float8_e4m3.*use out_dtype: float8_e4m3"):
         parse_spec({**e4m3, "out_dtype": "float8_e5m2"}, "test")
+    assert parse_spec({**e4m3, "out_dtype": "float8_e4m3"}, "fixed").out_element is E4M3
 
 
 def quad_store(words: np.ndarray) -> np.ndarray:
@@ -104,6 +113,10 @@ def test_scale_o_and_amax_o_are_checked_before_a_launch():
             fp8_inputs.output_scale(bad, like)
     with pytest.raises(ValueError, match=r"scale_o: shape \(2,\); the output scale is one number"):
         fp8_inputs.output_scale(np.ones(2, dtype=np.float32), like)
+    # host arrays and lists are numbers too: their values are checked
+    assert fp8_inputs.output_scale([2.0], like)[0] == 2.0
+    with pytest.raises(ValueError, match=r"scale_o = -3.0: must be a positive finite number"):
+        fp8_inputs.output_scale(np.array(-3.0), like)
     amax = np.zeros(1, dtype=np.float32)
     assert fp8_inputs.output_amax(amax, like) is amax
     for bad in (np.zeros(1, dtype=np.float64), np.zeros(2, dtype=np.float32), 0.0):
@@ -113,8 +126,8 @@ def test_scale_o_and_amax_o_are_checked_before_a_launch():
 
 def test_the_fp8_output_kernels_compile_without_spills():
     """What fagen.attention's scale_o runs: e4m3 and e5m2 q, k, v at head_dim 128 (dense, and
-    causal with every modifier) and e4m3 at 256, writing e4m3; each within the registers and
-    instructions of the same kernel writing bfloat16."""
+    causal with every modifier) and e4m3 at 256, and a varlen batch's kernel, writing e4m3; each
+    within the registers and instructions of the same kernel writing bfloat16."""
     from fagen import nvcc
 
     cases = [("float8_e4m3", 128, Mask(), ScoreMod()),
@@ -123,6 +136,7 @@ def test_the_fp8_output_kernels_compile_without_spills():
              ("float8_e5m2", 128, Mask(kind="sliding_window", window_left=100), ScoreMod()),
              ("float8_e4m3", 256, Mask(kind="causal"), ScoreMod())]
     plain = [variants.fp8_spec(*case) for case in cases]
+    plain.append(variants.sequence_variant(plain[0], "varlen", "varlen", False))  # fagen.attention_varlen's
     scaled = [variants.output_type_variant(spec, "float8_e4m3") for spec in plain]
     results = nvcc.compile_many([(spec, "sm_90a") for spec in scaled + plain])
     for spec, got, before in zip(scaled, results, results[len(scaled):]):

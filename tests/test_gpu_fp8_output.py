@@ -148,3 +148,33 @@ def test_fagen_attention_writes_e4m3_at_scale_o_and_returns_amax():
         fagen.attention(q8, k8, v8, scale_o=-1.0, **descales)
     with pytest.raises(ValueError, match=r"scale_o: kernel .* writes o in bfloat16"):
         fagen.compile(variants.fp8_spec("float8_e4m3", 128, Mask(), ScoreMod()))(q8, k8, v8, scale_o=1.0)
+
+
+def test_a_varlen_fp8_batch_writes_e4m3_at_scale_o():
+    """fagen.attention_varlen(..., scale_o=, return_amax=True) on FP8 q, k, v: e4m3 rows written over
+    NaN, within e4m3's rounding of the same batch's bfloat16 output, amax its largest magnitude;
+    half-type inputs refused."""
+    torch = pytest.importorskip("torch")
+    import fagen
+
+    rng = np.random.default_rng(9)
+    hq, hkv, d, lengths = 4, 2, 128, [300, 1, 700, 129]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), device="cuda")
+    total = int(cu[-1])
+    q8, k8, v8 = (torch.from_numpy(rng.standard_normal((total, h, d)).astype(np.float32) * 40).cuda()
+                  .to(torch.float8_e4m3fn) for h in (hq, hkv, hkv))
+    descales = dict(q_descale=1 / 40, k_descale=1 / 40, v_descale=1 / 20)
+    half = fagen.attention_varlen(q8, k8, v8, cu, cu, max(lengths), max(lengths), causal=True, **descales)
+    amax_ref = half.float().abs().max().item()
+    out = poisoned(torch, (total, hq, d))
+    got, lse, amax = fagen.attention_varlen(q8, k8, v8, cu, cu, max(lengths), max(lengths), causal=True, out=out,
+                                            return_lse=True, scale_o=400.0 / amax_ref, return_amax=True, **descales)
+    assert got.data_ptr() == out.data_ptr() and lse.shape == (hq, total)
+    values = got.float()
+    assert torch.isfinite(values).all()
+    error = relative_error(to_numpy(values) * amax_ref / 400.0, to_numpy(half.float()))
+    assert error <= 0.05, f"{error:.3f} from the bfloat16 output (e4m3's rounding: ~2.5e-2)"
+    assert abs(amax.item() - amax_ref) <= amax_ref * 2.0 ** -7
+    with pytest.raises(ValueError, match=r"scale_o: an FP8 output is the FP8 forward's"):
+        kv = half[:, :hkv].contiguous()
+        fagen.attention_varlen(half, kv, kv, cu, cu, max(lengths), max(lengths), scale_o=1.0)

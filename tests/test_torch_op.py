@@ -55,6 +55,11 @@ def test_op_schemas():
     assert str(torch.ops.fagen.attention_backward.default._schema) == \
         f"fagen::attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {side}, " \
         f"bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    descales = "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale"
+    assert str(torch.ops.fagen.fp8_attention_forward.default._schema) == \
+        f"fagen::fp8_attention_forward(Tensor q, Tensor k, Tensor v, {descales}, Tensor? sinks, Tensor? alibi_slopes, " \
+        f"Tensor? bias, Tensor? doc_ids, str mask, bool causal, float? softcap, float? scale, Tensor? scale_o, " \
+        f"bool return_amax) -> (Tensor, Tensor, Tensor)"
 
 
 
