@@ -37,7 +37,7 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_like, is_t
 from fagen.plan import PAGE_OUT_OF_RANGE, PAGE_ROWS, SEQLEN_OVER_TABLE, query_tile_slots
 from fagen.dispatch import batch_spec, batch_step, no_work
 from fagen import fp8_inputs, variants
-from fagen.element_types import KERNEL_TYPES, fp8_element
+from fagen.element_types import KERNEL_TYPES, element_type, fp8_element
 from fagen.rendering import (APPEND_KV_THREADS, SEQUENCE_TILES, SEQUENCE_TILES_COUNTS, SEQUENCE_TILES_PARAMS,
                           SEQUENCE_TILES_THREADS, append_kv_name)
 from fagen.runtime import (Launch, Packed, _aux_array, _check_layout, compile_kernel, descale_parameters,
@@ -335,9 +335,10 @@ def _outputs(out, shape: tuple[int, ...], tq: DeviceTensor, dtype: str):
     if out is None:
         return empty_like(tq, shape, dtype)
     to = as_device_tensor(out, "out")
-    if to.shape != shape or to.dtype != dtype or to.kind != tq.kind or to.device != tq.device:
-        raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} {dtype} "
-                         f"tensor {shape} on cuda:{tq.device}")
+    named = element_type(dtype)  # (torch spells FP8 types its own way: float8_e4m3fn)
+    if to.shape != shape or to.dtype not in (named.name, named.torch_name) or to.kind != tq.kind or to.device != tq.device:
+        raise ValueError(f"out: {to.kind} {to.dtype} {to.shape} on cuda:{to.device}; expected a {tq.kind} "
+                         f"{named.torch_name if tq.kind == 'torch' else named.name} tensor {shape} on cuda:{tq.device}")
     return out
 
 
