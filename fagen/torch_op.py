@@ -46,6 +46,12 @@ def mask_json(mask) -> str:
 # torch.compiler.assume_constant_result sets, without the import of torch._dynamo that the
 # decorator makes (about a second, and the torch.compile machinery eager calls never use).
 mask_json._dynamo_marked_constant = True
+# Dynamo hands a marked function's arguments over as Python constants, and newer releases refuse
+# a user-defined object there (a Mask a model passes: "UserDefinedObjectVariable(Mask) is not a
+# constant") unless its class is a pytree constant: hashable and compared by value, as a frozen
+# pydantic model is
+if hasattr(torch.utils._pytree, "register_constant"):
+    torch.utils._pytree.register_constant(Mask)
 
 
 @lru_cache(maxsize=64)
