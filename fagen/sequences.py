@@ -396,9 +396,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         amax = zeros_like(batch.q, (1,), "float32") if return_amax else None  # (0 where no row is written)
     out, lse = run(batch, spec, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, out=out, q_descale=q_descale,
                    k_descale=k_descale, v_descale=v_descale, scale_o=scale_o, amax_o=amax)
-    if return_amax:
-        return (out, lse, amax) if return_lse else (out, amax)
-    return (out, lse) if return_lse else out
+    asked = ((lse,) if return_lse else ()) + ((amax,) if return_amax else ())
+    return (out, *asked) if asked else out
 
 
 # an array's dtype -> whether it is an FP8 type: a kept call's test is a dictionary lookup

@@ -557,7 +557,8 @@ def _fp8_attention(q, k, v, causal, mask, softcap, scale, return_lse, descales, 
         out, lse, amax = torch.ops.fagen.fp8_attention_forward(q, k, v, *descales, sinks, alibi_slopes, bias, doc_ids,
                                                                mask_json(mask), causal, softcap, scale, scale_o,
                                                                return_amax)
-    return (out, *([lse] if return_lse else []), *([amax] if return_amax else [])) if return_lse or return_amax else out
+    asked = ((lse,) if return_lse else ()) + ((amax,) if return_amax else ())
+    return (out, *asked) if asked else out
 
 
 def _fp8_quantized_attention(q, k, v, mask: Mask, scale, return_lse: bool, deterministic: bool, others: list[str],
