@@ -38,7 +38,9 @@ from fagen.dispatch import derive_spec
 from fagen.spec import Mask, ScoreMod
 
 JSON = "bench_fp8.json"
-IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16")
+# fagen's FP8 forward with bfloat16 out, cuDNN's (e4m3 out on sm90), fagen's bfloat16 forward, and
+# fagen's FP8 forward with e4m3 out at cuDNN's scale_o (like for like beside cuDNN's)
+IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16", "fagen_fp8_e4m3")
 HEAD_DIMS, LENGTHS = (128, 256), (4096, 16384)
 OUTLIER_CHANNELS, OUTLIER_SCALE = 4, 100.0
 P_SCALE_LOG2 = 8  # cuDNN's P scale, as fagen's (its s_scale; s_descale the inverse)
@@ -244,21 +246,27 @@ def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]
            "`python3 -m fagen.bench_fp8`: B * N = 16k tokens, H * d = 2048, per-tensor descales at amax / 448; "
            "TFLOP/s of the whole call; errors against exact attention of the same FP8 values (head 0). "
            "On sm90 cuDNN builds FP8 attention only with an e4m3 out (its bf16 out is Blackwell's), so its error "
-           "includes O's rounding to e4m3, and it writes half the bytes."
+           "includes O's rounding to e4m3, and it writes half the bytes: fagen's e4m3-out columns are the like-for-like "
+           "ones (scale_o = 1 / v_descale, amax_o asked for, as cuDNN's run)."
            + _dated(meta, "forward"), "",
            "| d | N | mask | activations | fagen FP8 | cuDNN FP8 | fagen / cuDNN | fagen bf16 | fagen FP8 error | "
-           "cuDNN FP8 error | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "cuDNN FP8 error | fagen FP8, e4m3 out | e4m3 out / cuDNN | its error | note |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     by_case: dict[str, dict[str, Fp8Row]] = {}
     for r in rows:
         by_case.setdefault(r.case, {})[r.impl] = r
     for impls in by_case.values():
-        f, c, h = (impls.get(i) for i in IMPLS)
-        one = f or c or h
-        ratio = f"{f.tflops / c.tflops:.2f}x" if f and c and f.tflops and c.tflops else "-"
-        notes = "; ".join(f"{r.impl}: {r.note}" for r in (f, c, h) if r is not None and r.note)
+        f, c, h, e = (impls.get(i) for i in IMPLS)
+        one = f or c or h or e
+        notes = "; ".join(f"{r.impl}: {r.note}" for r in (f, c, h, e) if r is not None and r.note)
         out.append(f"| {one.head_dim} | {one.n} | {'causal' if one.causal else 'none'} | {one.activations} | "
-                   f"{_tf(f)} | {_tf(c)} | {ratio} | {_tf(h)} | {_err(f)} | {_err(c)} | {notes} |")
+                   f"{_tf(f)} | {_tf(c)} | {_ratio(f, c)} | {_tf(h)} | {_err(f)} | {_err(c)} | {_tf(e)} | "
+                   f"{_ratio(e, c)} | {_err(e)} | {notes} |")
     return out
+
+
+def _ratio(mine: Fp8Row | None, peer: Fp8Row | None) -> str:
+    return f"{mine.tflops / peer.tflops:.2f}x" if mine and peer and mine.tflops and peer.tflops else "-"
 
 
 def kv_markdown(rows: list[KvRow], meta: dict | None = None) -> list[str]:
@@ -481,8 +489,11 @@ def run_case(case: Fp8Case) -> list[Fp8Row]:
     (q8, qd), (k8, kd), (v8, vd) = (quantized(x) for x in (q, k, v))
     scale = case.head_dim ** -0.5
     exact = exact_head0(q8, k8, v8, (qd, kd, vd), case.causal, scale)
+    scale_o = 1.0 / vd  # O in v's units, as cuDNN's run writes it (cudnn_fp8)
     runners = {
         "fagen_fp8": lambda: api.attention(q8, k8, v8, causal=case.causal, q_descale=qd, k_descale=kd, v_descale=vd),
+        "fagen_fp8_e4m3": lambda: api.attention(q8, k8, v8, causal=case.causal, q_descale=qd, k_descale=kd,
+                                                v_descale=vd, scale_o=scale_o, return_amax=True)[0],
         "fagen_bf16": (lambda qb=q.bfloat16(), kb=k.bfloat16(), vb=v.bfloat16():
                        api.attention(qb, kb, vb, causal=case.causal)),
     }
@@ -503,6 +514,8 @@ def run_case(case: Fp8Case) -> list[Fp8Row]:
             else:
                 fn = runners[impl]
                 got = fn()
+                if impl == "fagen_fp8_e4m3":  # back to O's units
+                    got = got.float() * vd
             torch.cuda.synchronize()
             row.error = relative(got[0, 0], exact)
             row.ms = time_ms(fn)

@@ -20,7 +20,7 @@ def test_the_table_puts_fagen_over_cudnn_and_says_why_a_cell_is_empty(tmp_path):
             for impl, t, e in zip(IMPLS, (900.0, 1000.0, 700.0), (3e-2, 4e-2, 3e-3))]
     rows[1].tflops, rows[1].note = None, "cudnn-frontend not importable"
     line = markdown(rows)[-1]
-    assert "| 900 | - | - | 700 | 3.0e-02 | 4.0e-02 | cudnn_fp8: cudnn-frontend not importable |" in line
+    assert "| 900 | - | - | 700 | 3.0e-02 | 4.0e-02 | - | - | - | cudnn_fp8: cudnn-frontend not importable |" in line
     rows[1].tflops = 1000.0
     assert "| 900 | 1000 | 0.90x | 700 |" in markdown(rows)[-1]
     path = tmp_path / "bench_fp8.json"
@@ -116,3 +116,20 @@ def test_the_chunk_table_puts_the_fp8_cache_over_the_bf16_one_and_survives_json(
     path = tmp_path / "bench_fp8.json"
     path.write_text(json.dumps({"meta": {}, "rows": [], "chunk_rows": [row.__dict__]}))
     assert read_json(path)[0] == [row]
+
+
+def test_the_forward_table_sets_fagen_s_e4m3_output_beside_cudnn_s():
+    """Each case a line: fagen FP8 (bfloat16 out) and its e4m3-out run, each over cuDNN FP8 (whose
+    sm90 build writes e4m3), with their errors; a run from before the e4m3 column shows "-" there."""
+    from fagen.bench_fp8 import Fp8Row, markdown
+
+    def row(impl, tflops, error):
+        return Fp8Row("d128-n4096-dense-plain", impl, 128, 4096, False, "plain", 1.0, tflops, error)
+
+    rows = [row("fagen_fp8", 880.0, 2.5e-2), row("cudnn_fp8", 1000.0, 3.7e-2), row("fagen_bf16", 690.0, 4e-3),
+            row("fagen_fp8_e4m3", 875.0, 3.6e-2)]
+    lines = markdown(rows)
+    assert "| fagen FP8, e4m3 out | e4m3 out / cuDNN | its error |" in lines[4]
+    assert lines[-1] == ("| 128 | 4096 | none | plain | 880 | 1000 | 0.88x | 690 | 2.5e-02 | 3.7e-02 | 875 | 0.88x | "
+                         "3.6e-02 |  |")
+    assert markdown(rows[:3])[-1].endswith("| 3.7e-02 | - | - | - |  |")
