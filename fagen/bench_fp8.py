@@ -679,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one case of each section (d128, N 4k, dense)")
     only_sections = parser.add_mutually_exclusive_group()
-    for section, what in (("kv", "the KV cache's cases"), ("chunk", "the chunked-prefill cases"),
+    for section, what in (("forward", "the forward's cases (fagen FP8 with bfloat16 and e4m3 out, cuDNN FP8, fagen "
+                                      "bfloat16)"), ("kv", "the KV cache's cases"), ("chunk", "the chunked-prefill cases"),
                           ("backward", "the FP8 backward's cases"),
                           ("errors", "the error report's cases (FP8 against the unquantized attention)")):
         only_sections.add_argument(f"--{section}-only", dest="only", action="store_const", const=section,
