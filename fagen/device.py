@@ -168,8 +168,6 @@ def empty_laid_out_as(ref: DeviceTensor, shape, dtype: str):
     that a [B, N, H, d] tensor seen as [B, H, N, d] (a model's heads split off its hidden size)
     gets an out that transposes back without a copy."""
     if ref.kind == "torch":
-        import torch
-
         return empty_permuted("torch", shape, layout_order(ref.strides), torch_dtype(dtype), ref.obj.device)
     return empty_permuted("cupy", shape, layout_order(ref.strides), ref.obj.dtype if dtype == ref.dtype else dtype)
 

@@ -465,7 +465,6 @@ def _fp8_forward(q, k, v, descales, mask: Mask | None, causal: bool, softcap, sc
                                         k_descale=k_descale, v_descale=v_descale, **side)
 
 
-
 @torch.library.register_fake("fagen::fp8_attention_forward")
 def _(q, k, v, q_descale, k_descale, v_descale, sinks, alibi_slopes, bias, doc_ids, mask, causal, softcap, scale,
       scale_o, return_amax):
