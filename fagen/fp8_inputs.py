@@ -5,8 +5,8 @@
   byte of garbage may be NaN, and 0 * NaN is NaN). Within each 32 keys, column c of V^T holds key
   KEY_ORDER[c]: the order P's registers come out of the S accumulator in (templates/sm90
   mainloop: a thread holds keys 2t, 2t+1, 8+2t, 9+2t where wgmma's A operand wants k 4t..4t+3),
-  so P needs no shuffle. A pass over V costs ~1% of the attention at 4k keys (it reads and
-  writes V once; the attention reads it once per query tile).
+  so P needs no shuffle. The pass reads and writes V once (the attention reads it once per query
+  tile): 23.5 us for 32 MB of V on an H200 (2.9 TB/s), ~3.5% of a dense d128 call at 4k keys.
 - The descales, FlashAttention-3's convention: float32, one number or [B, Hkv] each (None: 1);
   the true q is q * q_descale[b, h_kv], likewise k and v. Each goes to the kernel as an address and
   its (sequence, KV head) strides, a device tensor read where it lies (descale_views).

@@ -55,7 +55,6 @@ KEY_SPLIT_TEMPLATE = "sm90/key_split_backward.cu.j2"  # the 192/128 backward (fa
 FP8_BACKWARD_TEMPLATE = "sm90/fp8_backward.cu.j2"  # the FP8 backward (fagen.fp8_backward_plan)
 V_TRANSPOSE_TEMPLATE = "kernel/v_transpose.cu.j2"
 V_TRANSPOSE = "v_transpose_kernel"
-V_TRANSPOSE_THREADS = 256
 V_TRANSPOSE_MAX_D = 256
 GRADIENT_SUM_TEMPLATE = "kernel/gradient_sum.cu.j2"
 GRADIENT_SUM_THREADS = 256
@@ -257,9 +256,7 @@ def render_append_kv(source: str | None = None, cache: str | None = None) -> str
 def render_v_transpose() -> str:
     """The kernel writing an FP8 forward's V^T in its key order (fagen.fp8_inputs), once a call."""
     return environment().get_template(V_TRANSPOSE_TEMPLATE).render(
-        version=__version__, name=V_TRANSPOSE, threads=V_TRANSPOSE_THREADS, tile_keys=fp8_inputs.V_TILE_KEYS,
-        key_group=fp8_inputs.KEY_GROUP, key_order=[int(k) for k in fp8_inputs.KEY_ORDER], max_d=V_TRANSPOSE_MAX_D,
-        row_bytes=V_TRANSPOSE_MAX_D + 4)
+        version=__version__, name=V_TRANSPOSE, tile_keys=fp8_inputs.V_TILE_KEYS, max_d=V_TRANSPOSE_MAX_D)
 
 
 def gradient_sum_name(dtype: str) -> str:

@@ -27,7 +27,7 @@ from fagen.element_types import element_type, itemsize
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
 from fagen.rendering import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
-                          V_TRANSPOSE_THREADS, merge_name, render, shared_kernel)
+                          merge_name, render, shared_kernel)
 from fagen.spec import AttentionSpec
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -966,7 +966,7 @@ def v_transposed(tv: DeviceTensor, cu_seqlens: int | None = None):
     keys = fp8_inputs.padded_keys(n)
     vt = empty_like(tv, (b, h, d, keys), tv.dtype)
     shared_function(V_TRANSPOSE, tv.device)(
-        (keys // fp8_inputs.V_TILE_KEYS, b * h), (V_TRANSPOSE_THREADS,),
+        (keys // fp8_inputs.V_TILE_KEYS, b * h), (d // 16 * 32,),  # a warp 16 of V's columns
         (np.uint64(tv.ptr), np.int64(tv.strides[0]), np.int64(tv.strides[1]), np.int64(tv.strides[2]), np.int32(h),
          np.int32(n), np.int32(d), np.uint64(as_device_tensor(vt, "v^T").ptr), np.int32(keys),
          np.uint64(cu_seqlens or 0)))

@@ -4,47 +4,55 @@
 // operands K-major, so P.V's B is V^T: V [B, Hkv, N, d] (any 16-byte-aligned row strides, bytes)
 // becomes V^T [B, Hkv, d, padded] (contiguous; padded: N up to whole 128-key tiles, the
 // keys past N zeros: P is 0 there, but an FP8 byte of garbage may be NaN, and 0 * NaN is NaN).
-// Within each 32 keys, column c holds key KEY_ORDER[c]: the order P's registers come out of
-// the S accumulator in (fagen.fp8_inputs), so the attention kernel packs P without a shuffle.
-// A block moves one tile: its keys' rows into shared memory (16-byte loads), then V^T's rows
-// out (4-byte stores, a warp a row's 128 bytes). Rows in shared memory are padded by a word,
-// so a warp's reads of one column across keys fall in distinct banks.
-constexpr int THREADS = 256;
+// Within each 16 keys, columns 4q .. 4q + 3 hold keys 2q, 2q + 1, 2q + 8, 2q + 9: the order P's
+// registers come out of the S accumulator in (fagen.fp8_inputs.KEY_ORDER), so the attention kernel
+// packs P without a shuffle.
+// A block moves one tile of 128 keys, a warp 16 of V's columns: lane l reads the four keys of
+// V^T's bytes 4l .. 4l + 3 (16 bytes of each key's row), transposes the 4 x 16 bytes in registers
+// (byte permutes), and writes one word to each of its 16 rows of V^T, so that every store of the
+// warp is 128 contiguous bytes. No shared memory: the pass runs at the copy's bandwidth (the
+// kernel it replaces staged the tile in shared memory and read it back a byte at a time: 2.1 TB/s).
 constexpr int TILE_KEYS = 128;
-constexpr int KEY_GROUP = 32;
-constexpr int ROW_BYTES = 260;  // a key's row in shared memory (d up to 256), padded by a word
-__device__ const unsigned char KEY_ORDER[KEY_GROUP] = { 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 16, 17, 24, 25, 18, 19, 26, 27, 20, 21, 28, 29, 22, 23, 30, 31 };
+static_assert(TILE_KEYS == 128, "a warp's 32 lanes cover 128 keys, 4 a lane");
 
-struct alignas(16) chunk16 { unsigned x, y, z, w; };
+// 4 x 4 bytes, a word each of rows a, b, c, d -> word t holds byte t of a, b, c, d (low to high).
+__device__ __forceinline__ void transpose4x4(unsigned a, unsigned b, unsigned c, unsigned d, unsigned (&t)[4]) {
+  const unsigned ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+  const unsigned cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  t[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+  t[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  t[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  t[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
 
-// Grid: x = V^T tiles (padded / TILE_KEYS), y = batch * KV head. d: a multiple of 16, at most 256.
-// A varlen batch (cu_seqlens not null; V [total, Hkv, d], v_sb unused): sequence b's keys are rows
-// cu_seqlens[b] .. cu_seqlens[b + 1] (at most padded of them read), its V^T sequence b's own.
-extern "C" __global__ void __launch_bounds__(THREADS)
+// Grid: x = V^T tiles (padded / TILE_KEYS), y = batch * KV head; d / 16 warps a block. d: a multiple
+// of 16, at most 256. A varlen batch (cu_seqlens not null; V [total, Hkv, d], v_sb unused):
+// sequence b's keys are rows cu_seqlens[b] .. cu_seqlens[b + 1] (at most padded of them read), its
+// V^T sequence b's own.
+extern "C" __global__ void __launch_bounds__(512)
 v_transpose_kernel(const unsigned char* __restrict__ v, long long v_sb, long long v_sh, long long v_sn, int heads_kv, int n,
            int d, unsigned char* __restrict__ vt, int padded, const int* __restrict__ cu_seqlens) {
-  __shared__ __align__(16) unsigned char tile[TILE_KEYS * ROW_BYTES];
-  const int b = blockIdx.y / heads_kv, h = blockIdx.y % heads_kv, k0 = blockIdx.x * TILE_KEYS;
+  const int b = blockIdx.y / heads_kv, h = blockIdx.y % heads_kv;
   const long long first = cu_seqlens != nullptr ? cu_seqlens[b] : 0;
   if (cu_seqlens != nullptr) n = min(cu_seqlens[b + 1] - cu_seqlens[b], padded);
   const unsigned char* rows = v + (cu_seqlens != nullptr ? first * v_sn : b * v_sb) + h * v_sh;
-  const int chunks = d / 16;  // a key's row, in 16-byte chunks
-  for (int i = threadIdx.x; i < TILE_KEYS * chunks; i += THREADS) {
-    const int key = i / chunks, c = i % chunks;
-    const chunk16 x = k0 + key < n ? *reinterpret_cast<const chunk16*>(rows + (k0 + key) * v_sn + c * 16)
-                                   : chunk16{0u, 0u, 0u, 0u};
-    unsigned* at = reinterpret_cast<unsigned*>(tile + key * ROW_BYTES + c * 16);
-    at[0] = x.x; at[1] = x.y; at[2] = x.z; at[3] = x.w;
-  }
-  __syncthreads();
-  unsigned char* out = vt + (long long)blockIdx.y * d * padded + k0;
-  constexpr int WORDS = TILE_KEYS / 4;  // 4 columns a store
-  for (int i = threadIdx.x; i < d * WORDS; i += THREADS) {
-    const int row = i / WORDS, column = i % WORDS * 4, group = column / KEY_GROUP * KEY_GROUP;
-    unsigned word = 0;
+  const int lane = threadIdx.x % 32, column = threadIdx.x / 32 * 16;  // this warp's 16 columns of V
+  // lane l = 4g + q: V^T bytes 4l .. 4l + 3 of the tile, keys 16g + 2q + {0, 1, 8, 9}
+  const int column0 = blockIdx.x * TILE_KEYS + 4 * lane, key0 = blockIdx.x * TILE_KEYS + lane / 4 * 16 + 2 * (lane % 4);
+  uint4 row[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      word |= unsigned(tile[(group + KEY_ORDER[column % KEY_GROUP + j]) * ROW_BYTES + row]) << (8 * j);
-    *reinterpret_cast<unsigned*>(out + (long long)row * padded + column) = word;
+  for (int j = 0; j < 4; ++j) {
+    const int key = key0 + (j & 1) + 8 * (j >> 1);
+    row[j] = key < n ? __ldg(reinterpret_cast<const uint4*>(rows + key * v_sn + column)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  unsigned char* out = vt + (long long)blockIdx.y * d * padded + (long long)column * padded + column0;
+  const unsigned words[4][4] = {{row[0].x, row[0].y, row[0].z, row[0].w}, {row[1].x, row[1].y, row[1].z, row[1].w},
+                                {row[2].x, row[2].y, row[2].z, row[2].w}, {row[3].x, row[3].y, row[3].z, row[3].w}};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {  // V's columns column + 4w .. + 3: V^T's rows
+    unsigned t[4];
+    transpose4x4(words[0][w], words[1][w], words[2][w], words[3][w], t);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<unsigned*>(out + (long long)(4 * w + i) * padded) = t[i];
   }
 }

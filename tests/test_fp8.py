@@ -56,6 +56,53 @@ def test_v_transposed_pads_the_keys_with_zeros_to_whole_tiles():
     assert (np.sort(vt, axis=-1)[..., :56] == 0).all()  # 56 zero keys a row, wherever the order put them
 
 
+def byte_perm(x: int, y: int, selector: int) -> int:
+    """CUDA's __byte_perm: byte i of the result is byte (selector's nibble i) of y:x (x low)."""
+    pool = (y << 32 | x).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[selector >> 4 * i & 7] for i in range(4)), "little")
+
+
+def v_transpose_kernel_model(v: np.ndarray) -> np.ndarray:
+    """The V^T kernel's index math and byte permutes (templates/kernel/v_transpose.cu.j2), run
+    lane by lane in NumPy: V [B, Hkv, N, d] uint8 -> V^T [B, Hkv, d, padded]."""
+    b, h, n, d = v.shape
+    padded = fp8_inputs.padded_keys(n)
+    out = np.full((b, h, d, padded), 0xAB, np.uint8)  # poisoned: every byte must be written
+    for bh in range(b * h):
+        rows = v[bh // h, bh % h]
+        for tile in range(padded // 128):
+            for warp in range(d // 16):
+                column = warp * 16
+                for lane in range(32):
+                    column0, key0 = tile * 128 + 4 * lane, tile * 128 + lane // 4 * 16 + 2 * (lane % 4)
+                    keys = [key0 + (j & 1) + 8 * (j >> 1) for j in range(4)]
+                    words = [[int.from_bytes(bytes(rows[key, column + 4 * w:column + 4 * w + 4]), "little")
+                              if key < n else 0 for w in range(4)] for key in keys]
+                    for w in range(4):
+                        a, b_, c, d_ = (words[j][w] for j in range(4))
+                        ab_lo, ab_hi = byte_perm(a, b_, 0x5140), byte_perm(a, b_, 0x7362)
+                        cd_lo, cd_hi = byte_perm(c, d_, 0x5140), byte_perm(c, d_, 0x7362)
+                        t = [byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632),
+                             byte_perm(ab_hi, cd_hi, 0x5410), byte_perm(ab_hi, cd_hi, 0x7632)]
+                        for i in range(4):
+                            out[bh // h, bh % h, column + 4 * w + i, column0:column0 + 4] = list(t[i].to_bytes(4, "little"))
+    return out
+
+
+def test_byte_perm_model_is_cudas():
+    assert byte_perm(0x03020100, 0x07060504, 0x5140) == 0x05010400
+    assert byte_perm(0x03020100, 0x07060504, 0x7632) == 0x07060302
+
+
+@pytest.mark.parametrize("n,d", [(130, 32), (77, 16), (256, 48)])
+def test_the_v_transpose_kernel_writes_its_twins_bytes(n, d):
+    """The kernel's lanes (each four keys of one 16-key group, 16 of V's columns a warp) and its
+    4 x 4 byte transposes, modelled lane by lane, give fp8_inputs.transposed_v byte for byte:
+    keys in P's register order, zeros past N (the GPU test runs the kernel itself)."""
+    v = np.random.default_rng(n).integers(1, 256, (2, 1, n, d)).astype(np.uint8)
+    np.testing.assert_array_equal(v_transpose_kernel_model(v), transposed_v(v))
+
+
 def test_v_transposed_from_torch_float8_keeps_its_bytes():
     torch = pytest.importorskip("torch")
     v = torch.randn(1, 2, 70, 128).to(torch.float8_e4m3fn)
