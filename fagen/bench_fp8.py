@@ -33,7 +33,7 @@ from pathlib import Path
 from fagen import api, fp8_backward, fp8_inputs, runtime, variants
 from fagen.backward import compile_backward
 from fagen.bench_cases import SweepSize
-from fagen.check import interleaved_us, time_ms
+from fagen.check import WARM_MS, interleaved_us, time_ms
 from fagen.dispatch import derive_spec
 from fagen.spec import Mask, ScoreMod
 
@@ -41,7 +41,6 @@ JSON = "bench_fp8.json"
 # fagen's FP8 forward with bfloat16 out, cuDNN's (e4m3 out on sm90), fagen's bfloat16 forward, and
 # fagen's FP8 forward with e4m3 out at cuDNN's scale_o (like for like beside cuDNN's)
 IMPLS = ("fagen_fp8", "cudnn_fp8", "fagen_bf16", "fagen_fp8_e4m3")
-TIMING_ROUNDS = 3  # the forward's implementations timed in turns (rotated_ms)
 HEAD_DIMS, LENGTHS = (128, 256), (4096, 16384)
 OUTLIER_CHANNELS, OUTLIER_SCALE = 4, 100.0
 P_SCALE_LOG2 = 8  # cuDNN's P scale, as fagen's (its s_scale; s_descale the inverse)
@@ -245,7 +244,7 @@ def markdown(rows: list, meta: dict | None = None) -> list[str]:
 def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
     out = ["## FP8 forward: fagen e4m3 against cuDNN FP8 and fagen bfloat16", "",
            "`python3 -m fagen.bench_fp8`: B * N = 16k tokens, H * d = 2048, per-tensor descales at amax / 448; "
-           "TFLOP/s of the whole call; errors against exact attention of the same FP8 values (head 0). "
+           "TFLOP/s of the whole call (each implementation's best of four rounds in turns: rotated_ms); errors against exact attention of the same FP8 values (head 0). "
            "On sm90 cuDNN builds FP8 attention only with an e4m3 out (its bf16 out is Blackwell's), so its error "
            "includes O's rounding to e4m3, and it writes half the bytes: fagen's e4m3-out columns are the like-for-like "
            "ones (scale_o = 1 / v_descale, amax_o asked for, as cuDNN's run)."
@@ -527,16 +526,33 @@ def run_case(case: Fp8Case) -> list[Fp8Row]:
     return rows
 
 
-def rotated_ms(fns: list, rounds: int = TIMING_ROUNDS) -> list[float]:
-    """time_ms of each fn, the median of `rounds`, each round starting one further on. Timed one
-    after the other, the arm timed last (fagen's e4m3 out) read 5-20% under its bfloat16-out twin,
-    where in turns the two are within 1% (H200, 2026-12-01)."""
+def rotated_ms(fns: list, warm_ms: float = WARM_MS) -> list[float]:
+    """time_ms of each fn, its best of as many rounds as there are fns, each round starting one
+    further on, and each timing after warm_ms of the arm's own untimed calls: an arm timed right
+    after another (the bfloat16 forward, cuDNN's) read 6-10% under its best with time_ms's five
+    warm-up calls alone, where in turns fagen's two outputs are within 1% (an H200 near its power
+    cap, 2026-12-01)."""
     times: list[list[float]] = [[] for _ in fns]
-    for r in range(rounds):
+    for r in range(len(fns)):
         for i in range(len(fns)):
             at = (r + i) % len(fns)
+            warm_for(fns[at], warm_ms)
             times[at].append(time_ms(fns[at]))
-    return [sorted(t)[len(t) // 2] for t in times]
+    return [min(t) for t in times]
+
+
+def warm_for(fn, ms: float) -> None:
+    """fn() until `ms` of GPU time has passed (its own clocks, not the last arm's)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        fn()
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) >= ms:
+            return
 
 
 def run_error_case(case: Fp8Case) -> ErrorRow:

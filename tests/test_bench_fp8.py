@@ -2,6 +2,7 @@
 
 import json
 
+from fagen import bench_fp8
 from fagen.bench_fp8 import IMPLS, Fp8Row, cases, markdown, read_json
 
 
@@ -133,3 +134,23 @@ def test_the_forward_table_sets_fagen_s_e4m3_output_beside_cudnn_s():
     assert lines[-1] == ("| 128 | 4096 | none | plain | 880 | 1000 | 0.88x | 690 | 2.5e-02 | 3.7e-02 | 875 | 0.88x | "
                          "3.6e-02 |  |")
     assert markdown(rows[:3])[-1].endswith("| 3.7e-02 | - | - | - |  |")
+
+
+def test_rotated_ms_warms_each_arm_before_it_is_timed_and_keeps_its_best(monkeypatch):
+    """A round an arm, each starting one further on; every timing after the arm's own warm-up;
+    an arm's reading is its best round (an arm timed right after another read 6-10% slow)."""
+    events = []
+
+    def fake_time_ms(fn):
+        arm = fn()
+        slow = events[-2:-1] == [("time", "a")] and arm == "b"  # b right after a's timing: slow
+        events.append(("time", arm))
+        return (2.0 if slow else 1.0) + {"a": 0.0, "b": 0.5, "c": 0.25}[arm]
+
+    monkeypatch.setattr(bench_fp8, "time_ms", fake_time_ms)
+    monkeypatch.setattr(bench_fp8, "warm_for", lambda fn, ms: events.append(("warm", fn())))
+    got = bench_fp8.rotated_ms([lambda: "a", lambda: "b", lambda: "c"])
+    assert got == [1.0, 1.5, 1.25]
+    assert [arm for kind, arm in events if kind == "time"] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    timed_at = [i for i, (kind, _) in enumerate(events) if kind == "time"]
+    assert all(events[i - 1] == ("warm", events[i][1]) for i in timed_at)
