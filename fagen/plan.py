@@ -173,6 +173,7 @@ class KernelPlan:
     element_bytes: int
     p_log2_scale: float  # P's scale before its rounding to an FP8 A operand, log2 (element type's; 0 otherwise)
     exp2_poly_every: int  # every this many n8 fragments of S, exp2 runs as a polynomial on the FMA pipe (0: never)
+    uniform_warp_index: bool  # the forward's warp index shuffled from lane 0 (UNIFORM_WARP_INDEX_FROM_HEAD_DIM)
     kv_tile_bytes: int  # one KV tile in smem: the stride between ring slots
     v_tile_bytes: int  # ... of V's own ring (warp-specialised: V's width; else kv_tile_bytes)
     q_tile_bytes: int  # wgmma: the bytes of Q a tile loads (head_dim wide: a producer's expect_tx)
@@ -990,6 +991,15 @@ def input_params(spec: AttentionSpec) -> tuple[tuple[str, str], ...]:
 # alone: none 867 TFLOP/s, one in 8 897, in 4 895, in 2 793: the FMA pipe's share then costs more
 # issue slots than the MUFU it frees).
 EXP2_POLY_EVERY = 8
+# The forward's warp index shuffled from lane 0, so that ptxas proves it warp-uniform and keeps a
+# consumer warpgroup's Q descriptors in uniform registers (without it, 26 R2UR / IMAD / IADD3
+# instructions a warp a KV step rebuild them per thread: ncu, f16 d128 causal 4k, against
+# FlashAttention-4's kernel with the same tile, 11% more instructions). Measured on an H200 in one
+# process (2026-12-01): the causal half-type wgmma forwards from head_dim 128 gain (d128 +2.5-3.3%,
+# d256 16k +1.5-2%, 192/128 +2.0-2.2%, 128/64 +1.2-1.8%); the same change lost or held elsewhere
+# (dense: d128 f16 -1.3-1.9%, bf16 within 1%, 128/64 -3%; d64 -1%; FP8 d128 -1.5 to -5%), ptxas
+# scheduling those kernels' loops worse: kept where it won.
+UNIFORM_WARP_INDEX_FROM_HEAD_DIM = 128
 # FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), each read where it
 # lies: its address and (sequence, KV head) strides. An FP8 KV cache's kernels take q's too: 1 for
 # a half-type q, an FP8 q's own (spec.widens_query)
@@ -1023,6 +1033,8 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_ti
         "element_bytes": spec.element.bytes,
         "p_log2_scale": float(spec.element.p_log2_scale),
         "exp2_poly_every": EXP2_POLY_EVERY if spec.element.is_fp8 and spec.wgmma else 0,
+        "uniform_warp_index": (spec.wgmma and spec.mask.kind == "causal" and not spec.element.is_fp8
+                               and not spec.kv_element.is_fp8 and d >= UNIFORM_WARP_INDEX_FROM_HEAD_DIM),
         "kv_tile_bytes": kv_tile_elems * spec.kv_element.bytes,
         "v_tile_bytes": v_tile_elems * spec.kv_element.bytes,
         # an FP8 KV cache's rows: twice a half type's elements in a 16-byte chunk, half the chunks a row
