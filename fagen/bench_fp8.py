@@ -33,7 +33,7 @@ from pathlib import Path
 from fagen import api, fp8_backward, fp8_inputs, runtime, variants
 from fagen.backward import compile_backward
 from fagen.bench_cases import SweepSize
-from fagen.check import WARM_MS, interleaved_us, time_ms
+from fagen.check import WARM_MS, interleaved_us, time_ms, warm_for
 from fagen.dispatch import derive_spec
 from fagen.spec import Mask, ScoreMod
 
@@ -540,19 +540,6 @@ def rotated_ms(fns: list, warm_ms: float = WARM_MS) -> list[float]:
             times[at].append(time_ms(fns[at]))
     return [min(t) for t in times]
 
-
-def warm_for(fn, ms: float) -> None:
-    """fn() until `ms` of GPU time has passed (its own clocks, not the last arm's)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        fn()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) >= ms:
-            return
 
 
 def run_error_case(case: Fp8Case) -> ErrorRow:

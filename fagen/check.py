@@ -198,15 +198,23 @@ def _captured(fn):
     with torch.cuda.graph(graph):
         for _ in range(REPS):
             fn()
-    warm_start, warm_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    warm_start.record()
-    while True:
-        graph.replay()
-        warm_end.record()
-        warm_end.synchronize()
-        if warm_start.elapsed_time(warm_end) >= WARM_MS:
-            break
+    warm_for(graph.replay, WARM_MS)
     return graph
+
+
+def warm_for(fn, ms: float) -> None:
+    """fn() until `ms` of GPU time has passed: the clocks a timing then sees are fn's own, not
+    those the host's work or the last arm left."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        fn()
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) >= ms:
+            return
 
 
 def _replay_us(graph) -> float:
