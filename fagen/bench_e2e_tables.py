@@ -51,15 +51,19 @@ class E2ERow:
 
 
 def cases(quick: bool = False) -> list[E2ECase]:
-    equal = [E2ECase("llama", b, n, t) for b, n, t in ((1, 1024, 64), (8, 1024, 64), (32, 1024, 32), (1, 4096, 32),
-                                                        (8, 4096, 32), (32, 4096, 32))]
-    # the issue's mixed lengths: 256 to 4k tokens a prompt
-    padded = [E2ECase("llama", b, 4096, t, padded=True, shortest_prompt=256) for b, t in ((8, 64), (32, 32))]
-    gemma = [E2ECase("gemma2", 1, 1024, 64), E2ECase("gemma2", 8, 1024, 64), E2ECase("gemma2", 8, 1024, 64, padded=True)]
-    static = [E2ECase("llama", b, 4096, 32, padded=True, static=True) for b in (8, 32)]
+    """Both models on one grid: equal lengths (batch 1, 8, 32; prompts 1k and 4k), the issue's mixed
+    lengths left-padded (256 to 4k tokens a prompt; batch 8 and 32), the static cache (batch 8 and 32)."""
+    def grid(model: str) -> list[E2ECase]:
+        equal = [E2ECase(model, b, n, t) for b, n, t in ((1, 1024, 64), (8, 1024, 64), (32, 1024, 32), (1, 4096, 32),
+                                                          (8, 4096, 32), (32, 4096, 32))]
+        padded = [E2ECase(model, b, 4096, t, padded=True, shortest_prompt=256) for b, t in ((8, 64), (32, 32))]
+        static = [E2ECase(model, b, 4096, 32, padded=True, static=True) for b in (8, 32)]
+        return equal + padded + static
+
+    llama, gemma = grid("llama"), grid("gemma2")
     if quick:
-        return [equal[0], equal[1], padded[0], gemma[0]]
-    return equal + padded + gemma + static
+        return [llama[0], llama[1], llama[6], gemma[0]]
+    return llama + gemma
 
 
 def prompts(case: E2ECase, seed: int = 0, device: str = "cuda"):
