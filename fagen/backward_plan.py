@@ -604,7 +604,6 @@ def captured_grad_params(arrays: tuple[str, ...]) -> tuple[tuple[str, str], ...]
 CONCURRENT_DQ_MASKS = ("sliding_window", "document")
 
 
-
 def backward_plan(spec: AttentionSpec) -> BackwardPlan:
     if spec.backward is None:
         raise searched_rule("backward", None, f"spec {spec.name} renders no backward kernels", backward_sections(spec),
@@ -671,7 +670,6 @@ def backward_plan(spec: AttentionSpec) -> BackwardPlan:
         postprocess_params=((FLOAT_PTR, "dq_accum"), (OUT_PTR, "dq"), ("int", "n_q"), ("int", "heads_q"), ("int", "n_pad"),
                             ("float", "scale"), *_strides("dq")),
     )
-
 
 
 def dq_producer(spec: AttentionSpec) -> DqProducer | None:

@@ -541,7 +541,6 @@ def rotated_ms(fns: list, warm_ms: float = WARM_MS) -> list[float]:
     return [min(t) for t in times]
 
 
-
 def run_error_case(case: Fp8Case) -> ErrorRow:
     """One ERROR_CASES row: fagen.attention on the case's activations in bfloat16, with fp8=True
     (incoherent or not) and without, each against exact attention of the float32 inputs."""

@@ -919,4 +919,3 @@ def int_bounds(node: Node, extents: dict[str, int]) -> tuple[int, int]:
     """Bounds on an int node's value while each variable v stays in 0 .. extents[v] - 1 (interval
     arithmetic: sound, not always tight)."""
     return _bounds(node, extents)
-

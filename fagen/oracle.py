@@ -546,4 +546,3 @@ def _spec_score_mod(score_mod, score_mod_grad, softcap, alibi_slopes, bias, sink
             raise ValueError(f"{name} = None: score_mod.{field} = {getattr(m, field)!r} asks for it; pass {name}")
     return (_expression_function("score_mod.expression", m.expression, captured),
             _expression_function("score_mod.expression_grad", m.expression_grad, captured), m.softcap, alibi_slopes)
-

@@ -1085,22 +1085,6 @@ def compile_kernel(spec: AttentionSpec) -> Kernel:
     return _KERNELS[key]
 
 
-
-
-
-
-
-
-
-
-
-
 def out_shape(tq: DeviceTensor, tv: DeviceTensor) -> tuple[int, int, int, int]:
     """O's shape: q's rows, V's width [B, Hq, Nq, head_dim_v]."""
     return (*tq.shape[:3], tv.shape[-1])
-
-
-
-
-
-

@@ -39,12 +39,6 @@ def merge(o_parts, lse_parts, *, sinks=None, out=None, out_dtype: str | None = N
     return out, lse
 
 
-
-
-
-
-
-
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, splits: int | None = None,
               sinks=None, return_lse: bool = False, spec: AttentionSpec | None = None):
     """Attention through split-KV partials and the merge; `splits` defaults to what fills the GPU."""
