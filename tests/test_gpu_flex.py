@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 from fagen import flex  # noqa: E402
+from conftest import in_a_cuda_graph  # noqa: E402
 from tests.test_flex import reference_attention, t5_bucket  # noqa: E402
 
 GRAD_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}  # as tests/test_gpu_torch.py's
@@ -27,20 +28,6 @@ MODS = {
     "t5_buckets_causal": (lambda s, b, h, q, k: s + T5_TABLE[h, t5_bucket(q - k, 32, 128)], lambda b, h, q, k: q >= k),
 }
 T5_TABLE = torch.randn(8, 32, generator=torch.Generator().manual_seed(7)).cuda() if torch.cuda.is_available() else None
-
-
-def in_a_cuda_graph(fn):
-    """(graph, its outputs): fn warmed up on a side stream (compiles, allocations), then captured."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
 
 
 @pytest.mark.parametrize("name", list(MODS))

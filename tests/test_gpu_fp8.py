@@ -22,6 +22,8 @@ from fagen.runtime import compile_kernel
 from fagen.spec import Mask, ScoreMod
 from fagen.variants import variant
 
+from conftest import in_a_cuda_graph
+
 pytestmark = pytest.mark.gpu
 
 SPEC = "specs/attn_e4m3_d128_sm90a.yaml"
@@ -237,15 +239,7 @@ def test_a_compiled_fp8_layer_replays_in_a_cuda_graph():
     compiled = torch.compile(layer, fullgraph=True)
     eager = layer(q8, k8, v8)
     assert torch.equal(compiled(q8, k8, v8), eager)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            compiled(q8, k8, v8)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = compiled(q8, k8, v8)
+    graph, replayed = in_a_cuda_graph(lambda: compiled(q8, k8, v8))
     fresh = [quantized(rng, x.shape, 2, torch)[0] for x in (q8, k8, v8)]
     for x, new in zip((q8, k8, v8), fresh):
         x.copy_(new)

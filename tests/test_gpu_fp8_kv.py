@@ -17,6 +17,8 @@ from fagen.check import relative_error, to_numpy
 from fagen.element_types import ELEMENT_TYPES
 from fagen.runtime import compile_kernel
 
+from conftest import in_a_cuda_graph
+
 pytestmark = pytest.mark.gpu
 
 CASES = [  # (q dtype, kv dtype, B, Hq, Hkv, Nq, Nk, causal, |q| scale)
@@ -306,15 +308,7 @@ def test_a_compiled_layer_reading_an_fp8_cache_replays_in_a_cuda_graph():
         assert torch.equal(compiled(q, k8, v8), general(q, k8, v8))
         assert relative_error(to_numpy(eager.float()), exact(q, k8, v8, kd, vd, False)) \
             <= ELEMENT_TYPES["bfloat16"].tolerance
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                compiled(q, k8, v8)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = compiled(q, k8, v8)
+        graph, replayed = in_a_cuda_graph(lambda: compiled(q, k8, v8))
         new = inputs(rng, "bfloat16", "float8_e4m3", 2, 32, 8, 1, 4096, 1.0, torch)
         for x, fresh in zip((q, k8, v8), new[:3]):
             x.copy_(fresh)

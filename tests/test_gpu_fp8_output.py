@@ -17,6 +17,7 @@ from fagen.element_types import ELEMENT_TYPES
 from fagen.runtime import compile_kernel
 from fagen.spec import Mask, ScoreMod
 from tests.test_gpu_fp8 import quantized
+from conftest import in_a_cuda_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -124,15 +125,7 @@ def test_fagen_attention_writes_e4m3_at_scale_o_and_returns_amax():
     compiled = torch.compile(layer, fullgraph=True)
     c_out, c_amax = compiled(q8, k8, v8)
     assert torch.equal(c_out.view(torch.uint8), out.view(torch.uint8)) and torch.equal(c_amax, amax)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            compiled(q8, k8, v8)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed, replayed_amax = compiled(q8, k8, v8)
+    graph, (replayed, replayed_amax) = in_a_cuda_graph(lambda: compiled(q8, k8, v8))
     for x in (q8, k8, v8):
         x.copy_(quantized(rng, x.shape, 2, torch)[0])
     graph.replay()
