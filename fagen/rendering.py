@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import jinja2
 import yaml
 
-from fagen import disk_cache, expression, fp8_inputs
+from fagen import disk_cache, expression, fp8_inputs, padding_runs
 from fagen.version import __version__
 from fagen.backward_plan import backward_plan
 from fagen.derivatives import read_derivatives
@@ -45,6 +45,8 @@ SEQUENCE_TILES = "sequence_tiles_kernel"
 SEQUENCE_TILES_THREADS = 256
 SEQUENCE_TILES_PARAMS = (("const int*", "cu_seqlens"), ("int", "batch"), ("int", "block_q"), ("int", "slots"),
                          ("int2*", "tiles"), ("unsigned*", "claimed"))  # its signature's, in order
+PADDING_RUNS_TEMPLATE = "kernel/padding_runs.cu.j2"
+PADDING_RUNS_THREADS = 1024
 APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
 APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128
@@ -232,6 +234,19 @@ def render_sequence_tiles() -> str:
         counts_per_thread=SEQUENCE_TILES_COUNTS // SEQUENCE_TILES_THREADS)
 
 
+def padding_runs_name(mask_dtype: str) -> str:
+    """The padding-runs kernel's symbol for a mask of this PyTorch dtype (padding_runs.MASK_TYPES)."""
+    return f"padding_runs_{mask_dtype}_kernel"
+
+
+def render_padding_runs(mask_dtype: str) -> str:
+    """The kernel telling a padded batch's rows apart once a forward (fagen.padding_runs)."""
+    return environment().get_template(PADDING_RUNS_TEMPLATE).render(
+        version=__version__, name=padding_runs_name(mask_dtype), threads=PADDING_RUNS_THREADS,
+        warps=PADDING_RUNS_THREADS // 32,
+        element=padding_runs.MASK_TYPES[mask_dtype], full=padding_runs.FULL, left_padded=padding_runs.LEFT_PADDED)
+
+
 def append_kv_name(source: str | None = None, cache: str | None = None) -> str:
     """The append kernel copying new tokens as they are, or quantizing `source` ones into a `cache` (FP8) one."""
     if source is None:
@@ -351,6 +366,8 @@ def _shared_kernels() -> dict[str, tuple[str, Callable[[], str]]]:
                                                   lambda d=dtype: render_gradient_sum(d)) for dtype in KERNEL_TYPES},
             f"{DOCUMENT_BOUNDS}.cu": ("fagen's document bounds kernel", render_document_bounds),
             f"{SEQUENCE_TILES}.cu": ("fagen's varlen tile table kernel", render_sequence_tiles),
+            **{f"{padding_runs_name(t)}.cu": (f"fagen's padding runs kernel ({t} masks)", lambda t=t: render_padding_runs(t))
+               for t in padding_runs.MASK_TYPES},
             f"{APPEND_KV}.cu": ("fagen's paged cache append kernel", render_append_kv),
             **{f"{append_kv_name(source, cache)}.cu": (f"fagen's paged cache append kernel ({source} into {cache})",
                                                        lambda s=source, c=cache: render_append_kv(s, c))

@@ -26,8 +26,8 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_laid_out_a
 from fagen.element_types import element_type, itemsize
 from fagen.mask_kinds import KINDS
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
-from fagen.rendering import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE, V_TRANSPOSE_MAX_D,
-                          merge_name, render, shared_kernel)
+from fagen.rendering import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, PADDING_RUNS_THREADS, V_TRANSPOSE,
+                             V_TRANSPOSE_MAX_D, merge_name, padding_runs_name, render, shared_kernel)
 from fagen.spec import AttentionSpec
 
 NVRTC_OPTIONS = ("-std=c++17",)
@@ -934,6 +934,23 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
                                                   (np.uint64(docs.ptr), np.int64(docs.strides[0]), np.int32(n),
                                                    np.uint64(as_device_tensor(bounds, "doc_bounds").ptr)))
     return bounds
+
+
+def padding_runs(mask):
+    """fagen.padding_runs' answer for a PyTorch mask [B, n] on a GPU (a dtype of its MASK_TYPES,
+    slots of unit stride): (flags, key ranges int32 [2, 1, B]), by one launch on the current stream
+    and one read of the flags (a host sync, as the ops it replaces made two)."""
+    import torch
+
+    b, n = mask.shape
+    device = mask.get_device()
+    answer = torch.empty(2 * b + 1, dtype=torch.int32, device=mask.device)  # the ranges' two rows, then the flags
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch_stream_handle()(device), device):
+        shared_function(padding_runs_name(str(mask.dtype).removeprefix("torch.")), device)(
+            (1,), (PADDING_RUNS_THREADS,), (np.uint64(mask.data_ptr()), np.int64(mask.stride(0)), np.int32(n),
+                                            np.int32(b), np.uint64(answer.data_ptr()),
+                                            np.uint64(answer.data_ptr() + 8 * b)))
+    return int(answer[2 * b].item()), answer[:2 * b].view(2, 1, b)
 
 
 def descale_parameters(views: dict) -> dict:

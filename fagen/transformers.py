@@ -6,8 +6,9 @@ What each attention module says reaches the kernel: causality (`is_causal`), the
 the module's K/V heads are (no repeat). Under autocast, float32 q, k and v (a rotary embedding
 computed in float32) go in as the autocast dtype, as SDPA takes them.
 
-The mask function registered beside it tells padding once a forward (a host read, as
-transformers' own flash and SDPA paths make; a padded batch's second) and hands the attention what fagen's kernels read:
+The mask function registered beside it tells padding once a forward (one host read, as
+transformers' own flash and SDPA paths make: on the GPU, one launch of the padding-runs kernel,
+fagen.padding_runs) and hands the attention what fagen's kernels read:
 each row's key range (int32 [2, 1, B]: its first token's slot and its last + 1) where the row's
 tokens are one run ending at its last query, a left-padded batch and a static cache's filled
 slots, whose pads and empty slots the kernels never read; otherwise (right padding under the
@@ -25,7 +26,8 @@ import torch
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import torch_op
+from fagen import runtime, torch_op
+from fagen.padding_runs import FULL, LEFT_PADDED, MASK_TYPES
 
 NAME = "fagen"
 
@@ -105,7 +107,20 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
         return None if attention_mask is None else padding_bias(attention_mask[:, -kv_length:])
     if attention_mask is None:
         return None
-    return _padding(attention_mask[:, -kv_length:].bool(), kv_length, static=False)
+    window = attention_mask[:, -kv_length:]
+    if window.is_cuda and str(window.dtype).removeprefix("torch.") in MASK_TYPES and window.stride(-1) == 1:
+        return _padding_on_gpu(window)
+    return _padding(window.bool(), kv_length, static=False)
+
+
+def _padding_on_gpu(window):
+    """_padding's answer for a dynamic cache's mask window on its GPU (the queries the last slots'),
+    by one launch and one read (fagen.padding_runs) where _padding's ops make two: None without
+    padding, the key ranges of a left-padded batch, else the score bias."""
+    flags, ranges = runtime.padding_runs(window)
+    if flags & FULL:
+        return None
+    return ranges if flags & LEFT_PADDED else padding_bias(window)
 
 
 def _capturing() -> bool:

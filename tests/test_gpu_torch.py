@@ -571,6 +571,41 @@ def _llama_on_sdpa_and_fagen():
     return models
 
 
+@pytest.mark.parametrize("dtype", ["int64", "int32", "bool"])
+def test_the_padding_runs_kernel_answers_as_its_numpy_twin(dtype):
+    """fagen.runtime.padding_runs (one launch, one read) against fagen.padding_runs.runs, on the last
+    slots of wider masks (a dynamic cache's window: rows strided), every kind of row: full, left
+    and right padded, holed, without a token; and transformers' mask function on the GPU gives
+    what its general path gives on the host."""
+    pytest.importorskip("transformers")
+    import fagen.transformers
+    from fagen import padding_runs
+    from fagen.runtime import padding_runs as on_gpu
+
+    rng = np.random.default_rng(17)
+    seen = set()
+    for b, n in ((1, 1), (3, 31), (5, 1000), (40, 4100), (2, 70000)):
+        starts = rng.integers(0, n + 1, size=b)
+        left = np.arange(n)[None] >= starts[:, None]
+        holed = left.copy()
+        holed[int(rng.integers(0, b)), int(rng.integers(0, n))] ^= True
+        for rows in (left, np.ones((b, n), bool), left[:, ::-1], holed):
+            wide = np.concatenate([rng.integers(0, 2, size=(b, 7)).astype(bool), rows], axis=1)
+            mask = torch.as_tensor(wide, device="cuda").to(getattr(torch, dtype))
+            window = mask[:, -n:]
+            flags, ranges = on_gpu(window)
+            want_flags, want_ranges = padding_runs.runs(rows)
+            assert flags == want_flags and ranges.shape == (2, 1, b)
+            assert np.array_equal(ranges[:, 0].cpu().numpy(), want_ranges)
+            seen.add(flags)
+            got = fagen.transformers.mask(b, 1, n, q_offset=n - 1, attention_mask=mask)
+            want = fagen.transformers._padding(window.cpu().bool(), n, static=False)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+    assert seen == {0, padding_runs.LEFT_PADDED, padding_runs.FULL | padding_runs.LEFT_PADDED}
+
+
 def test_transformers_llama_generates_left_padded_prompts_as_sdpa():
     """Batched greedy generation from prompts of three lengths, left-padded (transformers' way to
     serve a batch): the prompt's logits at its tokens, and the 16 tokens each row generates

@@ -14,9 +14,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fagen"
 
 # Lowest first. A module may import the modules of any layer below its own.
 LAYERS = [
-    ("expression", "mask_kinds", "side_inputs", "element_types", "version", "fp8_inputs", "incoherent", "disk_cache"),
+    ("expression", "mask_kinds", "side_inputs", "element_types", "version", "fp8_inputs", "incoherent", "disk_cache",
+     "padding_runs"),
     # leaves: standard library and NumPy (fp8_inputs, incoherent: their torch and CuPy paths import them where
-    # they run); fagen's directory on disk
+    # they run); fagen's directory on disk; a padded batch's rows (the padding-runs kernel's twin)
     ("derivatives", "fp8_backward_rounding"),  # expression trees' derivatives, as trees; where an FP8
     # backward rounds (the oracle's model of it)
     ("spec", "oracle", "mod_tracing"),  # the spec's models and rules; the float64 reference (NumPy alone);
