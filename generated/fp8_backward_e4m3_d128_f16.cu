@@ -469,37 +469,67 @@ __device__ __forceinline__ void wgmma_grad(float (&d)[G_N_FRAGS][4], const unsig
 // index XOR the row's place in its 8-row group (TMA's and wgmma's 128-byte swizzle).
 __device__ __forceinline__ unsigned swizzled(int row, int chunk) { return row * ROW_BYTES + ((chunk ^ (row & 7)) << 4); }
 
-// A transposed tile, written by the producer warpgroup's warps 1-3 (`thread` 0 .. 95): row d of
-// `dst` holds byte d of the rows of `src` (128-byte swizzled rows both), position c of it
-// (c < 4 * POSITION_GROUPS) byte d of the source row that position stands for:
-//   KEY_ORDER (Q^T, dO^T: a step's queries): within each 32, position 4t + p (of 16) holds row
-//     2t + p % 2 + 8 (p / 2): the S^T accumulator's queries in the order of wgmma's A fragment
-//     (fagen.fp8_inputs.KEY_ORDER, as the forward's V^T);
-//   DS_ORDER (K^T: the block's keys): within each 16, position p holds key p / 2 + 8 (p % 2), as
-//     each thread stores dS (keys g and g + 8 of its warp's 16 as one b16).
-// A thread takes 4 positions x 4 bytes: four 4-byte loads, a 4 x 4 byte transpose (prmt), four
-// 4-byte stores. Its lanes take 4 position quads x 8 byte quads, and store the four rows in a
-// turn that depends on the lane: no bank conflict either way.
-template <int POSITION_GROUPS, bool DS_ORDER>
-__device__ __forceinline__ void transpose_tile(unsigned src, unsigned dst, int thread) {
+// ldmatrix and stmatrix .trans, four 8 x 8 b16 matrices: a lane gives one row's address, and holds
+// 4 bytes of each matrix (row lane / 4, bytes 4 (lane % 4) ..).
+__device__ __forceinline__ void ldsm_x4(unsigned at, unsigned (&w)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0, %1, %2, %3 }, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(at) : "memory");
+}
+__device__ __forceinline__ void stsm_x4_trans(unsigned at, const unsigned (&w)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+               :: "r"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+}
+
+// A step's Q or dO tile transposed (Q^T, dO^T), by the producer warpgroup's warps 1-3 (`thread`
+// 0 .. 95): row d of `dst` holds byte d of the step's rows in KEY_ORDER: within each 16, position
+// 4t + p holds row 2t + p % 2 + 8 (p / 2), the S^T accumulator's queries in the order of wgmma's A
+// fragment (fagen.fp8_inputs.KEY_ORDER, as the forward's V^T). As b16 pairs, position pair j holds
+// rows (2k, 2k + 1) with k = j / 2 + 4 (j % 2): so a warp takes 16 rows by 32 bytes a turn with one
+// ldmatrix (the even and the odd rows of two 16-byte column blocks, matrix row i the pair k(i)), two
+// byte permutes a block (each even row's byte beside the odd row's below it), and one stmatrix
+// .trans, whose memory row i is matrix column i: 16 bytes of destination row 16 block + (4 (i / 2)
+// + i % 2, +2 for the second permute). Two shared-memory instructions a lane where 4-byte words took
+// eight (tests/test_fp8_backward.py holds a NumPy model of these lanes to the KEY_ORDER layout).
+__device__ __forceinline__ void transpose_queries(unsigned src, unsigned dst, int thread) {
+  const int lane = thread & 31, m = lane >> 3, i = lane & 7;
+  const int row = 2 * ((i >> 1) + 4 * (i & 1)) + (m & 1);  // matrix m's row i: pair k(i), even or odd
+  const int column = 2 * i - (i & 1) + 2 * (m & 1);  // its store's row within a 16-byte column block
+  constexpr int BLOCK_PAIRS = HEAD_DIM / 32, ITERATIONS = BLOCK_Q / 16 * BLOCK_PAIRS;
+#pragma unroll 1
+  for (int it = thread >> 5; it < ITERATIONS; it += TRANSPOSER_WARPS) {
+    const int chunk = it / BLOCK_PAIRS, block = 2 * (it % BLOCK_PAIRS) + (m >> 1);
+    unsigned w[4];
+    ldsm_x4(src + swizzled(16 * chunk + row, block), w);
+    const unsigned pairs[4] = {__byte_perm(w[0], w[1], 0x5140), __byte_perm(w[0], w[1], 0x7362),
+                               __byte_perm(w[2], w[3], 0x5140), __byte_perm(w[2], w[3], 0x7362)};
+    stsm_x4_trans(dst + swizzled(16 * block + column, chunk), pairs);
+  }
+}
+
+// K^T, once a block, by the same warps (`thread` 0 .. 95): row d holds byte d of the block's keys,
+// within each 16 position p holding key p / 2 + 8 (p % 2), as each consumer thread stores dS (keys
+// g and g + 8 of its warp's 16 as one b16). A thread takes 4 positions x 4 bytes: four 4-byte loads,
+// a 4 x 4 byte transpose (prmt), four 4-byte stores. Its lanes take 4 position quads x 8 byte quads,
+// and store the four rows in a turn that depends on the lane: no bank conflict either way.
+__device__ __forceinline__ void transpose_keys(unsigned src, unsigned dst, int thread) {
   const int lane = thread & 31, t = lane & 3, dg_low = lane >> 2, turn = lane >> 3;
-  constexpr int ITERATIONS = POSITION_GROUPS / 4 * (HEAD_DIM / 4 / 8);
+  constexpr int ITERATIONS = BLOCK_KV / 16 * (HEAD_DIM / 4 / 8);
 #pragma unroll 1
   for (int it = thread >> 5; it < ITERATIONS; it += TRANSPOSER_WARPS) {
     const int chunk = it / (HEAD_DIM / 32), dg = (it % (HEAD_DIM / 32)) * 8 + dg_low;  // positions 16 chunk + 4t .., bytes 4 dg ..
     const int row = 16 * chunk + 2 * t;
     const unsigned along = 4 * (dg & 3);
     const unsigned w0 = ld_shared_u32(src + swizzled(row, dg >> 2) + along);
-    const unsigned w1 = ld_shared_u32(src + swizzled(row + (DS_ORDER ? 8 : 1), dg >> 2) + along);
-    const unsigned w2 = ld_shared_u32(src + swizzled(row + (DS_ORDER ? 1 : 8), dg >> 2) + along);
+    const unsigned w1 = ld_shared_u32(src + swizzled(row + 8, dg >> 2) + along);
+    const unsigned w2 = ld_shared_u32(src + swizzled(row + 1, dg >> 2) + along);
     const unsigned w3 = ld_shared_u32(src + swizzled(row + 9, dg >> 2) + along);
     const unsigned lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
     const unsigned lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int k = (i + turn) & 3;  // byte k of each source word: destination row 4 dg + k
-      const unsigned word = __byte_perm(k & 2 ? hi01 : lo01, k & 2 ? hi23 : lo23, k & 1 ? 0x7632 : 0x5410);
-      st_shared_u32(dst + swizzled(4 * dg + k, chunk) + 4 * t, word);
+    for (int k = 0; k < 4; ++k) {
+      const int byte = (k + turn) & 3;  // byte `byte` of each source word: destination row 4 dg + byte
+      const unsigned word = __byte_perm(byte & 2 ? hi01 : lo01, byte & 2 ? hi23 : lo23, byte & 1 ? 0x7632 : 0x5410);
+      st_shared_u32(dst + swizzled(4 * dg + byte, chunk) + 4 * t, word);
     }
   }
 }
@@ -724,15 +754,15 @@ fp8_backward_e4m3_d128_f16(
     } else if (producer_thread >= 32) {  // warps 1-3: the transposes
       const int thread = producer_thread - 32;
       mbarrier_wait(kv_landed, 0);
-      transpose_tile<BLOCK_KV / 4, true>(base + K_AT, base + KT_AT, thread);
+      transpose_keys(base + K_AT, base + KT_AT, thread);
       fence_async_smem();
       mbarrier_arrive(kt_written);
 #pragma unroll 1
       for (int j = 0; j < steps; ++j) {
         const unsigned slot = base + RING_AT + (j % Q_STAGES) * STAGE_BYTES;
         ring.wait(j);
-        transpose_tile<BLOCK_Q / 4, false>(slot, slot + STAGE_QT_AT, thread);
-        transpose_tile<BLOCK_Q / 4, false>(slot + STAGE_DO_AT, slot + STAGE_DOT_AT, thread);
+        transpose_queries(slot, slot + STAGE_QT_AT, thread);
+        transpose_queries(slot + STAGE_DO_AT, slot + STAGE_DOT_AT, thread);
         fence_async_smem();
         mbarrier_arrive(transposed + (j % Q_STAGES) * MBARRIER_BYTES);
       }

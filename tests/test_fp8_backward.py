@@ -5,6 +5,7 @@ import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from fagen import nvcc
@@ -122,3 +123,53 @@ def test_the_launch_numbers_cover_every_key_and_every_half_of_dq():
     assert plan.grid(1000, 3, 2) == (8, 3, 2) and plan.grid(128, 1, 1) == (1, 1, 1)
     assert [plan.box_rows(t) for t in ("q", "k", "v", "do8")] == [64, 128, 128, 64]
     assert plan.postprocess_blocks(256) == 4 * 2 and 2 * plan.dq_columns == plan.head_dim
+
+
+def test_the_step_tiles_transpose_lands_each_query_byte_in_key_order():
+    """transpose_queries (templates/sm90/fp8_backward.cu.j2) run lane by lane in NumPy: one
+    ldmatrix of four 8 x 8 b16 matrices, four byte permutes and one stmatrix .trans a warp turn, the
+    addresses as the template computes them, both tiles 128-byte swizzled. Every byte of Q^T's first
+    64 columns (poisoned first) is the query that fagen.fp8_inputs.KEY_ORDER puts there."""
+    from fagen.fp8_inputs import KEY_GROUP, KEY_ORDER
+    from tests.test_fp8 import byte_perm
+
+    plan = Fp8BackwardPlan()
+    rows, width, queries = plan.row_bytes, plan.head_dim, plan.block_q
+
+    def swizzled(row, chunk):
+        return row * rows + ((chunk ^ (row & 7)) << 4)
+
+    q = np.random.default_rng(3).integers(0, 256, (queries, width)).astype(np.uint8)
+    smem = np.full(queries * rows + width * rows, 0xAB, np.uint8)
+    for r in range(queries):
+        for c in range(width // 16):
+            smem[swizzled(r, c):swizzled(r, c) + 16] = q[r, 16 * c:16 * c + 16]
+    dst = queries * rows
+    block_pairs = width // 32
+    for it in range(queries // 16 * block_pairs):  # the warps' turns, in any order
+        chunk = it // block_pairs
+        loads, stores = [], []
+        for lane in range(32):
+            m, i = lane >> 3, lane & 7
+            row = 2 * ((i >> 1) + 4 * (i & 1)) + (m & 1)
+            column = 2 * i - (i & 1) + 2 * (m & 1)
+            block = 2 * (it % block_pairs) + (m >> 1)
+            loads.append(swizzled(16 * chunk + row, block))
+            stores.append(dst + swizzled(16 * block + column, chunk))
+        # ldmatrix: matrix m's row r is lane 8m + r's address; lane l holds 4 bytes of each matrix's row l / 4
+        words = [[int.from_bytes(smem[loads[8 * m + lane // 4] + 4 * (lane % 4):][:4].tobytes(), "little")
+                  for m in range(4)] for lane in range(32)]
+        pairs = [[byte_perm(w[0], w[1], 0x5140), byte_perm(w[0], w[1], 0x7362),
+                  byte_perm(w[2], w[3], 0x5140), byte_perm(w[2], w[3], 0x7362)] for w in words]
+        # stmatrix .trans: memory row i (lane 8m + i's address) is matrix m's column i of b16 values
+        for m in range(4):
+            matrix = np.zeros((8, 8), np.uint16)
+            for lane in range(32):
+                matrix[lane // 4, 2 * (lane % 4)] = pairs[lane][m] & 0xFFFF
+                matrix[lane // 4, 2 * (lane % 4) + 1] = pairs[lane][m] >> 16
+            for i in range(8):
+                smem[stores[8 * m + i]:stores[8 * m + i] + 16] = np.frombuffer(matrix[:, i].astype("<u2").tobytes(), np.uint8)
+    order = np.concatenate([g + KEY_ORDER for g in range(0, queries, KEY_GROUP)])
+    for d in range(width):
+        got = np.concatenate([smem[dst + swizzled(d, c):dst + swizzled(d, c) + 16] for c in range(queries // 16)])
+        np.testing.assert_array_equal(got, q[order, d])
