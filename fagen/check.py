@@ -182,9 +182,9 @@ REPS, REPLAYS = 10, 9
 WARM_MS = 25.0
 
 
-def _captured(fn):
-    """A CUDA graph of REPS calls of fn (captured after warm-up on a side stream), replayed
-    untimed for WARM_MS."""
+def in_a_cuda_graph(fn, calls: int = 1):
+    """(graph, the last call's outputs): fn run three times on a side stream first (compiles,
+    caches, allocations outside the capture), then `calls` calls of it captured on a CUDA graph."""
     import torch
 
     side = torch.cuda.Stream()
@@ -196,8 +196,14 @@ def _captured(fn):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
+        for _ in range(calls):
+            outputs = fn()
+    return graph, outputs
+
+
+def _captured(fn):
+    """A CUDA graph of REPS calls of fn, replayed untimed for WARM_MS."""
+    graph, _ = in_a_cuda_graph(fn, REPS)
     warm_for(graph.replay, WARM_MS)
     return graph
 

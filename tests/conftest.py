@@ -105,20 +105,3 @@ def assert_sanitizer_clean(tool: str, script: str) -> None:
     assert run.returncode == 0 and "ran" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     # memcheck and synccheck end with "ERROR SUMMARY: 0 errors", racecheck with "(0 errors, 0 warnings)"
     assert re.search(r"ERROR SUMMARY: 0 errors|\(0 errors, 0 warnings\)", run.stdout + run.stderr), run.stdout[-3000:]
-
-
-def in_a_cuda_graph(fn):
-    """(graph, fn's outputs in it): fn run three times on a side stream first (compiles, caches,
-    allocations outside the capture), then captured on a CUDA graph."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs

@@ -6,14 +6,13 @@ Run with: pytest -m gpu tests/test_gpu_flex.py
 
 import pytest
 
-from fagen.check import OUT_TOLERANCE, relative_error, to_numpy
+from fagen.check import OUT_TOLERANCE, in_a_cuda_graph, relative_error, to_numpy
 
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
 from fagen import flex  # noqa: E402
-from conftest import in_a_cuda_graph  # noqa: E402
 from tests.test_flex import reference_attention, t5_bucket  # noqa: E402
 
 GRAD_TOLERANCE = {"float16": 1e-2, "bfloat16": 3e-2}  # as tests/test_gpu_torch.py's

@@ -15,14 +15,13 @@ import numpy as np
 import pytest
 
 from fagen import oracle
-from fagen.check import random_extras, relative_error, to_numpy
+from fagen.check import in_a_cuda_graph, random_extras, relative_error, to_numpy
 from fagen.element_types import ELEMENT_TYPES
 from fagen.load import load_spec, parse_spec
 from fagen.runtime import compile_kernel
 from fagen.spec import Mask, ScoreMod
 from fagen.variants import variant
 
-from conftest import in_a_cuda_graph
 
 pytestmark = pytest.mark.gpu
 

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from fagen import oracle, variants
-from fagen.check import relative_error, to_numpy
+from fagen.check import in_a_cuda_graph, relative_error, to_numpy
 from fagen.element_types import ELEMENT_TYPES
 from fagen.runtime import compile_kernel
 
-from conftest import in_a_cuda_graph
 
 pytestmark = pytest.mark.gpu
 
