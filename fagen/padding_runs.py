@@ -11,6 +11,11 @@ import numpy as np
 
 FULL = 1  # every slot of every row holds a token
 LEFT_PADDED = 2  # every row has a token, and its tokens are one run to the last slot
+WARPS = 32  # the kernel's one block: a warp a row in turn
+# The most slots a warp reads: its lane's loads are a chain of n / 32, so a long window (B 1 at
+# 128k keys: 4096 a lane) would hold the forward's read for a millisecond; such windows take the
+# PyTorch ops, whose every op spreads over the GPU (the windows measured, B 8-32 at 4k: 130 a lane).
+WARP_SLOTS = 8192
 
 # the mask dtypes the kernel reads (PyTorch's names) -> the C type of an element
 MASK_TYPES = {"int64": "long long", "int32": "int", "bool": "unsigned char"}
@@ -24,8 +29,15 @@ def runs(mask: np.ndarray) -> tuple[int, np.ndarray]:
     b, n = tokens.shape
     count = tokens.sum(-1)
     some = count > 0
+    if n == 0:  # (argmax has no empty axis): every row full, none a run
+        return FULL | (LEFT_PADDED if b == 0 else 0), np.zeros((2, b), np.int32)
     first = np.where(some, tokens.argmax(-1), n)
     last = np.where(some, n - tokens[:, ::-1].argmax(-1), 0)
     flags = (FULL if bool((count == n).all()) else 0) | \
         (LEFT_PADDED if bool((some & (last == n) & (last - first == count)).all()) else 0)
     return flags, np.stack([first, last]).astype(np.int32)
+
+
+def in_one_launch(batch: int, n: int) -> bool:
+    """Whether the kernel takes a [batch, n] window (WARP_SLOTS a warp at most)."""
+    return n * -(-batch // WARPS) <= WARP_SLOTS

@@ -949,7 +949,7 @@ def padding_runs(mask):
         shared_function(padding_runs_name(str(mask.dtype).removeprefix("torch.")), device)(
             (1,), (PADDING_RUNS_THREADS,), (np.uint64(mask.data_ptr()), np.int64(mask.stride(0)), np.int32(n),
                                             np.int32(b), np.uint64(answer.data_ptr()),
-                                            np.uint64(answer.data_ptr() + 8 * b)))
+                                            np.uint64(answer[2 * b:].data_ptr())))
     return int(answer[2 * b].item()), answer[:2 * b].view(2, 1, b)
 
 

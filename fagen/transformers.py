@@ -26,8 +26,7 @@ import torch
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import runtime, torch_op
-from fagen.padding_runs import FULL, LEFT_PADDED, MASK_TYPES
+from fagen import padding_runs, runtime, torch_op
 
 NAME = "fagen"
 
@@ -108,7 +107,8 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
     if attention_mask is None:
         return None
     window = attention_mask[:, -kv_length:]
-    if window.is_cuda and str(window.dtype).removeprefix("torch.") in MASK_TYPES and window.stride(-1) == 1:
+    if (window.is_cuda and str(window.dtype).removeprefix("torch.") in padding_runs.MASK_TYPES and window.stride(-1) == 1
+            and padding_runs.in_one_launch(*window.shape)):
         return _padding_on_gpu(window)
     return _padding(window.bool(), kv_length, static=False)
 
@@ -118,9 +118,9 @@ def _padding_on_gpu(window):
     by one launch and one read (fagen.padding_runs) where _padding's ops make two: None without
     padding, the key ranges of a left-padded batch, else the score bias."""
     flags, ranges = runtime.padding_runs(window)
-    if flags & FULL:
+    if flags & padding_runs.FULL:
         return None
-    return ranges if flags & LEFT_PADDED else padding_bias(window)
+    return ranges if flags & padding_runs.LEFT_PADDED else padding_bias(window)
 
 
 def _capturing() -> bool:

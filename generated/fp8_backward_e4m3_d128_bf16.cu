@@ -489,11 +489,13 @@ __device__ __forceinline__ void stsm_x4_trans(unsigned at, const unsigned (&w)[4
 // byte permutes a block (each even row's byte beside the odd row's below it), and one stmatrix
 // .trans, whose memory row i is matrix column i: 16 bytes of destination row 16 block + (4 (i / 2)
 // + i % 2, +2 for the second permute). Two shared-memory instructions a lane where 4-byte words took
-// eight (tests/test_fp8_backward.py holds a NumPy model of these lanes to the KEY_ORDER layout).
+// eight, each 2-way bank conflicted (rows 0 and 8 share a swizzle phase, on both sides), where the
+// words had none; tests/test_fp8_backward.py holds a NumPy model of these lanes to KEY_ORDER.
 __device__ __forceinline__ void transpose_queries(unsigned src, unsigned dst, int thread) {
   const int lane = thread & 31, m = lane >> 3, i = lane & 7;
   const int row = 2 * ((i >> 1) + 4 * (i & 1)) + (m & 1);  // matrix m's row i: pair k(i), even or odd
   const int column = 2 * i - (i & 1) + 2 * (m & 1);  // its store's row within a 16-byte column block
+  static_assert(HEAD_DIM % 32 == 0 && BLOCK_Q % 16 == 0, "whole 16-row by 32-byte turns");
   constexpr int BLOCK_PAIRS = HEAD_DIM / 32, ITERATIONS = BLOCK_Q / 16 * BLOCK_PAIRS;
 #pragma unroll 1
   for (int it = thread >> 5; it < ITERATIONS; it += TRANSPOSER_WARPS) {

@@ -41,6 +41,20 @@ def test_runs_flags_and_ranges_follow_their_definitions():
     assert seen == {0, padding_runs.LEFT_PADDED, padding_runs.FULL | padding_runs.LEFT_PADDED}
 
 
+def test_runs_of_empty_windows_are_full_and_without_a_run():
+    assert padding_runs.runs(np.zeros((3, 0), np.int64))[0] == padding_runs.FULL
+    flags, ranges = padding_runs.runs(np.zeros((0, 5), np.int64))
+    assert flags == padding_runs.FULL | padding_runs.LEFT_PADDED and ranges.shape == (2, 0)
+
+
+def test_the_kernel_takes_windows_of_at_most_warp_slots_a_warp():
+    assert padding_runs.in_one_launch(32, padding_runs.WARP_SLOTS)  # a row a warp
+    assert not padding_runs.in_one_launch(33, padding_runs.WARP_SLOTS)  # a warp takes two rows
+    assert padding_runs.in_one_launch(64, padding_runs.WARP_SLOTS // 2)
+    assert not padding_runs.in_one_launch(1, 128 * 1024)  # long-context decode: the PyTorch ops
+    assert padding_runs.in_one_launch(32, 4096 + 64)  # the measured batches
+
+
 def test_runs_reads_any_nonzero_as_a_token():
     mask = np.array([[0, 2, -1], [0, 0, 1]], np.int32)
     flags, ranges = padding_runs.runs(mask)
