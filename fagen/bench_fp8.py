@@ -244,7 +244,9 @@ def markdown(rows: list, meta: dict | None = None) -> list[str]:
 def _forward_markdown(rows: list[Fp8Row], meta: dict | None = None) -> list[str]:
     out = ["## FP8 forward: fagen e4m3 against cuDNN FP8 and fagen bfloat16", "",
            "`python3 -m fagen.bench_fp8`: B * N = 16k tokens, H * d = 2048, per-tensor descales at amax / 448; "
-           "TFLOP/s of the whole call (each implementation's best of four rounds in turns: rotated_ms); errors against exact attention of the same FP8 values (head 0). "
+           "TFLOP/s of the whole call (each implementation's best of as many rounds as there are implementations, "
+           f"taken in turns, each timing after {WARM_MS:.0f} ms of its own untimed calls: rotated_ms); errors against "
+           "exact attention of the same FP8 values (head 0). "
            "On sm90 cuDNN builds FP8 attention only with an e4m3 out (its bf16 out is Blackwell's), so its error "
            "includes O's rounding to e4m3, and it writes half the bytes: fagen's e4m3-out columns are the like-for-like "
            "ones (scale_o = 1 / v_descale, amax_o asked for, as cuDNN's run)."
