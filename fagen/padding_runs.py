@@ -2,8 +2,9 @@
 a token) over a dynamic cache's key slots. Whether no row has padding (FULL), whether every row's
 tokens are one run ending at the last slot (LEFT_PADDED: a generation's left-padded batch, whose
 key ranges the decode kernels read), and each row's key range [first token, last token + 1).
-templates/kernel/padding_runs.cu.j2 answers it on the GPU in one launch, read back once (where a
-dozen small PyTorch ops and two reads did); `runs` is its NumPy twin, which the tests hold it to."""
+templates/kernel/padding_runs.cu.j2 answers it on the GPU in one launch (a block a row), its rows'
+flags read back once and folded (where a dozen small PyTorch ops and two reads did); `runs` is its
+NumPy twin, which the tests hold it to."""
 
 from __future__ import annotations
 
@@ -11,11 +12,8 @@ import numpy as np
 
 FULL = 1  # every slot of every row holds a token
 LEFT_PADDED = 2  # every row has a token, and its tokens are one run to the last slot
-WARPS = 32  # the kernel's one block: a warp a row in turn
-# The most slots a warp reads: its lane's loads are a chain of n / 32, so a long window (B 1 at
-# 128k keys: 4096 a lane) would hold the forward's read for a millisecond; such windows take the
-# PyTorch ops, whose every op spreads over the GPU (the windows measured, B 8-32 at 4k: 130 a lane).
-WARP_SLOTS = 8192
+THREADS = 1024  # the kernel's block: a row (B 1 at 128k keys: 128 slots a thread)
+UNROLL = 4  # a thread's loads in flight together
 
 # the mask dtypes the kernel reads (PyTorch's names) -> the C type of an element
 MASK_TYPES = {"int64": "long long", "int32": "int", "bool": "unsigned char"}
@@ -38,6 +36,9 @@ def runs(mask: np.ndarray) -> tuple[int, np.ndarray]:
     return flags, np.stack([first, last]).astype(np.int32)
 
 
-def in_one_launch(batch: int, n: int) -> bool:
-    """Whether the kernel takes a [batch, n] window (WARP_SLOTS a warp at most)."""
-    return n * -(-batch // WARPS) <= WARP_SLOTS
+def fold(row_flags) -> int:
+    """The batch's flags from the kernel's flags a row: FULL and LEFT_PADDED where every row has them."""
+    flags = FULL | LEFT_PADDED
+    for row in row_flags:
+        flags &= row
+    return flags

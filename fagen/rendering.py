@@ -46,7 +46,6 @@ SEQUENCE_TILES_THREADS = 256
 SEQUENCE_TILES_PARAMS = (("const int*", "cu_seqlens"), ("int", "batch"), ("int", "block_q"), ("int", "slots"),
                          ("int2*", "tiles"), ("unsigned*", "claimed"))  # its signature's, in order
 PADDING_RUNS_TEMPLATE = "kernel/padding_runs.cu.j2"
-PADDING_RUNS_THREADS = 32 * padding_runs.WARPS
 APPEND_KV_TEMPLATE = "kernel/append_kv.cu.j2"
 APPEND_KV = "append_kv_kernel"
 APPEND_KV_THREADS = 128
@@ -242,9 +241,8 @@ def padding_runs_name(mask_dtype: str) -> str:
 def render_padding_runs(mask_dtype: str) -> str:
     """The kernel telling a padded batch's rows apart once a forward (fagen.padding_runs)."""
     return environment().get_template(PADDING_RUNS_TEMPLATE).render(
-        version=__version__, name=padding_runs_name(mask_dtype), threads=PADDING_RUNS_THREADS,
-        warps=padding_runs.WARPS,
-        element=padding_runs.MASK_TYPES[mask_dtype], full=padding_runs.FULL, left_padded=padding_runs.LEFT_PADDED)
+        version=__version__, name=padding_runs_name(mask_dtype), threads=padding_runs.THREADS,
+        unroll=padding_runs.UNROLL, element=padding_runs.MASK_TYPES[mask_dtype], full=padding_runs.FULL, left_padded=padding_runs.LEFT_PADDED)
 
 
 def append_kv_name(source: str | None = None, cache: str | None = None) -> str:

@@ -25,8 +25,9 @@ from fagen.device import (DeviceTensor, as_device_tensor, cupy, empty_laid_out_a
                           layout_order, require_cupy, stream_for, tensor_signature, torch_stream_handle, zeros_like)
 from fagen.element_types import element_type, itemsize
 from fagen.mask_kinds import KINDS
+from fagen.padding_runs import THREADS as PADDING_RUNS_THREADS, fold as fold_padding_flags
 from fagen.plan import TMA_MAP, KernelPlan, l2_section, merge_plan, merge_warps, plan
-from fagen.rendering import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, PADDING_RUNS_THREADS, V_TRANSPOSE,
+from fagen.rendering import (DOCUMENT_BOUNDS, DOCUMENT_BOUNDS_THREADS, MERGE_DTYPES, V_TRANSPOSE,
                              V_TRANSPOSE_MAX_D, merge_name, padding_runs_name, render, shared_kernel)
 from fagen.spec import AttentionSpec
 
@@ -939,18 +940,19 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
 def padding_runs(mask):
     """fagen.padding_runs' answer for a PyTorch mask [B, n] on a GPU (a dtype of its MASK_TYPES,
     slots of unit stride): (flags, key ranges int32 [2, 1, B]), by one launch on the current stream
-    and one read of the flags (a host sync, as the ops it replaces made two)."""
+    (a block a row) and one read of the rows' flags (a host sync, as the ops it replaces made two)."""
     import torch
 
     b, n = mask.shape
-    device = mask.get_device()
-    answer = torch.empty(2 * b + 1, dtype=torch.int32, device=mask.device)  # the ranges' two rows, then the flags
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch_stream_handle()(device), device):
-        shared_function(padding_runs_name(str(mask.dtype).removeprefix("torch.")), device)(
-            (1,), (PADDING_RUNS_THREADS,), (np.uint64(mask.data_ptr()), np.int64(mask.stride(0)), np.int32(n),
-                                            np.int32(b), np.uint64(answer.data_ptr()),
-                                            np.uint64(answer[2 * b:].data_ptr())))
-    return int(answer[2 * b].item()), answer[:2 * b].view(2, 1, b)
+    answer = torch.empty(3 * b, dtype=torch.int32, device=mask.device)  # the ranges' two rows, then each row's flags
+    if b:
+        device = mask.get_device()
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch_stream_handle()(device), device):
+            shared_function(padding_runs_name(str(mask.dtype).removeprefix("torch.")), device)(
+                (b,), (PADDING_RUNS_THREADS,),
+                (np.uint64(mask.data_ptr()), np.int64(mask.stride(0)), np.int32(n), np.int32(b),
+                 np.uint64(answer.data_ptr()), np.uint64(answer[2 * b:].data_ptr())))
+    return fold_padding_flags(answer[2 * b:].tolist()), answer[:2 * b].view(2, 1, b)
 
 
 def descale_parameters(views: dict) -> dict:

@@ -107,8 +107,7 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
     if attention_mask is None:
         return None
     window = attention_mask[:, -kv_length:]
-    if (window.is_cuda and str(window.dtype).removeprefix("torch.") in padding_runs.MASK_TYPES and window.stride(-1) == 1
-            and padding_runs.in_one_launch(*window.shape)):
+    if window.is_cuda and str(window.dtype).removeprefix("torch.") in padding_runs.MASK_TYPES and window.stride(-1) == 1:
         return _padding_on_gpu(window)
     return _padding(window.bool(), kv_length, static=False)
 

@@ -3,11 +3,13 @@
 // padding_runs_int64_kernel: a padded batch's rows (long long mask, nonzero on a token), once a forward, for the
 // transformers integration (fagen.padding_runs; `runs` there is this kernel's NumPy twin): each
 // row's key range [first token, last token + 1) into ranges [2, batch] (n and 0 for a row without a
-// token), and flags: FULL where every slot of every row is a token, LEFT_PADDED where every row's
-// tokens are one run to the last slot. One block, a warp a row in turn; the caller reads the flags
-// back once, where a dozen small ops and two reads made the same answer.
+// token), and the row's flags into flags[row]: FULL where every slot is a token, LEFT_PADDED where
+// its tokens are one run to the last slot. A block a row, its threads striding the slots, so that a
+// long window at batch 1 is one block's and a batch's rows spread over the SMs; the caller reads
+// the rows' flags back once and folds them, where a dozen small ops and two reads made the answer.
 constexpr int THREADS = 1024;
-constexpr int WARPS = 32;  // a row each in turn
+constexpr int WARPS = THREADS / 32;
+constexpr int UNROLL = 4;  // a thread's loads in flight together
 constexpr unsigned FULL = 1;  // fagen.padding_runs' flags
 constexpr unsigned LEFT_PADDED = 2;
 typedef long long mask_t;
@@ -15,18 +17,43 @@ typedef long long mask_t;
 extern "C" __global__ void __launch_bounds__(THREADS)
 padding_runs_int64_kernel(const mask_t* __restrict__ mask, long long row_stride, int n, int batch, int* __restrict__ ranges,
     int* __restrict__ flags) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  bool full = true, left_padded = true;  // this warp's rows so far (every lane holds the same)
-  for (int row = warp; row < batch; row += WARPS) {
-    const mask_t* slots = mask + row * row_stride;
-    int count = 0, first = n, last = -1;
-    for (int i = lane; i < n; i += 32) {
-      if (slots[i] != 0) {
+  __shared__ int warp_count[WARPS], warp_first[WARPS], warp_last[WARPS];
+  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const mask_t* slots = mask + row * row_stride;
+  int count = 0, first = n, last = -1;
+  for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * UNROLL) {
+    mask_t v[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = i0 + u * THREADS;
+      v[u] = i < n ? slots[i] : mask_t(0);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (v[u] != 0) {
+        const int i = i0 + u * THREADS;
         ++count;
         first = min(first, i);
-        last = i;  // (a lane's slots ascend)
+        last = i;  // (a thread's slots ascend)
       }
     }
+  }
+#pragma unroll
+  for (int step = 16; step > 0; step /= 2) {
+    count += __shfl_xor_sync(0xffffffffu, count, step);
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, step));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, step));
+  }
+  if (lane == 0) {
+    warp_count[warp] = count;
+    warp_first[warp] = first;
+    warp_last[warp] = last;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    count = lane < WARPS ? warp_count[lane] : 0;
+    first = lane < WARPS ? warp_first[lane] : n;
+    last = lane < WARPS ? warp_last[lane] : -1;
 #pragma unroll
     for (int step = 16; step > 0; step /= 2) {
       count += __shfl_xor_sync(0xffffffffu, count, step);
@@ -36,11 +63,8 @@ padding_runs_int64_kernel(const mask_t* __restrict__ mask, long long row_stride,
     if (lane == 0) {
       ranges[row] = first;
       ranges[batch + row] = last + 1;
+      const bool left_padded = count > 0 && last == n - 1 && last + 1 - first == count;
+      flags[row] = (count == n ? FULL : 0) | (left_padded ? LEFT_PADDED : 0);
     }
-    full = full && count == n;
-    left_padded = left_padded && count > 0 && last == n - 1 && last + 1 - first == count;
   }
-  full = __syncthreads_and(full);
-  left_padded = __syncthreads_and(left_padded);
-  if (threadIdx.x == 0) *flags = (full ? FULL : 0) | (left_padded ? LEFT_PADDED : 0);
 }

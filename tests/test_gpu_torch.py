@@ -574,7 +574,8 @@ def _llama_on_sdpa_and_fagen():
 @pytest.mark.parametrize("dtype", ["int64", "int32", "bool"])
 def test_the_padding_runs_kernel_answers_as_its_numpy_twin(dtype):
     """fagen.runtime.padding_runs (one launch, one read) against fagen.padding_runs.runs, on the last
-    slots of wider masks (a dynamic cache's window: rows strided), every kind of row: full, left
+    slots of wider masks (a dynamic cache's window: rows strided; up to a 128k window at batch 1,
+    which a block reads alone), every kind of row: full, left
     and right padded, holed, without a token; and transformers' mask function on the GPU gives
     what its general path gives on the host."""
     pytest.importorskip("transformers")
@@ -584,7 +585,7 @@ def test_the_padding_runs_kernel_answers_as_its_numpy_twin(dtype):
 
     rng = np.random.default_rng(17)
     seen = set()
-    for b, n in ((1, 1), (3, 31), (5, 1000), (40, 4100), (2, 70000)):
+    for b, n in ((1, 1), (3, 31), (5, 1000), (40, 4100), (2, 70000), (1, 131077)):
         starts = rng.integers(0, n + 1, size=b)
         left = np.arange(n)[None] >= starts[:, None]
         holed = left.copy()

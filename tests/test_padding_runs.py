@@ -47,12 +47,12 @@ def test_runs_of_empty_windows_are_full_and_without_a_run():
     assert flags == padding_runs.FULL | padding_runs.LEFT_PADDED and ranges.shape == (2, 0)
 
 
-def test_the_kernel_takes_windows_of_at_most_warp_slots_a_warp():
-    assert padding_runs.in_one_launch(32, padding_runs.WARP_SLOTS)  # a row a warp
-    assert not padding_runs.in_one_launch(33, padding_runs.WARP_SLOTS)  # a warp takes two rows
-    assert padding_runs.in_one_launch(64, padding_runs.WARP_SLOTS // 2)
-    assert not padding_runs.in_one_launch(1, 128 * 1024)  # long-context decode: the PyTorch ops
-    assert padding_runs.in_one_launch(32, 4096 + 64)  # the measured batches
+def test_the_batch_flags_are_the_rows_flags_folded():
+    rng = np.random.default_rng(12)
+    for mask in masks(rng):
+        row_flags = [padding_runs.runs(row[None])[0] for row in mask]  # the kernel's flags a row
+        assert padding_runs.fold(row_flags) == padding_runs.runs(mask)[0]
+    assert padding_runs.fold([]) == padding_runs.runs(np.zeros((0, 5), np.int64))[0]
 
 
 def test_runs_reads_any_nonzero_as_a_token():
