@@ -421,14 +421,19 @@ def batch_step(spec: AttentionSpec, varlen_q: bool, b: int, hq: int, hkv: int, n
     return (variants.unsplit_variant(spec, sinks), 1) if splits == 1 else (spec, splits)
 
 
+# Q.K^T head widths whose causal long class takes a varlen batch from LONG_KEYS average keys:
+# those measured ahead of the base class there, walking the batch persistently (H200, the long
+# class against the base one at average 2-4k keys: d64 1.07-1.12x, d256 1.00-1.06x, 192/128 on
+# d256's; d128's 192-row tiles 0.94-0.98x at 2k, 1.03x at 4k, so its batches keep the base class;
+# notes/perf.md)
+VARLEN_LONG_CLASS_HEAD_DIMS = frozenset({64, 192, 256})
+
+
 def class_keys(batch) -> int | None:
     """The keys that pick a varlen batch's shape class (fagen.variants.LONG_KEYS), as a padded
     call's keys do: its average sequence's (total_k / B, on the host without a sync); None (the
-    base class) for other layouts. batch_spec takes a long class only where it walks the batch
-    persistently, claiming its tiles (plan.claimed_walk): H200, causal, average 2-4k keys, the
-    long class against the base one: d64 (persistent) 1.07-1.12x; d128 (a block a tile)
-    0.90-0.94x, 1.01-1.02x from 8k; d256 (a block a tile) 1.03x (notes/perf.md)."""
-    if batch.kv_layout != "varlen" or batch.seqused_k:
+    base class) for other layouts and for head widths outside VARLEN_LONG_CLASS_HEAD_DIMS."""
+    if batch.kv_layout != "varlen" or batch.seqused_k or batch.q.shape[-1] not in VARLEN_LONG_CLASS_HEAD_DIMS:
         return None
     return int(batch.arguments["total_k"]) // batch.q.shape[0]
 

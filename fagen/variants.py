@@ -171,8 +171,7 @@ COPYING_WARPS_Q = 8  # the most query warps the copying sm_90a kernel (no produc
 # do not fit shared memory).
 WIDE_QK_KV_TILE = {192: 112}
 # ... and a persistent walk that claims its tiles where a mask's tiles are uneven, whatever the
-# wider head's long class does (a block a tile): 192/128 causal +9% at 4k, +1-3% at 16k (H200,
-# bfloat16; d256's own within 2% either way; notes/perf.md).
+# wider head's long class does: 192/128 causal +9% at 4k, +1-3% at 16k (H200, bfloat16; notes/perf.md).
 
 
 @cache

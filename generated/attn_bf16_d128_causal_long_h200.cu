@@ -24,7 +24,7 @@
 //     stages: 2
 //     warp_specialized:
 //       consumer_registers: 160
-//       persistent: false
+//       persistent: true
 //       producer_registers: 24
 //   score_mod:
 //     alibi: none
@@ -57,7 +57,6 @@ constexpr int O_N_FRAGS = 16;           // n8 fragments of O per warp (head_dim)
 constexpr int QK_K_STEPS = 8;          // k16 steps of Q.K^T over head_dim
 constexpr int PV_K_STEPS = 5;          // k16 steps of P.V over the tile's keys
 constexpr int CHUNKS_PER_ROW = 16;      // 16-byte chunks in a head_dim row
-constexpr int OUT_CHUNKS_PER_WARP = 256;  // 16-byte chunks of a warp's rows of O
 constexpr int ELEM_BYTES = 2;
 constexpr int Q_TILE_ELEMS = 24576;
 constexpr int KV_TILE_BYTES = 20480;     // one KV tile: the stride between ring slots
@@ -83,7 +82,7 @@ constexpr int MBARRIER_BYTES = 8;
 // Warp specialisation: CONSUMER_THREADS compute; the warpgroup after them is the producer.
 constexpr int CONSUMER_THREADS = 384;
 constexpr int PRODUCER_WARPGROUP = 3;
-constexpr int PRODUCER_REGISTERS = 24;  // setmaxnreg: it only issues TMA loads
+constexpr int PRODUCER_REGISTERS = 32;  // setmaxnreg: it only issues TMA loads
 constexpr int CONSUMER_REGISTERS = 160;  // ... and hands its registers to S, P and O
 constexpr int Q_TILE_BYTES = 49152;       // the bytes a tile's loads deliver: Q's ...
 constexpr int K_LOAD_BYTES = 20480;       // ... K's
@@ -343,7 +342,10 @@ struct Mask {
 // next section, z slowest. Sections keep the K and V the blocks in flight read in L2: one head
 // at a time where the tiles are even, a few heads' heaviest tiles first where a mask's are not
 // (fagen.plan.l2_section).
-// A block a tile (tile blockIdx.x): the persistent kernel's walk, one step long.
+// Persistent: one block an SM walks them, so its producer loads the next tile's inputs while the
+// consumers finish this one. Past its first tile (blockIdx.x) a block claims the next one in the
+// walk's order from the launch's counter: the tiles' costs differ (a varlen batch's sawtooth, a
+// causal mask's heaviest first), and blocks that drew light tiles take more of them.
 struct Tile {
   int x, y, z;
 };
@@ -365,6 +367,23 @@ struct TileScheduler {
     const unsigned r = i - x0 * ny;
     return Tile{int(x0 + r % width), int(r / width), int(z)};
   }
+  // The tile after the first wave's that no block has claimed yet (tiles_claimed starts at 0);
+  // none where the walk is one wave (the counter is null: a block a tile).
+  __device__ __forceinline__ int claim(unsigned* claimed) const {
+    return claimed != nullptr ? gridDim.x + int(atomicAdd(claimed, 1u)) : count;
+  }
+  // After a block's last claim: the last block to get here zeroes both counters (claims, then
+  // blocks done), every claim of the launch being behind it, so the next launch starts from zero
+  // without a memset of its own.
+  __device__ __forceinline__ void release(unsigned* claimed) const {
+    if (claimed == nullptr) return;
+    __threadfence();  // this block's claims before its count
+    if (atomicAdd(claimed + 1, 1u) == gridDim.x - 1) {
+      __threadfence();  // every block's count, and so its claims, before the zeros
+      claimed[0] = 0;
+      claimed[1] = 0;
+    }
+  }
 };
 
 // ---- KV pipeline: a TMA producer ------------------------------------------------------------
@@ -380,6 +399,18 @@ struct TileScheduler {
 // waits for all of them before it refills the stage. Q has its own pair: the consumers free it
 // after their last S = Q.K^T, so the next tile's Q loads under this tile's last P.V and epilogue.
 // Invariant: producer and consumers call begin(tiles) and end() on the same tiles, in order.
+// A claimed walk's tiles are the producer's to know: it writes each one's number to tile_word()
+// before arming Q's `full` (the arrival releases it, the consumers' wait acquires it), and a
+// number past the walk, with no Q, after the last.
+__device__ __forceinline__ void st_shared_u32(unsigned at, int value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(at), "r"(value) : "memory");
+}
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned at) {
+  unsigned value;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(at) : "memory");
+  return value;
+}
+
 struct KvPipeline {
   unsigned k_ring, v_ring;  // smem addresses of K's and V's stage 0
   unsigned full, empty;  // KV_STAGES mbarriers each, MBARRIER_BYTES apart
@@ -393,6 +424,8 @@ struct KvPipeline {
       : k_ring(ring), v_ring(ring + KV_RING_BYTES), full(v_ring + V_RING_BYTES),
         empty(full + KV_STAGES * MBARRIER_BYTES), q_full(empty + KV_STAGES * MBARRIER_BYTES),
         q_empty(q_full + MBARRIER_BYTES) {}
+  // The number of the tile whose Q is in flight, in the word after Q's barriers.
+  __device__ __forceinline__ unsigned tile_word() const { return q_empty + MBARRIER_BYTES; }
 
   __device__ __forceinline__ int stage(int g) const { return (first + g) % KV_STAGES; }
   __device__ __forceinline__ int phase(int g) const { return (first + g) / KV_STAGES & 1; }
@@ -433,8 +466,9 @@ struct KvPipeline {
   // batch kv_batch in k_map and v_map.
   __device__ __forceinline__ void produce(const Mask& mask, const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                           unsigned q_tile, int q_row, int q_batch, int kv_row0, int kv_batch, int h,
-                                          int h_kv) const {
+                                          int h_kv, int tile) const {
     if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);  // the last tile's S = Q.K^T is done
+    st_shared_u32(tile_word(), tile);
     mbarrier_arrive_expect_tx(q_full, Q_TILE_BYTES);
     load<BLOCK_Q, QK_ATOMS>(q_tile, q_map, q_full, q_row, h, q_batch);
     for (int g = 0; g <= tiles; ++g) {
@@ -446,10 +480,22 @@ struct KvPipeline {
     }
   }
 
+  // The walk is over: `past` (no tile) goes to the consumers in place of a next tile's number.
+  __device__ __forceinline__ void finish(int past) const {
+    if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);
+    st_shared_u32(tile_word(), past);
+    mbarrier_arrive(q_full);
+  }
+
   // ---- the consumers' side ----
   // Group g, or Q, is in smem: TMA wrote it through the async proxy wgmma reads by, so no fence.
   __device__ __forceinline__ void wait(int g) const { mbarrier_wait(full + MBARRIER_BYTES * stage(g), phase(g)); }
   __device__ __forceinline__ void wait_q() const { mbarrier_wait(q_full, q_loads & 1); }
+  // The number of the tile whose Q has landed (or the walk's end, past it).
+  __device__ __forceinline__ int next_tile() const {
+    wait_q();
+    return int(ld_shared_u32(tile_word()));
+  }
 
   // This thread's MMAs reading group g, or Q, are complete.
   __device__ __forceinline__ void release(int g) const { mbarrier_arrive(empty + MBARRIER_BYTES * stage(g)); }
@@ -549,9 +595,9 @@ struct OnlineSoftmax {
 };
 
 // ---- epilogue --------------------------------------------------------------------------
-// Normalise O by the row sum, stage the warp's rows in its own part of the Q tile (no other
-// warp reads them), then write 16-byte chunks of whole rows; rows at or past n_q are never
-// written. A row that saw no key has l = 0: O = 0 and LSE = -inf.
+// Normalise O by the row sum and write the warp's rows straight from registers, 16 bytes a thread
+// (the Q tile is already loading the next tile's Q); rows at or past n_q are never written. A row
+// that saw no key has l = 0: O = 0 and LSE = -inf.
 // Where tile row r's output goes: rows of one head, `stride` apart, the first n of them real.
 struct OutRows {
   int n;
@@ -561,8 +607,28 @@ struct OutRows {
   __device__ __forceinline__ long long o(int r) const { return r * stride; }
   __device__ __forceinline__ int lse(int r) const { return r; }
 };
+// One 16-byte store. (Written as a chunk16, the compiler split the first of a row's stores into
+// four 4-byte ones: a quarter of the stores back at four sectors' partial writes.)
+__device__ __forceinline__ void st_global_v4(void* p, const unsigned (&x)[4]) {
+  asm volatile("st.global.v4.b32 [%0], { %1, %2, %3, %4 };" ::"l"(p), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
+}
+
+// A 4 x 4 transpose of 32-bit values across a quad in two butterfly rounds: thread t holds
+// x[i] = element (i, t) of the quad's matrix before, and x[k] = element (t, k) after.
+__device__ __forceinline__ void quad_transpose(unsigned (&x)[4], int t) {
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    const bool upper = t & m;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i & m) continue;
+      const unsigned got = __shfl_xor_sync(0xffffffff, upper ? x[i] : x[i | m], m);
+      if (upper) x[i] = got; else x[i | m] = got;
+    }
+  }
+}
+
 __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], OnlineSoftmax& sm,
-                                             elem_t* smem_q,
                                              out_t* __restrict__ out, const OutRows& at,
                                              float* __restrict__ lse,
                                              int row0, int lane) {
@@ -579,22 +645,20 @@ __device__ __forceinline__ void write_output(float (&o)[M_FRAGS][O_N_FRAGS][4], 
       // a NaN score leaves l NaN: it must reach O and LSE. The fast division: l is at most the
       // keys' count, and the IEEE one is a subnormal-handling call on the epilogue's critical path
       const float inv = l == 0.f ? 0.f : __fdividef(1.f, l);
+      // Four n8 fragments at a time, transposed across the quad: thread t then holds fragment
+      // c + t's 8 columns and writes them in one 16-byte store, a quad 64 contiguous bytes of the
+      // row. (A quad's pairs stored as they lie, 4 bytes a thread, cost 4x the store wavefronts:
+      // at N = 512 the epilogue was a fifth of a tile.)
 #pragma unroll
-      for (int n = 0; n < O_N_FRAGS; ++n) {
-        const int col = n * 8 + 2 * t;
-        *reinterpret_cast<unsigned*>(smem_q + smem_offset(row0 + row, col & ~7) + (col & 7)) =
-            pack2(o[f][n][2 * h] * inv, o[f][n][2 * h + 1] * inv);
+      for (int c = 0; c < O_N_FRAGS; c += 4) {
+        unsigned x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = pack2(o[f][c + i][2 * h] * inv, o[f][c + i][2 * h + 1] * inv);
+        quad_transpose(x, t);
+        if (at.real(row0 + row)) st_global_v4(out + at.o(row0 + row) + (c + t) * 8, x);
       }
       if (t == 0 && at.real(row0 + row)) lse[at.lse(row0 + row)] = l == 0.f ? NEG_INF : (m + __log2f(l)) * LN2;
     }
-  }
-  __syncwarp();
-#pragma unroll
-  for (int c = lane; c < OUT_CHUNKS_PER_WARP; c += 32) {
-    const int row = row0 + c / CHUNKS_PER_ROW, col = (c % CHUNKS_PER_ROW) * 8;
-    if (at.real(row))
-      *reinterpret_cast<chunk16*>(out + at.o(row) + col) =
-          *reinterpret_cast<const chunk16*>(smem_q + smem_offset(row, col));
   }
 }
 
@@ -623,6 +687,7 @@ fagen_attn_bf16_d128_causal_long_h200(
     int tiles_y,
     int tiles_z,
     int tiles_section,
+    unsigned* __restrict__ tiles_claimed,
     const __grid_constant__ TmaMap q_map,
     const __grid_constant__ TmaMap k_map,
     const __grid_constant__ TmaMap v_map) {
@@ -650,7 +715,9 @@ fagen_attn_bf16_d128_causal_long_h200(
   if (warpgroup == PRODUCER_WARPGROUP) {
     registers_release<PRODUCER_REGISTERS>();
     if (tid == PRODUCER_WARPGROUP * WARPGROUP_WARPS * 32) {
-      for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
+      // (a claim issued before this tile's loads would hold its number across them: ptxas spills
+      // it at 24 registers; after them it runs while the consumers finish the tile)
+      for (int t = scheduler.first(); t < scheduler.count; t = scheduler.claim(tiles_claimed)) {
         const Tile tile = scheduler.at(t);
         // (unsigned divisions: half a signed one's instructions, at every tile's start)
         const unsigned bh = tile.x;
@@ -668,9 +735,11 @@ fagen_attn_bf16_d128_causal_long_h200(
         // the maps' coordinates: (row, head, batch); a varlen batch is one [1, H, total, d] tensor,
         // a ranged sequence's keys start at its row kv_start
         kv.produce(mask, q_map, k_map, v_map, smem_q_u32, q0, b,
-                   0, b, h, h_kv);
+                   0, b, h, h_kv, t);
         kv.end();
       }
+      kv.finish(scheduler.count);
+      scheduler.release(tiles_claimed);
     }
     return;
   }
@@ -679,7 +748,8 @@ fagen_attn_bf16_d128_causal_long_h200(
   // while another writes O: warpgroup 0 takes the first turn (handed to it by the last
   // warpgroup, its predecessor in the round), and takes back the last hand-over after the walk.
   if (warpgroup == WARPGROUPS - 1) named_barrier_arrive(TURN_BARRIER, TURN_THREADS);
-  for (int t = scheduler.first(); t < scheduler.count; t = scheduler.next(t)) {
+  // The producer's tiles, in its order (it skips the table's empty entries: none reach here).
+  for (int t = kv.next_tile(); t < scheduler.count; t = kv.next_tile()) {
     const Tile tile = scheduler.at(t);
     // (unsigned divisions: half a signed one's instructions, at every tile's start)
     const unsigned bh = tile.x;
@@ -787,7 +857,7 @@ fagen_attn_bf16_d128_causal_long_h200(
     o_tile += q0 * o_sn;
     const OutRows at{n_q - q0, o_sn, -q0};
     lse_tile += q0;
-    write_output(o_acc, softmax, smem_q, o_tile, at, lse_tile, warp_row0, lane);
+    write_output(o_acc, softmax, o_tile, at, lse_tile, warp_row0, lane);
 
     kv.end();
   }

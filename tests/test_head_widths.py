@@ -124,10 +124,10 @@ def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
         assert plan(spec).head_dim_v == dv
         if d == 192 and gpu == "h200":  # FlashAttention-3's tile for 192, not the 256 default's
             assert (spec.tiling.block_q, spec.tiling.block_kv) == (128, 112)
-            # long sequences too, walked persistently (the 256 long class takes a block a tile):
+            # long sequences too, walked persistently:
             # a causal mask's uneven tiles are claimed
             long = dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv, keys=4096)
-            assert long.name.endswith("_kv112_persistent_v128") and plan(long).claimed_walk
+            assert long.name.endswith("_long_h200_d192_kv112_v128") and plan(long).claimed_walk
             assert not plan(dispatch.derive_spec_for(dtype, d, head_dim_v=dv, keys=4096)).claimed_walk
         # the same call derives the same spec (the cache keys the width)
         assert dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv) is spec

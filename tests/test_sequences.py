@@ -153,8 +153,9 @@ def test_the_oracle_reads_seqused_k_as_each_sequence_s_keys():
 
 def test_a_varlen_batch_takes_the_long_class_where_it_walks_persistently(monkeypatch):
     """class_keys: a varlen batch's average keys pick its shape class as a padded call's keys do;
-    batch_spec keeps a long class only where it walks persistently (d64 on an H200), not where it
-    runs a block a tile (d128), nor below LONG_KEYS."""
+    batch_spec keeps a long class where it was measured ahead of the base class on varlen batches
+    (d64 and d256 on an H200, walking persistently), not at d128 (its 192-row tiles lose at an
+    average of 2k keys), nor below LONG_KEYS."""
     from fagen import device, sequences
     from fagen.device import DeviceTensor
 
@@ -172,7 +173,10 @@ def test_a_varlen_batch_takes_the_long_class_where_it_walks_persistently(monkeyp
                                          sinks=None).name
     assert pick("bfloat16", 64, 4, 16384) == "attn_bf16_d64_causal_long_h200_qvarlen_kvvarlen"
     assert pick("bfloat16", 64, 16, 16384) == "attn_bf16_d64_causal_h200_qvarlen_kvvarlen"  # 1024 keys
-    assert pick("float16", 128, 4, 16384) == "attn_f16_d128_causal_h200_qvarlen_kvvarlen"  # its long class: a block a tile
+    assert pick("float16", 128, 4, 16384) == "attn_f16_d128_causal_h200_qvarlen_kvvarlen"
+    assert dispatch.class_keys(batch("float16", 128, 4, 16384)) is None
+    assert pick("bfloat16", 256, 4, 16384) == "attn_bf16_d256_causal_long_h200_qvarlen_kvvarlen"
+    assert pick("bfloat16", 256, 16, 16384) == "attn_bf16_d256_causal_h200_qvarlen_kvvarlen"  # 1024 keys
 
 
 def test_variant_names_say_the_layouts():
