@@ -8,7 +8,7 @@
 // long window at batch 1 is one block's and a batch's rows spread over the SMs; the caller reads
 // the rows' flags back once and folds them, where a dozen small ops and two reads made the answer.
 constexpr int THREADS = 1024;
-constexpr int WARPS = THREADS / 32;
+constexpr int WARPS = 32;
 constexpr int UNROLL = 4;  // a thread's loads in flight together
 constexpr unsigned FULL = 1;  // fagen.padding_runs' flags
 constexpr unsigned LEFT_PADDED = 2;
