@@ -47,6 +47,9 @@ class MaskKind:
     # each a step ahead of the wait for its slot (others compute it, with no latency to hide; the
     # read-ahead's registers spilled the 24-register producer of varlen d64 kernels)
     lists_tiles = False
+    # the keys a row sees end at a bound that rises with the row (Mask::count_through): the upper
+    # warpgroups of a wgmma tile stop their MMAs before the tile's last steps, the lower rows' diagonal
+    ends_by_row = False
 
     def keep(self, m, q: np.ndarray, k: np.ndarray, off: int, doc: Callable | None) -> np.ndarray:
         """Which (q, k) pairs count, broadcasting (element_active); doc(position) -> its
@@ -98,6 +101,7 @@ class NoMask(MaskKind):
 class Causal(MaskKind):
     name = "causal"
     shiftable = True
+    ends_by_row = True
 
     def keep(self, m, q, k, off, docs):
         return k <= q + off

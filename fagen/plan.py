@@ -216,6 +216,10 @@ class KernelPlan:
     # a ranged cache's TMA loads (sequences.kv ranged): a sequence's last tile runs past its keys
     # into slots it does not own, whose V rows the consumers zero before P.V reads them
     clears_rows_past_keys: bool
+    # a consumer warpgroup runs S, the softmax and P.V only for the KV steps its own rows see
+    # (MaskKind.ends_by_row): the tile's later steps, the lower rows' diagonal, keep just their
+    # turns and stages for it, and the tensor cores go to the warpgroups that need them
+    trims_warpgroup_steps: bool
     clear_barrier: int  # ... its named barriers' first id, one a consumer warpgroup
     consumer_threads: int
     producer_registers: int  # setmaxnreg targets (0: not warp-specialised)
@@ -1014,6 +1018,12 @@ WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes
                  "q_atom_step_bytes", "k_atom_step_bytes", "v_lead_bytes", "atom_columns", "atom_row_bytes")
 
 
+def uniform_warp_index(spec: AttentionSpec) -> bool:
+    """Whether the forward shuffles its warp index from lane 0 (UNIFORM_WARP_INDEX_FROM_HEAD_DIM)."""
+    return (spec.wgmma and spec.mask.kind == "causal" and not spec.element.is_fp8 and not spec.kv_element.is_fp8
+            and spec.head_dim >= UNIFORM_WARP_INDEX_FROM_HEAD_DIM)
+
+
 def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_tile_elems: int) -> dict:
     """The KernelPlan fields from `mainloop` on: what the templates print beside the tiling."""
     t, d, dv = spec.tiling, spec.head_dim, spec.dv
@@ -1033,8 +1043,11 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_ti
         "element_bytes": spec.element.bytes,
         "p_log2_scale": float(spec.element.p_log2_scale),
         "exp2_poly_every": EXP2_POLY_EVERY if spec.element.is_fp8 and spec.wgmma else 0,
-        "uniform_warp_index": (spec.wgmma and spec.mask.kind == "causal" and not spec.element.is_fp8
-                               and not spec.kv_element.is_fp8 and d >= UNIFORM_WARP_INDEX_FROM_HEAD_DIM),
+        "uniform_warp_index": uniform_warp_index(spec),
+        # (the steps a warpgroup's own: warp-uniform only where the warp index is, else its MMAs
+        # sit on a path ptxas must serialise)
+        "trims_warpgroup_steps": (uniform_warp_index(spec) and bool(spec.warp_specialized) and warps // 4 > 1
+                                  and KINDS[spec.mask.kind].ends_by_row and not t.pack_gqa and spec.sequences.kv != "ranged"),
         "kv_tile_bytes": kv_tile_elems * spec.kv_element.bytes,
         "v_tile_bytes": v_tile_elems * spec.kv_element.bytes,
         # an FP8 KV cache's rows: twice a half type's elements in a 16-byte chunk, half the chunks a row
