@@ -14,6 +14,16 @@ constexpr unsigned FULL = 1;  // fagen.padding_runs' flags
 constexpr unsigned LEFT_PADDED = 2;
 typedef int mask_t;
 
+// A warp's tokens, first and last token, in every lane.
+__device__ __forceinline__ void reduce_warp(int& count, int& first, int& last) {
+#pragma unroll
+  for (int step = 16; step > 0; step /= 2) {
+    count += __shfl_xor_sync(0xffffffffu, count, step);
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, step));
+    last = max(last, __shfl_xor_sync(0xffffffffu, last, step));
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 padding_runs_int32_kernel(const mask_t* __restrict__ mask, long long row_stride, int n, int batch, int* __restrict__ ranges,
     int* __restrict__ flags) {
@@ -38,12 +48,7 @@ padding_runs_int32_kernel(const mask_t* __restrict__ mask, long long row_stride,
       }
     }
   }
-#pragma unroll
-  for (int step = 16; step > 0; step /= 2) {
-    count += __shfl_xor_sync(0xffffffffu, count, step);
-    first = min(first, __shfl_xor_sync(0xffffffffu, first, step));
-    last = max(last, __shfl_xor_sync(0xffffffffu, last, step));
-  }
+  reduce_warp(count, first, last);
   if (lane == 0) {
     warp_count[warp] = count;
     warp_first[warp] = first;
@@ -54,12 +59,7 @@ padding_runs_int32_kernel(const mask_t* __restrict__ mask, long long row_stride,
     count = lane < WARPS ? warp_count[lane] : 0;
     first = lane < WARPS ? warp_first[lane] : n;
     last = lane < WARPS ? warp_last[lane] : -1;
-#pragma unroll
-    for (int step = 16; step > 0; step /= 2) {
-      count += __shfl_xor_sync(0xffffffffu, count, step);
-      first = min(first, __shfl_xor_sync(0xffffffffu, first, step));
-      last = max(last, __shfl_xor_sync(0xffffffffu, last, step));
-    }
+    reduce_warp(count, first, last);
     if (lane == 0) {
       ranges[row] = first;
       ranges[batch + row] = last + 1;
