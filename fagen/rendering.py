@@ -242,7 +242,8 @@ def render_padding_runs(mask_dtype: str) -> str:
     """The kernel telling a padded batch's rows apart once a forward (fagen.padding_runs)."""
     return environment().get_template(PADDING_RUNS_TEMPLATE).render(
         version=__version__, name=padding_runs_name(mask_dtype), threads=padding_runs.THREADS,
-        warps=padding_runs.THREADS // 32, unroll=padding_runs.UNROLL, element=padding_runs.MASK_TYPES[mask_dtype], full=padding_runs.FULL, left_padded=padding_runs.LEFT_PADDED)
+        warps=padding_runs.THREADS // 32, unroll=padding_runs.UNROLL, element=padding_runs.MASK_TYPES[mask_dtype],
+        full=padding_runs.FULL, left_padded=padding_runs.LEFT_PADDED)
 
 
 def append_kv_name(source: str | None = None, cache: str | None = None) -> str:
