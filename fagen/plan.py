@@ -1002,8 +1002,10 @@ EXP2_POLY_EVERY = 8
 # process (2026-12-01): the causal half-type wgmma forwards from head_dim 128 gain (d128 +2.5-3.3%,
 # d256 16k +1.5-2%, 192/128 +2.0-2.2%, 128/64 +1.2-1.8%); the same change lost or held elsewhere
 # (dense: d128 f16 -1.3-1.9%, bf16 within 1%, 128/64 -3%; d64 -1%; FP8 d128 -1.5 to -5%), ptxas
-# scheduling those kernels' loops worse: kept where it won.
-UNIFORM_WARP_INDEX_FROM_HEAD_DIM = 128
+# scheduling those kernels' loops worse: kept where it won. From head_dim 64 since 2026-12-01's
+# trimmed warpgroup steps (plan.trims_warpgroup_steps), which need it: d64 causal with both +0.9%
+# at 1k, +2.9-3.6% at 2k-4k, +2% at 8k (float16; bfloat16 +3.2% at 4k, +1.7% at 16k).
+UNIFORM_WARP_INDEX_FROM_HEAD_DIM = 64
 # FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), each read where it
 # lies: its address and (sequence, KV head) strides. An FP8 KV cache's kernels take q's too: 1 for
 # a half-type q, an FP8 q's own (spec.widens_query)

@@ -303,6 +303,11 @@ struct Mask {
   int n_kv;
   int first, count;  // KV tiles [first, first + count) (block_mask: entries of the list)
   int offset;
+  // Of the tile's KV tiles, how many rows up to q_last see (at most count): a warpgroup's own
+  // steps, the tile's later ones being fully masked for its rows.
+  __device__ __forceinline__ int count_through(int q_last) const {
+    return max(0, min(count, (min(n_kv, q_last + offset + 1) + BLOCK_KV - 1) / BLOCK_KV - first));
+  }
 
   // The tile's query positions are [q0_, q_last] (q_last: its last real one).
   __device__ __forceinline__ void begin(int n_q, int n_kv_, int offset_, int b, int h, int q0_, int q_last) {
@@ -692,7 +697,11 @@ fagen_attn_f16_d64_causal_long_h200(
   elem_t* smem = reinterpret_cast<elem_t*>(smem_chunks);
   elem_t* smem_q = smem;
   const unsigned smem_q_u32 = smem_u32(smem_q);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
+  // the warp's index as ptxas can prove warp-uniform (lane 0's, shuffled): a warpgroup's smem
+  // descriptors and rows derived from it stay in uniform registers (CUTLASS's
+  // canonical_warp_idx_sync; 4-7% fewer SASS instructions in the dK/dV kernel)
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
   // Each warpgroup owns 64 query rows; warp w of it owns rows 16w..16w+15 of those, so every
   // per-row step (mask, softmax, epilogue) is the mma.sync kernel's with one m16 fragment.
   const int warpgroup = warp / WARPGROUP_WARPS;
@@ -780,7 +789,13 @@ fagen_attn_f16_d64_causal_long_h200(
     const int my_turn = TURN_BARRIER + warpgroup, next_turn = TURN_BARRIER + (warpgroup + 1) % WARPGROUPS;
     // (The turns run on from tile to tile: warpgroup 0 took the block's first one.)
 
-    for (int j = 0; j < kv_tiles; ++j) {
+    // This warpgroup's own steps: its rows see keys up to their last row's diagonal, so the tile's
+    // later steps (the lower warpgroups' diagonal) are fully masked for them. It runs those without
+    // MMAs, taking only their turns and stages (after its last P.V), and the tensor cores go to the
+    // warpgroups that need them. (At least one step where the tile has any: the turns then run as
+    // for every warpgroup.)
+    const int steps = kv_tiles > 0 ? max(1, mask.count_through(min(q0 + (warpgroup + 1) * WARPGROUP_WARPS * WARP_ROWS, n_q) - 1)) : 0;
+    for (int j = 0; j < steps; ++j) {
       const int kv0 = mask.kv_tile(j) * BLOCK_KV;
 
       // Phase 2: K_j and V_(j-1) have landed.
@@ -805,7 +820,7 @@ fagen_attn_f16_d64_causal_long_h200(
         wgmma_wait<0>();
       }
       pin_registers(s[0]);
-      if (j == kv_tiles - 1) kv.release_q();  // the tile's last S is done: the producer may load the next Q
+      if (j == steps - 1) kv.release_q();  // the warpgroup's last S is done: the producer may load the next Q
       // The other warpgroup's turn. (Handing over between commit and wait would make ptxas
       // serialise the wgmmas.)
       named_barrier_arrive(next_turn, TURN_THREADS);
@@ -830,17 +845,25 @@ fagen_attn_f16_d64_causal_long_h200(
     }
 
     // Phase 6: the last tile's P.V.
-    kv.wait(kv_tiles);  // group kv_tiles: V of the last tile
-    if (kv_tiles > 0) {
+    kv.wait(steps);  // group steps: V of the last tile
+    if (steps > 0) {
       named_barrier_sync(my_turn, TURN_THREADS);
       wgmma_fence();
-      issue_pv(o_acc[0], p, kv.v_slot(kv_tiles - 1));
+      issue_pv(o_acc[0], p, kv.v_slot(steps - 1));
       wgmma_wait<0>();
       pin_registers(o_acc[0]);
       // The other warpgroup's turn: its last P.V, or the next tile's first S while this one writes O.
       named_barrier_arrive(next_turn, TURN_THREADS);
     }
-    kv.release(kv_tiles);  // its stage is free for the next tile's loads
+    kv.release(steps);  // its stage is free for the next tile's loads
+    // The tile's steps past this warpgroup's rows: each one's turn (the others' MMAs) and its stage,
+    // freed once it has landed (an arrival before then would count toward the stage's previous use).
+    for (int j = steps + 1; j <= kv_tiles; ++j) {
+      named_barrier_sync(my_turn, TURN_THREADS);
+      named_barrier_arrive(next_turn, TURN_THREADS);
+      kv.wait(j);
+      kv.release(j);
+    }
     if (kv_tiles == 0) kv.release_q();
 
     // Normalise and write O (and LSE). The output pointers are formed only now: kept out of
