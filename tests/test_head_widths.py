@@ -122,13 +122,20 @@ def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
         assert spec.warp_specialized == (gpu == "h200") and not spec.outputs.partial and spec.backward is None
         assert spec.name.endswith(f"_v{dv}")
         assert plan(spec).head_dim_v == dv
-        if d == 192 and gpu == "h200":  # FlashAttention-3's tile for 192, not the 256 default's
-            assert (spec.tiling.block_q, spec.tiling.block_kv) == (128, 112)
-            # long sequences too, walked persistently:
-            # a causal mask's uneven tiles are claimed
+        if d == 192 and gpu == "h200":
+            # causal: head_dim 128's long-class tile (three consumer warpgroups in ping-pong), at every
+            # length, walked persistently (a causal mask's uneven tiles are claimed)
             long = dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv, keys=4096)
-            assert long.name.endswith("_long_h200_d192_kv112_v128") and plan(long).claimed_walk
-            assert not plan(dispatch.derive_spec_for(dtype, d, head_dim_v=dv, keys=4096)).claimed_walk
+            for causal_spec in (spec, long):
+                assert (causal_spec.tiling.block_q, causal_spec.tiling.block_kv) == (192, 80), causal_spec.name
+                assert causal_spec.pipeline.pingpong and plan(causal_spec).claimed_walk
+            assert long.name.endswith("_long_h200_d192_q192_kv80_v128")
+            # dense: FlashAttention-3's tile for 192, not the 256 default's
+            dense = dispatch.derive_spec_for(dtype, d, head_dim_v=dv, keys=4096)
+            assert dense.tiling.block_kv == 112 and not plan(dense).claimed_walk
+            # a modifier whose registers the three warpgroups cannot hold keeps 128 x 112
+            capped = dispatch.derive_spec_for(dtype, d, causal=True, softcap=30.0, head_dim_v=dv, keys=4096)
+            assert (capped.tiling.block_q, capped.tiling.block_kv) == (128, 112), capped.name
         # the same call derives the same spec (the cache keys the width)
         assert dispatch.derive_spec_for(dtype, d, causal=True, head_dim_v=dv) is spec
     assert dispatch.derive_spec_for("float16", 128, causal=True).dv == 128
