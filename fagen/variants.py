@@ -207,7 +207,8 @@ def value_head_variant(spec: AttentionSpec, head_dim_v: int, head_dim: int | Non
     causal_tiling = WIDE_QK_CAUSAL_TILING.get(head_dim) if (head_dim != spec.head_dim and spec.warp_specialized
                                                             and spec.mask.kind == "causal") else None
     if causal_tiling is not None:
-        ws = {**pipeline["warp_specialized"], "consumer_registers": WIDE_QK_CAUSAL_CONSUMER_REGISTERS, "persistent": True}
+        # (persistent above: a causal mask's tiles are uneven, so they are claimed)
+        ws = {**pipeline["warp_specialized"], "consumer_registers": WIDE_QK_CAUSAL_CONSUMER_REGISTERS}
         try:
             return parse_spec({**data, "name": f"{spec.name}_d{head_dim}_q{causal_tiling['block_q']}_kv{causal_tiling['block_kv']}"
                                f"_v{head_dim_v}", "tiling": {**tiling, **causal_tiling},
