@@ -130,17 +130,20 @@ def test_a_causal_warpgroup_computes_only_the_steps_its_rows_see():
     """Under a causal mask the upper warpgroups of a tile stop their MMAs where their own rows'
     keys end: the tile's later steps keep only their turns and stages (as many turns as every
     warpgroup's, so the round goes on), freed after they land. Only where the warp index is
-    warp-uniform (head_dim 128 on): elsewhere the MMAs would sit on a path ptxas serialises."""
-    long = fagen.load_spec(SPECS / "attn_f16_d128_causal_long_h200.yaml")
-    text = render(long)
-    assert plan(long).trims_warpgroup_steps and plan(long).uniform_warp_index
-    assert "mask.count_through(min(q0 + (warpgroup + 1) * WARPGROUP_WARPS * WARP_ROWS, n_q) - 1)" in text
-    skipped = text[text.index("for (int j = steps + 1; j <= kv_tiles; ++j) {"):]
-    skipped = skipped[:skipped.index("}")]
-    assert re.findall(r"named_barrier_\w+|kv\.\w+", skipped) == [
-        "named_barrier_sync", "named_barrier_arrive", "kv.wait", "kv.release"]
-    assert "wgmma" not in skipped and "if (j == steps - 1) kv.release_q();" in text
-    for name in ("attn_f16_d64_causal_h200", "attn_f16_d128_h200", "attn_e4m3_d128_sm90a"):
+    warp-uniform (the causal half-type forwards from head_dim 64): elsewhere the MMAs would sit on a
+    path ptxas serialises."""
+    for name in ("attn_f16_d128_causal_long_h200", "attn_f16_d64_causal_h200", "attn_bf16_d64_causal_long_h200"):
+        long = fagen.load_spec(SPECS / f"{name}.yaml")
+        text = render(long)
+        assert plan(long).trims_warpgroup_steps and plan(long).uniform_warp_index, name
+        assert "mask.count_through(min(q0 + (warpgroup + 1) * WARPGROUP_WARPS * WARP_ROWS, n_q) - 1)" in text
+        skipped = text[text.index("for (int j = steps + 1; j <= kv_tiles; ++j) {"):]
+        skipped = skipped[:skipped.index("}")]
+        assert re.findall(r"named_barrier_\w+|kv\.\w+", skipped) == [
+            "named_barrier_sync", "named_barrier_arrive", "kv.wait", "kv.release"], name
+        assert "wgmma" not in skipped and "if (j == steps - 1) kv.release_q();" in text
+    # dense, FP8 (whose warp index stays per thread) and the mma.sync kernels keep every step
+    for name in ("attn_f16_d128_h200", "attn_e4m3_d128_sm90a", "attn_f16_d64_causal"):
         other = fagen.load_spec(SPECS / f"{name}.yaml")
         assert not plan(other).trims_warpgroup_steps, name
         assert "count_through" not in render(other) and "const int steps" not in render(other), name
