@@ -1006,6 +1006,9 @@ EXP2_POLY_EVERY = 8
 # trimmed warpgroup steps (plan.trims_warpgroup_steps), which need it: d64 causal with both +0.9%
 # at 1k, +2.9-3.6% at 2k-4k, +2% at 8k (float16; bfloat16 +3.2% at 4k, +1.7% at 16k).
 UNIFORM_WARP_INDEX_FROM_HEAD_DIM = 64
+# ... beside a bias, from head_dim 128: the d64 long class's bias variants (192 x 96) spill 4 bytes
+# with the trimmed steps (ptxas, nvcc 13.0), and without them the index alone measured -1% at d64
+UNIFORM_WARP_INDEX_WITH_BIAS_FROM_HEAD_DIM = 128
 # FP8: FlashAttention-3's descales, float32 [B, Hkv] (or one number: strides 0), each read where it
 # lies: its address and (sequence, KV head) strides. An FP8 KV cache's kernels take q's too: 1 for
 # a half-type q, an FP8 q's own (spec.widens_query)
@@ -1022,8 +1025,9 @@ WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes
 
 def uniform_warp_index(spec: AttentionSpec) -> bool:
     """Whether the forward shuffles its warp index from lane 0 (UNIFORM_WARP_INDEX_FROM_HEAD_DIM)."""
+    least = UNIFORM_WARP_INDEX_WITH_BIAS_FROM_HEAD_DIM if spec.score_mod.bias != "none" else UNIFORM_WARP_INDEX_FROM_HEAD_DIM
     return (spec.wgmma and spec.mask.kind == "causal" and not spec.element.is_fp8 and not spec.kv_element.is_fp8
-            and spec.head_dim >= UNIFORM_WARP_INDEX_FROM_HEAD_DIM)
+            and spec.head_dim >= least)
 
 
 def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_tile_elems: int) -> dict:
