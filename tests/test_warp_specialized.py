@@ -147,6 +147,10 @@ def test_a_causal_warpgroup_computes_only_the_steps_its_rows_see():
         other = fagen.load_spec(SPECS / f"{name}.yaml")
         assert not plan(other).trims_warpgroup_steps, name
         assert "count_through" not in render(other) and "const int steps" not in render(other), name
+    # beside a bias, from head_dim 128 (the d64 long class's bias variants spilled with the trim)
+    for name, trims in (("attn_f16_d64_causal_long_h200", False), ("attn_f16_d128_causal_long_h200", True)):
+        biased = variant(fagen.load_spec(SPECS / f"{name}.yaml"), Mask(kind="causal"), ScoreMod(bias="matrix"))
+        assert plan(biased).trims_warpgroup_steps == plan(biased).uniform_warp_index == trims, biased.name
 
 
 @pytest.mark.parametrize("value", [20, 244, 264, 23])
