@@ -1024,7 +1024,8 @@ WGMMA_NUMBERS = ("warpgroup_warps", "atom_elems", "atom_bytes", "row_group_bytes
 
 
 def uniform_warp_index(spec: AttentionSpec) -> bool:
-    """Whether the forward shuffles its warp index from lane 0 (UNIFORM_WARP_INDEX_FROM_HEAD_DIM)."""
+    """Whether the forward shuffles its warp index from lane 0 (UNIFORM_WARP_INDEX_FROM_HEAD_DIM;
+    beside a bias, UNIFORM_WARP_INDEX_WITH_BIAS_FROM_HEAD_DIM)."""
     least = UNIFORM_WARP_INDEX_WITH_BIAS_FROM_HEAD_DIM if spec.score_mod.bias != "none" else UNIFORM_WARP_INDEX_FROM_HEAD_DIM
     return (spec.wgmma and spec.mask.kind == "causal" and not spec.element.is_fp8 and not spec.kv_element.is_fp8
             and spec.head_dim >= least)
@@ -1036,6 +1037,7 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_ti
     warps = t.warps_q * t.warps_kv
     threads, warp_rows = 32 * warps, t.block_q // t.warps_q
     chunks_per_row, v_chunks_per_row = d // CHUNK_ELEMS, dv // CHUNK_ELEMS
+    uniform = uniform_warp_index(spec)
     kv_chunks_per_row = d * spec.kv_element.bytes // CHUNK_BYTES
     acc_per_fragment = MMA_M * MMA_N // 32  # f32 accumulators a thread holds per m16n8 fragment
     return {
@@ -1049,10 +1051,10 @@ def template_numbers(spec: AttentionSpec, m_frags: int, kv_tile_elems: int, v_ti
         "element_bytes": spec.element.bytes,
         "p_log2_scale": float(spec.element.p_log2_scale),
         "exp2_poly_every": EXP2_POLY_EVERY if spec.element.is_fp8 and spec.wgmma else 0,
-        "uniform_warp_index": uniform_warp_index(spec),
+        "uniform_warp_index": uniform,
         # (the steps a warpgroup's own: warp-uniform only where the warp index is, else its MMAs
         # sit on a path ptxas must serialise)
-        "trims_warpgroup_steps": (uniform_warp_index(spec) and bool(spec.warp_specialized) and warps // 4 > 1
+        "trims_warpgroup_steps": (uniform and bool(spec.warp_specialized) and warps // 4 > 1
                                   and KINDS[spec.mask.kind].ends_by_row and not t.pack_gqa and spec.sequences.kv != "ranged"),
         "kv_tile_bytes": kv_tile_elems * spec.kv_element.bytes,
         "v_tile_bytes": v_tile_elems * spec.kv_element.bytes,
