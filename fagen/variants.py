@@ -172,12 +172,13 @@ COPYING_WARPS_Q = 8  # the most query warps the copying sm_90a kernel (no produc
 WIDE_QK_KV_TILE = {192: 112}
 # ... and a persistent walk that claims its tiles where a mask's tiles are uneven, whatever the
 # wider head's long class does: 192/128 causal +9% at 4k, +1-3% at 16k (H200, bfloat16; notes/perf.md).
-# Under a causal mask, head_dim 128's long-class tile instead: 192 queries x 80 keys, three consumer
+# Causal and dense take head_dim 128's long-class tile instead: 192 queries x 80 keys, three consumer
 # warpgroups in ping-pong (S and O are head_dim 128's tiles; only Q.K^T is deeper). Against 128 x 112
-# (H200, bfloat16, one process): +3% at 1k, +18% at 2k, +10% at 4k and 16k. A modifier whose
-# registers it cannot hold keeps 128 x 112.
-WIDE_QK_CAUSAL_TILING = {192: {"block_q": 192, "warps_q": 12, "block_kv": 80}}
-WIDE_QK_CAUSAL_CONSUMER_REGISTERS = 160  # three consumer warpgroups beside the producer's
+# (H200, bfloat16, one process): causal +3% at 1k, +18% at 2k, +10% at 4k and 16k; dense +2-4% at 4k
+# and 16k. A modifier whose registers it cannot hold keeps 128 x 112.
+WIDE_QK_LONG_TILING = {192: {"block_q": 192, "warps_q": 12, "block_kv": 80}}
+WIDE_QK_LONG_MASKS = ("causal", "none")  # the masks measured with it
+WIDE_QK_LONG_CONSUMER_REGISTERS = 160  # three consumer warpgroups beside the producer's
 
 
 @cache
@@ -204,14 +205,14 @@ def value_head_variant(spec: AttentionSpec, head_dim_v: int, head_dim: int | Non
     data.update(name=f"{spec.name}{tag}_v{head_dim_v}", head_dim=head_dim, head_dim_v=head_dim_v, backward=None,
                 tiling=tiling, pipeline=pipeline,
                 outputs={**data["outputs"], "partial": False, "accumulate": False, "merge_splits": False})
-    causal_tiling = WIDE_QK_CAUSAL_TILING.get(head_dim) if (head_dim != spec.head_dim and spec.warp_specialized
-                                                            and spec.mask.kind == "causal") else None
-    if causal_tiling is not None:
+    long_tiling = WIDE_QK_LONG_TILING.get(head_dim) if (head_dim != spec.head_dim and spec.warp_specialized
+                                                        and spec.mask.kind in WIDE_QK_LONG_MASKS) else None
+    if long_tiling is not None:
         # (persistent above: a causal mask's tiles are uneven, so they are claimed)
-        ws = {**pipeline["warp_specialized"], "consumer_registers": WIDE_QK_CAUSAL_CONSUMER_REGISTERS}
+        ws = {**pipeline["warp_specialized"], "consumer_registers": WIDE_QK_LONG_CONSUMER_REGISTERS}
         try:
-            return parse_spec({**data, "name": f"{spec.name}_d{head_dim}_q{causal_tiling['block_q']}_kv{causal_tiling['block_kv']}"
-                               f"_v{head_dim_v}", "tiling": {**tiling, **causal_tiling},
+            return parse_spec({**data, "name": f"{spec.name}_d{head_dim}_q{long_tiling['block_q']}_kv{long_tiling['block_kv']}"
+                               f"_v{head_dim_v}", "tiling": {**tiling, **long_tiling},
                                "pipeline": {**pipeline, "pingpong": True, "warp_specialized": ws}},
                               f"value-head variant of {spec.name}")
         except SpecError:

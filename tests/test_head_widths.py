@@ -130,9 +130,14 @@ def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
                 assert (causal_spec.tiling.block_q, causal_spec.tiling.block_kv) == (192, 80), causal_spec.name
                 assert causal_spec.pipeline.pingpong and plan(causal_spec).claimed_walk
             assert long.name.endswith("_long_h200_d192_q192_kv80_v128")
-            # dense: FlashAttention-3's tile for 192, not the 256 default's
+            # dense: the same tile, its even tiles walked in order
             dense = dispatch.derive_spec_for(dtype, d, head_dim_v=dv, keys=4096)
-            assert dense.tiling.block_kv == 112 and not plan(dense).claimed_walk
+            assert (dense.tiling.block_q, dense.tiling.block_kv) == (192, 80) and dense.pipeline.pingpong
+            assert not plan(dense).claimed_walk
+            # a mask it was not measured with keeps FlashAttention-3's tile for 192
+            window = dispatch.derive_spec_for(dtype, d, mask={"kind": "sliding_window", "window_left": 256},
+                                              head_dim_v=dv, keys=4096)
+            assert (window.tiling.block_q, window.tiling.block_kv) == (128, 112), window.name
             # a modifier whose registers the three warpgroups cannot hold keeps 128 x 112
             capped = dispatch.derive_spec_for(dtype, d, causal=True, softcap=30.0, head_dim_v=dv, keys=4096)
             assert (capped.tiling.block_q, capped.tiling.block_kv) == (128, 112), capped.name
