@@ -317,7 +317,7 @@ def check_against_oracle(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int
     if spec.outputs.partial and not spec.outputs.merge_splits:  # split-KV: NaN-poisoned partials over 3 splits, then the merge
         tiles = -(-nk // kernel.plan.block_kv)
         per_split = -(-tiles // min(3, tiles))
-        parts = _nan_like(q, (-(-tiles // per_split), b, hq, nq, spec.head_dim))
+        parts = _nan_like(q, (-(-tiles // per_split), b, hq, nq, spec.dv))  # (O as wide as V)
         sinks = extras.pop("sinks", None)
         o_parts, lse_parts = kernel(q, k, v, scale=scale, out=parts, splits=min(3, tiles), **extras)
         got_out, got_lse = merge(o_parts, lse_parts, sinks=sinks, out_dtype=spec.dtype)

@@ -189,11 +189,11 @@ class PreparedAttention:
         # (sequences.kv ranged), read on the device; the index tensors a call passes after q, k, v
         ranges = KeyRanges(tq, cache_seqlens, cache_leftpad) if cache_seqlens is not None or cache_leftpad is not None \
             else None
-        if ranges is not None:
-            spec, plain = (None if s is None else ranges.variant(s) for s in (spec, plain))
         if spec is not None:
-            spec, splits = step_spec(spec, b, hq, hkv, nq, split_keys or nk, splits, sinks is not None)
-        spec = spec or plain
+            spec, splits = step_spec(spec if ranges is None else ranges.variant(spec), b, hq, hkv, nq,
+                                     split_keys or nk, splits, sinks is not None)
+        else:  # (only where no decode kernel packs the call: a plain kernel of two widths takes no ranges yet)
+            spec = plain if ranges is None else ranges.variant(plain)
         kernel = compile_kernel(spec)
         out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), spec.out_element.name)  # the outputs' strides, for packing (O as wide as V)
         # the LSE goes here unless the caller asks for it (return_lse): one allocation less a call

@@ -203,12 +203,12 @@ def packed_spec(plain: AttentionSpec, q, k) -> AttentionSpec | None:
     tq, tk = as_device_tensor(q, "q"), as_device_tensor(k, "k")
     if len(tk.shape) != 4 or tk.shape[1] == 0 or tq.shape[1] % tk.shape[1]:
         return None  # the kernel's own checks say what is wrong
-    if plain.dv != plain.head_dim:
-        return None  # the decode kernels pack GQA heads: V as wide as Q only
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
     kv = fp8_element(tk.dtype)
     if kv is None or plain.element.is_fp8:
-        return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
+        return variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod, plain.head_dim_v)
+    if plain.dv != plain.head_dim:
+        return None  # an FP8 cache's kernels widen one width (the caller refuses: fp8_kv_refusal)
     query = fp8_element(tq.dtype)
     return fp8_kv_spec(plain, rows, kv.name, None if query is None else query.name)
 
@@ -339,11 +339,12 @@ def fp8_kv_refusal(names: str, dtype: str, plain: AttentionSpec, rows: int) -> s
 
 
 def decode_spec_for(q, k, *, causal: bool = False, mask=None, softcap=None, block_mask=None, bias=None,
-                    alibi_slopes=None, sinks=None, doc_ids=None) -> AttentionSpec | None:
+                    alibi_slopes=None, sinks=None, doc_ids=None, v=None) -> AttentionSpec | None:
     """The decode kernel fagen.attention would run for these arguments, or None where the plain
-    forward is the one (too many packed rows, another head_dim, an unpackable mask or modifier)."""
+    forward is the one (too many packed rows, another head_dim, an unpackable mask or modifier).
+    v: where given, V's width (head_dim_v where it differs from q's)."""
     plain = derive_spec(q, causal=causal, mask=mask, softcap=softcap, block_mask=block_mask, bias=bias,
-                        alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids)
+                        alibi_slopes=alibi_slopes, sinks=sinks, doc_ids=doc_ids, v=v)
     return packed_spec(plain, q, k)
 
 
@@ -488,8 +489,7 @@ def batch_spec(batch, *, causal: bool, mask, softcap, alibi_slopes, sinks) -> At
         if ws is not None and ws.persistent:
             plain = long
     rows = tq.shape[2] * (tq.shape[1] // tk.shape[1])
-    packed = (variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod)
-              if dv is None else None)  # (the decode kernels hold one width)
+    packed = variants.decode_spec(plain.dtype, plain.head_dim, rows, plain.mask, plain.score_mod, plain.head_dim_v)
     if kv is not None:  # an FP8 KV cache: paged, through the decode kernel's FP8 variant
         if batch.kv_layout != "paged":
             raise ValueError(f"k, v: {tk.dtype} (an FP8 KV cache) is read paged (attention_with_kvcache with a "

@@ -764,9 +764,10 @@ class AttentionSpec(_Frozen):
 
     @model_validator(mode="after")
     def _two_head_widths(self) -> AttentionSpec:
-        """head_dim_v apart from head_dim: the forward over padded or varlen tensors, one block per
-        query tile, and its backward (wgmma or mma.sync, the dQ kernel's); what it does not reach
-        yet is refused by name."""
+        """head_dim_v apart from head_dim: the forward over padded or varlen tensors, its backward
+        (wgmma or mma.sync, the dQ kernel's), and on mma.sync the decode kernels' split keys and
+        packed GQA heads (split-KV partials, merged in the launch or after it; warps along the
+        keys); what it does not reach yet is refused by name."""
         if self.dv == self.head_dim:
             return self
         why = f"head_dim_v {self.dv} differs from head_dim {self.head_dim}"
@@ -781,14 +782,21 @@ class AttentionSpec(_Frozen):
                                   "chunks) is copied by a loop of its own, and one tile's K and V copies share one",
                                   "remove head_dim_v (V as wide as Q and K), or use head_dim_v 64 or 128 beside head_dim 64, "
                                   "128 or 256", {"head_dim_v": REMOVE}))
+        # the wgmma kernels' epilogues and producers write and load one tile a block (whole outputs,
+        # one warp along the keys); the mma.sync ones take O's width from head_dim_v everywhere
+        wgmma = self.arch == "sm_90a"
         refused = [
-            ("outputs", o.partial or o.accumulate or o.merge_splits, "write the whole output (partial, accumulate "
-             "and merge_splits: false)", {"outputs.partial": False, "outputs.accumulate": False,
-                                         "outputs.merge_splits": False}),
-            # varlen q and K/V, as a prefill batch takes them; a cache (paged, ranged) holds one width
-            ("sequences.kv", seq.kv in ("paged", "ranged"), "use padded or varlen K/V", {"sequences.kv": "varlen"}),
-            ("tiling.pack_gqa", t.pack_gqa, "set pack_gqa: false", {"tiling.pack_gqa": False}),
-            ("tiling.warps_kv", t.warps_kv > 1, "set warps_kv: 1", {"tiling.warps_kv": 1}),
+            ("outputs", o.accumulate or wgmma and (o.partial or o.merge_splits),
+             "write the whole output (partial, accumulate and merge_splits: false)" if wgmma else
+             "fold no running output (accumulate: false)",
+             {"outputs.partial": False, "outputs.accumulate": False, "outputs.merge_splits": False} if wgmma else
+             {"outputs.accumulate": False}),
+            # varlen q and K/V, as a prefill batch takes them; key ranges on mma.sync (a decode
+            # step's); a paged cache's copies hold one width
+            ("sequences.kv", seq.kv == "paged" or seq.kv == "ranged" and wgmma, "use padded or varlen K/V",
+             {"sequences.kv": "varlen"}),
+            ("tiling.pack_gqa", t.pack_gqa and wgmma, "set pack_gqa: false", {"tiling.pack_gqa": False}),
+            ("tiling.warps_kv", t.warps_kv > 1 and wgmma, "set warps_kv: 1", {"tiling.warps_kv": 1}),
             # the dQ kernel's TMA producer loads one width (its byte counts are Q's and K's)
             ("backward.dq_warp_specialized", self.backward is not None and self.backward.dq_warp_specialized is not None,
              "remove backward.dq_warp_specialized", {"backward.dq_warp_specialized": REMOVE}),
@@ -796,9 +804,11 @@ class AttentionSpec(_Frozen):
         broken = [(field, change, values) for field, on, change, values in refused if on]
         if broken:  # the first named; the fix makes every change at once, so that it validates
             field = broken[0][0]
-            raise ValueError(rule(field, "set" if field != "tiling.warps_kv" else t.warps_kv,
-                                  f"is not built yet where {why} (padded or varlen tensors, whole outputs, one "
-                                  "warp along the keys, no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
+            value = {"tiling.warps_kv": t.warps_kv, "sequences.kv": seq.kv}.get(field, "set")
+            raise ValueError(rule(field, value,
+                                  f"is not built yet where {why} (padded or varlen tensors, and key ranges on "
+                                  "mma.sync; whole outputs and one warp along the keys on sm_90a; no running output "
+                                  "folded; no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 

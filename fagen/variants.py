@@ -283,24 +283,41 @@ DECODE_ROWS = (16, 64)
 DECODE_HEAD_DIMS = {64: DECODE_ROWS, 128: DECODE_ROWS, 256: DECODE_ROWS[:1]}
 
 
-def decode_spec_name(dtype: str, head_dim: int, rows: int) -> str:
-    return f"decode_{ELEMENT_TYPES[dtype].short}_d{head_dim}" + ("" if rows == DECODE_ROWS[0] else f"_q{rows}")
+def decode_spec_name(dtype: str, head_dim: int, rows: int, head_dim_v: int | None = None) -> str:
+    return (f"decode_{ELEMENT_TYPES[dtype].short}_d{head_dim}" + ("" if head_dim_v in (None, head_dim) else f"_v{head_dim_v}")
+            + ("" if rows == DECODE_ROWS[0] else f"_q{rows}"))
+
+
+def decode_tiling_head_dim(head_dim: int, head_dim_v: int | None = None) -> int | None:
+    """The head_dim whose decode kernels' tiling a decode of these widths takes: its own, or for two
+    widths the narrowest decode width that holds the wider head (DeepSeek's 192/128: 256's), whose
+    rows of shared memory and registers fit both; None where no decode width does."""
+    widest = max(head_dim, head_dim_v or head_dim)
+    return min((d for d in DECODE_HEAD_DIMS if d >= widest), default=None)
 
 
 @cache
-def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score_mod: ScoreMod = ScoreMod()
-                ) -> AttentionSpec | None:
+def decode_spec(dtype: str, head_dim: int, rows: int, mask: Mask = Mask(), score_mod: ScoreMod = ScoreMod(),
+                head_dim_v: int | None = None) -> AttentionSpec | None:
     """The decode kernel for `rows` packed rows (Nq x group), with this mask and these modifiers;
     None where there is none: more rows than its head_dim's largest (DECODE_HEAD_DIMS), another
-    head_dim, or a mask or modifier that packing cannot address (block masks, documents, a bias)."""
-    fits = [r for r in DECODE_HEAD_DIMS.get(head_dim, ()) if rows <= r]
+    head_dim, or a mask or modifier that packing cannot address (block masks, documents, a bias).
+    head_dim_v: V's and O's width where it differs from head_dim (Q's and K's): the kernel of
+    decode_tiling_head_dim's tiling with Q.K^T head_dim wide and V head_dim_v wide."""
+    tiling_dim = head_dim if head_dim_v in (None, head_dim) else decode_tiling_head_dim(head_dim, head_dim_v)
+    fits = [r for r in DECODE_HEAD_DIMS.get(tiling_dim, ()) if rows <= r]
     if not fits:
         return None
-    base = load_spec(SPECS / f"{decode_spec_name(dtype, head_dim, fits[0])}.yaml")
-    try:  # sinks join in the merge of the partials, not in the kernel
+    base = load_spec(SPECS / f"{decode_spec_name(dtype, tiling_dim, fits[0])}.yaml")
+    try:
+        if (head_dim, head_dim_v or head_dim) != (base.head_dim, base.dv):
+            base = parse_spec({**base.model_dump(exclude_none=True), "head_dim": head_dim, "head_dim_v": head_dim_v,
+                               "name": decode_spec_name(dtype, head_dim, fits[0], head_dim_v)},
+                              f"two-width decode kernel from {base.name}")
+        # sinks join in the merge of the partials, not in the kernel
         return variant(base, mask, score_mod.model_copy(update={"sinks": False}))
     except SpecError:
-        return None  # refused for packing (tiling.pack_gqa's rules)
+        return None  # refused for packing (tiling.pack_gqa's rules), or registers
 
 
 @cache

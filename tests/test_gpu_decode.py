@@ -540,3 +540,93 @@ def test_a_static_cache_step_with_key_ranges_replays_in_a_cuda_graph():
         ref = oracle.attention_cache(to_numpy(q), *(to_numpy(x).transpose(0, 2, 1, 3) for x in (k, v)), [seen] * b,
                                      leftpad.tolist(), causal=True)
         assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], seen
+
+
+# Two head widths (DeepSeek's 192/128; V narrower or wider): the decode kernels at the tiling of the
+# narrowest decode width that holds the wider head. GQA, MQA and MHA; one query and a few; key
+# counts that end mid-tile
+WIDTHS = [(192, 128), (128, 64), (64, 128)]
+WIDTH_SHAPES = [(1, 16, 16, 1, 8191), (2, 8, 2, 2, 1000), (3, 4, 1, 3, 239)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("widths", WIDTHS, ids=lambda w: f"d{w[0]}_v{w[1]}")
+@pytest.mark.parametrize("merged", [False, True], ids=["split", "merged"])
+@pytest.mark.parametrize("shape", WIDTH_SHAPES)
+def test_two_width_decode_kernels_match_the_oracle(dtype, widths, merged, shape):
+    d, dv = widths
+    b, hq, hkv, nq, nk = shape
+    spec = variants.decode_spec(dtype, d, nq * hq // hkv, Mask(kind="causal"), ScoreMod(), dv)
+    assert spec is not None and (spec.head_dim, spec.dv) == (d, dv) and spec.tiling.pack_gqa
+    if merged:
+        spec = variants.merged_variant(spec)
+    result = check_against_oracle(spec, b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("mask", MASKS[:4], ids=str)
+@pytest.mark.parametrize("mod", [MODS[1], MODS[4]], ids=lambda m: m.model_dump_json(exclude_defaults=True))
+def test_two_width_decode_masks_and_modifiers_match_the_oracle(mask, mod):
+    """DeepSeek's widths with GQA 4, two queries a head: windows, softcap, ALiBi, and sinks in the
+    in-kernel merge."""
+    b, hq, hkv, nq, nk = 2, 16, 4, 2, 1100
+    spec = variants.merged_variant(variants.decode_spec("bfloat16", 192, nq * hq // hkv, mask, mod, 128),
+                                   sinks=mod.sinks)
+    result = check_against_oracle(spec, b, hq, hkv, nq, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_fagen_attention_runs_a_two_width_decode_step_on_the_decode_kernels(framework):
+    """fagen.attention and fagen.prepare at 192/128: the decode kernel (not the plain forward's
+    192-row tiles), as the oracle; a prepared call writes into a NaN-filled out; key ranges too."""
+    b, hq, hkv, nq, nk = 2, 16, 4, 1, 5000
+    dtype = "bfloat16" if framework == "torch" else "float16"  # (CuPy has no bfloat16)
+    q, k, v, out = random_inputs(framework, dtype, b, hq, hkv, nq, nk, 192, d_v=128)
+    spec = dispatch.decode_spec_for(q, k, v=v, causal=True, softcap=30.0)
+    assert spec is not None and spec.tiling.pack_gqa and spec.dv == 128
+    ref, ref_lse = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, softcap=30.0, return_lse=True)
+    got, lse = fagen.attention(q, k, v, causal=True, softcap=30.0, return_lse=True)
+    assert got.shape == (b, hq, nq, 128)
+    assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE[dtype]
+    assert relative_error(to_numpy(lse), ref_lse) < 1e-4
+    call = fagen.prepare(q, k, v, causal=True, softcap=30.0)
+    for _ in range(2):
+        q = random_inputs(framework, dtype, b, hq, hkv, nq, nk, 192, d_v=128)[0]
+        out[...] = float("nan")
+        call(q, k, v, out=out)
+        ref = oracle.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True, softcap=30.0)
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE[dtype]
+    if framework == "torch":  # each row's keys a range of the cache's slots
+        import torch
+
+        leftpad = torch.tensor([0, 700], dtype=torch.int32, device="cuda")
+        seqlens = torch.tensor([4000, 5000], dtype=torch.int32, device="cuda")
+        got = fagen.attention(q, k, v, causal=True, cache_seqlens=seqlens, cache_leftpad=leftpad)
+        ref = oracle.attention_cache(to_numpy(q), *(to_numpy(x).transpose(0, 2, 1, 3) for x in (k, v)),
+                                     seqlens.tolist(), leftpad.tolist(), causal=True)
+        assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+def test_a_two_width_decode_loop_keeps_its_shape_class_and_trains():
+    """A generation loop at 192/128 (keys growing a call) takes one shape class a power of two of
+    keys; under autograd the same call's gradients come from the plain backward."""
+    import torch
+
+    b, hq, hkv = 1, 8, 8
+    q, k, v, _ = random_inputs("torch", "float16", b, hq, hkv, 1, 1030, 192, d_v=128)
+    before = len(decode.SHAPE_CLASSES._growing)
+    for n in (1030, 1031, 1500):
+        kn, vn = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+        out = fagen.attention(q, kn, vn, causal=True)
+        ref = oracle.attention(to_numpy(q), to_numpy(kn), to_numpy(vn), causal=True)
+        assert relative_error(to_numpy(out), ref) < OUT_TOLERANCE["float16"], n
+    assert len(decode.SHAPE_CLASSES._growing) - before == 1
+    q2, k2, v2, _ = random_inputs("torch", "float16", 1, 4, 2, 2, 700, 192, d_v=128)
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q2, k2, v2))
+    out = fagen.attention(q2, k2, v2, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref = oracle.attention_backward(to_numpy(q2), to_numpy(k2), to_numpy(v2), to_numpy(dout), mask=Mask(kind="causal"))
+    for name, got in (("dq", q2.grad), ("dk", k2.grad), ("dv", v2.grad)):
+        assert relative_error(to_numpy(got), ref[name]) < 1e-2, name

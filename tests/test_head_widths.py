@@ -107,6 +107,37 @@ def test_two_widths_take_varlen_batches_but_not_a_cache(monkeypatch):
         assert fagen.parse_spec(with_fix({**base, "sequences": {"q": "padded", "kv": kv}}, refused.value.fix)).dv == 128
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(("d", "dv", "wider"), [(192, 128, 256), (128, 64, 128), (64, 128, 128)])
+def test_a_decode_step_at_two_widths_packs_heads_and_splits_keys(dtype, d, dv, wider):
+    """A decode step of two widths runs the decode kernels (mma.sync: GQA heads packed, keys split,
+    the partials merged in the launch or after it, key ranges) at the tiling of the narrowest decode
+    width that holds the wider head (192/128 takes 256's); Q.K^T is head_dim wide, P.V, O and the
+    merge head_dim_v. The wgmma kernels still write whole outputs: refused by name there."""
+    from fagen import variants
+    from fagen.spec import Mask, ScoreMod, SpecError, with_fix
+
+    rows = max(variants.DECODE_HEAD_DIMS[wider])
+    spec = variants.decode_spec(dtype, d, rows, Mask(kind="causal"), ScoreMod(softcap=30.0), dv)
+    square = variants.decode_spec(dtype, wider, rows, Mask(kind="causal"), ScoreMod(softcap=30.0))
+    assert (spec.head_dim, spec.dv, spec.arch) == (d, dv, square.arch)
+    assert spec.tiling == square.tiling and spec.tiling.pack_gqa and spec.outputs.partial
+    assert spec.name.startswith(variants.decode_spec_name(dtype, d, rows, dv))
+    p = plan(spec)
+    assert p.o_n_frags * 8 == dv and p.qk_k_steps * p.mma_k == d
+    merged = variants.merged_variant(spec, sinks=True)
+    assert plan(merged).row_quads == dv // 4
+    source = render(variants.sequence_variant(merged, "padded", "ranged"))
+    assert f"V_CHUNKS_PER_ROW = {dv * 2 // 16};" in source and "copy_tile_async<BLOCK_KV, V_CHUNKS_PER_ROW" in source
+    # more packed rows than the wider head's largest decode kernel holds: the plain forward's
+    assert variants.decode_spec(dtype, d, rows + 1, head_dim_v=dv) is None
+    # the warp-specialised kernels: whole outputs, with a fix that validates
+    hopper = {**_spec("value_head_f16_d128_v64_sm90a").model_dump(exclude_none=True), "backward": None}
+    with pytest.raises(SpecError, match="outputs") as refused:
+        fagen.parse_spec({**hopper, "outputs": {"partial": True}})
+    assert not fagen.parse_spec(with_fix({**hopper, "outputs": {"partial": True}}, refused.value.fix)).outputs.partial
+
+
 @pytest.mark.parametrize("gpu", ["h200", None])
 def test_fagen_attention_derives_a_value_head_of_its_own(monkeypatch, gpu):
     """fagen.attention's spec for a v of another width than q's: the default for q's head (the
