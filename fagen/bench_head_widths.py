@@ -258,8 +258,7 @@ def markdown(rows: list[WidthRow], meta: dict | None = None) -> list[str]:
            "host time included); each implementation's O, dQ, dK and dV checked against float32 attention first "
            "(the worst relative error shown)."
            + (f" {meta['date']}, {meta.get('gpu', '')}." if meta and meta.get("date") else "")
-           + (f" Rows of other widths from an earlier run: {meta['earlier'].get('date', '?')}, "
-              f"{meta['earlier'].get('gpu', '')}." if meta and meta.get("earlier") else ""), "",
+           + _older_runs(meta), "",
            "| case | " + " | ".join(f"{LABELS[i]} fwd / bwd" for i in IMPLS) + " | fagen / FA4, fwd / bwd | "
            "fagen / cuDNN, fwd / bwd | errors | note |",
            "| --- |" + " --- |" * (len(IMPLS) + 4)]
@@ -275,6 +274,14 @@ def markdown(rows: list[WidthRow], meta: dict | None = None) -> list[str]:
         out.append(f"| {case} | {' | '.join(cells)} | {' | '.join(ratios)} | {errors} | {notes} |")
     decode = [r for r in rows if isinstance(r, DecodeRow)]
     return out + (decode_markdown(decode) if decode else [])
+
+
+def _older_runs(meta: dict | None) -> str:
+    """The rows kept from runs before the last one (--append): which widths, and when."""
+    runs = (meta or {}).get("runs", {})
+    older = {key: date for key, date in runs.items() if date != meta.get("date")}
+    return (" Rows from earlier runs: " + ", ".join(f"{key} {date}" for key, date in sorted(older.items())) + "."
+            if older else "")
 
 
 def _tf(row: WidthRow | None, which: str) -> str:
@@ -314,14 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     impls, errors, rows = implementations(), {}, []
     cases = [(192, 128, 4096, True)] if args.quick else [
         (d_qk, d_v, n, causal) for d_qk, d_v in widths for n in LENGTHS for causal in (False, True)]
+    ran = {"decode"} if args.decode else {f"{d_qk}/{d_v}" for d_qk, d_v, _, _ in cases}
+    meta["runs"] = dict.fromkeys(ran, meta["date"])  # each table's rows: the date they were run
     if args.append and args.out.exists():
         kept, earlier = read_json(args.out)
-        ran = {(d_qk, d_v) for d_qk, d_v, _, _ in cases}
         if args.decode:  # the widths kept, the decode rows run again
             rows = [r for r in kept if isinstance(r, WidthRow)]
         else:  # the decode rows and other widths kept
-            rows = [r for r in kept if isinstance(r, DecodeRow) or (r.d_qk, r.d_v) not in ran]
-        meta["earlier"] = {k: v for k, v in earlier.items() if k != "earlier"}  # the kept rows' run
+            rows = [r for r in kept if isinstance(r, DecodeRow) or f"{r.d_qk}/{r.d_v}" not in ran]
+        meta["runs"] = {**earlier.get("runs", {}), **meta["runs"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.decode:
         decode_impls = decode_implementations()

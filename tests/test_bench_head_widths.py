@@ -46,3 +46,15 @@ def test_decode_rows_count_the_cache_read_and_sit_under_the_widths_table(tmp_pat
     path = tmp_path / "bench_head_widths.json"
     path.write_text(json.dumps({"meta": {}, "rows": [r.__dict__ for r in (width, mine, peer)]}))
     assert read_json(path)[0] == [width, mine, peer]
+
+
+def test_the_header_dates_the_rows_kept_from_earlier_runs():
+    """--append keeps other widths' rows: the header says which and when they ran (each table's
+    date in meta['runs']), and nothing where every row is the last run's."""
+    from fagen.bench_head_widths import markdown
+
+    meta = {"date": "2026-12-01", "gpu": "NVIDIA H200",
+            "runs": {"192/128": "2026-12-01", "512/512": "2026-11-30", "decode": "2026-11-29"}}
+    header = markdown([], meta)[2]
+    assert header.endswith("2026-12-01, NVIDIA H200. Rows from earlier runs: 512/512 2026-11-30, decode 2026-11-29.")
+    assert "earlier" not in markdown([], {**meta, "runs": {"192/128": "2026-12-01"}})[2]
