@@ -127,9 +127,10 @@ def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlen
     and lengths are refused by the runtime's rules (fagen.side_inputs.check_pages): only the
     pages a sequence's keys lie in are read, and each must be a page of the cache."""
     k_cache, v_cache = _real(k_cache, "k_cache"), _real(v_cache, "v_cache")
-    if k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache.shape = {list(k_cache.shape)}, v_cache.shape = {list(v_cache.shape)}: must be one "
-                         f"shape [num_pages, page_size, Hkv, d]; pass the caches of one paged layout")
+    if k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"k_cache.shape = {list(k_cache.shape)}, v_cache.shape = {list(v_cache.shape)}: must be "
+                         f"[num_pages, page_size, Hkv, d] and [num_pages, page_size, Hkv, d_v]; pass the caches of one "
+                         f"paged layout")
     if cu_seqlens_q is None:
         q = _real(q, "q")
         if q.ndim != 4:

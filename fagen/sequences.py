@@ -137,9 +137,9 @@ def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=
         if len(t.shape) != 4:
             raise ValueError(f"{name}: shape {t.shape}; expected [num_pages, page_size, Hkv, d]")
         _check_layout(t, name)
-    if tk.shape != tv.shape:
-        raise ValueError(f"k_cache {tk.shape} and v_cache {tv.shape} must have the same shape")
-    num_pages, page_size, hkv, d = tk.shape
+    if tk.shape[:3] != tv.shape[:3]:
+        raise ValueError(f"k_cache {tk.shape} and v_cache {tv.shape} must have the same [num_pages, page_size, Hkv]")
+    num_pages, page_size, hkv, _ = tk.shape
     if page_size % PAGE_ROWS or page_size == 0:
         raise ValueError(f"page_size {page_size} (k_cache.shape[1]): must be a positive multiple of {PAGE_ROWS}")
     if cu_seqlens_q is None:
@@ -175,7 +175,7 @@ def paged_batch(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=
                 max_pages=np.int32(table.shape[1]), page_size=np.int32(page_size), num_pages=np.int32(num_pages),
                 cache_seqlens=np.uint64(seqlens.data.ptr), status=np.uint64(st.data.ptr))
     capacity = table.shape[1] * page_size  # the keys of the longest sequence, at most
-    kv = [_view(t, (b, hkv, capacity, d), (t.strides[0], t.strides[2], t.strides[1], 1)) for t in (tk, tv)]
+    kv = [_view(t, (b, hkv, capacity, t.shape[3]), (t.strides[0], t.strides[2], t.strides[1], 1)) for t in (tk, tv)]
     return Batch(tq, *kv, q_layout, "paged", args, (*held, table, seqlens, st, status))
 
 
@@ -816,16 +816,17 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
         k, v, k_descale, v_descale = fp8_inputs.widened(k), fp8_inputs.widened(v), 1.0, 1.0
     tk, tv = as_device_tensor(k, "k"), as_device_tensor(v, "v")
     tkc, tvc = as_device_tensor(k_cache, "k_cache"), as_device_tensor(v_cache, "v_cache")
-    if tv.shape != tk.shape:
-        raise ValueError(f"k {tk.shape} and v {tv.shape}: new keys and values need one shape")
+    if tv.shape[:-1] != tk.shape[:-1]:
+        raise ValueError(f"k {tk.shape} and v {tv.shape}: new keys and values need one shape but the head width")
     for t, name in ((tkc, "k_cache"), (tvc, "v_cache")):
         if len(t.shape) != 4:
             raise ValueError(f"{name}: shape {t.shape}; expected [num_pages, page_size, Hkv, d]")
         _check_layout(t, name)
-    if tkc.shape != tvc.shape or tkc.dtype != tvc.dtype:
+    if tkc.shape[:3] != tvc.shape[:3] or tkc.dtype != tvc.dtype:
         raise ValueError(f"k_cache {tkc.dtype} {tkc.shape} and v_cache {tvc.dtype} {tvc.shape} must have the same "
-                         f"shape and dtype")
+                         f"dtype and [num_pages, page_size, Hkv]")
     num_pages, page_size, hkv, d = tkc.shape
+    d_v = tvc.shape[3]  # V's head width (head_dim_v where it differs from K's)
     check_page_size(page_size)
     device = tkc.device
     table = _index_array(page_table, "page_table", device, ("B", "max_pages"))
@@ -840,6 +841,8 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
             or tk.shape[-1] != d:
         raise ValueError(f"k: shape {tk.shape}; expected {layout} with the cache's Hkv = {hkv} and d = {d}"
                          + ("" if varlen else " (or token-major [total, Hkv, d] with cu_seqlens_q)"))
+    if tv.shape[-1] != d_v:
+        raise ValueError(f"v: shape {tv.shape}; its rows are v_cache's, {d_v} wide")
     fp8 = fp8_element(tkc.dtype)
     for t, name in ((tk, "k"), (tv, "v")):
         if t.device != device:
@@ -863,9 +866,10 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
         raise ValueError(f"k_cache: {tkc.dtype} on sm_{cupy.cuda.Device(device).compute_capability}: rounding to FP8 "
                          f"(cvt ... e4m3x2) needs sm_89 or later")
     item, cache_item = _item_bytes(tk), _item_bytes(tkc)  # a new row's element bytes, a cache row's
-    if d * item % 16 or d * cache_item % 8:
-        raise ValueError(f"k_cache: head_dim {d} of {tkc.dtype}: rows are copied 16 bytes at a time; use a head_dim "
-                         f"that is a multiple of {16 // min(item, 2 * cache_item)}")
+    for width, name in ((d, "k_cache"), (d_v, "v_cache")):
+        if width * item % 16 or width * cache_item % 8:
+            raise ValueError(f"{name}: head_dim {width} of {tkc.dtype}: rows are copied 16 bytes at a time; use a "
+                             f"head_dim that is a multiple of {16 // min(item, 2 * cache_item)}")
     with cupy.cuda.Device(device), stream_for(tkc):
         if varlen:
             cu = _index_array(cu_seqlens_q, "cu_seqlens_q", device, ("B + 1",))
@@ -908,7 +912,8 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
                 np.uint64(0 if cu is None else cu.data.ptr), np.int32(b), np.int32(per_sequence),
                 np.uint64(seqlens.data.ptr), np.uint64(table.data.ptr), np.int64(table.shape[1]),
                 np.int32(table.shape[1]), np.int32(page_size), np.int32(num_pages), np.int32(hkv),
-                np.int32(d * item // 16), np.uint64(0 if st is None else st.data.ptr), *quantized))
+                np.int32(d * item // 16), np.int32(d_v * item // 16), np.uint64(0 if st is None else st.data.ptr),
+                *quantized))
             del new  # a copy made for alignment is freed only after the launch is enqueued
 
     return Append(new_lengths, table, num_pages, page_size, launch)

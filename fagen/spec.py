@@ -791,9 +791,9 @@ class AttentionSpec(_Frozen):
              "fold no running output (accumulate: false)",
              {"outputs.partial": False, "outputs.accumulate": False, "outputs.merge_splits": False} if wgmma else
              {"outputs.accumulate": False}),
-            # varlen q and K/V, as a prefill batch takes them; key ranges on mma.sync (a decode
-            # step's); a paged cache's copies hold one width
-            ("sequences.kv", seq.kv == "paged" or seq.kv == "ranged" and wgmma, "use padded or varlen K/V",
+            # varlen q and K/V, as a prefill batch takes them; a cache (paged, ranged) on mma.sync
+            # (a decode step's kernels)
+            ("sequences.kv", seq.kv in ("paged", "ranged") and wgmma, "use padded or varlen K/V",
              {"sequences.kv": "varlen"}),
             ("tiling.pack_gqa", t.pack_gqa and wgmma, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1 and wgmma, "set warps_kv: 1", {"tiling.warps_kv": 1}),
@@ -806,9 +806,9 @@ class AttentionSpec(_Frozen):
             field = broken[0][0]
             value = {"tiling.warps_kv": t.warps_kv, "sequences.kv": seq.kv}.get(field, "set")
             raise ValueError(rule(field, value,
-                                  f"is not built yet where {why} (padded or varlen tensors, and key ranges on "
-                                  "mma.sync; whole outputs and one warp along the keys on sm_90a; no running output "
-                                  "folded; no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  f"is not built yet where {why} (padded or varlen tensors, and caches on mma.sync; "
+                                  "whole outputs and one warp along the keys on sm_90a; no running output folded; no "
+                                  "dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 

@@ -62,7 +62,7 @@ append_kv_f16_to_e5m2_kernel(const char* __restrict__ k_new, const char* __restr
     long long kc_page, long long kc_slot, long long kc_sh, long long vc_page, long long vc_slot, long long vc_sh,
     const int* __restrict__ cu_seqlens, int batch, int tokens_per_sequence, const int* __restrict__ cache_seqlens,
     const int* __restrict__ page_table, long long page_table_stride, int max_pages, int page_size, int num_pages,
-    int heads, int row_chunks, int* __restrict__ status, const float* __restrict__ k_descale,
+    int heads, int row_chunks, int v_row_chunks, int* __restrict__ status, const float* __restrict__ k_descale,
     long long k_descale_sb, long long k_descale_sh, const float* __restrict__ v_descale, long long v_descale_sb,
     long long v_descale_sh) {
   // byte strides: the new rows' between sequences (padded [B, Hkv, N, d]; varlen 0), tokens and
@@ -90,10 +90,12 @@ append_kv_f16_to_e5m2_kernel(const char* __restrict__ k_new, const char* __restr
   }
   const long long slot = pos % page_size;
   const long long source_row = cu_seqlens != nullptr ? t : j;  // varlen: token-major rows, no sequence stride
-  const int chunks = heads * row_chunks;  // a token's 16-byte chunks, K's and V's each
-  for (int i = threadIdx.x; i < 2 * chunks; i += THREADS) {
-    const bool is_v = i >= chunks;
-    const int c = is_v ? i - chunks : i, h = c / row_chunks, chunk = c % row_chunks;
+  // a token's 16-byte chunks of new rows, K's then V's (V's head as wide as K's, or not: head_dim_v)
+  const int k_chunks = heads * row_chunks, chunks = k_chunks + heads * v_row_chunks;
+  for (int i = threadIdx.x; i < chunks; i += THREADS) {
+    const bool is_v = i >= k_chunks;
+    const int per_row = is_v ? v_row_chunks : row_chunks;
+    const int c = is_v ? i - k_chunks : i, h = c / per_row, chunk = c % per_row;
     const char* src = is_v ? v_new + b * v_sb + source_row * v_sn + h * v_sh
                            : k_new + b * k_sb + source_row * k_sn + h * k_sh;
     char* dst = is_v ? v_cache + page * vc_page + slot * vc_slot + h * vc_sh

@@ -339,8 +339,9 @@ def test_varlen_modifiers_match_the_oracle(mod, nq):
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["float16"]
 
 
-def _paged_cache(rng, dtype, lens, page_size, hkv, d, spare_pages=3):
-    """A cache with pages in shuffled order (and spare pages of garbage) and its table."""
+def _paged_cache(rng, dtype, lens, page_size, hkv, d, spare_pages=3, d_v=None):
+    """A cache with pages in shuffled order (and spare pages of garbage) and its table; V d_v wide
+    where given."""
     need = [-(-n // page_size) for n in lens]
     width = max(need) + 1
     num_pages = sum(need) + spare_pages
@@ -351,7 +352,7 @@ def _paged_cache(rng, dtype, lens, page_size, hkv, d, spare_pages=3):
         table[b, :n] = order[used:used + n]
         used += n
     k = _randn(rng, (num_pages, page_size, hkv, d), dtype)
-    v = _randn(rng, (num_pages, page_size, hkv, d), dtype)
+    v = _randn(rng, (num_pages, page_size, hkv, d_v or d), dtype)
     return k, v, table.astype(np.int32)
 
 
@@ -417,6 +418,40 @@ def test_paged_varlen_chunked_prefill_appends_and_attends(mask, d):
         assert np.array_equal(rows, _np(k_new)[cu_q[b]:cu_q[b + 1]])
     ref = oracle.attention_paged(_np(q), kc, vc, table, lens, cu_seqlens_q=cu_q, mask=mask)
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("widths", [(192, 128), (128, 64)], ids=lambda w: f"d{w[0]}_v{w[1]}")
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_a_paged_cache_of_two_widths_appends_and_attends(widths, page_size):
+    """DeepSeek's 192/128 (and V narrower) in a paged cache: a decode step and a chunk of a few
+    tokens a sequence append their keys and values (each its own width) and attend on the decode
+    kernels, twice (the kept call's path the second time), against the oracle; a chunk of more
+    rows than the decode kernels hold is refused by name (the wgmma kernels read no cache of two
+    widths yet)."""
+    d, dv = widths
+    rng = np.random.default_rng(page_size + d)
+    cached = [300, 0, 77, 1000, 5]
+    for new in ([1] * 5, [2, 3, 1, 4, 2]):
+        lens = [c + n for c, n in zip(cached, new)]
+        k_cache, v_cache, table = _paged_cache(rng, "bfloat16", lens, page_size, 4, d, d_v=dv)
+        cu_q = np.cumsum([0, *new])
+        q = _randn(rng, (cu_q[-1], 16, d), "bfloat16")
+        k_new, v_new = _randn(rng, (cu_q[-1], 4, d), "bfloat16"), _randn(rng, (cu_q[-1], 4, dv), "bfloat16")
+        for _ in range(2):
+            out = _nan((cu_q[-1], 16, dv), "bfloat16")
+            fagen.attention_with_kvcache(q, k_cache, v_cache, _int32(cached), _int32(table), k=k_new, v=v_new,
+                                         cu_seqlens_q=_int32(cu_q), max_seqlen_q=max(new), causal=True, out=out)
+            kc, vc = _np(k_cache), _np(v_cache)
+            for b in range(len(cached)):  # the new tokens landed after the cached ones, each at its width
+                for cache, rows in ((kc, k_new), (vc, v_new)):
+                    landed = np.concatenate([cache[p] for p in table[b]])[cached[b]:lens[b]]
+                    assert np.array_equal(landed, _np(rows)[cu_q[b]:cu_q[b + 1]])
+            ref = oracle.attention_paged(_np(q), kc, vc, table, lens, cu_seqlens_q=cu_q, causal=True)
+            assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+    long_chunk = _randn(rng, (160, 16, d), "bfloat16")  # 32 tokens x 4 heads a KV head: 128 rows
+    with pytest.raises(ValueError, match="sequences.kv"):
+        fagen.attention_with_kvcache(long_chunk, k_cache, v_cache, _int32(cached), _int32(table),
+                                     cu_seqlens_q=_int32(np.arange(0, 161, 32)), max_seqlen_q=32, causal=True)
 
 
 def test_paged_matches_contiguous_decode():

@@ -122,7 +122,8 @@ def test_a_kernel_s_sass_instructions_are_its_code_s_size():
 def _value_heads() -> list[fagen.AttentionSpec]:
     """What fagen.attention derives for a v of its own width (fagen.dispatch): from the A100-class
     and the H200 defaults, dense and causal, V narrower, wider, and DeepSeek's 192/128; and a
-    decode step's kernels at those widths (the merging one, every modifier on, and over key ranges)."""
+    decode step's kernels at those widths (the merging one, every modifier on; over key ranges and
+    a paged cache)."""
     from fagen.variants import decode_spec, shipped_spec, value_head_variant
 
     out = []
@@ -135,7 +136,7 @@ def _value_heads() -> list[fagen.AttentionSpec]:
     for dtype, d, dv in (("float16", 128, 64), ("bfloat16", 64, 128), ("bfloat16", 192, 128)):
         step = merged_variant(decode_spec(dtype, d, 16, Mask(kind="causal"), ScoreMod(softcap=SOFTCAP, alibi="slopes"),
                                           dv), sinks=True)
-        out += [step, sequence_variant(step, "padded", "ranged")]
+        out += [step, sequence_variant(step, "padded", "ranged"), sequence_variant(step, "padded", "paged")]
     return list(dict.fromkeys(out))
 
 
