@@ -764,15 +764,15 @@ class AttentionSpec(_Frozen):
 
     @model_validator(mode="after")
     def _two_head_widths(self) -> AttentionSpec:
-        """head_dim_v apart from head_dim: the forward over padded or varlen tensors, its backward
-        (wgmma or mma.sync, the dQ kernel's), and on mma.sync the decode kernels' split keys and
-        packed GQA heads (split-KV partials, merged in the launch or after it; warps along the
-        keys); what it does not reach yet is refused by name."""
+        """head_dim_v apart from head_dim: the forward over padded or varlen tensors and caches
+        (paged, ranged), its backward (wgmma or mma.sync, the dQ kernel's), and on mma.sync the
+        decode kernels' split keys and packed GQA heads (split-KV partials, merged in the launch or
+        after it; warps along the keys); what it does not reach yet is refused by name."""
         if self.dv == self.head_dim:
             return self
         why = f"head_dim_v {self.dv} differs from head_dim {self.head_dim}"
         fix = f"remove head_dim_v (V as wide as Q and K), or {{}}"
-        o, t, seq = self.outputs, self.tiling, self.sequences
+        o, t = self.outputs, self.tiling
         if self.arch == "sm_90a" and self.dv % SWIZZLE_ATOM_ELEMS:
             raise ValueError(rule("head_dim_v", self.dv, "must be a multiple of 64 on sm_90a (rows are stored in "
                                   "128-byte swizzle atoms that wgmma reads)", "use 64, 128 or 256",
@@ -791,10 +791,6 @@ class AttentionSpec(_Frozen):
              "fold no running output (accumulate: false)",
              {"outputs.partial": False, "outputs.accumulate": False, "outputs.merge_splits": False} if wgmma else
              {"outputs.accumulate": False}),
-            # varlen q and K/V, as a prefill batch takes them; a cache (paged, ranged) on mma.sync
-            # (a decode step's kernels)
-            ("sequences.kv", seq.kv in ("paged", "ranged") and wgmma, "use padded or varlen K/V",
-             {"sequences.kv": "varlen"}),
             ("tiling.pack_gqa", t.pack_gqa and wgmma, "set pack_gqa: false", {"tiling.pack_gqa": False}),
             ("tiling.warps_kv", t.warps_kv > 1 and wgmma, "set warps_kv: 1", {"tiling.warps_kv": 1}),
             # the dQ kernel's TMA producer loads one width (its byte counts are Q's and K's)
@@ -804,11 +800,10 @@ class AttentionSpec(_Frozen):
         broken = [(field, change, values) for field, on, change, values in refused if on]
         if broken:  # the first named; the fix makes every change at once, so that it validates
             field = broken[0][0]
-            value = {"tiling.warps_kv": t.warps_kv, "sequences.kv": seq.kv}.get(field, "set")
+            value = t.warps_kv if field == "tiling.warps_kv" else "set"
             raise ValueError(rule(field, value,
-                                  f"is not built yet where {why} (padded or varlen tensors, and caches on mma.sync; "
-                                  "whole outputs and one warp along the keys on sm_90a; no running output folded; no "
-                                  "dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  f"is not built yet where {why} (on sm_90a whole outputs and one warp along the "
+                                  "keys; no running output folded; no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 

@@ -91,7 +91,6 @@ CORPUS = {  # id: (a valid spec, the changes that break it)
     "head_dim_v with warps_kv on sm_90a": (COPYING_HOPPER, {"head_dim_v": 64, "tiling.warps_kv": 2}),
     "head_dim_v with split-KV partials on sm_90a": (COPYING_HOPPER, {"head_dim_v": 64, "outputs.partial": True}),
     "head_dim_v folding a running output": (SM80, {"head_dim_v": 64, "outputs.accumulate": True, "outputs.partial": True}),
-    "head_dim_v on a paged cache on sm_90a": (COPYING_HOPPER, {"head_dim_v": 64, "sequences.kv": "paged"}),
     "head_dim_v under a swizzle": (SM80, {"head_dim": 32, "head_dim_v": 32, "smem_layout": "swizzled"}),
     "mask kind": (SM80, {"mask": {"kind": "casual"}}),
     "list tiling": (SM80, {"tiling": [64, 64]}),

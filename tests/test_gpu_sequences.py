@@ -425,9 +425,8 @@ def test_paged_varlen_chunked_prefill_appends_and_attends(mask, d):
 def test_a_paged_cache_of_two_widths_appends_and_attends(widths, page_size):
     """DeepSeek's 192/128 (and V narrower) in a paged cache: a decode step and a chunk of a few
     tokens a sequence append their keys and values (each its own width) and attend on the decode
-    kernels, twice (the kept call's path the second time), against the oracle; a chunk of more
-    rows than the decode kernels hold is refused by name (the wgmma kernels read no cache of two
-    widths yet)."""
+    kernels, twice (the kept call's path the second time), against the oracle; and a chunk of more
+    rows than the decode kernels hold, on the forward's kernel."""
     d, dv = widths
     rng = np.random.default_rng(page_size + d)
     cached = [300, 0, 77, 1000, 5]
@@ -448,10 +447,15 @@ def test_a_paged_cache_of_two_widths_appends_and_attends(widths, page_size):
                     assert np.array_equal(landed, _np(rows)[cu_q[b]:cu_q[b + 1]])
             ref = oracle.attention_paged(_np(q), kc, vc, table, lens, cu_seqlens_q=cu_q, causal=True)
             assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
-    long_chunk = _randn(rng, (160, 16, d), "bfloat16")  # 32 tokens x 4 heads a KV head: 128 rows
-    with pytest.raises(ValueError, match="sequences.kv"):
-        fagen.attention_with_kvcache(long_chunk, k_cache, v_cache, _int32(cached), _int32(table),
-                                     cu_seqlens_q=_int32(np.arange(0, 161, 32)), max_seqlen_q=32, causal=True)
+    # a chunk of more rows than the decode kernels hold (32 tokens x 4 heads a KV head): the
+    # forward's kernel over the paged cache, its rows copied at each width
+    long_chunk, cu_long = _randn(rng, (160, 16, d), "bfloat16"), np.arange(0, 161, 32)
+    out = _nan((160, 16, dv), "bfloat16")
+    fagen.attention_with_kvcache(long_chunk, k_cache, v_cache, _int32(cached), _int32(table),
+                                 cu_seqlens_q=_int32(cu_long), max_seqlen_q=32, causal=True, out=out)
+    ref = oracle.attention_paged(_np(long_chunk), _np(k_cache), _np(v_cache), table, cached, cu_seqlens_q=cu_long,
+                                 causal=True)
+    assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
 
 
 def test_paged_matches_contiguous_decode():

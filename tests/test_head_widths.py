@@ -88,11 +88,11 @@ def test_192_is_a_query_key_width_with_a_value_head_of_its_own():
     assert (p.copy_rows_per_pass, p.v_copy_rows_per_pass) == (0, 0)
 
 
-def test_two_widths_take_varlen_batches_but_not_a_cache(monkeypatch):
-    """A varlen prefill batch at 192/128 renders (its TMA producer arms each width's boxes); a
-    paged or ranged cache, which holds one width, is refused by name with a fix that validates."""
+def test_two_widths_take_varlen_batches_and_caches(monkeypatch):
+    """A varlen prefill batch at 192/128 renders (its TMA producer arms each width's boxes); so do
+    caches: key ranges keep the producer, a paged cache's rows are copied (each width its own row
+    chunks)."""
     from fagen import device, dispatch, variants
-    from fagen.spec import SpecError, with_fix
 
     monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
     plain = dispatch.derive_spec_for("bfloat16", 192, causal=True, head_dim_v=128)
@@ -100,11 +100,11 @@ def test_two_widths_take_varlen_batches_but_not_a_cache(monkeypatch):
     p = plan(varlen)
     assert varlen.dv == 128 and p.sequence_tiles and (p.qk_atoms, p.v_atoms) == (3, 2)
     assert "V_ATOMS = 2;" in render(varlen)
-    base = {**plain.model_dump(exclude_none=True), "backward": None}
-    for kv in ("paged", "ranged"):
-        with pytest.raises(SpecError, match="sequences.kv") as refused:
-            fagen.parse_spec({**base, "sequences": {"q": "padded", "kv": kv}})
-        assert fagen.parse_spec(with_fix({**base, "sequences": {"q": "padded", "kv": kv}}, refused.value.fix)).dv == 128
+    ranged = variants.sequence_variant(plain, "padded", "ranged")
+    assert ranged.dv == 128 and ranged.warp_specialized and "V_ATOMS = 2;" in render(ranged)
+    paged = variants.sequence_variant(plain, "varlen", "paged")
+    assert paged.dv == 128 and not paged.warp_specialized
+    assert "copy_paged_tile_async<BLOCK_KV, V_CHUNKS_PER_ROW>(tile, v" in render(paged)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

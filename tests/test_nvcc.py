@@ -121,7 +121,8 @@ def test_a_kernel_s_sass_instructions_are_its_code_s_size():
 
 def _value_heads() -> list[fagen.AttentionSpec]:
     """What fagen.attention derives for a v of its own width (fagen.dispatch): from the A100-class
-    and the H200 defaults, dense and causal, V narrower, wider, and DeepSeek's 192/128; and a
+    and the H200 defaults, dense and causal, V narrower, wider, and DeepSeek's 192/128 (on the H200
+    over caches too); and a
     decode step's kernels at those widths (the merging one, every modifier on; over key ranges and
     a paged cache)."""
     from fagen.variants import decode_spec, shipped_spec, value_head_variant
@@ -131,8 +132,10 @@ def _value_heads() -> list[fagen.AttentionSpec]:
         for dtype, d, dv in (("float16", 128, 64), ("bfloat16", 64, 128), ("bfloat16", 192, 128)):
             for causal in (False, True):
                 base = shipped_spec(dtype, 256 if d == 192 else d, causal, gpu=gpu)
-                out.append(value_head_variant(variant(base, Mask(kind="causal" if causal else "none"), ScoreMod()),
-                                              dv, d))
+                plain = value_head_variant(variant(base, Mask(kind="causal" if causal else "none"), ScoreMod()), dv, d)
+                out.append(plain)
+                if gpu and d == 192:  # a chunk of prefill over a cache: key ranges (the TMA producer's), paged (copied)
+                    out += [sequence_variant(plain, "padded", "ranged"), sequence_variant(plain, "varlen", "paged")]
     for dtype, d, dv in (("float16", 128, 64), ("bfloat16", 64, 128), ("bfloat16", 192, 128)):
         step = merged_variant(decode_spec(dtype, d, 16, Mask(kind="causal"), ScoreMod(softcap=SOFTCAP, alibi="slopes"),
                                           dv), sinks=True)
