@@ -246,3 +246,20 @@ def test_the_dkdv_producer_arms_what_its_boxes_deliver(monkeypatch):
         text = render_backward(spec)
         assert f"constexpr int KV_LOAD_BYTES = {k.kv_load_bytes};" in text
         assert "kv_bars.arm(j, KV_LOAD_BYTES)" in text and "bars.arm(step(t), QDO_LOAD_BYTES + 2 * ROW_BYTES)" in text
+
+
+def test_the_paged_oracle_reads_a_cache_of_two_widths():
+    """k_cache and v_cache of their own widths (DeepSeek's 192/128): each sequence's keys gathered
+    from its pages equal the padded oracle over the same keys; caches that differ in more than the
+    width are refused."""
+    rng = np.random.default_rng(7)
+    k_cache, v_cache = rng.standard_normal((6, 16, 2, 192)), rng.standard_normal((6, 16, 2, 128))
+    table, lens = np.array([[4, 1, 0], [2, 5, 3]]), np.array([40, 17])
+    q = rng.standard_normal((2, 4, 3, 192))
+    out = oracle.attention_paged(q, k_cache, v_cache, table, lens, causal=True)
+    assert out.shape == (2, 4, 3, 128)
+    for b in range(2):
+        keys, values = (c[table[b]].reshape(-1, 2, c.shape[-1])[:lens[b]].transpose(1, 0, 2)[None] for c in (k_cache, v_cache))
+        assert np.allclose(out[b:b + 1], oracle.attention(q[b:b + 1], keys, values, causal=True))
+    with pytest.raises(ValueError, match="num_pages, page_size, Hkv, d_v"):
+        oracle.attention_paged(q, k_cache, v_cache[:, :8], table, lens)
