@@ -192,7 +192,9 @@ class PreparedAttention:
         if spec is not None:
             spec, splits = step_spec(spec if ranges is None else ranges.variant(spec), b, hq, hkv, nq,
                                      split_keys or nk, splits, sinks is not None)
-        else:  # (only where no decode kernel packs the call: a plain kernel of two widths takes no ranges yet)
+        else:  # no decode kernel packs the call: the plain forward's (an FP8 cache has no other)
+            if fp8_element(tk.dtype) is not None and not plain.element.is_fp8:
+                raise ValueError(fp8_kv_refusal("k, v", tk.dtype, plain, nq * (hq // max(hkv, 1))))
             spec = plain if ranges is None else ranges.variant(plain)
         kernel = compile_kernel(spec)
         out = empty_laid_out_as(tq, (b, hq, nq, tv.shape[-1]), spec.out_element.name)  # the outputs' strides, for packing (O as wide as V)

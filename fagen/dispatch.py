@@ -402,7 +402,7 @@ def step_spec(spec: AttentionSpec, b: int, hq: int, hkv: int, nq: int, nk: int, 
     if splits == 1:  # more blocks than the GPU holds: half the ring each, so that they run in one wave
         return variants.unsplit_variant(spec, sinks, half_ring=blocks > gpu_slots), 1
     tile_rows = min(kernel.plan.block_q, nq * (hq // hkv))
-    return (merged if merges_in_kernel(tile_rows, spec.head_dim, splits) else spec), splits
+    return (merged if merges_in_kernel(tile_rows, spec.dv, splits) else spec), splits  # (the partials are O's, V's width)
 
 
 def batch_step(spec: AttentionSpec, varlen_q: bool, b: int, hq: int, hkv: int, nq: int, nk: int,

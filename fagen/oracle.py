@@ -121,13 +121,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=None, **kwar
 
 
 def attention_paged(q, k_cache, v_cache, page_table, cache_seqlens, *, cu_seqlens_q=None, **kwargs):
-    """k_cache, v_cache [num_pages, page_size, Hkv, d]: sequence b's keys are its cache_seqlens[b]
+    """k_cache, v_cache [num_pages, page_size, Hkv, d] (v_cache's d its own: head_dim_v): sequence b's keys are its cache_seqlens[b]
     first slots of pages page_table[b, 0], page_table[b, 1], ... q: [B, Hq, Nq, d], or
     [total_q, Hq, d] with cu_seqlens_q (then out and lse as attention_varlen's). The page table
     and lengths are refused by the runtime's rules (fagen.side_inputs.check_pages): only the
     pages a sequence's keys lie in are read, and each must be a page of the cache."""
     k_cache, v_cache = _real(k_cache, "k_cache"), _real(v_cache, "v_cache")
-    if k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+    if k_cache.ndim != 4 or v_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError(f"k_cache.shape = {list(k_cache.shape)}, v_cache.shape = {list(v_cache.shape)}: must be "
                          f"[num_pages, page_size, Hkv, d] and [num_pages, page_size, Hkv, d_v]; pass the caches of one "
                          f"paged layout")

@@ -704,7 +704,7 @@ class Kernel:
         return dict(scale_o=np.uint64(as_device_tensor(scale, "scale_o").ptr), amax_o=np.uint64(amax)), [scale, amax_o]
 
     def merge_arguments(self, tq: DeviceTensor, hkv: int, out: DeviceTensor, lse: DeviceTensor) -> tuple[dict, object]:
-        """outputs.merge_splits: the kernel arguments of the merged out (q's shape, any 16-byte-aligned
+        """outputs.merge_splits: the kernel arguments of the merged out (q's rows at V's width, any 16-byte-aligned
         strides) and LSE ([B, Hq, Nq], contiguous), and the tiles' arrival counts, allocated here
         (zeros; the kernel leaves them so): keep them as long as the launch is used."""
         _check_layout(out, "out")

@@ -4,7 +4,8 @@ FlashAttention's conventions.
 - varlen: q [total_q, Hq, d], k, v [total_k, Hkv, d], token-major; sequence b is rows
   cu_seqlens_q[b] .. cu_seqlens_q[b + 1] (int32 [B + 1], prefix sums from 0) and likewise for
   the keys. max_seqlen_q and max_seqlen_k are host ints: they size the grid. LSE is [Hq, total_q].
-- paged: k_cache, v_cache [num_pages, page_size, Hkv, d] (page_size a multiple of 16);
+- paged: k_cache, v_cache [num_pages, page_size, Hkv, d] (page_size a multiple of 16; v_cache's d
+  is V's width, head_dim_v, where it differs from q's and k's);
   page_table [B, max_pages] int32 lists sequence b's pages in order, cache_seqlens [B] int32 its
   keys. q is padded [B, Hq, Nq, d] (fagen.attention's layout) or varlen with cu_seqlens_q.
 
@@ -272,7 +273,7 @@ def pack(batch: Batch, spec: AttentionSpec, *, scale: float | None = None, sinks
                          f"of one FP8 type (varlen), or a float16 or bfloat16 q against k and v of one FP8 type (an "
                          f"FP8 KV cache)")
     if tk.shape[-1] != d:
-        raise ValueError(f"head_dim: q has {d}, k and v have {tk.shape[-1]}")
+        raise ValueError(f"head_dim: q has {d}, k has {tk.shape[-1]}")
     if len({tq.device, tk.device, tv.device}) != 1:
         raise ValueError(f"q, k, v are on cuda:{tq.device}, cuda:{tk.device}, cuda:{tv.device}: put them on one GPU")
     scale = check_scale(scale, d)
@@ -424,7 +425,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table=None, 
     v_cache [num_pages, page_size, Hkv, d], page_table [B, max_pages], cache_seqlens [B] keys
     each. Unpaged (page_table None): k_cache, v_cache [B, slots, Hkv, d], sequence b's keys being
     slots cache_leftpad[b] .. cache_seqlens[b] (cache_rows; a left-padded batch, a static
-    cache), q padded; masks align bottom right in each sequence. k, v (new tokens, shaped like q with Hkv heads) are first
+    cache), q padded; masks align bottom right in each sequence. v_cache (and v) may be of another
+    head width than k_cache (DeepSeek's 192/128: out is v's width). k, v (new tokens, shaped like q with Hkv heads) are first
     written into the cache after each sequence's cache_seqlens keys (chunked prefill), and the
     queries attend to the cache plus them; the caller advances cache_seqlens, as with
     FlashAttention. q: [B, Hq, Nq, d], or [total_q, Hq, d] with cu_seqlens_q and max_seqlen_q.
@@ -772,7 +774,8 @@ def prepare_with_kvcache(q, k_cache, v_cache, cache_seqlens, page_table, **kwarg
 
 def append_kv(k_cache, v_cache, page_table, cache_seqlens, k, v, *, cu_seqlens_q=None, validate: bool = True,
               status=None, k_descale=None, v_descale=None):
-    """Write new tokens' k, v ([B, Hkv, N, d], or [total, Hkv, d] with cu_seqlens_q) into the paged
+    """Write new tokens' k, v ([B, Hkv, N, d], or [total, Hkv, d] with cu_seqlens_q; v's d is
+    v_cache's, which may differ from k's: head_dim_v) into the paged
     cache after each sequence's cache_seqlens keys, by one launch on the cache's stream; returns the
     new lengths (cache_seqlens + N). validate=True checks the values first (a host sync): the
     lengths (>= 0 before, within the table after), cu_seqlens_q against k's rows, and the pages the
@@ -856,6 +859,9 @@ def _append(k_cache, v_cache, page_table, cache_seqlens, k, v, cu_seqlens_q, val
     if fp8 is not None and tk.dtype != tv.dtype:
         raise ValueError(f"k: {tk.dtype}, v: {tv.dtype}; new keys and values are quantized by one kernel: pass both in "
                          f"one type (v.to(k.dtype))")
+    if fp8 is not None and d_v != d:  # (nothing would read it: the FP8 cache's kernels widen one width)
+        raise ValueError(f"v_cache: head width {d_v} beside k_cache's {d} in a {tkc.dtype} cache; an FP8 cache holds "
+                         f"K and V of one width: keep a cache of two widths in {tk.dtype}")
     if fp8 is None and (k_descale is not None or v_descale is not None):
         raise ValueError(f"k_descale, v_descale: for an FP8 cache (float8_e4m3fn or float8_e5m2); this one holds "
                          f"{tkc.dtype}: drop them")

@@ -802,8 +802,8 @@ class AttentionSpec(_Frozen):
             field = broken[0][0]
             value = t.warps_kv if field == "tiling.warps_kv" else "set"
             raise ValueError(rule(field, value,
-                                  f"is not built yet where {why} (on sm_90a whole outputs and one warp along the "
-                                  "keys; no running output folded; no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
+                                  f"is not built yet where {why} (on sm_90a whole outputs, one warp along the "
+                                  "keys and no packed GQA heads; no running output folded; no dQ producer)", fix.format(", ".join(c for _, c, _ in broken)),
                                   {k: v for _, _, values in broken for k, v in values.items()}))
         return self
 

@@ -185,7 +185,7 @@ WIDE_QK_LONG_CONSUMER_REGISTERS = 160  # three consumer warpgroups beside the pr
 def value_head_variant(spec: AttentionSpec, head_dim_v: int, head_dim: int | None = None) -> AttentionSpec:
     """`spec` with V and O head_dim_v wide (and Q and K head_dim wide, where given: a Q.K^T width
     with no default of its own, from a wider head's spec), as the spec's rules take two head
-    widths (the forward over padded tensors, whole outputs, one warp along the keys): its own
+    widths (the forward: whole outputs, one warp along the keys): its own
     kernel, warp-specialised where it is, falling back as `variant` does where the plan refuses it
     (rows as wide as the wider head); a warp-specialised kernel refused at every tiling becomes
     the copying sm_90a kernel of its tiling."""

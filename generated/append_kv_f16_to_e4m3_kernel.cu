@@ -3,7 +3,8 @@
 // append_kv_f16_to_e4m3_kernel: new tokens' keys and values written into a paged KV cache [num_pages, page_size,
 // Hkv, d] after each sequence's cache_seqlens keys (fagen.sequences.append_kv; chunked prefill
 // and decode). A block a new token: its sequence, position and page are resolved once, then its
-// threads copy the token's rows (every KV head, K then V), 16 bytes a thread.
+// threads copy the token's rows (every KV head, K then V, each row at its cache's head width:
+// V's may differ from K's, head_dim_v), 16 bytes a thread.
 // Only a page the token's own table entry names is written, and only if it is a page of the
 // cache: the other pages hold other sequences. The bounds are checked as the attention kernels
 // check them (templates/common/kv_rows.cu.j2): a position outside the sequence's table row (a

@@ -425,8 +425,8 @@ def test_paged_varlen_chunked_prefill_appends_and_attends(mask, d):
 def test_a_paged_cache_of_two_widths_appends_and_attends(widths, page_size):
     """DeepSeek's 192/128 (and V narrower) in a paged cache: a decode step and a chunk of a few
     tokens a sequence append their keys and values (each its own width) and attend on the decode
-    kernels, twice (the kept call's path the second time), against the oracle; and a chunk of more
-    rows than the decode kernels hold, on the forward's kernel."""
+    kernels, twice, against the oracle; and a chunk of more rows than the decode kernels hold, on
+    the forward's kernel."""
     d, dv = widths
     rng = np.random.default_rng(page_size + d)
     cached = [300, 0, 77, 1000, 5]
@@ -456,6 +456,26 @@ def test_a_paged_cache_of_two_widths_appends_and_attends(widths, page_size):
     ref = oracle.attention_paged(_np(long_chunk), _np(k_cache), _np(v_cache), table, cached, cu_seqlens_q=cu_long,
                                  causal=True)
     assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+
+
+def test_a_paged_decode_of_two_widths_runs_the_kept_and_prepared_calls():
+    """Padded q against a paged 192/128 cache, unvalidated (the kept calls' path from the second
+    call on) and through prepare_with_kvcache, each into a NaN-filled out, against the oracle."""
+    rng = np.random.default_rng(5)
+    lens = [700, 33, 4000]
+    k_cache, v_cache, table = _paged_cache(rng, "bfloat16", lens, 64, 4, 192, d_v=128)
+    seqlens, pages = _int32(lens), _int32(table)
+    step = None
+    for _ in range(3):
+        q = _randn(rng, (3, 16, 1, 192), "bfloat16")
+        ref = oracle.attention_paged(_np(q), _np(k_cache), _np(v_cache), np.maximum(table, 0), lens, causal=True)
+        out = _nan((3, 16, 1, 128), "bfloat16")
+        fagen.attention_with_kvcache(q, k_cache, v_cache, seqlens, pages, causal=True, out=out, validate=False)
+        assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
+        step = step or fagen.prepare_with_kvcache(q, k_cache, v_cache, seqlens, pages, causal=True)
+        out = _nan((3, 16, 1, 128), "bfloat16")
+        step(q, k_cache, v_cache, seqlens, pages, out=out)
+        assert relative_error(_np(out), ref) < OUT_TOLERANCE["bfloat16"]
 
 
 def test_paged_matches_contiguous_decode():
