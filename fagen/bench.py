@@ -29,12 +29,12 @@ from fagen import (bench_backward, bench_e2e_tables, bench_flex_tables, bench_fp
                    bench_rows, bench_serving, masks, variants)
 from fagen.side_inputs import check_scale
 from fagen.bench_cases import (  # noqa: F401  (the workload, also read as bench.Case, bench.kept_pairs, ...)
-    FA4, FA4_MASKS, HIDDEN, N_DOCS, PREFIX, SDPA_BACKENDS, TOKENS, WINDOW, Case, case_flops, doc_lengths,
-    fa4_attention, flex_block_mask, kept_pairs, mask_predicate, to_fa4_layout)
+    FA4, FA4_MASKS, HIDDEN, MODIFIERS, N_DOCS, PREFIX, SDPA_BACKENDS, SOFTCAP, TOKENS, WINDOW, Case, case_flops,
+    doc_lengths, fa4_attention, flex_block_mask, flex_score_mod, kept_pairs, mask_predicate, sink_logits, to_fa4_layout)
 from fagen.bench_rows import by_case, write_json
 from fagen.check import OUT_TOLERANCE, attention_flops, check_against_oracle, random_inputs, time_ms
 from fagen.device import as_device_tensor, empty_like, stream_for
-from fagen.dispatch import default_spec
+from fagen.dispatch import default_spec, derive_spec_for
 from fagen.runtime import compile_kernel, document_bounds
 from fagen.spec import AttentionSpec, Mask
 
@@ -76,11 +76,18 @@ def cases(quick: bool = False) -> list[Case]:
     dense = [Case(dt, d, n, c) for dt in DTYPES for d in HEAD_DIMS for n in LENGTHS for c in (False, True)]
     masked = [Case("float16", d, n, causal, m, uniform=uniform) for d in MASKED_HEAD_DIMS
               for m, causal, uniform in MASKS for n in MASKED_LENGTHS]
-    return dense + masked
+    modified = [Case("float16", d, n, True, modifier=m) for d in MASKED_HEAD_DIMS for m in MODIFIERS
+                for n in MASKED_LENGTHS]
+    return dense + masked + modified
 
 
 def fagen_spec(case: Case) -> tuple[AttentionSpec, dict]:
-    """The kernel fagen.attention would run for this case, and its side inputs."""
+    """The kernel fagen.attention would run for this case, and its side inputs (NumPy)."""
+    if case.modifier != "none":  # on the causal mask (cases)
+        sinks = sink_logits(case.heads) if case.modifier == "sinks" else None
+        spec = derive_spec_for(case.dtype, case.head_dim, causal=case.causal, keys=case.n, sinks=sinks,
+                               softcap=SOFTCAP if case.modifier == "softcap" else None)
+        return spec, ({} if sinks is None else {"sinks": sinks})
     base = default_spec(case.dtype, case.head_dim, case.causal and case.mask == "none", keys=case.n)
     if case.mask == "none":
         return base, {}
@@ -97,23 +104,27 @@ def run_fagen(case: Case, flops: float) -> Row:
     row = Row(case.key, spec.name, "fagen", case.dtype, case.head_dim, case.n, case.batch, case.heads,
               case.causal, case.mask_label, None, None)
     n_check = min(case.n, 1536)  # past WINDOW and PREFIX, so their edges are checked too
-    check_extras = {"doc_ids": extras["doc_ids"][:1, :n_check]} if extras else None
-    if check_extras:
-        check_extras["doc_ids"] = np.ascontiguousarray(check_extras["doc_ids"])
+    # the check's batch of one and two heads: the first row of documents, the first two heads' sinks
+    check_extras = {name: np.ascontiguousarray(a[:1, :n_check] if name == "doc_ids" else a[:2])
+                    for name, a in extras.items()} or None
     result = check_against_oracle(spec, 1, 2, 2, n_check, n_check, framework="torch", extras=check_extras)
     if not result.passed:
         row.note = f"WRONG, not timed: {result.summary()}"
         return row
     kernel = compile_kernel(spec)
     q, k, v, out = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)
-    if extras:
-        import torch
-
-        extras = {"doc_ids": torch.from_numpy(extras["doc_ids"]).cuda()}
-    row.ms = time_ms(documents_call(kernel, q, k, v, out, extras["doc_ids"]) if extras else
-                     lambda: kernel(q, k, v, out=out))
+    extras = _on_gpu(extras)
+    row.ms = time_ms(documents_call(kernel, q, k, v, out, extras["doc_ids"]) if "doc_ids" in extras else
+                     lambda: kernel(q, k, v, out=out, **extras))
     row.tflops = flops / row.ms / 1e9
     return row
+
+
+def _on_gpu(extras: dict) -> dict:
+    """fagen_spec's side inputs as CUDA tensors, copied once, not a call."""
+    import torch
+
+    return {name: torch.from_numpy(a).cuda() for name, a in extras.items()}
 
 
 def documents_call(kernel, q, k, v, out, doc_ids):
@@ -173,8 +184,8 @@ def _against_fagen(case: Case, q, k, v, got) -> float:
     """got's relative L2 error against fagen's kernel for the case on the same inputs."""
     import torch
 
-    spec, _ = fagen_spec(case)
-    want = compile_kernel(spec)(q, k, v).float()
+    spec, extras = fagen_spec(case)
+    want = compile_kernel(spec)(q, k, v, **_on_gpu(extras)).float()
     return float(torch.linalg.vector_norm(got.float() - want) / torch.linalg.vector_norm(want))
 
 
@@ -184,9 +195,9 @@ def flex_runner(case: Case, q, k, v):
     # each masked case compiles Flex afresh (its own block mask and shapes): past dynamo's
     # recompile limit (8 graphs of one function) Flex would run eagerly, ~100x slower, without a word
     torch._dynamo.reset()
-    block_mask = flex_block_mask(case)
+    block_mask, score_mod = flex_block_mask(case), flex_score_mod(case)
     flex = _compiled_flex()
-    return lambda: flex(q, k, v, block_mask=block_mask)
+    return lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 _FLEX = None
@@ -207,7 +218,9 @@ def run(case_list: list[Case], progress=None) -> list[Row]:
     for case in case_list:
         flops = case_flops(case)
         rows.append(run_fagen(case, flops))
-        peers = (("flex",) if case.mask != "none" else PEERS_DENSE) + ((FA4,) if case.mask in FA4_MASKS else ())
+        flex = () if case.modifier == "sinks" else ("flex",)  # (Flex has no sinks)
+        peers = (flex if case.mask != "none" or case.modifier != "none" else PEERS_DENSE) + \
+            ((FA4,) if case.mask in FA4_MASKS else ())
         for impl in peers:
             rows.append(run_peer(case, impl, flops))
         if progress:

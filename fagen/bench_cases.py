@@ -19,6 +19,11 @@ SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION
 # backward), in its own layout [B, N, H, d], on the masks it takes natively
 FA4 = "fa4"
 FA4_MASKS = ("none", "sliding_window")
+# Score modifiers on the causal mask, beside FlashAttention-4, which takes both (softcap= and
+# learnable_sink=): Gemma-2's logit cap (its attention's 50; 30 here, Grok-1's) and gpt-oss's
+# sinks, a logit a head in each row's softmax denominator
+SOFTCAP = 30.0
+MODIFIERS = ("softcap", "sinks")
 
 
 class SweepSize:
@@ -45,6 +50,7 @@ class Case(SweepSize):
     mask: str = "none"  # none | sliding_window | documents | prefix_lm
     docs: int = N_DOCS  # documents: how many packed documents (of doc_lengths)
     uniform: bool = False  # documents: of equal lengths, else cut at random (doc_lengths)
+    modifier: str = "none"  # none | softcap (SOFTCAP) | sinks (sink_logits)
 
     @property
     def key(self) -> str:
@@ -52,11 +58,15 @@ class Case(SweepSize):
         if self.mask == "documents":
             kind += (str(self.docs) if self.docs != N_DOCS else "") + ("-uniform" if self.uniform else "") + \
                 ("" if self.causal else "-noncausal")
-        return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}"
+        return f"{self.dtype}-d{self.head_dim}-n{self.n}-{kind}" + ("" if self.modifier == "none" else f"-{self.modifier}")
 
     @property
     def mask_label(self) -> str:
-        """The mask as the tables name it: documents say how many, how cut and whether causal."""
+        """The mask as the tables name it: documents say how many, how cut and whether causal; a
+        modifier says itself after its mask (so its rows join the masks' table, not the dense one)."""
+        if self.modifier != "none":
+            mask = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
+            return f"{mask} + " + (f"softcap {SOFTCAP:g}" if self.modifier == "softcap" else "sinks")
         if self.mask != "documents":
             return self.mask
         return f"documents ({self.docs} {'uniform' if self.uniform else 'random'}, {'causal' if self.causal else 'non-causal'})"
@@ -72,6 +82,11 @@ def doc_lengths(n: int, docs: int | None = None, seed: int = 0, uniform: bool = 
         return [n // docs + (i < n % docs) for i in range(docs)]
     cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, n), docs - 1, replace=False))
     return np.diff(np.concatenate([[0], cuts, [n]])).tolist()
+
+
+def sink_logits(heads: int) -> np.ndarray:
+    """A sinks case's logit a head (float32 [heads]): gpt-oss-like, about the scores' own size."""
+    return np.random.default_rng(0).normal(0.0, 1.0, heads).astype(np.float32)
 
 
 def mask_predicate(case: Case):
@@ -130,6 +145,19 @@ def flex_block_mask(case: Case):
     return create_block_mask(mask_mod, None, None, case.n, case.n, device="cuda")
 
 
+def flex_score_mod(case: Case):
+    """FlexAttention's score_mod for the case's modifier (None without one); sinks have none."""
+    import torch
+
+    if case.modifier == "softcap":
+        def softcap(score, b, h, qi, ki):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+        return softcap
+    if case.modifier == "sinks":
+        raise NotImplementedError("FlexAttention has no sinks (a logit in the softmax's denominator)")
+    return None
+
+
 def fa4_attention(case: Case):
     """fn(q, k, v) -> out of FlashAttention-4 for this case, q, k, v in its layout [B, N, H, d]
     (to_fa4_layout); NotImplementedError for a mask it takes only as a traced mask_mod (documents,
@@ -137,11 +165,14 @@ def fa4_attention(case: Case):
     the bench's mask_predicate."""
     if case.mask not in FA4_MASKS:
         raise NotImplementedError(f"FlashAttention-4 has no {case.mask} kernel of its own (a mask_mod only)")
+    import torch
     from flash_attn.cute import flash_attn_func
 
     window = (WINDOW, 0) if case.mask == "sliding_window" else (None, None)
     causal = case.causal or case.mask == "sliding_window"
-    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window)[0]
+    modifier = {"none": {}, "softcap": {"softcap": SOFTCAP},
+                "sinks": {"learnable_sink": torch.from_numpy(sink_logits(case.heads)).cuda()}}[case.modifier]
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window, **modifier)[0]
 
 
 def to_fa4_layout(x):

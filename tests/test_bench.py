@@ -166,7 +166,7 @@ def test_constants_are_the_flashattention_sweep():
 
 
 def test_cases_have_every_dense_combination():
-    dense = [c for c in bench.cases() if c.mask == "none"]
+    dense = [c for c in bench.cases() if c.mask == "none" and c.modifier == "none"]
     combos = {(c.dtype, c.head_dim, c.n, c.causal) for c in dense}
     expected = set(itertools.product(bench.DTYPES, bench.HEAD_DIMS, bench.LENGTHS, (False, True)))
     assert combos == expected
@@ -192,10 +192,31 @@ def test_every_case_has_16k_tokens_and_hidden_2048():
 def test_case_keys_are_unique_and_readable():
     all_cases = bench.cases()
     keys = [c.key for c in all_cases]
-    assert len(set(keys)) == len(keys) == 96
+    assert len(set(keys)) == len(keys) == 104
     assert Case("float16", 128, 4096, False).key == "float16-d128-n4096-dense"
     assert Case("bfloat16", 64, 512, True).key == "bfloat16-d64-n512-causal"
     assert Case("float16", 128, 16384, True, "prefix_lm").key == "float16-d128-n16384-prefix_lm"
+
+
+def test_modifier_cases_are_causal_softcap_and_sinks_beside_fa4(monkeypatch):
+    """The score modifiers FlashAttention-4 takes (softcap=, learnable_sink=), on the causal mask:
+    their own keys and labels (the masks' table takes them), and the kernel fagen.attention runs
+    for each with its side inputs: the sinks a head, float32."""
+    from fagen import device
+
+    monkeypatch.setattr(device, "gpu_slug", lambda: "h200")
+    modified = [c for c in bench.cases() if c.modifier != "none"]
+    assert {(c.modifier, c.head_dim, c.n, c.causal, c.mask) for c in modified} == {
+        (m, d, n, True, "none") for m in ("softcap", "sinks") for d in (64, 128) for n in (4096, 16384)}
+    case = Case("float16", 128, 4096, True, modifier="softcap")
+    assert (case.key, case.mask_label) == ("float16-d128-n4096-causal-softcap", "causal + softcap 30")
+    spec, extras = bench.fagen_spec(case)
+    assert (spec.mask.kind, spec.score_mod.softcap, spec.score_mod.sinks, extras) == ("causal", 30.0, False, {})
+    sinks = Case("float16", 64, 16384, True, modifier="sinks")
+    spec, extras = bench.fagen_spec(sinks)
+    assert (spec.mask.kind, spec.score_mod.softcap, spec.score_mod.sinks) == ("causal", None, True)
+    assert extras["sinks"].dtype == np.float32 and extras["sinks"].shape == (sinks.heads,)
+    assert np.array_equal(extras["sinks"], bench.sink_logits(sinks.heads))  # the same values FA4 is given
 
 
 def test_quick_cases_are_a_small_subset_with_a_mask():
@@ -366,6 +387,18 @@ def test_markdown_masks_table_with_fagen_over_flex(rows):
         "| float16 | 128 | 16384 | prefix_lm | 250 | n/a | n/a | n/a | n/a |",  # no Flex row: n/a, no ratio
         "| float16 | 128 | 4096 | sliding_window | 150 | 100 | 1.50x | n/a | n/a |",
     ]
+
+
+def test_markdown_puts_a_modifier_s_rows_in_the_masks_table_beside_fa4():
+    """A modifier's case is named by its label (fagen.bench.run_fagen's Row.mask), so its rows join
+    the masks' table, FA4's ratio beside Flex's, and never a dense table."""
+    case = Case("float16", 128, 4096, True, modifier="softcap")
+    rows = [Row(case.key, kernel, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads, case.causal,
+                case.mask_label, 1.0, tf) for kernel, impl, tf in (("attn", "fagen", 200.0), ("flex", "flex", 100.0),
+                                                                   ("fa4", "fa4", 160.0))]
+    text = bench.markdown(rows, META, [])
+    assert "## head_dim" not in text
+    assert "| float16 | 128 | 4096 | causal + softcap 30 | 200 | 100 | 2.00x | 160 | 1.25x |" in text
 
 
 def test_markdown_notes_list_the_noted_row(rows):
@@ -778,14 +811,14 @@ def test_main_full_run_is_forward_and_backward(fake_gpu, tmp_path, rows, brows):
     out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
     out.mkdir()
     lines = bench.main(out, md)
-    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 96), ("backward", 15),
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 104), ("backward", 15),
                                                          ("serving", len(bench_serving.cases()))]
     assert fake_gpu[1][1] == bench_backward.cases()
     _, meta = bench_backward.read_json(out / "bench_backward.json")
     assert meta == {"gpu": "NVIDIA H200", "date": "2025-01-03", "pass": "backward", "cases": "15", "mode": "full",
                     "masks": bench_backward.describe_masks()}
     assert "documents: 4 packed documents" in meta["masks"]
-    assert bench.read_json(out / "bench.json")[1]["cases"] == "96"
+    assert bench.read_json(out / "bench.json")[1]["cases"] == "104"
     text = md.read_text()
     assert "## head_dim 64" in text and "### Backward, head_dim 64" in text and "### Paged KV cache" in text
     assert sum(ln.split()[1:2] == ["fagen"] for ln in lines) == len([r for r in rows if r.impl == "fagen"])
@@ -831,7 +864,7 @@ def test_main_forward_only_keeps_the_backward_and_serving_tables(fake_gpu, tmp_p
     bench_backward.write_data(brows, {**META, "pass": "backward"}, out)  # an earlier backward run
     before = (out / "bench_backward.json").read_text()
     lines = bench.main(out, md, forward_only=True)
-    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 96)]
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 104)]
     assert (out / "bench_backward.json").read_text() == before
     assert lines[0] == f"kept the backward tables from {out / 'bench_backward.json'} (not run this time)"
     assert "## Backward" in md.read_text()
@@ -1032,7 +1065,7 @@ def test_only_picks_each_part_s_cases_by_key_and_refuses_a_pattern_that_finds_no
     assert [c.key for c in picked_forward] == ["float16-d128-n4096-dense", "float16-d128-n4096-causal",
                                                "bfloat16-d128-n4096-dense", "bfloat16-d128-n4096-causal"]
     assert [c.key for c in picked_backward] == ["float16-d128-n4096-dense", "float16-d128-n4096-causal"]
-    for pattern, says in (("d512", "finds none of the 111 cases' keys; they read like 'float16-d64-n512-dense'"),
+    for pattern, says in (("d512", "finds none of the 119 cases' keys; they read like 'float16-d64-n512-dense'"),
                           ("d128-(", "is no regular expression")):
         with pytest.raises(bench.CasePatternError, match=re.escape(says)):
             bench.pick_cases(pattern, forward, backward)
@@ -1071,7 +1104,7 @@ def test_cli_only_refuses_a_pattern_before_running_anything(fake_gpu, tmp_path, 
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, ["bench", "--forward", "--only", "d999", "-o", str(out),
                                        "--markdown", str(tmp_path / "B.md")])
-    assert result.exit_code == 2 and "'--only'" in result.output and "finds none of the 96 cases" in result.output
+    assert result.exit_code == 2 and "'--only'" in result.output and "finds none of the 104 cases" in result.output
     assert fake_gpu == []  # nothing ran
     src = tmp_path / "b.json"
     bench.write_json(rows, src, META)
