@@ -146,7 +146,16 @@ REGISTER_COSTS = {
                    # 232 under the document (predicted 209-212), where the kernel a block a tile and
                    # the persistent one without the expression spill nothing: the least that refuses
                    # every build that spilled and none that fit at 232
-                   "persistent_mask_expression": 21.0},
+                   "persistent_mask_expression": 21.0,
+                   # a mask expression reading the query head beside a block mask (its lists are
+                   # indexed by the head too), on two warpgroups: measured (ptxas -v, nvcc 13.0; a
+                   # fuzz run's finding and its 52 neighbours: head_dim 64 and 128 x float16 and
+                   # bfloat16 x a block mask, causal, a causal document x no expression, kv_idx < 64,
+                   # h < 3, h % 2 == 0 || kv_idx < 64 x sinks or none x consumers at 224-240) 8 bytes of
+                   # spills at 240 (head_dim 128, 64 queries a step, predicted 238) for the compound
+                   # expression under the block mask alone, where h < 3 fit at 238 and the causal and
+                   # document masks with it fit at 234-240: the least that refuses it
+                   "mask_expression_head_block_mask": 3.0},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -278,9 +287,11 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
             terms["mask_expression_bias"] = max(0.0, s - 16)
         if spec.wgmma_backward and bwd.warp_specialized and bwd.warp_specialized.persistent:
             terms["persistent_mask_expression"] = 1.0
-        if (spec.wgmma_backward and "h" in expression.reads(expression.mask(mask.expression))
-                and bwd.warps == WARPGROUP_WARPS):
+        reads_head = "h" in expression.reads(expression.mask(mask.expression))
+        if spec.wgmma_backward and reads_head and bwd.warps == WARPGROUP_WARPS:
             terms["mask_expression_head_one_warpgroup"] = 1.0
+        if spec.wgmma_backward and reads_head and mask.kind == "block_mask" and bwd.warps > WARPGROUP_WARPS:
+            terms["mask_expression_head_block_mask"] = 1.0
     return terms
 
 
@@ -838,7 +849,8 @@ def dkdv_smem_fixes(spec: AttentionSpec) -> Iterable[Fix]:
 def dkdv_register_fixes(spec: AttentionSpec) -> list[tuple[str, dict]]:
     """The changes that take registers from the dK/dV kernel, least first, as (text, fields):
     fewer queries a step (and keys a dQ tile), more warps and dK and dV split across warp pairs
-    (mma.sync), no producer (its consumers' registers are capped)."""
+    (mma.sync), no producer (its consumers' registers are capped), dQ out of the kernel (atomic dQ's
+    tile and addresses; deterministic mode's Q-major kernel computes it)."""
     bwd, fixes = spec.backward, []
     for bq in (bq for bq in (64, 32, 16) if bq < bwd.block_q):  # with the dQ kernel's fewest keys too
         fixes.append((f"use block_q: {bq}", {"backward.block_q": bq}))
@@ -853,6 +865,10 @@ def dkdv_register_fixes(spec: AttentionSpec) -> list[tuple[str, dict]]:
                       for bkv in (bwd.block_kv, bwd.block_kv // 2)]
     if bwd.warp_specialized is not None:
         fixes.append(("remove backward.warp_specialized", {"backward.warp_specialized": REMOVE}))
+    if spec.atomic_dq:  # dQ by a kernel of its own: no dQ tile here, and steps that need not divide the warpgroups
+        fixes += [("use deterministic: true" if bq == bwd.block_q else f"use block_q: {bq}, deterministic: true",
+                   {"backward.block_q": bq, "backward.deterministic": True})
+                  for bq in dict.fromkeys((bwd.block_q, 64, 32, 16)) if bq <= bwd.block_q]
     return fixes
 
 

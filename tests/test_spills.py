@@ -343,6 +343,34 @@ def test_a_mask_expression_in_the_persistent_dkdv_kernel_is_priced():
         assert not _clean(parse_spec(data))
 
 
+# A fuzz run's finding (seed 1204): the dK/dV kernel on two warpgroups, a block mask and an
+# expression reading the head, predicted 238 of the consumers' 240, spilled 8 bytes
+FUZZ_BLOCK_MASK_HEAD = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 128, "tiling": {"block_q": 64, "block_kv": 64, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_90a",
+    "mask": {"kind": "block_mask", "align": "bottom_right", "expression": "h % 2 == 0 || kv_idx < 64"},
+    "score_mod": {"sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 128, "warps": 8, "block_q": 64, "stages": 2, "dq_block_q": 64, "dq_warps": 4,
+                 "dq_block_kv": 64, "deterministic": False,
+                 "warp_specialized": {"consumer_registers": 240, "persistent": False}}}
+
+
+def test_a_head_reading_expression_beside_a_block_mask_is_priced():
+    """REGISTER_COSTS' mask_expression_head_block_mask (wgmma's dK/dV table): refused where it
+    spilled, with a fix that compiles clean; the same expression under the causal mask, and the
+    block mask with an expression that reads no head, validate and compile clean."""
+    from fagen.spec import with_fix
+
+    with pytest.raises(SpecError, match=r"predicts 241 registers .* use block_q: 32, deterministic: true") as err:
+        parse_spec(FUZZ_BLOCK_MASK_HEAD)
+    fixed = with_fix(FUZZ_BLOCK_MASK_HEAD, err.value.fix)  # dQ by its own kernel: the first fix that validates
+    causal = {**FUZZ_BLOCK_MASK_HEAD, "mask": {**FUZZ_BLOCK_MASK_HEAD["mask"], "kind": "causal"}}
+    keys_only = {**FUZZ_BLOCK_MASK_HEAD, "mask": {**FUZZ_BLOCK_MASK_HEAD["mask"], "expression": "kv_idx < 64"}}
+    for data in (fixed, causal, keys_only):
+        assert not _clean(parse_spec(data))
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
