@@ -53,8 +53,13 @@ class Case(SweepSize):
     modifier: str = "none"  # none | softcap (SOFTCAP) | sinks (sink_logits)
 
     @property
+    def mask_kind(self) -> str:
+        """The mask, "causal" or "dense" where there is none."""
+        return self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
+
+    @property
     def key(self) -> str:
-        kind = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
+        kind = self.mask_kind
         if self.mask == "documents":
             kind += (str(self.docs) if self.docs != N_DOCS else "") + ("-uniform" if self.uniform else "") + \
                 ("" if self.causal else "-noncausal")
@@ -65,8 +70,7 @@ class Case(SweepSize):
         """The mask as the tables name it: documents say how many, how cut and whether causal; a
         modifier says itself after its mask (so its rows join the masks' table, not the dense one)."""
         if self.modifier != "none":
-            mask = self.mask if self.mask != "none" else ("causal" if self.causal else "dense")
-            return f"{mask} + " + (f"softcap {SOFTCAP:g}" if self.modifier == "softcap" else "sinks")
+            return f"{self.mask_kind} + " + (f"softcap {SOFTCAP:g}" if self.modifier == "softcap" else "sinks")
         if self.mask != "documents":
             return self.mask
         return f"documents ({self.docs} {'uniform' if self.uniform else 'random'}, {'causal' if self.causal else 'non-causal'})"
