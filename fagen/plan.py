@@ -576,8 +576,10 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
     terms = register_terms(spec, o_regs, s_regs, q_regs, threads)
     if spec.warp_specialized:  # the consumers hold no copy state: their accumulators and a fixed rest
         # (a block mask's pattern words too: d64 with 192 keys fits at 208, under the fit's terms alone)
+        # Sinks join the row sum in the epilogue, after S and P are dead: nothing held through the loop
+        # (ptxas -v, nvcc 13.0: d64's long class, 192 x 128 at 160, 0 spills with them as without).
         kept = {name: amount for name, amount in terms.items()
-                if name not in ("base", "stages", "o", "s", "pattern_words")}
+                if name not in ("base", "stages", "o", "s", "pattern_words", "sinks")}
         main_loop = (o_regs + s_regs + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST
                      + WARP_SPECIALIZED_MODIFIER_REST * spec.score_mod.changes_scores
                      + WARP_SPECIALIZED_SOFTCAP_PER_S * max(0, s_regs - WARP_SPECIALIZED_SOFTCAP_S_FREE)
