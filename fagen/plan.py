@@ -16,7 +16,7 @@ from functools import lru_cache
 from fagen import expression
 from fagen.mask_kinds import KINDS
 from fagen.spec import (LANE_COLUMNS, HEAD_DIMS, MMA_K, MMA_M, MMA_N, SMEM_PER_BLOCK, WARPGROUP_THREADS,
-                        AttentionSpec, Outputs, ScoreMod, SpecError, most_consumer_registers, rule, with_fix)
+                        AttentionSpec, Outputs, ScoreMod, Sequences, SpecError, most_consumer_registers, rule, with_fix)
 
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row = 8 half-precision elements (every KERNEL_TYPES entry)
 PAD_ELEMS = 8  # padded rows shift by 16 bytes: ldmatrix's 8 row addresses hit 8 distinct bank groups
@@ -100,6 +100,17 @@ MEASURED_FIT = {
     for kind, fits in (("none", {("separate", 1): 255, ("separate", 2): 253, ("separate", 3): 253, ("shared", 2): 255}),
                        ("causal", {("separate", 1): 255, ("separate", 2): 255, ("separate", 3): 255, ("shared", 2): 255}))
     for (kv_smem, stages), registers in fits.items()
+}
+# Warp-specialised consumers the estimate refuses that ptxas -v was run on (sm_90a, nvcc 13.0, f16
+# three stages and bf16 two): they fit at the registers given. Head_dim 128's causal long class
+# (192 x 80, three consumer warpgroups, ping-pong, persistent) fits at 152 with a softcap, ALiBi
+# slopes or both, as without them (144 spills with or without): the fit's modifier terms, from
+# kernels that hold their state through longer loops, price it at 169-175. On the H200 it runs
+# causal softcap 7-11% faster than the 128 x 128 tile it fell back to (notes/perf.md, 2026-12-01).
+# Key: head_dim, block_q, block_kv, stages, mask kind, softcap, ALiBi (consumer_measured_key).
+CONSUMERS_MEASURED_FIT = {
+    (128, 192, 80, stages, "causal", softcap, alibi): 152
+    for stages in (2, 3) for softcap, alibi in ((True, False), (False, True), (True, True))
 }
 MBARRIER_BYTES = 8
 # The kernel's extern "C" symbol is the spec's name behind this prefix, so no name a spec can
@@ -568,8 +579,21 @@ def measured_key(spec: AttentionSpec) -> tuple | None:
     return (spec.head_dim, t.block_q, t.block_kv, t.warps_q, p.kv_smem, p.stages, spec.smem_layout, p.q_in_registers, m.kind)
 
 
+def consumer_measured_key(spec: AttentionSpec) -> tuple | None:
+    """spec's key in CONSUMERS_MEASURED_FIT, or None where it is not a kernel of the kind measured:
+    a half-type, ping-pong, persistent wgmma forward over padded tensors writing whole outputs,
+    with no bias, expression or captured array (sinks cost its loop nothing)."""
+    t, p, m, mod = spec.tiling, spec.pipeline, spec.mask, spec.score_mod
+    if (not spec.warp_specialized or not p.pingpong or not p.warp_specialized.persistent or spec.element.is_fp8
+            or spec.kv_element.is_fp8 or spec.outputs != Outputs() or spec.sequences != Sequences()
+            or m.expression or m.align != "bottom_right" or mod.bias != "none" or mod.expression or mod.captured
+            or spec.dv != spec.head_dim or t.warps_kv != 1):
+        return None
+    return (spec.head_dim, t.block_q, t.block_kv, p.stages, m.kind, mod.softcap is not None, mod.alibi != "none")
+
+
 def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int, threads: int) -> int:
-    measured = MEASURED_FIT.get(measured_key(spec))
+    measured = MEASURED_FIT.get(measured_key(spec), CONSUMERS_MEASURED_FIT.get(consumer_measured_key(spec)))
     if measured is not None:
         return measured
     costs = REGISTER_COSTS["wgmma" if spec.wgmma else "mma_sync"]

@@ -73,6 +73,8 @@ CASES = [  # (head_dim, mask, score_mod, out_dtype, B, Hq, Hkv, Nq, Nk)
     (128, {"kind": "block_mask"}, {"softcap": 20.0}, "float16", 1, 2, 2, 300, 333),
     (256, None, None, "bfloat16", 1, 4, 2, 512, 512),
     (256, {"kind": "causal"}, None, "float16", 2, 2, 2, 700, 700),
+    (256, None, {"sinks": True}, "bfloat16", 1, 4, 2, 300, 500),  # sinks: no register held through the loop
+    (256, {"kind": "causal"}, {"sinks": True}, "bfloat16", 1, 4, 1, 700, 700),
 ]
 TYPED_CASES = [("float8_e4m3", *case) for case in CASES] + [  # e5m2: its own P rounding, the same kernel
     ("float8_e5m2", 128, None, None, "bfloat16", 2, 4, 2, 384, 384),
