@@ -43,6 +43,7 @@ HEAD_DIMS = (64, 128)
 DTYPE = "float16"
 MASKED_N, MASKED_HEAD_DIM = 4096, 128
 MASKS = ("sliding_window", "documents", "prefix_lm")
+MODIFIERS = ("softcap", "sinks")  # on the causal mask at N = 4k, d 64 and 128 (the forward's: bench_cases.MODIFIERS)
 N_DOCS = 4  # the backward's document case packs 4 documents (the forward sweep's: bench_cases.N_DOCS)
 PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
 IMPLS = ("fagen", "sdpa_flash", "sdpa_cudnn", "flex", "fa4")
@@ -59,12 +60,13 @@ FIX = f"pass a {JSON} written by `fagen bench --backward` (or the full `fagen be
 
 def cases(quick: bool = False) -> list[Case]:
     """float16, B * N = 16k tokens, H * d = 2048: dense and causal for d in HEAD_DIMS and N in
-    LENGTHS, and each mask at N = 4k, d = 128 (quick: d = 128, N = 4k, dense, causal and the
-    sliding window)."""
+    LENGTHS, each mask at N = 4k, d = 128, and each modifier on the causal mask at N = 4k for d in
+    HEAD_DIMS (quick: d = 128, N = 4k, dense, causal and the sliding window)."""
     if quick:
         return [Case(DTYPE, 128, 4096, c) for c in (False, True)] + [_masked("sliding_window")]
     dense = [Case(DTYPE, d, n, c) for d in HEAD_DIMS for n in LENGTHS for c in (False, True)]
-    return dense + [_masked(m) for m in MASKS]
+    modified = [Case(DTYPE, d, MASKED_N, True, modifier=m) for d in HEAD_DIMS for m in MODIFIERS]
+    return dense + [_masked(m) for m in MASKS] + modified
 
 
 def _masked(mask: str) -> Case:
@@ -84,7 +86,9 @@ def fwd_bwd_flops(case: Case) -> float:
 def describe_masks() -> str:
     """The masked cases' masks in words, for the run's meta."""
     return (f"sliding_window: {bench_cases.WINDOW} keys before the diagonal; documents: {N_DOCS} packed documents of "
-            f"random lengths (seed 0), causal within each; prefix_lm: a {bench_cases.PREFIX}-key prefix, causal after")
+            f"random lengths (seed 0), causal within each; prefix_lm: a {bench_cases.PREFIX}-key prefix, causal after; "
+            f"causal + softcap {bench_cases.SOFTCAP:g}; causal + sinks: a float32 logit a head (bench_cases.sink_logits, "
+            f"seed 0), its own gradient not compared")
 
 
 @dataclass
@@ -113,8 +117,10 @@ class BackwardRow:
 
 
 def _row(case: Case, kernel: str, impl: str) -> BackwardRow:
+    # a modifier's rows say it after their mask, and join the masks' table (as the forward's do)
+    mask = case.mask if case.modifier == "none" else case.mask_label
     return BackwardRow(case.key, kernel, impl, case.dtype, case.head_dim, case.n, case.batch, case.heads,
-                       case.causal, case.mask)
+                       case.causal, mask)
 
 
 def _rates(row: BackwardRow, case: Case) -> None:
@@ -147,8 +153,11 @@ def run_case(case: Case) -> list[BackwardRow]:
     dout = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)[0]
     reference, how = reference_gradients(case, q, k, v, dout)
     rows = [run_fagen(case, q, k, v, out, dout, reference, how)]
-    peers = (("flex",) if case.mask != "none" else PEERS_DENSE) + \
-        ((bench_cases.FA4,) if case.mask in bench_cases.FA4_MASKS else ())
+    if case.modifier != "none":  # SDPA takes neither modifier, Flex no sinks
+        peers = (("flex",) if case.modifier == "softcap" else ()) + (bench_cases.FA4,)
+    else:
+        peers = (("flex",) if case.mask != "none" else PEERS_DENSE) + \
+            ((bench_cases.FA4,) if case.mask in bench_cases.FA4_MASKS else ())
     for impl in peers:
         rows.append(run_peer(case, impl, q, k, v, dout, reference))
     return rows
@@ -163,9 +172,12 @@ def keep_matrix(case: Case) -> np.ndarray:
 def reference_gradients(case: Case, q, k, v, dout) -> tuple[tuple | None, str]:
     """(dq, dk, dv) in float32 from float32 SDPA on the same inputs (memory-efficient backend,
     else math where its scores fit MATH_REFERENCE_MAX_BYTES), and how; None and why where
-    neither ran."""
+    neither ran. A modifier's case (SDPA takes none): modified_reference_gradients."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if case.modifier != "none":
+        return modified_reference_gradients(case, q, k, v, dout), "float32 causal attention with the modifier, in torch"
 
     xs = [x.detach().float().requires_grad_() for x in (q, k, v)]
     mask = None if case.mask == "none" else torch.from_numpy(keep_matrix(case)).to(q.device)
@@ -183,6 +195,33 @@ def reference_gradients(case: Case, q, k, v, dout) -> tuple[tuple | None, str]:
         except Exception as err:  # no reference leaves fagen checked by the oracle alone, and says so
             tried.append(f"{backend}: {_first_line(err)}")
     return None, "no float32 reference: " + "; ".join(tried)
+
+
+def modified_reference_gradients(case: Case, q, k, v, dout) -> tuple:
+    """(dq, dk, dv) in float32 of causal attention with the case's softcap or sinks, written out
+    in torch (scores, cap, mask, softmax with the sink's column, P.V) and differentiated by
+    autograd, a batch element at a time (its float32 scores: 1 GiB at N = 4k, H = 16)."""
+    import torch
+
+    scale = case.head_dim ** -0.5
+    n = case.n
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    sinks = torch.from_numpy(bench_cases.sink_logits(case.heads)).to(q.device) if case.modifier == "sinks" else None
+    grads = [torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
+    for b in range(case.batch):
+        xs = [x[b].detach().float().requires_grad_() for x in (q, k, v)]
+        s = (xs[0] @ xs[1].transpose(-1, -2)) * scale
+        if case.modifier == "softcap":
+            s = bench_cases.SOFTCAP * torch.tanh(s / bench_cases.SOFTCAP)
+        s = s.masked_fill(future, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :n]
+        out = p @ xs[2]
+        for g, r in zip(grads, torch.autograd.grad(out, xs, dout[b].float())):
+            g[b] = r
+        del s, p, out
+    return tuple(grads)
 
 
 def grad_error(got, reference) -> float:
@@ -242,6 +281,15 @@ def fagen_spec(case: Case, q) -> tuple:
         ids = masks.documents_of_lengths(case.doc_lengths(), case.batch)
         docs = torch.from_numpy(ids).to(q.device)
         return trainable(derive_spec(q, causal=True, doc_ids=docs, keys=case.n)), {"doc_ids": docs}
+    if case.modifier != "none":
+        sinks = None
+        if case.modifier == "sinks":
+            import torch
+
+            sinks = torch.from_numpy(bench_cases.sink_logits(case.heads)).to(q.device)
+        softcap = bench_cases.SOFTCAP if case.modifier == "softcap" else None
+        spec = trainable(derive_spec(q, causal=True, softcap=softcap, sinks=sinks, keys=case.n))
+        return spec, ({} if sinks is None else {"sinks": sinks})
     mask = {"sliding_window": Mask(kind="sliding_window", window_left=bench_cases.WINDOW),
             "prefix_lm": Mask(kind="prefix_lm", prefix_len=bench_cases.PREFIX)}.get(case.mask)
     return trainable(derive_spec(q, causal=case.causal and mask is None, mask=mask, keys=case.n)), {}
@@ -256,16 +304,20 @@ def oracle_check(spec, case: Case) -> tuple[float, bool]:
     n, d = min(case.n, ORACLE_N), case.head_dim
     q, k, v, out = random_inputs("torch", case.dtype, 1, 2, 2, n, n, d)
     dout = random_inputs("torch", case.dtype, 1, 2, 2, n, n, d)[0]
-    docs = None
+    docs = sinks = None
     if case.mask == "documents":
         docs = np.ascontiguousarray(masks.documents_of_lengths(case.doc_lengths())[:, :n])
+    if case.modifier == "sinks":  # the case's first two heads'
+        sinks = np.ascontiguousarray(bench_cases.sink_logits(case.heads)[:2])
     extras = {} if docs is None else {"doc_ids": torch.from_numpy(docs).to(q.device)}
+    if sinks is not None:
+        extras["sinks"] = torch.from_numpy(sinks).to(q.device)
     backward = compile_backward(spec)
     with nan_filled_empties(q.device) as poisoned:
         out, lse = backward.forward(q, k, v, out=out, return_lse=True, **extras)
         grads = backward(dout, q, k, v, out, lse, **extras)
     ref = oracle.attention_backward(to_numpy(q), to_numpy(k), to_numpy(v), to_numpy(dout), mask=spec.mask,
-                                    doc_ids=docs)
+                                    doc_ids=docs, softcap=spec.score_mod.softcap, sinks=sinks)
     return max(relative_error(to_numpy(getattr(grads, name)), ref[name]) for name in ("dq", "dk", "dv")), poisoned
 
 
@@ -371,9 +423,9 @@ def _peer_forward(case: Case, impl: str):
         return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
     if impl == bench_cases.FA4:
         return bench_cases.fa4_attention(case)
-    block_mask = bench_cases.flex_block_mask(case)
+    block_mask, score_mod = bench_cases.flex_block_mask(case), bench_cases.flex_score_mod(case)
     flex = _compiled_flex()
-    return lambda q, k, v: flex(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, score_mod=score_mod)
 
 
 _FLEX = None

@@ -572,14 +572,17 @@ def test_backward_case_keys():
 
 def test_backward_cases_are_the_brief():
     all_cases = bench_backward.cases()
-    dense = [c for c in all_cases if c.mask == "none"]
+    dense = [c for c in all_cases if c.mask == "none" and c.modifier == "none"]
     assert {(c.dtype, c.head_dim, c.n, c.causal) for c in dense} == set(
         itertools.product(["float16"], (64, 128), (1024, 4096, 16384), (False, True)))
     masked = [c for c in all_cases if c.mask != "none"]
     assert {(c.mask, c.n, c.head_dim, c.dtype) for c in masked} == {
         (m, 4096, 128, "float16") for m in ("sliding_window", "documents", "prefix_lm")}
     assert [c.docs for c in masked if c.mask == "documents"] == [4]
-    assert len(all_cases) == 15 == len({c.key for c in all_cases})
+    modified = [c for c in all_cases if c.modifier != "none"]  # FlashAttention-4's own modifiers, on causal
+    assert {(c.modifier, c.head_dim, c.n, c.causal, c.mask) for c in modified} == set(
+        itertools.product(("softcap", "sinks"), (64, 128), (4096,), (True,), ("none",)))
+    assert len(all_cases) == 19 == len({c.key for c in all_cases})
     for c in all_cases:
         assert c.batch * c.n == 16384 and c.heads * c.head_dim == 2048, c
 
@@ -615,7 +618,7 @@ def test_the_backward_bench_trains_each_case_in_its_key_lengths_class(monkeypatc
 
     monkeypatch.setattr(bench_backward, "derive_spec", derive)
     for case in bench_backward.cases():
-        if case.mask == "documents":  # (its doc_ids go to the GPU)
+        if case.mask == "documents" or case.modifier == "sinks":  # (their doc_ids, sinks go to the GPU)
             continue
         spec, _ = bench_backward.fagen_spec(case, case.dtype)
         assert asked[-1] == case.n
@@ -811,11 +814,11 @@ def test_main_full_run_is_forward_and_backward(fake_gpu, tmp_path, rows, brows):
     out, md = tmp_path / "bench", tmp_path / "BENCHMARKS.md"
     out.mkdir()
     lines = bench.main(out, md)
-    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 104), ("backward", 15),
+    assert [(what, len(c)) for what, c in fake_gpu] == [("forward", 104), ("backward", 19),
                                                          ("serving", len(bench_serving.cases()))]
     assert fake_gpu[1][1] == bench_backward.cases()
     _, meta = bench_backward.read_json(out / "bench_backward.json")
-    assert meta == {"gpu": "NVIDIA H200", "date": "2025-01-03", "pass": "backward", "cases": "15", "mode": "full",
+    assert meta == {"gpu": "NVIDIA H200", "date": "2025-01-03", "pass": "backward", "cases": "19", "mode": "full",
                     "masks": bench_backward.describe_masks()}
     assert "documents: 4 packed documents" in meta["masks"]
     assert bench.read_json(out / "bench.json")[1]["cases"] == "104"
@@ -1065,7 +1068,7 @@ def test_only_picks_each_part_s_cases_by_key_and_refuses_a_pattern_that_finds_no
     assert [c.key for c in picked_forward] == ["float16-d128-n4096-dense", "float16-d128-n4096-causal",
                                                "bfloat16-d128-n4096-dense", "bfloat16-d128-n4096-causal"]
     assert [c.key for c in picked_backward] == ["float16-d128-n4096-dense", "float16-d128-n4096-causal"]
-    for pattern, says in (("d512", "finds none of the 119 cases' keys; they read like 'float16-d64-n512-dense'"),
+    for pattern, says in (("d512", "finds none of the 123 cases' keys; they read like 'float16-d64-n512-dense'"),
                           ("d128-(", "is no regular expression")):
         with pytest.raises(bench.CasePatternError, match=re.escape(says)):
             bench.pick_cases(pattern, forward, backward)
