@@ -146,8 +146,9 @@ def run(case_list: list[Case], progress=None) -> list[BackwardRow]:
 
 
 def run_case(case: Case) -> list[BackwardRow]:
-    """fagen, then its peers (Flex on masks, SDPA FA2 and cuDNN otherwise), on one fresh draw
-    of q, k, v and dout, each checked against one float32 reference."""
+    """fagen, then its peers (Flex on masks and the softcap, SDPA FA2 and cuDNN on the dense cases,
+    FlashAttention-4 where it takes the mask or modifier), on one fresh draw of q, k, v and dout,
+    each checked against one float32 reference."""
     q, k, v, out = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n,
                                  case.head_dim)
     dout = random_inputs("torch", case.dtype, case.batch, case.heads, case.heads, case.n, case.n, case.head_dim)[0]
@@ -525,7 +526,7 @@ def markdown(rows: list[BackwardRow], meta: dict, plot_link: str | None = None) 
                 "| dtype | d | N | mask | fagen | Flex | fagen / Flex | FA4 | fagen / FA4 | fagen fwd+bwd | "
                 "Flex fwd+bwd | peak MiB fagen / Flex | fagen err |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in sorted(masked, key=lambda r: (r.mask, r.n)):
+        for r in sorted(masked, key=lambda r: (r.mask, r.head_dim, r.n)):
             t = table[r.case]
             flex, fa4 = t.get("flex"), t.get("fa4")
             out.append(f"| {r.dtype} | {r.head_dim} | {r.n} | {r.mask} | {_tf(r)} | {_tf(flex)} | {_ratio(r, flex)} | "
@@ -567,11 +568,12 @@ def plot(rows: list[BackwardRow], path: Path) -> None:
         ax.set_visible(False)
     for ax, panel in zip(axes.flat, panels):
         if panel == "masks":
-            sel, group = masked, (lambda r: r.mask)
-            groups = sorted({r.mask for r in sel})
-            labels = groups
-            ns = sorted({(r.head_dim, r.n) for r in sel})
-            ax.set_title("masks " + ", ".join(f"d={d} N={n // 1024}k" for d, n in ns), fontsize=9)
+            # a mask or modifier at each head_dim it ran at (the modifiers' at two)
+            sel, group = masked, (lambda r: (r.mask, r.head_dim))
+            groups = sorted({group(r) for r in sel})
+            labels = [f"{mask} d{d}".replace("causal + ", "") for mask, d in groups]
+            ns = sorted({r.n for r in sel})
+            ax.set_title("masks and modifiers, N = " + ", ".join(f"{n // 1024}k" for n in ns), fontsize=9)
         else:
             d, causal = panel
             sel = [r for r in dense if (r.head_dim, r.causal) == panel]
@@ -586,7 +588,7 @@ def plot(rows: list[BackwardRow], path: Path) -> None:
             vals = [next((r.bwd_tflops or 0.0 for r in sel if r.impl == impl and group(r) == g), 0.0) for g in groups]
             ax.bar(np.arange(len(groups)) + i * width, vals, width, label=LABELS[impl], color=COLORS[impl])
         ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2)
-        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_xticklabels(labels, fontsize=8, rotation=30 if panel == "masks" else 0, ha="right" if panel == "masks" else "center")
         ax.set_ylabel("backward TFLOP/s")
         ax.legend(fontsize=7)
     fig.tight_layout()

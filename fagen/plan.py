@@ -102,9 +102,10 @@ MEASURED_FIT = {
     for (kv_smem, stages), registers in fits.items()
 }
 # Warp-specialised consumers the estimate refuses that ptxas -v was run on (sm_90a, nvcc 13.0, f16
-# three stages and bf16 two): they fit at the registers given. Head_dim 128's causal long class
-# (192 x 80, three consumer warpgroups, ping-pong, persistent) fits at 152 with a softcap, ALiBi
-# slopes or both, as without them (144 spills with or without): the fit's modifier terms, from
+# and bf16 at two and three stages): they fit at the registers given. Head_dim 128's causal long
+# class (192 x 80, three consumer warpgroups, ping-pong, persistent) fits at 152 with a softcap
+# (1e-3 to 1e6), ALiBi (given or geometric slopes), both, and sinks beside them, as without them
+# (144 spills with or without): the fit's modifier terms, from
 # kernels that hold their state through longer loops, price it at 169-175. On the H200 it runs
 # causal softcap 7-11% faster than the 128 x 128 tile it fell back to (notes/perf.md, 2026-12-01).
 # Key: head_dim, block_q, block_kv, stages, mask kind, softcap, ALiBi (consumer_measured_key).

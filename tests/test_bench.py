@@ -1113,3 +1113,22 @@ def test_cli_only_refuses_a_pattern_before_running_anything(fake_gpu, tmp_path, 
     bench.write_json(rows, src, META)
     result = CliRunner().invoke(main, ["bench", "--from-json", str(src), "--only", "d128"])
     assert result.exit_code == 2 and "--only picks cases to run; --from-json runs none" in result.output
+
+
+def test_backward_modifier_rows_join_the_masks_table_at_each_head_dim(tmp_path):
+    """A modifier's rows (bench_backward._row: labelled after their mask) land in the masks table,
+    one line per head_dim in head_dim order, not in the dense tables; the plot takes them too."""
+    rows = []
+    for d in (128, 64):
+        case = Case("float16", d, 4096, True, modifier="softcap")
+        for impl, tf in (("fagen", 300.0 + d), ("fa4", 200.0)):
+            row = bench_backward._row(case, impl, impl)
+            row.bwd_ms, row.bwd_tflops, row.fwd_bwd_ms, row.fwd_bwd_tflops = 2.0, tf, 3.0, tf
+            rows.append(row)
+    lines = bench_backward.markdown(rows, BWD_META)
+    softcap = [ln for ln in lines if "causal + softcap 30" in ln and ln.startswith("|")]
+    assert [ln.split(" | ")[1] for ln in softcap] == ["64", "128"]
+    assert all("1.82x" in ln or "2.14x" in ln for ln in softcap), softcap
+    assert not any(ln.startswith("### Backward, head_dim") for ln in lines)
+    bench_backward.plot(rows, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes().startswith(PNG)

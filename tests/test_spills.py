@@ -575,7 +575,17 @@ def test_the_causal_long_class_keeps_its_tile_with_a_softcap_or_alibi():
         for mod in (ScoreMod(softcap=30.0), ScoreMod(alibi="slopes"), ScoreMod(softcap=30.0, alibi="slopes", sinks=True)):
             assert variants.variant(long, causal, mod).tiling == long.tiling, (dtype, mod)
         assert variants.variant(long, causal, ScoreMod(bias="vector")).tiling.block_kv < long.tiling.block_kv
-        both = variants.variant(long, causal, ScoreMod(softcap=30.0, alibi="slopes")).model_dump()
+        both = variants.variant(long, causal, ScoreMod(softcap=30.0, alibi="slopes", sinks=True)).model_dump()
         ws = {**both["pipeline"]["warp_specialized"], "consumer_registers": 152}
         at_152 = parse_spec({**both, "name": both["name"] + "_r152", "pipeline": {**both["pipeline"], "warp_specialized": ws}})
         assert not _clean(at_152), dtype
+
+
+
+def test_the_head_dim_256_fp8_forward_takes_sinks_and_compiles_clean():
+    """Sinks cost a warp-specialised loop nothing, so head_dim 256's FP8 tile (128 x 128 at 240, no
+    register to spare for a softcap) takes them: and compiles clean with them, causal or not."""
+    from fagen.spec import Mask, ScoreMod
+    from fagen.variants import fp8_spec
+    for mask in (Mask(), Mask(kind="causal")):
+        assert not _clean(fp8_spec("float8_e4m3", 256, mask, ScoreMod(sinks=True))), mask
