@@ -193,6 +193,30 @@ def test_variants_of_the_warp_specialized_default():
     assert relative_error(to_numpy(got), ref) < OUT_TOLERANCE["float16"]
 
 
+# Variants on the tiles the register estimate first refused and ptxas showed they fit (sinks held
+# through no loop; plan.CONSUMERS_MEASURED_FIT): (dtype, head_dim, causal, keys, mask, score_mod, tile)
+TILES_MEASURED = [
+    ("float16", 64, True, 4096, Mask(kind="causal"), ScoreMod(sinks=True), (192, 128)),  # main's: 128 x 128
+    ("bfloat16", 64, False, None, Mask(), ScoreMod(sinks=True), (192, 128)),  # 192 x 96
+    ("float16", 128, True, 4096, Mask(kind="causal"), ScoreMod(softcap=30.0, alibi="slopes", sinks=True), (192, 80)),
+    ("bfloat16", 128, True, 4096, Mask(kind="causal"), ScoreMod(softcap=30.0), (192, 80)),  # 192 x 64
+    ("float16", 256, False, None, Mask(kind="document", causal=True), ScoreMod(softcap=30.0, sinks=True), (128, 80)),
+]
+
+
+@pytest.mark.parametrize("dtype,d,causal,keys,mask,score_mod,tile", TILES_MEASURED)
+def test_variants_on_the_tiles_ptxas_showed_they_fit(dtype, d, causal, keys, mask, score_mod, tile):
+    """Each keeps the tile its register rule now allows (larger than main's fallback) and matches
+    the oracle at awkward shapes, its side inputs random and its outputs NaN-poisoned."""
+    _hopper_default()
+    base = variants.shipped_spec(dtype, d, causal, gpu="h200", keys=keys)
+    spec = variants.variant(base, mask, score_mod)
+    assert spec.warp_specialized and (spec.tiling.block_q, spec.tiling.block_kv) == tile
+    nk = 700 if causal or mask.kind == "document" else 900
+    result = check_against_oracle(spec, 1, 4, 2, 700, nk, framework="torch")
+    assert result.passed, result.summary()
+
+
 def test_a_broadcast_tensor_is_refused_before_launch():
     import torch
 
