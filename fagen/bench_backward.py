@@ -43,7 +43,6 @@ HEAD_DIMS = (64, 128)
 DTYPE = "float16"
 MASKED_N, MASKED_HEAD_DIM = 4096, 128
 MASKS = ("sliding_window", "documents", "prefix_lm")
-MODIFIERS = ("softcap", "sinks")  # on the causal mask at N = 4k, d 64 and 128 (the forward's: bench_cases.MODIFIERS)
 N_DOCS = 4  # the backward's document case packs 4 documents (the forward sweep's: bench_cases.N_DOCS)
 PEERS_DENSE = ("sdpa_flash", "sdpa_cudnn")
 IMPLS = ("fagen", "sdpa_flash", "sdpa_cudnn", "flex", "fa4")
@@ -65,7 +64,7 @@ def cases(quick: bool = False) -> list[Case]:
     if quick:
         return [Case(DTYPE, 128, 4096, c) for c in (False, True)] + [_masked("sliding_window")]
     dense = [Case(DTYPE, d, n, c) for d in HEAD_DIMS for n in LENGTHS for c in (False, True)]
-    modified = [Case(DTYPE, d, MASKED_N, True, modifier=m) for d in HEAD_DIMS for m in MODIFIERS]
+    modified = [Case(DTYPE, d, MASKED_N, True, modifier=m) for d in HEAD_DIMS for m in bench_cases.MODIFIERS]
     return dense + [_masked(m) for m in MASKS] + modified
 
 
@@ -207,7 +206,7 @@ def modified_reference_gradients(case: Case, q, k, v, dout) -> tuple:
     scale = case.head_dim ** -0.5
     n = case.n
     future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    sinks = torch.from_numpy(bench_cases.sink_logits(case.heads)).to(q.device) if case.modifier == "sinks" else None
+    sinks = _sinks(case, q)
     grads = [torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
     for b in range(case.batch):
         xs = [x[b].detach().float().requires_grad_() for x in (q, k, v)]
@@ -223,6 +222,16 @@ def modified_reference_gradients(case: Case, q, k, v, dout) -> tuple:
             g[b] = r
         del s, p, out
     return tuple(grads)
+
+
+def _sinks(case: Case, q):
+    """The case's sink logits (bench_cases.sink_logits, as FlashAttention-4's run takes them) on
+    q's device, or None for a case without sinks."""
+    if case.modifier != "sinks":
+        return None
+    import torch
+
+    return torch.from_numpy(bench_cases.sink_logits(case.heads)).to(q.device)
 
 
 def grad_error(got, reference) -> float:
@@ -283,11 +292,7 @@ def fagen_spec(case: Case, q) -> tuple:
         docs = torch.from_numpy(ids).to(q.device)
         return trainable(derive_spec(q, causal=True, doc_ids=docs, keys=case.n)), {"doc_ids": docs}
     if case.modifier != "none":
-        sinks = None
-        if case.modifier == "sinks":
-            import torch
-
-            sinks = torch.from_numpy(bench_cases.sink_logits(case.heads)).to(q.device)
+        sinks = _sinks(case, q)
         softcap = bench_cases.SOFTCAP if case.modifier == "softcap" else None
         spec = trainable(derive_spec(q, causal=True, softcap=softcap, sinks=sinks, keys=case.n))
         return spec, ({} if sinks is None else {"sinks": sinks})
