@@ -190,16 +190,17 @@ def test_the_page_check_refuses_the_first_bad_value_as_a_loop_would(trial):
 
 def test_the_page_check_of_a_large_table_takes_milliseconds():
     """B = 256 sequences x 2048 pages, checked twice a decode step before: a Python loop over the
-    table took 20-40 ms; NumPy takes about 1."""
+    table took 20-40 ms; NumPy takes about 1. The bound sits between the two with room for a
+    loaded machine (CI's two cores beside the other worker's nvcc runs read 8.5 ms at best of 5)."""
     rng = np.random.default_rng()
     table = rng.integers(0, 100_000, (256, 2048)).astype(np.int32)
     lengths = rng.integers(0, 2048 * 16 + 1, 256).astype(np.int32)
     times = []
-    for _ in range(5):
+    for _ in range(10):
         start = time.perf_counter()
         side_inputs.check_pages(table, lengths, 100_000, 16)
         times.append(time.perf_counter() - start)
-    assert min(times) < 0.008, times
+    assert min(times) < 0.015, times
 
 
 def test_contiguous_but_misaligned_new_rows_are_copied_to_an_aligned_allocation(device):
