@@ -206,7 +206,7 @@ def modified_reference_gradients(case: Case, q, k, v, dout) -> tuple:
     scale = case.head_dim ** -0.5
     n = case.n
     future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    sinks = _sinks(case, q)
+    sinks = bench_cases.sink_tensor(case, q.device)
     grads = [torch.empty(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
     for b in range(case.batch):
         xs = [x[b].detach().float().requires_grad_() for x in (q, k, v)]
@@ -222,16 +222,6 @@ def modified_reference_gradients(case: Case, q, k, v, dout) -> tuple:
             g[b] = r
         del s, p, out
     return tuple(grads)
-
-
-def _sinks(case: Case, q):
-    """The case's sink logits (bench_cases.sink_logits, as FlashAttention-4's run takes them) on
-    q's device, or None for a case without sinks."""
-    if case.modifier != "sinks":
-        return None
-    import torch
-
-    return torch.from_numpy(bench_cases.sink_logits(case.heads)).to(q.device)
 
 
 def grad_error(got, reference) -> float:
@@ -292,7 +282,7 @@ def fagen_spec(case: Case, q) -> tuple:
         docs = torch.from_numpy(ids).to(q.device)
         return trainable(derive_spec(q, causal=True, doc_ids=docs, keys=case.n)), {"doc_ids": docs}
     if case.modifier != "none":
-        sinks = _sinks(case, q)
+        sinks = bench_cases.sink_tensor(case, q.device) if case.modifier == "sinks" else None
         softcap = bench_cases.SOFTCAP if case.modifier == "softcap" else None
         spec = trainable(derive_spec(q, causal=True, softcap=softcap, sinks=sinks, keys=case.n))
         return spec, ({} if sinks is None else {"sinks": sinks})

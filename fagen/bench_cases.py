@@ -93,6 +93,16 @@ def sink_logits(heads: int) -> np.ndarray:
     return np.random.default_rng(0).normal(0.0, 1.0, heads).astype(np.float32)
 
 
+def sink_tensor(case: Case, device="cuda"):
+    """The case's sink logits (sink_logits) as a float32 tensor on `device`, or None for a case
+    without sinks: what FlashAttention-4 and fagen's backward both take."""
+    if case.modifier != "sinks":
+        return None
+    import torch
+
+    return torch.from_numpy(sink_logits(case.heads)).to(device)
+
+
 def mask_predicate(case: Case):
     """The case's mask as fn(q_idx, kv_idx) -> bool over absolute positions (Nq == Nk)."""
     if case.mask == "sliding_window":
@@ -169,13 +179,11 @@ def fa4_attention(case: Case):
     the bench's mask_predicate."""
     if case.mask not in FA4_MASKS:
         raise NotImplementedError(f"FlashAttention-4 has no {case.mask} kernel of its own (a mask_mod only)")
-    import torch
     from flash_attn.cute import flash_attn_func
 
     window = (WINDOW, 0) if case.mask == "sliding_window" else (None, None)
     causal = case.causal or case.mask == "sliding_window"
-    modifier = {"none": {}, "softcap": {"softcap": SOFTCAP},
-                "sinks": {"learnable_sink": torch.from_numpy(sink_logits(case.heads)).cuda()}}[case.modifier]
+    modifier = {"none": {}, "softcap": {"softcap": SOFTCAP}, "sinks": {"learnable_sink": sink_tensor(case)}}[case.modifier]
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window, **modifier)[0]
 
 
