@@ -937,22 +937,45 @@ def document_bounds(docs: DeviceTensor, like: DeviceTensor, out=None):
     return bounds
 
 
+# The padding-runs kernel's parameters in its signature's order (templates/kernel/padding_runs.cu.j2)
+PADDING_RUNS_PARAMS = (("const void*", "mask"), ("long long", "row_stride"), ("int", "n"), ("int", "batch"),
+                       ("int*", "ranges"), ("int*", "flags"))
+
+
 def padding_runs(mask):
     """fagen.padding_runs' answer for a PyTorch mask [B, n] on a GPU (a dtype of its MASK_TYPES,
     slots of unit stride): (flags, key ranges int32 [2, 1, B]), by one launch on the current stream
-    (a block a row) and one read of the rows' flags (a host sync, as the ops it replaces made two)."""
+    (a block a row) and one read of the rows' flags (a host sync, as the ops it replaces made two).
+    The launch is packed once a device, mask dtype, batch and thread (_padding_runs_launch) and
+    goes to the driver directly: CuPy's argument marshalling and stream and device contexts took
+    ~100 us of a decode step's host time a call on an H200 host, this path a few."""
     import torch
 
     b, n = mask.shape
     answer = torch.empty(3 * b, dtype=torch.int32, device=mask.device)  # the ranges' two rows, then each row's flags
     if b:
         device = mask.get_device()
-        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(torch_stream_handle()(device), device):
-            shared_function(padding_runs_name(str(mask.dtype).removeprefix("torch.")), device)(
-                (b,), (PADDING_RUNS_THREADS,),
-                (np.uint64(mask.data_ptr()), np.int64(mask.stride(0)), np.int32(n), np.int32(b),
-                 np.uint64(answer.data_ptr()), np.uint64(answer[2 * b:].data_ptr())))
+        launch, write = _padding_runs_launch(device, str(mask.dtype).removeprefix("torch."), b, threading.get_ident())
+        write(mask.stride(0), n)
+        at = answer.data_ptr()
+        if cupy.cuda.runtime.getDevice() == device:
+            launch(torch_stream_handle()(device), mask.data_ptr(), at, at + 8 * b)
+        else:
+            with cupy.cuda.Device(device):
+                launch(torch_stream_handle()(device), mask.data_ptr(), at, at + 8 * b)
     return fold_padding_flags(answer[2 * b:].tolist()), answer[:2 * b].view(2, 1, b)
+
+
+@lru_cache(maxsize=64)
+def _padding_runs_launch(device: int, mask_dtype: str, b: int, thread: int) -> tuple[Launch, object]:
+    """The padding-runs kernel's launch for masks of this dtype and batch on GPU `device`, packed
+    once (its addresses re-pointed and n and the row stride rewritten a call; one a thread, since
+    a call writes the launch's buffer), and the writer of (row_stride, n)."""
+    with cupy.cuda.Device(device):
+        launch = Launch(shared_function(padding_runs_name(mask_dtype), device), (b, 1, 1), PADDING_RUNS_THREADS, 0,
+                        PADDING_RUNS_PARAMS, {"mask": 0, "row_stride": 0, "n": 0, "batch": b, "ranges": 0, "flags": 0},
+                        slots=("mask", "ranges", "flags"))
+    return launch, launch.writer(("row_stride", "n"))
 
 
 def descale_parameters(views: dict) -> dict:
