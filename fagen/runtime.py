@@ -945,37 +945,62 @@ PADDING_RUNS_PARAMS = (("const void*", "mask"), ("long long", "row_stride"), ("i
 def padding_runs(mask):
     """fagen.padding_runs' answer for a PyTorch mask [B, n] on a GPU (a dtype of its MASK_TYPES,
     slots of unit stride): (flags, key ranges int32 [2, 1, B]), by one launch on the current stream
-    (a block a row) and one read of the rows' flags (a host sync, as the ops it replaces made two).
-    The launch is packed once a device, mask dtype, batch and thread (_padding_runs_launch) and
-    goes to the driver directly: CuPy's argument marshalling and stream and device contexts took
-    ~100 us of a decode step's host time a call on an H200 host, this path a few."""
+    (a block a row) and one wait for it (a host sync, as the ops it replaces made two). The launch
+    is packed once a device, mask dtype, batch and thread (PaddingRunsLaunch) and goes to the
+    driver directly, its rows' flags written into pinned host memory: CuPy's argument marshalling,
+    stream and device contexts and a copy back took ~70 us of host time a call on an H200 host."""
     import torch
 
     b, n = mask.shape
-    answer = torch.empty(3 * b, dtype=torch.int32, device=mask.device)  # the ranges' two rows, then each row's flags
-    if b:
-        device = mask.get_device()
-        launch, write = _padding_runs_launch(device, str(mask.dtype).removeprefix("torch."), b, threading.get_ident())
-        write(mask.stride(0), n)
-        at = answer.data_ptr()
-        if cupy.cuda.runtime.getDevice() == device:
-            launch(torch_stream_handle()(device), mask.data_ptr(), at, at + 8 * b)
-        else:
-            with cupy.cuda.Device(device):
-                launch(torch_stream_handle()(device), mask.data_ptr(), at, at + 8 * b)
-    return fold_padding_flags(answer[2 * b:].tolist()), answer[:2 * b].view(2, 1, b)
+    ranges = torch.empty((2, 1, b), dtype=torch.int32, device=mask.device)  # first token's slot, last's + 1
+    if not b:
+        return fold_padding_flags(()), ranges
+    device = mask.get_device()
+    launch = _padding_runs_launch(device, mask.dtype, b, threading.get_ident())
+    stream = torch_stream_handle()(device)
+    if cupy.cuda.runtime.getDevice() == device:
+        launch(stream, mask, n, ranges.data_ptr())
+    else:
+        with cupy.cuda.Device(device):
+            launch(stream, mask, n, ranges.data_ptr())
+    return launch.flags(stream), ranges
+
+
+class PaddingRunsLaunch:
+    """The padding-runs kernel's launch for masks of one dtype and batch on one GPU, packed once:
+    a call re-points the mask and the ranges and rewrites n and the row stride (the launch's
+    buffer is one call's at a time: one object a thread), and the rows' flags land in pinned host
+    memory, which the kernel writes through its unified address and the host reads after the
+    stream's work is done (no copy back)."""
+
+    def __init__(self, device: int, mask_dtype: str, b: int):
+        self._pinned = cupy.cuda.alloc_pinned_memory(4 * b)  # (unified addressing: the kernel's address too)
+        self._rows = np.frombuffer(self._pinned, np.int32, b)
+        with cupy.cuda.Device(device):
+            self._launch = Launch(shared_function(padding_runs_name(mask_dtype), device), (b, 1, 1),
+                                  PADDING_RUNS_THREADS, 0, PADDING_RUNS_PARAMS,
+                                  {"mask": 0, "row_stride": 0, "n": 0, "batch": b, "ranges": 0,
+                                   "flags": self._pinned.ptr}, slots=("mask", "ranges"))
+        self._write = self._launch.writer(("row_stride", "n"))
+
+    def __call__(self, stream: int, mask, n: int, ranges_ptr: int) -> None:
+        self._write(mask.stride(0), n)
+        self._launch(stream, mask.data_ptr(), ranges_ptr)
+
+    def flags(self, stream: int) -> int:
+        """The batch's flags, once the launch on `stream` is done (a host sync)."""
+        cupy.cuda.runtime.streamSynchronize(stream)
+        return fold_padding_flags(self._rows.tolist())
+
+
+# The padding-runs kernel's parameters in its signature's order (templates/kernel/padding_runs.cu.j2)
+PADDING_RUNS_PARAMS = (("const void*", "mask"), ("long long", "row_stride"), ("int", "n"), ("int", "batch"),
+                       ("int*", "ranges"), ("int*", "flags"))
 
 
 @lru_cache(maxsize=64)
-def _padding_runs_launch(device: int, mask_dtype: str, b: int, thread: int) -> tuple[Launch, object]:
-    """The padding-runs kernel's launch for masks of this dtype and batch on GPU `device`, packed
-    once (its addresses re-pointed and n and the row stride rewritten a call; one a thread, since
-    a call writes the launch's buffer), and the writer of (row_stride, n)."""
-    with cupy.cuda.Device(device):
-        launch = Launch(shared_function(padding_runs_name(mask_dtype), device), (b, 1, 1), PADDING_RUNS_THREADS, 0,
-                        PADDING_RUNS_PARAMS, {"mask": 0, "row_stride": 0, "n": 0, "batch": b, "ranges": 0, "flags": 0},
-                        slots=("mask", "ranges", "flags"))
-    return launch, launch.writer(("row_stride", "n"))
+def _padding_runs_launch(device: int, dtype, b: int, thread: int) -> PaddingRunsLaunch:
+    return PaddingRunsLaunch(device, str(dtype).removeprefix("torch."), b)
 
 
 def descale_parameters(views: dict) -> dict:

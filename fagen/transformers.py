@@ -22,6 +22,8 @@ Documents packed into one row (position_ids restarting, no mask) take the docume
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from torch.utils.weak import WeakIdKeyDictionary
@@ -106,10 +108,16 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
         return None if attention_mask is None else padding_bias(attention_mask[:, -kv_length:])
     if attention_mask is None:
         return None
-    window = attention_mask[:, -kv_length:]
-    if window.is_cuda and str(window.dtype).removeprefix("torch.") in padding_runs.MASK_TYPES and window.stride(-1) == 1:
+    window = attention_mask if attention_mask.shape[-1] == kv_length else attention_mask[:, -kv_length:]
+    if window.is_cuda and window.dtype in _kernel_mask_dtypes() and window.stride(-1) == 1:
         return _padding_on_gpu(window)
     return _padding(window.bool(), kv_length, static=False)
+
+
+@cache
+def _kernel_mask_dtypes() -> frozenset:
+    """The torch dtypes of the masks the padding-runs kernel reads (padding_runs.MASK_TYPES)."""
+    return frozenset(getattr(torch, name) for name in padding_runs.MASK_TYPES)
 
 
 def _padding_on_gpu(window):
@@ -123,8 +131,9 @@ def _padding_on_gpu(window):
 
 
 def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (its work cannot be read on the host)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether the current CUDA stream is capturing a graph (its work cannot be read on the host);
+    never before CUDA is initialised (a cheaper test than whether it is available, a call)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _padding(tokens, end, static: bool):
