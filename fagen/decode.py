@@ -520,6 +520,10 @@ class ShapeClasses:
         # itself (half the host time of building and hashing the whole key)
         self._last: dict[tuple, Callable] = {}
         self._stream = None
+        # .run: the C path of the class this thread's last keyed call took (None: none, or not
+        # keyed), for a caller whose own key says more cheaply what the options key says
+        # (fagen.transformers: a layer's attention module calls with the same options every step)
+        self.taken = threading.local()
 
     def __call__(self, q, k, v, causal: bool, mask, softcap, scale, sinks, return_lse: bool, ranges: tuple = (),
                  descales: tuple = ()):
@@ -549,6 +553,7 @@ class ShapeClasses:
                     if hot is not None:
                         done = hot(q, k, v, *given, *tensors, None)
                         if done is not NotImplemented:
+                            self.taken.run = hot
                             return done
             except (AttributeError, TypeError):  # not a tensor, or a mask with unhashable parts: the key's test below
                 options = None
@@ -602,7 +607,7 @@ class ShapeClasses:
         if options is not None and prepared._hot is not None:
             if len(self._last) >= self.LIMIT:
                 self._last.clear()
-            self._last[options] = prepared._hot.run
+            self._last[options] = self.taken.run = prepared._hot.run
 
     def _add(self, base: tuple, exact_key: tuple, q, k, v, options: dict, given: tuple, return_lse: bool):
         """The call's class, packed and kept, and the call through it; NotImplemented (nothing kept)

@@ -18,17 +18,24 @@ sees only padding comes out finite). Training turns ranges into the same keys' b
 backward reads a bias). What fagen cannot run yet is refused by name rather than computed
 wrongly: mask patterns beyond causal and sliding windows, custom 4-D masks, attention dropout.
 Documents packed into one row (position_ids restarting, no mask) take the document mask.
+
+In inference each attention module keeps the C path of the shape class its last call took (_KEPT),
+and a step's call goes there directly while the options that chose it hold: a decode step's host
+time is the model's Python, and this takes fagen.attention's argument handling out of each layer.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from functools import cache
 
 import torch
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fagen import padding_runs, runtime, torch_op
+from fagen import decode, padding_runs, runtime, torch_op
+from fagen.device import torch_stream_handle
 
 NAME = "fagen"
 
@@ -41,16 +48,20 @@ PAD = -1e4
 # gpt-oss's sinks (a parameter of the model's dtype) as the kernels take them, float32: one copy
 # a parameter and version (its in-place updates), so that the runtime's once-per-object check of
 # their values (a host sync) runs once, not once a call. Not where autograd records the cast.
-_FLOAT32 = WeakIdKeyDictionary()
+# id(parameter) -> (a weak reference to it, its version, the copy): a plain dictionary, since a
+# tensor-keyed weak one costs ~2.5 us a lookup (a layer's call).
+_FLOAT32: dict[int, tuple] = {}
 
 
 def _float32(t):
     if t.dtype == torch.float32 or torch.compiler.is_compiling() or torch.is_grad_enabled() and t.requires_grad:
         return t.float()
-    version, copy = _FLOAT32.get(t, (None, None))
-    if version != t._version:
-        version, copy = _FLOAT32[t] = (t._version, t.float())
-    return copy
+    kept = _FLOAT32.get(id(t))
+    if kept is None or kept[0]() is not t or kept[1] != t._version:
+        if len(_FLOAT32) >= 256:  # (copies of parameters gone: a model's sinks are a few)
+            _FLOAT32.clear()
+        kept = _FLOAT32[id(t)] = (weakref.ref(t), t._version, t.float())
+    return kept[2]
 
 
 def register(name: str = NAME) -> str:
@@ -291,11 +302,52 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         raise ValueError("attn_implementation='fagen': packed documents (position_ids restarting) with a sliding "
                          "window are not supported; use attn_implementation='sdpa' for this model")
     sinks = None if s_aux is None else _float32(s_aux)
-    leftpad, seqlens = (None, None) if ranges is None else _range_rows(ranges)
+    compiling = torch.compiler.is_compiling()
+    leftpad, seqlens = (None, None) if ranges is None else _range_rows(ranges, compiling)
+    site = None
+    if attention_mask is None and doc_ids is None and type(query) is type(key) is type(value) is torch.Tensor \
+            and query.is_cuda and not torch.is_grad_enabled() and not compiling:
+        # inference: the C path this module's last call took, where everything that chose it is as then
+        site = _call_site(query, causal and window is None, sliding_window if window else None, softcap, scaling,
+                          sinks, ranges is not None)
+        kept = _KEPT.get(module)
+        if kept is not None and kept[0] == site:
+            out = kept[1](query, key, value, *(() if ranges is None else (seqlens, leftpad)), None)
+            if out is not NotImplemented:
+                return out.transpose(1, 2), None
+    taken = decode.SHAPE_CLASSES.taken
+    taken.run = None
     out = torch_op.attention(query, key, value, causal=causal and window is None, mask=window, scale=scaling,
                              softcap=softcap, sinks=sinks, doc_ids=doc_ids, bias=attention_mask,
                              cache_leftpad=leftpad, cache_seqlens=seqlens)
+    if site is not None and taken.run is not None:
+        _KEPT[module] = (site, taken.run)
     return out.transpose(1, 2), None
+
+
+# An attention module -> its last inference call's site and the C path of the shape class that
+# took it (decode.ShapeClasses' `taken`); held beside the module, not in it, so that the model
+# still pickles and deep-copies. Each layer calls with the same options every step, so a step's
+# call goes to that C path directly (which checks q's, k's, v's and the key ranges' layouts,
+# dtypes and devices itself, and declines what its class does not take: then the whole path runs
+# and keeps the class it finds), without fagen.attention's argument handling and the shape
+# classes' key.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (a module's hash and == are its identity's)
+
+
+def _call_site(query, causal: bool, window, softcap, scaling, sinks, ranged: bool) -> tuple:
+    """What chose a call's shape class beside its tensors' layouts (decode.ShapeClasses' options
+    key, less what the C path checks): the options, the sinks' identity and version, the GPU,
+    its current stream and the thread (a class's workspace is one call's at a time)."""
+    device = query.get_device()
+    return (causal, window, softcap, scaling,
+            None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
+            ranged, device, _stream_handle()(device), threading.get_ident())
+
+
+@cache
+def _stream_handle():
+    return torch_stream_handle()
 
 
 # The last forward's key ranges (the one tensor all its layers get) and their rows as the attention
@@ -304,10 +356,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 _last_ranges: tuple = (None, None)
 
 
-def _range_rows(ranges):
-    """(cache_leftpad, cache_seqlens): the key ranges' rows 0 and 1, [B] int32 views."""
+def _range_rows(ranges, compiling: bool):
+    """(cache_leftpad, cache_seqlens): the key ranges' rows 0 and 1, [B] int32 views (`compiling`:
+    under torch.compile, which traces no global state: indexed each call)."""
     global _last_ranges
-    if torch.compiler.is_compiling():
+    if compiling:
         return ranges[0, 0], ranges[1, 0]
     last, rows = _last_ranges
     if last is not ranges:
