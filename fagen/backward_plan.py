@@ -155,7 +155,20 @@ REGISTER_COSTS = {
                    # spills at 240 (head_dim 128, 64 queries a step, predicted 238) for the compound
                    # expression under the block mask alone, where h < 3 fit at 238 and the causal and
                    # document masks with it fit at 234-240: the least that refuses it
-                   "mask_expression_head_block_mask": 3.0},
+                   "mask_expression_head_block_mask": 3.0,
+                   # a mask expression reading the query's index beside a block mask, ALiBi and a
+                   # bias, on one producer-fed warpgroup (warps 4): measured (ptxas -v, nvcc 13.0; a
+                   # fuzz run's finding and its 93 neighbours: head_dim 64, float16 and bfloat16 x a
+                   # block mask, causal, a causal document, a sliding window, no mask x expressions
+                   # reading q_idx, kv_idx or h x softcap, ALiBi, a vector or matrix bias, sinks x one
+                   # producer-fed, one copying and two producer-fed warpgroups) 4 bytes of spills at the
+                   # consumers' 240 (predicted 207 without a softcap, 240 with) for
+                   # (q_idx - kv_idx) % 4 != 3 and (q_idx + kv_idx) % 4 != 3 under the block mask
+                   # with both modifiers, where either modifier alone, kv_idx < 64, the other masks, and
+                   # the copying and two-warpgroup kernels fit; other q_idx expressions fit at the edge
+                   # ((q_idx - kv_idx) % 3 != 2, q_idx >= kv_idx): refused with them, the least
+                   # that refuses every build that spilled
+                   "block_mask_query_expression_modified_one_warpgroup": 34.0},
     # mma.sync at head_dim 256 (head_split 2: dK and dV 128 registers a thread, as dQ's), where the
     # estimate above, fitted mostly on smaller accumulators, over-predicted by up to 80 (the dK/dV
     # kernel at 16 queries a step under a sliding window with softcap and ALiBi: 263 predicted,
@@ -292,6 +305,10 @@ def register_terms(spec: AttentionSpec, kernel: str) -> dict[str, float]:
             terms["mask_expression_head_one_warpgroup"] = 1.0
         if spec.wgmma_backward and reads_head and mask.kind == "block_mask" and bwd.warps > WARPGROUP_WARPS:
             terms["mask_expression_head_block_mask"] = 1.0
+        if (spec.wgmma_backward and mask.kind == "block_mask" and bwd.warps == WARPGROUP_WARPS
+                and bwd.warp_specialized and mod.alibi != "none" and mod.bias != "none"
+                and "q_idx" in expression.reads(expression.mask(mask.expression))):
+            terms["block_mask_query_expression_modified_one_warpgroup"] = 1.0
     return terms
 
 

@@ -371,6 +371,37 @@ def test_a_head_reading_expression_beside_a_block_mask_is_priced():
         assert not _clean(parse_spec(data))
 
 
+FUZZ_BLOCK_MASK_QUERY_MODIFIED = {
+    "name": "fuzz", "dtype": "bfloat16", "head_dim": 64, "tiling": {"block_q": 64, "block_kv": 32, "warps_q": 4},
+    "pipeline": {"kv_smem": "separate", "stages": 3, "q_in_registers": False, "pingpong": False},
+    "smem_layout": "swizzled", "arch": "sm_90a",
+    "mask": {"kind": "block_mask", "align": "top_left", "expression": "(q_idx - kv_idx) % 4 != 3"},
+    "score_mod": {"softcap": 30.0, "alibi": "slopes", "bias": "vector", "sinks": True}, "outputs": {"lse": True},
+    "backward": {"block_kv": 64, "warps": 4, "block_q": 64, "stages": 2, "dq_block_q": 128, "dq_warps": 8,
+                 "dq_block_kv": 64, "deterministic": False,
+                 "warp_specialized": {"consumer_registers": 240, "persistent": False}}}
+
+
+def test_a_query_expression_beside_a_block_mask_alibi_and_a_bias_is_priced():
+    """REGISTER_COSTS' block_mask_query_expression_modified_one_warpgroup (wgmma's dK/dV table):
+    the fuzz finding (and the same without its softcap, predicted 207) refused where they spilled,
+    with a fix that compiles clean; ALiBi alone, and an expression that reads no query index,
+    validate and compile clean."""
+    from fagen.spec import with_fix
+
+    no_softcap = {**FUZZ_BLOCK_MASK_QUERY_MODIFIED, "score_mod": {"alibi": "slopes", "bias": "vector"}}
+    fixes = []
+    for data in (FUZZ_BLOCK_MASK_QUERY_MODIFIED, no_softcap):
+        with pytest.raises(SpecError, match=r"the dK/dV kernel predicts 2[4-9]\d registers .* remove "
+                                            r"backward.warp_specialized") as err:
+            parse_spec(data)
+        fixes.append(with_fix(data, err.value.fix))  # the copying kernel
+    alibi_only = {**FUZZ_BLOCK_MASK_QUERY_MODIFIED, "score_mod": {"alibi": "slopes"}}
+    keys_only = {**no_softcap, "mask": {**no_softcap["mask"], "expression": "kv_idx < 64"}}
+    for data in (*fixes, alibi_only, keys_only):
+        assert not _clean(parse_spec(data))
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
