@@ -158,7 +158,7 @@ REGISTER_COSTS = {
                    "mask_expression_head_block_mask": 3.0,
                    # a mask expression reading the query's index beside a block mask, ALiBi and a
                    # bias, on one producer-fed warpgroup (warps 4): measured (ptxas -v, nvcc 13.0; a
-                   # fuzz run's finding and its 93 neighbours: head_dim 64, float16 and bfloat16 x a
+                   # fuzz run's finding and its 126 neighbours: head_dim 64, float16 and bfloat16 x a
                    # block mask, causal, a causal document, a sliding window, no mask x expressions
                    # reading q_idx, kv_idx or h x softcap, ALiBi, a vector or matrix bias, sinks x one
                    # producer-fed, one copying and two producer-fed warpgroups) 4 bytes of spills at the
