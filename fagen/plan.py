@@ -90,6 +90,14 @@ WARP_SPECIALIZED_SOFTCAP_S_FREE, WARP_SPECIALIZED_SOFTCAP_PER_S = 40, 0.25
 # fit at 120; with this floor no budget that spilled in those sweeps (d64 and d128, 32 to 96 keys,
 # those masks and documents) is within the estimate.
 WARP_SPECIALIZED_MASKED_FLOOR = 120
+# ... and an accumulating consumer (outputs.accumulate: ring attention's running O) under a mask
+# with ALiBi and a bias, which its main loop holds beside the fold's state: measured, not fitted (a
+# fuzz run's finding: f16 d128, 128 x 112, two consumer warpgroups at 224, causal bottom-right,
+# geometric ALiBi and a matrix bias, 4 bytes spilled at a predicted 213; its 95 neighbours, ptxas
+# -v, nvcc 13.0: float16 and bfloat16 x accumulate, partial alone, plain x causal both aligns, no
+# mask x ALiBi (slopes, geometric), a vector or matrix bias, both: only accumulate with a causal
+# mask and both modifiers spilled, at 224 and 232, and fit at 240). Other masks priced alike.
+ACCUMULATE_MASKED_MODIFIED = 20
 # Kernels the estimate refuses that ptxas -v was run on (sm_80, sm_86, sm_89 and sm_90, f16 and
 # bf16, nvcc 13.0): they fit, at the registers given (the most over those archs). The 32-rows-a-warp
 # d=128 tiles (notes/perf.md: the fastest mma.sync tiles at d=128), no modifiers, full outputs
@@ -605,12 +613,15 @@ def predict_registers(spec: AttentionSpec, o_regs: int, s_regs: int, q_regs: int
         # (ptxas -v, nvcc 13.0: d64's long class, 192 x 128 at 160, 0 spills with them as without).
         kept = {name: amount for name, amount in terms.items()
                 if name not in ("base", "stages", "o", "s", "pattern_words", "sinks")}
-        main_loop = (o_regs + s_regs + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST
-                     + WARP_SPECIALIZED_MODIFIER_REST * spec.score_mod.changes_scores
-                     + WARP_SPECIALIZED_SOFTCAP_PER_S * max(0, s_regs - WARP_SPECIALIZED_SOFTCAP_S_FREE)
-                     * (spec.score_mod.softcap is not None)
-                     + sum(costs.get(name, 0.0) * amount for name, amount in kept.items()))
+        mod = spec.score_mod
         masked = spec.mask.kind != "none" or spec.mask.expression is not None
+        main_loop = (o_regs + s_regs + p_registers(spec, s_regs) + WARP_SPECIALIZED_REST
+                     + WARP_SPECIALIZED_MODIFIER_REST * mod.changes_scores
+                     + WARP_SPECIALIZED_SOFTCAP_PER_S * max(0, s_regs - WARP_SPECIALIZED_SOFTCAP_S_FREE)
+                     * (mod.softcap is not None)
+                     + ACCUMULATE_MASKED_MODIFIED * (spec.outputs.accumulate and masked and mod.alibi != "none"
+                                                     and mod.bias != "none")
+                     + sum(costs.get(name, 0.0) * amount for name, amount in kept.items()))
         return int(max(main_loop, accumulate_epilogue(spec, o_regs, s_regs), WARP_SPECIALIZED_MASKED_FLOOR * masked))
     return int(sum(costs.get(name, 0.0) * amount for name, amount in terms.items()))
 

@@ -402,6 +402,34 @@ def test_a_query_expression_beside_a_block_mask_alibi_and_a_bias_is_priced():
         assert not _clean(parse_spec(data))
 
 
+FUZZ_ACCUMULATE_MASKED_MODIFIED = {
+    "name": "fuzz", "dtype": "float16", "head_dim": 128, "tiling": {"block_q": 128, "block_kv": 112, "warps_q": 8},
+    "pipeline": {"kv_smem": "separate", "stages": 2, "q_in_registers": False, "pingpong": True,
+                 "warp_specialized": {"consumer_registers": 224, "persistent": False}},
+    "smem_layout": "swizzled", "arch": "sm_90a", "mask": {"kind": "causal", "align": "bottom_right"},
+    "score_mod": {"alibi": "geometric", "bias": "matrix"}, "outputs": {"lse": True, "partial": True, "accumulate": True}}
+
+
+def test_an_accumulating_consumer_under_a_mask_with_alibi_and_a_bias_is_priced():
+    """plan.ACCUMULATE_MASKED_MODIFIED: the fuzz finding (4 bytes spilled at 224, predicted 213)
+    refused, and both fixes it offers (fewer keys; 240 consumer registers, where it fit) compile
+    clean; no mask, ALiBi alone and no accumulate validate and compile clean."""
+    from fagen.spec import with_fix
+
+    with pytest.raises(SpecError, match=r"predicts 2\d\d registers .* over the 224 limit .* use block_kv: (\d+), or set "
+                                        r"warp_specialized.consumer_registers: 240") as err:
+        parse_spec(FUZZ_ACCUMULATE_MASKED_MODIFIED)
+    fewer_keys = with_fix(FUZZ_ACCUMULATE_MASKED_MODIFIED, err.value.fix)
+    pipeline = FUZZ_ACCUMULATE_MASKED_MODIFIED["pipeline"]
+    more_registers = {**FUZZ_ACCUMULATE_MASKED_MODIFIED, "pipeline": {
+        **pipeline, "warp_specialized": {**pipeline["warp_specialized"], "consumer_registers": 240}}}
+    unmasked = {**FUZZ_ACCUMULATE_MASKED_MODIFIED, "mask": {"kind": "none"}}
+    alibi_only = {**FUZZ_ACCUMULATE_MASKED_MODIFIED, "score_mod": {"alibi": "geometric"}}
+    not_accumulating = {**FUZZ_ACCUMULATE_MASKED_MODIFIED, "outputs": {"lse": True, "partial": True}}
+    for data in (fewer_keys, more_registers, unmasked, alibi_only, not_accumulating):
+        assert not _clean(parse_spec(data)), data
+
+
 def test_compile_reports_the_backward_kernel_that_spills(tmp_path):
     """s2's forward fits, its dK/dV kernel spilled 4 bytes, and `fagen compile` printed 0: it now
     compiles the backward's kernels too. (A backward register model that refuses s2 is as good.)"""
