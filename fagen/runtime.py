@@ -993,11 +993,6 @@ class PaddingRunsLaunch:
         return fold_padding_flags(self._rows.tolist())
 
 
-# The padding-runs kernel's parameters in its signature's order (templates/kernel/padding_runs.cu.j2)
-PADDING_RUNS_PARAMS = (("const void*", "mask"), ("long long", "row_stride"), ("int", "n"), ("int", "batch"),
-                       ("int*", "ranges"), ("int*", "flags"))
-
-
 @lru_cache(maxsize=64)
 def _padding_runs_launch(device: int, dtype, b: int, thread: int) -> PaddingRunsLaunch:
     return PaddingRunsLaunch(device, str(dtype).removeprefix("torch."), b)

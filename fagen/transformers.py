@@ -342,12 +342,10 @@ def _call_site(query, causal: bool, window, softcap, scaling, sinks, ranged: boo
     device = query.get_device()
     return (causal, window, softcap, scaling,
             None if sinks is None else (sinks.data_ptr(), sinks._version, sinks.dtype, sinks.shape),
-            ranged, device, _stream_handle()(device), threading.get_ident())
+            ranged, device, _current_stream(device), threading.get_ident())
 
 
-@cache
-def _stream_handle():
-    return torch_stream_handle()
+_current_stream = torch_stream_handle()  # a GPU's current stream as a raw handle
 
 
 # The last forward's key ranges (the one tensor all its layers get) and their rows as the attention
